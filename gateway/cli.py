@@ -1,0 +1,122 @@
+"""The ``lightgate`` command: one entry point, one subcommand per job.
+
+Every subcommand that runs a node takes the same configuration flags (see
+gateway/config.py); ``lightgate config`` prints the effective configuration.
+Heavy imports (trio, RocksDB, Spark) happen inside the subcommand that needs
+them, so ``lightgate --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Callable
+
+from gateway import config as cfg
+from gateway.logs import setup_logging
+
+LOG = logging.getLogger("lightgate")
+
+BENCHMARKS = {
+    "store": "bench.store",
+    "index": "bench.index",
+    "analytics": "bench.analytics",
+}
+"""``lightgate bench NAME`` -> module with ``add_arguments(parser)`` and ``run(args) -> dict``."""
+
+
+def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from store.node import run_store_node
+
+    LOG.info("starting embedded node", extra={"ctx": {"data": conf["node.data"]}})
+    return run_store_node(conf)
+
+
+def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from store.node import run_store_node
+
+    LOG.info("starting store node", extra={"ctx": {"data": conf["node.data"]}})
+    return run_store_node(conf)
+
+
+def _cmd_config(args: argparse.Namespace, conf: cfg.Config) -> int:
+    values = {o.key: o.default for o in cfg.OPTIONS} if args.defaults else conf.values
+    sys.stdout.write(cfg.to_toml(values))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from bench.common import emit
+
+    names = list(BENCHMARKS) if args.bench == "all" else [args.bench]
+    for name in names:
+        module = importlib.import_module(BENCHMARKS[name])
+        if args.bench == "all":
+            sub = argparse.ArgumentParser(prog=f"lightgate bench {name}")
+            module.add_arguments(sub)
+            bench_args = sub.parse_args([])
+        else:
+            bench_args = args
+        emit(name, module.run(bench_args))
+    return 0
+
+
+def _cmd_analytics(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from spark_analytics.cli import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightgate",
+        description="LightGate: an MQTT gateway for IoT fleets over read-amplified storage.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def node_command(name: str, help_text: str, handler: Callable) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        cfg.add_arguments(p)
+        p.set_defaults(handler=handler)
+        return p
+
+    node_command("serve", "run the embedded node (gateway, store, dispatch, notify in one process)", _cmd_serve)
+    node_command("store", "run a store node (CommitLog, RocksDB light queues, dispatch, retention)", _cmd_store)
+    p = node_command("config", "print the effective configuration as TOML", _cmd_config)
+    p.add_argument("--defaults", action="store_true", help="print the built-in defaults instead")
+
+    p = sub.add_parser("bench", help="run a benchmark (prints a BENCH <json> line per benchmark)")
+    bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    bench_sub.add_parser("all", help="every benchmark with its default sizes")
+    for name, module_name in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        bp = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        module.add_arguments(bp)
+    p.set_defaults(handler=_cmd_bench)
+
+    p = sub.add_parser("analytics", help="Spark aggregation of device telemetry read from the CommitLog")
+    from spark_analytics.cli import add_arguments as add_analytics_arguments
+
+    add_analytics_arguments(p)
+    p.set_defaults(handler=_cmd_analytics)
+
+    parser.add_argument("--version", action="version", version="lightgate 0.1.0")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, set up logging once, run the subcommand; return its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        conf = cfg.resolve(args)
+    except cfg.ConfigError as exc:
+        parser.exit(2, f"lightgate: configuration error: {exc}\n")
+    setup_logging(conf["log.level"], conf["log.json"])
+    return args.handler(args, conf)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The CommitLog record format, version 1: encoding, framing checks and decoding.
+
+This module is the single definition of the bytes on disk. The CommitLog writes
+what it encodes, the dispatcher and the Spark reader decode with it, and
+``docs/storage.md`` documents it. It knows nothing of files or MQTT sessions.
+
+Layout (all integers big-endian)::
+
+    offset size field
+    0      4    total length of the record, this field included
+    4      4    CRC32C over bytes [8, total length)
+    8      4    magic: MAGIC_V1 for a message, MAGIC_EOS for the end-of-segment marker
+    12     1    flags: bits 0-1 QoS, bit 2 retain; bits 3-7 zero (ignored by v1 readers)
+    13     8    born timestamp, ms since the epoch (when the producer created it)
+    21     8    store timestamp, ms since the epoch (when the store accepted it)
+    29     2    producer id (client id) length, then the UTF-8 bytes follow the header
+    31     2    topic length
+    33     2    target-queues length (the whole section, see below)
+    35     4    properties length (MQTT 5 properties, wire encoding without the length prefix)
+    39     4    payload length
+    43          producer id | topic | target queues | properties | payload
+
+The target-queues section lists the extra light queues (active wildcard filters)
+the record was matched to when it was appended, as repeated (u16 length, UTF-8
+name). The exact-topic and first-level queues are implied by the topic.
+
+The end-of-segment marker is a 12-byte header (length = bytes left in the
+segment, CRC32C over the magic only, MAGIC_EOS). When fewer than 12 bytes are
+left in a segment no marker is written: readers move to the next segment.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+from crc32c import crc32c
+
+__all__ = [
+    "EOS_SIZE",
+    "FLAG_RETAIN",
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC_EOS",
+    "MAGIC_V1",
+    "QOS_MASK",
+    "CorruptRecord",
+    "Record",
+    "RecordTooLarge",
+    "check_frame",
+    "decode_record",
+    "encode_eos",
+    "encode_queues",
+    "encode_record",
+    "decode_queues",
+]
+
+MAGIC_V1 = 0x4C470001
+"""'LG' + format version 1. A new layout gets a new magic; readers refuse unknown ones."""
+
+MAGIC_EOS = 0x4C47FFFF
+"""The end-of-segment marker: the rest of the segment holds no records."""
+
+HEADER = struct.Struct(">IIIBQQHHHII")
+HEADER_SIZE = HEADER.size  # 43
+EOS = struct.Struct(">III")
+EOS_SIZE = EOS.size  # 12
+_U16 = struct.Struct(">H")
+
+QOS_MASK = 0x03
+FLAG_RETAIN = 0x04
+
+_MAX_U16 = 0xFFFF
+_MAX_U32 = 0xFFFFFFFF
+
+
+class CorruptRecord(Exception):
+    """The bytes at a position are not a valid record (bad length, magic or CRC)."""
+
+
+class RecordTooLarge(ValueError):
+    """A record would exceed the configured maximum record size."""
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One decoded message record. ``offset`` is its global CommitLog offset."""
+
+    offset: int
+    size: int
+    flags: int
+    born_ms: int
+    store_ms: int
+    client_id: str
+    topic: str
+    queues: tuple[str, ...]
+    properties: bytes
+    payload: bytes
+
+    @property
+    def qos(self) -> int:
+        return self.flags & QOS_MASK
+
+    @property
+    def retain(self) -> bool:
+        return bool(self.flags & FLAG_RETAIN)
+
+
+def encode_queues(queues: Iterable[str]) -> bytes:
+    """Encode the target-queues section: repeated (u16 length, UTF-8 name)."""
+    parts = []
+    for name in queues:
+        raw = name.encode()
+        parts.append(_U16.pack(len(raw)))
+        parts.append(raw)
+    return b"".join(parts)
+
+
+def decode_queues(raw: bytes) -> tuple[str, ...]:
+    """Inverse of :func:`encode_queues`; raises CorruptRecord on a bad section."""
+    names = []
+    pos, end = 0, len(raw)
+    while pos < end:
+        if pos + 2 > end:
+            raise CorruptRecord("target-queues section truncated")
+        (n,) = _U16.unpack_from(raw, pos)
+        pos += 2
+        if pos + n > end:
+            raise CorruptRecord("target-queue name overruns its section")
+        names.append(raw[pos : pos + n].decode())
+        pos += n
+    return tuple(names)
+
+
+def encode_record(
+    topic: str,
+    payload: bytes,
+    *,
+    client_id: str = "",
+    qos: int = 0,
+    retain: bool = False,
+    properties: bytes = b"",
+    queues: bytes = b"",
+    born_ms: int | None = None,
+    store_ms: int | None = None,
+    max_size: int = _MAX_U32,
+) -> bytes:
+    """Encode one message record.
+
+    Encoding happens outside the CommitLog's write lock (it is the expensive
+    part: UTF-8, packing, CRC), so the lock only covers the copy into the file.
+
+    Args:
+        queues: an already encoded target-queues section (see encode_queues).
+        born_ms / store_ms: default to now.
+        max_size: the configured maximum record size.
+
+    Raises:
+        RecordTooLarge: the record would be larger than ``max_size``.
+        ValueError: a field does not fit its length field, or QoS is not 0-2.
+    """
+    if qos not in (0, 1, 2):
+        raise ValueError(f"QoS must be 0, 1 or 2, not {qos!r}")
+    cid = client_id.encode()
+    tpc = topic.encode()
+    if len(cid) > _MAX_U16 or len(tpc) > _MAX_U16 or len(queues) > _MAX_U16:
+        raise ValueError("client id, topic and target queues are limited to 65535 bytes each")
+    size = HEADER_SIZE + len(cid) + len(tpc) + len(queues) + len(properties) + len(payload)
+    if size > max_size:
+        raise RecordTooLarge(f"record of {size} bytes exceeds the maximum record size of {max_size} bytes")
+    now = None
+    if store_ms is None:
+        now = store_ms = int(time.time() * 1000)
+    if born_ms is None:
+        born_ms = now if now is not None else store_ms
+    flags = qos | (FLAG_RETAIN if retain else 0)
+    body = b"".join(
+        (
+            HEADER.pack(
+                size, 0, MAGIC_V1, flags, born_ms, store_ms,
+                len(cid), len(tpc), len(queues), len(properties), len(payload),
+            )[8:],
+            cid, tpc, queues, properties, payload,
+        )
+    )
+    return struct.pack(">II", size, crc32c(body)) + body
+
+
+def encode_eos(remaining: int) -> bytes:
+    """The end-of-segment marker for a segment with ``remaining`` bytes left (>= EOS_SIZE)."""
+    magic = MAGIC_EOS.to_bytes(4, "big")
+    return EOS.pack(remaining, crc32c(magic), MAGIC_EOS)
+
+
+def check_frame(buf: bytes | memoryview, pos: int, limit: int, *, verify_crc: bool = True) -> tuple[int, int]:
+    """Validate the framing of the record at ``pos`` without decoding its fields.
+
+    Returns ``(magic, size)``: the record's magic (MAGIC_V1 or MAGIC_EOS) and its
+    length. ``(0, 0)`` means the bytes at ``pos`` are zero: nothing was written
+    there yet (segments are pre-sized with zeros).
+
+    Raises:
+        CorruptRecord: with the reason, when the record overruns ``limit``, has
+            an unknown magic, an impossible length or a CRC mismatch. A record
+            that overruns ``limit`` at the tail of the log is a torn write.
+    """
+    if pos + EOS_SIZE > limit:
+        if pos + 4 <= limit and bytes(buf[pos : pos + 4]) == b"\0\0\0\0":
+            return 0, 0
+        raise CorruptRecord(f"{limit - pos} bytes at the end are too short for a record header")
+    size, crc, magic = EOS.unpack_from(buf, pos)
+    if size == 0:
+        return 0, 0
+    if magic == MAGIC_EOS:
+        if size < EOS_SIZE or pos + size > limit:
+            raise CorruptRecord(f"end-of-segment marker claims {size} bytes")
+        if verify_crc and crc != crc32c(bytes(buf[pos + 8 : pos + 12])):
+            raise CorruptRecord("CRC mismatch in end-of-segment marker")
+        return magic, size
+    if magic != MAGIC_V1:
+        raise CorruptRecord(f"unknown magic 0x{magic:08x}")
+    if size < HEADER_SIZE:
+        raise CorruptRecord(f"length {size} is shorter than the record header")
+    if pos + size > limit:
+        raise CorruptRecord(f"record of {size} bytes overruns the readable end by {pos + size - limit} bytes")
+    fields = HEADER.unpack_from(buf, pos)
+    if HEADER_SIZE + sum(fields[6:]) != size:
+        raise CorruptRecord(f"field lengths do not add up to the record length {size}")
+    if verify_crc and crc != crc32c(bytes(buf[pos + 8 : pos + size])):
+        raise CorruptRecord("CRC mismatch")
+    return magic, size
+
+
+def decode_record(buf: bytes | memoryview, pos: int, offset: int) -> Record:
+    """Decode the (already framed and checked) message record at ``pos``.
+
+    ``offset`` is the record's global CommitLog offset, stored in the result.
+    """
+    (size, _crc, _magic, flags, born_ms, store_ms,
+     cid_len, topic_len, queues_len, props_len, payload_len) = HEADER.unpack_from(buf, pos)
+    p = pos + HEADER_SIZE
+    cid = bytes(buf[p : p + cid_len]).decode()
+    p += cid_len
+    topic = bytes(buf[p : p + topic_len]).decode()
+    p += topic_len
+    queues = decode_queues(bytes(buf[p : p + queues_len])) if queues_len else ()
+    p += queues_len
+    props = bytes(buf[p : p + props_len])
+    p += props_len
+    payload = bytes(buf[p : p + payload_len])
+    return Record(offset, size, flags, born_ms, store_ms, cid, topic, queues, props, payload)

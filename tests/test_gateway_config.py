@@ -1,0 +1,102 @@
+"""Configuration: defaults, TOML file, flags, precedence and errors."""
+
+import argparse
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from gateway import config as cfg
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    cfg.add_arguments(parser)
+    return cfg.resolve(parser.parse_args(argv))
+
+
+def test_defaults_without_file_or_flags(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    conf = parse([])
+    assert conf["node.host"] == "127.0.0.1"
+    assert conf["node.port"] == 1883
+    assert conf["node.data"] == "./data"
+    assert conf["commitlog.flush"] == "async"
+    assert conf.source is None
+
+
+def test_operator_flags_have_exact_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    conf = parse(["--host", "0.0.0.0", "--port", "1999", "--data", "/srv/lg"])
+    assert (conf["node.host"], conf["node.port"], conf["node.data"]) == ("0.0.0.0", 1999, "/srv/lg")
+
+
+def test_file_then_flag_precedence(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "lg.toml"
+    path.write_text('[node]\nport = 2000\n[commitlog]\nflush = "sync"\nsegment_bytes = 1048576\n')
+    conf = parse(["--config", str(path), "--port", "2001"])
+    assert conf["node.port"] == 2001
+    assert conf["commitlog.flush"] == "sync"
+    assert conf["commitlog.segment_bytes"] == 1048576
+    assert conf.section("commitlog")["flush"] == "sync"
+
+
+def test_default_file_in_working_directory_is_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / cfg.DEFAULT_CONFIG_FILE).write_text("[log]\njson = true\n")
+    conf = parse([])
+    assert conf["log.json"] is True
+    assert conf.source == cfg.DEFAULT_CONFIG_FILE
+
+
+def test_every_option_has_a_flag(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for opt in cfg.OPTIONS:
+        if isinstance(opt.default, bool):
+            conf = parse([opt.cli_flag])
+            assert conf[opt.key] is True
+        elif opt.choices:
+            conf = parse([opt.cli_flag, opt.choices[-1]])
+            assert conf[opt.key] == opt.choices[-1]
+        else:
+            value = "7" if not isinstance(opt.default, str) else "x"
+            conf = parse([opt.cli_flag, value])
+            assert conf[opt.key] == type(opt.default)(value)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[node]\nprot = 1\n", "unknown key 'node.prot'"),
+        ("[node]\nport = 'abc'\n", "node.port must be int"),
+        ('[commitlog]\nflush = "sometimes"\n', "commitlog.flush must be one of async, sync"),
+        ("[retention]\nhours = -1\n", "retention.hours must not be negative"),
+        ("port = 1\n", "must be a [section]"),
+        ("[node\n", "not valid TOML"),
+    ],
+)
+def test_bad_files_get_clear_errors(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(cfg.ConfigError, match=re.escape(message)):
+        parse(["--config", str(path)])
+
+
+def test_missing_file_is_an_error(tmp_path):
+    with pytest.raises(cfg.ConfigError, match="does not exist"):
+        parse(["--config", str(tmp_path / "nope.toml")])
+
+
+def test_to_toml_round_trips_defaults():
+    defaults = {o.key: o.default for o in cfg.OPTIONS}
+    data = tomllib.loads(cfg.to_toml(defaults))
+    flat = {f"{s}.{k}": v for s, t in data.items() for k, v in t.items()}
+    assert flat == defaults
+
+
+def test_readme_documents_every_option():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for opt in cfg.OPTIONS:
+        assert f"`{opt.key}`" in readme and f"`{opt.cli_flag}`" in readme, opt.key

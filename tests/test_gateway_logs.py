@@ -1,0 +1,47 @@
+"""The one logging set-up: text lines with context, or JSON lines."""
+
+import json
+import logging
+
+from gateway.logs import JsonFormatter, TextFormatter, setup_logging
+
+
+def make_record(msg="segment rolled", ctx=None, exc_info=None):
+    record = logging.LogRecord("store.commitlog", logging.WARNING, __file__, 1, msg, (), exc_info)
+    if ctx is not None:
+        record.ctx = ctx
+    return record
+
+
+def test_text_line_carries_level_logger_message_and_context():
+    line = TextFormatter().format(make_record(ctx={"dropped_bytes": 17, "reason": "crc"}))
+    assert " WARNING store.commitlog: segment rolled dropped_bytes=17 reason=crc" in line
+    assert line[:4].isdigit() and "Z " in line
+
+
+def test_json_line_is_one_object_with_context_fields():
+    doc = json.loads(JsonFormatter().format(make_record(ctx={"client_id": "dev-1"})))
+    assert doc["level"] == "warning"
+    assert doc["logger"] == "store.commitlog"
+    assert doc["msg"] == "segment rolled"
+    assert doc["client_id"] == "dev-1"
+
+
+def test_json_line_includes_exception_text():
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        doc = json.loads(JsonFormatter().format(make_record(exc_info=sys.exc_info())))
+    assert "ValueError: boom" in doc["exc"]
+
+
+def test_setup_logging_replaces_handlers(capsys):
+    setup_logging("debug", json_lines=True)
+    setup_logging("info", json_lines=True)
+    root = logging.getLogger()
+    assert len(root.handlers) == 1 and root.level == logging.INFO
+    logging.getLogger("x").info("hello", extra={"ctx": {"n": 1}})
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert json.loads(err)["n"] == 1
