@@ -1,0 +1,146 @@
+"""The record format v1 (store/record.py): round trips, limits, framing and corruption checks."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from store.record import (
+    EOS_SIZE,
+    FLAG_RETAIN,
+    HEADER_SIZE,
+    MAGIC_EOS,
+    MAGIC_V1,
+    CorruptRecord,
+    RecordTooLarge,
+    check_frame,
+    decode_queues,
+    decode_record,
+    encode_eos,
+    encode_queues,
+    encode_record,
+)
+
+MiB = 1024 * 1024
+U63 = st.integers(min_value=0, max_value=2**63 - 1)
+names = st.text(max_size=40)
+
+
+@given(
+    topic=names,
+    client_id=names,
+    payload=st.binary(max_size=2000),
+    properties=st.binary(max_size=100),
+    queues=st.lists(names, max_size=5),
+    qos=st.sampled_from([0, 1, 2]),
+    retain=st.booleans(),
+    born_ms=U63,
+    store_ms=U63,
+    offset=U63,
+)
+def test_encode_check_decode_round_trip(topic, client_id, payload, properties, queues, qos, retain,
+                                        born_ms, store_ms, offset):
+    raw = encode_record(topic, payload, client_id=client_id, qos=qos, retain=retain, properties=properties,
+                        queues=encode_queues(queues), born_ms=born_ms, store_ms=store_ms)
+    assert check_frame(raw, 0, len(raw)) == (MAGIC_V1, len(raw))
+    rec = decode_record(raw, 0, offset)
+    assert (rec.offset, rec.size, rec.topic, rec.client_id, rec.payload, rec.properties) == (
+        offset, len(raw), topic, client_id, payload, properties)
+    assert rec.queues == tuple(queues)
+    assert (rec.qos, rec.retain, rec.born_ms, rec.store_ms) == (qos, retain, born_ms, store_ms)
+    assert rec.flags == qos | (FLAG_RETAIN if retain else 0)
+
+
+@given(prefix=st.binary(max_size=64), topic=names, payload=st.binary(max_size=300))
+def test_a_record_is_found_inside_a_larger_buffer(prefix, topic, payload):
+    raw = encode_record(topic, payload)
+    buf = memoryview(prefix + raw + b"\0" * 16)
+    assert check_frame(buf, len(prefix), len(buf)) == (MAGIC_V1, len(raw))
+    assert decode_record(buf, len(prefix), 7).payload == payload
+
+
+@given(topic=st.text(min_size=1, max_size=30), payload=st.binary(max_size=200), data=st.data())
+def test_every_single_byte_change_is_detected(topic, payload, data):
+    raw = bytearray(encode_record(topic, payload, client_id="dev"))
+    pos = data.draw(st.integers(min_value=0, max_value=len(raw) - 1), label="pos")
+    raw[pos] ^= data.draw(st.integers(min_value=1, max_value=255), label="xor")
+    with pytest.raises(CorruptRecord):
+        check_frame(bytes(raw), 0, len(raw))
+
+
+def test_empty_payload_and_empty_everything():
+    raw = encode_record("", b"")
+    assert len(raw) == HEADER_SIZE
+    rec = decode_record(raw, 0, 0)
+    assert (rec.topic, rec.payload, rec.client_id, rec.queues, rec.properties) == ("", b"", "", (), b"")
+
+
+def test_maximum_size_record_is_accepted_and_one_byte_more_is_rejected():
+    topic = "fleet/ünïcødé/温度"
+    payload_len = MiB - HEADER_SIZE - len(topic.encode())
+    raw = encode_record(topic, b"\xab" * payload_len, max_size=MiB)
+    assert len(raw) == MiB
+    rec = decode_record(raw, 0, 0)
+    assert rec.topic == topic and len(rec.payload) == payload_len
+    with pytest.raises(RecordTooLarge, match="exceeds the maximum record size"):
+        encode_record(topic, b"\xab" * (payload_len + 1), max_size=MiB)
+
+
+@given(st.text(min_size=1, max_size=50))
+def test_unicode_topics_and_client_ids(text):
+    raw = encode_record(text, text.encode(), client_id=text[::-1])
+    rec = decode_record(raw, 0, 0)
+    assert rec.topic == text and rec.client_id == text[::-1]
+
+
+def test_field_limits_and_qos_are_checked():
+    with pytest.raises(ValueError, match="65535"):
+        encode_record("t" * 65536, b"")
+    with pytest.raises(ValueError, match="QoS"):
+        encode_record("t", b"", qos=3)
+
+
+@given(st.lists(st.text(max_size=20), max_size=10))
+def test_queue_section_round_trip(queues):
+    assert decode_queues(encode_queues(queues)) == tuple(queues)
+
+
+def test_bad_queue_sections_are_corrupt():
+    with pytest.raises(CorruptRecord, match="truncated"):
+        decode_queues(b"\x00")
+    with pytest.raises(CorruptRecord, match="overruns"):
+        decode_queues(b"\x00\x05ab")
+
+
+@settings(max_examples=50)
+@given(st.integers(min_value=EOS_SIZE, max_value=1 << 30))
+def test_end_of_segment_marker(remaining):
+    marker = encode_eos(remaining)
+    assert len(marker) == EOS_SIZE
+    buf = marker + b"\0" * 8
+    if remaining <= len(buf):
+        assert check_frame(buf, 0, remaining) == (MAGIC_EOS, remaining)
+    else:
+        with pytest.raises(CorruptRecord, match="end-of-segment marker claims"):
+            check_frame(buf, 0, len(buf))
+
+
+def test_zeros_mean_nothing_written_and_short_garbage_is_corrupt():
+    assert check_frame(b"\0" * 64, 0, 64) == (0, 0)
+    assert check_frame(b"\0" * 8, 0, 8) == (0, 0)
+    with pytest.raises(CorruptRecord, match="too short"):
+        check_frame(b"\1" * 8, 0, 8)
+
+
+def test_torn_record_overruns_the_readable_end():
+    raw = encode_record("a/b", b"x" * 100)
+    with pytest.raises(CorruptRecord, match="overruns"):
+        check_frame(raw[:-1], 0, len(raw) - 1)
+
+
+def test_unknown_magic_is_refused():
+    raw = bytearray(encode_record("a", b"x"))
+    raw[8:12] = (0x4C470002).to_bytes(4, "big")
+    with pytest.raises(CorruptRecord, match="unknown magic"):
+        check_frame(bytes(raw), 0, len(raw))
