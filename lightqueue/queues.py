@@ -1,0 +1,698 @@
+"""Light queues in RocksDB: queue ids, index entries, active filters, pulls, offsets, retention.
+
+A light queue is a name (a topic, or a filter such as ``a/+/c`` or ``a/#``)
+mapped to a compact id, and a run of index entries ``(id, queue offset) ->
+(CommitLog offset, size, store ms)``; the message itself lives once in the
+CommitLog. Queues are created by their first entry and cost nothing else.
+
+Where a record goes (decided by the appender and dispatcher together):
+
+- its exact-topic queue, named by the topic;
+- its first-level queue ``<first level>/#``, the queue of that filter, which is
+  implicitly always active (server-side consumers read it like a classic topic);
+- every other active wildcard filter listed in the record's target-queues
+  section (:meth:`LightQueues.targets` computes it at append time) and active
+  at the record's offset.
+
+Durability: index batches (entries, max offsets, dispatch checkpoint) are
+written without the WAL, one write batch per dispatch batch, so whatever a crash
+leaves is a consistent prefix that re-dispatch from the checkpoint extends with
+identical entries. State with no other source (queue ids, filter activations and
+holders, consumer offsets, retention) is written with the WAL. Retention
+flushes the memtable first, so its WAL'd range deletes never sit on top of index
+writes a crash could still lose; a released filter's queue is deleted whole.
+A listed filter is indexed only if it is active and was activated at or before
+the record's offset, so re-dispatch agrees with the original dispatch even
+across a release and re-activation. See docs/storage.md, "Light-queue index (RocksDB)".
+
+Concurrency: one dispatcher thread calls :meth:`index`; other threads may pull,
+activate, release and commit offsets at the same time. Changes to queue state
+(index batches, retention, queue removal, id allocation) are serialised by one
+lock, which :meth:`release` and :meth:`delete_owner` may wait for for the
+length of a dispatch batch: from async code call them in a worker thread
+(``Dispatcher.release`` does).
+:meth:`targets` and :meth:`activate` are meant for the appender's thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Generic, Iterable, Iterator, Mapping, Protocol, TypeVar, final
+
+import rocksdict
+
+from lightqueue import keys
+from lightqueue.filters import FilterIndex
+from lightqueue.targets import encode_queues
+from lightqueue.topics import first_level_queue, is_wildcard, validate_filter
+
+__all__ = ["IndexRecord", "LightQueues", "LightQueuesStatistics", "LogReader", "PullResult"]
+
+T = TypeVar("T")
+
+TARGET_CACHE_SIZE = 65_536
+"""Topics whose target section is cached; per-device topics can be millions, hot ones are far fewer."""
+
+QUEUE_CACHE_SIZE = 262_144
+"""Queue states (id, max offset) kept in memory; a miss costs two point reads, a state ~200 bytes."""
+
+SWEEP_CHUNK = 1024
+"""Queues examined per lock hold during retention, so dispatch is never stalled for long."""
+
+_EMPTY = b""
+
+
+class LogReader(Protocol):
+    """What the light queues need from the CommitLog (store.commitlog.CommitLog provides it)."""
+
+    @property
+    def min_offset(self) -> int:
+        """The first offset still readable; retention moves it up."""
+        ...
+
+    def read_bytes(self, offset: int, size: int) -> bytes:
+        """The raw record at ``offset``; raises a LookupError when it has expired."""
+        ...
+
+
+class IndexRecord(Protocol):
+    """The fields of a decoded record that indexing needs (store.record.Record has them)."""
+
+    offset: int
+    size: int
+    store_ms: int
+    topic: str
+    queues: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PullResult(Generic[T]):
+    """Messages read from one queue, in queue order.
+
+    ``messages`` holds ``(queue offset, decoded message)``; ``next_offset`` is
+    where the next pull starts; ``expired`` says that retention removed messages
+    at or after the requested offset and the pull jumped over them.
+    """
+
+    messages: list[tuple[int, T]]
+    next_offset: int
+    expired: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LightQueuesStatistics:
+    active_filters: int  # wildcard filters in the trie (implicit `a/#` and exact filters excluded)
+    checkpoint: int  # CommitLog offset dispatched up to
+    next_queue_id: int
+    cached_queues: int
+    cached_targets: int
+    entries_indexed: int  # since this process opened the index
+    queues_removed: int  # by release or retention, since open
+
+
+class _Queue:
+    """In-memory state of one queue; ``max`` is the next queue offset to write."""
+
+    __slots__ = ("qid", "prefix", "max")
+
+    def __init__(self, qid: int, max_offset: int) -> None:
+        self.qid = qid
+        self.prefix = keys.entry_prefix(qid)
+        self.max = max_offset
+
+
+def is_implicit(filter: str) -> bool:
+    """Is this the first-level queue of some topic (``a/#``), indexed whether or not anyone holds it?"""
+    return filter.endswith("/#") and filter.count("/") == 1 and filter[0] not in "+#"
+
+
+@final
+class LightQueues:
+    """The light-queue index over one RocksDB database.
+
+    Args:
+        db: a raw-mode Rdict (store.rocks.open_db).
+        sync: fsync the WAL on writes that use it (filter activations, consumer
+            offsets, queue ids). False survives a process crash; True also a power loss.
+
+    Resource handling: the caller owns ``db`` and closes it after this object
+    is no longer used.
+    """
+
+    def __init__(self, db: rocksdict.Rdict, *, sync: bool = False) -> None:
+        self._db = db
+        self._lock = threading.Lock()
+        self._wal = rocksdict.WriteOptions()
+        self._wal.sync = sync
+        self._no_wal = rocksdict.WriteOptions()
+        self._no_wal.disable_wal = True
+        self._queues: dict[str, _Queue] = {}
+        self._targets: dict[str, bytes] = {}
+        self._filters = FilterIndex()
+        self._since: dict[str, int] = {}
+        self._entries_indexed = 0
+        self._queues_removed = 0
+        raw = db.get(keys.CHECKPOINT)
+        self._checkpoint = keys.U64.unpack(raw)[0] if raw else 0
+        raw = db.get(keys.RETAINED)
+        self._retained = keys.U64.unpack(raw)[0] if raw else 0
+        raw = db.get(keys.NEXT_ID)
+        self._next_id = keys.U64.unpack(raw)[0] if raw else 1
+        for key, value in self._scan(b"A"):
+            name = key[1:].decode()
+            self._since[name] = keys.U64.unpack(value)[0]
+            self._filters.add(name)
+
+    # -- queue names -----------------------------------------------------------------
+
+    def queue_id(self, name: str) -> int:
+        """The id of a queue, allocated (durably) on first use."""
+        state = self._load(name)
+        if state is not None:
+            return state.qid
+        with self._lock:
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            state = self._state(name) or self._allocate(name, batch)
+            if not batch.is_empty():
+                self._db.write(batch, self._wal)
+            return state.qid
+
+    def queue_name(self, qid: int) -> str | None:
+        raw = self._db.get(keys.id_key(qid))
+        return raw.decode() if raw is not None else None
+
+    def max_offset(self, name: str) -> int:
+        """The queue offset the next entry will get (0 for a queue that does not exist)."""
+        state = self._load(name)
+        return state.max if state is not None else 0
+
+    def min_offset(self, name: str) -> int:
+        """The first queue offset still stored (retention moves it up)."""
+        state = self._load(name)
+        return self._min(state.qid) if state is not None else 0
+
+    def offset_at(self, name: str, log_offset: int) -> int:
+        """The queue offset of the first entry at or after CommitLog offset ``log_offset``.
+
+        This is the exact start of a subscription activated when the CommitLog
+        ended at ``log_offset``, once dispatch has passed that point (the max
+        offset if no later entry exists yet).
+        """
+        state = self._load(name)
+        if state is None:
+            return 0
+        return self._first_at_or_after(state.qid, self._min(state.qid), state.max, log_offset)
+
+    # -- targets and filters -------------------------------------------------------
+
+    def targets(self, topic: str) -> bytes:
+        """The encoded target-queues section for a record on ``topic`` (``b""`` if none).
+
+        The active wildcard filters matching the topic, except the implicit
+        first-level filter (``a/#`` for ``a/...``), which dispatch always indexes.
+        The topic must be valid (lightqueue.topics.validate_topic). Cached per topic.
+        """
+        cache = self._targets
+        section = cache.get(topic)
+        if section is None:
+            found = self._filters.match(topic)
+            section = encode_queues(sorted(found)) if found else _EMPTY
+            if len(cache) >= TARGET_CACHE_SIZE:
+                del cache[next(iter(cache))]
+            cache[topic] = section
+        return section
+
+    def activate(self, filter: str, holder: str, log_offset: int) -> int:
+        """Make ``holder`` (a session or consumer group) hold ``filter``; durable on return.
+
+        The first holder of a wildcard filter starts its indexing: every record
+        at or after CommitLog offset ``log_offset`` (pass the log's written
+        offset, read *before* this call) that the appender matched to the
+        filter is indexed into the filter's queue. Exact filters and ``a/#`` are
+        always indexed; holding them keeps their queues from being removed.
+
+        Returns:
+            the queue's current max offset: the subscription's start once
+            dispatch has reached ``log_offset`` (see :meth:`offset_at`).
+
+        Raises:
+            TopicError: the filter is not a valid MQTT topic filter.
+        """
+        validate_filter(filter)
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        batch.put(keys.holder_key(filter, holder), _EMPTY)
+        batch.put(keys.held_by_key(holder, filter), _EMPTY)
+        indexed = is_wildcard(filter) and not is_implicit(filter)
+        if indexed and filter not in self._since:
+            batch.put(keys.active_key(filter), keys.U64.pack(log_offset))
+        self._db.write(batch, self._wal)
+        if indexed and filter not in self._since:
+            self._since[filter] = log_offset  # before the trie: a record that lists the filter finds it active
+            self._filters.add(filter)
+            self._targets = {}
+        return self.max_offset(filter)
+
+    def release(self, filter: str, holder: str) -> bool:
+        """``holder`` stops holding ``filter``; durable on return.
+
+        The holder's offset on the filter's queue goes too. When the last holder
+        of a wildcard filter goes, the filter stops being indexed and its queue
+        (entries, offsets) is deleted.
+
+        Returns:
+            True if the holder held the filter.
+        """
+        key = keys.holder_key(filter, holder)
+        if self._db.get(key) is None:
+            return False
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        batch.delete(key)
+        batch.delete(keys.held_by_key(holder, filter))
+        state = self._load(filter)
+        if state is not None:
+            batch.delete(keys.offset_key(holder, state.qid))
+            batch.delete(keys.ref_key(state.qid, holder))
+        last = not any(k != key for k, _ in self._scan(keys.holder_prefix(filter), limit=2))
+        if not (last and filter in self._since):
+            self._db.write(batch, self._wal)
+            return True
+        batch.delete(keys.active_key(filter))
+        with self._lock:
+            state = self._state(filter)
+            if state is not None:
+                self._remove(filter, state, batch)  # the whole queue: no lost index write can outlive it
+            self._db.write(batch, self._wal)
+            self._filters.remove(filter)
+            self._targets = {}
+            del self._since[filter]  # after the trie: nothing new lists it, and dispatch skips the rest
+        return True
+
+    def holders(self, filter: str) -> list[str]:
+        """Who holds a filter (empty: the filter is not active)."""
+        prefix = keys.holder_prefix(filter)
+        return [k[len(prefix):].decode() for k, _ in self._scan(prefix)]
+
+    def held_by(self, holder: str) -> list[str]:
+        """The filters a holder holds."""
+        prefix = keys.held_by_prefix(holder)
+        return [k[len(prefix):].decode() for k, _ in self._scan(prefix)]
+
+    def active_filters(self) -> Iterator[str]:
+        """The wildcard filters being indexed (implicit first-level filters excluded)."""
+        return iter(self._filters)
+
+    # -- dispatch ------------------------------------------------------------------
+
+    @property
+    def checkpoint(self) -> int:
+        """The CommitLog offset dispatched up to: re-dispatch after a restart starts here."""
+        return self._checkpoint
+
+    def index(self, records: Iterable[IndexRecord], next_log_offset: int) -> dict[str, int]:
+        """Index records (in CommitLog order) and move the checkpoint to ``next_log_offset``.
+
+        One write batch (no WAL) holds every entry, every touched queue's new
+        max offset and the checkpoint; new queue ids are written (with the WAL)
+        just before it. Records below the checkpoint were indexed before and
+        are skipped, so indexing is idempotent.
+
+        Returns:
+            ``{queue name: new max offset}`` for every queue that got entries.
+        """
+        pack_entry = keys.ENTRY.pack
+        with self._lock:
+            checkpoint = self._checkpoint
+            if next_log_offset < checkpoint:
+                raise ValueError(f"checkpoint cannot move back from {checkpoint} to {next_log_offset}")
+            ids = rocksdict.WriteBatch(raw_mode=True)
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            put = batch.put
+            touched: dict[str, list] = {}  # name -> [state, next offset]
+            routes: dict[tuple[str, tuple[str, ...]], list[list]] = {}  # (topic, section) -> slots
+            count = 0
+            for rec in records:
+                offset = rec.offset
+                if offset < checkpoint:
+                    continue
+                value = pack_entry(offset, rec.size, rec.store_ms)
+                route = routes.get((rec.topic, rec.queues))
+                if route is None:
+                    route, stable = self._route(rec.topic, rec.queues, offset, checkpoint, touched, ids)
+                    if stable:
+                        routes[(rec.topic, rec.queues)] = route
+                for slot in route:
+                    qoff = slot[1]
+                    put(slot[0].prefix + qoff.to_bytes(8, "big"), value)
+                    slot[1] = qoff + 1
+                count += len(route)
+            put(keys.CHECKPOINT, keys.U64.pack(next_log_offset))
+            for state, new_max in touched.values():
+                put(keys.max_key(state.qid), keys.U64.pack(new_max))
+            try:
+                if not ids.is_empty():
+                    self._db.write(ids, self._wal)
+                self._db.write(batch, self._no_wal)
+            except Exception:
+                self._reset_cache()  # states allocated above may not exist in the database
+                raise
+            for state, new_max in touched.values():
+                state.max = new_max
+            self._checkpoint = next_log_offset
+            self._entries_indexed += count
+        return {name: slot[1] for name, slot in touched.items()}
+
+    def _route(
+        self,
+        topic: str,
+        section: tuple[str, ...],
+        offset: int,
+        checkpoint: int,
+        touched: dict[str, list],
+        ids: rocksdict.WriteBatch,
+    ) -> tuple[list[list], bool]:
+        """The queue slots a record at ``offset`` goes to, and whether every record of the
+        batch with this topic and section goes to the same ones (no filter listed in the
+        section was activated inside the batch)."""
+        first = first_level_queue(topic)
+        names = [topic, first]
+        stable = True
+        for name in section:
+            start = self._since.get(name)
+            if start is not None and name != first:
+                if start <= offset:
+                    names.append(name)
+                stable = stable and start <= checkpoint
+        route = []
+        for name in names:
+            slot = touched.get(name)
+            if slot is None:
+                state = self._state(name) or self._allocate(name, ids)
+                slot = touched[name] = [state, state.max]
+            route.append(slot)
+        return route, stable
+
+    def flush(self) -> None:
+        """Persist the memtable (index batches included) so a restart re-dispatches little."""
+        self._db.flush()
+
+    # -- pulls and consumer offsets --------------------------------------------------
+
+    def pull(
+        self,
+        name: str,
+        from_offset: int,
+        max_count: int,
+        max_bytes: int,
+        log: LogReader,
+        decode: Callable[[bytes, int], T],
+    ) -> PullResult[T]:
+        """Read up to ``max_count`` messages of a queue, starting at queue offset ``from_offset``.
+
+        Stops before the message that would bring the total above
+        ``max_bytes``, but always returns at least one message when one is
+        there, so a large message cannot block a queue. An offset below the
+        queue's minimum (or pointing at records retention deleted) jumps ahead
+        and sets ``expired``; an offset at or beyond the head returns nothing.
+
+        Args:
+            decode: ``decode(raw_record, log_offset)`` turns the record bytes
+                into the caller's message type (store.record.decode_record).
+        """
+        if max_count < 1 or max_bytes < 1:
+            raise ValueError(f"max_count and max_bytes must be positive, not {max_count} and {max_bytes}")
+        state = self._load(name)
+        if state is None:
+            return PullResult([], from_offset, False)
+        expired = False
+        low = self._min(state.qid)
+        if from_offset < low:
+            from_offset, expired = low, True
+        head = state.max
+        if from_offset >= head:
+            return PullResult([], from_offset, expired)
+        log_min = log.min_offset
+        messages: list[tuple[int, T]] = []
+        total = 0
+        next_offset = from_offset
+        end = min(head, from_offset + max_count)
+        unpack = keys.ENTRY.unpack
+        for key, value in self._scan(state.prefix, keys.entry_key(state.qid, from_offset), keys.entry_key(state.qid, end)):
+            qoff = int.from_bytes(key[9:], "big")
+            if qoff != next_offset:
+                expired = True  # retention range-deleted entries since we read the minimum
+            log_offset, size, _store_ms = unpack(value)
+            if log_offset < log_min:
+                expired = True
+            else:
+                if messages and total + size > max_bytes:
+                    break
+                try:
+                    raw = log.read_bytes(log_offset, size)
+                except LookupError:  # retention deleted the segment since we looked at log_min
+                    expired = True
+                else:
+                    messages.append((qoff, decode(raw, log_offset)))
+                    total += size
+            next_offset = qoff + 1
+        return PullResult(messages, next_offset, expired)
+
+    def commit_offsets(self, owner: str, offsets: Mapping[str, int]) -> None:
+        """Store ``owner``'s next offsets for several queues in one durable write.
+
+        ``owner`` is an opaque string (a session's client id, a consumer group's
+        name): callers keep the two apart, e.g. with a prefix.
+        """
+        for name, offset in offsets.items():
+            if offset < 0:
+                raise ValueError(f"offset for queue {name!r} must not be negative, not {offset}")
+        states = {name: self._load(name) for name in offsets}
+        if all(states.values()):
+            self._db.write(self._offsets_batch(owner, offsets, states), self._wal)
+            return
+        with self._lock:  # new queues: allocate them in the same write, safe from a concurrent sweep
+            self._db.write(self._offsets_batch(owner, offsets, states), self._wal)
+
+    def _offsets_batch(self, owner: str, offsets: Mapping[str, int], states: dict[str, _Queue | None]) -> rocksdict.WriteBatch:
+        """The offset and back-reference keys; queues missing from ``states`` are allocated (hold the lock then)."""
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        for name, offset in offsets.items():
+            state = states[name] or self._state(name) or self._allocate(name, batch)
+            batch.put(keys.offset_key(owner, state.qid), keys.U64.pack(offset))
+            batch.put(keys.ref_key(state.qid, owner), _EMPTY)
+        return batch
+
+    def get_offsets(self, owner: str) -> dict[str, int]:
+        """``{queue name: next offset}`` committed by ``owner``."""
+        prefix = keys.offset_prefix(owner)
+        result = {}
+        for key, value in self._scan(prefix):
+            name = self.queue_name(keys.U64.unpack_from(key, len(prefix))[0])
+            if name is not None:
+                result[name] = keys.U64.unpack(value)[0]
+        return result
+
+    def delete_owner(self, owner: str) -> None:
+        """Forget an owner (session expiry): its offsets go and its filters are released."""
+        for filter in self.held_by(owner):
+            self.release(filter, owner)
+        prefix = keys.offset_prefix(owner)
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        for key, _ in self._scan(prefix):
+            batch.delete(key)
+            batch.delete(keys.ref_key(keys.U64.unpack_from(key, len(prefix))[0], owner))
+        if not batch.is_empty():
+            self._db.write(batch, self._wal)
+
+    # -- retention -----------------------------------------------------------------
+
+    def on_retention(self, min_log_offset: int) -> None:
+        """The CommitLog now starts at ``min_log_offset``: drop the entries that point below it.
+
+        Each queue's minimum offset advances past its expired entries (one
+        range delete per queue), and queues left empty that nobody holds or has
+        an offset on are removed, ids included. Runs in chunks of queues, taking
+        the lock for each, so dispatch keeps going.
+        """
+        def expire(name: str, state: _Queue, low: int, batch: rocksdict.WriteBatch) -> None:
+            if low < state.max:
+                new_low = self._first_at_or_after(state.qid, low, state.max, min_log_offset)
+                if new_low > low:
+                    batch.delete_range(keys.entry_key(state.qid, low), keys.entry_key(state.qid, new_low))
+                    batch.put(keys.min_key(state.qid), keys.U64.pack(new_low))
+                    low = new_low
+            if low == state.max and not self._referenced(name, state.qid):
+                self._remove(name, state, batch)
+
+        self._sweep(expire)
+        self._db.put(keys.RETAINED, keys.U64.pack(min_log_offset), self._wal)
+        self._retained = min_log_offset
+
+    @property
+    def retained_offset(self) -> int:
+        """The CommitLog minimum offset the last completed :meth:`on_retention` applied."""
+        return self._retained
+
+    def rewind(self, log_end: int) -> None:
+        """The CommitLog ends at ``log_end``, before the checkpoint: drop entries past it.
+
+        Only after losing CommitLog data that the index had seen (an OS crash
+        under the async flush policy): the dispatcher then re-indexes from the end.
+        """
+        def cut(name: str, state: _Queue, low: int, batch: rocksdict.WriteBatch) -> None:
+            new_max = self._first_at_or_after(state.qid, low, state.max, log_end)
+            if new_max < state.max:
+                batch.delete_range(keys.entry_key(state.qid, new_max), keys.entry_key(state.qid, state.max))
+                batch.put(keys.max_key(state.qid), keys.U64.pack(new_max))
+                state.max = new_max
+
+        self._sweep(cut)
+        with self._lock:
+            if log_end < self._checkpoint:
+                self._db.put(keys.CHECKPOINT, keys.U64.pack(log_end), self._wal)
+                self._checkpoint = log_end
+
+    def statistics(self) -> LightQueuesStatistics:
+        return LightQueuesStatistics(
+            active_filters=len(self._filters),
+            checkpoint=self._checkpoint,
+            next_queue_id=self._next_id,
+            cached_queues=len(self._queues),
+            cached_targets=len(self._targets),
+            entries_indexed=self._entries_indexed,
+            queues_removed=self._queues_removed,
+        )
+
+    # -- internals -----------------------------------------------------------------
+
+    def _load(self, name: str) -> _Queue | None:
+        """A queue's state, from memory or the database, without caching it (any thread)."""
+        state = self._queues.get(name)
+        if state is not None:
+            return state
+        raw = self._db.get(keys.name_key(name))
+        if raw is None:
+            return None
+        qid = keys.U64.unpack(raw)[0]
+        raw = self._db.get(keys.max_key(qid))
+        return _Queue(qid, keys.U64.unpack(raw)[0] if raw else 0)
+
+    def _state(self, name: str) -> _Queue | None:
+        """Like :meth:`_load`, caching the state. Hold the lock: only writers may cache,
+        or a reader could cache a max offset that a concurrent batch has just passed."""
+        state = self._queues.get(name)
+        if state is not None:
+            return state
+        state = self._load(name)
+        return self._cache(name, state) if state is not None else None
+
+    def _reset_cache(self) -> None:
+        """Forget cached queue states and re-read the id counter: after a failed write. Hold the lock."""
+        self._queues.clear()
+        raw = self._db.get(keys.NEXT_ID)
+        self._next_id = keys.U64.unpack(raw)[0] if raw else 1
+
+    def _cache(self, name: str, state: _Queue) -> _Queue:
+        queues = self._queues
+        if len(queues) >= QUEUE_CACHE_SIZE:
+            del queues[next(iter(queues))]
+        queues[name] = state
+        return state
+
+    def _allocate(self, name: str, batch: rocksdict.WriteBatch) -> _Queue:
+        """A new queue id, its name mapping added to ``batch`` (written with the WAL). Hold the lock."""
+        qid = self._next_id
+        self._next_id = qid + 1
+        batch.put(keys.NEXT_ID, keys.U64.pack(qid + 1))
+        batch.put(keys.name_key(name), keys.U64.pack(qid))
+        batch.put(keys.id_key(qid), name.encode())
+        return self._cache(name, _Queue(qid, 0))
+
+    def _min(self, qid: int) -> int:
+        raw = self._db.get(keys.min_key(qid))
+        return keys.U64.unpack(raw)[0] if raw else 0
+
+    def _first_at_or_after(self, qid: int, low: int, high: int, log_offset: int) -> int:
+        """Binary search in [low, high) for the first entry pointing at or after ``log_offset``.
+
+        The ends are tried first: usually nothing (retention) or nothing
+        recent (a new subscription) is past ``log_offset``.
+        """
+        unpack = keys.ENTRY.unpack_from
+        get = self._db.get
+        if low < high:
+            raw = get(keys.entry_key(qid, low))
+            if raw is not None and unpack(raw)[0] >= log_offset:
+                return low
+            raw = get(keys.entry_key(qid, high - 1))
+            if raw is None or unpack(raw)[0] < log_offset:
+                return high
+        while low < high:
+            mid = (low + high) // 2
+            raw = get(keys.entry_key(qid, mid))
+            if raw is not None and unpack(raw)[0] >= log_offset:
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
+    def _referenced(self, name: str, qid: int) -> bool:
+        for _ in self._scan(keys.holder_prefix(name), limit=1):
+            return True
+        for _ in self._scan(keys.ref_prefix(qid), limit=1):
+            return True
+        return False
+
+    def _remove(self, name: str, state: _Queue, batch: rocksdict.WriteBatch) -> None:
+        """Delete a queue: entries, metadata, id, and the offsets owners have on it. Hold the lock."""
+        qid = state.qid
+        batch.delete_range(keys.entry_prefix(qid), keys.prefix_end(keys.entry_prefix(qid)))
+        for key in (keys.name_key(name), keys.id_key(qid), keys.max_key(qid), keys.min_key(qid)):
+            batch.delete(key)
+        ref = keys.ref_prefix(qid)
+        for key, _ in self._scan(ref):
+            owner = key[len(ref):].decode()
+            batch.delete(key)
+            batch.delete(keys.offset_key(owner, qid))
+        self._queues.pop(name, None)
+        self._queues_removed += 1
+
+    def _sweep(self, visit: Callable[[str, _Queue, int, rocksdict.WriteBatch], None]) -> None:
+        """Run ``visit(name, state, min offset, batch)`` over every queue, a chunk per lock hold.
+
+        The memtable is flushed first, so the WAL'd batches written here never
+        sit on top of index writes a crash could still lose.
+        """
+        self._db.flush()
+        iterator = self._scan(b"Q")
+        done = False
+        while not done:
+            with self._lock:
+                batch = rocksdict.WriteBatch(raw_mode=True)
+                for _ in range(SWEEP_CHUNK):
+                    item = next(iterator, None)
+                    if item is None:
+                        done = True
+                        break
+                    qid = keys.U64.unpack_from(item[0], 1)[0]
+                    name = item[1].decode()
+                    state = self._load(name)
+                    if state is None or state.qid != qid:
+                        continue  # removed since the scan started
+                    visit(name, state, self._min(qid), batch)
+                if not batch.is_empty():
+                    self._db.write(batch, self._wal)
+
+    def _scan(
+        self, prefix: bytes, start: bytes | None = None, end: bytes | None = None, limit: int | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """Keys with ``prefix`` (from ``start``, before ``end``) and their values, in key order."""
+        opts = rocksdict.ReadOptions()
+        opts.set_iterate_upper_bound(end if end is not None else keys.prefix_end(prefix))
+        it = self._db.iter(opts)
+        it.seek(start if start is not None else prefix)
+        n = 0
+        while it.valid() and (limit is None or n < limit):
+            yield it.key(), it.value()
+            it.next()
+            n += 1

@@ -1,0 +1,295 @@
+"""Light queues over a real RocksDB and a real CommitLog: ids, filters, indexing, pulls, offsets, retention."""
+
+import pytest
+
+from lightqueue import keys
+from lightqueue.queues import LightQueues, is_implicit
+from lightqueue.targets import decode_queues
+from lightqueue.topics import TopicError
+from store.commitlog import CommitLog, CommitLogConfig
+from store.record import decode_record, encode_record
+from store.rocks import open_db
+
+SEGMENT = 4096
+
+
+def decode(raw, offset):
+    return decode_record(raw, 0, offset)
+
+
+class Env:
+    """A CommitLog and light queues in a temporary directory, with helpers to append and index."""
+
+    def __init__(self, path, **config):
+        self.path = path
+        self.log = CommitLog.open(path / "commitlog", CommitLogConfig(segment_bytes=SEGMENT, max_record_bytes=SEGMENT, **config))
+        self.db = open_db(path / "index")
+        self.lq = LightQueues(self.db)
+
+    def append(self, *topics, payload=b"p"):
+        records = [encode_record(t, payload, queues=self.lq.targets(t)) for t in topics]
+        return self.log.append_batch(records)
+
+    def index(self):
+        changed = {}
+        while self.lq.checkpoint < self.log.written_offset:
+            scan = self.log.scan(self.lq.checkpoint)
+            changed.update(self.lq.index(scan.records, scan.next_offset))
+        return changed
+
+    def activate(self, filter, holder):
+        return self.lq.activate(filter, holder, self.log.written_offset)
+
+    def topics(self, queue, start=0):
+        result = self.lq.pull(queue, start, 1000, 1 << 30, self.log, decode)
+        return [m.topic for _, m in result.messages]
+
+    def entry_keys(self, qid):
+        return [k for k, _ in self.lq._scan(keys.entry_prefix(qid))]
+
+    def reopen(self):
+        self.db.close()
+        self.db = open_db(self.path / "index")
+        self.lq = LightQueues(self.db)
+
+    def close(self):
+        self.db.close()
+        self.log.close()
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = Env(tmp_path)
+    yield e
+    e.close()
+
+
+def test_queue_ids_are_stable_and_survive_reopen(env):
+    a = env.lq.queue_id("a/b")
+    b = env.lq.queue_id("a/+")
+    assert a != b and env.lq.queue_id("a/b") == a
+    assert env.lq.queue_name(a) == "a/b"
+    env.reopen()
+    assert env.lq.queue_id("a/b") == a and env.lq.queue_id("a/+") == b
+    assert env.lq.queue_id("new") > max(a, b)
+
+
+def test_targets_list_active_wildcards_only(env):
+    assert env.lq.targets("a/b/c") == b""
+    env.activate("a/+/c", "s1")
+    env.activate("a/#", "s1")  # implicit first-level filter: never listed
+    env.activate("a/b/c", "s1")  # exact filter: the topic queue, never listed
+    env.activate("#", "s2")
+    assert decode_queues(env.lq.targets("a/b/c")) == ("#", "a/+/c")
+    assert decode_queues(env.lq.targets("$SYS/b/c")) == ()
+    assert sorted(env.lq.active_filters()) == ["#", "a/+/c"]
+    assert env.lq.release("#", "s2")
+    assert decode_queues(env.lq.targets("a/b/c")) == ("a/+/c",)  # the cache was invalidated
+
+
+def test_activate_rejects_invalid_filters(env):
+    with pytest.raises(TopicError, match="must be the last level"):
+        env.activate("a/#/b", "s1")
+    assert env.lq.holders("a/#/b") == []
+
+
+def test_records_go_to_topic_first_level_and_matching_active_filters(env):
+    env.activate("+/b", "s1")
+    env.activate("x/+", "s1")
+    env.append("a/b", "a", "a/c", "x/b")
+    changed = env.index()
+    assert changed == {"a/b": 1, "a/#": 3, "+/b": 2, "a": 1, "a/c": 1, "x/b": 1, "x/#": 1, "x/+": 1}
+    assert env.topics("a/#") == ["a/b", "a", "a/c"]  # the first-level queue holds the parent level
+    assert env.topics("a") == ["a"]
+    assert env.topics("+/b") == ["a/b", "x/b"]
+    assert env.lq.statistics().entries_indexed == 11
+
+
+def test_a_filter_indexes_only_records_appended_after_its_activation(env):
+    env.activate("+/b", "s1")
+    env.append("a/b")
+    before = env.log.written_offset
+    env.append("c/b")  # lists "+/b" already, but "x/+" is not active yet
+    assert env.activate("x/+", "s2") == 0
+    env.append("x/b", "x/c")
+    env.index()
+    assert env.topics("x/+") == ["x/b", "x/c"]
+    assert env.lq.offset_at("+/b", before) == 1
+    assert env.lq.offset_at("+/b", env.log.written_offset) == env.lq.max_offset("+/b") == 3
+
+
+def test_released_filter_stops_indexing_even_for_records_that_list_it(env):
+    env.activate("+/b", "s1")
+    env.append("a/b", "c/b")  # both list "+/b"
+    assert env.lq.release("+/b", "s1")
+    env.index()
+    assert env.lq.max_offset("+/b") == 0
+    assert env.topics("a/b") == ["a/b"]
+
+
+def test_indexing_is_idempotent_and_the_checkpoint_never_moves_back(env):
+    env.append("a/b", "a/c")
+    scan = env.log.scan(0)
+    env.lq.index(scan.records, scan.next_offset)
+    assert env.lq.index(scan.records, scan.next_offset) == {}  # all below the checkpoint
+    assert env.lq.max_offset("a/#") == 2
+    with pytest.raises(ValueError, match="cannot move back"):
+        env.lq.index([], 0)
+
+
+def test_state_survives_reopen(env):
+    env.activate("+/b", "s1")
+    env.append("a/b")
+    env.index()
+    checkpoint = env.lq.checkpoint
+    env.reopen()
+    assert env.lq.checkpoint == checkpoint
+    assert list(env.lq.active_filters()) == ["+/b"]
+    assert env.lq.holders("+/b") == ["s1"]
+    assert env.lq.max_offset("+/b") == 1
+    assert decode_queues(env.lq.targets("z/b")) == ("+/b",)
+
+
+def test_pull_pages_by_count_and_bytes(env):
+    env.append(*["t"] * 10, payload=b"x" * 100)
+    env.index()
+    size = env.log.read(0).size
+    r = env.lq.pull("t", 0, 4, 1 << 20, env.log, decode)
+    assert [o for o, _ in r.messages] == [0, 1, 2, 3] and r.next_offset == 4 and not r.expired
+    r = env.lq.pull("t", 4, 100, size * 3 + 1, env.log, decode)
+    assert [o for o, _ in r.messages] == [4, 5, 6] and r.next_offset == 7
+    r = env.lq.pull("t", 7, 100, 1, env.log, decode)  # one message is always returned
+    assert [o for o, _ in r.messages] == [7] and r.messages[0][1].payload == b"x" * 100
+    r = env.lq.pull("t", 8, 100, 1 << 20, env.log, decode)
+    assert [o for o, _ in r.messages] == [8, 9] and r.next_offset == 10
+    for start in (10, 25):  # at (or past) the head: nothing, and the offset stays
+        r = env.lq.pull("t", start, 100, 1 << 20, env.log, decode)
+        assert r.messages == [] and r.next_offset == start and not r.expired
+    assert env.lq.pull("nothing/here", 3, 10, 100, env.log, decode).next_offset == 3
+    with pytest.raises(ValueError, match="must be positive"):
+        env.lq.pull("t", 0, 0, 100, env.log, decode)
+
+
+def test_commit_and_get_offsets(env):
+    env.append("a/b")
+    env.index()
+    env.lq.commit_offsets("s1", {"a/b": 1, "a/#": 0, "fresh/queue": 7})
+    env.lq.commit_offsets("s2", {"a/b": 0})
+    assert env.lq.get_offsets("s1") == {"a/b": 1, "a/#": 0, "fresh/queue": 7}
+    env.lq.commit_offsets("s1", {"a/b": 2})
+    env.reopen()
+    assert env.lq.get_offsets("s1") == {"a/b": 2, "a/#": 0, "fresh/queue": 7}
+    assert env.lq.get_offsets("s2") == {"a/b": 0}
+    with pytest.raises(ValueError, match="must not be negative"):
+        env.lq.commit_offsets("s1", {"a/b": -1})
+
+
+def test_last_release_deletes_the_filter_queue(env):
+    env.activate("+/b", "s1")
+    env.activate("+/b", "s2")
+    env.append("a/b", "c/b")
+    env.index()
+    qid = env.lq.queue_id("+/b")
+    env.lq.commit_offsets("s1", {"+/b": 1})
+    env.lq.commit_offsets("s2", {"+/b": 2})
+    assert env.lq.release("+/b", "s1")
+    assert env.lq.get_offsets("s1") == {}  # the holder's own offset goes with it
+    assert env.topics("+/b") == ["a/b", "c/b"]
+    assert not env.lq.release("+/b", "s1")
+    assert env.lq.release("+/b", "s2")
+    assert env.entry_keys(qid) == []
+    assert env.lq.queue_name(qid) is None and env.lq.max_offset("+/b") == 0
+    assert env.lq.get_offsets("s2") == {}
+    assert env.lq.targets("a/b") == b""
+    assert env.lq.statistics().queues_removed == 1
+    # Reactivated, it is a new queue starting at 0 with new messages only.
+    assert env.activate("+/b", "s3") == 0
+    env.append("d/b")
+    env.index()
+    assert env.topics("+/b") == ["d/b"] and env.lq.queue_id("+/b") != qid
+
+
+def test_releasing_an_implicit_or_exact_filter_keeps_its_queue(env):
+    env.activate("a/#", "s1")
+    env.activate("a/b", "s1")
+    env.append("a/b")
+    env.index()
+    assert env.lq.release("a/#", "s1") and env.lq.release("a/b", "s1")
+    assert env.topics("a/#") == ["a/b"] and env.topics("a/b") == ["a/b"]
+    assert is_implicit("a/#") and not is_implicit("+/#") and not is_implicit("a/b/#")
+
+
+def test_delete_owner_removes_offsets_and_releases_filters(env):
+    env.activate("+/b", "s1")
+    env.activate("x/#", "s1")
+    env.activate("+/b", "s2")
+    env.append("x/b")
+    env.index()
+    env.lq.commit_offsets("s1", {"x/b": 1, "x/#": 1})
+    env.lq.delete_owner("s1")
+    assert env.lq.get_offsets("s1") == {}
+    assert env.lq.held_by("s1") == []
+    assert env.lq.holders("+/b") == ["s2"] and env.lq.holders("x/#") == []
+    assert list(env.lq.active_filters()) == ["+/b"]
+    env.lq.delete_owner("s2")
+    assert list(env.lq.active_filters()) == [] and env.lq.max_offset("+/b") == 0
+
+
+def test_retention_deletes_expired_entries_and_unreferenced_queues(tmp_path):
+    env = Env(tmp_path, retention_hours=0, retention_max_bytes=SEGMENT)
+    try:
+        env.log.add_retention_listener(env.lq.on_retention)
+        env.activate("dev/+", "group")
+        env.activate("dev/2", "device2")  # an exact subscription keeps its topic queue
+        env.append(*[f"dev/{i}" for i in range(8)], payload=b"x" * 300)
+        env.lq.commit_offsets("device3", {"dev/3": 1})  # an offset keeps a queue too
+        dev_end = env.log.written_offset
+        env.append(*["other"] * 20, payload=b"x" * 300)
+        env.index()
+        assert env.lq.max_offset("dev/+") == 8
+        qid5 = env.lq.queue_id("dev/5")
+        deleted = env.log.delete_expired()
+        assert deleted and env.log.min_offset >= dev_end  # every dev/ record is gone
+        assert env.lq.retained_offset == env.log.min_offset
+        assert env.lq.min_offset("dev/+") == env.lq.max_offset("dev/+") == 8
+        assert env.entry_keys(env.lq.queue_id("dev/+")) == []
+        r = env.lq.pull("dev/+", 0, 10, 1 << 20, env.log, decode)
+        assert r.messages == [] and r.next_offset == 8 and r.expired
+        assert env.lq.queue_name(qid5) is None  # empty and unreferenced: removed
+        assert env.lq.max_offset("dev/2") == 1 and env.lq.max_offset("dev/3") == 1  # referenced: kept
+        assert env.lq.max_offset("dev/#") == 0  # the first-level queue was unreferenced too
+        remaining = env.topics("other")
+        assert 0 < len(remaining) < 20
+        first = env.lq.min_offset("other")
+        assert first == 20 - len(remaining)
+        r = env.lq.pull("other", 0, 1, 1 << 20, env.log, decode)
+        assert r.expired and r.messages[0][0] == first and r.next_offset == first + 1
+    finally:
+        env.close()
+
+
+def test_pull_skips_entries_of_deleted_segments_before_cleanup(tmp_path):
+    env = Env(tmp_path, retention_hours=0, retention_max_bytes=SEGMENT)
+    try:
+        env.append(*["t"] * 30, payload=b"x" * 300)
+        env.index()
+        env.log.delete_expired()  # no listener: the index still points at deleted records
+        r = env.lq.pull("t", 0, 100, 1 << 20, env.log, decode)
+        assert r.expired and r.messages and r.messages[0][1].offset >= env.log.min_offset
+        assert r.next_offset == 30
+    finally:
+        env.close()
+
+
+def test_rewind_drops_entries_past_the_log_end(env):
+    env.activate("+/b", "s1")
+    env.append("a/b", "a/c")
+    end = env.log.written_offset
+    env.append("c/b", "a/b")
+    env.index()
+    env.lq.rewind(end)
+    assert env.lq.checkpoint == end
+    assert env.lq.max_offset("+/b") == 1 and env.lq.max_offset("a/#") == 2 and env.lq.max_offset("c/b") == 0
+    assert env.entry_keys(env.lq.queue_id("a/b")) == [keys.entry_key(env.lq.queue_id("a/b"), 0)]
+    env.reopen()
+    assert env.lq.checkpoint == end and env.lq.max_offset("a/b") == 1

@@ -1,0 +1,190 @@
+"""MQTT topic rules: the examples of MQTT 3.1.1 §4.7 and 5.0 §4.7-4.8, and every invalid case."""
+
+import re
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from lightqueue.topics import (
+    MAX_TOPIC_BYTES,
+    TopicError,
+    TopicLimits,
+    first_level_queue,
+    is_wildcard,
+    matches,
+    parse_shared,
+    validate_filter,
+    validate_topic,
+)
+
+# (filter, topic, matches?) - each row is an example from the specifications (3.1.1 and 5.0 §4.7).
+SPEC_MATCHES = [
+    # 4.7.1.2 multi-level wildcard
+    ("sport/tennis/player1/#", "sport/tennis/player1", True),
+    ("sport/tennis/player1/#", "sport/tennis/player1/ranking", True),
+    ("sport/tennis/player1/#", "sport/tennis/player1/score/wimbledon", True),
+    ("sport/#", "sport", True),  # '#' includes the parent level
+    ("sport/#", "sports", False),
+    ("#", "sport/tennis/player1", True),
+    ("#", "/", True),
+    ("sport/tennis/#", "sport/tennis", True),
+    # 4.7.1.3 single-level wildcard
+    ("sport/tennis/+", "sport/tennis/player1", True),
+    ("sport/tennis/+", "sport/tennis/player2", True),
+    ("sport/tennis/+", "sport/tennis/player1/ranking", False),
+    ("sport/+", "sport", False),
+    ("sport/+", "sport/", True),  # '+' matches an empty level
+    ("+/tennis/#", "sport/tennis/player1", True),
+    ("sport/+/player1", "sport/tennis/player1", True),
+    ("+/+", "/finance", True),
+    ("/+", "/finance", True),
+    ("+", "/finance", False),
+    ("+", "finance", True),
+    # 4.7.2 topics beginning with $
+    ("#", "$SYS/monitor/Clients", False),
+    ("+/monitor/Clients", "$SYS/monitor/Clients", False),
+    ("$SYS/#", "$SYS/monitor/Clients", True),
+    ("$SYS/monitor/+", "$SYS/monitor/Clients", True),
+    ("$SYS/#", "$SYS", True),
+    ("+", "$SYS", False),
+    ("$SYS/+/Clients", "$SYS/monitor/Clients", True),
+    # 4.7.3 semantics: case sensitive, spaces, leading and trailing '/'
+    ("ACCOUNTS", "Accounts", False),
+    ("Accounts payable", "Accounts payable", True),
+    ("/finance", "finance", False),
+    ("finance", "/finance", False),
+    ("/", "/", True),
+    ("+/+", "/", True),
+    ("a//b", "a//b", True),
+    ("a/+/b", "a//b", True),
+]
+
+
+@pytest.mark.parametrize(("filter", "topic", "expected"), SPEC_MATCHES)
+def test_spec_examples(filter, topic, expected):
+    assert validate_filter(filter) == filter
+    assert validate_topic(topic) == topic
+    assert matches(filter, topic) is expected
+
+
+# (filter, part of the error message)
+INVALID_FILTERS = [
+    ("", "at least one character"),
+    ("sport/tennis#", "'#' must occupy a whole level"),
+    ("sport/tennis/#/ranking", "'#' must be the last level"),
+    ("#/", "'#' must be the last level"),
+    ("sport+", "'+' must occupy a whole level"),
+    ("sport/+tennis", "'+' must occupy a whole level"),
+    ("a/b\0c", "null character U+0000"),
+    ("a/\ud800", "not valid UTF-8"),
+]
+
+
+@pytest.mark.parametrize(("filter", "message"), INVALID_FILTERS)
+def test_invalid_filters(filter, message):
+    with pytest.raises(TopicError, match=re.escape(message)):
+        validate_filter(filter)
+
+
+INVALID_TOPICS = [
+    ("", "at least one character"),
+    ("sport/+", "contains the wildcard '+' at position 6"),
+    ("sport/#", "contains the wildcard '#' at position 6"),
+    ("a\0", "null character U+0000 at position 1"),
+]
+
+
+@pytest.mark.parametrize(("topic", "message"), INVALID_TOPICS)
+def test_invalid_topic_names(topic, message):
+    with pytest.raises(TopicError, match=re.escape(message)):
+        validate_topic(topic)
+
+
+def test_non_string_is_rejected():
+    with pytest.raises(TopicError, match="must be a string, not bytes"):
+        validate_topic(b"a/b")
+
+
+def test_length_limit_counts_utf8_bytes():
+    validate_topic("a" * MAX_TOPIC_BYTES)
+    with pytest.raises(TopicError, match="65536 UTF-8 bytes long; the limit is 65535"):
+        validate_topic("a" * (MAX_TOPIC_BYTES + 1))
+    limits = TopicLimits(max_bytes=4)
+    validate_topic("ab", limits)
+    with pytest.raises(TopicError, match="6 UTF-8 bytes long; the limit is 4"):
+        validate_topic("éèé", limits)  # 3 characters, 6 bytes
+
+
+def test_depth_limit():
+    limits = TopicLimits(max_levels=3)
+    validate_filter("a/+/#", limits)
+    with pytest.raises(TopicError, match="4 levels; the limit is 3"):
+        validate_filter("a/b/c/#", limits)
+    with pytest.raises(TopicError, match="4 levels; the limit is 3"):
+        validate_topic("///", limits)
+
+
+def test_limits_themselves_are_checked():
+    with pytest.raises(ValueError, match="max_bytes"):
+        TopicLimits(max_bytes=70000)
+    with pytest.raises(ValueError, match="max_levels"):
+        TopicLimits(max_levels=0)
+
+
+def test_wildcard_and_first_level_queue():
+    assert is_wildcard("a/+") and is_wildcard("#") and not is_wildcard("a/b")
+    assert first_level_queue("a/b/c") == "a/#"
+    assert first_level_queue("a") == "a/#"
+    assert first_level_queue("/finance") == "/#"
+    assert first_level_queue("$SYS/x") == "$SYS/#"
+    assert matches(first_level_queue("a"), "a")  # the first-level queue holds the parent level too
+
+
+SHARED = [
+    ("$share/consumer1/sport/tennis/+", ("consumer1", "sport/tennis/+")),
+    ("$share/consumer2/sport/tennis/+", ("consumer2", "sport/tennis/+")),
+    ("$share/consumer1//finance", ("consumer1", "/finance")),
+    ("$share/consumer1/+/+", ("consumer1", "+/+")),
+    ("$share/g/#", ("g", "#")),
+    ("sport/tennis", None),
+    ("$shared/g/a", None),
+    ("$SYS/#", None),
+]
+
+
+@pytest.mark.parametrize(("filter", "expected"), SHARED)
+def test_parse_shared(filter, expected):
+    assert parse_shared(filter) == expected
+
+
+INVALID_SHARED = [
+    ("$share/", "share name after '$share/' is empty"),
+    ("$share//a/b", "share name after '$share/' is empty"),
+    ("$share/g", "a topic filter must follow"),
+    ("$share/g/", "a topic filter must follow"),
+    ("$share/g+/a", "must not contain"),
+    ("$share/#/a", "must not contain"),
+    ("$share/g/a/#/b", "'#' must be the last level"),
+]
+
+
+@pytest.mark.parametrize(("filter", "message"), INVALID_SHARED)
+def test_invalid_shared(filter, message):
+    with pytest.raises(TopicError, match=re.escape(message)):
+        parse_shared(filter)
+
+
+LEVEL = st.sampled_from(["a", "b", "", "$x"])
+
+
+@given(st.lists(LEVEL, min_size=1, max_size=5))
+def test_a_topic_always_matches_itself_its_hash_filter_and_plus_pattern(levels):
+    topic = "/".join(levels)
+    assume(topic)
+    validate_topic(topic)
+    assert matches(topic, topic)
+    assert matches(first_level_queue(topic), topic)
+    plus = "/".join(["+"] * len(levels))
+    assert matches(plus, topic) is (not topic.startswith("$"))
+    assert not matches(topic + "/+", topic)
