@@ -1,0 +1,306 @@
+"""What a channel asks of its node (actions) and what the node tells the channel (events), as plain data.
+
+The channel (``gateway/channel.py``) is sans-IO: it never touches a socket, a
+timer or the store. Every effect it wants is an *action* returned from its
+``handle_*`` methods, executed in order by the node (``gateway/server.py``);
+every result the node obtains comes back as an *event* through
+``Channel.handle_event``. Requests that need an answer carry a ``ref`` that the
+answering event repeats.
+
+All classes are frozen, slotted dataclasses. Don't subclass these: the channel
+dispatches on exact type. Mapping fields (``dict``) are read-only by convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, TypeAlias
+
+from gateway.packets import Packet, SubscriptionOptions
+from gateway.properties import EMPTY_PROPERTIES, Properties
+from gateway.reasons import ReasonCode
+
+if TYPE_CHECKING:  # the session module builds on these classes, so only the type checker imports it here
+    from gateway.session import SessionState
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One application message as the channel needs it, inbound (to store) or outbound (from a queue).
+
+    ``client_id`` is the publisher's (for No Local). ``store_ms`` is set by the
+    store; message expiry counts from it. ``queue``/``offset`` locate a message
+    read from a light queue (None for messages not read from a queue: inbound
+    messages, wills, retained messages).
+    """
+
+    topic: str
+    payload: bytes = b""
+    qos: int = 0
+    retain: bool = False
+    properties: Properties = EMPTY_PROPERTIES
+    client_id: str = ""
+    born_ms: int = 0
+    store_ms: int = 0
+    queue: str | None = None
+    offset: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """One subscription of a session.
+
+    ``filter`` is the filter as the client sent it (``$share/g/a/+`` included)
+    and the key of everything per subscription; ``queue`` is the light queue it
+    reads (the filter itself, or the inner filter of a shared subscription);
+    ``group`` is the share name of a shared subscription.
+    """
+
+    filter: str
+    queue: str
+    options: SubscriptionOptions = SubscriptionOptions()
+    subscription_id: int | None = None
+    group: str | None = None
+
+
+class Phase(Enum):
+    """Where an outbound QoS 1/2 message is in its flow."""
+
+    PUBLISHED = "published"  # PUBLISH sent; waiting for PUBACK (QoS 1) or PUBREC (QoS 2)
+    RELEASED = "released"  # PUBREC received, PUBREL sent; waiting for PUBCOMP
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """An outbound QoS 1/2 message not yet acknowledged, by reference into its queue (no body)."""
+
+    packet_id: int
+    filter: str
+    offset: int
+    qos: int
+    phase: Phase = Phase.PUBLISHED
+
+
+# --- actions: channel -> node ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Encode these packets at the channel's protocol level and write them, in order."""
+
+    packets: tuple[Packet, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Write these pre-encoded PUBLISH packets; after the write completes, feed ``SocketWritten(seq)``."""
+
+    data: bytes
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """Close the network connection (after writing what was sent before); log ``log`` with the reason."""
+
+    reason: ReasonCode
+    log: str
+
+
+@dataclass(frozen=True, slots=True)
+class ArmTimer:
+    """(Re)start the timer ``name``; when it fires call ``Channel.handle_timeout(name)``."""
+
+    name: str
+    delay_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTimer:
+    """Stop the timer ``name`` if it is running."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSession:
+    """Accept (auth) and find the session of ``client_id``; answer ``SessionOpened``.
+
+    Any other connection with this client id is taken over first (feed it
+    ``TakenOver`` and run its actions, which hand its session state over).
+    With ``clean_start`` the old session is discarded (filters released).
+    """
+
+    client_id: str
+    clean_start: bool
+    expiry_s: int
+    username: str | None = None
+    password: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    """Append messages to the CommitLog (durable under the sync flush policy).
+
+    ``ref`` None: fire and forget (QoS 0). Otherwise answer ``Appended(ref, ...)``.
+    """
+
+    ref: int | None
+    messages: tuple[Message, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Activate:
+    """Make this session hold the queues of ``subscriptions``; answer ``Activated``.
+
+    ``retained`` lists the filters that want retained messages now (the channel
+    has applied retain handling; shared subscriptions never do).
+    """
+
+    ref: int
+    client_id: str
+    subscriptions: tuple[Subscription, ...]
+    retained: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """This session stops holding these subscriptions (filters as sent); their offsets go too."""
+
+    client_id: str
+    filters: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitOffsets:
+    """Store the session's consumer offsets: filter -> next queue offset not yet fully acknowledged."""
+
+    client_id: str
+    offsets: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Read up to ``max_count`` messages of ``queue`` from ``from_offset``; answer ``Pulled(filter, ...)``.
+
+    For a shared subscription (``group`` set) answer only with the messages the
+    group assigns to this member (offsets may skip).
+    """
+
+    filter: str
+    queue: str
+    from_offset: int
+    max_count: int
+    group: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PublishWill:
+    """Publish the will after ``delay_s`` unless a connection resumes the session first."""
+
+    client_id: str
+    message: Message
+    delay_s: int
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSession:
+    """Keep this session state: write it (WAL) if ``state.expiry_s > 0``; hand it to a taking-over connection."""
+
+    state: SessionState
+
+
+@dataclass(frozen=True, slots=True)
+class DropSession:
+    """The session has ended: delete its stored state and offsets."""
+
+    client_id: str
+
+
+# --- events: node -> channel ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SessionOpened:
+    """Answer to ``OpenSession``. ``reason`` other than SUCCESS refuses the connection (CONNACK reason)."""
+
+    present: bool
+    state: SessionState | None = None
+    reason: ReasonCode = ReasonCode.SUCCESS
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    """Answer to ``Append``: stored (``ok``), or refused with a PUBACK/PUBREC reason."""
+
+    ref: int
+    ok: bool = True
+    reason: ReasonCode = ReasonCode.UNSPECIFIED_ERROR
+
+
+@dataclass(frozen=True, slots=True)
+class Activated:
+    """Answer to ``Activate``: each new subscription's start offset, and retained messages per filter.
+
+    ``reasons`` may refuse individual filters (e.g. NOT_AUTHORIZED); they get
+    that code in the SUBACK and are not subscribed.
+    """
+
+    ref: int
+    starts: dict[str, int]
+    retained: tuple[tuple[str, Message], ...] = ()
+    reasons: dict[str, ReasonCode] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pulled:
+    """Answer to ``Pull``: messages (with ``offset`` set) in queue order, and where the next pull starts."""
+
+    filter: str
+    messages: tuple[Message, ...]
+    next_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueueAdvanced:
+    """Notify: ``queue`` has messages up to (not including) ``max_offset``."""
+
+    queue: str
+    max_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class SocketWritten:
+    """Every ``Deliver`` with ``seq <= up_to`` has been written to the socket."""
+
+    up_to: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLost:
+    """The socket failed or the peer closed it."""
+
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class TakenOver:
+    """Another connection with this client id has connected; this one must go."""
+
+
+@dataclass(frozen=True, slots=True)
+class Timeout:
+    """A timer fired (``Channel.handle_timeout`` builds this)."""
+
+    name: str
+
+
+Action: TypeAlias = (
+    Send | Deliver | Close | ArmTimer | CancelTimer | OpenSession | Append | Activate | Release
+    | CommitOffsets | Pull | PublishWill | SaveSession | DropSession
+)
+Event: TypeAlias = (
+    SessionOpened | Appended | Activated | Pulled | QueueAdvanced | SocketWritten | ConnectionLost | TakenOver
+    | Timeout
+)

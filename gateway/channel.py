@@ -1,0 +1,731 @@
+"""The sans-IO MQTT 3.1.1 / 5.0 server side of one connection: packets and node events in, actions out.
+
+``Channel`` is EMQX's ``emqx_channel`` in the h11 style: it holds protocol
+logic only. Decoded packets go in through ``handle_in``, store and timer
+results through ``handle_event`` / ``handle_timeout``, decoder errors through
+``handle_protocol_error``; each returns the actions (``gateway/actions.py``)
+the node must execute, in order. There is no socket, timer or store here, and
+timers are actions, so the channel is fully testable with plain calls.
+
+Structure:
+
+- the connection state moves only through ``gateway/_state.py``'s table;
+- one ``_process_<packet>`` per packet type in ``_PROCESS``, one ``_on_<event>``
+  per node event in ``_EVENTS``;
+- checks run cheapest first (Mosquitto's ``handle__publish`` order) and raise
+  ``RemoteProtocolError``; ``error_packet`` is the one place that turns an
+  error into a CONNACK or DISCONNECT (MQTT 5) or into a bare close (3.1.1,
+  except CONNACK return codes for CONNECT refusals 3.1.1 has codes for);
+- the session (``gateway/session.py``) owns delivery, packet ids and QoS state.
+
+Acknowledgements of inbound QoS 1/2 messages (PUBACK / PUBREC) are sent only
+when the node reports them stored (``Appended``), which under the sync flush
+policy means durable.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import final
+
+from gateway._state import Closing, Settled, State, next_state
+from gateway.actions import (
+    Action,
+    Activate,
+    Activated,
+    Append,
+    Appended,
+    ArmTimer,
+    CancelTimer,
+    Close,
+    ConnectionLost,
+    DropSession,
+    Event,
+    Message,
+    OpenSession,
+    PublishWill,
+    Pulled,
+    QueueAdvanced,
+    Release,
+    SaveSession,
+    Send,
+    SessionOpened,
+    SocketWritten,
+    Subscription,
+    TakenOver,
+    Timeout,
+)
+from gateway.codec import encode_publish_template
+from gateway.packets import (
+    MQTT_5,
+    MQTT_311,
+    Connack,
+    Connect,
+    Disconnect,
+    Packet,
+    Pingreq,
+    Pingresp,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Subscribe,
+    SubscriptionOptions,
+    Unsuback,
+    Unsubscribe,
+)
+from gateway.properties import EMPTY_PROPERTIES, MAX_UINT16, Properties
+from gateway.reasons import (
+    CONNACK_REASONS,
+    DISCONNECT_REASONS,
+    PUBACK_REASONS,
+    LocalProtocolError,
+    ReasonCode,
+    RemoteProtocolError,
+)
+from gateway.session import Encoder, Link, Session
+from lightqueue.topics import TopicError, is_wildcard, parse_shared, validate_filter, validate_topic
+
+__all__ = ["Channel", "ChannelConfig", "error_packet"]
+
+KEEPALIVE_TIMER = "keepalive"
+"""Fires 1.5 x keep alive after the last packet received ([MQTT-3.1.2-24]); re-armed for the remainder if traffic came."""
+
+COMMIT_TIMER = "commit"
+"""Commits acknowledged offsets at most once per ``commit_interval_s``: offsets are written in batches, not per ack."""
+
+_MAX_EXPIRY = 0xFFFF_FFFF  # Session Expiry Interval 0xFFFFFFFF means "never expires" (section 3.1.2.11.2)
+
+_CONNACK_REFUSALS_311 = frozenset({
+    ReasonCode.UNSUPPORTED_PROTOCOL_VERSION, ReasonCode.CLIENT_IDENTIFIER_NOT_VALID,
+    ReasonCode.BAD_USER_NAME_OR_PASSWORD, ReasonCode.BAD_AUTHENTICATION_METHOD, ReasonCode.NOT_AUTHORIZED,
+    ReasonCode.BANNED, ReasonCode.SERVER_UNAVAILABLE, ReasonCode.SERVER_BUSY,
+})
+"""CONNECT refusals a 3.1.1 CONNACK return code expresses (section 3.2.2.3); any other error closes without a packet."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelConfig:
+    """What the server offers its clients (advertised in the MQTT 5 CONNACK) and the channel's memory bounds.
+
+    ``max_packet_size`` must equal the decoder's limit (the server enforces it
+    on input). ``receive_maximum`` bounds inbound QoS 1/2 messages awaiting
+    acknowledgement; ``default_receive_maximum`` is the outbound window of
+    3.1.1 clients (which cannot say), ``max_inflight`` caps any client's.
+    ``server_keepalive`` None honours the client's keep alive.
+    """
+
+    max_packet_size: int = 1024 * 1024 + 1024
+    receive_maximum: int = 128
+    default_receive_maximum: int = 64
+    max_inflight: int = 1024
+    topic_alias_maximum: int = 64
+    server_keepalive: int | None = None
+    max_session_expiry_s: int = 7 * 24 * 3600
+    session_expiry_311_s: int = 7 * 24 * 3600
+    max_qos: int = 2
+    retain_available: bool = True
+    wildcard_available: bool = True
+    shared_available: bool = True
+    subscription_ids_available: bool = True
+    assigned_id_prefix: str = "lightgate-"
+    pull_batch: int = 64
+    max_unwritten: int = 256
+    commit_interval_s: float = 1.0
+    commit_every: int = 256
+    max_queued_packets: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("receive_maximum", "default_receive_maximum", "max_inflight"):
+            if not 1 <= getattr(self, name) <= MAX_UINT16:
+                raise ValueError(f"{name} must be 1..{MAX_UINT16}, not {getattr(self, name)}")
+        if not 0 <= self.topic_alias_maximum <= MAX_UINT16:
+            raise ValueError(f"topic_alias_maximum must be 0..{MAX_UINT16}, not {self.topic_alias_maximum}")
+        if self.max_qos not in (0, 1, 2):
+            raise ValueError(f"max_qos must be 0, 1 or 2, not {self.max_qos}")
+        if self.server_keepalive is not None and not 0 <= self.server_keepalive <= MAX_UINT16:
+            raise ValueError(f"server_keepalive must be 0..{MAX_UINT16}, not {self.server_keepalive}")
+        for name in ("pull_batch", "max_unwritten", "commit_every", "max_queued_packets", "max_packet_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.commit_interval_s <= 0:
+            raise ValueError(f"commit_interval_s must be positive, not {self.commit_interval_s}")
+
+
+def error_packet(protocol_level: int | None, before_connack: bool, reason: ReasonCode) -> Packet | None:
+    """The packet that tells the client why the server closes, or None to close silently.
+
+    MQTT 5 answers in the CONNACK before the connection is accepted and in a
+    DISCONNECT after; a reason a packet cannot carry becomes UNSPECIFIED_ERROR.
+    MQTT 3.1.1 (and an unknown level, answered in 3.1.1 form as Mosquitto does
+    for unknown protocol versions) only has CONNACK return codes for refusals.
+    """
+    if before_connack:
+        if protocol_level == MQTT_5:
+            return Connack(reason_code=reason if reason in CONNACK_REASONS else ReasonCode.UNSPECIFIED_ERROR)
+        return Connack(reason_code=reason) if reason in _CONNACK_REFUSALS_311 else None
+    if protocol_level == MQTT_5:
+        return Disconnect(reason if reason in DISCONNECT_REASONS else ReasonCode.UNSPECIFIED_ERROR)
+    return None
+
+
+@final
+class Channel:
+    """The protocol state of one client connection (server side).
+
+    Args:
+        config: what the server offers.
+        now: wall-clock seconds (``time.time``); keep alive, born timestamps and message expiry use it.
+        encoder: builds outbound PUBLISH templates; a node may share a caching one between channels.
+
+    Error handling: a peer's protocol error never raises out of ``handle_in``;
+    it becomes the actions that close the connection. ``LocalProtocolError``
+    means the node fed an event the channel did not ask for.
+
+    Resource handling: owns nothing; the node owns the socket and timers and
+    must execute every returned action in order.
+    """
+
+    def __init__(
+        self,
+        config: ChannelConfig = ChannelConfig(),
+        now: Callable[[], float] = time.time,
+        *,
+        encoder: Encoder = encode_publish_template,
+    ) -> None:
+        self.config = config
+        self._now = now
+        self._encoder = encoder
+        self._state = State.AWAIT_CONNECT
+        self._level: int | None = None
+        self._client_id = ""
+        self._assigned: str | None = None
+        self._clean_start = True
+        self._requested_expiry = 0
+        self._expiry = 0
+        self._keepalive = 0
+        self._will: Message | None = None
+        self._will_delay = 0
+        self._session: Session | None = None
+        self._link: Link | None = None
+        self._queued: list[Packet] = []
+        self._pending: dict[int, tuple[int, int]] = {}  # Append ref -> (qos, packet id), acks owed
+        self._storing_qos2: set[int] = set()  # inbound QoS 2 packet ids being appended
+        self._activations: dict[int, tuple[int, list[ReasonCode], list[tuple[int, Subscription]]]] = {}
+        self._next_ref = 0
+        self._aliases_in: dict[int, str] = {}
+        self._last_rx = now()
+        self._timers: set[str] = set()
+        self._awaiting_session = False
+        self._handover = False
+
+    # --- introspection ------------------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def protocol_level(self) -> int:
+        """The level to encode ``Send`` packets at: the client's, or 3.1.1 before a CONNECT was read."""
+        return self._level or MQTT_311
+
+    @property
+    def client_id(self) -> str:
+        """The client identifier (assigned one included); empty before CONNECT."""
+        return self._client_id
+
+    @property
+    def session(self) -> Session | None:
+        return self._session
+
+    @property
+    def keep_alive(self) -> int:
+        """The keep alive in force, in seconds (0: none)."""
+        return self._keepalive
+
+    # --- entry points -------------------------------------------------------------------
+
+    def handle_in(self, packet: Packet) -> list[Action]:
+        """Process one decoded packet from the client. Packets after the close are dropped."""
+        if self._state in (State.DISCONNECTING, State.CLOSED):
+            return []
+        try:
+            self._state = next_state(self._state, type(packet))
+            self._last_rx = self._now()
+            if self._state is State.CONNECTING and type(packet) is not Connect:
+                if len(self._queued) >= self.config.max_queued_packets:
+                    raise RemoteProtocolError(ReasonCode.QUOTA_EXCEEDED, "too many packets before CONNACK")
+                self._queued.append(packet)
+                return []
+            return self._after(_PROCESS[type(packet)](self, packet))
+        except RemoteProtocolError as err:
+            return self.handle_protocol_error(err)
+
+    def handle_event(self, event: Event) -> list[Action]:
+        """Process a result or notification from the node.
+
+        Raises:
+            LocalProtocolError: the event does not fit the channel's state (a node bug).
+        """
+        closing = self._state in (State.DISCONNECTING, State.CLOSED)
+        self._state = next_state(self._state, type(event))
+        if closing and type(event) not in (Appended, SessionOpened):
+            return []
+        try:
+            return self._after(_EVENTS[type(event)](self, event))
+        except RemoteProtocolError as err:
+            return self.handle_protocol_error(err)
+
+    def handle_timeout(self, name: str) -> list[Action]:
+        """A timer armed with ``ArmTimer(name, ...)`` fired."""
+        return self.handle_event(Timeout(name))
+
+    def handle_protocol_error(self, err: RemoteProtocolError, protocol_level: int | None = None) -> list[Action]:
+        """The decoder (or a check here) found the peer breaking the protocol: answer and close.
+
+        Args:
+            protocol_level: the decoder's level, for errors inside a CONNECT (the channel has not seen it).
+        """
+        if self._state in (State.DISCONNECTING, State.CLOSED):
+            return []
+        level = self._level or protocol_level
+        before_connack = self._state in (State.AWAIT_CONNECT, State.CONNECTING)
+        return self._close(
+            err.reason, f"protocol error: {err.message}", packet=error_packet(level, before_connack, err.reason),
+            will=True,
+        )
+
+    # --- closing ------------------------------------------------------------------------
+
+    def _close(
+        self, reason: ReasonCode, log: str, *, packet: Packet | None = None, will: bool = False, handover: bool = False
+    ) -> list[Action]:
+        """Leave the connection: send ``packet``, stop timers, publish the will if due, close, settle the session."""
+        actions: list[Action] = [Send((packet,))] if packet is not None else []
+        actions += [CancelTimer(name) for name in sorted(self._timers)]
+        self._timers.clear()
+        if will and self._state is State.CONNECTED and self._will is not None:
+            actions.append(PublishWill(self._client_id, self._will, self._will_delay_s()))
+        self._will = None
+        self._handover = handover
+        self._state = next_state(self._state, Closing)
+        actions.append(Close(reason, f"client {self._client_id or '?'}: {log}"))
+        return actions + self._settle()
+
+    def _will_delay_s(self) -> int:
+        # The will goes when its delay passes or the session ends, whichever is first (section 3.1.3.2.2).
+        return min(self._will_delay, self._expiry)
+
+    def _settle(self) -> list[Action]:
+        """Once no store result the session depends on is outstanding: hand over, save or end the session."""
+        if self._state is not State.DISCONNECTING or self._pending or self._awaiting_session:
+            return []
+        self._state = next_state(self._state, Settled)
+        session = self._session
+        if session is None:
+            return []
+        session.detach()
+        if self._handover:
+            return [*session.commit(), SaveSession(session.state())]
+        if session.persistent:
+            return [*session.commit(), *session.save()]
+        filters = tuple(session.subscriptions)
+        return ([Release(self._client_id, filters)] if filters else []) + [DropSession(self._client_id)]
+
+    def _after(self, actions: list[Action]) -> list[Action]:
+        """Batch offset commits: at ``commit_every`` acks, else on the commit timer."""
+        session = self._session
+        if self._state is State.CONNECTED and session is not None and session.commit_pending:
+            if session.commit_due():
+                actions += session.commit()
+            elif COMMIT_TIMER not in self._timers:
+                self._timers.add(COMMIT_TIMER)
+                actions.append(ArmTimer(COMMIT_TIMER, self.config.commit_interval_s))
+        return actions
+
+    def _save(self) -> list[Action]:
+        assert self._session is not None
+        return self._session.save(self._will, self._will_delay)
+
+    def _now_ms(self) -> int:
+        return int(self._now() * 1000)
+
+    # --- packets ------------------------------------------------------------------------
+
+    def _refuse(self, reason: ReasonCode, log: str) -> list[Action]:
+        return self._close(reason, f"connection refused: {log}", packet=error_packet(self._level, True, reason))
+
+    def _process_connect(self, packet: Connect) -> list[Action]:
+        config = self.config
+        self._level = level = packet.protocol_level
+        props = packet.properties
+        if props.authentication_method is not None:
+            return self._refuse(ReasonCode.BAD_AUTHENTICATION_METHOD, "enhanced authentication is not offered")
+        client_id = packet.client_id
+        if not client_id:
+            if level == MQTT_311 and not packet.clean_start:
+                return self._refuse(ReasonCode.CLIENT_IDENTIFIER_NOT_VALID,
+                                    "empty client id with clean session 0 [MQTT-3.1.3-8]")
+            client_id = config.assigned_id_prefix + uuid.uuid4().hex
+            self._assigned = client_id if level == MQTT_5 else None
+        self._client_id = client_id
+        if packet.will_topic is not None:
+            try:
+                validate_topic(packet.will_topic)
+            except TopicError as exc:
+                return self._refuse(ReasonCode.TOPIC_NAME_INVALID, f"will topic: {exc}")
+            if packet.will_qos > config.max_qos:
+                return self._refuse(ReasonCode.QOS_NOT_SUPPORTED, f"will QoS {packet.will_qos}")
+            if packet.will_retain and not config.retain_available:
+                return self._refuse(ReasonCode.RETAIN_NOT_SUPPORTED, "will retain")
+            will_props = packet.will_properties
+            self._will_delay = will_props.will_delay_interval or 0
+            if will_props.will_delay_interval is not None:
+                will_props = replace(will_props, will_delay_interval=None)
+            self._will = Message(packet.will_topic, packet.will_payload, packet.will_qos, packet.will_retain,
+                                 will_props, client_id, self._now_ms())
+        if level == MQTT_5:
+            self._requested_expiry = props.session_expiry_interval or 0
+            self._expiry = min(self._requested_expiry, config.max_session_expiry_s)
+            keepalive = config.server_keepalive if config.server_keepalive is not None else packet.keep_alive
+            receive_maximum = props.receive_maximum or MAX_UINT16
+        else:
+            self._expiry = self._requested_expiry = 0 if packet.clean_start else config.session_expiry_311_s
+            keepalive = packet.keep_alive
+            receive_maximum = config.default_receive_maximum
+        self._keepalive = keepalive
+        self._clean_start = packet.clean_start
+        self._link = Link(
+            protocol_level=level,
+            receive_maximum=min(receive_maximum, config.max_inflight),
+            max_packet_size=props.maximum_packet_size,
+            topic_alias_maximum=props.topic_alias_maximum or 0,
+            pull_batch=config.pull_batch,
+            max_unwritten=config.max_unwritten,
+            commit_every=config.commit_every,
+            encoder=self._encoder,
+            now_ms=self._now_ms,
+        )
+        self._awaiting_session = True
+        return [OpenSession(client_id, packet.clean_start, self._expiry, packet.username, packet.password)]
+
+    def _connack_properties(self) -> Properties:
+        config = self.config
+        if self._level != MQTT_5:
+            return EMPTY_PROPERTIES
+        fields: dict[str, object] = {
+            "receive_maximum": config.receive_maximum,
+            "maximum_packet_size": config.max_packet_size,
+            "topic_alias_maximum": config.topic_alias_maximum,
+        }
+        if self._assigned is not None:
+            fields["assigned_client_identifier"] = self._assigned
+        if self._expiry != self._requested_expiry:
+            fields["session_expiry_interval"] = self._expiry
+        if config.server_keepalive is not None:
+            fields["server_keep_alive"] = config.server_keepalive
+        if config.max_qos < 2:
+            fields["maximum_qos"] = config.max_qos
+        for name, available in (
+            ("retain_available", config.retain_available),
+            ("wildcard_subscription_available", config.wildcard_available),
+            ("subscription_identifier_available", config.subscription_ids_available),
+            ("shared_subscription_available", config.shared_available),
+        ):
+            if not available:
+                fields[name] = False
+        return Properties(**fields)  # type: ignore[arg-type]
+
+    def _process_publish(self, packet: Publish) -> list[Action]:
+        config = self.config
+        session = self._session
+        assert session is not None
+        qos = packet.qos
+        pid = packet.packet_id
+        if qos > config.max_qos:
+            raise RemoteProtocolError(ReasonCode.QOS_NOT_SUPPORTED, f"PUBLISH QoS {qos} exceeds maximum QoS")
+        if packet.retain and not config.retain_available:
+            raise RemoteProtocolError(ReasonCode.RETAIN_NOT_SUPPORTED, "PUBLISH with RETAIN set")
+        if qos == 2:
+            if pid in session.awaiting_rel:
+                return [Send((Pubrec(pid),))]  # a resend of a stored message: acknowledge, do not store again
+            if pid in self._storing_qos2:
+                return []  # a resend while the first copy is being stored: its PUBREC follows
+        topic = packet.topic
+        props = packet.properties
+        alias = props.topic_alias
+        if alias is not None:
+            if alias > config.topic_alias_maximum:
+                raise RemoteProtocolError(ReasonCode.TOPIC_ALIAS_INVALID, f"topic alias {alias} exceeds the maximum")
+            if topic:
+                self._aliases_in[alias] = topic
+            elif alias in self._aliases_in:
+                topic = self._aliases_in[alias]
+            else:
+                raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, f"topic alias {alias} is not mapped")
+            props = replace(props, topic_alias=None)
+        try:
+            validate_topic(topic)
+        except TopicError as exc:
+            raise RemoteProtocolError(ReasonCode.TOPIC_NAME_INVALID, str(exc)) from None
+        if qos and self._level == MQTT_5 and len(self._pending) + len(session.awaiting_rel) >= config.receive_maximum:
+            raise RemoteProtocolError(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED,
+                                      f"more than {config.receive_maximum} unacknowledged QoS 1/2 PUBLISHes")
+        message = Message(topic, packet.payload, qos, packet.retain, props, self._client_id, self._now_ms())
+        if not qos:
+            return [Append(None, (message,))]
+        self._next_ref += 1
+        self._pending[self._next_ref] = (qos, pid)  # type: ignore[assignment]
+        if qos == 2:
+            self._storing_qos2.add(pid)  # type: ignore[arg-type]
+        return [Append(self._next_ref, (message,))]
+
+    def _process_puback(self, packet: Puback) -> list[Action]:
+        return self._session.puback(packet.packet_id)  # type: ignore[union-attr]
+
+    def _process_pubrec(self, packet: Pubrec) -> list[Action]:
+        return self._session.pubrec(packet.packet_id, packet.reason_code)  # type: ignore[union-attr]
+
+    def _process_pubcomp(self, packet: Pubcomp) -> list[Action]:
+        return self._session.pubcomp(packet.packet_id)  # type: ignore[union-attr]
+
+    def _process_pubrel(self, packet: Pubrel) -> list[Action]:
+        session = self._session
+        assert session is not None
+        pid = packet.packet_id
+        if pid in session.awaiting_rel:
+            session.awaiting_rel.discard(pid)
+            return [*self._save(), Send((Pubcomp(pid),))]
+        if self._level == MQTT_5:
+            return [Send((Pubcomp(pid, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND),))]
+        return [Send((Pubcomp(pid),))]  # 3.1.1 has no reason: complete the flow anyway
+
+    def _check_subscription(
+        self, filter: str, options: SubscriptionOptions, sub_id: int | None
+    ) -> Subscription | ReasonCode:
+        """The subscription a SUBSCRIBE entry asks for, or the SUBACK reason refusing it."""
+        config = self.config
+        try:
+            shared = parse_shared(filter)
+            if shared is None:
+                validate_filter(filter)
+        except TopicError:
+            return ReasonCode.TOPIC_FILTER_INVALID
+        group, queue = shared if shared is not None else (None, filter)
+        if group is not None:
+            if not config.shared_available:
+                return ReasonCode.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED
+            if options.no_local and self._level == MQTT_5:
+                raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR,
+                                          f"No Local on shared subscription {filter!r} [MQTT-3.8.3-4]")
+        if is_wildcard(queue) and not config.wildcard_available:
+            return ReasonCode.WILDCARD_SUBSCRIPTIONS_NOT_SUPPORTED
+        if options.qos > config.max_qos:
+            options = replace(options, qos=config.max_qos)
+        return Subscription(filter, queue, options, sub_id, group)
+
+    def _process_subscribe(self, packet: Subscribe) -> list[Action]:
+        session = self._session
+        assert session is not None
+        ids = packet.properties.subscription_identifiers
+        if ids and not self.config.subscription_ids_available:
+            raise RemoteProtocolError(ReasonCode.SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED,
+                                      "SUBSCRIBE with a subscription identifier")
+        sub_id = ids[0] if ids else None
+        existing = session.subscriptions
+        codes: list[ReasonCode] = []
+        wanted: list[tuple[int, Subscription]] = []
+        retained: list[str] = []
+        for index, (filter, options) in enumerate(packet.subscriptions):
+            checked = self._check_subscription(filter, options, sub_id)
+            if isinstance(checked, ReasonCode):
+                codes.append(checked)
+                continue
+            codes.append(ReasonCode(checked.options.qos))
+            wanted.append((index, checked))
+            handling = checked.options.retain_handling
+            if checked.group is None and (handling == 0 or (handling == 1 and filter not in existing)):
+                retained.append(filter)
+        if not wanted:
+            return [Send((Suback(packet.packet_id, tuple(codes)),))]
+        self._next_ref += 1
+        self._activations[self._next_ref] = (packet.packet_id, codes, wanted)
+        subs = tuple(sub for _, sub in wanted)
+        return [Activate(self._next_ref, self._client_id, subs, tuple(retained))]
+
+    def _process_unsubscribe(self, packet: Unsubscribe) -> list[Action]:
+        session = self._session
+        assert session is not None
+        codes: list[ReasonCode] = []
+        released: list[str] = []
+        for filter in packet.topic_filters:
+            try:
+                if parse_shared(filter) is None:
+                    validate_filter(filter)
+            except TopicError:
+                codes.append(ReasonCode.TOPIC_FILTER_INVALID)
+                continue
+            if session.unsubscribe(filter):
+                codes.append(ReasonCode.SUCCESS)
+                released.append(filter)
+            else:
+                codes.append(ReasonCode.NO_SUBSCRIPTION_EXISTED)
+        actions: list[Action] = [Release(self._client_id, tuple(released)), *self._save()] if released else []
+        reasons = tuple(codes) if self._level == MQTT_5 else ()
+        return [*actions, Send((Unsuback(packet.packet_id, reasons),))]
+
+    def _process_pingreq(self, packet: Pingreq) -> list[Action]:
+        return [Send((Pingresp(),))]
+
+    def _process_disconnect(self, packet: Disconnect) -> list[Action]:
+        expiry = packet.properties.session_expiry_interval
+        if expiry is not None:
+            if self._requested_expiry == 0 and expiry > 0:
+                raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR,
+                                          "session expiry set at DISCONNECT after 0 at CONNECT [MQTT-3.14.2-2]")
+            self._expiry = min(expiry, self.config.max_session_expiry_s)
+            self._session.expiry_s = self._expiry  # type: ignore[union-attr]
+        with_will = packet.reason_code is ReasonCode.DISCONNECT_WITH_WILL_MESSAGE
+        return self._close(packet.reason_code, f"client disconnected ({packet.reason_code.name})", will=with_will)
+
+    # --- node events --------------------------------------------------------------------
+
+    def _on_session_opened(self, event: SessionOpened) -> list[Action]:
+        if not self._awaiting_session:
+            raise LocalProtocolError("SessionOpened without an OpenSession")
+        self._awaiting_session = False
+        closing = self._state is State.DISCONNECTING
+        if event.reason.is_failure:
+            return self._settle() if closing else self._refuse(event.reason, "by the node")
+        state = event.state if event.present and not self._clean_start else None
+        self._session = session = Session(self._client_id, self._expiry, state)
+        if closing:
+            return self._settle()
+        assert self._link is not None
+        actions: list[Action] = [Send((Connack(state is not None, ReasonCode.SUCCESS, self._connack_properties()),))]
+        if self._keepalive:
+            self._timers.add(KEEPALIVE_TIMER)
+            actions.append(ArmTimer(KEEPALIVE_TIMER, self._keepalive * 1.5))
+        actions += session.attach(self._link)
+        queued, self._queued = self._queued, []
+        for packet in queued:
+            actions += self.handle_in(packet)
+        return actions
+
+    def _on_appended(self, event: Appended) -> list[Action]:
+        try:
+            qos, pid = self._pending.pop(event.ref)
+        except KeyError:
+            raise LocalProtocolError(f"Appended for unknown ref {event.ref}") from None
+        session = self._session
+        assert session is not None
+        closing = self._state is not State.CONNECTED
+        if qos == 2:
+            self._storing_qos2.discard(pid)
+        if event.ok:
+            if qos == 2:
+                session.awaiting_rel.add(pid)
+                if closing:
+                    return self._settle()
+                return [*self._save(), Send((Pubrec(pid),))]
+            return self._settle() if closing else [Send((Puback(pid),))]
+        if closing:
+            return self._settle()
+        if self._level == MQTT_5:
+            reason = event.reason if event.reason.is_failure and event.reason in PUBACK_REASONS else \
+                ReasonCode.UNSPECIFIED_ERROR
+            return [Send(((Puback if qos == 1 else Pubrec)(pid, reason),))]
+        return self._close(event.reason, f"message not stored ({event.reason.name}); 3.1.1 cannot refuse it")
+
+    def _on_activated(self, event: Activated) -> list[Action]:
+        try:
+            packet_id, codes, wanted = self._activations.pop(event.ref)
+        except KeyError:
+            raise LocalProtocolError(f"Activated for unknown ref {event.ref}") from None
+        session = self._session
+        assert session is not None
+        refused = event.reasons or {}
+        existing = session.subscriptions
+        subscribed = set()
+        for index, sub in wanted:
+            reason = refused.get(sub.filter)
+            if reason is not None:
+                codes[index] = reason
+                continue
+            if sub.filter not in existing and sub.filter not in event.starts:
+                raise LocalProtocolError(f"Activated without a start offset for {sub.filter!r}")
+            session.subscribe(sub, event.starts.get(sub.filter, 0))
+            subscribed.add(sub.filter)
+        actions: list[Action] = [*self._save(), Send((Suback(packet_id, tuple(codes)),))]
+        retained = tuple(pair for pair in event.retained if pair[0] in subscribed)
+        return actions + session.retained(retained)
+
+    def _on_pulled(self, event: Pulled) -> list[Action]:
+        return self._session.pulled(event.filter, event.messages, event.next_offset)  # type: ignore[union-attr]
+
+    def _on_queue_advanced(self, event: QueueAdvanced) -> list[Action]:
+        if self._session is None:
+            return []  # not connected yet: the session pulls from its cursor once attached
+        return self._session.queue_advanced(event.queue, event.max_offset)
+
+    def _on_socket_written(self, event: SocketWritten) -> list[Action]:
+        return self._session.written(event.up_to)  # type: ignore[union-attr]
+
+    def _on_connection_lost(self, event: ConnectionLost) -> list[Action]:
+        return self._close(ReasonCode.UNSPECIFIED_ERROR, f"connection lost: {event.error}", will=True)
+
+    def _on_taken_over(self, event: TakenOver) -> list[Action]:
+        packet = Disconnect(ReasonCode.SESSION_TAKEN_OVER) if self._level == MQTT_5 else None
+        return self._close(ReasonCode.SESSION_TAKEN_OVER, "session taken over by a new connection", packet=packet,
+                           will=True, handover=True)
+
+    def _on_timeout(self, event: Timeout) -> list[Action]:
+        if event.name not in self._timers:
+            return []  # cancelled while the timer was firing
+        self._timers.discard(event.name)
+        if event.name == COMMIT_TIMER:
+            return self._session.commit() if self._session is not None else []
+        if event.name == KEEPALIVE_TIMER:
+            limit = self._keepalive * 1.5
+            idle = self._now() - self._last_rx
+            if idle >= limit:
+                packet = Disconnect(ReasonCode.KEEP_ALIVE_TIMEOUT) if self._level == MQTT_5 else None
+                return self._close(ReasonCode.KEEP_ALIVE_TIMEOUT,
+                                   f"nothing received for {idle:.1f} s (keep alive {self._keepalive} s)",
+                                   packet=packet, will=True)
+            self._timers.add(KEEPALIVE_TIMER)
+            return [ArmTimer(KEEPALIVE_TIMER, limit - idle)]
+        raise LocalProtocolError(f"unknown timer {event.name!r}")
+
+
+_PROCESS: dict[type, Callable[[Channel, Packet], list[Action]]] = {  # type: ignore[dict-item]
+    Connect: Channel._process_connect,
+    Publish: Channel._process_publish,
+    Puback: Channel._process_puback,
+    Pubrec: Channel._process_pubrec,
+    Pubrel: Channel._process_pubrel,
+    Pubcomp: Channel._process_pubcomp,
+    Subscribe: Channel._process_subscribe,
+    Unsubscribe: Channel._process_unsubscribe,
+    Pingreq: Channel._process_pingreq,
+    Disconnect: Channel._process_disconnect,
+}
+"""One handler per packet type the state table lets through (AUTH never is: enhanced auth is not offered)."""
+
+_EVENTS: dict[type, Callable[[Channel, Event], list[Action]]] = {  # type: ignore[dict-item]
+    SessionOpened: Channel._on_session_opened,
+    Appended: Channel._on_appended,
+    Activated: Channel._on_activated,
+    Pulled: Channel._on_pulled,
+    QueueAdvanced: Channel._on_queue_advanced,
+    SocketWritten: Channel._on_socket_written,
+    ConnectionLost: Channel._on_connection_lost,
+    TakenOver: Channel._on_taken_over,
+    Timeout: Channel._on_timeout,
+}
