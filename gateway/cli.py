@@ -28,10 +28,10 @@ BENCHMARKS = {
 
 
 def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
-    from store.node import run_store_node
+    from gateway.node import run_gateway_node
 
     LOG.info("starting embedded node", extra={"ctx": {"data": conf["node.data"]}})
-    return run_store_node(conf)
+    return run_gateway_node(conf)
 
 
 def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:

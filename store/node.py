@@ -4,7 +4,11 @@
 CommitLog outlives the dispatcher that reads it; the database outlives the
 light queues) and tears them down in reverse, flushing each, so a clean
 shutdown leaves nothing to recover or re-dispatch. ``run_store_node`` is what
-``lightgate store`` (and, until the gateway exists, ``lightgate serve``) runs.
+``lightgate store`` runs; ``lightgate serve`` embeds ``open_store`` (gateway/node.py).
+
+The node also keeps the gateway's persistent session state as opaque blobs
+(``save_session`` / ``load_session`` / ``drop_session``) in the column family
+``sessions``: the store knows nothing of MQTT, it only makes the blobs durable.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, Sequence
 
+import rocksdict
 import trio
 
 from lightqueue.queues import LightQueues, PullResult
@@ -28,7 +33,11 @@ from store.tasks import background
 
 LOGGER = logging.getLogger(__name__)
 
-__all__ = ["StoreNode", "open_store", "run_store_node"]
+__all__ = ["SESSIONS_FAMILY", "StoreNode", "open_store", "run_store_node", "until_signalled"]
+
+SESSIONS_FAMILY = "sessions"
+"""Its own column family: the light queues own every key of the default family, and session
+blobs are written with the WAL (they have no other source), unlike the index batches."""
 
 
 @dataclass(eq=False)
@@ -43,6 +52,7 @@ class StoreNode:
     log: AsyncCommitLog
     queues: LightQueues
     dispatcher: Dispatcher
+    sessions: rocksdict.Rdict  # the SESSIONS_FAMILY column family: client id (UTF-8) -> session blob
 
     async def append(self, topic: str, payload: bytes, *, durable: bool | None = None, **fields: Any) -> int:
         """Append one message with its target queues fixed now, and wake the dispatcher.
@@ -76,6 +86,21 @@ class StoreNode:
             self.queues.pull, queue, from_offset, max_count, max_bytes, self.log.log, _decode
         )
 
+    def save_session(self, client_id: str, blob: bytes) -> None:
+        """Keep a session blob durably (WAL write): it must survive a process crash as written."""
+        self.sessions.put(client_id.encode(), blob, _WAL)
+
+    def load_session(self, client_id: str) -> bytes | None:
+        """The blob last saved for ``client_id``, or None."""
+        return self.sessions.get(client_id.encode())
+
+    def drop_session(self, client_id: str) -> None:
+        """Forget the blob of ``client_id`` (a no-op if there is none)."""
+        self.sessions.delete(client_id.encode(), _WAL)
+
+
+_WAL = rocksdict.WriteOptions()  # session blobs have no other source: write them through the WAL
+
 
 def _decode(raw: bytes, offset: int) -> Record:
     return decode_record(raw, 0, offset)
@@ -96,17 +121,34 @@ async def open_store(
         try:
             queues = LightQueues(db)
             dispatcher = Dispatcher(alog.log, queues, listener)
+            node = StoreNode(data, alog, queues, dispatcher, _open_family(db, SESSIONS_FAMILY))
             try:
                 async with background(dispatcher.run):
-                    yield StoreNode(data, alog, queues, dispatcher)
+                    yield node
             finally:
-                await trio.to_thread.run_sync(dispatcher.close)
+                with trio.CancelScope(shield=True):  # a cancelled node (SIGTERM) still shuts down cleanly
+                    await trio.to_thread.run_sync(dispatcher.close)
+                node.sessions.close()  # a family handle keeps the database open
         finally:
-            await trio.to_thread.run_sync(db.close)
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(db.close)
 
 
-async def _until_signalled() -> None:
+def _open_family(db: rocksdict.Rdict, name: str) -> rocksdict.Rdict:
+    """The column family ``name`` of ``db``, created on first use."""
+    if name in rocksdict.Rdict.list_cf(db.path()):
+        return db.get_column_family(name)
+    return db.create_column_family(name, rocksdict.Options(raw_mode=True))
+
+
+async def until_signalled(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Return on the first SIGINT or SIGTERM (logged): how node processes learn to shut down.
+
+    ``task_status.started`` is called once the signals are caught, so a node
+    started with ``nursery.start`` can log "ready" without a SIGTERM race.
+    """
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
         async for signum in signals:
             LOGGER.info("shutting down", extra={"ctx": {"signal": signal.Signals(signum).name}})
             return
@@ -116,12 +158,13 @@ async def serve_store(settings: Mapping[str, Any]) -> None:
     """Run a store node until SIGINT or SIGTERM, then shut down cleanly."""
     data = Path(settings["node.data"])
     async with open_store(data, CommitLogConfig.from_settings(settings)) as node:
-        LOGGER.info(
-            "store node ready",
-            extra={"ctx": {"data": str(data), "written_offset": node.log.log.written_offset,
-                           "dispatched_offset": node.dispatcher.dispatched_offset}},
-        )
-        await _until_signalled()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(until_signalled)
+            LOGGER.info(
+                "store node ready",
+                extra={"ctx": {"data": str(data), "written_offset": node.log.log.written_offset,
+                               "dispatched_offset": node.dispatcher.dispatched_offset}},
+            )
     LOGGER.info("store node stopped")
 
 

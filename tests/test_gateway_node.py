@@ -1,0 +1,98 @@
+"""The embedded node in-process: session blobs in the store, session encoding, session expiry over real sockets."""
+
+import logging
+
+import msgspec
+import pytest
+import trio
+
+from gateway.actions import InFlight, Message, Phase, Subscription
+from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.config import OPTIONS
+from gateway.node import decode_session, encode_session, serve_gateway
+from gateway.packets import MQTT_5, Connack, Connect, Disconnect, Suback, Subscribe, SubscriptionOptions
+from gateway.properties import Properties
+from gateway.reasons import ReasonCode
+from gateway.session import SessionState
+from store.commitlog import CommitLogConfig
+from store.node import open_store
+
+DEFAULTS = {o.key: o.default for o in OPTIONS}
+
+
+async def test_session_blobs_are_durable_and_droppable(tmp_path):
+    async with open_store(tmp_path, CommitLogConfig()) as store:
+        store.save_session("kept", b"one")
+        store.save_session("kept", b"two")  # the latest wins
+        store.save_session("dropped", b"x")
+        store.drop_session("dropped")
+        store.drop_session("never-saved")  # harmless
+    async with open_store(tmp_path, CommitLogConfig()) as store:
+        assert store.load_session("kept") == b"two"
+        assert store.load_session("dropped") is None
+
+
+def test_session_state_round_trips_through_its_blob():
+    state = SessionState(
+        "dev-1", 3600, (Subscription("a/+", "a/+", SubscriptionOptions(qos=2)),), {"a/+": 3}, {"a/+": 5},
+        frozenset({7}), (InFlight(9, "a/+", 4, 2, Phase.RELEASED),), 10,
+        Message("dead/dev-1", b"bye", 1, False, Properties(message_expiry_interval=60)), 5,
+    )
+    assert decode_session(encode_session(state)) == state
+    with pytest.raises(msgspec.DecodeError):
+        decode_session(b"\x93not a session")
+
+
+class RawClient:
+    """An MQTT 5 client over a trio socket, using the project's own codec."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.decoder = MqttDecoder(role=Role.CLIENT, protocol_level=MQTT_5)
+
+    async def send(self, packet) -> None:
+        await self.stream.send_all(encode(packet, MQTT_5))
+
+    async def receive(self):
+        while (packet := self.decoder.next_packet()) is NEED_DATA:
+            data = await self.stream.receive_some(65536)
+            assert data, "the server closed the connection"
+            self.decoder.feed(data)
+        return packet
+
+
+async def test_session_expires_after_disconnect_and_releases_its_filter(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    settings = {**DEFAULTS, "node.data": str(tmp_path), "node.port": 0}
+    async with trio.open_nursery() as nursery:
+        host, port = await nursery.start(serve_gateway, settings)
+        client = RawClient(await trio.open_tcp_stream(host, port))
+        await client.send(Connect(client_id="exp", clean_start=False, properties=Properties(session_expiry_interval=1)))
+        connack = await client.receive()
+        assert isinstance(connack, Connack) and not connack.session_present
+        await client.send(Subscribe(1, (("exp/+/x", SubscriptionOptions(qos=1)),)))
+        assert isinstance(await client.receive(), Suback)
+        await client.send(Disconnect())
+        await client.stream.aclose()
+        with trio.fail_after(10):
+            while "session expired" not in caplog.text:  # the expiry timer runs after the close
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    async with open_store(tmp_path, CommitLogConfig()) as store:
+        assert store.load_session("exp") is None
+        assert store.queues.holders("exp/+/x") == []
+
+
+async def test_mqtt5_protocol_error_is_answered_with_a_disconnect_before_the_close(tmp_path):
+    settings = {**DEFAULTS, "node.data": str(tmp_path), "node.port": 0}
+    async with trio.open_nursery() as nursery:
+        host, port = await nursery.start(serve_gateway, settings)
+        client = RawClient(await trio.open_tcp_stream(host, port))
+        await client.send(Connect(client_id="bad5"))
+        assert isinstance(await client.receive(), Connack)
+        await client.stream.send_all(b"\x36\x00")  # PUBLISH with QoS 3: malformed
+        disconnect = await client.receive()
+        assert isinstance(disconnect, Disconnect) and disconnect.reason_code is ReasonCode.MALFORMED_PACKET
+        with trio.fail_after(10):
+            assert await client.stream.receive_some(1) == b""  # then the server closes
+        nursery.cancel_scope.cancel()
