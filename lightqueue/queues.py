@@ -10,28 +10,31 @@ Where a record goes (decided by the appender and dispatcher together):
 - its exact-topic queue, named by the topic;
 - its first-level queue ``<first level>/#``, the queue of that filter, which is
   implicitly always active (server-side consumers read it like a classic topic);
-- every other active wildcard filter listed in the record's target-queues
-  section (:meth:`LightQueues.targets` computes it at append time) and active
-  at the record's offset.
+- every other active wildcard filter whose queue id is listed in the record's
+  target-queues section (:meth:`LightQueues.targets` computes it at append
+  time) and that is active at the record's offset.
 
 Durability: index batches (entries, max offsets, dispatch checkpoint) are
 written without the WAL, one write batch per dispatch batch, so whatever a crash
 leaves is a consistent prefix that re-dispatch from the checkpoint extends with
 identical entries. State with no other source (queue ids, filter activations and
-holders, consumer offsets, retention) is written with the WAL. Retention
-flushes the memtable first, so its WAL'd range deletes never sit on top of index
-writes a crash could still lose; a released filter's queue is deleted whole.
-A listed filter is indexed only if it is active and was activated at or before
-the record's offset, so re-dispatch agrees with the original dispatch even
-across a release and re-activation. See docs/storage.md, "Light-queue index (RocksDB)".
+holders, consumer offsets, retention) is written with the WAL; a filter's queue
+id is allocated in the same write as its activation. Retention flushes the
+memtable first, so its WAL'd range deletes never sit on top of index writes a
+crash could still lose; a released filter's queue is deleted whole, id included.
+A listed id is indexed only if it is the id of an active filter activated at or
+before the record's offset; an id whose queue is gone is skipped, and a
+re-activated filter gets a new id. So re-dispatch agrees with the original
+dispatch even across a release and re-activation. See docs/storage.md,
+"Light-queue index (RocksDB)".
 
 Concurrency: one dispatcher thread calls :meth:`index`; other threads may pull,
 activate, release and commit offsets at the same time. Changes to queue state
 (index batches, retention, queue removal, id allocation) are serialised by one
-lock, which :meth:`release` and :meth:`delete_owner` may wait for for the
-length of a dispatch batch: from async code call them in a worker thread
-(``Dispatcher.release`` does).
-:meth:`targets` and :meth:`activate` are meant for the appender's thread.
+lock, which :meth:`activate` (of a filter's first holder), :meth:`release` and
+:meth:`delete_owner` may wait for for the length of a dispatch batch: from
+async code call them in a worker thread (``Dispatcher.activate`` and
+``Dispatcher.release`` do). :meth:`targets` is meant for the appender's thread.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import rocksdict
 
 from lightqueue import keys
 from lightqueue.filters import FilterIndex
-from lightqueue.targets import encode_queues
+from lightqueue.targets import MAX_QUEUE_ID, encode_queues
 from lightqueue.topics import first_level_queue, is_wildcard, validate_filter
 
 __all__ = ["IndexRecord", "LightQueues", "LightQueuesStatistics", "LogReader", "PullResult"]
@@ -83,7 +86,7 @@ class IndexRecord(Protocol):
     size: int
     store_ms: int
     topic: str
-    queues: tuple[str, ...]
+    queues: tuple[int, ...]  # queue ids of the target-queues section
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,17 @@ class LightQueuesStatistics:
     cached_targets: int
     entries_indexed: int  # since this process opened the index
     queues_removed: int  # by release or retention, since open
+
+
+class _Filter:
+    """An active wildcard filter: its name, its queue id and the CommitLog offset it is active since."""
+
+    __slots__ = ("name", "qid", "since")
+
+    def __init__(self, name: str, qid: int, since: int) -> None:
+        self.name = name
+        self.qid = qid
+        self.since = since
 
 
 class _Queue:
@@ -150,7 +164,8 @@ class LightQueues:
         self._queues: dict[str, _Queue] = {}
         self._targets: dict[str, bytes] = {}
         self._filters = FilterIndex()
-        self._since: dict[str, int] = {}
+        self._active: dict[str, _Filter] = {}  # by filter name
+        self._active_ids: dict[int, _Filter] = {}  # the same, by queue id
         self._entries_indexed = 0
         self._queues_removed = 0
         raw = db.get(keys.CHECKPOINT)
@@ -161,8 +176,10 @@ class LightQueues:
         self._next_id = keys.U64.unpack(raw)[0] if raw else 1
         for key, value in self._scan(b"A"):
             name = key[1:].decode()
-            self._since[name] = keys.U64.unpack(value)[0]
-            self._filters.add(name)
+            state = self._load(name)
+            if state is None:
+                raise RuntimeError(f"active filter {name!r} has no queue id: the index database is inconsistent")
+            self._add_active(_Filter(name, state.qid, keys.U64.unpack(value)[0]))
 
     # -- queue names -----------------------------------------------------------------
 
@@ -209,15 +226,22 @@ class LightQueues:
     def targets(self, topic: str) -> bytes:
         """The encoded target-queues section for a record on ``topic`` (``b""`` if none).
 
-        The active wildcard filters matching the topic, except the implicit
-        first-level filter (``a/#`` for ``a/...``), which dispatch always indexes.
-        The topic must be valid (lightqueue.topics.validate_topic). Cached per topic.
+        The queue ids of the active wildcard filters matching the topic, except
+        the implicit first-level filter (``a/#`` for ``a/...``), which dispatch
+        always indexes. Never allocates: a filter's id exists from its
+        activation. The topic must be valid (lightqueue.topics.validate_topic).
+        Cached per topic.
         """
         cache = self._targets
         section = cache.get(topic)
         if section is None:
             found = self._filters.match(topic)
-            section = encode_queues(sorted(found)) if found else _EMPTY
+            if found:
+                active = self._active
+                # .get: a filter released since the match is no longer listed (dispatch would skip it).
+                section = encode_queues(f.qid for f in map(active.get, found) if f is not None)
+            else:
+                section = _EMPTY
             if len(cache) >= TARGET_CACHE_SIZE:
                 del cache[next(iter(cache))]
             cache[topic] = section
@@ -226,11 +250,13 @@ class LightQueues:
     def activate(self, filter: str, holder: str, log_offset: int) -> int:
         """Make ``holder`` (a session or consumer group) hold ``filter``; durable on return.
 
-        The first holder of a wildcard filter starts its indexing: every record
-        at or after CommitLog offset ``log_offset`` (pass the log's written
-        offset, read *before* this call) that the appender matched to the
-        filter is indexed into the filter's queue. Exact filters and ``a/#`` are
-        always indexed; holding them keeps their queues from being removed.
+        The first holder of a wildcard filter starts its indexing: its queue id
+        is allocated (in the same durable write), and every record at or after
+        CommitLog offset ``log_offset`` (pass the log's written offset, read
+        *before* this call) that the appender matched to the filter is indexed
+        into the filter's queue. Exact filters and ``a/#`` are always indexed;
+        holding them keeps their queues from being removed. The first holder
+        may wait for a dispatch batch (the lock), later ones do not.
 
         Returns:
             the queue's current max offset: the subscription's start once
@@ -238,19 +264,32 @@ class LightQueues:
 
         Raises:
             TopicError: the filter is not a valid MQTT topic filter.
+            ValueError: the filter's queue id does not fit a target-queues
+                section (more than MAX_QUEUE_ID queues were ever allocated).
         """
         validate_filter(filter)
         batch = rocksdict.WriteBatch(raw_mode=True)
         batch.put(keys.holder_key(filter, holder), _EMPTY)
         batch.put(keys.held_by_key(holder, filter), _EMPTY)
-        indexed = is_wildcard(filter) and not is_implicit(filter)
-        if indexed and filter not in self._since:
-            batch.put(keys.active_key(filter), keys.U64.pack(log_offset))
+        if not is_wildcard(filter) or is_implicit(filter) or filter in self._active:
+            self._db.write(batch, self._wal)
+            return self.max_offset(filter)
+        with self._lock:
+            if filter not in self._active:  # re-checked: another thread may have activated it meanwhile
+                batch.put(keys.active_key(filter), keys.U64.pack(log_offset))
+                state = self._state(filter) or self._allocate(filter, batch)
+                if state.qid > MAX_QUEUE_ID:
+                    self._reset_cache()
+                    raise ValueError(f"queue id {state.qid} of filter {filter!r} does not fit a target-queues section")
+                try:
+                    self._db.write(batch, self._wal)
+                except Exception:
+                    self._reset_cache()  # the id allocated above may not exist in the database
+                    raise
+                self._add_active(_Filter(filter, state.qid, log_offset))
+                self._targets = {}
+                return state.max
         self._db.write(batch, self._wal)
-        if indexed and filter not in self._since:
-            self._since[filter] = log_offset  # before the trie: a record that lists the filter finds it active
-            self._filters.add(filter)
-            self._targets = {}
         return self.max_offset(filter)
 
     def release(self, filter: str, holder: str) -> bool:
@@ -274,18 +313,19 @@ class LightQueues:
             batch.delete(keys.offset_key(holder, state.qid))
             batch.delete(keys.ref_key(state.qid, holder))
         last = not any(k != key for k, _ in self._scan(keys.holder_prefix(filter), limit=2))
-        if not (last and filter in self._since):
+        if not (last and filter in self._active):
             self._db.write(batch, self._wal)
             return True
         batch.delete(keys.active_key(filter))
         with self._lock:
             state = self._state(filter)
             if state is not None:
-                self._remove(filter, state, batch)  # the whole queue: no lost index write can outlive it
+                self._remove(filter, state, batch)  # the whole queue and its id: listed, it is skipped
             self._db.write(batch, self._wal)
             self._filters.remove(filter)
             self._targets = {}
-            del self._since[filter]  # after the trie: nothing new lists it, and dispatch skips the rest
+            gone = self._active.pop(filter)  # after the trie: nothing new lists it, and dispatch skips the rest
+            del self._active_ids[gone.qid]
         return True
 
     def holders(self, filter: str) -> list[str]:
@@ -329,7 +369,7 @@ class LightQueues:
             batch = rocksdict.WriteBatch(raw_mode=True)
             put = batch.put
             touched: dict[str, list] = {}  # name -> [state, next offset]
-            routes: dict[tuple[str, tuple[str, ...]], list[list]] = {}  # (topic, section) -> slots
+            routes: dict[tuple[str, tuple[int, ...]], list[list]] = {}  # (topic, section) -> slots
             count = 0
             for rec in records:
                 offset = rec.offset
@@ -365,7 +405,7 @@ class LightQueues:
     def _route(
         self,
         topic: str,
-        section: tuple[str, ...],
+        section: tuple[int, ...],
         offset: int,
         checkpoint: int,
         touched: dict[str, list],
@@ -373,16 +413,20 @@ class LightQueues:
     ) -> tuple[list[list], bool]:
         """The queue slots a record at ``offset`` goes to, and whether every record of the
         batch with this topic and section goes to the same ones (no filter listed in the
-        section was activated inside the batch)."""
-        first = first_level_queue(topic)
-        names = [topic, first]
+        section was activated inside the batch).
+
+        A listed id goes in if it is an active filter's and the filter is active
+        since ``offset`` or before; the id of a released filter has no queue any
+        more and is skipped (a re-activated filter has a new id)."""
+        names = [topic, first_level_queue(topic)]
         stable = True
-        for name in section:
-            start = self._since.get(name)
-            if start is not None and name != first:
-                if start <= offset:
-                    names.append(name)
-                stable = stable and start <= checkpoint
+        active_ids = self._active_ids
+        for qid in section:
+            active = active_ids.get(qid)
+            if active is not None:
+                if active.since <= offset:
+                    names.append(active.name)
+                stable = stable and active.since <= checkpoint
         route = []
         for name in names:
             slot = touched.get(name)
@@ -607,6 +651,12 @@ class LightQueues:
         batch.put(keys.name_key(name), keys.U64.pack(qid))
         batch.put(keys.id_key(qid), name.encode())
         return self._cache(name, _Queue(qid, 0))
+
+    def _add_active(self, active: _Filter) -> None:
+        """Start indexing a filter: its id first, so a record that lists the id finds it active."""
+        self._active[active.name] = active
+        self._active_ids[active.qid] = active
+        self._filters.add(active.name)
 
     def _min(self, qid: int) -> int:
         raw = self._db.get(keys.min_key(qid))

@@ -5,8 +5,11 @@ The appender asks the light queues for this section when it encodes a record
 append time and re-dispatch after a crash is deterministic. The exact-topic and
 first-level queues are implied by the topic and are not listed.
 
-Encoding: repeated (u16 big-endian length, UTF-8 name); an empty section is
-``b""``. ``store.record`` imports this codec: this module is the one definition.
+Encoding: the filters' queue ids (the compact ids of ``N name -> id``, allocated
+when a filter is activated), each a u32 big-endian, sorted ascending, without
+duplicates; an empty section is ``b""``. Ids instead of names keep the section
+at 4 bytes per filter, whatever the filter's length. ``store.record`` imports
+this codec: this module is the one definition.
 """
 
 from __future__ import annotations
@@ -15,47 +18,44 @@ import functools
 import struct
 from typing import Iterable
 
-__all__ = ["CorruptTargets", "decode_queues", "encode_queues"]
+__all__ = ["MAX_QUEUE_ID", "QUEUE_ID_SIZE", "CorruptTargets", "decode_queues", "encode_queues"]
 
-_U16 = struct.Struct(">H")
+QUEUE_ID_SIZE = 4
+"""Bytes per listed queue id: a u32 covers 4 billion allocated ids, and 10 filters cost 40 bytes."""
+
+MAX_QUEUE_ID = 0xFFFF_FFFF
+"""The largest id a section can list; activating a filter whose id is larger fails."""
 
 DECODE_CACHE_SIZE = 4096
-"""Sections repeat (one per topic and filter set), and decoding one costs more than hashing its bytes."""
+"""Sections repeat (one per topic and filter set): a cache hit returns the same tuple, which the
+dispatcher's per-batch route cache then compares by identity."""
 
 
 class CorruptTargets(ValueError):
-    """A target-queues section does not parse (truncated, or a name overruns it)."""
+    """A target-queues section does not parse (its length is not a whole number of queue ids)."""
 
 
-def encode_queues(queues: Iterable[str]) -> bytes:
-    """Encode the target-queues section: repeated (u16 length, UTF-8 name)."""
-    parts = []
-    for name in queues:
-        raw = name.encode()
-        parts.append(_U16.pack(len(raw)))
-        parts.append(raw)
-    return b"".join(parts)
+def encode_queues(qids: Iterable[int]) -> bytes:
+    """Encode the target-queues section: the ids as u32 big-endian, sorted, without duplicates.
+
+    Raises:
+        ValueError: an id is negative or larger than MAX_QUEUE_ID.
+    """
+    ids = sorted(set(qids))
+    if ids and (ids[0] < 0 or ids[-1] > MAX_QUEUE_ID):
+        raise ValueError(f"queue ids in a target-queues section must be 0-{MAX_QUEUE_ID}, not {ids[0]}-{ids[-1]}")
+    return struct.pack(f">{len(ids)}I", *ids)
 
 
 @functools.lru_cache(maxsize=DECODE_CACHE_SIZE)
-def decode_queues(raw: bytes) -> tuple[str, ...]:
-    """Inverse of :func:`encode_queues` (cached: the same sections come back record after record).
+def decode_queues(raw: bytes) -> tuple[int, ...]:
+    """Inverse of :func:`encode_queues`: the listed queue ids, in section order.
 
     Raises:
-        CorruptTargets: the section is truncated, a name overruns it or is not UTF-8.
+        CorruptTargets: the section's length is not a multiple of QUEUE_ID_SIZE.
     """
-    names = []
-    pos, end = 0, len(raw)
-    while pos < end:
-        if pos + 2 > end:
-            raise CorruptTargets("target-queues section truncated")
-        (n,) = _U16.unpack_from(raw, pos)
-        pos += 2
-        if pos + n > end:
-            raise CorruptTargets("target-queue name overruns its section")
-        try:
-            names.append(raw[pos : pos + n].decode())
-        except UnicodeDecodeError as exc:
-            raise CorruptTargets(f"target-queue name at byte {pos} is not UTF-8: {exc.reason}") from None
-        pos += n
-    return tuple(names)
+    count, rest = divmod(len(raw), QUEUE_ID_SIZE)
+    if rest:
+        raise CorruptTargets(
+            f"target-queues section of {len(raw)} bytes is not a whole number of {QUEUE_ID_SIZE}-byte queue ids")
+    return struct.unpack(f">{count}I", raw)

@@ -230,13 +230,16 @@ class Dispatcher:
         The start is the queue offset of the first message appended after this
         call: the log's end is read before the activation, dispatch is awaited
         up to it, and the filter's queue is searched for the first entry at or
-        after it. Needs :meth:`run`.
+        after it. The activation runs in a worker thread: a filter's first
+        activation allocates its queue id under the lock a dispatch batch holds.
+        Needs :meth:`run`.
 
         Raises:
             TopicError: the filter is not a valid MQTT topic filter.
+            ValueError: the filter's queue id does not fit a target-queues section.
         """
         log_end = self._log.written_offset
-        self._queues.activate(filter, holder, log_end)
+        await trio.to_thread.run_sync(self._queues.activate, filter, holder, log_end)
         await self.wait_dispatched(log_end)
         return self._queues.offset_at(filter, log_end)
 

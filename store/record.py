@@ -15,14 +15,15 @@ Layout (all integers big-endian)::
     21     8    store timestamp, ms since the epoch (when the store accepted it)
     29     2    producer id (client id) length, then the UTF-8 bytes follow the header
     31     2    topic length
-    33     2    target-queues length (the whole section, see below)
+    33     2    target-queues length (the whole section, a multiple of 4, see below)
     35     4    properties length (MQTT 5 properties, wire encoding without the length prefix)
     39     4    payload length
     43          producer id | topic | target queues | properties | payload
 
 The target-queues section lists the extra light queues (active wildcard filters)
-the record was matched to when it was appended, as repeated (u16 length, UTF-8
-name). The exact-topic and first-level queues are implied by the topic.
+the record was matched to when it was appended, as repeated u32 queue id, sorted
+ascending, without duplicates (lightqueue.targets is the codec). The exact-topic
+and first-level queues are implied by the topic.
 
 The end-of-segment marker is a 12-byte header (length = bytes left in the
 segment, CRC32C over the magic only, MAGIC_EOS). When fewer than 12 bytes are
@@ -34,9 +35,10 @@ from __future__ import annotations
 import struct
 import time
 from dataclasses import dataclass
-from typing import Iterable
 
 from crc32c import crc32c
+
+from lightqueue.targets import QUEUE_ID_SIZE, CorruptTargets, decode_queues
 
 __all__ = [
     "EOS_SIZE",
@@ -52,9 +54,7 @@ __all__ = [
     "check_frame",
     "decode_record",
     "encode_eos",
-    "encode_queues",
     "encode_record",
-    "decode_queues",
 ]
 
 MAGIC_V1 = 0x4C470001
@@ -67,7 +67,6 @@ HEADER = struct.Struct(">IIIBQQHHHII")
 HEADER_SIZE = HEADER.size  # 43
 EOS = struct.Struct(">III")
 EOS_SIZE = EOS.size  # 12
-_U16 = struct.Struct(">H")
 
 QOS_MASK = 0x03
 FLAG_RETAIN = 0x04
@@ -95,7 +94,7 @@ class Record:
     store_ms: int
     client_id: str
     topic: str
-    queues: tuple[str, ...]
+    queues: tuple[int, ...]  # queue ids of the target-queues section
     properties: bytes
     payload: bytes
 
@@ -106,32 +105,6 @@ class Record:
     @property
     def retain(self) -> bool:
         return bool(self.flags & FLAG_RETAIN)
-
-
-def encode_queues(queues: Iterable[str]) -> bytes:
-    """Encode the target-queues section: repeated (u16 length, UTF-8 name)."""
-    parts = []
-    for name in queues:
-        raw = name.encode()
-        parts.append(_U16.pack(len(raw)))
-        parts.append(raw)
-    return b"".join(parts)
-
-
-def decode_queues(raw: bytes) -> tuple[str, ...]:
-    """Inverse of :func:`encode_queues`; raises CorruptRecord on a bad section."""
-    names = []
-    pos, end = 0, len(raw)
-    while pos < end:
-        if pos + 2 > end:
-            raise CorruptRecord("target-queues section truncated")
-        (n,) = _U16.unpack_from(raw, pos)
-        pos += 2
-        if pos + n > end:
-            raise CorruptRecord("target-queue name overruns its section")
-        names.append(raw[pos : pos + n].decode())
-        pos += n
-    return tuple(names)
 
 
 def encode_record(
@@ -153,13 +126,14 @@ def encode_record(
     part: UTF-8, packing, CRC), so the lock only covers the copy into the file.
 
     Args:
-        queues: an already encoded target-queues section (see encode_queues).
+        queues: an already encoded target-queues section (lightqueue.targets.encode_queues).
         born_ms / store_ms: default to now.
         max_size: the configured maximum record size.
 
     Raises:
         RecordTooLarge: the record would be larger than ``max_size``.
-        ValueError: a field does not fit its length field, or QoS is not 0-2.
+        ValueError: a field does not fit its length field, QoS is not 0-2, or
+            ``queues`` is not a whole number of queue ids.
     """
     if qos not in (0, 1, 2):
         raise ValueError(f"QoS must be 0, 1 or 2, not {qos!r}")
@@ -167,6 +141,8 @@ def encode_record(
     tpc = topic.encode()
     if len(cid) > _MAX_U16 or len(tpc) > _MAX_U16 or len(queues) > _MAX_U16:
         raise ValueError("client id, topic and target queues are limited to 65535 bytes each")
+    if len(queues) % QUEUE_ID_SIZE:
+        raise ValueError(f"a target-queues section of {len(queues)} bytes is not a whole number of queue ids")
     size = HEADER_SIZE + len(cid) + len(tpc) + len(queues) + len(properties) + len(payload)
     if size > max_size:
         raise RecordTooLarge(f"record of {size} bytes exceeds the maximum record size of {max_size} bytes")
@@ -228,6 +204,8 @@ def check_frame(buf: bytes | memoryview, pos: int, limit: int, *, verify_crc: bo
     fields = HEADER.unpack_from(buf, pos)
     if HEADER_SIZE + sum(fields[6:]) != size:
         raise CorruptRecord(f"field lengths do not add up to the record length {size}")
+    if fields[8] % QUEUE_ID_SIZE:
+        raise CorruptRecord(f"target-queues length {fields[8]} is not a whole number of queue ids")
     if verify_crc and crc != crc32c(bytes(buf[pos + 8 : pos + size])):
         raise CorruptRecord("CRC mismatch")
     return magic, size
@@ -237,6 +215,9 @@ def decode_record(buf: bytes | memoryview, pos: int, offset: int) -> Record:
     """Decode the (already framed and checked) message record at ``pos``.
 
     ``offset`` is the record's global CommitLog offset, stored in the result.
+
+    Raises:
+        CorruptRecord: the target-queues section does not parse.
     """
     (size, _crc, _magic, flags, born_ms, store_ms,
      cid_len, topic_len, queues_len, props_len, payload_len) = HEADER.unpack_from(buf, pos)
@@ -245,7 +226,10 @@ def decode_record(buf: bytes | memoryview, pos: int, offset: int) -> Record:
     p += cid_len
     topic = bytes(buf[p : p + topic_len]).decode()
     p += topic_len
-    queues = decode_queues(bytes(buf[p : p + queues_len])) if queues_len else ()
+    try:
+        queues = decode_queues(bytes(buf[p : p + queues_len])) if queues_len else ()
+    except CorruptTargets as exc:
+        raise CorruptRecord(str(exc)) from None
     p += queues_len
     props = bytes(buf[p : p + props_len])
     p += props_len

@@ -4,7 +4,7 @@ import pytest
 
 from lightqueue import keys
 from lightqueue.queues import LightQueues, is_implicit
-from lightqueue.targets import decode_queues
+from lightqueue.targets import decode_queues, encode_queues
 from lightqueue.topics import TopicError
 from store.commitlog import CommitLog, CommitLogConfig
 from store.record import decode_record, encode_record
@@ -74,17 +74,36 @@ def test_queue_ids_are_stable_and_survive_reopen(env):
     assert env.lq.queue_id("new") > max(a, b)
 
 
-def test_targets_list_active_wildcards_only(env):
+def test_targets_list_the_queue_ids_of_active_wildcards_only(env):
     assert env.lq.targets("a/b/c") == b""
     env.activate("a/+/c", "s1")
     env.activate("a/#", "s1")  # implicit first-level filter: never listed
     env.activate("a/b/c", "s1")  # exact filter: the topic queue, never listed
     env.activate("#", "s2")
-    assert decode_queues(env.lq.targets("a/b/c")) == ("#", "a/+/c")
+    ids = {env.lq.queue_id("a/+/c"), env.lq.queue_id("#")}
+    assert decode_queues(env.lq.targets("a/b/c")) == tuple(sorted(ids))  # ascending ids, not names
+    assert len(env.lq.targets("a/b/c")) == 8
     assert decode_queues(env.lq.targets("$SYS/b/c")) == ()
     assert sorted(env.lq.active_filters()) == ["#", "a/+/c"]
     assert env.lq.release("#", "s2")
-    assert decode_queues(env.lq.targets("a/b/c")) == ("a/+/c",)  # the cache was invalidated
+    assert decode_queues(env.lq.targets("a/b/c")) == (env.lq.queue_id("a/+/c"),)  # the cache was invalidated
+
+
+def test_activation_allocates_the_filter_id_durably_and_targets_never_allocate(env):
+    env.activate("+/b", "s1")
+    next_id = env.lq.statistics().next_queue_id
+    (listed,) = decode_queues(env.lq.targets("a/b"))
+    assert env.lq.queue_name(listed) == "+/b"
+    for i in range(50):
+        env.lq.targets(f"t{i}/b")
+    assert env.lq.statistics().next_queue_id == next_id  # matching allocated nothing
+    env.activate("+/b", "s2")  # a second holder keeps the id
+    env.reopen()  # nothing was dispatched: the id survives on the activation's own write
+    assert env.lq.queue_name(listed) == "+/b"
+    assert decode_queues(env.lq.targets("a/b")) == (listed,)
+    env.append("a/b")
+    env.index()
+    assert env.topics("+/b") == ["a/b"]
 
 
 def test_activate_rejects_invalid_filters(env):
@@ -127,6 +146,22 @@ def test_released_filter_stops_indexing_even_for_records_that_list_it(env):
     assert env.topics("a/b") == ["a/b"]
 
 
+def test_listed_ids_that_are_not_active_filters_are_skipped(env):
+    env.activate("+/b", "s1")
+    old = env.lq.queue_id("+/b")
+    env.append("a/b")  # lists the old id
+    assert env.lq.release("+/b", "s1")
+    assert env.activate("+/b", "s2") == 0
+    new = env.lq.queue_id("+/b")
+    assert new != old and env.lq.queue_name(old) is None
+    topic_qid = env.lq.queue_id("t/b")  # a queue, but no filter's
+    env.log.append_batch([encode_record("t/b", b"p", queues=encode_queues([old, topic_qid, 10**6]))])
+    env.append("c/b")  # lists the new id
+    changed = env.index()
+    assert changed == {"a/b": 1, "a/#": 1, "t/b": 1, "t/#": 1, "c/b": 1, "c/#": 1, "+/b": 1}
+    assert env.topics("+/b") == ["c/b"]
+
+
 def test_indexing_is_idempotent_and_the_checkpoint_never_moves_back(env):
     env.append("a/b", "a/c")
     scan = env.log.scan(0)
@@ -147,7 +182,7 @@ def test_state_survives_reopen(env):
     assert list(env.lq.active_filters()) == ["+/b"]
     assert env.lq.holders("+/b") == ["s1"]
     assert env.lq.max_offset("+/b") == 1
-    assert decode_queues(env.lq.targets("z/b")) == ("+/b",)
+    assert decode_queues(env.lq.targets("z/b")) == (env.lq.queue_id("+/b"),)
 
 
 def test_pull_pages_by_count_and_bytes(env):

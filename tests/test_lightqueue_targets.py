@@ -1,15 +1,17 @@
-"""The target-queues section codec: round trips and every way a section can be corrupt."""
+"""The target-queues section codec: round trips, the byte layout and every way a section can be bad."""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightqueue.targets import CorruptTargets, decode_queues, encode_queues
+from lightqueue.targets import MAX_QUEUE_ID, CorruptTargets, decode_queues, encode_queues
+
+queue_ids = st.integers(min_value=0, max_value=MAX_QUEUE_ID)
 
 
-@given(st.lists(st.text(max_size=40), max_size=20))
-def test_round_trip(names):
-    assert decode_queues(encode_queues(names)) == tuple(names)
+@given(st.lists(queue_ids, max_size=30))
+def test_round_trip_sorts_and_drops_duplicates(ids):
+    assert decode_queues(encode_queues(ids)) == tuple(sorted(set(ids)))
 
 
 def test_empty_section_is_empty_bytes():
@@ -17,19 +19,18 @@ def test_empty_section_is_empty_bytes():
     assert decode_queues(b"") == ()
 
 
-def test_layout_is_u16_length_then_utf8():
-    assert encode_queues(["a/+", "é/#"]) == b"\x00\x03a/+\x00\x04\xc3\xa9/#"
+def test_layout_is_u32_big_endian_ids_ascending():
+    assert encode_queues([7, 1, 7, MAX_QUEUE_ID]) == b"\x00\x00\x00\x01\x00\x00\x00\x07\xff\xff\xff\xff"
+    assert len(encode_queues(range(1, 11))) == 40  # the storage benchmark's 10 filters
 
 
-@pytest.mark.parametrize(
-    ("raw", "message"),
-    [
-        (b"\x00", "truncated"),
-        (b"\x00\x05abc", "overruns its section"),
-        (b"\x00\x01a\x00", "truncated"),
-        (b"\x00\x02\xff\xfe", "is not UTF-8"),
-    ],
-)
-def test_corrupt_sections_are_rejected_with_a_reason(raw, message):
-    with pytest.raises(CorruptTargets, match=message):
+@pytest.mark.parametrize("ids", [[MAX_QUEUE_ID + 1], [-1, 3]])
+def test_ids_outside_u32_are_refused(ids):
+    with pytest.raises(ValueError, match="must be 0-4294967295"):
+        encode_queues(ids)
+
+
+@pytest.mark.parametrize("raw", [b"\x00", b"\x00\x00\x00\x01\x00\x02", b"\x00\x00\x00\x01\x00\x00\x00"])
+def test_a_section_that_is_not_whole_ids_is_corrupt(raw):
+    with pytest.raises(CorruptTargets, match=f"section of {len(raw)} bytes is not a whole number of 4-byte"):
         decode_queues(raw)

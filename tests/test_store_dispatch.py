@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from lightqueue.queues import LightQueues, is_implicit
+from lightqueue.targets import decode_queues
 from lightqueue.topics import first_level_queue, is_wildcard, matches
 from store.commitlog import CommitLog, CommitLogConfig
 from store.dispatch import Dispatcher
@@ -191,6 +193,40 @@ async def test_activate_returns_the_exact_start(node):
     assert await node.dispatcher.release("+/b", "s2") and await node.dispatcher.release("+/b", "s1")
     assert not await node.dispatcher.release("+/b", "s1")
     assert node.lq.max_offset("+/b") == 0 and node.lq.targets("z/b") == b""
+
+
+async def test_a_first_activation_waits_for_the_index_lock_off_the_trio_thread(node):
+    """A filter's first activation allocates its queue id under the lock a dispatch batch holds."""
+    held, let_go = threading.Event(), threading.Event()
+
+    def hold_lock():  # as a long dispatch batch would
+        with node.lq._lock:
+            held.set()
+            let_go.wait(timeout=10)
+
+    holder = threading.Thread(target=hold_lock)
+    holder.start()
+    activated = trio.Event()
+
+    async def activate():
+        assert await node.dispatcher.activate("+/b", "s1") == 0
+        activated.set()
+
+    try:
+        assert held.wait(timeout=10)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.dispatcher.run)
+            nursery.start_soon(activate)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not activated.is_set() and node.lq.targets("a/b") == b""  # waiting, and the loop runs
+            let_go.set()
+            with trio.fail_after(5):
+                await activated.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        let_go.set()
+        holder.join()
+    assert decode_queues(node.lq.targets("a/b")) == (node.lq.queue_id("+/b"),)
 
 
 def prepare_log(data: Path) -> int:

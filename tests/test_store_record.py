@@ -6,19 +6,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from crc32c import crc32c
+
+from lightqueue.targets import MAX_QUEUE_ID, encode_queues
 from store.record import (
     EOS_SIZE,
     FLAG_RETAIN,
+    HEADER,
     HEADER_SIZE,
     MAGIC_EOS,
     MAGIC_V1,
     CorruptRecord,
     RecordTooLarge,
     check_frame,
-    decode_queues,
     decode_record,
     encode_eos,
-    encode_queues,
     encode_record,
 )
 
@@ -32,7 +34,7 @@ names = st.text(max_size=40)
     client_id=names,
     payload=st.binary(max_size=2000),
     properties=st.binary(max_size=100),
-    queues=st.lists(names, max_size=5),
+    queues=st.lists(st.integers(min_value=0, max_value=MAX_QUEUE_ID), max_size=12),
     qos=st.sampled_from([0, 1, 2]),
     retain=st.booleans(),
     born_ms=U63,
@@ -47,7 +49,7 @@ def test_encode_check_decode_round_trip(topic, client_id, payload, properties, q
     rec = decode_record(raw, 0, offset)
     assert (rec.offset, rec.size, rec.topic, rec.client_id, rec.payload, rec.properties) == (
         offset, len(raw), topic, client_id, payload, properties)
-    assert rec.queues == tuple(queues)
+    assert rec.queues == tuple(sorted(set(queues)))
     assert (rec.qos, rec.retain, rec.born_ms, rec.store_ms) == (qos, retain, born_ms, store_ms)
     assert rec.flags == qos | (FLAG_RETAIN if retain else 0)
 
@@ -101,16 +103,37 @@ def test_field_limits_and_qos_are_checked():
         encode_record("t", b"", qos=3)
 
 
-@given(st.lists(st.text(max_size=20), max_size=10))
-def test_queue_section_round_trip(queues):
-    assert decode_queues(encode_queues(queues)) == tuple(queues)
+def test_the_target_queues_section_is_four_bytes_per_queue_id():
+    plain = encode_record("a/b", b"x", client_id="c")
+    raw = encode_record("a/b", b"x", client_id="c", queues=encode_queues(range(10, 0, -1)))
+    assert len(raw) == len(plain) + 40
+    assert decode_record(raw, 0, 0).queues == tuple(range(1, 11))
 
 
-def test_bad_queue_sections_are_corrupt():
-    with pytest.raises(CorruptRecord, match="truncated"):
-        decode_queues(b"\x00")
-    with pytest.raises(CorruptRecord, match="overruns"):
-        decode_queues(b"\x00\x05ab")
+def test_a_section_that_is_not_whole_queue_ids_is_refused_when_encoding():
+    with pytest.raises(ValueError, match="not a whole number of queue ids"):
+        encode_record("a/b", b"x", queues=b"\x00\x00\x00")
+
+
+def with_section_length(raw: bytes, queues_len: int) -> bytes:
+    """``raw`` (a record without properties) with ``queues_len`` bytes of its payload moved to the
+    target-queues section, and a valid CRC: well framed, but not a whole number of queue ids."""
+    fields = list(HEADER.unpack_from(raw))
+    fields[8] += queues_len
+    fields[10] -= queues_len
+    body = HEADER.pack(*fields)[8:] + raw[HEADER_SIZE:]
+    return raw[:4] + crc32c(body).to_bytes(4, "big") + body
+
+
+def test_a_well_framed_record_with_a_bad_section_is_corrupt():
+    raw = with_section_length(encode_record("a/b", b"payload"), 3)
+    with pytest.raises(CorruptRecord, match="target-queues length 3 is not a whole number of queue ids"):
+        check_frame(raw, 0, len(raw))
+    with pytest.raises(CorruptRecord, match="section of 3 bytes is not a whole number of 4-byte queue ids"):
+        decode_record(raw, 0, 0)
+    whole = with_section_length(encode_record("a/b", b"payload"), 4)  # the helper itself keeps records valid
+    assert check_frame(whole, 0, len(whole)) == (MAGIC_V1, len(whole))
+    assert decode_record(whole, 0, 0).queues == (int.from_bytes(b"payl", "big"),)
 
 
 @settings(max_examples=50)
