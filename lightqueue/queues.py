@@ -157,6 +157,10 @@ class LightQueues:
     def __init__(self, db: rocksdict.Rdict, *, sync: bool = False) -> None:
         self._db = db
         self._lock = threading.Lock()
+        # Serialises holder changes: "the filter is already active" (activate) and "this is the
+        # last holder" (release) must not interleave, or a new holder could land on a filter
+        # that is being removed and receive nothing. Taken before self._lock, never inside it.
+        self._membership = threading.Lock()
         self._wal = rocksdict.WriteOptions()
         self._wal.sync = sync
         self._no_wal = rocksdict.WriteOptions()
@@ -256,7 +260,8 @@ class LightQueues:
         *before* this call) that the appender matched to the filter is indexed
         into the filter's queue. Exact filters and ``a/#`` are always indexed;
         holding them keeps their queues from being removed. The first holder
-        may wait for a dispatch batch (the lock), later ones do not.
+        may wait for a dispatch batch (the index lock); holder changes are
+        serialised with :meth:`release`, so others may wait behind it.
 
         Returns:
             the queue's current max offset: the subscription's start once
@@ -268,6 +273,10 @@ class LightQueues:
                 section (more than MAX_QUEUE_ID queues were ever allocated).
         """
         validate_filter(filter)
+        with self._membership:
+            return self._activate(filter, holder, log_offset)
+
+    def _activate(self, filter: str, holder: str, log_offset: int) -> int:
         batch = rocksdict.WriteBatch(raw_mode=True)
         batch.put(keys.holder_key(filter, holder), _EMPTY)
         batch.put(keys.held_by_key(holder, filter), _EMPTY)
@@ -302,6 +311,10 @@ class LightQueues:
         Returns:
             True if the holder held the filter.
         """
+        with self._membership:
+            return self._release(filter, holder)
+
+    def _release(self, filter: str, holder: str) -> bool:
         key = keys.holder_key(filter, holder)
         if self._db.get(key) is None:
             return False

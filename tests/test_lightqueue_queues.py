@@ -328,3 +328,46 @@ def test_rewind_drops_entries_past_the_log_end(env):
     assert env.entry_keys(env.lq.queue_id("a/b")) == [keys.entry_key(env.lq.queue_id("a/b"), 0)]
     env.reopen()
     assert env.lq.checkpoint == end and env.lq.max_offset("a/b") == 1
+
+
+
+class _SignallingLock:
+    """Wraps the index lock so the test knows when a thread is waiting for it."""
+
+    def __init__(self, inner):
+        import threading
+
+        self.inner = inner
+        self.waiting = threading.Event()
+
+    def __enter__(self):
+        self.waiting.set()
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+
+def test_a_new_holder_never_lands_on_a_filter_its_last_holder_is_removing(env):
+    """Release by the last holder and activation by a new one interleave: the new
+    holder must end up on an active filter (else ``topic/#`` receives nothing)."""
+    import threading
+
+    lq, f = env.lq, "race/+/x"
+    lq.activate(f, "a", 0)
+    spy = lq._lock = _SignallingLock(lq._lock)
+    spy.inner.acquire()  # park the release just before it removes the filter
+    try:
+        releasing = threading.Thread(target=lq.release, args=(f, "a"))
+        releasing.start()
+        assert spy.waiting.wait(10), "release never reached the index lock"
+        activating = threading.Thread(target=lq.activate, args=(f, "b", 0))
+        activating.start()
+    finally:
+        spy.inner.release()
+    releasing.join(10)
+    activating.join(10)
+    assert not releasing.is_alive() and not activating.is_alive()
+    assert f in set(lq.active_filters())
+    assert lq.holders(f) == ["b"]
+    assert lq.release(f, "b") and not lq.release(f, "b")  # a second release is a harmless no-op
