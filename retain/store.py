@@ -29,7 +29,7 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Iterator, final
+from typing import Iterable, Iterator, final
 
 import rocksdict
 
@@ -45,6 +45,8 @@ CHECKPOINT_KEY = b""
 """Where the family keeps its checkpoint: topic names are at least one character, so no topic collides."""
 
 _U64 = struct.Struct(">Q")
+_NO_WAL = rocksdict.WriteOptions()
+_NO_WAL.disable_wal = True  # dispatch batches: the CommitLog re-produces them after a crash
 _MAX_OFFSET = (1 << 64) - 1
 
 
@@ -93,6 +95,7 @@ class RetainedStore:
             family = db.create_column_family(RETAIN_FAMILY, rocksdict.Options(raw_mode=True))
         self._family: rocksdict.Rdict | None = family
         self._handle: rocksdict.ColumnFamily | None = db.get_column_family_handle(RETAIN_FAMILY)
+        self._db = db
         self._wal = rocksdict.WriteOptions()
         self._wal.sync = sync
         self._lock = threading.Lock()  # guards the tree and the counters
@@ -211,6 +214,29 @@ class RetainedStore:
                 self._checkpoint = self._pending_checkpoint
         self.discard_staged()
         return len(pending)
+
+    def apply(self, updates: Iterable[tuple[str, int, bytes | None]], next_log_offset: int) -> int:
+        """Stage one dispatch batch's retained updates, write them (no WAL), then commit them.
+
+        For a dispatcher that writes retained updates in their own batch, next
+        to (not inside) its index batch: the family's own checkpoint makes that
+        safe, since a crash can only lose what lies above it. ``updates`` are
+        ``(topic, log offset, record or None)`` in CommitLog order, as for :meth:`stage`.
+
+        Returns:
+            the number of retained updates applied.
+        """
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        try:
+            for topic, log_offset, record in updates:
+                self.stage(batch, topic, log_offset, record)
+            self.stage_checkpoint(batch, next_log_offset)
+            if not batch.is_empty():
+                self._db.write(batch, _NO_WAL)
+        except BaseException:
+            self.discard_staged()
+            raise
+        return self.commit_staged()
 
     def discard_staged(self) -> None:
         """The dispatch batch was not written: forget what was staged into it."""

@@ -23,8 +23,10 @@ from typing import Callable, final
 import trio
 
 from lightqueue.queues import LightQueues
-from store.commitlog import CommitLog
+from retain.store import RetainedStore
+from store.commitlog import CommitLog, ScanResult
 from store.errors import OffsetExpired
+from store.record import FLAG_RETAIN
 
 __all__ = ["DispatchBatch", "Dispatcher", "DispatcherStatistics"]
 
@@ -78,6 +80,10 @@ class Dispatcher:
         listener: called with ``{queue name: new max offset}`` after each batch
             commits (in the trio thread when driven by :meth:`run`).
         scan_bytes: CommitLog bytes per dispatch step.
+        retained: the retained messages to keep up to date (records with RETAIN
+            set), or None. They keep their own checkpoint: after a crash the
+            dispatcher starts from the lower of the two and feeds each only
+            what it has not applied.
         flush_bytes, flush_interval_s: flush the index memtable after this much
             CommitLog data dispatched or this much time (bounds re-dispatch after a crash).
 
@@ -95,6 +101,7 @@ class Dispatcher:
         queues: LightQueues,
         listener: Listener | None = None,
         *,
+        retained: RetainedStore | None = None,
         scan_bytes: int = SCAN_BYTES,
         flush_bytes: int = FLUSH_BYTES,
         flush_interval_s: float = FLUSH_INTERVAL_S,
@@ -102,6 +109,7 @@ class Dispatcher:
         self._log = log
         self._queues = queues
         self._listener = listener
+        self._retained = retained
         self._scan_bytes = scan_bytes
         self._flush_bytes = flush_bytes
         self._flush_interval_s = flush_interval_s
@@ -110,10 +118,13 @@ class Dispatcher:
             LOGGER.warning("index is ahead of the CommitLog; dropping entries past its end",
                            extra={"ctx": {"checkpoint": queues.checkpoint, "log_end": log.written_offset}})
             queues.rewind(log.written_offset)
+        if retained is not None and retained.checkpoint > log.written_offset:
+            retained.rewind(log.written_offset)
         if queues.retained_offset < log.min_offset:
             queues.on_retention(log.min_offset)
         log.add_retention_listener(queues.on_retention)
-        self._offset = max(queues.checkpoint, log.min_offset)
+        start = queues.checkpoint if retained is None else min(queues.checkpoint, retained.checkpoint)
+        self._offset = max(start, log.min_offset)
         self._flushed_offset = self._offset
         self._unflushed = 0
         self._flushed_at = time.monotonic()
@@ -165,7 +176,13 @@ class Dispatcher:
                 scan = log.scan(start, max_bytes)
             if scan.next_offset == start:
                 return None
-            max_offsets = self._queues.index(scan.records, scan.next_offset)
+            if self._retained is not None:
+                self._retain(scan)
+            # After a crash the retained family may be behind the index: a batch
+            # the index already has is fed to retain only.
+            max_offsets: dict[str, int] = {}
+            if scan.next_offset > self._queues.checkpoint:
+                max_offsets = self._queues.index(scan.records, scan.next_offset)
             self._offset = scan.next_offset
             self._batches += 1
             self._records += len(scan.records)
@@ -174,10 +191,21 @@ class Dispatcher:
                 self._flush()
             return DispatchBatch(start, scan.next_offset, len(scan.records), max_offsets)
 
+    def _retain(self, scan: ScanResult) -> None:
+        """Apply the retained updates of a scanned batch (an empty payload deletes the topic's message)."""
+        read = self._log.read_bytes
+        self._retained.apply(
+            ((rec.topic, rec.offset, read(rec.offset, rec.size) if rec.payload else None)
+             for rec in scan.records if rec.flags & FLAG_RETAIN),
+            scan.next_offset,
+        )
+
     def _flush(self) -> None:
         """Persist the index memtable; the log first, so a durable entry never points at lost data."""
         if self._log.flushed_offset < self._offset:
             self._log.flush()
+        if self._retained is not None:
+            self._retained.flush()
         self._queues.flush()
         self._flushed_offset = self._offset
         self._unflushed = 0

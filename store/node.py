@@ -24,6 +24,7 @@ import rocksdict
 import trio
 
 from lightqueue.queues import LightQueues, PullResult
+from retain.store import RetainedStore
 from store.aio import AsyncCommitLog
 from store.commitlog import CommitLogConfig
 from store.dispatch import Dispatcher, Listener
@@ -53,6 +54,7 @@ class StoreNode:
     queues: LightQueues
     dispatcher: Dispatcher
     sessions: rocksdict.Rdict  # the SESSIONS_FAMILY column family: client id (UTF-8) -> session blob
+    retained: RetainedStore  # kept up to date by the dispatcher; looked up at subscribe time
 
     async def append(self, topic: str, payload: bytes, *, durable: bool | None = None, **fields: Any) -> int:
         """Append one message with its target queues fixed now, and wake the dispatcher.
@@ -120,8 +122,9 @@ async def open_store(
         db = await trio.to_thread.run_sync(open_db, data / "index")
         try:
             queues = LightQueues(db)
-            dispatcher = Dispatcher(alog.log, queues, listener)
-            node = StoreNode(data, alog, queues, dispatcher, _open_family(db, SESSIONS_FAMILY))
+            retained = RetainedStore(db)
+            dispatcher = Dispatcher(alog.log, queues, listener, retained=retained)
+            node = StoreNode(data, alog, queues, dispatcher, _open_family(db, SESSIONS_FAMILY), retained)
             try:
                 async with background(dispatcher.run):
                     yield node
@@ -129,6 +132,7 @@ async def open_store(
                 with trio.CancelScope(shield=True):  # a cancelled node (SIGTERM) still shuts down cleanly
                     await trio.to_thread.run_sync(dispatcher.close)
                 node.sessions.close()  # a family handle keeps the database open
+                retained.close()
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(db.close)
