@@ -1,0 +1,158 @@
+"""Telemetry aggregates as Spark DataFrame transformations (batch and streaming).
+
+Input is the ``commitlog`` source read with ``parse=telemetry``: columns
+offset, store_ts, topic, device, event_ts, one double per metric, error and
+payload. Rows with an ``error`` are quarantine rows; the aggregates use the
+others. The same functions build batch and streaming plans: streaming adds a
+watermark on the event time, so a window is emitted once the watermark passes
+its end and later records for it are dropped as late.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+
+__all__ = [
+    "AggregationConfig",
+    "device_windows",
+    "fleet_series",
+    "last_seen",
+    "quarantine",
+    "silence_gaps",
+    "telemetry_rows",
+    "topic_windows",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class AggregationConfig:
+    """Window lengths (s), the percentiles, the silence threshold and the streaming watermark."""
+
+    windows: tuple[int, ...] = (60, 3600)
+    percentiles: tuple[float, ...] = (0.5, 0.95)
+    percentile_accuracy: int = 10_000  # Spark's default: relative error 1/accuracy
+    silence_s: int = 300
+    watermark_s: int = 600
+
+    def __post_init__(self) -> None:
+        if not self.windows or any(w <= 0 for w in self.windows):
+            raise ValueError(f"window lengths must be positive seconds, not {self.windows}")
+        if any(not 0 < p < 1 for p in self.percentiles):
+            raise ValueError(f"percentiles must be between 0 and 1, not {self.percentiles}")
+
+
+def _seconds_between(start: Column, end: Column) -> Column:
+    """Exact seconds between two timestamps (a cast to double rounds to ~0.1 us)."""
+    return (F.unix_micros(end) - F.unix_micros(start)) / 1_000_000
+
+
+def _pct_name(p: float) -> str:
+    return "p" + f"{p * 100:g}".replace(".", "_")
+
+
+def telemetry_rows(df: DataFrame) -> DataFrame:
+    """The rows whose payload parsed (no quarantine reason)."""
+    return df.where(F.col("error").isNull())
+
+
+def quarantine(df: DataFrame) -> DataFrame:
+    """The rows whose payload did not parse, with the reason and the payload bytes."""
+    return (df.where(F.col("error").isNotNull())
+            .select("offset", "store_ts", "topic", "device", "error", "payload",
+                    F.to_date("store_ts").alias("date")))
+
+
+def _metric_aggs(metrics: Sequence[str], config: AggregationConfig) -> list[Column]:
+    out: list[Column] = [F.count(F.lit(1)).alias("count")]
+    for m in metrics:
+        col = F.col(m)
+        out += [
+            F.count(col).alias(f"{m}_count"),
+            F.min(col).alias(f"{m}_min"),
+            F.max(col).alias(f"{m}_max"),
+            F.avg(col).alias(f"{m}_mean"),
+            F.stddev_samp(col).alias(f"{m}_stddev"),
+            F.percentile_approx(col, list(config.percentiles), config.percentile_accuracy).alias(f"{m}_pct"),
+        ]
+    return out
+
+
+def _flatten_percentiles(df: DataFrame, metrics: Sequence[str], config: AggregationConfig) -> DataFrame:
+    extra = [F.col(f"{m}_pct")[i].alias(f"{m}_{_pct_name(p)}")
+             for m in metrics for i, p in enumerate(config.percentiles)]
+    return df.select(*[c for c in df.columns if not c.endswith("_pct")], *extra)
+
+
+def device_windows(df: DataFrame, metrics: Sequence[str], window_s: int, config: AggregationConfig,
+                   *, streaming: bool = False) -> DataFrame:
+    """Per device per event-time window: count, then per metric count, min, max,
+    mean, sample stddev and approximate percentiles. Columns: device,
+    window_start, window_end, count, ``<metric>_{count,min,max,mean,stddev,pNN}``, date."""
+    rows = telemetry_rows(df)
+    if streaming:
+        rows = rows.withWatermark("event_ts", f"{config.watermark_s} seconds")
+    agg = (rows.groupBy("device", F.window("event_ts", f"{window_s} seconds").alias("w"))
+           .agg(*_metric_aggs(metrics, config)))
+    agg = agg.select("device", F.col("w.start").alias("window_start"), F.col("w.end").alias("window_end"),
+                     *[c for c in agg.columns if c not in ("device", "w")])
+    return _flatten_percentiles(agg, metrics, config).withColumn("date", F.to_date("window_start"))
+
+
+def topic_windows(df: DataFrame, window_s: int, config: AggregationConfig, *, streaming: bool = False) -> DataFrame:
+    """Per topic per store-time window: message count (quarantined ones included:
+    they are messages too) and rate in messages per second."""
+    rows = df.withWatermark("store_ts", f"{config.watermark_s} seconds") if streaming else df
+    agg = rows.groupBy("topic", F.window("store_ts", f"{window_s} seconds").alias("w")).agg(
+        F.count(F.lit(1)).alias("count"))
+    return agg.select(
+        "topic",
+        F.col("w.start").alias("window_start"),
+        F.col("w.end").alias("window_end"),
+        "count",
+        (F.col("count") / F.lit(float(window_s))).alias("rate_per_s"),
+        F.to_date("w.start").alias("date"),
+    )
+
+
+def last_seen(df: DataFrame, config: AggregationConfig) -> DataFrame:
+    """Per device: first and last event time, message count, and how long it has
+    been silent at the end of the data (``silent_s``, ``silent`` past the threshold)."""
+    rows = telemetry_rows(df)
+    per_device = rows.groupBy("device").agg(
+        F.min("event_ts").alias("first_seen"), F.max("event_ts").alias("last_seen"),
+        F.count(F.lit(1)).alias("messages"))
+    data_end = rows.agg(F.max("event_ts").alias("data_end"))
+    silent = _seconds_between(F.col("last_seen"), F.col("data_end"))
+    return (per_device.crossJoin(data_end)
+            .select("device", "first_seen", "last_seen", "messages", silent.alias("silent_s"),
+                    (silent > config.silence_s).alias("silent")))
+
+
+def silence_gaps(df: DataFrame, config: AggregationConfig, *, previous: DataFrame | None = None) -> DataFrame:
+    """Gaps longer than the threshold between consecutive event times of a device.
+
+    ``previous`` (device, last_seen) carries the last event of each device from
+    earlier data, so a gap that spans two micro-batches is found too.
+    """
+    events = telemetry_rows(df).select("device", "event_ts")
+    if previous is not None:
+        events = events.unionByName(previous.select("device", F.col("last_seen").alias("event_ts")))
+    before = F.lag("event_ts").over(Window.partitionBy("device").orderBy("event_ts"))
+    gaps = events.select("device", before.alias("gap_start"), F.col("event_ts").alias("gap_end"))
+    seconds = _seconds_between(F.col("gap_start"), F.col("gap_end"))
+    return (gaps.where(seconds > config.silence_s)
+            .select("device", "gap_start", "gap_end", seconds.alias("gap_s"), F.to_date("gap_start").alias("date")))
+
+
+def fleet_series(device_table: DataFrame, metrics: Sequence[str]) -> Any:
+    """Fleet-wide series per window from a device-window table, as pandas for the chart:
+    window_start, messages, devices and the mean of each metric over devices."""
+    return (device_table.groupBy("window_start")
+            .agg(F.sum("count").alias("messages"), F.countDistinct("device").alias("devices"),
+                 *[(F.sum(F.col(f"{m}_mean") * F.col(f"{m}_count")) / F.sum(f"{m}_count")).alias(m)
+                   for m in metrics])
+            .orderBy("window_start").toPandas())

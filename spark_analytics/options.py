@@ -1,0 +1,118 @@
+"""The ``commitlog`` reader's options, parsed once into a frozen, picklable record.
+
+Spark hands a data source its options as strings with case-insensitive keys.
+They are parsed on the driver when the source is created, so a typo or a bad
+value fails the query at ``load()`` with the option's name, not later in a
+task; partitions then carry this record and segment paths, nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from .framing import DecodeOptions
+from .layout import commitlog_dir
+from .planning import PARTITION_BYTES
+from .telemetry import OPTION_PREFIX, TelemetryMapping
+from .times import parse_time
+from .topics import validate_filter
+
+__all__ = ["OPTIONS", "ReaderOptions"]
+
+OPTIONS = {
+    "path": "the data directory (with commitlog/ inside) or the CommitLog directory",
+    "topicfilter": "MQTT topic filter (+, #): only matching records are returned",
+    "fromtime": "store time lower bound, inclusive: ISO-8601 or epoch ms",
+    "totime": "store time upper bound, exclusive: ISO-8601 or epoch ms",
+    "verifycrc": "true (default) or false: check each returned record's CRC32C",
+    "partitionbytes": f"segment bytes per Spark partition (default {PARTITION_BYTES})",
+    "failondataloss": "streaming/batch: true (default) fails when segments were deleted by "
+                      "retention before they were read; false logs a warning and skips them",
+    "startingoffsets": "streaming: earliest (default) or latest",
+    "parse": "records (default: raw record columns) or telemetry (parsed JSON payloads)",
+    OPTION_PREFIX + "metrics": "telemetry: comma-separated numeric payload fields",
+    OPTION_PREFIX + "device": "telemetry: topic:<level> (default topic:1) or payload:<field>",
+    OPTION_PREFIX + "time": "telemetry: store (default) or payload:<field>",
+    OPTION_PREFIX + "timeunit": "telemetry: ms (default), s or iso for a payload time field",
+}
+"""Every option the reader accepts (lower case), with its meaning; unknown ones are refused."""
+
+_TRUE = {"true", "1", "yes"}
+_FALSE = {"false", "0", "no"}
+
+
+def _bool(options: Mapping[str, str], key: str, default: bool) -> bool:
+    value = options.get(key)
+    if value is None:
+        return default
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise ValueError(f"option {key}: expected true or false, not {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderOptions:
+    """Everything a reader needs besides the segment paths of its partition."""
+
+    directory: str
+    decode: DecodeOptions
+    partition_bytes: int = PARTITION_BYTES
+    fail_on_data_loss: bool = True
+    starting: str = "earliest"
+    telemetry: TelemetryMapping | None = None
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
+        """Parse Spark's string options.
+
+        Raises:
+            ValueError: an unknown option or a bad value, naming the option.
+            FileNotFoundError: the path holds no CommitLog directory.
+        """
+        low = {k.lower(): v for k, v in options.items()}
+        unknown = sorted(set(low) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown commitlog option(s) {', '.join(unknown)}; known: {', '.join(sorted(OPTIONS))}")
+        if "path" not in low:
+            raise ValueError("the commitlog source needs a path: spark.read.format('commitlog').load(DIR)")
+        topic_filter = low.get("topicfilter") or None
+        if topic_filter is not None:
+            validate_filter(topic_filter)
+        bounds = {}
+        for key in ("fromtime", "totime"):
+            if low.get(key):
+                try:
+                    bounds[key] = parse_time(low[key])
+                except ValueError as exc:
+                    raise ValueError(f"option {key}: {exc}") from None
+        try:
+            partition_bytes = int(low.get("partitionbytes", PARTITION_BYTES))
+        except ValueError:
+            raise ValueError(f"option partitionBytes: not an integer: {low['partitionbytes']!r}") from None
+        if partition_bytes <= 0:
+            raise ValueError(f"option partitionBytes must be positive, not {partition_bytes}")
+        starting = low.get("startingoffsets", "earliest").lower()
+        if starting not in ("earliest", "latest"):
+            raise ValueError(f"option startingOffsets: earliest or latest, not {starting!r}")
+        parse = low.get("parse", "records").lower()
+        if parse not in ("records", "telemetry"):
+            raise ValueError(f"option parse: records or telemetry, not {parse!r}")
+        telemetry = TelemetryMapping.from_options(low) if parse == "telemetry" else None
+        if telemetry is None and any(k.startswith(OPTION_PREFIX) for k in low):
+            raise ValueError("telemetry.* options need parse=telemetry")
+        return cls(
+            directory=str(commitlog_dir(low["path"])),
+            decode=DecodeOptions(
+                verify_crc=_bool(low, "verifycrc", True),
+                topic_filter=topic_filter,
+                from_ms=bounds.get("fromtime"),
+                to_ms=bounds.get("totime"),
+            ),
+            partition_bytes=partition_bytes,
+            fail_on_data_loss=_bool(low, "failondataloss", True),
+            starting=starting,
+            telemetry=telemetry,
+        )

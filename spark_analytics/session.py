@@ -1,0 +1,92 @@
+"""A quiet SparkSession for the CLI, the tests and the benchmark.
+
+Quiet means: no web UI, no console progress bar (the CLI shows its own),
+driver bound to loopback only (without it Spark binds a non-loopback
+address), two shuffle partitions (the default 200 costs ~70 ms each on a
+laptop-sized job), UTC session time, and ERROR-level logs. Python workers run
+the same interpreter as the driver so the package and its dependencies match.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["DEFAULT_MASTER", "QUIET_CONF", "package_zip", "spark_session"]
+
+DEFAULT_MASTER = "local[2]"
+"""The machine this project is measured on has two cores."""
+
+QUIET_CONF = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.driver.host": "127.0.0.1",
+    "spark.sql.shuffle.partitions": "2",
+    "spark.default.parallelism": "2",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+}
+"""The settings measured in /work/shared/spark-notes.md; any of them can be overridden."""
+
+
+def spark_session(master: str = DEFAULT_MASTER, app_name: str = "lightgate-analytics",
+                  conf: Mapping[str, str] | None = None, *, delta: bool = False) -> Any:
+    """Start (or reuse) a SparkSession with :data:`QUIET_CONF` and the ``commitlog`` source registered.
+
+    ``delta=True`` adds Delta Lake (the optional delta-spark package: its
+    ``configure_spark_with_delta_pip`` names the matching jars, which Spark
+    fetches from Maven unless they are already in its cache).
+
+    On a cluster master (not ``local``), the bind settings are left to Spark
+    and the package is shipped to executors with ``addPyFile`` unless they
+    already import it (see docs/analytics.md, "Running on a cluster").
+
+    Resource handling: the caller stops the session (``spark.stop()``).
+    """
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    local = master.startswith("local")
+    if local:
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+
+    from .source import register
+
+    builder = SparkSession.builder.master(master).appName(app_name)
+    settings = dict(QUIET_CONF)
+    if not local:
+        del settings["spark.driver.bindAddress"], settings["spark.driver.host"]
+    settings.update(conf or {})
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    if delta:
+        from delta import configure_spark_with_delta_pip
+
+        builder = configure_spark_with_delta_pip(
+            builder.config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
+            .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog"))
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    register(spark)
+    return spark
+
+
+def package_zip(directory: Path) -> Path:
+    """Zip ``spark_analytics`` and the record format (``store/record.py`` and the
+    target-queues codec it imports, ``lightqueue/targets.py``) into ``directory``
+    for ``SparkContext.addPyFile``: the code executors need when the project is
+    not installed on them (its dependencies still must be: pyarrow, numpy,
+    msgspec, crc32c). Returns the zip's path."""
+    import zipfile
+
+    root = Path(__file__).resolve().parent.parent
+    target = directory / "lightgate-analytics.zip"
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as zf:
+        for path in [*sorted((root / "spark_analytics").glob("*.py")),
+                     root / "store" / "__init__.py", root / "store" / "record.py",
+                     root / "lightqueue" / "__init__.py", root / "lightqueue" / "targets.py"]:
+            zf.write(path, path.relative_to(root).as_posix())
+    return target

@@ -1,0 +1,48 @@
+"""The commitlog reader's options (spark_analytics.options), without Spark."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spark_analytics.options import ReaderOptions
+
+
+def test_options_are_parsed_case_insensitively(tmp_path: Path) -> None:
+    (tmp_path / "commitlog").mkdir()
+    opts = ReaderOptions.parse({"path": str(tmp_path), "TOPICFILTER": "a/+", "fromTime": "1000",
+                                "toTime": "1970-01-01T00:00:02Z", "verifyCrc": "false", "partitionBytes": "1024",
+                                "failOnDataLoss": "false", "startingOffsets": "latest", "parse": "telemetry",
+                                "telemetry.metrics": "t, h", "telemetry.device": "payload:d"})
+    assert opts.directory == str(tmp_path / "commitlog")
+    assert (opts.decode.topic_filter, opts.decode.from_ms, opts.decode.to_ms, opts.decode.verify_crc) == ("a/+", 1000, 2000, False)
+    assert (opts.partition_bytes, opts.fail_on_data_loss, opts.starting) == (1024, False, "latest")
+    assert opts.telemetry is not None and opts.telemetry.metrics == ("t", "h")
+    assert ReaderOptions.parse({"path": str(tmp_path)}).telemetry is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"topicFilter": "a/#/b"}, "'#' must be alone"),
+        ({"fromTime": "soon"}, "option fromtime"),
+        ({"verifyCrc": "maybe"}, "expected true or false"),
+        ({"partitionBytes": "0"}, "must be positive"),
+        ({"partitionBytes": "lots"}, "not an integer"),
+        ({"startingOffsets": "middle"}, "earliest or latest"),
+        ({"parse": "xml"}, "records or telemetry"),
+        ({"telemetry.metrics": "t"}, "need parse=telemetry"),
+        ({"topic": "a"}, "unknown commitlog option"),
+    ],
+)
+def test_bad_options_name_the_option(tmp_path: Path, extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ReaderOptions.parse({"path": str(tmp_path), **extra})
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs a path"):
+        ReaderOptions.parse({})
+    with pytest.raises(FileNotFoundError):
+        ReaderOptions.parse({"path": str(tmp_path / "absent")})
