@@ -17,7 +17,7 @@ from rich.console import Console
 from .outputs import FORMATS, delta_available
 from .session import DEFAULT_MASTER
 from .times import parse_duration, parse_time
-from .topics import validate_filter
+from lightqueue.topics import validate_filter
 
 if TYPE_CHECKING:  # pyspark, pyarrow and numpy load only when a command runs, not for `lightgate --help`
     from .aggregate import AggregationConfig

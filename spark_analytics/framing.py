@@ -37,9 +37,8 @@ import pyarrow as pa
 from crc32c import crc32c
 from numpy.lib.stride_tricks import sliding_window_view
 
+from lightqueue.topics import matches
 from store.record import EOS_SIZE, FLAG_RETAIN, HEADER_SIZE, MAGIC_EOS, MAGIC_V1, QOS_MASK, CorruptRecord
-
-from .topics import TopicFilter
 
 __all__ = ["RAW_SCHEMA", "DecodeOptions", "Frames", "ScanRange", "scan_range", "valid_end"]
 
@@ -386,7 +385,7 @@ def _first_record(fd: int, rng: ScanRange, window_bytes: int) -> int | None:
 
 
 def _checked(win: _Window, starts: np.ndarray, rng: ScanRange, opts: DecodeOptions,
-             topic_filter: TopicFilter | None) -> tuple[Frames | None, int | None]:
+             topic_filter: str | None) -> tuple[Frames | None, int | None]:
     """Decode one window's records, apply the push-down and the CRC checks.
 
     Returns the kept frames (None when none are kept) and the window position
@@ -418,7 +417,7 @@ def _checked(win: _Window, starts: np.ndarray, rng: ScanRange, opts: DecodeOptio
     if topic_filter is not None and keep.any():
         idx = np.flatnonzero(keep)
         encoded = frames.select(idx).topic().dictionary_encode()
-        wanted = np.array([topic_filter.matches(t) for t in encoded.dictionary.to_pylist()], bool)
+        wanted = np.array([matches(topic_filter, t) for t in encoded.dictionary.to_pylist()], bool)
         keep[idx] = wanted[encoded.indices.to_numpy()]
     if opts.verify_crc and keep.any():
         idx = np.flatnonzero(keep)
@@ -447,7 +446,7 @@ def scan_range(rng: ScanRange, opts: DecodeOptions) -> Iterator[Frames]:
     offset. A missing file raises FileNotFoundError (the caller decides
     whether deleted segments are an error).
     """
-    topic_filter = TopicFilter(opts.topic_filter) if opts.topic_filter else None
+    topic_filter = opts.topic_filter or None
     fd = os.open(rng.path, os.O_RDONLY)
     try:
         first = _first_record(fd, rng, opts.window_bytes) if rng.start > rng.anchor else rng.anchor

@@ -16,7 +16,7 @@ from .layout import commitlog_dir
 from .planning import PARTITION_BYTES
 from .telemetry import OPTION_PREFIX, TelemetryMapping
 from .times import parse_time
-from .topics import validate_filter
+from lightqueue.topics import validate_filter
 
 __all__ = ["OPTIONS", "ReaderOptions"]
 

@@ -15,7 +15,7 @@ from spark_fixtures import Msg, encode, telemetry, write_log
 from spark_analytics.framing import RAW_SCHEMA, DecodeOptions, ScanRange, scan_range, valid_end
 from spark_analytics.layout import FLUSHED_FILE, list_segments, read_flushed
 from spark_analytics.planning import plan_ranges, readable_limit
-from spark_analytics.topics import matches
+from lightqueue.topics import matches
 from store.commitlog import CommitLog, CommitLogConfig
 from store.record import MAGIC_V1, CorruptRecord, encode_record
 

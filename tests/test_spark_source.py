@@ -15,7 +15,7 @@ from spark_fixtures import (
 )
 
 from spark_analytics.times import parse_time
-from spark_analytics.topics import matches
+from lightqueue.topics import matches
 
 pytestmark = pytest.mark.spark
 
