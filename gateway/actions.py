@@ -94,10 +94,11 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class Deliver:
-    """Write these pre-encoded PUBLISH packets; after the write completes, feed ``SocketWritten(seq)``."""
+    """Write these pre-encoded PUBLISH packets (``count`` of them); after the write completes, feed ``SocketWritten(seq)``."""
 
     data: bytes
     seq: int
+    count: int = 1
 
 
 @dataclass(frozen=True, slots=True)

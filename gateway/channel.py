@@ -58,7 +58,7 @@ from gateway.actions import (
     TakenOver,
     Timeout,
 )
-from gateway.codec import encode_publish_template
+from gateway.codec import encode, encode_publish_template
 from gateway.packets import (
     MQTT_5,
     MQTT_311,
@@ -99,6 +99,9 @@ KEEPALIVE_TIMER = "keepalive"
 COMMIT_TIMER = "commit"
 """Commits acknowledged offsets at most once per ``commit_interval_s``: offsets are written in batches, not per ack."""
 
+MAX_REASON_STRING = 256
+"""Reason Strings are diagnostics for people: the error's first characters say enough, and keep the packet small."""
+
 _MAX_EXPIRY = 0xFFFF_FFFF  # Session Expiry Interval 0xFFFFFFFF means "never expires" (section 3.1.2.11.2)
 
 _CONNACK_REFUSALS_311 = frozenset({
@@ -117,7 +120,10 @@ class ChannelConfig:
     on input). ``receive_maximum`` bounds inbound QoS 1/2 messages awaiting
     acknowledgement; ``default_receive_maximum`` is the outbound window of
     3.1.1 clients (which cannot say), ``max_inflight`` caps any client's.
-    ``server_keepalive`` None honours the client's keep alive.
+    ``max_keepalive`` None honours any keep alive; otherwise an MQTT 5 client
+    asking for more (or for none, 0) is told this value as Server Keep Alive.
+    ``reason_strings`` adds the error's text as Reason String to the CONNACKs
+    and DISCONNECTs that refuse or close an MQTT 5 client.
     """
 
     max_packet_size: int = 1024 * 1024 + 1024
@@ -125,7 +131,7 @@ class ChannelConfig:
     default_receive_maximum: int = 64
     max_inflight: int = 1024
     topic_alias_maximum: int = 64
-    server_keepalive: int | None = None
+    max_keepalive: int | None = None
     max_session_expiry_s: int = 7 * 24 * 3600
     session_expiry_311_s: int = 7 * 24 * 3600
     max_qos: int = 2
@@ -139,6 +145,7 @@ class ChannelConfig:
     commit_interval_s: float = 1.0
     commit_every: int = 256
     max_queued_packets: int = 256
+    reason_strings: bool = False
 
     def __post_init__(self) -> None:
         for name in ("receive_maximum", "default_receive_maximum", "max_inflight"):
@@ -148,8 +155,8 @@ class ChannelConfig:
             raise ValueError(f"topic_alias_maximum must be 0..{MAX_UINT16}, not {self.topic_alias_maximum}")
         if self.max_qos not in (0, 1, 2):
             raise ValueError(f"max_qos must be 0, 1 or 2, not {self.max_qos}")
-        if self.server_keepalive is not None and not 0 <= self.server_keepalive <= MAX_UINT16:
-            raise ValueError(f"server_keepalive must be 0..{MAX_UINT16}, not {self.server_keepalive}")
+        if self.max_keepalive is not None and not 1 <= self.max_keepalive <= MAX_UINT16:
+            raise ValueError(f"max_keepalive must be 1..{MAX_UINT16}, not {self.max_keepalive}")
         for name in ("pull_batch", "max_unwritten", "commit_every", "max_queued_packets", "max_packet_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
@@ -203,12 +210,14 @@ class Channel:
         self._encoder = encoder
         self._state = State.AWAIT_CONNECT
         self._level: int | None = None
+        self._peer_max_packet: int | None = None  # the client's Maximum Packet Size, once its CONNECT is read
         self._client_id = ""
         self._assigned: str | None = None
         self._clean_start = True
         self._requested_expiry = 0
         self._expiry = 0
         self._keepalive = 0
+        self._keepalive_override: int | None = None  # Server Keep Alive, when it differs from the client's
         self._will: Message | None = None
         self._will_delay = 0
         self._session: Session | None = None
@@ -296,10 +305,20 @@ class Channel:
             return []
         level = self._level or protocol_level
         before_connack = self._state in (State.AWAIT_CONNECT, State.CONNECTING)
-        return self._close(
-            err.reason, f"protocol error: {err.message}", packet=error_packet(level, before_connack, err.reason),
-            will=True,
-        )
+        packet = self._explained(error_packet(level, before_connack, err.reason), level, err.message)
+        return self._close(err.reason, f"protocol error: {err.message}", packet=packet, will=True)
+
+    def _explained(self, packet: Packet | None, level: int | None, text: str) -> Packet | None:
+        """``packet`` (an error CONNACK or DISCONNECT) with ``text`` as its Reason String, if configured and
+        MQTT 5, and if that keeps it within the client's Maximum Packet Size [MQTT-3.14.2-3]."""
+        if packet is None or level != MQTT_5 or not self.config.reason_strings:
+            return packet
+        explained = replace(packet, properties=replace(packet.properties,  # type: ignore[arg-type]
+                                                       reason_string=text[:MAX_REASON_STRING]))
+        limit = self._peer_max_packet
+        if limit is not None and len(encode(explained, MQTT_5)) > limit:
+            return packet
+        return explained
 
     # --- closing ------------------------------------------------------------------------
 
@@ -359,12 +378,14 @@ class Channel:
     # --- packets ------------------------------------------------------------------------
 
     def _refuse(self, reason: ReasonCode, log: str) -> list[Action]:
-        return self._close(reason, f"connection refused: {log}", packet=error_packet(self._level, True, reason))
+        packet = self._explained(error_packet(self._level, True, reason), self._level, log)
+        return self._close(reason, f"connection refused: {log}", packet=packet)
 
     def _process_connect(self, packet: Connect) -> list[Action]:
         config = self.config
         self._level = level = packet.protocol_level
         props = packet.properties
+        self._peer_max_packet = props.maximum_packet_size
         if props.authentication_method is not None:
             return self._refuse(ReasonCode.BAD_AUTHENTICATION_METHOD, "enhanced authentication is not offered")
         client_id = packet.client_id
@@ -393,13 +414,16 @@ class Channel:
         if level == MQTT_5:
             self._requested_expiry = props.session_expiry_interval or 0
             self._expiry = min(self._requested_expiry, config.max_session_expiry_s)
-            keepalive = config.server_keepalive if config.server_keepalive is not None else packet.keep_alive
+            keepalive = packet.keep_alive
+            if config.max_keepalive is not None and not 0 < keepalive <= config.max_keepalive:
+                keepalive = config.max_keepalive
             receive_maximum = props.receive_maximum or MAX_UINT16
         else:
             self._expiry = self._requested_expiry = 0 if packet.clean_start else config.session_expiry_311_s
             keepalive = packet.keep_alive
             receive_maximum = config.default_receive_maximum
         self._keepalive = keepalive
+        self._keepalive_override = keepalive if keepalive != packet.keep_alive else None
         self._clean_start = packet.clean_start
         self._link = Link(
             protocol_level=level,
@@ -428,8 +452,8 @@ class Channel:
             fields["assigned_client_identifier"] = self._assigned
         if self._expiry != self._requested_expiry:
             fields["session_expiry_interval"] = self._expiry
-        if config.server_keepalive is not None:
-            fields["server_keep_alive"] = config.server_keepalive
+        if self._keepalive_override is not None:
+            fields["server_keep_alive"] = self._keepalive_override
         if config.max_qos < 2:
             fields["maximum_qos"] = config.max_qos
         for name, available in (

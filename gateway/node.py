@@ -12,16 +12,26 @@ it executes the channel actions that need the store or other connections.
   a consumer task turns each event into ``QueueAdvanced`` for the local
   connections subscribed to that queue.
 - Timers that outlive a connection: delayed wills and session expiry.
+- Shared subscriptions: one ``SharedGroup`` per (share name, queue) holds the
+  queue and owns its offset in the store; it hands each pulled batch to the
+  member that pulled and takes back what a leaving member left unacknowledged.
+- ``$SYS/broker/...``: statistics appended every ``mqtt.sys_interval_s``
+  through the normal path (wildcards starting with ``+``/``#`` do not match them).
+- Resuming after a crash: the offsets the light queues committed (WAL) win
+  over an older saved session blob, so acknowledged messages are not replayed.
+- Retained messages: the dispatcher keeps them (retain/); ``Activate`` answers
+  with the matches of each new subscription that wants them.
 
-Not done here (yet): retained messages (``Activated.retained`` is always
-empty), shared subscriptions (refused in the SUBACK, ``shared_available``
-is False) and authentication (every CONNECT is accepted).
+Not done here (yet): authentication (every CONNECT is accepted).
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, final
 
@@ -45,20 +55,21 @@ from gateway.actions import (
     Release,
     SaveSession,
     SessionOpened,
+    Subscription,
     TakenOver,
 )
 from gateway.channel import ChannelConfig
 from gateway.properties import PacketType, decode_properties, encode_properties
 from gateway.reasons import ReasonCode
-from gateway.server import Connection, serve_mqtt
+from gateway.server import Connection, Traffic, serve_mqtt
 from gateway.session import SessionState
-from lightqueue.topics import TopicError
+from lightqueue.topics import TopicError, parse_shared
 from notify import EventMailbox, NotifyRouter
 from store.commitlog import CommitLogConfig
 from store.node import StoreNode, open_store, until_signalled
-from store.record import Record, RecordTooLarge
+from store.record import Record, RecordTooLarge, decode_record
 
-__all__ = ["GatewayNode", "run_gateway_node", "serve_gateway"]
+__all__ = ["GatewayNode", "SharedGroup", "merge_committed", "run_gateway_node", "serve_gateway"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -67,6 +78,13 @@ NODE_NAME = "local"
 
 TAKEOVER_TIMEOUT_S = 15.0
 """How long a new connection waits for the one it takes over to hand its session over."""
+
+SHARE_OWNER_PREFIX = "$share/"
+"""Light-queue holder and offset owner name of a shared subscription group: ``$share/<group>``.
+Client ids are opaque, so the prefix keeps groups apart from sessions in practice, as EMQX does."""
+
+SYS_PREFIX = "$SYS/broker/"
+"""Where the node's statistics are published (Mosquitto's names, so existing dashboards find them)."""
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(SessionState)
@@ -80,6 +98,69 @@ def encode_session(state: SessionState) -> bytes:
 def decode_session(blob: bytes) -> SessionState:
     """Raises msgspec.DecodeError (a ValueError) on a blob that is not a session."""
     return _DECODER.decode(blob)
+
+
+def merge_committed(state: SessionState, committed: Mapping[str, int]) -> SessionState:
+    """The session with the queues' committed offsets (queue -> offset) where they are ahead of its own.
+
+    A blob is saved on subscription changes and disconnects, offsets are
+    committed on acknowledgements: after a crash the blob can be older than
+    the commits, and replaying from it would resend acknowledged messages.
+    Shared subscriptions are skipped: their group owns the offset.
+    """
+    offsets = dict(state.offsets)
+    cursors = dict(state.cursors)
+    for sub in state.subscriptions:
+        offset = committed.get(sub.queue)
+        if sub.group is None and offset is not None and offset > offsets.get(sub.filter, 0):
+            offsets[sub.filter] = offset
+            cursors[sub.filter] = max(cursors.get(sub.filter, offset), offset)
+    if offsets == state.offsets:
+        return state
+    return replace(state, offsets=offsets, cursors=cursors)
+
+
+@final
+class SharedGroup:
+    """One shared subscription group on one queue: which member holds which offsets, and the group's offset.
+
+    Offsets are handed out at most once at a time: each pull takes back-handed
+    offsets first, then new ones from ``cursor`` (a fair share of the backlog
+    among connected members, so one pull batch does not starve the others).
+    The group's committed offset is the lowest offset handed out and not
+    acknowledged (or handed back), else ``cursor``.
+    """
+
+    def __init__(self, name: str, queue: str, cursor: int) -> None:
+        self.name = name
+        self.queue = queue
+        self.owner = SHARE_OWNER_PREFIX + name
+        self.cursor = cursor  # next queue offset never handed out
+        self.committed = cursor  # the offset last written to the store
+        self.returned: list[int] = []  # heap of offsets handed back by members that left
+        self.held: dict[Connection, set[int]] = {}  # connected member -> offsets handed to it, not acknowledged
+        self.subscribers: set[str] = set()  # client ids whose sessions hold the subscription, connected or not
+        self.lock = trio.Lock()  # one pull at a time: a pull reads the store between taking and moving the cursor
+
+    def acknowledged_below(self, member: Connection, offset: int) -> None:
+        """The member acknowledged everything it was handed below ``offset`` (its session's committed offset)."""
+        held = self.held.get(member)
+        if held:
+            held.difference_update([o for o in held if o < offset])
+
+    def leave(self, member: Connection) -> bool:
+        """The member is gone: what it holds goes back to the group. Returns whether anything did."""
+        held = self.held.pop(member, set())
+        for offset in held:
+            heapq.heappush(self.returned, offset)
+        return bool(held)
+
+    def committed_offset(self) -> int:
+        low = min(self.cursor, self.returned[0]) if self.returned else self.cursor
+        for held in self.held.values():
+            if held:
+                low = min(low, min(held))
+        return low
 
 
 @final
@@ -117,6 +198,9 @@ class GatewayNode:
         self._held: dict[Connection, set[str]] = {}  # connection -> its queues in _local
         self._wills: dict[str, trio.CancelScope] = {}  # client id -> pending delayed will
         self._expiries: dict[str, trio.CancelScope] = {}  # client id -> pending session expiry
+        self._groups: dict[tuple[str, str], SharedGroup] = {}  # (share name, queue) -> group
+        self._started = time.monotonic()
+        self.traffic = Traffic()
 
     # --- Backend ------------------------------------------------------------------------
 
@@ -157,6 +241,9 @@ class GatewayNode:
         """Forget the connection; start the expiry of its session if it stays stored."""
         for queue in self._held.pop(connection, ()):
             self._unsubscribe_local(connection, queue)
+        for group in tuple(self._groups.values()):
+            if connection in group.held:
+                self._leave(group, connection)
         client_id = connection.client_id
         if not client_id or self._connections.get(client_id) is not connection:
             return
@@ -194,7 +281,11 @@ class GatewayNode:
                     LOGGER.error("stored session is unreadable; starting a new one: %s", exc,
                                  extra={"ctx": {"client_id": client_id}})
         if state is not None:
+            committed = await trio.to_thread.run_sync(self.store.queues.get_offsets, client_id)
+            state = merge_committed(state, committed)
             for sub in state.subscriptions:
+                if sub.group is not None:
+                    await self._join(connection, sub, None)
                 self._subscribe_local(connection, sub.queue)
         connection.feed(SessionOpened(state is not None, state))
 
@@ -208,6 +299,9 @@ class GatewayNode:
         """End a session: its state, its stored blob, its filters and offsets go."""
         self._sessions.pop(client_id, None)
         self._cancel(self._expiries, client_id)
+        for group in tuple(self._groups.values()):
+            if client_id in group.subscribers:
+                await self._unsubscribe_group(group, client_id)
         await trio.to_thread.run_sync(self.store.drop_session, client_id)
         await trio.to_thread.run_sync(self.store.queues.delete_owner, client_id)
 
@@ -274,38 +368,159 @@ class GatewayNode:
                 connection.feed(Appended(append.ref, reason is None, reason or ReasonCode.SUCCESS))
 
     async def _pull(self, connection: Connection, action: Pull) -> None:
+        if action.group is not None:
+            await self._pull_shared(connection, action)
+            return
         result = await self.store.pull(action.queue, action.from_offset, action.max_count)
         messages = tuple(_message(record, action.queue, offset) for offset, record in result.messages)
         connection.feed(Pulled(action.filter, messages, result.next_offset))
 
+    async def _pull_shared(self, connection: Connection, action: Pull) -> None:
+        """Answer a member's pull with what its group assigns it: handed-back offsets first, then its share."""
+        group = self._groups.get((action.group, action.queue))  # type: ignore[arg-type]
+        if group is None or connection not in group.held:
+            connection.feed(Pulled(action.filter, (), action.from_offset))  # left or unsubscribed meanwhile
+            return
+        queue = group.queue
+        taken: list[tuple[int, Record]] = []
+        async with group.lock:
+            while group.returned and len(taken) < action.max_count:
+                offset = heapq.heappop(group.returned)
+                result = await self.store.pull(queue, offset, 1)
+                if result.messages and result.messages[0][0] == offset:
+                    taken.append(result.messages[0])  # else gone with retention: nothing to redeliver
+            room = action.max_count - len(taken)
+            if room > 0:
+                backlog = self.store.queues.max_offset(queue) - group.cursor
+                share = -(-backlog // max(1, len(group.held)))
+                result = await self.store.pull(queue, group.cursor, min(room, max(1, share)))
+                taken += result.messages
+                group.cursor = max(group.cursor, result.next_offset)
+            held = group.held.get(connection)
+            if held is None:  # the member left during the reads: the messages go back
+                for offset, _ in taken:
+                    heapq.heappush(group.returned, offset)
+                if taken:
+                    self._poke(group)
+                taken = []
+            else:
+                held.update(offset for offset, _ in taken)
+        taken.sort(key=lambda pair: pair[0])
+        messages = tuple(_message(record, queue, offset) for offset, record in taken)
+        connection.feed(Pulled(action.filter, messages, group.cursor))
+
+    async def _join(self, connection: Connection, sub: Subscription, start: int | None) -> None:
+        """Make the connection a member of its shared subscription's group (created, with its offset, on first use).
+
+        ``start`` is where a new group starts when the store has no offset for it (None: the queue's head).
+        """
+        key = (sub.group, sub.queue)
+        group = self._groups.get(key)  # type: ignore[arg-type]
+        if group is None:
+            owner = SHARE_OWNER_PREFIX + sub.group  # type: ignore[operator]
+            committed = (await trio.to_thread.run_sync(self.store.queues.get_offsets, owner)).get(sub.queue)
+            if committed is None:
+                committed = start if start is not None else self.store.queues.max_offset(sub.queue)
+                await trio.to_thread.run_sync(self.store.queues.commit_offsets, owner, {sub.queue: committed})
+            group = self._groups.setdefault(key, SharedGroup(sub.group, sub.queue, committed))  # type: ignore[arg-type]
+        group.subscribers.add(connection.client_id)
+        group.held.setdefault(connection, set())
+
+    def _leave(self, group: SharedGroup, connection: Connection) -> None:
+        """Hand back what the leaving member did not acknowledge and make the other members pull it."""
+        session = connection.channel.session
+        if session is not None:
+            for filter, offset in session.committed_offsets().items():
+                if parse_shared(filter) == (group.name, group.queue):
+                    group.acknowledged_below(connection, offset)
+        if group.leave(connection):
+            self._poke(group)
+
+    @staticmethod
+    def _poke(group: SharedGroup) -> None:
+        """Offsets were handed back: make the connected members pull them."""
+        for member in tuple(group.held):
+            member.feed(QueueAdvanced(group.queue, group.cursor))
+
+    async def _unsubscribe_group(self, group: SharedGroup, client_id: str) -> None:
+        """The session no longer holds the subscription; the last one out releases the group's queue and offset."""
+        group.subscribers.discard(client_id)
+        if group.subscribers:
+            return
+        del self._groups[(group.name, group.queue)]
+        await self.store.dispatcher.release(group.queue, group.owner)
+
+    async def _commit_group(self, group: SharedGroup) -> None:
+        offset = group.committed_offset()
+        if offset != group.committed:
+            group.committed = offset
+            await trio.to_thread.run_sync(self.store.queues.commit_offsets, group.owner, {group.queue: offset})
+
     # --- subscriptions ------------------------------------------------------------------
+
+    def _retained_for(self, action: Activate, starts: Mapping[str, int]) -> tuple[tuple[str, Message], ...]:
+        """The retained messages for the new subscriptions that want them now.
+
+        The channel already applied MQTT 5 retain handling (``action.retained``);
+        shared subscriptions never get retained messages (MQTT 5.0, section 4.8.2).
+        """
+        wanted = set(action.retained)
+        return tuple(
+            (sub.filter, _message(decode_record(r.record, 0, r.log_offset), None, None))
+            for sub in action.subscriptions
+            if sub.filter in wanted and sub.filter in starts and sub.group is None
+            for r in self.store.retained.lookup(sub.queue)
+        )
 
     async def _activate(self, connection: Connection, action: Activate) -> None:
         starts: dict[str, int] = {}
         reasons: dict[str, ReasonCode] = {}
         for sub in action.subscriptions:
+            holder = action.client_id if sub.group is None else SHARE_OWNER_PREFIX + sub.group
             try:
-                starts[sub.filter] = await self.store.dispatcher.activate(sub.queue, action.client_id)
+                starts[sub.filter] = await self.store.dispatcher.activate(sub.queue, holder)
+                if sub.group is not None:
+                    await self._join(connection, sub, starts[sub.filter])
             except TopicError as exc:
                 LOGGER.warning("subscription refused: %s", exc, extra={"ctx": {"client_id": action.client_id}})
                 reasons[sub.filter] = ReasonCode.TOPIC_FILTER_INVALID
             except ValueError as exc:
                 LOGGER.error("subscription failed: %s", exc, extra={"ctx": {"client_id": action.client_id}})
                 reasons[sub.filter] = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
-        connection.feed(Activated(action.ref, starts, (), reasons or None))
+        retained = await trio.to_thread.run_sync(self._retained_for, action, starts)
+        connection.feed(Activated(action.ref, starts, retained, reasons or None))
         for sub in action.subscriptions:
             if sub.filter in starts:
                 self._subscribe_local(connection, sub.queue)
 
     async def _release(self, connection: Connection, client_id: str, filters: tuple[str, ...]) -> None:
         for filter in filters:
-            queue = _queue_of(connection, filter)
-            await self.store.dispatcher.release(queue, client_id)
-            self._unsubscribe_local(connection, queue)
+            shared = parse_shared(filter)
+            if shared is None:
+                await self.store.dispatcher.release(filter, client_id)
+                self._unsubscribe_local(connection, filter)
+                continue
+            self._unsubscribe_local(connection, shared[1])
+            group = self._groups.get(shared)
+            if group is not None:
+                if connection in group.held:
+                    self._leave(group, connection)
+                await self._unsubscribe_group(group, client_id)
 
     async def _commit(self, connection: Connection, action: CommitOffsets) -> None:
-        offsets = {_queue_of(connection, f): offset for f, offset in action.offsets.items()}
-        await trio.to_thread.run_sync(self.store.queues.commit_offsets, action.client_id, offsets)
+        offsets: dict[str, int] = {}
+        for filter, offset in action.offsets.items():
+            shared = parse_shared(filter)
+            if shared is None:
+                offsets[filter] = offset
+                continue
+            group = self._groups.get(shared)
+            if group is not None:
+                group.acknowledged_below(connection, offset)
+                await self._commit_group(group)
+        if offsets:
+            await trio.to_thread.run_sync(self.store.queues.commit_offsets, action.client_id, offsets)
+        LOGGER.debug("offsets committed", extra={"ctx": {"client_id": action.client_id, "offsets": action.offsets}})
 
     def _subscribe_local(self, connection: Connection, queue: str) -> None:
         held = self._held.setdefault(connection, set())
@@ -327,6 +542,31 @@ class GatewayNode:
             del self._local[queue]
         self._router.unregister(NODE_NAME, queue)
 
+    # --- $SYS ---------------------------------------------------------------------------
+
+    def sys_messages(self) -> list[Message]:
+        """The node's statistics as retained QoS 0 messages under ``$SYS/broker/``."""
+        traffic = self.traffic
+        figures = {
+            "uptime": int(time.monotonic() - self._started),
+            "clients/connected": len(self._connections),
+            "messages/received": traffic.messages_in,
+            "messages/sent": traffic.messages_out,
+            "bytes/received": traffic.bytes_in,
+            "bytes/sent": traffic.bytes_out,
+        }
+        now_ms = int(time.time() * 1000)
+        return [Message(SYS_PREFIX + name, str(value).encode(), 0, True, born_ms=now_ms)
+                for name, value in figures.items()]
+
+    async def publish_sys(self, interval_s: float) -> None:
+        """Append the statistics now and every ``interval_s`` until cancelled."""
+        while True:
+            reason = await self.append_messages(self.sys_messages())
+            if reason is not None:
+                LOGGER.error("$SYS statistics not published: %s", reason.name)
+            await trio.sleep(interval_s)
+
     # --- notify -------------------------------------------------------------------------
 
     def on_dispatched(self, events: dict[str, int]) -> None:
@@ -347,13 +587,6 @@ class GatewayNode:
                     connection.feed(QueueAdvanced(queue, max_offset))
 
 
-def _queue_of(connection: Connection, filter: str) -> str:
-    """The light queue a subscription filter reads (the filter itself unless it is shared)."""
-    session = connection.channel.session
-    sub = session.subscriptions.get(filter) if session is not None else None
-    return sub.queue if sub is not None else filter
-
-
 def _record_fields(message: Message) -> Mapping[str, Any]:
     return {
         "client_id": message.client_id,
@@ -364,7 +597,7 @@ def _record_fields(message: Message) -> Mapping[str, Any]:
     }
 
 
-def _message(record: Record, queue: str, offset: int) -> Message:
+def _message(record: Record, queue: str | None, offset: int | None) -> Message:
     props = record.properties
     return Message(
         record.topic, record.payload, record.qos, record.retain,
@@ -377,7 +610,8 @@ def _channel_config(settings: Mapping[str, Any]) -> ChannelConfig:
     return ChannelConfig(
         max_packet_size=settings["mqtt.max_packet_size"],
         receive_maximum=settings["mqtt.receive_maximum"],
-        shared_available=False,
+        max_keepalive=settings["mqtt.max_keepalive"] or None,
+        reason_strings=True,
     )
 
 
@@ -407,6 +641,8 @@ async def serve_gateway(
                                router, mailbox)
             listener_box.append(node)
             nursery.start_soon(node.consume_events)
+            if settings["mqtt.sys_interval_s"] > 0:
+                nursery.start_soon(node.publish_sys, settings["mqtt.sys_interval_s"])
             listeners = await nursery.start(serve_mqtt, node, settings["node.host"], settings["node.port"])
             host, port = listeners[0].socket.getsockname()[:2]
             LOGGER.info("gateway node ready", extra={"ctx": {"host": host, "port": port}})

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol, final
 
 import trio
@@ -37,9 +38,10 @@ from gateway._state import State
 from gateway.actions import Action, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Send, SocketWritten
 from gateway.channel import Channel, ChannelConfig
 from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.packets import Publish
 from gateway.reasons import RemoteProtocolError
 
-__all__ = ["Backend", "Connection", "serve_mqtt"]
+__all__ = ["Backend", "Connection", "Traffic", "serve_mqtt"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -53,11 +55,22 @@ CLOSE_TIMEOUT_S = 10.0
 """How long a closing connection waits for its store results (to save an exact session) and its last writes."""
 
 
+@dataclass(slots=True)
+class Traffic:
+    """Counters of everything the connections of a node received and sent (the ``$SYS`` figures)."""
+
+    messages_in: int = 0
+    messages_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
 class Backend(Protocol):
     """What a connection needs from its node."""
 
     channel_config: ChannelConfig
     connect_timeout_s: float
+    traffic: Traffic
 
     async def perform(self, connection: Connection, actions: list[Action]) -> None:
         """Execute node actions in order, feeding their answers to ``connection.feed``."""
@@ -82,6 +95,7 @@ class Connection:
         self.finished = trio.Event()  # set once the connection is completely gone (for takeovers)
         self._stream = stream
         self._backend = backend
+        self._traffic = backend.traffic
         self._decoder = MqttDecoder(role=Role.SERVER, max_packet_size=config.max_packet_size)
         self._out: list[bytes] = []
         self._out_seq: int | None = None  # highest Deliver seq among the bytes in _out
@@ -117,6 +131,7 @@ class Connection:
             elif kind is Deliver:
                 self._out.append(action.data)  # type: ignore[union-attr]
                 self._out_seq = action.seq  # type: ignore[union-attr]
+                self._traffic.messages_out += action.count  # type: ignore[union-attr]
                 self._out_ready.set()
             elif kind is Close:
                 LOGGER.info("closing connection: %s", action.log,  # type: ignore[union-attr]
@@ -208,6 +223,7 @@ class Connection:
             if not data:
                 self.feed(ConnectionLost("closed by the client"))
                 return
+            self._traffic.bytes_in += len(data)
             decoder.feed(data)
             while True:
                 try:
@@ -217,6 +233,8 @@ class Connection:
                     return
                 if packet is NEED_DATA:
                     break
+                if type(packet) is Publish:
+                    self._traffic.messages_in += 1
                 self.execute(channel.handle_in(packet))
             if self._close_requested.is_set():
                 return
@@ -244,6 +262,7 @@ class Connection:
             self._sending = True
             try:
                 await self._stream.send_all(data)
+                self._traffic.bytes_out += len(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 self._broken = True
                 self.feed(ConnectionLost(f"send failed: {exc!r}"))

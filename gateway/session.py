@@ -106,7 +106,9 @@ class _Stream:
         self.buffer: deque[Message] = deque()
         self.unacked: set[int] = set()  # delivered, not yet acknowledged (or written, QoS 0)
         self.resend: dict[int, int] = {}  # resuming: offset -> packet id to resend with DUP
-        self.skip_below = cursor  # resuming: offsets below this not in ``resend`` were acknowledged
+        # Resuming: offsets below this not in ``resend`` were acknowledged. A shared subscription's group
+        # hands out offsets in any order (old ones handed back by other members), so it skips none.
+        self.skip_below = cursor if sub.group is None else 0
 
     def committed(self) -> int:
         if self.unacked:
@@ -161,8 +163,10 @@ class Session:
             stream = self._streams.get(entry.filter)
             current = stream is not None and entry.offset >= self._committed[entry.filter]
             if entry.phase is Phase.PUBLISHED:
-                if not current:
-                    continue  # unsubscribed, or acknowledged according to a later commit
+                if not current or stream.sub.group is not None:  # type: ignore[union-attr]
+                    # Unsubscribed, acknowledged according to a later commit, or shared: the group took
+                    # the message back when this member left and hands it to a connected member.
+                    continue
                 stream.resend[entry.offset] = entry.packet_id  # type: ignore[union-attr]
                 stream.cursor = min(stream.cursor, entry.offset)  # type: ignore[union-attr]
             if current:
@@ -258,9 +262,17 @@ class Session:
     # --- delivery -----------------------------------------------------------------------
 
     def queue_advanced(self, queue: str, max_offset: int) -> list[Action]:
-        """A queue has news up to ``max_offset``: streams on it that are idle pull."""
+        """A queue has news up to ``max_offset``: streams on it that are idle pull.
+
+        A shared subscription's stream cannot know which messages its group
+        will assign it, so news always makes it pull (until an empty answer).
+        """
         for stream in self._streams.values():
-            if stream.sub.queue == queue and (stream.head is None or stream.head < max_offset):
+            if stream.sub.queue != queue:
+                continue
+            if stream.sub.group is not None:
+                stream.head = None
+            elif stream.head is None or stream.head < max_offset:
                 stream.head = max_offset
         return self.pump()
 
@@ -270,6 +282,14 @@ class Session:
         if stream is None:
             return []
         stream.pulling = False
+        if stream.sub.group is not None:
+            # The group hands out messages, old ones a member left unacknowledged included: the cursor
+            # follows the group's, no offset is filtered, and news during the pull (head None) pulls again.
+            stream.buffer.extend(messages)
+            stream.cursor = next_offset
+            if messages:
+                stream.head = None
+            return self.pump()
         fresh = [m for m in messages if m.offset is not None and m.offset >= stream.cursor]
         stream.buffer.extend(fresh)
         if stream.resend:
@@ -339,6 +359,8 @@ class Session:
                     written.append((stream, offset))
             if not buffer and not stream.pulling and (stream.head is None or stream.cursor < stream.head):
                 stream.pulling = True
+                if sub.group is not None:
+                    stream.head = stream.cursor  # idle after an empty answer unless news comes meanwhile
                 actions.append(Pull(sub.filter, sub.queue, stream.cursor, link.pull_batch, sub.group))
         if not chunks:
             return actions
@@ -346,7 +368,7 @@ class Session:
         if written:
             self._written.append((self._seq, written))
             self._unwritten += len(written)
-        return [Deliver(b"".join(chunks), self._seq), *actions]
+        return [Deliver(b"".join(chunks), self._seq, len(chunks)), *actions]
 
     def _track(self, filter: str, offset: int, qos: int) -> int:
         pid = self._allocate()

@@ -249,12 +249,14 @@ def test_keepalive_fires_at_one_and_a_half_times_and_publishes_will():
     assert of(actions, PublishWill) and of(actions, Close)[0].reason is R.KEEP_ALIVE_TIMEOUT
 
 
-def test_keepalive_zero_disables_and_server_keepalive_overrides():
+def test_keepalive_zero_disables_and_max_keepalive_caps_mqtt5_clients():
     _, _, actions = connect(keep_alive=0)
     assert not of(actions, ArmTimer)
-    channel, _, actions = connect(config=ChannelConfig(server_keepalive=20), keep_alive=0)
-    assert sent(actions)[0].properties.server_keep_alive == 20 and ArmTimer("keepalive", 30.0) in actions
-    assert channel.keep_alive == 20
+    for asked, told in ((0, 20), (120, 20), (20, None), (10, None)):
+        channel, _, actions = connect(config=ChannelConfig(max_keepalive=20), keep_alive=asked)
+        assert sent(actions)[0].properties.server_keep_alive == told, asked
+        assert channel.keep_alive == (told or asked)
+        assert ArmTimer("keepalive", channel.keep_alive * 1.5) in actions
 
 
 # --- inbound PUBLISH --------------------------------------------------------------------------
