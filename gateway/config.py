@@ -70,9 +70,17 @@ OPTIONS: tuple[Option, ...] = (
            "largest MQTT packet accepted (and advertised); room for a max-size record plus headers"),
     Option("mqtt.receive_maximum", 128, "inbound QoS 1/2 PUBLISHes a client may have unacknowledged (1..65535)"),
     Option("mqtt.connect_timeout_s", 10.0, "close connections that send no CONNECT within this"),
+    Option("mqtt.max_keepalive", 0, "longest keep alive granted to MQTT 5 clients, told as Server Keep Alive"
+           " (0 = grant what the client asks)"),
+    Option("mqtt.sys_interval_s", 10.0, "publish the $SYS/broker/... statistics this often (0 = never)"),
     Option("retention.hours", 72.0, "delete sealed segments older than this"),
     Option("retention.max_bytes", 0, "delete oldest sealed segments beyond this total (0 = no limit)"),
     Option("retention.check_interval_s", 60.0, "how often retention runs"),
+    Option("auth.password_file", "", "password file of user:argon2-hash lines (`lightgate passwd`); empty = none"),
+    Option("auth.allow_anonymous", "auto", "accept clients without a user name; auto = only when no password file",
+           choices=("auto", "true", "false")),
+    Option("auth.acl_file", "", "ACL file (docs/security.md); empty = every client may publish and subscribe anywhere"),
+    Option("auth.failure_delay_s", 1.0, "wait before refusing bad credentials; doubles per failure of a source, to 5 s"),
 )
 
 _BY_KEY = {o.key: o for o in OPTIONS}
@@ -102,6 +110,8 @@ def _coerce(opt: Option, value: Any, where: str) -> Any:
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             return value.lower() in ("1", "true", "yes", "on")
         raise ConfigError(f"{where}: {opt.key} must be true or false, not {value!r}")
+    if opt.choices and isinstance(value, bool):
+        value = "true" if value else "false"  # `allow_anonymous = true` in TOML means the choice "true"
     try:
         if kind is int and isinstance(value, float) and not value.is_integer():
             raise ValueError
