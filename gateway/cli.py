@@ -23,6 +23,10 @@ BENCHMARKS = {
     "store": "bench.store",
     "index": "bench.index",
     "analytics": "bench.analytics",
+    "fanin": "bench.fanin",
+    "fanin-rate": "bench.fanin_rate",
+    "fanout": "bench.fanout",
+    "conns": "bench.conns",
 }
 """``lightgate bench NAME`` -> module with ``add_arguments(parser)`` and ``run(args) -> dict``."""
 
@@ -69,6 +73,51 @@ def _cmd_analytics(args: argparse.Namespace, conf: cfg.Config) -> int:
     return run(args)
 
 
+def _read_new_password(args: argparse.Namespace) -> str:
+    """The new password: the first line of stdin with ``--password-stdin``, else typed twice without echo."""
+    if args.password_stdin:
+        return sys.stdin.readline().rstrip("\r\n")
+    import getpass
+
+    first = getpass.getpass(f"New password for {args.user}: ")
+    if getpass.getpass("Repeat the password: ") != first:
+        raise ValueError("the two passwords differ; nothing was changed")
+    return first
+
+
+def _cmd_passwd(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from gateway.passwords import PasswordFile, validate_username
+
+    try:
+        validate_username(args.user)
+        passwords = PasswordFile.load(args.file) if args.delete else PasswordFile.load_or_empty(args.file)
+        if args.delete:
+            passwords.remove(args.user)
+            done = f"removed user {args.user!r} from {args.file}"
+        else:
+            new = passwords.set_password(args.user, _read_new_password(args))
+            done = (f"added user {args.user!r} to {args.file}" if new
+                    else f"changed the password of {args.user!r} in {args.file}")
+        passwords.save()
+    except EOFError:  # stdin closed at the prompt
+        sys.stderr.write("lightgate passwd: no password given; nothing was changed\n")
+        return 1
+    except KeyError as exc:  # no such user to remove
+        sys.stderr.write(f"lightgate passwd: {exc.args[0]}\n")
+        return 1
+    except ValueError as exc:  # a bad user name or password, or PasswordFileError (a bad or unwritable file)
+        sys.stderr.write(f"lightgate passwd: {exc}\n")
+        return 1
+    sys.stdout.write(f"lightgate passwd: {done}\n")
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from bench.simulate import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightgate",
@@ -87,6 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = node_command("config", "print the effective configuration as TOML", _cmd_config)
     p.add_argument("--defaults", action="store_true", help="print the built-in defaults instead")
 
+    p = sub.add_parser("passwd", help="add a user, change a password, or remove a user in a password file",
+                       description="Add USER to FILE (created with mode 0600 if missing) or change their password; "
+                                   "exit 0 on success, 1 with the reason on stderr otherwise.")
+    p.add_argument("file", metavar="FILE", help="the password file (auth.password_file)")
+    p.add_argument("user", metavar="USER", help="the user name (no ':' and no control characters)")
+    action = p.add_mutually_exclusive_group()
+    action.add_argument("--password-stdin", action="store_true",
+                        help="read the password from the first line of standard input (for scripts)")
+    action.add_argument("--delete", action="store_true", help="remove USER instead")
+    p.set_defaults(handler=_cmd_passwd)
+
     p = sub.add_parser("bench", help="run a benchmark (prints a BENCH <json> line per benchmark)")
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     bench_sub.add_parser("all", help="every benchmark with its default sizes")
@@ -101,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_analytics_arguments(p)
     p.set_defaults(handler=_cmd_analytics)
+
+    p = sub.add_parser("simulate", help="a fleet of paho-mqtt devices against any MQTT broker: throughput, "
+                                        "latency percentiles, lost messages")
+    from bench.simulate import add_arguments as add_simulate_arguments
+
+    add_simulate_arguments(p)
+    p.set_defaults(handler=_cmd_simulate)
 
     parser.add_argument("--version", action="version", version="lightgate 0.1.0")
     return parser
