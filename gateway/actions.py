@@ -128,9 +128,11 @@ class CancelTimer:
 class OpenSession:
     """Accept (auth) and find the session of ``client_id``; answer ``SessionOpened``.
 
-    Any other connection with this client id is taken over first (feed it
-    ``TakenOver`` and run its actions, which hand its session state over).
-    With ``clean_start`` the old session is discarded (filters released).
+    Credentials are checked first; then any other connection with this client
+    id is taken over (feed it ``TakenOver`` and run its actions, which hand its
+    session state over). With ``clean_start`` the old session is discarded
+    (filters released). ``will_topic`` is checked against the client's
+    publish rights, so a will it may not publish refuses the CONNECT.
     """
 
     client_id: str
@@ -138,6 +140,7 @@ class OpenSession:
     expiry_s: int
     username: str | None = None
     password: bytes | None = None
+    will_topic: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

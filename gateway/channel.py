@@ -437,7 +437,8 @@ class Channel:
             now_ms=self._now_ms,
         )
         self._awaiting_session = True
-        return [OpenSession(client_id, packet.clean_start, self._expiry, packet.username, packet.password)]
+        return [OpenSession(client_id, packet.clean_start, self._expiry, packet.username, packet.password,
+                            packet.will_topic)]
 
     def _connack_properties(self) -> Properties:
         config = self.config
@@ -665,6 +666,10 @@ class Channel:
             reason = event.reason if event.reason.is_failure and event.reason in PUBACK_REASONS else \
                 ReasonCode.UNSPECIFIED_ERROR
             return [Send(((Puback if qos == 1 else Pubrec)(pid, reason),))]
+        if event.reason is ReasonCode.NOT_AUTHORIZED:
+            # 3.1.1 has no negative acknowledgement: acknowledge the dropped message (the node logged it), or the
+            # client would resend it forever (Mosquitto does the same). A PUBREL for it gets its PUBCOMP anyway.
+            return [Send(((Puback if qos == 1 else Pubrec)(pid),))]
         return self._close(event.reason, f"message not stored ({event.reason.name}); 3.1.1 cannot refuse it")
 
     def _on_activated(self, event: Activated) -> list[Action]:

@@ -21,8 +21,11 @@ it executes the channel actions that need the store or other connections.
   over an older saved session blob, so acknowledged messages are not replayed.
 - Retained messages: the dispatcher keeps them (retain/); ``Activate`` answers
   with the matches of each new subscription that wants them.
-
-Not done here (yet): authentication (every CONNECT is accepted).
+- Authentication and ACLs (docs/security.md): a CONNECT is authenticated
+  before it can take a session over; PUBLISHes and SUBSCRIBEs are checked
+  against the ACL before they are stored or activated; a resumed session keeps
+  only the subscriptions its new connection may make. Delivery is not checked
+  again: the subscribe-time check is the model.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import heapq
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, final
 
@@ -58,7 +61,10 @@ from gateway.actions import (
     Subscription,
     TakenOver,
 )
+from gateway.acl import Access, Acl, AclError
+from gateway.authn import AuthDecision, Authenticator, ReloadError, WatchedFile
 from gateway.channel import ChannelConfig
+from gateway.passwords import PasswordFileError
 from gateway.properties import PacketType, decode_properties, encode_properties
 from gateway.reasons import ReasonCode
 from gateway.server import Connection, Traffic, serve_mqtt
@@ -85,6 +91,14 @@ Client ids are opaque, so the prefix keeps groups apart from sessions in practic
 
 SYS_PREFIX = "$SYS/broker/"
 """Where the node's statistics are published (Mosquitto's names, so existing dashboards find them)."""
+
+AUTH_RECHECK_S = 1.0
+"""The password and ACL files are looked at (one ``stat`` each) at most this often, when a CONNECT, PUBLISH or
+SUBSCRIBE needs them: an edit takes effect within a second without a ``stat`` per message."""
+
+AUTH_THREADS = 4
+"""argon2 verifications running at once: each takes one core and 19 MiB, so a CONNECT storm on a 2-core machine
+gains nothing from more, and queued CONNECTs wait without holding memory."""
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(SessionState)
@@ -163,6 +177,14 @@ class SharedGroup:
         return low
 
 
+@dataclass(slots=True)
+class AuthCounters:
+    """Refusals since the node started, for operators (``$SYS`` may publish them later)."""
+
+    auth_failures: int = 0  # CONNECTs refused: bad credentials, anonymous access off, a will it may not publish
+    acl_denials: int = 0  # PUBLISHes dropped and subscriptions refused (or revoked on resume) by the ACL
+
+
 @final
 class GatewayNode:
     """Executes the node actions of all connections of one embedded node.
@@ -172,6 +194,8 @@ class GatewayNode:
         nursery: where timers that outlive a connection (wills, session expiry) and the notify consumer run.
         channel_config: what every channel offers its client.
         connect_timeout_s: close connections that send no CONNECT within this.
+        authenticator: decides CONNECTs (password file, anonymous access, brute-force delay).
+        acl: the watched ACL file, or None when every client may publish and subscribe anywhere.
 
     Resource handling: owns no resources; ``serve_gateway`` opens the store and
     the nursery and closes them.
@@ -185,6 +209,9 @@ class GatewayNode:
         connect_timeout_s: float,
         router: NotifyRouter,
         mailbox: EventMailbox,
+        *,
+        authenticator: Authenticator,
+        acl: WatchedFile[Acl] | None = None,
     ) -> None:
         self.store = store
         self.channel_config = channel_config
@@ -201,6 +228,11 @@ class GatewayNode:
         self._groups: dict[tuple[str, str], SharedGroup] = {}  # (share name, queue) -> group
         self._started = time.monotonic()
         self.traffic = Traffic()
+        self.auth_counters = AuthCounters()
+        self._authenticator = authenticator
+        self._acl = acl
+        self._auth_checked = time.monotonic()  # the files were loaded just now
+        self._auth_threads = trio.CapacityLimiter(AUTH_THREADS)
 
     # --- Backend ------------------------------------------------------------------------
 
@@ -256,6 +288,11 @@ class GatewayNode:
 
     async def _open_session(self, connection: Connection, action: OpenSession) -> None:
         client_id = action.client_id
+        decision = await self._authenticate(connection, action)
+        if not decision.accepted:  # before the takeover: a refused client must not push an accepted one off
+            connection.feed(SessionOpened(False, reason=decision.reason))
+            return
+        connection.username = decision.username
         old = self._connections.get(client_id)
         if old is not None and old is not connection:
             old.feed(TakenOver())
@@ -282,12 +319,97 @@ class GatewayNode:
                                  extra={"ctx": {"client_id": client_id}})
         if state is not None:
             committed = await trio.to_thread.run_sync(self.store.queues.get_offsets, client_id)
-            state = merge_committed(state, committed)
+            state = await self._revoke_unauthorised(connection, merge_committed(state, committed))
             for sub in state.subscriptions:
                 if sub.group is not None:
                     await self._join(connection, sub, None)
                 self._subscribe_local(connection, sub.queue)
         connection.feed(SessionOpened(state is not None, state))
+
+    async def _authenticate(self, connection: Connection, action: OpenSession) -> AuthDecision:
+        """Decide the CONNECT; a refusal is counted, logged (never with the password) and delayed (brute force).
+
+        The delay sleeps in this connection's worker, so it holds back only this client.
+        """
+        self._refresh_auth_files()
+        authenticator = self._authenticator
+        if action.username is not None and authenticator.passwords is not None:  # argon2: ~50 ms of CPU
+            decision = await trio.to_thread.run_sync(authenticator.authenticate, action.username, action.password,
+                                                     connection.host, limiter=self._auth_threads)
+        else:
+            decision = authenticator.authenticate(action.username, action.password, connection.host)
+        acl = self._acl.value if self._acl is not None else None
+        will = action.will_topic
+        if decision.accepted and will is not None and acl is not None \
+                and not acl.check(decision.username, action.client_id, Access.PUBLISH, will):
+            decision = AuthDecision(False, ReasonCode.NOT_AUTHORIZED, decision.username,
+                                    why=f"the will topic {will!r} is not allowed by the ACL")
+        if decision.accepted:
+            return decision
+        self.auth_counters.auth_failures += 1
+        LOGGER.warning("connection refused: %s", decision.why,
+                       extra={"ctx": {"client_id": action.client_id, "peer": connection.peer,
+                                      "reason": decision.reason.name, "delay_s": decision.delay_s,
+                                      "auth_failures": self.auth_counters.auth_failures}})
+        await trio.sleep(decision.delay_s)
+        return decision
+
+    def _refresh_auth_files(self) -> None:
+        """Reload the password and ACL files if they changed, looking at most every ``AUTH_RECHECK_S``.
+
+        A broken edit is logged once and the version loaded before stays in effect.
+        """
+        now = time.monotonic()
+        if now - self._auth_checked < AUTH_RECHECK_S:
+            return
+        self._auth_checked = now
+        for watched in (self._authenticator.passwords, self._acl):
+            if watched is None:
+                continue
+            try:
+                if watched.refresh():
+                    LOGGER.info("reloaded %s", watched.path)
+            except ReloadError as exc:  # the message names the file (and line)
+                LOGGER.error("not reloaded: %s", exc)
+
+    def _current_acl(self) -> Acl | None:
+        """The ACL in effect (None: no restrictions), reloaded first if its file changed."""
+        if self._acl is None:
+            return None
+        self._refresh_auth_files()
+        return self._acl.value
+
+    def _denied(self, connection: Connection, access: Access, topic: str, why: str) -> None:
+        self.auth_counters.acl_denials += 1
+        LOGGER.warning("%s denied by the ACL: %s", access.value, why,
+                       extra={"ctx": {"client_id": connection.client_id, "username": connection.username,
+                                      "topic": topic, "acl_denials": self.auth_counters.acl_denials}})
+
+    async def _revoke_unauthorised(self, connection: Connection, state: SessionState) -> SessionState:
+        """The resumed session without the subscriptions this connection may not make.
+
+        The client id may now log in as another user, or the ACL may have changed while it was away;
+        subscriptions are the model of what a client may receive, so they are checked again here.
+        """
+        acl = self._current_acl()
+        if acl is None:
+            return state
+        user = connection.username
+        denied = tuple(sub.filter for sub in state.subscriptions
+                       if not acl.check(user, state.client_id, Access.SUBSCRIBE, sub.filter))
+        if not denied:
+            return state
+        for filter in denied:
+            self._denied(connection, Access.SUBSCRIBE, filter, "subscription of the resumed session removed")
+        await self._release(connection, state.client_id, denied)
+        gone = set(denied)
+        return replace(
+            state,
+            subscriptions=tuple(sub for sub in state.subscriptions if sub.filter not in gone),
+            offsets={f: o for f, o in state.offsets.items() if f not in gone},
+            cursors={f: o for f, o in state.cursors.items() if f not in gone},
+            inflight=tuple(i for i in state.inflight if i.filter not in gone),
+        )
 
     async def _save(self, state: SessionState) -> None:
         self._sessions[state.client_id] = state
@@ -356,15 +478,40 @@ class GatewayNode:
         return None
 
     async def _append(self, connection: Connection, appends: list[Append]) -> None:
-        messages = [m for append in appends for m in append.messages]
-        reason = await self.append_messages(messages)
-        if reason is not None and len(appends) > 1:
-            # One bad message must not fail its neighbours: retry one by one so each gets its own answer.
-            for append in appends:
-                await self._append(connection, [append])
-            return
+        await self._store(connection, appends, self._publish_allowed(connection, appends))
+
+    def _publish_allowed(self, connection: Connection, appends: list[Append]) -> list[bool]:
+        """Per append, may the client publish it (every message of it; the channel sends one per append)?"""
+        acl = self._current_acl()
+        if acl is None:
+            return [True] * len(appends)
+        user = connection.username
+        client_id = connection.client_id
+        allowed = []
         for append in appends:
-            if append.ref is not None:
+            ok = True
+            for message in append.messages:
+                if not acl.check(user, client_id, Access.PUBLISH, message.topic):
+                    self._denied(connection, Access.PUBLISH, message.topic, f"QoS {message.qos} message dropped")
+                    ok = False
+            allowed.append(ok)
+        return allowed
+
+    async def _store(self, connection: Connection, appends: list[Append], allowed: list[bool]) -> None:
+        """Append the allowed messages as one batch; answer every append with a ref, in order."""
+        messages = [m for append, ok in zip(appends, allowed) if ok for m in append.messages]
+        reason = await self.append_messages(messages) if messages else None
+        if reason is not None and allowed.count(True) > 1:
+            # One bad message must not fail its neighbours: retry one by one so each gets its own answer.
+            for append, ok in zip(appends, allowed):
+                await self._store(connection, [append], [ok])
+            return
+        for append, ok in zip(appends, allowed):
+            if append.ref is None:
+                continue
+            if not ok:
+                connection.feed(Appended(append.ref, False, ReasonCode.NOT_AUTHORIZED))
+            else:
                 connection.feed(Appended(append.ref, reason is None, reason or ReasonCode.SUCCESS))
 
     async def _pull(self, connection: Connection, action: Pull) -> None:
@@ -475,7 +622,12 @@ class GatewayNode:
     async def _activate(self, connection: Connection, action: Activate) -> None:
         starts: dict[str, int] = {}
         reasons: dict[str, ReasonCode] = {}
+        acl = self._current_acl()
         for sub in action.subscriptions:
+            if acl is not None and not acl.check(connection.username, action.client_id, Access.SUBSCRIBE, sub.filter):
+                self._denied(connection, Access.SUBSCRIBE, sub.filter, "filter refused")
+                reasons[sub.filter] = ReasonCode.NOT_AUTHORIZED
+                continue
             holder = action.client_id if sub.group is None else SHARE_OWNER_PREFIX + sub.group
             try:
                 starts[sub.filter] = await self.store.dispatcher.activate(sub.queue, holder)
@@ -623,6 +775,10 @@ async def serve_gateway(
     """Run the embedded node until cancelled: store, notify, MQTT listener.
 
     ``task_status.started`` receives the (host, port) listened on (port 0 picks a free one).
+
+    Raises:
+        PasswordFileError, AclError: the configured password or ACL file is missing or malformed
+            (checked before the store opens).
     """
     data = Path(settings["node.data"])
     router = NotifyRouter()
@@ -633,12 +789,17 @@ async def serve_gateway(
         if listener_box:
             listener_box[0].on_dispatched(events)
 
+    authenticator = Authenticator.from_config(settings)  # type: ignore[arg-type]  # any mapping of the options
+    acl = WatchedFile(settings["auth.acl_file"], Acl.load) if settings["auth.acl_file"] else None
+    LOGGER.info("authentication ready", extra={"ctx": {
+        "password_file": settings["auth.password_file"] or None, "acl_file": settings["auth.acl_file"] or None,
+        "allow_anonymous": authenticator.allow_anonymous}})
     async with open_store(data, CommitLogConfig.from_settings(settings), listener) as store:
         LOGGER.info("store node ready", extra={"ctx": {"data": str(data),
                                                        "written_offset": store.log.log.written_offset}})
         async with trio.open_nursery() as nursery:
             node = GatewayNode(store, nursery, _channel_config(settings), settings["mqtt.connect_timeout_s"],
-                               router, mailbox)
+                               router, mailbox, authenticator=authenticator, acl=acl)
             listener_box.append(node)
             nursery.start_soon(node.consume_events)
             if settings["mqtt.sys_interval_s"] > 0:
@@ -668,5 +829,8 @@ def run_gateway_node(conf: Any) -> int:
         trio.run(_serve_until_signalled, conf.values)
     except* OSError as group:  # e.g. the port is taken; nurseries may wrap it in a group
         LOGGER.error("gateway node failed: %s", "; ".join(str(exc) for exc in group.exceptions))
+        failed = True
+    except* (PasswordFileError, AclError) as group:  # the message names the file and line
+        LOGGER.error("gateway node not started: %s", "; ".join(str(exc) for exc in group.exceptions))
         failed = True
     return 1 if failed else 0

@@ -88,10 +88,13 @@ class Connection:
     Resource handling: :meth:`run` owns ``stream`` and closes it before returning.
     """
 
-    def __init__(self, stream: trio.abc.Stream, backend: Backend, peer: str) -> None:
+    def __init__(self, stream: trio.abc.Stream, backend: Backend, peer: str, host: str) -> None:
+        """``peer`` is the client's address and port (for logs), ``host`` its address alone (per-source limits)."""
         config = backend.channel_config
         self.channel = Channel(config)
         self.peer = peer
+        self.host = host
+        self.username: str | None = None  # the authenticated user name (None: anonymous), set when the node accepts
         self.finished = trio.Event()  # set once the connection is completely gone (for takeovers)
         self._stream = stream
         self._backend = backend
@@ -306,10 +309,11 @@ async def serve_mqtt(
 
     async def handler(stream: trio.SocketStream) -> None:
         try:
-            peer = "%s:%s" % stream.socket.getpeername()[:2]
+            host, port = stream.socket.getpeername()[:2]
         except OSError:
-            peer = "?"
-        connection = Connection(stream, backend, peer)
+            host, port = "?", "?"
+        peer = f"{host}:{port}"
+        connection = Connection(stream, backend, peer, host)
         try:
             await connection.run()
         except Exception as exc:  # one connection's failure must not stop the listener

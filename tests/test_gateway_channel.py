@@ -289,6 +289,19 @@ def test_store_failure_is_a_reason_in_v5_and_a_close_in_311():
     assert sent(actions) == [] and of(actions, Close)
 
 
+def test_unauthorised_publish_is_0x87_in_v5_and_acknowledged_but_dropped_in_311():
+    channel, _, _ = connect(MQTT_5)
+    ref = of(channel.handle_in(Publish("t", qos=1, packet_id=1)), Append)[0].ref
+    assert sent(channel.handle_event(Appended(ref, False, R.NOT_AUTHORIZED))) == [Puback(1, R.NOT_AUTHORIZED)]
+    channel, _, _ = connect(MQTT_311)
+    ref = of(channel.handle_in(Publish("t", qos=1, packet_id=1)), Append)[0].ref
+    actions = channel.handle_event(Appended(ref, False, R.NOT_AUTHORIZED))
+    assert sent(actions) == [Puback(1)] and not of(actions, Close)  # 3.1.1 has no negative ack
+    ref = of(channel.handle_in(Publish("t", qos=2, packet_id=2)), Append)[0].ref
+    assert sent(channel.handle_event(Appended(ref, False, R.NOT_AUTHORIZED))) == [Pubrec(2)]
+    assert sent(channel.handle_in(Pubrel(2))) == [Pubcomp(2)]
+
+
 def test_qos2_exactly_once_flow_and_duplicates():
     channel, _, _ = connect(**persistent())
     (append,) = of(channel.handle_in(Publish("t", b"1", qos=2, packet_id=3)), Append)
