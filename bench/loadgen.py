@@ -1,0 +1,696 @@
+"""The raw-socket MQTT load generator: worker processes, pre-encoded PUBLISHes, loss and latency per message.
+
+The generator must never be the bottleneck, so it does as little Python per
+message as it can and spreads the clients over processes (multiprocessing,
+spawn), each running trio with many TCP connections:
+
+- publishers render one PUBLISH per topic with the project's codec
+  (``encode_publish_template``) and per message only join the packet id and a
+  16-byte stamp (publisher index, sequence number, ``time.time_ns()`` at send:
+  the one clock every process on the machine shares) in front of a fixed
+  padding; many messages go out in one ``send_all``. Fixed-rate runs use one
+  token bucket per worker, refilled every ``TICK_S``, never a sleep per message;
+- subscribers decode with ``MqttDecoder(role=CLIENT)``, acknowledge QoS 1
+  deliveries (one ``send_all`` per received chunk), record the latency of every
+  message in an HDR histogram and set a bit per (publisher, sequence) received;
+- idle workers only hold connections open (the connection-memory scenario).
+
+Loss is exact: publishers report which sequence numbers the broker acknowledged
+(QoS 1) or that were sent (QoS 0) as bitmaps, subscribers report what they got,
+and ``account`` compares them. Every worker reports its own CPU time, so the
+caller can tell when the generator, not the broker, set the pace.
+
+Resource handling: ``run_load`` and ``hold_connections`` start their worker
+processes and always join (or kill) them before returning.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import resource
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import trio
+from hdrh.histogram import HdrHistogram
+
+from gateway.codec import NEED_DATA, MqttDecoder, Role, encode, encode_publish_template
+from gateway.packets import (
+    MQTT_311, Connack, Connect, Disconnect, Puback, Publish, Suback, Subscribe, SubscriptionOptions,
+)
+from gateway.reasons import ReasonCode
+
+STAMP = struct.Struct(">IIQ")
+"""Payload prefix: publisher index, sequence number, send time in ns (time.time_ns, shared by all processes)."""
+
+PROTOCOL_LEVEL = MQTT_311
+"""Every peer speaks 3.1.1 (amqtt speaks nothing else), so all brokers get the same packets."""
+
+BURST = 64
+"""Messages joined into one ``send_all`` when publishing as fast as possible: amortises the per-call cost."""
+
+TICK_S = 0.002
+"""Token-bucket refill period of fixed-rate publishers: small next to a 10 ms latency target."""
+
+WINDOW = 64
+"""QoS 1 PUBLISHes a publisher keeps unacknowledged: under LightGate's receive maximum (128) and like a real client."""
+
+CONNECT_CONCURRENCY = 64
+"""Connections a worker opens at once: thousands of simultaneous SYNs overflow a broker's accept backlog."""
+
+RECEIVE_BYTES = 256 * 1024
+"""One ``receive_some`` reads up to this much, so a burst of deliveries is decoded in one wake-up."""
+
+LATENCY_MAX_US = 120_000_000
+"""Largest latency the histogram holds (2 minutes): a broker that queues for longer is lost anyway."""
+
+ACK_WAIT_S = 15.0
+"""How long publishers wait for their outstanding PUBACKs after the last send."""
+
+POLL_S = 0.05
+"""How often a draining worker checks its subscribers' counts (the drain's resolution)."""
+
+DRAIN_S = 60.0
+"""Default longest drain: a broker still delivering after this is reported with ``drain_capped``."""
+
+QUIET_S = 10.0
+"""Subscribers stop draining after this long without a single delivery: long enough for a broker that
+stores a flood first and delivers it afterwards (LightGate) to start delivering."""
+
+_CONTEXT = multiprocessing.get_context("spawn")  # fork would copy the parent's trio/RocksDB state
+
+
+class LoadError(RuntimeError):
+    """A worker could not do its job (refused connection, broker error); the message says which and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What one worker process does.
+
+    ``kind`` is ``publish``, ``subscribe`` or ``idle``. Client ``first + k``
+    (k < ``count``) is named ``{prefix}{first + k}``; a publisher's index in the
+    stamp is the same number. ``topic`` is formatted with ``i`` (the client
+    number) for publishers; subscriber ``i`` uses ``filters[i % len(filters)]``.
+    """
+
+    kind: str
+    host: str
+    port: int
+    first: int
+    count: int
+    prefix: str = "lg-"
+    qos: int = 0
+    topic: str = ""
+    filters: tuple[str, ...] = ()
+    payload_bytes: int = 64
+    rate: float = 0.0  # messages/s per publisher; 0 publishes as fast as possible
+    duration_s: float = 10.0
+    messages: int = 0  # per publisher; 0 publishes until duration_s
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """What one worker measured. Bitmaps are ints (bit n = sequence n), keyed by publisher index."""
+
+    kind: str
+    clients: int
+    sent: int = 0
+    published: dict[int, int] = field(default_factory=dict)  # publisher -> bits acked (QoS 1) or sent (QoS 0)
+    sent_bits: dict[int, int] = field(default_factory=dict)
+    received: list[dict[int, int]] = field(default_factory=list)  # per subscriber: publisher -> bits received
+    received_count: int = 0
+    duplicates: int = 0
+    drain_capped: bool = False  # the subscriber stopped at the drain limit while deliveries still arrived
+    histogram: bytes = b""
+    first_ns: int = 0
+    last_ns: int = 0
+    publish_s: float = 0.0
+    cpu_s: float = 0.0  # during the load phase (after "go"; idle workers: their whole life)
+    wall_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Accounting:
+    """Messages the subscribers should have got (``expected``), did not get (``lost``), got twice."""
+
+    expected: int
+    received: int
+    lost: int
+    duplicates: int
+
+
+def account(published: dict[int, int], received: Sequence[dict[int, int]], duplicates: int = 0) -> Accounting:
+    """Compare what the broker accepted with what every subscriber got.
+
+    Every subscriber is expected to receive every message in ``published``
+    (publisher -> bitmap of sequence numbers), as in fan-in and fan-out.
+    Messages received but absent from ``published`` (a QoS 1 delivery whose
+    PUBACK had not arrived) count as received, not as lost.
+    """
+    per_subscriber = sum(bits.bit_count() for bits in published.values())
+    lost = sum((bits & ~got.get(p, 0)).bit_count() for got in received for p, bits in published.items())
+    total = sum(bits.bit_count() for got in received for bits in got.values())
+    return Accounting(per_subscriber * len(received), total, lost, duplicates)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """A whole run: per-kind sums, loss accounting, latency percentiles (ms) and generator CPU."""
+
+    sent: int
+    acked: int
+    publish_rate: float
+    delivery_rate: float
+    qos0_undelivered: Accounting
+    lost: Accounting
+    latency_ms: dict[str, float]
+    generator: dict[str, Any]
+    drain_capped: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "sent": self.sent, "acked": self.acked, "publish_per_s": round(self.publish_rate),
+            "delivered_per_s": round(self.delivery_rate), "received": self.lost.received,
+            "expected": self.lost.expected, "lost": self.lost.lost, "duplicates": self.lost.duplicates,
+            "not_delivered_of_sent": self.qos0_undelivered.lost, "drain_capped": self.drain_capped,
+            "latency_ms": self.latency_ms,
+            "generator": self.generator,
+        }
+
+
+def split(total: int, workers: int) -> list[tuple[int, int]]:
+    """(first, count) of each worker's share of ``total`` clients, as even as possible, no empty shares."""
+    workers = max(1, min(workers, total))
+    base, extra = divmod(total, workers)
+    shares, first = [], 0
+    for w in range(workers):
+        count = base + (1 if w < extra else 0)
+        shares.append((first, count))
+        first += count
+    return shares
+
+
+def run_load(publish: Sequence[Job], subscribe: Sequence[Job], drain_s: float = DRAIN_S) -> LoadResult:
+    """Connect the subscribers, then the publishers; publish; drain; account.
+
+    Args:
+        publish: one job per publisher worker process.
+        subscribe: one job per subscriber worker process.
+        drain_s: the longest the subscribers keep reading after the publishers finished;
+            they stop earlier once every message arrived or after ``QUIET_S`` without one.
+
+    Raises:
+        LoadError: a worker failed (its reason is in the message).
+    """
+    with _Workers() as workers:
+        subs = [workers.start(job) for job in subscribe]
+        workers.expect_ready(subs)
+        pubs = [workers.start(job) for job in publish]
+        workers.expect_ready(pubs)
+        go_ns = time.time_ns()
+        for pipe in [*subs, *pubs]:
+            pipe.send(("go", None))
+        pub_reports = workers.collect(pubs)
+        expected = sum(bits.bit_count() for report in pub_reports for bits in report.published.values())
+        for pipe in subs:
+            pipe.send(("drain", (expected, drain_s)))
+        sub_reports = workers.collect(subs)
+    return summarise(go_ns, pub_reports, sub_reports)
+
+
+def hold_connections(jobs: Sequence[Job], measure: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """Open every job's idle connections, call ``measure`` while they are all open, close them.
+
+    Returns ``measure``'s result and the generator's CPU summary.
+    """
+    with _Workers() as workers:
+        pipes = [workers.start(job) for job in jobs]
+        workers.expect_ready(pipes)
+        measured = measure()
+        for pipe in pipes:
+            pipe.send(("close", None))
+        reports = workers.collect(pipes)
+    return measured, _generator(reports)
+
+
+def summarise(go_ns: int, pubs: Sequence[WorkerReport], subs: Sequence[WorkerReport]) -> LoadResult:
+    """Merge the workers' reports of a run whose publishers started at ``go_ns`` (time.time_ns)."""
+    published = {p: bits for report in pubs for p, bits in report.published.items()}
+    sent_bits = {p: bits for report in pubs for p, bits in report.sent_bits.items()}
+    received = [got for report in subs for got in report.received]
+    duplicates = sum(r.duplicates for r in subs)
+    histogram = HdrHistogram(1, LATENCY_MAX_US, 3)
+    for report in subs:
+        if report.histogram:
+            histogram.add(HdrHistogram.decode(report.histogram))
+    last_ns = max((r.last_ns for r in subs if r.received_count), default=go_ns)
+    count = sum(r.received_count for r in subs)
+    sent = sum(r.sent for r in pubs)
+    publish_s = max((r.publish_s for r in pubs), default=0.0)
+    latency = {
+        name: round(histogram.get_value_at_percentile(p) / 1000, 3)
+        for name, p in (("p50", 50), ("p90", 90), ("p99", 99), ("p999", 99.9))
+    } | {"max": round(histogram.get_max_value() / 1000, 3)} if histogram.get_total_count() else {}
+    return LoadResult(
+        sent=sent,
+        acked=sum(bits.bit_count() for bits in published.values()),
+        publish_rate=sent / publish_s if publish_s else 0.0,
+        delivery_rate=count / ((last_ns - go_ns) / 1e9) if last_ns > go_ns else 0.0,
+        qos0_undelivered=account(sent_bits, received),
+        lost=account(published, received, duplicates),
+        latency_ms=latency,
+        generator=_generator([*pubs, *subs]),
+        drain_capped=any(r.drain_capped for r in subs),
+    )
+
+
+def _generator(reports: Sequence[WorkerReport]) -> dict[str, Any]:
+    """CPU use of the generator's processes: the busiest one tells whether the generator set the pace."""
+    shares = [r.cpu_s / r.wall_s if r.wall_s else 0.0 for r in reports]
+    return {
+        "processes": len(reports),
+        "cpu_s": round(sum(r.cpu_s for r in reports), 2),
+        "busiest_process_core_share": round(max(shares, default=0.0), 2),
+        "per_process_core_share": [round(s, 2) for s in shares],
+    }
+
+
+
+class _Workers:
+    """The worker processes of one run; on exit every one is joined, or killed if it hangs or the run failed."""
+
+    def __init__(self) -> None:
+        self._procs: list[tuple[Any, Connection]] = []
+
+    def __enter__(self) -> "_Workers":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc, pipe in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            pipe.close()
+
+    def start(self, job: Job) -> Connection:
+        parent, child = _CONTEXT.Pipe()
+        proc = _CONTEXT.Process(target=_worker_main, args=(job, child), daemon=True)
+        proc.start()
+        child.close()
+        self._procs.append((proc, parent))
+        return parent
+
+    def expect_ready(self, pipes: Sequence[Connection]) -> None:
+        for pipe in pipes:
+            self._receive(pipe, "ready")
+
+    def collect(self, pipes: Sequence[Connection]) -> list[WorkerReport]:
+        return [self._receive(pipe, "report") for pipe in pipes]
+
+    @staticmethod
+    def _receive(pipe: Connection, what: str) -> Any:
+        try:
+            kind, value = pipe.recv()
+        except EOFError:
+            raise LoadError(f"a load worker died before sending its {what}") from None
+        if kind == "error":
+            raise LoadError(value)
+        return value
+
+
+# --- inside a worker process --------------------------------------------------------------
+
+
+def _worker_main(job: Job, pipe: Connection) -> None:
+    """Process entry point: run the job, send ("ready", n), wait for commands, send ("report", WorkerReport)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:  # thousands of sockets in one process
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    failure = ""
+    try:
+        report = trio.run(_run_job, job, pipe)
+    except* (OSError, LoadError, trio.TooSlowError, trio.BrokenResourceError) as group:
+        failure = "; ".join(repr(exc) for exc in _leaves(group))
+    if failure:
+        pipe.send(("error", f"{job.kind} worker {job.first}..{job.first + job.count - 1}: {failure}"))
+    else:
+        pipe.send(("report", report))
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    return [leaf for exc in group.exceptions
+            for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])]
+
+
+async def _command(pipe: Connection) -> tuple[str, Any]:
+    return await trio.to_thread.run_sync(pipe.recv)
+
+
+async def _run_job(job: Job, pipe: Connection) -> WorkerReport:
+    report = WorkerReport(job.kind, job.count)
+    clock = _Clock()
+    clients = await _connect_all(job)
+    pipe.send(("ready", len(clients)))
+    # CPU share of the load phase only: spawning and connecting are not the load (except for idle workers).
+    if job.kind == "publish":
+        await _command(pipe)
+        clock = _Clock()
+        await _publish_all(job, clients, report)
+        report.cpu_s, report.wall_s = clock.elapsed()
+    elif job.kind == "subscribe":
+        report.cpu_s, report.wall_s = await _subscribe_until_drained(job, clients, pipe, report)
+    else:
+        report.cpu_s, report.wall_s = clock.elapsed()
+        await _command(pipe)
+    for client in clients:
+        await client.close()
+    return report
+
+
+class _Clock:
+    """CPU time (all threads of the process) and wall time since it was made."""
+
+    __slots__ = ("cpu0", "wall0")
+
+    def __init__(self) -> None:
+        self.cpu0 = _cpu_s()
+        self.wall0 = time.perf_counter()
+
+    def elapsed(self) -> tuple[float, float]:
+        return _cpu_s() - self.cpu0, time.perf_counter() - self.wall0
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class _Client:
+    """One MQTT connection: a trio stream and a CLIENT-role decoder."""
+
+    __slots__ = ("stream", "decoder", "number")
+
+    def __init__(self, stream: trio.SocketStream, number: int) -> None:
+        self.stream = stream
+        self.number = number
+        self.decoder = MqttDecoder(role=Role.CLIENT, protocol_level=PROTOCOL_LEVEL)
+
+    async def send(self, packet: Any) -> None:
+        await self.stream.send_all(encode(packet, PROTOCOL_LEVEL))
+
+    async def receive(self) -> Any:
+        """The next packet; raises LoadError when the broker closes the connection."""
+        while (packet := self.decoder.next_packet()) is NEED_DATA:
+            data = await self.stream.receive_some(RECEIVE_BYTES)
+            if not data:
+                raise LoadError(f"client {self.number}: the broker closed the connection")
+            self.decoder.feed(data)
+        return packet
+
+    async def close(self) -> None:
+        try:
+            await self.send(Disconnect())
+        except trio.BrokenResourceError:
+            pass  # already closed by the broker: nothing left to say goodbye to
+        await self.stream.aclose()
+
+
+async def _connect_all(job: Job) -> list[_Client]:
+    clients: list[_Client] = []
+    limit = trio.Semaphore(CONNECT_CONCURRENCY)
+
+    async def connect(number: int) -> None:
+        async with limit:
+            client = await _connect(job, number)
+            clients.append(client)
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            for number in range(job.first, job.first + job.count):
+                nursery.start_soon(connect, number)
+    clients.sort(key=lambda c: c.number)
+    return clients
+
+
+async def _connect(job: Job, number: int) -> _Client:
+    client = _Client(await trio.open_tcp_stream(job.host, job.port), number)
+    await client.send(Connect(protocol_level=PROTOCOL_LEVEL, client_id=f"{job.prefix}{number}", keep_alive=0))
+    connack = await client.receive()
+    if not isinstance(connack, Connack) or connack.reason_code is not ReasonCode.SUCCESS:
+        raise LoadError(f"client {number}: CONNECT refused: {connack!r}")
+    if job.kind == "subscribe":
+        filter = job.filters[number % len(job.filters)]
+        await client.send(Subscribe(1, ((filter, SubscriptionOptions(qos=job.qos)),)))
+        suback = await client.receive()
+        if not isinstance(suback, Suback) or int(suback.reason_codes[0]) > 2:
+            raise LoadError(f"client {number}: SUBSCRIBE {filter!r} refused: {suback!r}")
+    return client
+
+
+# --- publishing ----------------------------------------------------------------------------
+
+
+class _Bitmap:
+    """A growable bitmap of sequence numbers: one byte operation per bit, unlike an int (which copies)."""
+
+    __slots__ = ("bits",)
+
+    def __init__(self) -> None:
+        self.bits = bytearray(1024)
+
+    def set(self, n: int) -> bool:
+        """Set bit ``n``; return whether it was set already."""
+        index = n >> 3
+        bits = self.bits
+        if index >= len(bits):
+            bits.extend(bytes(max(index + 1 - len(bits), len(bits))))
+        mask = 1 << (n & 7)
+        was = bits[index] & mask
+        bits[index] |= mask
+        return bool(was)
+
+    def as_int(self) -> int:
+        return int.from_bytes(self.bits, "little")
+
+
+async def _publish_all(job: Job, clients: list[_Client], report: WorkerReport) -> None:
+    publishers = [_Publisher(job, client) for client in clients]
+    start = trio.current_time()  # trio's clock, not perf_counter: deadlines are given to trio.sleep_until
+    async with trio.open_nursery() as nursery:
+        if job.qos:
+            for publisher in publishers:
+                nursery.start_soon(publisher.read_acks)
+        if job.rate:
+            await _paced(job, publishers, start)
+        else:
+            async with trio.open_nursery() as senders:
+                for publisher in publishers:
+                    senders.start_soon(publisher.flood, start + job.duration_s)
+        report.publish_s = trio.current_time() - start
+        with trio.move_on_after(ACK_WAIT_S):
+            for publisher in publishers:
+                await publisher.until_acked()
+        nursery.cancel_scope.cancel()
+    report.sent = sum(p.seq for p in publishers)
+    for p in publishers:
+        sent = (1 << p.seq) - 1
+        report.sent_bits[p.number] = sent
+        report.published[p.number] = p.acked.as_int() if job.qos else sent
+
+
+async def _paced(job: Job, publishers: list[_Publisher], start: float) -> None:
+    """The worker's token bucket: every ``TICK_S``, each publisher sends what its rate allows since its start.
+
+    Publisher starts are spread over one message interval, so the worker's
+    messages reach the broker evenly rather than in one burst per interval.
+    """
+    limit = job.messages or (1 << 62)
+    count = len(publishers)
+    starts = [start + k / (count * job.rate) for k in range(count)]
+    end = start + job.duration_s
+    while True:
+        now = trio.current_time()
+        if now >= end or all(p.seq >= limit for p in publishers):
+            return
+        for publisher, begun in zip(publishers, starts):
+            due = min(int(job.rate * (now - begun)) + 1, limit) - publisher.seq if now >= begun else 0
+            if due > 0:
+                data = publisher.burst(due)
+                if data:
+                    await publisher.client.stream.send_all(data)
+        await trio.sleep_until(now + TICK_S)
+
+
+class _Publisher:
+    """One publishing connection: pre-encoded PUBLISH bytes and the QoS 1 window."""
+
+    def __init__(self, job: Job, client: _Client) -> None:
+        self.job = job
+        self.client = client
+        self.number = client.number
+        self.seq = 0
+        self.acked = _Bitmap()
+        self.inflight: dict[int, int] = {}  # packet id -> sequence number
+        self.space = trio.Event()
+        if job.payload_bytes < STAMP.size:
+            raise LoadError(f"payload of {job.payload_bytes} B cannot hold the {STAMP.size}-byte stamp")
+        self.padding = bytes(job.payload_bytes - STAMP.size)
+        template = encode_publish_template(
+            job.topic.format(i=client.number), bytes(job.payload_bytes), job.qos, False, b"", PROTOCOL_LEVEL)
+        rendered = template.render(1 if job.qos else None)
+        cut = len(rendered) - job.payload_bytes - (2 if job.qos else 0)
+        self.head = rendered[:cut]  # fixed header + topic, identical for every message of this publisher
+        self.packet_ids = [pid.to_bytes(2, "big") for pid in range(65536)] if job.qos else []
+        self.next_pid = 1
+
+    def burst(self, want: int) -> bytes:
+        """Up to ``want`` next messages (fewer when the QoS 1 window is full), stamped now, as one byte string."""
+        if self.job.qos:
+            want = min(want, WINDOW - len(self.inflight))
+        if want <= 0:
+            return b""
+        stamp, head, padding, number = STAMP.pack, self.head, self.padding, self.number
+        wall = time.time_ns()
+        parts: list[bytes] = []
+        if self.job.qos:
+            for seq in range(self.seq, self.seq + want):
+                parts += (head, self.packet_ids[self._take_pid(seq)], stamp(number, seq, wall), padding)
+        else:
+            for seq in range(self.seq, self.seq + want):
+                parts += (head, stamp(number, seq, wall), padding)
+        self.seq += want
+        return b"".join(parts)
+
+    async def flood(self, end: float) -> None:
+        """Send bursts of ``BURST`` as fast as the socket (and the QoS 1 window) allows until ``end``."""
+        limit = self.job.messages or (1 << 62)
+        while self.seq < limit and trio.current_time() < end:
+            data = self.burst(min(BURST, limit - self.seq))
+            if data:
+                await self.client.stream.send_all(data)
+            else:
+                self.space = trio.Event()
+                await self.space.wait()
+
+    async def until_acked(self) -> None:
+        while self.inflight:
+            self.space = trio.Event()
+            await self.space.wait()
+
+    def _take_pid(self, seq: int) -> int:
+        pid = self.next_pid
+        while pid in self.inflight:
+            pid = pid % 65535 + 1
+        self.next_pid = pid % 65535 + 1
+        self.inflight[pid] = seq
+        return pid
+
+    async def read_acks(self) -> None:
+        decoder = self.client.decoder
+        stream = self.client.stream
+        while True:
+            data = await stream.receive_some(RECEIVE_BYTES)
+            if not data:
+                raise LoadError(f"publisher {self.number}: the broker closed the connection")
+            decoder.feed(data)
+            while (packet := decoder.next_packet()) is not NEED_DATA:
+                if type(packet) is Puback:
+                    seq = self.inflight.pop(packet.packet_id, None)
+                    if seq is not None and packet.reason_code is ReasonCode.SUCCESS:
+                        self.acked.set(seq)
+            self.space.set()
+
+
+# --- subscribing ---------------------------------------------------------------------------
+
+
+class _Subscriber:
+    """One subscribing connection's bookkeeping: bitmaps per publisher, counts, latency."""
+
+    __slots__ = ("client", "got", "count", "duplicates", "first_ns", "last_ns")
+
+    def __init__(self, client: _Client) -> None:
+        self.client = client
+        self.got: dict[int, _Bitmap] = {}
+        self.count = 0
+        self.duplicates = 0
+        self.first_ns = 0
+        self.last_ns = 0
+
+
+async def _subscribe_until_drained(
+    job: Job, clients: list[_Client], pipe: Connection, report: WorkerReport
+) -> tuple[float, float]:
+    """Receive until every expected message arrived or deliveries stopped; return the load phase's CPU and wall s."""
+    histogram = HdrHistogram(1, LATENCY_MAX_US, 3)
+    subscribers = [_Subscriber(client) for client in clients]
+    async with trio.open_nursery() as nursery:
+        for sub in subscribers:
+            nursery.start_soon(_receive_loop, sub, histogram)
+        await _command(pipe)  # "go": the publishers are starting
+        clock = _Clock()
+        busy = clock.elapsed()
+        _, (expected, drain_s) = await _command(pipe)
+        with trio.move_on_after(drain_s) as cap:
+            total = expected * len(subscribers)
+            seen, changed = -1, trio.current_time()
+            while True:
+                count = sum(s.count - s.duplicates for s in subscribers)
+                if count != seen:
+                    seen, changed, busy = count, trio.current_time(), clock.elapsed()
+                if count >= total or trio.current_time() - changed >= QUIET_S:
+                    break  # busy stays at the last progress: the quiet wait that ends a drain is not load
+                await trio.sleep(POLL_S)
+        nursery.cancel_scope.cancel()
+    report.drain_capped = cap.cancelled_caught
+    report.received = [{p: bits.as_int() for p, bits in s.got.items()} for s in subscribers]
+    report.received_count = sum(s.count for s in subscribers)
+    report.duplicates = sum(s.duplicates for s in subscribers)
+    report.histogram = histogram.encode() if histogram.get_total_count() else b""
+    report.first_ns = min((s.first_ns for s in subscribers if s.count), default=0)
+    report.last_ns = max((s.last_ns for s in subscribers), default=0)
+    return busy
+
+
+async def _receive_loop(sub: _Subscriber, histogram: HdrHistogram) -> None:
+    client = sub.client
+    decoder = client.decoder
+    stream = client.stream
+    got = sub.got
+    unpack = STAMP.unpack_from
+    record = histogram.record_value
+    acks: dict[int, bytes] = {}
+    while True:
+        data = await stream.receive_some(RECEIVE_BYTES)
+        if not data:
+            raise LoadError(f"subscriber {client.number}: the broker closed the connection")
+        now = time.time_ns()
+        decoder.feed(data)
+        replies = []
+        while (packet := decoder.next_packet()) is not NEED_DATA:
+            if type(packet) is not Publish:
+                continue
+            number, seq, sent_ns = unpack(packet.payload)
+            bits = got.get(number)
+            if bits is None:
+                bits = got[number] = _Bitmap()
+            if bits.set(seq):
+                sub.duplicates += 1
+            sub.count += 1
+            record(max(1, (now - sent_ns) // 1000))
+            if packet.packet_id is not None:
+                ack = acks.get(packet.packet_id)
+                if ack is None:
+                    ack = acks[packet.packet_id] = encode(Puback(packet.packet_id), PROTOCOL_LEVEL)
+                replies.append(ack)
+        if sub.count:
+            sub.first_ns = sub.first_ns or now
+            sub.last_ns = now
+        if replies:
+            await stream.send_all(b"".join(replies))
