@@ -273,7 +273,7 @@ def decode_stream(data, role=Role.SERVER, level=5, **options):
     return drain(decoder)
 
 
-def expect_remote(reason, data, role=Role.SERVER, level=5, **options):
+def check_remote_error(reason, data, role=Role.SERVER, level=5, **options):
     with pytest.raises(RemoteProtocolError) as info:
         decode_stream(data, role, level, **options)
     assert info.value.reason is reason, info.value
@@ -630,7 +630,7 @@ def test_first_packet_must_be_connect():
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_second_connect_is_a_protocol_error(level):
-    expect_remote(ReasonCode.PROTOCOL_ERROR, encode(Connect(protocol_level=level), level), level=level)
+    check_remote_error(ReasonCode.PROTOCOL_ERROR, encode(Connect(protocol_level=level), level), level=level)
 
 
 @pytest.mark.parametrize(
@@ -648,7 +648,7 @@ def test_second_connect_is_a_protocol_error(level):
     ],
 )
 def test_packet_from_the_wrong_side_is_a_protocol_error(wire, role, level):
-    expect_remote(ReasonCode.PROTOCOL_ERROR, wire, role, level)
+    check_remote_error(ReasonCode.PROTOCOL_ERROR, wire, role, level)
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -668,13 +668,13 @@ def test_packet_from_the_wrong_side_is_a_protocol_error(wire, role, level):
     ],
 )
 def test_fixed_header_rules(wire, level):
-    expect_remote(ReasonCode.MALFORMED_PACKET, wire, level=level)
+    check_remote_error(ReasonCode.MALFORMED_PACKET, wire, level=level)
 
 
 def test_non_minimal_remaining_length_is_malformed_in_5_only():
     # 5.0 [MQTT-1.5.5-1] requires the minimal form; 3.1.1 section 2.2.3 does not.
     long_form = b"\xc0\x80\x00"  # PINGREQ with remaining length 0 in two bytes
-    expect_remote(ReasonCode.MALFORMED_PACKET, long_form, level=5)
+    check_remote_error(ReasonCode.MALFORMED_PACKET, long_form, level=5)
     assert decode_stream(long_form, level=4) == [Pingreq()]
 
 
@@ -706,7 +706,7 @@ def test_max_packet_size_counts_the_whole_packet():
     packet = encode(Publish("t", b"x" * 94), 5)  # 100 bytes
     assert len(packet) == 100
     assert decode_stream(packet, max_packet_size=100) == [Publish("t", b"x" * 94)]
-    expect_remote(ReasonCode.PACKET_TOO_LARGE, packet, max_packet_size=99)
+    check_remote_error(ReasonCode.PACKET_TOO_LARGE, packet, max_packet_size=99)
 
 
 def test_errors_are_sticky():
@@ -807,7 +807,7 @@ def test_connect_authentication_data_needs_a_method():
     ],
 )
 def test_connack_rules(wire, level, reason):
-    expect_remote(reason, wire, Role.CLIENT, level)
+    check_remote_error(reason, wire, Role.CLIENT, level)
 
 
 # --- decoding rules: PUBLISH and acks ----------------------------------------------------------
@@ -832,7 +832,7 @@ def test_connack_rules(wire, level, reason):
     ],
 )
 def test_publish_rules(wire, level, reason):
-    expect_remote(reason, wire, Role.SERVER, level)
+    check_remote_error(reason, wire, Role.SERVER, level)
 
 
 def test_publish_edge_cases_that_are_valid():
@@ -859,7 +859,7 @@ def test_publish_edge_cases_that_are_valid():
     ],
 )
 def test_ack_rules(wire, level, reason):
-    expect_remote(reason, wire, Role.SERVER, level)
+    check_remote_error(reason, wire, Role.SERVER, level)
 
 
 # --- decoding rules: SUBSCRIBE, SUBACK, UNSUBSCRIBE, UNSUBACK, PING, DISCONNECT, AUTH ------------
@@ -895,7 +895,7 @@ def test_client_packet_rules(wire, level, reason):
     if reason is None:
         assert len(decode_stream(wire, Role.SERVER, level)) == 1
     else:
-        expect_remote(reason, wire, Role.SERVER, level)
+        check_remote_error(reason, wire, Role.SERVER, level)
 
 
 @pytest.mark.parametrize(
@@ -914,7 +914,7 @@ def test_client_packet_rules(wire, level, reason):
     ],
 )
 def test_server_packet_rules(wire, level, reason):
-    expect_remote(reason, wire, Role.CLIENT, level)
+    check_remote_error(reason, wire, Role.CLIENT, level)
 
 
 def test_client_disconnect_may_carry_session_expiry():

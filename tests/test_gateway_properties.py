@@ -66,7 +66,7 @@ def decode_all(data: bytes, packet_type: PacketType, will: bool = False) -> Prop
     return decode_properties(data, 0, len(data), packet_type, will=will)
 
 
-def expect_remote(reason: ReasonCode, data: bytes, packet_type: PacketType, will: bool = False) -> None:
+def check_remote_error(reason: ReasonCode, data: bytes, packet_type: PacketType, will: bool = False) -> None:
     with pytest.raises(RemoteProtocolError) as info:
         decode_all(data, packet_type, will)
     assert info.value.reason is reason, info.value
@@ -242,7 +242,7 @@ def test_user_property_may_repeat_and_keeps_order():
 def test_subscription_identifier_may_repeat_in_publish_only():
     wire = b"\x0b\x01\x0b\x02"
     assert decode_all(wire, PacketType.PUBLISH).subscription_identifiers == (1, 2)
-    expect_remote(ReasonCode.PROTOCOL_ERROR, wire, PacketType.SUBSCRIBE)
+    check_remote_error(ReasonCode.PROTOCOL_ERROR, wire, PacketType.SUBSCRIBE)
 
 
 @pytest.mark.parametrize(
@@ -254,7 +254,7 @@ def test_subscription_identifier_may_repeat_in_publish_only():
     ],
 )
 def test_duplicate_property_is_a_protocol_error(wire, packet_type):
-    expect_remote(ReasonCode.PROTOCOL_ERROR, wire, packet_type)
+    check_remote_error(ReasonCode.PROTOCOL_ERROR, wire, packet_type)
 
 
 @pytest.mark.parametrize(
@@ -273,7 +273,7 @@ def test_duplicate_property_is_a_protocol_error(wire, packet_type):
     ],
 )
 def test_value_out_of_range_is_a_protocol_error(wire, packet_type):
-    expect_remote(ReasonCode.PROTOCOL_ERROR, wire, packet_type)
+    check_remote_error(ReasonCode.PROTOCOL_ERROR, wire, packet_type)
 
 
 @pytest.mark.parametrize(
@@ -289,7 +289,7 @@ def test_value_out_of_range_is_a_protocol_error(wire, packet_type):
 )
 def test_property_not_allowed_here_is_malformed(wire, packet_type, will):
     # Section 2.2.2.2: an identifier not valid for its packet type is a Malformed Packet.
-    expect_remote(ReasonCode.MALFORMED_PACKET, wire, packet_type, will)
+    check_remote_error(ReasonCode.MALFORMED_PACKET, wire, packet_type, will)
 
 
 @pytest.mark.parametrize(
@@ -307,7 +307,7 @@ def test_property_not_allowed_here_is_malformed(wire, packet_type, will):
     ],
 )
 def test_unparseable_properties_are_malformed(wire):
-    expect_remote(ReasonCode.MALFORMED_PACKET, wire, PacketType.PUBLISH)
+    check_remote_error(ReasonCode.MALFORMED_PACKET, wire, PacketType.PUBLISH)
 
 
 def test_decoding_stops_at_end_not_at_buffer_end():

@@ -291,8 +291,9 @@ def test_takeover_closes_the_old_connection(node):
     run = uuid.uuid4().hex[:6]
     old = Client(node.port, f"t-{run}")
     old.connect()
-    with connected(node.port, client_id=f"t-{run}"):
-        old.disconnects.get(timeout=WAIT_S)
+    with connected(node.port, client_id=f"t-{run}") as new:
+        old.disconnects.get(timeout=WAIT_S)  # raises queue.Empty if the old connection stays open
+        assert not old.paho.is_connected() and new.paho.is_connected()
     old.paho.loop_stop()
 
 
