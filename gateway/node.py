@@ -432,8 +432,9 @@ class GatewayNode:
             with scope:
                 await trio.sleep(expiry_s)
                 del self._expiries[client_id]
+                with trio.CancelScope(shield=True):  # a half-dropped session would keep its filters held
+                    await self.drop_session(client_id)
                 LOGGER.info("session expired", extra={"ctx": {"client_id": client_id}})
-                await self.drop_session(client_id)
 
         self._later(self._expiries, client_id, expire)
 
