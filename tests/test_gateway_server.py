@@ -102,6 +102,8 @@ class Client:
         self.paho.on_connect = lambda c, u, flags, rc, props: self.connacks.put((flags, rc))
         self.paho.on_disconnect = lambda c, u, flags, rc, props: self.disconnects.put(rc)
         self.paho.on_subscribe = lambda c, u, mid, rcs, props: self.subacks.put(rcs)
+        self.unsubacks: queue.Queue = queue.Queue()
+        self.paho.on_unsubscribe = lambda c, u, mid, rcs, props: self.unsubacks.put(mid)
         if will is not None:
             self.paho.will_set(*will)
         self.port = port

@@ -8,6 +8,7 @@ Retained-message cases live with the retained-message work.
 import paho.mqtt.client as mqtt
 import pytest
 from mqtt_fixtures import (  # noqa: F401  (interop_node is a fixture)
+    WAIT_S,
     Client,
     connected,
     interop_node,
@@ -203,8 +204,9 @@ def test_unsubscribe(interop_node, protocol):
         for name in names[1:4]:
             client.subscribe(name, 2)
         for name in (names[1], names[2]):
-            info = client.paho.unsubscribe(name)
-            assert info[0] == mqtt.MQTT_ERR_SUCCESS
+            rc, mid = client.paho.unsubscribe(name)
+            assert rc == mqtt.MQTT_ERR_SUCCESS
+            assert client.unsubacks.get(timeout=WAIT_S) == mid  # unsubscribed only once UNSUBACK arrives
         with connected(interop_node.port, protocol=protocol) as pub:
             for name in names[1:4]:
                 pub.publish(name, b"", 1)
