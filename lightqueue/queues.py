@@ -225,6 +225,31 @@ class LightQueues:
             return 0
         return self._first_at_or_after(state.qid, self._min(state.qid), state.max, log_offset)
 
+    def offset_at_time(self, name: str, ms: int) -> int:
+        """The queue offset of the first entry stored at or after ``ms`` (ms since the epoch).
+
+        Where a consumer group that starts "from a timestamp" begins: a binary
+        search over the entries' store times, which follow the CommitLog order
+        (the store stamps records as it appends them). Returns the max offset
+        when every entry is older, the min offset when none is (0 for an
+        unknown queue). An entry retention removed mid-search counts as older.
+        """
+        state = self._load(name)
+        if state is None:
+            return 0
+        qid = state.qid
+        low, high = self._min(qid), state.max
+        unpack = keys.ENTRY.unpack
+        get = self._db.get
+        while low < high:
+            mid = (low + high) // 2
+            raw = get(keys.entry_key(qid, mid))
+            if raw is not None and unpack(raw)[2] >= ms:
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
     # -- targets and filters -------------------------------------------------------
 
     def targets(self, topic: str) -> bytes:

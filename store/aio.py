@@ -18,9 +18,11 @@ both flush policies:
 from __future__ import annotations
 
 import logging
+import time
+from bisect import bisect_left
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Sequence, final
 
 import trio
 
@@ -28,9 +30,35 @@ from store.commitlog import SCAN_BYTES, CommitLog, CommitLogConfig, ScanResult
 from store.record import Record
 from store.tasks import background
 
-__all__ = ["AsyncCommitLog"]
+__all__ = ["AsyncCommitLog", "LatencyBuckets"]
 
 LOGGER = logging.getLogger(__name__)
+
+FLUSH_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+"""Upper bounds of the flush-time buckets: an fsync takes well under a millisecond on an idle SSD and
+seconds on a saturated disk; page-cache back-pressure starts at ~1 s, so the range must reach past it."""
+
+
+@final
+class LatencyBuckets:
+    """A fixed-bucket histogram of durations in plain ints, cheap enough for a hot path; read at scrape time.
+
+    ``counts[i]`` counts observations ``<= bounds[i]`` (and above the bound
+    before it); the last count is for observations above every bound.
+    Prometheus histograms are built from it when metrics are scraped.
+    """
+
+    __slots__ = ("bounds", "counts", "sum_s")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum_s = 0.0
+
+    def observe(self, seconds: float, count: int = 1) -> None:
+        """Count ``count`` observations of ``seconds``."""
+        self.counts[bisect_left(self.bounds, seconds)] += count
+        self.sum_s += seconds * count
 
 
 class _Round:
@@ -60,6 +88,7 @@ class AsyncCommitLog:
         self._wakeup = trio.Event()
         self._waiting = 0
         self._arrivals = 0  # only grows: gathering watches it, as writers leaving and re-joining cancel out in _waiting
+        self.flush_latency = LatencyBuckets(FLUSH_BUCKETS_S)  # seconds per successful flush() (fsync)
 
     @classmethod
     @asynccontextmanager
@@ -174,8 +203,10 @@ class AsyncCommitLog:
 
     async def _flush_round(self) -> None:
         current, self._round = self._round, _Round()
+        started = time.perf_counter()
         try:
             await trio.to_thread.run_sync(self.log.flush)
+            self.flush_latency.observe(time.perf_counter() - started)
         except (OSError, ValueError) as exc:
             current.error = exc
             LOGGER.error("CommitLog flush failed", extra={"ctx": {"error": str(exc)}})

@@ -1,0 +1,274 @@
+"""The store-client interface: everything a gateway node asks of the store, in one place.
+
+This is the seam between the two deployment shapes (docs/architecture.md): the
+embedded node talks to the ``StoreNode`` in its own process through
+``LocalStoreClient``; a cluster gateway talks to a store node process through
+an RPC implementation of the same ``StoreClient`` protocol. The gateway is
+written against the protocol only, so it behaves the same in both shapes.
+
+The calls are batched where a gateway has many of a kind at once (appends from
+many connections, pulls of many queues, offset commits of many sessions): one
+call, one thread hand-off here, one round trip over the RPC.
+
+Notify: a gateway node says which queues its sessions read (``watch`` /
+``unwatch``, reference counted like the router's registrations) and takes the
+merged ``{queue: max offset}`` events routed to it from ``events``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, final
+
+import trio
+
+from lightqueue.queues import PullResult
+from notify import EventMailbox
+from store.node import StoreNode
+from store.record import Record, decode_record
+
+__all__ = ["LocalStoreClient", "NewMessage", "PullRequest", "StoreClient", "StoreStatistics"]
+
+NewMessage = tuple[str, bytes, Mapping[str, Any]]
+"""(topic, payload, optional record fields of :func:`store.record.encode_record`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PullRequest:
+    """Read up to ``max_count`` messages (and about ``max_bytes``) of ``queue`` from queue offset ``from_offset``."""
+
+    queue: str
+    from_offset: int
+    max_count: int = 32
+    max_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatistics:
+    """The store's figures an operator watches (metrics, ``$SYS``, the admin API)."""
+
+    written_offset: int  # CommitLog end: bytes appended since the log began
+    flushed_offset: int  # everything below is on disk
+    dispatched_offset: int  # everything below is indexed
+    log_bytes: int  # bytes of records the CommitLog still holds (retention keeps it bounded)
+    queue_ids: int  # light-queue ids allocated so far
+    active_filters: int  # wildcard filters being indexed
+    retained: int  # retained messages
+    notify_sent: int  # events routed to gateway nodes
+    notify_suppressed: int  # node-events not sent because the node had no session on the queue
+    notify_by_node: Mapping[str, int] = field(default_factory=dict)  # attached node -> events routed to it
+
+    @property
+    def dispatch_lag(self) -> int:
+        """Bytes appended and not indexed yet."""
+        return self.written_offset - self.dispatched_offset
+
+
+class StoreClient(Protocol):
+    """What a gateway node needs from the store, embedded or remote."""
+
+    node: str  # this gateway node's name, as the store routes events to it
+
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
+        """Append messages in one write with their target queues fixed now; returns their CommitLog offsets.
+
+        Returns once they are appended (and on disk when ``durable``, or when
+        the flush policy is sync and ``durable`` is None).
+
+        Raises:
+            store.record.RecordTooLarge: a message exceeds the record size limit (nothing is appended).
+            OSError: the write failed (``LogFullError`` when the disk is full); nothing is acknowledged.
+        """
+        ...
+
+    async def pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
+        """The results of several queue reads, in request order."""
+        ...
+
+    async def activate(self, queue: str, holder: str) -> int:
+        """Hold the queue's filter for ``holder``; returns the queue offset the subscription starts at.
+
+        Raises:
+            lightqueue.topics.TopicError: not a valid topic filter.
+            ValueError: the queue id space is exhausted.
+        """
+        ...
+
+    async def release(self, queue: str, holder: str) -> bool:
+        """Stop holding the queue's filter; True if ``holder`` held it."""
+        ...
+
+    async def max_offsets(self, queues: Sequence[str]) -> list[int]:
+        """The next queue offset of each queue (0 for a queue never written)."""
+        ...
+
+    async def get_offsets(self, owner: str) -> dict[str, int]:
+        """``{queue: next offset}`` committed by ``owner`` (a client id or a group name)."""
+        ...
+
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
+        """Store ``{owner: {queue: next offset}}`` durably, all owners in one write."""
+        ...
+
+    async def delete_owner(self, owner: str) -> None:
+        """Forget an owner's offsets and release its filters (session expiry)."""
+        ...
+
+    async def retained(self, filter: str) -> list[Record]:
+        """The retained messages whose topics match ``filter``."""
+        ...
+
+    async def save_session(self, client_id: str, blob: bytes) -> None:
+        """Keep a session blob durably."""
+        ...
+
+    async def load_session(self, client_id: str) -> bytes | None:
+        """The blob last saved for ``client_id``, or None."""
+        ...
+
+    async def drop_session(self, client_id: str) -> None:
+        """Forget the blob of ``client_id``."""
+        ...
+
+    def watch(self, queue: str) -> None:
+        """One more local session reads ``queue``: route its events here (reference counted)."""
+        ...
+
+    def unwatch(self, queue: str) -> None:
+        """One local session fewer reads ``queue``."""
+        ...
+
+    async def events(self) -> dict[str, int]:
+        """Wait for and take the merged ``{queue: max offset}`` events routed to this node.
+
+        Raises:
+            trio.EndOfChannel: the client is closed.
+        """
+        ...
+
+    async def statistics(self) -> StoreStatistics:
+        """The store's current figures."""
+        ...
+
+    async def hold_will(self, client_id: str, message: NewMessage, delay_s: float) -> None:
+        """``client_id`` is connected here with this will: if this node dies, the store publishes it.
+
+        The store appends it ``delay_s`` after this node's lease ends (store/leases.py),
+        unless the client's session resumes first. Replaces any will held for the client.
+        """
+        ...
+
+    async def drop_will(self, client_id: str) -> None:
+        """The will of ``client_id`` must not fire from the store (normal DISCONNECT, or published here)."""
+        ...
+
+
+@final
+class LocalStoreClient:
+    """The embedded node's store client: direct calls on a ``StoreNode`` in this process.
+
+    Short, in-memory calls run in the trio thread; RocksDB scans, CommitLog
+    reads and WAL writes go to a worker thread, one hand-off per batch.
+
+    Resource handling: attaches ``node`` to the store's notify on creation;
+    :meth:`close` detaches it (its ``events`` then end).
+    """
+
+    def __init__(self, store: StoreNode, node: str = "local") -> None:
+        self.store = store
+        self.node = node
+        self._mailbox: EventMailbox = store.attach(node)
+
+    def close(self) -> None:
+        self.store.detach(self.node)
+
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
+        return await self.store.append_many(messages, durable=durable)
+
+    async def pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
+        return await trio.to_thread.run_sync(self._pull, requests)
+
+    def _pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
+        queues = self.store.queues
+        log = self.store.log.log
+        return [queues.pull(r.queue, r.from_offset, r.max_count, r.max_bytes, log, _decode) for r in requests]
+
+    async def activate(self, queue: str, holder: str) -> int:
+        return await self.store.dispatcher.activate(queue, holder)
+
+    async def release(self, queue: str, holder: str) -> bool:
+        return await self.store.dispatcher.release(queue, holder)
+
+    async def max_offsets(self, queues: Sequence[str]) -> list[int]:
+        max_offset = self.store.queues.max_offset
+        return [max_offset(queue) for queue in queues]
+
+    async def get_offsets(self, owner: str) -> dict[str, int]:
+        return await trio.to_thread.run_sync(self.store.queues.get_offsets, owner)
+
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
+        await trio.to_thread.run_sync(self._commit, commits)
+
+    def _commit(self, commits: Mapping[str, Mapping[str, int]]) -> None:
+        commit = self.store.queues.commit_offsets
+        for owner, offsets in commits.items():
+            commit(owner, offsets)
+
+    async def delete_owner(self, owner: str) -> None:
+        await trio.to_thread.run_sync(self.store.queues.delete_owner, owner)
+
+    async def retained(self, filter: str) -> list[Record]:
+        found = await trio.to_thread.run_sync(self.store.retained.lookup, filter)
+        return [decode_record(r.record, 0, r.log_offset) for r in found]
+
+    async def save_session(self, client_id: str, blob: bytes) -> None:
+        await trio.to_thread.run_sync(self.store.save_session, client_id, blob)
+
+    async def load_session(self, client_id: str) -> bytes | None:
+        return await trio.to_thread.run_sync(self.store.load_session, client_id)
+
+    async def drop_session(self, client_id: str) -> None:
+        await trio.to_thread.run_sync(self.store.drop_session, client_id)
+
+    def watch(self, queue: str) -> None:
+        self.store.router.register(self.node, queue)
+
+    def unwatch(self, queue: str) -> None:
+        self.store.router.unregister(self.node, queue)
+
+    async def events(self) -> dict[str, int]:
+        return await self._mailbox.get()
+
+    async def statistics(self) -> StoreStatistics:
+        return store_statistics(self.store)
+
+    async def hold_will(self, client_id: str, message: NewMessage, delay_s: float) -> None:
+        """A no-op: the embedded gateway and its store live and die together, and the gateway fires wills itself."""
+
+    async def drop_will(self, client_id: str) -> None:
+        """A no-op, as :meth:`hold_will`."""
+
+
+def store_statistics(store: StoreNode) -> StoreStatistics:
+    """The figures of a store node in this process (the RPC server answers with the same)."""
+    log = store.log.log
+    queues = store.queues.statistics()
+    stats = log.statistics()
+    notify = store.router.statistics()
+    return StoreStatistics(
+        written_offset=stats.written_offset,
+        flushed_offset=stats.flushed_offset,
+        dispatched_offset=store.dispatcher.dispatched_offset,
+        log_bytes=stats.written_offset - stats.min_offset,
+        queue_ids=queues.next_queue_id,
+        active_filters=queues.active_filters,
+        retained=store.retained.count,
+        notify_sent=sum(notify.sent.values()),
+        notify_suppressed=notify.suppressed,
+        notify_by_node=notify.sent,
+    )
+
+
+def _decode(raw: bytes, offset: int) -> Record:
+    return decode_record(raw, 0, offset)

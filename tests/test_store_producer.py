@@ -1,0 +1,337 @@
+"""Back-end producers (store/producer.py) and store access (store/access.py, its wiring in gateway/cli.py).
+
+In-process tests run a real store node and its RPC server on real sockets; the
+slow test runs `lightgate store` and `lightgate gateway` processes with
+authentication on and a paho MQTT 5 device that receives what the producer sends.
+"""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+import trio
+
+from gateway import config as cfg
+from gateway.cli import _store_access
+from gateway.passwords import PasswordFile
+from gateway.properties import PacketType, decode_properties
+from lightqueue.topics import TopicError
+from store.access import AccessDenied, Peer, StoreAccess, Verdict
+from store.client import PullRequest
+from store.commitlog import CommitLogConfig
+from store.node import open_store
+from store.producer import Producer, encode_properties
+from store.record import RecordTooLarge
+from store.remote import RemoteStoreClient, StoreRpcError
+from store.server import serve_rpc
+
+ROOT = Path(__file__).resolve().parents[1]
+WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+
+class Proc:
+    """A `lightgate <command>` subprocess with its JSON log lines collected (used by test_store_consumer.py too)."""
+
+    def __init__(self, *args: str) -> None:
+        self.args = args
+        self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args, "--log-json"],
+                                     stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.logs: list[dict] = []
+        self._changed = threading.Condition()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                doc = {"msg": line.rstrip()}
+            with self._changed:
+                self.logs.append(doc)
+                self._changed.notify_all()
+
+    def wait_log(self, match, timeout: float = WAIT_S) -> dict:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for doc in self.logs:
+                    if match(doc):
+                        return doc
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None and not any(match(d) for d in self.logs):
+                    pytest.fail(f"no such log line from {self.args[0]}; logs: {self.logs}")
+                self._changed.wait(min(left, 0.5))
+
+    def ready(self, message: str) -> int:
+        """Wait for the readiness line ``message``; return the port it reports."""
+        return self.wait_log(lambda doc: doc.get("msg") == message)["port"]
+
+    def errors(self) -> list[dict]:
+        return [doc for doc in self.logs if doc.get("level") == "error"]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@contextmanager
+def running(*args: str):
+    proc = Proc(*args)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@contextmanager
+def cluster(data: Path, *flags: str, store_port: int = 0):
+    """A store process and a gateway process in front of it; yields (store, store port, gateway, MQTT port)."""
+    with running("store", "--data", str(data / "store"), "--listen", f"127.0.0.1:{store_port}", *flags) as store:
+        port = store.ready("store node ready")
+        with running("gateway", "--store", f"127.0.0.1:{port}", "--port", "0", "--data", str(data / "gateway"),
+                     *flags) as gateway:
+            yield store, port, gateway, gateway.ready("gateway node ready")
+
+
+class Device:
+    """A paho MQTT 5 client whose received messages land in a queue."""
+
+    def __init__(self, port: int, client_id: str, username: str | None = None, password: str | None = None):
+        self.messages: queue.Queue = queue.Queue()
+        connacks: queue.Queue = queue.Queue()
+        self.paho = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+        if username is not None:
+            self.paho.username_pw_set(username, password)
+        self.paho.on_message = lambda c, u, msg: self.messages.put(msg)
+        self.paho.on_connect = lambda c, u, flags, rc, props: connacks.put(rc)
+        self.subacks: queue.Queue = queue.Queue()
+        self.paho.on_subscribe = lambda c, u, mid, rcs, props: self.subacks.put(rcs)
+        self.paho.connect("127.0.0.1", port)
+        self.paho.loop_start()
+        rc = connacks.get(timeout=WAIT_S)
+        assert not rc.is_failure, rc
+
+    def subscribe(self, filter: str, qos: int = 1) -> None:
+        self.paho.subscribe(filter, qos)
+        [rc] = self.subacks.get(timeout=WAIT_S)
+        assert not rc.is_failure, rc
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
+        info = self.paho.publish(topic, payload, qos)
+        info.wait_for_publish(timeout=WAIT_S)
+        assert info.is_published()
+
+    def close(self) -> None:
+        self.paho.disconnect()
+        self.paho.loop_stop()
+
+
+# --- in-process store ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def store(tmp_path):
+    async with open_store(tmp_path / "data", CommitLogConfig(max_record_bytes=4096)) as node:
+        yield node
+
+
+async def serve(nursery, store, access: StoreAccess | None = None) -> int:
+    listeners = await nursery.start(lambda task_status: serve_rpc(store, "127.0.0.1", 0, access=access,
+                                                                  task_status=task_status))
+    return listeners[0].socket.getsockname()[1]
+
+
+def test_common_properties_encode_as_the_gateway_decodes_them():
+    block = encode_properties(payload_format_indicator=1, message_expiry_interval=60, content_type="text/plain",
+                              response_topic="reply/svc", correlation_data=b"\x00\x01",
+                              user_properties=[("k", "v"), ("k", "w")])
+    props = decode_properties(block, 0, len(block), PacketType.PUBLISH)
+    assert (props.payload_format_indicator, props.message_expiry_interval, props.content_type,
+            props.response_topic, props.correlation_data, props.user_properties) == \
+        (1, 60, "text/plain", "reply/svc", b"\x00\x01", (("k", "v"), ("k", "w")))
+    assert encode_properties() == b""
+    with pytest.raises(ValueError, match="payload_format_indicator"):
+        encode_properties(payload_format_indicator=2)
+    with pytest.raises(TopicError):
+        encode_properties(response_topic="reply/#")
+
+
+async def test_sends_are_batched_stored_in_order_and_each_handle_gets_its_offset(store, nursery):
+    port = await serve(nursery, store)
+    async with Producer.connect("127.0.0.1", port, client_id="svc-1", linger_ms=50) as producer:
+        handles = [producer.send("cmd/dev1", b"%d" % i, qos=1, content_type="text/plain") for i in range(300)]
+        retained = producer.send("status/dev1", b"on", qos=0, retain=True, properties=b"\x01\x01")
+        offsets = [await handle for handle in handles]
+        await producer.flush()
+        stats = producer.statistics()
+    assert offsets == sorted(offsets) and len(set(offsets)) == 300 and await retained > offsets[-1]
+    assert stats.stored == 301 and stats.failed == 0 and stats.batches < 301
+    async with RemoteStoreClient.connect("127.0.0.1", port, node="reader") as client:
+        [cmd, status] = await client.pull([PullRequest("cmd/dev1", 0, 1000), PullRequest("status/dev1", 0, 10)])
+        [kept] = await client.retained("status/#")
+    records = [record for _, record in cmd.messages]
+    assert [r.payload for r in records] == [b"%d" % i for i in range(300)]
+    assert {(r.client_id, r.qos, r.retain) for r in records} == {("svc-1", 1, False)}
+    assert decode_properties(records[0].properties, 0, len(records[0].properties), PacketType.PUBLISH).content_type \
+        == "text/plain"
+    [(_, on)] = status.messages
+    assert (on.payload, on.qos, on.retain, on.properties, kept.payload) == (b"on", 0, True, b"\x01\x01", b"on")
+
+
+async def test_a_bad_message_fails_alone_and_bad_arguments_fail_at_send(store, nursery):
+    port = await serve(nursery, store)
+    async with Producer.connect("127.0.0.1", port, linger_ms=1000) as producer:
+        before = producer.send("a/b", b"1")
+        huge = producer.send("a/b", b"x" * 8192)  # above the store's max_record_bytes of 4096
+        after = producer.send("a/b", b"2")
+        await producer.flush()
+        with pytest.raises(RecordTooLarge):
+            await huge
+        assert await before < await after
+        with pytest.raises(TopicError):
+            producer.send("a/+", b"wildcards are for filters")
+        with pytest.raises(ValueError, match="qos"):
+            producer.send("a/b", b"", qos=3)
+
+
+async def test_flush_returns_at_once_when_nothing_waits_and_the_block_flushes_on_exit(store, nursery):
+    port = await serve(nursery, store)
+    async with Producer.connect("127.0.0.1", port, linger_ms=60_000) as producer:
+        with trio.fail_after(WAIT_S):
+            await producer.flush()
+        handle = producer.send("a/b", b"sent last")
+    assert handle.done()
+    assert await handle >= 0
+
+
+# --- access -------------------------------------------------------------------------------------
+
+
+def check_password(username, password, source) -> Verdict:
+    if (username, password) == ("svc", b"secret"):
+        return Verdict(True, "svc")
+    return Verdict(False, why="bad user name or password")
+
+
+def only_cmd(username, client_id, access, topic) -> bool:
+    return access == "publish" and topic.startswith("cmd/") or access == "subscribe" and topic.startswith("tele/")
+
+
+async def test_the_store_admits_clients_by_password_and_checks_their_topics(store, nursery):
+    access = StoreAccess(token="gw-secret", authenticate=check_password, authorize=only_cmd)
+    port = await serve(nursery, store, access)
+    with pytest.raises(StoreRpcError, match="denied"):
+        async with Producer.connect("127.0.0.1", port, username="svc", password="wrong", timeout_s=5):
+            pass
+    async with Producer.connect("127.0.0.1", port, username="svc", password="secret") as producer:
+        allowed = producer.send("cmd/dev1", b"ok")
+        denied = producer.send("secret/x", b"no")
+        await producer.flush()
+        assert await allowed >= 0
+        with pytest.raises(AccessDenied, match="publish"):
+            await denied
+        with pytest.raises(AccessDenied, match="gateway nodes only"):  # sessions are the gateways' business
+            await producer.client.save_session("dev1", b"blob")
+        with pytest.raises(AccessDenied, match="subscribe"):
+            await producer.client.join("g", "cmd/#")
+    async with RemoteStoreClient.connect("127.0.0.1", port, node="gw-a", token="gw-secret") as gateway:
+        await gateway.save_session("dev1", b"blob")  # the token makes a trusted gateway node
+        assert await gateway.load_session("dev1") == b"blob"
+    with pytest.raises(StoreRpcError, match="denied"):  # '$' names are the store's own (its group coordinator)
+        async with RemoteStoreClient.connect("127.0.0.1", port, node="$groups-1", token="gw-secret", timeout_s=5):
+            pass
+
+
+def test_store_access_policy():
+    assert StoreAccess().admit("gw", "", None, None, "10.0.0.1") == Peer(True, client_id="gw")  # nothing set: open
+    access = StoreAccess(token="t", authenticate=check_password)
+    assert access.admit("gw", "t", None, None, "10.0.0.1") == Peer(True, client_id="gw")
+    assert access.admit("gw", "nope", None, None, "10.0.0.1").why == "bad store token"
+    assert access.admit("svc-1", "", "svc", b"secret", "10.0.0.1") == Peer(False, "svc", "svc-1")
+    assert not access.admit("svc-1", "", "svc", b"bad", "10.0.0.1").accepted
+    access.check(Peer(False, "svc", "svc-1"), "publish", "any/topic")  # no ACL: any topic
+    assert not StoreAccess(token="t").admit("svc-1", "", "svc", b"secret", "10.0.0.1").accepted
+
+
+def settings(tmp_path, **values) -> cfg.Config:
+    conf = {o.key: o.default for o in cfg.OPTIONS}
+    conf.update({key.replace("__", "."): value for key, value in values.items()})
+    return cfg.Config(conf)
+
+
+def test_cli_wiring_checks_back_end_clients_with_the_password_file_and_acl(tmp_path):
+    passwords = PasswordFile.load_or_empty(tmp_path / "passwd")
+    passwords.set_password("svc", "secret")
+    passwords.save()
+    (tmp_path / "acl").write_text("user svc\nallow publish cmd/#\nallow subscribe tele/#\n")
+    assert _store_access(settings(tmp_path)).open
+    with pytest.raises(ValueError, match="store.token"):
+        _store_access(settings(tmp_path, auth__password_file=str(tmp_path / "passwd")))
+    access = _store_access(settings(tmp_path, store__token="t", auth__password_file=str(tmp_path / "passwd"),
+                                    auth__acl_file=str(tmp_path / "acl"), auth__failure_delay_s=0.0))
+    peer = access.admit("svc-1", "", "svc", b"secret", "127.0.0.1")
+    assert peer == Peer(False, "svc", "svc-1")
+    assert not access.admit("svc-1", "", "svc", b"wrong", "127.0.0.1").accepted
+    assert not access.admit("svc-1", "", None, None, "127.0.0.1").accepted  # a password file: no anonymous
+    access.check(peer, "publish", "cmd/dev1")
+    access.check(peer, "subscribe", "tele/#")
+    with pytest.raises(AccessDenied):
+        access.check(peer, "publish", "tele/dev1")
+
+
+# --- processes: producer -> store -> gateway -> device ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_device_on_a_cluster_gateway_receives_what_a_producer_sends(tmp_path):
+    passwords = PasswordFile.load_or_empty(tmp_path / "passwd")
+    passwords.set_password("svc", "svc-secret")
+    passwords.set_password("dev1", "dev-secret")
+    passwords.save()
+    (tmp_path / "acl").write_text("user svc\nallow publish cmd/#\n\nuser dev1\nallow subscribe cmd/dev1/#\n")
+    flags = ("--store-token", "gw-token", "--auth-password-file", str(tmp_path / "passwd"),
+             "--auth-acl-file", str(tmp_path / "acl"), "--auth-failure-delay-s", "0")
+    with cluster(tmp_path, *flags) as (store, store_port, gateway, mqtt_port):
+        device = Device(mqtt_port, "dev1", "dev1", "dev-secret")
+        device.subscribe("cmd/dev1/#", qos=1)
+
+        async def produce() -> None:
+            with pytest.raises(StoreRpcError, match="denied"):
+                async with Producer.connect("127.0.0.1", store_port, username="svc", password="bad", timeout_s=5):
+                    pass
+            async with Producer.connect("127.0.0.1", store_port, username="svc", password="svc-secret") as producer:
+                handles = [producer.send(f"cmd/dev1/{i % 3}", b"%d" % i, qos=1, content_type="text/plain",
+                                         user_properties=[("from", "billing")]) for i in range(50)]
+                denied = producer.send("tele/dev1/temp", b"not the service's topic")
+                for handle in handles:
+                    await handle
+                with pytest.raises(AccessDenied):
+                    await denied
+
+        trio.run(produce)
+        received = [device.messages.get(timeout=WAIT_S) for _ in range(50)]
+        assert sorted(int(m.payload) for m in received) == list(range(50))
+        first = received[0]
+        assert first.qos == 1 and first.properties.ContentType == "text/plain"
+        assert first.properties.UserProperty == [("from", "billing")]
+        device.close()
+        assert not store.errors() and not gateway.errors()
+    assert store.proc.returncode == 0 and gateway.proc.returncode == 0

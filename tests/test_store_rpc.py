@@ -1,0 +1,188 @@
+"""The RPC wire format (store/rpc.py): frames, messages, and what broken input does."""
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from store import rpc
+
+CLIENT_SAMPLES = [
+    rpc.Hello(rpc.PROTOCOL_VERSION, "gw-1"),
+    rpc.Heartbeat(),
+    rpc.Watch({"a/#": 2, "a/b": -1}),
+    rpc.HoldWill("dev1", rpc.WireMessage("will/dev1", b"gone", "dev1", 1, True, b"\x01\x02", 1700), 3.0),
+    rpc.DropWill("dev1"),
+    rpc.AppendRequest(1, [[rpc.WireMessage("a/b", b"x")], [rpc.WireMessage("a/c", b"", qos=2)]], durable=True),
+    rpc.PullRequest(2, [rpc.QueueRead("a/#", 0, 32, 1 << 20)]),
+    rpc.Activate(3, "a/+", "dev1"),
+    rpc.Release(4, "a/+", "dev1"),
+    rpc.MaxOffsets(5, ["a/b", "a/c"]),
+    rpc.GetOffsets(6, "dev1"),
+    rpc.CommitOffsets(7, {"dev1": {"a/b": 3}, "$share/g": {"a/+": 9}}),
+    rpc.DeleteOwner(8, "dev1"),
+    rpc.GetRetained(9, "a/#"),
+    rpc.SaveSession(10, "dev1", b"\x00blob"),
+    rpc.LoadSession(11, "dev1"),
+    rpc.DropSession(12, "dev1"),
+    rpc.GetStatistics(13),
+]
+
+SERVER_SAMPLES = [
+    rpc.Welcome(rpc.PROTOCOL_VERSION, "gw-1", 1.0, 5.0),
+    rpc.Heartbeat(),
+    rpc.Error(0, rpc.ErrorKind.VERSION, "no"),
+    rpc.Events({"a/b": 7}),
+    rpc.Appended(1, [[0, 51], []], {1: rpc.Error(0, rpc.ErrorKind.RECORD_TOO_LARGE, "too big")}),
+    rpc.Pulled(2, [rpc.RawRecords([(0, 0, b"record")], 1, False), rpc.RawRecords([], 5, True)]),
+    rpc.Offsets(5, [3, 0]),
+    rpc.Value(3, 17),
+    rpc.Value(4, True),
+    rpc.Value(6, {"a/b": 3}),
+    rpc.Value(11, b"blob"),
+    rpc.Value(11),
+    rpc.Done(7),
+    rpc.Statistics(13, rpc.WireStatistics(1, 2, 3, 4, 5, 6, 7, 8, 9, {"gw-1": 8})),
+    rpc.RecordList(9, [(0, b"record")]),
+]
+
+
+@pytest.mark.parametrize("message", CLIENT_SAMPLES, ids=lambda m: type(m).__name__)
+def test_client_messages_round_trip(message):
+    decoder = rpc.FrameDecoder(rpc.CLIENT_MESSAGES)
+    decoder.receive_data(rpc.encode(message))
+    decoded = decoder.next_message()
+    assert decoded == message and type(decoded) is type(message)
+    assert decoder.next_message() is rpc.NEED_DATA
+
+
+@pytest.mark.parametrize("message", SERVER_SAMPLES, ids=lambda m: type(m).__name__)
+def test_server_messages_round_trip(message):
+    decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
+    decoder.receive_data(rpc.encode(message))
+    decoded = decoder.next_message()
+    assert decoded == message and type(decoded) is type(message)
+
+
+def test_value_keeps_bool_and_int_apart():
+    decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
+    decoder.receive_data(rpc.encode(rpc.Value(1, False)) + rpc.encode(rpc.Value(2, 0)))
+    assert decoder.next_message().value is False
+    zero = decoder.next_message().value
+    assert zero == 0 and type(zero) is int
+
+
+def test_frame_is_a_big_endian_length_then_msgpack():
+    frame = rpc.encode(rpc.Heartbeat())
+    assert int.from_bytes(frame[:4], "big") == len(frame) - 4
+    assert msgspec.msgpack.decode(frame[4:]) == ["hb"]
+
+
+def test_fragmented_frames_byte_by_byte():
+    stream = b"".join(rpc.encode(m) for m in CLIENT_SAMPLES)
+    decoder = rpc.FrameDecoder(rpc.CLIENT_MESSAGES)
+    received = []
+    for i in range(len(stream)):
+        decoder.receive_data(stream[i : i + 1])
+        while (message := decoder.next_message()) is not rpc.NEED_DATA:
+            received.append(message)
+    assert received == CLIENT_SAMPLES
+
+
+def test_many_frames_in_one_chunk_and_a_partial_tail():
+    frames = [rpc.encode(m) for m in SERVER_SAMPLES]
+    decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
+    decoder.receive_data(b"".join(frames) + frames[0][:5])
+    received = []
+    while (message := decoder.next_message()) is not rpc.NEED_DATA:
+        received.append(message)
+    assert received == SERVER_SAMPLES
+    decoder.receive_data(frames[0][5:])
+    assert decoder.next_message() == SERVER_SAMPLES[0]
+
+
+def test_oversized_length_is_refused_before_the_body_arrives():
+    decoder = rpc.FrameDecoder(rpc.CLIENT_MESSAGES, max_frame_bytes=1024)
+    decoder.receive_data((1025).to_bytes(4, "big"))
+    with pytest.raises(rpc.RpcProtocolError, match="exceeds the limit of 1024"):
+        decoder.next_message()
+
+
+def test_default_limit_refuses_a_length_of_gigabytes():
+    decoder = rpc.FrameDecoder(rpc.CLIENT_MESSAGES)
+    decoder.receive_data(b"\xff\xff\xff\xff")
+    with pytest.raises(rpc.RpcProtocolError, match="exceeds the limit"):
+        decoder.next_message()
+
+
+@pytest.mark.parametrize("body, why", [
+    (b"\xc1", "malformed"),  # never used in msgpack
+    (msgspec.msgpack.encode(["nosuchtag", 1]), "malformed"),
+    (msgspec.msgpack.encode(["append", "not-an-id", []]), "malformed"),
+    (msgspec.msgpack.encode({"t": "hb"}), "malformed"),  # a map where an array is expected
+    (msgspec.msgpack.encode(["hello", 1]), "malformed"),  # a field missing
+])
+def test_malformed_frames_are_protocol_errors(body, why):
+    decoder = rpc.FrameDecoder(rpc.CLIENT_MESSAGES)
+    decoder.receive_data(len(body).to_bytes(4, "big") + body)
+    with pytest.raises(rpc.RpcProtocolError, match=why):
+        decoder.next_message()
+
+
+def test_a_server_message_is_not_a_client_message():
+    decoder = rpc.FrameDecoder(rpc.CLIENT_MESSAGES)
+    decoder.receive_data(rpc.encode(rpc.Events({"a": 1})))
+    with pytest.raises(rpc.RpcProtocolError):
+        decoder.next_message()
+
+
+def test_end_of_stream_between_frames_is_clean_and_inside_one_is_an_error():
+    frame = rpc.encode(rpc.Heartbeat())
+    clean = rpc.FrameDecoder(rpc.CLIENT_MESSAGES)
+    clean.receive_data(frame)
+    clean.receive_data(b"")
+    assert not clean.eof
+    assert clean.next_message() == rpc.Heartbeat()
+    assert clean.next_message() is rpc.NEED_DATA and clean.eof
+    for cut in (2, len(frame) - 1):
+        torn = rpc.FrameDecoder(rpc.CLIENT_MESSAGES)
+        torn.receive_data(frame[:cut])
+        torn.receive_data(b"")
+        with pytest.raises(rpc.RpcProtocolError, match="ended inside a frame"):
+            torn.next_message()
+
+
+def test_encoding_a_message_larger_than_a_frame_is_refused():
+    huge = rpc.AppendRequest(1, [[rpc.WireMessage("a", b"\0" * (rpc.MAX_FRAME_BYTES + 1))]])
+    with pytest.raises(rpc.RpcProtocolError, match="exceeds the frame limit"):
+        rpc.encode(huge)
+
+
+@given(st.binary(max_size=256), st.integers(min_value=1, max_value=17))
+def test_arbitrary_bytes_never_escape_as_another_exception(data, chunk):
+    decoder = rpc.FrameDecoder(rpc.CLIENT_MESSAGES, max_frame_bytes=4096)
+    try:
+        for i in range(0, len(data), chunk):
+            decoder.receive_data(data[i : i + chunk])
+            while decoder.next_message() is not rpc.NEED_DATA:
+                pass
+        decoder.receive_data(b"")
+        while decoder.next_message() is not rpc.NEED_DATA:
+            pass
+    except rpc.RpcProtocolError:
+        pass
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("127.0.0.1:7883", ("127.0.0.1", 7883)),
+    ("store.local:0", ("store.local", 0)),
+    ("[::1]:7883", ("::1", 7883)),
+])
+def test_parse_address(text, expected):
+    assert rpc.parse_address(text) == expected
+
+
+@pytest.mark.parametrize("text", ["7883", "host:", ":7883", "host:port", "host:70000", ""])
+def test_parse_address_refuses(text):
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        rpc.parse_address(text)

@@ -1,0 +1,188 @@
+"""The store's RPC server (store/server.py) over real sockets, spoken to frame by frame."""
+
+import pytest
+import trio
+
+from store import rpc
+from store.commitlog import CommitLogConfig
+from store.node import open_store
+from store.record import decode_record
+from store.server import serve_rpc
+
+WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
+LEASE_S = 0.6  # short leases, so the silence and will tests take a second
+
+
+@pytest.fixture
+async def store(tmp_path):
+    async with open_store(tmp_path / "data", CommitLogConfig(max_record_bytes=4096)) as node:
+        yield node
+
+
+@pytest.fixture
+async def port(store, nursery):
+    listeners = await nursery.start(lambda task_status: serve_rpc(store, "127.0.0.1", 0, lease_s=LEASE_S,
+                                                                   task_status=task_status))
+    return listeners[0].socket.getsockname()[1]
+
+
+class Raw:
+    """A gateway-side connection that sends exactly the frames a test writes."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
+        self.sending = trio.Lock()  # the test and keep_alive both send
+
+    @classmethod
+    async def open(cls, port: int, node: str | None = "gw-a") -> "Raw":
+        raw = cls(await trio.open_tcp_stream("127.0.0.1", port))
+        if node is not None:
+            await raw.send(rpc.Hello(rpc.PROTOCOL_VERSION, node))
+            welcome = await raw.receive()
+            assert welcome == rpc.Welcome(rpc.PROTOCOL_VERSION, node, LEASE_S / rpc.HEARTBEATS_PER_LEASE, LEASE_S)
+        return raw
+
+    async def send(self, *messages) -> None:
+        await self.send_bytes(b"".join(rpc.encode(m) for m in messages))
+
+    async def send_bytes(self, data: bytes) -> None:
+        async with self.sending:
+            await self.stream.send_all(data)
+
+    async def receive(self, skip_heartbeats: bool = True):
+        """The next message (heartbeats skipped); fails on close or timeout."""
+        with trio.fail_after(WAIT_S):
+            while True:
+                message = self.decoder.next_message()
+                if message is rpc.NEED_DATA:
+                    data = await self.stream.receive_some(65536)
+                    assert data, "the store closed the connection"
+                    self.decoder.receive_data(data)
+                elif not (skip_heartbeats and type(message) is rpc.Heartbeat):
+                    return message
+
+    async def closed(self) -> list:
+        """Read until the store closes the connection; the messages it sent before (heartbeats skipped)."""
+        messages = []
+        with trio.fail_after(WAIT_S):
+            while True:
+                try:
+                    data = await self.stream.receive_some(65536)
+                except trio.BrokenResourceError:
+                    data = b""
+                self.decoder.receive_data(data)
+                while (message := self.decoder.next_message()) is not rpc.NEED_DATA:
+                    if type(message) is not rpc.Heartbeat:
+                        messages.append(message)
+                if not data:
+                    return messages
+
+    async def keep_alive(self) -> None:
+        """Heartbeat as a gateway does (three per lease) until cancelled: the protocol's period, not a wait."""
+        while True:
+            await self.send(rpc.Heartbeat())
+            await trio.sleep(LEASE_S / 3)
+
+
+async def test_version_mismatch_is_refused_with_an_error_and_closed(port):
+    raw = await Raw.open(port, node=None)
+    await raw.send(rpc.Hello(rpc.PROTOCOL_VERSION + 1, "gw-a"))
+    [error] = await raw.closed()
+    assert error.id == 0 and error.kind is rpc.ErrorKind.VERSION
+    assert f"version {rpc.PROTOCOL_VERSION + 1} is not supported" in error.message
+
+
+@pytest.mark.parametrize("first", [rpc.Heartbeat(), rpc.MaxOffsets(1, ["a"]), rpc.Hello(rpc.PROTOCOL_VERSION, "")])
+async def test_a_connection_must_start_with_a_named_hello(port, first):
+    raw = await Raw.open(port, node=None)
+    await raw.send(first)
+    [error] = await raw.closed()
+    assert error.kind is rpc.ErrorKind.PROTOCOL
+
+
+@pytest.mark.parametrize("junk", [
+    b"\x7f\xff\xff\xff",  # a 2 GiB frame announced
+    (3).to_bytes(4, "big") + b"\xc1\xc1\xc1",  # not msgpack
+    rpc.encode(rpc.Events({"a": 1})),  # a message only the store sends
+])
+async def test_bad_frames_get_an_error_frame_and_a_close_and_the_store_serves_on(port, junk):
+    raw = await Raw.open(port)
+    await raw.send_bytes(junk)
+    [error] = await raw.closed()
+    assert error.id == 0 and error.kind is rpc.ErrorKind.PROTOCOL
+    other = await Raw.open(port, node="gw-b")
+    await other.send(rpc.MaxOffsets(1, ["a/b"]))
+    assert await other.receive() == rpc.Offsets(1, [0])
+
+
+async def test_a_failed_request_is_answered_and_the_connection_goes_on(port):
+    raw = await Raw.open(port)
+    await raw.send(rpc.Activate(1, "a/#/b", "dev1"), rpc.Activate(2, "a/+", "dev1"))
+    answers = {m.id: m for m in (await raw.receive(), await raw.receive())}
+    assert answers[1].kind is rpc.ErrorKind.TOPIC and "'#' must be the last level" in answers[1].message
+    assert answers[2] == rpc.Value(2, 0)
+
+
+async def test_append_groups_fail_alone_and_pulls_return_the_records(port):
+    raw = await Raw.open(port)
+    good = [rpc.WireMessage("a/b", b"one", "dev1", 1), rpc.WireMessage("a/b", b"two", "dev1", 1)]
+    too_large = [rpc.WireMessage("a/b", b"x" * 8192)]
+    await raw.send(rpc.Watch({"a/#": 1}), rpc.AppendRequest(1, [good, too_large, [rpc.WireMessage("a/c", b"three")]]))
+    appended = await raw.receive()
+    assert await raw.receive() == rpc.Events({"a/#": 3})  # dispatched: the pulls below find everything
+    assert appended.id == 1 and appended.offsets[1] == [] and len(appended.offsets[0]) == 2
+    assert appended.errors[1].kind is rpc.ErrorKind.RECORD_TOO_LARGE
+    await raw.send(rpc.PullRequest(2, [rpc.QueueRead("a/b", 0, 10, 1 << 20), rpc.QueueRead("a/#", 0, 10, 1 << 20)]))
+    pulled = await raw.receive()
+    by_b, by_a = pulled.results
+    assert [(q, decode_record(r, 0, o).payload) for q, o, r in by_b.entries] == [(0, b"one"), (1, b"two")]
+    assert by_b.next_offset == 2 and [o for _, o, _ in by_b.entries] == appended.offsets[0]
+    assert [decode_record(r, 0, o).topic for _, o, r in by_a.entries] == ["a/b", "a/b", "a/c"]  # first-level queue
+
+
+async def test_events_go_only_to_the_node_that_watches_the_queue(port):
+    watcher = await Raw.open(port, node="gw-a")
+    other = await Raw.open(port, node="gw-b")
+    await watcher.send(rpc.Watch({"a/b": 1}))
+    await other.send(rpc.Watch({"x/y": 1}), rpc.AppendRequest(1, [[rpc.WireMessage("a/b", b"m")]]))
+    assert (await other.receive()).id == 1
+    assert await watcher.receive() == rpc.Events({"a/b": 1})
+    await other.send(rpc.GetStatistics(2))
+    stats = (await other.receive()).stats
+    assert stats.notify_by_node == {"gw-a": 1, "gw-b": 0}
+    assert stats.notify_suppressed >= 1  # gw-b was not sent the a/b event
+
+
+async def test_a_node_that_reconnects_replaces_its_old_connection(port):
+    old = await Raw.open(port, node="gw-a")
+    new = await Raw.open(port, node="gw-a")
+    assert await old.closed() == []
+    await new.send(rpc.Watch({"a/b": 1}), rpc.AppendRequest(1, [[rpc.WireMessage("a/b", b"m")]]))
+    assert {type(await new.receive()), type(await new.receive())} == {rpc.Appended, rpc.Events}
+
+
+async def test_a_silent_node_is_closed_and_its_wills_fire_after_the_lease(port, nursery):
+    observer = await Raw.open(port, node="observer")
+    nursery.start_soon(observer.keep_alive)
+    await observer.send(rpc.Watch({"will/dev1": 1}))
+    silent = await Raw.open(port, node="gw-a")
+    await silent.send(rpc.HoldWill("dev1", rpc.WireMessage("will/dev1", b"gone", "dev1", 1), 0.0),
+                      rpc.HoldWill("dev2", rpc.WireMessage("will/dev2", b"gone", "dev2", 1), 0.0),
+                      rpc.DropWill("dev2"))
+    with trio.fail_after(WAIT_S):
+        assert await silent.closed() == []  # no heartbeat from it for LEASE_S
+        events = await observer.receive()
+    assert events == rpc.Events({"will/dev1": 1})
+    await observer.send(rpc.PullRequest(1, [rpc.QueueRead("will/#", 0, 10, 1 << 20)]))
+    [result] = (await observer.receive()).results
+    assert [decode_record(r, 0, o).topic for _, o, r in result.entries] == ["will/dev1"]  # dev2's was dropped
+
+
+async def test_heartbeats_keep_a_node_connected_and_the_store_sends_its_own(port, nursery):
+    raw = await Raw.open(port)
+    nursery.start_soon(raw.keep_alive)
+    for _ in range(2 * rpc.HEARTBEATS_PER_LEASE):  # the store's heartbeats over two leases
+        assert type(await raw.receive(skip_heartbeats=False)) is rpc.Heartbeat
+    await raw.send(rpc.MaxOffsets(1, []))
+    assert await raw.receive() == rpc.Offsets(1, [])
