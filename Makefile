@@ -18,13 +18,19 @@ $(STAMP): pyproject.toml
 run: venv
 	$(BIN)/lightgate serve $(ARGS)
 
-# The interop tests drive mosquitto_pub/mosquitto_sub; they skip (saying why) when these cannot be installed.
+# The interop tests drive mosquitto_pub/mosquitto_sub and the dashboard test drives Debian's chromium through
+# chromium-driver (Selenium, never a downloaded browser); they skip (saying why) when these cannot be installed.
 test-deps:
 	@if command -v mosquitto_pub >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" != 0 ]; then echo "test-deps: mosquitto_pub missing and not root: mosquitto tests will skip"; \
 	elif ! command -v apt-get >/dev/null 2>&1; then echo "test-deps: mosquitto_pub missing and no apt-get: mosquitto tests will skip"; \
 	else (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto-clients) \
 		|| echo "test-deps: could not install mosquitto-clients: mosquitto tests will skip"; fi
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" != 0 ]; then echo "test-deps: chromium or chromium-driver missing and not root: the dashboard test will skip"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "test-deps: chromium missing and no apt-get: the dashboard test will skip"; \
+	else (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
+		|| echo "test-deps: could not install chromium and chromium-driver: the dashboard test will skip"; fi
 
 test: venv test-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -27,6 +27,7 @@ from typing import final
 
 from gateway.actions import (
     Activated,
+    AdminDisconnect,
     Appended,
     ConnectionLost,
     Pulled,
@@ -77,7 +78,7 @@ _AFTER_CONNECT = (Publish, Puback, Pubrec, Pubrel, Pubcomp, Subscribe, Unsubscri
 # What the node may still report after the channel decided to close: the channel ignores it
 # (or, for Appended and SessionOpened, folds it into the session before saving it).
 _LATE_EVENTS = (Appended, Activated, Pulled, QueueAdvanced, SocketWritten, ConnectionLost, TakenOver, Timeout,
-                SessionOpened)
+                SessionOpened, AdminDisconnect)
 
 _S = State
 TRANSITIONS: dict[State, dict[type, State]] = {
@@ -93,6 +94,7 @@ TRANSITIONS: dict[State, dict[type, State]] = {
         SessionOpened: _S.CONNECTED,
         ConnectionLost: _S.CONNECTING,
         TakenOver: _S.CONNECTING,
+        AdminDisconnect: _S.CONNECTING,
         Timeout: _S.CONNECTING,
         Closing: _S.DISCONNECTING,
     },
@@ -105,6 +107,7 @@ TRANSITIONS: dict[State, dict[type, State]] = {
         SocketWritten: _S.CONNECTED,
         ConnectionLost: _S.CONNECTED,
         TakenOver: _S.CONNECTED,
+        AdminDisconnect: _S.CONNECTED,
         Timeout: _S.CONNECTED,
         Closing: _S.DISCONNECTING,
     },

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, TypeAlias
 
+from gateway.limits import Limit
 from gateway.packets import Packet, SubscriptionOptions
 from gateway.properties import EMPTY_PROPERTIES, Properties
 from gateway.reasons import ReasonCode
@@ -94,11 +95,17 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class Deliver:
-    """Write these pre-encoded PUBLISH packets (``count`` of them); after the write completes, feed ``SocketWritten(seq)``."""
+    """Write these pre-encoded PUBLISH packets (``count`` of them); after the write completes, feed ``SocketWritten(seq)``.
+
+    ``by_qos`` counts the packets per QoS and ``oldest_ms`` is the earliest
+    store time of the queue messages among them (0: none), for the metrics.
+    """
 
     data: bytes
     seq: int
     count: int = 1
+    by_qos: tuple[int, int, int] = (0, 0, 0)
+    oldest_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +140,8 @@ class OpenSession:
     session state over). With ``clean_start`` the old session is discarded
     (filters released). ``will_topic`` is checked against the client's
     publish rights, so a will it may not publish refuses the CONNECT.
+    ``will`` and ``will_delay_s`` are the will itself, which a cluster node
+    has the store hold while the client is connected (store/leases.py).
     """
 
     client_id: str
@@ -141,6 +150,8 @@ class OpenSession:
     username: str | None = None
     password: bytes | None = None
     will_topic: str | None = None
+    will: Message | None = None
+    will_delay_s: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +233,19 @@ class DropSession:
     client_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class LimitHit:
+    """The client ran into ``limit`` ``count`` times: count it; log ``log`` (with the client id) unless None.
+
+    The channel already answered the client; this only feeds the node's
+    counters and log (``None``: a line about this limit went out recently).
+    """
+
+    limit: Limit
+    count: int = 1
+    log: str | None = None
+
+
 # --- events: node -> channel ----------------------------------------------------------------
 
 
@@ -294,6 +318,11 @@ class TakenOver:
 
 
 @dataclass(frozen=True, slots=True)
+class AdminDisconnect:
+    """An operator disconnected this client (admin API): close with Administrative action (0x98), will included."""
+
+
+@dataclass(frozen=True, slots=True)
 class Timeout:
     """A timer fired (``Channel.handle_timeout`` builds this)."""
 
@@ -302,9 +331,9 @@ class Timeout:
 
 Action: TypeAlias = (
     Send | Deliver | Close | ArmTimer | CancelTimer | OpenSession | Append | Activate | Release
-    | CommitOffsets | Pull | PublishWill | SaveSession | DropSession
+    | CommitOffsets | Pull | PublishWill | SaveSession | DropSession | LimitHit
 )
 Event: TypeAlias = (
     SessionOpened | Appended | Activated | Pulled | QueueAdvanced | SocketWritten | ConnectionLost | TakenOver
-    | Timeout
+    | Timeout | AdminDisconnect
 )

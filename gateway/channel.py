@@ -21,6 +21,11 @@ Structure:
 Acknowledgements of inbound QoS 1/2 messages (PUBACK / PUBREC) are sent only
 when the node reports them stored (``Appended``), which under the sync flush
 policy means durable.
+
+Per-client limits (topic length and levels, subscriptions, in-flight messages,
+publish rate; docs/security.md, "Limits") are checked here too: each hit is
+answered as the client's protocol version allows and reported as a
+``LimitHit`` action for the node to count and log.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from gateway.actions import (
     Action,
     Activate,
     Activated,
+    AdminDisconnect,
     Append,
     Appended,
     ArmTimer,
@@ -44,6 +50,7 @@ from gateway.actions import (
     ConnectionLost,
     DropSession,
     Event,
+    LimitHit,
     Message,
     OpenSession,
     PublishWill,
@@ -59,6 +66,7 @@ from gateway.actions import (
     Timeout,
 )
 from gateway.codec import encode, encode_publish_template
+from gateway.limits import HitLog, Limit
 from gateway.packets import (
     MQTT_5,
     MQTT_311,
@@ -88,8 +96,18 @@ from gateway.reasons import (
     ReasonCode,
     RemoteProtocolError,
 )
+from gateway.ratelimit import TokenBucket
 from gateway.session import Encoder, Link, Session
-from lightqueue.topics import TopicError, is_wildcard, parse_shared, validate_filter, validate_topic
+from lightqueue.topics import (
+    DEFAULT_LIMITS,
+    MAX_TOPIC_BYTES,
+    TopicError,
+    TopicLimits,
+    is_wildcard,
+    parse_shared,
+    validate_filter,
+    validate_topic,
+)
 
 __all__ = ["Channel", "ChannelConfig", "error_packet"]
 
@@ -101,6 +119,17 @@ COMMIT_TIMER = "commit"
 
 MAX_REASON_STRING = 256
 """Reason Strings are diagnostics for people: the error's first characters say enough, and keep the packet small."""
+
+RATE_DEBT_S = 10.0
+"""A client whose publish-rate bucket owes more than this many seconds of refill is disconnected: it kept sending
+through its refusals (or, QoS 0, its drops) for that long, so it is broken or abusive, not bursty."""
+
+BYTES_BURST_S = 1.0
+"""The byte-rate bucket banks this many seconds of ``publish_bytes_rate``: a burst of a second's worth is normal."""
+
+SYNTAX_ONLY = TopicLimits(MAX_TOPIC_BYTES, MAX_TOPIC_BYTES + 1)
+"""Topic validation with the protocol's bounds only: the configured length and level limits are checked apart, so
+a topic over them is a counted limit hit answered per message, not a malformed packet."""
 
 _MAX_EXPIRY = 0xFFFF_FFFF  # Session Expiry Interval 0xFFFFFFFF means "never expires" (section 3.1.2.11.2)
 
@@ -124,11 +153,20 @@ class ChannelConfig:
     asking for more (or for none, 0) is told this value as Server Keep Alive.
     ``reason_strings`` adds the error's text as Reason String to the CONNACKs
     and DISCONNECTs that refuse or close an MQTT 5 client.
+
+    Per-client limits (docs/security.md, "Limits"): ``max_topic_length`` (UTF-8
+    bytes) and ``max_topic_levels`` bound topic names and filters (at most the
+    protocol's 65535 bytes and the store's 128 levels); ``max_subscriptions``
+    per session, ``publish_rate`` (messages/s, banking ``publish_burst``, 0 =
+    one second's worth), ``publish_bytes_rate`` (payload bytes/s) and
+    ``qos0_queue_bytes`` (QoS 0 delivery bytes waiting for the socket) are
+    off at 0. ``receive_maximum`` is also the in-flight limit of 3.1.1
+    clients, as the number of their QoS 1/2 messages stored at once.
     """
 
     max_packet_size: int = 1024 * 1024 + 1024
     receive_maximum: int = 128
-    default_receive_maximum: int = 64
+    default_receive_maximum: int = 256
     max_inflight: int = 1024
     topic_alias_maximum: int = 64
     max_keepalive: int | None = None
@@ -140,12 +178,19 @@ class ChannelConfig:
     shared_available: bool = True
     subscription_ids_available: bool = True
     assigned_id_prefix: str = "lightgate-"
-    pull_batch: int = 64
-    max_unwritten: int = 256
+    pull_batch: int = 256
+    max_unwritten: int = 1024
     commit_interval_s: float = 1.0
     commit_every: int = 256
     max_queued_packets: int = 256
     reason_strings: bool = False
+    max_topic_length: int = MAX_TOPIC_BYTES
+    max_topic_levels: int = DEFAULT_LIMITS.max_levels
+    max_subscriptions: int = 0
+    publish_rate: float = 0.0
+    publish_burst: float = 0.0
+    publish_bytes_rate: float = 0.0
+    qos0_queue_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("receive_maximum", "default_receive_maximum", "max_inflight"):
@@ -162,6 +207,14 @@ class ChannelConfig:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.commit_interval_s <= 0:
             raise ValueError(f"commit_interval_s must be positive, not {self.commit_interval_s}")
+        if not 1 <= self.max_topic_length <= MAX_TOPIC_BYTES:
+            raise ValueError(f"max_topic_length must be 1..{MAX_TOPIC_BYTES}, not {self.max_topic_length}")
+        if not 1 <= self.max_topic_levels <= DEFAULT_LIMITS.max_levels:
+            raise ValueError(f"max_topic_levels must be 1..{DEFAULT_LIMITS.max_levels} (the store's limit), "
+                             f"not {self.max_topic_levels}")
+        for name in ("max_subscriptions", "publish_rate", "publish_burst", "publish_bytes_rate", "qos0_queue_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, not {getattr(self, name)}")
 
 
 def error_packet(protocol_level: int | None, before_connack: bool, reason: ReasonCode) -> Packet | None:
@@ -198,6 +251,13 @@ class Channel:
     must execute every returned action in order.
     """
 
+    __slots__ = (  # one channel per device: slots save a dict of about 1.5 KiB each
+        "config", "_now", "_encoder", "_state", "_level", "_client_id", "_assigned", "_clean_start", "_expiry",
+        "_requested_expiry", "_keepalive", "_keepalive_override", "_peer_max_packet", "_will", "_will_delay",
+        "_session", "_link", "_queued", "_pending", "_storing_qos2", "_activations", "_next_ref", "_aliases_in",
+        "_last_rx", "_timers", "_awaiting_session", "_handover", "_held", "_hits", "_topic_check_from", "_buckets",
+    )
+
     def __init__(
         self,
         config: ChannelConfig = ChannelConfig(),
@@ -224,14 +284,26 @@ class Channel:
         self._link: Link | None = None
         self._queued: list[Packet] = []
         self._pending: dict[int, tuple[int, int]] = {}  # Append ref -> (qos, packet id), acks owed
-        self._storing_qos2: set[int] = set()  # inbound QoS 2 packet ids being appended
+        # Dicts used as sets (keys only): an empty dict is 64 B, an empty set 216 B, on every idle connection.
+        self._storing_qos2: dict[int, None] = {}  # inbound QoS 2 packet ids being appended
         self._activations: dict[int, tuple[int, list[ReasonCode], list[tuple[int, Subscription]]]] = {}
         self._next_ref = 0
         self._aliases_in: dict[int, str] = {}
         self._last_rx = now()
-        self._timers: set[str] = set()
+        self._timers: dict[str, None] = {}  # names of the armed timers
         self._awaiting_session = False
         self._handover = False
+        self._held: list[Packet] = []  # 3.1.1 packets waiting for room under the in-flight limit (a list: 56 B idle)
+        self._hits: HitLog | None = None  # made at the first limit hit: most connections never hit one
+        # Shorter topics cannot be over a topic limit (a level takes a character, a character at most 4 bytes):
+        # the publish path skips the check for them.
+        self._topic_check_from = min(config.max_topic_levels, config.max_topic_length // 4 + 1)
+        start = now()
+        self._buckets: tuple[tuple[TokenBucket, Limit], ...] = tuple(
+            (TokenBucket(rate, burst, start), limit) for rate, burst, limit in (
+                (config.publish_rate, config.publish_burst or config.publish_rate, Limit.PUBLISH_RATE),
+                (config.publish_bytes_rate, config.publish_bytes_rate * BYTES_BURST_S, Limit.PUBLISH_BYTES_RATE),
+            ) if rate > 0)
 
     # --- introspection ------------------------------------------------------------------
 
@@ -258,6 +330,12 @@ class Channel:
         """The keep alive in force, in seconds (0: none)."""
         return self._keepalive
 
+    @property
+    def input_paused(self) -> bool:
+        """True while packets wait for room under the in-flight limit (3.1.1): stop reading from the socket
+        until it is False again (it changes when an ``Appended`` is handled)."""
+        return bool(self._held)
+
     # --- entry points -------------------------------------------------------------------
 
     def handle_in(self, packet: Packet) -> list[Action]:
@@ -272,6 +350,8 @@ class Channel:
                     raise RemoteProtocolError(ReasonCode.QUOTA_EXCEEDED, "too many packets before CONNACK")
                 self._queued.append(packet)
                 return []
+            if self._held:
+                return self._hold(packet)
             return self._after(_PROCESS[type(packet)](self, packet))
         except RemoteProtocolError as err:
             return self.handle_protocol_error(err)
@@ -306,7 +386,9 @@ class Channel:
         level = self._level or protocol_level
         before_connack = self._state in (State.AWAIT_CONNECT, State.CONNECTING)
         packet = self._explained(error_packet(level, before_connack, err.reason), level, err.message)
-        return self._close(err.reason, f"protocol error: {err.message}", packet=packet, will=True)
+        limit = _LIMIT_ERRORS.get(err.reason)
+        hit = [self._limit_hit(limit, 1, err.message)] if limit is not None else []
+        return hit + self._close(err.reason, f"protocol error: {err.message}", packet=packet, will=True)
 
     def _explained(self, packet: Packet | None, level: int | None, text: str) -> Packet | None:
         """``packet`` (an error CONNACK or DISCONNECT) with ``text`` as its Reason String, if configured and
@@ -333,6 +415,7 @@ class Channel:
             actions.append(PublishWill(self._client_id, self._will, self._will_delay_s()))
         self._will = None
         self._handover = handover
+        self._held.clear()  # unacknowledged: a QoS 1/2 client sends them again
         self._state = next_state(self._state, Closing)
         actions.append(Close(reason, f"client {self._client_id or '?'}: {log}"))
         return actions + self._settle()
@@ -364,7 +447,7 @@ class Channel:
             if session.commit_due():
                 actions += session.commit()
             elif COMMIT_TIMER not in self._timers:
-                self._timers.add(COMMIT_TIMER)
+                self._timers[COMMIT_TIMER] = None
                 actions.append(ArmTimer(COMMIT_TIMER, self.config.commit_interval_s))
         return actions
 
@@ -374,6 +457,96 @@ class Channel:
 
     def _now_ms(self) -> int:
         return int(self._now() * 1000)
+
+    # --- limits -------------------------------------------------------------------------
+
+    def _limit_hit(self, limit: Limit, count: int, detail: str | None) -> LimitHit:
+        """The action reporting ``count`` hits of ``limit``, with a log line if this connection's ``HitLog`` says."""
+        if self._hits is None:
+            self._hits = HitLog()
+        due = self._hits.due(limit, count, self._now())
+        if due is None or detail is None:
+            return LimitHit(limit, count)
+        if due > count:
+            detail += f" ({due} hits of this limit since the last line)"
+        return LimitHit(limit, count, detail)
+
+    def _topic_over(self, text: str, what: str) -> tuple[Limit, str] | None:
+        """The limit a (valid) topic name or filter is over, and why, or None."""
+        config = self.config
+        levels = text.count("/") + 1
+        if levels > config.max_topic_levels:
+            return Limit.TOPIC_LEVELS, f"{what} has {levels} levels; the limit is {config.max_topic_levels}"
+        if len(text) * 4 > config.max_topic_length:  # UTF-8 takes at most 4 bytes a character: shorter ones fit
+            size = len(text.encode())
+            if size > config.max_topic_length:
+                return Limit.TOPIC_LENGTH, f"{what} is {size} bytes; the limit is {config.max_topic_length}"
+        return None
+
+    def _hold(self, packet: Packet) -> list[Action]:
+        """Keep a packet for later, behind the QoS 1/2 message waiting for room under the in-flight limit."""
+        if len(self._held) >= self.config.max_queued_packets:
+            raise RemoteProtocolError(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED,
+                                      f"more than {self.config.max_queued_packets} packets wait behind "
+                                      f"{self.config.receive_maximum} QoS 1/2 messages being stored")
+        self._held.append(packet)
+        return []
+
+    def _release_held(self) -> list[Action]:
+        """Process held packets until one has to wait again (or the connection closes)."""
+        held, self._held = self._held, []
+        actions: list[Action] = []
+        for index, packet in enumerate(held):
+            if self._state is not State.CONNECTED:
+                break
+            actions += self.handle_in(packet)
+            if self._held:
+                self._held.extend(held[index + 1:])
+                break
+        return actions
+
+    def _rate_refusal(self, packet: Publish) -> list[Action] | None:
+        """Charge the publish-rate buckets for ``packet``; None when it may go on, else the answer to it.
+
+        Over a rate an MQTT 5 QoS 1/2 message gets PUBACK / PUBREC 0x97 (quota exceeded) and a 3.1.1 one closes
+        the connection (it cannot be refused, and acknowledging it would lose it unseen); QoS 0 ones are dropped.
+        A client ``RATE_DEBT_S`` seconds in debt is disconnected (0x96, message rate too high).
+        """
+        now = self._now()
+        refused: Limit | None = None
+        for bucket, limit in self._buckets:
+            cost = 1 if limit is Limit.PUBLISH_RATE else len(packet.payload)
+            if not bucket.take(cost, now) and refused is None:
+                refused = limit
+        if refused is None:
+            return None
+        debt = max(bucket.debt_s(now) for bucket, _ in self._buckets)
+        what = "messages/s" if refused is Limit.PUBLISH_RATE else "payload bytes/s"
+        rate = self.config.publish_rate if refused is Limit.PUBLISH_RATE else self.config.publish_bytes_rate
+        if debt > RATE_DEBT_S or (packet.qos and self._level != MQTT_5):
+            reason = ReasonCode.MESSAGE_RATE_TOO_HIGH
+            why = f"publishing over {rate:g} {what}" + (f" for {debt:.0f} s" if debt > RATE_DEBT_S else "")
+            packet_out = self._explained(error_packet(self._level, False, reason), self._level, why)
+            return [self._limit_hit(refused, 1, f"{why}: disconnected"),
+                    *self._close(reason, why, packet=packet_out, will=True)]
+        hit = self._limit_hit(refused, 1, f"QoS {packet.qos} message over {rate:g} {what}: "
+                                          + ("refused (0x97)" if packet.qos else "dropped"))
+        if not packet.qos:
+            return [hit]
+        ack = Puback if packet.qos == 1 else Pubrec
+        return [hit, Send((ack(packet.packet_id, ReasonCode.QUOTA_EXCEEDED),))]  # type: ignore[arg-type]
+
+    def _topic_refusal(self, packet: Publish, limit: Limit, why: str) -> list[Action]:
+        """A PUBLISH whose topic is over a limit: MQTT 5 QoS 1/2 get PUBACK / PUBREC 0x90 (topic name invalid:
+        not malformed, "not accepted by this Server"); QoS 0 (no acknowledgement to say it in) and 3.1.1 close."""
+        if packet.qos and self._level == MQTT_5:
+            ack = Puback if packet.qos == 1 else Pubrec
+            return [self._limit_hit(limit, 1, f"QoS {packet.qos} message refused (0x90): {why}"),
+                    Send((ack(packet.packet_id, ReasonCode.TOPIC_NAME_INVALID),))]  # type: ignore[arg-type]
+        reason = ReasonCode.TOPIC_NAME_INVALID
+        packet_out = self._explained(error_packet(self._level, False, reason), self._level, why)
+        return [self._limit_hit(limit, 1, f"{why}: disconnected"),
+                *self._close(reason, f"PUBLISH over a topic limit: {why}", packet=packet_out, will=True)]
 
     # --- packets ------------------------------------------------------------------------
 
@@ -398,9 +571,12 @@ class Channel:
         self._client_id = client_id
         if packet.will_topic is not None:
             try:
-                validate_topic(packet.will_topic)
+                validate_topic(packet.will_topic, SYNTAX_ONLY)
             except TopicError as exc:
                 return self._refuse(ReasonCode.TOPIC_NAME_INVALID, f"will topic: {exc}")
+            over = self._topic_over(packet.will_topic, "will topic")
+            if over is not None:
+                return [self._limit_hit(over[0], 1, over[1]), *self._refuse(ReasonCode.TOPIC_NAME_INVALID, over[1])]
             if packet.will_qos > config.max_qos:
                 return self._refuse(ReasonCode.QOS_NOT_SUPPORTED, f"will QoS {packet.will_qos}")
             if packet.will_retain and not config.retain_available:
@@ -435,10 +611,12 @@ class Channel:
             commit_every=config.commit_every,
             encoder=self._encoder,
             now_ms=self._now_ms,
+            qos0_queue_bytes=config.qos0_queue_bytes,
+            report=self._limit_hit,
         )
         self._awaiting_session = True
         return [OpenSession(client_id, packet.clean_start, self._expiry, packet.username, packet.password,
-                            packet.will_topic)]
+                            packet.will_topic, self._will, self._will_delay_s())]
 
     def _connack_properties(self) -> Properties:
         config = self.config
@@ -477,6 +655,11 @@ class Channel:
             raise RemoteProtocolError(ReasonCode.QOS_NOT_SUPPORTED, f"PUBLISH QoS {qos} exceeds maximum QoS")
         if packet.retain and not config.retain_available:
             raise RemoteProtocolError(ReasonCode.RETAIN_NOT_SUPPORTED, "PUBLISH with RETAIN set")
+        if qos and self._level != MQTT_5 and len(self._pending) >= config.receive_maximum:
+            # 3.1.1 has no Receive Maximum to tell the client: wait (the connection stops reading meanwhile).
+            held = self._hold(packet)
+            return [self._limit_hit(Limit.INFLIGHT, 1, f"{len(self._pending)} QoS 1/2 messages being stored: "
+                                                      "input paused"), *held]
         if qos == 2:
             if pid in session.awaiting_rel:
                 return [Send((Pubrec(pid),))]  # a resend of a stored message: acknowledge, do not store again
@@ -496,19 +679,27 @@ class Channel:
                 raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, f"topic alias {alias} is not mapped")
             props = replace(props, topic_alias=None)
         try:
-            validate_topic(topic)
+            validate_topic(topic, SYNTAX_ONLY)
         except TopicError as exc:
             raise RemoteProtocolError(ReasonCode.TOPIC_NAME_INVALID, str(exc)) from None
+        if len(topic) >= self._topic_check_from:
+            over = self._topic_over(topic, "topic name")
+            if over is not None:
+                return self._topic_refusal(packet, *over)
         if qos and self._level == MQTT_5 and len(self._pending) + len(session.awaiting_rel) >= config.receive_maximum:
             raise RemoteProtocolError(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED,
                                       f"more than {config.receive_maximum} unacknowledged QoS 1/2 PUBLISHes")
+        if self._buckets:
+            refusal = self._rate_refusal(packet)
+            if refusal is not None:
+                return refusal
         message = Message(topic, packet.payload, qos, packet.retain, props, self._client_id, self._now_ms())
         if not qos:
             return [Append(None, (message,))]
         self._next_ref += 1
         self._pending[self._next_ref] = (qos, pid)  # type: ignore[assignment]
         if qos == 2:
-            self._storing_qos2.add(pid)  # type: ignore[arg-type]
+            self._storing_qos2[pid] = None  # type: ignore[index]
         return [Append(self._next_ref, (message,))]
 
     def _process_puback(self, packet: Puback) -> list[Action]:
@@ -525,7 +716,7 @@ class Channel:
         assert session is not None
         pid = packet.packet_id
         if pid in session.awaiting_rel:
-            session.awaiting_rel.discard(pid)
+            del session.awaiting_rel[pid]
             return [*self._save(), Send((Pubcomp(pid),))]
         if self._level == MQTT_5:
             return [Send((Pubcomp(pid, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND),))]
@@ -537,9 +728,9 @@ class Channel:
         """The subscription a SUBSCRIBE entry asks for, or the SUBACK reason refusing it."""
         config = self.config
         try:
-            shared = parse_shared(filter)
+            shared = parse_shared(filter, SYNTAX_ONLY)
             if shared is None:
-                validate_filter(filter)
+                validate_filter(filter, SYNTAX_ONLY)
         except TopicError:
             return ReasonCode.TOPIC_FILTER_INVALID
         group, queue = shared if shared is not None else (None, filter)
@@ -564,25 +755,46 @@ class Channel:
                                       "SUBSCRIBE with a subscription identifier")
         sub_id = ids[0] if ids else None
         existing = session.subscriptions
+        quota = self.config.max_subscriptions
+        # Filters held or being activated: a SUBSCRIBE answered later must not let an earlier one overshoot.
+        held = set(existing).union(*({sub.filter for _, sub in w} for _, _, w in self._activations.values())) \
+            if quota else set()
         codes: list[ReasonCode] = []
         wanted: list[tuple[int, Subscription]] = []
         retained: list[str] = []
+        hits: list[Action] = []
+        over_quota = 0
         for index, (filter, options) in enumerate(packet.subscriptions):
             checked = self._check_subscription(filter, options, sub_id)
             if isinstance(checked, ReasonCode):
                 codes.append(checked)
                 continue
+            over = self._topic_over(checked.queue, "topic filter")
+            if over is not None:
+                codes.append(ReasonCode.TOPIC_FILTER_INVALID)
+                hits.append(self._limit_hit(over[0], 1, f"filter refused: {over[1]}"))
+                continue
+            if quota and filter not in held:
+                if len(held) >= quota:
+                    codes.append(ReasonCode.QUOTA_EXCEEDED)
+                    over_quota += 1
+                    continue
+                held.add(filter)
             codes.append(ReasonCode(checked.options.qos))
             wanted.append((index, checked))
             handling = checked.options.retain_handling
             if checked.group is None and (handling == 0 or (handling == 1 and filter not in existing)):
                 retained.append(filter)
+        if over_quota:
+            hits.append(self._limit_hit(Limit.SUBSCRIPTIONS, over_quota,
+                                        f"{over_quota} filter(s) refused: the session holds {len(held)} "
+                                        f"subscriptions, the limit is {quota}"))
         if not wanted:
-            return [Send((Suback(packet.packet_id, tuple(codes)),))]
+            return [*hits, Send((Suback(packet.packet_id, tuple(codes)),))]
         self._next_ref += 1
         self._activations[self._next_ref] = (packet.packet_id, codes, wanted)
         subs = tuple(sub for _, sub in wanted)
-        return [Activate(self._next_ref, self._client_id, subs, tuple(retained))]
+        return [*hits, Activate(self._next_ref, self._client_id, subs, tuple(retained))]
 
     def _process_unsubscribe(self, packet: Unsubscribe) -> list[Action]:
         session = self._session
@@ -591,8 +803,8 @@ class Channel:
         released: list[str] = []
         for filter in packet.topic_filters:
             try:
-                if parse_shared(filter) is None:
-                    validate_filter(filter)
+                if parse_shared(filter, SYNTAX_ONLY) is None:
+                    validate_filter(filter, SYNTAX_ONLY)
             except TopicError:
                 codes.append(ReasonCode.TOPIC_FILTER_INVALID)
                 continue
@@ -635,7 +847,7 @@ class Channel:
         assert self._link is not None
         actions: list[Action] = [Send((Connack(state is not None, ReasonCode.SUCCESS, self._connack_properties()),))]
         if self._keepalive:
-            self._timers.add(KEEPALIVE_TIMER)
+            self._timers[KEEPALIVE_TIMER] = None
             actions.append(ArmTimer(KEEPALIVE_TIMER, self._keepalive * 1.5))
         actions += session.attach(self._link)
         queued, self._queued = self._queued, []
@@ -644,6 +856,12 @@ class Channel:
         return actions
 
     def _on_appended(self, event: Appended) -> list[Action]:
+        actions = self._appended(event)
+        if self._held and self._state is State.CONNECTED:
+            actions += self._release_held()
+        return actions
+
+    def _appended(self, event: Appended) -> list[Action]:
         try:
             qos, pid = self._pending.pop(event.ref)
         except KeyError:
@@ -652,10 +870,10 @@ class Channel:
         assert session is not None
         closing = self._state is not State.CONNECTED
         if qos == 2:
-            self._storing_qos2.discard(pid)
+            self._storing_qos2.pop(pid, None)
         if event.ok:
             if qos == 2:
-                session.awaiting_rel.add(pid)
+                session.awaiting_rel[pid] = None
                 if closing:
                     return self._settle()
                 return [*self._save(), Send((Pubrec(pid),))]
@@ -714,10 +932,15 @@ class Channel:
         return self._close(ReasonCode.SESSION_TAKEN_OVER, "session taken over by a new connection", packet=packet,
                            will=True, handover=True)
 
+    def _on_admin_disconnect(self, event: AdminDisconnect) -> list[Action]:
+        packet = Disconnect(ReasonCode.ADMINISTRATIVE_ACTION) if self._level == MQTT_5 else None
+        return self._close(ReasonCode.ADMINISTRATIVE_ACTION, "disconnected by an operator (admin API)",
+                           packet=packet, will=True)
+
     def _on_timeout(self, event: Timeout) -> list[Action]:
         if event.name not in self._timers:
             return []  # cancelled while the timer was firing
-        self._timers.discard(event.name)
+        del self._timers[event.name]
         if event.name == COMMIT_TIMER:
             return self._session.commit() if self._session is not None else []
         if event.name == KEEPALIVE_TIMER:
@@ -728,10 +951,16 @@ class Channel:
                 return self._close(ReasonCode.KEEP_ALIVE_TIMEOUT,
                                    f"nothing received for {idle:.1f} s (keep alive {self._keepalive} s)",
                                    packet=packet, will=True)
-            self._timers.add(KEEPALIVE_TIMER)
+            self._timers[KEEPALIVE_TIMER] = None
             return [ArmTimer(KEEPALIVE_TIMER, limit - idle)]
         raise LocalProtocolError(f"unknown timer {event.name!r}")
 
+
+_LIMIT_ERRORS = {
+    ReasonCode.PACKET_TOO_LARGE: Limit.PACKET_SIZE,
+    ReasonCode.RECEIVE_MAXIMUM_EXCEEDED: Limit.INFLIGHT,
+}
+"""Protocol errors that are limit hits (the decoder's packet size, the MQTT 5 Receive Maximum): counted as such."""
 
 _PROCESS: dict[type, Callable[[Channel, Packet], list[Action]]] = {  # type: ignore[dict-item]
     Connect: Channel._process_connect,
@@ -756,5 +985,6 @@ _EVENTS: dict[type, Callable[[Channel, Event], list[Action]]] = {  # type: ignor
     SocketWritten: Channel._on_socket_written,
     ConnectionLost: Channel._on_connection_lost,
     TakenOver: Channel._on_taken_over,
+    AdminDisconnect: Channel._on_admin_disconnect,
     Timeout: Channel._on_timeout,
 }

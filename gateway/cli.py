@@ -12,10 +12,13 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from gateway import config as cfg
 from gateway.logs import setup_logging
+
+if TYPE_CHECKING:
+    from store.access import StoreAccess
 
 LOG = logging.getLogger("lightgate")
 
@@ -27,6 +30,10 @@ BENCHMARKS = {
     "fanin-rate": ("bench.fanin_rate", "fan-in at a fixed 5,000 msg/s, QoS 1: loss and latency"),
     "fanout": ("bench.fanout", "one publisher -> 1,000 subscribers on cmd/+ and cmd/broadcast"),
     "conns": ("bench.conns", "idle connections: broker memory per connection"),
+    "churn": ("bench.churn", "persistent sessions publishing, disconnecting and resuming: connects/s, loss"),
+    "offline-fanout": ("bench.offline_fanout",
+                       "10,000 offline persistent sessions, 1,000 broadcasts, then all reconnect: delivered, RSS, disk"),
+    "durability": ("bench.durability", "QoS 1 under load, broker SIGKILLed and restarted 10 times: acked but lost"),
 }
 """``lightgate bench NAME`` -> (module with ``add_arguments(parser)`` and ``run(args) -> dict``, help).
 
@@ -44,8 +51,78 @@ def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
 def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
     from store.node import run_store_node
 
+    try:
+        access = _store_access(conf)
+    except ValueError as exc:  # PasswordFileError, AclError (the message names the file and line), no store.token
+        LOG.error("store node not started: %s", exc)
+        return 1
     LOG.info("starting store node", extra={"ctx": {"data": conf["node.data"]}})
-    return run_store_node(conf)
+    return run_store_node(conf, access)
+
+
+ACL_REFRESH_S = 1.0
+"""The store looks for an edited ACL file at most this often: its checks run per appended message."""
+
+
+def _store_access(conf: cfg.Config) -> StoreAccess:
+    """Who may use a store node (store/access.py): gateway nodes by ``store.token``, back-end producers and
+    consumers by the password file and ACL of ``auth.*``, checked by the same code as MQTT clients.
+
+    The store does not import the gateway; this wiring hands it the checks as callables.
+
+    Raises:
+        ValueError: ``auth.*`` is set without ``store.token`` (no gateway node could connect), or the
+            password or ACL file cannot be loaded.
+    """
+    import time
+
+    from gateway.acl import Access, Acl
+    from gateway.authn import Authenticator, ReloadError, WatchedFile
+    from store.access import StoreAccess, Verdict
+
+    token = conf["store.token"]
+    auth = bool(conf["auth.password_file"] or conf["auth.acl_file"] or conf["auth.allow_anonymous"] == "false")
+    if not token and not auth:
+        return StoreAccess()
+    if not token:
+        raise ValueError("store.token must be set on a store node with auth.* set: gateway nodes present it")
+    authenticator = Authenticator.from_config(conf)
+
+    def authenticate(username: str | None, password: bytes | None, source: str) -> Verdict:
+        try:
+            authenticator.reload_if_changed()
+        except ReloadError as exc:
+            LOG.error("password file not reloaded: %s", exc)
+        decision = authenticator.authenticate(username, password, source)
+        return Verdict(decision.accepted, decision.username, decision.delay_s, decision.why)
+
+    if not conf["auth.acl_file"]:
+        return StoreAccess(token=token, authenticate=authenticate)
+    acl = WatchedFile(conf["auth.acl_file"], Acl.load)
+    refreshed = [time.monotonic()]
+
+    def authorize(username: str | None, client_id: str, access: str, topic: str) -> bool:
+        now = time.monotonic()
+        if now - refreshed[0] >= ACL_REFRESH_S:
+            refreshed[0] = now
+            try:
+                acl.refresh()
+            except ReloadError as exc:
+                LOG.error("ACL file not reloaded: %s", exc)
+        return acl.value.check(username, client_id, Access(access), topic)
+
+    return StoreAccess(token=token, authenticate=authenticate, authorize=authorize)
+
+
+def _cmd_gateway(args: argparse.Namespace, conf: cfg.Config) -> int:
+    if conf["gateway.workers"] > 1:
+        from gateway.workers import run_workers
+
+        return run_workers(args.argv, conf)
+    from gateway.node import run_cluster_gateway
+
+    LOG.info("starting cluster gateway node", extra={"ctx": {"store": conf["gateway.store"]}})
+    return run_cluster_gateway(conf)
 
 
 def _cmd_config(args: argparse.Namespace, conf: cfg.Config) -> int:
@@ -56,7 +133,10 @@ def _cmd_config(args: argparse.Namespace, conf: cfg.Config) -> int:
 
 def _cmd_bench(args: argparse.Namespace, conf: cfg.Config) -> int:
     from bench.common import emit
+    from bench.history import main as report, show
 
+    if args.bench == "report":
+        return report(args)
     names = list(BENCHMARKS) if args.bench == "all" else [args.bench]
     for name in names:
         module = importlib.import_module(BENCHMARKS[name][0])
@@ -66,7 +146,7 @@ def _cmd_bench(args: argparse.Namespace, conf: cfg.Config) -> int:
             bench_args = sub.parse_args([])
         else:
             bench_args = args
-        emit(name, module.run(bench_args))
+        show(emit(name, module.run(bench_args)))
     return 0
 
 
@@ -121,6 +201,12 @@ def _cmd_simulate(args: argparse.Namespace, conf: cfg.Config) -> int:
     return run(args)
 
 
+def _cmd_bridge(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from gateway.bridge import run_bridge
+
+    return run_bridge(conf)
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The command's parser; ``argv`` says whether the benchmarks' own flags are needed."""
     parser = argparse.ArgumentParser(
@@ -136,7 +222,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         return p
 
     node_command("serve", "run the embedded node (gateway, store, dispatch, notify in one process)", _cmd_serve)
-    node_command("store", "run a store node (CommitLog, RocksDB light queues, dispatch, retention)", _cmd_store)
+    node_command("store", "run a store node (CommitLog, RocksDB light queues, dispatch, retention) serving "
+                          "gateway nodes over the RPC (--listen HOST:PORT)", _cmd_store)
+    p = node_command("gateway", "run a cluster gateway node in front of a store node (--store HOST:PORT, "
+                                "--workers N)", _cmd_gateway)
+    p.set_defaults(argv=argv)  # --workers N starts N processes with the same command line
+    node_command("bridge", "mirror topics to and from an external MQTT broker (--rule, bridge.* options; "
+                           "docs/bridge.md)", _cmd_bridge)
     p = node_command("config", "print the effective configuration as TOML", _cmd_config)
     p.add_argument("--defaults", action="store_true", help="print the built-in defaults instead")
 
@@ -154,6 +246,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run a benchmark (prints a BENCH <json> line per benchmark)")
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     bench_sub.add_parser("all", help="every benchmark with its default sizes")
+    rp = bench_sub.add_parser("report", help="the broker benchmarks' results table across runs, and their charts",
+                              description="Print the results table of bench/results/*.jsonl and write "
+                                          "bench/results/charts/<scenario>.png.")
+    if argv is None or argv[:1] == ["bench"]:
+        importlib.import_module("bench.history").add_arguments(rp)
     for name, (module_name, help_text) in BENCHMARKS.items():
         bp = bench_sub.add_parser(name, help=help_text, description=help_text)
         if argv is None or argv[:1] == ["bench"]:

@@ -56,6 +56,26 @@ OPTIONS: tuple[Option, ...] = (
     Option("node.host", "127.0.0.1", "address the MQTT listener binds to", flag="--host"),
     Option("node.port", 1883, "MQTT listener port", flag="--port"),
     Option("node.data", "./data", "data directory (CommitLog, RocksDB)", flag="--data"),
+    Option("store.listen", "127.0.0.1:7883", "HOST:PORT the store node serves gateways on (`lightgate store`;"
+           " port 0 = a free one, logged)", flag="--listen"),
+    Option("gateway.store", "127.0.0.1:7883", "HOST:PORT of the store node a cluster gateway uses (`lightgate gateway`)",
+           flag="--store"),
+    Option("store.token", "", "shared secret of gateway nodes and their store node (set the same on both); required"
+           " on a store with auth.* set; empty = none (docs/cluster.md)"),
+    Option("gateway.workers", 1, "gateway processes sharing the MQTT port (SO_REUSEPORT); worker i serves its admin"
+           " API on admin.port + i", flag="--workers"),
+    Option("tls.port", 0, "MQTT over TLS listener port (0 = off; 8883 is the usual one); a free port when node.port is 0"),
+    Option("tls.host", "", "address the TLS listener binds to; empty = node.host"),
+    Option("tls.certfile", "", "PEM certificate (chain) of the tls and wss listeners"),
+    Option("tls.keyfile", "", "PEM private key of tls.certfile (not encrypted)"),
+    Option("tls.cafile", "", "PEM CA certificates that client certificates must chain to; empty = none asked for"),
+    Option("tls.require_client_cert", False, "refuse TLS handshakes without a client certificate (mTLS)"),
+    Option("ws.port", 0, "MQTT over WebSocket listener port (0 = off); a free port when node.port is 0"),
+    Option("ws.host", "", "address the WebSocket listener binds to; empty = node.host"),
+    Option("ws.path", "/mqtt", "HTTP path of the ws and wss listeners"),
+    Option("wss.port", 0, "MQTT over secure WebSocket listener port (0 = off; uses the tls.* certificate);"
+           " a free port when node.port is 0"),
+    Option("wss.host", "", "address the secure WebSocket listener binds to; empty = node.host"),
     Option("log.level", "info", "log level", choices=("debug", "info", "warning", "error")),
     Option("log.json", False, "log JSON lines instead of human-readable text"),
     Option("commitlog.segment_bytes", 256 * MiB, "size of each CommitLog segment file"),
@@ -69,6 +89,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("mqtt.max_packet_size", 1 * MiB + 1024,
            "largest MQTT packet accepted (and advertised); room for a max-size record plus headers"),
     Option("mqtt.receive_maximum", 128, "inbound QoS 1/2 PUBLISHes a client may have unacknowledged (1..65535)"),
+    Option("mqtt.inflight_311", 256, "QoS 1/2 messages in flight to an MQTT 3.1.1 client before it acknowledges"
+           " (MQTT 5 clients set theirs with Receive Maximum) (1..65535)"),
     Option("mqtt.connect_timeout_s", 10.0, "close connections that send no CONNECT within this"),
     Option("mqtt.max_keepalive", 0, "longest keep alive granted to MQTT 5 clients, told as Server Keep Alive"
            " (0 = grant what the client asks)"),
@@ -81,6 +103,39 @@ OPTIONS: tuple[Option, ...] = (
            choices=("auto", "true", "false")),
     Option("auth.acl_file", "", "ACL file (docs/security.md); empty = every client may publish and subscribe anywhere"),
     Option("auth.failure_delay_s", 1.0, "wait before refusing bad credentials; doubles per failure of a source, to 5 s"),
+    Option("auth.use_identity_as_username", False, "the CN of the verified client certificate is the user name"
+           " (no password); clients without one are refused"),
+    Option("limits.max_connections", 0, "open connections allowed at once over all listeners (0 = no cap)"),
+    Option("limits.connect_rate", 0.0, "connects per second allowed per source address (0 = no limit)"),
+    Option("limits.connect_burst", 10, "connects a source address may make at once when under its rate (at least 1)"),
+    Option("limits.max_topic_length", 65535, "longest topic name or filter a client may use, UTF-8 bytes (1..65535)"),
+    Option("limits.max_topic_levels", 128, "most levels in a topic name or filter a client may use (1..128)"),
+    Option("limits.max_subscriptions", 0, "subscriptions a session may hold (0 = no limit)"),
+    Option("limits.publish_rate", 0.0, "PUBLISHes per second allowed per connection (0 = no limit)"),
+    Option("limits.publish_burst", 0.0, "PUBLISHes a connection may send at once under its rate"
+           " (0 = one second's worth)"),
+    Option("limits.publish_bytes_rate", 0.0, "PUBLISH payload bytes per second allowed per connection (0 = no limit)"),
+    Option("limits.qos0_queue_bytes", 0, "QoS 0 delivery bytes a session may have waiting for its socket before new"
+           " QoS 0 messages to it are dropped (0 = no limit)"),
+    Option("admin.host", "127.0.0.1", "address the admin HTTP listener (metrics, health, admin API, dashboard) binds to"),
+    Option("admin.port", 18083, "admin HTTP port (0 = off); a free port when node.port is 0"),
+    Option("admin.token", "", "bearer token the admin API and dashboard data require; empty = none"
+           " (/metrics, /healthz, /readyz never need it)"),
+    Option("bridge.remote_host", "", "broker `lightgate bridge` mirrors topics to and from (required by the bridge)"),
+    Option("bridge.remote_port", 1883, "MQTT port of the remote broker (8883 is the usual TLS one)"),
+    Option("bridge.remote_username", "", "the bridge's user name on the remote broker; empty = none"),
+    Option("bridge.remote_password", "", "the bridge's password on the remote broker"),
+    Option("bridge.remote_tls", False, "connect to the remote broker over TLS"),
+    Option("bridge.remote_cafile", "", "PEM CA certificates that verify the remote broker; empty = the system's"),
+    Option("bridge.local_username", "", "the bridge's user name on this node (node.host:node.port); empty = none"),
+    Option("bridge.local_password", "", "the bridge's password on this node"),
+    Option("bridge.client_id", "lightgate-bridge", "the bridge's client id on both brokers (names its persistent"
+           " sessions: one per bridge)"),
+    Option("bridge.rules", [], "bridge rule 'DIRECTION PATTERN [REMOTE_PREFIX [LOCAL_PREFIX]]', DIRECTION out, in"
+           " or both (docs/bridge.md)", flag="--rule"),
+    Option("bridge.session_expiry_s", 86400, "how long each broker keeps the bridge's session and queued messages"
+           " while it is away (MQTT 5)"),
+    Option("bridge.stats_interval_s", 60.0, "log the bridge's counters this often (0 = only at exit)"),
 )
 
 _BY_KEY = {o.key: o for o in OPTIONS}
@@ -104,6 +159,10 @@ class Config:
 
 def _coerce(opt: Option, value: Any, where: str) -> Any:
     kind = type(opt.default)
+    if kind is list:
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise ConfigError(f"{where}: {opt.key} must be a list of strings, not {value!r}")
+        return list(value)
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -156,6 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser, keys: Callable[[Option], bool
         if isinstance(opt.default, bool):
             group.add_argument(opt.cli_flag, dest=opt.dest, default=None,
                                action=argparse.BooleanOptionalAction, help=f"{opt.help} [{opt.key}]")
+        elif isinstance(opt.default, list):
+            group.add_argument(opt.cli_flag, dest=opt.dest, default=None, action="append", metavar="STR",
+                               help=f"{opt.help}; repeat for more, replaces the file's list [{opt.key}]")
         else:
             group.add_argument(opt.cli_flag, dest=opt.dest, default=None, metavar=type(opt.default).__name__.upper(),
                                choices=opt.choices, help=f"{opt.help} (default {opt.default!r}) [{opt.key}]")
@@ -179,17 +241,25 @@ def resolve(args: argparse.Namespace) -> Config:
 def to_toml(values: dict[str, Any]) -> str:
     """Render flat values as a TOML document, one table per section, with help comments."""
     lines: list[str] = []
-    section = None
+    sections: dict[str, list[Option]] = {}  # first appearance order: a section is one table even if split in OPTIONS
     for opt in OPTIONS:
-        if opt.section != section:
-            section = opt.section
-            lines.append(("\n" if lines else "") + f"[{section}]")
-        value = values[opt.key]
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, str):
-            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        else:
-            text = repr(value)
-        lines.append(f"{opt.name} = {text}  # {opt.help}")
+        sections.setdefault(opt.section, []).append(opt)
+    for section, options in sections.items():
+        lines.append(("\n" if lines else "") + f"[{section}]")
+        for opt in options:
+            lines.append(f"{opt.name} = {_toml_value(values[opt.key])}  # {opt.help}")
     return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_string(item) for item in value) + "]"
+    return repr(value)
+
+
+def _toml_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'

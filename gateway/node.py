@@ -1,4 +1,4 @@
-"""The embedded gateway node: store, notify and the MQTT listener in one process.
+"""The gateway node: executes what its connections' channels ask of the store and of each other.
 
 ``GatewayNode`` is the ``Backend`` of every connection (gateway/server.py):
 it executes the channel actions that need the store or other connections.
@@ -7,14 +7,18 @@ it executes the channel actions that need the store or other connections.
 - Sessions: the state of disconnected persistent sessions (and of sessions
   being handed over) in memory, and as msgspec blobs in the store
   (``StoreNode.save_session``), so they survive a restart.
-- Notify: the dispatcher's listener routes ``{queue: max offset}`` through a
-  ``NotifyRouter`` to this node's ``EventMailbox`` (one node, ``"local"``);
-  a consumer task turns each event into ``QueueAdvanced`` for the local
-  connections subscribed to that queue.
+- The store is a ``StoreClient`` (store/client.py): the ``StoreNode`` in this
+  process (``LocalStoreClient``) or a store node over the RPC; the node works
+  the same with either.
+- Notify and the queue cache: the node ``watch``es the queues of its local
+  sessions; the store routes ``{queue: max offset}`` events for them here; a
+  consumer task has the ``QueueCache`` (gateway/cache.py) read the news once
+  and then feeds ``QueueAdvanced`` to the local connections on each queue,
+  whose pulls the cache answers from memory.
+- Offset commits of all connections are written together (``CommitBatcher``).
 - Timers that outlive a connection: delayed wills and session expiry.
-- Shared subscriptions: one ``SharedGroup`` per (share name, queue) holds the
-  queue and owns its offset in the store; it hands each pulled batch to the
-  member that pulled and takes back what a leaving member left unacknowledged.
+- Shared subscriptions: ``SharedGroups`` (gateway/shared.py) arbitrates each
+  group's queue among its connected members.
 - ``$SYS/broker/...``: statistics appended every ``mqtt.sys_interval_s``
   through the normal path (wildcards starting with ``+``/``#`` do not match them).
 - Resuming after a crash: the offsets the light queues committed (WAL) win
@@ -30,11 +34,12 @@ it executes the channel actions that need the store or other connections.
 
 from __future__ import annotations
 
-import heapq
+import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, final
 
@@ -45,10 +50,12 @@ from gateway.actions import (
     Action,
     Activate,
     Activated,
+    AdminDisconnect,
     Append,
     Appended,
     CommitOffsets,
     DropSession,
+    LimitHit,
     Message,
     OpenSession,
     PublishWill,
@@ -58,36 +65,57 @@ from gateway.actions import (
     Release,
     SaveSession,
     SessionOpened,
-    Subscription,
     TakenOver,
 )
 from gateway.acl import Access, Acl, AclError
+from gateway.admin import (
+    RECENT_AUTH_FAILURES,
+    AdminApi,
+    AuthFailure,
+    ClientInfo,
+    QueueInfo,
+    SessionInfo,
+    SubscriptionLag,
+    serve_admin,
+)
+from gateway.admission import Admission
 from gateway.authn import AuthDecision, Authenticator, ReloadError, WatchedFile
+from gateway.cache import QueueCache
 from gateway.channel import ChannelConfig
+from gateway.commits import CommitBatcher
+from gateway.limits import LimitCounters
+from gateway.metrics import NodeMetrics
+from gateway.listeners import ListenerSpec, listener_specs
+from gateway.messages import from_record, to_new_message
+from gateway.packets import MQTT_5
 from gateway.passwords import PasswordFileError
-from gateway.properties import PacketType, decode_properties, encode_properties
 from gateway.reasons import ReasonCode
 from gateway.server import Connection, Traffic, serve_mqtt
-from gateway.session import SessionState
-from lightqueue.topics import TopicError, parse_shared
-from notify import EventMailbox, NotifyRouter
+from gateway.session import SessionState, decode_session, encode_session, merge_committed
+from gateway.shared import SHARE_OWNER_PREFIX, GroupArbiter, SharedGroups
+from gateway.timers import Timers
+from lightqueue.topics import TopicError, TopicLimits, parse_shared, validate_filter, validate_topic
+from store.aio import LatencyBuckets
+from store.client import LocalStoreClient, StoreClient
 from store.commitlog import CommitLogConfig
-from store.node import StoreNode, open_store, until_signalled
-from store.record import Record, RecordTooLarge, decode_record
+from store.node import open_store, until_signalled
+from store.record import Record, RecordTooLarge
+from store.rpc import parse_address
 
-__all__ = ["GatewayNode", "SharedGroup", "merge_committed", "run_gateway_node", "serve_gateway"]
+__all__ = ["GatewayNode", "NodeFront", "run_cluster_gateway", "run_gateway_node",
+           "serve_cluster_gateway", "serve_gateway", "serve_node"]
 
 LOGGER = logging.getLogger(__name__)
-
-NODE_NAME = "local"
-"""The one gateway node of the embedded deployment, as the notify router knows it."""
 
 TAKEOVER_TIMEOUT_S = 15.0
 """How long a new connection waits for the one it takes over to hand its session over."""
 
-SHARE_OWNER_PREFIX = "$share/"
-"""Light-queue holder and offset owner name of a shared subscription group: ``$share/<group>``.
-Client ids are opaque, so the prefix keeps groups apart from sessions in practice, as EMQX does."""
+HTTP_CLIENT_ID = "$http"
+"""The publisher client id of messages published over HTTP (``POST /api/v1/publish``); ``$`` marks server-side
+names (``$SYS``, ``$share``), which devices do not use, so No Local does not drop them for a device."""
+
+ADMIN_CLIENT_ID = "$admin"
+"""The publisher client id of the empty retained messages that delete retained messages (admin API)."""
 
 SYS_PREFIX = "$SYS/broker/"
 """Where the node's statistics are published (Mosquitto's names, so existing dashboards find them)."""
@@ -100,89 +128,18 @@ AUTH_THREADS = 4
 """argon2 verifications running at once: each takes one core and 19 MiB, so a CONNECT storm on a 2-core machine
 gains nothing from more, and queued CONNECTs wait without holding memory."""
 
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(SessionState)
-
-
-def encode_session(state: SessionState) -> bytes:
-    """The session as the blob the store keeps (msgpack: no pickle, readable by any version that knows the fields)."""
-    return _ENCODER.encode(state)
-
-
-def decode_session(blob: bytes) -> SessionState:
-    """Raises msgspec.DecodeError (a ValueError) on a blob that is not a session."""
-    return _DECODER.decode(blob)
-
-
-def merge_committed(state: SessionState, committed: Mapping[str, int]) -> SessionState:
-    """The session with the queues' committed offsets (queue -> offset) where they are ahead of its own.
-
-    A blob is saved on subscription changes and disconnects, offsets are
-    committed on acknowledgements: after a crash the blob can be older than
-    the commits, and replaying from it would resend acknowledged messages.
-    Shared subscriptions are skipped: their group owns the offset.
-    """
-    offsets = dict(state.offsets)
-    cursors = dict(state.cursors)
-    for sub in state.subscriptions:
-        offset = committed.get(sub.queue)
-        if sub.group is None and offset is not None and offset > offsets.get(sub.filter, 0):
-            offsets[sub.filter] = offset
-            cursors[sub.filter] = max(cursors.get(sub.filter, offset), offset)
-    if offsets == state.offsets:
-        return state
-    return replace(state, offsets=offsets, cursors=cursors)
-
-
-@final
-class SharedGroup:
-    """One shared subscription group on one queue: which member holds which offsets, and the group's offset.
-
-    Offsets are handed out at most once at a time: each pull takes back-handed
-    offsets first, then new ones from ``cursor`` (a fair share of the backlog
-    among connected members, so one pull batch does not starve the others).
-    The group's committed offset is the lowest offset handed out and not
-    acknowledged (or handed back), else ``cursor``.
-    """
-
-    def __init__(self, name: str, queue: str, cursor: int) -> None:
-        self.name = name
-        self.queue = queue
-        self.owner = SHARE_OWNER_PREFIX + name
-        self.cursor = cursor  # next queue offset never handed out
-        self.committed = cursor  # the offset last written to the store
-        self.returned: list[int] = []  # heap of offsets handed back by members that left
-        self.held: dict[Connection, set[int]] = {}  # connected member -> offsets handed to it, not acknowledged
-        self.subscribers: set[str] = set()  # client ids whose sessions hold the subscription, connected or not
-        self.lock = trio.Lock()  # one pull at a time: a pull reads the store between taking and moving the cursor
-
-    def acknowledged_below(self, member: Connection, offset: int) -> None:
-        """The member acknowledged everything it was handed below ``offset`` (its session's committed offset)."""
-        held = self.held.get(member)
-        if held:
-            held.difference_update([o for o in held if o < offset])
-
-    def leave(self, member: Connection) -> bool:
-        """The member is gone: what it holds goes back to the group. Returns whether anything did."""
-        held = self.held.pop(member, set())
-        for offset in held:
-            heapq.heappush(self.returned, offset)
-        return bool(held)
-
-    def committed_offset(self) -> int:
-        low = min(self.cursor, self.returned[0]) if self.returned else self.cursor
-        for held in self.held.values():
-            if held:
-                low = min(low, min(held))
-        return low
-
-
 @dataclass(slots=True)
 class AuthCounters:
     """Refusals since the node started, for operators (``$SYS`` may publish them later)."""
 
     auth_failures: int = 0  # CONNECTs refused: bad credentials, anonymous access off, a will it may not publish
     acl_denials: int = 0  # PUBLISHes dropped and subscriptions refused (or revoked on resume) by the ACL
+    recent: deque[AuthFailure] = field(default_factory=lambda: deque(maxlen=RECENT_AUTH_FAILURES))  # newest last
+
+    def refused(self, client_id: str | None, peer: str, username: str | None, reason: ReasonCode) -> None:
+        """Count a refused CONNECT or HTTP publish and keep it among the recent ones (the dashboard's)."""
+        self.auth_failures += 1
+        self.recent.append(AuthFailure(int(time.time() * 1000), client_id, peer, username, reason.name))
 
 
 @final
@@ -190,12 +147,14 @@ class GatewayNode:
     """Executes the node actions of all connections of one embedded node.
 
     Args:
-        store: the open store node.
+        store: the store, embedded or remote.
         nursery: where timers that outlive a connection (wills, session expiry) and the notify consumer run.
         channel_config: what every channel offers its client.
         connect_timeout_s: close connections that send no CONNECT within this.
         authenticator: decides CONNECTs (password file, anonymous access, brute-force delay).
         acl: the watched ACL file, or None when every client may publish and subscribe anywhere.
+        identity_as_username: the CN of a connection's verified client certificate is its user name
+            (``auth.use_identity_as_username``); connections without one are refused.
 
     Resource handling: owns no resources; ``serve_gateway`` opens the store and
     the nursery and closes them.
@@ -203,34 +162,38 @@ class GatewayNode:
 
     def __init__(
         self,
-        store: StoreNode,
+        store: StoreClient,
         nursery: trio.Nursery,
         channel_config: ChannelConfig,
         connect_timeout_s: float,
-        router: NotifyRouter,
-        mailbox: EventMailbox,
         *,
         authenticator: Authenticator,
         acl: WatchedFile[Acl] | None = None,
+        identity_as_username: bool = False,
     ) -> None:
         self.store = store
         self.channel_config = channel_config
         self.connect_timeout_s = connect_timeout_s
-        self._nursery = nursery
-        self._router = router
-        self._mailbox = mailbox
+        self.nursery = nursery
+        self.timers = Timers()
+        self.cache = QueueCache(store, from_record)
+        self.commits = CommitBatcher(store, nursery)
+        # A cluster node's store client is a GroupArbiter: the store arbitrates groups with members on several nodes.
+        self.groups = SharedGroups(store, self.cache, self.commits, nursery=nursery, convert=from_record,
+                                   arbiter=store if isinstance(store, GroupArbiter) else None)
         self._connections: dict[str, Connection] = {}
         self._sessions: dict[str, SessionState] = {}  # latest saved or handed-over state per client id
         self._local: dict[str, set[Connection]] = {}  # queue -> connections with a subscription on it
         self._held: dict[Connection, set[str]] = {}  # connection -> its queues in _local
         self._wills: dict[str, trio.CancelScope] = {}  # client id -> pending delayed will
         self._expiries: dict[str, trio.CancelScope] = {}  # client id -> pending session expiry
-        self._groups: dict[tuple[str, str], SharedGroup] = {}  # (share name, queue) -> group
         self._started = time.monotonic()
         self.traffic = Traffic()
         self.auth_counters = AuthCounters()
+        self.limit_counters = LimitCounters()
         self._authenticator = authenticator
         self._acl = acl
+        self._identity_as_username = identity_as_username
         self._auth_checked = time.monotonic()  # the files were loaded just now
         self._auth_threads = trio.CapacityLimiter(AUTH_THREADS)
 
@@ -266,6 +229,8 @@ class GatewayNode:
                 await self.drop_session(action.client_id)  # type: ignore[union-attr]
             elif kind is PublishWill:
                 self._publish_will(action)  # type: ignore[arg-type]
+            elif kind is LimitHit:
+                self._limit_hit(connection, action)  # type: ignore[arg-type]
             else:
                 raise TypeError(f"not a node action: {action!r}")
 
@@ -273,13 +238,13 @@ class GatewayNode:
         """Forget the connection; start the expiry of its session if it stays stored."""
         for queue in self._held.pop(connection, ()):
             self._unsubscribe_local(connection, queue)
-        for group in tuple(self._groups.values()):
-            if connection in group.held:
-                self._leave(group, connection)
+        self.groups.connection_gone(connection)
         client_id = connection.client_id
         if not client_id or self._connections.get(client_id) is not connection:
             return
         del self._connections[client_id]
+        if client_id not in self._wills:  # closed without a will to publish: the store must not publish it either
+            self.nursery.start_soon(self._drop_will, client_id)
         state = self._sessions.get(client_id)
         if state is not None and state.expiry_s > 0:
             self._start_expiry(client_id, state.expiry_s)
@@ -297,20 +262,21 @@ class GatewayNode:
         if old is not None and old is not connection:
             old.feed(TakenOver())
             with trio.move_on_after(TAKEOVER_TIMEOUT_S) as waited:
-                await old.finished.wait()
+                await old.wait_finished()
             if waited.cancelled_caught:
                 LOGGER.warning("takeover: the old connection did not close in time",
                                extra={"ctx": {"client_id": client_id}})
         self._connections[client_id] = connection
         self._cancel(self._wills, client_id)
         self._cancel(self._expiries, client_id)
+        await self._hold_will(client_id, action)
         if action.clean_start:
             await self.drop_session(client_id)
             connection.feed(SessionOpened(False))
             return
         state = self._sessions.get(client_id)
         if state is None:
-            blob = self.store.load_session(client_id)
+            blob = await self.store.load_session(client_id)
             if blob is not None:
                 try:
                     state = decode_session(blob)
@@ -318,11 +284,11 @@ class GatewayNode:
                     LOGGER.error("stored session is unreadable; starting a new one: %s", exc,
                                  extra={"ctx": {"client_id": client_id}})
         if state is not None:
-            committed = await trio.to_thread.run_sync(self.store.queues.get_offsets, client_id)
+            committed = await self.store.get_offsets(client_id)
             state = await self._revoke_unauthorised(connection, merge_committed(state, committed))
             for sub in state.subscriptions:
                 if sub.group is not None:
-                    await self._join(connection, sub, None)
+                    await self.groups.join(connection, sub, None)
                 self._subscribe_local(connection, sub.queue)
         connection.feed(SessionOpened(state is not None, state))
 
@@ -333,7 +299,11 @@ class GatewayNode:
         """
         self._refresh_auth_files()
         authenticator = self._authenticator
-        if action.username is not None and authenticator.passwords is not None:  # argon2: ~50 ms of CPU
+        if self._identity_as_username:  # mTLS: the verified certificate is the credential, nothing to guess
+            identity = connection.cert_identity
+            decision = AuthDecision(True, ReasonCode.SUCCESS, identity) if identity else AuthDecision(
+                False, ReasonCode.NOT_AUTHORIZED, None, why="no verified client certificate with a CN")
+        elif action.username is not None and authenticator.passwords is not None:  # argon2: ~50 ms of CPU
             decision = await trio.to_thread.run_sync(authenticator.authenticate, action.username, action.password,
                                                      connection.host, limiter=self._auth_threads)
         else:
@@ -346,7 +316,7 @@ class GatewayNode:
                                     why=f"the will topic {will!r} is not allowed by the ACL")
         if decision.accepted:
             return decision
-        self.auth_counters.auth_failures += 1
+        self.auth_counters.refused(action.client_id, connection.peer, action.username, decision.reason)
         LOGGER.warning("connection refused: %s", decision.why,
                        extra={"ctx": {"client_id": action.client_id, "peer": connection.peer,
                                       "reason": decision.reason.name, "delay_s": decision.delay_s,
@@ -378,6 +348,14 @@ class GatewayNode:
             return None
         self._refresh_auth_files()
         return self._acl.value
+
+    def _limit_hit(self, connection: Connection, hit: LimitHit) -> None:
+        """Count a client's limit hit; log it with the client id when the channel says a line is due."""
+        total = self.limit_counters.add(hit.limit, hit.count)
+        if hit.log is not None:
+            LOGGER.warning("limit %s hit: %s", hit.limit.value, hit.log,
+                           extra={"ctx": {"client_id": connection.client_id, "peer": connection.peer,
+                                          "limit": hit.limit.value, "total": total}})
 
     def _denied(self, connection: Connection, access: Access, topic: str, why: str) -> None:
         self.auth_counters.acl_denials += 1
@@ -414,18 +392,16 @@ class GatewayNode:
     async def _save(self, state: SessionState) -> None:
         self._sessions[state.client_id] = state
         if state.expiry_s > 0:
-            blob = encode_session(state)
-            await trio.to_thread.run_sync(self.store.save_session, state.client_id, blob)
+            await self.store.save_session(state.client_id, encode_session(state))
 
     async def drop_session(self, client_id: str) -> None:
         """End a session: its state, its stored blob, its filters and offsets go."""
         self._sessions.pop(client_id, None)
         self._cancel(self._expiries, client_id)
-        for group in tuple(self._groups.values()):
-            if client_id in group.subscribers:
-                await self._unsubscribe_group(group, client_id)
-        await trio.to_thread.run_sync(self.store.drop_session, client_id)
-        await trio.to_thread.run_sync(self.store.queues.delete_owner, client_id)
+        await self.groups.drop_subscriber(client_id)
+        await self.commits.forget(client_id)  # an offset written after the delete would keep its queues referenced
+        await self.store.drop_session(client_id)
+        await self.store.delete_owner(client_id)
 
     def _start_expiry(self, client_id: str, expiry_s: int) -> None:
         async def expire(scope: trio.CancelScope) -> None:
@@ -442,7 +418,7 @@ class GatewayNode:
         self._cancel(table, client_id)
         scope = trio.CancelScope()
         table[client_id] = scope
-        self._nursery.start_soon(job, scope)
+        self.nursery.start_soon(job, scope)
 
     @staticmethod
     def _cancel(table: dict[str, trio.CancelScope], client_id: str) -> None:
@@ -452,6 +428,18 @@ class GatewayNode:
 
     # --- wills --------------------------------------------------------------------------
 
+    async def _hold_will(self, client_id: str, action: OpenSession) -> None:
+        """Have the store hold the new connection's will (a cluster store publishes it if this node dies), or
+        drop the one it holds for the client: the session resumed, so an earlier connection's delayed will is off."""
+        if action.will is not None:
+            await self.store.hold_will(client_id, to_new_message(action.will), action.will_delay_s)
+        else:
+            await self.store.drop_will(client_id)
+
+    async def _drop_will(self, client_id: str) -> None:
+        if client_id not in self._connections and client_id not in self._wills:  # else a newer connection's
+            await self.store.drop_will(client_id)
+
     def _publish_will(self, action: PublishWill) -> None:
         async def publish(scope: trio.CancelScope) -> None:
             with scope:
@@ -460,6 +448,8 @@ class GatewayNode:
                 reason = await self.append_messages([action.message])
                 if reason is not None:
                     LOGGER.error("will not published: %s", reason.name, extra={"ctx": {"client_id": action.client_id}})
+                else:
+                    await self._drop_will(action.client_id)  # published here: the store must not publish it again
 
         self._later(self._wills, action.client_id, publish)
 
@@ -467,9 +457,9 @@ class GatewayNode:
 
     async def append_messages(self, messages: Sequence[Message]) -> ReasonCode | None:
         """Append messages through the store (durable under the sync flush policy); None or why it failed."""
-        batch = [(m.topic, m.payload, _record_fields(m)) for m in messages]
+        batch = [to_new_message(m) for m in messages]
         try:
-            await self.store.append_many(batch)
+            await self.store.append(batch)
         except RecordTooLarge as exc:
             LOGGER.warning("append refused: %s", exc)
             return ReasonCode.PACKET_TOO_LARGE
@@ -515,110 +505,34 @@ class GatewayNode:
             else:
                 connection.feed(Appended(append.ref, reason is None, reason or ReasonCode.SUCCESS))
 
+    def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
+        """A pull at the head of an unshared queue, answered from the queue cache; None if it must wait or read."""
+        if action.group is not None:
+            return None
+        hit = self.cache.get(action.queue, action.from_offset, action.max_count)
+        return None if hit is None else Pulled(action.filter, tuple(hit[0]), hit[1])
+
     async def _pull(self, connection: Connection, action: Pull) -> None:
         if action.group is not None:
-            await self._pull_shared(connection, action)
+            await self.groups.pull(connection, action)
             return
-        result = await self.store.pull(action.queue, action.from_offset, action.max_count)
-        messages = tuple(_message(record, action.queue, offset) for offset, record in result.messages)
-        connection.feed(Pulled(action.filter, messages, result.next_offset))
-
-    async def _pull_shared(self, connection: Connection, action: Pull) -> None:
-        """Answer a member's pull with what its group assigns it: handed-back offsets first, then its share."""
-        group = self._groups.get((action.group, action.queue))  # type: ignore[arg-type]
-        if group is None or connection not in group.held:
-            connection.feed(Pulled(action.filter, (), action.from_offset))  # left or unsubscribed meanwhile
-            return
-        queue = group.queue
-        taken: list[tuple[int, Record]] = []
-        async with group.lock:
-            while group.returned and len(taken) < action.max_count:
-                offset = heapq.heappop(group.returned)
-                result = await self.store.pull(queue, offset, 1)
-                if result.messages and result.messages[0][0] == offset:
-                    taken.append(result.messages[0])  # else gone with retention: nothing to redeliver
-            room = action.max_count - len(taken)
-            if room > 0:
-                backlog = self.store.queues.max_offset(queue) - group.cursor
-                share = -(-backlog // max(1, len(group.held)))
-                result = await self.store.pull(queue, group.cursor, min(room, max(1, share)))
-                taken += result.messages
-                group.cursor = max(group.cursor, result.next_offset)
-            held = group.held.get(connection)
-            if held is None:  # the member left during the reads: the messages go back
-                for offset, _ in taken:
-                    heapq.heappush(group.returned, offset)
-                if taken:
-                    self._poke(group)
-                taken = []
-            else:
-                held.update(offset for offset, _ in taken)
-        taken.sort(key=lambda pair: pair[0])
-        messages = tuple(_message(record, queue, offset) for offset, record in taken)
-        connection.feed(Pulled(action.filter, messages, group.cursor))
-
-    async def _join(self, connection: Connection, sub: Subscription, start: int | None) -> None:
-        """Make the connection a member of its shared subscription's group (created, with its offset, on first use).
-
-        ``start`` is where a new group starts when the store has no offset for it (None: the queue's head).
-        """
-        key = (sub.group, sub.queue)
-        group = self._groups.get(key)  # type: ignore[arg-type]
-        if group is None:
-            owner = SHARE_OWNER_PREFIX + sub.group  # type: ignore[operator]
-            committed = (await trio.to_thread.run_sync(self.store.queues.get_offsets, owner)).get(sub.queue)
-            if committed is None:
-                committed = start if start is not None else self.store.queues.max_offset(sub.queue)
-                await trio.to_thread.run_sync(self.store.queues.commit_offsets, owner, {sub.queue: committed})
-            group = self._groups.setdefault(key, SharedGroup(sub.group, sub.queue, committed))  # type: ignore[arg-type]
-        group.subscribers.add(connection.client_id)
-        group.held.setdefault(connection, set())
-
-    def _leave(self, group: SharedGroup, connection: Connection) -> None:
-        """Hand back what the leaving member did not acknowledge and make the other members pull it."""
-        session = connection.channel.session
-        if session is not None:
-            for filter, offset in session.committed_offsets().items():
-                if parse_shared(filter) == (group.name, group.queue):
-                    group.acknowledged_below(connection, offset)
-        if group.leave(connection):
-            self._poke(group)
-
-    @staticmethod
-    def _poke(group: SharedGroup) -> None:
-        """Offsets were handed back: make the connected members pull them."""
-        for member in tuple(group.held):
-            member.feed(QueueAdvanced(group.queue, group.cursor))
-
-    async def _unsubscribe_group(self, group: SharedGroup, client_id: str) -> None:
-        """The session no longer holds the subscription; the last one out releases the group's queue and offset."""
-        group.subscribers.discard(client_id)
-        if group.subscribers:
-            return
-        del self._groups[(group.name, group.queue)]
-        await self.store.dispatcher.release(group.queue, group.owner)
-
-    async def _commit_group(self, group: SharedGroup) -> None:
-        offset = group.committed_offset()
-        if offset != group.committed:
-            group.committed = offset
-            await trio.to_thread.run_sync(self.store.queues.commit_offsets, group.owner, {group.queue: offset})
+        messages, next_offset, _ = await self.cache.read(action.queue, action.from_offset, action.max_count)
+        connection.feed(Pulled(action.filter, tuple(messages), next_offset))
 
     # --- subscriptions ------------------------------------------------------------------
 
-    def _retained_for(self, action: Activate, starts: Mapping[str, int]) -> tuple[tuple[str, Message], ...]:
+    async def _retained_for(self, action: Activate, starts: Mapping[str, int]) -> tuple[tuple[str, Message], ...]:
         """The retained messages for the new subscriptions that want them now.
 
         The channel already applied MQTT 5 retain handling (``action.retained``);
         shared subscriptions never get retained messages (MQTT 5.0, section 4.8.2).
         """
         wanted = set(action.retained)
-        return tuple(
-            (sub.filter, _message(decode_record(r.record, 0, r.log_offset), None, None))
-            for sub in action.subscriptions
-            if sub.filter in wanted and sub.filter in starts and sub.group is None
-            for r in self.store.retained.lookup(sub.queue)
-        )
+        found: list[tuple[str, Message]] = []
+        for sub in action.subscriptions:
+            if sub.filter in wanted and sub.filter in starts and sub.group is None:
+                found += ((sub.filter, from_record(record, None, None)) for record in await self.store.retained(sub.queue))
+        return tuple(found)
 
     async def _activate(self, connection: Connection, action: Activate) -> None:
         starts: dict[str, int] = {}
@@ -631,16 +545,16 @@ class GatewayNode:
                 continue
             holder = action.client_id if sub.group is None else SHARE_OWNER_PREFIX + sub.group
             try:
-                starts[sub.filter] = await self.store.dispatcher.activate(sub.queue, holder)
+                starts[sub.filter] = await self.store.activate(sub.queue, holder)
                 if sub.group is not None:
-                    await self._join(connection, sub, starts[sub.filter])
+                    await self.groups.join(connection, sub, starts[sub.filter])
             except TopicError as exc:
                 LOGGER.warning("subscription refused: %s", exc, extra={"ctx": {"client_id": action.client_id}})
                 reasons[sub.filter] = ReasonCode.TOPIC_FILTER_INVALID
             except ValueError as exc:
                 LOGGER.error("subscription failed: %s", exc, extra={"ctx": {"client_id": action.client_id}})
                 reasons[sub.filter] = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
-        retained = await trio.to_thread.run_sync(self._retained_for, action, starts)
+        retained = await self._retained_for(action, starts)
         connection.feed(Activated(action.ref, starts, retained, reasons or None))
         for sub in action.subscriptions:
             if sub.filter in starts:
@@ -650,15 +564,11 @@ class GatewayNode:
         for filter in filters:
             shared = parse_shared(filter)
             if shared is None:
-                await self.store.dispatcher.release(filter, client_id)
+                await self.store.release(filter, client_id)
                 self._unsubscribe_local(connection, filter)
                 continue
             self._unsubscribe_local(connection, shared[1])
-            group = self._groups.get(shared)
-            if group is not None:
-                if connection in group.held:
-                    self._leave(group, connection)
-                await self._unsubscribe_group(group, client_id)
+            await self.groups.unsubscribe(connection, client_id, shared)
 
     async def _commit(self, connection: Connection, action: CommitOffsets) -> None:
         offsets: dict[str, int] = {}
@@ -667,12 +577,9 @@ class GatewayNode:
             if shared is None:
                 offsets[filter] = offset
                 continue
-            group = self._groups.get(shared)
-            if group is not None:
-                group.acknowledged_below(connection, offset)
-                await self._commit_group(group)
+            await self.groups.acknowledged(connection, shared, offset)
         if offsets:
-            await trio.to_thread.run_sync(self.store.queues.commit_offsets, action.client_id, offsets)
+            self.commits.post(action.client_id, offsets)
         LOGGER.debug("offsets committed", extra={"ctx": {"client_id": action.client_id, "offsets": action.offsets}})
 
     def _subscribe_local(self, connection: Connection, queue: str) -> None:
@@ -681,7 +588,8 @@ class GatewayNode:
             return
         held.add(queue)
         self._local.setdefault(queue, set()).add(connection)
-        self._router.register(NODE_NAME, queue)
+        self.store.watch(queue)
+        self.cache.watch(queue)
 
     def _unsubscribe_local(self, connection: Connection, queue: str) -> None:
         held = self._held.get(connection)
@@ -693,7 +601,8 @@ class GatewayNode:
         local.discard(connection)
         if not local:
             del self._local[queue]
-        self._router.unregister(NODE_NAME, queue)
+        self.store.unwatch(queue)
+        self.cache.unwatch(queue)
 
     # --- $SYS ---------------------------------------------------------------------------
 
@@ -720,42 +629,213 @@ class GatewayNode:
                 LOGGER.error("$SYS statistics not published: %s", reason.name)
             await trio.sleep(interval_s)
 
+    # --- administration -----------------------------------------------------------------
+
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._started
+
+    def session_counts(self) -> tuple[int, int]:
+        """(online, offline): connected clients, and the persistent sessions saved here that wait for theirs."""
+        offline = sum(1 for client_id, state in self._sessions.items()
+                      if state.expiry_s > 0 and client_id not in self._connections)
+        return len(self._connections), offline
+
+    def clients(self) -> list[ClientInfo]:
+        """The connected clients."""
+        return [_client_info(connection) for connection in self._connections.values()]
+
+    def client_info(self, client_id: str) -> ClientInfo | None:
+        connection = self._connections.get(client_id)
+        return None if connection is None else _client_info(connection)
+
+    async def disconnect(self, client_id: str) -> bool:
+        """Close the client's connection as an administrative action (MQTT 5: DISCONNECT 0x98).
+
+        As for any close the client did not ask for, its will is published and
+        a persistent session stays. Returns once the connection is gone; False
+        when the client is not connected.
+        """
+        connection = self._connections.get(client_id)
+        if connection is None:
+            return False
+        LOGGER.info("disconnecting a client (admin API)", extra={"ctx": {"client_id": client_id}})
+        connection.feed(AdminDisconnect())
+        with trio.move_on_after(TAKEOVER_TIMEOUT_S):
+            await connection.wait_finished()
+        return True
+
+    async def sessions(self) -> list[SessionInfo]:
+        """The sessions this node knows (connected, and persistent ones saved here), with their lags."""
+        states = [state for client_id in {*self._connections, *self._sessions}
+                  if (state := self._session_state(client_id)) is not None]
+        heads = await self._heads(sub.queue for state in states for sub in state.subscriptions)
+        return [self._session_info(state, heads) for state in states]
+
+    async def session_info(self, client_id: str) -> SessionInfo | None:
+        """One session: of this node, or as the store keeps it (saved by another node, or before a restart).
+
+        Raises:
+            msgspec.DecodeError: the stored session is unreadable.
+        """
+        state = self._session_state(client_id)
+        if state is None:
+            blob = await self.store.load_session(client_id)
+            if blob is None:
+                return None
+            state = decode_session(blob)
+        return self._session_info(state, await self._heads(sub.queue for sub in state.subscriptions))
+
+    async def delete_session(self, client_id: str) -> bool:
+        """End a session now, its client disconnected first; False when there is no such session."""
+        known = client_id in self._connections or client_id in self._sessions \
+            or await self.store.load_session(client_id) is not None
+        if not known:
+            return False
+        await self.disconnect(client_id)
+        await self.drop_session(client_id)
+        LOGGER.info("session deleted (admin API)", extra={"ctx": {"client_id": client_id}})
+        return True
+
+    async def queues(self) -> list[QueueInfo]:
+        """The queues this node's sessions and shared groups read, with the slowest consumer's lag."""
+        committed: dict[str, list[int]] = {}
+        for client_id in {*self._connections, *self._sessions}:
+            state = self._session_state(client_id)
+            for sub in state.subscriptions if state is not None else ():
+                if sub.group is None:  # a shared subscription's offset is its group's, counted below
+                    committed.setdefault(sub.queue, []).append(state.offsets.get(sub.filter, 0))
+        for group in self.groups:
+            committed.setdefault(group.queue, []).append(group.committed_offset())
+        heads = await self._heads(committed)
+        return [QueueInfo(queue, heads[queue], len(offsets), min(offsets), max(0, heads[queue] - min(offsets)))
+                for queue, offsets in sorted(committed.items())]
+
+    async def retained(self, filter: str) -> list[Record]:
+        """The retained messages matching ``filter``.
+
+        Raises:
+            TopicError: not a valid topic filter.
+        """
+        validate_filter(filter)
+        return await self.store.retained(filter)
+
+    async def delete_retained(self, topic: str) -> bool:
+        """Delete the retained message of ``topic`` as MQTT does: an empty retained message through the normal path.
+
+        It is gone once dispatched (milliseconds). Returns False when there is none.
+
+        Raises:
+            TopicError: not a valid topic name.
+            OSError: the store did not take the message.
+        """
+        validate_topic(topic)
+        if not any(record.topic == topic for record in await self.store.retained(topic)):
+            return False
+        reason = await self.append_messages([Message(topic, b"", 0, True, client_id=ADMIN_CLIENT_ID,
+                                                     born_ms=int(time.time() * 1000))])
+        if reason is not None:
+            raise OSError(f"the empty retained message was not stored: {reason.name}")
+        LOGGER.info("retained message deleted (admin API)", extra={"ctx": {"topic": topic}})
+        return True
+
+    async def authenticate_http(self, username: str | None, password: bytes | None, source: str) -> AuthDecision:
+        """Decide the credentials of an HTTP publish as a CONNECT's: counted, logged and delayed when refused."""
+        self._refresh_auth_files()
+        authenticator = self._authenticator
+        if username is not None and authenticator.passwords is not None:  # argon2: ~50 ms of CPU
+            decision = await trio.to_thread.run_sync(authenticator.authenticate, username, password, source,
+                                                     limiter=self._auth_threads)
+        else:
+            decision = authenticator.authenticate(username, password, source)
+        if decision.accepted:
+            return decision
+        self.auth_counters.refused(None, source, username, decision.reason)
+        LOGGER.warning("HTTP publish refused: %s", decision.why,
+                       extra={"ctx": {"peer": source, "reason": decision.reason.name, "delay_s": decision.delay_s,
+                                      "auth_failures": self.auth_counters.auth_failures}})
+        await trio.sleep(decision.delay_s)
+        return decision
+
+    async def publish(self, topic: str, payload: bytes, qos: int, retain: bool, username: str | None,
+                      source: str) -> ReasonCode | None:
+        """Publish for an HTTP client (``username`` authenticated, None: anonymous) through the normal path.
+
+        The ACL's publish rules apply as to an MQTT client of that user; HTTP
+        publishers have no client id, so ``client`` rules and ``%c`` patterns
+        never match them. Returns None when stored, NOT_AUTHORIZED, or the
+        append's failure (PACKET_TOO_LARGE, ...).
+
+        Raises:
+            TopicError: not a valid topic name, or beyond the topic limits.
+        """
+        config = self.channel_config
+        validate_topic(topic, TopicLimits(config.max_topic_length, config.max_topic_levels))
+        acl = self._current_acl()
+        if acl is not None and not acl.check(username, None, Access.PUBLISH, topic):
+            self.auth_counters.acl_denials += 1
+            LOGGER.warning("publish denied by the ACL: HTTP publish refused",
+                           extra={"ctx": {"peer": source, "username": username, "topic": topic,
+                                          "acl_denials": self.auth_counters.acl_denials}})
+            return ReasonCode.NOT_AUTHORIZED
+        message = Message(topic, payload, qos, retain, client_id=HTTP_CLIENT_ID, born_ms=int(time.time() * 1000))
+        reason = await self.append_messages([message])
+        if reason is None:
+            self.traffic.messages_in += 1
+            self.traffic.messages_in_by_qos[qos] += 1
+        return reason
+
+    def _session_state(self, client_id: str) -> SessionState | None:
+        """The session as it stands: live for a connected client, else the persistent state saved here."""
+        connection = self._connections.get(client_id)
+        session = connection.channel.session if connection is not None else None
+        if session is not None:
+            return session.state()
+        state = self._sessions.get(client_id)
+        return state if state is not None and state.expiry_s > 0 else None
+
+    def _session_info(self, state: SessionState, heads: Mapping[str, int]) -> SessionInfo:
+        subscriptions = []
+        for sub in state.subscriptions:
+            group = self.groups.get(sub.group, sub.queue) if sub.group is not None else None
+            offset = group.committed_offset() if group is not None else state.offsets.get(sub.filter, 0)
+            head = heads[sub.queue]
+            subscriptions.append(SubscriptionLag(sub.filter, sub.queue, sub.options.qos, sub.group, offset, head,
+                                                 max(0, head - offset)))
+        return SessionInfo(state.client_id, state.client_id in self._connections, state.expiry_s,
+                           len(state.inflight), sum(s.lag for s in subscriptions), tuple(subscriptions))
+
+    async def _heads(self, queues: Iterable[str]) -> dict[str, int]:
+        """``{queue: max offset}``, in one store call."""
+        names = sorted(set(queues))
+        return dict(zip(names, await self.store.max_offsets(names))) if names else {}
+
     # --- notify -------------------------------------------------------------------------
 
-    def on_dispatched(self, events: dict[str, int]) -> None:
-        """The dispatcher's listener (trio thread): route the batch's events to this node's mailbox."""
-        for node, mine in self._router.route(events).items():
-            if node == NODE_NAME:
-                self._mailbox.post(mine)
-
     async def consume_events(self) -> None:
-        """Turn mailbox events into ``QueueAdvanced`` for the local connections on each queue; runs until closed."""
+        """Have the cache read the news, then feed ``QueueAdvanced`` to the local connections on each queue.
+
+        Runs until the store client's events end.
+        """
         while True:
             try:
-                events = await self._mailbox.get()
+                events = await self.store.events()
             except trio.EndOfChannel:
                 return
+            await self.cache.fill(events)
             for queue, max_offset in events.items():
                 for connection in tuple(self._local.get(queue, ())):
                     connection.feed(QueueAdvanced(queue, max_offset))
 
 
-def _record_fields(message: Message) -> Mapping[str, Any]:
-    return {
-        "client_id": message.client_id,
-        "qos": message.qos,
-        "retain": message.retain,
-        "properties": encode_properties(message.properties, PacketType.PUBLISH),
-        "born_ms": message.born_ms or None,
-    }
-
-
-def _message(record: Record, queue: str | None, offset: int | None) -> Message:
-    props = record.properties
-    return Message(
-        record.topic, record.payload, record.qos, record.retain,
-        decode_properties(props, 0, len(props), PacketType.PUBLISH), record.client_id,
-        record.born_ms, record.store_ms, queue, offset,
+def _client_info(connection: Connection) -> ClientInfo:
+    channel = connection.channel
+    session = channel.session
+    return ClientInfo(
+        connection.client_id, connection.username, connection.peer,
+        "5.0" if channel.protocol_level == MQTT_5 else "3.1.1", channel.keep_alive,
+        session.expiry_s if session is not None else 0,
+        len(session.subscriptions) if session is not None else 0,
+        len(session.inflight) if session is not None else 0,
     )
 
 
@@ -763,8 +843,16 @@ def _channel_config(settings: Mapping[str, Any]) -> ChannelConfig:
     return ChannelConfig(
         max_packet_size=settings["mqtt.max_packet_size"],
         receive_maximum=settings["mqtt.receive_maximum"],
+        default_receive_maximum=settings["mqtt.inflight_311"],
         max_keepalive=settings["mqtt.max_keepalive"] or None,
         reason_strings=True,
+        max_topic_length=settings["limits.max_topic_length"],
+        max_topic_levels=settings["limits.max_topic_levels"],
+        max_subscriptions=settings["limits.max_subscriptions"],
+        publish_rate=settings["limits.publish_rate"],
+        publish_burst=settings["limits.publish_burst"],
+        publish_bytes_rate=settings["limits.publish_bytes_rate"],
+        qos0_queue_bytes=settings["limits.qos0_queue_bytes"],
     )
 
 
@@ -780,38 +868,116 @@ async def serve_gateway(
     Raises:
         PasswordFileError, AclError: the configured password or ACL file is missing or malformed
             (checked before the store opens).
+        ListenerError: a TLS certificate, key or CA file is missing or unreadable (also before the store opens).
     """
+    front = NodeFront.from_settings(settings)
     data = Path(settings["node.data"])
-    router = NotifyRouter()
-    mailbox = EventMailbox()
-    listener_box: list[GatewayNode] = []
-
-    def listener(events: dict[str, int]) -> None:
-        if listener_box:
-            listener_box[0].on_dispatched(events)
-
-    authenticator = Authenticator.from_config(settings)  # type: ignore[arg-type]  # any mapping of the options
-    acl = WatchedFile(settings["auth.acl_file"], Acl.load) if settings["auth.acl_file"] else None
-    LOGGER.info("authentication ready", extra={"ctx": {
-        "password_file": settings["auth.password_file"] or None, "acl_file": settings["auth.acl_file"] or None,
-        "allow_anonymous": authenticator.allow_anonymous}})
-    async with open_store(data, CommitLogConfig.from_settings(settings), listener) as store:
+    async with open_store(data, CommitLogConfig.from_settings(settings)) as store:
         LOGGER.info("store node ready", extra={"ctx": {"data": str(data),
                                                        "written_offset": store.log.log.written_offset}})
+        client = LocalStoreClient(store)
+        try:
+            await serve_node(settings, client, front, flush_latency=store.log.flush_latency, task_status=task_status)
+        finally:
+            client.close()
+
+
+@dataclass(frozen=True)
+class NodeFront:
+    """What a gateway node loads from its settings before it opens or connects to the store.
+
+    Loaded first so that a broken password, ACL or certificate file stops the
+    node before it touches the store.
+    """
+
+    authenticator: Authenticator
+    acl: WatchedFile[Acl] | None
+    specs: list[ListenerSpec]
+    admission: Admission
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> NodeFront:
+        """Raises PasswordFileError, AclError or ListenerError (each names the file)."""
+        authenticator = Authenticator.from_config(settings)  # type: ignore[arg-type]  # any mapping of the options
+        acl = WatchedFile(settings["auth.acl_file"], Acl.load) if settings["auth.acl_file"] else None
+        LOGGER.info("authentication ready", extra={"ctx": {
+            "password_file": settings["auth.password_file"] or None, "acl_file": settings["auth.acl_file"] or None,
+            "allow_anonymous": authenticator.allow_anonymous}})
+        return cls(authenticator, acl, listener_specs(settings), Admission.from_config(settings))
+
+
+async def serve_node(
+    settings: Mapping[str, Any],
+    store: StoreClient,
+    front: NodeFront,
+    *,
+    flush_latency: LatencyBuckets | None = None,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a gateway node over ``store`` (embedded or remote) until cancelled: listeners, notify, timers, ``$SYS``,
+    and the admin HTTP endpoint (metrics, health, admin API, dashboard; gateway/admin.py) unless ``admin.port`` is 0.
+
+    ``task_status.started`` receives the (host, port) of the plain TCP listener. ``flush_latency`` is the
+    CommitLog's flush histogram when the store runs in this process (exported with the node's metrics).
+    """
+    async with trio.open_nursery() as nursery:
+        node = GatewayNode(store, nursery, _channel_config(settings), settings["mqtt.connect_timeout_s"],
+                           authenticator=front.authenticator, acl=front.acl,
+                           identity_as_username=settings["auth.use_identity_as_username"])
+        nursery.start_soon(node.timers.run)
+        nursery.start_soon(node.consume_events)
+        if settings["mqtt.sys_interval_s"] > 0:
+            nursery.start_soon(node.publish_sys, settings["mqtt.sys_interval_s"])
+        admin = None
+        if settings["admin.port"]:
+            metrics = NodeMetrics(node, flush_latency=flush_latency, admission=front.admission, cache=node.cache)
+            admin = AdminApi(node, metrics, token=settings["admin.token"])
+            admin_port = 0 if settings["node.port"] == 0 else settings["admin.port"]  # several nodes on one machine
+            max_body = 2 * settings["mqtt.max_packet_size"]  # room for a payload as base64 in JSON
+            listeners = await nursery.start(functools.partial(
+                serve_admin, admin, settings["admin.host"], admin_port, max_body=max_body))
+            admin_host, admin_port = listeners[0].socket.getsockname()[:2]
+            LOGGER.info("admin API ready", extra={"ctx": {"host": admin_host, "port": admin_port,
+                                                          "token": bool(settings["admin.token"])}})
+        bound = await nursery.start(functools.partial(serve_mqtt, node, front.specs, admission=front.admission))
+        if admin is not None:
+            admin.mqtt_ready = True
+        host, port = bound[0].host, bound[0].port  # the plain TCP listener comes first
+        LOGGER.info("gateway node ready", extra={"ctx": {"host": host, "port": port,
+                                                         **{f"{b.kind}_port": b.port for b in bound[1:]}}})
+        task_status.started((host, port))
+
+
+async def serve_cluster_gateway(
+    settings: Mapping[str, Any],
+    *,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a cluster gateway node until cancelled: ``serve_node`` over the store node at ``gateway.store``.
+
+    The node is the embedded one with a ``RemoteStoreClient`` (store/remote.py)
+    for its store; its MQTT listeners set SO_REUSEPORT, so several gateway
+    processes can share a port (``gateway.workers``, gateway/workers.py). The
+    store may start later or restart: the client retries until it connects.
+    ``task_status.started`` receives the (host, port) of the plain TCP listener.
+
+    Raises:
+        PasswordFileError, AclError, ListenerError: as ``serve_gateway`` (before connecting).
+        ValueError: ``gateway.store`` is not HOST:PORT.
+    """
+    from store.remote import RemoteStoreClient  # only cluster gateways need the RPC client
+
+    front = NodeFront.from_settings(settings)
+    front = replace(front, specs=[replace(spec, reuse_port=True) for spec in front.specs])
+    host, port = parse_address(settings["gateway.store"])
+    async with RemoteStoreClient.connect(host, port, timeout_s=None, token=settings.get("store.token", "")) as client:
         async with trio.open_nursery() as nursery:
-            node = GatewayNode(store, nursery, _channel_config(settings), settings["mqtt.connect_timeout_s"],
-                               router, mailbox, authenticator=authenticator, acl=acl)
-            listener_box.append(node)
-            nursery.start_soon(node.consume_events)
-            if settings["mqtt.sys_interval_s"] > 0:
-                nursery.start_soon(node.publish_sys, settings["mqtt.sys_interval_s"])
-            listeners = await nursery.start(serve_mqtt, node, settings["node.host"], settings["node.port"])
-            host, port = listeners[0].socket.getsockname()[:2]
-            LOGGER.info("gateway node ready", extra={"ctx": {"host": host, "port": port}})
-            task_status.started((host, port))
+            nursery.start_soon(client.log_statistics)
+            bound = await nursery.start(functools.partial(serve_node, settings, client, front))
+            task_status.started(bound)
 
 
-async def _serve_until_signalled(settings: Mapping[str, Any]) -> None:
+async def _serve_until_signalled(settings: Mapping[str, Any], serve: Any = serve_gateway) -> None:
     async with trio.open_nursery() as nursery:
 
         async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:
@@ -819,15 +985,26 @@ async def _serve_until_signalled(settings: Mapping[str, Any]) -> None:
             nursery.cancel_scope.cancel()
 
         await nursery.start(stop_on_signal)  # signals are caught before "ready" is logged
-        await nursery.start(serve_gateway, settings)
+        await nursery.start(serve, settings)
     LOGGER.info("gateway node stopped")
 
 
-def run_gateway_node(conf: Any) -> int:
-    """Entry point for ``lightgate serve``: returns the process exit status."""
+def run_cluster_gateway(conf: Any) -> int:
+    """Entry point for one ``lightgate gateway`` process: returns the process exit status."""
+    try:
+        parse_address(conf["gateway.store"])
+    except ValueError as exc:
+        LOGGER.error("gateway node not started: gateway.store: %s", exc)
+        return 1
+    return run_gateway_node(conf, serve_cluster_gateway)
+
+
+def run_gateway_node(conf: Any, serve: Any = serve_gateway) -> int:
+    """Entry point for ``lightgate serve`` (and, with ``serve_cluster_gateway``, ``lightgate gateway``):
+    returns the process exit status."""
     failed = False
     try:
-        trio.run(_serve_until_signalled, conf.values)
+        trio.run(_serve_until_signalled, conf.values, serve)
     except* OSError as group:  # e.g. the port is taken; nurseries may wrap it in a group
         LOGGER.error("gateway node failed: %s", "; ".join(str(exc) for exc in group.exceptions))
         failed = True

@@ -7,15 +7,18 @@ here; the ones that need the store or other connections (sessions, appends,
 subscriptions, pulls) go, in order, to the node through the ``Backend``
 interface (``gateway/node.py`` implements it).
 
-Per connection three tasks run:
+Per connection one task always runs, and two more while they have work:
 
-- the reader: ``receive_some`` -> ``MqttDecoder.feed`` -> ``channel.handle_in``
-  per packet; it stops reading while the node has too much work queued for the
-  connection (backpressure to the client);
-- the writer: joins everything the channel wants sent into one ``send_all``
-  and reports written deliveries (``SocketWritten``);
-- the worker: hands queued node actions to the backend, one batch at a time,
-  so the node sees them in the order the channel asked for them.
+- the reader (the connection's own task): ``receive_some`` ->
+  ``MqttDecoder.feed`` -> ``channel.handle_in`` per packet; it stops reading
+  while the node has too much work queued for the connection (backpressure);
+- the writer, while bytes wait: joins everything the channel wants sent into
+  one ``send_all`` and reports written deliveries (``SocketWritten``);
+- the worker, while node actions wait: hands them to the backend, one batch
+  at a time, so the node sees them in the order the channel asked for them.
+
+Timers (keepalive, commit, the CONNECT deadline) are handles in the node's one
+``Timers`` task (gateway/timers.py), so an idle device costs one task.
 
 Error handling: nothing a client sends may stop the listener. Decoder errors
 go to ``channel.handle_protocol_error``; any other failure inside a connection
@@ -28,41 +31,76 @@ the writes queued before the ``Close`` action (bounded by ``CLOSE_TIMEOUT_S``).
 from __future__ import annotations
 
 import logging
-from collections import deque
-from dataclasses import dataclass
+import time
+from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, final
 
 import trio
 
 from gateway._state import State
-from gateway.actions import Action, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Send, SocketWritten
+from gateway.actions import (
+    Action, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Pull, Pulled, Send, SocketWritten,
+)
+from gateway.admission import Admission
 from gateway.channel import Channel, ChannelConfig
 from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.listeners import BoundListener, ListenerSpec, Peer, serve_listeners
 from gateway.packets import Publish
 from gateway.reasons import RemoteProtocolError
+from gateway.timers import Timer, Timers
+from store.aio import LatencyBuckets
 
 __all__ = ["Backend", "Connection", "Traffic", "serve_mqtt"]
 
 LOGGER = logging.getLogger(__name__)
 
-RECEIVE_BYTES = 256 * 1024
+RECEIVE_BYTES = 64 * 1024
 """One ``receive_some`` reads up to this much: a burst of small PUBLISHes is decoded in one wake-up."""
 
 MAX_QUEUED_ACTIONS = 1024
 """Stop reading from a client while this many node actions of its connection wait (QoS 0 floods)."""
 
+WS_MESSAGE_PACKETS = 2
+"""A WebSocket message may hold this many maximum-size packets: clients send one packet per message, but MQTT
+lets packets share a message, and a whole message is buffered before the decoder sees it."""
+
 CLOSE_TIMEOUT_S = 10.0
 """How long a closing connection waits for its store results (to save an exact session) and its last writes."""
 
 
+DELIVERY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0, 600.0)
+"""Upper bounds of the publish-to-delivery latency buckets: an online subscriber gets a message in milliseconds;
+the long tail (minutes) is sessions catching up after being offline or slow."""
+
+
 @dataclass(slots=True)
 class Traffic:
-    """Counters of everything the connections of a node received and sent (the ``$SYS`` figures)."""
+    """Counters of everything the connections of a node received and sent (the ``$SYS`` figures and metrics)."""
 
     messages_in: int = 0
     messages_out: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    messages_in_by_qos: list[int] = field(default_factory=lambda: [0, 0, 0])  # PUBLISHes received, index = QoS
+    messages_out_by_qos: list[int] = field(default_factory=lambda: [0, 0, 0])  # PUBLISHes sent, index = QoS
+    # queue messages from their store time to the write of their PUBLISH (retained ones excluded)
+    delivery_latency: LatencyBuckets = field(default_factory=lambda: LatencyBuckets(DELIVERY_BUCKETS_S))
+
+    def delivered(self, deliver: Deliver) -> None:
+        """Count a ``Deliver`` handed to the socket writer: its packets, by QoS, and their latency.
+
+        Every packet of the batch is counted at the age of its oldest queue
+        message: an upper bound, one histogram update per batch.
+        """
+        self.messages_out += deliver.count
+        by_qos = self.messages_out_by_qos
+        by_qos[0] += deliver.by_qos[0]
+        by_qos[1] += deliver.by_qos[1]
+        by_qos[2] += deliver.by_qos[2]
+        if deliver.oldest_ms:
+            self.delivery_latency.observe(max(0.0, time.time() - deliver.oldest_ms / 1000), deliver.count)
 
 
 class Backend(Protocol):
@@ -71,6 +109,12 @@ class Backend(Protocol):
     channel_config: ChannelConfig
     connect_timeout_s: float
     traffic: Traffic
+    timers: Timers  # the node's one timer task: keepalive, commit and CONNECT deadlines of every connection
+    nursery: trio.Nursery  # where connections run their writer and worker tasks
+
+    def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
+        """Answer a pull from memory if the node can (the queue cache has it), else None: ``perform`` will."""
+        ...
 
     async def perform(self, connection: Connection, actions: list[Action]) -> None:
         """Execute node actions in order, feeding their answers to ``connection.feed``."""
@@ -85,37 +129,64 @@ class Backend(Protocol):
 class Connection:
     """One client connection: socket, decoder, channel, timers, and its queue of node actions.
 
+    Tasks are spent only while there is work: the connection's own task reads;
+    a writer task lives while bytes wait for the socket and a worker task while
+    node actions wait for the backend. Timers are handles in the node's
+    ``Timers``. The writer and the worker run in the node's nursery, each in
+    a cancel scope of the connection's, so an idle device costs one task (its
+    reader) and no nursery.
+
     Resource handling: :meth:`run` owns ``stream`` and closes it before returning.
     """
 
-    def __init__(self, stream: trio.abc.Stream, backend: Backend, peer: str, host: str) -> None:
-        """``peer`` is the client's address and port (for logs), ``host`` its address alone (per-source limits)."""
+    __slots__ = (
+        "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_stream", "_backend", "_traffic",
+        "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing", "_read_scope",
+        "_broken", "_timers", "_running", "_scopes", "__weakref__",
+    )
+
+    def __init__(
+        self, stream: trio.abc.Stream, backend: Backend, peer: str, host: str, cert_identity: str | None = None
+    ) -> None:
+        """``peer`` is the client's address and port (for logs), ``host`` its address alone (per-source limits),
+        ``cert_identity`` the verified client-certificate CN (mTLS), if any."""
         config = backend.channel_config
         self.channel = Channel(config)
         self.peer = peer
         self.host = host
+        self.cert_identity = cert_identity
         self.username: str | None = None  # the authenticated user name (None: anonymous), set when the node accepts
-        self.finished = trio.Event()  # set once the connection is completely gone (for takeovers)
+        self._finished: trio.Event | None = None  # made by the first waiter: most connections never have one
+        self._done = False
         self._stream = stream
         self._backend = backend
         self._traffic = backend.traffic
         self._decoder = MqttDecoder(role=Role.SERVER, max_packet_size=config.max_packet_size)
         self._out: list[bytes] = []
         self._out_seq: int | None = None  # highest Deliver seq among the bytes in _out
-        self._out_ready = trio.Event()
-        self._sending = False  # the writer holds bytes taken from _out that are not written yet
-        self._work: deque[Action] = deque()
-        self._work_ready = trio.Event()
-        self._busy = False
-        self._changed = trio.Event()
-        self._close_requested = trio.Event()
+        self._writing = False  # a writer task runs (it holds bytes taken from _out until they are written)
+        self._work: list[Action] = []
+        self._working = False  # a worker task runs (it holds the batch it hands to the backend)
+        self._changed: trio.Event | None = None  # created by a waiter in _until, set by _signal
+        self._closing = False
+        self._read_scope = trio.CancelScope()
         self._broken = False
-        self._timers: dict[str, trio.CancelScope] = {}
-        self._nursery: trio.Nursery | None = None
+        self._timers: dict[str, Timer] = {}
+        self._running = False  # run() serves the connection: tasks and timers may start
+        self._scopes: dict[str, trio.CancelScope] = {}  # the writer's and the worker's, while they run
 
     @property
     def client_id(self) -> str:
         return self.channel.client_id
+
+    async def wait_finished(self) -> None:
+        """Return once the connection is completely gone (socket closed, node told): what a takeover waits for."""
+        if self._done:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._finished is None:
+            self._finished = trio.Event()
+        await self._finished.wait()
 
     # --- executing actions --------------------------------------------------------------
 
@@ -130,94 +201,145 @@ class Connection:
             if kind is Send:
                 level = self.channel.protocol_level
                 self._out.extend(encode(packet, level) for packet in action.packets)  # type: ignore[union-attr]
-                self._out_ready.set()
             elif kind is Deliver:
                 self._out.append(action.data)  # type: ignore[union-attr]
                 self._out_seq = action.seq  # type: ignore[union-attr]
-                self._traffic.messages_out += action.count  # type: ignore[union-attr]
-                self._out_ready.set()
+                self._traffic.delivered(action)  # type: ignore[arg-type]
             elif kind is Close:
                 LOGGER.info("closing connection: %s", action.log,  # type: ignore[union-attr]
                             extra={"ctx": {"client_id": self.client_id, "peer": self.peer,
                                            "reason": action.reason.name}})  # type: ignore[union-attr]
-                self._close_requested.set()
+                self.close()
             elif kind is ArmTimer:
                 self._arm(action.name, action.delay_s)  # type: ignore[union-attr]
             elif kind is CancelTimer:
-                scope = self._timers.pop(action.name, None)  # type: ignore[union-attr]
-                if scope is not None:
-                    scope.cancel()
+                timer = self._timers.pop(action.name, None)  # type: ignore[union-attr]
+                if timer is not None:
+                    timer.cancel()
             else:
+                if kind is Pull and not self._work and not self._working:
+                    pulled = self._backend.pull_cached(self, action)  # type: ignore[arg-type]
+                    if pulled is not None:  # a cache hit: answered now, without a worker hop (in order: no work waits)
+                        self.feed(pulled)
+                        continue
                 self._work.append(action)
-                self._work_ready.set()
+        if self._running:
+            if self._out and not self._writing:
+                self._writing = True
+                self._backend.nursery.start_soon(self._task, "writer", self._writer)
+            if self._work and not self._working:
+                self._working = True
+                self._backend.nursery.start_soon(self._task, "worker", self._worker)
         self._signal()
 
+    def close(self) -> None:
+        """Stop reading and close once the node has settled the channel and the queued bytes are written."""
+        self._closing = True
+        self._read_scope.cancel()
+
     def _signal(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        changed = self._changed
+        if changed is not None:
+            self._changed = None
+            changed.set()
 
     def _arm(self, name: str, delay_s: float) -> None:
         old = self._timers.pop(name, None)
         if old is not None:
             old.cancel()
-        if self._nursery is None or self._close_requested.is_set():
+        if not self._running or self._closing:
             return
-        scope = trio.CancelScope()
-        self._timers[name] = scope
-        self._nursery.start_soon(self._timer, name, delay_s, scope)
+        self._timers[name] = self._backend.timers.call_later(delay_s, lambda: self._fire(name))
 
-    async def _timer(self, name: str, delay_s: float, scope: trio.CancelScope) -> None:
-        with scope:
-            await trio.sleep(delay_s)
-            if self._timers.get(name) is scope:
-                del self._timers[name]
+    def _fire(self, name: str) -> None:
+        """A timer of this connection came due (in the node's timer task: a failure must stay in this connection)."""
+        self._timers.pop(name, None)
+        if self._closing:
+            return
+        try:
             self.execute(self.channel.handle_timeout(name))
+        except Exception as exc:
+            LOGGER.error("connection failed: %r", exc, exc_info=exc,
+                         extra={"ctx": {"client_id": self.client_id, "peer": self.peer, "timer": name}})
+            self._broken = True
+            self.close()
+
+    def _connect_deadline(self) -> None:
+        if self.channel.state is State.AWAIT_CONNECT:
+            LOGGER.info("closing connection: no CONNECT within %s s", self._backend.connect_timeout_s,
+                        extra={"ctx": {"peer": self.peer}})
+            self.close()
 
     # --- tasks --------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Serve the connection until the channel closes it or the socket fails; then close the socket."""
+        """Serve the connection until the channel closes it or the socket fails; then close the socket.
+
+        Error handling: a failure is logged with the client id and ends this connection only.
+        """
+        deadline = self._backend.timers.call_later(self._backend.connect_timeout_s, self._connect_deadline)
+        self._running = True
         try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                nursery.start_soon(self._worker)
-                nursery.start_soon(self._writer)
-                async with trio.open_nursery() as reading:
-                    reading.start_soon(self._read_then_close)
-                    reading.start_soon(self._connect_deadline)
-                    await self._close_requested.wait()
-                    reading.cancel_scope.cancel()
-                for scope in self._timers.values():
-                    scope.cancel()
-                self._timers.clear()
-                with trio.move_on_after(CLOSE_TIMEOUT_S):
-                    await self._until(self._settled)
-                    await self._until(lambda: not (self._out or self._sending) or self._broken)
-                nursery.cancel_scope.cancel()
+            with self._read_scope:
+                await self._read()
+            self._closing = True  # the channel closes on every way the reader ends; this is the backstop
+            deadline.cancel()
+            for timer in self._timers.values():
+                timer.cancel()
+            self._timers.clear()
+            with trio.move_on_after(CLOSE_TIMEOUT_S):
+                await self._until(self._settled)
+                await self._until(lambda: not (self._out or self._writing) or self._broken)
+        except Exception as exc:  # one connection's failure must not stop the listener
+            LOGGER.error("connection failed: %r", exc, exc_info=exc,
+                         extra={"ctx": {"client_id": self.client_id, "peer": self.peer}})
         finally:
+            self._running = False
+            deadline.cancel()
+            for scope in self._scopes.values():
+                scope.cancel()
             with trio.CancelScope(shield=True):
+                await self._until(lambda: not (self._writing or self._working))
                 await self._stream.aclose()
             self._backend.connection_closed(self)
-            self.finished.set()
+            self._done = True
+            if self._finished is not None:
+                self._finished.set()
 
-    async def _until(self, condition: object) -> None:
-        while not condition():  # type: ignore[operator]
+    async def _task(self, name: str, body: Callable[[], Awaitable[None]]) -> None:
+        """Run the writer or the worker in the node's nursery; a failure ends this connection only."""
+        scope = self._scopes[name] = trio.CancelScope()
+        if not self._running:
+            scope.cancel()  # started after the connection ended: only its clean-up runs
+        try:
+            with scope:
+                await body()
+        except Exception as exc:
+            LOGGER.error("connection failed: %r", exc, exc_info=exc,
+                         extra={"ctx": {"client_id": self.client_id, "peer": self.peer, "task": name}})
+            self._broken = True
+            self.close()
+        finally:
+            del self._scopes[name]
+
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            if self._changed is None:
+                self._changed = trio.Event()
             await self._changed.wait()
 
     def _settled(self) -> bool:
         state = self.channel.state
-        idle = not self._work and not self._busy
+        idle = not self._work and not self._working
         return idle and (state is State.CLOSED or state is State.AWAIT_CONNECT)
 
-    async def _read_then_close(self) -> None:
-        await self._reader()
-        self._close_requested.set()  # the channel closes on every way the reader ends; this is the backstop
-
-    async def _reader(self) -> None:
+    async def _read(self) -> None:
+        """The reader: receive, decode, hand each packet to the channel; return when the connection ends."""
         decoder = self._decoder
         channel = self.channel
         while True:
-            await self._until(lambda: len(self._work) < MAX_QUEUED_ACTIONS)
+            if len(self._work) >= MAX_QUEUED_ACTIONS or channel.input_paused:  # node busy, or 3.1.1 in-flight full
+                await self._until(lambda: len(self._work) < MAX_QUEUED_ACTIONS and not channel.input_paused)
             try:
                 data = await self._stream.receive_some(RECEIVE_BYTES)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -238,86 +360,67 @@ class Connection:
                     break
                 if type(packet) is Publish:
                     self._traffic.messages_in += 1
+                    self._traffic.messages_in_by_qos[packet.qos] += 1
                 self.execute(channel.handle_in(packet))
-            if self._close_requested.is_set():
+            if self._closing:
                 return
 
-    async def _connect_deadline(self) -> None:
-        await trio.sleep(self._backend.connect_timeout_s)
-        if self.channel.state is State.AWAIT_CONNECT:
-            LOGGER.info("closing connection: no CONNECT within %s s", self._backend.connect_timeout_s,
-                        extra={"ctx": {"peer": self.peer}})
-            self._close_requested.set()
-
     async def _writer(self) -> None:
-        while True:
-            if not self._out:
-                self._out_ready = trio.Event()
-                await self._out_ready.wait()
-                continue
-            data = b"".join(self._out)
-            seq = self._out_seq
-            self._out.clear()
-            self._out_seq = None
-            if self._broken:
-                self._signal()
-                continue
-            self._sending = True
-            try:
-                await self._stream.send_all(data)
-                self._traffic.bytes_out += len(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self._broken = True
-                self.feed(ConnectionLost(f"send failed: {exc!r}"))
-                continue
-            finally:
-                self._sending = False
-            if seq is not None:
-                self.feed(SocketWritten(seq))
-            else:
-                self._signal()
+        """Write what is queued until nothing is; then end (the next ``execute`` with bytes starts another)."""
+        try:
+            while self._out:
+                data = b"".join(self._out)
+                seq = self._out_seq
+                self._out.clear()
+                self._out_seq = None
+                if self._broken:
+                    continue
+                try:
+                    await self._stream.send_all(data)
+                    self._traffic.bytes_out += len(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self._broken = True
+                    self.feed(ConnectionLost(f"send failed: {exc!r}"))
+                    continue
+                if seq is not None:
+                    self.feed(SocketWritten(seq))
+        finally:
+            self._writing = False
+            self._signal()
 
     async def _worker(self) -> None:
-        while True:
-            if not self._work:
-                self._work_ready = trio.Event()
-                await self._work_ready.wait()
-                continue
-            batch = list(self._work)
-            self._work.clear()
-            self._busy = True
-            try:
+        """Hand queued node actions to the backend, a batch at a time, until none are queued; then end."""
+        try:
+            while self._work:
+                batch = self._work
+                self._work = []
                 await self._backend.perform(self, batch)
-            finally:
-                self._busy = False
+                self._signal()
+        finally:
+            self._working = False
             self._signal()
 
 
 async def serve_mqtt(
     backend: Backend,
-    host: str,
-    port: int,
+    specs: Sequence[ListenerSpec],
     *,
-    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    admission: Admission | None = None,
+    task_status: trio.TaskStatus[list[BoundListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Listen on ``host:port`` and serve every connection with ``backend`` until cancelled.
+    """Listen as ``specs`` say (TCP, TLS, WebSocket; gateway/listeners.py) and serve every connection with
+    ``backend`` until cancelled.
 
-    ``task_status.started`` receives the listeners (port 0 picks a free port: read it from them).
+    ``task_status.started`` receives the bound listeners in the order of ``specs`` (port 0 picks a free port).
+    ``admission`` decides each accepted socket before any TLS, WebSocket or MQTT work (None: all admitted).
 
-    Error handling: a failing connection is logged and closed; the listener keeps serving.
+    Error handling: a failing connection is logged and closed; the listeners keep serving.
     """
 
-    async def handler(stream: trio.SocketStream) -> None:
-        try:
-            host, port = stream.socket.getpeername()[:2]
-        except OSError:
-            host, port = "?", "?"
-        peer = f"{host}:{port}"
-        connection = Connection(stream, backend, peer, host)
-        try:
-            await connection.run()
-        except Exception as exc:  # one connection's failure must not stop the listener
-            LOGGER.error("connection failed: %r", exc, exc_info=exc,
-                         extra={"ctx": {"client_id": connection.client_id, "peer": peer}})
+    def handler(stream: trio.abc.Stream, peer: Peer) -> Awaitable[None]:
+        # Returns the connection's coroutine rather than awaiting it: one frame less per idle device.
+        return Connection(stream, backend, peer.address, peer.host, peer.identity).run()
 
-    await trio.serve_tcp(handler, port, host=host, task_status=task_status)
+    await serve_listeners(handler, specs, admission=admission, handshake_timeout_s=backend.connect_timeout_s,
+                          max_message_size=WS_MESSAGE_PACKETS * backend.channel_config.max_packet_size,
+                          task_status=task_status)

@@ -31,15 +31,18 @@ class decides per call whether ``SaveSession`` is emitted.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import final
+
+import msgspec
 
 from gateway.actions import (
     Action,
     CommitOffsets,
     Deliver,
     InFlight,
+    LimitHit,
     Message,
     Phase,
     Pull,
@@ -48,6 +51,7 @@ from gateway.actions import (
     Subscription,
 )
 from gateway.codec import PublishTemplate
+from gateway.limits import Limit
 from gateway.packets import MQTT_5, Pubrel
 from gateway.properties import MAX_UINT16, PacketType, encode_properties
 from gateway.reasons import ReasonCode
@@ -90,6 +94,8 @@ class Link:
     encoder: Encoder
     now_ms: Callable[[], int]
     aliases: dict[str, int] = field(default_factory=dict)  # outbound topic -> alias, for this connection
+    qos0_queue_bytes: int = 0  # QoS 0 bytes handed to the socket but not yet written before new ones drop (0: none)
+    report: Callable[[Limit, int, str | None], LimitHit] = LimitHit  # builds the action for a limit hit
 
 
 @final
@@ -133,19 +139,21 @@ class Session:
     """
 
     __slots__ = ("client_id", "expiry_s", "awaiting_rel", "_streams", "_inflight", "_next_pid", "_retained",
-                 "_written", "_unwritten", "_seq", "_link", "_committed", "_acks")
+                 "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks")
 
     def __init__(self, client_id: str, expiry_s: int, state: SessionState | None = None) -> None:
         self.client_id = client_id
         self.expiry_s = expiry_s
-        self.awaiting_rel: set[int] = set(state.awaiting_rel) if state else set()
+        self.awaiting_rel: dict[int, None] = dict.fromkeys(state.awaiting_rel) if state else {}  # a dict as a set: 64 B empty
         """Inbound QoS 2 packet ids stored and PUBREC'd, waiting for PUBREL: a resent PUBLISH is not stored again."""
         self._streams: dict[str, _Stream] = {}
         self._inflight: dict[int, InFlight] = {}
         self._next_pid = state.next_packet_id if state else 1
-        self._retained: deque[tuple[Subscription, Message]] = deque()
-        self._written: deque[tuple[int, list[tuple[_Stream, int]]]] = deque()
+        # Lists, not deques: an idle session keeps both empty, and an empty deque costs 760 B.
+        self._retained: list[tuple[Subscription, Message]] = []
+        self._written: list[tuple[int, list[tuple[_Stream, int]], int]] = []  # (seq, QoS 0 items, bytes)
         self._unwritten = 0
+        self._unwritten_bytes = 0
         self._seq = 0
         self._link: Link | None = None
         self._committed: dict[str, int] = {}
@@ -230,11 +238,12 @@ class Session:
 
     def detach(self) -> None:
         """Unbind from the connection. QoS 0 messages not yet written count as delivered (at most once)."""
-        for _, items in self._written:
+        for _, items, _ in self._written:
             for stream, offset in items:
                 stream.unacked.discard(offset)
         self._written.clear()
         self._unwritten = 0
+        self._unwritten_bytes = 0
         self._retained.clear()
         self._link = None
 
@@ -312,7 +321,12 @@ class Session:
         return self.pump()
 
     def pump(self) -> list[Action]:
-        """Deliver what the windows allow and pull for streams that ran dry."""
+        """Deliver what the windows allow and pull for streams that ran dry.
+
+        While the QoS 0 deliveries not yet written add up to ``qos0_queue_bytes``
+        or more, further QoS 0 queue messages are dropped (their offsets advance:
+        QoS 0 is at most once) and reported, so a slow reader costs bounded memory.
+        """
         link = self._link
         if link is None:
             return []
@@ -322,13 +336,17 @@ class Session:
         inflight = self._inflight
         window = link.receive_maximum
         unwritten_room = link.max_unwritten - self._unwritten
+        queue_limit = link.qos0_queue_bytes
+        queued = self._unwritten_bytes
+        dropped = 0
+        oldest = 0  # the earliest store time of the queue messages delivered now (the latency metric's)
         retained = self._retained
         while retained:
             sub, message = retained[0]
             qos = min(sub.options.qos, message.qos)
             if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room):
                 break
-            retained.popleft()
+            del retained[0]
             template = self._template(link, message, sub, qos, True)
             if template is not None:
                 chunks.append(template.render(self._track(sub.filter, _NO_OFFSET, qos) if qos else None))
@@ -348,27 +366,41 @@ class Session:
                 if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room):
                     break
                 buffer.popleft()
+                if not qos and queue_limit and queued >= queue_limit:
+                    dropped += 1
+                    continue
                 template = self._template(link, message, sub, qos, sub.options.retain_as_published and message.retain)
                 if template is None:
                     continue  # expired, No Local, or too big for the client: skipped, its offset advances
                 stream.unacked.add(offset)
+                if not oldest or message.store_ms < oldest:
+                    oldest = message.store_ms
                 if qos:
                     chunks.append(template.render(self._track(sub.filter, offset, qos)))
                 else:
                     chunks.append(template.render())
                     written.append((stream, offset))
+                    queued += template.size
             if not buffer and not stream.pulling and (stream.head is None or stream.cursor < stream.head):
                 stream.pulling = True
                 if sub.group is not None:
                     stream.head = stream.cursor  # idle after an empty answer unless news comes meanwhile
                 actions.append(Pull(sub.filter, sub.queue, stream.cursor, link.pull_batch, sub.group))
+        if dropped:
+            actions.append(link.report(Limit.QOS0_QUEUE, dropped, f"{dropped} QoS 0 message(s) dropped: {queued} bytes"
+                                       f" wait for the socket (limit {queue_limit})"))
         if not chunks:
             return actions
         self._seq += 1
         if written:
-            self._written.append((self._seq, written))
+            self._written.append((self._seq, written, queued - self._unwritten_bytes))
             self._unwritten += len(written)
-        return [Deliver(b"".join(chunks), self._seq, len(chunks)), *actions]
+            self._unwritten_bytes = queued
+        by_qos = [0, 0, 0]
+        for chunk in chunks:
+            by_qos[chunk[0] >> 1 & 3] += 1  # the QoS bits of the PUBLISH's first byte
+        return [Deliver(b"".join(chunks), self._seq, len(chunks), (by_qos[0], by_qos[1], by_qos[2]), oldest),
+                *actions]
 
     def _track(self, filter: str, offset: int, qos: int) -> int:
         pid = self._allocate()
@@ -474,8 +506,9 @@ class Session:
     def written(self, up_to: int) -> list[Action]:
         """Deliveries up to ``seq`` reached the socket: their QoS 0 messages are done."""
         while self._written and self._written[0][0] <= up_to:
-            _, items = self._written.popleft()
+            _, items, size = self._written.pop(0)
             self._unwritten -= len(items)
+            self._unwritten_bytes -= size
             for stream, offset in items:
                 stream.unacked.discard(offset)
             self._acks += len(items)
@@ -500,3 +533,37 @@ class Session:
             if self._committed.get(name) != offset:
                 moved[name] = self._committed[name] = offset
         return [CommitOffsets(self.client_id, moved)] if moved else []
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(SessionState)
+
+
+def encode_session(state: SessionState) -> bytes:
+    """The session as the blob the store keeps (msgpack: no pickle, readable by any version that knows the fields)."""
+    return _ENCODER.encode(state)
+
+
+def decode_session(blob: bytes) -> SessionState:
+    """Raises msgspec.DecodeError (a ValueError) on a blob that is not a session."""
+    return _DECODER.decode(blob)
+
+
+def merge_committed(state: SessionState, committed: Mapping[str, int]) -> SessionState:
+    """The session with the queues' committed offsets (queue -> offset) where they are ahead of its own.
+
+    A blob is saved on subscription changes and disconnects, offsets are
+    committed on acknowledgements: after a crash the blob can be older than
+    the commits, and replaying from it would resend acknowledged messages.
+    Shared subscriptions are skipped: their group owns the offset.
+    """
+    offsets = dict(state.offsets)
+    cursors = dict(state.cursors)
+    for sub in state.subscriptions:
+        offset = committed.get(sub.queue)
+        if sub.group is None and offset is not None and offset > offsets.get(sub.filter, 0):
+            offsets[sub.filter] = offset
+            cursors[sub.filter] = max(cursors.get(sub.filter, offset), offset)
+    if offsets == state.offsets:
+        return state
+    return replace(state, offsets=offsets, cursors=cursors)

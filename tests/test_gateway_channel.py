@@ -614,7 +614,7 @@ def test_resend_after_reconnect_sets_dup_and_skips_what_was_acknowledged():
     assert [(e.offset, e.packet_id) for e in state.inflight] == [(10, out[0].packet_id), (12, out[2].packet_id)]
 
     channel, _, actions = connect(state=state, **persistent())
-    assert of(actions, Pull) == [Pull("a/b", "a/b", 10, 64)]
+    assert of(actions, Pull) == [Pull("a/b", "a/b", 10, ChannelConfig().pull_batch)]
     resent = delivered(channel.handle_event(Pulled("a/b", (msg(10), msg(11), msg(12), msg(13)), 14)))
     assert [(p.payload, p.dup, p.packet_id) for p in resent] == [
         (b"m10", True, out[0].packet_id), (b"m12", True, out[2].packet_id), (b"m13", False, resent[2].packet_id)]

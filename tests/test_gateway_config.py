@@ -89,6 +89,30 @@ def test_missing_file_is_an_error(tmp_path):
         parse(["--config", str(tmp_path / "nope.toml")])
 
 
+def test_list_option_from_file_and_repeated_flags(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "lg.toml"
+    path.write_text('[bridge]\nrules = ["out tele/# cloud/", "in cmd/#"]\n')
+    assert parse(["--config", str(path)])["bridge.rules"] == ["out tele/# cloud/", "in cmd/#"]
+    flags = parse(["--config", str(path), "--rule", "both a/#", "--rule", "out b/#"])
+    assert flags["bridge.rules"] == ["both a/#", "out b/#"]  # the flags replace the file's list
+    assert parse([])["bridge.rules"] == []
+
+
+@pytest.mark.parametrize("text", ['[bridge]\nrules = "out tele/#"\n', "[bridge]\nrules = [1, 2]\n"])
+def test_list_option_must_be_a_list_of_strings(tmp_path, text):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(cfg.ConfigError, match=re.escape("bridge.rules must be a list of strings")):
+        parse(["--config", str(path)])
+
+
+def test_to_toml_round_trips_a_list_with_quotes():
+    values = {o.key: o.default for o in cfg.OPTIONS} | {"bridge.rules": ['out "a b"/# \\x', "in c/#"]}
+    data = tomllib.loads(cfg.to_toml(values))
+    assert data["bridge"]["rules"] == ['out "a b"/# \\x', "in c/#"]
+
+
 def test_to_toml_round_trips_defaults():
     defaults = {o.key: o.default for o in cfg.OPTIONS}
     data = tomllib.loads(cfg.to_toml(defaults))

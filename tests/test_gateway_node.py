@@ -9,7 +9,8 @@ import trio
 from gateway.actions import InFlight, Message, Phase, Subscription
 from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.config import OPTIONS
-from gateway.node import decode_session, encode_session, serve_gateway
+from gateway.node import serve_gateway
+from gateway.session import decode_session, encode_session
 from gateway.packets import MQTT_5, Connack, Connect, Disconnect, Suback, Subscribe, SubscriptionOptions
 from gateway.properties import Properties
 from gateway.reasons import ReasonCode

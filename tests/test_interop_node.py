@@ -20,7 +20,7 @@ from mqtt_fixtures import (  # noqa: F401  (interop_node is a fixture)
 from paho.mqtt.packettypes import PacketTypes
 
 from gateway.actions import InFlight, Subscription
-from gateway.node import merge_committed
+from gateway.session import merge_committed
 from gateway.packets import MQTT_5, Puback, Publish, Subscribe, SubscriptionOptions
 from gateway.reasons import ReasonCode
 from gateway.session import Session, SessionState

@@ -1,0 +1,44 @@
+"""MQTT messages to and from store records: what a PUBLISH keeps in the CommitLog, and how it comes back.
+
+The record carries the MQTT 5 properties as their encoded property block, so
+a device receives exactly the properties its publisher sent (one encoding at
+append, one decoding per queue read, shared by every local session).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.actions import Message
+from gateway.properties import PacketType, decode_properties, encode_properties
+from store.client import NewMessage
+from store.record import Record
+
+__all__ = ["from_record", "record_fields", "to_new_message"]
+
+
+def to_new_message(message: Message) -> NewMessage:
+    """The message as the store appends it."""
+    return message.topic, message.payload, record_fields(message)
+
+
+def record_fields(message: Message) -> Mapping[str, Any]:
+    """The optional record fields of ``message`` (:func:`store.record.encode_record`)."""
+    return {
+        "client_id": message.client_id,
+        "qos": message.qos,
+        "retain": message.retain,
+        "properties": encode_properties(message.properties, PacketType.PUBLISH),
+        "born_ms": message.born_ms or None,
+    }
+
+
+def from_record(record: Record, queue: str | None, offset: int | None) -> Message:
+    """The message a record holds, as read from ``queue`` at ``offset`` (None, None: a retained copy)."""
+    props = record.properties
+    return Message(
+        record.topic, record.payload, record.qos, record.retain,
+        decode_properties(props, 0, len(props), PacketType.PUBLISH), record.client_id,
+        record.born_ms, record.store_ms, queue, offset,
+    )

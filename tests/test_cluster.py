@@ -1,0 +1,364 @@
+"""Cluster mode end to end: a `lightgate store` process and `lightgate gateway` processes, real MQTT clients.
+
+Every process is started by the tests; conditions are waited for with a
+timeout (``WAIT_S``), never slept for.
+"""
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+import trio
+
+from store import rpc
+from store.remote import RemoteStoreClient
+from test_gateway_server import Client, connected
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+WAIT_S = 30.0  # every condition below is waited for with this timeout (two cores, several processes)
+QUIET_S = 1.0  # how long a test listens to show that something does NOT arrive
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Process:
+    """A `lightgate` subprocess logging JSON lines, collected as they come."""
+
+    def __init__(self, *args: str, ready: str) -> None:
+        self.args = args
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", *args, "--log-json"],
+            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        self.logs: list[dict] = []
+        self._changed = threading.Condition()
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.ready = self.wait_log(lambda doc: doc.get("msg") == ready)
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                doc = {"msg": line.rstrip()}
+            with self._changed:
+                self.logs.append(doc)
+                self._changed.notify_all()
+
+    def wait_log(self, match, timeout: float = WAIT_S, after: int = 0) -> dict:
+        """The first log line from index ``after`` on that ``match``es, waiting for it."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for doc in self.logs[after:]:
+                    if match(doc):
+                        return doc
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None and not any(match(d) for d in self.logs[after:]):
+                    pytest.fail(f"no such log line of {self.args[0]}; logs: {self.logs[-30:]}")
+                self._changed.wait(min(left, 0.5))
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=WAIT_S)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def errors(self) -> list[dict]:
+        return [doc for doc in self.logs if doc.get("level") == "error"]
+
+
+class Store(Process):
+    def __init__(self, data: Path, port: int) -> None:
+        super().__init__("store", "--data", str(data), "--listen", f"127.0.0.1:{port}", ready="store node ready")
+        self.data = data
+        self.port = port
+
+
+class Gateway(Process):
+    def __init__(self, store_port: int, *flags: str) -> None:
+        super().__init__("gateway", "--store", f"127.0.0.1:{store_port}", "--port", "0",
+                         "--mqtt-sys-interval-s", "0", *flags, ready="gateway node ready")
+        self.port = self.ready["port"]
+        self.node = self.wait_log(lambda doc: doc.get("msg") == "connected to the store")["node"]
+
+
+@contextmanager
+def running_cluster(tmp_path: Path, gateways: int = 2):
+    store = Store(tmp_path / "data", free_port())
+    started = [store]
+    try:
+        nodes = []
+        for _ in range(gateways):
+            nodes.append(Gateway(store.port))
+            started.append(nodes[-1])
+        yield store, nodes
+    finally:
+        for process in reversed(started):
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One store and two gateways for the delivery tests; they must stop cleanly and log no error."""
+    with running_cluster(tmp_path_factory.mktemp("cluster")) as (store, gateways):
+        yield store, gateways
+    for process in (store, *gateways):
+        assert process.proc.returncode == 0, process.args
+        assert not process.errors(), process.errors()
+
+
+def run_id() -> str:
+    return uuid.uuid4().hex[:6]
+
+
+def ask_store(port: int, call):
+    """``await call(client)`` with a RemoteStoreClient of its own, as a gateway would ask."""
+    async def ask():
+        async with RemoteStoreClient.connect("127.0.0.1", port, node=f"probe-{run_id()}", timeout_s=WAIT_S) as client:
+            return await call(client)
+
+    return trio.run(ask)
+
+
+def store_statistics(port: int):
+    return ask_store(port, lambda client: client.statistics())
+
+
+def quiet(messages: queue.Queue) -> None:
+    with pytest.raises(queue.Empty):
+        extra = messages.get(timeout=QUIET_S)
+        pytest.fail(f"unexpected message {extra.topic} {extra.payload!r}")
+
+
+def publisher(port: int, protocol: int) -> tuple[mqtt.Client, dict, queue.Queue]:
+    """A paho publisher whose PUBACK reason codes land in ``acks`` (mid -> code) and disconnects in a queue."""
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"pub-{run_id()}", protocol=protocol)
+    acks: dict[int, int] = {}
+    disconnects: queue.Queue = queue.Queue()
+    client.on_publish = lambda c, u, mid, rc, props: acks.__setitem__(mid, int(getattr(rc, "value", rc)))
+    client.on_disconnect = lambda c, u, flags, rc, props: disconnects.put(rc)
+    connacks: queue.Queue = queue.Queue()
+    client.on_connect = lambda c, u, flags, rc, props: connacks.put(rc)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    assert not connacks.get(timeout=WAIT_S).is_failure  # the session is open: publishes go to the store
+    return client, acks, disconnects
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)  # polling paho's state: there is nothing to wait on
+
+
+@pytest.mark.parametrize("protocol", [mqtt.MQTTv311, mqtt.MQTTv5])
+@pytest.mark.parametrize("qos", [1, 2])
+def test_publish_on_one_gateway_reaches_wildcard_subscribers_on_the_other(cluster, protocol, qos):
+    _, (gw1, gw2) = cluster
+    run = run_id()
+    with connected(gw2.port, protocol=protocol) as plus, connected(gw2.port, protocol=protocol) as hash_, \
+            connected(gw1.port, protocol=protocol) as local, connected(gw1.port, protocol=protocol) as pub:
+        plus.subscribe(f"tele{run}/+/temp", qos)
+        hash_.subscribe(f"tele{run}/#", qos)
+        local.subscribe(f"tele{run}/dev0/temp", qos)
+        for i in range(5):
+            pub.publish(f"tele{run}/dev{i}/temp", f"t{i}".encode(), qos)
+        pub.publish(f"tele{run}/dev0/humidity", b"h", qos)
+        assert [(m.topic, m.payload, m.qos) for m in plus.receive(5)] == \
+            [(f"tele{run}/dev{i}/temp", f"t{i}".encode(), qos) for i in range(5)]
+        assert {m.topic for m in hash_.receive(6)} == {f"tele{run}/dev{i}/temp" for i in range(5)} | \
+            {f"tele{run}/dev0/humidity"}
+        assert [m.payload for m in local.receive(1)] == [b"t0"]  # the publisher's own node delivers too
+        quiet(plus.messages)
+
+
+def test_retained_messages_published_on_one_gateway_reach_new_subscribers_on_the_other(cluster):
+    _, (gw1, gw2) = cluster
+    run = run_id()
+    with connected(gw1.port) as pub:
+        pub.publish(f"state{run}/lamp", b"on", 1, retain=True)
+        pub.publish(f"state{run}/door", b"shut", 1, retain=True)
+    with connected(gw2.port) as late:
+        late.subscribe(f"state{run}/+", 1)
+        got = late.receive(2)
+        assert {(m.topic, m.payload, m.retain) for m in got} == {(f"state{run}/lamp", b"on", True),
+                                                                  (f"state{run}/door", b"shut", True)}
+
+
+def test_shared_subscription_members_on_both_gateways_share_the_messages(cluster):
+    _, (gw1, gw2) = cluster
+    run = run_id()
+    with connected(gw1.port) as one, connected(gw2.port) as two, connected(gw1.port) as pub:
+        one.subscribe(f"$share/workers/jobs{run}/#", 1)
+        two.subscribe(f"$share/workers/jobs{run}/#", 1)
+        for i in range(40):
+            pub.publish(f"jobs{run}/j{i}", str(i).encode(), 1)
+        received = []
+        deadline = time.monotonic() + WAIT_S
+        while len(received) < 40 and time.monotonic() < deadline:
+            for member in (one, two):
+                try:
+                    received.append(member.messages.get(timeout=0.05).payload)
+                except queue.Empty:
+                    pass
+        assert sorted(received, key=int) == [str(i).encode() for i in range(40)]  # each message once
+        quiet(one.messages)
+        quiet(two.messages)
+        one.disconnect()  # gw1's last member leaves: the store's group now has only gw2
+        for i in range(40, 50):
+            pub.publish(f"jobs{run}/j{i}", str(i).encode(), 1)
+        assert sorted(m.payload for m in two.receive(10)) == sorted(str(i).encode() for i in range(40, 50))
+
+
+def test_a_gateway_without_sessions_on_a_queue_gets_no_events_for_it(cluster):
+    store, (gw1, gw2) = cluster
+    run = run_id()
+    with connected(gw2.port) as sub, connected(gw1.port) as pub:
+        sub.subscribe(f"route{run}/x", 1)
+        before = store_statistics(store.port).notify_by_node
+        for i in range(10):
+            pub.publish(f"route{run}/x", str(i).encode(), 1)
+        assert len(sub.receive(10)) == 10
+        after = store_statistics(store.port)
+    assert after.notify_by_node[gw1.node] == before[gw1.node]  # the publisher's node holds no session on it
+    assert after.notify_by_node[gw2.node] > before[gw2.node]
+    assert after.notify_suppressed > 0
+
+
+def test_gateway_sigkill_devices_resume_on_the_other_and_wills_fire_within_the_lease(tmp_path):
+    with running_cluster(tmp_path) as (store, (gw1, gw2)):
+        run = run_id()
+        device_id = f"dev-{run}"
+        with connected(gw2.port) as watcher, connected(gw2.port) as pub:
+            watcher.subscribe(f"will{run}/#", 1)
+            device = Client(gw1.port, device_id, clean=False, will=(f"will{run}/{device_id}", b"offline", 1))
+            device.connect()
+            device.subscribe(f"cmd{run}/{device_id}", 1)
+            for i in range(5):
+                pub.publish(f"cmd{run}/{device_id}", f"before{i}".encode(), 1)
+            assert [m.payload for m in device.receive(5)] == [f"before{i}".encode() for i in range(5)]
+            wait_for(lambda: ask_store(store.port, lambda client: client.get_offsets(device_id)).get(
+                f"cmd{run}/{device_id}") == 5, "gw1 to commit the acknowledged offsets (every second)")
+            device.paho.loop_stop()  # the device's network goes with its gateway
+            killed = time.monotonic()
+            gw1.kill()
+            for i in range(5):  # while the device is away: kept for its persistent session
+                pub.publish(f"cmd{run}/{device_id}", f"after{i}".encode(), 1)
+            [will] = watcher.receive(1)
+            elapsed = time.monotonic() - killed
+            assert (will.topic, will.payload) == (f"will{run}/{device_id}", b"offline")
+            assert elapsed < rpc.LEASE_S + 5.0  # the lease bound (docs/cluster.md), plus process start-up slack
+            resumed = Client(gw2.port, device_id, clean=False)
+            flags = resumed.connect()
+            try:
+                assert flags.session_present
+                assert [m.payload for m in resumed.receive(5)] == [f"after{i}".encode() for i in range(5)]
+                quiet(resumed.messages)  # nothing acknowledged before the kill comes again
+            finally:
+                resumed.disconnect()
+            quiet(watcher.messages)  # the will fired once
+
+
+def test_a_normal_disconnect_leaves_no_will_for_the_store_to_fire(tmp_path):
+    with running_cluster(tmp_path) as (store, (gw1, gw2)):
+        run = run_id()
+        with connected(gw2.port) as watcher:
+            watcher.subscribe(f"will{run}/#", 1)
+            device = Client(gw1.port, f"dev-{run}", will=(f"will{run}/dev", b"offline", 1))
+            device.connect()
+            device.disconnect()  # DISCONNECT: the will is dropped
+            gw1.wait_log(lambda doc: doc.get("client_id") == f"dev-{run}" and "client disconnected" in doc["msg"])
+            with connected(gw1.port) as probe:  # a store round trip of gw1 after it dropped the will
+                probe.subscribe(f"probe{run}", 1)
+            gw1.kill()
+            store.wait_log(lambda doc: doc.get("msg") == "gateway node lease ended" and doc.get("node") == gw1.node)
+            quiet(watcher.messages)
+
+
+def test_store_restart_no_false_puback_and_publishes_are_accepted_again(tmp_path):
+    with running_cluster(tmp_path) as (store, (gw1, gw2)):
+        run = run_id()
+        topic = f"data{run}/x"
+        with connected(gw2.port, client_id=f"sub-{run}", clean=False) as sub:
+            sub.subscribe(topic, 1)
+            client, acks, _ = publisher(gw1.port, mqtt.MQTTv5)
+            sent: dict[int, bytes] = {}
+
+            def publish(i: int) -> None:
+                payload = f"m{i}".encode()
+                sent[client.publish(topic, payload, 1).mid] = payload
+
+            for i in range(20):
+                publish(i)
+            store.kill()  # publishes in flight and after: not acknowledged as stored
+            index = 20
+            while not any(code >= 0x80 for code in acks.values()):
+                publish(index)
+                index += 1
+                wait_for(lambda: len(acks) == len(sent), "the PUBACKs")
+            restarted = Store(store.data, store.port)
+            try:
+                gw1.wait_log(lambda doc: doc.get("msg") == "connected to the store" and doc.get("reconnect"))
+                gw2.wait_log(lambda doc: doc.get("msg") == "connected to the store" and doc.get("reconnect"))
+                accepted_after = None
+                while accepted_after is None:
+                    mid = client.publish(topic, b"after", 1).mid
+                    sent[mid] = b"after"
+                    wait_for(lambda: mid in acks, "the PUBACK after the restart")
+                    if acks[mid] == 0:
+                        accepted_after = mid
+                wait_for(lambda: len(acks) == len(sent), "every PUBACK")
+                acknowledged = [sent[mid] for mid, code in acks.items() if code == 0]
+                refused = [mid for mid, code in acks.items() if code >= 0x80]
+                assert refused and set(acks[mid] for mid in refused) <= {0x80, 0x83}
+                got = []
+                while b"after" not in got or len(set(got)) < len(set(acknowledged)):
+                    got.append(sub.messages.get(timeout=WAIT_S).payload)
+                assert set(acknowledged) <= set(got)  # no false PUBACK: each acknowledged message was stored
+            finally:
+                client.loop_stop()
+                restarted.stop()
+
+
+def test_a_311_publisher_is_disconnected_when_its_message_cannot_be_stored(tmp_path):
+    with running_cluster(tmp_path, gateways=1) as (store, (gw1,)):
+        client, acks, disconnects = publisher(gw1.port, mqtt.MQTTv311)
+        try:
+            client.publish("x/y", b"before", 1)
+            wait_for(lambda: len(acks) == 1, "the PUBACK")
+            store.kill()
+            gw1.wait_log(lambda doc: doc.get("msg") in ("the store closed the connection", "store connection lost"))
+            mid = client.publish("x/y", b"during", 1).mid
+            disconnects.get(timeout=WAIT_S)  # 3.1.1 has no negative PUBACK: the gateway closes instead
+            assert mid not in acks
+        finally:
+            client.loop_stop()

@@ -1,0 +1,340 @@
+"""The admin HTTP endpoint of `lightgate serve` (gateway/admin.py), over real sockets against a node subprocess:
+health and readiness, HTTP errors, each admin action taking effect on paho clients, HTTP publish, and auth."""
+
+import base64
+import http.client
+import json
+import socket
+import uuid
+
+import paho.mqtt.client as mqtt
+import pytest
+from mqtt_fixtures import WAIT_S, Client, Node, connected, properties, quiet, running_node, wait_until
+from paho.mqtt.packettypes import PacketTypes
+
+from gateway.passwords import PasswordFile
+
+TOKEN = "s3cret-admin-token"
+PASSWORDS = {"alice": "alice-pw", "bob": "bob-pw"}
+ACL = """\
+default deny
+
+user alice
+allow both alice/#
+
+user bob
+allow subscribe #
+"""
+
+
+class Admin:
+    """An HTTP/1.1 client of the admin endpoint on one kept-alive connection (http.client: a real socket)."""
+
+    def __init__(self, port: int, token: str | None = None) -> None:
+        self.port = port
+        self.token = token
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+
+    def request(self, method: str, path: str, body: bytes | dict | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, http.client.HTTPMessage, object]:
+        """(status, headers, JSON body or raw bytes) of one request."""
+        sent = dict(headers or {})
+        if self.token is not None:
+            sent.setdefault("Authorization", f"Bearer {self.token}")
+        if isinstance(body, dict):
+            body = json.dumps(body).encode()
+            sent["Content-Type"] = "application/json"
+        self.conn.request(method, path, body=body, headers=sent)
+        response = self.conn.getresponse()
+        data = response.read()
+        if response.getheader("content-type", "").startswith("application/json"):
+            return response.status, response.headers, json.loads(data)
+        return response.status, response.headers, data
+
+    def get(self, path: str) -> object:
+        status, _, body = self.request("GET", path)
+        assert status == 200, (path, status, body)
+        return body
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def admin_port(node: Node) -> int:
+    return node.wait_log(lambda doc: doc.get("msg") == "admin API ready")["port"]
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    with running_node(tmp_path_factory.mktemp("admin") / "data", "--mqtt-connect-timeout-s", "2",
+                      "--mqtt-sys-interval-s", "0") as node:
+        yield node
+    assert node.proc.returncode == 0
+    assert not [doc for doc in node.logs if doc.get("level") == "error"], node.logs
+
+
+@pytest.fixture
+def admin(node):
+    client = Admin(admin_port(node))
+    yield client
+    client.close()
+
+
+def run_id() -> str:
+    return uuid.uuid4().hex[:6]
+
+
+def test_health_readiness_and_keep_alive(admin):
+    assert admin.get("/healthz") == {"status": "ok"}
+    assert admin.get("/readyz") == {"status": "ready"}
+    sock = admin.conn.sock
+    for _ in range(3):
+        admin.get("/healthz")
+    assert admin.conn.sock is sock  # one connection served every request
+
+
+def test_http_errors_are_json_with_the_right_status(admin):
+    status, _, body = admin.request("GET", "/api/v1/nothing-here")
+    assert status == 404 and "no such resource" in body["error"]
+    status, headers, body = admin.request("PUT", "/api/v1/clients")
+    assert status == 405 and headers["allow"] == "GET" and "PUT" in body["error"]
+    status, headers, body = admin.request("POST", "/healthz")
+    assert status == 405
+    status, _, body = admin.request("GET", "/api/v1/clients/no-such-client")
+    assert status == 404
+    status, _, body = admin.request("POST", "/api/v1/publish", b"{not json")
+    assert status == 400 and "not JSON" in body["error"]
+    status, _, body = admin.request("POST", "/api/v1/publish", {"topic": "a/+/b", "payload": "x"})
+    assert status == 400 and "topic" in body["error"]
+    status, _, body = admin.request("POST", "/api/v1/publish", {"topic": "a", "payload": "x", "qos": 3})
+    assert status == 400 and "qos" in body["error"]
+    status, _, body = admin.request("GET", "/api/v1/retained?filter=a/%23/b")
+    assert status == 400 and "filter" in body["error"]
+
+
+def test_a_body_over_the_limit_gets_413_and_the_connection_closes(node):
+    # The node runs with the default mqtt.max_packet_size (1 MiB + 1 KiB): bodies up to twice that are read.
+    with socket.create_connection(("127.0.0.1", admin_port(node)), timeout=WAIT_S) as raw:
+        raw.sendall(b"POST /api/v1/publish HTTP/1.1\r\nHost: x\r\nContent-Length: 5000000\r\n\r\n")
+        answer = b""
+        while chunk := raw.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413 ")
+    assert b"exceeds" in answer
+
+
+def test_a_chunked_body_over_the_limit_gets_413(node):
+    with socket.create_connection(("127.0.0.1", admin_port(node)), timeout=WAIT_S) as raw:
+        raw.sendall(b"POST /api/v1/publish HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * 1_000_000
+        answer = b""
+        try:
+            for _ in range(4):
+                raw.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the node answered and closed while we were still sending
+        while part := raw.recv(65536):
+            answer += part
+    assert answer.startswith(b"HTTP/1.1 413 ")
+
+
+def test_malformed_http_gets_400(node):
+    with socket.create_connection(("127.0.0.1", admin_port(node)), timeout=WAIT_S) as raw:
+        raw.sendall(b"this is not HTTP\r\n\r\n")
+        answer = raw.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 400 ")
+
+
+def test_disconnect_a_client_with_administrative_action(node, admin):
+    run = run_id()
+    with connected(node.port) as watcher:
+        watcher.subscribe(f"will{run}/#", 1)
+        victim = Client(node.port, f"victim-{run}", protocol=mqtt.MQTTv5, will=(f"will{run}/gone", b"bye", 1))
+        victim.paho.reconnect_delay_set(60, 60)  # paho reconnects by itself; not within this test
+        victim.connect()
+        clients = {c["client_id"]: c for c in admin.get("/api/v1/clients")}
+        assert clients[f"victim-{run}"]["protocol"] == "5.0"
+        assert admin.get(f"/api/v1/clients/victim-{run}")["peer"].startswith("127.0.0.1:")
+        status, _, body = admin.request("DELETE", f"/api/v1/clients/victim-{run}")
+        assert status == 200 and body == {"disconnected": f"victim-{run}"}
+        reason = victim.disconnects.get(timeout=WAIT_S)
+        assert int(getattr(reason, "value", reason)) == 0x98  # MQTT 5 DISCONNECT: Administrative action
+        victim.paho.loop_stop()
+        (will,) = watcher.receive(1)  # a close the client did not ask for publishes its will
+        assert (will.topic, will.payload) == (f"will{run}/gone", b"bye")
+        assert f"victim-{run}" not in {c["client_id"] for c in admin.get("/api/v1/clients")}
+        status, _, _ = admin.request("DELETE", f"/api/v1/clients/victim-{run}")
+        assert status == 404
+
+
+def test_sessions_and_queues_show_lag_and_delete_session_ends_it(node, admin):
+    run = run_id()
+    client_id = f"sess-{run}"
+    expiry = properties(PacketTypes.CONNECT, SessionExpiryInterval=3600)
+    sub = Client(node.port, client_id, protocol=mqtt.MQTTv5, clean=False)
+    sub.connect(properties=expiry)
+    sub.subscribe(f"lag{run}/#", 1)
+    sub.disconnect()
+    with connected(node.port) as pub:
+        for i in range(3):
+            pub.publish(f"lag{run}/x", str(i).encode(), 1)
+
+    def offline_session():
+        return next((s for s in admin.get("/api/v1/sessions") if s["client_id"] == client_id), None)
+
+    wait_until(lambda: (offline_session() or {}).get("lag") == 3, what="the offline session's lag of 3")
+    session = offline_session()
+    assert not session["connected"] and session["expiry_s"] == 3600
+    (subscription,) = session["subscriptions"]
+    assert subscription["filter"] == f"lag{run}/#" and subscription["max_offset"] - subscription["offset"] == 3
+    assert admin.get(f"/api/v1/sessions/{client_id}")["lag"] == 3
+    queue = next(q for q in admin.get("/api/v1/queues") if q["queue"] == f"lag{run}/#")
+    assert queue["lag"] == 3 and queue["consumers"] == 1
+    overview = admin.get("/api/v1/overview")
+    assert client_id in {s["client_id"] for s in overview["top_sessions"]}
+    assert overview["sessions"]["offline"] >= 1
+
+    status, _, body = admin.request("DELETE", f"/api/v1/sessions/{client_id}")
+    assert status == 200 and body == {"deleted": client_id}
+    status, _, _ = admin.request("GET", f"/api/v1/sessions/{client_id}")
+    assert status == 404
+    status, _, _ = admin.request("DELETE", f"/api/v1/sessions/{client_id}")
+    assert status == 404
+    again = Client(node.port, client_id, protocol=mqtt.MQTTv5, clean=False)
+    flags = again.connect(properties=expiry)
+    assert not flags.session_present  # the session is gone: nothing of it resumes
+    quiet(again.messages)
+    again.disconnect()
+
+
+def test_delete_session_of_a_connected_client_disconnects_it(node, admin):
+    run = run_id()
+    client = Client(node.port, f"live-{run}")
+    client.paho.reconnect_delay_set(60, 60)  # paho reconnects by itself; not within this test
+    client.connect()
+    try:
+        client.subscribe(f"live{run}/#", 1)
+        assert admin.get(f"/api/v1/sessions/live-{run}")["connected"]
+        status, _, _ = admin.request("DELETE", f"/api/v1/sessions/live-{run}")
+        assert status == 200
+        client.disconnects.get(timeout=WAIT_S)
+    finally:
+        client.paho.loop_stop()
+    status, _, _ = admin.request("GET", f"/api/v1/sessions/live-{run}")
+    assert status == 404
+
+
+def test_retained_messages_are_listed_and_deleted(node, admin):
+    run = run_id()
+    with connected(node.port) as pub:
+        pub.publish(f"ret{run}/a", b"kept", 1, retain=True)
+        pub.publish(f"ret{run}/b", b"\xff\x00", 1, retain=True)
+    wait_until(lambda: len(admin.get(f"/api/v1/retained?filter=ret{run}/%23")) == 2, what="two retained messages")
+    listed = {m["topic"]: m for m in admin.get(f"/api/v1/retained?filter=ret{run}/%23")}
+    assert listed[f"ret{run}/a"]["payload"] == "kept" and listed[f"ret{run}/a"]["encoding"] == "utf-8"
+    assert base64.b64decode(listed[f"ret{run}/b"]["payload"]) == b"\xff\x00"
+    assert admin.get(f"/api/v1/retained/ret{run}/a")["payload"] == "kept"
+
+    status, _, body = admin.request("DELETE", f"/api/v1/retained/ret{run}/a")
+    assert status == 200 and body == {"deleted": f"ret{run}/a"}
+    wait_until(lambda: [m["topic"] for m in admin.get(f"/api/v1/retained?filter=ret{run}/%23")] == [f"ret{run}/b"],
+               what="the deleted retained message to go")
+    with connected(node.port) as late:
+        late.subscribe(f"ret{run}/a", 1)
+        quiet(late.messages)  # a new subscriber gets no retained message for the deleted topic
+    status, _, _ = admin.request("DELETE", f"/api/v1/retained/ret{run}/a")
+    assert status == 404
+
+
+def test_http_publish_reaches_a_paho_subscriber(node, admin):
+    run = run_id()
+    with connected(node.port, protocol=mqtt.MQTTv5) as sub:
+        sub.subscribe(f"http{run}/#", 2)
+        status, _, body = admin.request("POST", "/api/v1/publish", {"topic": f"http{run}/text", "payload": "héllo",
+                                                                    "qos": 1})
+        assert status == 200 and body == {"topic": f"http{run}/text", "qos": 1, "retain": False, "bytes": 6}
+        admin.request("POST", "/api/v1/publish", {"topic": f"http{run}/bin", "qos": 2, "retain": True,
+                                                  "payload": base64.b64encode(b"\x00\x01").decode(),
+                                                  "encoding": "base64"})
+        first, second = sub.receive(2)
+        assert (first.topic, first.payload, first.qos) == (f"http{run}/text", "héllo".encode(), 1)
+        assert (second.topic, second.payload, second.qos) == (f"http{run}/bin", b"\x00\x01", 2)
+    with connected(node.port) as late:
+        late.subscribe(f"http{run}/bin", 1)
+        (retained,) = late.receive(1)
+        assert retained.retain and retained.payload == b"\x00\x01"
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("secured")
+    passwords = PasswordFile.load_or_empty(directory / "users.txt")
+    for user, password in PASSWORDS.items():
+        passwords.set_password(user, password)
+    passwords.save()
+    (directory / "acl.txt").write_text(ACL)
+    with running_node(directory / "data", "--auth-password-file", str(passwords.path), "--auth-acl-file",
+                      str(directory / "acl.txt"), "--auth-failure-delay-s", "0", "--admin-token", TOKEN) as node:
+        yield node
+    assert node.proc.returncode == 0
+
+
+def test_the_admin_api_needs_its_token_and_probes_do_not(secured):
+    port = admin_port(secured)
+    anonymous = Admin(port)
+    try:
+        for path in ("/healthz", "/readyz", "/metrics", "/"):
+            status, _, _ = anonymous.request("GET", path)
+            assert status == 200, path
+        for path in ("/api/v1/clients", "/api/v1/overview", "/api/v1/retained"):
+            status, headers, body = anonymous.request("GET", path)
+            assert status == 401 and headers["www-authenticate"].startswith("Bearer"), path
+        status, _, _ = anonymous.request("GET", "/api/v1/clients", headers={"Authorization": "Bearer wrong"})
+        assert status == 401
+        status, _, _ = anonymous.request("DELETE", "/api/v1/retained/alice/x")
+        assert status == 401
+    finally:
+        anonymous.close()
+    authorised = Admin(port, TOKEN)
+    try:
+        assert authorised.get("/api/v1/clients") == []
+    finally:
+        authorised.close()
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def test_http_publish_authenticates_with_the_password_file_and_checks_the_acl(secured):
+    run = run_id()
+    publisher = Admin(admin_port(secured))
+    watcher = Client(secured.port, protocol=mqtt.MQTTv5)
+    watcher.paho.username_pw_set("bob", PASSWORDS["bob"])
+    watcher.connect()
+    try:
+        watcher.subscribe("#", 1)
+        message = {"topic": f"alice/{run}", "payload": "from http", "qos": 1}
+        status, headers, _ = publisher.request("POST", "/api/v1/publish", message)
+        assert status == 401 and headers["www-authenticate"].startswith("Basic")  # no anonymous access
+        status, _, _ = publisher.request("POST", "/api/v1/publish", message, basic("alice", "wrong"))
+        assert status == 401
+        status, _, body = publisher.request("POST", "/api/v1/publish", {**message, "topic": f"bob/{run}"},
+                                            basic("alice", PASSWORDS["alice"]))
+        assert status == 403 and "ACL" in body["error"]
+        status, _, _ = publisher.request("POST", "/api/v1/publish", message, basic("alice", PASSWORDS["alice"]))
+        assert status == 200
+        (received,) = watcher.receive(1)  # only the accepted publish was stored
+        assert (received.topic, received.payload) == (f"alice/{run}", b"from http")
+        quiet(watcher.messages)
+        overview = Admin(admin_port(secured), TOKEN)
+        try:
+            view = overview.get("/api/v1/overview")
+        finally:
+            overview.close()
+        assert view["auth"]["failures"] >= 2 and view["auth"]["acl_denials"] >= 1
+        recent = view["auth"]["recent"][0]
+        assert recent["client_id"] is None and recent["reason"] in ("NOT_AUTHORIZED", "BAD_USER_NAME_OR_PASSWORD")
+    finally:
+        publisher.close()
+        watcher.disconnect()

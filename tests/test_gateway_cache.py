@@ -1,0 +1,96 @@
+"""The per-node queue cache over a real store: fills after events, hits, read-through, bounds."""
+
+from pathlib import Path
+
+import trio
+
+from gateway.actions import Message
+from gateway.cache import QueueCache
+from store.client import LocalStoreClient
+from store.commitlog import CommitLogConfig
+from store.node import open_store
+from store.record import Record
+
+CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
+
+
+def convert(record: Record, queue: str, offset: int) -> Message:
+    return Message(record.topic, record.payload, record.qos, queue=queue, offset=offset)
+
+
+async def publish(client: LocalStoreClient, topic: str, count: int, start: int = 0) -> None:
+    await client.append([(topic, f"m{start + i}".encode(), {}) for i in range(count)])
+    store = client.store
+    with trio.fail_after(10):
+        await store.dispatcher.wait_dispatched(store.log.log.written_offset)
+
+
+async def test_events_fill_the_cache_once_and_sessions_read_from_memory(tmp_path: Path):
+    async with open_store(tmp_path, CONFIG) as store:
+        client = LocalStoreClient(store)
+        cache = QueueCache(client, convert)
+        start = await client.activate("cmd/+", "s1")
+        cache.watch("cmd/+")
+        cache.watch("cmd/+")  # two local sessions on one queue
+        client.watch("cmd/+")
+        messages, next_offset, expired = await cache.read("cmd/+", start, 10)  # seeds the run (empty queue)
+        assert (messages, next_offset, expired) == ([], start, False)
+        await publish(client, "cmd/a", 3)
+        with trio.fail_after(10):
+            events = await client.events()
+        await cache.fill(events)  # the empty read seeded the run at the head: the event fills it
+        assert cache.statistics().fills == 1
+        first, after, _ = await cache.read("cmd/+", start, 10)
+        assert [m.payload for m in first] == [b"m0", b"m1", b"m2"] and after == start + 3
+        assert cache.statistics().hits == 1
+        await publish(client, "cmd/b", 2, start=3)
+        with trio.fail_after(10):
+            await cache.fill(await client.events())
+        stats = cache.statistics()
+        assert stats.fills == 2 and stats.messages == 5
+        reads_before = stats.store_reads
+        for _ in range(2):  # both sessions: answered from memory, the same Message objects
+            again, after, _ = await cache.read("cmd/+", start + 3, 10)
+            assert [m.payload for m in again] == [b"m3", b"m4"] and after == start + 5
+        assert cache.statistics().store_reads == reads_before and cache.statistics().hits == 3
+        client.close()
+
+
+async def test_a_session_behind_the_cache_reads_the_store(tmp_path: Path):
+    async with open_store(tmp_path, CONFIG) as store:
+        client = LocalStoreClient(store)
+        cache = QueueCache(client, convert, max_messages=4)
+        await client.activate("t/#", "s")
+        cache.watch("t/#")
+        await publish(client, "t/x", 10)
+        recent, _, _ = await cache.read("t/#", 6, 4)  # seeds the run at 6
+        assert [m.offset for m in recent] == [6, 7, 8, 9]
+        old, after, _ = await cache.read("t/#", 0, 3)  # behind the run: a store read that does not disturb it
+        assert [m.offset for m in old] == [0, 1, 2] and after == 3
+        assert cache.statistics().messages == 4
+        await publish(client, "t/x", 3, start=10)
+        await cache.fill({"t/#": 13})
+        assert cache.statistics().messages == 4  # bounded: the oldest went
+        hit, _, _ = await cache.read("t/#", 9, 10)
+        assert [m.offset for m in hit] == [9, 10, 11, 12]
+        client.close()
+
+
+async def test_the_byte_budget_evicts_the_least_recently_extended_queue(tmp_path: Path):
+    async with open_store(tmp_path, CONFIG) as store:
+        client = LocalStoreClient(store)
+        cache = QueueCache(client, convert, max_bytes=1500)
+        for queue in ("q/a", "q/b"):
+            await client.activate(queue, "s")
+            cache.watch(queue)
+        await publish(client, "q/a", 4)
+        await publish(client, "q/b", 4)
+        await cache.read("q/a", 0, 4)
+        await cache.read("q/b", 0, 4)
+        stats = cache.statistics()
+        assert stats.queues == 1 and stats.bytes <= 1500  # q/a went, q/b (extended last) stayed
+        await cache.read("q/b", 0, 4)
+        assert cache.statistics().hits == 1
+        cache.unwatch("q/b")
+        assert cache.statistics().queues == 0 and cache.statistics().bytes == 0
+        client.close()

@@ -1,0 +1,146 @@
+"""Prometheus metrics of a gateway node (gateway/metrics.py): the exposition parses, and the figures move with
+traffic, refusals and limit hits; each node of a process has its own registry."""
+
+import http.client
+import logging
+import uuid
+
+import paho.mqtt.client as mqtt
+import pytest
+import trio
+from mqtt_fixtures import WAIT_S, Client, connected, running_node, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.config import OPTIONS
+from gateway.metrics import histogram
+from gateway.node import serve_gateway
+from gateway.passwords import PasswordFile
+from store.aio import LatencyBuckets
+
+DEFAULTS = {o.key: o.default for o in OPTIONS}
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``{(sample name, sorted labels): value}`` of one ``GET /metrics``, parsed by prometheus_client."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        conn.request("GET", "/metrics")
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.getheader("content-type").startswith("text/plain")
+        text = response.read().decode()
+    finally:
+        conn.close()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def value(samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def test_latency_buckets_become_a_cumulative_prometheus_histogram():
+    buckets = LatencyBuckets((0.01, 0.1))
+    buckets.observe(0.005)
+    buckets.observe(0.01)  # on a bound: counted in that bucket (le = less or equal)
+    buckets.observe(0.05, count=3)
+    buckets.observe(7.0)
+    family = histogram("x_seconds", "test", buckets)
+    samples = {(s.name, s.labels.get("le")): s.value for s in family.samples}
+    assert samples[("x_seconds_bucket", "0.01")] == 2
+    assert samples[("x_seconds_bucket", "0.1")] == 5
+    assert samples[("x_seconds_bucket", "+Inf")] == 6
+    assert samples[("x_seconds_count", None)] == 6
+    assert samples[("x_seconds_sum", None)] == pytest.approx(0.005 + 0.01 + 0.15 + 7.0)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("metrics")
+    passwords = PasswordFile.load_or_empty(directory / "users.txt")
+    passwords.set_password("alice", "alice-pw")
+    passwords.save()
+    with running_node(directory / "data", "--commitlog-flush", "sync", "--mqtt-sys-interval-s", "0",
+                      "--auth-password-file", str(passwords.path), "--auth-allow-anonymous", "true",
+                      "--auth-failure-delay-s", "0", "--limits-max-topic-levels", "4") as node:
+        node.admin_port = node.wait_log(lambda doc: doc.get("msg") == "admin API ready")["port"]
+        yield node
+    assert node.proc.returncode == 0
+
+
+def test_metrics_move_with_traffic(node):
+    run = uuid.uuid4().hex[:6]
+    before = scrape(node.admin_port)
+    with connected(node.port, protocol=mqtt.MQTTv5) as sub, connected(node.port) as pub:
+        sub.subscribe(f"m{run}/+", 2)  # a wildcard below the first level: an active filter
+        for qos in (0, 1, 1, 2):
+            pub.publish(f"m{run}/t", b"x" * 100, qos)
+        sub.receive(4)
+        wait_until(lambda: value(scrape(node.admin_port), "lightgate_messages_sent_total", qos="1")
+                   >= value(before, "lightgate_messages_sent_total", qos="1") + 2, what="sent QoS 1 counted")
+        during = scrape(node.admin_port)
+    assert value(during, "lightgate_connections") == value(before, "lightgate_connections") + 2
+    assert value(during, "lightgate_sessions", state="online") \
+        == value(before, "lightgate_sessions", state="online") + 2
+    for qos, count in (("0", 1), ("1", 2), ("2", 1)):
+        assert value(during, "lightgate_messages_received_total", qos=qos) \
+            == value(before, "lightgate_messages_received_total", qos=qos) + count
+        assert value(during, "lightgate_messages_sent_total", qos=qos) \
+            == value(before, "lightgate_messages_sent_total", qos=qos) + count
+    assert value(during, "lightgate_bytes_received_total") >= value(before, "lightgate_bytes_received_total") + 400
+    assert value(during, "lightgate_bytes_sent_total") >= value(before, "lightgate_bytes_sent_total") + 400
+    latency = value(during, "lightgate_delivery_latency_seconds_count")
+    assert latency >= value(before, "lightgate_delivery_latency_seconds_count") + 4
+    assert value(during, "lightgate_delivery_latency_seconds_bucket", le="+Inf") == latency
+    assert value(during, "lightgate_delivery_latency_seconds_bucket", le="60.0") == latency  # none took a minute
+    for grown in ("lightgate_commitlog_written_bytes_total", "lightgate_commitlog_flush_seconds_count"):
+        assert value(during, grown) > value(before, grown), grown
+    assert value(during, "lightgate_notify_events_sent_total") > value(before, "lightgate_notify_events_sent_total")
+    assert value(during, "lightgate_queues") > value(before, "lightgate_queues")
+    assert value(during, "lightgate_active_filters") >= 1
+    assert value(during, "lightgate_dispatch_lag_bytes") >= 0
+    reads = ("lightgate_queue_cache_hits_total", "lightgate_queue_cache_store_reads_total")
+    assert sum(value(during, name) for name in reads) > sum(value(before, name) for name in reads)
+
+
+def test_auth_failures_and_limit_hits_are_counted(node):
+    before = scrape(node.admin_port)
+    refused = Client(node.port, protocol=mqtt.MQTTv5)
+    refused.paho.username_pw_set("alice", "wrong")
+    refused.paho.connect("127.0.0.1", node.port)
+    refused.paho.loop_start()
+    try:
+        _, reason = refused.connacks.get(timeout=WAIT_S)
+        assert reason.is_failure
+    finally:
+        refused.paho.loop_stop()
+    hits = value(before, "lightgate_limit_hits_total", limit="topic_levels")
+    with connected(node.port, protocol=mqtt.MQTTv5) as deep:
+        deep.paho.publish("a/b/c/d/e", b"too deep", 1)  # 5 levels; the node allows 4 (MQTT 5: PUBACK 0x90)
+        wait_until(lambda: value(scrape(node.admin_port), "lightgate_limit_hits_total", limit="topic_levels")
+                   == hits + 1, what="the limit hit counted")
+    after = scrape(node.admin_port)
+    assert value(after, "lightgate_auth_failures_total") == value(before, "lightgate_auth_failures_total") + 1
+
+
+async def test_each_node_of_a_process_has_its_own_registry(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="gateway.node")
+
+    def admin_ports() -> list[int]:
+        return [r.ctx["port"] for r in caplog.records if r.getMessage() == "admin API ready"]
+
+    async with trio.open_nursery() as nursery:
+        ports = []
+        for name in ("one", "two"):
+            settings = {**DEFAULTS, "node.data": str(tmp_path / name), "node.port": 0, "mqtt.sys_interval_s": 0}
+            ports.append(await nursery.start(serve_gateway, settings))
+        first_admin, second_admin = admin_ports()
+
+        def traffic() -> tuple[float, float]:
+            with connected(ports[0][1]) as client:
+                client.publish("only/the/first", b"x", 1)
+            return (value(scrape(first_admin), "lightgate_messages_received_total", qos="1"),
+                    value(scrape(second_admin), "lightgate_messages_received_total", qos="1"))
+
+        assert await trio.to_thread.run_sync(traffic) == (1, 0)
+        nursery.cancel_scope.cancel()
