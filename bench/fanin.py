@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bench import compare
+from bench import compare, peers
 from bench.loadgen import Job, run_load, split
 from bench.peers import Broker
 
@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_load_arguments(parser, duration=10.0)
     parser.add_argument("--qos", type=int, nargs="+", default=[0, 1], choices=(0, 1), help="QoS levels to run")
     compare.add_arguments(parser)
+    peers.add_mode_arguments(parser)
 
 
 def add_load_arguments(parser: argparse.ArgumentParser, duration: float) -> None:
@@ -41,15 +42,23 @@ def add_load_arguments(parser: argparse.ArgumentParser, duration: float) -> None
 def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"settings": settings(args, rate=0.0)}
     targets = {}
+    args.brokers = peers.with_cluster(args)
+    cluster = peers.cluster_name(peers.CLUSTER_TARGET_GATEWAYS)
     for qos in args.qos:
         per_broker = compare.measure_all(args, lambda broker: measure(broker, args, qos, rate=0.0), "delivered_per_s")
         ratios = compare.ratios(per_broker, lambda r: r["delivered_per_s"])
+        ratios.update(peers.cluster_ratios(per_broker, lambda r: r["delivered_per_s"]))
         result[f"qos{qos}"] = {"brokers": per_broker, "ratios": ratios,
                                "warnings": compare.generator_warnings(per_broker)}
         if qos == 0:
             targets["qos0_delivered_vs_mosquitto"] = compare.target(ratios.get("lightgate/mosquitto"), 0.33)
         elif "lightgate" in per_broker:
             targets["qos1_lightgate_lost"] = compare.target(per_broker["lightgate"]["lost"], 0, at_least=False)
+        if cluster in per_broker:
+            targets[f"qos{qos}_{cluster}_vs_embedded"] = compare.target(ratios.get(f"{cluster}/lightgate"),
+                                                                       peers.CLUSTER_TARGET)
+            if qos == 1:
+                targets[f"qos1_{cluster}_lost"] = compare.target(per_broker[cluster]["lost"], 0, at_least=False)
     result["targets"] = targets
     return result
 
@@ -68,4 +77,5 @@ def measure(broker: Broker, args: argparse.Namespace, qos: int, rate: float) -> 
 def settings(args: argparse.Namespace, rate: float) -> dict[str, Any]:
     return {"publishers": args.publishers, "duration_s": args.duration, "messages": args.messages,
             "payload": args.payload, "publisher_workers": args.workers, "rate_per_publisher": rate,
-            "runs": args.runs, "topic": TOPIC, "filter": FILTER}
+            "runs": args.runs, "topic": TOPIC, "filter": FILTER, "mode": getattr(args, "mode", "embedded"),
+            "gateways": getattr(args, "gateways", [])}

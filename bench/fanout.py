@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bench import compare
+from bench import compare, peers
 from bench.loadgen import Job, run_load, split
 from bench.peers import Broker
 
@@ -29,15 +29,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--qos", type=int, default=1, choices=(0, 1), help="QoS of the publisher and subscriptions")
     parser.add_argument("--workers", type=int, default=2, help="subscriber worker processes")
     compare.add_arguments(parser)
+    peers.add_mode_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    args.brokers = peers.with_cluster(args)
     per_broker = compare.measure_all(args, lambda broker: measure(broker, args), "delivered_per_s")
     ratios = compare.ratios(per_broker, lambda r: r["delivered_per_s"])
+    ratios.update(peers.cluster_ratios(per_broker, lambda r: r["delivered_per_s"]))
     result: dict[str, Any] = {
         "settings": {"subscribers": args.subscribers, "rate": args.rate, "duration_s": args.duration,
                      "messages": args.messages, "payload": args.payload, "qos": args.qos,
-                     "subscriber_workers": args.workers, "runs": args.runs, "topic": TOPIC, "filters": FILTERS},
+                     "subscriber_workers": args.workers, "runs": args.runs, "topic": TOPIC, "filters": FILTERS,
+                     "mode": args.mode, "gateways": args.gateways},
         "brokers": per_broker,
         "ratios": ratios,
         "warnings": compare.generator_warnings(per_broker),
@@ -47,6 +51,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "lightgate_lost": compare.target(per_broker["lightgate"]["lost"], 0, at_least=False),
             "delivered_vs_mosquitto": compare.target(ratios.get("lightgate/mosquitto"), 0.5),
         }
+    for name in per_broker:
+        if peers.cluster_gateways(name) is not None:
+            result.setdefault("targets", {})[f"{name}_lost"] = compare.target(per_broker[name]["lost"], 0,
+                                                                              at_least=False)
     return result
 
 

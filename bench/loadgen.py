@@ -13,7 +13,18 @@ spawn), each running trio with many TCP connections:
 - subscribers decode with ``MqttDecoder(role=CLIENT)``, acknowledge QoS 1
   deliveries (one ``send_all`` per received chunk), record the latency of every
   message in an HDR histogram and set a bit per (publisher, sequence) received;
-- idle workers only hold connections open (the connection-memory scenario).
+- idle workers only hold connections open (the connection-memory scenario);
+  with ``filters`` and ``clean_start=False`` they leave persistent sessions
+  behind when they disconnect (the offline fan-out scenario);
+- churn workers cycle persistent sessions: publish a few QoS 1 messages to
+  their own topic, disconnect, resume, and at the end read until every message
+  they had acknowledged came back (the churn scenario);
+- with ``reconnect`` publishers and subscribers outlive the broker: when it
+  goes away they reconnect (retrying) and carry on, publishers until told to
+  stop (the durability scenario, which kills the broker under load).
+
+A client subscribes only when the broker did not resume its session
+(session present = 0): re-subscribing would be a new subscription.
 
 Loss is exact: publishers report which sequence numbers the broker acknowledged
 (QoS 1) or that were sent (QoS 0) as bitmaps, subscribers report what they got,
@@ -30,8 +41,9 @@ import multiprocessing
 import resource
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -81,6 +93,15 @@ QUIET_S = 10.0
 """Subscribers stop draining after this long without a single delivery: long enough for a broker that
 stores a flood first and delivers it afterwards (LightGate) to start delivering."""
 
+RECONNECT_S = 0.05
+"""Pause between connection attempts to a broker that is down (restarting): short next to its restart time."""
+
+RECONNECT_TIMEOUT_S = 5.0
+"""One connection attempt (TCP + CONNECT/CONNACK) that takes longer is abandoned and retried."""
+
+_PACKET_IDS = [pid.to_bytes(2, "big") for pid in range(65536)]
+"""Every packet id's two bytes, shared by all publishers of a process (thousands of churn clients each publish)."""
+
 _CONTEXT = multiprocessing.get_context("spawn")  # fork would copy the parent's trio/RocksDB state
 
 
@@ -88,14 +109,20 @@ class LoadError(RuntimeError):
     """A worker could not do its job (refused connection, broker error); the message says which and why."""
 
 
+_CONNECTION_LOST = (LoadError, OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError)
+"""What a broker that dies or restarts does to a client: a reset, a refused connection, EOF, no CONNACK."""
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     """What one worker process does.
 
-    ``kind`` is ``publish``, ``subscribe`` or ``idle``. Client ``first + k``
+    ``kind`` is ``publish``, ``subscribe``, ``idle`` or ``churn``. Client ``first + k``
     (k < ``count``) is named ``{prefix}{first + k}``; a publisher's index in the
     stamp is the same number. ``topic`` is formatted with ``i`` (the client
-    number) for publishers; subscriber ``i`` uses ``filters[i % len(filters)]``.
+    number) for publishers; client ``i`` subscribes to ``filters[i % len(filters)]``,
+    formatted with ``i`` too. Churn clients publish ``messages`` per cycle for
+    ``cycles`` cycles.
     """
 
     kind: str
@@ -111,6 +138,9 @@ class Job:
     rate: float = 0.0  # messages/s per publisher; 0 publishes as fast as possible
     duration_s: float = 10.0
     messages: int = 0  # per publisher; 0 publishes until duration_s
+    clean_start: bool = True  # False: persistent sessions (MQTT 3.1.1 clean session 0)
+    reconnect: bool = False  # survive the broker going away (publishers then publish until "stop")
+    cycles: int = 0  # churn: publish, disconnect, resume this many times
 
 
 @dataclass(slots=True)
@@ -132,6 +162,10 @@ class WorkerReport:
     publish_s: float = 0.0
     cpu_s: float = 0.0  # during the load phase (after "go"; idle workers: their whole life)
     wall_s: float = 0.0
+    connect_ns: int = 0  # time.time_ns() when the worker began connecting its clients
+    connects: int = 0  # successful CONNACKs, reconnects included
+    sessions_present: int = 0  # CONNACKs that resumed a session (session present = 1)
+    connection_losses: int = 0  # connections the broker broke (reconnect jobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +205,10 @@ class LoadResult:
     latency_ms: dict[str, float]
     generator: dict[str, Any]
     drain_capped: bool = False
+    published: dict[int, int] = field(default_factory=dict)  # publisher -> bits the broker accepted
+    connected_ns: int = 0  # when the first subscriber worker began connecting (time.time_ns)
+    last_delivery_ns: int = 0
+    clients: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> connects, sessions_present, losses
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -195,7 +233,8 @@ def split(total: int, workers: int) -> list[tuple[int, int]]:
     return shares
 
 
-def run_load(publish: Sequence[Job], subscribe: Sequence[Job], drain_s: float = DRAIN_S) -> LoadResult:
+def run_load(publish: Sequence[Job], subscribe: Sequence[Job], drain_s: float = DRAIN_S, *,
+             published: dict[int, int] | None = None, during: Callable[[], Any] | None = None) -> LoadResult:
     """Connect the subscribers, then the publishers; publish; drain; account.
 
     Args:
@@ -203,6 +242,11 @@ def run_load(publish: Sequence[Job], subscribe: Sequence[Job], drain_s: float = 
         subscribe: one job per subscriber worker process.
         drain_s: the longest the subscribers keep reading after the publishers finished;
             they stop earlier once every message arrived or after ``QUIET_S`` without one.
+        published: messages the broker accepted before this run (``LoadResult.published`` of an
+            earlier one) that the subscribers (resuming persistent sessions) should receive too.
+        during: called once the load started; the publishers (``reconnect`` jobs, which publish
+            until told to stop) are stopped when it returns. The durability scenario kills and
+            restarts the broker in it.
 
     Raises:
         LoadError: a worker failed (its reason is in the message).
@@ -215,12 +259,31 @@ def run_load(publish: Sequence[Job], subscribe: Sequence[Job], drain_s: float = 
         go_ns = time.time_ns()
         for pipe in [*subs, *pubs]:
             pipe.send(("go", None))
+        if during is not None:
+            during()
+            for pipe in pubs:
+                pipe.send(("stop", None))
         pub_reports = workers.collect(pubs)
-        expected = sum(bits.bit_count() for report in pub_reports for bits in report.published.values())
+        accepted = [*(published or {}).values(), *(bits for r in pub_reports for bits in r.published.values())]
+        expected = sum(bits.bit_count() for bits in accepted)
         for pipe in subs:
             pipe.send(("drain", (expected, drain_s)))
         sub_reports = workers.collect(subs)
-    return summarise(go_ns, pub_reports, sub_reports)
+    return summarise(go_ns, pub_reports, sub_reports, published)
+
+
+def run_clients(jobs: Sequence[Job]) -> list[WorkerReport]:
+    """Run self-contained jobs (``churn``): connect every worker's clients, start them together, collect reports.
+
+    Raises:
+        LoadError: a worker failed (its reason is in the message).
+    """
+    with _Workers() as workers:
+        pipes = [workers.start(job) for job in jobs]
+        workers.expect_ready(pipes)
+        for pipe in pipes:
+            pipe.send(("go", None))
+        return workers.collect(pipes)
 
 
 def hold_connections(jobs: Sequence[Job], measure: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
@@ -235,27 +298,23 @@ def hold_connections(jobs: Sequence[Job], measure: Callable[[], Any]) -> tuple[A
         for pipe in pipes:
             pipe.send(("close", None))
         reports = workers.collect(pipes)
-    return measured, _generator(reports)
+    return measured, generator_summary(reports)
 
 
-def summarise(go_ns: int, pubs: Sequence[WorkerReport], subs: Sequence[WorkerReport]) -> LoadResult:
-    """Merge the workers' reports of a run whose publishers started at ``go_ns`` (time.time_ns)."""
-    published = {p: bits for report in pubs for p, bits in report.published.items()}
+def summarise(go_ns: int, pubs: Sequence[WorkerReport], subs: Sequence[WorkerReport],
+              earlier: dict[int, int] | None = None) -> LoadResult:
+    """Merge the workers' reports of a run whose publishers started at ``go_ns`` (time.time_ns).
+
+    ``earlier``: messages accepted before this run that the subscribers should also have received.
+    """
+    published = dict(earlier or {}) | {p: bits for report in pubs for p, bits in report.published.items()}
     sent_bits = {p: bits for report in pubs for p, bits in report.sent_bits.items()}
     received = [got for report in subs for got in report.received]
     duplicates = sum(r.duplicates for r in subs)
-    histogram = HdrHistogram(1, LATENCY_MAX_US, 3)
-    for report in subs:
-        if report.histogram:
-            histogram.add(HdrHistogram.decode(report.histogram))
     last_ns = max((r.last_ns for r in subs if r.received_count), default=go_ns)
     count = sum(r.received_count for r in subs)
     sent = sum(r.sent for r in pubs)
     publish_s = max((r.publish_s for r in pubs), default=0.0)
-    latency = {
-        name: round(histogram.get_value_at_percentile(p) / 1000, 3)
-        for name, p in (("p50", 50), ("p90", 90), ("p99", 99), ("p999", 99.9))
-    } | {"max": round(histogram.get_max_value() / 1000, 3)} if histogram.get_total_count() else {}
     return LoadResult(
         sent=sent,
         acked=sum(bits.bit_count() for bits in published.values()),
@@ -263,13 +322,38 @@ def summarise(go_ns: int, pubs: Sequence[WorkerReport], subs: Sequence[WorkerRep
         delivery_rate=count / ((last_ns - go_ns) / 1e9) if last_ns > go_ns else 0.0,
         qos0_undelivered=account(sent_bits, received),
         lost=account(published, received, duplicates),
-        latency_ms=latency,
-        generator=_generator([*pubs, *subs]),
+        latency_ms=latency_ms([r.histogram for r in subs]),
+        generator=generator_summary([*pubs, *subs]),
         drain_capped=any(r.drain_capped for r in subs),
+        published=published,
+        connected_ns=min((r.connect_ns for r in subs), default=0),
+        last_delivery_ns=max((r.last_ns for r in subs if r.received_count), default=0),
+        clients={kind: client_counts(reports) for kind, reports in (("publish", pubs), ("subscribe", subs))},
     )
 
 
-def _generator(reports: Sequence[WorkerReport]) -> dict[str, Any]:
+def client_counts(reports: Sequence[WorkerReport]) -> dict[str, int]:
+    """Connections of the reports' clients: CONNACKs, resumed sessions, connections the broker broke."""
+    return {"clients": sum(r.clients for r in reports), "connects": sum(r.connects for r in reports),
+            "sessions_present": sum(r.sessions_present for r in reports),
+            "connection_losses": sum(r.connection_losses for r in reports)}
+
+
+def latency_ms(encoded: Sequence[bytes]) -> dict[str, float]:
+    """p50/p90/p99/p999/max in ms of the workers' encoded histograms (us) added up; empty when none recorded."""
+    histogram = HdrHistogram(1, LATENCY_MAX_US, 3)
+    for blob in encoded:
+        if blob:
+            histogram.add(HdrHistogram.decode(blob))
+    if not histogram.get_total_count():
+        return {}
+    return {
+        name: round(histogram.get_value_at_percentile(p) / 1000, 3)
+        for name, p in (("p50", 50), ("p90", 90), ("p99", 99), ("p999", 99.9))
+    } | {"max": round(histogram.get_max_value() / 1000, 3)}
+
+
+def generator_summary(reports: Sequence[WorkerReport]) -> dict[str, Any]:
     """CPU use of the generator's processes: the busiest one tells whether the generator set the pace."""
     shares = [r.cpu_s / r.wall_s if r.wall_s else 0.0 for r in reports]
     return {
@@ -355,16 +439,28 @@ async def _command(pipe: Connection) -> tuple[str, Any]:
 async def _run_job(job: Job, pipe: Connection) -> WorkerReport:
     report = WorkerReport(job.kind, job.count)
     clock = _Clock()
+    report.connect_ns = time.time_ns()
     clients = await _connect_all(job)
+    report.connects = len(clients)
+    report.sessions_present = sum(client.session_present for client in clients)
     pipe.send(("ready", len(clients)))
     # CPU share of the load phase only: spawning and connecting are not the load (except for idle workers).
     if job.kind == "publish":
         await _command(pipe)
         clock = _Clock()
-        await _publish_all(job, clients, report)
+        if job.reconnect:
+            await _publish_until_stopped(job, clients, pipe, report)
+        else:
+            await _publish_all(job, clients, report)
         report.cpu_s, report.wall_s = clock.elapsed()
     elif job.kind == "subscribe":
-        report.cpu_s, report.wall_s = await _subscribe_until_drained(job, clients, pipe, report)
+        receive = partial(_receive_through_restarts, job, report) if job.reconnect else _receive_loop
+        report.cpu_s, report.wall_s = await _subscribe_until_drained(job, clients, pipe, report, receive)
+    elif job.kind == "churn":
+        await _command(pipe)
+        clock = _Clock()
+        await _churn_all(job, clients, report)
+        report.cpu_s, report.wall_s = clock.elapsed()
     else:
         report.cpu_s, report.wall_s = clock.elapsed()
         await _command(pipe)
@@ -394,12 +490,13 @@ def _cpu_s() -> float:
 class _Client:
     """One MQTT connection: a trio stream and a CLIENT-role decoder."""
 
-    __slots__ = ("stream", "decoder", "number")
+    __slots__ = ("stream", "decoder", "number", "session_present")
 
     def __init__(self, stream: trio.SocketStream, number: int) -> None:
         self.stream = stream
         self.number = number
         self.decoder = MqttDecoder(role=Role.CLIENT, protocol_level=PROTOCOL_LEVEL)
+        self.session_present = False
 
     async def send(self, packet: Any) -> None:
         await self.stream.send_all(encode(packet, PROTOCOL_LEVEL))
@@ -416,8 +513,8 @@ class _Client:
     async def close(self) -> None:
         try:
             await self.send(Disconnect())
-        except trio.BrokenResourceError:
-            pass  # already closed by the broker: nothing left to say goodbye to
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # already closed (by the broker, or by a reconnecting client): nothing left to say goodbye to
         await self.stream.aclose()
 
 
@@ -439,18 +536,44 @@ async def _connect_all(job: Job) -> list[_Client]:
 
 
 async def _connect(job: Job, number: int) -> _Client:
+    """Connect client ``number`` and subscribe it unless the broker resumed its session.
+
+    Resource handling: on any failure the new connection is closed before the exception propagates.
+    """
     client = _Client(await trio.open_tcp_stream(job.host, job.port), number)
-    await client.send(Connect(protocol_level=PROTOCOL_LEVEL, client_id=f"{job.prefix}{number}", keep_alive=0))
-    connack = await client.receive()
-    if not isinstance(connack, Connack) or connack.reason_code is not ReasonCode.SUCCESS:
-        raise LoadError(f"client {number}: CONNECT refused: {connack!r}")
-    if job.kind == "subscribe":
-        filter = job.filters[number % len(job.filters)]
-        await client.send(Subscribe(1, ((filter, SubscriptionOptions(qos=job.qos)),)))
-        suback = await client.receive()
-        if not isinstance(suback, Suback) or int(suback.reason_codes[0]) > 2:
-            raise LoadError(f"client {number}: SUBSCRIBE {filter!r} refused: {suback!r}")
+    try:
+        sock = client.stream.socket
+        if sock.getsockname() == sock.getpeername():
+            # Linux connects a socket to itself when a loopback port nobody listens on (a broker that is
+            # restarting) is also the ephemeral port it picked; holding it would keep the broker from binding.
+            raise LoadError(f"client {number}: connected to itself while the broker was down")
+        await client.send(Connect(protocol_level=PROTOCOL_LEVEL, client_id=f"{job.prefix}{number}", keep_alive=0,
+                                  clean_start=job.clean_start))
+        connack = await client.receive()
+        if not isinstance(connack, Connack) or connack.reason_code is not ReasonCode.SUCCESS:
+            raise LoadError(f"client {number}: CONNECT refused: {connack!r}")
+        client.session_present = connack.session_present
+        if job.filters and not connack.session_present:
+            filter = job.filters[number % len(job.filters)].format(i=number)
+            await client.send(Subscribe(1, ((filter, SubscriptionOptions(qos=job.qos)),)))
+            suback = await client.receive()
+            if not isinstance(suback, Suback) or int(suback.reason_codes[0]) > 2:
+                raise LoadError(f"client {number}: SUBSCRIBE {filter!r} refused: {suback!r}")
+    except BaseException:
+        await client.stream.aclose()
+        raise
     return client
+
+
+async def _reconnect(job: Job, number: int, stop: trio.Event | None = None) -> _Client | None:
+    """Connect client ``number``, retrying every ``RECONNECT_S`` while the broker is down; None once ``stop`` is set."""
+    while stop is None or not stop.is_set():
+        try:
+            with trio.fail_after(RECONNECT_TIMEOUT_S):
+                return await _connect(job, number)
+        except _CONNECTION_LOST:
+            await trio.sleep(RECONNECT_S)  # back-off between attempts at a broker that is not there yet
+    return None
 
 
 # --- publishing ----------------------------------------------------------------------------
@@ -546,7 +669,7 @@ class _Publisher:
         rendered = template.render(1 if job.qos else None)
         cut = len(rendered) - job.payload_bytes - (2 if job.qos else 0)
         self.head = rendered[:cut]  # fixed header + topic, identical for every message of this publisher
-        self.packet_ids = [pid.to_bytes(2, "big") for pid in range(65536)] if job.qos else []
+        self.packet_ids = _PACKET_IDS if job.qos else []
         self.next_pid = 1
 
     def burst(self, want: int) -> bytes:
@@ -625,14 +748,18 @@ class _Subscriber:
 
 
 async def _subscribe_until_drained(
-    job: Job, clients: list[_Client], pipe: Connection, report: WorkerReport
+    job: Job, clients: list[_Client], pipe: Connection, report: WorkerReport,
+    receive: Callable[[_Subscriber, HdrHistogram], Awaitable[None]],
 ) -> tuple[float, float]:
-    """Receive until every expected message arrived or deliveries stopped; return the load phase's CPU and wall s."""
+    """Receive until every expected message arrived or deliveries stopped; return the load phase's CPU and wall s.
+
+    ``receive(subscriber, histogram)`` reads one subscriber's deliveries until cancelled.
+    """
     histogram = HdrHistogram(1, LATENCY_MAX_US, 3)
     subscribers = [_Subscriber(client) for client in clients]
     async with trio.open_nursery() as nursery:
         for sub in subscribers:
-            nursery.start_soon(_receive_loop, sub, histogram)
+            nursery.start_soon(receive, sub, histogram)
         await _command(pipe)  # "go": the publishers are starting
         clock = _Clock()
         busy = clock.elapsed()
@@ -655,6 +782,7 @@ async def _subscribe_until_drained(
     report.histogram = histogram.encode() if histogram.get_total_count() else b""
     report.first_ns = min((s.first_ns for s in subscribers if s.count), default=0)
     report.last_ns = max((s.last_ns for s in subscribers), default=0)
+    clients[:] = [s.client for s in subscribers]  # reconnecting subscribers replaced their connections
     return busy
 
 
@@ -666,13 +794,10 @@ async def _receive_loop(sub: _Subscriber, histogram: HdrHistogram) -> None:
     unpack = STAMP.unpack_from
     record = histogram.record_value
     acks: dict[int, bytes] = {}
-    while True:
-        data = await stream.receive_some(RECEIVE_BYTES)
-        if not data:
-            raise LoadError(f"subscriber {client.number}: the broker closed the connection")
-        now = time.time_ns()
-        decoder.feed(data)
+    now = time.time_ns()
+    while True:  # the decoder may hold deliveries already: a resumed session's come right behind the CONNACK
         replies = []
+        before = sub.count
         while (packet := decoder.next_packet()) is not NEED_DATA:
             if type(packet) is not Publish:
                 continue
@@ -689,8 +814,208 @@ async def _receive_loop(sub: _Subscriber, histogram: HdrHistogram) -> None:
                 if ack is None:
                     ack = acks[packet.packet_id] = encode(Puback(packet.packet_id), PROTOCOL_LEVEL)
                 replies.append(ack)
-        if sub.count:
+        if sub.count != before:
             sub.first_ns = sub.first_ns or now
             sub.last_ns = now
         if replies:
             await stream.send_all(b"".join(replies))
+        data = await stream.receive_some(RECEIVE_BYTES)
+        if not data:
+            raise LoadError(f"subscriber {client.number}: the broker closed the connection")
+        now = time.time_ns()
+        decoder.feed(data)
+
+
+# --- through broker restarts (reconnect jobs) -----------------------------------------------
+
+
+async def _publish_until_stopped(job: Job, clients: list[_Client], pipe: Connection, report: WorkerReport) -> None:
+    """Publish at ``job.rate`` per publisher, reconnecting whenever the broker goes away, until "stop".
+
+    A message counts as accepted only when its PUBACK arrived; what was in
+    flight when a connection broke is given up (not resent), so it is
+    unacknowledged: received or not, it is never counted as lost.
+    """
+    publishers = [_Publisher(job, client) for client in clients]
+    stop = trio.Event()
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        for publisher in publishers:
+            nursery.start_soon(_publish_through_restarts, job, publisher, stop, report)
+        await _command(pipe)  # "stop"
+        stop.set()
+        report.publish_s = trio.current_time() - start
+    clients[:] = [p.client for p in publishers]
+    report.sent = sum(p.seq for p in publishers)
+    for p in publishers:
+        report.sent_bits[p.number] = (1 << p.seq) - 1
+        report.published[p.number] = p.acked.as_int()
+
+
+async def _publish_through_restarts(job: Job, publisher: _Publisher, stop: trio.Event, report: WorkerReport) -> None:
+    """One publisher: steady publishing on its connection; when the broker breaks it, reconnect and go on."""
+    while True:
+        lost = False
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(publisher.read_acks)
+                await _steady(job, publisher, stop)
+                with trio.move_on_after(ACK_WAIT_S):
+                    await publisher.until_acked()
+                nursery.cancel_scope.cancel()
+        except* _CONNECTION_LOST:
+            lost = True  # (no `continue` inside except*)
+        if not lost:
+            return
+        report.connection_losses += 1
+        publisher.inflight.clear()
+        await publisher.client.stream.aclose()
+        client = await _reconnect(job, publisher.number, stop)
+        if client is None:
+            return
+        publisher.client = client
+        report.connects += 1
+
+
+async def _steady(job: Job, publisher: _Publisher, stop: trio.Event) -> None:
+    """Send at ``job.rate`` from now until ``stop``; time spent disconnected is not made up for afterwards."""
+    start, base = trio.current_time(), publisher.seq
+    while not stop.is_set():
+        now = trio.current_time()
+        due = int(job.rate * (now - start)) + 1 - (publisher.seq - base)
+        if due > 0:
+            data = publisher.burst(due)
+            if data:
+                await publisher.client.stream.send_all(data)
+        await trio.sleep_until(now + TICK_S)
+
+
+async def _receive_through_restarts(job: Job, report: WorkerReport, sub: _Subscriber, histogram: HdrHistogram) -> None:
+    """``_receive_loop`` that reconnects (resuming its session, or subscribing again) whenever the broker goes away."""
+    while True:
+        try:
+            await _receive_loop(sub, histogram)
+        except _CONNECTION_LOST:
+            pass  # the broker went away: reconnect below
+        report.connection_losses += 1
+        await sub.client.stream.aclose()
+        sub.client = await _reconnect(job, sub.client.number)
+        report.connects += 1
+        report.sessions_present += sub.client.session_present
+
+
+# --- churning persistent sessions -----------------------------------------------------------
+
+
+class _Churner:
+    """One churn client: its current connection, its publisher state and what came back to it."""
+
+    def __init__(self, job: Job, client: _Client) -> None:
+        self.job = job
+        self.client = client
+        self.publisher = _Publisher(job, client)
+        self.got = _Bitmap()
+        self.count = 0
+        self.duplicates = 0
+        self.foreign = 0
+        self.sending = trio.StrictFIFOLock()  # the reader's PUBACKs and the publisher's PUBLISHes share the stream
+
+    async def cycles(self, limit: trio.Semaphore, report: WorkerReport, histogram: HdrHistogram) -> None:
+        """Publish, disconnect, resume, ``job.cycles`` times; the last resume stays connected for the drain."""
+        for _ in range(self.job.cycles):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.read)
+                await self._publish(self.job.messages)
+                nursery.cancel_scope.cancel()
+            await self.client.close()
+            self.publisher.inflight.clear()  # unacknowledged by now: given up, not resent
+            async with limit:
+                began = time.perf_counter_ns()
+                self.client = self.publisher.client = await _connect(self.job, self.client.number)
+                histogram.record_value(max(1, (time.perf_counter_ns() - began) // 1000))
+            report.connects += 1
+            report.sessions_present += self.client.session_present
+
+    async def _publish(self, count: int) -> None:
+        publisher = self.publisher
+        target = publisher.seq + count
+        while publisher.seq < target:
+            data = publisher.burst(target - publisher.seq)
+            if data:
+                async with self.sending:
+                    await self.client.stream.send_all(data)
+            else:
+                publisher.space = trio.Event()
+                await publisher.space.wait()
+        with trio.move_on_after(ACK_WAIT_S):
+            await publisher.until_acked()
+
+    def missing(self) -> bool:
+        """Some message the broker acknowledged has not come back yet."""
+        return bool(self.publisher.acked.as_int() & ~self.got.as_int())
+
+    async def read(self) -> None:
+        """Take PUBACKs for the publisher and this client's own messages (acknowledging them) until cancelled."""
+        client, publisher = self.client, self.publisher
+        decoder, stream = client.decoder, client.stream
+        while True:
+            replies = []
+            while (packet := decoder.next_packet()) is not NEED_DATA:
+                kind = type(packet)
+                if kind is Puback:
+                    seq = publisher.inflight.pop(packet.packet_id, None)
+                    if seq is not None and packet.reason_code is ReasonCode.SUCCESS:
+                        publisher.acked.set(seq)
+                elif kind is Publish:
+                    number, seq, _ = STAMP.unpack_from(packet.payload)
+                    if number != client.number:
+                        self.foreign += 1
+                    elif self.got.set(seq):
+                        self.duplicates += 1
+                    self.count += 1
+                    if packet.packet_id is not None:
+                        replies.append(encode(Puback(packet.packet_id), PROTOCOL_LEVEL))
+            publisher.space.set()
+            if replies:
+                async with self.sending:
+                    await stream.send_all(b"".join(replies))
+            data = await stream.receive_some(RECEIVE_BYTES)
+            if not data:
+                raise LoadError(f"churn client {client.number}: the broker closed the connection")
+            decoder.feed(data)
+
+
+async def _churn_all(job: Job, clients: list[_Client], report: WorkerReport) -> None:
+    """Run every client's cycles at once, then read until each has its acknowledged messages back (or quiet/cap).
+
+    The report: ``publish_s`` is the cycling phase's wall time, ``histogram`` the
+    reconnect (CONNECT -> CONNACK) times in us, ``published``/``received`` per client.
+    """
+    churners = [_Churner(job, client) for client in clients]
+    histogram = HdrHistogram(1, LATENCY_MAX_US, 3)
+    limit = trio.Semaphore(CONNECT_CONCURRENCY)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        for churner in churners:
+            nursery.start_soon(churner.cycles, limit, report, histogram)
+    report.publish_s = trio.current_time() - start
+    async with trio.open_nursery() as nursery:
+        for churner in churners:
+            nursery.start_soon(churner.read)
+        with trio.move_on_after(DRAIN_S) as cap:
+            pending, seen, changed = list(churners), -1, trio.current_time()
+            while pending and trio.current_time() - changed < QUIET_S:
+                count = sum(c.count for c in churners)
+                if count != seen:
+                    seen, changed = count, trio.current_time()
+                    pending = [c for c in pending if c.missing()]
+                await trio.sleep(POLL_S)
+        nursery.cancel_scope.cancel()
+    report.drain_capped = cap.cancelled_caught
+    clients[:] = [c.client for c in churners]
+    report.sent = sum(c.publisher.seq for c in churners)
+    report.published = {c.client.number: c.publisher.acked.as_int() for c in churners}
+    report.received = [{c.client.number: c.got.as_int()} for c in churners]
+    report.received_count = sum(c.count for c in churners)
+    report.duplicates = sum(c.duplicates for c in churners)
+    report.histogram = histogram.encode() if histogram.get_total_count() else b""

@@ -4,14 +4,32 @@ Every broker runs as its own process so its RSS and CPU time can be measured
 (psutil) apart from the load generator's. The configurations are generated
 here and are the documented ones (docs/benchmarks.md):
 
-- ``lightgate``: ``lightgate serve --data <tmp> --host 127.0.0.1 --port P``,
-  the embedded node with its defaults (async flush), logging at warning level;
+- ``lightgate``: ``lightgate serve --data <tmp> --host 127.0.0.1 --port P --admin-port 0``,
+  the embedded node with its defaults (async flush) and no admin HTTP listener,
+  logging at warning level;
 - ``mosquitto``: ``listener P 127.0.0.1``, ``allow_anonymous true``,
   ``persistence false``, logging of errors and warnings only, every limit at
   its default (max_inflight_messages 20, max_queued_messages 1000, ...);
 - ``amqtt``: its own broker CLI (``amqtt -c <yaml>``) with one TCP listener on
   127.0.0.1:P and only the anonymous-auth plugin (no $SYS or packet-logging
   plugins), which is its default minus the plugins that cost per packet.
+
+With ``durable=True`` (the durability scenario) LightGate runs with the
+``sync`` flush policy (``--commitlog-flush sync``: PUBACK only after fsync) and
+Mosquitto with ``persistence true``, ``persistence_location <workdir>/data/``,
+``autosave_interval 1`` (save its in-memory state every second, the
+smallest interval) and ``user <the current user>`` (started as root it would
+otherwise switch to a ``mosquitto`` user that cannot write there); amqtt has
+no persistence the suite can use (see ``NOT_DURABLE``). Every broker keeps its
+data under ``<workdir>/data``, which is what ``Broker.disk_bytes`` measures,
+and ``restart`` starts a killed broker again on the same port and data.
+
+Cluster mode (docs/cluster.md) runs as the peers named ``cluster_name(N)``
+(``lightgate-cluster-<N>gw``): one ``lightgate store --data <tmp> --listen
+127.0.0.1:S`` and one ``lightgate gateway --store 127.0.0.1:S --port P
+--workers N`` (N gateway processes sharing P), both at warning level without
+the admin listener; the broker's CPU time and memory are those of all its
+processes, and it is ready once all N gateways listen.
 
 A peer that is not installed is skipped with a printed reason.
 
@@ -22,16 +40,19 @@ process. The broker's working directory belongs to the caller.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
+import os
+import pwd
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Callable
 
 import psutil
 
@@ -44,8 +65,26 @@ READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 """How long a broker gets to exit after SIGTERM before it is killed."""
 
+IDLE_WINDOW_S = 0.25
+"""``wait_idle`` compares the broker's CPU time over windows this long."""
+
+IDLE_SHARE = 0.05
+"""A broker using less than this share of a core is done with the work it was given (timers cost less)."""
+
+IDLE_TIMEOUT_S = 60.0
+"""``wait_idle`` gives up after this long: a broker that never settles is measured as it is."""
+
 PEERS = ("lightgate", "mosquitto", "amqtt")
 """Every broker the suite knows, LightGate first: the ratios are LightGate's figure over each peer's."""
+
+NOT_DURABLE = {
+    "amqtt": "amqtt 0.12.1 has no persistence for these clients: its only store (contrib SessionDBPlugin, "
+             "sqlalchemy + aiosqlite) skips anonymous sessions and never saves in-flight or queued QoS 1 messages",
+}
+"""Brokers that cannot keep messages across a crash, with the reason the durability scenario reports."""
+
+DATA_DIR = "data"
+"""Every broker's data lives in ``<workdir>/data``, so disk growth is measured the same way for all of them."""
 
 
 class PeerError(RuntimeError):
@@ -61,25 +100,78 @@ class Broker:
     process: subprocess.Popen[bytes]
     log: IO[bytes]
     host: str = HOST
+    workdir: Path | None = None
+    durable: bool = False
+    companions: list[subprocess.Popen[bytes]] = field(default_factory=list)  # a cluster's store process
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process of the broker: its own, its children (a cluster's gateway workers), its companions."""
+        main = psutil.Process(self.process.pid)
+        return [main, *main.children(recursive=True), *(psutil.Process(c.pid) for c in self.companions)]
 
     def rss_bytes(self) -> int:
-        """Resident memory of the broker process now."""
-        return psutil.Process(self.process.pid).memory_info().rss
+        """Resident memory of the broker's processes now."""
+        return sum(p.memory_info().rss for p in self.processes())
 
     def cpu_s(self) -> float:
-        """User + system CPU seconds the broker process has used so far (all its threads)."""
-        times = psutil.Process(self.process.pid).cpu_times()
-        return times.user + times.system
+        """User + system CPU seconds the broker's processes have used so far (all their threads)."""
+        return sum(t.user + t.system for t in (p.cpu_times() for p in self.processes()))
+
+    def disk_bytes(self) -> int:
+        """Bytes allocated on disk under the broker's data directory (blocks, not sizes: segments are sparse)."""
+        if self.workdir is None:
+            return 0
+        total = 0
+        for path in (self.workdir / DATA_DIR).rglob("*"):
+            try:
+                total += path.lstat().st_blocks * 512 if path.is_file() else 0
+            except FileNotFoundError:
+                pass  # deleted between listing and stat (RocksDB compacting): no longer on disk
+        return total
+
+    def clients(self) -> int:
+        """Established TCP connections the broker's processes hold on its MQTT port."""
+        return sum(1 for p in self.processes() for c in p.net_connections("tcp")
+                   if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == self.port)
+
+    def wait_idle(self, timeout_s: float = IDLE_TIMEOUT_S) -> float:
+        """Wait until the broker uses under ``IDLE_SHARE`` of a core over ``IDLE_WINDOW_S``; return the seconds waited.
+
+        A broker keeps working after it acknowledged a flood (LightGate dispatches
+        into its indexes); memory and disk are compared once that work is done.
+        Gives up after ``timeout_s`` and returns the time waited.
+        """
+        start = time.monotonic()
+        cpu = self.cpu_s()
+        while time.monotonic() - start < timeout_s:
+            time.sleep(IDLE_WINDOW_S)  # the sampling window of a CPU-time rate, not a synchronisation
+            now = self.cpu_s()
+            if now - cpu < IDLE_SHARE * IDLE_WINDOW_S:
+                break
+            cpu = now
+        return time.monotonic() - start
+
+    def kill(self) -> None:
+        """SIGKILL the broker (no chance to flush or save anything) and reap it."""
+        for process in self.processes()[1:]:
+            process.kill()
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        for companion in self.companions:
+            companion.wait()
+        self.log.close()
 
     def stop(self) -> None:
         """Terminate the broker and reap it (killed if it ignores SIGTERM)."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        for process in (self.process, *self.companions):  # a cluster's gateways first, then its store
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
         self.log.close()
 
     def __enter__(self) -> "Broker":
@@ -95,9 +187,23 @@ def missing(name: str) -> str | None:
         return "mosquitto is not installed (run `make bench-peers`)"
     if name == "amqtt" and importlib.util.find_spec("amqtt") is None:
         return "amqtt is not installed (it is a project dependency: `make venv`)"
-    if name not in PEERS:
-        return f"unknown broker {name!r} (known: {', '.join(PEERS)})"
+    if name not in PEERS and cluster_gateways(name) is None:
+        return f"unknown broker {name!r} (known: {', '.join(PEERS)}, {CLUSTER_PREFIX}<N>gw)"
     return None
+
+
+CLUSTER_PREFIX = "lightgate-cluster-"
+
+
+def cluster_name(gateways: int) -> str:
+    """The peer name of LightGate in cluster mode with ``gateways`` gateway processes."""
+    return f"{CLUSTER_PREFIX}{gateways}gw"
+
+
+def cluster_gateways(name: str) -> int | None:
+    """The gateway processes of a cluster peer name, or None if ``name`` is not one."""
+    count = name.removeprefix(CLUSTER_PREFIX).removesuffix("gw")
+    return int(count) if name.startswith(CLUSTER_PREFIX) and count.isdigit() and int(count) > 0 else None
 
 
 def available(names: tuple[str, ...] | list[str]) -> list[str]:
@@ -112,25 +218,42 @@ def available(names: tuple[str, ...] | list[str]) -> list[str]:
     return runnable
 
 
-def start(name: str, workdir: Path) -> Broker:
+def start(name: str, workdir: Path, *, port: int | None = None, durable: bool = False) -> Broker:
     """Start broker ``name`` on a free loopback port, its files in ``workdir``; return once it accepts connections.
 
+    Args:
+        port: listen here instead of a free port (a restart keeps its port so clients find it again).
+        durable: the crash-safe configuration (see the module docstring).
+
     Raises:
-        PeerError: the broker exited or did not accept connections within ``READY_TIMEOUT_S``.
+        PeerError: the broker exited or did not accept connections within ``READY_TIMEOUT_S``,
+            or ``durable`` was asked of a broker in ``NOT_DURABLE``.
     """
+    if durable and name in NOT_DURABLE:
+        raise PeerError(f"{name} cannot run durable: {NOT_DURABLE[name]}")
+    if cluster_gateways(name) is not None:
+        return _start_cluster(name, workdir, port or free_port(), durable)
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    command = {"lightgate": _lightgate, "mosquitto": _mosquitto, "amqtt": _amqtt}[name](workdir, port)
-    log = open(workdir / f"{name}.log", "wb")
+    (workdir / DATA_DIR).mkdir(exist_ok=True)
+    port = port or free_port()
+    command = {"lightgate": _lightgate, "mosquitto": _mosquitto, "amqtt": _amqtt}[name](workdir, port, durable)
+    log = open(workdir / f"{name}.log", "ab")  # append: a restarted broker's log follows the killed one's
     # cwd=workdir: LightGate reads ./lightgate.toml when present; the repository's must not leak in.
     process = subprocess.Popen(command, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    broker = Broker(name, port, process, log)
+    broker = Broker(name, port, process, log, workdir=workdir, durable=durable)
     try:
         _wait_until_accepting(broker, workdir / f"{name}.log")
     except PeerError:
         broker.stop()
         raise
     return broker
+
+
+def restart(broker: Broker) -> Broker:
+    """Start a stopped or killed ``broker`` again: same name, port, files and configuration."""
+    if broker.workdir is None:
+        raise PeerError(f"{broker.name} on port {broker.port} was not started by peers.start: nothing to restart")
+    return start(broker.name, broker.workdir, port=broker.port, durable=broker.durable)
 
 
 def free_port() -> int:
@@ -140,17 +263,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _lightgate(workdir: Path, port: int) -> list[str]:
-    return [sys.executable, "-m", "gateway.cli", "serve", "--data", str(workdir / "data"),
-            "--host", HOST, "--port", str(port), "--log-level", "warning"]
+def _lightgate(workdir: Path, port: int, durable: bool) -> list[str]:
+    # --admin-port 0: no admin HTTP listener, whose fixed default port would collide between brokers.
+    return [sys.executable, "-m", "gateway.cli", "serve", "--data", str(workdir / DATA_DIR),
+            "--host", HOST, "--port", str(port), "--log-level", "warning", "--admin-port", "0",
+            *(["--commitlog-flush", "sync"] if durable else [])]
 
 
-def _mosquitto(workdir: Path, port: int) -> list[str]:
+def _mosquitto(workdir: Path, port: int, durable: bool) -> list[str]:
     conf = workdir / "mosquitto.conf"
+    # user <us>: run as root, Mosquitto would switch to the `mosquitto` user, which cannot write our directory.
+    persistence = (f"persistence true\npersistence_location {workdir / DATA_DIR}/\nautosave_interval 1\n"
+                   f"user {pwd.getpwuid(os.getuid()).pw_name}\n" if durable else "persistence false\n")
     conf.write_text(
         f"listener {port} {HOST}\n"
         "allow_anonymous true\n"
-        "persistence false\n"
+        + persistence +
         "log_dest stderr\n"
         "log_type error\n"
         "log_type warning\n"
@@ -158,7 +286,7 @@ def _mosquitto(workdir: Path, port: int) -> list[str]:
     return [shutil.which("mosquitto") or "mosquitto", "-c", str(conf)]
 
 
-def _amqtt(workdir: Path, port: int) -> list[str]:
+def _amqtt(workdir: Path, port: int, durable: bool) -> list[str]:
     conf = workdir / "amqtt.yaml"
     config = {
         "listeners": {"default": {"type": "tcp", "bind": f"{HOST}:{port}"}},
@@ -166,6 +294,95 @@ def _amqtt(workdir: Path, port: int) -> list[str]:
     }
     conf.write_text(json.dumps(config, indent=2))  # JSON is YAML
     return [sys.executable, "-m", "amqtt.scripts.broker_script", "-c", str(conf)]
+
+
+CLUSTER_TARGET_GATEWAYS = 2
+CLUSTER_TARGET = 1.3
+"""The cluster issue's target: with 2 gateway processes, at least 1.3x the embedded node's fan-in throughput."""
+
+
+def add_mode_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--mode`` and ``--gateways``: measure LightGate's cluster mode next to the embedded node."""
+    parser.add_argument("--mode", choices=("embedded", "cluster"), default="embedded",
+                        help="cluster: also measure 1 store + N gateway processes (peers lightgate-cluster-<N>gw)")
+    parser.add_argument("--gateways", type=int, nargs="+", default=[1, 2],
+                        help="with --mode cluster: the gateway process counts to measure")
+
+
+def with_cluster(args: argparse.Namespace) -> list[str]:
+    """The brokers to measure: ``--brokers``, plus the cluster peers when ``--mode cluster``."""
+    if args.mode != "cluster":
+        return list(args.brokers)
+    return [*args.brokers, *(cluster_name(n) for n in args.gateways if cluster_name(n) not in args.brokers)]
+
+
+def cluster_ratios(results: dict[str, Any], get: Callable[[dict[str, Any]], float]) -> dict[str, float | None]:
+    """``<cluster peer>/lightgate`` and ``<cluster peer>/mosquitto`` of the figure ``get`` extracts."""
+    out: dict[str, float | None] = {}
+    for name, result in results.items():
+        if cluster_gateways(name) is None:
+            continue
+        for base in ("lightgate", "mosquitto"):
+            if base in results:
+                theirs = get(results[base])
+                out[f"{name}/{base}"] = round(get(result) / theirs, 3) if theirs else None
+    return out
+
+
+def _start_cluster(name: str, workdir: Path, port: int, durable: bool) -> Broker:
+    """A store process and a gateway command with N workers (see the module docstring); ready when all listen."""
+    gateways = cluster_gateways(name)
+    assert gateways is not None
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / DATA_DIR).mkdir(exist_ok=True)
+    store_port = free_port()
+    quiet = ["--log-level", "warning", "--admin-port", "0"]
+    log = open(workdir / f"{name}.log", "ab")
+    store = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "store", "--data", str(workdir / DATA_DIR),
+         "--listen", f"{HOST}:{store_port}", *quiet, *(["--commitlog-flush", "sync"] if durable else [])],
+        cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        _wait_listening([store.pid], store_port, 1, name, workdir / f"{name}.log")
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "gateway", "--store", f"{HOST}:{store_port}", "--host", HOST,
+             "--port", str(port), "--workers", str(gateways), *quiet],
+            cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    except BaseException:
+        store.kill()
+        store.wait()
+        log.close()
+        raise
+    broker = Broker(name, port, gateway, log, workdir=workdir, durable=durable, companions=[store])
+    try:
+        _wait_listening(None, port, gateways, name, workdir / f"{name}.log", broker)
+    except PeerError:
+        broker.stop()
+        raise
+    return broker
+
+
+def _wait_listening(pids: list[int] | None, port: int, count: int, name: str, log_path: Path,
+                    broker: Broker | None = None) -> None:
+    """Wait until ``count`` of the processes (``pids``, or the broker's) listen on ``port``.
+
+    Raises:
+        PeerError: a process exited, or they did not listen within ``READY_TIMEOUT_S``.
+    """
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            processes = broker.processes() if broker is not None else [psutil.Process(pid) for pid in pids or ()]
+            listening = sum(1 for p in processes for c in p.net_connections("tcp")
+                            if c.status == psutil.CONN_LISTEN and c.laddr.port == port)
+        except psutil.NoSuchProcess:
+            tail = log_path.read_text(errors="replace")[-2000:]
+            raise PeerError(f"{name}: a process exited: {tail}") from None
+        if listening >= count:
+            return
+        time.sleep(0.05)  # polling sockets: nothing to wait on but the next look
+    tail = log_path.read_text(errors="replace")[-2000:]
+    raise PeerError(f"{name}: {count} processes did not listen on {HOST}:{port} within {READY_TIMEOUT_S} s: {tail}")
 
 
 def _wait_until_accepting(broker: Broker, log_path: Path) -> None:

@@ -82,7 +82,7 @@ def test_ratios_and_median_run():
 
 
 def test_unknown_peer_is_skipped_with_a_reason(capsys):
-    assert peers.missing("nosuchbroker") == "unknown broker 'nosuchbroker' (known: lightgate, mosquitto, amqtt)"
+    assert peers.missing("nosuchbroker") == "unknown broker 'nosuchbroker' (known: lightgate, mosquitto, amqtt, lightgate-cluster-<N>gw)"
     assert peers.available(["nosuchbroker", "lightgate"]) == ["lightgate"]
     assert "skipping nosuchbroker: unknown broker" in capsys.readouterr().err
 
