@@ -96,6 +96,11 @@ stores a flood first and delivers it afterwards (LightGate) to start delivering.
 RECONNECT_S = 0.05
 """Pause between connection attempts to a broker that is down (restarting): short next to its restart time."""
 
+CONNECT_ALL_TIMEOUT_S = 600.0
+"""A worker's clients must all be connected within this: 10,000 persistent sessions resuming at once, each with
+1,000 queued messages, are served while the first ones drain (offline-fanout); a broker slower than this has failed.
+"""
+
 RECONNECT_TIMEOUT_S = 5.0
 """One connection attempt (TCP + CONNECT/CONNACK) that takes longer is abandoned and retried."""
 
@@ -527,7 +532,7 @@ async def _connect_all(job: Job) -> list[_Client]:
             client = await _connect(job, number)
             clients.append(client)
 
-    with trio.fail_after(120):
+    with trio.fail_after(CONNECT_ALL_TIMEOUT_S):
         async with trio.open_nursery() as nursery:
             for number in range(job.first, job.first + job.count):
                 nursery.start_soon(connect, number)

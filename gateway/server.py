@@ -31,6 +31,7 @@ the writes queued before the ``Close`` action (bounded by ``CLOSE_TIMEOUT_S``).
 from __future__ import annotations
 
 import logging
+import select
 import time
 from collections.abc import Awaitable, Callable
 from collections.abc import Sequence
@@ -142,7 +143,7 @@ class Connection:
     __slots__ = (
         "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_stream", "_backend", "_traffic",
         "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing", "_read_scope",
-        "_broken", "_timers", "_running", "_scopes", "__weakref__",
+        "_broken", "_timers", "_deadline", "_running", "_scopes", "__weakref__",
     )
 
     def __init__(
@@ -172,6 +173,7 @@ class Connection:
         self._read_scope = trio.CancelScope()
         self._broken = False
         self._timers: dict[str, Timer] = {}
+        self._deadline: Timer | None = None  # until CONNECT is read
         self._running = False  # run() serves the connection: tasks and timers may start
         self._scopes: dict[str, trio.CancelScope] = {}  # the writer's and the worker's, while they run
 
@@ -265,10 +267,29 @@ class Connection:
             self.close()
 
     def _connect_deadline(self) -> None:
+        if self.channel.state is State.AWAIT_CONNECT and self._bytes_waiting():
+            # The client did send; the node has not read it yet (a busy event loop): not the client's fault.
+            self._arm_connect_deadline()
+            return
         if self.channel.state is State.AWAIT_CONNECT:
             LOGGER.info("closing connection: no CONNECT within %s s", self._backend.connect_timeout_s,
                         extra={"ctx": {"peer": self.peer}})
             self.close()
+
+    def _arm_connect_deadline(self) -> None:
+        self._deadline = self._backend.timers.call_later(self._backend.connect_timeout_s, self._connect_deadline)
+
+    def _bytes_waiting(self) -> bool:
+        """Whether the kernel holds bytes from the client that the reader has not taken (plain TCP only)."""
+        socket = getattr(self._stream, "socket", None)
+        if socket is None:
+            return False
+        poll = select.poll()  # not select.select: descriptors above 1,023 are normal with 10,000 devices
+        try:
+            poll.register(socket.fileno(), select.POLLIN)
+            return bool(poll.poll(0))
+        except (OSError, ValueError):  # closed meanwhile
+            return False
 
     # --- tasks --------------------------------------------------------------------------
 
@@ -277,13 +298,13 @@ class Connection:
 
         Error handling: a failure is logged with the client id and ends this connection only.
         """
-        deadline = self._backend.timers.call_later(self._backend.connect_timeout_s, self._connect_deadline)
         self._running = True
+        self._arm_connect_deadline()
         try:
             with self._read_scope:
                 await self._read()
             self._closing = True  # the channel closes on every way the reader ends; this is the backstop
-            deadline.cancel()
+            self._deadline.cancel()  # type: ignore[union-attr]
             for timer in self._timers.values():
                 timer.cancel()
             self._timers.clear()
@@ -295,7 +316,7 @@ class Connection:
                          extra={"ctx": {"client_id": self.client_id, "peer": self.peer}})
         finally:
             self._running = False
-            deadline.cancel()
+            self._deadline.cancel()  # type: ignore[union-attr]
             for scope in self._scopes.values():
                 scope.cancel()
             with trio.CancelScope(shield=True):

@@ -80,6 +80,11 @@ class SessionState:
     will_delay_s: int = 0
 
 
+DELIVER_BUDGET = 64
+"""Messages one ``pump`` call delivers at most (the next call comes when they are written): the size of one
+connection's turn on the node's event loop."""
+
+
 @dataclass(slots=True)
 class Link:
     """What delivery needs to know about the connection a session is attached to (set at CONNECT)."""
@@ -326,6 +331,11 @@ class Session:
         While the QoS 0 deliveries not yet written add up to ``qos0_queue_bytes``
         or more, further QoS 0 queue messages are dropped (their offsets advance:
         QoS 0 is at most once) and reported, so a slow reader costs bounded memory.
+
+        At most ``DELIVER_BUDGET`` messages go out per call; the write of a
+        ``Deliver`` comes back as ``written``, which pumps again. So 10,000
+        sessions resuming at once take turns in small steps, and a CONNECT
+        arriving meanwhile waits for one round of small steps, not of full windows.
         """
         link = self._link
         if link is None:
@@ -344,7 +354,8 @@ class Session:
         while retained:
             sub, message = retained[0]
             qos = min(sub.options.qos, message.qos)
-            if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room):
+            if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
+                    or len(chunks) >= DELIVER_BUDGET:
                 break
             del retained[0]
             template = self._template(link, message, sub, qos, True)
@@ -363,7 +374,8 @@ class Session:
                         self._resend(link, stream, message, pid, chunks)
                     continue
                 qos = min(sub.options.qos, message.qos)
-                if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room):
+                if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
+                        or len(chunks) >= DELIVER_BUDGET:
                     break
                 buffer.popleft()
                 if not qos and queue_limit and queued >= queue_limit:
