@@ -151,7 +151,7 @@ def store_statistics(port: int):
     return ask_store(port, lambda client: client.statistics())
 
 
-def quiet(messages: queue.Queue) -> None:
+def check_quiet(messages: queue.Queue) -> None:
     with pytest.raises(queue.Empty):
         extra = messages.get(timeout=QUIET_S)
         pytest.fail(f"unexpected message {extra.topic} {extra.payload!r}")
@@ -198,7 +198,7 @@ def test_publish_on_one_gateway_reaches_wildcard_subscribers_on_the_other(cluste
         assert {m.topic for m in hash_.receive(6)} == {f"tele{run}/dev{i}/temp" for i in range(5)} | \
             {f"tele{run}/dev0/humidity"}
         assert [m.payload for m in local.receive(1)] == [b"t0"]  # the publisher's own node delivers too
-        quiet(plus.messages)
+        check_quiet(plus.messages)
 
 
 def test_retained_messages_published_on_one_gateway_reach_new_subscribers_on_the_other(cluster):
@@ -231,8 +231,8 @@ def test_shared_subscription_members_on_both_gateways_share_the_messages(cluster
                 except queue.Empty:
                     pass
         assert sorted(received, key=int) == [str(i).encode() for i in range(40)]  # each message once
-        quiet(one.messages)
-        quiet(two.messages)
+        check_quiet(one.messages)
+        check_quiet(two.messages)
         one.disconnect()  # gw1's last member leaves: the store's group now has only gw2
         for i in range(40, 50):
             pub.publish(f"jobs{run}/j{i}", str(i).encode(), 1)
@@ -282,10 +282,10 @@ def test_gateway_sigkill_devices_resume_on_the_other_and_wills_fire_within_the_l
             try:
                 assert flags.session_present
                 assert [m.payload for m in resumed.receive(5)] == [f"after{i}".encode() for i in range(5)]
-                quiet(resumed.messages)  # nothing acknowledged before the kill comes again
+                check_quiet(resumed.messages)  # nothing acknowledged before the kill comes again
             finally:
                 resumed.disconnect()
-            quiet(watcher.messages)  # the will fired once
+            check_quiet(watcher.messages)  # the will fired once
 
 
 def test_a_normal_disconnect_leaves_no_will_for_the_store_to_fire(tmp_path):
@@ -301,7 +301,7 @@ def test_a_normal_disconnect_leaves_no_will_for_the_store_to_fire(tmp_path):
                 probe.subscribe(f"probe{run}", 1)
             gw1.kill()
             store.wait_log(lambda doc: doc.get("msg") == "gateway node lease ended" and doc.get("node") == gw1.node)
-            quiet(watcher.messages)
+            check_quiet(watcher.messages)
 
 
 def test_store_restart_no_false_puback_and_publishes_are_accepted_again(tmp_path):

@@ -376,7 +376,7 @@ def remote_subscriber(port: int, filter: str):
         sub.paho.loop_stop()
 
 
-def wait_all(got: set[bytes], stream: Stream) -> None:
+def check_all_arrive(got: set[bytes], stream: Stream) -> None:
     """Wait until every message the stream's broker acknowledged has arrived; fail naming the missing ones."""
     deadline = time.monotonic() + 60
     while not got.issuperset(stream.acked):
@@ -400,7 +400,7 @@ def test_remote_restart_mid_stream_loses_no_acknowledged_message(node, mosquitto
         at_start = len(published)
         wait_until(lambda: len(published) >= at_start + 50, what="publishes after the restart")
         published.stop()
-        wait_all(got, published)
+        check_all_arrive(got, published)
         assert bridge.statistics().remote_reconnects >= 1
         # At least once: a message re-sent after the restart counts twice. The subscriber may have a message
         # before the bridge has its PUBACK, hence the wait.
@@ -512,7 +512,7 @@ def test_bridge_killed_with_messages_in_flight_loses_none(node, mosquitto):
                 second = BridgeProcess(node.port, mosquitto.port, f"crash-{run}", rule)
                 at_start = len(published)
                 wait_until(lambda: len(published) >= at_start + 50, what="publishes with the second bridge")
-            wait_all(got, published)
+            check_all_arrive(got, published)
         finally:
             first.close()
             if second is not None:

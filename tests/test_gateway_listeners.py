@@ -402,7 +402,7 @@ def secure_node(pki, tmp_path_factory):
         yield node
 
 
-def round_trip(subscriber: Client, publisher: Client, topic: str) -> None:
+def check_round_trip(subscriber: Client, publisher: Client, topic: str) -> None:
     subscriber.subscribe(topic, 1)
     publisher.publish(topic, b"over " + topic.encode(), 1)
     [message] = subscriber.receive(1)
@@ -417,7 +417,7 @@ def test_paho_over_tls(secure_node, pki, protocol):
     topic = f"tls/{uuid.uuid4().hex[:6]}"
     with listener_client(port, tls=pki.client_context(), protocol=protocol) as sub, \
             listener_client(port, tls=pki.client_context("alice"), protocol=protocol) as pub:
-        round_trip(sub, pub, topic)
+        check_round_trip(sub, pub, topic)
 
 
 @pytest.mark.slow
@@ -428,8 +428,8 @@ def test_paho_over_websockets(secure_node, pki, kind, protocol):
     topic = f"{kind}/{uuid.uuid4().hex[:6]}"
     with listener_client(secure_node.ports[kind], transport="websockets", tls=tls, protocol=protocol) as sub, \
             listener_client(secure_node.port, protocol=protocol) as pub:  # across listeners, both ways
-        round_trip(sub, pub, topic)
-        round_trip(pub, sub, topic + "/back")
+        check_round_trip(sub, pub, topic)
+        check_round_trip(pub, sub, topic + "/back")
 
 
 @pytest.mark.slow
@@ -472,7 +472,7 @@ def test_mtls_identity_is_the_user_name(pki, tmp_path):
         port = ports_of(node)["tls"]
         with listener_client(port, tls=pki.client_context("alice")) as alice, \
                 listener_client(port, tls=pki.client_context("bob"), protocol=mqtt.MQTTv5) as bob:
-            round_trip(alice, alice, "home/alice/lamp")  # %u = alice: the CN, no password sent
+            check_round_trip(alice, alice, "home/alice/lamp")  # %u = alice: the CN, no password sent
             assert [int(getattr(rc, "value", rc)) for rc in alice.subscribe("home/bob/#")] == [0x80]
             assert [int(getattr(rc, "value", rc)) for rc in bob.subscribe("home/bob/#")] == [1]
         nameless = ListenerClient(port, tls=pki.client_context("nameless"))
@@ -522,7 +522,7 @@ def test_max_connections_refuses_the_next_and_keeps_the_earlier_working(tmp_path
             doc = node.wait_log(lambda doc: doc.get("msg", "").startswith("connection refused"))
             assert "maximum number of connections" in doc["msg"] and doc["refused_max_connections"] == 1
             assert doc["peer"].startswith("127.0.0.1:")
-            round_trip(sub, pub, "limits/" + uuid.uuid4().hex[:6])
+            check_round_trip(sub, pub, "limits/" + uuid.uuid4().hex[:6])
         wait_until(lambda: mqtt_admitted(node.port), what="a free slot after the clients left")
 
 

@@ -160,6 +160,11 @@ def test_encoding_a_message_larger_than_a_frame_is_refused():
 
 @given(st.binary(max_size=256), st.integers(min_value=1, max_value=17))
 def test_arbitrary_bytes_never_escape_as_another_exception(data, chunk):
+    check_decodes_or_refuses(data, chunk)
+
+
+def check_decodes_or_refuses(data: bytes, chunk: int) -> None:
+    """Feeding ``data`` in ``chunk``-sized pieces yields messages or RpcProtocolError, never another exception."""
     decoder = rpc.FrameDecoder(rpc.CLIENT_MESSAGES, max_frame_bytes=4096)
     try:
         for i in range(0, len(data), chunk):
