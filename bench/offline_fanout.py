@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sessions", type=int, default=10_000, help="persistent sessions that go offline")
     parser.add_argument("--messages", type=int, default=1_000, help="broadcasts published while they are offline")
     parser.add_argument("--payload", type=int, default=256, help="broadcast payload bytes (at least 16: the stamp)")
-    parser.add_argument("--workers", type=int, default=4, help="generator worker processes for the sessions")
+    parser.add_argument("--workers", type=int, default=8,  # 4 x 2,500 sessions could not keep up with the flood
+                        help="generator worker processes for the sessions")
     parser.add_argument("--drain", type=float, default=900.0,
                         help="longest wait for the deliveries after the reconnect, in seconds "
                              "(10,000 x 1,000 is 10 million deliveries)")
