@@ -56,6 +56,11 @@ LOGGER = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 
+READ_GAP = 16 * 1024
+"""read_many reads across gaps up to this size (other queues' records) rather than making another pread."""
+READ_SPAN = 4 * MiB
+"""read_many's largest single read."""
+
 SCAN_BYTES = 4 * MiB
 """Default scan size: large enough to amortise the pread, small enough to keep a batch's latency low."""
 
@@ -699,6 +704,68 @@ class CommitLog:
             raise InvalidOffset(offset, f"the record there is not {size} bytes long")
         self._check_record(buf, offset)
         return buf
+
+    def next_record_offset(self, offset: int) -> int:
+        """Where the next record at or after ``offset`` (at most ``written_offset``) starts: ``offset`` itself,
+        or, at the end of a segment's data (before its end-of-segment marker or short tail), the next segment's
+        base. What :meth:`scan` skips, for readers that know the records but not the segments."""
+        view = self._view
+        written = self._written
+        if offset >= written or offset < view.bases[0]:
+            return offset
+        seg = view.find(offset)
+        if min(written, seg.base + seg.write_pos) <= offset:
+            return seg.end
+        return offset
+
+    def read_many(self, locations: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        """The raw bytes of the records at ``(offset, size)`` locations (in log order), CRC-checked;
+        None for a record retention deleted.
+
+        A queue's records often lie close together in the log (a topic's
+        burst, a first-level queue taking most of the traffic): records less
+        than ``READ_GAP`` apart in one segment are read with one pread.
+
+        Raises:
+            InvalidOffset, CorruptRecord: as for :meth:`read_bytes`.
+        """
+        found: list[bytes | None] = []
+        i = 0
+        count = len(locations)
+        while i < count:
+            offset, size = locations[i]
+            try:
+                seg, pos, end = self._locate(offset)
+            except OffsetExpired:
+                found.append(None)
+                i += 1
+                continue
+            if size < HEADER_SIZE or size > end - pos:
+                raise InvalidOffset(offset, f"size {size} does not fit a record there")
+            j = i + 1
+            stop = offset + size
+            limit = seg.base + end
+            while j < count:
+                nxt, nsize = locations[j]
+                if nxt < stop or nxt - stop > READ_GAP or nxt + nsize > limit or nxt + nsize - offset > READ_SPAN:
+                    break
+                stop = nxt + nsize
+                j += 1
+            try:
+                with seg.pinned():
+                    buf = seg.read(pos, stop - offset)
+            except SegmentRetired:
+                found.extend([None] * (j - i))
+                i = j
+                continue
+            for at, length in locations[i:j]:
+                raw = buf[at - offset : at - offset + length]
+                if len(raw) < HEADER_SIZE or int.from_bytes(raw[:4], "big") != length:
+                    raise InvalidOffset(at, f"the record there is not {length} bytes long")
+                self._check_record(raw, at)
+                found.append(raw)
+            i = j
+        return found
 
     def _locate(self, offset: int) -> tuple[Segment, int, int]:
         """(segment, position in it, end of its readable data) for a read at ``offset``."""

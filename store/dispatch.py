@@ -26,6 +26,7 @@ from lightqueue.queues import LightQueues
 from retain.store import RetainedStore
 from store.commitlog import CommitLog, ScanResult
 from store.errors import OffsetExpired
+from store.recent import RecentRecords
 from store.record import FLAG_RETAIN
 
 __all__ = ["DispatchBatch", "Dispatcher", "DispatcherStatistics"]
@@ -42,6 +43,14 @@ FLUSH_INTERVAL_S = 30.0
 FLUSH_BYTES = 64 * MiB
 """Flush the index memtable after this much time or CommitLog data dispatched,
 whichever comes first: re-dispatch after a crash never covers more than that."""
+
+INLINE_BYTES = 256 * 1024
+"""A step over at most this much, all of it in memory, runs in the trio thread (``Dispatcher.run``)."""
+
+MAX_LAG = 4 * MiB
+"""Appends wait (``wait_lag``) while more than this much of the log is not indexed yet. Ingest can outrun
+dispatch (they share one interpreter); unbounded, the lag grows past the records kept in memory, dispatch
+falls back to reading the log back, and every message then costs more than it did when it was accepted."""
 
 FALLBACK_WAKE_S = 1.0
 """The run loop also looks for new records this often, in case a wake-up was missed (appends from another process)."""
@@ -68,6 +77,7 @@ class DispatcherStatistics:
     batches: int
     records: int
     expired_skips: int  # times retention deleted records before they were dispatched
+    from_memory: int  # records indexed from the recent records kept in memory, without reading the log
 
 
 @final
@@ -84,6 +94,9 @@ class Dispatcher:
             set), or None. They keep their own checkpoint: after a crash the
             dispatcher starts from the lower of the two and feeds each only
             what it has not applied.
+        recent: the records this process appended last (store/recent.py):
+            a step that starts at one of them indexes the run that follows
+            from memory instead of scanning the log.
         flush_bytes, flush_interval_s: flush the index memtable after this much
             CommitLog data dispatched or this much time (bounds re-dispatch after a crash).
 
@@ -102,6 +115,7 @@ class Dispatcher:
         listener: Listener | None = None,
         *,
         retained: RetainedStore | None = None,
+        recent: RecentRecords | None = None,
         scan_bytes: int = SCAN_BYTES,
         flush_bytes: int = FLUSH_BYTES,
         flush_interval_s: float = FLUSH_INTERVAL_S,
@@ -110,6 +124,7 @@ class Dispatcher:
         self._queues = queues
         self._listener = listener
         self._retained = retained
+        self._recent = recent
         self._scan_bytes = scan_bytes
         self._flush_bytes = flush_bytes
         self._flush_interval_s = flush_interval_s
@@ -131,6 +146,7 @@ class Dispatcher:
         self._batches = 0
         self._records = 0
         self._expired_skips = 0
+        self._from_memory = 0
         self._wakeup = trio.Event()
         self._progress = trio.Event()
 
@@ -146,7 +162,7 @@ class Dispatcher:
 
     def statistics(self) -> DispatcherStatistics:
         return DispatcherStatistics(self._offset, self._flushed_offset, self._log.written_offset, self.lag,
-                                    self._batches, self._records, self._expired_skips)
+                                    self._batches, self._records, self._expired_skips, self._from_memory)
 
     def dispatch_once(self, max_bytes: int | None = None) -> DispatchBatch | None:
         """Index the next chunk of records, then call the listener.
@@ -155,6 +171,8 @@ class Dispatcher:
             the batch, or None when there was nothing new to index.
         """
         batch = self._step(max_bytes or self._scan_bytes)
+        if self._flush_due():
+            self._flush_idle()
         if batch is not None and batch.max_offsets and self._listener is not None:
             self._listener(batch.max_offsets)
         return batch
@@ -166,7 +184,7 @@ class Dispatcher:
             if start >= log.written_offset:
                 return None
             try:
-                scan = log.scan(start, max_bytes)
+                scan = self._read(start, max_bytes)
             except OffsetExpired as exc:
                 # Retention outran dispatch: those records are gone; queue offsets continue from here.
                 LOGGER.error("records expired before they were dispatched",
@@ -187,9 +205,16 @@ class Dispatcher:
             self._batches += 1
             self._records += len(scan.records)
             self._unflushed += scan.next_offset - start
-            if self._unflushed >= self._flush_bytes or time.monotonic() - self._flushed_at >= self._flush_interval_s:
-                self._flush()
             return DispatchBatch(start, scan.next_offset, len(scan.records), max_offsets)
+
+    def _read(self, start: int, max_bytes: int) -> ScanResult:
+        """The records from ``start``: from memory when they are still there, else scanned from the log."""
+        if self._recent is not None and start >= self._log.min_offset:
+            records, next_offset = self._recent.run(self._log.next_record_offset(start), max_bytes)
+            if records:
+                self._from_memory += len(records)
+                return ScanResult(records, next_offset, ())
+        return self._log.scan(start, max_bytes)
 
     def _retain(self, scan: ScanResult) -> None:
         """Apply the retained updates of a scanned batch (an empty payload deletes the topic's message)."""
@@ -211,8 +236,12 @@ class Dispatcher:
         self._unflushed = 0
         self._flushed_at = time.monotonic()
 
+    def _flush_due(self) -> bool:
+        return bool(self._unflushed) and (self._unflushed >= self._flush_bytes
+                                          or time.monotonic() - self._flushed_at >= self._flush_interval_s)
+
     def _flush_idle(self) -> None:
-        """The time-based flush when no batch comes to trigger it (traffic stopped)."""
+        """The flush after steps that made it due, or when traffic stopped."""
         with self._lock:
             if self._unflushed:
                 self._flush()
@@ -226,9 +255,12 @@ class Dispatcher:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Dispatch while there are new records, otherwise sleep until :meth:`wake`.
 
-        Each step runs in a worker thread; the listener and the waiters of
-        :meth:`wait_dispatched` are served in the trio thread after it. Runs
-        until cancelled.
+        A step over a few records still in memory (``recent``) runs right here
+        in the trio thread: a hand-off to a worker thread and back costs more
+        than indexing them, and is where a message's latency went at moderate
+        rates. Larger steps, steps that read the log, and flushes run in a
+        worker thread. The listener and the waiters of :meth:`wait_dispatched`
+        are served in the trio thread after each step. Runs until cancelled.
         """
         task_status.started()
         while True:
@@ -236,16 +268,34 @@ class Dispatcher:
             if self._offset >= self._log.written_offset:
                 with trio.move_on_after(FALLBACK_WAKE_S):
                     await self._wakeup.wait()
-                if self._unflushed and time.monotonic() - self._flushed_at >= self._flush_interval_s:
+                if self._flush_due():
                     await trio.to_thread.run_sync(self._flush_idle)
                 continue
-            batch = await trio.to_thread.run_sync(self._step, self._scan_bytes)
+            if self._inline():
+                batch = self._step(INLINE_BYTES)
+                await trio.lowlevel.checkpoint()
+            else:
+                batch = await trio.to_thread.run_sync(self._step, self._scan_bytes)
+            if self._flush_due():
+                await trio.to_thread.run_sync(self._flush_idle)
             if batch is None:
                 continue
             if batch.max_offsets and self._listener is not None:
                 self._listener(batch.max_offsets)
             self._progress.set()
             self._progress = trio.Event()
+
+    def _inline(self) -> bool:
+        """Is the next step small and in memory?"""
+        recent = self._recent
+        return (recent is not None and self._log.written_offset - self._offset <= INLINE_BYTES
+                and recent.get(self._offset) is not None)
+
+    async def wait_lag(self, max_lag: int = MAX_LAG) -> None:
+        """Return once at most ``max_lag`` bytes of the log wait for dispatch (needs :meth:`run`): appenders
+        call it first, so the log does not grow faster than the index."""
+        while self._log.written_offset - self._offset > max_lag:
+            await self._progress.wait()
 
     async def wait_dispatched(self, offset: int) -> None:
         """Return once every record below CommitLog offset ``offset`` is indexed (needs :meth:`run`)."""

@@ -37,7 +37,8 @@ from store.access import StoreAccess
 from store.aio import AsyncCommitLog
 from store.commitlog import CommitLogConfig
 from store.dispatch import Dispatcher, Listener
-from store.record import Record, decode_record, encode_record
+from store.recent import RecentRecords
+from store.record import Record, decode_record, new_record, now_ms
 from store.rocks import open_db
 from store.rpc import parse_address
 from store.tasks import background
@@ -65,6 +66,7 @@ class StoreNode:
     dispatcher: Dispatcher
     sessions: rocksdict.Rdict  # the SESSIONS_FAMILY column family: client id (UTF-8) -> session blob
     retained: RetainedStore  # kept up to date by the dispatcher; looked up at subscribe time
+    recent: RecentRecords  # the last appended records, decoded: dispatch and pulls at the head read them here
     router: NotifyRouter = field(default_factory=NotifyRouter)
     mailboxes: dict[str, EventMailbox] = field(default_factory=dict)  # attached gateway node -> its events
 
@@ -127,26 +129,34 @@ class StoreNode:
         """
         max_size = self.log.log.config.max_record_bytes
         targets = self.queues.targets
-        encoded: list[list[bytes] | ValueError] = []
+        now = now_ms()
+        encoded: list[list[tuple[bytes, Record]] | ValueError] = []
         for messages in groups:
             try:
-                encoded.append([encode_record(topic, payload, queues=targets(topic), max_size=max_size, **fields)
-                                for topic, payload, fields in messages])
+                encoded.append([new_record(topic, payload, queues=targets(topic), max_size=max_size, store_ms=now,
+                                           **fields) for topic, payload, fields in messages])
             except ValueError as exc:
                 encoded.append(exc)
         return await self.append_encoded(encoded, durable=durable)
 
     async def append_encoded(
-        self, encoded: Sequence[list[bytes] | ValueError], *, durable: bool | None = None
+        self, encoded: Sequence[list[tuple[bytes, Record]] | ValueError], *, durable: bool | None = None
     ) -> list[list[int] | ValueError]:
-        """Append groups of records encoded with this node's target queues (``queues.targets`` at encode time)
-        in one CommitLog write; a group that failed to encode (a ``ValueError`` in its place) is passed through.
+        """Append groups of records made by ``store.record.new_record`` with this node's target queues
+        (``queues.targets`` at encode time) in one CommitLog write; a group that failed to encode (a
+        ``ValueError`` in its place) is passed through. The records are kept in ``recent`` for dispatch
+        and pulls. Waits first while dispatch lags (``Dispatcher.wait_lag``).
 
         Raises:
             OSError: the write failed; no group was appended.
         """
-        records = [record for group in encoded if not isinstance(group, ValueError) for record in group]
-        offsets = await self.log.append_batch(records, durable=durable) if records else []
+        made = [pair for group in encoded if not isinstance(group, ValueError) for pair in group]
+        await self.dispatcher.wait_lag()
+        offsets = await self.log.append_batch([raw for raw, _ in made], durable=durable) if made else []
+        records = [record for _, record in made]
+        for record, offset in zip(records, offsets):
+            record.offset = offset
+        self.recent.add(records)
         self.dispatcher.wake()
         results: list[list[int] | ValueError] = []
         start = 0
@@ -163,7 +173,7 @@ class StoreNode:
     ) -> PullResult[Record]:
         """Read messages of a queue from a queue offset (index scan + CommitLog reads, in a thread)."""
         return await trio.to_thread.run_sync(
-            self.queues.pull, queue, from_offset, max_count, max_bytes, self.log.log, _decode
+            self.queues.pull, queue, from_offset, max_count, max_bytes, self.log.log, _decode, self.recent.get
         )
 
     def save_session(self, client_id: str, blob: bytes) -> None:
@@ -215,8 +225,9 @@ async def open_store(
                 if listener is not None:
                     listener(events)
 
-            dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained)
-            node = StoreNode(data, alog, queues, dispatcher, _open_family(db, SESSIONS_FAMILY), retained)
+            recent = RecentRecords()
+            dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent)
+            node = StoreNode(data, alog, queues, dispatcher, _open_family(db, SESSIONS_FAMILY), retained, recent)
             nodes.append(node)
             try:
                 async with background(dispatcher.run):

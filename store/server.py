@@ -46,7 +46,7 @@ from store.errors import LogFullError
 from store.groups import GroupCoordinator
 from store.leases import NodeLeases
 from store.node import StoreNode
-from store.record import RecordTooLarge, encode_record
+from store.record import Record, RecordTooLarge, new_record, now_ms
 
 __all__ = ["RpcServer", "serve_rpc"]
 
@@ -102,18 +102,21 @@ def _error(request_id: int, exc: BaseException) -> rpc.Error:
     return rpc.Error(request_id, kind, str(exc) or type(exc).__name__)
 
 
-def encode_groups(store: StoreNode, groups: list[list[rpc.WireMessage]]) -> list[list[bytes] | ValueError]:
+def encode_groups(
+    store: StoreNode, groups: list[list[rpc.WireMessage]]
+) -> list[list[tuple[bytes, Record]] | ValueError]:
     """The records of each group with their target queues fixed now, or the ``ValueError`` of the group's first
     message that does not encode (``StoreNode.append_groups`` does the same for mappings of fields: here the wire
     message's fields go to the encoder as keywords, without a mapping per message, a third of the cost)."""
     max_size = store.log.log.config.max_record_bytes
     targets = store.queues.targets
-    encoded: list[list[bytes] | ValueError] = []
+    now = now_ms()
+    encoded: list[list[tuple[bytes, Record]] | ValueError] = []
     for group in groups:
         try:
-            encoded.append([encode_record(m.topic, m.payload, client_id=m.client_id, qos=m.qos, retain=m.retain,
-                                          properties=m.properties, born_ms=m.born_ms, queues=targets(m.topic),
-                                          max_size=max_size) for m in group])
+            encoded.append([new_record(m.topic, m.payload, client_id=m.client_id, qos=m.qos, retain=m.retain,
+                                       properties=m.properties, born_ms=m.born_ms, queues=targets(m.topic),
+                                       max_size=max_size, store_ms=now) for m in group])
         except ValueError as exc:
             encoded.append(exc)
     return encoded
