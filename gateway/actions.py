@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the session module builds on these classes, so only the typ
     from gateway.session import SessionState
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class Message:
     """One application message as the channel needs it, inbound (to store) or outbound (from a queue).
 
@@ -72,7 +72,7 @@ class Phase(Enum):
     RELEASED = "released"  # PUBREC received, PUBREL sent; waiting for PUBCOMP
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class InFlight:
     """An outbound QoS 1/2 message not yet acknowledged, by reference into its queue (no body)."""
 
@@ -86,14 +86,14 @@ class InFlight:
 # --- actions: channel -> node ---------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class Send:
     """Encode these packets at the channel's protocol level and write them, in order."""
 
     packets: tuple[Packet, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class Deliver:
     """Write these pre-encoded PUBLISH packets (``count`` of them); after the write completes, feed ``SocketWritten(seq)``.
 
@@ -154,7 +154,7 @@ class OpenSession:
     will_delay_s: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class Append:
     """Append messages to the CommitLog (durable under the sync flush policy).
 
@@ -195,7 +195,7 @@ class CommitOffsets:
     offsets: dict[str, int]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class Pull:
     """Read up to ``max_count`` messages of ``queue`` from ``from_offset``; answer ``Pulled(filter, ...)``.
 
@@ -258,7 +258,7 @@ class SessionOpened:
     reason: ReasonCode = ReasonCode.SUCCESS
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class Appended:
     """Answer to ``Append``: stored (``ok``), or refused with a PUBACK/PUBREC reason."""
 
@@ -281,7 +281,7 @@ class Activated:
     reasons: dict[str, ReasonCode] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class Pulled:
     """Answer to ``Pull``: messages (with ``offset`` set) in queue order, and where the next pull starts."""
 
@@ -290,7 +290,7 @@ class Pulled:
     next_offset: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class QueueAdvanced:
     """Notify: ``queue`` has messages up to (not including) ``max_offset``."""
 
@@ -298,7 +298,7 @@ class QueueAdvanced:
     max_offset: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class SocketWritten:
     """Every ``Deliver`` with ``seq <= up_to`` has been written to the socket."""
 

@@ -356,6 +356,14 @@ class Channel:
         except RemoteProtocolError as err:
             return self.handle_protocol_error(err)
 
+    def input_done(self) -> list[Action]:
+        """Everything the client sent so far is processed: deliver what its acknowledgements made room for
+        (the session defers that while most of its window is in flight; call this after each read)."""
+        session = self._session
+        if session is None or self._state is not State.CONNECTED:
+            return []
+        return session.pump_due()
+
     def handle_event(self, event: Event) -> list[Action]:
         """Process a result or notification from the node.
 
@@ -503,7 +511,7 @@ class Channel:
             if self._held:
                 self._held.extend(held[index + 1:])
                 break
-        return actions
+        return actions + self.input_done()
 
     def _rate_refusal(self, packet: Publish) -> list[Action] | None:
         """Charge the publish-rate buckets for ``packet``; None when it may go on, else the answer to it.
@@ -853,7 +861,7 @@ class Channel:
         queued, self._queued = self._queued, []
         for packet in queued:
             actions += self.handle_in(packet)
-        return actions
+        return actions + self.input_done()
 
     def _on_appended(self, event: Appended) -> list[Action]:
         actions = self._appended(event)

@@ -62,7 +62,7 @@ class Connack:
     properties: Properties = EMPTY_PROPERTIES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class Publish:
     """PUBLISH (section 3.3). ``packet_id`` is None exactly when ``qos`` is 0."""
 
@@ -76,7 +76,7 @@ class Publish:
     properties: Properties = EMPTY_PROPERTIES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class Puback:
     """PUBACK (section 3.4): QoS 1 acknowledgement."""
 
@@ -86,7 +86,7 @@ class Puback:
     properties: Properties = EMPTY_PROPERTIES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class Pubrec:
     """PUBREC (section 3.5): QoS 2 delivery, part 1."""
 
@@ -96,7 +96,7 @@ class Pubrec:
     properties: Properties = EMPTY_PROPERTIES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class Pubrel:
     """PUBREL (section 3.6): QoS 2 delivery, part 2."""
 
@@ -106,7 +106,7 @@ class Pubrel:
     properties: Properties = EMPTY_PROPERTIES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class Pubcomp:
     """PUBCOMP (section 3.7): QoS 2 delivery, part 3."""
 

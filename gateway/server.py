@@ -378,6 +378,7 @@ class Connection:
                     self.execute(channel.handle_protocol_error(err, decoder.protocol_level))
                     return
                 if packet is NEED_DATA:
+                    self.execute(channel.input_done())
                     break
                 if type(packet) is Publish:
                     self._traffic.messages_in += 1

@@ -144,7 +144,7 @@ class Session:
     """
 
     __slots__ = ("client_id", "expiry_s", "awaiting_rel", "_streams", "_inflight", "_next_pid", "_retained",
-                 "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks")
+                 "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due")
 
     def __init__(self, client_id: str, expiry_s: int, state: SessionState | None = None) -> None:
         self.client_id = client_id
@@ -163,6 +163,7 @@ class Session:
         self._link: Link | None = None
         self._committed: dict[str, int] = {}
         self._acks = 0
+        self._pump_due = False
         if state is not None:
             self._restore(state)
 
@@ -340,6 +341,7 @@ class Session:
         link = self._link
         if link is None:
             return []
+        self._pump_due = False
         chunks: list[bytes] = []
         written: list[tuple[_Stream, int]] = []
         actions: list[Action] = []
@@ -490,7 +492,7 @@ class Session:
             return []
         del self._inflight[packet_id]
         self._acked(entry)
-        return self.pump()
+        return self._after_ack()
 
     def pubrec(self, packet_id: int, reason: ReasonCode) -> list[Action]:
         """PUBREC from the client: answer PUBREL (or end the flow on a failure reason)."""
@@ -513,7 +515,25 @@ class Session:
             return []
         del self._inflight[packet_id]
         self._acked(entry)
+        return self._after_ack()
+
+    def _after_ack(self) -> list[Action]:
+        """Pump now, or, while most of the window is still in flight, at ``pump_due``.
+
+        A client acknowledges a window of messages in one burst. Pumping on each
+        acknowledgement made one write of one message per ack; pumping once the
+        burst is read (the connection calls ``pump_due`` after each read) makes
+        one write for all the room it freed.
+        """
+        link = self._link
+        if link is not None and len(self._inflight) > link.receive_maximum - max(1, link.receive_maximum // 4):
+            self._pump_due = True
+            return []
         return self.pump()
+
+    def pump_due(self) -> list[Action]:
+        """The pump acknowledgements deferred (``_after_ack``), if any."""
+        return self.pump() if self._pump_due else []
 
     def written(self, up_to: int) -> list[Action]:
         """Deliveries up to ``seq`` reached the socket: their QoS 0 messages are done."""

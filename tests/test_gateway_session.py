@@ -149,3 +149,14 @@ def test_persistence_follows_expiry():
     assert session.save() == [] and not session.persistent
     session.expiry_s = 10
     assert session.persistent and len(session.save()) == 1
+
+
+def test_acks_while_most_of_the_window_is_in_flight_pump_once_the_read_is_done():
+    session = attached(receive_maximum=8)  # pumps wait while more than 8 - 8 // 4 = 6 are in flight
+    sent = publishes(session.pulled("a/+", tuple(msg(i) for i in range(20)), 20))
+    assert len(sent) == 8
+    assert session.puback(sent[0].packet_id) == []  # 7 in flight: one write for the burst, later
+    assert len(publishes(session.puback(sent[1].packet_id))) == 2  # 6 in flight: the room is used now
+    assert session.puback(sent[2].packet_id) == []
+    assert [p.payload for p in publishes(session.pump_due())] == [b"10"]
+    assert session.pump_due() == []  # nothing deferred any more
