@@ -505,6 +505,20 @@ class GatewayNode:
             else:
                 connection.feed(Appended(append.ref, reason is None, reason or ReasonCode.SUCCESS))
 
+    def append_now(self, connection: Connection, action: Append) -> bool:
+        """Append in the reader's step when the store can without waiting (embedded, async flush: see
+        ``StoreClient.append_now``) and no ACL applies; False leaves the append, and any error, to ``perform``."""
+        if self._current_acl() is not None:
+            return False
+        try:
+            if self.store.append_now([to_new_message(m) for m in action.messages]) is None:
+                return False
+        except (OSError, ValueError):
+            return False  # nothing was appended: ``perform`` tries again and answers with the reason
+        if action.ref is not None:
+            connection.feed(Appended(action.ref, True, ReasonCode.SUCCESS))
+        return True
+
     def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
         """A pull at the head of an unshared queue, answered from the queue cache; None if it must wait or read."""
         if action.group is not None:

@@ -42,7 +42,7 @@ import trio
 
 from gateway._state import State
 from gateway.actions import (
-    Action, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Pull, Pulled, Send, SocketWritten,
+    Action, Append, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Pull, Pulled, Send, SocketWritten,
 )
 from gateway.admission import Admission
 from gateway.channel import Channel, ChannelConfig
@@ -115,6 +115,10 @@ class Backend(Protocol):
 
     def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
         """Answer a pull from memory if the node can (the queue cache has it), else None: ``perform`` will."""
+        ...
+
+    def append_now(self, connection: Connection, action: Append) -> bool:
+        """Append now and feed the answer if the node can without waiting; False: ``perform`` will."""
         ...
 
     async def perform(self, connection: Connection, actions: list[Action]) -> None:
@@ -219,11 +223,14 @@ class Connection:
                 if timer is not None:
                     timer.cancel()
             else:
-                if kind is Pull and not self._work and not self._working:
-                    pulled = self._backend.pull_cached(self, action)  # type: ignore[arg-type]
-                    if pulled is not None:  # a cache hit: answered now, without a worker hop (in order: no work waits)
-                        self.feed(pulled)
+                if not self._work and not self._working:  # in order: no work waits, so the node may answer now
+                    if kind is Append and self._backend.append_now(self, action):  # type: ignore[arg-type]
                         continue
+                    if kind is Pull:
+                        pulled = self._backend.pull_cached(self, action)  # type: ignore[arg-type]
+                        if pulled is not None:  # a cache hit: answered without a worker hop
+                            self.feed(pulled)
+                            continue
                 self._work.append(action)
         if self._running:
             if self._out and not self._writing:

@@ -82,6 +82,11 @@ class StoreClient(Protocol):
         """
         ...
 
+    def append_now(self, messages: Sequence[NewMessage]) -> list[int] | None:
+        """:meth:`append` (not durable) done before returning, if the store can without waiting; else None,
+        with nothing appended: the caller awaits :meth:`append`. Raises as :meth:`append`."""
+        ...
+
     async def pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         """The results of several queue reads, in request order."""
         ...
@@ -190,6 +195,9 @@ class LocalStoreClient:
 
     async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
         return await self.store.append_many(messages, durable=durable)
+
+    def append_now(self, messages: Sequence[NewMessage]) -> list[int] | None:
+        return self.store.append_now(messages)
 
     async def pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         if sum(r.max_count for r in requests) <= INLINE_PULL:

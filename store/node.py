@@ -36,7 +36,7 @@ from retain.store import RetainedStore
 from store.access import StoreAccess
 from store.aio import AsyncCommitLog
 from store.commitlog import CommitLogConfig
-from store.dispatch import Dispatcher, Listener
+from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.recent import RecentRecords
 from store.record import Record, decode_record, new_record, now_ms
 from store.rocks import open_db
@@ -127,14 +127,11 @@ class StoreNode:
         Raises:
             OSError: the write failed; no group was appended.
         """
-        max_size = self.log.log.config.max_record_bytes
-        targets = self.queues.targets
         now = now_ms()
         encoded: list[list[tuple[bytes, Record]] | ValueError] = []
         for messages in groups:
             try:
-                encoded.append([new_record(topic, payload, queues=targets(topic), max_size=max_size, store_ms=now,
-                                           **fields) for topic, payload, fields in messages])
+                encoded.append(self._encode(messages, now))
             except ValueError as exc:
                 encoded.append(exc)
         return await self.append_encoded(encoded, durable=durable)
@@ -153,11 +150,7 @@ class StoreNode:
         made = [pair for group in encoded if not isinstance(group, ValueError) for pair in group]
         await self.dispatcher.wait_lag()
         offsets = await self.log.append_batch([raw for raw, _ in made], durable=durable) if made else []
-        records = [record for _, record in made]
-        for record, offset in zip(records, offsets):
-            record.offset = offset
-        self.recent.add(records)
-        self.dispatcher.wake()
+        self._appended(made, offsets)
         results: list[list[int] | ValueError] = []
         start = 0
         for group in encoded:
@@ -167,6 +160,40 @@ class StoreNode:
                 results.append(offsets[start : start + len(group)])
                 start += len(group)
         return results
+
+    def append_now(self, messages: Sequence[tuple[str, bytes, Mapping[str, Any]]]) -> list[int] | None:
+        """:meth:`append_many` without waiting, when nothing needs waiting for; else None (nothing appended).
+
+        Under the async flush policy an append is a copy into the page cache;
+        doing it in the caller's step saves a gateway connection a task switch
+        per publish. It must wait (None) under the sync policy (the fsync) and
+        while dispatch lags (``Dispatcher.wait_lag``).
+
+        Raises:
+            ValueError: a message does not encode (``RecordTooLarge`` included); nothing was appended.
+            OSError: the write failed; nothing was appended.
+        """
+        if self.log.log.config.flush == "sync" or self.dispatcher.lag > MAX_LAG:
+            return None
+        made = self._encode(messages, now_ms())
+        offsets = self.log.log.append_batch([raw for raw, _ in made])
+        self._appended(made, offsets)
+        return offsets
+
+    def _encode(self, messages: Sequence[tuple[str, bytes, Mapping[str, Any]]], now: int) -> list[tuple[bytes, Record]]:
+        """The records of ``messages`` with their target queues fixed now (raises ValueError as ``new_record``)."""
+        max_size = self.log.log.config.max_record_bytes
+        targets = self.queues.targets
+        return [new_record(topic, payload, queues=targets(topic), max_size=max_size, store_ms=now, **fields)
+                for topic, payload, fields in messages]
+
+    def _appended(self, made: list[tuple[bytes, Record]], offsets: list[int]) -> None:
+        """Keep the appended records in memory with their offsets, and wake dispatch."""
+        records = [record for _, record in made]
+        for record, offset in zip(records, offsets):
+            record.offset = offset
+        self.recent.add(records)
+        self.dispatcher.wake()
 
     async def pull(
         self, queue: str, from_offset: int, max_count: int = 32, max_bytes: int = 1 << 20

@@ -587,6 +587,10 @@ class RemoteStoreClient:
             return []
         return await link.appends[durable].submit(group)
 
+    def append_now(self, messages: Sequence[NewMessage]) -> list[int] | None:
+        """Always None: an append is a round trip to the store node."""
+        return None
+
     async def pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         """The reads, batched with other callers'; a read that comes back full starts the next one in advance.
 

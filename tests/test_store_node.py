@@ -2,10 +2,12 @@
 
 from pathlib import Path
 
+import pytest
 import trio
 
 from store.commitlog import CommitLogConfig
 from store.node import open_store
+from store.record import RecordTooLarge
 
 CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
 
@@ -39,3 +41,20 @@ async def test_state_survives_a_clean_restart(tmp_path: Path):
         assert node.dispatcher.lag == 0
         ((offset, record),) = (await node.pull("cmd/dev-7", 0)).messages
         assert (offset, record.payload, record.client_id, record.qos) == (0, b"reboot", "app", 1)
+
+
+async def test_append_now_appends_in_the_callers_step_only_when_nothing_must_be_waited_for(tmp_path: Path):
+    async with open_store(tmp_path / "async", CONFIG) as node:
+        (offset,) = node.append_now([("a/b", b"now", {"qos": 1})])
+        assert node.log.log.written_offset > offset and node.recent.get(offset).payload == b"now"
+        with trio.fail_after(10):
+            await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+        assert [r.payload for _, r in (await node.pull("a/b", 0)).messages] == [b"now"]
+        written = node.log.log.written_offset
+        with pytest.raises(RecordTooLarge):
+            node.append_now([("a/b", b"x" * (CONFIG.max_record_bytes + 1), {})])
+        assert node.log.log.written_offset == written  # nothing appended
+    sync = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10, flush="sync")
+    async with open_store(tmp_path / "sync", sync) as node:
+        assert node.append_now([("a/b", b"later", {})]) is None  # the fsync must be awaited: append() does it
+        assert node.log.log.written_offset == 0
