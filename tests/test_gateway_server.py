@@ -1,14 +1,7 @@
 """`lightgate serve` end to end: real paho-mqtt clients and raw sockets against a node in a subprocess."""
 
-import json
-import os
 import queue
-import signal
 import socket
-import subprocess
-import sys
-import threading
-import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,55 +9,18 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from processes import LightgateProcess
+
 WAIT_S = 20.0  # every condition below is waited for with this timeout, never slept for
 
 
-class Node:
+class Node(LightgateProcess):
     """A `lightgate serve` subprocess on a free port, with its log lines collected."""
 
     def __init__(self, data: Path, *flags: str) -> None:
+        super().__init__("serve", "--port", "0", "--data", str(data), *flags)
         self.data = data
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--port", "0", "--data", str(data), "--log-json", *flags],
-            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        self.logs: list[dict] = []
-        self._changed = threading.Condition()
-        threading.Thread(target=self._drain, daemon=True).start()
-        ready = self.wait_log(lambda doc: doc.get("msg") == "gateway node ready")
-        self.port = ready["port"]
-
-    def _drain(self) -> None:
-        for line in self.proc.stderr:
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                doc = {"msg": line.rstrip()}
-            with self._changed:
-                self.logs.append(doc)
-                self._changed.notify_all()
-
-    def wait_log(self, match, timeout: float = WAIT_S) -> dict:
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                for doc in self.logs:
-                    if match(doc):
-                        return doc
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    pytest.fail(f"no such log line; logs: {self.logs}")
-                self._changed.wait(left)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.port = self.ready("gateway node ready")
 
 
 @contextmanager

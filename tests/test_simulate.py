@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from mqtt_fixtures import WAIT_S, running_node
-from test_gateway_server import ROOT
+from processes import ROOT
 
 RUN_TIMEOUT_S = 120.0  # a 3-5 s run plus process start-up, drain and disconnects on 2 loaded cores
 

@@ -22,7 +22,8 @@ from store.groups import group_owner
 from store.node import open_store
 from store.producer import Producer
 from store.server import serve_rpc
-from test_store_producer import ROOT, WAIT_S, Device, cluster, running
+from processes import ROOT
+from test_store_producer import WAIT_S, Device, cluster, running
 
 
 @pytest.fixture

@@ -5,14 +5,7 @@ slow test runs `lightgate store` and `lightgate gateway` processes with
 authentication on and a paho MQTT 5 device that receives what the producer sends.
 """
 
-import json
-import os
 import queue
-import signal
-import subprocess
-import sys
-import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +14,7 @@ import pytest
 import trio
 
 from gateway import config as cfg
+from processes import LightgateProcess
 from gateway.cli import _store_access
 from gateway.passwords import PasswordFile
 from gateway.properties import PacketType, decode_properties
@@ -34,62 +28,13 @@ from store.record import RecordTooLarge
 from store.remote import RemoteStoreClient, StoreRpcError
 from store.server import serve_rpc
 
-ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
 
 
 # --- processes ----------------------------------------------------------------------------------
 
 
-class Proc:
-    """A `lightgate <command>` subprocess with its JSON log lines collected (used by test_store_consumer.py too)."""
-
-    def __init__(self, *args: str) -> None:
-        self.args = args
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args, "--log-json"],
-                                     stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        self.logs: list[dict] = []
-        self._changed = threading.Condition()
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        for line in self.proc.stderr:
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                doc = {"msg": line.rstrip()}
-            with self._changed:
-                self.logs.append(doc)
-                self._changed.notify_all()
-
-    def wait_log(self, match, timeout: float = WAIT_S) -> dict:
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                for doc in self.logs:
-                    if match(doc):
-                        return doc
-                left = deadline - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None and not any(match(d) for d in self.logs):
-                    pytest.fail(f"no such log line from {self.args[0]}; logs: {self.logs}")
-                self._changed.wait(min(left, 0.5))
-
-    def ready(self, message: str) -> int:
-        """Wait for the readiness line ``message``; return the port it reports."""
-        return self.wait_log(lambda doc: doc.get("msg") == message)["port"]
-
-    def errors(self) -> list[dict]:
-        return [doc for doc in self.logs if doc.get("level") == "error"]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+Proc = LightgateProcess  # test_store_consumer.py imports it from here
 
 
 @contextmanager
