@@ -314,7 +314,13 @@ class ConnectionLost:
 
 @dataclass(frozen=True, slots=True)
 class TakenOver:
-    """Another connection with this client id has connected; this one must go."""
+    """Another connection with this client id has connected; this one must go.
+
+    ``elsewhere``: on another gateway node, which has loaded the session already: no delayed will here
+    (the session resumed), and no save of this node's copy over that node's.
+    """
+
+    elsewhere: bool = False
 
 
 @dataclass(frozen=True, slots=True)

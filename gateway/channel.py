@@ -255,7 +255,8 @@ class Channel:
         "config", "_now", "_encoder", "_state", "_level", "_client_id", "_assigned", "_clean_start", "_expiry",
         "_requested_expiry", "_keepalive", "_keepalive_override", "_peer_max_packet", "_will", "_will_delay",
         "_session", "_link", "_queued", "_pending", "_storing_qos2", "_activations", "_next_ref", "_aliases_in",
-        "_last_rx", "_timers", "_awaiting_session", "_handover", "_held", "_hits", "_topic_check_from", "_buckets",
+        "_last_rx", "_timers", "_awaiting_session", "_handover", "_moved", "_held", "_hits", "_topic_check_from",
+        "_buckets",
     )
 
     def __init__(
@@ -293,6 +294,7 @@ class Channel:
         self._timers: dict[str, None] = {}  # names of the armed timers
         self._awaiting_session = False
         self._handover = False
+        self._moved = False  # taken over from another node: that node saves the session
         self._held: list[Packet] = []  # 3.1.1 packets waiting for room under the in-flight limit (a list: 56 B idle)
         self._hits: HitLog | None = None  # made at the first limit hit: most connections never hit one
         # Shorter topics cannot be over a topic limit (a level takes a character, a character at most 4 bytes):
@@ -442,7 +444,7 @@ class Channel:
             return []
         session.detach()
         if self._handover:
-            return [*session.commit(), SaveSession(session.state())]
+            return [*session.commit()] if self._moved else [*session.commit(), SaveSession(session.state())]
         if session.persistent:
             return [*session.commit(), *session.save()]
         filters = tuple(session.subscriptions)
@@ -937,6 +939,12 @@ class Channel:
 
     def _on_taken_over(self, event: TakenOver) -> list[Action]:
         packet = Disconnect(ReasonCode.SESSION_TAKEN_OVER) if self._level == MQTT_5 else None
+        if event.elsewhere:
+            # Resumed on another node: a delayed will must never fire (section 3.1.3.2.2), one without delay goes
+            # now, as for a local takeover; that node owns the stored session, so this one only commits.
+            self._moved = True
+            return self._close(ReasonCode.SESSION_TAKEN_OVER, "session taken over by a connection to another node",
+                               packet=packet, will=self._will_delay_s() == 0, handover=True)
         return self._close(ReasonCode.SESSION_TAKEN_OVER, "session taken over by a new connection", packet=packet,
                            will=True, handover=True)
 

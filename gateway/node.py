@@ -267,6 +267,7 @@ class GatewayNode:
                 LOGGER.warning("takeover: the old connection did not close in time",
                                extra={"ctx": {"client_id": client_id}})
         self._connections[client_id] = connection
+        self.store.present(client_id)  # a connection of it on another node is taken over (``consume_moves`` there)
         self._cancel(self._wills, client_id)
         self._cancel(self._expiries, client_id)
         await self._hold_will(client_id, action)
@@ -438,6 +439,7 @@ class GatewayNode:
 
     async def _drop_will(self, client_id: str) -> None:
         if client_id not in self._connections and client_id not in self._wills:  # else a newer connection's
+            self.store.absent(client_id)
             await self.store.drop_will(client_id)
 
     def _publish_will(self, action: PublishWill) -> None:
@@ -840,6 +842,23 @@ class GatewayNode:
                 for connection in tuple(self._local.get(queue, ())):
                     connection.feed(QueueAdvanced(queue, max_offset))
 
+    async def consume_moves(self) -> None:
+        """Clients of this node that connected to another node: close them here (a takeover, MQTT 5 reason
+        0x8E) and cancel the delayed wills waiting here for them (their sessions resumed there).
+
+        Runs until the store client's notices end.
+        """
+        while True:
+            try:
+                moved = await self.store.moved()
+            except trio.EndOfChannel:
+                return
+            for client_id in moved:
+                self._cancel(self._wills, client_id)
+                connection = self._connections.get(client_id)
+                if connection is not None:
+                    connection.feed(TakenOver(elsewhere=True))
+
 
 def _client_info(connection: Connection) -> ClientInfo:
     channel = connection.channel
@@ -940,6 +959,7 @@ async def serve_node(
                            identity_as_username=settings["auth.use_identity_as_username"])
         nursery.start_soon(node.timers.run)
         nursery.start_soon(node.consume_events)
+        nursery.start_soon(node.consume_moves)
         if settings["mqtt.sys_interval_s"] > 0:
             nursery.start_soon(node.publish_sys, settings["mqtt.sys_interval_s"])
         admin = None

@@ -168,6 +168,18 @@ class StoreClient(Protocol):
         """The will of ``client_id`` must not fire from the store (normal DISCONNECT, or published here)."""
         ...
 
+    def present(self, client_id: str) -> None:
+        """``client_id`` connected to this node: another node that has it hears of it (:meth:`moved` there)."""
+        ...
+
+    def absent(self, client_id: str) -> None:
+        """``client_id`` is gone from this node: no connection, no will waiting here."""
+        ...
+
+    async def moved(self) -> list[str]:
+        """The next clients of this node that connected to another node (their sessions resumed there)."""
+        ...
+
 
 INLINE_PULL = 64
 """Pulls of at most this many messages in all (a queue cache's fill at moderate rates) run in the trio thread:
@@ -265,6 +277,16 @@ class LocalStoreClient:
 
     async def drop_will(self, client_id: str) -> None:
         """A no-op, as :meth:`hold_will`."""
+
+    def present(self, client_id: str) -> None:
+        """A no-op: with one gateway node, a client never connects to another."""
+
+    def absent(self, client_id: str) -> None:
+        """A no-op, as :meth:`present`."""
+
+    async def moved(self) -> list[str]:
+        """Never returns, as :meth:`present`."""
+        await trio.sleep_forever()
 
 
 def store_statistics(store: StoreNode) -> StoreStatistics:

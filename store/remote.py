@@ -403,6 +403,8 @@ class _Link:
             kind = type(message)
             if kind is rpc.Events:
                 client._received(message.events)
+            elif kind is rpc.ClientMoved:
+                client._moved.post({message.client_id: 0})
             elif kind is rpc.Heartbeat:
                 pass
             elif kind is rpc.Error and message.id == 0:
@@ -515,6 +517,8 @@ class RemoteStoreClient:
         self._mailbox = EventMailbox()
         self._watched: dict[str, int] = {}  # queue -> local sessions on it (sent again after a reconnect)
         self._wills: dict[str, tuple[rpc.WireMessage, float]] = {}  # client id -> will held at the store
+        self._present: set[str] = set()  # clients this node has (sent again after a reconnect)
+        self._moved = EventMailbox()  # {client id: 0} of the clients that connected to another node
         self._connected = trio.Event()
         self._link_up = trio.Event()  # set and replaced at each successful handshake (wait_reconnected)
         self._connects = 0
@@ -549,6 +553,7 @@ class RemoteStoreClient:
                 yield client
         finally:
             client._mailbox.close()
+            client._moved.close()
 
     @property
     def connected(self) -> bool:
@@ -687,6 +692,19 @@ class RemoteStoreClient:
         self._wills.pop(client_id, None)
         if self._link is not None:
             self._link.send(rpc.DropWill(client_id))
+
+    def present(self, client_id: str) -> None:
+        self._present.add(client_id)
+        if self._link is not None:
+            self._link.send(rpc.Present(client_id))
+
+    def absent(self, client_id: str) -> None:
+        self._present.discard(client_id)
+        if self._link is not None:
+            self._link.send(rpc.Absent(client_id))
+
+    async def moved(self) -> list[str]:
+        return list(await self._moved.get())
 
     # --- back-end producers and consumers (store/producer.py, store/consumer.py) ---------
 
@@ -860,6 +878,8 @@ class RemoteStoreClient:
             link.send(rpc.Watch(dict(self._watched)))
         for client_id, (wire, delay_s) in self._wills.items():
             link.send(rpc.HoldWill(client_id, wire, delay_s))
+        for client_id in self._present:
+            link.send(rpc.Present(client_id))
         return link
 
     async def _resync(self, link: _Link) -> None:

@@ -15,8 +15,10 @@ The conversation (docs/cluster.md):
   requests may be in flight, answers come in any order (appends in order);
 - one-way messages have no id and no answer: ``Heartbeat`` (both ways, every
   lease / ``HEARTBEATS_PER_LEASE``), ``Watch`` (reference-count deltas of the queues the node's
-  sessions read), ``HoldWill`` / ``DropWill`` (the node lease's wills);
-- the store pushes ``Events`` (``{queue: max offset}``, merged) at any time.
+  sessions read), ``HoldWill`` / ``DropWill`` (the node lease's wills),
+  ``Present`` / ``Absent`` (which node has a client: cross-node takeover);
+- the store pushes ``Events`` (``{queue: max offset}``, merged) and ``ClientMoved`` (a client of this node
+  connected to another) at any time.
 - back-end producers and consumers (store/producer.py, store/consumer.py) log
   in with the Hello's credentials (store/access.py) and use appends and the
   consumer-group calls ``Join``, ``Claim``, ``Ack``, ``Leave`` (store/groups.py).
@@ -47,6 +49,7 @@ __all__ = [
     "NEED_DATA",
     "PROTOCOL_VERSION",
     "SERVER_MESSAGES",
+    "Absent",
     "Ack",
     "Activate",
     "AppendRequest",
@@ -54,6 +57,7 @@ __all__ = [
     "Claim",
     "Claimed",
     "ClientMessage",
+    "ClientMoved",
     "CommitOffsets",
     "DeleteOwner",
     "Done",
@@ -77,6 +81,7 @@ __all__ = [
     "OffsetMap",
     "Offsets",
     "OpRequest",
+    "Present",
     "PullRequest",
     "Pulled",
     "QueueRead",
@@ -96,7 +101,7 @@ __all__ = [
     "parse_address",
 ]
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake."""
 
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
@@ -209,6 +214,18 @@ class HoldWill(_Message, tag="will"):
 
 class DropWill(_Message, tag="nowill"):
     """The will of ``client_id`` held by this node must not fire."""
+
+    client_id: str
+
+
+class Present(_Message, tag="here"):
+    """``client_id`` is connected to this node now: the node it was connected to before is sent ``ClientMoved``."""
+
+    client_id: str
+
+
+class Absent(_Message, tag="away"):
+    """``client_id`` is gone from this node: no connection, no will waiting here."""
 
     client_id: str
 
@@ -361,7 +378,8 @@ GroupRequest: TypeAlias = Join | Claim | Ack | Leave
 
 
 ClientMessage: TypeAlias = (
-    Hello | Heartbeat | Watch | HoldWill | DropWill | AppendRequest | PullRequest | OpRequest | GroupRequest
+    Hello | Heartbeat | Watch | HoldWill | DropWill | Present | Absent | AppendRequest | PullRequest | OpRequest
+    | GroupRequest
 )
 CLIENT_MESSAGES: Final = ClientMessage
 
@@ -390,6 +408,13 @@ class Events(_Message, tag="ev"):
     """Merged topic events routed to this node: ``{queue: max offset}``."""
 
     events: OffsetMap
+
+
+class ClientMoved(_Message, tag="moved"):
+    """``client_id`` connected to another node: close this node's connection of it (a takeover), and let none
+    of its delayed wills fire here (the session resumed there)."""
+
+    client_id: str
 
 
 class Appended(_Message, tag="appended"):
@@ -476,7 +501,7 @@ class Claimed(_Message, tag="claimed"):
 
 
 ServerMessage: TypeAlias = (
-    Welcome | Heartbeat | Error | Events | Appended | Pulled | Offsets | Value | Done | Statistics | RecordList
+    Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Offsets | Value | Done | Statistics | RecordList
     | Claimed
 )
 SERVER_MESSAGES: Final = ServerMessage

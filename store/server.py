@@ -223,6 +223,10 @@ class _Connection:
                 leases.hold(self.node, message.client_id, to_new_message(message.message), message.delay_s)
             elif kind is rpc.DropWill:
                 leases.drop(self.node, message.client_id)
+            elif kind is rpc.Present:
+                self._server.present(self.node, message.client_id)
+            elif kind is rpc.Absent:
+                self._server.absent(self.node, message.client_id)
             elif kind is rpc.Hello:
                 self.send(rpc.Error(0, rpc.ErrorKind.PROTOCOL, "Hello after the handshake"))
                 return
@@ -424,6 +428,7 @@ class RpcServer:
         self.groups = GroupCoordinator(store)
         nursery.start_soon(self.groups.run)
         self._connections: dict[str, _Connection] = {}
+        self._presence: dict[str, str] = {}  # client id -> the gateway node it is connected to (or has a will on)
 
     async def handle(self, stream: trio.SocketStream) -> None:
         """Serve one connection: handshake, then requests until it ends; always closes the stream."""
@@ -525,8 +530,32 @@ class RpcServer:
             self.leases.disconnected(node)
             if self._connections.get(node) is connection:
                 del self._connections[node]
+                self._forget_clients(node)
             connection.closed.set()
             LOGGER.info("gateway node disconnected", extra={"ctx": {"node": node, "peer": peer}})
+
+    def _forget_clients(self, node: str) -> None:
+        """A node that went away has no clients (it says ``Present`` again for those it has, when back)."""
+        for client_id in [c for c, n in self._presence.items() if n == node]:
+            del self._presence[client_id]
+
+    def present(self, node: str, client_id: str) -> None:
+        """``client_id`` connected to ``node``: the node that had it before, if another, gets ``ClientMoved``.
+
+        That node closes its connection of the client (a takeover across nodes, MQTT 5 reason 0x8E), and a
+        will it delays for the client does not fire: the session resumed here.
+        """
+        before = self._presence.get(client_id)
+        self._presence[client_id] = node
+        if before is not None and before != node:
+            connection = self._connections.get(before)
+            if connection is not None:
+                connection.send(rpc.ClientMoved(client_id))
+
+    def absent(self, node: str, client_id: str) -> None:
+        """``client_id`` is gone from ``node`` (ignored if another node has it since)."""
+        if self._presence.get(client_id) == node:
+            del self._presence[client_id]
 
     def figures(self) -> dict[str, Any]:
         """The notify routing and lease figures an operator watches (the periodic log line)."""
@@ -534,6 +563,7 @@ class RpcServer:
         leases = self.leases.statistics()
         return {"notify_sent": notify.sent, "notify_suppressed": notify.suppressed,
                 "notify_unrouted": notify.unrouted, "nodes": sorted(self._connections),
+                "clients_placed": len(self._presence),
                 "wills_held": leases.wills_held, "wills_fired": leases.wills_fired,
                 "consumer_groups": [(g.group, g.queue, g.members, g.committed, g.unacked)
                                     for g in self.groups.statistics()]}

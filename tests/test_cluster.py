@@ -4,14 +4,8 @@ Every process is started by the tests; conditions are waited for with a
 timeout (``WAIT_S``), never slept for.
 """
 
-import json
-import os
 import queue
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -20,14 +14,16 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 import trio
+from paho.mqtt.packettypes import PacketTypes
 
+from mqtt_fixtures import properties
+from processes import LightgateProcess
 from store import rpc
 from store.remote import RemoteStoreClient
 from test_gateway_server import Client, connected
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 30.0  # every condition below is waited for with this timeout (two cores, several processes)
 QUIET_S = 1.0  # how long a test listens to show that something does NOT arrive
 
@@ -38,60 +34,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class Process:
-    """A `lightgate` subprocess logging JSON lines, collected as they come."""
+class Process(LightgateProcess):
+    """A `lightgate` subprocess, waited for until it logs ``ready`` (that line kept as ``ready_line``)."""
 
     def __init__(self, *args: str, ready: str) -> None:
-        self.args = args
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", *args, "--log-json"],
-            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        self.logs: list[dict] = []
-        self._changed = threading.Condition()
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.ready = self.wait_log(lambda doc: doc.get("msg") == ready)
-
-    def _drain(self) -> None:
-        for line in self.proc.stderr:
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                doc = {"msg": line.rstrip()}
-            with self._changed:
-                self.logs.append(doc)
-                self._changed.notify_all()
-
-    def wait_log(self, match, timeout: float = WAIT_S, after: int = 0) -> dict:
-        """The first log line from index ``after`` on that ``match``es, waiting for it."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                for doc in self.logs[after:]:
-                    if match(doc):
-                        return doc
-                left = deadline - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None and not any(match(d) for d in self.logs[after:]):
-                    pytest.fail(f"no such log line of {self.args[0]}; logs: {self.logs[-30:]}")
-                self._changed.wait(min(left, 0.5))
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=WAIT_S)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def errors(self) -> list[dict]:
-        return [doc for doc in self.logs if doc.get("level") == "error"]
+        super().__init__(*args, wait_s=WAIT_S)
+        self.ready_line = self.wait_log(lambda doc: doc.get("msg") == ready)
 
 
 class Store(Process):
@@ -105,7 +53,7 @@ class Gateway(Process):
     def __init__(self, store_port: int, *flags: str) -> None:
         super().__init__("gateway", "--store", f"127.0.0.1:{store_port}", "--port", "0",
                          "--mqtt-sys-interval-s", "0", *flags, ready="gateway node ready")
-        self.port = self.ready["port"]
+        self.port = self.ready_line["port"]
         self.node = self.wait_log(lambda doc: doc.get("msg") == "connected to the store")["node"]
 
 
@@ -151,9 +99,9 @@ def store_statistics(port: int):
     return ask_store(port, lambda client: client.statistics())
 
 
-def check_quiet(messages: queue.Queue) -> None:
+def check_quiet(messages: queue.Queue, seconds: float = QUIET_S) -> None:
     with pytest.raises(queue.Empty):
-        extra = messages.get(timeout=QUIET_S)
+        extra = messages.get(timeout=seconds)
         pytest.fail(f"unexpected message {extra.topic} {extra.payload!r}")
 
 
@@ -252,6 +200,58 @@ def test_a_gateway_without_sessions_on_a_queue_gets_no_events_for_it(cluster):
     assert after.notify_by_node[gw1.node] == before[gw1.node]  # the publisher's node holds no session on it
     assert after.notify_by_node[gw2.node] > before[gw2.node]
     assert after.notify_suppressed > 0
+
+
+def test_connecting_to_the_other_gateway_takes_the_session_over_from_the_first(cluster):
+    store, (gw1, gw2) = cluster
+    run = run_id()
+    device_id = f"mover-{run}"
+    expiry = properties(PacketTypes.CONNECT, SessionExpiryInterval=300)
+    with connected(gw2.port) as watcher, connected(gw1.port) as pub:
+        watcher.subscribe(f"will{run}/#", 1)
+        first = Client(gw1.port, device_id, protocol=mqtt.MQTTv5, clean=False,
+                       will=(f"will{run}/{device_id}", b"taken over", 1))
+        first.connect(properties=expiry)
+        first.subscribe(f"cmd{run}/{device_id}", 1)
+        second = Client(gw2.port, device_id, protocol=mqtt.MQTTv5, clean=False)
+        assert second.connect(properties=expiry).session_present
+        try:
+            reason = first.disconnects.get(timeout=WAIT_S)  # gw1 closed it on hearing of gw2's connection
+            first.paho.loop_stop()  # paho would reconnect (after 1 s) and take the session back
+            assert getattr(reason, "value", reason) == 0x8E  # Session taken over
+            [will] = watcher.receive(1)  # no will delay: it goes with the takeover, as on one node
+            assert will.payload == b"taken over"
+            pub.publish(f"cmd{run}/{device_id}", b"to the new connection", 1)
+            assert [m.payload for m in second.receive(1)] == [b"to the new connection"]
+            check_quiet(first.messages)
+        finally:
+            first.paho.loop_stop()
+            second.disconnect()
+    assert not gw1.errors() and not gw2.errors()
+
+
+def test_a_will_delayed_on_one_gateway_does_not_fire_once_the_session_resumed_on_the_other(cluster):
+    store, (gw1, gw2) = cluster
+    run = run_id()
+    device_id = f"lost-{run}"
+    expiry = properties(PacketTypes.CONNECT, SessionExpiryInterval=300)
+    delay_s = 3
+    with connected(gw2.port) as watcher:
+        watcher.subscribe(f"will{run}/#", 1)
+        first = Client(gw1.port, device_id, protocol=mqtt.MQTTv5, clean=False,
+                       will=(f"will{run}/{device_id}", b"late", 1, False,
+                             properties(PacketTypes.WILLMESSAGE, WillDelayInterval=delay_s)))
+        first.connect(properties=expiry)
+        first.paho.loop_stop()
+        first.paho.socket().close()  # the network goes, no DISCONNECT: gw1 delays the will
+        gw1.wait_log(lambda doc: doc.get("client_id") == device_id and "connection lost" in doc.get("msg", ""))
+        lost = time.monotonic()
+        second = Client(gw2.port, device_id, protocol=mqtt.MQTTv5, clean=False)
+        assert second.connect(properties=expiry).session_present
+        try:
+            check_quiet(watcher.messages, seconds=max(QUIET_S, delay_s + QUIET_S - (time.monotonic() - lost)))
+        finally:
+            second.disconnect()
 
 
 def test_gateway_sigkill_devices_resume_on_the_other_and_wills_fire_within_the_lease(tmp_path):

@@ -255,6 +255,6 @@ async def test_a_store_of_another_protocol_version_is_refused(nursery):
 
     listeners = await nursery.start(trio.serve_tcp, old_store, 0)
     port = listeners[0].socket.getsockname()[1]
-    with pytest.raises(StoreRpcError, match="version: not 1"):
+    with pytest.raises(StoreRpcError, match=f"version: not {rpc.PROTOCOL_VERSION}"):
         async with RemoteStoreClient.connect("127.0.0.1", port):
             pass

@@ -162,6 +162,19 @@ async def test_a_node_that_reconnects_replaces_its_old_connection(port):
     assert {type(await new.receive()), type(await new.receive())} == {rpc.Appended, rpc.Events}
 
 
+async def test_a_client_present_on_another_node_is_reported_moved_to_the_node_that_had_it(port):
+    a = await Raw.open(port, node="gw-a")
+    b = await Raw.open(port, node="gw-b")
+    await a.send(rpc.Present("dev1"), rpc.Present("dev2"), rpc.Present("dev3"), rpc.Absent("dev3"))
+    await b.send(rpc.Present("dev3"), rpc.Present("dev1"))  # dev3 left gw-a before: no notice for it
+    assert await a.receive() == rpc.ClientMoved("dev1")
+    await a.send(rpc.Absent("dev1"), rpc.Present("dev2"))  # gw-b has dev1 now: gw-a's Absent changes nothing
+    await a.send(rpc.Present("dev1"))  # dev1 comes back to gw-a
+    assert await b.receive() == rpc.ClientMoved("dev1")
+    await a.send(rpc.MaxOffsets(1, []))
+    assert await a.receive() == rpc.Offsets(1, [])  # and nothing else came to gw-a meanwhile
+
+
 async def test_a_silent_node_is_closed_and_its_wills_fire_after_the_lease(port, nursery):
     observer = await Raw.open(port, node="observer")
     nursery.start_soon(observer.keep_alive)
