@@ -99,6 +99,7 @@ from store.aio import LatencyBuckets
 from store.client import LocalStoreClient, StoreClient
 from store.commitlog import CommitLogConfig
 from store.node import open_store, until_signalled
+from store.process import freeze_startup_objects
 from store.record import Record, RecordTooLarge
 from store.rpc import parse_address
 
@@ -1036,6 +1037,7 @@ def run_cluster_gateway(conf: Any) -> int:
 def run_gateway_node(conf: Any, serve: Any = serve_gateway) -> int:
     """Entry point for ``lightgate serve`` (and, with ``serve_cluster_gateway``, ``lightgate gateway``):
     returns the process exit status."""
+    freeze_startup_objects()
     failed = False
     try:
         trio.run(_serve_until_signalled, conf.values, serve)

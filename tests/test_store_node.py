@@ -1,5 +1,6 @@
 """The store node wiring: append -> dispatch -> pull, clean shutdown, and reopening."""
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ import trio
 
 from store.commitlog import CommitLogConfig
 from store.node import open_store
+from store.process import freeze_startup_objects
 from store.record import RecordTooLarge
 
 CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
@@ -58,3 +60,13 @@ async def test_append_now_appends_in_the_callers_step_only_when_nothing_must_be_
     async with open_store(tmp_path / "sync", sync) as node:
         assert node.append_now([("a/b", b"later", {})]) is None  # the fsync must be awaited: append() does it
         assert node.log.log.written_offset == 0
+
+
+def test_freezing_startup_objects_hides_them_from_the_collector():
+    gc.unfreeze()
+    try:
+        before = len(gc.get_objects())
+        freeze_startup_objects()
+        assert gc.get_freeze_count() >= before // 2 and len(gc.get_objects()) < before // 2
+    finally:
+        gc.unfreeze()
