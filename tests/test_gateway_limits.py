@@ -459,7 +459,7 @@ def test_e2e_subscriptions_beyond_the_limit_are_refused_and_the_others_work(limi
         assert codes == [1, 1, R.QUOTA_EXCEEDED if protocol == mqtt.MQTTv5 else 0x80]
         for f in filters:
             pub.publish(f, f.encode(), 1)
-        assert [m.topic for m in sub.receive(2)] == filters[:2]
+        assert sorted(m.topic for m in sub.receive(2)) == filters[:2]  # MQTT orders per topic only
         quiet(sub.messages)
         assert limit_logged(limited_node, "subscriptions", sub.client_id)["total"] >= 1
 
