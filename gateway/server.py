@@ -151,7 +151,7 @@ class Connection:
     __slots__ = (
         "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_stream", "_backend", "_traffic",
         "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing", "_read_scope",
-        "_broken", "_timers", "_deadline", "_running", "_scopes", "_fd", "__weakref__",
+        "_broken", "_timers", "_deadline", "_running", "_scopes", "_fd", "_holding", "__weakref__",
     )
 
     def __init__(
@@ -186,6 +186,7 @@ class Connection:
         self._scopes: dict[str, trio.CancelScope] = {}  # the writer's and the worker's, while they run
         # A plain TCP socket's descriptor, written directly by _flush while no writer task runs (-1: TLS, WebSocket).
         self._fd = stream.socket.fileno() if type(stream) is trio.SocketStream else -1
+        self._holding = False  # the reader is processing a read: _flush waits for its end
 
     @property
     def client_id(self) -> str:
@@ -257,9 +258,11 @@ class Connection:
         writes in a row (a write's ``SocketWritten`` may deliver more), so a
         backlog goes out through the writer task, taking turns with the other
         connections. A nested call (an event fed while writing) leaves the
-        bytes it queued to the outer one.
+        bytes it queued to the outer one, and the reader holds its writes
+        until it has processed everything it read (``_holding``): one write for
+        a read's worth of acknowledgements.
         """
-        if self._writing:
+        if self._writing or self._holding:
             return
         self._writing = True
         try:
@@ -428,19 +431,25 @@ class Connection:
                 return
             self._traffic.bytes_in += len(data)
             decoder.feed(data)
-            while True:
-                try:
-                    packet = decoder.next_packet()
-                except RemoteProtocolError as err:
-                    self.execute(channel.handle_protocol_error(err, decoder.protocol_level))
-                    return
-                if packet is NEED_DATA:
-                    self.execute(channel.input_done())
-                    break
-                if type(packet) is Publish:
-                    self._traffic.messages_in += 1
-                    self._traffic.messages_in_by_qos[packet.qos] += 1
-                self.execute(channel.handle_in(packet))
+            self._holding = True  # the answers to everything read go out in one write, after the loop
+            try:
+                while True:
+                    try:
+                        packet = decoder.next_packet()
+                    except RemoteProtocolError as err:
+                        self.execute(channel.handle_protocol_error(err, decoder.protocol_level))
+                        return
+                    if packet is NEED_DATA:
+                        self.execute(channel.input_done())
+                        break
+                    if type(packet) is Publish:
+                        self._traffic.messages_in += 1
+                        self._traffic.messages_in_by_qos[packet.qos] += 1
+                    self.execute(channel.handle_in(packet))
+            finally:
+                self._holding = False
+                if self._running:
+                    self._flush()
             if self._closing:
                 return
 
