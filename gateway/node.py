@@ -500,13 +500,11 @@ class GatewayNode:
             for append, ok in zip(appends, allowed):
                 await self._store(connection, [append], [ok])
             return
-        for append, ok in zip(appends, allowed):
-            if append.ref is None:
-                continue
-            if not ok:
-                connection.feed(Appended(append.ref, False, ReasonCode.NOT_AUTHORIZED))
-            else:
-                connection.feed(Appended(append.ref, reason is None, reason or ReasonCode.SUCCESS))
+        connection.feed_all([
+            Appended(append.ref, False, ReasonCode.NOT_AUTHORIZED) if not ok
+            else Appended(append.ref, reason is None, reason or ReasonCode.SUCCESS)
+            for append, ok in zip(appends, allowed) if append.ref is not None
+        ])
 
     def append_now(self, connection: Connection, action: Append) -> bool:
         """Append in the reader's step when the store can without waiting (embedded, async flush: see

@@ -207,6 +207,18 @@ class Connection:
         """Give the channel a node event and execute what it answers."""
         self.execute(self.channel.handle_event(event))
 
+    def feed_all(self, events: Sequence[Event]) -> None:
+        """:meth:`feed` each event in order; what they answer goes out in one write (a batch's acknowledgements)."""
+        holding = self._holding
+        self._holding = True
+        try:
+            for event in events:
+                self.feed(event)
+        finally:
+            self._holding = holding
+            if not holding and self._running:
+                self._flush()
+
     def execute(self, actions: list[Action]) -> None:
         """Execute the channel's actions in order: socket and timer ones now, node ones queued for the worker."""
         self._apply(actions)
@@ -431,6 +443,7 @@ class Connection:
                 return
             self._traffic.bytes_in += len(data)
             decoder.feed(data)
+            holding = self._holding
             self._holding = True  # the answers to everything read go out in one write, after the loop
             try:
                 while True:
@@ -447,8 +460,8 @@ class Connection:
                         self._traffic.messages_in_by_qos[packet.qos] += 1
                     self.execute(channel.handle_in(packet))
             finally:
-                self._holding = False
-                if self._running:
+                self._holding = holding
+                if not holding and self._running:
                     self._flush()
             if self._closing:
                 return
