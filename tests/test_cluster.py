@@ -213,6 +213,8 @@ def test_connecting_to_the_other_gateway_takes_the_session_over_from_the_first(c
                        will=(f"will{run}/{device_id}", b"taken over", 1))
         first.connect(properties=expiry)
         first.subscribe(f"cmd{run}/{device_id}", 1)
+        wait_for(lambda: ask_store(store.port, lambda client: client.load_session(device_id)) is not None,
+                 "gw1 to save the session with its subscription")
         second = Client(gw2.port, device_id, protocol=mqtt.MQTTv5, clean=False)
         assert second.connect(properties=expiry).session_present
         try:
@@ -246,6 +248,8 @@ def test_a_will_delayed_on_one_gateway_does_not_fire_once_the_session_resumed_on
         first.paho.socket().close()  # the network goes, no DISCONNECT: gw1 delays the will
         gw1.wait_log(lambda doc: doc.get("client_id") == device_id and "connection lost" in doc.get("msg", ""))
         lost = time.monotonic()
+        wait_for(lambda: ask_store(store.port, lambda client: client.load_session(device_id)) is not None,
+                 "gw1 to save the session it keeps (it saves after closing the connection)")
         second = Client(gw2.port, device_id, protocol=mqtt.MQTTv5, clean=False)
         assert second.connect(properties=expiry).session_present
         try:
