@@ -216,12 +216,17 @@ class Connection:
                 self.feed(event)
         finally:
             self._holding = holding
-            if not holding and self._running:
-                self._flush()
+            if not holding:
+                self._start_pending()
 
     def execute(self, actions: list[Action]) -> None:
         """Execute the channel's actions in order: socket and timer ones now, node ones queued for the worker."""
         self._apply(actions)
+        self._start_pending()
+
+    def _start_pending(self) -> None:
+        """Write what is queued, start the worker for queued node actions (a write's ``SocketWritten`` may
+        have queued some), and wake the waiters."""
         if self._running:
             self._flush()
             if self._work and not self._working:
@@ -461,8 +466,8 @@ class Connection:
                     self.execute(channel.handle_in(packet))
             finally:
                 self._holding = holding
-                if not holding and self._running:
-                    self._flush()
+                if not holding:
+                    self._start_pending()
             if self._closing:
                 return
 

@@ -181,6 +181,27 @@ def test_a_message_the_store_refuses_gets_a_failing_puback_not_a_false_ack(node)
 
 
 @pytest.mark.slow
+def test_a_backlog_bigger_than_the_pull_batches_is_delivered_whole_without_further_traffic(node):
+    """Every pull the deliveries lead to is served, also the one a write at the end of a read queues."""
+    run = uuid.uuid4().hex[:6]
+    count = 3000  # a dozen pull batches of 256, each emptied by the subscriber's PUBACKs
+    sub = Client(node.port, f"b-{run}", clean=False)
+    sub.connect()
+    sub.subscribe(f"b{run}/#", 0)  # QoS 0: the node sends on as its writes complete, not on PUBACKs
+    sub.disconnect()
+    with connected(node.port) as pub:
+        for i in range(count):
+            pub.paho.publish(f"b{run}/x", str(i).encode(), 1)
+        pub.publish(f"b{run}/x", b"last", 1)  # waits for its PUBACK: the ones before were acknowledged first
+    again = Client(node.port, f"b-{run}", clean=False)
+    assert again.connect().session_present
+    try:
+        got = again.receive(count + 1)  # nothing else happens on the node meanwhile
+        assert [m.payload for m in got] == [str(i).encode() for i in range(count)] + [b"last"]
+    finally:
+        again.disconnect()
+
+
 def test_persistent_session_gets_what_was_published_while_offline(node):
     run = uuid.uuid4().hex[:6]
     sub = Client(node.port, f"p-{run}", clean=False)
