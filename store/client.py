@@ -218,10 +218,8 @@ class LocalStoreClient:
         return await trio.to_thread.run_sync(self._pull, requests)
 
     def _pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
-        queues = self.store.queues
-        log = self.store.log.log
-        cached = self.store.recent.get
-        return [queues.pull(r.queue, r.from_offset, r.max_count, r.max_bytes, log, _decode, cached) for r in requests]
+        read = self.store.read
+        return [read(r.queue, r.from_offset, r.max_count, r.max_bytes) for r in requests]
 
     async def activate(self, queue: str, holder: str) -> int:
         return await self.store.dispatcher.activate(queue, holder)
@@ -307,7 +305,3 @@ def store_statistics(store: StoreNode) -> StoreStatistics:
         notify_suppressed=notify.suppressed,
         notify_by_node=notify.sent,
     )
-
-
-def _decode(raw: bytes, offset: int) -> Record:
-    return decode_record(raw, 0, offset)

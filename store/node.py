@@ -199,10 +199,13 @@ class StoreNode:
     async def pull(
         self, queue: str, from_offset: int, max_count: int = 32, max_bytes: int = 1 << 20
     ) -> PullResult[Record]:
-        """Read messages of a queue from a queue offset (index scan + CommitLog reads, in a thread)."""
-        return await trio.to_thread.run_sync(
-            self.queues.pull, queue, from_offset, max_count, max_bytes, self.log.log, _decode, self.recent.get
-        )
+        """:meth:`read` in a worker thread."""
+        return await trio.to_thread.run_sync(self.read, queue, from_offset, max_count, max_bytes)
+
+    def read(self, queue: str, from_offset: int, max_count: int = 32, max_bytes: int = 1 << 20) -> PullResult[Record]:
+        """Messages of a queue from a queue offset: an index scan, then the records kept in ``recent``, the rest
+        read from the CommitLog (blocking: keep it out of the trio thread unless it is small)."""
+        return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, _decode, self.recent.get)
 
     def save_session(self, client_id: str, blob: bytes) -> None:
         """Keep a session blob durably (WAL write): it must survive a process crash as written."""

@@ -22,7 +22,7 @@ import paho.mqtt.client as mqtt
 import pytest
 import trio
 import trustme
-from mqtt_fixtures import WAIT_S, Client, connect_packet, running_node, wait_until
+from mqtt_fixtures import WAIT_S, Client, connect_packet, connected, running_node, wait_until
 from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket
 
 from gateway.admission import Admission
@@ -367,16 +367,8 @@ class ListenerClient(Client):
             self.paho.tls_set_context(tls)
 
 
-@contextmanager
 def listener_client(port: int, **kwargs):
-    client = ListenerClient(port, **kwargs)
-    client.connect()
-    try:
-        yield client
-    finally:
-        if client.paho.is_connected():
-            client.disconnect()
-        client.paho.loop_stop()
+    return connected(port, ListenerClient, **kwargs)
 
 
 def ports_of(node) -> dict[str, int]:

@@ -94,8 +94,9 @@ class Client:
 
 
 @contextmanager
-def connected(port: int, **kwargs):
-    client = Client(port, **kwargs)
+def connected(port: int, client_class: type | None = None, **kwargs):
+    """A connected ``client_class`` (default ``Client``), disconnected at the end of the block."""
+    client = (client_class or Client)(port, **kwargs)
     client.connect()
     try:
         yield client
