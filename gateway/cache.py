@@ -135,7 +135,9 @@ class QueueCache:
         if not requests:
             return
         self._fills += len(requests)
-        results = await self._store.pull(requests)
+        results = self._store.pull_now(requests)
+        if results is None:
+            results = await self._store.pull(requests)
         for request, result in zip(requests, results):
             convert = self._convert
             queue = request.queue

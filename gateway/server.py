@@ -435,14 +435,16 @@ class Connection:
         """The reader: receive, decode, hand each packet to the channel; return when the connection ends."""
         decoder = self._decoder
         channel = self.channel
+        drained = True  # the last read emptied the kernel's buffer
         while True:
             if len(self._work) >= MAX_QUEUED_ACTIONS or channel.input_paused:  # node busy, or 3.1.1 in-flight full
                 await self._until(lambda: len(self._work) < MAX_QUEUED_ACTIONS and not channel.input_paused)
             try:
-                data = await self._stream.receive_some(RECEIVE_BYTES)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                data = await self._receive(drained)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 self.feed(ConnectionLost(f"receive failed: {exc!r}"))
                 return
+            drained = len(data) < RECEIVE_BYTES
             if not data:
                 self.feed(ConnectionLost("closed by the client"))
                 return
@@ -470,6 +472,30 @@ class Connection:
                     self._start_pending()
             if self._closing:
                 return
+
+    async def _receive(self, drained: bool) -> bytes:
+        """The next bytes from the client; b"" once it closed.
+
+        A plain TCP socket whose last read emptied the kernel's buffer is
+        read after waiting for it to be readable. ``receive_some`` tries the
+        read first, which at a device's pace fails nearly every time: a
+        syscall, an exception and a scheduler round per message.
+
+        Raises:
+            OSError: the read failed (a reset, for one).
+        """
+        fd = self._fd
+        if fd < 0:
+            return await self._stream.receive_some(RECEIVE_BYTES)
+        if drained:
+            await trio.lowlevel.wait_readable(fd)
+        else:
+            await trio.lowlevel.checkpoint()  # more is likely waiting: read it after the others' turns
+        while True:
+            try:
+                return os.read(fd, RECEIVE_BYTES)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(fd)
 
     async def _writer(self) -> None:
         """Write what is queued until nothing is; then end (the next ``execute`` with bytes starts another)."""

@@ -91,6 +91,11 @@ class StoreClient(Protocol):
         """The results of several queue reads, in request order."""
         ...
 
+    def pull_now(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]] | None:
+        """:meth:`pull` done before returning, if the reads are small and local; else None: the caller awaits
+        :meth:`pull`. Saves the reader of news at the head (the queue cache) a task switch per event."""
+        ...
+
     async def activate(self, queue: str, holder: str) -> int:
         """Hold the queue's filter for ``holder``; returns the queue offset the subscription starts at.
 
@@ -212,10 +217,14 @@ class LocalStoreClient:
         return self.store.append_now(messages)
 
     async def pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
-        if sum(r.max_count for r in requests) <= INLINE_PULL:
+        results = self.pull_now(requests)
+        if results is not None:
             await trio.lowlevel.checkpoint()
-            return self._pull(requests)
+            return results
         return await trio.to_thread.run_sync(self._pull, requests)
+
+    def pull_now(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]] | None:
+        return self._pull(requests) if sum(r.max_count for r in requests) <= INLINE_PULL else None
 
     def _pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         read = self.store.read

@@ -273,7 +273,8 @@ class Dispatcher:
                 continue
             if self._inline():
                 batch = self._step(INLINE_BYTES)
-                await trio.lowlevel.checkpoint()
+                if self._offset < self._log.written_offset:
+                    await trio.lowlevel.checkpoint()  # more to index: let the others run between steps
             else:
                 batch = await trio.to_thread.run_sync(self._step, self._scan_bytes)
             if self._flush_due():

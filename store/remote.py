@@ -596,6 +596,10 @@ class RemoteStoreClient:
         """Always None: an append is a round trip to the store node."""
         return None
 
+    def pull_now(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]] | None:
+        """Always None: a read is a round trip to the store node."""
+        return None
+
     async def pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         """The reads, batched with other callers'; a read that comes back full starts the next one in advance.
 

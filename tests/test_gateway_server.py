@@ -2,6 +2,7 @@
 
 import queue
 import socket
+import struct
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -263,6 +264,13 @@ def test_will_on_abnormal_close_only(node):
         rude.close()  # no DISCONNECT: the will goes
         (msg,) = watcher.receive(1)
         assert (msg.topic, msg.payload) == (f"w{run}/rude", b"died")
+        reset = socket.create_connection(("127.0.0.1", node.port), timeout=WAIT_S)
+        reset.sendall(_connect_packet("reset-" + run, will=(f"w{run}/reset", b"cut")))
+        assert reset.recv(4) == b"\x20\x02\x00\x00"
+        reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        reset.close()  # an RST: the node's read fails (ECONNRESET), and the will goes
+        (msg,) = watcher.receive(1)
+        assert (msg.topic, msg.payload) == (f"w{run}/reset", b"cut")
         with pytest.raises(queue.Empty):
             watcher.messages.get(timeout=1.0)
 

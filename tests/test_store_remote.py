@@ -7,7 +7,7 @@ import trio
 
 from lightqueue.topics import TopicError
 from store import rpc
-from store.client import LocalStoreClient, PullRequest
+from store.client import INLINE_PULL, LocalStoreClient, PullRequest
 from store.commitlog import CommitLogConfig
 from store.node import open_store
 from store.record import RecordTooLarge
@@ -88,6 +88,10 @@ async def test_every_call_answers_as_the_local_client_does(store, server):
         await next_events(remote, "tele/+", 2)
         requests = [PullRequest("tele/+", 0), PullRequest("tele/a", 0, max_count=1), PullRequest("none", 5)]
         assert await remote.pull(requests) == await local.pull(requests)
+        small = [PullRequest("tele/+", 0, max_count=8), PullRequest("tele/a", 0, max_count=1)]
+        assert local.pull_now(small) == await local.pull(small)  # small: read in the caller's step
+        assert local.pull_now([PullRequest("tele/+", 0, max_count=INLINE_PULL + 1)]) is None  # a worker's job
+        assert remote.pull_now(small) is None  # a round trip: always awaited
         assert await remote.max_offsets(["tele/+", "tele/a", "none"]) == [2, 1, 0]
         await remote.commit_offsets({"dev9": {"tele/+": 1}, "$share/g": {"tele/a": 1}})
         assert await remote.get_offsets("dev9") == await local.get_offsets("dev9") == {"tele/+": 1}
