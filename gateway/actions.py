@@ -7,7 +7,8 @@ every result the node obtains comes back as an *event* through
 ``Channel.handle_event``. Requests that need an answer carry a ``ref`` that the
 answering event repeats.
 
-All classes are frozen, slotted dataclasses. Don't subclass these: the channel
+All classes are slotted dataclasses (frozen unless made per message), or for
+``Message`` a msgspec struct. Don't subclass these: the channel
 dispatches on exact type. Mapping fields (``dict``) are read-only by convention.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, TypeAlias
+
+import msgspec
 
 from gateway.limits import Limit
 from gateway.packets import Packet, SubscriptionOptions
@@ -26,9 +29,11 @@ if TYPE_CHECKING:  # the session module builds on these classes, so only the typ
     from gateway.session import SessionState
 
 
-@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
-class Message:
+class Message(msgspec.Struct, gc=False):
     """One application message as the channel needs it, inbound (to store) or outbound (from a queue).
+
+    Untracked by the cyclic garbage collector, like ``store.record.Record``
+    (nothing it refers to refers back): the queue cache holds thousands.
 
     ``client_id`` is the publisher's (for No Local). ``store_ms`` is set by the
     store; message expiry counts from it. ``queue``/``offset`` locate a message

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import struct
 import time
-from dataclasses import dataclass
 from functools import lru_cache
 
+import msgspec
 from crc32c import crc32c
 
 from lightqueue.targets import QUEUE_ID_SIZE, CorruptTargets, decode_queues
@@ -86,9 +86,16 @@ class RecordTooLarge(ValueError):
     """A record would exceed the configured maximum record size."""
 
 
-@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
-class Record:
-    """One decoded message record. ``offset`` is its global CommitLog offset."""
+class Record(msgspec.Struct, gc=False):
+    """One decoded message record. ``offset`` is its global CommitLog offset.
+
+    A msgspec struct that the cyclic garbage collector does not track (its
+    fields are plain values: it can never be part of a cycle). The store
+    keeps the last 65,536 in memory (``store/recent.py``); as tracked objects
+    they made every young-generation collection longer and brought full
+    collections of tens of milliseconds under load. Building one costs a
+    third of a slotted dataclass.
+    """
 
     offset: int
     size: int

@@ -7,9 +7,8 @@ level, so what is asserted is what a client would receive.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
+from msgspec.structs import replace
 
 from gateway._state import State
 from gateway.actions import (
