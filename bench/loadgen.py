@@ -51,6 +51,7 @@ import trio
 from hdrh.histogram import HdrHistogram
 
 from gateway.codec import NEED_DATA, MqttDecoder, Role, encode, encode_publish_template
+from gateway.logs import leaves
 from gateway.packets import (
     MQTT_311, Connack, Connect, Disconnect, Puback, Publish, Suback, Subscribe, SubscriptionOptions,
 )
@@ -425,16 +426,11 @@ def _worker_main(job: Job, pipe: Connection) -> None:
     try:
         report = trio.run(_run_job, job, pipe)
     except* (OSError, LoadError, trio.TooSlowError, trio.BrokenResourceError) as group:
-        failure = "; ".join(repr(exc) for exc in _leaves(group))
+        failure = "; ".join(repr(exc) for exc in leaves(group))
     if failure:
         pipe.send(("error", f"{job.kind} worker {job.first}..{job.first + job.count - 1}: {failure}"))
     else:
         pipe.send(("report", report))
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    return [leaf for exc in group.exceptions
-            for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])]
 
 
 async def _command(pipe: Connection) -> tuple[str, Any]:

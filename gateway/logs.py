@@ -15,6 +15,14 @@ import time
 _RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
 
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, or ``[exc]``: what a log line about a failed nursery
+    should name, rather than "Exceptions from Trio nursery"."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in leaves(sub)]
+    return [exc]
+
+
 class TextFormatter(logging.Formatter):
     """``2026-11-22T10:00:00.123Z INFO store.commitlog: message key=value``."""
 

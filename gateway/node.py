@@ -86,6 +86,7 @@ from gateway.commits import CommitBatcher
 from gateway.limits import LimitCounters
 from gateway.metrics import NodeMetrics
 from gateway.listeners import ListenerSpec, listener_specs
+from gateway.logs import leaves
 from gateway.messages import from_record, to_new_message
 from gateway.packets import MQTT_5
 from gateway.passwords import PasswordFileError
@@ -836,7 +837,10 @@ class GatewayNode:
                 events = await self.store.events()
             except trio.EndOfChannel:
                 return
-            await self.cache.fill(events)
+            try:
+                await self.cache.fill(events)
+            except ConnectionError as exc:  # the store went away mid-read: sessions read the news themselves
+                LOGGER.warning("queue cache not filled: %r", exc, extra={"ctx": {"queues": len(events)}})
             for queue, max_offset in events.items():
                 for connection in tuple(self._local.get(queue, ())):
                     connection.feed(QueueAdvanced(queue, max_offset))
@@ -1040,9 +1044,10 @@ def run_gateway_node(conf: Any, serve: Any = serve_gateway) -> int:
     try:
         trio.run(_serve_until_signalled, conf.values, serve)
     except* OSError as group:  # e.g. the port is taken; nurseries may wrap it in a group
-        LOGGER.error("gateway node failed: %s", "; ".join(str(exc) for exc in group.exceptions))
+        failures = leaves(group)
+        LOGGER.error("gateway node failed: %s", "; ".join(repr(exc) for exc in failures), exc_info=failures[0])
         failed = True
     except* (PasswordFileError, AclError) as group:  # the message names the file and line
-        LOGGER.error("gateway node not started: %s", "; ".join(str(exc) for exc in group.exceptions))
+        LOGGER.error("gateway node not started: %s", "; ".join(str(exc) for exc in leaves(group)))
         failed = True
     return 1 if failed else 0

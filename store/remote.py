@@ -204,8 +204,16 @@ class _Batcher:
         return await self.enqueue(item).wait()
 
     def enqueue(self, item: Any) -> _Call:
-        """Add ``item`` to the next batch; its result comes in the returned call."""
+        """Add ``item`` to the next batch; its result comes in the returned call.
+
+        On a link that broke, the call fails at once: the link's closing runs
+        ``fail_all`` once, and the client keeps the link until it is closed, so
+        a call made in between would otherwise wait for ever.
+        """
         call = _Call()
+        if self._link.broken:
+            call.fail(StoreUnavailable("the connection to the store broke"))
+            return call
         self._waiting.append((item, call))
         self._wakeup.set()
         return call

@@ -77,3 +77,4 @@ def test_serve_exits_1_when_the_port_is_taken(tmp_path):
         out = run(["serve", "--port", str(taken.getsockname()[1])], tmp_path)
     assert out.returncode == 1
     assert "gateway node failed" in out.stderr
+    assert "Address already in use" in out.stderr and "Exceptions from Trio nursery" not in out.stderr  # the cause

@@ -223,6 +223,22 @@ async def test_appends_in_flight_when_the_store_goes_either_succeed_or_raise(sto
             assert (await store.log.read(offset)).topic == "burst"
 
 
+async def test_a_call_batched_on_a_link_that_broke_fails_at_once(server):
+    """Between the break and the client dropping the link, calls still find it: they must not wait for ever
+    (a PUBLISH at that moment got no PUBACK, and its connection's worker hung)."""
+    async with RemoteStoreClient.connect("127.0.0.1", server.port, node="gw-a") as remote:
+        await remote.append([message("a/b")])
+        link = remote._link
+        server.stop()
+        with trio.fail_after(WAIT_S):
+            while not link.broken:
+                await trio.lowlevel.checkpoint()
+        with trio.fail_after(WAIT_S), pytest.raises(StoreUnavailable):
+            await link.appends[None].submit([rpc.WireMessage("a/b", b"late")])
+        with trio.fail_after(WAIT_S), pytest.raises(StoreUnavailable):
+            await link.pulls.submit([rpc.QueueRead("a/b", 0, 1, 1024)])
+
+
 async def test_a_held_will_survives_a_store_restart_and_fires_when_the_node_is_gone(server):
     async with RemoteStoreClient.connect("127.0.0.1", server.port, node="observer") as observer:
         observer.watch("will/dev1")
