@@ -1045,7 +1045,8 @@ def run_gateway_node(conf: Any, serve: Any = serve_gateway) -> int:
         trio.run(_serve_until_signalled, conf.values, serve)
     except* OSError as group:  # e.g. the port is taken; nurseries may wrap it in a group
         failures = leaves(group)
-        LOGGER.error("gateway node failed: %s", "; ".join(repr(exc) for exc in failures), exc_info=failures[0])
+        LOGGER.error("gateway node failed: %s", "; ".join(f"{type(exc).__name__}: {exc}" for exc in failures))
+        LOGGER.debug("gateway node failure", exc_info=failures[0])  # the traceback, for a crash
         failed = True
     except* (PasswordFileError, AclError) as group:  # the message names the file and line
         LOGGER.error("gateway node not started: %s", "; ".join(str(exc) for exc in leaves(group)))
