@@ -90,6 +90,7 @@ from gateway.logs import leaves
 from gateway.messages import from_record, to_new_message
 from gateway.packets import MQTT_5
 from gateway.passwords import PasswordFileError
+from gateway.poller import Poller
 from gateway.reasons import ReasonCode
 from gateway.server import Connection, Traffic, serve_mqtt
 from gateway.session import SessionState, decode_session, encode_session, merge_committed
@@ -178,6 +179,8 @@ class GatewayNode:
         self.connect_timeout_s = connect_timeout_s
         self.nursery = nursery
         self.timers = Timers()
+        self.reads = Poller(self._end_round)
+        self._round: list[tuple[Connection, Append]] = []  # the appends of the read round in progress
         self.cache = QueueCache(store, from_record)
         self.commits = CommitBatcher(store, nursery)
         # A cluster node's store client is a GroupArbiter: the store arbitrates groups with members on several nodes.
@@ -508,17 +511,38 @@ class GatewayNode:
         ])
 
     def append_now(self, connection: Connection, action: Append) -> bool:
-        """Append in the reader's step when the store can without waiting (embedded, async flush: see
-        ``StoreClient.append_now``) and no ACL applies; False leaves the append, and any error, to ``perform``."""
+        """Append without a worker task when the store can without waiting (embedded, async flush: see
+        ``StoreClient.append_now``) and no ACL applies; False leaves the append, and any error, to ``perform``.
+
+        During a read round (gateway/poller.py) the append joins the round's batch: :meth:`_end_round` writes
+        the appends of all the round's connections in one store call, before any other task runs.
+        """
         if self._current_acl() is not None:
             return False
+        if self.reads.in_round:
+            self._round.append((connection, action))
+            return True
+        return self._append_now([(connection, action)])
+
+    def _end_round(self) -> None:
+        """The end of a read round: its appends in one batch, or, if the store cannot take them now, each
+        connection's back to the head of its queue of node actions (``perform`` answers them)."""
+        appends = self._round
+        if appends:
+            self._round = []
+            if not self._append_now(appends):
+                for connection, actions in _by_connection(appends).items():
+                    connection.requeue(actions)
+
+    def _append_now(self, appends: list[tuple[Connection, Append]]) -> bool:
+        """Append now and acknowledge, one write per connection; False: nothing was appended."""
         try:
-            if self.store.append_now([to_new_message(m) for m in action.messages]) is None:
+            if self.store.append_now([to_new_message(m) for _, append in appends for m in append.messages]) is None:
                 return False
         except (OSError, ValueError):
             return False  # nothing was appended: ``perform`` tries again and answers with the reason
-        if action.ref is not None:
-            connection.feed(Appended(action.ref, True, ReasonCode.SUCCESS))
+        for connection, actions in _by_connection(appends).items():
+            connection.feed_all([Appended(a.ref, True, ReasonCode.SUCCESS) for a in actions if a.ref is not None])
         return True
 
     def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
@@ -863,6 +887,14 @@ class GatewayNode:
                     connection.feed(TakenOver(elsewhere=True))
 
 
+def _by_connection(appends: list[tuple[Connection, Append]]) -> dict[Connection, list[Append]]:
+    """The appends of each connection, in their order."""
+    grouped: dict[Connection, list[Append]] = {}
+    for connection, append in appends:
+        grouped.setdefault(connection, []).append(append)
+    return grouped
+
+
 def _client_info(connection: Connection) -> ClientInfo:
     channel = connection.channel
     session = channel.session
@@ -961,6 +993,7 @@ async def serve_node(
                            authenticator=front.authenticator, acl=front.acl,
                            identity_as_username=settings["auth.use_identity_as_username"])
         nursery.start_soon(node.timers.run)
+        nursery.start_soon(node.reads.run)
         nursery.start_soon(node.consume_events)
         nursery.start_soon(node.consume_moves)
         if settings["mqtt.sys_interval_s"] > 0:

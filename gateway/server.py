@@ -9,9 +9,12 @@ interface (``gateway/node.py`` implements it).
 
 Per connection one task always runs, and two more while they have work:
 
-- the reader (the connection's own task): ``receive_some`` ->
-  ``MqttDecoder.feed`` -> ``channel.handle_in`` per packet; it stops reading
-  while the node has too much work queued for the connection (backpressure);
+- the reader (the connection's own task): ``MqttDecoder.feed`` ->
+  ``channel.handle_in`` per packet of every read; it stops reading while the
+  node has too much work queued for the connection (backpressure). A plain
+  TCP socket is read in the step of the node's one ``Poller`` task
+  (gateway/poller.py), so the reader task only waits; TLS and WebSocket
+  streams are read by it with ``receive_some``;
 - the writer, while bytes wait: joins everything the channel wants sent into
   one ``send_all`` and reports written deliveries (``SocketWritten``);
 - the worker, while node actions wait: hands them to the backend, one batch
@@ -50,6 +53,7 @@ from gateway.channel import Channel, ChannelConfig
 from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.listeners import BoundListener, ListenerSpec, Peer, serve_listeners
 from gateway.packets import Publish
+from gateway.poller import Poller
 from gateway.reasons import RemoteProtocolError
 from gateway.timers import Timer, Timers
 from store.aio import LatencyBuckets
@@ -115,6 +119,7 @@ class Backend(Protocol):
     connect_timeout_s: float
     traffic: Traffic
     timers: Timers  # the node's one timer task: keepalive, commit and CONNECT deadlines of every connection
+    reads: Poller  # the node's one read task for plain TCP sockets
     nursery: trio.Nursery  # where connections run their writer and worker tasks
 
     def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
@@ -151,7 +156,8 @@ class Connection:
     __slots__ = (
         "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_stream", "_backend", "_traffic",
         "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing", "_read_scope",
-        "_broken", "_timers", "_deadline", "_running", "_scopes", "_fd", "_holding", "__weakref__",
+        "_broken", "_timers", "_deadline", "_running", "_scopes", "_fd", "_holding", "_reader", "_read_ended",
+        "_read_failure", "__weakref__",
     )
 
     def __init__(
@@ -187,6 +193,9 @@ class Connection:
         # A plain TCP socket's descriptor, written directly by _flush while no writer task runs (-1: TLS, WebSocket).
         self._fd = stream.socket.fileno() if type(stream) is trio.SocketStream else -1
         self._holding = False  # the reader is processing a read: _flush waits for its end
+        self._reader: trio.lowlevel.Task | None = None  # the reader task, while it waits for the poller
+        self._read_ended = False  # a polled read ended the connection
+        self._read_failure: Exception | None = None  # what a polled read raised, for the reader task to raise
 
     @property
     def client_id(self) -> str:
@@ -218,6 +227,12 @@ class Connection:
             self._holding = holding
             if not holding:
                 self._start_pending()
+
+    def requeue(self, actions: list[Action]) -> None:
+        """Node actions the backend took in this step but must leave to ``perform`` after all. They go first:
+        nothing the connection queued after them has run yet (its worker starts in a later step)."""
+        self._work[:0] = actions
+        self._start_pending()
 
     def execute(self, actions: list[Action]) -> None:
         """Execute the channel's actions in order: socket and timer ones now, node ones queued for the worker."""
@@ -431,71 +446,108 @@ class Connection:
         idle = not self._work and not self._working
         return idle and (state is State.CLOSED or state is State.AWAIT_CONNECT)
 
+    def _paused(self) -> bool:
+        """Reading waits: the node has too much work queued for the connection, or a 3.1.1 in-flight window is full."""
+        return len(self._work) >= MAX_QUEUED_ACTIONS or self.channel.input_paused
+
     async def _read(self) -> None:
-        """The reader: receive, decode, hand each packet to the channel; return when the connection ends."""
-        decoder = self._decoder
-        channel = self.channel
-        drained = True  # the last read emptied the kernel's buffer
-        while True:
-            if len(self._work) >= MAX_QUEUED_ACTIONS or channel.input_paused:  # node busy, or 3.1.1 in-flight full
-                await self._until(lambda: len(self._work) < MAX_QUEUED_ACTIONS and not channel.input_paused)
-            try:
-                data = await self._receive(drained)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self.feed(ConnectionLost(f"receive failed: {exc!r}"))
-                return
-            drained = len(data) < RECEIVE_BYTES
-            if not data:
-                self.feed(ConnectionLost("closed by the client"))
-                return
-            self._traffic.bytes_in += len(data)
-            decoder.feed(data)
-            holding = self._holding
-            self._holding = True  # the answers to everything read go out in one write, after the loop
-            try:
-                while True:
-                    try:
-                        packet = decoder.next_packet()
-                    except RemoteProtocolError as err:
-                        self.execute(channel.handle_protocol_error(err, decoder.protocol_level))
-                        return
-                    if packet is NEED_DATA:
-                        self.execute(channel.input_done())
-                        break
-                    if type(packet) is Publish:
-                        self._traffic.messages_in += 1
-                        self._traffic.messages_in_by_qos[packet.qos] += 1
-                    self.execute(channel.handle_in(packet))
-            finally:
-                self._holding = holding
-                if not holding:
-                    self._start_pending()
-            if self._closing:
-                return
+        """The reader: receive, decode, hand each packet to the channel; return when the connection ends.
 
-    async def _receive(self, drained: bool) -> bytes:
-        """The next bytes from the client; b"" once it closed.
-
-        A plain TCP socket whose last read emptied the kernel's buffer is
-        read after waiting for it to be readable. ``receive_some`` tries the
-        read first, which at a device's pace fails nearly every time: a
-        syscall, an exception and a scheduler round per message.
+        A plain TCP socket is read by the node's ``Poller`` (gateway/poller.py),
+        which calls :meth:`_on_readable` in its own step; this task only waits,
+        and takes the socket out of the set while reading is paused. TLS and
+        WebSocket streams are read here.
 
         Raises:
-            OSError: the read failed (a reset, for one).
+            Exception: what processing a read raised (a bug: it ends this connection only).
         """
-        fd = self._fd
-        if fd < 0:
-            return await self._stream.receive_some(RECEIVE_BYTES)
-        if drained:
-            await trio.lowlevel.wait_readable(fd)
-        else:
-            await trio.lowlevel.checkpoint()  # more is likely waiting: read it after the others' turns
+        poller: Poller | None = self._backend.reads if self._fd >= 0 else None
         while True:
+            if self._paused():
+                await self._until(lambda: not self._paused())
+            if poller is None:
+                try:
+                    data = await self._stream.receive_some(RECEIVE_BYTES)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    self.feed(ConnectionLost(f"receive failed: {exc!r}"))
+                    return
+                if not self._ingest(data):
+                    return
+                continue
+            self._reader = trio.lowlevel.current_task()
+            poller.register(self._fd, self._on_readable)
             try:
-                return os.read(fd, RECEIVE_BYTES)
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(fd)
+                await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+            finally:
+                poller.unregister(self._fd)
+            if self._read_failure is not None:
+                raise self._read_failure
+            if self._read_ended:
+                return
+
+    def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
+        self._reader = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _on_readable(self) -> None:
+        """The poller saw bytes (or the end) on the socket: read once and process it, in the poller's step.
+
+        Wakes the reader task when reading must stop: the connection ended or is paused.
+        """
+        if self._closing or self._read_ended or self._read_failure is not None:
+            self._backend.reads.unregister(self._fd)  # the reader task is about to leave: read nothing more
+            return
+        try:
+            data = os.read(self._fd, RECEIVE_BYTES)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self.feed(ConnectionLost(f"receive failed: {exc!r}"))
+            self._read_ended = True
+        except Exception as exc:
+            self._read_failure = exc
+        else:
+            try:
+                self._read_ended = not self._ingest(data)
+            except Exception as exc:  # raised again in the reader task: "connection failed", this connection only
+                self._read_failure = exc
+        reader = self._reader
+        if reader is not None and (self._read_ended or self._read_failure is not None or self._paused()):
+            self._reader = None
+            self._backend.reads.unregister(self._fd)
+            trio.lowlevel.reschedule(reader)
+
+    def _ingest(self, data: bytes) -> bool:
+        """Decode ``data`` and hand each packet to the channel; False once reading must end (the client closed
+        the connection, sent a malformed packet, or the channel closed it)."""
+        if not data:
+            self.feed(ConnectionLost("closed by the client"))
+            return False
+        self._traffic.bytes_in += len(data)
+        decoder = self._decoder
+        channel = self.channel
+        decoder.feed(data)
+        holding = self._holding
+        self._holding = True  # the answers to everything read go out in one write, after the loop
+        try:
+            while True:
+                try:
+                    packet = decoder.next_packet()
+                except RemoteProtocolError as err:
+                    self.execute(channel.handle_protocol_error(err, decoder.protocol_level))
+                    return False
+                if packet is NEED_DATA:
+                    self.execute(channel.input_done())
+                    break
+                if type(packet) is Publish:
+                    self._traffic.messages_in += 1
+                    self._traffic.messages_in_by_qos[packet.qos] += 1
+                self.execute(channel.handle_in(packet))
+        finally:
+            self._holding = holding
+            if not holding:
+                self._start_pending()
+        return not self._closing
 
     async def _writer(self) -> None:
         """Write what is queued until nothing is; then end (the next ``execute`` with bytes starts another)."""

@@ -1,0 +1,148 @@
+"""The node's one read task for plain TCP sockets (gateway/poller.py), alone and under a node's connections."""
+
+import logging
+import socket
+
+import pytest
+import trio
+import trio.testing
+
+from gateway.packets import MQTT_311, Puback, Publish, Subscribe, SubscriptionOptions
+from gateway.poller import MAX_EVENTS, Poller
+from mqtt_fixtures import raw_client, running_node
+
+
+def pairs(count: int) -> list[tuple[socket.socket, socket.socket]]:
+    made = [socket.socketpair() for _ in range(count)]
+    for ours, _ in made:
+        ours.setblocking(False)
+    return made
+
+
+async def wait_for(condition, what: str) -> None:
+    with trio.fail_after(5):
+        while not condition():
+            await trio.sleep(0.001)
+    assert condition(), what
+
+
+async def test_readable_sockets_are_served_in_one_round_then_the_round_ends():
+    seen: list[object] = []
+    poller = Poller(lambda: seen.append(("end", poller.in_round)))
+    sockets = pairs(3)
+    try:
+        def reader(index: int, sock: socket.socket):
+            def callback() -> None:
+                seen.append((index, sock.recv(100), poller.in_round))
+            return callback
+
+        for index, (ours, _) in enumerate(sockets):
+            poller.register(ours.fileno(), reader(index, ours))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            await trio.testing.wait_all_tasks_blocked()
+            assert seen == []  # nothing readable: no round
+            for index, (_, theirs) in enumerate(sockets):
+                theirs.send(b"m%d" % index)
+            await wait_for(lambda: ("end", False) in seen, "a round")
+            assert sorted(seen[:3]) == [(0, b"m0", True), (1, b"m1", True), (2, b"m2", True)]
+            assert seen[3:] == [("end", False)]
+            nursery.cancel_scope.cancel()
+    finally:
+        for ours, theirs in sockets:
+            ours.close()
+            theirs.close()
+
+
+async def test_an_unregistered_socket_is_not_read_and_unregister_is_idempotent():
+    calls: list[str] = []
+    poller = Poller()
+    (gone, gone_peer), (kept, kept_peer) = pairs(2)
+    with gone, gone_peer, kept, kept_peer:
+        poller.register(gone.fileno(), lambda: calls.append("gone"))
+        poller.register(kept.fileno(), lambda: calls.append(kept.recv(100).decode()))
+        poller.unregister(gone.fileno())
+        poller.unregister(gone.fileno())
+        assert len(poller) == 1
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            gone_peer.send(b"x")
+            kept_peer.send(b"kept")
+            await wait_for(lambda: calls, "the registered socket read")  # both were readable in that round
+            assert calls == ["kept"]
+            nursery.cancel_scope.cancel()
+    poller.unregister(kept.fileno())  # after the socket and the set are closed: still no error
+
+
+async def test_a_failing_callback_is_logged_and_dropped_and_the_others_go_on(caplog):
+    got: list[bytes] = []
+    poller = Poller()
+    (bad, bad_peer), (good, good_peer) = pairs(2)
+    with bad, bad_peer, good, good_peer:
+        def fail() -> None:
+            raise RuntimeError("a bug in one connection")
+
+        poller.register(bad.fileno(), fail)
+        poller.register(good.fileno(), lambda: got.append(good.recv(100)))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            with caplog.at_level(logging.ERROR, logger="gateway.poller"):
+                bad_peer.send(b"x")
+                await wait_for(lambda: len(poller) == 1, "the failing socket dropped")
+            good_peer.send(b"still served")
+            await wait_for(lambda: got == [b"still served"], "the other socket read")
+            nursery.cancel_scope.cancel()
+    assert "a bug in one connection" in caplog.text
+
+
+async def test_more_readable_sockets_than_a_round_takes_are_all_served_over_several_rounds():
+    count = MAX_EVENTS * 2 + 5
+    read: set[int] = set()
+    rounds: list[int] = []
+    poller = Poller(lambda: rounds.append(len(read)))
+    sockets = pairs(count)
+    try:
+        for index, (ours, _) in enumerate(sockets):
+            def callback(index: int = index, sock: socket.socket = ours) -> None:
+                sock.recv(100)
+                read.add(index)
+            poller.register(ours.fileno(), callback)
+        for _, theirs in sockets:
+            theirs.send(b"x")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            await wait_for(lambda: len(read) == count, "every socket read")
+            nursery.cancel_scope.cancel()
+        assert len(rounds) >= 3 and rounds[0] == MAX_EVENTS  # a round stops at MAX_EVENTS, then yields
+    finally:
+        for ours, theirs in sockets:
+            ours.close()
+            theirs.close()
+
+
+@pytest.mark.slow
+def test_a_311_flood_past_the_inflight_limit_pauses_reading_and_loses_nothing(tmp_path):
+    """The reader takes the socket out of the poller while the channel holds PUBLISHes beyond the in-flight
+    limit, and back in once the batched appends free room: every message stored, acknowledged and delivered
+    in order."""
+    batches, per_batch = 3, 200  # a read holds at most 8 in flight + 256 waiting (max_queued_packets) in 3.1.1
+    count = batches * per_batch
+    with running_node(tmp_path / "data", "--mqtt-receive-maximum", "8") as node:
+        with raw_client(node.port, MQTT_311) as sub, raw_client(node.port, MQTT_311) as pub:
+            sub.connect("flood-sub")
+            sub.send(Subscribe(1, (("flood/#", SubscriptionOptions(qos=1)),)))
+            sub.receive()
+            pub.connect("flood-pub")
+            for batch in range(batches):
+                ids = range(batch * per_batch, (batch + 1) * per_batch)
+                pub.send(*(Publish("flood/t", b"%d" % i, qos=1, packet_id=i + 1) for i in ids))
+                assert [pub.receive() for _ in ids] == [Puback(i + 1) for i in ids]
+            payloads = []
+            while len(payloads) < count:
+                packet = sub.receive()
+                assert isinstance(packet, Publish), packet
+                payloads.append(packet.payload)
+                sub.send(Puback(packet.packet_id))
+            assert payloads == [b"%d" % i for i in range(count)]
+    assert node.proc.returncode == 0
+    assert not [doc for doc in node.logs if doc.get("level") == "error"], node.logs
