@@ -8,9 +8,10 @@ triggered) in an epoll set of our own; trio waits on that set's descriptor,
 and one task step reads every socket that has bytes, one read each, then
 calls the round's end hook (the node's batched appends, gateway/node.py).
 
-Fairness: a round handles at most ``MAX_EVENTS`` sockets, then yields to the
-other tasks; a socket with more bytes than one read is reported again in the
-next round (level triggered), after its neighbours had their turn.
+Fairness: a round handles at most ``MAX_EVENTS`` sockets and reads about
+``ROUND_BYTES`` at most, then yields to the other tasks; a socket with more
+bytes than one read, or not reached in a round, is reported again in the next
+one (level triggered), after its neighbours had their turn.
 
 A callback must not block. An exception it raises is logged and its socket
 is dropped from the set: one connection's bug must not stop everyone's reads.
@@ -30,19 +31,26 @@ __all__ = ["Poller"]
 LOGGER = logging.getLogger(__name__)
 
 MAX_EVENTS = 64
-"""Sockets read per round before the other tasks get a turn (a flood's reads are up to 64 KiB each)."""
+"""Sockets read per round before the other tasks get a turn."""
+
+ROUND_BYTES = 256 * 1024
+"""A round ends once its reads add up to this: four reads of a flood (64 KiB of small PUBLISHes each, ~10 ms of
+work apiece), so delivery and dispatch get turns while publishers flood."""
 
 
 @final
 class Poller:
-    """Calls a socket's callback from one task (:meth:`run`) whenever the socket is readable."""
+    """Calls a socket's callback from one task (:meth:`run`) whenever the socket is readable.
+
+    A callback returns the number of bytes it read (the round's budget counts them).
+    """
 
     __slots__ = ("_epoll", "_callbacks", "_round_done", "in_round")
 
     def __init__(self, round_done: Callable[[], None] = lambda: None) -> None:
         """``round_done`` runs after the callbacks of each round (the readable sockets of one ``epoll_wait``)."""
         self._epoll = select.epoll()
-        self._callbacks: dict[int, Callable[[], None]] = {}
+        self._callbacks: dict[int, Callable[[], int]] = {}
         self._round_done = round_done
         self.in_round = False  # the poller task is calling callbacks: ``round_done`` runs before anything else
 
@@ -50,7 +58,7 @@ class Poller:
         """Sockets in the set."""
         return len(self._callbacks)
 
-    def register(self, fd: int, callback: Callable[[], None]) -> None:
+    def register(self, fd: int, callback: Callable[[], int]) -> None:
         """Call ``callback()`` from the poller task while ``fd`` is readable (at most once per round)."""
         self._epoll.register(fd, select.EPOLLIN)
         self._callbacks[fd] = callback
@@ -64,31 +72,43 @@ class Poller:
                 pass
 
     async def run(self) -> None:
-        """Serve the set until cancelled; then close it."""
+        """Serve the set until cancelled; then close it.
+
+        A round that ran out of budget leaves the rest of its ``epoll_wait``
+        answer to the next rounds, which take it before asking the kernel
+        again: the kernel lists ready sockets in the same order every time, so
+        asking anew would serve the first few sockets of a flood forever.
+        """
         epoll = self._epoll
         callbacks = self._callbacks
+        left: list[tuple[int, int]] = []
         try:
             while True:
                 await trio.lowlevel.wait_readable(epoll.fileno())
                 while True:
-                    events = epoll.poll(0, MAX_EVENTS)
+                    events = left or epoll.poll(0, MAX_EVENTS)
+                    left = []
                     self.in_round = True
-                    for fd, _ in events:
+                    budget = ROUND_BYTES
+                    for index, (fd, _) in enumerate(events):
                         callback = callbacks.get(fd)
                         if callback is None:
                             continue
                         try:
-                            callback()
+                            budget -= callback()
                         except Exception as exc:
                             LOGGER.error("socket callback failed; the socket is no longer read: %r", exc,
                                          exc_info=exc, extra={"ctx": {"fd": fd}})
                             self.unregister(fd)
+                        if budget <= 0:
+                            left = events[index + 1:]
+                            break
                     self.in_round = False
                     try:
                         self._round_done()
                     except Exception as exc:
                         LOGGER.error("end of a read round failed: %r", exc, exc_info=exc)
-                    if len(events) < MAX_EVENTS:
+                    if not left and len(events) < MAX_EVENTS:
                         break
                     await trio.lowlevel.checkpoint()
         finally:

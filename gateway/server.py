@@ -489,18 +489,20 @@ class Connection:
         self._reader = None
         return trio.lowlevel.Abort.SUCCEEDED
 
-    def _on_readable(self) -> None:
-        """The poller saw bytes (or the end) on the socket: read once and process it, in the poller's step.
+    def _on_readable(self) -> int:
+        """The poller saw bytes (or the end) on the socket: read once and process it, in the poller's step;
+        returns the bytes read.
 
         Wakes the reader task when reading must stop: the connection ended or is paused.
         """
         if self._closing or self._read_ended or self._read_failure is not None:
             self._backend.reads.unregister(self._fd)  # the reader task is about to leave: read nothing more
-            return
+            return 0
+        data = b""
         try:
             data = os.read(self._fd, RECEIVE_BYTES)
         except BlockingIOError:
-            return
+            return 0
         except OSError as exc:
             self.feed(ConnectionLost(f"receive failed: {exc!r}"))
             self._read_ended = True
@@ -516,6 +518,7 @@ class Connection:
             self._reader = None
             self._backend.reads.unregister(self._fd)
             trio.lowlevel.reschedule(reader)
+        return len(data)
 
     def _ingest(self, data: bytes) -> bool:
         """Decode ``data`` and hand each packet to the channel; False once reading must end (the client closed

@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 from gateway.packets import MQTT_311, Puback, Publish, Subscribe, SubscriptionOptions
-from gateway.poller import MAX_EVENTS, Poller
+from gateway.poller import MAX_EVENTS, ROUND_BYTES, Poller
 from mqtt_fixtures import raw_client, running_node
 
 
@@ -32,8 +32,10 @@ async def test_readable_sockets_are_served_in_one_round_then_the_round_ends():
     sockets = pairs(3)
     try:
         def reader(index: int, sock: socket.socket):
-            def callback() -> None:
-                seen.append((index, sock.recv(100), poller.in_round))
+            def callback() -> int:
+                data = sock.recv(100)
+                seen.append((index, data, poller.in_round))
+                return len(data)
             return callback
 
         for index, (ours, _) in enumerate(sockets):
@@ -59,8 +61,12 @@ async def test_an_unregistered_socket_is_not_read_and_unregister_is_idempotent()
     poller = Poller()
     (gone, gone_peer), (kept, kept_peer) = pairs(2)
     with gone, gone_peer, kept, kept_peer:
-        poller.register(gone.fileno(), lambda: calls.append("gone"))
-        poller.register(kept.fileno(), lambda: calls.append(kept.recv(100).decode()))
+        def read_kept() -> int:
+            calls.append(kept.recv(100).decode())
+            return 4
+
+        poller.register(gone.fileno(), lambda: calls.append("gone") or 1)
+        poller.register(kept.fileno(), read_kept)
         poller.unregister(gone.fileno())
         poller.unregister(gone.fileno())
         assert len(poller) == 1
@@ -79,11 +85,15 @@ async def test_a_failing_callback_is_logged_and_dropped_and_the_others_go_on(cap
     poller = Poller()
     (bad, bad_peer), (good, good_peer) = pairs(2)
     with bad, bad_peer, good, good_peer:
-        def fail() -> None:
+        def fail() -> int:
             raise RuntimeError("a bug in one connection")
 
+        def read_good() -> int:
+            got.append(good.recv(100))
+            return len(got[-1])
+
         poller.register(bad.fileno(), fail)
-        poller.register(good.fileno(), lambda: got.append(good.recv(100)))
+        poller.register(good.fileno(), read_good)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
             with caplog.at_level(logging.ERROR, logger="gateway.poller"):
@@ -103,9 +113,9 @@ async def test_more_readable_sockets_than_a_round_takes_are_all_served_over_seve
     sockets = pairs(count)
     try:
         for index, (ours, _) in enumerate(sockets):
-            def callback(index: int = index, sock: socket.socket = ours) -> None:
-                sock.recv(100)
+            def callback(index: int = index, sock: socket.socket = ours) -> int:
                 read.add(index)
+                return len(sock.recv(100))
             poller.register(ours.fileno(), callback)
         for _, theirs in sockets:
             theirs.send(b"x")
@@ -114,6 +124,32 @@ async def test_more_readable_sockets_than_a_round_takes_are_all_served_over_seve
             await wait_for(lambda: len(read) == count, "every socket read")
             nursery.cancel_scope.cancel()
         assert len(rounds) >= 3 and rounds[0] == MAX_EVENTS  # a round stops at MAX_EVENTS, then yields
+    finally:
+        for ours, theirs in sockets:
+            ours.close()
+            theirs.close()
+
+
+async def test_a_round_stops_at_its_byte_budget_and_the_next_rounds_serve_the_sockets_it_did_not_reach():
+    """Flooding sockets take turns: every one is read before any is read again (the kernel would list the
+    same first few first every time)."""
+    chunk = 64 * 1024
+    order: list[int] = []
+    poller = Poller()
+    sockets = pairs(ROUND_BYTES // chunk * 2 + 1)  # more floods than one round's budget reads
+    try:
+        for index, (ours, theirs) in enumerate(sockets):
+            def callback(index: int = index, sock: socket.socket = ours) -> int:
+                order.append(index)
+                return len(sock.recv(chunk))
+            poller.register(ours.fileno(), callback)
+            theirs.setblocking(False)
+            theirs.send(b"x" * chunk * 2)  # two reads' worth: each socket stays readable after its first read
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            await wait_for(lambda: len(order) >= 2 * len(sockets), "two reads per socket")
+            nursery.cancel_scope.cancel()
+        assert sorted(order[:len(sockets)]) == list(range(len(sockets)))
     finally:
         for ours, theirs in sockets:
             ours.close()
