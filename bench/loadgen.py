@@ -38,6 +38,7 @@ processes and always join (or kill) them before returning.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import resource
 import struct
 import time
@@ -489,23 +490,75 @@ def _cpu_s() -> float:
 
 
 class _Client:
-    """One MQTT connection: a trio stream and a CLIENT-role decoder."""
+    """One MQTT connection: a trio stream and a CLIENT-role decoder.
 
-    __slots__ = ("stream", "decoder", "number", "session_present")
+    Bytes go straight to and from the socket's descriptor (``write_now``,
+    ``send_bytes``, ``receive_bytes``), trio's stream only when the socket is
+    full: at a device's pace trio's ``send_all`` and ``receive_some`` cost the
+    generator more than a message costs a fast broker, and on a 2-core machine
+    the generator's CPU is taken from the broker under test.
+    """
+
+    __slots__ = ("stream", "decoder", "number", "session_present", "_drained")
 
     def __init__(self, stream: trio.SocketStream, number: int) -> None:
         self.stream = stream
         self.number = number
         self.decoder = MqttDecoder(role=Role.CLIENT, protocol_level=PROTOCOL_LEVEL)
         self.session_present = False
+        self._drained = True  # the last read emptied the socket: wait for readability before the next
 
     async def send(self, packet: Any) -> None:
-        await self.stream.send_all(encode(packet, PROTOCOL_LEVEL))
+        await self.send_bytes(encode(packet, PROTOCOL_LEVEL))
+
+    def write_now(self, data: bytes) -> bytes:
+        """Write what the socket takes now; returns the rest (empty nearly always).
+
+        Raises:
+            trio.BrokenResourceError: the broker closed or reset the connection.
+        """
+        try:
+            sent = os.write(self.stream.socket.fileno(), data)
+        except BlockingIOError:
+            return data
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"client {self.number}: send failed: {exc!r}") from exc
+        return data[sent:]
+
+    async def send_bytes(self, data: bytes) -> None:
+        """Write all of ``data`` (a checkpoint, like ``send_all``)."""
+        rest = self.write_now(data)
+        if rest:
+            await self.stream.send_all(rest)
+        else:
+            await trio.lowlevel.checkpoint()
+
+    async def receive_bytes(self) -> bytes:
+        """The next bytes from the broker; b"" once it closed (a checkpoint, like ``receive_some``).
+
+        Raises:
+            trio.BrokenResourceError: the connection was reset.
+        """
+        fd = self.stream.socket.fileno()
+        if self._drained:
+            await trio.lowlevel.wait_readable(fd)
+        else:
+            await trio.lowlevel.checkpoint()
+        while True:
+            try:
+                data = os.read(fd, RECEIVE_BYTES)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(fd)
+                continue
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"client {self.number}: receive failed: {exc!r}") from exc
+            self._drained = len(data) < RECEIVE_BYTES
+            return data
 
     async def receive(self) -> Any:
         """The next packet; raises LoadError when the broker closes the connection."""
         while (packet := self.decoder.next_packet()) is NEED_DATA:
-            data = await self.stream.receive_some(RECEIVE_BYTES)
+            data = await self.receive_bytes()
             if not data:
                 raise LoadError(f"client {self.number}: the broker closed the connection")
             self.decoder.feed(data)
@@ -646,8 +699,9 @@ async def _paced(job: Job, publishers: list[_Publisher], start: float) -> None:
             due = min(int(job.rate * (now - begun)) + 1, limit) - publisher.seq if now >= begun else 0
             if due > 0:
                 data = publisher.burst(due)
-                if data:
-                    await publisher.client.stream.send_all(data)
+                rest = publisher.client.write_now(data) if data else b""
+                if rest:
+                    await publisher.client.stream.send_all(rest)
         await trio.sleep_until(now + TICK_S)
 
 
@@ -697,7 +751,7 @@ class _Publisher:
         while self.seq < limit and trio.current_time() < end:
             data = self.burst(min(BURST, limit - self.seq))
             if data:
-                await self.client.stream.send_all(data)
+                await self.client.send_bytes(data)
             else:
                 self.space = trio.Event()
                 await self.space.wait()
@@ -716,10 +770,10 @@ class _Publisher:
         return pid
 
     async def read_acks(self) -> None:
-        decoder = self.client.decoder
-        stream = self.client.stream
+        client = self.client
+        decoder = client.decoder
         while True:
-            data = await stream.receive_some(RECEIVE_BYTES)
+            data = await client.receive_bytes()
             if not data:
                 raise LoadError(f"publisher {self.number}: the broker closed the connection")
             decoder.feed(data)
@@ -790,7 +844,6 @@ async def _subscribe_until_drained(
 async def _receive_loop(sub: _Subscriber, histogram: HdrHistogram) -> None:
     client = sub.client
     decoder = client.decoder
-    stream = client.stream
     got = sub.got
     unpack = STAMP.unpack_from
     record = histogram.record_value
@@ -819,8 +872,8 @@ async def _receive_loop(sub: _Subscriber, histogram: HdrHistogram) -> None:
             sub.first_ns = sub.first_ns or now
             sub.last_ns = now
         if replies:
-            await stream.send_all(b"".join(replies))
-        data = await stream.receive_some(RECEIVE_BYTES)
+            await client.send_bytes(b"".join(replies))
+        data = await client.receive_bytes()
         if not data:
             raise LoadError(f"subscriber {client.number}: the broker closed the connection")
         now = time.time_ns()
@@ -887,7 +940,7 @@ async def _steady(job: Job, publisher: _Publisher, stop: trio.Event) -> None:
         if due > 0:
             data = publisher.burst(due)
             if data:
-                await publisher.client.stream.send_all(data)
+                await publisher.client.send_bytes(data)
         await trio.sleep_until(now + TICK_S)
 
 
@@ -944,7 +997,7 @@ class _Churner:
             data = publisher.burst(target - publisher.seq)
             if data:
                 async with self.sending:
-                    await self.client.stream.send_all(data)
+                    await self.client.send_bytes(data)
             else:
                 publisher.space = trio.Event()
                 await publisher.space.wait()
@@ -958,7 +1011,7 @@ class _Churner:
     async def read(self) -> None:
         """Take PUBACKs for the publisher and this client's own messages (acknowledging them) until cancelled."""
         client, publisher = self.client, self.publisher
-        decoder, stream = client.decoder, client.stream
+        decoder = client.decoder
         while True:
             replies = []
             while (packet := decoder.next_packet()) is not NEED_DATA:
@@ -979,8 +1032,8 @@ class _Churner:
             publisher.space.set()
             if replies:
                 async with self.sending:
-                    await stream.send_all(b"".join(replies))
-            data = await stream.receive_some(RECEIVE_BYTES)
+                    await client.send_bytes(b"".join(replies))
+            data = await client.receive_bytes()
             if not data:
                 raise LoadError(f"churn client {client.number}: the broker closed the connection")
             decoder.feed(data)
