@@ -517,7 +517,7 @@ class GatewayNode:
         During a read round (gateway/poller.py) the append joins the round's batch: :meth:`_end_round` writes
         the appends of all the round's connections in one store call, before any other task runs.
         """
-        if self._current_acl() is not None:
+        if self._current_acl() is not None or not self.store.can_append_now():
             return False
         if self.reads.in_round:
             self._round.append((connection, action))

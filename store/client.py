@@ -87,6 +87,11 @@ class StoreClient(Protocol):
         with nothing appended: the caller awaits :meth:`append`. Raises as :meth:`append`."""
         ...
 
+    def can_append_now(self) -> bool:
+        """Whether :meth:`append_now` would append at this moment (it may still raise): a caller that gathers
+        appends for one ``append_now`` call does not gather them in vain."""
+        ...
+
     async def pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         """The results of several queue reads, in request order."""
         ...
@@ -215,6 +220,9 @@ class LocalStoreClient:
 
     def append_now(self, messages: Sequence[NewMessage]) -> list[int] | None:
         return self.store.append_now(messages)
+
+    def can_append_now(self) -> bool:
+        return self.store.can_append_now()
 
     async def pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         results = self.pull_now(requests)

@@ -174,12 +174,16 @@ class StoreNode:
             ValueError: a message does not encode (``RecordTooLarge`` included); nothing was appended.
             OSError: the write failed; nothing was appended.
         """
-        if self.log.log.config.flush == "sync" or self.dispatcher.lag > MAX_LAG:
+        if not self.can_append_now():
             return None
         made = self._encode(messages, now_ms())
         offsets = self.log.log.append_batch([raw for raw, _ in made])
         self._appended(made, offsets)
         return offsets
+
+    def can_append_now(self) -> bool:
+        """Whether :meth:`append_now` appends (async flush policy, dispatch not lagging) rather than answer None."""
+        return self.log.log.config.flush != "sync" and self.dispatcher.lag <= MAX_LAG
 
     def _encode(self, messages: Sequence[tuple[str, bytes, Mapping[str, Any]]], now: int) -> list[tuple[bytes, Record]]:
         """The records of ``messages`` with their target queues fixed now (raises ValueError as ``new_record``)."""

@@ -604,6 +604,10 @@ class RemoteStoreClient:
         """Always None: an append is a round trip to the store node."""
         return None
 
+    def can_append_now(self) -> bool:
+        """Never, as :meth:`append_now`."""
+        return False
+
     def pull_now(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]] | None:
         """Always None: a read is a round trip to the store node."""
         return None
