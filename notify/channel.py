@@ -101,10 +101,13 @@ class EventMailbox:
             trio.EndOfChannel: the mailbox is closed and everything was taken.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         while not self._pending and not self._closed:
             await self._wakeup.wait()
+            waited = True
         events = self.get_nowait()
-        await trio.lowlevel.cancel_shielded_checkpoint()
+        if not waited:  # a call that found events pending still yields once; one that waited has yielded
+            await trio.lowlevel.cancel_shielded_checkpoint()
         return events
 
     def close(self) -> None:

@@ -181,8 +181,9 @@ class RetainedStore:
     def stage_checkpoint(self, batch: rocksdict.WriteBatch, next_log_offset: int) -> None:
         """Record in the dispatch batch that every record below ``next_log_offset`` has been staged.
 
-        Call once per dispatch batch, batches without retained records
-        included, so a crash can only lose what lies above the checkpoint. A
+        Call with every dispatch batch that has retained records, and before
+        every :meth:`flush` (batches without any may leave it behind until
+        then), so a crash can only lose what lies above the checkpoint. A
         checkpoint below the current one (re-dispatch) is ignored.
 
         Raises:

@@ -433,6 +433,31 @@ def test_dispatch_keeps_the_latest_retained_message_per_topic(tmp_path):
         n.close()
 
 
+def test_batches_without_retained_records_leave_the_retained_checkpoint_until_the_flush(tmp_path):
+    """No RocksDB write of the retained family per plain batch: its checkpoint catches up when the index flushes,
+    and a restart after that starts from the log's end."""
+    n = RetainNode(tmp_path)
+    n.publish("cfg/a", b"1")
+    while n.dispatcher.dispatch_once():
+        pass
+    after_retained = n.retained.checkpoint
+    assert after_retained == n.log.written_offset
+    for i in range(5):
+        n.publish(f"tele/{i}", b"x", retain=False)
+    while n.dispatcher.dispatch_once():
+        pass
+    assert n.retained.checkpoint == after_retained < n.log.written_offset
+    end = n.log.written_offset
+    n.close()  # flushes: the checkpoint written with it
+    n = RetainNode(tmp_path)
+    try:
+        assert n.retained.checkpoint == end
+        assert n.dispatcher.dispatched_offset == end  # nothing to feed again
+        assert retained_payloads(n.retained) == {"cfg/a": b"1"}
+    finally:
+        n.close()
+
+
 def test_a_retained_family_behind_the_index_is_fed_again_without_reindexing(tmp_path):
     n = RetainNode(tmp_path, retain=False)  # the index advances; the retained family never sees the records
     n.publish("cfg/a", b"1")
