@@ -506,8 +506,6 @@ class Connection:
         except OSError as exc:
             self.feed(ConnectionLost(f"receive failed: {exc!r}"))
             self._read_ended = True
-        except Exception as exc:
-            self._read_failure = exc
         else:
             try:
                 self._read_ended = not self._ingest(data)
