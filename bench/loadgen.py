@@ -701,6 +701,7 @@ async def _paced(job: Job, publishers: list[_Publisher], start: float) -> None:
             due = min(int(job.rate * (now - begun)) + 1, limit) - publisher.seq if now >= begun else 0
             if due > 0:
                 data = publisher.burst(due)
+                # Not send_bytes: its checkpoint per publisher would cost a scheduler round each, every tick.
                 rest = publisher.client.write_now(data) if data else b""
                 if rest:
                     await publisher.client.stream.send_all(rest)

@@ -194,7 +194,7 @@ class Connection:
         self._fd = stream.socket.fileno() if type(stream) is trio.SocketStream else -1
         self._holding = False  # the reader is processing a read: _flush waits for its end
         self._reader: trio.lowlevel.Task | None = None  # the reader task, while it waits for the poller
-        self._read_ended = False  # a polled read ended the connection
+        self._read_ended = False  # a polled read ended the connection (or failed)
         self._read_failure: Exception | None = None  # what a polled read raised, for the reader task to raise
 
     @property
@@ -495,7 +495,7 @@ class Connection:
 
         Wakes the reader task when reading must stop: the connection ended or is paused.
         """
-        if self._closing or self._read_ended or self._read_failure is not None:
+        if self._closing or self._read_ended:
             self._backend.reads.unregister(self._fd)  # the reader task is about to leave: read nothing more
             return 0
         data = b""
@@ -511,8 +511,9 @@ class Connection:
                 self._read_ended = not self._ingest(data)
             except Exception as exc:  # raised again in the reader task: "connection failed", this connection only
                 self._read_failure = exc
+                self._read_ended = True
         reader = self._reader
-        if reader is not None and (self._read_ended or self._read_failure is not None or self._paused()):
+        if reader is not None and (self._read_ended or self._paused()):
             self._reader = None
             self._backend.reads.unregister(self._fd)
             trio.lowlevel.reschedule(reader)
