@@ -33,9 +33,12 @@ LOGGER = logging.getLogger(__name__)
 MAX_EVENTS = 64
 """Sockets read per round before the other tasks get a turn."""
 
-ROUND_BYTES = 256 * 1024
-"""A round ends once its reads add up to this: four reads of a flood (64 KiB of small PUBLISHes each, ~10 ms of
-work apiece), so delivery and dispatch get turns while publishers flood."""
+ROUND_BYTES = 8 * 1024
+"""A round ends once its reads add up to this. A flooding socket's single read is more (up to 64 KiB, ~800 small
+PUBLISHes), so in a flood a round is one read, and deliveries, dispatch and the other tasks get a turn between
+any two. At 256 KiB a round, a QoS 0 fan-in subscriber fell seconds behind the flood, past the records kept in
+memory, and drained from disk afterwards. Devices at their own pace send a PUBLISH or a few per read, so a
+round still reads every ready socket."""
 
 
 @final

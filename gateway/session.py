@@ -80,9 +80,10 @@ class SessionState:
     will_delay_s: int = 0
 
 
-DELIVER_BUDGET = 64
+DELIVER_BUDGET = 1024
 """Messages one ``pump`` call delivers at most (the next call comes when they are written): the size of one
-connection's turn on the node's event loop."""
+connection's turn on the node's event loop. At least one flooded read of small PUBLISHes (gateway.poller's
+round): a subscriber that takes out less per turn than a publisher's read brings in falls behind a fan-in."""
 
 
 @dataclass(slots=True)

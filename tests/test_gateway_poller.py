@@ -133,10 +133,10 @@ async def test_more_readable_sockets_than_a_round_takes_are_all_served_over_seve
 async def test_a_round_stops_at_its_byte_budget_and_the_next_rounds_serve_the_sockets_it_did_not_reach():
     """Flooding sockets take turns: every one is read before any is read again (the kernel would list the
     same first few first every time)."""
-    chunk = 64 * 1024
+    chunk = ROUND_BYTES // 4
     order: list[int] = []
     poller = Poller()
-    sockets = pairs(ROUND_BYTES // chunk * 2 + 1)  # more floods than one round's budget reads
+    sockets = pairs(4 * 2 + 1)  # more floods than one round's budget reads
     try:
         for index, (ours, theirs) in enumerate(sockets):
             def callback(index: int = index, sock: socket.socket = ours) -> int:
