@@ -145,6 +145,18 @@ def encode_record(
         ValueError: a field does not fit its length field, QoS is not 0-2, or
             ``queues`` is not a whole number of queue ids.
     """
+    now = None
+    if store_ms is None:
+        now = store_ms = now_ms()
+    if born_ms is None:
+        born_ms = now if now is not None else store_ms
+    return _encode(topic, payload, client_id, qos, retain, properties, queues, born_ms, store_ms, max_size)
+
+
+def _encode(topic: str, payload: bytes, client_id: str, qos: int, retain: bool, properties: bytes, queues: bytes,
+            born_ms: int, store_ms: int, max_size: int) -> bytes:
+    """:func:`encode_record` with every field given, positionally: an append encodes each message once, and
+    a call with ten keyword arguments cost as much as the packing."""
     if qos not in (0, 1, 2):
         raise ValueError(f"QoS must be 0, 1 or 2, not {qos!r}")
     cid = client_id.encode()
@@ -156,16 +168,10 @@ def encode_record(
     size = HEADER_SIZE + len(cid) + len(tpc) + len(queues) + len(properties) + len(payload)
     if size > max_size:
         raise RecordTooLarge(f"record of {size} bytes exceeds the maximum record size of {max_size} bytes")
-    now = None
-    if store_ms is None:
-        now = store_ms = now_ms()
-    if born_ms is None:
-        born_ms = now if now is not None else store_ms
-    flags = qos | (FLAG_RETAIN if retain else 0)
     body = b"".join(
         (
             HEADER.pack(
-                size, 0, MAGIC_V1, flags, born_ms, store_ms,
+                size, 0, MAGIC_V1, qos | (FLAG_RETAIN if retain else 0), born_ms, store_ms,
                 len(cid), len(tpc), len(queues), len(properties), len(payload),
             )[8:],
             cid, tpc, queues, properties, payload,
@@ -199,12 +205,11 @@ def new_record(
     """
     if type(payload) is not bytes:  # the kept record must not change with a caller's buffer
         payload = bytes(payload)
-    raw = encode_record(topic, payload, client_id=client_id, qos=qos, retain=retain, properties=properties,
-                        queues=queues, born_ms=born_ms, store_ms=store_ms, max_size=max_size)
-    flags = qos | (FLAG_RETAIN if retain else 0)
-    ids = _queue_ids(queues) if queues else ()
     born = store_ms if born_ms is None else born_ms
-    return raw, Record(0, len(raw), flags, born, store_ms, client_id, topic, ids, properties, payload)
+    raw = _encode(topic, payload, client_id, qos, retain, properties, queues, born, store_ms, max_size)
+    ids = _queue_ids(queues) if queues else ()
+    return raw, Record(0, len(raw), qos | (FLAG_RETAIN if retain else 0), born, store_ms, client_id, topic, ids,
+                       properties, payload)
 
 
 @lru_cache(maxsize=4096)
