@@ -162,9 +162,9 @@ class ChannelConfig:
     ``qos0_queue_bytes`` (QoS 0 delivery bytes waiting for the socket) are
     off at 0. ``receive_maximum`` is also the in-flight limit of 3.1.1
     clients, as the number of their QoS 1/2 messages stored at once.
-    ``pull_batch`` messages per pull bounds a slow stream's buffer; it is as
-    large as a delivery turn (``gateway.session.DELIVER_BUDGET``), so a
-    subscriber draining a backlog pulls once per turn.
+    ``pull_batch`` messages per pull bounds a slow stream's buffer; it is the
+    deliveries of one step (four turns of ``gateway.session.DELIVER_BUDGET``),
+    so a subscriber draining a backlog pulls once per step.
     """
 
     max_packet_size: int = 1024 * 1024 + 1024

@@ -80,10 +80,12 @@ class SessionState:
     will_delay_s: int = 0
 
 
-DELIVER_BUDGET = 1024
+DELIVER_BUDGET = 256
 """Messages one ``pump`` call delivers at most (the next call comes when they are written): the size of one
-connection's turn on the node's event loop. At least one flooded read of small PUBLISHes (gateway.poller's
-round): a subscriber that takes out less per turn than a publisher's read brings in falls behind a fan-in."""
+connection's turn on the node's event loop. A step writes up to four turns in a row (``SYNC_WRITES`` in
+gateway/server.py), about one flooded read of small PUBLISHes (gateway/poller.py), so a fan-in subscriber keeps
+up with its publishers (at 64, a QoS 0 fan-in subscriber fell seconds behind). Larger turns would lengthen every
+other connection's wait while many sessions drain backlogs at once."""
 
 
 @dataclass(slots=True)
