@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 from gateway.packets import MQTT_311, Puback, Publish, Subscribe, SubscriptionOptions
-from gateway.poller import MAX_EVENTS, ROUND_BYTES, Poller
+from gateway.poller import FLOOD_READ_BYTES, MAX_EVENTS, ROUND_BYTES, Poller
 from mqtt_fixtures import raw_client, running_node
 
 
@@ -106,7 +106,10 @@ async def test_a_failing_callback_is_logged_and_dropped_and_the_others_go_on(cap
 
 
 async def test_more_readable_sockets_than_a_round_takes_are_all_served_over_several_rounds():
+    """Small reads (a subscriber's PUBACKs) fill a round up to MAX_EVENTS sockets."""
     count = MAX_EVENTS * 2 + 5
+    small = 512  # 128 PUBACKs a read
+    assert small * MAX_EVENTS < ROUND_BYTES and small < FLOOD_READ_BYTES  # only MAX_EVENTS ends the round
     read: set[int] = set()
     rounds: list[int] = []
     poller = Poller(lambda: rounds.append(len(read)))
@@ -115,10 +118,10 @@ async def test_more_readable_sockets_than_a_round_takes_are_all_served_over_seve
         for index, (ours, _) in enumerate(sockets):
             def callback(index: int = index, sock: socket.socket = ours) -> int:
                 read.add(index)
-                return len(sock.recv(100))
+                return len(sock.recv(small))
             poller.register(ours.fileno(), callback)
         for _, theirs in sockets:
-            theirs.send(b"x")
+            theirs.send(b"x" * small)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
             await wait_for(lambda: len(read) == count, "every socket read")
@@ -136,7 +139,7 @@ async def test_a_round_stops_at_its_byte_budget_and_the_next_rounds_serve_the_so
     chunk = ROUND_BYTES // 4
     order: list[int] = []
     poller = Poller()
-    sockets = pairs(4 * 2 + 1)  # more floods than one round's budget reads
+    sockets = pairs(4 * 2 + 1)  # more floods than one round's budget reads (4 reads of a quarter each)
     try:
         for index, (ours, theirs) in enumerate(sockets):
             def callback(index: int = index, sock: socket.socket = ours) -> int:
@@ -182,3 +185,27 @@ def test_a_311_flood_past_the_inflight_limit_pauses_reading_and_loses_nothing(tm
             assert payloads == [b"%d" % i for i in range(count)]
     assert node.proc.returncode == 0
     assert not [doc for doc in node.logs if doc.get("level") == "error"], node.logs
+
+
+async def test_a_flooding_sockets_read_ends_its_round():
+    """A read of FLOOD_READ_BYTES or more is a round of its own: the other tasks (deliveries) get a turn."""
+    rounds: list[list[int]] = [[]]
+    poller = Poller(lambda: rounds.append([]))
+    sockets = pairs(3)
+    try:
+        for index, (ours, theirs) in enumerate(sockets):
+            def callback(index: int = index, sock: socket.socket = ours) -> int:
+                rounds[-1].append(index)
+                return len(sock.recv(FLOOD_READ_BYTES))
+            poller.register(ours.fileno(), callback)
+            theirs.setblocking(False)
+            theirs.send(b"x" * FLOOD_READ_BYTES)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            await wait_for(lambda: sum(map(len, rounds)) >= len(sockets), "every socket read")
+            nursery.cancel_scope.cancel()
+        assert [len(r) for r in rounds if r] == [1, 1, 1]
+    finally:
+        for ours, theirs in sockets:
+            ours.close()
+            theirs.close()
