@@ -241,19 +241,21 @@ def split(total: int, workers: int) -> list[tuple[int, int]]:
 
 
 def run_load(publish: Sequence[Job], subscribe: Sequence[Job], drain_s: float = DRAIN_S, *,
-             published: dict[int, int] | None = None, during: Callable[[], Any] | None = None) -> LoadResult:
+             published: dict[int, int] | None = None, during: Callable[[], Any] | None = None,
+             quiet_s: float = QUIET_S) -> LoadResult:
     """Connect the subscribers, then the publishers; publish; drain; account.
 
     Args:
         publish: one job per publisher worker process.
         subscribe: one job per subscriber worker process.
         drain_s: the longest the subscribers keep reading after the publishers finished;
-            they stop earlier once every message arrived or after ``QUIET_S`` without one.
+            they stop earlier once every message arrived or after ``quiet_s`` without one.
         published: messages the broker accepted before this run (``LoadResult.published`` of an
             earlier one) that the subscribers (resuming persistent sessions) should receive too.
         during: called once the load started; the publishers (``reconnect`` jobs, which publish
             until told to stop) are stopped when it returns. The durability scenario kills and
             restarts the broker in it.
+        quiet_s: how long a subscriber worker waits for the next delivery before it stops draining.
 
     Raises:
         LoadError: a worker failed (its reason is in the message).
@@ -276,7 +278,7 @@ def run_load(publish: Sequence[Job], subscribe: Sequence[Job], drain_s: float = 
             for number, bits in accepted.items():
                 wanted[number] = wanted.get(number, 0) | bits
         for pipe in subs:
-            pipe.send(("drain", (wanted, drain_s)))
+            pipe.send(("drain", (wanted, drain_s, quiet_s)))
         sub_reports = workers.collect(subs)
     return summarise(go_ns, pub_reports, sub_reports, published)
 
@@ -827,7 +829,7 @@ async def _subscribe_until_drained(
         await _command(pipe)  # "go": the publishers are starting
         clock = _Clock()
         busy = clock.elapsed()
-        _, (wanted, drain_s) = await _command(pipe)
+        _, (wanted, drain_s, quiet_s) = await _command(pipe)
         with trio.move_on_after(drain_s) as cap:
             total = sum(bits.bit_count() for bits in wanted.values()) * len(subscribers)
             seen, changed = -1, trio.current_time()
@@ -839,7 +841,7 @@ async def _subscribe_until_drained(
                 # never reached the publisher (in flight at a broker kill), which are not in ``wanted``.
                 if count >= total and all(s.has_all(wanted) for s in subscribers):
                     break
-                if trio.current_time() - changed >= QUIET_S:
+                if trio.current_time() - changed >= quiet_s:
                     break  # busy stays at the last progress: the quiet wait that ends a drain is not load
                 await trio.sleep(POLL_S)
         nursery.cancel_scope.cancel()
