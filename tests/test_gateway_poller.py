@@ -136,10 +136,11 @@ async def test_more_readable_sockets_than_a_round_takes_are_all_served_over_seve
 async def test_a_round_stops_at_its_byte_budget_and_the_next_rounds_serve_the_sockets_it_did_not_reach():
     """Flooding sockets take turns: every one is read before any is read again (the kernel would list the
     same first few first every time)."""
-    chunk = ROUND_BYTES // 4
+    chunk = FLOOD_READ_BYTES // 2  # not a flood read: only the byte budget ends a round
     order: list[int] = []
-    poller = Poller()
-    sockets = pairs(4 * 2 + 1)  # more floods than one round's budget reads (4 reads of a quarter each)
+    rounds: list[int] = []
+    poller = Poller(lambda: rounds.append(len(order)))
+    sockets = pairs(ROUND_BYTES // chunk * 2 + 1)  # more sockets than one round's budget reads
     try:
         for index, (ours, theirs) in enumerate(sockets):
             def callback(index: int = index, sock: socket.socket = ours) -> int:
@@ -152,6 +153,7 @@ async def test_a_round_stops_at_its_byte_budget_and_the_next_rounds_serve_the_so
             nursery.start_soon(poller.run)
             await wait_for(lambda: len(order) >= 2 * len(sockets), "two reads per socket")
             nursery.cancel_scope.cancel()
+        assert rounds[0] == ROUND_BYTES // chunk  # the budget, not MAX_EVENTS, ended the first round
         assert sorted(order[:len(sockets)]) == list(range(len(sockets)))
     finally:
         for ours, theirs in sockets:
