@@ -26,6 +26,22 @@ async def wait_for(condition, what: str) -> None:
     assert condition(), what
 
 
+def register_reads(poller: Poller, sockets: list[tuple[socket.socket, socket.socket]], size: int, on_read) -> None:
+    """Register each socket with a callback that reports its index (``on_read``) and reads up to ``size`` bytes."""
+    for index, (ours, _) in enumerate(sockets):
+        def callback(index: int = index, sock: socket.socket = ours) -> int:
+            on_read(index)
+            return len(sock.recv(size))
+        poller.register(ours.fileno(), callback)
+
+
+async def serve_until(poller: Poller, condition, what: str) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poller.run)
+        await wait_for(condition, what)
+        nursery.cancel_scope.cancel()
+
+
 async def test_readable_sockets_are_served_in_one_round_then_the_round_ends():
     seen: list[object] = []
     poller = Poller(lambda: seen.append(("end", poller.in_round)))
@@ -115,17 +131,10 @@ async def test_more_readable_sockets_than_a_round_takes_are_all_served_over_seve
     poller = Poller(lambda: rounds.append(len(read)))
     sockets = pairs(count)
     try:
-        for index, (ours, _) in enumerate(sockets):
-            def callback(index: int = index, sock: socket.socket = ours) -> int:
-                read.add(index)
-                return len(sock.recv(small))
-            poller.register(ours.fileno(), callback)
+        register_reads(poller, sockets, small, read.add)
         for _, theirs in sockets:
             theirs.send(b"x" * small)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(poller.run)
-            await wait_for(lambda: len(read) == count, "every socket read")
-            nursery.cancel_scope.cancel()
+        await serve_until(poller, lambda: len(read) == count, "every socket read")
         assert len(rounds) >= 3 and rounds[0] == MAX_EVENTS  # a round stops at MAX_EVENTS, then yields
     finally:
         for ours, theirs in sockets:
@@ -142,17 +151,11 @@ async def test_a_round_stops_at_its_byte_budget_and_the_next_rounds_serve_the_so
     poller = Poller(lambda: rounds.append(len(order)))
     sockets = pairs(ROUND_BYTES // chunk * 2 + 1)  # more sockets than one round's budget reads
     try:
-        for index, (ours, theirs) in enumerate(sockets):
-            def callback(index: int = index, sock: socket.socket = ours) -> int:
-                order.append(index)
-                return len(sock.recv(chunk))
-            poller.register(ours.fileno(), callback)
-            theirs.setblocking(False)
+        register_reads(poller, sockets, chunk, order.append)
+        for _, theirs in sockets:
+            theirs.setblocking(False)  # a send the buffer cannot take fails here instead of hanging
             theirs.send(b"x" * chunk * 2)  # two reads' worth: each socket stays readable after its first read
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(poller.run)
-            await wait_for(lambda: len(order) >= 2 * len(sockets), "two reads per socket")
-            nursery.cancel_scope.cancel()
+        await serve_until(poller, lambda: len(order) >= 2 * len(sockets), "two reads per socket")
         assert rounds[0] == ROUND_BYTES // chunk  # the budget, not MAX_EVENTS, ended the first round
         assert sorted(order[:len(sockets)]) == list(range(len(sockets)))
     finally:
@@ -195,17 +198,11 @@ async def test_a_flooding_sockets_read_ends_its_round():
     poller = Poller(lambda: rounds.append([]))
     sockets = pairs(3)
     try:
-        for index, (ours, theirs) in enumerate(sockets):
-            def callback(index: int = index, sock: socket.socket = ours) -> int:
-                rounds[-1].append(index)
-                return len(sock.recv(FLOOD_READ_BYTES))
-            poller.register(ours.fileno(), callback)
+        register_reads(poller, sockets, FLOOD_READ_BYTES, lambda index: rounds[-1].append(index))
+        for _, theirs in sockets:
             theirs.setblocking(False)
             theirs.send(b"x" * FLOOD_READ_BYTES)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(poller.run)
-            await wait_for(lambda: sum(map(len, rounds)) >= len(sockets), "every socket read")
-            nursery.cancel_scope.cancel()
+        await serve_until(poller, lambda: sum(map(len, rounds)) >= len(sockets), "every socket read")
         assert [len(r) for r in rounds if r] == [1, 1, 1]
     finally:
         for ours, theirs in sockets:
