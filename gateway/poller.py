@@ -10,9 +10,9 @@ calls the round's end hook (the node's batched appends, gateway/node.py).
 
 Fairness: a round handles at most ``MAX_EVENTS`` sockets and reads about
 ``ROUND_BYTES`` at most, or one flooding socket's read (``FLOOD_READ_BYTES``),
-then yields to the other tasks; a socket with more
-bytes than one read, or not reached in a round, is reported again in the next
-one (level triggered), after its neighbours had their turn.
+then yields to the other tasks; a socket with more bytes than one read, or not
+reached in a round, is reported again in the next one (level triggered), after
+its neighbours had their turn.
 
 A callback must not block. An exception it raises is logged and its socket
 is dropped from the set: one connection's bug must not stop everyone's reads.
