@@ -335,9 +335,15 @@ class AdminDisconnect:
 
 @dataclass(frozen=True, slots=True)
 class Timeout:
-    """A timer fired (``Channel.handle_timeout`` builds this)."""
+    """A timer fired (``Channel.handle_timeout`` builds this).
+
+    ``input_waiting``: the client's bytes wait in the kernel, unread by a busy
+    node; the keep-alive counts them as received (MQTT 3.1.1 3.1.2.10: it
+    measures the client's sending, not the server's reading).
+    """
 
     name: str
+    input_waiting: bool = False
 
 
 Action: TypeAlias = (

@@ -109,10 +109,11 @@ from lightqueue.topics import (
     validate_topic,
 )
 
-__all__ = ["Channel", "ChannelConfig", "error_packet"]
+__all__ = ["KEEPALIVE_TIMER", "Channel", "ChannelConfig", "error_packet"]
 
 KEEPALIVE_TIMER = "keepalive"
-"""Fires 1.5 x keep alive after the last packet received ([MQTT-3.1.2-24]); re-armed for the remainder if traffic came."""
+"""Fires 1.5 x keep alive after the last packet received ([MQTT-3.1.2-24]); re-armed for the remainder if traffic came
+(or waits unread: a node resuming 10,000 sessions can take tens of seconds to read a socket again)."""
 
 COMMIT_TIMER = "commit"
 """Commits acknowledged offsets at most once per ``commit_interval_s``: offsets are written in batches, not per ack."""
@@ -384,9 +385,9 @@ class Channel:
         except RemoteProtocolError as err:
             return self.handle_protocol_error(err)
 
-    def handle_timeout(self, name: str) -> list[Action]:
-        """A timer armed with ``ArmTimer(name, ...)`` fired."""
-        return self.handle_event(Timeout(name))
+    def handle_timeout(self, name: str, input_waiting: bool = False) -> list[Action]:
+        """A timer armed with ``ArmTimer(name, ...)`` fired; ``input_waiting`` as in ``Timeout``."""
+        return self.handle_event(Timeout(name, input_waiting))
 
     def handle_protocol_error(self, err: RemoteProtocolError, protocol_level: int | None = None) -> list[Action]:
         """The decoder (or a check here) found the peer breaking the protocol: answer and close.
@@ -964,6 +965,8 @@ class Channel:
             return self._session.commit() if self._session is not None else []
         if event.name == KEEPALIVE_TIMER:
             limit = self._keepalive * 1.5
+            if event.input_waiting:
+                self._last_rx = self._now()
             idle = self._now() - self._last_rx
             if idle >= limit:
                 packet = Disconnect(ReasonCode.KEEP_ALIVE_TIMEOUT) if self._level == MQTT_5 else None

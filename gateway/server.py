@@ -49,7 +49,7 @@ from gateway.actions import (
     Action, Append, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Pull, Pulled, Send, SocketWritten,
 )
 from gateway.admission import Admission
-from gateway.channel import Channel, ChannelConfig
+from gateway.channel import KEEPALIVE_TIMER, Channel, ChannelConfig
 from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.listeners import BoundListener, ListenerSpec, Peer, serve_listeners
 from gateway.packets import Publish
@@ -346,12 +346,16 @@ class Connection:
         self._timers[name] = self._backend.timers.call_later(delay_s, lambda: self._fire(name))
 
     def _fire(self, name: str) -> None:
-        """A timer of this connection came due (in the node's timer task: a failure must stay in this connection)."""
+        """A timer of this connection came due (in the node's timer task: a failure must stay in this connection).
+
+        A keep-alive expiry first asks the kernel whether the client's bytes wait unread: they are its activity.
+        """
         self._timers.pop(name, None)
         if self._closing:
             return
         try:
-            self.execute(self.channel.handle_timeout(name))
+            waiting = name == KEEPALIVE_TIMER and self._bytes_waiting()
+            self.execute(self.channel.handle_timeout(name, waiting))
         except Exception as exc:
             LOGGER.error("connection failed: %r", exc, exc_info=exc,
                          extra={"ctx": {"client_id": self.client_id, "peer": self.peer, "timer": name}})

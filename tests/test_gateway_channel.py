@@ -248,6 +248,15 @@ def test_keepalive_fires_at_one_and_a_half_times_and_publishes_will():
     assert of(actions, PublishWill) and of(actions, Close)[0].reason is R.KEEP_ALIVE_TIMEOUT
 
 
+def test_keepalive_counts_bytes_waiting_unread_as_received():
+    channel, clock, _ = connect(keep_alive=10)
+    clock.t += 15  # nothing read for 1.5 x keep alive, but the client's bytes wait in the kernel (a busy node)
+    assert channel.handle_timeout("keepalive", input_waiting=True) == [ArmTimer("keepalive", 15.0)]
+    clock.t += 15  # the bytes were never read nor anything new sent: the keep alive is not extended again
+    actions = channel.handle_timeout("keepalive")
+    assert of(actions, Close)[0].reason is R.KEEP_ALIVE_TIMEOUT
+
+
 def test_keepalive_zero_disables_and_max_keepalive_caps_mqtt5_clients():
     _, _, actions = connect(keep_alive=0)
     assert not of(actions, ArmTimer)
