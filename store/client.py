@@ -31,7 +31,8 @@ from store.record import Record, decode_record
 __all__ = ["LocalStoreClient", "NewMessage", "PullRequest", "StoreClient", "StoreStatistics"]
 
 NewMessage = tuple[str, bytes, Mapping[str, Any]]
-"""(topic, payload, optional record fields of :func:`store.record.encode_record`)."""
+"""(topic, payload, optional record fields of :func:`store.record.encode_record`: ``client_id``, ``qos``,
+``retain``, ``properties``, ``born_ms``; the store reads these five keys and no others)."""
 
 
 @dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build

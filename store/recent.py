@@ -49,12 +49,18 @@ class RecentRecords:
         by_offset = self._by_offset
         for record in records:
             by_offset[record.offset] = record
-        self._order.extend(records)
-        self._bytes += sum(record.size for record in records)
         order = self._order
-        while order and (len(order) > self._max_records or self._bytes > self._max_bytes):
-            old = order.popleft()
-            by_offset.pop(old.offset, None)
+        order.extend(records)
+        self._bytes += sum(record.size for record in records)
+        pop = by_offset.pop
+        popleft = order.popleft
+        for _ in range(len(order) - self._max_records):  # the count bound, in one go
+            old = popleft()
+            pop(old.offset, None)
+            self._bytes -= old.size
+        while order and self._bytes > self._max_bytes:
+            old = popleft()
+            pop(old.offset, None)
             self._bytes -= old.size
 
     def get(self, offset: int) -> Record | None:
