@@ -1,8 +1,9 @@
 """Light queues in RocksDB: queue ids, index entries, active filters, pulls, offsets, retention.
 
 A light queue is a name (a topic, or a filter such as ``a/+/c`` or ``a/#``)
-mapped to a compact id, and a run of index entries ``(id, queue offset) ->
-(CommitLog offset, size, store ms)``; the message itself lives once in the
+mapped to a compact id, and a sequence of index entries ``(id, queue offset) ->
+(CommitLog offset, size, store ms)``, stored as runs (one key per queue per
+dispatch batch, lightqueue/keys.py); the message itself lives once in the
 CommitLog. Queues are created by their first entry and cost nothing else.
 
 Where a record goes (decided by the appender and dispatcher together):
@@ -136,6 +137,29 @@ class _Queue:
         self.max = max_offset
 
 
+@final
+class _Slot:
+    """One queue's share of an index batch: the packed entries it gets, from its max offset on."""
+
+    __slots__ = ("state", "entries")
+
+    def __init__(self, state: _Queue) -> None:
+        self.state = state
+        self.entries: list[bytes] = []
+
+    @property
+    def end(self) -> int:
+        """The queue's max offset once the batch is written."""
+        return self.state.max + len(self.entries)
+
+    def write(self, put: Callable[[bytes, bytes], None]) -> None:
+        """Put the entries as runs of ``keys.RUN_ENTRIES``, and the new max offset."""
+        state, entries = self.state, self.entries
+        for i in range(0, len(entries), keys.RUN_ENTRIES):
+            put(state.prefix + (state.max + i).to_bytes(8, "big"), b"".join(entries[i:i + keys.RUN_ENTRIES]))
+        put(keys.max_key(state.qid), keys.U64.pack(self.end))
+
+
 def is_implicit(filter: str) -> bool:
     """Is this the first-level queue of some topic (``a/#``), indexed whether or not anyone holds it?"""
     return filter.endswith("/#") and filter.count("/") == 1 and filter[0] not in "+#"
@@ -239,12 +263,10 @@ class LightQueues:
             return 0
         qid = state.qid
         low, high = self._min(qid), state.max
-        unpack = keys.ENTRY.unpack
-        get = self._db.get
         while low < high:
             mid = (low + high) // 2
-            raw = get(keys.entry_key(qid, mid))
-            if raw is not None and unpack(raw)[2] >= ms:
+            entry = self._entry(qid, mid)
+            if entry is not None and entry[2] >= ms:
                 high = mid
             else:
                 low = mid + 1
@@ -392,8 +414,9 @@ class LightQueues:
 
         One write batch (no WAL) holds every entry, every touched queue's new
         max offset and the checkpoint; new queue ids are written (with the WAL)
-        just before it. Records below the checkpoint were indexed before and
-        are skipped, so indexing is idempotent.
+        just before it. A queue's entries of the batch are written as runs
+        (``keys.RUN_ENTRIES``), one key per run. Records below the checkpoint
+        were indexed before and are skipped, so indexing is idempotent.
 
         Returns:
             ``{queue name: new max offset}`` for every queue that got entries.
@@ -406,8 +429,8 @@ class LightQueues:
             ids = rocksdict.WriteBatch(raw_mode=True)
             batch = rocksdict.WriteBatch(raw_mode=True)
             put = batch.put
-            touched: dict[str, list] = {}  # name -> [state, next offset]
-            routes: dict[tuple[str, tuple[int, ...]], list[list]] = {}  # (topic, section) -> slots
+            touched: dict[str, _Slot] = {}
+            routes: dict[tuple[str, tuple[int, ...]], list[list[bytes]]] = {}  # (topic, section) -> entry lists
             count = 0
             for rec in records:
                 offset = rec.offset
@@ -419,14 +442,12 @@ class LightQueues:
                     route, stable = self._route(rec.topic, rec.queues, offset, checkpoint, touched, ids)
                     if stable:
                         routes[(rec.topic, rec.queues)] = route
-                for slot in route:
-                    qoff = slot[1]
-                    put(slot[0].prefix + qoff.to_bytes(8, "big"), value)
-                    slot[1] = qoff + 1
+                for entries in route:
+                    entries.append(value)
                 count += len(route)
             put(keys.CHECKPOINT, keys.U64.pack(next_log_offset))
-            for state, new_max in touched.values():
-                put(keys.max_key(state.qid), keys.U64.pack(new_max))
+            for slot in touched.values():
+                slot.write(put)
             try:
                 if not ids.is_empty():
                     self._db.write(ids, self._wal)
@@ -434,11 +455,12 @@ class LightQueues:
             except Exception:
                 self._reset_cache()  # states allocated above may not exist in the database
                 raise
-            for state, new_max in touched.values():
-                state.max = new_max
+            moved = {name: slot.end for name, slot in touched.items()}
+            for slot in touched.values():
+                slot.state.max = slot.end
             self._checkpoint = next_log_offset
             self._entries_indexed += count
-        return {name: slot[1] for name, slot in touched.items()}
+        return moved
 
     def _route(
         self,
@@ -446,12 +468,12 @@ class LightQueues:
         section: tuple[int, ...],
         offset: int,
         checkpoint: int,
-        touched: dict[str, list],
+        touched: dict[str, _Slot],
         ids: rocksdict.WriteBatch,
-    ) -> tuple[list[list], bool]:
-        """The queue slots a record at ``offset`` goes to, and whether every record of the
-        batch with this topic and section goes to the same ones (no filter listed in the
-        section was activated inside the batch).
+    ) -> tuple[list[list[bytes]], bool]:
+        """The entry lists (of the queues' slots) a record at ``offset`` goes to, and whether
+        every record of the batch with this topic and section goes to the same ones (no filter
+        listed in the section was activated inside the batch).
 
         A listed id goes in if it is an active filter's and the filter is active
         since ``offset`` or before; the id of a released filter has no queue any
@@ -469,9 +491,8 @@ class LightQueues:
         for name in names:
             slot = touched.get(name)
             if slot is None:
-                state = self._state(name) or self._allocate(name, ids)
-                slot = touched[name] = [state, state.max]
-            route.append(slot)
+                slot = touched[name] = _Slot(self._state(name) or self._allocate(name, ids))
+            route.append(slot.entries)
         return route, stable
 
     def flush(self) -> None:
@@ -522,12 +543,9 @@ class LightQueues:
         total = 0
         next_offset = from_offset
         end = min(head, from_offset + max_count)
-        unpack = keys.ENTRY.unpack
-        for key, value in self._scan(state.prefix, keys.entry_key(state.qid, from_offset), keys.entry_key(state.qid, end)):
-            qoff = int.from_bytes(key[9:], "big")
+        for qoff, log_offset, size, _store_ms in self._entries(state, from_offset, end):
             if qoff != next_offset:
                 expired = True  # retention range-deleted entries since we read the minimum
-            log_offset, size, _store_ms = unpack(value)
             if log_offset < log_min:
                 expired = True
             else:
@@ -611,7 +629,11 @@ class LightQueues:
             if low < state.max:
                 new_low = self._first_at_or_after(state.qid, low, state.max, min_log_offset)
                 if new_low > low:
-                    batch.delete_range(keys.entry_key(state.qid, low), keys.entry_key(state.qid, new_low))
+                    # The run holding new_low stays whole (pulls skip its entries below the minimum); runs
+                    # kept so by earlier passes go now, hence the range from the queue's first key.
+                    run = self._run_at(state.qid, new_low)
+                    cut = new_low if run is None else run[0]
+                    batch.delete_range(keys.entry_key(state.qid, 0), keys.entry_key(state.qid, cut))
                     batch.put(keys.min_key(state.qid), keys.U64.pack(new_low))
                     low = new_low
             if low == state.max and not self._referenced(name, state.qid):
@@ -635,6 +657,9 @@ class LightQueues:
         def cut(name: str, state: _Queue, low: int, batch: rocksdict.WriteBatch) -> None:
             new_max = self._first_at_or_after(state.qid, low, state.max, log_end)
             if new_max < state.max:
+                run = self._run_at(state.qid, new_max)
+                if run is not None and run[0] < new_max:  # a run across the cut keeps its entries before it
+                    batch.put(keys.entry_key(state.qid, run[0]), run[1][:(new_max - run[0]) * keys.ENTRY.size])
                 batch.delete_range(keys.entry_key(state.qid, new_max), keys.entry_key(state.qid, state.max))
                 batch.put(keys.max_key(state.qid), keys.U64.pack(new_max))
                 state.max = new_max
@@ -717,23 +742,59 @@ class LightQueues:
         The ends are tried first: usually nothing (retention) or nothing
         recent (a new subscription) is past ``log_offset``.
         """
-        unpack = keys.ENTRY.unpack_from
-        get = self._db.get
         if low < high:
-            raw = get(keys.entry_key(qid, low))
-            if raw is not None and unpack(raw)[0] >= log_offset:
+            entry = self._entry(qid, low)
+            if entry is not None and entry[0] >= log_offset:
                 return low
-            raw = get(keys.entry_key(qid, high - 1))
-            if raw is None or unpack(raw)[0] < log_offset:
+            entry = self._entry(qid, high - 1)
+            if entry is None or entry[0] < log_offset:
                 return high
         while low < high:
             mid = (low + high) // 2
-            raw = get(keys.entry_key(qid, mid))
-            if raw is not None and unpack(raw)[0] >= log_offset:
+            entry = self._entry(qid, mid)
+            if entry is not None and entry[0] >= log_offset:
                 high = mid
             else:
                 low = mid + 1
         return low
+
+    def _entry(self, qid: int, qoff: int) -> tuple[int, int, int] | None:
+        """The entry at queue offset ``qoff``: (log offset, size, store ms); None if it is not stored."""
+        run = self._run_at(qid, qoff)
+        return None if run is None else keys.ENTRY.unpack_from(run[1], (qoff - run[0]) * keys.ENTRY.size)
+
+    def _run_at(self, qid: int, qoff: int) -> tuple[int, bytes] | None:
+        """The run holding queue offset ``qoff``: (its first queue offset, its entries); None if none does."""
+        opts = rocksdict.ReadOptions()
+        opts.set_iterate_lower_bound(keys.entry_prefix(qid))
+        opts.set_iterate_upper_bound(keys.entry_key(qid, qoff + 1))
+        it = self._db.iter(opts)
+        it.seek_to_last()
+        if not it.valid():
+            return None
+        first, run = int.from_bytes(it.key()[9:], "big"), it.value()
+        return (first, run) if (qoff - first) * keys.ENTRY.size < len(run) else None
+
+    def _entries(self, state: _Queue, from_offset: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+        """(queue offset, log offset, size, store ms) of the stored entries in [from_offset, end), in order
+        (a gap is where retention deleted entries)."""
+        opts = rocksdict.ReadOptions()
+        opts.set_iterate_lower_bound(state.prefix)
+        opts.set_iterate_upper_bound(keys.entry_key(state.qid, end))
+        it = self._db.iter(opts)
+        start = keys.entry_key(state.qid, from_offset)
+        it.seek_for_prev(start)  # the run holding from_offset starts at or before it
+        if not it.valid():
+            it.seek(start)
+        width = keys.ENTRY.size
+        while it.valid():
+            first, run = int.from_bytes(it.key()[9:], "big"), it.value()
+            skip = max(0, from_offset - first)
+            qoff = first + skip
+            for entry in keys.ENTRY.iter_unpack(run[skip * width:min(len(run), (end - first) * width)]):
+                yield (qoff, *entry)
+                qoff += 1
+            it.next()
 
     def _referenced(self, name: str, qid: int) -> bool:
         for _ in self._scan(keys.holder_prefix(name), limit=1):

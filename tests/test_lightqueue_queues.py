@@ -1,5 +1,7 @@
 """Light queues over a real RocksDB and a real CommitLog: ids, filters, indexing, pulls, offsets, retention."""
 
+from dataclasses import dataclass
+
 import pytest
 
 from lightqueue import keys
@@ -371,3 +373,86 @@ def test_a_new_holder_never_lands_on_a_filter_its_last_holder_is_removing(env):
     assert f in set(lq.active_filters())
     assert lq.holders(f) == ["b"]
     assert lq.release(f, "b") and not lq.release(f, "b")  # a second release is a harmless no-op
+
+
+# --- runs: a queue's entries of one index batch under one key ---------------------------------
+
+
+@dataclass
+class Rec:
+    """An indexable record at a made-up CommitLog offset (the runs tests never read the log)."""
+
+    offset: int
+    size: int = 100
+    store_ms: int = 0
+    topic: str = "t"
+    queues: tuple = ()
+
+
+def index_records(env, first, count, size=100):
+    """Index ``count`` records of 100 bytes on topic t from log offset ``first``, in one batch; log offsets."""
+    offsets = [first + i * size for i in range(count)]
+    env.lq.index([Rec(o, size, store_ms=o) for o in offsets], offsets[-1] + size)
+    return offsets
+
+
+def pulled(env, queue, start, count):
+    """(queue offset, log offset) pairs: ``cached`` answers every entry with its log offset, nothing is read."""
+    result = env.lq.pull(queue, start, count, 1 << 30, env.log, decode, cached=lambda log_offset: log_offset)
+    return result.messages, result.next_offset, result.expired
+
+
+def test_one_batch_writes_a_queue_s_entries_as_runs_and_pulls_read_across_them(env):
+    run = keys.RUN_ENTRIES
+    offsets = index_records(env, 0, 2 * run + 100)
+    qid = env.lq.queue_id("t")
+    assert env.entry_keys(qid) == [keys.entry_key(qid, 0), keys.entry_key(qid, run), keys.entry_key(qid, 2 * run)]
+    assert env.lq.max_offset("t") == env.lq.max_offset("t/#") == 2 * run + 100
+    messages, next_offset, expired = pulled(env, "t", run - 5, 10)  # across the first two runs
+    assert messages == [(q, offsets[q]) for q in range(run - 5, run + 5)] and next_offset == run + 5 and not expired
+    more = index_records(env, offsets[-1] + 100, 3)  # the next batch: a run of its own, continuing the offsets
+    assert env.entry_keys(qid)[-1] == keys.entry_key(qid, 2 * run + 100)
+    messages, next_offset, _ = pulled(env, "t", 2 * run + 98, 100)
+    assert [log for _, log in messages] == offsets[-2:] + more and next_offset == 2 * run + 103
+    assert env.lq.offset_at("t", offsets[run + 3]) == run + 3
+    assert env.lq.offset_at("t", offsets[run + 3] + 1) == run + 4  # between two entries: the next one
+    assert env.lq.offset_at_time("t", offsets[2 * run]) == 2 * run  # store ms = log offset here
+
+
+def test_retention_inside_a_run_hides_its_expired_entries_and_a_later_pass_deletes_the_run(env):
+    offsets = index_records(env, 0, 10)
+    env.lq.on_retention(offsets[4])  # the log now starts inside the run
+    qid = env.lq.queue_id("t")
+    assert env.lq.min_offset("t") == 4 and env.entry_keys(qid) == [keys.entry_key(qid, 0)]  # the run stays whole
+    messages, next_offset, expired = pulled(env, "t", 0, 100)
+    assert messages == [(q, offsets[q]) for q in range(4, 10)] and next_offset == 10 and expired
+    more = index_records(env, offsets[-1] + 100, 5)
+    env.lq.on_retention(more[2])
+    assert env.lq.min_offset("t") == 12 and env.entry_keys(qid) == [keys.entry_key(qid, 10)]
+    assert pulled(env, "t", 4, 100)[0] == [(12, more[2]), (13, more[3]), (14, more[4])]
+
+
+def test_rewind_inside_a_run_keeps_the_entries_before_the_log_end(env):
+    offsets = index_records(env, 0, 10)
+    env.lq.rewind(offsets[6])
+    qid = env.lq.queue_id("t")
+    assert env.lq.max_offset("t") == 6 and env.entry_keys(qid) == [keys.entry_key(qid, 0)]
+    assert pulled(env, "t", 0, 100)[0] == [(q, offsets[q]) for q in range(6)]
+    again = index_records(env, offsets[6], 4)  # re-dispatch from the new end
+    assert again == offsets[6:]
+    assert pulled(env, "t", 0, 100)[0] == [(q, offsets[q]) for q in range(10)]
+
+
+def test_an_index_with_one_key_per_entry_reads_as_runs_of_one(env):
+    """The layout before runs: every entry its own key. Nothing is converted; it is read as it is."""
+    qid = env.lq.queue_id("t")
+    for q in range(10):
+        env.db.put(keys.entry_key(qid, q), keys.ENTRY.pack(q * 100, 100, q * 100))
+    env.db.put(keys.max_key(qid), keys.U64.pack(10))
+    env.reopen()
+    assert pulled(env, "t", 3, 4)[0] == [(q, q * 100) for q in range(3, 7)]
+    assert env.lq.offset_at("t", 450) == 5 and env.lq.offset_at_time("t", 700) == 7
+    env.lq.on_retention(500)
+    assert env.lq.min_offset("t") == 5 and len(env.entry_keys(qid)) == 5
+    env.lq.rewind(800)
+    assert env.lq.max_offset("t") == 8 and pulled(env, "t", 0, 100)[0] == [(q, q * 100) for q in range(5, 8)]

@@ -12,6 +12,7 @@ import pytest
 import trio
 import trio.testing
 
+from lightqueue import keys
 from lightqueue.queues import LightQueues, is_implicit
 from lightqueue.targets import decode_queues
 from lightqueue.topics import first_level_queue, is_wildcard, matches
@@ -42,7 +43,17 @@ class Node:
         return self.log.append_batch([encode_record(t, payload, queues=self.lq.targets(t)) for t in topics])
 
     def dump(self):
-        return dict(self.db.items())
+        """The index, each run of entries (``E`` keys) expanded to one key per entry: where dispatch batches
+        began decides how entries are grouped into runs, not which entries there are."""
+        dump = {}
+        for key, value in self.db.items():
+            if key[:1] != b"E":
+                dump[key] = value
+                continue
+            qid, first = keys.U64.unpack_from(key, 1)[0], keys.U64.unpack_from(key, 9)[0]
+            for i in range(len(value) // keys.ENTRY.size):
+                dump[keys.entry_key(qid, first + i)] = value[i * keys.ENTRY.size:(i + 1) * keys.ENTRY.size]
+        return dump
 
     def close(self):
         self.dispatcher.close()
