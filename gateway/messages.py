@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.actions import Message
-from gateway.properties import PacketType, decode_properties, encode_properties
+from gateway.properties import EMPTY_PROPERTIES, PacketType, decode_properties, encode_properties
 from store.client import NewMessage
 from store.record import Record
 
@@ -24,12 +24,16 @@ def to_new_message(message: Message) -> NewMessage:
 
 
 def record_fields(message: Message) -> Mapping[str, Any]:
-    """The optional record fields of ``message`` (:func:`store.record.encode_record`)."""
+    """The optional record fields of ``message`` (:func:`store.record.encode_record`).
+
+    Most device messages have no properties: that case skips the encoder (this runs once per message).
+    """
+    props = message.properties
     return {
         "client_id": message.client_id,
         "qos": message.qos,
         "retain": message.retain,
-        "properties": encode_properties(message.properties, PacketType.PUBLISH),
+        "properties": b"" if props is EMPTY_PROPERTIES else encode_properties(props, PacketType.PUBLISH),
         "born_ms": message.born_ms or None,
     }
 
@@ -39,6 +43,6 @@ def from_record(record: Record, queue: str | None, offset: int | None) -> Messag
     props = record.properties
     return Message(
         record.topic, record.payload, record.qos, record.retain,
-        decode_properties(props, 0, len(props), PacketType.PUBLISH), record.client_id,
-        record.born_ms, record.store_ms, queue, offset,
+        decode_properties(props, 0, len(props), PacketType.PUBLISH) if props else EMPTY_PROPERTIES,
+        record.client_id, record.born_ms, record.store_ms, queue, offset,
     )

@@ -237,6 +237,12 @@ class LightQueues:
         state = self._load(name)
         return self._min(state.qid) if state is not None else 0
 
+    def log_offset(self, name: str, qoff: int) -> int | None:
+        """The CommitLog offset queue offset ``qoff`` points at; None if that entry is not stored."""
+        state = self._load(name)
+        entry = self._entry(state.qid, qoff) if state is not None else None
+        return entry[0] if entry is not None else None
+
     def offset_at(self, name: str, log_offset: int) -> int:
         """The queue offset of the first entry at or after CommitLog offset ``log_offset``.
 
@@ -765,12 +771,12 @@ class LightQueues:
 
     def _run_at(self, qid: int, qoff: int) -> tuple[int, bytes] | None:
         """The run holding queue offset ``qoff``: (its first queue offset, its entries); None if none does."""
+        prefix = keys.entry_prefix(qid)
         opts = rocksdict.ReadOptions()
-        opts.set_iterate_lower_bound(keys.entry_prefix(qid))
         opts.set_iterate_upper_bound(keys.entry_key(qid, qoff + 1))
         it = self._db.iter(opts)
         it.seek_to_last()
-        if not it.valid():
+        if not it.valid() or not it.key().startswith(prefix):  # (a lower bound does not stop seek_to_last)
             return None
         first, run = int.from_bytes(it.key()[9:], "big"), it.value()
         return (first, run) if (qoff - first) * keys.ENTRY.size < len(run) else None
@@ -779,12 +785,11 @@ class LightQueues:
         """(queue offset, log offset, size, store ms) of the stored entries in [from_offset, end), in order
         (a gap is where retention deleted entries)."""
         opts = rocksdict.ReadOptions()
-        opts.set_iterate_lower_bound(state.prefix)
         opts.set_iterate_upper_bound(keys.entry_key(state.qid, end))
         it = self._db.iter(opts)
         start = keys.entry_key(state.qid, from_offset)
         it.seek_for_prev(start)  # the run holding from_offset starts at or before it
-        if not it.valid():
+        if not it.valid() or not it.key().startswith(state.prefix):  # none: the previous queue's last run
             it.seek(start)
         width = keys.ENTRY.size
         while it.valid():

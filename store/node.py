@@ -215,6 +215,15 @@ class StoreNode:
         read from the CommitLog (blocking: keep it out of the trio thread unless it is small)."""
         return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, _decode, self.recent.get)
 
+    def in_memory(self, queue: str, from_offset: int) -> bool:
+        """Whether a read of ``queue`` from ``from_offset`` finds its records in ``recent`` (an index lookup):
+        such a read costs Python time only, which a worker thread would not take off the event loop."""
+        oldest = self.recent.oldest
+        if oldest is None:
+            return False
+        log_offset = self.queues.log_offset(queue, from_offset)
+        return log_offset is not None and log_offset >= oldest
+
     def save_session(self, client_id: str, blob: bytes) -> None:
         """Keep a session blob durably (WAL write): it must survive a process crash as written."""
         self.sessions.put(client_id.encode(), blob, _WAL)

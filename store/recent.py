@@ -63,6 +63,11 @@ class RecentRecords:
             pop(old.offset, None)
             self._bytes -= old.size
 
+    @property
+    def oldest(self) -> int | None:
+        """The CommitLog offset of the oldest record kept (None: none is): every later record is kept too."""
+        return self._order[0].offset if self._order else None
+
     def get(self, offset: int) -> Record | None:
         """The record at CommitLog offset ``offset``, if it is still here."""
         return self._by_offset.get(offset)

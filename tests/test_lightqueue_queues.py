@@ -430,6 +430,10 @@ def test_retention_inside_a_run_hides_its_expired_entries_and_a_later_pass_delet
     env.lq.on_retention(more[2])
     assert env.lq.min_offset("t") == 12 and env.entry_keys(qid) == [keys.entry_key(qid, 10)]
     assert pulled(env, "t", 4, 100)[0] == [(12, more[2]), (13, more[3]), (14, more[4])]
+    # t/# has the next queue id: the key before its first run is t's last run, which is not t/#'s
+    assert env.lq.queue_id("t/#") == qid + 1 and env.lq.log_offset("t/#", 9) is None  # its run is deleted
+    assert pulled(env, "t/#", 0, 100) == ([(12, more[2]), (13, more[3]), (14, more[4])], 15, True)
+    assert env.lq.log_offset("t/#", 12) == more[2]
 
 
 def test_rewind_inside_a_run_keeps_the_entries_before_the_log_end(env):

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from store.client import INLINE_PULL, LocalStoreClient, PullRequest
 from store.commitlog import CommitLogConfig
 from store.node import open_store
 from store.process import freeze_startup_objects
@@ -70,3 +71,23 @@ def test_freezing_startup_objects_hides_them_from_the_collector():
         assert gc.get_freeze_count() >= before // 2 and len(gc.get_objects()) < before // 2
     finally:
         gc.unfreeze()
+
+
+async def test_a_large_pull_runs_in_the_callers_step_only_when_its_records_are_kept_in_memory(tmp_path: Path):
+    messages = [("tele/d1", b"%d" % i, {}) for i in range(INLINE_PULL * 2)]
+    large = [PullRequest("tele/#", 0, max_count=INLINE_PULL * 2)]
+    async with open_store(tmp_path, CONFIG) as node:
+        node.append_now(messages)
+        with trio.fail_after(10):
+            await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+        client = LocalStoreClient(node)
+        assert node.in_memory("tele/#", 0) and not node.in_memory("tele/#", INLINE_PULL * 2)  # the head: none
+        (result,) = client.pull_now(large)
+        assert [r.payload for _, r in result.messages] == [m[1] for m in messages]
+    async with open_store(tmp_path, CONFIG) as node:  # restarted: nothing is kept in memory
+        client = LocalStoreClient(node)
+        assert not node.in_memory("tele/#", 0)
+        assert client.pull_now(large) is None  # the log must be read: a worker thread's job
+        ((result,),) = [await client.pull(large)]
+        assert len(result.messages) == INLINE_PULL * 2
+        assert client.pull_now([PullRequest("tele/#", 0, max_count=INLINE_PULL)]) is not None  # small: inline
