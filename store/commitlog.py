@@ -441,11 +441,7 @@ class CommitLog:
         """
         if not records:
             return []
-        sizes = [len(r) for r in records]
-        if max(sizes) > self._config.max_record_bytes:
-            i = next(i for i, s in enumerate(sizes) if s > self._config.max_record_bytes)
-            raise RecordTooLarge(f"record {i} of the batch has {sizes[i]} bytes; the maximum record size is"
-                                 f" {self._config.max_record_bytes} bytes")
+        sizes = self._sizes(records)
         try:
             peeks = [_PEEK.unpack_from(r) for r in records]
         except struct.error:
@@ -458,6 +454,28 @@ class CommitLog:
         with self._lock:
             self._check_writable()
             return self._append_locked(records, sizes, store_ms)
+
+    def append_stamped(self, records: Sequence[bytes], store_ms: int) -> list[int]:
+        """:meth:`append_batch` for records this process encoded itself (``store.record.new_record``), all
+        stamped ``store_ms``: their headers are not parsed again, which was a tenth of an append's cost.
+
+        Raises what :meth:`append_batch` raises, but does not check that the records are well formed.
+        """
+        if not records:
+            return []
+        sizes = self._sizes(records)
+        with self._lock:
+            self._check_writable()
+            return self._append_locked(records, sizes, (store_ms,) * len(records))
+
+    def _sizes(self, records: Sequence[bytes]) -> list[int]:
+        """The records' sizes; raises RecordTooLarge for a record over ``max_record_bytes``."""
+        sizes = [len(r) for r in records]
+        if max(sizes) > self._config.max_record_bytes:
+            i = next(i for i, s in enumerate(sizes) if s > self._config.max_record_bytes)
+            raise RecordTooLarge(f"record {i} of the batch has {sizes[i]} bytes; the maximum record size is"
+                                 f" {self._config.max_record_bytes} bytes")
+        return sizes
 
     def _append_locked(self, records: Sequence[bytes], sizes: list[int], store_ms: Sequence[int]) -> list[int]:
         view = self._view

@@ -176,8 +176,9 @@ class StoreNode:
         """
         if not self.can_append_now():
             return None
-        made = self._encode(messages, now_ms())
-        offsets = self.log.log.append_batch([raw for raw, _ in made])
+        now = now_ms()
+        made = self._encode(messages, now)
+        offsets = self.log.log.append_stamped([raw for raw, _ in made], now)
         self._appended(made, offsets)
         return offsets
 
@@ -198,9 +199,10 @@ class StoreNode:
 
     def _appended(self, made: list[tuple[bytes, Record]], offsets: list[int]) -> None:
         """Keep the appended records in memory with their offsets, and wake dispatch."""
-        records = [record for _, record in made]
-        for record, offset in zip(records, offsets):
+        records = []
+        for (_, record), offset in zip(made, offsets):
             record.offset = offset
+            records.append(record)
         self.recent.add(records)
         self.dispatcher.wake()
 

@@ -177,6 +177,22 @@ def test_a_batch_spanning_segments_gets_contiguous_offsets(log):
     assert [r.offset for r in scan_all(log, max_bytes=700)] == offsets
 
 
+def test_append_stamped_appends_its_own_records_as_append_batch_does(logdir, tmp_path):
+    """The store's own records (one timestamp per batch) skip the header checks, nothing else."""
+    records = [rec(i, 300, store_ms=7_000) for i in range(20)]  # across two segments
+    with CommitLog.open(tmp_path / "batch", CFG) as twin:
+        expected = twin.append_batch(records)
+    with CommitLog.open(logdir, CFG) as log:
+        assert log.append_stamped(records, 7_000) == expected and log.append_stamped([], 7_000) == []
+        assert [seq(log.read(o)) for o in expected] == list(range(20))
+        with pytest.raises(RecordTooLarge, match="record 1 of the batch"):
+            log.append_stamped([rec(20), rec(21, SEG + 1)], 7_000)
+        assert log.written_offset == expected[-1] + 300  # nothing of the refused batch
+        log.flush()
+    meta = json.loads((logdir / (segment_name(0) + ".meta")).read_text())
+    assert (meta["min_store_ms"], meta["max_store_ms"], meta["records"]) == (7_000, 7_000, SEG // 300)
+
+
 def test_sealed_segments_get_a_meta_file_after_flush(log, logdir):
     log.append_batch([rec(i, 1000, store_ms=5_000 + i) for i in range(6)])
     meta_path = logdir / (segment_name(0) + ".meta")
