@@ -55,6 +55,7 @@ from gateway.actions import (
     Appended,
     CommitOffsets,
     DropSession,
+    Event,
     LimitHit,
     Message,
     OpenSession,
@@ -545,8 +546,12 @@ class GatewayNode:
                 return False
         except (OSError, ValueError):
             return False  # nothing was appended: ``perform`` tries again and answers with the reason
-        for connection, actions in _by_connection(appends).items():
-            connection.feed_all([Appended(a.ref, True, ReasonCode.SUCCESS) for a in actions if a.ref is not None])
+        acknowledged: dict[Connection, list[Event]] = {}  # QoS 0 appends (no ref) wait for no answer
+        for connection, append in appends:
+            if append.ref is not None:
+                acknowledged.setdefault(connection, []).append(Appended(append.ref, True, ReasonCode.SUCCESS))
+        for connection, events in acknowledged.items():
+            connection.feed_all(events)
         return True
 
     def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:

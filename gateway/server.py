@@ -252,7 +252,11 @@ class Connection:
     def _apply(self, actions: list[Action]) -> None:
         for action in actions:
             kind = type(action)
-            if kind is Send:
+            if kind is Append:  # first: a flood is one per PUBLISH read
+                if not self._work and not self._working and self._backend.append_now(self, action):  # type: ignore[arg-type]
+                    continue  # in order (no work waits), so the node took it now
+                self._work.append(action)
+            elif kind is Send:
                 level = self.channel.protocol_level
                 self._out.extend(encode(packet, level) for packet in action.packets)  # type: ignore[union-attr]
             elif kind is Deliver:
@@ -272,8 +276,6 @@ class Connection:
                     timer.cancel()
             else:
                 if not self._work and not self._working:  # in order: no work waits, so the node may answer now
-                    if kind is Append and self._backend.append_now(self, action):  # type: ignore[arg-type]
-                        continue
                     if kind is Pull:
                         pulled = self._backend.pull_cached(self, action)  # type: ignore[arg-type]
                         if pulled is not None:  # a cache hit: answered without a worker hop
@@ -548,7 +550,7 @@ class Connection:
                 if type(packet) is Publish:
                     self._traffic.messages_in += 1
                     self._traffic.messages_in_by_qos[packet.qos] += 1
-                self.execute(channel.handle_in(packet))
+                self._apply(channel.handle_in(packet))  # started and flushed once, after the loop
         finally:
             self._holding = holding
             if not holding:
