@@ -60,6 +60,10 @@ class State(Enum):
     DISCONNECTING = "disconnecting"
     CLOSED = "closed"
 
+    # Members are singletons compared by identity: the identity hash is right, and it is C, where Enum's
+    # hashes the name in Python. Every packet and node event looks its state up in TRANSITIONS.
+    __hash__ = object.__hash__
+
 
 @final
 class Closing:

@@ -707,7 +707,8 @@ class Channel:
             refusal = self._rate_refusal(packet)
             if refusal is not None:
                 return refusal
-        message = Message(topic, packet.payload, qos, packet.retain, props, self._client_id, self._now_ms())
+        born_ms = int(self._last_rx * 1000)  # the clock read when this packet came in (handle_in)
+        message = Message(topic, packet.payload, qos, packet.retain, props, self._client_id, born_ms)
         if not qos:
             return [Append(None, (message,))]
         self._next_ref += 1

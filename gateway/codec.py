@@ -899,10 +899,14 @@ class PublishTemplate:
 
     def __init__(self, qos: int, head: bytes, tail: bytes) -> None:
         self.qos = qos
-        self.size = len(head) + len(tail) + (2 if qos else 0)
-        self._head = head
-        self._dup_head = bytes((head[0] | 0x08,)) + head[1:] if qos else head
-        self._tail = tail
+        if qos:
+            self.size = len(head) + len(tail) + 2
+            self._head = head
+            self._dup_head = bytes((head[0] | 0x08,)) + head[1:]
+            self._tail = tail
+        else:  # one rendering for every subscriber: joined once
+            self._head = head + tail
+            self.size = len(self._head)
 
     def render(self, packet_id: int | None = None, dup: bool = False) -> bytes:
         """The packet's bytes with this packet id (None for QoS 0) and DUP flag.
@@ -914,10 +918,14 @@ class PublishTemplate:
         if not self.qos:
             if packet_id is not None or dup:
                 raise LocalProtocolError("a QoS 0 PUBLISH has no packet identifier and no DUP flag")
-            return self._head + self._tail
+            return self._head
         if packet_id is None or not 0 < packet_id <= MAX_UINT16:
             raise LocalProtocolError(f"PUBLISH packet identifier {packet_id!r} is outside 1..65535")
         return b"".join((self._dup_head if dup else self._head, packet_id.to_bytes(2, "big"), self._tail))
+
+
+_PUBLISH_FIRST = tuple(bytes((0x30 | flags,)) for flags in range(8))
+"""A PUBLISH's first byte by its QoS and RETAIN bits (DUP is set when rendering)."""
 
 
 def encode_publish_template(
@@ -935,20 +943,20 @@ def encode_publish_template(
             topic on 3.1.1, properties on 3.1.1, or a packet over the size limit.
     """
     _check_qos(qos, "PUBLISH")
-    if protocol_level not in PROTOCOL_LEVELS:
-        raise LocalProtocolError(f"protocol level {protocol_level!r} is not 4 (3.1.1) or 5 (5.0)")
     if protocol_level == MQTT_311:
         if properties_bytes:
             raise LocalProtocolError("MQTT 3.1.1 PUBLISH cannot carry properties")
         if not topic:
             raise LocalProtocolError("MQTT 3.1.1 PUBLISH needs a topic name")
-        properties = b""
+        tail = payload
+    elif protocol_level == MQTT_5:
+        tail = with_length(properties_bytes) + payload
     else:
-        properties = with_length(properties_bytes)
+        raise LocalProtocolError(f"protocol level {protocol_level!r} is not 4 (3.1.1) or 5 (5.0)")
     topic_bytes = encode_string(topic)
-    length = len(topic_bytes) + (2 if qos else 0) + len(properties) + len(payload)
+    length = len(topic_bytes) + (2 if qos else 0) + len(tail)
     if length > MAX_VARINT:
         raise LocalProtocolError(f"PUBLISH of {length} bytes exceeds the maximum remaining length")
-    head = bytes((0x30 | qos << 1 | (1 if retain else 0),)) + encode_varint(length) + topic_bytes
-    return PublishTemplate(qos, head, properties + payload)
+    first = _PUBLISH_FIRST[qos << 1 | (1 if retain else 0)]
+    return PublishTemplate(qos, first + encode_varint(length) + topic_bytes, tail)
 

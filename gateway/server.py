@@ -253,8 +253,9 @@ class Connection:
         for action in actions:
             kind = type(action)
             if kind is Append:  # first: a flood is one per PUBLISH read
-                if not self._work and not self._working and self._backend.append_now(self, action):  # type: ignore[arg-type]
-                    continue  # in order (no work waits), so the node took it now
+                # In order (no work waits), the node may take it now.
+                if not (self._work or self._working) and self._backend.append_now(self, action):  # type: ignore[arg-type]
+                    continue
                 self._work.append(action)
             elif kind is Send:
                 level = self.channel.protocol_level
