@@ -260,7 +260,7 @@ class Channel:
         "_requested_expiry", "_keepalive", "_keepalive_override", "_peer_max_packet", "_will", "_will_delay",
         "_session", "_link", "_queued", "_pending", "_storing_qos2", "_activations", "_next_ref", "_aliases_in",
         "_last_rx", "_timers", "_awaiting_session", "_handover", "_moved", "_held", "_hits", "_topic_check_from",
-        "_buckets",
+        "_buckets", "_valid_topic",
     )
 
     def __init__(
@@ -304,6 +304,7 @@ class Channel:
         # Shorter topics cannot be over a topic limit (a level takes a character, a character at most 4 bytes):
         # the publish path skips the check for them.
         self._topic_check_from = min(config.max_topic_levels, config.max_topic_length // 4 + 1)
+        self._valid_topic = ""  # the topic name the last PUBLISH passed validation with: devices repeat theirs
         start = now()
         self._buckets: tuple[tuple[TokenBucket, Limit], ...] = tuple(
             (TokenBucket(rate, burst, start), limit) for rate, burst, limit in (
@@ -692,10 +693,11 @@ class Channel:
             else:
                 raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, f"topic alias {alias} is not mapped")
             props = replace(props, topic_alias=None)
-        try:
-            validate_topic(topic, SYNTAX_ONLY)
-        except TopicError as exc:
-            raise RemoteProtocolError(ReasonCode.TOPIC_NAME_INVALID, str(exc)) from None
+        if topic != self._valid_topic:
+            try:
+                self._valid_topic = validate_topic(topic, SYNTAX_ONLY)
+            except TopicError as exc:
+                raise RemoteProtocolError(ReasonCode.TOPIC_NAME_INVALID, str(exc)) from None
         if len(topic) >= self._topic_check_from:
             over = self._topic_over(topic, "topic name")
             if over is not None:
