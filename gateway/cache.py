@@ -159,7 +159,7 @@ class QueueCache:
             entry.base, entry.messages, entry.bytes = from_offset, [], 0
         elif from_offset < tail:
             return  # behind the run, or a concurrent read extended it already: keep the run
-        size = sum(len(m.payload) + len(m.topic) + MESSAGE_OVERHEAD for m in messages)
+        size = sum([len(m.payload) + len(m.topic) for m in messages]) + MESSAGE_OVERHEAD * len(messages)
         entry.messages += messages
         entry.bytes += size
         self._bytes += size

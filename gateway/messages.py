@@ -13,7 +13,7 @@ from typing import Any
 from gateway.actions import Message
 from gateway.properties import EMPTY_PROPERTIES, PacketType, decode_properties, encode_properties
 from store.client import NewMessage
-from store.record import Record
+from store.record import FLAG_RETAIN, QOS_MASK, Record
 
 __all__ = ["from_record", "record_fields", "to_new_message"]
 
@@ -41,8 +41,9 @@ def record_fields(message: Message) -> Mapping[str, Any]:
 def from_record(record: Record, queue: str | None, offset: int | None) -> Message:
     """The message a record holds, as read from ``queue`` at ``offset`` (None, None: a retained copy)."""
     props = record.properties
+    flags = record.flags  # not the qos/retain properties: this runs once per message and queue
     return Message(
-        record.topic, record.payload, record.qos, record.retain,
+        record.topic, record.payload, flags & QOS_MASK, bool(flags & FLAG_RETAIN),
         decode_properties(props, 0, len(props), PacketType.PUBLISH) if props else EMPTY_PROPERTIES,
         record.client_id, record.born_ms, record.store_ms, queue, offset,
     )

@@ -549,20 +549,29 @@ class LightQueues:
         total = 0
         next_offset = from_offset
         end = min(head, from_offset + max_count)
-        for qoff, log_offset, size, _store_ms in self._entries(state, from_offset, end):
+        width = keys.ENTRY.size
+        full = False
+        for first, run in self._runs(state, from_offset, end):
+            skip = max(0, from_offset - first)
+            qoff = first + skip
             if qoff != next_offset:
                 expired = True  # retention range-deleted entries since we read the minimum
-            if log_offset < log_min:
-                expired = True
-            else:
-                if found and total + size > max_bytes:
-                    break
-                found.append((qoff, log_offset, size))
-                total += size
-            next_offset = qoff + 1
+            for log_offset, size, _store_ms in keys.ENTRY.iter_unpack(run[skip * width:(end - first) * width]):
+                if log_offset < log_min:
+                    expired = True
+                else:
+                    if found and total + size > max_bytes:
+                        full = True
+                        break
+                    found.append((qoff, log_offset, size))
+                    total += size
+                qoff += 1
+            next_offset = qoff  # past the run's last entry, or at the entry that did not fit
+            if full:
+                break
         values: list[T | None] = [None] * len(found)
         if cached is not None:
-            values = [cached(log_offset) for _, log_offset, _ in found]
+            values = list(map(cached, [log_offset for _, log_offset, _ in found]))
         missing = [i for i, value in enumerate(values) if value is None]
         if missing:
             raws = log.read_many([found[i][1:] for i in missing])
@@ -781,9 +790,9 @@ class LightQueues:
         first, run = int.from_bytes(it.key()[9:], "big"), it.value()
         return (first, run) if (qoff - first) * keys.ENTRY.size < len(run) else None
 
-    def _entries(self, state: _Queue, from_offset: int, end: int) -> Iterator[tuple[int, int, int, int]]:
-        """(queue offset, log offset, size, store ms) of the stored entries in [from_offset, end), in order
-        (a gap is where retention deleted entries)."""
+    def _runs(self, state: _Queue, from_offset: int, end: int) -> Iterator[tuple[int, bytes]]:
+        """The runs holding the stored entries in [from_offset, end), in order: (first queue offset, entries).
+        The first may start before from_offset; a gap between runs is where retention deleted entries."""
         opts = rocksdict.ReadOptions()
         opts.set_iterate_upper_bound(keys.entry_key(state.qid, end))
         it = self._db.iter(opts)
@@ -791,14 +800,8 @@ class LightQueues:
         it.seek_for_prev(start)  # the run holding from_offset starts at or before it
         if not it.valid() or not it.key().startswith(state.prefix):  # none: the previous queue's last run
             it.seek(start)
-        width = keys.ENTRY.size
         while it.valid():
-            first, run = int.from_bytes(it.key()[9:], "big"), it.value()
-            skip = max(0, from_offset - first)
-            qoff = first + skip
-            for entry in keys.ENTRY.iter_unpack(run[skip * width:min(len(run), (end - first) * width)]):
-                yield (qoff, *entry)
-                qoff += 1
+            yield int.from_bytes(it.key()[9:], "big"), it.value()
             it.next()
 
     def _referenced(self, name: str, qid: int) -> bool:

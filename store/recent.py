@@ -17,6 +17,7 @@ evicted between two reads is simply read from the log.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import final
 
 from store.record import Record
@@ -38,6 +39,9 @@ class RecentRecords:
         self._max_records = max_records
         self._max_bytes = max_bytes
         self._by_offset: dict[int, Record] = {}
+        # The record at a CommitLog offset, if it is still here: the dict's own get, without a Python frame
+        # (pulls call it per entry).
+        self.get: Callable[[int], Record | None] = self._by_offset.get
         self._order: deque[Record] = deque()
         self._bytes = 0
 
@@ -67,10 +71,6 @@ class RecentRecords:
     def oldest(self) -> int | None:
         """The CommitLog offset of the oldest record kept (None: none is): every later record is kept too."""
         return self._order[0].offset if self._order else None
-
-    def get(self, offset: int) -> Record | None:
-        """The record at CommitLog offset ``offset``, if it is still here."""
-        return self._by_offset.get(offset)
 
     def run(self, from_offset: int, max_bytes: int) -> tuple[list[Record], int]:
         """The records that follow each other from ``from_offset`` (about ``max_bytes`` of them), and the
