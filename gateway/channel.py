@@ -347,6 +347,14 @@ class Channel:
 
     def handle_in(self, packet: Packet) -> list[Action]:
         """Process one decoded packet from the client. Packets after the close are dropped."""
+        if type(packet) is Publish and self._state is State.CONNECTED and not self._held:
+            # A device's PUBLISH on an open connection, most of what a node reads: the state stays CONNECTED
+            # (TRANSITIONS), and a PUBLISH acknowledges no delivery, so no commit can be due (``_after``).
+            self._last_rx = self._now()
+            try:
+                return self._process_publish(packet)
+            except RemoteProtocolError as err:
+                return self.handle_protocol_error(err)
         if self._state in (State.DISCONNECTING, State.CLOSED):
             return []
         try:

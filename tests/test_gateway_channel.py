@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from msgspec.structs import replace
 
-from gateway._state import State
+from gateway._state import TRANSITIONS, State
 from gateway.actions import (
     Activate,
     Activated,
@@ -335,6 +335,11 @@ def test_qos2_state_survives_reconnect_so_a_resend_is_not_stored_twice():
     channel, _, _ = connect(state=state, **persistent())
     actions = channel.handle_in(Publish("t", qos=2, packet_id=5, dup=True))
     assert of(actions, Append) == [] and sent(actions) == [Pubrec(5)]
+
+
+def test_a_publish_keeps_a_connected_channel_connected():
+    """handle_in's fast path for PUBLISH skips the transition table on the strength of this entry."""
+    assert TRANSITIONS[State.CONNECTED][Publish] is State.CONNECTED
 
 
 def test_inbound_checks_qos_retain_and_topic():
