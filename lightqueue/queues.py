@@ -551,7 +551,7 @@ class LightQueues:
         end = min(head, from_offset + max_count)
         width = keys.ENTRY.size
         full = False
-        for first, run in self._runs(state, from_offset, end):
+        for first, run in self._runs(state.qid, from_offset, end):
             skip = max(0, from_offset - first)
             qoff = first + skip
             if qoff != next_offset:
@@ -780,25 +780,19 @@ class LightQueues:
 
     def _run_at(self, qid: int, qoff: int) -> tuple[int, bytes] | None:
         """The run holding queue offset ``qoff``: (its first queue offset, its entries); None if none does."""
-        prefix = keys.entry_prefix(qid)
-        opts = rocksdict.ReadOptions()
-        opts.set_iterate_upper_bound(keys.entry_key(qid, qoff + 1))
-        it = self._db.iter(opts)
-        it.seek_to_last()
-        if not it.valid() or not it.key().startswith(prefix):  # (a lower bound does not stop seek_to_last)
-            return None
-        first, run = int.from_bytes(it.key()[9:], "big"), it.value()
-        return (first, run) if (qoff - first) * keys.ENTRY.size < len(run) else None
+        for first, run in self._runs(qid, qoff, qoff + 1):
+            return (first, run) if first <= qoff and (qoff - first) * keys.ENTRY.size < len(run) else None
+        return None
 
-    def _runs(self, state: _Queue, from_offset: int, end: int) -> Iterator[tuple[int, bytes]]:
+    def _runs(self, qid: int, from_offset: int, end: int) -> Iterator[tuple[int, bytes]]:
         """The runs holding the stored entries in [from_offset, end), in order: (first queue offset, entries).
         The first may start before from_offset; a gap between runs is where retention deleted entries."""
         opts = rocksdict.ReadOptions()
-        opts.set_iterate_upper_bound(keys.entry_key(state.qid, end))
+        opts.set_iterate_upper_bound(keys.entry_key(qid, end))
         it = self._db.iter(opts)
-        start = keys.entry_key(state.qid, from_offset)
+        start = keys.entry_key(qid, from_offset)
         it.seek_for_prev(start)  # the run holding from_offset starts at or before it
-        if not it.valid() or not it.key().startswith(state.prefix):  # none: the previous queue's last run
+        if not it.valid() or not it.key().startswith(start[:9]):  # none: the previous queue's last run
             it.seek(start)
         while it.valid():
             yield int.from_bytes(it.key()[9:], "big"), it.value()

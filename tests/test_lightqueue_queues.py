@@ -417,6 +417,8 @@ def test_one_batch_writes_a_queue_s_entries_as_runs_and_pulls_read_across_them(e
     assert env.lq.offset_at("t", offsets[run + 3]) == run + 3
     assert env.lq.offset_at("t", offsets[run + 3] + 1) == run + 4  # between two entries: the next one
     assert env.lq.offset_at_time("t", offsets[2 * run]) == 2 * run  # store ms = log offset here
+    # A queue with a later id and no entries: the key before its first is t/#'s last run, which is not its
+    assert env.lq.queue_id("z") > env.lq.queue_id("t/#") and env.lq.log_offset("z", 2 * run + 101) is None
 
 
 def test_retention_inside_a_run_hides_its_expired_entries_and_a_later_pass_deletes_the_run(env):
