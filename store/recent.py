@@ -56,15 +56,9 @@ class RecentRecords:
         order = self._order
         order.extend(records)
         self._bytes += sum(record.size for record in records)
-        pop = by_offset.pop
-        popleft = order.popleft
-        for _ in range(len(order) - self._max_records):  # the count bound, in one go
-            old = popleft()
-            pop(old.offset, None)
-            self._bytes -= old.size
-        while order and self._bytes > self._max_bytes:
-            old = popleft()
-            pop(old.offset, None)
+        while order and (len(order) > self._max_records or self._bytes > self._max_bytes):
+            old = order.popleft()
+            by_offset.pop(old.offset, None)
             self._bytes -= old.size
 
     @property
