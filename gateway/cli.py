@@ -49,6 +49,7 @@ def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
 
 
 def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from gateway.session import clamp_session_blob
     from store.node import run_store_node
 
     try:
@@ -57,7 +58,7 @@ def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
         LOG.error("store node not started: %s", exc)
         return 1
     LOG.info("starting store node", extra={"ctx": {"data": conf["node.data"]}})
-    return run_store_node(conf, access)
+    return run_store_node(conf, access, clamp_session_blob)
 
 
 ACL_REFRESH_S = 1.0

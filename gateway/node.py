@@ -94,7 +94,8 @@ from gateway.passwords import PasswordFileError
 from gateway.poller import Poller
 from gateway.reasons import ReasonCode
 from gateway.server import Connection, Traffic, serve_mqtt
-from gateway.session import SessionState, decode_session, encode_session, merge_committed
+from gateway.session import (SessionState, clamp_session_blob, clamp_to_heads, decode_session, encode_session,
+                             merge_committed)
 from gateway.shared import SHARE_OWNER_PREFIX, GroupArbiter, SharedGroups
 from gateway.timers import Timers
 from lightqueue.topics import TopicError, TopicLimits, parse_shared, validate_filter, validate_topic
@@ -291,13 +292,24 @@ class GatewayNode:
                     LOGGER.error("stored session is unreadable; starting a new one: %s", exc,
                                  extra={"ctx": {"client_id": client_id}})
         if state is not None:
-            committed = await self.store.get_offsets(client_id)
-            state = await self._revoke_unauthorised(connection, merge_committed(state, committed))
+            state = await self._revoke_unauthorised(connection, await self._resumed(state, log=True))
             for sub in state.subscriptions:
                 if sub.group is not None:
                     await self.groups.join(connection, sub, None)
                 self._subscribe_local(connection, sub.queue)
         connection.feed(SessionOpened(state is not None, state))
+
+    async def _resumed(self, state: SessionState, *, log: bool = False) -> SessionState:
+        """The session as it resumes: the offsets the light queues committed where they are ahead of its own
+        (a blob can be older than the commits), none past its queues' heads (the store lost records it had
+        acknowledged: a power loss under the async flush policy, docs/storage.md)."""
+        state = merge_committed(state, await self.store.get_offsets(state.client_id))
+        state, moved = clamp_to_heads(state, await self._heads(sub.queue for sub in state.subscriptions))
+        if moved and log:
+            LOGGER.warning("session offsets past the end of their queues were pulled back (records lost in a"
+                           " power loss under the async flush policy)",
+                           extra={"ctx": {"client_id": state.client_id, "moved": moved}})
+        return state
 
     async def _authenticate(self, connection: Connection, action: OpenSession) -> AuthDecision:
         """Decide the CONNECT; a refusal is counted, logged (never with the password) and delayed (brute force).
@@ -731,7 +743,7 @@ class GatewayNode:
             blob = await self.store.load_session(client_id)
             if blob is None:
                 return None
-            state = decode_session(blob)
+            state = await self._resumed(decode_session(blob))
         return self._session_info(state, await self._heads(sub.queue for sub in state.subscriptions))
 
     async def delete_session(self, client_id: str) -> bool:
@@ -949,7 +961,7 @@ async def serve_gateway(
     """
     front = NodeFront.from_settings(settings)
     data = Path(settings["node.data"])
-    async with open_store(data, CommitLogConfig.from_settings(settings)) as store:
+    async with open_store(data, CommitLogConfig.from_settings(settings), fix_session=clamp_session_blob) as store:
         LOGGER.info("store node ready", extra={"ctx": {"data": str(data),
                                                        "written_offset": store.log.log.written_offset}})
         client = LocalStoreClient(store)

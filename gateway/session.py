@@ -602,3 +602,46 @@ def merge_committed(state: SessionState, committed: Mapping[str, int]) -> Sessio
     if offsets == state.offsets:
         return state
     return replace(state, offsets=offsets, cursors=cursors)
+
+
+def clamp_to_heads(state: SessionState, heads: Mapping[str, int]) -> tuple[SessionState, dict[str, tuple[int, int]]]:
+    """The session with every offset and cursor past its queue's head (queue -> max offset) pulled back to it,
+    and what moved (filter -> (from, to)).
+
+    Only after the store lost records it had acknowledged (a power loss under the async flush policy: the
+    store pulls its own offsets back at start, docs/storage.md): the records appended next reuse those queue
+    offsets, and a session resuming past them would skip them. In-flight PUBLISHes at or past the head were
+    lost with the log and are dropped; a PUBREL owed stays. Shared subscriptions are skipped: their group
+    owns the offset.
+    """
+    offsets = dict(state.offsets)
+    cursors = dict(state.cursors)
+    moved: dict[str, tuple[int, int]] = {}
+    for sub in state.subscriptions:
+        head = heads.get(sub.queue)
+        if sub.group is not None or head is None:
+            continue
+        offset = offsets.get(sub.filter, 0)
+        cursor = cursors.get(sub.filter, offset)
+        if max(offset, cursor) > head:
+            moved[sub.filter] = (max(offset, cursor), head)
+            offsets[sub.filter] = min(offset, head)
+            cursors[sub.filter] = min(cursor, head)
+    if not moved:
+        return state, moved
+    inflight = tuple(e for e in state.inflight if not (e.filter in moved and e.phase is Phase.PUBLISHED
+                                                        and e.offset >= moved[e.filter][1]))
+    return replace(state, offsets=offsets, cursors=cursors, inflight=inflight), moved
+
+
+def clamp_session_blob(blob: bytes, max_offset: Callable[[str], int]) -> bytes | None:
+    """The stored session ``blob`` with its positions pulled back to its queues' heads (``max_offset(queue)``),
+    or None if none is past them (or the blob is unreadable: resuming reports that). The store runs it over
+    every blob after a power loss (``store.node.open_store``), when the heads are those of the recovered log:
+    later, the records appended meanwhile would hide that a position had been past the end."""
+    try:
+        state = decode_session(blob)
+    except msgspec.DecodeError:
+        return None
+    state, moved = clamp_to_heads(state, {sub.queue: max_offset(sub.queue) for sub in state.subscriptions})
+    return encode_session(state) if moved else None

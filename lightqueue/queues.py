@@ -51,7 +51,7 @@ from lightqueue.filters import FilterIndex
 from lightqueue.targets import MAX_QUEUE_ID, encode_queues
 from lightqueue.topics import first_level_queue, is_wildcard, validate_filter
 
-__all__ = ["IndexRecord", "LightQueues", "LightQueuesStatistics", "LogReader", "PullResult"]
+__all__ = ["IndexRecord", "LightQueues", "LightQueuesStatistics", "LogReader", "PullResult", "PulledBack"]
 
 T = TypeVar("T")
 
@@ -102,6 +102,20 @@ class PullResult(Generic[T]):
     messages: list[tuple[int, T]]
     next_offset: int
     expired: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PulledBack:
+    """What :meth:`LightQueues.pull_back` moved: filters whose "active since" offset was past the log's end,
+    and consumer offsets that were past their queue's max offset, as ``(owner, queue, from, to)``."""
+
+    filters: int
+    offsets: tuple[tuple[str, str, int, int], ...]
+
+    @property
+    def messages(self) -> int:
+        """Queue offsets the consumers would have skipped (summed over the offsets pulled back)."""
+        return sum(old - new for _, _, old, new in self.offsets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -684,6 +698,41 @@ class LightQueues:
             if log_end < self._checkpoint:
                 self._db.put(keys.CHECKPOINT, keys.U64.pack(log_end), self._wal)
                 self._checkpoint = log_end
+
+    def pull_back(self, log_end: int) -> PulledBack:
+        """Pull every position past the end of the index back to it: consumer offsets beyond their queue's
+        max offset, and filters active since a CommitLog offset at or beyond ``log_end``.
+
+        Call it once dispatch has indexed the whole log (``log_end`` is its written offset), before anyone
+        consumes: after a power loss under the async flush policy the log lost records that consumers had
+        acknowledged, the WAL'd offsets survived, and the records appended next reuse those queue offsets.
+        An offset left past the max would skip them; a filter active since a lost offset would not index
+        them. One WAL'd write; a no-op when nothing is past the end.
+        """
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        filters = 0
+        with self._lock:
+            for active in self._active.values():
+                if active.since > log_end:
+                    batch.put(keys.active_key(active.name), keys.U64.pack(log_end))
+                    filters += 1
+            heads: dict[int, int] = {}
+            moved: list[tuple[str, str, int, int]] = []  # (owner, queue, from, to)
+            for key, value in self._scan(b"O"):
+                qid = keys.U64.unpack_from(key, len(key) - 8)[0]
+                head = heads.get(qid)
+                if head is None:
+                    raw = self._db.get(keys.max_key(qid))
+                    head = heads[qid] = keys.U64.unpack(raw)[0] if raw else 0
+                offset = keys.U64.unpack(value)[0]
+                if offset > head:
+                    batch.put(key, keys.U64.pack(head))
+                    moved.append((key[3:-8].decode(), self.queue_name(qid) or str(qid), offset, head))
+            if not batch.is_empty():
+                self._db.write(batch, self._wal)
+            for active in self._active.values():
+                active.since = min(active.since, log_end)
+        return PulledBack(filters, tuple(moved))
 
     def statistics(self) -> LightQueuesStatistics:
         return LightQueuesStatistics(

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, final
+from typing import Any, Callable, final
 
 import trio
 
@@ -129,12 +129,13 @@ class Dispatcher:
         self._flush_bytes = flush_bytes
         self._flush_interval_s = flush_interval_s
         self._lock = threading.Lock()  # one step at a time, whoever calls it
+        self._rewound: dict[str, int] = {}  # what was past the log's end on open, for recover()'s log line
         if queues.checkpoint > log.written_offset:
-            LOGGER.warning("index is ahead of the CommitLog; dropping entries past its end",
-                           extra={"ctx": {"checkpoint": queues.checkpoint, "log_end": log.written_offset}})
+            self._rewound["checkpoint_from"] = queues.checkpoint
             queues.rewind(log.written_offset)
         if retained is not None and retained.checkpoint > log.written_offset:
-            retained.rewind(log.written_offset)
+            self._rewound["retained_checkpoint_from"] = retained.checkpoint
+            self._rewound["retained_dropped"] = retained.rewind(log.written_offset)
         if queues.retained_offset < log.min_offset:
             queues.on_retention(log.min_offset)
         log.add_retention_listener(queues.on_retention)
@@ -163,6 +164,38 @@ class Dispatcher:
     def statistics(self) -> DispatcherStatistics:
         return DispatcherStatistics(self._offset, self._flushed_offset, self._log.written_offset, self.lag,
                                     self._batches, self._records, self._expired_skips, self._from_memory)
+
+    def recover(self) -> dict[str, Any]:
+        """Index the whole log, then pull every position past its end back to it; call once, before :meth:`run`
+        and before anyone consumes (``open_store`` does, in a worker thread, and logs what this returns).
+
+        After a power loss under the async flush policy the log ends before positions that RocksDB kept:
+        consumer offsets and filter activations (WAL'd), and, if the memtable was flushed meanwhile, the
+        index checkpoint, queue max offsets and retained messages (the constructor drops those). Records
+        appended from now on reuse the lost offsets and must not be skipped.
+
+        Returns:
+            what was past the end, as log fields (empty when nothing was): ``log_end``, the checkpoints
+            it came from, retained messages dropped, consumer offsets pulled back (how many, by how many
+            queue offsets in all, the largest pull-back) and filter activations pulled back.
+        """
+        while self._step(self._scan_bytes) is not None:
+            pass
+        log_end = self._log.written_offset
+        found: dict[str, Any] = dict(self._rewound)
+        self._rewound = {}
+        if self._retained is not None:  # also those written with the WAL (admin) past a checkpoint that was not
+            dropped = self._retained.rewind(log_end) + found.pop("retained_dropped", 0)
+            if dropped:
+                found["retained_dropped"] = dropped
+        pulled = self._queues.pull_back(log_end)
+        if pulled.offsets:
+            worst = max(pulled.offsets, key=lambda o: o[2] - o[3])
+            found.update(consumer_offsets=len(pulled.offsets), queue_offsets_total=pulled.messages,
+                         largest={"owner": worst[0], "queue": worst[1], "from": worst[2], "to": worst[3]})
+        if pulled.filters:
+            found["filters"] = pulled.filters
+        return {"log_end": log_end, **found} if found else {}
 
     def dispatch_once(self, max_bytes: int | None = None) -> DispatchBatch | None:
         """Index the next chunk of records, then call the listener.

@@ -25,7 +25,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import rocksdict
 import trio
@@ -251,13 +251,20 @@ def _decode(raw: bytes, offset: int) -> Record:
     return decode_record(raw, 0, offset)
 
 
+SessionFixer = Callable[[bytes, Callable[[str], int]], "bytes | None"]
+"""``fix(blob, max_offset)``: the session blob with its queue positions pulled back to ``max_offset(queue)``, or
+None when none is past it. Given by the layer that owns the blob format (gateway/session.py)."""
+
+
 @asynccontextmanager
 async def open_store(
-    data: Path, config: CommitLogConfig, listener: Listener | None = None
+    data: Path, config: CommitLogConfig, listener: Listener | None = None, *, fix_session: SessionFixer | None = None
 ) -> AsyncIterator[StoreNode]:
     """Open the CommitLog and the index under ``data``, run flushing, retention and dispatch.
 
     ``listener``, if given, hears every dispatch batch's events too (after they are routed).
+    ``fix_session``: after a power loss cost the log records that positions in RocksDB point past
+    (``Dispatcher.recover``), every session blob is passed through it before anyone consumes.
 
     Resource handling: everything opened here is closed here, in reverse order,
     when the block exits (the index memtable and the CommitLog are flushed).
@@ -277,7 +284,9 @@ async def open_store(
 
             recent = RecentRecords()
             dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent)
-            node = StoreNode(data, alog, queues, dispatcher, _open_family(db, SESSIONS_FAMILY), retained, recent)
+            sessions = _open_family(db, SESSIONS_FAMILY)
+            await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
+            node = StoreNode(data, alog, queues, dispatcher, sessions, retained, recent)
             nodes.append(node)
             try:
                 async with background(dispatcher.run):
@@ -292,6 +301,26 @@ async def open_store(
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(db.close)
+
+
+def _recover(dispatcher: Dispatcher, queues: LightQueues, sessions: rocksdict.Rdict,
+             fix_session: SessionFixer | None) -> None:
+    """Before anyone consumes: index the whole log and pull back every position past its end (sessions
+    included), so that nothing appended from now on is skipped; one WARNING line says what moved."""
+    found = dispatcher.recover()
+    if not found:
+        return
+    if fix_session is not None:
+        fixed = 0
+        for key, blob in sessions.items():
+            new = fix_session(blob, queues.max_offset)
+            if new is not None:
+                sessions.put(key, new, _WAL)
+                fixed += 1
+        found["sessions"] = fixed
+    LOGGER.warning("positions past the end of the recovered CommitLog were pulled back to it (records lost in a"
+                   " power loss or OS crash under the async flush policy); nothing appended from now on is skipped",
+                   extra={"ctx": found})
 
 
 def _open_family(db: rocksdict.Rdict, name: str) -> rocksdict.Rdict:
@@ -314,11 +343,12 @@ async def until_signalled(*, task_status: trio.TaskStatus[None] = trio.TASK_STAT
             return
 
 
-async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = None) -> None:
+async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = None,
+                      fix_session: SessionFixer | None = None) -> None:
     """Run a store node, serving gateway nodes over the RPC on ``store.listen``, until SIGINT or SIGTERM.
 
     ``access`` (store/access.py, built by the command line from ``auth.*`` and ``store.token``)
-    decides who may connect; None: everyone.
+    decides who may connect; None: everyone. ``fix_session``: see ``open_store``.
 
     Raises:
         ValueError: ``store.listen`` is not HOST:PORT (checked before the store opens).
@@ -330,7 +360,7 @@ async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = 
 
     host, port = parse_address(settings["store.listen"])
     data = Path(settings["node.data"])
-    async with open_store(data, CommitLogConfig.from_settings(settings)) as node:
+    async with open_store(data, CommitLogConfig.from_settings(settings), fix_session=fix_session) as node:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:
@@ -349,10 +379,10 @@ async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = 
     LOGGER.info("store node stopped")
 
 
-def run_store_node(conf: Any, access: StoreAccess | None = None) -> int:
+def run_store_node(conf: Any, access: StoreAccess | None = None, fix_session: SessionFixer | None = None) -> int:
     """Entry point for ``lightgate store``/``serve``: returns the process exit status.
 
-    ``access``: see ``serve_store``.
+    ``access``, ``fix_session``: see ``serve_store``.
     """
     try:
         parse_address(conf.values["store.listen"])
@@ -362,7 +392,7 @@ def run_store_node(conf: Any, access: StoreAccess | None = None) -> int:
     freeze_startup_objects()
     failed = False
     try:
-        trio.run(serve_store, conf.values, access)
+        trio.run(serve_store, conf.values, access, fix_session)
     except* OSError as group:  # e.g. the RPC port is taken; nurseries may wrap it in a group
         LOGGER.error("store node failed: %s", "; ".join(str(exc) for exc in group.exceptions))
         failed = True

@@ -487,3 +487,47 @@ def test_a_retained_family_behind_the_index_is_fed_again_without_reindexing(tmp_
         assert n.lq.max_offset("cfg/a") == 1
     finally:
         n.close()
+
+
+def test_recover_pulls_every_position_past_a_shortened_log_back_to_its_end(tmp_path):
+    """A power loss under the async policy after the index memtable was flushed: the index checkpoint, queue
+    max offsets, retained messages, consumer offsets and a filter's activation all point past the log's end.
+    Records appended after recovery reuse the lost offsets; none may be skipped."""
+    n = RetainNode(tmp_path)
+    n.lq.activate("a/+", "s1", 0)
+    for i in range(5):
+        n.publish("a/x", b"kept%d" % i)
+    cut = n.log.written_offset
+    for i in range(5):
+        n.publish("a/x", b"lost%d" % i)
+    n.lq.activate("b/+", "s2", n.log.written_offset)
+    n.publish("b/y", b"lost")
+    while n.dispatcher.dispatch_once():
+        pass
+    n.lq.commit_offsets("s1", {"a/+": 10, "a/x": 10})
+    n.lq.commit_offsets("s2", {"b/+": 1})
+    n.close()  # the index is flushed: its checkpoint and max offsets are past what the log will keep
+    segment = tmp_path / "commitlog" / "00000000000000000000"
+    with open(segment, "r+b") as f:  # the page cache that never reached the disk: zeros from the cut on
+        size = f.seek(0, 2)
+        f.truncate(cut)
+        f.truncate(size)
+
+    n = RetainNode(tmp_path)
+    try:
+        found = n.dispatcher.recover()
+        assert found["log_end"] == cut and found["checkpoint_from"] > cut
+        assert found["consumer_offsets"] == 3 and found["queue_offsets_total"] == 5 + 5 + 1
+        assert found["filters"] == 1 and found["retained_dropped"] == 2
+        assert n.lq.get_offsets("s1") == {"a/+": 5, "a/x": 5} and n.lq.get_offsets("s2") == {"b/+": 0}
+        assert retained_payloads(n.retained) == {}  # lost updates go; the ones they replaced stay replaced (docs)
+        n.publish("a/x", b"new")
+        n.publish("b/y", b"new")
+        while n.dispatcher.dispatch_once():
+            pass
+        for owner, queue in (("s1", "a/+"), ("s1", "a/x"), ("s2", "b/+")):
+            pulled = n.lq.pull(queue, n.lq.get_offsets(owner)[queue], 100, 1 << 20, n.log, decode)
+            assert [m.payload for _, m in pulled.messages] == [b"new"], (owner, queue)
+        assert n.dispatcher.recover() == {}  # nothing is past the end any more
+    finally:
+        n.close()
