@@ -141,6 +141,10 @@ class NodeMetrics:
             yield _counter("notify_events_sent", "queue events routed to gateway nodes", store.notify_sent)
             yield _counter("notify_events_suppressed", "node events not sent: the node had no session on the queue",
                            store.notify_suppressed)
+            yield _counter("corrupt_records", "corrupt CommitLog records found and skipped (each counted once; "
+                           "the ERROR log line names its file and offset)", store.corrupt_records)
+            yield _gauge("store_disk_full", "1 while the data disk is full and new QoS 1/2 messages are refused",
+                         int(store.disk_full))
         if self._flush_latency is not None:
             yield histogram(PREFIX + "commitlog_flush_seconds", "time of each CommitLog flush (fsync) round",
                             self._flush_latency)

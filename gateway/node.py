@@ -886,6 +886,8 @@ class GatewayNode:
                 await self.cache.fill(events)
             except ConnectionError as exc:  # the store went away mid-read: sessions read the news themselves
                 LOGGER.warning("queue cache not filled: %r", exc, extra={"ctx": {"queues": len(events)}})
+            except Exception as exc:  # the store failed the read: the sessions' own reads meet it, not the node
+                LOGGER.error("queue cache not filled: %r", exc, extra={"ctx": {"queues": len(events)}})
             for queue, max_offset in events.items():
                 for connection in tuple(self._local.get(queue, ())):
                     connection.feed(QueueAdvanced(queue, max_offset))

@@ -76,7 +76,8 @@ class LogReader(Protocol):
         ...
 
     def read_many(self, locations: Sequence[tuple[int, int]]) -> list[bytes | None]:
-        """The raw records at ``(offset, size)`` locations, in order; None for one that has expired."""
+        """The raw records at ``(offset, size)`` locations, in order; None for one that has expired, ``b""``
+        for one that is corrupt (the reader reported it; it is skipped, never served)."""
         ...
 
 
@@ -592,7 +593,7 @@ class LightQueues:
             for i, raw in zip(missing, raws):
                 if raw is None:  # retention deleted the segment since we looked at log_min
                     expired = True
-                else:
+                elif raw:  # b"": corrupt, skipped like a filtered message (its offset is passed)
                     values[i] = decode(raw, found[i][1])
         messages = [(qoff, value) for (qoff, _, _), value in zip(found, values) if value is not None]
         return PullResult(messages, next_offset, expired)

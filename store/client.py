@@ -59,6 +59,8 @@ class StoreStatistics:
     notify_sent: int  # events routed to gateway nodes
     notify_suppressed: int  # node-events not sent because the node had no session on the queue
     notify_by_node: Mapping[str, int] = field(default_factory=dict)  # attached node -> events routed to it
+    corrupt_records: int = 0  # corrupt CommitLog records found and skipped since the store started (each once)
+    disk_full: bool = False  # the data disk is full: new messages are refused until space frees
 
     @property
     def dispatch_lag(self) -> int:
@@ -328,4 +330,6 @@ def store_statistics(store: StoreNode) -> StoreStatistics:
         notify_sent=sum(notify.sent.values()),
         notify_suppressed=notify.suppressed,
         notify_by_node=notify.sent,
+        corrupt_records=stats.corrupt_records,
+        disk_full=store.disk_full,
     )

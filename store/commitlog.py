@@ -70,6 +70,15 @@ WALK_CHUNK = 8 * MiB
 READ_GUESS = 4096
 """``read(offset)`` first reads this much: most records fit, so one pread usually suffices."""
 
+MAX_KNOWN_CORRUPT = 65_536
+"""Corrupt records remembered by offset, so that each is logged and counted once however often it is read."""
+
+MAGIC_PREFIX = MAGIC_V1.to_bytes(4, "big")[:2]
+""""LG": both magics start with it; a resync after corrupt bytes looks for it (store.record's layout)."""
+
+SKIPPED = b""
+"""What ``read_many`` returns for a corrupt record (never a valid record: those are at least 43 bytes)."""
+
 MIN_SEGMENT_BYTES = 4096
 """Smaller segments would be all overhead; tests use a few KiB."""
 
@@ -174,6 +183,7 @@ class CommitLogStatistics:
     appended_records: int
     appended_batches: int
     flushes: int  # flush() calls that synced something
+    corrupt_records: int = 0  # corrupt records (or byte ranges) found and skipped since open, each counted once
 
 
 @dataclass(slots=True)
@@ -213,6 +223,7 @@ class _Walk:
     end: int  # position after the last valid record
     stop: str  # "eos", "full", "short tail", "zeros" or the reason the record at ``end`` is bad
     stats: _Stats = field(default_factory=_Stats)
+    skipped: list[CorruptRange] = field(default_factory=list)  # corrupt bytes below the flushed mark, stepped over
 
     @property
     def clean_seal(self) -> bool:
@@ -256,6 +267,9 @@ class CommitLog:
         self._appended_records = 0
         self._appended_batches = 0
         self._flushes = 0
+        self._corrupt: dict[int, None] = {}  # offsets of the corrupt records reported (bounded: MAX_KNOWN_CORRUPT)
+        self._corrupt_lock = threading.Lock()
+        self._corrupt_records = 0
 
     # ------------------------------------------------------------------ opening
 
@@ -335,7 +349,9 @@ class CommitLog:
             self._stats[seg.base] = _Stats(meta["records"], meta["min_store_ms"], meta["max_store_ms"], True)
         for i in range(first_walk, last + 1):
             seg = segments[i]
-            walk = _walk(seg)
+            walk = _walk(seg, 0 if hint is None else hint - seg.base)
+            for bad in walk.skipped:
+                self._report_corrupt(seg, bad.offset, bad.end, bad.reason)
             seg.write_pos = walk.end
             self._stats[seg.base] = walk.stats
             cut = walk.bad or (i < last and not walk.clean_seal)
@@ -416,7 +432,22 @@ class CommitLog:
 
     def statistics(self) -> CommitLogStatistics:
         return CommitLogStatistics(self._written, self._flushed, self.min_offset, len(self._view.segments),
-                                   self._appended_records, self._appended_batches, self._flushes)
+                                   self._appended_records, self._appended_batches, self._flushes,
+                                   self._corrupt_records)
+
+    def _report_corrupt(self, seg: Segment, offset: int, end: int, reason: str) -> None:
+        """Log (one ERROR line naming the file and offset) and count a corrupt record the first time it is met;
+        readers skip it every time. Any thread."""
+        with self._corrupt_lock:
+            if offset in self._corrupt:
+                return
+            if len(self._corrupt) >= MAX_KNOWN_CORRUPT:
+                del self._corrupt[next(iter(self._corrupt))]
+            self._corrupt[offset] = None
+            self._corrupt_records += 1
+        LOGGER.error("corrupt record skipped: its bytes are never served; every other record still is",
+                     extra={"ctx": {"file": str(seg.path), "offset": offset, "position": offset - seg.base,
+                                    "bytes": end - offset, "reason": reason}})
 
     # ------------------------------------------------------------------ appending
 
@@ -720,7 +751,11 @@ class CommitLog:
             raise OffsetExpired(offset, self.min_offset) from None
         if int.from_bytes(buf[:4], "big") != size:
             raise InvalidOffset(offset, f"the record there is not {size} bytes long")
-        self._check_record(buf, offset)
+        try:
+            self._check_record(buf, offset)
+        except CorruptRecord as exc:
+            self._report_corrupt(seg, offset, offset + size, str(exc))
+            raise
         return buf
 
     def next_record_offset(self, offset: int) -> int:
@@ -738,14 +773,13 @@ class CommitLog:
 
     def read_many(self, locations: Sequence[tuple[int, int]]) -> list[bytes | None]:
         """The raw bytes of the records at ``(offset, size)`` locations (in log order), CRC-checked;
-        None for a record retention deleted.
+        None for a record retention deleted; ``SKIPPED`` (``b""``) for one whose bytes are not the record the
+        location promises (a flipped bit, a length that disagrees, or past the log's end): it is logged and
+        counted once (``statistics().corrupt_records``) and never served, and every other record still is.
 
         A queue's records often lie close together in the log (a topic's
         burst, a first-level queue taking most of the traffic): records less
         than ``READ_GAP`` apart in one segment are read with one pread.
-
-        Raises:
-            InvalidOffset, CorruptRecord: as for :meth:`read_bytes`.
         """
         found: list[bytes | None] = []
         i = 0
@@ -754,12 +788,17 @@ class CommitLog:
             offset, size = locations[i]
             try:
                 seg, pos, end = self._locate(offset)
+                if size < HEADER_SIZE or size > end - pos:
+                    raise InvalidOffset(offset, f"size {size} does not fit a record there")
             except OffsetExpired:
                 found.append(None)
                 i += 1
                 continue
-            if size < HEADER_SIZE or size > end - pos:
-                raise InvalidOffset(offset, f"size {size} does not fit a record there")
+            except InvalidOffset as exc:
+                self._report_corrupt(self._view.find(max(offset, self.min_offset)), offset, offset + size, str(exc))
+                found.append(SKIPPED)
+                i += 1
+                continue
             j = i + 1
             stop = offset + size
             limit = seg.base + end
@@ -778,9 +817,13 @@ class CommitLog:
                 continue
             for at, length in locations[i:j]:
                 raw = buf[at - offset : at - offset + length]
-                if len(raw) < HEADER_SIZE or int.from_bytes(raw[:4], "big") != length:
-                    raise InvalidOffset(at, f"the record there is not {length} bytes long")
-                self._check_record(raw, at)
+                try:
+                    if len(raw) < HEADER_SIZE or int.from_bytes(raw[:4], "big") != length:
+                        raise CorruptRecord(f"the record there is not {length} bytes long")
+                    self._check_record(raw, at)
+                except (CorruptRecord, InvalidOffset) as exc:
+                    self._report_corrupt(seg, at, at + length, str(exc))
+                    raw = SKIPPED
                 found.append(raw)
             i = j
         return found
@@ -817,9 +860,9 @@ class CommitLog:
         One pread per segment touched; every record's CRC is verified (cheap
         next to decoding, and it is what keeps a flipped bit from being served).
         A record larger than ``max_bytes`` is still returned whole. Corrupt bytes
-        are skipped and reported in ``corrupt`` (and logged), never returned:
-        a record with intact framing but a bad CRC is skipped alone, anything
-        else skips to the end of that segment's data.
+        are skipped and reported in ``corrupt`` (and logged once), never returned:
+        a record with intact framing but a bad CRC is skipped alone; after broken
+        framing the scan resumes at the next valid record (``_resync``).
 
         Returns:
             The records and ``next_offset``, where the next scan starts (past
@@ -862,9 +905,11 @@ class CommitLog:
             budget -= consumed
             offset += consumed
             if bad is not None:
+                if bad.end < 0:  # the framing is broken: the next record starts where a valid one is found
+                    bad = CorruptRange(bad.offset, seg.base + _resync(seg, offset - seg.base, data_end - seg.base),
+                                       bad.reason)
                 corrupt.append(bad)
-                LOGGER.error("CommitLog scan skipped corrupt bytes",
-                             extra={"ctx": {"offset": bad.offset, "end": bad.end, "reason": bad.reason}})
+                self._report_corrupt(seg, bad.offset, bad.end, bad.reason)
                 budget -= bad.end - offset
                 offset = bad.end
             elif offset < data_end:
@@ -1015,46 +1060,104 @@ def _decode_into(records: list[Record], buf: bytes, offset: int, data_end: int) 
             return p, _corrupt_range(buf, p, offset, data_end, str(exc))
         if magic != MAGIC_V1:
             what = "zeros" if size == 0 else "an end-of-segment marker"
-            return p, CorruptRange(offset + p, data_end, f"{what} inside written data")
+            return p, CorruptRange(offset + p, -1, f"{what} inside written data")
         append(decode_record(buf, p, offset + p))
         p += size
     return p, None
 
 
 def _corrupt_range(buf: bytes, p: int, offset: int, data_end: int, reason: str) -> CorruptRange:
-    """Skip a CRC-bad record whose framing is intact by its length; anything else to ``data_end``."""
+    """Skip a CRC-bad record whose framing is intact by its length; anything else up to an end the scan
+    finds (``end`` -1: ``_resync``)."""
     try:
         magic, size = check_frame(buf, p, len(buf), verify_crc=False)
     except CorruptRecord:
-        return CorruptRange(offset + p, data_end, reason)
+        return CorruptRange(offset + p, -1, reason)
     if magic == MAGIC_V1:
         return CorruptRange(offset + p, offset + p + size, reason)
-    return CorruptRange(offset + p, data_end, reason)
+    return CorruptRange(offset + p, -1, reason)
 
 
-def _walk(seg: Segment) -> _Walk:
-    """Recovery's record-by-record check of a whole segment: where its valid records end, and why."""
+def _resync(seg: Segment, pos: int, end: int) -> int:
+    """Where the first valid record (or end-of-segment marker) after the corrupt bytes at ``pos`` starts,
+    searching the segment up to position ``end``; ``end`` if none does.
+
+    A candidate has a magic at +8 and must pass every frame check, its CRC32C included: a false match is a
+    one in 2^32 event (or a payload that holds a whole encoded record). Reads in ``WALK_CHUNK``s.
+    """
+    at = pos + 1
+    while at + EOS_SIZE <= end:
+        chunk = seg.read(at, min(WALK_CHUNK, end - at))
+        i = chunk.find(MAGIC_PREFIX, 8)
+        while i != -1:
+            if _valid_at(seg, at + i - 8, end):
+                return at + i - 8
+            i = chunk.find(MAGIC_PREFIX, i + 1)
+        if at + len(chunk) >= end:
+            break
+        at += len(chunk) - 9  # a magic across the boundary: its record starts 8 bytes before, in the next chunk
+    return end
+
+
+def _valid_at(seg: Segment, q: int, end: int) -> bool:
+    """Does a whole, CRC-valid record (or the end-of-segment marker for this position) start at ``q``?"""
+    head = seg.read(q, EOS_SIZE)
+    magic = int.from_bytes(head[8:12], "big")
+    if magic == MAGIC_EOS:
+        return _is_eos(head, seg.size - q)
+    size = int.from_bytes(head[:4], "big")
+    if magic != MAGIC_V1 or not HEADER_SIZE <= size <= end - q:
+        return False
+    try:
+        check_frame(seg.read(q, size), 0, size)
+    except CorruptRecord:
+        return False
+    return True
+
+
+def _walk(seg: Segment, durable: int = 0) -> _Walk:
+    """Recovery's record-by-record check of a whole segment: where its valid records end, and why.
+
+    Below ``durable`` (the flushed mark, as a position in this segment) the bytes were fsynced: a bad record
+    there is damage, not a torn write, and the walk steps over it to the next valid record (``_Walk.skipped``)
+    instead of ending the log there; past it, the first bad record ends the walk.
+    """
     stats = _Stats()
+    skipped: list[CorruptRange] = []
     pos = 0
     buf = b""
     buf_start = 0
+
+    def step_over(reason: str) -> bool:
+        nonlocal pos, buf
+        if pos >= durable:
+            return False
+        found = _resync(seg, pos, seg.size)
+        if found >= seg.size:
+            return False
+        skipped.append(CorruptRange(seg.base + pos, seg.base + found, reason))
+        pos, buf = found, b""
+        return True
+
     while True:
         left = seg.size - pos
         if left == 0:
-            return _Walk(pos, "full", stats)
+            return _Walk(pos, "full", stats, skipped)
         if left < EOS_SIZE:
             tail = seg.read(pos, left)
             if tail.count(0) == len(tail):
-                return _Walk(pos, "short tail", stats)
-            return _Walk(pos, f"{left} non-zero bytes after the last record, too short for a record", stats)
+                return _Walk(pos, "short tail", stats, skipped)
+            return _Walk(pos, f"{left} non-zero bytes after the last record, too short for a record", stats, skipped)
         p = pos - buf_start
         if p + EOS_SIZE > len(buf):
             buf = seg.read(pos, min(WALK_CHUNK, left))
             buf_start, p = pos, 0
         if int.from_bytes(buf[p + 8:p + 12], "big") == MAGIC_EOS:
             if _is_eos(buf[p:], left):
-                return _Walk(pos, "eos", stats)
-            return _Walk(pos, "invalid end-of-segment marker", stats)
+                return _Walk(pos, "eos", stats, skipped)
+            if step_over("invalid end-of-segment marker"):
+                continue
+            return _Walk(pos, "invalid end-of-segment marker", stats, skipped)
         need = int.from_bytes(buf[p:p + 4], "big")
         if p + need > len(buf) and buf_start + len(buf) < seg.size:
             buf = seg.read(pos, min(max(WALK_CHUNK, need), left))
@@ -1062,9 +1165,13 @@ def _walk(seg: Segment) -> _Walk:
         try:
             magic, size = check_frame(buf, p, len(buf))
         except CorruptRecord as exc:
-            return _Walk(pos, str(exc), stats)
+            if step_over(str(exc)):
+                continue
+            return _Walk(pos, str(exc), stats, skipped)
         if size == 0:
-            return _Walk(pos, "zeros", stats)
+            if step_over("zeros below the flushed mark"):
+                continue
+            return _Walk(pos, "zeros", stats, skipped)
         (ms,) = _STORE_MS.unpack_from(buf, p + _STORE_MS_AT)
         stats.add(1, ms, ms)
         pos += size

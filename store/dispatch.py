@@ -24,10 +24,10 @@ import trio
 
 from lightqueue.queues import LightQueues
 from retain.store import RetainedStore
-from store.commitlog import CommitLog, ScanResult
+from store.commitlog import SKIPPED, CommitLog, ScanResult
 from store.errors import OffsetExpired
 from store.recent import RecentRecords
-from store.record import FLAG_RETAIN
+from store.record import FLAG_RETAIN, CorruptRecord, Record
 
 __all__ = ["DispatchBatch", "Dispatcher", "DispatcherStatistics"]
 
@@ -257,11 +257,18 @@ class Dispatcher:
         writes skip the WAL, so a checkpoint is durable only once flushed anyway;
         writing it per batch cost a RocksDB write per dispatch step.
         """
-        read = self._log.read_bytes
-        updates = [(rec.topic, rec.offset, read(rec.offset, rec.size) if rec.payload else None)
+        updates = [(rec.topic, rec.offset, self._retained_copy(rec) if rec.payload else None)
                    for rec in scan.records if rec.flags & FLAG_RETAIN]
         if updates:
-            self._retained.apply(updates, scan.next_offset)
+            self._retained.apply([u for u in updates if u[2] != SKIPPED], scan.next_offset)
+
+    def _retained_copy(self, rec: Record) -> bytes:
+        """The record's bytes for the retained store; ``SKIPPED`` if they went bad since the scan checked them
+        (the log reported it): the topic keeps its previous retained message."""
+        try:
+            return self._log.read_bytes(rec.offset, rec.size)
+        except CorruptRecord:
+            return SKIPPED
 
     def _flush(self) -> None:
         """Persist the index memtable; the log first, so a durable entry never points at lost data."""

@@ -71,6 +71,11 @@ class StoreNode:
     router: NotifyRouter = field(default_factory=NotifyRouter)
     mailboxes: dict[str, EventMailbox] = field(default_factory=dict)  # attached gateway node -> its events
 
+    @property
+    def disk_full(self) -> bool:
+        """Whether new messages are refused because the data disk is full."""
+        return False
+
     def attach(self, name: str) -> EventMailbox:
         """Start routing events to gateway node ``name`` (its ``watch``es say which queues it reads).
 

@@ -696,7 +696,8 @@ class RemoteStoreClient:
         answer = await self._require_link().call(rpc.GetStatistics)
         s = answer.stats
         return StoreStatistics(s.written_offset, s.flushed_offset, s.dispatched_offset, s.log_bytes, s.queue_ids,
-                               s.active_filters, s.retained, s.notify_sent, s.notify_suppressed, s.notify_by_node)
+                               s.active_filters, s.retained, s.notify_sent, s.notify_suppressed, s.notify_by_node,
+                               s.corrupt_records, s.disk_full)
 
     async def hold_will(self, client_id: str, message: NewMessage, delay_s: float) -> None:
         wire = to_wire(message)

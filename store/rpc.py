@@ -477,6 +477,8 @@ class WireStatistics(_Message, tag="stats"):
     notify_sent: int
     notify_suppressed: int
     notify_by_node: OffsetMap
+    corrupt_records: int = 0
+    disk_full: bool = False
 
 
 class Statistics(_Message, tag="statsr"):

@@ -297,7 +297,7 @@ class _Connection:
             return rpc.Statistics(rid, rpc.WireStatistics(
                 stats.written_offset, stats.flushed_offset, stats.dispatched_offset, stats.log_bytes,
                 stats.queue_ids, stats.active_filters, stats.retained, stats.notify_sent, stats.notify_suppressed,
-                dict(stats.notify_by_node)))
+                dict(stats.notify_by_node), stats.corrupt_records, stats.disk_full))
         raise TypeError(f"not a request: {kind.__name__}")
 
     async def _group_call(self, request: rpc.GroupRequest) -> Any:

@@ -46,11 +46,15 @@ def log(logdir):
         yield opened
 
 
-def scan_all(log: CommitLog, start: int = 0, max_bytes: int = 1 << 20):
+def scan_all(log: CommitLog, start: int = 0, max_bytes: int = 1 << 20, corrupt: list | None = None):
+    """Every record from ``start``; corrupt ranges fail the test unless ``corrupt`` collects them."""
     out, offset = [], start
     while offset < log.written_offset:
         result = log.scan(offset, max_bytes)
-        assert not result.corrupt
+        if corrupt is None:
+            assert not result.corrupt
+        else:
+            corrupt.extend(result.corrupt)
         out.extend(result.records)
         offset = result.next_offset
     return out
@@ -366,6 +370,7 @@ def test_a_torn_write_with_zeros_inside_is_cut_and_logged(tmp_path, caplog):
     data = bytearray(path.read_bytes())
     data[offsets[3] + 20:offsets[3] + 60] = b"\0" * 40  # a page of the batch never reached the disk
     path.write_bytes(bytes(data))
+    set_hint(tmp_path / "a", offsets[3])  # the batch was written after the last flush: torn, not damaged
     with caplog.at_level(logging.WARNING, logger="store.commitlog"):
         seqs, written = reopen_seqs(tmp_path / "a")
     assert seqs == [0, 1, 2] and written == 300
@@ -374,22 +379,56 @@ def test_a_torn_write_with_zeros_inside_is_cut_and_logged(tmp_path, caplog):
     assert path.read_bytes()[300:] == b"\0" * (SEG - 300)
 
 
-def test_corrupting_any_single_byte_drops_that_record_and_the_rest(tmp_path):
+def set_hint(logdir: Path, offset: int) -> None:
+    """Write the ``flushed`` hint as the log would after flushing up to ``offset``."""
+    raw = offset.to_bytes(8, "big")
+    (logdir / "flushed").write_bytes(raw + crc32c(raw).to_bytes(4, "big"))
+
+
+def flip(path: Path, pos: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(pos)
+        byte = fh.read(1)
+        fh.seek(pos)
+        fh.write(bytes([byte[0] ^ 0x5A]))
+
+
+def test_corrupting_any_single_byte_past_the_flushed_mark_drops_that_record_and_the_rest(tmp_path):
     pristine = tmp_path / "pristine"
     offsets = write_and_close(pristine, [rec(i, 80) for i in range(6)])
-    seg_file = segment_name(0)
+    set_hint(pristine, offsets[2])  # from record 2 on nothing was flushed: a bad record there is a torn write
     for pos in list(range(offsets[2], offsets[4])) + [offsets[5] + 79]:
         work = tmp_path / "work"
         shutil.copytree(pristine, work)
-        with open(work / seg_file, "r+b") as fh:
-            fh.seek(pos)
-            byte = fh.read(1)
-            fh.seek(pos)
-            fh.write(bytes([byte[0] ^ 0x5A]))
+        flip(work / segment_name(0), pos)
         victim = max(i for i, o in enumerate(offsets) if o <= pos)
         seqs, written = reopen_seqs(work)
         assert seqs == list(range(victim)), pos
         assert written == offsets[victim]
+        shutil.rmtree(work)
+
+
+def test_corrupting_any_single_byte_below_the_flushed_mark_skips_that_record_alone(tmp_path, caplog):
+    """Below the flushed mark the bytes were fsynced: damage there (a flipped bit, in any field) is skipped,
+    reported once, and the records after it are kept and read."""
+    pristine = tmp_path / "pristine"
+    offsets = write_and_close(pristine, [rec(i, 80) for i in range(6)])
+    end = offsets[5] + 80
+    for pos in range(offsets[2], offsets[4]):
+        work = tmp_path / "work"
+        shutil.copytree(pristine, work)
+        flip(work / segment_name(0), pos)
+        victim = max(i for i, o in enumerate(offsets) if o <= pos)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="store.commitlog"), CommitLog.open(work, CFG) as log:
+            corrupt: list = []
+            assert [seq(r) for r in scan_all(log, corrupt=corrupt)] == [i for i in range(6) if i != victim], pos
+            assert log.written_offset == end and [(c.offset, c.end) for c in corrupt] == [
+                (offsets[victim], offsets[victim] + 80)], pos
+            assert log.statistics().corrupt_records == 1
+        reports = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(reports) == 1 and reports[0].ctx["offset"] == offsets[victim], (pos, reports)
+        assert reports[0].ctx["file"] == str(work / segment_name(0))
         shutil.rmtree(work)
 
 
@@ -431,6 +470,7 @@ def test_a_torn_sealed_segment_without_meta_ends_the_log(logdir, caplog):
     with open(logdir / segment_name(0), "r+b") as fh:
         fh.seek(offsets[3] + 500)
         fh.write(b"\0" * 8)
+    set_hint(logdir, offsets[3])  # the crash came before the flush that would have covered record 3
     with caplog.at_level(logging.WARNING, logger="store.commitlog"):
         seqs, written = reopen_seqs(logdir)
     assert seqs == [0, 1, 2] and written == 3000
