@@ -24,6 +24,7 @@ import logging
 import trio
 
 from store.client import StoreClient
+from store.errors import LogFullError
 
 LOGGER = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class CommitBatcher:
         self._busy = False  # taken over from post(): _write holds it while it writes
         while self._pending and not self._busy:
             written = await self._write()
-            if written.error is not None:
+            if written.error is not None and not isinstance(written.error, LogFullError):  # logged once by the store
                 LOGGER.error("offset commit failed: %r", written.error)
 
     async def forget(self, owner: str) -> None:

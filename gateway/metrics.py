@@ -87,6 +87,8 @@ class NodeMetrics:
         yield sessions
         yield _by_qos("messages_received", "PUBLISH packets received from clients", traffic.messages_in_by_qos)
         yield _by_qos("messages_sent", "PUBLISH packets sent to clients", traffic.messages_out_by_qos)
+        yield _by_qos("messages_refused", "messages the store did not take (a full data disk...): QoS 0 ones "
+                      "dropped, QoS 1/2 ones answered with a failure", self._node.refused_by_qos)
         yield _counter("bytes_received", "bytes read from client connections", traffic.bytes_in)
         yield _counter("bytes_sent", "bytes written to client connections", traffic.bytes_out)
         yield histogram(PREFIX + "delivery_latency_seconds", "queue messages from their store time to the write "

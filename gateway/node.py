@@ -102,6 +102,7 @@ from lightqueue.topics import TopicError, TopicLimits, parse_shared, validate_fi
 from store.aio import LatencyBuckets
 from store.client import LocalStoreClient, StoreClient
 from store.commitlog import CommitLogConfig
+from store.errors import LogFullError, StartupError
 from store.node import open_store, until_signalled
 from store.process import freeze_startup_objects
 from store.record import Record, RecordTooLarge
@@ -196,6 +197,7 @@ class GatewayNode:
         self._expiries: dict[str, trio.CancelScope] = {}  # client id -> pending session expiry
         self._started = time.monotonic()
         self.traffic = Traffic()
+        self.refused_by_qos = [0, 0, 0]  # messages the store did not take (a full disk...), index = QoS
         self.auth_counters = AuthCounters()
         self.limit_counters = LimitCounters()
         self._authenticator = authenticator
@@ -411,7 +413,10 @@ class GatewayNode:
     async def _save(self, state: SessionState) -> None:
         self._sessions[state.client_id] = state
         if state.expiry_s > 0:
-            await self.store.save_session(state.client_id, encode_session(state))
+            try:
+                await self.store.save_session(state.client_id, encode_session(state))
+            except LogFullError:  # kept in memory; the store logged the full disk once
+                LOGGER.debug("session not saved: the data disk is full", extra={"ctx": {"client_id": state.client_id}})
 
     async def drop_session(self, client_id: str) -> None:
         """End a session: its state, its stored blob, its filters and offsets go."""
@@ -476,17 +481,26 @@ class GatewayNode:
     # --- messages -----------------------------------------------------------------------
 
     async def append_messages(self, messages: Sequence[Message]) -> ReasonCode | None:
-        """Append messages through the store (durable under the sync flush policy); None or why it failed."""
+        """Append messages through the store (durable under the sync flush policy); None or why it failed.
+
+        A failure counts the messages in ``refused_by_qos``. A full disk is QUOTA_EXCEEDED and not logged here:
+        the store logs the episode once (store/space.py), not once per publish.
+        """
         batch = [to_new_message(m) for m in messages]
         try:
             await self.store.append(batch)
+            return None
         except RecordTooLarge as exc:
             LOGGER.warning("append refused: %s", exc)
-            return ReasonCode.PACKET_TOO_LARGE
-        except (OSError, ValueError) as exc:  # LogFullError is an OSError
+            reason = ReasonCode.PACKET_TOO_LARGE
+        except LogFullError:
+            reason = ReasonCode.QUOTA_EXCEEDED
+        except (OSError, ValueError) as exc:
             LOGGER.error("append failed: %r", exc)
-            return ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
-        return None
+            reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+        for message in messages:
+            self.refused_by_qos[message.qos] += 1
+        return reason
 
     async def _append(self, connection: Connection, appends: list[Append]) -> None:
         await self._store(connection, appends, self._publish_allowed(connection, appends))
@@ -615,6 +629,8 @@ class GatewayNode:
             except ValueError as exc:
                 LOGGER.error("subscription failed: %s", exc, extra={"ctx": {"client_id": action.client_id}})
                 reasons[sub.filter] = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+            except LogFullError:  # the store logged the full disk once
+                reasons[sub.filter] = ReasonCode.QUOTA_EXCEEDED
         retained = await self._retained_for(action, starts)
         connection.feed(Activated(action.ref, starts, retained, reasons or None))
         for sub in action.subscriptions:
@@ -1106,5 +1122,8 @@ def run_gateway_node(conf: Any, serve: Any = serve_gateway) -> int:
         failed = True
     except* (PasswordFileError, AclError) as group:  # the message names the file and line
         LOGGER.error("gateway node not started: %s", "; ".join(str(exc) for exc in leaves(group)))
+        failed = True
+    except* StartupError as group:  # the store's data cannot be opened: what happened and what to do
+        LOGGER.error("%s", "; ".join(str(exc) for exc in leaves(group)))
         failed = True
     return 1 if failed else 0

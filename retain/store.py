@@ -264,6 +264,9 @@ class RetainedStore:
             the number of retained messages dropped.
         """
         family, handle = self._open()
+        with self._lock:
+            if log_end >= self._checkpoint and all(offset < log_end for _, offset in self._tree.items()):
+                return 0  # nothing past the end: no flush (a flush on a full disk would wedge RocksDB)
         family.flush()  # the WAL'd deletes must not sit on top of unflushed updates a crash could lose
         with self._lock:
             doomed = [topic for topic, offset in self._tree.items() if offset >= log_end]

@@ -248,9 +248,11 @@ class LocalStoreClient:
         return [read(r.queue, r.from_offset, r.max_count, r.max_bytes) for r in requests]
 
     async def activate(self, queue: str, holder: str) -> int:
+        self.store.space.check()  # RocksDB writes (WAL) must not meet a full disk: store/space.py
         return await self.store.dispatcher.activate(queue, holder)
 
     async def release(self, queue: str, holder: str) -> bool:
+        self.store.space.check()
         return await self.store.dispatcher.release(queue, holder)
 
     async def max_offsets(self, queues: Sequence[str]) -> list[int]:
@@ -261,6 +263,7 @@ class LocalStoreClient:
         return await trio.to_thread.run_sync(self.store.queues.get_offsets, owner)
 
     async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
+        self.store.space.check()
         await trio.to_thread.run_sync(self._commit, commits)
 
     def _commit(self, commits: Mapping[str, Mapping[str, int]]) -> None:
@@ -269,7 +272,13 @@ class LocalStoreClient:
             commit(owner, offsets)
 
     async def delete_owner(self, owner: str) -> None:
-        await trio.to_thread.run_sync(self.store.queues.delete_owner, owner)
+        await trio.to_thread.run_sync(self._delete_owner, owner)
+
+    def _delete_owner(self, owner: str) -> None:
+        queues = self.store.queues
+        if queues.held_by(owner) or queues.get_offsets(owner):  # nothing to delete, nothing to write
+            self.store.space.check()
+            queues.delete_owner(owner)
 
     async def retained(self, filter: str) -> list[Record]:
         found = await trio.to_thread.run_sync(self.store.retained.lookup, filter)

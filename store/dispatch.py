@@ -99,6 +99,8 @@ class Dispatcher:
             from memory instead of scanning the log.
         flush_bytes, flush_interval_s: flush the index memtable after this much
             CommitLog data dispatched or this much time (bounds re-dispatch after a crash).
+        room: whether the data disk has room for a memtable flush (store/space.py: RocksDB
+            refuses every write after one failed for lack of space); None: always.
 
     On construction the dispatcher registers ``queues.on_retention`` as a
     retention listener of the log and catches the index up with the log: it
@@ -119,8 +121,10 @@ class Dispatcher:
         scan_bytes: int = SCAN_BYTES,
         flush_bytes: int = FLUSH_BYTES,
         flush_interval_s: float = FLUSH_INTERVAL_S,
+        room: Callable[[], bool] | None = None,
     ) -> None:
         self._log = log
+        self._room = room
         self._queues = queues
         self._listener = listener
         self._retained = retained
@@ -150,6 +154,7 @@ class Dispatcher:
         self._from_memory = 0
         self._wakeup = trio.Event()
         self._progress = trio.Event()
+        self._failing = False  # a step or flush failed and was logged; cleared (and logged) when one succeeds
 
     @property
     def dispatched_offset(self) -> int:
@@ -284,7 +289,8 @@ class Dispatcher:
 
     def _flush_due(self) -> bool:
         return bool(self._unflushed) and (self._unflushed >= self._flush_bytes
-                                          or time.monotonic() - self._flushed_at >= self._flush_interval_s)
+                                          or time.monotonic() - self._flushed_at >= self._flush_interval_s) \
+            and (self._room is None or self._room())
 
     def _flush_idle(self) -> None:
         """The flush after steps that made it due, or when traffic stopped."""
@@ -311,26 +317,42 @@ class Dispatcher:
         task_status.started()
         while True:
             self._wakeup = trio.Event()
-            if self._offset >= self._log.written_offset:
-                with trio.move_on_after(FALLBACK_WAKE_S):
-                    await self._wakeup.wait()
-                if self._flush_due():
-                    await trio.to_thread.run_sync(self._flush_idle)
+            try:
+                batch = await self._run_once()
+            except Exception as exc:  # RocksDB refused a write (a full disk...): retry, never end the node
+                if not self._failing:
+                    self._failing = True
+                    LOGGER.error("dispatch failed; retrying every %s s until it succeeds: %r", FALLBACK_WAKE_S, exc,
+                                 extra={"ctx": {"dispatched_offset": self._offset}})
+                await trio.sleep(FALLBACK_WAKE_S)
                 continue
-            if self._inline():
-                batch = self._step(INLINE_BYTES)
-                if self._offset < self._log.written_offset:
-                    await trio.lowlevel.checkpoint()  # more to index: let the others run between steps
-            else:
-                batch = await trio.to_thread.run_sync(self._step, self._scan_bytes)
-            if self._flush_due():
-                await trio.to_thread.run_sync(self._flush_idle)
+            if self._failing:
+                self._failing = False
+                LOGGER.warning("dispatch works again", extra={"ctx": {"dispatched_offset": self._offset}})
             if batch is None:
                 continue
             if batch.max_offsets and self._listener is not None:
                 self._listener(batch.max_offsets)
             self._progress.set()
             self._progress = trio.Event()
+
+    async def _run_once(self) -> DispatchBatch | None:
+        """One turn of :meth:`run`: a step (or a wait for records) and the flush it made due."""
+        if self._offset >= self._log.written_offset:
+            with trio.move_on_after(FALLBACK_WAKE_S):
+                await self._wakeup.wait()
+            if self._flush_due():
+                await trio.to_thread.run_sync(self._flush_idle)
+            return None
+        if self._inline():
+            batch = self._step(INLINE_BYTES)
+            if self._offset < self._log.written_offset:
+                await trio.lowlevel.checkpoint()  # more to index: let the others run between steps
+        else:
+            batch = await trio.to_thread.run_sync(self._step, self._scan_bytes)
+        if self._flush_due():
+            await trio.to_thread.run_sync(self._flush_idle)
+        return batch
 
     def _inline(self) -> bool:
         """Is the next step small and in memory?"""
@@ -377,6 +399,11 @@ class Dispatcher:
         return await trio.to_thread.run_sync(self._queues.release, filter, holder)
 
     def close(self) -> None:
-        """Flush what was dispatched, so a restart does not re-dispatch it."""
+        """Flush what was dispatched, so a restart does not re-dispatch it; not on a full disk (a failed flush
+        would leave RocksDB refusing writes, and the next start re-dispatches from the last checkpoint anyway)."""
+        if self._room is not None and not self._room():
+            LOGGER.warning("index not flushed at shutdown: the data disk is full; the next start re-indexes "
+                           "from the last flushed checkpoint", extra={"ctx": {"checkpoint": self._flushed_offset}})
+            return
         with self._lock:
             self._flush()

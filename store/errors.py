@@ -6,7 +6,8 @@ import errno
 
 from store.record import CorruptRecord, RecordTooLarge
 
-__all__ = ["CorruptRecord", "InvalidOffset", "LogFullError", "OffsetExpired", "RecordTooLarge", "FULL_ERRNOS"]
+__all__ = ["CorruptRecord", "InvalidOffset", "LogFullError", "OffsetExpired", "RecordTooLarge", "StartupError",
+           "FULL_ERRNOS"]
 
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 """The errnos that mean "no room": the log stays usable and appends work again once space frees."""
@@ -18,6 +19,10 @@ class LogFullError(OSError):
     Carries the original ``errno``. Nothing already stored was damaged and the
     rejected batch left no trace; retry once space is freed.
     """
+
+
+class StartupError(Exception):
+    """The store cannot open its data: the message is the one line an operator needs (what happened, what to do)."""
 
 
 class OffsetExpired(LookupError):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +38,9 @@ from store.aio import AsyncCommitLog
 from store.commitlog import CommitLogConfig
 from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.process import freeze_startup_objects
+from store.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.recent import RecentRecords
+from store.space import DiskSpace
 from store.record import Record, decode_record, new_record, now_ms
 from store.rocks import open_db
 from store.rpc import parse_address
@@ -68,13 +70,14 @@ class StoreNode:
     sessions: rocksdict.Rdict  # the SESSIONS_FAMILY column family: client id (UTF-8) -> session blob
     retained: RetainedStore  # kept up to date by the dispatcher; looked up at subscribe time
     recent: RecentRecords  # the last appended records, decoded: dispatch and pulls at the head read them here
+    space: DiskSpace  # free space on the data disk: appends and RocksDB writes are refused while it is short
     router: NotifyRouter = field(default_factory=NotifyRouter)
     mailboxes: dict[str, EventMailbox] = field(default_factory=dict)  # attached gateway node -> its events
 
     @property
     def disk_full(self) -> bool:
         """Whether new messages are refused because the data disk is full."""
-        return False
+        return self.space.full
 
     def attach(self, name: str) -> EventMailbox:
         """Start routing events to gateway node ``name`` (its ``watch``es say which queues it reads).
@@ -155,7 +158,7 @@ class StoreNode:
         """
         made = [pair for group in encoded if not isinstance(group, ValueError) for pair in group]
         await self.dispatcher.wait_lag()
-        offsets = await self.log.append_batch([raw for raw, _ in made], durable=durable) if made else []
+        offsets = await self._write(self.log.append_batch, [raw for raw, _ in made], durable=durable) if made else []
         self._appended(made, offsets)
         results: list[list[int] | ValueError] = []
         start = 0
@@ -183,8 +186,29 @@ class StoreNode:
             return None
         now = now_ms()
         made = self._encode(messages, now)
-        offsets = self.log.log.append_stamped([raw for raw, _ in made], now)
+        self.space.check(recent_ok=True)
+        try:
+            offsets = self.log.log.append_stamped([raw for raw, _ in made], now)
+        except LogFullError as exc:
+            self.space.refused(exc)
+            raise
+        self.space.cleared()
         self._appended(made, offsets)
+        return offsets
+
+    async def _write(self, append: Any, records: list[bytes], *, durable: bool | None) -> list[int]:
+        """``append(records)`` unless the disk is short of space; either way the full-disk state follows.
+
+        Raises:
+            LogFullError: the disk is full (logged once per episode by ``space``).
+        """
+        self.space.check(recent_ok=True)
+        try:
+            offsets = await append(records, durable=durable)
+        except LogFullError as exc:
+            self.space.refused(exc)
+            raise
+        self.space.cleared()
         return offsets
 
     def can_append_now(self) -> bool:
@@ -232,7 +256,12 @@ class StoreNode:
         return log_offset is not None and log_offset >= oldest
 
     def save_session(self, client_id: str, blob: bytes) -> None:
-        """Keep a session blob durably (WAL write): it must survive a process crash as written."""
+        """Keep a session blob durably (WAL write): it must survive a process crash as written.
+
+        Raises:
+            LogFullError: the data disk is short of space (RocksDB is not asked: ``store.space``).
+        """
+        self.space.check()
         self.sessions.put(client_id.encode(), blob, _WAL)
 
     def load_session(self, client_id: str) -> bytes | None:
@@ -240,8 +269,11 @@ class StoreNode:
         return self.sessions.get(client_id.encode())
 
     def drop_session(self, client_id: str) -> None:
-        """Forget the blob of ``client_id`` (a no-op if there is none)."""
-        self.sessions.delete(client_id.encode(), _WAL)
+        """Forget the blob of ``client_id`` (a no-op if there is none). Raises LogFullError as :meth:`save_session`."""
+        key = client_id.encode()
+        if self.sessions.get(key) is not None:  # a clean start of a new client writes nothing, full disk or not
+            self.space.check()
+            self.sessions.delete(key, _WAL)
 
 
 STORE_SWITCH_INTERVAL_S = 0.0005
@@ -275,8 +307,12 @@ async def open_store(
     when the block exits (the index memtable and the CommitLog are flushed).
     """
     data.mkdir(parents=True, exist_ok=True)
-    async with AsyncCommitLog.open(data / "commitlog", config) as alog:
-        db = await trio.to_thread.run_sync(open_db, data / "index")
+    async with AsyncExitStack() as opened:
+        try:
+            alog = await opened.enter_async_context(AsyncCommitLog.open(data / "commitlog", config))
+            db = await trio.to_thread.run_sync(open_db, data / "index")
+        except Exception as exc:  # rocksdict raises plain Exceptions ("IO error: ...", "Corruption: ...")
+            raise _startup_error(data, exc) from exc
         try:
             queues = LightQueues(db)
             retained = RetainedStore(db)
@@ -288,13 +324,15 @@ async def open_store(
                     listener(events)
 
             recent = RecentRecords()
-            dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent)
+            space = DiskSpace(data)
+            dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
+                                    room=space.has_room)
             sessions = _open_family(db, SESSIONS_FAMILY)
             await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
-            node = StoreNode(data, alog, queues, dispatcher, sessions, retained, recent)
+            node = StoreNode(data, alog, queues, dispatcher, sessions, retained, recent, space)
             nodes.append(node)
             try:
-                async with background(dispatcher.run):
+                async with background(dispatcher.run), background(partial(_watch_space, space)):
                     yield node
             finally:
                 for name in tuple(node.mailboxes):
@@ -306,6 +344,19 @@ async def open_store(
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(db.close)
+
+
+SPACE_PROBE_S = 1.0
+"""While the disk is full, its free space is looked at this often, so that the end of the episode is logged (and
+the metric cleared) even when no client tries to publish."""
+
+
+async def _watch_space(space: DiskSpace, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    task_status.started()
+    while True:
+        await trio.sleep(SPACE_PROBE_S)
+        if space.full:
+            space.has_room()
 
 
 def _recover(dispatcher: Dispatcher, queues: LightQueues, sessions: rocksdict.Rdict,
@@ -326,6 +377,20 @@ def _recover(dispatcher: Dispatcher, queues: LightQueues, sessions: rocksdict.Rd
     LOGGER.warning("positions past the end of the recovered CommitLog were pulled back to it (records lost in a"
                    " power loss or OS crash under the async flush policy); nothing appended from now on is skipped",
                    extra={"ctx": found})
+
+
+def _startup_error(data: Path, exc: Exception) -> Exception:
+    """The one line an operator needs when the store cannot open its data (``StartupError``), or ``exc`` itself
+    when it is something else (a bug, a locked directory: its own message says so)."""
+    text = str(exc)
+    if (isinstance(exc, OSError) and exc.errno in FULL_ERRNOS) or "No space left" in text:
+        return StartupError(f"cannot start: the data disk under {data} is full ({text}); free space there "
+                            "(nothing stored is lost) and start again")
+    if not isinstance(exc, OSError) and any(word in text for word in ("Corruption", "CURRENT", "MANIFEST")):
+        return StartupError(f"cannot start: the index database {data / 'index'} is damaged ({text}); stop every "
+                            f"process using {data}, run `lightgate repair --data {data}` and start again "
+                            "(docs/storage.md, \"Repair\")")
+    return exc
 
 
 def _open_family(db: rocksdict.Rdict, name: str) -> rocksdict.Rdict:
@@ -400,5 +465,8 @@ def run_store_node(conf: Any, access: StoreAccess | None = None, fix_session: Se
         trio.run(serve_store, conf.values, access, fix_session)
     except* OSError as group:  # e.g. the RPC port is taken; nurseries may wrap it in a group
         LOGGER.error("store node failed: %s", "; ".join(str(exc) for exc in group.exceptions))
+        failed = True
+    except* StartupError as group:  # the data cannot be opened: what happened and what to do
+        LOGGER.error("%s", "; ".join(str(exc) for exc in group.exceptions))
         failed = True
     return 1 if failed else 0
