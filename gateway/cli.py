@@ -61,6 +61,21 @@ def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
     return run_store_node(conf, access, clamp_session_blob)
 
 
+def _cmd_repair(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from pathlib import Path
+
+    from store.commitlog import CommitLogConfig
+    from store.repair import repair
+
+    try:
+        done = repair(Path(conf["node.data"]), CommitLogConfig.from_settings(conf.values))
+    except Exception as exc:  # rocksdict raises plain Exceptions; OSError: a node still runs on the data
+        LOG.error("repair failed: %s", exc, extra={"ctx": {"data": conf["node.data"]}})
+        return 1
+    LOG.info("repair done: start the node again", extra={"ctx": done})
+    return 0
+
+
 ACL_REFRESH_S = 1.0
 """The store looks for an edited ACL file at most this often: its checks run per appended message."""
 
@@ -225,6 +240,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     node_command("serve", "run the embedded node (gateway, store, dispatch, notify in one process)", _cmd_serve)
     node_command("store", "run a store node (CommitLog, RocksDB light queues, dispatch, retention) serving "
                           "gateway nodes over the RPC (--listen HOST:PORT)", _cmd_store)
+    node_command("repair", "repair a stopped node's data after its index database broke (RocksDB's repair, then "
+                           "re-indexing from the CommitLog; docs/storage.md, \"Repair\")", _cmd_repair)
     p = node_command("gateway", "run a cluster gateway node in front of a store node (--store HOST:PORT, "
                                 "--workers N)", _cmd_gateway)
     p.set_defaults(argv=argv)  # --workers N starts N processes with the same command line
