@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import final
 
 from gateway.passwords import validate_username
-from lightqueue.topics import TopicError, matches, parse_shared, validate_filter
+from lightqueue.topics import TopicError, filters_overlap, matches, parse_shared, validate_filter
 
-__all__ = ["Access", "Acl", "AclError", "Decision", "Rule", "filter_covers", "filters_overlap"]
+__all__ = ["Access", "Acl", "AclError", "Decision", "Rule", "filter_covers"]
 
 MAX_CACHED_IDENTITIES = 16_384
 """Compiled rule lists kept per (user, client id): one per connected client in the common case, bounded for floods."""
@@ -119,28 +119,6 @@ def filter_covers(rule: str, requested: str) -> bool:
         if r != "+" and r != q:
             return False
     return len(r_levels) == len(q_levels)
-
-
-def filters_overlap(a: str, b: str) -> bool:
-    """Is there a topic name that both (valid) filters match?"""
-    if (a[:1] in ("+", "#") and b.startswith("$")) or (b[:1] in ("+", "#") and a.startswith("$")):
-        return False
-    a_levels = a.split("/")
-    b_levels = b.split("/")
-    for i in range(max(len(a_levels), len(b_levels))):
-        x = a_levels[i] if i < len(a_levels) else None
-        y = b_levels[i] if i < len(b_levels) else None
-        if x == "#" or y == "#":
-            if x is not None and y is not None:
-                return True
-            # One filter has ended: "#" must match zero levels, so the shared topic is the levels
-            # before i, which must not be the empty topic (a single level forced to "").
-            return not (i == 1 and "" in (a_levels[0], b_levels[0]))
-        if x is None or y is None:
-            return False
-        if x != "+" and y != "+" and x != y:
-            return False
-    return True
 
 
 def _safe_value(value: str) -> bool:

@@ -5,8 +5,8 @@ import itertools
 import pytest
 
 from gateway import acl as acl_module
-from gateway.acl import Access, Acl, AclError, filter_covers, filters_overlap
-from lightqueue.topics import TopicError, matches, validate_filter
+from gateway.acl import Access, Acl, AclError, filter_covers
+from lightqueue.topics import TopicError, filters_overlap, matches, validate_filter
 
 PUB, SUB = Access.PUBLISH, Access.SUBSCRIBE
 
