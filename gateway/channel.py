@@ -406,7 +406,9 @@ class Channel:
         """
         if self._state in (State.DISCONNECTING, State.CLOSED):
             return []
-        level = self._level or protocol_level
+        if self._level is None:  # inside the CONNECT: answer at its level, which the client reads [MQTT-3.1.4-1]
+            self._level = protocol_level
+        level = self._level
         before_connack = self._state in (State.AWAIT_CONNECT, State.CONNECTING)
         packet = self._explained(error_packet(level, before_connack, err.reason), level, err.message)
         limit = _LIMIT_ERRORS.get(err.reason)

@@ -350,12 +350,14 @@ class MqttDecoder:
         if pos >= end:
             raise _malformed("CONNECT ends before its protocol level")
         level = buf[pos]
+        if level in PROTOCOL_LEVELS:
+            self._level = level  # before any check below: the error is answered at the client's level
         if name != b"MQTT" or level not in PROTOCOL_LEVELS:
-            # [MQTT-3.1.2-1] / [MQTT-3.1.2-2]: answered with CONNACK 0x84 (5.0) or return code 1 (3.1.1).
+            # [MQTT-3.1.2-1] / [MQTT-3.1.2-2]: answered with CONNACK 0x84 (5.0) or return code 1 (3.1.1; also for
+            # an unknown level, which every version's client reads).
             raise RemoteProtocolError(
                 ReasonCode.UNSUPPORTED_PROTOCOL_VERSION, f"protocol {name!r} level {level} is not MQTT 3.1.1 or 5.0"
             )
-        self._level = level
         self._verdicts = _first_byte_verdicts(self._role, level)
         # The Remaining Length's last byte is 0 only when its encoding is not minimal (or the body
         # is empty, which a CONNECT's never is); see _decode_next.
