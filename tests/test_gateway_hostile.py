@@ -1,0 +1,140 @@
+"""Hostile and careless clients against the embedded node in-process, over real sockets: answers they can read,
+packets that fit what they declared, closes that do not destroy the answer, one log line and no traceback.
+
+The sans-IO fuzzing of the CONNECT path is tests/test_gateway_connect_fuzz.py.
+"""
+
+import logging
+
+import pytest
+import trio
+
+from gateway import server
+from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.config import OPTIONS
+from gateway.node import serve_gateway
+from gateway.packets import MQTT_5, MQTT_311, Connack, Connect, Disconnect, Packet
+from gateway.reasons import ReasonCode
+
+DEFAULTS = {o.key: o.default for o in OPTIONS}
+WAIT_S = 20.0
+
+BAD_PUBLISH = b"\x36\x00"
+"""A PUBLISH with QoS 3: malformed at both levels ([MQTT-3.3.1-4])."""
+
+JUNK = b"\x00" * (100 * 1024)
+"""More than one read of the server's (64 KiB), and less than what it reads while lingering (256 KiB)."""
+
+
+class Peer:
+    """One client socket and a decoder at its level; records how the stream ended."""
+
+    def __init__(self, stream: trio.SocketStream, level: int) -> None:
+        self.stream = stream
+        self.level = level
+        self.decoder = MqttDecoder(role=Role.CLIENT, protocol_level=level)
+        self.ending: str | None = None  # "eof" or "reset", once the server ended the stream
+
+    @classmethod
+    async def open(cls, port: int, level: int = MQTT_5) -> "Peer":
+        return cls(await trio.open_tcp_stream("127.0.0.1", port), level)
+
+    async def send(self, *packets: Packet, raw: bytes = b"") -> None:
+        await self.stream.send_all(b"".join(encode(p, self.level) for p in packets) + raw)
+
+    async def receive(self) -> Packet | None:
+        """The next packet, or None once the server ended the stream (``ending`` says how)."""
+        with trio.fail_after(WAIT_S):
+            while (packet := self.decoder.next_packet()) is NEED_DATA:
+                try:
+                    data = await self.stream.receive_some(65536)
+                except trio.BrokenResourceError:
+                    self.ending = "reset"
+                    return None
+                if not data:
+                    self.ending = "eof"
+                    return None
+                self.decoder.feed(data)
+        return packet
+
+    async def rest(self) -> list[Packet]:
+        """Every packet until the server ends the stream."""
+        packets = []
+        while (packet := await self.receive()) is not None:
+            packets.append(packet)
+        return packets
+
+
+@pytest.fixture
+async def node(tmp_path, caplog):
+    """An embedded node on a free port; yields the port. No line it logs may carry a traceback."""
+    caplog.set_level(logging.INFO)
+    settings = {**DEFAULTS, "node.data": str(tmp_path / "data"), "node.port": 0, "admin.port": 0,
+                "mqtt.sys_interval_s": 0}
+    async with trio.open_nursery() as nursery:
+        _, port = await nursery.start(serve_gateway, settings)
+        yield port
+        nursery.cancel_scope.cancel()
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]
+
+
+# --- item 5: a malformed CONNECT is answered at its level --------------------------------------------------
+
+
+@pytest.mark.parametrize("level, answer", [(MQTT_5, [ReasonCode.MALFORMED_PACKET]), (MQTT_311, [])])
+async def test_a_malformed_connect_gets_its_answer_and_one_log_line(node, caplog, level, answer):
+    """[MQTT-3.1.4-1] / section 3.2.2.2: a malformed MQTT 5 CONNECT gets CONNACK 0x81 in 5.0 form (it got an
+    internal error and a traceback instead); a 3.1.1 one is closed (3.1.1 has no return code for it). Either way
+    one log line and no traceback."""
+    data = bytearray(encode(Connect(level, "malformed"), level))
+    data[9] |= 0x01  # the reserved flag [MQTT-3.1.2-3]
+    peer = await Peer.open(node, level)
+    await peer.stream.send_all(bytes(data))
+    packets = await peer.rest()
+    assert [p.reason_code for p in packets if isinstance(p, Connack)] == answer and len(packets) == len(answer)
+    port = peer.stream.socket.getsockname()[1]
+    lines = [r for r in caplog.records if str(port) in str(getattr(r, "ctx", {}).get("peer", ""))]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+
+
+# --- item 6: the last packet is not lost to a reset --------------------------------------------------------
+
+
+async def test_a_refusing_connack_is_followed_by_an_orderly_close_while_the_client_keeps_writing(node):
+    """The server refuses (a malformed packet before CONNACK: CONNACK 0x81) while more input waits unread: it
+    half-closes and drains, so the client reads the CONNACK and then end of stream, not a reset (which can
+    destroy the CONNACK before the client reads it)."""
+    peer = await Peer.open(node)
+    await peer.send(Connect(MQTT_5, "refused-writer"), raw=BAD_PUBLISH + JUNK)
+    packets = await peer.rest()
+    assert [type(p) for p in packets] == [Connack] and packets[0].reason_code is ReasonCode.MALFORMED_PACKET
+    assert peer.ending == "eof"
+
+
+async def test_a_disconnect_reason_is_followed_by_an_orderly_close_while_the_client_keeps_writing(node):
+    """[MQTT-4.13.2-1]: the server sends DISCONNECT with the reason before it closes; the client that is still
+    writing reads it and then end of stream, not a reset."""
+    peer = await Peer.open(node)
+    await peer.send(Connect(MQTT_5, "disconnected-writer"))
+    assert isinstance(await peer.receive(), Connack)
+    await peer.stream.send_all(BAD_PUBLISH + JUNK)
+    packets = await peer.rest()
+    assert [type(p) for p in packets] == [Disconnect] and packets[0].reason_code is ReasonCode.MALFORMED_PACKET
+    assert peer.ending == "eof"
+
+
+async def test_a_reconnect_with_the_same_client_id_does_not_wait_for_the_lingering_close(node, monkeypatch):
+    """The registration of a closed connection is released before its socket lingers: a device that reconnects
+    at once (keeping its old socket open, so the old one lingers to the end) is taken in at once."""
+    monkeypatch.setattr(server, "LINGER_S", 60.0)  # a takeover waiting for the linger would time out (15 s)
+    old = await Peer.open(node)
+    await old.send(Connect(MQTT_5, "comeback", clean_start=False))
+    assert isinstance(await old.receive(), Connack)
+    await old.stream.send_all(BAD_PUBLISH)
+    assert isinstance(await old.receive(), Disconnect) and await old.receive() is None and old.ending == "eof"
+    new = await Peer.open(node)
+    await new.send(Connect(MQTT_5, "comeback", clean_start=False))
+    with trio.fail_after(10):
+        connack = await new.receive()
+    assert isinstance(connack, Connack) and connack.reason_code is ReasonCode.SUCCESS
+    await old.stream.aclose()
