@@ -4,17 +4,22 @@ packets that fit what they declared, closes that do not destroy the answer, one 
 The sans-IO fuzzing of the CONNECT path is tests/test_gateway_connect_fuzz.py.
 """
 
+import contextlib
 import logging
+import socket
 
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
 
 from gateway import server
-from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
 from gateway.config import OPTIONS
 from gateway.node import serve_gateway
 from gateway.packets import MQTT_5, MQTT_311, Connack, Connect, Disconnect, Packet
 from gateway.reasons import ReasonCode
+from test_gateway_connect_fuzz import mutated
+from test_gateway_server import running_node
 
 DEFAULTS = {o.key: o.default for o in OPTIONS}
 WAIT_S = 20.0
@@ -138,3 +143,33 @@ async def test_a_reconnect_with_the_same_client_id_does_not_wait_for_the_lingeri
         connack = await new.receive()
     assert isinstance(connack, Connack) and connack.reason_code is ReasonCode.SUCCESS
     await old.stream.aclose()
+
+
+@pytest.fixture(scope="module")
+def node_process(tmp_path_factory):
+    """A `lightgate serve` subprocess, for checks of what it logs (JSON lines: a traceback is an "exc" field)."""
+    with running_node(tmp_path_factory.mktemp("hostile") / "data", "--admin-port", "0") as process:
+        yield process
+
+
+@pytest.mark.slow
+@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=mutated())
+def test_mutated_connects_over_a_socket_get_an_answer_or_a_close_and_no_traceback(node_process, data):
+    """Item 5's property end to end: whatever CONNECT bytes arrive (then end of input), the node answers with at
+    most one CONNACK the client can read at the CONNECT's level, or closes; it logs no traceback and no error."""
+    server_side = MqttDecoder(role=Role.SERVER)
+    server_side.feed(data)
+    with contextlib.suppress(RemoteProtocolError):
+        server_side.next_packet()
+    decoder = MqttDecoder(role=Role.CLIENT, protocol_level=server_side.protocol_level or MQTT_311)
+    with socket.create_connection(("127.0.0.1", node_process.port), timeout=WAIT_S) as raw:
+        raw.sendall(data)
+        raw.shutdown(socket.SHUT_WR)
+        while chunk := raw.recv(65536):
+            decoder.feed(chunk)
+    packets = []
+    while (packet := decoder.next_packet()) is not NEED_DATA:  # raises if the bytes are not packets at that level
+        packets.append(packet)
+    assert all(isinstance(p, Connack) for p in packets) and len(packets) <= 1
+    assert not [doc for doc in node_process.logs if "exc" in doc or doc.get("level") == "error"]
