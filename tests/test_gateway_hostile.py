@@ -17,6 +17,7 @@ from gateway.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, enc
 from gateway.config import OPTIONS
 from gateway.node import serve_gateway
 from gateway.packets import MQTT_5, MQTT_311, Connack, Connect, Disconnect, Packet
+from gateway.properties import Properties
 from gateway.reasons import ReasonCode
 from test_gateway_connect_fuzz import mutated
 from test_gateway_server import running_node
@@ -100,6 +101,32 @@ async def test_a_malformed_connect_gets_its_answer_and_one_log_line(node, caplog
     port = peer.stream.socket.getsockname()[1]
     lines = [r for r in caplog.records if str(port) in str(getattr(r, "ctx", {}).get("peer", ""))]
     assert len(lines) == 1, [r.getMessage() for r in lines]
+
+
+# --- item 4: nothing sent exceeds the client's Maximum Packet Size -----------------------------------------
+
+
+@pytest.mark.parametrize("limit", [2, 4, 5, 10, 15, 16])
+async def test_no_packet_over_the_clients_maximum_packet_size_reaches_it(node, limit):
+    """[MQTT-3.1.2-24]: a client declaring a Maximum Packet Size of 2..15 got the node's 16-byte CONNACK. Now every
+    byte it receives is within its limit: the full CONNACK from 16 on, CONNACK 0x95 without a reason string from
+    5, and below that a close without a packet."""
+    peer = await Peer.open(node)
+    await peer.send(Connect(MQTT_5, f"limit-{limit}", properties=Properties(maximum_packet_size=limit)))
+    received = b""
+    with trio.fail_after(WAIT_S):
+        while chunk := await peer.stream.receive_some(4096):
+            received += chunk
+            if limit >= 16:
+                break
+    peer.decoder.feed(received)
+    packets = []
+    while (packet := peer.decoder.next_packet()) is not NEED_DATA:
+        packets.append(packet)
+    assert sum(len(encode(p, MQTT_5)) for p in packets) == len(received)
+    assert all(len(encode(p, MQTT_5)) <= limit for p in packets)
+    expected = [ReasonCode.SUCCESS] if limit >= 16 else [ReasonCode.PACKET_TOO_LARGE] if limit >= 5 else []
+    assert [p.reason_code for p in packets] == expected
 
 
 # --- item 6: the last packet is not lost to a reset --------------------------------------------------------
