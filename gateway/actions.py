@@ -14,6 +14,7 @@ dispatches on exact type. Mapping fields (``dict``) are read-only by convention.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, TypeAlias
@@ -256,11 +257,16 @@ class LimitHit:
 
 @dataclass(frozen=True, slots=True)
 class SessionOpened:
-    """Answer to ``OpenSession``. ``reason`` other than SUCCESS refuses the connection (CONNACK reason)."""
+    """Answer to ``OpenSession``. ``reason`` other than SUCCESS refuses the connection (CONNACK reason).
+
+    ``may_read`` is the delivery side of the ACL for this client (``gateway.acl.ReadCheck``): a pure check of a
+    topic, None when every topic may be delivered.
+    """
 
     present: bool
     state: SessionState | None = None
     reason: ReasonCode = ReasonCode.SUCCESS
+    may_read: Callable[[str], bool] | None = None
 
 
 @dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build

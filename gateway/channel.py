@@ -918,6 +918,7 @@ class Channel:
         if closing:
             return self._settle()
         assert self._link is not None
+        self._link.may_read = event.may_read
         actions: list[Action] = [Send((Connack(state is not None, ReasonCode.SUCCESS, self._connack_properties()),))]
         if self._keepalive:
             self._timers[KEEPALIVE_TIMER] = None

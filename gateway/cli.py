@@ -74,6 +74,7 @@ def _store_access(conf: cfg.Config) -> StoreAccess:
         ValueError: ``auth.*`` is set without ``store.token`` (no gateway node could connect), or the
             password or ACL file cannot be loaded.
     """
+    import functools
     import time
 
     from gateway.acl import Access, Acl
@@ -98,7 +99,8 @@ def _store_access(conf: cfg.Config) -> StoreAccess:
 
     if not conf["auth.acl_file"]:
         return StoreAccess(token=token, authenticate=authenticate)
-    acl = WatchedFile(conf["auth.acl_file"], Acl.load)
+    # The store has no delivery check for back-end consumers: a group's filter overlapping a deny rule is refused.
+    acl = WatchedFile(conf["auth.acl_file"], functools.partial(Acl.load, wildcard_mode="refuse"))
     refreshed = [time.monotonic()]
 
     def authorize(username: str | None, client_id: str, access: str, topic: str) -> bool:

@@ -102,6 +102,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("auth.allow_anonymous", "auto", "accept clients without a user name; auto = only when no password file",
            choices=("auto", "true", "false")),
     Option("auth.acl_file", "", "ACL file (docs/security.md); empty = every client may publish and subscribe anywhere"),
+    Option("auth.acl_wildcard_mode", "filter", "a wildcard subscription overlapping a deny rule: filter = granted,"
+           " the denied topics withheld at delivery (as Mosquitto, EMQX); refuse = refused (SUBACK 0x80 / 0x87)",
+           choices=("filter", "refuse")),
     Option("auth.failure_delay_s", 1.0, "wait before refusing bad credentials; doubles per failure of a source, to 5 s"),
     Option("auth.use_identity_as_username", False, "the CN of the verified client certificate is the user name"
            " (no password); clients without one are refused"),

@@ -28,8 +28,10 @@ it executes the channel actions that need the store or other connections.
 - Authentication and ACLs (docs/security.md): a CONNECT is authenticated
   before it can take a session over; PUBLISHes and SUBSCRIBEs are checked
   against the ACL before they are stored or activated; a resumed session keeps
-  only the subscriptions its new connection may make. Delivery is not checked
-  again: the subscribe-time check is the model.
+  only the subscriptions its new connection may make. With an ACL, each
+  connection's session gets the ACL's delivery check (``ReadCheck``), so a
+  wildcard granted over a deny rule never delivers a denied topic (queued,
+  retained or resent).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ from gateway.actions import (
     SessionOpened,
     TakenOver,
 )
-from gateway.acl import Access, Acl, AclError
+from gateway.acl import Access, Acl, AclError, ReadCheck
 from gateway.admin import (
     RECENT_AUTH_FAILURES,
     AdminApi,
@@ -277,9 +279,10 @@ class GatewayNode:
         self._cancel(self._wills, client_id)
         self._cancel(self._expiries, client_id)
         await self._hold_will(client_id, action)
+        may_read = None if self._acl is None else ReadCheck(self._read_acl, decision.username, client_id)
         if action.clean_start:
             await self.drop_session(client_id)
-            connection.feed(SessionOpened(False))
+            connection.feed(SessionOpened(False, may_read=may_read))
             return
         state = self._sessions.get(client_id)
         if state is None:
@@ -297,7 +300,12 @@ class GatewayNode:
                 if sub.group is not None:
                     await self.groups.join(connection, sub, None)
                 self._subscribe_local(connection, sub.queue)
-        connection.feed(SessionOpened(state is not None, state))
+        connection.feed(SessionOpened(state is not None, state, may_read=may_read))
+
+    def _read_acl(self) -> Acl:
+        """The ACL in effect, for delivery checks (per message: no file look; CONNECTs, PUBLISHes, SUBSCRIBEs and
+        SIGHUP reload it)."""
+        return self._acl.value  # type: ignore[union-attr]
 
     async def _authenticate(self, connection: Connection, action: OpenSession) -> AuthDecision:
         """Decide the CONNECT; a refusal is counted, logged (never with the password) and delayed (brute force).
@@ -976,7 +984,8 @@ class NodeFront:
     def from_settings(cls, settings: Mapping[str, Any]) -> NodeFront:
         """Raises PasswordFileError, AclError or ListenerError (each names the file)."""
         authenticator = Authenticator.from_config(settings)  # type: ignore[arg-type]  # any mapping of the options
-        acl = WatchedFile(settings["auth.acl_file"], Acl.load) if settings["auth.acl_file"] else None
+        load = functools.partial(Acl.load, wildcard_mode=settings["auth.acl_wildcard_mode"])
+        acl = WatchedFile(settings["auth.acl_file"], load) if settings["auth.acl_file"] else None
         LOGGER.info("authentication ready", extra={"ctx": {
             "password_file": settings["auth.password_file"] or None, "acl_file": settings["auth.acl_file"] or None,
             "allow_anonymous": authenticator.allow_anonymous}})

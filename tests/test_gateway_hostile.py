@@ -16,7 +16,9 @@ from gateway import server
 from gateway.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
 from gateway.config import OPTIONS
 from gateway.node import serve_gateway
-from gateway.packets import MQTT_5, MQTT_311, Connack, Connect, Disconnect, Packet
+from gateway.packets import (
+    MQTT_5, MQTT_311, Connack, Connect, Disconnect, Packet, Puback, Publish, Suback, Subscribe, SubscriptionOptions,
+)
 from gateway.properties import Properties
 from gateway.reasons import ReasonCode
 from test_gateway_connect_fuzz import mutated
@@ -170,6 +172,98 @@ async def test_a_reconnect_with_the_same_client_id_does_not_wait_for_the_lingeri
         connack = await new.receive()
     assert isinstance(connack, Connack) and connack.reason_code is ReasonCode.SUCCESS
     await old.stream.aclose()
+
+
+# --- item 7: a wildcard overlapping a deny rule -----------------------------------------------------------
+
+DENY_ONE = "default allow\npattern\ndeny subscribe test/nosubscribe\n"
+"""The interoperability suites' ACL: everything allowed but subscribing to `test/nosubscribe`."""
+
+
+@pytest.fixture
+async def acl_node(tmp_path, caplog, request):
+    """A node with the ACL ``DENY_ONE`` in the wildcard mode ``request.param`` (default: the default)."""
+    caplog.set_level(logging.INFO)
+    acl = tmp_path / "acl.txt"
+    acl.write_text(DENY_ONE)
+    settings = {**DEFAULTS, "node.data": str(tmp_path / "data"), "node.port": 0, "admin.port": 0,
+                "mqtt.sys_interval_s": 0, "auth.acl_file": str(acl),
+                "auth.acl_wildcard_mode": getattr(request, "param", DEFAULTS["auth.acl_wildcard_mode"])}
+    async with trio.open_nursery() as nursery:
+        _, port = await nursery.start(serve_gateway, settings)
+        yield port
+        nursery.cancel_scope.cancel()
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+async def _subscribed(port: int, level: int, client_id: str, *filters: str, clean: bool = True,
+                      **connect) -> tuple[Peer, list[ReasonCode]]:
+    peer = await Peer.open(port, level)
+    await peer.send(Connect(level, client_id, clean, **connect))
+    assert isinstance(await peer.receive(), Connack)
+    await peer.send(Subscribe(1, tuple((f, SubscriptionOptions(qos=1)) for f in filters)))
+    suback = await peer.receive()
+    assert isinstance(suback, Suback)
+    return peer, list(suback.reason_codes)
+
+
+async def _publish(port: int, *messages: tuple[str, bool]) -> None:
+    """Publish QoS 1 messages (topic, retain) with the payload b"p", each acknowledged (stored) before the next."""
+    peer = await Peer.open(port)
+    await peer.send(Connect(MQTT_5, "publisher"))
+    assert isinstance(await peer.receive(), Connack)
+    for index, (topic, retain) in enumerate(messages, start=1):
+        await peer.send(Publish(topic, b"p", 1, retain, packet_id=index))
+        assert isinstance(await peer.receive(), Puback)
+    await peer.stream.aclose()
+
+
+async def _topics_until(peer: Peer, sentinel: str, copies: int = 1) -> list[str]:
+    """The topics of the PUBLISHes received up to the ``copies``-th ``sentinel`` (one per subscription it matches;
+    each subscription delivers in order): the barrier that shows what did not come before it."""
+    topics = []
+    while True:
+        packet = await peer.receive()
+        assert isinstance(packet, Publish), packet
+        topics.append(packet.topic)
+        if packet.qos:
+            await peer.send(Puback(packet.packet_id))
+        if topics.count(sentinel) == copies:
+            return topics
+
+
+@pytest.mark.parametrize("level, refused", [(MQTT_311, ReasonCode.UNSPECIFIED_ERROR),
+                                            (MQTT_5, ReasonCode.NOT_AUTHORIZED)])
+async def test_a_wildcard_over_a_denied_topic_is_granted_and_never_delivers_it(acl_node, level, refused):
+    """`deny subscribe test/nosubscribe` refused `#` and `+/+` too. As Mosquitto and EMQX do: they are granted,
+    the exact filter gets SUBACK 0x80 (3.1.1) / 0x87 (5.0), and no message on the denied topic reaches the
+    wildcards, retained ones included."""
+    await _publish(acl_node, ("test/nosubscribe", True), ("test/kept", True))
+    peer, codes = await _subscribed(acl_node, level, "wild", "#", "+/+", "test/nosubscribe")
+    assert codes == [ReasonCode.GRANTED_QOS_1, ReasonCode.GRANTED_QOS_1, refused]
+    await _publish(acl_node, ("test/nosubscribe", False), ("test/sentinel", False))
+    topics = await _topics_until(peer, "test/sentinel", copies=2)  # through `#` and `+/+`
+    assert "test/nosubscribe" not in topics
+    assert topics.count("test/kept") == 2
+
+
+async def test_a_resumed_session_never_gets_the_denied_topic(acl_node):
+    """The messages a persistent `#` subscription missed while away are filtered the same way."""
+    peer, _ = await _subscribed(acl_node, MQTT_311, "away", "#", clean=False)
+    await peer.send(Disconnect())
+    await peer.stream.aclose()
+    await _publish(acl_node, ("test/nosubscribe", False), ("test/sentinel", False))
+    back = await Peer.open(acl_node, MQTT_311)
+    await back.send(Connect(MQTT_311, "away", False))
+    connack = await back.receive()
+    assert isinstance(connack, Connack) and connack.session_present
+    assert await _topics_until(back, "test/sentinel") == ["test/sentinel"]
+
+
+@pytest.mark.parametrize("acl_node", ["refuse"], indirect=True)
+async def test_refuse_mode_keeps_refusing_wildcards_that_overlap_a_deny_rule(acl_node):
+    _, codes = await _subscribed(acl_node, MQTT_5, "strict", "#", "+/+", "test/+", "other/+")
+    assert codes == [ReasonCode.NOT_AUTHORIZED] * 3 + [ReasonCode.GRANTED_QOS_1]
 
 
 @pytest.fixture(scope="module")
