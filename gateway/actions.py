@@ -340,6 +340,12 @@ class AdminDisconnect:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerShutdown:
+    """The node is stopping (SIGTERM): close with Server shutting down (0x8B). The will is left to the store, as
+    for a node that dies (a cluster store publishes it when the node's lease lapses)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Timeout:
     """A timer fired (``Channel.handle_timeout`` builds this).
 
@@ -358,5 +364,5 @@ Action: TypeAlias = (
 )
 Event: TypeAlias = (
     SessionOpened | Appended | Activated | Pulled | QueueAdvanced | SocketWritten | ConnectionLost | TakenOver
-    | Timeout | AdminDisconnect
+    | Timeout | AdminDisconnect | ServerShutdown
 )

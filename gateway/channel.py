@@ -60,6 +60,7 @@ from gateway.actions import (
     Release,
     SaveSession,
     Send,
+    ServerShutdown,
     SessionOpened,
     SocketWritten,
     Subscription,
@@ -1017,6 +1018,10 @@ class Channel:
         return self._close(ReasonCode.ADMINISTRATIVE_ACTION, "disconnected by an operator (admin API)",
                            packet=packet, will=True)
 
+    def _on_server_shutdown(self, event: ServerShutdown) -> list[Action]:
+        packet = Disconnect(ReasonCode.SERVER_SHUTTING_DOWN) if self._level == MQTT_5 else None
+        return self._close(ReasonCode.SERVER_SHUTTING_DOWN, "the server is shutting down", packet=packet)
+
     def _on_timeout(self, event: Timeout) -> list[Action]:
         if event.name not in self._timers:
             return []  # cancelled while the timer was firing
@@ -1068,5 +1073,6 @@ _EVENTS: dict[type, Callable[[Channel, Event], list[Action]]] = {  # type: ignor
     ConnectionLost: Channel._on_connection_lost,
     TakenOver: Channel._on_taken_over,
     AdminDisconnect: Channel._on_admin_disconnect,
+    ServerShutdown: Channel._on_server_shutdown,
     Timeout: Channel._on_timeout,
 }

@@ -32,6 +32,7 @@ from gateway.actions import (
     Release,
     SaveSession,
     Send,
+    ServerShutdown,
     SessionOpened,
     SocketWritten,
     TakenOver,
@@ -776,3 +777,15 @@ def test_a_suback_over_the_clients_maximum_packet_size_closes_the_connection_ins
     (activate,) = of(channel.handle_in(Subscribe(1, entries[:20])), Activate)
     actions = channel.handle_event(Activated(activate.ref, {sub.filter: 0 for sub in activate.subscriptions}))
     assert _sizes(actions) == [25] and not of(actions, Close)
+
+
+@pytest.mark.parametrize("level", [MQTT_5, MQTT_311])
+def test_server_shutdown_says_0x8b_to_mqtt5_clients_and_leaves_the_will_to_the_store(level):
+    """SIGTERM: MQTT 5 clients get DISCONNECT 0x8B (Server shutting down) before the close; 3.1.1 has no server
+    DISCONNECT. The will is not published here (a cluster store publishes the wills it holds for a gone node)."""
+    expiry = Properties(session_expiry_interval=60) if level == MQTT_5 else Properties()
+    channel, _, _ = connect(level, will_topic="dead/dev1", will_payload=b"bye", clean=False, properties=expiry)
+    actions = channel.handle_event(ServerShutdown())
+    expected = [Disconnect(R.SERVER_SHUTTING_DOWN)] if level == MQTT_5 else []
+    assert sent(actions) == expected and of(actions, Close)[0].reason is R.SERVER_SHUTTING_DOWN
+    assert not of(actions, PublishWill) and of(actions, SaveSession)
