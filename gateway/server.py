@@ -445,17 +445,22 @@ class Connection:
     async def _linger(self) -> None:
         """Half-close, then read and discard input until the client closes too, ``LINGER_S`` pass or
         ``LINGER_BYTES`` arrive, so the socket is not closed with unread input (a reset). A WebSocket's close
-        handshake does the same (gateway/listeners.py)."""
+        handshake does the same (gateway/listeners.py).
+
+        TLS is half-closed below it, on the TCP connection (trio sends no close_notify alone): the client sees
+        the end at once, as plain TCP clients do, rather than after ``LINGER_S``.
+        """
         stream = self._stream
         if self._broken or isinstance(stream, WebSocketStream):
             return
+        transport = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
         with trio.move_on_after(LINGER_S):
             try:
-                if isinstance(stream, trio.abc.HalfCloseableStream):
-                    await stream.send_eof()
+                if isinstance(transport, trio.abc.HalfCloseableStream):
+                    await transport.send_eof()
                 read = 0
                 while read < LINGER_BYTES:
-                    data = await stream.receive_some(RECEIVE_BYTES)
+                    data = await transport.receive_some(RECEIVE_BYTES)
                     if not data:
                         return
                     read += len(data)

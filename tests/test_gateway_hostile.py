@@ -7,9 +7,11 @@ The sans-IO fuzzing of the CONNECT path is tests/test_gateway_connect_fuzz.py.
 import contextlib
 import logging
 import socket
+import ssl
 
 import pytest
 import trio
+import trustme
 from hypothesis import HealthCheck, given, settings
 
 from gateway import server
@@ -172,6 +174,36 @@ async def test_a_reconnect_with_the_same_client_id_does_not_wait_for_the_lingeri
         connack = await new.receive()
     assert isinstance(connack, Connack) and connack.reason_code is ReasonCode.SUCCESS
     await old.stream.aclose()
+
+
+async def test_a_tls_client_sees_the_end_at_once_and_nothing_is_logged_as_a_failure(tmp_path, caplog, monkeypatch):
+    """TLS is half-closed on its TCP connection: the client reads the DISCONNECT and then the end of the stream at
+    once (not after the linger), and the close logs no failure."""
+    monkeypatch.setattr(server, "LINGER_S", 60.0)
+    caplog.set_level(logging.INFO)
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    leaf.cert_chain_pems[0].write_to_path(str(cert))
+    leaf.private_key_pem.write_to_path(str(key))
+    settings = {**DEFAULTS, "node.data": str(tmp_path / "data"), "node.port": 0, "admin.port": 0,
+                "mqtt.sys_interval_s": 0, "tls.port": 8883, "tls.certfile": str(cert), "tls.keyfile": str(key)}
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_gateway, settings)
+        tls_port = next(r.ctx["port"] for r in caplog.records if getattr(r, "ctx", {}).get("listener") == "tls")
+        stream = await trio.open_ssl_over_tcp_stream("127.0.0.1", tls_port, ssl_context=context)
+        peer = Peer(stream, MQTT_5)
+        await peer.send(Connect(MQTT_5, "tls-writer"))
+        assert isinstance(await peer.receive(), Connack)
+        await peer.stream.send_all(BAD_PUBLISH + JUNK[:8192])
+        with trio.fail_after(10):
+            packets = await peer.rest()
+        assert [type(p) for p in packets] == [Disconnect] and peer.ending in ("eof", "reset")
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
 # --- item 7: a wildcard overlapping a deny rule -----------------------------------------------------------
