@@ -1019,8 +1019,12 @@ class Channel:
                            packet=packet, will=True)
 
     def _on_server_shutdown(self, event: ServerShutdown) -> list[Action]:
-        packet = Disconnect(ReasonCode.SERVER_SHUTTING_DOWN) if self._level == MQTT_5 else None
-        return self._close(ReasonCode.SERVER_SHUTTING_DOWN, "the server is shutting down", packet=packet)
+        # Before the CONNACK it says so: 0x88 Server unavailable (3.1.1: return code 3); after, DISCONNECT 0x8B.
+        before_connack = self._state is State.CONNECTING
+        reason = ReasonCode.SERVER_UNAVAILABLE if before_connack else ReasonCode.SERVER_SHUTTING_DOWN
+        why = "the server is shutting down"
+        packet = self._explained(error_packet(self._level, before_connack, reason), self._level, why)
+        return self._close(reason, why, packet=packet)
 
     def _on_timeout(self, event: Timeout) -> list[Action]:
         if event.name not in self._timers:

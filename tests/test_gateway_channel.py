@@ -789,3 +789,16 @@ def test_server_shutdown_says_0x8b_to_mqtt5_clients_and_leaves_the_will_to_the_s
     expected = [Disconnect(R.SERVER_SHUTTING_DOWN)] if level == MQTT_5 else []
     assert sent(actions) == expected and of(actions, Close)[0].reason is R.SERVER_SHUTTING_DOWN
     assert not of(actions, PublishWill) and of(actions, SaveSession)
+
+
+@pytest.mark.parametrize("level, answer", [(MQTT_5, R.SERVER_UNAVAILABLE), (MQTT_311, R.SERVER_UNAVAILABLE)])
+def test_server_shutdown_before_the_connack_refuses_the_connect(level, answer):
+    """A CONNECT still being accepted when the node stops gets a refusing CONNACK (0x88; 3.1.1 return code 3),
+    not a DISCONNECT before any CONNACK; the session the node then opens is settled, not used."""
+    channel = Channel(ChannelConfig(), Clock())
+    assert of(channel.handle_in(Connect(protocol_level=level, client_id="late")), OpenSession)
+    actions = channel.handle_event(ServerShutdown())
+    (connack,) = sent(actions)
+    assert isinstance(connack, Connack) and connack.reason_code is answer
+    assert encode(connack, level)[3] == (0x88 if level == MQTT_5 else 3)
+    assert of(channel.handle_event(SessionOpened(False)), DropSession) and channel.state is State.CLOSED
