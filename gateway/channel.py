@@ -447,12 +447,14 @@ class Channel:
             if type(action) is not Send:
                 continue
             packets = []
+            trimmed = False
             for packet in action.packets:  # type: ignore[union-attr]
                 fitted = fit(packet, level, limit)
                 if fitted is None:
                     return self._unsendable(actions, index, packets, packet)
                 packets.append(fitted)
-            if packets != list(action.packets):  # type: ignore[union-attr]
+                trimmed = trimmed or fitted is not packet
+            if trimmed:
                 actions[index] = Send(tuple(packets))
         return actions
 
