@@ -24,6 +24,8 @@ A device (client id = device id):
 - with churn, disconnects at random and reconnects to its persistent session;
   after a lost connection or a failed connect, retries after ``RETRY_S``.
 
+Once the fleet is gone, ``clear_status`` deletes the retained status messages.
+
 Protocol with the parent (over a duplex Pipe, see bench/simulate.py):
 ``ready`` -> ``go <epoch>`` -> ``progress ...`` every ``PROGRESS_S`` ->
 ``published <acked>`` once the window closed and acknowledgements are in ->
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import queue
 import random
 import selectors
 import ssl
@@ -51,7 +54,8 @@ from paho.mqtt.properties import Properties
 from bench.report import WorkerTotals, new_histogram, record_us
 from bench.telemetry import RandomWalk, TopicTemplate, encode_payload, metrics_by_name, next_interval
 
-__all__ = ["BrokerOptions", "FleetJob", "broadcast_filter", "command_topic", "device_id", "new_client", "worker_main"]
+__all__ = ["BrokerOptions", "FleetJob", "broadcast_filter", "clear_status", "command_topic", "device_id", "new_client",
+           "worker_main"]
 
 PROTOCOLS = {"3.1.1": mqtt.MQTTv311, "5": mqtt.MQTTv5}
 """``--protocol`` values -> paho protocol constants."""
@@ -464,6 +468,36 @@ class _Worker:
                 device.client.disconnect(properties=properties)
         self._flush()
         return time.monotonic() + STOP_WAIT_S
+
+
+def clear_status(broker: BrokerOptions, fleet: str, devices: int, protocol: str) -> int:
+    """Delete the retained ``status/<device>`` message of every device of a fleet (its "online", or its will's
+    "offline"), once the fleet is gone, so that a run leaves nothing behind on the broker; returns how many
+    deletions the broker acknowledged (an empty retained QoS 1 message each, MQTT's way to delete one).
+
+    Raises:
+        OSError: the broker cannot be reached; RuntimeError: it refused the client or did not answer in time.
+    """
+    client = new_client(broker, f"{fleet}-cleanup", protocol, tls=broker.tls_context())
+    connected: queue.Queue = queue.Queue()
+    client.on_connect = lambda c, u, flags, reason, props: connected.put(reason)
+    client.connect(broker.host, broker.port, KEEPALIVE_S)
+    client.loop_start()
+    try:
+        try:
+            reason = connected.get(timeout=CONNECT_TIMEOUT_S)
+        except queue.Empty:
+            raise RuntimeError(f"no CONNACK within {CONNECT_TIMEOUT_S} s") from None
+        if reason.is_failure:
+            raise RuntimeError(f"the broker refused the clean-up client: {reason}")
+        sent = [client.publish(status_topic(device_id(fleet, i)), b"", qos=1, retain=True) for i in range(devices)]
+        deadline = time.monotonic() + ACK_WAIT_S
+        for info in sent:
+            info.wait_for_publish(timeout=max(0.0, deadline - time.monotonic()))
+        return sum(info.is_published() for info in sent)
+    finally:
+        client.disconnect()
+        client.loop_stop()
 
 
 def worker_main(job: FleetJob, pipe: Connection) -> None:

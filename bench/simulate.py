@@ -10,7 +10,8 @@ progress from the processes' snapshots on stderr; after the publishing window
 it tells the backend how many messages the broker acknowledged, the backend
 drains until it has them all (or gives up), the devices disconnect, and the
 report (bench/report.py) is printed as a table on stdout and, with ``--json``,
-written as JSON.
+written as JSON. Whatever the outcome, the run ends by deleting the retained
+``status/<device>`` message of each of its devices.
 
 Exit status: 0 when every device connected and nothing acknowledged was lost,
 1 otherwise (or when a process failed), 2 for bad options.
@@ -166,8 +167,8 @@ class _Run:
 
         self.args = args
         self.fleet = "sim" + uuid.uuid4().hex[:6]
-        broker = BrokerOptions(args.host, args.port, settings["tls"], args.cafile, args.insecure,
-                               args.username, args.password)
+        self.broker = broker = BrokerOptions(args.host, args.port, settings["tls"], args.cafile, args.insecure,
+                                             args.username, args.password)
         self.jobs = [
             (worker_main, FleetJob(
                 broker, self.fleet, first, count, args.protocol, args.qos, args.rate, args.jitter, args.duration,
@@ -198,6 +199,22 @@ class _Run:
                 if process.is_alive():
                     process.terminate()
                     process.join()
+            self._clear_status()
+
+    def _clear_status(self) -> None:
+        """The devices are gone: delete their retained status messages (bench/devices.py ``clear_status``), also
+        after a failed run. A broker that cannot be reached then is reported, not raised."""
+        from bench.devices import clear_status
+
+        try:
+            cleared = clear_status(self.broker, self.fleet, self.args.devices, self.args.protocol)
+        except (OSError, RuntimeError) as exc:
+            print(f"lightgate simulate: the devices' retained status messages were not deleted: {exc}",
+                  file=sys.stderr)
+            return
+        if cleared < self.args.devices:
+            print(f"lightgate simulate: {self.args.devices - cleared} of the devices' retained status messages "
+                  "were not deleted (no acknowledgement in time)", file=sys.stderr)
 
     def _receive(self, pipe: Connection) -> tuple:
         try:

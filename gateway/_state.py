@@ -32,6 +32,7 @@ from gateway.actions import (
     ConnectionLost,
     Pulled,
     QueueAdvanced,
+    ServerShutdown,
     SessionOpened,
     SocketWritten,
     TakenOver,
@@ -82,7 +83,7 @@ _AFTER_CONNECT = (Publish, Puback, Pubrec, Pubrel, Pubcomp, Subscribe, Unsubscri
 # What the node may still report after the channel decided to close: the channel ignores it
 # (or, for Appended and SessionOpened, folds it into the session before saving it).
 _LATE_EVENTS = (Appended, Activated, Pulled, QueueAdvanced, SocketWritten, ConnectionLost, TakenOver, Timeout,
-                SessionOpened, AdminDisconnect)
+                SessionOpened, AdminDisconnect, ServerShutdown)
 
 _S = State
 TRANSITIONS: dict[State, dict[type, State]] = {
@@ -99,6 +100,7 @@ TRANSITIONS: dict[State, dict[type, State]] = {
         ConnectionLost: _S.CONNECTING,
         TakenOver: _S.CONNECTING,
         AdminDisconnect: _S.CONNECTING,
+        ServerShutdown: _S.CONNECTING,
         Timeout: _S.CONNECTING,
         Closing: _S.DISCONNECTING,
     },
@@ -112,6 +114,7 @@ TRANSITIONS: dict[State, dict[type, State]] = {
         ConnectionLost: _S.CONNECTED,
         TakenOver: _S.CONNECTED,
         AdminDisconnect: _S.CONNECTED,
+        ServerShutdown: _S.CONNECTED,
         Timeout: _S.CONNECTED,
         Closing: _S.DISCONNECTING,
     },

@@ -23,9 +23,17 @@ client id's, then the patterns, each in file order; then the default. For a
 PUBLISH an allow rule matches when its filter matches the topic. For a
 SUBSCRIBE an allow rule matches only when its filter *covers* the requested one
 (every topic the subscription can receive is allowed: ``a/#`` covers ``a/+``,
-``a/+`` does not cover ``a/#``), while a deny rule matches as soon as the two
-filters *overlap* (some topic matches both), so a broad subscription cannot
-slip past a deny rule for part of it.
+``a/+`` does not cover ``a/#``). A deny rule's match depends on the wildcard
+mode (``auth.acl_wildcard_mode``):
+
+- ``filter`` (the default, as Mosquitto and EMQX do): a deny rule refuses the
+  subscriptions it covers (``deny subscribe test/nosubscribe`` refuses exactly
+  that filter); a wildcard that merely *overlaps* it (``#``, ``test/+``) is
+  granted, and the node withholds the denied topics at delivery
+  (:class:`ReadCheck`: a message is delivered only on a topic the subscriber
+  may subscribe to exactly);
+- ``refuse``: a deny rule matches as soon as the two filters overlap (some
+  topic matches both), so a broad subscription is refused outright.
 
 Substitution never widens access: a user name or client id that is missing
 (anonymous), empty, contains ``+``, ``#``, ``/`` or U+0000, or starts with
@@ -37,14 +45,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import final
 
 from gateway.passwords import validate_username
-from lightqueue.topics import TopicError, matches, parse_shared, validate_filter
+from lightqueue.topics import TopicError, filters_overlap, matches, parse_shared, validate_filter
 
-__all__ = ["Access", "Acl", "AclError", "Decision", "Rule", "filter_covers", "filters_overlap"]
+__all__ = ["WILDCARD_MODES", "Access", "Acl", "AclError", "Decision", "ReadCheck", "Rule", "filter_covers"]
 
 MAX_CACHED_IDENTITIES = 16_384
 """Compiled rule lists kept per (user, client id): one per connected client in the common case, bounded for floods."""
@@ -54,6 +63,14 @@ MAX_CACHED_DECISIONS = 65_536
 
 MAX_CACHED_TOPIC_CHARS = 256
 """Longer topics are decided without caching, so the decision cache stays within tens of MiB."""
+
+MAX_CACHED_READS = 4_096
+"""Delivery decisions a ``ReadCheck`` keeps per connection (topic -> allowed): a wildcard subscriber over a large
+fleet sees many topics, so the cache starts over when full (the ACL's own cache answers the misses)."""
+
+WILDCARD_MODES = ("filter", "refuse")
+"""``auth.acl_wildcard_mode``: grant a wildcard overlapping a deny rule and withhold the denied topics at delivery,
+or refuse it (see the module docstring)."""
 
 _PLACEHOLDER = re.compile(r"(%[uc])")
 _UNSAFE_CHARS = frozenset("+#/\0")
@@ -121,28 +138,6 @@ def filter_covers(rule: str, requested: str) -> bool:
     return len(r_levels) == len(q_levels)
 
 
-def filters_overlap(a: str, b: str) -> bool:
-    """Is there a topic name that both (valid) filters match?"""
-    if (a[:1] in ("+", "#") and b.startswith("$")) or (b[:1] in ("+", "#") and a.startswith("$")):
-        return False
-    a_levels = a.split("/")
-    b_levels = b.split("/")
-    for i in range(max(len(a_levels), len(b_levels))):
-        x = a_levels[i] if i < len(a_levels) else None
-        y = b_levels[i] if i < len(b_levels) else None
-        if x == "#" or y == "#":
-            if x is not None and y is not None:
-                return True
-            # One filter has ended: "#" must match zero levels, so the shared topic is the levels
-            # before i, which must not be the empty topic (a single level forced to "").
-            return not (i == 1 and "" in (a_levels[0], b_levels[0]))
-        if x is None or y is None:
-            return False
-        if x != "+" and y != "+" and x != y:
-            return False
-    return True
-
-
 def _safe_value(value: str) -> bool:
     return value != "" and not value.startswith("$") and _UNSAFE_CHARS.isdisjoint(value)
 
@@ -197,8 +192,11 @@ class Acl:
 
     def __init__(self, *, default_allow: bool = False, users: dict[str, tuple[Rule, ...]] | None = None,
                  clients: dict[str, tuple[Rule, ...]] | None = None, patterns: tuple[Rule, ...] = (),
-                 source: str = "<acl>") -> None:
+                 source: str = "<acl>", wildcard_mode: str = "filter") -> None:
+        if wildcard_mode not in WILDCARD_MODES:
+            raise ValueError(f"wildcard_mode must be one of {', '.join(WILDCARD_MODES)}, not {wildcard_mode!r}")
         self.default_allow = default_allow
+        self.wildcard_mode = wildcard_mode
         self.users = users or {}
         self.clients = clients or {}
         self.patterns = patterns
@@ -207,7 +205,7 @@ class Acl:
         self._decisions: dict[tuple[str | None, str | None, Access, str], Decision] = {}
 
     @classmethod
-    def load(cls, path: Path | str) -> Acl:
+    def load(cls, path: Path | str, wildcard_mode: str = "filter") -> Acl:
         """Read and parse an ACL file.
 
         Raises:
@@ -217,10 +215,10 @@ class Acl:
             text = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise AclError(f"{path}: cannot read the ACL file: {exc}") from None
-        return cls.parse(text, str(path))
+        return cls.parse(text, str(path), wildcard_mode)
 
     @classmethod
-    def parse(cls, text: str, source: str = "<acl>") -> Acl:
+    def parse(cls, text: str, source: str = "<acl>", wildcard_mode: str = "filter") -> Acl:
         """Parse ACL text; ``source`` names it in error messages.
 
         Raises:
@@ -270,6 +268,7 @@ class Acl:
             clients={cid: tuple(rules) for cid, rules in clients.items()},
             patterns=tuple(patterns),
             source=source,
+            wildcard_mode=wildcard_mode,
         )
 
     def check(self, username: str | None, client_id: str | None, access: Access, topic: str) -> bool:
@@ -319,10 +318,45 @@ class Acl:
                 return Decision(False, rule)
             if access is Access.PUBLISH:
                 hit = matches(rule_filter, topic)
-            elif rule.allow:
+            elif rule.allow or self.wildcard_mode == "filter":  # filter: an overlap is withheld at delivery
                 hit = filter_covers(rule_filter, topic)
             else:
                 hit = filters_overlap(rule_filter, topic)
             if hit:
                 return Decision(rule.allow, rule)
         return Decision(self.default_allow, None)
+
+
+@final
+class ReadCheck:
+    """May one connection's subscriber receive a message on ``topic``? The delivery side of the ACL.
+
+    A topic is readable when the subscriber may subscribe to exactly that
+    topic. The answer depends only on the topic (the user and client id are
+    fixed), so it is decided once per topic and kept for every subscription of
+    the connection (at most ``MAX_CACHED_READS``); a reloaded ACL starts the
+    cache over. Pure: the channel's session calls it as an injected check.
+    """
+
+    __slots__ = ("_source", "_username", "_client_id", "_acl", "_allowed")
+
+    def __init__(self, source: Callable[[], Acl], username: str | None, client_id: str) -> None:
+        """``source`` returns the ACL in effect now (it changes when the file is reloaded)."""
+        self._source = source
+        self._username = username
+        self._client_id = client_id
+        self._acl: Acl | None = None
+        self._allowed: dict[str, bool] = {}
+
+    def __call__(self, topic: str) -> bool:
+        acl = self._source()
+        allowed = self._allowed.get(topic) if acl is self._acl else None
+        if allowed is None:
+            if acl is not self._acl:
+                self._acl = acl
+                self._allowed.clear()
+            allowed = acl.check(self._username, self._client_id, Access.SUBSCRIBE, topic)
+            if len(self._allowed) >= MAX_CACHED_READS:
+                self._allowed.clear()
+            self._allowed[topic] = allowed
+        return allowed

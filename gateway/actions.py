@@ -14,6 +14,7 @@ dispatches on exact type. Mapping fields (``dict``) are read-only by convention.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, TypeAlias
@@ -256,11 +257,16 @@ class LimitHit:
 
 @dataclass(frozen=True, slots=True)
 class SessionOpened:
-    """Answer to ``OpenSession``. ``reason`` other than SUCCESS refuses the connection (CONNACK reason)."""
+    """Answer to ``OpenSession``. ``reason`` other than SUCCESS refuses the connection (CONNACK reason).
+
+    ``may_read`` is the delivery side of the ACL for this client (``gateway.acl.ReadCheck``): a pure check of a
+    topic, None when every topic may be delivered.
+    """
 
     present: bool
     state: SessionState | None = None
     reason: ReasonCode = ReasonCode.SUCCESS
+    may_read: Callable[[str], bool] | None = None
 
 
 @dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
@@ -334,6 +340,12 @@ class AdminDisconnect:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerShutdown:
+    """The node is stopping (SIGTERM): close with Server shutting down (0x8B). The will is left to the store, as
+    for a node that dies (a cluster store publishes it when the node's lease lapses)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Timeout:
     """A timer fired (``Channel.handle_timeout`` builds this).
 
@@ -352,5 +364,5 @@ Action: TypeAlias = (
 )
 Event: TypeAlias = (
     SessionOpened | Appended | Activated | Pulled | QueueAdvanced | SocketWritten | ConnectionLost | TakenOver
-    | Timeout | AdminDisconnect
+    | Timeout | AdminDisconnect | ServerShutdown
 )

@@ -51,7 +51,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from gateway import config as cfg
-from lightqueue.topics import SHARE_PREFIX, TopicError, matches, validate_filter, validate_topic
+from lightqueue.topics import SHARE_PREFIX, TopicError, filters_overlap, matches, validate_filter, validate_topic
 
 LOG = logging.getLogger(__name__)
 
@@ -193,24 +193,6 @@ def parse_rule(text: str) -> Rule:
     except TopicError as exc:
         raise BridgeConfigError(f"rule {text!r}: {exc}") from None
     return rule
-
-
-def filters_overlap(a: str, b: str) -> bool:
-    """Is there a topic that both (valid) filters match?"""
-    a_levels, b_levels = a.split("/"), b.split("/")
-    for x, y in ((a_levels[0], b_levels[0]), (b_levels[0], a_levels[0])):
-        if x.startswith("$") and y in ("+", "#"):
-            return False  # a topic starting with '$' is never matched by a leading wildcard
-    for i in range(max(len(a_levels), len(b_levels))):
-        x = a_levels[i] if i < len(a_levels) else None
-        y = b_levels[i] if i < len(b_levels) else None
-        if x == "#" or y == "#":
-            return True  # '#' also matches zero levels, so a filter that ended here overlaps too
-        if x is None or y is None:
-            return False
-        if x != y and "+" not in (x, y):
-            return False
-    return True
 
 
 def loop_conflicts(rules: Sequence[Rule], *, local_no_local: bool, remote_no_local: bool) -> list[str]:

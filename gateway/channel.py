@@ -48,6 +48,7 @@ from gateway.actions import (
     CancelTimer,
     Close,
     ConnectionLost,
+    Deliver,
     DropSession,
     Event,
     LimitHit,
@@ -59,13 +60,14 @@ from gateway.actions import (
     Release,
     SaveSession,
     Send,
+    ServerShutdown,
     SessionOpened,
     SocketWritten,
     Subscription,
     TakenOver,
     Timeout,
 )
-from gateway.codec import encode, encode_publish_template
+from gateway.codec import encode, encode_publish_template, fit
 from gateway.limits import HitLog, Limit
 from gateway.packets import (
     MQTT_5,
@@ -352,9 +354,10 @@ class Channel:
             # (TRANSITIONS), and a PUBLISH acknowledges no delivery, so no commit can be due (``_after``).
             self._last_rx = self._now()
             try:
-                return self._process_publish(packet)
+                actions = self._process_publish(packet)
             except RemoteProtocolError as err:
-                return self.handle_protocol_error(err)
+                actions = self._protocol_error(err)
+            return actions if self._peer_max_packet is None else self._fit(actions)
         if self._state in (State.DISCONNECTING, State.CLOSED):
             return []
         try:
@@ -367,9 +370,10 @@ class Channel:
                 return []
             if self._held:
                 return self._hold(packet)
-            return self._after(_PROCESS[type(packet)](self, packet))
+            actions = self._after(_PROCESS[type(packet)](self, packet))
         except RemoteProtocolError as err:
-            return self.handle_protocol_error(err)
+            actions = self._protocol_error(err)
+        return actions if self._peer_max_packet is None else self._fit(actions)
 
     def input_done(self) -> list[Action]:
         """Everything the client sent so far is processed: deliver what its acknowledgements made room for
@@ -390,9 +394,10 @@ class Channel:
         if closing and type(event) not in (Appended, SessionOpened):
             return []
         try:
-            return self._after(_EVENTS[type(event)](self, event))
+            actions = self._after(_EVENTS[type(event)](self, event))
         except RemoteProtocolError as err:
-            return self.handle_protocol_error(err)
+            actions = self._protocol_error(err)
+        return actions if self._peer_max_packet is None else self._fit(actions)
 
     def handle_timeout(self, name: str, input_waiting: bool = False) -> list[Action]:
         """A timer armed with ``ArmTimer(name, ...)`` fired; ``input_waiting`` as in ``Timeout``."""
@@ -404,9 +409,15 @@ class Channel:
         Args:
             protocol_level: the decoder's level, for errors inside a CONNECT (the channel has not seen it).
         """
+        actions = self._protocol_error(err, protocol_level)
+        return actions if self._peer_max_packet is None else self._fit(actions)
+
+    def _protocol_error(self, err: RemoteProtocolError, protocol_level: int | None = None) -> list[Action]:
         if self._state in (State.DISCONNECTING, State.CLOSED):
             return []
-        level = self._level or protocol_level
+        if self._level is None:  # inside the CONNECT: answer at its level, which the client reads [MQTT-3.1.4-1]
+            self._level = protocol_level
+        level = self._level
         before_connack = self._state in (State.AWAIT_CONNECT, State.CONNECTING)
         packet = self._explained(error_packet(level, before_connack, err.reason), level, err.message)
         limit = _LIMIT_ERRORS.get(err.reason)
@@ -415,15 +426,48 @@ class Channel:
 
     def _explained(self, packet: Packet | None, level: int | None, text: str) -> Packet | None:
         """``packet`` (an error CONNACK or DISCONNECT) with ``text`` as its Reason String, if configured and
-        MQTT 5, and if that keeps it within the client's Maximum Packet Size [MQTT-3.14.2-3]."""
+        MQTT 5 (``_fit`` leaves it out if the client's Maximum Packet Size has no room for it [MQTT-3.14.2-3])."""
         if packet is None or level != MQTT_5 or not self.config.reason_strings:
             return packet
-        explained = replace(packet, properties=replace(packet.properties,  # type: ignore[arg-type]
-                                                       reason_string=text[:MAX_REASON_STRING]))
-        limit = self._peer_max_packet
-        if limit is not None and len(encode(explained, MQTT_5)) > limit:
-            return packet
-        return explained
+        return replace(packet, properties=replace(packet.properties,  # type: ignore[arg-type]
+                                                  reason_string=text[:MAX_REASON_STRING]))
+
+    def _fit(self, actions: list[Action]) -> list[Action]:
+        """``actions`` with every packet within the client's Maximum Packet Size ([MQTT-3.1.2-24]): the one place
+        that applies it to the packets the channel sends (``Session`` drops a PUBLISH over it, [MQTT-3.1.2-25]).
+
+        A packet over the limit is sent without its Reason String and User Properties (``codec.fit``). One that
+        does not fit even so is not sent, nor is anything after it, and the connection closes: a client that
+        cannot receive an acknowledgement cannot go on. The node actions are kept (their results settle the
+        session).
+        """
+        limit: int = self._peer_max_packet  # type: ignore[assignment]
+        level = self.protocol_level
+        for index, action in enumerate(actions):
+            if type(action) is not Send:
+                continue
+            packets = []
+            trimmed = False
+            for packet in action.packets:  # type: ignore[union-attr]
+                fitted = fit(packet, level, limit)
+                if fitted is None:
+                    return self._unsendable(actions, index, packets, packet)
+                packets.append(fitted)
+                trimmed = trimmed or fitted is not packet
+            if trimmed:
+                actions[index] = Send(tuple(packets))
+        return actions
+
+    def _unsendable(self, actions: list[Action], index: int, sendable: list[Packet], packet: Packet) -> list[Action]:
+        """``_fit``'s answer when ``packet``, in ``actions[index]`` after ``sendable``, cannot be sent."""
+        kept = actions[:index] + ([Send(tuple(sendable))] if sendable else [])
+        kept += [action for action in actions[index + 1:] if type(action) not in (Send, Deliver)]
+        if self._state in (State.DISCONNECTING, State.CLOSED):
+            return kept  # already closing (the packet said why): only that packet is not sent
+        size = len(encode(packet, self.protocol_level))
+        why = (f"a {packet.packet_type.name} of {size} bytes, even without its reason string and user properties, "
+               f"exceeds the client's Maximum Packet Size of {self._peer_max_packet} [MQTT-3.1.2-24]")
+        return kept + self._close(ReasonCode.PACKET_TOO_LARGE, f"not sent: {why}", will=True)
 
     # --- closing ------------------------------------------------------------------------
 
@@ -624,6 +668,13 @@ class Channel:
         self._keepalive = keepalive
         self._keepalive_override = keepalive if keepalive != packet.keep_alive else None
         self._clean_start = packet.clean_start
+        limit = props.maximum_packet_size
+        if limit is not None:  # before the session is opened (or taken over): the client could never be told
+            connack = Connack(False, ReasonCode.SUCCESS, self._connack_properties())
+            if fit(connack, level, limit) is None:
+                return self._refuse(ReasonCode.PACKET_TOO_LARGE,
+                                    f"the CONNACK takes {len(encode(connack, level))} bytes, over the client's "
+                                    f"Maximum Packet Size of {limit} [MQTT-3.1.2-24]")
         self._link = Link(
             protocol_level=level,
             receive_maximum=min(receive_maximum, config.max_inflight),
@@ -870,6 +921,7 @@ class Channel:
         if closing:
             return self._settle()
         assert self._link is not None
+        self._link.may_read = event.may_read
         actions: list[Action] = [Send((Connack(state is not None, ReasonCode.SUCCESS, self._connack_properties()),))]
         if self._keepalive:
             self._timers[KEEPALIVE_TIMER] = None
@@ -968,6 +1020,14 @@ class Channel:
         return self._close(ReasonCode.ADMINISTRATIVE_ACTION, "disconnected by an operator (admin API)",
                            packet=packet, will=True)
 
+    def _on_server_shutdown(self, event: ServerShutdown) -> list[Action]:
+        # Before the CONNACK it says so: 0x88 Server unavailable (3.1.1: return code 3); after, DISCONNECT 0x8B.
+        before_connack = self._state is State.CONNECTING
+        reason = ReasonCode.SERVER_UNAVAILABLE if before_connack else ReasonCode.SERVER_SHUTTING_DOWN
+        why = "the server is shutting down"
+        packet = self._explained(error_packet(self._level, before_connack, reason), self._level, why)
+        return self._close(reason, why, packet=packet)
+
     def _on_timeout(self, event: Timeout) -> list[Action]:
         if event.name not in self._timers:
             return []  # cancelled while the timer was firing
@@ -1019,5 +1079,6 @@ _EVENTS: dict[type, Callable[[Channel, Event], list[Action]]] = {  # type: ignor
     ConnectionLost: Channel._on_connection_lost,
     TakenOver: Channel._on_taken_over,
     AdminDisconnect: Channel._on_admin_disconnect,
+    ServerShutdown: Channel._on_server_shutdown,
     Timeout: Channel._on_timeout,
 }

@@ -18,6 +18,7 @@ from gateway import config as cfg
 from gateway.logs import setup_logging
 
 if TYPE_CHECKING:
+    from gateway.reload import Reloader
     from store.access import StoreAccess
 
 LOG = logging.getLogger("lightgate")
@@ -49,16 +50,18 @@ def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
 
 
 def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from gateway.reload import Reloader
     from gateway.session import clamp_session_blob
     from store.node import run_store_node
 
+    reloader = Reloader(conf)
     try:
-        access = _store_access(conf)
+        access = _store_access(conf, reloader)
     except ValueError as exc:  # PasswordFileError, AclError (the message names the file and line), no store.token
         LOG.error("store node not started: %s", exc)
         return 1
     LOG.info("starting store node", extra={"ctx": {"data": conf["node.data"]}})
-    return run_store_node(conf, access, clamp_session_blob)
+    return run_store_node(conf, access, reloader.reload, clamp_session_blob)
 
 
 def _cmd_repair(args: argparse.Namespace, conf: cfg.Config) -> int:
@@ -80,16 +83,18 @@ ACL_REFRESH_S = 1.0
 """The store looks for an edited ACL file at most this often: its checks run per appended message."""
 
 
-def _store_access(conf: cfg.Config) -> StoreAccess:
+def _store_access(conf: cfg.Config, reloader: Reloader | None = None) -> StoreAccess:
     """Who may use a store node (store/access.py): gateway nodes by ``store.token``, back-end producers and
     consumers by the password file and ACL of ``auth.*``, checked by the same code as MQTT clients.
 
-    The store does not import the gateway; this wiring hands it the checks as callables.
+    The store does not import the gateway; this wiring hands it the checks as callables. The files are
+    handed to ``reloader`` too (SIGHUP).
 
     Raises:
         ValueError: ``auth.*`` is set without ``store.token`` (no gateway node could connect), or the
             password or ACL file cannot be loaded.
     """
+    import functools
     import time
 
     from gateway.acl import Access, Acl
@@ -103,6 +108,8 @@ def _store_access(conf: cfg.Config) -> StoreAccess:
     if not token:
         raise ValueError("store.token must be set on a store node with auth.* set: gateway nodes present it")
     authenticator = Authenticator.from_config(conf)
+    if reloader is not None:
+        reloader.passwords = authenticator.passwords
 
     def authenticate(username: str | None, password: bytes | None, source: str) -> Verdict:
         try:
@@ -114,7 +121,10 @@ def _store_access(conf: cfg.Config) -> StoreAccess:
 
     if not conf["auth.acl_file"]:
         return StoreAccess(token=token, authenticate=authenticate)
-    acl = WatchedFile(conf["auth.acl_file"], Acl.load)
+    # The store has no delivery check for back-end consumers: a group's filter overlapping a deny rule is refused.
+    acl = WatchedFile(conf["auth.acl_file"], functools.partial(Acl.load, wildcard_mode="refuse"))
+    if reloader is not None:
+        reloader.acl = acl
     refreshed = [time.monotonic()]
 
     def authorize(username: str | None, client_id: str, access: str, topic: str) -> bool:

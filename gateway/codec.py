@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from enum import Enum
 from typing import Final, Literal, final
 
@@ -350,12 +351,14 @@ class MqttDecoder:
         if pos >= end:
             raise _malformed("CONNECT ends before its protocol level")
         level = buf[pos]
+        if level in PROTOCOL_LEVELS:
+            self._level = level  # before any check below: the error is answered at the client's level
         if name != b"MQTT" or level not in PROTOCOL_LEVELS:
-            # [MQTT-3.1.2-1] / [MQTT-3.1.2-2]: answered with CONNACK 0x84 (5.0) or return code 1 (3.1.1).
+            # [MQTT-3.1.2-1] / [MQTT-3.1.2-2]: answered with CONNACK 0x84 (5.0) or return code 1 (3.1.1; also for
+            # an unknown level, which every version's client reads).
             raise RemoteProtocolError(
                 ReasonCode.UNSUPPORTED_PROTOCOL_VERSION, f"protocol {name!r} level {level} is not MQTT 3.1.1 or 5.0"
             )
-        self._level = level
         self._verdicts = _first_byte_verdicts(self._role, level)
         # The Remaining Length's last byte is 0 only when its encoding is not minimal (or the body
         # is empty, which a CONNECT's never is); see _decode_next.
@@ -661,6 +664,37 @@ def encode(packet: Packet, protocol_level: int) -> bytes:
     if writer is None:
         raise LocalProtocolError(f"{packet!r} is not an MQTT packet")
     return writer(packet, protocol_level)
+
+
+SMALL_PACKET_BYTES = 5
+"""The most a PINGRESP, or a PUBACK, PUBREC, PUBREL, PUBCOMP or DISCONNECT without properties, can take (fixed
+header 2, packet id 2, reason code 1): ``fit`` passes them without encoding to any limit at least this large."""
+
+_SMALL_TYPES = frozenset({Pingresp, Puback, Pubrec, Pubrel, Pubcomp, Disconnect})
+
+
+def fit(packet: Packet, protocol_level: int, limit: int) -> Packet | None:
+    """``packet`` as it may be sent to a peer whose Maximum Packet Size is ``limit``, or None if it cannot be.
+
+    [MQTT-3.1.2-24] / [MQTT-3.2.2-15]: nothing sent may exceed the receiver's
+    Maximum Packet Size. What a packet may lose to fit is what the spec says
+    must then be left out ([MQTT-3.1.2-25] and, per packet, [MQTT-3.2.2-19/20],
+    [MQTT-3.4.2-2/3] ... [MQTT-3.15.2-2/3]): its Reason String and User
+    Properties. Without them it is the smallest form of that packet; if even
+    that does not fit, None: the caller must not send it.
+
+    Raises:
+        LocalProtocolError: as ``encode``.
+    """
+    properties = getattr(packet, "properties", None)
+    if limit >= SMALL_PACKET_BYTES and type(packet) in _SMALL_TYPES and not properties:
+        return packet
+    if len(encode(packet, protocol_level)) <= limit:
+        return packet
+    if properties is None or (properties.reason_string is None and not properties.user_properties):
+        return None
+    slim = replace(packet, properties=replace(properties, reason_string=None, user_properties=()))  # type: ignore
+    return slim if len(encode(slim, protocol_level)) <= limit else None
 
 
 def _frame(first: int, body: bytes) -> bytes:

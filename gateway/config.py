@@ -102,6 +102,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("auth.allow_anonymous", "auto", "accept clients without a user name; auto = only when no password file",
            choices=("auto", "true", "false")),
     Option("auth.acl_file", "", "ACL file (docs/security.md); empty = every client may publish and subscribe anywhere"),
+    Option("auth.acl_wildcard_mode", "filter", "a wildcard subscription overlapping a deny rule: filter = granted,"
+           " the denied topics withheld at delivery (as Mosquitto, EMQX); refuse = refused (SUBACK 0x80 / 0x87)",
+           choices=("filter", "refuse")),
     Option("auth.failure_delay_s", 1.0, "wait before refusing bad credentials; doubles per failure of a source, to 5 s"),
     Option("auth.use_identity_as_username", False, "the CN of the verified client certificate is the user name"
            " (no password); clients without one are refused"),
@@ -143,10 +146,14 @@ _BY_KEY = {o.key: o for o in OPTIONS}
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    """The effective configuration: a flat mapping of ``section.name`` to value."""
+    """The effective configuration: a flat mapping of ``section.name`` to value.
+
+    ``source`` is the configuration file read (None: none); ``flags`` the keys the command line set.
+    """
 
     values: dict[str, Any]
     source: str | None = None
+    flags: frozenset[str] = frozenset()
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
@@ -231,11 +238,26 @@ def resolve(args: argparse.Namespace) -> Config:
         source = DEFAULT_CONFIG_FILE
     if source is not None:
         values.update(load_file(Path(source)))
+    flags = set()
     for opt in OPTIONS:
         flag_value = getattr(args, opt.dest, None)
         if flag_value is not None:
             values[opt.key] = _coerce(opt, flag_value, opt.cli_flag)
-    return Config(values, source)
+            flags.add(opt.key)
+    return Config(values, source, frozenset(flags))
+
+
+def reread(conf: Config) -> Config:
+    """The configuration as a running node sees it on SIGHUP: its file read again, its flags as they were.
+
+    Raises:
+        ConfigError: the file is gone or no longer valid (the caller keeps ``conf``).
+    """
+    values = {o.key: o.default for o in OPTIONS}
+    if conf.source is not None:
+        values.update(load_file(Path(conf.source)))
+    values.update({key: conf.values[key] for key in conf.flags})
+    return Config(values, conf.source, conf.flags)
 
 
 def to_toml(values: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, final
 
 import trio
@@ -41,6 +42,7 @@ __all__ = [
     "ListenerError",
     "ListenerSpec",
     "Peer",
+    "TlsContext",
     "WebSocketStream",
     "listener_specs",
     "serve_listeners",
@@ -77,14 +79,51 @@ class ListenerError(OSError):
     contradict each other. An OSError, like a port that is taken, so a node's start reports both the same way."""
 
 
+@final
+class TlsContext:
+    """The server TLS context of the ``tls`` and ``wss`` listeners, which ``reload`` replaces while they serve
+    (SIGHUP: renewed certificates). Each handshake takes the context in effect when it starts."""
+
+    def __init__(self, certfile: str, keyfile: str, cafile: str = "", require_client_cert: bool = False) -> None:
+        """Raises ListenerError: see :func:`server_ssl_context`."""
+        self.context = server_ssl_context(certfile, keyfile, cafile, require_client_cert)
+        self._loaded = self._signature(certfile, keyfile, cafile, require_client_cert)
+
+    @staticmethod
+    def _signature(*options: str | bool) -> tuple[object, ...]:
+        """The options and the (mtime, size, inode) of each file they name: what makes a reload necessary."""
+        files = []
+        for option in options:
+            try:
+                st = Path(option).stat() if isinstance(option, str) and option else None
+            except OSError:
+                st = None
+            files.append((st.st_mtime_ns, st.st_size, st.st_ino) if st is not None else None)
+        return (options, tuple(files))
+
+    def reload(self, certfile: str, keyfile: str, cafile: str = "", require_client_cert: bool = False) -> bool:
+        """Load the files again if they (or the options) changed; True when a new context is now in effect.
+
+        Raises:
+            ListenerError: a file is missing or broken; the context in effect stays.
+        """
+        signature = self._signature(certfile, keyfile, cafile, require_client_cert)
+        if signature == self._loaded:
+            return False
+        self.context = server_ssl_context(certfile, keyfile, cafile, require_client_cert)
+        self._loaded = signature
+        return True
+
+
 @dataclass(frozen=True, slots=True)
 class ListenerSpec:
-    """One configured listener. ``ssl_context`` is needed by ``tls`` and ``wss``; ``path`` is the WebSocket path."""
+    """One configured listener. ``ssl_context`` is needed by ``tls`` and ``wss`` (a ``TlsContext`` can be reloaded);
+    ``path`` is the WebSocket path."""
 
     kind: Kind
     host: str
     port: int
-    ssl_context: ssl.SSLContext | None = None
+    ssl_context: ssl.SSLContext | TlsContext | None = None
     path: str = "/mqtt"
     reuse_port: bool = False  # SO_REUSEPORT: several cluster gateway processes share the port (docs/cluster.md)
 
@@ -152,16 +191,16 @@ def listener_specs(conf: Mapping[str, Any]) -> list[ListenerSpec]:
     specs = [ListenerSpec("tcp", host, conf["node.port"])]
     secure = None
     if conf["tls.port"] or conf["wss.port"]:
-        secure = server_ssl_context(conf["tls.certfile"], conf["tls.keyfile"], conf["tls.cafile"],
-                                    conf["tls.require_client_cert"])
-    if conf["auth.use_identity_as_username"] and (secure is None or secure.verify_mode == ssl.CERT_NONE):
+        secure = TlsContext(conf["tls.certfile"], conf["tls.keyfile"], conf["tls.cafile"],
+                            conf["tls.require_client_cert"])
+    if conf["auth.use_identity_as_username"] and (secure is None or secure.context.verify_mode == ssl.CERT_NONE):
         raise ListenerError("auth.use_identity_as_username needs a listener that verifies client certificates: "
                             "set tls.cafile and tls.port or wss.port")
     path = conf["ws.path"]
     if (conf["ws.port"] or conf["wss.port"]) and not path.startswith("/"):
         raise ListenerError(f"ws.path must start with '/', not {path!r}")
     free = conf["node.port"] == 0
-    optional: tuple[tuple[Kind, ssl.SSLContext | None], ...] = (("tls", secure), ("ws", None), ("wss", secure))
+    optional: tuple[tuple[Kind, TlsContext | None], ...] = (("tls", secure), ("ws", None), ("wss", secure))
     for kind, context in optional:
         port = conf[f"{kind}.port"]
         if port:
@@ -316,6 +355,8 @@ class _Accepted:
 
     async def _secure(self, stream: trio.SocketStream, peer: Peer) -> None:
         context = self._spec.ssl_context
+        if isinstance(context, TlsContext):
+            context = context.context  # the one in effect now (SIGHUP may have replaced it)
         if context is None:
             await self._upgrade(stream, peer)
             return

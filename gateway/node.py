@@ -28,8 +28,10 @@ it executes the channel actions that need the store or other connections.
 - Authentication and ACLs (docs/security.md): a CONNECT is authenticated
   before it can take a session over; PUBLISHes and SUBSCRIBEs are checked
   against the ACL before they are stored or activated; a resumed session keeps
-  only the subscriptions its new connection may make. Delivery is not checked
-  again: the subscribe-time check is the model.
+  only the subscriptions its new connection may make. With an ACL, each
+  connection's session gets the ACL's delivery check (``ReadCheck``), so a
+  wildcard granted over a deny rule never delivers a denied topic (queued,
+  retained or resent).
 """
 
 from __future__ import annotations
@@ -65,10 +67,11 @@ from gateway.actions import (
     QueueAdvanced,
     Release,
     SaveSession,
+    ServerShutdown,
     SessionOpened,
     TakenOver,
 )
-from gateway.acl import Access, Acl, AclError
+from gateway.acl import Access, Acl, AclError, ReadCheck
 from gateway.admin import (
     RECENT_AUTH_FAILURES,
     AdminApi,
@@ -84,14 +87,16 @@ from gateway.authn import AuthDecision, Authenticator, ReloadError, WatchedFile
 from gateway.cache import QueueCache
 from gateway.channel import ChannelConfig
 from gateway.commits import CommitBatcher
+from gateway.config import Config
 from gateway.limits import LimitCounters
 from gateway.metrics import NodeMetrics
-from gateway.listeners import ListenerSpec, listener_specs
+from gateway.listeners import ListenerSpec, TlsContext, listener_specs
 from gateway.logs import leaves
 from gateway.messages import from_record, to_new_message
 from gateway.packets import MQTT_5
 from gateway.passwords import PasswordFileError
 from gateway.poller import Poller
+from gateway.reload import Reloader
 from gateway.reasons import ReasonCode
 from gateway.server import Connection, Traffic, serve_mqtt
 from gateway.session import (SessionState, clamp_session_blob, clamp_to_heads, decode_session, encode_session,
@@ -103,7 +108,7 @@ from store.aio import LatencyBuckets
 from store.client import LocalStoreClient, StoreClient
 from store.commitlog import CommitLogConfig
 from store.errors import LogFullError, StartupError
-from store.node import open_store, until_signalled
+from store.node import on_hangup, open_store, until_signalled
 from store.process import freeze_startup_objects
 from store.record import Record, RecordTooLarge
 from store.rpc import parse_address
@@ -129,6 +134,10 @@ SYS_PREFIX = "$SYS/broker/"
 AUTH_RECHECK_S = 1.0
 """The password and ACL files are looked at (one ``stat`` each) at most this often, when a CONNECT, PUBLISH or
 SUBSCRIBE needs them: an edit takes effect within a second without a ``stat`` per message."""
+
+SHUTDOWN_S = 5.0
+"""How long a stopping node (SIGTERM) waits for its connections to be told (MQTT 5: DISCONNECT 0x8B), to save their
+sessions and to close, before it cancels what is left."""
 
 AUTH_THREADS = 4
 """argon2 verifications running at once: each takes one core and 19 MiB, so a CONNECT storm on a 2-core machine
@@ -205,6 +214,7 @@ class GatewayNode:
         self._identity_as_username = identity_as_username
         self._auth_checked = time.monotonic()  # the files were loaded just now
         self._auth_threads = trio.CapacityLimiter(AUTH_THREADS)
+        self._stopping = False  # shutdown() runs: wills stay with the store, as when a node dies
 
     # --- Backend ------------------------------------------------------------------------
 
@@ -252,8 +262,8 @@ class GatewayNode:
         if not client_id or self._connections.get(client_id) is not connection:
             return
         del self._connections[client_id]
-        if client_id not in self._wills:  # closed without a will to publish: the store must not publish it either
-            self.nursery.start_soon(self._drop_will, client_id)
+        if client_id not in self._wills and not self._stopping:  # closed without a will to publish: the store
+            self.nursery.start_soon(self._drop_will, client_id)  # must not publish it either
         state = self._sessions.get(client_id)
         if state is not None and state.expiry_s > 0:
             self._start_expiry(client_id, state.expiry_s)
@@ -280,9 +290,10 @@ class GatewayNode:
         self._cancel(self._wills, client_id)
         self._cancel(self._expiries, client_id)
         await self._hold_will(client_id, action)
+        may_read = None if self._acl is None else ReadCheck(self._read_acl, decision.username, client_id)
         if action.clean_start:
             await self.drop_session(client_id)
-            connection.feed(SessionOpened(False))
+            connection.feed(SessionOpened(False, may_read=may_read))
             return
         state = self._sessions.get(client_id)
         if state is None:
@@ -299,7 +310,12 @@ class GatewayNode:
                 if sub.group is not None:
                     await self.groups.join(connection, sub, None)
                 self._subscribe_local(connection, sub.queue)
-        connection.feed(SessionOpened(state is not None, state))
+        connection.feed(SessionOpened(state is not None, state, may_read=may_read))
+
+    def _read_acl(self) -> Acl:
+        """The ACL in effect, for delivery checks (per message: no file look; CONNECTs, PUBLISHes, SUBSCRIBEs and
+        SIGHUP reload it)."""
+        return self._acl.value  # type: ignore[union-attr]
 
     async def _resumed(self, state: SessionState, *, log: bool = False) -> SessionState:
         """The session as it resumes: the offsets the light queues committed where they are ahead of its own
@@ -725,6 +741,21 @@ class GatewayNode:
         connection = self._connections.get(client_id)
         return None if connection is None else _client_info(connection)
 
+    async def shutdown(self) -> None:
+        """Stop serving clients (SIGTERM): each connected client is told (MQTT 5: DISCONNECT 0x8B, Server shutting
+        down) and its session saved as at any close; returns once they are closed or ``SHUTDOWN_S`` passed.
+
+        Wills are not published here: the store keeps the ones it holds, as when a node dies (docs/cluster.md).
+        """
+        self._stopping = True
+        connections = list(self._connections.values())
+        LOGGER.info("disconnecting clients: the server is shutting down", extra={"ctx": {"clients": len(connections)}})
+        for connection in connections:
+            connection.feed(ServerShutdown())
+        with trio.move_on_after(SHUTDOWN_S):
+            for connection in connections:
+                await connection.wait_finished()
+
     async def disconnect(self, client_id: str) -> bool:
         """Close the client's connection as an administrative action (MQTT 5: DISCONNECT 0x98).
 
@@ -963,14 +994,24 @@ def _channel_config(settings: Mapping[str, Any]) -> ChannelConfig:
     )
 
 
+@dataclass
+class Running:
+    """The node a ``serve_*`` call runs, filled in before it reports ready: what signals act on."""
+
+    node: GatewayNode | None = None
+    front: NodeFront | None = None
+
+
 async def serve_gateway(
     settings: Mapping[str, Any],
     *,
+    running: Running | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the embedded node until cancelled: store, notify, MQTT listener.
 
-    ``task_status.started`` receives the (host, port) listened on (port 0 picks a free one).
+    ``task_status.started`` receives the (host, port) listened on (port 0 picks a free one); ``running``, if given,
+    the node first.
 
     Raises:
         PasswordFileError, AclError: the configured password or ACL file is missing or malformed
@@ -984,7 +1025,8 @@ async def serve_gateway(
                                                        "written_offset": store.log.log.written_offset}})
         client = LocalStoreClient(store)
         try:
-            await serve_node(settings, client, front, flush_latency=store.log.flush_latency, task_status=task_status)
+            await serve_node(settings, client, front, flush_latency=store.log.flush_latency, running=running,
+                             task_status=task_status)
         finally:
             client.close()
 
@@ -1006,7 +1048,8 @@ class NodeFront:
     def from_settings(cls, settings: Mapping[str, Any]) -> NodeFront:
         """Raises PasswordFileError, AclError or ListenerError (each names the file)."""
         authenticator = Authenticator.from_config(settings)  # type: ignore[arg-type]  # any mapping of the options
-        acl = WatchedFile(settings["auth.acl_file"], Acl.load) if settings["auth.acl_file"] else None
+        load = functools.partial(Acl.load, wildcard_mode=settings["auth.acl_wildcard_mode"])
+        acl = WatchedFile(settings["auth.acl_file"], load) if settings["auth.acl_file"] else None
         LOGGER.info("authentication ready", extra={"ctx": {
             "password_file": settings["auth.password_file"] or None, "acl_file": settings["auth.acl_file"] or None,
             "allow_anonymous": authenticator.allow_anonymous}})
@@ -1019,6 +1062,7 @@ async def serve_node(
     front: NodeFront,
     *,
     flush_latency: LatencyBuckets | None = None,
+    running: Running | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a gateway node over ``store`` (embedded or remote) until cancelled: listeners, notify, timers, ``$SYS``,
@@ -1026,6 +1070,7 @@ async def serve_node(
 
     ``task_status.started`` receives the (host, port) of the plain TCP listener. ``flush_latency`` is the
     CommitLog's flush histogram when the store runs in this process (exported with the node's metrics).
+    ``running`` receives the node and its front before "ready".
     """
     async with trio.open_nursery() as nursery:
         node = GatewayNode(store, nursery, _channel_config(settings), settings["mqtt.connect_timeout_s"],
@@ -1052,6 +1097,8 @@ async def serve_node(
         if admin is not None:
             admin.mqtt_ready = True
         host, port = bound[0].host, bound[0].port  # the plain TCP listener comes first
+        if running is not None:
+            running.node, running.front = node, front
         LOGGER.info("gateway node ready", extra={"ctx": {"host": host, "port": port,
                                                          **{f"{b.kind}_port": b.port for b in bound[1:]}}})
         task_status.started((host, port))
@@ -1060,6 +1107,7 @@ async def serve_node(
 async def serve_cluster_gateway(
     settings: Mapping[str, Any],
     *,
+    running: Running | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a cluster gateway node until cancelled: ``serve_node`` over the store node at ``gateway.store``.
@@ -1082,19 +1130,36 @@ async def serve_cluster_gateway(
     async with RemoteStoreClient.connect(host, port, timeout_s=None, token=settings.get("store.token", "")) as client:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.log_statistics)
-            bound = await nursery.start(functools.partial(serve_node, settings, client, front))
+            bound = await nursery.start(functools.partial(serve_node, settings, client, front, running=running))
             task_status.started(bound)
 
 
-async def _serve_until_signalled(settings: Mapping[str, Any], serve: Any = serve_gateway) -> None:
+async def _serve_until_signalled(conf: Config, serve: Any = serve_gateway) -> None:
+    """Run ``serve`` until SIGINT or SIGTERM (clients told first: ``GatewayNode.shutdown``); reload on SIGHUP."""
+    running = Running()
+    reloader = Reloader(conf)
+
+    def reload() -> None:
+        if running.front is None:
+            LOGGER.info("SIGHUP before the node is ready: nothing reloaded", extra={"ctx": {"signal": "SIGHUP"}})
+            return
+        reloader.passwords = running.front.authenticator.passwords
+        reloader.acl = running.front.acl
+        reloader.tls = next((spec.ssl_context for spec in running.front.specs
+                             if isinstance(spec.ssl_context, TlsContext)), None)
+        reloader.reload()
+
     async with trio.open_nursery() as nursery:
 
         async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:
             await until_signalled(task_status=task_status)
+            if running.node is not None:
+                await running.node.shutdown()
             nursery.cancel_scope.cancel()
 
         await nursery.start(stop_on_signal)  # signals are caught before "ready" is logged
-        await nursery.start(serve, settings)
+        await nursery.start(on_hangup, reload)
+        await nursery.start(functools.partial(serve, conf.values, running=running))
     LOGGER.info("gateway node stopped")
 
 
@@ -1114,7 +1179,7 @@ def run_gateway_node(conf: Any, serve: Any = serve_gateway) -> int:
     freeze_startup_objects()
     failed = False
     try:
-        trio.run(_serve_until_signalled, conf.values, serve)
+        trio.run(_serve_until_signalled, conf, serve)
     except* OSError as group:  # e.g. the port is taken; nurseries may wrap it in a group
         failures = leaves(group)
         LOGGER.error("gateway node failed: %s", "; ".join(f"{type(exc).__name__}: {exc}" for exc in failures))

@@ -28,7 +28,9 @@ go to ``channel.handle_protocol_error``; any other failure inside a connection
 is logged with the client id and the reason and ends that connection only.
 
 Resource handling: each connection's stream is closed by its handler, after
-the writes queued before the ``Close`` action (bounded by ``CLOSE_TIMEOUT_S``).
+the writes queued before the ``Close`` action (bounded by ``CLOSE_TIMEOUT_S``)
+and a lingering half-close (``LINGER_S``, ``LINGER_BYTES``) that lets the
+client read the last packet before the socket goes.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from gateway.actions import (
 from gateway.admission import Admission
 from gateway.channel import KEEPALIVE_TIMER, Channel, ChannelConfig
 from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
-from gateway.listeners import BoundListener, ListenerSpec, Peer, serve_listeners
+from gateway.listeners import BoundListener, ListenerSpec, Peer, WebSocketStream, serve_listeners
 from gateway.packets import Publish
 from gateway.poller import Poller
 from gateway.reasons import RemoteProtocolError
@@ -77,6 +79,16 @@ SYNC_WRITES = 4
 
 CLOSE_TIMEOUT_S = 10.0
 """How long a closing connection waits for its store results (to save an exact session) and its last writes."""
+
+LINGER_S = 2.0
+"""After its last write the server half-closes a connection and reads and discards what the client still sends,
+until the client closes too or this long: closing a socket with unread input makes the kernel send a reset, which
+discards what was not transmitted yet (the refusing CONNACK, the DISCONNECT's reason) and may reach the client
+before it read them. Long enough for a client to read its last packet over a slow link; the client's registration
+is released before, so a reconnect with the same client id does not wait for it."""
+
+LINGER_BYTES = 256 * 1024
+"""A lingering connection reads at most this much: a client that keeps sending costs bounded work."""
 
 
 DELIVERY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0, 600.0)
@@ -202,7 +214,7 @@ class Connection:
         return self.channel.client_id
 
     async def wait_finished(self) -> None:
-        """Return once the connection is completely gone (socket closed, node told): what a takeover waits for."""
+        """Return once the connection is gone (node told; the socket at most lingers): what a takeover waits for."""
         if self._done:
             await trio.lowlevel.checkpoint()
             return
@@ -420,11 +432,40 @@ class Connection:
                 scope.cancel()
             with trio.CancelScope(shield=True):
                 await self._until(lambda: not (self._writing or self._working))
-                await self._stream.aclose()
             self._backend.connection_closed(self)
             self._done = True
             if self._finished is not None:
                 self._finished.set()
+            try:
+                await self._linger()  # cancelled (the node stops): no lingering
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._stream.aclose()
+
+    async def _linger(self) -> None:
+        """Half-close, then read and discard input until the client closes too, ``LINGER_S`` pass or
+        ``LINGER_BYTES`` arrive, so the socket is not closed with unread input (a reset). A WebSocket's close
+        handshake does the same (gateway/listeners.py).
+
+        TLS is half-closed below it, on the TCP connection (trio sends no close_notify alone): the client sees
+        the end at once, as plain TCP clients do, rather than after ``LINGER_S``.
+        """
+        stream = self._stream
+        if self._broken or isinstance(stream, WebSocketStream):
+            return
+        transport = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        with trio.move_on_after(LINGER_S):
+            try:
+                if isinstance(transport, trio.abc.HalfCloseableStream):
+                    await transport.send_eof()
+                read = 0
+                while read < LINGER_BYTES:
+                    data = await transport.receive_some(RECEIVE_BYTES)
+                    if not data:
+                        return
+                    read += len(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return
 
     async def _task(self, name: str, body: Callable[[], Awaitable[None]]) -> None:
         """Run the writer or the worker in the node's nursery; a failure ends this connection only."""

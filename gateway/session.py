@@ -104,6 +104,7 @@ class Link:
     aliases: dict[str, int] = field(default_factory=dict)  # outbound topic -> alias, for this connection
     qos0_queue_bytes: int = 0  # QoS 0 bytes handed to the socket but not yet written before new ones drop (0: none)
     report: Callable[[Limit, int, str | None], LimitHit] = LimitHit  # builds the action for a limit hit
+    may_read: Callable[[str], bool] | None = None  # the ACL's delivery check (topic -> readable); None: all are
 
 
 @final
@@ -388,7 +389,7 @@ class Session:
                     continue
                 template = self._template(link, message, sub, qos, sub.options.retain_as_published and message.retain)
                 if template is None:
-                    continue  # expired, No Local, or too big for the client: skipped, its offset advances
+                    continue  # expired, No Local, not readable, or too big for the client: skipped, offset advances
                 stream.unacked.add(offset)
                 if not oldest or message.store_ms < oldest:
                     oldest = message.store_ms
@@ -451,6 +452,8 @@ class Session:
         """Encode ``message`` for this subscriber, or None if it must not be sent to it."""
         if sub.options.no_local and message.client_id == self.client_id:
             return None
+        if link.may_read is not None and not link.may_read(message.topic):
+            return None  # a wildcard overlapping an ACL deny rule: the denied topics are withheld
         topic = message.topic
         properties = b""
         new_alias = False

@@ -6,8 +6,8 @@ gateway processes. Each one is a plain ``lightgate gateway`` process (its own
 store connection and node name) whose listeners set SO_REUSEPORT; the kernel
 spreads new connections over them.
 
-This parent only starts the workers, forwards SIGINT/SIGTERM to them and waits
-for them all; it does not restart a worker that dies (the devices of a dead
+This parent only starts the workers, forwards SIGINT/SIGTERM to them (as
+SIGTERM) and SIGHUP (as SIGHUP: each worker reloads), and waits for them all; it does not restart a worker that dies (the devices of a dead
 worker reconnect and land on the others; a service manager restarts the whole
 group). Worker ``i`` serves its admin API on ``admin.port + i`` so each can be
 scraped (with ``admin.port`` 0 every worker has none).
@@ -50,9 +50,9 @@ def run_workers(argv: Sequence[str], conf: Any) -> int:
     def forward(signum: int, frame: FrameType | None) -> None:
         for child in children.values():
             if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
+                child.send_signal(signal.SIGHUP if signum == signal.SIGHUP else signal.SIGTERM)
 
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     failed = 0
     try:
         while children:

@@ -1,4 +1,4 @@
-"""MQTT topic names and topic filters: validation, matching and the `$share` prefix.
+"""MQTT topic names and topic filters: validation, matching, overlap and the `$share` prefix.
 
 One definition of the MQTT 3.1.1 / 5.0 rules (3.1.1 §4.7, 5.0 §4.7-4.8) for every
 package that handles topics: the gateway validates PUBLISH topic names and
@@ -28,6 +28,7 @@ __all__ = [
     "SHARE_PREFIX",
     "TopicError",
     "TopicLimits",
+    "filters_overlap",
     "first_level_queue",
     "is_wildcard",
     "matches",
@@ -151,6 +152,28 @@ def matches(filter: str, topic: str) -> bool:
         if f != "+" and f != t_levels[i]:
             return False
     return len(f_levels) == len(t_levels)
+
+
+def filters_overlap(a: str, b: str) -> bool:
+    """Is there a topic name that both (valid) filters match?"""
+    if (a[:1] in ("+", "#") and b.startswith("$")) or (b[:1] in ("+", "#") and a.startswith("$")):
+        return False
+    a_levels = a.split("/")
+    b_levels = b.split("/")
+    for i in range(max(len(a_levels), len(b_levels))):
+        x = a_levels[i] if i < len(a_levels) else None
+        y = b_levels[i] if i < len(b_levels) else None
+        if x == "#" or y == "#":
+            if x is not None and y is not None:
+                return True
+            # One filter has ended: "#" must match zero levels, so the shared topic is the levels
+            # before i, which must not be the empty topic (a single level forced to "").
+            return not (i == 1 and "" in (a_levels[0], b_levels[0]))
+        if x is None or y is None:
+            return False
+        if x != "+" and y != "+" and x != y:
+            return False
+    return True
 
 
 def first_level_queue(topic: str) -> str:

@@ -48,7 +48,7 @@ from store.tasks import background
 
 LOGGER = logging.getLogger(__name__)
 
-__all__ = ["SESSIONS_FAMILY", "StoreNode", "open_store", "run_store_node", "until_signalled"]
+__all__ = ["SESSIONS_FAMILY", "StoreNode", "on_hangup", "open_store", "run_store_node", "until_signalled"]
 
 SESSIONS_FAMILY = "sessions"
 """Its own column family: the light queues own every key of the default family, and session
@@ -413,12 +413,29 @@ async def until_signalled(*, task_status: trio.TaskStatus[None] = trio.TASK_STAT
             return
 
 
+async def on_hangup(reload: Callable[[], None] | None = None, *,
+                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Call ``reload`` on every SIGHUP until cancelled, so that the signal never ends the process (its default).
+
+    ``reload`` (None: nothing to reload, the signal is only logged) must not raise; it logs what it did. As with
+    ``until_signalled``, ``task_status.started`` is called once the signal is caught.
+    """
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        task_status.started()
+        async for _ in signals:
+            if reload is None:
+                LOGGER.info("SIGHUP: nothing to reload here", extra={"ctx": {"signal": "SIGHUP"}})
+            else:
+                reload()
+
+
 async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = None,
-                      fix_session: SessionFixer | None = None) -> None:
+                      reload: Callable[[], None] | None = None, fix_session: SessionFixer | None = None) -> None:
     """Run a store node, serving gateway nodes over the RPC on ``store.listen``, until SIGINT or SIGTERM.
 
     ``access`` (store/access.py, built by the command line from ``auth.*`` and ``store.token``)
-    decides who may connect; None: everyone. ``fix_session``: see ``open_store``.
+    decides who may connect; None: everyone. ``reload`` runs on each SIGHUP (``on_hangup``);
+    ``fix_session``: see ``open_store``.
 
     Raises:
         ValueError: ``store.listen`` is not HOST:PORT (checked before the store opens).
@@ -438,6 +455,7 @@ async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = 
                 nursery.cancel_scope.cancel()
 
             await nursery.start(stop_on_signal)  # signals are caught before "ready" is logged
+            await nursery.start(on_hangup, reload)
             listeners = await nursery.start(partial(serve_rpc, node, host, port, access=access))
             bound_host, bound_port = listeners[0].socket.getsockname()[:2]
             LOGGER.info(
@@ -449,10 +467,11 @@ async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = 
     LOGGER.info("store node stopped")
 
 
-def run_store_node(conf: Any, access: StoreAccess | None = None, fix_session: SessionFixer | None = None) -> int:
+def run_store_node(conf: Any, access: StoreAccess | None = None, reload: Callable[[], None] | None = None,
+                   fix_session: SessionFixer | None = None) -> int:
     """Entry point for ``lightgate store``/``serve``: returns the process exit status.
 
-    ``access``, ``fix_session``: see ``serve_store``.
+    ``access``, ``reload``, ``fix_session``: see ``serve_store``.
     """
     try:
         parse_address(conf.values["store.listen"])
@@ -462,7 +481,7 @@ def run_store_node(conf: Any, access: StoreAccess | None = None, fix_session: Se
     freeze_startup_objects()
     failed = False
     try:
-        trio.run(serve_store, conf.values, access, fix_session)
+        trio.run(serve_store, conf.values, access, reload, fix_session)
     except* OSError as group:  # e.g. the RPC port is taken; nurseries may wrap it in a group
         LOGGER.error("store node failed: %s", "; ".join(str(exc) for exc in group.exceptions))
         failed = True

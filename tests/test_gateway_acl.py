@@ -5,8 +5,8 @@ import itertools
 import pytest
 
 from gateway import acl as acl_module
-from gateway.acl import Access, Acl, AclError, filter_covers, filters_overlap
-from lightqueue.topics import TopicError, matches, validate_filter
+from gateway.acl import Access, Acl, AclError, ReadCheck, filter_covers
+from lightqueue.topics import TopicError, filters_overlap, matches, validate_filter
 
 PUB, SUB = Access.PUBLISH, Access.SUBSCRIBE
 
@@ -150,14 +150,45 @@ def test_subscribe_needs_the_rule_to_cover_the_whole_filter():
     assert not acl.check("u", "c", SUB, "#")
 
 
-def test_subscribe_deny_rules_match_any_overlap():
-    """`deny subscribe secret/#` must also refuse `#`, which would deliver secret/... messages."""
-    acl = Acl.parse("user u\ndeny subscribe secret/#\nallow subscribe #\n")
+def test_subscribe_deny_rules_refuse_any_overlap_in_refuse_mode():
+    """`auth.acl_wildcard_mode = "refuse"`: `deny subscribe secret/#` also refuses `#`, which would deliver
+    secret/... messages."""
+    acl = Acl.parse("user u\ndeny subscribe secret/#\nallow subscribe #\n", wildcard_mode="refuse")
     assert not acl.check("u", "c", SUB, "#")
     assert not acl.check("u", "c", SUB, "+/x")
     assert not acl.check("u", "c", SUB, "secret")
     assert acl.check("u", "c", SUB, "public/#")
     assert acl.check("u", "c", SUB, "secrets/x")
+
+
+def test_subscribe_deny_rules_refuse_what_they_cover_in_filter_mode():
+    """The default, as Mosquitto and EMQX: a wildcard overlapping a deny rule is granted (the denied topics are
+    withheld at delivery); what the deny rule covers is refused."""
+    acl = Acl.parse("default allow\npattern\ndeny subscribe test/nosubscribe\ndeny subscribe secret/#\n")
+    assert acl.wildcard_mode == "filter"
+    for granted in ("#", "+/+", "test/+", "+/nosubscribe", "+", "public/#"):
+        assert acl.check("u", "c", SUB, granted), granted
+    for refused in ("test/nosubscribe", "secret/#", "secret/+", "secret/a/b", "secret"):  # `secret/#` has `secret`
+        assert not acl.check("u", "c", SUB, refused), refused
+    read = ReadCheck(lambda: acl, "u", "c")
+    assert [read(t) for t in ("test/nosubscribe", "test/x", "secret/a", "secret", "secrets/a")] == \
+        [False, True, False, False, True]
+
+
+def test_read_check_decides_each_topic_once_and_starts_over_on_a_reloaded_acl():
+    current = [Acl.parse("default allow\npattern\ndeny subscribe a/x\n")]
+    read = ReadCheck(lambda: current[0], None, "c")
+    calls = []
+    current[0].check = lambda *args: calls.append(args) or args[3] != "a/x"  # count the ACL's decisions
+    assert [read("a/x"), read("a/y"), read("a/x"), read("a/y")] == [False, True, False, True]
+    assert len(calls) == 2
+    current[0] = Acl.parse("default allow\npattern\ndeny subscribe a/y\n")  # reloaded
+    assert [read("a/x"), read("a/y")] == [True, False]
+
+
+def test_an_unknown_wildcard_mode_is_refused():
+    with pytest.raises(ValueError, match="wildcard_mode"):
+        Acl.parse("default allow\n", wildcard_mode="lenient")
 
 
 def test_publish_and_subscribe_are_separate_rights(fleet):

@@ -32,11 +32,11 @@ from gateway.bridge import (
     Direction,
     Endpoint,
     Rule,
-    filters_overlap,
     loop_conflicts,
     parse_rule,
     settings_from_config,
 )
+from lightqueue.topics import filters_overlap
 
 ROOT = Path(__file__).resolve().parents[1]
 V5 = {"protocol": mqtt.MQTTv5}
@@ -90,6 +90,7 @@ def test_topics_are_renamed_by_prefix_and_direction():
     ("a/b", "a/b", True), ("a/b", "a/c", False), ("a/+", "a/b", True), ("a/#", "a", True),
     ("a/#", "b/#", False), ("#", "x/y/z", True), ("a/+/c", "a/b/+", True), ("a/+", "a/b/c", False),
     ("#", "$SYS/x", False), ("+/x", "$SYS/x", False), ("$SYS/#", "$SYS/x", True), ("cloud/#", "site/#", False),
+    ("+", "/#", False), ("/#", "a", False),  # "/#" matches "/" and "/x" but no one-level topic (no empty topic)
 ])
 def test_filters_overlap(a, b, overlap):
     assert filters_overlap(a, b) is overlap

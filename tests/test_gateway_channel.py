@@ -32,6 +32,7 @@ from gateway.actions import (
     Release,
     SaveSession,
     Send,
+    ServerShutdown,
     SessionOpened,
     SocketWritten,
     TakenOver,
@@ -728,3 +729,76 @@ def test_late_node_results_after_close_are_ignored():
     assert channel.handle_event(Pulled("a/b", (msg(0),), 1)) == []
     assert channel.handle_event(QueueAdvanced("a/b", 5)) == []
     assert channel.handle_timeout("keepalive") == []
+
+
+# --- the client's Maximum Packet Size on every packet sent ([MQTT-3.1.2-24]) ---------------------------------
+
+
+def _sizes(actions: list, level: int = MQTT_5) -> list[int]:
+    return [len(encode(p, level)) for p in sent(actions)]
+
+
+def test_a_connack_over_the_clients_maximum_packet_size_is_never_sent():
+    """[MQTT-3.1.2-24]: the CONNACK takes 16 bytes (receive maximum, maximum packet size, topic alias maximum); a
+    client declaring 5..15 gets the 5-byte CONNACK 0x95 (packet too large) instead, one declaring 2..4 nothing,
+    and neither opens (or takes over) a session."""
+    for limit, answer in ((15, [R.PACKET_TOO_LARGE]), (5, [R.PACKET_TOO_LARGE]), (4, []), (2, [])):
+        channel = Channel(ChannelConfig(reason_strings=True), Clock())
+        actions = channel.handle_in(Connect(client_id="tiny", properties=Properties(maximum_packet_size=limit)))
+        assert [p.reason_code for p in sent(actions)] == answer, limit
+        assert all(size <= limit for size in _sizes(actions)), limit
+        assert not of(actions, OpenSession) and of(actions, Close)[0].reason is R.PACKET_TOO_LARGE
+    channel, _, actions = connect(properties=Properties(maximum_packet_size=16))
+    assert _sizes(actions) == [16] and sent(actions)[0].reason_code is R.SUCCESS
+
+
+def test_a_reason_string_is_left_out_when_the_packet_would_not_fit():
+    """[MQTT-3.14.2-3]: the DISCONNECT's Reason String goes only where it fits; the bare reason code is sent."""
+    channel, _, _ = connect(config=ChannelConfig(reason_strings=True), properties=Properties(maximum_packet_size=16))
+    actions = channel.handle_in(Publish("a/+", b"x"))  # a wildcard in a topic name: 0x90
+    (disconnect,) = sent(actions)
+    assert disconnect.reason_code is R.TOPIC_NAME_INVALID and disconnect.properties.reason_string is None
+    channel, _, _ = connect(config=ChannelConfig(reason_strings=True), properties=Properties(maximum_packet_size=200))
+    (disconnect,) = sent(channel.handle_in(Publish("a/+", b"x")))
+    assert disconnect.properties.reason_string  # room for it: sent
+
+
+def test_a_suback_over_the_clients_maximum_packet_size_closes_the_connection_instead():
+    """[MQTT-3.1.2-24]: a SUBACK with a reason code per filter can outgrow a small Maximum Packet Size: it is not
+    sent, nor what follows it, and the connection closes (the client would wait for it forever)."""
+    channel, _, _ = connect(properties=Properties(maximum_packet_size=20))
+    entries = tuple((f"t/{i}", SubscriptionOptions(qos=1)) for i in range(30))
+    (activate,) = of(channel.handle_in(Subscribe(1, entries)), Activate)
+    actions = channel.handle_event(Activated(activate.ref, {sub.filter: 0 for sub in activate.subscriptions}))
+    assert not sent(actions) and not of(actions, Deliver)
+    assert of(actions, Close)[0].reason is R.PACKET_TOO_LARGE and channel.state is not State.CONNECTED
+    assert of(actions, SaveSession) or of(actions, DropSession) or of(actions, Release)  # the session settles
+    channel, _, _ = connect(properties=Properties(maximum_packet_size=40))
+    (activate,) = of(channel.handle_in(Subscribe(1, entries[:20])), Activate)
+    actions = channel.handle_event(Activated(activate.ref, {sub.filter: 0 for sub in activate.subscriptions}))
+    assert _sizes(actions) == [25] and not of(actions, Close)
+
+
+@pytest.mark.parametrize("level", [MQTT_5, MQTT_311])
+def test_server_shutdown_says_0x8b_to_mqtt5_clients_and_leaves_the_will_to_the_store(level):
+    """SIGTERM: MQTT 5 clients get DISCONNECT 0x8B (Server shutting down) before the close; 3.1.1 has no server
+    DISCONNECT. The will is not published here (a cluster store publishes the wills it holds for a gone node)."""
+    expiry = Properties(session_expiry_interval=60) if level == MQTT_5 else Properties()
+    channel, _, _ = connect(level, will_topic="dead/dev1", will_payload=b"bye", clean=False, properties=expiry)
+    actions = channel.handle_event(ServerShutdown())
+    expected = [Disconnect(R.SERVER_SHUTTING_DOWN)] if level == MQTT_5 else []
+    assert sent(actions) == expected and of(actions, Close)[0].reason is R.SERVER_SHUTTING_DOWN
+    assert not of(actions, PublishWill) and of(actions, SaveSession)
+
+
+@pytest.mark.parametrize("level, answer", [(MQTT_5, R.SERVER_UNAVAILABLE), (MQTT_311, R.SERVER_UNAVAILABLE)])
+def test_server_shutdown_before_the_connack_refuses_the_connect(level, answer):
+    """A CONNECT still being accepted when the node stops gets a refusing CONNACK (0x88; 3.1.1 return code 3),
+    not a DISCONNECT before any CONNACK; the session the node then opens is settled, not used."""
+    channel = Channel(ChannelConfig(), Clock())
+    assert of(channel.handle_in(Connect(protocol_level=level, client_id="late")), OpenSession)
+    actions = channel.handle_event(ServerShutdown())
+    (connack,) = sent(actions)
+    assert isinstance(connack, Connack) and connack.reason_code is answer
+    assert encode(connack, level)[3] == (0x88 if level == MQTT_5 else 3)
+    assert of(channel.handle_event(SessionOpened(False)), DropSession) and channel.state is State.CLOSED

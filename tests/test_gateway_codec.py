@@ -734,21 +734,22 @@ def test_decoder_refuses_bad_configuration(options):
 
 
 @pytest.mark.parametrize(
-    "wire",
+    "wire, level",
     [
-        connect_bytes(3, name=b"MQIsdp"),  # MQTT 3.1: not supported
-        connect_bytes(3),
-        connect_bytes(6),
-        connect_bytes(4, name=b"MQTX"),
+        (connect_bytes(3, name=b"MQIsdp"), None),  # MQTT 3.1: not supported
+        (connect_bytes(3), None),
+        (connect_bytes(6), None),
+        (connect_bytes(4, name=b"MQTX"), 4),  # a level we speak: the refusal is answered at it
+        (connect_bytes(5, name=b"MQTX"), 5),
     ],
 )
-def test_unsupported_protocol(wire):
+def test_unsupported_protocol(wire, level):
     decoder = MqttDecoder(role=Role.SERVER)
     decoder.feed(wire)
     with pytest.raises(RemoteProtocolError) as info:
         decoder.next_packet()
     assert info.value.reason is ReasonCode.UNSUPPORTED_PROTOCOL_VERSION
-    assert decoder.protocol_level is None
+    assert decoder.protocol_level == level
 
 
 @pytest.mark.parametrize("level", LEVELS)

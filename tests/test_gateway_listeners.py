@@ -306,7 +306,7 @@ def test_specs_from_the_options(pki):
     specs = listener_specs(conf)
     assert [(s.kind, s.host, s.port) for s in specs] == [
         ("tcp", "127.0.0.1", 1883), ("tls", "127.0.0.1", 8883), ("ws", "0.0.0.0", 8080), ("wss", "127.0.0.1", 8084)]
-    assert specs[1].ssl_context is specs[3].ssl_context and specs[1].ssl_context.verify_mode == ssl.CERT_REQUIRED
+    assert specs[1].ssl_context is specs[3].ssl_context and specs[1].ssl_context.context.verify_mode == ssl.CERT_REQUIRED
     assert specs[2].ssl_context is None and specs[2].path == "/m"
     assert [s.port for s in listener_specs({**conf, "node.port": 0})] == [0, 0, 0, 0]  # free ports for tests
 

@@ -160,3 +160,22 @@ def test_acks_while_most_of_the_window_is_in_flight_pump_once_the_read_is_done()
     assert session.puback(sent[2].packet_id) == []
     assert [p.payload for p in publishes(session.pump_due())] == [b"10"]
     assert session.pump_due() == []  # nothing deferred any more
+
+
+def test_a_topic_the_subscriber_may_not_read_is_withheld_and_its_offset_advances():
+    """The ACL's delivery check (``Link.may_read``): a wildcard granted over a deny rule never delivers a denied
+    topic, from the queue or retained, and a resumed in-flight message on it is dropped, not resent."""
+    readable = lambda topic: topic != "a/denied"  # noqa: E731
+    session = attached(may_read=readable)
+    denied = Message("a/denied", b"no", 1, queue="a/+", offset=0)
+    actions = session.pulled("a/+", (denied, msg(1)), 2)
+    assert [p.topic for p in publishes(actions)] == ["a/b"]
+    session.puback(publishes(actions)[0].packet_id)
+    assert session.committed_offsets() == {"a/+": 2}
+    retained = session.retained((("a/+", Message("a/denied", b"r", 0, True)), ("a/+", Message("a/ok", b"r", 0, True))))
+    assert [p.topic for p in publishes(retained)] == ["a/ok"]
+    state = SessionState("c", 60, (SUB,), {"a/+": 0}, {"a/+": 1}, inflight=(InFlight(5, "a/+", 0, 1),))
+    resumed = Session("c", 60, state)
+    resumed.attach(link(may_read=readable))
+    actions = resumed.pulled("a/+", (denied,), 1)
+    assert publishes(actions) == [] and resumed.inflight == ()

@@ -4,10 +4,11 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
-from mqtt_fixtures import WAIT_S, running_node
+from mqtt_fixtures import WAIT_S, running_node, wait_until
 from processes import ROOT
 
 RUN_TIMEOUT_S = 120.0  # a 3-5 s run plus process start-up, drain and disconnects on 2 loaded cores
@@ -84,6 +85,22 @@ def test_churning_devices_resume_their_sessions_and_lose_nothing(node, tmp_path,
     assert d["configured"] < d["connects"] <= d["configured"] + d["churn_disconnects"]
     assert report["errors"]["total"] == 0
     assert_nothing_lost(report)
+
+
+def retained_status(node) -> list[str]:
+    """The topics of the retained messages under ``status/`` (the node's admin API)."""
+    port = node.wait_log(lambda doc: doc.get("msg") == "admin API ready")["port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/retained?filter=status/%23", timeout=WAIT_S) as answer:
+        return [message["topic"] for message in json.load(answer)]
+
+
+@pytest.mark.slow
+def test_a_run_deletes_the_retained_status_messages_of_its_devices(node, tmp_path):
+    """Each device publishes a retained `status/<device>` ("online", or its will's "offline"): the run deletes
+    them when it ends, so a broker is left as it was."""
+    before = set(retained_status(node))
+    simulate(node, tmp_path, "--duration", "1")
+    wait_until(lambda: set(retained_status(node)) <= before, what="the status messages deleted")  # once dispatched
 
 
 def test_bad_options_are_refused_with_a_reason(tmp_path):
