@@ -93,6 +93,7 @@ from gateway.packets import MQTT_5
 from gateway.passwords import PasswordFileError
 from gateway.poller import Poller
 from gateway.reasons import ReasonCode
+from gateway.sdnotify import notify
 from gateway.server import Connection, Traffic, serve_mqtt
 from gateway.session import SessionState, decode_session, encode_session, merge_committed
 from gateway.shared import SHARE_OWNER_PREFIX, GroupArbiter, SharedGroups
@@ -1065,6 +1066,7 @@ async def _serve_until_signalled(settings: Mapping[str, Any], serve: Any = serve
 
         await nursery.start(stop_on_signal)  # signals are caught before "ready" is logged
         await nursery.start(serve, settings)
+        notify("READY=1")  # a systemd Type=notify service (packaging/lightgate.service) is started now
     LOGGER.info("gateway node stopped")
 
 
