@@ -2,18 +2,30 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+BASE := $(VENV)/.installed-base
+DEV := $(VENV)/.installed-dev
 
-.PHONY: venv run test test-deps test-fast bench bench-peers clean
+.PHONY: venv venv-dev run test test-deps test-fast bench bench-peers dist clean
 
-venv: $(STAMP)
+# `make run` needs the broker only: the base install. `make test` and `make bench` need everything: the dev
+# extra (the analytics and bench extras, the test tools). A stamp is remade only when pyproject.toml changed;
+# a dev install is a base install too, so it refreshes both stamps (`make run` after `make test` installs
+# nothing, `make test` after `make run` installs the rest).
+venv: $(BASE)
 
-# Re-install only when pyproject.toml changed (the stamp is older than it).
-$(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+venv-dev: $(DEV)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(BASE): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	@touch $@
+
+$(DEV): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	@touch $(STAMP)
+	@touch $@ $(BASE)
 
 run: venv
 	$(BIN)/lightgate serve $(ARGS)
@@ -32,22 +44,27 @@ test-deps:
 	else (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
 		|| echo "test-deps: could not install chromium and chromium-driver: the dashboard test will skip"; fi
 
-test: venv test-deps
+test: venv-dev test-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: venv test-deps
+test-fast: venv-dev test-deps
 	$(BIN)/python -m pytest -m "not slow and not spark" $(PYTEST_ARGS)
 
-bench: venv bench-peers
+bench: venv-dev bench-peers
 	$(BIN)/lightgate bench all $(ARGS)
 
 # The brokers the gateway benchmarks compare against: Mosquitto from Debian (installed when missing and we
 # are root; its package may start a system service, which the benchmarks ignore: they start their own on a
 # free port), amqtt from the project's dependencies.
-bench-peers: venv
+bench-peers: venv-dev
 	@command -v mosquitto >/dev/null || { test "$$(id -u)" = 0 && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto; } \
 		|| echo "bench-peers: mosquitto is missing and we are not root; its runs will be skipped"
-	@$(BIN)/python -c "import amqtt" || echo "bench-peers: amqtt is missing (run make venv); its runs will be skipped"
+	@$(BIN)/python -c "import amqtt" || echo "bench-peers: amqtt is missing (run make venv-dev); its runs will be skipped"
+
+# The wheel and the sdist in dist/ (pip install dist/lightgate-*.whl, or 'lightgate[analytics]' with
+# --find-links dist); docs/operations.md#install.
+dist: venv-dev
+	$(BIN)/python -m build --outdir dist .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis build dist

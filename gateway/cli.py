@@ -14,6 +14,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Callable
 
+from gateway import __version__, extras
 from gateway import config as cfg
 from gateway.logs import setup_logging
 
@@ -40,6 +41,16 @@ BENCHMARKS = {
 
 The modules import trio, the store and the load generator; they are imported
 only when the command is ``bench``, so other commands start without them."""
+
+EXTRAS = {
+    "analytics": ("analytics",),
+    "simulate": ("bench",),
+    "bench": ("bench",),
+    "bench analytics": ("bench", "analytics"),
+    "bench all": ("bench", "analytics"),
+}
+"""The pyproject extras a command needs beyond the base install (the broker's commands need none); the
+longest matching command wins. Checked before the command's modules are imported (gateway/extras.py)."""
 
 
 def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
@@ -271,7 +282,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     action.add_argument("--delete", action="store_true", help="remove USER instead")
     p.set_defaults(handler=_cmd_passwd)
 
-    p = sub.add_parser("bench", help="run a benchmark (prints a BENCH <json> line per benchmark)")
+    p = sub.add_parser("bench", help="run a benchmark (prints a BENCH <json> line per benchmark; the bench extra)")
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     bench_sub.add_parser("all", help="every benchmark with its default sizes")
     rp = bench_sub.add_parser("report", help="the broker benchmarks' results table across runs, and their charts",
@@ -285,26 +296,30 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             importlib.import_module(module_name).add_arguments(bp)
     p.set_defaults(handler=_cmd_bench)
 
-    p = sub.add_parser("analytics", help="Spark aggregation of device telemetry read from the CommitLog")
-    from spark_analytics.cli import add_arguments as add_analytics_arguments
-
-    add_analytics_arguments(p)
+    p = sub.add_parser("analytics", help="Spark aggregation of device telemetry read from the CommitLog "
+                                         "(the analytics extra)")
+    if argv is None or argv[:1] == ["analytics"]:
+        importlib.import_module("spark_analytics.cli").add_arguments(p)
     p.set_defaults(handler=_cmd_analytics)
 
     p = sub.add_parser("simulate", help="a fleet of paho-mqtt devices against any MQTT broker: throughput, "
-                                        "latency percentiles, lost messages")
-    from bench.simulate import add_arguments as add_simulate_arguments
-
-    add_simulate_arguments(p)
+                                        "latency percentiles, lost messages (the bench extra)")
+    if argv is None or argv[:1] == ["simulate"]:
+        importlib.import_module("bench.simulate").add_arguments(p)
     p.set_defaults(handler=_cmd_simulate)
 
-    parser.add_argument("--version", action="version", version="lightgate 0.1.0")
+    parser.add_argument("--version", action="version", version=f"lightgate {__version__}")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, set up logging once, run the subcommand; return its exit status."""
     argv = sys.argv[1:] if argv is None else argv
+    command = next((c for c in (" ".join(argv[:2]), " ".join(argv[:1])) if c in EXTRAS), None)
+    lacking = extras.missing_line(command, EXTRAS[command]) if command else None
+    if lacking:  # before build_parser imports the command's modules
+        sys.stderr.write(lacking + "\n")
+        return 2
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:

@@ -17,9 +17,16 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, final
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.utils import floatToGoString
 
+from gateway import __version__
 from store.aio import LatencyBuckets
 
 if TYPE_CHECKING:
@@ -78,6 +85,8 @@ class NodeMetrics:
         traffic = node.traffic
         online, offline = node.session_counts()
         admission = self._admission
+        yield InfoMetricFamily(PREFIX + "build", "the running LightGate's version (always 1)",
+                               value={"version": __version__})
         yield _gauge("connections", "open MQTT connections",
                      admission.connections if admission is not None else online)
         sessions = GaugeMetricFamily(PREFIX + "sessions", "sessions this node knows, by state: online (connected) "

@@ -98,6 +98,7 @@ from gateway.passwords import PasswordFileError
 from gateway.poller import Poller
 from gateway.reload import Reloader
 from gateway.reasons import ReasonCode
+from gateway.sdnotify import notify
 from gateway.server import Connection, Traffic, serve_mqtt
 from gateway.session import (SessionState, clamp_session_blob, clamp_to_heads, decode_session, encode_session,
                              merge_committed)
@@ -1160,6 +1161,7 @@ async def _serve_until_signalled(conf: Config, serve: Any = serve_gateway) -> No
         await nursery.start(stop_on_signal)  # signals are caught before "ready" is logged
         await nursery.start(on_hangup, reload)
         await nursery.start(functools.partial(serve, conf.values, running=running))
+        notify("READY=1")  # a systemd Type=notify service (packaging/lightgate.service) is started now
     LOGGER.info("gateway node stopped")
 
 

@@ -21,15 +21,20 @@ WAIT_S = 20.0
 
 
 class LightgateProcess:
-    """``python -m gateway.cli <args> --log-json``, started now, from the repository root."""
+    """``python -m gateway.cli <args> --log-json``, started now, from the repository root.
 
-    def __init__(self, *args: str, wait_s: float = WAIT_S) -> None:
+    ``command`` replaces ``python -m gateway.cli`` (e.g. an installed ``lightgate``), ``cwd`` the repository root,
+    and ``env`` the environment (default: this one, with the repository root on PYTHONPATH).
+    """
+
+    def __init__(self, *args: str, wait_s: float = WAIT_S, command: list[str] | None = None,
+                 cwd: Path = ROOT, env: dict[str, str] | None = None) -> None:
         self.args = args
         self.wait_s = wait_s
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", *args, "--log-json"],
-            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            [*(command or [sys.executable, "-m", "gateway.cli"]), *args, "--log-json"],
+            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=cwd,
+            env={**os.environ, "PYTHONPATH": str(ROOT)} if env is None else env,
         )
         self.logs: list[dict] = []
         self._changed = threading.Condition()

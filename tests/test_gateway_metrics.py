@@ -11,6 +11,7 @@ import trio
 from mqtt_fixtures import WAIT_S, Client, connected, running_node, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway import __version__
 from gateway.config import OPTIONS
 from gateway.metrics import histogram
 from gateway.node import serve_gateway
@@ -101,6 +102,12 @@ def test_metrics_move_with_traffic(node):
     assert value(during, "lightgate_dispatch_lag_bytes") >= 0
     reads = ("lightgate_queue_cache_hits_total", "lightgate_queue_cache_store_reads_total")
     assert sum(value(during, name) for name in reads) > sum(value(before, name) for name in reads)
+
+
+def test_build_info_names_the_running_version(node):
+    samples = scrape(node.admin_port)
+    builds = {labels: v for (name, labels), v in samples.items() if name == "lightgate_build_info"}
+    assert builds == {(("version", __version__),): 1.0}
 
 
 def test_auth_failures_and_limit_hits_are_counted(node):

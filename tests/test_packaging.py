@@ -1,0 +1,293 @@
+"""Packaging: the base install is the broker, the extras add the rest; the wheel runs without the checkout; the
+version has one source; the systemd unit and the Dockerfile hold together (docs/operations.md#install)."""
+
+from __future__ import annotations
+
+import configparser
+import http.client
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tomllib
+import uuid
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+from mqtt_fixtures import WAIT_S, connected
+from processes import LightgateProcess
+
+from gateway import __version__
+from gateway import config as cfg
+from gateway.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+BASE_COMMANDS = ("serve", "store", "gateway", "bridge", "passwd", "config")
+"""The commands the base install must run (the others need an extra)."""
+
+PACKAGES = ("gateway", "store", "lightqueue", "notify", "retain", "spark_analytics", "bench")
+"""Every package of the wheel (pyproject's find include)."""
+
+HEAVY = {"pyspark", "pyarrow", "pandas", "numpy", "matplotlib", "amqtt", "rich", "psutil", "hdrhistogram",
+         "selenium", "pytest", "hypothesis"}
+"""What the base install must not pull in (the 1.1 GB that made `make run` slow)."""
+
+OPTIONAL = {
+    "analytics": "lightgate analytics needs the analytics extra: pip install 'lightgate[analytics]'",
+    "simulate": "lightgate simulate needs the bench extra: pip install 'lightgate[bench]'",
+    "bench fanin": "lightgate bench needs the bench extra: pip install 'lightgate[bench]'",
+    "bench report": "lightgate bench needs the bench extra: pip install 'lightgate[bench]'",
+    "bench analytics": "lightgate bench analytics needs the bench and analytics extras: "
+                       "pip install 'lightgate[bench,analytics]'",
+}
+"""Command line -> the one line that refuses it on the base install."""
+
+
+def normalized(name: str) -> str:
+    """A distribution name as pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirement_name(requirement: str) -> str:
+    return normalized(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement).group())
+
+
+def extras_only() -> set[str]:
+    """What the extras require that the base install does not (their direct requirements, by name)."""
+    extras = {requirement_name(r) for rs in PYPROJECT["project"]["optional-dependencies"].values() for r in rs}
+    return extras - {requirement_name(r) for r in PYPROJECT["project"]["dependencies"]} - {"lightgate"}
+
+
+def test_the_version_has_one_source():
+    assert "version" in PYPROJECT["project"]["dynamic"] and "version" not in PYPROJECT["project"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gateway.__version__"}
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "--version"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"lightgate {__version__}\n"
+
+
+def test_broker_commands_load_only_base_dependencies():
+    """Every module of the broker's packages, and each base command's parser, import nothing of the analytics,
+    bench or dev extras (optional imports of other packages, e.g. msgspec's of typing_extensions, are theirs)."""
+    script = (
+        "import importlib, json, pkgutil, sys\n"
+        "from importlib import metadata\n"
+        "before = set(sys.modules)\n"
+        "from gateway.cli import build_parser\n"
+        f"for command in {BASE_COMMANDS!r}:\n"
+        "    build_parser([command])\n"
+        "for package in ('gateway', 'store', 'lightqueue', 'notify', 'retain'):\n"
+        "    for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + '.'):\n"
+        "        importlib.import_module(info.name)\n"
+        "tops = {name.split('.')[0] for name in set(sys.modules) - before}\n"
+        "dists = metadata.packages_distributions()\n"
+        "print(json.dumps(sorted({d for top in tops for d in dists.get(top, [])})))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    used = {normalized(d) for d in json.loads(done.stdout)}
+    assert {"trio", "rocksdict", "h11"} <= used, "the broker's own dependencies must show: else this proves nothing"
+    assert not used & (extras_only() | HEAVY)
+
+
+def test_extras_hold_the_heavy_packages_and_dev_holds_them_all():
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    base = {requirement_name(r) for r in PYPROJECT["project"]["dependencies"]}
+    assert not base & HEAVY
+    assert {"pyspark", "pyarrow", "pandas", "numpy"} <= {requirement_name(r) for r in extras["analytics"]}
+    assert {"amqtt", "hdrhistogram", "psutil", "rich"} <= {requirement_name(r) for r in extras["bench"]}
+    assert "lightgate[analytics,bench]" in extras["dev"]  # make test installs the extras through dev
+    assert {"pytest", "selenium", "build"} <= {requirement_name(r) for r in extras["dev"]}
+
+
+# --- the systemd unit ---------------------------------------------------------------------------------------
+
+UNIT = ROOT / "packaging" / "lightgate.service"
+
+
+def unit_service() -> configparser.SectionProxy:
+    parser = configparser.ConfigParser(interpolation=None, strict=False, delimiters=("=",))
+    parser.optionxform = str  # systemd keys are case-sensitive
+    parser.read_string(UNIT.read_text())
+    return parser["Service"]
+
+
+def test_the_unit_runs_serve_as_a_notify_service_reloaded_by_sighup():
+    service = unit_service()
+    assert service["Type"] == "notify"  # gateway/sdnotify.py sends READY=1 (tests/test_gateway_sdnotify.py)
+    assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    assert service["Restart"] == "on-failure"
+    assert service["User"] == "lightgate" and service["StateDirectory"] == "lightgate"
+    assert service["NoNewPrivileges"] == "yes" and service["ProtectSystem"] == "strict"
+    program, *args = shlex.split(service["ExecStart"])
+    assert program.endswith("/bin/lightgate") and args[0] == "serve"
+    conf = cfg.resolve(build_parser(args).parse_args(args))  # flags `lightgate serve` accepts
+    assert conf["node.data"] == "/var/lib/" + service["StateDirectory"]  # the directory systemd makes writable
+
+
+def test_systemd_analyze_verifies_the_unit(tmp_path):
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed (apt-get install systemd)")
+    lightgate = Path(sys.executable).with_name("lightgate")
+    if not lightgate.exists():
+        pytest.skip(f"no lightgate script next to {sys.executable} for ExecStart (pip install -e .)")
+    # verify checks that ExecStart's program exists: point it at this environment's lightgate.
+    unit = tmp_path / "lightgate.service"
+    unit.write_text(UNIT.read_text().replace("/opt/lightgate/bin/lightgate", str(lightgate)))
+    done = subprocess.run(["systemd-analyze", "verify", str(unit)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    # verify exits 0 on unknown keys and bad values; it only warns, so any output is a failure.
+    assert (done.returncode, done.stdout + done.stderr) == (0, "")
+
+
+# --- the Dockerfile -----------------------------------------------------------------------------------------
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(line for line in (ROOT / "Dockerfile").read_text().splitlines()
+                                          if not line.lstrip().startswith("#")))
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1].strip()) for line in text.splitlines()
+            if line.strip()]
+
+
+def test_the_dockerfile_builds_from_the_checkout_and_runs_serve_as_a_user():
+    steps = dockerfile()
+    stages = [i for i, (op, _) in enumerate(steps) if op == "FROM"]
+    assert len(stages) == 2, "multi-stage: the wheels are built apart from the image that runs them"
+    copied = set()
+    for op, rest in steps[:stages[1]]:
+        if op == "COPY":
+            *sources, _ = rest.split()
+            copied.update(sources)
+    for source in copied:
+        assert (ROOT / source).exists(), source
+    assert {"pyproject.toml", "README.md", *PACKAGES} <= copied, "the wheel needs every package"
+    final = dict(steps[stages[1]:])  # the last of each instruction in the final stage
+    assert final["USER"] not in ("root", "0")
+    entry = json.loads(final["ENTRYPOINT"]) + json.loads(final["CMD"])
+    assert entry[:2] == ["lightgate", "serve"]
+    conf = cfg.resolve(build_parser(entry[1:]).parse_args(entry[1:]))
+    assert final["VOLUME"] == conf["node.data"]
+    assert set(final["EXPOSE"].split()) == {str(conf["node.port"]), str(conf["admin.port"])} == {"1883", "18083"}
+    assert conf["node.host"] == conf["admin.host"] == "0.0.0.0"  # reachable through published ports
+    assert f"http://127.0.0.1:{conf['admin.port']}/healthz" in final["HEALTHCHECK"]
+
+
+# --- the wheel, installed without the checkout --------------------------------------------------------------
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without what would put the checkout or another venv on the path."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    return {**env, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
+def build_ignore(directory: str, names: list[str]) -> set[str]:
+    """What a copy of the checkout leaves out: VCS, virtualenvs, caches, build output, node data."""
+    skipped = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "build", "dist", "data"}
+    return {n for n in names if n in skipped or n.endswith(".egg-info")}
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory) -> Path:
+    """The sdist and the wheel of the checkout, built by ``python -m build`` (the wheel from the sdist) in a copy,
+    so the checkout gets no build output."""
+    work = tmp_path_factory.mktemp("packaging")
+    shutil.copytree(ROOT, work / "src", ignore=build_ignore)
+    done = subprocess.run([sys.executable, "-m", "build", "--outdir", str(work / "dist"), str(work / "src")],
+                          cwd=work, capture_output=True, text=True, timeout=600, env=clean_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return work / "dist"
+
+
+@pytest.fixture(scope="module")
+def base_venv(dist, tmp_path_factory) -> Path:
+    """A fresh virtualenv with the wheel installed, base only (the index or pip's cache supplies the
+    dependencies)."""
+    where = tmp_path_factory.mktemp("venv") / "venv"
+    venv.create(where, with_pip=True)
+    (wheel,) = dist.glob("*.whl")
+    done = subprocess.run([str(where / "bin" / "python"), "-m", "pip", "install", "--quiet", str(wheel)],
+                          capture_output=True, text=True, timeout=600, env=clean_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    return where
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_the_packages_the_dashboard_and_the_split_requirements(dist):
+    (wheel,) = dist.glob("*.whl")
+    (sdist,) = dist.glob("*.tar.gz")
+    assert wheel.name == f"lightgate-{__version__}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        meta = zf.read(f"lightgate-{__version__}.dist-info/METADATA").decode()
+    assert "gateway/dashboard.html" in names  # served by GET /
+    assert {f"{p}/__init__.py" for p in PACKAGES} <= names  # bench too: lightgate bench/simulate import it
+    assert not any(n.startswith(("tests/", "bench/results/")) for n in names)
+    requires = re.findall(r"^Requires-Dist: (.*)$", meta, re.MULTILINE)
+    base = {requirement_name(r) for r in requires if "extra ==" not in r}
+    assert base == {requirement_name(r) for r in PYPROJECT["project"]["dependencies"]}
+    assert any(r.startswith("pyspark") and 'extra == "analytics"' in r for r in requires)
+    assert set(re.findall(r"^Provides-Extra: (.*)$", meta, re.MULTILINE)) == {"analytics", "bench", "dev"}
+    with tarfile.open(sdist) as tf:
+        members = {m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name}
+    assert {"pyproject.toml", "gateway/dashboard.html", "tests/test_packaging.py", "packaging/lightgate.service",
+            "Dockerfile", "Makefile"} <= members
+
+
+@pytest.mark.slow
+def test_the_base_install_serves_mqtt_from_the_wheel_without_the_checkout(base_venv, tmp_path):
+    lightgate = base_venv / "bin" / "lightgate"
+    where = subprocess.run([str(base_venv / "bin" / "python"), "-c", "import gateway; print(gateway.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=60, env=clean_env())
+    assert Path(where.stdout.strip()).is_relative_to(base_venv), where
+    node = LightgateProcess("serve", "--port", "0", "--data", str(tmp_path / "data"), command=[str(lightgate)],
+                            cwd=tmp_path, env=clean_env())
+    try:
+        port = node.ready("gateway node ready")
+        admin_port = node.wait_log(lambda doc: doc.get("msg") == "admin API ready")["port"]
+        topic = f"wheel/{uuid.uuid4().hex[:8]}"
+        with connected(port) as sub, connected(port) as pub:
+            sub.subscribe(topic, 1)
+            pub.publish(topic, b"from the wheel", 1)
+            (message,) = sub.receive(1)
+        assert (message.topic, message.payload) == (topic, b"from the wheel")
+        conn = http.client.HTTPConnection("127.0.0.1", admin_port, timeout=WAIT_S)
+        conn.request("GET", "/metrics")
+        metrics = conn.getresponse().read().decode()
+        conn.request("GET", "/")  # the dashboard page, a data file of the wheel
+        page = conn.getresponse()
+        assert (page.status, page.getheader("content-type").split(";")[0]) == (200, "text/html")
+        page.read()
+        conn.close()
+        assert f'lightgate_build_info{{version="{__version__}"}} 1.0' in metrics
+    finally:
+        node.stop()
+    assert node.proc.returncode == 0
+    assert not node.errors()
+
+
+@pytest.mark.slow
+def test_the_base_install_names_the_extra_each_optional_command_needs(base_venv, tmp_path):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(base_venv / "bin" / "lightgate"), *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60, env=clean_env())
+
+    for command, line in OPTIONAL.items():
+        done = run(*command.split())
+        assert (done.returncode, done.stdout, done.stderr) == (2, "", line + "\n")
+    assert run("--version").stdout == f"lightgate {__version__}\n"
+    # bench and spark_analytics are in the wheel (importable), only usable with their extras.
+    imported = subprocess.run([str(base_venv / "bin" / "python"), "-c", "import bench, spark_analytics"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60, env=clean_env())
+    assert imported.returncode == 0, imported.stderr
