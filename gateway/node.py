@@ -109,7 +109,6 @@ from lightqueue.topics import TopicError, TopicLimits, parse_shared, validate_fi
 from store.aio import LatencyBuckets
 from store.client import LocalStoreClient, StoreClient
 from store.commitlog import CommitLogConfig
-from store.leases import LeaseLost
 from store.node import open_store, until_signalled
 from store.process import freeze_startup_objects
 from store.record import Record, RecordTooLarge
@@ -525,7 +524,7 @@ class GatewayNode:
         else:
             await self.store.drop_will(client_id, epoch=epoch)
 
-    async def _drop_will(self, client_id: str, epoch: int) -> None:
+    async def _drop_will(self, client_id: str, epoch: int | None) -> None:
         if client_id not in self._connections and client_id not in self._wills:  # else a newer connection's
             self.store.absent(client_id, epoch=epoch)
             await self.store.drop_will(client_id, epoch=epoch)
@@ -535,8 +534,8 @@ class GatewayNode:
             with scope:
                 await trio.sleep(action.delay_s)
                 del self._wills[action.client_id]
-                if epoch != self.store.epoch:  # the lease ended: the store published the will it held, or the
-                    return  # client resumed elsewhere
+                if epoch is not None and epoch != self.store.epoch:  # the lease ended: the store published the
+                    return  # will it held, or the client resumed elsewhere
                 reason = await self.append_messages([action.message], epoch=epoch)
                 if reason is not None:
                     LOGGER.error("will not published: %s", reason.name, extra={"ctx": {"client_id": action.client_id}})

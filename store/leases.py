@@ -16,12 +16,14 @@ will delay after the gateway's last frame (the connection's close is not
 enough to end a lease: a gateway that reconnects within ``LEASE_S`` keeps its
 clients' wills held, as its clients are still connected).
 
-Fencing: each lease has an epoch, unique in the store process. A node that
-reconnects names the lease it held; if that lease ended meanwhile (the node
-was frozen or cut off for longer than ``LEASE_S``), it gets a new lease and
-is told so (``rpc.Welcome.resumed``): its wills were published, its clients
-may have connected elsewhere, so every write it still makes under the old
-epoch is refused (``LeaseLost``) and it closes the old connections.
+Fencing: each lease has an epoch; a node's epochs never repeat within a store
+process. A node that reconnects names the lease it held; if that lease ended
+meanwhile (the node was frozen or cut off for longer than ``LEASE_S``), it gets
+a new lease and is told so (``rpc.Welcome.resumed``): its wills were
+published, its clients may have connected elsewhere, so every write it still
+makes under the old epoch is refused (``LeaseLost``) and it closes the old
+connections. A lease of an earlier store process (the store restarted) is
+adopted with its epoch: nothing of this store's ended, the node's clients stay.
 
 Resource handling: the timers run in the nursery given to ``NodeLeases``;
 they end with it (a store that shuts down fires nothing more). Held wills
@@ -34,7 +36,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from itertools import count
 from typing import final
 
 import trio
@@ -101,21 +102,24 @@ class NodeLeases:
         self._pending: dict[str, trio.CancelScope] = {}  # client id -> the delay timer of a will that will fire
         self._fired = 0
         self._ended = 0
-        self._epochs = count(1)  # 0 means "no lease" on the wire
+        self._next_epoch = 1  # 0 means "no lease" on the wire
 
-    def connected(self, node: str, epoch: int = 0) -> tuple[int, bool]:
+    def connected(self, node: str, epoch: int = 0, *, adopt: bool = False) -> tuple[int, bool]:
         """A connection of ``node`` completed its handshake: the lease is renewed and will not end meanwhile.
 
-        ``epoch`` is the lease the node says it held (0: none). Returns the
-        lease's epoch and whether it is that lease (False: it ended, and this
-        is a new one).
+        ``epoch`` is the lease the node says it held (0: none); ``adopt``: it
+        was a lease of an earlier store process, which this one takes over if
+        the node has none here. Returns the lease's epoch and whether it is
+        the one the node named (False: it ended, and this is a new one).
         """
         lease = self._leases.get(node)
         if lease is not None and lease.ending is not None and trio.current_time() >= lease.ending.deadline:
             self._end(node)  # due, its timer has not run yet: it ended all the same
             lease = None
         if lease is None:
-            lease = self._leases[node] = _Lease(next(self._epochs))
+            new_epoch = epoch if adopt and epoch else self._next_epoch
+            self._next_epoch = max(self._next_epoch, new_epoch) + 1  # never again for this node (nor any other)
+            lease = self._leases[node] = _Lease(new_epoch)
         resumed = epoch == lease.epoch
         lease.connections += 1
         lease.last_seen = trio.current_time()

@@ -654,9 +654,9 @@ class RpcServer:
                            extra={"ctx": {"node": node, "peer": peer}})
             old.cancel_scope.cancel()
             await old.closed.wait()
-        mine = hello.store_id == self.store_id  # else a lease of an earlier store process: its clients stay its own
-        epoch, resumed = self.leases.connected(node, hello.epoch if mine else 0)
-        resumed = resumed or not mine
+        # A lease of an earlier store process (a restart) is adopted: its clients stay the node's.
+        epoch, resumed = self.leases.connected(node, hello.epoch, adopt=hello.store_id != self.store_id)
+        resumed = resumed or not hello.epoch  # a first connection has nothing to resume
         connection = self._connections[node] = _Connection(self, stream, decoder, node, admitted, epoch)
         LOGGER.info("gateway node connected" if admitted.trusted else "back-end client connected",
                     extra={"ctx": {"node": node, "peer": peer, "epoch": epoch, "resumed": resumed}})

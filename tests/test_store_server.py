@@ -222,9 +222,16 @@ async def test_a_node_back_within_its_lease_resumes_it_with_the_same_epoch(port)
     assert (again.welcome.epoch, again.welcome.resumed) == (first.welcome.epoch, True)
 
 
-async def test_a_node_of_an_earlier_store_process_keeps_its_clients(port):
-    raw = await Raw.open(port, node="gw-a", store_id="a-store-that-restarted", epoch=7)
-    assert raw.welcome.resumed  # nothing of this store's ended: it registers its clients again
+async def test_a_node_of_an_earlier_store_process_keeps_its_lease_epoch_and_its_clients(port):
+    other = await Raw.open(port, node="gw-b")  # takes this store's first epochs
+    raw = await Raw.open(port, node="gw-a", store_id="a-store-that-restarted", epoch=other.welcome.epoch)
+    # Nothing of this store's ended: the lease is adopted with its epoch, so the writes the node makes for its
+    # clients (which name it) are taken, and it registers its clients again.
+    assert (raw.welcome.epoch, raw.welcome.resumed) == (other.welcome.epoch, True)
+    await raw.send(rpc.AppendRequest(1, [[rpc.WireMessage("a/b", b"m", "dev1", 1)]], None, other.welcome.epoch))
+    assert type(await raw.receive()) is rpc.Appended
+    newer = await Raw.open(port, node="gw-c")
+    assert newer.welcome.epoch > other.welcome.epoch  # an adopted epoch is never handed out again
 
 
 async def test_a_node_back_after_its_lease_ended_is_told_and_its_writes_of_that_lease_are_refused(port, nursery):
