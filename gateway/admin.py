@@ -13,7 +13,9 @@ Routes (docs/operations.md has the reference with curl examples):
 - ``GET /`` the dashboard page (it holds no data; its polls of
   ``/api/v1/overview`` carry the token).
 - ``/api/v1/...`` clients, sessions, queues, retained messages, overview:
-  the bearer token ``admin.token`` when one is set.
+  the bearer token ``admin.token`` when one is set. In a cluster, the calls
+  about one client (``/clients/{id}``, ``/sessions/{id}``) reach the node it
+  is connected to, whichever gateway node is asked (through the store).
 - ``POST /api/v1/publish``: authenticated like an MQTT client (HTTP Basic with
   the password file's users, or anonymous when allowed) and checked against
   the ACL's publish rules; it is not an admin action, so the token plays no part.
@@ -251,6 +253,10 @@ class AdminApi:
             return await handler(request, rest)
         except HttpError as err:
             return Response(err.status, orjson.dumps({"error": err.message}), headers=err.headers)
+        except OSError as exc:  # the store (or, in a cluster, the node that has the client) did not answer
+            LOGGER.warning("admin request failed: %s", exc, extra={"ctx": {"method": request.method,
+                                                                             "path": request.path}})
+            return Response(503, orjson.dumps({"error": f"the store did not answer: {exc}"}))
         except Exception as exc:  # a failing route must not take the endpoint down; the client gets the reason
             LOGGER.error("admin request failed: %r", exc, exc_info=exc,
                          extra={"ctx": {"method": request.method, "path": request.path}})
@@ -359,7 +365,7 @@ class AdminApi:
         return json_response(self.node.clients())
 
     async def _client(self, request: Request, rest: str) -> Response:
-        info = self.node.client_info(rest)
+        info = await self.node.client_info(rest)
         if info is None:
             raise HttpError(404, f"no connected client {rest!r}")
         return json_response(info)

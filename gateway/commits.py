@@ -12,6 +12,11 @@ lazily anyway (every N acknowledgements or on a timer), and a connection that
 waited would hold its next pulls behind a store write. A crash can lose the
 commits not yet written; the session then resumes a little earlier and the
 client sees those messages again (QoS 1/2 are at least once).
+
+Each commit names the store lease its connection was accepted under (cluster
+mode, store/leases.py): a round writes the commits of each lease apart, and
+the store refuses those of a lease that has ended (the client's session may
+have moved on to another node, whose offsets must not be overwritten).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import trio
 
 from store.client import StoreClient
 from store.errors import LogFullError
+from store.leases import LeaseLost
 
 LOGGER = logging.getLogger(__name__)
 
@@ -48,20 +54,21 @@ class CommitBatcher:
         """``nursery`` runs the writes that ``post`` starts."""
         self._store = store
         self._nursery = nursery
-        self._pending: dict[str, dict[str, int]] = {}
+        self._pending: dict[int, dict[str, dict[str, int]]] = {}  # lease epoch -> {owner: offsets}
         self._next = _Round()  # the round that will carry what is pending
         self._busy = False
         self._free = trio.Event()  # set when a write ends
         self.writes = 0
         self.commits = 0
 
-    def post(self, owner: str, offsets: Mapping[str, int]) -> None:
+    def post(self, owner: str, offsets: Mapping[str, int], epoch: int | None = None) -> None:
         """Commit ``owner``'s next offsets without waiting; a failed write is logged.
 
         A later commit of the same queue replaces an unwritten one: posts take
-        effect in the order they are made.
+        effect in the order they are made. ``epoch``: the store lease of the
+        connection that acknowledged them (None: the node's current one).
         """
-        self._add(owner, offsets)
+        self._add(owner, offsets, epoch)
         if not self._busy:
             self._busy = True  # the task below takes the round: no second writer starts meanwhile
             self._nursery.start_soon(self._drain)
@@ -75,12 +82,14 @@ class CommitBatcher:
 
     async def forget(self, owner: str) -> None:
         """Drop ``owner``'s unwritten commits and wait out a write in progress (before its offsets are deleted)."""
-        self._pending.pop(owner, None)
+        for owners in self._pending.values():
+            owners.pop(owner, None)
         while self._busy:
             await self._free.wait()
 
-    def _add(self, owner: str, offsets: Mapping[str, int]) -> None:
-        self._pending.setdefault(owner, {}).update(offsets)
+    def _add(self, owner: str, offsets: Mapping[str, int], epoch: int | None = None) -> None:
+        key = self._store.epoch if epoch is None else epoch
+        self._pending.setdefault(key, {}).setdefault(owner, {}).update(offsets)
         self.commits += 1
 
     async def commit(self, owner: str, offsets: Mapping[str, int]) -> None:
@@ -102,10 +111,16 @@ class CommitBatcher:
     async def _write(self) -> _Round:
         """Write what is pending as one round; the round says whether it failed."""
         self._busy = True
-        current, batch = self._next, self._pending
+        current, pending = self._next, self._pending
         self._next, self._pending = _Round(), {}
         try:
-            await self._store.commit_offsets(batch)
+            for epoch, batch in pending.items():
+                if not batch:  # its owners were forgotten
+                    continue
+                try:
+                    await self._store.commit_offsets(batch, epoch=epoch)
+                except LeaseLost:  # acknowledged on connections of an ended lease: not this node's to write
+                    LOGGER.info("offsets of an ended store lease not committed", extra={"ctx": {"owners": len(batch)}})
             self.writes += 1
         except Exception as exc:  # every caller of the round raises it
             current.error = exc

@@ -60,6 +60,8 @@ OPTIONS: tuple[Option, ...] = (
            " port 0 = a free one, logged)", flag="--listen"),
     Option("gateway.store", "127.0.0.1:7883", "HOST:PORT of the store node a cluster gateway uses (`lightgate gateway`)",
            flag="--store"),
+    Option("store.lease_s", 5.0, "a gateway node's lease (`lightgate store`): silent this long, its clients' wills"
+           " are published and the node must drop them when it returns (docs/cluster.md)"),
     Option("store.token", "", "shared secret of gateway nodes and their store node (set the same on both); required"
            " on a store with auth.* set; empty = none (docs/cluster.md)"),
     Option("gateway.workers", 1, "gateway processes sharing the MQTT port (SO_REUSEPORT); worker i serves its admin"

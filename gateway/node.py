@@ -25,6 +25,13 @@ it executes the channel actions that need the store or other connections.
   over an older saved session blob, so acknowledged messages are not replayed.
 - Retained messages: the dispatcher keeps them (retain/); ``Activate`` answers
   with the matches of each new subscription that wants them.
+- Cluster mode (docs/cluster.md): every store write made for a client names
+  the lease epoch its connection was accepted under; when the node learns
+  that its lease ended (it was frozen or cut off longer than the lease), it
+  closes the connections of the ended lease without writing anything for them
+  (``consume_fences``). While the store is unreachable a CONNECT is answered
+  Server unavailable. The admin calls about one client (details, session,
+  disconnect, delete) reach the node it is connected to through the store.
 - Authentication and ACLs (docs/security.md): a CONNECT is authenticated
   before it can take a session over; PUBLISHes and SUBSCRIBEs are checked
   against the ACL before they are stored or activated; a resumed session keeps
@@ -56,6 +63,7 @@ from gateway.actions import (
     Append,
     Appended,
     CommitOffsets,
+    ConnectionLost,
     DropSession,
     Event,
     LimitHit,
@@ -112,7 +120,7 @@ from store.errors import LogFullError, StartupError
 from store.node import on_hangup, open_store, until_signalled
 from store.process import freeze_startup_objects
 from store.record import Record, RecordTooLarge
-from store.rpc import parse_address
+from store.rpc import AdminOp, parse_address
 
 __all__ = ["GatewayNode", "NodeFront", "run_cluster_gateway", "run_gateway_node",
            "serve_cluster_gateway", "serve_gateway", "serve_node"]
@@ -200,6 +208,8 @@ class GatewayNode:
         self.groups = SharedGroups(store, self.cache, self.commits, nursery=nursery, convert=from_record,
                                    arbiter=store if isinstance(store, GroupArbiter) else None)
         self._connections: dict[str, Connection] = {}
+        self._epochs: dict[Connection, int] = {}  # connection -> the store lease epoch it was accepted under
+        self._unavailable = 0  # CONNECTs refused since the store became unreachable (0: it is reachable)
         self._sessions: dict[str, SessionState] = {}  # latest saved or handed-over state per client id
         self._local: dict[str, set[Connection]] = {}  # queue -> connections with a subscription on it
         self._held: dict[Connection, set[str]] = {}  # connection -> its queues in _local
@@ -220,9 +230,25 @@ class GatewayNode:
     # --- Backend ------------------------------------------------------------------------
 
     async def perform(self, connection: Connection, actions: list[Action]) -> None:
-        """Execute node actions in order; consecutive appends go to the store as one batch."""
+        """Execute node actions in order; consecutive appends go to the store as one batch.
+
+        The actions of a connection of an ended lease are dropped (appends answered as not stored): its client
+        is no longer this node's, the store would refuse them (``consume_fences`` closes it). When the store
+        cannot be reached, the connection is closed as lost (the store client logs the outage, the server the
+        close): no traceback per connection.
+        """
+        try:
+            await self._perform(connection, actions)
+        except ConnectionError as exc:  # StoreUnavailable, or LeaseLost in a race with the fence
+            if not self._fenced(connection):
+                connection.feed(ConnectionLost(f"the store is not reachable: {exc}"))
+
+    async def _perform(self, connection: Connection, actions: list[Action]) -> None:
         index = 0
         while index < len(actions):
+            if self._fenced(connection):
+                self._drop_fenced(connection, actions[index:])
+                return
             action = actions[index]
             if type(action) is Append:
                 end = index + 1
@@ -244,11 +270,11 @@ class GatewayNode:
             elif kind is CommitOffsets:
                 await self._commit(connection, action)  # type: ignore[arg-type]
             elif kind is SaveSession:
-                await self._save(action.state)  # type: ignore[union-attr]
+                await self._save(action.state, self._epochs.get(connection))  # type: ignore[union-attr]
             elif kind is DropSession:
-                await self.drop_session(action.client_id)  # type: ignore[union-attr]
+                await self.drop_session(action.client_id, self._epochs.get(connection))  # type: ignore[union-attr]
             elif kind is PublishWill:
-                self._publish_will(action)  # type: ignore[arg-type]
+                self._publish_will(action, self._epochs.get(connection))  # type: ignore[arg-type]
             elif kind is LimitHit:
                 self._limit_hit(connection, action)  # type: ignore[arg-type]
             else:
@@ -259,15 +285,31 @@ class GatewayNode:
         for queue in self._held.pop(connection, ()):
             self._unsubscribe_local(connection, queue)
         self.groups.connection_gone(connection)
+        epoch = self._epochs.pop(connection, None)
         client_id = connection.client_id
         if not client_id or self._connections.get(client_id) is not connection:
             return
         del self._connections[client_id]
+        if epoch != self.store.epoch:  # of an ended lease: its will and its session are not this node's any more
+            return
         if client_id not in self._wills and not self._stopping:  # closed without a will to publish: the store
-            self.nursery.start_soon(self._drop_will, client_id)  # must not publish it either
+            self.nursery.start_soon(self._drop_will, client_id, epoch)  # must not publish it either
         state = self._sessions.get(client_id)
         if state is not None and state.expiry_s > 0:
-            self._start_expiry(client_id, state.expiry_s)
+            self._start_expiry(client_id, state.expiry_s, epoch)
+
+    def _fenced(self, connection: Connection) -> bool:
+        """Whether ``connection`` was accepted under a store lease that has ended since."""
+        epoch = self._epochs.get(connection)
+        return epoch is not None and epoch != self.store.epoch
+
+    @staticmethod
+    def _drop_fenced(connection: Connection, actions: Sequence[Action]) -> None:
+        """Drop the actions of a connection of an ended lease; its appends are answered as not stored."""
+        refused = [Appended(a.ref, False, ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR) for a in actions
+                   if type(a) is Append and a.ref is not None]  # type: ignore[union-attr]
+        if refused:
+            connection.feed_all(refused)
 
     # --- sessions -----------------------------------------------------------------------
 
@@ -287,15 +329,29 @@ class GatewayNode:
                 LOGGER.warning("takeover: the old connection did not close in time",
                                extra={"ctx": {"client_id": client_id}})
         self._connections[client_id] = connection
-        self.store.present(client_id)  # a connection of it on another node is taken over (``consume_moves`` there)
+        epoch = self._epochs[connection] = self.store.epoch
+        try:
+            state = await self._resume(connection, action, epoch)
+        except ConnectionError as exc:  # StoreUnavailable, LeaseLost: nothing to resume from
+            self._refuse_unavailable(connection, exc)
+            return
+        may_read = None if self._acl is None else ReadCheck(self._read_acl, decision.username, client_id)
+        connection.feed(SessionOpened(state is not None, state, may_read=may_read))
+
+    async def _resume(self, connection: Connection, action: OpenSession, epoch: int) -> SessionState | None:
+        """The session an accepted CONNECT resumes (None: a new one), after the store heard of the connection.
+
+        Raises:
+            ConnectionError: the store is not reachable, or ``epoch`` ended meanwhile.
+        """
+        client_id = action.client_id
+        self.store.present(client_id, epoch=epoch)  # a connection of it on another node is taken over there
         self._cancel(self._wills, client_id)
         self._cancel(self._expiries, client_id)
-        await self._hold_will(client_id, action)
-        may_read = None if self._acl is None else ReadCheck(self._read_acl, decision.username, client_id)
+        await self._hold_will(client_id, action, epoch)
         if action.clean_start:
-            await self.drop_session(client_id)
-            connection.feed(SessionOpened(False, may_read=may_read))
-            return
+            await self.drop_session(client_id, epoch)
+            return None
         state = self._sessions.get(client_id)
         if state is None:
             blob = await self.store.load_session(client_id)
@@ -311,7 +367,7 @@ class GatewayNode:
                 if sub.group is not None:
                     await self.groups.join(connection, sub, None)
                 self._subscribe_local(connection, sub.queue)
-        connection.feed(SessionOpened(state is not None, state, may_read=may_read))
+        return state
 
     def _read_acl(self) -> Acl:
         """The ACL in effect, for delivery checks (per message: no file look; CONNECTs, PUBLISHes, SUBSCRIBEs and
@@ -329,6 +385,22 @@ class GatewayNode:
                            " power loss under the async flush policy)",
                            extra={"ctx": {"client_id": state.client_id, "moved": moved}})
         return state
+
+    def _refuse_unavailable(self, connection: Connection, exc: ConnectionError) -> None:
+        """Answer a CONNECT the store cannot serve now with Server unavailable (MQTT 5: 0x88, 3.1.1: return code 3).
+
+        The outage is logged once, and its end once (by ``_log_outage_end``): not a line per CONNECT.
+        """
+        self._unavailable += 1
+        if self._unavailable == 1:
+            LOGGER.warning("store unavailable: CONNECTs are answered Server unavailable until it is back: %s", exc)
+            self.nursery.start_soon(self._log_outage_end)
+        connection.feed(SessionOpened(False, reason=ReasonCode.SERVER_UNAVAILABLE))
+
+    async def _log_outage_end(self) -> None:
+        await self.store.wait_available()
+        LOGGER.info("store available again: CONNECTs are accepted", extra={"ctx": {"refused": self._unavailable}})
+        self._unavailable = 0
 
     async def _authenticate(self, connection: Connection, action: OpenSession) -> AuthDecision:
         """Decide the CONNECT; a refusal is counted, logged (never with the password) and delayed (brute force).
@@ -427,30 +499,39 @@ class GatewayNode:
             inflight=tuple(i for i in state.inflight if i.filter not in gone),
         )
 
-    async def _save(self, state: SessionState) -> None:
+    async def _save(self, state: SessionState, epoch: int | None = None) -> None:
         self._sessions[state.client_id] = state
         if state.expiry_s > 0:
             try:
-                await self.store.save_session(state.client_id, encode_session(state))
+                await self.store.save_session(state.client_id, encode_session(state), epoch=epoch)
             except LogFullError:  # kept in memory; the store logged the full disk once
                 LOGGER.debug("session not saved: the data disk is full", extra={"ctx": {"client_id": state.client_id}})
 
-    async def drop_session(self, client_id: str) -> None:
-        """End a session: its state, its stored blob, its filters and offsets go."""
+    async def drop_session(self, client_id: str, epoch: int | None = None) -> None:
+        """End a session: its state, its stored blob, its filters and offsets go.
+
+        ``epoch``: the store lease the decision was made under (None: now); the store refuses it once ended.
+        """
         self._sessions.pop(client_id, None)
         self._cancel(self._expiries, client_id)
         await self.groups.drop_subscriber(client_id)
         await self.commits.forget(client_id)  # an offset written after the delete would keep its queues referenced
-        await self.store.drop_session(client_id)
-        await self.store.delete_owner(client_id)
+        await self.store.drop_session(client_id, epoch=epoch)
+        await self.store.delete_owner(client_id, epoch=epoch)
 
-    def _start_expiry(self, client_id: str, expiry_s: int) -> None:
+    def _start_expiry(self, client_id: str, expiry_s: int, epoch: int) -> None:
         async def expire(scope: trio.CancelScope) -> None:
             with scope:
                 await trio.sleep(expiry_s)
                 del self._expiries[client_id]
+                if epoch != self.store.epoch:  # the session may live on another node since the lease ended
+                    return
                 with trio.CancelScope(shield=True):  # a half-dropped session would keep its filters held
-                    await self.drop_session(client_id)
+                    try:
+                        await self.drop_session(client_id, epoch)
+                    except OSError as exc:  # StoreUnavailable included: the node goes on
+                        LOGGER.error("session not expired: %r", exc, extra={"ctx": {"client_id": client_id}})
+                        return
                 LOGGER.info("session expired", extra={"ctx": {"client_id": client_id}})
 
         self._later(self._expiries, client_id, expire)
@@ -469,49 +550,54 @@ class GatewayNode:
 
     # --- wills --------------------------------------------------------------------------
 
-    async def _hold_will(self, client_id: str, action: OpenSession) -> None:
+    async def _hold_will(self, client_id: str, action: OpenSession, epoch: int) -> None:
         """Have the store hold the new connection's will (a cluster store publishes it if this node dies), or
         drop the one it holds for the client: the session resumed, so an earlier connection's delayed will is off."""
         if action.will is not None:
-            await self.store.hold_will(client_id, to_new_message(action.will), action.will_delay_s)
+            await self.store.hold_will(client_id, to_new_message(action.will), action.will_delay_s, epoch=epoch)
         else:
-            await self.store.drop_will(client_id)
+            await self.store.drop_will(client_id, epoch=epoch)
 
-    async def _drop_will(self, client_id: str) -> None:
+    async def _drop_will(self, client_id: str, epoch: int | None) -> None:
         if client_id not in self._connections and client_id not in self._wills:  # else a newer connection's
-            self.store.absent(client_id)
-            await self.store.drop_will(client_id)
+            self.store.absent(client_id, epoch=epoch)
+            await self.store.drop_will(client_id, epoch=epoch)
 
-    def _publish_will(self, action: PublishWill) -> None:
+    def _publish_will(self, action: PublishWill, epoch: int | None) -> None:
         async def publish(scope: trio.CancelScope) -> None:
             with scope:
                 await trio.sleep(action.delay_s)
                 del self._wills[action.client_id]
-                reason = await self.append_messages([action.message])
+                if epoch is not None and epoch != self.store.epoch:  # the lease ended: the store published the
+                    return  # will it held, or the client resumed elsewhere
+                reason = await self.append_messages([action.message], epoch=epoch)
                 if reason is not None:
                     LOGGER.error("will not published: %s", reason.name, extra={"ctx": {"client_id": action.client_id}})
                 else:
-                    await self._drop_will(action.client_id)  # published here: the store must not publish it again
+                    await self._drop_will(action.client_id, epoch)  # published here: the store must not publish it
 
         self._later(self._wills, action.client_id, publish)
 
     # --- messages -----------------------------------------------------------------------
 
-    async def append_messages(self, messages: Sequence[Message]) -> ReasonCode | None:
+    async def append_messages(self, messages: Sequence[Message], epoch: int | None = None) -> ReasonCode | None:
         """Append messages through the store (durable under the sync flush policy); None or why it failed.
 
+        ``epoch``: the store lease of the connection they come from (None: now); refused once it ended.
         A failure counts the messages in ``refused_by_qos``. A full disk is QUOTA_EXCEEDED and not logged here:
         the store logs the episode once (store/space.py), not once per publish.
         """
         batch = [to_new_message(m) for m in messages]
         try:
-            await self.store.append(batch)
+            await self.store.append(batch, epoch=epoch)
             return None
         except RecordTooLarge as exc:
             LOGGER.warning("append refused: %s", exc)
             reason = ReasonCode.PACKET_TOO_LARGE
         except LogFullError:
             reason = ReasonCode.QUOTA_EXCEEDED
+        except ConnectionError:  # the store is unreachable (its client logs that once) or the lease ended
+            reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
         except (OSError, ValueError) as exc:
             LOGGER.error("append failed: %r", exc)
             reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
@@ -542,7 +628,7 @@ class GatewayNode:
     async def _store(self, connection: Connection, appends: list[Append], allowed: list[bool]) -> None:
         """Append the allowed messages as one batch; answer every append with a ref, in order."""
         messages = [m for append, ok in zip(appends, allowed) if ok for m in append.messages]
-        reason = await self.append_messages(messages) if messages else None
+        reason = await self.append_messages(messages, self._epochs.get(connection)) if messages else None
         if reason is not None and allowed.count(True) > 1:
             # One bad message must not fail its neighbours: retry one by one so each gets its own answer.
             for append, ok in zip(appends, allowed):
@@ -658,7 +744,7 @@ class GatewayNode:
         for filter in filters:
             shared = parse_shared(filter)
             if shared is None:
-                await self.store.release(filter, client_id)
+                await self.store.release(filter, client_id, epoch=self._epochs.get(connection))
                 self._unsubscribe_local(connection, filter)
                 continue
             self._unsubscribe_local(connection, shared[1])
@@ -673,7 +759,7 @@ class GatewayNode:
                 continue
             await self.groups.acknowledged(connection, shared, offset)
         if offsets:
-            self.commits.post(action.client_id, offsets)
+            self.commits.post(action.client_id, offsets, self._epochs.get(connection))
         LOGGER.debug("offsets committed", extra={"ctx": {"client_id": action.client_id, "offsets": action.offsets}})
 
     def _subscribe_local(self, connection: Connection, queue: str) -> None:
@@ -738,9 +824,53 @@ class GatewayNode:
         """The connected clients."""
         return [_client_info(connection) for connection in self._connections.values()]
 
-    def client_info(self, client_id: str) -> ClientInfo | None:
+    async def client_info(self, client_id: str) -> ClientInfo | dict[str, Any] | None:
+        """The connected client, here or on another node (its answer, as JSON); None when it is not connected.
+
+        Raises:
+            OSError: the store, or the node the client is connected to, did not answer.
+        """
         connection = self._connections.get(client_id)
-        return None if connection is None else _client_info(connection)
+        if connection is not None:
+            return _client_info(connection)
+        return await self._ask_owner(client_id, AdminOp.CLIENT)
+
+    async def _ask_owner(self, client_id: str, op: AdminOp) -> Any:
+        """The answer of the node ``client_id`` is connected to (through the store's presence), decoded from JSON;
+        None when it is connected to no other node."""
+        answer = await self.store.admin_call(client_id, op.value)
+        return None if answer is None else msgspec.json.decode(answer)
+
+    async def answer_admin_asks(self) -> None:
+        """Answer the admin calls other nodes make about clients connected here, until the store client closes."""
+        while True:
+            try:
+                ask_id, client_id, op = await self.store.admin_asks()
+            except trio.EndOfChannel:
+                return
+            self.nursery.start_soon(self._answer_admin, ask_id, client_id, AdminOp(op))
+
+    async def _answer_admin(self, ask_id: int, client_id: str, op: AdminOp) -> None:
+        """One admin call of another node: answered from this node only (never forwarded again); None when the
+        client is not connected here (it moved since)."""
+        answer: Any = None
+        try:
+            connection = self._connections.get(client_id)
+            if connection is not None and op is AdminOp.CLIENT:
+                answer = _client_info(connection)
+            elif connection is not None and op is AdminOp.SESSION:
+                state = self._session_state(client_id)
+                if state is not None:
+                    answer = self._session_info(state, await self._heads(sub.queue for sub in state.subscriptions))
+            elif op is AdminOp.DISCONNECT:
+                answer = await self._disconnect_here(client_id) or None
+            elif op is AdminOp.DELETE_SESSION and connection is not None:
+                answer = await self._delete_here(client_id)
+        except Exception as exc:  # the asking node gets "not here"; this node goes on
+            LOGGER.error("admin call of another node failed: %r", exc, exc_info=exc,
+                         extra={"ctx": {"client_id": client_id, "op": op.value}})
+            answer = None
+        self.store.admin_answer(ask_id, None if answer is None else msgspec.json.encode(answer))
 
     async def shutdown(self) -> None:
         """Stop serving clients (SIGTERM): each connected client is told (MQTT 5: DISCONNECT 0x8B, Server shutting
@@ -758,12 +888,21 @@ class GatewayNode:
                 await connection.wait_finished()
 
     async def disconnect(self, client_id: str) -> bool:
-        """Close the client's connection as an administrative action (MQTT 5: DISCONNECT 0x98).
+        """Close the client's connection as an administrative action (MQTT 5: DISCONNECT 0x98), on whichever node
+        it is connected to.
 
         As for any close the client did not ask for, its will is published and
         a persistent session stays. Returns once the connection is gone; False
         when the client is not connected.
+
+        Raises:
+            OSError: the store, or the node the client is connected to, did not answer.
         """
+        if client_id in self._connections:
+            return await self._disconnect_here(client_id)
+        return await self._ask_owner(client_id, AdminOp.DISCONNECT) is not None
+
+    async def _disconnect_here(self, client_id: str) -> bool:
         connection = self._connections.get(client_id)
         if connection is None:
             return False
@@ -780,12 +919,18 @@ class GatewayNode:
         heads = await self._heads(sub.queue for state in states for sub in state.subscriptions)
         return [self._session_info(state, heads) for state in states]
 
-    async def session_info(self, client_id: str) -> SessionInfo | None:
-        """One session: of this node, or as the store keeps it (saved by another node, or before a restart).
+    async def session_info(self, client_id: str) -> SessionInfo | dict[str, Any] | None:
+        """One session: live on the node its client is connected to (this one or another: its answer, as JSON),
+        else as this node or the store keeps it (saved by another node, or before a restart).
 
         Raises:
             msgspec.DecodeError: the stored session is unreadable.
+            OSError: the store, or the node the client is connected to, did not answer.
         """
+        if client_id not in self._connections:
+            live = await self._ask_owner(client_id, AdminOp.SESSION)
+            if live is not None:
+                return live
         state = self._session_state(client_id)
         if state is None:
             blob = await self.store.load_session(client_id)
@@ -795,12 +940,20 @@ class GatewayNode:
         return self._session_info(state, await self._heads(sub.queue for sub in state.subscriptions))
 
     async def delete_session(self, client_id: str) -> bool:
-        """End a session now, its client disconnected first; False when there is no such session."""
+        """End a session now, its client disconnected first (on whichever node it is connected to); False when
+        there is no such session.
+
+        Raises:
+            OSError: the store, or the node the client is connected to, did not answer.
+        """
+        if client_id not in self._connections and await self._ask_owner(client_id, AdminOp.DELETE_SESSION):
+            return True  # that node disconnected it and ended the session
         known = client_id in self._connections or client_id in self._sessions \
             or await self.store.load_session(client_id) is not None
-        if not known:
-            return False
-        await self.disconnect(client_id)
+        return await self._delete_here(client_id) if known else False
+
+    async def _delete_here(self, client_id: str) -> bool:
+        await self._disconnect_here(client_id)
         await self.drop_session(client_id)
         LOGGER.info("session deleted (admin API)", extra={"ctx": {"client_id": client_id}})
         return True
@@ -957,6 +1110,30 @@ class GatewayNode:
                 if connection is not None:
                     connection.feed(TakenOver(elsewhere=True))
 
+    async def consume_fences(self) -> None:
+        """When the store says this node's lease ended (it was frozen or cut off longer than the lease): close the
+        connections accepted under the ended lease as taken over (MQTT 5: DISCONNECT 0x8E), writing nothing for
+        them (``perform`` drops their actions: no will, no append, no commit, no session write), and forget the
+        sessions kept in memory, which other nodes may have changed since.
+
+        The newest connection wins: the clients' wills were published by the store when the lease ended, or
+        cancelled when they connected to another node. Runs until the store client's notices end.
+        """
+        while True:
+            try:
+                ended = await self.store.fenced()
+            except trio.EndOfChannel:
+                return
+            current = self.store.epoch
+            stale = [c for c in self._connections.values() if self._epochs.get(c) != current]
+            live = {client_id for client_id, c in self._connections.items() if self._epochs.get(c) == current}
+            for client_id in [c for c in self._sessions if c not in live]:
+                del self._sessions[client_id]
+            LOGGER.warning("store lease lost: closing the connections of the ended lease without a will or a write",
+                           extra={"ctx": {"ended_epoch": ended, "epoch": current, "connections": len(stale)}})
+            for connection in stale:
+                connection.feed(TakenOver(elsewhere=True))
+
 
 def _by_connection(appends: list[tuple[Connection, Append]]) -> dict[Connection, list[Append]]:
     """The appends of each connection, in their order."""
@@ -1081,6 +1258,8 @@ async def serve_node(
         nursery.start_soon(node.reads.run)
         nursery.start_soon(node.consume_events)
         nursery.start_soon(node.consume_moves)
+        nursery.start_soon(node.consume_fences)
+        nursery.start_soon(node.answer_admin_asks)
         if settings["mqtt.sys_interval_s"] > 0:
             nursery.start_soon(node.publish_sys, settings["mqtt.sys_interval_s"])
         admin = None

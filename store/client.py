@@ -13,6 +13,13 @@ call, one thread hand-off here, one round trip over the RPC.
 Notify: a gateway node says which queues its sessions read (``watch`` /
 ``unwatch``, reference counted like the router's registrations) and takes the
 merged ``{queue: max offset}`` events routed to it from ``events``.
+
+Leases (cluster mode, store/leases.py): the writes a node makes for one of its
+clients take the ``epoch`` of the lease the client was accepted under
+(``StoreClient.epoch`` then; None: now). Once that lease has ended the store
+refuses them (``store.leases.LeaseLost``), so a node that was frozen past its
+lease cannot write over what the client's newer connection did elsewhere. The
+embedded store has one node and no leases: it takes and ignores the epochs.
 """
 
 from __future__ import annotations
@@ -73,7 +80,13 @@ class StoreClient(Protocol):
 
     node: str  # this gateway node's name, as the store routes events to it
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
+    @property
+    def epoch(self) -> int:
+        """The lease epoch this node holds now (constant for the embedded store)."""
+        ...
+
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None,
+                     epoch: int | None = None) -> list[int]:
         """Append messages in one write with their target queues fixed now; returns their CommitLog offsets.
 
         Returns once they are appended (and on disk when ``durable``, or when
@@ -82,6 +95,7 @@ class StoreClient(Protocol):
         Raises:
             store.record.RecordTooLarge: a message exceeds the record size limit (nothing is appended).
             OSError: the write failed (``LogFullError`` when the disk is full); nothing is acknowledged.
+            store.leases.LeaseLost: ``epoch`` has ended; nothing is appended.
         """
         ...
 
@@ -113,7 +127,7 @@ class StoreClient(Protocol):
         """
         ...
 
-    async def release(self, queue: str, holder: str) -> bool:
+    async def release(self, queue: str, holder: str, *, epoch: int | None = None) -> bool:
         """Stop holding the queue's filter; True if ``holder`` held it."""
         ...
 
@@ -125,11 +139,11 @@ class StoreClient(Protocol):
         """``{queue: next offset}`` committed by ``owner`` (a client id or a group name)."""
         ...
 
-    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]], *, epoch: int | None = None) -> None:
         """Store ``{owner: {queue: next offset}}`` durably, all owners in one write."""
         ...
 
-    async def delete_owner(self, owner: str) -> None:
+    async def delete_owner(self, owner: str, *, epoch: int | None = None) -> None:
         """Forget an owner's offsets and release its filters (session expiry)."""
         ...
 
@@ -137,7 +151,7 @@ class StoreClient(Protocol):
         """The retained messages whose topics match ``filter``."""
         ...
 
-    async def save_session(self, client_id: str, blob: bytes) -> None:
+    async def save_session(self, client_id: str, blob: bytes, *, epoch: int | None = None) -> None:
         """Keep a session blob durably."""
         ...
 
@@ -145,7 +159,7 @@ class StoreClient(Protocol):
         """The blob last saved for ``client_id``, or None."""
         ...
 
-    async def drop_session(self, client_id: str) -> None:
+    async def drop_session(self, client_id: str, *, epoch: int | None = None) -> None:
         """Forget the blob of ``client_id``."""
         ...
 
@@ -169,7 +183,7 @@ class StoreClient(Protocol):
         """The store's current figures."""
         ...
 
-    async def hold_will(self, client_id: str, message: NewMessage, delay_s: float) -> None:
+    async def hold_will(self, client_id: str, message: NewMessage, delay_s: float, *, epoch: int | None = None) -> None:
         """``client_id`` is connected here with this will: if this node dies, the store publishes it.
 
         The store appends it ``delay_s`` after this node's lease ends (store/leases.py),
@@ -177,20 +191,45 @@ class StoreClient(Protocol):
         """
         ...
 
-    async def drop_will(self, client_id: str) -> None:
+    async def drop_will(self, client_id: str, *, epoch: int | None = None) -> None:
         """The will of ``client_id`` must not fire from the store (normal DISCONNECT, or published here)."""
         ...
 
-    def present(self, client_id: str) -> None:
+    def present(self, client_id: str, *, epoch: int | None = None) -> None:
         """``client_id`` connected to this node: another node that has it hears of it (:meth:`moved` there)."""
         ...
 
-    def absent(self, client_id: str) -> None:
+    def absent(self, client_id: str, *, epoch: int | None = None) -> None:
         """``client_id`` is gone from this node: no connection, no will waiting here."""
         ...
 
     async def moved(self) -> list[str]:
         """The next clients of this node that connected to another node (their sessions resumed there)."""
+        ...
+
+    async def fenced(self) -> int:
+        """Wait until this node learns that its lease ended (it was away longer than the lease); the ended epoch.
+
+        Every client accepted under that epoch is no longer this node's: close
+        them without writing anything for them (the store refuses such writes).
+        """
+        ...
+
+    async def wait_available(self) -> None:
+        """Return once calls can reach the store (at once when they can)."""
+        ...
+
+    async def admin_call(self, client_id: str, op: str) -> bytes | None:
+        """Have the node ``client_id`` is connected to run admin ``op`` (``store.rpc.AdminOp``); its answer as
+        JSON bytes, or None when the client is connected to no other node."""
+        ...
+
+    async def admin_asks(self) -> tuple[int, str, str]:
+        """The next admin call of another node about a client of this one: ``(ask id, client id, op)``."""
+        ...
+
+    def admin_answer(self, ask_id: int, value: bytes | None) -> None:
+        """Answer an admin ask with JSON bytes, or None when the client is not connected here."""
         ...
 
 
@@ -213,6 +252,9 @@ class LocalStoreClient:
     :meth:`close` detaches it (its ``events`` then end).
     """
 
+    epoch = 0
+    """No leases: the embedded gateway and its store live and die together."""
+
     def __init__(self, store: StoreNode, node: str = "local") -> None:
         self.store = store
         self.node = node
@@ -221,7 +263,8 @@ class LocalStoreClient:
     def close(self) -> None:
         self.store.detach(self.node)
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None,
+                     epoch: int | None = None) -> list[int]:
         return await self.store.append_many(messages, durable=durable)
 
     def append_now(self, messages: Sequence[NewMessage]) -> list[int] | None:
@@ -251,7 +294,7 @@ class LocalStoreClient:
         self.store.space.check()  # RocksDB writes (WAL) must not meet a full disk: store/space.py
         return await self.store.dispatcher.activate(queue, holder)
 
-    async def release(self, queue: str, holder: str) -> bool:
+    async def release(self, queue: str, holder: str, *, epoch: int | None = None) -> bool:
         self.store.space.check()
         return await self.store.dispatcher.release(queue, holder)
 
@@ -262,7 +305,7 @@ class LocalStoreClient:
     async def get_offsets(self, owner: str) -> dict[str, int]:
         return await trio.to_thread.run_sync(self.store.queues.get_offsets, owner)
 
-    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]], *, epoch: int | None = None) -> None:
         self.store.space.check()
         await trio.to_thread.run_sync(self._commit, commits)
 
@@ -271,7 +314,7 @@ class LocalStoreClient:
         for owner, offsets in commits.items():
             commit(owner, offsets)
 
-    async def delete_owner(self, owner: str) -> None:
+    async def delete_owner(self, owner: str, *, epoch: int | None = None) -> None:
         await trio.to_thread.run_sync(self._delete_owner, owner)
 
     def _delete_owner(self, owner: str) -> None:
@@ -284,13 +327,13 @@ class LocalStoreClient:
         found = await trio.to_thread.run_sync(self.store.retained.lookup, filter)
         return [decode_record(r.record, 0, r.log_offset) for r in found]
 
-    async def save_session(self, client_id: str, blob: bytes) -> None:
+    async def save_session(self, client_id: str, blob: bytes, *, epoch: int | None = None) -> None:
         await trio.to_thread.run_sync(self.store.save_session, client_id, blob)
 
     async def load_session(self, client_id: str) -> bytes | None:
         return await trio.to_thread.run_sync(self.store.load_session, client_id)
 
-    async def drop_session(self, client_id: str) -> None:
+    async def drop_session(self, client_id: str, *, epoch: int | None = None) -> None:
         await trio.to_thread.run_sync(self.store.drop_session, client_id)
 
     def watch(self, queue: str) -> None:
@@ -305,21 +348,41 @@ class LocalStoreClient:
     async def statistics(self) -> StoreStatistics:
         return store_statistics(self.store)
 
-    async def hold_will(self, client_id: str, message: NewMessage, delay_s: float) -> None:
+    async def hold_will(self, client_id: str, message: NewMessage, delay_s: float, *, epoch: int | None = None) -> None:
         """A no-op: the embedded gateway and its store live and die together, and the gateway fires wills itself."""
 
-    async def drop_will(self, client_id: str) -> None:
+    async def drop_will(self, client_id: str, *, epoch: int | None = None) -> None:
         """A no-op, as :meth:`hold_will`."""
 
-    def present(self, client_id: str) -> None:
+    def present(self, client_id: str, *, epoch: int | None = None) -> None:
         """A no-op: with one gateway node, a client never connects to another."""
 
-    def absent(self, client_id: str) -> None:
+    def absent(self, client_id: str, *, epoch: int | None = None) -> None:
         """A no-op, as :meth:`present`."""
 
     async def moved(self) -> list[str]:
         """Never returns, as :meth:`present`."""
         await trio.sleep_forever()
+
+    async def fenced(self) -> int:
+        """Never returns: no leases (see :attr:`epoch`)."""
+        await trio.sleep_forever()
+
+    async def wait_available(self) -> None:
+        """Returns at once: the store is in this process."""
+        await trio.lowlevel.checkpoint()
+
+    async def admin_call(self, client_id: str, op: str) -> bytes | None:
+        """None: with one gateway node, a client is connected here or nowhere."""
+        await trio.lowlevel.checkpoint()
+        return None
+
+    async def admin_asks(self) -> tuple[int, str, str]:
+        """Never returns, as :meth:`admin_call`."""
+        await trio.sleep_forever()
+
+    def admin_answer(self, ask_id: int, value: bytes | None) -> None:
+        """A no-op: no ask ever comes (:meth:`admin_asks`)."""
 
 
 def store_statistics(store: StoreNode) -> StoreStatistics:

@@ -16,6 +16,15 @@ will delay after the gateway's last frame (the connection's close is not
 enough to end a lease: a gateway that reconnects within ``LEASE_S`` keeps its
 clients' wills held, as its clients are still connected).
 
+Fencing: each lease has an epoch; a node's epochs never repeat within a store
+process. A node that reconnects names the lease it held; if that lease ended
+meanwhile (the node was frozen or cut off for longer than ``LEASE_S``), it gets
+a new lease and is told so (``rpc.Welcome.resumed``): its wills were
+published, its clients may have connected elsewhere, so every write it still
+makes under the old epoch is refused (``LeaseLost``) and it closes the old
+connections. A lease of an earlier store process (the store restarted) is
+adopted with its epoch: nothing of this store's ended, the node's clients stay.
+
 Resource handling: the timers run in the nursery given to ``NodeLeases``;
 they end with it (a store that shuts down fires nothing more). Held wills
 live in memory: after a store restart each gateway holds its wills again
@@ -33,9 +42,16 @@ import trio
 
 from store.client import NewMessage
 
-__all__ = ["LeaseStatistics", "NodeLeases"]
+__all__ = ["LeaseLost", "LeaseStatistics", "NodeLeases"]
 
 LOGGER = logging.getLogger(__name__)
+
+
+class LeaseLost(ConnectionError):
+    """A write names a lease of its node that has ended: the client it is for is no longer that node's.
+
+    A ``ConnectionError``, as ``store.remote.StoreUnavailable``: nothing is acknowledged for it.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +63,7 @@ class _Held:
 
 @dataclass(slots=True)
 class _Lease:
+    epoch: int
     connections: int = 0
     last_seen: float = 0.0
     ending: trio.CancelScope | None = None  # the timer that ends the lease once the node has no connection
@@ -85,15 +102,36 @@ class NodeLeases:
         self._pending: dict[str, trio.CancelScope] = {}  # client id -> the delay timer of a will that will fire
         self._fired = 0
         self._ended = 0
+        self._next_epoch = 1  # 0 means "no lease" on the wire
 
-    def connected(self, node: str) -> None:
-        """A connection of ``node`` completed its handshake: the lease is renewed and will not end meanwhile."""
-        lease = self._leases.setdefault(node, _Lease())
+    def connected(self, node: str, epoch: int = 0, *, adopt: bool = False) -> tuple[int, bool]:
+        """A connection of ``node`` completed its handshake: the lease is renewed and will not end meanwhile.
+
+        ``epoch`` is the lease the node says it held (0: none); ``adopt``: it
+        was a lease of an earlier store process, which this one takes over if
+        the node has none here. Returns the lease's epoch and whether it is
+        the one the node named (False: it ended, and this is a new one).
+        """
+        lease = self._leases.get(node)
+        if lease is not None and lease.ending is not None and trio.current_time() >= lease.ending.deadline:
+            self._end(node)  # due, its timer has not run yet: it ended all the same
+            lease = None
+        if lease is None:
+            new_epoch = epoch if adopt and epoch else self._next_epoch
+            self._next_epoch = max(self._next_epoch, new_epoch) + 1  # never again for this node (nor any other)
+            lease = self._leases[node] = _Lease(new_epoch)
+        resumed = epoch == lease.epoch
         lease.connections += 1
         lease.last_seen = trio.current_time()
         if lease.ending is not None:
             lease.ending.cancel()
             lease.ending = None
+        return lease.epoch, resumed
+
+    def epoch(self, node: str) -> int:
+        """The epoch of the lease ``node`` holds now (0: none)."""
+        lease = self._leases.get(node)
+        return lease.epoch if lease is not None else 0
 
     def seen(self, node: str) -> None:
         """A frame of ``node`` arrived: the lease runs from now."""
@@ -133,22 +171,36 @@ class NodeLeases:
         if held is not None and held.node == node:
             del self._held[client_id]
 
+    def resumed_on(self, node: str, client_id: str) -> None:
+        """``client_id`` connected to ``node``: a will another node holds for it, or one waiting for its delay
+        after a lease ended, must not fire (its session resumed; that node publishes a takeover's will itself
+        if it is alive to hear of the move)."""
+        self._cancel_pending(client_id)
+        held = self._held.get(client_id)
+        if held is not None and held.node != node:
+            del self._held[client_id]
+
     def statistics(self) -> LeaseStatistics:
         return LeaseStatistics(len(self._leases), len(self._held), len(self._pending), self._fired, self._ended)
 
     async def _end_when_due(self, node: str, scope: trio.CancelScope) -> None:
         with scope:
             await trio.sleep_forever()  # until the deadline: the scope's deadline is the lease's end
-        if not scope.cancelled_caught or self._leases[node].ending is not scope:
-            return  # renewed by a new connection
-        del self._leases[node]
+        lease = self._leases.get(node)
+        if scope.cancelled_caught and lease is not None and lease.ending is scope:  # else renewed, or ended already
+            self._end(node)
+
+    def _end(self, node: str) -> None:
+        """The lease of ``node`` ends: its wills go to their delay timers."""
+        lease = self._leases.pop(node)
         self._ended += 1
         wills = [(client_id, held) for client_id, held in self._held.items() if held.node == node]
         for client_id, held in wills:
             del self._held[client_id]
             pending = self._pending[client_id] = trio.CancelScope()
             self._nursery.start_soon(self._fire, client_id, held, pending)
-        LOGGER.warning("gateway node lease ended", extra={"ctx": {"node": node, "wills": len(wills)}})
+        LOGGER.warning("gateway node lease ended", extra={"ctx": {"node": node, "epoch": lease.epoch,
+                                                                  "wills": len(wills)}})
 
     async def _fire(self, client_id: str, held: _Held, scope: trio.CancelScope) -> None:
         with scope:

@@ -456,7 +456,8 @@ async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = 
 
             await nursery.start(stop_on_signal)  # signals are caught before "ready" is logged
             await nursery.start(on_hangup, reload)
-            listeners = await nursery.start(partial(serve_rpc, node, host, port, access=access))
+            listeners = await nursery.start(partial(serve_rpc, node, host, port, access=access,
+                                                    lease_s=settings["store.lease_s"]))
             bound_host, bound_port = listeners[0].socket.getsockname()[:2]
             LOGGER.info(
                 "store node ready",
@@ -477,6 +478,9 @@ def run_store_node(conf: Any, access: StoreAccess | None = None, reload: Callabl
         parse_address(conf.values["store.listen"])
     except ValueError as exc:
         LOGGER.error("store node not started: store.listen: %s", exc)
+        return 1
+    if conf.values["store.lease_s"] <= 0:
+        LOGGER.error("store node not started: store.lease_s must be more than 0 (heartbeats go every lease / 5)")
         return 1
     freeze_startup_objects()
     failed = False

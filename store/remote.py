@@ -15,7 +15,14 @@ exactly like the embedded one; this implementation sends each call to a
   acknowledged to any device) while the client reconnects with backoff; on
   reconnecting it registers its watches and held wills again and posts one
   event per watched queue at its current head, so every local session pulls
-  whatever it may have missed.
+  whatever it may have missed;
+- fenced: the client names its lease (store/leases.py) in each Hello. If the
+  lease ended meanwhile (the process was frozen, or cut off, for longer than
+  the lease), the store says so in the Welcome: the client registers none of
+  its clients or wills again, takes the new epoch, and reports the ended one
+  through :meth:`fenced`. Writes made for a client accepted under the ended
+  epoch (the ``epoch`` argument of appends, commits, session writes, releases,
+  presence and wills) carry it, and the store refuses them (``LeaseLost``).
 
 The API is reusable outside the gateway (server-side producers and
 consumers, docs/cluster.md): ``RemoteStoreClient.connect(host, port)`` then
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import socket
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -47,10 +55,12 @@ from store import rpc
 from store.access import AccessDenied
 from store.client import NewMessage, PullRequest, StoreStatistics
 from store.errors import LogFullError
+from store.leases import LeaseLost
 from store.record import Record, RecordTooLarge, decode_record
 from store.tasks import background
 
-__all__ = ["RemoteStoreClient", "RemoteStoreStatistics", "StoreRpcError", "StoreUnavailable", "default_node_name"]
+__all__ = ["LeaseLost", "RemoteStoreClient", "RemoteStoreStatistics", "StoreRpcError", "StoreUnavailable",
+           "default_node_name"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -117,6 +127,8 @@ def _exception(error: rpc.Error) -> Exception:
     kind = error.kind
     if kind is rpc.ErrorKind.DENIED:
         return AccessDenied(error.message)
+    if kind is rpc.ErrorKind.FENCED:
+        return LeaseLost(error.message)
     if kind is rpc.ErrorKind.RECORD_TOO_LARGE:
         return RecordTooLarge(error.message)
     if kind is rpc.ErrorKind.TOPIC:
@@ -272,6 +284,7 @@ class _Link:
         self.decoder = decoder
         self.cancel_scope = trio.CancelScope()
         self.broken = False  # set as the link starts closing: a request made after that would never be answered
+        self.epoch = welcome.epoch  # the lease this connection serves
         self._client = client
         self._ids = client._ids
         self._pending: dict[int, Handler] = {}
@@ -413,6 +426,8 @@ class _Link:
                 client._received(message.events)
             elif kind is rpc.ClientMoved:
                 client._moved.post({message.client_id: 0})
+            elif kind is rpc.AdminAsk:
+                client._asks_in.send_nowait((message.id, message.client_id, message.op.value))
             elif kind is rpc.Heartbeat:
                 pass
             elif kind is rpc.Error and message.id == 0:
@@ -527,6 +542,10 @@ class RemoteStoreClient:
         self._wills: dict[str, tuple[rpc.WireMessage, float]] = {}  # client id -> will held at the store
         self._present: set[str] = set()  # clients this node has (sent again after a reconnect)
         self._moved = EventMailbox()  # {client id: 0} of the clients that connected to another node
+        self._store_id = ""  # the store process and lease epoch this node holds (sent in each Hello)
+        self._epoch = 0
+        self._fences_in, self._fences_out = trio.open_memory_channel[int](math.inf)  # ended epochs
+        self._asks_in, self._asks_out = trio.open_memory_channel[tuple[int, str, str]](math.inf)  # admin asks
         self._connected = trio.Event()
         self._link_up = trio.Event()  # set and replaced at each successful handshake (wait_reconnected)
         self._connects = 0
@@ -562,10 +581,17 @@ class RemoteStoreClient:
         finally:
             client._mailbox.close()
             client._moved.close()
+            client._fences_in.close()
+            client._asks_in.close()
 
     @property
     def connected(self) -> bool:
         return self._link is not None
+
+    @property
+    def epoch(self) -> int:
+        """The lease epoch this node holds at the store (0 before the first connection)."""
+        return self._epoch
 
     def _require_link(self) -> _Link:
         link = self._link
@@ -591,13 +617,25 @@ class RemoteStoreClient:
         while self._link is None:
             await self._connected.wait()
 
+    async def wait_available(self) -> None:
+        """Return once a connection that is not breaking is up (at once if one is)."""
+        while True:
+            up = self._link_up  # taken before the check: a handshake after it sets this one
+            link = self._link
+            if link is not None and not link.broken:
+                return
+            await up.wait()
+
     # --- StoreClient --------------------------------------------------------------------
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None,
+                     epoch: int | None = None) -> list[int]:
         link = self._require_link()
         group = [to_wire(m) for m in messages]
         if not group:
             return []
+        if epoch is not None and epoch != link.epoch:  # an ended lease's: alone, for the store to refuse
+            return (await link.call(lambda rid: rpc.AppendRequest(rid, [group], durable, epoch))).offsets[0]
         return await link.appends[durable].submit(group)
 
     def append_now(self, messages: Sequence[NewMessage]) -> list[int] | None:
@@ -639,8 +677,8 @@ class RemoteStoreClient:
         answer = await self._require_link().call(lambda rid: rpc.Activate(rid, queue, holder))
         return answer.value
 
-    async def release(self, queue: str, holder: str) -> bool:
-        answer = await self._require_link().call(lambda rid: rpc.Release(rid, queue, holder))
+    async def release(self, queue: str, holder: str, *, epoch: int | None = None) -> bool:
+        answer = await self._require_link().call(lambda rid: rpc.Release(rid, queue, holder, epoch or 0))
         return answer.value
 
     async def max_offsets(self, queues: Sequence[str]) -> list[int]:
@@ -651,27 +689,32 @@ class RemoteStoreClient:
         answer = await self._require_link().call(lambda rid: rpc.GetOffsets(rid, owner))
         return answer.value
 
-    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]], *, epoch: int | None = None) -> None:
         link = self._require_link()
-        if commits:
-            await link.commits.submit({owner: dict(offsets) for owner, offsets in commits.items()})
+        if not commits:
+            return
+        copy = {owner: dict(offsets) for owner, offsets in commits.items()}
+        if epoch is not None and epoch != link.epoch:  # an ended lease's: alone, for the store to refuse
+            await link.call(lambda rid: rpc.CommitOffsets(rid, copy, epoch))
+            return
+        await link.commits.submit(copy)
 
-    async def delete_owner(self, owner: str) -> None:
-        await self._require_link().call(lambda rid: rpc.DeleteOwner(rid, owner))
+    async def delete_owner(self, owner: str, *, epoch: int | None = None) -> None:
+        await self._require_link().call(lambda rid: rpc.DeleteOwner(rid, owner, epoch or 0))
 
     async def retained(self, filter: str) -> list[Record]:
         answer = await self._require_link().call(lambda rid: rpc.GetRetained(rid, filter))
         return [decode_record(raw, 0, log_offset) for log_offset, raw in answer.records]
 
-    async def save_session(self, client_id: str, blob: bytes) -> None:
-        await self._require_link().call(lambda rid: rpc.SaveSession(rid, client_id, blob))
+    async def save_session(self, client_id: str, blob: bytes, *, epoch: int | None = None) -> None:
+        await self._require_link().call(lambda rid: rpc.SaveSession(rid, client_id, blob, epoch or 0))
 
     async def load_session(self, client_id: str) -> bytes | None:
         answer = await self._require_link().call(lambda rid: rpc.LoadSession(rid, client_id))
         return answer.value
 
-    async def drop_session(self, client_id: str) -> None:
-        await self._require_link().call(lambda rid: rpc.DropSession(rid, client_id))
+    async def drop_session(self, client_id: str, *, epoch: int | None = None) -> None:
+        await self._require_link().call(lambda rid: rpc.DropSession(rid, client_id, epoch or 0))
 
     def watch(self, queue: str) -> None:
         self._watched[queue] = self._watched.get(queue, 0) + 1
@@ -699,29 +742,69 @@ class RemoteStoreClient:
                                s.active_filters, s.retained, s.notify_sent, s.notify_suppressed, s.notify_by_node,
                                s.corrupt_records, s.disk_full)
 
-    async def hold_will(self, client_id: str, message: NewMessage, delay_s: float) -> None:
+    def _current(self, epoch: int | None) -> bool:
+        """Whether a write for a client accepted under ``epoch`` (None: now) is of this node's lease: only those
+        are kept for registering again after a reconnect (the store ignores the others)."""
+        return epoch is None or epoch == self._epoch
+
+    async def hold_will(self, client_id: str, message: NewMessage, delay_s: float, *, epoch: int | None = None) -> None:
         wire = to_wire(message)
-        self._wills[client_id] = (wire, delay_s)
+        if self._current(epoch):
+            self._wills[client_id] = (wire, delay_s)
         if self._link is not None:
-            self._link.send(rpc.HoldWill(client_id, wire, delay_s))
+            self._link.send(rpc.HoldWill(client_id, wire, delay_s, epoch or 0))
 
-    async def drop_will(self, client_id: str) -> None:
-        self._wills.pop(client_id, None)
+    async def drop_will(self, client_id: str, *, epoch: int | None = None) -> None:
+        if self._current(epoch):
+            self._wills.pop(client_id, None)
         if self._link is not None:
-            self._link.send(rpc.DropWill(client_id))
+            self._link.send(rpc.DropWill(client_id, epoch or 0))
 
-    def present(self, client_id: str) -> None:
-        self._present.add(client_id)
+    def present(self, client_id: str, *, epoch: int | None = None) -> None:
+        if self._current(epoch):
+            self._present.add(client_id)
         if self._link is not None:
-            self._link.send(rpc.Present(client_id))
+            self._link.send(rpc.Present(client_id, epoch or 0))
 
-    def absent(self, client_id: str) -> None:
-        self._present.discard(client_id)
+    def absent(self, client_id: str, *, epoch: int | None = None) -> None:
+        if self._current(epoch):
+            self._present.discard(client_id)
         if self._link is not None:
-            self._link.send(rpc.Absent(client_id))
+            self._link.send(rpc.Absent(client_id, epoch or 0))
 
     async def moved(self) -> list[str]:
         return list(await self._moved.get())
+
+    async def fenced(self) -> int:
+        """Wait until the store says this node's lease ended (on a reconnect); the ended epoch.
+
+        Raises:
+            trio.EndOfChannel: the client is closed.
+        """
+        return await self._fences_out.receive()
+
+    async def admin_call(self, client_id: str, op: str) -> bytes | None:
+        """Have the node ``client_id`` is connected to run admin ``op`` (``rpc.AdminOp``); its JSON answer, or
+        None when the client is connected to no other node.
+
+        Raises:
+            OSError: that node did not answer in time (``StoreUnavailable``: the store is not reachable).
+        """
+        answer = await self._require_link().call(lambda rid: rpc.AdminCall(rid, client_id, rpc.AdminOp(op)))
+        return answer.value
+
+    async def admin_asks(self) -> tuple[int, str, str]:
+        """The next admin call another node made about a client of this one: ``(ask id, client id, op)``.
+
+        Raises:
+            trio.EndOfChannel: the client is closed.
+        """
+        return await self._asks_out.receive()
+
+    def admin_answer(self, ask_id: int, value: bytes | None) -> None:
+        """Answer the ask ``ask_id`` (lost if the connection it came on broke: the asker got an error)."""
+        if self._link is not None:
+            self._link.send(rpc.AdminAnswer(ask_id, value))
 
     # --- back-end producers and consumers (store/producer.py, store/consumer.py) ---------
 
@@ -868,7 +951,8 @@ class RemoteStoreClient:
             stream = await trio.open_tcp_stream(self.host, self.port)
             try:
                 stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
-                await stream.send_all(rpc.encode(rpc.Hello(rpc.PROTOCOL_VERSION, self.node, *self._credentials)))
+                await stream.send_all(rpc.encode(rpc.Hello(rpc.PROTOCOL_VERSION, self.node, *self._credentials,
+                                                           self._store_id, self._epoch)))
                 decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
                 answer = decoder.next_message()
                 while answer is rpc.NEED_DATA and not decoder.eof:
@@ -890,13 +974,23 @@ class RemoteStoreClient:
                 LOGGER.error("the store refused this node: %s: %s", answer.kind.value, answer.message)
                 raise StoreRpcError(f"the store refused the connection: {answer.kind.value}: {answer.message}")
             raise ConnectionResetError("the store closed the connection during the handshake")
+        ended = self._epoch
+        self._store_id, self._epoch = answer.store_id, answer.epoch
+        if not answer.resumed and ended:
+            LOGGER.warning("store lease lost: this node was away longer than its lease; the clients it had are "
+                           "closed without a will or a write", extra={"ctx": {
+                               "node": self.node, "ended_epoch": ended, "epoch": answer.epoch,
+                               "clients": len(self._present), "wills": len(self._wills)}})
+            self._present.clear()
+            self._wills.clear()
+            self._fences_in.send_nowait(ended)
         link = _Link(self, stream, decoder, answer)
         if self._watched:
             link.send(rpc.Watch(dict(self._watched)))
+        for client_id in self._present:  # first: a client placed elsewhere meanwhile is not re-registered
+            link.send(rpc.Present(client_id, answer.epoch, again=True))
         for client_id, (wire, delay_s) in self._wills.items():
-            link.send(rpc.HoldWill(client_id, wire, delay_s))
-        for client_id in self._present:
-            link.send(rpc.Present(client_id))
+            link.send(rpc.HoldWill(client_id, wire, delay_s, answer.epoch, again=True))
         return link
 
     async def _resync(self, link: _Link) -> None:

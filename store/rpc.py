@@ -7,9 +7,17 @@ a frame that does not match its type is refused as a whole.
 
 The conversation (docs/cluster.md):
 
-- the gateway opens a TCP connection and sends ``Hello(version, node)``; the
-  store answers ``Welcome`` or an ``Error`` with id 0 and closes (wrong version,
-  not a Hello);
+- the gateway opens a TCP connection and sends ``Hello(version, node, ...)``
+  (at most ``MAX_HELLO_BYTES``: nothing larger is buffered before the peer is
+  authenticated); the store answers ``Welcome`` or an ``Error`` with id 0 and
+  closes (wrong version, not a Hello, credentials);
+- leases and fencing: the ``Welcome`` names the node's lease (``store_id``,
+  ``epoch``) and says whether it is the lease the Hello named (``resumed``).
+  A gateway whose lease ended meanwhile (frozen, partitioned) learns it there;
+  every write it makes for a client (appends, offset commits, session writes,
+  releases, presence, wills) carries the epoch the client was accepted under,
+  and the store refuses a write of an ended lease (``ErrorKind.FENCED``, or
+  ignored for one-way messages);
 - requests carry an id chosen by the client (never 0); the store answers each
   with a response carrying the same id, or ``Error(id, kind, message)``; many
   requests may be in flight, answers come in any order (appends in order);
@@ -18,7 +26,10 @@ The conversation (docs/cluster.md):
   sessions read), ``HoldWill`` / ``DropWill`` (the node lease's wills),
   ``Present`` / ``Absent`` (which node has a client: cross-node takeover);
 - the store pushes ``Events`` (``{queue: max offset}``, merged) and ``ClientMoved`` (a client of this node
-  connected to another) at any time.
+  connected to another) at any time;
+- cluster administration: a gateway asks about a client connected to another
+  node with ``AdminCall``; the store forwards it to that node as ``AdminAsk``,
+  whose ``AdminAnswer`` it relays as ``Value``.
 - back-end producers and consumers (store/producer.py, store/consumer.py) log
   in with the Hello's credentials (store/access.py) and use appends and the
   consumer-group calls ``Join``, ``Claim``, ``Ack``, ``Leave`` (store/groups.py).
@@ -46,12 +57,17 @@ __all__ = [
     "HEARTBEATS_PER_LEASE",
     "LEASE_S",
     "MAX_FRAME_BYTES",
+    "MAX_HELLO_BYTES",
     "NEED_DATA",
     "PROTOCOL_VERSION",
     "SERVER_MESSAGES",
     "Absent",
     "Ack",
     "Activate",
+    "AdminAnswer",
+    "AdminAsk",
+    "AdminCall",
+    "AdminOp",
     "AppendRequest",
     "Appended",
     "Claim",
@@ -101,8 +117,9 @@ __all__ = [
     "parse_address",
 ]
 
-PROTOCOL_VERSION: Final = 2
-"""Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake."""
+PROTOCOL_VERSION: Final = 3
+"""Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
+(3: lease epochs on the Hello, the Welcome and every write; re-registration flags; cluster administration.)"""
 
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
 """Largest frame either side accepts: room for an append batch of dozens of maximum-size (1 MiB) records and a
@@ -112,6 +129,10 @@ LEASE_S: Final = 5.0
 """A gateway node's lease on the wills it holds lasts this long after the last frame the store got from it:
 then the store appends them. The client also gives up on a store silent this long. (The store's default; it tells
 each client its own in the Welcome.)"""
+
+MAX_HELLO_BYTES: Final = 4096
+"""Largest frame a store accepts before the peer is authenticated: a Hello (node name, token, user name, password)
+takes a few hundred bytes; a connection that has proven nothing must not make the store buffer more."""
 
 HEARTBEATS_PER_LEASE: Final = 5
 """Both sides send a heartbeat every lease / 5 (1 s by default), so silence for a lease is five missed heartbeats:
@@ -145,6 +166,7 @@ class ErrorKind(enum.StrEnum):
     OS = "os"  # any other OSError of the store (the write failed)
     INTERNAL = "internal"  # a bug in the store: logged there with its traceback
     DENIED = "denied"  # store.access.AccessDenied: bad credentials, or a call or topic the ACL does not allow
+    FENCED = "fenced"  # the write names a lease of this node that has ended (store.errors.LeaseLost)
 
 
 class _Message(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
@@ -185,6 +207,10 @@ class Hello(_Message, tag="hello"):
     presents the shared ``store.token``; a back-end producer or consumer
     (store/producer.py, store/consumer.py) a user name and password of the
     store's password file.
+
+    ``store_id`` and ``epoch`` name the lease the node held on its last
+    connection (empty and 0 on its first): the store resumes that lease if it
+    has not ended.
     """
 
     version: int
@@ -192,6 +218,8 @@ class Hello(_Message, tag="hello"):
     token: str = ""
     username: str | None = None
     password: bytes | None = None
+    store_id: str = ""
+    epoch: int = 0
 
 
 class Heartbeat(_Message, tag="hb"):
@@ -205,37 +233,56 @@ class Watch(_Message, tag="watch"):
 
 
 class HoldWill(_Message, tag="will"):
-    """Keep ``message`` for ``client_id``: append it ``delay_s`` after this node's lease ends."""
+    """Keep ``message`` for ``client_id``: append it ``delay_s`` after this node's lease ends.
+
+    ``epoch``: the lease the client was accepted under (0: the connection's own); a will of an ended lease is
+    ignored. ``again``: sent again after a reconnect; ignored if the client is now placed on another node.
+    """
 
     client_id: str
     message: WireMessage
     delay_s: float
+    epoch: int = 0
+    again: bool = False
 
 
 class DropWill(_Message, tag="nowill"):
-    """The will of ``client_id`` held by this node must not fire."""
+    """The will of ``client_id`` held by this node must not fire (ignored for an ended lease ``epoch``)."""
 
     client_id: str
+    epoch: int = 0
 
 
 class Present(_Message, tag="here"):
-    """``client_id`` is connected to this node now: the node it was connected to before is sent ``ClientMoved``."""
+    """``client_id`` is connected to this node now: the node it was connected to before is sent ``ClientMoved``.
+
+    ``again``: not a new connection but one this node re-registers after a reconnect: it never displaces a
+    client placed on another node meanwhile (that connection is newer): this node is sent ``ClientMoved`` instead.
+    Ignored for an ended lease ``epoch``.
+    """
 
     client_id: str
+    epoch: int = 0
+    again: bool = False
 
 
 class Absent(_Message, tag="away"):
-    """``client_id`` is gone from this node: no connection, no will waiting here."""
+    """``client_id`` is gone from this node: no connection, no will waiting here (ignored for an ended lease)."""
 
     client_id: str
+    epoch: int = 0
 
 
 class AppendRequest(_Message, tag="append"):
-    """Append each group in one CommitLog write; a group that does not encode fails alone."""
+    """Append each group in one CommitLog write; a group that does not encode fails alone.
+
+    ``epoch``: the lease its senders were accepted under (0: the connection's own); refused if it has ended.
+    """
 
     id: int
     groups: list[list[WireMessage]]
     durable: bool | None = None
+    epoch: int = 0
 
 
 class PullRequest(_Message, tag="pull"):
@@ -254,11 +301,12 @@ class Activate(_Message, tag="activate"):
 
 
 class Release(_Message, tag="release"):
-    """``StoreClient.release``: answered with ``Value(held: bool)``."""
+    """``StoreClient.release``: answered with ``Value(held: bool)`` (refused for an ended lease ``epoch``)."""
 
     id: int
     queue: str
     holder: str
+    epoch: int = 0
 
 
 class MaxOffsets(_Message, tag="maxoffs"):
@@ -276,17 +324,20 @@ class GetOffsets(_Message, tag="getoffs"):
 
 
 class CommitOffsets(_Message, tag="commit"):
-    """``StoreClient.commit_offsets`` (``{owner: {queue: offset}}``, one write): answered with ``Done``."""
+    """``StoreClient.commit_offsets`` (``{owner: {queue: offset}}``, one write): answered with ``Done``
+    (refused for an ended lease ``epoch``)."""
 
     id: int
     commits: dict[str, OffsetMap]
+    epoch: int = 0
 
 
 class DeleteOwner(_Message, tag="delowner"):
-    """``StoreClient.delete_owner``: answered with ``Done``."""
+    """``StoreClient.delete_owner``: answered with ``Done`` (refused for an ended lease ``epoch``)."""
 
     id: int
     owner: str
+    epoch: int = 0
 
 
 class GetRetained(_Message, tag="retained"):
@@ -297,11 +348,13 @@ class GetRetained(_Message, tag="retained"):
 
 
 class SaveSession(_Message, tag="savesess"):
-    """``StoreClient.save_session``: answered with ``Done`` once the blob is durable."""
+    """``StoreClient.save_session``: answered with ``Done`` once the blob is durable (refused for an ended lease
+    ``epoch``)."""
 
     id: int
     client_id: str
     blob: bytes
+    epoch: int = 0
 
 
 class LoadSession(_Message, tag="loadsess"):
@@ -312,10 +365,11 @@ class LoadSession(_Message, tag="loadsess"):
 
 
 class DropSession(_Message, tag="dropsess"):
-    """``StoreClient.drop_session``: answered with ``Done``."""
+    """``StoreClient.drop_session``: answered with ``Done`` (refused for an ended lease ``epoch``)."""
 
     id: int
     client_id: str
+    epoch: int = 0
 
 
 class GetStatistics(_Message, tag="stats?"):
@@ -377,9 +431,34 @@ GroupRequest: TypeAlias = Join | Claim | Ack | Leave
 """The consumer-group calls of back-end consumers (store/consumer.py)."""
 
 
+class AdminOp(enum.StrEnum):
+    """What a gateway's admin API asks of the node a client is connected to (docs/operations.md)."""
+
+    CLIENT = "client"  # the connection's details (``GET /api/v1/clients/{id}``)
+    SESSION = "session"  # the live session and its lags (``GET /api/v1/sessions/{id}``)
+    DISCONNECT = "disconnect"  # close it as an administrative action (``DELETE /api/v1/clients/{id}``)
+    DELETE_SESSION = "delete_session"  # disconnect it and end its session (``DELETE /api/v1/sessions/{id}``)
+
+
+class AdminCall(_Message, tag="admin"):
+    """Run ``op`` on the node ``client_id`` is connected to: answered with ``Value(its answer, JSON bytes)``, or
+    ``Value(None)`` when the client is connected to no other node."""
+
+    id: int
+    client_id: str
+    op: AdminOp
+
+
+class AdminAnswer(_Message, tag="adminr"):
+    """A node's answer to the store's ``AdminAsk`` ``id``: JSON bytes, or None (the client is not here)."""
+
+    id: int
+    value: bytes | None = None
+
+
 ClientMessage: TypeAlias = (
     Hello | Heartbeat | Watch | HoldWill | DropWill | Present | Absent | AppendRequest | PullRequest | OpRequest
-    | GroupRequest
+    | GroupRequest | AdminCall | AdminAnswer
 )
 CLIENT_MESSAGES: Final = ClientMessage
 
@@ -388,12 +467,20 @@ CLIENT_MESSAGES: Final = ClientMessage
 
 
 class Welcome(_Message, tag="welcome"):
-    """The store accepted the handshake."""
+    """The store accepted the handshake.
+
+    ``store_id`` (one per store process) and ``epoch`` name the node's lease; ``resumed`` is False when the Hello
+    named a lease of this store that has ended: the node's clients are no longer its own (its wills were
+    published), so it closes their connections and sends nothing for them.
+    """
 
     version: int
-    node: str  # the node name, as the store routes events to it
+    node: str  # the node name, as the store routes events to it (back-end clients: in their own namespace)
     heartbeat_s: float
     lease_s: float
+    store_id: str = ""
+    epoch: int = 0
+    resumed: bool = True
 
 
 class Error(_Message, tag="err"):
@@ -415,6 +502,14 @@ class ClientMoved(_Message, tag="moved"):
     of its delayed wills fire here (the session resumed there)."""
 
     client_id: str
+
+
+class AdminAsk(_Message, tag="admina"):
+    """Run ``op`` for ``client_id``, connected to this node (another node's ``AdminCall``): answer ``AdminAnswer``."""
+
+    id: int
+    client_id: str
+    op: AdminOp
 
 
 class Appended(_Message, tag="appended"):
@@ -504,7 +599,7 @@ class Claimed(_Message, tag="claimed"):
 
 ServerMessage: TypeAlias = (
     Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Offsets | Value | Done | Statistics | RecordList
-    | Claimed
+    | Claimed | AdminAsk
 )
 SERVER_MESSAGES: Final = ServerMessage
 
@@ -558,6 +653,15 @@ class FrameDecoder:
         self._buffer = bytearray()
         self._pos = 0  # start of the first frame not returned yet
         self._eof = False
+
+    def allow(self, max_frame_bytes: int) -> None:
+        """Accept frames up to ``max_frame_bytes`` from now on (the store raises the limit once a peer is admitted)."""
+        self._max = max_frame_bytes
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not returned as messages yet: what this connection costs in memory now."""
+        return len(self._buffer) - self._pos
 
     def receive_data(self, data: bytes) -> None:
         """Add received bytes; ``b""`` means the peer closed its side."""

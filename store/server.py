@@ -19,6 +19,19 @@ only appends (records encoded straight from the wire messages), pulls and
 retained lookups (raw record bytes that the client decodes) are served here
 directly: the store's CPU is the one every gateway shares.
 
+Who is who: a gateway node (trusted, the store token) is attached under the
+node name of its Hello; a back-end client (user name and password) under
+``$client/<user>:<name>``, its own namespace, so it can never take a gateway
+node's name (and with it the node's connection, events and wills). Before a
+peer is admitted the store buffers at most one ``rpc.MAX_HELLO_BYTES`` frame,
+for at most ``HANDSHAKE_TIMEOUT_S``; refusals are logged once per peer address
+per ``REFUSAL_LOG_S``.
+
+Fencing (store/leases.py): each gateway connection serves one lease epoch;
+a write that names another epoch (an ended lease of the node: it was frozen
+or cut off, and its clients may have moved) is refused with
+``ErrorKind.FENCED``, or ignored when it is a one-way message.
+
 Error handling: a request that fails is answered with ``Error(id, kind,
 message)`` and the connection goes on; a frame that breaks the wire format
 (oversized, malformed, not a Hello first, another protocol version) is
@@ -33,7 +46,9 @@ node is detached from notify when its connection ends, and its lease
 from __future__ import annotations
 
 import logging
+import secrets
 from functools import partial
+from itertools import count
 from typing import Any, final
 
 import trio
@@ -44,7 +59,7 @@ from store.access import AccessDenied, Peer, StoreAccess, Verdict
 from store.client import LocalStoreClient, NewMessage, store_statistics
 from store.errors import LogFullError
 from store.groups import GroupCoordinator
-from store.leases import NodeLeases
+from store.leases import LeaseLost, NodeLeases
 from store.node import StoreNode
 from store.record import Record, RecordTooLarge, new_record, now_ms
 
@@ -55,8 +70,24 @@ LOGGER = logging.getLogger(__name__)
 RECEIVE_BYTES = 256 * 1024
 """One ``receive_some`` reads up to this much: a burst of pipelined requests is decoded in one wake-up."""
 
-HANDSHAKE_TIMEOUT_S = 10.0
-"""A connection that sends no Hello within this is closed (a port scanner, a stuck peer)."""
+HANDSHAKE_TIMEOUT_S = 5.0
+"""A connection that sends no whole Hello within this is closed (a port scanner, a stuck or hostile peer): a gateway
+sends its Hello as soon as TCP connects, so a few seconds cover a busy machine."""
+
+REFUSAL_LOG_S = 60.0
+"""Refused connections are logged once per peer address per this period (the next line says how many were not):
+a peer that retries, or opens hundreds of connections, cannot fill the store's log."""
+
+REFUSAL_PEERS = 1024
+"""Peer addresses whose last refusal line is remembered; beyond, the oldest is forgotten (bounded memory)."""
+
+BACKEND_PREFIX = "$client/"
+"""The namespace of back-end clients' node names (``$client/<user>:<name>``): Hellos may not name ``$`` nodes, and
+user names hold no ``:``, so no back-end client can take a gateway node's name, nor another user's."""
+
+ADMIN_TIMEOUT_S = 20.0
+"""How long the store waits for a node's answer to a forwarded admin call (a disconnect waits up to 15 s for the
+client's connection to close)."""
 
 MAX_CONCURRENT_REQUESTS = 64
 """Requests of one connection executed at once (pulls, offsets, sessions); more wait in the socket, so one gateway
@@ -87,6 +118,8 @@ def _error(request_id: int, exc: BaseException) -> rpc.Error:
     """The wire error for an exception of a store call: the client raises the same kind."""
     if isinstance(exc, AccessDenied):
         kind = rpc.ErrorKind.DENIED
+    elif isinstance(exc, LeaseLost):
+        kind = rpc.ErrorKind.FENCED
     elif isinstance(exc, RecordTooLarge):
         kind = rpc.ErrorKind.RECORD_TOO_LARGE
     elif isinstance(exc, TopicError):
@@ -129,13 +162,25 @@ def to_new_message(wire: rpc.WireMessage) -> NewMessage:
 
 
 @final
+class _Ask:
+    """A forwarded admin call waiting for the node's ``AdminAnswer``."""
+
+    __slots__ = ("done", "value")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.value: bytes | None | OSError = None
+
+
+@final
 class _Connection:
-    """One gateway node's connection, after the handshake."""
+    """One gateway node's connection, after the handshake; it serves the node's lease ``epoch``."""
 
     def __init__(self, server: RpcServer, stream: trio.SocketStream, decoder: rpc.FrameDecoder, node: str,
-                 peer: Peer | None = None) -> None:
+                 peer: Peer | None = None, epoch: int = 0) -> None:
         self.node = node
         self.peer = peer or Peer(True, client_id=node)
+        self.epoch = epoch
         self.closed = trio.Event()  # set once the node is detached (a replacing connection waits for it)
         self.cancel_scope = trio.CancelScope()
         self._server = server
@@ -146,9 +191,53 @@ class _Connection:
         self._out_ready = trio.Event()
         self._slots = trio.Semaphore(MAX_CONCURRENT_REQUESTS)
         self._appends_in, self._appends_out = trio.open_memory_channel[rpc.AppendRequest](APPENDS_QUEUED)
+        self._asks: dict[int, _Ask] = {}  # admin calls forwarded to this node, by ask id
+        self._ask_ids = count(1)
+        self._fenced = 0  # writes of an ended lease refused on this connection
 
     def close(self) -> None:
         self._client.close()
+        for ask in self._asks.values():
+            ask.value = OSError(f"the gateway node {self.node} went away before answering")
+            ask.done.set()
+
+    def current(self, epoch: int) -> bool:
+        """Whether a write naming lease ``epoch`` (0: this connection's) may take effect; the first refusal is logged.
+
+        Raises nothing: the caller refuses (a request) or ignores (a one-way message) a stale write.
+        """
+        if not epoch or epoch == self.epoch:
+            return True
+        self._fenced += 1
+        if self._fenced == 1:
+            LOGGER.warning("writes of an ended lease refused: the node's clients of that lease are no longer its own",
+                           extra={"ctx": {"node": self.node, "ended_epoch": epoch, "epoch": self.epoch}})
+        return False
+
+    def check_epoch(self, epoch: int) -> None:
+        """Raise ``LeaseLost`` for a write of an ended lease (see :meth:`current`)."""
+        if not self.current(epoch):
+            raise LeaseLost(f"lease {epoch} of node {self.node} has ended (the node holds lease {self.epoch} now)")
+
+    async def ask(self, client_id: str, op: rpc.AdminOp) -> bytes | None:
+        """Forward an admin call about ``client_id`` to this node and wait for its answer.
+
+        Raises:
+            OSError: the node did not answer within ``ADMIN_TIMEOUT_S``, or went away.
+        """
+        ask_id = next(self._ask_ids)
+        ask = self._asks[ask_id] = _Ask()
+        try:
+            self.send(rpc.AdminAsk(ask_id, client_id, op))
+            with trio.move_on_after(ADMIN_TIMEOUT_S):
+                await ask.done.wait()
+        finally:
+            del self._asks[ask_id]
+        if not ask.done.is_set():
+            raise OSError(f"the gateway node {self.node} did not answer within {ADMIN_TIMEOUT_S} s")
+        if isinstance(ask.value, OSError):
+            raise ask.value
+        return ask.value
 
     def send(self, message: Any) -> None:
         """Queue one frame for the writer."""
@@ -220,13 +309,22 @@ class _Connection:
                 if not self._watch(message):
                     return
             elif kind is rpc.HoldWill:
-                leases.hold(self.node, message.client_id, to_new_message(message.message), message.delay_s)
+                if self.current(message.epoch):
+                    self._server.hold_will(self.node, message)
             elif kind is rpc.DropWill:
-                leases.drop(self.node, message.client_id)
+                if self.current(message.epoch):
+                    leases.drop(self.node, message.client_id)
             elif kind is rpc.Present:
-                self._server.present(self.node, message.client_id)
+                if self.current(message.epoch):
+                    self._server.present(self.node, message.client_id, again=message.again)
             elif kind is rpc.Absent:
-                self._server.absent(self.node, message.client_id)
+                if self.current(message.epoch):
+                    self._server.absent(self.node, message.client_id)
+            elif kind is rpc.AdminAnswer:
+                ask = self._asks.get(message.id)
+                if ask is not None:  # else it came too late
+                    ask.value = message.value
+                    ask.done.set()
             elif kind is rpc.Hello:
                 self.send(rpc.Error(0, rpc.ErrorKind.PROTOCOL, "Hello after the handshake"))
                 return
@@ -268,30 +366,37 @@ class _Connection:
         if kind is rpc.Activate:
             return rpc.Value(rid, await client.activate(request.queue, request.holder))
         if kind is rpc.Release:
+            self.check_epoch(request.epoch)
             return rpc.Value(rid, await client.release(request.queue, request.holder))
         if kind is rpc.MaxOffsets:
             return rpc.Offsets(rid, await client.max_offsets(request.queues))
         if kind is rpc.GetOffsets:
             return rpc.Value(rid, await client.get_offsets(request.owner))
         if kind is rpc.CommitOffsets:
+            self.check_epoch(request.epoch)
             await client.commit_offsets(request.commits)
             return rpc.Done(rid)
         if kind is rpc.DeleteOwner:
+            self.check_epoch(request.epoch)
             await client.delete_owner(request.owner)
             return rpc.Done(rid)
         if kind is rpc.GetRetained:
             found = await trio.to_thread.run_sync(self._server.store.retained.lookup, request.filter)
             return rpc.RecordList(rid, [(r.log_offset, r.record) for r in found])
         if kind is rpc.SaveSession:
+            self.check_epoch(request.epoch)
             await client.save_session(request.client_id, request.blob)
             return rpc.Done(rid)
         if kind is rpc.LoadSession:
             return rpc.Value(rid, await client.load_session(request.client_id))
         if kind is rpc.DropSession:
+            self.check_epoch(request.epoch)
             await client.drop_session(request.client_id)
             return rpc.Done(rid)
         if kind in _GROUP_CALLS:
             return await self._group_call(request)
+        if kind is rpc.AdminCall:
+            return rpc.Value(rid, await self._server.admin_call(self.node, request.client_id, request.op))
         if kind is rpc.GetStatistics:
             stats = store_statistics(self._server.store)
             return rpc.Statistics(rid, rpc.WireStatistics(
@@ -346,6 +451,9 @@ class _Connection:
     async def _appender(self) -> None:
         store = self._server.store
         async for request in self._appends_out:
+            if not self.current(request.epoch):
+                self.send(rpc.Error(request.id, rpc.ErrorKind.FENCED, f"lease {request.epoch} has ended"))
+                continue
             denied = self._denied_groups(request.groups)
             groups = [[] if index in denied else group for index, group in enumerate(request.groups)]
             try:
@@ -427,8 +535,15 @@ class RpcServer:
         self.access = access or StoreAccess()
         self.groups = GroupCoordinator(store)
         nursery.start_soon(self.groups.run)
+        self.store_id = secrets.token_hex(8)  # leases of an earlier store process are not this one's
         self._connections: dict[str, _Connection] = {}
         self._presence: dict[str, str] = {}  # client id -> the gateway node it is connected to (or has a will on)
+        self._handshakes: set[rpc.FrameDecoder] = set()  # connections not admitted yet
+        self._refusals: dict[str, tuple[float, int]] = {}  # peer address -> (last line logged, refusals since)
+
+    def handshake_bytes(self) -> int:
+        """Bytes buffered for connections that are not admitted yet (bounded by ``rpc.MAX_HELLO_BYTES`` each)."""
+        return sum(decoder.buffered for decoder in self._handshakes)
 
     async def handle(self, stream: trio.SocketStream) -> None:
         """Serve one connection: handshake, then requests until it ends; always closes the stream."""
@@ -438,25 +553,47 @@ class RpcServer:
             peer = "?"
         try:
             async with stream:
-                decoder = rpc.FrameDecoder(rpc.CLIENT_MESSAGES)
-                hello = await self._handshake(stream, decoder, peer)
-                if hello is None:
+                decoder = rpc.FrameDecoder(rpc.CLIENT_MESSAGES, rpc.MAX_HELLO_BYTES)
+                self._handshakes.add(decoder)
+                try:
+                    hello = await self._handshake(stream, decoder, peer)
+                    admitted = None if hello is None else await self._admit(stream, hello, peer)
+                finally:
+                    self._handshakes.discard(decoder)
+                if hello is None or admitted is None:
                     return
-                admitted = await self._admit(stream, hello, peer)
-                if admitted is None:
-                    return
-                await self._serve(stream, decoder, hello.node, peer, admitted)
+                decoder.allow(rpc.MAX_FRAME_BYTES)
+                name = hello.node if admitted.trusted else f"{BACKEND_PREFIX}{admitted.username or ''}:{hello.node}"
+                await self._serve(stream, decoder, name, peer, admitted, hello)
         except Exception as exc:  # one connection's failure must not stop the listener
             LOGGER.error("RPC connection failed: %r", exc, exc_info=exc, extra={"ctx": {"peer": peer}})
 
+    def _refused(self, why: str, peer: str, **ctx: Any) -> None:
+        """Log a refused connection: the first of a peer address at once, then one line per ``REFUSAL_LOG_S``."""
+        host = peer.rpartition(":")[0] or peer
+        now = trio.current_time()
+        last = self._refusals.get(host)
+        if last is not None and now - last[0] < REFUSAL_LOG_S:
+            self._refusals[host] = (last[0], last[1] + 1)
+            return
+        if last is None and len(self._refusals) >= REFUSAL_PEERS:
+            del self._refusals[next(iter(self._refusals))]  # the address logged longest ago
+        self._refusals[host] = (now, 0)
+        LOGGER.warning("RPC connection refused: %s", why,
+                       extra={"ctx": {"peer": peer, **ctx, "refused_unlogged": last[1] if last else 0}})
+
     async def _handshake(self, stream: trio.SocketStream, decoder: rpc.FrameDecoder, peer: str) -> rpc.Hello | None:
-        """A valid Hello; None after refusing the connection (an Error frame when possible)."""
+        """A valid Hello; None after refusing the connection (an Error frame when possible).
+
+        Until the Hello is whole, the connection may cost at most one ``rpc.MAX_HELLO_BYTES`` frame (a larger
+        length is refused at once) and ``HANDSHAKE_TIMEOUT_S``.
+        """
         refusal: rpc.Error | None = None
         with trio.move_on_after(HANDSHAKE_TIMEOUT_S):
             try:
                 message = decoder.next_message()
                 while message is rpc.NEED_DATA and not decoder.eof:
-                    decoder.receive_data(await stream.receive_some(RECEIVE_BYTES))
+                    decoder.receive_data(await stream.receive_some(rpc.MAX_HELLO_BYTES))
                     message = decoder.next_message()
             except rpc.RpcProtocolError as exc:
                 refusal = rpc.Error(0, rpc.ErrorKind.PROTOCOL, str(exc))
@@ -477,7 +614,7 @@ class RpcServer:
                     return message
         if refusal is None:
             refusal = rpc.Error(0, rpc.ErrorKind.PROTOCOL, f"no Hello within {HANDSHAKE_TIMEOUT_S} s")
-        LOGGER.warning("RPC connection refused: %s", refusal.message, extra={"ctx": {"peer": peer}})
+        self._refused(refusal.message, peer)
         with trio.move_on_after(1.0):
             try:
                 await stream.send_all(rpc.encode(refusal))
@@ -500,8 +637,7 @@ class RpcServer:
                                                     hello.password, source)
         if isinstance(verdict, Peer):
             return verdict
-        LOGGER.warning("RPC connection refused: %s", verdict.why,
-                       extra={"ctx": {"peer": peer, "node": hello.node, "username": hello.username}})
+        self._refused(verdict.why, peer, node=hello.node, username=hello.username)
         await trio.sleep(verdict.delay_s)
         with trio.move_on_after(1.0):
             try:
@@ -511,18 +647,25 @@ class RpcServer:
         return None
 
     async def _serve(self, stream: trio.SocketStream, decoder: rpc.FrameDecoder, node: str, peer: str,
-                     admitted: Peer | None = None) -> None:
+                     admitted: Peer, hello: rpc.Hello) -> None:
         old = self._connections.get(node)
         if old is not None:  # the node reconnected before its old connection was seen to end: that one is stale
             LOGGER.warning("gateway node reconnected: closing its previous connection",
                            extra={"ctx": {"node": node, "peer": peer}})
             old.cancel_scope.cancel()
             await old.closed.wait()
-        connection = self._connections[node] = _Connection(self, stream, decoder, node, admitted)
-        self.leases.connected(node)
-        LOGGER.info("gateway node connected", extra={"ctx": {"node": node, "peer": peer}})
+        # A lease of an earlier store process (a restart) is adopted: its clients stay the node's.
+        epoch, resumed = self.leases.connected(node, hello.epoch, adopt=hello.store_id != self.store_id)
+        resumed = resumed or not hello.epoch  # a first connection has nothing to resume
+        connection = self._connections[node] = _Connection(self, stream, decoder, node, admitted, epoch)
+        LOGGER.info("gateway node connected" if admitted.trusted else "back-end client connected",
+                    extra={"ctx": {"node": node, "peer": peer, "epoch": epoch, "resumed": resumed}})
+        if not resumed:
+            LOGGER.warning("gateway node came back after its lease ended: it must drop the clients of that lease",
+                           extra={"ctx": {"node": node, "ended_epoch": hello.epoch, "epoch": epoch}})
         try:
-            connection.send(rpc.Welcome(rpc.PROTOCOL_VERSION, node, self.heartbeat_s, self.lease_s))
+            connection.send(rpc.Welcome(rpc.PROTOCOL_VERSION, node, self.heartbeat_s, self.lease_s, self.store_id,
+                                        epoch, resumed))
             await connection.run()
         finally:
             connection.close()
@@ -539,18 +682,49 @@ class RpcServer:
         for client_id in [c for c, n in self._presence.items() if n == node]:
             del self._presence[client_id]
 
-    def present(self, node: str, client_id: str) -> None:
+    def present(self, node: str, client_id: str, *, again: bool = False) -> None:
         """``client_id`` connected to ``node``: the node that had it before, if another, gets ``ClientMoved``.
 
         That node closes its connection of the client (a takeover across nodes, MQTT 5 reason 0x8E), and a
-        will it delays for the client does not fire: the session resumed here.
+        will it delays for the client does not fire: the session resumed here. The newest connection wins
+        ([MQTT-3.1.4-3]): a presence sent ``again`` (re-registered after a reconnect) is an older connection,
+        so it never displaces a client placed on another node; ``node`` gets ``ClientMoved`` instead.
         """
         before = self._presence.get(client_id)
+        if again and before is not None and before != node:
+            self._notify_moved(node, client_id)
+            return
         self._presence[client_id] = node
+        if not again:
+            self.leases.resumed_on(node, client_id)
         if before is not None and before != node:
-            connection = self._connections.get(before)
-            if connection is not None:
-                connection.send(rpc.ClientMoved(client_id))
+            self._notify_moved(before, client_id)
+
+    def _notify_moved(self, node: str, client_id: str) -> None:
+        connection = self._connections.get(node)
+        if connection is not None:
+            connection.send(rpc.ClientMoved(client_id))
+
+    def hold_will(self, node: str, message: rpc.HoldWill) -> None:
+        """Hold a client's will under ``node``'s lease; a will sent ``again`` for a client placed on another node
+        is that node's business (the client's newer connection is there)."""
+        placed = self._presence.get(message.client_id)
+        if message.again and placed is not None and placed != node:
+            return
+        self.leases.hold(node, message.client_id, to_new_message(message.message), message.delay_s)
+
+    async def admin_call(self, node: str, client_id: str, op: rpc.AdminOp) -> bytes | None:
+        """Run admin ``op`` on the node ``client_id`` is connected to, for ``node``'s admin API; None when it is
+        placed on no other node (``node`` answers from what it has).
+
+        Raises:
+            OSError: that node did not answer in time, or went away.
+        """
+        owner = self._presence.get(client_id)
+        connection = self._connections.get(owner) if owner is not None and owner != node else None
+        if connection is None:
+            return None
+        return await connection.ask(client_id, op)
 
     def absent(self, node: str, client_id: str) -> None:
         """``client_id`` is gone from ``node`` (ignored if another node has it since)."""

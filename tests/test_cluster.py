@@ -16,7 +16,9 @@ import pytest
 import trio
 from paho.mqtt.packettypes import PacketTypes
 
-from mqtt_fixtures import properties
+from gateway.packets import MQTT_5, Connack, Connect
+from gateway.reasons import ReasonCode
+from mqtt_fixtures import connect_packet, properties, raw_client
 from processes import LightgateProcess
 from store import rpc
 from store.remote import RemoteStoreClient
@@ -43,10 +45,16 @@ class Process(LightgateProcess):
 
 
 class Store(Process):
-    def __init__(self, data: Path, port: int) -> None:
-        super().__init__("store", "--data", str(data), "--listen", f"127.0.0.1:{port}", ready="store node ready")
+    def __init__(self, data: Path, port: int, *flags: str) -> None:
+        super().__init__("store", "--data", str(data), "--listen", f"127.0.0.1:{port}", *flags,
+                         ready="store node ready")
         self.data = data
         self.port = port
+        self.flags = flags
+
+    def restarted(self) -> "Store":
+        """A new store process on the same data, port and flags (this one must have exited)."""
+        return Store(self.data, self.port, *self.flags)
 
 
 class Gateway(Process):
@@ -330,7 +338,7 @@ def test_store_restart_no_false_puback_and_publishes_are_accepted_again(tmp_path
                 publish(index)
                 index += 1
                 wait_for(lambda: len(acks) == len(sent), "the PUBACKs")
-            restarted = Store(store.data, store.port)
+            restarted = store.restarted()
             try:
                 gw1.wait_log(lambda doc: doc.get("msg") == "connected to the store" and doc.get("reconnect"))
                 gw2.wait_log(lambda doc: doc.get("msg") == "connected to the store" and doc.get("reconnect"))
@@ -367,3 +375,31 @@ def test_a_311_publisher_is_disconnected_when_its_message_cannot_be_stored(tmp_p
             assert mid not in acks
         finally:
             client.loop_stop()
+
+
+def test_while_the_store_is_down_a_connect_is_refused_at_once_and_the_outage_is_logged_once(tmp_path):
+    """CONNACK 0x88 Server unavailable (5.0) / return code 3 (3.1.1) without waiting, one log line for the outage
+    and one for its end, never a traceback; CONNECTs succeed again once the store is back."""
+    with running_cluster(tmp_path, gateways=1) as (store, (gw1,)):
+        store.stop()
+        gw1.wait_log(lambda doc: doc.get("msg") in ("the store closed the connection", "store connection lost"))
+        for attempt in range(3):
+            with raw_client(gw1.port, MQTT_5) as raw:
+                raw.send(Connect(MQTT_5, f"dev-{attempt}", True))
+                connack = raw.receive()
+                assert isinstance(connack, Connack) and connack.reason_code is ReasonCode.SERVER_UNAVAILABLE
+            with socket.create_connection(("127.0.0.1", gw1.port), timeout=WAIT_S) as sock:
+                sock.sendall(connect_packet(f"old-{attempt}"))
+                assert sock.recv(4) == b"\x20\x02\x00\x03"  # 3.1.1 CONNACK, return code 3: Server unavailable
+        outage = [doc for doc in gw1.logs if doc.get("msg", "").startswith("store unavailable")]
+        assert len(outage) == 1, outage
+        restarted = store.restarted()
+        try:
+            ended = gw1.wait_log(lambda doc: doc.get("msg") == "store available again: CONNECTs are accepted")
+            assert ended["refused"] == 6
+            with raw_client(gw1.port, MQTT_5) as raw:
+                raw.connect("dev-after")
+        finally:
+            restarted.stop()
+        assert not [doc for doc in gw1.logs if doc.get("level") == "error"], gw1.errors()
+        assert len([doc for doc in gw1.logs if doc.get("msg", "").startswith("store available again")]) == 1

@@ -116,3 +116,33 @@ async def test_another_nodes_drop_leaves_a_will_held_by_the_client_now(autojump_
             await appended.changed.wait()
         assert appended.messages[0][1][0] == "will/a"
         nursery.cancel_scope.cancel()
+
+
+async def test_a_node_back_within_its_lease_resumes_it_and_after_its_end_gets_a_new_one(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        leases = NodeLeases(Appended(), nursery, LEASE_S)
+        epoch, _ = leases.connected("gw1")
+        leases.disconnected("gw1")
+        await trio.sleep(LEASE_S - 1)
+        assert leases.connected("gw1", epoch) == (epoch, True)
+        leases.disconnected("gw1")
+        await trio.sleep(LEASE_S + 1)
+        assert leases.epoch("gw1") == 0  # ended
+        new_epoch, resumed = leases.connected("gw1", epoch)
+        assert not resumed and new_epoch != epoch
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_client_resuming_on_another_node_drops_the_will_the_first_node_holds(autojump_clock):
+    appended = Appended()
+    async with trio.open_nursery() as nursery:
+        leases = NodeLeases(appended, nursery, LEASE_S)
+        leases.connected("gw1")
+        leases.connected("gw2")
+        leases.hold("gw1", "a", will("a"), 0)
+        leases.resumed_on("gw2", "a")  # gw1 is frozen: it never drops the will itself
+        leases.disconnected("gw1")
+        await trio.sleep(10 * LEASE_S)
+        assert appended.messages == []
+        assert leases.statistics().leases_ended == 1
+        nursery.cancel_scope.cancel()

@@ -11,7 +11,7 @@ from store.client import INLINE_PULL, LocalStoreClient, PullRequest
 from store.commitlog import CommitLogConfig
 from store.node import open_store
 from store.record import RecordTooLarge
-from store.remote import RemoteStoreClient, StoreRpcError, StoreUnavailable
+from store.remote import LeaseLost, RemoteStoreClient, StoreRpcError, StoreUnavailable
 from store.server import serve_rpc
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
@@ -279,3 +279,64 @@ async def test_a_store_of_another_protocol_version_is_refused(nursery):
     with pytest.raises(StoreRpcError, match=f"version: not {rpc.PROTOCOL_VERSION}"):
         async with RemoteStoreClient.connect("127.0.0.1", port):
             pass
+
+
+class Freezer:
+    """A TCP proxy between a client and the store that can stop passing bytes, closes included: the client's
+    process frozen, as the store and the client see it (no byte, no close, until it thaws)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.thawed = trio.Event()
+        self.thawed.set()
+
+    def freeze(self) -> None:
+        self.thawed = trio.Event()
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await trio.serve_tcp(self._handle, 0, host="127.0.0.1", task_status=task_status)
+
+    async def _handle(self, downstream: trio.SocketStream) -> None:
+        async with downstream, await trio.open_tcp_stream("127.0.0.1", self.target_port) as upstream:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pipe, downstream, upstream, nursery.cancel_scope)
+                nursery.start_soon(self._pipe, upstream, downstream, nursery.cancel_scope)
+
+    async def _pipe(self, source, sink, scope: trio.CancelScope) -> None:
+        try:
+            while data := await source.receive_some(65536):
+                await self.thawed.wait()
+                await sink.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        await self.thawed.wait()
+        scope.cancel()
+
+
+async def test_a_client_back_after_its_lease_ended_is_fenced_and_its_writes_of_that_lease_are_refused(
+        server, nursery, caplog):
+    freezer = Freezer(server.port)
+    [listener] = await nursery.start(freezer.serve)
+    async with RemoteStoreClient.connect("127.0.0.1", listener.socket.getsockname()[1], node="gw-a") as remote:
+        ended = remote.epoch
+        remote.present("dev1", epoch=ended)
+        await remote.hold_will("dev1", message("will/dev1"), 0.0, epoch=ended)
+        freezer.freeze()
+        with trio.fail_after(WAIT_S):
+            while not any(r.getMessage() == "gateway node lease ended" and getattr(r, "ctx", {}).get("node") == "gw-a"
+                          for r in caplog.records):
+                await trio.sleep(0.01)  # the store's lease timer: wait for its line
+        freezer.thawed.set()
+        with trio.fail_after(WAIT_S):
+            assert await remote.fenced() == ended
+        assert remote.epoch != ended
+        assert remote.client_statistics().wills_held == 0  # neither registered again nor kept
+        with pytest.raises(LeaseLost):
+            await remote.append([message("a/b", b"stale")], epoch=ended)
+        with pytest.raises(LeaseLost):
+            await remote.commit_offsets({"dev1": {"a/b": 1}}, epoch=ended)
+        with pytest.raises(LeaseLost):
+            await remote.save_session("dev1", b"blob", epoch=ended)
+        await remote.append([message("a/b", b"now")], epoch=remote.epoch)
+        [result] = await remote.pull([PullRequest("a/b", 0, 10)])
+        assert [record.payload for _, record in result.messages] == [b"now"]

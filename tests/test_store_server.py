@@ -1,13 +1,17 @@
 """The store's RPC server (store/server.py) over real sockets, spoken to frame by frame."""
 
+import logging
+from functools import partial
+
 import pytest
 import trio
 
-from store import rpc
+from store import rpc, server
+from store.access import StoreAccess, Verdict
 from store.commitlog import CommitLogConfig
 from store.node import open_store
 from store.record import decode_record
-from store.server import serve_rpc
+from store.server import RpcServer, serve_rpc
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
 LEASE_S = 0.6  # short leases, so the silence and will tests take a second
@@ -35,12 +39,15 @@ class Raw:
         self.sending = trio.Lock()  # the test and keep_alive both send
 
     @classmethod
-    async def open(cls, port: int, node: str | None = "gw-a") -> "Raw":
+    async def open(cls, port: int, node: str | None = "gw-a", **hello) -> "Raw":
         raw = cls(await trio.open_tcp_stream("127.0.0.1", port))
         if node is not None:
-            await raw.send(rpc.Hello(rpc.PROTOCOL_VERSION, node))
-            welcome = await raw.receive()
-            assert welcome == rpc.Welcome(rpc.PROTOCOL_VERSION, node, LEASE_S / rpc.HEARTBEATS_PER_LEASE, LEASE_S)
+            await raw.send(rpc.Hello(rpc.PROTOCOL_VERSION, node, **hello))
+            raw.welcome = welcome = await raw.receive()
+            assert welcome == rpc.Welcome(rpc.PROTOCOL_VERSION, welcome.node, LEASE_S / rpc.HEARTBEATS_PER_LEASE,
+                                          LEASE_S, welcome.store_id, welcome.epoch, welcome.resumed)
+            assert welcome.epoch > 0 and welcome.store_id
+            assert welcome.node == node or hello.get("username")
         return raw
 
     async def send(self, *messages) -> None:
@@ -199,3 +206,131 @@ async def test_heartbeats_keep_a_node_connected_and_the_store_sends_its_own(port
         assert type(await raw.receive(skip_heartbeats=False)) is rpc.Heartbeat
     await raw.send(rpc.MaxOffsets(1, []))
     assert await raw.receive() == rpc.Offsets(1, [])
+
+
+# --- leases and fencing -------------------------------------------------------------------
+
+
+def will(client_id: str, payload: bytes = b"gone") -> rpc.WireMessage:
+    return rpc.WireMessage(f"will/{client_id}", payload, client_id, 1)
+
+
+async def test_a_node_back_within_its_lease_resumes_it_with_the_same_epoch(port):
+    first = await Raw.open(port, node="gw-a")
+    await first.stream.aclose()
+    again = await Raw.open(port, node="gw-a", store_id=first.welcome.store_id, epoch=first.welcome.epoch)
+    assert (again.welcome.epoch, again.welcome.resumed) == (first.welcome.epoch, True)
+
+
+async def test_a_node_of_an_earlier_store_process_keeps_its_lease_epoch_and_its_clients(port):
+    other = await Raw.open(port, node="gw-b")  # takes this store's first epochs
+    raw = await Raw.open(port, node="gw-a", store_id="a-store-that-restarted", epoch=other.welcome.epoch)
+    # Nothing of this store's ended: the lease is adopted with its epoch, so the writes the node makes for its
+    # clients (which name it) are taken, and it registers its clients again.
+    assert (raw.welcome.epoch, raw.welcome.resumed) == (other.welcome.epoch, True)
+    await raw.send(rpc.AppendRequest(1, [[rpc.WireMessage("a/b", b"m", "dev1", 1)]], None, other.welcome.epoch))
+    assert type(await raw.receive()) is rpc.Appended
+    newer = await Raw.open(port, node="gw-c")
+    assert newer.welcome.epoch > other.welcome.epoch  # an adopted epoch is never handed out again
+
+
+async def test_a_node_back_after_its_lease_ended_is_told_and_its_writes_of_that_lease_are_refused(port, nursery):
+    observer = await Raw.open(port, node="observer")
+    nursery.start_soon(observer.keep_alive)
+    await observer.send(rpc.Watch({"will/dev1": 1}))
+    frozen = await Raw.open(port, node="gw-a")
+    ended = frozen.welcome.epoch
+    await frozen.send(rpc.Present("dev1", ended), rpc.HoldWill("dev1", will("dev1"), 0.0, ended))
+    assert await frozen.closed() == []  # silent for the lease
+    assert await observer.receive() == rpc.Events({"will/dev1": 1})  # the lease ended: its will is published
+    woken = await Raw.open(port, node="gw-a", store_id=frozen.welcome.store_id, epoch=ended)
+    nursery.start_soon(woken.keep_alive)
+    assert not woken.welcome.resumed and woken.welcome.epoch != ended
+    message = rpc.WireMessage("a/b", b"stale", "dev1", 1)
+    await woken.send(rpc.AppendRequest(1, [[message]], None, ended), rpc.SaveSession(2, "dev1", b"blob", ended),
+                     rpc.CommitOffsets(3, {"dev1": {"a/b": 1}}, ended), rpc.DropSession(4, "dev1", ended),
+                     rpc.Release(5, "a/#", "dev1", ended), rpc.DeleteOwner(6, "dev1", ended))
+    answers = [await woken.receive() for _ in range(6)]
+    assert sorted(a.id for a in answers) == [1, 2, 3, 4, 5, 6]
+    assert {a.kind for a in answers} == {rpc.ErrorKind.FENCED}
+    await woken.send(rpc.Present("dev2", ended), rpc.HoldWill("dev2", will("dev2"), 0.0, ended))  # ignored
+    other = await Raw.open(port, node="gw-b")
+    await other.send(rpc.Present("dev2"))
+    await woken.send(rpc.AppendRequest(7, [[rpc.WireMessage("a/b", b"now", "dev3", 1)]], None, woken.welcome.epoch))
+    assert type(await woken.receive()) is rpc.Appended  # and no ClientMoved for dev2 came before it
+    await woken.send(rpc.PullRequest(8, [rpc.QueueRead("a/b", 0, 10, 1 << 20)]))
+    [result] = (await woken.receive()).results
+    assert [decode_record(r, 0, o).payload for _, o, r in result.entries] == [b"now"]  # nothing stale appended
+
+
+async def test_a_client_registered_again_never_displaces_its_newer_connection_elsewhere(port, nursery):
+    observer = await Raw.open(port, node="observer")
+    nursery.start_soon(observer.keep_alive)
+    await observer.send(rpc.Watch({"will/dev1": 1}))
+    a = await Raw.open(port, node="gw-a")
+    nursery.start_soon(a.keep_alive)
+    await a.send(rpc.Present("dev1"), rpc.HoldWill("dev1", will("dev1", b"from a"), 0.0))
+    b = await Raw.open(port, node="gw-b")
+    await b.send(rpc.Present("dev1"), rpc.HoldWill("dev1", will("dev1", b"from b"), 0.0))
+    assert await a.receive() == rpc.ClientMoved("dev1")  # the newer connection is on gw-b
+    # gw-a registers its (older) connection again, as after a reconnect: it is told to close it, gw-b keeps it
+    await a.send(rpc.Present("dev1", again=True), rpc.HoldWill("dev1", will("dev1", b"from a"), 0.0, again=True))
+    assert await a.receive() == rpc.ClientMoved("dev1")
+    await b.send(rpc.MaxOffsets(1, []))
+    assert await b.receive() == rpc.Offsets(1, [])  # and nothing else came to gw-b
+    assert await b.closed() == []  # gw-b goes silent: its lease ends with the will it holds
+    assert await observer.receive() == rpc.Events({"will/dev1": 1})
+    await observer.send(rpc.PullRequest(1, [rpc.QueueRead("will/dev1", 0, 10, 1 << 20)]))
+    [result] = (await observer.receive()).results
+    assert [decode_record(r, 0, o).payload for _, o, r in result.entries] == [b"from b"]
+
+
+# --- who may connect ----------------------------------------------------------------------
+
+
+def check_password(username, password, source) -> Verdict:
+    return Verdict(True, username) if (username, password) == ("u", b"p") else Verdict(False, why="bad password")
+
+
+async def test_a_back_end_user_cannot_take_a_gateway_node_name(store, nursery):
+    access = StoreAccess(token="t", authenticate=check_password)
+    listeners = await nursery.start(partial(serve_rpc, store, "127.0.0.1", 0, lease_s=LEASE_S, access=access))
+    port = listeners[0].socket.getsockname()[1]
+    gateway = await Raw.open(port, node="gw-a", token="t")
+    nursery.start_soon(gateway.keep_alive)
+    for _ in range(3):
+        user = await Raw.open(port, node="gw-a", username="u", password=b"p")
+        assert user.welcome.node == "$client/u:gw-a"  # its own namespace
+        await user.send(rpc.Present("dev1"))  # a gateway's message: refused, and the connection closed
+        [error] = await user.closed()
+        assert error.kind is rpc.ErrorKind.DENIED
+    await gateway.send(rpc.MaxOffsets(1, []))
+    assert await gateway.receive() == rpc.Offsets(1, [])  # never closed meanwhile
+
+
+async def test_before_authentication_frames_are_capped_and_the_handshake_has_a_deadline(store, nursery, monkeypatch,
+                                                                                         caplog):
+    monkeypatch.setattr(server, "HANDSHAKE_TIMEOUT_S", 1.0)
+    caplog.set_level(logging.WARNING, logger="store.server")
+    rpc_server = RpcServer(store, nursery, lease_s=LEASE_S)
+    listeners = await nursery.start(partial(trio.serve_tcp, rpc_server.handle, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    count = 8
+    for _ in range(count):  # a 64 MiB frame announced: refused at its length
+        raw = await Raw.open(port, node=None)
+        await raw.send_bytes((rpc.MAX_FRAME_BYTES - 1).to_bytes(4, "big"))
+        [error] = await raw.closed()
+        assert error.kind is rpc.ErrorKind.PROTOCOL and f"limit of {rpc.MAX_HELLO_BYTES} bytes" in error.message
+    stalled = [await Raw.open(port, node=None) for _ in range(count)]
+    for raw in stalled:  # the largest frame allowed, never finished
+        await raw.send_bytes(rpc.MAX_HELLO_BYTES.to_bytes(4, "big") + bytes(rpc.MAX_HELLO_BYTES - 1))
+    with trio.fail_after(WAIT_S):
+        while rpc_server.handshake_bytes() < count * (rpc.MAX_HELLO_BYTES + 3):
+            await trio.sleep(0.01)  # the store reads at its pace: wait for what it holds
+    assert rpc_server.handshake_bytes() <= count * (4 + rpc.MAX_HELLO_BYTES)
+    for raw in stalled:
+        [error] = await raw.closed()  # at the deadline
+        assert "no Hello within 1.0 s" in error.message
+    assert rpc_server.handshake_bytes() == 0
+    refused = [r for r in caplog.records if r.getMessage().startswith("RPC connection refused")]
+    assert len(refused) == 1  # 16 refusals of one peer address: one line
