@@ -9,6 +9,9 @@ shutdown leaves nothing to recover or re-dispatch. ``run_store_node`` is what
 The node also keeps the gateway's persistent session state as opaque blobs
 (``save_session`` / ``load_session`` / ``drop_session``) in the column family
 ``sessions``: the store knows nothing of MQTT, it only makes the blobs durable.
+The one piece of session state it derives itself is which inbound QoS 2 flows
+await PUBREL (``awaiting``, store/awaiting.py): from the packet ids the records
+carry, so that "stored" and "awaits PUBREL" are one durable fact.
 
 Notify: after each dispatch batch the node routes ``{queue: max offset}``
 through its ``NotifyRouter`` to the mailbox of every gateway node attached
@@ -35,6 +38,7 @@ from notify import EventMailbox, NotifyRouter
 from retain.store import RetainedStore
 from store.access import StoreAccess
 from store.aio import AsyncCommitLog
+from store.awaiting import AwaitingRelease, Flow
 from store.commitlog import CommitLogConfig
 from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.process import freeze_startup_objects
@@ -68,6 +72,7 @@ class StoreNode:
     sessions: rocksdict.Rdict  # the SESSIONS_FAMILY column family: client id (UTF-8) -> session blob
     retained: RetainedStore  # kept up to date by the dispatcher; looked up at subscribe time
     recent: RecentRecords  # the last appended records, decoded: dispatch and pulls at the head read them here
+    awaiting: AwaitingRelease  # inbound QoS 2 flows awaiting PUBREL, kept up to date by the dispatcher
     router: NotifyRouter = field(default_factory=NotifyRouter)
     mailboxes: dict[str, EventMailbox] = field(default_factory=dict)  # attached gateway node -> its events
 
@@ -194,7 +199,8 @@ class StoreNode:
         for topic, payload, fields in messages:
             get = fields.get  # not **fields: unpacking keyword arguments cost as much as encoding the record
             made.append(new_record(topic, payload, now, get("client_id", ""), get("qos", 0), get("retain", False),
-                                   get("properties", b""), targets(topic), get("born_ms"), max_size))
+                                   get("properties", b""), targets(topic), get("born_ms"), max_size,
+                                   get("packet_id", 0)))
         return made
 
     def _appended(self, made: list[tuple[bytes, Record]], offsets: list[int]) -> None:
@@ -238,6 +244,22 @@ class StoreNode:
         """Forget the blob of ``client_id`` (a no-op if there is none)."""
         self.sessions.delete(client_id.encode(), _WAL)
 
+    async def awaiting_release(self, client_id: str) -> dict[int, int]:
+        """``{packet id: CommitLog offset}`` of the client's inbound QoS 2 messages stored and not released,
+        once dispatch has passed everything appended before the call."""
+        await self.dispatcher.wait_dispatched(self.log.log.written_offset)
+        return self.awaiting.awaiting(client_id)
+
+    async def release_awaiting(self, flows: Sequence[Flow]) -> None:
+        """Mark inbound QoS 2 flows released, durably (fsynced), in one write: their PUBCOMPs may go out."""
+        await trio.to_thread.run_sync(self.awaiting.release, flows)
+
+    async def drop_awaiting(self, client_id: str) -> None:
+        """Forget the client's inbound QoS 2 flows (its session ended), the ones being dispatched included."""
+        log_end = self.log.log.written_offset
+        await self.dispatcher.wait_dispatched(log_end)
+        await trio.to_thread.run_sync(self.awaiting.drop, client_id, log_end)
+
 
 STORE_SWITCH_INTERVAL_S = 0.0005
 """The GIL switch interval of a store node process (Python's default: 5 ms). Its pull threads release the GIL
@@ -276,8 +298,11 @@ async def open_store(
                     listener(events)
 
             recent = RecentRecords()
-            dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent)
-            node = StoreNode(data, alog, queues, dispatcher, _open_family(db, SESSIONS_FAMILY), retained, recent)
+            awaiting = AwaitingRelease(db)
+            dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
+                                    awaiting=awaiting)
+            node = StoreNode(data, alog, queues, dispatcher, _open_family(db, SESSIONS_FAMILY), retained, recent,
+                             awaiting)
             nodes.append(node)
             try:
                 async with background(dispatcher.run):
@@ -289,6 +314,7 @@ async def open_store(
                     await trio.to_thread.run_sync(dispatcher.close)
                 node.sessions.close()  # a family handle keeps the database open
                 retained.close()
+                awaiting.close()
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(db.close)

@@ -54,6 +54,7 @@ __all__ = [
     "Activate",
     "AppendRequest",
     "Appended",
+    "Awaiting",
     "Claim",
     "Claimed",
     "ClientMessage",
@@ -67,6 +68,7 @@ __all__ = [
     "ErrorKind",
     "Events",
     "FrameDecoder",
+    "GetAwaiting",
     "GetOffsets",
     "GetRetained",
     "GetStatistics",
@@ -88,6 +90,7 @@ __all__ = [
     "RawRecords",
     "RecordList",
     "Release",
+    "ReleaseAwaiting",
     "RpcProtocolError",
     "SaveSession",
     "ServerMessage",
@@ -101,7 +104,7 @@ __all__ = [
     "parse_address",
 ]
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake."""
 
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
@@ -161,6 +164,7 @@ class WireMessage(_Message, tag="m"):
     retain: bool = False
     properties: bytes = b""
     born_ms: int | None = None
+    packet_id: int = 0  # a QoS 2 message's packet id (gateway nodes only: store/awaiting.py)
 
 
 class QueueRead(_Message, tag="q"):
@@ -318,6 +322,20 @@ class DropSession(_Message, tag="dropsess"):
     client_id: str
 
 
+class GetAwaiting(_Message, tag="awaiting?"):
+    """``StoreClient.awaiting_release``: answered with ``Awaiting``."""
+
+    id: int
+    client_id: str
+
+
+class ReleaseAwaiting(_Message, tag="relflows"):
+    """``StoreClient.release_awaiting`` (``(client id, packet id, log offset)`` per flow): ``Done`` once fsynced."""
+
+    id: int
+    flows: list[tuple[str, int, int]]
+
+
 class GetStatistics(_Message, tag="stats?"):
     """``StoreClient.statistics``: answered with ``Statistics``."""
 
@@ -326,7 +344,7 @@ class GetStatistics(_Message, tag="stats?"):
 
 OpRequest: TypeAlias = (
     Activate | Release | MaxOffsets | GetOffsets | CommitOffsets | DeleteOwner | GetRetained
-    | SaveSession | LoadSession | DropSession | GetStatistics
+    | SaveSession | LoadSession | DropSession | GetAwaiting | ReleaseAwaiting | GetStatistics
 )
 """The calls answered by one value; each names its ``StoreClient`` method."""
 
@@ -458,6 +476,13 @@ class Value(_Message, tag="val"):
     value: bool | int | bytes | OffsetMap | None = None
 
 
+class Awaiting(_Message, tag="awaiting"):
+    """A client's inbound QoS 2 flows awaiting PUBREL: ``{packet id: log offset}``."""
+
+    id: int
+    flows: dict[int, int]
+
+
 class Done(_Message, tag="done"):
     """An op without a value (commits, deletes, session writes) completed."""
 
@@ -501,8 +526,8 @@ class Claimed(_Message, tag="claimed"):
 
 
 ServerMessage: TypeAlias = (
-    Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Offsets | Value | Done | Statistics | RecordList
-    | Claimed
+    Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Offsets | Value | Awaiting | Done
+    | Statistics | RecordList | Claimed
 )
 SERVER_MESSAGES: Final = ServerMessage
 
