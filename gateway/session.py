@@ -290,15 +290,20 @@ class Session:
         """The committed offset of every subscription as delivery stands now."""
         return {name: stream.committed() for name, stream in self._streams.items()}
 
-    def state(self, will: Message | None = None, will_delay_s: int = 0) -> SessionState:
+    def state(self, will: Message | None = None, will_delay_s: int = 0, *, resumable: bool = False) -> SessionState:
         """The session as data, for ``SaveSession`` (retained-message deliveries in flight are not kept).
 
         QoS 2 messages completed at or above a stream's committed offset are
         listed as released (their PUBREL goes again after a crash, never their
-        PUBLISH); the ones below it are forgotten here.
+        PUBLISH); the ones below it are forgotten here. ``resumable``: only what
+        a resume after a crash reads (a save while connected), without the
+        PUBLISHes in flight by lane, which a crash resends by offset: a save
+        every half lane then costs little more than the subscriptions.
         """
         offsets = self.committed_offsets()
-        inflight = [e for e in self._inflight.values() if e.offset != _NO_OFFSET and e.filter in self._streams]
+        streams = self._streams
+        inflight = [e for e in self._inflight.values() if e.offset != _NO_OFFSET and e.filter in streams and not (
+            resumable and e.phase is Phase.PUBLISHED and streams[e.filter].lane)]
         for name, stream in self._streams.items():
             if stream.completed:
                 stream.completed = {o for o in stream.completed if o >= offsets[name]}
@@ -329,7 +334,7 @@ class Session:
         return [self._save_action(will, will_delay_s)]
 
     def _save_action(self, will: Message | None = None, will_delay_s: int = 0) -> SaveSession:
-        state = self.state(will, will_delay_s)
+        state = self.state(will, will_delay_s, resumable=True)
         self._next_ref += 1
         streams = self._streams
         self._saves[self._next_ref] = ([(streams[name], offset) for name, offset in state.offsets.items()
