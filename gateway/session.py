@@ -49,7 +49,7 @@ class decides per call whether ``SaveSession`` is emitted.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import final
 
@@ -221,9 +221,10 @@ class Session:
         self._committed: dict[str, int] = {}
         self._acks = 0
         self._pump_due = False
-        self._saves: dict[int, tuple[list[tuple[_Stream, int]], list[int]]] = {}  # ref -> (durable offsets, PUBRELs)
+        # Made at the first save: most sessions never save while connected (an empty dict is 64 B each).
+        self._saves: dict[int, tuple[list[tuple[_Stream, int]], Sequence[int]]] | None = None  # ref -> (offsets, PUBRELs)
         self._next_ref = 0
-        self._pubrel_due: list[int] = []  # PUBRELs waiting for a save that records their PUBREC
+        self._pubrel_due: Sequence[int] = ()  # PUBRELs waiting for a save that records their PUBREC
         self._need_save = False  # a stream waits for (or will soon need) a save of its committed offset
         if state is not None:
             self._restore(state)
@@ -233,7 +234,7 @@ class Session:
         crashed = not state.detached
         for sub in state.subscriptions:
             committed = state.offsets.get(sub.filter, 0)
-            lane = state.lanes.get(sub.filter, 0) if self._wants_lane(sub) else 0
+            lane = state.lanes.get(sub.filter, 0) if sub.group is None and sub.options.qos > 0 else 0
             resume = committed if crashed and lane else max(state.cursors.get(sub.filter, committed), committed)
             stream = self._streams[sub.filter] = _Stream(sub, resume, lane)
             if lane:
@@ -337,16 +338,18 @@ class Session:
         state = self.state(will, will_delay_s, resumable=True)
         self._next_ref += 1
         streams = self._streams
+        if self._saves is None:
+            self._saves = {}
         self._saves[self._next_ref] = ([(streams[name], offset) for name, offset in state.offsets.items()
                                         if streams[name].lane], self._pubrel_due)
-        self._pubrel_due = []
+        self._pubrel_due = ()
         self._need_save = False
         return SaveSession(state, self._next_ref)
 
     def saved(self, ref: int) -> list[Action]:
         """A ``SaveSession`` of this session is written: its committed offsets bound the lanes, the PUBRELs
         its PUBRECs waited for go out, and delivery goes on."""
-        snapshot = self._saves.pop(ref, None)
+        snapshot = self._saves.pop(ref, None) if self._saves else None
         if snapshot is None or self._link is None:
             return []
         durable, pubrels = snapshot
@@ -378,8 +381,8 @@ class Session:
         self._unwritten = 0
         self._unwritten_bytes = 0
         self._retained.clear()
-        self._saves.clear()  # their answers are not awaited: the next connection resumes from the saved state
-        self._pubrel_due = []
+        self._saves = None  # their answers are not awaited: the next connection resumes from the saved state
+        self._pubrel_due = ()
         self._link = None
 
     # --- subscriptions ------------------------------------------------------------------
@@ -595,6 +598,8 @@ class Session:
     def _in_lane(self, stream: _Stream, offset: int) -> bool:
         """May ``offset`` go out by the stream's lane now: is it below the saved committed offset + ``LANE_PIDS``?
         Asks for a save when the stream is there or halfway, and acknowledgements moved its committed offset."""
+        if not self.persistent:
+            return True  # nothing resumes it after a crash (a persistent session's lane resumed by one that is not)
         durable = stream.durable
         if durable is None or offset >= durable + LANE_PIDS:
             if not self._saves and (durable is None or stream.committed() > durable):
@@ -706,12 +711,14 @@ class Session:
             self._acked(entry)
             return self.pump()
         if entry.phase is Phase.RELEASED:  # the PUBREC again: PUBREL again, unless a save is about to send it
-            waiting = packet_id in self._pubrel_due or any(packet_id in due for _, due in self._saves.values())
+            waiting = packet_id in self._pubrel_due or any(packet_id in due for _, due in (self._saves or {}).values())
             return [] if waiting else [Send((Pubrel(packet_id),))]
         self._inflight[packet_id] = replace(entry, phase=Phase.RELEASED)
         if not self.persistent or entry.offset == _NO_OFFSET:
             return [Send((Pubrel(packet_id),))]  # nothing a crash could resume
-        self._pubrel_due.append(packet_id)
+        due = self._pubrel_due if isinstance(self._pubrel_due, list) else []  # the empty tuple is shared: 0 B
+        due.append(packet_id)
+        self._pubrel_due = due
         return [] if self._saves else [self._save_action()]
 
     def pubcomp(self, packet_id: int) -> list[Action]:

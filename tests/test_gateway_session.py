@@ -247,3 +247,12 @@ def test_retained_deliveries_of_a_persistent_session_take_ids_from_the_pool():
     session = persistent()
     out = publishes(session.retained((("a/+", Message("a/r", b"r", 1, retain=True)),)))
     assert 1 <= out[0].packet_id < LANE_PIDS
+
+
+def test_a_crashed_persistent_session_resumed_without_expiry_still_resends_its_lane():
+    # MQTT 5: clean start 0 with Session Expiry 0 resumes the session, which will not outlive this connection.
+    state = SessionState("c", 60, (SUB,), {"a/+": 3}, {"a/+": 9}, lanes={"a/+": 1})  # the cursor (9) is stale
+    session = Session("c", 0, state)
+    assert pulls(session.attach(link())) == [Pull("a/+", "a/+", 3, 4)]
+    out = publishes(session.pulled("a/+", tuple(msg(i) for i in range(3, 7)), 7))
+    assert [(p.payload, p.dup, p.packet_id) for p in out] == [(b"%d" % i, True, LANE_PIDS + i) for i in range(3, 7)]
