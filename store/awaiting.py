@@ -16,17 +16,16 @@ releases:
 
 - dispatch of a record at offset X marks (client, id) awaiting at X unless
   the entry already holds X or a later offset (the same record again, or a
-  release that covers it), or the client's *floor* (below) is above X;
+  release that covers it);
 - a release of (client, id, X) marks the entry released at X unless it holds a
   later offset; it is written with the WAL, fsynced (``sync``), before the
   PUBCOMP goes out, so a PUBCOMP never outruns the release it reports;
-- dropping a client's state (its session ended, clean start) deletes its
-  entries and writes a floor (packet id 0, which no PUBLISH has) at the log's
-  end, so records of the old session re-dispatched after a crash stay dropped.
+- dropping a client's flows (its session ended, clean start) releases them
+  all, so records of the old session re-dispatched after a crash stay released.
 
-Released entries and floors are needed only while a re-dispatch could meet
-the records they cover: ``collect`` deletes them once the family's checkpoint
-is durably past them (at each dispatcher flush).
+Released entries are needed only while a re-dispatch could meet the records
+they cover: ``collect`` deletes them once the family's checkpoint is durably
+past them (at each dispatcher flush).
 
 Storage: the column family ``qos2``, key u16 length + client id (UTF-8) + u16
 packet id, value u64 offset + u8 released; the family's checkpoint (every
@@ -54,9 +53,6 @@ AWAITING_FAMILY = "qos2"
 
 CHECKPOINT_KEY = b""
 """The family's checkpoint: every key of an entry starts with a two-byte length, so none is empty."""
-
-FLOOR = 0
-"""The packet id of a client's floor entry: PUBLISH packet ids are 1..65535 ([MQTT-2.3.1-1])."""
 
 _U64 = struct.Struct(">Q")
 _VALUE = struct.Struct(">QB")  # offset, released
@@ -129,10 +125,10 @@ class AwaitingRelease:
         """
         with self._lock:
             entries = self._entries.get(client_id, {})
-            return {pid: offset for pid, (offset, released) in entries.items() if pid != FLOOR and not released}
+            return {pid: offset for pid, (offset, released) in entries.items() if not released}
 
     def __len__(self) -> int:
-        """Entries kept (awaiting, released and floors)."""
+        """Entries kept (awaiting and released)."""
         return sum(len(entries) for entries in self._entries.values())
 
     # -- dispatch ------------------------------------------------------------------
@@ -151,9 +147,8 @@ class AwaitingRelease:
                 if not pid or record.flags & QOS_MASK != 2 or offset < checkpoint:
                     continue
                 entries = self._entries.setdefault(record.client_id, {})
-                floor = entries.get(FLOOR)
                 current = entries.get(pid)
-                if (floor is not None and offset < floor[0]) or (current is not None and current[0] >= offset):
+                if current is not None and current[0] >= offset:
                     continue
                 entries[pid] = (offset, False)
                 batch.put(_key(record.client_id, pid), _VALUE.pack(offset, 0), handle)
@@ -166,7 +161,7 @@ class AwaitingRelease:
         return marked
 
     def collect(self, durable_offset: int) -> int:
-        """Delete released entries and floors below ``durable_offset`` (no WAL): once the family's checkpoint
+        """Delete released entries below ``durable_offset`` (no WAL): once the family's checkpoint
         is flushed past them no re-dispatch meets their records again. Call just before :meth:`flush`.
         Returns the entries deleted."""
         batch = rocksdict.WriteBatch(raw_mode=True)
@@ -194,8 +189,7 @@ class AwaitingRelease:
         An entry at or past the log's end came from a lost record. The client
         reused that packet id only after completing its earlier flows with it,
         so the entry becomes "released up to the end" (a record with that id
-        appended after the recovery awaits release again); a floor moves down
-        to the end. Returns the entries changed.
+        appended after the recovery awaits release again). Returns the entries changed.
         """
         with self._lock:
             past = [(client, pid) for client, entries in self._entries.items()
@@ -205,9 +199,8 @@ class AwaitingRelease:
             self._family.flush()  # the WAL'd changes must not sit on top of dispatch writes a crash could lose
             batch = rocksdict.WriteBatch(raw_mode=True)
             for client, pid in past:
-                moved = log_end if pid == FLOOR else log_end - 1
-                self._entries[client][pid] = (moved, True)
-                batch.put(_key(client, pid), _VALUE.pack(moved, 1), self._handle)
+                self._entries[client][pid] = (log_end - 1, True)
+                batch.put(_key(client, pid), _VALUE.pack(log_end - 1, 1), self._handle)
             if self._checkpoint > log_end:
                 self._checkpoint = log_end
                 batch.put(CHECKPOINT_KEY, _U64.pack(log_end), self._handle)
@@ -232,24 +225,16 @@ class AwaitingRelease:
             if not batch.is_empty():
                 self._db.write(batch, self._wal)
 
-    def drop(self, client_id: str, log_end: int) -> bool:
-        """Forget the client's flows (its session ended): records below ``log_end`` never count again.
-
-        Call once dispatch has reached ``log_end``. Writes (durably) only when
-        the client has entries. Returns whether it had any.
-        """
+    def drop(self, client_id: str) -> bool:
+        """Release every flow of the client (its session ended), durably: its records, dispatched again after a
+        crash, stay released. Call once dispatch has passed the client's records. Writes only when the client
+        has flows awaiting release; returns whether it had any."""
         with self._lock:
-            entries = self._entries.get(client_id)
-            if not entries or (set(entries) == {FLOOR} and entries[FLOOR][0] >= log_end):
-                return False
-            batch = rocksdict.WriteBatch(raw_mode=True)
-            for pid in entries:
-                if pid != FLOOR:
-                    batch.delete(_key(client_id, pid), self._handle)
-            batch.put(_key(client_id, FLOOR), _VALUE.pack(log_end, 1), self._handle)
-            self._db.write(batch, self._wal)
-            self._entries[client_id] = {FLOOR: (log_end, True)}
-        return True
+            entries = self._entries.get(client_id, {})
+            flows = [(client_id, pid, offset) for pid, (offset, released) in entries.items() if not released]
+        if flows:
+            self.release(flows)
+        return bool(flows)
 
     def close(self) -> None:
         """Release the family handles (they keep the database open)."""

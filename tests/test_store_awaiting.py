@@ -94,13 +94,14 @@ def test_collect_forgets_what_no_redispatch_can_meet_again(tmp_path):
         db.close()
 
 
-def test_a_dropped_session_leaves_a_floor_for_its_old_records(db):
+def test_a_dropped_session_releases_its_flows_for_good(db):
     state = AwaitingRelease(db)
-    state.apply([record(10, "c", 5)], 20)
-    assert state.drop("c", 20) is True
-    state.apply([record(10, "c", 5), record(30, "c", 5)], 40)  # re-dispatch of the old one, and a new one
+    state.apply([record(10, "c", 5), record(20, "c", 6)], 25)
+    state.release([("c", 6, 20)])
+    assert state.drop("c") is True and state.awaiting("c") == {}  # released: a re-dispatch of 10 stays so
+    state.apply([record(30, "c", 5)], 40)  # the next session's message with the id
     assert state.awaiting("c") == {5: 30}
-    assert state.drop("x", 40) is False  # nothing to forget: no write
+    assert state.drop("x") is False  # nothing to release: no write
 
 
 def test_a_log_cut_releases_what_lies_past_the_end(db):
