@@ -46,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,15 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.qos == 2:
         return run_exactly_once(args)
-    names = peers.available(args.brokers)
-    skipped = {name: peers.NOT_DURABLE[name] for name in names if name in peers.NOT_DURABLE}
-    for name, reason in skipped.items():
-        print(f"bench: skipping {name} for durability: {reason}", file=sys.stderr, flush=True)
-    per_broker = {}
-    for name in names:
-        if name not in skipped:
-            runs = [measure(name, args) for _ in range(args.runs)]
-            per_broker[name] = compare.median_run(runs, "lost")
+    per_broker, skipped = _measure_durable(args, measure)
     result: dict[str, Any] = {
         "settings": {"cycles": args.cycles, "load_s": args.load, "publishers": args.publishers, "rate": args.rate,
                      "payload": args.payload, "workers": args.workers, "runs": args.runs, "topic": TOPIC,
@@ -109,6 +102,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "lightgate" in per_broker:
         result["targets"] = {"lightgate_lost": compare.target(per_broker["lightgate"]["lost"], 0, at_least=False)}
     return result
+
+
+def _measure_durable(args: argparse.Namespace, measure_one: Callable[[str, argparse.Namespace], dict[str, Any]]
+                     ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The median run (by ``lost``) of every broker that can run durable, and why the others were skipped."""
+    names = peers.available(args.brokers)
+    skipped = {name: peers.NOT_DURABLE[name] for name in names if name in peers.NOT_DURABLE}
+    for name, reason in skipped.items():
+        print(f"bench: skipping {name} for durability: {reason}", file=sys.stderr, flush=True)
+    per_broker = {}
+    for name in names:
+        if name not in skipped:
+            per_broker[name] = compare.median_run([measure_one(name, args) for _ in range(args.runs)], "lost")
+    return per_broker, skipped
 
 
 class _Crashes:
@@ -182,15 +189,7 @@ def _spread(values: list[float]) -> dict[str, Any]:
 
 def run_exactly_once(args: argparse.Namespace) -> dict[str, Any]:
     """``--qos 2``: the result has ``settings`` and the ``qos2`` section (bench/history.py charts it apart)."""
-    names = peers.available(args.brokers)
-    skipped = {name: peers.NOT_DURABLE[name] for name in names if name in peers.NOT_DURABLE}
-    for name, reason in skipped.items():
-        print(f"bench: skipping {name} for durability: {reason}", file=sys.stderr, flush=True)
-    per_broker = {}
-    for name in names:
-        if name not in skipped:
-            runs = [measure_exactly_once(name, args) for _ in range(args.runs)]
-            per_broker[name] = compare.median_run(runs, "lost")
+    per_broker, skipped = _measure_durable(args, measure_exactly_once)
     section: dict[str, Any] = {
         "brokers": per_broker,
         "skipped": skipped,

@@ -45,6 +45,7 @@ from typing import final
 import rocksdict
 
 from store.record import QOS_MASK, Record
+from store.rocks import open_family
 
 __all__ = ["AWAITING_FAMILY", "AwaitingRelease"]
 
@@ -88,9 +89,7 @@ class AwaitingRelease:
     """
 
     def __init__(self, db: rocksdict.Rdict, *, sync: bool = True) -> None:
-        if AWAITING_FAMILY not in rocksdict.Rdict.list_cf(db.path()):
-            db.create_column_family(AWAITING_FAMILY, rocksdict.Options(raw_mode=True))
-        self._family: rocksdict.Rdict = db.get_column_family(AWAITING_FAMILY)
+        self._family: rocksdict.Rdict = open_family(db, AWAITING_FAMILY)
         self._handle = db.get_column_family_handle(AWAITING_FAMILY)
         self._db = db
         self._wal = rocksdict.WriteOptions()
@@ -98,20 +97,14 @@ class AwaitingRelease:
         self._lock = threading.Lock()
         self._entries: dict[str, dict[int, tuple[int, bool]]] = {}  # client -> packet id -> (offset, released)
         self._checkpoint = 0
-        it = self._family.iter()
-        it.seek_to_first()
-        while it.valid():
-            key = it.key()
+        for key, value in self._family.items():
             if key == CHECKPOINT_KEY:
-                self._checkpoint = _U64.unpack(it.value())[0]
-            else:
-                (length,) = _LENGTH.unpack_from(key)
-                client = key[2 : 2 + length].decode()
-                (pid,) = _PID.unpack_from(key, 2 + length)
-                offset, released = _VALUE.unpack(it.value())
-                self._entries.setdefault(client, {})[pid] = (offset, bool(released))
-            it.next()
-        del it  # an iterator keeps the database open
+                self._checkpoint = _U64.unpack(value)[0]
+                continue
+            (length,) = _LENGTH.unpack_from(key)
+            (pid,) = _PID.unpack_from(key, 2 + length)
+            offset, released = _VALUE.unpack(value)
+            self._entries.setdefault(key[2 : 2 + length].decode(), {})[pid] = (offset, bool(released))
 
     @property
     def checkpoint(self) -> int:

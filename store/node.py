@@ -44,7 +44,7 @@ from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.process import freeze_startup_objects
 from store.recent import RecentRecords
 from store.record import Record, decode_record, new_record, now_ms
-from store.rocks import open_db
+from store.rocks import open_db, open_family
 from store.rpc import parse_address
 from store.tasks import background
 
@@ -309,7 +309,7 @@ async def open_store(
             awaiting = AwaitingRelease(db)
             dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
                                     awaiting=awaiting)
-            node = StoreNode(data, alog, queues, dispatcher, _open_family(db, SESSIONS_FAMILY), retained, recent,
+            node = StoreNode(data, alog, queues, dispatcher, open_family(db, SESSIONS_FAMILY), retained, recent,
                              awaiting)
             nodes.append(node)
             try:
@@ -326,13 +326,6 @@ async def open_store(
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(db.close)
-
-
-def _open_family(db: rocksdict.Rdict, name: str) -> rocksdict.Rdict:
-    """The column family ``name`` of ``db``, created on first use."""
-    if name in rocksdict.Rdict.list_cf(db.path()):
-        return db.get_column_family(name)
-    return db.create_column_family(name, rocksdict.Options(raw_mode=True))
 
 
 async def until_signalled(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -36,7 +36,7 @@ import trio
 from bench.crashclients import Accounting, Address, Publisher, Subscriber, account, address_cycle, wait_delivered
 from processes import LightgateProcess
 
-__all__ = ["ClusterNodes", "CrashReport", "EmbeddedNode", "run_crashes"]
+__all__ = ["ClusterNodes", "CrashReport", "EmbeddedNode", "Node", "run_crashes"]
 
 HOST = "127.0.0.1"
 WAIT_S = 60.0

@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from crashkit import ClusterNodes, CrashReport, EmbeddedNode, run_crashes
+from crashkit import ClusterNodes, CrashReport, EmbeddedNode, Node, run_crashes
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +37,8 @@ def check(report: CrashReport) -> None:
     assert all(s["sessions_lost"] == 0 for s in report.subscribers.values()), summary
 
 
-@pytest.mark.parametrize("flush", ["sync", "async"])
-def test_embedded_node_sigkills(tmp_path, flush):
-    node = EmbeddedNode(tmp_path / "data", flush)
+def crashes(node: Node) -> None:
+    """Run the scenario against ``node``, stop it, and check the report."""
     try:
         report = run_crashes(node, KILLS)
     finally:
@@ -48,11 +47,10 @@ def test_embedded_node_sigkills(tmp_path, flush):
     check(report)
 
 
+@pytest.mark.parametrize("flush", ["sync", "async"])
+def test_embedded_node_sigkills(tmp_path, flush):
+    crashes(EmbeddedNode(tmp_path / "data", flush))
+
+
 def test_cluster_gateway_sigkills(tmp_path):
-    nodes = ClusterNodes(tmp_path / "data")
-    try:
-        report = run_crashes(nodes, KILLS)
-    finally:
-        nodes.stop()
-    print(json.dumps(report.as_dict()))
-    check(report)
+    crashes(ClusterNodes(tmp_path / "data"))
