@@ -203,20 +203,24 @@ class AwaitingRelease:
     # -- the gateway's calls -----------------------------------------------------------
 
     def release(self, flows: Sequence[Flow]) -> None:
-        """Mark flows released, durably (WAL, fsynced when ``sync``), in one write: the PUBCOMPs may go out."""
+        """Mark flows released, durably (WAL, fsynced when ``sync``), in one write: the PUBCOMPs may go out.
+
+        The fsync happens outside the lock: dispatch, which takes it, may run in the event loop's thread. Nothing
+        can reorder it against dispatch: a record that takes the same key again comes after the PUBCOMP.
+        """
+        if not all(1 <= pid <= 0xFFFF for _, pid, _ in flows):
+            raise ValueError("packet ids are 1..65535")
         batch = rocksdict.WriteBatch(raw_mode=True)
         with self._lock:
             for client, pid, offset in flows:
-                if not 1 <= pid <= 0xFFFF:
-                    raise ValueError(f"packet id {pid} is not 1..65535")
                 entries = self._entries.setdefault(client, {})
                 current = entries.get(pid)
                 if current is not None and current[0] > offset:
                     continue  # a later record holds the id: this release is stale
                 entries[pid] = (offset, True)
                 batch.put(_key(client, pid), _VALUE.pack(offset, 1), self._handle)
-            if not batch.is_empty():
-                self._db.write(batch, self._wal)
+        if not batch.is_empty():
+            self._db.write(batch, self._wal)
 
     def drop(self, client_id: str) -> bool:
         """Release every flow of the client (its session ended), durably: its records, dispatched again after a
