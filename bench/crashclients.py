@@ -44,7 +44,7 @@ from gateway.packets import (
 )
 from gateway.reasons import ReasonCode
 
-__all__ = ["Accounting", "Publisher", "Subscriber", "account", "address_cycle", "message_key"]
+__all__ = ["Accounting", "Address", "Publisher", "Subscriber", "account", "address_cycle", "message_key", "wait_delivered"]
 
 STAMP = struct.Struct(">II")
 """Payload prefix: publisher number, sequence number."""
