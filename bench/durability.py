@@ -1,4 +1,4 @@
-"""Durability: QoS 1 under load while the broker is SIGKILLed and restarted, ``--cycles`` times.
+"""Durability: QoS 1 (or 2) under load while the broker is SIGKILLed and restarted, ``--cycles`` times.
 
 ``--publishers`` clients publish QoS 1 messages to ``dur/<i>`` at ``--rate``
 each and record every sequence number the broker acknowledged (PUBACK). One
@@ -22,19 +22,37 @@ kill); ``restart_s`` = SIGKILL -> the new process accepts connections;
 ``reconnect_s`` = SIGKILL -> every client connected again;
 ``subscriber_sessions_lost`` = reconnects of the subscriber that found no
 session (session present = 0).
+
+``--qos 2`` (the result's ``qos2`` section) runs the spec-following clients of
+bench/crashclients.py in this process instead: ``--publishers`` QoS 2
+publishers with persistent sessions and packet ids cycling 1..``--id-range``
+(resending with DUP and the same id after each reconnect), a persistent QoS 2
+subscriber and a persistent QoS 1 subscriber of ``dur/#``. Figures are those
+of the QoS 2 subscriber (``lost``: PUBREC'd and never delivered;
+``duplicates``: delivered twice, which exactly once forbids), the QoS 1
+subscriber's ``lost`` and ``duplicates`` (at least once allows duplicates),
+the resends to subscribers (``resends``, and how many lacked DUP=1 or came
+with another packet id than the first receipt: [MQTT-3.3.1-1],
+[MQTT-4.4.0-1]), ``dropped_held`` (new messages a QoS 2 subscriber did not
+deliver because they came with a packet id it still held) and the sessions
+the broker lost.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import compare, peers
+import trio
+
+from bench import compare, crashclients, peers
 from bench.loadgen import Job, run_load, split
 from bench.peers import Broker
 
@@ -50,6 +68,9 @@ POLL_S = 0.05
 DRAIN_S = 120.0
 """Longest the subscriber reads after the publishers stopped (it stops after 10 s without a delivery anyway)."""
 
+QUIET_S = 10.0
+"""QoS 2 mode: the subscribers stop waiting for missing messages after this long without a delivery."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cycles", type=int, default=10, help="SIGKILL-and-restart cycles")
@@ -57,20 +78,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--publishers", type=int, default=4, help="QoS 1 publisher connections")
     parser.add_argument("--rate", type=float, default=250.0, help="messages/s of each publisher")
     parser.add_argument("--payload", type=int, default=64, help="payload bytes (at least 16: the stamp)")
-    parser.add_argument("--workers", type=int, default=2, help="publisher worker processes")
+    parser.add_argument("--workers", type=int, default=2, help="publisher worker processes (QoS 1)")
+    parser.add_argument("--qos", type=int, default=1, choices=(1, 2),
+                        help="2: QoS 2 publishers, a QoS 2 and a QoS 1 subscriber (exactly once, DUP, packet ids)")
+    parser.add_argument("--id-range", type=int, default=100, help="QoS 2: publishers cycle packet ids 1..N")
     compare.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    names = peers.available(args.brokers)
-    skipped = {name: peers.NOT_DURABLE[name] for name in names if name in peers.NOT_DURABLE}
-    for name, reason in skipped.items():
-        print(f"bench: skipping {name} for durability: {reason}", file=sys.stderr, flush=True)
-    per_broker = {}
-    for name in names:
-        if name not in skipped:
-            runs = [measure(name, args) for _ in range(args.runs)]
-            per_broker[name] = compare.median_run(runs, "lost")
+    if args.qos == 2:
+        return run_exactly_once(args)
+    per_broker, skipped = _measure_durable(args, measure)
     result: dict[str, Any] = {
         "settings": {"cycles": args.cycles, "load_s": args.load, "publishers": args.publishers, "rate": args.rate,
                      "payload": args.payload, "workers": args.workers, "runs": args.runs, "topic": TOPIC,
@@ -84,6 +102,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "lightgate" in per_broker:
         result["targets"] = {"lightgate_lost": compare.target(per_broker["lightgate"]["lost"], 0, at_least=False)}
     return result
+
+
+def _measure_durable(args: argparse.Namespace, measure_one: Callable[[str, argparse.Namespace], dict[str, Any]]
+                     ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The median run (by ``lost``) of every broker that can run durable, and why the others were skipped."""
+    names = peers.available(args.brokers)
+    skipped = {name: peers.NOT_DURABLE[name] for name in names if name in peers.NOT_DURABLE}
+    for name, reason in skipped.items():
+        print(f"bench: skipping {name} for durability: {reason}", file=sys.stderr, flush=True)
+    per_broker = {}
+    for name in names:
+        if name not in skipped:
+            per_broker[name] = compare.median_run([measure_one(name, args) for _ in range(args.runs)], "lost")
+    return per_broker, skipped
 
 
 class _Crashes:
@@ -153,3 +185,104 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def _spread(values: list[float]) -> dict[str, Any]:
     return {"median": round(statistics.median(values), 3) if values else None,
             "max": round(max(values), 3) if values else None, "runs": [round(v, 3) for v in values]}
+
+
+def run_exactly_once(args: argparse.Namespace) -> dict[str, Any]:
+    """``--qos 2``: the result has ``settings`` and the ``qos2`` section (bench/history.py charts it apart)."""
+    per_broker, skipped = _measure_durable(args, measure_exactly_once)
+    section: dict[str, Any] = {
+        "brokers": per_broker,
+        "skipped": skipped,
+        "ratios": {"lost": compare.ratios(per_broker, lambda r: r["lost"]),
+                   "duplicates": compare.ratios(per_broker, lambda r: r["duplicates"])},
+        "warnings": compare.generator_warnings(per_broker),
+    }
+    if "lightgate" in per_broker:
+        mine = per_broker["lightgate"]
+        section["targets"] = {"lightgate_lost": compare.target(mine["lost"], 0, at_least=False),
+                              "lightgate_duplicates": compare.target(mine["duplicates"], 0, at_least=False)}
+    return {"settings": {"qos": 2, "cycles": args.cycles, "load_s": args.load, "publishers": args.publishers,
+                         "rate": args.rate, "payload": args.payload, "id_range": args.id_range, "runs": args.runs,
+                         "topic": TOPIC, "filter": FILTER},
+            "qos2": section}
+
+
+class _Running:
+    """The broker running now (a restart replaces it)."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    def address(self) -> crashclients.Address:
+        return self.broker.host, self.broker.port
+
+    def crash(self) -> float:
+        """SIGKILL and restart the broker; the seconds until it accepts connections again."""
+        killed = time.monotonic()
+        self.broker.kill()
+        self.broker = peers.restart(self.broker)
+        return time.monotonic() - killed
+
+
+def measure_exactly_once(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One QoS 2 durability run against a fresh ``name`` broker in its crash-safe configuration."""
+    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+        running = _Running(peers.start(name, Path(tmp), durable=True))
+        try:
+            return trio.run(_exactly_once, running, args)
+        finally:
+            running.broker.stop()
+
+
+async def _exactly_once(running: _Running, args: argparse.Namespace) -> dict[str, Any]:
+    publishers = [crashclients.Publisher(i, 2, TOPIC.format(i=i), rate=args.rate, id_range=args.id_range,
+                                         payload_bytes=args.payload, prefix="dpub-") for i in range(args.publishers)]
+    exact, once = crashclients.Subscriber(0, 2, FILTER, prefix="dsub2-"), crashclients.Subscriber(1, 1, FILTER,
+                                                                                                    prefix="dsub1-")
+    stop_publishing, stop_receiving = trio.Event(), trio.Event()
+    restart_s = []
+    cpu0, wall0 = _cpu_s(), time.perf_counter()
+    async with trio.open_nursery() as receiving:
+        for sub in (exact, once):
+            receiving.start_soon(sub.run, running.address, stop_receiving)
+        while not (exact.connects and once.connects):
+            await trio.sleep(POLL_S)  # both subscribed before anything is published
+        async with trio.open_nursery() as publishing:
+            for pub in publishers:
+                publishing.start_soon(pub.run, running.address, stop_publishing)
+            for _ in range(args.cycles):
+                await trio.sleep(args.load)  # the load runs in the client tasks meanwhile
+                restart_s.append(await trio.to_thread.run_sync(running.crash))
+            await trio.sleep(args.load)
+            stop_publishing.set()
+        with trio.move_on_after(DRAIN_S):
+            await crashclients.wait_delivered([exact, once], publishers, QUIET_S)
+        stop_receiving.set()
+    cpu, wall = _cpu_s() - cpu0, time.perf_counter() - wall0
+    two, one = crashclients.account(publishers, exact), crashclients.account(publishers, once)
+    return {
+        "cycles": len(restart_s),
+        "sent": sum(p.seq for p in publishers),
+        "acked": two.acknowledged,
+        "received": exact.received,
+        "lost": two.lost,
+        "duplicates": two.duplicates,
+        "unacknowledged_received": two.unacknowledged_delivered,
+        "qos1_subscriber": {"lost": one.lost, "duplicates": one.duplicates},
+        "resends": {"to_qos2": two.resends, "to_qos1": one.resends,
+                    "without_dup": two.resends_without_dup + one.resends_without_dup,
+                    "with_new_id": two.resends_with_new_id + one.resends_with_new_id},
+        "dropped_held": two.dropped_held,
+        "publisher_resent": sum(p.resent for p in publishers),
+        "unfinished_flows": sum(len(p.inflight) for p in publishers),
+        "restart_s": _spread(restart_s),
+        "subscriber_sessions_lost": exact.sessions_lost + once.sessions_lost,
+        "publisher_sessions_lost": sum(p.sessions_lost for p in publishers),
+        "generator": {"processes": 1, "cpu_s": round(cpu, 2), "busiest_process_core_share": round(cpu / wall, 2),
+                      "per_process_core_share": [round(cpu / wall, 2)]},
+    }
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime

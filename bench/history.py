@@ -70,7 +70,7 @@ def _resumed_percent(run: dict[str, Any]) -> float | None:
 _DELIVERY = (Figure("delivered/s", _at("delivered_per_s")), Figure("lost", _at("lost")),
              Figure("p99 ms", _at("latency_ms", "p99")))
 
-SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[Figure, ...]]] = {
+SCENARIOS: dict[str, tuple[tuple[str | None, ...], tuple[Figure, ...]]] = {
     "fanin": (("qos0", "qos1"), _DELIVERY),
     "fanin-rate": ((), _DELIVERY),
     "fanout": ((), _DELIVERY),
@@ -80,10 +80,10 @@ SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[Figure, ...]]] = {
     "offline-fanout": ((), (Figure("delivered %", _percent("delivered_share")), Figure("drain s", _at("drain_s")),
                             Figure("RSS growth MiB", _at("rss_growth_MiB")),
                             Figure("disk/payload B", _at("disk_per_payload_byte")))),
-    "durability": ((), (Figure("lost", _at("lost")), Figure("duplicates", _at("duplicates")),
-                        Figure("restart s", _at("restart_s", "median")))),
+    "durability": ((None, "qos2"), (Figure("lost", _at("lost")), Figure("duplicates", _at("duplicates")),
+                                    Figure("restart s", _at("restart_s", "median")))),
 }
-"""Benchmark name -> (result sections that hold ``brokers``, or () for the top level; the headline figures).
+"""Benchmark name -> (result sections that hold ``brokers``, None or () for the top level; the headline figures).
 
 The first figure is the one the ratios are computed on."""
 

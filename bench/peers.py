@@ -77,6 +77,11 @@ IDLE_TIMEOUT_S = 60.0
 PEERS = ("lightgate", "mosquitto", "amqtt")
 """Every broker the suite knows, LightGate first: the ratios are LightGate's figure over each peer's."""
 
+_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))}
+"""LightGate runs from the checkout (or installation) this module is in: started in its working directory,
+``python -m gateway.cli`` would otherwise import whichever LightGate the interpreter finds first."""
+
 NOT_DURABLE = {
     "amqtt": "amqtt 0.12.1 has no persistence for these clients: its only store (contrib SessionDBPlugin, "
              "sqlalchemy + aiosqlite) skips anonymous sessions and never saves in-flight or queued QoS 1 messages",
@@ -239,7 +244,8 @@ def start(name: str, workdir: Path, *, port: int | None = None, durable: bool = 
     command = {"lightgate": _lightgate, "mosquitto": _mosquitto, "amqtt": _amqtt}[name](workdir, port, durable)
     log = open(workdir / f"{name}.log", "ab")  # append: a restarted broker's log follows the killed one's
     # cwd=workdir: LightGate reads ./lightgate.toml when present; the repository's must not leak in.
-    process = subprocess.Popen(command, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    process = subprocess.Popen(command, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env=_ENV)
     broker = Broker(name, port, process, log, workdir=workdir, durable=durable)
     try:
         _wait_until_accepting(broker, workdir / f"{name}.log")
@@ -341,13 +347,13 @@ def _start_cluster(name: str, workdir: Path, port: int, durable: bool) -> Broker
     store = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "store", "--data", str(workdir / DATA_DIR),
          "--listen", f"{HOST}:{store_port}", *quiet, *(["--commitlog-flush", "sync"] if durable else [])],
-        cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_ENV)
     try:
         _wait_listening([store.pid], store_port, 1, name, workdir / f"{name}.log")
         gateway = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "gateway", "--store", f"{HOST}:{store_port}", "--host", HOST,
              "--port", str(port), "--workers", str(gateways), *quiet],
-            cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_ENV)
     except BaseException:
         store.kill()
         store.wait()

@@ -15,8 +15,8 @@ States:
 - CONNECTED: CONNACK sent.
 - DISCONNECTING: the channel has decided to close (the socket is closed or
   closing) but is still waiting for store results that change the session
-  (appends of inbound QoS 2 messages, the session a late ``SessionOpened``
-  brings), so that the saved session is exact.
+  (appends and releases of inbound QoS 2 messages, the session a late
+  ``SessionOpened`` brings), so that the saved session is exact.
 - CLOSED: nothing more to do.
 """
 
@@ -30,10 +30,12 @@ from gateway.actions import (
     AdminDisconnect,
     Appended,
     ConnectionLost,
+    InboundReleased,
     Pulled,
     QueueAdvanced,
     ServerShutdown,
     SessionOpened,
+    SessionSaved,
     SocketWritten,
     TakenOver,
     Timeout,
@@ -81,9 +83,9 @@ CLIENT_PACKETS = (Connect, Publish, Puback, Pubrec, Pubrel, Pubcomp, Subscribe, 
 
 _AFTER_CONNECT = (Publish, Puback, Pubrec, Pubrel, Pubcomp, Subscribe, Unsubscribe, Pingreq, Disconnect)
 # What the node may still report after the channel decided to close: the channel ignores it
-# (or, for Appended and SessionOpened, folds it into the session before saving it).
+# (or, for Appended, InboundReleased and SessionOpened, folds it into the session before saving it).
 _LATE_EVENTS = (Appended, Activated, Pulled, QueueAdvanced, SocketWritten, ConnectionLost, TakenOver, Timeout,
-                SessionOpened, AdminDisconnect, ServerShutdown)
+                SessionOpened, AdminDisconnect, ServerShutdown, SessionSaved, InboundReleased)
 
 _S = State
 TRANSITIONS: dict[State, dict[type, State]] = {
@@ -107,6 +109,8 @@ TRANSITIONS: dict[State, dict[type, State]] = {
     _S.CONNECTED: {
         **{packet: _S.CONNECTED for packet in _AFTER_CONNECT},
         Appended: _S.CONNECTED,
+        InboundReleased: _S.CONNECTED,
+        SessionSaved: _S.CONNECTED,
         Activated: _S.CONNECTED,
         Pulled: _S.CONNECTED,
         QueueAdvanced: _S.CONNECTED,

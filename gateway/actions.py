@@ -39,7 +39,8 @@ class Message(msgspec.Struct, gc=False):
     ``client_id`` is the publisher's (for No Local). ``store_ms`` is set by the
     store; message expiry counts from it. ``queue``/``offset`` locate a message
     read from a light queue (None for messages not read from a queue: inbound
-    messages, wills, retained messages).
+    messages, wills, retained messages). ``packet_id`` is an inbound QoS 2
+    message's: its record keeps it, so the store knows the flow awaits PUBREL.
     """
 
     topic: str
@@ -52,6 +53,7 @@ class Message(msgspec.Struct, gc=False):
     store_ms: int = 0
     queue: str | None = None
     offset: int | None = None
+    packet_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,9 +229,25 @@ class PublishWill:
 
 @dataclass(frozen=True, slots=True)
 class SaveSession:
-    """Keep this session state: write it (WAL) if ``state.expiry_s > 0``; hand it to a taking-over connection."""
+    """Keep this session state: write it (WAL) if ``state.expiry_s > 0``; hand it to a taking-over connection.
+
+    ``ref`` set: answer ``SessionSaved(ref)`` once it is written (what it records may then be relied on:
+    PUBRELs sent, packet ids used, gateway/session.py).
+    """
 
     state: SessionState
+    ref: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseInbound:
+    """The client released inbound QoS 2 message ``packet_id`` (PUBREL): record that durably in the store
+    (``StoreClient.release_awaiting``), then answer ``InboundReleased(ref)``: only then may PUBCOMP go out."""
+
+    ref: int
+    client_id: str
+    packet_id: int
+    offset: int  # the CommitLog offset of the message's record
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,11 +289,26 @@ class SessionOpened:
 
 @dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
 class Appended:
-    """Answer to ``Append``: stored (``ok``), or refused with a PUBACK/PUBREC reason."""
+    """Answer to ``Append``: stored (``ok``, at CommitLog ``offset``), or refused with a PUBACK/PUBREC reason."""
 
     ref: int
     ok: bool = True
     reason: ReasonCode = ReasonCode.UNSPECIFIED_ERROR
+    offset: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSaved:
+    """Answer to ``SaveSession`` with a ``ref``: the state is written."""
+
+    ref: int
+
+
+@dataclass(frozen=True, slots=True)
+class InboundReleased:
+    """Answer to ``ReleaseInbound``: the release is durable."""
+
+    ref: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,9 +393,9 @@ class Timeout:
 
 Action: TypeAlias = (
     Send | Deliver | Close | ArmTimer | CancelTimer | OpenSession | Append | Activate | Release
-    | CommitOffsets | Pull | PublishWill | SaveSession | DropSession | LimitHit
+    | CommitOffsets | Pull | PublishWill | SaveSession | ReleaseInbound | DropSession | LimitHit
 )
 Event: TypeAlias = (
     SessionOpened | Appended | Activated | Pulled | QueueAdvanced | SocketWritten | ConnectionLost | TakenOver
-    | Timeout | AdminDisconnect | ServerShutdown
+    | Timeout | AdminDisconnect | ServerShutdown | SessionSaved | InboundReleased
 )

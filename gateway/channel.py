@@ -20,7 +20,9 @@ Structure:
 
 Acknowledgements of inbound QoS 1/2 messages (PUBACK / PUBREC) are sent only
 when the node reports them stored (``Appended``), which under the sync flush
-policy means durable.
+policy means durable. A QoS 2 message's record carries its packet id, so the
+store derives "awaiting PUBREL" from it (store/awaiting.py); a PUBCOMP goes out
+only once the release is on disk (``ReleaseInbound`` -> ``InboundReleased``).
 
 Per-client limits (topic length and levels, subscriptions, in-flight messages,
 publish rate; docs/security.md, "Limits") are checked here too: each hit is
@@ -51,6 +53,7 @@ from gateway.actions import (
     Deliver,
     DropSession,
     Event,
+    InboundReleased,
     LimitHit,
     Message,
     OpenSession,
@@ -58,10 +61,12 @@ from gateway.actions import (
     Pulled,
     QueueAdvanced,
     Release,
+    ReleaseInbound,
     SaveSession,
     Send,
     ServerShutdown,
     SessionOpened,
+    SessionSaved,
     SocketWritten,
     Subscription,
     TakenOver,
@@ -99,7 +104,7 @@ from gateway.reasons import (
     RemoteProtocolError,
 )
 from gateway.ratelimit import TokenBucket
-from gateway.session import Encoder, Link, Session
+from gateway.session import NOT_IN_LOG, Encoder, Link, Session
 from lightqueue.topics import (
     DEFAULT_LIMITS,
     MAX_TOPIC_BYTES,
@@ -260,7 +265,8 @@ class Channel:
     __slots__ = (  # one channel per device: slots save a dict of about 1.5 KiB each
         "config", "_now", "_encoder", "_state", "_level", "_client_id", "_assigned", "_clean_start", "_expiry",
         "_requested_expiry", "_keepalive", "_keepalive_override", "_peer_max_packet", "_will", "_will_delay",
-        "_session", "_link", "_queued", "_pending", "_storing_qos2", "_activations", "_next_ref", "_aliases_in",
+        "_session", "_link", "_queued", "_pending", "_storing_qos2", "_releasing", "_activations", "_next_ref",
+        "_aliases_in",
         "_last_rx", "_timers", "_awaiting_session", "_handover", "_moved", "_held", "_hits", "_topic_check_from",
         "_buckets", "_valid_topic",
     )
@@ -293,6 +299,7 @@ class Channel:
         self._pending: dict[int, tuple[int, int]] = {}  # Append ref -> (qos, packet id), acks owed
         # Dicts used as sets (keys only): an empty dict is 64 B, an empty set 216 B, on every idle connection.
         self._storing_qos2: dict[int, None] = {}  # inbound QoS 2 packet ids being appended
+        self._releasing: dict[int, int] = {}  # ReleaseInbound ref -> inbound QoS 2 packet id whose PUBCOMP waits
         self._activations: dict[int, tuple[int, list[ReasonCode], list[tuple[int, Subscription]]]] = {}
         self._next_ref = 0
         self._aliases_in: dict[int, str] = {}
@@ -391,7 +398,7 @@ class Channel:
         """
         closing = self._state in (State.DISCONNECTING, State.CLOSED)
         self._state = next_state(self._state, type(event))
-        if closing and type(event) not in (Appended, SessionOpened):
+        if closing and type(event) not in (Appended, SessionOpened, InboundReleased):
             return []
         try:
             actions = self._after(_EVENTS[type(event)](self, event))
@@ -493,7 +500,7 @@ class Channel:
 
     def _settle(self) -> list[Action]:
         """Once no store result the session depends on is outstanding: hand over, save or end the session."""
-        if self._state is not State.DISCONNECTING or self._pending or self._awaiting_session:
+        if self._state is not State.DISCONNECTING or self._pending or self._releasing or self._awaiting_session:
             return []
         self._state = next_state(self._state, Settled)
         session = self._session
@@ -769,7 +776,8 @@ class Channel:
             if refusal is not None:
                 return refusal
         born_ms = int(self._last_rx * 1000)  # the clock read when this packet came in (handle_in)
-        message = Message(topic, packet.payload, qos, packet.retain, props, self._client_id, born_ms)
+        message = Message(topic, packet.payload, qos, packet.retain, props, self._client_id, born_ms,
+                          packet_id=pid if qos == 2 else 0)  # type: ignore[arg-type]
         if not qos:
             return [Append(None, (message,))]
         self._next_ref += 1
@@ -791,9 +799,16 @@ class Channel:
         session = self._session
         assert session is not None
         pid = packet.packet_id
-        if pid in session.awaiting_rel:
-            del session.awaiting_rel[pid]
-            return [*self._save(), Send((Pubcomp(pid),))]
+        offset = session.awaiting_rel.get(pid)
+        if offset is not None:
+            if pid in self._releasing.values():
+                return []  # the release is being written: its PUBCOMP follows
+            if offset == NOT_IN_LOG:
+                del session.awaiting_rel[pid]
+                return [Send((Pubcomp(pid),))]
+            self._next_ref += 1
+            self._releasing[self._next_ref] = pid
+            return [ReleaseInbound(self._next_ref, self._client_id, pid, offset)]
         if self._level == MQTT_5:
             return [Send((Pubcomp(pid, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND),))]
         return [Send((Pubcomp(pid),))]  # 3.1.1 has no reason: complete the flow anyway
@@ -950,10 +965,8 @@ class Channel:
             self._storing_qos2.pop(pid, None)
         if event.ok:
             if qos == 2:
-                session.awaiting_rel[pid] = None
-                if closing:
-                    return self._settle()
-                return [*self._save(), Send((Pubrec(pid),))]
+                session.awaiting_rel[pid] = event.offset  # the record says so too: the store knows it after a crash
+                return self._settle() if closing else [Send((Pubrec(pid),))]
             return self._settle() if closing else [Send((Puback(pid),))]
         if closing:
             return self._settle()
@@ -966,6 +979,19 @@ class Channel:
             # client would resend it forever (Mosquitto does the same). A PUBREL for it gets its PUBCOMP anyway.
             return [Send(((Puback if qos == 1 else Pubrec)(pid),))]
         return self._close(event.reason, f"message not stored ({event.reason.name}); 3.1.1 cannot refuse it")
+
+    def _on_inbound_released(self, event: InboundReleased) -> list[Action]:
+        try:
+            pid = self._releasing.pop(event.ref)
+        except KeyError:
+            raise LocalProtocolError(f"InboundReleased for unknown ref {event.ref}") from None
+        self._session.awaiting_rel.pop(pid, None)  # type: ignore[union-attr]
+        if self._state is not State.CONNECTED:
+            return self._settle()
+        return [Send((Pubcomp(pid),))]
+
+    def _on_session_saved(self, event: SessionSaved) -> list[Action]:
+        return self._session.saved(event.ref)  # type: ignore[union-attr]
 
     def _on_activated(self, event: Activated) -> list[Action]:
         try:
@@ -1072,6 +1098,8 @@ _PROCESS: dict[type, Callable[[Channel, Packet], list[Action]]] = {  # type: ign
 _EVENTS: dict[type, Callable[[Channel, Event], list[Action]]] = {  # type: ignore[dict-item]
     SessionOpened: Channel._on_session_opened,
     Appended: Channel._on_appended,
+    InboundReleased: Channel._on_inbound_released,
+    SessionSaved: Channel._on_session_saved,
     Activated: Channel._on_activated,
     Pulled: Channel._on_pulled,
     QueueAdvanced: Channel._on_queue_advanced,

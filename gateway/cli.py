@@ -35,7 +35,8 @@ BENCHMARKS = {
     "churn": ("bench.churn", "persistent sessions publishing, disconnecting and resuming: connects/s, loss"),
     "offline-fanout": ("bench.offline_fanout",
                        "10,000 offline persistent sessions, 1,000 broadcasts, then all reconnect: delivered, RSS, disk"),
-    "durability": ("bench.durability", "QoS 1 under load, broker SIGKILLed and restarted 10 times: acked but lost"),
+    "durability": ("bench.durability",
+                   "QoS 1 (or --qos 2) under load, broker SIGKILLed and restarted 10 times: acked but lost"),
 }
 """``lightgate bench NAME`` -> (module with ``add_arguments(parser)`` and ``run(args) -> dict``, help).
 

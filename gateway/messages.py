@@ -29,13 +29,16 @@ def record_fields(message: Message) -> Mapping[str, Any]:
     Most device messages have no properties: that case skips the encoder (this runs once per message).
     """
     props = message.properties
-    return {
+    fields = {
         "client_id": message.client_id,
         "qos": message.qos,
         "retain": message.retain,
         "properties": b"" if props is EMPTY_PROPERTIES else encode_properties(props, PacketType.PUBLISH),
         "born_ms": message.born_ms or None,
     }
+    if message.packet_id:
+        fields["packet_id"] = message.packet_id
+    return fields
 
 
 def from_record(record: Record, queue: str | None, offset: int | None) -> Message:

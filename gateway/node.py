@@ -22,7 +22,9 @@ it executes the channel actions that need the store or other connections.
 - ``$SYS/broker/...``: statistics appended every ``mqtt.sys_interval_s``
   through the normal path (wildcards starting with ``+``/``#`` do not match them).
 - Resuming after a crash: the offsets the light queues committed (WAL) win
-  over an older saved session blob, so acknowledged messages are not replayed.
+  over an older saved session blob, so acknowledged messages are not replayed;
+  the inbound QoS 2 flows awaiting PUBREL come from the store, which derives
+  them from the CommitLog (store/awaiting.py), never from a blob.
 - Retained messages: the dispatcher keeps them (retain/); ``Activate`` answers
   with the matches of each new subscription that wants them.
 - Cluster mode (docs/cluster.md): every store write made for a client names
@@ -66,6 +68,7 @@ from gateway.actions import (
     ConnectionLost,
     DropSession,
     Event,
+    InboundReleased,
     LimitHit,
     Message,
     OpenSession,
@@ -74,9 +77,11 @@ from gateway.actions import (
     Pulled,
     QueueAdvanced,
     Release,
+    ReleaseInbound,
     SaveSession,
     ServerShutdown,
     SessionOpened,
+    SessionSaved,
     TakenOver,
 )
 from gateway.acl import Access, Acl, AclError, ReadCheck
@@ -230,7 +235,7 @@ class GatewayNode:
     # --- Backend ------------------------------------------------------------------------
 
     async def perform(self, connection: Connection, actions: list[Action]) -> None:
-        """Execute node actions in order; consecutive appends go to the store as one batch.
+        """Execute node actions in order; consecutive appends (and QoS 2 releases) go to the store as one batch.
 
         The actions of a connection of an ended lease are dropped (appends answered as not stored): its client
         is no longer this node's, the store would refuse them (``consume_fences`` closes it). When the store
@@ -250,11 +255,14 @@ class GatewayNode:
                 self._drop_fenced(connection, actions[index:])
                 return
             action = actions[index]
-            if type(action) is Append:
+            if type(action) in (Append, ReleaseInbound):
                 end = index + 1
-                while end < len(actions) and type(actions[end]) is Append:
+                while end < len(actions) and type(actions[end]) is type(action):
                     end += 1
-                await self._append(connection, actions[index:end])  # type: ignore[arg-type]
+                if type(action) is Append:
+                    await self._append(connection, actions[index:end])  # type: ignore[arg-type]
+                else:
+                    await self._release_inbound(connection, actions[index:end])  # type: ignore[arg-type]
                 index = end
                 continue
             index += 1
@@ -271,6 +279,8 @@ class GatewayNode:
                 await self._commit(connection, action)  # type: ignore[arg-type]
             elif kind is SaveSession:
                 await self._save(action.state, self._epochs.get(connection))  # type: ignore[union-attr]
+                if action.ref is not None:  # type: ignore[union-attr]
+                    connection.feed(SessionSaved(action.ref))  # type: ignore[union-attr]
             elif kind is DropSession:
                 await self.drop_session(action.client_id, self._epochs.get(connection))  # type: ignore[union-attr]
             elif kind is PublishWill:
@@ -349,9 +359,23 @@ class GatewayNode:
         self._cancel(self._wills, client_id)
         self._cancel(self._expiries, client_id)
         await self._hold_will(client_id, action, epoch)
-        if action.clean_start:
-            await self.drop_session(client_id, epoch)
+        state = None if action.clean_start else await self._stored_session(client_id)
+        if state is None:
+            await self.drop_session(client_id, epoch)  # whatever a session that is gone left: offsets, QoS 2 flows
+            if action.expiry_s > 0:  # the session exists from now on: Session Present says so after a crash too
+                await self._save(SessionState(client_id, action.expiry_s, detached=True), epoch)
             return None
+        awaiting = await self.store.awaiting_release(client_id)
+        state = await self._revoke_unauthorised(
+            connection, replace(await self._resumed(state, log=True), awaiting=awaiting))
+        for sub in state.subscriptions:
+            if sub.group is not None:
+                await self.groups.join(connection, sub, None)
+            self._subscribe_local(connection, sub.queue)
+        return state
+
+    async def _stored_session(self, client_id: str) -> SessionState | None:
+        """The client's session: handed over or saved on this node, else as the store keeps it."""
         state = self._sessions.get(client_id)
         if state is None:
             blob = await self.store.load_session(client_id)
@@ -361,12 +385,6 @@ class GatewayNode:
                 except msgspec.DecodeError as exc:
                     LOGGER.error("stored session is unreadable; starting a new one: %s", exc,
                                  extra={"ctx": {"client_id": client_id}})
-        if state is not None:
-            state = await self._revoke_unauthorised(connection, await self._resumed(state, log=True))
-            for sub in state.subscriptions:
-                if sub.group is not None:
-                    await self.groups.join(connection, sub, None)
-                self._subscribe_local(connection, sub.queue)
         return state
 
     def _read_acl(self) -> Acl:
@@ -581,7 +599,12 @@ class GatewayNode:
     # --- messages -----------------------------------------------------------------------
 
     async def append_messages(self, messages: Sequence[Message], epoch: int | None = None) -> ReasonCode | None:
-        """Append messages through the store (durable under the sync flush policy); None or why it failed.
+        """Append messages through the store (durable under the sync flush policy); None or why it failed."""
+        offsets = await self._append_batch(messages, epoch)
+        return offsets if isinstance(offsets, ReasonCode) else None
+
+    async def _append_batch(self, messages: Sequence[Message], epoch: int | None = None) -> list[int] | ReasonCode:
+        """The messages' CommitLog offsets once appended, or why the append failed.
 
         ``epoch``: the store lease of the connection they come from (None: now); refused once it ended.
         A failure counts the messages in ``refused_by_qos``. A full disk is QUOTA_EXCEEDED and not logged here:
@@ -589,8 +612,7 @@ class GatewayNode:
         """
         batch = [to_new_message(m) for m in messages]
         try:
-            await self.store.append(batch, epoch=epoch)
-            return None
+            return await self.store.append(batch, epoch=epoch)
         except RecordTooLarge as exc:
             LOGGER.warning("append refused: %s", exc)
             reason = ReasonCode.PACKET_TOO_LARGE
@@ -628,17 +650,13 @@ class GatewayNode:
     async def _store(self, connection: Connection, appends: list[Append], allowed: list[bool]) -> None:
         """Append the allowed messages as one batch; answer every append with a ref, in order."""
         messages = [m for append, ok in zip(appends, allowed) if ok for m in append.messages]
-        reason = await self.append_messages(messages, self._epochs.get(connection)) if messages else None
-        if reason is not None and allowed.count(True) > 1:
+        offsets = await self._append_batch(messages, self._epochs.get(connection)) if messages else []
+        if isinstance(offsets, ReasonCode) and allowed.count(True) > 1:
             # One bad message must not fail its neighbours: retry one by one so each gets its own answer.
             for append, ok in zip(appends, allowed):
                 await self._store(connection, [append], [ok])
             return
-        connection.feed_all([
-            Appended(append.ref, False, ReasonCode.NOT_AUTHORIZED) if not ok
-            else Appended(append.ref, reason is None, reason or ReasonCode.SUCCESS)
-            for append, ok in zip(appends, allowed) if append.ref is not None
-        ])
+        connection.feed_all(_answers(appends, allowed, offsets))
 
     def append_now(self, connection: Connection, action: Append) -> bool:
         """Append without a worker task when the store can without waiting (embedded, async flush: see
@@ -671,17 +689,26 @@ class GatewayNode:
     def _append_now(self, appends: list[tuple[Connection, Append]]) -> bool:
         """Append now and acknowledge, one write per connection; False: nothing was appended."""
         try:
-            if self.store.append_now([to_new_message(m) for _, append in appends for m in append.messages]) is None:
-                return False
+            offsets = self.store.append_now([to_new_message(m) for _, append in appends for m in append.messages])
         except (OSError, ValueError):
             return False  # nothing was appended: ``perform`` tries again and answers with the reason
+        if offsets is None:
+            return False
         acknowledged: dict[Connection, list[Event]] = {}  # QoS 0 appends (no ref) wait for no answer
+        position = 0
         for connection, append in appends:
             if append.ref is not None:
-                acknowledged.setdefault(connection, []).append(Appended(append.ref, True, ReasonCode.SUCCESS))
+                acknowledged.setdefault(connection, []).append(
+                    Appended(append.ref, True, ReasonCode.SUCCESS, offsets[position]))
+            position += len(append.messages)
         for connection, events in acknowledged.items():
             connection.feed_all(events)
         return True
+
+    async def _release_inbound(self, connection: Connection, releases: list[ReleaseInbound]) -> None:
+        """Record the releases of inbound QoS 2 flows durably, in one store write; then their PUBCOMPs may go."""
+        await self.store.release_awaiting([(r.client_id, r.packet_id, r.offset) for r in releases])
+        connection.feed_all([InboundReleased(r.ref) for r in releases])
 
     def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
         """A pull at the head of an unshared queue, answered from the queue cache; None if it must wait or read."""
@@ -1141,6 +1168,23 @@ def _by_connection(appends: list[tuple[Connection, Append]]) -> dict[Connection,
     for connection, append in appends:
         grouped.setdefault(connection, []).append(append)
     return grouped
+
+
+def _answers(appends: Sequence[Append], allowed: Sequence[bool], offsets: list[int] | ReasonCode) -> list[Event]:
+    """``Appended`` for each append with a ref: where the store put it, or why it did not."""
+    answers: list[Event] = []
+    index = 0
+    for append, ok in zip(appends, allowed):
+        count = len(append.messages) if ok else 0
+        if append.ref is not None:
+            if not ok:
+                answers.append(Appended(append.ref, False, ReasonCode.NOT_AUTHORIZED))
+            elif isinstance(offsets, ReasonCode):
+                answers.append(Appended(append.ref, False, offsets))
+            else:
+                answers.append(Appended(append.ref, True, ReasonCode.SUCCESS, offsets[index] if count else -1))
+        index += count
+    return answers
 
 
 def _client_info(connection: Connection) -> ClientInfo:

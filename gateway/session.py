@@ -20,8 +20,26 @@ unacknowledged offset. Commits are batched (``commit``).
 Resuming (reconnect with a present session): in-flight PUBLISHes are re-pulled
 by offset and resent with DUP and their packet ids, PUBRELs are resent, and
 nothing below the saved resume cursor that is not in flight is delivered again
-(acknowledged out of order before the disconnect). After a crash (no clean
-save) the store's committed offsets win and delivery is at-least-once from there.
+(acknowledged out of order before the disconnect).
+
+After a crash there is no clean save, and the store's committed offsets win.
+Packet ids make that exact ([MQTT-4.4.0-1]): a persistent session gives each
+non-shared QoS 1/2 subscription a *lane* of ``LANE_PIDS`` packet ids, and the
+message at queue offset o always goes out with id ``lane * LANE_PIDS + o %
+LANE_PIDS``. A stream sends offset o only while o < d + ``LANE_PIDS``, where d
+is its committed offset as of the last session save known to be written
+(``SaveSession`` with a ref, answered by ``saved``): so after a crash every
+message that may have been sent lies in [c, c + ``LANE_PIDS``) (c, the
+committed offset found, is at least d) and no two of them share an id. That
+range is sent again with DUP=1 and the same ids; a QoS 2 message whose PUBREC
+was recorded goes as PUBREL instead. The save that moves d comes every
+``LANE_PIDS`` / 2 messages of a stream (not per message). A QoS 2 PUBREC costs
+one save before its PUBREL goes out (saves in flight gather the PUBRECs that
+arrive meanwhile), and a QoS 2 message completed above the committed offset is
+kept in the saved state until the offset passes it, so a crash never makes it
+be sent as a new PUBLISH. Retained messages and shared subscriptions take ids
+from a pool (1..``LANE_PIDS`` - 1) and are resent after a crash only as at
+least once, with new ids; so is a subscription beyond the ``LANES`` lanes.
 
 Persistence is not a separate class: whether the session is persistent is
 ``expiry_s > 0``, which a DISCONNECT may change (>0 to 0) mid-session, so one
@@ -31,7 +49,7 @@ class decides per call whether ``SaveSession`` is emitted.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import final
 
@@ -61,12 +79,34 @@ Encoder = Callable[[str, bytes, int, bool, bytes, int], PublishTemplate]
 
 _NO_OFFSET = -1  # the "offset" of an in-flight retained message: not in a queue, never resent after a reconnect
 
+NOT_IN_LOG = -1
+"""The "CommitLog offset" of an inbound QoS 2 flow the store does not know (a blob saved before records kept
+packet ids): its PUBREL is answered without a store write."""
+
+LANE_PIDS = 512
+"""Packet ids per lane (see the module docstring): also the most messages of one subscription in flight, and how
+far delivery may run ahead of the last saved committed offset. 512 keeps a 3.1.1 window (256) busy while a save
+made halfway through the lane is written, and leaves room for ``LANES`` lanes."""
+
+LANES = MAX_UINT16 // LANE_PIDS
+"""Lanes 1..127 use ids 512..65535; ids 1..511 are the pool of retained and shared deliveries."""
+
+POOL_PIDS = LANE_PIDS - 1
+
 
 @dataclass(frozen=True, slots=True)
 class SessionState:
     """A session as data. ``offsets`` are committed (contiguously acknowledged) queue offsets per
     subscription filter; ``cursors`` where delivery resumes (above it nothing was delivered; below
-    it everything not ``inflight`` was acknowledged). Dicts are read-only by convention."""
+    it everything not ``inflight`` was acknowledged). Dicts are read-only by convention.
+
+    ``lanes`` gives each non-shared QoS 1/2 subscription of a persistent session its lane of packet ids.
+    ``detached`` says the state was saved with no connection attached (a disconnect or a handover): its
+    ``cursors`` and ``inflight`` are exact; a state saved while connected is what a crash leaves, and is
+    resumed from the committed offsets by lanes (module docstring). ``awaiting`` (inbound QoS 2 packet id
+    -> CommitLog offset) is taken from the store at resume (``StoreClient.awaiting_release``), never from a
+    saved blob; ``awaiting_rel`` lists the ids the store does not know (blobs of earlier versions).
+    """
 
     client_id: str
     expiry_s: int = 0
@@ -78,6 +118,9 @@ class SessionState:
     next_packet_id: int = 1
     will: Message | None = None
     will_delay_s: int = 0
+    awaiting: dict[int, int] = field(default_factory=dict)
+    lanes: dict[str, int] = field(default_factory=dict)
+    detached: bool = False
 
 
 DELIVER_BUDGET = 256
@@ -111,9 +154,10 @@ class Link:
 class _Stream:
     """Delivery state of one subscription's queue."""
 
-    __slots__ = ("sub", "cursor", "head", "pulling", "buffer", "unacked", "resend", "skip_below")
+    __slots__ = ("sub", "cursor", "head", "pulling", "buffer", "unacked", "resend", "skip_below", "lane", "durable",
+                 "dup_below", "completed")
 
-    def __init__(self, sub: Subscription, cursor: int) -> None:
+    def __init__(self, sub: Subscription, cursor: int, lane: int = 0) -> None:
         self.sub = sub
         self.cursor = cursor  # next offset to pull
         self.head: int | None = None  # queue max offset when known; None: pull to find out
@@ -124,6 +168,14 @@ class _Stream:
         # Resuming: offsets below this not in ``resend`` were acknowledged. A shared subscription's group
         # hands out offsets in any order (old ones handed back by other members), so it skips none.
         self.skip_below = cursor if sub.group is None else 0
+        self.lane = lane  # its lane of packet ids (0: ids from the pool)
+        self.durable: int | None = None  # committed offset of the last save known written (None: none yet)
+        self.dup_below = 0  # after a crash: offsets below may have been sent, they go again with DUP=1
+        self.completed: set[int] | None = None  # QoS 2 offsets completed at or above the committed offset
+
+    def pid(self, offset: int) -> int:
+        """The packet id of the message at ``offset`` in this stream's lane."""
+        return self.lane * LANE_PIDS + offset % LANE_PIDS
 
     def committed(self) -> int:
         if self.unacked:
@@ -148,13 +200,15 @@ class Session:
     """
 
     __slots__ = ("client_id", "expiry_s", "awaiting_rel", "_streams", "_inflight", "_next_pid", "_retained",
-                 "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due")
+                 "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due",
+                 "_saves", "_next_ref", "_pubrel_due", "_need_save")
 
     def __init__(self, client_id: str, expiry_s: int, state: SessionState | None = None) -> None:
         self.client_id = client_id
         self.expiry_s = expiry_s
-        self.awaiting_rel: dict[int, None] = dict.fromkeys(state.awaiting_rel) if state else {}  # a dict as a set: 64 B empty
-        """Inbound QoS 2 packet ids stored and PUBREC'd, waiting for PUBREL: a resent PUBLISH is not stored again."""
+        self.awaiting_rel: dict[int, int] = {}
+        """Inbound QoS 2 packet id -> CommitLog offset of its record (``NOT_IN_LOG``: unknown to the store), stored
+        and PUBREC'd, waiting for PUBREL: a resent PUBLISH is not stored again."""
         self._streams: dict[str, _Stream] = {}
         self._inflight: dict[int, InFlight] = {}
         self._next_pid = state.next_packet_id if state else 1
@@ -168,18 +222,38 @@ class Session:
         self._committed: dict[str, int] = {}
         self._acks = 0
         self._pump_due = False
+        # Made at the first save: most sessions never save while connected (an empty dict is 64 B each).
+        self._saves: dict[int, tuple[list[tuple[_Stream, int]], Sequence[int]]] | None = None  # ref -> (offsets, PUBRELs)
+        self._next_ref = 0
+        self._pubrel_due: Sequence[int] = ()  # PUBRELs waiting for a save that records their PUBREC
+        self._need_save = False  # a stream waits for (or will soon need) a save of its committed offset
         if state is not None:
             self._restore(state)
 
     def _restore(self, state: SessionState) -> None:
+        self.awaiting_rel = dict.fromkeys(state.awaiting_rel, NOT_IN_LOG) | state.awaiting
+        crashed = not state.detached
         for sub in state.subscriptions:
             committed = state.offsets.get(sub.filter, 0)
-            resume = max(state.cursors.get(sub.filter, committed), committed)
-            self._streams[sub.filter] = _Stream(sub, resume)
+            lane = state.lanes.get(sub.filter, 0) if sub.group is None and sub.options.qos > 0 else 0
+            resume = committed if crashed and lane else max(state.cursors.get(sub.filter, committed), committed)
+            stream = self._streams[sub.filter] = _Stream(sub, resume, lane)
+            if lane:
+                stream.durable = committed  # the store's, or a saved blob's: written
+                stream.dup_below = committed + LANE_PIDS if crashed else 0
             self._committed[sub.filter] = committed
+        for stream in self._streams.values():
+            if not stream.lane and self._wants_lane(stream.sub):
+                stream.lane = self._free_lane()  # a blob without lanes: usable once a save records it
         for entry in state.inflight:
             stream = self._streams.get(entry.filter)
             current = stream is not None and entry.offset >= self._committed[entry.filter]
+            if stream is not None and stream.lane and stream.durable is not None:
+                # By lane: the ids follow the offsets. Below the committed offset a flow is complete (PUBCOMP
+                # came before the commit); after a crash the PUBLISHes go again by offset, the PUBRELs here.
+                if not current or (crashed and entry.phase is Phase.PUBLISHED):
+                    continue
+                entry = replace(entry, packet_id=stream.pid(entry.offset))
             if entry.phase is Phase.PUBLISHED:
                 if not current or stream.sub.group is not None:  # type: ignore[union-attr]
                     # Unsubscribed, acknowledged according to a later commit, or shared: the group took
@@ -218,24 +292,77 @@ class Session:
         """The committed offset of every subscription as delivery stands now."""
         return {name: stream.committed() for name, stream in self._streams.items()}
 
-    def state(self, will: Message | None = None, will_delay_s: int = 0) -> SessionState:
-        """The session as data, for ``SaveSession`` (retained-message deliveries in flight are not kept)."""
+    def state(self, will: Message | None = None, will_delay_s: int = 0, *, resumable: bool = False) -> SessionState:
+        """The session as data, for ``SaveSession`` (retained-message deliveries in flight are not kept).
+
+        QoS 2 messages completed at or above a stream's committed offset are
+        listed as released (their PUBREL goes again after a crash, never their
+        PUBLISH); the ones below it are forgotten here. ``resumable``: only what
+        a resume after a crash reads (a save while connected), without the
+        PUBLISHes in flight by lane, which a crash resends by offset: a save
+        every half lane then costs little more than the subscriptions.
+        """
+        offsets = self.committed_offsets()
+        streams = self._streams
+        inflight = [e for e in self._inflight.values() if e.offset != _NO_OFFSET and e.filter in streams and not (
+            resumable and e.phase is Phase.PUBLISHED and streams[e.filter].lane)]
+        for name, stream in self._streams.items():
+            if stream.completed:
+                stream.completed = {o for o in stream.completed if o >= offsets[name]}
+                inflight += (InFlight(stream.pid(o), name, o, 2, Phase.RELEASED) for o in sorted(stream.completed))
         return SessionState(
             client_id=self.client_id,
             expiry_s=self.expiry_s,
             subscriptions=tuple(stream.sub for stream in self._streams.values()),
-            offsets=self.committed_offsets(),
+            offsets=offsets,
             cursors={name: stream.resume_cursor() for name, stream in self._streams.items()},
-            awaiting_rel=frozenset(self.awaiting_rel),
-            inflight=tuple(e for e in self._inflight.values() if e.offset != _NO_OFFSET and e.filter in self._streams),
+            awaiting_rel=frozenset(pid for pid, offset in self.awaiting_rel.items() if offset == NOT_IN_LOG),
+            inflight=tuple(inflight),
             next_packet_id=self._next_pid,
             will=will,
             will_delay_s=will_delay_s,
+            awaiting={pid: offset for pid, offset in self.awaiting_rel.items() if offset != NOT_IN_LOG},
+            lanes={name: stream.lane for name, stream in self._streams.items() if stream.lane},
+            detached=self._link is None,
         )
 
     def save(self, will: Message | None = None, will_delay_s: int = 0) -> list[Action]:
-        """``SaveSession`` if the session is persistent, else nothing."""
-        return [SaveSession(self.state(will, will_delay_s))] if self.persistent else []
+        """``SaveSession`` if the session is persistent, else nothing; while attached, one to be answered
+        (``saved``), so that what it records may be relied on once it is written."""
+        if not self.persistent:
+            return []
+        if self._link is None:
+            return [SaveSession(self.state(will, will_delay_s))]
+        return [self._save_action(will, will_delay_s)]
+
+    def _save_action(self, will: Message | None = None, will_delay_s: int = 0) -> SaveSession:
+        state = self.state(will, will_delay_s, resumable=True)
+        self._next_ref += 1
+        streams = self._streams
+        if self._saves is None:
+            self._saves = {}
+        self._saves[self._next_ref] = ([(streams[name], offset) for name, offset in state.offsets.items()
+                                        if streams[name].lane], self._pubrel_due)
+        self._pubrel_due = ()
+        self._need_save = False
+        return SaveSession(state, self._next_ref)
+
+    def saved(self, ref: int) -> list[Action]:
+        """A ``SaveSession`` of this session is written: its committed offsets bound the lanes, the PUBRELs
+        its PUBRECs waited for go out, and delivery goes on."""
+        snapshot = self._saves.pop(ref, None) if self._saves else None
+        if snapshot is None or self._link is None:
+            return []
+        durable, pubrels = snapshot
+        for stream, offset in durable:
+            if stream.durable is None or offset > stream.durable:
+                stream.durable = offset
+        inflight = self._inflight
+        owed = tuple(Pubrel(pid) for pid in pubrels if pid in inflight and inflight[pid].phase is Phase.RELEASED)
+        actions: list[Action] = [Send(owed)] if owed else []
+        if self._pubrel_due and not self._saves:
+            actions.append(self._save_action())
+        return actions + self.pump()
 
     # --- connection ---------------------------------------------------------------------
 
@@ -255,6 +382,8 @@ class Session:
         self._unwritten = 0
         self._unwritten_bytes = 0
         self._retained.clear()
+        self._saves = None  # their answers are not awaited: the next connection resumes from the saved state
+        self._pubrel_due = ()
         self._link = None
 
     # --- subscriptions ------------------------------------------------------------------
@@ -268,8 +397,10 @@ class Session:
         stream = self._streams.get(sub.filter)
         if stream is not None:
             stream.sub = sub
+            if not stream.lane and self._wants_lane(sub):
+                stream.lane = self._free_lane()
             return False
-        self._streams[sub.filter] = _Stream(sub, start)
+        self._streams[sub.filter] = _Stream(sub, start, self._free_lane() if self._wants_lane(sub) else 0)
         self._committed[sub.filter] = start
         return True
 
@@ -277,6 +408,16 @@ class Session:
         """Remove a subscription; its messages still in flight finish their flows. Returns whether it existed."""
         self._committed.pop(filter, None)
         return self._streams.pop(filter, None) is not None
+
+    def _wants_lane(self, sub: Subscription) -> bool:
+        """Does ``sub`` send by lane: a persistent session's non-shared QoS 1/2 subscription."""
+        return self.persistent and sub.group is None and sub.options.qos > 0
+
+    def _free_lane(self) -> int:
+        """The lowest lane no stream and no message in flight uses; 0 (the pool) when every lane is taken."""
+        used = {stream.lane for stream in self._streams.values()}
+        used.update(pid // LANE_PIDS for pid in self._inflight)
+        return next((lane for lane in range(1, LANES + 1) if lane not in used), 0)
 
     # --- delivery -----------------------------------------------------------------------
 
@@ -363,13 +504,19 @@ class Session:
             if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
                     or len(chunks) >= DELIVER_BUDGET:
                 break
+            pid = self._allocate() if qos else None
+            if qos and pid is None:
+                break  # every id of the pool is in flight
             del retained[0]
             template = self._template(link, message, sub, qos, True)
             if template is not None:
-                chunks.append(template.render(self._track(sub.filter, _NO_OFFSET, qos) if qos else None))
+                if pid is not None:
+                    inflight[pid] = InFlight(pid, sub.filter, _NO_OFFSET, qos)
+                chunks.append(template.render(pid))
         for stream in self._streams.values():
             sub = stream.sub
             buffer = stream.buffer
+            lane = stream.lane
             while buffer:
                 message = buffer[0]
                 offset: int = message.offset  # type: ignore[assignment]
@@ -383,7 +530,33 @@ class Session:
                 if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
                         or len(chunks) >= DELIVER_BUDGET:
                     break
+                pid = None
+                if qos:
+                    if lane:
+                        if not self._in_lane(stream, offset):
+                            break
+                        pid = stream.pid(offset)
+                        if offset < stream.dup_below and self._released(stream, pid, offset):
+                            buffer.popleft()  # its PUBREC was recorded: the PUBREL went out at attach
+                            continue
+                        if pid in inflight:
+                            break  # the id is still in flight (ids a blob of an earlier version gave out)
+                    else:
+                        pid = self._allocate()
+                        if pid is None:
+                            break  # every id of the pool is in flight
                 buffer.popleft()
+                if offset < stream.dup_below:
+                    # After a crash it may have gone out already, with this id: again, with DUP (at least once).
+                    if not qos:
+                        continue  # QoS 0 is at most once
+                    template = self._template(link, message, sub, qos, sub.options.retain_as_published
+                                              and message.retain, resend=True)
+                    if template is not None:
+                        stream.unacked.add(offset)
+                        inflight[pid] = InFlight(pid, sub.filter, offset, qos)  # type: ignore[index,arg-type]
+                        chunks.append(template.render(pid, dup=True))
+                    continue
                 if not qos and queue_limit and queued >= queue_limit:
                     dropped += 1
                     continue
@@ -394,7 +567,8 @@ class Session:
                 if not oldest or message.store_ms < oldest:
                     oldest = message.store_ms
                 if qos:
-                    chunks.append(template.render(self._track(sub.filter, offset, qos)))
+                    inflight[pid] = InFlight(pid, sub.filter, offset, qos)  # type: ignore[index,arg-type]
+                    chunks.append(template.render(pid))
                 else:
                     chunks.append(template.render())
                     written.append((stream, offset))
@@ -407,6 +581,8 @@ class Session:
         if dropped:
             actions.append(link.report(Limit.QOS0_QUEUE, dropped, f"{dropped} QoS 0 message(s) dropped: {queued} bytes"
                                        f" wait for the socket (limit {queue_limit})"))
+        if self._need_save and not self._saves:
+            actions.append(self._save_action())
         if not chunks:
             return actions
         self._seq += 1
@@ -420,18 +596,39 @@ class Session:
         return [Deliver(b"".join(chunks), self._seq, len(chunks), (by_qos[0], by_qos[1], by_qos[2]), oldest),
                 *actions]
 
-    def _track(self, filter: str, offset: int, qos: int) -> int:
-        pid = self._allocate()
-        self._inflight[pid] = InFlight(pid, filter, offset, qos)
-        return pid
+    def _in_lane(self, stream: _Stream, offset: int) -> bool:
+        """May ``offset`` go out by the stream's lane now: is it below the saved committed offset + ``LANE_PIDS``?
+        Asks for a save when the stream is there or halfway, and acknowledgements moved its committed offset."""
+        if not self.persistent:
+            return True  # nothing resumes it after a crash (a persistent session's lane resumed by one that is not)
+        durable = stream.durable
+        if durable is None or offset >= durable + LANE_PIDS:
+            if not self._saves and (durable is None or stream.committed() > durable):
+                self._need_save = True
+            return False
+        if offset >= durable + LANE_PIDS // 2 and not self._need_save and not self._saves \
+                and stream.committed() > durable:
+            self._need_save = True
+        return True
 
-    def _allocate(self) -> int:
-        """The next packet id not in flight (the window guarantees one is free)."""
-        pid = self._next_pid
-        while pid in self._inflight:
-            pid = pid % MAX_UINT16 + 1
-        self._next_pid = pid % MAX_UINT16 + 1
-        return pid
+    def _released(self, stream: _Stream, pid: int, offset: int) -> bool:
+        """Is the QoS 2 message at ``offset`` past its PUBREC: PUBREL sent, or the flow complete?"""
+        entry = self._inflight.get(pid)
+        if entry is not None and entry.offset == offset and entry.phase is Phase.RELEASED:
+            return True
+        return stream.completed is not None and offset in stream.completed
+
+    def _allocate(self) -> int | None:
+        """The next packet id not in flight: of the pool in a persistent session (the lanes have the others),
+        of them all otherwise (its window guarantees one is free); None when the pool is all in flight."""
+        limit = POOL_PIDS if self.persistent else MAX_UINT16
+        pid = self._next_pid if self._next_pid <= limit else 1
+        for _ in range(limit):
+            if pid not in self._inflight:
+                self._next_pid = pid % limit + 1
+                return pid
+            pid = pid % limit + 1
+        return None
 
     def _resend(self, link: Link, stream: _Stream, message: Message, pid: int, chunks: list[bytes]) -> None:
         entry = self._inflight.get(pid)
@@ -501,7 +698,12 @@ class Session:
         return self._after_ack()
 
     def pubrec(self, packet_id: int, reason: ReasonCode) -> list[Action]:
-        """PUBREC from the client: answer PUBREL (or end the flow on a failure reason)."""
+        """PUBREC from the client: answer PUBREL (or end the flow on a failure reason).
+
+        A persistent session records the PUBREC first (a save: after a crash
+        the message is released, not published again), gathering the PUBRECs
+        that arrive while a save is being written into the next one.
+        """
         entry = self._inflight.get(packet_id)
         if entry is None or entry.qos != 2:
             if self._link is not None and self._link.protocol_level == MQTT_5:
@@ -511,8 +713,16 @@ class Session:
             del self._inflight[packet_id]
             self._acked(entry)
             return self.pump()
+        if entry.phase is Phase.RELEASED:  # the PUBREC again: PUBREL again, unless a save is about to send it
+            waiting = packet_id in self._pubrel_due or any(packet_id in due for _, due in (self._saves or {}).values())
+            return [] if waiting else [Send((Pubrel(packet_id),))]
         self._inflight[packet_id] = replace(entry, phase=Phase.RELEASED)
-        return [Send((Pubrel(packet_id),))]
+        if not self.persistent or entry.offset == _NO_OFFSET:
+            return [Send((Pubrel(packet_id),))]  # nothing a crash could resume
+        due = self._pubrel_due if isinstance(self._pubrel_due, list) else []  # the empty tuple is shared: 0 B
+        due.append(packet_id)
+        self._pubrel_due = due
+        return [] if self._saves else [self._save_action()]
 
     def pubcomp(self, packet_id: int) -> list[Action]:
         """PUBCOMP from the client: a QoS 2 delivery is done."""
@@ -520,6 +730,11 @@ class Session:
         if entry is None or entry.phase is not Phase.RELEASED:
             return []
         del self._inflight[packet_id]
+        stream = self._streams.get(entry.filter)
+        if stream is not None and stream.lane and entry.offset != _NO_OFFSET:
+            if stream.completed is None:
+                stream.completed = set()
+            stream.completed.add(entry.offset)
         self._acked(entry)
         return self._after_ack()
 

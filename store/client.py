@@ -32,6 +32,7 @@ import trio
 
 from lightqueue.queues import PullResult
 from notify import EventMailbox
+from store.awaiting import Flow
 from store.node import StoreNode
 from store.record import Record, decode_record
 
@@ -39,7 +40,7 @@ __all__ = ["LocalStoreClient", "NewMessage", "PullRequest", "StoreClient", "Stor
 
 NewMessage = tuple[str, bytes, Mapping[str, Any]]
 """(topic, payload, optional record fields of :func:`store.record.encode_record`: ``client_id``, ``qos``,
-``retain``, ``properties``, ``born_ms``; the store reads these five keys and no others)."""
+``retain``, ``properties``, ``born_ms``, ``packet_id``; the store reads these six keys and no others)."""
 
 
 @dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
@@ -160,7 +161,19 @@ class StoreClient(Protocol):
         ...
 
     async def drop_session(self, client_id: str, *, epoch: int | None = None) -> None:
-        """Forget the blob of ``client_id``."""
+        """Forget the blob of ``client_id`` and its inbound QoS 2 flows (its session ended)."""
+        ...
+
+    async def awaiting_release(self, client_id: str) -> dict[int, int]:
+        """``{packet id: CommitLog offset}`` of the client's inbound QoS 2 messages stored and awaiting PUBREL.
+
+        Derived from the records (a QoS 2 record carries its packet id): complete
+        for everything appended before the call.
+        """
+        ...
+
+    async def release_awaiting(self, flows: Sequence[Flow]) -> None:
+        """Mark inbound QoS 2 flows released; returns once that is on disk (fsynced), so PUBCOMP may go out."""
         ...
 
     def watch(self, queue: str) -> None:
@@ -335,6 +348,13 @@ class LocalStoreClient:
 
     async def drop_session(self, client_id: str, *, epoch: int | None = None) -> None:
         await trio.to_thread.run_sync(self.store.drop_session, client_id)
+        await self.store.drop_awaiting(client_id)
+
+    async def awaiting_release(self, client_id: str) -> dict[int, int]:
+        return await self.store.awaiting_release(client_id)
+
+    async def release_awaiting(self, flows: Sequence[Flow]) -> None:
+        await self.store.release_awaiting(flows)
 
     def watch(self, queue: str) -> None:
         self.store.router.register(self.node, queue)

@@ -24,6 +24,7 @@ import trio
 
 from lightqueue.queues import LightQueues
 from retain.store import RetainedStore
+from store.awaiting import AwaitingRelease
 from store.commitlog import SKIPPED, CommitLog, ScanResult
 from store.errors import OffsetExpired
 from store.recent import RecentRecords
@@ -97,6 +98,8 @@ class Dispatcher:
         recent: the records this process appended last (store/recent.py):
             a step that starts at one of them indexes the run that follows
             from memory instead of scanning the log.
+        awaiting: the inbound QoS 2 flows awaiting PUBREL (store/awaiting.py), derived from the
+            records that carry a packet id, or None. Like ``retained`` it keeps its own checkpoint.
         flush_bytes, flush_interval_s: flush the index memtable after this much
             CommitLog data dispatched or this much time (bounds re-dispatch after a crash).
         room: whether the data disk has room for a memtable flush (store/space.py: RocksDB
@@ -118,6 +121,7 @@ class Dispatcher:
         *,
         retained: RetainedStore | None = None,
         recent: RecentRecords | None = None,
+        awaiting: AwaitingRelease | None = None,
         scan_bytes: int = SCAN_BYTES,
         flush_bytes: int = FLUSH_BYTES,
         flush_interval_s: float = FLUSH_INTERVAL_S,
@@ -128,6 +132,7 @@ class Dispatcher:
         self._queues = queues
         self._listener = listener
         self._retained = retained
+        self._awaiting = awaiting
         self._recent = recent
         self._scan_bytes = scan_bytes
         self._flush_bytes = flush_bytes
@@ -140,10 +145,12 @@ class Dispatcher:
         if retained is not None and retained.checkpoint > log.written_offset:
             self._rewound["retained_checkpoint_from"] = retained.checkpoint
             self._rewound["retained_dropped"] = retained.rewind(log.written_offset)
+        if awaiting is not None:
+            awaiting.rewind(log.written_offset)
         if queues.retained_offset < log.min_offset:
             queues.on_retention(log.min_offset)
         log.add_retention_listener(queues.on_retention)
-        start = queues.checkpoint if retained is None else min(queues.checkpoint, retained.checkpoint)
+        start = min([queues.checkpoint, *(part.checkpoint for part in (retained, awaiting) if part is not None)])
         self._offset = max(start, log.min_offset)
         self._flushed_offset = self._offset
         self._unflushed = 0
@@ -234,6 +241,10 @@ class Dispatcher:
                 return None
             if self._retained is not None:
                 self._retain(scan)
+            if self._awaiting is not None:
+                flows = [rec for rec in scan.records if rec.packet_id]
+                if flows:
+                    self._awaiting.apply(flows, scan.next_offset)
             # After a crash the retained family may be behind the index: a batch
             # the index already has is fed to retain only.
             max_offsets: dict[str, int] = {}
@@ -282,6 +293,10 @@ class Dispatcher:
         if self._retained is not None:
             self._retained.apply((), self._offset)  # the checkpoint of the batches without retained records
             self._retained.flush()
+        if self._awaiting is not None:
+            self._awaiting.apply((), self._offset)  # the checkpoint of the batches without QoS 2 records
+            self._awaiting.collect(self._offset)
+            self._awaiting.flush()
         self._queues.flush()
         self._flushed_offset = self._offset
         self._unflushed = 0

@@ -9,6 +9,9 @@ shutdown leaves nothing to recover or re-dispatch. ``run_store_node`` is what
 The node also keeps the gateway's persistent session state as opaque blobs
 (``save_session`` / ``load_session`` / ``drop_session``) in the column family
 ``sessions``: the store knows nothing of MQTT, it only makes the blobs durable.
+The one piece of session state it derives itself is which inbound QoS 2 flows
+await PUBREL (``awaiting``, store/awaiting.py): from the packet ids the records
+carry, so that "stored" and "awaits PUBREL" are one durable fact.
 
 Notify: after each dispatch batch the node routes ``{queue: max offset}``
 through its ``NotifyRouter`` to the mailbox of every gateway node attached
@@ -35,6 +38,7 @@ from notify import EventMailbox, NotifyRouter
 from retain.store import RetainedStore
 from store.access import StoreAccess
 from store.aio import AsyncCommitLog
+from store.awaiting import AwaitingRelease, Flow
 from store.commitlog import CommitLogConfig
 from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.process import freeze_startup_objects
@@ -42,7 +46,7 @@ from store.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.recent import RecentRecords
 from store.space import DiskSpace
 from store.record import Record, decode_record, new_record, now_ms
-from store.rocks import open_db
+from store.rocks import open_db, open_family
 from store.rpc import parse_address
 from store.tasks import background
 
@@ -71,6 +75,7 @@ class StoreNode:
     retained: RetainedStore  # kept up to date by the dispatcher; looked up at subscribe time
     recent: RecentRecords  # the last appended records, decoded: dispatch and pulls at the head read them here
     space: DiskSpace  # free space on the data disk: appends and RocksDB writes are refused while it is short
+    awaiting: AwaitingRelease  # inbound QoS 2 flows awaiting PUBREL, kept up to date by the dispatcher
     router: NotifyRouter = field(default_factory=NotifyRouter)
     mailboxes: dict[str, EventMailbox] = field(default_factory=dict)  # attached gateway node -> its events
 
@@ -223,7 +228,8 @@ class StoreNode:
         for topic, payload, fields in messages:
             get = fields.get  # not **fields: unpacking keyword arguments cost as much as encoding the record
             made.append(new_record(topic, payload, now, get("client_id", ""), get("qos", 0), get("retain", False),
-                                   get("properties", b""), targets(topic), get("born_ms"), max_size))
+                                   get("properties", b""), targets(topic), get("born_ms"), max_size,
+                                   get("packet_id", 0)))
         return made
 
     def _appended(self, made: list[tuple[bytes, Record]], offsets: list[int]) -> None:
@@ -256,24 +262,52 @@ class StoreNode:
         return log_offset is not None and log_offset >= oldest
 
     def save_session(self, client_id: str, blob: bytes) -> None:
-        """Keep a session blob durably (WAL write): it must survive a process crash as written.
+        """Keep a session blob durably (WAL write): it must survive a process crash as written, and under the
+        ``sync`` flush policy a power loss too (fsynced): a QoS 2 subscriber's PUBREL waits for it.
 
         Raises:
             LogFullError: the data disk is short of space (RocksDB is not asked: ``store.space``).
         """
         self.space.check()
-        self.sessions.put(client_id.encode(), blob, _WAL)
+        self.sessions.put(client_id.encode(), blob, self._session_writes())
 
     def load_session(self, client_id: str) -> bytes | None:
         """The blob last saved for ``client_id``, or None."""
         return self.sessions.get(client_id.encode())
 
     def drop_session(self, client_id: str) -> None:
-        """Forget the blob of ``client_id`` (a no-op if there is none). Raises LogFullError as :meth:`save_session`."""
+        """Forget the blob of ``client_id`` (a no-op if there is none: clean-start connects write nothing).
+
+        Raises LogFullError as :meth:`save_session`.
+        """
         key = client_id.encode()
-        if self.sessions.get(key) is not None:  # a clean start of a new client writes nothing, full disk or not
+        if self.sessions.get(key) is not None:
             self.space.check()
-            self.sessions.delete(key, _WAL)
+            self.sessions.delete(key, self._session_writes())
+
+    def _session_writes(self) -> rocksdict.WriteOptions:
+        return _SYNCED if self.log.log.config.flush == "sync" else _WAL
+
+    async def awaiting_release(self, client_id: str) -> dict[int, int]:
+        """``{packet id: CommitLog offset}`` of the client's inbound QoS 2 messages stored and not released,
+        once dispatch has passed everything appended before the call."""
+        await self.dispatcher.wait_dispatched(self.log.log.written_offset)
+        return self.awaiting.awaiting(client_id)
+
+    async def release_awaiting(self, flows: Sequence[Flow]) -> None:
+        """Mark inbound QoS 2 flows released, durably (fsynced), in one write: their PUBCOMPs may go out.
+
+        Raises LogFullError as :meth:`save_session`.
+        """
+        self.space.check()
+        await trio.to_thread.run_sync(self.awaiting.release, flows)
+
+    async def drop_awaiting(self, client_id: str) -> None:
+        """Forget the client's inbound QoS 2 flows (its session ended), the ones being dispatched included."""
+        await self.dispatcher.wait_dispatched(self.log.log.written_offset)
+        if self.awaiting.awaiting(client_id):  # most clients (every clean start) have none: no thread, no write
+            self.space.check()
+            await trio.to_thread.run_sync(self.awaiting.drop, client_id)
 
 
 STORE_SWITCH_INTERVAL_S = 0.0005
@@ -282,6 +316,8 @@ around every CommitLog read and must get it back while the dispatcher thread run
 a gateway's pull of 256 messages waited milliseconds, at 0.5 ms the backlog drains ~10% faster (bench fanin)."""
 
 _WAL = rocksdict.WriteOptions()  # session blobs have no other source: write them through the WAL
+_SYNCED = rocksdict.WriteOptions()
+_SYNCED.sync = True  # ... and under the sync flush policy fsync it
 
 
 def _decode(raw: bytes, offset: int) -> Record:
@@ -325,11 +361,12 @@ async def open_store(
 
             recent = RecentRecords()
             space = DiskSpace(data)
+            awaiting = AwaitingRelease(db)
             dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
-                                    room=space.has_room)
-            sessions = _open_family(db, SESSIONS_FAMILY)
+                                    awaiting=awaiting, room=space.has_room)
+            sessions = open_family(db, SESSIONS_FAMILY)
             await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
-            node = StoreNode(data, alog, queues, dispatcher, sessions, retained, recent, space)
+            node = StoreNode(data, alog, queues, dispatcher, sessions, retained, recent, space, awaiting)
             nodes.append(node)
             try:
                 async with background(dispatcher.run), background(partial(_watch_space, space)):
@@ -341,6 +378,7 @@ async def open_store(
                     await trio.to_thread.run_sync(dispatcher.close)
                 node.sessions.close()  # a family handle keeps the database open
                 retained.close()
+                awaiting.close()
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(db.close)
@@ -391,13 +429,6 @@ def _startup_error(data: Path, exc: Exception) -> Exception:
                             f"process using {data}, run `lightgate repair --data {data}` and start again "
                             "(docs/storage.md, \"Repair\")")
     return exc
-
-
-def _open_family(db: rocksdict.Rdict, name: str) -> rocksdict.Rdict:
-    """The column family ``name`` of ``db``, created on first use."""
-    if name in rocksdict.Rdict.list_cf(db.path()):
-        return db.get_column_family(name)
-    return db.create_column_family(name, rocksdict.Options(raw_mode=True))
 
 
 async def until_signalled(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -10,7 +10,7 @@ Layout (all integers big-endian)::
     0      4    total length of the record, this field included
     4      4    CRC32C over bytes [8, total length)
     8      4    magic: MAGIC_V1 for a message, MAGIC_EOS for the end-of-segment marker
-    12     1    flags: bits 0-1 QoS, bit 2 retain; bits 3-7 zero (ignored by v1 readers)
+    12     1    flags: bits 0-1 QoS, bit 2 retain, bit 3 packet id; bits 4-7 zero (ignored by v1 readers)
     13     8    born timestamp, ms since the epoch (when the producer created it)
     21     8    store timestamp, ms since the epoch (when the store accepted it)
     29     2    producer id (client id) length, then the UTF-8 bytes follow the header
@@ -23,7 +23,12 @@ Layout (all integers big-endian)::
 The target-queues section lists the extra light queues (active wildcard filters)
 the record was matched to when it was appended, as repeated u32 queue id, sorted
 ascending, without duplicates (lightqueue.targets is the codec). The exact-topic
-and first-level queues are implied by the topic.
+and first-level queues are implied by the topic. With flag bit 3
+(``FLAG_PACKET_ID``) the section ends with one more u32 that is not a queue id:
+the publisher's QoS 2 packet id, from which the store derives the flows awaiting
+PUBREL (store/awaiting.py). Readers that skip the section by its length (Spark)
+need not know; records without the flag, every record before it existed
+included, are unchanged.
 
 The end-of-segment marker is a 12-byte header (length = bytes left in the
 segment, CRC32C over the magic only, MAGIC_EOS). When fewer than 12 bytes are
@@ -43,6 +48,7 @@ from lightqueue.targets import QUEUE_ID_SIZE, CorruptTargets, decode_queues
 
 __all__ = [
     "EOS_SIZE",
+    "FLAG_PACKET_ID",
     "FLAG_RETAIN",
     "HEADER",
     "HEADER_SIZE",
@@ -75,6 +81,9 @@ EOS_SIZE = EOS.size  # 12
 
 QOS_MASK = 0x03
 FLAG_RETAIN = 0x04
+FLAG_PACKET_ID = 0x08
+"""The last u32 of the target-queues section is the publisher's packet id (QoS 2 records), not a queue id."""
+_PACKET_ID = struct.Struct(">I")
 
 _MAX_U16 = 0xFFFF
 _MAX_U32 = 0xFFFFFFFF
@@ -109,6 +118,7 @@ class Record(msgspec.Struct, gc=False):
     queues: tuple[int, ...]  # queue ids of the target-queues section
     properties: bytes
     payload: bytes
+    packet_id: int = 0  # the publisher's QoS 2 packet id (FLAG_PACKET_ID), 0 for other records
 
     @property
     def qos(self) -> int:
@@ -131,6 +141,7 @@ def encode_record(
     born_ms: int | None = None,
     store_ms: int | None = None,
     max_size: int = _MAX_U32,
+    packet_id: int = 0,
 ) -> bytes:
     """Encode one message record.
 
@@ -141,26 +152,34 @@ def encode_record(
         queues: an already encoded target-queues section (lightqueue.targets.encode_queues).
         born_ms / store_ms: default to now.
         max_size: the configured maximum record size.
+        packet_id: the publisher's packet id of a QoS 2 message (0: none), kept after the target queues.
 
     Raises:
         RecordTooLarge: the record would be larger than ``max_size``.
-        ValueError: a field does not fit its length field, QoS is not 0-2, or
-            ``queues`` is not a whole number of queue ids.
+        ValueError: a field does not fit its length field, QoS is not 0-2,
+            ``queues`` is not a whole number of queue ids, or ``packet_id`` is
+            not 1..65535 on a QoS 2 message.
     """
     now = None
     if store_ms is None:
         now = store_ms = now_ms()
     if born_ms is None:
         born_ms = now if now is not None else store_ms
-    return _encode(topic, payload, client_id, qos, retain, properties, queues, born_ms, store_ms, max_size)
+    return _encode(topic, payload, client_id, qos, retain, properties, queues, born_ms, store_ms, max_size, packet_id)
 
 
 def _encode(topic: str, payload: bytes, client_id: str, qos: int, retain: bool, properties: bytes, queues: bytes,
-            born_ms: int, store_ms: int, max_size: int) -> bytes:
+            born_ms: int, store_ms: int, max_size: int, packet_id: int = 0) -> bytes:
     """:func:`encode_record` with every field given, positionally: an append encodes each message once, and
     a call with ten keyword arguments cost as much as the packing."""
     if qos not in (0, 1, 2):
         raise ValueError(f"QoS must be 0, 1 or 2, not {qos!r}")
+    flags = qos | (FLAG_RETAIN if retain else 0)
+    if packet_id:
+        if qos != 2 or not 0 < packet_id <= _MAX_U16:
+            raise ValueError(f"a packet id (1..65535) is kept for QoS 2 messages only, not {packet_id!r} at QoS {qos}")
+        queues += _PACKET_ID.pack(packet_id)
+        flags |= FLAG_PACKET_ID
     cid = client_id.encode()
     tpc = topic.encode()
     n_cid, n_tpc, n_queues, n_props, n_payload = len(cid), len(tpc), len(queues), len(properties), len(payload)
@@ -172,8 +191,7 @@ def _encode(topic: str, payload: bytes, client_id: str, qos: int, retain: bool, 
     if size > max_size:
         raise RecordTooLarge(f"record of {size} bytes exceeds the maximum record size of {max_size} bytes")
     body = b"".join((
-        _BODY_HEADER.pack(MAGIC_V1, qos | (FLAG_RETAIN if retain else 0), born_ms, store_ms,
-                          n_cid, n_tpc, n_queues, n_props, n_payload),
+        _BODY_HEADER.pack(MAGIC_V1, flags, born_ms, store_ms, n_cid, n_tpc, n_queues, n_props, n_payload),
         cid, tpc, queues, properties, payload,
     ))
     return _FRAME.pack(size, crc32c(body)) + body
@@ -195,6 +213,7 @@ def new_record(
     queues: bytes = b"",
     born_ms: int | None = None,
     max_size: int = _MAX_U32,
+    packet_id: int = 0,
 ) -> tuple[bytes, Record]:
     """:func:`encode_record`, and the ``Record`` those bytes decode to, made from the fields (no decode).
 
@@ -205,10 +224,10 @@ def new_record(
     if type(payload) is not bytes:  # the kept record must not change with a caller's buffer
         payload = bytes(payload)
     born = store_ms if born_ms is None else born_ms
-    raw = _encode(topic, payload, client_id, qos, retain, properties, queues, born, store_ms, max_size)
+    raw = _encode(topic, payload, client_id, qos, retain, properties, queues, born, store_ms, max_size, packet_id)
     ids = _queue_ids(queues) if queues else ()
-    return raw, Record(0, len(raw), qos | (FLAG_RETAIN if retain else 0), born, store_ms, client_id, topic, ids,
-                       properties, payload)
+    flags = qos | (FLAG_RETAIN if retain else 0) | (FLAG_PACKET_ID if packet_id else 0)
+    return raw, Record(0, len(raw), flags, born, store_ms, client_id, topic, ids, properties, payload, packet_id)
 
 
 @lru_cache(maxsize=4096)
@@ -257,8 +276,9 @@ def check_frame(buf: bytes | memoryview, pos: int, limit: int, *, verify_crc: bo
     fields = HEADER.unpack_from(buf, pos)
     if HEADER_SIZE + sum(fields[6:]) != size:
         raise CorruptRecord(f"field lengths do not add up to the record length {size}")
-    if fields[8] % QUEUE_ID_SIZE:
-        raise CorruptRecord(f"target-queues length {fields[8]} is not a whole number of queue ids")
+    if fields[8] % QUEUE_ID_SIZE or (fields[3] & FLAG_PACKET_ID and not fields[8]):
+        raise CorruptRecord(f"target-queues length {fields[8]} is not a whole number of queue ids"
+                            + (" and a packet id" if fields[3] & FLAG_PACKET_ID else ""))
     if verify_crc and crc != crc32c(bytes(buf[pos + 8 : pos + size])):
         raise CorruptRecord("CRC mismatch")
     return magic, size
@@ -279,12 +299,19 @@ def decode_record(buf: bytes | memoryview, pos: int, offset: int) -> Record:
     p += cid_len
     topic = bytes(buf[p : p + topic_len]).decode()
     p += topic_len
+    ids_len = queues_len
+    packet_id = 0
+    if flags & FLAG_PACKET_ID:
+        if queues_len < _PACKET_ID.size:
+            raise CorruptRecord("the packet-id flag is set but the target-queues section is empty")
+        ids_len -= _PACKET_ID.size
+        (packet_id,) = _PACKET_ID.unpack_from(buf, p + ids_len)
     try:
-        queues = decode_queues(bytes(buf[p : p + queues_len])) if queues_len else ()
+        queues = decode_queues(bytes(buf[p : p + ids_len])) if ids_len else ()
     except CorruptTargets as exc:
         raise CorruptRecord(str(exc)) from None
     p += queues_len
     props = bytes(buf[p : p + props_len])
     p += props_len
     payload = bytes(buf[p : p + payload_len])
-    return Record(offset, size, flags, born_ms, store_ms, cid, topic, queues, props, payload)
+    return Record(offset, size, flags, born_ms, store_ms, cid, topic, queues, props, payload, packet_id)

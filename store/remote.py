@@ -53,6 +53,7 @@ from lightqueue.topics import TopicError
 from notify import EventMailbox
 from store import rpc
 from store.access import AccessDenied
+from store.awaiting import Flow
 from store.client import NewMessage, PullRequest, StoreStatistics
 from store.errors import LogFullError
 from store.leases import LeaseLost
@@ -147,14 +148,14 @@ def to_wire(message: NewMessage) -> rpc.WireMessage:
 
     Raises:
         TypeError: its fields are not the record fields the RPC carries
-            (client_id, qos, retain, properties, born_ms).
+            (client_id, qos, retain, properties, born_ms, packet_id).
     """
     topic, payload, fields = message
     try:
         return rpc.WireMessage(topic, payload, **fields)
     except TypeError:
         raise TypeError(f"record fields {sorted(fields)} are not all carried by the store RPC "
-                        "(client_id, qos, retain, properties, born_ms)") from None
+                        "(client_id, qos, retain, properties, born_ms, packet_id)") from None
 
 
 Handler = Callable[[Any], None]
@@ -302,6 +303,8 @@ class _Link:
                               _split_pulls, _reads_bytes, PULL_BATCH_BYTES, counts["pull"])
         self.commits = _Batcher(self, _merge_commits, _split_done, lambda item: 64 * len(item), 1 << 20,
                                 counts["commit"])
+        self.releases = _Batcher(self, lambda rid, items: rpc.ReleaseAwaiting(rid, [f for fl in items for f in fl]),
+                                 _split_done, lambda item: 64 * len(item), 1 << 20, counts["release"])
         self.ahead: dict[tuple[str, int], tuple[PullRequest, _Call]] = {}  # (queue, offset) -> read in advance
         self._ahead_counts = client._ahead_counts
 
@@ -385,7 +388,7 @@ class _Link:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._writer)
                     nursery.start_soon(self._heartbeat)
-                    for batcher in (*self.appends.values(), self.pulls, self.commits):
+                    for batcher in (*self.appends.values(), self.pulls, self.commits, self.releases):
                         nursery.start_soon(batcher.run)
                     await self._reader()
                     nursery.cancel_scope.cancel()
@@ -395,7 +398,7 @@ class _Link:
             pending, self._pending = self._pending, {}
             for handler in pending.values():
                 handler(error)
-            for batcher in (*self.appends.values(), self.pulls, self.commits):
+            for batcher in (*self.appends.values(), self.pulls, self.commits, self.releases):
                 batcher.fail_all(error)
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()
@@ -518,7 +521,7 @@ class RemoteStoreStatistics:
     events_received: int  # queue events the store routed to this node
     watched_queues: int
     wills_held: int
-    batches: dict[str, tuple[int, int]]  # "append" / "pull" / "commit" -> (calls, requests they travelled in)
+    batches: dict[str, tuple[int, int]]  # "append" / "pull" / "commit" / "release" -> (calls, requests they took)
     read_ahead: tuple[int, int]  # pulls answered by a read made in advance, reads made in advance
 
 
@@ -550,7 +553,8 @@ class RemoteStoreClient:
         self._link_up = trio.Event()  # set and replaced at each successful handshake (wait_reconnected)
         self._connects = 0
         self._events_received = 0
-        self._batch_counts: dict[str, list[int]] = {"append": [0, 0], "pull": [0, 0], "commit": [0, 0]}
+        self._batch_counts: dict[str, list[int]] = {"append": [0, 0], "pull": [0, 0], "commit": [0, 0],
+                                                    "release": [0, 0]}
         self._ahead_counts = [0, 0]  # reads in advance: used, made
 
     @classmethod
@@ -715,6 +719,14 @@ class RemoteStoreClient:
 
     async def drop_session(self, client_id: str, *, epoch: int | None = None) -> None:
         await self._require_link().call(lambda rid: rpc.DropSession(rid, client_id, epoch or 0))
+
+    async def awaiting_release(self, client_id: str) -> dict[int, int]:
+        answer = await self._require_link().call(lambda rid: rpc.GetAwaiting(rid, client_id))
+        return answer.flows
+
+    async def release_awaiting(self, flows: Sequence[Flow]) -> None:
+        if flows:
+            await self._require_link().releases.submit([tuple(flow) for flow in flows])
 
     def watch(self, queue: str) -> None:
         self._watched[queue] = self._watched.get(queue, 0) + 1

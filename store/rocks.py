@@ -14,7 +14,7 @@ from pathlib import Path
 
 import rocksdict
 
-__all__ = ["open_db"]
+__all__ = ["open_db", "open_family"]
 
 MiB = 1024 * 1024
 
@@ -49,3 +49,13 @@ def open_db(path: Path) -> rocksdict.Rdict:
     table.set_cache_index_and_filter_blocks(True)
     opts.set_block_based_table_factory(table)
     return rocksdict.Rdict(str(path), opts)
+
+
+def open_family(db: rocksdict.Rdict, name: str) -> rocksdict.Rdict:
+    """The column family ``name`` of ``db`` (raw mode), created on first use.
+
+    Resource handling: the returned handle keeps the database open; close it before ``db``.
+    """
+    if name in rocksdict.Rdict.list_cf(db.path()):
+        return db.get_column_family(name)
+    return db.create_column_family(name, rocksdict.Options(raw_mode=True))

@@ -70,6 +70,7 @@ __all__ = [
     "AdminOp",
     "AppendRequest",
     "Appended",
+    "Awaiting",
     "Claim",
     "Claimed",
     "ClientMessage",
@@ -83,6 +84,7 @@ __all__ = [
     "ErrorKind",
     "Events",
     "FrameDecoder",
+    "GetAwaiting",
     "GetOffsets",
     "GetRetained",
     "GetStatistics",
@@ -104,6 +106,7 @@ __all__ = [
     "RawRecords",
     "RecordList",
     "Release",
+    "ReleaseAwaiting",
     "RpcProtocolError",
     "SaveSession",
     "ServerMessage",
@@ -119,7 +122,8 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 3
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
-(3: lease epochs on the Hello, the Welcome and every write; re-registration flags; cluster administration.)"""
+(3: lease epochs on the Hello, the Welcome and every write; re-registration flags; cluster administration;
+inbound QoS 2 flows: ``GetAwaiting``, ``ReleaseAwaiting``.)"""
 
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
 """Largest frame either side accepts: room for an append batch of dozens of maximum-size (1 MiB) records and a
@@ -183,6 +187,7 @@ class WireMessage(_Message, tag="m"):
     retain: bool = False
     properties: bytes = b""
     born_ms: int | None = None
+    packet_id: int = 0  # a QoS 2 message's packet id (gateway nodes only: store/awaiting.py)
 
 
 class QueueRead(_Message, tag="q"):
@@ -372,6 +377,20 @@ class DropSession(_Message, tag="dropsess"):
     epoch: int = 0
 
 
+class GetAwaiting(_Message, tag="awaiting?"):
+    """``StoreClient.awaiting_release``: answered with ``Awaiting``."""
+
+    id: int
+    client_id: str
+
+
+class ReleaseAwaiting(_Message, tag="relflows"):
+    """``StoreClient.release_awaiting`` (``(client id, packet id, log offset)`` per flow): ``Done`` once fsynced."""
+
+    id: int
+    flows: list[tuple[str, int, int]]
+
+
 class GetStatistics(_Message, tag="stats?"):
     """``StoreClient.statistics``: answered with ``Statistics``."""
 
@@ -380,7 +399,7 @@ class GetStatistics(_Message, tag="stats?"):
 
 OpRequest: TypeAlias = (
     Activate | Release | MaxOffsets | GetOffsets | CommitOffsets | DeleteOwner | GetRetained
-    | SaveSession | LoadSession | DropSession | GetStatistics
+    | SaveSession | LoadSession | DropSession | GetAwaiting | ReleaseAwaiting | GetStatistics
 )
 """The calls answered by one value; each names its ``StoreClient`` method."""
 
@@ -553,6 +572,13 @@ class Value(_Message, tag="val"):
     value: bool | int | bytes | OffsetMap | None = None
 
 
+class Awaiting(_Message, tag="awaiting"):
+    """A client's inbound QoS 2 flows awaiting PUBREL: ``{packet id: log offset}``."""
+
+    id: int
+    flows: dict[int, int]
+
+
 class Done(_Message, tag="done"):
     """An op without a value (commits, deletes, session writes) completed."""
 
@@ -598,8 +624,8 @@ class Claimed(_Message, tag="claimed"):
 
 
 ServerMessage: TypeAlias = (
-    Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Offsets | Value | Done | Statistics | RecordList
-    | Claimed | AdminAsk
+    Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Offsets | Value | Awaiting | Done
+    | Statistics | RecordList | Claimed | AdminAsk
 )
 SERVER_MESSAGES: Final = ServerMessage
 

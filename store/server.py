@@ -149,7 +149,7 @@ def encode_groups(
         try:
             encoded.append([new_record(m.topic, m.payload, client_id=m.client_id, qos=m.qos, retain=m.retain,
                                        properties=m.properties, born_ms=m.born_ms, queues=targets(m.topic),
-                                       max_size=max_size, store_ms=now) for m in group])
+                                       max_size=max_size, store_ms=now, packet_id=m.packet_id) for m in group])
         except ValueError as exc:
             encoded.append(exc)
     return encoded
@@ -158,7 +158,8 @@ def encode_groups(
 def to_new_message(wire: rpc.WireMessage) -> NewMessage:
     """A wire message as the store appends it."""
     return wire.topic, wire.payload, {"client_id": wire.client_id, "qos": wire.qos, "retain": wire.retain,
-                                      "properties": wire.properties, "born_ms": wire.born_ms}
+                                      "properties": wire.properties, "born_ms": wire.born_ms,
+                                      "packet_id": wire.packet_id}
 
 
 @final
@@ -393,6 +394,11 @@ class _Connection:
             self.check_epoch(request.epoch)
             await client.drop_session(request.client_id)
             return rpc.Done(rid)
+        if kind is rpc.GetAwaiting:
+            return rpc.Awaiting(rid, await client.awaiting_release(request.client_id))
+        if kind is rpc.ReleaseAwaiting:
+            await client.release_awaiting(request.flows)
+            return rpc.Done(rid)
         if kind in _GROUP_CALLS:
             return await self._group_call(request)
         if kind is rpc.AdminCall:
@@ -432,6 +438,8 @@ class _Connection:
             try:
                 for message in group:
                     check(self.peer, "publish", message.topic)
+                    if message.packet_id:  # it would mark a flow of the client id it names as awaiting PUBREL
+                        raise AccessDenied("only gateway nodes append messages with a packet id")
             except AccessDenied as exc:
                 denied[index] = _error(0, exc)
         return denied

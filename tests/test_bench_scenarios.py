@@ -83,6 +83,19 @@ def test_durability_loses_no_acknowledged_message_on_lightgate_and_says_why_amqt
 
 
 @pytest.mark.slow
+def test_durability_qos2_is_exactly_once_on_lightgate_with_resends_by_the_spec():
+    args = _args(durability, "lightgate", "--qos", "2", "--cycles", "1", "--load", "1", "--publishers", "1",
+                 "--rate", "100")
+    section = durability.run(args)["qos2"]
+    run = section["brokers"]["lightgate"]
+    assert run["cycles"] == 1 and run["acked"] > 0 and run["publisher_resent"] >= 0
+    assert run["lost"] == 0 and run["duplicates"] == 0 and run["qos1_subscriber"]["lost"] == 0
+    assert run["resends"]["without_dup"] == 0 and run["resends"]["with_new_id"] == 0 and run["dropped_held"] == 0
+    assert run["subscriber_sessions_lost"] == 0 and run["publisher_sessions_lost"] == 0
+    assert section["targets"]["lightgate_duplicates"]["met"] and section["targets"]["lightgate_lost"]["met"]
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(bool(peers.missing("mosquitto")), reason=peers.missing("mosquitto") or "")
 def test_durability_reports_what_mosquitto_loses():
     result = durability.run(_args(durability, "mosquitto", "--cycles", "1", "--load", "1.5", "--publishers", "1",

@@ -72,8 +72,11 @@ def test_a_back_end_user_under_a_gateway_node_name_does_not_evict_the_gateway(tm
                 assert message.payload == b"from the back end"
         assert not [doc for doc in store.logs if doc.get("msg", "").startswith("gateway node reconnected")]
         assert not [doc for doc in gateway.logs if doc.get("msg") == "connected to the store" and doc.get("reconnect")]
-        backends = [doc for doc in store.logs if doc.get("msg") == "back-end client connected"]
-        assert [doc["node"] for doc in backends] == [f"$client/{USER}:{gateway.node}"] * 3
+        after = 0
+        for _ in range(3):  # the store's log lines arrive through a reader thread: wait for each
+            line = store.wait_log(lambda doc: doc.get("msg") == "back-end client connected", after=after)
+            assert line["node"] == f"$client/{USER}:{gateway.node}"
+            after = store.logs.index(line) + 1
     finally:
         gateway.stop()
         store.stop()

@@ -27,13 +27,16 @@ from gateway.actions import (
     OpenSession,
     PublishWill,
     Pull,
+    InboundReleased,
     Pulled,
     QueueAdvanced,
     Release,
+    ReleaseInbound,
     SaveSession,
     Send,
     ServerShutdown,
     SessionOpened,
+    SessionSaved,
     SocketWritten,
     TakenOver,
 )
@@ -115,11 +118,21 @@ def connect(
 
 
 def subscribe(channel: Channel, *entries, starts: dict | None = None, packet_id: int = 1, retained=(), **props):
-    """SUBSCRIBE, answer the Activate; returns (activate action, actions after Activated)."""
+    """SUBSCRIBE, answer the Activate (and the session saves it asks for); returns (activate action, actions after
+    Activated)."""
     actions = channel.handle_in(Subscribe(packet_id, tuple(entries), Properties(**props)))
     (activate,) = of(actions, Activate)
     starts = starts if starts is not None else {sub.filter: 0 for sub in activate.subscriptions}
-    return activate, channel.handle_event(Activated(activate.ref, starts, retained))
+    return activate, saved(channel, channel.handle_event(Activated(activate.ref, starts, retained)))
+
+
+def saved(channel: Channel, actions: list) -> list:
+    """``actions`` and what answering their session saves (``SessionSaved``) brings, the node's part."""
+    out = list(actions)
+    for save in of(actions, SaveSession):
+        if save.ref is not None:
+            out += saved(channel, channel.handle_event(SessionSaved(save.ref)))
+    return out
 
 
 def msg(offset: int, topic: str = "a/b", qos: int = 1, queue: str = "a/b", **fields) -> Message:
@@ -312,17 +325,21 @@ def test_unauthorised_publish_is_0x87_in_v5_and_acknowledged_but_dropped_in_311(
 
 
 def test_qos2_exactly_once_flow_and_duplicates():
+    """[MQTT-4.3.3-2]: PUBREC once stored; the packet id is held until PUBREL; PUBCOMP once the release is durable."""
     channel, _, _ = connect(**persistent())
     (append,) = of(channel.handle_in(Publish("t", b"1", qos=2, packet_id=3)), Append)
+    assert append.messages[0].packet_id == 3  # the record keeps it: the store knows the flow awaits PUBREL
     assert channel.handle_in(Publish("t", b"1", qos=2, packet_id=3, dup=True)) == []  # still being stored
-    actions = channel.handle_event(Appended(append.ref))
-    (save,) = of(actions, SaveSession)
-    assert save.state.awaiting_rel == {3}
+    actions = channel.handle_event(Appended(append.ref, offset=700))
+    assert of(actions, SaveSession) == []  # the record is the state: no session write per message
     assert sent(actions) == [Pubrec(3)]
     actions = channel.handle_in(Publish("t", b"1", qos=2, packet_id=3, dup=True))
     assert of(actions, Append) == [] and sent(actions) == [Pubrec(3)]
     actions = channel.handle_in(Pubrel(3))
-    assert of(actions, SaveSession)[0].state.awaiting_rel == frozenset() and sent(actions) == [Pubcomp(3)]
+    (release,) = of(actions, ReleaseInbound)
+    assert (release.client_id, release.packet_id, release.offset) == ("dev1", 3, 700) and sent(actions) == []
+    assert channel.handle_in(Pubrel(3)) == []  # the release is being written: one PUBCOMP follows
+    assert sent(channel.handle_event(InboundReleased(release.ref))) == [Pubcomp(3)]
     assert sent(channel.handle_in(Pubrel(3))) == [Pubcomp(3, R.PACKET_IDENTIFIER_NOT_FOUND)]
 
 
@@ -332,10 +349,22 @@ def test_pubrel_for_unknown_id_in_311_still_completes():
 
 
 def test_qos2_state_survives_reconnect_so_a_resend_is_not_stored_twice():
-    state = SessionState("dev1", 3600, awaiting_rel=frozenset({5}))
+    state = SessionState("dev1", 3600, awaiting={5: 700}, awaiting_rel=frozenset({6}))  # 6: an earlier version's
     channel, _, _ = connect(state=state, **persistent())
     actions = channel.handle_in(Publish("t", qos=2, packet_id=5, dup=True))
     assert of(actions, Append) == [] and sent(actions) == [Pubrec(5)]
+    assert of(channel.handle_in(Pubrel(5)), ReleaseInbound)[0].offset == 700
+    assert sent(channel.handle_in(Pubrel(6))) == [Pubcomp(6)]  # the store never knew it: nothing to write
+
+
+def test_a_connection_closing_waits_for_its_releases_before_saving():
+    channel, _, _ = connect(**persistent())
+    (append,) = of(channel.handle_in(Publish("t", qos=2, packet_id=5)), Append)
+    channel.handle_event(Appended(append.ref, offset=90))
+    (release,) = of(channel.handle_in(Pubrel(5)), ReleaseInbound)
+    assert of(channel.handle_event(ConnectionLost("reset")), SaveSession) == []  # the release is not written yet
+    (save,) = of(channel.handle_event(InboundReleased(release.ref)), SaveSession)
+    assert save.state.awaiting == {} and save.state.detached
 
 
 def test_a_publish_keeps_a_connected_channel_connected():

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from gateway.actions import CommitOffsets, Deliver, InFlight, Message, Phase, Pull, Send, Subscription
+from gateway.actions import CommitOffsets, Deliver, InFlight, Message, Phase, Pull, SaveSession, Send, Subscription
 from gateway.codec import NEED_DATA, MqttDecoder, Role, encode_publish_template
 from gateway.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
 from gateway.reasons import ReasonCode
-from gateway.session import Link, Session, SessionState
+from gateway.session import LANE_PIDS, NOT_IN_LOG, Link, Session, SessionState
 
 SUB = Subscription("a/+", "a/+", SubscriptionOptions(qos=1))
 
@@ -63,9 +63,9 @@ def test_resubscribe_replaces_options_and_keeps_position():
 
 
 def test_packet_ids_are_unique_among_in_flight_and_wrap():
-    state = SessionState("c", 60, (SUB,), {"a/+": 0}, {"a/+": 0}, next_packet_id=65534,
+    state = SessionState("c", 0, (SUB,), {"a/+": 0}, {"a/+": 0}, next_packet_id=65534, detached=True,
                          inflight=(InFlight(1, "a/+", 0, 1, Phase.RELEASED),))
-    session = Session("c", 60, state)
+    session = Session("c", 0, state)
     session.attach(link())
     out = publishes(session.pulled("a/+", tuple(msg(i) for i in range(1, 4)), 4))
     assert [p.packet_id for p in out] == [65534, 65535, 2]  # 1 is still in flight (PUBREL phase)
@@ -117,19 +117,19 @@ def test_detach_counts_unwritten_qos0_as_delivered():
 
 
 def test_resume_drops_in_flight_entries_the_store_no_longer_has():
-    state = SessionState("c", 60, (SUB,), {"a/+": 2}, {"a/+": 6},
-                         inflight=(InFlight(3, "a/+", 2, 1), InFlight(4, "a/+", 4, 1)))
+    state = SessionState("c", 60, (SUB,), {"a/+": 2}, {"a/+": 6}, lanes={"a/+": 1}, detached=True,
+                         inflight=(InFlight(514, "a/+", 2, 1), InFlight(516, "a/+", 4, 1)))
     session = Session("c", 60, state)
     assert pulls(session.attach(link())) == [Pull("a/+", "a/+", 2, 4)]
     # Retention removed offsets 2-3: the queue restarts at 4.
     out = publishes(session.pulled("a/+", (msg(4), msg(5), msg(6)), 7))
-    assert [(p.payload, p.dup) for p in out] == [(b"4", True), (b"6", False)]
-    assert [e.packet_id for e in session.inflight] == [4, 1]
+    assert [(p.payload, p.dup, p.packet_id) for p in out] == [(b"4", True, 516), (b"6", False, 518)]
+    assert [e.packet_id for e in session.inflight] == [516, 518]
 
 
 def test_resume_ignores_in_flight_below_a_later_commit():
     # A crash lost the clean save: the store's committed offset (5) is newer than the in-flight entry (3).
-    state = SessionState("c", 60, (SUB,), {"a/+": 5}, inflight=(InFlight(9, "a/+", 3, 1),))
+    state = SessionState("c", 60, (SUB,), {"a/+": 5}, inflight=(InFlight(515, "a/+", 3, 1),), lanes={"a/+": 1})
     session = Session("c", 60, state)
     assert pulls(session.attach(link())) == [Pull("a/+", "a/+", 5, 4)]
     assert session.inflight == ()
@@ -137,11 +137,12 @@ def test_resume_ignores_in_flight_below_a_later_commit():
 
 def test_state_round_trip_keeps_subscriptions_qos2_state_and_will():
     session = attached()
-    session.awaiting_rel[12] = None
+    session.awaiting_rel.update({12: 700, 13: NOT_IN_LOG})
     will = Message("w", b"bye")
     state = session.state(will, 30)
-    assert state.subscriptions == (SUB,) and state.awaiting_rel == {12} and state.will == will
-    assert set(Session("c", 60, state).awaiting_rel) == {12}
+    assert state.subscriptions == (SUB,) and state.will == will
+    assert state.awaiting == {12: 700} and state.awaiting_rel == {13}  # 13: unknown to the store
+    assert Session("c", 60, state).awaiting_rel == {12: 700, 13: NOT_IN_LOG}
 
 
 def test_persistence_follows_expiry():
@@ -179,3 +180,98 @@ def test_a_topic_the_subscriber_may_not_read_is_withheld_and_its_offset_advances
     resumed.attach(link(may_read=readable))
     actions = resumed.pulled("a/+", (denied,), 1)
     assert publishes(actions) == [] and resumed.inflight == ()
+
+
+# --- lanes: the same packet ids after a crash ([MQTT-4.4.0-1]) ------------------------------------
+
+QOS2 = Subscription("a/+", "a/+", SubscriptionOptions(qos=2))
+
+
+def saves(actions: list) -> list[SaveSession]:
+    return [a for a in actions if isinstance(a, SaveSession)]
+
+
+def persistent(sub: Subscription = SUB, start: int = 0, **overrides) -> Session:
+    """A persistent session whose subscription's first save (the channel's, at SUBACK) is written."""
+    session = Session("c", 60)
+    session.subscribe(sub, start)
+    session.attach(link(**overrides))
+    (save,) = session.save()
+    session.saved(save.ref)
+    return session
+
+
+def test_a_persistent_subscription_sends_by_lane_once_a_save_recorded_it():
+    session = Session("c", 60)
+    session.subscribe(SUB, 5)
+    session.attach(link())
+    actions = session.pulled("a/+", (msg(5), msg(6)), 7)
+    assert publishes(actions) == []  # the lane is not written yet: the session asks for a save
+    (save,) = saves(actions)
+    assert save.state.lanes == {"a/+": 1} and not save.state.detached
+    out = publishes(session.saved(save.ref))
+    assert [(p.payload, p.packet_id) for p in out] == [(b"5", LANE_PIDS + 5), (b"6", LANE_PIDS + 6)]
+
+
+def test_delivery_runs_at_most_a_lane_ahead_of_the_last_saved_commit():
+    session = persistent(receive_maximum=LANE_PIDS, pull_batch=LANE_PIDS + 8)
+    first = publishes(session.pulled("a/+", tuple(msg(i) for i in range(LANE_PIDS + 8)), LANE_PIDS + 8))
+    first += publishes(session.pump())  # the second turn of DELIVER_BUDGET
+    assert len(first) == LANE_PIDS and publishes(session.pump()) == []
+    session.puback(first[0].packet_id)  # offset 0 acknowledged: the lane may move, once saved
+    actions = session.pump_due()
+    assert publishes(actions) == []
+    (save,) = saves(actions)
+    assert save.state.offsets == {"a/+": 1}
+    assert [p.payload for p in publishes(session.saved(save.ref))] == [b"%d" % LANE_PIDS]
+
+
+def test_after_a_crash_the_lane_is_sent_again_with_dup_and_the_same_ids():
+    # Saved while connected (not detached): offsets 3.. may have been sent; 5 was PUBREC'd (released).
+    state = SessionState("c", 60, (QOS2,), {"a/+": 3}, lanes={"a/+": 2},
+                         inflight=(InFlight(2 * LANE_PIDS + 5, "a/+", 5, 2, Phase.RELEASED),
+                                   InFlight(2 * LANE_PIDS + 4, "a/+", 4, 2)))
+    session = Session("c", 60, state)
+    actions = session.attach(link(receive_maximum=100, pull_batch=LANE_PIDS + 8))
+    assert [a for a in actions if isinstance(a, Send)] == [Send((Pubrel(2 * LANE_PIDS + 5),))]
+    backlog = tuple(msg(i, qos=0 if i == 6 else 2) for i in range(3, LANE_PIDS + 6))
+    out = publishes(session.pulled("a/+", backlog, LANE_PIDS + 6))
+    got = [(int(p.payload), p.dup, p.packet_id) for p in out]
+    # 5 gets its PUBREL only; 6 is QoS 0 (at most once: not again); the rest of the lane again with DUP=1.
+    assert got[:3] == [(3, True, 2 * LANE_PIDS + 3), (4, True, 2 * LANE_PIDS + 4), (7, True, 2 * LANE_PIDS + 7)]
+    assert all(dup and pid == 2 * LANE_PIDS + o % LANE_PIDS for o, dup, pid in got if o < 3 + LANE_PIDS)
+    assert len(got) == 99  # the window: 100 in flight with the PUBREL'd one
+
+
+def test_a_pubrec_is_recorded_before_its_pubrel_and_completed_messages_stay_recorded():
+    session = persistent(QOS2)
+    out = publishes(session.pulled("a/+", (msg(0, 2), msg(1, 2)), 2))
+    actions = session.pubrec(out[1].packet_id, ReasonCode.SUCCESS)
+    (save,) = saves(actions)
+    assert [a for a in actions if isinstance(a, Send)] == []  # no PUBREL before the save is written
+    assert session.pubrec(out[0].packet_id, ReasonCode.SUCCESS) == []  # gathered into the next save
+    actions = session.saved(save.ref)
+    assert [a for a in actions if isinstance(a, Send)] == [Send((Pubrel(out[1].packet_id),))]
+    (save,) = saves(actions)  # the next save, for the PUBREC of 0
+    session.pubcomp(out[1].packet_id)
+    # 1 is complete but 0 is not: a crash must send 1 as PUBREL (the client has it), never as a new PUBLISH.
+    state = session.state()
+    assert [(e.offset, e.phase) for e in state.inflight] == [(0, Phase.RELEASED), (1, Phase.RELEASED)]
+    assert [a for a in session.saved(save.ref) if isinstance(a, Send)] == [Send((Pubrel(out[0].packet_id),))]
+    session.pubcomp(out[0].packet_id)
+    assert session.state().inflight == ()  # the committed offset passed both
+
+
+def test_retained_deliveries_of_a_persistent_session_take_ids_from_the_pool():
+    session = persistent()
+    out = publishes(session.retained((("a/+", Message("a/r", b"r", 1, retain=True)),)))
+    assert 1 <= out[0].packet_id < LANE_PIDS
+
+
+def test_a_crashed_persistent_session_resumed_without_expiry_still_resends_its_lane():
+    # MQTT 5: clean start 0 with Session Expiry 0 resumes the session, which will not outlive this connection.
+    state = SessionState("c", 60, (SUB,), {"a/+": 3}, {"a/+": 9}, lanes={"a/+": 1})  # the cursor (9) is stale
+    session = Session("c", 0, state)
+    assert pulls(session.attach(link())) == [Pull("a/+", "a/+", 3, 4)]
+    out = publishes(session.pulled("a/+", tuple(msg(i) for i in range(3, 7)), 7))
+    assert [(p.payload, p.dup, p.packet_id) for p in out] == [(b"%d" % i, True, LANE_PIDS + i) for i in range(3, 7)]

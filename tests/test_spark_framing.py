@@ -164,3 +164,18 @@ def test_a_record_that_leaves_fewer_than_12_bytes_in_its_segment(tmp_path: Path)
     first_seg = list_segments(tmp_path / "commitlog")[0]
     pos, rolled = valid_end(ScanRange(first_seg.path, 0, 0, 0, 4096, 4096, False))
     assert (pos, rolled) == (4091, True)
+
+
+def test_records_with_a_packet_id_read_like_any_other(tmp_path: Path) -> None:
+    """A QoS 2 record keeps its publisher's packet id at the end of the target-queues section (store/record.py,
+    FLAG_PACKET_ID): the columnar reader skips the section by its length and reads every field as before."""
+    config = CommitLogConfig(segment_bytes=16 * 1024, max_record_bytes=16 * 1024)
+    records = [encode_record("a/b", b"p%d" % i, client_id="c", qos=2, queues=b"\0\0\0\x05" if i % 2 else b"",
+                             packet_id=i + 1, store_ms=1_000 + i) for i in range(300)]
+    with CommitLog.open(tmp_path / "commitlog", config) as log:
+        offsets = log.append_batch(records)
+        log.flush()
+        assert [log.read(o).packet_id for o in offsets] == list(range(1, 301))
+    got = rows(tmp_path)
+    assert [(r["offset"], r["qos"], r["retain"], r["client_id"], r["payload"]) for r in got] == \
+        [(o, 2, False, "c", b"p%d" % i) for i, o in enumerate(offsets)]

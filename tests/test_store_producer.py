@@ -197,9 +197,18 @@ async def test_the_store_admits_clients_by_password_and_checks_their_topics(stor
             await producer.client.save_session("dev1", b"blob")
         with pytest.raises(AccessDenied, match="subscribe"):
             await producer.client.join("g", "cmd/#")
+        qos2 = ("cmd/dev1", b"m", {"client_id": "dev1", "qos": 2, "packet_id": 7})
+        with pytest.raises(AccessDenied, match="packet id"):  # it would mark a flow of dev1 as awaiting PUBREL
+            await producer.client.append([qos2])
+        with pytest.raises(AccessDenied, match="gateway nodes only"):
+            await producer.client.release_awaiting([("dev1", 7, 0)])
     async with RemoteStoreClient.connect("127.0.0.1", port, node="gw-a", token="gw-secret") as gateway:
         await gateway.save_session("dev1", b"blob")  # the token makes a trusted gateway node
         assert await gateway.load_session("dev1") == b"blob"
+        [offset] = await gateway.append([qos2])  # a device's QoS 2 PUBLISH: the record says it awaits PUBREL
+        assert await gateway.awaiting_release("dev1") == {7: offset}
+        await gateway.release_awaiting([("dev1", 7, offset)])
+        assert await gateway.awaiting_release("dev1") == {}
     with pytest.raises(StoreRpcError, match="denied"):  # '$' names are the store's own (its group coordinator)
         async with RemoteStoreClient.connect("127.0.0.1", port, node="$groups-1", token="gw-secret", timeout_s=5):
             pass
