@@ -87,7 +87,7 @@ from gateway.packets import (
     Unsuback,
     Unsubscribe,
 )
-from gateway.properties import EMPTY_PROPERTIES, MAX_UINT16, Properties
+from gateway.properties import EMPTY_PROPERTIES, MAX_UINT16, MAX_VARINT, Properties, RepeatLimit, RepeatLimitExceeded
 from gateway.reasons import (
     CONNACK_REASONS,
     DISCONNECT_REASONS,
@@ -147,7 +147,9 @@ class ChannelConfig:
     """What the server offers its clients (advertised in the MQTT 5 CONNACK) and the channel's memory bounds.
 
     ``max_packet_size`` must equal the decoder's limit (the server enforces it
-    on input). ``receive_maximum`` bounds inbound QoS 1/2 messages awaiting
+    on input), as must ``max_connect_size`` (the largest CONNECT) and the
+    User Property bounds (``max_user_properties``, ``max_user_property_bytes``
+    per property block; 0 = none: ``repeat_limit``). ``receive_maximum`` bounds inbound QoS 1/2 messages awaiting
     acknowledgement; ``default_receive_maximum`` is the outbound window of
     3.1.1 clients (which cannot say), ``max_inflight`` caps any client's.
     ``max_keepalive`` None honours any keep alive; otherwise an MQTT 5 client
@@ -169,6 +171,7 @@ class ChannelConfig:
     """
 
     max_packet_size: int = 1024 * 1024 + 1024
+    max_connect_size: int = 128 * 1024
     receive_maximum: int = 128
     default_receive_maximum: int = 256
     max_inflight: int = 1024
@@ -191,6 +194,8 @@ class ChannelConfig:
     max_topic_length: int = MAX_TOPIC_BYTES
     max_topic_levels: int = DEFAULT_LIMITS.max_levels
     max_subscriptions: int = 0
+    max_user_properties: int = 0
+    max_user_property_bytes: int = 0
     publish_rate: float = 0.0
     publish_burst: float = 0.0
     publish_bytes_rate: float = 0.0
@@ -206,7 +211,8 @@ class ChannelConfig:
             raise ValueError(f"max_qos must be 0, 1 or 2, not {self.max_qos}")
         if self.max_keepalive is not None and not 1 <= self.max_keepalive <= MAX_UINT16:
             raise ValueError(f"max_keepalive must be 1..{MAX_UINT16}, not {self.max_keepalive}")
-        for name in ("pull_batch", "max_unwritten", "commit_every", "max_queued_packets", "max_packet_size"):
+        for name in ("pull_batch", "max_unwritten", "commit_every", "max_queued_packets", "max_packet_size",
+                     "max_connect_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.commit_interval_s <= 0:
@@ -216,9 +222,15 @@ class ChannelConfig:
         if not 1 <= self.max_topic_levels <= DEFAULT_LIMITS.max_levels:
             raise ValueError(f"max_topic_levels must be 1..{DEFAULT_LIMITS.max_levels} (the store's limit), "
                              f"not {self.max_topic_levels}")
-        for name in ("max_subscriptions", "publish_rate", "publish_burst", "publish_bytes_rate", "qos0_queue_bytes"):
+        for name in ("max_subscriptions", "publish_rate", "publish_burst", "publish_bytes_rate", "qos0_queue_bytes",
+                     "max_user_properties", "max_user_property_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, not {getattr(self, name)}")
+
+    @property
+    def repeat_limit(self) -> RepeatLimit:
+        """The decoder's bounds of the repeated properties of one property block (0: none)."""
+        return RepeatLimit(self.max_user_properties or MAX_VARINT, self.max_user_property_bytes or MAX_VARINT)
 
 
 def error_packet(protocol_level: int | None, before_connack: bool, reason: ReasonCode) -> Packet | None:
@@ -409,8 +421,8 @@ class Channel:
         level = self._level or protocol_level
         before_connack = self._state in (State.AWAIT_CONNECT, State.CONNECTING)
         packet = self._explained(error_packet(level, before_connack, err.reason), level, err.message)
-        limit = _LIMIT_ERRORS.get(err.reason)
-        hit = [self._limit_hit(limit, 1, err.message)] if limit is not None else []
+        limit = Limit.USER_PROPERTIES if isinstance(err, RepeatLimitExceeded) else _LIMIT_ERRORS.get(err.reason)
+        hit = [LimitHit(limit, 1)] if limit is not None else []  # counted; the close is the one log line
         return hit + self._close(err.reason, f"protocol error: {err.message}", packet=packet, will=True)
 
     def _explained(self, packet: Packet | None, level: int | None, text: str) -> Packet | None:
@@ -452,6 +464,7 @@ class Channel:
         if self._state is not State.DISCONNECTING or self._pending or self._awaiting_session:
             return []
         self._state = next_state(self._state, Settled)
+        self._link = None  # it refers back to this channel (now_ms, report): no cycle outlives the connection
         session = self._session
         if session is None:
             return []

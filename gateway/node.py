@@ -919,6 +919,7 @@ def _client_info(connection: Connection) -> ClientInfo:
 def _channel_config(settings: Mapping[str, Any]) -> ChannelConfig:
     return ChannelConfig(
         max_packet_size=settings["mqtt.max_packet_size"],
+        max_connect_size=min(settings["mqtt.max_connect_size"], settings["mqtt.max_packet_size"]),
         receive_maximum=settings["mqtt.receive_maximum"],
         default_receive_maximum=settings["mqtt.inflight_311"],
         max_keepalive=settings["mqtt.max_keepalive"] or None,
@@ -926,6 +927,8 @@ def _channel_config(settings: Mapping[str, Any]) -> ChannelConfig:
         max_topic_length=settings["limits.max_topic_length"],
         max_topic_levels=settings["limits.max_topic_levels"],
         max_subscriptions=settings["limits.max_subscriptions"],
+        max_user_properties=settings["limits.max_user_properties"],
+        max_user_property_bytes=settings["limits.max_user_property_bytes"],
         publish_rate=settings["limits.publish_rate"],
         publish_burst=settings["limits.publish_burst"],
         publish_bytes_rate=settings["limits.publish_bytes_rate"],

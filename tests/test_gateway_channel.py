@@ -728,3 +728,26 @@ def test_late_node_results_after_close_are_ignored():
     assert channel.handle_event(Pulled("a/b", (msg(0),), 1)) == []
     assert channel.handle_event(QueueAdvanced("a/b", 5)) == []
     assert channel.handle_timeout("keepalive") == []
+
+
+def test_a_settled_channel_is_in_no_reference_cycle_so_its_session_goes_with_it():
+    """The Link refers back to the channel (its clock and limit report): kept after the close, the channel, its
+    session and the messages buffered for delivery waited for the cyclic collector (issue 21)."""
+    import gc
+
+    from gateway.session import Link, Session
+
+    channel, _, _ = connect()
+    subscribe(channel, ("a/b", SubscriptionOptions(qos=1)))
+    channel.handle_event(ConnectionLost("reset"))
+    assert channel.state is State.CLOSED
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        del channel
+        gc.collect()
+        cyclic = [type(o).__name__ for o in gc.garbage if type(o) in (Channel, Link, Session)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert cyclic == []
