@@ -792,11 +792,12 @@ class Channel:
             raise RemoteProtocolError(ReasonCode.SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED,
                                       "SUBSCRIBE with a subscription identifier")
         sub_id = ids[0] if ids else None
-        existing = session.subscriptions
         quota = self.config.max_subscriptions
-        # Filters held or being activated: a SUBSCRIBE answered later must not let an earlier one overshoot.
-        held = set(existing).union(*({sub.filter for _, sub in w} for _, _, w in self._activations.values())) \
-            if quota else set()
+        # New filters being activated count with those held: a SUBSCRIBE answered later must not let an earlier
+        # one overshoot. (Counted, not collected: a SUBSCRIBE costs the same with 4,000 filters held as with 4.)
+        activating = {sub.filter for _, _, w in self._activations.values() for _, sub in w
+                      if not session.holds(sub.filter)} if quota else set()
+        held = session.subscription_count + len(activating)
         codes: list[ReasonCode] = []
         wanted: list[tuple[int, Subscription]] = []
         retained: list[str] = []
@@ -812,20 +813,21 @@ class Channel:
                 codes.append(ReasonCode.TOPIC_FILTER_INVALID)
                 hits.append(self._limit_hit(over[0], 1, f"filter refused: {over[1]}"))
                 continue
-            if quota and filter not in held:
-                if len(held) >= quota:
+            if quota and filter not in activating and not session.holds(filter):
+                if held >= quota:
                     codes.append(ReasonCode.QUOTA_EXCEEDED)
                     over_quota += 1
                     continue
-                held.add(filter)
+                activating.add(filter)
+                held += 1
             codes.append(ReasonCode(checked.options.qos))
             wanted.append((index, checked))
             handling = checked.options.retain_handling
-            if checked.group is None and (handling == 0 or (handling == 1 and filter not in existing)):
+            if checked.group is None and (handling == 0 or (handling == 1 and not session.holds(filter))):
                 retained.append(filter)
         if over_quota:
             hits.append(self._limit_hit(Limit.SUBSCRIPTIONS, over_quota,
-                                        f"{over_quota} filter(s) refused: the session holds {len(held)} "
+                                        f"{over_quota} filter(s) refused: the session holds {held} "
                                         f"subscriptions, the limit is {quota}"))
         if not wanted:
             return [*hits, Send((Suback(packet.packet_id, tuple(codes)),))]
@@ -936,14 +938,13 @@ class Channel:
         session = self._session
         assert session is not None
         refused = event.reasons or {}
-        existing = session.subscriptions
         subscribed = set()
         for index, sub in wanted:
             reason = refused.get(sub.filter)
             if reason is not None:
                 codes[index] = reason
                 continue
-            if sub.filter not in existing and sub.filter not in event.starts:
+            if not session.holds(sub.filter) and sub.filter not in event.starts:
                 raise LocalProtocolError(f"Activated without a start offset for {sub.filter!r}")
             session.subscribe(sub, event.starts.get(sub.filter, 0))
             subscribed.add(sub.filter)

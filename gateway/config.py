@@ -112,7 +112,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("limits.connect_burst", 10, "connects a source address may make at once when under its rate (at least 1)"),
     Option("limits.max_topic_length", 65535, "longest topic name or filter a client may use, UTF-8 bytes (1..65535)"),
     Option("limits.max_topic_levels", 128, "most levels in a topic name or filter a client may use (1..128)"),
-    Option("limits.max_subscriptions", 4096, "subscriptions a session may hold (0 = no limit)"),
+    Option("limits.max_subscriptions", 1024, "subscriptions a session may hold (0 = no limit)"),
     Option("limits.publish_rate", 0.0, "PUBLISHes per second allowed per connection (0 = no limit)"),
     Option("limits.publish_burst", 0.0, "PUBLISHes a connection may send at once under its rate"
            " (0 = one second's worth)"),

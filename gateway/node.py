@@ -911,7 +911,7 @@ def _client_info(connection: Connection) -> ClientInfo:
         connection.client_id, connection.username, connection.peer,
         "5.0" if channel.protocol_level == MQTT_5 else "3.1.1", channel.keep_alive,
         session.expiry_s if session is not None else 0,
-        len(session.subscriptions) if session is not None else 0,
+        session.subscription_count if session is not None else 0,
         len(session.inflight) if session is not None else 0,
     )
 

@@ -12,6 +12,11 @@ A stream pulls only when its buffer is empty, at most ``pull_batch`` messages,
 so a slow session holds at most one batch per subscription plus its in-flight
 window. It keeps pulling until a pull comes back empty (it reached the head)
 or a known head (``QueueAdvanced``) is reached, without waiting for news.
+Only streams with work (buffered messages, or a pull to make) are *ready*;
+``pump`` walks those, and news reaches a queue's streams through an index by
+queue, so the cost of a packet or an event does not grow with the
+subscriptions a session holds (SUBSCRIBE at 40,000 held cost 4.4 ms when every
+pump walked every stream).
 
 Offsets advance only on PUBACK / PUBCOMP (QoS 1/2) or socket write (QoS 0),
 and only contiguously: the committed offset of a stream is its lowest
@@ -147,7 +152,8 @@ class Session:
     """
 
     __slots__ = ("client_id", "expiry_s", "awaiting_rel", "_streams", "_inflight", "_next_pid", "_retained",
-                 "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due")
+                 "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due",
+                 "_by_queue", "_ready")
 
     def __init__(self, client_id: str, expiry_s: int, state: SessionState | None = None) -> None:
         self.client_id = client_id
@@ -155,6 +161,8 @@ class Session:
         self.awaiting_rel: dict[int, None] = dict.fromkeys(state.awaiting_rel) if state else {}  # a dict as a set: 64 B empty
         """Inbound QoS 2 packet ids stored and PUBREC'd, waiting for PUBREL: a resent PUBLISH is not stored again."""
         self._streams: dict[str, _Stream] = {}
+        self._by_queue: dict[str, list[_Stream]] = {}  # the streams reading each queue (shared ones included)
+        self._ready: dict[_Stream, None] = {}  # streams with buffered messages or a pull to make, oldest first
         self._inflight: dict[int, InFlight] = {}
         self._next_pid = state.next_packet_id if state else 1
         # Lists, not deques: an idle session keeps both empty, and an empty deque costs 760 B.
@@ -174,7 +182,7 @@ class Session:
         for sub in state.subscriptions:
             committed = state.offsets.get(sub.filter, 0)
             resume = max(state.cursors.get(sub.filter, committed), committed)
-            self._streams[sub.filter] = _Stream(sub, resume)
+            self._add(_Stream(sub, resume))
             self._committed[sub.filter] = committed
         for entry in state.inflight:
             stream = self._streams.get(entry.filter)
@@ -204,6 +212,14 @@ class Session:
         return {name: stream.sub for name, stream in self._streams.items()}
 
     @property
+    def subscription_count(self) -> int:
+        return len(self._streams)
+
+    def holds(self, filter: str) -> bool:
+        """Is ``filter`` subscribed (without copying the subscriptions)?"""
+        return filter in self._streams
+
+    @property
     def inflight(self) -> tuple[InFlight, ...]:
         """Outbound QoS 1/2 messages not yet acknowledged, oldest first."""
         return tuple(self._inflight.values())
@@ -218,13 +234,24 @@ class Session:
         return {name: stream.committed() for name, stream in self._streams.items()}
 
     def state(self, will: Message | None = None, will_delay_s: int = 0) -> SessionState:
-        """The session as data, for ``SaveSession`` (retained-message deliveries in flight are not kept)."""
+        """The session as data, for ``SaveSession`` (retained-message deliveries in flight are not kept).
+
+        A persistent session saves it at every SUBSCRIBE, so this is one pass with ``committed`` and
+        ``resume_cursor`` inlined: it costs per subscription held (limits.max_subscriptions bounds that).
+        """
+        offsets: dict[str, int] = {}
+        cursors: dict[str, int] = {}
+        for name, stream in self._streams.items():
+            buffer = stream.buffer
+            cursor = stream.cursor if not buffer else buffer[0].offset
+            resume = cursors[name] = cursor if cursor > stream.skip_below else stream.skip_below  # type: ignore[operator]
+            offsets[name] = min(stream.unacked) if stream.unacked else resume
         return SessionState(
             client_id=self.client_id,
             expiry_s=self.expiry_s,
             subscriptions=tuple(stream.sub for stream in self._streams.values()),
-            offsets=self.committed_offsets(),
-            cursors={name: stream.resume_cursor() for name, stream in self._streams.items()},
+            offsets=offsets,
+            cursors=cursors,
             awaiting_rel=frozenset(self.awaiting_rel),
             inflight=tuple(e for e in self._inflight.values() if e.offset != _NO_OFFSET and e.filter in self._streams),
             next_packet_id=self._next_pid,
@@ -268,14 +295,27 @@ class Session:
         if stream is not None:
             stream.sub = sub
             return False
-        self._streams[sub.filter] = _Stream(sub, start)
+        self._add(_Stream(sub, start))
         self._committed[sub.filter] = start
         return True
 
     def unsubscribe(self, filter: str) -> bool:
         """Remove a subscription; its messages still in flight finish their flows. Returns whether it existed."""
         self._committed.pop(filter, None)
-        return self._streams.pop(filter, None) is not None
+        stream = self._streams.pop(filter, None)
+        if stream is None:
+            return False
+        self._ready.pop(stream, None)
+        readers = self._by_queue[stream.sub.queue]
+        readers.remove(stream)
+        if not readers:
+            del self._by_queue[stream.sub.queue]
+        return True
+
+    def _add(self, stream: _Stream) -> None:
+        self._streams[stream.sub.filter] = stream
+        self._by_queue.setdefault(stream.sub.queue, []).append(stream)
+        self._ready[stream] = None  # its first pull finds where the queue's head is
 
     # --- delivery -----------------------------------------------------------------------
 
@@ -285,13 +325,15 @@ class Session:
         A shared subscription's stream cannot know which messages its group
         will assign it, so news always makes it pull (until an empty answer).
         """
-        for stream in self._streams.values():
-            if stream.sub.queue != queue:
-                continue
+        ready = self._ready
+        for stream in self._by_queue.get(queue, ()):
             if stream.sub.group is not None:
                 stream.head = None
             elif stream.head is None or stream.head < max_offset:
                 stream.head = max_offset
+            else:
+                continue
+            ready[stream] = None
         return self.pump()
 
     def pulled(self, filter: str, messages: tuple[Message, ...], next_offset: int) -> list[Action]:
@@ -300,6 +342,7 @@ class Session:
         if stream is None:
             return []
         stream.pulling = False
+        self._ready[stream] = None
         if stream.sub.group is not None:
             # The group hands out messages, old ones a member left unacknowledged included: the cursor
             # follows the group's, no offset is filtered, and news during the pull (head None) pulls again.
@@ -366,7 +409,8 @@ class Session:
             template = self._template(link, message, sub, qos, True)
             if template is not None:
                 chunks.append(template.render(self._track(sub.filter, _NO_OFFSET, qos) if qos else None))
-        for stream in self._streams.values():
+        idle: list[_Stream] = []
+        for stream in self._ready:
             sub = stream.sub
             buffer = stream.buffer
             while buffer:
@@ -403,6 +447,10 @@ class Session:
                 if sub.group is not None:
                     stream.head = stream.cursor  # idle after an empty answer unless news comes meanwhile
                 actions.append(Pull(sub.filter, sub.queue, stream.cursor, link.pull_batch, sub.group))
+            if not buffer and (stream.pulling or stream.cursor >= stream.head):  # type: ignore[operator]
+                idle.append(stream)  # nothing to deliver until a pull answers or news comes
+        for stream in idle:
+            del self._ready[stream]
         if dropped:
             actions.append(link.report(Limit.QOS0_QUEUE, dropped, f"{dropped} QoS 0 message(s) dropped: {queued} bytes"
                                        f" wait for the socket (limit {queue_limit})"))
