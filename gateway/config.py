@@ -110,7 +110,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("limits.max_connections", 0, "open connections allowed at once over all listeners (0 = no cap)"),
     Option("limits.connect_rate", 0.0, "connects per second allowed per source address (0 = no limit)"),
     Option("limits.connect_burst", 10, "connects a source address may make at once when under its rate (at least 1)"),
-    Option("limits.max_topic_length", 65535, "longest topic name or filter a client may use, UTF-8 bytes (1..65535)"),
+    Option("limits.max_topic_length", 4096, "longest topic name or filter a client may use, UTF-8 bytes (1..65535)"),
     Option("limits.max_topic_levels", 128, "most levels in a topic name or filter a client may use (1..128)"),
     Option("limits.max_subscriptions", 1024, "subscriptions a session may hold (0 = no limit)"),
     Option("limits.publish_rate", 0.0, "PUBLISHes per second allowed per connection (0 = no limit)"),

@@ -93,6 +93,11 @@ up with its publishers (at 64, a QoS 0 fan-in subscriber fell seconds behind). L
 other connection's wait while many sessions drain backlogs at once."""
 
 
+ALIAS_BYTES = 64 * 1024
+"""Bytes of topic names a connection's outbound topic aliases may hold: a client may accept 65,535 aliases, and
+topics are up to limits.max_topic_length long. Beyond it topics go out by name (an alias is the server's choice)."""
+
+
 @dataclass(slots=True)
 class Link:
     """What delivery needs to know about the connection a session is attached to (set at CONNECT)."""
@@ -107,6 +112,7 @@ class Link:
     encoder: Encoder
     now_ms: Callable[[], int]
     aliases: dict[str, int] = field(default_factory=dict)  # outbound topic -> alias, for this connection
+    alias_bytes: int = 0  # the length of the topics in ``aliases`` (at most ALIAS_BYTES)
     qos0_queue_bytes: int = 0  # QoS 0 bytes handed to the socket but not yet written before new ones drop (0: none)
     report: Callable[[Limit, int, str | None], LimitHit] = LimitHit  # builds the action for a limit hit
 
@@ -517,7 +523,8 @@ class Session:
             # Topic aliases are first come, first served until the client's maximum; a known topic is
             # sent as an empty name plus its alias. A new alias counts only once its packet is sent.
             alias = link.aliases.get(topic)
-            new_alias = alias is None and len(link.aliases) < link.topic_alias_maximum
+            new_alias = alias is None and len(link.aliases) < link.topic_alias_maximum \
+                and link.alias_bytes + len(topic) <= ALIAS_BYTES
             if new_alias:
                 alias = len(link.aliases) + 1
             elif alias is not None:
@@ -532,6 +539,7 @@ class Session:
             return None
         if new_alias:
             link.aliases[message.topic] = alias  # type: ignore[assignment]
+            link.alias_bytes += len(message.topic)
         return template
 
     # --- acknowledgements ---------------------------------------------------------------

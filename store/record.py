@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import struct
 import time
-from functools import lru_cache
 
 import msgspec
 from crc32c import crc32c
@@ -206,15 +205,9 @@ def new_record(
         payload = bytes(payload)
     born = store_ms if born_ms is None else born_ms
     raw = _encode(topic, payload, client_id, qos, retain, properties, queues, born, store_ms, max_size)
-    ids = _queue_ids(queues) if queues else ()
+    ids = decode_queues(queues) if queues else ()
     return raw, Record(0, len(raw), qos | (FLAG_RETAIN if retain else 0), born, store_ms, client_id, topic, ids,
                        properties, payload)
-
-
-@lru_cache(maxsize=4096)
-def _queue_ids(section: bytes) -> tuple[int, ...]:
-    """The queue ids of a target-queues section: few distinct sections, each seen on many records."""
-    return decode_queues(section)
 
 
 def encode_eos(remaining: int) -> bytes:

@@ -6,7 +6,7 @@ from gateway.actions import CommitOffsets, Deliver, InFlight, Message, Phase, Pu
 from gateway.codec import NEED_DATA, MqttDecoder, Role, encode_publish_template
 from gateway.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
 from gateway.reasons import ReasonCode
-from gateway.session import Link, Session, SessionState
+from gateway.session import ALIAS_BYTES, Link, Session, SessionState
 
 SUB = Subscription("a/+", "a/+", SubscriptionOptions(qos=1))
 
@@ -160,3 +160,18 @@ def test_acks_while_most_of_the_window_is_in_flight_pump_once_the_read_is_done()
     assert session.puback(sent[2].packet_id) == []
     assert [p.payload for p in publishes(session.pump_due())] == [b"10"]
     assert session.pump_due() == []  # nothing deferred any more
+
+
+def test_outbound_topic_aliases_hold_a_bounded_number_of_topic_bytes():
+    """A client may accept 65,535 aliases; the server keeps each aliased topic, so long topics could pin
+    65,535 x 65 KB per connection. Beyond ALIAS_BYTES of topics a topic goes out by name (issue 21)."""
+    session = Session("c", 0)
+    session.subscribe(Subscription("#", "#", SubscriptionOptions(qos=0)), 0)
+    session.attach(link(topic_alias_maximum=65535, receive_maximum=1000, max_unwritten=1000, pull_batch=1000))
+    topics = [f"{n:04d}/" + "x" * 4000 for n in range(100)]
+    messages = tuple(Message(t, b"p", 0, queue="#", offset=n) for n, t in enumerate(topics))
+    sent = publishes(session.pulled("#", messages, 100))
+    aliased = [p for p in sent if p.properties.topic_alias is not None]
+    assert 0 < len(aliased) < len(sent)
+    assert sum(len(p.topic) for p in aliased) <= ALIAS_BYTES
+    assert all(p.topic for p in sent)  # first sightings carry their names; none relies on an alias it lacks
