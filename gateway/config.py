@@ -125,7 +125,8 @@ OPTIONS: tuple[Option, ...] = (
            " QoS 0 messages to it are dropped (0 = no limit)"),
     Option("admin.host", "127.0.0.1", "address the admin HTTP listener (metrics, health, admin API, dashboard) binds to"),
     Option("admin.port", 18083, "admin HTTP port (0 = off); a free port when node.port is 0"),
-    Option("admin.max_connections", 32, "admin HTTP connections open at once; more are answered 503 and closed"),
+    Option("admin.max_connections", 32, "admin HTTP connections open at once; more are answered 503 and closed"
+           " (0 = no cap)"),
     Option("admin.token", "", "bearer token the admin API and dashboard data require; empty = none"
            " (/metrics, /healthz, /readyz never need it)"),
     Option("bridge.remote_host", "", "broker `lightgate bridge` mirrors topics to and from (required by the bridge)"),

@@ -1,6 +1,7 @@
 """Listeners: turn the configured TCP, TLS, WebSocket and secure WebSocket endpoints into streams for MQTT.
 
-Each listener accepts TCP connections; per connection, in this order:
+Each listener accepts TCP connections (gateway/accept.py: at the descriptor
+limit, one log line per episode and back-off); per connection, in this order:
 
 1. admission (gateway/admission.py): the node-wide connection cap and the
    per-source connect rate. A refused socket is closed at once, before any
@@ -23,7 +24,6 @@ every connection that never reached the handler.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import ssl
 import time
@@ -34,6 +34,7 @@ from typing import Any, Literal, final
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, wrap_server_stream
 
+from gateway.accept import CapacityLog, serve_accepting
 from gateway.admission import Admission, Verdict
 
 __all__ = [
@@ -210,7 +211,7 @@ async def serve_listeners(
             bound.append(BoundListener(spec.kind, host, port))
             accepted = _Accepted(spec, handler, admission, refusals, handshake_timeout_s, max_message_size,
                                  connect_message_size or max_message_size)
-            await nursery.start(functools.partial(trio.serve_listeners, accepted, listeners))
+            await nursery.start(serve_accepting, listeners, accepted, CapacityLog(spec.kind))
             LOGGER.info("listener ready", extra={"ctx": {"listener": spec.kind, "host": host, "port": port}})
         task_status.started(bound)
 
@@ -294,7 +295,7 @@ class _Accepted:
         self._connect_message_size = min(connect_message_size, max_message_size)
 
     async def __call__(self, stream: trio.SocketStream) -> None:
-        """Called by ``trio.serve_listeners``, which closes ``stream`` afterwards."""
+        """Called by ``serve_accepting`` (gateway/accept.py), which closes ``stream`` afterwards."""
         try:
             host, port = stream.socket.getpeername()[:2]
         except OSError:  # the client is already gone
