@@ -397,7 +397,8 @@ class WebSocketStream(trio.abc.Stream):
 
     def __init__(self, connection: WebSocketConnection, max_message_size: int | None = None) -> None:
         self._connection = connection
-        self._pending = b""  # the rest of a message larger than a receive_some asked for
+        self._pending = b""  # a message larger than a receive_some asked for, read from ``_taken`` on
+        self._taken = 0
         self._closed = False
         self._max_message_size = max_message_size
 
@@ -412,13 +413,17 @@ class WebSocketStream(trio.abc.Stream):
             raise trio.ClosedResourceError("the WebSocket stream was closed")
         if not self._pending:
             self._pending = await self._next_message()
+            self._taken = 0
         else:
             await trio.lowlevel.checkpoint()
-        if max_bytes is None or max_bytes >= len(self._pending):
-            data, self._pending = self._pending, b""
-        else:
-            data, self._pending = self._pending[:max_bytes], self._pending[max_bytes:]
-        return data
+        start = self._taken
+        if max_bytes is None or max_bytes >= len(self._pending) - start:
+            data = self._pending if not start else self._pending[start:]
+            self._pending = b""
+            return data
+        # A slice per read, not the rest of the message copied per read (quadratic for a 2 MB message).
+        self._taken = start + max_bytes
+        return self._pending[start:self._taken]
 
     async def _next_message(self) -> bytes:
         """The next non-empty binary message; ``b""`` at a normal close."""

@@ -102,7 +102,7 @@ from store.aio import LatencyBuckets
 from store.client import LocalStoreClient, StoreClient
 from store.commitlog import CommitLogConfig
 from store.node import open_store, until_signalled
-from store.process import freeze_startup_objects
+from store.process import freeze_startup_objects, return_freed_buffers, trim_freed_memory
 from store.record import Record, RecordTooLarge
 from store.rpc import parse_address
 
@@ -1008,6 +1008,7 @@ async def serve_node(
         nursery.start_soon(node.reads.run)
         nursery.start_soon(node.consume_events)
         nursery.start_soon(node.consume_moves)
+        nursery.start_soon(trim_freed_memory)
         if settings["mqtt.sys_interval_s"] > 0:
             nursery.start_soon(node.publish_sys, settings["mqtt.sys_interval_s"])
         admin = None
@@ -1086,6 +1087,7 @@ def run_gateway_node(conf: Any, serve: Any = serve_gateway) -> int:
     """Entry point for ``lightgate serve`` (and, with ``serve_cluster_gateway``, ``lightgate gateway``):
     returns the process exit status."""
     freeze_startup_objects()
+    return_freed_buffers()
     failed = False
     try:
         trio.run(_serve_until_signalled, conf.values, serve)

@@ -37,7 +37,7 @@ from store.access import StoreAccess
 from store.aio import AsyncCommitLog
 from store.commitlog import CommitLogConfig
 from store.dispatch import MAX_LAG, Dispatcher, Listener
-from store.process import freeze_startup_objects
+from store.process import freeze_startup_objects, return_freed_buffers
 from store.recent import RecentRecords
 from store.record import Record, decode_record, new_record, now_ms
 from store.rocks import open_db
@@ -360,6 +360,7 @@ def run_store_node(conf: Any, access: StoreAccess | None = None) -> int:
         LOGGER.error("store node not started: store.listen: %s", exc)
         return 1
     freeze_startup_objects()
+    return_freed_buffers()
     failed = False
     try:
         trio.run(serve_store, conf.values, access)
