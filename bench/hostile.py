@@ -10,7 +10,9 @@ its own process), and ``PHASE_S`` after it. Reported per attack and broker:
 - the canary's latency (publish -> delivery) p50 and p99 in ms, and the
   messages it lost, before / during / after the attack;
 - the broker's RSS before the attack, at its peak during it (sampled every
-  ``SAMPLE_S``) and ``PHASE_S`` after it; its CPU seconds during the attack;
+  ``SAMPLE_S``), ``PHASE_S`` after it and ``SETTLE_S`` after it (past
+  LightGate's 10 s trim of freed memory: what is still there is held); its
+  CPU seconds during the attack;
 - what the attacker saw (what the broker accepted, refused, and how often it
   closed the attacker's connection).
 
@@ -59,6 +61,10 @@ from gateway.properties import Properties
 PHASE_S = 5.0
 """The canary's baseline before an attack and its recovery after it."""
 
+SETTLE_S = 12.0
+"""The last RSS sample is this long after the attack: longer than the node's trim interval
+(store/process.TRIM_INTERVAL_S), so memory freed but not yet given back is not counted as held."""
+
 SAMPLE_S = 0.2
 """How often the broker's RSS is sampled during an attack."""
 
@@ -81,6 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="multiply every attack's count (topics, filters, packets, connections) by this")
     parser.add_argument("--canary-rate", type=float, default=50.0, help="canary messages per second")
     parser.add_argument("--phase-s", type=float, default=PHASE_S, help="canary seconds before and after each attack")
+    parser.add_argument("--settle-s", type=float, default=SETTLE_S,
+                        help="seconds after each attack of the last RSS sample (at least --phase-s)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -94,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results[attack][name] = measure(broker, attack, args)
     return {
         "settings": {"attacks": args.attacks, "scale": args.scale, "canary_rate": args.canary_rate,
-                     "phase_s": args.phase_s, "sizes": {a: _sizes(a, args.scale) for a in args.attacks}},
+                     "phase_s": args.phase_s, "settle_s": args.settle_s, "sizes": {a: _sizes(a, args.scale) for a in args.attacks}},
         "attacks": results,
         "ratios": {attack: _ratios(per_broker) for attack, per_broker in results.items()},
     }
@@ -127,13 +135,16 @@ def measure(broker: Broker, attack: str, args: argparse.Namespace) -> dict[str, 
     cpu_attack = broker.cpu_s() - cpu_before
     time.sleep(args.phase_s)  # the canary's recovery
     rss_after = broker.rss_bytes()
+    time.sleep(max(0.0, args.settle_s - args.phase_s))
+    rss_settled = broker.rss_bytes()
     canary_pipe.send("stop")
     samples: list[tuple[int, float | None]] = canary_pipe.recv()
     canary.join(5)
     phases = _phases(samples, int(started * 1e9), int(ended * 1e9))
     return {
         "canary": phases,
-        "rss_MiB": {"before": _mib(rss_before), "peak_during": _mib(peak), "after": _mib(rss_after)},
+        "rss_MiB": {"before": _mib(rss_before), "peak_during": _mib(peak), "after": _mib(rss_after),
+                    "settled": _mib(rss_settled)},
         "broker_cpu_s_during": round(cpu_attack, 2),
         "attack_s": round(ended - started, 2),
         "attacker": seen,
@@ -173,7 +184,8 @@ def _ratios(per_broker: dict[str, Any]) -> dict[str, float | None]:
         return round(a / b, 2) if a is not None and b else None
 
     return {"canary_p99_during": ratio(lambda r: r["canary"]["during"]["p99_ms"]),
-            "rss_peak_growth": ratio(lambda r: r["rss_MiB"]["peak_during"] - r["rss_MiB"]["before"])}
+            "rss_peak_growth": ratio(lambda r: r["rss_MiB"]["peak_during"] - r["rss_MiB"]["before"]),
+            "rss_settled_growth": ratio(lambda r: r["rss_MiB"]["settled"] - r["rss_MiB"]["before"])}
 
 
 # --- the attacks --------------------------------------------------------------------------------

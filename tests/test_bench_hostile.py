@@ -11,7 +11,7 @@ from bench import hostile
 def test_every_attack_reports_the_canary_the_rss_and_what_the_attacker_saw():
     parser = argparse.ArgumentParser()
     hostile.add_arguments(parser)
-    args = parser.parse_args(["--brokers", "lightgate", "--scale", "0.005", "--phase-s", "0.3"])
+    args = parser.parse_args(["--brokers", "lightgate", "--scale", "0.005", "--phase-s", "0.3", "--settle-s", "0.3"])
     result = hostile.run(args)
     assert set(result["attacks"]) == set(hostile.ATTACKS)
     for attack, per_broker in result["attacks"].items():
