@@ -24,6 +24,11 @@ no persistence the suite can use (see ``NOT_DURABLE``). Every broker keeps its
 data under ``<workdir>/data``, which is what ``Broker.disk_bytes`` measures,
 and ``restart`` starts a killed broker again on the same port and data.
 
+With ``websocket=True`` (the hostile scenario) LightGate also listens for MQTT
+over WebSocket (``--ws-port W``, path ``/mqtt``) and Mosquitto gets a second
+listener ``listener W 127.0.0.1`` with ``protocol websockets``; the port is
+``Broker.ws_port``.
+
 Cluster mode (docs/cluster.md) runs as the peers named ``cluster_name(N)``
 (``lightgate-cluster-<N>gw``): one ``lightgate store --data <tmp> --listen
 127.0.0.1:S`` and one ``lightgate gateway --store 127.0.0.1:S --port P
@@ -88,8 +93,15 @@ NOT_DURABLE = {
 }
 """Brokers that cannot keep messages across a crash, with the reason the durability scenario reports."""
 
+ROOT = Path(__file__).resolve().parents[1]
+"""This checkout: LightGate processes run its code (PYTHONPATH), not whatever ``gateway`` the interpreter finds
+from the broker's working directory (an installed copy, another checkout)."""
+
 DATA_DIR = "data"
 """Every broker's data lives in ``<workdir>/data``, so disk growth is measured the same way for all of them."""
+
+
+_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
 
 
 class PeerError(RuntimeError):
@@ -108,6 +120,7 @@ class Broker:
     workdir: Path | None = None
     durable: bool = False
     companions: list[subprocess.Popen[bytes]] = field(default_factory=list)  # a cluster's store process
+    ws_port: int | None = None  # MQTT over WebSocket (path /mqtt), when started with websocket=True
 
     def processes(self) -> list[psutil.Process]:
         """Every process of the broker: its own, its children (a cluster's gateway workers), its companions."""
@@ -223,12 +236,14 @@ def available(names: tuple[str, ...] | list[str]) -> list[str]:
     return runnable
 
 
-def start(name: str, workdir: Path, *, port: int | None = None, durable: bool = False) -> Broker:
+def start(name: str, workdir: Path, *, port: int | None = None, durable: bool = False,
+          websocket: bool = False) -> Broker:
     """Start broker ``name`` on a free loopback port, its files in ``workdir``; return once it accepts connections.
 
     Args:
         port: listen here instead of a free port (a restart keeps its port so clients find it again).
         durable: the crash-safe configuration (see the module docstring).
+        websocket: also listen for MQTT over WebSocket on another free port (LightGate and Mosquitto only).
 
     Raises:
         PeerError: the broker exited or did not accept connections within ``READY_TIMEOUT_S``,
@@ -241,12 +256,17 @@ def start(name: str, workdir: Path, *, port: int | None = None, durable: bool = 
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / DATA_DIR).mkdir(exist_ok=True)
     port = port or free_port()
+    ws_port = free_port() if websocket else None
+    if ws_port is not None and name not in WEBSOCKET_PEERS:
+        raise PeerError(f"{name} is not run with a WebSocket listener here (only {', '.join(WEBSOCKET_PEERS)})")
     command = {"lightgate": _lightgate, "mosquitto": _mosquitto, "amqtt": _amqtt}[name](workdir, port, durable)
+    if ws_port is not None:
+        command = _with_websocket(name, command, workdir, ws_port)
     log = open(workdir / f"{name}.log", "ab")  # append: a restarted broker's log follows the killed one's
     # cwd=workdir: LightGate reads ./lightgate.toml when present; the repository's must not leak in.
     process = subprocess.Popen(command, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                env=_ENV)
-    broker = Broker(name, port, process, log, workdir=workdir, durable=durable)
+    broker = Broker(name, port, process, log, workdir=workdir, durable=durable, ws_port=ws_port)
     try:
         _wait_until_accepting(broker, workdir / f"{name}.log")
     except PeerError:
@@ -290,6 +310,19 @@ def _mosquitto(workdir: Path, port: int, durable: bool) -> list[str]:
         "log_type warning\n"
     )
     return [shutil.which("mosquitto") or "mosquitto", "-c", str(conf)]
+
+
+WEBSOCKET_PEERS = ("lightgate", "mosquitto")
+"""The brokers ``start(websocket=True)`` can give a WebSocket listener."""
+
+
+def _with_websocket(name: str, command: list[str], workdir: Path, ws_port: int) -> list[str]:
+    """``command`` with an MQTT-over-WebSocket listener on ``ws_port`` added."""
+    if name == "lightgate":
+        return [*command, "--ws-port", str(ws_port), "--ws-host", HOST]
+    conf = workdir / "mosquitto.conf"
+    conf.write_text(conf.read_text() + f"listener {ws_port} {HOST}\nprotocol websockets\n")
+    return command
 
 
 def _amqtt(workdir: Path, port: int, durable: bool) -> list[str]:

@@ -5,6 +5,14 @@ sockets (trio), the routes and the JSON. Connections are kept alive; request
 heads are bounded by h11 (``MAX_HEAD_BYTES``), bodies by ``max_body`` (413);
 every error is a JSON ``{"error": ...}`` with the status saying what kind.
 
+What a connection may cost is bounded: at most ``max_connections`` are open
+at once (more are answered 503 and closed at once); a connection idle for
+``IDLE_TIMEOUT_S`` is closed, a request's head must arrive within
+``HEAD_TIMEOUT_S`` of its first byte and the whole request within
+``REQUEST_TIMEOUT_S``, and a response must be taken within
+``SEND_TIMEOUT_S``, so slow clients (slowloris) cannot hold connections,
+descriptors and buffers.
+
 Routes (docs/operations.md has the reference with curl examples):
 
 - ``GET /metrics`` (Prometheus text), ``GET /healthz`` (the process answers),
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hmac
 import logging
 import time
@@ -42,6 +51,7 @@ import h11
 import orjson
 import trio
 
+from gateway.accept import CapacityLog, serve_accepting
 from gateway.metrics import CONTENT_TYPE
 from gateway.reasons import ReasonCode
 from lightqueue.topics import TopicError
@@ -73,10 +83,21 @@ RECEIVE_BYTES = 64 * 1024
 """One ``receive_some`` reads up to this much."""
 
 IDLE_TIMEOUT_S = 60.0
-"""A kept-alive connection with no new request for this long is closed (Prometheus scrapes every 15-60 s)."""
+"""A kept-alive connection with no byte of a new request for this long is closed (Prometheus scrapes every 15-60 s)."""
+
+HEAD_TIMEOUT_S = 10.0
+"""A request's line and headers must arrive within this of its first byte (a few hundred bytes; slowloris sends one
+byte at a time to hold the connection)."""
 
 REQUEST_TIMEOUT_S = 30.0
-"""A request must arrive whole within this, so a slow sender cannot hold a connection and its buffer forever."""
+"""A request must arrive whole, body included, within this of its first byte, so a slow sender cannot hold a
+connection and its buffer forever."""
+
+SEND_TIMEOUT_S = 30.0
+"""A response must be taken by the client within this: one that never reads would hold the connection forever."""
+
+REFUSAL_LOG_INTERVAL_S = 10.0
+"""Connections over ``max_connections`` are logged at most once per this (with the count since the last line)."""
 
 LINGER_S = 2.0
 """After an error answer that leaves the request unread (413, 400) the rest is read and dropped for up to this long
@@ -483,29 +504,64 @@ async def serve_admin(
     port: int,
     *,
     max_body: int,
+    max_connections: int = 32,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the admin endpoint on ``host:port`` until cancelled.
 
     ``task_status.started`` receives the listeners (port 0 picks a free port: read it from them).
-    Bodies larger than ``max_body`` bytes are refused with 413 (and the connection closed).
+    Bodies larger than ``max_body`` bytes are refused with 413 (and the connection closed); connections beyond
+    ``max_connections`` open at once get 503 and are closed.
 
     Error handling: a failing connection is logged and closed; the listener keeps serving.
     """
+    open_connections = 0
+    refused = 0
+    quiet_until = 0.0
 
     async def handler(stream: trio.SocketStream) -> None:
+        nonlocal open_connections, refused, quiet_until
         try:
             peer_host = stream.socket.getpeername()[0]
         except OSError:
             peer_host = "?"
+        if max_connections and open_connections >= max_connections:
+            refused += 1
+            if time.monotonic() >= quiet_until:
+                quiet_until = time.monotonic() + REFUSAL_LOG_INTERVAL_S
+                LOGGER.warning("admin connection refused: %d open, the limit is admin.max_connections",
+                               open_connections, extra={"ctx": {"peer": peer_host, "refused": refused}})
+            with trio.move_on_after(SEND_TIMEOUT_S), contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(_BUSY)
+            return
+        open_connections += 1
         try:
             await _serve_connection(stream, api, peer_host, max_body)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away; nothing to answer
         except Exception as exc:  # one connection's failure must not stop the listener
             LOGGER.error("admin connection failed: %r", exc, exc_info=exc, extra={"ctx": {"peer": peer_host}})
+        finally:
+            open_connections -= 1
 
-    await trio.serve_tcp(handler, port, host=host, task_status=task_status)
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_accepting, listeners, handler, CapacityLog("admin"))
+        task_status.started(listeners)
+
+
+def _busy_response() -> bytes:
+    """The 503 a connection over ``max_connections`` gets, whole, before its request is read."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    conn.next_event()
+    body = orjson.dumps({"error": "too many admin connections; try again later"})
+    return conn.send(h11.Response(status_code=503, reason=b"Service Unavailable", headers=[
+        ("content-type", JSON), ("content-length", str(len(body))), ("connection", "close")])) \
+        + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
+
+
+_BUSY = _busy_response()
 
 
 class _BodyTooLarge(Exception):
@@ -515,7 +571,7 @@ class _BodyTooLarge(Exception):
 async def _serve_connection(stream: trio.SocketStream, api: AdminApi, peer_host: str, max_body: int) -> None:
     """Answer requests on one kept-alive connection until either side closes it or it idles out.
 
-    Resource handling: the caller (trio.serve_tcp) closes ``stream``.
+    Resource handling: the caller (``serve_accepting``) closes ``stream``.
     """
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
     while True:
@@ -531,10 +587,11 @@ async def _serve_connection(stream: trio.SocketStream, api: AdminApi, peer_host:
             await _linger(stream)
             return
         except trio.TooSlowError:
-            return  # a request that does not arrive whole in time is not answered
+            return  # a request that does not arrive whole in time, or an answer not taken in time
         if request is None:
             return  # closed by the client, or idle
-        await _send(stream, conn, await api.handle(request), head=request.method == "HEAD")
+        with trio.fail_after(SEND_TIMEOUT_S):
+            await _send(stream, conn, await api.handle(request), head=request.method == "HEAD")
         if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
             return  # "Connection: close", HTTP/1.0, or an unread body
         conn.start_next_cycle()
@@ -547,24 +604,34 @@ async def _receive_request(stream: trio.abc.Stream, conn: h11.Connection, peer_h
     Raises:
         h11.RemoteProtocolError: not HTTP/1.1 as h11 understands it (the hint says which status).
         _BodyTooLarge: the body exceeds ``max_body``.
-        trio.TooSlowError: the request did not arrive whole within ``REQUEST_TIMEOUT_S``.
+        trio.TooSlowError: the head did not arrive within ``HEAD_TIMEOUT_S`` of the request's first byte, or
+            the whole request within ``REQUEST_TIMEOUT_S``.
     """
-    with trio.move_on_after(IDLE_TIMEOUT_S):
-        event = await _next_event(stream, conn)
+    event = conn.next_event()  # a pipelined request may be buffered already
+    if event is h11.NEED_DATA:
+        data = None
+        with trio.move_on_after(IDLE_TIMEOUT_S):
+            data = await stream.receive_some(RECEIVE_BYTES)  # the first bytes of the next request, or the end
+        if data is None:
+            return None  # idle
+        conn.receive_data(data)
+    with trio.fail_after(REQUEST_TIMEOUT_S):
+        if event is h11.NEED_DATA:
+            with trio.fail_after(HEAD_TIMEOUT_S):
+                event = await _next_event(stream, conn)
         if not isinstance(event, h11.Request):
             return None  # h11.ConnectionClosed
-        with trio.fail_after(REQUEST_TIMEOUT_S):
-            headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers}
-            length = headers.get("content-length")
-            if length is not None and int(length) > max_body:  # h11 checked that it is a number
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers}
+        length = headers.get("content-length")
+        if length is not None and int(length) > max_body:  # h11 checked that it is a number
+            raise _BodyTooLarge
+        if conn.they_are_waiting_for_100_continue:
+            await stream.send_all(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+        body = bytearray()
+        while not isinstance(part := await _next_event(stream, conn), h11.EndOfMessage):
+            body += part.data  # h11.Data: nothing else comes between a request and its end
+            if len(body) > max_body:
                 raise _BodyTooLarge
-            if conn.they_are_waiting_for_100_continue:
-                await stream.send_all(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
-            body = bytearray()
-            while not isinstance(part := await _next_event(stream, conn), h11.EndOfMessage):
-                body += part.data  # h11.Data: nothing else comes between a request and its end
-                if len(body) > max_body:
-                    raise _BodyTooLarge
         path, _, query = event.target.decode("latin-1").partition("?")
         return Request(event.method.decode("latin-1"), path, dict(parse_qsl(query)), headers, bytes(body), peer_host)
     return None

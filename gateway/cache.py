@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import final
 
 from gateway.actions import Message
+from gateway.properties import EMPTY_PROPERTIES, Properties
 from lightqueue.queues import PullResult
 from store.client import PullRequest, StoreClient
 from store.record import Record
@@ -26,7 +27,13 @@ from store.record import Record
 __all__ = ["QueueCache", "QueueCacheStatistics"]
 
 MESSAGE_OVERHEAD = 200
-"""Bytes a cached ``Message`` costs beyond its topic and payload (object, properties, list slot), for the budget."""
+"""Bytes a cached ``Message`` costs beyond its topic and payload (object, list slot), for the budget."""
+
+PROPERTIES_OVERHEAD = 200
+USER_PROPERTY_OVERHEAD = 160
+"""What decoded MQTT 5 properties cost beyond their text: the ``Properties`` object, and a tuple and two strings
+per User Property. Counted so that messages carrying 32 User Properties each (~5 KB decoded) do not make the byte
+budget hold 25 times what it says."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +166,7 @@ class QueueCache:
             entry.base, entry.messages, entry.bytes = from_offset, [], 0
         elif from_offset < tail:
             return  # behind the run, or a concurrent read extended it already: keep the run
-        size = sum([len(m.payload) + len(m.topic) for m in messages]) + MESSAGE_OVERHEAD * len(messages)
+        size = _bytes(messages)
         entry.messages += messages
         entry.bytes += size
         self._bytes += size
@@ -168,7 +175,7 @@ class QueueCache:
             dropped = entry.messages[:excess]
             del entry.messages[:excess]
             entry.base += excess  # type: ignore[operator]
-            freed = sum(len(m.payload) + len(m.topic) + MESSAGE_OVERHEAD for m in dropped)
+            freed = _bytes(dropped)
             entry.bytes -= freed
             self._bytes -= freed
         del self._queues[queue]  # most recently extended: evicted last
@@ -188,3 +195,16 @@ class QueueCache:
             queues=len(cached), messages=sum(len(e.messages) for e in cached), bytes=self._bytes,
             hits=self._hits, store_reads=self._store_reads, fills=self._fills,
         )
+
+
+def _bytes(messages: list[Message]) -> int:
+    """The estimated memory of ``messages`` in the cache (the budget's unit)."""
+    empty = EMPTY_PROPERTIES
+    return sum([len(m.payload) + len(m.topic) + (0 if m.properties is empty else _properties_bytes(m.properties))
+                for m in messages]) + MESSAGE_OVERHEAD * len(messages)
+
+
+def _properties_bytes(properties: Properties) -> int:
+    pairs = properties.user_properties
+    return PROPERTIES_OVERHEAD + sum([len(k) + len(v) for k, v in pairs]) + USER_PROPERTY_OVERHEAD * len(pairs) \
+        + len(properties.correlation_data or b"") + len(properties.response_topic or "")

@@ -37,6 +37,8 @@ BENCHMARKS = {
                        "10,000 offline persistent sessions, 1,000 broadcasts, then all reconnect: delivered, RSS, disk"),
     "durability": ("bench.durability",
                    "QoS 1 (or --qos 2) under load, broker SIGKILLed and restarted 10 times: acked but lost"),
+    "hostile": ("bench.hostile", "hostile clients (big topics, many filters, User Properties, partial-packet churn)"
+                " beside a canary: its latency, the broker's RSS and CPU"),
 }
 """``lightgate bench NAME`` -> (module with ``add_arguments(parser)`` and ``run(args) -> dict``, help).
 

@@ -57,8 +57,10 @@ from gateway.properties import (
     EMPTY_PROPERTIES,
     MAX_UINT16,
     MAX_VARINT,
+    NO_REPEAT_LIMIT,
     PacketType,
     Properties,
+    RepeatLimit,
     decode_utf8,
     decode_varint as decode_varint,
     encode_binary,
@@ -219,6 +221,9 @@ class MqttDecoder:
             Packet Size (the whole packet, fixed header included). Also the most this
             decoder buffers for one packet.
         protocol_level: required in CLIENT role (4 or 5), not allowed in SERVER role.
+        max_connect_size: SERVER role: the largest CONNECT accepted (at most ``max_packet_size``), so what
+            an unauthenticated client can make the decoder buffer is bounded apart from later packets.
+        repeat_limit: the bounds of repeated properties (User Properties) per property block.
 
     The SERVER role enforces CONNECT-first; the CLIENT role does not track the
     CONNECT/CONNACK exchange (the caller knows when it sent its CONNECT).
@@ -229,9 +234,11 @@ class MqttDecoder:
     Resource handling: owns nothing but its buffer; the caller owns the socket.
     """
 
-    __slots__ = ("max_packet_size", "_role", "_level", "_verdicts", "_buf", "_pos", "_incoming", "_need", "_error")
+    __slots__ = ("max_packet_size", "_role", "_level", "_verdicts", "_buf", "_pos", "_incoming", "_need", "_error",
+                 "_limit", "_repeat")
 
-    def __init__(self, *, role: Role, max_packet_size: int = MAX_PACKET_SIZE, protocol_level: int | None = None) -> None:
+    def __init__(self, *, role: Role, max_packet_size: int = MAX_PACKET_SIZE, protocol_level: int | None = None,
+                 max_connect_size: int | None = None, repeat_limit: RepeatLimit = NO_REPEAT_LIMIT) -> None:
         if not 2 <= max_packet_size <= MAX_PACKET_SIZE:
             raise LocalProtocolError(f"max_packet_size {max_packet_size} is outside 2..{MAX_PACKET_SIZE}")
         if role is Role.CLIENT and protocol_level not in PROTOCOL_LEVELS:
@@ -239,6 +246,9 @@ class MqttDecoder:
         if role is Role.SERVER and protocol_level is not None:
             raise LocalProtocolError("a SERVER decoder learns the protocol level from the CONNECT")
         self.max_packet_size = max_packet_size
+        # The packet size limit now: the CONNECT's until it has been read (SERVER role), then max_packet_size.
+        self._limit = min(max_connect_size or max_packet_size, max_packet_size)
+        self._repeat = repeat_limit
         self._role = role
         self._level = protocol_level
         self._verdicts = _first_byte_verdicts(role, protocol_level)
@@ -333,9 +343,11 @@ class MqttDecoder:
             if byte == 0 and self._level == MQTT_5:
                 raise _malformed("remaining length is not in its minimal form [MQTT-1.5.5-1]")
         total = header + length
-        if total > self.max_packet_size:
+        if total > self._limit:
+            if first == 0x10 and self._level is None:
+                self._peek_level(buf, pos + header)
             raise RemoteProtocolError(
-                ReasonCode.PACKET_TOO_LARGE, f"{total}-byte packet exceeds the maximum of {self.max_packet_size}"
+                ReasonCode.PACKET_TOO_LARGE, f"{total}-byte packet exceeds the maximum of {self._limit}"
             )
         if size - pos < total:
             self._need = total
@@ -343,6 +355,18 @@ class MqttDecoder:
         self._pos = pos + total
         self._need = 2
         return _READERS[first >> 4](self, first, buf, pos + header, pos + total)
+
+    def _peek_level(self, buf: bytes, start: int) -> None:
+        """Learn the protocol level of a CONNECT refused before its body arrived, if its first bytes did, so the
+        refusal is answered in the client's version (MQTT 5: CONNACK 0x95)."""
+        if buf[start:start + 6] == b"\x00\x04MQTT" and start + 6 < len(buf) and buf[start + 6] in PROTOCOL_LEVELS:
+            self._level = buf[start + 6]
+
+    def discard(self) -> None:
+        """Drop the buffered bytes (the connection ended): a partial packet must not outlive its connection."""
+        self._buf = b""
+        self._pos = 0
+        self._incoming = bytearray()
 
     # --- one reader per packet type: (first byte, buffer, body start, body end) -> packet ------
 
@@ -360,6 +384,7 @@ class MqttDecoder:
                 ReasonCode.UNSUPPORTED_PROTOCOL_VERSION, f"protocol {name!r} level {level} is not MQTT 3.1.1 or 5.0"
             )
         self._verdicts = _first_byte_verdicts(self._role, level)
+        self._limit = self.max_packet_size
         # The Remaining Length's last byte is 0 only when its encoding is not minimal (or the body
         # is empty, which a CONNECT's never is); see _decode_next.
         if level == MQTT_5 and buf[start - 1] == 0:
@@ -384,7 +409,7 @@ class MqttDecoder:
             raise _malformed("MQTT 3.1.1 password flag without user name flag [MQTT-3.1.2-22]")
         properties = EMPTY_PROPERTIES
         if level == MQTT_5:
-            properties, pos = read_properties(buf, pos, end, PacketType.CONNECT)
+            properties, pos = read_properties(buf, pos, end, PacketType.CONNECT, limit=self._repeat)
             problem = _auth_problem(properties)
             if problem:
                 raise _protocol_error(problem)
@@ -394,7 +419,8 @@ class MqttDecoder:
         will_payload = b""
         if has_will:
             if level == MQTT_5:
-                will_properties, pos = read_properties(buf, pos, end, PacketType.CONNECT, will=True)
+                will_properties, pos = read_properties(buf, pos, end, PacketType.CONNECT, will=True,
+                                                       limit=self._repeat)
             will_topic, pos = read_string(buf, pos, end)
             will_payload, pos = read_binary(buf, pos, end)
         username = None
@@ -460,7 +486,7 @@ class MqttDecoder:
             if pos >= end:
                 raise _malformed("PUBLISH ends before its property length")
             if buf[pos]:
-                properties, pos = read_properties(buf, pos, end, PacketType.PUBLISH)
+                properties, pos = read_properties(buf, pos, end, PacketType.PUBLISH, limit=self._repeat)
                 if properties.subscription_identifiers and self._role is Role.SERVER:
                     raise _protocol_error("a client PUBLISH carries a subscription identifier [MQTT-3.3.4-6]")
             else:
@@ -485,7 +511,7 @@ class MqttDecoder:
             raise _malformed(f"0x{buf[pos]:02X} is not a {packet_type.name} reason code")
         if pos + 1 == end:
             return reason, EMPTY_PROPERTIES
-        properties, pos = read_properties(buf, pos + 1, end, packet_type)
+        properties, pos = read_properties(buf, pos + 1, end, packet_type, limit=self._repeat)
         if pos != end:
             raise _malformed(f"bytes after the end of the {packet_type.name} properties")
         return reason, properties
@@ -503,7 +529,7 @@ class MqttDecoder:
         pos = start + 2
         properties = EMPTY_PROPERTIES
         if self._level == MQTT_5:
-            properties, pos = read_properties(buf, pos, end, PacketType.SUBSCRIBE)
+            properties, pos = read_properties(buf, pos, end, PacketType.SUBSCRIBE, limit=self._repeat)
         subscriptions = []
         while pos < end:
             topic_filter, pos = read_string(buf, pos, end)
@@ -554,7 +580,7 @@ class MqttDecoder:
         pos = start + 2
         properties = EMPTY_PROPERTIES
         if self._level == MQTT_5:
-            properties, pos = read_properties(buf, pos, end, PacketType.UNSUBSCRIBE)
+            properties, pos = read_properties(buf, pos, end, PacketType.UNSUBSCRIBE, limit=self._repeat)
         topic_filters = []
         while pos < end:
             topic_filter, pos = read_string(buf, pos, end)

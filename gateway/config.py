@@ -90,6 +90,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("commitlog.sync_interval_ms", 10, "sync: longest a group commit waits to gather writers"),
     Option("mqtt.max_packet_size", 1 * MiB + 1024,
            "largest MQTT packet accepted (and advertised); room for a max-size record plus headers"),
+    Option("mqtt.max_connect_size", 128 * 1024, "largest CONNECT accepted (at most mqtt.max_packet_size): bounds what"
+           " a client not yet authenticated can make the node buffer"),
     Option("mqtt.receive_maximum", 128, "inbound QoS 1/2 PUBLISHes a client may have unacknowledged (1..65535)"),
     Option("mqtt.inflight_311", 256, "QoS 1/2 messages in flight to an MQTT 3.1.1 client before it acknowledges"
            " (MQTT 5 clients set theirs with Receive Maximum) (1..65535)"),
@@ -113,17 +115,23 @@ OPTIONS: tuple[Option, ...] = (
     Option("limits.max_connections", 0, "open connections allowed at once over all listeners (0 = no cap)"),
     Option("limits.connect_rate", 0.0, "connects per second allowed per source address (0 = no limit)"),
     Option("limits.connect_burst", 10, "connects a source address may make at once when under its rate (at least 1)"),
-    Option("limits.max_topic_length", 65535, "longest topic name or filter a client may use, UTF-8 bytes (1..65535)"),
+    Option("limits.max_topic_length", 4096, "longest topic name or filter a client may use, UTF-8 bytes (1..65535)"),
     Option("limits.max_topic_levels", 128, "most levels in a topic name or filter a client may use (1..128)"),
-    Option("limits.max_subscriptions", 0, "subscriptions a session may hold (0 = no limit)"),
+    Option("limits.max_subscriptions", 1024, "subscriptions a session may hold (0 = no limit)"),
     Option("limits.publish_rate", 0.0, "PUBLISHes per second allowed per connection (0 = no limit)"),
     Option("limits.publish_burst", 0.0, "PUBLISHes a connection may send at once under its rate"
            " (0 = one second's worth)"),
     Option("limits.publish_bytes_rate", 0.0, "PUBLISH payload bytes per second allowed per connection (0 = no limit)"),
+    Option("limits.max_user_properties", 32, "User Properties one property block of a received packet may hold"
+           " (0 = no limit)"),
+    Option("limits.max_user_property_bytes", 8192, "bytes the User Properties of one property block of a received"
+           " packet may take (0 = no limit)"),
     Option("limits.qos0_queue_bytes", 0, "QoS 0 delivery bytes a session may have waiting for its socket before new"
            " QoS 0 messages to it are dropped (0 = no limit)"),
     Option("admin.host", "127.0.0.1", "address the admin HTTP listener (metrics, health, admin API, dashboard) binds to"),
     Option("admin.port", 18083, "admin HTTP port (0 = off); a free port when node.port is 0"),
+    Option("admin.max_connections", 32, "admin HTTP connections open at once; more are answered 503 and closed"
+           " (0 = no cap)"),
     Option("admin.token", "", "bearer token the admin API and dashboard data require; empty = none"
            " (/metrics, /healthz, /readyz never need it)"),
     Option("bridge.remote_host", "", "broker `lightgate bridge` mirrors topics to and from (required by the bridge)"),

@@ -1,6 +1,7 @@
 """Listeners: turn the configured TCP, TLS, WebSocket and secure WebSocket endpoints into streams for MQTT.
 
-Each listener accepts TCP connections; per connection, in this order:
+Each listener accepts TCP connections (gateway/accept.py: at the descriptor
+limit, one log line per episode and back-off); per connection, in this order:
 
 1. admission (gateway/admission.py): the node-wide connection cap and the
    per-source connect rate. A refused socket is closed at once, before any
@@ -23,7 +24,6 @@ every connection that never reached the handler.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import ssl
 import time
@@ -35,6 +35,7 @@ from typing import Any, Literal, final
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, wrap_server_stream
 
+from gateway.accept import CapacityLog, serve_accepting
 from gateway.admission import Admission, Verdict
 
 __all__ = [
@@ -215,6 +216,7 @@ async def serve_listeners(
     admission: Admission | None = None,
     handshake_timeout_s: float = 10.0,
     max_message_size: int = 2 * 1024 * 1024,
+    connect_message_size: int | None = None,
     task_status: trio.TaskStatus[list[BoundListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Open every listener in ``specs`` and serve each connection with ``handler(stream, peer)`` until cancelled.
@@ -225,6 +227,8 @@ async def serve_listeners(
         admission: decides each accepted socket (None: everyone is admitted).
         handshake_timeout_s: a TLS handshake and a WebSocket upgrade must each finish within this.
         max_message_size: the largest WebSocket message accepted (larger: closed with code 1009).
+        connect_message_size: the same until the handler lifts it (``WebSocketStream.lift_message_limit``, once
+            the client is accepted); None: ``max_message_size`` from the start.
 
     ``task_status.started`` receives the bound listeners, in the order of ``specs``.
 
@@ -244,8 +248,9 @@ async def serve_listeners(
                 listeners = await trio.open_tcp_listeners(spec.port, host=spec.host)
             host, port = listeners[0].socket.getsockname()[:2]
             bound.append(BoundListener(spec.kind, host, port))
-            accepted = _Accepted(spec, handler, admission, refusals, handshake_timeout_s, max_message_size)
-            await nursery.start(functools.partial(trio.serve_listeners, accepted, listeners))
+            accepted = _Accepted(spec, handler, admission, refusals, handshake_timeout_s, max_message_size,
+                                 connect_message_size or max_message_size)
+            await nursery.start(serve_accepting, listeners, accepted, CapacityLog(spec.kind))
             LOGGER.info("listener ready", extra={"ctx": {"listener": spec.kind, "host": host, "port": port}})
         task_status.started(bound)
 
@@ -319,16 +324,17 @@ class _Accepted:
     """What one listener does with each accepted socket (see the module docstring)."""
 
     def __init__(self, spec: ListenerSpec, handler: Handler, admission: Admission | None, refusals: _RefusalLog,
-                 handshake_timeout_s: float, max_message_size: int) -> None:
+                 handshake_timeout_s: float, max_message_size: int, connect_message_size: int) -> None:
         self._spec = spec
         self._handler = handler
         self._admission = admission
         self._refusals = refusals
         self._timeout_s = handshake_timeout_s
         self._max_message_size = max_message_size
+        self._connect_message_size = min(connect_message_size, max_message_size)
 
     async def __call__(self, stream: trio.SocketStream) -> None:
-        """Called by ``trio.serve_listeners``, which closes ``stream`` afterwards."""
+        """Called by ``serve_accepting`` (gateway/accept.py), which closes ``stream`` afterwards."""
         try:
             host, port = stream.socket.getpeername()[:2]
         except OSError:  # the client is already gone
@@ -384,7 +390,7 @@ class _Accepted:
         async with trio.open_nursery() as nursery:  # runs the WebSocket's reader task
             request: WebSocketRequest | None = None
             with trio.move_on_after(self._timeout_s):
-                request = await wrap_server_stream(nursery, stream, max_message_size=self._max_message_size,
+                request = await wrap_server_stream(nursery, stream, max_message_size=self._connect_message_size,
                                                    receive_buffer_size=WS_RECEIVE_BYTES)
             if request is None:
                 LOGGER.info("WebSocket upgrade not received within %s s", self._timeout_s, extra={"ctx": ctx})
@@ -406,7 +412,7 @@ class _Accepted:
                 nursery.cancel_scope.cancel()
                 return
             try:
-                await self._handler(WebSocketStream(connection), peer)
+                await self._handler(WebSocketStream(connection, self._max_message_size), peer)
             finally:
                 nursery.cancel_scope.cancel()
 
@@ -421,27 +427,44 @@ class WebSocketStream(trio.abc.Stream):
     frames only). A close with a normal code is the end of the stream (``b""``);
     any other close raises ``trio.BrokenResourceError``.
 
+    Messages are bounded by what the connection was opened with (the listener's
+    ``connect_message_size``) until :meth:`lift_message_limit` raises the bound to
+    ``max_message_size``: a client not yet accepted cannot make the node buffer
+    a message of the size an accepted one may send.
+
     Resource handling: :meth:`aclose` closes the WebSocket and its transport,
     waiting at most ``WS_CLOSE_TIMEOUT_S`` for the client's closing frame.
     """
 
-    def __init__(self, connection: WebSocketConnection) -> None:
+    def __init__(self, connection: WebSocketConnection, max_message_size: int | None = None) -> None:
         self._connection = connection
-        self._pending = b""  # the rest of a message larger than a receive_some asked for
+        self._pending = b""  # a message larger than a receive_some asked for, read from ``_taken`` on
+        self._taken = 0
         self._closed = False
+        self._max_message_size = max_message_size
+
+    def lift_message_limit(self) -> None:
+        """Accept messages up to ``max_message_size`` from now on (the client was accepted)."""
+        if self._max_message_size is not None:
+            # trio-websocket reads the bound per received frame; it has no public setter.
+            self._connection._max_message_size = self._max_message_size
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self._closed:
             raise trio.ClosedResourceError("the WebSocket stream was closed")
         if not self._pending:
             self._pending = await self._next_message()
+            self._taken = 0
         else:
             await trio.lowlevel.checkpoint()
-        if max_bytes is None or max_bytes >= len(self._pending):
-            data, self._pending = self._pending, b""
-        else:
-            data, self._pending = self._pending[:max_bytes], self._pending[max_bytes:]
-        return data
+        start = self._taken
+        if max_bytes is None or max_bytes >= len(self._pending) - start:
+            data = self._pending if not start else self._pending[start:]
+            self._pending = b""
+            return data
+        # A slice per read, not the rest of the message copied per read (quadratic for a 2 MB message).
+        self._taken = start + max_bytes
+        return self._pending[start:self._taken]
 
     async def _next_message(self) -> bytes:
         """The next non-empty binary message; ``b""`` at a normal close."""
@@ -474,5 +497,6 @@ class WebSocketStream(trio.abc.Stream):
 
     async def aclose(self) -> None:
         self._closed = True
+        self._pending = b""
         with trio.move_on_after(WS_CLOSE_TIMEOUT_S):
             await self._connection.aclose()  # on timeout it closes the transport without the client's frame

@@ -123,7 +123,7 @@ from store.client import LocalStoreClient, StoreClient
 from store.commitlog import CommitLogConfig
 from store.errors import LogFullError, StartupError
 from store.node import on_hangup, open_store, until_signalled
-from store.process import freeze_startup_objects
+from store.process import freeze_startup_objects, return_freed_buffers, trim_freed_memory
 from store.record import Record, RecordTooLarge
 from store.rpc import AdminOp, parse_address
 
@@ -1194,7 +1194,7 @@ def _client_info(connection: Connection) -> ClientInfo:
         connection.client_id, connection.username, connection.peer,
         "5.0" if channel.protocol_level == MQTT_5 else "3.1.1", channel.keep_alive,
         session.expiry_s if session is not None else 0,
-        len(session.subscriptions) if session is not None else 0,
+        session.subscription_count if session is not None else 0,
         len(session.inflight) if session is not None else 0,
     )
 
@@ -1202,6 +1202,7 @@ def _client_info(connection: Connection) -> ClientInfo:
 def _channel_config(settings: Mapping[str, Any]) -> ChannelConfig:
     return ChannelConfig(
         max_packet_size=settings["mqtt.max_packet_size"],
+        max_connect_size=min(settings["mqtt.max_connect_size"], settings["mqtt.max_packet_size"]),
         receive_maximum=settings["mqtt.receive_maximum"],
         default_receive_maximum=settings["mqtt.inflight_311"],
         max_keepalive=settings["mqtt.max_keepalive"] or None,
@@ -1209,6 +1210,8 @@ def _channel_config(settings: Mapping[str, Any]) -> ChannelConfig:
         max_topic_length=settings["limits.max_topic_length"],
         max_topic_levels=settings["limits.max_topic_levels"],
         max_subscriptions=settings["limits.max_subscriptions"],
+        max_user_properties=settings["limits.max_user_properties"],
+        max_user_property_bytes=settings["limits.max_user_property_bytes"],
         publish_rate=settings["limits.publish_rate"],
         publish_burst=settings["limits.publish_burst"],
         publish_bytes_rate=settings["limits.publish_bytes_rate"],
@@ -1304,6 +1307,7 @@ async def serve_node(
         nursery.start_soon(node.consume_moves)
         nursery.start_soon(node.consume_fences)
         nursery.start_soon(node.answer_admin_asks)
+        nursery.start_soon(trim_freed_memory)
         if settings["mqtt.sys_interval_s"] > 0:
             nursery.start_soon(node.publish_sys, settings["mqtt.sys_interval_s"])
         admin = None
@@ -1313,7 +1317,8 @@ async def serve_node(
             admin_port = 0 if settings["node.port"] == 0 else settings["admin.port"]  # several nodes on one machine
             max_body = 2 * settings["mqtt.max_packet_size"]  # room for a payload as base64 in JSON
             listeners = await nursery.start(functools.partial(
-                serve_admin, admin, settings["admin.host"], admin_port, max_body=max_body))
+                serve_admin, admin, settings["admin.host"], admin_port, max_body=max_body,
+                max_connections=settings["admin.max_connections"]))
             admin_host, admin_port = listeners[0].socket.getsockname()[:2]
             LOGGER.info("admin API ready", extra={"ctx": {"host": admin_host, "port": admin_port,
                                                           "token": bool(settings["admin.token"])}})
@@ -1402,6 +1407,7 @@ def run_gateway_node(conf: Any, serve: Any = serve_gateway) -> int:
     """Entry point for ``lightgate serve`` (and, with ``serve_cluster_gateway``, ``lightgate gateway``):
     returns the process exit status."""
     freeze_startup_objects()
+    return_freed_buffers()
     failed = False
     try:
         trio.run(_serve_until_signalled, conf, serve)

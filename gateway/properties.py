@@ -377,12 +377,35 @@ _READERS: dict[PropertyType, Callable[[bytes, int, int], tuple[Any, int]]] = {
 }
 
 
-def decode_properties(buf: bytes, pos: int, end: int, packet_type: PacketType, *, will: bool = False) -> Properties:
+@dataclass(frozen=True, slots=True)
+class RepeatLimit:
+    """How many repeated properties (User Properties, Subscription Identifiers) one property block may hold, and
+    how many bytes they may take, identifiers and length prefixes included.
+
+    Decoding stops with QUOTA_EXCEEDED at the first property over either bound, so the work a block costs is
+    bounded by the limit, not by the packet's size (20,000 User Properties took about 90 ms to decode).
+    """
+
+    count: int = MAX_VARINT
+    bytes: int = MAX_VARINT
+
+
+NO_REPEAT_LIMIT = RepeatLimit()
+"""What a decoder of our own peer's packets (a client's view of the server) accepts: anything the packet holds."""
+
+
+class RepeatLimitExceeded(RemoteProtocolError):
+    """A property block holds more repeated properties than its ``RepeatLimit`` allows (QUOTA_EXCEEDED)."""
+
+
+def decode_properties(buf: bytes, pos: int, end: int, packet_type: PacketType, *, will: bool = False,
+                      limit: RepeatLimit = NO_REPEAT_LIMIT) -> Properties:
     """Decode the property list in ``buf[pos:end]`` (no Property Length prefix).
 
     Args:
         packet_type: the packet the properties belong to; with ``will=True`` (only for
             CONNECT) they are the will properties, which allow a different set.
+        limit: the bounds of the repeated properties of the block.
 
     Returns:
         ``EMPTY_PROPERTIES`` when the range is empty, else a new ``Properties``.
@@ -390,13 +413,16 @@ def decode_properties(buf: bytes, pos: int, end: int, packet_type: PacketType, *
     Raises:
         RemoteProtocolError: MALFORMED_PACKET for an unknown identifier, a property not
             allowed here (section 2.2.2.2), or a value that runs past ``end`` or is not
-            valid UTF-8; PROTOCOL_ERROR for a duplicate or an out-of-range value.
+            valid UTF-8; PROTOCOL_ERROR for a duplicate or an out-of-range value;
+            QUOTA_EXCEEDED for repeated properties over ``limit``.
     """
     if pos >= end:
         return EMPTY_PROPERTIES
     allowed = _ALLOWED[packet_type, will]
     values: dict[str, Any] = {}
     repeated: dict[str, list[Any]] = {}
+    count = 0
+    size = 0
     while pos < end:
         identifier = buf[pos]
         prop = _BY_IDENTIFIER[identifier]
@@ -406,6 +432,7 @@ def decode_properties(buf: bytes, pos: int, end: int, packet_type: PacketType, *
             raise _malformed(f"unknown property identifier 0x{identifier:02X}")
         if identifier not in allowed:
             raise _malformed(f"property {prop.name} is not allowed in {_where(packet_type, will)}")
+        start = pos
         value, pos = _READERS[prop.type](buf, pos + 1, end)
         bounds = _RANGES[identifier]
         if bounds is not None and not bounds[0] <= value <= bounds[1]:
@@ -415,6 +442,12 @@ def decode_properties(buf: bytes, pos: int, end: int, packet_type: PacketType, *
         if prop.type is PropertyType.BOOL:
             value = value == 1
         if prop.multiple:
+            count += 1
+            size += pos - start
+            if count > limit.count or size > limit.bytes:
+                raise RepeatLimitExceeded(
+                    ReasonCode.QUOTA_EXCEEDED, f"repeated properties ({prop.name}) over the limit of {limit.count}"
+                    f" properties or {limit.bytes} bytes in {_where(packet_type, will)}")
             seen = repeated.setdefault(prop.name, [])
             if seen and packet_type not in prop.repeatable_in:
                 raise RemoteProtocolError(
@@ -431,7 +464,8 @@ def decode_properties(buf: bytes, pos: int, end: int, packet_type: PacketType, *
 
 
 def read_properties(
-    buf: bytes, pos: int, end: int, packet_type: PacketType, *, will: bool = False
+    buf: bytes, pos: int, end: int, packet_type: PacketType, *, will: bool = False,
+    limit: RepeatLimit = NO_REPEAT_LIMIT,
 ) -> tuple[Properties, int]:
     """Read a Property Length and the properties it covers, as they appear inside a packet.
 
@@ -446,7 +480,7 @@ def read_properties(
     stop = pos + length
     if stop > end:
         raise _malformed("property length runs past the end of the packet")
-    return decode_properties(buf, pos, stop, packet_type, will=will), stop
+    return decode_properties(buf, pos, stop, packet_type, will=will, limit=limit), stop
 
 
 def _encode_int(prop: PropertyDef, value: int) -> bytes:

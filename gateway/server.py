@@ -169,7 +169,7 @@ class Connection:
         "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_stream", "_backend", "_traffic",
         "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing", "_read_scope",
         "_broken", "_timers", "_deadline", "_running", "_scopes", "_fd", "_holding", "_reader", "_read_ended",
-        "_read_failure", "__weakref__",
+        "_read_failure", "_lift", "__weakref__",
     )
 
     def __init__(
@@ -188,7 +188,8 @@ class Connection:
         self._stream = stream
         self._backend = backend
         self._traffic = backend.traffic
-        self._decoder = MqttDecoder(role=Role.SERVER, max_packet_size=config.max_packet_size)
+        self._decoder = MqttDecoder(role=Role.SERVER, max_packet_size=config.max_packet_size,
+                                    max_connect_size=config.max_connect_size, repeat_limit=config.repeat_limit)
         self._out: list[bytes] = []
         self._out_seq: int | None = None  # highest Deliver seq among the bytes in _out
         self._writing = False  # a writer task runs (it holds bytes taken from _out until they are written)
@@ -208,6 +209,8 @@ class Connection:
         self._reader: trio.lowlevel.Task | None = None  # the reader task, while it waits for the poller
         self._read_ended = False  # a polled read ended the connection (or failed)
         self._read_failure: Exception | None = None  # what a polled read raised, for the reader task to raise
+        # A WebSocket's widening of its message bound, called once the client is accepted (CONNACK sent).
+        self._lift: Callable[[], None] | None = getattr(stream, "lift_message_limit", None)
 
     @property
     def client_id(self) -> str:
@@ -254,6 +257,9 @@ class Connection:
     def _start_pending(self) -> None:
         """Write what is queued, start the worker for queued node actions (a write's ``SocketWritten`` may
         have queued some), and wake the waiters."""
+        if self._lift is not None and self.channel.state is State.CONNECTED:
+            self._lift()
+            self._lift = None
         if self._running:
             self._flush()
             if self._work and not self._working:
@@ -432,6 +438,7 @@ class Connection:
                 scope.cancel()
             with trio.CancelScope(shield=True):
                 await self._until(lambda: not (self._writing or self._working))
+            self._release_buffers()
             self._backend.connection_closed(self)
             self._done = True
             if self._finished is not None:
@@ -467,6 +474,14 @@ class Connection:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 return
 
+    def _release_buffers(self) -> None:
+        """Drop what the ended connection still buffers (a partial packet, unsent bytes, queued work), so its memory
+        goes now, whoever still holds the connection (a takeover waiting, a log record, a reference cycle)."""
+        self._decoder.discard()
+        self._out.clear()
+        self._work.clear()
+        self._read_failure = None
+
     async def _task(self, name: str, body: Callable[[], Awaitable[None]]) -> None:
         """Run the writer or the worker in the node's nursery; a failure ends this connection only."""
         scope = self._scopes[name] = trio.CancelScope()
@@ -495,8 +510,10 @@ class Connection:
         return idle and (state is State.CLOSED or state is State.AWAIT_CONNECT)
 
     def _paused(self) -> bool:
-        """Reading waits: the node has too much work queued for the connection, or a 3.1.1 in-flight window is full."""
-        return len(self._work) >= MAX_QUEUED_ACTIONS or self.channel.input_paused
+        """Reading waits: the node has too much work queued for the connection, a 3.1.1 in-flight window is full,
+        or the CONNECT is read and not answered yet (a client not yet accepted buffers at most one read more)."""
+        return len(self._work) >= MAX_QUEUED_ACTIONS or self.channel.input_paused \
+            or self.channel.state is State.CONNECTING
 
     async def _read(self) -> None:
         """The reader: receive, decode, hand each packet to the channel; return when the connection ends.
@@ -528,8 +545,9 @@ class Connection:
                 await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
             finally:
                 poller.unregister(self._fd)
-            if self._read_failure is not None:
-                raise self._read_failure
+            failure, self._read_failure = self._read_failure, None
+            if failure is not None:
+                raise failure
             if self._read_ended:
                 return
 
@@ -655,6 +673,7 @@ async def serve_mqtt(
         # Returns the connection's coroutine rather than awaiting it: one frame less per idle device.
         return Connection(stream, backend, peer.address, peer.host, peer.identity).run()
 
+    config = backend.channel_config
     await serve_listeners(handler, specs, admission=admission, handshake_timeout_s=backend.connect_timeout_s,
-                          max_message_size=WS_MESSAGE_PACKETS * backend.channel_config.max_packet_size,
-                          task_status=task_status)
+                          max_message_size=WS_MESSAGE_PACKETS * config.max_packet_size,
+                          connect_message_size=config.max_connect_size + RECEIVE_BYTES, task_status=task_status)

@@ -12,6 +12,11 @@ A stream pulls only when its buffer is empty, at most ``pull_batch`` messages,
 so a slow session holds at most one batch per subscription plus its in-flight
 window. It keeps pulling until a pull comes back empty (it reached the head)
 or a known head (``QueueAdvanced``) is reached, without waiting for news.
+Only streams with work (buffered messages, or a pull to make) are *ready*;
+``pump`` walks those, and news reaches a queue's streams through an index by
+queue, so the cost of a packet or an event does not grow with the
+subscriptions a session holds (SUBSCRIBE at 40,000 held cost 4.4 ms when every
+pump walked every stream).
 
 Offsets advance only on PUBACK / PUBCOMP (QoS 1/2) or socket write (QoS 0),
 and only contiguously: the committed offset of a stream is its lowest
@@ -131,6 +136,11 @@ up with its publishers (at 64, a QoS 0 fan-in subscriber fell seconds behind). L
 other connection's wait while many sessions drain backlogs at once."""
 
 
+ALIAS_BYTES = 64 * 1024
+"""Bytes of topic names a connection's outbound topic aliases may hold: a client may accept 65,535 aliases, and
+topics are up to limits.max_topic_length long. Beyond it topics go out by name (an alias is the server's choice)."""
+
+
 @dataclass(slots=True)
 class Link:
     """What delivery needs to know about the connection a session is attached to (set at CONNECT)."""
@@ -145,6 +155,7 @@ class Link:
     encoder: Encoder
     now_ms: Callable[[], int]
     aliases: dict[str, int] = field(default_factory=dict)  # outbound topic -> alias, for this connection
+    alias_bytes: int = 0  # the length of the topics in ``aliases`` (at most ALIAS_BYTES)
     qos0_queue_bytes: int = 0  # QoS 0 bytes handed to the socket but not yet written before new ones drop (0: none)
     report: Callable[[Limit, int, str | None], LimitHit] = LimitHit  # builds the action for a limit hit
     may_read: Callable[[str], bool] | None = None  # the ACL's delivery check (topic -> readable); None: all are
@@ -201,7 +212,7 @@ class Session:
 
     __slots__ = ("client_id", "expiry_s", "awaiting_rel", "_streams", "_inflight", "_next_pid", "_retained",
                  "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due",
-                 "_saves", "_next_ref", "_pubrel_due", "_need_save")
+                 "_saves", "_next_ref", "_pubrel_due", "_need_save", "_by_queue", "_ready")
 
     def __init__(self, client_id: str, expiry_s: int, state: SessionState | None = None) -> None:
         self.client_id = client_id
@@ -210,6 +221,8 @@ class Session:
         """Inbound QoS 2 packet id -> CommitLog offset of its record (``NOT_IN_LOG``: unknown to the store), stored
         and PUBREC'd, waiting for PUBREL: a resent PUBLISH is not stored again."""
         self._streams: dict[str, _Stream] = {}
+        self._by_queue: dict[str, list[_Stream]] = {}  # the streams reading each queue (shared ones included)
+        self._ready: dict[_Stream, None] = {}  # streams with buffered messages or a pull to make, oldest first
         self._inflight: dict[int, InFlight] = {}
         self._next_pid = state.next_packet_id if state else 1
         # Lists, not deques: an idle session keeps both empty, and an empty deque costs 760 B.
@@ -237,7 +250,8 @@ class Session:
             committed = state.offsets.get(sub.filter, 0)
             lane = state.lanes.get(sub.filter, 0) if sub.group is None and sub.options.qos > 0 else 0
             resume = committed if crashed and lane else max(state.cursors.get(sub.filter, committed), committed)
-            stream = self._streams[sub.filter] = _Stream(sub, resume, lane)
+            stream = _Stream(sub, resume, lane)
+            self._add(stream)
             if lane:
                 stream.durable = committed  # the store's, or a saved blob's: written
                 stream.dup_below = committed + LANE_PIDS if crashed else 0
@@ -277,6 +291,14 @@ class Session:
     def subscriptions(self) -> dict[str, Subscription]:
         """Current subscriptions by filter (a copy)."""
         return {name: stream.sub for name, stream in self._streams.items()}
+
+    @property
+    def subscription_count(self) -> int:
+        return len(self._streams)
+
+    def holds(self, filter: str) -> bool:
+        """Is ``filter`` subscribed (without copying the subscriptions)?"""
+        return filter in self._streams
 
     @property
     def inflight(self) -> tuple[InFlight, ...]:
@@ -400,14 +422,27 @@ class Session:
             if not stream.lane and self._wants_lane(sub):
                 stream.lane = self._free_lane()
             return False
-        self._streams[sub.filter] = _Stream(sub, start, self._free_lane() if self._wants_lane(sub) else 0)
+        self._add(_Stream(sub, start, self._free_lane() if self._wants_lane(sub) else 0))
         self._committed[sub.filter] = start
         return True
 
     def unsubscribe(self, filter: str) -> bool:
         """Remove a subscription; its messages still in flight finish their flows. Returns whether it existed."""
         self._committed.pop(filter, None)
-        return self._streams.pop(filter, None) is not None
+        stream = self._streams.pop(filter, None)
+        if stream is None:
+            return False
+        self._ready.pop(stream, None)
+        readers = self._by_queue[stream.sub.queue]
+        readers.remove(stream)
+        if not readers:
+            del self._by_queue[stream.sub.queue]
+        return True
+
+    def _add(self, stream: _Stream) -> None:
+        self._streams[stream.sub.filter] = stream
+        self._by_queue.setdefault(stream.sub.queue, []).append(stream)
+        self._ready[stream] = None  # its first pull finds where the queue's head is
 
     def _wants_lane(self, sub: Subscription) -> bool:
         """Does ``sub`` send by lane: a persistent session's non-shared QoS 1/2 subscription."""
@@ -427,13 +462,15 @@ class Session:
         A shared subscription's stream cannot know which messages its group
         will assign it, so news always makes it pull (until an empty answer).
         """
-        for stream in self._streams.values():
-            if stream.sub.queue != queue:
-                continue
+        ready = self._ready
+        for stream in self._by_queue.get(queue, ()):
             if stream.sub.group is not None:
                 stream.head = None
             elif stream.head is None or stream.head < max_offset:
                 stream.head = max_offset
+            else:
+                continue
+            ready[stream] = None
         return self.pump()
 
     def pulled(self, filter: str, messages: tuple[Message, ...], next_offset: int) -> list[Action]:
@@ -442,6 +479,7 @@ class Session:
         if stream is None:
             return []
         stream.pulling = False
+        self._ready[stream] = None
         if stream.sub.group is not None:
             # The group hands out messages, old ones a member left unacknowledged included: the cursor
             # follows the group's, no offset is filtered, and news during the pull (head None) pulls again.
@@ -513,7 +551,8 @@ class Session:
                 if pid is not None:
                     inflight[pid] = InFlight(pid, sub.filter, _NO_OFFSET, qos)
                 chunks.append(template.render(pid))
-        for stream in self._streams.values():
+        idle: list[_Stream] = []
+        for stream in self._ready:
             sub = stream.sub
             buffer = stream.buffer
             lane = stream.lane
@@ -578,6 +617,10 @@ class Session:
                 if sub.group is not None:
                     stream.head = stream.cursor  # idle after an empty answer unless news comes meanwhile
                 actions.append(Pull(sub.filter, sub.queue, stream.cursor, link.pull_batch, sub.group))
+            if not buffer and (stream.pulling or stream.cursor >= stream.head):  # type: ignore[operator]
+                idle.append(stream)  # nothing to deliver until a pull answers or news comes
+        for stream in idle:
+            del self._ready[stream]
         if dropped:
             actions.append(link.report(Limit.QOS0_QUEUE, dropped, f"{dropped} QoS 0 message(s) dropped: {queued} bytes"
                                        f" wait for the socket (limit {queue_limit})"))
@@ -669,7 +712,8 @@ class Session:
             # Topic aliases are first come, first served until the client's maximum; a known topic is
             # sent as an empty name plus its alias. A new alias counts only once its packet is sent.
             alias = link.aliases.get(topic)
-            new_alias = alias is None and len(link.aliases) < link.topic_alias_maximum
+            new_alias = alias is None and len(link.aliases) < link.topic_alias_maximum \
+                and link.alias_bytes + len(topic) <= ALIAS_BYTES
             if new_alias:
                 alias = len(link.aliases) + 1
             elif alias is not None:
@@ -684,6 +728,7 @@ class Session:
             return None
         if new_alias:
             link.aliases[message.topic] = alias  # type: ignore[assignment]
+            link.alias_bytes += len(message.topic)
         return template
 
     # --- acknowledgements ---------------------------------------------------------------

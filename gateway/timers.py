@@ -5,7 +5,10 @@ with a task each, 5,000 idle devices would hold 10,000 sleeping tasks (about
 2 KiB apiece). Here a heap of deadlines is served by one task, and a timer
 costs a small handle. Cancelled handles stay in the heap until they come due
 and are skipped then (cheap: a connection re-arms a timer only when it fires
-or changes, not per packet).
+or changes, not per packet); a cancelled handle lets go of its callback at
+once, so it never keeps a closed connection (and its buffers) alive, and the
+heap is swept of cancelled handles whenever it has doubled since the last
+sweep (connections that come and go with long keep alives).
 """
 
 from __future__ import annotations
@@ -35,9 +38,18 @@ class Timer:
 
     def cancel(self) -> None:
         self.cancelled = True
+        self.callback = _nothing  # the handle waits in the heap until its deadline: it must not keep its owner alive
 
     def __lt__(self, other: Timer) -> bool:
         return self.deadline < other.deadline
+
+
+def _nothing() -> None:
+    """The callback of a cancelled timer."""
+
+
+SWEEP_FROM = 1024
+"""The heap is swept of cancelled handles only above this size: below it, sweeping costs more than it frees."""
 
 
 @final
@@ -49,19 +61,29 @@ class Timers:
     stop every connection's keepalive.
     """
 
-    __slots__ = ("_heap", "_wakeup")
+    __slots__ = ("_heap", "_wakeup", "_sweep_at")
 
     def __init__(self) -> None:
         self._heap: list[Timer] = []
         self._wakeup = trio.Event()
+        self._sweep_at = SWEEP_FROM
 
     def call_later(self, delay_s: float, callback: Callable[[], None]) -> Timer:
         """Run ``callback()`` after ``delay_s`` seconds unless the returned timer is cancelled first."""
+        if len(self._heap) >= self._sweep_at:
+            self._sweep()
         timer = Timer(trio.current_time() + delay_s, callback)
         heapq.heappush(self._heap, timer)
         if self._heap[0] is timer:
             self._wakeup.set()
         return timer
+
+    def _sweep(self) -> None:
+        """Drop the cancelled handles; the next sweep comes when the heap has doubled (amortised O(1) a timer)."""
+        heap = self._heap
+        heap[:] = [timer for timer in heap if not timer.cancelled]
+        heapq.heapify(heap)
+        self._sweep_at = max(SWEEP_FROM, 2 * len(heap))
 
     def __len__(self) -> int:
         """Timers in the heap, cancelled ones not yet due included."""

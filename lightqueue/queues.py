@@ -48,6 +48,7 @@ import rocksdict
 
 from lightqueue import keys
 from lightqueue.filters import FilterIndex
+from lightqueue.sized import SizedCache
 from lightqueue.targets import MAX_QUEUE_ID, encode_queues
 from lightqueue.topics import first_level_queue, is_wildcard, validate_filter
 
@@ -58,8 +59,18 @@ T = TypeVar("T")
 TARGET_CACHE_SIZE = 65_536
 """Topics whose target section is cached; per-device topics can be millions, hot ones are far fewer."""
 
+TARGET_CACHE_BYTES = 16 * 1024 * 1024
+"""The same cache in bytes, topics included: what 65,536 topics of ~100 bytes take. Topics are client input (up to
+65,535 bytes each): bounded by count alone, 6,000 long topics held 390 MB here."""
+
 QUEUE_CACHE_SIZE = 262_144
 """Queue states (id, max offset) kept in memory; a miss costs two point reads, a state ~200 bytes."""
+
+QUEUE_CACHE_BYTES = 64 * 1024 * 1024
+"""The same cache in bytes, queue names included (a queue is named by its topic, so by client input too)."""
+
+QUEUE_STATE_BYTES = 200
+"""Bytes one cached queue state costs (the object and its key prefix), for the byte bound."""
 
 SWEEP_CHUNK = 1024
 """Queues examined per lock hold during retention, so dispatch is never stalled for long."""
@@ -204,8 +215,8 @@ class LightQueues:
         self._wal.sync = sync
         self._no_wal = rocksdict.WriteOptions()
         self._no_wal.disable_wal = True
-        self._queues: dict[str, _Queue] = {}
-        self._targets: dict[str, bytes] = {}
+        self._queues: SizedCache[str, _Queue] = _queue_cache()
+        self._targets: SizedCache[str, bytes] = _target_cache()
         self._filters = FilterIndex()
         self._active: dict[str, _Filter] = {}  # by filter name
         self._active_ids: dict[int, _Filter] = {}  # the same, by queue id
@@ -314,9 +325,7 @@ class LightQueues:
                 section = encode_queues(f.qid for f in map(active.get, found) if f is not None)
             else:
                 section = _EMPTY
-            if len(cache) >= TARGET_CACHE_SIZE:
-                del cache[next(iter(cache))]
-            cache[topic] = section
+            cache.put(topic, section)
         return section
 
     def activate(self, filter: str, holder: str, log_offset: int) -> int:
@@ -364,7 +373,7 @@ class LightQueues:
                     self._reset_cache()  # the id allocated above may not exist in the database
                     raise
                 self._add_active(_Filter(filter, state.qid, log_offset))
-                self._targets = {}
+                self._targets = _target_cache()
                 return state.max
         self._db.write(batch, self._wal)
         return self.max_offset(filter)
@@ -404,7 +413,7 @@ class LightQueues:
                 self._remove(filter, state, batch)  # the whole queue and its id: listed, it is skipped
             self._db.write(batch, self._wal)
             self._filters.remove(filter)
-            self._targets = {}
+            self._targets = _target_cache()
             gone = self._active.pop(filter)  # after the trie: nothing new lists it, and dispatch skips the rest
             del self._active_ids[gone.qid]
         return True
@@ -776,10 +785,7 @@ class LightQueues:
         self._next_id = keys.U64.unpack(raw)[0] if raw else 1
 
     def _cache(self, name: str, state: _Queue) -> _Queue:
-        queues = self._queues
-        if len(queues) >= QUEUE_CACHE_SIZE:
-            del queues[next(iter(queues))]
-        queues[name] = state
+        self._queues.put(name, state)
         return state
 
     def _allocate(self, name: str, batch: rocksdict.WriteBatch) -> _Queue:
@@ -866,7 +872,7 @@ class LightQueues:
             owner = key[len(ref):].decode()
             batch.delete(key)
             batch.delete(keys.offset_key(owner, qid))
-        self._queues.pop(name, None)
+        self._queues.pop(name)
         self._queues_removed += 1
 
     def _sweep(self, visit: Callable[[str, _Queue, int, rocksdict.WriteBatch], None]) -> None:
@@ -908,3 +914,11 @@ class LightQueues:
             yield it.key(), it.value()
             it.next()
             n += 1
+
+
+def _target_cache() -> SizedCache[str, bytes]:
+    return SizedCache(TARGET_CACHE_SIZE, TARGET_CACHE_BYTES)
+
+
+def _queue_cache() -> SizedCache[str, _Queue]:
+    return SizedCache(QUEUE_CACHE_SIZE, QUEUE_CACHE_BYTES, lambda state: QUEUE_STATE_BYTES)

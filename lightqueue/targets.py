@@ -30,6 +30,10 @@ DECODE_CACHE_SIZE = 4096
 """Sections repeat (one per topic and filter set): a cache hit returns the same tuple, which the
 dispatcher's per-batch route cache then compares by identity."""
 
+CACHED_SECTION_BYTES = 1024
+"""Only sections of up to 256 filters are cached, so the cache holds at most 4 MiB (sections of thousands of
+filters, all matching one topic, are made by clients: their decoding costs in proportion, once per record)."""
+
 
 class CorruptTargets(ValueError):
     """A target-queues section does not parse (its length is not a whole number of queue ids)."""
@@ -47,15 +51,21 @@ def encode_queues(qids: Iterable[int]) -> bytes:
     return struct.pack(f">{len(ids)}I", *ids)
 
 
-@functools.lru_cache(maxsize=DECODE_CACHE_SIZE)
 def decode_queues(raw: bytes) -> tuple[int, ...]:
     """Inverse of :func:`encode_queues`: the listed queue ids, in section order.
 
     Raises:
         CorruptTargets: the section's length is not a multiple of QUEUE_ID_SIZE.
     """
+    return _decode_cached(raw) if len(raw) <= CACHED_SECTION_BYTES else _decode(raw)
+
+
+def _decode(raw: bytes) -> tuple[int, ...]:
     count, rest = divmod(len(raw), QUEUE_ID_SIZE)
     if rest:
         raise CorruptTargets(
             f"target-queues section of {len(raw)} bytes is not a whole number of {QUEUE_ID_SIZE}-byte queue ids")
     return struct.unpack(f">{count}I", raw)
+
+
+_decode_cached = functools.lru_cache(maxsize=DECODE_CACHE_SIZE)(_decode)

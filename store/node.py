@@ -41,8 +41,8 @@ from store.aio import AsyncCommitLog
 from store.awaiting import AwaitingRelease, Flow
 from store.commitlog import CommitLogConfig
 from store.dispatch import MAX_LAG, Dispatcher, Listener
-from store.process import freeze_startup_objects
 from store.errors import FULL_ERRNOS, LogFullError, StartupError
+from store.process import freeze_startup_objects, return_freed_buffers
 from store.recent import RecentRecords
 from store.space import DiskSpace
 from store.record import Record, decode_record, new_record, now_ms
@@ -514,6 +514,7 @@ def run_store_node(conf: Any, access: StoreAccess | None = None, reload: Callabl
         LOGGER.error("store node not started: store.lease_s must be more than 0 (heartbeats go every lease / 5)")
         return 1
     freeze_startup_objects()
+    return_freed_buffers()
     failed = False
     try:
         trio.run(serve_store, conf.values, access, reload, fix_session)

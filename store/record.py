@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import struct
 import time
-from functools import lru_cache
 
 import msgspec
 from crc32c import crc32c
@@ -225,15 +224,9 @@ def new_record(
         payload = bytes(payload)
     born = store_ms if born_ms is None else born_ms
     raw = _encode(topic, payload, client_id, qos, retain, properties, queues, born, store_ms, max_size, packet_id)
-    ids = _queue_ids(queues) if queues else ()
+    ids = decode_queues(queues) if queues else ()
     flags = qos | (FLAG_RETAIN if retain else 0) | (FLAG_PACKET_ID if packet_id else 0)
     return raw, Record(0, len(raw), flags, born, store_ms, client_id, topic, ids, properties, payload, packet_id)
-
-
-@lru_cache(maxsize=4096)
-def _queue_ids(section: bytes) -> tuple[int, ...]:
-    """The queue ids of a target-queues section: few distinct sections, each seen on many records."""
-    return decode_queues(section)
 
 
 def encode_eos(remaining: int) -> bytes:

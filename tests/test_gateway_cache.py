@@ -94,3 +94,33 @@ async def test_the_byte_budget_evicts_the_least_recently_extended_queue(tmp_path
         cache.unwatch("q/b")
         assert cache.statistics().queues == 0 and cache.statistics().bytes == 0
         client.close()
+
+
+async def test_the_byte_budget_counts_what_decoded_user_properties_take(tmp_path: Path):
+    """Each message with 32 User Properties takes ~5 KB decoded; counted as 200 bytes, the 64 MiB budget could
+    hold gigabytes of them (issue 21). The estimate must cover at least what tracemalloc sees."""
+    import tracemalloc
+
+    from gateway.messages import from_record
+    from gateway.properties import PacketType, Properties, encode_properties
+
+    props = encode_properties(Properties(user_properties=tuple((f"key{i}", f"value{i}") for i in range(32))),
+                              PacketType.PUBLISH)
+    async with open_store(tmp_path, CONFIG) as store:
+        client = LocalStoreClient(store)
+        cache = QueueCache(client, from_record)
+        start = await client.activate("p/+", "s1")
+        cache.watch("p/+")
+        await client.append([("p/a", b"x", {"properties": props}) for _ in range(200)])
+        with trio.fail_after(10):
+            await store.dispatcher.wait_dispatched(store.log.log.written_offset)
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            messages, _, _ = await cache.read("p/+", start, 1000)
+            held = tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+        assert len(messages) == 200
+        assert cache.statistics().bytes >= held * 0.8, (cache.statistics().bytes, held)
+        client.close()

@@ -12,6 +12,7 @@ from amqtt.mqtt.subscribe import SubscribePacket
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_gateway_properties import mqtt_text, properties_for
+from work import python_lines
 
 from gateway.codec import (
     MAX_PACKET_SIZE,
@@ -41,7 +42,9 @@ from gateway.packets import (
     Unsuback,
     Unsubscribe,
 )
-from gateway.properties import EMPTY_PROPERTIES, PacketType, Properties, encode_properties
+from gateway.properties import (
+    EMPTY_PROPERTIES, PacketType, Properties, RepeatLimit, RepeatLimitExceeded, encode_properties,
+)
 from gateway.reasons import (
     AUTH_REASONS,
     CONNACK_REASONS,
@@ -982,3 +985,58 @@ def test_encode_refuses_invalid_packets(packet, level):
 def test_encode_refuses_non_packets():
     with pytest.raises(LocalProtocolError):
         encode("PINGREQ", 5)
+
+
+# --- what a hostile client can make the decoder hold or do (issue 21) ----------------------------
+
+
+def test_a_connect_over_max_connect_size_is_refused_from_its_header_in_the_clients_version():
+    """A client not yet accepted may not make the node buffer a packet of an accepted client's size; the
+    protocol level is read from the bytes already there, so an MQTT 5 client gets CONNACK 0x95."""
+    connect = encode(Connect(protocol_level=5, client_id="c" * 2000), 5)
+    decoder = MqttDecoder(role=Role.SERVER, max_packet_size=100_000, max_connect_size=1000)
+    decoder.feed(connect[:20])  # the header announces more than 1000 bytes; the body has not arrived
+    with pytest.raises(RemoteProtocolError) as info:
+        decoder.next_packet()
+    assert info.value.reason is ReasonCode.PACKET_TOO_LARGE
+    assert decoder.protocol_level == 5
+
+
+def test_max_connect_size_bounds_the_connect_only():
+    decoder = MqttDecoder(role=Role.SERVER, max_packet_size=100_000, max_connect_size=1000)
+    decoder.feed(encode(Connect(protocol_level=5, client_id="c"), 5))
+    assert isinstance(decoder.next_packet(), Connect)
+    big = Publish("t", b"x" * 50_000)
+    decoder.feed(encode(big, 5))
+    assert decoder.next_packet() == big
+
+
+def _user_properties(count: int) -> Properties:
+    return Properties(user_properties=tuple((f"k{i}", f"v{i}") for i in range(count)))
+
+
+@pytest.mark.parametrize("limit", [RepeatLimit(count=32), RepeatLimit(bytes=8192)])
+def test_user_properties_over_the_limit_are_refused_after_the_limit_not_after_the_packet(limit):
+    """20,000 User Properties took ~90 ms of CPU per PUBLISH to decode; decoding now stops at the first one
+    over the limit (QUOTA_EXCEEDED), so the work is bounded by the limit, not by the packet."""
+    def decode(count: int) -> int:
+        decoder = MqttDecoder(role=Role.SERVER, repeat_limit=limit)
+        decoder.feed(encode(Connect(protocol_level=5, client_id="c"), 5))
+        decoder.next_packet()
+        decoder.feed(encode(Publish("t", b"x", properties=_user_properties(count)), 5))
+
+        def refused() -> RemoteProtocolError:
+            with pytest.raises(RepeatLimitExceeded) as info:
+                decoder.next_packet()
+            return info.value
+
+        lines, error = python_lines(refused)
+        assert error.reason is ReasonCode.QUOTA_EXCEEDED
+        return lines
+
+    assert decode(20_000) < 1.1 * decode(2_000)  # the same work whatever the packet holds beyond the limit
+
+
+def test_user_properties_within_the_limit_are_decoded():
+    within = Publish("t", b"x", properties=_user_properties(32))
+    assert decode_stream(encode(within, 5), repeat_limit=RepeatLimit(count=32)) == [within]

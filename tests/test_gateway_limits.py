@@ -53,6 +53,7 @@ from gateway.packets import (
     SubscriptionOptions,
     Unsubscribe,
 )
+from gateway.properties import RepeatLimit
 from gateway.reasons import ReasonCode
 from gateway.session import SessionState
 
@@ -386,7 +387,8 @@ def test_options_reach_the_channel_config():
     assert _channel_config(settings) == _channel_config(settings)  # defaults: every limit off or at its maximum
     default = _channel_config(settings)
     assert (default.max_topic_length, default.max_topic_levels, default.max_subscriptions, default.publish_rate,
-            default.publish_bytes_rate, default.qos0_queue_bytes) == (65535, 128, 0, 0, 0, 0)
+            default.publish_bytes_rate, default.qos0_queue_bytes) == (4096, 128, 1024, 0, 0, 0)
+    assert default.repeat_limit == RepeatLimit(32, 8192)
     settings.update({"limits.max_topic_length": 100, "limits.max_topic_levels": 8, "limits.max_subscriptions": 50,
                      "limits.publish_rate": 10.0, "limits.publish_burst": 20.0, "limits.publish_bytes_rate": 1e6,
                      "limits.qos0_queue_bytes": 65536})

@@ -8,6 +8,9 @@ from gateway.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
 from gateway.reasons import ReasonCode
 from gateway.session import LANE_PIDS, NOT_IN_LOG, Link, Session, SessionState
 
+
+from gateway.session import ALIAS_BYTES, Link, Session, SessionState
+
 SUB = Subscription("a/+", "a/+", SubscriptionOptions(qos=1))
 
 
@@ -275,3 +278,18 @@ def test_a_crashed_persistent_session_resumed_without_expiry_still_resends_its_l
     assert pulls(session.attach(link())) == [Pull("a/+", "a/+", 3, 4)]
     out = publishes(session.pulled("a/+", tuple(msg(i) for i in range(3, 7)), 7))
     assert [(p.payload, p.dup, p.packet_id) for p in out] == [(b"%d" % i, True, LANE_PIDS + i) for i in range(3, 7)]
+
+
+def test_outbound_topic_aliases_hold_a_bounded_number_of_topic_bytes():
+    """A client may accept 65,535 aliases; the server keeps each aliased topic, so long topics could pin
+    65,535 x 65 KB per connection. Beyond ALIAS_BYTES of topics a topic goes out by name (issue 21)."""
+    session = Session("c", 0)
+    session.subscribe(Subscription("#", "#", SubscriptionOptions(qos=0)), 0)
+    session.attach(link(topic_alias_maximum=65535, receive_maximum=1000, max_unwritten=1000, pull_batch=1000))
+    topics = [f"{n:04d}/" + "x" * 4000 for n in range(100)]
+    messages = tuple(Message(t, b"p", 0, queue="#", offset=n) for n, t in enumerate(topics))
+    sent = publishes(session.pulled("#", messages, 100))
+    aliased = [p for p in sent if p.properties.topic_alias is not None]
+    assert 0 < len(aliased) < len(sent)
+    assert sum(len(p.topic) for p in aliased) <= ALIAS_BYTES
+    assert all(p.topic for p in sent)  # first sightings carry their names; none relies on an alias it lacks

@@ -1,9 +1,11 @@
 """The node's one timer task: order, cancellation, re-arming from a callback."""
 
+import weakref
+
 import trio
 import trio.testing
 
-from gateway.timers import Timers
+from gateway.timers import SWEEP_FROM, Timers
 
 
 async def test_timers_fire_in_deadline_order_and_cancelled_ones_never(autojump_clock):
@@ -57,3 +59,38 @@ async def test_a_failing_callback_is_logged_and_the_others_still_fire(autojump_c
         nursery.cancel_scope.cancel()
     assert fired == ["after"]
     assert "timer callback failed" in caplog.text and "a connection's bug" in caplog.text
+
+
+def test_a_cancelled_timer_lets_go_of_its_callback_at_once():
+    """A closed connection's timers wait in the heap until their deadlines (a keep alive: up to 27 hours); holding
+    the connection's callbacks kept it and its buffers (a partial 1 MB packet) alive all that time."""
+    timers = Timers()
+
+    class Owner:
+        def fire(self) -> None:
+            raise AssertionError("cancelled")
+
+    owner = Owner()
+    gone = weakref.ref(owner)
+    trio.run(_arm_and_cancel, timers, owner.fire)
+    del owner
+    assert gone() is None
+    assert len(timers) == 1  # still in the heap until its deadline, but empty
+
+
+async def _arm_and_cancel(timers: Timers, callback) -> None:
+    timers.call_later(3600, callback).cancel()
+
+
+def test_cancelled_handles_are_swept_so_the_heap_grows_with_live_timers_only():
+    """Connections that come and go with a long keep alive each leave a cancelled handle behind."""
+    timers = Timers()
+
+    async def churn() -> None:
+        live = [timers.call_later(3600, lambda: None) for _ in range(100)]
+        for _ in range(50_000):  # connect, arm, disconnect
+            timers.call_later(3600, lambda: None).cancel()
+        assert all(not t.cancelled for t in live)
+
+    trio.run(churn)
+    assert len(timers) <= 2 * SWEEP_FROM

@@ -462,3 +462,31 @@ def test_an_index_with_one_key_per_entry_reads_as_runs_of_one(env):
     assert env.lq.min_offset("t") == 5 and len(env.entry_keys(qid)) == 5
     env.lq.rewind(800)
     assert env.lq.max_offset("t") == 8 and pulled(env, "t", 0, 100)[0] == [(q, q * 100) for q in range(5, 8)]
+
+
+def test_the_topic_keyed_caches_are_bounded_in_bytes_not_only_in_entries(env, monkeypatch):
+    """6,000 distinct 65 KB topics: the target-section cache (65,536 entries) and the queue-state cache (262,144)
+    each kept every topic string, 390 MB apiece. Bounded in bytes, they keep what their budget allows (issue 21)."""
+    import gc
+    import tracemalloc
+
+    from lightqueue import queues as module
+
+    monkeypatch.setattr(module, "TARGET_CACHE_BYTES", 4 * 2**20, raising=False)  # 39 MB of topics overflow them
+    monkeypatch.setattr(module, "QUEUE_CACHE_BYTES", 4 * 2**20, raising=False)
+    env.lq = LightQueues(env.db)  # made with the budgets above
+    env.activate("+/x", "holder")  # a wildcard, so sections are not all empty
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for n in range(600):
+            topic = f"{n:05d}/" + "x" * 65_000
+            env.lq.targets(topic)
+            env.lq.queue_id(topic)
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    stats = env.lq.statistics()
+    assert stats.cached_targets < 600 and stats.cached_queues < 600
+    assert held < 12 * 2**20, f"{held / 2**20:.0f} MiB held for 39 MB of topics (budgets: 2 x 4 MiB)"

@@ -34,3 +34,13 @@ def test_ids_outside_u32_are_refused(ids):
 def test_a_section_that_is_not_whole_ids_is_corrupt(raw):
     with pytest.raises(CorruptTargets, match=f"section of {len(raw)} bytes is not a whole number of 4-byte"):
         decode_queues(raw)
+
+
+def test_only_small_sections_are_cached():
+    """Sections of thousands of filters are made by clients; caching 4,096 of them could pin gigabytes."""
+    from lightqueue.targets import CACHED_SECTION_BYTES
+
+    small, large = encode_queues(range(1, 10)), encode_queues(range(1, CACHED_SECTION_BYTES))
+    assert decode_queues(small) is decode_queues(small)
+    assert decode_queues(large) == tuple(range(1, CACHED_SECTION_BYTES))
+    assert decode_queues(large) is not decode_queues(large)

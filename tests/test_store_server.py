@@ -14,7 +14,8 @@ from store.record import decode_record
 from store.server import RpcServer, serve_rpc
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
-LEASE_S = 0.6  # short leases, so the silence and will tests take a second
+LEASE_S = 1.5  # short leases, so the silence and will tests take seconds; not shorter: a busy 2-core CI machine
+# can stall the event loop for most of a second, and a missed heartbeat ends a lease a test needs
 
 
 @pytest.fixture

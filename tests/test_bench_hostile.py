@@ -1,0 +1,25 @@
+"""``lightgate bench hostile`` at tiny sizes: every attack runs beside the canary and reports its figures."""
+
+import argparse
+
+import pytest
+
+from bench import hostile
+
+
+@pytest.mark.slow
+def test_every_attack_reports_the_canary_the_rss_and_what_the_attacker_saw():
+    parser = argparse.ArgumentParser()
+    hostile.add_arguments(parser)
+    args = parser.parse_args(["--brokers", "lightgate", "--scale", "0.005", "--phase-s", "0.3", "--settle-s", "0.3"])
+    result = hostile.run(args)
+    assert set(result["attacks"]) == set(hostile.ATTACKS)
+    for attack, per_broker in result["attacks"].items():
+        run = per_broker["lightgate"]
+        assert "error" not in run["attacker"] and "timed_out" not in run["attacker"], (attack, run["attacker"])
+        assert run["canary"]["before"]["received"] > 0, attack
+        assert run["rss_MiB"]["peak_during"] >= run["rss_MiB"]["before"] > 0
+    seen = {attack: per_broker["lightgate"]["attacker"] for attack, per_broker in result["attacks"].items()}
+    assert seen["big-topics"]["connections_closed_by_broker"] > 0  # 65 KB topics: over limits.max_topic_length
+    assert seen["user-properties"]["refused_with_close"] == seen["user-properties"]["packets"]
+    assert seen["churn-ws"]["failed"] == 0 and seen["churn-tcp"]["failed"] == 0
