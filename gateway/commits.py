@@ -11,7 +11,9 @@ A connection does not wait for its commits (``post``): offsets are committed
 lazily anyway (every N acknowledgements or on a timer), and a connection that
 waited would hold its next pulls behind a store write. A crash can lose the
 commits not yet written; the session then resumes a little earlier and the
-client sees those messages again (QoS 1/2 are at least once).
+client sees those messages again (QoS 1/2 are at least once). A write that a
+full data disk refused goes back to the pending commits (a newer offset of the
+same queue wins) and is tried again once the disk has room (gateway/owed.py).
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ import logging
 
 import trio
 
+from gateway.owed import OwedWrites
 from store.client import StoreClient
 from store.errors import LogFullError
 
 LOGGER = logging.getLogger(__name__)
 
 __all__ = ["CommitBatcher"]
+
+OWED_OWNER = "$commits"
+"""The owner of the owed commit write (gateway/owed.py): ``$`` keeps it apart from client ids."""
 
 
 @final
@@ -44,10 +50,12 @@ class _Round:
 class CommitBatcher:
     """Writes ``{owner: {queue: offset}}`` commits in batches; each caller returns once its commit is written."""
 
-    def __init__(self, store: StoreClient, nursery: trio.Nursery) -> None:
-        """``nursery`` runs the writes that ``post`` starts."""
+    def __init__(self, store: StoreClient, nursery: trio.Nursery, owed: OwedWrites | None = None) -> None:
+        """``nursery`` runs the writes that ``post`` starts; ``owed`` retries those a full disk refused (the
+        node's, shared with its other store writes; default: one of its own)."""
         self._store = store
         self._nursery = nursery
+        self.owed = owed if owed is not None else OwedWrites(nursery)
         self._pending: dict[str, dict[str, int]] = {}
         self._next = _Round()  # the round that will carry what is pending
         self._busy = False
@@ -62,7 +70,7 @@ class CommitBatcher:
         effect in the order they are made.
         """
         self._add(owner, offsets)
-        if not self._busy:
+        if not self._busy and not self.owed.owes(OWED_OWNER, OWED_OWNER):  # owed: the disk is full, it waits
             self._busy = True  # the task below takes the round: no second writer starts meanwhile
             self._nursery.start_soon(self._drain)
 
@@ -70,7 +78,9 @@ class CommitBatcher:
         self._busy = False  # taken over from post(): _write holds it while it writes
         while self._pending and not self._busy:
             written = await self._write()
-            if written.error is not None and not isinstance(written.error, LogFullError):  # logged once by the store
+            if isinstance(written.error, LogFullError):  # logged once by the store; pending again, owed
+                return
+            if written.error is not None:
                 LOGGER.error("offset commit failed: %r", written.error)
 
     async def forget(self, owner: str) -> None:
@@ -96,8 +106,20 @@ class CommitBatcher:
                 await self._free.wait()
                 continue
             await self._write()
+        if isinstance(mine.error, LogFullError):
+            raise mine.error  # the offsets are pending again: they are written once the disk has room
         if mine.error is not None:
             raise OSError(f"offsets of {owner!r} not committed: {mine.error!r}") from mine.error
+
+    async def _write_owed(self) -> None:
+        """The owed write: what is pending (raises the round's failure, so that it stays owed)."""
+        while self._pending:  # posts made meanwhile started no write of their own (``post``)
+            if self._busy:
+                await self._free.wait()
+                continue
+            written = await self._write()
+            if written.error is not None:
+                raise written.error
 
     async def _write(self) -> _Round:
         """Write what is pending as one round; the round says whether it failed."""
@@ -107,6 +129,13 @@ class CommitBatcher:
         try:
             await self._store.commit_offsets(batch)
             self.writes += 1
+        except LogFullError as exc:  # pending again, under any newer offsets; written once the disk has room
+            current.error = exc
+            for owner, offsets in batch.items():
+                pending = self._pending.setdefault(owner, {})
+                for queue, offset in offsets.items():
+                    pending.setdefault(queue, offset)
+            self.owed.owe(OWED_OWNER, self._write_owed, key=OWED_OWNER)
         except Exception as exc:  # every caller of the round raises it
             current.error = exc
         finally:

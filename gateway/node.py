@@ -86,6 +86,7 @@ from gateway.channel import ChannelConfig
 from gateway.commits import CommitBatcher
 from gateway.limits import LimitCounters
 from gateway.metrics import NodeMetrics
+from gateway.owed import OwedWrites, Write
 from gateway.listeners import ListenerSpec, listener_specs
 from gateway.logs import leaves
 from gateway.messages import from_record, to_new_message
@@ -106,6 +107,7 @@ from store.errors import LogFullError, StartupError
 from store.node import open_store, until_signalled
 from store.process import freeze_startup_objects
 from store.record import Record, RecordTooLarge
+from store.space import FULL_RETRY_S
 from store.rpc import parse_address
 
 __all__ = ["GatewayNode", "NodeFront", "run_cluster_gateway", "run_gateway_node",
@@ -185,7 +187,8 @@ class GatewayNode:
         self.reads = Poller(self._end_round)
         self._round: list[tuple[Connection, Append]] = []  # the appends of the read round in progress
         self.cache = QueueCache(store, from_record)
-        self.commits = CommitBatcher(store, nursery)
+        self.owed = OwedWrites(nursery)  # store writes a full data disk refused, done once it has room
+        self.commits = CommitBatcher(store, nursery, self.owed)
         # A cluster node's store client is a GroupArbiter: the store arbitrates groups with members on several nodes.
         self.groups = SharedGroups(store, self.cache, self.commits, nursery=nursery, convert=from_record,
                                    arbiter=store if isinstance(store, GroupArbiter) else None)
@@ -235,7 +238,7 @@ class GatewayNode:
             elif kind is SaveSession:
                 await self._save(action.state)  # type: ignore[union-attr]
             elif kind is DropSession:
-                await self.drop_session(action.client_id)  # type: ignore[union-attr]
+                await self._drop_when_room(action.client_id)  # type: ignore[union-attr]
             elif kind is PublishWill:
                 self._publish_will(action)  # type: ignore[arg-type]
             elif kind is LimitHit:
@@ -277,11 +280,18 @@ class GatewayNode:
                                extra={"ctx": {"client_id": client_id}})
         self._connections[client_id] = connection
         self.store.present(client_id)  # a connection of it on another node is taken over (``consume_moves`` there)
+        try:
+            if action.clean_start or self.owed.owes(client_id, DropSession):  # an ended session must not resume
+                await self.owed.settle(client_id)
+            if action.clean_start:
+                await self.drop_session(client_id)
+        except LogFullError:  # nothing was deleted; the store logged the full disk once
+            connection.feed(SessionOpened(False, reason=ReasonCode.QUOTA_EXCEEDED))
+            return
         self._cancel(self._wills, client_id)
         self._cancel(self._expiries, client_id)
         await self._hold_will(client_id, action)
         if action.clean_start:
-            await self.drop_session(client_id)
             connection.feed(SessionOpened(False))
             return
         state = self._sessions.get(client_id)
@@ -297,7 +307,11 @@ class GatewayNode:
             state = await self._revoke_unauthorised(connection, await self._resumed(state, log=True))
             for sub in state.subscriptions:
                 if sub.group is not None:
-                    await self.groups.join(connection, sub, None)
+                    try:
+                        await self.groups.join(connection, sub, None)
+                    except LogFullError:  # a new group's offset must be stored first
+                        connection.feed(SessionOpened(False, reason=ReasonCode.QUOTA_EXCEEDED))
+                        return
                 self._subscribe_local(connection, sub.queue)
         connection.feed(SessionOpened(state is not None, state))
 
@@ -412,20 +426,35 @@ class GatewayNode:
 
     async def _save(self, state: SessionState) -> None:
         self._sessions[state.client_id] = state
-        if state.expiry_s > 0:
-            try:
-                await self.store.save_session(state.client_id, encode_session(state))
-            except LogFullError:  # kept in memory; the store logged the full disk once
-                LOGGER.debug("session not saved: the data disk is full", extra={"ctx": {"client_id": state.client_id}})
+        if state.expiry_s > 0:  # on a full disk the save waits for room (owed): it then stores the latest state
+            await self.owed.attempt(state.client_id, functools.partial(self._store_session, state.client_id),
+                                    key=SaveSession)
+
+    async def _store_session(self, client_id: str) -> None:
+        """Store the session's latest state (if it is still a persistent one of this node)."""
+        state = self._sessions.get(client_id)
+        if state is not None and state.expiry_s > 0:
+            await self.store.save_session(client_id, encode_session(state))
 
     async def drop_session(self, client_id: str) -> None:
-        """End a session: its state, its stored blob, its filters and offsets go."""
+        """End a session: its state, its stored blob, its filters and offsets go.
+
+        Raises:
+            LogFullError: the data disk is full: nothing was deleted (a full disk that starts midway leaves the
+                rest for a second call).
+        """
+        await self.store.drop_session(client_id)  # first: on a full disk the session stays whole
         self._sessions.pop(client_id, None)
         self._cancel(self._expiries, client_id)
         await self.groups.drop_subscriber(client_id)
         await self.commits.forget(client_id)  # an offset written after the delete would keep its queues referenced
-        await self.store.drop_session(client_id)
         await self.store.delete_owner(client_id)
+
+    async def _drop_when_room(self, client_id: str, drop: Write | None = None) -> bool:
+        """``drop`` (default: :meth:`drop_session`) now, or once the full data disk has room; the session cannot
+        resume meanwhile (``_open_session``). True if it was done now."""
+        return await self.owed.attempt(client_id, drop or functools.partial(self.drop_session, client_id),
+                                       key=DropSession)
 
     def _start_expiry(self, client_id: str, expiry_s: int) -> None:
         async def expire(scope: trio.CancelScope) -> None:
@@ -433,10 +462,15 @@ class GatewayNode:
                 await trio.sleep(expiry_s)
                 del self._expiries[client_id]
                 with trio.CancelScope(shield=True):  # a half-dropped session would keep its filters held
-                    await self.drop_session(client_id)
-                LOGGER.info("session expired", extra={"ctx": {"client_id": client_id}})
+                    if not await self._drop_when_room(client_id, functools.partial(self._expire, client_id)):
+                        LOGGER.info("session expiry waits for room on the data disk: the session cannot resume "
+                                    "meanwhile", extra={"ctx": {"client_id": client_id}})
 
         self._later(self._expiries, client_id, expire)
+
+    async def _expire(self, client_id: str) -> None:
+        await self.drop_session(client_id)
+        LOGGER.info("session expired", extra={"ctx": {"client_id": client_id}})
 
     def _later(self, table: dict[str, trio.CancelScope], client_id: str, job: Any) -> None:
         self._cancel(table, client_id)
@@ -471,6 +505,9 @@ class GatewayNode:
                 await trio.sleep(action.delay_s)
                 del self._wills[action.client_id]
                 reason = await self.append_messages([action.message])
+                while reason is ReasonCode.QUOTA_EXCEEDED:  # a full disk: the will, due now [MQTT-3.1.2-8], waits
+                    await trio.sleep(FULL_RETRY_S)  # for room (a session resuming meanwhile does not cancel it)
+                    reason = await self.append_messages([action.message], count=False)
                 if reason is not None:
                     LOGGER.error("will not published: %s", reason.name, extra={"ctx": {"client_id": action.client_id}})
                 else:
@@ -480,11 +517,11 @@ class GatewayNode:
 
     # --- messages -----------------------------------------------------------------------
 
-    async def append_messages(self, messages: Sequence[Message]) -> ReasonCode | None:
+    async def append_messages(self, messages: Sequence[Message], *, count: bool = True) -> ReasonCode | None:
         """Append messages through the store (durable under the sync flush policy); None or why it failed.
 
-        A failure counts the messages in ``refused_by_qos``. A full disk is QUOTA_EXCEEDED and not logged here:
-        the store logs the episode once (store/space.py), not once per publish.
+        A failure counts the messages in ``refused_by_qos`` (unless ``count`` is False: a retry). A full disk is
+        QUOTA_EXCEEDED and not logged here: the store logs the episode once (store/space.py), not once per publish.
         """
         batch = [to_new_message(m) for m in messages]
         try:
@@ -498,7 +535,7 @@ class GatewayNode:
         except (OSError, ValueError) as exc:
             LOGGER.error("append failed: %r", exc)
             reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
-        for message in messages:
+        for message in messages if count else ():
             self.refused_by_qos[message.qos] += 1
         return reason
 
@@ -620,9 +657,11 @@ class GatewayNode:
                 continue
             holder = action.client_id if sub.group is None else SHARE_OWNER_PREFIX + sub.group
             try:
-                starts[sub.filter] = await self.store.activate(sub.queue, holder)
+                await self.owed.settle(holder)  # a release owed by an earlier UNSUBSCRIBE must not undo this one
+                start = await self.store.activate(sub.queue, holder)
                 if sub.group is not None:
-                    await self.groups.join(connection, sub, starts[sub.filter])
+                    await self.groups.join(connection, sub, start)
+                starts[sub.filter] = start
             except TopicError as exc:
                 LOGGER.warning("subscription refused: %s", exc, extra={"ctx": {"client_id": action.client_id}})
                 reasons[sub.filter] = ReasonCode.TOPIC_FILTER_INVALID
@@ -638,10 +677,11 @@ class GatewayNode:
                 self._subscribe_local(connection, sub.queue)
 
     async def _release(self, connection: Connection, client_id: str, filters: tuple[str, ...]) -> None:
+        """The session no longer has these subscriptions; on a full disk the store's releases wait for room."""
         for filter in filters:
             shared = parse_shared(filter)
             if shared is None:
-                await self.store.release(filter, client_id)
+                await self.owed.attempt(client_id, functools.partial(self.store.release, filter, client_id))
                 self._unsubscribe_local(connection, filter)
                 continue
             self._unsubscribe_local(connection, shared[1])
@@ -654,7 +694,10 @@ class GatewayNode:
             if shared is None:
                 offsets[filter] = offset
                 continue
-            await self.groups.acknowledged(connection, shared, offset)
+            try:
+                await self.groups.acknowledged(connection, shared, offset)
+            except LogFullError:  # the group's offset stays behind; a later acknowledgement moves it
+                pass
         if offsets:
             self.commits.post(action.client_id, offsets)
         LOGGER.debug("offsets committed", extra={"ctx": {"client_id": action.client_id, "offsets": action.offsets}})
@@ -702,7 +745,7 @@ class GatewayNode:
         """Append the statistics now and every ``interval_s`` until cancelled."""
         while True:
             reason = await self.append_messages(self.sys_messages())
-            if reason is not None:
+            if reason is not None and reason is not ReasonCode.QUOTA_EXCEEDED:  # a full disk: logged by the store
                 LOGGER.error("$SYS statistics not published: %s", reason.name)
             await trio.sleep(interval_s)
 
@@ -769,8 +812,8 @@ class GatewayNode:
         if not known:
             return False
         await self.disconnect(client_id)
-        await self.drop_session(client_id)
-        LOGGER.info("session deleted (admin API)", extra={"ctx": {"client_id": client_id}})
+        done = await self._drop_when_room(client_id)
+        LOGGER.info("session deleted (admin API)", extra={"ctx": {"client_id": client_id, "waits_for_room": not done}})
         return True
 
     async def queues(self) -> list[QueueInfo]:
