@@ -167,6 +167,11 @@ def test_every_packet_family_on_a_full_disk_is_answered_and_resumes_when_space_f
         assert subscribe(plain, f"p{run}/+") == (ReasonCode.GRANTED_QOS_1,)
         live, _ = open5(port, f"live-{run}", clean=True)
         assert subscribe(live, f"u{run}/+") == (ReasonCode.GRANTED_QOS_1,)
+        watcher, _ = open5(port, f"watcher-{run}", clean=True)
+        assert subscribe(watcher, f"w{run}/#") == (ReasonCode.GRANTED_QOS_1,)
+        willer = RawClient(port, MQTT_5)
+        willer.send(Connect(MQTT_5, f"willer-{run}", True, will_topic=f"w{run}/gone", will_payload=b"will", will_qos=1))
+        assert isinstance(willer.receive(), Connack)
         pub, _ = open5(port, f"pub-{run}", clean=True, expiry=0)
         stored = [b"stored-%d" % i for i in range(5)]
         for i, payload in enumerate(stored):
@@ -210,6 +215,11 @@ def test_every_packet_family_on_a_full_disk_is_answered_and_resumes_when_space_f
         dep.sessions.wait_log(lambda d: d.get("msg", "").startswith("session expiry waits for room")
                               and d.get("client_id") == brief, after=mark)
         refused(*open5(port, brief, clean=False), ReasonCode.QUOTA_EXCEEDED)
+        # A will due while full waits for room [MQTT-3.1.2-8].
+        refused_qos1 = 'lightgate_messages_refused_total{qos="1"}'
+        before = metric(admin, refused_qos1)
+        willer.close()  # no DISCONNECT: the will is due now
+        wait_until(lambda: metric(admin, refused_qos1) > before, what="the will refused once", timeout=WAIT_S)
         for process in dep.processes():
             assert process.proc.poll() is None
             no_traceback(process)
@@ -229,7 +239,9 @@ def test_every_packet_family_on_a_full_disk_is_answered_and_resumes_when_space_f
         assert subscribe(live, f"u{run}/+", 4) == (ReasonCode.GRANTED_QOS_1,)
         assert publish(pub, f"u{run}/x", b"after", 10) is ReasonCode.SUCCESS
         assert receive_acking(live).payload == b"after"
-        for client in (live, pub, fresh5, fresh3):
+        will = receive_acking(watcher)
+        assert (will.topic, will.payload) == (f"w{run}/gone", b"will")
+        for client in (live, pub, fresh5, fresh3, watcher):
             client.close()
 
         # The session saved (and the offsets committed) while the disk was full reached the store: after a
