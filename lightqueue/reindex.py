@@ -99,4 +99,5 @@ def _scan(db: rocksdict.Rdict, prefix: bytes) -> list[tuple[bytes, bytes]]:
     while it.valid():
         found.append((it.key(), it.value()))
         it.next()
+    it.status()  # raises the iterator's error: a damaged block must not read as the end of the keys
     return found

@@ -89,6 +89,15 @@ def first_run_table_missing(index: Path) -> None:
     light[0].unlink()
 
 
+def first_block_damaged(index: Path) -> None:
+    """Bytes of the first data block of the first run's table (its filter activation): RocksDB opens the table
+    (it reads the footer and index blocks) and fails on the first read of that block."""
+    light, _ = tables(index)
+    with open(light[0], "r+b") as f:
+        f.seek(16)
+        f.write(b"\xff" * 16)
+
+
 def tables_cut_short(index: Path) -> None:
     for path in second_run_tables(index):
         with open(path, "r+b") as f:
@@ -137,7 +146,8 @@ BOTH = ("keep", "keepw")
     # The wildcard filter's activation and queue id are gone with it: its subscriber is not served (the
     # documented cost, docs/storage.md); the first-level queue is rebuilt under a new id, every entry in place.
     (first_run_table_missing, open_failure, repaired_here, ("keep",)),
-], ids=["CURRENT", "MANIFEST", "tables-missing", "tables-cut-short", "ids-missing"])
+    (first_block_damaged, open_failure, repaired_here, ("keep",)),  # RocksDB sets the table aside
+], ids=["CURRENT", "MANIFEST", "tables-missing", "tables-cut-short", "ids-missing", "block-damaged"])
 def test_a_damaged_index_stops_the_start_with_one_line_and_repair_brings_everything_back(stored, tmp_path, damage,
                                                                                           start, fix, subscribers):
     data = tmp_path / "data"
