@@ -945,7 +945,13 @@ class Channel:
         self._awaiting_session = False
         closing = self._state is State.DISCONNECTING
         if event.reason.is_failure:
-            return self._settle() if closing else self._refuse(event.reason, "by the node")
+            if closing:
+                return self._settle()
+            # The node refuses for its own state (a full data disk...), not for what the client sent: a 3.1.1
+            # client gets the nearest return code (3, Server unavailable) rather than a silent close.
+            reason = event.reason if self._level == MQTT_5 or event.reason in _CONNACK_REFUSALS_311 \
+                else ReasonCode.SERVER_UNAVAILABLE
+            return self._refuse(reason, f"by the node ({event.reason.name})")
         state = event.state if event.present and not self._clean_start else None
         self._session = session = Session(self._client_id, self._expiry, state)
         if closing:

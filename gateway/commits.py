@@ -16,7 +16,9 @@ client sees those messages again (QoS 1/2 are at least once).
 Each commit names the store lease its connection was accepted under (cluster
 mode, store/leases.py): a round writes the commits of each lease apart, and
 the store refuses those of a lease that has ended (the client's session may
-have moved on to another node, whose offsets must not be overwritten).
+have moved on to another node, whose offsets must not be overwritten). A write that a
+full data disk refused goes back to the pending commits (a newer offset of the
+same queue wins) and is tried again once the disk has room (gateway/owed.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import logging
 
 import trio
 
+from gateway.owed import OwedWrites
 from store.client import StoreClient
 from store.errors import LogFullError
 from store.leases import LeaseLost
@@ -35,6 +38,9 @@ from store.leases import LeaseLost
 LOGGER = logging.getLogger(__name__)
 
 __all__ = ["CommitBatcher"]
+
+OWED_OWNER = "$commits"
+"""The owner of the owed commit write (gateway/owed.py): ``$`` keeps it apart from client ids."""
 
 
 @final
@@ -50,10 +56,12 @@ class _Round:
 class CommitBatcher:
     """Writes ``{owner: {queue: offset}}`` commits in batches; each caller returns once its commit is written."""
 
-    def __init__(self, store: StoreClient, nursery: trio.Nursery) -> None:
-        """``nursery`` runs the writes that ``post`` starts."""
+    def __init__(self, store: StoreClient, nursery: trio.Nursery, owed: OwedWrites | None = None) -> None:
+        """``nursery`` runs the writes that ``post`` starts; ``owed`` retries those a full disk refused (the
+        node's, shared with its other store writes; default: one of its own)."""
         self._store = store
         self._nursery = nursery
+        self.owed = owed if owed is not None else OwedWrites(nursery)
         self._pending: dict[int, dict[str, dict[str, int]]] = {}  # lease epoch -> {owner: offsets}
         self._next = _Round()  # the round that will carry what is pending
         self._busy = False
@@ -69,7 +77,7 @@ class CommitBatcher:
         connection that acknowledged them (None: the node's current one).
         """
         self._add(owner, offsets, epoch)
-        if not self._busy:
+        if not self._busy and not self.owed.owes(OWED_OWNER, OWED_OWNER):  # owed: the disk is full, it waits
             self._busy = True  # the task below takes the round: no second writer starts meanwhile
             self._nursery.start_soon(self._drain)
 
@@ -77,7 +85,9 @@ class CommitBatcher:
         self._busy = False  # taken over from post(): _write holds it while it writes
         while self._pending and not self._busy:
             written = await self._write()
-            if written.error is not None and not isinstance(written.error, LogFullError):  # logged once by the store
+            if isinstance(written.error, LogFullError):  # logged once by the store; pending again, owed
+                return
+            if written.error is not None:
                 LOGGER.error("offset commit failed: %r", written.error)
 
     async def forget(self, owner: str) -> None:
@@ -105,23 +115,46 @@ class CommitBatcher:
                 await self._free.wait()
                 continue
             await self._write()
+        if isinstance(mine.error, LogFullError):
+            raise mine.error  # the offsets are pending again: they are written once the disk has room
         if mine.error is not None:
             raise OSError(f"offsets of {owner!r} not committed: {mine.error!r}") from mine.error
+
+    async def _write_owed(self) -> None:
+        """The owed write: what is pending (raises the round's failure, so that it stays owed)."""
+        while self._pending:  # posts made meanwhile started no write of their own (``post``)
+            if self._busy:
+                await self._free.wait()
+                continue
+            written = await self._write()
+            if written.error is not None:
+                raise written.error
 
     async def _write(self) -> _Round:
         """Write what is pending as one round; the round says whether it failed."""
         self._busy = True
         current, pending = self._next, self._pending
         self._next, self._pending = _Round(), {}
+        epochs = list(pending)
         try:
-            for epoch, batch in pending.items():
-                if not batch:  # its owners were forgotten
-                    continue
-                try:
-                    await self._store.commit_offsets(batch, epoch=epoch)
-                except LeaseLost:  # acknowledged on connections of an ended lease: not this node's to write
-                    LOGGER.info("offsets of an ended store lease not committed", extra={"ctx": {"owners": len(batch)}})
+            while epochs:
+                batch = pending[epochs[0]]
+                if batch:  # else its owners were forgotten
+                    try:
+                        await self._store.commit_offsets(batch, epoch=epochs[0])
+                    except LeaseLost:  # acknowledged on connections of an ended lease: not this node's to write
+                        LOGGER.info("offsets of an ended store lease not committed",
+                                    extra={"ctx": {"owners": len(batch)}})
+                del epochs[0]
             self.writes += 1
+        except LogFullError as exc:  # pending again, under any newer offsets; written once the disk has room
+            current.error = exc
+            for epoch in epochs:
+                for owner, offsets in pending[epoch].items():
+                    again = self._pending.setdefault(epoch, {}).setdefault(owner, {})
+                    for queue, offset in offsets.items():
+                        again.setdefault(queue, offset)
+            self.owed.owe(OWED_OWNER, self._write_owed, key=OWED_OWNER)
         except Exception as exc:  # every caller of the round raises it
             current.error = exc
         finally:

@@ -103,6 +103,7 @@ from gateway.commits import CommitBatcher
 from gateway.config import Config
 from gateway.limits import LimitCounters
 from gateway.metrics import NodeMetrics
+from gateway.owed import OwedWrites, Write
 from gateway.listeners import ListenerSpec, TlsContext, listener_specs
 from gateway.logs import leaves
 from gateway.messages import from_record, to_new_message
@@ -125,6 +126,7 @@ from store.errors import LogFullError, StartupError
 from store.node import on_hangup, open_store, until_signalled
 from store.process import freeze_startup_objects, return_freed_buffers, trim_freed_memory
 from store.record import Record, RecordTooLarge
+from store.space import FULL_RETRY_S
 from store.rpc import AdminOp, parse_address
 
 __all__ = ["GatewayNode", "NodeFront", "run_cluster_gateway", "run_gateway_node",
@@ -208,7 +210,8 @@ class GatewayNode:
         self.reads = Poller(self._end_round)
         self._round: list[tuple[Connection, Append]] = []  # the appends of the read round in progress
         self.cache = QueueCache(store, from_record)
-        self.commits = CommitBatcher(store, nursery)
+        self.owed = OwedWrites(nursery)  # store writes a full data disk refused, done once it has room
+        self.commits = CommitBatcher(store, nursery, self.owed)
         # A cluster node's store client is a GroupArbiter: the store arbitrates groups with members on several nodes.
         self.groups = SharedGroups(store, self.cache, self.commits, nursery=nursery, convert=from_record,
                                    arbiter=store if isinstance(store, GroupArbiter) else None)
@@ -216,6 +219,8 @@ class GatewayNode:
         self._epochs: dict[Connection, int] = {}  # connection -> the store lease epoch it was accepted under
         self._unavailable = 0  # CONNECTs refused since the store became unreachable (0: it is reachable)
         self._sessions: dict[str, SessionState] = {}  # latest saved or handed-over state per client id
+        # client id -> the connections' saves waiting for their write (``SessionSaved``): a full disk delays it
+        self._save_waiters: dict[str, list[tuple[Connection, int]]] = {}
         self._local: dict[str, set[Connection]] = {}  # queue -> connections with a subscription on it
         self._held: dict[Connection, set[str]] = {}  # connection -> its queues in _local
         self._wills: dict[str, trio.CancelScope] = {}  # client id -> pending delayed will
@@ -278,11 +283,12 @@ class GatewayNode:
             elif kind is CommitOffsets:
                 await self._commit(connection, action)  # type: ignore[arg-type]
             elif kind is SaveSession:
+                if action.ref is not None:  # type: ignore[union-attr]  # answered once written (or owed, then)
+                    self._save_waiters.setdefault(action.state.client_id, []).append(  # type: ignore[union-attr]
+                        (connection, action.ref))  # type: ignore[union-attr]
                 await self._save(action.state, self._epochs.get(connection))  # type: ignore[union-attr]
-                if action.ref is not None:  # type: ignore[union-attr]
-                    connection.feed(SessionSaved(action.ref))  # type: ignore[union-attr]
             elif kind is DropSession:
-                await self.drop_session(action.client_id, self._epochs.get(connection))  # type: ignore[union-attr]
+                await self._drop_when_room(action.client_id, epoch=self._epochs.get(connection))  # type: ignore[union-attr]
             elif kind is PublishWill:
                 self._publish_will(action, self._epochs.get(connection))  # type: ignore[arg-type]
             elif kind is LimitHit:
@@ -297,6 +303,9 @@ class GatewayNode:
         self.groups.connection_gone(connection)
         epoch = self._epochs.pop(connection, None)
         client_id = connection.client_id
+        waiters = self._save_waiters.get(client_id)
+        if waiters:  # its saves' answers are not awaited any more (``Session.detach``)
+            waiters[:] = [w for w in waiters if w[0] is not connection]
         if not client_id or self._connections.get(client_id) is not connection:
             return
         del self._connections[client_id]
@@ -345,6 +354,9 @@ class GatewayNode:
         except ConnectionError as exc:  # StoreUnavailable, LeaseLost: nothing to resume from
             self._refuse_unavailable(connection, exc)
             return
+        except LogFullError:  # nothing was deleted; the store logged the full disk once
+            connection.feed(SessionOpened(False, reason=ReasonCode.QUOTA_EXCEEDED))
+            return
         may_read = None if self._acl is None else ReadCheck(self._read_acl, decision.username, client_id)
         connection.feed(SessionOpened(state is not None, state, may_read=may_read))
 
@@ -353,15 +365,20 @@ class GatewayNode:
 
         Raises:
             ConnectionError: the store is not reachable, or ``epoch`` ended meanwhile.
+            LogFullError: the data disk is full and the CONNECT needs a write (a clean start of a stored session,
+                a session whose deletion is owed, a shared group's first offset): nothing was deleted.
         """
         client_id = action.client_id
         self.store.present(client_id, epoch=epoch)  # a connection of it on another node is taken over there
-        self._cancel(self._wills, client_id)
-        self._cancel(self._expiries, client_id)
-        await self._hold_will(client_id, action, epoch)
+        if action.clean_start or self.owed.owes(client_id, DropSession):  # an ended session must not resume
+            await self.owed.settle(client_id)
         state = None if action.clean_start else await self._stored_session(client_id)
         if state is None:
             await self.drop_session(client_id, epoch)  # whatever a session that is gone left: offsets, QoS 2 flows
+        self._cancel(self._wills, client_id)
+        self._cancel(self._expiries, client_id)
+        await self._hold_will(client_id, action, epoch)
+        if state is None:
             if action.expiry_s > 0:  # the session exists from now on: Session Present says so after a crash too
                 await self._save(SessionState(client_id, action.expiry_s, detached=True), epoch)
             return None
@@ -370,7 +387,7 @@ class GatewayNode:
             connection, replace(await self._resumed(state, log=True), awaiting=awaiting))
         for sub in state.subscriptions:
             if sub.group is not None:
-                await self.groups.join(connection, sub, None)
+                await self.groups.join(connection, sub, None)  # LogFullError: a new group's offset is stored first
             self._subscribe_local(connection, sub.queue)
         return state
 
@@ -519,23 +536,45 @@ class GatewayNode:
 
     async def _save(self, state: SessionState, epoch: int | None = None) -> None:
         self._sessions[state.client_id] = state
-        if state.expiry_s > 0:
-            try:
-                await self.store.save_session(state.client_id, encode_session(state), epoch=epoch)
-            except LogFullError:  # kept in memory; the store logged the full disk once
-                LOGGER.debug("session not saved: the data disk is full", extra={"ctx": {"client_id": state.client_id}})
+        if state.expiry_s > 0:  # on a full disk the save waits for room (owed): it then stores the latest state
+            await self.owed.attempt(state.client_id, functools.partial(self._store_session, state.client_id, epoch),
+                                    key=SaveSession)
+        else:
+            self._answer_saves(state.client_id)
+
+    async def _store_session(self, client_id: str, epoch: int | None) -> None:
+        """Store the session's latest state (if it is still a persistent one of this node), then answer the saves
+        waiting for it: the latest state covers each of them."""
+        state = self._sessions.get(client_id)
+        if state is not None and state.expiry_s > 0:
+            await self.store.save_session(client_id, encode_session(state), epoch=epoch)
+        self._answer_saves(client_id)
+
+    def _answer_saves(self, client_id: str) -> None:
+        for connection, ref in self._save_waiters.pop(client_id, ()):
+            connection.feed(SessionSaved(ref))
 
     async def drop_session(self, client_id: str, epoch: int | None = None) -> None:
         """End a session: its state, its stored blob, its filters and offsets go.
 
         ``epoch``: the store lease the decision was made under (None: now); the store refuses it once ended.
+
+        Raises:
+            LogFullError: the data disk is full: nothing was deleted (a full disk that starts midway leaves the
+                rest for a second call).
         """
+        await self.store.drop_session(client_id, epoch=epoch)  # first: on a full disk the session stays whole
         self._sessions.pop(client_id, None)
         self._cancel(self._expiries, client_id)
         await self.groups.drop_subscriber(client_id)
         await self.commits.forget(client_id)  # an offset written after the delete would keep its queues referenced
-        await self.store.drop_session(client_id, epoch=epoch)
         await self.store.delete_owner(client_id, epoch=epoch)
+
+    async def _drop_when_room(self, client_id: str, drop: Write | None = None, *, epoch: int | None = None) -> bool:
+        """``drop`` (default: :meth:`drop_session`) now, or once the full data disk has room; the session cannot
+        resume meanwhile (``_open_session``). True if it was done now."""
+        return await self.owed.attempt(client_id, drop or functools.partial(self.drop_session, client_id, epoch),
+                                       key=DropSession)
 
     def _start_expiry(self, client_id: str, expiry_s: int, epoch: int) -> None:
         async def expire(scope: trio.CancelScope) -> None:
@@ -545,14 +584,15 @@ class GatewayNode:
                 if epoch != self.store.epoch:  # the session may live on another node since the lease ended
                     return
                 with trio.CancelScope(shield=True):  # a half-dropped session would keep its filters held
-                    try:
-                        await self.drop_session(client_id, epoch)
-                    except OSError as exc:  # StoreUnavailable included: the node goes on
-                        LOGGER.error("session not expired: %r", exc, extra={"ctx": {"client_id": client_id}})
-                        return
-                LOGGER.info("session expired", extra={"ctx": {"client_id": client_id}})
+                    if not await self._drop_when_room(client_id, functools.partial(self._expire, client_id, epoch)):
+                        LOGGER.info("session expiry waits for room on the data disk: the session cannot resume "
+                                    "meanwhile", extra={"ctx": {"client_id": client_id}})
 
         self._later(self._expiries, client_id, expire)
+
+    async def _expire(self, client_id: str, epoch: int | None) -> None:
+        await self.drop_session(client_id, epoch)
+        LOGGER.info("session expired", extra={"ctx": {"client_id": client_id}})
 
     def _later(self, table: dict[str, trio.CancelScope], client_id: str, job: Any) -> None:
         self._cancel(table, client_id)
@@ -589,6 +629,9 @@ class GatewayNode:
                 if epoch is not None and epoch != self.store.epoch:  # the lease ended: the store published the
                     return  # will it held, or the client resumed elsewhere
                 reason = await self.append_messages([action.message], epoch=epoch)
+                while reason is ReasonCode.QUOTA_EXCEEDED:  # a full disk: the will, due now [MQTT-3.1.2-8], waits
+                    await trio.sleep(FULL_RETRY_S)  # for room (a session resuming meanwhile does not cancel it)
+                    reason = await self.append_messages([action.message], epoch=epoch, count=False)
                 if reason is not None:
                     LOGGER.error("will not published: %s", reason.name, extra={"ctx": {"client_id": action.client_id}})
                 else:
@@ -598,17 +641,19 @@ class GatewayNode:
 
     # --- messages -----------------------------------------------------------------------
 
-    async def append_messages(self, messages: Sequence[Message], epoch: int | None = None) -> ReasonCode | None:
+    async def append_messages(self, messages: Sequence[Message], epoch: int | None = None, *,
+                              count: bool = True) -> ReasonCode | None:
         """Append messages through the store (durable under the sync flush policy); None or why it failed."""
-        offsets = await self._append_batch(messages, epoch)
+        offsets = await self._append_batch(messages, epoch, count=count)
         return offsets if isinstance(offsets, ReasonCode) else None
 
-    async def _append_batch(self, messages: Sequence[Message], epoch: int | None = None) -> list[int] | ReasonCode:
+    async def _append_batch(self, messages: Sequence[Message], epoch: int | None = None, *,
+                            count: bool = True) -> list[int] | ReasonCode:
         """The messages' CommitLog offsets once appended, or why the append failed.
 
         ``epoch``: the store lease of the connection they come from (None: now); refused once it ended.
-        A failure counts the messages in ``refused_by_qos``. A full disk is QUOTA_EXCEEDED and not logged here:
-        the store logs the episode once (store/space.py), not once per publish.
+        A failure counts the messages in ``refused_by_qos`` (unless ``count`` is False: a retry). A full disk is
+        QUOTA_EXCEEDED and not logged here: the store logs the episode once (store/space.py), not once per publish.
         """
         batch = [to_new_message(m) for m in messages]
         try:
@@ -623,7 +668,7 @@ class GatewayNode:
         except (OSError, ValueError) as exc:
             LOGGER.error("append failed: %r", exc)
             reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
-        for message in messages:
+        for message in messages if count else ():
             self.refused_by_qos[message.qos] += 1
         return reason
 
@@ -750,9 +795,11 @@ class GatewayNode:
                 continue
             holder = action.client_id if sub.group is None else SHARE_OWNER_PREFIX + sub.group
             try:
-                starts[sub.filter] = await self.store.activate(sub.queue, holder)
+                await self.owed.settle(holder)  # a release owed by an earlier UNSUBSCRIBE must not undo this one
+                start = await self.store.activate(sub.queue, holder)
                 if sub.group is not None:
-                    await self.groups.join(connection, sub, starts[sub.filter])
+                    await self.groups.join(connection, sub, start)
+                starts[sub.filter] = start
             except TopicError as exc:
                 LOGGER.warning("subscription refused: %s", exc, extra={"ctx": {"client_id": action.client_id}})
                 reasons[sub.filter] = ReasonCode.TOPIC_FILTER_INVALID
@@ -768,10 +815,12 @@ class GatewayNode:
                 self._subscribe_local(connection, sub.queue)
 
     async def _release(self, connection: Connection, client_id: str, filters: tuple[str, ...]) -> None:
+        """The session no longer has these subscriptions; on a full disk the store's releases wait for room."""
         for filter in filters:
             shared = parse_shared(filter)
             if shared is None:
-                await self.store.release(filter, client_id, epoch=self._epochs.get(connection))
+                await self.owed.attempt(client_id, functools.partial(self.store.release, filter, client_id,
+                                                                     epoch=self._epochs.get(connection)))
                 self._unsubscribe_local(connection, filter)
                 continue
             self._unsubscribe_local(connection, shared[1])
@@ -784,7 +833,10 @@ class GatewayNode:
             if shared is None:
                 offsets[filter] = offset
                 continue
-            await self.groups.acknowledged(connection, shared, offset)
+            try:
+                await self.groups.acknowledged(connection, shared, offset)
+            except LogFullError:  # the group's offset stays behind; a later acknowledgement moves it
+                pass
         if offsets:
             self.commits.post(action.client_id, offsets, self._epochs.get(connection))
         LOGGER.debug("offsets committed", extra={"ctx": {"client_id": action.client_id, "offsets": action.offsets}})
@@ -832,7 +884,7 @@ class GatewayNode:
         """Append the statistics now and every ``interval_s`` until cancelled."""
         while True:
             reason = await self.append_messages(self.sys_messages())
-            if reason is not None:
+            if reason is not None and reason is not ReasonCode.QUOTA_EXCEEDED:  # a full disk: logged by the store
                 LOGGER.error("$SYS statistics not published: %s", reason.name)
             await trio.sleep(interval_s)
 
@@ -981,8 +1033,8 @@ class GatewayNode:
 
     async def _delete_here(self, client_id: str) -> bool:
         await self._disconnect_here(client_id)
-        await self.drop_session(client_id)
-        LOGGER.info("session deleted (admin API)", extra={"ctx": {"client_id": client_id}})
+        done = await self._drop_when_room(client_id)
+        LOGGER.info("session deleted (admin API)", extra={"ctx": {"client_id": client_id, "waits_for_room": not done}})
         return True
 
     async def queues(self) -> list[QueueInfo]:

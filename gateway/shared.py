@@ -21,6 +21,7 @@ other nodes). Among its own members the node arbitrates as above.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -275,7 +276,8 @@ class SharedGroups:
         if group.subscribers:
             return
         del self._groups[(group.name, group.queue)]
-        await self.store.release(group.queue, group.owner)
+        # On a full disk the release waits for room (gateway/owed.py), before the group's next activation.
+        await self.commits.owed.attempt(group.owner, functools.partial(self.store.release, group.queue, group.owner))
         if self._arbiter is not None and group.joined:
             group.joined = False
             await self._leave_store(group)
@@ -283,5 +285,5 @@ class SharedGroups:
     async def _commit_group(self, group: SharedGroup) -> None:
         offset = group.committed_offset()
         if offset != group.committed:
-            group.committed = offset
             await self.commits.commit(group.owner, {group.queue: offset})
+            group.committed = offset  # after the write: one a full disk refused is tried again

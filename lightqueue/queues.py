@@ -914,6 +914,8 @@ class LightQueues:
             yield it.key(), it.value()
             it.next()
             n += 1
+        if not it.valid():
+            it.status()  # raises the iterator's error: a damaged block must not read as the end of the keys
 
 
 def _target_cache() -> SizedCache[str, bytes]:

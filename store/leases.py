@@ -41,6 +41,8 @@ from typing import final
 import trio
 
 from store.client import NewMessage
+from store.errors import LogFullError
+from store.space import FULL_RETRY_S
 
 __all__ = ["LeaseLost", "LeaseStatistics", "NodeLeases"]
 
@@ -206,13 +208,18 @@ class NodeLeases:
         with scope:
             await trio.sleep(held.delay_s)
             del self._pending[client_id]
-            with trio.CancelScope(shield=True):  # once due, the will is appended even if the client returns now
-                try:
-                    await self._append([held.message])
-                except (OSError, ValueError) as exc:
-                    LOGGER.error("will of a lost gateway node not published: %r", exc,
-                                 extra={"ctx": {"client_id": client_id, "node": held.node}})
-                    return
+            while True:
+                with trio.CancelScope(shield=True):  # once due, the will is appended even if the client returns now
+                    try:
+                        await self._append([held.message])
+                        break
+                    except LogFullError:  # logged once by the store: the will waits for room
+                        pass
+                    except (OSError, ValueError) as exc:
+                        LOGGER.error("will of a lost gateway node not published: %r", exc,
+                                     extra={"ctx": {"client_id": client_id, "node": held.node}})
+                        return
+                await trio.sleep(FULL_RETRY_S)
             self._fired += 1
             LOGGER.info("will published for a lost gateway node", extra={"ctx": {"client_id": client_id,
                                                                                  "node": held.node}})

@@ -350,8 +350,11 @@ async def open_store(
         except Exception as exc:  # rocksdict raises plain Exceptions ("IO error: ...", "Corruption: ...")
             raise _startup_error(data, exc) from exc
         try:
-            queues = LightQueues(db)
-            retained = RetainedStore(db)
+            try:  # RocksDB opens a table whose blocks are damaged, and fails on the first read of one
+                queues = LightQueues(db)
+                retained = RetainedStore(db)
+            except Exception as exc:
+                raise _startup_error(data, exc) from exc
             nodes: list[StoreNode] = []
 
             def on_dispatched(events: dict[str, int]) -> None:
@@ -365,7 +368,10 @@ async def open_store(
             dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
                                     awaiting=awaiting, room=space.has_room)
             sessions = open_family(db, SESSIONS_FAMILY)
-            await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
+            try:
+                await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
+            except Exception as exc:
+                raise _startup_error(data, exc) from exc
             node = StoreNode(data, alog, queues, dispatcher, sessions, retained, recent, space, awaiting)
             nodes.append(node)
             try:

@@ -11,10 +11,14 @@ node refuses to start with one line pointing here. The repair:
 2. copies the index directory aside (``index.before-repair-<time>``), untouched, for later inspection;
 3. runs RocksDB's own repair, which rebuilds the MANIFEST and CURRENT from the table and WAL files it
    can read and sets aside (in ``index/lost``) those it cannot;
-4. opens the result as the node would and re-indexes the CommitLog from the surviving checkpoint,
-   pulling every position past the log's end back to it (``Dispatcher.recover``).
+4. forgets the derived index state (entries, max offsets, the checkpoint) and makes the rest consistent
+   (lightqueue/reindex.py), and has the retained messages taken again from the log's start: a lost table
+   may have held entries or retained messages below a checkpoint that survived in another;
+5. opens the result as the node would and re-indexes the whole CommitLog, every entry at its original
+   queue offset, pulling every position past the log's end back to it (``Dispatcher.recover``).
 
-What it cannot bring back is described in docs/storage.md ("Repair"): keys that were only in a table
+What it cannot bring back is described in docs/storage.md ("Repair"): state with no other source
+(session blobs, consumer offsets, filter holders and activations, queue ids) that was only in a table
 file RocksDB could not read.
 """
 
@@ -28,6 +32,7 @@ from typing import Any
 import rocksdict
 
 from lightqueue.queues import LightQueues
+from lightqueue.reindex import forget_derived
 from retain.store import RetainedStore
 from store.commitlog import CommitLog, CommitLogConfig
 from store.dispatch import Dispatcher
@@ -51,14 +56,17 @@ def repair(data: Path, config: CommitLogConfig) -> dict[str, Any]:
         lost = index / "lost"
         db = open_db(index)
         try:
+            rebuilt = forget_derived(db, log.min_offset, log.written_offset)
             queues = LightQueues(db)
             retained = RetainedStore(db)
+            retained.replay_all()
             dispatcher = Dispatcher(log, queues, retained=retained)
             pulled = dispatcher.recover()
+            rebuilt.update(entries=queues.statistics().entries_indexed, retained=retained.count)
             dispatcher.close()
             retained.close()
         finally:
             db.close()
         return {"data": str(data), "backup": str(backup), "log_end": log.written_offset,
                 "tables_set_aside": sorted(p.name for p in lost.iterdir()) if lost.is_dir() else [],
-                "pulled_back": pulled}
+                "reindexed": rebuilt, "pulled_back": pulled}

@@ -23,7 +23,7 @@ from typing import final
 
 from store.errors import LogFullError
 
-__all__ = ["DiskSpace"]
+__all__ = ["DiskSpace", "FULL_RETRY_S"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -35,6 +35,10 @@ output while appends are refused..."""
 MIN_MARGIN = 256 * 1024
 MAX_MARGIN = 64 * MiB
 """...but at least 256 KiB (a small test tmpfs) and at most 64 MiB (one write buffer, store/rocks.py)."""
+
+FULL_RETRY_S = 1.0
+"""A write the full disk refused and that must still happen (a will, a session's deletion...) is tried again this
+often: the store looks at its free space as often while the disk is full (store/node.py)."""
 
 RECHECK_S = 0.01
 """Appends ask the file system for its free space at most this often while there is room: ``statvfs`` on every
@@ -96,8 +100,9 @@ class DiskSpace:
             return
         self.full = True
         LOGGER.error("data disk full: new QoS 1/2 messages are refused (MQTT 5: reason 0x97, 3.1.1: the connection "
-                     "is closed), QoS 0 ones dropped; delivery of stored messages goes on; resumes by itself once "
-                     "space is freed", extra={"ctx": {"path": str(self._path), "error": str(error),
+                     "is closed), QoS 0 ones dropped, new subscriptions and CONNECTs that must delete a stored "
+                     "session refused; delivery of stored messages goes on; resumes by itself once space is freed",
+                     extra={"ctx": {"path": str(self._path), "error": str(error),
                                                       "margin_bytes": self.margin}})
 
     def cleared(self, free: int | None = None) -> None:

@@ -228,6 +228,18 @@ def test_node_refusal_becomes_connack_reason():
     assert channel.state is State.CLOSED
 
 
+def test_a_refusal_for_the_nodes_own_state_is_a_connack_in_both_versions():
+    # A full data disk (QUOTA_EXCEEDED): MQTT 5 says so [MQTT-3.2.2-7]; 3.1.1 has no such code, so it gets the
+    # nearest, 3 Server unavailable, rather than a silent close [MQTT-3.2.2-5].
+    for level, packet in ((MQTT_5, Connack(reason_code=R.QUOTA_EXCEEDED)),
+                          (MQTT_311, Connack(reason_code=R.SERVER_UNAVAILABLE))):
+        channel = Channel(ChannelConfig(reason_strings=False), Clock())
+        channel.handle_in(Connect(protocol_level=level, client_id="x", clean_start=True))
+        actions = channel.handle_event(SessionOpened(False, reason=R.QUOTA_EXCEEDED))
+        assert sent(actions) == [packet]
+        assert channel.state is State.CLOSED
+
+
 def test_packets_before_connack_are_processed_after_it():
     channel = Channel(ChannelConfig(), Clock())
     channel.handle_in(Connect(client_id="dev1"))

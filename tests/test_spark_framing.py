@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from spark_fixtures import Msg, encode, telemetry, write_log
 
-from spark_analytics.framing import RAW_SCHEMA, DecodeOptions, ScanRange, scan_range, valid_end
+from spark_analytics.framing import RAW_SCHEMA, DecodeOptions, ScanRange, corrupt_skipped, scan_range, valid_end
 from spark_analytics.layout import FLUSHED_FILE, list_segments, read_flushed
 from spark_analytics.planning import plan_ranges, readable_limit
 from lightqueue.topics import matches
 from store.commitlog import CommitLog, CommitLogConfig
-from store.record import MAGIC_V1, CorruptRecord, encode_record
+from store.record import MAGIC_V1, encode_record
 
 MAGIC = MAGIC_V1.to_bytes(4, "big")
 
@@ -60,12 +60,17 @@ def test_split_ranges_return_every_record_exactly_once(tmp_path: Path) -> None:
     boundaries = [o - seg.base for o in offsets]
     cuts = sorted({b + d for b in boundaries[1:50:7] for d in (-1, 0, 1, 4, 8, 12, 42, 43)})
     for cut in cuts:
-        seen = []
-        for lo, hi in ((0, cut), (cut, limit)):
-            rng = ScanRange(seg.path, seg.base, 0, lo, hi, limit, strict)
-            for frames in scan_range(rng, DecodeOptions(window_bytes=4096)):
-                seen += frames.offset.tolist()
-        assert seen == offsets, f"cut at {cut}"
+        assert read_in_two(seg, cut, limit, strict) == offsets, f"cut at {cut}"
+
+
+def read_in_two(seg, cut: int, limit: int, strict: bool) -> list[int]:
+    """The offsets read by two readers of one segment, one range cut at ``cut``."""
+    seen = []
+    for lo, hi in ((0, cut), (cut, limit)):
+        rng = ScanRange(seg.path, seg.base, 0, lo, hi, limit, strict)
+        for frames in scan_range(rng, DecodeOptions(window_bytes=4096)):
+            seen += frames.offset.tolist()
+    return seen
 
 
 def test_payloads_that_contain_record_bytes_do_not_confuse_the_walk(tmp_path: Path) -> None:
@@ -120,19 +125,65 @@ def test_a_half_written_tail_is_never_read(tmp_path: Path, hint: str) -> None:
     assert [r["offset"] for r in rows(tmp_path)] == offsets
 
 
-def test_corruption_below_the_durable_end_is_an_error(tmp_path: Path) -> None:
+def _flip(path: str, position: int) -> None:
+    with open(path, "r+b") as fh:
+        byte = os.pread(fh.fileno(), 1, position)
+        os.pwrite(fh.fileno(), bytes([byte[0] ^ 0xFF]), position)
+
+
+def _corrupt_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("corrupt CommitLog record skipped")]
+
+
+def test_a_corrupt_record_below_the_durable_end_is_skipped_alone_logged_and_counted(tmp_path: Path, caplog) -> None:
     msgs = telemetry(1500)
     offsets = write_log(tmp_path, msgs)
     seg = list_segments(tmp_path / "commitlog")[0]
     assert seg.sealed
-    victim = offsets[3] - seg.base + len(encode(msgs[3])) - 2  # a payload byte of record 3
-    with open(seg.path, "r+b") as fh:
-        byte = os.pread(fh.fileno(), 1, victim)
-        os.pwrite(fh.fileno(), bytes([byte[0] ^ 0xFF]), victim)
-    with pytest.raises(CorruptRecord, match=f"offset {offsets[3]}.*CRC mismatch"):
-        rows(tmp_path)
+    _flip(seg.path, offsets[3] - seg.base + len(encode(msgs[3])) - 2)  # a payload byte of record 3
+    before = corrupt_skipped()
+    got = rows(tmp_path)
+    assert [r["offset"] for r in got] == offsets[:3] + offsets[4:]  # as the store does: every other record
+    assert corrupt_skipped() == before + 1
+    (line,) = _corrupt_lines(caplog)
+    assert f"{seg.path}, CommitLog offsets {offsets[3]} to {offsets[4]}" in line and "CRC mismatch" in line, line
     unchecked = rows(tmp_path, DecodeOptions(verify_crc=False))  # the option really skips the check
     assert len(unchecked) == len(offsets) and unchecked[3]["payload"] != msgs[3].payload
+
+
+@pytest.mark.parametrize("byte", [1, 2, 3, 9], ids=["length-high", "length-middle", "length-low", "magic"])
+def test_broken_framing_below_the_durable_end_resumes_at_the_next_valid_record(tmp_path: Path, caplog,
+                                                                               byte: int) -> None:
+    """Flipped bits in a record's length (so that it overruns the segment, or leads into the middle of a later
+    record) or magic: the walk cannot step over the record by its length; it resumes at the next CRC-valid
+    record, whatever range the reader starts in, and each other record is read exactly once."""
+    msgs = telemetry(1500)
+    offsets = write_log(tmp_path, msgs, segment_bytes=1 << 20)
+    seg = list_segments(tmp_path / "commitlog")[0]
+    limit, strict = readable_limit(seg, read_flushed(tmp_path / "commitlog"))
+    assert strict
+    victim = 700
+    _flip(seg.path, offsets[victim] - seg.base + byte)
+    want = offsets[:victim] + offsets[victim + 1:]
+    starts = [o - seg.base for o in offsets[victim - 1:victim + 5]]
+    for cut in sorted({*starts, *(s + 5 for s in starts), limit}):
+        caplog.clear()
+        before = corrupt_skipped()
+        assert read_in_two(seg, cut, limit, strict) == want, f"cut at {cut}"
+        assert corrupt_skipped() == before + 1 and len(_corrupt_lines(caplog)) == 1, (cut, _corrupt_lines(caplog))
+
+
+def test_past_the_durable_end_an_invalid_record_still_ends_the_data(tmp_path: Path) -> None:
+    msgs = telemetry(200)
+    offsets = write_log(tmp_path, msgs)
+    (tmp_path / "commitlog" / FLUSHED_FILE).unlink()
+    path, _end = _active_tail(tmp_path, offsets, msgs)
+    seg = list_segments(tmp_path / "commitlog")[-1]
+    first = next(i for i, o in enumerate(offsets) if o >= seg.base)
+    _flip(str(path), offsets[first + 5] - seg.base + 9)  # not known durable: a torn tail, not corruption
+    before = corrupt_skipped()
+    assert [r["offset"] for r in rows(tmp_path)] == offsets[:first + 5]
+    assert corrupt_skipped() == before
 
 
 def test_valid_end_stops_at_a_torn_record_and_reports_rolled_segments(tmp_path: Path) -> None:
