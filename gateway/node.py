@@ -51,6 +51,7 @@ from gateway.actions import (
     Activate,
     Activated,
     AdminDisconnect,
+    AfterReads,
     Append,
     Appended,
     CommitOffsets,
@@ -89,6 +90,7 @@ from gateway.metrics import NodeMetrics
 from gateway.listeners import ListenerSpec, listener_specs
 from gateway.logs import leaves
 from gateway.messages import from_record, to_new_message
+from gateway.order import ReadOrder
 from gateway.packets import MQTT_5
 from gateway.passwords import PasswordFileError
 from gateway.poller import Poller
@@ -182,6 +184,8 @@ class GatewayNode:
         self.timers = Timers()
         self.reads = Poller(self._end_round)
         self._round: list[tuple[Connection, Append]] = []  # the appends of the read round in progress
+        self.order = ReadOrder()  # activations are applied before the appends read after them
+        self._fences: dict[Connection, dict[int, int]] = {}  # connection -> Activate ref -> its open fence
         self.cache = QueueCache(store, from_record)
         self.commits = CommitBatcher(store, nursery)
         # A cluster node's store client is a GroupArbiter: the store arbitrates groups with members on several nodes.
@@ -219,7 +223,9 @@ class GatewayNode:
                 continue
             index += 1
             kind = type(action)
-            if kind is OpenSession:
+            if kind is AfterReads:
+                await self.order.wait(action.mark)  # type: ignore[union-attr]
+            elif kind is OpenSession:
                 await self._open_session(connection, action)  # type: ignore[arg-type]
             elif kind is Activate:
                 await self._activate(connection, action)  # type: ignore[arg-type]
@@ -242,6 +248,8 @@ class GatewayNode:
 
     def connection_closed(self, connection: Connection) -> None:
         """Forget the connection; start the expiry of its session if it stays stored."""
+        for fence in self._fences.pop(connection, {}).values():  # activations it will never apply
+            self.order.close(fence)
         for queue in self._held.pop(connection, ()):
             self._unsubscribe_local(connection, queue)
         self.groups.connection_gone(connection)
@@ -464,7 +472,13 @@ class GatewayNode:
     # --- messages -----------------------------------------------------------------------
 
     async def append_messages(self, messages: Sequence[Message]) -> ReasonCode | None:
-        """Append messages through the store (durable under the sync flush policy); None or why it failed."""
+        """Append messages through the store (durable under the sync flush policy), after the activations
+        read before this call (gateway/order.py); None or why it failed."""
+        await self.order.wait(self.order.mark())
+        return await self._write(messages)
+
+    async def _write(self, messages: Sequence[Message]) -> ReasonCode | None:
+        """Append messages now (a connection's were ordered when read: ``AfterReads``); None or why it failed."""
         batch = [to_new_message(m) for m in messages]
         try:
             await self.store.append(batch)
@@ -499,7 +513,7 @@ class GatewayNode:
     async def _store(self, connection: Connection, appends: list[Append], allowed: list[bool]) -> None:
         """Append the allowed messages as one batch; answer every append with a ref, in order."""
         messages = [m for append, ok in zip(appends, allowed) if ok for m in append.messages]
-        reason = await self.append_messages(messages) if messages else None
+        reason = await self._write(messages) if messages else None
         if reason is not None and allowed.count(True) > 1:
             # One bad message must not fail its neighbours: retry one by one so each gets its own answer.
             for append, ok in zip(appends, allowed):
@@ -519,6 +533,8 @@ class GatewayNode:
         the appends of all the round's connections in one store call, before any other task runs. The round's
         first append asks the ACL and the store for all of them (per message, that was 3% of a fan-in's CPU).
         """
+        if self.order.fenced:  # an activation read before it is not applied yet: ``perform`` waits for it
+            return False
         if self._round:
             self._round.append((connection, action))
             return True
@@ -554,6 +570,14 @@ class GatewayNode:
             connection.feed_all(events)
         return True
 
+    def append_mark(self) -> int | None:
+        """The read-order mark for an append read now and left to ``perform``; None when nothing waits."""
+        return self.order.mark() if self.order.fenced else None
+
+    def activation_read(self, connection: Connection, action: Activate) -> None:
+        """Open the activation's fence: appends read from now on are written after ``_activate`` applied it."""
+        self._fences.setdefault(connection, {})[action.ref] = self.order.open()
+
     def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
         """A pull at the head of an unshared queue, answered from the queue cache; None if it must wait or read."""
         if action.group is not None:
@@ -587,22 +611,29 @@ class GatewayNode:
         starts: dict[str, int] = {}
         reasons: dict[str, ReasonCode] = {}
         acl = self._current_acl()
-        for sub in action.subscriptions:
-            if acl is not None and not acl.check(connection.username, action.client_id, Access.SUBSCRIBE, sub.filter):
-                self._denied(connection, Access.SUBSCRIBE, sub.filter, "filter refused")
-                reasons[sub.filter] = ReasonCode.NOT_AUTHORIZED
-                continue
-            holder = action.client_id if sub.group is None else SHARE_OWNER_PREFIX + sub.group
-            try:
-                starts[sub.filter] = await self.store.activate(sub.queue, holder)
-                if sub.group is not None:
-                    await self.groups.join(connection, sub, starts[sub.filter])
-            except TopicError as exc:
-                LOGGER.warning("subscription refused: %s", exc, extra={"ctx": {"client_id": action.client_id}})
-                reasons[sub.filter] = ReasonCode.TOPIC_FILTER_INVALID
-            except ValueError as exc:
-                LOGGER.error("subscription failed: %s", exc, extra={"ctx": {"client_id": action.client_id}})
-                reasons[sub.filter] = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+        try:
+            for sub in action.subscriptions:
+                if acl is not None and not acl.check(connection.username, action.client_id, Access.SUBSCRIBE,
+                                                     sub.filter):
+                    self._denied(connection, Access.SUBSCRIBE, sub.filter, "filter refused")
+                    reasons[sub.filter] = ReasonCode.NOT_AUTHORIZED
+                    continue
+                holder = action.client_id if sub.group is None else SHARE_OWNER_PREFIX + sub.group
+                try:
+                    starts[sub.filter] = await self.store.activate(sub.queue, holder)
+                    if sub.group is not None:
+                        await self.groups.join(connection, sub, starts[sub.filter])
+                except TopicError as exc:
+                    LOGGER.warning("subscription refused: %s", exc, extra={"ctx": {"client_id": action.client_id}})
+                    reasons[sub.filter] = ReasonCode.TOPIC_FILTER_INVALID
+                except ValueError as exc:
+                    LOGGER.error("subscription failed: %s", exc, extra={"ctx": {"client_id": action.client_id}})
+                    reasons[sub.filter] = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+        finally:  # the starts are fixed (or never will be): the appends read after the SUBSCRIBE may go
+            fences = self._fences.get(connection)
+            fence = fences.pop(action.ref, None) if fences is not None else None
+            if fence is not None:
+                self.order.close(fence)
         retained = await self._retained_for(action, starts)
         connection.feed(Activated(action.ref, starts, retained, reasons or None))
         for sub in action.subscriptions:

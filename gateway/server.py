@@ -19,6 +19,9 @@ Per connection one task always runs, and two more while they have work:
   one ``send_all`` and reports written deliveries (``SocketWritten``);
 - the worker, while node actions wait: hands them to the backend, one batch
   at a time, so the node sees them in the order the channel asked for them.
+  Across connections the node keeps the read order of activations and
+  appends (gateway/order.py): an append read while an activation read before
+  it waits is queued behind an ``AfterReads`` mark.
 
 Timers (keepalive, commit, the CONNECT deadline) are handles in the node's one
 ``Timers`` task (gateway/timers.py), so an idle device costs one task.
@@ -46,7 +49,8 @@ import trio
 
 from gateway._state import State
 from gateway.actions import (
-    Action, Append, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Pull, Pulled, Send, SocketWritten,
+    Action, Activate, AfterReads, Append, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Pull, Pulled,
+    Send, SocketWritten,
 )
 from gateway.admission import Admission
 from gateway.channel import KEEPALIVE_TIMER, Channel, ChannelConfig
@@ -130,6 +134,16 @@ class Backend(Protocol):
         """Append now and feed the answer if the node can without waiting; False: ``perform`` will."""
         ...
 
+    def append_mark(self) -> int | None:
+        """For an append read now and left to ``perform``: the mark to queue before it (``AfterReads``) while
+        activations read earlier wait to be applied, else None (gateway/order.py)."""
+        ...
+
+    def activation_read(self, connection: Connection, action: Activate) -> None:
+        """The channel asked for this activation (its SUBSCRIBE was read): appends read from now on wait
+        until ``perform`` has applied it."""
+        ...
+
     async def perform(self, connection: Connection, actions: list[Action]) -> None:
         """Execute node actions in order, feeding their answers to ``connection.feed``."""
         ...
@@ -157,7 +171,7 @@ class Connection:
         "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_stream", "_backend", "_traffic",
         "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing", "_read_scope",
         "_broken", "_timers", "_deadline", "_running", "_scopes", "_fd", "_holding", "_reader", "_read_ended",
-        "_read_failure", "__weakref__",
+        "_read_failure", "_mark", "__weakref__",
     )
 
     def __init__(
@@ -196,6 +210,7 @@ class Connection:
         self._reader: trio.lowlevel.Task | None = None  # the reader task, while it waits for the poller
         self._read_ended = False  # a polled read ended the connection (or failed)
         self._read_failure: Exception | None = None  # what a polled read raised, for the reader task to raise
+        self._mark = -1  # the last read-order mark queued (AfterReads)
 
     @property
     def client_id(self) -> str:
@@ -256,6 +271,10 @@ class Connection:
                 # In order (no work waits), the node may take it now.
                 if not (self._work or self._working) and self._backend.append_now(self, action):  # type: ignore[arg-type]
                     continue
+                mark = self._backend.append_mark()
+                if mark is not None and mark > self._mark:  # after the activations read before it
+                    self._mark = mark
+                    self._work.append(AfterReads(mark))
                 self._work.append(action)
             elif kind is Send:
                 level = self.channel.protocol_level
@@ -276,6 +295,8 @@ class Connection:
                 if timer is not None:
                     timer.cancel()
             else:
+                if kind is Activate:
+                    self._backend.activation_read(self, action)  # type: ignore[arg-type]
                 if not self._work and not self._working:  # in order: no work waits, so the node may answer now
                     if kind is Pull:
                         pulled = self._backend.pull_cached(self, action)  # type: ignore[arg-type]
