@@ -148,6 +148,17 @@ class AuthCounters:
         self.recent.append(AuthFailure(int(time.time() * 1000), client_id, peer, username, reason.name))
 
 
+@dataclass(slots=True)
+class _DelayedWill:
+    """A will waiting for its delay (section 3.1.3.2.2); cancelled when the session resumes in time."""
+
+    message: Message
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    def cancel(self) -> None:
+        self.scope.cancel()
+
+
 @final
 class GatewayNode:
     """Executes the node actions of all connections of one embedded node.
@@ -195,7 +206,7 @@ class GatewayNode:
         self._sessions: dict[str, SessionState] = {}  # latest saved or handed-over state per client id
         self._local: dict[str, set[Connection]] = {}  # queue -> connections with a subscription on it
         self._held: dict[Connection, set[str]] = {}  # connection -> its queues in _local
-        self._wills: dict[str, trio.CancelScope] = {}  # client id -> pending delayed will
+        self._wills: dict[str, _DelayedWill] = {}  # client id -> pending delayed will
         self._expiries: dict[str, trio.CancelScope] = {}  # client id -> pending session expiry
         self._started = time.monotonic()
         self.traffic = Traffic()
@@ -240,7 +251,7 @@ class GatewayNode:
             elif kind is DropSession:
                 await self.drop_session(action.client_id)  # type: ignore[union-attr]
             elif kind is PublishWill:
-                self._publish_will(action)  # type: ignore[arg-type]
+                await self._publish_will(action)  # type: ignore[arg-type]
             elif kind is LimitHit:
                 self._limit_hit(connection, action)  # type: ignore[arg-type]
             else:
@@ -282,7 +293,11 @@ class GatewayNode:
                                extra={"ctx": {"client_id": client_id}})
         self._connections[client_id] = connection
         self.store.present(client_id)  # a connection of it on another node is taken over (``consume_moves`` there)
-        self._cancel(self._wills, client_id)
+        delayed = self._wills.pop(client_id, None)
+        if delayed is not None:  # resumed in time: off [MQTT-3.1.3-9]; a clean start ends the session: due now
+            delayed.cancel()
+            if action.clean_start:
+                await self._will_now(client_id, delayed.message)
         self._cancel(self._expiries, client_id)
         await self._hold_will(client_id, action)
         if action.clean_start:
@@ -436,7 +451,7 @@ class GatewayNode:
         self.nursery.start_soon(job, scope)
 
     @staticmethod
-    def _cancel(table: dict[str, trio.CancelScope], client_id: str) -> None:
+    def _cancel(table: dict[str, trio.CancelScope] | dict[str, _DelayedWill], client_id: str) -> None:
         scope = table.pop(client_id, None)
         if scope is not None:
             scope.cancel()
@@ -456,18 +471,31 @@ class GatewayNode:
             self.store.absent(client_id)
             await self.store.drop_will(client_id)
 
-    def _publish_will(self, action: PublishWill) -> None:
-        async def publish(scope: trio.CancelScope) -> None:
-            with scope:
-                await trio.sleep(action.delay_s)
-                del self._wills[action.client_id]
-                reason = await self.append_messages([action.message])
-                if reason is not None:
-                    LOGGER.error("will not published: %s", reason.name, extra={"ctx": {"client_id": action.client_id}})
-                else:
-                    await self._drop_will(action.client_id)  # published here: the store must not publish it again
+    async def _publish_will(self, action: PublishWill) -> None:
+        """Publish a will without delay at once, in the closing connection's worker: a takeover waits for that
+        connection to finish, so the will is out before the new connection's session opens [MQTT-3.1.2-8].
+        A delayed will waits in a task, cancelled if the session resumes first."""
+        client_id = action.client_id
+        if action.delay_s <= 0:
+            await self._will_now(client_id, action.message)
+            return
+        self._cancel(self._wills, client_id)
+        delayed = self._wills[client_id] = _DelayedWill(action.message)
 
-        self._later(self._wills, action.client_id, publish)
+        async def publish() -> None:
+            with delayed.scope:
+                await trio.sleep(action.delay_s)
+                del self._wills[client_id]
+                await self._will_now(client_id, action.message)
+
+        self.nursery.start_soon(publish)
+
+    async def _will_now(self, client_id: str, message: Message) -> None:
+        reason = await self.append_messages([message])
+        if reason is not None:
+            LOGGER.error("will not published: %s", reason.name, extra={"ctx": {"client_id": client_id}})
+        else:
+            await self._drop_will(client_id)  # published here: the store must not publish it again
 
     # --- messages -----------------------------------------------------------------------
 
