@@ -456,8 +456,10 @@ class Channel:
         if session is None:
             return []
         session.detach()
-        if self._handover:
-            return [*session.commit()] if self._moved else [*session.commit(), SaveSession(session.state())]
+        if self._handover and self._moved:
+            return [*session.commit()]
+        if self._handover and session.persistent:  # a session that ends with its connection is never handed over
+            return [*session.commit(), SaveSession(session.state())]  # [MQTT-3.1.2-6]
         if session.persistent:
             return [*session.commit(), *session.save()]
         filters = tuple(session.subscriptions)

@@ -27,8 +27,8 @@ it executes the channel actions that need the store or other connections.
   with the matches of each new subscription that wants them.
 - Authentication and ACLs (docs/security.md): a CONNECT is authenticated
   before it can take a session over; PUBLISHes and SUBSCRIBEs are checked
-  against the ACL before they are stored or activated; a resumed session keeps
-  only the subscriptions its new connection may make. Delivery is not checked
+  against the ACL before they are stored or activated; a resumed session
+  suspends the subscriptions its new connection may not make (kept for a user who may). Delivery is not checked
   again: the subscribe-time check is the model.
 """
 
@@ -139,7 +139,7 @@ class AuthCounters:
     """Refusals since the node started, for operators (``$SYS`` may publish them later)."""
 
     auth_failures: int = 0  # CONNECTs refused: bad credentials, anonymous access off, a will it may not publish
-    acl_denials: int = 0  # PUBLISHes dropped and subscriptions refused (or revoked on resume) by the ACL
+    acl_denials: int = 0  # PUBLISHes dropped and subscriptions refused (or suspended on resume) by the ACL
     recent: deque[AuthFailure] = field(default_factory=lambda: deque(maxlen=RECENT_AUTH_FAILURES))  # newest last
 
     def refused(self, client_id: str | None, peer: str, username: str | None, reason: ReasonCode) -> None:
@@ -204,6 +204,7 @@ class GatewayNode:
                                    arbiter=store if isinstance(store, GroupArbiter) else None)
         self._connections: dict[str, Connection] = {}
         self._sessions: dict[str, SessionState] = {}  # latest saved or handed-over state per client id
+        self._suspended: dict[str, SessionState] = {}  # client id -> what its connection's user may not resume
         self._local: dict[str, set[Connection]] = {}  # queue -> connections with a subscription on it
         self._held: dict[Connection, set[str]] = {}  # connection -> its queues in _local
         self._wills: dict[str, _DelayedWill] = {}  # client id -> pending delayed will
@@ -315,7 +316,7 @@ class GatewayNode:
                                  extra={"ctx": {"client_id": client_id}})
         if state is not None:
             committed = await self.store.get_offsets(client_id)
-            state = await self._revoke_unauthorised(connection, merge_committed(state, committed))
+            state = self._suspend_unauthorised(connection, merge_committed(state, committed))
             for sub in state.subscriptions:
                 if sub.group is not None:
                     await self.groups.join(connection, sub, None)
@@ -393,33 +394,36 @@ class GatewayNode:
                        extra={"ctx": {"client_id": connection.client_id, "username": connection.username,
                                       "topic": topic, "acl_denials": self.auth_counters.acl_denials}})
 
-    async def _revoke_unauthorised(self, connection: Connection, state: SessionState) -> SessionState:
-        """The resumed session without the subscriptions this connection may not make.
+    def _suspend_unauthorised(self, connection: Connection, state: SessionState) -> SessionState:
+        """The resumed session without the subscriptions this connection may not make (docs/security.md).
 
         The client id may now log in as another user, or the ACL may have changed while it was away;
-        subscriptions are the model of what a client may receive, so they are checked again here.
+        subscriptions are the model of what a client may receive, so they are checked again here. The ones
+        refused are suspended, not removed: they stay held in the store with their offsets, and every save of
+        the session while this connection has it puts them back (``_save``), so a later connection of a user who
+        may make them resumes them with what was published meanwhile.
         """
+        self._suspended.pop(state.client_id, None)
         acl = self._current_acl()
         if acl is None:
             return state
         user = connection.username
-        denied = tuple(sub.filter for sub in state.subscriptions
-                       if not acl.check(user, state.client_id, Access.SUBSCRIBE, sub.filter))
+        denied = {sub.filter for sub in state.subscriptions
+                  if not acl.check(user, state.client_id, Access.SUBSCRIBE, sub.filter)}
         if not denied:
             return state
-        for filter in denied:
-            self._denied(connection, Access.SUBSCRIBE, filter, "subscription of the resumed session removed")
-        await self._release(connection, state.client_id, denied)
-        gone = set(denied)
-        return replace(
-            state,
-            subscriptions=tuple(sub for sub in state.subscriptions if sub.filter not in gone),
-            offsets={f: o for f, o in state.offsets.items() if f not in gone},
-            cursors={f: o for f, o in state.cursors.items() if f not in gone},
-            inflight=tuple(i for i in state.inflight if i.filter not in gone),
-        )
+        for filter in sorted(denied):
+            self._denied(connection, Access.SUBSCRIBE, filter, "subscription of the resumed session suspended")
+        kept, self._suspended[state.client_id] = _split(state, denied)
+        return kept
+
+    def _whole(self, state: SessionState) -> SessionState:
+        """A connection's session state with the subscriptions suspended for its user put back."""
+        suspended = self._suspended.get(state.client_id)
+        return state if suspended is None else _rejoin(state, suspended)
 
     async def _save(self, state: SessionState) -> None:
+        state = self._whole(state)
         self._sessions[state.client_id] = state
         if state.expiry_s > 0:
             await self.store.save_session(state.client_id, encode_session(state))
@@ -427,6 +431,7 @@ class GatewayNode:
     async def drop_session(self, client_id: str) -> None:
         """End a session: its state, its stored blob, its filters and offsets go."""
         self._sessions.pop(client_id, None)
+        self._suspended.pop(client_id, None)
         self._cancel(self._expiries, client_id)
         await self.groups.drop_subscriber(client_id)
         await self.commits.forget(client_id)  # an offset written after the delete would keep its queues referenced
@@ -897,7 +902,7 @@ class GatewayNode:
         connection = self._connections.get(client_id)
         session = connection.channel.session if connection is not None else None
         if session is not None:
-            return session.state()
+            return self._whole(session.state())
         state = self._sessions.get(client_id)
         return state if state is not None and state.expiry_s > 0 else None
 
@@ -953,6 +958,52 @@ class GatewayNode:
                 connection = self._connections.get(client_id)
                 if connection is not None:
                     connection.feed(TakenOver(elsewhere=True))
+
+
+def _split(state: SessionState, filters: set[str]) -> tuple[SessionState, SessionState]:
+    """``state`` without the subscriptions of ``filters``, and those subscriptions with their offsets, cursors
+    and messages in flight."""
+    def part(inside: bool) -> SessionState:
+        return replace(
+            state,
+            subscriptions=tuple(sub for sub in state.subscriptions if (sub.filter in filters) is inside),
+            offsets={f: o for f, o in state.offsets.items() if (f in filters) is inside},
+            cursors={f: o for f, o in state.cursors.items() if (f in filters) is inside},
+            inflight=tuple(i for i in state.inflight if (i.filter in filters) is inside),
+        )
+
+    return part(False), part(True)
+
+
+def _rejoin(state: SessionState, suspended: SessionState) -> SessionState:
+    """A connection's session state with its suspended subscriptions (``_split``) put back.
+
+    A subscription the connection made meanwhile on the same filter wins. A message in flight on a suspended
+    subscription whose packet id the connection has reused (after 65,535 others) is dropped from the flight
+    and its subscription's cursor moved back to it: it is delivered again rather than lost.
+    """
+    live = {sub.filter for sub in state.subscriptions}
+    subscriptions = tuple(sub for sub in suspended.subscriptions if sub.filter not in live)
+    if not subscriptions:
+        return state
+    back = {sub.filter for sub in subscriptions}
+    cursors = {f: o for f, o in suspended.cursors.items() if f in back}
+    used = {entry.packet_id for entry in state.inflight}
+    inflight = []
+    for entry in suspended.inflight:
+        if entry.filter not in back:
+            continue
+        if entry.packet_id in used:
+            cursors[entry.filter] = min(cursors.get(entry.filter, entry.offset), entry.offset)
+            continue
+        inflight.append(entry)
+    return replace(
+        state,
+        subscriptions=state.subscriptions + subscriptions,
+        offsets={**state.offsets, **{f: o for f, o in suspended.offsets.items() if f in back}},
+        cursors={**state.cursors, **cursors},
+        inflight=state.inflight + tuple(inflight),
+    )
 
 
 def _by_connection(appends: list[tuple[Connection, Append]]) -> dict[Connection, list[Append]]:

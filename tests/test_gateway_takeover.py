@@ -123,3 +123,34 @@ def test_a_delayed_will_is_published_when_a_clean_start_ends_its_session(node):
         old.close()
         _sentinel(node.port, f"will{run}/x")
         assert _payloads_until(watcher, b"sentinel") == [str(i).encode() for i in range(rounds)]
+
+
+# --- what a takeover resumes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", [MQTT_311, MQTT_5])
+def test_a_takeover_does_not_resume_a_session_that_ended_with_the_connection_taken_over(node, level):
+    """[MQTT-3.1.2-6]: the state of a Clean Session 1 connection (5.0: Session Expiry 0) is not reused by a
+    Clean Session 0 (Clean Start 0) connection that takes it over: Session Present 0, no old subscriptions."""
+    run = run_id()
+    client_id = f"np-{run}"
+    old = RawClient(node.port, level)
+    old.connect(client_id, clean=level == MQTT_311)  # 5.0: Clean Start 0, but Session Expiry 0
+    old.subscribe(f"np{run}/old", qos=0)
+    persistent = Properties(session_expiry_interval=300) if level == MQTT_5 else Properties()
+    new = RawClient(node.port, level)
+    try:
+        assert not new.connect(client_id, clean=False, properties=persistent).session_present
+        new.subscribe(f"np{run}/new", qos=0)
+        with raw_client(node.port) as pub:
+            pub.connect(f"pub-{run}")
+            pub.send(Publish(f"np{run}/old", b"old", 0), Publish(f"np{run}/new", b"sentinel", 0), Disconnect())
+        assert _payloads_until(new, b"sentinel") == []
+    finally:
+        old.close()
+        new.close()
+    again = RawClient(node.port, level)  # and the new session is the one kept
+    try:
+        assert again.connect(client_id, clean=False, properties=persistent).session_present
+    finally:
+        again.close()
