@@ -339,9 +339,10 @@ class Channel:
 
     @property
     def input_paused(self) -> bool:
-        """True while packets wait for room under the in-flight limit (3.1.1): stop reading from the socket
-        until it is False again (it changes when an ``Appended`` is handled)."""
-        return bool(self._held)
+        """True while packets wait for room under the in-flight limit (3.1.1), or the session is being opened:
+        stop reading (and decoding) until it is False again (it changes when an ``Appended`` or the
+        ``SessionOpened`` is handled). Packets handed in meanwhile are kept, up to ``max_queued_packets``."""
+        return bool(self._held) or self._awaiting_session
 
     # --- entry points -------------------------------------------------------------------
 

@@ -171,7 +171,7 @@ class Connection:
         "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_stream", "_backend", "_traffic",
         "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing", "_read_scope",
         "_broken", "_timers", "_deadline", "_running", "_scopes", "_fd", "_holding", "_reader", "_read_ended",
-        "_read_failure", "_mark", "__weakref__",
+        "_read_failure", "_mark", "_backlog", "__weakref__",
     )
 
     def __init__(
@@ -211,6 +211,7 @@ class Connection:
         self._read_ended = False  # a polled read ended the connection (or failed)
         self._read_failure: Exception | None = None  # what a polled read raised, for the reader task to raise
         self._mark = -1  # the last read-order mark queued (AfterReads)
+        self._backlog = False  # a pause stopped decoding: packets read before it may wait in the decoder
 
     @property
     def client_id(self) -> str:
@@ -493,6 +494,10 @@ class Connection:
         while True:
             if self._paused():
                 await self._until(lambda: not self._paused())
+            if self._backlog:  # the packets read before the pause first: the client may send nothing more
+                if not self._decode():
+                    return
+                continue
             if poller is None:
                 try:
                     data = await self._stream.receive_some(RECEIVE_BYTES)
@@ -554,19 +559,32 @@ class Connection:
             self.feed(ConnectionLost("closed by the client"))
             return False
         self._traffic.bytes_in += len(data)
+        self._decoder.feed(data)
+        return self._decode()
+
+    def _decode(self) -> bool:
+        """Hand the decoded packets to the channel until more bytes are needed or reading pauses (``_paused``:
+        a 3.1.1 client's in-flight window is full, or too much node work waits); False as :meth:`_ingest`.
+
+        A pause stops decoding too, not only reading: a 3.1.1 client may pipeline any number of QoS 1
+        PUBLISHes in one read, and back-pressure must not turn into a disconnect. The rest waits in the
+        decoder (at most one read) until the reader resumes.
+        """
         decoder = self._decoder
         channel = self.channel
-        decoder.feed(data)
+        self._backlog = False
         holding = self._holding
         self._holding = True  # the answers to everything read go out in one write, after the loop
         try:
             while True:
+                paused = self._paused()
                 try:
-                    packet = decoder.next_packet()
+                    packet = NEED_DATA if paused else decoder.next_packet()
                 except RemoteProtocolError as err:
                     self.execute(channel.handle_protocol_error(err, decoder.protocol_level))
                     return False
                 if packet is NEED_DATA:
+                    self._backlog = paused
                     self.execute(channel.input_done())
                     break
                 if type(packet) is Publish:
