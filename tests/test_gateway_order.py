@@ -15,7 +15,7 @@ import trio
 from gateway.order import ReadOrder
 from gateway.packets import MQTT_311, Publish, Suback, Subscribe, SubscriptionOptions
 from gateway.codec import encode
-from mqtt_fixtures import RawClient, raw_client, running_node
+from mqtt_fixtures import RawClient, interop_node, raw_client  # noqa: F401  (interop_node is a fixture)
 from test_cluster import Gateway, Store, free_port
 
 TRIES = 1000
@@ -77,13 +77,15 @@ def _missed(port: int, filter_of, tries: int) -> list[int]:
             publish = encode(Publish(topic, b"first", 0), MQTT_311)
             sub.sock.sendall(subscribe)  # no wait between the two: the node reads them in one round
             pub.sock.sendall(publish)
-            assert isinstance(sub.receive(), Suback)
+            suback = sub.receive()
+            assert isinstance(suback, Suback), (i, suback)
             pub.send(Publish(topic, b"sentinel", 0))  # read after the SUBACK: it always arrives
             first = _next_publish(sub)
             if first.payload == b"sentinel":
                 missed.append(i)
                 continue
-            assert first.payload == b"first" and _next_publish(sub).payload == b"sentinel"
+            second = _next_publish(sub)
+            assert (first.payload, second.payload) == (b"first", b"sentinel"), (i, first, second)
     return missed
 
 
@@ -100,18 +102,10 @@ FILTERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    with running_node(tmp_path_factory.mktemp("order") / "data") as node:
-        yield node
-    assert node.proc.returncode == 0
-    assert not node.errors(), node.errors()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", FILTERS)
-def test_a_publish_read_after_a_subscribe_on_another_connection_reaches_it(node, kind):
-    assert _missed(node.port, FILTERS[kind], TRIES) == []
+def test_a_publish_read_after_a_subscribe_on_another_connection_reaches_it(interop_node, kind):
+    assert _missed(interop_node.port, FILTERS[kind], TRIES) == []
 
 
 @pytest.mark.slow

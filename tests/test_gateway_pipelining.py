@@ -13,18 +13,10 @@ import pytest
 from gateway.codec import encode
 from gateway.packets import MQTT_5, MQTT_311, Connack, Connect, Disconnect, Puback, Publish
 from gateway.reasons import ReasonCode
-from mqtt_fixtures import raw_client, run_id, running_node
+from mqtt_fixtures import interop_node, raw_client, run_id  # noqa: F401  (interop_node is a fixture)
 
 PIPELINED = 5000
 RECEIVE_MAXIMUM = 128  # the node's default mqtt.receive_maximum
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    with running_node(tmp_path_factory.mktemp("pipelining") / "data") as node:
-        yield node
-    assert node.proc.returncode == 0
-    assert not node.errors(), node.errors()
 
 
 def _send_in_background(sock, data: bytes) -> threading.Thread:
@@ -35,10 +27,10 @@ def _send_in_background(sock, data: bytes) -> threading.Thread:
 
 
 @pytest.mark.slow
-def test_a_311_client_pipelining_5000_qos1_publishes_gets_every_puback_and_loses_none(node):
+def test_a_311_client_pipelining_5000_qos1_publishes_gets_every_puback_and_loses_none(interop_node):
     run = run_id()
     topic = f"pipe{run}/x"
-    with raw_client(node.port) as sub, raw_client(node.port) as pub:
+    with raw_client(interop_node.port) as sub, raw_client(interop_node.port) as pub:
         sub.connect(f"sub-{run}")
         sub.subscribe(topic, qos=0)
         pub.connect(f"pub-{run}")
@@ -57,12 +49,12 @@ def test_a_311_client_pipelining_5000_qos1_publishes_gets_every_puback_and_loses
 
 
 @pytest.mark.slow
-def test_an_mqtt5_client_exceeding_the_receive_maximum_is_disconnected_with_0x93(node):
+def test_an_mqtt5_client_exceeding_the_receive_maximum_is_disconnected_with_0x93(interop_node):
     """[MQTT-3.3.4-7]: the client may not send more unacknowledged QoS 1 PUBLISHes than the server's Receive
     Maximum. The burst is one write of 24 KB, which the node reads at once (one loopback segment): more than
     128 of its PUBLISHes are read before any PUBACK is sent."""
     run = run_id()
-    with raw_client(node.port, MQTT_5) as pub:
+    with raw_client(interop_node.port, MQTT_5) as pub:
         connack = pub.connect(f"pub5-{run}")
         assert connack.properties.receive_maximum == RECEIVE_MAXIMUM
         burst = b"".join(encode(Publish(f"pipe5{run}", b"x", 1, packet_id=i), MQTT_5) for i in range(1, 2001))
@@ -75,11 +67,11 @@ def test_an_mqtt5_client_exceeding_the_receive_maximum_is_disconnected_with_0x93
 
 
 @pytest.mark.slow
-def test_a_311_client_pipelining_its_publishes_behind_its_connect_gets_every_puback(node):
+def test_a_311_client_pipelining_its_publishes_behind_its_connect_gets_every_puback(interop_node):
     """The PUBLISHes sent before the CONNACK wait in the socket, not in a bounded queue that closes the
     connection when full: decoding stops until the session is open."""
     run = run_id()
-    with raw_client(node.port) as pub:
+    with raw_client(interop_node.port) as pub:
         burst = encode(Connect(MQTT_311, f"pub-{run}", True), MQTT_311) + b"".join(
             encode(Publish(f"early{run}/x", b"x", 1, packet_id=i), MQTT_311) for i in range(1, PIPELINED + 1))
         sender = _send_in_background(pub.sock, burst)
