@@ -28,8 +28,8 @@ it executes the channel actions that need the store or other connections.
 - Authentication and ACLs (docs/security.md): a CONNECT is authenticated
   before it can take a session over; PUBLISHes and SUBSCRIBEs are checked
   against the ACL before they are stored or activated; a resumed session
-  suspends the subscriptions its new connection may not make (kept for a user who may). Delivery is not checked
-  again: the subscribe-time check is the model.
+  suspends the subscriptions its new connection may not make (kept for a user
+  who may). Delivery is not checked again: the subscribe-time check is the model.
 """
 
 from __future__ import annotations
@@ -240,7 +240,10 @@ class GatewayNode:
             elif kind is OpenSession:
                 await self._open_session(connection, action)  # type: ignore[arg-type]
             elif kind is Activate:
-                await self._activate(connection, action)  # type: ignore[arg-type]
+                try:
+                    await self._activate(connection, action)  # type: ignore[arg-type]
+                finally:  # failed or cancelled: its fence must not hold every append of the node
+                    self._activation_applied(connection, action)  # type: ignore[arg-type]
             elif kind is Pull:
                 await self._pull(connection, action)  # type: ignore[arg-type]
             elif kind is Release:
@@ -611,6 +614,13 @@ class GatewayNode:
         """Open the activation's fence: appends read from now on are written after ``_activate`` applied it."""
         self._fences.setdefault(connection, {})[action.ref] = self.order.open()
 
+    def _activation_applied(self, connection: Connection, action: Activate) -> None:
+        """Close the activation's fence (idempotent)."""
+        fences = self._fences.get(connection)
+        fence = fences.pop(action.ref, None) if fences is not None else None
+        if fence is not None:
+            self.order.close(fence)
+
     def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
         """A pull at the head of an unshared queue, answered from the queue cache; None if it must wait or read."""
         if action.group is not None:
@@ -644,29 +654,23 @@ class GatewayNode:
         starts: dict[str, int] = {}
         reasons: dict[str, ReasonCode] = {}
         acl = self._current_acl()
-        try:
-            for sub in action.subscriptions:
-                if acl is not None and not acl.check(connection.username, action.client_id, Access.SUBSCRIBE,
-                                                     sub.filter):
-                    self._denied(connection, Access.SUBSCRIBE, sub.filter, "filter refused")
-                    reasons[sub.filter] = ReasonCode.NOT_AUTHORIZED
-                    continue
-                holder = action.client_id if sub.group is None else SHARE_OWNER_PREFIX + sub.group
-                try:
-                    starts[sub.filter] = await self.store.activate(sub.queue, holder)
-                    if sub.group is not None:
-                        await self.groups.join(connection, sub, starts[sub.filter])
-                except TopicError as exc:
-                    LOGGER.warning("subscription refused: %s", exc, extra={"ctx": {"client_id": action.client_id}})
-                    reasons[sub.filter] = ReasonCode.TOPIC_FILTER_INVALID
-                except ValueError as exc:
-                    LOGGER.error("subscription failed: %s", exc, extra={"ctx": {"client_id": action.client_id}})
-                    reasons[sub.filter] = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
-        finally:  # the starts are fixed (or never will be): the appends read after the SUBSCRIBE may go
-            fences = self._fences.get(connection)
-            fence = fences.pop(action.ref, None) if fences is not None else None
-            if fence is not None:
-                self.order.close(fence)
+        for sub in action.subscriptions:
+            if acl is not None and not acl.check(connection.username, action.client_id, Access.SUBSCRIBE, sub.filter):
+                self._denied(connection, Access.SUBSCRIBE, sub.filter, "filter refused")
+                reasons[sub.filter] = ReasonCode.NOT_AUTHORIZED
+                continue
+            holder = action.client_id if sub.group is None else SHARE_OWNER_PREFIX + sub.group
+            try:
+                starts[sub.filter] = await self.store.activate(sub.queue, holder)
+                if sub.group is not None:
+                    await self.groups.join(connection, sub, starts[sub.filter])
+            except TopicError as exc:
+                LOGGER.warning("subscription refused: %s", exc, extra={"ctx": {"client_id": action.client_id}})
+                reasons[sub.filter] = ReasonCode.TOPIC_FILTER_INVALID
+            except ValueError as exc:
+                LOGGER.error("subscription failed: %s", exc, extra={"ctx": {"client_id": action.client_id}})
+                reasons[sub.filter] = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+        self._activation_applied(connection, action)  # the starts are fixed: the appends read after it may go
         retained = await self._retained_for(action, starts)
         connection.feed(Activated(action.ref, starts, retained, reasons or None))
         for sub in action.subscriptions:
