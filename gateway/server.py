@@ -373,13 +373,14 @@ class Connection:
     def _fire(self, name: str) -> None:
         """A timer of this connection came due (in the node's timer task: a failure must stay in this connection).
 
-        A keep-alive expiry first asks the kernel whether the client's bytes wait unread: they are its activity.
+        A keep-alive expiry first asks the kernel whether the client's bytes wait unread: they are its activity,
+        as are packets a pause left in the decoder (``_backlog``).
         """
         self._timers.pop(name, None)
         if self._closing:
             return
         try:
-            waiting = name == KEEPALIVE_TIMER and self._bytes_waiting()
+            waiting = name == KEEPALIVE_TIMER and (self._backlog or self._bytes_waiting())
             self.execute(self.channel.handle_timeout(name, waiting))
         except Exception as exc:
             LOGGER.error("connection failed: %r", exc, exc_info=exc,
