@@ -188,6 +188,14 @@ class Activate:
 
 
 @dataclass(frozen=True, slots=True)
+class AfterReads:
+    """Queued by the connection, not the channel, before an append read while subscriptions read on other
+    connections wait to be applied: the actions after it wait until those are (``mark``, gateway/order.py)."""
+
+    mark: int
+
+
+@dataclass(frozen=True, slots=True)
 class Release:
     """This session stops holding these subscriptions (filters as sent); their offsets go too."""
 

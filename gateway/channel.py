@@ -360,9 +360,10 @@ class Channel:
 
     @property
     def input_paused(self) -> bool:
-        """True while packets wait for room under the in-flight limit (3.1.1): stop reading from the socket
-        until it is False again (it changes when an ``Appended`` is handled)."""
-        return bool(self._held)
+        """True while packets wait for room under the in-flight limit (3.1.1), or the session is being opened:
+        stop reading (and decoding) until it is False again (it changes when an ``Appended`` or the
+        ``SessionOpened`` is handled). Packets handed in meanwhile are kept, up to ``max_queued_packets``."""
+        return bool(self._held) or self._awaiting_session
 
     # --- entry points -------------------------------------------------------------------
 
@@ -520,8 +521,10 @@ class Channel:
         if session is None:
             return []
         session.detach()
-        if self._handover:
-            return [*session.commit()] if self._moved else [*session.commit(), SaveSession(session.state())]
+        if self._handover and self._moved:
+            return [*session.commit()]
+        if self._handover and session.persistent:  # a session that ends with its connection is never handed over
+            return [*session.commit(), SaveSession(session.state())]  # [MQTT-3.1.2-6]
         if session.persistent:
             return [*session.commit(), *session.save()]
         filters = tuple(session.subscriptions)

@@ -36,11 +36,11 @@ it executes the channel actions that need the store or other connections.
   disconnect, delete) reach the node it is connected to through the store.
 - Authentication and ACLs (docs/security.md): a CONNECT is authenticated
   before it can take a session over; PUBLISHes and SUBSCRIBEs are checked
-  against the ACL before they are stored or activated; a resumed session keeps
-  only the subscriptions its new connection may make. With an ACL, each
-  connection's session gets the ACL's delivery check (``ReadCheck``), so a
-  wildcard granted over a deny rule never delivers a denied topic (queued,
-  retained or resent).
+  against the ACL before they are stored or activated; a resumed session
+  suspends the subscriptions its new connection may not make (kept for a user
+  who may). With an ACL, each connection's session gets the ACL's delivery
+  check (``ReadCheck``), so a wildcard granted over a deny rule never delivers
+  a denied topic (queued, retained or resent).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from gateway.actions import (
     Activate,
     Activated,
     AdminDisconnect,
+    AfterReads,
     Append,
     Appended,
     CommitOffsets,
@@ -107,6 +108,7 @@ from gateway.owed import OwedWrites, Write
 from gateway.listeners import ListenerSpec, TlsContext, listener_specs
 from gateway.logs import leaves
 from gateway.messages import from_record, to_new_message
+from gateway.order import ReadOrder
 from gateway.packets import MQTT_5
 from gateway.passwords import PasswordFileError
 from gateway.poller import Poller
@@ -164,13 +166,25 @@ class AuthCounters:
     """Refusals since the node started, for operators (``$SYS`` may publish them later)."""
 
     auth_failures: int = 0  # CONNECTs refused: bad credentials, anonymous access off, a will it may not publish
-    acl_denials: int = 0  # PUBLISHes dropped and subscriptions refused (or revoked on resume) by the ACL
+    acl_denials: int = 0  # PUBLISHes dropped and subscriptions refused (or suspended on resume) by the ACL
     recent: deque[AuthFailure] = field(default_factory=lambda: deque(maxlen=RECENT_AUTH_FAILURES))  # newest last
 
     def refused(self, client_id: str | None, peer: str, username: str | None, reason: ReasonCode) -> None:
         """Count a refused CONNECT or HTTP publish and keep it among the recent ones (the dashboard's)."""
         self.auth_failures += 1
         self.recent.append(AuthFailure(int(time.time() * 1000), client_id, peer, username, reason.name))
+
+
+@dataclass(slots=True)
+class _DelayedWill:
+    """A will waiting for its delay (section 3.1.3.2.2); cancelled when the session resumes in time."""
+
+    message: Message
+    epoch: int | None  # the store lease of the connection it belongs to
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    def cancel(self) -> None:
+        self.scope.cancel()
 
 
 @final
@@ -209,6 +223,8 @@ class GatewayNode:
         self.timers = Timers()
         self.reads = Poller(self._end_round)
         self._round: list[tuple[Connection, Append]] = []  # the appends of the read round in progress
+        self.order = ReadOrder()  # activations are applied before the appends read after them
+        self._fences: dict[Connection, dict[int, int]] = {}  # connection -> Activate ref -> its open fence
         self.cache = QueueCache(store, from_record)
         self.owed = OwedWrites(nursery)  # store writes a full data disk refused, done once it has room
         self.commits = CommitBatcher(store, nursery, self.owed)
@@ -221,9 +237,10 @@ class GatewayNode:
         self._sessions: dict[str, SessionState] = {}  # latest saved or handed-over state per client id
         # client id -> the connections' saves waiting for their write (``SessionSaved``): a full disk delays it
         self._save_waiters: dict[str, list[tuple[Connection, int]]] = {}
+        self._suspended: dict[str, SessionState] = {}  # client id -> what its connection's user may not resume
         self._local: dict[str, set[Connection]] = {}  # queue -> connections with a subscription on it
         self._held: dict[Connection, set[str]] = {}  # connection -> its queues in _local
-        self._wills: dict[str, trio.CancelScope] = {}  # client id -> pending delayed will
+        self._wills: dict[str, _DelayedWill] = {}  # client id -> pending delayed will
         self._expiries: dict[str, trio.CancelScope] = {}  # client id -> pending session expiry
         self._started = time.monotonic()
         self.traffic = Traffic()
@@ -272,10 +289,15 @@ class GatewayNode:
                 continue
             index += 1
             kind = type(action)
-            if kind is OpenSession:
+            if kind is AfterReads:
+                await self.order.wait(action.mark)  # type: ignore[union-attr]
+            elif kind is OpenSession:
                 await self._open_session(connection, action)  # type: ignore[arg-type]
             elif kind is Activate:
-                await self._activate(connection, action)  # type: ignore[arg-type]
+                try:
+                    await self._activate(connection, action)  # type: ignore[arg-type]
+                finally:  # failed or cancelled: its fence must not hold every append of the node
+                    self._activation_applied(connection, action)  # type: ignore[arg-type]
             elif kind is Pull:
                 await self._pull(connection, action)  # type: ignore[arg-type]
             elif kind is Release:
@@ -290,7 +312,7 @@ class GatewayNode:
             elif kind is DropSession:
                 await self._drop_when_room(action.client_id, epoch=self._epochs.get(connection))  # type: ignore[union-attr]
             elif kind is PublishWill:
-                self._publish_will(action, self._epochs.get(connection))  # type: ignore[arg-type]
+                await self._publish_will(action, self._epochs.get(connection))  # type: ignore[arg-type]
             elif kind is LimitHit:
                 self._limit_hit(connection, action)  # type: ignore[arg-type]
             else:
@@ -298,6 +320,8 @@ class GatewayNode:
 
     def connection_closed(self, connection: Connection) -> None:
         """Forget the connection; start the expiry of its session if it stays stored."""
+        for fence in self._fences.pop(connection, {}).values():  # activations it will never apply
+            self.order.close(fence)
         for queue in self._held.pop(connection, ()):
             self._unsubscribe_local(connection, queue)
         self.groups.connection_gone(connection)
@@ -375,7 +399,11 @@ class GatewayNode:
         state = None if action.clean_start else await self._stored_session(client_id)
         if state is None:
             await self.drop_session(client_id, epoch)  # whatever a session that is gone left: offsets, QoS 2 flows
-        self._cancel(self._wills, client_id)
+        delayed = self._wills.pop(client_id, None)
+        if delayed is not None:  # resumed in time: off [MQTT-3.1.3-9]; a clean start ends the session: due now
+            delayed.cancel()
+            if action.clean_start:
+                await self._will_now(client_id, delayed.message, delayed.epoch)
         self._cancel(self._expiries, client_id)
         await self._hold_will(client_id, action, epoch)
         if state is None:
@@ -383,8 +411,7 @@ class GatewayNode:
                 await self._save(SessionState(client_id, action.expiry_s, detached=True), epoch)
             return None
         awaiting = await self.store.awaiting_release(client_id)
-        state = await self._revoke_unauthorised(
-            connection, replace(await self._resumed(state, log=True), awaiting=awaiting))
+        state = self._suspend_unauthorised(connection, replace(await self._resumed(state, log=True), awaiting=awaiting))
         for sub in state.subscriptions:
             if sub.group is not None:
                 await self.groups.join(connection, sub, None)  # LogFullError: a new group's offset is stored first
@@ -508,33 +535,36 @@ class GatewayNode:
                        extra={"ctx": {"client_id": connection.client_id, "username": connection.username,
                                       "topic": topic, "acl_denials": self.auth_counters.acl_denials}})
 
-    async def _revoke_unauthorised(self, connection: Connection, state: SessionState) -> SessionState:
-        """The resumed session without the subscriptions this connection may not make.
+    def _suspend_unauthorised(self, connection: Connection, state: SessionState) -> SessionState:
+        """The resumed session without the subscriptions this connection may not make (docs/security.md).
 
         The client id may now log in as another user, or the ACL may have changed while it was away;
-        subscriptions are the model of what a client may receive, so they are checked again here.
+        subscriptions are the model of what a client may receive, so they are checked again here. The ones
+        refused are suspended, not removed: they stay held in the store with their offsets, and every save of
+        the session while this connection has it puts them back (``_save``), so a later connection of a user who
+        may make them resumes them with what was published meanwhile.
         """
+        self._suspended.pop(state.client_id, None)
         acl = self._current_acl()
         if acl is None:
             return state
         user = connection.username
-        denied = tuple(sub.filter for sub in state.subscriptions
-                       if not acl.check(user, state.client_id, Access.SUBSCRIBE, sub.filter))
+        denied = {sub.filter for sub in state.subscriptions
+                  if not acl.check(user, state.client_id, Access.SUBSCRIBE, sub.filter)}
         if not denied:
             return state
-        for filter in denied:
-            self._denied(connection, Access.SUBSCRIBE, filter, "subscription of the resumed session removed")
-        await self._release(connection, state.client_id, denied)
-        gone = set(denied)
-        return replace(
-            state,
-            subscriptions=tuple(sub for sub in state.subscriptions if sub.filter not in gone),
-            offsets={f: o for f, o in state.offsets.items() if f not in gone},
-            cursors={f: o for f, o in state.cursors.items() if f not in gone},
-            inflight=tuple(i for i in state.inflight if i.filter not in gone),
-        )
+        for filter in sorted(denied):
+            self._denied(connection, Access.SUBSCRIBE, filter, "subscription of the resumed session suspended")
+        kept, self._suspended[state.client_id] = _split(state, denied)
+        return kept
+
+    def _whole(self, state: SessionState) -> SessionState:
+        """A connection's session state with the subscriptions suspended for its user put back."""
+        suspended = self._suspended.get(state.client_id)
+        return state if suspended is None else _rejoin(state, suspended)
 
     async def _save(self, state: SessionState, epoch: int | None = None) -> None:
+        state = self._whole(state)
         self._sessions[state.client_id] = state
         if state.expiry_s > 0:  # on a full disk the save waits for room (owed): it then stores the latest state
             await self.owed.attempt(state.client_id, functools.partial(self._store_session, state.client_id, epoch),
@@ -565,6 +595,7 @@ class GatewayNode:
         """
         await self.store.drop_session(client_id, epoch=epoch)  # first: on a full disk the session stays whole
         self._sessions.pop(client_id, None)
+        self._suspended.pop(client_id, None)
         self._cancel(self._expiries, client_id)
         await self.groups.drop_subscriber(client_id)
         await self.commits.forget(client_id)  # an offset written after the delete would keep its queues referenced
@@ -601,7 +632,7 @@ class GatewayNode:
         self.nursery.start_soon(job, scope)
 
     @staticmethod
-    def _cancel(table: dict[str, trio.CancelScope], client_id: str) -> None:
+    def _cancel(table: dict[str, trio.CancelScope] | dict[str, _DelayedWill], client_id: str) -> None:
         scope = table.pop(client_id, None)
         if scope is not None:
             scope.cancel()
@@ -621,35 +652,51 @@ class GatewayNode:
             self.store.absent(client_id, epoch=epoch)
             await self.store.drop_will(client_id, epoch=epoch)
 
-    def _publish_will(self, action: PublishWill, epoch: int | None) -> None:
-        async def publish(scope: trio.CancelScope) -> None:
-            with scope:
-                await trio.sleep(action.delay_s)
-                del self._wills[action.client_id]
-                if epoch is not None and epoch != self.store.epoch:  # the lease ended: the store published the
-                    return  # will it held, or the client resumed elsewhere
-                reason = await self.append_messages([action.message], epoch=epoch)
-                while reason is ReasonCode.QUOTA_EXCEEDED:  # a full disk: the will, due now [MQTT-3.1.2-8], waits
-                    await trio.sleep(FULL_RETRY_S)  # for room (a session resuming meanwhile does not cancel it)
-                    reason = await self.append_messages([action.message], epoch=epoch, count=False)
-                if reason is not None:
-                    LOGGER.error("will not published: %s", reason.name, extra={"ctx": {"client_id": action.client_id}})
-                else:
-                    await self._drop_will(action.client_id, epoch)  # published here: the store must not publish it
+    async def _publish_will(self, action: PublishWill, epoch: int | None) -> None:
+        """Publish a will without delay at once, in the closing connection's worker: a takeover waits for that
+        connection to finish, so the will is out before the new connection's session opens [MQTT-3.1.2-8].
+        A delayed will waits in a task, cancelled if the session resumes first."""
+        client_id = action.client_id
+        if action.delay_s <= 0:
+            await self._will_now(client_id, action.message, epoch)
+            return
+        self._cancel(self._wills, client_id)
+        delayed = self._wills[client_id] = _DelayedWill(action.message, epoch)
 
-        self._later(self._wills, action.client_id, publish)
+        async def publish() -> None:
+            with delayed.scope:
+                await trio.sleep(action.delay_s)
+                del self._wills[client_id]
+                await self._will_now(client_id, action.message, epoch)
+
+        self.nursery.start_soon(publish)
+
+    async def _will_now(self, client_id: str, message: Message, epoch: int | None) -> None:
+        if epoch is not None and epoch != self.store.epoch:  # the lease ended: the store published the will it
+            return  # held, or the client resumed elsewhere
+        reason = await self.append_messages([message], epoch)
+        while reason is ReasonCode.QUOTA_EXCEEDED:  # a full disk: the will, due now [MQTT-3.1.2-8], waits for room
+            await trio.sleep(FULL_RETRY_S)  # (a session resuming meanwhile does not cancel it)
+            reason = await self.append_messages([message], epoch, count=False)
+        if reason is not None:
+            LOGGER.error("will not published: %s", reason.name, extra={"ctx": {"client_id": client_id}})
+        else:
+            await self._drop_will(client_id, epoch)  # published here: the store must not publish it again
 
     # --- messages -----------------------------------------------------------------------
 
     async def append_messages(self, messages: Sequence[Message], epoch: int | None = None, *,
                               count: bool = True) -> ReasonCode | None:
-        """Append messages through the store (durable under the sync flush policy); None or why it failed."""
+        """Append the node's own messages (wills, ``$SYS``, HTTP publish) through the store (durable under the sync
+        flush policy), after the activations read before this call (gateway/order.py); None or why it failed."""
+        await self.order.wait(self.order.mark())
         offsets = await self._append_batch(messages, epoch, count=count)
         return offsets if isinstance(offsets, ReasonCode) else None
 
     async def _append_batch(self, messages: Sequence[Message], epoch: int | None = None, *,
                             count: bool = True) -> list[int] | ReasonCode:
-        """The messages' CommitLog offsets once appended, or why the append failed.
+        """The messages' CommitLog offsets once appended, or why the append failed (a connection's appends were
+        ordered when read: ``AfterReads``).
 
         ``epoch``: the store lease of the connection they come from (None: now); refused once it ended.
         A failure counts the messages in ``refused_by_qos`` (unless ``count`` is False: a retry). A full disk is
@@ -711,6 +758,8 @@ class GatewayNode:
         the appends of all the round's connections in one store call, before any other task runs. The round's
         first append asks the ACL and the store for all of them (per message, that was 3% of a fan-in's CPU).
         """
+        if self.order.fenced:  # an activation read before it is not applied yet: ``perform`` waits for it
+            return False
         if self._round:
             self._round.append((connection, action))
             return True
@@ -754,6 +803,21 @@ class GatewayNode:
         """Record the releases of inbound QoS 2 flows durably, in one store write; then their PUBCOMPs may go."""
         await self.store.release_awaiting([(r.client_id, r.packet_id, r.offset) for r in releases])
         connection.feed_all([InboundReleased(r.ref) for r in releases])
+
+    def append_mark(self) -> int | None:
+        """The read-order mark for an append read now and left to ``perform``; None when nothing waits."""
+        return self.order.mark() if self.order.fenced else None
+
+    def activation_read(self, connection: Connection, action: Activate) -> None:
+        """Open the activation's fence: appends read from now on are written after ``_activate`` applied it."""
+        self._fences.setdefault(connection, {})[action.ref] = self.order.open()
+
+    def _activation_applied(self, connection: Connection, action: Activate) -> None:
+        """Close the activation's fence (idempotent)."""
+        fences = self._fences.get(connection)
+        fence = fences.pop(action.ref, None) if fences is not None else None
+        if fence is not None:
+            self.order.close(fence)
 
     def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
         """A pull at the head of an unshared queue, answered from the queue cache; None if it must wait or read."""
@@ -808,6 +872,7 @@ class GatewayNode:
                 reasons[sub.filter] = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
             except LogFullError:  # the store logged the full disk once
                 reasons[sub.filter] = ReasonCode.QUOTA_EXCEEDED
+        self._activation_applied(connection, action)  # the starts are fixed: the appends read after it may go
         retained = await self._retained_for(action, starts)
         connection.feed(Activated(action.ref, starts, retained, reasons or None))
         for sub in action.subscriptions:
@@ -1130,7 +1195,7 @@ class GatewayNode:
         connection = self._connections.get(client_id)
         session = connection.channel.session if connection is not None else None
         if session is not None:
-            return session.state()
+            return self._whole(session.state())
         state = self._sessions.get(client_id)
         return state if state is not None and state.expiry_s > 0 else None
 
@@ -1212,6 +1277,56 @@ class GatewayNode:
                            extra={"ctx": {"ended_epoch": ended, "epoch": current, "connections": len(stale)}})
             for connection in stale:
                 connection.feed(TakenOver(elsewhere=True))
+
+
+def _split(state: SessionState, filters: set[str]) -> tuple[SessionState, SessionState]:
+    """``state`` without the subscriptions of ``filters``, and those subscriptions with their offsets, cursors
+    and messages in flight."""
+    def part(inside: bool) -> SessionState:
+        return replace(
+            state,
+            subscriptions=tuple(sub for sub in state.subscriptions if (sub.filter in filters) is inside),
+            offsets={f: o for f, o in state.offsets.items() if (f in filters) is inside},
+            cursors={f: o for f, o in state.cursors.items() if (f in filters) is inside},
+            inflight=tuple(i for i in state.inflight if (i.filter in filters) is inside),
+            lanes={f: lane for f, lane in state.lanes.items() if (f in filters) is inside},
+        )
+
+    return part(False), part(True)
+
+
+def _rejoin(state: SessionState, suspended: SessionState) -> SessionState:
+    """A connection's session state with its suspended subscriptions (``_split``) put back.
+
+    A subscription the connection made meanwhile on the same filter wins. A message in flight on a suspended
+    subscription whose packet id the connection has reused (after 65,535 others) is dropped from the flight
+    and its subscription's cursor moved back to it: it is delivered again rather than lost. A suspended
+    subscription's lane of packet ids comes back unless the connection gave it to another subscription.
+    """
+    live = {sub.filter for sub in state.subscriptions}
+    subscriptions = tuple(sub for sub in suspended.subscriptions if sub.filter not in live)
+    if not subscriptions:
+        return state
+    back = {sub.filter for sub in subscriptions}
+    cursors = {f: o for f, o in suspended.cursors.items() if f in back}
+    used = {entry.packet_id for entry in state.inflight}
+    inflight = []
+    for entry in suspended.inflight:
+        if entry.filter not in back:
+            continue
+        if entry.packet_id in used:
+            cursors[entry.filter] = min(cursors.get(entry.filter, entry.offset), entry.offset)
+            continue
+        inflight.append(entry)
+    return replace(
+        state,
+        subscriptions=state.subscriptions + subscriptions,
+        offsets={**state.offsets, **{f: o for f, o in suspended.offsets.items() if f in back}},
+        cursors={**state.cursors, **cursors},
+        inflight=state.inflight + tuple(inflight),
+        lanes={**state.lanes, **{f: lane for f, lane in suspended.lanes.items()
+                                 if f in back and lane not in state.lanes.values()}},
+    )
 
 
 def _by_connection(appends: list[tuple[Connection, Append]]) -> dict[Connection, list[Append]]:

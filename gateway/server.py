@@ -19,6 +19,9 @@ Per connection one task always runs, and two more while they have work:
   one ``send_all`` and reports written deliveries (``SocketWritten``);
 - the worker, while node actions wait: hands them to the backend, one batch
   at a time, so the node sees them in the order the channel asked for them.
+  Across connections the node keeps the read order of activations and
+  appends (gateway/order.py): an append read while an activation read before
+  it waits is queued behind an ``AfterReads`` mark.
 
 Timers (keepalive, commit, the CONNECT deadline) are handles in the node's one
 ``Timers`` task (gateway/timers.py), so an idle device costs one task.
@@ -48,7 +51,8 @@ import trio
 
 from gateway._state import State
 from gateway.actions import (
-    Action, Append, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Pull, Pulled, Send, SocketWritten,
+    Action, Activate, AfterReads, Append, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Pull, Pulled,
+    Send, SocketWritten,
 )
 from gateway.admission import Admission
 from gateway.channel import KEEPALIVE_TIMER, Channel, ChannelConfig
@@ -142,6 +146,16 @@ class Backend(Protocol):
         """Append now and feed the answer if the node can without waiting; False: ``perform`` will."""
         ...
 
+    def append_mark(self) -> int | None:
+        """For an append read now and left to ``perform``: the mark to queue before it (``AfterReads``) while
+        activations read earlier wait to be applied, else None (gateway/order.py)."""
+        ...
+
+    def activation_read(self, connection: Connection, action: Activate) -> None:
+        """The channel asked for this activation (its SUBSCRIBE was read): appends read from now on wait
+        until ``perform`` has applied it."""
+        ...
+
     async def perform(self, connection: Connection, actions: list[Action]) -> None:
         """Execute node actions in order, feeding their answers to ``connection.feed``."""
         ...
@@ -169,7 +183,7 @@ class Connection:
         "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_stream", "_backend", "_traffic",
         "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing", "_read_scope",
         "_broken", "_timers", "_deadline", "_running", "_scopes", "_fd", "_holding", "_reader", "_read_ended",
-        "_read_failure", "_lift", "__weakref__",
+        "_read_failure", "_lift", "_mark", "_backlog", "__weakref__",
     )
 
     def __init__(
@@ -211,6 +225,8 @@ class Connection:
         self._read_failure: Exception | None = None  # what a polled read raised, for the reader task to raise
         # A WebSocket's widening of its message bound, called once the client is accepted (CONNACK sent).
         self._lift: Callable[[], None] | None = getattr(stream, "lift_message_limit", None)
+        self._mark = -1  # the last read-order mark queued (AfterReads)
+        self._backlog = False  # a pause stopped decoding: packets read before it may wait in the decoder
 
     @property
     def client_id(self) -> str:
@@ -274,6 +290,10 @@ class Connection:
                 # In order (no work waits), the node may take it now.
                 if not (self._work or self._working) and self._backend.append_now(self, action):  # type: ignore[arg-type]
                     continue
+                mark = self._backend.append_mark()
+                if mark is not None and mark > self._mark:  # after the activations read before it
+                    self._mark = mark
+                    self._work.append(AfterReads(mark))
                 self._work.append(action)
             elif kind is Send:
                 level = self.channel.protocol_level
@@ -294,6 +314,8 @@ class Connection:
                 if timer is not None:
                     timer.cancel()
             else:
+                if kind is Activate:
+                    self._backend.activation_read(self, action)  # type: ignore[arg-type]
                 if not self._work and not self._working:  # in order: no work waits, so the node may answer now
                     if kind is Pull:
                         pulled = self._backend.pull_cached(self, action)  # type: ignore[arg-type]
@@ -369,13 +391,14 @@ class Connection:
     def _fire(self, name: str) -> None:
         """A timer of this connection came due (in the node's timer task: a failure must stay in this connection).
 
-        A keep-alive expiry first asks the kernel whether the client's bytes wait unread: they are its activity.
+        A keep-alive expiry first asks the kernel whether the client's bytes wait unread: they are its activity,
+        as are packets a pause left in the decoder (``_backlog``).
         """
         self._timers.pop(name, None)
         if self._closing:
             return
         try:
-            waiting = name == KEEPALIVE_TIMER and self._bytes_waiting()
+            waiting = name == KEEPALIVE_TIMER and (self._backlog or self._bytes_waiting())
             self.execute(self.channel.handle_timeout(name, waiting))
         except Exception as exc:
             LOGGER.error("connection failed: %r", exc, exc_info=exc,
@@ -530,6 +553,10 @@ class Connection:
         while True:
             if self._paused():
                 await self._until(lambda: not self._paused())
+            if self._backlog:  # the packets read before the pause first: the client may send nothing more
+                if not self._decode():
+                    return
+                continue
             if poller is None:
                 try:
                     data = await self._stream.receive_some(RECEIVE_BYTES)
@@ -592,19 +619,32 @@ class Connection:
             self.feed(ConnectionLost("closed by the client"))
             return False
         self._traffic.bytes_in += len(data)
+        self._decoder.feed(data)
+        return self._decode()
+
+    def _decode(self) -> bool:
+        """Hand the decoded packets to the channel until more bytes are needed or reading pauses (``_paused``:
+        a 3.1.1 client's in-flight window is full, or too much node work waits); False as :meth:`_ingest`.
+
+        A pause stops decoding too, not only reading: a 3.1.1 client may pipeline any number of QoS 1
+        PUBLISHes in one read, and back-pressure must not turn into a disconnect. The rest waits in the
+        decoder (at most one read) until the reader resumes.
+        """
         decoder = self._decoder
         channel = self.channel
-        decoder.feed(data)
+        self._backlog = False
         holding = self._holding
         self._holding = True  # the answers to everything read go out in one write, after the loop
         try:
             while True:
+                paused = self._paused()
                 try:
-                    packet = decoder.next_packet()
+                    packet = NEED_DATA if paused else decoder.next_packet()
                 except RemoteProtocolError as err:
                     self.execute(channel.handle_protocol_error(err, decoder.protocol_level))
                     return False
                 if packet is NEED_DATA:
+                    self._backlog = paused
                     self.execute(channel.input_done())
                     break
                 if type(packet) is Publish:

@@ -23,6 +23,7 @@ from gateway.packets import (
     MQTT_311,
     Connack,
     Connect,
+    Disconnect,
     Puback,
     Pubcomp,
     Pubrec,
@@ -305,6 +306,48 @@ def test_a_resumed_session_keeps_only_what_the_new_login_may_subscribe(auth_node
         assert [m.payload for m in carol.receive(1)] == [b"for carol"]  # alice's message was not delivered first
     finally:
         carol.disconnect()
+
+
+def test_a_takeover_by_another_user_suspends_the_owners_subscriptions_and_the_owner_resumes_them(auth_node):
+    """A user that takes a client id over does not get the subscriptions it may not make, and does not strip
+    them from the session either (docs/security.md, "Takeovers by another user"): the owner gets them back,
+    with what was published meanwhile."""
+    run = run_id()
+    session = f"device-{run}"
+
+    def login(user: str, client_id: str = session) -> tuple[RawClient, Connack]:
+        client = RawClient(auth_node.port, MQTT_311)
+        return client, client.connect(client_id, clean=False, username=user, password=PASSWORDS[user].encode())
+
+    alice, _ = login("alice")
+    alice.subscribe(f"alice/{run}/#", qos=0)
+    carol, connack = login("carol")  # takes the client id over while alice is connected
+    alice.close()
+    try:
+        assert connack.session_present
+        auth_node.wait_log(lambda doc: doc.get("msg", "").startswith("subscribe denied by the ACL")
+                           and doc.get("client_id") == session and doc.get("topic") == f"alice/{run}/#")
+        carol.subscribe(f"home/carol/{run}/#", qos=0)
+        publisher, _ = login("alice", f"pub-{run}")
+        publisher.send(Publish(f"alice/{run}/private", b"while away", 0), Disconnect())
+        publisher.close()
+        carol.send(Publish(f"home/carol/{run}/x", b"for carol", 0))
+        packet = carol.receive()
+        assert isinstance(packet, Publish) and packet.payload == b"for carol"
+        carol.send(Disconnect())
+    finally:
+        carol.close()
+    alice, connack = login("alice")
+    try:
+        assert connack.session_present
+        publisher, _ = login("alice", f"pub-{run}")
+        publisher.send(Publish(f"alice/{run}/after", b"sentinel", 0), Disconnect())
+        publisher.close()
+        got = [alice.receive(), alice.receive()]
+        assert [(p.topic, p.payload) for p in got] == [(f"alice/{run}/private", b"while away"),
+                                                       (f"alice/{run}/after", b"sentinel")]
+    finally:
+        alice.close()
 
 
 # --- anonymous access and startup ---------------------------------------------------------

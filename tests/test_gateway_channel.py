@@ -711,7 +711,7 @@ def test_will_on_connection_loss_with_delay_bounded_by_session_expiry():
 
 
 def test_takeover_sends_0x8e_publishes_will_and_hands_the_session_over():
-    channel, _, _ = connect(will_topic="w")
+    channel, _, _ = connect(will_topic="w", **persistent())
     subscribe(channel, ("a/b", SubscriptionOptions()))
     actions = channel.handle_event(TakenOver())
     assert sent(actions) == [Disconnect(R.SESSION_TAKEN_OVER)] and of(actions, PublishWill)
@@ -719,6 +719,16 @@ def test_takeover_sends_0x8e_publishes_will_and_hands_the_session_over():
     assert [s.filter for s in save.state.subscriptions] == ["a/b"]
     assert not of(actions, Release) and not of(actions, DropSession)
     assert CancelTimer("keepalive") in actions
+
+
+def test_takeover_ends_a_session_that_ends_with_its_connection():
+    """[MQTT-3.1.2-6]: a session of Session Expiry 0 (3.1.1: Clean Session 1) is not reused by the next one."""
+    channel, _, _ = connect(will_topic="w")
+    subscribe(channel, ("a/b", SubscriptionOptions()))
+    actions = channel.handle_event(TakenOver())
+    assert sent(actions) == [Disconnect(R.SESSION_TAKEN_OVER)] and of(actions, PublishWill)
+    assert not of(actions, SaveSession)
+    assert of(actions, Release) == [Release("dev1", ("a/b",))] and of(actions, DropSession) == [DropSession("dev1")]
 
 
 def test_takeover_of_311_connection_closes_without_packet():

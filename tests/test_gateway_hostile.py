@@ -137,11 +137,13 @@ async def test_no_packet_over_the_clients_maximum_packet_size_reaches_it(node, l
 
 
 async def test_a_refusing_connack_is_followed_by_an_orderly_close_while_the_client_keeps_writing(node):
-    """The server refuses (a malformed packet before CONNACK: CONNACK 0x81) while more input waits unread: it
-    half-closes and drains, so the client reads the CONNACK and then end of stream, not a reset (which can
-    destroy the CONNACK before the client reads it)."""
+    """The server refuses (a malformed CONNECT: its reserved flag set, [MQTT-3.1.2-3], CONNACK 0x81) while more
+    input waits unread: it half-closes and drains, so the client reads the CONNACK and then end of stream, not a
+    reset (which can destroy the CONNACK before the client reads it)."""
     peer = await Peer.open(node)
-    await peer.send(Connect(MQTT_5, "refused-writer"), raw=BAD_PUBLISH + JUNK)
+    connect = bytearray(encode(Connect(MQTT_5, "refused-writer"), MQTT_5))
+    connect[9] |= 0x01  # the CONNECT flags byte: fixed header (2), protocol name (6), level (1)
+    await peer.send(raw=bytes(connect) + JUNK)
     packets = await peer.rest()
     assert [type(p) for p in packets] == [Connack] and packets[0].reason_code is ReasonCode.MALFORMED_PACKET
     assert peer.ending == "eof"

@@ -1,6 +1,7 @@
 """The embedded node in-process: session blobs in the store, session encoding, session expiry over real sockets."""
 
 import logging
+from dataclasses import replace
 
 import msgspec
 import pytest
@@ -9,7 +10,7 @@ import trio
 from gateway.actions import InFlight, Message, Phase, Subscription
 from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.config import OPTIONS
-from gateway.node import serve_gateway
+from gateway.node import _rejoin, _split, serve_gateway
 from gateway.session import decode_session, encode_session
 from gateway.packets import MQTT_5, Connack, Connect, Disconnect, Suback, Subscribe, SubscriptionOptions
 from gateway.properties import Properties
@@ -42,6 +43,21 @@ def test_session_state_round_trips_through_its_blob():
     assert decode_session(encode_session(state)) == state
     with pytest.raises(msgspec.DecodeError):
         decode_session(b"\x93not a session")
+
+
+def test_suspended_subscriptions_rejoin_every_save_and_a_reused_packet_id_is_delivered_again():
+    state = SessionState("dev", 60, (Subscription("a/#", "a/#"), Subscription("b/#", "b/#")), {"a/#": 3, "b/#": 5},
+                         {"a/#": 4, "b/#": 9}, frozenset(), (InFlight(7, "b/#", 6, 1), InFlight(8, "b/#", 7, 1)), 9)
+    kept, suspended = _split(state, {"b/#"})
+    assert [s.filter for s in kept.subscriptions] == ["a/#"] and not kept.inflight and "b/#" not in kept.offsets
+    assert [s.filter for s in suspended.subscriptions] == ["b/#"] and len(suspended.inflight) == 2
+    live = replace(kept, inflight=(InFlight(7, "a/#", 3, 1),))  # the connection reused packet id 7
+    whole = _rejoin(live, suspended)
+    assert [s.filter for s in whole.subscriptions] == ["a/#", "b/#"]
+    assert whole.offsets["b/#"] == 5 and whole.cursors["b/#"] == 6  # back to the message whose id was reused
+    assert [(e.packet_id, e.filter) for e in whole.inflight] == [(7, "a/#"), (8, "b/#")]
+    resubscribed = replace(live, subscriptions=(*live.subscriptions, Subscription("b/#", "b/#")))
+    assert _rejoin(resubscribed, suspended) == resubscribed  # made again meanwhile: the live one wins
 
 
 class RawClient:

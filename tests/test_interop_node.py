@@ -21,7 +21,8 @@ from paho.mqtt.packettypes import PacketTypes
 
 from gateway.actions import InFlight, Subscription
 from gateway.session import merge_committed
-from gateway.packets import MQTT_5, Puback, Publish, Subscribe, SubscriptionOptions
+from gateway.packets import MQTT_5, Disconnect, Puback, Publish, Subscribe, SubscriptionOptions
+from gateway.properties import Properties
 from gateway.reasons import ReasonCode
 from gateway.session import Session, SessionState
 
@@ -237,3 +238,46 @@ def test_session_expiry_set_to_zero_at_disconnect_ends_the_session(interop_node)
     again = Client(interop_node.port, f"exp-{run}", protocol=mqtt.MQTTv5, clean=False)
     assert not again.connect(properties=properties(PacketTypes.CONNECT, SessionExpiryInterval=3600)).session_present
     again.disconnect()
+
+
+def _own_then_sentinel(port: int, client, topic: str, own: bytes, sentinel: bytes) -> list[bytes]:
+    """``client`` publishes ``own`` (QoS 1), another client then ``sentinel``: the payloads ``client`` gets up to
+    the sentinel (messages a crash made it get again included)."""
+    client.send(Publish(topic, own, 1, packet_id=7))
+    got = []
+    with raw_client(port, MQTT_5) as other:
+        other.connect(f"other-{run_id()}")
+        other.send(Publish(topic, sentinel, 1, packet_id=1))
+        while True:
+            packet = client.receive()
+            if isinstance(packet, Publish):
+                if packet.qos:
+                    client.send(Puback(packet.packet_id))
+                if packet.payload == sentinel:
+                    return got
+                got.append(packet.payload)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crash", [True, False], ids=["sigkill", "clean restart"])
+def test_no_local_holds_for_a_persistent_session_across_a_restart(tmp_path, crash):
+    """[MQTT-3.8.3-3]: a No Local subscription never gets its own client id's messages, also once the session
+    is resumed from the store after the node restarted."""
+    run = run_id()
+    client_id, topic = f"nl-{run}", f"nl{run}/x"
+    expiry = Properties(session_expiry_interval=3600)
+    with running_node(tmp_path / "data") as first:
+        with raw_client(first.port, MQTT_5) as client:
+            client.connect(client_id, clean=False, properties=expiry)
+            client.send(Subscribe(1, ((topic, SubscriptionOptions(qos=1, no_local=True)),)))
+            client.receive()
+            assert _own_then_sentinel(first.port, client, topic, b"own before", b"first sentinel") == []
+            if crash:
+                kill(first)
+            else:
+                client.send(Disconnect())
+    with running_node(tmp_path / "data") as second:
+        with raw_client(second.port, MQTT_5) as client:
+            assert client.connect(client_id, clean=False, properties=expiry).session_present
+            got = _own_then_sentinel(second.port, client, topic, b"own after", b"second sentinel")
+            assert b"own before" not in got and b"own after" not in got
