@@ -949,7 +949,7 @@ async def serve_gateway(
     """
     front = NodeFront.from_settings(settings)
     data = Path(settings["node.data"])
-    async with open_store(data, CommitLogConfig.from_settings(settings)) as store:
+    async with open_store(data, CommitLogConfig.from_settings(settings), tier=settings) as store:
         LOGGER.info("store node ready", extra={"ctx": {"data": str(data),
                                                        "written_offset": store.log.log.written_offset}})
         client = LocalStoreClient(store)

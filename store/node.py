@@ -253,11 +253,13 @@ def _decode(raw: bytes, offset: int) -> Record:
 
 @asynccontextmanager
 async def open_store(
-    data: Path, config: CommitLogConfig, listener: Listener | None = None
+    data: Path, config: CommitLogConfig, listener: Listener | None = None, tier: Mapping[str, Any] | None = None
 ) -> AsyncIterator[StoreNode]:
     """Open the CommitLog and the index under ``data``, run flushing, retention and dispatch.
 
     ``listener``, if given, hears every dispatch batch's events too (after they are routed).
+    ``tier``: the flat settings; when ``tier.uri`` is set, the Parquet tier converter of sealed segments runs too
+    (store/tier.py; imported only then, as it loads pyarrow).
 
     Resource handling: everything opened here is closed here, in reverse order,
     when the block exits (the index memtable and the CommitLog are flushed).
@@ -281,7 +283,14 @@ async def open_store(
             nodes.append(node)
             try:
                 async with background(dispatcher.run):
-                    yield node
+                    if tier is not None and tier.get("tier.uri"):
+                        from store.tier import TierConfig, TierConverter, run_tier
+
+                        converter = TierConverter(alog.log, TierConfig.from_settings(tier))
+                        async with background(partial(run_tier, converter)):
+                            yield node
+                    else:
+                        yield node
             finally:
                 for name in tuple(node.mailboxes):
                     node.detach(name)
@@ -330,7 +339,7 @@ async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = 
 
     host, port = parse_address(settings["store.listen"])
     data = Path(settings["node.data"])
-    async with open_store(data, CommitLogConfig.from_settings(settings)) as node:
+    async with open_store(data, CommitLogConfig.from_settings(settings), tier=settings) as node:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:
