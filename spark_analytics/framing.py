@@ -39,30 +39,17 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from lightqueue.topics import matches
 from store.record import EOS_SIZE, FLAG_RETAIN, HEADER_SIZE, MAGIC_EOS, MAGIC_V1, QOS_MASK, CorruptRecord
+from store.tierfiles import RECORD_SCHEMA, UTC_MICROS
 
-__all__ = ["RAW_SCHEMA", "DecodeOptions", "Frames", "ScanRange", "scan_range", "valid_end"]
+__all__ = ["RAW_SCHEMA", "UTC_MICROS", "DecodeOptions", "Frames", "ScanRange", "frames_in", "scan_range", "valid_end"]
 
 WINDOW_BYTES = 8 << 20
 """One pread per window: big enough to amortise the syscall and the numpy calls
 per batch (~75k telemetry records), small enough that the gather temporaries of
 a window stay in the tens of MiB."""
 
-UTC_MICROS = pa.timestamp("us", tz="UTC")
-
-RAW_SCHEMA = pa.schema(
-    [
-        pa.field("offset", pa.int64(), nullable=False),
-        pa.field("store_ts", UTC_MICROS, nullable=False),
-        pa.field("born_ts", UTC_MICROS, nullable=False),
-        pa.field("topic", pa.string(), nullable=False),
-        pa.field("client_id", pa.string(), nullable=False),
-        pa.field("qos", pa.int8(), nullable=False),
-        pa.field("retain", pa.bool_(), nullable=False),
-        pa.field("properties", pa.binary(), nullable=False),
-        pa.field("payload", pa.binary(), nullable=False),
-    ]
-)
-"""The columns of one CommitLog record; ``properties`` are MQTT 5 property bytes."""
+RAW_SCHEMA = RECORD_SCHEMA
+"""The columns of one CommitLog record (the tier's too: store/tierfiles.py); ``properties`` are MQTT 5 property bytes."""
 
 _FRAME = struct.Struct(">III")  # length, CRC, magic: enough to walk and classify
 _INLINE = 12  # binary_view keeps values up to 12 bytes inside the view
@@ -486,3 +473,27 @@ def valid_end(rng: ScanRange, *, verify_crc: bool = True, window_bytes: int = WI
     finally:
         os.close(fd)
     return end, len(tail) < EOS_SIZE or _FRAME.unpack_from(tail)[2] == MAGIC_EOS
+
+
+def frames_in(buf: bytes, offset: int, opts: DecodeOptions, source: str) -> tuple[Frames | None, int]:
+    """Decode the complete records at the start of ``buf``, the log's bytes from global offset ``offset``
+    (a record boundary) as the store RPC's ``ReadLog`` returns them (store/server.py).
+
+    Returns the records that pass the push-down (None when none do) and the
+    bytes consumed: the start of a record that ``buf`` holds only in part,
+    which the next read begins with. The bytes are below the flushed offset,
+    so an invalid record is corruption.
+
+    Raises:
+        CorruptRecord: an invalid record, naming ``source`` and the offset.
+    """
+    starts, end, why = _walk(buf, 0, len(buf))
+    win = _Window.__new__(_Window)
+    win.pos, win.buf, win.at_limit = 0, buf, True
+    rng = ScanRange(source, offset, 0, 0, len(buf), len(buf), True)
+    if why == _STOP:
+        reason = _end_reason(buf, end, why)
+        if reason is not None:
+            raise _corrupt(rng, end, reason)
+    frames, _torn = _checked(win, starts, rng, opts, opts.topic_filter or None)
+    return frames, end

@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import socket
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -45,8 +46,8 @@ from lightqueue.topics import TopicError
 from notify import EventMailbox
 from store import rpc
 from store.access import AccessDenied
-from store.client import NewMessage, PullRequest, StoreStatistics
-from store.errors import LogFullError
+from store.client import LogSpan, NewMessage, PullRequest, StoreStatistics
+from store.errors import LogFullError, OffsetExpired
 from store.record import Record, RecordTooLarge, decode_record
 from store.tasks import background
 
@@ -119,6 +120,9 @@ def _exception(error: rpc.Error) -> Exception:
         return AccessDenied(error.message)
     if kind is rpc.ErrorKind.RECORD_TOO_LARGE:
         return RecordTooLarge(error.message)
+    if kind is rpc.ErrorKind.EXPIRED:  # the message is OffsetExpired's: the offset first, the log's minimum last
+        numbers = [int(n) for n in re.findall(r"\d+", error.message)]
+        return OffsetExpired(numbers[0], numbers[-1]) if numbers else LookupError(error.message)
     if kind is rpc.ErrorKind.TOPIC:
         return TopicError(error.message)
     if kind is rpc.ErrorKind.VALUE:
@@ -697,6 +701,10 @@ class RemoteStoreClient:
         s = answer.stats
         return StoreStatistics(s.written_offset, s.flushed_offset, s.dispatched_offset, s.log_bytes, s.queue_ids,
                                s.active_filters, s.retained, s.notify_sent, s.notify_suppressed, s.notify_by_node)
+
+    async def read_log(self, offset: int, max_bytes: int) -> LogSpan:
+        answer = await self._require_link().call(lambda rid: rpc.ReadLog(rid, offset, max_bytes))
+        return LogSpan(answer.start, answer.data, answer.data_end, answer.flushed, answer.min_offset)
 
     async def hold_will(self, client_id: str, message: NewMessage, delay_s: float) -> None:
         wire = to_wire(message)
