@@ -75,9 +75,10 @@ def spark_session(master: str = DEFAULT_MASTER, app_name: str = "lightgate-analy
 
 
 def package_zip(directory: Path) -> Path:
-    """Zip ``spark_analytics``, the record format (``store/record.py`` and the
-    target-queues codec it imports, ``lightqueue/targets.py``) and the MQTT topic
-    rules (``lightqueue/topics.py``) into ``directory``
+    """Zip ``spark_analytics``, the record format (``store/record.py``
+    and the target-queues codec it imports, ``lightqueue/targets.py``), the tier's
+    file format (``store/tierfiles.py``), the store RPC's wire format (``store/rpc.py``)
+    and the MQTT topic rules (``lightqueue/topics.py``) into ``directory``
     for ``SparkContext.addPyFile``: the code executors need when the project is
     not installed on them (its dependencies still must be: pyarrow, numpy,
     msgspec, crc32c). Returns the zip's path."""
@@ -88,6 +89,7 @@ def package_zip(directory: Path) -> Path:
     with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as zf:
         for path in [*sorted((root / "spark_analytics").glob("*.py")),
                      root / "store" / "__init__.py", root / "store" / "record.py",
+                     root / "store" / "tierfiles.py", root / "store" / "rpc.py",
                      root / "lightqueue" / "__init__.py", root / "lightqueue" / "targets.py",
                      root / "lightqueue" / "topics.py"]:
             zf.write(path, path.relative_to(root).as_posix())

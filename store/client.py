@@ -170,6 +170,7 @@ class StoreClient(Protocol):
     async def read_log(self, offset: int, max_bytes: int) -> LogSpan:
         """The log's raw bytes from the record boundary ``offset`` (``CommitLog.read_span``), up to the
         flushed offset: for readers that frame records themselves (Spark executors over the RPC).
+        ``max_bytes`` 0 returns only the log's bounds (``flushed``, ``min_offset``), for any ``offset``.
 
         Raises:
             store.errors.OffsetExpired: ``offset`` is below the log's minimum (retention).
@@ -341,8 +342,12 @@ class LogSpan:
 
 
 def read_log_span(store: StoreNode, offset: int, max_bytes: int) -> LogSpan:
-    """``read_log`` on a store node in this process (the RPC server answers with the same)."""
+    """``read_log`` on a store node in this process (the RPC server answers with the same).
+
+    ``max_bytes`` 0 asks for the log's bounds only: any ``offset`` is accepted and nothing is read."""
     log = store.log.log
+    if max_bytes <= 0:
+        return LogSpan(offset, b"", offset, log.flushed_offset, log.min_offset)
     start, data, data_end = log.read_span(offset, max(0, min(max_bytes, MAX_READ_LOG_BYTES)))
     return LogSpan(start, data, data_end, log.flushed_offset, log.min_offset)
 

@@ -192,9 +192,10 @@ class TierConverter:
         return done
 
     def convert(self, base: int) -> bool:
-        """Convert the sealed segment at ``base``; False if it was deleted first or the converter was stopped."""
+        """Convert the sealed segment at ``base``; False if the tier has it, it was deleted first, or the
+        converter was stopped."""
         info = next((s for s in self.log.segments() if s.base == base), None)
-        if info is None or not info.sealed:
+        if info is None or not info.sealed or base in self._metas:
             return False
         final = f"{self.root}/{file_name(base)}"
         temp = f"{self.root}/{TEMP_PREFIX}{file_name(base)}.{uuid.uuid4().hex}.part"
