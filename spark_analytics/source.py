@@ -19,13 +19,16 @@ logged warning and a skip to the oldest segment still there.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import itertools
 import logging
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
-from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.datasource import (DataSource, DataSourceReader, DataSourceStreamReader, EqualTo, GreaterThan,
+                                    GreaterThanOrEqual, InputPartition, LessThan, LessThanOrEqual)
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType
 
@@ -58,8 +61,13 @@ class DataLossError(RuntimeError):
     """Segments that a read needed were deleted by retention before it read them."""
 
 
+FILTER_PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
+"""Off by default in PySpark 4.x; a reader that implements ``pushFilters`` fails unless it is on."""
+
+
 def register(spark: Any) -> None:
-    """Make ``format("commitlog")`` available in ``spark`` (per session)."""
+    """Make ``format("commitlog")`` available in ``spark`` (per session), with filter push-down on."""
+    spark.conf.set(FILTER_PUSHDOWN_CONF, "true")
     spark.dataSource.register(CommitLogDataSource)
 
 
@@ -200,12 +208,68 @@ def _projection(given: StructType, ours: StructType) -> pa.Schema | None:
     return to_arrow_schema(given, timezone="UTC")
 
 
+def _micros(value: Any) -> int | None:
+    """A pushed-down timestamp literal in microseconds since the epoch (None: not a timestamp)."""
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is None:  # Spark hands session-time-zone literals over as naive local times
+            value = value.astimezone()
+        delta = value - datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+        return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+    return None
+
+
+def _time_bound(flt: Any) -> tuple[str, int] | None:
+    """``("from", ms)`` or ``("to", ms)`` (store times are whole ms: ``[from, to)``) for a filter on store_ts."""
+    if getattr(flt, "attribute", None) != ("store_ts",):
+        return None
+    us = _micros(flt.value)
+    if us is None:
+        return None
+    ceil_ms = -(-us // 1000)
+    if isinstance(flt, GreaterThan):
+        return "from", us // 1000 + 1
+    if isinstance(flt, GreaterThanOrEqual):
+        return "from", ceil_ms
+    if isinstance(flt, LessThan):
+        return "to", ceil_ms
+    if isinstance(flt, LessThanOrEqual):
+        return "to", us // 1000 + 1
+    return None
+
+
 class CommitLogReader(DataSourceReader):
-    """A batch read: all durable records, within the time and topic push-down."""
+    """A batch read: all durable records, within the time and topic push-down.
+
+    ``.where()`` conditions are pushed down (PySpark >= 4.1, ``pushFilters``)
+    when they are comparisons of ``store_ts`` with a timestamp (they become
+    ``fromTime``/``toTime``: whole segments, tier row groups and records are
+    skipped) or ``topic = '<name>'`` without a ``topicFilter`` option; Spark
+    evaluates the others. Column pruning is not offered to Python data sources:
+    a schema naming fewer columns is how a query reads fewer (see ``_projection``).
+    """
 
     def __init__(self, opts: ReaderOptions, projection: pa.Schema | None = None) -> None:
         self.opts = opts
         self.projection = projection
+
+    def pushFilters(self, filters: list[Any]) -> Iterator[Any]:
+        decode = self.opts.decode
+        bounds = {"from": decode.from_ms, "to": decode.to_ms}
+        topic = decode.topic_filter
+        for flt in filters:
+            bound = _time_bound(flt)
+            if bound is not None:
+                side, ms = bound
+                old = bounds[side]
+                bounds[side] = ms if old is None else max(old, ms) if side == "from" else min(old, ms)
+                continue
+            if (isinstance(flt, EqualTo) and flt.attribute == ("topic",) and isinstance(flt.value, str)
+                    and topic is None and flt.value and not set(flt.value) & {"+", "#"}):
+                topic = flt.value  # a topic name is a filter that matches only itself
+                continue
+            yield flt
+        self.opts = dataclasses.replace(self.opts, decode=dataclasses.replace(
+            decode, from_ms=bounds["from"], to_ms=bounds["to"], topic_filter=topic))
 
     def partitions(self) -> list[CommitLogPartition]:
         ranges = plan_log(load_layout(self.opts), from_ms=self.opts.decode.from_ms, to_ms=self.opts.decode.to_ms,
