@@ -41,6 +41,8 @@ OPTIONS = {
     OPTION_PREFIX + "device": "telemetry: topic:<level> (default topic:1) or payload:<field>",
     OPTION_PREFIX + "time": "telemetry: store (default) or payload:<field>",
     OPTION_PREFIX + "timeunit": "telemetry: ms (default), s or iso for a payload time field",
+    OPTION_PREFIX + "key": "telemetry: a payload field identifying a device's message (e.g. seq): the key "
+                           "column, for de-duplication",
 }
 """Every option the reader accepts (lower case), with its meaning; unknown ones are refused."""
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 __all__ = ["DEFAULT_MASTER", "QUIET_CONF", "package_zip", "spark_session"]
 
@@ -33,23 +34,26 @@ QUIET_CONF = {
 
 
 def spark_session(master: str = DEFAULT_MASTER, app_name: str = "lightgate-analytics",
-                  conf: Mapping[str, str] | None = None, *, delta: bool = False) -> Any:
+                  conf: Mapping[str, str] | None = None, *, delta: bool = False,
+                  py_files: Sequence[Path] = ()) -> Any:
     """Start (or reuse) a SparkSession with :data:`QUIET_CONF` and the ``commitlog`` source registered.
 
     ``delta=True`` adds Delta Lake (the optional delta-spark package: its
     ``configure_spark_with_delta_pip`` names the matching jars, which Spark
     fetches from Maven unless they are already in its cache).
 
-    On a cluster master (not ``local``), the bind settings are left to Spark
-    and the package is shipped to executors with ``addPyFile`` unless they
-    already import it (see docs/analytics.md, "Running on a cluster").
+    On a cluster master (not ``local[...]``), the bind settings are left to
+    Spark and the project's code (:func:`package_zip`) is shipped to the
+    executors with ``addPyFile``, before the ``commitlog`` source is registered
+    (docs/analytics.md, "Running on a cluster"); ``py_files`` are added the same
+    way on any master.
 
     Resource handling: the caller stops the session (``spark.stop()``).
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    local = master.startswith("local")
-    if local:
+    local = master.startswith("local[") or master == "local"
+    if master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
@@ -70,6 +74,11 @@ def spark_session(master: str = DEFAULT_MASTER, app_name: str = "lightgate-analy
             .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog"))
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    ship = list(py_files)
+    if not local:
+        ship.append(package_zip(Path(tempfile.mkdtemp(prefix="lightgate-spark-"))))
+    for path in ship:
+        spark.sparkContext.addPyFile(str(path))
     register(spark)
     return spark
 
