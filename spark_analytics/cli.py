@@ -270,10 +270,12 @@ STOP_WAIT_S = 300.0
 
 
 def stop_between_batches(queries: list[Any]) -> None:
-    """Stop each query when no micro-batch of it is running, so no task is interrupted mid-batch (an
-    interrupted batch fills the terminal with Java and Python tracebacks and is redone at the next start)."""
+    """Stop each query when it has started and no micro-batch of it is running, so nothing is interrupted
+    (an interrupted batch or start fills the terminal with Java and Python tracebacks, fails the query, and
+    the batch is redone at the next start)."""
     deadline = time.monotonic() + STOP_WAIT_S
     for q in queries:
-        while q.isActive and q.status.get("isTriggerActive") and time.monotonic() < deadline:
+        while (q.isActive and (q.lastProgress is None or q.status.get("isTriggerActive"))
+               and time.monotonic() < deadline):
             time.sleep(0.1)
         q.stop()

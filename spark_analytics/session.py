@@ -9,6 +9,7 @@ the same interpreter as the driver so the package and its dependencies match.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -29,8 +30,11 @@ QUIET_CONF = {
     "spark.default.parallelism": "2",
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.python.authenticate.socketTimeout": "120s",
 }
-"""The settings measured in /work/shared/spark-notes.md; any of them can be overridden."""
+"""The settings measured in /work/shared/spark-notes.md; any of them can be overridden. The Python worker's
+connect-back timeout is raised from 15 s: on two busy cores a streaming query's source runner took longer to
+start, and the query failed with "Timed out while waiting for the Python worker to connect back"."""
 
 
 def spark_session(master: str = DEFAULT_MASTER, app_name: str = "lightgate-analytics",
@@ -74,6 +78,7 @@ def spark_session(master: str = DEFAULT_MASTER, app_name: str = "lightgate-analy
             .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog"))
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    logging.getLogger("py4j").setLevel(logging.WARNING)  # a line per call from the JVM at INFO
     ship = list(py_files)
     if not local:
         ship.append(package_zip(Path(tempfile.mkdtemp(prefix="lightgate-spark-"))))

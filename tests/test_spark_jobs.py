@@ -9,12 +9,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 from spark_fixtures import (
     Msg,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture
+    table_rows,
     telemetry,
     write_log,
 )
@@ -34,15 +34,6 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def table(path: Path) -> list[tuple]:
-    """Every row of a (date-partitioned) Parquet table, as sorted tuples; floats to 12 digits (a mean or a
-    standard deviation summed in another order differs in the last bits)."""
-    data = ds.dataset(path, format="parquet", partitioning="hive").to_table()
-    columns = sorted(c for c in data.column_names if c not in ("payload",))
-    return sorted(tuple(f"{v:.12g}" if isinstance(v, float) else str(v) for v in (row[c] for c in columns))
-                  for row in data.select(columns).to_pylist())
-
-
 def batch(data: Path, out: Path, *extra: str) -> int:
     return cli.run(parse("batch", "--data", str(data), "--out", str(out), "--metrics", "temp,hum", "--no-chart",
                          *extra))
@@ -57,8 +48,8 @@ def test_a_rerun_of_some_days_leaves_every_table_as_a_full_run_writes_it(spark: 
     assert batch(tmp_path / "data", rerun, "--from", "2023-11-15", "--to", "2023-11-16") == 0  # the middle day
     assert batch(tmp_path / "data", rerun, "--from", "2023-11-16") == 0  # the last day, open-ended
     for name in TABLES:
-        assert table(rerun / name) == table(full / name), name
-    assert len(table(full / "silence_gaps")) > 100 and len(table(full / "quarantine")) > 50
+        assert table_rows(rerun / name) == table_rows(full / name), name
+    assert len(table_rows(full / "silence_gaps")) > 100 and len(table_rows(full / "quarantine")) > 50
     # the output format: zstd, INT64 microsecond timestamps with statistics (not INT96)
     parquet = pq.ParquetFile(next((full / "device_1m").glob("date=*/*.parquet"))).metadata
     column = next(parquet.row_group(0).column(i) for i in range(parquet.num_columns)
@@ -88,7 +79,7 @@ def test_duplicates_are_dropped_by_the_payload_key_and_sys_topics_are_not_read(s
     write_log(tmp_path / "data", msgs)
     assert batch(tmp_path / "data", tmp_path / "plain") == 0
     assert batch(tmp_path / "data", tmp_path / "dedup", "--dedup", "seq") == 0
-    counts = {name: sum(pq.read_table(tmp_path / name / "device_1m", columns=["count"]).column("count").to_pylist())
+    counts = {name: sum(pq.read_table_rows(tmp_path / name / "device_1m", columns=["count"]).column("count").to_pylist())
               for name in ("plain", "dedup")}
     assert counts == {"plain": 660, "dedup": 600}  # no $SYS record in either
 

@@ -3,64 +3,27 @@ live, planning.plan_log): every record exactly once, against the CommitLog's own
 
 from __future__ import annotations
 
-import contextlib
 import json
-import queue
-import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-import trio
 from spark_fixtures import (
+    SEGMENT_BYTES,
     T0_MS,
+    scan_all,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture
+    store_node,
     telemetry,
+    tier_then_expire,
     write_log,
 )
 
 from spark_analytics.options import ReaderOptions
 from spark_analytics.source import CommitLogReader
 from spark_analytics.tier import TierRange
-from store.commitlog import CommitLog, CommitLogConfig
-from store.node import open_store
-from store.server import serve_rpc
-from store.tier import TierConfig, TierConverter
 
 pytestmark = pytest.mark.spark
-
-SEGMENT = 64 * 1024
-
-
-def scan_all(data: Path) -> list[tuple[int, str, bytes]]:
-    """(offset, topic, payload) of every record, by the CommitLog itself."""
-    out = []
-    with CommitLog.open(data / "commitlog", CommitLogConfig(segment_bytes=SEGMENT, max_record_bytes=SEGMENT)) as log:
-        offset = log.min_offset
-        while offset < log.written_offset:
-            scanned = log.scan(offset)
-            out += [(r.offset, r.topic, r.payload) for r in scanned.records]
-            offset = scanned.next_offset
-    return out
-
-
-def tier_then_expire(data: Path, convert: int, keep_local: int) -> None:
-    """Convert the oldest ``convert`` segments the tier does not have, then let retention delete the tiered
-    segments but the newest ``keep_local`` of them."""
-    config = CommitLogConfig(segment_bytes=SEGMENT, max_record_bytes=SEGMENT, retention_max_bytes=1)
-    with CommitLog.open(data / "commitlog", config) as log:
-        converter = TierConverter(log, TierConfig(uri=str(data / "tier"), cpu_share=1.0, row_group_rows=200))
-        converter.open()
-        pending = converter.pending()
-        assert len(pending) >= convert
-        for base in pending[:convert]:
-            assert converter.convert(base)
-        tiered = [s.base for s in log.segments() if converter.may_delete(s.base)]
-        keep_from = tiered[-keep_local] if keep_local else pending[convert] if len(pending) > convert \
-            else log.segments()[-1].base
-        log.set_retention_guard(lambda base: converter.may_delete(base) and base < keep_from)
-        log.delete_expired()
-        assert log.segments()[0].base == keep_from
 
 
 def rows(spark: Any, **options: str) -> list[tuple[int, str, bytes]]:
@@ -142,37 +105,12 @@ def test_a_stream_reads_tier_and_local_once_with_a_rate_limit_and_reports_the_la
     batches = [p["numInputRows"] for p in progress if p["numInputRows"]]
     assert sum(batches) == 2000 and max(batches) <= 450 and len(batches) >= 5
     assert all(p["sources"][0]["latestOffset"] is not None for p in progress)  # the end of the log: the lag
-    write_log(tmp_path, telemetry(700, start_ms=T0_MS + 10**7), segment_bytes=SEGMENT)
+    write_log(tmp_path, telemetry(700, start_ms=T0_MS + 10**7), segment_bytes=SEGMENT_BYTES)
     tier_then_expire(tmp_path, convert=1, keep_local=0)  # what the stream read before is gone locally now
     progress = run_available_now(stream(), out, checkpoint)
     assert sum(p["numInputRows"] for p in progress) == 700  # only the new records
     got = sorted(r.offset for r in spark.read.parquet(str(out)).collect())
     assert len(got) == len(set(got)) == 2700
-
-
-@contextlib.contextmanager
-def store_node(data: Path) -> Iterator[str]:
-    """A store node on ``data``'s CommitLog, serving its RPC on a free port from a thread; yields HOST:PORT."""
-    ready: queue.Queue[Any] = queue.Queue()
-    stop = threading.Event()
-
-    async def serve() -> None:
-        config = CommitLogConfig(segment_bytes=SEGMENT, max_record_bytes=SEGMENT, retention_check_interval_s=0)
-        async with open_store(data, config) as store, trio.open_nursery() as nursery:
-            listeners = await nursery.start(lambda task_status: serve_rpc(store, "127.0.0.1", 0,
-                                                                           task_status=task_status))
-            ready.put(listeners[0].socket.getsockname()[1])
-            while not stop.is_set():
-                await trio.sleep(0.05)
-            nursery.cancel_scope.cancel()
-
-    thread = threading.Thread(target=trio.run, args=(serve,), daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{ready.get(timeout=60)}"
-    finally:
-        stop.set()
-        thread.join(60)
 
 
 def test_without_the_segment_files_the_live_tail_comes_over_the_rpc(spark: Any, tmp_path: Path) -> None:
