@@ -143,8 +143,8 @@ def read_partition(ranges: Sequence[Range], opts: ReaderOptions,
     raise CorruptRecord (from store.record) with file and offset.
     """
     parser = TelemetryParser(opts.telemetry) if opts.telemetry is not None else None
-    schema = projection or (RAW_SCHEMA if parser is None else None)
-    columns = schema.names if schema is not None else ["offset", "store_ts", "topic", "payload"]
+    schema = projection or RAW_SCHEMA
+    columns = schema.names if parser is None else ["offset", "store_ts", "topic", "payload"]  # what parsing reads
     for rng in ranges:
         try:
             try:
