@@ -27,8 +27,10 @@ CommitLog's recovery while we read it must give a short read, not SIGBUS.
 
 from __future__ import annotations
 
+import bisect
 import os
 import struct
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -360,11 +362,56 @@ def _records(fd: int, rng: ScanRange, first: int, stop: int, window_bytes: int
         pos += end
 
 
-def _first_record(fd: int, rng: ScanRange, window_bytes: int) -> int | None:
+BOUNDARY_FILES = 256
+"""Segment files whose record boundaries a Python worker remembers (a few positions each)."""
+
+
+class _Boundaries:
+    """Record boundaries found by earlier tasks of this Python worker (Spark reuses a worker for many
+    tasks), so a segment cut into many ranges is not walked from its start once per range: a range's
+    walk starts at the nearest boundary known before its start, and a partition's cost follows its size.
+
+    Only positions below a range's readable limit in a ``strict`` range are kept: those bytes are durable
+    and never change while the file exists. Files are told apart by device, inode and ctime, so a new
+    file that reuses a deleted segment's name (or inode) is a new key.
+    """
+
+    def __init__(self) -> None:
+        self._files: OrderedDict[tuple[int, int, int], list[int]] = OrderedDict()
+
+    @staticmethod
+    def key(fd: int) -> tuple[int, int, int]:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino, st.st_ctime_ns
+
+    def nearest(self, key: tuple[int, int, int], anchor: int, start: int) -> int:
+        known = self._files.get(key)
+        if not known:
+            return anchor
+        self._files.move_to_end(key)
+        i = bisect.bisect_right(known, start) - 1
+        return known[i] if i >= 0 and known[i] >= anchor else anchor
+
+    def add(self, key: tuple[int, int, int], rng: ScanRange, pos: int) -> None:
+        if not rng.strict or pos >= rng.limit:
+            return
+        known = self._files.setdefault(key, [])
+        self._files.move_to_end(key)
+        i = bisect.bisect_left(known, pos)
+        if i == len(known) or known[i] != pos:
+            known.insert(i, pos)
+        while len(self._files) > BOUNDARY_FILES:
+            self._files.popitem(last=False)
+
+
+_BOUNDARIES = _Boundaries()
+
+
+def _first_record(fd: int, rng: ScanRange, window_bytes: int, key: tuple[int, int, int]) -> int | None:
     """The first record boundary at or after ``rng.start``, walking lengths from
-    ``rng.anchor``; None when the data ends before it."""
-    pos = rng.anchor
-    for win, _starts, end, last in _records(fd, rng, rng.anchor, rng.start, window_bytes):
+    ``rng.anchor`` (or a boundary known nearer); None when the data ends before it."""
+    pos = _BOUNDARIES.nearest(key, rng.anchor, rng.start)
+    for win, _starts, end, last in _records(fd, rng, pos, rng.start, window_bytes):
         pos = win.pos + end
         if last:
             break
@@ -437,15 +484,17 @@ def scan_range(rng: ScanRange, opts: DecodeOptions) -> Iterator[Frames]:
     topic_filter = opts.topic_filter or None
     fd = os.open(rng.path, os.O_RDONLY)
     try:
-        first = _first_record(fd, rng, opts.window_bytes) if rng.start > rng.anchor else rng.anchor
+        key = _BOUNDARIES.key(fd)
+        first = _first_record(fd, rng, opts.window_bytes, key) if rng.start > rng.anchor else rng.anchor
         if first is None:
             return
-        for win, starts, _end, last in _records(fd, rng, first, rng.end, opts.window_bytes):
+        for win, starts, end, last in _records(fd, rng, first, rng.end, opts.window_bytes):
             frames, torn = _checked(win, starts, rng, opts, topic_filter)
             if frames is not None:
                 yield frames
             if torn is not None or last:
                 return
+            _BOUNDARIES.add(key, rng, win.pos + end)  # the next range's walk may start here
     finally:
         os.close(fd)
 
