@@ -4,9 +4,12 @@
     register(spark)
     df = spark.read.format("commitlog").option("topicFilter", "fleet/+/telemetry").load("data/")
 
-The driver plans partitions from the directory listing (see planning.py);
-executors decode their byte ranges into Arrow record batches (framing.py) and,
-with ``parse=telemetry``, parse the payloads in the same pass (telemetry.py).
+The driver plans partitions from listings only (see planning.py): the
+Parquet tier's files, the local segments, or the store's bounds over its RPC;
+each record is read once, from the tier when it holds the segment. Executors
+decode segment bytes (framing.py), tier row groups (tier.py) or bytes read
+over the RPC (live.py) into Arrow record batches and, with
+``parse=telemetry``, parse the payloads in the same pass (telemetry.py).
 Partitions and readers carry only paths and the parsed options, so they
 pickle small and need nothing on the executor but the package and the files.
 
@@ -77,9 +80,10 @@ def output_schema(opts: ReaderOptions) -> pa.Schema:
 
 
 class CommitLogPartition(InputPartition):
-    """The byte ranges one Spark task reads; paths and positions only."""
+    """What one Spark task reads (segment byte ranges, tier row groups, an RPC range); paths, offsets and
+    addresses only."""
 
-    def __init__(self, ranges: Sequence[ScanRange]) -> None:
+    def __init__(self, ranges: Sequence[Range]) -> None:
         super().__init__(None)
         self.ranges = tuple(ranges)
 

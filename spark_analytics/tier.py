@@ -73,12 +73,11 @@ def plan_tier_file(uri: str, tier_file: TierFile, start: int, end: int, target_b
 class ArrowFrames:
     """Tier rows with the interface of the framing's ``Frames`` (the parts the readers use)."""
 
-    __slots__ = ("_batch", "offset", "store_ms", "_payload")
+    __slots__ = ("_batch", "offset", "_payload")
 
     def __init__(self, batch: pa.RecordBatch) -> None:
         self._batch = batch
         self.offset = batch.column("offset").to_numpy()
-        self.store_ms = None
         self._payload: tuple[bytes, np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
