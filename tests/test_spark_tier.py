@@ -123,3 +123,17 @@ def test_without_the_segment_files_the_live_tail_comes_over_the_rpc(spark: Any, 
         assert kinds == {"TierRange", "LiveRange"}  # nothing is read from the segment files
         got = rows(spark, store=address, tier=(tmp_path / "tier").as_uri())
     assert got == expected
+
+
+def test_a_stream_over_the_rpc_and_the_tier_reads_every_record_once(spark: Any, tmp_path: Path) -> None:
+    write_log(tmp_path, telemetry(2500))
+    expected = [o for o, *_ in scan_all(tmp_path)]
+    tier_then_expire(tmp_path, convert=2, keep_local=0)
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    with store_node(tmp_path) as address:
+        frame = (spark.readStream.format("commitlog")
+                 .options(store=address, tier=str(tmp_path / "tier"), maxRecordsPerTrigger="1000").load()
+                 .select("offset"))
+        progress = run_available_now(frame, out, checkpoint)
+    assert max(p["numInputRows"] for p in progress) <= 1000
+    assert sorted(r.offset for r in spark.read.parquet(str(out)).collect()) == expected
