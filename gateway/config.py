@@ -102,6 +102,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("retention.hours", 72.0, "delete sealed segments older than this"),
     Option("retention.max_bytes", 0, "delete oldest sealed segments beyond this total (0 = no limit)"),
     Option("retention.check_interval_s", 60.0, "how often retention runs"),
+    Option("tier.uri", "", "Parquet tier of sealed segments: a directory or a pyarrow.fs URI (file://, s3://...);"
+           " empty = no tier (docs/storage.md)"),
+    Option("tier.retention_hours", 0.0, "delete tier files whose newest record is older than this (0 = keep)"),
+    Option("tier.cpu_share", 0.25, "share of one core the tier conversion may use (0 < share <= 1)"),
+    Option("tier.check_interval_s", 10.0, "how often the tier looks for newly sealed segments"),
     Option("auth.password_file", "", "password file of user:argon2-hash lines (`lightgate passwd`); empty = none"),
     Option("auth.allow_anonymous", "auto", "accept clients without a user name; auto = only when no password file",
            choices=("auto", "true", "false")),

@@ -1412,7 +1412,8 @@ async def serve_gateway(
     """
     front = NodeFront.from_settings(settings)
     data = Path(settings["node.data"])
-    async with open_store(data, CommitLogConfig.from_settings(settings), fix_session=clamp_session_blob) as store:
+    async with open_store(data, CommitLogConfig.from_settings(settings), tier=settings,
+                          fix_session=clamp_session_blob) as store:
         LOGGER.info("store node ready", extra={"ctx": {"data": str(data),
                                                        "written_offset": store.log.log.written_offset}})
         client = LocalStoreClient(store)

@@ -18,9 +18,12 @@ from pyspark.sql import functions as F
 
 __all__ = [
     "AggregationConfig",
+    "deduplicate",
+    "device_days",
     "device_windows",
     "fleet_series",
     "last_seen",
+    "last_seen_from_days",
     "quarantine",
     "silence_gaps",
     "telemetry_rows",
@@ -118,34 +121,69 @@ def topic_windows(df: DataFrame, window_s: int, config: AggregationConfig, *, st
     )
 
 
+def device_days(df: DataFrame) -> DataFrame:
+    """Per device per event date: first and last event time and message count (the ``device_day`` table:
+    partitioned by date, so a rerun over some days replaces their rows and ``device_last_seen`` is rebuilt
+    from all days)."""
+    return (telemetry_rows(df).withColumn("date", F.to_date("event_ts")).groupBy("device", "date")
+            .agg(F.min("event_ts").alias("first_seen"), F.max("event_ts").alias("last_seen"),
+                 F.count(F.lit(1)).alias("messages")))
+
+
 def last_seen(df: DataFrame, config: AggregationConfig) -> DataFrame:
     """Per device: first and last event time, message count, and how long it has
     been silent at the end of the data (``silent_s``, ``silent`` past the threshold)."""
-    rows = telemetry_rows(df)
-    per_device = rows.groupBy("device").agg(
-        F.min("event_ts").alias("first_seen"), F.max("event_ts").alias("last_seen"),
-        F.count(F.lit(1)).alias("messages"))
-    data_end = rows.agg(F.max("event_ts").alias("data_end"))
+    return last_seen_from_days(device_days(df), config)
+
+
+def last_seen_from_days(days: DataFrame, config: AggregationConfig) -> DataFrame:
+    """:func:`last_seen` from a :func:`device_days` table (all days of all runs)."""
+    per_device = days.groupBy("device").agg(
+        F.min("first_seen").alias("first_seen"), F.max("last_seen").alias("last_seen"),
+        F.sum("messages").alias("messages"))
+    data_end = days.agg(F.max("last_seen").alias("data_end"))
     silent = _seconds_between(F.col("last_seen"), F.col("data_end"))
     return (per_device.crossJoin(data_end)
             .select("device", "first_seen", "last_seen", "messages", silent.alias("silent_s"),
                     (silent > config.silence_s).alias("silent")))
 
 
-def silence_gaps(df: DataFrame, config: AggregationConfig, *, previous: DataFrame | None = None) -> DataFrame:
+def silence_gaps(df: DataFrame, config: AggregationConfig, *, previous: DataFrame | None = None,
+                 following: DataFrame | None = None) -> DataFrame:
     """Gaps longer than the threshold between consecutive event times of a device.
 
     ``previous`` (device, last_seen) carries the last event of each device from
-    earlier data, so a gap that spans two micro-batches is found too.
+    earlier data, so a gap that spans two micro-batches is found too;
+    ``following`` (device, first_seen) the first event after the data, so a
+    rerun over some days finds the gap from their last event to the next day's
+    first (the gaps returned all start in ``df``'s data or ``previous``).
     """
     events = telemetry_rows(df).select("device", "event_ts")
     if previous is not None:
         events = events.unionByName(previous.select("device", F.col("last_seen").alias("event_ts")))
+    if following is not None:
+        events = events.unionByName(following.select("device", F.col("first_seen").alias("event_ts")))
     before = F.lag("event_ts").over(Window.partitionBy("device").orderBy("event_ts"))
     gaps = events.select("device", before.alias("gap_start"), F.col("event_ts").alias("gap_end"))
     seconds = _seconds_between(F.col("gap_start"), F.col("gap_end"))
     return (gaps.where(seconds > config.silence_s)
             .select("device", "gap_start", "gap_end", seconds.alias("gap_s"), F.to_date("gap_start").alias("date")))
+
+
+def deduplicate(df: DataFrame, *, streaming: bool = False, watermark_s: int = 0) -> DataFrame:
+    """Drop repeated telemetry rows: the same ``key`` (a payload field, ``telemetry.key``) of the same device.
+
+    A non-persistent client that reconnects may publish a QoS 1/2 message again, and
+    the store keeps both. Rows without a key (quarantined, or no key field) are kept.
+    Streaming: duplicates are recognised within the event-time watermark.
+    """
+    keyed = df.where(F.col("key").isNotNull())
+    if streaming:
+        unique = keyed.withWatermark("event_ts", f"{watermark_s} seconds").dropDuplicatesWithinWatermark(
+            ["device", "key"])
+    else:
+        unique = keyed.dropDuplicates(["device", "key"])
+    return unique.unionByName(df.where(F.col("key").isNull()))
 
 
 def fleet_series(device_table: DataFrame, metrics: Sequence[str]) -> Any:

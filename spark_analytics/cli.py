@@ -55,10 +55,34 @@ def _topic_filter(text: str) -> str:
     return text
 
 
+def _conf(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key.strip(), value
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", required=True, type=Path, help="the gateway's data directory (with commitlog/) or a CommitLog directory")
+    p.add_argument("--data", type=Path, default=None,
+                   help="the gateway's data directory (with commitlog/) or a CommitLog directory (or --store)")
+    p.add_argument("--tier", default=None, help="the store's Parquet tier (tier.uri): a directory or a pyarrow.fs URI")
+    p.add_argument("--store", default=None,
+                   help="HOST:PORT of the store node: read the live tail over its RPC, no --data needed")
+    p.add_argument("--store-token", default="", help="the store's store.token, with --store")
     p.add_argument("--out", required=True, type=Path, help="output directory for the tables (and the chart)")
     p.add_argument("--master", default=DEFAULT_MASTER, help=f"Spark master URL (default {DEFAULT_MASTER})")
+    p.add_argument("--conf", type=_conf, action="append", default=[], metavar="KEY=VALUE",
+                   help="a Spark setting (repeatable), e.g. spark.executor.memory=2g")
+    p.add_argument("--py-files", default="", help="comma-separated .zip/.py files for the executors' Python path "
+                   "(on a cluster master the project's own code is shipped anyway)")
+    p.add_argument("--dedup", default=None, metavar="FIELD",
+                   help="drop repeated messages: the same payload FIELD (e.g. seq) from the same device")
     p.add_argument("--metrics", default=None,
                    help="comma-separated numeric payload fields (default: the numeric fields of the first payloads)")
     p.add_argument("--device", default="topic:1", help="device id from topic:<level> (default topic:1) or payload:<field>")
@@ -87,42 +111,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--interval", type=_duration, default=None,
                         help="run a micro-batch every interval until stopped (default: process what is there and stop)")
     stream.add_argument("--timeout", type=_duration, default=None, help="with --interval: stop after this long")
+    stream.add_argument("--max-records-per-trigger", type=_positive, default=None,
+                        help="at most this many records per micro-batch (a backlog is read in steps)")
+    stream.add_argument("--max-bytes-per-trigger", type=_positive, default=None,
+                        help="about this many log bytes per micro-batch at most")
 
 
-def _mapping(args: argparse.Namespace) -> TelemetryMapping:
-    from .jobs import infer_metrics
+DEFAULT_TOPIC = "#"
+"""Without --topic every topic is read but ``$SYS/...``: a leading ``#`` does not match ``$`` topics (MQTT 4.7.2)."""
+
+
+def _reader_options(args: argparse.Namespace) -> dict[str, str]:
+    """The source's options for the flags (the telemetry mapping aside)."""
+    options = {"verifyCrc": "false" if args.no_crc else "true", "topicFilter": args.topic or DEFAULT_TOPIC}
+    if args.data is not None:
+        options["path"] = str(args.data)
+    for key, value in (("tier", args.tier), ("store", args.store), ("storeToken", args.store_token),
+                       ("maxRecordsPerTrigger", getattr(args, "max_records_per_trigger", None)),
+                       ("maxBytesPerTrigger", getattr(args, "max_bytes_per_trigger", None))):
+        if value:
+            options[key] = str(value)
+    return options
+
+
+def _mapping(args: argparse.Namespace, options: dict[str, str]) -> TelemetryMapping:
+    from .jobs import check_metrics, infer_metrics
     from .telemetry import TelemetryMapping
 
+    sample = {k: v for k, v in options.items() if k not in ("maxRecordsPerTrigger", "maxBytesPerTrigger")}
     if args.metrics:
         metrics = tuple(m.strip() for m in args.metrics.split(",") if m.strip())
+        check_metrics(sample, metrics)
     else:
         exclude = tuple(x.partition(":")[2] for x in (args.device, args.time_source) if x.startswith("payload:"))
-        metrics = infer_metrics(args.data, exclude=exclude, topic_filter=args.topic)
-    return TelemetryMapping(metrics=metrics, device=args.device, time=args.time_source, time_unit=args.time_unit)
+        metrics = infer_metrics(sample, exclude=exclude + ((args.dedup,) if args.dedup else ()))
+    return TelemetryMapping(metrics=metrics, device=args.device, time=args.time_source, time_unit=args.time_unit,
+                            key=args.dedup)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``lightgate analytics batch`` or ``stream``; returns the exit code."""
     from .aggregate import AggregationConfig
 
+    from .jobs import check_rerun_range
+
     console = Console(stderr=True)
     if args.fmt == "delta" and not delta_available():
         console.print("[red]error:[/] --format delta needs the optional delta-spark package (pip install delta-spark)")
         return 2
+    if args.data is None and args.store is None:
+        console.print("[red]error:[/] give --data (the data directory) or --store (HOST:PORT of the store node)")
+        return 2
+    options = _reader_options(args)
     try:
-        mapping = _mapping(args)
         config = AggregationConfig(windows=args.windows, silence_s=args.silence,
                                    **({"watermark_s": args.watermark} if args.analytics_command == "stream" else {}))
-    except (ValueError, FileNotFoundError) as exc:
+        check_rerun_range(getattr(args, "from_ms", None), getattr(args, "to_ms", None), config.windows)
+        mapping = _mapping(args, options)
+    except (ValueError, OSError) as exc:  # OSError: no CommitLog there, the store or the tier unreachable
         console.print(f"[red]error:[/] {exc}")
         return 2
-    options = {"verifyCrc": "false" if args.no_crc else "true"}
-    if args.topic:
-        options["topicFilter"] = args.topic
-    if getattr(args, "from_ms", None) is not None:
-        options["fromTime"] = str(args.from_ms)
-    if getattr(args, "to_ms", None) is not None:
-        options["toTime"] = str(args.to_ms)
+    options.pop("path", None)
     console.print(f"metrics: {', '.join(mapping.metrics)}; device from {mapping.device}; time from {mapping.time}")
     if args.analytics_command == "batch":
         return _run_batch(args, mapping, config, options, console)
@@ -137,15 +186,16 @@ def _start_spark(args: argparse.Namespace, console: Console) -> tuple[Any, bool]
     from .session import spark_session
 
     owned = SparkSession.getActiveSession() is None
+    py_files = [Path(f) for f in args.py_files.split(",") if f.strip()]
     with console.status(f"starting Spark ({args.master})"):
-        return spark_session(args.master, delta=args.fmt == "delta"), owned
+        return spark_session(args.master, conf=dict(args.conf), delta=args.fmt == "delta", py_files=py_files), owned
 
 
 def _run_batch(args: argparse.Namespace, mapping: TelemetryMapping, config: AggregationConfig,
                options: dict[str, str], console: Console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .jobs import run_batch, spark_progress
+    from .jobs import NoTelemetry, run_batch, spark_progress
     from .outputs import summary_table
 
     spark, owned = _start_spark(args, console)
@@ -162,13 +212,17 @@ def _run_batch(args: argparse.Namespace, mapping: TelemetryMapping, config: Aggr
 
             with spark_progress(spark, tasks):
                 summary = run_batch(spark, data=args.data, out=args.out, mapping=mapping, config=config,
-                                    reader_options=options, fmt=args.fmt, chart=not args.no_chart, step=step)
+                                    reader_options=options, fmt=args.fmt, chart=not args.no_chart, step=step,
+                                    from_ms=args.from_ms, to_ms=args.to_ms, dedup=args.dedup is not None)
         Console().print(summary_table(summary))
         for name, path in summary.tables.items():
             console.print(f"{name}: {path}")
         if summary.chart:
             console.print(f"chart: {summary.chart}")
         return 0
+    except NoTelemetry as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
     finally:
         if owned:
             spark.stop()
@@ -183,11 +237,15 @@ def _run_stream(args: argparse.Namespace, mapping: TelemetryMapping, config: Agg
     queries = []
     try:
         queries = start_streams(spark, data=args.data, out=args.out, checkpoint=args.checkpoint, mapping=mapping,
-                                config=config, trigger=trigger, reader_options=options, fmt=args.fmt)
+                                config=config, trigger=trigger, reader_options=options, fmt=args.fmt,
+                                dedup=args.dedup is not None)
         deadline = None if args.timeout is None else time.monotonic() + args.timeout
         with console.status("streaming") as status:
             while any(q.isActive for q in queries):
                 if deadline is not None and time.monotonic() >= deadline:
+                    status.update("stopping after the running micro-batches")
+                    stop_between_batches(queries)
+                    console.print(f"stopped after --timeout {args.timeout} s")
                     break
                 rows = {q.name: (q.lastProgress or {}).get("numInputRows", 0) for q in queries}
                 status.update("streaming: " + ", ".join(f"{k} {v} rows" for k, v in rows.items()))
@@ -198,9 +256,26 @@ def _run_stream(args: argparse.Namespace, mapping: TelemetryMapping, config: Agg
         console.print(f"outputs in {args.out}")
         return 1 if failed else 0
     except KeyboardInterrupt:
+        stop_between_batches(queries)
         return 130
     finally:
         for q in queries:
             q.stop()
         if owned:
             spark.stop()
+
+
+STOP_WAIT_S = 300.0
+"""How long a stop waits for the running micro-batches to finish before it interrupts them."""
+
+
+def stop_between_batches(queries: list[Any]) -> None:
+    """Stop each query when it has started and no micro-batch of it is running, so nothing is interrupted
+    (an interrupted batch or start fills the terminal with Java and Python tracebacks, fails the query, and
+    the batch is redone at the next start)."""
+    deadline = time.monotonic() + STOP_WAIT_S
+    for q in queries:
+        while (q.isActive and (q.lastProgress is None or q.status.get("isTriggerActive"))
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+        q.stop()

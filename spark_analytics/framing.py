@@ -39,10 +39,12 @@ end an invalid record is a torn tail: the data ends.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import struct
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -54,8 +56,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 from lightqueue.topics import matches
 from store.record import (EOS_SIZE, FLAG_RETAIN, HEADER_SIZE, MAGIC_EOS, MAGIC_V1, QOS_MASK, CorruptRecord,
                           check_frame)
+from store.tierfiles import RECORD_SCHEMA, UTC_MICROS
 
-__all__ = ["RAW_SCHEMA", "DecodeOptions", "Frames", "ScanRange", "corrupt_skipped", "scan_range", "valid_end"]
+__all__ = ["RAW_SCHEMA", "UTC_MICROS", "DecodeOptions", "Frames", "ScanRange", "corrupt_skipped", "frames_in",
+           "scan_range", "valid_end"]
 
 LOG = logging.getLogger(__name__)
 
@@ -64,22 +68,8 @@ WINDOW_BYTES = 8 << 20
 per batch (~75k telemetry records), small enough that the gather temporaries of
 a window stay in the tens of MiB."""
 
-UTC_MICROS = pa.timestamp("us", tz="UTC")
-
-RAW_SCHEMA = pa.schema(
-    [
-        pa.field("offset", pa.int64(), nullable=False),
-        pa.field("store_ts", UTC_MICROS, nullable=False),
-        pa.field("born_ts", UTC_MICROS, nullable=False),
-        pa.field("topic", pa.string(), nullable=False),
-        pa.field("client_id", pa.string(), nullable=False),
-        pa.field("qos", pa.int8(), nullable=False),
-        pa.field("retain", pa.bool_(), nullable=False),
-        pa.field("properties", pa.binary(), nullable=False),
-        pa.field("payload", pa.binary(), nullable=False),
-    ]
-)
-"""The columns of one CommitLog record; ``properties`` are MQTT 5 property bytes."""
+RAW_SCHEMA = RECORD_SCHEMA
+"""The columns of one CommitLog record (the tier's too: store/tierfiles.py); ``properties`` are MQTT 5 property bytes."""
 
 _FRAME = struct.Struct(">III")  # length, CRC, magic: enough to walk and classify
 _INLINE = 12  # binary_view keeps values up to 12 bytes inside the view
@@ -466,11 +456,56 @@ def _records(fd: int, rng: ScanRange, first: int, stop: int, window_bytes: int
         pos = resume
 
 
-def _first_record(fd: int, rng: ScanRange, window_bytes: int) -> int | None:
+BOUNDARY_FILES = 256
+"""Segment files whose record boundaries a Python worker remembers (a few positions each)."""
+
+
+class _Boundaries:
+    """Record boundaries found by earlier tasks of this Python worker (Spark reuses a worker for many
+    tasks), so a segment cut into many ranges is not walked from its start once per range: a range's
+    walk starts at the nearest boundary known before its start, and a partition's cost follows its size.
+
+    Only positions below a range's readable limit in a ``strict`` range are kept: those bytes are durable
+    and never change while the file exists. Files are told apart by device, inode and ctime, so a new
+    file that reuses a deleted segment's name (or inode) is a new key.
+    """
+
+    def __init__(self) -> None:
+        self._files: OrderedDict[tuple[int, int, int], list[int]] = OrderedDict()
+
+    @staticmethod
+    def key(fd: int) -> tuple[int, int, int]:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino, st.st_ctime_ns
+
+    def nearest(self, key: tuple[int, int, int], anchor: int, start: int) -> int:
+        known = self._files.get(key)
+        if not known:
+            return anchor
+        self._files.move_to_end(key)
+        i = bisect.bisect_right(known, start) - 1
+        return known[i] if i >= 0 and known[i] >= anchor else anchor
+
+    def add(self, key: tuple[int, int, int], rng: ScanRange, pos: int) -> None:
+        if not rng.strict or pos >= rng.limit:
+            return
+        known = self._files.setdefault(key, [])
+        self._files.move_to_end(key)
+        i = bisect.bisect_left(known, pos)
+        if i == len(known) or known[i] != pos:
+            known.insert(i, pos)
+        while len(self._files) > BOUNDARY_FILES:
+            self._files.popitem(last=False)
+
+
+_BOUNDARIES = _Boundaries()
+
+
+def _first_record(fd: int, rng: ScanRange, window_bytes: int, key: tuple[int, int, int]) -> int | None:
     """The first record boundary at or after ``rng.start``, walking lengths from
-    ``rng.anchor``; None when the data ends before it."""
-    pos = rng.anchor
-    for _win, _starts, pos, last in _records(fd, rng, rng.anchor, rng.start, window_bytes):
+    ``rng.anchor`` (or a boundary known nearer); None when the data ends before it."""
+    pos = _BOUNDARIES.nearest(key, rng.anchor, rng.start)
+    for _win, _starts, pos, last in _records(fd, rng, pos, rng.start, window_bytes):
         if last:
             break
     return pos if pos >= rng.start else None
@@ -541,15 +576,17 @@ def scan_range(rng: ScanRange, opts: DecodeOptions) -> Iterator[Frames]:
     topic_filter = opts.topic_filter or None
     fd = os.open(rng.path, os.O_RDONLY)
     try:
-        first = _first_record(fd, rng, opts.window_bytes) if rng.start > rng.anchor else rng.anchor
+        key = _BOUNDARIES.key(fd)
+        first = _first_record(fd, rng, opts.window_bytes, key) if rng.start > rng.anchor else rng.anchor
         if first is None:
             return
-        for win, starts, _end, last in _records(fd, rng, first, rng.end, opts.window_bytes):
+        for win, starts, end, last in _records(fd, rng, first, rng.end, opts.window_bytes):
             frames, torn = _checked(win, starts, rng, opts, topic_filter)
             if frames is not None:
                 yield frames
             if torn is not None or last:
                 return
+            _BOUNDARIES.add(key, rng, end)  # the next range's walk may start here
     finally:
         os.close(fd)
 
@@ -576,3 +613,47 @@ def valid_end(rng: ScanRange, *, verify_crc: bool = True, window_bytes: int = WI
     finally:
         os.close(fd)
     return end, len(tail) < EOS_SIZE or _FRAME.unpack_from(tail)[2] == MAGIC_EOS
+
+
+def _end_reason(buf: bytes, pos: int, why: int) -> str | None:
+    """Why a buffer of durable log bytes (``frames_in``) ends its walk at ``pos``: None for a clean end (zeros,
+    an end-of-segment marker, fewer than 12 bytes or a record the buffer holds only in part), else what is wrong
+    with the record there."""
+    if why != _STOP or len(buf) - pos < EOS_SIZE:
+        return None
+    size, _crc, magic = _FRAME.unpack_from(buf, pos)
+    if size == 0 or magic == MAGIC_EOS:
+        return None
+    if magic != MAGIC_V1:
+        return f"unknown magic 0x{magic:08x}"
+    return f"length {size} is shorter than the record header"
+
+
+def _corrupt(rng: ScanRange, pos: int, reason: str) -> CorruptRecord:
+    return CorruptRecord(
+        f"{rng.path}: the record at CommitLog offset {rng.base + pos} (segment position {pos}) "
+        f"is below the durable end {rng.base + rng.limit} but invalid: {reason}"
+    )
+
+
+def frames_in(buf: bytes, offset: int, opts: DecodeOptions, source: str) -> tuple[Frames | None, int]:
+    """Decode the complete records at the start of ``buf``, the log's bytes from global offset ``offset``
+    (a record boundary) as the store RPC's ``ReadLog`` returns them (store/server.py).
+
+    Returns the records that pass the push-down (None when none do) and the
+    bytes consumed: the start of a record that ``buf`` holds only in part,
+    which the next read begins with. The bytes are below the flushed offset,
+    so an invalid record is corruption.
+
+    Raises:
+        CorruptRecord: an invalid record, naming ``source`` and the offset.
+    """
+    starts, end, why = _walk(buf, 0, len(buf))
+    win = _Window.__new__(_Window)
+    win.pos, win.buf, win.at_limit = 0, buf, True
+    rng = ScanRange(source, offset, 0, 0, len(buf), len(buf), True)
+    reason = _end_reason(buf, end, why)
+    if reason is not None:
+        raise _corrupt(rng, end, reason)
+    frames, _torn = _checked(win, starts, rng, opts, opts.topic_filter or None)
+    return frames, end

@@ -7,6 +7,7 @@ Output tables under ``--out`` (all but the last two partitioned by ``date``):
 - ``topic_<w>`` for the shortest window: messages and rate per topic;
 - ``silence_gaps``: gaps between a device's messages longer than the threshold;
 - ``quarantine``: rows whose payload did not parse, with the reason and bytes;
+- ``device_day`` (batch): first/last seen and message count per device per day;
 - ``device_last_seen``: first/last seen and message count per device;
 - ``fleet_metrics.png``: fleet-wide messages, devices and metric means over time (batch).
 """
@@ -25,16 +26,19 @@ import orjson
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
+import pyarrow as pa
+
 from . import aggregate as agg
-from .framing import DecodeOptions, scan_range
-from .layout import commitlog_dir, list_segments, read_flushed
+from .framing import RAW_SCHEMA
+from .options import ReaderOptions
 from .outputs import BatchSummary, fleet_chart, write_table
-from .planning import plan_ranges
-from .source import FORMAT
+from .planning import plan_log
+from .source import FORMAT, load_layout, read_partition
 from .telemetry import TelemetryMapping
 from .times import window_label
 
-__all__ = ["infer_metrics", "read_telemetry", "run_batch", "spark_progress", "start_streams"]
+__all__ = ["NoTelemetry", "check_metrics", "check_rerun_range", "infer_metrics", "read_telemetry", "run_batch",
+           "spark_progress", "start_streams"]
 
 METRIC_SAMPLE = 2_000
 """Payloads inspected to guess the metric fields when none are given: enough to
@@ -45,52 +49,96 @@ METRIC_SHARE = 0.1
 """A field seen in fewer of the sampled payloads is a stray (often a malformed
 message), not a fleet metric; rarer metrics can still be named with --metrics."""
 
-TIME_FIELDS = frozenset({"ts", "time", "timestamp", "t", "epoch"})
-"""Numeric fields with these names are times, not metrics, when guessing metrics."""
+NOT_METRICS = frozenset({"ts", "time", "timestamp", "t", "epoch", "seq", "sequence", "seqno", "id", "msg_id",
+                         "message_id", "counter"})
+"""Numeric fields with these names are times, sequence numbers or ids, not metrics, when guessing metrics
+(``seq`` and ``sent_ns`` are what ``lightgate simulate`` adds to every payload)."""
+
+NOT_METRIC_SUFFIXES = ("_ts", "_ns", "_us", "_ms", "_at", "_time", "_id", "_seq")
+"""Field names ending so are times or ids too (``sent_ns``, ``created_at``, ``device_id``)."""
 
 
-def _payloads(directory: Path, topic_filter: str | None) -> Iterator[bytes]:
-    """Every durable payload in offset order (for sampling on the driver)."""
-    for ranges in plan_ranges(list_segments(directory), read_flushed(directory)):
-        for rng in ranges:
-            for frames in scan_range(rng, DecodeOptions(topic_filter=topic_filter)):
-                buf = frames.buffer
-                for a, b in zip(*(x.tolist() for x in frames.payload_bounds())):
-                    yield buf[a:b]
+class NoTelemetry(ValueError):
+    """The records to aggregate are not there: nothing matches, or nothing parses (a clear CLI error)."""
 
 
-def infer_metrics(data: str | Path, *, exclude: tuple[str, ...] = (), topic_filter: str | None = None) -> tuple[str, ...]:
-    """Guess the metric fields: the top-level payload fields holding a number
-    (not a bool) in at least :data:`METRIC_SHARE` of the first
-    :data:`METRIC_SAMPLE` payloads, in first-seen order; time-like names excluded.
+def _payloads(spark_options: dict[str, str]) -> Iterator[bytes]:
+    """Durable payloads in offset order, read on the driver the way the source reads them (local segments,
+    tier, store RPC), for sampling."""
+    opts = ReaderOptions.parse(spark_options)
+    only_payload = pa.schema([RAW_SCHEMA.field("payload")])
+    for ranges in plan_log(load_layout(opts), target_bytes=opts.partition_bytes):
+        for batch in read_partition(ranges, opts, only_payload):
+            yield from batch.column(0).to_pylist()
 
-    Raises:
-        ValueError: no numeric field was found (name the metrics explicitly).
-    """
-    directory = commitlog_dir(data)
+
+def _sample(spark_options: dict[str, str]) -> tuple[int, dict[str, int]]:
+    """How many payloads were sampled, and in how many each top-level field held a number (not a bool)."""
     seen: dict[str, int] = {}
     sampled = 0
-    for payload in itertools.islice(_payloads(directory, topic_filter), METRIC_SAMPLE):
+    for payload in itertools.islice(_payloads(spark_options), METRIC_SAMPLE):
         sampled += 1
         with contextlib.suppress(orjson.JSONDecodeError):
-            obj = orjson.loads(payload)
+            obj = orjson.loads(payload[3:] if payload[:3] == b"\xef\xbb\xbf" else payload)
             if isinstance(obj, dict):
                 for key, value in obj.items():
                     if isinstance(value, (int, float)) and not isinstance(value, bool):
                         seen[key] = seen.get(key, 0) + 1
-    metrics = tuple(k for k, n in seen.items() if n >= METRIC_SHARE * sampled
-                    and k not in exclude and k not in TIME_FIELDS and k.isidentifier())
+    return sampled, seen
+
+
+def _where(spark_options: dict[str, str]) -> str:
+    place = spark_options.get("path") or f"the store at {spark_options.get('store')}"
+    topic = spark_options.get("topicFilter")
+    return f"{place}{f' matching {topic}' if topic else ''}"
+
+
+def infer_metrics(spark_options: dict[str, str], *, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Guess the metric fields: the top-level payload fields holding a number
+    (not a bool) in at least :data:`METRIC_SHARE` of the first
+    :data:`METRIC_SAMPLE` payloads, in first-seen order; times, sequence numbers
+    and ids excluded (:data:`NOT_METRICS`, :data:`NOT_METRIC_SUFFIXES`).
+
+    ``spark_options`` are the source's reader options (path, tier, store, topicFilter).
+
+    Raises:
+        NoTelemetry: no record matches, or no numeric field was found (name the metrics explicitly).
+    """
+    sampled, seen = _sample(spark_options)
+    if not sampled:
+        raise NoTelemetry(f"no records in {_where(spark_options)}")
+    metrics = tuple(k for k, n in seen.items() if n >= METRIC_SHARE * sampled and k not in exclude
+                    and k not in NOT_METRICS and not k.endswith(NOT_METRIC_SUFFIXES) and k.isidentifier())
     if not metrics:
-        raise ValueError(f"found no numeric payload field in the first {sampled} records of {directory}; pass --metrics")
+        raise NoTelemetry(f"found no numeric payload field in the first {sampled} records of "
+                          f"{_where(spark_options)}; pass --metrics")
     return metrics
 
 
-def read_telemetry(spark: Any, data: str | Path, mapping: TelemetryMapping, *, stream: bool = False,
+def check_metrics(spark_options: dict[str, str], metrics: tuple[str, ...]) -> None:
+    """Refuse named metrics that none of the first payloads has as a number (a misspelled name would
+    quarantine every row).
+
+    Raises:
+        NoTelemetry: no record matches, or a metric is in none of the sampled payloads.
+    """
+    sampled, seen = _sample(spark_options)
+    if not sampled:
+        raise NoTelemetry(f"no records in {_where(spark_options)}")
+    missing = [m for m in metrics if m not in seen]
+    if missing:
+        fields = ", ".join(sorted(seen)) or "none"
+        raise NoTelemetry(f"metric(s) {', '.join(missing)} are in none of the first {sampled} payloads of "
+                          f"{_where(spark_options)} (numeric fields there: {fields})")
+
+
+def read_telemetry(spark: Any, data: str | Path | None, mapping: TelemetryMapping, *, stream: bool = False,
                    **options: str) -> DataFrame:
     """The ``commitlog`` source with ``parse=telemetry`` for ``mapping``; ``options``
-    are further reader options (topicFilter, fromTime, verifyCrc, ...)."""
-    reader = spark.readStream if stream else spark.read
-    return reader.format(FORMAT).options(**mapping.to_options(), **options).load(str(data))
+    are further reader options (topicFilter, fromTime, verifyCrc, tier, store, ...);
+    ``data`` may be None with the ``store`` option."""
+    reader = (spark.readStream if stream else spark.read).format(FORMAT).options(**mapping.to_options(), **options)
+    return reader.load(str(data)) if data is not None else reader.load()
 
 
 @contextlib.contextmanager
@@ -117,66 +165,142 @@ def spark_progress(spark: Any, update: Callable[[int, int], None], interval_s: f
         thread.join()
 
 
+DAY_MS = 86_400_000
+
+
+def check_rerun_range(from_ms: int | None, to_ms: int | None, windows: tuple[int, ...]) -> None:
+    """A batch run over part of the log replaces whole ``date`` partitions, so its range must be whole UTC
+    days and its windows must not cross midnight.
+
+    Raises:
+        ValueError: a bound that is not a UTC midnight, or a window that does not divide a day.
+    """
+    for name, bound in (("--from", from_ms), ("--to", to_ms)):
+        if bound is not None and bound % DAY_MS:
+            raise ValueError(f"{name} must be a UTC midnight (e.g. 2026-05-01): a run over part of the log "
+                             "replaces whole days of the date-partitioned tables")
+    if from_ms is not None or to_ms is not None:
+        bad = [w for w in windows if DAY_MS // 1000 % w]
+        if bad:
+            raise ValueError(f"with --from/--to every window must divide a day (1m, 5m, 1h, 1d ...), not "
+                             f"{', '.join(f'{w}s' for w in bad)}: a window across midnight spans two partitions")
+
+
+def _in_range(column: str, from_ms: int | None, to_ms: int | None) -> Any:
+    cond = F.lit(True)
+    if from_ms is not None:
+        cond = cond & (F.col(column) >= F.lit(from_ms / 1000).cast("timestamp"))
+    if to_ms is not None:
+        cond = cond & (F.col(column) < F.lit(to_ms / 1000).cast("timestamp"))
+    return cond
+
+
 def run_batch(
     spark: Any,
     *,
-    data: str | Path,
+    data: str | Path | None,
     out: Path,
     mapping: TelemetryMapping,
     config: agg.AggregationConfig,
     reader_options: dict[str, str] | None = None,
     fmt: str = "parquet",
     chart: bool = True,
+    from_ms: int | None = None,
+    to_ms: int | None = None,
+    dedup: bool = False,
     step: Callable[[str], None] = lambda _label: None,
 ) -> BatchSummary:
     """Read the CommitLog once (cached), write every output table and the chart.
 
+    A run over ``[from_ms, to_ms)`` (whole UTC days, :func:`check_rerun_range`)
+    replaces exactly those days of the date-partitioned tables with what a run
+    over the whole log writes there: the device tables, ``device_day`` and the
+    gaps take the records whose *event* date is in the range (with a payload
+    time the whole log is read to find them), the topic and quarantine tables
+    those whose *store* date is; a gap from a day of the range to the next
+    event after it is found from ``device_day`` of the later days; and
+    ``device_last_seen`` is rebuilt from every day of ``device_day``. Days
+    outside the range are not touched. ``dedup`` drops repeated
+    ``(device, key)`` rows first (``mapping.key``).
+
     ``step`` is told what runs next (for the progress display).
+
+    Raises:
+        NoTelemetry: no record in the range, or every record was quarantined.
     """
+    check_rerun_range(from_ms, to_ms, config.windows)
     spark.conf.set("spark.sql.sources.partitionOverwriteMode", "dynamic")
-    df = read_telemetry(spark, data, mapping, **(reader_options or {})).persist()
+    options = dict(reader_options or {})
+    payload_time = mapping.time_field is not None
+    if not payload_time:  # event time is store time: the range is pushed into the reader
+        options.update({k: str(v) for k, v in (("fromTime", from_ms), ("toTime", to_ms)) if v is not None})
+    df = read_telemetry(spark, data, mapping, **options)
+    if dedup:
+        df = agg.deduplicate(df)
+    df = df.persist()
     summary = BatchSummary()
     try:
         step("reading and parsing the CommitLog")
-        counts = df.agg(F.count(F.lit(1)).alias("n"), F.count("error").alias("bad"),
-                        F.min("event_ts").alias("lo"), F.max("event_ts").alias("hi")).first()
+        events = df.where(_in_range("event_ts", from_ms, to_ms) | (F.col("error").isNotNull()
+                                                                    & _in_range("store_ts", from_ms, to_ms))
+                          ) if payload_time else df
+        stored = df.where(_in_range("store_ts", from_ms, to_ms)) if payload_time else df
+        counts = events.agg(F.count(F.lit(1)).alias("n"), F.count("error").alias("bad"),
+                            F.min("event_ts").alias("lo"), F.max("event_ts").alias("hi")).first()
         summary.records, summary.quarantined = counts["n"], counts["bad"]
         summary.parsed = summary.records - summary.quarantined
         summary.first_ts, summary.last_ts = counts["lo"], counts["hi"]
+        if not summary.records:
+            raise NoTelemetry(f"no records in {data if data is not None else options.get('store')}"
+                              f"{' matching ' + options['topicFilter'] if options.get('topicFilter') else ''}"
+                              f"{' in the given time range' if from_ms is not None or to_ms is not None else ''}")
+        if not summary.parsed:
+            top = agg.quarantine(df).groupBy("error").count().orderBy(F.desc("count")).first()
+            raise NoTelemetry(f"all {summary.records:,} records were quarantined (first reason: {top['error']}); "
+                              "check --metrics, --device and --time")
 
         tables: dict[str, DataFrame] = {}
         for window_s in sorted(config.windows):
             name = f"device_{window_label(window_s)}"
             step(f"per-device {window_label(window_s)} windows")
-            table = agg.device_windows(df, mapping.metrics, window_s, config)
+            table = agg.device_windows(events, mapping.metrics, window_s, config)
             write_table(table, out / name, fmt=fmt)
             tables[name] = table
         shortest = min(config.windows)
         topic_name = f"topic_{window_label(shortest)}"
         step("per-topic counts and rates")
-        write_table(agg.topic_windows(df, shortest, config), out / topic_name, fmt=fmt)
+        write_table(agg.topic_windows(stored, shortest, config), out / topic_name, fmt=fmt)
         step("last seen and silence gaps")
-        write_table(agg.last_seen(df, config), out / "device_last_seen", fmt=fmt, partition_by=())
-        write_table(agg.silence_gaps(df, config), out / "silence_gaps", fmt=fmt)
+        write_table(agg.device_days(events), out / "device_day", fmt=fmt)
+        reader = spark.read.format(fmt)
+        days = reader.load(str(out / "device_day"))
+        write_table(agg.last_seen_from_days(days, config), out / "device_last_seen", fmt=fmt, partition_by=())
+        following = None
+        if to_ms is not None:
+            after = days.where(F.col("date") >= F.lit(to_ms / 1000).cast("timestamp").cast("date"))
+            following = after.groupBy("device").agg(F.min("first_seen").alias("first_seen"))
+        gaps = agg.silence_gaps(events, config, following=following)
+        if to_ms is not None:
+            gaps = gaps.where(_in_range("gap_start", None, to_ms))
+        write_table(gaps, out / "silence_gaps", fmt=fmt)
         step("quarantine")
-        write_table(agg.quarantine(df), out / "quarantine", fmt=fmt)
+        write_table(agg.quarantine(stored), out / "quarantine", fmt=fmt)
         summary.tables = {name: str(out / name) for name in
-                          [*tables, topic_name, "device_last_seen", "silence_gaps", "quarantine"]}
+                          [*tables, topic_name, "device_day", "device_last_seen", "silence_gaps", "quarantine"]}
 
         step("summary")
-        reader = spark.read.format(fmt)
         seen = reader.load(str(out / "device_last_seen"))
         summary.devices = seen.count()
         summary.silent_devices = seen.where("silent").count()
-        summary.gaps = agg.silence_gaps(df, config).count()
+        summary.gaps = gaps.count()
         summary.quarantine_reasons = [
-            (r["error"], r["n"]) for r in agg.quarantine(df).groupBy("error")
+            (r["error"], r["n"]) for r in agg.quarantine(events).groupBy("error")
             .agg(F.count(F.lit(1)).alias("n")).orderBy(F.desc("n")).limit(5).collect()]
-        stats = agg.telemetry_rows(df).agg(*[x for m in mapping.metrics for x in (
+        stats = agg.telemetry_rows(events).agg(*[x for m in mapping.metrics for x in (
             F.min(m), F.avg(m), F.max(m))]).first()
         summary.metrics = [(m, stats[3 * i], stats[3 * i + 1], stats[3 * i + 2])
                            for i, m in enumerate(mapping.metrics)]
-        topics = (reader.load(str(out / topic_name)).groupBy("topic")
+        topics = (agg.topic_windows(stored, shortest, config).groupBy("topic")
                   .agg(F.sum("count").alias("n")).orderBy(F.desc("n"), "topic").limit(5).collect())
         span = max((summary.last_ts - summary.first_ts).total_seconds(), 1.0) if summary.first_ts else 1.0
         summary.top_topics = [(r["topic"], r["n"], r["n"] / span) for r in topics]
@@ -237,11 +361,14 @@ def start_streams(
     trigger: dict[str, Any],
     reader_options: dict[str, str] | None = None,
     fmt: str = "parquet",
+    dedup: bool = False,
 ) -> list[Any]:
     """Start one streaming query per output (each with its own checkpoint
     directory under ``checkpoint``); windowed outputs are appended when the
     event-time watermark closes them. Returns the started queries."""
     df = read_telemetry(spark, data, mapping, stream=True, **(reader_options or {}))
+    if dedup:
+        df = agg.deduplicate(df, streaming=True, watermark_s=config.watermark_s)
     shortest = min(config.windows)
     appends: dict[str, DataFrame] = {
         f"device_{window_label(w)}": agg.device_windows(df, mapping.metrics, w, config, streaming=True)

@@ -47,17 +47,20 @@ class SegmentInfo:
 
 
 def commitlog_dir(path: str | os.PathLike[str]) -> Path:
-    """Accept a data directory (``<data>/commitlog`` inside) or the CommitLog directory itself.
+    """Accept a data directory (``<data>/commitlog`` inside) or the CommitLog directory itself (named
+    ``commitlog``, or holding segment files or a ``flushed`` hint).
 
     Raises:
-        FileNotFoundError: neither exists, with both paths in the message.
+        FileNotFoundError: neither, with both places in the message (a wrong directory is named as such,
+            not reported later as a log without telemetry).
     """
     root = Path(path)
     if (root / "commitlog").is_dir():
         return root / "commitlog"
-    if root.is_dir():
+    if root.is_dir() and (root.name == "commitlog" or (root / FLUSHED_FILE).exists()
+                          or any(len(p.name) == SEGMENT_NAME_DIGITS and p.name.isdigit() for p in root.iterdir())):
         return root
-    raise FileNotFoundError(f"no CommitLog at {root} (looked for {root / 'commitlog'} and {root})")
+    raise FileNotFoundError(f"no CommitLog at {root} (looked for {root / 'commitlog'} and for segment files in {root})")
 
 
 def _read_meta(path: Path, base: int) -> dict[str, int] | None:

@@ -17,11 +17,17 @@ from .planning import PARTITION_BYTES
 from .telemetry import OPTION_PREFIX, TelemetryMapping
 from .times import parse_time
 from lightqueue.topics import validate_filter
+from store.rpc import parse_address
 
 __all__ = ["OPTIONS", "ReaderOptions"]
 
 OPTIONS = {
-    "path": "the data directory (with commitlog/ inside) or the CommitLog directory",
+    "path": "the data directory (with commitlog/ inside) or the CommitLog directory; optional with store",
+    "tier": "the Parquet tier (tier.uri of the store): a directory or a pyarrow.fs URI; read with the local log",
+    "store": "HOST:PORT of the store node: the live tail is read over its RPC (no segment files needed)",
+    "storetoken": "the store's store.token, for the store option",
+    "maxrecordspertrigger": "streaming: at most this many records per micro-batch (default: no limit)",
+    "maxbytespertrigger": "streaming: about this many log bytes per micro-batch at most (default: no limit)",
     "topicfilter": "MQTT topic filter (+, #): only matching records are returned",
     "fromtime": "store time lower bound, inclusive: ISO-8601 or epoch ms",
     "totime": "store time upper bound, exclusive: ISO-8601 or epoch ms",
@@ -35,6 +41,8 @@ OPTIONS = {
     OPTION_PREFIX + "device": "telemetry: topic:<level> (default topic:1) or payload:<field>",
     OPTION_PREFIX + "time": "telemetry: store (default) or payload:<field>",
     OPTION_PREFIX + "timeunit": "telemetry: ms (default), s or iso for a payload time field",
+    OPTION_PREFIX + "key": "telemetry: a payload field identifying a device's message (e.g. seq): the key "
+                           "column, for de-duplication",
 }
 """Every option the reader accepts (lower case), with its meaning; unknown ones are refused."""
 
@@ -57,12 +65,17 @@ def _bool(options: Mapping[str, str], key: str, default: bool) -> bool:
 class ReaderOptions:
     """Everything a reader needs besides the segment paths of its partition."""
 
-    directory: str
+    directory: str | None
     decode: DecodeOptions
     partition_bytes: int = PARTITION_BYTES
     fail_on_data_loss: bool = True
     starting: str = "earliest"
     telemetry: TelemetryMapping | None = None
+    tier: str | None = None
+    store: str | None = None
+    store_token: str = ""
+    max_records: int | None = None
+    max_bytes: int | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
@@ -76,8 +89,24 @@ class ReaderOptions:
         unknown = sorted(set(low) - set(OPTIONS))
         if unknown:
             raise ValueError(f"unknown commitlog option(s) {', '.join(unknown)}; known: {', '.join(sorted(OPTIONS))}")
-        if "path" not in low:
-            raise ValueError("the commitlog source needs a path: spark.read.format('commitlog').load(DIR)")
+        if "path" not in low and not low.get("store"):
+            raise ValueError("the commitlog source needs a path: spark.read.format('commitlog').load(DIR), "
+                             "or the store option (HOST:PORT of the store node)")
+        store = low.get("store") or None
+        if store is not None:
+            try:
+                parse_address(store)
+            except ValueError as exc:
+                raise ValueError(f"option store: {exc}") from None
+        limits = {}
+        for key in ("maxrecordspertrigger", "maxbytespertrigger"):
+            if low.get(key):
+                try:
+                    limits[key] = int(low[key])
+                except ValueError:
+                    raise ValueError(f"option {key}: not an integer: {low[key]!r}") from None
+                if limits[key] <= 0:
+                    raise ValueError(f"option {key} must be positive, not {limits[key]}")
         topic_filter = low.get("topicfilter") or None
         if topic_filter is not None:
             validate_filter(topic_filter)
@@ -104,7 +133,7 @@ class ReaderOptions:
         if telemetry is None and any(k.startswith(OPTION_PREFIX) for k in low):
             raise ValueError("telemetry.* options need parse=telemetry")
         return cls(
-            directory=str(commitlog_dir(low["path"])),
+            directory=str(commitlog_dir(low["path"])) if low.get("path") and store is None else None,
             decode=DecodeOptions(
                 verify_crc=_bool(low, "verifycrc", True),
                 topic_filter=topic_filter,
@@ -115,4 +144,9 @@ class ReaderOptions:
             fail_on_data_loss=_bool(low, "failondataloss", True),
             starting=starting,
             telemetry=telemetry,
+            tier=low.get("tier") or None,
+            store=store,
+            store_token=low.get("storetoken", ""),
+            max_records=limits.get("maxrecordspertrigger"),
+            max_bytes=limits.get("maxbytespertrigger"),
         )

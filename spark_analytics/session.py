@@ -9,10 +9,12 @@ the same interpreter as the driver so the package and its dependencies match.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 __all__ = ["DEFAULT_MASTER", "QUIET_CONF", "package_zip", "spark_session"]
 
@@ -28,28 +30,34 @@ QUIET_CONF = {
     "spark.default.parallelism": "2",
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.python.authenticate.socketTimeout": "120s",
 }
-"""The settings measured in /work/shared/spark-notes.md; any of them can be overridden."""
+"""The settings measured in /work/shared/spark-notes.md; any of them can be overridden. The Python worker's
+connect-back timeout is raised from 15 s: on two busy cores a streaming query's source runner took longer to
+start, and the query failed with "Timed out while waiting for the Python worker to connect back"."""
 
 
 def spark_session(master: str = DEFAULT_MASTER, app_name: str = "lightgate-analytics",
-                  conf: Mapping[str, str] | None = None, *, delta: bool = False) -> Any:
+                  conf: Mapping[str, str] | None = None, *, delta: bool = False,
+                  py_files: Sequence[Path] = ()) -> Any:
     """Start (or reuse) a SparkSession with :data:`QUIET_CONF` and the ``commitlog`` source registered.
 
     ``delta=True`` adds Delta Lake (the optional delta-spark package: its
     ``configure_spark_with_delta_pip`` names the matching jars, which Spark
     fetches from Maven unless they are already in its cache).
 
-    On a cluster master (not ``local``), the bind settings are left to Spark
-    and the package is shipped to executors with ``addPyFile`` unless they
-    already import it (see docs/analytics.md, "Running on a cluster").
+    On a cluster master (not ``local[...]``), the bind settings are left to
+    Spark and the project's code (:func:`package_zip`) is shipped to the
+    executors with ``addPyFile``, before the ``commitlog`` source is registered
+    (docs/analytics.md, "Running on a cluster"); ``py_files`` are added the same
+    way on any master.
 
     Resource handling: the caller stops the session (``spark.stop()``).
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    local = master.startswith("local")
-    if local:
+    local = master.startswith("local[") or master == "local"
+    if master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
@@ -70,14 +78,21 @@ def spark_session(master: str = DEFAULT_MASTER, app_name: str = "lightgate-analy
             .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog"))
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    logging.getLogger("py4j").setLevel(logging.WARNING)  # a line per call from the JVM at INFO
+    ship = list(py_files)
+    if not local:
+        ship.append(package_zip(Path(tempfile.mkdtemp(prefix="lightgate-spark-"))))
+    for path in ship:
+        spark.sparkContext.addPyFile(str(path))
     register(spark)
     return spark
 
 
 def package_zip(directory: Path) -> Path:
-    """Zip ``spark_analytics``, the record format (``store/record.py`` and the
-    target-queues codec it imports, ``lightqueue/targets.py``) and the MQTT topic
-    rules (``lightqueue/topics.py``) into ``directory``
+    """Zip ``spark_analytics``, the record format (``store/record.py``
+    and the target-queues codec it imports, ``lightqueue/targets.py``), the tier's
+    file format (``store/tierfiles.py``), the store RPC's wire format (``store/rpc.py``)
+    and the MQTT topic rules (``lightqueue/topics.py``) into ``directory``
     for ``SparkContext.addPyFile``: the code executors need when the project is
     not installed on them (its dependencies still must be: pyarrow, numpy,
     msgspec, crc32c). Returns the zip's path."""
@@ -88,6 +103,7 @@ def package_zip(directory: Path) -> Path:
     with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as zf:
         for path in [*sorted((root / "spark_analytics").glob("*.py")),
                      root / "store" / "__init__.py", root / "store" / "record.py",
+                     root / "store" / "tierfiles.py", root / "store" / "rpc.py",
                      root / "lightqueue" / "__init__.py", root / "lightqueue" / "targets.py",
                      root / "lightqueue" / "topics.py"]:
             zf.write(path, path.relative_to(root).as_posix())

@@ -4,9 +4,12 @@
     register(spark)
     df = spark.read.format("commitlog").option("topicFilter", "fleet/+/telemetry").load("data/")
 
-The driver plans partitions from the directory listing (see planning.py);
-executors decode their byte ranges into Arrow record batches (framing.py) and,
-with ``parse=telemetry``, parse the payloads in the same pass (telemetry.py).
+The driver plans partitions from listings only (see planning.py): the
+Parquet tier's files, the local segments, or the store's bounds over its RPC;
+each record is read once, from the tier when it holds the segment. Executors
+decode segment bytes (framing.py), tier row groups (tier.py) or bytes read
+over the RPC (live.py) into Arrow record batches and, with
+``parse=telemetry``, parse the payloads in the same pass (telemetry.py).
 Partitions and readers carry only paths and the parsed options, so they
 pickle small and need nothing on the executor but the package and the files.
 
@@ -19,24 +22,35 @@ logged warning and a skip to the oldest segment still there.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import itertools
 import logging
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import pyarrow as pa
-from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.datasource import (DataSource, DataSourceReader, DataSourceStreamReader, EqualTo, GreaterThan,
+                                    GreaterThanOrEqual, InputPartition, LessThan, LessThanOrEqual)
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType
 
+from store.tierfiles import file_name, list_tier, open_tier, read_meta
+
 from .framing import RAW_SCHEMA, ScanRange, scan_range, valid_end
 from .layout import list_segments, read_flushed
+from .live import LiveRange, LogReader, read_live
 from .options import ReaderOptions
-from .planning import plan_ranges, readable_limit
+from .planning import LogLayout, Range, plan_log, readable_limit
 from .telemetry import TelemetryParser
+from .tier import TierRange, read_tier
 
-try:  # Spark >= 4.2: lets availableNow run the final no-data batch that emits closed windows
-    from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
-except ImportError:  # pragma: no cover - older Spark
+try:  # Spark >= 4.2: availableNow runs the final no-data batch that emits closed windows; admission control
+    from pyspark.sql.streaming.datasource import (ReadAllAvailable, ReadMaxBytes, ReadMaxRows,
+                                                  SupportsTriggerAvailableNow)
+except ImportError:  # pragma: no cover - older Spark: no read limits (Spark calls latestOffset() without one)
     SupportsTriggerAvailableNow = object  # type: ignore[assignment,misc]
+    ReadAllAvailable = ReadMaxBytes = ReadMaxRows = type("ReadLimit", (), {})  # type: ignore[assignment,misc]
 
 __all__ = ["FORMAT", "CommitLogDataSource", "DataLossError", "register"]
 
@@ -50,8 +64,13 @@ class DataLossError(RuntimeError):
     """Segments that a read needed were deleted by retention before it read them."""
 
 
+FILTER_PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
+"""Off by default in PySpark 4.x; a reader that implements ``pushFilters`` fails unless it is on."""
+
+
 def register(spark: Any) -> None:
-    """Make ``format("commitlog")`` available in ``spark`` (per session)."""
+    """Make ``format("commitlog")`` available in ``spark`` (per session), with filter push-down on."""
+    spark.conf.set(FILTER_PUSHDOWN_CONF, "true")
     spark.dataSource.register(CommitLogDataSource)
 
 
@@ -61,9 +80,10 @@ def output_schema(opts: ReaderOptions) -> pa.Schema:
 
 
 class CommitLogPartition(InputPartition):
-    """The byte ranges one Spark task reads; paths and positions only."""
+    """What one Spark task reads (segment byte ranges, tier row groups, an RPC range); paths, offsets and
+    addresses only."""
 
-    def __init__(self, ranges: Sequence[ScanRange]) -> None:
+    def __init__(self, ranges: Sequence[Range]) -> None:
         super().__init__(None)
         self.ranges = tuple(ranges)
 
@@ -71,26 +91,83 @@ class CommitLogPartition(InputPartition):
         return f"CommitLogPartition({self.ranges!r})"
 
 
-def read_partition(ranges: Sequence[ScanRange], opts: ReaderOptions,
+def load_layout(opts: ReaderOptions) -> LogLayout:
+    """What the driver lists: the tier's files, the local segments and ``flushed`` hint, or (``store``
+    option) the store's bounds over the RPC; segment data is never read here."""
+    tier_files = []
+    if opts.tier is not None:
+        tier_files = list_tier(*open_tier(opts.tier))
+    if opts.store is None:
+        directory = opts.directory or ""
+        return LogLayout(list_segments(directory), read_flushed(directory), opts.tier, tier_files)
+    with LogReader(opts.store, opts.store_token) as reader:
+        bounds = reader.read(0, 0)
+    live_start = bounds.min_offset
+    if tier_files:
+        fs, _root = open_tier(opts.tier or "")
+        live_start = max(live_start, read_meta(fs, tier_files[-1].path)[0].end)
+    return LogLayout([], bounds.flushed, opts.tier, tier_files, opts.store, opts.store_token, live_start)
+
+
+def _frames(rng: Range, opts: ReaderOptions, columns: list[str]) -> Iterator[Any]:
+    if isinstance(rng, ScanRange):
+        return scan_range(rng, opts.decode)
+    if isinstance(rng, TierRange):
+        return read_tier(rng, opts.decode, columns)
+    return read_live(rng, opts.decode)
+
+
+def _in_tier(rng: ScanRange, opts: ReaderOptions) -> TierRange | None:
+    """The tier's copy of a local range whose segment was deleted since planning (None without a tier)."""
+    if opts.tier is None:
+        return None
+    fs, root = open_tier(opts.tier)
+    path = f"{root}/{file_name(rng.base)}"
+    if fs.get_file_info(path).type.name != "File":
+        return None
+    return TierRange(opts.tier, path, rng.base + rng.start, rng.base + rng.end, None, rng.nbytes)
+
+
+def _describe(rng: Range) -> str:
+    if isinstance(rng, ScanRange):
+        return f"segment {rng.path} (CommitLog offsets {rng.base + rng.start} to {rng.base + rng.end})"
+    if isinstance(rng, TierRange):
+        return f"tier file {rng.path} (CommitLog offsets {rng.start} to {rng.end})"
+    return f"CommitLog offsets {rng.start} to {rng.end} on the store {rng.address}"
+
+
+def read_partition(ranges: Sequence[Range], opts: ReaderOptions,
                    projection: pa.Schema | None = None) -> Iterator[pa.RecordBatch]:
     """Decode ``ranges`` into record batches of :func:`output_schema`, or of
     ``projection`` (a subset of its columns) when given.
 
-    Error handling: a segment deleted since planning raises DataLossError,
-    or is skipped with a warning when ``failOnDataLoss`` is false; corrupt
-    durable bytes raise CorruptRecord (from store.record) with file and offset.
+    Error handling: a segment deleted since planning is read from the tier
+    when the tier has it; otherwise it raises DataLossError, or is skipped
+    with a warning when ``failOnDataLoss`` is false; a corrupt record in a
+    segment file is skipped with a warning naming the file and offsets, as
+    the store skips it (spark_analytics/framing.py); corrupt bytes read over
+    the store RPC raise CorruptRecord (from store.record) with the offset.
     """
     parser = TelemetryParser(opts.telemetry) if opts.telemetry is not None else None
+    schema = projection or RAW_SCHEMA
+    columns = schema.names if parser is None else ["offset", "store_ts", "topic", "payload"]  # what parsing reads
     for rng in ranges:
         try:
-            for frames in scan_range(rng, opts.decode):
-                if parser is None:
-                    yield frames.raw_batch(projection or RAW_SCHEMA)
-                else:
-                    yield parser.parse(frames, projection)
+            try:
+                source = _frames(rng, opts, columns)
+                first = next(source, None)
+            except FileNotFoundError:
+                fallback = _in_tier(rng, opts) if isinstance(rng, ScanRange) else None
+                if fallback is None:
+                    raise
+                source = read_tier(fallback, opts.decode, columns)
+                first = next(source, None)
+            if first is None:
+                continue
+            for frames in itertools.chain((first,), source):
+                yield frames.raw_batch(schema) if parser is None else parser.parse(frames, projection)
         except FileNotFoundError:
-            message = (f"segment {rng.path} (CommitLog offsets {rng.base + rng.start} to {rng.base + rng.end}) "
-                       "was deleted, probably by retention, before it was read")
+            message = f"{_describe(rng)} was deleted, probably by retention, before it was read"
             if opts.fail_on_data_loss:
                 raise DataLossError(message + "; set failOnDataLoss=false to skip deleted data") from None
             LOG.warning("%s; skipped (failOnDataLoss=false)", message)
@@ -137,18 +214,72 @@ def _projection(given: StructType, ours: StructType) -> pa.Schema | None:
     return to_arrow_schema(given, timezone="UTC")
 
 
+def _micros(value: Any) -> int | None:
+    """A pushed-down timestamp literal in microseconds since the epoch (None: not a timestamp)."""
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is None:  # Spark hands session-time-zone literals over as naive local times
+            value = value.astimezone()
+        delta = value - datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+        return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+    return None
+
+
+def _time_bound(flt: Any) -> tuple[str, int] | None:
+    """``("from", ms)`` or ``("to", ms)`` (store times are whole ms: ``[from, to)``) for a filter on store_ts."""
+    if getattr(flt, "attribute", None) != ("store_ts",):
+        return None
+    us = _micros(flt.value)
+    if us is None:
+        return None
+    ceil_ms = -(-us // 1000)
+    if isinstance(flt, GreaterThan):
+        return "from", us // 1000 + 1
+    if isinstance(flt, GreaterThanOrEqual):
+        return "from", ceil_ms
+    if isinstance(flt, LessThan):
+        return "to", ceil_ms
+    if isinstance(flt, LessThanOrEqual):
+        return "to", us // 1000 + 1
+    return None
+
+
 class CommitLogReader(DataSourceReader):
-    """A batch read: all durable records, within the time and topic push-down."""
+    """A batch read: all durable records, within the time and topic push-down.
+
+    ``.where()`` conditions are pushed down (PySpark >= 4.1, ``pushFilters``)
+    when they are comparisons of ``store_ts`` with a timestamp (they become
+    ``fromTime``/``toTime``: whole segments, tier row groups and records are
+    skipped) or ``topic = '<name>'`` without a ``topicFilter`` option; Spark
+    evaluates the others. Column pruning is not offered to Python data sources:
+    a schema naming fewer columns is how a query reads fewer (see ``_projection``).
+    """
 
     def __init__(self, opts: ReaderOptions, projection: pa.Schema | None = None) -> None:
         self.opts = opts
         self.projection = projection
 
+    def pushFilters(self, filters: list[Any]) -> Iterator[Any]:
+        decode = self.opts.decode
+        bounds = {"from": decode.from_ms, "to": decode.to_ms}
+        topic = decode.topic_filter
+        for flt in filters:
+            bound = _time_bound(flt)
+            if bound is not None:
+                side, ms = bound
+                old = bounds[side]
+                bounds[side] = ms if old is None else max(old, ms) if side == "from" else min(old, ms)
+                continue
+            if (isinstance(flt, EqualTo) and flt.attribute == ("topic",) and isinstance(flt.value, str)
+                    and topic is None and flt.value and not set(flt.value) & {"+", "#"}):
+                topic = flt.value  # a topic name is a filter that matches only itself
+                continue
+            yield flt
+        self.opts = dataclasses.replace(self.opts, decode=dataclasses.replace(
+            decode, from_ms=bounds["from"], to_ms=bounds["to"], topic_filter=topic))
+
     def partitions(self) -> list[CommitLogPartition]:
-        directory = self.opts.directory
-        ranges = plan_ranges(list_segments(directory), read_flushed(directory),
-                             from_ms=self.opts.decode.from_ms, to_ms=self.opts.decode.to_ms,
-                             target_bytes=self.opts.partition_bytes)
+        ranges = plan_log(load_layout(self.opts), from_ms=self.opts.decode.from_ms, to_ms=self.opts.decode.to_ms,
+                          target_bytes=self.opts.partition_bytes)
         return [CommitLogPartition(r) for r in ranges] or [CommitLogPartition(())]
 
     def read(self, partition: CommitLogPartition) -> Iterator[pa.RecordBatch]:
@@ -162,9 +293,15 @@ def _offset(segment: int, position: int) -> dict[str, int]:
 class CommitLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """A stream over the CommitLog whose offsets are record positions.
 
-    The end of the readable data is the ``flushed`` hint, or, without a valid
-    hint, the end of the last CRC-valid record: a half-written record at the
-    tail is not read until it is complete (and flushed).
+    The end of the readable data is the ``flushed`` hint (the store's flushed
+    offset over the RPC), or, without a valid hint, the end of the last
+    CRC-valid record: a half-written record at the tail is not read until it
+    is complete (and flushed). Records the tier holds are read from the tier.
+
+    ``maxRecordsPerTrigger`` / ``maxBytesPerTrigger`` bound each micro-batch
+    (Spark's admission control: ``getDefaultReadLimit`` and ``latestOffset(start,
+    limit)``); ``reportLatestOffset`` gives the end of the log, so the query's
+    progress shows the lag (``latestOffset`` - ``endOffset``, in log bytes).
     """
 
     def __init__(self, opts: ReaderOptions, projection: pa.Schema | None = None) -> None:
@@ -172,15 +309,17 @@ class CommitLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self.projection = projection
         self._target: int | None = None  # availableNow: never read past this global offset
 
-    def _available_end(self, start: int) -> int:
+    def _available_end(self, start: int, layout: LogLayout | None = None) -> int:
         """The global offset after the last durable record at or after ``start``."""
-        directory = self.opts.directory
-        segments = list_segments(directory)
-        flushed = read_flushed(directory)
+        layout = layout or load_layout(self.opts)
+        if layout.flushed is not None:
+            return max(start, layout.flushed)
+        segments = layout.segments
         if not segments:
-            return start
-        if flushed is not None:
-            return max(start, flushed)
+            if not layout.tier:
+                return start
+            fs, _root = open_tier(layout.tier_uri or "")
+            return max(start, read_meta(fs, layout.tier[-1].path)[0].end)
         end = start
         for seg in segments:
             if seg.base + seg.size <= start:
@@ -197,23 +336,69 @@ class CommitLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
                 break
         return max(start, end)
 
-    def _as_offset(self, global_offset: int) -> dict[str, int]:
-        bases = [s.base for s in list_segments(self.opts.directory) if s.base <= global_offset]
+    @staticmethod
+    def _as_offset(global_offset: int, layout: LogLayout) -> dict[str, int]:
+        bases = [b for b in sorted({s.base for s in layout.segments} | {f.base for f in layout.tier})
+                 if b <= global_offset]
         base = bases[-1] if bases else 0
         return _offset(base, global_offset - base)
 
     def initialOffset(self) -> dict[str, int]:
+        layout = load_layout(self.opts)
         if self.opts.starting == "latest":
-            return self._as_offset(self._available_end(0))
-        segments = list_segments(self.opts.directory)
-        return _offset(segments[0].base if segments else 0, 0)
+            return self._as_offset(self._available_end(0, layout), layout)
+        oldest = layout.oldest or 0
+        return self._as_offset(oldest, layout)
+
+    def getDefaultReadLimit(self) -> Any:
+        if self.opts.max_records is not None:
+            return ReadMaxRows(self.opts.max_records)
+        if self.opts.max_bytes is not None:
+            return ReadMaxBytes(self.opts.max_bytes)
+        return ReadAllAvailable()
 
     def latestOffset(self, start: dict[str, int] | None = None, limit: Any = None) -> dict[str, int]:
         begin = start["segment"] + start["position"] if start else 0
-        end = self._available_end(begin)
+        layout = load_layout(self.opts)
+        end = self._available_end(begin, layout)
         if self._target is not None:
             end = max(begin, min(end, self._target))
-        return self._as_offset(end)
+        max_records = self.opts.max_records
+        max_bytes = self.opts.max_bytes
+        if isinstance(limit, ReadMaxRows):
+            max_records = min(limit.max_rows, max_records or limit.max_rows)
+        elif isinstance(limit, ReadMaxBytes):
+            max_bytes = min(limit.max_bytes, max_bytes or limit.max_bytes)
+        if (max_records is not None or max_bytes is not None) and end > begin:
+            end = self._admit(layout, begin, end, max_records, max_bytes)
+        return self._as_offset(end, layout)
+
+    def _admit(self, layout: LogLayout, begin: int, end: int, max_records: int | None, max_bytes: int | None) -> int:
+        """The record boundary where a micro-batch from ``begin`` reaches ``max_records`` records or about
+        ``max_bytes`` log bytes (at least one record), or ``end``: the offsets are read to find it."""
+        seen = 0
+        only_offsets = pa.schema([RAW_SCHEMA.field("offset")])
+        raw = ReaderOptions(self.opts.directory, self.opts.decode, self.opts.partition_bytes,
+                            self.opts.fail_on_data_loss, tier=self.opts.tier, store=self.opts.store,
+                            store_token=self.opts.store_token)
+        for ranges in plan_log(layout, start=begin, end=end, target_bytes=self.opts.partition_bytes):
+            for batch in read_partition(ranges, raw, only_offsets):
+                offsets = batch.column(0).to_numpy()
+                cut = len(offsets)
+                if max_records is not None and seen + len(offsets) > max_records:
+                    cut = max_records - seen
+                if max_bytes is not None:
+                    over = np.flatnonzero((offsets - begin >= max_bytes) & (offsets > begin))
+                    if len(over):
+                        cut = min(cut, int(over[0]))
+                if cut < len(offsets) and (seen + cut) > 0:
+                    return int(offsets[max(cut, 1 - seen)])
+                seen += len(offsets)
+        return end
+
+    def reportLatestOffset(self) -> dict[str, int]:
+        layout = load_layout(self.opts)
+        return self._as_offset(self._available_end(0, layout), layout)
 
     def prepareForTriggerAvailableNow(self) -> None:
         self._target = self._available_end(0)
@@ -221,8 +406,9 @@ class CommitLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[CommitLogPartition]:
         begin = start["segment"] + start["position"]
         stop = end["segment"] + end["position"]
-        segments = list_segments(self.opts.directory)
-        oldest = segments[0].base if segments else stop
+        layout = load_layout(self.opts)
+        oldest = layout.oldest
+        oldest = stop if oldest is None else oldest
         if begin < oldest:
             message = (f"CommitLog offsets {begin} to {min(oldest, stop)} were deleted by retention before "
                        f"this stream read them (oldest segment now starts at {oldest})")
@@ -230,9 +416,8 @@ class CommitLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
                 raise DataLossError(message + "; set failOnDataLoss=false to skip them and go on")
             LOG.warning("%s; skipping them (failOnDataLoss=false)", message)
             begin = oldest
-        ranges = plan_ranges(segments, read_flushed(self.opts.directory), start=begin, end=stop,
-                             from_ms=self.opts.decode.from_ms, to_ms=self.opts.decode.to_ms,
-                             target_bytes=self.opts.partition_bytes)
+        ranges = plan_log(layout, start=begin, end=stop, from_ms=self.opts.decode.from_ms,
+                          to_ms=self.opts.decode.to_ms, target_bytes=self.opts.partition_bytes)
         return [CommitLogPartition(r) for r in ranges]
 
     def read(self, partition: CommitLogPartition) -> Iterator[pa.RecordBatch]:

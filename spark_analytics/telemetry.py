@@ -25,17 +25,22 @@ from typing import Any, Mapping
 import msgspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .framing import UTC_MICROS, Frames
 
 __all__ = ["FIXED_COLUMNS", "TelemetryMapping", "TelemetryParser"]
 
-FIXED_COLUMNS = ("offset", "store_ts", "topic", "device", "event_ts", "error", "payload")
+FIXED_COLUMNS = ("offset", "store_ts", "topic", "device", "event_ts", "key", "error", "payload")
 """The telemetry columns that are not metrics; a metric may not take one of these names."""
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _TIME_UNITS = {"ms": 1_000, "s": 1_000_000, "iso": None}  # factor to microseconds
 _MAX_MICROS = 253_402_300_800_000_000  # year 10000: later times are garbage, not timestamps
+MIN_EVENT_MICROS = 946_684_800_000_000
+"""2000-01-01T00:00:00Z: an earlier payload time is a device clock that was never set (a reset clock counts from
+1970), not an event; such a row is quarantined instead of stretching every chart back to 1970 or 1969."""
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark some devices put before their JSON
 
 OPTION_PREFIX = "telemetry."
 
@@ -51,12 +56,15 @@ class TelemetryMapping:
         time: ``store`` (the CommitLog store time) or ``payload:<field>``.
         time_unit: for a payload time: ``ms`` or ``s`` since the epoch, or
             ``iso`` (RFC 3339 text; no offset means UTC).
+        key: a payload field that identifies a message of a device (a sequence
+            number): it becomes the ``key`` column, for de-duplication.
     """
 
     metrics: tuple[str, ...]
     device: str = "topic:1"
     time: str = "store"
     time_unit: str = "ms"
+    key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.metrics:
@@ -77,6 +85,8 @@ class TelemetryMapping:
             raise ValueError(f"time {self.time!r} must be 'store' or 'payload:<field>'")
         if self.time_unit not in _TIME_UNITS:
             raise ValueError(f"time unit {self.time_unit!r} must be one of {', '.join(_TIME_UNITS)}")
+        if self.key is not None and (not self.key or self.key in self.metrics):
+            raise ValueError(f"the key field {self.key!r} must be a payload field that is not a metric")
 
     @property
     def device_level(self) -> int | None:
@@ -100,6 +110,7 @@ class TelemetryMapping:
             OPTION_PREFIX + "device": self.device,
             OPTION_PREFIX + "time": self.time,
             OPTION_PREFIX + "timeUnit": self.time_unit,
+            **({OPTION_PREFIX + "key": self.key} if self.key is not None else {}),
         }
 
     @classmethod
@@ -116,6 +127,7 @@ class TelemetryMapping:
             device=low.get(OPTION_PREFIX + "device", "topic:1"),
             time=low.get(OPTION_PREFIX + "time", "store"),
             time_unit=low.get(OPTION_PREFIX + "timeunit", "ms"),
+            key=low.get(OPTION_PREFIX + "key") or None,
         )
 
     def arrow_schema(self) -> pa.Schema:
@@ -126,6 +138,7 @@ class TelemetryMapping:
                 pa.field("topic", pa.string(), nullable=False),
                 pa.field("device", pa.string()),
                 pa.field("event_ts", UTC_MICROS),
+                *([pa.field("key", pa.string())] if self.key is not None else []),
                 *(pa.field(m, pa.float64()) for m in self.metrics),
                 pa.field("error", pa.string()),
                 pa.field("payload", pa.binary()),
@@ -140,7 +153,7 @@ class TelemetryParser:
         self.mapping = mapping
         self.schema = mapping.arrow_schema()
         json_names: list[str] = list(mapping.metrics)
-        for extra in (mapping.device_field, mapping.time_field):
+        for extra in (mapping.device_field, mapping.time_field, mapping.key):
             if extra is not None and extra not in json_names:
                 json_names.append(extra)
         self._attr = {name: f"f{i}" for i, name in enumerate(json_names)}
@@ -150,6 +163,8 @@ class TelemetryParser:
             types[mapping.device_field] = str | int | None
         if mapping.time_field is not None:
             types[mapping.time_field] = time_type | None
+        if mapping.key is not None and mapping.key not in types:
+            types[mapping.key] = str | int | None
         struct = msgspec.defstruct(
             "Telemetry",
             [(self._attr[name], types[name], None) for name in json_names],
@@ -181,6 +196,10 @@ class TelemetryParser:
                    for m, get in zip(self.mapping.metrics, self._metric_getters) if needs_checks or m in wanted}
         n = len(objs)
         columns: dict[str, pa.Array] = {"topic": topic, "device": device, "event_ts": event, **metrics}
+        if "key" in wanted:
+            get = operator.attrgetter(self._attr[self.mapping.key or ""])
+            columns["key"] = pa.array([v if v is None or type(v) is str else str(v) for v in map(get, objs)],
+                                      pa.string())
         if needs_checks:
             reasons = self._reasons(n, errors, device, event, list(metrics.values()))
             if reasons is None:
@@ -197,7 +216,8 @@ class TelemetryParser:
 
     def _decode_all(self, buf: bytes, lo: list[int], hi: list[int]) -> tuple[list[Any], dict[int, str]]:
         """Decode every payload; a window with a bad one is decoded again one by one
-        to find which (the fast path has no per-row exception handling)."""
+        to find which (the fast path has no per-row exception handling), and a
+        UTF-8 byte order mark before the JSON is skipped there."""
         decode = self._decode
         try:
             return [decode(buf[a:b]) for a, b in zip(lo, hi)], {}
@@ -206,7 +226,7 @@ class TelemetryParser:
         objs, errors = [], {}
         for i, (a, b) in enumerate(zip(lo, hi)):
             try:
-                objs.append(decode(buf[a:b]))
+                objs.append(decode(buf[a + 3 : b] if buf[a : a + 3] == _BOM else buf[a:b]))
             except msgspec.DecodeError as exc:
                 objs.append(self._empty)
                 errors[i] = f"invalid payload: {exc}"
@@ -227,7 +247,7 @@ class TelemetryParser:
         checks = [
             (device, f"topic has no level {mapping.device_level}" if mapping.device_field is None
              else f"missing device field {mapping.device_field!r}"),
-            (event, f"missing or out-of-range time field {mapping.time_field!r}"),
+            (event, f"missing or out-of-range time field {mapping.time_field!r} (before 2000 or after 9999)"),
         ]
         for column, reason in checks:
             missing = ok & column.is_null().to_numpy(zero_copy_only=False)
@@ -256,9 +276,10 @@ class TelemetryParser:
         values = list(map(operator.attrgetter(self._attr[self.mapping.time_field]), objs))
         factor = _TIME_UNITS[self.mapping.time_unit]
         if factor is None:
-            return pa.array(values, UTC_MICROS)
+            iso = pa.array(values, UTC_MICROS)
+            return pc.if_else(pc.less(iso, pa.scalar(MIN_EVENT_MICROS, UTC_MICROS)), None, iso)
         raw = pa.array(values, pa.float64()).to_numpy(zero_copy_only=False)
         scaled = raw * factor
-        null = ~(np.abs(scaled) < _MAX_MICROS)  # NaN (missing) compares False too
+        null = ~((scaled >= MIN_EVENT_MICROS) & (scaled < _MAX_MICROS))  # NaN (missing) compares False too
         micros = np.where(null, 0, np.round(scaled)).astype(np.int64)
         return pa.array(micros, UTC_MICROS, mask=null)

@@ -36,7 +36,7 @@ from store.awaiting import Flow
 from store.node import StoreNode
 from store.record import Record, decode_record
 
-__all__ = ["LocalStoreClient", "NewMessage", "PullRequest", "StoreClient", "StoreStatistics"]
+__all__ = ["LocalStoreClient", "LogSpan", "NewMessage", "PullRequest", "StoreClient", "StoreStatistics"]
 
 NewMessage = tuple[str, bytes, Mapping[str, Any]]
 """(topic, payload, optional record fields of :func:`store.record.encode_record`: ``client_id``, ``qos``,
@@ -194,6 +194,17 @@ class StoreClient(Protocol):
 
     async def statistics(self) -> StoreStatistics:
         """The store's current figures."""
+        ...
+
+    async def read_log(self, offset: int, max_bytes: int) -> LogSpan:
+        """The log's raw bytes from the record boundary ``offset`` (``CommitLog.read_span``), up to the
+        flushed offset: for readers that frame records themselves (Spark executors over the RPC).
+        ``max_bytes`` 0 returns only the log's bounds (``flushed``, ``min_offset``), for any ``offset``.
+
+        Raises:
+            store.errors.OffsetExpired: ``offset`` is below the log's minimum (retention).
+            store.errors.InvalidOffset: ``offset`` is beyond the flushed offset.
+        """
         ...
 
     async def hold_will(self, client_id: str, message: NewMessage, delay_s: float, *, epoch: int | None = None) -> None:
@@ -368,6 +379,9 @@ class LocalStoreClient:
     async def statistics(self) -> StoreStatistics:
         return store_statistics(self.store)
 
+    async def read_log(self, offset: int, max_bytes: int) -> LogSpan:
+        return await trio.to_thread.run_sync(read_log_span, self.store, offset, max_bytes)
+
     async def hold_will(self, client_id: str, message: NewMessage, delay_s: float, *, epoch: int | None = None) -> None:
         """A no-op: the embedded gateway and its store live and die together, and the gateway fires wills itself."""
 
@@ -403,6 +417,33 @@ class LocalStoreClient:
 
     def admin_answer(self, ask_id: int, value: bytes | None) -> None:
         """A no-op: no ask ever comes (:meth:`admin_asks`)."""
+
+
+MAX_READ_LOG_BYTES = 16 * 1024 * 1024
+"""A ``read_log`` returns at most this much, so an RPC answer stays far below the frame limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogSpan:
+    """The answer of ``read_log``: the log's bytes from ``start`` to at most ``data_end`` (see
+    ``CommitLog.read_span``), and the log's current flushed and minimum offsets."""
+
+    start: int
+    data: bytes
+    data_end: int
+    flushed: int
+    min_offset: int
+
+
+def read_log_span(store: StoreNode, offset: int, max_bytes: int) -> LogSpan:
+    """``read_log`` on a store node in this process (the RPC server answers with the same).
+
+    ``max_bytes`` 0 asks for the log's bounds only: any ``offset`` is accepted and nothing is read."""
+    log = store.log.log
+    if max_bytes <= 0:
+        return LogSpan(offset, b"", offset, log.flushed_offset, log.min_offset)
+    start, data, data_end = log.read_span(offset, max(0, min(max_bytes, MAX_READ_LOG_BYTES)))
+    return LogSpan(start, data, data_end, log.flushed_offset, log.min_offset)
 
 
 def store_statistics(store: StoreNode) -> StoreStatistics:

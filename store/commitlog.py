@@ -264,6 +264,7 @@ class CommitLog:
         self._closed = False
         self._released = False
         self._listeners: list[Callable[[int], None]] = []
+        self._retention_guard: Callable[[int], bool] | None = None
         self._appended_records = 0
         self._appended_batches = 0
         self._flushes = 0
@@ -771,6 +772,42 @@ class CommitLog:
             return seg.end
         return offset
 
+    def read_span(self, offset: int, max_bytes: int) -> tuple[int, bytes, int]:
+        """Raw bytes of the log from the record boundary ``offset``, for readers that frame records
+        themselves (the store RPC's ``ReadLog``, Spark executors without the files).
+
+        Returns ``(start, data, data_end)``: ``start`` is ``offset``, or the next
+        segment's base when ``offset`` is at the end of a segment's data; ``data``
+        is at most ``max_bytes`` from ``start``, never past the flushed offset nor
+        the segment's data (it may end inside a record, which the caller reads
+        again from its start); ``data_end`` is where the segment's readable data
+        ends (its sealed end, or the flushed offset). Nothing is decoded or checked.
+
+        Raises:
+            OffsetExpired: below ``min_offset``.
+            InvalidOffset: beyond the flushed offset.
+        """
+        flushed = self._flushed
+        view = self._view
+        if self._closed:
+            raise ValueError(f"CommitLog {self._dir} is closed")
+        if offset < view.bases[0]:
+            raise OffsetExpired(offset, view.bases[0])
+        if offset > flushed or offset < 0:
+            raise InvalidOffset(offset, f"beyond the flushed end of the log ({flushed})")
+        seg = view.find(offset)
+        data_end = min(flushed, seg.base + seg.write_pos)
+        if offset >= data_end and seg.sealed and seg.end <= flushed:
+            offset = seg.end
+            seg = view.find(offset)
+            data_end = min(flushed, seg.base + seg.write_pos)
+        try:
+            with seg.pinned():
+                data = seg.read(offset - seg.base, max(0, min(max_bytes, data_end - offset)))
+        except SegmentRetired:
+            raise OffsetExpired(offset, self.min_offset) from None
+        return offset, data, data_end
+
     def read_many(self, locations: Sequence[tuple[int, int]]) -> list[bytes | None]:
         """The raw bytes of the records at ``(offset, size)`` locations (in log order), CRC-checked;
         None for a record retention deleted; ``SKIPPED`` (``b""``) for one whose bytes are not the record the
@@ -922,6 +959,14 @@ class CommitLog:
         """Call ``fn(new_min_offset)`` after retention deletes segments (in the thread that ran it)."""
         self._listeners.append(fn)
 
+    def set_retention_guard(self, may_delete: Callable[[int], bool] | None) -> None:
+        """Let retention delete a segment only if ``may_delete(base)`` is true (None: no guard).
+
+        The Parquet tier (store/tier.py) uses it so that retention never deletes a
+        segment it has not converted yet; the segments after a refused one stay too.
+        """
+        self._retention_guard = may_delete
+
     def delete_expired(self, now_ms: int | None = None) -> list[int]:
         """Delete whole sealed segments older than ``retention_hours`` or beyond ``retention_max_bytes``.
 
@@ -945,6 +990,8 @@ class CommitLog:
                 too_big = cfg.retention_max_bytes > 0 and total > cfg.retention_max_bytes
                 too_old = cutoff is not None and self._newest_ms(seg) < cutoff
                 if not (too_big or too_old):
+                    break
+                if self._retention_guard is not None and not self._retention_guard(seg.base):
                     break
                 total -= seg.size
                 count += 1

@@ -331,11 +331,14 @@ None when none is past it. Given by the layer that owns the blob format (gateway
 
 @asynccontextmanager
 async def open_store(
-    data: Path, config: CommitLogConfig, listener: Listener | None = None, *, fix_session: SessionFixer | None = None
+    data: Path, config: CommitLogConfig, listener: Listener | None = None, tier: Mapping[str, Any] | None = None, *,
+    fix_session: SessionFixer | None = None
 ) -> AsyncIterator[StoreNode]:
     """Open the CommitLog and the index under ``data``, run flushing, retention and dispatch.
 
     ``listener``, if given, hears every dispatch batch's events too (after they are routed).
+    ``tier``: the flat settings; when ``tier.uri`` is set, the Parquet tier converter of sealed segments runs too
+    (store/tier.py; imported only then, as it loads pyarrow).
     ``fix_session``: after a power loss cost the log records that positions in RocksDB point past
     (``Dispatcher.recover``), every session blob is passed through it before anyone consumes.
 
@@ -376,7 +379,18 @@ async def open_store(
             nodes.append(node)
             try:
                 async with background(dispatcher.run), background(partial(_watch_space, space)):
-                    yield node
+                    if tier is not None and tier.get("tier.uri"):
+                        try:
+                            from store.tier import TierConfig, TierConverter, run_tier
+                        except ImportError as exc:  # the base install has no pyarrow
+                            raise StartupError(f"cannot start: tier.uri is set, and the tier needs the tier extra "
+                                               f"(pip install 'lightgate[tier]'): {exc}") from exc
+
+                        converter = TierConverter(alog.log, TierConfig.from_settings(tier))
+                        async with background(partial(run_tier, converter)):
+                            yield node
+                    else:
+                        yield node
             finally:
                 for name in tuple(node.mailboxes):
                     node.detach(name)
@@ -484,7 +498,7 @@ async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = 
 
     host, port = parse_address(settings["store.listen"])
     data = Path(settings["node.data"])
-    async with open_store(data, CommitLogConfig.from_settings(settings), fix_session=fix_session) as node:
+    async with open_store(data, CommitLogConfig.from_settings(settings), tier=settings, fix_session=fix_session) as node:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:

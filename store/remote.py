@@ -39,6 +39,7 @@ import errno
 import logging
 import math
 import os
+import re
 import socket
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -54,8 +55,8 @@ from notify import EventMailbox
 from store import rpc
 from store.access import AccessDenied
 from store.awaiting import Flow
-from store.client import NewMessage, PullRequest, StoreStatistics
-from store.errors import LogFullError
+from store.client import LogSpan, NewMessage, PullRequest, StoreStatistics
+from store.errors import LogFullError, OffsetExpired
 from store.leases import LeaseLost
 from store.record import Record, RecordTooLarge, decode_record
 from store.tasks import background
@@ -132,6 +133,9 @@ def _exception(error: rpc.Error) -> Exception:
         return LeaseLost(error.message)
     if kind is rpc.ErrorKind.RECORD_TOO_LARGE:
         return RecordTooLarge(error.message)
+    if kind is rpc.ErrorKind.EXPIRED:  # the message is OffsetExpired's: the offset first, the log's minimum last
+        numbers = [int(n) for n in re.findall(r"\d+", error.message)]
+        return OffsetExpired(numbers[0], numbers[-1]) if numbers else LookupError(error.message)
     if kind is rpc.ErrorKind.TOPIC:
         return TopicError(error.message)
     if kind is rpc.ErrorKind.VALUE:
@@ -753,6 +757,10 @@ class RemoteStoreClient:
         return StoreStatistics(s.written_offset, s.flushed_offset, s.dispatched_offset, s.log_bytes, s.queue_ids,
                                s.active_filters, s.retained, s.notify_sent, s.notify_suppressed, s.notify_by_node,
                                s.corrupt_records, s.disk_full)
+
+    async def read_log(self, offset: int, max_bytes: int) -> LogSpan:
+        answer = await self._require_link().call(lambda rid: rpc.ReadLog(rid, offset, max_bytes))
+        return LogSpan(answer.start, answer.data, answer.data_end, answer.flushed, answer.min_offset)
 
     def _current(self, epoch: int | None) -> bool:
         """Whether a write for a client accepted under ``epoch`` (None: now) is of this node's lease: only those

@@ -95,6 +95,7 @@ __all__ = [
     "Join",
     "Leave",
     "LoadSession",
+    "LogBytes",
     "MaxOffsets",
     "OffsetMap",
     "Offsets",
@@ -104,6 +105,7 @@ __all__ = [
     "Pulled",
     "QueueRead",
     "RawRecords",
+    "ReadLog",
     "RecordList",
     "Release",
     "ReleaseAwaiting",
@@ -123,7 +125,7 @@ __all__ = [
 PROTOCOL_VERSION: Final = 3
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
 (3: lease epochs on the Hello, the Welcome and every write; re-registration flags; cluster administration;
-inbound QoS 2 flows: ``GetAwaiting``, ``ReleaseAwaiting``.)"""
+inbound QoS 2 flows: ``GetAwaiting``, ``ReleaseAwaiting``; ``ReadLog``.)"""
 
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
 """Largest frame either side accepts: room for an append batch of dozens of maximum-size (1 MiB) records and a
@@ -171,6 +173,7 @@ class ErrorKind(enum.StrEnum):
     INTERNAL = "internal"  # a bug in the store: logged there with its traceback
     DENIED = "denied"  # store.access.AccessDenied: bad credentials, or a call or topic the ACL does not allow
     FENCED = "fenced"  # the write names a lease of this node that has ended (store.errors.LeaseLost)
+    EXPIRED = "expired"  # store.errors.OffsetExpired: retention deleted the offset asked for
 
 
 class _Message(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
@@ -397,9 +400,18 @@ class GetStatistics(_Message, tag="stats?"):
     id: int
 
 
+class ReadLog(_Message, tag="readlog"):
+    """``StoreClient.read_log``: the log's raw bytes from a record boundary, answered with ``LogBytes``
+    (readers that frame records themselves: Spark executors without the segment files)."""
+
+    id: int
+    offset: int
+    max_bytes: int
+
+
 OpRequest: TypeAlias = (
     Activate | Release | MaxOffsets | GetOffsets | CommitOffsets | DeleteOwner | GetRetained
-    | SaveSession | LoadSession | DropSession | GetAwaiting | ReleaseAwaiting | GetStatistics
+    | SaveSession | LoadSession | DropSession | GetAwaiting | ReleaseAwaiting | GetStatistics | ReadLog
 )
 """The calls answered by one value; each names its ``StoreClient`` method."""
 
@@ -623,9 +635,23 @@ class Claimed(_Message, tag="claimed"):
     entries: list[tuple[int, int, bytes]]
 
 
+class LogBytes(_Message, tag="logbytes"):
+    """The answer to ``ReadLog`` (``store.commitlog.CommitLog.read_span``): ``data`` is the log from ``start``
+    (the request's offset, or the next segment's base at the end of a segment's data), ending at most at
+    ``data_end`` (that segment's readable end), perhaps inside a record; ``flushed`` and ``min_offset`` bound
+    the whole log now."""
+
+    id: int
+    start: int
+    data: bytes
+    data_end: int
+    flushed: int
+    min_offset: int
+
+
 ServerMessage: TypeAlias = (
     Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Offsets | Value | Awaiting | Done
-    | Statistics | RecordList | Claimed | AdminAsk
+    | Statistics | RecordList | Claimed | AdminAsk | LogBytes
 )
 SERVER_MESSAGES: Final = ServerMessage
 

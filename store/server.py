@@ -56,8 +56,8 @@ import trio
 from lightqueue.topics import TopicError
 from store import rpc
 from store.access import AccessDenied, Peer, StoreAccess, Verdict
-from store.client import LocalStoreClient, NewMessage, store_statistics
-from store.errors import LogFullError
+from store.client import LocalStoreClient, NewMessage, read_log_span, store_statistics
+from store.errors import LogFullError, OffsetExpired
 from store.groups import GroupCoordinator
 from store.leases import LeaseLost, NodeLeases
 from store.node import StoreNode
@@ -122,6 +122,8 @@ def _error(request_id: int, exc: BaseException) -> rpc.Error:
         kind = rpc.ErrorKind.FENCED
     elif isinstance(exc, RecordTooLarge):
         kind = rpc.ErrorKind.RECORD_TOO_LARGE
+    elif isinstance(exc, OffsetExpired):
+        kind = rpc.ErrorKind.EXPIRED
     elif isinstance(exc, TopicError):
         kind = rpc.ErrorKind.TOPIC
     elif isinstance(exc, ValueError):
@@ -399,6 +401,9 @@ class _Connection:
         if kind is rpc.ReleaseAwaiting:
             await client.release_awaiting(request.flows)
             return rpc.Done(rid)
+        if kind is rpc.ReadLog:
+            span = await trio.to_thread.run_sync(read_log_span, self._server.store, request.offset, request.max_bytes)
+            return rpc.LogBytes(rid, span.start, span.data, span.data_end, span.flushed, span.min_offset)
         if kind in _GROUP_CALLS:
             return await self._group_call(request)
         if kind is rpc.AdminCall:

@@ -10,16 +10,24 @@ stopped at exit, however many modules import the fixture.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
+import queue
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+import pyarrow.dataset as ds
 import pytest
+import trio
 
 from store.commitlog import CommitLog, CommitLogConfig
+from store.node import open_store
 from store.record import encode_record
+from store.server import serve_rpc
+from store.tier import TierConfig, TierConverter
 
 T0_MS = 1_699_999_980_000
 """2023-11-14T22:13:00Z, a whole minute: generated times line up with windows."""
@@ -86,6 +94,73 @@ def telemetry(n: int, *, devices: int = 7, start_ms: int = T0_MS, step_ms: int =
             payload = json.dumps(body).encode()
         out.append(Msg(f"fleet/{device}/telemetry", payload, start_ms + i * step_ms, client_id=device, qos=i % 3))
     return out
+
+
+def scan_all(data: Path) -> list[tuple[int, str, bytes]]:
+    """(offset, topic, payload) of every record, by the CommitLog itself."""
+    out = []
+    with CommitLog.open(data / "commitlog", CommitLogConfig(segment_bytes=SEGMENT_BYTES,
+                                                            max_record_bytes=SEGMENT_BYTES)) as log:
+        offset = log.min_offset
+        while offset < log.written_offset:
+            scanned = log.scan(offset)
+            out += [(r.offset, r.topic, r.payload) for r in scanned.records]
+            offset = scanned.next_offset
+    return out
+
+
+def tier_then_expire(data: Path, convert: int, keep_local: int) -> None:
+    """Convert the oldest ``convert`` segments the tier does not have, then let retention delete the tiered
+    segments but the newest ``keep_local`` of them."""
+    config = CommitLogConfig(segment_bytes=SEGMENT_BYTES, max_record_bytes=SEGMENT_BYTES, retention_max_bytes=1)
+    with CommitLog.open(data / "commitlog", config) as log:
+        converter = TierConverter(log, TierConfig(uri=str(data / "tier"), cpu_share=1.0, row_group_rows=200))
+        converter.open()
+        pending = converter.pending()
+        assert len(pending) >= convert
+        for base in pending[:convert]:
+            assert converter.convert(base)
+        tiered = [s.base for s in log.segments() if converter.may_delete(s.base)]
+        keep_from = tiered[-keep_local] if keep_local else pending[convert] if len(pending) > convert \
+            else log.segments()[-1].base
+        log.set_retention_guard(lambda base: converter.may_delete(base) and base < keep_from)
+        log.delete_expired()
+        assert log.segments()[0].base == keep_from
+
+
+@contextlib.contextmanager
+def store_node(data: Path) -> Iterator[str]:
+    """A store node on ``data``'s CommitLog, serving its RPC on a free port from a thread; yields HOST:PORT."""
+    ready: queue.Queue[Any] = queue.Queue()
+    stop = threading.Event()
+
+    async def serve() -> None:
+        config = CommitLogConfig(segment_bytes=SEGMENT_BYTES, max_record_bytes=SEGMENT_BYTES,
+                                 retention_check_interval_s=0)
+        async with open_store(data, config) as store, trio.open_nursery() as nursery:
+            listeners = await nursery.start(lambda task_status: serve_rpc(store, "127.0.0.1", 0,
+                                                                           task_status=task_status))
+            ready.put(listeners[0].socket.getsockname()[1])
+            while not stop.is_set():
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    thread = threading.Thread(target=trio.run, args=(serve,), daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{ready.get(timeout=60)}"
+    finally:
+        stop.set()
+        thread.join(60)
+
+
+def table_rows(path: Path) -> list[tuple]:
+    """Every row of a (date-partitioned) Parquet table read with pyarrow, as sorted tuples; floats to 12
+    digits (a mean or a standard deviation summed in another order differs in the last bits)."""
+    data = ds.dataset(path, format="parquet", partitioning="hive").to_table()
+    columns = sorted(c for c in data.column_names if c != "payload")
+    return sorted(tuple(f"{v:.12g}" if isinstance(v, float) else str(v) for v in (row[c] for c in columns))
+                  for row in data.select(columns).to_pylist())
 
 
 _SESSION: list[Any] = []

@@ -30,6 +30,9 @@ from gateway.cli import build_parser
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 BASE_COMMANDS = ("serve", "store", "gateway", "bridge", "passwd", "config")
+OPTIONAL_MODULES = {"store.tier", "store.tierfiles"}
+"""The Parquet tier: the store imports it only when ``tier.uri`` is set, and says to install the tier extra
+when pyarrow is missing (store/node.py, ``open_store``)."""
 """The commands the base install must run (the others need an extra)."""
 
 PACKAGES = ("gateway", "store", "lightqueue", "notify", "retain", "spark_analytics", "bench")
@@ -86,7 +89,8 @@ def test_broker_commands_load_only_base_dependencies():
         "    build_parser([command])\n"
         "for package in ('gateway', 'store', 'lightqueue', 'notify', 'retain'):\n"
         "    for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + '.'):\n"
-        "        importlib.import_module(info.name)\n"
+        f"        if info.name not in {sorted(OPTIONAL_MODULES)!r}:\n"
+        "            importlib.import_module(info.name)\n"
         "tops = {name.split('.')[0] for name in set(sys.modules) - before}\n"
         "dists = metadata.packages_distributions()\n"
         "print(json.dumps(sorted({d for top in tops for d in dists.get(top, [])})))\n"
@@ -105,7 +109,8 @@ def test_extras_hold_the_heavy_packages_and_dev_holds_them_all():
     assert not base & HEAVY
     assert {"pyspark", "pyarrow", "pandas", "numpy"} <= {requirement_name(r) for r in extras["analytics"]}
     assert {"amqtt", "hdrhistogram", "psutil", "rich"} <= {requirement_name(r) for r in extras["bench"]}
-    assert "lightgate[analytics,bench]" in extras["dev"]  # make test installs the extras through dev
+    assert "lightgate[analytics,bench,tier]" in extras["dev"]  # make test installs the extras through dev
+    assert {requirement_name(r) for r in extras["tier"]} == {"pyarrow"}  # the store's Parquet tier (tier.uri)
     assert {"pytest", "selenium", "build"} <= {requirement_name(r) for r in extras["dev"]}
 
 
@@ -238,7 +243,7 @@ def test_the_wheel_holds_the_packages_the_dashboard_and_the_split_requirements(d
     base = {requirement_name(r) for r in requires if "extra ==" not in r}
     assert base == {requirement_name(r) for r in PYPROJECT["project"]["dependencies"]}
     assert any(r.startswith("pyspark") and 'extra == "analytics"' in r for r in requires)
-    assert set(re.findall(r"^Provides-Extra: (.*)$", meta, re.MULTILINE)) == {"analytics", "bench", "dev"}
+    assert set(re.findall(r"^Provides-Extra: (.*)$", meta, re.MULTILINE)) == {"analytics", "bench", "dev", "tier"}
     with tarfile.open(sdist) as tf:
         members = {m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name}
     assert {"pyproject.toml", "gateway/dashboard.html", "tests/test_packaging.py", "packaging/lightgate.service",
@@ -291,3 +296,15 @@ def test_the_base_install_names_the_extra_each_optional_command_needs(base_venv,
     imported = subprocess.run([str(base_venv / "bin" / "python"), "-c", "import bench, spark_analytics"],
                               cwd=tmp_path, capture_output=True, text=True, timeout=60, env=clean_env())
     assert imported.returncode == 0, imported.stderr
+
+
+@pytest.mark.slow
+def test_the_base_install_refuses_a_tier_with_one_line_naming_the_tier_extra(base_venv, tmp_path):
+    """``tier.uri`` set on a node without pyarrow: no traceback, exit 1, one line saying what to install."""
+    done = subprocess.run([str(base_venv / "bin" / "lightgate"), "serve", "--port", "0", "--admin-port", "0",
+                           "--data", str(tmp_path / "data"), "--tier-uri", str(tmp_path / "tier"), "--log-json"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=clean_env())
+    assert done.returncode == 1
+    errors = [json.loads(line) for line in done.stderr.splitlines() if '"error"' in line]
+    assert len(errors) == 1 and "pip install 'lightgate[tier]'" in errors[0]["msg"], done.stderr
+    assert "Traceback" not in done.stderr

@@ -34,9 +34,13 @@ def test_options_are_parsed_case_insensitively(tmp_path: Path) -> None:
         ({"parse": "xml"}, "records or telemetry"),
         ({"telemetry.metrics": "t"}, "need parse=telemetry"),
         ({"topic": "a"}, "unknown commitlog option"),
+        ({"store": "nohost"}, "option store"),
+        ({"maxRecordsPerTrigger": "0"}, "must be positive"),
+        ({"maxBytesPerTrigger": "x"}, "not an integer"),
     ],
 )
 def test_bad_options_name_the_option(tmp_path: Path, extra: dict, message: str) -> None:
+    (tmp_path / "commitlog").mkdir()
     with pytest.raises(ValueError, match=message):
         ReaderOptions.parse({"path": str(tmp_path), **extra})
 
@@ -46,3 +50,13 @@ def test_missing_path(tmp_path: Path) -> None:
         ReaderOptions.parse({})
     with pytest.raises(FileNotFoundError):
         ReaderOptions.parse({"path": str(tmp_path / "absent")})
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(FileNotFoundError, match="no CommitLog"):  # an existing directory that holds no log
+        ReaderOptions.parse({"path": str(tmp_path / "elsewhere")})
+
+
+def test_the_store_option_needs_no_path() -> None:
+    opts = ReaderOptions.parse({"store": "127.0.0.1:7883", "storeToken": "s", "tier": "s3://bucket/tier",
+                                "maxRecordsPerTrigger": "1000"})
+    assert (opts.directory, opts.store, opts.store_token, opts.tier, opts.max_records) == (
+        None, "127.0.0.1:7883", "s", "s3://bucket/tier", 1000)

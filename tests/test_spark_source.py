@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +79,23 @@ def test_a_schema_subset_builds_only_those_columns(spark: Any, tmp_path: Path) -
     assert tel.columns == ["temp", "error"] and tel.where("error is not null").count() == 10
     with pytest.raises(Exception, match="is not one of the commitlog source's columns"):
         spark.read.format("commitlog").schema("topic binary").load(str(tmp_path)).collect()
+
+
+def test_where_on_store_time_and_topic_is_pushed_into_the_reader(spark: Any, tmp_path: Path) -> None:
+    import datetime
+
+    from pyspark.sql import functions as F
+
+    msgs = telemetry(2000, devices=7)
+    write_log(tmp_path, msgs)
+    df = spark.read.format("commitlog").option("partitionBytes", "20000").load(str(tmp_path))
+    cut = datetime.datetime.fromtimestamp((T0_MS + 1_000_500) / 1000, datetime.timezone.utc)
+    late = datetime.datetime.fromtimestamp((T0_MS + 1_800_000) / 1000, datetime.timezone.utc)
+    query = df.where((F.col("store_ts") > F.lit(cut)) & (F.col("store_ts") <= F.lit(late))
+                     & (F.col("topic") == "fleet/dev3/telemetry") & F.col("qos").isin(0, 1))
+    plan = query._jdf.queryExecution().executedPlan().toString()
+    filters = [line for line in plan.splitlines() if re.search(r"\bFilter\b", line)]
+    assert filters and all("store_ts" not in f and "topic" not in f for f in filters)  # only the qos test is left
+    want = [m for m in msgs if T0_MS + 1_000_500 < m.store_ms <= T0_MS + 1_800_000
+            and m.topic == "fleet/dev3/telemetry" and m.qos in (0, 1)]
+    assert sorted(r.store_ts.timestamp() * 1000 for r in query.collect()) == [m.store_ms for m in want]

@@ -80,7 +80,7 @@ def test_payload_device_and_time(tmp_path: Path, unit: str, value: str, expected
     mapping = TelemetryMapping(("v",), device="payload:id", time="payload:at", time_unit=unit)
     got = parse(tmp_path, msgs, mapping)
     assert (got[0]["device"], got[0]["event_ts"], got[0]["error"]) == ("42", expected, None)
-    assert got[1]["error"] == "missing or out-of-range time field 'at'"
+    assert got[1]["error"] == "missing or out-of-range time field 'at' (before 2000 or after 9999)"
     assert got[2]["error"] == "missing device field 'id'"
 
 
@@ -95,3 +95,16 @@ def test_mapping_validation_and_options_round_trip() -> None:
                 dict(metrics=("a",), time="now"), dict(metrics=("a",), time_unit="h")]:
         with pytest.raises(ValueError):
             TelemetryMapping(**bad)
+
+
+def test_a_byte_order_mark_is_skipped_an_unset_clock_is_quarantined_and_the_key_is_a_column(tmp_path: Path) -> None:
+    msgs = [Msg("fleet/a/t", b'\xef\xbb\xbf{"seq": 7, "ts": 1700000000000, "v": 1.5}', 5),
+            Msg("fleet/a/t", b'{"seq": 8, "ts": -5000, "v": 2}', 6),  # 1969: a clock that was never set
+            Msg("fleet/a/t", b'{"seq": "x9", "ts": 5000, "v": 2}', 7),  # 1970
+            Msg("fleet/a/t", b'{"ts": 1700000001000, "v": 3}', 8)]
+    got = parse(tmp_path, msgs, TelemetryMapping(("v",), time="payload:ts", key="seq"))
+    assert [(r["key"], r["v"], r["error"]) for r in got] == [
+        ("7", 1.5, None),
+        ("8", 2.0, "missing or out-of-range time field 'ts' (before 2000 or after 9999)"),
+        ("x9", 2.0, "missing or out-of-range time field 'ts' (before 2000 or after 9999)"),
+        (None, 3.0, None)]

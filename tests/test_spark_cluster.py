@@ -1,0 +1,77 @@
+"""``lightgate analytics`` in Spark processes of its own: a multi-process cluster (``local-cluster``: a master,
+two executor JVMs and their Python workers) that has no file system shared with the store and no copy of the
+project, and a stream stopped by ``--timeout``. Slow: each test starts its own Spark."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+from spark_fixtures import (
+    spark_session_fixture,  # noqa: F401 - the `spark` fixture
+    store_node,
+    table_rows,
+    telemetry,
+    tier_then_expire,
+    write_log,
+)
+
+from spark_analytics import cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.spark]
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = "local-cluster[2,1,1024]"
+"""Two executors of one core and 1 GiB each: separate JVMs with their own Python workers, as on real machines."""
+
+
+def lightgate(*argv: str, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``lightgate ...`` in a process of its own, run from the repository root."""
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def isolated_env(tmp_path: Path) -> dict[str, str]:
+    """An environment whose Spark Python workers see the dependencies but not the project: they run
+    ``python -S`` (no .pth files, so not the editable install) with only site-packages on their path, so the
+    project's code reaches the executors only in the zip the CLI ships."""
+    worker = tmp_path / "python-without-project"
+    worker.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    worker.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
+    return {**env, "PYSPARK_PYTHON": str(worker), "PYTHONPATH": sysconfig.get_paths()["purelib"],
+            "SPARK_LOCAL_IP": "127.0.0.1"}
+
+
+def test_a_multi_process_cluster_without_the_files_gives_the_local_result(spark: Any, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    write_log(data, telemetry(6000, devices=9, bad_every=31))
+    tier_then_expire(data, convert=5, keep_local=1)  # the tier on a file:// URI, the rest on the store node
+    tier = (data / "tier").as_uri()
+    with store_node(data) as address:
+        flags = ["--store", address, "--tier", tier, "--metrics", "temp,hum", "--no-chart"]
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        assert cli.run(parser.parse_args(["batch", *flags, "--out", str(tmp_path / "local")])) == 0
+        done = lightgate("analytics", "batch", *flags, "--out", str(tmp_path / "cluster"), "--master", CLUSTER,
+                         "--conf", "spark.executor.memory=512m", env=isolated_env(tmp_path))
+    assert done.returncode == 0, done.stderr[-5000:]
+    for name in ("device_1m", "device_1h", "topic_1m", "device_day", "device_last_seen", "silence_gaps", "quarantine"):
+        assert table_rows(tmp_path / "cluster" / name) == table_rows(tmp_path / "local" / name), name
+
+
+def test_a_stream_stopped_by_timeout_ends_cleanly(tmp_path: Path) -> None:
+    write_log(tmp_path / "data", telemetry(3000, devices=5))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = lightgate("analytics", "stream", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
+                     "--checkpoint", str(tmp_path / "checkpoint"), "--metrics", "temp,hum", "--windows", "1m",
+                     "--interval", "1s", "--timeout", "20s", "--max-records-per-trigger", "500", env=env)
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert "stopped after --timeout" in done.stderr
+    assert "Traceback" not in done.stderr and "Exception" not in done.stderr, done.stderr[-5000:]
