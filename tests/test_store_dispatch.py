@@ -16,9 +16,9 @@ from lightqueue import keys
 from lightqueue.queues import LightQueues, is_implicit
 from lightqueue.targets import decode_queues
 from lightqueue.topics import first_level_queue, is_wildcard, matches
-from store.commitlog import CommitLog, CommitLogConfig
+from store.log.commitlog import CommitLog, CommitLogConfig
 from store.dispatch import Dispatcher
-from store.record import decode_record, encode_record
+from store.log.record import decode_record, encode_record
 from store.rocks import open_db
 
 WORKER = Path(__file__).with_name("dispatch_worker.py")

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from commitlog_writer import SEGMENT_BYTES, payload
-from store.commitlog import CommitLog, CommitLogConfig
-from store.errors import InvalidOffset
+from store.log.commitlog import CommitLog, CommitLogConfig
+from store.log.errors import InvalidOffset
 
 WRITER = Path(__file__).with_name("commitlog_writer.py")
 ACKS_BEFORE_KILL = 3000  # enough batches that the kill lands mid-stream, past a few segment rolls
