@@ -67,15 +67,15 @@ def test_a_back_end_user_under_a_gateway_node_name_does_not_evict_the_gateway(tm
         with connected(gateway.port) as sub:
             sub.subscribe(f"cmd{run}/#", 1)
             for attempt in range(3):  # repeatedly, as the attack did
-                append_as_backend(store.port, gateway.node.node, f"cmd{run}/{attempt}")
+                append_as_backend(store.port, gateway.node, f"cmd{run}/{attempt}")
                 [message] = sub.receive(1)  # the gateway still gets its events
                 assert message.payload == b"from the back end"
         assert not [doc for doc in store.logs if doc.get("msg", "").startswith("gateway node reconnected")]
-        assert not [doc for doc in gateway.app.logs if doc.get("msg") == "connected to the store" and doc.get("reconnect")]
+        assert not [doc for doc in gateway.logs if doc.get("msg") == "connected to the store" and doc.get("reconnect")]
         after = 0
         for _ in range(3):  # the store's log lines arrive through a reader thread: wait for each
             line = store.wait_log(lambda doc: doc.get("msg") == "back-end client connected", after=after)
-            assert line["node"] == f"$client/{USER}:{gateway.node.node}"
+            assert line["node"] == f"$client/{USER}:{gateway.node}"
             after = store.logs.index(line) + 1
     finally:
         gateway.stop()

@@ -287,5 +287,5 @@ def test_a_device_on_a_cluster_gateway_receives_what_a_producer_sends(tmp_path):
         assert first.qos == 1 and first.properties.ContentType == "text/plain"
         assert first.properties.UserProperty == [("from", "billing")]
         device.close()
-        assert not store.log.errors() and not gateway.errors()
+        assert not store.errors() and not gateway.errors()
     assert store.proc.returncode == 0 and gateway.proc.returncode == 0
