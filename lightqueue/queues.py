@@ -42,12 +42,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable, Generic, Iterable, Iterator, Mapping, Protocol, Sequence, TypeVar, final
+from typing import Callable, Iterable, Iterator, Mapping, Protocol, Sequence, TypeVar, final
 
 import rocksdict
 
 from lightqueue import keys
 from lightqueue.filters import FilterIndex
+from lightqueue.results import PullResult
 from lightqueue.sized import SizedCache
 from lightqueue.targets import MAX_QUEUE_ID, encode_queues
 from lightqueue.topics import first_level_queue, is_wildcard, validate_filter
@@ -100,20 +101,6 @@ class IndexRecord(Protocol):
     store_ms: int
     topic: str
     queues: tuple[int, ...]  # queue ids of the target-queues section
-
-
-@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
-class PullResult(Generic[T]):
-    """Messages read from one queue, in queue order.
-
-    ``messages`` holds ``(queue offset, decoded message)``; ``next_offset`` is
-    where the next pull starts; ``expired`` says that retention removed messages
-    at or after the requested offset and the pull jumped over them.
-    """
-
-    messages: list[tuple[int, T]]
-    next_offset: int
-    expired: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +198,7 @@ class LightQueues:
         # last holder" (release) must not interleave, or a new holder could land on a filter
         # that is being removed and receive nothing. Taken before self._lock, never inside it.
         self._membership = threading.Lock()
+        self._commits = threading.Lock()  # consumer offsets are compared before they are written (never back)
         self._wal = rocksdict.WriteOptions()
         self._wal.sync = sync
         self._no_wal = rocksdict.WriteOptions()
@@ -611,26 +599,40 @@ class LightQueues:
         """Store ``owner``'s next offsets for several queues in one durable write.
 
         ``owner`` is an opaque string (a session's client id, a consumer group's
-        name): callers keep the two apart, e.g. with a prefix.
+        name): callers keep the two apart, e.g. with a prefix. An offset never
+        moves back: one below the stored offset of its queue is left out (a
+        connection taken over by another node may commit after its successor).
         """
         for name, offset in offsets.items():
             if offset < 0:
                 raise ValueError(f"offset for queue {name!r} must not be negative, not {offset}")
-        states = {name: self._load(name) for name in offsets}
-        if all(states.values()):
-            self._db.write(self._offsets_batch(owner, offsets, states), self._wal)
-            return
-        with self._lock:  # new queues: allocate them in the same write, safe from a concurrent sweep
-            self._db.write(self._offsets_batch(owner, offsets, states), self._wal)
+        with self._commits:  # read, compare and write as one step: concurrent commits of an owner race otherwise
+            states = {name: self._load(name) for name in offsets}
+            if all(states.values()):
+                batch = self._offsets_batch(owner, offsets, states)
+            else:
+                with self._lock:  # new queues: allocate them in the same write, safe from a concurrent sweep
+                    batch = self._offsets_batch(owner, offsets, states)
+            if batch is not None:
+                self._db.write(batch, self._wal)
 
-    def _offsets_batch(self, owner: str, offsets: Mapping[str, int], states: dict[str, _Queue | None]) -> rocksdict.WriteBatch:
-        """The offset and back-reference keys; queues missing from ``states`` are allocated (hold the lock then)."""
+    def _offsets_batch(self, owner: str, offsets: Mapping[str, int],
+                       states: dict[str, _Queue | None]) -> rocksdict.WriteBatch | None:
+        """The offset and back-reference keys of the offsets that move forward (None: none does); queues missing
+        from ``states`` are allocated (hold the lock then)."""
         batch = rocksdict.WriteBatch(raw_mode=True)
+        written = False
         for name, offset in offsets.items():
-            state = states[name] or self._state(name) or self._allocate(name, batch)
+            state = states[name]
+            if state is not None:
+                stored = self._db.get(keys.offset_key(owner, state.qid))
+                if stored is not None and keys.U64.unpack(stored)[0] >= offset:
+                    continue
+            state = state or self._state(name) or self._allocate(name, batch)
             batch.put(keys.offset_key(owner, state.qid), keys.U64.pack(offset))
             batch.put(keys.ref_key(state.qid, owner), _EMPTY)
-        return batch
+            written = True
+        return batch if written else None
 
     def get_offsets(self, owner: str) -> dict[str, int]:
         """``{queue name: next offset}`` committed by ``owner``."""

@@ -221,6 +221,18 @@ def test_commit_and_get_offsets(env):
         env.lq.commit_offsets("s1", {"a/b": -1})
 
 
+def test_a_committed_offset_never_moves_back(env):
+    """A connection taken over on another node may commit after its successor: its older offset is left out,
+    the other offsets of the same write are kept."""
+    env.append("a/b", "a/b", "a/b")
+    env.index()
+    env.lq.commit_offsets("s1", {"a/b": 3})
+    env.lq.commit_offsets("s1", {"a/b": 1, "fresh/queue": 2})
+    assert env.lq.get_offsets("s1") == {"a/b": 3, "fresh/queue": 2}
+    env.lq.commit_offsets("s1", {"a/b": 3})  # the same offset again: nothing to write
+    assert env.lq.get_offsets("s1") == {"a/b": 3, "fresh/queue": 2}
+
+
 def test_last_release_deletes_the_filter_queue(env):
     env.activate("+/b", "s1")
     env.activate("+/b", "s2")
