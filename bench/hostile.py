@@ -63,7 +63,7 @@ PHASE_S = 5.0
 
 SETTLE_S = 12.0
 """The last RSS sample is this long after the attack: longer than the node's trim interval
-(store/process.TRIM_INTERVAL_S), so memory freed but not yet given back is not counted as held."""
+(gateway/app/process.TRIM_INTERVAL_S), so memory freed but not yet given back is not counted as held."""
 
 SAMPLE_S = 0.2
 """How often the broker's RSS is sampled during an attack."""

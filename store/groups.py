@@ -1,57 +1,53 @@
-"""Consumer groups: back-end consumers that share one queue, at least once, from a committed offset.
+"""Consumer groups and shared subscriptions: members that share one queue, at least once, from a committed offset.
 
-A consumer group reads one light queue (a topic filter such as ``tele/#``, or
-a topic) as a classic topic: several consumers of the group share the work,
-each message is handed to one member at a time, and the group's position
-survives restarts. The consumers are separate processes, so the group lives in
-the store node (the embedded gateway's ``SharedGroup`` is the same idea
-inside one process). The members are RPC connections (store/rpc/server.py): one
-member per connection that joined.
+The one arbitration of the project: back-end consumers (store/clients/consumer.py), MQTT shared subscriptions
+(``$share/<group>/<filter>``) of the embedded gateway and of cluster gateways all go through the store node's
+``GroupCoordinator``, so a group's members may sit on any number of nodes.
 
-Hand-out (:class:`GroupState`, no I/O): a member's claim gets the offsets that
-other members handed back first (lowest first), then a fair share of the
-backlog from the group's cursor (the backlog divided by the members, so one
-large claim does not starve the others). Offsets stay the member's until it
-acknowledges them; when its connection closes (a consumer killed, or silent for
-the lease, store/rpc/server.py) or it leaves, the offsets it has not acknowledged
-go back to the group. The group's committed offset is the lowest offset not
-acknowledged (handed back, held, or the cursor); it is written through
-``LightQueues.commit_offsets`` under the owner ``$group/<name>``, so a group
-restarted from it loses nothing (what was acknowledged above it is delivered
-again: at least once).
+A group (its name is the offsets owner and the filter holder: ``$share/<name>`` for MQTT, ``$group/<name>``
+for back-end consumers) reads one light queue. A *member* is one connected consumer: a back-end client, or a
+connected MQTT session of the group (named by its client id, within its node). Hand-out (:class:`GroupState`,
+no I/O): a member's claim gets the offsets other members handed back first (lowest first), then a fair share
+of the backlog from the group's cursor (the backlog divided by the members, so one large claim does not starve
+the others). Offsets stay the member's until it acknowledges them; when it leaves (its connection closed, its
+node went away: ``leave_node``) what it did not acknowledge goes back to the group, and the nodes with
+sessions on the queue are told (an event), so the other members pull it. The group's committed offset is the
+lowest offset not acknowledged (handed back, held, or the cursor), written under the group's name, so a group
+loaded again from it loses nothing (what was acknowledged above it is delivered again: at least once).
 
-The group holds its filter (``activate`` with the owner as holder), so the
-queue of a wildcard filter is indexed from the first join on, also while no
-member is connected. A group without a committed offset starts at
-``earliest`` (the queue's first offset still stored), ``latest`` (the first
-message appended after the join), an ``offset`` or a ``time`` (the first
-message stored at or after it, ``LightQueues.offset_at_time``); later joins
-resume from the committed offset and ignore their start.
+The group holds its filter (``activate`` with its name as holder), so a wildcard filter's queue is indexed
+from the first join on, also while no member is connected. MQTT shared subscriptions also count their
+*subscribers* (sessions holding the subscription, connected or not): the last one out (``leave`` with
+``unsubscribe``, or its session ended: ``drop_subscriber``) releases the filter and the group's offset.
+A group without a committed offset starts at ``earliest`` (the queue's first offset still stored),
+``latest`` (the first message appended after the join), an ``offset`` or a ``time`` (the first message
+stored at or after it, ``LightQueues.offset_at_time``); later joins resume from the committed offset.
 
-Waiting: a claim long-polls. The coordinator watches each group's queue
-through the store's notify (it is attached like a gateway node) and wakes the
-claims waiting on a queue when it gets messages or offsets are handed back.
+Waiting: a claim long-polls; the store node wakes the claims waiting on a queue after each dispatch batch
+(``wake``) and when offsets are handed back.
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import final
+from typing import TYPE_CHECKING, TypeVar, final
 
 import trio
 
-from store.local import LocalStoreClient
-from store.node import StoreNode
+from lightqueue.results import PullResult
+from store.api import GROUP_PREFIX
 
-__all__ = ["GroupCoordinator", "GroupState", "GroupStatistics", "OWNER_PREFIX", "START_KINDS", "group_owner"]
+if TYPE_CHECKING:  # the store node owns the coordinator: only the type checker imports it here
+    from store.node import StoreNode
+
+__all__ = ["GroupCoordinator", "GroupState", "GroupStatistics", "Member", "START_KINDS", "group_owner"]
 
 LOGGER = logging.getLogger(__name__)
 
-OWNER_PREFIX = "$group/"
-"""Owner and holder names of consumer groups: apart from sessions (client ids) and the gateway's ``$share/``."""
+
 
 START_KINDS = ("earliest", "latest", "offset", "time")
 """Where a group without a committed offset starts (``time``: ms since the epoch)."""
@@ -63,15 +59,16 @@ getting more, so the group's held sets (and the cost of computing its committed 
 MAX_CLAIM_BYTES = 16 * 1024 * 1024
 """A claim's byte budget is capped at this, so its answer stays far below the RPC frame limit."""
 
-Entry = tuple[int, int, bytes]
-"""A claimed message: (queue offset, CommitLog offset, record bytes as stored)."""
+T = TypeVar("T")
 
-_coordinators = itertools.count(1)
+Member = tuple[str, str]
+"""A group member: (the node it is connected to, its name there: an MQTT client id, or "" for a back-end client's
+connection, which is its own node)."""
 
 
 def group_owner(group: str) -> str:
     """The owner name (offsets) and holder name (filter activation) of consumer group ``group``."""
-    return OWNER_PREFIX + group
+    return GROUP_PREFIX + group
 
 
 @final
@@ -87,23 +84,23 @@ class GroupState:
     def __init__(self, cursor: int) -> None:
         self.cursor = cursor
         self.returned: list[int] = []  # heap of offsets handed back by members that left
-        self.held: dict[str, set[int]] = {}  # member -> offsets handed to it and not acknowledged
+        self.held: dict[Hashable, set[int]] = {}  # member -> offsets handed to it and not acknowledged
 
     @property
     def members(self) -> int:
         return len(self.held)
 
-    def join(self, member: str) -> None:
+    def join(self, member: Hashable) -> None:
         self.held.setdefault(member, set())
 
-    def leave(self, member: str) -> int:
+    def leave(self, member: Hashable) -> int:
         """The member is gone: what it holds goes back to the group. Returns how many offsets did."""
         held = self.held.pop(member, set())
         for offset in held:
             heapq.heappush(self.returned, offset)
         return len(held)
 
-    def plan(self, member: str, max_count: int, head: int) -> tuple[list[int], int]:
+    def plan(self, member: Hashable, max_count: int, head: int) -> tuple[list[int], int]:
         """What ``member`` gets next: handed-back offsets (taken now) and how many to read from the cursor.
 
         Args:
@@ -124,7 +121,7 @@ class GroupState:
         share = -(-backlog // len(self.held))  # ceiling: the last member's share is never 0
         return taken, min(room - len(taken), share)
 
-    def hand_out(self, member: str, offsets: list[int]) -> None:
+    def hand_out(self, member: Hashable, offsets: list[int]) -> None:
         """The offsets were read for ``member``; if it left meanwhile they go back to the group."""
         held = self.held.get(member)
         if held is not None:
@@ -143,7 +140,7 @@ class GroupState:
         if next_offset > self.cursor:
             self.cursor = next_offset
 
-    def ack(self, member: str, offsets: list[int]) -> int:
+    def ack(self, member: Hashable, offsets: list[int]) -> int:
         """``member`` processed these offsets; returns how many it held (others were handed back meanwhile)."""
         held = self.held.get(member)
         if not held:
@@ -168,13 +165,13 @@ class GroupState:
 
 @dataclass(eq=False)
 class _Group:
-    """One group's queue as the coordinator keeps it while members are joined."""
+    """One group's queue as the coordinator keeps it while members are joined or subscribers hold it."""
 
     name: str
     queue: str
-    owner: str
     state: GroupState
     committed: int  # the offset last written to the store
+    subscribers: set[str] = field(default_factory=set)  # MQTT sessions holding the subscription, connected or not
     lock: trio.Lock = field(default_factory=trio.Lock)  # one claim at a time: reads between plan and advance
     commit_lock: trio.Lock = field(default_factory=trio.Lock)  # commits in order: the newest offset lands last
     news: trio.Event = field(default_factory=trio.Event)  # set when the queue grew or offsets were handed back
@@ -198,43 +195,33 @@ class GroupStatistics:
 
 @final
 class GroupCoordinator:
-    """The consumer groups of one store node (see the module docstring).
+    """The consumer groups and shared subscription groups of one store node (see the module docstring).
 
     Args:
-        store: the open store node.
-
-    Resource handling: attaches itself to the store's notify on creation
-    (a node named ``$groups-<n>``); :meth:`run` consumes its events and
-    detaches it when cancelled.
+        store: the open store node: its light queues, log, dispatcher and disk space.
+        poke: ``poke(queue)`` tells the nodes with sessions on ``queue`` to pull (offsets were handed back).
     """
 
-    def __init__(self, store: StoreNode) -> None:
+    def __init__(self, store: StoreNode, poke: Callable[[str], None]) -> None:
         self._store = store
-        self._client = LocalStoreClient(store, node=f"$groups-{next(_coordinators)}")
+        self._poke = poke
         self._groups: dict[tuple[str, str], _Group] = {}
         self._by_queue: dict[str, list[_Group]] = {}
-        self._memberships: dict[str, set[tuple[str, str]]] = {}  # member -> the groups it joined
+        self._memberships: dict[Member, set[tuple[str, str]]] = {}  # member -> the groups it joined
         self._joining = trio.Lock()  # loading a group (activate, offsets) happens once, whoever joins first
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Wake the claims waiting on queues that got messages, until cancelled; then detach from notify."""
-        try:
-            task_status.started()
-            while True:
-                try:
-                    events = await self._client.events()
-                except trio.EndOfChannel:
-                    return
-                for queue in events:
-                    for group in self._by_queue.get(queue, ()):
-                        group.wake()
-        finally:
-            self._client.close()
+    def wake(self, events: Iterable[str]) -> None:
+        """Queues got messages (a dispatch batch): wake the claims waiting on them."""
+        by_queue = self._by_queue
+        for queue in events:
+            for group in by_queue.get(queue, ()):
+                group.wake()
 
     # --- membership -------------------------------------------------------------------
 
-    async def join(self, member: str, group: str, queue: str, start: str = "earliest", at: int = 0) -> int:
-        """``member`` joins ``group`` on ``queue``; returns the group's committed offset.
+    async def join(self, member: Member, group: str, queue: str, start: str = "latest", at: int = 0) -> int:
+        """``member`` joins ``group`` on ``queue`` (and, for an MQTT session, subscribes); returns the group's
+        committed offset.
 
         Args:
             start, at: where a group with no committed offset on the queue
@@ -243,11 +230,22 @@ class GroupCoordinator:
         Raises:
             ValueError: an empty group name or an unknown start.
             lightqueue.topics.TopicError: ``queue`` is not a valid topic filter.
+            LogFullError: the group's first offset could not be stored.
         """
         if not group:
             raise ValueError("the consumer group name must not be empty")
         if start not in START_KINDS:
             raise ValueError(f"start must be one of {', '.join(START_KINDS)}, not {start!r}")
+        loaded = await self._loaded(group, queue, start, at)
+        loaded.state.join(member)
+        if member[1]:
+            loaded.subscribers.add(member[1])
+        self._memberships.setdefault(member, set()).add((group, queue))
+        LOGGER.debug("member joined a group", extra={"ctx": {"member": member, "group": group, "queue": queue,
+                                                             "members": loaded.state.members}})
+        return loaded.committed
+
+    async def _loaded(self, group: str, queue: str, start: str, at: int) -> _Group:
         key = (group, queue)
         async with self._joining:
             loaded = self._groups.get(key)
@@ -255,21 +253,16 @@ class GroupCoordinator:
                 loaded = await self._load(group, queue, start, at)
                 self._groups[key] = loaded
                 self._by_queue.setdefault(queue, []).append(loaded)
-                self._client.watch(queue)
-            loaded.state.join(member)
-            self._memberships.setdefault(member, set()).add(key)
-        LOGGER.info("consumer joined a group", extra={"ctx": {"member": member, "group": group, "queue": queue,
-                                                              "members": loaded.state.members}})
-        return loaded.committed
+        return loaded
 
     async def _load(self, group: str, queue: str, start: str, at: int) -> _Group:
         """Hold the queue's filter for the group and find its offset: the committed one, else the start's."""
-        owner = group_owner(group)
-        client = self._client
-        latest = await client.activate(queue, owner)
-        committed = (await client.get_offsets(owner)).get(queue)
+        store = self._store
+        queues = store.queues
+        store.space.check()  # RocksDB writes (WAL) must not meet a full disk: store/space.py
+        latest = await store.dispatcher.activate(queue, group)
+        committed = (await trio.to_thread.run_sync(queues.get_offsets, group)).get(queue)
         if committed is None:
-            queues = self._store.queues
             if start == "latest":
                 committed = latest
             elif start == "time":
@@ -277,11 +270,19 @@ class GroupCoordinator:
             else:
                 low = queues.min_offset(queue)
                 committed = low if start == "earliest" else min(max(at, low), queues.max_offset(queue))
-            await client.commit_offsets({owner: {queue: committed}})
-        return _Group(group, queue, owner, GroupState(committed), committed)
+            await self._commit(group, queue, committed)
+        return _Group(group, queue, GroupState(committed), committed)
 
-    def leave(self, member: str, group: str, queue: str) -> None:
-        """``member`` leaves: what it holds goes back to the group (a no-op if it was not a member)."""
+    async def _commit(self, group: str, queue: str, offset: int) -> None:
+        self._store.space.check()
+        await trio.to_thread.run_sync(self._store.queues.commit_offsets, group, {queue: offset})
+
+    async def leave(self, member: Member, group: str, queue: str, *, unsubscribe: bool = False) -> None:
+        """``member`` leaves: what it holds goes back to the group (a no-op if it was not a member).
+
+        ``unsubscribe``: its session no longer holds the subscription either (MQTT UNSUBSCRIBE); the last
+        subscriber out releases the group's filter and offset.
+        """
         key = (group, queue)
         keys = self._memberships.get(member)
         if keys is not None:
@@ -289,30 +290,62 @@ class GroupCoordinator:
             if not keys:
                 del self._memberships[member]
         self._leave(key, member)
+        if unsubscribe:
+            await self._unsubscribe(key, member[1])
 
-    def leave_all(self, member: str) -> None:
-        """``member``'s connection closed: it leaves every group it joined."""
-        for key in self._memberships.pop(member, ()):
-            self._leave(key, member)
+    def leave_node(self, node: str) -> None:
+        """``node`` went away (its connection to the store closed): its members leave every group they joined."""
+        for member in [m for m in self._memberships if m[0] == node]:
+            for key in self._memberships.pop(member):
+                self._leave(key, member)
 
-    def _leave(self, key: tuple[str, str], member: str) -> None:
+    async def drop_subscriber(self, client_id: str) -> None:
+        """The session of ``client_id`` ended: it holds no shared subscription any more."""
+        for key, loaded in list(self._groups.items()):
+            if client_id in loaded.subscribers:
+                await self._unsubscribe(key, client_id)
+
+    def _leave(self, key: tuple[str, str], member: Member) -> None:
         loaded = self._groups.get(key)
         if loaded is None or member not in loaded.state.held:
             return
         handed_back = loaded.state.leave(member)
         loaded.wake()
-        LOGGER.info("consumer left a group", extra={"ctx": {"member": member, "group": key[0], "queue": key[1],
-                                                            "handed_back": handed_back,
-                                                            "members": loaded.state.members}})
-        if not loaded.state.members:  # the store keeps its committed offset; the next join loads it again
-            del self._groups[key]
-            siblings = self._by_queue[loaded.queue]
-            siblings.remove(loaded)
-            if not siblings:
-                del self._by_queue[loaded.queue]
-            self._client.unwatch(loaded.queue)
+        if handed_back:
+            self._poke(loaded.queue)
+        LOGGER.debug("member left a group", extra={"ctx": {"member": member, "group": key[0], "queue": key[1],
+                                                           "handed_back": handed_back,
+                                                           "members": loaded.state.members}})
+        self._unload_if_idle(loaded)
 
-    def _member_group(self, member: str, group: str, queue: str) -> _Group:
+    async def _unsubscribe(self, key: tuple[str, str], client_id: str) -> None:
+        loaded = self._groups.get(key)
+        if loaded is None or client_id not in loaded.subscribers:
+            return
+        if len(loaded.subscribers) > 1 or loaded.state.members:
+            loaded.subscribers.discard(client_id)
+            return
+        store = self._store
+        store.space.check()  # on a full disk nothing changed: the caller may try again
+        await store.dispatcher.release(loaded.queue, loaded.name)  # its offset on the queue goes with it
+        loaded.subscribers.discard(client_id)
+        self._unload(loaded)
+
+    def _unload_if_idle(self, loaded: _Group) -> None:
+        """A group without members or subscribers is forgotten: the store keeps its committed offset."""
+        if not loaded.state.members and not loaded.subscribers:
+            self._unload(loaded)
+
+    def _unload(self, loaded: _Group) -> None:
+        if self._groups.get((loaded.name, loaded.queue)) is not loaded:
+            return
+        del self._groups[(loaded.name, loaded.queue)]
+        siblings = self._by_queue[loaded.queue]
+        siblings.remove(loaded)
+        if not siblings:
+            del self._by_queue[loaded.queue]
+
+    def _member_group(self, member: Member, group: str, queue: str) -> _Group:
         loaded = self._groups.get((group, queue))
         if loaded is None or member not in loaded.state.held:
             raise ValueError(f"not a member of consumer group {group!r} on {queue!r}: join first")
@@ -320,11 +353,13 @@ class GroupCoordinator:
 
     # --- claims and acknowledgements ----------------------------------------------------
 
-    async def claim(self, member: str, group: str, queue: str, max_count: int, max_bytes: int,
-                    wait_s: float) -> list[Entry]:
+    async def claim(self, member: Member, group: str, queue: str, max_count: int, max_bytes: int, wait_s: float,
+                    decode: Callable[[bytes, int], T]) -> PullResult[T]:
         """Messages for ``member``, now its until it acknowledges them; waits up to ``wait_s`` for some.
 
-        Returns an empty list when nothing came within ``wait_s`` (or the member left meanwhile).
+        ``decode(raw, log_offset)`` makes each message (``next_offset`` is the group's cursor). Empty when
+        nothing came within ``wait_s`` or the member left meanwhile (it is then not an error: a member that
+        leaves while its claim waits gets nothing).
 
         Raises:
             ValueError: ``member`` has not joined the group, or a count or budget is not positive.
@@ -336,13 +371,14 @@ class GroupCoordinator:
         while True:
             news = loaded.news
             async with loaded.lock:
-                entries = await self._take(loaded, member, max_count, min(max_bytes, MAX_CLAIM_BYTES))
+                entries = await self._take(loaded, member, max_count, min(max_bytes, MAX_CLAIM_BYTES), decode)
             if entries or trio.current_time() >= deadline or member not in loaded.state.held:
-                return entries
+                return PullResult(entries, loaded.state.cursor, False)
             with trio.move_on_at(deadline):
                 await news.wait()
 
-    async def _take(self, loaded: _Group, member: str, max_count: int, max_bytes: int) -> list[Entry]:
+    async def _take(self, loaded: _Group, member: Member, max_count: int, max_bytes: int,
+                    decode: Callable[[bytes, int], T]) -> list[tuple[int, T]]:
         state = loaded.state
         if member not in state.held:
             return []
@@ -350,16 +386,16 @@ class GroupCoordinator:
         if not returned and not fresh:
             return []
         entries, unread, next_offset = await trio.to_thread.run_sync(
-            self._read, loaded.queue, returned, state.cursor, fresh, max_bytes)
+            self._read, loaded.queue, returned, state.cursor, fresh, max_bytes, decode)
         state.give_back(unread)
         state.hand_out(member, [entry[0] for entry in entries])
         if fresh:
             state.advance(next_offset)
         return entries
 
-    def _read(self, queue: str, returned: list[int], cursor: int, fresh: int,
-              max_bytes: int) -> tuple[list[Entry], list[int], int]:
-        """(worker thread) The records of ``returned`` and of ``fresh`` offsets from ``cursor``.
+    def _read(self, queue: str, returned: list[int], cursor: int, fresh: int, max_bytes: int,
+              decode: Callable[[bytes, int], T]) -> tuple[list[tuple[int, T]], list[int], int]:
+        """(worker thread) The messages of ``returned`` and of ``fresh`` offsets from ``cursor``.
 
         Returns the entries, the handed-back offsets not read (the byte budget
         ran out: they go back), and where the cursor moves. An offset whose
@@ -368,29 +404,34 @@ class GroupCoordinator:
         store = self._store
         pull = store.queues.pull
         log = store.log.log
-        entries: list[Entry] = []
+
+        def sized(raw: bytes, log_offset: int) -> tuple[T, int]:
+            return decode(raw, log_offset), len(raw)
+
+        entries: list[tuple[int, T]] = []
         budget = max_bytes
         runs = _runs(returned)
         for index, run in enumerate(runs):
             unread = run if budget <= 0 else []
             if not unread:
                 wanted = set(run)
-                result = pull(queue, run[0], len(run), budget, log, _raw)
-                for qoff, (log_offset, raw) in result.messages:
+                result = pull(queue, run[0], len(run), budget, log, sized)
+                for qoff, (value, size) in result.messages:
                     if qoff in wanted:
-                        entries.append((qoff, log_offset, raw))
-                        budget -= len(raw)
+                        entries.append((qoff, value))
+                        budget -= size
                 unread = [o for o in run if o >= result.next_offset]
             if unread:
                 return entries, unread + [o for later in runs[index + 1:] for o in later], cursor
         if fresh <= 0 or budget <= 0:
             return entries, [], cursor
-        result = pull(queue, cursor, fresh, budget, log, _raw)
-        entries.extend((qoff, log_offset, raw) for qoff, (log_offset, raw) in result.messages)
+        result = pull(queue, cursor, fresh, budget, log, sized)
+        entries.extend((qoff, value) for qoff, (value, _) in result.messages)
         return entries, [], result.next_offset
 
-    async def ack(self, member: str, group: str, queue: str, offsets: list[int]) -> int:
-        """``member`` processed these offsets; returns the group's committed offset, durable on return.
+    async def ack(self, member: Member, group: str, queue: str, offsets: Sequence[int] = (), below: int = 0) -> int:
+        """``member`` processed ``offsets`` and every offset it holds below ``below``; returns the group's
+        committed offset, durable on return.
 
         Offsets the member does not hold (handed to another member since) are ignored.
 
@@ -398,16 +439,24 @@ class GroupCoordinator:
             ValueError: ``member`` has not joined the group.
         """
         loaded = self._member_group(member, group, queue)
-        loaded.state.ack(member, offsets)
+        state = loaded.state
+        done = list(offsets)
+        if below:
+            done += [o for o in state.held.get(member, ()) if o < below]
+        state.ack(member, done)
         async with loaded.commit_lock:
-            committed = loaded.state.committed()
+            committed = state.committed()
             if committed != loaded.committed:
-                await self._client.commit_offsets({loaded.owner: {queue: committed}})
+                await self._commit(group, queue, committed)
                 loaded.committed = committed
         return loaded.committed
 
+    def groups(self) -> Mapping[tuple[str, str], _Group]:
+        """The groups loaded now, by (name, queue)."""
+        return self._groups
+
     def statistics(self) -> list[GroupStatistics]:
-        """The groups loaded now (those with at least one member)."""
+        """The groups loaded now (those with a member or a subscriber)."""
         return [GroupStatistics(g.name, g.queue, g.state.members, g.state.cursor, g.committed, g.state.unacked())
                 for g in self._groups.values()]
 
@@ -421,7 +470,3 @@ def _runs(offsets: list[int]) -> list[list[int]]:
         else:
             runs.append([offset])
     return runs
-
-
-def _raw(raw: bytes, log_offset: int) -> tuple[int, bytes]:
-    return log_offset, raw

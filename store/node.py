@@ -1,34 +1,39 @@
-"""The store node: one CommitLog, one RocksDB index, one dispatcher, and their tasks.
+"""The store node: one CommitLog, one RocksDB index, one dispatcher, and what they do for the attached nodes.
 
 ``open_store`` wires the parts in the order their ownership requires (the
 CommitLog outlives the dispatcher that reads it; the database outlives the
 light queues) and tears them down in reverse, flushing each, so a clean
-shutdown leaves nothing to recover or re-dispatch. ``run_store_node`` is what
-``lightgate store`` runs; ``lightgate serve`` embeds ``open_store`` (gateway/node/node.py).
+shutdown leaves nothing to recover or re-dispatch. ``lightgate store`` serves it over the RPC
+(gateway/app/store_node.py); ``lightgate serve`` embeds it (gateway/app/embedded.py).
 
-The node also keeps the gateway's persistent session state as opaque blobs
-(``save_session`` / ``load_session`` / ``drop_session``) in the column family
-``sessions``: the store knows nothing of MQTT, it only makes the blobs durable.
-The one piece of session state it derives itself is which inbound QoS 2 flows
-await PUBREL (``awaiting``, store/awaiting.py): from the packet ids the records
-carry, so that "stored" and "awaits PUBREL" are one durable fact.
+Messages become records here, and only here (``StoreNode._encode``): the store's one encoder.
 
-Notify: after each dispatch batch the node routes ``{queue: max offset}``
-through its ``NotifyRouter`` to the mailbox of every gateway node attached
-(``attach``) with a session on the queue. The embedded gateway is the one node
-``"local"``; in cluster mode each gateway connection is a node.
+The node keeps the gateway's persistent session state as opaque blobs in the
+column family ``sessions``: the store knows nothing of MQTT, it only makes the
+blobs durable. It owns the sessions' lifecycle all the same (store/leases.py):
+where each client is connected, its will, its expiry, and ending a session
+(blob, offsets, held filters, QoS 2 flows, shared subscriptions). The one piece
+of session state it derives itself is which inbound QoS 2 flows await PUBREL
+(``awaiting``, store/awaiting.py): from the packet ids the records carry, so
+that "stored" and "awaits PUBREL" are one durable fact.
+
+Nodes attach to it (``attach``): the embedded gateway as ``"local"``, each RPC
+connection under its node's name. After each dispatch batch the node routes
+``{queue: max offset}`` through its ``NotifyRouter`` to the mailbox of every
+attached node with a session on the queue; it also tells a node which of its
+clients moved away, and forwards admin calls about a client to the node it is
+connected to.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
-import sys
+import math
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
-from dataclasses import dataclass, field
+from itertools import count
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence, final
 
 import rocksdict
 import trio
@@ -36,107 +41,211 @@ import trio
 from lightqueue.queues import LightQueues, PullResult
 from notify import EventMailbox, NotifyRouter
 from retain.store import RetainedStore
-from store.rpc.access import StoreAccess
-from store.log.aio import AsyncCommitLog
-from store.awaiting import AwaitingRelease, Flow
-from store.log.commitlog import CommitLogConfig
+from store.api import AdminOp, Flow, LogSpan, NewMessage, StoreStatistics
+from store.awaiting import AwaitingRelease
 from store.dispatch import MAX_LAG, Dispatcher, Listener
+from store.groups import GroupCoordinator
+from store.leases import LEASE_S, Leases
+from store.log.aio import AsyncCommitLog
+from store.log.commitlog import CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
-from store.process import freeze_startup_objects, return_freed_buffers
 from store.log.recent import RecentRecords
-from store.space import DiskSpace
 from store.log.record import Record, decode_record, new_record, now_ms
 from store.rocks import open_db, open_family
-from store.rpc.wire import parse_address
+from store.space import DiskSpace
 from store.tasks import background
 
 LOGGER = logging.getLogger(__name__)
 
-__all__ = ["SESSIONS_FAMILY", "StoreNode", "on_hangup", "open_store", "run_store_node", "until_signalled"]
+__all__ = ["ADMIN_TIMEOUT_S", "Attachment", "SESSIONS_FAMILY", "SessionFixer", "StoreNode", "decode", "open_store",
+           "raw"]
 
 SESSIONS_FAMILY = "sessions"
 """Its own column family: the light queues own every key of the default family, and session
 blobs are written with the WAL (they have no other source), unlike the index batches."""
 
 
-@dataclass(eq=False)
-class StoreNode:
-    """The parts of a running store node, for the layers above to use.
+@final
+class Attachment:
+    """What the store routes to one attached node: its events, its clients that moved away, admin asks.
 
-    ``log`` appends and reads, ``queues`` activates filters and pulls,
-    ``dispatcher`` indexes new records and says when they are indexed.
+    Resource handling: :meth:`close` ends the node's ``events`` and ``moved`` (``trio.EndOfChannel``) and fails
+    the asks it has not answered.
     """
 
-    data: Path
-    log: AsyncCommitLog
-    queues: LightQueues
-    dispatcher: Dispatcher
-    sessions: rocksdict.Rdict  # the SESSIONS_FAMILY column family: client id (UTF-8) -> session blob
-    retained: RetainedStore  # kept up to date by the dispatcher; looked up at subscribe time
-    recent: RecentRecords  # the last appended records, decoded: dispatch and pulls at the head read them here
-    space: DiskSpace  # free space on the data disk: appends and RocksDB writes are refused while it is short
-    awaiting: AwaitingRelease  # inbound QoS 2 flows awaiting PUBREL, kept up to date by the dispatcher
-    router: NotifyRouter = field(default_factory=NotifyRouter)
-    mailboxes: dict[str, EventMailbox] = field(default_factory=dict)  # attached gateway node -> its events
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.events = EventMailbox()
+        self.moved = EventMailbox()  # {client id: 0}: clients not this node's any more
+        self._asks_in, self.asks = trio.open_memory_channel[tuple[int, str, AdminOp]](math.inf)
+        self._pending: dict[int, _Ask] = {}  # asks sent to this node, by id
+        self._ask_ids = count(1)
+
+    def close(self) -> None:
+        self.events.close()
+        self.moved.close()
+        self._asks_in.close()
+        for ask in self._pending.values():
+            ask.value = OSError(f"the gateway node {self.name} went away before answering")
+            ask.done.set()
+
+    async def ask(self, client_id: str, op: AdminOp) -> bytes | None:
+        """Ask this node to run admin ``op`` about its client ``client_id`` and wait for its answer.
+
+        Raises:
+            OSError: the node did not answer within ``ADMIN_TIMEOUT_S``, or went away.
+        """
+        ask_id = next(self._ask_ids)
+        ask = self._pending[ask_id] = _Ask()
+        try:
+            try:
+                self._asks_in.send_nowait((ask_id, client_id, op))
+            except trio.ClosedResourceError:
+                raise OSError(f"the gateway node {self.name} went away") from None
+            with trio.move_on_after(ADMIN_TIMEOUT_S):
+                await ask.done.wait()
+        finally:
+            del self._pending[ask_id]
+        if not ask.done.is_set():
+            raise OSError(f"the gateway node {self.name} did not answer within {ADMIN_TIMEOUT_S} s")
+        if isinstance(ask.value, OSError):
+            raise ask.value
+        return ask.value
+
+    def answer(self, ask_id: int, value: bytes | None) -> None:
+        """The node's answer to ask ``ask_id`` (dropped if it came too late)."""
+        ask = self._pending.get(ask_id)
+        if ask is not None:
+            ask.value = value
+            ask.done.set()
+
+
+@final
+class _Ask:
+    __slots__ = ("done", "value")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.value: bytes | None | OSError = None
+
+
+ADMIN_TIMEOUT_S = 20.0
+"""How long an admin call waits for the answer of the node a client is connected to (a disconnect waits up to
+15 s for the client's connection to close)."""
+
+
+@final
+class StoreNode:
+    """The parts of a running store node, and what they do together for the nodes attached to it.
+
+    ``log`` appends and reads, ``queues`` activates filters and pulls, ``dispatcher`` indexes new records and
+    says when they are indexed, ``leases`` keeps the attached nodes' leases and their clients' presence, wills
+    and expiry (store/leases.py), ``groups`` arbitrates consumer groups and shared subscriptions
+    (store/groups.py). ``store.local.LocalStore`` is the ``StoreApi`` over it.
+    """
+
+    def __init__(self, data: Path, log: AsyncCommitLog, queues: LightQueues, dispatcher: Dispatcher,
+                 sessions: rocksdict.Rdict, retained: RetainedStore, recent: RecentRecords, space: DiskSpace,
+                 awaiting: AwaitingRelease, nursery: trio.Nursery, lease_s: float) -> None:
+        self.data = data
+        self.log = log
+        self.queues = queues
+        self.dispatcher = dispatcher
+        self.sessions = sessions  # the SESSIONS_FAMILY column family: client id (UTF-8) -> session blob
+        self.retained = retained  # kept up to date by the dispatcher; looked up at subscribe time
+        self.recent = recent  # the last appended records, decoded: dispatch and pulls at the head read them here
+        self.space = space  # free space on the data disk: appends and RocksDB writes are refused while it is short
+        self.awaiting = awaiting  # inbound QoS 2 flows awaiting PUBREL, kept up to date by the dispatcher
+        self.router = NotifyRouter()
+        self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
+        self.leases = Leases(nursery, lease_s, append=self.append, end_session=self._end_session,
+                             on_moved=self._moved)
+        self.groups = GroupCoordinator(self, self._poke)
 
     @property
     def disk_full(self) -> bool:
         """Whether new messages are refused because the data disk is full."""
         return self.space.full
 
-    def attach(self, name: str) -> EventMailbox:
-        """Start routing events to gateway node ``name`` (its ``watch``es say which queues it reads).
+    # --- attached nodes ---------------------------------------------------------------------
+
+    def attach(self, name: str) -> Attachment:
+        """Start routing to node ``name`` (its ``watch``es say which queues it reads).
 
         Raises:
             ValueError: a node of that name is attached already.
         """
-        if name in self.mailboxes:
+        if name in self.attached:
             raise ValueError(f"a gateway node named {name!r} is attached already")
-        mailbox = self.mailboxes[name] = EventMailbox()
-        return mailbox
+        attachment = self.attached[name] = Attachment(name)
+        return attachment
 
     def detach(self, name: str) -> None:
-        """Stop routing to ``name``, forget its registrations and close its mailbox (idempotent)."""
-        mailbox = self.mailboxes.pop(name, None)
-        if mailbox is not None:
-            mailbox.close()
+        """Stop routing to ``name``: forget its registrations, close its mailboxes, and its group members leave
+        (idempotent). Its lease and clients are the leases' business (they outlive a connection)."""
+        attachment = self.attached.pop(name, None)
+        if attachment is not None:
+            attachment.close()
         self.router.drop_node(name)
+        self.groups.leave_node(name)
 
     def route(self, events: Mapping[str, int]) -> None:
-        """The dispatcher's listener (trio thread): post each attached node the events of its queues."""
+        """The dispatcher's listener (trio thread): post each attached node the events of its queues, and wake
+        the group claims waiting on them."""
         for name, mine in self.router.route(events).items():
-            mailbox = self.mailboxes.get(name)
-            if mailbox is not None:
-                mailbox.post(mine)
+            attachment = self.attached.get(name)
+            if attachment is not None:
+                attachment.events.post(mine)
+        self.groups.wake(events)
 
-    async def append(self, topic: str, payload: bytes, *, durable: bool | None = None, **fields: Any) -> int:
-        """Append one message with its target queues fixed now, and wake the dispatcher.
+    def _poke(self, queue: str) -> None:
+        """Offsets of ``queue`` were handed back to a group: the nodes with sessions on it pull."""
+        self.route({queue: self.queues.max_offset(queue)})
 
-        ``fields`` are the optional fields of :func:`store.log.record.encode_record`.
-        Returns the record's CommitLog offset once it is appended (and durable,
-        if ``durable`` or the flush policy is sync).
+    def _moved(self, node: str, client_id: str) -> None:
+        attachment = self.attached.get(node)
+        if attachment is not None:
+            attachment.moved.post({client_id: 0})
+
+    async def admin_call(self, node: str, client_id: str, op: AdminOp) -> bytes | None:
+        """Run admin ``op`` on the node ``client_id`` is connected to, for ``node``'s admin API; None when it is
+        present on no other attached node (``node`` answers from what it has).
+
+        Raises:
+            OSError: that node did not answer in time, or went away.
         """
-        (offset,) = await self.append_many([(topic, payload, fields)], durable=durable)
-        return offset
+        owner = self.leases.where(client_id)
+        attachment = self.attached.get(owner) if owner is not None and owner != node else None
+        if attachment is None:
+            await trio.lowlevel.checkpoint()
+            return None
+        return await attachment.ask(client_id, op)
 
-    async def append_many(
-        self, messages: Sequence[tuple[str, bytes, Mapping[str, Any]]], *, durable: bool | None = None
-    ) -> list[int]:
-        """Append many messages in one CommitLog write (see :meth:`append`)."""
+    # --- appends ----------------------------------------------------------------------------
+
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
+        """Append messages in one CommitLog write with their target queues fixed now, and wake the dispatcher.
+
+        Returns their CommitLog offsets once appended (and durable, if ``durable`` or the flush policy is sync).
+
+        Raises:
+            ValueError: a message does not encode (``RecordTooLarge`` included); nothing was appended.
+            OSError: the write failed (``LogFullError``: the disk is full); nothing was appended.
+        """
         (result,) = await self.append_groups([messages], durable=durable)
         if isinstance(result, ValueError):
             raise result
         return result
 
     async def append_groups(
-        self, groups: Sequence[Sequence[tuple[str, bytes, Mapping[str, Any]]]], *, durable: bool | None = None
+        self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None
     ) -> list[list[int] | ValueError]:
         """Append the messages of several callers in one CommitLog write: the RPC server's batches.
 
         Returns, per group, its offsets, or the ``ValueError`` (``RecordTooLarge``
         included) that one of its messages raised when encoded: such a group is
         not appended at all and its neighbours are (the all-or-nothing of
-        :meth:`append_many`, per caller).
+        :meth:`append`, per caller). Waits first while dispatch lags (``Dispatcher.wait_lag``).
 
         Raises:
             OSError: the write failed; no group was appended.
@@ -148,22 +257,9 @@ class StoreNode:
                 encoded.append(self._encode(messages, now))
             except ValueError as exc:
                 encoded.append(exc)
-        return await self.append_encoded(encoded, durable=durable)
-
-    async def append_encoded(
-        self, encoded: Sequence[list[tuple[bytes, Record]] | ValueError], *, durable: bool | None = None
-    ) -> list[list[int] | ValueError]:
-        """Append groups of records made by ``store.log.record.new_record`` with this node's target queues
-        (``queues.targets`` at encode time) in one CommitLog write; a group that failed to encode (a
-        ``ValueError`` in its place) is passed through. The records are kept in ``recent`` for dispatch
-        and pulls. Waits first while dispatch lags (``Dispatcher.wait_lag``).
-
-        Raises:
-            OSError: the write failed; no group was appended.
-        """
         made = [pair for group in encoded if not isinstance(group, ValueError) for pair in group]
         await self.dispatcher.wait_lag()
-        offsets = await self._write(self.log.append_batch, [raw for raw, _ in made], durable=durable) if made else []
+        offsets = await self._write([raw for raw, _ in made], durable) if made else []
         self._appended(made, offsets)
         results: list[list[int] | ValueError] = []
         start = 0
@@ -175,20 +271,21 @@ class StoreNode:
                 start += len(group)
         return results
 
-    def append_now(self, messages: Sequence[tuple[str, bytes, Mapping[str, Any]]]) -> list[int] | None:
-        """:meth:`append_many` without waiting, when nothing needs waiting for; else None (nothing appended).
+    def append_nowait(self, messages: Sequence[NewMessage]) -> list[int]:
+        """:meth:`append` (not durable) before returning, when nothing needs waiting for.
 
         Under the async flush policy an append is a copy into the page cache;
         doing it in the caller's step saves a gateway connection a task switch
-        per publish. It must wait (None) under the sync policy (the fsync) and
-        while dispatch lags (``Dispatcher.wait_lag``).
+        per publish.
 
         Raises:
+            trio.WouldBlock: it must wait: the sync policy (the fsync), or dispatch lags (``Dispatcher.wait_lag``);
+                nothing was appended.
             ValueError: a message does not encode (``RecordTooLarge`` included); nothing was appended.
             OSError: the write failed; nothing was appended.
         """
-        if not self.can_append_now():
-            return None
+        if self.log.log.config.flush == "sync" or self.dispatcher.lag > MAX_LAG:
+            raise trio.WouldBlock
         now = now_ms()
         made = self._encode(messages, now)
         self.space.check(recent_ok=True)
@@ -201,36 +298,28 @@ class StoreNode:
         self._appended(made, offsets)
         return offsets
 
-    async def _write(self, append: Any, records: list[bytes], *, durable: bool | None) -> list[int]:
-        """``append(records)`` unless the disk is short of space; either way the full-disk state follows.
+    async def _write(self, records: list[bytes], durable: bool | None) -> list[int]:
+        """Append ``records`` unless the disk is short of space; either way the full-disk state follows.
 
         Raises:
             LogFullError: the disk is full (logged once per episode by ``space``).
         """
         self.space.check(recent_ok=True)
         try:
-            offsets = await append(records, durable=durable)
+            offsets = await self.log.append_batch(records, durable=durable)
         except LogFullError as exc:
             self.space.refused(exc)
             raise
         self.space.cleared()
         return offsets
 
-    def can_append_now(self) -> bool:
-        """Whether :meth:`append_now` appends (async flush policy, dispatch not lagging) rather than answer None."""
-        return self.log.log.config.flush != "sync" and self.dispatcher.lag <= MAX_LAG
-
-    def _encode(self, messages: Sequence[tuple[str, bytes, Mapping[str, Any]]], now: int) -> list[tuple[bytes, Record]]:
-        """The records of ``messages`` with their target queues fixed now (raises ValueError as ``new_record``)."""
+    def _encode(self, messages: Sequence[NewMessage], now: int) -> list[tuple[bytes, Record]]:
+        """The records of ``messages`` with their target queues fixed now (raises ValueError as ``new_record``):
+        the one place messages become records."""
         max_size = self.log.log.config.max_record_bytes
         targets = self.queues.targets
-        made = []
-        for topic, payload, fields in messages:
-            get = fields.get  # not **fields: unpacking keyword arguments cost as much as encoding the record
-            made.append(new_record(topic, payload, now, get("client_id", ""), get("qos", 0), get("retain", False),
-                                   get("properties", b""), targets(topic), get("born_ms"), max_size,
-                                   get("packet_id", 0)))
-        return made
+        return [new_record(m.topic, m.payload, now, m.client_id, m.qos, m.retain, m.properties, targets(m.topic),
+                           m.born_ms or None, max_size, m.packet_id) for m in messages]
 
     def _appended(self, made: list[tuple[bytes, Record]], offsets: list[int]) -> None:
         """Keep the appended records in memory with their offsets, and wake dispatch."""
@@ -241,16 +330,17 @@ class StoreNode:
         self.recent.add(records)
         self.dispatcher.wake()
 
-    async def pull(
-        self, queue: str, from_offset: int, max_count: int = 32, max_bytes: int = 1 << 20
-    ) -> PullResult[Record]:
-        """:meth:`read` in a worker thread."""
-        return await trio.to_thread.run_sync(self.read, queue, from_offset, max_count, max_bytes)
+    # --- reads ------------------------------------------------------------------------------
 
     def read(self, queue: str, from_offset: int, max_count: int = 32, max_bytes: int = 1 << 20) -> PullResult[Record]:
         """Messages of a queue from a queue offset: an index scan, then the records kept in ``recent``, the rest
         read from the CommitLog (blocking: keep it out of the trio thread unless it is small)."""
-        return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, _decode, self.recent.get)
+        return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, decode, self.recent.get)
+
+    def read_raw(self, queue: str, from_offset: int, max_count: int, max_bytes: int) -> PullResult[tuple[int, bytes]]:
+        """:meth:`read` with each record as ``(log offset, bytes as stored)``, undecoded (the RPC sends them so;
+        its clients decode: the store's CPU is the one every gateway shares). Blocking."""
+        return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, raw)
 
     def in_memory(self, queue: str, from_offset: int) -> bool:
         """Whether a read of ``queue`` from ``from_offset`` finds its records in ``recent`` (an index lookup):
@@ -260,6 +350,106 @@ class StoreNode:
             return False
         log_offset = self.queues.log_offset(queue, from_offset)
         return log_offset is not None and log_offset >= oldest
+
+    def read_log(self, offset: int, max_bytes: int) -> LogSpan:
+        """``StoreApi.read_log`` (blocking): ``max_bytes`` 0 asks for the log's bounds only, for any ``offset``."""
+        log = self.log.log
+        if max_bytes <= 0:
+            return LogSpan(offset, b"", offset, log.flushed_offset, log.min_offset)
+        start, data, data_end = log.read_span(offset, max(0, min(max_bytes, MAX_READ_LOG_BYTES)))
+        return LogSpan(start, data, data_end, log.flushed_offset, log.min_offset)
+
+    def statistics(self) -> StoreStatistics:
+        """The store's current figures."""
+        log = self.log.log
+        queues = self.queues.statistics()
+        stats = log.statistics()
+        notify = self.router.statistics()
+        return StoreStatistics(
+            written_offset=stats.written_offset,
+            flushed_offset=stats.flushed_offset,
+            dispatched_offset=self.dispatcher.dispatched_offset,
+            log_bytes=stats.written_offset - stats.min_offset,
+            queue_ids=queues.next_queue_id,
+            active_filters=queues.active_filters,
+            retained=self.retained.count,
+            notify_sent=sum(notify.sent.values()),
+            notify_suppressed=notify.suppressed,
+            notify_by_node=dict(notify.sent),
+            corrupt_records=stats.corrupt_records,
+            disk_full=self.disk_full,
+        )
+
+    # --- subscriptions and offsets ----------------------------------------------------------
+
+    async def activate(self, queue: str, holder: str) -> int:
+        self.space.check()  # RocksDB writes (WAL) must not meet a full disk: store/space.py
+        return await self.dispatcher.activate(queue, holder)
+
+    async def release(self, queue: str, holder: str) -> bool:
+        self.space.check()
+        return await self.dispatcher.release(queue, holder)
+
+    def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
+        """(blocking) ``{owner: {queue: next offset}}`` in one durable write each; offsets never move back."""
+        self.space.check()
+        commit = self.queues.commit_offsets
+        for owner, offsets in commits.items():
+            commit(owner, offsets)
+
+    # --- sessions ---------------------------------------------------------------------------
+
+    async def open_session(self, node: str, client_id: str, *, clean_start: bool, expiry_s: int,
+                           will: NewMessage | None, will_delay_s: int) -> bytes | None:
+        """``StoreApi.open_session`` for ``node``: place the client there, then its stored session (None: new).
+
+        Raises:
+            LogFullError: a clean start meets a full data disk (nothing was deleted).
+        """
+        due = self.leases.open(node, client_id, expiry_s=expiry_s, will=will, will_delay_s=will_delay_s,
+                               clean_start=clean_start)
+        if due is not None:  # the old session's delayed will, due as the clean start ends its session
+            await self._publish_due(client_id, due)
+        blob = None if clean_start else await trio.to_thread.run_sync(self.load_session, client_id)
+        if blob is None:  # whatever a session that is gone left (offsets, QoS 2 flows) goes, or the clean start's
+            await self._end_session(client_id)
+        return blob
+
+    async def close_session(self, node: str, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> None:
+        """``StoreApi.close_session`` for ``node``: ignored once the client is present elsewhere."""
+        if self.leases.close(node, client_id, expiry_s=expiry_s, will_delay_s=will_delay_s) and not expiry_s:
+            await self._end_session(client_id)
+
+    async def end_session(self, client_id: str) -> bool:
+        """``StoreApi.end_session``: an operator ends a session now; False when there was none."""
+        due = self.leases.ended(client_id)
+        if due is not None:
+            await self._publish_due(client_id, due)
+        return await self._end_session(client_id) or due is not None
+
+    async def _publish_due(self, client_id: str, will: NewMessage) -> None:
+        try:
+            await self.append([will])
+        except (OSError, ValueError) as exc:  # a full disk included: the session's end must not wait for room
+            LOGGER.error("will not published: %r", exc, extra={"ctx": {"client_id": client_id}})
+        else:
+            LOGGER.info("will published: its session ended", extra={"ctx": {"client_id": client_id}})
+
+    async def _end_session(self, client_id: str) -> bool:
+        """Forget a session: its blob first (on a full disk it stays whole: ``LogFullError``), its inbound QoS 2
+        flows, its shared subscriptions, its offsets and held filters. True if anything of it was stored."""
+        existed = await trio.to_thread.run_sync(self.drop_session, client_id)
+        existed = await self.drop_awaiting(client_id) or existed
+        await self.groups.drop_subscriber(client_id)
+        return await trio.to_thread.run_sync(self._delete_owner, client_id) or existed
+
+    def _delete_owner(self, owner: str) -> bool:
+        queues = self.queues
+        if not (queues.held_by(owner) or queues.get_offsets(owner)):  # nothing to delete, nothing to write
+            return False
+        self.space.check()
+        queues.delete_owner(owner)
+        return True
 
     def save_session(self, client_id: str, blob: bytes) -> None:
         """Keep a session blob durably (WAL write): it must survive a process crash as written, and under the
@@ -275,15 +465,21 @@ class StoreNode:
         """The blob last saved for ``client_id``, or None."""
         return self.sessions.get(client_id.encode())
 
-    def drop_session(self, client_id: str) -> None:
-        """Forget the blob of ``client_id`` (a no-op if there is none: clean-start connects write nothing).
+    def session_ids(self) -> list[str]:
+        """The client ids of the stored session blobs (blocking: a scan of the family)."""
+        return [key.decode() for key in self.sessions.keys()]
+
+    def drop_session(self, client_id: str) -> bool:
+        """Forget the blob of ``client_id``; False if there was none (clean-start connects write nothing).
 
         Raises LogFullError as :meth:`save_session`.
         """
         key = client_id.encode()
-        if self.sessions.get(key) is not None:
-            self.space.check()
-            self.sessions.delete(key, self._session_writes())
+        if self.sessions.get(key) is None:
+            return False
+        self.space.check()
+        self.sessions.delete(key, self._session_writes())
+        return True
 
     def _session_writes(self) -> rocksdict.WriteOptions:
         return _SYNCED if self.log.log.config.flush == "sync" else _WAL
@@ -302,26 +498,34 @@ class StoreNode:
         self.space.check()
         await trio.to_thread.run_sync(self.awaiting.release, flows)
 
-    async def drop_awaiting(self, client_id: str) -> None:
-        """Forget the client's inbound QoS 2 flows (its session ended), the ones being dispatched included."""
+    async def drop_awaiting(self, client_id: str) -> bool:
+        """Forget the client's inbound QoS 2 flows (its session ended), the ones being dispatched included;
+        False if it had none."""
         await self.dispatcher.wait_dispatched(self.log.log.written_offset)
-        if self.awaiting.awaiting(client_id):  # most clients (every clean start) have none: no thread, no write
-            self.space.check()
-            await trio.to_thread.run_sync(self.awaiting.drop, client_id)
+        if not self.awaiting.awaiting(client_id):  # most clients (every clean start) have none: no thread, no write
+            return False
+        self.space.check()
+        await trio.to_thread.run_sync(self.awaiting.drop, client_id)
+        return True
 
 
-STORE_SWITCH_INTERVAL_S = 0.0005
-"""The GIL switch interval of a store node process (Python's default: 5 ms). Its pull threads release the GIL
-around every CommitLog read and must get it back while the dispatcher thread runs Python: at 5 ms per hand-back
-a gateway's pull of 256 messages waited milliseconds, at 0.5 ms the backlog drains ~10% faster (bench fanin)."""
+MAX_READ_LOG_BYTES = 16 * 1024 * 1024
+"""A ``read_log`` returns at most this much, so an RPC answer stays far below the frame limit."""
+
 
 _WAL = rocksdict.WriteOptions()  # session blobs have no other source: write them through the WAL
 _SYNCED = rocksdict.WriteOptions()
 _SYNCED.sync = True  # ... and under the sync flush policy fsync it
 
 
-def _decode(raw: bytes, offset: int) -> Record:
+def decode(raw: bytes, offset: int) -> Record:
+    """A record as stored (``LightQueues.pull``'s ``decode``), at its CommitLog offset."""
     return decode_record(raw, 0, offset)
+
+
+def raw(data: bytes, offset: int) -> tuple[int, bytes]:
+    """A record left as stored, with its CommitLog offset (``LightQueues.pull``'s ``decode`` for the RPC)."""
+    return offset, data
 
 
 SessionFixer = Callable[[bytes, Callable[[str], int]], "bytes | None"]
@@ -332,7 +536,7 @@ None when none is past it. Given by the layer that owns the blob format (gateway
 @asynccontextmanager
 async def open_store(
     data: Path, config: CommitLogConfig, listener: Listener | None = None, tier: Mapping[str, Any] | None = None, *,
-    fix_session: SessionFixer | None = None
+    fix_session: SessionFixer | None = None, lease_s: float = LEASE_S
 ) -> AsyncIterator[StoreNode]:
     """Open the CommitLog and the index under ``data``, run flushing, retention and dispatch.
 
@@ -341,6 +545,7 @@ async def open_store(
     (store/tier.py; imported only then, as it loads pyarrow).
     ``fix_session``: after a power loss cost the log records that positions in RocksDB point past
     (``Dispatcher.recover``), every session blob is passed through it before anyone consumes.
+    ``lease_s``: how long a cluster gateway's lease outlives its last frame (store/leases.py).
 
     Resource handling: everything opened here is closed here, in reverse order,
     when the block exits (the index memtable and the CommitLog are flushed).
@@ -375,28 +580,32 @@ async def open_store(
                 await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
             except Exception as exc:
                 raise _startup_error(data, exc) from exc
-            node = StoreNode(data, alog, queues, dispatcher, sessions, retained, recent, space, awaiting)
-            nodes.append(node)
             try:
-                async with background(dispatcher.run), background(partial(_watch_space, space)):
-                    if tier is not None and tier.get("tier.uri"):
-                        try:
-                            from store.tier import TierConfig, TierConverter, run_tier
-                        except ImportError as exc:  # the base install has no pyarrow
-                            raise StartupError(f"cannot start: tier.uri is set, and the tier needs the tier extra "
-                                               f"(pip install 'lightgate[tier]'): {exc}") from exc
+                async with trio.open_nursery() as timers:  # leases, wills, session expiry: they end with the node
+                    node = StoreNode(data, alog, queues, dispatcher, sessions, retained, recent, space, awaiting,
+                                     timers, lease_s)
+                    nodes.append(node)
+                    async with background(dispatcher.run), background(partial(_watch_space, space)):
+                        if tier is not None and tier.get("tier.uri"):
+                            try:
+                                from store.tier import TierConfig, TierConverter, run_tier
+                            except ImportError as exc:  # the base install has no pyarrow
+                                raise StartupError(f"cannot start: tier.uri is set, and the tier needs the tier "
+                                                   f"extra (pip install 'lightgate[tier]'): {exc}") from exc
 
-                        converter = TierConverter(alog.log, TierConfig.from_settings(tier))
-                        async with background(partial(run_tier, converter)):
+                            converter = TierConverter(alog.log, TierConfig.from_settings(tier))
+                            async with background(partial(run_tier, converter)):
+                                yield node
+                        else:
                             yield node
-                    else:
-                        yield node
+                    timers.cancel_scope.cancel()
             finally:
-                for name in tuple(node.mailboxes):
-                    node.detach(name)
+                for node in nodes:
+                    for name in tuple(node.attached):
+                        node.detach(name)
                 with trio.CancelScope(shield=True):  # a cancelled node (SIGTERM) still shuts down cleanly
                     await trio.to_thread.run_sync(dispatcher.close)
-                node.sessions.close()  # a family handle keeps the database open
+                sessions.close()  # a family handle keeps the database open
                 retained.close()
                 awaiting.close()
         finally:
@@ -449,99 +658,3 @@ def _startup_error(data: Path, exc: Exception) -> Exception:
                             f"process using {data}, run `lightgate repair --data {data}` and start again "
                             "(docs/storage.md, \"Repair\")")
     return exc
-
-
-async def until_signalled(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """Return on the first SIGINT or SIGTERM (logged): how node processes learn to shut down.
-
-    ``task_status.started`` is called once the signals are caught, so a node
-    started with ``nursery.start`` can log "ready" without a SIGTERM race.
-    """
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
-        async for signum in signals:
-            LOGGER.info("shutting down", extra={"ctx": {"signal": signal.Signals(signum).name}})
-            return
-
-
-async def on_hangup(reload: Callable[[], None] | None = None, *,
-                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """Call ``reload`` on every SIGHUP until cancelled, so that the signal never ends the process (its default).
-
-    ``reload`` (None: nothing to reload, the signal is only logged) must not raise; it logs what it did. As with
-    ``until_signalled``, ``task_status.started`` is called once the signal is caught.
-    """
-    with trio.open_signal_receiver(signal.SIGHUP) as signals:
-        task_status.started()
-        async for _ in signals:
-            if reload is None:
-                LOGGER.info("SIGHUP: nothing to reload here", extra={"ctx": {"signal": "SIGHUP"}})
-            else:
-                reload()
-
-
-async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = None,
-                      reload: Callable[[], None] | None = None, fix_session: SessionFixer | None = None) -> None:
-    """Run a store node, serving gateway nodes over the RPC on ``store.listen``, until SIGINT or SIGTERM.
-
-    ``access`` (store/rpc/access.py, built by the command line from ``auth.*`` and ``store.token``)
-    decides who may connect; None: everyone. ``reload`` runs on each SIGHUP (``on_hangup``);
-    ``fix_session``: see ``open_store``.
-
-    Raises:
-        ValueError: ``store.listen`` is not HOST:PORT (checked before the store opens).
-        OSError: the RPC port cannot be bound.
-    """
-    from store.rpc.server import serve_rpc  # here, not at the top: the server imports this module
-
-    sys.setswitchinterval(STORE_SWITCH_INTERVAL_S)
-
-    host, port = parse_address(settings["store.listen"])
-    data = Path(settings["node.data"])
-    async with open_store(data, CommitLogConfig.from_settings(settings), tier=settings, fix_session=fix_session) as node:
-        async with trio.open_nursery() as nursery:
-
-            async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:
-                await until_signalled(task_status=task_status)
-                nursery.cancel_scope.cancel()
-
-            await nursery.start(stop_on_signal)  # signals are caught before "ready" is logged
-            await nursery.start(on_hangup, reload)
-            listeners = await nursery.start(partial(serve_rpc, node, host, port, access=access,
-                                                    lease_s=settings["store.lease_s"]))
-            bound_host, bound_port = listeners[0].socket.getsockname()[:2]
-            LOGGER.info(
-                "store node ready",
-                extra={"ctx": {"data": str(data), "written_offset": node.log.log.written_offset,
-                               "dispatched_offset": node.dispatcher.dispatched_offset,
-                               "host": bound_host, "port": bound_port}},
-            )
-    LOGGER.info("store node stopped")
-
-
-def run_store_node(conf: Any, access: StoreAccess | None = None, reload: Callable[[], None] | None = None,
-                   fix_session: SessionFixer | None = None) -> int:
-    """Entry point for ``lightgate store``/``serve``: returns the process exit status.
-
-    ``access``, ``reload``, ``fix_session``: see ``serve_store``.
-    """
-    try:
-        parse_address(conf.values["store.listen"])
-    except ValueError as exc:
-        LOGGER.error("store node not started: store.listen: %s", exc)
-        return 1
-    if conf.values["store.lease_s"] <= 0:
-        LOGGER.error("store node not started: store.lease_s must be more than 0 (heartbeats go every lease / 5)")
-        return 1
-    freeze_startup_objects()
-    return_freed_buffers()
-    failed = False
-    try:
-        trio.run(serve_store, conf.values, access, reload, fix_session)
-    except* OSError as group:  # e.g. the RPC port is taken; nurseries may wrap it in a group
-        LOGGER.error("store node failed: %s", "; ".join(str(exc) for exc in group.exceptions))
-        failed = True
-    except* StartupError as group:  # the data cannot be opened: what happened and what to do
-        LOGGER.error("%s", "; ".join(str(exc) for exc in group.exceptions))
-        failed = True
-    return 1 if failed else 0

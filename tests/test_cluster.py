@@ -21,7 +21,7 @@ from gateway.mqtt.reasons import ReasonCode
 from mqtt_fixtures import connect_packet, properties, raw_client
 from processes import LightgateProcess
 from store.rpc import wire as rpc
-from store.rpc.client import RemoteStoreClient
+from store.rpc.client import RemoteStore
 from test_gateway_server import Client, connected
 
 pytestmark = pytest.mark.slow
@@ -95,9 +95,9 @@ def run_id() -> str:
 
 
 def ask_store(port: int, call):
-    """``await call(client)`` with a RemoteStoreClient of its own, as a gateway would ask."""
+    """``await call(client)`` with a RemoteStore of its own, as a gateway would ask."""
     async def ask():
-        async with RemoteStoreClient.connect("127.0.0.1", port, node=f"probe-{run_id()}", timeout_s=WAIT_S) as client:
+        async with RemoteStore.connect("127.0.0.1", port, node=f"probe-{run_id()}", timeout_s=WAIT_S) as client:
             return await call(client)
 
     return trio.run(ask)

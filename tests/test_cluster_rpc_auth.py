@@ -15,7 +15,7 @@ import trio
 
 from gateway.auth.passwords import PasswordFile
 from store.rpc import wire as rpc
-from store.rpc.client import RemoteStoreClient
+from store.rpc.client import RemoteStore
 from store.rpc.server import HANDSHAKE_TIMEOUT_S
 from test_cluster import WAIT_S, Gateway, Store, free_port, run_id
 from test_gateway_server import connected
@@ -52,7 +52,7 @@ def secured_store(tmp_path: Path) -> Store:
 def append_as_backend(port: int, node: str, topic: str) -> None:
     """Log in as the back-end user under ``node`` and append one message (so the store admitted it)."""
     async def run() -> None:
-        async with RemoteStoreClient.connect("127.0.0.1", port, node=node, username=USER, password=PASSWORD,
+        async with RemoteStore.connect("127.0.0.1", port, node=node, username=USER, password=PASSWORD,
                                              timeout_s=WAIT_S) as client:
             await client.append_each([(topic, b"from the back end", {"qos": 1})])
 

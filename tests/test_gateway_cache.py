@@ -4,22 +4,17 @@ from pathlib import Path
 
 import trio
 
-from gateway.mqtt.actions import Message
 from gateway.node.cache import QueueCache
-from store.local import LocalStoreClient
+from store.api import NewMessage
+from store.local import LocalStore
 from store.log.commitlog import CommitLogConfig
 from store.node import open_store
-from store.log.record import Record
 
 CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
 
 
-def convert(record: Record, queue: str, offset: int) -> Message:
-    return Message(record.topic, record.payload, record.qos, queue=queue, offset=offset)
-
-
-async def publish(client: LocalStoreClient, topic: str, count: int, start: int = 0) -> None:
-    await client.append([(topic, f"m{start + i}".encode(), {}) for i in range(count)])
+async def publish(client: LocalStore, topic: str, count: int, start: int = 0) -> None:
+    await client.append([NewMessage(topic, f"m{start + i}".encode()) for i in range(count)])
     store = client.store
     with trio.fail_after(10):
         await store.dispatcher.wait_dispatched(store.log.log.written_offset)
@@ -27,8 +22,8 @@ async def publish(client: LocalStoreClient, topic: str, count: int, start: int =
 
 async def test_events_fill_the_cache_once_and_sessions_read_from_memory(tmp_path: Path):
     async with open_store(tmp_path, CONFIG) as store:
-        client = LocalStoreClient(store)
-        cache = QueueCache(client, convert)
+        client = LocalStore(store)
+        cache = QueueCache(client)
         start = await client.activate("cmd/+", "s1")
         cache.watch("cmd/+")
         cache.watch("cmd/+")  # two local sessions on one queue
@@ -58,8 +53,8 @@ async def test_events_fill_the_cache_once_and_sessions_read_from_memory(tmp_path
 
 async def test_a_session_behind_the_cache_reads_the_store(tmp_path: Path):
     async with open_store(tmp_path, CONFIG) as store:
-        client = LocalStoreClient(store)
-        cache = QueueCache(client, convert, max_messages=4)
+        client = LocalStore(store)
+        cache = QueueCache(client, max_messages=4)
         await client.activate("t/#", "s")
         cache.watch("t/#")
         await publish(client, "t/x", 10)
@@ -78,8 +73,8 @@ async def test_a_session_behind_the_cache_reads_the_store(tmp_path: Path):
 
 async def test_the_byte_budget_evicts_the_least_recently_extended_queue(tmp_path: Path):
     async with open_store(tmp_path, CONFIG) as store:
-        client = LocalStoreClient(store)
-        cache = QueueCache(client, convert, max_bytes=1500)
+        client = LocalStore(store)
+        cache = QueueCache(client, max_bytes=1500)
         for queue in ("q/a", "q/b"):
             await client.activate(queue, "s")
             cache.watch(queue)
@@ -101,17 +96,16 @@ async def test_the_byte_budget_counts_what_decoded_user_properties_take(tmp_path
     hold gigabytes of them (issue 21). The estimate must cover at least what tracemalloc sees."""
     import tracemalloc
 
-    from gateway.node.messages import from_record
     from gateway.mqtt.properties import PacketType, Properties, encode_properties
 
     props = encode_properties(Properties(user_properties=tuple((f"key{i}", f"value{i}") for i in range(32))),
                               PacketType.PUBLISH)
     async with open_store(tmp_path, CONFIG) as store:
-        client = LocalStoreClient(store)
-        cache = QueueCache(client, from_record)
+        client = LocalStore(store)
+        cache = QueueCache(client)
         start = await client.activate("p/+", "s1")
         cache.watch("p/+")
-        await client.append([("p/a", b"x", {"properties": props}) for _ in range(200)])
+        await client.append([NewMessage("p/a", b"x", properties=props) for _ in range(200)])
         with trio.fail_after(10):
             await store.dispatcher.wait_dispatched(store.log.log.written_offset)
         tracemalloc.start()

@@ -22,7 +22,7 @@ from gateway.mqtt.actions import (
     CommitOffsets,
     ConnectionLost,
     Deliver,
-    DropSession,
+    CloseSession,
     Message,
     OpenSession,
     PublishWill,
@@ -42,6 +42,7 @@ from gateway.mqtt.actions import (
 )
 from gateway.mqtt.channel import Channel, ChannelConfig, error_packet
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
+from gateway.mqtt.properties import PacketType, decode_properties
 from gateway.mqtt.packets import (
     MQTT_5,
     MQTT_311,
@@ -139,6 +140,11 @@ def msg(offset: int, topic: str = "a/b", qos: int = 1, queue: str = "a/b", **fie
     return Message(topic, b"m%d" % offset, qos, queue=queue, offset=offset, store_ms=int(T0 * 1000), **fields)
 
 
+def decoded(block: bytes) -> Properties:
+    """A stored message's MQTT 5 property block, decoded."""
+    return decode_properties(block, 0, len(block), PacketType.PUBLISH)
+
+
 def persistent(**extra) -> dict:
     return {"clean": False, "properties": Properties(session_expiry_interval=3600, **extra)}
 
@@ -194,7 +200,7 @@ def test_second_connect_is_a_protocol_error_that_publishes_the_will():
     actions = channel.handle_in(Connect(client_id="dev1"))
     assert sent(actions) == [Disconnect(R.PROTOCOL_ERROR)]
     assert of(actions, PublishWill)[0].message.payload == b"gone"
-    assert of(actions, DropSession)
+    assert of(actions, CloseSession) == [CloseSession("dev1", 0, None)]
 
 
 def test_decoder_errors_map_to_reason_codes_per_version():
@@ -303,7 +309,7 @@ def test_qos1_is_acked_only_after_the_store_appended_it():
     assert sent(actions) == []
     stored = append.messages[0]
     assert (stored.topic, stored.payload, stored.qos, stored.client_id) == ("t/1", b"v", 1, "dev1")
-    assert stored.properties.content_type == "x" and stored.born_ms == int(T0 * 1000)
+    assert decoded(stored.properties).content_type == "x" and stored.born_ms == int(T0 * 1000)
     assert sent(channel.handle_event(Appended(append.ref))) == [Puback(7)]
 
 
@@ -407,7 +413,7 @@ def test_receive_maximum_exceeded_disconnects():
 def test_inbound_topic_aliases():
     channel, _, _ = connect(config=ChannelConfig(topic_alias_maximum=2))
     first = of(channel.handle_in(Publish("a/b", b"1", properties=Properties(topic_alias=2))), Append)[0]
-    assert first.messages[0].properties.topic_alias is None  # per connection: never stored
+    assert decoded(first.messages[0].properties).topic_alias is None  # per connection: never stored
     second = of(channel.handle_in(Publish("", b"2", properties=Properties(topic_alias=2))), Append)[0]
     assert second.messages[0].topic == "a/b"
     assert sent(channel.handle_in(Publish("", properties=Properties(topic_alias=1)))) == [Disconnect(R.PROTOCOL_ERROR)]
@@ -696,18 +702,25 @@ def test_normal_disconnect_discards_the_will_but_0x04_publishes_it():
     channel, _, _ = connect(will_topic="w", will_payload=b"bye")
     actions = channel.handle_in(Disconnect())
     assert not of(actions, PublishWill) and of(actions, Close)[0].reason is R.NORMAL_DISCONNECTION
-    assert of(actions, DropSession) == [DropSession("dev1")]
+    assert of(actions, CloseSession) == [CloseSession("dev1", 0, None)]  # the store drops the will it holds
     channel, _, _ = connect(will_topic="w", will_payload=b"bye", will_qos=1, will_retain=True)
     (will,) = of(channel.handle_in(Disconnect(R.DISCONNECT_WITH_WILL_MESSAGE)), PublishWill)
     assert (will.message.topic, will.message.qos, will.message.retain) == ("w", 1, True)
 
 
 def test_will_on_connection_loss_with_delay_bounded_by_session_expiry():
-    channel, _, _ = connect(will_topic="w", will_properties=Properties(will_delay_interval=600, content_type="t"),
-                            clean=False, properties=Properties(session_expiry_interval=120))
-    (will,) = of(channel.handle_event(ConnectionLost("reset")), PublishWill)
-    assert will.delay_s == 120
-    assert will.message.properties == Properties(content_type="t")  # the delay is not a PUBLISH property
+    channel = Channel(ChannelConfig(), Clock())
+    (opened,) = of(channel.handle_in(Connect(
+        client_id="dev1", clean_start=False, will_topic="w",
+        will_properties=Properties(will_delay_interval=600, content_type="t"),
+        properties=Properties(session_expiry_interval=120))), OpenSession)
+    will = opened.will  # the store holds it while the client is connected
+    assert decode_properties(will.properties, 0, len(will.properties), PacketType.PUBLISH) == \
+        Properties(content_type="t")  # the delay is not a PUBLISH property
+    channel.handle_event(SessionOpened(False))
+    actions = channel.handle_event(ConnectionLost("reset"))
+    assert not of(actions, PublishWill)  # due later: the store publishes it after its delay
+    assert of(actions, CloseSession)[0].will_delay_s == 120
 
 
 def test_takeover_sends_0x8e_publishes_will_and_hands_the_session_over():
@@ -717,7 +730,7 @@ def test_takeover_sends_0x8e_publishes_will_and_hands_the_session_over():
     assert sent(actions) == [Disconnect(R.SESSION_TAKEN_OVER)] and of(actions, PublishWill)
     (save,) = of(actions, SaveSession)
     assert [s.filter for s in save.state.subscriptions] == ["a/b"]
-    assert not of(actions, Release) and not of(actions, DropSession)
+    assert not of(actions, Release) and of(actions, CloseSession) == [CloseSession("dev1", 3600, None)]
     assert CancelTimer("keepalive") in actions
 
 
@@ -728,7 +741,7 @@ def test_takeover_ends_a_session_that_ends_with_its_connection():
     actions = channel.handle_event(TakenOver())
     assert sent(actions) == [Disconnect(R.SESSION_TAKEN_OVER)] and of(actions, PublishWill)
     assert not of(actions, SaveSession)
-    assert of(actions, Release) == [Release("dev1", ("a/b",))] and of(actions, DropSession) == [DropSession("dev1")]
+    assert of(actions, CloseSession) == [CloseSession("dev1", 0, None)]  # the store ends it: its filters go
 
 
 def test_takeover_of_311_connection_closes_without_packet():
@@ -744,7 +757,7 @@ def test_session_expiry_at_disconnect():
     channel, _, _ = connect(**persistent())
     subscribe(channel, ("a/b", SubscriptionOptions()))
     actions = channel.handle_in(Disconnect(properties=Properties(session_expiry_interval=0)))
-    assert of(actions, Release) == [Release("dev1", ("a/b",))] and of(actions, DropSession)
+    assert of(actions, CloseSession) == [CloseSession("dev1", 0, None)]
     channel, _, _ = connect(**persistent())
     actions = channel.handle_in(Disconnect(properties=Properties(session_expiry_interval=30)))
     assert of(actions, SaveSession)[0].state.expiry_s == 30
@@ -823,7 +836,7 @@ def test_a_suback_over_the_clients_maximum_packet_size_closes_the_connection_ins
     actions = channel.handle_event(Activated(activate.ref, {sub.filter: 0 for sub in activate.subscriptions}))
     assert not sent(actions) and not of(actions, Deliver)
     assert of(actions, Close)[0].reason is R.PACKET_TOO_LARGE and channel.state is not State.CONNECTED
-    assert of(actions, SaveSession) or of(actions, DropSession) or of(actions, Release)  # the session settles
+    assert of(actions, CloseSession)  # the session settles
     channel, _, _ = connect(properties=Properties(maximum_packet_size=40))
     (activate,) = of(channel.handle_in(Subscribe(1, entries[:20])), Activate)
     actions = channel.handle_event(Activated(activate.ref, {sub.filter: 0 for sub in activate.subscriptions}))
@@ -852,7 +865,7 @@ def test_server_shutdown_before_the_connack_refuses_the_connect(level, answer):
     (connack,) = sent(actions)
     assert isinstance(connack, Connack) and connack.reason_code is answer
     assert encode(connack, level)[3] == (0x88 if level == MQTT_5 else 3)
-    assert of(channel.handle_event(SessionOpened(False)), DropSession) and channel.state is State.CLOSED
+    assert of(channel.handle_event(SessionOpened(False)), CloseSession) and channel.state is State.CLOSED
 
 
 def test_a_settled_channel_is_in_no_reference_cycle_so_its_session_goes_with_it():

@@ -5,14 +5,14 @@ from pathlib import Path
 import trio
 
 from gateway.node.commits import CommitBatcher
-from store.local import LocalStoreClient
+from store.local import LocalStore
 from store.log.commitlog import CommitLogConfig
 from store.node import open_store
 
 
 async def test_concurrent_commits_share_writes_and_all_land(tmp_path: Path):
     async with open_store(tmp_path, CommitLogConfig(segment_bytes=1 << 20)) as store:
-        client = LocalStoreClient(store)
+        client = LocalStore(store)
         for i in range(50):
             await client.activate(f"q/{i}", f"s{i}")
         async with trio.open_nursery() as nursery:
@@ -29,7 +29,7 @@ async def test_concurrent_commits_share_writes_and_all_land(tmp_path: Path):
 
 async def test_posted_commits_are_written_in_order_and_forget_drops_unwritten_ones(tmp_path: Path):
     async with open_store(tmp_path, CommitLogConfig(segment_bytes=1 << 20)) as store:
-        client = LocalStoreClient(store)
+        client = LocalStore(store)
         await client.activate("q", "a")
         async with trio.open_nursery() as nursery:
             batcher = CommitBatcher(client, nursery)

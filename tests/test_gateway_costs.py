@@ -21,7 +21,7 @@ from trio_websocket import ConnectionClosed, open_websocket_url
 
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.app.config import OPTIONS
-from gateway.node.node import serve_gateway
+from gateway.app.embedded import serve_gateway
 from gateway.mqtt.packets import MQTT_5, MQTT_311, Connack, Connect, Disconnect, Pingreq, Publish
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import ReasonCode

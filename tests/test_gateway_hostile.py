@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from gateway.node import connection as server
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
 from gateway.app.config import OPTIONS
-from gateway.node.node import serve_gateway
+from gateway.app.embedded import serve_gateway
 from gateway.mqtt.packets import (
     MQTT_5, MQTT_311, Connack, Connect, Disconnect, Packet, Puback, Publish, Suback, Subscribe, SubscriptionOptions,
 )

@@ -37,7 +37,7 @@ from gateway.mqtt.channel import RATE_DEBT_S, Channel, ChannelConfig
 from gateway.mqtt.codec import RemoteProtocolError, encode
 from gateway.app.config import OPTIONS
 from gateway.mqtt.limits import LOG_INTERVAL_S, HitLog, Limit, LimitCounters
-from gateway.node.node import _channel_config
+from gateway.app.serve import channel_config
 from gateway.mqtt.packets import (
     MQTT_5,
     MQTT_311,
@@ -382,17 +382,17 @@ def test_qos1_deliveries_are_not_dropped_by_the_qos0_limit():
 # --- configuration ----------------------------------------------------------------------------
 
 
-def test_options_reach_the_channel_config():
+def test_options_reach_thechannel_config():
     settings = {o.key: o.default for o in OPTIONS}
-    assert _channel_config(settings) == _channel_config(settings)  # defaults: every limit off or at its maximum
-    default = _channel_config(settings)
+    assert channel_config(settings) == channel_config(settings)  # defaults: every limit off or at its maximum
+    default = channel_config(settings)
     assert (default.max_topic_length, default.max_topic_levels, default.max_subscriptions, default.publish_rate,
             default.publish_bytes_rate, default.qos0_queue_bytes) == (4096, 128, 1024, 0, 0, 0)
     assert default.repeat_limit == RepeatLimit(32, 8192)
     settings.update({"limits.max_topic_length": 100, "limits.max_topic_levels": 8, "limits.max_subscriptions": 50,
                      "limits.publish_rate": 10.0, "limits.publish_burst": 20.0, "limits.publish_bytes_rate": 1e6,
                      "limits.qos0_queue_bytes": 65536})
-    config = _channel_config(settings)
+    config = channel_config(settings)
     assert (config.max_topic_length, config.max_topic_levels, config.max_subscriptions, config.publish_rate,
             config.publish_burst, config.publish_bytes_rate, config.qos0_queue_bytes) == (
         100, 8, 50, 10.0, 20.0, 1e6, 65536)

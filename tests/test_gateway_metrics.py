@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway import __version__
 from gateway.app.config import OPTIONS
 from gateway.ops.metrics import histogram
-from gateway.node.node import serve_gateway
+from gateway.app.embedded import serve_gateway
 from gateway.auth.passwords import PasswordFile
 from store.log.aio import LatencyBuckets
 
@@ -131,7 +131,7 @@ def test_auth_failures_and_limit_hits_are_counted(node):
 
 
 async def test_each_node_of_a_process_has_its_own_registry(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="gateway.node.node")
+    caplog.set_level(logging.INFO, logger="gateway.app.serve")
 
     def admin_ports() -> list[int]:
         return [r.ctx["port"] for r in caplog.records if r.getMessage() == "admin API ready"]

@@ -7,10 +7,11 @@ import msgspec
 import pytest
 import trio
 
-from gateway.mqtt.actions import InFlight, Message, Phase, Subscription
+from gateway.mqtt.actions import InFlight, Phase, Subscription
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.app.config import OPTIONS
-from gateway.node.node import _rejoin, _split, serve_gateway
+from gateway.app.embedded import serve_gateway
+from gateway.node.sessions import rejoin, split
 from gateway.mqtt.session import decode_session, encode_session
 from gateway.mqtt.packets import MQTT_5, Connack, Connect, Disconnect, Suback, Subscribe, SubscriptionOptions
 from gateway.mqtt.properties import Properties
@@ -37,8 +38,7 @@ async def test_session_blobs_are_durable_and_droppable(tmp_path):
 def test_session_state_round_trips_through_its_blob():
     state = SessionState(
         "dev-1", 3600, (Subscription("a/+", "a/+", SubscriptionOptions(qos=2)),), {"a/+": 3}, {"a/+": 5},
-        frozenset({7}), (InFlight(9, "a/+", 4, 2, Phase.RELEASED),), 10,
-        Message("dead/dev-1", b"bye", 1, False, Properties(message_expiry_interval=60)), 5,
+        frozenset({7}), (InFlight(9, "a/+", 4, 2, Phase.RELEASED),), 10, {3: 700}, {"a/+": 2}, True,
     )
     assert decode_session(encode_session(state)) == state
     with pytest.raises(msgspec.DecodeError):
@@ -48,16 +48,16 @@ def test_session_state_round_trips_through_its_blob():
 def test_suspended_subscriptions_rejoin_every_save_and_a_reused_packet_id_is_delivered_again():
     state = SessionState("dev", 60, (Subscription("a/#", "a/#"), Subscription("b/#", "b/#")), {"a/#": 3, "b/#": 5},
                          {"a/#": 4, "b/#": 9}, frozenset(), (InFlight(7, "b/#", 6, 1), InFlight(8, "b/#", 7, 1)), 9)
-    kept, suspended = _split(state, {"b/#"})
+    kept, suspended = split(state, {"b/#"})
     assert [s.filter for s in kept.subscriptions] == ["a/#"] and not kept.inflight and "b/#" not in kept.offsets
     assert [s.filter for s in suspended.subscriptions] == ["b/#"] and len(suspended.inflight) == 2
     live = replace(kept, inflight=(InFlight(7, "a/#", 3, 1),))  # the connection reused packet id 7
-    whole = _rejoin(live, suspended)
+    whole = rejoin(live, suspended)
     assert [s.filter for s in whole.subscriptions] == ["a/#", "b/#"]
     assert whole.offsets["b/#"] == 5 and whole.cursors["b/#"] == 6  # back to the message whose id was reused
     assert [(e.packet_id, e.filter) for e in whole.inflight] == [(7, "a/#"), (8, "b/#")]
     resubscribed = replace(live, subscriptions=(*live.subscriptions, Subscription("b/#", "b/#")))
-    assert _rejoin(resubscribed, suspended) == resubscribed  # made again meanwhile: the live one wins
+    assert rejoin(resubscribed, suspended) == resubscribed  # made again meanwhile: the live one wins
 
 
 class RawClient:

@@ -9,7 +9,7 @@ import trio
 
 from gateway.node.commits import CommitBatcher
 from gateway.node.owed import OwedWrites
-from store.local import LocalStoreClient
+from store.local import LocalStore
 from store.log.commitlog import CommitLogConfig
 from store.log.errors import LogFullError
 from store.node import open_store
@@ -29,7 +29,7 @@ async def until(condition) -> None:
 async def test_owed_writes_are_done_in_order_before_the_owners_next_write_and_by_themselves(small_disk):
     filler = small_disk / "filler"
     async with open_store(small_disk / "data", CommitLogConfig(segment_bytes=1 << 20)) as store:
-        client = LocalStoreClient(store)
+        client = LocalStore(store)
         queues = store.queues
         async with trio.open_nursery() as nursery:
             owed = OwedWrites(nursery)
@@ -59,7 +59,7 @@ async def test_owed_writes_are_done_in_order_before_the_owners_next_write_and_by
 async def test_an_offset_commit_the_full_disk_refused_is_written_once_there_is_room(small_disk):
     filler = small_disk / "filler"
     async with open_store(small_disk / "data", CommitLogConfig(segment_bytes=1 << 20)) as store:
-        client = LocalStoreClient(store)
+        client = LocalStore(store)
         await client.activate("q", "s")
         async with trio.open_nursery() as nursery:
             batcher = CommitBatcher(client, nursery)

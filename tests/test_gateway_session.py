@@ -138,12 +138,11 @@ def test_resume_ignores_in_flight_below_a_later_commit():
     assert session.inflight == ()
 
 
-def test_state_round_trip_keeps_subscriptions_qos2_state_and_will():
+def test_state_round_trip_keeps_subscriptions_and_qos2_state():
     session = attached()
     session.awaiting_rel.update({12: 700, 13: NOT_IN_LOG})
-    will = Message("w", b"bye")
-    state = session.state(will, 30)
-    assert state.subscriptions == (SUB,) and state.will == will
+    state = session.state()
+    assert state.subscriptions == (SUB,)
     assert state.awaiting == {12: 700} and state.awaiting_rel == {13}  # 13: unknown to the store
     assert Session("c", 60, state).awaiting_rel == {12: 700, 13: NOT_IN_LOG}
 

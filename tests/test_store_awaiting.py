@@ -21,6 +21,7 @@ import trio
 
 from store.awaiting import AwaitingRelease
 from store.log.commitlog import CommitLogConfig
+from store.api import NewMessage
 from store.node import open_store
 from store.log.record import CorruptRecord, Record, decode_record, encode_record, new_record
 from store.rocks import open_db
@@ -118,6 +119,7 @@ def test_a_log_cut_releases_what_lies_past_the_end(db):
 WRITER = textwrap.dedent("""
     import os, signal, sys, trio
     from pathlib import Path
+    from store.api import NewMessage
     from store.log.commitlog import CommitLogConfig
     from store.node import open_store
 
@@ -125,11 +127,12 @@ WRITER = textwrap.dedent("""
         async with open_store(Path(sys.argv[1]), CommitLogConfig(flush=sys.argv[2])) as store:
             offsets = []
             for pid in (1, 2, 3):
-                offsets.append(await store.append("t", b"m", client_id="pub", qos=2, packet_id=pid))
+                [offset] = await store.append([NewMessage("t", b"m", "pub", 2, packet_id=pid)])
+                offsets.append(offset)
             await store.release_awaiting([("pub", 2, offsets[1]), ("pub", 3, offsets[2])])
             await store.log.flush()
             # Packet id 3 again (its first flow is complete), appended and released before the log's next flush.
-            tail = await store.append("t", b"tail", client_id="pub", qos=2, packet_id=3, durable=False)
+            [tail] = await store.append([NewMessage("t", b"tail", "pub", 2, packet_id=3)], durable=False)
             await store.release_awaiting([("pub", 3, tail)])
             print(*offsets, tail, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -167,7 +170,7 @@ def test_a_power_loss_under_async_never_takes_a_later_message_for_a_resend(tmp_p
 
     async def new_message_with_recycled_id() -> dict[int, int]:
         async with open_store(tmp_path, CommitLogConfig(flush="async")) as store:
-            offset = await store.append("t", b"after", client_id="pub", qos=2, packet_id=3)
+            [offset] = await store.append([NewMessage("t", b"after", "pub", 2, packet_id=3)])
             assert offset == tail  # the lost tail's offset, reused
             return await store.awaiting_release("pub")
 

@@ -8,8 +8,9 @@ import trio
 
 from lightqueue.queues import LightQueues
 from store.log.commitlog import CommitLog, CommitLogConfig
-from store.groups import MAX_UNACKED, GroupCoordinator, GroupState, group_owner
-from store.node import open_store
+from store.api import NewMessage
+from store.groups import MAX_UNACKED, GroupState, group_owner
+from store.node import decode, open_store
 from store.log.record import decode_record, encode_record
 from store.rocks import open_db
 
@@ -111,6 +112,10 @@ def test_offset_at_time_finds_the_first_entry_stored_at_or_after_a_time(tmp_path
 
 # --- GroupCoordinator over a real store node --------------------------------------------------
 
+G = group_owner("g")
+A = ("a", "")  # back-end members: each connection is its node
+B = ("b", "")
+
 
 @pytest.fixture
 async def store(tmp_path):
@@ -119,94 +124,122 @@ async def store(tmp_path):
 
 
 @pytest.fixture
-async def groups(store, nursery):
-    coordinator = GroupCoordinator(store)
-    await nursery.start(coordinator.run)
-    return coordinator
+def groups(store):
+    return store.groups
 
 
 async def publish(store, *payloads: bytes, topic: str = "tele/dev1/temp") -> None:
-    await store.append_many([(topic, p, {}) for p in payloads])
+    await store.append([NewMessage(topic, p) for p in payloads])
     await store.dispatcher.wait_dispatched(store.log.log.written_offset)
 
 
+async def claim(groups, member, max_count=100, wait_s=0.0, group=G, queue="tele/#"):
+    return (await groups.claim(member, group, queue, max_count, 1 << 20, wait_s, decode)).messages
+
+
 def payloads(entries) -> list[bytes]:
-    return [decode_record(raw, 0, log_offset).payload for _, log_offset, raw in entries]
+    return [record.payload for _, record in entries]
+
+
+def offsets(entries) -> list[int]:
+    return [offset for offset, _ in entries]
 
 
 async def test_two_members_share_the_queue_and_each_message_goes_to_one(store, groups):
     await publish(store, *[b"%d" % i for i in range(10)])
-    assert await groups.join("a", "g", "tele/#") == 0
-    await groups.join("b", "g", "tele/#")
-    got = {"a": [], "b": []}
+    assert await groups.join(A, G, "tele/#", "earliest") == 0
+    await groups.join(B, G, "tele/#")
+    got = {A: [], B: []}
     sizes = []
-    for member in "abab":
-        claimed = await groups.claim(member, "g", "tele/#", 100, 1 << 20, 0)
+    for member in (A, B, A, B):
+        claimed = await claim(groups, member)
         sizes.append(len(claimed))
         got[member] += payloads(claimed)
     assert sizes == [5, 3, 1, 1]  # each claim takes a fair share of what is left: ceil(backlog / members)
-    assert sorted(got["a"] + got["b"], key=int) == [b"%d" % i for i in range(10)]
-    assert await groups.claim("a", "g", "tele/#", 100, 1 << 20, 0) == []
+    assert sorted(got[A] + got[B], key=int) == [b"%d" % i for i in range(10)]
+    assert await claim(groups, A) == []
 
 
-async def test_acknowledged_offsets_are_committed_under_the_group_owner_and_survive_a_reload(store, groups):
+async def test_acknowledged_offsets_are_committed_under_the_group_name_and_survive_a_reload(store, groups):
     await publish(store, b"0", b"1", b"2")
-    await groups.join("a", "g", "tele/#")
-    got = await groups.claim("a", "g", "tele/#", 2, 1 << 20, 0)
-    assert await groups.ack("a", "g", "tele/#", [o for o, _, _ in got]) == 2
-    assert store.queues.get_offsets(group_owner("g")) == {"tele/#": 2}
-    groups.leave_all("a")  # the last member: the group is unloaded; the store keeps its offset
-    assert await groups.join("b", "g", "tele/#", "latest") == 2  # the committed offset wins over the start
-    assert payloads(await groups.claim("b", "g", "tele/#", 10, 1 << 20, 0)) == [b"2"]
+    await groups.join(A, G, "tele/#", "earliest")
+    got = await claim(groups, A, 2)
+    assert await groups.ack(A, G, "tele/#", offsets(got)) == 2
+    assert store.queues.get_offsets(G) == {"tele/#": 2}
+    groups.leave_node("a")  # the last member: the group is unloaded; the store keeps its offset
+    assert await groups.join(B, G, "tele/#", "latest") == 2  # the committed offset wins over the start
+    assert payloads(await claim(groups, B, 10)) == [b"2"]
 
 
 async def test_unacknowledged_messages_of_a_member_that_goes_are_delivered_to_another(store, groups):
     await publish(store, b"0", b"1", b"2", b"3")
-    await groups.join("a", "g", "tele/#")
-    await groups.join("b", "g", "tele/#")
-    got_a = await groups.claim("a", "g", "tele/#", 100, 1 << 20, 0)
-    got_b = await groups.claim("b", "g", "tele/#", 100, 1 << 20, 0)
-    await groups.ack("b", "g", "tele/#", [o for o, _, _ in got_b])
-    groups.leave_all("a")
+    await groups.join(A, G, "tele/#", "earliest")
+    await groups.join(B, G, "tele/#")
+    got_a = await claim(groups, A)
+    got_b = await claim(groups, B)
+    await groups.ack(B, G, "tele/#", offsets(got_b))
+    groups.leave_node("a")
     assert payloads(got_a) == [b"0", b"1"] and payloads(got_b) == [b"2"]
-    again = await groups.claim("b", "g", "tele/#", 100, 1 << 20, 0)
+    again = await claim(groups, B)
     assert payloads(again) == [b"0", b"1", b"3"]  # handed back first, then the rest of the backlog
-    assert await groups.ack("b", "g", "tele/#", [o for o, _, _ in again]) == 4
+    assert await groups.ack(B, G, "tele/#", offsets(again)) == 4
+
+
+async def test_a_member_acknowledges_what_it_holds_below_an_offset(store, groups):
+    await publish(store, b"0", b"1", b"2", b"3")
+    await groups.join(A, G, "tele/#", "earliest")
+    assert offsets(await claim(groups, A)) == [0, 1, 2, 3]
+    assert await groups.ack(A, G, "tele/#", below=3) == 3  # an MQTT session acknowledges by its committed offset
 
 
 async def test_a_claim_waits_for_new_messages_and_wakes_on_their_dispatch(store, groups, nursery):
-    await groups.join("a", "g", "tele/+/temp", "latest")  # a wildcard filter: the group activates it
+    await groups.join(A, G, "tele/+/temp", "latest")  # a wildcard filter: the group activates it
     claimed = []
 
-    async def claim():
-        claimed.extend(await groups.claim("a", "g", "tele/+/temp", 10, 1 << 20, WAIT_S))
+    async def wait_for_one():
+        claimed.extend(await claim(groups, A, 10, WAIT_S, queue="tele/+/temp"))
 
     async with trio.open_nursery() as waiting:
-        waiting.start_soon(claim)
+        waiting.start_soon(wait_for_one)
         await trio.testing.wait_all_tasks_blocked()
         await publish(store, b"new", topic="tele/dev9/temp")
     assert payloads(claimed) == [b"new"]
-    assert store.queues.holders("tele/+/temp") == [group_owner("g")]
+    assert store.queues.holders("tele/+/temp") == [G]
 
 
 async def test_a_group_starts_where_it_is_told_when_it_has_no_offset(store, groups):
     await publish(store, b"0", b"1", b"2", b"3")
-    assert await groups.join("m", "earliest", "tele/#", "earliest") == 0
-    assert await groups.join("m", "latest", "tele/#", "latest") == 4
-    assert await groups.join("m", "at-2", "tele/#", "offset", 2) == 2
-    assert await groups.join("m", "beyond", "tele/#", "offset", 99) == 4  # clamped to the head
-    last = store.queues.pull("tele/#", 3, 1, 1 << 20, store.log.log, lambda raw, off: decode_record(raw, 0, off))
+    m = ("m", "")
+    assert await groups.join(m, "earliest", "tele/#", "earliest") == 0
+    assert await groups.join(m, "latest", "tele/#", "latest") == 4
+    assert await groups.join(m, "at-2", "tele/#", "offset", 2) == 2
+    assert await groups.join(m, "beyond", "tele/#", "offset", 99) == 4  # clamped to the head
+    last = store.queues.pull("tele/#", 3, 1, 1 << 20, store.log.log, decode)
     store_ms = last.messages[0][1].store_ms
-    assert await groups.join("m", "by-time", "tele/#", "time", store_ms + 1) == 4
-    assert await groups.join("m", "by-time-0", "tele/#", "time", 0) == 0
+    assert await groups.join(m, "by-time", "tele/#", "time", store_ms + 1) == 4
+    assert await groups.join(m, "by-time-0", "tele/#", "time", 0) == 0
 
 
 async def test_bad_joins_and_claims_are_refused_with_reasons(groups):
     with pytest.raises(ValueError, match="start must be"):
-        await groups.join("a", "g", "tele/#", "yesterday")
+        await groups.join(A, G, "tele/#", "yesterday")
     with pytest.raises(ValueError, match="must not be empty"):
-        await groups.join("a", "", "tele/#")
+        await groups.join(A, "", "tele/#")
     with pytest.raises(ValueError, match="join first"):
-        await groups.claim("a", "g", "tele/#", 1, 1, 0)
+        await claim(groups, A, 1)
     with pytest.raises(ValueError, match="join first"):
-        await groups.ack("a", "g", "tele/#", [0])
+        await groups.ack(A, G, "tele/#", [0])
+
+
+async def test_a_shared_subscription_holds_its_filter_until_its_last_subscriber_unsubscribes(store, groups):
+    """Members of an MQTT shared subscription on two nodes: one node's subscriber leaving must not release the
+    group's filter while another node's subscriber (connected or not) still holds the subscription."""
+    share = "$share/g"
+    gw1, gw2 = ("gw1", "dev-1"), ("gw2", "dev-2")
+    await groups.join(gw1, share, "tele/+/temp")
+    await groups.join(gw2, share, "tele/+/temp")
+    groups.leave_node("gw2")  # dev-2's node went away: dev-2 is a subscriber still
+    await groups.leave(gw1, share, "tele/+/temp", unsubscribe=True)
+    assert store.queues.holders("tele/+/temp") == [share]
+    await groups.drop_subscriber("dev-2")  # dev-2's session ended (expiry, clean start)
+    assert store.queues.holders("tele/+/temp") == []

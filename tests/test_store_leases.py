@@ -1,126 +1,199 @@
-"""Node leases and held wills (store/leases.py), on trio's virtual clock (pytest-trio's ``autojump_clock``)."""
+"""Node leases and what the store keeps for their clients: presence, wills, session expiry (store/leases.py).
+
+On trio's virtual clock (pytest-trio's ``autojump_clock``): a lease of 5 s and wills delayed by minutes cost
+no real time.
+"""
 
 import trio
 
-from store.leases import NodeLeases
+from store.api import NewMessage
+from store.leases import NEVER_EXPIRES, Leases
 
 LEASE_S = 5.0
 
 
-def will(client_id: str):
-    return (f"will/{client_id}", b"gone", {"client_id": client_id, "qos": 1})
+def will(client_id: str) -> NewMessage:
+    return NewMessage(f"will/{client_id}", b"gone", client_id, 1)
 
 
-class Appended:
-    """The append callback: records what was appended, and when (virtual time)."""
+class Store:
+    """The store's side of the leases: what was appended and which sessions ended, and when (virtual time)."""
 
     def __init__(self):
-        self.messages = []
+        self.appended = []
+        self.ended = []
+        self.moved = []
         self.changed = trio.Event()
 
-    async def __call__(self, messages):
-        self.messages += [(trio.current_time(), m) for m in messages]
+    async def append(self, messages):
+        self.appended += [(trio.current_time(), m.topic) for m in messages]
+        self._changed()
+        return [0] * len(messages)
+
+    async def end_session(self, client_id):
+        self.ended.append((trio.current_time(), client_id))
+        self._changed()
+
+    def on_moved(self, node, client_id):
+        self.moved.append((node, client_id))
+
+    def _changed(self):
         self.changed.set()
         self.changed = trio.Event()
-        return [0] * len(messages)
+
+    async def wait_for(self, condition):
+        while not condition():
+            await self.changed.wait()
+
+    def leases(self, nursery) -> Leases:
+        return Leases(nursery, LEASE_S, append=self.append, end_session=self.end_session, on_moved=self.on_moved)
+
+
+def open_(leases, node, client_id, *, expiry_s=0, delay=0, with_will=True, clean_start=False):
+    return leases.open(node, client_id, expiry_s=expiry_s, will=will(client_id) if with_will else None,
+                       will_delay_s=delay, clean_start=clean_start)
 
 
 async def test_wills_fire_lease_plus_delay_after_the_last_frame(autojump_clock):
-    appended = Appended()
+    store = Store()
     async with trio.open_nursery() as nursery:
-        leases = NodeLeases(appended, nursery, LEASE_S)
+        leases = store.leases(nursery)
         leases.connected("gw1")
-        leases.hold("gw1", "a", will("a"), 0)
-        leases.hold("gw1", "b", will("b"), 3)
+        open_(leases, "gw1", "a")
+        open_(leases, "gw1", "b", delay=3)
         await trio.sleep(2)
         leases.seen("gw1")
         last_frame = trio.current_time()
         leases.disconnected("gw1")
-        while len(appended.messages) < 2:
-            await appended.changed.wait()
-        assert [(t - last_frame, m[0]) for t, m in appended.messages] == [(LEASE_S, "will/a"), (LEASE_S + 3, "will/b")]
+        await store.wait_for(lambda: len(store.appended) == 2)
+        assert [(t - last_frame, topic) for t, topic in store.appended] == [(LEASE_S, "will/a"), (LEASE_S + 3, "will/b")]
         stats = leases.statistics()
-        assert (stats.nodes, stats.wills_held, stats.wills_fired, stats.leases_ended) == (0, 0, 2, 1)
+        assert (stats.nodes, stats.clients, stats.wills_fired, stats.leases_ended) == (0, 0, 2, 1)
 
 
-async def test_reconnecting_within_the_lease_keeps_the_wills_held(autojump_clock):
-    appended = Appended()
+async def test_reconnecting_within_the_lease_keeps_the_clients(autojump_clock):
+    store = Store()
     async with trio.open_nursery() as nursery:
-        leases = NodeLeases(appended, nursery, LEASE_S)
+        leases = store.leases(nursery)
         leases.connected("gw1")
-        leases.hold("gw1", "a", will("a"), 0)
+        open_(leases, "gw1", "a", expiry_s=1)
         leases.disconnected("gw1")
         await trio.sleep(LEASE_S - 1)
         leases.connected("gw1")
         await trio.sleep(10 * LEASE_S)
-        assert appended.messages == []
-        assert leases.statistics().wills_held == 1
+        assert store.appended == [] and store.ended == []
+        assert leases.where("a") == "gw1"
         nursery.cancel_scope.cancel()
 
 
 async def test_a_node_with_another_connection_keeps_its_lease(autojump_clock):
-    appended = Appended()
+    store = Store()
     async with trio.open_nursery() as nursery:
-        leases = NodeLeases(appended, nursery, LEASE_S)
+        leases = store.leases(nursery)
         leases.connected("gw1")
         leases.connected("gw1")  # a replacing connection shook hands before the old one ended
-        leases.hold("gw1", "a", will("a"), 0)
+        open_(leases, "gw1", "a")
         leases.disconnected("gw1")
         await trio.sleep(10 * LEASE_S)
-        assert appended.messages == []
+        assert store.appended == []
         nursery.cancel_scope.cancel()
 
 
-async def test_dropped_will_does_not_fire(autojump_clock):
-    appended = Appended()
+async def test_a_normal_disconnect_drops_the_will_and_a_due_one_waits_for_its_delay(autojump_clock):
+    store = Store()
     async with trio.open_nursery() as nursery:
-        leases = NodeLeases(appended, nursery, LEASE_S)
+        leases = store.leases(nursery)
         leases.connected("gw1")
-        leases.hold("gw1", "a", will("a"), 0)
-        leases.drop("gw1", "a")
-        leases.disconnected("gw1")
-        await trio.sleep(10 * LEASE_S)
-        assert appended.messages == []
-        assert leases.statistics().leases_ended == 1
+        open_(leases, "gw1", "quiet")
+        open_(leases, "gw1", "lost")
+        assert leases.close("gw1", "quiet", expiry_s=0, will_delay_s=None)
+        closed = trio.current_time()
+        assert leases.close("gw1", "lost", expiry_s=0, will_delay_s=7)
+        await store.wait_for(lambda: store.appended)
+        assert store.appended == [(closed + 7, "will/lost")]
+        await trio.sleep(100)
+        assert len(store.appended) == 1
 
 
-async def test_resuming_on_another_node_within_the_delay_cancels_the_will(autojump_clock):
-    appended = Appended()
+async def test_a_session_expires_after_its_close_unless_it_resumes(autojump_clock):
+    store = Store()
     async with trio.open_nursery() as nursery:
-        leases = NodeLeases(appended, nursery, LEASE_S)
+        leases = store.leases(nursery)
+        leases.connected("gw1")
+        open_(leases, "gw1", "a", expiry_s=60, with_will=False)
+        open_(leases, "gw1", "b", expiry_s=60, with_will=False)
+        open_(leases, "gw1", "forever", expiry_s=NEVER_EXPIRES, with_will=False)
+        for client_id in ("a", "b", "forever"):
+            leases.close("gw1", client_id, expiry_s=60 if client_id != "forever" else NEVER_EXPIRES,
+                         will_delay_s=None)
+        closed = trio.current_time()
+        await trio.sleep(30)
+        open_(leases, "gw1", "b", expiry_s=60, with_will=False)  # resumed in time: its expiry stops
+        await store.wait_for(lambda: store.ended)
+        assert store.ended == [(closed + 60, "a")]
+        await trio.sleep(10 * 60)
+        assert store.ended == [(closed + 60, "a")]
+        assert leases.statistics().sessions_expired == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_clients_of_an_ended_lease_expire_from_its_end(autojump_clock):
+    """Sessions used to expire only by their gateway's timer: a gateway that died left them forever."""
+    store = Store()
+    async with trio.open_nursery() as nursery:
+        leases = store.leases(nursery)
+        leases.connected("gw1")
+        open_(leases, "gw1", "persistent", expiry_s=30, with_will=False)
+        open_(leases, "gw1", "clean", expiry_s=0, with_will=False)
+        leases.disconnected("gw1")  # the node died
+        ended = trio.current_time() + LEASE_S
+        await store.wait_for(lambda: len(store.ended) == 2)
+        assert store.ended == [(ended, "clean"), (ended + 30, "persistent")]
+
+
+async def test_connecting_to_another_node_moves_the_client_and_the_old_nodes_close_is_ignored(autojump_clock):
+    """A stale copy on the first node must not expire, resume over, or end the session that moved."""
+    store = Store()
+    async with trio.open_nursery() as nursery:
+        leases = store.leases(nursery)
         leases.connected("gw1")
         leases.connected("gw2")
-        leases.hold("gw1", "a", will("a"), 30)
-        leases.hold("gw1", "b", will("b"), 30)
+        open_(leases, "gw1", "a", expiry_s=10, delay=30)
+        open_(leases, "gw2", "a", expiry_s=10, with_will=False)
+        assert store.moved == [("gw1", "a")]
+        assert not leases.close("gw1", "a", expiry_s=10, will_delay_s=30)  # gw1's connection closes afterwards
+        await trio.sleep(100)
+        assert store.appended == [] and store.ended == []  # gw1's will was dropped; a is gw2's
+        assert leases.where("a") == "gw2"
+        leases.disconnected("gw1")
+        await trio.sleep(100)
+        assert store.appended == [] and store.ended == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_resuming_within_the_delay_cancels_the_will_and_a_clean_start_makes_it_due_now(autojump_clock):
+    store = Store()
+    async with trio.open_nursery() as nursery:
+        leases = store.leases(nursery)
+        leases.connected("gw1")
+        leases.connected("gw2")
+        open_(leases, "gw1", "a", delay=30)
+        open_(leases, "gw1", "b", delay=30)
         leases.disconnected("gw1")
         await trio.sleep(LEASE_S + 1)
         assert leases.statistics().wills_pending == 2
-        leases.drop("gw2", "a")  # a resumed on gw2 without a will
-        leases.hold("gw2", "b", will("b2"), 30)  # b resumed with a new will
+        assert open_(leases, "gw2", "a", with_will=False) is None  # a resumed on gw2: its will is off
+        due = open_(leases, "gw2", "b", clean_start=True)  # b started a new session: the old one's will is due
+        assert due is not None and due.topic == "will/b"
         await trio.sleep(100)
-        assert appended.messages == []
-        assert leases.statistics().wills_held == 1  # b's new will, under gw2's lease
-        nursery.cancel_scope.cancel()
-
-
-async def test_another_nodes_drop_leaves_a_will_held_by_the_client_now(autojump_clock):
-    appended = Appended()
-    async with trio.open_nursery() as nursery:
-        leases = NodeLeases(appended, nursery, LEASE_S)
-        leases.connected("gw1")
-        leases.connected("gw2")
-        leases.hold("gw2", "a", will("a"), 0)  # a moved to gw2 ...
-        leases.drop("gw1", "a")  # ... and gw1 reports its old connection closed afterwards
-        leases.disconnected("gw2")
-        while not appended.messages:
-            await appended.changed.wait()
-        assert appended.messages[0][1][0] == "will/a"
+        assert store.appended == []  # the caller publishes a due will
+        assert leases.statistics().wills_held == 1  # b's new will, held for gw2
         nursery.cancel_scope.cancel()
 
 
 async def test_a_node_back_within_its_lease_resumes_it_and_after_its_end_gets_a_new_one(autojump_clock):
     async with trio.open_nursery() as nursery:
-        leases = NodeLeases(Appended(), nursery, LEASE_S)
+        leases = Store().leases(nursery)
         epoch, _ = leases.connected("gw1")
         leases.disconnected("gw1")
         await trio.sleep(LEASE_S - 1)
@@ -133,16 +206,15 @@ async def test_a_node_back_within_its_lease_resumes_it_and_after_its_end_gets_a_
         nursery.cancel_scope.cancel()
 
 
-async def test_a_client_resuming_on_another_node_drops_the_will_the_first_node_holds(autojump_clock):
-    appended = Appended()
+async def test_a_client_registered_again_after_a_reconnect_never_displaces_a_newer_connection(autojump_clock):
+    store = Store()
     async with trio.open_nursery() as nursery:
-        leases = NodeLeases(appended, nursery, LEASE_S)
+        leases = store.leases(nursery)
         leases.connected("gw1")
         leases.connected("gw2")
-        leases.hold("gw1", "a", will("a"), 0)
-        leases.resumed_on("gw2", "a")  # gw1 is frozen: it never drops the will itself
-        leases.disconnected("gw1")
-        await trio.sleep(10 * LEASE_S)
-        assert appended.messages == []
-        assert leases.statistics().leases_ended == 1
+        open_(leases, "gw2", "a")
+        leases.reattach("gw1", "a", expiry_s=0, will=will("a"), will_delay_s=0)  # gw1's older connection of a
+        assert leases.where("a") == "gw2" and store.moved == [("gw1", "a")]
+        leases.reattach("gw2", "b", expiry_s=0, will=will("b"), will_delay_s=0)  # a store restart forgot b
+        assert leases.where("b") == "gw2"
         nursery.cancel_scope.cancel()

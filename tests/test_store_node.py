@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from store.local import INLINE_PULL, LocalStoreClient, PullRequest
+from gateway.app.process import freeze_startup_objects
+from store.api import NewMessage, PullRequest
+from store.local import INLINE_PULL, LocalStore
 from store.log.commitlog import CommitLogConfig
 from store.node import open_store
-from store.process import freeze_startup_objects
 from store.log.record import RecordTooLarge
 
 CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
@@ -19,13 +20,10 @@ async def test_appended_messages_are_indexed_and_pullable(tmp_path: Path):
     events: list[dict[str, int]] = []
     async with open_store(tmp_path, CONFIG, listener=events.append) as node:
         start = await node.dispatcher.activate("tele/+/temp", "session-1")
-        offsets = await node.append_many(
-            [("tele/d1/temp", b"21.5", {"client_id": "d1", "qos": 1}),
-             ("tele/d2/hum", b"40", {"client_id": "d2"})]
-        )
+        offsets = await node.append([NewMessage("tele/d1/temp", b"21.5", "d1", 1), NewMessage("tele/d2/hum", b"40", "d2")])
         with trio.fail_after(10):
             await node.dispatcher.wait_dispatched(node.log.log.written_offset)
-        result = await node.pull("tele/+/temp", start)
+        result = node.read("tele/+/temp", start)
         assert [(o, r.topic, r.payload) for o, r in result.messages] == [(start, "tele/d1/temp", b"21.5")]
         assert len(offsets) == 2
     merged = {k: v for batch in events for k, v in batch.items()}
@@ -36,30 +34,31 @@ async def test_appended_messages_are_indexed_and_pullable(tmp_path: Path):
 
 async def test_state_survives_a_clean_restart(tmp_path: Path):
     async with open_store(tmp_path, CONFIG) as node:
-        await node.append("cmd/dev-7", b"reboot", client_id="app", qos=1, durable=True)
+        await node.append([NewMessage("cmd/dev-7", b"reboot", "app", 1)], durable=True)
         with trio.fail_after(10):
             await node.dispatcher.wait_dispatched(node.log.log.written_offset)
     async with open_store(tmp_path, CONFIG) as node:
         assert node.queues.max_offset("cmd/dev-7") == 1
         assert node.dispatcher.lag == 0
-        ((offset, record),) = (await node.pull("cmd/dev-7", 0)).messages
+        ((offset, record),) = node.read("cmd/dev-7", 0).messages
         assert (offset, record.payload, record.client_id, record.qos) == (0, b"reboot", "app", 1)
 
 
-async def test_append_now_appends_in_the_callers_step_only_when_nothing_must_be_waited_for(tmp_path: Path):
+async def test_append_nowait_appends_in_the_callers_step_only_when_nothing_must_be_waited_for(tmp_path: Path):
     async with open_store(tmp_path / "async", CONFIG) as node:
-        (offset,) = node.append_now([("a/b", b"now", {"qos": 1})])
+        (offset,) = node.append_nowait([NewMessage("a/b", b"now", qos=1)])
         assert node.log.log.written_offset > offset and node.recent.get(offset).payload == b"now"
         with trio.fail_after(10):
             await node.dispatcher.wait_dispatched(node.log.log.written_offset)
-        assert [r.payload for _, r in (await node.pull("a/b", 0)).messages] == [b"now"]
+        assert [r.payload for _, r in node.read("a/b", 0).messages] == [b"now"]
         written = node.log.log.written_offset
         with pytest.raises(RecordTooLarge):
-            node.append_now([("a/b", b"x" * (CONFIG.max_record_bytes + 1), {})])
+            node.append_nowait([NewMessage("a/b", b"x" * (CONFIG.max_record_bytes + 1))])
         assert node.log.log.written_offset == written  # nothing appended
     sync = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10, flush="sync")
     async with open_store(tmp_path / "sync", sync) as node:
-        assert node.append_now([("a/b", b"later", {})]) is None  # the fsync must be awaited: append() does it
+        with pytest.raises(trio.WouldBlock):  # the fsync must be awaited: append() does it
+            node.append_nowait([NewMessage("a/b", b"later")])
         assert node.log.log.written_offset == 0
 
 
@@ -74,28 +73,29 @@ def test_freezing_startup_objects_hides_them_from_the_collector():
 
 
 async def test_a_large_pull_runs_in_the_callers_step_only_when_its_records_are_kept_in_memory(tmp_path: Path):
-    messages = [("tele/d1", b"%d" % i, {}) for i in range(INLINE_PULL * 2)]
+    messages = [NewMessage("tele/d1", b"%d" % i) for i in range(INLINE_PULL * 2)]
     large = [PullRequest("tele/#", 0, max_count=INLINE_PULL * 2)]
     async with open_store(tmp_path, CONFIG) as node:
-        node.append_now(messages)
+        node.append_nowait(messages)
         with trio.fail_after(10):
             await node.dispatcher.wait_dispatched(node.log.log.written_offset)
-        client = LocalStoreClient(node)
+        client = LocalStore(node)
         assert node.in_memory("tele/#", 0) and not node.in_memory("tele/#", INLINE_PULL * 2)  # the head: none
-        (result,) = client.pull_now(large)
-        assert [r.payload for _, r in result.messages] == [m[1] for m in messages]
+        (result,) = client.pull_nowait(large)
+        assert [r.payload for _, r in result.messages] == [m.payload for m in messages]
     async with open_store(tmp_path, CONFIG) as node:  # restarted: nothing is kept in memory
-        client = LocalStoreClient(node)
+        client = LocalStore(node)
         assert not node.in_memory("tele/#", 0)
-        assert client.pull_now(large) is None  # the log must be read: a worker thread's job
+        with pytest.raises(trio.WouldBlock):  # the log must be read: a worker thread's job
+            client.pull_nowait(large)
         ((result,),) = [await client.pull(large)]
         assert len(result.messages) == INLINE_PULL * 2
-        assert client.pull_now([PullRequest("tele/#", 0, max_count=INLINE_PULL)]) is not None  # small: inline
+        assert client.pull_nowait([PullRequest("tele/#", 0, max_count=INLINE_PULL)])  # small: inline
 
 
 _FRAGMENT = """
 import os, sys
-from store.process import return_freed_buffers
+from gateway.app.process import return_freed_buffers
 if sys.argv[1] == "fixed":
     return_freed_buffers()
 def rss_mib():
@@ -128,7 +128,7 @@ def test_large_freed_buffers_go_back_to_the_system(tmp_path: Path):
 
 _HOLES = """
 import os, sys, trio
-from store.process import trim_freed_memory
+from gateway.app.process import trim_freed_memory
 def rss_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

@@ -19,13 +19,14 @@ from gateway.app.cli import _store_access
 from gateway.auth.passwords import PasswordFile
 from gateway.mqtt.properties import PacketType, decode_properties
 from lightqueue.topics import TopicError
+from store.api import NewMessage, PullRequest
+from store.groups import group_owner
 from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
-from store.local import PullRequest
 from store.log.commitlog import CommitLogConfig
 from store.node import open_store
 from store.clients.producer import Producer, encode_properties
 from store.log.record import RecordTooLarge
-from store.rpc.client import RemoteStoreClient, StoreRpcError
+from store.rpc.client import RemoteStore, StoreRpcError
 from store.rpc.server import serve_rpc
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
@@ -129,7 +130,7 @@ async def test_sends_are_batched_stored_in_order_and_each_handle_gets_its_offset
         stats = producer.statistics()
     assert offsets == sorted(offsets) and len(set(offsets)) == 300 and await retained > offsets[-1]
     assert stats.stored == 301 and stats.failed == 0 and stats.batches < 301
-    async with RemoteStoreClient.connect("127.0.0.1", port, node="reader") as client:
+    async with RemoteStore.connect("127.0.0.1", port, node="reader") as client:
         [cmd, status] = await client.pull([PullRequest("cmd/dev1", 0, 1000), PullRequest("status/dev1", 0, 10)])
         [kept] = await client.retained("status/#")
     records = [record for _, record in cmd.messages]
@@ -196,21 +197,23 @@ async def test_the_store_admits_clients_by_password_and_checks_their_topics(stor
         with pytest.raises(AccessDenied, match="gateway nodes only"):  # sessions are the gateways' business
             await producer.client.save_session("dev1", b"blob")
         with pytest.raises(AccessDenied, match="subscribe"):
-            await producer.client.join("g", "cmd/#")
-        qos2 = ("cmd/dev1", b"m", {"client_id": "dev1", "qos": 2, "packet_id": 7})
+            await producer.client.join(group_owner("g"), "cmd/#", "")
+        with pytest.raises(AccessDenied, match="groups as their connection"):  # not an MQTT shared group
+            await producer.client.join("$share/g", "cmd/#", "")
+        qos2 = NewMessage("cmd/dev1", b"m", "dev1", 2, packet_id=7)
         with pytest.raises(AccessDenied, match="packet id"):  # it would mark a flow of dev1 as awaiting PUBREL
             await producer.client.append([qos2])
         with pytest.raises(AccessDenied, match="gateway nodes only"):
             await producer.client.release_awaiting([("dev1", 7, 0)])
-    async with RemoteStoreClient.connect("127.0.0.1", port, node="gw-a", token="gw-secret") as gateway:
+    async with RemoteStore.connect("127.0.0.1", port, node="gw-a", token="gw-secret") as gateway:
         await gateway.save_session("dev1", b"blob")  # the token makes a trusted gateway node
         assert await gateway.load_session("dev1") == b"blob"
         [offset] = await gateway.append([qos2])  # a device's QoS 2 PUBLISH: the record says it awaits PUBREL
         assert await gateway.awaiting_release("dev1") == {7: offset}
         await gateway.release_awaiting([("dev1", 7, offset)])
         assert await gateway.awaiting_release("dev1") == {}
-    with pytest.raises(StoreRpcError, match="denied"):  # '$' names are the store's own (its group coordinator)
-        async with RemoteStoreClient.connect("127.0.0.1", port, node="$groups-1", token="gw-secret", timeout_s=5):
+    with pytest.raises(StoreRpcError, match="denied"):  # '$' names are the store's own
+        async with RemoteStore.connect("127.0.0.1", port, node="$groups-1", token="gw-secret", timeout_s=5):
             pass
 
 

@@ -1,4 +1,4 @@
-"""``StoreClient.read_log`` (CommitLog.read_span; the RPC's ReadLog): the log's raw bytes, the same through the
+"""``StoreApi.read_log`` (CommitLog.read_span; the RPC's ReadLog): the log's raw bytes, the same through the
 in-process and the RPC client, framed back into exactly the records the CommitLog's own scan returns."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import trio
 
-from store.local import LocalStoreClient
+from store.api import NewMessage
+from store.local import LocalStore
 from store.log.commitlog import CommitLogConfig
 from store.log.errors import OffsetExpired
 from store.node import open_store
 from store.log.record import decode_record
-from store.rpc.client import RemoteStoreClient
+from store.rpc.client import RemoteStore
 from store.rpc.server import serve_rpc
 
 SEGMENT = 16 * 1024
@@ -44,7 +45,7 @@ async def test_both_clients_read_the_whole_log_as_the_commitlog_scans_it(tmp_pat
                              retention_check_interval_s=0)  # retention runs only when the test calls it
     async with open_store(tmp_path, config) as store:
         for i in range(30):
-            await store.append_many([(f"a/{j}", b"x" * (j * 7 % 300), {}) for j in range(20)], durable=True)
+            await store.append([NewMessage(f"a/{j}", b"x" * (j * 7 % 300)) for j in range(20)], durable=True)
         log = store.log.log
         expected, offset = [], 0
         while offset < log.written_offset:
@@ -52,14 +53,14 @@ async def test_both_clients_read_the_whole_log_as_the_commitlog_scans_it(tmp_pat
             expected += [(r.offset, r.payload) for r in scanned.records]
             offset = scanned.next_offset
         assert len({s.base for s in log.segments()}) >= 5
-        local = LocalStoreClient(store, "reader")
+        local = LocalStore(store, "reader")
         try:
             assert await read_all(local, 1000) == expected  # small reads: records cut at the end of a span
         finally:
             local.close()
         listeners = await nursery.start(lambda task_status: serve_rpc(store, "127.0.0.1", 0, task_status=task_status))
         port = listeners[0].socket.getsockname()[1]
-        async with RemoteStoreClient.connect("127.0.0.1", port, node="reader") as remote:
+        async with RemoteStore.connect("127.0.0.1", port, node="reader") as remote:
             assert await read_all(remote, 1 << 20) == expected
             with pytest.raises(ValueError, match="beyond the flushed end"):
                 await remote.read_log(log.flushed_offset + 1, 10)

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from store.log.commitlog import SKIPPED, CommitLog, CommitLogConfig
+from store.api import NewMessage
 from store.node import open_store
 from store.log.recent import RecentRecords
 from store.log.record import decode_record, encode_record, new_record
@@ -92,19 +93,19 @@ def test_read_many_gives_none_for_records_retention_deleted(tmp_path: Path):
 async def test_appends_are_dispatched_and_pulled_from_memory(tmp_path: Path):
     async with open_store(tmp_path, CONFIG) as node:
         start = await node.dispatcher.activate("tele/+/temp", "s1")
-        messages = [(f"tele/d{i}/temp", b"%d" % i * 200, {"client_id": f"d{i}", "qos": 1}) for i in range(600)]
-        await node.append_many(messages)  # about 2.5 segments: the run of records breaks at each segment end
+        messages = [NewMessage(f"tele/d{i}/temp", b"%d" % i * 200, f"d{i}", 1) for i in range(600)]
+        await node.append(messages)  # about 2.5 segments: the run of records breaks at each segment end
         with trio.fail_after(10):
             await node.dispatcher.wait_dispatched(node.log.log.written_offset)
         stats = node.dispatcher.statistics()
         assert stats.records == 600 and stats.from_memory == 600
-        result = await node.pull("tele/+/temp", start, max_count=1000, max_bytes=1 << 30)
-        assert [r.payload for _, r in result.messages] == [payload for _, payload, _ in messages]
+        result = node.read("tele/+/temp", start, max_count=1000, max_bytes=1 << 30)
+        assert [r.payload for _, r in result.messages] == [m.payload for m in messages]
         assert result.messages[5][1] is node.recent.get(result.messages[5][1].offset)  # the kept object itself
     async with open_store(tmp_path, CONFIG) as node:  # a restart keeps nothing: pulls read the log
         assert len(node.recent) == 0
-        result = await node.pull("tele/+/temp", start, max_count=1000, max_bytes=1 << 30)
-        assert [r.payload for _, r in result.messages] == [payload for _, payload, _ in messages]
+        result = node.read("tele/+/temp", start, max_count=1000, max_bytes=1 << 30)
+        assert [r.payload for _, r in result.messages] == [m.payload for m in messages]
 
 
 async def test_wait_lag_returns_once_dispatch_caught_up(tmp_path: Path):

@@ -1,4 +1,4 @@
-"""RemoteStoreClient (store/rpc/client.py) against a real RPC server and store in this process, over real sockets."""
+"""RemoteStore (store/rpc/client.py) against a real RPC server and store in this process, over real sockets."""
 
 import socket
 
@@ -6,12 +6,13 @@ import pytest
 import trio
 
 from lightqueue.topics import TopicError
-from store.rpc import wire as rpc
-from store.local import INLINE_PULL, LocalStoreClient, PullRequest
+from store.api import LeaseLost, NewMessage, PullRequest, StoreUnavailable
+from store.local import INLINE_PULL, LocalStore
 from store.log.commitlog import CommitLogConfig
-from store.node import open_store
 from store.log.record import RecordTooLarge
-from store.rpc.client import LeaseLost, RemoteStoreClient, StoreRpcError, StoreUnavailable
+from store.node import open_store
+from store.rpc import wire as rpc
+from store.rpc.client import RemoteStore, StoreRpcError
 from store.rpc.server import serve_rpc
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
@@ -26,7 +27,7 @@ def free_port() -> int:
 
 @pytest.fixture
 async def store(tmp_path):
-    async with open_store(tmp_path / "data", CommitLogConfig(max_record_bytes=4096)) as node:
+    async with open_store(tmp_path / "data", CommitLogConfig(max_record_bytes=4096), lease_s=LEASE_S) as node:
         yield node
 
 
@@ -42,7 +43,7 @@ class Server:
     async def start(self) -> None:
         async def run(task_status):
             with trio.CancelScope() as self.scope:
-                await serve_rpc(self.store, "127.0.0.1", self.port, lease_s=LEASE_S, task_status=task_status)
+                await serve_rpc(self.store, "127.0.0.1", self.port, task_status=task_status)
 
         await self.nursery.start(run)
 
@@ -57,8 +58,8 @@ async def server(store, nursery):
     return server
 
 
-def message(topic: str, payload: bytes = b"m", **fields):
-    return topic, payload, {"client_id": "dev1", "qos": 1, **fields}
+def message(topic: str, payload: bytes = b"m", **fields) -> NewMessage:
+    return NewMessage(topic, payload, **{"client_id": "dev1", "qos": 1, **fields})
 
 
 async def disconnected(*clients) -> None:
@@ -78,9 +79,9 @@ async def next_events(client, queue: str, offset: int) -> dict:
                 return events
 
 
-async def test_every_call_answers_as_the_local_client_does(store, server):
-    local = LocalStoreClient(store, node="local-check")
-    async with RemoteStoreClient.connect("127.0.0.1", server.port, node="gw-a") as remote:
+async def test_every_call_answers_as_the_local_store_does(store, server):
+    local = LocalStore(store, node="local-check")
+    async with RemoteStore.connect("127.0.0.1", server.port, node="gw-a") as remote:
         assert await remote.activate("tele/+", "dev9") == 0
         remote.watch("tele/+")
         offsets = await remote.append([message("tele/a", b"one", retain=True), message("tele/b", b"two")])
@@ -89,29 +90,37 @@ async def test_every_call_answers_as_the_local_client_does(store, server):
         requests = [PullRequest("tele/+", 0), PullRequest("tele/a", 0, max_count=1), PullRequest("none", 5)]
         assert await remote.pull(requests) == await local.pull(requests)
         small = [PullRequest("tele/+", 0, max_count=8), PullRequest("tele/a", 0, max_count=1)]
-        assert local.pull_now(small) == await local.pull(small)  # small: read in the caller's step
+        assert local.pull_nowait(small) == await local.pull(small)  # small: read in the caller's step
         large = [PullRequest("tele/+", 0, max_count=INLINE_PULL + 1)]
-        assert local.pull_now(large) == await local.pull(large)  # large, but its records are kept in memory
-        assert remote.pull_now(small) is None  # a round trip: always awaited
+        assert local.pull_nowait(large) == await local.pull(large)  # large, but its records are kept in memory
+        with pytest.raises(trio.WouldBlock):  # a round trip: always awaited
+            remote.pull_nowait(small)
+        with pytest.raises(trio.WouldBlock):
+            remote.append_nowait([message("tele/a")])
         assert await remote.max_offsets(["tele/+", "tele/a", "none"]) == [2, 1, 0]
         await remote.commit_offsets({"dev9": {"tele/+": 1}, "$share/g": {"tele/a": 1}})
         assert await remote.get_offsets("dev9") == await local.get_offsets("dev9") == {"tele/+": 1}
+        await remote.commit_offsets({"dev9": {"tele/+": 0}})  # a late, lower commit: offsets never move back
+        assert await remote.get_offsets("dev9") == {"tele/+": 1}
         assert [r.payload for r in await remote.retained("tele/#")] == [b"one"]
-        assert await remote.load_session("dev9") is None
+        assert await remote.open_session("dev9", clean_start=False, expiry_s=60) is None
         await remote.save_session("dev9", b"\x00state")
-        assert await remote.load_session("dev9") == b"\x00state"
-        await remote.drop_session("dev9")
-        assert await local.load_session("dev9") is None
-        await remote.delete_owner("dev9")
-        assert await remote.get_offsets("dev9") == {}
-        assert await remote.release("tele/+", "dev9") is False  # delete_owner released it already
+        assert await remote.load_session("dev9") == b"\x00state" == await local.load_session("dev9")
+        assert await remote.sessions() == await local.sessions() == ["dev9"]
+        assert await remote.end_session("dev9")
+        assert await local.load_session("dev9") is None and await remote.get_offsets("dev9") == {}
+        assert await remote.release("tele/+", "dev9") is False  # the session's end released it already
+        assert await remote.join("$share/g", "tele/a", "dev7", start="earliest") == 1
+        claimed = await remote.claim("$share/g", "tele/a", "dev7", 10)
+        assert [r.payload for _, r in claimed.messages] == [] and claimed.next_offset == 1  # from its offset 1
+        await remote.leave("$share/g", "tele/a", "dev7", unsubscribe=True)
         stats = await remote.statistics()
         assert stats.notify_by_node["gw-a"] >= 1 and stats.written_offset == (await local.statistics()).written_offset
     local.close()
 
 
 async def test_store_errors_are_raised_as_the_local_store_raises_them(server):
-    async with RemoteStoreClient.connect("127.0.0.1", server.port) as remote:
+    async with RemoteStore.connect("127.0.0.1", server.port) as remote:
         with pytest.raises(TopicError, match="'#' must be the last level"):
             await remote.activate("a/#/b", "dev1")
         with pytest.raises(RecordTooLarge):
@@ -120,13 +129,11 @@ async def test_store_errors_are_raised_as_the_local_store_raises_them(server):
             await remote.append([message("a/b", qos=3)])
         with pytest.raises(ValueError, match="max_count and max_bytes must be positive"):
             await remote.pull([PullRequest("a/b", 0, max_count=0)])
-        with pytest.raises(TypeError, match="not all carried by the store RPC"):
-            await remote.append([("a/b", b"x", {"store_ms": 5})])
         assert await remote.max_offsets(["a/b"]) == [0]  # nothing was appended, and the connection goes on
 
 
 async def test_concurrent_calls_travel_in_batches_and_a_bad_one_fails_alone(server):
-    async with RemoteStoreClient.connect("127.0.0.1", server.port) as remote:
+    async with RemoteStore.connect("127.0.0.1", server.port) as remote:
         results = {}
 
         async def publish(i: int) -> None:
@@ -161,8 +168,8 @@ async def test_concurrent_calls_travel_in_batches_and_a_bad_one_fails_alone(serv
 
 
 async def test_events_follow_watches_and_stop_after_unwatch(server):
-    async with RemoteStoreClient.connect("127.0.0.1", server.port, node="gw-a") as remote, \
-            RemoteStoreClient.connect("127.0.0.1", server.port, node="gw-b") as other:
+    async with RemoteStore.connect("127.0.0.1", server.port, node="gw-a") as remote, \
+            RemoteStore.connect("127.0.0.1", server.port, node="gw-b") as other:
         remote.watch("a/b")
         remote.watch("a/b")  # two local sessions
         other.watch("x")
@@ -183,7 +190,7 @@ async def test_events_follow_watches_and_stop_after_unwatch(server):
 
 
 async def test_calls_fail_while_the_store_is_down_and_work_after_it_returns(server):
-    async with RemoteStoreClient.connect("127.0.0.1", server.port, node="gw-a") as remote:
+    async with RemoteStore.connect("127.0.0.1", server.port, node="gw-a") as remote:
         remote.watch("a/b")
         await remote.append([message("a/b")])
         await next_events(remote, "a/b", 1)
@@ -204,7 +211,7 @@ async def test_calls_fail_while_the_store_is_down_and_work_after_it_returns(serv
 
 
 async def test_appends_in_flight_when_the_store_goes_either_succeed_or_raise(store, server):
-    async with RemoteStoreClient.connect("127.0.0.1", server.port) as remote:
+    async with RemoteStore.connect("127.0.0.1", server.port) as remote:
         outcomes = []
 
         async def publish(i: int) -> None:
@@ -227,7 +234,7 @@ async def test_appends_in_flight_when_the_store_goes_either_succeed_or_raise(sto
 async def test_a_call_batched_on_a_link_that_broke_fails_at_once(server):
     """Between the break and the client dropping the link, calls still find it: they must not wait for ever
     (a PUBLISH at that moment got no PUBACK, and its connection's worker hung)."""
-    async with RemoteStoreClient.connect("127.0.0.1", server.port, node="gw-a") as remote:
+    async with RemoteStore.connect("127.0.0.1", server.port, node="gw-a") as remote:
         await remote.append([message("a/b")])
         link = remote._link
         server.stop()
@@ -235,26 +242,26 @@ async def test_a_call_batched_on_a_link_that_broke_fails_at_once(server):
             while not link.broken:
                 await trio.lowlevel.checkpoint()
         with trio.fail_after(WAIT_S), pytest.raises(StoreUnavailable):
-            await link.appends[None].submit([rpc.WireMessage("a/b", b"late")])
+            await link.appends[None].submit([NewMessage("a/b", b"late")])
         with trio.fail_after(WAIT_S), pytest.raises(StoreUnavailable):
-            await link.pulls.submit([rpc.QueueRead("a/b", 0, 1, 1024)])
+            await link.pulls.submit([PullRequest("a/b", 0, 1, 1024)])
 
 
 async def test_a_held_will_survives_a_store_restart_and_fires_when_the_node_is_gone(server):
-    async with RemoteStoreClient.connect("127.0.0.1", server.port, node="observer") as observer:
+    async with RemoteStore.connect("127.0.0.1", server.port, node="observer") as observer:
         observer.watch("will/dev1")
-        async with RemoteStoreClient.connect("127.0.0.1", server.port, node="gw-a") as gateway:
-            await gateway.hold_will("dev1", message("will/dev1", b"gone"), 0)
-            await gateway.hold_will("dev2", message("will/dev2", b"gone"), 0)
-            await gateway.drop_will("dev2")
-            server.stop()  # the store forgets held wills ...
+        async with RemoteStore.connect("127.0.0.1", server.port, node="gw-a") as gateway:
+            await gateway.open_session("dev1", clean_start=True, expiry_s=0, will=message("will/dev1", b"gone"))
+            await gateway.open_session("dev2", clean_start=True, expiry_s=0, will=message("will/dev2", b"gone"))
+            await gateway.close_session("dev2", expiry_s=0, will_delay_s=None)
+            server.stop()  # the store forgets where its clients are, and their wills ...
             await disconnected(gateway, observer)
             await server.start()
             with trio.fail_after(WAIT_S):
                 await gateway.wait_connected()
                 await observer.wait_connected()
-            await gateway.max_offsets([])  # ... and gw-a held them again first thing after reconnecting
-            assert gateway.client_statistics().wills_held == 1
+            await gateway.max_offsets([])  # ... and gw-a registered dev1 again first thing after reconnecting
+            assert gateway.client_statistics().clients == 1
         events = await next_events(observer, "will/dev1", 1)  # gw-a is gone: its lease ends, its will fires
         assert events == {"will/dev1": 1}
         assert await observer.max_offsets(["will/dev2"]) == [0]
@@ -263,7 +270,7 @@ async def test_a_held_will_survives_a_store_restart_and_fires_when_the_node_is_g
 async def test_connect_gives_up_after_its_timeout_when_nobody_listens():
     with trio.fail_after(WAIT_S):
         with pytest.raises(StoreUnavailable, match="within 0.3 s"):
-            async with RemoteStoreClient.connect("127.0.0.1", free_port(), timeout_s=0.3):
+            async with RemoteStore.connect("127.0.0.1", free_port(), timeout_s=0.3):
                 pass
 
 
@@ -277,7 +284,7 @@ async def test_a_store_of_another_protocol_version_is_refused(nursery):
     listeners = await nursery.start(trio.serve_tcp, old_store, 0)
     port = listeners[0].socket.getsockname()[1]
     with pytest.raises(StoreRpcError, match=f"version: not {rpc.PROTOCOL_VERSION}"):
-        async with RemoteStoreClient.connect("127.0.0.1", port):
+        async with RemoteStore.connect("127.0.0.1", port):
             pass
 
 
@@ -317,10 +324,9 @@ async def test_a_client_back_after_its_lease_ended_is_fenced_and_its_writes_of_t
         server, nursery, caplog):
     freezer = Freezer(server.port)
     [listener] = await nursery.start(freezer.serve)
-    async with RemoteStoreClient.connect("127.0.0.1", listener.socket.getsockname()[1], node="gw-a") as remote:
+    async with RemoteStore.connect("127.0.0.1", listener.socket.getsockname()[1], node="gw-a") as remote:
         ended = remote.epoch
-        remote.present("dev1", epoch=ended)
-        await remote.hold_will("dev1", message("will/dev1"), 0.0, epoch=ended)
+        await remote.open_session("dev1", clean_start=True, expiry_s=0, will=message("will/dev1"))
         freezer.freeze()
         with trio.fail_after(WAIT_S):
             while not any(r.getMessage() == "gateway node lease ended" and getattr(r, "ctx", {}).get("node") == "gw-a"
@@ -328,15 +334,14 @@ async def test_a_client_back_after_its_lease_ended_is_fenced_and_its_writes_of_t
                 await trio.sleep(0.01)  # the store's lease timer: wait for its line
         freezer.thawed.set()
         with trio.fail_after(WAIT_S):
-            assert await remote.fenced() == ended
+            assert await remote.moved() == ["dev1"]  # the clients of the ended lease are not this node's any more
         assert remote.epoch != ended
-        assert remote.client_statistics().wills_held == 0  # neither registered again nor kept
+        with pytest.raises(LeaseLost):  # what is still written for dev1 names its ended lease
+            await remote.append([message("a/b", b"stale")])
         with pytest.raises(LeaseLost):
-            await remote.append([message("a/b", b"stale")], epoch=ended)
+            await remote.commit_offsets({"dev1": {"a/b": 1}})
         with pytest.raises(LeaseLost):
-            await remote.commit_offsets({"dev1": {"a/b": 1}}, epoch=ended)
-        with pytest.raises(LeaseLost):
-            await remote.save_session("dev1", b"blob", epoch=ended)
-        await remote.append([message("a/b", b"now")], epoch=remote.epoch)
+            await remote.save_session("dev1", b"blob")
+        await remote.append([message("a/b", b"now", client_id="dev3")])  # another client: this lease's
         [result] = await remote.pull([PullRequest("a/b", 0, 10)])
         assert [record.payload for _, record in result.messages] == [b"now"]

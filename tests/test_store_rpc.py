@@ -5,29 +5,34 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from store.api import AdminOp, LogSpan, NewMessage, PullRequest, StoreStatistics
 from store.rpc import wire as rpc
 
 CLIENT_SAMPLES = [
     rpc.Hello(rpc.PROTOCOL_VERSION, "gw-1"),
     rpc.Heartbeat(),
     rpc.Watch({"a/#": 2, "a/b": -1}),
-    rpc.HoldWill("dev1", rpc.WireMessage("will/dev1", b"gone", "dev1", 1, True, b"\x01\x02", 1700), 3.0),
-    rpc.DropWill("dev1"),
-    rpc.Present("dev1"),
-    rpc.Absent("dev1"),
-    rpc.AppendRequest(1, [[rpc.WireMessage("a/b", b"x")], [rpc.WireMessage("a/c", b"", qos=2)]], durable=True),
-    rpc.PullRequest(2, [rpc.QueueRead("a/#", 0, 32, 1 << 20)]),
+    rpc.Reattach("dev1", 60, NewMessage("will/dev1", b"gone", "dev1", 1, True, b"\x01\x02", 1700), 3, epoch=2),
+    rpc.AppendRequest(1, [[NewMessage("a/b", b"x")], [NewMessage("a/c", b"", qos=2, packet_id=7)]], durable=True),
+    rpc.Pull(2, [PullRequest("a/#", 0, 32, 1 << 20)]),
     rpc.Activate(3, "a/+", "dev1"),
     rpc.Release(4, "a/+", "dev1"),
     rpc.MaxOffsets(5, ["a/b", "a/c"]),
     rpc.GetOffsets(6, "dev1"),
     rpc.CommitOffsets(7, {"dev1": {"a/b": 3}, "$share/g": {"a/+": 9}}),
-    rpc.DeleteOwner(8, "dev1"),
     rpc.GetRetained(9, "a/#"),
-    rpc.SaveSession(10, "dev1", b"\x00blob"),
-    rpc.LoadSession(11, "dev1"),
-    rpc.DropSession(12, "dev1"),
-    rpc.GetStatistics(13),
+    rpc.OpenSession(10, "dev1", False, 60, NewMessage("will/dev1", b"gone", "dev1"), 5),
+    rpc.CloseSession(11, "dev1", 60, None, epoch=3),
+    rpc.SaveSession(12, "dev1", b"\x00blob"),
+    rpc.LoadSession(13, "dev1"),
+    rpc.EndSession(14, "dev1"),
+    rpc.ListSessions(15),
+    rpc.GetStatistics(16),
+    rpc.Join(17, "$share/g", "a/+", "dev1", "latest"),
+    rpc.Claim(18, "$share/g", "a/+", 10, 1 << 20, 0, "dev1"),
+    rpc.Ack(19, "$share/g", "a/+", [], "dev1", below=4),
+    rpc.Leave(20, "$share/g", "a/+", "dev1", unsubscribe=True),
+    rpc.AdminCall(21, "dev1", AdminOp.SESSION),
 ]
 
 SERVER_SAMPLES = [
@@ -38,15 +43,18 @@ SERVER_SAMPLES = [
     rpc.ClientMoved("dev1"),
     rpc.Appended(1, [[0, 51], []], {1: rpc.Error(0, rpc.ErrorKind.RECORD_TOO_LARGE, "too big")}),
     rpc.Pulled(2, [rpc.RawRecords([(0, 0, b"record")], 1, False), rpc.RawRecords([], 5, True)]),
+    rpc.Claimed(18, rpc.RawRecords([(4, 100, b"record")], 5, False)),
     rpc.Offsets(5, [3, 0]),
     rpc.Value(3, 17),
     rpc.Value(4, True),
     rpc.Value(6, {"a/b": 3}),
     rpc.Value(11, b"blob"),
     rpc.Value(11),
+    rpc.Names(15, ["dev1", "dev2"]),
     rpc.Done(7),
-    rpc.Statistics(13, rpc.WireStatistics(1, 2, 3, 4, 5, 6, 7, 8, 9, {"gw-1": 8})),
+    rpc.Statistics(16, StoreStatistics(1, 2, 3, 4, 5, 6, 7, 8, 9, {"gw-1": 8})),
     rpc.RecordList(9, [(0, b"record")]),
+    rpc.LogBytes(22, LogSpan(0, b"log", 3, 3, 0)),
 ]
 
 
@@ -156,7 +164,7 @@ def test_end_of_stream_between_frames_is_clean_and_inside_one_is_an_error():
 
 
 def test_encoding_a_message_larger_than_a_frame_is_refused():
-    huge = rpc.AppendRequest(1, [[rpc.WireMessage("a", b"\0" * (rpc.MAX_FRAME_BYTES + 1))]])
+    huge = rpc.AppendRequest(1, [[NewMessage("a", b"\0" * (rpc.MAX_FRAME_BYTES + 1))]])
     with pytest.raises(rpc.RpcProtocolError, match="exceeds the frame limit"):
         rpc.encode(huge)
 

@@ -13,6 +13,7 @@ from store.log.commitlog import CommitLogConfig
 from store.node import open_store
 from store.log.record import decode_record
 from store.rpc.server import RpcServer, serve_rpc
+from store.api import NewMessage, PullRequest
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
 LEASE_S = 1.5  # short leases, so the silence and will tests take seconds; not shorter: a busy 2-core CI machine
@@ -21,14 +22,13 @@ LEASE_S = 1.5  # short leases, so the silence and will tests take seconds; not s
 
 @pytest.fixture
 async def store(tmp_path):
-    async with open_store(tmp_path / "data", CommitLogConfig(max_record_bytes=4096)) as node:
+    async with open_store(tmp_path / "data", CommitLogConfig(max_record_bytes=4096), lease_s=LEASE_S) as node:
         yield node
 
 
 @pytest.fixture
 async def port(store, nursery):
-    listeners = await nursery.start(lambda task_status: serve_rpc(store, "127.0.0.1", 0, lease_s=LEASE_S,
-                                                                   task_status=task_status))
+    listeners = await nursery.start(lambda task_status: serve_rpc(store, "127.0.0.1", 0, task_status=task_status))
     return listeners[0].socket.getsockname()[1]
 
 
@@ -135,14 +135,14 @@ async def test_a_failed_request_is_answered_and_the_connection_goes_on(port):
 
 async def test_append_groups_fail_alone_and_pulls_return_the_records(port):
     raw = await Raw.open(port)
-    good = [rpc.WireMessage("a/b", b"one", "dev1", 1), rpc.WireMessage("a/b", b"two", "dev1", 1)]
-    too_large = [rpc.WireMessage("a/b", b"x" * 8192)]
-    await raw.send(rpc.Watch({"a/#": 1}), rpc.AppendRequest(1, [good, too_large, [rpc.WireMessage("a/c", b"three")]]))
+    good = [NewMessage("a/b", b"one", "dev1", 1), NewMessage("a/b", b"two", "dev1", 1)]
+    too_large = [NewMessage("a/b", b"x" * 8192)]
+    await raw.send(rpc.Watch({"a/#": 1}), rpc.AppendRequest(1, [good, too_large, [NewMessage("a/c", b"three")]]))
     appended = await raw.receive()
     assert await raw.receive() == rpc.Events({"a/#": 3})  # dispatched: the pulls below find everything
     assert appended.id == 1 and appended.offsets[1] == [] and len(appended.offsets[0]) == 2
     assert appended.errors[1].kind is rpc.ErrorKind.RECORD_TOO_LARGE
-    await raw.send(rpc.PullRequest(2, [rpc.QueueRead("a/b", 0, 10, 1 << 20), rpc.QueueRead("a/#", 0, 10, 1 << 20)]))
+    await raw.send(rpc.Pull(2, [PullRequest("a/b", 0, 10, 1 << 20), PullRequest("a/#", 0, 10, 1 << 20)]))
     pulled = await raw.receive()
     by_b, by_a = pulled.results
     assert [(q, decode_record(r, 0, o).payload) for q, o, r in by_b.entries] == [(0, b"one"), (1, b"two")]
@@ -154,7 +154,7 @@ async def test_events_go_only_to_the_node_that_watches_the_queue(port):
     watcher = await Raw.open(port, node="gw-a")
     other = await Raw.open(port, node="gw-b")
     await watcher.send(rpc.Watch({"a/b": 1}))
-    await other.send(rpc.Watch({"x/y": 1}), rpc.AppendRequest(1, [[rpc.WireMessage("a/b", b"m")]]))
+    await other.send(rpc.Watch({"x/y": 1}), rpc.AppendRequest(1, [[NewMessage("a/b", b"m")]]))
     assert (await other.receive()).id == 1
     assert await watcher.receive() == rpc.Events({"a/b": 1})
     await other.send(rpc.GetStatistics(2))
@@ -167,21 +167,31 @@ async def test_a_node_that_reconnects_replaces_its_old_connection(port):
     old = await Raw.open(port, node="gw-a")
     new = await Raw.open(port, node="gw-a")
     assert await old.closed() == []
-    await new.send(rpc.Watch({"a/b": 1}), rpc.AppendRequest(1, [[rpc.WireMessage("a/b", b"m")]]))
+    await new.send(rpc.Watch({"a/b": 1}), rpc.AppendRequest(1, [[NewMessage("a/b", b"m")]]))
     assert {type(await new.receive()), type(await new.receive())} == {rpc.Appended, rpc.Events}
+
+
+def opened(rid: int, client_id: str, *, expiry_s: int = 0, payload: bytes | None = None, delay: int = 0):
+    """An ``OpenSession`` of ``client_id``, with a will when ``payload`` is given."""
+    return rpc.OpenSession(rid, client_id, False, expiry_s, None if payload is None else will(client_id, payload),
+                           delay)
 
 
 async def test_a_client_present_on_another_node_is_reported_moved_to_the_node_that_had_it(port):
     a = await Raw.open(port, node="gw-a")
     b = await Raw.open(port, node="gw-b")
-    await a.send(rpc.Present("dev1"), rpc.Present("dev2"), rpc.Present("dev3"), rpc.Absent("dev3"))
-    await b.send(rpc.Present("dev3"), rpc.Present("dev1"))  # dev3 left gw-a before: no notice for it
+    await a.send(opened(1, "dev1"), opened(2, "dev2"), opened(3, "dev3"), rpc.CloseSession(4, "dev3", 0))
+    assert sorted([(await a.receive()).id for _ in range(4)]) == [1, 2, 3, 4]
+    await b.send(opened(1, "dev3"), opened(2, "dev1"))  # dev3 left gw-a before: no notice for it
     assert await a.receive() == rpc.ClientMoved("dev1")
-    await a.send(rpc.Absent("dev1"), rpc.Present("dev2"))  # gw-b has dev1 now: gw-a's Absent changes nothing
-    await a.send(rpc.Present("dev1"))  # dev1 comes back to gw-a
+    assert sorted([(await b.receive()).id for _ in range(2)]) == [1, 2]
+    await a.send(rpc.CloseSession(5, "dev1", 0))  # gw-b has dev1 now: gw-a's close changes nothing
+    assert await a.receive() == rpc.Done(5)
+    await a.send(opened(6, "dev1"))  # dev1 comes back to gw-a
     assert await b.receive() == rpc.ClientMoved("dev1")
-    await a.send(rpc.MaxOffsets(1, []))
-    assert await a.receive() == rpc.Offsets(1, [])  # and nothing else came to gw-a meanwhile
+    assert await a.receive() == rpc.Value(6, None)
+    await a.send(rpc.MaxOffsets(7, []))
+    assert await a.receive() == rpc.Offsets(7, [])  # and nothing else came to gw-a meanwhile
 
 
 async def test_a_silent_node_is_closed_and_its_wills_fire_after_the_lease(port, nursery):
@@ -189,14 +199,14 @@ async def test_a_silent_node_is_closed_and_its_wills_fire_after_the_lease(port, 
     nursery.start_soon(observer.keep_alive)
     await observer.send(rpc.Watch({"will/dev1": 1}))
     silent = await Raw.open(port, node="gw-a")
-    await silent.send(rpc.HoldWill("dev1", rpc.WireMessage("will/dev1", b"gone", "dev1", 1), 0.0),
-                      rpc.HoldWill("dev2", rpc.WireMessage("will/dev2", b"gone", "dev2", 1), 0.0),
-                      rpc.DropWill("dev2"))
+    await silent.send(opened(1, "dev1", payload=b"gone"), opened(2, "dev2", payload=b"gone"),
+                      rpc.CloseSession(3, "dev2", 0, None))  # a normal disconnect: no will
     with trio.fail_after(WAIT_S):
-        assert await silent.closed() == []  # no heartbeat from it for LEASE_S
+        answers = await silent.closed()  # silent for LEASE_S: closed
+        assert sorted(type(m).__name__ for m in answers) == ["Done", "Value", "Value"]  # answered in any order
         events = await observer.receive()
     assert events == rpc.Events({"will/dev1": 1})
-    await observer.send(rpc.PullRequest(1, [rpc.QueueRead("will/#", 0, 10, 1 << 20)]))
+    await observer.send(rpc.Pull(1, [PullRequest("will/#", 0, 10, 1 << 20)]))
     [result] = (await observer.receive()).results
     assert [decode_record(r, 0, o).topic for _, o, r in result.entries] == ["will/dev1"]  # dev2's was dropped
 
@@ -213,8 +223,8 @@ async def test_heartbeats_keep_a_node_connected_and_the_store_sends_its_own(port
 # --- leases and fencing -------------------------------------------------------------------
 
 
-def will(client_id: str, payload: bytes = b"gone") -> rpc.WireMessage:
-    return rpc.WireMessage(f"will/{client_id}", payload, client_id, 1)
+def will(client_id: str, payload: bytes = b"gone") -> NewMessage:
+    return NewMessage(f"will/{client_id}", payload, client_id, 1)
 
 
 async def test_a_node_back_within_its_lease_resumes_it_with_the_same_epoch(port):
@@ -230,7 +240,7 @@ async def test_a_node_of_an_earlier_store_process_keeps_its_lease_epoch_and_its_
     # Nothing of this store's ended: the lease is adopted with its epoch, so the writes the node makes for its
     # clients (which name it) are taken, and it registers its clients again.
     assert (raw.welcome.epoch, raw.welcome.resumed) == (other.welcome.epoch, True)
-    await raw.send(rpc.AppendRequest(1, [[rpc.WireMessage("a/b", b"m", "dev1", 1)]], None, other.welcome.epoch))
+    await raw.send(rpc.AppendRequest(1, [[NewMessage("a/b", b"m", "dev1", 1)]], None, other.welcome.epoch))
     assert type(await raw.receive()) is rpc.Appended
     newer = await Raw.open(port, node="gw-c")
     assert newer.welcome.epoch > other.welcome.epoch  # an adopted epoch is never handed out again
@@ -242,25 +252,25 @@ async def test_a_node_back_after_its_lease_ended_is_told_and_its_writes_of_that_
     await observer.send(rpc.Watch({"will/dev1": 1}))
     frozen = await Raw.open(port, node="gw-a")
     ended = frozen.welcome.epoch
-    await frozen.send(rpc.Present("dev1", ended), rpc.HoldWill("dev1", will("dev1"), 0.0, ended))
-    assert await frozen.closed() == []  # silent for the lease
+    await frozen.send(opened(1, "dev1", payload=b"gone"))
+    assert [type(m) for m in await frozen.closed()] == [rpc.Value]  # silent for the lease
     assert await observer.receive() == rpc.Events({"will/dev1": 1})  # the lease ended: its will is published
     woken = await Raw.open(port, node="gw-a", store_id=frozen.welcome.store_id, epoch=ended)
     nursery.start_soon(woken.keep_alive)
     assert not woken.welcome.resumed and woken.welcome.epoch != ended
-    message = rpc.WireMessage("a/b", b"stale", "dev1", 1)
+    message = NewMessage("a/b", b"stale", "dev1", 1)
     await woken.send(rpc.AppendRequest(1, [[message]], None, ended), rpc.SaveSession(2, "dev1", b"blob", ended),
-                     rpc.CommitOffsets(3, {"dev1": {"a/b": 1}}, ended), rpc.DropSession(4, "dev1", ended),
-                     rpc.Release(5, "a/#", "dev1", ended), rpc.DeleteOwner(6, "dev1", ended))
+                     rpc.CommitOffsets(3, {"dev1": {"a/b": 1}}, ended), rpc.CloseSession(4, "dev1", 0, None, ended),
+                     rpc.Release(5, "a/#", "dev1", ended), rpc.ReleaseAwaiting(6, [("dev1", 1, 0)], ended))
     answers = [await woken.receive() for _ in range(6)]
     assert sorted(a.id for a in answers) == [1, 2, 3, 4, 5, 6]
     assert {a.kind for a in answers} == {rpc.ErrorKind.FENCED}
-    await woken.send(rpc.Present("dev2", ended), rpc.HoldWill("dev2", will("dev2"), 0.0, ended))  # ignored
+    await woken.send(rpc.Reattach("dev2", 0, will("dev2"), 0, ended))  # ignored
     other = await Raw.open(port, node="gw-b")
-    await other.send(rpc.Present("dev2"))
-    await woken.send(rpc.AppendRequest(7, [[rpc.WireMessage("a/b", b"now", "dev3", 1)]], None, woken.welcome.epoch))
+    await other.send(opened(1, "dev2"))
+    await woken.send(rpc.AppendRequest(7, [[NewMessage("a/b", b"now", "dev3", 1)]], None, woken.welcome.epoch))
     assert type(await woken.receive()) is rpc.Appended  # and no ClientMoved for dev2 came before it
-    await woken.send(rpc.PullRequest(8, [rpc.QueueRead("a/b", 0, 10, 1 << 20)]))
+    await woken.send(rpc.Pull(8, [PullRequest("a/b", 0, 10, 1 << 20)]))
     [result] = (await woken.receive()).results
     assert [decode_record(r, 0, o).payload for _, o, r in result.entries] == [b"now"]  # nothing stale appended
 
@@ -271,18 +281,20 @@ async def test_a_client_registered_again_never_displaces_its_newer_connection_el
     await observer.send(rpc.Watch({"will/dev1": 1}))
     a = await Raw.open(port, node="gw-a")
     nursery.start_soon(a.keep_alive)
-    await a.send(rpc.Present("dev1"), rpc.HoldWill("dev1", will("dev1", b"from a"), 0.0))
+    await a.send(opened(1, "dev1", payload=b"from a"))
+    assert await a.receive() == rpc.Value(1, None)
     b = await Raw.open(port, node="gw-b")
-    await b.send(rpc.Present("dev1"), rpc.HoldWill("dev1", will("dev1", b"from b"), 0.0))
+    await b.send(opened(1, "dev1", payload=b"from b"))
     assert await a.receive() == rpc.ClientMoved("dev1")  # the newer connection is on gw-b
+    assert await b.receive() == rpc.Value(1, None)
     # gw-a registers its (older) connection again, as after a reconnect: it is told to close it, gw-b keeps it
-    await a.send(rpc.Present("dev1", again=True), rpc.HoldWill("dev1", will("dev1", b"from a"), 0.0, again=True))
+    await a.send(rpc.Reattach("dev1", 0, will("dev1", b"from a"), 0))
     assert await a.receive() == rpc.ClientMoved("dev1")
-    await b.send(rpc.MaxOffsets(1, []))
-    assert await b.receive() == rpc.Offsets(1, [])  # and nothing else came to gw-b
+    await b.send(rpc.MaxOffsets(2, []))
+    assert await b.receive() == rpc.Offsets(2, [])  # and nothing else came to gw-b
     assert await b.closed() == []  # gw-b goes silent: its lease ends with the will it holds
     assert await observer.receive() == rpc.Events({"will/dev1": 1})
-    await observer.send(rpc.PullRequest(1, [rpc.QueueRead("will/dev1", 0, 10, 1 << 20)]))
+    await observer.send(rpc.Pull(1, [PullRequest("will/dev1", 0, 10, 1 << 20)]))
     [result] = (await observer.receive()).results
     assert [decode_record(r, 0, o).payload for _, o, r in result.entries] == [b"from b"]
 
@@ -296,14 +308,14 @@ def check_password(username, password, source) -> Verdict:
 
 async def test_a_back_end_user_cannot_take_a_gateway_node_name(store, nursery):
     access = StoreAccess(token="t", authenticate=check_password)
-    listeners = await nursery.start(partial(serve_rpc, store, "127.0.0.1", 0, lease_s=LEASE_S, access=access))
+    listeners = await nursery.start(partial(serve_rpc, store, "127.0.0.1", 0, access=access))
     port = listeners[0].socket.getsockname()[1]
     gateway = await Raw.open(port, node="gw-a", token="t")
     nursery.start_soon(gateway.keep_alive)
     for _ in range(3):
         user = await Raw.open(port, node="gw-a", username="u", password=b"p")
         assert user.welcome.node == "$client/u:gw-a"  # its own namespace
-        await user.send(rpc.Present("dev1"))  # a gateway's message: refused, and the connection closed
+        await user.send(rpc.Reattach("dev1", 0))  # a gateway's message: refused, and the connection closed
         [error] = await user.closed()
         assert error.kind is rpc.ErrorKind.DENIED
     await gateway.send(rpc.MaxOffsets(1, []))
@@ -314,7 +326,7 @@ async def test_before_authentication_frames_are_capped_and_the_handshake_has_a_d
                                                                                          caplog):
     monkeypatch.setattr(server, "HANDSHAKE_TIMEOUT_S", 1.0)
     caplog.set_level(logging.WARNING, logger="store.rpc.server")
-    rpc_server = RpcServer(store, nursery, lease_s=LEASE_S)
+    rpc_server = RpcServer(store)
     listeners = await nursery.start(partial(trio.serve_tcp, rpc_server.handle, 0, host="127.0.0.1"))
     port = listeners[0].socket.getsockname()[1]
     count = 8

@@ -17,6 +17,7 @@ import trio
 from spark_fixtures import Msg, telemetry, write_log
 
 from store.log.commitlog import CommitLog, CommitLogConfig
+from store.api import NewMessage
 from store.node import open_store
 from store.tier import TierConfig, TierConverter
 from store.tierfiles import TEMP_PREFIX, file_name, list_tier, open_tier, read_meta
@@ -189,8 +190,8 @@ async def test_the_store_node_converts_sealed_segments_in_the_background(tmp_pat
                              flush_min_bytes=1)
     async with open_store(tmp_path, config, tier=settings) as store:
         for i in range(40):
-            await store.append_many([(f"fleet/d{i % 3}/telemetry", b'{"temp": %d}' % j, {}) for j in range(100)],
-                                    durable=True)
+            await store.append([NewMessage(f"fleet/d{i % 3}/telemetry", b'{"temp": %d}' % j) for j in range(100)],
+                               durable=True)
         sealed = [s.base for s in store.log.log.segments() if s.sealed]
         with trio.fail_after(60):
             while len(list_tier(*open_tier(str(tier)))) < len(sealed):

@@ -59,7 +59,7 @@ longest matching command wins. Checked before the command's modules are imported
 
 
 def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
-    from gateway.node.node import run_gateway_node
+    from gateway.app.embedded import run_gateway_node
 
     LOG.info("starting embedded node", extra={"ctx": {"data": conf["node.data"]}})
     return run_gateway_node(conf)
@@ -68,7 +68,7 @@ def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
 def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
     from gateway.app.reload import Reloader
     from gateway.mqtt.session import clamp_session_blob
-    from store.node import run_store_node
+    from gateway.app.store_node import run_store_node
 
     reloader = Reloader(conf)
     try:
@@ -161,7 +161,7 @@ def _cmd_gateway(args: argparse.Namespace, conf: cfg.Config) -> int:
         from gateway.app.workers import run_workers
 
         return run_workers(args.argv, conf)
-    from gateway.node.node import run_cluster_gateway
+    from gateway.app.cluster import run_cluster_gateway
 
     LOG.info("starting cluster gateway node", extra={"ctx": {"store": conf["gateway.store"]}})
     return run_cluster_gateway(conf)

@@ -21,9 +21,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Generic, TypeVar, final
+from collections.abc import Mapping
+from typing import Any, Callable, Generic, TypeVar, final
 
-from gateway.app.config import Config
 from gateway.auth.passwords import PasswordFile
 from gateway.mqtt.reasons import ReasonCode
 
@@ -165,8 +165,8 @@ class Authenticator:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, conf: Config) -> Authenticator:
-        """Build from the ``auth.*`` options.
+    def from_config(cls, conf: Mapping[str, Any]) -> Authenticator:
+        """Build from the ``auth.*`` options (a ``Config`` or its flat values).
 
         Raises:
             PasswordFileError: the configured password file is missing or malformed.

@@ -1,21 +1,23 @@
 """What a channel asks of its node (actions) and what the node tells the channel (events), as plain data.
 
-The channel (``gateway/mqtt/channel.py``) is sans-IO: it never touches a socket, a
-timer or the store. Every effect it wants is an *action* returned from its
-``handle_*`` methods, executed in order by the node (``gateway/node/connection.py``);
-every result the node obtains comes back as an *event* through
-``Channel.handle_event``. Requests that need an answer carry a ``ref`` that the
-answering event repeats.
+The channel (``gateway/mqtt/channel.py``) is sans-IO: it never touches a socket, a timer or the store. Every
+effect it wants is an *action* returned from its ``handle_*`` methods, executed in order by the node
+(``gateway/node/``); every result the node obtains comes back as an *event* through ``Channel.handle_event``.
+Requests that need an answer carry a ``ref`` that the answering event repeats.
 
-All classes are slotted dataclasses (frozen unless made per message), or for
-``Message`` a msgspec struct. Don't subclass these: the channel
-dispatches on exact type. Mapping fields (``dict``) are read-only by convention.
+All of them are frozen msgspec structs (cheaper to build than slotted dataclasses; the ones made per message
+are untracked by the garbage collector: ``gc=False``, nothing they hold refers back to them). Don't subclass
+these: the channel and the node dispatch on exact type through tables. Mapping fields (``dict``) are read-only
+by convention.
+
+An inbound message is the store's ``NewMessage`` from the channel on (store/api.py): the one shape a message
+has from the PUBLISH to the record. ``Message`` is the outbound one: a record as the queue cache keeps it for
+delivery, its MQTT 5 properties decoded once for every local session.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -25,22 +27,21 @@ from gateway.mqtt.limits import Limit
 from gateway.mqtt.packets import Packet, SubscriptionOptions
 from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
 from gateway.mqtt.reasons import ReasonCode
+from store.api import NewMessage
 
 if TYPE_CHECKING:  # the session module builds on these classes, so only the type checker imports it here
     from gateway.mqtt.session import SessionState
 
 
 class Message(msgspec.Struct, gc=False):
-    """One application message as the channel needs it, inbound (to store) or outbound (from a queue).
+    """One message read from a light queue (or a retained one), as the channel delivers it.
 
     Untracked by the cyclic garbage collector, like ``store.log.record.Record``
     (nothing it refers to refers back): the queue cache holds thousands.
 
     ``client_id`` is the publisher's (for No Local). ``store_ms`` is set by the
     store; message expiry counts from it. ``queue``/``offset`` locate a message
-    read from a light queue (None for messages not read from a queue: inbound
-    messages, wills, retained messages). ``packet_id`` is an inbound QoS 2
-    message's: its record keeps it, so the store knows the flow awaits PUBREL.
+    read from a light queue (None for a retained message).
     """
 
     topic: str
@@ -53,11 +54,9 @@ class Message(msgspec.Struct, gc=False):
     store_ms: int = 0
     queue: str | None = None
     offset: int | None = None
-    packet_id: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Subscription:
+class Subscription(msgspec.Struct, frozen=True):
     """One subscription of a session.
 
     ``filter`` is the filter as the client sent it (``$share/g/a/+`` included)
@@ -80,9 +79,9 @@ class Phase(Enum):
     RELEASED = "released"  # PUBREC received, PUBREL sent; waiting for PUBCOMP
 
 
-@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
-class InFlight:
-    """An outbound QoS 1/2 message not yet acknowledged, by reference into its queue (no body)."""
+class InFlight(msgspec.Struct, gc=False):
+    """An outbound QoS 1/2 message not yet acknowledged, by reference into its queue (no body). Not frozen:
+    its phase moves on."""
 
     packet_id: int
     filter: str
@@ -94,15 +93,13 @@ class InFlight:
 # --- actions: channel -> node ---------------------------------------------------------------
 
 
-@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
-class Send:
+class Send(msgspec.Struct, frozen=True, gc=False):
     """Encode these packets at the channel's protocol level and write them, in order."""
 
     packets: tuple[Packet, ...]
 
 
-@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
-class Deliver:
+class Deliver(msgspec.Struct, frozen=True, gc=False):
     """Write these pre-encoded PUBLISH packets (``count`` of them); after the write completes, feed ``SocketWritten(seq)``.
 
     ``by_qos`` counts the packets per QoS and ``oldest_ms`` is the earliest
@@ -116,40 +113,35 @@ class Deliver:
     oldest_ms: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Close:
+class Close(msgspec.Struct, frozen=True):
     """Close the network connection (after writing what was sent before); log ``log`` with the reason."""
 
     reason: ReasonCode
     log: str
 
 
-@dataclass(frozen=True, slots=True)
-class ArmTimer:
+class ArmTimer(msgspec.Struct, frozen=True):
     """(Re)start the timer ``name``; when it fires call ``Channel.handle_timeout(name)``."""
 
     name: str
     delay_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class CancelTimer:
+class CancelTimer(msgspec.Struct, frozen=True):
     """Stop the timer ``name`` if it is running."""
 
     name: str
 
 
-@dataclass(frozen=True, slots=True)
-class OpenSession:
+class OpenSession(msgspec.Struct, frozen=True):
     """Accept (auth) and find the session of ``client_id``; answer ``SessionOpened``.
 
     Credentials are checked first; then any other connection with this client
     id is taken over (feed it ``TakenOver`` and run its actions, which hand its
-    session state over). With ``clean_start`` the old session is discarded
-    (filters released). ``will_topic`` is checked against the client's
-    publish rights, so a will it may not publish refuses the CONNECT.
-    ``will`` and ``will_delay_s`` are the will itself, which a cluster node
-    has the store hold while the client is connected (store/leases.py).
+    session state over). With ``clean_start`` the old session is discarded.
+    ``will_topic`` is checked against the client's publish rights, so a will it
+    may not publish refuses the CONNECT. ``will`` and ``will_delay_s`` are the
+    will itself, which the store holds while the client is connected (store/leases.py).
     """
 
     client_id: str
@@ -158,23 +150,21 @@ class OpenSession:
     username: str | None = None
     password: bytes | None = None
     will_topic: str | None = None
-    will: Message | None = None
+    will: NewMessage | None = None
     will_delay_s: int = 0
 
 
-@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
-class Append:
+class Append(msgspec.Struct, frozen=True, gc=False):
     """Append messages to the CommitLog (durable under the sync flush policy).
 
     ``ref`` None: fire and forget (QoS 0). Otherwise answer ``Appended(ref, ...)``.
     """
 
     ref: int | None
-    messages: tuple[Message, ...]
+    messages: tuple[NewMessage, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Activate:
+class Activate(msgspec.Struct, frozen=True):
     """Make this session hold the queues of ``subscriptions``; answer ``Activated``.
 
     ``retained`` lists the filters that want retained messages now (the channel
@@ -187,32 +177,28 @@ class Activate:
     retained: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class AfterReads:
+class AfterReads(msgspec.Struct, frozen=True):
     """Queued by the connection, not the channel, before an append read while subscriptions read on other
     connections wait to be applied: the actions after it wait until those are (``mark``, gateway/node/order.py)."""
 
     mark: int
 
 
-@dataclass(frozen=True, slots=True)
-class Release:
+class Release(msgspec.Struct, frozen=True):
     """This session stops holding these subscriptions (filters as sent); their offsets go too."""
 
     client_id: str
     filters: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class CommitOffsets:
+class CommitOffsets(msgspec.Struct, frozen=True):
     """Store the session's consumer offsets: filter -> next queue offset not yet fully acknowledged."""
 
     client_id: str
     offsets: dict[str, int]
 
 
-@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
-class Pull:
+class Pull(msgspec.Struct, frozen=True, gc=False):
     """Read up to ``max_count`` messages of ``queue`` from ``from_offset``; answer ``Pulled(filter, ...)``.
 
     For a shared subscription (``group`` set) answer only with the messages the
@@ -226,17 +212,14 @@ class Pull:
     group: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class PublishWill:
-    """Publish the will after ``delay_s`` unless a connection resumes the session first."""
+class PublishWill(msgspec.Struct, frozen=True):
+    """Publish the will now (a will with a delay is the store's: ``CloseSession``)."""
 
     client_id: str
-    message: Message
-    delay_s: int
+    message: NewMessage
 
 
-@dataclass(frozen=True, slots=True)
-class SaveSession:
+class SaveSession(msgspec.Struct, frozen=True):
     """Keep this session state: write it (WAL) if ``state.expiry_s > 0``; hand it to a taking-over connection.
 
     ``ref`` set: answer ``SessionSaved(ref)`` once it is written (what it records may then be relied on:
@@ -247,10 +230,9 @@ class SaveSession:
     ref: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ReleaseInbound:
+class ReleaseInbound(msgspec.Struct, frozen=True):
     """The client released inbound QoS 2 message ``packet_id`` (PUBREL): record that durably in the store
-    (``StoreClient.release_awaiting``), then answer ``InboundReleased(ref)``: only then may PUBCOMP go out."""
+    (``StoreApi.release_awaiting``), then answer ``InboundReleased(ref)``: only then may PUBCOMP go out."""
 
     ref: int
     client_id: str
@@ -258,15 +240,17 @@ class ReleaseInbound:
     offset: int  # the CommitLog offset of the message's record
 
 
-@dataclass(frozen=True, slots=True)
-class DropSession:
-    """The session has ended: delete its stored state and offsets."""
+class CloseSession(msgspec.Struct, frozen=True):
+    """The connection's session is settled: tell the store it closed. The session expires ``expiry_s`` from
+    now (0: it ends now: state, offsets and filters go); the will the store holds is published ``will_delay_s``
+    from now unless the session resumes first (None: it is dropped)."""
 
     client_id: str
+    expiry_s: int
+    will_delay_s: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class LimitHit:
+class LimitHit(msgspec.Struct, frozen=True):
     """The client ran into ``limit`` ``count`` times: count it; log ``log`` (with the client id) unless None.
 
     The channel already answered the client; this only feeds the node's
@@ -281,12 +265,11 @@ class LimitHit:
 # --- events: node -> channel ----------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class SessionOpened:
+class SessionOpened(msgspec.Struct, frozen=True):
     """Answer to ``OpenSession``. ``reason`` other than SUCCESS refuses the connection (CONNACK reason).
 
-    ``may_read`` is the delivery side of the ACL for this client (``gateway.auth.acl.ReadCheck``): a pure check of a
-    topic, None when every topic may be delivered.
+    ``may_read`` is the delivery side of the ACL for this client (``gateway.auth.acl.ReadCheck``): a pure check
+    of a topic, None when every topic may be delivered.
     """
 
     present: bool
@@ -295,8 +278,7 @@ class SessionOpened:
     may_read: Callable[[str], bool] | None = None
 
 
-@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
-class Appended:
+class Appended(msgspec.Struct, frozen=True, gc=False):
     """Answer to ``Append``: stored (``ok``, at CommitLog ``offset``), or refused with a PUBACK/PUBREC reason."""
 
     ref: int
@@ -305,22 +287,19 @@ class Appended:
     offset: int = -1
 
 
-@dataclass(frozen=True, slots=True)
-class SessionSaved:
+class SessionSaved(msgspec.Struct, frozen=True):
     """Answer to ``SaveSession`` with a ``ref``: the state is written."""
 
     ref: int
 
 
-@dataclass(frozen=True, slots=True)
-class InboundReleased:
+class InboundReleased(msgspec.Struct, frozen=True):
     """Answer to ``ReleaseInbound``: the release is durable."""
 
     ref: int
 
 
-@dataclass(frozen=True, slots=True)
-class Activated:
+class Activated(msgspec.Struct, frozen=True):
     """Answer to ``Activate``: each new subscription's start offset, and retained messages per filter.
 
     ``reasons`` may refuse individual filters (e.g. NOT_AUTHORIZED); they get
@@ -333,8 +312,7 @@ class Activated:
     reasons: dict[str, ReasonCode] | None = None
 
 
-@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
-class Pulled:
+class Pulled(msgspec.Struct, frozen=True, gc=False):
     """Answer to ``Pull``: messages (with ``offset`` set) in queue order, and where the next pull starts."""
 
     filter: str
@@ -342,52 +320,45 @@ class Pulled:
     next_offset: int
 
 
-@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
-class QueueAdvanced:
+class QueueAdvanced(msgspec.Struct, frozen=True, gc=False):
     """Notify: ``queue`` has messages up to (not including) ``max_offset``."""
 
     queue: str
     max_offset: int
 
 
-@dataclass(slots=True)  # not frozen: made per message, and frozen costs 6x to build
-class SocketWritten:
+class SocketWritten(msgspec.Struct, frozen=True, gc=False):
     """Every ``Deliver`` with ``seq <= up_to`` has been written to the socket."""
 
     up_to: int
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectionLost:
+class ConnectionLost(msgspec.Struct, frozen=True):
     """The socket failed or the peer closed it."""
 
     error: str
 
 
-@dataclass(frozen=True, slots=True)
-class TakenOver:
+class TakenOver(msgspec.Struct, frozen=True):
     """Another connection with this client id has connected; this one must go.
 
-    ``elsewhere``: on another gateway node, which has loaded the session already: no delayed will here
-    (the session resumed), and no save of this node's copy over that node's.
+    ``elsewhere``: on another gateway node, which has loaded the session already (or this node's store lease
+    ended): no delayed will here (the session resumed there), and no save of this node's copy over that node's.
     """
 
     elsewhere: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class AdminDisconnect:
+class AdminDisconnect(msgspec.Struct, frozen=True):
     """An operator disconnected this client (admin API): close with Administrative action (0x98), will included."""
 
 
-@dataclass(frozen=True, slots=True)
-class ServerShutdown:
+class ServerShutdown(msgspec.Struct, frozen=True):
     """The node is stopping (SIGTERM): close with Server shutting down (0x8B). The will is left to the store, as
     for a node that dies (a cluster store publishes it when the node's lease lapses)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Timeout:
+class Timeout(msgspec.Struct, frozen=True):
     """A timer fired (``Channel.handle_timeout`` builds this).
 
     ``input_waiting``: the client's bytes wait in the kernel, unread by a busy
@@ -400,8 +371,8 @@ class Timeout:
 
 
 Action: TypeAlias = (
-    Send | Deliver | Close | ArmTimer | CancelTimer | OpenSession | Append | Activate | Release
-    | CommitOffsets | Pull | PublishWill | SaveSession | ReleaseInbound | DropSession | LimitHit
+    Send | Deliver | Close | ArmTimer | CancelTimer | OpenSession | Append | Activate | AfterReads | Release
+    | CommitOffsets | Pull | PublishWill | SaveSession | ReleaseInbound | CloseSession | LimitHit
 )
 Event: TypeAlias = (
     SessionOpened | Appended | Activated | Pulled | QueueAdvanced | SocketWritten | ConnectionLost | TakenOver

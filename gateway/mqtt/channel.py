@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import final
+from typing import Any, final
 
 from gateway.mqtt.state import Closing, Settled, State, next_state
 from gateway.mqtt.actions import (
@@ -51,11 +51,10 @@ from gateway.mqtt.actions import (
     Close,
     ConnectionLost,
     Deliver,
-    DropSession,
+    CloseSession,
     Event,
     InboundReleased,
     LimitHit,
-    Message,
     OpenSession,
     PublishWill,
     Pulled,
@@ -94,7 +93,8 @@ from gateway.mqtt.packets import (
     Unsuback,
     Unsubscribe,
 )
-from gateway.mqtt.properties import EMPTY_PROPERTIES, MAX_UINT16, MAX_VARINT, Properties, RepeatLimit, RepeatLimitExceeded
+from gateway.mqtt.properties import (EMPTY_PROPERTIES, MAX_UINT16, MAX_VARINT, PacketType, Properties, RepeatLimit,
+                                     RepeatLimitExceeded, encode_properties)
 from gateway.mqtt.reasons import (
     CONNACK_REASONS,
     DISCONNECT_REASONS,
@@ -115,6 +115,7 @@ from lightqueue.topics import (
     validate_filter,
     validate_topic,
 )
+from store.api import NewMessage
 
 __all__ = ["KEEPALIVE_TIMER", "Channel", "ChannelConfig", "error_packet"]
 
@@ -277,6 +278,7 @@ class Channel:
     __slots__ = (  # one channel per device: slots save a dict of about 1.5 KiB each
         "config", "_now", "_encoder", "_state", "_level", "_client_id", "_assigned", "_clean_start", "_expiry",
         "_requested_expiry", "_keepalive", "_keepalive_override", "_peer_max_packet", "_will", "_will_delay",
+        "_will_due",
         "_session", "_link", "_queued", "_pending", "_storing_qos2", "_releasing", "_activations", "_next_ref",
         "_aliases_in",
         "_last_rx", "_timers", "_awaiting_session", "_handover", "_moved", "_held", "_hits", "_topic_check_from",
@@ -303,8 +305,9 @@ class Channel:
         self._expiry = 0
         self._keepalive = 0
         self._keepalive_override: int | None = None  # Server Keep Alive, when it differs from the client's
-        self._will: Message | None = None
+        self._will: NewMessage | None = None
         self._will_delay = 0
+        self._will_due: int | None = None  # the delay of a will left to the store at the close (None: none is due)
         self._session: Session | None = None
         self._link: Link | None = None
         self._queued: list[Packet] = []
@@ -499,7 +502,11 @@ class Channel:
         actions += [CancelTimer(name) for name in sorted(self._timers)]
         self._timers.clear()
         if will and self._state is State.CONNECTED and self._will is not None:
-            actions.append(PublishWill(self._client_id, self._will, self._will_delay_s()))
+            delay = self._will_delay_s()
+            if delay:  # the store publishes it then, unless the session resumes first
+                self._will_due = delay
+            else:
+                actions.append(PublishWill(self._client_id, self._will))
         self._will = None
         self._handover = handover
         self._held.clear()  # unacknowledged: a QoS 1/2 client sends them again
@@ -521,14 +528,14 @@ class Channel:
         if session is None:
             return []
         session.detach()
+        closed = CloseSession(self._client_id, self._expiry if session.persistent else 0, self._will_due)
         if self._handover and self._moved:
-            return [*session.commit()]
+            return [*session.commit(), closed]  # the store ignores it: the client is another node's now
         if self._handover and session.persistent:  # a session that ends with its connection is never handed over
-            return [*session.commit(), SaveSession(session.state())]  # [MQTT-3.1.2-6]
+            return [*session.commit(), SaveSession(session.state()), closed]  # [MQTT-3.1.2-6]
         if session.persistent:
-            return [*session.commit(), *session.save()]
-        filters = tuple(session.subscriptions)
-        return ([Release(self._client_id, filters)] if filters else []) + [DropSession(self._client_id)]
+            return [*session.commit(), *session.save(), closed]
+        return [closed]  # the store ends the session: its offsets and filters go
 
     def _after(self, actions: list[Action]) -> list[Action]:
         """Batch offset commits: at ``commit_every`` acks, else on the commit timer."""
@@ -543,7 +550,7 @@ class Channel:
 
     def _save(self) -> list[Action]:
         assert self._session is not None
-        return self._session.save(self._will, self._will_delay)
+        return self._session.save()
 
     def _now_ms(self) -> int:
         return int(self._now() * 1000)
@@ -675,8 +682,8 @@ class Channel:
             self._will_delay = will_props.will_delay_interval or 0
             if will_props.will_delay_interval is not None:
                 will_props = replace(will_props, will_delay_interval=None)
-            self._will = Message(packet.will_topic, packet.will_payload, packet.will_qos, packet.will_retain,
-                                 will_props, client_id, self._now_ms())
+            self._will = NewMessage(packet.will_topic, packet.will_payload, client_id, packet.will_qos,
+                                    packet.will_retain, _property_block(will_props), self._now_ms())
         if level == MQTT_5:
             self._requested_expiry = props.session_expiry_interval or 0
             self._expiry = min(self._requested_expiry, config.max_session_expiry_s)
@@ -792,8 +799,9 @@ class Channel:
             if refusal is not None:
                 return refusal
         born_ms = int(self._last_rx * 1000)  # the clock read when this packet came in (handle_in)
-        message = Message(topic, packet.payload, qos, packet.retain, props, self._client_id, born_ms,
-                          packet_id=pid if qos == 2 else 0)  # type: ignore[arg-type]
+        message = NewMessage(topic, packet.payload, self._client_id, qos, packet.retain,
+                             b"" if props is EMPTY_PROPERTIES else _property_block(props), born_ms,
+                             pid if qos == 2 else 0)
         if not qos:
             return [Append(None, (message,))]
         self._next_ref += 1
@@ -1098,13 +1106,19 @@ class Channel:
         raise LocalProtocolError(f"unknown timer {event.name!r}")
 
 
+def _property_block(properties: Properties) -> bytes:
+    """A PUBLISH's (or a will's) properties as the record keeps them: the MQTT 5 property block, so a subscriber
+    receives exactly what its publisher sent (one encoding at append, one decoding per queue read)."""
+    return encode_properties(properties, PacketType.PUBLISH)
+
+
 _LIMIT_ERRORS = {
     ReasonCode.PACKET_TOO_LARGE: Limit.PACKET_SIZE,
     ReasonCode.RECEIVE_MAXIMUM_EXCEEDED: Limit.INFLIGHT,
 }
 """Protocol errors that are limit hits (the decoder's packet size, the MQTT 5 Receive Maximum): counted as such."""
 
-_PROCESS: dict[type, Callable[[Channel, Packet], list[Action]]] = {  # type: ignore[dict-item]
+_PROCESS: dict[type, Callable[[Channel, Any], list[Action]]] = {
     Connect: Channel._process_connect,
     Publish: Channel._process_publish,
     Puback: Channel._process_puback,
@@ -1118,7 +1132,7 @@ _PROCESS: dict[type, Callable[[Channel, Packet], list[Action]]] = {  # type: ign
 }
 """One handler per packet type the state table lets through (AUTH never is: enhanced auth is not offered)."""
 
-_EVENTS: dict[type, Callable[[Channel, Event], list[Action]]] = {  # type: ignore[dict-item]
+_EVENTS: dict[type, Callable[[Channel, Any], list[Action]]] = {
     SessionOpened: Channel._on_session_opened,
     Appended: Channel._on_appended,
     InboundReleased: Channel._on_inbound_released,

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field, replace
 from typing import final
 
 import msgspec
+from msgspec.structs import replace as with_fields
 
 from gateway.mqtt.actions import (
     Action,
@@ -109,7 +110,7 @@ class SessionState:
     ``detached`` says the state was saved with no connection attached (a disconnect or a handover): its
     ``cursors`` and ``inflight`` are exact; a state saved while connected is what a crash leaves, and is
     resumed from the committed offsets by lanes (module docstring). ``awaiting`` (inbound QoS 2 packet id
-    -> CommitLog offset) is taken from the store at resume (``StoreClient.awaiting_release``), never from a
+    -> CommitLog offset) is taken from the store at resume (``StoreApi.awaiting_release``), never from a
     saved blob; ``awaiting_rel`` lists the ids the store does not know (blobs of earlier versions).
     """
 
@@ -121,8 +122,6 @@ class SessionState:
     awaiting_rel: frozenset[int] = frozenset()
     inflight: tuple[InFlight, ...] = ()
     next_packet_id: int = 1
-    will: Message | None = None
-    will_delay_s: int = 0
     awaiting: dict[int, int] = field(default_factory=dict)
     lanes: dict[str, int] = field(default_factory=dict)
     detached: bool = False
@@ -267,7 +266,7 @@ class Session:
                 # came before the commit); after a crash the PUBLISHes go again by offset, the PUBRELs here.
                 if not current or (crashed and entry.phase is Phase.PUBLISHED):
                     continue
-                entry = replace(entry, packet_id=stream.pid(entry.offset))
+                entry = with_fields(entry, packet_id=stream.pid(entry.offset))
             if entry.phase is Phase.PUBLISHED:
                 if not current or stream.sub.group is not None:  # type: ignore[union-attr]
                     # Unsubscribed, acknowledged according to a later commit, or shared: the group took
@@ -314,7 +313,7 @@ class Session:
         """The committed offset of every subscription as delivery stands now."""
         return {name: stream.committed() for name, stream in self._streams.items()}
 
-    def state(self, will: Message | None = None, will_delay_s: int = 0, *, resumable: bool = False) -> SessionState:
+    def state(self, *, resumable: bool = False) -> SessionState:
         """The session as data, for ``SaveSession`` (retained-message deliveries in flight are not kept).
 
         QoS 2 messages completed at or above a stream's committed offset are
@@ -341,24 +340,22 @@ class Session:
             awaiting_rel=frozenset(pid for pid, offset in self.awaiting_rel.items() if offset == NOT_IN_LOG),
             inflight=tuple(inflight),
             next_packet_id=self._next_pid,
-            will=will,
-            will_delay_s=will_delay_s,
             awaiting={pid: offset for pid, offset in self.awaiting_rel.items() if offset != NOT_IN_LOG},
             lanes={name: stream.lane for name, stream in self._streams.items() if stream.lane},
             detached=self._link is None,
         )
 
-    def save(self, will: Message | None = None, will_delay_s: int = 0) -> list[Action]:
+    def save(self) -> list[Action]:
         """``SaveSession`` if the session is persistent, else nothing; while attached, one to be answered
         (``saved``), so that what it records may be relied on once it is written."""
         if not self.persistent:
             return []
         if self._link is None:
-            return [SaveSession(self.state(will, will_delay_s))]
-        return [self._save_action(will, will_delay_s)]
+            return [SaveSession(self.state())]
+        return [self._save_action()]
 
-    def _save_action(self, will: Message | None = None, will_delay_s: int = 0) -> SaveSession:
-        state = self.state(will, will_delay_s, resumable=True)
+    def _save_action(self) -> SaveSession:
+        state = self.state(resumable=True)
         self._next_ref += 1
         streams = self._streams
         if self._saves is None:
@@ -761,7 +758,7 @@ class Session:
         if entry.phase is Phase.RELEASED:  # the PUBREC again: PUBREL again, unless a save is about to send it
             waiting = packet_id in self._pubrel_due or any(packet_id in due for _, due in (self._saves or {}).values())
             return [] if waiting else [Send((Pubrel(packet_id),))]
-        self._inflight[packet_id] = replace(entry, phase=Phase.RELEASED)
+        self._inflight[packet_id] = with_fields(entry, phase=Phase.RELEASED)
         if not self.persistent or entry.offset == _NO_OFFSET:
             return [Send((Pubrel(packet_id),))]  # nothing a crash could resume
         due = self._pubrel_due if isinstance(self._pubrel_due, list) else []  # the empty tuple is shared: 0 B

@@ -14,17 +14,18 @@ Bounded memory: at most ``max_messages`` per queue (the oldest go first) and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import final
 
-from gateway.mqtt.actions import Message
-from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
-from lightqueue.queues import PullResult
-from store.local import PullRequest, StoreClient
-from store.log.record import Record
+import trio
 
-__all__ = ["QueueCache", "QueueCacheStatistics"]
+from gateway.mqtt.actions import Message
+from gateway.mqtt.properties import EMPTY_PROPERTIES, PacketType, Properties, decode_properties
+from store.api import PullRequest, PullResult, StoreApi
+from store.log.record import FLAG_RETAIN, QOS_MASK, Record
+
+__all__ = ["QueueCache", "QueueCacheStatistics", "from_record"]
 
 MESSAGE_OVERHEAD = 200
 """Bytes a cached ``Message`` costs beyond its topic and payload (object, list slot), for the budget."""
@@ -65,23 +66,16 @@ class _Cached:
 class QueueCache:
     """Recent messages of the queues local sessions read, shared by those sessions.
 
+    Each record becomes the ``Message`` sessions deliver once (``from_record``), shared by them.
+
     Args:
         store: where misses and fills read.
-        convert: ``convert(record, queue, offset)`` -> the ``Message`` sessions deliver (made once, shared).
         max_messages: per queue.
         max_bytes: for all queues together (estimated).
     """
 
-    def __init__(
-        self,
-        store: StoreClient,
-        convert: Callable[[Record, str, int], Message],
-        *,
-        max_messages: int = 16384,
-        max_bytes: int = 64 << 20,
-    ) -> None:
+    def __init__(self, store: StoreApi, *, max_messages: int = 16384, max_bytes: int = 64 << 20) -> None:
         self._store = store
-        self._convert = convert
         self._max_messages = max_messages
         self._max_bytes = max_bytes
         self._queues: dict[str, _Cached] = {}  # insertion order = least recently extended first
@@ -127,7 +121,7 @@ class QueueCache:
             return hit[0], hit[1], False
         self._store_reads += 1
         (result,) = await self._store.pull([PullRequest(queue, from_offset, max_count)])
-        messages = [self._convert(record, queue, offset) for offset, record in result.messages]
+        messages = [from_record(record, queue, offset) for offset, record in result.messages]
         self._extend(queue, from_offset, result, messages)
         return messages, result.next_offset, result.expired
 
@@ -142,13 +136,13 @@ class QueueCache:
         if not requests:
             return
         self._fills += len(requests)
-        results = self._store.pull_now(requests)
-        if results is None:
+        try:
+            results = self._store.pull_nowait(requests)
+        except trio.WouldBlock:
             results = await self._store.pull(requests)
         for request, result in zip(requests, results):
-            convert = self._convert
             queue = request.queue
-            messages = [convert(record, queue, offset) for offset, record in result.messages]
+            messages = [from_record(record, queue, offset) for offset, record in result.messages]
             self._extend(queue, request.from_offset, result, messages)
 
     def _extend(self, queue: str, from_offset: int, result: PullResult[Record], messages: list[Message]) -> None:
@@ -174,7 +168,7 @@ class QueueCache:
         if excess > 0:
             dropped = entry.messages[:excess]
             del entry.messages[:excess]
-            entry.base += excess  # type: ignore[operator]
+            entry.base = (entry.base or 0) + excess  # set: the run holds messages
             freed = _bytes(dropped)
             entry.bytes -= freed
             self._bytes -= freed
@@ -208,3 +202,15 @@ def _properties_bytes(properties: Properties) -> int:
     pairs = properties.user_properties
     return PROPERTIES_OVERHEAD + sum([len(k) + len(v) for k, v in pairs]) + USER_PROPERTY_OVERHEAD * len(pairs) \
         + len(properties.correlation_data or b"") + len(properties.response_topic or "")
+
+
+def from_record(record: Record, queue: str | None, offset: int | None) -> Message:
+    """The message a record holds, as read from ``queue`` at ``offset`` (None, None: a retained copy): its MQTT 5
+    property block decoded once, for every local session that delivers it."""
+    props = record.properties
+    flags = record.flags  # not the qos/retain properties: this runs once per message and queue
+    return Message(
+        record.topic, record.payload, flags & QOS_MASK, bool(flags & FLAG_RETAIN),
+        decode_properties(props, 0, len(props), PacketType.PUBLISH) if props else EMPTY_PROPERTIES,
+        record.client_id, record.born_ms, record.store_ms, queue, offset,
+    )

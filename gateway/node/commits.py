@@ -13,12 +13,10 @@ waited would hold its next pulls behind a store write. A crash can lose the
 commits not yet written; the session then resumes a little earlier and the
 client sees those messages again (QoS 1/2 are at least once).
 
-Each commit names the store lease its connection was accepted under (cluster
-mode, store/leases.py): a round writes the commits of each lease apart, and
-the store refuses those of a lease that has ended (the client's session may
-have moved on to another node, whose offsets must not be overwritten). A write that a
-full data disk refused goes back to the pending commits (a newer offset of the
-same queue wins) and is tried again once the disk has room (gateway/node/owed.py).
+The store never moves an offset back (a late commit of a connection taken over on another node leaves the
+newer one), and refuses the commits of a client of an ended store lease (cluster mode, store/leases.py:
+``LeaseLost``, logged here). A write that a full data disk refused goes back to the pending commits (a newer
+offset of the same queue wins) and is tried again once the disk has room (gateway/node/owed.py).
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ import logging
 import trio
 
 from gateway.node.owed import OwedWrites
-from store.local import StoreClient
+from store.api import LeaseLost, StoreApi
 from store.log.errors import LogFullError
-from store.leases import LeaseLost
 
 LOGGER = logging.getLogger(__name__)
 
@@ -56,27 +53,26 @@ class _Round:
 class CommitBatcher:
     """Writes ``{owner: {queue: offset}}`` commits in batches; each caller returns once its commit is written."""
 
-    def __init__(self, store: StoreClient, nursery: trio.Nursery, owed: OwedWrites | None = None) -> None:
+    def __init__(self, store: StoreApi, nursery: trio.Nursery, owed: OwedWrites | None = None) -> None:
         """``nursery`` runs the writes that ``post`` starts; ``owed`` retries those a full disk refused (the
         node's, shared with its other store writes; default: one of its own)."""
         self._store = store
         self._nursery = nursery
         self.owed = owed if owed is not None else OwedWrites(nursery)
-        self._pending: dict[int, dict[str, dict[str, int]]] = {}  # lease epoch -> {owner: offsets}
+        self._pending: dict[str, dict[str, int]] = {}  # owner -> {queue: offset}
         self._next = _Round()  # the round that will carry what is pending
         self._busy = False
         self._free = trio.Event()  # set when a write ends
         self.writes = 0
         self.commits = 0
 
-    def post(self, owner: str, offsets: Mapping[str, int], epoch: int | None = None) -> None:
+    def post(self, owner: str, offsets: Mapping[str, int]) -> None:
         """Commit ``owner``'s next offsets without waiting; a failed write is logged.
 
         A later commit of the same queue replaces an unwritten one: posts take
-        effect in the order they are made. ``epoch``: the store lease of the
-        connection that acknowledged them (None: the node's current one).
+        effect in the order they are made.
         """
-        self._add(owner, offsets, epoch)
+        self._add(owner, offsets)
         if not self._busy and not self.owed.owes(OWED_OWNER, OWED_OWNER):  # owed: the disk is full, it waits
             self._busy = True  # the task below takes the round: no second writer starts meanwhile
             self._nursery.start_soon(self._drain)
@@ -92,14 +88,12 @@ class CommitBatcher:
 
     async def forget(self, owner: str) -> None:
         """Drop ``owner``'s unwritten commits and wait out a write in progress (before its offsets are deleted)."""
-        for owners in self._pending.values():
-            owners.pop(owner, None)
+        self._pending.pop(owner, None)
         while self._busy:
             await self._free.wait()
 
-    def _add(self, owner: str, offsets: Mapping[str, int], epoch: int | None = None) -> None:
-        key = self._store.epoch if epoch is None else epoch
-        self._pending.setdefault(key, {}).setdefault(owner, {}).update(offsets)
+    def _add(self, owner: str, offsets: Mapping[str, int]) -> None:
+        self._pending.setdefault(owner, {}).update(offsets)
         self.commits += 1
 
     async def commit(self, owner: str, offsets: Mapping[str, int]) -> None:
@@ -135,25 +129,19 @@ class CommitBatcher:
         self._busy = True
         current, pending = self._next, self._pending
         self._next, self._pending = _Round(), {}
-        epochs = list(pending)
         try:
-            while epochs:
-                batch = pending[epochs[0]]
-                if batch:  # else its owners were forgotten
-                    try:
-                        await self._store.commit_offsets(batch, epoch=epochs[0])
-                    except LeaseLost:  # acknowledged on connections of an ended lease: not this node's to write
-                        LOGGER.info("offsets of an ended store lease not committed",
-                                    extra={"ctx": {"owners": len(batch)}})
-                del epochs[0]
+            if pending:
+                try:
+                    await self._store.commit_offsets(pending)
+                except LeaseLost:  # acknowledged on connections of an ended lease: not this node's to write
+                    LOGGER.info("offsets of an ended store lease not committed", extra={"ctx": {"owners": len(pending)}})
             self.writes += 1
         except LogFullError as exc:  # pending again, under any newer offsets; written once the disk has room
             current.error = exc
-            for epoch in epochs:
-                for owner, offsets in pending[epoch].items():
-                    again = self._pending.setdefault(epoch, {}).setdefault(owner, {})
-                    for queue, offset in offsets.items():
-                        again.setdefault(queue, offset)
+            for owner, offsets in pending.items():
+                again = self._pending.setdefault(owner, {})
+                for queue, offset in offsets.items():
+                    again.setdefault(queue, offset)
             self.owed.owe(OWED_OWNER, self._write_owed, key=OWED_OWNER)
         except Exception as exc:  # every caller of the round raises it
             current.error = exc

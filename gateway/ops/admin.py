@@ -28,8 +28,8 @@ Routes (docs/operations.md has the reference with curl examples):
   the password file's users, or anonymous when allowed) and checked against
   the ACL's publish rules; it is not an admin action, so the token plays no part.
 
-The node (gateway/node/node.py, "administration") answers with the records below;
-they are frozen dataclasses that orjson writes as JSON objects.
+The node's ``Administration`` (gateway/ops/administration.py) answers with the records of
+gateway/ops/records.py: frozen dataclasses that orjson writes as JSON objects.
 """
 
 from __future__ import annotations
@@ -56,21 +56,15 @@ from gateway.ops.metrics import CONTENT_TYPE
 from gateway.mqtt.reasons import ReasonCode
 from lightqueue.topics import TopicError
 
-if TYPE_CHECKING:  # the node builds on these records, so only the type checker imports it here
+if TYPE_CHECKING:
+    from gateway.ops.administration import Administration
     from gateway.ops.metrics import NodeMetrics
-    from gateway.node.node import GatewayNode
 
 __all__ = [
-    "RECENT_AUTH_FAILURES",
     "AdminApi",
-    "AuthFailure",
-    "ClientInfo",
     "HttpError",
-    "QueueInfo",
     "Request",
     "Response",
-    "SessionInfo",
-    "SubscriptionLag",
     "serve_admin",
 ]
 
@@ -106,9 +100,6 @@ before the close: closing with unread bytes makes the kernel reset the connectio
 READY_TIMEOUT_S = 2.0
 """``/readyz``: a store that has not answered ``statistics()`` within this is not ready."""
 
-RECENT_AUTH_FAILURES = 50
-"""Refused CONNECTs and HTTP publishes the node remembers for the dashboard: a screenful; the log has them all."""
-
 OVERVIEW_CLIENTS = 100
 """Connected clients listed in ``/api/v1/overview`` (the dashboard's table); ``/api/v1/clients`` lists all."""
 
@@ -117,70 +108,6 @@ OVERVIEW_TOP = 10
 
 JSON = "application/json"
 DASHBOARD = Path(__file__).with_name("dashboard.html")
-
-
-# --- what the node answers ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ClientInfo:
-    """One connected client."""
-
-    client_id: str
-    username: str | None
-    peer: str  # address:port
-    protocol: str  # "3.1.1" or "5.0"
-    keep_alive_s: int
-    expiry_s: int  # Session Expiry Interval; > 0: the session outlives the connection
-    subscriptions: int
-    inflight: int  # outbound QoS 1/2 messages not acknowledged yet
-
-
-@dataclass(frozen=True, slots=True)
-class SubscriptionLag:
-    """One subscription of a session and how far behind its queue it is."""
-
-    filter: str
-    queue: str
-    qos: int
-    group: str | None  # the share name of a shared subscription (its group owns the offset)
-    offset: int  # committed: everything below is acknowledged
-    max_offset: int  # the queue's next offset
-    lag: int  # messages in the queue not acknowledged yet (max_offset - offset)
-
-
-@dataclass(frozen=True, slots=True)
-class SessionInfo:
-    """A session this node knows: connected, or persistent and waiting for its client."""
-
-    client_id: str
-    connected: bool
-    expiry_s: int
-    inflight: int
-    lag: int  # the sum of its subscriptions' lags
-    subscriptions: tuple[SubscriptionLag, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class QueueInfo:
-    """A light queue read by this node's sessions or shared groups."""
-
-    queue: str
-    max_offset: int
-    consumers: int  # sessions and shared groups holding an offset on it
-    min_offset: int  # the lowest committed offset among them
-    lag: int  # max_offset - min_offset: what the slowest consumer has still to acknowledge
-
-
-@dataclass(frozen=True, slots=True)
-class AuthFailure:
-    """A refused CONNECT or HTTP publish, for the dashboard (never the password)."""
-
-    time_ms: int
-    client_id: str | None  # None for HTTP publishes
-    peer: str
-    username: str | None
-    reason: str  # the refusal's reason code name
 
 
 # --- HTTP -----------------------------------------------------------------------------------
@@ -229,15 +156,15 @@ class AdminApi:
     """The routes of the admin endpoint over one node.
 
     Args:
-        node: the node whose administration methods answer.
+        admin: the node's administration, which answers.
         metrics: renders ``/metrics``.
         token: the bearer token ``/api/v1`` requires (empty: none).
 
     ``mqtt_ready`` is set by whoever starts the MQTT listener, once it listens.
     """
 
-    def __init__(self, node: GatewayNode, metrics: NodeMetrics, *, token: str = "") -> None:
-        self.node = node
+    def __init__(self, admin: Administration, metrics: NodeMetrics, *, token: str = "") -> None:
+        self.admin = admin
         self.metrics = metrics
         self.mqtt_ready = False
         self._token = token.encode()
@@ -319,7 +246,7 @@ class AdminApi:
             return json_response({"status": "not ready", "reason": "the MQTT listener is not up yet"}, 503)
         with trio.move_on_after(READY_TIMEOUT_S):
             try:
-                await self.node.store.statistics()
+                await self.admin.store.statistics()
             except Exception as exc:  # any failure of the store is "not ready", with its reason
                 return json_response({"status": "not ready", "reason": f"the store failed: {exc!r}"}, 503)
             return json_response({"status": "ready"})
@@ -339,11 +266,11 @@ class AdminApi:
             raise HttpError(400, "'qos' must be 0, 1 or 2")
         if not isinstance(retain, bool):
             raise HttpError(400, "'retain' must be true or false")
-        decision = await self.node.authenticate_http(username, password, request.peer_host)
+        decision = await self.admin.authenticate_http(username, password, request.peer_host)
         if not decision.accepted:
             raise HttpError(401, "credentials not accepted", (("www-authenticate", 'Basic realm="lightgate"'),))
         try:
-            reason = await self.node.publish(topic, payload, qos, retain, decision.username, request.peer_host)
+            reason = await self.admin.publish(topic, payload, qos, retain, decision.username, request.peer_host)
         except TopicError as exc:
             raise HttpError(400, f"topic: {exc}") from None
         if reason is ReasonCode.NOT_AUTHORIZED:
@@ -357,16 +284,18 @@ class AdminApi:
     # --- admin routes -------------------------------------------------------------------
 
     async def _overview(self, request: Request, rest: str) -> Response:
-        node = self.node
+        admin = self.admin
+        node = admin.node
         traffic = node.traffic
-        sessions = await node.sessions()
-        queues = await node.queues()
-        store = await node.store.statistics()
-        clients = node.clients()
-        online, offline = node.session_counts()
+        sessions = await admin.sessions()
+        queues = await admin.queues()
+        store = await admin.store.statistics()
+        clients = admin.clients()
+        online, offline = await admin.session_counts()
+        counters = node.guard.counters
         return json_response({
             "time_ms": int(time.time() * 1000),
-            "uptime_s": node.uptime_s(),
+            "uptime_s": admin.uptime_s(),
             "connections": len(clients),
             "sessions": {"online": online, "offline": offline},
             "messages": {"received": traffic.messages_in, "sent": traffic.messages_out,
@@ -375,55 +304,55 @@ class AdminApi:
             "store": {"dispatch_lag": store.dispatch_lag, "log_bytes": store.log_bytes, "queue_ids": store.queue_ids,
                       "active_filters": store.active_filters, "retained": store.retained,
                       "notify_sent": store.notify_sent, "notify_suppressed": store.notify_suppressed},
-            "auth": {"failures": node.auth_counters.auth_failures, "acl_denials": node.auth_counters.acl_denials,
-                     "recent": list(reversed(node.auth_counters.recent))},
+            "auth": {"failures": counters.auth_failures, "acl_denials": counters.acl_denials,
+                     "recent": list(reversed(counters.recent))},
             "clients": clients[:OVERVIEW_CLIENTS],
             "top_sessions": sorted((s for s in sessions if s.lag), key=lambda s: -s.lag)[:OVERVIEW_TOP],
             "top_queues": sorted((q for q in queues if q.lag), key=lambda q: -q.lag)[:OVERVIEW_TOP],
         })
 
     async def _clients(self, request: Request, rest: str) -> Response:
-        return json_response(self.node.clients())
+        return json_response(self.admin.clients())
 
     async def _client(self, request: Request, rest: str) -> Response:
-        info = await self.node.client_info(rest)
+        info = await self.admin.client_info(rest)
         if info is None:
             raise HttpError(404, f"no connected client {rest!r}")
         return json_response(info)
 
     async def _disconnect(self, request: Request, rest: str) -> Response:
-        if not await self.node.disconnect(rest):
+        if not await self.admin.disconnect(rest):
             raise HttpError(404, f"no connected client {rest!r}")
         return json_response({"disconnected": rest})
 
     async def _sessions(self, request: Request, rest: str) -> Response:
-        return json_response(await self.node.sessions())
+        return json_response(await self.admin.sessions())
 
     async def _session(self, request: Request, rest: str) -> Response:
-        info = await self.node.session_info(rest)
+        info = await self.admin.session_info(rest)
         if info is None:
             raise HttpError(404, f"no session {rest!r}")
         return json_response(info)
 
     async def _delete_session(self, request: Request, rest: str) -> Response:
-        if not await self.node.delete_session(rest):
+        if not await self.admin.delete_session(rest):
             raise HttpError(404, f"no session {rest!r}")
         return json_response({"deleted": rest})
 
     async def _queues(self, request: Request, rest: str) -> Response:
-        return json_response(await self.node.queues())
+        return json_response(await self.admin.queues())
 
     async def _retained(self, request: Request, rest: str) -> Response:
         filter = request.query.get("filter", "#")
         try:
-            messages = await self.node.retained(filter)
+            messages = await self.admin.retained(filter)
         except TopicError as exc:
             raise HttpError(400, f"filter: {exc}") from None
         return json_response([_message_json(m) for m in messages])
 
     async def _retained_one(self, request: Request, rest: str) -> Response:
         try:
-            messages = await self.node.retained(rest)
+            messages = await self.admin.retained(rest)
         except TopicError as exc:
             raise HttpError(400, f"topic: {exc}") from None
         found = [m for m in messages if m.topic == rest]
@@ -433,7 +362,7 @@ class AdminApi:
 
     async def _delete_retained(self, request: Request, rest: str) -> Response:
         try:
-            existed = await self.node.delete_retained(rest)
+            existed = await self.admin.delete_retained(rest)
         except TopicError as exc:
             raise HttpError(400, f"topic: {exc}") from None
         if not existed:

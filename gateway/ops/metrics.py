@@ -3,7 +3,7 @@
 The per-message paths only add to plain ints (``Traffic``, ``AuthCounters``,
 the limit and admission counters, the store's figures) and to fixed-bucket
 ``LatencyBuckets``; no prometheus object sits on them. ``NodeMetrics`` fetches
-the store's figures (``StoreClient.statistics``, async), then lets a custom
+the store's figures (``StoreApi.statistics``, async), then lets a custom
 collector turn everything into metric families. Each node has its own
 ``CollectorRegistry``: tests start many nodes in one process, and the global
 registry would mix them up. docs/operations.md lists every metric.
@@ -32,8 +32,8 @@ from store.log.aio import LatencyBuckets
 if TYPE_CHECKING:
     from gateway.node.admission import Admission
     from gateway.node.cache import QueueCache
-    from gateway.node.node import GatewayNode
-    from store.local import StoreStatistics
+    from gateway.ops.administration import Administration
+    from store.api import StoreStatistics
 
 __all__ = ["CONTENT_TYPE", "NodeMetrics", "histogram"]
 
@@ -57,53 +57,56 @@ class NodeMetrics:
     """The metrics of one node: ``await exposition()`` renders them in the Prometheus text format.
 
     Args:
-        node: the node whose counters are read.
+        admin: the administration of the node whose counters are read.
         flush_latency: the CommitLog's flush times, when the store runs in this process (None in cluster
             mode: the store node exports its own).
         admission: the node's connection admission (open connections, refusals), if it has one.
         cache: the node's queue cache (hits vs store reads), if it has one.
     """
 
-    def __init__(self, node: GatewayNode, *, flush_latency: LatencyBuckets | None = None,
+    def __init__(self, admin: Administration, *, flush_latency: LatencyBuckets | None = None,
                  admission: Admission | None = None, cache: QueueCache | None = None) -> None:
-        self._node = node
+        self._admin = admin
+        self._node = admin.node
         self._flush_latency = flush_latency
         self._admission = admission
         self._cache = cache
         self._store: StoreStatistics | None = None
+        self._sessions = (0, 0)  # online, offline
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
     async def exposition(self) -> bytes:
         """The current metrics, store figures fetched now."""
-        self._store = await self._node.store.statistics()
+        self._store = await self._admin.store.statistics()
+        self._sessions = await self._admin.session_counts()
         return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:
         """The collector protocol of prometheus_client (called by ``generate_latest``)."""
         node = self._node
         traffic = node.traffic
-        online, offline = node.session_counts()
+        online, offline = self._sessions
         admission = self._admission
         yield InfoMetricFamily(PREFIX + "build", "the running LightGate's version (always 1)",
                                value={"version": __version__})
         yield _gauge("connections", "open MQTT connections",
                      admission.connections if admission is not None else online)
-        sessions = GaugeMetricFamily(PREFIX + "sessions", "sessions this node knows, by state: online (connected) "
-                                     "and offline (persistent, waiting for their client)", labels=["state"])
+        sessions = GaugeMetricFamily(PREFIX + "sessions", "sessions by state: online (connected to this node) and "
+                                     "offline (stored, their client connected nowhere)", labels=["state"])
         sessions.add_metric(["online"], online)
         sessions.add_metric(["offline"], offline)
         yield sessions
         yield _by_qos("messages_received", "PUBLISH packets received from clients", traffic.messages_in_by_qos)
         yield _by_qos("messages_sent", "PUBLISH packets sent to clients", traffic.messages_out_by_qos)
         yield _by_qos("messages_refused", "messages the store did not take (a full data disk...): QoS 0 ones "
-                      "dropped, QoS 1/2 ones answered with a failure", self._node.refused_by_qos)
+                      "dropped, QoS 1/2 ones answered with a failure", node.appends.refused_by_qos)
         yield _counter("bytes_received", "bytes read from client connections", traffic.bytes_in)
         yield _counter("bytes_sent", "bytes written to client connections", traffic.bytes_out)
         yield histogram(PREFIX + "delivery_latency_seconds", "queue messages from their store time to the write "
                         "of their PUBLISH to the subscriber (an upper bound per written batch)",
                         traffic.delivery_latency)
-        counters = node.auth_counters
+        counters = node.guard.counters
         yield _counter("auth_failures", "CONNECTs and HTTP publishes refused for their credentials",
                        counters.auth_failures)
         yield _counter("acl_denials", "messages dropped and subscriptions refused by the ACL", counters.acl_denials)

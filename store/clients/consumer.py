@@ -54,7 +54,9 @@ import trio
 
 from store.clients.producer import unique_client_name
 from store.log.record import Record
-from store.rpc.client import RemoteStoreClient, StoreUnavailable
+from store.api import StoreUnavailable
+from store.groups import group_owner
+from store.rpc.client import RemoteStore
 
 __all__ = ["Batch", "Consumer", "ConsumerMessage"]
 
@@ -133,11 +135,12 @@ def start_position(start: Start) -> tuple[str, int]:
 class Consumer:
     """One member of a consumer group; create it with :meth:`connect`, then iterate over batches."""
 
-    def __init__(self, client: RemoteStoreClient, group: str, filter: str, start: tuple[str, int], *,
+    def __init__(self, client: RemoteStore, group: str, filter: str, start: tuple[str, int], *,
                  max_count: int, max_bytes: int, wait_s: float, auto_commit: bool) -> None:
         self.client = client
         self.group = group
         self.filter = filter
+        self._owner = group_owner(group)  # the group's name at the store: back-end groups are ``$group/<name>``
         self._start = start
         self._max_count = max_count
         self._max_bytes = max_bytes
@@ -186,7 +189,7 @@ class Consumer:
         if "/" not in filter and "+" not in filter and filter != "#":
             filter += "/#"  # a first-level topic: its queue, as server-side consumers read it
         position = start_position(start)  # a bad start fails before connecting
-        async with RemoteStoreClient.connect(host, port, node=client_id or unique_client_name("consumer"),
+        async with RemoteStore.connect(host, port, node=client_id or unique_client_name("consumer"),
                                              timeout_s=timeout_s, username=username, password=password) as client:
             consumer = cls(client, group, filter, position, max_count=max_count, max_bytes=max_bytes,
                            wait_s=wait_s, auto_commit=auto_commit)
@@ -196,14 +199,15 @@ class Consumer:
             finally:
                 with trio.CancelScope(shield=True), trio.move_on_after(2.0):
                     try:
-                        await client.leave(group, filter)
+                        await client.leave(group_owner(group), filter, "")
                     except OSError:  # the connection is gone: the store hands the messages back anyway
                         pass
 
     async def _join(self) -> None:
         await self.client.wait_connected()
         self._joined_at = self.client.client_statistics().connects
-        self.committed = await self.client.join(self.group, self.filter, *self._start)
+        kind, at = self._start
+        self.committed = await self.client.join(self._owner, self.filter, "", start=kind, at=at)
 
     async def poll(self, max_count: int | None = None, wait_s: float | None = None) -> Batch:
         """Claim the next batch (empty if nothing came within ``wait_s``); it is this member's until acknowledged.
@@ -214,14 +218,15 @@ class Consumer:
             try:
                 if self.client.client_statistics().connects != self._joined_at:
                     await self._join()
-                found = await self.client.claim(self.group, self.filter, max_count or self._max_count,
-                                                self._max_bytes, self._wait_s if wait_s is None else wait_s)
+                found = await self.client.claim(self._owner, self.filter, "", max_count or self._max_count,
+                                                max_bytes=self._max_bytes,
+                                                wait_s=self._wait_s if wait_s is None else wait_s)
             except StoreUnavailable as exc:
                 LOGGER.warning("consumer lost the store; rejoining when it is back: %s", exc,
                                extra={"ctx": {"group": self.group, "filter": self.filter}})
                 await self.client.wait_reconnected(self._joined_at)
                 continue
-            return Batch([ConsumerMessage(offset, record) for offset, record in found])
+            return Batch([ConsumerMessage(offset, record) for offset, record in found.messages])
 
     async def commit(self, batch: Batch | list[int]) -> int:
         """Acknowledge a batch (or queue offsets); returns the group's committed offset, durable on return.
@@ -233,7 +238,7 @@ class Consumer:
         """
         offsets = batch.offsets if isinstance(batch, Batch) else list(batch)
         if offsets:
-            self.committed = await self.client.ack(self.group, self.filter, offsets)
+            self.committed = await self.client.ack(self._owner, self.filter, "", offsets)
         return self.committed
 
     async def __aiter__(self) -> AsyncIterator[Batch]:

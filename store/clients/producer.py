@@ -43,8 +43,8 @@ from typing import Any, final
 import trio
 
 from lightqueue.topics import validate_topic
-from store.local import NewMessage
-from store.rpc.client import RemoteStoreClient, default_node_name
+from store.api import NewMessage
+from store.rpc.client import RemoteStore, default_node_name
 
 __all__ = ["Producer", "ProducerStatistics", "SendHandle", "encode_properties"]
 
@@ -169,7 +169,7 @@ class ProducerStatistics:
 class Producer:
     """Publishes to MQTT topics through a store node; create it with :meth:`connect`."""
 
-    def __init__(self, client: RemoteStoreClient, *, client_id: str, linger_ms: float, batch_bytes: int,
+    def __init__(self, client: RemoteStore, *, client_id: str, linger_ms: float, batch_bytes: int,
                  batch_count: int, durable: bool | None) -> None:
         self.client = client
         self.client_id = client_id
@@ -219,7 +219,7 @@ class Producer:
             StoreRpcError: the store refused the connection (bad credentials, another protocol version).
         """
         name = client_id or unique_client_name("producer")
-        async with RemoteStoreClient.connect(host, port, node=name, timeout_s=timeout_s, username=username,
+        async with RemoteStore.connect(host, port, node=name, timeout_s=timeout_s, username=username,
                                              password=password) as client:
             producer = cls(client, client_id=name, linger_ms=linger_ms, batch_bytes=batch_bytes,
                            batch_count=batch_count, durable=durable)
@@ -261,10 +261,9 @@ class Producer:
             raise trio.WouldBlock(f"{self._buffered_bytes} bytes are waiting to be sent: await flush() first")
         if common:
             properties += encode_properties(**common)
-        fields = {"client_id": self.client_id, "qos": qos, "retain": retain, "properties": properties,
-                  "born_ms": int(time.time() * 1000)}
+        message = NewMessage(topic, bytes(payload), self.client_id, qos, retain, properties, int(time.time() * 1000))
         handle = SendHandle()
-        self._buffer.append(((topic, bytes(payload), fields), handle))
+        self._buffer.append((message, handle))
         self._buffered_bytes += len(payload)
         self._sent += 1
         self._idle = trio.Event() if self._idle.is_set() else self._idle
@@ -308,7 +307,7 @@ class Producer:
         taken = 0
         size = 0
         while taken < len(buffer) and taken < self._batch_count:
-            size += len(buffer[taken][0][1])
+            size += len(buffer[taken][0].payload)
             taken += 1
             if size >= self._batch_bytes:
                 break

@@ -1,33 +1,30 @@
-"""``RemoteStoreClient``: the ``StoreClient`` of a cluster gateway, over the store node's RPC.
+"""``RemoteStore``: the ``StoreApi`` of a cluster gateway and of back-end clients, over the store node's RPC.
 
-A gateway node in cluster mode is written against ``store.local.StoreClient``
-exactly like the embedded one; this implementation sends each call to a
-``lightgate store`` process (store/rpc/server.py) over one TCP connection:
+A gateway node in cluster mode is written against ``store.api.StoreApi`` exactly like the embedded one; this
+implementation sends each call to a ``lightgate store`` process (store/rpc/server.py) over one TCP connection:
 
 - pipelined: every call gets a request id and waits for its own answer; any
   number are in flight at once;
-- batched: appends, pulls and offset commits that callers make while earlier
+- batched: appends, pulls, offset commits and QoS 2 releases that callers make while earlier
   ones of their kind are in flight travel together in the next request (one
   frame, one store-side CommitLog write or thread hand-off), so the cost per
   message is not a round trip;
+- never without waiting: ``append_nowait`` and ``pull_nowait`` always raise ``trio.WouldBlock`` (each is a
+  round trip); the awaiting forms are the ones to use;
 - reconnecting: when the connection breaks, calls in flight and new calls
   raise ``StoreUnavailable`` (a ``ConnectionError``: an append is then not
   acknowledged to any device) while the client reconnects with backoff; on
-  reconnecting it registers its watches and held wills again and posts one
-  event per watched queue at its current head, so every local session pulls
+  reconnecting it registers its watches and its connected clients with their wills again (``Reattach``)
+  and posts one event per watched queue at its current head, so every local session pulls
   whatever it may have missed;
-- fenced: the client names its lease (store/leases.py) in each Hello. If the
-  lease ended meanwhile (the process was frozen, or cut off, for longer than
-  the lease), the store says so in the Welcome: the client registers none of
-  its clients or wills again, takes the new epoch, and reports the ended one
-  through :meth:`fenced`. Writes made for a client accepted under the ended
-  epoch (the ``epoch`` argument of appends, commits, session writes, releases,
-  presence and wills) carry it, and the store refuses them (``LeaseLost``).
+- fenced: the client carries the lease epoch of each of its clients (the lease its node held when the
+  client connected) and names it in every write made for the client. If the lease ended meanwhile (the
+  process was frozen, or cut off, for longer than the lease), the store says so in the Welcome: the clients
+  of the ended lease are reported through :meth:`moved` and not registered again, and the store refuses
+  their writes (``LeaseLost``).
 
-The API is reusable outside the gateway (server-side producers and
-consumers, docs/cluster.md): ``RemoteStoreClient.connect(host, port)`` then
-``append``, ``pull``, ``commit_offsets``, ``get_offsets``, ``activate``,
-``release``, ``max_offsets``, ``watch`` and ``events``.
+Back-end producers and consumers (store/clients/) use the same client: ``RemoteStore.connect(host, port)``
+then ``append`` (or ``append_each``), ``join``, ``claim``, ``ack``, ``leave``.
 
 Resource handling: ``connect`` is an async context manager that owns the
 connection and its tasks; leaving it closes both, and ``events`` then ends.
@@ -49,20 +46,17 @@ from typing import Any, final
 
 import trio
 
-from lightqueue.queues import PullResult
 from lightqueue.topics import TopicError
 from notify import EventMailbox
+from store.api import (AdminOp, Flow, LeaseLost, LogSpan, NewMessage, PullRequest, PullResult, StoreStatistics,
+                       StoreUnavailable)
+from store.log.errors import LogFullError, OffsetExpired
+from store.log.record import Record, RecordTooLarge, decode_record
 from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied
-from store.awaiting import Flow
-from store.local import LogSpan, NewMessage, PullRequest, StoreStatistics
-from store.log.errors import LogFullError, OffsetExpired
-from store.leases import LeaseLost
-from store.log.record import Record, RecordTooLarge, decode_record
 from store.tasks import background
 
-__all__ = ["LeaseLost", "RemoteStoreClient", "RemoteStoreStatistics", "StoreRpcError", "StoreUnavailable",
-           "default_node_name"]
+__all__ = ["RemoteStore", "RemoteStoreStatistics", "StoreRpcError", "default_node_name"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -105,13 +99,6 @@ STATISTICS_LOG_S = 60.0
 """How often ``log_statistics`` logs the node's notify figures."""
 
 
-class StoreUnavailable(ConnectionError):
-    """The store node cannot be reached now (not connected, or the connection broke during the call).
-
-    The call may or may not have taken effect at the store; appends are not acknowledged to devices.
-    """
-
-
 class StoreRpcError(OSError):
     """The store refused the connection (protocol version, malformed frames) or failed a call with a bug.
 
@@ -145,21 +132,6 @@ def _exception(error: rpc.Error) -> Exception:
     if kind is rpc.ErrorKind.OS:
         return OSError(error.message)
     return StoreRpcError(f"store: {error.kind.value}: {error.message}")
-
-
-def to_wire(message: NewMessage) -> rpc.WireMessage:
-    """A message to append, as the RPC carries it.
-
-    Raises:
-        TypeError: its fields are not the record fields the RPC carries
-            (client_id, qos, retain, properties, born_ms, packet_id).
-    """
-    topic, payload, fields = message
-    try:
-        return rpc.WireMessage(topic, payload, **fields)
-    except TypeError:
-        raise TypeError(f"record fields {sorted(fields)} are not all carried by the store RPC "
-                        "(client_id, qos, retain, properties, born_ms, packet_id)") from None
 
 
 Handler = Callable[[Any], None]
@@ -283,7 +255,7 @@ class _Batcher:
 class _Link:
     """One live connection to the store: its answers in waiting, its batchers, its writer."""
 
-    def __init__(self, client: RemoteStoreClient, stream: trio.SocketStream, decoder: rpc.FrameDecoder,
+    def __init__(self, client: RemoteStore, stream: trio.SocketStream, decoder: rpc.FrameDecoder,
                  welcome: rpc.Welcome) -> None:
         self.stream = stream
         self.decoder = decoder
@@ -303,7 +275,7 @@ class _Link:
         self.appends = {durable: _Batcher(self, lambda rid, groups, d=durable: rpc.AppendRequest(rid, groups, d),
                                           _split_appends, _group_bytes, APPEND_BATCH_BYTES, counts["append"])
                         for durable in (None, True, False)}
-        self.pulls = _Batcher(self, lambda rid, reads: rpc.PullRequest(rid, [r for group in reads for r in group]),
+        self.pulls = _Batcher(self, lambda rid, reads: rpc.Pull(rid, [r for group in reads for r in group]),
                               _split_pulls, _reads_bytes, PULL_BATCH_BYTES, counts["pull"])
         self.commits = _Batcher(self, _merge_commits, _split_done, lambda item: 64 * len(item), 1 << 20,
                                 counts["commit"])
@@ -321,8 +293,7 @@ class _Link:
             return
         if len(self.ahead) >= READ_AHEAD_MAX:
             del self.ahead[next(iter(self.ahead))]
-        read = rpc.QueueRead(request.queue, request.from_offset, request.max_count, request.max_bytes)
-        self.ahead[key] = (request, self.pulls.enqueue([read]))
+        self.ahead[key] = (request, self.pulls.enqueue([request]))
         self._ahead_counts[1] += 1
 
     async def take_ahead(self, request: PullRequest) -> PullResult[Record] | None:
@@ -434,7 +405,7 @@ class _Link:
             elif kind is rpc.ClientMoved:
                 client._moved.post({message.client_id: 0})
             elif kind is rpc.AdminAsk:
-                client._asks_in.send_nowait((message.id, message.client_id, message.op.value))
+                client._asks_in.send_nowait((message.id, message.client_id, message.op))
             elif kind is rpc.Heartbeat:
                 pass
             elif kind is rpc.Error and message.id == 0:
@@ -476,11 +447,11 @@ class _Link:
             self.send(rpc.Heartbeat())
 
 
-def _group_bytes(group: list[rpc.WireMessage]) -> int:
+def _group_bytes(group: list[NewMessage]) -> int:
     return sum(len(m.payload) + len(m.topic) + len(m.properties) + 64 for m in group)
 
 
-def _reads_bytes(reads: list[rpc.QueueRead]) -> int:
+def _reads_bytes(reads: list[PullRequest]) -> int:
     return sum(max(r.max_bytes, PULL_READ_MIN_BYTES) for r in reads)
 
 
@@ -493,14 +464,19 @@ def _split_appends(answer: rpc.Appended, batch: list[tuple[Any, _Call]]) -> None
             call.set(answer.offsets[index])
 
 
+def _decoded(records: rpc.RawRecords) -> PullResult[Record]:
+    """A read as the store sent it (records as stored), decoded here: the store's CPU is every gateway's."""
+    return PullResult([(qoff, decode_record(raw, 0, log_offset)) for qoff, log_offset, raw in records.entries],
+                      records.next_offset, records.expired)
+
+
 def _split_pulls(answer: rpc.Pulled, batch: list[tuple[Any, _Call]]) -> None:
     start = 0
     results = answer.results
     for reads, call in batch:
         mine = results[start : start + len(reads)]
         start += len(reads)
-        call.set([PullResult([(qoff, decode_record(raw, 0, log_offset)) for qoff, log_offset, raw in r.entries],
-                             r.next_offset, r.expired) for r in mine])
+        call.set([_decoded(r) for r in mine])
 
 
 def _merge_commits(rid: int, items: list[dict[str, dict[str, int]]]) -> rpc.CommitOffsets:
@@ -524,17 +500,24 @@ class RemoteStoreStatistics:
     connects: int  # successful handshakes, the first included
     events_received: int  # queue events the store routed to this node
     watched_queues: int
-    wills_held: int
+    clients: int  # connected clients registered at the store (with their wills)
     batches: dict[str, tuple[int, int]]  # "append" / "pull" / "commit" / "release" -> (calls, requests they took)
     read_ahead: tuple[int, int]  # pulls answered by a read made in advance, reads made in advance
 
 
-@final
-class RemoteStoreClient:
-    """A ``StoreClient`` that talks to a store node process (see the module docstring).
+@dataclass(slots=True)
+class _Client:
+    """A connected client of this node, as the store knows it: sent again after a reconnect."""
 
-    Create it with :meth:`connect`.
-    """
+    epoch: int  # the lease it was accepted under: its writes name it
+    expiry_s: int
+    will: NewMessage | None
+    will_delay_s: int
+
+
+@final
+class RemoteStore:
+    """The ``StoreApi`` of a store node process (see the module docstring). Create it with :meth:`connect`."""
 
     def __init__(self, host: str, port: int, node: str, *, token: str = "", username: str | None = None,
                  password: bytes | None = None) -> None:
@@ -546,13 +529,11 @@ class RemoteStoreClient:
         self._link: _Link | None = None
         self._mailbox = EventMailbox()
         self._watched: dict[str, int] = {}  # queue -> local sessions on it (sent again after a reconnect)
-        self._wills: dict[str, tuple[rpc.WireMessage, float]] = {}  # client id -> will held at the store
-        self._present: set[str] = set()  # clients this node has (sent again after a reconnect)
-        self._moved = EventMailbox()  # {client id: 0} of the clients that connected to another node
+        self._clients: dict[str, _Client] = {}  # client id -> its lease and will (sent again after a reconnect)
+        self._moved = EventMailbox()  # {client id: 0} of the clients that are not this node's any more
         self._store_id = ""  # the store process and lease epoch this node holds (sent in each Hello)
         self._epoch = 0
-        self._fences_in, self._fences_out = trio.open_memory_channel[int](math.inf)  # ended epochs
-        self._asks_in, self._asks_out = trio.open_memory_channel[tuple[int, str, str]](math.inf)  # admin asks
+        self._asks_in, self._asks_out = trio.open_memory_channel[tuple[int, str, AdminOp]](math.inf)  # admin asks
         self._connected = trio.Event()
         self._link_up = trio.Event()  # set and replaced at each successful handshake (wait_reconnected)
         self._connects = 0
@@ -560,17 +541,18 @@ class RemoteStoreClient:
         self._batch_counts: dict[str, list[int]] = {"append": [0, 0], "pull": [0, 0], "commit": [0, 0],
                                                     "release": [0, 0]}
         self._ahead_counts = [0, 0]  # reads in advance: used, made
+        self._fenced_writes = 0  # writes refused because their client's lease had ended
 
     @classmethod
     @asynccontextmanager
     async def connect(
         cls, host: str, port: int, *, node: str | None = None, timeout_s: float | None = 30.0, token: str = "",
         username: str | None = None, password: bytes | str | None = None,
-    ) -> AsyncIterator[RemoteStoreClient]:
+    ) -> AsyncIterator[RemoteStore]:
         """Connect to the store at ``host:port`` and keep connected until the block exits.
 
         Args:
-            node: this client's node name, as the store routes events and holds wills
+            node: this client's node name, as the store routes events and places clients
                 (default: ``default_node_name()``); unique among the store's clients.
             timeout_s: give up if the first connection does not succeed within this (None: retry forever).
             token: the store's ``store.token``: a gateway node's credential (store/rpc/access.py).
@@ -589,7 +571,6 @@ class RemoteStoreClient:
         finally:
             client._mailbox.close()
             client._moved.close()
-            client._fences_in.close()
             client._asks_in.close()
 
     @property
@@ -606,6 +587,15 @@ class RemoteStoreClient:
         if link is None:
             raise StoreUnavailable(f"not connected to the store at {self.host}:{self.port}")
         return link
+
+    def _epoch_of(self, client_id: str) -> int:
+        """The lease epoch a write for ``client_id`` names (0: this connection's: a client not registered here)."""
+        client = self._clients.get(client_id)
+        return client.epoch if client is not None else 0
+
+    def _stale(self, epoch: int, link: _Link) -> bool:
+        """Whether ``epoch`` is an ended lease of this node's (its writes are refused)."""
+        return epoch != 0 and epoch != link.epoch
 
     async def wait_reconnected(self, connects: int) -> None:
         """Return once a connection newer than the ``connects``-th (``client_statistics().connects``) is up.
@@ -634,29 +624,49 @@ class RemoteStoreClient:
                 return
             await up.wait()
 
-    # --- StoreClient --------------------------------------------------------------------
+    # --- messages ---------------------------------------------------------------------------
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None,
-                     epoch: int | None = None) -> list[int]:
+    def append_nowait(self, messages: Sequence[NewMessage]) -> list[int]:
+        """Always raises ``trio.WouldBlock``: an append is a round trip to the store node."""
+        raise trio.WouldBlock
+
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
         link = self._require_link()
-        group = [to_wire(m) for m in messages]
-        if not group:
+        if not messages:
             return []
-        if epoch is not None and epoch != link.epoch:  # an ended lease's: alone, for the store to refuse
+        group = list(messages)
+        epoch = self._epoch_of(group[0].client_id)  # a connection's appends: one publisher
+        if self._stale(epoch, link):  # an ended lease's: alone, for the store to refuse
             return (await link.call(lambda rid: rpc.AppendRequest(rid, [group], durable, epoch))).offsets[0]
         return await link.appends[durable].submit(group)
 
-    def append_now(self, messages: Sequence[NewMessage]) -> list[int] | None:
-        """Always None: an append is a round trip to the store node."""
-        return None
+    async def append_each(self, messages: Sequence[NewMessage], *, durable: bool | None = None
+                          ) -> list[int | Exception]:
+        """Append messages in one request and one CommitLog write, each one failing alone (back-end producers,
+        store/clients/producer.py, which batch by themselves: this skips the client's own batching).
 
-    def can_append_now(self) -> bool:
-        """Never, as :meth:`append_now`."""
-        return False
+        Returns, per message, its CommitLog offset or the exception that refused it
+        (``RecordTooLarge``, ``AccessDenied`` for a topic the ACL does not allow).
 
-    def pull_now(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]] | None:
-        """Always None: a read is a round trip to the store node."""
-        return None
+        Raises:
+            StoreUnavailable: the connection broke (the messages may or may not be appended).
+            OSError: the write failed; none was appended.
+            ValueError: the request exceeds the RPC frame limit (nothing was sent).
+        """
+        link = self._require_link()
+        if not messages:
+            return []
+        groups = [[m] for m in messages]
+        try:
+            answer = await link.call(lambda rid: rpc.AppendRequest(rid, groups, durable))
+        except rpc.RpcProtocolError as exc:
+            raise ValueError(str(exc)) from None
+        errors = answer.errors
+        return [_exception(errors[i]) if i in errors else answer.offsets[i][0] for i in range(len(groups))]
+
+    def pull_nowait(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
+        """Always raises ``trio.WouldBlock``: a read is a round trip to the store node."""
+        raise trio.WouldBlock
 
     async def pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         """The reads, batched with other callers'; a read that comes back full starts the next one in advance.
@@ -669,8 +679,7 @@ class RemoteStoreClient:
         if not requests:
             return []
         early = [await link.take_ahead(r) if link.ahead else None for r in requests]
-        reads = [rpc.QueueRead(r.queue, r.from_offset, r.max_count, r.max_bytes)
-                 for r, result in zip(requests, early) if result is None]
+        reads = [r for r, result in zip(requests, early) if result is None]
         fresh = iter(await link.pulls.submit(reads) if reads else ())
         results = [result if result is not None else next(fresh) for result in early]
         for request, result in zip(requests, results):
@@ -681,56 +690,53 @@ class RemoteStoreClient:
                                                 request.max_bytes))
         return results
 
-    async def activate(self, queue: str, holder: str) -> int:
-        answer = await self._require_link().call(lambda rid: rpc.Activate(rid, queue, holder))
-        return answer.value
-
-    async def release(self, queue: str, holder: str, *, epoch: int | None = None) -> bool:
-        answer = await self._require_link().call(lambda rid: rpc.Release(rid, queue, holder, epoch or 0))
-        return answer.value
-
     async def max_offsets(self, queues: Sequence[str]) -> list[int]:
         answer = await self._require_link().call(lambda rid: rpc.MaxOffsets(rid, list(queues)))
         return answer.offsets
-
-    async def get_offsets(self, owner: str) -> dict[str, int]:
-        answer = await self._require_link().call(lambda rid: rpc.GetOffsets(rid, owner))
-        return answer.value
-
-    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]], *, epoch: int | None = None) -> None:
-        link = self._require_link()
-        if not commits:
-            return
-        copy = {owner: dict(offsets) for owner, offsets in commits.items()}
-        if epoch is not None and epoch != link.epoch:  # an ended lease's: alone, for the store to refuse
-            await link.call(lambda rid: rpc.CommitOffsets(rid, copy, epoch))
-            return
-        await link.commits.submit(copy)
-
-    async def delete_owner(self, owner: str, *, epoch: int | None = None) -> None:
-        await self._require_link().call(lambda rid: rpc.DeleteOwner(rid, owner, epoch or 0))
 
     async def retained(self, filter: str) -> list[Record]:
         answer = await self._require_link().call(lambda rid: rpc.GetRetained(rid, filter))
         return [decode_record(raw, 0, log_offset) for log_offset, raw in answer.records]
 
-    async def save_session(self, client_id: str, blob: bytes, *, epoch: int | None = None) -> None:
-        await self._require_link().call(lambda rid: rpc.SaveSession(rid, client_id, blob, epoch or 0))
+    async def read_log(self, offset: int, max_bytes: int) -> LogSpan:
+        answer = await self._require_link().call(lambda rid: rpc.ReadLog(rid, offset, max_bytes))
+        return answer.span
 
-    async def load_session(self, client_id: str) -> bytes | None:
-        answer = await self._require_link().call(lambda rid: rpc.LoadSession(rid, client_id))
+    async def statistics(self) -> StoreStatistics:
+        answer = await self._require_link().call(lambda rid: rpc.GetStatistics(rid))
+        return answer.stats
+
+    # --- subscriptions and offsets ----------------------------------------------------------
+
+    async def activate(self, queue: str, holder: str) -> int:
+        answer = await self._require_link().call(lambda rid: rpc.Activate(rid, queue, holder))
         return answer.value
 
-    async def drop_session(self, client_id: str, *, epoch: int | None = None) -> None:
-        await self._require_link().call(lambda rid: rpc.DropSession(rid, client_id, epoch or 0))
+    async def release(self, queue: str, holder: str) -> bool:
+        epoch = self._epoch_of(holder)
+        answer = await self._require_link().call(lambda rid: rpc.Release(rid, queue, holder, epoch))
+        return answer.value
 
-    async def awaiting_release(self, client_id: str) -> dict[int, int]:
-        answer = await self._require_link().call(lambda rid: rpc.GetAwaiting(rid, client_id))
-        return answer.flows
+    async def get_offsets(self, owner: str) -> dict[str, int]:
+        answer = await self._require_link().call(lambda rid: rpc.GetOffsets(rid, owner))
+        return answer.value
 
-    async def release_awaiting(self, flows: Sequence[Flow]) -> None:
-        if flows:
-            await self._require_link().releases.submit([tuple(flow) for flow in flows])
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
+        """The commits of clients of this node's lease go in one batched request; those of clients of an ended
+        lease alone, for the store to refuse: ``LeaseLost`` once the others are written."""
+        link = self._require_link()
+        current: dict[str, dict[str, int]] = {}
+        stale: dict[int, dict[str, dict[str, int]]] = {}
+        for owner, offsets in commits.items():
+            epoch = self._epoch_of(owner)
+            if self._stale(epoch, link):
+                stale.setdefault(epoch, {})[owner] = dict(offsets)
+            else:
+                current[owner] = dict(offsets)
+        if current:
+            await link.commits.submit(current)
+        for epoch, part in stale.items():
+            await link.call(lambda rid, part=part, epoch=epoch: rpc.CommitOffsets(rid, part, epoch))
 
     def watch(self, queue: str) -> None:
         self._watched[queue] = self._watched.get(queue, 0) + 1
@@ -751,74 +757,87 @@ class RemoteStoreClient:
     async def events(self) -> dict[str, int]:
         return await self._mailbox.get()
 
-    async def statistics(self) -> StoreStatistics:
-        answer = await self._require_link().call(rpc.GetStatistics)
-        s = answer.stats
-        return StoreStatistics(s.written_offset, s.flushed_offset, s.dispatched_offset, s.log_bytes, s.queue_ids,
-                               s.active_filters, s.retained, s.notify_sent, s.notify_suppressed, s.notify_by_node,
-                               s.corrupt_records, s.disk_full)
+    # --- consumer groups and shared subscriptions --------------------------------------------
 
-    async def read_log(self, offset: int, max_bytes: int) -> LogSpan:
-        answer = await self._require_link().call(lambda rid: rpc.ReadLog(rid, offset, max_bytes))
-        return LogSpan(answer.start, answer.data, answer.data_end, answer.flushed, answer.min_offset)
+    async def join(self, group: str, queue: str, member: str, *, start: str = "latest", at: int = 0) -> int:
+        answer = await self._require_link().call(lambda rid: rpc.Join(rid, group, queue, member, start, at))
+        return answer.value
 
-    def _current(self, epoch: int | None) -> bool:
-        """Whether a write for a client accepted under ``epoch`` (None: now) is of this node's lease: only those
-        are kept for registering again after a reconnect (the store ignores the others)."""
-        return epoch is None or epoch == self._epoch
+    async def claim(self, group: str, queue: str, member: str, max_count: int, *, max_bytes: int = 1 << 20,
+                    wait_s: float = 0.0) -> PullResult[Record]:
+        wait_ms = max(0, int(wait_s * 1000))
+        answer = await self._require_link().call(
+            lambda rid: rpc.Claim(rid, group, queue, max_count, max_bytes, wait_ms, member))
+        return _decoded(answer.result)
 
-    async def hold_will(self, client_id: str, message: NewMessage, delay_s: float, *, epoch: int | None = None) -> None:
-        wire = to_wire(message)
-        if self._current(epoch):
-            self._wills[client_id] = (wire, delay_s)
-        if self._link is not None:
-            self._link.send(rpc.HoldWill(client_id, wire, delay_s, epoch or 0))
+    async def ack(self, group: str, queue: str, member: str, offsets: Sequence[int] = (), *, below: int = 0) -> int:
+        answer = await self._require_link().call(
+            lambda rid: rpc.Ack(rid, group, queue, list(offsets), member, below))
+        return answer.value
 
-    async def drop_will(self, client_id: str, *, epoch: int | None = None) -> None:
-        if self._current(epoch):
-            self._wills.pop(client_id, None)
-        if self._link is not None:
-            self._link.send(rpc.DropWill(client_id, epoch or 0))
+    async def leave(self, group: str, queue: str, member: str, *, unsubscribe: bool = False) -> None:
+        await self._require_link().call(lambda rid: rpc.Leave(rid, group, queue, member, unsubscribe))
 
-    def present(self, client_id: str, *, epoch: int | None = None) -> None:
-        if self._current(epoch):
-            self._present.add(client_id)
-        if self._link is not None:
-            self._link.send(rpc.Present(client_id, epoch or 0))
+    # --- sessions -----------------------------------------------------------------------------
 
-    def absent(self, client_id: str, *, epoch: int | None = None) -> None:
-        if self._current(epoch):
-            self._present.discard(client_id)
-        if self._link is not None:
-            self._link.send(rpc.Absent(client_id, epoch or 0))
+    async def open_session(self, client_id: str, *, clean_start: bool, expiry_s: int,
+                           will: NewMessage | None = None, will_delay_s: int = 0) -> bytes | None:
+        link = self._require_link()
+        self._clients[client_id] = _Client(link.epoch, expiry_s, will, will_delay_s)
+        try:
+            answer = await link.call(lambda rid: rpc.OpenSession(rid, client_id, clean_start, expiry_s, will,
+                                                              will_delay_s))
+        except BaseException:
+            self._clients.pop(client_id, None)
+            raise
+        return answer.value
+
+    async def close_session(self, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> None:
+        client = self._clients.pop(client_id, None)
+        epoch = client.epoch if client is not None else 0
+        await self._require_link().call(lambda rid: rpc.CloseSession(rid, client_id, expiry_s, will_delay_s, epoch))
+
+    async def save_session(self, client_id: str, blob: bytes) -> None:
+        epoch = self._epoch_of(client_id)
+        await self._require_link().call(lambda rid: rpc.SaveSession(rid, client_id, blob, epoch))
+
+    async def load_session(self, client_id: str) -> bytes | None:
+        answer = await self._require_link().call(lambda rid: rpc.LoadSession(rid, client_id))
+        return answer.value
+
+    async def end_session(self, client_id: str) -> bool:
+        answer = await self._require_link().call(lambda rid: rpc.EndSession(rid, client_id))
+        return answer.value
+
+    async def sessions(self) -> list[str]:
+        answer = await self._require_link().call(lambda rid: rpc.ListSessions(rid))
+        return answer.names
+
+    async def awaiting_release(self, client_id: str) -> dict[int, int]:
+        answer = await self._require_link().call(lambda rid: rpc.GetAwaiting(rid, client_id))
+        return answer.flows
+
+    async def release_awaiting(self, flows: Sequence[Flow]) -> None:
+        if not flows:
+            return
+        link = self._require_link()
+        epoch = self._epoch_of(flows[0][0])  # one connection's releases: one client
+        items = [tuple(flow) for flow in flows]
+        if self._stale(epoch, link):
+            await link.call(lambda rid: rpc.ReleaseAwaiting(rid, items, epoch))
+            return
+        await link.releases.submit(items)
 
     async def moved(self) -> list[str]:
         return list(await self._moved.get())
 
-    async def fenced(self) -> int:
-        """Wait until the store says this node's lease ended (on a reconnect); the ended epoch.
+    # --- administration across nodes -------------------------------------------------------
 
-        Raises:
-            trio.EndOfChannel: the client is closed.
-        """
-        return await self._fences_out.receive()
-
-    async def admin_call(self, client_id: str, op: str) -> bytes | None:
-        """Have the node ``client_id`` is connected to run admin ``op`` (``rpc.AdminOp``); its JSON answer, or
-        None when the client is connected to no other node.
-
-        Raises:
-            OSError: that node did not answer in time (``StoreUnavailable``: the store is not reachable).
-        """
-        answer = await self._require_link().call(lambda rid: rpc.AdminCall(rid, client_id, rpc.AdminOp(op)))
+    async def admin_call(self, client_id: str, op: AdminOp) -> bytes | None:
+        answer = await self._require_link().call(lambda rid: rpc.AdminCall(rid, client_id, op))
         return answer.value
 
-    async def admin_asks(self) -> tuple[int, str, str]:
-        """The next admin call another node made about a client of this one: ``(ask id, client id, op)``.
-
-        Raises:
-            trio.EndOfChannel: the client is closed.
-        """
+    async def admin_asks(self) -> tuple[int, str, AdminOp]:
         return await self._asks_out.receive()
 
     def admin_answer(self, ask_id: int, value: bytes | None) -> None:
@@ -826,64 +845,11 @@ class RemoteStoreClient:
         if self._link is not None:
             self._link.send(rpc.AdminAnswer(ask_id, value))
 
-    # --- back-end producers and consumers (store/clients/producer.py, store/clients/consumer.py) ---------
-
-    async def append_each(self, messages: Sequence[NewMessage], *, durable: bool | None = None
-                          ) -> list[int | Exception]:
-        """Append messages in one request and one CommitLog write, each one failing alone.
-
-        Returns, per message, its CommitLog offset or the exception that refused it
-        (``RecordTooLarge``, ``AccessDenied`` for a topic the ACL does not allow);
-        the producer batches by itself, so this skips the client's own batching.
-
-        Raises:
-            StoreUnavailable: the connection broke (the messages may or may not be appended).
-            OSError: the write failed; none was appended.
-            ValueError: the request exceeds the RPC frame limit (nothing was sent).
-        """
-        link = self._require_link()
-        if not messages:
-            return []
-        groups = [[to_wire(m)] for m in messages]
-        try:
-            answer = await link.call(lambda rid: rpc.AppendRequest(rid, groups, durable))
-        except rpc.RpcProtocolError as exc:
-            raise ValueError(str(exc)) from None
-        errors = answer.errors
-        return [_exception(errors[i]) if i in errors else answer.offsets[i][0] for i in range(len(groups))]
-
-    async def join(self, group: str, filter: str, start: str = "earliest", at: int = 0) -> int:
-        """Join consumer group ``group`` on the queue of ``filter`` (store/groups.py); returns its committed offset.
-
-        Raises:
-            AccessDenied: the ACL does not let this client subscribe to ``filter``.
-            TopicError, ValueError: a bad filter, group name or start.
-        """
-        answer = await self._require_link().call(lambda rid: rpc.Join(rid, group, filter, start, at))
-        return answer.value
-
-    async def claim(self, group: str, filter: str, max_count: int, max_bytes: int, wait_s: float
-                    ) -> list[tuple[int, Record]]:
-        """``(queue offset, record)`` of messages now this client's in the group (empty if none came in ``wait_s``)."""
-        wait_ms = max(0, int(wait_s * 1000))
-        answer = await self._require_link().call(
-            lambda rid: rpc.Claim(rid, group, filter, max_count, max_bytes, wait_ms))
-        return [(qoff, decode_record(raw, 0, log_offset)) for qoff, log_offset, raw in answer.entries]
-
-    async def ack(self, group: str, filter: str, offsets: Sequence[int]) -> int:
-        """The claimed ``offsets`` are processed; returns the group's committed offset (durable)."""
-        answer = await self._require_link().call(lambda rid: rpc.Ack(rid, group, filter, list(offsets)))
-        return answer.value
-
-    async def leave(self, group: str, filter: str) -> None:
-        """Leave the group: offsets claimed and not acknowledged go to its other members."""
-        await self._require_link().call(lambda rid: rpc.Leave(rid, group, filter))
-
     # --- the client's own figures -------------------------------------------------------
 
     def client_statistics(self) -> RemoteStoreStatistics:
         return RemoteStoreStatistics(self._link is not None, self._connects, self._events_received,
-                                     len(self._watched), len(self._wills),
+                                     len(self._watched), len(self._clients),
                                      {kind: (calls, requests) for kind, (calls, requests) in self._batch_counts.items()},
                                      (self._ahead_counts[0], self._ahead_counts[1]))
 
@@ -997,20 +963,21 @@ class RemoteStoreClient:
         ended = self._epoch
         self._store_id, self._epoch = answer.store_id, answer.epoch
         if not answer.resumed and ended:
+            gone = [client_id for client_id, client in self._clients.items() if client.epoch != answer.epoch]
             LOGGER.warning("store lease lost: this node was away longer than its lease; the clients it had are "
                            "closed without a will or a write", extra={"ctx": {
                                "node": self.node, "ended_epoch": ended, "epoch": answer.epoch,
-                               "clients": len(self._present), "wills": len(self._wills)}})
-            self._present.clear()
-            self._wills.clear()
-            self._fences_in.send_nowait(ended)
+                               "clients": len(gone)}})
+            if gone:  # their entries stay, with the ended epoch: the store refuses what is still written for them
+                self._moved.post(dict.fromkeys(gone, 0))
         link = _Link(self, stream, decoder, answer)
         if self._watched:
             link.send(rpc.Watch(dict(self._watched)))
-        for client_id in self._present:  # first: a client placed elsewhere meanwhile is not re-registered
-            link.send(rpc.Present(client_id, answer.epoch, again=True))
-        for client_id, (wire, delay_s) in self._wills.items():
-            link.send(rpc.HoldWill(client_id, wire, delay_s, answer.epoch, again=True))
+        resumed = answer.resumed or not ended
+        for client_id, client in self._clients.items():
+            if resumed and client.epoch in (ended, answer.epoch):  # the resumed (or adopted) lease's clients, again
+                client.epoch = answer.epoch
+                link.send(rpc.Reattach(client_id, client.expiry_s, client.will, client.will_delay_s, answer.epoch))
         return link
 
     async def _resync(self, link: _Link) -> None:

@@ -1,33 +1,32 @@
-"""The store node's RPC server: gateway nodes reach the store's ``StoreClient`` calls over TCP.
+"""The store node's RPC server: remote nodes reach the store's ``StoreApi`` over TCP.
 
-One trio task group per connection (one connection = one attached gateway node):
+Each connection (one remote node) is served through a ``LocalStore`` attached under the node's name (store/local.py),
+so a cluster gateway gets exactly the embedded one's behaviour: this module only translates frames to calls and
+answers to frames. Three calls are served from the store node directly, as raw record bytes that the client
+decodes (pulls, claims, retained lookups): the store's CPU is the one every gateway shares.
+
+One trio task group per connection:
 
 - the reader decodes frames (store/rpc/wire.py) and hands each request on: appends
   to the appender, the other requests to their own tasks (at most
   ``MAX_CONCURRENT_REQUESTS`` at once: then reading stops, which is the
-  backpressure to a gateway that asks faster than the store answers);
+  backpressure to a node that asks faster than the store answers);
 - the appender runs append requests one at a time, in arrival order, so a
-  gateway's appends land in the CommitLog in the order it sent them;
+  node's appends land in the CommitLog in the order it sent them;
 - the writer joins every queued answer into one ``send_all``;
-- the notifier pushes the node's merged topic events (its ``EventMailbox``);
+- the notifiers push the node's merged topic events, its clients that moved away and admin asks;
 - the heartbeat task sends a heartbeat five times per lease and closes a
-  connection silent for a lease (``LEASE_S`` by default).
-
-Every request is executed through a ``LocalStoreClient`` attached under the
-node's name, so a remote gateway gets exactly the embedded one's behaviour;
-only appends (records encoded straight from the wire messages), pulls and
-retained lookups (raw record bytes that the client decodes) are served here
-directly: the store's CPU is the one every gateway shares.
+  connection silent for a lease.
 
 Who is who: a gateway node (trusted, the store token) is attached under the
 node name of its Hello; a back-end client (user name and password) under
 ``$client/<user>:<name>``, its own namespace, so it can never take a gateway
-node's name (and with it the node's connection, events and wills). Before a
-peer is admitted the store buffers at most one ``rpc.MAX_HELLO_BYTES`` frame,
-for at most ``HANDSHAKE_TIMEOUT_S``; refusals are logged once per peer address
-per ``REFUSAL_LOG_S``.
+node's name (and with it the node's connection, events and clients); it may append (its topics checked by
+the ACL, no QoS 2 packet ids) and use consumer groups (``$group/`` names, its connection the member). Before a
+peer is admitted the store buffers at most one ``wire.MAX_HELLO_BYTES`` frame, for at most
+``HANDSHAKE_TIMEOUT_S``; refusals are logged once per peer address per ``REFUSAL_LOG_S``.
 
-Fencing (store/leases.py): each gateway connection serves one lease epoch;
+Fencing (store/leases.py): each connection serves one lease epoch of its node;
 a write that names another epoch (an ended lease of the node: it was frozen
 or cut off, and its clients may have moved) is refused with
 ``ErrorKind.FENCED``, or ignored when it is a one-way message.
@@ -39,8 +38,8 @@ answered with ``Error(0, ...)`` and the connection is closed. Nothing a peer
 sends stops the listener.
 
 Resource handling: each connection's stream is closed by its handler; the
-node is detached from notify when its connection ends, and its lease
-(store/leases.py) ends ``LEASE_S`` later unless it reconnects.
+node is detached from the store when its connection ends, and its lease
+ends ``lease_s`` later unless it reconnects.
 """
 
 from __future__ import annotations
@@ -48,20 +47,18 @@ from __future__ import annotations
 import logging
 import secrets
 from functools import partial
-from itertools import count
 from typing import Any, final
 
 import trio
 
 from lightqueue.topics import TopicError
+from store.api import GROUP_PREFIX, LeaseLost, NewMessage
+from store.local import LocalStore
+from store.log.errors import LogFullError, OffsetExpired
+from store.log.record import RecordTooLarge
+from store.node import StoreNode, raw
 from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
-from store.local import LocalStoreClient, NewMessage, read_log_span, store_statistics
-from store.log.errors import LogFullError, OffsetExpired
-from store.groups import GroupCoordinator
-from store.leases import LeaseLost, NodeLeases
-from store.node import StoreNode
-from store.log.record import Record, RecordTooLarge, new_record, now_ms
 
 __all__ = ["RpcServer", "serve_rpc"]
 
@@ -85,10 +82,6 @@ BACKEND_PREFIX = "$client/"
 """The namespace of back-end clients' node names (``$client/<user>:<name>``): Hellos may not name ``$`` nodes, and
 user names hold no ``:``, so no back-end client can take a gateway node's name, nor another user's."""
 
-ADMIN_TIMEOUT_S = 20.0
-"""How long the store waits for a node's answer to a forwarded admin call (a disconnect waits up to 15 s for the
-client's connection to close)."""
-
 MAX_CONCURRENT_REQUESTS = 64
 """Requests of one connection executed at once (pulls, offsets, sessions); more wait in the socket, so one gateway
 cannot queue unbounded work. Each may hold a worker thread; trio's default thread limit (40) caps them anyway."""
@@ -108,10 +101,6 @@ _GROUP_CALLS = frozenset({rpc.Join, rpc.Claim, rpc.Ack, rpc.Leave})
 
 STATISTICS_LOG_S = 60.0
 """How often the store logs its notify routing figures (events sent per node, suppressed), when they changed."""
-
-
-def _raw(raw: bytes, log_offset: int) -> tuple[int, bytes]:
-    return log_offset, raw
 
 
 def _error(request_id: int, exc: BaseException) -> rpc.Error:
@@ -137,47 +126,9 @@ def _error(request_id: int, exc: BaseException) -> rpc.Error:
     return rpc.Error(request_id, kind, str(exc) or type(exc).__name__)
 
 
-def encode_groups(
-    store: StoreNode, groups: list[list[rpc.WireMessage]]
-) -> list[list[tuple[bytes, Record]] | ValueError]:
-    """The records of each group with their target queues fixed now, or the ``ValueError`` of the group's first
-    message that does not encode (``StoreNode.append_groups`` does the same for mappings of fields: here the wire
-    message's fields go to the encoder as keywords, without a mapping per message, a third of the cost)."""
-    max_size = store.log.log.config.max_record_bytes
-    targets = store.queues.targets
-    now = now_ms()
-    encoded: list[list[tuple[bytes, Record]] | ValueError] = []
-    for group in groups:
-        try:
-            encoded.append([new_record(m.topic, m.payload, client_id=m.client_id, qos=m.qos, retain=m.retain,
-                                       properties=m.properties, born_ms=m.born_ms, queues=targets(m.topic),
-                                       max_size=max_size, store_ms=now, packet_id=m.packet_id) for m in group])
-        except ValueError as exc:
-            encoded.append(exc)
-    return encoded
-
-
-def to_new_message(wire: rpc.WireMessage) -> NewMessage:
-    """A wire message as the store appends it."""
-    return wire.topic, wire.payload, {"client_id": wire.client_id, "qos": wire.qos, "retain": wire.retain,
-                                      "properties": wire.properties, "born_ms": wire.born_ms,
-                                      "packet_id": wire.packet_id}
-
-
-@final
-class _Ask:
-    """A forwarded admin call waiting for the node's ``AdminAnswer``."""
-
-    __slots__ = ("done", "value")
-
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.value: bytes | None | OSError = None
-
-
 @final
 class _Connection:
-    """One gateway node's connection, after the handshake; it serves the node's lease ``epoch``."""
+    """One node's connection, after the handshake; it serves the node's lease ``epoch``."""
 
     def __init__(self, server: RpcServer, stream: trio.SocketStream, decoder: rpc.FrameDecoder, node: str,
                  peer: Peer | None = None, epoch: int = 0) -> None:
@@ -189,20 +140,25 @@ class _Connection:
         self._server = server
         self._stream = stream
         self._decoder = decoder
-        self._client = LocalStoreClient(server.store, node)
+        self._store = LocalStore(server.store, node)
         self._out: list[bytes] = []
         self._out_ready = trio.Event()
         self._slots = trio.Semaphore(MAX_CONCURRENT_REQUESTS)
         self._appends_in, self._appends_out = trio.open_memory_channel[rpc.AppendRequest](APPENDS_QUEUED)
-        self._asks: dict[int, _Ask] = {}  # admin calls forwarded to this node, by ask id
-        self._ask_ids = count(1)
         self._fenced = 0  # writes of an ended lease refused on this connection
+        self._handlers = {
+            rpc.Pull: self._pull, rpc.Activate: self._activate, rpc.Release: self._release,
+            rpc.MaxOffsets: self._max_offsets, rpc.GetOffsets: self._get_offsets, rpc.CommitOffsets: self._commit,
+            rpc.GetRetained: self._retained, rpc.OpenSession: self._open_session, rpc.CloseSession: self._close_session,
+            rpc.SaveSession: self._save_session, rpc.LoadSession: self._load_session,
+            rpc.EndSession: self._end_session, rpc.ListSessions: self._sessions, rpc.GetAwaiting: self._awaiting,
+            rpc.ReleaseAwaiting: self._release_awaiting, rpc.GetStatistics: self._statistics,
+            rpc.ReadLog: self._read_log, rpc.Join: self._join, rpc.Claim: self._claim, rpc.Ack: self._ack,
+            rpc.Leave: self._leave, rpc.AdminCall: self._admin_call,
+        }
 
     def close(self) -> None:
-        self._client.close()
-        for ask in self._asks.values():
-            ask.value = OSError(f"the gateway node {self.node} went away before answering")
-            ask.done.set()
+        self._store.close()
 
     def current(self, epoch: int) -> bool:
         """Whether a write naming lease ``epoch`` (0: this connection's) may take effect; the first refusal is logged.
@@ -222,26 +178,6 @@ class _Connection:
         if not self.current(epoch):
             raise LeaseLost(f"lease {epoch} of node {self.node} has ended (the node holds lease {self.epoch} now)")
 
-    async def ask(self, client_id: str, op: rpc.AdminOp) -> bytes | None:
-        """Forward an admin call about ``client_id`` to this node and wait for its answer.
-
-        Raises:
-            OSError: the node did not answer within ``ADMIN_TIMEOUT_S``, or went away.
-        """
-        ask_id = next(self._ask_ids)
-        ask = self._asks[ask_id] = _Ask()
-        try:
-            self.send(rpc.AdminAsk(ask_id, client_id, op))
-            with trio.move_on_after(ADMIN_TIMEOUT_S):
-                await ask.done.wait()
-        finally:
-            del self._asks[ask_id]
-        if not ask.done.is_set():
-            raise OSError(f"the gateway node {self.node} did not answer within {ADMIN_TIMEOUT_S} s")
-        if isinstance(ask.value, OSError):
-            raise ask.value
-        return ask.value
-
     def send(self, message: Any) -> None:
         """Queue one frame for the writer."""
         try:
@@ -257,6 +193,8 @@ class _Connection:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer)
                 nursery.start_soon(self._notifier)
+                nursery.start_soon(self._mover)
+                nursery.start_soon(self._asker)
                 nursery.start_soon(self._heartbeat)
                 nursery.start_soon(self._appender)
                 try:
@@ -278,7 +216,7 @@ class _Connection:
 
     async def _reader(self, nursery: trio.Nursery) -> None:
         decoder = self._decoder
-        leases = self._server.leases
+        leases = self._server.store.leases
         while True:
             try:
                 message = decoder.next_message()
@@ -311,23 +249,12 @@ class _Connection:
             elif kind is rpc.Watch:
                 if not self._watch(message):
                     return
-            elif kind is rpc.HoldWill:
+            elif kind is rpc.Reattach:
                 if self.current(message.epoch):
-                    self._server.hold_will(self.node, message)
-            elif kind is rpc.DropWill:
-                if self.current(message.epoch):
-                    leases.drop(self.node, message.client_id)
-            elif kind is rpc.Present:
-                if self.current(message.epoch):
-                    self._server.present(self.node, message.client_id, again=message.again)
-            elif kind is rpc.Absent:
-                if self.current(message.epoch):
-                    self._server.absent(self.node, message.client_id)
+                    leases.reattach(self.node, message.client_id, expiry_s=message.expiry_s, will=message.will,
+                                    will_delay_s=message.will_delay_s)
             elif kind is rpc.AdminAnswer:
-                ask = self._asks.get(message.id)
-                if ask is not None:  # else it came too late
-                    ask.value = message.value
-                    ask.done.set()
+                self._store.admin_answer(message.id, message.value)
             elif kind is rpc.Hello:
                 self.send(rpc.Error(0, rpc.ErrorKind.PROTOCOL, "Hello after the handshake"))
                 return
@@ -340,9 +267,9 @@ class _Connection:
         try:
             for queue, delta in message.deltas.items():
                 for _ in range(delta):
-                    self._client.watch(queue)
+                    self._store.watch(queue)
                 for _ in range(-delta):
-                    self._client.unwatch(queue)
+                    self._store.unwatch(queue)
         except TopicError as exc:
             self.send(rpc.Error(0, rpc.ErrorKind.PROTOCOL, f"watch: {exc}"))
             return False
@@ -350,7 +277,7 @@ class _Connection:
 
     async def _answer(self, request: Any) -> None:
         try:
-            self.send(await self._execute(request))
+            self.send(await self._handlers[type(request)](request))
         except Exception as exc:  # the request's failure, answered; the connection goes on
             error = _error(request.id, exc)
             if error.kind is rpc.ErrorKind.INTERNAL:
@@ -360,80 +287,117 @@ class _Connection:
         finally:
             self._slots.release()
 
-    async def _execute(self, request: Any) -> Any:
-        client = self._client
-        kind = type(request)
-        rid = request.id
-        if kind is rpc.PullRequest:
-            return rpc.Pulled(rid, await trio.to_thread.run_sync(self._pull, request.reads))
-        if kind is rpc.Activate:
-            return rpc.Value(rid, await client.activate(request.queue, request.holder))
-        if kind is rpc.Release:
-            self.check_epoch(request.epoch)
-            return rpc.Value(rid, await client.release(request.queue, request.holder))
-        if kind is rpc.MaxOffsets:
-            return rpc.Offsets(rid, await client.max_offsets(request.queues))
-        if kind is rpc.GetOffsets:
-            return rpc.Value(rid, await client.get_offsets(request.owner))
-        if kind is rpc.CommitOffsets:
-            self.check_epoch(request.epoch)
-            await client.commit_offsets(request.commits)
-            return rpc.Done(rid)
-        if kind is rpc.DeleteOwner:
-            self.check_epoch(request.epoch)
-            await client.delete_owner(request.owner)
-            return rpc.Done(rid)
-        if kind is rpc.GetRetained:
-            found = await trio.to_thread.run_sync(self._server.store.retained.lookup, request.filter)
-            return rpc.RecordList(rid, [(r.log_offset, r.record) for r in found])
-        if kind is rpc.SaveSession:
-            self.check_epoch(request.epoch)
-            await client.save_session(request.client_id, request.blob)
-            return rpc.Done(rid)
-        if kind is rpc.LoadSession:
-            return rpc.Value(rid, await client.load_session(request.client_id))
-        if kind is rpc.DropSession:
-            self.check_epoch(request.epoch)
-            await client.drop_session(request.client_id)
-            return rpc.Done(rid)
-        if kind is rpc.GetAwaiting:
-            return rpc.Awaiting(rid, await client.awaiting_release(request.client_id))
-        if kind is rpc.ReleaseAwaiting:
-            await client.release_awaiting(request.flows)
-            return rpc.Done(rid)
-        if kind is rpc.ReadLog:
-            span = await trio.to_thread.run_sync(read_log_span, self._server.store, request.offset, request.max_bytes)
-            return rpc.LogBytes(rid, span.start, span.data, span.data_end, span.flushed, span.min_offset)
-        if kind in _GROUP_CALLS:
-            return await self._group_call(request)
-        if kind is rpc.AdminCall:
-            return rpc.Value(rid, await self._server.admin_call(self.node, request.client_id, request.op))
-        if kind is rpc.GetStatistics:
-            stats = store_statistics(self._server.store)
-            return rpc.Statistics(rid, rpc.WireStatistics(
-                stats.written_offset, stats.flushed_offset, stats.dispatched_offset, stats.log_bytes,
-                stats.queue_ids, stats.active_filters, stats.retained, stats.notify_sent, stats.notify_suppressed,
-                dict(stats.notify_by_node), stats.corrupt_records, stats.disk_full))
-        raise TypeError(f"not a request: {kind.__name__}")
+    # --- requests: one ``StoreApi`` call each ------------------------------------------------
 
-    async def _group_call(self, request: rpc.GroupRequest) -> Any:
-        """A consumer-group call (store/groups.py); this connection is the member."""
-        groups = self._server.groups
-        kind = type(request)
-        if kind is rpc.Join:
-            self._server.access.check(self.peer, "subscribe", request.filter)
-            return rpc.Value(request.id, await groups.join(self.node, request.group, request.filter, request.start,
-                                                           request.at))
-        if kind is rpc.Claim:
-            entries = await groups.claim(self.node, request.group, request.filter, request.max_count,
-                                         request.max_bytes, request.wait_ms / 1000)
-            return rpc.Claimed(request.id, entries)
-        if kind is rpc.Ack:
-            return rpc.Value(request.id, await groups.ack(self.node, request.group, request.filter, request.offsets))
-        groups.leave(self.node, request.group, request.filter)
+    async def _pull(self, request: rpc.Pull) -> rpc.Pulled:
+        return rpc.Pulled(request.id, await trio.to_thread.run_sync(self._read_raw, request.reads))
+
+    def _read_raw(self, reads: list[rpc.PullRequest]) -> list[rpc.RawRecords]:
+        """(worker thread) Index scans and CommitLog reads, the records left as stored."""
+        read = self._server.store.read_raw
+        results = []
+        for r in reads:
+            result = read(r.queue, r.from_offset, r.max_count, min(r.max_bytes, MAX_PULL_BYTES))
+            entries = [(qoff, log_offset, data) for qoff, (log_offset, data) in result.messages]
+            results.append(rpc.RawRecords(entries, result.next_offset, result.expired))
+        return results
+
+    async def _activate(self, request: rpc.Activate) -> rpc.Value:
+        return rpc.Value(request.id, await self._store.activate(request.queue, request.holder))
+
+    async def _release(self, request: rpc.Release) -> rpc.Value:
+        self.check_epoch(request.epoch)
+        return rpc.Value(request.id, await self._store.release(request.queue, request.holder))
+
+    async def _max_offsets(self, request: rpc.MaxOffsets) -> rpc.Offsets:
+        return rpc.Offsets(request.id, await self._store.max_offsets(request.queues))
+
+    async def _get_offsets(self, request: rpc.GetOffsets) -> rpc.Value:
+        return rpc.Value(request.id, await self._store.get_offsets(request.owner))
+
+    async def _commit(self, request: rpc.CommitOffsets) -> rpc.Done:
+        self.check_epoch(request.epoch)
+        await self._store.commit_offsets(request.commits)
         return rpc.Done(request.id)
 
-    def _denied_groups(self, groups: list[list[rpc.WireMessage]]) -> dict[int, rpc.Error]:
+    async def _retained(self, request: rpc.GetRetained) -> rpc.RecordList:
+        found = await trio.to_thread.run_sync(self._server.store.retained.lookup, request.filter)
+        return rpc.RecordList(request.id, [(r.log_offset, r.record) for r in found])
+
+    async def _open_session(self, request: rpc.OpenSession) -> rpc.Value:
+        return rpc.Value(request.id, await self._store.open_session(
+            request.client_id, clean_start=request.clean_start, expiry_s=request.expiry_s, will=request.will,
+            will_delay_s=request.will_delay_s))
+
+    async def _close_session(self, request: rpc.CloseSession) -> rpc.Done:
+        self.check_epoch(request.epoch)
+        await self._store.close_session(request.client_id, expiry_s=request.expiry_s,
+                                     will_delay_s=request.will_delay_s)
+        return rpc.Done(request.id)
+
+    async def _save_session(self, request: rpc.SaveSession) -> rpc.Done:
+        self.check_epoch(request.epoch)
+        await self._store.save_session(request.client_id, request.blob)
+        return rpc.Done(request.id)
+
+    async def _load_session(self, request: rpc.LoadSession) -> rpc.Value:
+        return rpc.Value(request.id, await self._store.load_session(request.client_id))
+
+    async def _end_session(self, request: rpc.EndSession) -> rpc.Value:
+        return rpc.Value(request.id, await self._store.end_session(request.client_id))
+
+    async def _sessions(self, request: rpc.ListSessions) -> rpc.Names:
+        return rpc.Names(request.id, await self._store.sessions())
+
+    async def _awaiting(self, request: rpc.GetAwaiting) -> rpc.Awaiting:
+        return rpc.Awaiting(request.id, await self._store.awaiting_release(request.client_id))
+
+    async def _release_awaiting(self, request: rpc.ReleaseAwaiting) -> rpc.Done:
+        self.check_epoch(request.epoch)
+        await self._store.release_awaiting(request.flows)
+        return rpc.Done(request.id)
+
+    async def _statistics(self, request: rpc.GetStatistics) -> rpc.Statistics:
+        return rpc.Statistics(request.id, await self._store.statistics())
+
+    async def _read_log(self, request: rpc.ReadLog) -> rpc.LogBytes:
+        return rpc.LogBytes(request.id, await self._store.read_log(request.offset, request.max_bytes))
+
+    def _check_group(self, group: str, member: str) -> None:
+        """A back-end client uses its own groups (``$group/``) as itself: its connection is the member."""
+        if not self.peer.trusted and (not group.startswith(GROUP_PREFIX) or member):
+            raise AccessDenied(f"back-end clients join {GROUP_PREFIX} groups as their connection only")
+
+    async def _join(self, request: rpc.Join) -> rpc.Value:
+        self._check_group(request.group, request.member)
+        self._server.access.check(self.peer, "subscribe", request.queue)
+        return rpc.Value(request.id, await self._store.join(request.group, request.queue, request.member,
+                                                            start=request.start, at=request.at))
+
+    async def _claim(self, request: rpc.Claim) -> rpc.Claimed:
+        self._check_group(request.group, request.member)
+        result = await self._server.store.groups.claim(
+            (self.node, request.member), request.group, request.queue, request.max_count, request.max_bytes,
+            request.wait_ms / 1000, raw)
+        entries = [(qoff, log_offset, data) for qoff, (log_offset, data) in result.messages]
+        return rpc.Claimed(request.id, rpc.RawRecords(entries, result.next_offset, result.expired))
+
+    async def _ack(self, request: rpc.Ack) -> rpc.Value:
+        self._check_group(request.group, request.member)
+        return rpc.Value(request.id, await self._store.ack(request.group, request.queue, request.member,
+                                                           request.offsets, below=request.below))
+
+    async def _leave(self, request: rpc.Leave) -> rpc.Done:
+        self._check_group(request.group, request.member)
+        await self._store.leave(request.group, request.queue, request.member, unsubscribe=request.unsubscribe)
+        return rpc.Done(request.id)
+
+    async def _admin_call(self, request: rpc.AdminCall) -> rpc.Value:
+        return rpc.Value(request.id, await self._store.admin_call(request.client_id, request.op))
+
+    # --- appends, in order ----------------------------------------------------------------
+
+    def _denied_groups(self, groups: list[list[NewMessage]]) -> dict[int, rpc.Error]:
         """The append groups with a topic this connection may not publish to (none for a trusted one)."""
         denied: dict[int, rpc.Error] = {}
         if self.peer.trusted:
@@ -449,18 +413,6 @@ class _Connection:
                 denied[index] = _error(0, exc)
         return denied
 
-    def _pull(self, reads: list[rpc.QueueRead]) -> list[rpc.RawRecords]:
-        """The reads (worker thread): index scans and CommitLog reads, records left undecoded."""
-        store = self._server.store
-        pull = store.queues.pull
-        log = store.log.log
-        results = []
-        for read in reads:
-            result = pull(read.queue, read.from_offset, read.max_count, min(read.max_bytes, MAX_PULL_BYTES), log, _raw)
-            entries = [(qoff, log_offset, raw) for qoff, (log_offset, raw) in result.messages]
-            results.append(rpc.RawRecords(entries, result.next_offset, result.expired))
-        return results
-
     async def _appender(self) -> None:
         store = self._server.store
         async for request in self._appends_out:
@@ -470,7 +422,7 @@ class _Connection:
             denied = self._denied_groups(request.groups)
             groups = [[] if index in denied else group for index, group in enumerate(request.groups)]
             try:
-                results = await store.append_encoded(encode_groups(store, groups), durable=request.durable)
+                results = await store.append_groups(groups, durable=request.durable)
             except Exception as exc:  # the write failed (OSError) or a bug: the whole request fails
                 error = _error(request.id, exc)
                 if error.kind is rpc.ErrorKind.INTERNAL:
@@ -490,6 +442,8 @@ class _Connection:
                     offsets.append(result)
             self.send(rpc.Appended(request.id, offsets, errors))
 
+    # --- pushing ----------------------------------------------------------------------------
+
     async def _writer(self) -> None:
         while True:
             if not self._out:
@@ -507,17 +461,34 @@ class _Connection:
     async def _notifier(self) -> None:
         while True:
             try:
-                events = await self._client.events()
+                events = await self._store.events()
             except trio.EndOfChannel:
                 return
             self.send(rpc.Events(events))
 
+    async def _mover(self) -> None:
+        while True:
+            try:
+                moved = await self._store.moved()
+            except trio.EndOfChannel:
+                return
+            for client_id in moved:
+                self.send(rpc.ClientMoved(client_id))
+
+    async def _asker(self) -> None:
+        while True:
+            try:
+                ask_id, client_id, op = await self._store.admin_asks()
+            except trio.EndOfChannel:
+                return
+            self.send(rpc.AdminAsk(ask_id, client_id, op))
+
     async def _heartbeat(self) -> None:
-        leases = self._server.leases
+        leases = self._server.store.leases
         while True:
             await trio.sleep(self._server.heartbeat_s)
             silent = leases.silent_for(self.node)
-            if silent > self._server.lease_s:
+            if silent > leases.lease_s:
                 LOGGER.warning("RPC connection closed: the gateway node was silent for %.1f s", silent,
                                extra={"ctx": {"node": self.node}})
                 self.cancel_scope.cancel()
@@ -527,30 +498,20 @@ class _Connection:
 
 @final
 class RpcServer:
-    """Serves one store node to any number of gateway nodes.
+    """Serves one store node to any number of remote nodes.
 
     Args:
-        store: the open store node.
-        nursery: where lease timers run (store/leases.py); it must outlive the listener.
-        lease_s: how long a gateway node's lease outlives its last frame (told to it in the Welcome).
+        store: the open store node (its leases say how long a node's lease outlives its last frame: told to it in
+            the Welcome).
         access: who may connect and what they may do (store/rpc/access.py); default: everyone, trusted.
-
-    It also runs the store's consumer groups (store/groups.py): each connection that joins one is a member,
-    and leaves every group when it closes.
     """
 
-    def __init__(self, store: StoreNode, nursery: trio.Nursery, *, lease_s: float = rpc.LEASE_S,
-                 access: StoreAccess | None = None) -> None:
+    def __init__(self, store: StoreNode, *, access: StoreAccess | None = None) -> None:
         self.store = store
-        self.lease_s = lease_s
-        self.heartbeat_s = lease_s / rpc.HEARTBEATS_PER_LEASE
-        self.leases = NodeLeases(store.append_many, nursery, lease_s)
+        self.heartbeat_s = store.leases.lease_s / rpc.HEARTBEATS_PER_LEASE
         self.access = access or StoreAccess()
-        self.groups = GroupCoordinator(store)
-        nursery.start_soon(self.groups.run)
         self.store_id = secrets.token_hex(8)  # leases of an earlier store process are not this one's
         self._connections: dict[str, _Connection] = {}
-        self._presence: dict[str, str] = {}  # client id -> the gateway node it is connected to (or has a will on)
         self._handshakes: set[rpc.FrameDecoder] = set()  # connections not admitted yet
         self._refusals: dict[str, tuple[float, int]] = {}  # peer address -> (last line logged, refusals since)
 
@@ -668,7 +629,8 @@ class RpcServer:
             old.cancel_scope.cancel()
             await old.closed.wait()
         # A lease of an earlier store process (a restart) is adopted: its clients stay the node's.
-        epoch, resumed = self.leases.connected(node, hello.epoch, adopt=hello.store_id != self.store_id)
+        leases = self.store.leases
+        epoch, resumed = leases.connected(node, hello.epoch, adopt=hello.store_id != self.store_id)
         resumed = resumed or not hello.epoch  # a first connection has nothing to resume
         connection = self._connections[node] = _Connection(self, stream, decoder, node, admitted, epoch)
         LOGGER.info("gateway node connected" if admitted.trusted else "back-end client connected",
@@ -677,83 +639,27 @@ class RpcServer:
             LOGGER.warning("gateway node came back after its lease ended: it must drop the clients of that lease",
                            extra={"ctx": {"node": node, "ended_epoch": hello.epoch, "epoch": epoch}})
         try:
-            connection.send(rpc.Welcome(rpc.PROTOCOL_VERSION, node, self.heartbeat_s, self.lease_s, self.store_id,
-                                        epoch, resumed))
+            connection.send(rpc.Welcome(rpc.PROTOCOL_VERSION, node, self.heartbeat_s, leases.lease_s,
+                                        self.store_id, epoch, resumed))
             await connection.run()
         finally:
             connection.close()
-            self.groups.leave_all(node)
-            self.leases.disconnected(node)
+            leases.disconnected(node)
             if self._connections.get(node) is connection:
                 del self._connections[node]
-                self._forget_clients(node)
             connection.closed.set()
             LOGGER.info("gateway node disconnected", extra={"ctx": {"node": node, "peer": peer}})
-
-    def _forget_clients(self, node: str) -> None:
-        """A node that went away has no clients (it says ``Present`` again for those it has, when back)."""
-        for client_id in [c for c, n in self._presence.items() if n == node]:
-            del self._presence[client_id]
-
-    def present(self, node: str, client_id: str, *, again: bool = False) -> None:
-        """``client_id`` connected to ``node``: the node that had it before, if another, gets ``ClientMoved``.
-
-        That node closes its connection of the client (a takeover across nodes, MQTT 5 reason 0x8E), and a
-        will it delays for the client does not fire: the session resumed here. The newest connection wins
-        ([MQTT-3.1.4-3]): a presence sent ``again`` (re-registered after a reconnect) is an older connection,
-        so it never displaces a client placed on another node; ``node`` gets ``ClientMoved`` instead.
-        """
-        before = self._presence.get(client_id)
-        if again and before is not None and before != node:
-            self._notify_moved(node, client_id)
-            return
-        self._presence[client_id] = node
-        if not again:
-            self.leases.resumed_on(node, client_id)
-        if before is not None and before != node:
-            self._notify_moved(before, client_id)
-
-    def _notify_moved(self, node: str, client_id: str) -> None:
-        connection = self._connections.get(node)
-        if connection is not None:
-            connection.send(rpc.ClientMoved(client_id))
-
-    def hold_will(self, node: str, message: rpc.HoldWill) -> None:
-        """Hold a client's will under ``node``'s lease; a will sent ``again`` for a client placed on another node
-        is that node's business (the client's newer connection is there)."""
-        placed = self._presence.get(message.client_id)
-        if message.again and placed is not None and placed != node:
-            return
-        self.leases.hold(node, message.client_id, to_new_message(message.message), message.delay_s)
-
-    async def admin_call(self, node: str, client_id: str, op: rpc.AdminOp) -> bytes | None:
-        """Run admin ``op`` on the node ``client_id`` is connected to, for ``node``'s admin API; None when it is
-        placed on no other node (``node`` answers from what it has).
-
-        Raises:
-            OSError: that node did not answer in time, or went away.
-        """
-        owner = self._presence.get(client_id)
-        connection = self._connections.get(owner) if owner is not None and owner != node else None
-        if connection is None:
-            return None
-        return await connection.ask(client_id, op)
-
-    def absent(self, node: str, client_id: str) -> None:
-        """``client_id`` is gone from ``node`` (ignored if another node has it since)."""
-        if self._presence.get(client_id) == node:
-            del self._presence[client_id]
 
     def figures(self) -> dict[str, Any]:
         """The notify routing and lease figures an operator watches (the periodic log line)."""
         notify = self.store.router.statistics()
-        leases = self.leases.statistics()
+        leases = self.store.leases.statistics()
         return {"notify_sent": notify.sent, "notify_suppressed": notify.suppressed,
                 "notify_unrouted": notify.unrouted, "nodes": sorted(self._connections),
-                "clients_placed": len(self._presence),
-                "wills_held": leases.wills_held, "wills_fired": leases.wills_fired,
+                "clients_placed": leases.clients, "wills_held": leases.wills_held, "wills_fired": leases.wills_fired,
+                "sessions_expired": leases.sessions_expired,
                 "consumer_groups": [(g.group, g.queue, g.members, g.committed, g.unacked)
-                                    for g in self.groups.statistics()]}
+                                    for g in self.store.groups.statistics()]}
 
 
 async def serve_rpc(
@@ -761,17 +667,16 @@ async def serve_rpc(
     host: str,
     port: int,
     *,
-    lease_s: float = rpc.LEASE_S,
     access: StoreAccess | None = None,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``store`` over the RPC on ``host:port`` until cancelled.
 
     ``task_status.started`` receives the listeners (port 0 picks a free port: read it from them).
-    ``lease_s``, ``access`` (who may connect, store/rpc/access.py; default: everyone, trusted): see ``RpcServer``.
+    ``access`` (who may connect, store/rpc/access.py; default: everyone, trusted): see ``RpcServer``.
     """
     async with trio.open_nursery() as nursery:
-        server = RpcServer(store, nursery, lease_s=lease_s, access=access)
+        server = RpcServer(store, access=access)
         listeners = await nursery.start(partial(trio.serve_tcp, server.handle, port, host=host))
         nursery.start_soon(_log_statistics, server)
         task_status.started(listeners)

@@ -15,16 +15,15 @@ The conversation (docs/cluster.md):
   ``epoch``) and says whether it is the lease the Hello named (``resumed``).
   A gateway whose lease ended meanwhile (frozen, partitioned) learns it there;
   every write it makes for a client (appends, offset commits, session writes,
-  releases, presence, wills) carries the epoch the client was accepted under,
+  releases, disconnects) carries the epoch the client was accepted under,
   and the store refuses a write of an ended lease (``ErrorKind.FENCED``, or
-  ignored for one-way messages);
+  ignores it for a one-way message);
 - requests carry an id chosen by the client (never 0); the store answers each
   with a response carrying the same id, or ``Error(id, kind, message)``; many
   requests may be in flight, answers come in any order (appends in order);
 - one-way messages have no id and no answer: ``Heartbeat`` (both ways, every
   lease / ``HEARTBEATS_PER_LEASE``), ``Watch`` (reference-count deltas of the queues the node's
-  sessions read), ``HoldWill`` / ``DropWill`` (the node lease's wills),
-  ``Present`` / ``Absent`` (which node has a client: cross-node takeover);
+  sessions read), ``Reattach`` (after a reconnect: a client still connected here, with its will);
 - the store pushes ``Events`` (``{queue: max offset}``, merged) and ``ClientMoved`` (a client of this node
   connected to another) at any time;
 - cluster administration: a gateway asks about a client connected to another
@@ -33,6 +32,9 @@ The conversation (docs/cluster.md):
 - back-end producers and consumers (store/clients/producer.py, store/clients/consumer.py) log
   in with the Hello's credentials (store/rpc/access.py) and use appends and the
   consumer-group calls ``Join``, ``Claim``, ``Ack``, ``Leave`` (store/groups.py).
+
+The messages carry the store interface's own types as they are (``store.api``: ``NewMessage``,
+``PullRequest``, ``LogSpan``, ``StoreStatistics``), so a call and its answer have one shape on both sides.
 
 Sans-IO, in the manner of h11: ``FrameDecoder`` turns received bytes into
 messages (``receive_data`` then ``next_message`` until ``NEED_DATA``) and
@@ -52,16 +54,16 @@ from typing import Any, Final, TypeAlias
 
 import msgspec
 
+from store.api import AdminOp, LogSpan, NewMessage, PullRequest, StoreStatistics
+
 __all__ = [
     "CLIENT_MESSAGES",
     "HEARTBEATS_PER_LEASE",
-    "LEASE_S",
     "MAX_FRAME_BYTES",
     "MAX_HELLO_BYTES",
     "NEED_DATA",
     "PROTOCOL_VERSION",
     "SERVER_MESSAGES",
-    "Absent",
     "Ack",
     "Activate",
     "AdminAnswer",
@@ -75,37 +77,35 @@ __all__ = [
     "Claimed",
     "ClientMessage",
     "ClientMoved",
+    "CloseSession",
     "CommitOffsets",
-    "DeleteOwner",
     "Done",
-    "DropSession",
-    "DropWill",
+    "EndSession",
     "Error",
     "ErrorKind",
     "Events",
-    "FrameDecoder",
     "GetAwaiting",
     "GetOffsets",
     "GetRetained",
     "GetStatistics",
-    "GroupRequest",
     "Heartbeat",
     "Hello",
-    "HoldWill",
     "Join",
     "Leave",
+    "ListSessions",
     "LoadSession",
     "LogBytes",
     "MaxOffsets",
+    "Names",
     "OffsetMap",
     "Offsets",
     "OpRequest",
-    "Present",
-    "PullRequest",
+    "OpenSession",
+    "Pull",
     "Pulled",
-    "QueueRead",
     "RawRecords",
     "ReadLog",
+    "Reattach",
     "RecordList",
     "Release",
     "ReleaseAwaiting",
@@ -116,25 +116,18 @@ __all__ = [
     "Value",
     "Watch",
     "Welcome",
-    "WireMessage",
-    "WireStatistics",
     "encode",
     "parse_address",
 ]
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
-(3: lease epochs on the Hello, the Welcome and every write; re-registration flags; cluster administration;
-inbound QoS 2 flows: ``GetAwaiting``, ``ReleaseAwaiting``; ``ReadLog``.)"""
+(4: the store's interface types on the wire; sessions, presence, wills and expiry in the store: ``OpenSession``,
+``CloseSession``, ``Reattach``, ``EndSession``, ``ListSessions``; group members named within a node.)"""
 
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
 """Largest frame either side accepts: room for an append batch of dozens of maximum-size (1 MiB) records and a
 pull batch the client keeps under half of it; a larger length prefix is a broken or hostile peer, not data."""
-
-LEASE_S: Final = 5.0
-"""A gateway node's lease on the wills it holds lasts this long after the last frame the store got from it:
-then the store appends them. The client also gives up on a store silent this long. (The store's default; it tells
-each client its own in the Welcome.)"""
 
 MAX_HELLO_BYTES: Final = 4096
 """Largest frame a store accepts before the peer is authenticated: a Hello (node name, token, user name, password)
@@ -180,28 +173,6 @@ class _Message(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
     """Base of every wire message: frozen, encoded as ``[tag, field, ...]``."""
 
 
-class WireMessage(_Message, tag="m"):
-    """One message to append (``store.local.NewMessage`` on the wire)."""
-
-    topic: str
-    payload: bytes
-    client_id: str = ""
-    qos: int = 0
-    retain: bool = False
-    properties: bytes = b""
-    born_ms: int | None = None
-    packet_id: int = 0  # a QoS 2 message's packet id (gateway nodes only: store/awaiting.py)
-
-
-class QueueRead(_Message, tag="q"):
-    """One queue read of a ``PullRequest`` (``store.local.PullRequest`` on the wire)."""
-
-    queue: str
-    from_offset: int
-    max_count: int
-    max_bytes: int
-
-
 OffsetMap: TypeAlias = dict[str, int]
 
 
@@ -213,8 +184,7 @@ class Hello(_Message, tag="hello"):
 
     Credentials (store/rpc/access.py), when the store asks for them: a gateway node
     presents the shared ``store.token``; a back-end producer or consumer
-    (store/clients/producer.py, store/clients/consumer.py) a user name and password of the
-    store's password file.
+    (store/clients/) a user name and password of the store's password file.
 
     ``store_id`` and ``epoch`` name the lease the node held on its last
     connection (empty and 0 on its first): the store resumes that lease if it
@@ -235,49 +205,20 @@ class Heartbeat(_Message, tag="hb"):
 
 
 class Watch(_Message, tag="watch"):
-    """``{queue: delta}`` of the node's session count per queue (``StoreClient.watch`` / ``unwatch``)."""
+    """``{queue: delta}`` of the node's session count per queue (``StoreApi.watch`` / ``unwatch``)."""
 
     deltas: OffsetMap
 
 
-class HoldWill(_Message, tag="will"):
-    """Keep ``message`` for ``client_id``: append it ``delay_s`` after this node's lease ends.
-
-    ``epoch``: the lease the client was accepted under (0: the connection's own); a will of an ended lease is
-    ignored. ``again``: sent again after a reconnect; ignored if the client is now placed on another node.
-    """
+class Reattach(_Message, tag="again"):
+    """After a reconnect: ``client_id`` is still connected to this node, with this will (the store may have
+    restarted and forgotten). Ignored for an ended lease ``epoch``; a client present on another node meanwhile is
+    that node's: this node is sent ``ClientMoved``."""
 
     client_id: str
-    message: WireMessage
-    delay_s: float
-    epoch: int = 0
-    again: bool = False
-
-
-class DropWill(_Message, tag="nowill"):
-    """The will of ``client_id`` held by this node must not fire (ignored for an ended lease ``epoch``)."""
-
-    client_id: str
-    epoch: int = 0
-
-
-class Present(_Message, tag="here"):
-    """``client_id`` is connected to this node now: the node it was connected to before is sent ``ClientMoved``.
-
-    ``again``: not a new connection but one this node re-registers after a reconnect: it never displaces a
-    client placed on another node meanwhile (that connection is newer): this node is sent ``ClientMoved`` instead.
-    Ignored for an ended lease ``epoch``.
-    """
-
-    client_id: str
-    epoch: int = 0
-    again: bool = False
-
-
-class Absent(_Message, tag="away"):
-    """``client_id`` is gone from this node: no connection, no will waiting here (ignored for an ended lease)."""
-
-    client_id: str
+    expiry_s: int
+    will: NewMessage | None = None
+    will_delay_s: int = 0
     epoch: int = 0
 
 
@@ -288,20 +229,20 @@ class AppendRequest(_Message, tag="append"):
     """
 
     id: int
-    groups: list[list[WireMessage]]
+    groups: list[list[NewMessage]]
     durable: bool | None = None
     epoch: int = 0
 
 
-class PullRequest(_Message, tag="pull"):
-    """Read several queues."""
+class Pull(_Message, tag="pull"):
+    """``StoreApi.pull``: read several queues; answered with ``Pulled``."""
 
     id: int
-    reads: list[QueueRead]
+    reads: list[PullRequest]
 
 
 class Activate(_Message, tag="activate"):
-    """``StoreClient.activate``: answered with ``Value(start offset)``."""
+    """``StoreApi.activate``: answered with ``Value(start offset)``."""
 
     id: int
     queue: str
@@ -309,7 +250,7 @@ class Activate(_Message, tag="activate"):
 
 
 class Release(_Message, tag="release"):
-    """``StoreClient.release``: answered with ``Value(held: bool)`` (refused for an ended lease ``epoch``)."""
+    """``StoreApi.release``: answered with ``Value(held: bool)`` (refused for an ended lease ``epoch``)."""
 
     id: int
     queue: str
@@ -318,21 +259,21 @@ class Release(_Message, tag="release"):
 
 
 class MaxOffsets(_Message, tag="maxoffs"):
-    """``StoreClient.max_offsets``: answered with ``Offsets``."""
+    """``StoreApi.max_offsets``: answered with ``Offsets``."""
 
     id: int
     queues: list[str]
 
 
 class GetOffsets(_Message, tag="getoffs"):
-    """``StoreClient.get_offsets``: answered with ``Value({queue: offset})``."""
+    """``StoreApi.get_offsets``: answered with ``Value({queue: offset})``."""
 
     id: int
     owner: str
 
 
 class CommitOffsets(_Message, tag="commit"):
-    """``StoreClient.commit_offsets`` (``{owner: {queue: offset}}``, one write): answered with ``Done``
+    """``StoreApi.commit_offsets`` (``{owner: {queue: offset}}``, one write): answered with ``Done``
     (refused for an ended lease ``epoch``)."""
 
     id: int
@@ -340,23 +281,36 @@ class CommitOffsets(_Message, tag="commit"):
     epoch: int = 0
 
 
-class DeleteOwner(_Message, tag="delowner"):
-    """``StoreClient.delete_owner``: answered with ``Done`` (refused for an ended lease ``epoch``)."""
-
-    id: int
-    owner: str
-    epoch: int = 0
-
-
 class GetRetained(_Message, tag="retained"):
-    """``StoreClient.retained``: answered with ``RecordList``."""
+    """``StoreApi.retained``: answered with ``RecordList``."""
 
     id: int
     filter: str
 
 
+class OpenSession(_Message, tag="opensess"):
+    """``StoreApi.open_session``: answered with ``Value(the stored session blob, or None)``."""
+
+    id: int
+    client_id: str
+    clean_start: bool
+    expiry_s: int
+    will: NewMessage | None = None
+    will_delay_s: int = 0
+
+
+class CloseSession(_Message, tag="closesess"):
+    """``StoreApi.close_session``: answered with ``Done`` (refused for an ended lease ``epoch``)."""
+
+    id: int
+    client_id: str
+    expiry_s: int
+    will_delay_s: int | None = None
+    epoch: int = 0
+
+
 class SaveSession(_Message, tag="savesess"):
-    """``StoreClient.save_session``: answered with ``Done`` once the blob is durable (refused for an ended lease
+    """``StoreApi.save_session``: answered with ``Done`` once the blob is durable (refused for an ended lease
     ``epoch``)."""
 
     id: int
@@ -366,42 +320,49 @@ class SaveSession(_Message, tag="savesess"):
 
 
 class LoadSession(_Message, tag="loadsess"):
-    """``StoreClient.load_session``: answered with ``Value(blob or None)``."""
+    """``StoreApi.load_session``: answered with ``Value(blob or None)``."""
 
     id: int
     client_id: str
 
 
-class DropSession(_Message, tag="dropsess"):
-    """``StoreClient.drop_session``: answered with ``Done`` (refused for an ended lease ``epoch``)."""
+class EndSession(_Message, tag="endsess"):
+    """``StoreApi.end_session``: answered with ``Value(whether there was one)``."""
 
     id: int
     client_id: str
-    epoch: int = 0
+
+
+class ListSessions(_Message, tag="sessions?"):
+    """``StoreApi.sessions``: answered with ``Names``."""
+
+    id: int
 
 
 class GetAwaiting(_Message, tag="awaiting?"):
-    """``StoreClient.awaiting_release``: answered with ``Awaiting``."""
+    """``StoreApi.awaiting_release``: answered with ``Awaiting``."""
 
     id: int
     client_id: str
 
 
 class ReleaseAwaiting(_Message, tag="relflows"):
-    """``StoreClient.release_awaiting`` (``(client id, packet id, log offset)`` per flow): ``Done`` once fsynced."""
+    """``StoreApi.release_awaiting`` (``(client id, packet id, log offset)`` per flow): ``Done`` once fsynced
+    (refused for an ended lease ``epoch``)."""
 
     id: int
     flows: list[tuple[str, int, int]]
+    epoch: int = 0
 
 
 class GetStatistics(_Message, tag="stats?"):
-    """``StoreClient.statistics``: answered with ``Statistics``."""
+    """``StoreApi.statistics``: answered with ``Statistics``."""
 
     id: int
 
 
 class ReadLog(_Message, tag="readlog"):
-    """``StoreClient.read_log``: the log's raw bytes from a record boundary, answered with ``LogBytes``
+    """``StoreApi.read_log``: the log's raw bytes from a record boundary, answered with ``LogBytes``
     (readers that frame records themselves: Spark executors without the segment files)."""
 
     id: int
@@ -409,71 +370,60 @@ class ReadLog(_Message, tag="readlog"):
     max_bytes: int
 
 
-OpRequest: TypeAlias = (
-    Activate | Release | MaxOffsets | GetOffsets | CommitOffsets | DeleteOwner | GetRetained
-    | SaveSession | LoadSession | DropSession | GetAwaiting | ReleaseAwaiting | GetStatistics | ReadLog
-)
-"""The calls answered by one value; each names its ``StoreClient`` method."""
-
-
 class Join(_Message, tag="join"):
-    """Join consumer group ``group`` on the queue of ``filter`` (store/groups.py): answered with ``Value(offset)``.
+    """``StoreApi.join``: ``member`` (of this node; "" for a back-end client, whose connection is the member)
+    joins ``group`` on ``queue`` (store/groups.py): answered with ``Value(the group's committed offset)``.
 
-    ``start`` (``earliest``, ``latest``, ``offset``, ``time``) and ``at`` (the
-    offset, or ms since the epoch) apply when the group has no committed offset yet.
+    ``start`` (``earliest``, ``latest``, ``offset``, ``time``) and ``at`` (the offset, or ms since the epoch)
+    apply when the group has no committed offset yet.
     """
 
     id: int
     group: str
-    filter: str
+    queue: str
+    member: str = ""
     start: str = "earliest"
     at: int = 0
 
 
 class Claim(_Message, tag="claim"):
-    """Take up to ``max_count`` messages of the group, waiting up to ``wait_ms`` for some: answered with ``Claimed``."""
+    """``StoreApi.claim``: up to ``max_count`` messages of the group, waiting up to ``wait_ms`` for some:
+    answered with ``Claimed``."""
 
     id: int
     group: str
-    filter: str
+    queue: str
     max_count: int
     max_bytes: int
     wait_ms: int
+    member: str = ""
 
 
 class Ack(_Message, tag="ack"):
-    """The claimed ``offsets`` are processed: answered with ``Value(the group's committed offset)``."""
+    """``StoreApi.ack``: the member processed ``offsets`` and what it holds below ``below``: answered with
+    ``Value(the group's committed offset)``."""
 
     id: int
     group: str
-    filter: str
+    queue: str
     offsets: list[int]
+    member: str = ""
+    below: int = 0
 
 
 class Leave(_Message, tag="leave"):
-    """Leave the group (what this connection holds goes back to it): answered with ``Done``."""
+    """``StoreApi.leave``: what the member holds goes back to the group: answered with ``Done``."""
 
     id: int
     group: str
-    filter: str
-
-
-GroupRequest: TypeAlias = Join | Claim | Ack | Leave
-"""The consumer-group calls of back-end consumers (store/clients/consumer.py)."""
-
-
-class AdminOp(enum.StrEnum):
-    """What a gateway's admin API asks of the node a client is connected to (docs/operations.md)."""
-
-    CLIENT = "client"  # the connection's details (``GET /api/v1/clients/{id}``)
-    SESSION = "session"  # the live session and its lags (``GET /api/v1/sessions/{id}``)
-    DISCONNECT = "disconnect"  # close it as an administrative action (``DELETE /api/v1/clients/{id}``)
-    DELETE_SESSION = "delete_session"  # disconnect it and end its session (``DELETE /api/v1/sessions/{id}``)
+    queue: str
+    member: str = ""
+    unsubscribe: bool = False
 
 
 class AdminCall(_Message, tag="admin"):
-    """Run ``op`` on the node ``client_id`` is connected to: answered with ``Value(its answer, JSON bytes)``, or
-    ``Value(None)`` when the client is connected to no other node."""
+    """``StoreApi.admin_call``: run ``op`` on the node ``client_id`` is connected to: answered with
+    ``Value(its answer, JSON bytes)``, or ``Value(None)`` when the client is connected to no other node."""
 
     id: int
     client_id: str
@@ -487,10 +437,14 @@ class AdminAnswer(_Message, tag="adminr"):
     value: bytes | None = None
 
 
-ClientMessage: TypeAlias = (
-    Hello | Heartbeat | Watch | HoldWill | DropWill | Present | Absent | AppendRequest | PullRequest | OpRequest
-    | GroupRequest | AdminCall | AdminAnswer
+OpRequest: TypeAlias = (
+    Pull | Activate | Release | MaxOffsets | GetOffsets | CommitOffsets | GetRetained | OpenSession | CloseSession
+    | SaveSession | LoadSession | EndSession | ListSessions | GetAwaiting | ReleaseAwaiting | GetStatistics
+    | ReadLog | Join | Claim | Ack | Leave | AdminCall
 )
+"""The requests answered by one message each; each names its ``StoreApi`` method."""
+
+ClientMessage: TypeAlias = Hello | Heartbeat | Watch | Reattach | AppendRequest | AdminAnswer | OpRequest
 CLIENT_MESSAGES: Final = ClientMessage
 
 
@@ -501,8 +455,8 @@ class Welcome(_Message, tag="welcome"):
     """The store accepted the handshake.
 
     ``store_id`` (one per store process) and ``epoch`` name the node's lease; ``resumed`` is False when the Hello
-    named a lease of this store that has ended: the node's clients are no longer its own (its wills were
-    published), so it closes their connections and sends nothing for them.
+    named a lease of this store that has ended: the node's clients are no longer its own (their wills went to
+    their delays), so it closes their connections and sends nothing for them.
     """
 
     version: int
@@ -529,8 +483,8 @@ class Events(_Message, tag="ev"):
 
 
 class ClientMoved(_Message, tag="moved"):
-    """``client_id`` connected to another node: close this node's connection of it (a takeover), and let none
-    of its delayed wills fire here (the session resumed there)."""
+    """``client_id`` connected to another node: close this node's connection of it (a takeover), and write
+    nothing more for it."""
 
     client_id: str
 
@@ -564,10 +518,17 @@ class RawRecords(_Message, tag="recs"):
 
 
 class Pulled(_Message, tag="pulled"):
-    """The reads of a ``PullRequest``, in request order."""
+    """The reads of a ``Pull``, in request order."""
 
     id: int
     results: list[RawRecords]
+
+
+class Claimed(_Message, tag="claimed"):
+    """The answer to ``Claim``: the member's messages, as stored; ``next_offset`` is the group's cursor."""
+
+    id: int
+    result: RawRecords
 
 
 class Offsets(_Message, tag="offs"):
@@ -584,6 +545,13 @@ class Value(_Message, tag="val"):
     value: bool | int | bytes | OffsetMap | None = None
 
 
+class Names(_Message, tag="names"):
+    """The answer of ``ListSessions``."""
+
+    id: int
+    names: list[str]
+
+
 class Awaiting(_Message, tag="awaiting"):
     """A client's inbound QoS 2 flows awaiting PUBREL: ``{packet id: log offset}``."""
 
@@ -592,66 +560,38 @@ class Awaiting(_Message, tag="awaiting"):
 
 
 class Done(_Message, tag="done"):
-    """An op without a value (commits, deletes, session writes) completed."""
+    """An op without a value (commits, session writes) completed."""
 
     id: int
-
-
-class WireStatistics(_Message, tag="stats"):
-    """``store.local.StoreStatistics`` on the wire (field for field)."""
-
-    written_offset: int
-    flushed_offset: int
-    dispatched_offset: int
-    log_bytes: int
-    queue_ids: int
-    active_filters: int
-    retained: int
-    notify_sent: int
-    notify_suppressed: int
-    notify_by_node: OffsetMap
-    corrupt_records: int = 0
-    disk_full: bool = False
 
 
 class Statistics(_Message, tag="statsr"):
-    """The answer to the ``statistics`` op."""
+    """The answer to ``GetStatistics``."""
 
     id: int
-    stats: WireStatistics
+    stats: StoreStatistics
 
 
 class RecordList(_Message, tag="reclist"):
-    """The answer to the ``retained`` op: ``(CommitLog offset, record bytes)`` per retained message."""
+    """The answer to ``GetRetained``: ``(CommitLog offset, record bytes)`` per retained message."""
 
     id: int
     records: list[tuple[int, bytes]]
 
 
-class Claimed(_Message, tag="claimed"):
-    """The answer to ``Claim``: ``(queue offset, CommitLog offset, record bytes)`` per message, as stored."""
-
-    id: int
-    entries: list[tuple[int, int, bytes]]
-
-
 class LogBytes(_Message, tag="logbytes"):
-    """The answer to ``ReadLog`` (``store.log.commitlog.CommitLog.read_span``): ``data`` is the log from ``start``
-    (the request's offset, or the next segment's base at the end of a segment's data), ending at most at
-    ``data_end`` (that segment's readable end), perhaps inside a record; ``flushed`` and ``min_offset`` bound
-    the whole log now."""
+    """The answer to ``ReadLog`` (``store.log.commitlog.CommitLog.read_span``): ``span.data`` is the log from
+    ``span.start`` (the request's offset, or the next segment's base at the end of a segment's data), ending at
+    most at ``span.data_end`` (that segment's readable end), perhaps inside a record; ``span.flushed`` and
+    ``span.min_offset`` bound the whole log now."""
 
     id: int
-    start: int
-    data: bytes
-    data_end: int
-    flushed: int
-    min_offset: int
+    span: LogSpan
 
 
 ServerMessage: TypeAlias = (
-    Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Offsets | Value | Awaiting | Done
-    | Statistics | RecordList | Claimed | AdminAsk | LogBytes
+    Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Claimed | Offsets | Value | Names
+    | Awaiting | Done | Statistics | RecordList | AdminAsk | LogBytes
 )
 SERVER_MESSAGES: Final = ServerMessage
 

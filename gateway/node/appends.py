@@ -1,0 +1,183 @@
+"""The publish path of a node: its connections' ``Append`` actions, and its own messages, to the store.
+
+Two ways, in trio's pairing (store/api.py): an append the store can take without waiting (embedded, async flush,
+dispatch not lagging) is done in the step that read its PUBLISH, no worker task: during a poller read round
+(gateway/node/poller.py) it joins the round, whose appends go to the store in one ``append_nowait`` call when
+the round ends, before any other task runs; if the store would block, each connection's appends go back to the
+head of its worker queue and take the other way: the connection's worker hands them to ``perform``, which
+awaits ``append`` (one batch per worker step). Either way every append with a ``ref`` is answered
+(``Appended``): never a false acknowledgement.
+
+Order: an append read while a subscription read before it (on any connection) is not applied yet never takes
+the fast way; it waits behind an ``AfterReads`` mark (gateway/node/order.py). The node's own appends (wills,
+``$SYS``, HTTP publish) wait for the fences open when they are made.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, final
+
+import trio
+
+from gateway.mqtt.actions import Append, Appended, Event
+from gateway.mqtt.reasons import ReasonCode
+from gateway.node.guard import Guard
+from gateway.node.order import ReadOrder
+from store.api import LeaseLost, NewMessage, StoreApi
+from store.log.errors import LogFullError
+from store.log.record import RecordTooLarge
+
+if TYPE_CHECKING:
+    from gateway.node.connection import Connection
+
+__all__ = ["Appends", "NOWAIT_RETRY_S"]
+
+LOGGER = logging.getLogger(__name__)
+
+NOWAIT_RETRY_S = 0.1
+"""After the store said an append would block (a remote store always does; the sync flush policy; dispatch
+lagging), appends take the awaited way for this long before the fast way is tried again: a read round does not
+gather appends only to hand each back to its connection."""
+
+
+@final
+class Appends:
+    """The publish path (see the module docstring).
+
+    Args:
+        store: where messages go.
+        guard: the ACL's publish rules.
+        order: the read order of activations and appends.
+    """
+
+    def __init__(self, store: StoreApi, guard: Guard, order: ReadOrder) -> None:
+        self._store = store
+        self._guard = guard
+        self._order = order
+        self._blocked_until = 0.0  # the store would block: the fast way waits until then
+        self._round: list[tuple[Connection, Append]] = []  # the read round's appends, written when it ends
+        self.refused_by_qos = [0, 0, 0]  # messages the store did not take (a full disk...), index = QoS
+
+    # --- the fast way -----------------------------------------------------------------------
+
+    def now(self, connection: Connection, action: Append, in_round: bool) -> bool:
+        """Append in this step, or in the read round's one store call; False leaves it, and any error, to
+        :meth:`perform`. The round's first append asks the ACL and the store for all of them (per message, that
+        was 3% of a fan-in's CPU)."""
+        if self._order.fenced:  # an activation read before it is not applied yet: ``perform`` waits for it
+            return False
+        if self._round:
+            self._round.append((connection, action))
+            return True
+        if self._guard.acl_file is not None or time.monotonic() < self._blocked_until:
+            return False
+        if in_round:
+            self._round.append((connection, action))
+            return True
+        return self._append_now([(connection, action)])
+
+    def round_end(self) -> None:
+        """The end of a read round (the poller's ``round_done``): its appends in one store call, or, if the store
+        would block, each connection's back to the head of its queue of node actions (``perform`` answers them)."""
+        if not self._round:
+            return
+        appends, self._round = self._round, []
+        if not self._append_now(appends):
+            grouped: dict[Connection, list[Append]] = {}
+            for connection, append in appends:
+                grouped.setdefault(connection, []).append(append)
+            for connection, actions in grouped.items():
+                connection.requeue(actions)
+
+    def _append_now(self, appends: list[tuple[Connection, Append]]) -> bool:
+        """Append now and acknowledge, one write per connection; False: nothing was appended."""
+        try:
+            offsets = self._store.append_nowait([m for _, append in appends for m in append.messages])
+        except trio.WouldBlock:
+            self._blocked_until = time.monotonic() + NOWAIT_RETRY_S
+            return False
+        except (OSError, ValueError):
+            return False  # nothing was appended: ``perform`` tries again and answers with the reason
+        acknowledged: dict[Connection, list[Event]] = {}  # QoS 0 appends (no ref) wait for no answer
+        position = 0
+        for connection, append in appends:
+            if append.ref is not None:
+                acknowledged.setdefault(connection, []).append(
+                    Appended(append.ref, True, ReasonCode.SUCCESS, offsets[position]))
+            position += len(append.messages)
+        for connection, events in acknowledged.items():
+            connection.feed_all(events)
+        return True
+
+    def mark(self) -> int | None:
+        """The read-order mark for an append read now and left to ``perform``; None when nothing waits."""
+        return self._order.mark() if self._order.fenced else None
+
+    # --- the awaited way ----------------------------------------------------------------------
+
+    async def perform(self, connection: Connection, appends: list[Append]) -> None:
+        """Append a connection's consecutive appends (those the ACL allows) as one batch; answer each in order."""
+        await self._store_batch(connection, appends, self._guard.may_publish(connection, appends))
+
+    async def _store_batch(self, connection: Connection, appends: list[Append], allowed: list[bool]) -> None:
+        messages = [m for append, ok in zip(appends, allowed) if ok for m in append.messages]
+        offsets = await self.store(messages) if messages else []
+        if isinstance(offsets, ReasonCode) and allowed.count(True) > 1:
+            # One bad message must not fail its neighbours: retry one by one so each gets its own answer.
+            for append, ok in zip(appends, allowed):
+                await self._store_batch(connection, [append], [ok])
+            return
+        connection.feed_all(_answers(appends, allowed, offsets))
+
+    async def store(self, messages: Sequence[NewMessage], *, count: bool = True) -> list[int] | ReasonCode:
+        """The messages' CommitLog offsets once appended, or why the append failed.
+
+        A failure counts the messages in ``refused_by_qos`` (unless ``count`` is False: a retry). A full disk is
+        QUOTA_EXCEEDED and not logged here: the store logs the episode once (store/space.py), not once per
+        publish. Messages of a client of an ended store lease are SESSION_TAKEN_OVER (the client is another
+        node's now).
+        """
+        try:
+            return await self._store.append(messages)
+        except RecordTooLarge as exc:
+            LOGGER.warning("append refused: %s", exc)
+            reason = ReasonCode.PACKET_TOO_LARGE
+        except LogFullError:
+            reason = ReasonCode.QUOTA_EXCEEDED
+        except LeaseLost:
+            reason = ReasonCode.SESSION_TAKEN_OVER
+        except ConnectionError:  # the store is unreachable: its client logs that once
+            reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+        except (OSError, ValueError) as exc:
+            LOGGER.error("append failed: %r", exc)
+            reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+        for message in messages if count else ():
+            self.refused_by_qos[message.qos] += 1
+        return reason
+
+    async def own(self, messages: Sequence[NewMessage], *, count: bool = True) -> ReasonCode | None:
+        """Append the node's own messages (wills, ``$SYS``, HTTP publish), durable under the sync flush policy,
+        after the activations read before this call; None, or why it failed."""
+        await self._order.wait(self._order.mark())
+        offsets = await self.store(messages, count=count)
+        return offsets if isinstance(offsets, ReasonCode) else None
+
+
+def _answers(appends: Sequence[Append], allowed: Sequence[bool], offsets: list[int] | ReasonCode) -> list[Event]:
+    """``Appended`` for each append with a ref: where the store put it, or why it did not."""
+    answers: list[Event] = []
+    index = 0
+    for append, ok in zip(appends, allowed):
+        count = len(append.messages) if ok else 0
+        if append.ref is not None:
+            if not ok:
+                answers.append(Appended(append.ref, False, ReasonCode.NOT_AUTHORIZED))
+            elif isinstance(offsets, ReasonCode):
+                answers.append(Appended(append.ref, False, offsets))
+            else:
+                answers.append(Appended(append.ref, True, ReasonCode.SUCCESS, offsets[index] if count else -1))
+        index += count
+    return answers

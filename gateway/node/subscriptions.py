@@ -1,0 +1,283 @@
+"""Subscriptions of a node's connections: activations, releases, offset commits, pulls, and who reads which queue.
+
+- Activate: each new subscription's queue is held at the store (its holder: the client id), and its start
+  offset fixed; a shared subscription (``$share/<group>/<filter>``) joins the store's group instead
+  (store/groups.py: the group, ``$share/<group>``, holds the queue and owns its offset; the store arbitrates
+  among the members of every node). The retained messages of the new subscriptions that want them come with
+  the answer. Read order (gateway/node/order.py): the activation holds a fence from the moment its SUBSCRIBE
+  was read until the store applied it, so appends read after it are written after it.
+- Release, commit: the store's holders and offsets; a shared subscription's acknowledgements go to its group.
+- Pull: at the head of an unshared queue from the queue cache (gateway/node/cache.py), else from the store; a
+  shared subscription's member claims from its group.
+- Notify: the node watches at the store the queues its connections read (reference counted), and feeds the
+  news to the connections on each queue (``QueueAdvanced``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, final
+
+import trio
+
+from gateway.mqtt.actions import (Activate, Activated, CommitOffsets, Message, Pull, Pulled, QueueAdvanced,
+                                  Release, Subscription)
+from gateway.mqtt.reasons import ReasonCode
+from gateway.node.cache import QueueCache, from_record
+from gateway.node.commits import CommitBatcher
+from gateway.node.guard import Guard
+from gateway.node.order import ReadOrder
+from gateway.node.owed import OwedWrites
+from lightqueue.topics import TopicError, parse_shared
+from store.api import SHARE_PREFIX, StoreApi
+from store.log.errors import LogFullError
+
+if TYPE_CHECKING:
+    from gateway.node.connection import Connection
+
+__all__ = ["CLAIM_BYTES", "Subscriptions"]
+
+LOGGER = logging.getLogger(__name__)
+
+CLAIM_BYTES = 1 << 20
+"""A shared subscription's claim's byte budget at the store, as a pull's: at least one message, at most about this
+much."""
+
+Group = tuple[str, str]
+"""A shared subscription's group at the store: (``$share/<group>``, queue)."""
+
+
+def group_of(sub: Subscription) -> Group:
+    """The store group of a shared subscription."""
+    assert sub.group is not None
+    return SHARE_PREFIX + sub.group, sub.queue
+
+
+@final
+class Subscriptions:
+    """The subscriptions of one node's connections (see the module docstring)."""
+
+    def __init__(self, store: StoreApi, cache: QueueCache, commits: CommitBatcher, owed: OwedWrites, guard: Guard,
+                 order: ReadOrder, nursery: trio.Nursery) -> None:
+        self._store = store
+        self._cache = cache
+        self._commits = commits
+        self._owed = owed
+        self._guard = guard
+        self._order = order
+        self._nursery = nursery
+        self._local: dict[str, set[Connection]] = {}  # queue -> connections with a subscription on it
+        self._held: dict[Connection, set[str]] = {}  # connection -> its queues in _local
+        self._members: dict[Connection, set[Group]] = {}  # connection -> the store groups it is a member of
+        self._fences: dict[Connection, dict[int, int]] = {}  # connection -> Activate ref -> its open fence
+
+    # --- activations ----------------------------------------------------------------------
+
+    def activation_read(self, connection: Connection, action: Activate) -> None:
+        """Open the activation's fence: appends read from now on are written after :meth:`activate` applied it."""
+        self._fences.setdefault(connection, {})[action.ref] = self._order.open()
+
+    def _applied(self, connection: Connection, action: Activate) -> None:
+        """Close the activation's fence (idempotent)."""
+        fences = self._fences.get(connection)
+        fence = fences.pop(action.ref, None) if fences is not None else None
+        if fence is not None:
+            self._order.close(fence)
+
+    async def activate(self, connection: Connection, action: Activate) -> None:
+        """Hold each new subscription's queue (or join its group); answer ``Activated``. The fence closes once
+        the starts are fixed, and in any case when this returns (failed or cancelled: it must not hold every
+        append of the node)."""
+        try:
+            starts, reasons = await self._start(connection, action)
+            self._applied(connection, action)  # the starts are fixed: the appends read after it may go
+            retained = await self._retained_for(action, starts)
+        finally:
+            self._applied(connection, action)
+        connection.feed(Activated(action.ref, starts, retained, reasons or None))
+        for sub in action.subscriptions:
+            if sub.filter in starts:
+                self._subscribe_local(connection, sub.queue)
+
+    async def _start(self, connection: Connection, action: Activate) -> tuple[dict[str, int], dict[str, ReasonCode]]:
+        starts: dict[str, int] = {}
+        reasons: dict[str, ReasonCode] = {}
+        client_id = action.client_id
+        for sub in action.subscriptions:
+            if not self._guard.may_subscribe(connection, client_id, sub.filter, "filter refused"):
+                reasons[sub.filter] = ReasonCode.NOT_AUTHORIZED
+                continue
+            try:
+                if sub.group is None:
+                    await self._owed.settle(client_id)  # a release owed by an earlier UNSUBSCRIBE must not undo it
+                    starts[sub.filter] = await self._store.activate(sub.queue, client_id)
+                else:
+                    starts[sub.filter] = await self._join(connection, sub)
+            except TopicError as exc:
+                LOGGER.warning("subscription refused: %s", exc, extra={"ctx": {"client_id": client_id}})
+                reasons[sub.filter] = ReasonCode.TOPIC_FILTER_INVALID
+            except ValueError as exc:
+                LOGGER.error("subscription failed: %s", exc, extra={"ctx": {"client_id": client_id}})
+                reasons[sub.filter] = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+            except LogFullError:  # the store logged the full disk once
+                reasons[sub.filter] = ReasonCode.QUOTA_EXCEEDED
+        return starts, reasons
+
+    async def _join(self, connection: Connection, sub: Subscription) -> int:
+        """The connection's session joins its shared subscription's group (a new group starts at the queue's
+        head); returns the group's committed offset."""
+        group = group_of(sub)
+        committed = await self._store.join(*group, connection.client_id, start="latest")
+        self._members.setdefault(connection, set()).add(group)
+        return committed
+
+    async def resume(self, connection: Connection, subscriptions: tuple[Subscription, ...]) -> None:
+        """A resumed session's subscriptions: its shared ones join their groups again, all are read here.
+
+        Raises:
+            LogFullError: a group's first offset could not be stored.
+        """
+        for sub in subscriptions:
+            if sub.group is not None:
+                await self._join(connection, sub)
+            self._subscribe_local(connection, sub.queue)
+
+    async def _retained_for(self, action: Activate, starts: Mapping[str, int]) -> tuple[tuple[str, Message], ...]:
+        """The retained messages for the new subscriptions that want them now.
+
+        The channel already applied MQTT 5 retain handling (``action.retained``);
+        shared subscriptions never get retained messages (MQTT 5.0, section 4.8.2).
+        """
+        wanted = set(action.retained)
+        found: list[tuple[str, Message]] = []
+        for sub in action.subscriptions:
+            if sub.filter in wanted and sub.filter in starts and sub.group is None:
+                found += ((sub.filter, from_record(record, None, None))
+                          for record in await self._store.retained(sub.queue))
+        return tuple(found)
+
+    # --- releases and commits ---------------------------------------------------------------
+
+    async def release(self, connection: Connection, action: Release) -> None:
+        """The session no longer has these subscriptions; on a full disk the store's releases wait for room."""
+        client_id = action.client_id
+        for filter in action.filters:
+            shared = parse_shared(filter)
+            if shared is None:
+                await self._owed.attempt(client_id, functools.partial(self._store.release, filter, client_id))
+                self._unsubscribe_local(connection, filter)
+                continue
+            group = (SHARE_PREFIX + shared[0], shared[1])
+            self._unsubscribe_local(connection, shared[1])
+            members = self._members.get(connection)
+            if members is not None:
+                members.discard(group)
+            await self._owed.attempt(client_id, functools.partial(self._store.leave, *group, client_id,
+                                                                  unsubscribe=True))
+
+    async def commit(self, connection: Connection, action: CommitOffsets) -> None:
+        """Commit the session's offsets (batched with other connections'); a shared subscription acknowledges
+        to its group what it was handed below its committed offset."""
+        offsets: dict[str, int] = {}
+        for filter, offset in action.offsets.items():
+            shared = parse_shared(filter)
+            if shared is None:
+                offsets[filter] = offset
+                continue
+            try:
+                await self._store.ack(SHARE_PREFIX + shared[0], shared[1], action.client_id, below=offset)
+            except LogFullError:  # the group's offset stays behind; a later acknowledgement moves it
+                pass
+            except ValueError:  # not a member any more (its node's store connection broke): handed back already
+                pass
+        if offsets:
+            self._commits.post(action.client_id, offsets)
+
+    # --- pulls ------------------------------------------------------------------------------
+
+    def pull_cached(self, action: Pull) -> Pulled | None:
+        """A pull at the head of an unshared queue, answered from the queue cache; None if it must wait or read."""
+        if action.group is not None:
+            return None
+        hit = self._cache.get(action.queue, action.from_offset, action.max_count)
+        return None if hit is None else Pulled(action.filter, tuple(hit[0]), hit[1])
+
+    async def pull(self, connection: Connection, action: Pull) -> None:
+        if action.group is None:
+            messages, next_offset, _ = await self._cache.read(action.queue, action.from_offset, action.max_count)
+            connection.feed(Pulled(action.filter, tuple(messages), next_offset))
+            return
+        group = (SHARE_PREFIX + action.group, action.queue)
+        if group not in self._members.get(connection, ()):
+            connection.feed(Pulled(action.filter, (), action.from_offset))  # left or unsubscribed meanwhile
+            return
+        claimed = await self._store.claim(*group, connection.client_id, action.max_count, max_bytes=CLAIM_BYTES)
+        queue = action.queue
+        messages = tuple(from_record(record, queue, offset) for offset, record in claimed.messages)
+        connection.feed(Pulled(action.filter, messages, claimed.next_offset))
+
+    # --- the queues the connections read ------------------------------------------------------
+
+    def _subscribe_local(self, connection: Connection, queue: str) -> None:
+        held = self._held.setdefault(connection, set())
+        if queue in held:
+            return
+        held.add(queue)
+        self._local.setdefault(queue, set()).add(connection)
+        self._store.watch(queue)
+        self._cache.watch(queue)
+
+    def _unsubscribe_local(self, connection: Connection, queue: str) -> None:
+        held = self._held.get(connection)
+        if held is not None:
+            held.discard(queue)
+        local = self._local.get(queue)
+        if local is None or connection not in local:
+            return
+        local.discard(connection)
+        if not local:
+            del self._local[queue]
+        self._store.unwatch(queue)
+        self._cache.unwatch(queue)
+
+    def feed_news(self, events: Mapping[str, int]) -> None:
+        """Tell the connections on each queue of ``events`` that it has news (``QueueAdvanced``)."""
+        local = self._local
+        for queue, max_offset in events.items():
+            for connection in tuple(local.get(queue, ())):
+                connection.feed(QueueAdvanced(queue, max_offset))
+
+    def reading(self) -> Mapping[str, set[Connection]]:
+        """The queues this node's connections read, and who reads each."""
+        return self._local
+
+    async def leave_groups(self, connection: Connection) -> None:
+        """The connection closes: its session's shared subscriptions leave their groups (what it was handed and
+        did not acknowledge goes to the other members). What the session acknowledged and has not committed yet
+        (commits are batched) is acknowledged to the group first: it counts as delivered."""
+        groups = self._members.pop(connection, ())
+        session = connection.channel.session
+        acknowledged = {} if session is None or not groups else session.committed_offsets()
+        for group in groups:
+            try:
+                for filter, offset in acknowledged.items():
+                    shared = parse_shared(filter)
+                    if shared is not None and (SHARE_PREFIX + shared[0], shared[1]) == group:
+                        with contextlib.suppress(LogFullError, ValueError):  # as in ``commit``
+                            await self._store.ack(*group, connection.client_id, below=offset)
+                await self._store.leave(*group, connection.client_id)
+            except OSError as exc:  # the store is gone: it dropped this node's members with its connection
+                LOGGER.warning("shared group not left at the store: %r", exc,
+                               extra={"ctx": {"group": group[0], "queue": group[1]}})
+
+    def connection_closed(self, connection: Connection) -> None:
+        """Forget the connection: the activations it will never apply, the queues it read, its groups."""
+        for fence in self._fences.pop(connection, {}).values():
+            self._order.close(fence)
+        for queue in self._held.pop(connection, ()):
+            self._unsubscribe_local(connection, queue)
+        if connection in self._members:  # not left at its close (the channel never settled): leave now
+            self._nursery.start_soon(self.leave_groups, connection)

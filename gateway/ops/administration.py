@@ -1,0 +1,292 @@
+"""What an operator asks of a node (the admin API, the dashboard, the metrics), answered by reading the node.
+
+The node never imports this: ``Administration`` reads its registry, sessions, subscriptions and store, and
+writes through its publish path (an HTTP publish, the empty retained message that deletes one). The calls about
+one client (details, session, disconnect, delete) reach the node it is connected to through the store
+(``StoreApi.admin_call``); ``answer_asks`` answers the ones other nodes make about clients connected here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, final
+
+import msgspec
+import trio
+
+from gateway.auth.authn import AuthDecision
+from gateway.mqtt.packets import MQTT_5
+from gateway.mqtt.reasons import ReasonCode
+from gateway.mqtt.session import SessionState
+from gateway.node.connection import Connection
+from gateway.node.node import GatewayNode
+from gateway.ops.records import ClientInfo, QueueInfo, SessionInfo, SubscriptionLag
+from lightqueue.topics import TopicLimits, validate_filter, validate_topic
+from store.api import SHARE_PREFIX, AdminOp, NewMessage
+from store.log.record import Record
+
+__all__ = ["ADMIN_CLIENT_ID", "Administration", "HTTP_CLIENT_ID"]
+
+LOGGER = logging.getLogger(__name__)
+
+HTTP_CLIENT_ID = "$http"
+"""The publisher client id of messages published over HTTP (``POST /api/v1/publish``); ``$`` marks server-side
+names (``$SYS``, ``$share``), which devices do not use, so No Local does not drop them for a device."""
+
+ADMIN_CLIENT_ID = "$admin"
+"""The publisher client id of the empty retained messages that delete retained messages (admin API)."""
+
+
+@final
+class Administration:
+    """The operator's view of one node (see the module docstring)."""
+
+    def __init__(self, node: GatewayNode) -> None:
+        self.node = node
+        self.store = node.store
+
+    # --- figures ------------------------------------------------------------------------------
+
+    def uptime_s(self) -> float:
+        return self.node.system.uptime_s()
+
+    async def session_counts(self) -> tuple[int, int]:
+        """(online, offline): the clients connected here, and the stored sessions whose clients are not."""
+        registry = self.node.registry
+        stored = await self.store.sessions()
+        return len(registry), sum(1 for client_id in stored if client_id not in registry)
+
+    def clients(self) -> list[ClientInfo]:
+        """The connected clients."""
+        return [_client_info(connection) for connection in self.node.registry]
+
+    # --- one client, wherever it is connected -----------------------------------------------
+
+    async def client_info(self, client_id: str) -> ClientInfo | dict[str, Any] | None:
+        """The connected client, here or on another node (its answer, as JSON); None when it is not connected.
+
+        Raises:
+            OSError: the store, or the node the client is connected to, did not answer.
+        """
+        connection = self.node.registry.get(client_id)
+        if connection is not None:
+            return _client_info(connection)
+        return await self._ask_owner(client_id, AdminOp.CLIENT)
+
+    async def _ask_owner(self, client_id: str, op: AdminOp) -> Any:
+        """The answer of the node ``client_id`` is connected to (through the store's presence), decoded from JSON;
+        None when it is connected to no other node."""
+        answer = await self.store.admin_call(client_id, op)
+        return None if answer is None else msgspec.json.decode(answer)
+
+    async def disconnect(self, client_id: str) -> bool:
+        """Close the client's connection as an administrative action (MQTT 5: DISCONNECT 0x98), on whichever node
+        it is connected to. As for any close the client did not ask for, its will is published and a persistent
+        session stays. Returns once the connection is gone; False when the client is not connected.
+
+        Raises:
+            OSError: the store, or the node the client is connected to, did not answer.
+        """
+        if client_id in self.node.registry:
+            return await self.node.registry.disconnect(client_id)
+        return await self._ask_owner(client_id, AdminOp.DISCONNECT) is not None
+
+    async def session_info(self, client_id: str) -> SessionInfo | dict[str, Any] | None:
+        """One session: live on the node its client is connected to (this one or another: its answer, as JSON),
+        else as the store keeps it.
+
+        Raises:
+            msgspec.DecodeError: the stored session is unreadable.
+            OSError: the store, or the node the client is connected to, did not answer.
+        """
+        sessions = self.node.sessions
+        state = sessions.live(client_id)
+        if state is None:
+            live = await self._ask_owner(client_id, AdminOp.SESSION)
+            if live is not None:
+                return live
+            state = await sessions.stored(client_id)
+            if state is None:
+                return None
+        return self._session_info(state, await sessions.heads(sub.queue for sub in state.subscriptions))
+
+    async def delete_session(self, client_id: str) -> bool:
+        """End a session now, its client disconnected first (on whichever node it is connected to); False when
+        there is no such session.
+
+        Raises:
+            OSError: the store, or the node the client is connected to, did not answer.
+        """
+        if client_id not in self.node.registry and await self._ask_owner(client_id, AdminOp.DELETE_SESSION):
+            return True  # that node disconnected it and ended the session
+        return await self._delete_here(client_id)
+
+    async def _delete_here(self, client_id: str) -> bool:
+        """A connected client's session counts even when the store keeps none (Clean Start: it lives only as
+        long as the connection, which this closes)."""
+        connected = await self.node.registry.disconnect(client_id)
+        ended = await self.store.end_session(client_id)
+        if connected or ended:
+            LOGGER.info("session deleted (admin API)", extra={"ctx": {"client_id": client_id}})
+        return connected or ended
+
+    # --- all sessions and queues ----------------------------------------------------------------
+
+    async def _states(self) -> list[SessionState]:
+        """The sessions of the clients connected here (live), and the stored sessions of the others."""
+        sessions = self.node.sessions
+        states = [state for connection in self.node.registry
+                  if (state := sessions.live(connection.client_id)) is not None]
+        connected = {state.client_id for state in states}
+        for client_id in await self.store.sessions():
+            if client_id not in connected:
+                try:
+                    state = await sessions.stored(client_id)
+                except msgspec.DecodeError:
+                    continue
+                if state is not None:
+                    states.append(state)
+        return states
+
+    async def sessions(self) -> list[SessionInfo]:
+        """The sessions of the clients connected here, and the stored sessions of clients connected nowhere."""
+        states = await self._states()
+        heads = await self.node.sessions.heads(sub.queue for state in states for sub in state.subscriptions)
+        return [self._session_info(state, heads) for state in states]
+
+    async def queues(self) -> list[QueueInfo]:
+        """The queues the sessions read, with the slowest consumer's lag (a shared subscription's offset is its
+        group's)."""
+        committed: dict[str, list[int]] = {}
+        groups: set[tuple[str, str]] = set()
+        for state in await self._states():
+            for sub in state.subscriptions:
+                if sub.group is None:
+                    committed.setdefault(sub.queue, []).append(state.offsets.get(sub.filter, 0))
+                else:
+                    groups.add((SHARE_PREFIX + sub.group, sub.queue))
+        for owner, queue in sorted(groups):
+            committed.setdefault(queue, []).append((await self.store.get_offsets(owner)).get(queue, 0))
+        heads = await self.node.sessions.heads(committed)
+        return [QueueInfo(queue, heads[queue], len(offsets), min(offsets), max(0, heads[queue] - min(offsets)))
+                for queue, offsets in sorted(committed.items())]
+
+    def _session_info(self, state: SessionState, heads: Mapping[str, int]) -> SessionInfo:
+        subscriptions = []
+        for sub in state.subscriptions:
+            offset = state.offsets.get(sub.filter, 0)
+            head = heads[sub.queue]
+            subscriptions.append(SubscriptionLag(sub.filter, sub.queue, sub.options.qos, sub.group, offset, head,
+                                                 max(0, head - offset)))
+        return SessionInfo(state.client_id, state.client_id in self.node.registry, state.expiry_s,
+                           len(state.inflight), sum(s.lag for s in subscriptions), tuple(subscriptions))
+
+    # --- retained messages -----------------------------------------------------------------------
+
+    async def retained(self, filter: str) -> list[Record]:
+        """The retained messages matching ``filter``.
+
+        Raises:
+            TopicError: not a valid topic filter.
+        """
+        validate_filter(filter)
+        return await self.store.retained(filter)
+
+    async def delete_retained(self, topic: str) -> bool:
+        """Delete the retained message of ``topic`` as MQTT does: an empty retained message through the normal path.
+
+        It is gone once dispatched (milliseconds). Returns False when there is none.
+
+        Raises:
+            TopicError: not a valid topic name.
+            OSError: the store did not take the message.
+        """
+        validate_topic(topic)
+        if not any(record.topic == topic for record in await self.store.retained(topic)):
+            return False
+        reason = await self.node.appends.own([NewMessage(topic, b"", ADMIN_CLIENT_ID, retain=True,
+                                                         born_ms=int(time.time() * 1000))])
+        if reason is not None:
+            raise OSError(f"the empty retained message was not stored: {reason.name}")
+        LOGGER.info("retained message deleted (admin API)", extra={"ctx": {"topic": topic}})
+        return True
+
+    # --- HTTP publish ----------------------------------------------------------------------------
+
+    async def authenticate_http(self, username: str | None, password: bytes | None, source: str) -> AuthDecision:
+        """Decide the credentials of an HTTP publish as a CONNECT's: counted, logged and delayed when refused."""
+        return await self.node.guard.http(username, password, source)
+
+    async def publish(self, topic: str, payload: bytes, qos: int, retain: bool, username: str | None,
+                      source: str) -> ReasonCode | None:
+        """Publish for an HTTP client (``username`` authenticated, None: anonymous) through the normal path.
+
+        The ACL's publish rules apply as to an MQTT client of that user; HTTP
+        publishers have no client id, so ``client`` rules and ``%c`` patterns
+        never match them. Returns None when stored, NOT_AUTHORIZED, or the
+        append's failure (PACKET_TOO_LARGE, ...).
+
+        Raises:
+            TopicError: not a valid topic name, or beyond the topic limits.
+        """
+        node = self.node
+        config = node.channel_config
+        validate_topic(topic, TopicLimits(config.max_topic_length, config.max_topic_levels))
+        if not node.guard.may_publish_http(username, topic, source):
+            return ReasonCode.NOT_AUTHORIZED
+        message = NewMessage(topic, payload, HTTP_CLIENT_ID, qos, retain, born_ms=int(time.time() * 1000))
+        reason = await node.appends.own([message])
+        if reason is None:
+            node.traffic.messages_in += 1
+            node.traffic.messages_in_by_qos[qos] += 1
+        return reason
+
+    # --- other nodes' asks -----------------------------------------------------------------------
+
+    async def answer_asks(self) -> None:
+        """Answer the admin calls other nodes make about clients connected here, until the store client closes."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                try:
+                    ask_id, client_id, op = await self.store.admin_asks()
+                except trio.EndOfChannel:
+                    return
+                nursery.start_soon(self._answer, ask_id, client_id, op)
+
+    async def _answer(self, ask_id: int, client_id: str, op: AdminOp) -> None:
+        """One admin call of another node: answered from this node only (never forwarded again); None when the
+        client is not connected here (it moved since)."""
+        answer: Any = None
+        node = self.node
+        try:
+            connection = node.registry.get(client_id)
+            if connection is not None and op is AdminOp.CLIENT:
+                answer = _client_info(connection)
+            elif connection is not None and op is AdminOp.SESSION:
+                state = node.sessions.live(client_id)
+                if state is not None:
+                    answer = self._session_info(state, await node.sessions.heads(
+                        sub.queue for sub in state.subscriptions))
+            elif op is AdminOp.DISCONNECT:
+                answer = await node.registry.disconnect(client_id) or None
+            elif op is AdminOp.DELETE_SESSION and connection is not None:
+                answer = await self._delete_here(client_id)
+        except Exception as exc:  # the asking node gets "not here"; this node goes on
+            LOGGER.error("admin call of another node failed: %r", exc, exc_info=exc,
+                         extra={"ctx": {"client_id": client_id, "op": op.value}})
+            answer = None
+        self.store.admin_answer(ask_id, None if answer is None else msgspec.json.encode(answer))
+
+
+def _client_info(connection: Connection) -> ClientInfo:
+    channel = connection.channel
+    session = channel.session
+    return ClientInfo(
+        connection.client_id, connection.username, connection.peer,
+        "5.0" if channel.protocol_level == MQTT_5 else "3.1.1", channel.keep_alive,
+        session.expiry_s if session is not None else 0,
+        session.subscription_count if session is not None else 0,
+        len(session.inflight) if session is not None else 0,
+    )

@@ -1,0 +1,58 @@
+"""What the admin API answers about a node: plain records that orjson writes as JSON objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ClientInfo", "QueueInfo", "SessionInfo", "SubscriptionLag"]
+
+
+
+@dataclass(frozen=True, slots=True)
+class ClientInfo:
+    """One connected client."""
+
+    client_id: str
+    username: str | None
+    peer: str  # address:port
+    protocol: str  # "3.1.1" or "5.0"
+    keep_alive_s: int
+    expiry_s: int  # Session Expiry Interval; > 0: the session outlives the connection
+    subscriptions: int
+    inflight: int  # outbound QoS 1/2 messages not acknowledged yet
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionLag:
+    """One subscription of a session and how far behind its queue it is."""
+
+    filter: str
+    queue: str
+    qos: int
+    group: str | None  # the share name of a shared subscription (its group owns the offset)
+    offset: int  # committed: everything below is acknowledged
+    max_offset: int  # the queue's next offset
+    lag: int  # messages in the queue not acknowledged yet (max_offset - offset)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """A session this node knows: connected, or persistent and waiting for its client."""
+
+    client_id: str
+    connected: bool
+    expiry_s: int
+    inflight: int
+    lag: int  # the sum of its subscriptions' lags
+    subscriptions: tuple[SubscriptionLag, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueInfo:
+    """A light queue read by this node's sessions or shared groups."""
+
+    queue: str
+    max_offset: int
+    consumers: int  # sessions and shared groups holding an offset on it
+    min_offset: int  # the lowest committed offset among them
+    lag: int  # max_offset - min_offset: what the slowest consumer has still to acknowledge

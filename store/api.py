@@ -1,0 +1,357 @@
+"""The store's one interface: ``StoreApi``, what a gateway node (or any client of the store) may ask of it.
+
+Two implementations, both complete: ``store.local.LocalStore`` calls a store node in this process (the
+embedded gateway, and the RPC server on behalf of each connection), ``store.rpc.client.RemoteStore`` sends
+the same calls to a store node process (a cluster gateway, back-end producers and consumers). Code above the
+store is written against this protocol only: it never asks which one it has.
+
+Calls come in trio's pairs where waiting is optional: ``append_nowait`` / ``pull_nowait`` do the work before
+returning or raise ``trio.WouldBlock`` (a remote store always does: every call is a round trip), and
+``append`` / ``pull`` await. Everything else awaits.
+
+The types of the seam live here too, and the RPC carries them as they are (msgspec structs, encoded as
+arrays): ``NewMessage`` (a message to append: the one shape a message has from the MQTT channel to the
+record), ``PullRequest``, ``PullResult``, ``LogSpan``, ``StoreStatistics``.
+
+Leases (store/leases.py): every node holds a lease, and a client's connection belongs to the lease its node
+held when the client connected. A remote store carries the epoch of each client's lease and names it in every
+write made for the client (appends of its messages, its offsets, its session, its QoS 2 releases); once that
+lease has ended (the node was cut off or frozen longer than the lease) the store refuses them
+(``LeaseLost``), and ``moved`` reports the client as gone. The embedded store holds one lease for the life of
+the process. So the interface has no epoch parameter: the remote side carries it.
+
+This module imports no trio, socket or store engine: the sans-IO protocol code (gateway/mqtt/) builds
+``NewMessage`` values from it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import msgspec
+
+from lightqueue.results import PullResult
+from lightqueue.topics import SHARE_PREFIX as TOPIC_SHARE_PREFIX
+from store.log.record import Record
+
+__all__ = [
+    "GROUP_PREFIX", "SHARE_PREFIX", "AdminOp", "Flow", "LeaseLost", "LogSpan", "NewMessage", "PullRequest",
+    "PullResult", "StoreApi", "StoreStatistics", "StoreUnavailable",
+]
+
+GROUP_PREFIX = "$group/"
+"""Group names (offsets owner, filter holder) of back-end consumer groups: ``$group/<name>``, apart from sessions
+(client ids) and shared subscriptions."""
+
+SHARE_PREFIX = TOPIC_SHARE_PREFIX
+"""Group names of MQTT shared subscriptions: ``$share/<group>``, as in the filters that make them. Client ids are
+opaque, so the prefix keeps groups apart from sessions in practice, as EMQX does."""
+
+
+class AdminOp(enum.StrEnum):
+    """What a gateway's admin API asks of the node a client is connected to (``StoreApi.admin_call``,
+    docs/operations.md)."""
+
+    CLIENT = "client"  # the connection's details (``GET /api/v1/clients/{id}``)
+    SESSION = "session"  # the live session and its lags (``GET /api/v1/sessions/{id}``)
+    DISCONNECT = "disconnect"  # close it as an administrative action (``DELETE /api/v1/clients/{id}``)
+    DELETE_SESSION = "delete_session"  # disconnect it and end its session (``DELETE /api/v1/sessions/{id}``)
+
+
+class NewMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One message to append, as the channel makes it, the RPC carries it and the store encodes it.
+
+    ``properties`` is the MQTT 5 PUBLISH property block (wire encoding, no length prefix); ``born_ms`` when the
+    publisher made it (0: when the store takes it); ``packet_id`` a QoS 2 message's id, which its record keeps
+    so that the store knows the flow awaits PUBREL (store/awaiting.py). Untracked by the garbage collector: a
+    flood makes one per PUBLISH and nothing it holds refers back.
+    """
+
+    topic: str
+    payload: bytes
+    client_id: str = ""
+    qos: int = 0
+    retain: bool = False
+    properties: bytes = b""
+    born_ms: int = 0
+    packet_id: int = 0
+
+
+class PullRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Read up to ``max_count`` messages (and about ``max_bytes``) of ``queue`` from queue offset ``from_offset``."""
+
+    queue: str
+    from_offset: int
+    max_count: int = 32
+    max_bytes: int = 1 << 20
+
+
+class LogSpan(msgspec.Struct, frozen=True, array_like=True):
+    """The answer of ``read_log``: the log's bytes from ``start`` to at most ``data_end`` (see
+    ``CommitLog.read_span``), and the log's current flushed and minimum offsets."""
+
+    start: int
+    data: bytes
+    data_end: int
+    flushed: int
+    min_offset: int
+
+
+class StoreStatistics(msgspec.Struct, frozen=True, array_like=True):
+    """The store's figures an operator watches (metrics, ``$SYS``, the admin API)."""
+
+    written_offset: int  # CommitLog end: bytes appended since the log began
+    flushed_offset: int  # everything below is on disk
+    dispatched_offset: int  # everything below is indexed
+    log_bytes: int  # bytes of records the CommitLog still holds (retention keeps it bounded)
+    queue_ids: int  # light-queue ids allocated so far
+    active_filters: int  # wildcard filters being indexed
+    retained: int  # retained messages
+    notify_sent: int  # events routed to gateway nodes
+    notify_suppressed: int  # node-events not sent because the node had no session on the queue
+    notify_by_node: dict[str, int] = {}  # attached node -> events routed to it
+    corrupt_records: int = 0  # corrupt CommitLog records found and skipped since the store started (each once)
+    disk_full: bool = False  # the data disk is full: new messages are refused until space frees
+
+    @property
+    def dispatch_lag(self) -> int:
+        """Bytes appended and not indexed yet."""
+        return self.written_offset - self.dispatched_offset
+
+
+Flow = tuple[str, int, int]
+"""An inbound QoS 2 flow: (client id, packet id, CommitLog offset of its record)."""
+
+
+class StoreUnavailable(ConnectionError):
+    """The store cannot be reached now (a remote store not connected, or the connection broke during the call).
+
+    The call may or may not have taken effect; nothing that depends on it is acknowledged to a device.
+    """
+
+
+class LeaseLost(ConnectionError):
+    """A write for a client of a lease that has ended: the client is no longer this node's (it may have connected
+    to another node since), so the store refused it. Nothing is acknowledged for it."""
+
+
+class StoreApi(Protocol):
+    """What a gateway node, a producer or a consumer needs from the store (see the module docstring).
+
+    ``node`` is the caller's name at the store: the store routes events, client notices and admin calls to it.
+    """
+
+    node: str
+
+    # --- messages -------------------------------------------------------------------------
+
+    def append_nowait(self, messages: Sequence[NewMessage]) -> list[int]:
+        """:meth:`append` (not durable) done before returning: the messages' CommitLog offsets.
+
+        Raises:
+            trio.WouldBlock: the store cannot append without waiting (a remote store never can; the sync flush
+                policy; dispatch lagging); nothing was appended.
+            others: as :meth:`append`.
+        """
+        ...
+
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
+        """Append messages in one write, their target queues fixed now; returns their CommitLog offsets.
+
+        Returns once they are appended, and on disk when ``durable`` (or when the flush policy is sync and
+        ``durable`` is None).
+
+        Raises:
+            store.log.record.RecordTooLarge: a message exceeds the record size limit (nothing is appended).
+            OSError: the write failed (``LogFullError`` when the disk is full); nothing is acknowledged.
+            ConnectionError: ``StoreUnavailable``, or ``LeaseLost`` for messages of a client of an ended lease.
+        """
+        ...
+
+    def pull_nowait(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
+        """:meth:`pull` done before returning, when the reads are small or in memory.
+
+        Raises:
+            trio.WouldBlock: the reads would block the event loop (a remote store's always would).
+        """
+        ...
+
+    async def pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
+        """The results of several queue reads, in request order."""
+        ...
+
+    async def max_offsets(self, queues: Sequence[str]) -> list[int]:
+        """The next queue offset of each queue (0 for a queue never written)."""
+        ...
+
+    async def retained(self, filter: str) -> list[Record]:
+        """The retained messages whose topics match ``filter``."""
+        ...
+
+    async def read_log(self, offset: int, max_bytes: int) -> LogSpan:
+        """The log's raw bytes from the record boundary ``offset`` (``CommitLog.read_span``), up to the flushed
+        offset, for readers that frame records themselves; ``max_bytes`` 0 returns only the log's bounds.
+
+        Raises:
+            store.log.errors.OffsetExpired: ``offset`` is below the log's minimum (retention).
+            store.log.errors.InvalidOffset: ``offset`` is beyond the flushed offset.
+        """
+        ...
+
+    async def statistics(self) -> StoreStatistics:
+        """The store's current figures."""
+        ...
+
+    # --- subscriptions and offsets --------------------------------------------------------
+
+    async def activate(self, queue: str, holder: str) -> int:
+        """Hold the queue's filter for ``holder``; returns the queue offset the subscription starts at.
+
+        Raises:
+            lightqueue.topics.TopicError: not a valid topic filter.
+            ValueError: the queue id space is exhausted.
+        """
+        ...
+
+    async def release(self, queue: str, holder: str) -> bool:
+        """Stop holding the queue's filter (the holder's offset on it goes too); True if ``holder`` held it."""
+        ...
+
+    async def get_offsets(self, owner: str) -> dict[str, int]:
+        """``{queue: next offset}`` committed by ``owner`` (a client id or a group)."""
+        ...
+
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
+        """Store ``{owner: {queue: next offset}}`` durably, in one write. An offset never moves back: a commit
+        below the stored one (a late commit of a connection taken over) leaves it."""
+        ...
+
+    def watch(self, queue: str) -> None:
+        """One more local session reads ``queue``: route its events here (reference counted)."""
+        ...
+
+    def unwatch(self, queue: str) -> None:
+        """One local session fewer reads ``queue``."""
+        ...
+
+    async def events(self) -> dict[str, int]:
+        """Wait for and take the merged ``{queue: max offset}`` events routed to this node.
+
+        Raises:
+            trio.EndOfChannel: this store client is closed.
+        """
+        ...
+
+    # --- consumer groups and shared subscriptions (store/groups.py) -------------------------
+
+    async def join(self, group: str, queue: str, member: str, *, start: str = "latest", at: int = 0) -> int:
+        """``member`` of this node joins ``group`` on ``queue`` (the group holds the queue's filter); returns the
+        group's committed offset. ``start``/``at`` place a group without one (``store.groups.START_KINDS``).
+
+        Raises:
+            lightqueue.topics.TopicError, ValueError: a bad filter, group name or start.
+        """
+        ...
+
+    async def claim(self, group: str, queue: str, member: str, max_count: int, *, max_bytes: int = 1 << 20,
+                    wait_s: float = 0.0) -> PullResult[Record]:
+        """Messages the group hands ``member`` (theirs until acknowledged), waiting up to ``wait_s`` for some;
+        ``next_offset`` is the group's cursor (its next offset never handed out)."""
+        ...
+
+    async def ack(self, group: str, queue: str, member: str, offsets: Sequence[int] = (), *, below: int = 0) -> int:
+        """``member`` processed ``offsets`` (and every offset it holds below ``below``); returns the group's
+        committed offset, durable on return."""
+        ...
+
+    async def leave(self, group: str, queue: str, member: str, *, unsubscribe: bool = False) -> None:
+        """``member`` leaves: what it holds goes to the other members. ``unsubscribe``: the member's session no
+        longer has the subscription either; the group's last subscriber out releases its filter and offset."""
+        ...
+
+    # --- sessions: presence, expiry, wills (store/leases.py) -------------------------------
+
+    async def open_session(self, client_id: str, *, clean_start: bool, expiry_s: int,
+                           will: NewMessage | None = None, will_delay_s: int = 0) -> bytes | None:
+        """Client ``client_id`` connected to this node; returns its stored session blob (None: a new session).
+
+        The store places the client here (a connection of it on another node is closed there: that node's
+        :meth:`moved`), cancels its session's expiry and a will waiting for its delay (with ``clean_start`` the
+        old session ends first: that will goes now, its state, offsets, held filters and QoS 2 flows go), and
+        holds this connection's will: it is published if this node's lease ends while the client is here.
+
+        Raises:
+            LogFullError: a clean start meets a full data disk: nothing was deleted.
+        """
+        ...
+
+    async def close_session(self, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> None:
+        """The client's connection here closed: its session expires ``expiry_s`` from now (0: it ends now), and
+        the will held for it is published ``will_delay_s`` from now unless the session resumes first (None: it
+        is dropped: a normal DISCONNECT, or the node published it). Ignored once the client has connected to
+        another node."""
+        ...
+
+    async def save_session(self, client_id: str, blob: bytes) -> None:
+        """Keep the session blob of ``client_id`` durably (WAL; fsynced under the sync flush policy)."""
+        ...
+
+    async def load_session(self, client_id: str) -> bytes | None:
+        """The blob last saved for ``client_id``, or None."""
+        ...
+
+    async def end_session(self, client_id: str) -> bool:
+        """End the session now (an operator's delete): its pending will goes now, its state, offsets, held
+        filters and QoS 2 flows go; False when there was none."""
+        ...
+
+    async def sessions(self) -> list[str]:
+        """The client ids of the stored sessions (connected or not)."""
+        ...
+
+    async def awaiting_release(self, client_id: str) -> dict[int, int]:
+        """``{packet id: CommitLog offset}`` of the client's inbound QoS 2 messages stored and awaiting PUBREL:
+        derived from the records, complete for everything appended before the call."""
+        ...
+
+    async def release_awaiting(self, flows: Sequence[Flow]) -> None:
+        """Mark inbound QoS 2 flows released; returns once that is on disk (fsynced), so PUBCOMP may go out."""
+        ...
+
+    async def moved(self) -> list[str]:
+        """The next clients of this node that are not this node's any more: they connected to another node, or
+        this node's lease ended (it was away longer than the lease). Close them without writing for them.
+
+        Raises:
+            trio.EndOfChannel: this store client is closed.
+        """
+        ...
+
+    async def wait_available(self) -> None:
+        """Return once calls can reach the store (at once when they can)."""
+        ...
+
+    # --- administration across nodes -------------------------------------------------------
+
+    async def admin_call(self, client_id: str, op: AdminOp) -> bytes | None:
+        """Have the node ``client_id`` is connected to run admin ``op``; its answer as JSON bytes, or None when
+        the client is connected to no other node.
+
+        Raises:
+            OSError: that node did not answer in time, or went away.
+        """
+        ...
+
+    async def admin_asks(self) -> tuple[int, str, AdminOp]:
+        """The next admin call of another node about a client of this one: ``(ask id, client id, op)``.
+
+        Raises:
+            trio.EndOfChannel: this store client is closed.
+        """
+        ...
+
+    def admin_answer(self, ask_id: int, value: bytes | None) -> None:
+        """Answer an admin ask with JSON bytes, or None when the client is not connected here."""
+        ...
