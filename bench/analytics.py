@@ -44,8 +44,8 @@ from typing import Any
 from crc32c import crc32c
 
 from bench.common import Stopwatch
-from store.commitlog import CommitLog, CommitLogConfig
-from store.record import encode_record
+from store.log.commitlog import CommitLog, CommitLogConfig
+from store.log.record import encode_record
 
 T0_MS = 1_699_999_980_000  # a whole minute, so windows line up with the generated times
 STEP_MS = 2  # 500 records per second across the fleet
@@ -109,7 +109,7 @@ def _aggregate(df: Any, percentiles: bool) -> Any:
 def _sealed_copy(data: Path, sealed: Path, config: CommitLogConfig) -> tuple[int, int]:
     """Hard-link the sealed segments (and their .meta) of ``data`` into ``sealed/commitlog`` with a
     ``flushed`` hint at their end: the same records for every variant. Returns their count and bytes."""
-    from store.commitlog import HINT_FILE
+    from store.log.commitlog import HINT_FILE
 
     target = sealed / "commitlog"
     target.mkdir(parents=True)

@@ -37,12 +37,12 @@ from typing import Any
 
 import trio
 
-from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
-from gateway.packets import (
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.mqtt.packets import (
     MQTT_311, Connack, Connect, Disconnect, Puback, Pubcomp, Publish, Pubrec, Pubrel, Suback, Subscribe,
     SubscriptionOptions,
 )
-from gateway.reasons import ReasonCode
+from gateway.mqtt.reasons import ReasonCode
 
 __all__ = ["Accounting", "Address", "Publisher", "Subscriber", "account", "address_cycle", "message_key", "wait_delivered"]
 

@@ -51,12 +51,12 @@ from trio_websocket import ConnectionClosed, open_websocket_url
 
 from bench import peers
 from bench.peers import Broker
-from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
-from gateway.packets import (
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.mqtt.packets import (
     MQTT_5, MQTT_311, Connack, Connect, Disconnect, Pingreq, Pingresp, Publish, Suback, Subscribe,
     SubscriptionOptions,
 )
-from gateway.properties import Properties
+from gateway.mqtt.properties import Properties
 
 PHASE_S = 5.0
 """The canary's baseline before an attack and its recovery after it."""

@@ -36,9 +36,9 @@ from bench.common import Stopwatch, median_of
 from lightqueue.filters import FilterIndex
 from lightqueue.queues import LightQueues, is_implicit
 from lightqueue.topics import matches
-from store.commitlog import CommitLog, CommitLogConfig
+from store.log.commitlog import CommitLog, CommitLogConfig
 from store.dispatch import Dispatcher
-from store.record import HEADER_SIZE, decode_record, encode_record
+from store.log.record import HEADER_SIZE, decode_record, encode_record
 from store.rocks import open_db
 
 MiB = 1024 * 1024

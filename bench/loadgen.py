@@ -51,12 +51,12 @@ from typing import Any
 import trio
 from hdrh.histogram import HdrHistogram
 
-from gateway.codec import NEED_DATA, MqttDecoder, Role, encode, encode_publish_template
-from gateway.logs import leaves
-from gateway.packets import (
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode, encode_publish_template
+from gateway.app.logs import leaves
+from gateway.mqtt.packets import (
     MQTT_311, Connack, Connect, Disconnect, Puback, Publish, Suback, Subscribe, SubscriptionOptions,
 )
-from gateway.reasons import ReasonCode
+from gateway.mqtt.reasons import ReasonCode
 
 STAMP = struct.Struct(">IIQ")
 """Payload prefix: publisher index, sequence number, send time in ns (time.time_ns, shared by all processes)."""

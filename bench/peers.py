@@ -85,7 +85,7 @@ PEERS = ("lightgate", "mosquitto", "amqtt")
 _ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
     filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))}
 """LightGate runs from the checkout (or installation) this module is in: started in its working directory,
-``python -m gateway.cli`` would otherwise import whichever LightGate the interpreter finds first."""
+``python -m gateway.app.cli`` would otherwise import whichever LightGate the interpreter finds first."""
 
 NOT_DURABLE = {
     "amqtt": "amqtt 0.12.1 has no persistence for these clients: its only store (contrib SessionDBPlugin, "
@@ -291,7 +291,7 @@ def free_port() -> int:
 
 def _lightgate(workdir: Path, port: int, durable: bool) -> list[str]:
     # --admin-port 0: no admin HTTP listener, whose fixed default port would collide between brokers.
-    return [sys.executable, "-m", "gateway.cli", "serve", "--data", str(workdir / DATA_DIR),
+    return [sys.executable, "-m", "gateway.app.cli", "serve", "--data", str(workdir / DATA_DIR),
             "--host", HOST, "--port", str(port), "--log-level", "warning", "--admin-port", "0",
             *(["--commitlog-flush", "sync"] if durable else [])]
 
@@ -378,13 +378,13 @@ def _start_cluster(name: str, workdir: Path, port: int, durable: bool) -> Broker
     quiet = ["--log-level", "warning", "--admin-port", "0"]
     log = open(workdir / f"{name}.log", "ab")
     store = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "store", "--data", str(workdir / DATA_DIR),
+        [sys.executable, "-m", "gateway.app.cli", "store", "--data", str(workdir / DATA_DIR),
          "--listen", f"{HOST}:{store_port}", *quiet, *(["--commitlog-flush", "sync"] if durable else [])],
         cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_ENV)
     try:
         _wait_listening([store.pid], store_port, 1, name, workdir / f"{name}.log")
         gateway = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "gateway", "--store", f"{HOST}:{store_port}", "--host", HOST,
+            [sys.executable, "-m", "gateway.app.cli", "gateway", "--store", f"{HOST}:{store_port}", "--host", HOST,
              "--port", str(port), "--workers", str(gateways), *quiet],
             cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_ENV)
     except BaseException:

@@ -29,9 +29,9 @@ from typing import Any, Callable
 import trio
 
 from bench.common import Stopwatch, median_of
-from store.aio import AsyncCommitLog
-from store.commitlog import CommitLogConfig
-from store.record import encode_record
+from store.log.aio import AsyncCommitLog
+from store.log.commitlog import CommitLogConfig
+from store.log.record import encode_record
 
 MiB = 1024 * 1024
 PAYLOADS = (100, 1024)  # a small telemetry reading and a typical larger message (the two sizes)

@@ -50,7 +50,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from gateway import config as cfg
+from gateway.app import config as cfg
 from lightqueue.topics import SHARE_PREFIX, TopicError, filters_overlap, matches, validate_filter, validate_topic
 
 LOG = logging.getLogger(__name__)

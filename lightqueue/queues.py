@@ -79,7 +79,7 @@ _EMPTY = b""
 
 
 class LogReader(Protocol):
-    """What the light queues need from the CommitLog (store.commitlog.CommitLog provides it)."""
+    """What the light queues need from the CommitLog (store.log.commitlog.CommitLog provides it)."""
 
     @property
     def min_offset(self) -> int:
@@ -93,7 +93,7 @@ class LogReader(Protocol):
 
 
 class IndexRecord(Protocol):
-    """The fields of a decoded record that indexing needs (store.record.Record has them)."""
+    """The fields of a decoded record that indexing needs (store.log.record.Record has them)."""
 
     offset: int
     size: int
@@ -551,7 +551,7 @@ class LightQueues:
 
         Args:
             decode: ``decode(raw_record, log_offset)`` turns the record bytes
-                into the caller's message type (store.record.decode_record).
+                into the caller's message type (store.log.record.decode_record).
             cached: ``cached(log_offset)``, the message if the caller holds it
                 decoded already (None: read it). The rest are read from the log
                 in one call.

@@ -8,7 +8,7 @@ first-level queues are implied by the topic and are not listed.
 Encoding: the filters' queue ids (the compact ids of ``N name -> id``, allocated
 when a filter is activated), each a u32 big-endian, sorted ascending, without
 duplicates; an empty section is ``b""``. Ids instead of names keep the section
-at 4 bytes per filter, whatever the filter's length. ``store.record`` imports
+at 4 bytes per filter, whatever the filter's length. ``store.log.record`` imports
 this codec: this module is the one definition.
 """
 

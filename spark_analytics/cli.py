@@ -1,6 +1,6 @@
 """``lightgate analytics batch|stream``: telemetry aggregates from the CommitLog with Spark.
 
-gateway/cli.py adds these as ``lightgate analytics``; this module owns the
+gateway/app/cli.py adds these as ``lightgate analytics``; this module owns the
 flags and the run. Spark starts quietly (see session.py); progress and the
 summary are shown with rich on stderr/stdout.
 """

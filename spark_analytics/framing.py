@@ -1,7 +1,7 @@
 """Columnar decoding of CommitLog segment bytes: the Spark reader's hot loop.
 
 The CommitLog's own reader decodes one record at a time into objects; here the
-same format (``store.record``) is decoded into Arrow columns, because Spark
+same format (``store.log.record``) is decoded into Arrow columns, because Spark
 wants columns and per-record Python work is what limits throughput. Per read
 window (a few MiB, one ``pread``) the work is:
 
@@ -25,7 +25,7 @@ Files are read with ``pread``, not ``mmap``: a segment truncated by the
 CommitLog's recovery while we read it must give a short read, not SIGBUS.
 
 Corrupt records below the durable end (a ``strict`` range) are skipped the way
-the store skips them (store/commitlog.py): a record whose framing is intact but
+the store skips them (store/log/commitlog.py): a record whose framing is intact but
 whose CRC fails is skipped alone, by its length; after broken framing (a bad
 length or magic, zeros or an end marker inside durable data) the walk resumes
 at the next CRC-valid record, from the damaged record itself when its length is
@@ -54,7 +54,7 @@ from crc32c import crc32c
 from numpy.lib.stride_tricks import sliding_window_view
 
 from lightqueue.topics import matches
-from store.record import (EOS_SIZE, FLAG_RETAIN, HEADER_SIZE, MAGIC_EOS, MAGIC_V1, QOS_MASK, CorruptRecord,
+from store.log.record import (EOS_SIZE, FLAG_RETAIN, HEADER_SIZE, MAGIC_EOS, MAGIC_V1, QOS_MASK, CorruptRecord,
                           check_frame)
 from store.tierfiles import RECORD_SCHEMA, UTC_MICROS
 
@@ -383,7 +383,7 @@ def _broken(fd: int, rng: ScanRange, at: int) -> str | None:
 def _resync(fd: int, rng: ScanRange, pos: int) -> int:
     """Where the first CRC-valid record after the broken framing at ``pos`` starts; ``rng.limit`` if none does.
 
-    A candidate has the magic at +8 and must pass every frame check, its CRC32C included (store/commitlog.py
+    A candidate has the magic at +8 and must pass every frame check, its CRC32C included (store/log/commitlog.py
     resyncs the same way: a false match needs a CRC collision, or a payload holding a whole encoded record).
     """
     at = pos + 1
@@ -638,7 +638,7 @@ def _corrupt(rng: ScanRange, pos: int, reason: str) -> CorruptRecord:
 
 def frames_in(buf: bytes, offset: int, opts: DecodeOptions, source: str) -> tuple[Frames | None, int]:
     """Decode the complete records at the start of ``buf``, the log's bytes from global offset ``offset``
-    (a record boundary) as the store RPC's ``ReadLog`` returns them (store/server.py).
+    (a record boundary) as the store RPC's ``ReadLog`` returns them (store/rpc/server.py).
 
     Returns the records that pass the push-down (None when none do) and the
     bytes consumed: the start of a record that ``buf`` holds only in part,

@@ -1,8 +1,8 @@
 """The live tail over the store node's RPC: executors that do not have the segment files read the
-log's newest bytes from the store (``ReadLog``, store/server.py) and frame them themselves.
+log's newest bytes from the store (``ReadLog``, store/rpc/server.py) and frame them themselves.
 
 Spark tasks are blocking Python, so this is a small blocking client of the
-RPC's wire format (store/rpc.py: length-prefixed msgpack frames): a Hello with
+RPC's wire format (store/rpc/wire.py: length-prefixed msgpack frames): a Hello with
 the store's ``store.token`` (the call is for trusted peers: a raw log read
 passes no topic ACL), then ``ReadLog`` requests, one at a time. The store
 sends at most 16 MiB per answer and stops at its flushed offset, so a read
@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from store import rpc
+from store.rpc import wire as rpc
 
 from .framing import DecodeOptions, Frames, frames_in
 

@@ -17,7 +17,7 @@ from .planning import PARTITION_BYTES
 from .telemetry import OPTION_PREFIX, TelemetryMapping
 from .times import parse_time
 from lightqueue.topics import validate_filter
-from store.rpc import parse_address
+from store.rpc.wire import parse_address
 
 __all__ = ["OPTIONS", "ReaderOptions"]
 

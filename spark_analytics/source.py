@@ -146,7 +146,7 @@ def read_partition(ranges: Sequence[Range], opts: ReaderOptions,
     with a warning when ``failOnDataLoss`` is false; a corrupt record in a
     segment file is skipped with a warning naming the file and offsets, as
     the store skips it (spark_analytics/framing.py); corrupt bytes read over
-    the store RPC raise CorruptRecord (from store.record) with the offset.
+    the store RPC raise CorruptRecord (from store.log.record) with the offset.
     """
     parser = TelemetryParser(opts.telemetry) if opts.telemetry is not None else None
     schema = projection or RAW_SCHEMA

@@ -6,7 +6,7 @@ PUBLISH with the same packet id is a resend that must not be stored again
 ([MQTT-4.3.3-2]). "Stored" and "awaits PUBREL" must be one fact, or a crash
 between two writes either stores a resend twice or takes a new message with
 a recycled id for a resend. The record is that fact: it carries the
-publisher's packet id (store/record.py, ``FLAG_PACKET_ID``), and this module
+publisher's packet id (store/log/record.py, ``FLAG_PACKET_ID``), and this module
 derives from the log, in dispatch, which (client id, packet id) await PUBREL.
 
 State per (client id, packet id): the CommitLog offset of the latest QoS 2
@@ -44,7 +44,7 @@ from typing import final
 
 import rocksdict
 
-from store.record import QOS_MASK, Record
+from store.log.record import QOS_MASK, Record
 from store.rocks import open_family
 
 __all__ = ["AWAITING_FAMILY", "AwaitingRelease"]

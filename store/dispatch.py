@@ -25,10 +25,10 @@ import trio
 from lightqueue.queues import LightQueues
 from retain.store import RetainedStore
 from store.awaiting import AwaitingRelease
-from store.commitlog import SKIPPED, CommitLog, ScanResult
-from store.errors import OffsetExpired
-from store.recent import RecentRecords
-from store.record import FLAG_RETAIN, CorruptRecord, Record
+from store.log.commitlog import SKIPPED, CommitLog, ScanResult
+from store.log.errors import OffsetExpired
+from store.log.recent import RecentRecords
+from store.log.record import FLAG_RETAIN, CorruptRecord, Record
 
 __all__ = ["DispatchBatch", "Dispatcher", "DispatcherStatistics"]
 
@@ -95,7 +95,7 @@ class Dispatcher:
             set), or None. They keep their own checkpoint: after a crash the
             dispatcher starts from the lower of the two and feeds each only
             what it has not applied.
-        recent: the records this process appended last (store/recent.py):
+        recent: the records this process appended last (store/log/recent.py):
             a step that starts at one of them indexes the run that follows
             from memory instead of scanning the log.
         awaiting: the inbound QoS 2 flows awaiting PUBREL (store/awaiting.py), derived from the

@@ -5,7 +5,7 @@ a topic) as a classic topic: several consumers of the group share the work,
 each message is handed to one member at a time, and the group's position
 survives restarts. The consumers are separate processes, so the group lives in
 the store node (the embedded gateway's ``SharedGroup`` is the same idea
-inside one process). The members are RPC connections (store/server.py): one
+inside one process). The members are RPC connections (store/rpc/server.py): one
 member per connection that joined.
 
 Hand-out (:class:`GroupState`, no I/O): a member's claim gets the offsets that
@@ -13,7 +13,7 @@ other members handed back first (lowest first), then a fair share of the
 backlog from the group's cursor (the backlog divided by the members, so one
 large claim does not starve the others). Offsets stay the member's until it
 acknowledges them; when its connection closes (a consumer killed, or silent for
-the lease, store/server.py) or it leaves, the offsets it has not acknowledged
+the lease, store/rpc/server.py) or it leaves, the offsets it has not acknowledged
 go back to the group. The group's committed offset is the lowest offset not
 acknowledged (handed back, held, or the cursor); it is written through
 ``LightQueues.commit_offsets`` under the owner ``$group/<name>``, so a group
@@ -43,7 +43,7 @@ from typing import final
 
 import trio
 
-from store.client import LocalStoreClient
+from store.local import LocalStoreClient
 from store.node import StoreNode
 
 __all__ = ["GroupCoordinator", "GroupState", "GroupStatistics", "OWNER_PREFIX", "START_KINDS", "group_owner"]

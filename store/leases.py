@@ -28,7 +28,7 @@ adopted with its epoch: nothing of this store's ended, the node's clients stay.
 Resource handling: the timers run in the nursery given to ``NodeLeases``;
 they end with it (a store that shuts down fires nothing more). Held wills
 live in memory: after a store restart each gateway holds its wills again
-when it reconnects (store/remote.py).
+when it reconnects (store/rpc/client.py).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import final
 
 import trio
 
-from store.client import NewMessage
-from store.errors import LogFullError
+from store.local import NewMessage
+from store.log.errors import LogFullError
 from store.space import FULL_RETRY_S
 
 __all__ = ["LeaseLost", "LeaseStatistics", "NodeLeases"]
@@ -52,7 +52,7 @@ LOGGER = logging.getLogger(__name__)
 class LeaseLost(ConnectionError):
     """A write names a lease of its node that has ended: the client it is for is no longer that node's.
 
-    A ``ConnectionError``, as ``store.remote.StoreUnavailable``: nothing is acknowledged for it.
+    A ``ConnectionError``, as ``store.rpc.client.StoreUnavailable``: nothing is acknowledged for it.
     """
 
 

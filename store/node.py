@@ -4,7 +4,7 @@
 CommitLog outlives the dispatcher that reads it; the database outlives the
 light queues) and tears them down in reverse, flushing each, so a clean
 shutdown leaves nothing to recover or re-dispatch. ``run_store_node`` is what
-``lightgate store`` runs; ``lightgate serve`` embeds ``open_store`` (gateway/node.py).
+``lightgate store`` runs; ``lightgate serve`` embeds ``open_store`` (gateway/node/node.py).
 
 The node also keeps the gateway's persistent session state as opaque blobs
 (``save_session`` / ``load_session`` / ``drop_session``) in the column family
@@ -36,18 +36,18 @@ import trio
 from lightqueue.queues import LightQueues, PullResult
 from notify import EventMailbox, NotifyRouter
 from retain.store import RetainedStore
-from store.access import StoreAccess
-from store.aio import AsyncCommitLog
+from store.rpc.access import StoreAccess
+from store.log.aio import AsyncCommitLog
 from store.awaiting import AwaitingRelease, Flow
-from store.commitlog import CommitLogConfig
+from store.log.commitlog import CommitLogConfig
 from store.dispatch import MAX_LAG, Dispatcher, Listener
-from store.errors import FULL_ERRNOS, LogFullError, StartupError
+from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.process import freeze_startup_objects, return_freed_buffers
-from store.recent import RecentRecords
+from store.log.recent import RecentRecords
 from store.space import DiskSpace
-from store.record import Record, decode_record, new_record, now_ms
+from store.log.record import Record, decode_record, new_record, now_ms
 from store.rocks import open_db, open_family
-from store.rpc import parse_address
+from store.rpc.wire import parse_address
 from store.tasks import background
 
 LOGGER = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class StoreNode:
     async def append(self, topic: str, payload: bytes, *, durable: bool | None = None, **fields: Any) -> int:
         """Append one message with its target queues fixed now, and wake the dispatcher.
 
-        ``fields`` are the optional fields of :func:`store.record.encode_record`.
+        ``fields`` are the optional fields of :func:`store.log.record.encode_record`.
         Returns the record's CommitLog offset once it is appended (and durable,
         if ``durable`` or the flush policy is sync).
         """
@@ -153,7 +153,7 @@ class StoreNode:
     async def append_encoded(
         self, encoded: Sequence[list[tuple[bytes, Record]] | ValueError], *, durable: bool | None = None
     ) -> list[list[int] | ValueError]:
-        """Append groups of records made by ``store.record.new_record`` with this node's target queues
+        """Append groups of records made by ``store.log.record.new_record`` with this node's target queues
         (``queues.targets`` at encode time) in one CommitLog write; a group that failed to encode (a
         ``ValueError`` in its place) is passed through. The records are kept in ``recent`` for dispatch
         and pulls. Waits first while dispatch lags (``Dispatcher.wait_lag``).
@@ -326,7 +326,7 @@ def _decode(raw: bytes, offset: int) -> Record:
 
 SessionFixer = Callable[[bytes, Callable[[str], int]], "bytes | None"]
 """``fix(blob, max_offset)``: the session blob with its queue positions pulled back to ``max_offset(queue)``, or
-None when none is past it. Given by the layer that owns the blob format (gateway/session.py)."""
+None when none is past it. Given by the layer that owns the blob format (gateway/mqtt/session.py)."""
 
 
 @asynccontextmanager
@@ -484,7 +484,7 @@ async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = 
                       reload: Callable[[], None] | None = None, fix_session: SessionFixer | None = None) -> None:
     """Run a store node, serving gateway nodes over the RPC on ``store.listen``, until SIGINT or SIGTERM.
 
-    ``access`` (store/access.py, built by the command line from ``auth.*`` and ``store.token``)
+    ``access`` (store/rpc/access.py, built by the command line from ``auth.*`` and ``store.token``)
     decides who may connect; None: everyone. ``reload`` runs on each SIGHUP (``on_hangup``);
     ``fix_session``: see ``open_store``.
 
@@ -492,7 +492,7 @@ async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = 
         ValueError: ``store.listen`` is not HOST:PORT (checked before the store opens).
         OSError: the RPC port cannot be bound.
     """
-    from store.server import serve_rpc  # here, not at the top: the server imports this module
+    from store.rpc.server import serve_rpc  # here, not at the top: the server imports this module
 
     sys.setswitchinterval(STORE_SWITCH_INTERVAL_S)
 

@@ -34,7 +34,7 @@ import rocksdict
 from lightqueue.queues import LightQueues
 from lightqueue.reindex import forget_derived
 from retain.store import RetainedStore
-from store.commitlog import CommitLog, CommitLogConfig
+from store.log.commitlog import CommitLog, CommitLogConfig
 from store.dispatch import Dispatcher
 from store.rocks import open_db
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import final
 
-from store.errors import LogFullError
+from store.log.errors import LogFullError
 
 __all__ = ["DiskSpace", "FULL_RETRY_S"]
 

@@ -46,9 +46,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import trio
 
-from store.commitlog import CommitLog
-from store.errors import OffsetExpired
-from store.record import FLAG_RETAIN, QOS_MASK, Record
+from store.log.commitlog import CommitLog
+from store.log.errors import OffsetExpired
+from store.log.record import FLAG_RETAIN, QOS_MASK, Record
 from store.tierfiles import META_PREFIX, RECORD_SCHEMA, TEMP_PREFIX, TierMeta, file_name, list_tier, open_tier, read_meta
 
 __all__ = ["TierConfig", "TierConverter", "TierStatistics", "run_tier"]
@@ -74,7 +74,7 @@ COMPRESSION_LEVEL = 3
 
 @dataclass(frozen=True)
 class TierConfig:
-    """Tier settings; the keys match ``tier.*`` in gateway/config.py. An empty ``uri`` turns the tier off."""
+    """Tier settings; the keys match ``tier.*`` in gateway/app/config.py. An empty ``uri`` turns the tier off."""
 
     uri: str = ""
     retention_hours: float = 0.0  # 0 = tier files are kept for ever

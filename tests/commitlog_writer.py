@@ -18,9 +18,9 @@ from pathlib import Path
 
 import trio
 
-from store.aio import AsyncCommitLog
-from store.commitlog import CommitLogConfig
-from store.record import encode_record
+from store.log.aio import AsyncCommitLog
+from store.log.commitlog import CommitLogConfig
+from store.log.record import encode_record
 
 SEGMENT_BYTES = 64 * 1024
 """Small, so the kill lands near segment rolls too."""

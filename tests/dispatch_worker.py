@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from lightqueue.queues import LightQueues
-from store.commitlog import CommitLog, CommitLogConfig
+from store.log.commitlog import CommitLog, CommitLogConfig
 from store.dispatch import Dispatcher
 from store.rocks import open_db
 

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 import pytest
 from paho.mqtt.properties import Properties
 
-from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
-from gateway.packets import MQTT_311, Connack, Connect, Packet, Suback, Subscribe, SubscriptionOptions
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.mqtt.packets import MQTT_311, Connack, Connect, Packet, Suback, Subscribe, SubscriptionOptions
 from test_gateway_server import WAIT_S, Client, Node, _connect_packet, _recv_until_closed, connected, running_node
 
 __all__ = [

@@ -21,9 +21,9 @@ WAIT_S = 20.0
 
 
 class LightgateProcess:
-    """``python -m gateway.cli <args> --log-json``, started now, from the repository root.
+    """``python -m gateway.app.cli <args> --log-json``, started now, from the repository root.
 
-    ``command`` replaces ``python -m gateway.cli`` (e.g. an installed ``lightgate``), ``cwd`` the repository root,
+    ``command`` replaces ``python -m gateway.app.cli`` (e.g. an installed ``lightgate``), ``cwd`` the repository root,
     and ``env`` the environment (default: this one, with the repository root on PYTHONPATH).
     """
 
@@ -32,7 +32,7 @@ class LightgateProcess:
         self.args = args
         self.wait_s = wait_s
         self.proc = subprocess.Popen(
-            [*(command or [sys.executable, "-m", "gateway.cli"]), *args, "--log-json"],
+            [*(command or [sys.executable, "-m", "gateway.app.cli"]), *args, "--log-json"],
             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=cwd,
             env={**os.environ, "PYTHONPATH": str(ROOT)} if env is None else env,
         )

@@ -23,10 +23,10 @@ import pyarrow.dataset as ds
 import pytest
 import trio
 
-from store.commitlog import CommitLog, CommitLogConfig
+from store.log.commitlog import CommitLog, CommitLogConfig
 from store.node import open_store
-from store.record import encode_record
-from store.server import serve_rpc
+from store.log.record import encode_record
+from store.rpc.server import serve_rpc
 from store.tier import TierConfig, TierConverter
 
 T0_MS = 1_699_999_980_000

@@ -233,7 +233,7 @@ def test_charts_are_pngs_with_a_trend_once_a_scenario_has_history(results, tmp_p
 @pytest.mark.slow
 def test_bench_report_prints_the_table_and_writes_the_charts(results, tmp_path):
     charts = tmp_path / "charts"
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "bench", "report", "--results", str(results),
+    done = subprocess.run([sys.executable, "-m", "gateway.app.cli", "bench", "report", "--results", str(results),
                            "--charts", str(charts), "--last", "1"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "2026-11-22 09:00" in done.stdout and "2026-11-21 10:00" not in done.stdout  # --last 1

@@ -16,12 +16,12 @@ import pytest
 import trio
 from paho.mqtt.packettypes import PacketTypes
 
-from gateway.packets import MQTT_5, Connack, Connect
-from gateway.reasons import ReasonCode
+from gateway.mqtt.packets import MQTT_5, Connack, Connect
+from gateway.mqtt.reasons import ReasonCode
 from mqtt_fixtures import connect_packet, properties, raw_client
 from processes import LightgateProcess
-from store import rpc
-from store.remote import RemoteStoreClient
+from store.rpc import wire as rpc
+from store.rpc.client import RemoteStoreClient
 from test_gateway_server import Client, connected
 
 pytestmark = pytest.mark.slow

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from gateway.passwords import PasswordFile
-from store import rpc
-from store.remote import RemoteStoreClient
-from store.server import HANDSHAKE_TIMEOUT_S
+from gateway.auth.passwords import PasswordFile
+from store.rpc import wire as rpc
+from store.rpc.client import RemoteStoreClient
+from store.rpc.server import HANDSHAKE_TIMEOUT_S
 from test_cluster import WAIT_S, Gateway, Store, free_port, run_id
 from test_gateway_server import connected
 

@@ -12,7 +12,7 @@ import socket
 
 import trio
 
-from gateway.accept import CapacityLog, serve_accepting
+from gateway.node.accept import CapacityLog, serve_accepting
 
 WAIT_S = 30.0
 
@@ -53,7 +53,7 @@ async def test_refused_accepts_are_logged_once_per_episode_without_a_traceback(c
             await served.wait()  # descriptors are back: the waiting connection is accepted
         client.close()
         nursery.cancel_scope.cancel()
-    messages = [r.getMessage() for r in caplog.records if r.name == "gateway.accept"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "gateway.node.accept"]
     assert len(messages) == 2, messages
     assert messages[0].startswith("accept failed: EMFILE")
     assert messages[1].startswith("accepting again after") and int(messages[1].split()[3]) >= 4

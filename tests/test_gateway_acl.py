@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from gateway import acl as acl_module
-from gateway.acl import Access, Acl, AclError, ReadCheck, filter_covers
+from gateway.auth import acl as acl_module
+from gateway.auth.acl import Access, Acl, AclError, ReadCheck, filter_covers
 from lightqueue.topics import TopicError, filters_overlap, matches, validate_filter
 
 PUB, SUB = Access.PUBLISH, Access.SUBSCRIBE

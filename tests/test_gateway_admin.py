@@ -1,4 +1,4 @@
-"""The admin HTTP endpoint of `lightgate serve` (gateway/admin.py), over real sockets against a node subprocess:
+"""The admin HTTP endpoint of `lightgate serve` (gateway/ops/admin.py), over real sockets against a node subprocess:
 health and readiness, HTTP errors, each admin action taking effect on paho clients, HTTP publish, and auth."""
 
 import base64
@@ -12,7 +12,7 @@ import pytest
 from mqtt_fixtures import WAIT_S, Client, Node, connected, properties, quiet, running_node, wait_until
 from paho.mqtt.packettypes import PacketTypes
 
-from gateway.passwords import PasswordFile
+from gateway.auth.passwords import PasswordFile
 
 TOKEN = "s3cret-admin-token"
 PASSWORDS = {"alice": "alice-pw", "bob": "bob-pw"}

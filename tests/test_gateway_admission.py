@@ -2,8 +2,8 @@
 
 import pytest
 
-from gateway.admission import Admission, AdmissionCounters, Verdict, source_key
-from gateway.config import OPTIONS
+from gateway.node.admission import Admission, AdmissionCounters, Verdict, source_key
+from gateway.app.config import OPTIONS
 
 DEFAULTS = {o.key: o.default for o in OPTIONS}
 

@@ -17,8 +17,8 @@ import paho.mqtt.client as mqtt
 import pytest
 from mqtt_fixtures import WAIT_S, Client, RawClient, run_id, running_node
 
-from gateway.codec import NEED_DATA, MqttDecoder, Role
-from gateway.packets import (
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role
+from gateway.mqtt.packets import (
     MQTT_5,
     MQTT_311,
     Connack,
@@ -30,8 +30,8 @@ from gateway.packets import (
     Pubrel,
     Publish,
 )
-from gateway.passwords import PasswordFile
-from gateway.reasons import ReasonCode
+from gateway.auth.passwords import PasswordFile
+from gateway.mqtt.reasons import ReasonCode
 
 FAILURE_DELAY_S = 0.5
 """The node's ``auth.failure_delay_s``: long enough to measure, short enough for a test run."""
@@ -380,7 +380,7 @@ def test_a_missing_or_broken_auth_file_stops_the_start_with_the_reason(tmp_path,
     if content is not None:
         path.write_text(content)
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", "0", "--data", str(tmp_path / "data"), flag, str(path)],
+        [sys.executable, "-m", "gateway.app.cli", "serve", "--port", "0", "--data", str(tmp_path / "data"), flag, str(path)],
         capture_output=True, text=True, timeout=WAIT_S * 3,
         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))},
     )

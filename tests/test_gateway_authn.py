@@ -6,12 +6,12 @@ import threading
 
 import pytest
 
-from gateway import authn
-from gateway import config as cfg
-from gateway.acl import Access, Acl
-from gateway.authn import Authenticator, ReloadError, WatchedFile, anonymous_allowed
-from gateway.passwords import PasswordFile, PasswordFileError
-from gateway.reasons import ReasonCode
+from gateway.auth import authn
+from gateway.app import config as cfg
+from gateway.auth.acl import Access, Acl
+from gateway.auth.authn import Authenticator, ReloadError, WatchedFile, anonymous_allowed
+from gateway.auth.passwords import PasswordFile, PasswordFileError
+from gateway.mqtt.reasons import ReasonCode
 
 
 class Clock:

@@ -24,7 +24,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from bench import peers
-from gateway import config as cfg
+from gateway.app import config as cfg
 from gateway.bridge import (
     Bridge,
     BridgeConfigError,
@@ -437,7 +437,7 @@ def test_mqtt_311_broker_gets_the_fallback_and_loops_are_refused(node, tmp_path)
 
 
 def lightgate(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "gateway.app.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 

@@ -4,12 +4,12 @@ from pathlib import Path
 
 import trio
 
-from gateway.actions import Message
-from gateway.cache import QueueCache
-from store.client import LocalStoreClient
-from store.commitlog import CommitLogConfig
+from gateway.mqtt.actions import Message
+from gateway.node.cache import QueueCache
+from store.local import LocalStoreClient
+from store.log.commitlog import CommitLogConfig
 from store.node import open_store
-from store.record import Record
+from store.log.record import Record
 
 CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
 
@@ -101,8 +101,8 @@ async def test_the_byte_budget_counts_what_decoded_user_properties_take(tmp_path
     hold gigabytes of them (issue 21). The estimate must cover at least what tracemalloc sees."""
     import tracemalloc
 
-    from gateway.messages import from_record
-    from gateway.properties import PacketType, Properties, encode_properties
+    from gateway.node.messages import from_record
+    from gateway.mqtt.properties import PacketType, Properties, encode_properties
 
     props = encode_properties(Properties(user_properties=tuple((f"key{i}", f"value{i}") for i in range(32))),
                               PacketType.PUBLISH)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from msgspec.structs import replace
 
-from gateway._state import TRANSITIONS, State
-from gateway.actions import (
+from gateway.mqtt.state import TRANSITIONS, State
+from gateway.mqtt.actions import (
     Activate,
     Activated,
     Append,
@@ -40,9 +40,9 @@ from gateway.actions import (
     SocketWritten,
     TakenOver,
 )
-from gateway.channel import Channel, ChannelConfig, error_packet
-from gateway.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
-from gateway.packets import (
+from gateway.mqtt.channel import Channel, ChannelConfig, error_packet
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
+from gateway.mqtt.packets import (
     MQTT_5,
     MQTT_311,
     Auth,
@@ -62,9 +62,9 @@ from gateway.packets import (
     Unsuback,
     Unsubscribe,
 )
-from gateway.properties import Properties
-from gateway.reasons import LocalProtocolError, ReasonCode
-from gateway.session import SessionState
+from gateway.mqtt.properties import Properties
+from gateway.mqtt.reasons import LocalProtocolError, ReasonCode
+from gateway.mqtt.session import SessionState
 
 T0 = 1_700_000_000.0
 R = ReasonCode
@@ -860,7 +860,7 @@ def test_a_settled_channel_is_in_no_reference_cycle_so_its_session_goes_with_it(
     session and the messages buffered for delivery waited for the cyclic collector (issue 21)."""
     import gc
 
-    from gateway.session import Link, Session
+    from gateway.mqtt.session import Link, Session
 
     channel, _, _ = connect()
     subscribe(channel, ("a/b", SubscriptionOptions(qos=1)))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-LIGHTGATE = [sys.executable, "-m", "gateway.cli"]
+LIGHTGATE = [sys.executable, "-m", "gateway.app.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_gateway_properties import mqtt_text, properties_for
 from work import python_lines
 
-from gateway.codec import (
+from gateway.mqtt.codec import (
     MAX_PACKET_SIZE,
     NEED_DATA,
     LocalProtocolError,
@@ -24,7 +24,7 @@ from gateway.codec import (
     encode,
     encode_publish_template,
 )
-from gateway.packets import (
+from gateway.mqtt.packets import (
     Auth,
     Connack,
     Connect,
@@ -42,10 +42,10 @@ from gateway.packets import (
     Unsuback,
     Unsubscribe,
 )
-from gateway.properties import (
+from gateway.mqtt.properties import (
     EMPTY_PROPERTIES, PacketType, Properties, RepeatLimit, RepeatLimitExceeded, encode_properties,
 )
-from gateway.reasons import (
+from gateway.mqtt.reasons import (
     AUTH_REASONS,
     CONNACK_REASONS,
     DISCONNECT_REASONS,

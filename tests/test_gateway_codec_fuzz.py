@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode, encode_varint
-from gateway.packets import (
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode, encode_varint
+from gateway.mqtt.packets import (
     Auth,
     Connack,
     Connect,
@@ -28,8 +28,8 @@ from gateway.packets import (
     Unsuback,
     Unsubscribe,
 )
-from gateway.properties import EMPTY_PROPERTIES, Properties
-from gateway.reasons import ReasonCode
+from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
+from gateway.mqtt.reasons import ReasonCode
 
 # Decoder states worth fuzzing: (role, level); a SERVER with level None still awaits its CONNECT.
 STATES = [

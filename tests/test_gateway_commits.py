@@ -4,9 +4,9 @@ from pathlib import Path
 
 import trio
 
-from gateway.commits import CommitBatcher
-from store.client import LocalStoreClient
-from store.commitlog import CommitLogConfig
+from gateway.node.commits import CommitBatcher
+from store.local import LocalStoreClient
+from store.log.commitlog import CommitLogConfig
 from store.node import open_store
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway import config as cfg
+from gateway.app import config as cfg
 
 
 def parse(argv):

@@ -5,12 +5,12 @@ from types import SimpleNamespace
 
 import trio
 
-from gateway._state import State
-from gateway.actions import SessionOpened
-from gateway.channel import KEEPALIVE_TIMER, ChannelConfig
-from gateway.packets import Connect
-from gateway.server import Connection, Traffic
-from gateway.timers import Timers
+from gateway.mqtt.state import State
+from gateway.mqtt.actions import SessionOpened
+from gateway.mqtt.channel import KEEPALIVE_TIMER, ChannelConfig
+from gateway.mqtt.packets import Connect
+from gateway.node.connection import Connection, Traffic
+from gateway.node.timers import Timers
 
 
 def connection(sock: trio.socket.SocketType) -> Connection:

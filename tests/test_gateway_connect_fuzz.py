@@ -9,12 +9,12 @@ raw sockets, its log) is in tests/test_gateway_hostile.py.
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.actions import Close, OpenSession, Send, SessionOpened
-from gateway.channel import Channel, ChannelConfig
-from gateway.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
-from gateway.packets import MQTT_5, MQTT_311, Connack, Connect
-from gateway.properties import EMPTY_PROPERTIES, Properties
-from gateway.reasons import ReasonCode
+from gateway.mqtt.actions import Close, OpenSession, Send, SessionOpened
+from gateway.mqtt.channel import Channel, ChannelConfig
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
+from gateway.mqtt.packets import MQTT_5, MQTT_311, Connack, Connect
+from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
+from gateway.mqtt.reasons import ReasonCode
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12)
 
@@ -67,7 +67,7 @@ def mutated(draw) -> bytes:
 
 
 def serve(data: bytes) -> tuple[list, Channel, int | None]:
-    """What the server does with ``data`` on a new connection (gateway/server.py's read loop): every action, with
+    """What the server does with ``data`` on a new connection (gateway/node/connection.py's read loop): every action, with
     every packet the channel sends encoded at the level the connection encodes it (which must not raise)."""
     decoder = MqttDecoder(role=Role.SERVER, max_packet_size=ChannelConfig().max_packet_size)
     channel = Channel(ChannelConfig(reason_strings=True))

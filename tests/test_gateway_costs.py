@@ -19,12 +19,12 @@ import trio
 import trio.testing
 from trio_websocket import ConnectionClosed, open_websocket_url
 
-from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
-from gateway.config import OPTIONS
-from gateway.node import serve_gateway
-from gateway.packets import MQTT_5, MQTT_311, Connack, Connect, Disconnect, Pingreq, Publish
-from gateway.properties import Properties
-from gateway.reasons import ReasonCode
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.app.config import OPTIONS
+from gateway.node.node import serve_gateway
+from gateway.mqtt.packets import MQTT_5, MQTT_311, Connack, Connect, Disconnect, Pingreq, Publish
+from gateway.mqtt.properties import Properties
+from gateway.mqtt.reasons import ReasonCode
 
 DEFAULTS = {o.key: o.default for o in OPTIONS}
 WAIT_S = 30.0
@@ -178,7 +178,7 @@ async def test_a_publish_with_20000_user_properties_is_refused_with_quota_exceed
             answer = await receive_packet(stream, decoder)
         await stream.aclose()
     assert isinstance(answer, Disconnect) and answer.reason_code is ReasonCode.QUOTA_EXCEEDED, answer
-    lines = [r for r in caplog.records if r.name != "gateway.listeners" and r.levelno >= logging.INFO
+    lines = [r for r in caplog.records if r.name != "gateway.node.listeners" and r.levelno >= logging.INFO
              and "ready" not in r.getMessage()]
     assert len(lines) == 1 and not lines[0].exc_info, [r.getMessage() for r in lines]
     assert "user_properties" in lines[0].getMessage()
@@ -201,7 +201,7 @@ async def closed_by_server(stream: trio.SocketStream) -> bytes:
 async def test_the_admin_port_closes_a_head_that_trickles_in(tmp_path, caplog, monkeypatch):
     """A slowloris client (one byte at a time, never the end of its head) held an admin connection for
     the whole idle deadline; a head must now arrive within HEAD_TIMEOUT_S of its first byte."""
-    from gateway import admin
+    from gateway.ops import admin
 
     monkeypatch.setattr(admin, "HEAD_TIMEOUT_S", 0.5, raising=False)
     async with running_node(tmp_path, caplog, admin__port=1) as _:

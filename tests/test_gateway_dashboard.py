@@ -1,4 +1,4 @@
-"""The dashboard page (gateway/dashboard.html) in headless Chromium: it loads from the node alone, shows a
+"""The dashboard page (gateway/ops/dashboard.html) in headless Chromium: it loads from the node alone, shows a
 connected client, and its figures change after traffic.
 
 Selenium drives Debian's chromium through chromium-driver (`make test-deps` installs both): the driver

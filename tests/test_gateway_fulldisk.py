@@ -21,10 +21,10 @@ from typing import Callable
 
 import pytest
 
-from gateway.packets import (MQTT_5, MQTT_311, Connack, Connect, Disconnect, Pingreq, Pingresp, Puback, Publish,
+from gateway.mqtt.packets import (MQTT_5, MQTT_311, Connack, Connect, Disconnect, Pingreq, Pingresp, Puback, Publish,
                              Suback, Subscribe, SubscriptionOptions, Unsuback, Unsubscribe)
-from gateway.properties import Properties
-from gateway.reasons import ReasonCode
+from gateway.mqtt.properties import Properties
+from gateway.mqtt.reasons import ReasonCode
 from mqtt_fixtures import RawClient, wait_until
 from processes import LightgateProcess
 from test_cluster import free_port

@@ -14,15 +14,15 @@ import trio
 import trustme
 from hypothesis import HealthCheck, given, settings
 
-from gateway import server
-from gateway.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
-from gateway.config import OPTIONS
-from gateway.node import serve_gateway
-from gateway.packets import (
+from gateway.node import connection as server
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
+from gateway.app.config import OPTIONS
+from gateway.node.node import serve_gateway
+from gateway.mqtt.packets import (
     MQTT_5, MQTT_311, Connack, Connect, Disconnect, Packet, Puback, Publish, Suback, Subscribe, SubscriptionOptions,
 )
-from gateway.properties import Properties
-from gateway.reasons import ReasonCode
+from gateway.mqtt.properties import Properties
+from gateway.mqtt.reasons import ReasonCode
 from test_gateway_connect_fuzz import mutated
 from test_gateway_server import running_node
 

@@ -18,8 +18,8 @@ from mqtt_fixtures import WAIT_S, Client, connected, quiet, running_node
 from paho.mqtt.subscribeoptions import SubscribeOptions
 from test_gateway_channel import T0, Clock, connect, delivered, msg, of, sent, subscribe
 
-from gateway._state import State
-from gateway.actions import (
+from gateway.mqtt.state import State
+from gateway.mqtt.actions import (
     Activate,
     Activated,
     Append,
@@ -33,12 +33,12 @@ from gateway.actions import (
     SocketWritten,
     Subscription,
 )
-from gateway.channel import RATE_DEBT_S, Channel, ChannelConfig
-from gateway.codec import RemoteProtocolError, encode
-from gateway.config import OPTIONS
-from gateway.limits import LOG_INTERVAL_S, HitLog, Limit, LimitCounters
-from gateway.node import _channel_config
-from gateway.packets import (
+from gateway.mqtt.channel import RATE_DEBT_S, Channel, ChannelConfig
+from gateway.mqtt.codec import RemoteProtocolError, encode
+from gateway.app.config import OPTIONS
+from gateway.mqtt.limits import LOG_INTERVAL_S, HitLog, Limit, LimitCounters
+from gateway.node.node import _channel_config
+from gateway.mqtt.packets import (
     MQTT_5,
     MQTT_311,
     Connect,
@@ -53,9 +53,9 @@ from gateway.packets import (
     SubscriptionOptions,
     Unsubscribe,
 )
-from gateway.properties import RepeatLimit
-from gateway.reasons import ReasonCode
-from gateway.session import SessionState
+from gateway.mqtt.properties import RepeatLimit
+from gateway.mqtt.reasons import ReasonCode
+from gateway.mqtt.session import SessionState
 
 R = ReasonCode
 BOTH = pytest.mark.parametrize("level", [MQTT_5, MQTT_311])

@@ -25,9 +25,9 @@ import trustme
 from mqtt_fixtures import WAIT_S, Client, connect_packet, connected, running_node, wait_until
 from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket
 
-from gateway.admission import Admission
-from gateway.config import OPTIONS
-from gateway.listeners import (
+from gateway.node.admission import Admission
+from gateway.app.config import OPTIONS
+from gateway.node.listeners import (
     ListenerError,
     ListenerSpec,
     Peer,
@@ -337,7 +337,7 @@ def test_a_key_that_does_not_match_is_refused(pki):
 
 def test_a_missing_certificate_stops_the_start_with_the_reason(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", "0", "--data", str(tmp_path / "data"),
+        [sys.executable, "-m", "gateway.app.cli", "serve", "--port", "0", "--data", str(tmp_path / "data"),
          "--tls-port", "8883", "--tls-certfile", str(tmp_path / "none.pem"), "--tls-keyfile", str(tmp_path / "none.key")],
         capture_output=True, text=True, timeout=WAIT_S * 3, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )

@@ -3,11 +3,11 @@
 import json
 import logging
 
-from gateway.logs import JsonFormatter, TextFormatter, setup_logging
+from gateway.app.logs import JsonFormatter, TextFormatter, setup_logging
 
 
 def make_record(msg="segment rolled", ctx=None, exc_info=None):
-    record = logging.LogRecord("store.commitlog", logging.WARNING, __file__, 1, msg, (), exc_info)
+    record = logging.LogRecord("store.log.commitlog", logging.WARNING, __file__, 1, msg, (), exc_info)
     if ctx is not None:
         record.ctx = ctx
     return record
@@ -15,14 +15,14 @@ def make_record(msg="segment rolled", ctx=None, exc_info=None):
 
 def test_text_line_carries_level_logger_message_and_context():
     line = TextFormatter().format(make_record(ctx={"dropped_bytes": 17, "reason": "crc"}))
-    assert " WARNING store.commitlog: segment rolled dropped_bytes=17 reason=crc" in line
+    assert " WARNING store.log.commitlog: segment rolled dropped_bytes=17 reason=crc" in line
     assert line[:4].isdigit() and "Z " in line
 
 
 def test_json_line_is_one_object_with_context_fields():
     doc = json.loads(JsonFormatter().format(make_record(ctx={"client_id": "dev-1"})))
     assert doc["level"] == "warning"
-    assert doc["logger"] == "store.commitlog"
+    assert doc["logger"] == "store.log.commitlog"
     assert doc["msg"] == "segment rolled"
     assert doc["client_id"] == "dev-1"
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a gateway node (gateway/metrics.py): the exposition parses, and the figures move with
+"""Prometheus metrics of a gateway node (gateway/ops/metrics.py): the exposition parses, and the figures move with
 traffic, refusals and limit hits; each node of a process has its own registry."""
 
 import http.client
@@ -12,11 +12,11 @@ from mqtt_fixtures import WAIT_S, Client, connected, running_node, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import __version__
-from gateway.config import OPTIONS
-from gateway.metrics import histogram
-from gateway.node import serve_gateway
-from gateway.passwords import PasswordFile
-from store.aio import LatencyBuckets
+from gateway.app.config import OPTIONS
+from gateway.ops.metrics import histogram
+from gateway.node.node import serve_gateway
+from gateway.auth.passwords import PasswordFile
+from store.log.aio import LatencyBuckets
 
 DEFAULTS = {o.key: o.default for o in OPTIONS}
 
@@ -131,7 +131,7 @@ def test_auth_failures_and_limit_hits_are_counted(node):
 
 
 async def test_each_node_of_a_process_has_its_own_registry(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="gateway.node")
+    caplog.set_level(logging.INFO, logger="gateway.node.node")
 
     def admin_ports() -> list[int]:
         return [r.ctx["port"] for r in caplog.records if r.getMessage() == "admin API ready"]

@@ -7,16 +7,16 @@ import msgspec
 import pytest
 import trio
 
-from gateway.actions import InFlight, Message, Phase, Subscription
-from gateway.codec import NEED_DATA, MqttDecoder, Role, encode
-from gateway.config import OPTIONS
-from gateway.node import _rejoin, _split, serve_gateway
-from gateway.session import decode_session, encode_session
-from gateway.packets import MQTT_5, Connack, Connect, Disconnect, Suback, Subscribe, SubscriptionOptions
-from gateway.properties import Properties
-from gateway.reasons import ReasonCode
-from gateway.session import SessionState
-from store.commitlog import CommitLogConfig
+from gateway.mqtt.actions import InFlight, Message, Phase, Subscription
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.app.config import OPTIONS
+from gateway.node.node import _rejoin, _split, serve_gateway
+from gateway.mqtt.session import decode_session, encode_session
+from gateway.mqtt.packets import MQTT_5, Connack, Connect, Disconnect, Suback, Subscribe, SubscriptionOptions
+from gateway.mqtt.properties import Properties
+from gateway.mqtt.reasons import ReasonCode
+from gateway.mqtt.session import SessionState
+from store.log.commitlog import CommitLogConfig
 from store.node import open_store
 
 DEFAULTS = {o.key: o.default for o in OPTIONS}

@@ -1,8 +1,8 @@
-"""Read order across connections (gateway/order.py): a SUBSCRIBE read before a PUBLISH on another connection
+"""Read order across connections (gateway/node/order.py): a SUBSCRIBE read before a PUBLISH on another connection
 gets that PUBLISH, whatever path the PUBLISH takes (issue 21, item 1).
 
 The end-to-end tests send the SUBSCRIBE and the PUBLISH from two raw sockets
-back to back, so the node reads both in the same read round (gateway/poller.py),
+back to back, so the node reads both in the same read round (gateway/node/poller.py),
 the SUBSCRIBE first; then, after the SUBACK, a sentinel PUBLISH: the
 subscriber's first message must be the PUBLISH, not the sentinel.
 """
@@ -14,9 +14,9 @@ from contextlib import contextmanager
 import pytest
 import trio
 
-from gateway.order import ReadOrder
-from gateway.packets import MQTT_311, Publish, Suback, Subscribe, SubscriptionOptions
-from gateway.codec import encode
+from gateway.node.order import ReadOrder
+from gateway.mqtt.packets import MQTT_311, Publish, Suback, Subscribe, SubscriptionOptions
+from gateway.mqtt.codec import encode
 from mqtt_fixtures import RawClient, interop_node, raw_client  # noqa: F401  (interop_node is a fixture)
 from test_cluster import Gateway, Store, free_port
 

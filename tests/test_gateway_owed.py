@@ -7,11 +7,11 @@ import functools
 import pytest
 import trio
 
-from gateway.commits import CommitBatcher
-from gateway.owed import OwedWrites
-from store.client import LocalStoreClient
-from store.commitlog import CommitLogConfig
-from store.errors import LogFullError
+from gateway.node.commits import CommitBatcher
+from gateway.node.owed import OwedWrites
+from store.local import LocalStoreClient
+from store.log.commitlog import CommitLogConfig
+from store.log.errors import LogFullError
 from store.node import open_store
 from test_store_fulldisk import fill, small_disk  # noqa: F401  (small_disk: a fixture)
 

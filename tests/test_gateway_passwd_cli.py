@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.passwords import PasswordFile
+from gateway.auth.passwords import PasswordFile
 
-LIGHTGATE = [sys.executable, "-m", "gateway.cli"]
+LIGHTGATE = [sys.executable, "-m", "gateway.app.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -5,7 +5,7 @@ import stat
 import pytest
 from argon2 import PasswordHasher, extract_parameters
 
-from gateway.passwords import HASHER, PasswordFile, PasswordFileError, validate_username
+from gateway.auth.passwords import HASHER, PasswordFile, PasswordFileError, validate_username
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from gateway.codec import encode
-from gateway.packets import MQTT_5, MQTT_311, Connack, Connect, Disconnect, Puback, Publish
-from gateway.reasons import ReasonCode
+from gateway.mqtt.codec import encode
+from gateway.mqtt.packets import MQTT_5, MQTT_311, Connack, Connect, Disconnect, Puback, Publish
+from gateway.mqtt.reasons import ReasonCode
 from mqtt_fixtures import interop_node, raw_client, run_id  # noqa: F401  (interop_node is a fixture)
 
 PIPELINED = 5000

@@ -1,4 +1,4 @@
-"""The node's one read task for plain TCP sockets (gateway/poller.py), alone and under a node's connections."""
+"""The node's one read task for plain TCP sockets (gateway/node/poller.py), alone and under a node's connections."""
 
 import logging
 import socket
@@ -7,8 +7,8 @@ import pytest
 import trio
 import trio.testing
 
-from gateway.packets import MQTT_311, Puback, Publish, Subscribe, SubscriptionOptions
-from gateway.poller import FLOOD_READ_BYTES, MAX_EVENTS, ROUND_BYTES, Poller
+from gateway.mqtt.packets import MQTT_311, Puback, Publish, Subscribe, SubscriptionOptions
+from gateway.node.poller import FLOOD_READ_BYTES, MAX_EVENTS, ROUND_BYTES, Poller
 from mqtt_fixtures import raw_client, running_node
 
 
@@ -112,7 +112,7 @@ async def test_a_failing_callback_is_logged_and_dropped_and_the_others_go_on(cap
         poller.register(good.fileno(), read_good)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
-            with caplog.at_level(logging.ERROR, logger="gateway.poller"):
+            with caplog.at_level(logging.ERROR, logger="gateway.node.poller"):
                 bad_peer.send(b"x")
                 await wait_for(lambda: len(poller) == 1, "the failing socket dropped")
             good_peer.send(b"still served")

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
 
-from gateway.properties import (
+from gateway.mqtt.properties import (
     EMPTY_PROPERTIES,
     MAX_VARINT,
     PROPERTY_TABLE,
@@ -25,7 +25,7 @@ from gateway.properties import (
     read_string,
     with_length,
 )
-from gateway.reasons import LocalProtocolError, ReasonCode, RemoteProtocolError
+from gateway.mqtt.reasons import LocalProtocolError, ReasonCode, RemoteProtocolError
 
 # Every place a property block can appear: each packet type that has properties, plus will properties.
 SCOPES = [(packet_type, False) for packet_type in PacketType if packet_type not in (PacketType.PINGREQ, PacketType.PINGRESP)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.ratelimit import TokenBucket
+from gateway.mqtt.ratelimit import TokenBucket
 
 
 def test_starts_full_and_refuses_once_the_burst_is_spent():

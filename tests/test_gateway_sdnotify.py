@@ -1,4 +1,4 @@
-"""systemd readiness (gateway/sdnotify.py): READY=1 reaches $NOTIFY_SOCKET, a real unix datagram socket, once the
+"""systemd readiness (gateway/app/sdnotify.py): READY=1 reaches $NOTIFY_SOCKET, a real unix datagram socket, once the
 node's listeners accept connections (packaging/lightgate.service is Type=notify)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from contextlib import closing
 import pytest
 from processes import ROOT, WAIT_S, LightgateProcess
 
-from gateway.sdnotify import notify
+from gateway.app.sdnotify import notify
 
 
 def datagram_socket(address: str) -> socket.socket:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from gateway.actions import CommitOffsets, Deliver, InFlight, Message, Phase, Pull, SaveSession, Send, Subscription
-from gateway.codec import NEED_DATA, MqttDecoder, Role, encode_publish_template
-from gateway.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
-from gateway.reasons import ReasonCode
-from gateway.session import LANE_PIDS, NOT_IN_LOG, Link, Session, SessionState
+from gateway.mqtt.actions import CommitOffsets, Deliver, InFlight, Message, Phase, Pull, SaveSession, Send, Subscription
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode_publish_template
+from gateway.mqtt.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
+from gateway.mqtt.reasons import ReasonCode
+from gateway.mqtt.session import LANE_PIDS, NOT_IN_LOG, Link, Session, SessionState
 
 
-from gateway.session import ALIAS_BYTES, Link, Session, SessionState
+from gateway.mqtt.session import ALIAS_BYTES, Link, Session, SessionState
 
 SUB = Subscription("a/+", "a/+", SubscriptionOptions(qos=1))
 

@@ -12,7 +12,7 @@ import paho.mqtt.client as mqtt
 import pytest
 import trustme
 
-from gateway.passwords import PasswordFile
+from gateway.auth.passwords import PasswordFile
 from processes import LightgateProcess
 from test_cluster import Gateway, Store, free_port
 from test_gateway_server import WAIT_S, Client, Node, connected

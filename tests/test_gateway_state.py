@@ -2,10 +2,10 @@
 
 import pytest
 
-from gateway._state import CLIENT_PACKETS, TRANSITIONS, Closing, Settled, State, next_state
-from gateway.actions import Appended, Pulled, SessionOpened
-from gateway.packets import Auth, Connect, Pingreq, Publish
-from gateway.reasons import LocalProtocolError, ReasonCode, RemoteProtocolError
+from gateway.mqtt.state import CLIENT_PACKETS, TRANSITIONS, Closing, Settled, State, next_state
+from gateway.mqtt.actions import Appended, Pulled, SessionOpened
+from gateway.mqtt.packets import Auth, Connect, Pingreq, Publish
+from gateway.mqtt.reasons import LocalProtocolError, ReasonCode, RemoteProtocolError
 
 
 def test_every_state_has_a_row():

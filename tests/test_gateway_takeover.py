@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from gateway.packets import MQTT_5, MQTT_311, Disconnect, Publish
-from gateway.properties import Properties
+from gateway.mqtt.packets import MQTT_5, MQTT_311, Disconnect, Publish
+from gateway.mqtt.properties import Properties
 from mqtt_fixtures import (  # noqa: F401  (interop_node is a fixture)
     QUIET_S, WAIT_S, RawClient, interop_node, raw_client, run_id,
 )

@@ -5,7 +5,7 @@ import weakref
 import trio
 import trio.testing
 
-from gateway.timers import SWEEP_FROM, Timers
+from gateway.node.timers import SWEEP_FROM, Timers
 
 
 async def test_timers_fire_in_deadline_order_and_cancelled_ones_never(autojump_clock):

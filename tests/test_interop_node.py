@@ -19,12 +19,12 @@ from mqtt_fixtures import (  # noqa: F401  (interop_node is a fixture)
 )
 from paho.mqtt.packettypes import PacketTypes
 
-from gateway.actions import InFlight, Subscription
-from gateway.session import merge_committed
-from gateway.packets import MQTT_5, Disconnect, Puback, Publish, Subscribe, SubscriptionOptions
-from gateway.properties import Properties
-from gateway.reasons import ReasonCode
-from gateway.session import Session, SessionState
+from gateway.mqtt.actions import InFlight, Subscription
+from gateway.mqtt.session import merge_committed
+from gateway.mqtt.packets import MQTT_5, Disconnect, Puback, Publish, Subscribe, SubscriptionOptions
+from gateway.mqtt.properties import Properties
+from gateway.mqtt.reasons import ReasonCode
+from gateway.mqtt.session import Session, SessionState
 
 
 def manual_ack_client(port: int, client_id: str) -> Client:

@@ -21,9 +21,9 @@ from mqtt_fixtures import (  # noqa: F401  (interop_node is a fixture)
 )
 from paho.mqtt.packettypes import PacketTypes
 
-from gateway.packets import MQTT_5, MQTT_311, Connect, Pingreq, Pingresp, Suback, Subscribe, SubscriptionOptions
-from gateway.properties import Properties
-from gateway.reasons import ReasonCode
+from gateway.mqtt.packets import MQTT_5, MQTT_311, Connect, Pingreq, Pingresp, Suback, Subscribe, SubscriptionOptions
+from gateway.mqtt.properties import Properties
+from gateway.mqtt.reasons import ReasonCode
 
 PROTOCOLS = pytest.mark.parametrize("protocol", [mqtt.MQTTv311, mqtt.MQTTv5], ids=["3.1.1", "5.0"])
 

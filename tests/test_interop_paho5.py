@@ -22,9 +22,9 @@ from mqtt_fixtures import (  # noqa: F401  (interop_node is a fixture)
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from gateway.packets import MQTT_5, Connect, Disconnect, Puback, Publish
-from gateway.properties import Properties
-from gateway.reasons import ReasonCode
+from gateway.mqtt.packets import MQTT_5, Connect, Disconnect, Puback, Publish
+from gateway.mqtt.properties import Properties
+from gateway.mqtt.reasons import ReasonCode
 
 V5 = {"protocol": mqtt.MQTTv5}
 

@@ -8,8 +8,8 @@ from lightqueue import keys
 from lightqueue.queues import LightQueues, is_implicit
 from lightqueue.targets import decode_queues, encode_queues
 from lightqueue.topics import TopicError
-from store.commitlog import CommitLog, CommitLogConfig
-from store.record import decode_record, encode_record
+from store.log.commitlog import CommitLog, CommitLogConfig
+from store.log.record import decode_record, encode_record
 from store.rocks import open_db
 
 SEGMENT = 4096

@@ -24,8 +24,8 @@ from mqtt_fixtures import WAIT_S, connected
 from processes import LightgateProcess
 
 from gateway import __version__
-from gateway import config as cfg
-from gateway.cli import build_parser
+from gateway.app import config as cfg
+from gateway.app.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -71,7 +71,7 @@ def extras_only() -> set[str]:
 def test_the_version_has_one_source():
     assert "version" in PYPROJECT["project"]["dynamic"] and "version" not in PYPROJECT["project"]
     assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gateway.__version__"}
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "--version"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "gateway.app.cli", "--version"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"lightgate {__version__}\n"
@@ -84,7 +84,7 @@ def test_broker_commands_load_only_base_dependencies():
         "import importlib, json, pkgutil, sys\n"
         "from importlib import metadata\n"
         "before = set(sys.modules)\n"
-        "from gateway.cli import build_parser\n"
+        "from gateway.app.cli import build_parser\n"
         f"for command in {BASE_COMMANDS!r}:\n"
         "    build_parser([command])\n"
         "for package in ('gateway', 'store', 'lightqueue', 'notify', 'retain'):\n"
@@ -128,7 +128,7 @@ def unit_service() -> configparser.SectionProxy:
 
 def test_the_unit_runs_serve_as_a_notify_service_reloaded_by_sighup():
     service = unit_service()
-    assert service["Type"] == "notify"  # gateway/sdnotify.py sends READY=1 (tests/test_gateway_sdnotify.py)
+    assert service["Type"] == "notify"  # gateway/app/sdnotify.py sends READY=1 (tests/test_gateway_sdnotify.py)
     assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
     assert service["Restart"] == "on-failure"
     assert service["User"] == "lightgate" and service["StateDirectory"] == "lightgate"
@@ -236,7 +236,7 @@ def test_the_wheel_holds_the_packages_the_dashboard_and_the_split_requirements(d
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         meta = zf.read(f"lightgate-{__version__}.dist-info/METADATA").decode()
-    assert "gateway/dashboard.html" in names  # served by GET /
+    assert "gateway/ops/dashboard.html" in names  # served by GET /
     assert {f"{p}/__init__.py" for p in PACKAGES} <= names  # bench too: lightgate bench/simulate import it
     assert not any(n.startswith(("tests/", "bench/results/")) for n in names)
     requires = re.findall(r"^Requires-Dist: (.*)$", meta, re.MULTILINE)
@@ -246,7 +246,7 @@ def test_the_wheel_holds_the_packages_the_dashboard_and_the_split_requirements(d
     assert set(re.findall(r"^Provides-Extra: (.*)$", meta, re.MULTILINE)) == {"analytics", "bench", "dev", "tier"}
     with tarfile.open(sdist) as tf:
         members = {m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name}
-    assert {"pyproject.toml", "gateway/dashboard.html", "tests/test_packaging.py", "packaging/lightgate.service",
+    assert {"pyproject.toml", "gateway/ops/dashboard.html", "tests/test_packaging.py", "packaging/lightgate.service",
             "Dockerfile", "Makefile"} <= members
 
 

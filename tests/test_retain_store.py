@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from lightqueue.topics import TopicError, matches
 from retain.store import CHECKPOINT_KEY, RETAIN_FAMILY, Retained, RetainedStore
-from store.record import encode_record
+from store.log.record import encode_record
 from store.rocks import open_db
 
 NO_WAL = rocksdict.WriteOptions()

@@ -25,7 +25,7 @@ def node(tmp_path_factory):
 def simulate(node, tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "out.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "simulate", "--port", str(node.port), "--devices", "20",
+        [sys.executable, "-m", "gateway.app.cli", "simulate", "--port", str(node.port), "--devices", "20",
          "--processes", "2", "--json", str(out), "--no-progress", *flags],
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -105,12 +105,12 @@ def test_a_run_deletes_the_retained_status_messages_of_its_devices(node, tmp_pat
 
 def test_bad_options_are_refused_with_a_reason(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "simulate", "--devices", "2", "--processes", "3", "--no-progress"],
+        [sys.executable, "-m", "gateway.app.cli", "simulate", "--devices", "2", "--processes", "3", "--no-progress"],
         capture_output=True, text=True, timeout=WAIT_S, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 2 and "--processes must be between 1 and --devices" in proc.stderr
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "simulate", "--topic-template", "tele/{device}/+", "--no-progress"],
+        [sys.executable, "-m", "gateway.app.cli", "simulate", "--topic-template", "tele/{device}/+", "--no-progress"],
         capture_output=True, text=True, timeout=WAIT_S, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 2 and "wildcards" in proc.stderr

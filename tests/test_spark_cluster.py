@@ -33,7 +33,7 @@ CLUSTER = "local-cluster[2,1,1024]"
 
 def lightgate(*argv: str, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """``lightgate ...`` in a process of its own, run from the repository root."""
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *argv], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "gateway.app.cli", *argv], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -16,8 +16,8 @@ from spark_analytics.framing import RAW_SCHEMA, DecodeOptions, ScanRange, corrup
 from spark_analytics.layout import FLUSHED_FILE, list_segments, read_flushed
 from spark_analytics.planning import plan_ranges, readable_limit
 from lightqueue.topics import matches
-from store.commitlog import CommitLog, CommitLogConfig
-from store.record import MAGIC_V1, encode_record
+from store.log.commitlog import CommitLog, CommitLogConfig
+from store.log.record import MAGIC_V1, encode_record
 
 MAGIC = MAGIC_V1.to_bytes(4, "big")
 
@@ -218,7 +218,7 @@ def test_a_record_that_leaves_fewer_than_12_bytes_in_its_segment(tmp_path: Path)
 
 
 def test_records_with_a_packet_id_read_like_any_other(tmp_path: Path) -> None:
-    """A QoS 2 record keeps its publisher's packet id at the end of the target-queues section (store/record.py,
+    """A QoS 2 record keeps its publisher's packet id at the end of the target-queues section (store/log/record.py,
     FLAG_PACKET_ID): the columnar reader skips the section by its length and reads every field as before."""
     config = CommitLogConfig(segment_bytes=16 * 1024, max_record_bytes=16 * 1024)
     records = [encode_record("a/b", b"p%d" % i, client_id="c", qos=2, queues=b"\0\0\0\x05" if i % 2 else b"",

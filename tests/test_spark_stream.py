@@ -21,7 +21,7 @@ from spark_analytics.aggregate import AggregationConfig, device_windows
 from spark_analytics.jobs import read_telemetry
 from spark_analytics.layout import FLUSHED_FILE, list_segments
 from spark_analytics.telemetry import TelemetryMapping
-from store.commitlog import CommitLog, CommitLogConfig
+from store.log.commitlog import CommitLog, CommitLogConfig
 
 pytestmark = pytest.mark.spark
 

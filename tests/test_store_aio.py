@@ -1,4 +1,4 @@
-"""store/aio.py: the trio wrapper's group commit, async flush policy, reads and background retention."""
+"""store/log/aio.py: the trio wrapper's group commit, async flush policy, reads and background retention."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Callable
 import pytest
 import trio
 
-from store.aio import AsyncCommitLog
-from store.commitlog import CommitLog, CommitLogConfig, read_flushed_hint
-from store.errors import OffsetExpired
-from store.record import encode_record
+from store.log.aio import AsyncCommitLog
+from store.log.commitlog import CommitLog, CommitLogConfig, read_flushed_hint
+from store.log.errors import OffsetExpired
+from store.log.record import encode_record
 
 SEG = 16384
 

@@ -20,9 +20,9 @@ import pytest
 import trio
 
 from store.awaiting import AwaitingRelease
-from store.commitlog import CommitLogConfig
+from store.log.commitlog import CommitLogConfig
 from store.node import open_store
-from store.record import CorruptRecord, Record, decode_record, encode_record, new_record
+from store.log.record import CorruptRecord, Record, decode_record, encode_record, new_record
 from store.rocks import open_db
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def test_a_log_cut_releases_what_lies_past_the_end(db):
 WRITER = textwrap.dedent("""
     import os, signal, sys, trio
     from pathlib import Path
-    from store.commitlog import CommitLogConfig
+    from store.log.commitlog import CommitLogConfig
     from store.node import open_store
 
     async def main():

@@ -1,4 +1,4 @@
-"""store/commitlog.py on real files: appends, rolling, reads, scans, recovery, retention, full disk."""
+"""store/log/commitlog.py on real files: appends, rolling, reads, scans, recovery, retention, full disk."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from crc32c import crc32c
 
-from store.commitlog import CommitLog, CommitLogConfig, read_flushed_hint
-from store.errors import InvalidOffset, LogFullError, OffsetExpired
-from store.record import EOS_SIZE, HEADER_SIZE, CorruptRecord, RecordTooLarge, encode_eos, encode_record
-from store.segment import segment_name
+from store.log.commitlog import CommitLog, CommitLogConfig, read_flushed_hint
+from store.log.errors import InvalidOffset, LogFullError, OffsetExpired
+from store.log.record import EOS_SIZE, HEADER_SIZE, CorruptRecord, RecordTooLarge, encode_eos, encode_record
+from store.log.segment import segment_name
 
 SEG = 4096
 CFG = CommitLogConfig(segment_bytes=SEG, max_record_bytes=SEG)
@@ -356,7 +356,7 @@ def test_truncating_the_last_record_at_every_byte_keeps_all_earlier_records(tmp_
         work = tmp_path / f"cut{cut}"
         shutil.copytree(pristine, work)
         os.truncate(work / seg_file, cut)
-        with caplog.at_level(logging.WARNING, logger="store.commitlog"):
+        with caplog.at_level(logging.WARNING, logger="store.log.commitlog"):
             seqs, written = reopen_seqs(work)
         assert seqs == [0, 1, 2], cut
         assert written == last
@@ -371,7 +371,7 @@ def test_a_torn_write_with_zeros_inside_is_cut_and_logged(tmp_path, caplog):
     data[offsets[3] + 20:offsets[3] + 60] = b"\0" * 40  # a page of the batch never reached the disk
     path.write_bytes(bytes(data))
     set_hint(tmp_path / "a", offsets[3])  # the batch was written after the last flush: torn, not damaged
-    with caplog.at_level(logging.WARNING, logger="store.commitlog"):
+    with caplog.at_level(logging.WARNING, logger="store.log.commitlog"):
         seqs, written = reopen_seqs(tmp_path / "a")
     assert seqs == [0, 1, 2] and written == 300
     dropped = [r for r in caplog.records if "dropped" in r.getMessage()]
@@ -420,7 +420,7 @@ def test_corrupting_any_single_byte_below_the_flushed_mark_skips_that_record_alo
         flip(work / segment_name(0), pos)
         victim = max(i for i, o in enumerate(offsets) if o <= pos)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="store.commitlog"), CommitLog.open(work, CFG) as log:
+        with caplog.at_level(logging.WARNING, logger="store.log.commitlog"), CommitLog.open(work, CFG) as log:
             corrupt: list = []
             assert [seq(r) for r in scan_all(log, corrupt=corrupt)] == [i for i in range(6) if i != victim], pos
             assert log.written_offset == end and [(c.offset, c.end) for c in corrupt] == [
@@ -471,7 +471,7 @@ def test_a_torn_sealed_segment_without_meta_ends_the_log(logdir, caplog):
         fh.seek(offsets[3] + 500)
         fh.write(b"\0" * 8)
     set_hint(logdir, offsets[3])  # the crash came before the flush that would have covered record 3
-    with caplog.at_level(logging.WARNING, logger="store.commitlog"):
+    with caplog.at_level(logging.WARNING, logger="store.log.commitlog"):
         seqs, written = reopen_seqs(logdir)
     assert seqs == [0, 1, 2] and written == 3000
     assert not (logdir / segment_name(SEG)).exists()
@@ -502,7 +502,7 @@ def test_a_corrupt_record_in_a_sealed_segment_is_reported_and_never_served(logdi
             log.read(offsets[1])
         with pytest.raises(CorruptRecord):
             log.read_bytes(offsets[1], 1000)
-        with caplog.at_level(logging.ERROR, logger="store.commitlog"):
+        with caplog.at_level(logging.ERROR, logger="store.log.commitlog"):
             result = log.scan(0)
         assert [seq(r) for r in result.records] == [0, 2, 3, 4, 5]
         assert [(c.offset, c.end) for c in result.corrupt] == [(1000, 2000)]
@@ -572,7 +572,7 @@ def test_a_failing_listener_does_not_stop_retention(logdir, caplog):
         log.add_retention_listener(seen.append)
         fill_segments(log, 2)
         log.append(rec(9))
-        with caplog.at_level(logging.ERROR, logger="store.commitlog"):
+        with caplog.at_level(logging.ERROR, logger="store.log.commitlog"):
             assert log.delete_expired() == [0, SEG]
         assert seen == [2 * SEG]
         assert any("listener failed" in r.getMessage() for r in caplog.records)

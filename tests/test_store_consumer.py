@@ -1,4 +1,4 @@
-"""Back-end consumers (store/consumer.py): consumer groups over the store RPC, in-process and across processes.
+"""Back-end consumers (store/clients/consumer.py): consumer groups over the store RPC, in-process and across processes.
 
 The slow tests run `lightgate store` and `lightgate gateway` processes, a paho
 device publishing, consumers in this process and a consumer process that is
@@ -15,13 +15,13 @@ from datetime import datetime, timezone
 import pytest
 import trio
 
-from store.access import AccessDenied, StoreAccess, Verdict
-from store.commitlog import CommitLogConfig
-from store.consumer import Consumer, start_position
+from store.rpc.access import AccessDenied, StoreAccess, Verdict
+from store.log.commitlog import CommitLogConfig
+from store.clients.consumer import Consumer, start_position
 from store.groups import group_owner
 from store.node import open_store
-from store.producer import Producer
-from store.server import serve_rpc
+from store.clients.producer import Producer
+from store.rpc.server import serve_rpc
 from processes import ROOT
 from test_store_producer import WAIT_S, Device, cluster, running
 
@@ -172,7 +172,7 @@ async def test_a_consumer_may_only_join_filters_its_acl_allows(store, nursery):
 
 HOLDER = """
 import json, sys, trio
-from store.consumer import Consumer
+from store.clients.consumer import Consumer
 
 async def main(port, group):
     async with Consumer.connect("127.0.0.1", int(port), group=group, filter="tele/#", max_count=10,

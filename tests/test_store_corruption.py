@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from store.commitlog import CommitLog, CommitLogConfig
+from store.log.commitlog import CommitLog, CommitLogConfig
 from test_gateway_server import WAIT_S, Client, Node, connected
 from mqtt_fixtures import quiet
 

@@ -2,6 +2,7 @@
 
 import random
 import shutil
+import os
 import signal
 import subprocess
 import sys
@@ -16,9 +17,9 @@ from lightqueue import keys
 from lightqueue.queues import LightQueues, is_implicit
 from lightqueue.targets import decode_queues
 from lightqueue.topics import first_level_queue, is_wildcard, matches
-from store.commitlog import CommitLog, CommitLogConfig
+from store.log.commitlog import CommitLog, CommitLogConfig
 from store.dispatch import Dispatcher
-from store.record import decode_record, encode_record
+from store.log.record import decode_record, encode_record
 from store.rocks import open_db
 
 WORKER = Path(__file__).with_name("dispatch_worker.py")
@@ -269,7 +270,8 @@ def test_sigkill_during_dispatch_then_redispatch_gives_identical_entries(tmp_pat
     shutil.copytree(tmp_path / "killed", tmp_path / "reference")
 
     proc = subprocess.Popen([sys.executable, str(WORKER), str(tmp_path / "killed"), "100"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(WORKER.parents[1])})  # this tree's code
     try:
         line = proc.stdout.readline()  # pytest's timeout guards a hung worker
         assert line.startswith("paused "), f"worker stopped early: {line!r}"

@@ -8,14 +8,15 @@ reported are guaranteed; later ones may be missing but are never wrong.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from commitlog_writer import SEGMENT_BYTES, payload
-from store.commitlog import CommitLog, CommitLogConfig
-from store.errors import InvalidOffset
+from store.log.commitlog import CommitLog, CommitLogConfig
+from store.log.errors import InvalidOffset
 
 WRITER = Path(__file__).with_name("commitlog_writer.py")
 ACKS_BEFORE_KILL = 3000  # enough batches that the kill lands mid-stream, past a few segment rolls
@@ -25,7 +26,8 @@ ACKS_BEFORE_KILL = 3000  # enough batches that the kill lands mid-stream, past a
 def run_and_kill(directory: Path, mode: str) -> tuple[list[tuple[int, int, int]], int]:
     """Start the writer, read acknowledgements until enough arrived, SIGKILL it mid-stream."""
     proc = subprocess.Popen([sys.executable, "-u", str(WRITER), str(directory), mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(WRITER.parents[1])})  # this tree's code
     acks: list[tuple[int, int, int]] = []
     flushed = 0
     try:

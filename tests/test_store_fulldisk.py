@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.packets import MQTT_5, MQTT_311, Puback, Publish
-from gateway.reasons import ReasonCode
+from gateway.mqtt.packets import MQTT_5, MQTT_311, Puback, Publish
+from gateway.mqtt.reasons import ReasonCode
 from mqtt_fixtures import RawClient, wait_until
 from processes import LightgateProcess
 from test_gateway_server import WAIT_S, Client, Node

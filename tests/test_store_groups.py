@@ -7,10 +7,10 @@ import pytest
 import trio
 
 from lightqueue.queues import LightQueues
-from store.commitlog import CommitLog, CommitLogConfig
+from store.log.commitlog import CommitLog, CommitLogConfig
 from store.groups import MAX_UNACKED, GroupCoordinator, GroupState, group_owner
 from store.node import open_store
-from store.record import decode_record, encode_record
+from store.log.record import decode_record, encode_record
 from store.rocks import open_db
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for

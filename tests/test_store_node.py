@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from store.client import INLINE_PULL, LocalStoreClient, PullRequest
-from store.commitlog import CommitLogConfig
+from store.local import INLINE_PULL, LocalStoreClient, PullRequest
+from store.log.commitlog import CommitLogConfig
 from store.node import open_store
 from store.process import freeze_startup_objects
-from store.record import RecordTooLarge
+from store.log.record import RecordTooLarge
 
 CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from store.commitlog import read_flushed_hint
-from store.segment import parse_segment_name
+from store.log.commitlog import read_flushed_hint
+from store.log.segment import parse_segment_name
 from test_gateway_server import WAIT_S, Client, Node, connected
 from mqtt_fixtures import quiet, wait_until
 

@@ -1,4 +1,4 @@
-"""Back-end producers (store/producer.py) and store access (store/access.py, its wiring in gateway/cli.py).
+"""Back-end producers (store/clients/producer.py) and store access (store/rpc/access.py, its wiring in gateway/app/cli.py).
 
 In-process tests run a real store node and its RPC server on real sockets; the
 slow test runs `lightgate store` and `lightgate gateway` processes with
@@ -13,20 +13,20 @@ import paho.mqtt.client as mqtt
 import pytest
 import trio
 
-from gateway import config as cfg
+from gateway.app import config as cfg
 from processes import LightgateProcess
-from gateway.cli import _store_access
-from gateway.passwords import PasswordFile
-from gateway.properties import PacketType, decode_properties
+from gateway.app.cli import _store_access
+from gateway.auth.passwords import PasswordFile
+from gateway.mqtt.properties import PacketType, decode_properties
 from lightqueue.topics import TopicError
-from store.access import AccessDenied, Peer, StoreAccess, Verdict
-from store.client import PullRequest
-from store.commitlog import CommitLogConfig
+from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
+from store.local import PullRequest
+from store.log.commitlog import CommitLogConfig
 from store.node import open_store
-from store.producer import Producer, encode_properties
-from store.record import RecordTooLarge
-from store.remote import RemoteStoreClient, StoreRpcError
-from store.server import serve_rpc
+from store.clients.producer import Producer, encode_properties
+from store.log.record import RecordTooLarge
+from store.rpc.client import RemoteStoreClient, StoreRpcError
+from store.rpc.server import serve_rpc
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
 

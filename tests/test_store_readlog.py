@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import trio
 
-from store.client import LocalStoreClient
-from store.commitlog import CommitLogConfig
-from store.errors import OffsetExpired
+from store.local import LocalStoreClient
+from store.log.commitlog import CommitLogConfig
+from store.log.errors import OffsetExpired
 from store.node import open_store
-from store.record import decode_record
-from store.remote import RemoteStoreClient
-from store.server import serve_rpc
+from store.log.record import decode_record
+from store.rpc.client import RemoteStoreClient
+from store.rpc.server import serve_rpc
 
 SEGMENT = 16 * 1024
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from store.commitlog import SKIPPED, CommitLog, CommitLogConfig
+from store.log.commitlog import SKIPPED, CommitLog, CommitLogConfig
 from store.node import open_store
-from store.recent import RecentRecords
-from store.record import decode_record, encode_record, new_record
+from store.log.recent import RecentRecords
+from store.log.record import decode_record, encode_record, new_record
 
 CONFIG = CommitLogConfig(segment_bytes=64 << 10, max_record_bytes=16 << 10)
 

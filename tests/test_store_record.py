@@ -1,4 +1,4 @@
-"""The record format v1 (store/record.py): round trips, limits, framing and corruption checks."""
+"""The record format v1 (store/log/record.py): round trips, limits, framing and corruption checks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from crc32c import crc32c
 
 from lightqueue.targets import MAX_QUEUE_ID, encode_queues
-from store.record import (
+from store.log.record import (
     EOS_SIZE,
     FLAG_RETAIN,
     HEADER,

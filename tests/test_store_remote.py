@@ -1,4 +1,4 @@
-"""RemoteStoreClient (store/remote.py) against a real RPC server and store in this process, over real sockets."""
+"""RemoteStoreClient (store/rpc/client.py) against a real RPC server and store in this process, over real sockets."""
 
 import socket
 
@@ -6,13 +6,13 @@ import pytest
 import trio
 
 from lightqueue.topics import TopicError
-from store import rpc
-from store.client import INLINE_PULL, LocalStoreClient, PullRequest
-from store.commitlog import CommitLogConfig
+from store.rpc import wire as rpc
+from store.local import INLINE_PULL, LocalStoreClient, PullRequest
+from store.log.commitlog import CommitLogConfig
 from store.node import open_store
-from store.record import RecordTooLarge
-from store.remote import LeaseLost, RemoteStoreClient, StoreRpcError, StoreUnavailable
-from store.server import serve_rpc
+from store.log.record import RecordTooLarge
+from store.rpc.client import LeaseLost, RemoteStoreClient, StoreRpcError, StoreUnavailable
+from store.rpc.server import serve_rpc
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
 LEASE_S = 0.6

@@ -18,8 +18,8 @@ import rocksdict
 import trio
 
 from processes import LightgateProcess
-from store.commitlog import CommitLogConfig
-from store.errors import StartupError
+from store.log.commitlog import CommitLogConfig
+from store.log.errors import StartupError
 from store.node import open_store
 from store.repair import repair
 from test_gateway_server import WAIT_S, Client, Node, connected

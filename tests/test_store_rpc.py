@@ -1,11 +1,11 @@
-"""The RPC wire format (store/rpc.py): frames, messages, and what broken input does."""
+"""The RPC wire format (store/rpc/wire.py): frames, messages, and what broken input does."""
 
 import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from store import rpc
+from store.rpc import wire as rpc
 
 CLIENT_SAMPLES = [
     rpc.Hello(rpc.PROTOCOL_VERSION, "gw-1"),

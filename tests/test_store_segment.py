@@ -1,10 +1,10 @@
-"""store/segment.py: one fixed-size file of opaque bytes, on real files."""
+"""store/log/segment.py: one fixed-size file of opaque bytes, on real files."""
 
 from __future__ import annotations
 
 import pytest
 
-from store.segment import AppendStatus, Segment, SegmentRetired, parse_segment_name, segment_name
+from store.log.segment import AppendStatus, Segment, SegmentRetired, parse_segment_name, segment_name
 
 SIZE = 4096
 

@@ -1,4 +1,4 @@
-"""The store's RPC server (store/server.py) over real sockets, spoken to frame by frame."""
+"""The store's RPC server (store/rpc/server.py) over real sockets, spoken to frame by frame."""
 
 import logging
 from functools import partial
@@ -6,12 +6,13 @@ from functools import partial
 import pytest
 import trio
 
-from store import rpc, server
-from store.access import StoreAccess, Verdict
-from store.commitlog import CommitLogConfig
+from store.rpc import server
+from store.rpc import wire as rpc
+from store.rpc.access import StoreAccess, Verdict
+from store.log.commitlog import CommitLogConfig
 from store.node import open_store
-from store.record import decode_record
-from store.server import RpcServer, serve_rpc
+from store.log.record import decode_record
+from store.rpc.server import RpcServer, serve_rpc
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
 LEASE_S = 1.5  # short leases, so the silence and will tests take seconds; not shorter: a busy 2-core CI machine
@@ -312,7 +313,7 @@ async def test_a_back_end_user_cannot_take_a_gateway_node_name(store, nursery):
 async def test_before_authentication_frames_are_capped_and_the_handshake_has_a_deadline(store, nursery, monkeypatch,
                                                                                          caplog):
     monkeypatch.setattr(server, "HANDSHAKE_TIMEOUT_S", 1.0)
-    caplog.set_level(logging.WARNING, logger="store.server")
+    caplog.set_level(logging.WARNING, logger="store.rpc.server")
     rpc_server = RpcServer(store, nursery, lease_s=LEASE_S)
     listeners = await nursery.start(partial(trio.serve_tcp, rpc_server.handle, 0, host="127.0.0.1"))
     port = listeners[0].socket.getsockname()[1]

@@ -16,7 +16,7 @@ import pytest
 import trio
 from spark_fixtures import Msg, telemetry, write_log
 
-from store.commitlog import CommitLog, CommitLogConfig
+from store.log.commitlog import CommitLog, CommitLogConfig
 from store.node import open_store
 from store.tier import TierConfig, TierConverter
 from store.tierfiles import TEMP_PREFIX, file_name, list_tier, open_tier, read_meta
@@ -146,7 +146,7 @@ def test_a_stopped_conversion_leaves_no_visible_file_and_a_restart_converts_it_o
 CHILD = """
 import sys
 from pathlib import Path
-from store.commitlog import CommitLog, CommitLogConfig
+from store.log.commitlog import CommitLog, CommitLogConfig
 from store.tier import TierConfig, TierConverter
 log = CommitLog.open(Path(sys.argv[1]) / "commitlog", CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=1 << 20))
 converter = TierConverter(log, TierConfig(uri=sys.argv[2], cpu_share=0.05, row_group_rows=1000))

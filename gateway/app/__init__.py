@@ -1,0 +1,1 @@
+"""The ``lightgate`` command, configuration, logging, workers, reload, and the composition roots."""

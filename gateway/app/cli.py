@@ -1,0 +1,339 @@
+"""The ``lightgate`` command: one entry point, one subcommand per job.
+
+Every subcommand that runs a node takes the same configuration flags (see
+gateway/app/config.py); ``lightgate config`` prints the effective configuration.
+Heavy imports (trio, RocksDB, Spark) happen inside the subcommand that needs
+them, so ``lightgate --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import TYPE_CHECKING, Callable
+
+from gateway import __version__
+
+from gateway.app import extras
+from gateway.app import config as cfg
+from gateway.app.logs import setup_logging
+
+if TYPE_CHECKING:
+    from gateway.app.reload import Reloader
+    from store.rpc.access import StoreAccess
+
+LOG = logging.getLogger("lightgate")
+
+BENCHMARKS = {
+    "store": ("bench.store", "CommitLog appends (async and sync group commit) next to the raw disk"),
+    "index": ("bench.index", "light queues: dispatch rate, filter match, pull latency, bytes per message"),
+    "analytics": ("bench.analytics", "rows/s of the Spark per-device telemetry aggregation"),
+    "fanin": ("bench.fanin", "many publishers -> one tele/# subscriber, as fast as possible"),
+    "fanin-rate": ("bench.fanin_rate", "fan-in at a fixed 5,000 msg/s, QoS 1: loss and latency"),
+    "fanout": ("bench.fanout", "one publisher -> 1,000 subscribers on cmd/+ and cmd/broadcast"),
+    "conns": ("bench.conns", "idle connections: broker memory per connection"),
+    "churn": ("bench.churn", "persistent sessions publishing, disconnecting and resuming: connects/s, loss"),
+    "offline-fanout": ("bench.offline_fanout",
+                       "10,000 offline persistent sessions, 1,000 broadcasts, then all reconnect: delivered, RSS, disk"),
+    "durability": ("bench.durability",
+                   "QoS 1 (or --qos 2) under load, broker SIGKILLed and restarted 10 times: acked but lost"),
+    "hostile": ("bench.hostile", "hostile clients (big topics, many filters, User Properties, partial-packet churn)"
+                " beside a canary: its latency, the broker's RSS and CPU"),
+}
+"""``lightgate bench NAME`` -> (module with ``add_arguments(parser)`` and ``run(args) -> dict``, help).
+
+The modules import trio, the store and the load generator; they are imported
+only when the command is ``bench``, so other commands start without them."""
+
+EXTRAS = {
+    "analytics": ("analytics",),
+    "simulate": ("bench",),
+    "bench": ("bench",),
+    "bench analytics": ("bench", "analytics"),
+    "bench all": ("bench", "analytics"),
+}
+"""The pyproject extras a command needs beyond the base install (the broker's commands need none); the
+longest matching command wins. Checked before the command's modules are imported (gateway/app/extras.py)."""
+
+
+def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from gateway.node.node import run_gateway_node
+
+    LOG.info("starting embedded node", extra={"ctx": {"data": conf["node.data"]}})
+    return run_gateway_node(conf)
+
+
+def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from gateway.app.reload import Reloader
+    from gateway.mqtt.session import clamp_session_blob
+    from store.node import run_store_node
+
+    reloader = Reloader(conf)
+    try:
+        access = _store_access(conf, reloader)
+    except ValueError as exc:  # PasswordFileError, AclError (the message names the file and line), no store.token
+        LOG.error("store node not started: %s", exc)
+        return 1
+    LOG.info("starting store node", extra={"ctx": {"data": conf["node.data"]}})
+    return run_store_node(conf, access, reloader.reload, clamp_session_blob)
+
+
+def _cmd_repair(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from pathlib import Path
+
+    from store.log.commitlog import CommitLogConfig
+    from store.repair import repair
+
+    try:
+        done = repair(Path(conf["node.data"]), CommitLogConfig.from_settings(conf.values))
+    except Exception as exc:  # rocksdict raises plain Exceptions; OSError: a node still runs on the data
+        LOG.error("repair failed: %s", exc, extra={"ctx": {"data": conf["node.data"]}})
+        return 1
+    LOG.info("repair done: start the node again", extra={"ctx": done})
+    return 0
+
+
+ACL_REFRESH_S = 1.0
+"""The store looks for an edited ACL file at most this often: its checks run per appended message."""
+
+
+def _store_access(conf: cfg.Config, reloader: Reloader | None = None) -> StoreAccess:
+    """Who may use a store node (store/rpc/access.py): gateway nodes by ``store.token``, back-end producers and
+    consumers by the password file and ACL of ``auth.*``, checked by the same code as MQTT clients.
+
+    The store does not import the gateway; this wiring hands it the checks as callables. The files are
+    handed to ``reloader`` too (SIGHUP).
+
+    Raises:
+        ValueError: ``auth.*`` is set without ``store.token`` (no gateway node could connect), or the
+            password or ACL file cannot be loaded.
+    """
+    import functools
+    import time
+
+    from gateway.auth.acl import Access, Acl
+    from gateway.auth.authn import Authenticator, ReloadError, WatchedFile
+    from store.rpc.access import StoreAccess, Verdict
+
+    token = conf["store.token"]
+    auth = bool(conf["auth.password_file"] or conf["auth.acl_file"] or conf["auth.allow_anonymous"] == "false")
+    if not token and not auth:
+        return StoreAccess()
+    if not token:
+        raise ValueError("store.token must be set on a store node with auth.* set: gateway nodes present it")
+    authenticator = Authenticator.from_config(conf)
+    if reloader is not None:
+        reloader.passwords = authenticator.passwords
+
+    def authenticate(username: str | None, password: bytes | None, source: str) -> Verdict:
+        try:
+            authenticator.reload_if_changed()
+        except ReloadError as exc:
+            LOG.error("password file not reloaded: %s", exc)
+        decision = authenticator.authenticate(username, password, source)
+        return Verdict(decision.accepted, decision.username, decision.delay_s, decision.why)
+
+    if not conf["auth.acl_file"]:
+        return StoreAccess(token=token, authenticate=authenticate)
+    # The store has no delivery check for back-end consumers: a group's filter overlapping a deny rule is refused.
+    acl = WatchedFile(conf["auth.acl_file"], functools.partial(Acl.load, wildcard_mode="refuse"))
+    if reloader is not None:
+        reloader.acl = acl
+    refreshed = [time.monotonic()]
+
+    def authorize(username: str | None, client_id: str, access: str, topic: str) -> bool:
+        now = time.monotonic()
+        if now - refreshed[0] >= ACL_REFRESH_S:
+            refreshed[0] = now
+            try:
+                acl.refresh()
+            except ReloadError as exc:
+                LOG.error("ACL file not reloaded: %s", exc)
+        return acl.value.check(username, client_id, Access(access), topic)
+
+    return StoreAccess(token=token, authenticate=authenticate, authorize=authorize)
+
+
+def _cmd_gateway(args: argparse.Namespace, conf: cfg.Config) -> int:
+    if conf["gateway.workers"] > 1:
+        from gateway.app.workers import run_workers
+
+        return run_workers(args.argv, conf)
+    from gateway.node.node import run_cluster_gateway
+
+    LOG.info("starting cluster gateway node", extra={"ctx": {"store": conf["gateway.store"]}})
+    return run_cluster_gateway(conf)
+
+
+def _cmd_config(args: argparse.Namespace, conf: cfg.Config) -> int:
+    values = {o.key: o.default for o in cfg.OPTIONS} if args.defaults else conf.values
+    sys.stdout.write(cfg.to_toml(values))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from bench.common import emit
+    from bench.history import main as report, show
+
+    if args.bench == "report":
+        return report(args)
+    names = list(BENCHMARKS) if args.bench == "all" else [args.bench]
+    for name in names:
+        module = importlib.import_module(BENCHMARKS[name][0])
+        if args.bench == "all":
+            sub = argparse.ArgumentParser(prog=f"lightgate bench {name}")
+            module.add_arguments(sub)
+            bench_args = sub.parse_args([])
+        else:
+            bench_args = args
+        show(emit(name, module.run(bench_args)))
+    return 0
+
+
+def _cmd_analytics(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from spark_analytics.cli import run
+
+    return run(args)
+
+
+def _read_new_password(args: argparse.Namespace) -> str:
+    """The new password: the first line of stdin with ``--password-stdin``, else typed twice without echo."""
+    if args.password_stdin:
+        return sys.stdin.readline().rstrip("\r\n")
+    import getpass
+
+    first = getpass.getpass(f"New password for {args.user}: ")
+    if getpass.getpass("Repeat the password: ") != first:
+        raise ValueError("the two passwords differ; nothing was changed")
+    return first
+
+
+def _cmd_passwd(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from gateway.auth.passwords import PasswordFile, validate_username
+
+    try:
+        validate_username(args.user)
+        passwords = PasswordFile.load(args.file) if args.delete else PasswordFile.load_or_empty(args.file)
+        if args.delete:
+            passwords.remove(args.user)
+            done = f"removed user {args.user!r} from {args.file}"
+        else:
+            new = passwords.set_password(args.user, _read_new_password(args))
+            done = (f"added user {args.user!r} to {args.file}" if new
+                    else f"changed the password of {args.user!r} in {args.file}")
+        passwords.save()
+    except EOFError:  # stdin closed at the prompt
+        sys.stderr.write("lightgate passwd: no password given; nothing was changed\n")
+        return 1
+    except KeyError as exc:  # no such user to remove
+        sys.stderr.write(f"lightgate passwd: {exc.args[0]}\n")
+        return 1
+    except ValueError as exc:  # a bad user name or password, or PasswordFileError (a bad or unwritable file)
+        sys.stderr.write(f"lightgate passwd: {exc}\n")
+        return 1
+    sys.stdout.write(f"lightgate passwd: {done}\n")
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from bench.simulate import run
+
+    return run(args)
+
+
+def _cmd_bridge(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from gateway.bridge import run_bridge
+
+    return run_bridge(conf)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command's parser; ``argv`` says whether the benchmarks' own flags are needed."""
+    parser = argparse.ArgumentParser(
+        prog="lightgate",
+        description="LightGate: an MQTT gateway for IoT fleets over read-amplified storage.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def node_command(name: str, help_text: str, handler: Callable) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        cfg.add_arguments(p)
+        p.set_defaults(handler=handler)
+        return p
+
+    node_command("serve", "run the embedded node (gateway, store, dispatch, notify in one process)", _cmd_serve)
+    node_command("store", "run a store node (CommitLog, RocksDB light queues, dispatch, retention) serving "
+                          "gateway nodes over the RPC (--listen HOST:PORT)", _cmd_store)
+    node_command("repair", "repair a stopped node's data after its index database broke (RocksDB's repair, then "
+                           "re-indexing from the CommitLog; docs/storage.md, \"Repair\")", _cmd_repair)
+    p = node_command("gateway", "run a cluster gateway node in front of a store node (--store HOST:PORT, "
+                                "--workers N)", _cmd_gateway)
+    p.set_defaults(argv=argv)  # --workers N starts N processes with the same command line
+    node_command("bridge", "mirror topics to and from an external MQTT broker (--rule, bridge.* options; "
+                           "docs/bridge.md)", _cmd_bridge)
+    p = node_command("config", "print the effective configuration as TOML", _cmd_config)
+    p.add_argument("--defaults", action="store_true", help="print the built-in defaults instead")
+
+    p = sub.add_parser("passwd", help="add a user, change a password, or remove a user in a password file",
+                       description="Add USER to FILE (created with mode 0600 if missing) or change their password; "
+                                   "exit 0 on success, 1 with the reason on stderr otherwise.")
+    p.add_argument("file", metavar="FILE", help="the password file (auth.password_file)")
+    p.add_argument("user", metavar="USER", help="the user name (no ':' and no control characters)")
+    action = p.add_mutually_exclusive_group()
+    action.add_argument("--password-stdin", action="store_true",
+                        help="read the password from the first line of standard input (for scripts)")
+    action.add_argument("--delete", action="store_true", help="remove USER instead")
+    p.set_defaults(handler=_cmd_passwd)
+
+    p = sub.add_parser("bench", help="run a benchmark (prints a BENCH <json> line per benchmark; the bench extra)")
+    bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    bench_sub.add_parser("all", help="every benchmark with its default sizes")
+    rp = bench_sub.add_parser("report", help="the broker benchmarks' results table across runs, and their charts",
+                              description="Print the results table of bench/results/*.jsonl and write "
+                                          "bench/results/charts/<scenario>.png.")
+    if argv is None or argv[:1] == ["bench"]:
+        importlib.import_module("bench.history").add_arguments(rp)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        bp = bench_sub.add_parser(name, help=help_text, description=help_text)
+        if argv is None or argv[:1] == ["bench"]:
+            importlib.import_module(module_name).add_arguments(bp)
+    p.set_defaults(handler=_cmd_bench)
+
+    p = sub.add_parser("analytics", help="Spark aggregation of device telemetry read from the CommitLog "
+                                         "(the analytics extra)")
+    if argv is None or argv[:1] == ["analytics"]:
+        importlib.import_module("spark_analytics.cli").add_arguments(p)
+    p.set_defaults(handler=_cmd_analytics)
+
+    p = sub.add_parser("simulate", help="a fleet of paho-mqtt devices against any MQTT broker: throughput, "
+                                        "latency percentiles, lost messages (the bench extra)")
+    if argv is None or argv[:1] == ["simulate"]:
+        importlib.import_module("bench.simulate").add_arguments(p)
+    p.set_defaults(handler=_cmd_simulate)
+
+    parser.add_argument("--version", action="version", version=f"lightgate {__version__}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, set up logging once, run the subcommand; return its exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((c for c in (" ".join(argv[:2]), " ".join(argv[:1])) if c in EXTRAS), None)
+    lacking = extras.missing_line(command, EXTRAS[command]) if command else None
+    if lacking:  # before build_parser imports the command's modules
+        sys.stderr.write(lacking + "\n")
+        return 2
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    try:
+        conf = cfg.resolve(args)
+    except cfg.ConfigError as exc:
+        parser.exit(2, f"lightgate: configuration error: {exc}\n")
+    setup_logging(conf["log.level"], conf["log.json"])
+    return args.handler(args, conf)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

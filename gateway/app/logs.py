@@ -1,0 +1,67 @@
+"""One logging set-up for every command: human-readable lines, or JSON lines with ``--log-json``.
+
+Modules log through ``logging.getLogger(__name__)`` and pass structured context
+as ``extra={"ctx": {...}}``; the text format appends it as ``key=value``, the
+JSON format as fields, so operators can grep either.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+_RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, or ``[exc]``: what a log line about a failed nursery
+    should name, rather than "Exceptions from Trio nursery"."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in leaves(sub)]
+    return [exc]
+
+
+class TextFormatter(logging.Formatter):
+    """``2026-11-22T10:00:00.123Z INFO store.log.commitlog: message key=value``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        line = f"{stamp}.{int(record.msecs):03d}Z {record.levelname} {record.name}: {record.getMessage()}"
+        ctx = getattr(record, "ctx", None)
+        if ctx:
+            line += " " + " ".join(f"{k}={v}" for k, v in ctx.items())
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, plus the record's context fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        ctx = getattr(record, "ctx", None)
+        if ctx:
+            doc.update(ctx)
+        for key, value in record.__dict__.items():
+            if key not in _RESERVED and key != "ctx":
+                doc[key] = value
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def setup_logging(level: str = "info", json_lines: bool = False) -> None:
+    """Configure the root logger once, writing to stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

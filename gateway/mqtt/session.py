@@ -1,0 +1,910 @@
+"""MQTT sessions: the state that outlives a connection, and the delivery engine that feeds a connected client.
+
+``SessionState`` is the session as data: what a persistent session stores
+(``SaveSession``) and what a resumed or taken-over session starts from.
+``Session`` is the live, mutable session of one connected client. It does no
+I/O: its methods return actions (``gateway/mqtt/actions.py``).
+
+Delivery (design.md, "Pull and push"): each subscription reads one light
+queue through a *stream*: a cursor (the next queue offset to pull), a bounded
+buffer of pulled messages, and the offsets delivered but not yet acknowledged.
+A stream pulls only when its buffer is empty, at most ``pull_batch`` messages,
+so a slow session holds at most one batch per subscription plus its in-flight
+window. It keeps pulling until a pull comes back empty (it reached the head)
+or a known head (``QueueAdvanced``) is reached, without waiting for news.
+Only streams with work (buffered messages, or a pull to make) are *ready*;
+``pump`` walks those, and news reaches a queue's streams through an index by
+queue, so the cost of a packet or an event does not grow with the
+subscriptions a session holds (SUBSCRIBE at 40,000 held cost 4.4 ms when every
+pump walked every stream).
+
+Offsets advance only on PUBACK / PUBCOMP (QoS 1/2) or socket write (QoS 0),
+and only contiguously: the committed offset of a stream is its lowest
+unacknowledged offset. Commits are batched (``commit``).
+
+Resuming (reconnect with a present session): in-flight PUBLISHes are re-pulled
+by offset and resent with DUP and their packet ids, PUBRELs are resent, and
+nothing below the saved resume cursor that is not in flight is delivered again
+(acknowledged out of order before the disconnect).
+
+After a crash there is no clean save, and the store's committed offsets win.
+Packet ids make that exact ([MQTT-4.4.0-1]): a persistent session gives each
+non-shared QoS 1/2 subscription a *lane* of ``LANE_PIDS`` packet ids, and the
+message at queue offset o always goes out with id ``lane * LANE_PIDS + o %
+LANE_PIDS``. A stream sends offset o only while o < d + ``LANE_PIDS``, where d
+is its committed offset as of the last session save known to be written
+(``SaveSession`` with a ref, answered by ``saved``): so after a crash every
+message that may have been sent lies in [c, c + ``LANE_PIDS``) (c, the
+committed offset found, is at least d) and no two of them share an id. That
+range is sent again with DUP=1 and the same ids; a QoS 2 message whose PUBREC
+was recorded goes as PUBREL instead. The save that moves d comes every
+``LANE_PIDS`` / 2 messages of a stream (not per message). A QoS 2 PUBREC costs
+one save before its PUBREL goes out (saves in flight gather the PUBRECs that
+arrive meanwhile), and a QoS 2 message completed above the committed offset is
+kept in the saved state until the offset passes it, so a crash never makes it
+be sent as a new PUBLISH. Retained messages and shared subscriptions take ids
+from a pool (1..``LANE_PIDS`` - 1) and are resent after a crash only as at
+least once, with new ids; so is a subscription beyond the ``LANES`` lanes.
+
+Persistence is not a separate class: whether the session is persistent is
+``expiry_s > 0``, which a DISCONNECT may change (>0 to 0) mid-session, so one
+class decides per call whether ``SaveSession`` is emitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import final
+
+import msgspec
+
+from gateway.mqtt.actions import (
+    Action,
+    CommitOffsets,
+    Deliver,
+    InFlight,
+    LimitHit,
+    Message,
+    Phase,
+    Pull,
+    SaveSession,
+    Send,
+    Subscription,
+)
+from gateway.mqtt.codec import PublishTemplate
+from gateway.mqtt.limits import Limit
+from gateway.mqtt.packets import MQTT_5, Pubrel
+from gateway.mqtt.properties import MAX_UINT16, PacketType, encode_properties
+from gateway.mqtt.reasons import ReasonCode
+
+Encoder = Callable[[str, bytes, int, bool, bytes, int], PublishTemplate]
+"""``codec.encode_publish_template``'s signature; a node may pass a caching one to share encodings."""
+
+_NO_OFFSET = -1  # the "offset" of an in-flight retained message: not in a queue, never resent after a reconnect
+
+NOT_IN_LOG = -1
+"""The "CommitLog offset" of an inbound QoS 2 flow the store does not know (a blob saved before records kept
+packet ids): its PUBREL is answered without a store write."""
+
+LANE_PIDS = 512
+"""Packet ids per lane (see the module docstring): also the most messages of one subscription in flight, and how
+far delivery may run ahead of the last saved committed offset. 512 keeps a 3.1.1 window (256) busy while a save
+made halfway through the lane is written, and leaves room for ``LANES`` lanes."""
+
+LANES = MAX_UINT16 // LANE_PIDS
+"""Lanes 1..127 use ids 512..65535; ids 1..511 are the pool of retained and shared deliveries."""
+
+POOL_PIDS = LANE_PIDS - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SessionState:
+    """A session as data. ``offsets`` are committed (contiguously acknowledged) queue offsets per
+    subscription filter; ``cursors`` where delivery resumes (above it nothing was delivered; below
+    it everything not ``inflight`` was acknowledged). Dicts are read-only by convention.
+
+    ``lanes`` gives each non-shared QoS 1/2 subscription of a persistent session its lane of packet ids.
+    ``detached`` says the state was saved with no connection attached (a disconnect or a handover): its
+    ``cursors`` and ``inflight`` are exact; a state saved while connected is what a crash leaves, and is
+    resumed from the committed offsets by lanes (module docstring). ``awaiting`` (inbound QoS 2 packet id
+    -> CommitLog offset) is taken from the store at resume (``StoreClient.awaiting_release``), never from a
+    saved blob; ``awaiting_rel`` lists the ids the store does not know (blobs of earlier versions).
+    """
+
+    client_id: str
+    expiry_s: int = 0
+    subscriptions: tuple[Subscription, ...] = ()
+    offsets: dict[str, int] = field(default_factory=dict)
+    cursors: dict[str, int] = field(default_factory=dict)
+    awaiting_rel: frozenset[int] = frozenset()
+    inflight: tuple[InFlight, ...] = ()
+    next_packet_id: int = 1
+    will: Message | None = None
+    will_delay_s: int = 0
+    awaiting: dict[int, int] = field(default_factory=dict)
+    lanes: dict[str, int] = field(default_factory=dict)
+    detached: bool = False
+
+
+DELIVER_BUDGET = 256
+"""Messages one ``pump`` call delivers at most (the next call comes when they are written): the size of one
+connection's turn on the node's event loop. A step writes up to four turns in a row (``SYNC_WRITES`` in
+gateway/node/connection.py), about one flooded read of small PUBLISHes (gateway/node/poller.py), so a fan-in subscriber keeps
+up with its publishers (at 64, a QoS 0 fan-in subscriber fell seconds behind). Larger turns would lengthen every
+other connection's wait while many sessions drain backlogs at once."""
+
+
+ALIAS_BYTES = 64 * 1024
+"""Bytes of topic names a connection's outbound topic aliases may hold: a client may accept 65,535 aliases, and
+topics are up to limits.max_topic_length long. Beyond it topics go out by name (an alias is the server's choice)."""
+
+
+@dataclass(slots=True)
+class Link:
+    """What delivery needs to know about the connection a session is attached to (set at CONNECT)."""
+
+    protocol_level: int
+    receive_maximum: int  # outbound in-flight window (client's Receive Maximum, or the 3.1.1 default)
+    max_packet_size: int | None  # the client's Maximum Packet Size; None = no limit
+    topic_alias_maximum: int  # outbound aliases the client accepts (0 = none)
+    pull_batch: int  # messages per pull, and so the buffer bound per stream
+    max_unwritten: int  # QoS 0 messages handed to the socket but not yet written
+    commit_every: int  # commit offsets after this many acknowledgements even before the commit timer
+    encoder: Encoder
+    now_ms: Callable[[], int]
+    aliases: dict[str, int] = field(default_factory=dict)  # outbound topic -> alias, for this connection
+    alias_bytes: int = 0  # the length of the topics in ``aliases`` (at most ALIAS_BYTES)
+    qos0_queue_bytes: int = 0  # QoS 0 bytes handed to the socket but not yet written before new ones drop (0: none)
+    report: Callable[[Limit, int, str | None], LimitHit] = LimitHit  # builds the action for a limit hit
+    may_read: Callable[[str], bool] | None = None  # the ACL's delivery check (topic -> readable); None: all are
+
+
+@final
+class _Stream:
+    """Delivery state of one subscription's queue."""
+
+    __slots__ = ("sub", "cursor", "head", "pulling", "buffer", "unacked", "resend", "skip_below", "lane", "durable",
+                 "dup_below", "completed")
+
+    def __init__(self, sub: Subscription, cursor: int, lane: int = 0) -> None:
+        self.sub = sub
+        self.cursor = cursor  # next offset to pull
+        self.head: int | None = None  # queue max offset when known; None: pull to find out
+        self.pulling = False
+        self.buffer: deque[Message] = deque()
+        self.unacked: set[int] = set()  # delivered, not yet acknowledged (or written, QoS 0)
+        self.resend: dict[int, int] = {}  # resuming: offset -> packet id to resend with DUP
+        # Resuming: offsets below this not in ``resend`` were acknowledged. A shared subscription's group
+        # hands out offsets in any order (old ones handed back by other members), so it skips none.
+        self.skip_below = cursor if sub.group is None else 0
+        self.lane = lane  # its lane of packet ids (0: ids from the pool)
+        self.durable: int | None = None  # committed offset of the last save known written (None: none yet)
+        self.dup_below = 0  # after a crash: offsets below may have been sent, they go again with DUP=1
+        self.completed: set[int] | None = None  # QoS 2 offsets completed at or above the committed offset
+
+    def pid(self, offset: int) -> int:
+        """The packet id of the message at ``offset`` in this stream's lane."""
+        return self.lane * LANE_PIDS + offset % LANE_PIDS
+
+    def committed(self) -> int:
+        if self.unacked:
+            return min(self.unacked)
+        return max(self.skip_below, self.buffer[0].offset if self.buffer else self.cursor)  # type: ignore[type-var]
+
+    def resume_cursor(self) -> int:
+        return max(self.skip_below, self.buffer[0].offset if self.buffer else self.cursor)  # type: ignore[type-var]
+
+
+@final
+class Session:
+    """The live session of one client: subscriptions, delivery, packet ids and QoS 2 state.
+
+    Args:
+        client_id: the session's client identifier.
+        expiry_s: Session Expiry Interval; > 0 makes the session persistent.
+        state: a present session to resume (None: a new, empty session).
+
+    Resource handling: holds no resources; ``attach`` binds it to a connection's
+    ``Link`` and ``detach`` unbinds it.
+    """
+
+    __slots__ = ("client_id", "expiry_s", "awaiting_rel", "_streams", "_inflight", "_next_pid", "_retained",
+                 "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due",
+                 "_saves", "_next_ref", "_pubrel_due", "_need_save", "_by_queue", "_ready")
+
+    def __init__(self, client_id: str, expiry_s: int, state: SessionState | None = None) -> None:
+        self.client_id = client_id
+        self.expiry_s = expiry_s
+        self.awaiting_rel: dict[int, int] = {}
+        """Inbound QoS 2 packet id -> CommitLog offset of its record (``NOT_IN_LOG``: unknown to the store), stored
+        and PUBREC'd, waiting for PUBREL: a resent PUBLISH is not stored again."""
+        self._streams: dict[str, _Stream] = {}
+        self._by_queue: dict[str, list[_Stream]] = {}  # the streams reading each queue (shared ones included)
+        self._ready: dict[_Stream, None] = {}  # streams with buffered messages or a pull to make, oldest first
+        self._inflight: dict[int, InFlight] = {}
+        self._next_pid = state.next_packet_id if state else 1
+        # Lists, not deques: an idle session keeps both empty, and an empty deque costs 760 B.
+        self._retained: list[tuple[Subscription, Message]] = []
+        self._written: list[tuple[int, list[tuple[_Stream, int]], int]] = []  # (seq, QoS 0 items, bytes)
+        self._unwritten = 0
+        self._unwritten_bytes = 0
+        self._seq = 0
+        self._link: Link | None = None
+        self._committed: dict[str, int] = {}
+        self._acks = 0
+        self._pump_due = False
+        # Made at the first save: most sessions never save while connected (an empty dict is 64 B each).
+        self._saves: dict[int, tuple[list[tuple[_Stream, int]], Sequence[int]]] | None = None  # ref -> (offsets, PUBRELs)
+        self._next_ref = 0
+        self._pubrel_due: Sequence[int] = ()  # PUBRELs waiting for a save that records their PUBREC
+        self._need_save = False  # a stream waits for (or will soon need) a save of its committed offset
+        if state is not None:
+            self._restore(state)
+
+    def _restore(self, state: SessionState) -> None:
+        self.awaiting_rel = dict.fromkeys(state.awaiting_rel, NOT_IN_LOG) | state.awaiting
+        crashed = not state.detached
+        for sub in state.subscriptions:
+            committed = state.offsets.get(sub.filter, 0)
+            lane = state.lanes.get(sub.filter, 0) if sub.group is None and sub.options.qos > 0 else 0
+            resume = committed if crashed and lane else max(state.cursors.get(sub.filter, committed), committed)
+            stream = _Stream(sub, resume, lane)
+            self._add(stream)
+            if lane:
+                stream.durable = committed  # the store's, or a saved blob's: written
+                stream.dup_below = committed + LANE_PIDS if crashed else 0
+            self._committed[sub.filter] = committed
+        for stream in self._streams.values():
+            if not stream.lane and self._wants_lane(stream.sub):
+                stream.lane = self._free_lane()  # a blob without lanes: usable once a save records it
+        for entry in state.inflight:
+            stream = self._streams.get(entry.filter)
+            current = stream is not None and entry.offset >= self._committed[entry.filter]
+            if stream is not None and stream.lane and stream.durable is not None:
+                # By lane: the ids follow the offsets. Below the committed offset a flow is complete (PUBCOMP
+                # came before the commit); after a crash the PUBLISHes go again by offset, the PUBRELs here.
+                if not current or (crashed and entry.phase is Phase.PUBLISHED):
+                    continue
+                entry = replace(entry, packet_id=stream.pid(entry.offset))
+            if entry.phase is Phase.PUBLISHED:
+                if not current or stream.sub.group is not None:  # type: ignore[union-attr]
+                    # Unsubscribed, acknowledged according to a later commit, or shared: the group took
+                    # the message back when this member left and hands it to a connected member.
+                    continue
+                stream.resend[entry.offset] = entry.packet_id  # type: ignore[union-attr]
+                stream.cursor = min(stream.cursor, entry.offset)  # type: ignore[union-attr]
+            if current:
+                stream.unacked.add(entry.offset)  # type: ignore[union-attr]
+            # A PUBREL is owed to the client whatever the offsets say.
+            self._inflight[entry.packet_id] = entry
+
+    # --- introspection ------------------------------------------------------------------
+
+    @property
+    def persistent(self) -> bool:
+        """Does the session outlive the connection (Session Expiry Interval > 0, or 3.1.1 clean session 0)?"""
+        return self.expiry_s > 0
+
+    @property
+    def subscriptions(self) -> dict[str, Subscription]:
+        """Current subscriptions by filter (a copy)."""
+        return {name: stream.sub for name, stream in self._streams.items()}
+
+    @property
+    def subscription_count(self) -> int:
+        return len(self._streams)
+
+    def holds(self, filter: str) -> bool:
+        """Is ``filter`` subscribed (without copying the subscriptions)?"""
+        return filter in self._streams
+
+    @property
+    def inflight(self) -> tuple[InFlight, ...]:
+        """Outbound QoS 1/2 messages not yet acknowledged, oldest first."""
+        return tuple(self._inflight.values())
+
+    @property
+    def commit_pending(self) -> bool:
+        """True when acknowledgements arrived since the last ``commit``."""
+        return self._acks > 0
+
+    def committed_offsets(self) -> dict[str, int]:
+        """The committed offset of every subscription as delivery stands now."""
+        return {name: stream.committed() for name, stream in self._streams.items()}
+
+    def state(self, will: Message | None = None, will_delay_s: int = 0, *, resumable: bool = False) -> SessionState:
+        """The session as data, for ``SaveSession`` (retained-message deliveries in flight are not kept).
+
+        QoS 2 messages completed at or above a stream's committed offset are
+        listed as released (their PUBREL goes again after a crash, never their
+        PUBLISH); the ones below it are forgotten here. ``resumable``: only what
+        a resume after a crash reads (a save while connected), without the
+        PUBLISHes in flight by lane, which a crash resends by offset: a save
+        every half lane then costs little more than the subscriptions.
+        """
+        offsets = self.committed_offsets()
+        streams = self._streams
+        inflight = [e for e in self._inflight.values() if e.offset != _NO_OFFSET and e.filter in streams and not (
+            resumable and e.phase is Phase.PUBLISHED and streams[e.filter].lane)]
+        for name, stream in self._streams.items():
+            if stream.completed:
+                stream.completed = {o for o in stream.completed if o >= offsets[name]}
+                inflight += (InFlight(stream.pid(o), name, o, 2, Phase.RELEASED) for o in sorted(stream.completed))
+        return SessionState(
+            client_id=self.client_id,
+            expiry_s=self.expiry_s,
+            subscriptions=tuple(stream.sub for stream in self._streams.values()),
+            offsets=offsets,
+            cursors={name: stream.resume_cursor() for name, stream in self._streams.items()},
+            awaiting_rel=frozenset(pid for pid, offset in self.awaiting_rel.items() if offset == NOT_IN_LOG),
+            inflight=tuple(inflight),
+            next_packet_id=self._next_pid,
+            will=will,
+            will_delay_s=will_delay_s,
+            awaiting={pid: offset for pid, offset in self.awaiting_rel.items() if offset != NOT_IN_LOG},
+            lanes={name: stream.lane for name, stream in self._streams.items() if stream.lane},
+            detached=self._link is None,
+        )
+
+    def save(self, will: Message | None = None, will_delay_s: int = 0) -> list[Action]:
+        """``SaveSession`` if the session is persistent, else nothing; while attached, one to be answered
+        (``saved``), so that what it records may be relied on once it is written."""
+        if not self.persistent:
+            return []
+        if self._link is None:
+            return [SaveSession(self.state(will, will_delay_s))]
+        return [self._save_action(will, will_delay_s)]
+
+    def _save_action(self, will: Message | None = None, will_delay_s: int = 0) -> SaveSession:
+        state = self.state(will, will_delay_s, resumable=True)
+        self._next_ref += 1
+        streams = self._streams
+        if self._saves is None:
+            self._saves = {}
+        self._saves[self._next_ref] = ([(streams[name], offset) for name, offset in state.offsets.items()
+                                        if streams[name].lane], self._pubrel_due)
+        self._pubrel_due = ()
+        self._need_save = False
+        return SaveSession(state, self._next_ref)
+
+    def saved(self, ref: int) -> list[Action]:
+        """A ``SaveSession`` of this session is written: its committed offsets bound the lanes, the PUBRELs
+        its PUBRECs waited for go out, and delivery goes on."""
+        snapshot = self._saves.pop(ref, None) if self._saves else None
+        if snapshot is None or self._link is None:
+            return []
+        durable, pubrels = snapshot
+        for stream, offset in durable:
+            if stream.durable is None or offset > stream.durable:
+                stream.durable = offset
+        inflight = self._inflight
+        owed = tuple(Pubrel(pid) for pid in pubrels if pid in inflight and inflight[pid].phase is Phase.RELEASED)
+        actions: list[Action] = [Send(owed)] if owed else []
+        if self._pubrel_due and not self._saves:
+            actions.append(self._save_action())
+        return actions + self.pump()
+
+    # --- connection ---------------------------------------------------------------------
+
+    def attach(self, link: Link) -> list[Action]:
+        """Bind to a connection: resend PUBRELs owed, then resend in-flight PUBLISHes and deliver."""
+        self._link = link
+        pubrels = tuple(Pubrel(e.packet_id) for e in self._inflight.values() if e.phase is Phase.RELEASED)
+        actions: list[Action] = [Send(pubrels)] if pubrels else []
+        return actions + self.pump()
+
+    def detach(self) -> None:
+        """Unbind from the connection. QoS 0 messages not yet written count as delivered (at most once)."""
+        for _, items, _ in self._written:
+            for stream, offset in items:
+                stream.unacked.discard(offset)
+        self._written.clear()
+        self._unwritten = 0
+        self._unwritten_bytes = 0
+        self._retained.clear()
+        self._saves = None  # their answers are not awaited: the next connection resumes from the saved state
+        self._pubrel_due = ()
+        self._link = None
+
+    # --- subscriptions ------------------------------------------------------------------
+
+    def subscribe(self, sub: Subscription, start: int) -> bool:
+        """Add ``sub`` starting at queue offset ``start``, or replace the options of the same filter.
+
+        Returns:
+            True if the subscription is new (a replaced one keeps its position).
+        """
+        stream = self._streams.get(sub.filter)
+        if stream is not None:
+            stream.sub = sub
+            if not stream.lane and self._wants_lane(sub):
+                stream.lane = self._free_lane()
+            return False
+        self._add(_Stream(sub, start, self._free_lane() if self._wants_lane(sub) else 0))
+        self._committed[sub.filter] = start
+        return True
+
+    def unsubscribe(self, filter: str) -> bool:
+        """Remove a subscription; its messages still in flight finish their flows. Returns whether it existed."""
+        self._committed.pop(filter, None)
+        stream = self._streams.pop(filter, None)
+        if stream is None:
+            return False
+        self._ready.pop(stream, None)
+        readers = self._by_queue[stream.sub.queue]
+        readers.remove(stream)
+        if not readers:
+            del self._by_queue[stream.sub.queue]
+        return True
+
+    def _add(self, stream: _Stream) -> None:
+        self._streams[stream.sub.filter] = stream
+        self._by_queue.setdefault(stream.sub.queue, []).append(stream)
+        self._ready[stream] = None  # its first pull finds where the queue's head is
+
+    def _wants_lane(self, sub: Subscription) -> bool:
+        """Does ``sub`` send by lane: a persistent session's non-shared QoS 1/2 subscription."""
+        return self.persistent and sub.group is None and sub.options.qos > 0
+
+    def _free_lane(self) -> int:
+        """The lowest lane no stream and no message in flight uses; 0 (the pool) when every lane is taken."""
+        used = {stream.lane for stream in self._streams.values()}
+        used.update(pid // LANE_PIDS for pid in self._inflight)
+        return next((lane for lane in range(1, LANES + 1) if lane not in used), 0)
+
+    # --- delivery -----------------------------------------------------------------------
+
+    def queue_advanced(self, queue: str, max_offset: int) -> list[Action]:
+        """A queue has news up to ``max_offset``: streams on it that are idle pull.
+
+        A shared subscription's stream cannot know which messages its group
+        will assign it, so news always makes it pull (until an empty answer).
+        """
+        ready = self._ready
+        for stream in self._by_queue.get(queue, ()):
+            if stream.sub.group is not None:
+                stream.head = None
+            elif stream.head is None or stream.head < max_offset:
+                stream.head = max_offset
+            else:
+                continue
+            ready[stream] = None
+        return self.pump()
+
+    def pulled(self, filter: str, messages: tuple[Message, ...], next_offset: int) -> list[Action]:
+        """Messages a ``Pull`` brought; an empty answer means the stream reached the head."""
+        stream = self._streams.get(filter)
+        if stream is None:
+            return []
+        stream.pulling = False
+        self._ready[stream] = None
+        if stream.sub.group is not None:
+            # The group hands out messages, old ones a member left unacknowledged included: the cursor
+            # follows the group's, no offset is filtered, and news during the pull (head None) pulls again.
+            stream.buffer.extend(messages)
+            stream.cursor = next_offset
+            if messages:
+                stream.head = None
+            return self.pump()
+        fresh = [m for m in messages if m.offset is not None and m.offset >= stream.cursor]
+        stream.buffer.extend(fresh)
+        if stream.resend:
+            returned = {m.offset for m in fresh}
+            for offset in [o for o in stream.resend if o < next_offset and o not in returned]:
+                # Gone from the store (retention): the in-flight message can never be resent.
+                self._inflight.pop(stream.resend.pop(offset), None)
+                stream.unacked.discard(offset)
+        stream.cursor = max(stream.cursor, next_offset)
+        if not fresh:
+            stream.head = max(stream.head or 0, stream.cursor)
+        return self.pump()
+
+    def retained(self, messages: tuple[tuple[str, Message], ...]) -> list[Action]:
+        """Deliver retained messages for new subscriptions (RETAIN set), ahead of queue traffic."""
+        for filter, message in messages:
+            stream = self._streams.get(filter)
+            if stream is not None:
+                self._retained.append((stream.sub, message))
+        return self.pump()
+
+    def pump(self) -> list[Action]:
+        """Deliver what the windows allow and pull for streams that ran dry.
+
+        While the QoS 0 deliveries not yet written add up to ``qos0_queue_bytes``
+        or more, further QoS 0 queue messages are dropped (their offsets advance:
+        QoS 0 is at most once) and reported, so a slow reader costs bounded memory.
+
+        At most ``DELIVER_BUDGET`` messages go out per call; the write of a
+        ``Deliver`` comes back as ``written``, which pumps again. So 10,000
+        sessions resuming at once take turns in small steps, and a CONNECT
+        arriving meanwhile waits for one round of small steps, not of full windows.
+        """
+        link = self._link
+        if link is None:
+            return []
+        self._pump_due = False
+        chunks: list[bytes] = []
+        written: list[tuple[_Stream, int]] = []
+        actions: list[Action] = []
+        inflight = self._inflight
+        window = link.receive_maximum
+        unwritten_room = link.max_unwritten - self._unwritten
+        queue_limit = link.qos0_queue_bytes
+        queued = self._unwritten_bytes
+        dropped = 0
+        oldest = 0  # the earliest store time of the queue messages delivered now (the latency metric's)
+        retained = self._retained
+        while retained:
+            sub, message = retained[0]
+            qos = min(sub.options.qos, message.qos)
+            if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
+                    or len(chunks) >= DELIVER_BUDGET:
+                break
+            pid = self._allocate() if qos else None
+            if qos and pid is None:
+                break  # every id of the pool is in flight
+            del retained[0]
+            template = self._template(link, message, sub, qos, True)
+            if template is not None:
+                if pid is not None:
+                    inflight[pid] = InFlight(pid, sub.filter, _NO_OFFSET, qos)
+                chunks.append(template.render(pid))
+        idle: list[_Stream] = []
+        for stream in self._ready:
+            sub = stream.sub
+            buffer = stream.buffer
+            lane = stream.lane
+            while buffer:
+                message = buffer[0]
+                offset: int = message.offset  # type: ignore[assignment]
+                if offset < stream.skip_below:
+                    buffer.popleft()
+                    pid = stream.resend.pop(offset, None)
+                    if pid is not None:
+                        self._resend(link, stream, message, pid, chunks)
+                    continue
+                qos = min(sub.options.qos, message.qos)
+                if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
+                        or len(chunks) >= DELIVER_BUDGET:
+                    break
+                pid = None
+                if qos:
+                    if lane:
+                        if not self._in_lane(stream, offset):
+                            break
+                        pid = stream.pid(offset)
+                        if offset < stream.dup_below and self._released(stream, pid, offset):
+                            buffer.popleft()  # its PUBREC was recorded: the PUBREL went out at attach
+                            continue
+                        if pid in inflight:
+                            break  # the id is still in flight (ids a blob of an earlier version gave out)
+                    else:
+                        pid = self._allocate()
+                        if pid is None:
+                            break  # every id of the pool is in flight
+                buffer.popleft()
+                if offset < stream.dup_below:
+                    # After a crash it may have gone out already, with this id: again, with DUP (at least once).
+                    if not qos:
+                        continue  # QoS 0 is at most once
+                    template = self._template(link, message, sub, qos, sub.options.retain_as_published
+                                              and message.retain, resend=True)
+                    if template is not None:
+                        stream.unacked.add(offset)
+                        inflight[pid] = InFlight(pid, sub.filter, offset, qos)  # type: ignore[index,arg-type]
+                        chunks.append(template.render(pid, dup=True))
+                    continue
+                if not qos and queue_limit and queued >= queue_limit:
+                    dropped += 1
+                    continue
+                template = self._template(link, message, sub, qos, sub.options.retain_as_published and message.retain)
+                if template is None:
+                    continue  # expired, No Local, not readable, or too big for the client: skipped, offset advances
+                stream.unacked.add(offset)
+                if not oldest or message.store_ms < oldest:
+                    oldest = message.store_ms
+                if qos:
+                    inflight[pid] = InFlight(pid, sub.filter, offset, qos)  # type: ignore[index,arg-type]
+                    chunks.append(template.render(pid))
+                else:
+                    chunks.append(template.render())
+                    written.append((stream, offset))
+                    queued += template.size
+            if not buffer and not stream.pulling and (stream.head is None or stream.cursor < stream.head):
+                stream.pulling = True
+                if sub.group is not None:
+                    stream.head = stream.cursor  # idle after an empty answer unless news comes meanwhile
+                actions.append(Pull(sub.filter, sub.queue, stream.cursor, link.pull_batch, sub.group))
+            if not buffer and (stream.pulling or stream.cursor >= stream.head):  # type: ignore[operator]
+                idle.append(stream)  # nothing to deliver until a pull answers or news comes
+        for stream in idle:
+            del self._ready[stream]
+        if dropped:
+            actions.append(link.report(Limit.QOS0_QUEUE, dropped, f"{dropped} QoS 0 message(s) dropped: {queued} bytes"
+                                       f" wait for the socket (limit {queue_limit})"))
+        if self._need_save and not self._saves:
+            actions.append(self._save_action())
+        if not chunks:
+            return actions
+        self._seq += 1
+        if written:
+            self._written.append((self._seq, written, queued - self._unwritten_bytes))
+            self._unwritten += len(written)
+            self._unwritten_bytes = queued
+        by_qos = [0, 0, 0]
+        for chunk in chunks:
+            by_qos[chunk[0] >> 1 & 3] += 1  # the QoS bits of the PUBLISH's first byte
+        return [Deliver(b"".join(chunks), self._seq, len(chunks), (by_qos[0], by_qos[1], by_qos[2]), oldest),
+                *actions]
+
+    def _in_lane(self, stream: _Stream, offset: int) -> bool:
+        """May ``offset`` go out by the stream's lane now: is it below the saved committed offset + ``LANE_PIDS``?
+        Asks for a save when the stream is there or halfway, and acknowledgements moved its committed offset."""
+        if not self.persistent:
+            return True  # nothing resumes it after a crash (a persistent session's lane resumed by one that is not)
+        durable = stream.durable
+        if durable is None or offset >= durable + LANE_PIDS:
+            if not self._saves and (durable is None or stream.committed() > durable):
+                self._need_save = True
+            return False
+        if offset >= durable + LANE_PIDS // 2 and not self._need_save and not self._saves \
+                and stream.committed() > durable:
+            self._need_save = True
+        return True
+
+    def _released(self, stream: _Stream, pid: int, offset: int) -> bool:
+        """Is the QoS 2 message at ``offset`` past its PUBREC: PUBREL sent, or the flow complete?"""
+        entry = self._inflight.get(pid)
+        if entry is not None and entry.offset == offset and entry.phase is Phase.RELEASED:
+            return True
+        return stream.completed is not None and offset in stream.completed
+
+    def _allocate(self) -> int | None:
+        """The next packet id not in flight: of the pool in a persistent session (the lanes have the others),
+        of them all otherwise (its window guarantees one is free); None when the pool is all in flight."""
+        limit = POOL_PIDS if self.persistent else MAX_UINT16
+        pid = self._next_pid if self._next_pid <= limit else 1
+        for _ in range(limit):
+            if pid not in self._inflight:
+                self._next_pid = pid % limit + 1
+                return pid
+            pid = pid % limit + 1
+        return None
+
+    def _resend(self, link: Link, stream: _Stream, message: Message, pid: int, chunks: list[bytes]) -> None:
+        entry = self._inflight.get(pid)
+        if entry is None:
+            return
+        # A resend is the same message: no expiry check, the QoS it was first sent with.
+        template = self._template(link, message, stream.sub, entry.qos, stream.sub.options.retain_as_published
+                                  and message.retain, resend=True)
+        if template is None:
+            del self._inflight[pid]
+            stream.unacked.discard(entry.offset)
+            return
+        chunks.append(template.render(pid, dup=True))
+
+    def _template(
+        self, link: Link, message: Message, sub: Subscription, qos: int, retain: bool, *, resend: bool = False
+    ) -> PublishTemplate | None:
+        """Encode ``message`` for this subscriber, or None if it must not be sent to it."""
+        if sub.options.no_local and message.client_id == self.client_id:
+            return None
+        if link.may_read is not None and not link.may_read(message.topic):
+            return None  # a wildcard overlapping an ACL deny rule: the denied topics are withheld
+        topic = message.topic
+        properties = b""
+        new_alias = False
+        if link.protocol_level == MQTT_5:
+            props = message.properties
+            changes: dict[str, object] = {}
+            expiry = props.message_expiry_interval
+            if expiry is not None:
+                waited_ms = max(0, link.now_ms() - message.store_ms) if message.store_ms else 0
+                if waited_ms >= expiry * 1000 and not resend:
+                    return None
+                changes["message_expiry_interval"] = max(1, expiry - waited_ms // 1000)
+            wanted_ids = (sub.subscription_id,) if sub.subscription_id else ()
+            if props.subscription_identifiers != wanted_ids:
+                changes["subscription_identifiers"] = wanted_ids
+            # Topic aliases are first come, first served until the client's maximum; a known topic is
+            # sent as an empty name plus its alias. A new alias counts only once its packet is sent.
+            alias = link.aliases.get(topic)
+            new_alias = alias is None and len(link.aliases) < link.topic_alias_maximum \
+                and link.alias_bytes + len(topic) <= ALIAS_BYTES
+            if new_alias:
+                alias = len(link.aliases) + 1
+            elif alias is not None:
+                topic = ""
+            if alias != props.topic_alias:
+                changes["topic_alias"] = alias
+            if changes:
+                props = replace(props, **changes)  # type: ignore[arg-type]
+            properties = encode_properties(props, PacketType.PUBLISH)
+        template = link.encoder(topic, message.payload, qos, retain, properties, link.protocol_level)
+        if link.max_packet_size is not None and template.size > link.max_packet_size:
+            return None
+        if new_alias:
+            link.aliases[message.topic] = alias  # type: ignore[assignment]
+            link.alias_bytes += len(message.topic)
+        return template
+
+    # --- acknowledgements ---------------------------------------------------------------
+
+    def puback(self, packet_id: int) -> list[Action]:
+        """PUBACK from the client: a QoS 1 delivery is done. Unknown ids are ignored (as EMQX does)."""
+        entry = self._inflight.get(packet_id)
+        if entry is None or entry.qos != 1:
+            return []
+        del self._inflight[packet_id]
+        self._acked(entry)
+        return self._after_ack()
+
+    def pubrec(self, packet_id: int, reason: ReasonCode) -> list[Action]:
+        """PUBREC from the client: answer PUBREL (or end the flow on a failure reason).
+
+        A persistent session records the PUBREC first (a save: after a crash
+        the message is released, not published again), gathering the PUBRECs
+        that arrive while a save is being written into the next one.
+        """
+        entry = self._inflight.get(packet_id)
+        if entry is None or entry.qos != 2:
+            if self._link is not None and self._link.protocol_level == MQTT_5:
+                return [Send((Pubrel(packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND),))]
+            return [Send((Pubrel(packet_id),))]
+        if reason.is_failure:
+            del self._inflight[packet_id]
+            self._acked(entry)
+            return self.pump()
+        if entry.phase is Phase.RELEASED:  # the PUBREC again: PUBREL again, unless a save is about to send it
+            waiting = packet_id in self._pubrel_due or any(packet_id in due for _, due in (self._saves or {}).values())
+            return [] if waiting else [Send((Pubrel(packet_id),))]
+        self._inflight[packet_id] = replace(entry, phase=Phase.RELEASED)
+        if not self.persistent or entry.offset == _NO_OFFSET:
+            return [Send((Pubrel(packet_id),))]  # nothing a crash could resume
+        due = self._pubrel_due if isinstance(self._pubrel_due, list) else []  # the empty tuple is shared: 0 B
+        due.append(packet_id)
+        self._pubrel_due = due
+        return [] if self._saves else [self._save_action()]
+
+    def pubcomp(self, packet_id: int) -> list[Action]:
+        """PUBCOMP from the client: a QoS 2 delivery is done."""
+        entry = self._inflight.get(packet_id)
+        if entry is None or entry.phase is not Phase.RELEASED:
+            return []
+        del self._inflight[packet_id]
+        stream = self._streams.get(entry.filter)
+        if stream is not None and stream.lane and entry.offset != _NO_OFFSET:
+            if stream.completed is None:
+                stream.completed = set()
+            stream.completed.add(entry.offset)
+        self._acked(entry)
+        return self._after_ack()
+
+    def _after_ack(self) -> list[Action]:
+        """Pump now, or, while most of the window is still in flight, at ``pump_due``.
+
+        A client acknowledges a window of messages in one burst. Pumping on each
+        acknowledgement made one write of one message per ack; pumping once the
+        burst is read (the connection calls ``pump_due`` after each read) makes
+        one write for all the room it freed.
+        """
+        link = self._link
+        if link is not None and len(self._inflight) > link.receive_maximum - max(1, link.receive_maximum // 4):
+            self._pump_due = True
+            return []
+        return self.pump()
+
+    def pump_due(self) -> list[Action]:
+        """The pump acknowledgements deferred (``_after_ack``), if any."""
+        return self.pump() if self._pump_due else []
+
+    def written(self, up_to: int) -> list[Action]:
+        """Deliveries up to ``seq`` reached the socket: their QoS 0 messages are done."""
+        while self._written and self._written[0][0] <= up_to:
+            _, items, size = self._written.pop(0)
+            self._unwritten -= len(items)
+            self._unwritten_bytes -= size
+            for stream, offset in items:
+                stream.unacked.discard(offset)
+            self._acks += len(items)
+        return self.pump()
+
+    def _acked(self, entry: InFlight) -> None:
+        stream = self._streams.get(entry.filter)
+        if stream is not None:
+            stream.unacked.discard(entry.offset)
+        self._acks += 1
+
+    def commit_due(self) -> bool:
+        """Enough acknowledgements piled up to commit without waiting for the commit timer."""
+        return self._link is not None and self._acks >= self._link.commit_every
+
+    def commit(self) -> list[Action]:
+        """``CommitOffsets`` for every subscription whose committed offset moved since the last commit."""
+        self._acks = 0
+        moved = {}
+        for name, stream in self._streams.items():
+            offset = stream.committed()
+            if self._committed.get(name) != offset:
+                moved[name] = self._committed[name] = offset
+        return [CommitOffsets(self.client_id, moved)] if moved else []
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(SessionState)
+
+
+def encode_session(state: SessionState) -> bytes:
+    """The session as the blob the store keeps (msgpack: no pickle, readable by any version that knows the fields)."""
+    return _ENCODER.encode(state)
+
+
+def decode_session(blob: bytes) -> SessionState:
+    """Raises msgspec.DecodeError (a ValueError) on a blob that is not a session."""
+    return _DECODER.decode(blob)
+
+
+def merge_committed(state: SessionState, committed: Mapping[str, int]) -> SessionState:
+    """The session with the queues' committed offsets (queue -> offset) where they are ahead of its own.
+
+    A blob is saved on subscription changes and disconnects, offsets are
+    committed on acknowledgements: after a crash the blob can be older than
+    the commits, and replaying from it would resend acknowledged messages.
+    Shared subscriptions are skipped: their group owns the offset.
+    """
+    offsets = dict(state.offsets)
+    cursors = dict(state.cursors)
+    for sub in state.subscriptions:
+        offset = committed.get(sub.queue)
+        if sub.group is None and offset is not None and offset > offsets.get(sub.filter, 0):
+            offsets[sub.filter] = offset
+            cursors[sub.filter] = max(cursors.get(sub.filter, offset), offset)
+    if offsets == state.offsets:
+        return state
+    return replace(state, offsets=offsets, cursors=cursors)
+
+
+def clamp_to_heads(state: SessionState, heads: Mapping[str, int]) -> tuple[SessionState, dict[str, tuple[int, int]]]:
+    """The session with every offset and cursor past its queue's head (queue -> max offset) pulled back to it,
+    and what moved (filter -> (from, to)).
+
+    Only after the store lost records it had acknowledged (a power loss under the async flush policy: the
+    store pulls its own offsets back at start, docs/storage.md): the records appended next reuse those queue
+    offsets, and a session resuming past them would skip them. In-flight PUBLISHes at or past the head were
+    lost with the log and are dropped; a PUBREL owed stays. Shared subscriptions are skipped: their group
+    owns the offset.
+    """
+    offsets = dict(state.offsets)
+    cursors = dict(state.cursors)
+    moved: dict[str, tuple[int, int]] = {}
+    for sub in state.subscriptions:
+        head = heads.get(sub.queue)
+        if sub.group is not None or head is None:
+            continue
+        offset = offsets.get(sub.filter, 0)
+        cursor = cursors.get(sub.filter, offset)
+        if max(offset, cursor) > head:
+            moved[sub.filter] = (max(offset, cursor), head)
+            offsets[sub.filter] = min(offset, head)
+            cursors[sub.filter] = min(cursor, head)
+    if not moved:
+        return state, moved
+    inflight = tuple(e for e in state.inflight if not (e.filter in moved and e.phase is Phase.PUBLISHED
+                                                        and e.offset >= moved[e.filter][1]))
+    return replace(state, offsets=offsets, cursors=cursors, inflight=inflight), moved
+
+
+def clamp_session_blob(blob: bytes, max_offset: Callable[[str], int]) -> bytes | None:
+    """The stored session ``blob`` with its positions pulled back to its queues' heads (``max_offset(queue)``),
+    or None if none is past them (or the blob is unreadable: resuming reports that). The store runs it over
+    every blob after a power loss (``store.node.open_store``), when the heads are those of the recovered log:
+    later, the records appended meanwhile would hide that a position had been past the end."""
+    try:
+        state = decode_session(blob)
+    except msgspec.DecodeError:
+        return None
+    state, moved = clamp_to_heads(state, {sub.queue: max_offset(sub.queue) for sub in state.subscriptions})
+    return encode_session(state) if moved else None

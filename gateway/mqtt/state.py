@@ -1,0 +1,147 @@
+"""The states of one MQTT connection and the one table that moves between them.
+
+Rule 1 (after h11's ``_state.py``): every state change of a connection is an
+entry of ``TRANSITIONS`` and happens in ``next_state``; nothing else assigns a
+state. A missing entry means the event is not allowed in that state: from the
+peer (a packet) that is a protocol error, from the node (an event) it is a bug
+in the node.
+
+States:
+
+- AWAIT_CONNECT: the socket is open, nothing received yet.
+- CONNECTING: CONNECT received; waiting for the node to accept it and open the
+  session (auth, takeover, session load). Packets the client sends meanwhile
+  are queued (clients may send before CONNACK).
+- CONNECTED: CONNACK sent.
+- DISCONNECTING: the channel has decided to close (the socket is closed or
+  closing) but is still waiting for store results that change the session
+  (appends and releases of inbound QoS 2 messages, the session a late
+  ``SessionOpened`` brings), so that the saved session is exact.
+- CLOSED: nothing more to do.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import final
+
+from gateway.mqtt.actions import (
+    Activated,
+    AdminDisconnect,
+    Appended,
+    ConnectionLost,
+    InboundReleased,
+    Pulled,
+    QueueAdvanced,
+    ServerShutdown,
+    SessionOpened,
+    SessionSaved,
+    SocketWritten,
+    TakenOver,
+    Timeout,
+)
+from gateway.mqtt.packets import (
+    Auth,
+    Connect,
+    Disconnect,
+    Pingreq,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Subscribe,
+    Unsubscribe,
+)
+from gateway.mqtt.reasons import LocalProtocolError, ReasonCode, RemoteProtocolError
+
+
+class State(Enum):
+    AWAIT_CONNECT = "await_connect"
+    CONNECTING = "connecting"
+    CONNECTED = "connected"
+    DISCONNECTING = "disconnecting"
+    CLOSED = "closed"
+
+    # Members are singletons compared by identity: the identity hash is right, and it is C, where Enum's
+    # hashes the name in Python. Every packet and node event looks its state up in TRANSITIONS.
+    __hash__ = object.__hash__
+
+
+@final
+class Closing:
+    """Pseudo-event: the channel decided to close the connection."""
+
+
+@final
+class Settled:
+    """Pseudo-event: no store result the session depends on is outstanding any more."""
+
+
+CLIENT_PACKETS = (Connect, Publish, Puback, Pubrec, Pubrel, Pubcomp, Subscribe, Unsubscribe, Pingreq, Disconnect, Auth)
+"""Every packet a client may send (codec.py's ``_SENT_BY``); the ones a state does not list are protocol errors."""
+
+_AFTER_CONNECT = (Publish, Puback, Pubrec, Pubrel, Pubcomp, Subscribe, Unsubscribe, Pingreq, Disconnect)
+# What the node may still report after the channel decided to close: the channel ignores it
+# (or, for Appended, InboundReleased and SessionOpened, folds it into the session before saving it).
+_LATE_EVENTS = (Appended, Activated, Pulled, QueueAdvanced, SocketWritten, ConnectionLost, TakenOver, Timeout,
+                SessionOpened, AdminDisconnect, ServerShutdown, SessionSaved, InboundReleased)
+
+_S = State
+TRANSITIONS: dict[State, dict[type, State]] = {
+    _S.AWAIT_CONNECT: {
+        Connect: _S.CONNECTING,
+        ConnectionLost: _S.AWAIT_CONNECT,
+        Timeout: _S.AWAIT_CONNECT,
+        Closing: _S.DISCONNECTING,
+    },
+    _S.CONNECTING: {
+        # AUTH (enhanced authentication) is not offered, so it is an error here too.
+        **{packet: _S.CONNECTING for packet in _AFTER_CONNECT},
+        SessionOpened: _S.CONNECTED,
+        ConnectionLost: _S.CONNECTING,
+        TakenOver: _S.CONNECTING,
+        AdminDisconnect: _S.CONNECTING,
+        ServerShutdown: _S.CONNECTING,
+        Timeout: _S.CONNECTING,
+        Closing: _S.DISCONNECTING,
+    },
+    _S.CONNECTED: {
+        **{packet: _S.CONNECTED for packet in _AFTER_CONNECT},
+        Appended: _S.CONNECTED,
+        InboundReleased: _S.CONNECTED,
+        SessionSaved: _S.CONNECTED,
+        Activated: _S.CONNECTED,
+        Pulled: _S.CONNECTED,
+        QueueAdvanced: _S.CONNECTED,
+        SocketWritten: _S.CONNECTED,
+        ConnectionLost: _S.CONNECTED,
+        TakenOver: _S.CONNECTED,
+        AdminDisconnect: _S.CONNECTED,
+        ServerShutdown: _S.CONNECTED,
+        Timeout: _S.CONNECTED,
+        Closing: _S.DISCONNECTING,
+    },
+    _S.DISCONNECTING: {
+        **{event: _S.DISCONNECTING for event in _LATE_EVENTS},
+        Settled: _S.CLOSED,
+    },
+    _S.CLOSED: {event: _S.CLOSED for event in _LATE_EVENTS},
+}
+
+
+def next_state(state: State, event_type: type) -> State:
+    """The state after ``event_type`` happens in ``state``.
+
+    Raises:
+        RemoteProtocolError: PROTOCOL_ERROR, a client packet the state does not allow.
+        LocalProtocolError: a node event or pseudo-event the state does not allow.
+    """
+    try:
+        return TRANSITIONS[state][event_type]
+    except KeyError:
+        if event_type in CLIENT_PACKETS:
+            raise RemoteProtocolError(
+                ReasonCode.PROTOCOL_ERROR, f"{event_type.__name__} is not allowed in state {state.name}"
+            ) from None
+        raise LocalProtocolError(f"{event_type.__name__} is not allowed in state {state.name}") from None

@@ -1,0 +1,210 @@
+"""The per-node queue cache: a queue's new messages are read from the store once, for all local sessions.
+
+design.md, "Pull and push": when a dispatch event says queue Q has news, the
+node's cache reads Q's new entries from the store (one batched pull for every
+queue in the event batch: one thread hand-off embedded, one round trip in a
+cluster) before the local sessions on Q are told; their pulls at the head are
+then answered from memory. A session behind the cached window (resumed after
+being offline, or slow) reads the store itself; reads that continue the cached
+run at its tail extend it, so the first session to read a queue seeds its cache.
+
+Bounded memory: at most ``max_messages`` per queue (the oldest go first) and
+``max_bytes`` in all (the queues written to longest ago go first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import final
+
+from gateway.mqtt.actions import Message
+from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
+from lightqueue.queues import PullResult
+from store.local import PullRequest, StoreClient
+from store.log.record import Record
+
+__all__ = ["QueueCache", "QueueCacheStatistics"]
+
+MESSAGE_OVERHEAD = 200
+"""Bytes a cached ``Message`` costs beyond its topic and payload (object, list slot), for the budget."""
+
+PROPERTIES_OVERHEAD = 200
+USER_PROPERTY_OVERHEAD = 160
+"""What decoded MQTT 5 properties cost beyond their text: the ``Properties`` object, and a tuple and two strings
+per User Property. Counted so that messages carrying 32 User Properties each (~5 KB decoded) do not make the byte
+budget hold 25 times what it says."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueCacheStatistics:
+    queues: int  # queues with cached messages
+    messages: int
+    bytes: int  # estimated
+    hits: int  # session reads answered from memory
+    store_reads: int  # session reads that went to the store (behind the cache, or ahead of it)
+    fills: int  # queue reads by the cache itself, after dispatch events
+
+
+@final
+class _Cached:
+    __slots__ = ("base", "messages", "bytes", "watchers")
+
+    def __init__(self) -> None:
+        self.base: int | None = None  # queue offset of messages[0]; None until the first read seeds it
+        self.messages: list[Message] = []
+        self.bytes = 0
+        self.watchers = 0
+
+    @property
+    def tail(self) -> int | None:
+        return None if self.base is None else self.base + len(self.messages)
+
+
+@final
+class QueueCache:
+    """Recent messages of the queues local sessions read, shared by those sessions.
+
+    Args:
+        store: where misses and fills read.
+        convert: ``convert(record, queue, offset)`` -> the ``Message`` sessions deliver (made once, shared).
+        max_messages: per queue.
+        max_bytes: for all queues together (estimated).
+    """
+
+    def __init__(
+        self,
+        store: StoreClient,
+        convert: Callable[[Record, str, int], Message],
+        *,
+        max_messages: int = 16384,
+        max_bytes: int = 64 << 20,
+    ) -> None:
+        self._store = store
+        self._convert = convert
+        self._max_messages = max_messages
+        self._max_bytes = max_bytes
+        self._queues: dict[str, _Cached] = {}  # insertion order = least recently extended first
+        self._bytes = 0
+        self._hits = 0
+        self._store_reads = 0
+        self._fills = 0
+
+    def watch(self, queue: str) -> None:
+        """One more local session reads ``queue``."""
+        entry = self._queues.get(queue)
+        if entry is None:
+            entry = self._queues[queue] = _Cached()
+        entry.watchers += 1
+
+    def unwatch(self, queue: str) -> None:
+        """One local session fewer reads ``queue``; the last one out drops its messages."""
+        entry = self._queues.get(queue)
+        if entry is None:
+            return
+        entry.watchers -= 1
+        if entry.watchers <= 0:
+            del self._queues[queue]
+            self._bytes -= entry.bytes
+
+    def get(self, queue: str, from_offset: int, max_count: int) -> tuple[list[Message], int] | None:
+        """The cached messages from ``from_offset`` (at most ``max_count``) and the next offset; None on a miss."""
+        entry = self._queues.get(queue)
+        if entry is None or entry.base is None or not entry.base <= from_offset < entry.base + len(entry.messages):
+            return None
+        start = from_offset - entry.base
+        taken = entry.messages[start:start + max_count]
+        self._hits += 1
+        return taken, from_offset + len(taken)
+
+    async def read(self, queue: str, from_offset: int, max_count: int) -> tuple[list[Message], int, bool]:
+        """Up to ``max_count`` messages of ``queue`` from ``from_offset``: (messages, next offset, expired).
+
+        ``expired``: retention deleted messages at ``from_offset``; the answer starts after them.
+        """
+        hit = self.get(queue, from_offset, max_count)
+        if hit is not None:
+            return hit[0], hit[1], False
+        self._store_reads += 1
+        (result,) = await self._store.pull([PullRequest(queue, from_offset, max_count)])
+        messages = [self._convert(record, queue, offset) for offset, record in result.messages]
+        self._extend(queue, from_offset, result, messages)
+        return messages, result.next_offset, result.expired
+
+    async def fill(self, events: Mapping[str, int]) -> None:
+        """Read the news of the cached queues in ``events`` (``{queue: max offset}``), all in one store call."""
+        requests = []
+        for queue, head in events.items():
+            entry = self._queues.get(queue)
+            tail = entry.tail if entry is not None else None
+            if tail is not None and tail < head:
+                requests.append(PullRequest(queue, tail, min(head - tail, self._max_messages)))
+        if not requests:
+            return
+        self._fills += len(requests)
+        results = self._store.pull_now(requests)
+        if results is None:
+            results = await self._store.pull(requests)
+        for request, result in zip(requests, results):
+            convert = self._convert
+            queue = request.queue
+            messages = [convert(record, queue, offset) for offset, record in result.messages]
+            self._extend(queue, request.from_offset, result, messages)
+
+    def _extend(self, queue: str, from_offset: int, result: PullResult[Record], messages: list[Message]) -> None:
+        """Append a read's messages if they continue the cached run; a read ahead of the run starts a new one."""
+        entry = self._queues.get(queue)
+        if entry is None or result.expired or result.next_offset != from_offset + len(messages):
+            return  # not cached, or a gap (retention): the run must stay contiguous
+        tail = entry.tail
+        if not messages:
+            if tail is None:
+                entry.base = from_offset  # an empty read at the head seeds an empty run: the next event fills it
+            return
+        if tail is None or from_offset > tail:  # seed, or restart ahead of a run that fell behind the head
+            self._bytes -= entry.bytes
+            entry.base, entry.messages, entry.bytes = from_offset, [], 0
+        elif from_offset < tail:
+            return  # behind the run, or a concurrent read extended it already: keep the run
+        size = _bytes(messages)
+        entry.messages += messages
+        entry.bytes += size
+        self._bytes += size
+        excess = len(entry.messages) - self._max_messages
+        if excess > 0:
+            dropped = entry.messages[:excess]
+            del entry.messages[:excess]
+            entry.base += excess  # type: ignore[operator]
+            freed = _bytes(dropped)
+            entry.bytes -= freed
+            self._bytes -= freed
+        del self._queues[queue]  # most recently extended: evicted last
+        self._queues[queue] = entry
+        self._evict()
+
+    def _evict(self) -> None:
+        for entry in self._queues.values():
+            if self._bytes <= self._max_bytes:
+                return
+            self._bytes -= entry.bytes
+            entry.base, entry.messages, entry.bytes = None, [], 0
+
+    def statistics(self) -> QueueCacheStatistics:
+        cached = [e for e in self._queues.values() if e.messages]
+        return QueueCacheStatistics(
+            queues=len(cached), messages=sum(len(e.messages) for e in cached), bytes=self._bytes,
+            hits=self._hits, store_reads=self._store_reads, fills=self._fills,
+        )
+
+
+def _bytes(messages: list[Message]) -> int:
+    """The estimated memory of ``messages`` in the cache (the budget's unit)."""
+    empty = EMPTY_PROPERTIES
+    return sum([len(m.payload) + len(m.topic) + (0 if m.properties is empty else _properties_bytes(m.properties))
+                for m in messages]) + MESSAGE_OVERHEAD * len(messages)
+
+
+def _properties_bytes(properties: Properties) -> int:
+    pairs = properties.user_properties
+    return PROPERTIES_OVERHEAD + sum([len(k) + len(v) for k, v in pairs]) + USER_PROPERTY_OVERHEAD * len(pairs) \
+        + len(properties.correlation_data or b"") + len(properties.response_topic or "")

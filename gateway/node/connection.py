@@ -1,0 +1,719 @@
+"""The MQTT listener: one trio task group per TCP connection, driving a sans-IO ``Channel``.
+
+This is EMQX's ``emqx_connection``: it owns the socket, the decoder, the
+encoder and the timers, and executes the actions the channel returns
+(``gateway/mqtt/actions.py``). Actions that touch the socket or a timer are done
+here; the ones that need the store or other connections (sessions, appends,
+subscriptions, pulls) go, in order, to the node through the ``Backend``
+interface (``gateway/node/node.py`` implements it).
+
+Per connection one task always runs, and two more while they have work:
+
+- the reader (the connection's own task): ``MqttDecoder.feed`` ->
+  ``channel.handle_in`` per packet of every read; it stops reading while the
+  node has too much work queued for the connection (backpressure). A plain
+  TCP socket is read in the step of the node's one ``Poller`` task
+  (gateway/node/poller.py), so the reader task only waits; TLS and WebSocket
+  streams are read by it with ``receive_some``;
+- the writer, while bytes wait: joins everything the channel wants sent into
+  one ``send_all`` and reports written deliveries (``SocketWritten``);
+- the worker, while node actions wait: hands them to the backend, one batch
+  at a time, so the node sees them in the order the channel asked for them.
+  Across connections the node keeps the read order of activations and
+  appends (gateway/node/order.py): an append read while an activation read before
+  it waits is queued behind an ``AfterReads`` mark.
+
+Timers (keepalive, commit, the CONNECT deadline) are handles in the node's one
+``Timers`` task (gateway/node/timers.py), so an idle device costs one task.
+
+Error handling: nothing a client sends may stop the listener. Decoder errors
+go to ``channel.handle_protocol_error``; any other failure inside a connection
+is logged with the client id and the reason and ends that connection only.
+
+Resource handling: each connection's stream is closed by its handler, after
+the writes queued before the ``Close`` action (bounded by ``CLOSE_TIMEOUT_S``)
+and a lingering half-close (``LINGER_S``, ``LINGER_BYTES``) that lets the
+client read the last packet before the socket goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import time
+from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, final
+
+import trio
+
+from gateway.mqtt.state import State
+from gateway.mqtt.actions import (
+    Action, Activate, AfterReads, Append, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Pull, Pulled,
+    Send, SocketWritten,
+)
+from gateway.node.admission import Admission
+from gateway.mqtt.channel import KEEPALIVE_TIMER, Channel, ChannelConfig
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.node.listeners import BoundListener, ListenerSpec, Peer, WebSocketStream, serve_listeners
+from gateway.mqtt.packets import Publish
+from gateway.node.poller import Poller
+from gateway.mqtt.reasons import RemoteProtocolError
+from gateway.node.timers import Timer, Timers
+from store.log.aio import LatencyBuckets
+
+__all__ = ["Backend", "Connection", "Traffic", "serve_mqtt"]
+
+LOGGER = logging.getLogger(__name__)
+
+RECEIVE_BYTES = 64 * 1024
+"""One ``receive_some`` reads up to this much: a burst of small PUBLISHes is decoded in one wake-up."""
+
+MAX_QUEUED_ACTIONS = 1024
+"""Stop reading from a client while this many node actions of its connection wait (QoS 0 floods)."""
+
+WS_MESSAGE_PACKETS = 2
+"""A WebSocket message may hold this many maximum-size packets: clients send one packet per message, but MQTT
+lets packets share a message, and a whole message is buffered before the decoder sees it."""
+
+SYNC_WRITES = 4
+"""``Connection._flush`` writes at most this many times in a row before leaving the rest to the writer task."""
+
+CLOSE_TIMEOUT_S = 10.0
+"""How long a closing connection waits for its store results (to save an exact session) and its last writes."""
+
+LINGER_S = 2.0
+"""After its last write the server half-closes a connection and reads and discards what the client still sends,
+until the client closes too or this long: closing a socket with unread input makes the kernel send a reset, which
+discards what was not transmitted yet (the refusing CONNACK, the DISCONNECT's reason) and may reach the client
+before it read them. Long enough for a client to read its last packet over a slow link; the client's registration
+is released before, so a reconnect with the same client id does not wait for it."""
+
+LINGER_BYTES = 256 * 1024
+"""A lingering connection reads at most this much: a client that keeps sending costs bounded work."""
+
+
+DELIVERY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0, 600.0)
+"""Upper bounds of the publish-to-delivery latency buckets: an online subscriber gets a message in milliseconds;
+the long tail (minutes) is sessions catching up after being offline or slow."""
+
+
+@dataclass(slots=True)
+class Traffic:
+    """Counters of everything the connections of a node received and sent (the ``$SYS`` figures and metrics)."""
+
+    messages_in: int = 0
+    messages_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    messages_in_by_qos: list[int] = field(default_factory=lambda: [0, 0, 0])  # PUBLISHes received, index = QoS
+    messages_out_by_qos: list[int] = field(default_factory=lambda: [0, 0, 0])  # PUBLISHes sent, index = QoS
+    # queue messages from their store time to the write of their PUBLISH (retained ones excluded)
+    delivery_latency: LatencyBuckets = field(default_factory=lambda: LatencyBuckets(DELIVERY_BUCKETS_S))
+
+    def delivered(self, deliver: Deliver) -> None:
+        """Count a ``Deliver`` handed to the socket writer: its packets, by QoS, and their latency.
+
+        Every packet of the batch is counted at the age of its oldest queue
+        message: an upper bound, one histogram update per batch.
+        """
+        self.messages_out += deliver.count
+        by_qos = self.messages_out_by_qos
+        by_qos[0] += deliver.by_qos[0]
+        by_qos[1] += deliver.by_qos[1]
+        by_qos[2] += deliver.by_qos[2]
+        if deliver.oldest_ms:
+            self.delivery_latency.observe(max(0.0, time.time() - deliver.oldest_ms / 1000), deliver.count)
+
+
+class Backend(Protocol):
+    """What a connection needs from its node."""
+
+    channel_config: ChannelConfig
+    connect_timeout_s: float
+    traffic: Traffic
+    timers: Timers  # the node's one timer task: keepalive, commit and CONNECT deadlines of every connection
+    reads: Poller  # the node's one read task for plain TCP sockets
+    nursery: trio.Nursery  # where connections run their writer and worker tasks
+
+    def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
+        """Answer a pull from memory if the node can (the queue cache has it), else None: ``perform`` will."""
+        ...
+
+    def append_now(self, connection: Connection, action: Append) -> bool:
+        """Append now and feed the answer if the node can without waiting; False: ``perform`` will."""
+        ...
+
+    def append_mark(self) -> int | None:
+        """For an append read now and left to ``perform``: the mark to queue before it (``AfterReads``) while
+        activations read earlier wait to be applied, else None (gateway/node/order.py)."""
+        ...
+
+    def activation_read(self, connection: Connection, action: Activate) -> None:
+        """The channel asked for this activation (its SUBSCRIBE was read): appends read from now on wait
+        until ``perform`` has applied it."""
+        ...
+
+    async def perform(self, connection: Connection, actions: list[Action]) -> None:
+        """Execute node actions in order, feeding their answers to ``connection.feed``."""
+        ...
+
+    def connection_closed(self, connection: Connection) -> None:
+        """The connection is gone (socket closed, channel settled or abandoned)."""
+        ...
+
+
+@final
+class Connection:
+    """One client connection: socket, decoder, channel, timers, and its queue of node actions.
+
+    Tasks are spent only while there is work: the connection's own task reads;
+    a writer task lives while bytes wait for the socket and a worker task while
+    node actions wait for the backend. Timers are handles in the node's
+    ``Timers``. The writer and the worker run in the node's nursery, each in
+    a cancel scope of the connection's, so an idle device costs one task (its
+    reader) and no nursery.
+
+    Resource handling: :meth:`run` owns ``stream`` and closes it before returning.
+    """
+
+    __slots__ = (
+        "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_stream", "_backend", "_traffic",
+        "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing", "_read_scope",
+        "_broken", "_timers", "_deadline", "_running", "_scopes", "_fd", "_holding", "_reader", "_read_ended",
+        "_read_failure", "_lift", "_mark", "_backlog", "__weakref__",
+    )
+
+    def __init__(
+        self, stream: trio.abc.Stream, backend: Backend, peer: str, host: str, cert_identity: str | None = None
+    ) -> None:
+        """``peer`` is the client's address and port (for logs), ``host`` its address alone (per-source limits),
+        ``cert_identity`` the verified client-certificate CN (mTLS), if any."""
+        config = backend.channel_config
+        self.channel = Channel(config)
+        self.peer = peer
+        self.host = host
+        self.cert_identity = cert_identity
+        self.username: str | None = None  # the authenticated user name (None: anonymous), set when the node accepts
+        self._finished: trio.Event | None = None  # made by the first waiter: most connections never have one
+        self._done = False
+        self._stream = stream
+        self._backend = backend
+        self._traffic = backend.traffic
+        self._decoder = MqttDecoder(role=Role.SERVER, max_packet_size=config.max_packet_size,
+                                    max_connect_size=config.max_connect_size, repeat_limit=config.repeat_limit)
+        self._out: list[bytes] = []
+        self._out_seq: int | None = None  # highest Deliver seq among the bytes in _out
+        self._writing = False  # a writer task runs (it holds bytes taken from _out until they are written)
+        self._work: list[Action] = []
+        self._working = False  # a worker task runs (it holds the batch it hands to the backend)
+        self._changed: trio.Event | None = None  # created by a waiter in _until, set by _signal
+        self._closing = False
+        self._read_scope = trio.CancelScope()
+        self._broken = False
+        self._timers: dict[str, Timer] = {}
+        self._deadline: Timer | None = None  # until CONNECT is read
+        self._running = False  # run() serves the connection: tasks and timers may start
+        self._scopes: dict[str, trio.CancelScope] = {}  # the writer's and the worker's, while they run
+        # A plain TCP socket's descriptor, written directly by _flush while no writer task runs (-1: TLS, WebSocket).
+        self._fd = stream.socket.fileno() if type(stream) is trio.SocketStream else -1
+        self._holding = False  # the reader is processing a read: _flush waits for its end
+        self._reader: trio.lowlevel.Task | None = None  # the reader task, while it waits for the poller
+        self._read_ended = False  # a polled read ended the connection (or failed)
+        self._read_failure: Exception | None = None  # what a polled read raised, for the reader task to raise
+        # A WebSocket's widening of its message bound, called once the client is accepted (CONNACK sent).
+        self._lift: Callable[[], None] | None = getattr(stream, "lift_message_limit", None)
+        self._mark = -1  # the last read-order mark queued (AfterReads)
+        self._backlog = False  # a pause stopped decoding: packets read before it may wait in the decoder
+
+    @property
+    def client_id(self) -> str:
+        return self.channel.client_id
+
+    async def wait_finished(self) -> None:
+        """Return once the connection is gone (node told; the socket at most lingers): what a takeover waits for."""
+        if self._done:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._finished is None:
+            self._finished = trio.Event()
+        await self._finished.wait()
+
+    # --- executing actions --------------------------------------------------------------
+
+    def feed(self, event: Event) -> None:
+        """Give the channel a node event and execute what it answers."""
+        self.execute(self.channel.handle_event(event))
+
+    def feed_all(self, events: Sequence[Event]) -> None:
+        """:meth:`feed` each event in order; what they answer goes out in one write (a batch's acknowledgements)."""
+        holding = self._holding
+        self._holding = True
+        try:
+            for event in events:
+                self.feed(event)
+        finally:
+            self._holding = holding
+            if not holding:
+                self._start_pending()
+
+    def requeue(self, actions: list[Action]) -> None:
+        """Node actions the backend took in this step but must leave to ``perform`` after all. They go first:
+        nothing the connection queued after them has run yet (its worker starts in a later step)."""
+        self._work[:0] = actions
+        self._start_pending()
+
+    def execute(self, actions: list[Action]) -> None:
+        """Execute the channel's actions in order: socket and timer ones now, node ones queued for the worker."""
+        self._apply(actions)
+        self._start_pending()
+
+    def _start_pending(self) -> None:
+        """Write what is queued, start the worker for queued node actions (a write's ``SocketWritten`` may
+        have queued some), and wake the waiters."""
+        if self._lift is not None and self.channel.state is State.CONNECTED:
+            self._lift()
+            self._lift = None
+        if self._running:
+            self._flush()
+            if self._work and not self._working:
+                self._working = True
+                self._backend.nursery.start_soon(self._task, "worker", self._worker)
+        self._signal()
+
+    def _apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            kind = type(action)
+            if kind is Append:  # first: a flood is one per PUBLISH read
+                # In order (no work waits), the node may take it now.
+                if not (self._work or self._working) and self._backend.append_now(self, action):  # type: ignore[arg-type]
+                    continue
+                mark = self._backend.append_mark()
+                if mark is not None and mark > self._mark:  # after the activations read before it
+                    self._mark = mark
+                    self._work.append(AfterReads(mark))
+                self._work.append(action)
+            elif kind is Send:
+                level = self.channel.protocol_level
+                self._out.extend(encode(packet, level) for packet in action.packets)  # type: ignore[union-attr]
+            elif kind is Deliver:
+                self._out.append(action.data)  # type: ignore[union-attr]
+                self._out_seq = action.seq  # type: ignore[union-attr]
+                self._traffic.delivered(action)  # type: ignore[arg-type]
+            elif kind is Close:
+                LOGGER.info("closing connection: %s", action.log,  # type: ignore[union-attr]
+                            extra={"ctx": {"client_id": self.client_id, "peer": self.peer,
+                                           "reason": action.reason.name}})  # type: ignore[union-attr]
+                self.close()
+            elif kind is ArmTimer:
+                self._arm(action.name, action.delay_s)  # type: ignore[union-attr]
+            elif kind is CancelTimer:
+                timer = self._timers.pop(action.name, None)  # type: ignore[union-attr]
+                if timer is not None:
+                    timer.cancel()
+            else:
+                if kind is Activate:
+                    self._backend.activation_read(self, action)  # type: ignore[arg-type]
+                if not self._work and not self._working:  # in order: no work waits, so the node may answer now
+                    if kind is Pull:
+                        pulled = self._backend.pull_cached(self, action)  # type: ignore[arg-type]
+                        if pulled is not None:  # a cache hit: answered without a worker hop
+                            self.feed(pulled)
+                            continue
+                self._work.append(action)
+
+    def _flush(self) -> None:
+        """Write the queued bytes now while a plain TCP socket takes them whole; else start the writer task.
+
+        A socket with room in its buffer (nearly always) takes a write at
+        once: doing it here saves a task and two switches per write, which is
+        what a lightly loaded node spends most on. At most ``SYNC_WRITES``
+        writes in a row (a write's ``SocketWritten`` may deliver more), so a
+        backlog goes out through the writer task, taking turns with the other
+        connections. A nested call (an event fed while writing) leaves the
+        bytes it queued to the outer one, and the reader holds its writes
+        until it has processed everything it read (``_holding``): one write for
+        a read's worth of acknowledgements.
+        """
+        if self._writing or self._holding:
+            return
+        self._writing = True
+        try:
+            for _ in range(SYNC_WRITES if self._fd >= 0 and not self._broken else 0):
+                if not self._out:
+                    break
+                data = b"".join(self._out)
+                try:
+                    sent = os.write(self._fd, data)
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    self._broken = True
+                    self._writing = False
+                    self.feed(ConnectionLost(f"send failed: {exc!r}"))
+                    return
+                self._traffic.bytes_out += sent
+                if sent < len(data):
+                    self._out[:] = [data[sent:]]  # the writer sends the rest, then reports the Deliver written
+                    break
+                seq = self._out_seq
+                self._out.clear()
+                self._out_seq = None
+                if seq is not None:
+                    self._apply(self.channel.handle_event(SocketWritten(seq)))
+        finally:
+            self._writing = False
+        if self._out:
+            self._writing = True
+            self._backend.nursery.start_soon(self._task, "writer", self._writer)
+
+    def close(self) -> None:
+        """Stop reading and close once the node has settled the channel and the queued bytes are written."""
+        self._closing = True
+        self._read_scope.cancel()
+
+    def _signal(self) -> None:
+        changed = self._changed
+        if changed is not None:
+            self._changed = None
+            changed.set()
+
+    def _arm(self, name: str, delay_s: float) -> None:
+        old = self._timers.pop(name, None)
+        if old is not None:
+            old.cancel()
+        if not self._running or self._closing:
+            return
+        self._timers[name] = self._backend.timers.call_later(delay_s, lambda: self._fire(name))
+
+    def _fire(self, name: str) -> None:
+        """A timer of this connection came due (in the node's timer task: a failure must stay in this connection).
+
+        A keep-alive expiry first asks the kernel whether the client's bytes wait unread: they are its activity,
+        as are packets a pause left in the decoder (``_backlog``).
+        """
+        self._timers.pop(name, None)
+        if self._closing:
+            return
+        try:
+            waiting = name == KEEPALIVE_TIMER and (self._backlog or self._bytes_waiting())
+            self.execute(self.channel.handle_timeout(name, waiting))
+        except Exception as exc:
+            LOGGER.error("connection failed: %r", exc, exc_info=exc,
+                         extra={"ctx": {"client_id": self.client_id, "peer": self.peer, "timer": name}})
+            self._broken = True
+            self.close()
+
+    def _connect_deadline(self) -> None:
+        if self.channel.state is State.AWAIT_CONNECT and self._bytes_waiting():
+            # The client did send; the node has not read it yet (a busy event loop): not the client's fault.
+            self._arm_connect_deadline()
+            return
+        if self.channel.state is State.AWAIT_CONNECT:
+            LOGGER.info("closing connection: no CONNECT within %s s", self._backend.connect_timeout_s,
+                        extra={"ctx": {"peer": self.peer}})
+            self.close()
+
+    def _arm_connect_deadline(self) -> None:
+        self._deadline = self._backend.timers.call_later(self._backend.connect_timeout_s, self._connect_deadline)
+
+    def _bytes_waiting(self) -> bool:
+        """Whether the kernel holds bytes from the client that the reader has not taken (plain TCP only)."""
+        socket = getattr(self._stream, "socket", None)
+        if socket is None:
+            return False
+        poll = select.poll()  # not select.select: descriptors above 1,023 are normal with 10,000 devices
+        try:
+            poll.register(socket.fileno(), select.POLLIN)
+            return bool(poll.poll(0))
+        except (OSError, ValueError):  # closed meanwhile
+            return False
+
+    # --- tasks --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve the connection until the channel closes it or the socket fails; then close the socket.
+
+        Error handling: a failure is logged with the client id and ends this connection only.
+        """
+        self._running = True
+        self._arm_connect_deadline()
+        try:
+            with self._read_scope:
+                await self._read()
+            self._closing = True  # the channel closes on every way the reader ends; this is the backstop
+            self._deadline.cancel()  # type: ignore[union-attr]
+            for timer in self._timers.values():
+                timer.cancel()
+            self._timers.clear()
+            with trio.move_on_after(CLOSE_TIMEOUT_S):
+                await self._until(self._settled)
+                await self._until(lambda: not (self._out or self._writing) or self._broken)
+        except Exception as exc:  # one connection's failure must not stop the listener
+            LOGGER.error("connection failed: %r", exc, exc_info=exc,
+                         extra={"ctx": {"client_id": self.client_id, "peer": self.peer}})
+        finally:
+            self._running = False
+            self._deadline.cancel()  # type: ignore[union-attr]
+            for scope in self._scopes.values():
+                scope.cancel()
+            with trio.CancelScope(shield=True):
+                await self._until(lambda: not (self._writing or self._working))
+            self._release_buffers()
+            self._backend.connection_closed(self)
+            self._done = True
+            if self._finished is not None:
+                self._finished.set()
+            try:
+                await self._linger()  # cancelled (the node stops): no lingering
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._stream.aclose()
+
+    async def _linger(self) -> None:
+        """Half-close, then read and discard input until the client closes too, ``LINGER_S`` pass or
+        ``LINGER_BYTES`` arrive, so the socket is not closed with unread input (a reset). A WebSocket's close
+        handshake does the same (gateway/node/listeners.py).
+
+        TLS is half-closed below it, on the TCP connection (trio sends no close_notify alone): the client sees
+        the end at once, as plain TCP clients do, rather than after ``LINGER_S``.
+        """
+        stream = self._stream
+        if self._broken or isinstance(stream, WebSocketStream):
+            return
+        transport = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        with trio.move_on_after(LINGER_S):
+            try:
+                if isinstance(transport, trio.abc.HalfCloseableStream):
+                    await transport.send_eof()
+                read = 0
+                while read < LINGER_BYTES:
+                    data = await transport.receive_some(RECEIVE_BYTES)
+                    if not data:
+                        return
+                    read += len(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return
+
+    def _release_buffers(self) -> None:
+        """Drop what the ended connection still buffers (a partial packet, unsent bytes, queued work), so its memory
+        goes now, whoever still holds the connection (a takeover waiting, a log record, a reference cycle)."""
+        self._decoder.discard()
+        self._out.clear()
+        self._work.clear()
+        self._read_failure = None
+
+    async def _task(self, name: str, body: Callable[[], Awaitable[None]]) -> None:
+        """Run the writer or the worker in the node's nursery; a failure ends this connection only."""
+        scope = self._scopes[name] = trio.CancelScope()
+        if not self._running:
+            scope.cancel()  # started after the connection ended: only its clean-up runs
+        try:
+            with scope:
+                await body()
+        except Exception as exc:
+            LOGGER.error("connection failed: %r", exc, exc_info=exc,
+                         extra={"ctx": {"client_id": self.client_id, "peer": self.peer, "task": name}})
+            self._broken = True
+            self.close()
+        finally:
+            del self._scopes[name]
+
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            if self._changed is None:
+                self._changed = trio.Event()
+            await self._changed.wait()
+
+    def _settled(self) -> bool:
+        state = self.channel.state
+        idle = not self._work and not self._working
+        return idle and (state is State.CLOSED or state is State.AWAIT_CONNECT)
+
+    def _paused(self) -> bool:
+        """Reading waits: the node has too much work queued for the connection, a 3.1.1 in-flight window is full,
+        or the CONNECT is read and not answered yet (a client not yet accepted buffers at most one read more)."""
+        return len(self._work) >= MAX_QUEUED_ACTIONS or self.channel.input_paused \
+            or self.channel.state is State.CONNECTING
+
+    async def _read(self) -> None:
+        """The reader: receive, decode, hand each packet to the channel; return when the connection ends.
+
+        A plain TCP socket is read by the node's ``Poller`` (gateway/node/poller.py),
+        which calls :meth:`_on_readable` in its own step; this task only waits,
+        and takes the socket out of the set while reading is paused. TLS and
+        WebSocket streams are read here.
+
+        Raises:
+            Exception: what processing a read raised (a bug: it ends this connection only).
+        """
+        poller: Poller | None = self._backend.reads if self._fd >= 0 else None
+        while True:
+            if self._paused():
+                await self._until(lambda: not self._paused())
+            if self._backlog:  # the packets read before the pause first: the client may send nothing more
+                if not self._decode():
+                    return
+                continue
+            if poller is None:
+                try:
+                    data = await self._stream.receive_some(RECEIVE_BYTES)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    self.feed(ConnectionLost(f"receive failed: {exc!r}"))
+                    return
+                if not self._ingest(data):
+                    return
+                continue
+            self._reader = trio.lowlevel.current_task()
+            poller.register(self._fd, self._on_readable)
+            try:
+                await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+            finally:
+                poller.unregister(self._fd)
+            failure, self._read_failure = self._read_failure, None
+            if failure is not None:
+                raise failure
+            if self._read_ended:
+                return
+
+    def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
+        self._reader = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _on_readable(self) -> int:
+        """The poller saw bytes (or the end) on the socket: read once and process it, in the poller's step;
+        returns the bytes read.
+
+        Wakes the reader task when reading must stop: the connection ended or is paused.
+        """
+        if self._closing or self._read_ended:
+            self._backend.reads.unregister(self._fd)  # the reader task is about to leave: read nothing more
+            return 0
+        data = b""
+        try:
+            data = os.read(self._fd, RECEIVE_BYTES)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            self.feed(ConnectionLost(f"receive failed: {exc!r}"))
+            self._read_ended = True
+        else:
+            try:
+                self._read_ended = not self._ingest(data)
+            except Exception as exc:  # raised again in the reader task: "connection failed", this connection only
+                self._read_failure = exc
+                self._read_ended = True
+        reader = self._reader
+        if reader is not None and (self._read_ended or self._paused()):
+            self._reader = None
+            self._backend.reads.unregister(self._fd)
+            trio.lowlevel.reschedule(reader)
+        return len(data)
+
+    def _ingest(self, data: bytes) -> bool:
+        """Decode ``data`` and hand each packet to the channel; False once reading must end (the client closed
+        the connection, sent a malformed packet, or the channel closed it)."""
+        if not data:
+            self.feed(ConnectionLost("closed by the client"))
+            return False
+        self._traffic.bytes_in += len(data)
+        self._decoder.feed(data)
+        return self._decode()
+
+    def _decode(self) -> bool:
+        """Hand the decoded packets to the channel until more bytes are needed or reading pauses (``_paused``:
+        a 3.1.1 client's in-flight window is full, or too much node work waits); False as :meth:`_ingest`.
+
+        A pause stops decoding too, not only reading: a 3.1.1 client may pipeline any number of QoS 1
+        PUBLISHes in one read, and back-pressure must not turn into a disconnect. The rest waits in the
+        decoder (at most one read) until the reader resumes.
+        """
+        decoder = self._decoder
+        channel = self.channel
+        self._backlog = False
+        holding = self._holding
+        self._holding = True  # the answers to everything read go out in one write, after the loop
+        try:
+            while True:
+                paused = self._paused()
+                try:
+                    packet = NEED_DATA if paused else decoder.next_packet()
+                except RemoteProtocolError as err:
+                    self.execute(channel.handle_protocol_error(err, decoder.protocol_level))
+                    return False
+                if packet is NEED_DATA:
+                    self._backlog = paused
+                    self.execute(channel.input_done())
+                    break
+                if type(packet) is Publish:
+                    self._traffic.messages_in += 1
+                    self._traffic.messages_in_by_qos[packet.qos] += 1
+                self._apply(channel.handle_in(packet))  # started and flushed once, after the loop
+        finally:
+            self._holding = holding
+            if not holding:
+                self._start_pending()
+        return not self._closing
+
+    async def _writer(self) -> None:
+        """Write what is queued until nothing is; then end (the next ``execute`` with bytes starts another)."""
+        try:
+            while self._out:
+                data = b"".join(self._out)
+                seq = self._out_seq
+                self._out.clear()
+                self._out_seq = None
+                if self._broken:
+                    continue
+                try:
+                    await self._stream.send_all(data)
+                    self._traffic.bytes_out += len(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self._broken = True
+                    self.feed(ConnectionLost(f"send failed: {exc!r}"))
+                    continue
+                if seq is not None:
+                    self.feed(SocketWritten(seq))
+        finally:
+            self._writing = False
+            self._signal()
+
+    async def _worker(self) -> None:
+        """Hand queued node actions to the backend, a batch at a time, until none are queued; then end."""
+        try:
+            while self._work:
+                batch = self._work
+                self._work = []
+                await self._backend.perform(self, batch)
+                self._signal()
+        finally:
+            self._working = False
+            self._signal()
+
+
+async def serve_mqtt(
+    backend: Backend,
+    specs: Sequence[ListenerSpec],
+    *,
+    admission: Admission | None = None,
+    task_status: trio.TaskStatus[list[BoundListener]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Listen as ``specs`` say (TCP, TLS, WebSocket; gateway/node/listeners.py) and serve every connection with
+    ``backend`` until cancelled.
+
+    ``task_status.started`` receives the bound listeners in the order of ``specs`` (port 0 picks a free port).
+    ``admission`` decides each accepted socket before any TLS, WebSocket or MQTT work (None: all admitted).
+
+    Error handling: a failing connection is logged and closed; the listeners keep serving.
+    """
+
+    def handler(stream: trio.abc.Stream, peer: Peer) -> Awaitable[None]:
+        # Returns the connection's coroutine rather than awaiting it: one frame less per idle device.
+        return Connection(stream, backend, peer.address, peer.host, peer.identity).run()
+
+    config = backend.channel_config
+    await serve_listeners(handler, specs, admission=admission, handshake_timeout_s=backend.connect_timeout_s,
+                          max_message_size=WS_MESSAGE_PACKETS * config.max_packet_size,
+                          connect_message_size=config.max_connect_size + RECEIVE_BYTES, task_status=task_status)

@@ -1,0 +1,669 @@
+"""The admin HTTP endpoint of a gateway node: metrics, health, the admin JSON API, HTTP publish, the dashboard.
+
+HTTP/1.1 is h11's (sans-IO, as our MQTT codec is): this module owns the
+sockets (trio), the routes and the JSON. Connections are kept alive; request
+heads are bounded by h11 (``MAX_HEAD_BYTES``), bodies by ``max_body`` (413);
+every error is a JSON ``{"error": ...}`` with the status saying what kind.
+
+What a connection may cost is bounded: at most ``max_connections`` are open
+at once (more are answered 503 and closed at once); a connection idle for
+``IDLE_TIMEOUT_S`` is closed, a request's head must arrive within
+``HEAD_TIMEOUT_S`` of its first byte and the whole request within
+``REQUEST_TIMEOUT_S``, and a response must be taken within
+``SEND_TIMEOUT_S``, so slow clients (slowloris) cannot hold connections,
+descriptors and buffers.
+
+Routes (docs/operations.md has the reference with curl examples):
+
+- ``GET /metrics`` (Prometheus text), ``GET /healthz`` (the process answers),
+  ``GET /readyz`` (the store answers and the MQTT listener is up; else 503 and
+  why): never need a token, so probes and scrapers need no secret.
+- ``GET /`` the dashboard page (it holds no data; its polls of
+  ``/api/v1/overview`` carry the token).
+- ``/api/v1/...`` clients, sessions, queues, retained messages, overview:
+  the bearer token ``admin.token`` when one is set. In a cluster, the calls
+  about one client (``/clients/{id}``, ``/sessions/{id}``) reach the node it
+  is connected to, whichever gateway node is asked (through the store).
+- ``POST /api/v1/publish``: authenticated like an MQTT client (HTTP Basic with
+  the password file's users, or anonymous when allowed) and checked against
+  the ACL's publish rules; it is not an admin action, so the token plays no part.
+
+The node (gateway/node/node.py, "administration") answers with the records below;
+they are frozen dataclasses that orjson writes as JSON objects.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, final
+from urllib.parse import parse_qsl, unquote
+
+import h11
+import orjson
+import trio
+
+from gateway.node.accept import CapacityLog, serve_accepting
+from gateway.ops.metrics import CONTENT_TYPE
+from gateway.mqtt.reasons import ReasonCode
+from lightqueue.topics import TopicError
+
+if TYPE_CHECKING:  # the node builds on these records, so only the type checker imports it here
+    from gateway.ops.metrics import NodeMetrics
+    from gateway.node.node import GatewayNode
+
+__all__ = [
+    "RECENT_AUTH_FAILURES",
+    "AdminApi",
+    "AuthFailure",
+    "ClientInfo",
+    "HttpError",
+    "QueueInfo",
+    "Request",
+    "Response",
+    "SessionInfo",
+    "SubscriptionLag",
+    "serve_admin",
+]
+
+LOGGER = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 16 * 1024
+"""Request line and headers together: an admin call needs a few hundred bytes; h11 answers more with 431."""
+
+RECEIVE_BYTES = 64 * 1024
+"""One ``receive_some`` reads up to this much."""
+
+IDLE_TIMEOUT_S = 60.0
+"""A kept-alive connection with no byte of a new request for this long is closed (Prometheus scrapes every 15-60 s)."""
+
+HEAD_TIMEOUT_S = 10.0
+"""A request's line and headers must arrive within this of its first byte (a few hundred bytes; slowloris sends one
+byte at a time to hold the connection)."""
+
+REQUEST_TIMEOUT_S = 30.0
+"""A request must arrive whole, body included, within this of its first byte, so a slow sender cannot hold a
+connection and its buffer forever."""
+
+SEND_TIMEOUT_S = 30.0
+"""A response must be taken by the client within this: one that never reads would hold the connection forever."""
+
+REFUSAL_LOG_INTERVAL_S = 10.0
+"""Connections over ``max_connections`` are logged at most once per this (with the count since the last line)."""
+
+LINGER_S = 2.0
+"""After an error answer that leaves the request unread (413, 400) the rest is read and dropped for up to this long
+before the close: closing with unread bytes makes the kernel reset the connection, and the client loses the answer."""
+
+READY_TIMEOUT_S = 2.0
+"""``/readyz``: a store that has not answered ``statistics()`` within this is not ready."""
+
+RECENT_AUTH_FAILURES = 50
+"""Refused CONNECTs and HTTP publishes the node remembers for the dashboard: a screenful; the log has them all."""
+
+OVERVIEW_CLIENTS = 100
+"""Connected clients listed in ``/api/v1/overview`` (the dashboard's table); ``/api/v1/clients`` lists all."""
+
+OVERVIEW_TOP = 10
+"""Sessions and queues in the dashboard's "top lagging" tables."""
+
+JSON = "application/json"
+DASHBOARD = Path(__file__).with_name("dashboard.html")
+
+
+# --- what the node answers ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClientInfo:
+    """One connected client."""
+
+    client_id: str
+    username: str | None
+    peer: str  # address:port
+    protocol: str  # "3.1.1" or "5.0"
+    keep_alive_s: int
+    expiry_s: int  # Session Expiry Interval; > 0: the session outlives the connection
+    subscriptions: int
+    inflight: int  # outbound QoS 1/2 messages not acknowledged yet
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionLag:
+    """One subscription of a session and how far behind its queue it is."""
+
+    filter: str
+    queue: str
+    qos: int
+    group: str | None  # the share name of a shared subscription (its group owns the offset)
+    offset: int  # committed: everything below is acknowledged
+    max_offset: int  # the queue's next offset
+    lag: int  # messages in the queue not acknowledged yet (max_offset - offset)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """A session this node knows: connected, or persistent and waiting for its client."""
+
+    client_id: str
+    connected: bool
+    expiry_s: int
+    inflight: int
+    lag: int  # the sum of its subscriptions' lags
+    subscriptions: tuple[SubscriptionLag, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueInfo:
+    """A light queue read by this node's sessions or shared groups."""
+
+    queue: str
+    max_offset: int
+    consumers: int  # sessions and shared groups holding an offset on it
+    min_offset: int  # the lowest committed offset among them
+    lag: int  # max_offset - min_offset: what the slowest consumer has still to acknowledge
+
+
+@dataclass(frozen=True, slots=True)
+class AuthFailure:
+    """A refused CONNECT or HTTP publish, for the dashboard (never the password)."""
+
+    time_ms: int
+    client_id: str | None  # None for HTTP publishes
+    peer: str
+    username: str | None
+    reason: str  # the refusal's reason code name
+
+
+# --- HTTP -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One HTTP request as the routes see it; header names are lower case."""
+
+    method: str
+    path: str  # percent-encoded, as sent
+    query: Mapping[str, str]
+    headers: Mapping[str, str]
+    body: bytes
+    peer_host: str
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    status: int
+    body: bytes
+    content_type: str = JSON
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+class HttpError(Exception):
+    """Answer the request with ``status`` and ``{"error": message}``."""
+
+    def __init__(self, status: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers
+
+
+def json_response(value: Any, status: int = 200) -> Response:
+    return Response(status, orjson.dumps(value))
+
+
+Handler = Callable[[Request, str], Awaitable[Response]]
+"""A route's method handler: the request and the percent-decoded rest of the path (empty for exact routes)."""
+
+
+@final
+class AdminApi:
+    """The routes of the admin endpoint over one node.
+
+    Args:
+        node: the node whose administration methods answer.
+        metrics: renders ``/metrics``.
+        token: the bearer token ``/api/v1`` requires (empty: none).
+
+    ``mqtt_ready`` is set by whoever starts the MQTT listener, once it listens.
+    """
+
+    def __init__(self, node: GatewayNode, metrics: NodeMetrics, *, token: str = "") -> None:
+        self.node = node
+        self.metrics = metrics
+        self.mqtt_ready = False
+        self._token = token.encode()
+        self._dashboard = DASHBOARD.read_bytes()
+        self._exact: dict[str, dict[str, Handler]] = {
+            "/": {"GET": self._dashboard_page},
+            "/metrics": {"GET": self._metrics},
+            "/healthz": {"GET": self._healthz},
+            "/readyz": {"GET": self._readyz},
+            "/api/v1/overview": {"GET": self._overview},
+            "/api/v1/clients": {"GET": self._clients},
+            "/api/v1/sessions": {"GET": self._sessions},
+            "/api/v1/queues": {"GET": self._queues},
+            "/api/v1/retained": {"GET": self._retained},
+            "/api/v1/publish": {"POST": self._publish},
+        }
+        self._prefixed: dict[str, dict[str, Handler]] = {
+            "/api/v1/clients/": {"GET": self._client, "DELETE": self._disconnect},
+            "/api/v1/sessions/": {"GET": self._session, "DELETE": self._delete_session},
+            "/api/v1/retained/": {"GET": self._retained_one, "DELETE": self._delete_retained},
+        }
+        self._open = {"/", "/metrics", "/healthz", "/readyz", "/api/v1/publish"}  # no admin token needed
+
+    async def handle(self, request: Request) -> Response:
+        """Answer one request; never raises for a bad request (errors become 4xx/5xx JSON responses)."""
+        try:
+            handlers, rest, route = self._route(request.path)
+            handler = handlers.get(request.method)
+            if handler is None:
+                raise HttpError(405, f"{request.method} is not allowed on {request.path}",
+                                (("allow", ", ".join(handlers)),))
+            if route not in self._open:
+                self._check_token(request)
+            return await handler(request, rest)
+        except HttpError as err:
+            return Response(err.status, orjson.dumps({"error": err.message}), headers=err.headers)
+        except OSError as exc:  # the store (or, in a cluster, the node that has the client) did not answer
+            LOGGER.warning("admin request failed: %s", exc, extra={"ctx": {"method": request.method,
+                                                                             "path": request.path}})
+            return Response(503, orjson.dumps({"error": f"the store did not answer: {exc}"}))
+        except Exception as exc:  # a failing route must not take the endpoint down; the client gets the reason
+            LOGGER.error("admin request failed: %r", exc, exc_info=exc,
+                         extra={"ctx": {"method": request.method, "path": request.path}})
+            return Response(500, orjson.dumps({"error": f"internal error: {exc!r}"}))
+
+    def _route(self, path: str) -> tuple[dict[str, Handler], str, str]:
+        handlers = self._exact.get(path)
+        if handlers is not None:
+            return handlers, "", path
+        for prefix, handlers in self._prefixed.items():
+            if path.startswith(prefix) and len(path) > len(prefix):
+                try:
+                    return handlers, unquote(path[len(prefix):], errors="strict"), prefix
+                except UnicodeDecodeError:
+                    raise HttpError(400, f"the path is not percent-encoded UTF-8: {path}") from None
+        raise HttpError(404, f"no such resource: {path}")
+
+    def _check_token(self, request: Request) -> None:
+        if not self._token:
+            return
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(credentials.strip().encode(), self._token):
+            raise HttpError(401, "this admin API needs its bearer token (admin.token)",
+                            (("www-authenticate", 'Bearer realm="lightgate"'),))
+
+    # --- open routes --------------------------------------------------------------------
+
+    async def _dashboard_page(self, request: Request, rest: str) -> Response:
+        return Response(200, self._dashboard, "text/html; charset=utf-8")
+
+    async def _metrics(self, request: Request, rest: str) -> Response:
+        return Response(200, await self.metrics.exposition(), CONTENT_TYPE)
+
+    async def _healthz(self, request: Request, rest: str) -> Response:
+        return json_response({"status": "ok"})
+
+    async def _readyz(self, request: Request, rest: str) -> Response:
+        if not self.mqtt_ready:
+            return json_response({"status": "not ready", "reason": "the MQTT listener is not up yet"}, 503)
+        with trio.move_on_after(READY_TIMEOUT_S):
+            try:
+                await self.node.store.statistics()
+            except Exception as exc:  # any failure of the store is "not ready", with its reason
+                return json_response({"status": "not ready", "reason": f"the store failed: {exc!r}"}, 503)
+            return json_response({"status": "ready"})
+        return json_response({"status": "not ready",
+                              "reason": f"the store did not answer within {READY_TIMEOUT_S} s"}, 503)
+
+    async def _publish(self, request: Request, rest: str) -> Response:
+        username, password = _basic_credentials(request)
+        fields = _json_object(request.body)
+        topic = fields.get("topic")
+        if not isinstance(topic, str):
+            raise HttpError(400, "'topic' must be a string")
+        payload = _payload(fields)
+        qos = fields.get("qos", 0)
+        retain = fields.get("retain", False)
+        if qos not in (0, 1, 2) or isinstance(qos, bool):
+            raise HttpError(400, "'qos' must be 0, 1 or 2")
+        if not isinstance(retain, bool):
+            raise HttpError(400, "'retain' must be true or false")
+        decision = await self.node.authenticate_http(username, password, request.peer_host)
+        if not decision.accepted:
+            raise HttpError(401, "credentials not accepted", (("www-authenticate", 'Basic realm="lightgate"'),))
+        try:
+            reason = await self.node.publish(topic, payload, qos, retain, decision.username, request.peer_host)
+        except TopicError as exc:
+            raise HttpError(400, f"topic: {exc}") from None
+        if reason is ReasonCode.NOT_AUTHORIZED:
+            raise HttpError(403, f"the ACL does not allow publishing to {topic!r}")
+        if reason is ReasonCode.PACKET_TOO_LARGE:
+            raise HttpError(413, "the message exceeds commitlog.max_record_bytes")
+        if reason is not None:
+            raise HttpError(503, f"the store did not take the message: {reason.name}")
+        return json_response({"topic": topic, "qos": qos, "retain": retain, "bytes": len(payload)})
+
+    # --- admin routes -------------------------------------------------------------------
+
+    async def _overview(self, request: Request, rest: str) -> Response:
+        node = self.node
+        traffic = node.traffic
+        sessions = await node.sessions()
+        queues = await node.queues()
+        store = await node.store.statistics()
+        clients = node.clients()
+        online, offline = node.session_counts()
+        return json_response({
+            "time_ms": int(time.time() * 1000),
+            "uptime_s": node.uptime_s(),
+            "connections": len(clients),
+            "sessions": {"online": online, "offline": offline},
+            "messages": {"received": traffic.messages_in, "sent": traffic.messages_out,
+                         "received_by_qos": traffic.messages_in_by_qos, "sent_by_qos": traffic.messages_out_by_qos},
+            "bytes": {"received": traffic.bytes_in, "sent": traffic.bytes_out},
+            "store": {"dispatch_lag": store.dispatch_lag, "log_bytes": store.log_bytes, "queue_ids": store.queue_ids,
+                      "active_filters": store.active_filters, "retained": store.retained,
+                      "notify_sent": store.notify_sent, "notify_suppressed": store.notify_suppressed},
+            "auth": {"failures": node.auth_counters.auth_failures, "acl_denials": node.auth_counters.acl_denials,
+                     "recent": list(reversed(node.auth_counters.recent))},
+            "clients": clients[:OVERVIEW_CLIENTS],
+            "top_sessions": sorted((s for s in sessions if s.lag), key=lambda s: -s.lag)[:OVERVIEW_TOP],
+            "top_queues": sorted((q for q in queues if q.lag), key=lambda q: -q.lag)[:OVERVIEW_TOP],
+        })
+
+    async def _clients(self, request: Request, rest: str) -> Response:
+        return json_response(self.node.clients())
+
+    async def _client(self, request: Request, rest: str) -> Response:
+        info = await self.node.client_info(rest)
+        if info is None:
+            raise HttpError(404, f"no connected client {rest!r}")
+        return json_response(info)
+
+    async def _disconnect(self, request: Request, rest: str) -> Response:
+        if not await self.node.disconnect(rest):
+            raise HttpError(404, f"no connected client {rest!r}")
+        return json_response({"disconnected": rest})
+
+    async def _sessions(self, request: Request, rest: str) -> Response:
+        return json_response(await self.node.sessions())
+
+    async def _session(self, request: Request, rest: str) -> Response:
+        info = await self.node.session_info(rest)
+        if info is None:
+            raise HttpError(404, f"no session {rest!r}")
+        return json_response(info)
+
+    async def _delete_session(self, request: Request, rest: str) -> Response:
+        if not await self.node.delete_session(rest):
+            raise HttpError(404, f"no session {rest!r}")
+        return json_response({"deleted": rest})
+
+    async def _queues(self, request: Request, rest: str) -> Response:
+        return json_response(await self.node.queues())
+
+    async def _retained(self, request: Request, rest: str) -> Response:
+        filter = request.query.get("filter", "#")
+        try:
+            messages = await self.node.retained(filter)
+        except TopicError as exc:
+            raise HttpError(400, f"filter: {exc}") from None
+        return json_response([_message_json(m) for m in messages])
+
+    async def _retained_one(self, request: Request, rest: str) -> Response:
+        try:
+            messages = await self.node.retained(rest)
+        except TopicError as exc:
+            raise HttpError(400, f"topic: {exc}") from None
+        found = [m for m in messages if m.topic == rest]
+        if not found:
+            raise HttpError(404, f"no retained message on {rest!r}")
+        return json_response(_message_json(found[0]))
+
+    async def _delete_retained(self, request: Request, rest: str) -> Response:
+        try:
+            existed = await self.node.delete_retained(rest)
+        except TopicError as exc:
+            raise HttpError(400, f"topic: {exc}") from None
+        if not existed:
+            raise HttpError(404, f"no retained message on {rest!r}")
+        return json_response({"deleted": rest})
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise HttpError(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    return value
+
+
+def _payload(fields: Mapping[str, Any]) -> bytes:
+    """The message payload: ``payload`` as UTF-8 text, or base64 with ``"encoding": "base64"``."""
+    text = fields.get("payload", "")
+    encoding = fields.get("encoding", "utf-8")
+    if not isinstance(text, str):
+        raise HttpError(400, "'payload' must be a string")
+    if encoding == "utf-8":
+        return text.encode()
+    if encoding == "base64":
+        try:
+            return base64.b64decode(text, validate=True)
+        except binascii.Error as exc:
+            raise HttpError(400, f"'payload' is not valid base64: {exc}") from None
+    raise HttpError(400, "'encoding' must be utf-8 or base64")
+
+
+def _basic_credentials(request: Request) -> tuple[str | None, bytes | None]:
+    """(user name, password) of HTTP Basic authentication, or (None, None) when the request has none."""
+    header = request.headers.get("authorization")
+    if header is None:
+        return None, None
+    scheme, _, encoded = header.partition(" ")
+    if scheme.lower() != "basic":
+        raise HttpError(401, "publishing takes HTTP Basic credentials",
+                        (("www-authenticate", 'Basic realm="lightgate"'),))
+    try:
+        username, colon, password = base64.b64decode(encoded.strip(), validate=True).partition(b":")
+        if not colon:
+            raise ValueError("no ':' between user name and password")
+        return username.decode(), password
+    except (binascii.Error, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise HttpError(400, f"malformed Basic credentials: {exc}") from None
+
+
+def _message_json(message: Any) -> dict[str, Any]:
+    """A retained message (``store.log.record.Record``) as JSON: the payload as text when it is UTF-8, else base64."""
+    try:
+        payload, encoding = message.payload.decode(), "utf-8"
+    except UnicodeDecodeError:
+        payload, encoding = base64.b64encode(message.payload).decode(), "base64"
+    return {"topic": message.topic, "qos": message.qos, "payload": payload, "encoding": encoding,
+            "bytes": len(message.payload), "store_ms": message.store_ms, "client_id": message.client_id}
+
+
+# --- serving ----------------------------------------------------------------------------------
+
+
+async def serve_admin(
+    api: AdminApi,
+    host: str,
+    port: int,
+    *,
+    max_body: int,
+    max_connections: int = 32,
+    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the admin endpoint on ``host:port`` until cancelled.
+
+    ``task_status.started`` receives the listeners (port 0 picks a free port: read it from them).
+    Bodies larger than ``max_body`` bytes are refused with 413 (and the connection closed); connections beyond
+    ``max_connections`` open at once get 503 and are closed.
+
+    Error handling: a failing connection is logged and closed; the listener keeps serving.
+    """
+    open_connections = 0
+    refused = 0
+    quiet_until = 0.0
+
+    async def handler(stream: trio.SocketStream) -> None:
+        nonlocal open_connections, refused, quiet_until
+        try:
+            peer_host = stream.socket.getpeername()[0]
+        except OSError:
+            peer_host = "?"
+        if max_connections and open_connections >= max_connections:
+            refused += 1
+            if time.monotonic() >= quiet_until:
+                quiet_until = time.monotonic() + REFUSAL_LOG_INTERVAL_S
+                LOGGER.warning("admin connection refused: %d open, the limit is admin.max_connections",
+                               open_connections, extra={"ctx": {"peer": peer_host, "refused": refused}})
+            with trio.move_on_after(SEND_TIMEOUT_S), contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(_BUSY)
+            return
+        open_connections += 1
+        try:
+            await _serve_connection(stream, api, peer_host, max_body)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client went away; nothing to answer
+        except Exception as exc:  # one connection's failure must not stop the listener
+            LOGGER.error("admin connection failed: %r", exc, exc_info=exc, extra={"ctx": {"peer": peer_host}})
+        finally:
+            open_connections -= 1
+
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_accepting, listeners, handler, CapacityLog("admin"))
+        task_status.started(listeners)
+
+
+def _busy_response() -> bytes:
+    """The 503 a connection over ``max_connections`` gets, whole, before its request is read."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    conn.next_event()
+    body = orjson.dumps({"error": "too many admin connections; try again later"})
+    return conn.send(h11.Response(status_code=503, reason=b"Service Unavailable", headers=[
+        ("content-type", JSON), ("content-length", str(len(body))), ("connection", "close")])) \
+        + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
+
+
+_BUSY = _busy_response()
+
+
+class _BodyTooLarge(Exception):
+    """The request announced or sent a body over the limit."""
+
+
+async def _serve_connection(stream: trio.SocketStream, api: AdminApi, peer_host: str, max_body: int) -> None:
+    """Answer requests on one kept-alive connection until either side closes it or it idles out.
+
+    Resource handling: the caller (``serve_accepting``) closes ``stream``.
+    """
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+    while True:
+        try:
+            request = await _receive_request(stream, conn, peer_host, max_body)
+        except h11.RemoteProtocolError as exc:
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                await _send(stream, conn, _closing(exc.error_status_hint, f"bad request: {exc}"), head=False)
+                await _linger(stream)
+            return
+        except _BodyTooLarge:
+            await _send(stream, conn, _closing(413, f"the body exceeds {max_body} bytes"), head=False)
+            await _linger(stream)
+            return
+        except trio.TooSlowError:
+            return  # a request that does not arrive whole in time, or an answer not taken in time
+        if request is None:
+            return  # closed by the client, or idle
+        with trio.fail_after(SEND_TIMEOUT_S):
+            await _send(stream, conn, await api.handle(request), head=request.method == "HEAD")
+        if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+            return  # "Connection: close", HTTP/1.0, or an unread body
+        conn.start_next_cycle()
+
+
+async def _receive_request(stream: trio.abc.Stream, conn: h11.Connection, peer_host: str,
+                           max_body: int) -> Request | None:
+    """The next request with its whole body, or None when the client closed or stayed idle.
+
+    Raises:
+        h11.RemoteProtocolError: not HTTP/1.1 as h11 understands it (the hint says which status).
+        _BodyTooLarge: the body exceeds ``max_body``.
+        trio.TooSlowError: the head did not arrive within ``HEAD_TIMEOUT_S`` of the request's first byte, or
+            the whole request within ``REQUEST_TIMEOUT_S``.
+    """
+    event = conn.next_event()  # a pipelined request may be buffered already
+    if event is h11.NEED_DATA:
+        data = None
+        with trio.move_on_after(IDLE_TIMEOUT_S):
+            data = await stream.receive_some(RECEIVE_BYTES)  # the first bytes of the next request, or the end
+        if data is None:
+            return None  # idle
+        conn.receive_data(data)
+    with trio.fail_after(REQUEST_TIMEOUT_S):
+        if event is h11.NEED_DATA:
+            with trio.fail_after(HEAD_TIMEOUT_S):
+                event = await _next_event(stream, conn)
+        if not isinstance(event, h11.Request):
+            return None  # h11.ConnectionClosed
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers}
+        length = headers.get("content-length")
+        if length is not None and int(length) > max_body:  # h11 checked that it is a number
+            raise _BodyTooLarge
+        if conn.they_are_waiting_for_100_continue:
+            await stream.send_all(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+        body = bytearray()
+        while not isinstance(part := await _next_event(stream, conn), h11.EndOfMessage):
+            body += part.data  # h11.Data: nothing else comes between a request and its end
+            if len(body) > max_body:
+                raise _BodyTooLarge
+        path, _, query = event.target.decode("latin-1").partition("?")
+        return Request(event.method.decode("latin-1"), path, dict(parse_qsl(query)), headers, bytes(body), peer_host)
+    return None
+
+
+async def _next_event(stream: trio.abc.Stream, conn: h11.Connection) -> Any:
+    while True:
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        conn.receive_data(await stream.receive_some(RECEIVE_BYTES))
+
+
+async def _linger(stream: trio.SocketStream) -> None:
+    """Half-close, then drop what the client still sends until it closes too (at most ``LINGER_S``)."""
+    with trio.move_on_after(LINGER_S):
+        await stream.send_eof()
+        while await stream.receive_some(RECEIVE_BYTES):
+            pass
+
+
+def _closing(status: int, message: str) -> Response:
+    return Response(status, orjson.dumps({"error": message}), headers=(("connection", "close"),))
+
+
+async def _send(stream: trio.abc.Stream, conn: h11.Connection, response: Response, *, head: bool) -> None:
+    """Write one whole response (a HEAD request gets the headers only)."""
+    headers = [("content-type", response.content_type), ("content-length", str(len(response.body))),
+               ("cache-control", "no-store"), *response.headers]
+    data = conn.send(h11.Response(status_code=response.status, headers=headers,
+                                  reason=HTTPStatus(response.status).phrase.encode()))
+    if not head:
+        data += conn.send(h11.Data(data=response.body))
+    data += conn.send(h11.EndOfMessage())
+    await stream.send_all(data)

@@ -1,0 +1,176 @@
+"""Prometheus metrics of a gateway node, read from its counters when ``/metrics`` is scraped.
+
+The per-message paths only add to plain ints (``Traffic``, ``AuthCounters``,
+the limit and admission counters, the store's figures) and to fixed-bucket
+``LatencyBuckets``; no prometheus object sits on them. ``NodeMetrics`` fetches
+the store's figures (``StoreClient.statistics``, async), then lets a custom
+collector turn everything into metric families. Each node has its own
+``CollectorRegistry``: tests start many nodes in one process, and the global
+registry would mix them up. docs/operations.md lists every metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import fields
+from itertools import accumulate
+from typing import TYPE_CHECKING, final
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from gateway import __version__
+from store.log.aio import LatencyBuckets
+
+if TYPE_CHECKING:
+    from gateway.node.admission import Admission
+    from gateway.node.cache import QueueCache
+    from gateway.node.node import GatewayNode
+    from store.local import StoreStatistics
+
+__all__ = ["CONTENT_TYPE", "NodeMetrics", "histogram"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+"""The Prometheus text exposition format's content type."""
+
+PREFIX = "lightgate_"
+"""Every metric's name starts with it, so one Prometheus can scrape LightGate next to other brokers."""
+
+
+def histogram(name: str, documentation: str, buckets: LatencyBuckets) -> HistogramMetricFamily:
+    """A Prometheus histogram (cumulative buckets, ``+Inf``, sum) from a ``LatencyBuckets``."""
+    cumulative = list(accumulate(buckets.counts))
+    pairs = [(floatToGoString(bound), float(count)) for bound, count in zip(buckets.bounds, cumulative)]
+    pairs.append(("+Inf", float(cumulative[-1])))
+    return HistogramMetricFamily(name, documentation, buckets=pairs, sum_value=buckets.sum_s)
+
+
+@final
+class NodeMetrics:
+    """The metrics of one node: ``await exposition()`` renders them in the Prometheus text format.
+
+    Args:
+        node: the node whose counters are read.
+        flush_latency: the CommitLog's flush times, when the store runs in this process (None in cluster
+            mode: the store node exports its own).
+        admission: the node's connection admission (open connections, refusals), if it has one.
+        cache: the node's queue cache (hits vs store reads), if it has one.
+    """
+
+    def __init__(self, node: GatewayNode, *, flush_latency: LatencyBuckets | None = None,
+                 admission: Admission | None = None, cache: QueueCache | None = None) -> None:
+        self._node = node
+        self._flush_latency = flush_latency
+        self._admission = admission
+        self._cache = cache
+        self._store: StoreStatistics | None = None
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    async def exposition(self) -> bytes:
+        """The current metrics, store figures fetched now."""
+        self._store = await self._node.store.statistics()
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        """The collector protocol of prometheus_client (called by ``generate_latest``)."""
+        node = self._node
+        traffic = node.traffic
+        online, offline = node.session_counts()
+        admission = self._admission
+        yield InfoMetricFamily(PREFIX + "build", "the running LightGate's version (always 1)",
+                               value={"version": __version__})
+        yield _gauge("connections", "open MQTT connections",
+                     admission.connections if admission is not None else online)
+        sessions = GaugeMetricFamily(PREFIX + "sessions", "sessions this node knows, by state: online (connected) "
+                                     "and offline (persistent, waiting for their client)", labels=["state"])
+        sessions.add_metric(["online"], online)
+        sessions.add_metric(["offline"], offline)
+        yield sessions
+        yield _by_qos("messages_received", "PUBLISH packets received from clients", traffic.messages_in_by_qos)
+        yield _by_qos("messages_sent", "PUBLISH packets sent to clients", traffic.messages_out_by_qos)
+        yield _by_qos("messages_refused", "messages the store did not take (a full data disk...): QoS 0 ones "
+                      "dropped, QoS 1/2 ones answered with a failure", self._node.refused_by_qos)
+        yield _counter("bytes_received", "bytes read from client connections", traffic.bytes_in)
+        yield _counter("bytes_sent", "bytes written to client connections", traffic.bytes_out)
+        yield histogram(PREFIX + "delivery_latency_seconds", "queue messages from their store time to the write "
+                        "of their PUBLISH to the subscriber (an upper bound per written batch)",
+                        traffic.delivery_latency)
+        counters = node.auth_counters
+        yield _counter("auth_failures", "CONNECTs and HTTP publishes refused for their credentials",
+                       counters.auth_failures)
+        yield _counter("acl_denials", "messages dropped and subscriptions refused by the ACL", counters.acl_denials)
+        yield from self._limits()
+        yield from self._cache_metrics()
+        yield from self._store_metrics()
+
+    def _cache_metrics(self) -> Iterator[Metric]:
+        if self._cache is None:
+            return
+        cache = self._cache.statistics()
+        yield _counter("queue_cache_hits", "session reads answered from the queue cache", cache.hits)
+        yield _counter("queue_cache_store_reads", "session reads that went to the store (behind or ahead of the "
+                       "cache)", cache.store_reads)
+        yield _counter("queue_cache_fills", "queue reads by the cache itself after notify events", cache.fills)
+        yield _gauge("queue_cache_messages", "messages held by the queue cache", cache.messages)
+        yield _gauge("queue_cache_bytes", "estimated bytes held by the queue cache", cache.bytes)
+
+    def _limits(self) -> Iterator[Metric]:
+        limits = self._node.limit_counters
+        hits = CounterMetricFamily(PREFIX + "limit_hits", "times clients ran into a limit, by limit", labels=["limit"])
+        for field in fields(limits):
+            hits.add_metric([field.name], getattr(limits, field.name))
+        yield hits
+        if self._admission is not None:
+            refused = CounterMetricFamily(PREFIX + "connections_refused", "connections refused at accept, by reason",
+                                          labels=["reason"])
+            counters = self._admission.counters
+            for field in fields(counters):
+                refused.add_metric([field.name.removeprefix("refused_")], getattr(counters, field.name))
+            yield refused
+
+    def _store_metrics(self) -> Iterator[Metric]:
+        store = self._store
+        if store is not None:
+            yield _gauge("dispatch_lag_bytes", "CommitLog bytes appended and not indexed yet", store.dispatch_lag)
+            yield _counter("commitlog_written_bytes", "bytes appended to the CommitLog since it began",
+                           store.written_offset)
+            yield _gauge("commitlog_bytes", "bytes of records the CommitLog holds (retention bounds it)",
+                         store.log_bytes)
+            yield _gauge("commitlog_unflushed_bytes", "CommitLog bytes written and not on disk yet",
+                         store.written_offset - store.flushed_offset)
+            yield _gauge("queues", "light queues created so far (queue ids allocated)", store.queue_ids)
+            yield _gauge("active_filters", "wildcard filters being indexed", store.active_filters)
+            yield _gauge("retained_messages", "retained messages", store.retained)
+            yield _counter("notify_events_sent", "queue events routed to gateway nodes", store.notify_sent)
+            yield _counter("notify_events_suppressed", "node events not sent: the node had no session on the queue",
+                           store.notify_suppressed)
+            yield _counter("corrupt_records", "corrupt CommitLog records found and skipped (each counted once; "
+                           "the ERROR log line names its file and offset)", store.corrupt_records)
+            yield _gauge("store_disk_full", "1 while the data disk is full and new QoS 1/2 messages are refused",
+                         int(store.disk_full))
+        if self._flush_latency is not None:
+            yield histogram(PREFIX + "commitlog_flush_seconds", "time of each CommitLog flush (fsync) round",
+                            self._flush_latency)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, documentation, value=value)
+
+
+def _by_qos(name: str, documentation: str, counts: list[int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(PREFIX + name, documentation + ", by QoS", labels=["qos"])
+    for qos, count in enumerate(counts):
+        family.add_metric([str(qos)], count)
+    return family

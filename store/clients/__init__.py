@@ -1,0 +1,1 @@
+"""Back-end clients of a store node: producers and consumer groups."""

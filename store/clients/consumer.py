@@ -1,0 +1,252 @@
+"""Back-end consumers: a service reads a topic filter as a consumer group, at least once, from committed offsets.
+
+::
+
+    async with Consumer.connect("store-host", 7883, group="billing", filter="tele/#",
+                                start="earliest", username="billing", password="...") as consumer:
+        async for batch in consumer:      # the previous batch is acknowledged when the next is asked for
+            for message in batch:
+                handle(message.topic, message.payload)
+
+or, acknowledging explicitly (``auto_commit=False``)::
+
+        async for batch in consumer:
+            await process(batch)
+            await consumer.commit(batch)  # durable on return
+
+The group lives in the store node (store/groups.py): every consumer of a group
+is a member; members share the queue's messages (each message is handed to one
+member at a time, a fair share of the backlog each); a member's messages not
+acknowledged when it goes (it leaves, its process dies, its connection breaks
+or falls silent for the store's lease) go to the other members; the group's
+committed offset (the lowest one not acknowledged) survives restarts. A new
+group starts at ``start``: ``"earliest"`` (the oldest message the store still
+keeps), ``"latest"`` (messages appended after the join), a queue offset
+(``int``) or a ``datetime`` (the first message stored at or after it); once the
+group has an offset, ``start`` is ignored.
+
+Guarantee: at least once. A message is delivered again when its consumer went
+before acknowledging it, and, after every member left and the group is loaded
+again, everything from the committed offset is (messages acknowledged out of
+order above it included): handle duplicates (or make the handling idempotent).
+
+Waiting: a claim long-polls the store (``wait_s``), which answers as soon as
+the queue gets messages (the store's notify wakes it) or offsets are handed back.
+
+Reconnecting: if the connection to the store breaks, the consumer waits for
+the client to reconnect, joins again and goes on; what it had not acknowledged
+went back to the group and is delivered again (to it or another member).
+
+Resource handling: ``connect`` owns the connection; leaving the block leaves
+the group (the unacknowledged messages go to the other members) and closes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import final
+
+import trio
+
+from store.clients.producer import unique_client_name
+from store.log.record import Record
+from store.rpc.client import RemoteStoreClient, StoreUnavailable
+
+__all__ = ["Batch", "Consumer", "ConsumerMessage"]
+
+LOGGER = logging.getLogger(__name__)
+
+MAX_COUNT = 256
+"""Default messages per claim: a batch large enough to amortise the round trip, small enough to share the backlog."""
+
+MAX_BYTES = 4 * 1024 * 1024
+"""Default byte budget of a claim (a claim always gets at least one message when there is one)."""
+
+WAIT_S = 5.0
+"""How long one claim waits at the store for messages: the long poll's length (the consumer then asks again)."""
+
+Start = str | int | datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerMessage:
+    """One message of the group's queue: its queue offset (what a commit acknowledges) and the stored record."""
+
+    offset: int
+    record: Record
+
+    @property
+    def topic(self) -> str:
+        return self.record.topic
+
+    @property
+    def payload(self) -> bytes:
+        return self.record.payload
+
+    @property
+    def properties(self) -> bytes:
+        """The MQTT 5 PUBLISH property block (without its length prefix), ``b""`` if none."""
+        return self.record.properties
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Messages claimed together, in queue order (handed-back ones first)."""
+
+    messages: list[ConsumerMessage]
+
+    def __iter__(self) -> Iterator[ConsumerMessage]:
+        return iter(self.messages)
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    @property
+    def offsets(self) -> list[int]:
+        return [m.offset for m in self.messages]
+
+
+def start_position(start: Start) -> tuple[str, int]:
+    """``start`` as the RPC's ``(kind, at)``: ``earliest``/``latest``, an offset, or a time in ms since the epoch.
+
+    Raises:
+        ValueError: an unknown start word or a negative offset.
+    """
+    if isinstance(start, datetime):
+        return "time", int(start.timestamp() * 1000)
+    if isinstance(start, bool) or not isinstance(start, (str, int)):
+        raise ValueError(f"start must be 'earliest', 'latest', an offset or a datetime, not {start!r}")
+    if isinstance(start, int):
+        if start < 0:
+            raise ValueError(f"a start offset must not be negative, not {start}")
+        return "offset", start
+    if start not in ("earliest", "latest"):
+        raise ValueError(f"start must be 'earliest', 'latest', an offset or a datetime, not {start!r}")
+    return start, 0
+
+
+@final
+class Consumer:
+    """One member of a consumer group; create it with :meth:`connect`, then iterate over batches."""
+
+    def __init__(self, client: RemoteStoreClient, group: str, filter: str, start: tuple[str, int], *,
+                 max_count: int, max_bytes: int, wait_s: float, auto_commit: bool) -> None:
+        self.client = client
+        self.group = group
+        self.filter = filter
+        self._start = start
+        self._max_count = max_count
+        self._max_bytes = max_bytes
+        self._wait_s = wait_s
+        self._auto_commit = auto_commit
+        self._joined_at = -1  # the client's connection count when this member joined: another means rejoin
+        self.committed = 0  # the group's committed offset, as the store last said
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        *,
+        group: str,
+        filter: str,
+        start: Start = "earliest",
+        username: str | None = None,
+        password: str | bytes | None = None,
+        client_id: str | None = None,
+        max_count: int = MAX_COUNT,
+        max_bytes: int = MAX_BYTES,
+        wait_s: float = WAIT_S,
+        auto_commit: bool = True,
+        timeout_s: float | None = 30.0,
+    ) -> AsyncIterator[Consumer]:
+        """Connect to the store node at ``host:port`` and join ``group`` on ``filter``'s queue.
+
+        Args:
+            filter: a topic filter (``tele/#``, ``tele/+/temp``) or a topic; a
+                first-level topic ``tele`` is read as ``tele/#``.
+            start: where a group with no committed offset starts (see the module docstring).
+            client_id: this member's name at the store (``%c`` in ACL rules); default
+                ``consumer-<host>-<pid>-<n>``. Unique among the store's connections.
+            max_count, max_bytes, wait_s: one claim's size and long-poll time.
+            auto_commit: acknowledge a batch when the next one is asked for.
+            timeout_s: give up if the first connection takes longer (None: retry forever).
+
+        Raises:
+            StoreUnavailable: no connection within ``timeout_s``.
+            StoreRpcError: the store refused the connection (bad credentials, another protocol version).
+            AccessDenied: the ACL does not allow this user to subscribe to ``filter``.
+            TopicError, ValueError: a bad filter, group name or start.
+        """
+        if "/" not in filter and "+" not in filter and filter != "#":
+            filter += "/#"  # a first-level topic: its queue, as server-side consumers read it
+        position = start_position(start)  # a bad start fails before connecting
+        async with RemoteStoreClient.connect(host, port, node=client_id or unique_client_name("consumer"),
+                                             timeout_s=timeout_s, username=username, password=password) as client:
+            consumer = cls(client, group, filter, position, max_count=max_count, max_bytes=max_bytes,
+                           wait_s=wait_s, auto_commit=auto_commit)
+            await consumer._join()
+            try:
+                yield consumer
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                    try:
+                        await client.leave(group, filter)
+                    except OSError:  # the connection is gone: the store hands the messages back anyway
+                        pass
+
+    async def _join(self) -> None:
+        await self.client.wait_connected()
+        self._joined_at = self.client.client_statistics().connects
+        self.committed = await self.client.join(self.group, self.filter, *self._start)
+
+    async def poll(self, max_count: int | None = None, wait_s: float | None = None) -> Batch:
+        """Claim the next batch (empty if nothing came within ``wait_s``); it is this member's until acknowledged.
+
+        Rejoins the group first if the connection was re-established since the last join.
+        """
+        while True:
+            try:
+                if self.client.client_statistics().connects != self._joined_at:
+                    await self._join()
+                found = await self.client.claim(self.group, self.filter, max_count or self._max_count,
+                                                self._max_bytes, self._wait_s if wait_s is None else wait_s)
+            except StoreUnavailable as exc:
+                LOGGER.warning("consumer lost the store; rejoining when it is back: %s", exc,
+                               extra={"ctx": {"group": self.group, "filter": self.filter}})
+                await self.client.wait_reconnected(self._joined_at)
+                continue
+            return Batch([ConsumerMessage(offset, record) for offset, record in found])
+
+    async def commit(self, batch: Batch | list[int]) -> int:
+        """Acknowledge a batch (or queue offsets); returns the group's committed offset, durable on return.
+
+        Offsets no longer this member's (handed to another after a reconnect) are ignored: they are delivered again.
+
+        Raises:
+            StoreUnavailable: the connection broke: not acknowledged (the messages will be delivered again).
+        """
+        offsets = batch.offsets if isinstance(batch, Batch) else list(batch)
+        if offsets:
+            self.committed = await self.client.ack(self.group, self.filter, offsets)
+        return self.committed
+
+    async def __aiter__(self) -> AsyncIterator[Batch]:
+        """Batches as they come (empty polls are not yielded); with ``auto_commit`` each is acknowledged when the
+        loop asks for the next one, so a batch whose handling raised is not."""
+        while True:
+            batch = await self.poll()
+            if not batch:
+                continue
+            yield batch
+            if self._auto_commit:
+                try:
+                    await self.commit(batch)
+                except StoreUnavailable as exc:
+                    LOGGER.warning("batch not acknowledged (it will be delivered again): %s", exc,
+                                   extra={"ctx": {"group": self.group, "filter": self.filter}})

@@ -1,0 +1,1 @@
+"""The CommitLog engine: records, segments, the log, the records kept in memory, its trio face."""
