@@ -83,6 +83,7 @@ class RawClient:
     def __init__(self, port: int, level: int = MQTT_311) -> None:
         self.level = level
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a packet goes when sent, as a client's
         self._decoder = MqttDecoder(role=Role.CLIENT, protocol_level=level)
 
     def send(self, *packets: Packet) -> None:
