@@ -1053,8 +1053,13 @@ class Channel:
     def _on_connection_lost(self, event: ConnectionLost) -> list[Action]:
         return self._close(ReasonCode.UNSPECIFIED_ERROR, f"connection lost: {event.error}", will=True)
 
+    def _server_disconnect(self, reason: ReasonCode) -> Disconnect | None:
+        """The DISCONNECT the server ends a connection with: MQTT 5 only, and never before the CONNACK, which must
+        be the first packet the server sends [MQTT-3.2.0-1]."""
+        return Disconnect(reason) if self._level == MQTT_5 and self._state is State.CONNECTED else None
+
     def _on_taken_over(self, event: TakenOver) -> list[Action]:
-        packet = Disconnect(ReasonCode.SESSION_TAKEN_OVER) if self._level == MQTT_5 else None
+        packet = self._server_disconnect(ReasonCode.SESSION_TAKEN_OVER)
         if event.elsewhere:
             # Resumed on another node: a delayed will must never fire (section 3.1.3.2.2), one without delay goes
             # now, as for a local takeover; that node owns the stored session, so this one only commits.
@@ -1065,7 +1070,7 @@ class Channel:
                            will=True, handover=True)
 
     def _on_admin_disconnect(self, event: AdminDisconnect) -> list[Action]:
-        packet = Disconnect(ReasonCode.ADMINISTRATIVE_ACTION) if self._level == MQTT_5 else None
+        packet = self._server_disconnect(ReasonCode.ADMINISTRATIVE_ACTION)
         return self._close(ReasonCode.ADMINISTRATIVE_ACTION, "disconnected by an operator (admin API)",
                            packet=packet, will=True)
 
@@ -1089,7 +1094,7 @@ class Channel:
                 self._last_rx = self._now()
             idle = self._now() - self._last_rx
             if idle >= limit:
-                packet = Disconnect(ReasonCode.KEEP_ALIVE_TIMEOUT) if self._level == MQTT_5 else None
+                packet = self._server_disconnect(ReasonCode.KEEP_ALIVE_TIMEOUT)
                 return self._close(ReasonCode.KEEP_ALIVE_TIMEOUT,
                                    f"nothing received for {idle:.1f} s (keep alive {self._keepalive} s)",
                                    packet=packet, will=True)

@@ -13,6 +13,7 @@ from msgspec.structs import replace
 from gateway._state import TRANSITIONS, State
 from gateway.actions import (
     Activate,
+    AdminDisconnect,
     Activated,
     Append,
     Appended,
@@ -853,6 +854,20 @@ def test_server_shutdown_before_the_connack_refuses_the_connect(level, answer):
     assert isinstance(connack, Connack) and connack.reason_code is answer
     assert encode(connack, level)[3] == (0x88 if level == MQTT_5 else 3)
     assert of(channel.handle_event(SessionOpened(False)), DropSession) and channel.state is State.CLOSED
+
+
+@pytest.mark.parametrize("level", [MQTT_5, MQTT_311])
+@pytest.mark.parametrize("event", [TakenOver(), AdminDisconnect()], ids=["taken-over", "admin"])
+def test_takeover_or_admin_disconnect_before_the_connack_closes_without_sending_a_packet(level, event):
+    """[MQTT-3.2.0-1]: the CONNACK is the first packet the server sends. A connection taken over, or disconnected by
+    an operator, while its CONNECT is still being accepted is closed without a DISCONNECT (and 0x8E is no CONNACK
+    reason); the session the node then opens is settled, not used."""
+    channel = Channel(ChannelConfig(), Clock())
+    assert of(channel.handle_in(Connect(protocol_level=level, client_id="late", will_topic="w")), OpenSession)
+    actions = channel.handle_event(event)
+    assert sent(actions) == [] and of(actions, Close) and not of(actions, PublishWill)
+    late = channel.handle_event(SessionOpened(False))
+    assert sent(late) == [] and of(late, DropSession) and channel.state is State.CLOSED
 
 
 def test_a_settled_channel_is_in_no_reference_cycle_so_its_session_goes_with_it():
