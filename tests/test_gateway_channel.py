@@ -514,6 +514,18 @@ def test_in_flight_window_is_the_clients_receive_maximum():
     assert [p.payload for p in out] == [b"m2"]
 
 
+@pytest.mark.parametrize("level", [MQTT_5, MQTT_311])
+def test_pubcomp_for_a_qos1_delivery_closes_the_connection(level):
+    """A wrong-kind acknowledgement of a packet id in flight is a protocol violation (test_gateway_session.py):
+    5.0 says DISCONNECT 0x82 [4.13], 3.1.1 closes without a packet [MQTT-4.8.0-1]; the session keeps the message."""
+    channel, _, _ = connect(level)
+    subscribe(channel, ("a/b", SubscriptionOptions(qos=1)))
+    (out,) = delivered(channel.handle_event(Pulled("a/b", (msg(0),), 1)), level)
+    actions = channel.handle_in(Pubcomp(out.packet_id))
+    assert sent(actions) == ([Disconnect(R.PROTOCOL_ERROR)] if level == MQTT_5 else [])
+    assert of(actions, Close)[0].reason is R.PROTOCOL_ERROR and not of(actions, CommitOffsets)
+
+
 def test_311_window_is_the_configured_default():
     channel, _, _ = connect(MQTT_311, config=ChannelConfig(default_receive_maximum=3))
     subscribe(channel, ("a/b", SubscriptionOptions(qos=1)))
