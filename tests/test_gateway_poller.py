@@ -170,6 +170,30 @@ async def test_a_read_that_fills_its_buffer_is_read_again_without_new_bytes():
         assert got == [b"0123", b"4567", b"89"]
 
 
+async def test_the_end_that_came_with_the_last_bytes_is_read_too():
+    """Bytes and the end arrive before the poller looks: one report for both, and a short read; the socket is read
+    again until the end (a client that sent a partial packet and closed was held open, its bytes with it)."""
+    got: list[bytes] = []
+    poller = Poller()
+    ours, theirs = pairs(1)[0]
+    with ours, theirs:
+        def read() -> int:
+            try:
+                data = ours.recv(100)
+            except BlockingIOError:
+                return 0
+            got.append(data)
+            if not data:
+                poller.unregister(ours.fileno())
+            return len(data)
+
+        poller.register(ours.fileno(), read, 100)
+        theirs.send(b"\x10")
+        theirs.shutdown(socket.SHUT_WR)
+        await serve_until(poller, lambda: b"" in got, "the end read")
+        assert got == [b"\x10", b""]
+
+
 async def test_more_readable_sockets_than_a_round_takes_are_all_served_over_several_rounds():
     """Small reads (a subscriber's PUBACKs) fill a round up to MAX_EVENTS sockets."""
     count = MAX_EVENTS * 2 + 5

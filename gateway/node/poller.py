@@ -57,6 +57,11 @@ kept in memory, and drained from disk afterwards. Small reads still fill a round
 (or ``ROUND_BYTES``): cut at 8 KiB, a round read the PUBACKs of 8 resuming sessions where it had read 64."""
 
 
+HANG_UP = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
+"""Reported with bytes the end came too: the kernel will not report the socket again for it, so it is read until
+a read returns nothing (the end), even after reads shorter than ``read_size``."""
+
+
 @final
 class Poller:
     """Calls a socket's callback from one task (:meth:`run`) whenever the socket is readable.
@@ -83,7 +88,7 @@ class Poller:
         ``read_size``: the most the callback reads at once; a read of that many is taken to leave bytes behind.
         A socket registered with bytes waiting is read in the next round.
         """
-        self._epoll.register(fd, select.EPOLLIN | select.EPOLLET)
+        self._epoll.register(fd, select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET)
         self._callbacks[fd] = (callback, read_size)
 
     def unregister(self, fd: int) -> None:
@@ -102,21 +107,18 @@ class Poller:
         """
         epoll = self._epoll
         callbacks = self._callbacks
-        carried: list[int] = []  # sockets with bytes to read, oldest first
+        carried: list[tuple[int, int]] = []  # (socket, events) with bytes to read, oldest first
         try:
             while True:
                 await trio.lowlevel.wait_readable(epoll.fileno())
                 while True:
                     reported = epoll.poll(0, MAX_EVENTS)
-                    queue = carried
-                    if reported:
-                        waiting = set(carried)
-                        queue += [fd for fd, _ in reported if fd not in waiting]
+                    queue = _merged(carried, reported) if carried else reported
                     carried = []
-                    more: list[int] = []
+                    more: list[tuple[int, int]] = []
                     self.in_round = True
                     budget = ROUND_BYTES
-                    for index, fd in enumerate(queue):
+                    for index, (fd, events) in enumerate(queue):
                         entry = callbacks.get(fd)
                         if entry is None:
                             continue
@@ -128,8 +130,8 @@ class Poller:
                             LOGGER.error("socket callback failed; the socket is no longer read: %r", exc,
                                          exc_info=exc, extra={"ctx": {"fd": fd}})
                             self.unregister(fd)
-                        if count >= read_size:
-                            more.append(fd)
+                        if count >= read_size or (count and events & HANG_UP):
+                            more.append((fd, events))
                         budget -= count
                         if budget <= 0 or count >= FLOOD_READ_BYTES:
                             carried = queue[index + 1:]
@@ -145,3 +147,15 @@ class Poller:
                     await trio.lowlevel.checkpoint()
         finally:
             epoll.close()
+
+
+def _merged(carried: list[tuple[int, int]], reported: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The carried sockets, then those reported anew; a socket in both keeps its place, with both events."""
+    place = {fd: index for index, (fd, _) in enumerate(carried)}
+    for fd, events in reported:
+        index = place.get(fd)
+        if index is None:
+            carried.append((fd, events))
+        else:
+            carried[index] = (fd, carried[index][1] | events)
+    return carried
