@@ -15,15 +15,17 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 import pytest
+from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.mqtt.packets import MQTT_311, Connack, Connect, Packet, Suback, Subscribe, SubscriptionOptions
 from test_gateway_server import WAIT_S, Client, Node, _connect_packet, _recv_until_closed, connected, running_node
 
 __all__ = [
-    "WAIT_S", "Client", "Node", "connect_packet", "connected", "interop_node", "kill", "properties", "quiet",
-    "RawClient", "raw_client", "recv_until_closed", "run_id", "running_node", "wait_until",
+    "WAIT_S", "Client", "Node", "connect_packet", "connected", "interop_node", "kill", "properties", "publish5",
+    "quiet", "RawClient", "raw_client", "recv_until_closed", "run_id", "running_node", "subscribe5", "wait_until",
 ]
 
 connect_packet = _connect_packet
@@ -61,6 +63,21 @@ def properties(packet_type: int, **values) -> Properties:
     return props
 
 
+def publish5(client: Client, topic: str, payload: bytes, qos: int = 1, retain: bool = False, **props) -> None:
+    """Publish with MQTT 5 properties (``MessageExpiryInterval=5``...) and wait until the flow is complete."""
+    info = client.paho.publish(topic, payload, qos, retain,
+                               properties=properties(PacketTypes.PUBLISH, **props) if props else None)
+    info.wait_for_publish(timeout=WAIT_S)
+    assert info.is_published()
+
+
+def subscribe5(client: Client, topic: str, qos: int = 1, sub_id: int | None = None, **options) -> list[int]:
+    """SUBSCRIBE with MQTT 5 options (``noLocal=True``...) and a Subscription Identifier; the SUBACK's codes."""
+    props = properties(PacketTypes.SUBSCRIBE, SubscriptionIdentifier=sub_id) if sub_id else None
+    client.paho.subscribe(topic, options=SubscribeOptions(qos=qos, **options), properties=props)
+    return [rc.value for rc in client.subacks.get(timeout=WAIT_S)]
+
+
 def wait_until(condition: Callable[[], bool], timeout: float = WAIT_S, what: str = "condition") -> None:
     """Poll ``condition`` until it holds (for state paho exposes only by polling)."""
     deadline = time.monotonic() + timeout
@@ -83,6 +100,7 @@ class RawClient:
     def __init__(self, port: int, level: int = MQTT_311) -> None:
         self.level = level
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a packet goes when sent, as a client's
         self._decoder = MqttDecoder(role=Role.CLIENT, protocol_level=level)
 
     def send(self, *packets: Packet) -> None:

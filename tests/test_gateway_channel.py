@@ -13,6 +13,7 @@ from msgspec.structs import replace
 from gateway.mqtt.state import TRANSITIONS, State
 from gateway.mqtt.actions import (
     Activate,
+    AdminDisconnect,
     Activated,
     Append,
     Appended,
@@ -395,11 +396,13 @@ def test_inbound_checks_qos_retain_and_topic():
     assert sent(channel.handle_in(Publish("t", qos=2, packet_id=1))) == [Disconnect(R.QOS_NOT_SUPPORTED)]
     channel, _, _ = connect(config=ChannelConfig(retain_available=False))
     assert sent(channel.handle_in(Publish("t", retain=True))) == [Disconnect(R.RETAIN_NOT_SUPPORTED)]
+    # A wildcard in a topic name breaks [MQTT-3.3.2-2]: a protocol error (0x90 is for names "correctly formed, but
+    # not accepted", as the topic limits answer).
     channel, _, _ = connect()
-    assert sent(channel.handle_in(Publish("a/+"))) == [Disconnect(R.TOPIC_NAME_INVALID)]
+    assert sent(channel.handle_in(Publish("a/+"))) == [Disconnect(R.PROTOCOL_ERROR)]
     channel, _, _ = connect()  # a topic that passed is not checked again; any other one is
     assert [of(channel.handle_in(Publish("a/b")), Append) != [] for _ in range(2)] == [True, True]
-    assert sent(channel.handle_in(Publish("a/#"))) == [Disconnect(R.TOPIC_NAME_INVALID)]
+    assert sent(channel.handle_in(Publish("a/#"))) == [Disconnect(R.PROTOCOL_ERROR)]
 
 
 def test_receive_maximum_exceeded_disconnects():
@@ -436,24 +439,37 @@ def test_close_waits_for_pending_qos2_append_before_saving_the_session():
 # --- SUBSCRIBE / UNSUBSCRIBE ------------------------------------------------------------------
 
 
-def test_subscribe_mixed_valid_and_invalid_filters_v5():
+def test_subscribe_mixed_granted_and_refused_filters_v5():
     config = ChannelConfig(wildcard_available=False, max_qos=1)
     channel, _, _ = connect(config=config)
-    entries = [("a/b", SubscriptionOptions(qos=2)), ("a/#/b", SubscriptionOptions()),
-               ("a/+", SubscriptionOptions()), ("$share//x", SubscriptionOptions())]
-    activate, actions = subscribe(channel, *entries)
+    activate, actions = subscribe(channel, ("a/b", SubscriptionOptions(qos=2)), ("a/+", SubscriptionOptions()))
     assert [s.filter for s in activate.subscriptions] == ["a/b"]
     (suback,) = [p for p in sent(actions) if type(p) is Suback]
-    assert suback.reason_codes == (R.GRANTED_QOS_1, R.TOPIC_FILTER_INVALID, R.WILDCARD_SUBSCRIPTIONS_NOT_SUPPORTED,
-                                   R.TOPIC_FILTER_INVALID)
+    assert suback.reason_codes == (R.GRANTED_QOS_1, R.WILDCARD_SUBSCRIPTIONS_NOT_SUPPORTED)
 
 
-def test_subscribe_failures_are_0x80_in_311_and_all_invalid_needs_no_activation():
-    channel, _, _ = connect(MQTT_311)
-    actions = channel.handle_in(Subscribe(2, (("a/#/b", SubscriptionOptions()), ("", SubscriptionOptions()))))
+def test_subscribe_failures_are_0x80_in_311_and_all_refused_needs_no_activation():
+    channel, _, _ = connect(MQTT_311, config=ChannelConfig(wildcard_available=False))
+    actions = channel.handle_in(Subscribe(2, (("a/#", SubscriptionOptions()), ("+", SubscriptionOptions()))))
     assert not of(actions, Activate)
     (suback,) = sent(actions)
     assert encode(suback, MQTT_311) == b"\x90\x04\x00\x02\x80\x80"
+
+
+@pytest.mark.parametrize("level", [MQTT_5, MQTT_311])
+@pytest.mark.parametrize("malformed", ["a/#/b", "a+/b", "", "$share//x", "$share/g+/x", "$share/g"])
+@pytest.mark.parametrize("packet", ["subscribe", "unsubscribe"])
+def test_a_malformed_topic_filter_is_a_protocol_error(level, malformed, packet):
+    """A filter that breaks the wildcard rules [MQTT-4.7.1-2/3], is empty [MQTT-4.7.3-1] or is a malformed shared
+    subscription [MQTT-4.8.2-1/2] is a protocol violation, not a refused subscription: 0x8F (and 3.1.1's 0x80) is
+    for filters "correctly formed" but not allowed. The server closes (3.1.1 [MQTT-4.8.0-1]; 5.0 section 4.13.1,
+    DISCONNECT 0x82), whatever valid filters the packet also carries."""
+    channel, _, _ = connect(level)
+    entries = (("a/b", SubscriptionOptions()), (malformed, SubscriptionOptions()))
+    actions = channel.handle_in(Subscribe(1, entries) if packet == "subscribe" else
+                                Unsubscribe(1, tuple(f for f, _ in entries)))
+    assert sent(actions) == ([Disconnect(R.PROTOCOL_ERROR)] if level == MQTT_5 else [])
+    assert of(actions, Close)[0].reason is R.PROTOCOL_ERROR and not of(actions, Activate)
 
 
 def test_node_can_refuse_individual_filters():
@@ -490,10 +506,10 @@ def test_no_local_on_shared_subscription_is_a_protocol_error_in_v5():
 def test_unsubscribe_releases_and_reports_per_filter():
     channel, _, _ = connect(**persistent())
     subscribe(channel, ("a/+", SubscriptionOptions()))
-    actions = channel.handle_in(Unsubscribe(3, ("a/+", "x", "a/#/b")))
+    actions = channel.handle_in(Unsubscribe(3, ("a/+", "x")))
     assert of(actions, Release) == [Release("dev1", ("a/+",))]
     assert of(actions, SaveSession)[0].state.subscriptions == ()
-    assert sent(actions) == [Unsuback(3, (R.SUCCESS, R.NO_SUBSCRIPTION_EXISTED, R.TOPIC_FILTER_INVALID))]
+    assert sent(actions) == [Unsuback(3, (R.SUCCESS, R.NO_SUBSCRIPTION_EXISTED))]
     channel, _, _ = connect(MQTT_311)
     assert encode(sent(channel.handle_in(Unsubscribe(3, ("x",))))[0], MQTT_311) == b"\xb0\x02\x00\x03"
 
@@ -517,6 +533,18 @@ def test_in_flight_window_is_the_clients_receive_maximum():
     assert [p.payload for p in out] == [b"m0", b"m1"]
     out = delivered(channel.handle_in(Puback(out[1].packet_id)))
     assert [p.payload for p in out] == [b"m2"]
+
+
+@pytest.mark.parametrize("level", [MQTT_5, MQTT_311])
+def test_pubcomp_for_a_qos1_delivery_closes_the_connection(level):
+    """A wrong-kind acknowledgement of a packet id in flight is a protocol violation (test_gateway_session.py):
+    5.0 says DISCONNECT 0x82 [4.13], 3.1.1 closes without a packet [MQTT-4.8.0-1]; the session keeps the message."""
+    channel, _, _ = connect(level)
+    subscribe(channel, ("a/b", SubscriptionOptions(qos=1)))
+    (out,) = delivered(channel.handle_event(Pulled("a/b", (msg(0),), 1)), level)
+    actions = channel.handle_in(Pubcomp(out.packet_id))
+    assert sent(actions) == ([Disconnect(R.PROTOCOL_ERROR)] if level == MQTT_5 else [])
+    assert of(actions, Close)[0].reason is R.PROTOCOL_ERROR and not of(actions, CommitOffsets)
 
 
 def test_311_window_is_the_configured_default():
@@ -819,9 +847,9 @@ def test_a_connack_over_the_clients_maximum_packet_size_is_never_sent():
 def test_a_reason_string_is_left_out_when_the_packet_would_not_fit():
     """[MQTT-3.14.2-3]: the DISCONNECT's Reason String goes only where it fits; the bare reason code is sent."""
     channel, _, _ = connect(config=ChannelConfig(reason_strings=True), properties=Properties(maximum_packet_size=16))
-    actions = channel.handle_in(Publish("a/+", b"x"))  # a wildcard in a topic name: 0x90
+    actions = channel.handle_in(Publish("a/+", b"x"))  # a wildcard in a topic name: 0x82
     (disconnect,) = sent(actions)
-    assert disconnect.reason_code is R.TOPIC_NAME_INVALID and disconnect.properties.reason_string is None
+    assert disconnect.reason_code is R.PROTOCOL_ERROR and disconnect.properties.reason_string is None
     channel, _, _ = connect(config=ChannelConfig(reason_strings=True), properties=Properties(maximum_packet_size=200))
     (disconnect,) = sent(channel.handle_in(Publish("a/+", b"x")))
     assert disconnect.properties.reason_string  # room for it: sent
@@ -866,6 +894,20 @@ def test_server_shutdown_before_the_connack_refuses_the_connect(level, answer):
     assert isinstance(connack, Connack) and connack.reason_code is answer
     assert encode(connack, level)[3] == (0x88 if level == MQTT_5 else 3)
     assert of(channel.handle_event(SessionOpened(False)), CloseSession) and channel.state is State.CLOSED
+
+
+@pytest.mark.parametrize("level", [MQTT_5, MQTT_311])
+@pytest.mark.parametrize("event", [TakenOver(), AdminDisconnect()], ids=["taken-over", "admin"])
+def test_takeover_or_admin_disconnect_before_the_connack_closes_without_sending_a_packet(level, event):
+    """[MQTT-3.2.0-1]: the CONNACK is the first packet the server sends. A connection taken over, or disconnected by
+    an operator, while its CONNECT is still being accepted is closed without a DISCONNECT (and 0x8E is no CONNACK
+    reason); the session the node then opens is settled, not used."""
+    channel = Channel(ChannelConfig(), Clock())
+    assert of(channel.handle_in(Connect(protocol_level=level, client_id="late", will_topic="w")), OpenSession)
+    actions = channel.handle_event(event)
+    assert sent(actions) == [] and of(actions, Close) and not of(actions, PublishWill)
+    late = channel.handle_event(SessionOpened(False))
+    assert sent(late) == [] and of(late, CloseSession) and channel.state is State.CLOSED
 
 
 def test_a_settled_channel_is_in_no_reference_cycle_so_its_session_goes_with_it():

@@ -27,12 +27,16 @@ async def wait_for(condition, what: str) -> None:
 
 
 def register_reads(poller: Poller, sockets: list[tuple[socket.socket, socket.socket]], size: int, on_read) -> None:
-    """Register each socket with a callback that reports its index (``on_read``) and reads up to ``size`` bytes."""
+    """Register each socket with a callback that reads up to ``size`` bytes and reports its index (``on_read``)."""
     for index, (ours, _) in enumerate(sockets):
         def callback(index: int = index, sock: socket.socket = ours) -> int:
+            try:
+                data = sock.recv(size)
+            except BlockingIOError:  # a read that filled its buffer is tried again: nothing was left
+                return 0
             on_read(index)
-            return len(sock.recv(size))
-        poller.register(ours.fileno(), callback)
+            return len(data)
+        poller.register(ours.fileno(), callback, size)
 
 
 async def serve_until(poller: Poller, condition, what: str) -> None:
@@ -55,7 +59,7 @@ async def test_readable_sockets_are_served_in_one_round_then_the_round_ends():
             return callback
 
         for index, (ours, _) in enumerate(sockets):
-            poller.register(ours.fileno(), reader(index, ours))
+            poller.register(ours.fileno(), reader(index, ours), 100)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
             await trio.testing.wait_all_tasks_blocked()
@@ -81,8 +85,8 @@ async def test_an_unregistered_socket_is_not_read_and_unregister_is_idempotent()
             calls.append(kept.recv(100).decode())
             return 4
 
-        poller.register(gone.fileno(), lambda: calls.append("gone") or 1)
-        poller.register(kept.fileno(), read_kept)
+        poller.register(gone.fileno(), lambda: calls.append("gone") or 1, 100)
+        poller.register(kept.fileno(), read_kept, 100)
         poller.unregister(gone.fileno())
         poller.unregister(gone.fileno())
         assert len(poller) == 1
@@ -108,8 +112,8 @@ async def test_a_failing_callback_is_logged_and_dropped_and_the_others_go_on(cap
             got.append(good.recv(100))
             return len(got[-1])
 
-        poller.register(bad.fileno(), fail)
-        poller.register(good.fileno(), read_good)
+        poller.register(bad.fileno(), fail, 100)
+        poller.register(good.fileno(), read_good, 100)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
             with caplog.at_level(logging.ERROR, logger="gateway.node.poller"):
@@ -119,6 +123,75 @@ async def test_a_failing_callback_is_logged_and_dropped_and_the_others_go_on(cap
             await wait_for(lambda: got == [b"still served"], "the other socket read")
             nursery.cancel_scope.cancel()
     assert "a bug in one connection" in caplog.text
+
+
+async def test_sockets_are_read_in_the_order_their_bytes_arrived_even_one_read_in_the_round_before():
+    """B is read in a round, then bytes arrive for A and then for B before the next round: A is read first.
+    A level-triggered set lists B first (it re-queues B when it reports it), so a PUBLISH read on B was applied
+    before a SUBSCRIBE that had arrived earlier on A (gateway/node/order.py)."""
+    read: list[str] = []
+    poller = Poller(lambda: read.append("end"))
+    (a, a_peer), (b, b_peer) = pairs(2)
+    with a, a_peer, b, b_peer:
+        def read_a() -> int:
+            data = a.recv(100)
+            read.append("a")
+            return len(data)
+
+        def read_b() -> int:
+            data = b.recv(100)
+            read.append("b")
+            if data == b"first":  # both arrive while B's first read is handled: before the next round
+                a_peer.send(b"subscribe")
+                b_peer.send(b"publish")
+            return len(data)
+
+        poller.register(a.fileno(), read_a, 100)
+        poller.register(b.fileno(), read_b, 100)
+        b_peer.send(b"first")
+        await serve_until(poller, lambda: read.count("end") >= 2 and len(read) >= 5, "three reads")
+        assert read[:5] == ["b", "end", "a", "b", "end"]
+
+
+async def test_a_read_that_fills_its_buffer_is_read_again_without_new_bytes():
+    """Edge-triggered, the kernel reports a socket once for the bytes it has: a read that took ``read_size``
+    may have left some, which the next round reads."""
+    got: list[bytes] = []
+    poller = Poller()
+    ours, theirs = pairs(1)[0]
+    with ours, theirs:
+        def read() -> int:
+            got.append(ours.recv(4))
+            return len(got[-1])
+
+        poller.register(ours.fileno(), read, 4)
+        theirs.send(b"0123456789")
+        await serve_until(poller, lambda: b"".join(got) == b"0123456789", "every byte read")
+        assert got == [b"0123", b"4567", b"89"]
+
+
+async def test_the_end_that_came_with_the_last_bytes_is_read_too():
+    """Bytes and the end arrive before the poller looks: one report for both, and a short read; the socket is read
+    again until the end (a client that sent a partial packet and closed was held open, its bytes with it)."""
+    got: list[bytes] = []
+    poller = Poller()
+    ours, theirs = pairs(1)[0]
+    with ours, theirs:
+        def read() -> int:
+            try:
+                data = ours.recv(100)
+            except BlockingIOError:
+                return 0
+            got.append(data)
+            if not data:
+                poller.unregister(ours.fileno())
+            return len(data)
+
+        poller.register(ours.fileno(), read, 100)
+        theirs.send(b"\x10")
+        theirs.shutdown(socket.SHUT_WR)
+        await serve_until(poller, lambda: b"" in got, "the end read")
+        assert got == [b"\x10", b""]
 
 
 async def test_more_readable_sockets_than_a_round_takes_are_all_served_over_several_rounds():

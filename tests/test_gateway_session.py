@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from gateway.mqtt.actions import CommitOffsets, Deliver, InFlight, Message, Phase, Pull, SaveSession, Send, Subscription
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode_publish_template
 from gateway.mqtt.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
-from gateway.mqtt.reasons import ReasonCode
+from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
 from gateway.mqtt.session import LANE_PIDS, NOT_IN_LOG, Link, Session, SessionState
 
 
@@ -91,6 +93,27 @@ def test_unknown_acks_are_ignored_and_unknown_pubrec_gets_not_found():
     assert session.puback(77) == []
     assert session.pubcomp(77) == []
     assert session.pubrec(77, ReasonCode.SUCCESS) == [Send((Pubrel(77, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND),))]
+
+
+@pytest.mark.parametrize("qos, phase, wrong", [  # clauses as numbered in 5.0 (3.1.1: [MQTT-4.3.2-2], [MQTT-4.3.3-2])
+    (1, "sent", "pubrec"), (1, "sent", "pubcomp"),  # a QoS 1 delivery is answered with PUBACK [MQTT-4.3.2-4]
+    (2, "sent", "puback"), (2, "sent", "pubcomp"),  # a QoS 2 one with PUBREC first [MQTT-4.3.3-8]
+    (2, "released", "puback"),  # and with PUBCOMP after the PUBREL [MQTT-4.3.3-11]
+])
+def test_an_acknowledgement_of_the_wrong_kind_for_a_packet_id_in_flight_is_a_protocol_error(qos, phase, wrong):
+    """The client broke its side of the flow: a protocol violation the server closes on (3.1.1 [MQTT-4.8.0-1];
+    5.0 section 4.13, DISCONNECT 0x82). The delivery stays in flight (resent to the session's next connection)."""
+    session = attached()
+    session.subscribe(Subscription("a/+", "a/+", SubscriptionOptions(qos=qos)), 0)
+    (out,) = publishes(session.pulled("a/+", (msg(0, qos=qos),), 1))
+    if phase == "released":
+        assert session.pubrec(out.packet_id, ReasonCode.SUCCESS) == [Send((Pubrel(out.packet_id),))]
+    ack = {"puback": session.puback, "pubcomp": session.pubcomp,
+           "pubrec": lambda pid: session.pubrec(pid, ReasonCode.SUCCESS)}[wrong]
+    with pytest.raises(RemoteProtocolError) as err:
+        ack(out.packet_id)
+    assert err.value.reason is ReasonCode.PROTOCOL_ERROR
+    assert [e.packet_id for e in session.inflight] == [out.packet_id]
 
 
 def test_pubrec_with_failure_ends_the_flow_without_pubrel():

@@ -14,33 +14,20 @@ from mqtt_fixtures import (  # noqa: F401  (interop_node is a fixture)
     connected,
     interop_node,
     properties,
+    publish5 as publish,
     quiet,
     raw_client,
     recv_until_closed,
     run_id,
+    subscribe5 as subscribe,
 )
 from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from gateway.mqtt.packets import MQTT_5, Connect, Disconnect, Puback, Publish
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import ReasonCode
 
 V5 = {"protocol": mqtt.MQTTv5}
-
-
-def publish(client: Client, topic: str, payload: bytes, qos: int = 1, retain: bool = False, **props) -> None:
-    """Publish with MQTT 5 properties and wait until the flow is complete."""
-    info = client.paho.publish(topic, payload, qos, retain,
-                               properties=properties(PacketTypes.PUBLISH, **props) if props else None)
-    info.wait_for_publish(timeout=WAIT_S)
-    assert info.is_published()
-
-
-def subscribe(client: Client, topic: str, qos: int = 1, sub_id: int | None = None, **options) -> list[int]:
-    props = properties(PacketTypes.SUBSCRIBE, SubscriptionIdentifier=sub_id) if sub_id else None
-    client.paho.subscribe(topic, options=SubscribeOptions(qos=qos, **options), properties=props)
-    return [rc.value for rc in client.subacks.get(timeout=WAIT_S)]
 
 
 def test_client_topic_alias(interop_node):

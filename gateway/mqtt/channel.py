@@ -258,6 +258,24 @@ def error_packet(protocol_level: int | None, before_connack: bool, reason: Reaso
     return None
 
 
+def _parsed_filter(filter: str) -> tuple[str, str] | None:
+    """(group, filter) of a shared subscription, None for a plain filter.
+
+    Raises:
+        RemoteProtocolError: PROTOCOL_ERROR, the filter is malformed (wildcards [MQTT-4.7.1-2/3], empty
+            [MQTT-4.7.3-1], share name [MQTT-4.8.2-1/2]): a protocol violation the connection is closed for
+            (3.1.1 [MQTT-4.8.0-1], 5.0 section 4.13.1), not a refusal (SUBACK/UNSUBACK 0x8F is for filters
+            correctly formed but not allowed, as the topic limits answer).
+    """
+    try:
+        shared = parse_shared(filter, SYNTAX_ONLY)
+        if shared is None:
+            validate_filter(filter, SYNTAX_ONLY)
+    except TopicError as exc:
+        raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, f"malformed topic filter: {exc}") from None
+    return shared
+
+
 @final
 class Channel:
     """The protocol state of one client connection (server side).
@@ -785,8 +803,8 @@ class Channel:
         if topic != self._valid_topic:
             try:
                 self._valid_topic = validate_topic(topic, SYNTAX_ONLY)
-            except TopicError as exc:
-                raise RemoteProtocolError(ReasonCode.TOPIC_NAME_INVALID, str(exc)) from None
+            except TopicError as exc:  # a wildcard [MQTT-3.3.2-2]; 0x90 is for names correctly formed but refused
+                raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, str(exc)) from None
         if len(topic) >= self._topic_check_from:
             over = self._topic_over(topic, "topic name")
             if over is not None:
@@ -842,12 +860,7 @@ class Channel:
     ) -> Subscription | ReasonCode:
         """The subscription a SUBSCRIBE entry asks for, or the SUBACK reason refusing it."""
         config = self.config
-        try:
-            shared = parse_shared(filter, SYNTAX_ONLY)
-            if shared is None:
-                validate_filter(filter, SYNTAX_ONLY)
-        except TopicError:
-            return ReasonCode.TOPIC_FILTER_INVALID
+        shared = _parsed_filter(filter)
         group, queue = shared if shared is not None else (None, filter)
         if group is not None:
             if not config.shared_available:
@@ -919,12 +932,7 @@ class Channel:
         codes: list[ReasonCode] = []
         released: list[str] = []
         for filter in packet.topic_filters:
-            try:
-                if parse_shared(filter, SYNTAX_ONLY) is None:
-                    validate_filter(filter, SYNTAX_ONLY)
-            except TopicError:
-                codes.append(ReasonCode.TOPIC_FILTER_INVALID)
-                continue
+            _parsed_filter(filter)
             if session.unsubscribe(filter):
                 codes.append(ReasonCode.SUCCESS)
                 released.append(filter)
@@ -1061,8 +1069,13 @@ class Channel:
     def _on_connection_lost(self, event: ConnectionLost) -> list[Action]:
         return self._close(ReasonCode.UNSPECIFIED_ERROR, f"connection lost: {event.error}", will=True)
 
+    def _server_disconnect(self, reason: ReasonCode) -> Disconnect | None:
+        """The DISCONNECT the server ends a connection with: MQTT 5 only, and never before the CONNACK, which must
+        be the first packet the server sends [MQTT-3.2.0-1]."""
+        return Disconnect(reason) if self._level == MQTT_5 and self._state is State.CONNECTED else None
+
     def _on_taken_over(self, event: TakenOver) -> list[Action]:
-        packet = Disconnect(ReasonCode.SESSION_TAKEN_OVER) if self._level == MQTT_5 else None
+        packet = self._server_disconnect(ReasonCode.SESSION_TAKEN_OVER)
         if event.elsewhere:
             # Resumed on another node: a delayed will must never fire (section 3.1.3.2.2), one without delay goes
             # now, as for a local takeover; that node owns the stored session, so this one only commits.
@@ -1073,7 +1086,7 @@ class Channel:
                            will=True, handover=True)
 
     def _on_admin_disconnect(self, event: AdminDisconnect) -> list[Action]:
-        packet = Disconnect(ReasonCode.ADMINISTRATIVE_ACTION) if self._level == MQTT_5 else None
+        packet = self._server_disconnect(ReasonCode.ADMINISTRATIVE_ACTION)
         return self._close(ReasonCode.ADMINISTRATIVE_ACTION, "disconnected by an operator (admin API)",
                            packet=packet, will=True)
 
@@ -1097,7 +1110,7 @@ class Channel:
                 self._last_rx = self._now()
             idle = self._now() - self._last_rx
             if idle >= limit:
-                packet = Disconnect(ReasonCode.KEEP_ALIVE_TIMEOUT) if self._level == MQTT_5 else None
+                packet = self._server_disconnect(ReasonCode.KEEP_ALIVE_TIMEOUT)
                 return self._close(ReasonCode.KEEP_ALIVE_TIMEOUT,
                                    f"nothing received for {idle:.1f} s (keep alive {self._keepalive} s)",
                                    packet=packet, will=True)

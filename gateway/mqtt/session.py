@@ -78,7 +78,7 @@ from gateway.mqtt.codec import PublishTemplate
 from gateway.mqtt.limits import Limit
 from gateway.mqtt.packets import MQTT_5, Pubrel
 from gateway.mqtt.properties import MAX_UINT16, PacketType, encode_properties
-from gateway.mqtt.reasons import ReasonCode
+from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
 
 Encoder = Callable[[str, bytes, int, bool, bytes, int], PublishTemplate]
 """``codec.encode_publish_template``'s signature; a node may pass a caching one to share encodings."""
@@ -731,10 +731,16 @@ class Session:
     # --- acknowledgements ---------------------------------------------------------------
 
     def puback(self, packet_id: int) -> list[Action]:
-        """PUBACK from the client: a QoS 1 delivery is done. Unknown ids are ignored (as EMQX does)."""
+        """PUBACK from the client: a QoS 1 delivery is done. Unknown ids are ignored (as EMQX does).
+
+        Raises:
+            RemoteProtocolError: the id is in flight in a QoS 2 flow (``_wrong_ack``).
+        """
         entry = self._inflight.get(packet_id)
-        if entry is None or entry.qos != 1:
+        if entry is None:
             return []
+        if entry.qos != 1:
+            raise _wrong_ack("PUBACK", packet_id, entry)
         del self._inflight[packet_id]
         self._acked(entry)
         return self._after_ack()
@@ -747,10 +753,12 @@ class Session:
         that arrive while a save is being written into the next one.
         """
         entry = self._inflight.get(packet_id)
-        if entry is None or entry.qos != 2:
+        if entry is None:
             if self._link is not None and self._link.protocol_level == MQTT_5:
                 return [Send((Pubrel(packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND),))]
             return [Send((Pubrel(packet_id),))]
+        if entry.qos != 2:
+            raise _wrong_ack("PUBREC", packet_id, entry)
         if reason.is_failure:
             del self._inflight[packet_id]
             self._acked(entry)
@@ -767,10 +775,16 @@ class Session:
         return [] if self._saves else [self._save_action()]
 
     def pubcomp(self, packet_id: int) -> list[Action]:
-        """PUBCOMP from the client: a QoS 2 delivery is done."""
+        """PUBCOMP from the client: a QoS 2 delivery is done. Unknown ids are ignored.
+
+        Raises:
+            RemoteProtocolError: the id is in flight but no PUBREL was sent for it (``_wrong_ack``).
+        """
         entry = self._inflight.get(packet_id)
-        if entry is None or entry.phase is not Phase.RELEASED:
+        if entry is None:
             return []
+        if entry.phase is not Phase.RELEASED:
+            raise _wrong_ack("PUBCOMP", packet_id, entry)
         del self._inflight[packet_id]
         stream = self._streams.get(entry.filter)
         if stream is not None and stream.lane and entry.offset != _NO_OFFSET:
@@ -828,6 +842,15 @@ class Session:
             if self._committed.get(name) != offset:
                 moved[name] = self._committed[name] = offset
         return [CommitOffsets(self.client_id, moved)] if moved else []
+
+
+def _wrong_ack(kind: str, packet_id: int, entry: InFlight) -> RemoteProtocolError:
+    """A client acknowledgement that does not belong to the flow its packet id is in: the client answers a QoS 1
+    PUBLISH with PUBACK, a QoS 2 one with PUBREC and its PUBREL with PUBCOMP (4.3.2, 4.3.3), so this is a
+    protocol violation the connection is closed for (3.1.1 [MQTT-4.8.0-1]; 5.0 section 4.13: 0x82)."""
+    flow = "a QoS 1 PUBLISH" if entry.qos == 1 else \
+        "a QoS 2 PUBLISH after its PUBREL" if entry.phase is Phase.RELEASED else "a QoS 2 PUBLISH"
+    return RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, f"{kind} for packet id {packet_id}, which is {flow}")
 
 
 _ENCODER = msgspec.msgpack.Encoder()

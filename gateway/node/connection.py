@@ -567,7 +567,7 @@ class Connection:
                     return
                 continue
             self._reader = trio.lowlevel.current_task()
-            poller.register(self._fd, self._on_readable)
+            poller.register(self._fd, self._on_readable, RECEIVE_BYTES)
             try:
                 await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
             finally:

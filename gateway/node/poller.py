@@ -3,16 +3,28 @@
 A reader task per connection that waits for readability costs a trio task
 switch, an epoll re-arm (``epoll_ctl``) and the waiting machinery per read.
 At a device's pace every PUBLISH is a read of its own, and this was a tenth of
-the node's CPU at 5,000 msg/s. Here each socket is registered once (level
-triggered) in an epoll set of our own; trio waits on that set's descriptor,
-and one task step reads every socket that has bytes, one read each, then
-calls the round's end hook (the node's batched appends, gateway/node/node.py).
+the node's CPU at 5,000 msg/s. Here each socket is registered once in an epoll
+set of our own; trio waits on that set's descriptor, and one task step reads
+every socket that has bytes, one read each, then calls the round's end hook
+(the node's batched appends, gateway/node/node.py).
+
+Read order: sockets are read in the order their bytes arrived, because the
+node applies packets in the order it reads them (gateway/node/order.py). The
+set is edge-triggered for that: the kernel queues a socket when bytes arrive
+for it. A level-triggered set also re-queues every socket it reports at the
+end of its ready list, where it stays until the kernel next checks it; bytes
+arriving for it meanwhile were then read before bytes that had arrived
+earlier on another socket (a SUBSCRIBE and a PUBLISH sent back to back from
+two connections were read publish first about once in 1,500 tries).
+Edge-triggered, the kernel does not report a socket again for bytes it already
+reported, so a read that filled its buffer (``read_size``) may have left some:
+that socket is read again in the next round, after the others.
 
 Fairness: a round handles at most ``MAX_EVENTS`` sockets and reads about
 ``ROUND_BYTES`` at most, or one flooding socket's read (``FLOOD_READ_BYTES``),
 then yields to the other tasks; a socket with more bytes than one read, or not
-reached in a round, is reported again in the next one (level triggered), after
-its neighbours had their turn.
+reached in a round, is read in the next one, before sockets reported since and
+after its neighbours.
 
 A callback must not block. An exception it raises is logged and its socket
 is dropped from the set: one connection's bug must not stop everyone's reads.
@@ -45,6 +57,11 @@ kept in memory, and drained from disk afterwards. Small reads still fill a round
 (or ``ROUND_BYTES``): cut at 8 KiB, a round read the PUBACKs of 8 resuming sessions where it had read 64."""
 
 
+HANG_UP = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
+"""Reported with bytes the end came too: the kernel will not report the socket again for it, so it is read until
+a read returns nothing (the end), even after reads shorter than ``read_size``."""
+
+
 @final
 class Poller:
     """Calls a socket's callback from one task (:meth:`run`) whenever the socket is readable.
@@ -57,7 +74,7 @@ class Poller:
     def __init__(self, round_done: Callable[[], None] = lambda: None) -> None:
         """``round_done`` runs after the callbacks of each round (the readable sockets of one ``epoll_wait``)."""
         self._epoll = select.epoll()
-        self._callbacks: dict[int, Callable[[], int]] = {}
+        self._callbacks: dict[int, tuple[Callable[[], int], int]] = {}
         self._round_done = round_done
         self.in_round = False  # the poller task is calling callbacks: ``round_done`` runs before anything else
 
@@ -65,10 +82,14 @@ class Poller:
         """Sockets in the set."""
         return len(self._callbacks)
 
-    def register(self, fd: int, callback: Callable[[], int]) -> None:
-        """Call ``callback()`` from the poller task while ``fd`` is readable (at most once per round)."""
-        self._epoll.register(fd, select.EPOLLIN)
-        self._callbacks[fd] = callback
+    def register(self, fd: int, callback: Callable[[], int], read_size: int) -> None:
+        """Call ``callback()`` from the poller task while ``fd`` has bytes (at most once per round).
+
+        ``read_size``: the most the callback reads at once; a read of that many is taken to leave bytes behind.
+        A socket registered with bytes waiting is read in the next round.
+        """
+        self._epoll.register(fd, select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET)
+        self._callbacks[fd] = (callback, read_size)
 
     def unregister(self, fd: int) -> None:
         """Stop watching ``fd``; call it before the descriptor is closed (its number is reused). Idempotent."""
@@ -81,26 +102,27 @@ class Poller:
     async def run(self) -> None:
         """Serve the set until cancelled; then close it.
 
-        A round that ran out of budget leaves the rest of its ``epoll_wait``
-        answer to the next rounds, which take it before asking the kernel
-        again: the kernel lists ready sockets in the same order every time, so
-        asking anew would serve the first few sockets of a flood forever.
+        The sockets a round did not reach, then those it left bytes in, are
+        read in the next round before the sockets the kernel reports since.
         """
         epoll = self._epoll
         callbacks = self._callbacks
-        left: list[tuple[int, int]] = []
+        carried: list[tuple[int, int]] = []  # (socket, events) with bytes to read, oldest first
         try:
             while True:
                 await trio.lowlevel.wait_readable(epoll.fileno())
                 while True:
-                    events = left or epoll.poll(0, MAX_EVENTS)
-                    left = []
+                    reported = epoll.poll(0, MAX_EVENTS)
+                    queue = _merged(carried, reported) if carried else reported
+                    carried = []
+                    more: list[tuple[int, int]] = []
                     self.in_round = True
                     budget = ROUND_BYTES
-                    for index, (fd, _) in enumerate(events):
-                        callback = callbacks.get(fd)
-                        if callback is None:
+                    for index, (fd, events) in enumerate(queue):
+                        entry = callbacks.get(fd)
+                        if entry is None:
                             continue
+                        callback, read_size = entry
                         try:
                             count = callback()
                         except Exception as exc:
@@ -108,17 +130,32 @@ class Poller:
                             LOGGER.error("socket callback failed; the socket is no longer read: %r", exc,
                                          exc_info=exc, extra={"ctx": {"fd": fd}})
                             self.unregister(fd)
+                        if count >= read_size or (count and events & HANG_UP):
+                            more.append((fd, events))
                         budget -= count
                         if budget <= 0 or count >= FLOOD_READ_BYTES:
-                            left = events[index + 1:]
+                            carried = queue[index + 1:]
                             break
+                    carried += more
                     self.in_round = False
                     try:
                         self._round_done()
                     except Exception as exc:
                         LOGGER.error("end of a read round failed: %r", exc, exc_info=exc)
-                    if not left and len(events) < MAX_EVENTS:
+                    if not carried and len(reported) < MAX_EVENTS:
                         break
                     await trio.lowlevel.checkpoint()
         finally:
             epoll.close()
+
+
+def _merged(carried: list[tuple[int, int]], reported: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The carried sockets, then those reported anew; a socket in both keeps its place, with both events."""
+    place = {fd: index for index, (fd, _) in enumerate(carried)}
+    for fd, events in reported:
+        index = place.get(fd)
+        if index is None:
+            carried.append((fd, events))
+        else:
+            carried[index] = (fd, carried[index][1] | events)
+    return carried
