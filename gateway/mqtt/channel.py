@@ -485,11 +485,11 @@ class Channel:
         limit: int = self._peer_max_packet  # type: ignore[assignment]
         level = self.protocol_level
         for index, action in enumerate(actions):
-            if type(action) is not Send:
+            if not isinstance(action, Send):
                 continue
             packets = []
             trimmed = False
-            for packet in action.packets:  # type: ignore[union-attr]
+            for packet in action.packets:
                 fitted = fit(packet, level, limit)
                 if fitted is None:
                     return self._unsendable(actions, index, packets, packet)

@@ -45,7 +45,7 @@ import time
 from collections.abc import Awaitable, Callable
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, final
+from typing import Any, Protocol, final
 
 import trio
 
@@ -284,45 +284,57 @@ class Connection:
         self._signal()
 
     def _apply(self, actions: list[Action]) -> None:
+        """Each action by its handler (``_APPLY``): socket and timer ones now, node ones queued for the worker."""
         for action in actions:
-            kind = type(action)
-            if kind is Append:  # first: a flood is one per PUBLISH read
-                # In order (no work waits), the node may take it now.
-                if not (self._work or self._working) and self._backend.append_now(self, action):  # type: ignore[arg-type]
-                    continue
-                mark = self._backend.append_mark()
-                if mark is not None and mark > self._mark:  # after the activations read before it
-                    self._mark = mark
-                    self._work.append(AfterReads(mark))
-                self._work.append(action)
-            elif kind is Send:
-                level = self.channel.protocol_level
-                self._out.extend(encode(packet, level) for packet in action.packets)  # type: ignore[union-attr]
-            elif kind is Deliver:
-                self._out.append(action.data)  # type: ignore[union-attr]
-                self._out_seq = action.seq  # type: ignore[union-attr]
-                self._traffic.delivered(action)  # type: ignore[arg-type]
-            elif kind is Close:
-                LOGGER.info("closing connection: %s", action.log,  # type: ignore[union-attr]
-                            extra={"ctx": {"client_id": self.client_id, "peer": self.peer,
-                                           "reason": action.reason.name}})  # type: ignore[union-attr]
-                self.close()
-            elif kind is ArmTimer:
-                self._arm(action.name, action.delay_s)  # type: ignore[union-attr]
-            elif kind is CancelTimer:
-                timer = self._timers.pop(action.name, None)  # type: ignore[union-attr]
-                if timer is not None:
-                    timer.cancel()
-            else:
-                if kind is Activate:
-                    self._backend.activation_read(self, action)  # type: ignore[arg-type]
-                if not self._work and not self._working:  # in order: no work waits, so the node may answer now
-                    if kind is Pull:
-                        pulled = self._backend.pull_cached(self, action)  # type: ignore[arg-type]
-                        if pulled is not None:  # a cache hit: answered without a worker hop
-                            self.feed(pulled)
-                            continue
-                self._work.append(action)
+            _APPLY.get(type(action), Connection._queue)(self, action)
+
+    def _append(self, action: Append) -> None:
+        # In order (no work waits), the node may take it now.
+        if not (self._work or self._working) and self._backend.append_now(self, action):
+            return
+        mark = self._backend.append_mark()
+        if mark is not None and mark > self._mark:  # after the activations read before it
+            self._mark = mark
+            self._work.append(AfterReads(mark))
+        self._work.append(action)
+
+    def _send(self, action: Send) -> None:
+        level = self.channel.protocol_level
+        self._out.extend(encode(packet, level) for packet in action.packets)
+
+    def _deliver(self, action: Deliver) -> None:
+        self._out.append(action.data)
+        self._out_seq = action.seq
+        self._traffic.delivered(action)
+
+    def _close_action(self, action: Close) -> None:
+        LOGGER.info("closing connection: %s", action.log,
+                    extra={"ctx": {"client_id": self.client_id, "peer": self.peer, "reason": action.reason.name}})
+        self.close()
+
+    def _arm_timer(self, action: ArmTimer) -> None:
+        self._arm(action.name, action.delay_s)
+
+    def _cancel_timer(self, action: CancelTimer) -> None:
+        timer = self._timers.pop(action.name, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _activate(self, action: Activate) -> None:
+        self._backend.activation_read(self, action)
+        self._work.append(action)
+
+    def _pull(self, action: Pull) -> None:
+        if not self._work and not self._working:  # in order: no work waits, so the node may answer now
+            pulled = self._backend.pull_cached(self, action)
+            if pulled is not None:  # a cache hit: answered without a worker hop
+                self.feed(pulled)
+                return
+        self._work.append(action)
+
+    def _queue(self, action: Action) -> None:
+        """A node action: the worker hands it to the node, in order."""
+        self._work.append(action)
 
     def _flush(self) -> None:
         """Write the queued bytes now while a plain TCP socket takes them whole; else start the writer task.
@@ -691,6 +703,19 @@ class Connection:
         finally:
             self._working = False
             self._signal()
+
+
+_APPLY: dict[type, Callable[[Connection, Any], None]] = {
+    Append: Connection._append,  # a flood is one per PUBLISH read
+    Send: Connection._send,
+    Deliver: Connection._deliver,
+    Close: Connection._close_action,
+    ArmTimer: Connection._arm_timer,
+    CancelTimer: Connection._cancel_timer,
+    Activate: Connection._activate,
+    Pull: Connection._pull,
+}
+"""How a connection applies each kind of channel action; the others are node actions, queued for its worker."""
 
 
 async def serve_mqtt(
