@@ -20,6 +20,7 @@ from gateway.mqtt.packets import MQTT_5, Connack, Connect
 from gateway.mqtt.reasons import ReasonCode
 from mqtt_fixtures import connect_packet, properties, raw_client
 from processes import LightgateProcess
+from store.leases import LEASE_S
 from store.rpc import wire as rpc
 from store.rpc.client import RemoteStore
 from test_gateway_server import Client, connected
@@ -289,7 +290,7 @@ def test_gateway_sigkill_devices_resume_on_the_other_and_wills_fire_within_the_l
             [will] = watcher.receive(1)
             elapsed = time.monotonic() - killed
             assert (will.topic, will.payload) == (f"will{run}/{device_id}", b"offline")
-            assert elapsed < rpc.LEASE_S + 5.0  # the lease bound (docs/cluster.md), plus process start-up slack
+            assert elapsed < LEASE_S + 5.0  # the lease bound (docs/cluster.md), plus process start-up slack
             resumed = Client(gw2.port, device_id, clean=False)
             flags = resumed.connect()
             try:

@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from gateway.auth.passwords import PasswordFile
+from store.api import NewMessage
 from store.rpc import wire as rpc
 from store.rpc.client import RemoteStore
 from store.rpc.server import HANDSHAKE_TIMEOUT_S
@@ -54,7 +55,7 @@ def append_as_backend(port: int, node: str, topic: str) -> None:
     async def run() -> None:
         async with RemoteStore.connect("127.0.0.1", port, node=node, username=USER, password=PASSWORD,
                                              timeout_s=WAIT_S) as client:
-            await client.append_each([(topic, b"from the back end", {"qos": 1})])
+            await client.append_each([NewMessage(topic, b"from the back end", qos=1)])
 
     trio.run(run)
 

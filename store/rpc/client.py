@@ -597,6 +597,13 @@ class RemoteStore:
         """Whether ``epoch`` is an ended lease of this node's (its writes are refused)."""
         return epoch != 0 and epoch != link.epoch
 
+    def _refuse_stale(self, epoch: int, link: _Link) -> None:
+        """Refuse here, as the store would (``LeaseLost``), a write for a client of an ended lease: the node sends
+        nothing more for the clients it had then (docs/cluster.md, "Fencing"); the store's check stays for what
+        was sent before the node knew."""
+        if self._stale(epoch, link):
+            raise LeaseLost(f"lease {epoch} of node {self.node} has ended (the node holds lease {link.epoch} now)")
+
     async def wait_reconnected(self, connects: int) -> None:
         """Return once a connection newer than the ``connects``-th (``client_statistics().connects``) is up.
 
@@ -635,9 +642,7 @@ class RemoteStore:
         if not messages:
             return []
         group = list(messages)
-        epoch = self._epoch_of(group[0].client_id)  # a connection's appends: one publisher
-        if self._stale(epoch, link):  # an ended lease's: alone, for the store to refuse
-            return (await link.call(lambda rid: rpc.AppendRequest(rid, [group], durable, epoch))).offsets[0]
+        self._refuse_stale(self._epoch_of(group[0].client_id), link)  # a connection's appends: one publisher
         return await link.appends[durable].submit(group)
 
     async def append_each(self, messages: Sequence[NewMessage], *, durable: bool | None = None
@@ -713,8 +718,10 @@ class RemoteStore:
         return answer.value
 
     async def release(self, queue: str, holder: str) -> bool:
+        link = self._require_link()
         epoch = self._epoch_of(holder)
-        answer = await self._require_link().call(lambda rid: rpc.Release(rid, queue, holder, epoch))
+        self._refuse_stale(epoch, link)
+        answer = await link.call(lambda rid: rpc.Release(rid, queue, holder, epoch))
         return answer.value
 
     async def get_offsets(self, owner: str) -> dict[str, int]:
@@ -723,20 +730,20 @@ class RemoteStore:
 
     async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
         """The commits of clients of this node's lease go in one batched request; those of clients of an ended
-        lease alone, for the store to refuse: ``LeaseLost`` once the others are written."""
+        lease are not sent: ``LeaseLost`` once the others are written."""
         link = self._require_link()
         current: dict[str, dict[str, int]] = {}
-        stale: dict[int, dict[str, dict[str, int]]] = {}
+        stale: list[int] = []
         for owner, offsets in commits.items():
             epoch = self._epoch_of(owner)
             if self._stale(epoch, link):
-                stale.setdefault(epoch, {})[owner] = dict(offsets)
+                stale.append(epoch)
             else:
                 current[owner] = dict(offsets)
         if current:
             await link.commits.submit(current)
-        for epoch, part in stale.items():
-            await link.call(lambda rid, part=part, epoch=epoch: rpc.CommitOffsets(rid, part, epoch))
+        if stale:
+            self._refuse_stale(stale[0], link)
 
     def watch(self, queue: str) -> None:
         self._watched[queue] = self._watched.get(queue, 0) + 1
@@ -795,11 +802,15 @@ class RemoteStore:
     async def close_session(self, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> None:
         client = self._clients.pop(client_id, None)
         epoch = client.epoch if client is not None else 0
-        await self._require_link().call(lambda rid: rpc.CloseSession(rid, client_id, expiry_s, will_delay_s, epoch))
+        link = self._require_link()
+        self._refuse_stale(epoch, link)
+        await link.call(lambda rid: rpc.CloseSession(rid, client_id, expiry_s, will_delay_s, epoch))
 
     async def save_session(self, client_id: str, blob: bytes) -> None:
+        link = self._require_link()
         epoch = self._epoch_of(client_id)
-        await self._require_link().call(lambda rid: rpc.SaveSession(rid, client_id, blob, epoch))
+        self._refuse_stale(epoch, link)
+        await link.call(lambda rid: rpc.SaveSession(rid, client_id, blob, epoch))
 
     async def load_session(self, client_id: str) -> bytes | None:
         answer = await self._require_link().call(lambda rid: rpc.LoadSession(rid, client_id))
@@ -821,12 +832,8 @@ class RemoteStore:
         if not flows:
             return
         link = self._require_link()
-        epoch = self._epoch_of(flows[0][0])  # one connection's releases: one client
-        items = [tuple(flow) for flow in flows]
-        if self._stale(epoch, link):
-            await link.call(lambda rid: rpc.ReleaseAwaiting(rid, items, epoch))
-            return
-        await link.releases.submit(items)
+        self._refuse_stale(self._epoch_of(flows[0][0]), link)  # one connection's releases: one client
+        await link.releases.submit([tuple(flow) for flow in flows])
 
     async def moved(self) -> list[str]:
         return list(await self._moved.get())
