@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from store.api import LogSpan
 from store.rpc import wire as rpc
 
 from .framing import DecodeOptions, Frames, frames_in
@@ -83,8 +84,8 @@ class LogReader:
             elif type(message) not in (rpc.Heartbeat, rpc.Events):
                 return message
 
-    def read(self, offset: int, max_bytes: int) -> rpc.LogBytes:
-        """One ``ReadLog``.
+    def read(self, offset: int, max_bytes: int) -> LogSpan:
+        """One ``ReadLog``: the span of ``LogBytes``.
 
         Raises:
             LookupError: the offset has expired (retention); ValueError: beyond the flushed offset;
@@ -99,7 +100,7 @@ class LogReader:
             if answer.kind is rpc.ErrorKind.VALUE:
                 raise ValueError(answer.message)
             raise ConnectionError(f"the store at {self.address} failed the read: {answer.kind.value}: {answer.message}")
-        return answer
+        return answer.span
 
 
 def read_live(rng: LiveRange, opts: DecodeOptions) -> Iterator[Frames]:

@@ -195,6 +195,7 @@ class Subscriptions:
                 pass
         if offsets:
             self._commits.post(action.client_id, offsets)
+        LOGGER.debug("offsets committed", extra={"ctx": {"client_id": action.client_id, "offsets": action.offsets}})
 
     # --- pulls ------------------------------------------------------------------------------
 
