@@ -265,6 +265,34 @@ def test_http_publish_reaches_a_paho_subscriber(node, admin):
         assert retained.retain and retained.payload == b"\x00\x01"
 
 
+@pytest.mark.parametrize(("body", "field"), [
+    ({"topic": "t", "payload": "x", "retained": True}, "retained"),  # a misspelt option: refused, not ignored
+    ({"topic": "t", "payload": "x", "qos": "1"}, "$.qos"),
+    ({"topic": "t", "payload": "x", "retain": "yes"}, "$.retain"),
+    ({"topic": "t", "payload": 5}, "$.payload"),
+    ({"topic": ["t"], "payload": "x"}, "$.topic"),
+    ({"topic": "t", "encoding": "hex"}, "$.encoding"),
+    ({"payload": "x"}, "topic"),
+])
+def test_a_publish_body_with_an_unknown_or_mistyped_field_is_a_400_naming_it(admin, body, field):
+    status, _, answer = admin.request("POST", "/api/v1/publish", body)
+    assert status == 400 and field in answer["error"], answer
+
+
+def test_a_refused_publish_body_publishes_nothing(node, admin):
+    run = run_id()
+    with connected(node.port) as sub:
+        sub.subscribe(f"strict{run}/#", 1)
+        status, _, answer = admin.request("POST", "/api/v1/publish",
+                                          {"topic": f"strict{run}/a", "payload": "kept?", "retained": True})
+        assert status == 400 and "retained" in answer["error"]
+        status, _, _ = admin.request("POST", "/api/v1/publish", {"topic": f"strict{run}/b", "payload": "sentinel"})
+        assert status == 200
+        (only,) = sub.receive(1)  # the sentinel, published after the refused body, comes alone
+        assert only.topic == f"strict{run}/b"
+        quiet(sub.messages)
+
+
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     directory = tmp_path_factory.mktemp("secured")

@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, TypeVar, final
 from urllib.parse import parse_qsl, unquote
 
 import h11
@@ -52,6 +52,7 @@ import orjson
 import trio
 
 from gateway.node.accept import CapacityLog, serve_accepting
+from gateway.ops.bodies import BodyError, PublishBody, decode_body
 from gateway.ops.metrics import CONTENT_TYPE
 from gateway.mqtt.reasons import ReasonCode
 from lightqueue.topics import TopicError
@@ -75,6 +76,8 @@ __all__ = [
 ]
 
 LOGGER = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MAX_HEAD_BYTES = 16 * 1024
 """Request line and headers together: an admin call needs a few hundred bytes; h11 answers more with 431."""
@@ -328,31 +331,23 @@ class AdminApi:
 
     async def _publish(self, request: Request, rest: str) -> Response:
         username, password = _basic_credentials(request)
-        fields = _json_object(request.body)
-        topic = fields.get("topic")
-        if not isinstance(topic, str):
-            raise HttpError(400, "'topic' must be a string")
-        payload = _payload(fields)
-        qos = fields.get("qos", 0)
-        retain = fields.get("retain", False)
-        if qos not in (0, 1, 2) or isinstance(qos, bool):
-            raise HttpError(400, "'qos' must be 0, 1 or 2")
-        if not isinstance(retain, bool):
-            raise HttpError(400, "'retain' must be true or false")
+        body = _decode(request.body, PublishBody)
+        payload = _payload(body)
         decision = await self.node.authenticate_http(username, password, request.peer_host)
         if not decision.accepted:
             raise HttpError(401, "credentials not accepted", (("www-authenticate", 'Basic realm="lightgate"'),))
         try:
-            reason = await self.node.publish(topic, payload, qos, retain, decision.username, request.peer_host)
+            reason = await self.node.publish(body.topic, payload, body.qos, body.retain, decision.username,
+                                             request.peer_host)
         except TopicError as exc:
             raise HttpError(400, f"topic: {exc}") from None
         if reason is ReasonCode.NOT_AUTHORIZED:
-            raise HttpError(403, f"the ACL does not allow publishing to {topic!r}")
+            raise HttpError(403, f"the ACL does not allow publishing to {body.topic!r}")
         if reason is ReasonCode.PACKET_TOO_LARGE:
             raise HttpError(413, "the message exceeds commitlog.max_record_bytes")
         if reason is not None:
             raise HttpError(503, f"the store did not take the message: {reason.name}")
-        return json_response({"topic": topic, "qos": qos, "retain": retain, "bytes": len(payload)})
+        return json_response({"topic": body.topic, "qos": body.qos, "retain": body.retain, "bytes": len(payload)})
 
     # --- admin routes -------------------------------------------------------------------
 
@@ -441,30 +436,22 @@ class AdminApi:
         return json_response({"deleted": rest})
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
+def _decode(body: bytes, type: type[T]) -> T:
+    """The request body as ``type`` (gateway/ops/bodies.py), or a 400 naming the field at fault."""
     try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise HttpError(400, f"the body is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise HttpError(400, "the body must be a JSON object")
-    return value
+        return decode_body(body, type)
+    except BodyError as exc:
+        raise HttpError(400, str(exc)) from None
 
 
-def _payload(fields: Mapping[str, Any]) -> bytes:
+def _payload(body: PublishBody) -> bytes:
     """The message payload: ``payload`` as UTF-8 text, or base64 with ``"encoding": "base64"``."""
-    text = fields.get("payload", "")
-    encoding = fields.get("encoding", "utf-8")
-    if not isinstance(text, str):
-        raise HttpError(400, "'payload' must be a string")
-    if encoding == "utf-8":
-        return text.encode()
-    if encoding == "base64":
-        try:
-            return base64.b64decode(text, validate=True)
-        except binascii.Error as exc:
-            raise HttpError(400, f"'payload' is not valid base64: {exc}") from None
-    raise HttpError(400, "'encoding' must be utf-8 or base64")
+    if body.encoding == "utf-8":
+        return body.payload.encode()
+    try:
+        return base64.b64decode(body.payload, validate=True)
+    except binascii.Error as exc:
+        raise HttpError(400, f"'payload' is not valid base64: {exc}") from None
 
 
 def _basic_credentials(request: Request) -> tuple[str | None, bytes | None]:
