@@ -288,9 +288,95 @@ def test_a_refused_publish_body_publishes_nothing(node, admin):
         assert status == 400 and "retained" in answer["error"]
         status, _, _ = admin.request("POST", "/api/v1/publish", {"topic": f"strict{run}/b", "payload": "sentinel"})
         assert status == 200
-        (only,) = sub.receive(1)  # the sentinel, published after the refused body, comes alone
-        assert only.topic == f"strict{run}/b"
-        quiet(sub.messages)
+        (first,) = sub.receive(1)  # the sentinel, published after the refused body, comes first: it comes alone
+        assert first.topic == f"strict{run}/b"
+
+
+def test_http_publish_sends_mqtt5_properties_to_a_paho_v5_subscriber(node, admin):
+    # The PUBLISH properties of [MQTT-3.3.2] are forwarded unaltered to the subscriber [MQTT-3.3.2-4, -15, -16, -17,
+    # -18, -20]; the expiry interval is the one received minus the time waited [MQTT-3.3.2-6].
+    run = run_id()
+    correlation = b"\x00req-17\xff"
+    with connected(node.port, protocol=mqtt.MQTTv5) as sub:
+        sub.subscribe(f"props{run}/#", 1)
+        status, _, body = admin.request("POST", "/api/v1/publish", {
+            "topic": f"props{run}/cmd", "payload": '{"on": true}', "qos": 1, "properties": {
+                "payload_format_indicator": 1, "message_expiry_interval": 3600, "content_type": "application/json",
+                "response_topic": f"props{run}/reply", "correlation_data": base64.b64encode(correlation).decode(),
+                "user_properties": [["trace", "t-1"], ["trace", "t-2"], ["from", "billing"]]}})
+        assert status == 200, body
+        (message,) = sub.receive(1)
+    props = message.properties
+    assert message.payload == b'{"on": true}'
+    assert props.PayloadFormatIndicator == 1 and props.ContentType == "application/json"
+    assert props.ResponseTopic == f"props{run}/reply" and props.CorrelationData == correlation
+    assert props.UserProperty == [("trace", "t-1"), ("trace", "t-2"), ("from", "billing")]
+    assert 3590 <= props.MessageExpiryInterval <= 3600
+
+
+@pytest.mark.parametrize(("properties", "field"), [
+    ({"correlation_data": "not base64!"}, "correlation_data"),
+    ({"response_topic": "replies/+"}, "response_topic"),
+    ({"message_expiry_interval": -1}, "$.properties.message_expiry_interval"),
+    ({"payload_format_indicator": 2}, "$.properties.payload_format_indicator"),
+    ({"user_properties": [["only a name"]]}, "$.properties.user_properties[0]"),
+    ({"content_type": "a\u0000b"}, "U+0000"),
+    ({"contentType": "text/plain"}, "contentType"),
+])
+def test_bad_mqtt5_properties_on_http_publish_are_a_400_naming_them(admin, properties, field):
+    status, _, answer = admin.request("POST", "/api/v1/publish", {"topic": "t", "payload": "x",
+                                                                  "properties": properties})
+    assert status == 400 and field in answer["error"], answer
+
+
+def test_a_payload_marked_utf8_must_be_utf8(admin):
+    status, _, answer = admin.request("POST", "/api/v1/publish", {
+        "topic": "t", "payload": base64.b64encode(b"\xff").decode(), "encoding": "base64",
+        "properties": {"payload_format_indicator": 1}})
+    assert status == 400 and "payload_format_indicator" in answer["error"]
+
+
+def test_bulk_publish_answers_each_message_in_order(node, admin):
+    run = run_id()
+    with connected(node.port, protocol=mqtt.MQTTv5) as sub:
+        sub.subscribe(f"bulk{run}/#", 1)
+        status, _, body = admin.request("POST", "/api/v1/publish/bulk", {"messages": [
+            {"topic": f"bulk{run}/1", "payload": "one", "qos": 1},
+            {"topic": f"bulk{run}/+", "payload": "a wildcard: refused alone"},
+            {"topic": f"bulk{run}/3", "payload": base64.b64encode(b"\x03").decode(), "encoding": "base64",
+             "properties": {"content_type": "application/octet-stream"}},
+            {"topic": f"bulk{run}/1", "payload": "four", "qos": 1, "retain": True},
+        ]})
+        assert status == 200, body
+        assert [r["status"] for r in body["results"]] == [200, 400, 200, 200]
+        assert body["results"][0] == {"status": 200, "topic": f"bulk{run}/1", "qos": 1, "retain": False, "bytes": 3}
+        assert "wildcard" in body["results"][1]["error"]
+        received = sub.receive(3)
+    assert [(m.topic, m.payload) for m in received] == [(f"bulk{run}/1", b"one"), (f"bulk{run}/3", b"\x03"),
+                                                       (f"bulk{run}/1", b"four")]
+    assert received[1].properties.ContentType == "application/octet-stream"
+
+
+def test_a_bulk_body_that_does_not_decode_whole_publishes_nothing(node, admin):
+    run = run_id()
+    with connected(node.port) as sub:
+        sub.subscribe(f"bulkbad{run}/#", 1)
+        status, _, answer = admin.request("POST", "/api/v1/publish/bulk", {"messages": [
+            {"topic": f"bulkbad{run}/a", "payload": "x"}, {"topic": f"bulkbad{run}/b", "retained": True}]})
+        assert status == 400 and "retained" in answer["error"] and "messages[1]" in answer["error"]
+        status, _, answer = admin.request("POST", "/api/v1/publish/bulk", {"messages": [
+            {"topic": f"bulkbad{run}/a", "payload": "x"},
+            {"topic": f"bulkbad{run}/b", "payload": "%%", "encoding": "base64"}]})
+        assert status == 400 and "messages[1].payload" in answer["error"]
+        status, _, answer = admin.request("POST", "/api/v1/publish/bulk",
+                                          {"messages": [{"topic": f"bulkbad{run}/a"}] * 1001})
+        assert status == 400 and "$.messages" in answer["error"] and "1000" in answer["error"]
+        status, _, answer = admin.request("POST", "/api/v1/publish/bulk", {"messages": []})
+        assert status == 400 and "$.messages" in answer["error"]
+        status, _, _ = admin.request("POST", "/api/v1/publish", {"topic": f"bulkbad{run}/sentinel"})
+        assert status == 200
+        (first,) = sub.receive(1)  # the sentinel comes first: nothing of the refused bodies was published
+        assert first.topic == f"bulkbad{run}/sentinel"
 
 
 @pytest.fixture(scope="module")
@@ -354,6 +440,13 @@ def test_http_publish_authenticates_with_the_password_file_and_checks_the_acl(se
         assert status == 200
         (received,) = watcher.receive(1)  # only the accepted publish was stored
         assert (received.topic, received.payload) == (f"alice/{run}", b"from http")
+        status, _, body = publisher.request("POST", "/api/v1/publish/bulk", {"messages": [
+            {**message, "payload": "bulk 1"}, {**message, "topic": f"bob/{run}"}, {**message, "payload": "bulk 3"}]},
+            basic("alice", PASSWORDS["alice"]))
+        assert status == 200 and [r["status"] for r in body["results"]] == [200, 403, 200]
+        assert [m.payload for m in watcher.receive(2)] == [b"bulk 1", b"bulk 3"]
+        status, _, _ = publisher.request("POST", "/api/v1/publish/bulk", {"messages": [message]})
+        assert status == 401  # a bulk publish is authenticated as a whole
         quiet(watcher.messages)
         overview = Admin(admin_port(secured), TOKEN)
         try:

@@ -110,6 +110,7 @@ from gateway.app.logs import leaves
 from gateway.node.messages import from_record, to_new_message
 from gateway.node.order import ReadOrder
 from gateway.mqtt.packets import MQTT_5
+from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
 from gateway.auth.passwords import PasswordFileError
 from gateway.node.poller import Poller
 from gateway.app.reload import Reloader
@@ -1163,7 +1164,7 @@ class GatewayNode:
         return decision
 
     async def publish(self, topic: str, payload: bytes, qos: int, retain: bool, username: str | None,
-                      source: str) -> ReasonCode | None:
+                      source: str, properties: Properties = EMPTY_PROPERTIES) -> ReasonCode | None:
         """Publish for an HTTP client (``username`` authenticated, None: anonymous) through the normal path.
 
         The ACL's publish rules apply as to an MQTT client of that user; HTTP
@@ -1183,7 +1184,8 @@ class GatewayNode:
                            extra={"ctx": {"peer": source, "username": username, "topic": topic,
                                           "acl_denials": self.auth_counters.acl_denials}})
             return ReasonCode.NOT_AUTHORIZED
-        message = Message(topic, payload, qos, retain, client_id=HTTP_CLIENT_ID, born_ms=int(time.time() * 1000))
+        message = Message(topic, payload, qos, retain, properties, client_id=HTTP_CLIENT_ID,
+                          born_ms=int(time.time() * 1000))
         reason = await self.append_messages([message])
         if reason is None:
             self.traffic.messages_in += 1

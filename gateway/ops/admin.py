@@ -24,9 +24,11 @@ Routes (docs/operations.md has the reference with curl examples):
   the bearer token ``admin.token`` when one is set. In a cluster, the calls
   about one client (``/clients/{id}``, ``/sessions/{id}``) reach the node it
   is connected to, whichever gateway node is asked (through the store).
-- ``POST /api/v1/publish``: authenticated like an MQTT client (HTTP Basic with
-  the password file's users, or anonymous when allowed) and checked against
-  the ACL's publish rules; it is not an admin action, so the token plays no part.
+- ``POST /api/v1/publish`` (one message, MQTT 5 properties included) and
+  ``POST /api/v1/publish/bulk`` (many, answered in order): authenticated like
+  an MQTT client (HTTP Basic with the password file's users, or anonymous when
+  allowed) and checked against the ACL's publish rules; it is not an admin
+  action, so the token plays no part. Bodies are gateway/ops/bodies.py's structs.
 
 The node (gateway/node/node.py, "administration") answers with the records below;
 they are frozen dataclasses that orjson writes as JSON objects.
@@ -52,10 +54,12 @@ import orjson
 import trio
 
 from gateway.node.accept import CapacityLog, serve_accepting
-from gateway.ops.bodies import BodyError, PublishBody, decode_body
+from gateway.mqtt.properties import EMPTY_PROPERTIES, PacketType, Properties, encode_properties
+from gateway.mqtt.reasons import LocalProtocolError
+from gateway.ops.bodies import BodyError, BulkPublishBody, PublishBody, decode_body
 from gateway.ops.metrics import CONTENT_TYPE
 from gateway.mqtt.reasons import ReasonCode
-from lightqueue.topics import TopicError
+from lightqueue.topics import TopicError, validate_topic
 
 if TYPE_CHECKING:  # the node builds on these records, so only the type checker imports it here
     from gateway.ops.metrics import NodeMetrics
@@ -256,13 +260,15 @@ class AdminApi:
             "/api/v1/queues": {"GET": self._queues},
             "/api/v1/retained": {"GET": self._retained},
             "/api/v1/publish": {"POST": self._publish},
+            "/api/v1/publish/bulk": {"POST": self._publish_bulk},
         }
         self._prefixed: dict[str, dict[str, Handler]] = {
             "/api/v1/clients/": {"GET": self._client, "DELETE": self._disconnect},
             "/api/v1/sessions/": {"GET": self._session, "DELETE": self._delete_session},
             "/api/v1/retained/": {"GET": self._retained_one, "DELETE": self._delete_retained},
         }
-        self._open = {"/", "/metrics", "/healthz", "/readyz", "/api/v1/publish"}  # no admin token needed
+        self._open = {"/", "/metrics", "/healthz", "/readyz",  # no admin token needed
+                      "/api/v1/publish", "/api/v1/publish/bulk"}
 
     async def handle(self, request: Request) -> Response:
         """Answer one request; never raises for a bad request (errors become 4xx/5xx JSON responses)."""
@@ -332,13 +338,39 @@ class AdminApi:
     async def _publish(self, request: Request, rest: str) -> Response:
         username, password = _basic_credentials(request)
         body = _decode(request.body, PublishBody)
-        payload = _payload(body)
-        decision = await self.node.authenticate_http(username, password, request.peer_host)
+        message = _message(body)
+        username = await self._publisher(username, password, request.peer_host)
+        return json_response(await self._publish_one(body, *message, username, request.peer_host))
+
+    async def _publish_bulk(self, request: Request, rest: str) -> Response:
+        """Every message of the body, in order, each answered (``status`` 200 and what was stored, or its error);
+        a body that does not decode whole publishes nothing."""
+        username, password = _basic_credentials(request)
+        bodies = _decode(request.body, BulkPublishBody).messages
+        messages = [_message(body, f"messages[{index}].") for index, body in enumerate(bodies)]
+        username = await self._publisher(username, password, request.peer_host)
+        results: list[dict[str, Any]] = []
+        for body, message in zip(bodies, messages):
+            try:
+                results.append({"status": 200, **await self._publish_one(body, *message, username,
+                                                                         request.peer_host)})
+            except HttpError as err:
+                results.append({"status": err.status, "topic": body.topic, "error": err.message})
+        return json_response({"results": results})
+
+    async def _publisher(self, username: str | None, password: bytes | None, peer_host: str) -> str | None:
+        """The authenticated publisher's user name (None: anonymous), or a 401."""
+        decision = await self.node.authenticate_http(username, password, peer_host)
         if not decision.accepted:
             raise HttpError(401, "credentials not accepted", (("www-authenticate", 'Basic realm="lightgate"'),))
+        return decision.username
+
+    async def _publish_one(self, body: PublishBody, payload: bytes, properties: Properties, username: str | None,
+                           peer_host: str) -> dict[str, Any]:
+        """Publish one message through the node; what was stored, or an HttpError saying why not."""
         try:
-            reason = await self.node.publish(body.topic, payload, body.qos, body.retain, decision.username,
-                                             request.peer_host)
+            reason = await self.node.publish(body.topic, payload, body.qos, body.retain, username, peer_host,
+                                             properties)
         except TopicError as exc:
             raise HttpError(400, f"topic: {exc}") from None
         if reason is ReasonCode.NOT_AUTHORIZED:
@@ -347,7 +379,7 @@ class AdminApi:
             raise HttpError(413, "the message exceeds commitlog.max_record_bytes")
         if reason is not None:
             raise HttpError(503, f"the store did not take the message: {reason.name}")
-        return json_response({"topic": body.topic, "qos": body.qos, "retain": body.retain, "bytes": len(payload)})
+        return {"topic": body.topic, "qos": body.qos, "retain": body.retain, "bytes": len(payload)}
 
     # --- admin routes -------------------------------------------------------------------
 
@@ -444,14 +476,49 @@ def _decode(body: bytes, type: type[T]) -> T:
         raise HttpError(400, str(exc)) from None
 
 
-def _payload(body: PublishBody) -> bytes:
-    """The message payload: ``payload`` as UTF-8 text, or base64 with ``"encoding": "base64"``."""
-    if body.encoding == "utf-8":
-        return body.payload.encode()
+def _message(body: PublishBody, where: str = "") -> tuple[bytes, Properties]:
+    """The payload and MQTT 5 properties of ``body``, or a 400 naming the field (``where`` prefixes its path).
+
+    Raises:
+        HttpError: bad base64, a non-UTF-8 payload marked as UTF-8 (payload_format_indicator 1), a response topic
+            that is no topic name, or a string MQTT cannot carry (U+0000, over 65535 bytes).
+    """
+    payload = _base64(body.payload, f"{where}payload") if body.encoding == "base64" else body.payload.encode()
+    given = body.properties
+    if given is None:
+        return payload, EMPTY_PROPERTIES
+    if given.payload_format_indicator == 1:
+        try:
+            payload.decode()
+        except UnicodeDecodeError:
+            raise HttpError(400, f"'{where}payload' is not UTF-8 but properties.payload_format_indicator is 1") \
+                from None
+    if given.response_topic is not None:
+        try:
+            validate_topic(given.response_topic)
+        except TopicError as exc:
+            raise HttpError(400, f"'{where}properties.response_topic': {exc}") from None
+    correlation = given.correlation_data
+    properties = Properties(
+        payload_format_indicator=given.payload_format_indicator,
+        message_expiry_interval=given.message_expiry_interval,
+        content_type=given.content_type,
+        response_topic=given.response_topic,
+        correlation_data=None if correlation is None else _base64(correlation, f"{where}properties.correlation_data"),
+        user_properties=tuple(given.user_properties),
+    )
     try:
-        return base64.b64decode(body.payload, validate=True)
+        encode_properties(properties, PacketType.PUBLISH)
+    except LocalProtocolError as exc:
+        raise HttpError(400, f"'{where}properties': {exc}") from None
+    return payload, properties
+
+
+def _base64(text: str, field: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
     except binascii.Error as exc:
-        raise HttpError(400, f"'payload' is not valid base64: {exc}") from None
+        raise HttpError(400, f"'{field}' is not valid base64: {exc}") from None
 
 
 def _basic_credentials(request: Request) -> tuple[str | None, bytes | None]:
