@@ -4,6 +4,7 @@ health and readiness, HTTP errors, each admin action taking effect on paho clien
 import base64
 import http.client
 import json
+import re
 import socket
 import uuid
 
@@ -13,6 +14,7 @@ from mqtt_fixtures import WAIT_S, Client, Node, connected, properties, quiet, ru
 from paho.mqtt.packettypes import PacketTypes
 
 from gateway.auth.passwords import PasswordFile
+from gateway.ops.admin import AdminApi
 
 TOKEN = "s3cret-admin-token"
 PASSWORDS = {"alice": "alice-pw", "bob": "bob-pw"}
@@ -379,6 +381,58 @@ def test_a_bulk_body_that_does_not_decode_whole_publishes_nothing(node, admin):
         assert first.topic == f"bulkbad{run}/sentinel"
 
 
+def _request_for(path: str, method: str) -> tuple[str, dict | None]:
+    """A request to one documented operation: path parameters filled in, a (minimal) body for a POST."""
+    concrete = re.sub(r"\{\w+\}", f"doc-{run_id()}", path)
+    body = {"topic": f"doc{run_id()}/x"} if path == "/api/v1/publish" else None
+    if path == "/api/v1/publish/bulk":
+        body = {"messages": [{"topic": f"doc{run_id()}/x"}]}
+    return concrete, body
+
+
+def test_the_openapi_document_describes_exactly_the_routes_the_endpoint_answers(node, admin):
+    document = admin.get("/api/openapi.json")
+    assert document["openapi"].startswith("3.")
+    documented = {(path, method.upper()) for path, methods in document["paths"].items() for method in methods}
+    assert documented == AdminApi(None, None).routes()  # the routing table: every route, and only those
+    for path, method in sorted(documented):  # and the running endpoint answers each of them
+        concrete, body = _request_for(path, method)
+        status, _, answer = admin.request(method, concrete, body)
+        assert status != 405, (method, concrete, answer)
+        assert not (status == 404 and "no such resource" in answer["error"]), (method, concrete)
+        if method == "GET" and status == 200:  # what the document says the answer is
+            content = document["paths"][path]["get"]["responses"]["200"]["content"]
+            assert list(content) == [_content_type(admin, concrete)], (path, content)
+    status, _, _ = admin.request("GET", "/api/v1/undocumented")
+    assert status == 404
+
+
+def _content_type(admin: Admin, path: str) -> str:
+    admin.conn.request("GET", path)
+    response = admin.conn.getresponse()
+    response.read()
+    return response.getheader("content-type")
+
+
+def test_the_openapi_schemas_are_the_structs_the_endpoint_validates(admin):
+    document = admin.get("/api/openapi.json")
+    schemas = document["components"]["schemas"]
+    publish = document["paths"]["/api/v1/publish"]["post"]
+    assert publish["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/"
+                                                                                      "PublishBody"}
+    body = schemas["PublishBody"]
+    assert body["additionalProperties"] is False and body["required"] == ["topic"]  # forbid_unknown_fields
+    assert body["properties"]["qos"]["enum"] == [0, 1, 2]
+    assert set(schemas["PublishProperties"]["properties"]) == {
+        "payload_format_indicator", "message_expiry_interval", "content_type", "response_topic", "correlation_data",
+        "user_properties"}
+    assert schemas["BulkPublishBody"]["properties"]["messages"]["maxItems"] == 1000
+    assert {"bearer", "basic"} == {scheme["scheme"]
+                                    for scheme in document["components"]["securitySchemes"].values()}
+    for reference in re.findall(r'"\$ref": ?"#/components/schemas/(\w+)"', json.dumps(document)):
+        assert reference in schemas  # every reference resolves
+
+
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     directory = tmp_path_factory.mktemp("secured")
@@ -397,7 +451,7 @@ def test_the_admin_api_needs_its_token_and_probes_do_not(secured):
     port = admin_port(secured)
     anonymous = Admin(port)
     try:
-        for path in ("/healthz", "/readyz", "/metrics", "/"):
+        for path in ("/healthz", "/readyz", "/metrics", "/", "/api/openapi.json"):
             status, _, _ = anonymous.request("GET", path)
             assert status == 200, path
         for path in ("/api/v1/clients", "/api/v1/overview", "/api/v1/retained"):

@@ -18,6 +18,7 @@ Routes (docs/operations.md has the reference with curl examples):
 - ``GET /metrics`` (Prometheus text), ``GET /healthz`` (the process answers),
   ``GET /readyz`` (the store answers and the MQTT listener is up; else 503 and
   why): never need a token, so probes and scrapers need no secret.
+- ``GET /api/openapi.json``: the OpenAPI 3.1 document of these routes (gateway/ops/openapi.py), open like the probes.
 - ``GET /`` the dashboard page (it holds no data; its polls of
   ``/api/v1/overview`` carry the token).
 - ``/api/v1/...`` clients, sessions, queues, retained messages, overview:
@@ -50,14 +51,25 @@ from typing import TYPE_CHECKING, Any, TypeVar, final
 from urllib.parse import parse_qsl, unquote
 
 import h11
+import msgspec
 import orjson
 import trio
 
 from gateway.node.accept import CapacityLog, serve_accepting
 from gateway.mqtt.properties import EMPTY_PROPERTIES, PacketType, Properties, encode_properties
 from gateway.mqtt.reasons import LocalProtocolError
-from gateway.ops.bodies import BodyError, BulkPublishBody, PublishBody, decode_body
+from gateway import __version__
+from gateway.ops.bodies import (
+    BodyError,
+    BulkOutcome,
+    BulkPublishBody,
+    BulkResult,
+    PublishBody,
+    Published,
+    decode_body,
+)
 from gateway.ops.metrics import CONTENT_TYPE
+from gateway.ops.openapi import Operation, openapi_document
 from gateway.mqtt.reasons import ReasonCode
 from lightqueue.topics import TopicError, validate_topic
 
@@ -231,6 +243,39 @@ Handler = Callable[[Request, str], Awaitable[Response]]
 """A route's method handler: the request and the percent-decoded rest of the path (empty for exact routes)."""
 
 
+PATH_PARAMETERS = {"/api/v1/clients/": "client_id", "/api/v1/sessions/": "client_id", "/api/v1/retained/": "topic"}
+"""The name of what follows each prefixed route (its path parameter in the OpenAPI document)."""
+
+OPENAPI_PATH = "/api/openapi.json"
+
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("/", "GET"): Operation("the dashboard page", "none", content_type="text/html; charset=utf-8"),
+    ("/metrics", "GET"): Operation("Prometheus metrics (text exposition format)", "none", content_type=CONTENT_TYPE),
+    ("/healthz", "GET"): Operation("the process answers", "none"),
+    ("/readyz", "GET"): Operation("the store answers and the MQTT listener is up (else 503 and why)", "none"),
+    (OPENAPI_PATH, "GET"): Operation("this document", "none"),
+    ("/api/v1/overview", "GET"): Operation("what the dashboard polls: counts, traffic, store, lag, auth failures"),
+    ("/api/v1/clients", "GET"): Operation("the connected clients", answer=list[ClientInfo]),
+    ("/api/v1/clients/{client_id}", "GET"): Operation("one connected client, on whichever node it is connected to",
+                                                      answer=ClientInfo),
+    ("/api/v1/clients/{client_id}", "DELETE"): Operation("disconnect a client (MQTT 5: DISCONNECT 0x98)"),
+    ("/api/v1/sessions", "GET"): Operation("the sessions this node knows, with their lag", answer=list[SessionInfo]),
+    ("/api/v1/sessions/{client_id}", "GET"): Operation("one session", answer=SessionInfo),
+    ("/api/v1/sessions/{client_id}", "DELETE"): Operation("end a session now (its client is disconnected first)"),
+    ("/api/v1/queues", "GET"): Operation("the queues this node's sessions read, with their lag",
+                                         answer=list[QueueInfo]),
+    ("/api/v1/retained", "GET"): Operation("retained messages matching a filter", answer=list[dict[str, Any]],
+                                           query=(("filter", "a topic filter, default #"),)),
+    ("/api/v1/retained/{topic}", "GET"): Operation("the retained message of a topic ('/' may stay unencoded)"),
+    ("/api/v1/retained/{topic}", "DELETE"): Operation("delete the retained message of a topic"),
+    ("/api/v1/publish", "POST"): Operation("publish one message, as the HTTP Basic user (or anonymous)", "basic",
+                                           body=PublishBody, answer=Published),
+    ("/api/v1/publish/bulk", "POST"): Operation("publish many messages in order, each answered", "basic",
+                                                body=BulkPublishBody, answer=BulkResult),
+}
+"""What the OpenAPI document says of each route (path template, method); AdminApi.routes() must match it."""
+
+
 @final
 class AdminApi:
     """The routes of the admin endpoint over one node.
@@ -249,11 +294,14 @@ class AdminApi:
         self.mqtt_ready = False
         self._token = token.encode()
         self._dashboard = DASHBOARD.read_bytes()
+        self._openapi = orjson.dumps(openapi_document(OPERATIONS, title="LightGate admin API", version=__version__,
+                                                      description="docs/operations.md has the reference"))
         self._exact: dict[str, dict[str, Handler]] = {
             "/": {"GET": self._dashboard_page},
             "/metrics": {"GET": self._metrics},
             "/healthz": {"GET": self._healthz},
             "/readyz": {"GET": self._readyz},
+            OPENAPI_PATH: {"GET": self._openapi_document},
             "/api/v1/overview": {"GET": self._overview},
             "/api/v1/clients": {"GET": self._clients},
             "/api/v1/sessions": {"GET": self._sessions},
@@ -267,8 +315,14 @@ class AdminApi:
             "/api/v1/sessions/": {"GET": self._session, "DELETE": self._delete_session},
             "/api/v1/retained/": {"GET": self._retained_one, "DELETE": self._delete_retained},
         }
-        self._open = {"/", "/metrics", "/healthz", "/readyz",  # no admin token needed
+        self._open = {"/", "/metrics", "/healthz", "/readyz", OPENAPI_PATH,  # no admin token needed
                       "/api/v1/publish", "/api/v1/publish/bulk"}
+
+    def routes(self) -> set[tuple[str, str]]:
+        """(path template, method) of every route this endpoint answers: what ``OPERATIONS`` must describe."""
+        exact = {(path, method) for path, handlers in self._exact.items() for method in handlers}
+        return exact | {(prefix + "{" + PATH_PARAMETERS[prefix] + "}", method)
+                        for prefix, handlers in self._prefixed.items() for method in handlers}
 
     async def handle(self, request: Request) -> Response:
         """Answer one request; never raises for a bad request (errors become 4xx/5xx JSON responses)."""
@@ -320,6 +374,9 @@ class AdminApi:
     async def _metrics(self, request: Request, rest: str) -> Response:
         return Response(200, await self.metrics.exposition(), CONTENT_TYPE)
 
+    async def _openapi_document(self, request: Request, rest: str) -> Response:
+        return Response(200, self._openapi)
+
     async def _healthz(self, request: Request, rest: str) -> Response:
         return json_response({"status": "ok"})
 
@@ -340,7 +397,8 @@ class AdminApi:
         body = _decode(request.body, PublishBody)
         message = _message(body)
         username = await self._publisher(username, password, request.peer_host)
-        return json_response(await self._publish_one(body, *message, username, request.peer_host))
+        stored = await self._publish_one(body, *message, username, request.peer_host)
+        return Response(200, msgspec.json.encode(stored))
 
     async def _publish_bulk(self, request: Request, rest: str) -> Response:
         """Every message of the body, in order, each answered (``status`` 200 and what was stored, or its error);
@@ -349,14 +407,14 @@ class AdminApi:
         bodies = _decode(request.body, BulkPublishBody).messages
         messages = [_message(body, f"messages[{index}].") for index, body in enumerate(bodies)]
         username = await self._publisher(username, password, request.peer_host)
-        results: list[dict[str, Any]] = []
+        results: list[BulkOutcome] = []
         for body, message in zip(bodies, messages):
             try:
-                results.append({"status": 200, **await self._publish_one(body, *message, username,
-                                                                         request.peer_host)})
+                stored = await self._publish_one(body, *message, username, request.peer_host)
+                results.append(BulkOutcome(200, stored.topic, stored.qos, stored.retain, stored.bytes))
             except HttpError as err:
-                results.append({"status": err.status, "topic": body.topic, "error": err.message})
-        return json_response({"results": results})
+                results.append(BulkOutcome(err.status, body.topic, error=err.message))
+        return Response(200, msgspec.json.encode(BulkResult(results)))
 
     async def _publisher(self, username: str | None, password: bytes | None, peer_host: str) -> str | None:
         """The authenticated publisher's user name (None: anonymous), or a 401."""
@@ -366,7 +424,7 @@ class AdminApi:
         return decision.username
 
     async def _publish_one(self, body: PublishBody, payload: bytes, properties: Properties, username: str | None,
-                           peer_host: str) -> dict[str, Any]:
+                           peer_host: str) -> Published:
         """Publish one message through the node; what was stored, or an HttpError saying why not."""
         try:
             reason = await self.node.publish(body.topic, payload, body.qos, body.retain, username, peer_host,
@@ -379,7 +437,7 @@ class AdminApi:
             raise HttpError(413, "the message exceeds commitlog.max_record_bytes")
         if reason is not None:
             raise HttpError(503, f"the store did not take the message: {reason.name}")
-        return {"topic": body.topic, "qos": body.qos, "retain": body.retain, "bytes": len(payload)}
+        return Published(body.topic, body.qos, body.retain, len(payload))
 
     # --- admin routes -------------------------------------------------------------------
 

@@ -1,5 +1,7 @@
 """The request bodies of the admin HTTP API, as msgspec structs: one declaration validates, decodes and documents.
 
+(The answers of the publish routes and the error body are declared here too, for the OpenAPI document only.)
+
 Unknown fields are refused (``forbid_unknown_fields``): a misspelt option such
 as ``"retained": true`` is a 400 that names it, never a message published
 without it. msgspec's error says which field and why (``at `$.qos```), and the
@@ -12,7 +14,10 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-__all__ = ["MAX_BULK_MESSAGES", "BodyError", "BulkPublishBody", "PublishBody", "PublishProperties", "decode_body"]
+__all__ = [
+    "MAX_BULK_MESSAGES", "BodyError", "BulkOutcome", "BulkPublishBody", "BulkResult", "ErrorBody", "PublishBody",
+    "PublishProperties", "Published", "decode_body",
+]
 
 T = TypeVar("T")
 
@@ -51,6 +56,39 @@ class BulkPublishBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Many messages in one request (``POST /api/v1/publish/bulk``), published and answered in order."""
 
     messages: Annotated[list[PublishBody], msgspec.Meta(min_length=1, max_length=MAX_BULK_MESSAGES)]
+
+
+class Published(msgspec.Struct, frozen=True):
+    """What a publish stored (the answer of ``POST /api/v1/publish``)."""
+
+    topic: str
+    qos: int
+    retain: bool
+    bytes: int  # the payload's length
+
+
+class BulkOutcome(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One message's answer in a bulk publish: ``status`` 200 and what was stored, or the status and ``error``
+    a single publish would have answered."""
+
+    status: int
+    topic: str
+    qos: int | None = None
+    retain: bool | None = None
+    bytes: int | None = None
+    error: str | None = None
+
+
+class BulkResult(msgspec.Struct, frozen=True):
+    """The answer of ``POST /api/v1/publish/bulk``: one outcome per message, in the order sent."""
+
+    results: list[BulkOutcome]
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    """Every error answer (4xx, 5xx) of the admin endpoint."""
+
+    error: str
 
 
 class BodyError(ValueError):
