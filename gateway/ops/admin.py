@@ -19,7 +19,7 @@ Routes (docs/operations.md has the reference with curl examples):
   ``GET /readyz`` (the store answers and the MQTT listener is up; else 503 and
   why): never need a token, so probes and scrapers need no secret.
 - ``GET /`` the dashboard page (it holds no data; its polls of
-  ``/api/v1/overview`` carry the token).
+  ``/api/v1/overview`` and the views' endpoints carry the token).
 - ``/api/v1/...`` clients, sessions, queues, retained messages, overview:
   the bearer token ``admin.token`` when one is set. In a cluster, the calls
   about one client (``/clients/{id}``, ``/sessions/{id}``) reach the node it
@@ -52,6 +52,7 @@ import orjson
 import trio
 
 from gateway.node.accept import CapacityLog, serve_accepting
+from gateway.ops.listing import ClientQuery, QueryError
 from gateway.ops.metrics import CONTENT_TYPE
 from gateway.mqtt.reasons import ReasonCode
 from lightqueue.topics import TopicError
@@ -114,6 +115,9 @@ OVERVIEW_CLIENTS = 100
 
 OVERVIEW_TOP = 10
 """Sessions and queues in the dashboard's "top lagging" tables."""
+
+TOTAL_HEADER = "x-total-count"
+"""The header of ``GET /api/v1/clients`` that counts every client the search matched (the body is one page)."""
 
 JSON = "application/json"
 DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -383,7 +387,12 @@ class AdminApi:
         })
 
     async def _clients(self, request: Request, rest: str) -> Response:
-        return json_response(self.node.clients())
+        try:
+            query = ClientQuery.from_params(request.query)
+        except QueryError as exc:
+            raise HttpError(400, str(exc)) from None
+        total, page = query.page(self.node.clients())
+        return Response(200, orjson.dumps(page), headers=((TOTAL_HEADER, str(total)),))
 
     async def _client(self, request: Request, rest: str) -> Response:
         info = await self.node.client_info(rest)
