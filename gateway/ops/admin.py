@@ -52,6 +52,7 @@ import orjson
 import trio
 
 from gateway.node.accept import CapacityLog, serve_accepting
+from gateway.node.binding import naming_the_address
 from gateway.ops.listing import ClientQuery, QueryError
 from gateway.ops.metrics import CONTENT_TYPE
 from gateway.mqtt.reasons import ReasonCode
@@ -522,6 +523,9 @@ async def serve_admin(
     Bodies larger than ``max_body`` bytes are refused with 413 (and the connection closed); connections beyond
     ``max_connections`` open at once get 503 and are closed.
 
+    Raises:
+        BindError: the port is taken (or the host not local): the message names the address and ``admin.port``.
+
     Error handling: a failing connection is logged and closed; the listener keeps serving.
     """
     open_connections = 0
@@ -553,7 +557,8 @@ async def serve_admin(
         finally:
             open_connections -= 1
 
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    with naming_the_address("admin", host, port):
+        listeners = await trio.open_tcp_listeners(port, host=host)
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_accepting, listeners, handler, CapacityLog("admin"))
         task_status.started(listeners)
