@@ -23,7 +23,9 @@ Routes (docs/operations.md has the reference with curl examples):
 - ``/api/v1/...`` clients, sessions, queues, retained messages, overview:
   the bearer token ``admin.token`` when one is set. In a cluster, the calls
   about one client (``/clients/{id}``, ``/sessions/{id}``) reach the node it
-  is connected to, whichever gateway node is asked (through the store).
+  is connected to, whichever gateway node is asked (through the store), and
+  the lists (``/clients``, ``/sessions``, ``/queues``) are the whole cluster's
+  (gateway/ops/clusterlists.py).
 - ``POST /api/v1/publish``: authenticated like an MQTT client (HTTP Basic with
   the password file's users, or anonymous when allowed) and checked against
   the ACL's publish rules; it is not an admin action, so the token plays no part.
@@ -53,6 +55,7 @@ import trio
 
 from gateway.node.accept import CapacityLog, serve_accepting
 from gateway.node.binding import naming_the_address
+from gateway.ops.clusterlists import cluster_clients, cluster_queues, cluster_sessions
 from gateway.ops.listing import ClientQuery, QueryError
 from gateway.ops.metrics import CONTENT_TYPE
 from gateway.mqtt.reasons import ReasonCode
@@ -119,6 +122,9 @@ OVERVIEW_TOP = 10
 
 TOTAL_HEADER = "x-total-count"
 """The header of ``GET /api/v1/clients`` that counts every client the search matched (the body is one page)."""
+
+MISSING_HEADER = "x-missing-nodes"
+"""The header of a cluster-wide list that names the gateway nodes that did not answer (the list lacks theirs)."""
 
 JSON = "application/json"
 DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -392,8 +398,8 @@ class AdminApi:
             query = ClientQuery.from_params(request.query)
         except QueryError as exc:
             raise HttpError(400, str(exc)) from None
-        total, page = query.page(self.node.clients())
-        return Response(200, orjson.dumps(page), headers=((TOTAL_HEADER, str(total)),))
+        total, page, missing = await cluster_clients(self.node, query)
+        return Response(200, orjson.dumps(page), headers=((TOTAL_HEADER, str(total)), *_missing_header(missing)))
 
     async def _client(self, request: Request, rest: str) -> Response:
         info = await self.node.client_info(rest)
@@ -407,7 +413,8 @@ class AdminApi:
         return json_response({"disconnected": rest})
 
     async def _sessions(self, request: Request, rest: str) -> Response:
-        return json_response(await self.node.sessions())
+        sessions, missing = await cluster_sessions(self.node)
+        return Response(200, orjson.dumps(sessions), headers=_missing_header(missing))
 
     async def _session(self, request: Request, rest: str) -> Response:
         info = await self.node.session_info(rest)
@@ -421,7 +428,8 @@ class AdminApi:
         return json_response({"deleted": rest})
 
     async def _queues(self, request: Request, rest: str) -> Response:
-        return json_response(await self.node.queues())
+        queues, missing = await cluster_queues(self.node)
+        return Response(200, orjson.dumps(queues), headers=_missing_header(missing))
 
     async def _retained(self, request: Request, rest: str) -> Response:
         filter = request.query.get("filter", "#")
@@ -449,6 +457,11 @@ class AdminApi:
         if not existed:
             raise HttpError(404, f"no retained message on {rest!r}")
         return json_response({"deleted": rest})
+
+
+def _missing_header(missing: list[str]) -> tuple[tuple[str, str], ...]:
+    """The header that names the cluster's nodes a list lacks (they did not answer in time); none when complete."""
+    return ((MISSING_HEADER, ", ".join(missing)),) if missing else ()
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

@@ -2,7 +2,10 @@
 
 A node may hold 100,000 connections: the dashboard asks for one page, and the
 node filters and sorts before answering, so the browser gets a page, not the
-whole list. Sans-IO: records in, a page out.
+whole list. Sans-IO: records in, a page out; in a cluster every gateway node
+answers ``ClientQuery.head()`` and the node asked merges their pages
+(:func:`merge_pages`). A client is a ``ClientInfo`` or, from another node, its
+JSON object.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_PAGE", "SORT_KEYS", "ClientQuery", "QueryError"]
+__all__ = ["MAX_PAGE", "SORT_KEYS", "ClientQuery", "QueryError", "merge_pages"]
 
 SORT_KEYS = ("client_id", "username", "peer", "protocol", "keep_alive_s", "expiry_s", "subscriptions", "inflight")
 """The ``ClientInfo`` fields a list may be sorted by (every column of the dashboard's table)."""
@@ -52,19 +55,39 @@ class ClientQuery:
         limit = _number(params, "limit", 1, MAX_PAGE) if "limit" in params else None
         return cls(params.get("search", ""), sort, order == "desc", offset, limit)
 
+    def head(self) -> ClientQuery:
+        """The query each node of a cluster answers: its matches from the first to the end of this page."""
+        end = None if self.limit is None else self.offset + self.limit
+        return ClientQuery(self.search, self.sort, self.descending, 0, end)
+
     def page(self, clients: Iterable[Any]) -> tuple[int, list[Any]]:
         """(how many clients match, the page of them in order)."""
         needle = self.search.casefold()
         found = [c for c in clients if not needle or any(
-            needle in (value or "").casefold() for value in (c.client_id, c.username, c.peer))]
-        found.sort(key=lambda c: c.client_id)
+            needle in (_field(c, name) or "").casefold() for name in ("client_id", "username", "peer"))]
+        found.sort(key=lambda c: _field(c, "client_id"))
         found.sort(key=self._key, reverse=self.descending)
         end = None if self.limit is None else self.offset + self.limit
         return len(found), found[self.offset:end]
 
     def _key(self, client: Any) -> Any:
-        value = getattr(client, self.sort)
+        value = _field(client, self.sort)
         return "" if value is None else value
+
+
+def merge_pages(query: ClientQuery, pages: Iterable[tuple[int, list[Any]]]) -> tuple[int, list[Any]]:
+    """The page of ``query`` over several nodes, from each node's answer to ``query.head()``: (how many clients
+    match on all of them, the page)."""
+    total = 0
+    clients: list[Any] = []
+    for count, page in pages:
+        total += count
+        clients += page
+    return total, query.page(clients)[1]
+
+
+def _field(client: Any, name: str) -> Any:
+    return client[name] if isinstance(client, dict) else getattr(client, name)
 
 
 def _number(params: Mapping[str, str], name: str, low: int, high: int | None) -> int:
