@@ -17,6 +17,8 @@ from mqtt_fixtures import WAIT_S, Client, connected, properties, running_node
 from paho.mqtt.packettypes import PacketTypes
 
 from gateway.auth.passwords import PasswordFile
+from test_cluster import running_cluster
+from test_gateway_admin import admin_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -175,3 +177,30 @@ def test_clients_are_searched_sorted_paged_and_kicked_and_the_views_show_the_nod
         browser.save_screenshot(str(SCREENSHOT))
     assert not [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"
                 and "/api/v1/" not in entry["message"]]  # the page itself has no script errors
+
+
+def test_a_cluster_gateways_dashboard_lists_and_kicks_the_clients_of_every_gateway(tmp_path, browser):
+    """One store, two gateways: the second's dashboard lists the clients of both and kicks one on the first."""
+    run = uuid.uuid4().hex[:6]
+    with running_cluster(tmp_path) as (store, gateways), ExitStack() as stack:
+        ids = [f"gw-{run}-{i}" for i in range(3)]
+        clients = {}
+        for client_id, gateway in zip(ids, (gateways[0], gateways[1], gateways[0])):
+            clients[client_id] = Client(gateway.port, client_id, protocol=mqtt.MQTTv5)
+            clients[client_id].paho.reconnect_delay_set(60, 60)  # paho reconnects by itself; not within this test
+            stack.callback(clients[client_id].paho.loop_stop)
+            stack.callback(clients[client_id].paho.disconnect)
+            clients[client_id].connect()
+        browser.get(f"http://127.0.0.1:{admin_port(gateways[1])}/")
+        wait = WebDriverWait(browser, WAIT_S)
+        browser.find_element(By.ID, "client-search").send_keys(run)
+        wait.until(lambda b: client_ids(b) == ids)
+        assert browser.find_element(By.ID, "page-info").text == "1–3 of 3"
+        browser.execute_script(
+            "[...document.querySelectorAll('#clients tbody tr')].find((tr) => tr.cells[0].textContent === arguments[0])"
+            ".querySelector('button.kick').click();", ids[2])
+        reason = clients[ids[2]].disconnects.get(timeout=WAIT_S)  # closed on the first gateway
+        assert getattr(reason, "value", reason) == ADMINISTRATIVE_ACTION
+        wait.until(lambda b: client_ids(b) == ids[:2])
+    for process in (store, *gateways):
+        assert not process.errors(), process.errors()
