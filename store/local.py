@@ -248,8 +248,14 @@ class StoreClient(Protocol):
         JSON bytes, or None when the client is connected to no other node."""
         ...
 
-    async def admin_asks(self) -> tuple[int, str, str]:
-        """The next admin call of another node about a client of this one: ``(ask id, client id, op)``."""
+    async def admin_call_all(self, op: str, query: bytes) -> tuple[dict[str, bytes], list[str]]:
+        """Have every other node that has clients run list ``op`` with ``query``: (their JSON answers by node name,
+        the nodes that did not answer)."""
+        ...
+
+    async def admin_asks(self) -> tuple[int, str, str, bytes]:
+        """The next admin call of another node about a client of this one, or a list call:
+        ``(ask id, client id, op, query)``."""
         ...
 
     def admin_answer(self, ask_id: int, value: bytes | None) -> None:
@@ -411,7 +417,12 @@ class LocalStoreClient:
         await trio.lowlevel.checkpoint()
         return None
 
-    async def admin_asks(self) -> tuple[int, str, str]:
+    async def admin_call_all(self, op: str, query: bytes) -> tuple[dict[str, bytes], list[str]]:
+        """Nothing: with one gateway node, there is no other node to ask."""
+        await trio.lowlevel.checkpoint()
+        return {}, []
+
+    async def admin_asks(self) -> tuple[int, str, str, bytes]:
         """Never returns, as :meth:`admin_call`."""
         await trio.sleep_forever()
 

@@ -2,6 +2,7 @@
 health and readiness, HTTP errors, each admin action taking effect on paho clients, HTTP publish, and auth."""
 
 import base64
+import contextlib
 import http.client
 import json
 import re
@@ -167,6 +168,24 @@ def test_disconnect_a_client_with_administrative_action(node, admin):
         assert f"victim-{run}" not in {c["client_id"] for c in admin.get("/api/v1/clients")}
         status, _, _ = admin.request("DELETE", f"/api/v1/clients/victim-{run}")
         assert status == 404
+
+
+def test_the_client_list_is_searched_sorted_and_paged_by_the_node(node, admin):
+    run = run_id()
+    ids = [f"list-{run}-{i}" for i in range(5)]
+    with contextlib.ExitStack() as stack:
+        for keep_alive, client_id in zip((30, 10, 50, 20, 40), ids):
+            stack.enter_context(connected(node.port, client_id=client_id, keepalive=keep_alive))
+        status, headers, body = admin.request("GET", f"/api/v1/clients?search=LIST-{run}&sort=keep_alive_s&order=desc"
+                                                     "&offset=1&limit=3")
+        assert status == 200 and headers["x-total-count"] == "5"
+        assert [(c["client_id"], c["keep_alive_s"]) for c in body] == [(ids[4], 40), (ids[0], 30), (ids[3], 20)]
+        status, headers, body = admin.request("GET", f"/api/v1/clients?search=list-{run}&offset=4")
+        assert headers["x-total-count"] == "5" and [c["client_id"] for c in body] == [ids[4]]
+        for query, named in (("sort=password", "'sort'"), ("order=up", "'order'"), ("limit=0", "'limit'"),
+                             ("limit=1001", "'limit'"), ("offset=-1", "'offset'")):
+            status, _, body = admin.request("GET", f"/api/v1/clients?{query}")
+            assert status == 400 and named in body["error"], query
 
 
 def test_sessions_and_queues_show_lag_and_delete_session_ends_it(node, admin):

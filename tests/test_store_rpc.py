@@ -28,6 +28,8 @@ CLIENT_SAMPLES = [
     rpc.LoadSession(11, "dev1"),
     rpc.DropSession(12, "dev1"),
     rpc.GetStatistics(13),
+    rpc.AdminCallAll(14, rpc.AdminOp.CLIENTS, b'{"search":"dev"}'),
+    rpc.AdminAnswer(15, b"[]"),
 ]
 
 SERVER_SAMPLES = [
@@ -43,6 +45,8 @@ SERVER_SAMPLES = [
     rpc.Value(4, True),
     rpc.Value(6, {"a/b": 3}),
     rpc.Value(11, b"blob"),
+    rpc.AdminAsk(14, "", rpc.AdminOp.SESSIONS, b""),
+    rpc.NodeAnswers(14, {"gw-2": b"[]"}, ["gw-3"]),
     rpc.Value(11),
     rpc.Done(7),
     rpc.Statistics(13, rpc.WireStatistics(1, 2, 3, 4, 5, 6, 7, 8, 9, {"gw-1": 8})),

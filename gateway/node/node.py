@@ -86,6 +86,7 @@ from gateway.mqtt.actions import (
     TakenOver,
 )
 from gateway.auth.acl import Access, Acl, AclError, ReadCheck
+from gateway.ops.clusterlists import LIST_OPS, list_here
 from gateway.ops.admin import (
     RECENT_AUTH_FAILURES,
     AdminApi,
@@ -990,18 +991,20 @@ class GatewayNode:
         """Answer the admin calls other nodes make about clients connected here, until the store client closes."""
         while True:
             try:
-                ask_id, client_id, op = await self.store.admin_asks()
+                ask_id, client_id, op, query = await self.store.admin_asks()
             except trio.EndOfChannel:
                 return
-            self.nursery.start_soon(self._answer_admin, ask_id, client_id, AdminOp(op))
+            self.nursery.start_soon(self._answer_admin, ask_id, client_id, AdminOp(op), query)
 
-    async def _answer_admin(self, ask_id: int, client_id: str, op: AdminOp) -> None:
+    async def _answer_admin(self, ask_id: int, client_id: str, op: AdminOp, query: bytes = b"") -> None:
         """One admin call of another node: answered from this node only (never forwarded again); None when the
-        client is not connected here (it moved since)."""
+        client is not connected here (it moved since). A list call (gateway/ops/clusterlists.py) lists this node."""
         answer: Any = None
         try:
             connection = self._connections.get(client_id)
-            if connection is not None and op is AdminOp.CLIENT:
+            if op in LIST_OPS:
+                answer = await list_here(self, op, query)
+            elif connection is not None and op is AdminOp.CLIENT:
                 answer = _client_info(connection)
             elif connection is not None and op is AdminOp.SESSION:
                 state = self._session_state(client_id)

@@ -20,11 +20,13 @@ Routes (docs/operations.md has the reference with curl examples):
   why): never need a token, so probes and scrapers need no secret.
 - ``GET /api/openapi.json``: the OpenAPI 3.1 document of these routes (gateway/ops/openapi.py), open like the probes.
 - ``GET /`` the dashboard page (it holds no data; its polls of
-  ``/api/v1/overview`` carry the token).
+  ``/api/v1/overview`` and the views' endpoints carry the token).
 - ``/api/v1/...`` clients, sessions, queues, retained messages, overview:
   the bearer token ``admin.token`` when one is set. In a cluster, the calls
   about one client (``/clients/{id}``, ``/sessions/{id}``) reach the node it
-  is connected to, whichever gateway node is asked (through the store).
+  is connected to, whichever gateway node is asked (through the store), and
+  the lists (``/clients``, ``/sessions``, ``/queues``) are the whole cluster's
+  (gateway/ops/clusterlists.py).
 - ``POST /api/v1/publish`` (one message, MQTT 5 properties included) and
   ``POST /api/v1/publish/bulk`` (many, answered in order): authenticated like
   an MQTT client (HTTP Basic with the password file's users, or anonymous when
@@ -68,6 +70,9 @@ from gateway.ops.bodies import (
     Published,
     decode_body,
 )
+from gateway.node.binding import naming_the_address
+from gateway.ops.clusterlists import cluster_clients, cluster_queues, cluster_sessions
+from gateway.ops.listing import ClientQuery, QueryError
 from gateway.ops.metrics import CONTENT_TYPE
 from gateway.ops.openapi import Operation, openapi_document
 from gateway.mqtt.reasons import ReasonCode
@@ -133,6 +138,12 @@ OVERVIEW_CLIENTS = 100
 
 OVERVIEW_TOP = 10
 """Sessions and queues in the dashboard's "top lagging" tables."""
+
+TOTAL_HEADER = "x-total-count"
+"""The header of ``GET /api/v1/clients`` that counts every client the search matched (the body is one page)."""
+
+MISSING_HEADER = "x-missing-nodes"
+"""The header of a cluster-wide list that names the gateway nodes that did not answer (the list lacks theirs)."""
 
 JSON = "application/json"
 DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -468,7 +479,12 @@ class AdminApi:
         })
 
     async def _clients(self, request: Request, rest: str) -> Response:
-        return json_response(self.node.clients())
+        try:
+            query = ClientQuery.from_params(request.query)
+        except QueryError as exc:
+            raise HttpError(400, str(exc)) from None
+        total, page, missing = await cluster_clients(self.node, query)
+        return Response(200, orjson.dumps(page), headers=((TOTAL_HEADER, str(total)), *_missing_header(missing)))
 
     async def _client(self, request: Request, rest: str) -> Response:
         info = await self.node.client_info(rest)
@@ -482,7 +498,8 @@ class AdminApi:
         return json_response({"disconnected": rest})
 
     async def _sessions(self, request: Request, rest: str) -> Response:
-        return json_response(await self.node.sessions())
+        sessions, missing = await cluster_sessions(self.node)
+        return Response(200, orjson.dumps(sessions), headers=_missing_header(missing))
 
     async def _session(self, request: Request, rest: str) -> Response:
         info = await self.node.session_info(rest)
@@ -496,7 +513,8 @@ class AdminApi:
         return json_response({"deleted": rest})
 
     async def _queues(self, request: Request, rest: str) -> Response:
-        return json_response(await self.node.queues())
+        queues, missing = await cluster_queues(self.node)
+        return Response(200, orjson.dumps(queues), headers=_missing_header(missing))
 
     async def _retained(self, request: Request, rest: str) -> Response:
         filter = request.query.get("filter", "#")
@@ -524,6 +542,11 @@ class AdminApi:
         if not existed:
             raise HttpError(404, f"no retained message on {rest!r}")
         return json_response({"deleted": rest})
+
+
+def _missing_header(missing: list[str]) -> tuple[tuple[str, str], ...]:
+    """The header that names the cluster's nodes a list lacks (they did not answer in time); none when complete."""
+    return ((MISSING_HEADER, ", ".join(missing)),) if missing else ()
 
 
 def _decode(body: bytes, type: type[T]) -> T:
@@ -625,6 +648,9 @@ async def serve_admin(
     Bodies larger than ``max_body`` bytes are refused with 413 (and the connection closed); connections beyond
     ``max_connections`` open at once get 503 and are closed.
 
+    Raises:
+        BindError: the port is taken (or the host not local): the message names the address and ``admin.port``.
+
     Error handling: a failing connection is logged and closed; the listener keeps serving.
     """
     open_connections = 0
@@ -656,7 +682,8 @@ async def serve_admin(
         finally:
             open_connections -= 1
 
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    with naming_the_address("admin", host, port):
+        listeners = await trio.open_tcp_listeners(port, host=host)
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_accepting, listeners, handler, CapacityLog("admin"))
         task_status.started(listeners)

@@ -434,7 +434,7 @@ class _Link:
             elif kind is rpc.ClientMoved:
                 client._moved.post({message.client_id: 0})
             elif kind is rpc.AdminAsk:
-                client._asks_in.send_nowait((message.id, message.client_id, message.op.value))
+                client._asks_in.send_nowait((message.id, message.client_id, message.op.value, message.query))
             elif kind is rpc.Heartbeat:
                 pass
             elif kind is rpc.Error and message.id == 0:
@@ -552,7 +552,7 @@ class RemoteStoreClient:
         self._store_id = ""  # the store process and lease epoch this node holds (sent in each Hello)
         self._epoch = 0
         self._fences_in, self._fences_out = trio.open_memory_channel[int](math.inf)  # ended epochs
-        self._asks_in, self._asks_out = trio.open_memory_channel[tuple[int, str, str]](math.inf)  # admin asks
+        self._asks_in, self._asks_out = trio.open_memory_channel[tuple[int, str, str, bytes]](math.inf)  # admin asks
         self._connected = trio.Event()
         self._link_up = trio.Event()  # set and replaced at each successful handshake (wait_reconnected)
         self._connects = 0
@@ -813,8 +813,19 @@ class RemoteStoreClient:
         answer = await self._require_link().call(lambda rid: rpc.AdminCall(rid, client_id, rpc.AdminOp(op)))
         return answer.value
 
-    async def admin_asks(self) -> tuple[int, str, str]:
-        """The next admin call another node made about a client of this one: ``(ask id, client id, op)``.
+    async def admin_call_all(self, op: str, query: bytes) -> tuple[dict[str, bytes], list[str]]:
+        """Have every other node that has clients run list ``op`` (``rpc.AdminOp``) with ``query``: (their JSON
+        answers by node name, the nodes that did not answer in time).
+
+        Raises:
+            OSError: the store did not answer (``StoreUnavailable``: it is not reachable).
+        """
+        answer = await self._require_link().call(lambda rid: rpc.AdminCallAll(rid, rpc.AdminOp(op), query))
+        return answer.answers, answer.missing
+
+    async def admin_asks(self) -> tuple[int, str, str, bytes]:
+        """The next admin call another node made about a client of this one, or a list call:
+        ``(ask id, client id, op, query)``.
 
         Raises:
             trio.EndOfChannel: the client is closed.

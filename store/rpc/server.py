@@ -222,8 +222,9 @@ class _Connection:
         if not self.current(epoch):
             raise LeaseLost(f"lease {epoch} of node {self.node} has ended (the node holds lease {self.epoch} now)")
 
-    async def ask(self, client_id: str, op: rpc.AdminOp) -> bytes | None:
-        """Forward an admin call about ``client_id`` to this node and wait for its answer.
+    async def ask(self, client_id: str, op: rpc.AdminOp, query: bytes = b"") -> bytes | None:
+        """Forward an admin call about ``client_id`` (or a list call with ``query``) to this node and wait for its
+        answer.
 
         Raises:
             OSError: the node did not answer within ``ADMIN_TIMEOUT_S``, or went away.
@@ -231,7 +232,7 @@ class _Connection:
         ask_id = next(self._ask_ids)
         ask = self._asks[ask_id] = _Ask()
         try:
-            self.send(rpc.AdminAsk(ask_id, client_id, op))
+            self.send(rpc.AdminAsk(ask_id, client_id, op, query))
             with trio.move_on_after(ADMIN_TIMEOUT_S):
                 await ask.done.wait()
         finally:
@@ -408,6 +409,8 @@ class _Connection:
             return await self._group_call(request)
         if kind is rpc.AdminCall:
             return rpc.Value(rid, await self._server.admin_call(self.node, request.client_id, request.op))
+        if kind is rpc.AdminCallAll:
+            return rpc.NodeAnswers(rid, *await self._server.admin_call_all(self.node, request.op, request.query))
         if kind is rpc.GetStatistics:
             stats = store_statistics(self._server.store)
             return rpc.Statistics(rid, rpc.WireStatistics(
@@ -738,6 +741,28 @@ class RpcServer:
         if connection is None:
             return None
         return await connection.ask(client_id, op)
+
+    async def admin_call_all(self, node: str, op: rpc.AdminOp, query: bytes) -> tuple[dict[str, bytes], list[str]]:
+        """Run list ``op`` at once on every other gateway node that has clients (the presence), for ``node``'s
+        admin API: (the answers by node name, the nodes that did not answer in time or went away)."""
+        answers: dict[str, bytes] = {}
+        missing: list[str] = []
+
+        async def ask(name: str, connection: _Connection) -> None:
+            try:
+                answer = await connection.ask("", op, query)
+            except OSError:
+                missing.append(name)
+                return
+            if answer is not None:
+                answers[name] = answer
+
+        async with trio.open_nursery() as nursery:
+            for name in sorted(set(self._presence.values()) - {node}):
+                connection = self._connections.get(name)
+                if connection is not None:
+                    nursery.start_soon(ask, name, connection)
+        return answers, sorted(missing)
 
     def absent(self, node: str, client_id: str) -> None:
         """``client_id`` is gone from ``node`` (ignored if another node has it since)."""

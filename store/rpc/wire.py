@@ -29,7 +29,8 @@ The conversation (docs/cluster.md):
   connected to another) at any time;
 - cluster administration: a gateway asks about a client connected to another
   node with ``AdminCall``; the store forwards it to that node as ``AdminAsk``,
-  whose ``AdminAnswer`` it relays as ``Value``.
+  whose ``AdminAnswer`` it relays as ``Value``; the lists (``AdminCallAll``) go to
+  every other node that has clients, and the answers come back as ``NodeAnswers``.
 - back-end producers and consumers (store/clients/producer.py, store/clients/consumer.py) log
   in with the Hello's credentials (store/rpc/access.py) and use appends and the
   consumer-group calls ``Join``, ``Claim``, ``Ack``, ``Leave`` (store/groups.py).
@@ -67,6 +68,7 @@ __all__ = [
     "AdminAnswer",
     "AdminAsk",
     "AdminCall",
+    "AdminCallAll",
     "AdminOp",
     "AppendRequest",
     "Appended",
@@ -97,6 +99,7 @@ __all__ = [
     "LoadSession",
     "LogBytes",
     "MaxOffsets",
+    "NodeAnswers",
     "OffsetMap",
     "Offsets",
     "OpRequest",
@@ -122,10 +125,11 @@ __all__ = [
     "parse_address",
 ]
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
-(3: lease epochs on the Hello, the Welcome and every write; re-registration flags; cluster administration;
-inbound QoS 2 flows: ``GetAwaiting``, ``ReleaseAwaiting``; ``ReadLog``.)"""
+(4: cluster-wide admin lists: ``AdminCallAll``, ``NodeAnswers``, ``AdminAsk.query``. 3: lease epochs on the
+Hello, the Welcome and every write; re-registration flags; cluster administration; inbound QoS 2 flows:
+``GetAwaiting``, ``ReleaseAwaiting``; ``ReadLog``.)"""
 
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
 """Largest frame either side accepts: room for an append batch of dozens of maximum-size (1 MiB) records and a
@@ -469,6 +473,9 @@ class AdminOp(enum.StrEnum):
     SESSION = "session"  # the live session and its lags (``GET /api/v1/sessions/{id}``)
     DISCONNECT = "disconnect"  # close it as an administrative action (``DELETE /api/v1/clients/{id}``)
     DELETE_SESSION = "delete_session"  # disconnect it and end its session (``DELETE /api/v1/sessions/{id}``)
+    CLIENTS = "clients"  # a page of the node's clients (``GET /api/v1/clients``; the query in ``AdminAsk.query``)
+    SESSIONS = "sessions"  # the node's sessions (``GET /api/v1/sessions``)
+    QUEUES = "queues"  # the queues its sessions read (``GET /api/v1/queues``)
 
 
 class AdminCall(_Message, tag="admin"):
@@ -480,6 +487,15 @@ class AdminCall(_Message, tag="admin"):
     op: AdminOp
 
 
+class AdminCallAll(_Message, tag="adminall"):
+    """Run list ``op`` on every other gateway node that has clients (the store's presence): answered with
+    ``NodeAnswers``. ``query`` is the op's parameters (JSON bytes), handed to each node as they are."""
+
+    id: int
+    op: AdminOp
+    query: bytes = b""
+
+
 class AdminAnswer(_Message, tag="adminr"):
     """A node's answer to the store's ``AdminAsk`` ``id``: JSON bytes, or None (the client is not here)."""
 
@@ -489,7 +505,7 @@ class AdminAnswer(_Message, tag="adminr"):
 
 ClientMessage: TypeAlias = (
     Hello | Heartbeat | Watch | HoldWill | DropWill | Present | Absent | AppendRequest | PullRequest | OpRequest
-    | GroupRequest | AdminCall | AdminAnswer
+    | GroupRequest | AdminCall | AdminCallAll | AdminAnswer
 )
 CLIENT_MESSAGES: Final = ClientMessage
 
@@ -536,11 +552,21 @@ class ClientMoved(_Message, tag="moved"):
 
 
 class AdminAsk(_Message, tag="admina"):
-    """Run ``op`` for ``client_id``, connected to this node (another node's ``AdminCall``): answer ``AdminAnswer``."""
+    """Run ``op`` for ``client_id``, connected to this node (another node's ``AdminCall``), or list op ``op`` with
+    ``query`` (``AdminCallAll``; ``client_id`` empty): answer ``AdminAnswer``."""
 
     id: int
     client_id: str
     op: AdminOp
+    query: bytes = b""
+
+
+class NodeAnswers(_Message, tag="adminallr"):
+    """The answers to an ``AdminCallAll``: JSON bytes by node name, and the nodes that did not answer in time."""
+
+    id: int
+    answers: dict[str, bytes]
+    missing: list[str] = []
 
 
 class Appended(_Message, tag="appended"):
@@ -651,7 +677,7 @@ class LogBytes(_Message, tag="logbytes"):
 
 ServerMessage: TypeAlias = (
     Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Offsets | Value | Awaiting | Done
-    | Statistics | RecordList | Claimed | AdminAsk | LogBytes
+    | Statistics | RecordList | Claimed | AdminAsk | NodeAnswers | LogBytes
 )
 SERVER_MESSAGES: Final = ServerMessage
 
