@@ -15,9 +15,9 @@ LIGHTGATE = [sys.executable, "-m", "gateway.app.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(args, cwd, **kw):
+def run(args, cwd, env=None, **kw):
     return subprocess.run(LIGHTGATE + args, cwd=cwd, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, **kw)
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, **kw)
 
 
 def test_config_defaults_is_valid_toml(tmp_path):
@@ -31,6 +31,22 @@ def test_config_shows_flag_overrides(tmp_path):
     out = run(["config", "--port", "1999", "--commitlog-flush", "sync"], tmp_path)
     doc = tomllib.loads(out.stdout)
     assert doc["node"]["port"] == 1999 and doc["commitlog"]["flush"] == "sync"
+
+
+def test_config_shows_env_over_file_and_flags_over_env(tmp_path):
+    (tmp_path / "lightgate.toml").write_text('[node]\nport = 2000\ndata = "/srv/file"\n[mqtt]\nreceive_maximum = 7\n')
+    out = run(["config", "--data", "/srv/flag"], tmp_path,
+              env={"LIGHTGATE_NODE_PORT": "2001", "LIGHTGATE_NODE_DATA": "/srv/env"})
+    assert out.returncode == 0, out.stderr
+    doc = tomllib.loads(out.stdout)
+    assert doc["node"] == {"host": "127.0.0.1", "port": 2001, "data": "/srv/flag"}
+    assert doc["mqtt"]["receive_maximum"] == 7
+
+
+def test_bad_env_value_exits_2_naming_the_variable(tmp_path):
+    out = run(["serve"], tmp_path, env={"LIGHTGATE_MQTT_RECEIVE_MAXIMUM": "lots"})
+    assert out.returncode == 2
+    assert "environment variable LIGHTGATE_MQTT_RECEIVE_MAXIMUM: mqtt.receive_maximum must be int" in out.stderr
 
 
 def test_bad_config_file_exits_2_with_the_reason(tmp_path):

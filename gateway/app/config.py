@@ -1,10 +1,12 @@
-"""Configuration: one TOML file, every key also a command-line flag, documented defaults.
+"""Configuration: one TOML file, every key also an environment variable and a command-line flag, documented defaults.
 
-The options are one table (``OPTIONS``). The TOML file, the flags, the
-defaults printed by ``lightgate config`` and the table in the README all come
-from it, so they cannot drift apart. Precedence: flag > file > default.
+The options are one table (``OPTIONS``). The TOML file, the variables, the
+flags, the defaults printed by ``lightgate config`` and the table in the README
+all come from it, so they cannot drift apart. Precedence: flag > environment >
+file > default.
 
-A key ``section.name`` is ``[section] name = ...`` in the file and
+A key ``section.name`` is ``[section] name = ...`` in the file,
+``LIGHTGATE_SECTION_NAME`` in the environment (containers configure that way) and
 ``--section-name`` on the command line, except for the few keys that operators
 and scripts know by short names (``--host``, ``--port``, ``--data``).
 """
@@ -12,13 +14,18 @@ and scripts know by short names (``--host``, ``--port``, ``--data``).
 from __future__ import annotations
 
 import argparse
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 DEFAULT_CONFIG_FILE = "lightgate.toml"
 """Read from the working directory when present and no ``--config`` is given."""
+
+ENV_PREFIX = "LIGHTGATE_"
+"""Environment variables starting with it are options (``LIGHTGATE_NODE_PORT``); one no option has is an error,
+as an unknown key in the file is, so a misspelt variable does not silently leave its default."""
 
 
 class ConfigError(Exception):
@@ -48,6 +55,10 @@ class Option:
     @property
     def dest(self) -> str:
         return self.key.replace(".", "__")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.key.replace(".", "_").upper()
 
 
 MiB = 1024 * 1024
@@ -157,6 +168,7 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 _BY_KEY = {o.key: o for o in OPTIONS}
+_BY_ENV = {o.env: o for o in OPTIONS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +238,33 @@ def load_file(path: Path) -> dict[str, Any]:
     return flat
 
 
+def load_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Read the ``LIGHTGATE_*`` variables into flat ``section.name`` keys.
+
+    A list option's variable is a TOML array (``LIGHTGATE_BRIDGE_RULES='["out tele/# cloud/"]'``).
+
+    Raises:
+        ConfigError: a variable names no option, or its value does not fit the option; the message names the variable.
+    """
+    flat: dict[str, Any] = {}
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        opt = _BY_ENV.get(name)
+        if opt is None:
+            raise ConfigError(f"environment variable {name} is no option (see `lightgate config --defaults`;"
+                              f" LIGHTGATE_<SECTION>_<KEY>, e.g. {OPTIONS[1].env})")
+        value: Any = text
+        if isinstance(opt.default, list):
+            try:
+                value = tomllib.loads(f"v = {text}")["v"]
+            except tomllib.TOMLDecodeError:
+                raise ConfigError(f"environment variable {name}: {opt.key} must be a TOML array of strings"
+                                  f" (e.g. '[\"a\", \"b\"]'), not {text!r}") from None
+        flat[opt.key] = _coerce(opt, value, f"environment variable {name}")
+    return flat
+
+
 def add_arguments(parser: argparse.ArgumentParser, keys: Callable[[Option], bool] = lambda o: True) -> None:
     """Add ``--config`` and one flag per option; unset flags stay ``None``."""
     parser.add_argument("--config", metavar="FILE",
@@ -245,14 +284,15 @@ def add_arguments(parser: argparse.ArgumentParser, keys: Callable[[Option], bool
                                choices=opt.choices, help=f"{opt.help} (default {opt.default!r}) [{opt.key}]")
 
 
-def resolve(args: argparse.Namespace) -> Config:
-    """Merge defaults, the configuration file and the flags into a Config."""
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Config:
+    """Merge defaults, the configuration file, the environment and the flags, in this order, into a Config."""
     values = {o.key: o.default for o in OPTIONS}
     source = getattr(args, "config", None)
     if source is None and Path(DEFAULT_CONFIG_FILE).is_file():
         source = DEFAULT_CONFIG_FILE
     if source is not None:
         values.update(load_file(Path(source)))
+    values.update(load_env(environ))
     flags = set()
     for opt in OPTIONS:
         flag_value = getattr(args, opt.dest, None)
@@ -262,8 +302,9 @@ def resolve(args: argparse.Namespace) -> Config:
     return Config(values, source, frozenset(flags))
 
 
-def reread(conf: Config) -> Config:
-    """The configuration as a running node sees it on SIGHUP: its file read again, its flags as they were.
+def reread(conf: Config, environ: Mapping[str, str] = os.environ) -> Config:
+    """The configuration as a running node sees it on SIGHUP: its file read again, its environment and flags
+    as they were (a process's environment does not change from outside).
 
     Raises:
         ConfigError: the file is gone or no longer valid (the caller keeps ``conf``).
@@ -271,6 +312,7 @@ def reread(conf: Config) -> Config:
     values = {o.key: o.default for o in OPTIONS}
     if conf.source is not None:
         values.update(load_file(Path(conf.source)))
+    values.update(load_env(environ))
     values.update({key: conf.values[key] for key in conf.flags})
     return Config(values, conf.source, conf.flags)
 
