@@ -94,3 +94,71 @@ def test_serve_exits_1_when_the_port_is_taken(tmp_path):
     assert out.returncode == 1
     assert "gateway node failed" in out.stderr
     assert "Address already in use" in out.stderr and "Exceptions from Trio nursery" not in out.stderr  # the cause
+
+
+def help_flags(command, tmp_path):
+    out = run([command, "--help"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    return out.stdout, {word.rstrip(",") for word in out.stdout.split() if word.startswith("--")}
+
+
+def test_serve_help_shows_only_what_serve_uses_grouped_by_section(tmp_path):
+    text, flags = help_flags("serve", tmp_path)
+    assert {"--host", "--port", "--data", "--tls-port", "--commitlog-flush", "--limits-publish-rate",
+            "--admin-token", "--auth-acl-file", "--tier-uri"} <= flags
+    assert not flags & {"--listen", "--store", "--store-token", "--store-lease-s", "--workers",
+                        "--bridge-remote-host", "--rule"}
+    sections = [line.split()[0] for line in text.splitlines() if line.startswith("[")]
+    assert sections == ["[node]", "[tls]", "[ws]", "[wss]", "[log]", "[commitlog]", "[mqtt]", "[retention]",
+                        "[tier]", "[auth]", "[limits]", "[admin]"]
+    node = text[text.index("[node]"):text.index("[tls]")]
+    assert "--port" in node and "--tls-port" not in node and "LIGHTGATE_NODE_<KEY>" in node
+
+
+def test_store_help_shows_only_what_the_store_node_uses(tmp_path):
+    _, flags = help_flags("store", tmp_path)
+    assert {"--data", "--listen", "--store-token", "--store-lease-s", "--commitlog-flush", "--retention-hours",
+            "--auth-password-file", "--auth-acl-file"} <= flags
+    assert not flags & {"--host", "--port", "--admin-port", "--tls-port", "--mqtt-max-packet-size",
+                        "--limits-max-connections", "--store", "--workers", "--auth-acl-wildcard-mode"}
+
+
+def test_repair_help_shows_only_what_repair_uses(tmp_path):
+    _, flags = help_flags("repair", tmp_path)
+    assert flags == {"--help", "--config", "--data", "--log-level", "--log-json", "--no-log-json",
+                     "--commitlog-segment-bytes", "--commitlog-max-record-bytes", "--commitlog-flush",
+                     "--commitlog-flush-interval-ms", "--commitlog-flush-min-bytes",
+                     "--commitlog-flush-force-interval-ms", "--commitlog-sync-interval-ms"}
+
+
+@pytest.mark.parametrize("argv, flag, key", [
+    (["serve", "--bridge-remote-host", "example.com"], "--bridge-remote-host", "bridge.remote_host"),
+    (["serve", "--workers=2"], "--workers", "gateway.workers"),
+    (["store", "--admin-port", "0"], "--admin-port", "admin.port"),
+    (["store", "--no-tls-require-client-cert"], "--no-tls-require-client-cert", "tls.require_client_cert"),
+    (["repair", "--data", "d", "--port", "1884"], "--port", "node.port"),
+])
+def test_a_flag_of_another_command_is_an_error_naming_the_flag_and_the_command(tmp_path, argv, flag, key):
+    out = run(argv, tmp_path)
+    assert out.returncode == 2
+    assert f"lightgate {argv[0]}: error: {flag} does not apply to lightgate {argv[0]}: it sets {key}" in out.stderr
+    assert not (tmp_path / "data").exists() and not (tmp_path / "d").exists()  # nothing started
+
+
+def test_an_unknown_flag_is_still_unrecognized(tmp_path):
+    out = run(["serve", "--frobnicate", "1"], tmp_path)
+    assert out.returncode == 2 and "unrecognized arguments: --frobnicate 1" in out.stderr
+
+
+def test_every_flag_a_command_shows_is_accepted_and_config_takes_them_all():
+    from gateway.app import config as cfg
+    from gateway.app.cli import build_parser
+
+    parser = build_parser(["serve"])
+    for command in (*cfg.COMMAND_KEYS, "config"):
+        for opt in cfg.OPTIONS:
+            if not cfg.uses(command, opt):
+                continue
+            value = [] if isinstance(opt.default, bool) else [opt.choices[0] if opt.choices else "1"]
+            args, unknown = parser.parse_known_args([command, opt.cli_flag, *value])
+            assert not unknown and getattr(args, opt.dest) is not None, (command, opt.key)

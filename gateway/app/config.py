@@ -18,7 +18,7 @@ import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 DEFAULT_CONFIG_FILE = "lightgate.toml"
 """Read from the working directory when present and no ``--config`` is given."""
@@ -265,14 +265,39 @@ def load_env(environ: Mapping[str, str]) -> dict[str, Any]:
     return flat
 
 
-def add_arguments(parser: argparse.ArgumentParser, keys: Callable[[Option], bool] = lambda o: True) -> None:
-    """Add ``--config`` and one flag per option; unset flags stay ``None``."""
+COMMAND_KEYS: dict[str, tuple[str, ...]] = {
+    "serve": ("node", "tls", "ws", "wss", "log", "commitlog", "mqtt", "retention", "tier", "auth", "limits", "admin"),
+    "store": ("node.data", "store", "log", "commitlog", "retention", "tier", "auth.password_file",
+              "auth.allow_anonymous", "auth.acl_file", "auth.failure_delay_s"),
+    "gateway": ("node.host", "node.port", "gateway", "store.token", "tls", "ws", "wss", "log", "mqtt", "auth",
+                "limits", "admin"),
+    "repair": ("node.data", "log", "commitlog"),
+    "bridge": ("node.host", "node.port", "log", "bridge"),
+}
+"""The keys each node command reads (a section stands for all its keys): its ``--help`` shows only their flags,
+and another command's flag is an error, not silently ignored. ``lightgate config`` takes every flag. The file and
+the environment may hold every key: one file serves every command of a deployment."""
+
+
+def uses(command: str | None, opt: Option) -> bool:
+    """Whether ``command`` reads ``opt`` (None, or a command not in ``COMMAND_KEYS``: every option)."""
+    scope = COMMAND_KEYS.get(command or "")
+    return scope is None or opt.section in scope or opt.key in scope
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str | None = None) -> None:
+    """Add ``--config`` and one flag per option ``command`` uses, grouped by section; unset flags stay ``None``."""
     parser.add_argument("--config", metavar="FILE",
-                        help=f"TOML configuration file (default: ./{DEFAULT_CONFIG_FILE} if present)")
-    group = parser.add_argument_group("configuration (each flag overrides its key in the file)")
+                        help=f"TOML configuration file (default: ./{DEFAULT_CONFIG_FILE} if present); each flag"
+                             " below overrides its [key] given by the environment, which overrides the file")
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for opt in OPTIONS:
-        if not keys(opt):
+        if not uses(command, opt):
             continue
+        group = groups.get(opt.section)
+        if group is None:
+            group = groups[opt.section] = parser.add_argument_group(
+                f"[{opt.section}] (environment {ENV_PREFIX}{opt.section.upper()}_<KEY>)")
         if isinstance(opt.default, bool):
             group.add_argument(opt.cli_flag, dest=opt.dest, default=None,
                                action=argparse.BooleanOptionalAction, help=f"{opt.help} [{opt.key}]")
@@ -282,6 +307,19 @@ def add_arguments(parser: argparse.ArgumentParser, keys: Callable[[Option], bool
         else:
             group.add_argument(opt.cli_flag, dest=opt.dest, default=None, metavar=type(opt.default).__name__.upper(),
                                choices=opt.choices, help=f"{opt.help} (default {opt.default!r}) [{opt.key}]")
+
+
+def misplaced_flag(command: str, unknown: list[str]) -> str | None:
+    """The error for the first of ``unknown`` (arguments the command's parser did not take) that is another
+    command's option flag, naming the flag, the command and the commands that take it; None: there is none."""
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        for opt in OPTIONS:
+            if flag in (opt.cli_flag, "--no-" + opt.cli_flag[2:]) and not uses(command, opt):
+                takers = ", ".join(name for name in COMMAND_KEYS if uses(name, opt))
+                return (f"{flag} does not apply to lightgate {command}: it sets {opt.key}, which {command} does"
+                        f" not use (used by: {takers}, config)")
+    return None
 
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Config:
