@@ -162,3 +162,35 @@ def test_every_flag_a_command_shows_is_accepted_and_config_takes_them_all():
             value = [] if isinstance(opt.default, bool) else [opt.choices[0] if opt.choices else "1"]
             args, unknown = parser.parse_known_args([command, opt.cli_flag, *value])
             assert not unknown and getattr(args, opt.dest) is not None, (command, opt.key)
+
+
+SECRETS = {"admin.token": "adm1n-s3cret", "store.token": "st0re-s3cret", "bridge.remote_password": "rem0te-pw",
+           "bridge.local_password": "l0cal-pw"}
+
+
+def test_config_redacts_every_secret_from_any_layer(tmp_path):
+    (tmp_path / "lightgate.toml").write_text('[bridge]\nremote_password = "rem0te-pw"\nlocal_password = "l0cal-pw"\n'
+                                             '[tier]\nuri = "s3://AKIAKEY:t1er-s3cret@bucket/lg"\n')
+    out = run(["config", "--store-token", "st0re-s3cret"], tmp_path, env={"LIGHTGATE_ADMIN_TOKEN": "adm1n-s3cret"})
+    assert out.returncode == 0, out.stderr
+    for secret in (*SECRETS.values(), "t1er-s3cret"):
+        assert secret not in out.stdout + out.stderr
+    doc = tomllib.loads(out.stdout)
+    for key in SECRETS:
+        section, name = key.split(".")
+        assert doc[section][name] == "<redacted>", key
+    assert doc["tier"]["uri"] == "s3://AKIAKEY:<redacted>@bucket/lg"  # the rest of the URI is no secret
+    assert doc["node"]["port"] == 1883 and tomllib.loads(run(["config"], tmp_path).stdout)["admin"]["token"] == ""
+
+
+def test_the_start_up_configuration_line_redacts_secrets(tmp_path):
+    with socket.socket() as taken:  # the node stops at once: the port is taken
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = run(["serve", "--port", str(taken.getsockname()[1]), "--log-json", "--admin-token", "adm1n-s3cret",
+                   "--mqtt-receive-maximum", "9"], tmp_path)
+    assert out.returncode == 1
+    assert "adm1n-s3cret" not in out.stderr
+    line = next(json.loads(text) for text in out.stderr.splitlines() if '"configuration"' in text)
+    assert line["command"] == "serve" and line["admin.token"] == "<redacted>"
+    assert line["mqtt.receive_maximum"] == 9 and "node.host" not in line  # what differs from the defaults

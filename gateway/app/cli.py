@@ -172,7 +172,7 @@ def _cmd_gateway(args: argparse.Namespace, conf: cfg.Config) -> int:
 
 
 def _cmd_config(args: argparse.Namespace, conf: cfg.Config) -> int:
-    values = {o.key: o.default for o in cfg.OPTIONS} if args.defaults else conf.values
+    values = {o.key: o.default for o in cfg.OPTIONS} if args.defaults else cfg.redacted(conf.values)
     sys.stdout.write(cfg.to_toml(values))
     return 0
 
@@ -339,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         conf = cfg.resolve(args)
     except cfg.ConfigError as exc:
         parser.exit(2, f"lightgate: configuration error: {exc}\n")
-    setup_logging(conf["log.level"], conf["log.json"])
+    setup_logging(conf["log.level"], conf["log.json"], cfg.secrets(conf.values))
+    if args.command in cfg.COMMAND_KEYS:
+        LOG.info("configuration", extra={"ctx": {"command": args.command, "file": conf.source,
+                                                 **cfg.non_defaults(conf, args.command)}})
     return args.handler(args, conf)
 
 

@@ -19,6 +19,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 DEFAULT_CONFIG_FILE = "lightgate.toml"
 """Read from the working directory when present and no ``--config`` is given."""
@@ -39,6 +40,7 @@ class Option:
     help: str
     flag: str | None = None
     choices: tuple[str, ...] | None = None
+    secret: bool = False  # a token or password: `lightgate config` and the logs show REDACTED instead
 
     @property
     def section(self) -> str:
@@ -74,7 +76,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("store.lease_s", 5.0, "a gateway node's lease (`lightgate store`): silent this long, its clients' wills"
            " are published and the node must drop them when it returns (docs/cluster.md)"),
     Option("store.token", "", "shared secret of gateway nodes and their store node (set the same on both); required"
-           " on a store with auth.* set; empty = none (docs/cluster.md)"),
+           " on a store with auth.* set; empty = none (docs/cluster.md)", secret=True),
     Option("gateway.workers", 1, "gateway processes sharing the MQTT port (SO_REUSEPORT); worker i serves its admin"
            " API on admin.port + i", flag="--workers"),
     Option("tls.port", 0, "MQTT over TLS listener port (0 = off; 8883 is the usual one); a free port when node.port is 0"),
@@ -149,15 +151,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("admin.max_connections", 32, "admin HTTP connections open at once; more are answered 503 and closed"
            " (0 = no cap)"),
     Option("admin.token", "", "bearer token the admin API and dashboard data require; empty = none"
-           " (/metrics, /healthz, /readyz never need it)"),
+           " (/metrics, /healthz, /readyz never need it)", secret=True),
     Option("bridge.remote_host", "", "broker `lightgate bridge` mirrors topics to and from (required by the bridge)"),
     Option("bridge.remote_port", 1883, "MQTT port of the remote broker (8883 is the usual TLS one)"),
     Option("bridge.remote_username", "", "the bridge's user name on the remote broker; empty = none"),
-    Option("bridge.remote_password", "", "the bridge's password on the remote broker"),
+    Option("bridge.remote_password", "", "the bridge's password on the remote broker", secret=True),
     Option("bridge.remote_tls", False, "connect to the remote broker over TLS"),
     Option("bridge.remote_cafile", "", "PEM CA certificates that verify the remote broker; empty = the system's"),
     Option("bridge.local_username", "", "the bridge's user name on this node (node.host:node.port); empty = none"),
-    Option("bridge.local_password", "", "the bridge's password on this node"),
+    Option("bridge.local_password", "", "the bridge's password on this node", secret=True),
     Option("bridge.client_id", "lightgate-bridge", "the bridge's client id on both brokers (names its persistent"
            " sessions: one per bridge)"),
     Option("bridge.rules", [], "bridge rule 'DIRECTION PATTERN [REMOTE_PREFIX [LOCAL_PREFIX]]', DIRECTION out, in"
@@ -168,6 +170,13 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 _BY_KEY = {o.key: o for o in OPTIONS}
+
+REDACTED = "<redacted>"
+"""What `lightgate config` and the logs show instead of a secret."""
+
+CREDENTIAL_URI_KEYS = ("tier.uri",)
+"""Keys whose value is a URI that may carry a password (``s3://KEY_ID:SECRET@bucket/prefix``, as pyarrow.fs takes
+it): that password is a secret, the rest of the URI is not."""
 _BY_ENV = {o.env: o for o in OPTIONS}
 
 
@@ -353,6 +362,42 @@ def reread(conf: Config, environ: Mapping[str, str] = os.environ) -> Config:
     values.update(load_env(environ))
     values.update({key: conf.values[key] for key in conf.flags})
     return Config(values, conf.source, conf.flags)
+
+
+def non_defaults(conf: Config, command: str) -> dict[str, Any]:
+    """The keys ``command`` uses whose value is not the default, secrets redacted: the node commands log them
+    at start, so a log says how the node was configured."""
+    shown = redacted(conf.values)
+    return {o.key: shown[o.key] for o in OPTIONS if uses(command, o) and conf.values[o.key] != o.default}
+
+
+def secrets(values: Mapping[str, Any]) -> list[str]:
+    """The secrets ``values`` hold (non-empty), longest first: the values of secret keys and the passwords of
+    credential URIs. The logs replace each with ``REDACTED`` (gateway/app/logs.py)."""
+    found = [values[o.key] for o in OPTIONS if o.secret and values.get(o.key)]
+    found += [password for key in CREDENTIAL_URI_KEYS if (password := _uri_password(values.get(key, "")))]
+    return sorted(set(found), key=len, reverse=True)
+
+
+def redacted(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with every secret (``secrets``) shown as ``REDACTED``; empty ones stay empty (none is set)."""
+    shown = dict(values)
+    for opt in OPTIONS:
+        if opt.secret and shown.get(opt.key):
+            shown[opt.key] = REDACTED
+    for key in CREDENTIAL_URI_KEYS:
+        password = _uri_password(shown.get(key, ""))
+        if password:
+            shown[key] = shown[key].replace(":" + password + "@", ":" + REDACTED + "@", 1)
+    return shown
+
+
+def _uri_password(uri: str) -> str | None:
+    try:
+        return urlsplit(uri).password if "://" in uri else None
+    except ValueError:  # not a URI urllib can split (e.g. a bad port): look for the userinfo by hand
+        userinfo, at, _ = uri.partition("://")[2].split("/", 1)[0].rpartition("@")
+        return (userinfo.partition(":")[2] or None) if at else None
 
 
 def to_toml(values: dict[str, Any]) -> str:
