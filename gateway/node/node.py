@@ -98,6 +98,7 @@ from gateway.ops.admin import (
 )
 from gateway.node.admission import Admission
 from gateway.auth.authn import AuthDecision, Authenticator, ReloadError, WatchedFile
+from gateway.node import clientlog
 from gateway.node.cache import QueueCache
 from gateway.mqtt.channel import ChannelConfig
 from gateway.node.commits import CommitBatcher
@@ -383,6 +384,7 @@ class GatewayNode:
             return
         may_read = None if self._acl is None else ReadCheck(self._read_acl, decision.username, client_id)
         connection.feed(SessionOpened(state is not None, state, may_read=may_read))
+        clientlog.connected(connection, action.clean_start, state is not None)
 
     async def _resume(self, connection: Connection, action: OpenSession, epoch: int) -> SessionState | None:
         """The session an accepted CONNECT resumes (None: a new one), after the store heard of the connection.
