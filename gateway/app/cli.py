@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         misplaced = cfg.misplaced_flag(args.command, unknown)
         parser.exit(2, f"lightgate {args.command}: error: {misplaced}\n") if misplaced else None
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")]  # a value may be a secret
+        parser.error(f"unrecognized arguments: {' '.join(flags or unknown)}")
     try:
         conf = cfg.resolve(args)
     except cfg.ConfigError as exc:
