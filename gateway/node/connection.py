@@ -54,6 +54,7 @@ from gateway.mqtt.actions import (
     Action, Activate, AfterReads, Append, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Pull, Pulled,
     Send, SocketWritten,
 )
+from gateway.node import clientlog
 from gateway.node.admission import Admission
 from gateway.mqtt.channel import KEEPALIVE_TIMER, Channel, ChannelConfig
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
@@ -303,9 +304,7 @@ class Connection:
                 self._out_seq = action.seq  # type: ignore[union-attr]
                 self._traffic.delivered(action)  # type: ignore[arg-type]
             elif kind is Close:
-                LOGGER.info("closing connection: %s", action.log,  # type: ignore[union-attr]
-                            extra={"ctx": {"client_id": self.client_id, "peer": self.peer,
-                                           "reason": action.reason.name}})  # type: ignore[union-attr]
+                clientlog.closed(self, action)  # type: ignore[arg-type]
                 self.close()
             elif kind is ArmTimer:
                 self._arm(action.name, action.delay_s)  # type: ignore[union-attr]

@@ -99,6 +99,7 @@ from gateway.ops.admin import (
 )
 from gateway.node.admission import Admission
 from gateway.auth.authn import AuthDecision, Authenticator, ReloadError, WatchedFile
+from gateway.node import clientlog
 from gateway.node.cache import QueueCache
 from gateway.mqtt.channel import ChannelConfig
 from gateway.node.commits import CommitBatcher
@@ -385,6 +386,7 @@ class GatewayNode:
             return
         may_read = None if self._acl is None else ReadCheck(self._read_acl, decision.username, client_id)
         connection.feed(SessionOpened(state is not None, state, may_read=may_read))
+        clientlog.connected(connection, action.clean_start, state is not None)
 
     async def _resume(self, connection: Connection, action: OpenSession, epoch: int) -> SessionState | None:
         """The session an accepted CONNECT resumes (None: a new one), after the store heard of the connection.
@@ -1549,6 +1551,7 @@ async def _serve_until_signalled(conf: Config, serve: Any = serve_gateway) -> No
         reloader.acl = running.front.acl
         reloader.tls = next((spec.ssl_context for spec in running.front.specs
                              if isinstance(spec.ssl_context, TlsContext)), None)
+        reloader.node, reloader.admission = running.node, running.front.admission
         reloader.reload()
 
     async with trio.open_nursery() as nursery:
