@@ -111,6 +111,7 @@ from gateway.node.listeners import ListenerSpec, TlsContext, listener_specs
 from gateway.app.logs import leaves
 from gateway.node.messages import from_record, to_new_message
 from gateway.node.order import ReadOrder
+from gateway.node.system import SysFigures, SysTree
 from gateway.mqtt.packets import MQTT_5
 from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
 from gateway.auth.passwords import PasswordFileError
@@ -148,9 +149,6 @@ names (``$SYS``, ``$share``), which devices do not use, so No Local does not dro
 
 ADMIN_CLIENT_ID = "$admin"
 """The publisher client id of the empty retained messages that delete retained messages (admin API)."""
-
-SYS_PREFIX = "$SYS/broker/"
-"""Where the node's statistics are published (Mosquitto's names, so existing dashboards find them)."""
 
 AUTH_RECHECK_S = 1.0
 """The password and ACL files are looked at (one ``stat`` each) at most this often, when a CONNECT, PUBLISH or
@@ -246,6 +244,8 @@ class GatewayNode:
         self._wills: dict[str, _DelayedWill] = {}  # client id -> pending delayed will
         self._expiries: dict[str, trio.CancelScope] = {}  # client id -> pending session expiry
         self._started = time.monotonic()
+        self._sys_tree = SysTree(self._started)
+        self._peak_connections = 0  # the most clients connected at once ($SYS clients/maximum)
         self.traffic = Traffic()
         self.refused_by_qos = [0, 0, 0]  # messages the store did not take (a full disk...), index = QoS
         self.auth_counters = AuthCounters()
@@ -375,6 +375,7 @@ class GatewayNode:
                 LOGGER.warning("takeover: the old connection did not close in time",
                                extra={"ctx": {"client_id": client_id}})
         self._connections[client_id] = connection
+        self._peak_connections = max(self._peak_connections, len(self._connections))
         epoch = self._epochs[connection] = self.store.epoch
         try:
             state = await self._resume(connection, action, epoch)
@@ -934,25 +935,36 @@ class GatewayNode:
 
     # --- $SYS ---------------------------------------------------------------------------
 
-    def sys_messages(self) -> list[Message]:
-        """The node's statistics as retained QoS 0 messages under ``$SYS/broker/``."""
+    async def sys_messages(self) -> list[Message]:
+        """The node's ``$SYS/broker/`` tree (gateway/node/system.py) as retained QoS 0 messages."""
         traffic = self.traffic
-        figures = {
-            "uptime": int(time.monotonic() - self._started),
-            "clients/connected": len(self._connections),
-            "messages/received": traffic.messages_in,
-            "messages/sent": traffic.messages_out,
-            "bytes/received": traffic.bytes_in,
-            "bytes/sent": traffic.bytes_out,
-        }
+        statistics = await self.store.statistics()
+        online, offline = self.session_counts()
+        figures = SysFigures(
+            uptime_s=self.uptime_s(), connected=online, disconnected=offline, maximum=self._peak_connections,
+            subscriptions=self._subscription_count(),
+            retained=statistics.retained, store_bytes=statistics.log_bytes,
+            messages_received=traffic.messages_in, messages_sent=traffic.messages_out,
+            bytes_received=traffic.bytes_in, bytes_sent=traffic.bytes_out)
         now_ms = int(time.time() * 1000)
-        return [Message(SYS_PREFIX + name, str(value).encode(), 0, True, born_ms=now_ms)
-                for name, value in figures.items()]
+        return [Message(topic, payload, 0, True, born_ms=now_ms)
+                for topic, payload in self._sys_tree.topics(figures, time.monotonic()).items()]
+
+    def _subscription_count(self) -> int:
+        """The subscriptions of the clients connected here and of the persistent sessions saved here."""
+        connected = self._connections
+        live = sum(session.subscription_count for connection in connected.values()
+                   if (session := connection.channel.session) is not None)
+        return live + sum(len(state.subscriptions) for client_id, state in self._sessions.items()
+                          if client_id not in connected)
 
     async def publish_sys(self, interval_s: float) -> None:
         """Append the statistics now and every ``interval_s`` until cancelled."""
         while True:
-            reason = await self.append_messages(self.sys_messages())
+            try:
+                reason = await self.append_messages(await self.sys_messages())
+            except ConnectionError:  # the store is unreachable: its client logs the outage once
+                reason = None
             if reason is not None and reason is not ReasonCode.QUOTA_EXCEEDED:  # a full disk: logged by the store
                 LOGGER.error("$SYS statistics not published: %s", reason.name)
             await trio.sleep(interval_s)
