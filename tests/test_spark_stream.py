@@ -46,8 +46,9 @@ def test_available_now_emits_closed_windows_and_reads_only_new_records(spark: An
     first = telemetry(600, devices=3)  # ten minutes, one record a second
     write_log(tmp_path, first)
     out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
-    windows = lambda: device_windows(read_telemetry(spark, tmp_path, MAPPING, stream=True),  # noqa: E731
-                                     MAPPING.metrics, 60, config, streaming=True)
+    windows = lambda: device_windows(  # noqa: E731
+        read_telemetry(spark, tmp_path, MAPPING, stream=True).withWatermark("event_ts", "60 seconds"),
+        MAPPING.metrics, 60, config)
     assert run_available_now(windows(), out, checkpoint) == 600
     # the final watermark (last event - 60 s) closes the windows ending by then, in this run
     rows = spark.read.parquet(str(out)).collect()
