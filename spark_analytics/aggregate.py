@@ -24,6 +24,7 @@ __all__ = [
     "fleet_series",
     "last_seen",
     "last_seen_from_days",
+    "mark_repeats",
     "quarantine",
     "silence_gaps",
     "telemetry_rows",
@@ -165,20 +166,29 @@ def silence_gaps(df: DataFrame, config: AggregationConfig, *, previous: DataFram
             .select("device", "gap_start", "gap_end", seconds.alias("gap_s"), F.to_date("gap_start").alias("date")))
 
 
-def deduplicate(df: DataFrame, *, earlier: DataFrame | None = None) -> DataFrame:
-    """Drop repeated telemetry rows: the same ``key`` (a payload field, ``telemetry.key``) of the same device.
+def mark_repeats(df: DataFrame, column: str, *, earlier: DataFrame | None = None) -> DataFrame:
+    """``df`` with a boolean ``column``: the row repeats a telemetry message, the same ``key`` (a payload field,
+    ``telemetry.key``) of the same device.
 
     A non-persistent client that reconnects may publish a QoS 1/2 message again, and
-    the store keeps both. The first stored copy (lowest offset) is kept, so a stream and
-    a batch run keep the same one; a key already in ``earlier`` (rows of earlier
-    micro-batches) drops every copy. Rows without a key (quarantined, or no key field) are kept.
-    One pass over ``df`` (a union of two filters of it would read the CommitLog twice).
+    the store keeps both. The first stored copy (lowest offset) is not a repeat, so a
+    stream and a batch run keep the same one; a key already in ``earlier`` (rows of
+    earlier micro-batches) makes every copy a repeat. Rows without a key (quarantined,
+    or no key field) are not repeats. One pass over ``df`` (a union of two filters of it
+    would read the CommitLog twice).
     """
-    if earlier is not None:
-        df = df.join(earlier.where(F.col("key").isNotNull()).select("device", "key").distinct(),
-                     ["device", "key"], "left_anti").select(*df.columns)
+    keyed = F.col("key").isNotNull()
     first = F.row_number().over(Window.partitionBy("device", "key").orderBy("offset"))
-    return df.withColumn("_copy", first).where(F.col("key").isNull() | (F.col("_copy") == 1)).drop("_copy")
+    if earlier is not None:
+        seen = earlier.where(keyed).select("device", "key").distinct().withColumn("_seen", F.lit(True))
+        df = df.join(seen, ["device", "key"], "left").select(*df.columns, "_seen")
+        return df.withColumn(column, keyed & (F.col("_seen").isNotNull() | (first > 1))).drop("_seen")
+    return df.withColumn(column, keyed & (first > 1))
+
+
+def deduplicate(df: DataFrame) -> DataFrame:
+    """``df`` without repeated telemetry messages (:func:`mark_repeats`)."""
+    return mark_repeats(df, "_repeat").where(~F.col("_repeat")).drop("_repeat")
 
 
 def fleet_series(device_table: DataFrame, metrics: Sequence[str]) -> Any:

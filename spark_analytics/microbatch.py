@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyspark.sql import Column, DataFrame, Observation
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from . import aggregate as agg
@@ -52,6 +52,10 @@ MICROS = 1_000_000
 ON_TIME = "_on_time"
 """Staged column: a telemetry row at or after the event-time watermark when it was read (late rows are kept
 staged for the quarantine and the topic table, never aggregated by event time)."""
+
+REPEAT = "_repeat"
+"""Staged column: a repeated message (``--dedup``), in no table; staged so that the count of records read is
+exact and a later copy of its key is recognised."""
 
 STORED_ON_TIME = "_stored_on_time"
 """Staged column: a row at or after the store-time watermark when it was read (the topic table's lateness)."""
@@ -80,7 +84,9 @@ class StreamState:
     staged: list[list[Any]] = field(default_factory=list)
     """``[batch, latest on-time event, latest store time]`` of each staged micro-batch still needed."""
     rows: int = 0
+    """Records read so far (duplicates and quarantined ones included)."""
     late: int = 0
+    """Telemetry records read after the watermark had passed them: in no event-time table."""
 
 
 def read_state(checkpoint: Path) -> StreamState:
@@ -181,18 +187,19 @@ class MicroBatchSink:
         rows = batch
         if self.dedup:
             earlier = [self._rows(k) for k, *_ in prev.staged]
-            rows = agg.deduplicate(rows, earlier=spark.read.parquet(*earlier) if earlier else None)
-        on_time = F.col("error").isNull() & (F.lit(True) if ev_wm is None else F.col("event_ts") >= _ts(ev_wm))
-        stored_on_time = F.lit(True) if st_wm is None else F.col("store_ts") >= _ts(st_wm)
-        observed = Observation(f"micro-batch {batch_id}")  # figured in the same pass as the write
-        rows = rows.withColumn(ON_TIME, on_time).withColumn(STORED_ON_TIME, stored_on_time).observe(
-            observed, F.count(F.lit(1)).alias("rows"),
-            F.count(F.when(F.col("error").isNull() & ~F.col(ON_TIME), 1)).alias("late"),
-            F.unix_micros(F.max(F.when(F.col(ON_TIME), F.col("event_ts")))).alias("event"),
-            F.unix_micros(F.max("store_ts")).alias("store"))
-        write_table(rows, Path(self._rows(batch_id)), partition_by=())  # the one read of the CommitLog
-        got = observed.get
+            rows = agg.mark_repeats(rows, REPEAT, earlier=spark.read.parquet(*earlier) if earlier else None)
+        else:
+            rows = rows.withColumn(REPEAT, F.lit(False))
+        kept = F.col("error").isNull() & ~F.col(REPEAT)
+        on_time = kept & (F.lit(True) if ev_wm is None else F.col("event_ts") >= _ts(ev_wm))
+        stored_on_time = ~F.col(REPEAT) & (F.lit(True) if st_wm is None else F.col("store_ts") >= _ts(st_wm))
+        write_table(rows.withColumn(ON_TIME, on_time).withColumn(STORED_ON_TIME, stored_on_time),
+                    Path(self._rows(batch_id)), partition_by=())  # the one read of the CommitLog
         new = spark.read.parquet(self._rows(batch_id))
+        got = new.agg(F.count(F.lit(1)).alias("rows"),
+                      F.count(F.when(F.col("error").isNull() & ~F.col(REPEAT) & ~F.col(ON_TIME), 1)).alias("late"),
+                      F.unix_micros(F.max(F.when(F.col(ON_TIME), F.col("event_ts")))).alias("event"),
+                      F.unix_micros(F.max("store_ts")).alias("store")).first()
         new_ev = _advance(ev_wm, got["event"], config.watermark_s)
         new_st = _advance(st_wm, got["store"], config.watermark_s)
         staged = [*prev.staged, [batch_id, got["event"], got["store"]]]
@@ -252,7 +259,7 @@ class MicroBatchSink:
             "device", F.col("anchor").alias("last_seen"))
         gaps = agg.silence_gaps(_since(events, "event_ts", ev_wm), config, previous=anchors)
         self._pend(gaps, _closed("gap_end", new_ev, strict=True), pending / "silence_gaps")
-        self._pend(agg.quarantine(new), F.lit(True), pending / "quarantine")
+        self._pend(agg.quarantine(new.where(~F.col(REPEAT))), F.lit(True), pending / "quarantine")
 
         state = StreamState(batch_id, new_ev, new_st, _still_needed(staged, new_ev, new_st, config),
                             prev.rows + got["rows"], prev.late + got["late"])
