@@ -3,7 +3,8 @@
 Tables are Parquet (zstd, INT64 microsecond timestamps with statistics, row
 groups of at most 64 MiB) partitioned by ``date`` (dynamic partition overwrite:
 a batch run over some days replaces those days only, see jobs.py), or Delta
-Lake when ``delta-spark`` is installed and asked for. The summary is a rich table; the
+Lake when ``delta-spark`` is installed and asked for. The stream moves the files
+each micro-batch wrote into the tables (:func:`publish`, microbatch.py). The summary is a rich table; the
 chart is matplotlib with the Agg backend (no display needed).
 """
 
