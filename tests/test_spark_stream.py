@@ -3,6 +3,7 @@ triggers, torn tails and retention (spark_analytics.source)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -28,13 +29,24 @@ pytestmark = pytest.mark.spark
 MAPPING = TelemetryMapping(("temp", "hum"))
 
 
-def run_available_now(frame: Any, out: Path, checkpoint: Path) -> int:
-    """Run ``frame`` to a Parquet sink with trigger(availableNow); return the input rows it read."""
+def available_now_progress(frame: Any, out: Path, checkpoint: Path) -> list[dict[str, Any]]:
+    """Run ``frame`` to a Parquet sink with trigger(availableNow); return the query's progress."""
     query = (frame.writeStream.format("parquet").outputMode("append").option("path", str(out))
              .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
     query.awaitTermination(120)
     assert not query.isActive and query.exception() is None, query.exception()
-    return sum(p["numInputRows"] for p in query.recentProgress)
+    return query.recentProgress
+
+
+def run_available_now(frame: Any, out: Path, checkpoint: Path) -> int:
+    """Run ``frame`` as :func:`available_now_progress`; return the input rows it read."""
+    return sum(p["numInputRows"] for p in available_now_progress(frame, out, checkpoint))
+
+
+def global_offset(offset: str | dict[str, int]) -> int:
+    """A stream offset of the progress (JSON text or a dict) as a global log offset."""
+    value = json.loads(offset) if isinstance(offset, str) else offset
+    return value["segment"] + value["position"]
 
 
 def raw_stream(spark: Any, data: Path, **options: str) -> Any:
@@ -113,3 +125,19 @@ def test_processing_time_trigger_picks_up_appends(spark: Any, tmp_path: Path) ->
         assert got == first + second
     finally:
         query.stop()
+
+
+def test_max_bytes_per_trigger_takes_a_backlog_in_steps_of_about_that_many_bytes(spark: Any, tmp_path: Path) -> None:
+    msgs = telemetry(600)
+    offsets = write_log(tmp_path, msgs)
+    record = max(len(encode(m)) for m in msgs)
+    end = offsets[-1] + len(encode(msgs[-1]))
+    progress = available_now_progress(raw_stream(spark, tmp_path, maxBytesPerTrigger="16384"), tmp_path / "out",
+                                      tmp_path / "checkpoint")
+    batches = [p for p in progress if p["numInputRows"]]
+    assert sum(p["numInputRows"] for p in batches) == 600
+    ends = [global_offset(p["sources"][0]["endOffset"]) for p in batches]
+    spans = [b - a for a, b in zip([offsets[0], *ends], ends)]
+    assert ends[-1] == end and max(spans) < 16384 + record  # whole records, about 16 KiB a micro-batch
+    assert len(batches) >= (end - offsets[0]) // (16384 + record) >= 3
+
