@@ -107,11 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     batch.add_argument("--no-chart", action="store_true", help="do not draw fleet_metrics.png")
     stream = sub.add_parser("stream", help="aggregate new CommitLog records continuously (Structured Streaming)")
     _common(stream)
-    stream.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory (one subdirectory per output)")
+    stream.add_argument("--checkpoint", required=True, type=Path,
+                        help="checkpoint directory (Spark's offsets, staged rows, the state of open windows)")
     stream.add_argument("--watermark", type=_duration, default=600, help="how late an event may arrive (default 10m)")
     stream.add_argument("--interval", type=_duration, default=None,
                         help="run a micro-batch every interval until stopped (default: process what is there and stop)")
-    stream.add_argument("--timeout", type=_duration, default=None, help="with --interval: stop after this long")
+    stream.add_argument("--timeout", type=_duration, default=None,
+                        help="stop after this long: the running micro-batch finishes, no other starts")
     stream.add_argument("--max-records-per-trigger", type=_positive, default=None,
                         help="at most this many records per micro-batch (a backlog is read in steps)")
     stream.add_argument("--max-bytes-per-trigger", type=_positive, default=None,
@@ -259,6 +261,9 @@ def _run_stream(args: argparse.Namespace, mapping: TelemetryMapping, config: Agg
     trigger = {"availableNow": True} if args.interval is None else {"processingTime": f"{args.interval} seconds"}
     spark, owned = _start_spark(args, console)
     query = None
+    deadline = None if args.timeout is None else time.time() + args.timeout
+    if deadline is not None:  # the source admits no record past it: the stop below interrupts no micro-batch
+        options = {**options, "admitUntil": str(int(deadline * 1000))}
     try:
         try:
             query = start_stream(spark, data=args.data, out=args.out, checkpoint=args.checkpoint, mapping=mapping,
@@ -267,19 +272,19 @@ def _run_stream(args: argparse.Namespace, mapping: TelemetryMapping, config: Agg
         except ValueError as exc:
             console.print(f"[red]error:[/] {exc}")
             return 2
-        deadline = None if args.timeout is None else time.monotonic() + args.timeout
         with console.status("streaming") as status:
             while query.isActive:
-                if deadline is not None and time.monotonic() >= deadline:
+                if deadline is not None and time.time() >= deadline:
                     status.update("stopping after the running micro-batch")
                     stop_between_batches(query)
-                    console.print(f"stopped after --timeout {args.timeout} s")
                     break
                 status.update(_progress_line(query.lastProgress))
                 query.awaitTermination(1)
         if query.exception() is not None:
             console.print(f"[red]the stream failed:[/] {query.exception()}")
             return 1
+        if deadline is not None and time.time() >= deadline:
+            console.print(f"stopped after --timeout {args.timeout} s (no micro-batch started after it)")
         state = read_state(args.checkpoint)
         console.print(f"{state.rows:,} records read; outputs in {args.out}")
         if state.late:

@@ -23,6 +23,7 @@ from spark_fixtures import (
 )
 
 from spark_analytics import cli
+from spark_analytics.microbatch import read_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
@@ -66,12 +67,16 @@ def test_a_multi_process_cluster_without_the_files_gives_the_local_result(spark:
         assert table_rows(tmp_path / "cluster" / name) == table_rows(tmp_path / "local" / name), name
 
 
-def test_a_stream_stopped_by_timeout_ends_cleanly(tmp_path: Path) -> None:
-    write_log(tmp_path / "data", telemetry(3000, devices=5))
+def test_a_stream_stopped_by_timeout_ends_cleanly_after_the_running_micro_batch(tmp_path: Path) -> None:
+    """A backlog of 20 rate-limited micro-batches: ``--timeout`` stops the stream after the one running then, not
+    after the backlog (the source admits no record past the timeout), and interrupts nothing. Local mode."""
+    write_log(tmp_path / "data", telemetry(2000, devices=5))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = lightgate("analytics", "stream", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
                      "--checkpoint", str(tmp_path / "checkpoint"), "--metrics", "temp,hum", "--windows", "1m",
-                     "--interval", "1s", "--timeout", "20s", "--max-records-per-trigger", "500", env=env)
+                     "--interval", "1s", "--timeout", "15s", "--max-records-per-trigger", "100", env=env)
     assert done.returncode == 0, done.stderr[-5000:]
-    assert "stopped after --timeout" in done.stderr
+    assert "stopped after --timeout 15 s" in done.stderr
     assert "Traceback" not in done.stderr and "Exception" not in done.stderr, done.stderr[-5000:]
+    read = read_state(tmp_path / "checkpoint").rows
+    assert read < 2000 and read % 100 == 0, read  # whole micro-batches, and the backlog left for the next run

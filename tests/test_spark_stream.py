@@ -141,3 +141,12 @@ def test_max_bytes_per_trigger_takes_a_backlog_in_steps_of_about_that_many_bytes
     assert ends[-1] == end and max(spans) < 16384 + record  # whole records, about 16 KiB a micro-batch
     assert len(batches) >= (end - offsets[0]) // (16384 + record) >= 3
 
+
+def test_past_admit_until_no_micro_batch_admits_a_record(spark: Any, tmp_path: Path) -> None:
+    """What ``lightgate analytics stream --timeout`` relies on to stop between micro-batches; the next run
+    goes on from where the stream stopped."""
+    write_log(tmp_path, telemetry(300))
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    stopped = raw_stream(spark, tmp_path, maxRecordsPerTrigger="100", admitUntil="2000-01-01T00:00:00Z")
+    assert run_available_now(stopped, out, checkpoint) == 0
+    assert run_available_now(raw_stream(spark, tmp_path, maxRecordsPerTrigger="100"), out, checkpoint) == 300
