@@ -200,6 +200,13 @@ class MicroBatchSink:
                       F.count(F.when(F.col("error").isNull() & ~F.col(REPEAT) & ~F.col(ON_TIME), 1)).alias("late"),
                       F.unix_micros(F.max(F.when(F.col(ON_TIME), F.col("event_ts")))).alias("event"),
                       F.unix_micros(F.max("store_ts")).alias("store")).first()
+        if not got["rows"]:  # the topic filter left every record out (or none was admitted): nothing changes
+            for name in ("days", "devices"):  # the next micro-batch's state is this one's
+                kept = self.state_root / f"{prev.batch:010d}" / name
+                if kept.exists():
+                    shutil.copytree(kept, here / name)
+            self._complete(here, dataclasses.replace(prev, batch=batch_id))
+            return
         new_ev = _advance(ev_wm, got["event"], config.watermark_s)
         new_st = _advance(st_wm, got["store"], config.watermark_s)
         staged = [*prev.staged, [batch_id, got["event"], got["store"]]]
@@ -261,11 +268,16 @@ class MicroBatchSink:
         self._pend(gaps, _closed("gap_end", new_ev, strict=True), pending / "silence_gaps")
         self._pend(agg.quarantine(new.where(~F.col(REPEAT))), F.lit(True), pending / "quarantine")
 
-        state = StreamState(batch_id, new_ev, new_st, _still_needed(staged, new_ev, new_st, config),
-                            prev.rows + got["rows"], prev.late + got["late"])
+        self._complete(here, StreamState(batch_id, new_ev, new_st, _still_needed(staged, new_ev, new_st, config),
+                                         prev.rows + got["rows"], prev.late + got["late"]))
+
+    @staticmethod
+    def _complete(here: Path, state: StreamState) -> None:
+        """Write ``meta.json`` last: the micro-batch is complete, its results may be published."""
+        here.mkdir(parents=True, exist_ok=True)
         temp = here / "meta.json.tmp"
         temp.write_text(json.dumps(dataclasses.asdict(state)))
-        os.replace(temp, here / "meta.json")  # the micro-batch is complete: its results may be published
+        os.replace(temp, here / "meta.json")
 
     def _pend(self, table: DataFrame, final: Column | None, path: Path,
               partition_by: tuple[str, ...] = ("date",)) -> None:

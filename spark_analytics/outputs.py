@@ -79,7 +79,10 @@ def publish(pending: Path, out: Path, batch_id: int, tables: Sequence[str]) -> N
     reader listing a table during the moves may see a micro-batch's open windows twice, or not yet.
 
     Idempotent: a re-run after a kill finishes the moves it finds and deletes what is still to delete.
+    A micro-batch that read no record has no ``pending`` directory and leaves the tables as they are.
     """
+    if not pending.exists():
+        return
     for table in tables:
         for kind_dir in sorted((pending / table).glob("kind=*")):
             kind = kind_dir.name.partition("=")[2]

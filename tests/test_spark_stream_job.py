@@ -127,18 +127,25 @@ def test_each_micro_batch_reads_the_log_once(spark: Any, tmp_path: Path, monkeyp
     assert all(any((tmp_path / "out" / name).rglob("*.parquet")) for name in TABLES)  # it fed every table
 
 
-def test_a_micro_batch_run_again_changes_nothing(spark: Any, tmp_path: Path) -> None:
-    """Spark re-runs a micro-batch whose commit a kill lost: the sink sees the batch id again."""
+def test_a_micro_batch_run_again_or_empty_changes_nothing(spark: Any, tmp_path: Path) -> None:
+    """Spark re-runs a micro-batch whose commit a kill lost: the sink sees the batch id again. A micro-batch
+    whose records the topic filter all left out changes nothing either, and aggregates nothing."""
     offsets = write_log(tmp_path / "data", fleet(200))
     rows = read_telemetry(spark, tmp_path / "data", MAPPING)
     sink = MicroBatchSink(tmp_path / "out", tmp_path / "checkpoint", MAPPING, CONFIG, dedup=True)
+    tables = lambda: {name: table_rows(tmp_path / "out" / name) for name in TABLES}  # noqa: E731
     sink(rows.where(F.col("offset") < offsets[700]), 0)
-    sink(rows.where(F.col("offset") >= offsets[700]), 1)
-    before = {name: table_rows(tmp_path / "out" / name) for name in TABLES}
-    sink(rows.where(F.col("offset") >= offsets[700]), 1)
-    assert {name: table_rows(tmp_path / "out" / name) for name in TABLES} == before
-    sink(rows.where(F.lit(False)), 2)  # a micro-batch whose records the topic filter all left out
-    assert {name: table_rows(tmp_path / "out" / name) for name in TABLES} == before
+    middle = rows.where((F.col("offset") >= offsets[700]) & (F.col("offset") < offsets[1000]))
+    sink(middle, 1)
+    before = tables()
+    sink(middle, 1)
+    assert tables() == before
+    sink(rows.where(F.lit(False)), 2)
+    assert tables() == before
+    assert not (tmp_path / "checkpoint" / "state" / f"{2:010d}" / "pending").exists()
+    sink(rows.where(F.col("offset") >= offsets[1000]), 3)  # the state went on through the empty micro-batch
+    run_batch(tmp_path / "data", tmp_path / "batch")
+    assert_same_tables(tmp_path / "out", tmp_path / "batch")
     with pytest.raises(RuntimeError, match="past the query's 0"):  # a checkpoint changed by hand
         sink(rows, 0)
 
