@@ -86,6 +86,7 @@ def assert_same_tables(got: Path, want: Path) -> None:
         assert table_rows(got / name) == table_rows(want / name), name
 
 
+@pytest.mark.slow
 def test_a_rate_limited_stream_writes_what_a_batch_run_writes(spark: Any, tmp_path: Path) -> None:
     msgs = fleet(300)
     write_log(tmp_path / "data", msgs)
@@ -127,6 +128,7 @@ def test_each_micro_batch_reads_the_log_once(spark: Any, tmp_path: Path, monkeyp
     assert all(any((tmp_path / "out" / name).rglob("*.parquet")) for name in TABLES)  # it fed every table
 
 
+@pytest.mark.slow
 def test_a_micro_batch_run_again_or_empty_changes_nothing(spark: Any, tmp_path: Path) -> None:
     """Spark re-runs a micro-batch whose commit a kill lost: the sink sees the batch id again. A micro-batch
     whose records the topic filter all left out changes nothing either, and aggregates nothing."""
