@@ -154,6 +154,15 @@ def store_node(data: Path) -> Iterator[str]:
         thread.join(60)
 
 
+def available_now_progress(frame: Any, out: Path, checkpoint: Path) -> list[dict[str, Any]]:
+    """Run the streaming ``frame`` to a Parquet sink with trigger(availableNow); return the query's progress."""
+    query = (frame.writeStream.format("parquet").outputMode("append").option("path", str(out))
+             .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
+    query.awaitTermination(120)
+    assert not query.isActive and query.exception() is None, query.exception()
+    return query.recentProgress
+
+
 def table_rows(path: Path) -> list[tuple]:
     """Every row of a (date-partitioned) Parquet table read with pyarrow, as sorted tuples; floats to 12
     digits (a mean or a standard deviation summed in another order differs in the last bits)."""

@@ -12,6 +12,7 @@ import pytest
 from spark_fixtures import (
     T0_MS,
     Msg,
+    available_now_progress,
     encode,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture
     telemetry,
@@ -27,15 +28,6 @@ from store.log.commitlog import CommitLog, CommitLogConfig
 pytestmark = pytest.mark.spark
 
 MAPPING = TelemetryMapping(("temp", "hum"))
-
-
-def available_now_progress(frame: Any, out: Path, checkpoint: Path) -> list[dict[str, Any]]:
-    """Run ``frame`` to a Parquet sink with trigger(availableNow); return the query's progress."""
-    query = (frame.writeStream.format("parquet").outputMode("append").option("path", str(out))
-             .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
-    query.awaitTermination(120)
-    assert not query.isActive and query.exception() is None, query.exception()
-    return query.recentProgress
 
 
 def run_available_now(frame: Any, out: Path, checkpoint: Path) -> int:
