@@ -4,7 +4,6 @@ project, and a stream stopped by ``--timeout``. Slow: each test starts its own S
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 from spark_fixtures import (
+    analytics_args,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture
     store_node,
     table_rows,
@@ -70,9 +70,7 @@ def test_a_multi_process_cluster_without_the_files_gives_the_local_result(spark:
         with start_lightgate("analytics", "batch", *flags, "--out", str(tmp_path / "cluster"), "--master", CLUSTER,
                              "--conf", "spark.executor.memory=512m", env=isolated_env(tmp_path),
                              output=tmp_path / "cluster.log") as proc:
-            parser = argparse.ArgumentParser()
-            cli.add_arguments(parser)
-            assert cli.run(parser.parse_args(["batch", *flags, "--out", str(tmp_path / "local")])) == 0
+            assert cli.run(analytics_args("batch", *flags, "--out", str(tmp_path / "local"))) == 0
             assert proc.wait(600) == 0, (tmp_path / "cluster.log").read_text(errors="replace")[-5000:]
     for name in ("device_1m", "device_1h", "topic_1m", "device_day", "device_last_seen", "silence_gaps", "quarantine"):
         assert table_rows(tmp_path / "cluster" / name) == table_rows(tmp_path / "local" / name), name

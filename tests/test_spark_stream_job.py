@@ -4,7 +4,6 @@ micro-batches, re-runs and kills. Tables are compared with pyarrow, not with Spa
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -18,6 +17,7 @@ import pytest
 from pyspark.sql import functions as F
 from spark_fixtures import (
     Msg,
+    analytics_args,
     encode,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture
     store_node,
@@ -62,14 +62,8 @@ def fleet(rounds: int, *, start_ms: int = MIDNIGHT_MS - 3_600_000, first_round: 
     return msgs
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lightgate analytics")
-    cli.add_arguments(parser)
-    return parser.parse_args(argv)
-
-
 def run_batch(data: Path, out: Path) -> None:
-    assert cli.run(parse("batch", "--data", str(data), "--out", str(out), "--no-chart", *FLAGS)) == 0
+    assert cli.run(analytics_args("batch", "--data", str(data), "--out", str(out), "--no-chart", *FLAGS)) == 0
 
 
 def stream_to_the_end(spark: Any, out: Path, checkpoint: Path, **options: str) -> list[Any]:
@@ -178,9 +172,9 @@ def test_the_former_stream_layout_and_delta_are_refused(spark: Any, tmp_path: Pa
     write_log(tmp_path / "data", fleet(20))
     (tmp_path / "out" / "device_1m" / "_spark_metadata").mkdir(parents=True)
     args = ("stream", "--data", str(tmp_path / "data"), "--checkpoint", str(tmp_path / "checkpoint"), *FLAGS)
-    assert cli.run(parse(*args, "--out", str(tmp_path / "out"))) == 2
+    assert cli.run(analytics_args(*args, "--out", str(tmp_path / "out"))) == 2
     assert "written by the former stream" in capsys.readouterr().err
-    assert cli.run(parse(*args, "--out", str(tmp_path / "new"), "--format", "delta")) == 2
+    assert cli.run(analytics_args(*args, "--out", str(tmp_path / "new"), "--format", "delta")) == 2
     assert "Parquet tables only" in capsys.readouterr().err
 
 
@@ -204,7 +198,7 @@ def test_a_stream_killed_mid_way_and_restarted_writes_what_a_batch_run_writes(sp
         finally:
             os.killpg(proc.pid, signal.SIGKILL)  # the driver and its JVM, in the middle of micro-batch 1
     assert read_state(tmp_path / "checkpoint").rows < len(msgs)
-    assert cli.run(parse(*flags)) == 0  # the restart: availableNow to the end
+    assert cli.run(analytics_args(*flags)) == 0  # the restart: availableNow to the end
     run_batch(tmp_path / "data", tmp_path / "batch")
     assert_same_tables(tmp_path / "stream", tmp_path / "batch")
     assert read_state(tmp_path / "checkpoint").rows == len(msgs)
