@@ -236,11 +236,11 @@ def _run_batch(args: argparse.Namespace, mapping: TelemetryMapping, config: Aggr
 
 def _lag_bytes(progress: Any) -> int | None:
     """Log bytes between what the micro-batch read and the end of the log (the source reports both)."""
-    sources = progress.get("sources") or [{}]
-    ends = [sources[0].get(k) for k in ("endOffset", "latestOffset")]
-    if not all(ends):
+    source = (progress.get("sources") or [{}])[0]
+    end, latest = (json.loads(o) if isinstance(o, str) else o for o in (source.get("endOffset"),
+                                                                          source.get("latestOffset")))
+    if not end or not latest:  # "null": a micro-batch re-run from Spark's offset log after a restart
         return None
-    end, latest = (json.loads(o) if isinstance(o, str) else o for o in ends)
     return (latest["segment"] + latest["position"]) - (end["segment"] + end["position"])
 
 

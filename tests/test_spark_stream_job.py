@@ -99,6 +99,16 @@ def test_a_rate_limited_stream_writes_what_a_batch_run_writes(spark: Any, tmp_pa
     assert len(list((tmp_path / "checkpoint" / "rows").iterdir())) < len(batches)  # closed windows' rows dropped
 
 
+def test_the_status_line_leaves_the_lag_out_when_the_progress_has_none() -> None:
+    """A micro-batch re-run from Spark's offset log after a restart does not ask the source for the end of the
+    log: its progress has ``"latestOffset": "null"`` (the status line raised TypeError and the stream died)."""
+    progress = {"batchId": 2, "numInputRows": 500, "processedRowsPerSecond": 100.0,
+                "sources": [{"endOffset": '{"segment": 0, "position": 900}', "latestOffset": "null"}]}
+    assert cli._progress_line(progress) == "streaming: micro-batch 2, 500 records (100/s)"
+    progress["sources"][0]["latestOffset"] = '{"segment": 0, "position": 1000}'
+    assert cli._progress_line(progress) == "streaming: micro-batch 2, 500 records (100/s), 100 log bytes behind"
+
+
 def test_each_micro_batch_reads_the_log_once(spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     served: list[tuple[int, int]] = []
     read_log_span = store.rpc.server.read_log_span
