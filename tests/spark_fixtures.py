@@ -156,6 +156,10 @@ def store_node(data: Path) -> Iterator[str]:
         thread.join(60)
 
 
+TABLES = ("device_1m", "device_1h", "topic_1m", "device_day", "device_last_seen", "silence_gaps", "quarantine")
+"""The tables a batch or stream run writes with the default windows (spark_analytics.jobs)."""
+
+
 def analytics_args(*argv: str) -> argparse.Namespace:
     """``lightgate analytics <argv>`` parsed as the CLI parses it (for ``spark_analytics.cli.run``)."""
     parser = argparse.ArgumentParser(prog="lightgate analytics")

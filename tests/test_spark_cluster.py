@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from spark_fixtures import (
+    TABLES,
     analytics_args,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture
     store_node,
@@ -72,7 +73,7 @@ def test_a_multi_process_cluster_without_the_files_gives_the_local_result(spark:
                              output=tmp_path / "cluster.log") as proc:
             assert cli.run(analytics_args("batch", *flags, "--out", str(tmp_path / "local"))) == 0
             assert proc.wait(600) == 0, (tmp_path / "cluster.log").read_text(errors="replace")[-5000:]
-    for name in ("device_1m", "device_1h", "topic_1m", "device_day", "device_last_seen", "silence_gaps", "quarantine"):
+    for name in TABLES:
         assert table_rows(tmp_path / "cluster" / name) == table_rows(tmp_path / "local" / name), name
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from pyspark.sql import functions as F
 from spark_fixtures import (
+    TABLES,
     Msg,
     analytics_args,
     encode,
@@ -37,7 +38,6 @@ pytestmark = pytest.mark.spark
 
 ROOT = Path(__file__).resolve().parents[1]
 MIDNIGHT_MS = 1_700_006_400_000  # 2023-11-15T00:00:00Z
-TABLES = ("device_1m", "device_1h", "topic_1m", "device_day", "device_last_seen", "silence_gaps", "quarantine")
 FLAGS = ("--metrics", "temp,hum", "--windows", "1m,1h", "--silence", "1m", "--dedup", "seq")
 MAPPING = TelemetryMapping(("temp", "hum"), key="seq")
 CONFIG = AggregationConfig(windows=(60, 3600), silence_s=60)

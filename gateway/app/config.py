@@ -333,13 +333,10 @@ def misplaced_flag(command: str, unknown: list[str]) -> str | None:
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Config:
     """Merge defaults, the configuration file, the environment and the flags, in this order, into a Config."""
-    values = {o.key: o.default for o in OPTIONS}
     source = getattr(args, "config", None)
     if source is None and Path(DEFAULT_CONFIG_FILE).is_file():
         source = DEFAULT_CONFIG_FILE
-    if source is not None:
-        values.update(load_file(Path(source)))
-    values.update(load_env(environ))
+    values = _below_flags(source, environ)
     flags = set()
     for opt in OPTIONS:
         flag_value = getattr(args, opt.dest, None)
@@ -356,12 +353,18 @@ def reread(conf: Config, environ: Mapping[str, str] = os.environ) -> Config:
     Raises:
         ConfigError: the file is gone or no longer valid (the caller keeps ``conf``).
     """
-    values = {o.key: o.default for o in OPTIONS}
-    if conf.source is not None:
-        values.update(load_file(Path(conf.source)))
-    values.update(load_env(environ))
+    values = _below_flags(conf.source, environ)
     values.update({key: conf.values[key] for key in conf.flags})
     return Config(values, conf.source, conf.flags)
+
+
+def _below_flags(source: str | None, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The defaults, overridden by the file ``source`` (None: no file), overridden by the environment."""
+    values = {o.key: o.default for o in OPTIONS}
+    if source is not None:
+        values.update(load_file(Path(source)))
+    values.update(load_env(environ))
+    return values
 
 
 def non_defaults(conf: Config, command: str) -> dict[str, Any]:

@@ -82,9 +82,10 @@ class Reloader:
             return conf
         node = self.node
         assert node is not None
+        named = {key.partition(".")[2]: new for key, (_, new) in changes.items()}
         try:
-            channel = replace(node.channel_config, **{key.partition(".")[2]: new for key, (_, new) in changes.items()
-                                                      if key.partition(".")[2] in CHANNEL_LIMITS})
+            channel = replace(node.channel_config,
+                              **{name: new for name, new in named.items() if name in CHANNEL_LIMITS})
         except ValueError as exc:  # a value out of its range (e.g. limits.max_topic_levels above 128)
             LOGGER.error("SIGHUP: limits not reloaded, keeping the ones in effect: %s", exc,
                          extra={"ctx": {**ctx, "change": "failed"}})
