@@ -375,7 +375,7 @@ def _start_cluster(name: str, workdir: Path, port: int, durable: bool) -> Broker
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / DATA_DIR).mkdir(exist_ok=True)
     store_port = free_port()
-    quiet = ["--log-level", "warning", "--admin-port", "0"]
+    quiet = ["--log-level", "warning"]
     log = open(workdir / f"{name}.log", "ab")
     store = subprocess.Popen(
         [sys.executable, "-m", "gateway.app.cli", "store", "--data", str(workdir / DATA_DIR),
@@ -385,7 +385,7 @@ def _start_cluster(name: str, workdir: Path, port: int, durable: bool) -> Broker
         _wait_listening([store.pid], store_port, 1, name, workdir / f"{name}.log")
         gateway = subprocess.Popen(
             [sys.executable, "-m", "gateway.app.cli", "gateway", "--store", f"{HOST}:{store_port}", "--host", HOST,
-             "--port", str(port), "--workers", str(gateways), *quiet],
+             "--port", str(port), "--workers", str(gateways), *quiet, "--admin-port", "0"],
             cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_ENV)
     except BaseException:
         store.kill()

@@ -1,11 +1,11 @@
-"""Telemetry aggregates as Spark DataFrame transformations (batch and streaming).
+"""Telemetry aggregates as Spark DataFrame transformations.
 
 Input is the ``commitlog`` source read with ``parse=telemetry``: columns
 offset, store_ts, topic, device, event_ts, one double per metric, error and
 payload. Rows with an ``error`` are quarantine rows; the aggregates use the
-others. The same functions build batch and streaming plans: streaming adds a
-watermark on the event time, so a window is emitted once the watermark passes
-its end and later records for it are dropped as late.
+others. The batch job applies them to the whole log (or some days of it); the
+stream applies the same functions to the staged rows of the windows still
+open (microbatch.py), so both write the same numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ __all__ = [
     "fleet_series",
     "last_seen",
     "last_seen_from_days",
+    "mark_repeats",
     "quarantine",
     "silence_gaps",
     "telemetry_rows",
@@ -90,26 +91,21 @@ def _flatten_percentiles(df: DataFrame, metrics: Sequence[str], config: Aggregat
     return df.select(*[c for c in df.columns if not c.endswith("_pct")], *extra)
 
 
-def device_windows(df: DataFrame, metrics: Sequence[str], window_s: int, config: AggregationConfig,
-                   *, streaming: bool = False) -> DataFrame:
+def device_windows(df: DataFrame, metrics: Sequence[str], window_s: int, config: AggregationConfig) -> DataFrame:
     """Per device per event-time window: count, then per metric count, min, max,
     mean, sample stddev and approximate percentiles. Columns: device,
     window_start, window_end, count, ``<metric>_{count,min,max,mean,stddev,pNN}``, date."""
-    rows = telemetry_rows(df)
-    if streaming:
-        rows = rows.withWatermark("event_ts", f"{config.watermark_s} seconds")
-    agg = (rows.groupBy("device", F.window("event_ts", f"{window_s} seconds").alias("w"))
+    agg = (telemetry_rows(df).groupBy("device", F.window("event_ts", f"{window_s} seconds").alias("w"))
            .agg(*_metric_aggs(metrics, config)))
     agg = agg.select("device", F.col("w.start").alias("window_start"), F.col("w.end").alias("window_end"),
                      *[c for c in agg.columns if c not in ("device", "w")])
     return _flatten_percentiles(agg, metrics, config).withColumn("date", F.to_date("window_start"))
 
 
-def topic_windows(df: DataFrame, window_s: int, config: AggregationConfig, *, streaming: bool = False) -> DataFrame:
+def topic_windows(df: DataFrame, window_s: int, config: AggregationConfig) -> DataFrame:
     """Per topic per store-time window: message count (quarantined ones included:
     they are messages too) and rate in messages per second."""
-    rows = df.withWatermark("store_ts", f"{config.watermark_s} seconds") if streaming else df
-    agg = rows.groupBy("topic", F.window("store_ts", f"{window_s} seconds").alias("w")).agg(
+    agg = df.groupBy("topic", F.window("store_ts", f"{window_s} seconds").alias("w")).agg(
         F.count(F.lit(1)).alias("count"))
     return agg.select(
         "topic",
@@ -170,20 +166,29 @@ def silence_gaps(df: DataFrame, config: AggregationConfig, *, previous: DataFram
             .select("device", "gap_start", "gap_end", seconds.alias("gap_s"), F.to_date("gap_start").alias("date")))
 
 
-def deduplicate(df: DataFrame, *, streaming: bool = False, watermark_s: int = 0) -> DataFrame:
-    """Drop repeated telemetry rows: the same ``key`` (a payload field, ``telemetry.key``) of the same device.
+def mark_repeats(df: DataFrame, column: str, *, earlier: DataFrame | None = None) -> DataFrame:
+    """``df`` with a boolean ``column``: the row repeats a telemetry message, the same ``key`` (a payload field,
+    ``telemetry.key``) of the same device.
 
     A non-persistent client that reconnects may publish a QoS 1/2 message again, and
-    the store keeps both. Rows without a key (quarantined, or no key field) are kept.
-    Streaming: duplicates are recognised within the event-time watermark.
+    the store keeps both. The first stored copy (lowest offset) is not a repeat, so a
+    stream and a batch run keep the same one; a key already in ``earlier`` (rows of
+    earlier micro-batches) makes every copy a repeat. Rows without a key (quarantined,
+    or no key field) are not repeats. One pass over ``df`` (a union of two filters of it
+    would read the CommitLog twice).
     """
-    keyed = df.where(F.col("key").isNotNull())
-    if streaming:
-        unique = keyed.withWatermark("event_ts", f"{watermark_s} seconds").dropDuplicatesWithinWatermark(
-            ["device", "key"])
-    else:
-        unique = keyed.dropDuplicates(["device", "key"])
-    return unique.unionByName(df.where(F.col("key").isNull()))
+    keyed = F.col("key").isNotNull()
+    first = F.row_number().over(Window.partitionBy("device", "key").orderBy("offset"))
+    if earlier is not None:
+        seen = earlier.where(keyed).select("device", "key").distinct().withColumn("_seen", F.lit(True))
+        df = df.join(seen, ["device", "key"], "left").select(*df.columns, "_seen")
+        return df.withColumn(column, keyed & (F.col("_seen").isNotNull() | (first > 1))).drop("_seen")
+    return df.withColumn(column, keyed & (first > 1))
+
+
+def deduplicate(df: DataFrame) -> DataFrame:
+    """``df`` without repeated telemetry messages (:func:`mark_repeats`)."""
+    return mark_repeats(df, "_repeat").where(~F.col("_repeat")).drop("_repeat")
 
 
 def fleet_series(device_table: DataFrame, metrics: Sequence[str]) -> Any:

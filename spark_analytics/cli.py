@@ -8,6 +8,7 @@ summary are shown with rich on stderr/stdout.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,11 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     batch.add_argument("--no-chart", action="store_true", help="do not draw fleet_metrics.png")
     stream = sub.add_parser("stream", help="aggregate new CommitLog records continuously (Structured Streaming)")
     _common(stream)
-    stream.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory (one subdirectory per output)")
+    stream.add_argument("--checkpoint", required=True, type=Path,
+                        help="checkpoint directory (Spark's offsets, staged rows, the state of open windows)")
     stream.add_argument("--watermark", type=_duration, default=600, help="how late an event may arrive (default 10m)")
     stream.add_argument("--interval", type=_duration, default=None,
                         help="run a micro-batch every interval until stopped (default: process what is there and stop)")
-    stream.add_argument("--timeout", type=_duration, default=None, help="with --interval: stop after this long")
+    stream.add_argument("--timeout", type=_duration, default=None,
+                        help="stop after this long: the running micro-batch finishes, no other starts")
     stream.add_argument("--max-records-per-trigger", type=_positive, default=None,
                         help="at most this many records per micro-batch (a backlog is read in steps)")
     stream.add_argument("--max-bytes-per-trigger", type=_positive, default=None,
@@ -156,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
     from .jobs import check_rerun_range
 
     console = Console(stderr=True)
+    if args.analytics_command == "stream" and args.fmt != "parquet":
+        console.print("[red]error:[/] the stream writes Parquet tables only (--format delta is for batch runs)")
+        return 2
     if args.fmt == "delta" and not delta_available():
         console.print("[red]error:[/] --format delta needs the optional delta-spark package (pip install delta-spark)")
         return 2
@@ -228,54 +234,84 @@ def _run_batch(args: argparse.Namespace, mapping: TelemetryMapping, config: Aggr
             spark.stop()
 
 
+def _lag_bytes(progress: Any) -> int | None:
+    """Log bytes between what the micro-batch read and the end of the log (the source reports both)."""
+    source = (progress.get("sources") or [{}])[0]
+    end, latest = (json.loads(o) if isinstance(o, str) else o for o in (source.get("endOffset"),
+                                                                          source.get("latestOffset")))
+    if not end or not latest:  # "null": a micro-batch re-run from Spark's offset log after a restart
+        return None
+    return (latest["segment"] + latest["position"]) - (end["segment"] + end["position"])
+
+
+def _progress_line(progress: Any) -> str:
+    if not progress:
+        return "streaming: first micro-batch"
+    lag = _lag_bytes(progress)
+    return (f"streaming: micro-batch {progress.get('batchId')}, {progress.get('numInputRows', 0):,} records "
+            f"({progress.get('processedRowsPerSecond') or 0:,.0f}/s)"
+            + ("" if lag is None else f", {lag:,} log bytes behind"))
+
+
 def _run_stream(args: argparse.Namespace, mapping: TelemetryMapping, config: AggregationConfig,
                 options: dict[str, str], console: Console) -> int:
-    from .jobs import start_streams
+    from .jobs import start_stream
+    from .microbatch import read_state
 
     trigger = {"availableNow": True} if args.interval is None else {"processingTime": f"{args.interval} seconds"}
     spark, owned = _start_spark(args, console)
-    queries = []
+    query = None
+    deadline = None if args.timeout is None else time.time() + args.timeout
+    if deadline is not None:  # the source admits no record past it: the stop below interrupts no micro-batch
+        options = {**options, "admitUntil": str(int(deadline * 1000))}
     try:
-        queries = start_streams(spark, data=args.data, out=args.out, checkpoint=args.checkpoint, mapping=mapping,
-                                config=config, trigger=trigger, reader_options=options, fmt=args.fmt,
-                                dedup=args.dedup is not None)
-        deadline = None if args.timeout is None else time.monotonic() + args.timeout
+        try:
+            query = start_stream(spark, data=args.data, out=args.out, checkpoint=args.checkpoint, mapping=mapping,
+                                 config=config, trigger=trigger, reader_options=options,
+                                 dedup=args.dedup is not None)
+        except ValueError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            return 2
         with console.status("streaming") as status:
-            while any(q.isActive for q in queries):
-                if deadline is not None and time.monotonic() >= deadline:
-                    status.update("stopping after the running micro-batches")
-                    stop_between_batches(queries)
-                    console.print(f"stopped after --timeout {args.timeout} s")
+            while query.isActive:
+                if deadline is not None and time.time() >= deadline:
+                    status.update("stopping after the running micro-batch")
+                    stop_between_batches(query)
                     break
-                rows = {q.name: (q.lastProgress or {}).get("numInputRows", 0) for q in queries}
-                status.update("streaming: " + ", ".join(f"{k} {v} rows" for k, v in rows.items()))
-                queries[0].awaitTermination(1)
-        failed = [q for q in queries if q.exception() is not None]
-        for q in failed:
-            console.print(f"[red]query {q.name} failed:[/] {q.exception()}")
-        console.print(f"outputs in {args.out}")
-        return 1 if failed else 0
+                status.update(_progress_line(query.lastProgress))
+                query.awaitTermination(1)
+        if query.exception() is not None:
+            console.print(f"[red]the stream failed:[/] {query.exception()}")
+            return 1
+        if deadline is not None and time.time() >= deadline:
+            console.print(f"stopped after --timeout {args.timeout} s (no micro-batch started after it)")
+        state = read_state(args.checkpoint)
+        console.print(f"{state.rows:,} records read; outputs in {args.out}")
+        if state.late:
+            console.print(f"{state.late:,} telemetry records came later than --watermark {config.watermark_s} s "
+                          "and were not aggregated (they are in no event-time table)")
+        return 0
     except KeyboardInterrupt:
-        stop_between_batches(queries)
+        if query is not None:
+            stop_between_batches(query)
         return 130
     finally:
-        for q in queries:
-            q.stop()
+        if query is not None:
+            query.stop()
         if owned:
             spark.stop()
 
 
 STOP_WAIT_S = 300.0
-"""How long a stop waits for the running micro-batches to finish before it interrupts them."""
+"""How long a stop waits for the running micro-batch to finish before it interrupts it."""
 
 
-def stop_between_batches(queries: list[Any]) -> None:
-    """Stop each query when it has started and no micro-batch of it is running, so nothing is interrupted
+def stop_between_batches(query: Any) -> None:
+    """Stop the query when it has started and no micro-batch of it is running, so nothing is interrupted
     (an interrupted batch or start fills the terminal with Java and Python tracebacks, fails the query, and
     the batch is redone at the next start)."""
     deadline = time.monotonic() + STOP_WAIT_S
-    for q in queries:
-        while (q.isActive and (q.lastProgress is None or q.status.get("isTriggerActive"))
-               and time.monotonic() < deadline):
-            time.sleep(0.1)
-        q.stop()
+    while (query.isActive and (query.lastProgress is None or query.status.get("isTriggerActive"))
+           and time.monotonic() < deadline):
+        time.sleep(0.1)
+    query.stop()

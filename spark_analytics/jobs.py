@@ -7,8 +7,8 @@ Output tables under ``--out`` (all but the last two partitioned by ``date``):
 - ``topic_<w>`` for the shortest window: messages and rate per topic;
 - ``silence_gaps``: gaps between a device's messages longer than the threshold;
 - ``quarantine``: rows whose payload did not parse, with the reason and bytes;
-- ``device_day`` (batch): first/last seen and message count per device per day;
-- ``device_last_seen``: first/last seen and message count per device;
+- ``device_day``: first/last seen and message count per device per day;
+- ``device_last_seen``: first/last seen, message count and silence at the end per device;
 - ``fleet_metrics.png``: fleet-wide messages, devices and metric means over time (batch).
 """
 
@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import shutil
 import threading
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -30,6 +28,7 @@ import pyarrow as pa
 
 from . import aggregate as agg
 from .framing import RAW_SCHEMA
+from .microbatch import MicroBatchSink, output_tables
 from .options import ReaderOptions
 from .outputs import BatchSummary, fleet_chart, write_table
 from .planning import plan_log
@@ -38,7 +37,7 @@ from .telemetry import TelemetryMapping
 from .times import window_label
 
 __all__ = ["NoTelemetry", "check_metrics", "check_rerun_range", "infer_metrics", "read_telemetry", "run_batch",
-           "spark_progress", "start_streams"]
+           "spark_progress", "start_stream"]
 
 METRIC_SAMPLE = 2_000
 """Payloads inspected to guess the metric fields when none are given: enough to
@@ -314,74 +313,38 @@ def run_batch(
     return summary
 
 
-def _last_seen_sink(out: Path, config: agg.AggregationConfig, fmt: str) -> Callable[[DataFrame, int], None]:
-    """foreachBatch handler keeping ``device_last_seen`` and appending ``silence_gaps``.
-
-    The last-seen table is small state carried from batch to batch (it records
-    the batch id that produced it, so a re-run batch is skipped). It is
-    rewritten beside the old one and swapped in, as Spark cannot overwrite a
-    path it is reading. Gaps are appended before the swap: at-least-once.
-    """
-    state = out / "device_last_seen"
-
-    def handle(batch: DataFrame, batch_id: int) -> None:
-        spark = batch.sparkSession
-        previous = spark.read.format(fmt).load(str(state)) if state.exists() else None
-        if previous is not None and previous.agg(F.max("batch_id")).first()[0] >= batch_id:
-            return
-        rows = agg.telemetry_rows(batch)
-        write_table(agg.silence_gaps(batch, config, previous=previous), out / "silence_gaps", fmt=fmt, mode="append")
-        current = rows.groupBy("device").agg(F.min("event_ts").alias("first_seen"),
-                                             F.max("event_ts").alias("last_seen"),
-                                             F.count(F.lit(1)).alias("messages"))
-        if previous is not None:
-            current = (current.unionByName(previous.select("device", "first_seen", "last_seen", "messages"))
-                       .groupBy("device").agg(F.min("first_seen").alias("first_seen"),
-                                              F.max("last_seen").alias("last_seen"),
-                                              F.sum("messages").alias("messages")))
-        fresh = state.with_name(f"{state.name}.{uuid.uuid4().hex}")
-        write_table(current.withColumn("batch_id", F.lit(batch_id)), fresh, fmt=fmt, partition_by=())
-        old = state.with_name(f"{state.name}.old")
-        if state.exists():
-            state.rename(old)
-        fresh.rename(state)
-        shutil.rmtree(old, ignore_errors=True)
-
-    return handle
+FORMER_LAYOUT = "_spark_metadata"
+"""What the former stream (one query per output, Spark's file sink) left in each table; its tables and
+checkpoints do not mix with the one-query stream's."""
 
 
-def start_streams(
+def start_stream(
     spark: Any,
     *,
-    data: str | Path,
+    data: str | Path | None,
     out: Path,
     checkpoint: Path,
     mapping: TelemetryMapping,
     config: agg.AggregationConfig,
     trigger: dict[str, Any],
     reader_options: dict[str, str] | None = None,
-    fmt: str = "parquet",
     dedup: bool = False,
-) -> list[Any]:
-    """Start one streaming query per output (each with its own checkpoint
-    directory under ``checkpoint``); windowed outputs are appended when the
-    event-time watermark closes them. Returns the started queries."""
+) -> Any:
+    """Start the one streaming query that reads the CommitLog once per micro-batch and keeps every output
+    table (those of :func:`run_batch` but the chart) as the batch job writes it over the records read so far
+    (microbatch.py). Spark's checkpoint is ``checkpoint/query``; the staged rows and the state are beside it.
+    Returns the started query.
+
+    Raises:
+        ValueError: ``out`` or ``checkpoint`` hold the former stream's tables or checkpoints.
+    """
+    tables = output_tables(config)
+    former = [str(p) for p in (*(out / t / FORMER_LAYOUT for t in tables), *(checkpoint / t for t in tables))
+              if p.exists()]
+    if former:
+        raise ValueError(f"{former[0]} was written by the former stream (one query per output); give the stream "
+                         "a new --out and --checkpoint")
     df = read_telemetry(spark, data, mapping, stream=True, **(reader_options or {}))
-    if dedup:
-        df = agg.deduplicate(df, streaming=True, watermark_s=config.watermark_s)
-    shortest = min(config.windows)
-    appends: dict[str, DataFrame] = {
-        f"device_{window_label(w)}": agg.device_windows(df, mapping.metrics, w, config, streaming=True)
-        for w in sorted(config.windows)
-    }
-    appends[f"topic_{window_label(shortest)}"] = agg.topic_windows(df, shortest, config, streaming=True)
-    appends["quarantine"] = agg.quarantine(df)
-    queries = []
-    for name, frame in appends.items():
-        writer = (frame.writeStream.queryName(name).format(fmt).outputMode("append").partitionBy("date")
-                  .option("path", str(out / name)).option("checkpointLocation", str(checkpoint / name))
-                  .trigger(**trigger))
-        queries.append(writer.start())
-    queries.append(df.writeStream.queryName("device_last_seen").foreachBatch(_last_seen_sink(out, config, fmt))
-                   .option("checkpointLocation", str(checkpoint / "device_last_seen")).trigger(**trigger).start())
-    return queries
+    sink = MicroBatchSink(out, checkpoint, mapping, config, dedup=dedup)
+    return (df.writeStream.queryName("lightgate_analytics").foreachBatch(sink)
+            .option("checkpointLocation", str(checkpoint / "query")).trigger(**trigger).start())

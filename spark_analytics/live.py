@@ -111,10 +111,10 @@ def read_live(rng: LiveRange, opts: DecodeOptions) -> Iterator[Frames]:
     """
     source = f"store {rng.address}"
     with LogReader(rng.address, rng.token) as reader:
-        offset, want = rng.start, READ_BYTES
+        offset, need = rng.start, 0
         while offset < rng.end:
-            try:
-                span = reader.read(offset, want)
+            try:  # no more than the range (a micro-batch reads its own bytes), all of a record larger than that
+                span = reader.read(offset, max(min(READ_BYTES, rng.end - offset), need))
             except LookupError as exc:
                 raise FileNotFoundError(str(exc)) from None
             offset = span.start
@@ -126,7 +126,7 @@ def read_live(rng: LiveRange, opts: DecodeOptions) -> Iterator[Frames]:
                 if inside.any():
                     yield frames if inside.all() else frames.select(inside)
             if consumed == 0:  # a record larger than the read: ask for all of it
-                want = max(want, int.from_bytes(span.data[:4], "big"))
-                if want <= len(span.data):
+                need = int.from_bytes(span.data[:4], "big")
+                if need <= len(span.data):
                     return
             offset += consumed

@@ -28,6 +28,8 @@ OPTIONS = {
     "storetoken": "the store's store.token, for the store option",
     "maxrecordspertrigger": "streaming: at most this many records per micro-batch (default: no limit)",
     "maxbytespertrigger": "streaming: about this many log bytes per micro-batch at most (default: no limit)",
+    "admituntil": "streaming: ISO-8601 or epoch ms after which no micro-batch admits records (the running one "
+                  "finishes; availableNow then ends): a stop that interrupts nothing",
     "topicfilter": "MQTT topic filter (+, #): only matching records are returned",
     "fromtime": "store time lower bound, inclusive: ISO-8601 or epoch ms",
     "totime": "store time upper bound, exclusive: ISO-8601 or epoch ms",
@@ -76,6 +78,7 @@ class ReaderOptions:
     store_token: str = ""
     max_records: int | None = None
     max_bytes: int | None = None
+    admit_until_ms: int | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
@@ -111,7 +114,7 @@ class ReaderOptions:
         if topic_filter is not None:
             validate_filter(topic_filter)
         bounds = {}
-        for key in ("fromtime", "totime"):
+        for key in ("fromtime", "totime", "admituntil"):
             if low.get(key):
                 try:
                     bounds[key] = parse_time(low[key])
@@ -149,4 +152,5 @@ class ReaderOptions:
             store_token=low.get("storetoken", ""),
             max_records=limits.get("maxrecordspertrigger"),
             max_bytes=limits.get("maxbytespertrigger"),
+            admit_until_ms=bounds.get("admituntil"),
         )

@@ -3,13 +3,17 @@
 Tables are Parquet (zstd, INT64 microsecond timestamps with statistics, row
 groups of at most 64 MiB) partitioned by ``date`` (dynamic partition overwrite:
 a batch run over some days replaces those days only, see jobs.py), or Delta
-Lake when ``delta-spark`` is installed and asked for. The summary is a rich table; the
+Lake when ``delta-spark`` is installed and asked for. The stream moves the files
+each micro-batch wrote into the tables (:func:`publish`, microbatch.py). The summary is a rich table; the
 chart is matplotlib with the Agg backend (no display needed).
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -17,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:  # the CLI imports this module for FORMATS before Spark is needed
     from pyspark.sql import DataFrame
 
-__all__ = ["FORMATS", "BatchSummary", "delta_available", "fleet_chart", "summary_table", "write_table"]
+__all__ = ["FORMATS", "BatchSummary", "delta_available", "fleet_chart", "publish", "summary_table", "write_table"]
 
 FORMATS = ("parquet", "delta")
 
@@ -50,6 +54,45 @@ def write_table(df: "DataFrame", path: Path, *, fmt: str = "parquet", partition_
     if partition_by:
         writer = writer.partitionBy(*partition_by)
     writer.save(str(path))
+
+
+def _move(source: Path, target: Path) -> None:
+    """Rename ``source`` to ``target`` atomically; across file systems, copy beside the target and rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(source, target)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        temp = target.with_name(f".{target.name}.tmp")
+        shutil.copyfile(source, temp)
+        os.replace(temp, target)
+        source.unlink()
+
+
+def publish(pending: Path, out: Path, batch_id: int, tables: Sequence[str]) -> None:
+    """Move a streaming micro-batch's files into its tables, then drop the earlier micro-batches' open files.
+
+    ``pending/<table>/kind=<kind>/[date=<d>/]*.parquet`` becomes ``out/<table>/[date=<d>/]<kind>-<batch>-<name>``:
+    ``final`` files stay for ever, ``open`` ones (windows the watermark has not passed) are replaced by the
+    next micro-batch's, so a table is always its final files plus the open files of its last micro-batch. A
+    reader listing a table during the moves may see a micro-batch's open windows twice, or not yet.
+
+    Idempotent: a re-run after a kill finishes the moves it finds and deletes what is still to delete.
+    A micro-batch that read no record has no ``pending`` directory and leaves the tables as they are.
+    """
+    if not pending.exists():
+        return
+    for table in tables:
+        for kind_dir in sorted((pending / table).glob("kind=*")):
+            kind = kind_dir.name.partition("=")[2]
+            for source in sorted(kind_dir.rglob("*.parquet")):
+                if not source.name.startswith((".", "_")):
+                    relative = source.parent.relative_to(kind_dir)
+                    _move(source, out / table / relative / f"{kind}-{batch_id:010d}-{source.name}")
+        for old in (out / table).rglob("open-*.parquet"):
+            if int(old.name.split("-")[1]) < batch_id:
+                old.unlink(missing_ok=True)
 
 
 @dataclass

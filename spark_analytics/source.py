@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import itertools
 import logging
+import time
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -302,6 +303,8 @@ class CommitLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     (Spark's admission control: ``getDefaultReadLimit`` and ``latestOffset(start,
     limit)``); ``reportLatestOffset`` gives the end of the log, so the query's
     progress shows the lag (``latestOffset`` - ``endOffset``, in log bytes).
+    Past ``admitUntil`` no micro-batch admits a record, so a stop then
+    interrupts no micro-batch (Spark has no "stop after this batch").
     """
 
     def __init__(self, opts: ReaderOptions, projection: pa.Schema | None = None) -> None:
@@ -358,6 +361,8 @@ class CommitLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         return ReadAllAvailable()
 
     def latestOffset(self, start: dict[str, int] | None = None, limit: Any = None) -> dict[str, int]:
+        if self.opts.admit_until_ms is not None and time.time() * 1000 >= self.opts.admit_until_ms:
+            return start if start is not None else self.initialOffset()  # no new data: no micro-batch starts
         begin = start["segment"] + start["position"] if start else 0
         layout = load_layout(self.opts)
         end = self._available_end(begin, layout)

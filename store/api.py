@@ -58,6 +58,9 @@ class AdminOp(enum.StrEnum):
     SESSION = "session"  # the live session and its lags (``GET /api/v1/sessions/{id}``)
     DISCONNECT = "disconnect"  # close it as an administrative action (``DELETE /api/v1/clients/{id}``)
     DELETE_SESSION = "delete_session"  # disconnect it and end its session (``DELETE /api/v1/sessions/{id}``)
+    CLIENTS = "clients"  # a page of the node's clients (``GET /api/v1/clients``; the query in the ask)
+    SESSIONS = "sessions"  # the node's sessions (``GET /api/v1/sessions``)
+    QUEUES = "queues"  # the queues its sessions read (``GET /api/v1/queues``)
 
 
 class NewMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -344,8 +347,14 @@ class StoreApi(Protocol):
         """
         ...
 
-    async def admin_asks(self) -> tuple[int, str, AdminOp]:
-        """The next admin call of another node about a client of this one: ``(ask id, client id, op)``.
+    async def admin_call_all(self, op: AdminOp, query: bytes) -> tuple[dict[str, bytes], list[str]]:
+        """Have every other node that has clients run list ``op`` with ``query`` (JSON bytes, handed on as they
+        are): (their JSON answers by node name, the nodes that did not answer in time or went away)."""
+        ...
+
+    async def admin_asks(self) -> tuple[int, str, AdminOp, bytes]:
+        """The next admin call of another node about a client of this one, or a list call (client id empty):
+        ``(ask id, client id, op, query)``.
 
         Raises:
             trio.EndOfChannel: this store client is closed.

@@ -29,6 +29,7 @@ registers its clients and their wills again when it reconnects (``reattach``, st
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -122,6 +123,7 @@ class Leases:
         self._clients: dict[str, _Client] = {}  # client id -> where it is present and its will
         self._wills: dict[str, _Pending] = {}  # client id -> a will waiting for its delay
         self._expiries: dict[str, trio.CancelScope] = {}  # client id -> the timer that ends its session
+        self._ending: set[str] = set()  # expired sessions whose end waits for room on the data disk
         self._next_epoch = 1  # 0 means "no lease" on the wire
         self._fired = 0
         self._expired = 0
@@ -202,6 +204,10 @@ class Leases:
 
     # --- clients ----------------------------------------------------------------------------
 
+    def nodes_with_clients(self) -> set[str]:
+        """The nodes some client is present on (those a cluster-wide admin list asks)."""
+        return {client.node for client in self._clients.values()}
+
     def where(self, client_id: str) -> str | None:
         """The node ``client_id`` is present on, or None."""
         client = self._clients.get(client_id)
@@ -213,7 +219,12 @@ class Leases:
 
         The node it was present on before (if another) is told it moved; its session's expiry stops; a will
         waiting for its delay is cancelled, or, with ``clean_start`` (the session ends), returned: due now.
+
+        Raises:
+            LogFullError: the session expired and its end waits for room on the data disk: it cannot resume.
         """
+        if client_id in self._ending and not clean_start:
+            raise LogFullError(errno.ENOSPC, f"the session of {client_id!r} expired and waits for room to end")
         previous = self._clients.get(client_id)
         if previous is not None:
             self._leave(client_id, previous)
@@ -313,20 +324,31 @@ class Leases:
             if self._expiries.get(client_id) is scope:
                 del self._expiries[client_id]
             with trio.CancelScope(shield=True):  # a half-ended session would keep its filters held
-                if await self._retried(self._end_session, client_id, "session not expired", client_id):
+                self._ending.add(client_id)
+                try:
+                    ended = await self._retried(self._end_session, client_id, "session not expired", client_id,
+                                                waiting="session expiry waits for room on the data disk: the session"
+                                                        " cannot resume until it is deleted")
+                finally:
+                    self._ending.discard(client_id)
+                if ended:
                     self._expired += 1
                     LOGGER.info("session expired", extra={"ctx": {"client_id": client_id}})
 
     @staticmethod
     async def _retried(write: Callable[[object], Awaitable[object]], arg: object, failure: str,
-                       client_id: str) -> bool:
-        """``write(arg)``, retried every ``FULL_RETRY_S`` while the data disk is full; False if it failed otherwise."""
+                       client_id: str, *, waiting: str | None = None) -> bool:
+        """``write(arg)``, retried every ``FULL_RETRY_S`` while the data disk is full (``waiting`` logged at the
+        first refusal); False if it failed otherwise."""
+        full = False
         while True:
             try:
                 await write(arg)
                 return True
-            except LogFullError:  # logged once by the store: it waits for room
-                pass
+            except LogFullError:  # the full disk is logged once by the store: it waits for room
+                if waiting is not None and not full:
+                    LOGGER.info(waiting, extra={"ctx": {"client_id": client_id}})
+                full = True
             except (OSError, ValueError) as exc:
                 LOGGER.error("%s: %r", failure, exc, extra={"ctx": {"client_id": client_id}})
                 return False

@@ -12,6 +12,8 @@ admin asks are routed to it); :meth:`close` detaches it (its ``events`` and ``mo
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Mapping, Sequence
 from typing import final
 
@@ -23,6 +25,8 @@ from store.log.record import Record, decode_record
 from store.node import StoreNode, decode
 
 __all__ = ["INLINE_PULL", "LocalStore"]
+
+LOGGER = logging.getLogger(__name__)
 
 INLINE_PULL = 64
 """Pulls of at most this many messages in all (a queue cache's fill at moderate rates) run in the trio thread:
@@ -147,7 +151,12 @@ class LocalStore:
         await self.store.close_session(self.node, client_id, expiry_s=expiry_s, will_delay_s=will_delay_s)
 
     async def save_session(self, client_id: str, blob: bytes) -> None:
-        await trio.to_thread.run_sync(self.store.save_session, client_id, blob)
+        # A client connected elsewhere or nowhere: only an update of a session the store still keeps.
+        only_existing = self.store.leases.where(client_id) != self.node
+        if not await trio.to_thread.run_sync(functools.partial(self.store.save_session, client_id, blob,
+                                                               only_existing=only_existing)):
+            LOGGER.info("session save dropped: the session ended before it was written",
+                        extra={"ctx": {"client_id": client_id, "node": self.node}})
 
     async def load_session(self, client_id: str) -> bytes | None:
         return await trio.to_thread.run_sync(self.store.load_session, client_id)
@@ -175,7 +184,10 @@ class LocalStore:
     async def admin_call(self, client_id: str, op: AdminOp) -> bytes | None:
         return await self.store.admin_call(self.node, client_id, op)
 
-    async def admin_asks(self) -> tuple[int, str, AdminOp]:
+    async def admin_call_all(self, op: AdminOp, query: bytes) -> tuple[dict[str, bytes], list[str]]:
+        return await self.store.admin_call_all(self.node, op, query)
+
+    async def admin_asks(self) -> tuple[int, str, AdminOp, bytes]:
         return await self._attachment.asks.receive()
 
     def admin_answer(self, ask_id: int, value: bytes | None) -> None:

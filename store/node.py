@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from itertools import count
@@ -77,7 +78,7 @@ class Attachment:
         self.name = name
         self.events = EventMailbox()
         self.moved = EventMailbox()  # {client id: 0}: clients not this node's any more
-        self._asks_in, self.asks = trio.open_memory_channel[tuple[int, str, AdminOp]](math.inf)
+        self._asks_in, self.asks = trio.open_memory_channel[tuple[int, str, AdminOp, bytes]](math.inf)
         self._pending: dict[int, _Ask] = {}  # asks sent to this node, by id
         self._ask_ids = count(1)
 
@@ -89,8 +90,9 @@ class Attachment:
             ask.value = OSError(f"the gateway node {self.name} went away before answering")
             ask.done.set()
 
-    async def ask(self, client_id: str, op: AdminOp) -> bytes | None:
-        """Ask this node to run admin ``op`` about its client ``client_id`` and wait for its answer.
+    async def ask(self, client_id: str, op: AdminOp, query: bytes = b"") -> bytes | None:
+        """Ask this node to run admin ``op`` about its client ``client_id`` (or list op ``op`` with ``query``) and
+        wait for its answer.
 
         Raises:
             OSError: the node did not answer within ``ADMIN_TIMEOUT_S``, or went away.
@@ -99,7 +101,7 @@ class Attachment:
         ask = self._pending[ask_id] = _Ask()
         try:
             try:
-                self._asks_in.send_nowait((ask_id, client_id, op))
+                self._asks_in.send_nowait((ask_id, client_id, op, query))
             except trio.ClosedResourceError:
                 raise OSError(f"the gateway node {self.name} went away") from None
             with trio.move_on_after(ADMIN_TIMEOUT_S):
@@ -152,6 +154,7 @@ class StoreNode:
         self.queues = queues
         self.dispatcher = dispatcher
         self.sessions = sessions  # the SESSIONS_FAMILY column family: client id (UTF-8) -> session blob
+        self._session_lock = threading.Lock()  # saves and drops run in worker threads
         self.retained = retained  # kept up to date by the dispatcher; looked up at subscribe time
         self.recent = recent  # the last appended records, decoded: dispatch and pulls at the head read them here
         self.space = space  # free space on the data disk: appends and RocksDB writes are refused while it is short
@@ -220,6 +223,28 @@ class StoreNode:
             await trio.lowlevel.checkpoint()
             return None
         return await attachment.ask(client_id, op)
+
+    async def admin_call_all(self, node: str, op: AdminOp, query: bytes) -> tuple[dict[str, bytes], list[str]]:
+        """Run list ``op`` at once on every other attached node that has clients, for ``node``'s admin API:
+        (the answers by node name, the nodes that did not answer in time or went away)."""
+        answers: dict[str, bytes] = {}
+        missing: list[str] = []
+
+        async def ask(name: str, attachment: Attachment) -> None:
+            try:
+                answer = await attachment.ask("", op, query)
+            except OSError:
+                missing.append(name)
+                return
+            if answer is not None:
+                answers[name] = answer
+
+        async with trio.open_nursery() as nursery:
+            for name in sorted(self.leases.nodes_with_clients() - {node}):
+                attachment = self.attached.get(name)
+                if attachment is not None:
+                    nursery.start_soon(ask, name, attachment)
+        return answers, sorted(missing)
 
     # --- appends ----------------------------------------------------------------------------
 
@@ -451,15 +476,23 @@ class StoreNode:
         queues.delete_owner(owner)
         return True
 
-    def save_session(self, client_id: str, blob: bytes) -> None:
+    def save_session(self, client_id: str, blob: bytes, *, only_existing: bool = False) -> bool:
         """Keep a session blob durably (WAL write): it must survive a process crash as written, and under the
         ``sync`` flush policy a power loss too (fsynced): a QoS 2 subscriber's PUBREL waits for it.
+
+        ``only_existing``: write only over a blob kept now (the save of a client no longer connected, which a
+        full disk delayed, must not bring back a session that ended meanwhile). False when nothing was written.
 
         Raises:
             LogFullError: the data disk is short of space (RocksDB is not asked: ``store.space``).
         """
-        self.space.check()
-        self.sessions.put(client_id.encode(), blob, self._session_writes())
+        key = client_id.encode()
+        with self._session_lock:  # an end between the check and the write would be undone by it
+            if only_existing and self.sessions.get(key) is None:
+                return False
+            self.space.check()
+            self.sessions.put(key, blob, self._session_writes())
+        return True
 
     def load_session(self, client_id: str) -> bytes | None:
         """The blob last saved for ``client_id``, or None."""
@@ -475,10 +508,11 @@ class StoreNode:
         Raises LogFullError as :meth:`save_session`.
         """
         key = client_id.encode()
-        if self.sessions.get(key) is None:
-            return False
-        self.space.check()
-        self.sessions.delete(key, self._session_writes())
+        with self._session_lock:
+            if self.sessions.get(key) is None:
+                return False
+            self.space.check()
+            self.sessions.delete(key, self._session_writes())
         return True
 
     def _session_writes(self) -> rocksdict.WriteOptions:

@@ -125,7 +125,7 @@ class ClusterNodes:
     def __init__(self, data: Path, flush: str = "sync") -> None:
         store_port = free_port()
         self.store = _Process("store node ready", "store", "--data", str(data), "--listen", f"{HOST}:{store_port}",
-                              "--admin-port", "0", "--commitlog-flush", flush)
+                              "--commitlog-flush", flush)
         ports = [free_port(), free_port()]
         self.addresses = [(HOST, port) for port in ports]
         self.gateways = [_Process("gateway node ready", "gateway", "--store", f"{HOST}:{store_port}", "--host", HOST,

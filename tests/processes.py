@@ -24,15 +24,16 @@ class LightgateProcess:
     """``python -m gateway.app.cli <args> --log-json``, started now, from the repository root.
 
     ``command`` replaces ``python -m gateway.app.cli`` (e.g. an installed ``lightgate``), ``cwd`` the repository root,
-    and ``env`` the environment (default: this one, with the repository root on PYTHONPATH).
+    and ``env`` the environment (default: this one, with the repository root on PYTHONPATH). ``json_logs=False``
+    keeps the text format: each line is then collected as ``{"msg": line}``.
     """
 
     def __init__(self, *args: str, wait_s: float = WAIT_S, command: list[str] | None = None,
-                 cwd: Path = ROOT, env: dict[str, str] | None = None) -> None:
+                 cwd: Path = ROOT, env: dict[str, str] | None = None, json_logs: bool = True) -> None:
         self.args = args
         self.wait_s = wait_s
         self.proc = subprocess.Popen(
-            [*(command or [sys.executable, "-m", "gateway.app.cli"]), *args, "--log-json"],
+            [*(command or [sys.executable, "-m", "gateway.app.cli"]), *args, *(["--log-json"] if json_logs else [])],
             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=cwd,
             env={**os.environ, "PYTHONPATH": str(ROOT)} if env is None else env,
         )

@@ -9,6 +9,7 @@ stopped at exit, however many modules import the fixture.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import json
@@ -23,6 +24,7 @@ import pyarrow.dataset as ds
 import pytest
 import trio
 
+from spark_analytics import cli
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.node import open_store
 from store.log.record import encode_record
@@ -152,6 +154,26 @@ def store_node(data: Path) -> Iterator[str]:
     finally:
         stop.set()
         thread.join(60)
+
+
+TABLES = ("device_1m", "device_1h", "topic_1m", "device_day", "device_last_seen", "silence_gaps", "quarantine")
+"""The tables a batch or stream run writes with the default windows (spark_analytics.jobs)."""
+
+
+def analytics_args(*argv: str) -> argparse.Namespace:
+    """``lightgate analytics <argv>`` parsed as the CLI parses it (for ``spark_analytics.cli.run``)."""
+    parser = argparse.ArgumentParser(prog="lightgate analytics")
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def available_now_progress(frame: Any, out: Path, checkpoint: Path) -> list[dict[str, Any]]:
+    """Run the streaming ``frame`` to a Parquet sink with trigger(availableNow); return the query's progress."""
+    query = (frame.writeStream.format("parquet").outputMode("append").option("path", str(out))
+             .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
+    query.awaitTermination(120)
+    assert not query.isActive and query.exception() is None, query.exception()
+    return query.recentProgress
 
 
 def table_rows(path: Path) -> list[tuple]:

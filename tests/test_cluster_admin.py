@@ -1,9 +1,11 @@
 """Cluster administration: the admin API of any gateway node acts on, and reports, a client where it is connected.
 
-One `lightgate store` and two `lightgate gateway`s; a paho device on the first, admin calls on the second. The
-second gateway reaches the first through the store's presence (the store forwards the call to the node the client
-is connected to, and relays its answer).
+One `lightgate store` and two `lightgate gateway`s; paho devices on them, admin calls on either. A gateway reaches
+the other through the store's presence (the store forwards the call to the node the client is connected to, or a
+list call to every node with clients, and relays the answers).
 """
+
+from contextlib import ExitStack
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -62,4 +64,33 @@ def test_admin_calls_on_any_gateway_act_on_the_client_where_it_is_connected(tmp_
             device.paho.loop_stop()
             admin.close()
     for process in (store, gw1, gw2):
+        assert not process.errors(), process.errors()
+
+
+def test_the_lists_of_any_gateway_cover_the_clients_sessions_and_queues_of_every_gateway(tmp_path):
+    """Clients interleaved over two gateways: a page asked of either one is sorted and counted across both;
+    the sessions and queues lists show what the other gateway's clients have (through the store's presence)."""
+    with running_cluster(tmp_path) as (store, gateways), ExitStack() as stack:
+        run = run_id()
+        ids = [f"all-{run}-{i}" for i in range(5)]
+        for i, client_id in enumerate(ids):  # even ones on the first gateway, odd ones on the second
+            device = Client(gateways[i % 2].port, client_id, protocol=mqtt.MQTTv5)
+            stack.callback(device.paho.loop_stop)
+            stack.callback(device.paho.disconnect)
+            device.connect()
+            device.subscribe(f"all{run}/{client_id}", 1)
+        for gateway in gateways:
+            admin = Admin(admin_port(gateway))
+            stack.callback(admin.close)
+            status, headers, body = admin.request("GET", f"/api/v1/clients?search=all-{run}&limit=2&offset=1")
+            assert status == 200 and headers["x-total-count"] == "5" and "x-missing-nodes" not in headers
+            assert [c["client_id"] for c in body] == ids[1:3]  # one from each gateway
+            status, headers, body = admin.request("GET", f"/api/v1/clients?search=all-{run}&order=desc&offset=3")
+            assert [c["client_id"] for c in body] == [ids[1], ids[0]]
+            sessions = {s["client_id"]: s for s in admin.get("/api/v1/sessions")}
+            assert all(sessions[c]["connected"] for c in ids)
+            assert [s["filter"] for s in sessions[ids[0]]["subscriptions"]] == [f"all{run}/{ids[0]}"]
+            queues = {q["queue"] for q in admin.get("/api/v1/queues")}
+            assert {f"all{run}/{c}" for c in ids} <= queues
+    for process in (store, *gateways):
         assert not process.errors(), process.errors()

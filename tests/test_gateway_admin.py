@@ -2,8 +2,10 @@
 health and readiness, HTTP errors, each admin action taking effect on paho clients, HTTP publish, and auth."""
 
 import base64
+import contextlib
 import http.client
 import json
+import re
 import socket
 import uuid
 
@@ -13,6 +15,7 @@ from mqtt_fixtures import WAIT_S, Client, Node, connected, properties, quiet, ru
 from paho.mqtt.packettypes import PacketTypes
 
 from gateway.auth.passwords import PasswordFile
+from gateway.ops.admin import AdminApi
 
 TOKEN = "s3cret-admin-token"
 PASSWORDS = {"alice": "alice-pw", "bob": "bob-pw"}
@@ -167,6 +170,24 @@ def test_disconnect_a_client_with_administrative_action(node, admin):
         assert status == 404
 
 
+def test_the_client_list_is_searched_sorted_and_paged_by_the_node(node, admin):
+    run = run_id()
+    ids = [f"list-{run}-{i}" for i in range(5)]
+    with contextlib.ExitStack() as stack:
+        for keep_alive, client_id in zip((30, 10, 50, 20, 40), ids):
+            stack.enter_context(connected(node.port, client_id=client_id, keepalive=keep_alive))
+        status, headers, body = admin.request("GET", f"/api/v1/clients?search=LIST-{run}&sort=keep_alive_s&order=desc"
+                                                     "&offset=1&limit=3")
+        assert status == 200 and headers["x-total-count"] == "5"
+        assert [(c["client_id"], c["keep_alive_s"]) for c in body] == [(ids[4], 40), (ids[0], 30), (ids[3], 20)]
+        status, headers, body = admin.request("GET", f"/api/v1/clients?search=list-{run}&offset=4")
+        assert headers["x-total-count"] == "5" and [c["client_id"] for c in body] == [ids[4]]
+        for query, named in (("sort=password", "'sort'"), ("order=up", "'order'"), ("limit=0", "'limit'"),
+                             ("limit=1001", "'limit'"), ("offset=-1", "'offset'")):
+            status, _, body = admin.request("GET", f"/api/v1/clients?{query}")
+            assert status == 400 and named in body["error"], query
+
+
 def test_sessions_and_queues_show_lag_and_delete_session_ends_it(node, admin):
     run = run_id()
     client_id = f"sess-{run}"
@@ -265,6 +286,172 @@ def test_http_publish_reaches_a_paho_subscriber(node, admin):
         assert retained.retain and retained.payload == b"\x00\x01"
 
 
+@pytest.mark.parametrize(("body", "field"), [
+    ({"topic": "t", "payload": "x", "retained": True}, "retained"),  # a misspelt option: refused, not ignored
+    ({"topic": "t", "payload": "x", "qos": "1"}, "$.qos"),
+    ({"topic": "t", "payload": "x", "retain": "yes"}, "$.retain"),
+    ({"topic": "t", "payload": 5}, "$.payload"),
+    ({"topic": ["t"], "payload": "x"}, "$.topic"),
+    ({"topic": "t", "encoding": "hex"}, "$.encoding"),
+    ({"payload": "x"}, "topic"),
+])
+def test_a_publish_body_with_an_unknown_or_mistyped_field_is_a_400_naming_it(admin, body, field):
+    status, _, answer = admin.request("POST", "/api/v1/publish", body)
+    assert status == 400 and field in answer["error"], answer
+
+
+def test_a_refused_publish_body_publishes_nothing(node, admin):
+    run = run_id()
+    with connected(node.port) as sub:
+        sub.subscribe(f"strict{run}/#", 1)
+        status, _, answer = admin.request("POST", "/api/v1/publish",
+                                          {"topic": f"strict{run}/a", "payload": "kept?", "retained": True})
+        assert status == 400 and "retained" in answer["error"]
+        status, _, _ = admin.request("POST", "/api/v1/publish", {"topic": f"strict{run}/b", "payload": "sentinel"})
+        assert status == 200
+        (first,) = sub.receive(1)  # the sentinel, published after the refused body, comes first: it comes alone
+        assert first.topic == f"strict{run}/b"
+
+
+def test_http_publish_sends_mqtt5_properties_to_a_paho_v5_subscriber(node, admin):
+    # The PUBLISH properties of [MQTT-3.3.2] are forwarded unaltered to the subscriber [MQTT-3.3.2-4, -15, -16, -17,
+    # -18, -20]; the expiry interval is the one received minus the time waited [MQTT-3.3.2-6].
+    run = run_id()
+    correlation = b"\x00req-17\xff"
+    with connected(node.port, protocol=mqtt.MQTTv5) as sub:
+        sub.subscribe(f"props{run}/#", 1)
+        status, _, body = admin.request("POST", "/api/v1/publish", {
+            "topic": f"props{run}/cmd", "payload": '{"on": true}', "qos": 1, "properties": {
+                "payload_format_indicator": 1, "message_expiry_interval": 3600, "content_type": "application/json",
+                "response_topic": f"props{run}/reply", "correlation_data": base64.b64encode(correlation).decode(),
+                "user_properties": [["trace", "t-1"], ["trace", "t-2"], ["from", "billing"]]}})
+        assert status == 200, body
+        (message,) = sub.receive(1)
+    props = message.properties
+    assert message.payload == b'{"on": true}'
+    assert props.PayloadFormatIndicator == 1 and props.ContentType == "application/json"
+    assert props.ResponseTopic == f"props{run}/reply" and props.CorrelationData == correlation
+    assert props.UserProperty == [("trace", "t-1"), ("trace", "t-2"), ("from", "billing")]
+    assert 3590 <= props.MessageExpiryInterval <= 3600
+
+
+@pytest.mark.parametrize(("properties", "field"), [
+    ({"correlation_data": "not base64!"}, "correlation_data"),
+    ({"response_topic": "replies/+"}, "response_topic"),
+    ({"message_expiry_interval": -1}, "$.properties.message_expiry_interval"),
+    ({"payload_format_indicator": 2}, "$.properties.payload_format_indicator"),
+    ({"user_properties": [["only a name"]]}, "$.properties.user_properties[0]"),
+    ({"content_type": "a\u0000b"}, "U+0000"),
+    ({"contentType": "text/plain"}, "contentType"),
+])
+def test_bad_mqtt5_properties_on_http_publish_are_a_400_naming_them(admin, properties, field):
+    status, _, answer = admin.request("POST", "/api/v1/publish", {"topic": "t", "payload": "x",
+                                                                  "properties": properties})
+    assert status == 400 and field in answer["error"], answer
+
+
+def test_a_payload_marked_utf8_must_be_utf8(admin):
+    status, _, answer = admin.request("POST", "/api/v1/publish", {
+        "topic": "t", "payload": base64.b64encode(b"\xff").decode(), "encoding": "base64",
+        "properties": {"payload_format_indicator": 1}})
+    assert status == 400 and "payload_format_indicator" in answer["error"]
+
+
+def test_bulk_publish_answers_each_message_in_order(node, admin):
+    run = run_id()
+    with connected(node.port, protocol=mqtt.MQTTv5) as sub:
+        sub.subscribe(f"bulk{run}/#", 1)
+        status, _, body = admin.request("POST", "/api/v1/publish/bulk", {"messages": [
+            {"topic": f"bulk{run}/1", "payload": "one", "qos": 1},
+            {"topic": f"bulk{run}/+", "payload": "a wildcard: refused alone"},
+            {"topic": f"bulk{run}/3", "payload": base64.b64encode(b"\x03").decode(), "encoding": "base64",
+             "properties": {"content_type": "application/octet-stream"}},
+            {"topic": f"bulk{run}/1", "payload": "four", "qos": 1, "retain": True},
+        ]})
+        assert status == 200, body
+        assert [r["status"] for r in body["results"]] == [200, 400, 200, 200]
+        assert body["results"][0] == {"status": 200, "topic": f"bulk{run}/1", "qos": 1, "retain": False, "bytes": 3}
+        assert "wildcard" in body["results"][1]["error"]
+        received = sub.receive(3)
+    assert [(m.topic, m.payload) for m in received] == [(f"bulk{run}/1", b"one"), (f"bulk{run}/3", b"\x03"),
+                                                       (f"bulk{run}/1", b"four")]
+    assert received[1].properties.ContentType == "application/octet-stream"
+
+
+def test_a_bulk_body_that_does_not_decode_whole_publishes_nothing(node, admin):
+    run = run_id()
+    with connected(node.port) as sub:
+        sub.subscribe(f"bulkbad{run}/#", 1)
+        status, _, answer = admin.request("POST", "/api/v1/publish/bulk", {"messages": [
+            {"topic": f"bulkbad{run}/a", "payload": "x"}, {"topic": f"bulkbad{run}/b", "retained": True}]})
+        assert status == 400 and "retained" in answer["error"] and "messages[1]" in answer["error"]
+        status, _, answer = admin.request("POST", "/api/v1/publish/bulk", {"messages": [
+            {"topic": f"bulkbad{run}/a", "payload": "x"},
+            {"topic": f"bulkbad{run}/b", "payload": "%%", "encoding": "base64"}]})
+        assert status == 400 and "messages[1].payload" in answer["error"]
+        status, _, answer = admin.request("POST", "/api/v1/publish/bulk",
+                                          {"messages": [{"topic": f"bulkbad{run}/a"}] * 1001})
+        assert status == 400 and "$.messages" in answer["error"] and "1000" in answer["error"]
+        status, _, answer = admin.request("POST", "/api/v1/publish/bulk", {"messages": []})
+        assert status == 400 and "$.messages" in answer["error"]
+        status, _, _ = admin.request("POST", "/api/v1/publish", {"topic": f"bulkbad{run}/sentinel"})
+        assert status == 200
+        (first,) = sub.receive(1)  # the sentinel comes first: nothing of the refused bodies was published
+        assert first.topic == f"bulkbad{run}/sentinel"
+
+
+def _request_for(path: str, method: str) -> tuple[str, dict | None]:
+    """A request to one documented operation: path parameters filled in, a (minimal) body for a POST."""
+    concrete = re.sub(r"\{\w+\}", f"doc-{run_id()}", path)
+    body = {"topic": f"doc{run_id()}/x"} if path == "/api/v1/publish" else None
+    if path == "/api/v1/publish/bulk":
+        body = {"messages": [{"topic": f"doc{run_id()}/x"}]}
+    return concrete, body
+
+
+def test_the_openapi_document_describes_exactly_the_routes_the_endpoint_answers(node, admin):
+    document = admin.get("/api/openapi.json")
+    assert document["openapi"].startswith("3.")
+    documented = {(path, method.upper()) for path, methods in document["paths"].items() for method in methods}
+    assert documented == AdminApi(None, None).routes()  # the routing table: every route, and only those
+    for path, method in sorted(documented):  # and the running endpoint answers each of them
+        concrete, body = _request_for(path, method)
+        status, _, answer = admin.request(method, concrete, body)
+        assert status != 405, (method, concrete, answer)
+        assert not (status == 404 and "no such resource" in answer["error"]), (method, concrete)
+        if method == "GET" and status == 200:  # what the document says the answer is
+            content = document["paths"][path]["get"]["responses"]["200"]["content"]
+            assert list(content) == [_content_type(admin, concrete)], (path, content)
+    status, _, _ = admin.request("GET", "/api/v1/undocumented")
+    assert status == 404
+
+
+def _content_type(admin: Admin, path: str) -> str:
+    admin.conn.request("GET", path)
+    response = admin.conn.getresponse()
+    response.read()
+    return response.getheader("content-type")
+
+
+def test_the_openapi_schemas_are_the_structs_the_endpoint_validates(admin):
+    document = admin.get("/api/openapi.json")
+    schemas = document["components"]["schemas"]
+    publish = document["paths"]["/api/v1/publish"]["post"]
+    assert publish["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/"
+                                                                                      "PublishBody"}
+    body = schemas["PublishBody"]
+    assert body["additionalProperties"] is False and body["required"] == ["topic"]  # forbid_unknown_fields
+    assert body["properties"]["qos"]["enum"] == [0, 1, 2]
+    assert set(schemas["PublishProperties"]["properties"]) == {
+        "payload_format_indicator", "message_expiry_interval", "content_type", "response_topic", "correlation_data",
+        "user_properties"}
+    assert schemas["BulkPublishBody"]["properties"]["messages"]["maxItems"] == 1000
+    assert {"bearer", "basic"} == {scheme["scheme"]
+                                    for scheme in document["components"]["securitySchemes"].values()}
+    for reference in re.findall(r'"\$ref": ?"#/components/schemas/(\w+)"', json.dumps(document)):
+        assert reference in schemas  # every reference resolves
+
+
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     directory = tmp_path_factory.mktemp("secured")
@@ -283,7 +470,7 @@ def test_the_admin_api_needs_its_token_and_probes_do_not(secured):
     port = admin_port(secured)
     anonymous = Admin(port)
     try:
-        for path in ("/healthz", "/readyz", "/metrics", "/"):
+        for path in ("/healthz", "/readyz", "/metrics", "/", "/api/openapi.json"):
             status, _, _ = anonymous.request("GET", path)
             assert status == 200, path
         for path in ("/api/v1/clients", "/api/v1/overview", "/api/v1/retained"):
@@ -326,6 +513,13 @@ def test_http_publish_authenticates_with_the_password_file_and_checks_the_acl(se
         assert status == 200
         (received,) = watcher.receive(1)  # only the accepted publish was stored
         assert (received.topic, received.payload) == (f"alice/{run}", b"from http")
+        status, _, body = publisher.request("POST", "/api/v1/publish/bulk", {"messages": [
+            {**message, "payload": "bulk 1"}, {**message, "topic": f"bob/{run}"}, {**message, "payload": "bulk 3"}]},
+            basic("alice", PASSWORDS["alice"]))
+        assert status == 200 and [r["status"] for r in body["results"]] == [200, 403, 200]
+        assert [m.payload for m in watcher.receive(2)] == [b"bulk 1", b"bulk 3"]
+        status, _, _ = publisher.request("POST", "/api/v1/publish/bulk", {"messages": [message]})
+        assert status == 401  # a bulk publish is authenticated as a whole
         quiet(watcher.messages)
         overview = Admin(admin_port(secured), TOKEN)
         try:

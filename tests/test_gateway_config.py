@@ -10,10 +10,10 @@ import pytest
 from gateway.app import config as cfg
 
 
-def parse(argv):
+def parse(argv, environ=None):
     parser = argparse.ArgumentParser()
     cfg.add_arguments(parser)
-    return cfg.resolve(parser.parse_args(argv))
+    return cfg.resolve(parser.parse_args(argv), {} if environ is None else environ)
 
 
 def test_defaults_without_file_or_flags(tmp_path, monkeypatch):
@@ -124,3 +124,62 @@ def test_readme_documents_every_option():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for opt in cfg.OPTIONS:
         assert f"`{opt.key}`" in readme and f"`{opt.cli_flag}`" in readme, opt.key
+    assert "LIGHTGATE_<SECTION>_<KEY>" in readme and "**flag > environment > file > default**" in readme
+
+
+def test_each_layer_overrides_the_next_flag_env_file_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "lg.toml"
+    path.write_text('[node]\nport = 2000\nhost = "10.0.0.1"\n[log]\nlevel = "warning"\n')
+    env = {"LIGHTGATE_NODE_PORT": "2001", "LIGHTGATE_LOG_LEVEL": "debug", "LIGHTGATE_COMMITLOG_FLUSH": "sync"}
+    conf = parse(["--config", str(path), "--port", "2002"], env)
+    assert conf["node.port"] == 2002  # flag over environment
+    assert conf["log.level"] == "debug"  # environment over file
+    assert conf["commitlog.flush"] == "sync"  # environment over default
+    assert conf["node.host"] == "10.0.0.1"  # file over default
+    assert conf["node.data"] == "./data"  # default
+    assert conf.flags == {"node.port"}
+
+
+def test_env_values_are_typed_like_the_file():
+    env = {"LIGHTGATE_LOG_JSON": "true", "LIGHTGATE_RETENTION_HOURS": "1.5", "LIGHTGATE_STORE_LEASE_S": "2",
+           "LIGHTGATE_BRIDGE_RULES": '["out tele/# cloud/", "in cmd/#"]', "LIGHTGATE_AUTH_ALLOW_ANONYMOUS": "false",
+           "PATH_NOT_OURS": "x"}
+    conf = parse([], env)
+    assert conf["log.json"] is True and conf["retention.hours"] == 1.5 and conf["store.lease_s"] == 2.0
+    assert conf["bridge.rules"] == ["out tele/# cloud/", "in cmd/#"]
+    assert conf["auth.allow_anonymous"] == "false"
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("LIGHTGATE_NODE_PORT", "abc", "environment variable LIGHTGATE_NODE_PORT: node.port must be int, not 'abc'"),
+        ("LIGHTGATE_LOG_JSON", "maybe", "environment variable LIGHTGATE_LOG_JSON: log.json must be true or false"),
+        ("LIGHTGATE_COMMITLOG_FLUSH", "never", "environment variable LIGHTGATE_COMMITLOG_FLUSH: commitlog.flush"
+                                               " must be one of async, sync"),
+        ("LIGHTGATE_BRIDGE_RULES", "out a/#", "environment variable LIGHTGATE_BRIDGE_RULES: bridge.rules must be a"
+                                              " TOML array of strings"),
+        ("LIGHTGATE_NODE_PROT", "1", "environment variable LIGHTGATE_NODE_PROT is no option"),
+    ],
+)
+def test_bad_env_values_get_clear_errors_naming_the_variable(name, value, message):
+    with pytest.raises(cfg.ConfigError, match=re.escape(message)):
+        parse([], {name: value})
+
+
+def test_every_option_has_its_own_env_variable():
+    names = [opt.env for opt in cfg.OPTIONS]
+    assert len(set(names)) == len(names)
+    for opt in cfg.OPTIONS:
+        assert opt.env == "LIGHTGATE_" + opt.section.upper() + "_" + opt.name.upper()
+
+
+def test_reread_keeps_the_environment_under_the_flags(tmp_path):
+    path = tmp_path / "lg.toml"
+    path.write_text('[log]\nlevel = "error"\n[node]\nport = 2000\n')
+    env = {"LIGHTGATE_NODE_PORT": "2001"}
+    conf = parse(["--config", str(path)], env)
+    path.write_text('[log]\nlevel = "warning"\n[node]\nport = 2005\n')
+    again = cfg.reread(conf, env)
+    assert again["log.level"] == "warning" and again["node.port"] == 2001

@@ -45,3 +45,26 @@ def test_setup_logging_replaces_handlers(capsys):
     logging.getLogger("x").info("hello", extra={"ctx": {"n": 1}})
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert json.loads(err)["n"] == 1
+
+
+SECRET = 'tok"en\\1'  # quotes and backslashes: JSON escapes them, the redaction must still find them
+
+
+def test_secrets_never_reach_a_line_in_either_format(capsys):
+    try:
+        for json_lines in (False, True):
+            setup_logging("info", json_lines=json_lines, secrets=[SECRET, "pw"])
+            log = logging.getLogger("x")
+            log.warning("login with %s failed", SECRET, extra={"ctx": {"uri": f"s3://k:{SECRET}@b", "user": "pw"}})
+            try:
+                raise ValueError(f"cannot parse s3://k:{SECRET}@b")
+            except ValueError:
+                log.exception("tier failed")
+            err = capsys.readouterr().err
+            assert SECRET not in err and json.dumps(SECRET)[1:-1] not in err and "pw" not in err
+            assert err.count("<redacted>") == 4, err
+            if json_lines:
+                docs = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+                assert docs[0]["msg"] == "login with <redacted> failed" and docs[0]["uri"] == "s3://k:<redacted>@b"
+    finally:
+        setup_logging("info")

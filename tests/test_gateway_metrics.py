@@ -2,8 +2,11 @@
 traffic, refusals and limit hits; each node of a process has its own registry."""
 
 import http.client
+import json
 import logging
+import re
 import uuid
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -108,6 +111,65 @@ def test_build_info_names_the_running_version(node):
     samples = scrape(node.admin_port)
     builds = {labels: v for (name, labels), v in samples.items() if name == "lightgate_build_info"}
     assert builds == {(("version", __version__),): 1.0}
+
+
+def test_process_cpu_memory_fds_and_gc_are_exported(node):
+    samples = scrape(node.admin_port)
+    assert value(samples, "process_cpu_seconds_total") > 0
+    assert value(samples, "process_resident_memory_bytes") > 10 * 1024 * 1024  # a Python node with trio and RocksDB
+    assert 3 <= value(samples, "process_open_fds") < value(samples, "process_max_fds")
+    assert value(samples, "python_gc_collections_total", generation="0") >= 0
+    assert {labels for (name, labels) in samples if name == "python_info"}  # the interpreter's version
+
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "packaging" / "grafana" / "lightgate.json"
+
+PROMQL_WORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
+                          "unless", "offset"})
+"""PromQL keywords that look like names but are not metrics."""
+
+
+def promql_metrics(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: identifiers that are not functions, keywords, label matchers,
+    label lists, ranges or strings."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", expr)
+    expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    names = set()
+    for match in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr):
+        if not expr[match.end():].lstrip().startswith("(") and match.group() not in PROMQL_WORDS:
+            names.add(match.group())
+    return names
+
+
+def test_promql_metrics_finds_the_metrics_only():
+    expr = ('histogram_quantile(0.99, sum by (le) (rate(lightgate_x_bucket{instance=~"$instance", a="b{c}"}'
+            '[$__rate_interval]))) / on (instance) group_left process_y - time()')
+    assert promql_metrics(expr) == {"lightgate_x_bucket", "process_y"}
+
+
+def test_the_grafana_dashboard_only_queries_metrics_a_running_node_exports(node):
+    dashboard = json.loads(DASHBOARD.read_text())
+    exported = {name for name, _ in scrape(node.admin_port)}
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len(panels) >= 20
+    queried = set()
+    for panel in panels:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            names = promql_metrics(target["expr"])
+            assert names, (panel["title"], target["expr"])
+            assert names <= exported, (panel["title"], names - exported)
+            queried |= names
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            metric = re.fullmatch(r"label_values\((\w+), *\w+\)", variable["definition"])[1]
+            assert metric in exported
+    for needed in ("lightgate_connections", "lightgate_messages_received_total", "lightgate_dispatch_lag_bytes",
+                   "lightgate_delivery_latency_seconds_bucket", "lightgate_auth_failures_total",
+                   "lightgate_build_info", "process_cpu_seconds_total", "process_resident_memory_bytes",
+                   "process_open_fds", "python_gc_collections_total"):
+        assert needed in queried, needed
 
 
 def test_auth_failures_and_limit_hits_are_counted(node):

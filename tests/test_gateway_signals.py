@@ -1,4 +1,4 @@
-"""Signals to real node processes: SIGHUP reloads (TLS certificates, password file, ACL, log level) and never
+"""Signals to real node processes: SIGHUP reloads (TLS certificates, password file, ACL, limits, log level) and never
 ends the process; SIGTERM tells MQTT 5 clients (DISCONNECT 0x8B, Server shutting down) before it closes.
 
 `serve`, and the cluster's `store` and `gateway` processes; real clients (paho, TLS sockets).
@@ -82,7 +82,8 @@ def test_sighup_reloads_each_item_keeps_a_broken_file_out_and_never_exits(tmp_pa
         first = served_certificate(tls_port, str(ca_file))
         items = hangup(node)  # nothing changed: every item says so, and the node lives on
         assert {item: doc["change"] for item, doc in items.items()} == {
-            "tls": "unchanged", "password_file": "unchanged", "acl": "unchanged", "log_level": "unchanged"}
+            "tls": "unchanged", "password_file": "unchanged", "acl": "unchanged", "limits": "unchanged",
+            "log_level": "unchanged"}
         issue()  # a renewed certificate, a broken ACL, a new user, a new log level
         acl.write_text(BROKEN_ACL)
         passwords.set_password("bob", "bob-pw")
@@ -90,7 +91,8 @@ def test_sighup_reloads_each_item_keeps_a_broken_file_out_and_never_exits(tmp_pa
         config.write_text('[log]\nlevel = "debug"\n')
         items = hangup(node)
         assert {item: doc["change"] for item, doc in items.items()} == {
-            "tls": "reloaded", "password_file": "reloaded", "acl": "failed", "log_level": "reloaded"}
+            "tls": "reloaded", "password_file": "reloaded", "acl": "failed", "limits": "unchanged",
+            "log_level": "reloaded"}
         assert "acl.txt:3" in items["acl"]["msg"] and items["acl"]["level"] == "error"
         assert served_certificate(tls_port, str(ca_file)) != first
         assert subscribe_code(node.port, "secret/x") == 0x87  # the ACL in effect before the broken edit
@@ -107,6 +109,34 @@ def test_sighup_reloads_each_item_keeps_a_broken_file_out_and_never_exits(tmp_pa
         bob.paho.username_pw_set("bob", "bob-pw")
         bob.connect()
         bob.disconnect()
+    finally:
+        assert node.stop() == 0
+
+
+def test_sighup_reloads_the_limits_for_new_connections_and_keeps_bad_ones_out(tmp_path):
+    config = tmp_path / "lightgate.toml"
+    config.write_text("[limits]\nmax_subscriptions = 1\n")
+    node = Node(tmp_path / "data", "--config", str(config), "--mqtt-sys-interval-s", "0")
+    try:
+        with connected(node.port, protocol=mqtt.MQTTv5) as before:
+            assert [code.value for code in before.subscribe("a/1") + before.subscribe("a/2")] == [1, 0x97]
+        config.write_text("[limits]\nmax_subscriptions = 2\nmax_connections = 1\n")
+        items = hangup(node)
+        assert items["limits"]["change"] == "reloaded" and items["limits"]["limits.max_subscriptions"] == 2
+        assert "limits.max_connections 0 -> 1, limits.max_subscriptions 1 -> 2;" in items["limits"]["msg"]
+        with connected(node.port, protocol=mqtt.MQTTv5) as after:  # the one connection now allowed
+            assert [code.value for code in after.subscribe("b/1") + after.subscribe("b/2")] == [1, 1]
+            with socket.create_connection(("127.0.0.1", node.port), timeout=WAIT_S) as second:
+                assert second.recv(1) == b""  # closed at accept: limits.max_connections is 1
+        config.write_text("[limits]\nmax_subscriptions = 3\nmax_topic_levels = 500\n")  # 500: above the store's 128
+        items = hangup(node)
+        assert items["limits"]["change"] == "failed" and items["limits"]["level"] == "error"
+        assert "max_topic_levels must be 1..128" in items["limits"]["msg"]
+        with connected(node.port, protocol=mqtt.MQTTv5) as kept:  # the limits in effect before the bad edit
+            codes = kept.subscribe("c/1") + kept.subscribe("c/2") + kept.subscribe("c/3")
+            assert [code.value for code in codes] == [1, 1, 0x97]
+        config.write_text("[limits]\nmax_subscriptions = 2\nmax_connections = 1\n")
+        assert hangup(node)["limits"]["change"] == "unchanged"  # compared with the limits in effect
     finally:
         assert node.stop() == 0
 
@@ -136,7 +166,7 @@ def test_the_cluster_store_and_gateway_survive_sighup_and_the_gateway_says_goodb
     try:
         assert hangup(store) == {"log_level": store.logs[-1]}  # a store without auth.* reloads its log level
         gateway = Gateway(store.port)
-        assert set(hangup(gateway)) == {"log_level"}
+        assert set(hangup(gateway)) == {"limits", "log_level"}
         client = Client(gateway.port, protocol=mqtt.MQTTv5)
         client.connect()
         gateway.proc.send_signal(signal.SIGTERM)

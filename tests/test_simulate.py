@@ -101,6 +101,7 @@ def test_a_run_deletes_the_retained_status_messages_of_its_devices(node, tmp_pat
     before = set(retained_status(node))
     simulate(node, tmp_path, "--duration", "1")
     wait_until(lambda: set(retained_status(node)) <= before, what="the status messages deleted")  # once dispatched
+    assert set(retained_status(node)) - before == set()  # none of the run's devices left one
 
 
 def test_bad_options_are_refused_with_a_reason(tmp_path):

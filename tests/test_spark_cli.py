@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 import pytest
 from spark_fixtures import (
+    analytics_args,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture
     telemetry,
     write_log,
@@ -19,16 +19,10 @@ from spark_analytics.outputs import delta_available
 pytestmark = pytest.mark.spark
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lightgate analytics")
-    cli.add_arguments(parser)
-    return parser.parse_args(argv)
-
-
 def test_batch_writes_tables_chart_and_summary(spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_log(tmp_path / "data", telemetry(1500, devices=5, bad_every=30))
     out = tmp_path / "out"
-    args = parse("batch", "--data", str(tmp_path / "data"), "--out", str(out), "--from", "2023-11-14",
+    args = analytics_args("batch", "--data", str(tmp_path / "data"), "--out", str(out), "--from", "2023-11-14",
                  "--to", "2100-01-01")
     assert cli.run(args) == 0
     printed = capsys.readouterr()
@@ -48,7 +42,7 @@ def test_batch_writes_tables_chart_and_summary(spark: Any, tmp_path: Path, capsy
 def test_stream_available_now(spark: Any, tmp_path: Path) -> None:
     write_log(tmp_path / "data", telemetry(400, devices=4, bad_every=40))
     out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
-    args = parse("stream", "--data", str(tmp_path / "data"), "--out", str(out), "--checkpoint", str(checkpoint),
+    args = analytics_args("stream", "--data", str(tmp_path / "data"), "--out", str(out), "--checkpoint", str(checkpoint),
                  "--metrics", "temp,hum", "--windows", "1m", "--watermark", "1m")
     assert cli.run(args) == 0
     assert spark.read.parquet(str(out / "quarantine")).count() == 10
@@ -60,16 +54,16 @@ def test_stream_available_now(spark: Any, tmp_path: Path) -> None:
 def test_batch_writes_delta_when_asked(spark: Any, tmp_path: Path) -> None:
     write_log(tmp_path / "data", telemetry(300, devices=3))
     out = tmp_path / "out"
-    assert cli.run(parse("batch", "--data", str(tmp_path / "data"), "--out", str(out), "--format", "delta",
+    assert cli.run(analytics_args("batch", "--data", str(tmp_path / "data"), "--out", str(out), "--format", "delta",
                          "--metrics", "temp,hum", "--no-chart")) == 0
     assert (out / "device_1m" / "_delta_log").is_dir()
 
 
 def test_bad_arguments_exit_with_a_message(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
-        parse("batch", "--data", str(tmp_path), "--out", str(tmp_path), "--from", "someday")
+        analytics_args("batch", "--data", str(tmp_path), "--out", str(tmp_path), "--from", "someday")
     with pytest.raises(SystemExit):
-        parse("batch", "--data", str(tmp_path), "--out", str(tmp_path), "--topic", "a/#/b")
-    assert cli.run(parse("batch", "--data", str(tmp_path / "none"), "--out", str(tmp_path))) == 2
+        analytics_args("batch", "--data", str(tmp_path), "--out", str(tmp_path), "--topic", "a/#/b")
+    assert cli.run(analytics_args("batch", "--data", str(tmp_path / "none"), "--out", str(tmp_path))) == 2
     if not delta_available():
-        assert cli.run(parse("batch", "--data", str(tmp_path), "--out", str(tmp_path), "--format", "delta")) == 2
+        assert cli.run(analytics_args("batch", "--data", str(tmp_path), "--out", str(tmp_path), "--format", "delta")) == 2

@@ -4,7 +4,6 @@ project, and a stream stopped by ``--timeout``. Slow: each test starts its own S
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from typing import Any
 
 import pytest
 from spark_fixtures import (
+    TABLES,
+    analytics_args,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture
     store_node,
     table_rows,
@@ -23,6 +24,7 @@ from spark_fixtures import (
 )
 
 from spark_analytics import cli
+from spark_analytics.microbatch import read_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
@@ -31,10 +33,19 @@ CLUSTER = "local-cluster[2,1,1024]"
 """Two executors of one core and 1 GiB each: separate JVMs with their own Python workers, as on real machines."""
 
 
-def lightgate(*argv: str, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """``lightgate ...`` in a process of its own, run from the repository root."""
-    return subprocess.run([sys.executable, "-m", "gateway.app.cli", *argv], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+def start_lightgate(*argv: str, env: dict[str, str], output: Path) -> subprocess.Popen[bytes]:
+    """``lightgate ...`` started in a process of its own, from the repository root; stdout and stderr go to
+    ``output`` (a file: a pipe nobody reads while the caller works could fill and block the process)."""
+    with output.open("wb") as sink:
+        return subprocess.Popen([sys.executable, "-m", "gateway.app.cli", *argv], cwd=ROOT, env=env, stdout=sink,
+                                stderr=subprocess.STDOUT)
+
+
+def lightgate(*argv: str, env: dict[str, str], output: Path, timeout: float = 600) -> tuple[int, str]:
+    """Run ``lightgate ...`` as :func:`start_lightgate`; its exit code and output."""
+    with start_lightgate(*argv, env=env, output=output) as proc:
+        code = proc.wait(timeout)
+    return code, output.read_text(errors="replace")
 
 
 def isolated_env(tmp_path: Path) -> dict[str, str]:
@@ -56,22 +67,27 @@ def test_a_multi_process_cluster_without_the_files_gives_the_local_result(spark:
     tier = (data / "tier").as_uri()
     with store_node(data) as address:
         flags = ["--store", address, "--tier", tier, "--metrics", "temp,hum", "--no-chart"]
-        parser = argparse.ArgumentParser()
-        cli.add_arguments(parser)
-        assert cli.run(parser.parse_args(["batch", *flags, "--out", str(tmp_path / "local")])) == 0
-        done = lightgate("analytics", "batch", *flags, "--out", str(tmp_path / "cluster"), "--master", CLUSTER,
-                         "--conf", "spark.executor.memory=512m", env=isolated_env(tmp_path))
-    assert done.returncode == 0, done.stderr[-5000:]
-    for name in ("device_1m", "device_1h", "topic_1m", "device_day", "device_last_seen", "silence_gaps", "quarantine"):
+        # the cluster run (its driver and two executor JVMs to start) and the local run side by side
+        with start_lightgate("analytics", "batch", *flags, "--out", str(tmp_path / "cluster"), "--master", CLUSTER,
+                             "--conf", "spark.executor.memory=512m", env=isolated_env(tmp_path),
+                             output=tmp_path / "cluster.log") as proc:
+            assert cli.run(analytics_args("batch", *flags, "--out", str(tmp_path / "local"))) == 0
+            assert proc.wait(600) == 0, (tmp_path / "cluster.log").read_text(errors="replace")[-5000:]
+    for name in TABLES:
         assert table_rows(tmp_path / "cluster" / name) == table_rows(tmp_path / "local" / name), name
 
 
-def test_a_stream_stopped_by_timeout_ends_cleanly(tmp_path: Path) -> None:
-    write_log(tmp_path / "data", telemetry(3000, devices=5))
+def test_a_stream_stopped_by_timeout_ends_cleanly_after_the_running_micro_batch(tmp_path: Path) -> None:
+    """A backlog of 20 rate-limited micro-batches: ``--timeout`` stops the stream after the one running then, not
+    after the backlog (the source admits no record past the timeout), and interrupts nothing. Local mode."""
+    write_log(tmp_path / "data", telemetry(2000, devices=5))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = lightgate("analytics", "stream", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
-                     "--checkpoint", str(tmp_path / "checkpoint"), "--metrics", "temp,hum", "--windows", "1m",
-                     "--interval", "1s", "--timeout", "20s", "--max-records-per-trigger", "500", env=env)
-    assert done.returncode == 0, done.stderr[-5000:]
-    assert "stopped after --timeout" in done.stderr
-    assert "Traceback" not in done.stderr and "Exception" not in done.stderr, done.stderr[-5000:]
+    code, output = lightgate("analytics", "stream", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
+                             "--checkpoint", str(tmp_path / "checkpoint"), "--metrics", "temp,hum", "--windows",
+                             "1m", "--interval", "1s", "--timeout", "15s", "--max-records-per-trigger", "100",
+                             env=env, output=tmp_path / "stream.log")
+    assert code == 0, output[-5000:]
+    assert "stopped after --timeout 15 s" in output
+    assert "Traceback" not in output and "Exception" not in output, output[-5000:]
+    read = read_state(tmp_path / "checkpoint").rows
+    assert read < 2000 and read % 100 == 0, read  # whole micro-batches, and the backlog left for the next run

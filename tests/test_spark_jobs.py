@@ -3,7 +3,6 @@ Parquet format, and clear errors instead of quiet failures. Tables are compared 
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -12,7 +11,9 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 from spark_fixtures import (
+    TABLES,
     Msg,
+    analytics_args,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture
     table_rows,
     telemetry,
@@ -25,17 +26,10 @@ from spark_analytics.jobs import infer_metrics
 pytestmark = pytest.mark.spark
 
 DAY0_MS = 1_699_920_000_000  # 2023-11-14T00:00:00Z
-TABLES = ("device_1m", "device_1h", "topic_1m", "device_day", "device_last_seen", "silence_gaps", "quarantine")
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lightgate analytics")
-    cli.add_arguments(parser)
-    return parser.parse_args(argv)
 
 
 def batch(data: Path, out: Path, *extra: str) -> int:
-    return cli.run(parse("batch", "--data", str(data), "--out", str(out), "--metrics", "temp,hum", "--no-chart",
+    return cli.run(analytics_args("batch", "--data", str(data), "--out", str(out), "--metrics", "temp,hum", "--no-chart",
                          *extra))
 
 
@@ -92,9 +86,9 @@ def test_quiet_failures_are_now_clear_errors(tmp_path: Path, capsys: pytest.Capt
     assert infer_metrics({"path": str(data), "topicFilter": "#"}) == ("temp", "hum")  # not seq, ts, sent_ns, up
     assert batch(data, tmp_path / "out", "--metrics", "tmp") == 2
     assert "metric(s) tmp are in none of the first 300 payloads" in capsys.readouterr().err
-    assert cli.run(parse("batch", "--data", str(data), "--out", str(tmp_path / "o"), "--topic", "other/#")) == 2
+    assert cli.run(analytics_args("batch", "--data", str(data), "--out", str(tmp_path / "o"), "--topic", "other/#")) == 2
     assert "no records in" in capsys.readouterr().err
     (tmp_path / "not-a-log").mkdir()
-    assert cli.run(parse("batch", "--data", str(tmp_path / "not-a-log"), "--out", str(tmp_path / "o"))) == 2
+    assert cli.run(analytics_args("batch", "--data", str(tmp_path / "not-a-log"), "--out", str(tmp_path / "o"))) == 2
     assert "no CommitLog at" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()

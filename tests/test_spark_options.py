@@ -14,10 +14,12 @@ def test_options_are_parsed_case_insensitively(tmp_path: Path) -> None:
     opts = ReaderOptions.parse({"path": str(tmp_path), "TOPICFILTER": "a/+", "fromTime": "1000",
                                 "toTime": "1970-01-01T00:00:02Z", "verifyCrc": "false", "partitionBytes": "1024",
                                 "failOnDataLoss": "false", "startingOffsets": "latest", "parse": "telemetry",
-                                "telemetry.metrics": "t, h", "telemetry.device": "payload:d"})
+                                "telemetry.metrics": "t, h", "telemetry.device": "payload:d",
+                                "admitUntil": "1970-01-01T00:00:03Z"})
     assert opts.directory == str(tmp_path / "commitlog")
     assert (opts.decode.topic_filter, opts.decode.from_ms, opts.decode.to_ms, opts.decode.verify_crc) == ("a/+", 1000, 2000, False)
     assert (opts.partition_bytes, opts.fail_on_data_loss, opts.starting) == (1024, False, "latest")
+    assert opts.admit_until_ms == 3000
     assert opts.telemetry is not None and opts.telemetry.metrics == ("t", "h")
     assert ReaderOptions.parse({"path": str(tmp_path)}).telemetry is None
 
@@ -37,6 +39,7 @@ def test_options_are_parsed_case_insensitively(tmp_path: Path) -> None:
         ({"store": "nohost"}, "option store"),
         ({"maxRecordsPerTrigger": "0"}, "must be positive"),
         ({"maxBytesPerTrigger": "x"}, "not an integer"),
+        ({"admitUntil": "later"}, "option admituntil"),
     ],
 )
 def test_bad_options_name_the_option(tmp_path: Path, extra: dict, message: str) -> None:

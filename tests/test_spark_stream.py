@@ -3,6 +3,7 @@ triggers, torn tails and retention (spark_analytics.source)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 from spark_fixtures import (
     T0_MS,
     Msg,
+    available_now_progress,
     encode,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture
     telemetry,
@@ -29,12 +31,14 @@ MAPPING = TelemetryMapping(("temp", "hum"))
 
 
 def run_available_now(frame: Any, out: Path, checkpoint: Path) -> int:
-    """Run ``frame`` to a Parquet sink with trigger(availableNow); return the input rows it read."""
-    query = (frame.writeStream.format("parquet").outputMode("append").option("path", str(out))
-             .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
-    query.awaitTermination(120)
-    assert not query.isActive and query.exception() is None, query.exception()
-    return sum(p["numInputRows"] for p in query.recentProgress)
+    """Run ``frame`` as :func:`available_now_progress`; return the input rows it read."""
+    return sum(p["numInputRows"] for p in available_now_progress(frame, out, checkpoint))
+
+
+def global_offset(offset: str | dict[str, int]) -> int:
+    """A stream offset of the progress (JSON text or a dict) as a global log offset."""
+    value = json.loads(offset) if isinstance(offset, str) else offset
+    return value["segment"] + value["position"]
 
 
 def raw_stream(spark: Any, data: Path, **options: str) -> Any:
@@ -46,8 +50,9 @@ def test_available_now_emits_closed_windows_and_reads_only_new_records(spark: An
     first = telemetry(600, devices=3)  # ten minutes, one record a second
     write_log(tmp_path, first)
     out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
-    windows = lambda: device_windows(read_telemetry(spark, tmp_path, MAPPING, stream=True),  # noqa: E731
-                                     MAPPING.metrics, 60, config, streaming=True)
+    windows = lambda: device_windows(  # noqa: E731
+        read_telemetry(spark, tmp_path, MAPPING, stream=True).withWatermark("event_ts", "60 seconds"),
+        MAPPING.metrics, 60, config)
     assert run_available_now(windows(), out, checkpoint) == 600
     # the final watermark (last event - 60 s) closes the windows ending by then, in this run
     rows = spark.read.parquet(str(out)).collect()
@@ -112,3 +117,28 @@ def test_processing_time_trigger_picks_up_appends(spark: Any, tmp_path: Path) ->
         assert got == first + second
     finally:
         query.stop()
+
+
+def test_max_bytes_per_trigger_takes_a_backlog_in_steps_of_about_that_many_bytes(spark: Any, tmp_path: Path) -> None:
+    msgs = telemetry(600)
+    offsets = write_log(tmp_path, msgs)
+    record = max(len(encode(m)) for m in msgs)
+    end = offsets[-1] + len(encode(msgs[-1]))
+    progress = available_now_progress(raw_stream(spark, tmp_path, maxBytesPerTrigger="16384"), tmp_path / "out",
+                                      tmp_path / "checkpoint")
+    batches = [p for p in progress if p["numInputRows"]]
+    assert sum(p["numInputRows"] for p in batches) == 600
+    ends = [global_offset(p["sources"][0]["endOffset"]) for p in batches]
+    spans = [b - a for a, b in zip([offsets[0], *ends], ends)]
+    assert ends[-1] == end and max(spans) < 16384 + record  # whole records, about 16 KiB a micro-batch
+    assert len(batches) >= (end - offsets[0]) // (16384 + record) >= 3
+
+
+def test_past_admit_until_no_micro_batch_admits_a_record(spark: Any, tmp_path: Path) -> None:
+    """What ``lightgate analytics stream --timeout`` relies on to stop between micro-batches; the next run
+    goes on from where the stream stopped."""
+    write_log(tmp_path, telemetry(300))
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    stopped = raw_stream(spark, tmp_path, maxRecordsPerTrigger="100", admitUntil="2000-01-01T00:00:00Z")
+    assert run_available_now(stopped, out, checkpoint) == 0
+    assert run_available_now(raw_stream(spark, tmp_path, maxRecordsPerTrigger="100"), out, checkpoint) == 300

@@ -11,6 +11,7 @@ import pytest
 from spark_fixtures import (
     SEGMENT_BYTES,
     T0_MS,
+    available_now_progress,
     scan_all,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture
     store_node,
@@ -86,14 +87,6 @@ def test_telemetry_over_the_tier_matches_a_python_parse(spark: Any, tmp_path: Pa
     assert all(abs(got[d][1] - want[d][1]) < 1e-6 for d in want)
 
 
-def run_available_now(frame: Any, out: Path, checkpoint: Path) -> list[dict]:
-    query = (frame.writeStream.format("parquet").outputMode("append").option("path", str(out))
-             .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
-    query.awaitTermination(120)
-    assert not query.isActive and query.exception() is None, query.exception()
-    return query.recentProgress
-
-
 def test_a_stream_reads_tier_and_local_once_with_a_rate_limit_and_reports_the_lag(spark: Any, tmp_path: Path) -> None:
     write_log(tmp_path, telemetry(2000))
     tier_then_expire(tmp_path, convert=2, keep_local=1)
@@ -101,13 +94,13 @@ def test_a_stream_reads_tier_and_local_once_with_a_rate_limit_and_reports_the_la
     stream = lambda: (spark.readStream.format("commitlog").options(tier=str(tmp_path / "tier"),  # noqa: E731
                                                                     maxRecordsPerTrigger="450")
                       .load(str(tmp_path)).select("offset", "topic"))
-    progress = run_available_now(stream(), out, checkpoint)
+    progress = available_now_progress(stream(), out, checkpoint)
     batches = [p["numInputRows"] for p in progress if p["numInputRows"]]
     assert sum(batches) == 2000 and max(batches) <= 450 and len(batches) >= 5
     assert all(p["sources"][0]["latestOffset"] is not None for p in progress)  # the end of the log: the lag
     write_log(tmp_path, telemetry(700, start_ms=T0_MS + 10**7), segment_bytes=SEGMENT_BYTES)
     tier_then_expire(tmp_path, convert=1, keep_local=0)  # what the stream read before is gone locally now
-    progress = run_available_now(stream(), out, checkpoint)
+    progress = available_now_progress(stream(), out, checkpoint)
     assert sum(p["numInputRows"] for p in progress) == 700  # only the new records
     got = sorted(r.offset for r in spark.read.parquet(str(out)).collect())
     assert len(got) == len(set(got)) == 2700
@@ -134,6 +127,6 @@ def test_a_stream_over_the_rpc_and_the_tier_reads_every_record_once(spark: Any, 
         frame = (spark.readStream.format("commitlog")
                  .options(store=address, tier=str(tmp_path / "tier"), maxRecordsPerTrigger="1000").load()
                  .select("offset"))
-        progress = run_available_now(frame, out, checkpoint)
+        progress = available_now_progress(frame, out, checkpoint)
     assert max(p["numInputRows"] for p in progress) <= 1000
     assert sorted(r.offset for r in spark.read.parquet(str(out)).collect()) == expected

@@ -52,8 +52,7 @@ def cluster(data: Path, *flags: str, store_port: int = 0):
     """A store process and a gateway process in front of it; yields (store, store port, gateway, MQTT port)."""
     with running("store", "--data", str(data / "store"), "--listen", f"127.0.0.1:{store_port}", *flags) as store:
         port = store.ready("store node ready")
-        with running("gateway", "--store", f"127.0.0.1:{port}", "--port", "0", "--data", str(data / "gateway"),
-                     *flags) as gateway:
+        with running("gateway", "--store", f"127.0.0.1:{port}", "--port", "0", *flags) as gateway:
             yield store, port, gateway, gateway.ready("gateway node ready")
 
 

@@ -117,7 +117,7 @@ def refused_to_start(data: Path) -> str:
 
 def repaired(data: Path) -> dict:
     """`lightgate repair`: exit 0 and the line that says what it did."""
-    repair = LightgateProcess("repair", "--data", str(data), *FLAGS)
+    repair = LightgateProcess("repair", "--data", str(data))
     assert repair.proc.wait(timeout=WAIT_S) == 0, repair.logs
     return repair.wait_log(lambda d: d.get("msg") == "repair done: start the node again")
 

@@ -33,6 +33,8 @@ CLIENT_SAMPLES = [
     rpc.Ack(19, "$share/g", "a/+", [], "dev1", below=4),
     rpc.Leave(20, "$share/g", "a/+", "dev1", unsubscribe=True),
     rpc.AdminCall(21, "dev1", AdminOp.SESSION),
+    rpc.AdminCallAll(22, AdminOp.CLIENTS, b'{"search":"dev"}'),
+    rpc.AdminAnswer(23, b"[]"),
 ]
 
 SERVER_SAMPLES = [
@@ -49,6 +51,8 @@ SERVER_SAMPLES = [
     rpc.Value(4, True),
     rpc.Value(6, {"a/b": 3}),
     rpc.Value(11, b"blob"),
+    rpc.AdminAsk(14, "", AdminOp.SESSIONS, b""),
+    rpc.NodeAnswers(14, {"gw-2": b"[]"}, ["gw-3"]),
     rpc.Value(11),
     rpc.Names(15, ["dev1", "dev2"]),
     rpc.Done(7),

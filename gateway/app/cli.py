@@ -58,6 +58,10 @@ EXTRAS = {
 longest matching command wins. Checked before the command's modules are imported (gateway/app/extras.py)."""
 
 
+NODE_USAGE = "%(prog)s [-h] [--config FILE] [--FLAG VALUE ...]"
+"""The usage line of the node commands: their flags, one per option, are listed by section below it."""
+
+
 def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
     from gateway.app.embedded import run_gateway_node
 
@@ -168,7 +172,7 @@ def _cmd_gateway(args: argparse.Namespace, conf: cfg.Config) -> int:
 
 
 def _cmd_config(args: argparse.Namespace, conf: cfg.Config) -> int:
-    values = {o.key: o.default for o in cfg.OPTIONS} if args.defaults else conf.values
+    values = {o.key: o.default for o in cfg.OPTIONS} if args.defaults else cfg.redacted(conf.values)
     sys.stdout.write(cfg.to_toml(values))
     return 0
 
@@ -258,8 +262,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def node_command(name: str, help_text: str, handler: Callable) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        cfg.add_arguments(p)
+        p = sub.add_parser(name, help=help_text, description=help_text, usage=NODE_USAGE)
+        cfg.add_arguments(p, name)
         p.set_defaults(handler=handler)
         return p
 
@@ -326,12 +330,20 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(lacking + "\n")
         return 2
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        misplaced = cfg.misplaced_flag(args.command, unknown)
+        parser.exit(2, f"lightgate {args.command}: error: {misplaced}\n") if misplaced else None
+        flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")]  # a value may be a secret
+        parser.error(f"unrecognized arguments: {' '.join(flags or unknown)}")
     try:
         conf = cfg.resolve(args)
     except cfg.ConfigError as exc:
         parser.exit(2, f"lightgate: configuration error: {exc}\n")
-    setup_logging(conf["log.level"], conf["log.json"])
+    setup_logging(conf["log.level"], conf["log.json"], cfg.secrets(conf.values))
+    if args.command in cfg.COMMAND_KEYS:
+        LOG.info("configuration", extra={"ctx": {"command": args.command, "file": conf.source,
+                                                 **cfg.non_defaults(conf, args.command)}})
     return args.handler(args, conf)
 
 

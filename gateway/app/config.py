@@ -1,10 +1,12 @@
-"""Configuration: one TOML file, every key also a command-line flag, documented defaults.
+"""Configuration: one TOML file, every key also an environment variable and a command-line flag, documented defaults.
 
-The options are one table (``OPTIONS``). The TOML file, the flags, the
-defaults printed by ``lightgate config`` and the table in the README all come
-from it, so they cannot drift apart. Precedence: flag > file > default.
+The options are one table (``OPTIONS``). The TOML file, the variables, the
+flags, the defaults printed by ``lightgate config`` and the table in the README
+all come from it, so they cannot drift apart. Precedence: flag > environment >
+file > default.
 
-A key ``section.name`` is ``[section] name = ...`` in the file and
+A key ``section.name`` is ``[section] name = ...`` in the file,
+``LIGHTGATE_SECTION_NAME`` in the environment (containers configure that way) and
 ``--section-name`` on the command line, except for the few keys that operators
 and scripts know by short names (``--host``, ``--port``, ``--data``).
 """
@@ -12,13 +14,19 @@ and scripts know by short names (``--host``, ``--port``, ``--data``).
 from __future__ import annotations
 
 import argparse
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 DEFAULT_CONFIG_FILE = "lightgate.toml"
 """Read from the working directory when present and no ``--config`` is given."""
+
+ENV_PREFIX = "LIGHTGATE_"
+"""Environment variables starting with it are options (``LIGHTGATE_NODE_PORT``); one no option has is an error,
+as an unknown key in the file is, so a misspelt variable does not silently leave its default."""
 
 
 class ConfigError(Exception):
@@ -32,6 +40,7 @@ class Option:
     help: str
     flag: str | None = None
     choices: tuple[str, ...] | None = None
+    secret: bool = False  # a token or password: `lightgate config` and the logs show REDACTED instead
 
     @property
     def section(self) -> str:
@@ -49,6 +58,10 @@ class Option:
     def dest(self) -> str:
         return self.key.replace(".", "__")
 
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.key.replace(".", "_").upper()
+
 
 MiB = 1024 * 1024
 
@@ -63,7 +76,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("store.lease_s", 5.0, "a gateway node's lease (`lightgate store`): silent this long, its clients' wills"
            " are published and the node must drop them when it returns (docs/cluster.md)"),
     Option("store.token", "", "shared secret of gateway nodes and their store node (set the same on both); required"
-           " on a store with auth.* set; empty = none (docs/cluster.md)"),
+           " on a store with auth.* set; empty = none (docs/cluster.md)", secret=True),
     Option("gateway.workers", 1, "gateway processes sharing the MQTT port (SO_REUSEPORT); worker i serves its admin"
            " API on admin.port + i", flag="--workers"),
     Option("tls.port", 0, "MQTT over TLS listener port (0 = off; 8883 is the usual one); a free port when node.port is 0"),
@@ -138,15 +151,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("admin.max_connections", 32, "admin HTTP connections open at once; more are answered 503 and closed"
            " (0 = no cap)"),
     Option("admin.token", "", "bearer token the admin API and dashboard data require; empty = none"
-           " (/metrics, /healthz, /readyz never need it)"),
+           " (/metrics, /healthz, /readyz never need it)", secret=True),
     Option("bridge.remote_host", "", "broker `lightgate bridge` mirrors topics to and from (required by the bridge)"),
     Option("bridge.remote_port", 1883, "MQTT port of the remote broker (8883 is the usual TLS one)"),
     Option("bridge.remote_username", "", "the bridge's user name on the remote broker; empty = none"),
-    Option("bridge.remote_password", "", "the bridge's password on the remote broker"),
+    Option("bridge.remote_password", "", "the bridge's password on the remote broker", secret=True),
     Option("bridge.remote_tls", False, "connect to the remote broker over TLS"),
     Option("bridge.remote_cafile", "", "PEM CA certificates that verify the remote broker; empty = the system's"),
     Option("bridge.local_username", "", "the bridge's user name on this node (node.host:node.port); empty = none"),
-    Option("bridge.local_password", "", "the bridge's password on this node"),
+    Option("bridge.local_password", "", "the bridge's password on this node", secret=True),
     Option("bridge.client_id", "lightgate-bridge", "the bridge's client id on both brokers (names its persistent"
            " sessions: one per bridge)"),
     Option("bridge.rules", [], "bridge rule 'DIRECTION PATTERN [REMOTE_PREFIX [LOCAL_PREFIX]]', DIRECTION out, in"
@@ -157,6 +170,14 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 _BY_KEY = {o.key: o for o in OPTIONS}
+
+REDACTED = "<redacted>"
+"""What `lightgate config` and the logs show instead of a secret."""
+
+CREDENTIAL_URI_KEYS = ("tier.uri",)
+"""Keys whose value is a URI that may carry a password (``s3://KEY_ID:SECRET@bucket/prefix``, as pyarrow.fs takes
+it): that password is a secret, the rest of the URI is not."""
+_BY_ENV = {o.env: o for o in OPTIONS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,14 +247,66 @@ def load_file(path: Path) -> dict[str, Any]:
     return flat
 
 
-def add_arguments(parser: argparse.ArgumentParser, keys: Callable[[Option], bool] = lambda o: True) -> None:
-    """Add ``--config`` and one flag per option; unset flags stay ``None``."""
-    parser.add_argument("--config", metavar="FILE",
-                        help=f"TOML configuration file (default: ./{DEFAULT_CONFIG_FILE} if present)")
-    group = parser.add_argument_group("configuration (each flag overrides its key in the file)")
-    for opt in OPTIONS:
-        if not keys(opt):
+def load_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Read the ``LIGHTGATE_*`` variables into flat ``section.name`` keys.
+
+    A list option's variable is a TOML array (``LIGHTGATE_BRIDGE_RULES='["out tele/# cloud/"]'``).
+
+    Raises:
+        ConfigError: a variable names no option, or its value does not fit the option; the message names the variable.
+    """
+    flat: dict[str, Any] = {}
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX):
             continue
+        opt = _BY_ENV.get(name)
+        if opt is None:
+            raise ConfigError(f"environment variable {name} is no option (see `lightgate config --defaults`;"
+                              f" LIGHTGATE_<SECTION>_<KEY>, e.g. {OPTIONS[1].env})")
+        value: Any = text
+        if isinstance(opt.default, list):
+            try:
+                value = tomllib.loads(f"v = {text}")["v"]
+            except tomllib.TOMLDecodeError:
+                raise ConfigError(f"environment variable {name}: {opt.key} must be a TOML array of strings"
+                                  f" (e.g. '[\"a\", \"b\"]'), not {text!r}") from None
+        flat[opt.key] = _coerce(opt, value, f"environment variable {name}")
+    return flat
+
+
+COMMAND_KEYS: dict[str, tuple[str, ...]] = {
+    "serve": ("node", "tls", "ws", "wss", "log", "commitlog", "mqtt", "retention", "tier", "auth", "limits", "admin"),
+    "store": ("node.data", "store", "log", "commitlog", "retention", "tier", "auth.password_file",
+              "auth.allow_anonymous", "auth.acl_file", "auth.failure_delay_s"),
+    "gateway": ("node.host", "node.port", "gateway", "store.token", "tls", "ws", "wss", "log", "mqtt", "auth",
+                "limits", "admin"),
+    "repair": ("node.data", "log", "commitlog"),
+    "bridge": ("node.host", "node.port", "log", "bridge"),
+}
+"""The keys each node command reads (a section stands for all its keys): its ``--help`` shows only their flags,
+and another command's flag is an error, not silently ignored. ``lightgate config`` takes every flag. The file and
+the environment may hold every key: one file serves every command of a deployment."""
+
+
+def uses(command: str | None, opt: Option) -> bool:
+    """Whether ``command`` reads ``opt`` (None, or a command not in ``COMMAND_KEYS``: every option)."""
+    scope = COMMAND_KEYS.get(command or "")
+    return scope is None or opt.section in scope or opt.key in scope
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str | None = None) -> None:
+    """Add ``--config`` and one flag per option ``command`` uses, grouped by section; unset flags stay ``None``."""
+    parser.add_argument("--config", metavar="FILE",
+                        help=f"TOML configuration file (default: ./{DEFAULT_CONFIG_FILE} if present); each flag"
+                             " below overrides its [key] given by the environment, which overrides the file")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for opt in OPTIONS:
+        if not uses(command, opt):
+            continue
+        group = groups.get(opt.section)
+        if group is None:
+            group = groups[opt.section] = parser.add_argument_group(
+                f"[{opt.section}] (environment {ENV_PREFIX}{opt.section.upper()}_<KEY>)")
         if isinstance(opt.default, bool):
             group.add_argument(opt.cli_flag, dest=opt.dest, default=None,
                                action=argparse.BooleanOptionalAction, help=f"{opt.help} [{opt.key}]")
@@ -245,14 +318,25 @@ def add_arguments(parser: argparse.ArgumentParser, keys: Callable[[Option], bool
                                choices=opt.choices, help=f"{opt.help} (default {opt.default!r}) [{opt.key}]")
 
 
-def resolve(args: argparse.Namespace) -> Config:
-    """Merge defaults, the configuration file and the flags into a Config."""
-    values = {o.key: o.default for o in OPTIONS}
+def misplaced_flag(command: str, unknown: list[str]) -> str | None:
+    """The error for the first of ``unknown`` (arguments the command's parser did not take) that is another
+    command's option flag, naming the flag, the command and the commands that take it; None: there is none."""
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        for opt in OPTIONS:
+            if flag in (opt.cli_flag, "--no-" + opt.cli_flag[2:]) and not uses(command, opt):
+                takers = ", ".join(name for name in COMMAND_KEYS if uses(name, opt))
+                return (f"{flag} does not apply to lightgate {command}: it sets {opt.key}, which {command} does"
+                        f" not use (used by: {takers}, config)")
+    return None
+
+
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Config:
+    """Merge defaults, the configuration file, the environment and the flags, in this order, into a Config."""
     source = getattr(args, "config", None)
     if source is None and Path(DEFAULT_CONFIG_FILE).is_file():
         source = DEFAULT_CONFIG_FILE
-    if source is not None:
-        values.update(load_file(Path(source)))
+    values = _below_flags(source, environ)
     flags = set()
     for opt in OPTIONS:
         flag_value = getattr(args, opt.dest, None)
@@ -262,17 +346,61 @@ def resolve(args: argparse.Namespace) -> Config:
     return Config(values, source, frozenset(flags))
 
 
-def reread(conf: Config) -> Config:
-    """The configuration as a running node sees it on SIGHUP: its file read again, its flags as they were.
+def reread(conf: Config, environ: Mapping[str, str] = os.environ) -> Config:
+    """The configuration as a running node sees it on SIGHUP: its file read again, its environment and flags
+    as they were (a process's environment does not change from outside).
 
     Raises:
         ConfigError: the file is gone or no longer valid (the caller keeps ``conf``).
     """
-    values = {o.key: o.default for o in OPTIONS}
-    if conf.source is not None:
-        values.update(load_file(Path(conf.source)))
+    values = _below_flags(conf.source, environ)
     values.update({key: conf.values[key] for key in conf.flags})
     return Config(values, conf.source, conf.flags)
+
+
+def _below_flags(source: str | None, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The defaults, overridden by the file ``source`` (None: no file), overridden by the environment."""
+    values = {o.key: o.default for o in OPTIONS}
+    if source is not None:
+        values.update(load_file(Path(source)))
+    values.update(load_env(environ))
+    return values
+
+
+def non_defaults(conf: Config, command: str) -> dict[str, Any]:
+    """The keys ``command`` uses whose value is not the default, secrets redacted: the node commands log them
+    at start, so a log says how the node was configured."""
+    shown = redacted(conf.values)
+    return {o.key: shown[o.key] for o in OPTIONS if uses(command, o) and conf.values[o.key] != o.default}
+
+
+def secrets(values: Mapping[str, Any]) -> list[str]:
+    """The secrets ``values`` hold (non-empty), longest first: the values of secret keys and the passwords of
+    credential URIs. The logs replace each with ``REDACTED`` (gateway/app/logs.py)."""
+    found = [values[o.key] for o in OPTIONS if o.secret and values.get(o.key)]
+    found += [password for key in CREDENTIAL_URI_KEYS if (password := _uri_password(values.get(key, "")))]
+    return sorted(set(found), key=len, reverse=True)
+
+
+def redacted(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with every secret (``secrets``) shown as ``REDACTED``; empty ones stay empty (none is set)."""
+    shown = dict(values)
+    for opt in OPTIONS:
+        if opt.secret and shown.get(opt.key):
+            shown[opt.key] = REDACTED
+    for key in CREDENTIAL_URI_KEYS:
+        password = _uri_password(shown.get(key, ""))
+        if password:
+            shown[key] = shown[key].replace(":" + password + "@", ":" + REDACTED + "@", 1)
+    return shown
+
+
+def _uri_password(uri: str) -> str | None:
+    try:
+        return urlsplit(uri).password if "://" in uri else None
+    except ValueError:  # not a URI urllib can split (e.g. a bad port): look for the userinfo by hand
+        userinfo, at, _ = uri.partition("://")[2].split("/", 1)[0].rpartition("@")
+        return (userinfo.partition(":")[2] or None) if at else None
 
 
 def to_toml(values: dict[str, Any]) -> str:

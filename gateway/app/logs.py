@@ -3,6 +3,10 @@
 Modules log through ``logging.getLogger(__name__)`` and pass structured context
 as ``extra={"ctx": {...}}``; the text format appends it as ``key=value``, the
 JSON format as fields, so operators can grep either.
+
+The configuration's secrets (tokens, passwords: gateway/app/config.py ``secrets``) never reach the log: every
+line is written with each of them replaced by ``<redacted>``, whatever put it there (a message, a context field,
+an exception that quotes a URI).
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Iterable
+
+from gateway.app.config import REDACTED
 
 _RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -58,10 +65,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
-def setup_logging(level: str = "info", json_lines: bool = False) -> None:
-    """Configure the root logger once, writing to stderr."""
+class RedactingFormatter(logging.Formatter):
+    """Another formatter's lines with each secret replaced by ``REDACTED`` (as written, and as JSON escapes it)."""
+
+    def __init__(self, inner: logging.Formatter, secrets: Iterable[str]) -> None:
+        super().__init__()
+        self._inner = inner
+        forms = {form for secret in secrets if secret for form in (secret, json.dumps(secret)[1:-1])}
+        self._secrets = sorted(forms, key=len, reverse=True)  # a secret inside a longer one: the longer first
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = self._inner.format(record)
+        for secret in self._secrets:
+            line = line.replace(secret, REDACTED)
+        return line
+
+
+def setup_logging(level: str = "info", json_lines: bool = False, secrets: Iterable[str] = ()) -> None:
+    """Configure the root logger once, writing to stderr, ``secrets`` redacted from every line."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
+    formatter = JsonFormatter() if json_lines else TextFormatter()
+    handler.setFormatter(RedactingFormatter(formatter, secrets) if secrets else formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

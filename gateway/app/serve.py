@@ -163,6 +163,7 @@ async def _serve_until_signalled(conf: Config, serve: Any) -> None:
         reloader.acl = running.front.acl
         reloader.tls = next((spec.ssl_context for spec in running.front.specs
                              if isinstance(spec.ssl_context, TlsContext)), None)
+        reloader.node, reloader.admission = running.node, running.front.admission
         reloader.reload()
 
     async with trio.open_nursery() as nursery:

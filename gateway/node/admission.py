@@ -83,16 +83,24 @@ class Admission:
         Raises:
             ValueError: a negative limit.
         """
+        self.set_limits(max_connections=max_connections, connect_rate=connect_rate, connect_burst=connect_burst)
+        self.connections = 0
+        self.counters = AdmissionCounters()
+        self._max_sources = max_sources
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # source -> (tokens, when counted)
+
+    def set_limits(self, *, max_connections: int, connect_rate: float, connect_burst: int) -> None:
+        """(Re)set the limits (see ``__init__``; SIGHUP changes them): every later accept is decided by them.
+
+        Raises:
+            ValueError: a negative limit.
+        """
         if max_connections < 0 or connect_rate < 0:
             raise ValueError(f"limits must not be negative: max_connections={max_connections!r}, "
                              f"connect_rate={connect_rate!r}")
         self.max_connections = max_connections
         self.connect_rate = connect_rate
         self.connect_burst = float(max(1, connect_burst))
-        self.connections = 0
-        self.counters = AdmissionCounters()
-        self._max_sources = max_sources
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # source -> (tokens, when counted)
 
     @classmethod
     def from_config(cls, conf: Mapping[str, Any]) -> Admission:

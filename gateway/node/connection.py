@@ -54,6 +54,7 @@ from gateway.mqtt.actions import (
     Action, Activate, AfterReads, Append, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Pull, Pulled,
     Send, SocketWritten,
 )
+from gateway.node import clientlog
 from gateway.node.admission import Admission
 from gateway.mqtt.channel import KEEPALIVE_TIMER, Channel, ChannelConfig
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
@@ -308,8 +309,7 @@ class Connection:
         self._traffic.delivered(action)
 
     def _close_action(self, action: Close) -> None:
-        LOGGER.info("closing connection: %s", action.log,
-                    extra={"ctx": {"client_id": self.client_id, "peer": self.peer, "reason": action.reason.name}})
+        clientlog.closed(self, action)
         self.close()
 
     def _arm_timer(self, action: ArmTimer) -> None:

@@ -36,6 +36,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, wrap_server_stream
 
 from gateway.node.accept import CapacityLog, serve_accepting
+from gateway.node.binding import naming_the_address
 from gateway.node.admission import Admission, Verdict
 
 __all__ = [
@@ -233,7 +234,8 @@ async def serve_listeners(
     ``task_status.started`` receives the bound listeners, in the order of ``specs``.
 
     Raises:
-        OSError: a listener cannot bind (the port is taken, the host is not local).
+        BindError: a listener cannot bind (the port is taken, the host is not local): the message names the
+            address and the option to change.
 
     Error handling: a connection's failure before the handler (refusal, failed
     handshake, wrong path) is logged and ends that connection only.
@@ -242,10 +244,11 @@ async def serve_listeners(
     async with trio.open_nursery() as nursery:
         bound: list[BoundListener] = []
         for spec in specs:
-            if spec.reuse_port:
-                listeners = await _open_shared_listeners(spec.port, spec.host)
-            else:
-                listeners = await trio.open_tcp_listeners(spec.port, host=spec.host)
+            with naming_the_address(spec.kind, spec.host, spec.port):
+                if spec.reuse_port:
+                    listeners = await _open_shared_listeners(spec.port, spec.host)
+                else:
+                    listeners = await trio.open_tcp_listeners(spec.port, host=spec.host)
             host, port = listeners[0].socket.getsockname()[:2]
             bound.append(BoundListener(spec.kind, host, port))
             accepted = _Accepted(spec, handler, admission, refusals, handshake_timeout_s, max_message_size,

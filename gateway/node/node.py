@@ -96,7 +96,7 @@ class GatewayNode:
         self.subscriptions = Subscriptions(store, self.cache, self.commits, self.owed, guard, self.order, nursery)
         self.sessions = Sessions(store, self.registry, self.subscriptions, self.commits, self.owed, guard, nursery)
         self.wills = Wills(self.appends)
-        self.system = SysTopics(self.appends, self.traffic, lambda: len(self.registry))
+        self.system = SysTopics(store, self.appends, self.traffic, self.registry, self.sessions)
         self._stopping = False  # shutdown() runs: the store keeps the clients as the node's, as when a node dies
 
     # --- Backend: what connections ask -----------------------------------------------------

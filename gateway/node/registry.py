@@ -37,6 +37,7 @@ class Registry:
 
     def __init__(self) -> None:
         self._connections: dict[str, Connection] = {}
+        self.peak = 0  # the most clients connected at once ($SYS clients/maximum)
 
     def __len__(self) -> int:
         return len(self._connections)
@@ -61,6 +62,7 @@ class Registry:
                 LOGGER.warning("takeover: the old connection did not close in time",
                                extra={"ctx": {"client_id": client_id}})
         self._connections[client_id] = connection
+        self.peak = max(self.peak, len(self._connections))
 
     def closed(self, connection: Connection) -> bool:
         """Forget a closed connection; False if it was not the one registered for its client id."""

@@ -29,6 +29,7 @@ import trio
 from gateway.mqtt.actions import CloseSession, OpenSession, SaveSession, SessionOpened, SessionSaved
 from gateway.mqtt.reasons import ReasonCode
 from gateway.mqtt.session import SessionState, clamp_to_heads, decode_session, encode_session, merge_committed
+from gateway.node import clientlog
 from gateway.node.commits import CommitBatcher
 from gateway.node.guard import Guard
 from gateway.node.owed import OwedWrites
@@ -64,6 +65,7 @@ class Sessions:
         self._waiters: dict[str, list[tuple[Connection, int]]] = {}  # client id -> saves waiting for their write
         self._suspended: dict[str, SessionState] = {}  # client id -> what its connection's user may not resume
         self._unavailable = 0  # CONNECTs refused since the store became unreachable (0: it is reachable)
+        self.saved_subscriptions: dict[str, int] = {}  # client id -> subscriptions in its last save here ($SYS)
 
     # --- open -------------------------------------------------------------------------------
 
@@ -86,6 +88,7 @@ class Sessions:
             return
         connection.feed(SessionOpened(state is not None, state, may_read=self._guard.read_check(decision.username,
                                                                                                  client_id)))
+        clientlog.connected(connection, action.clean_start, state is not None)
 
     async def _resume(self, connection: Connection, action: OpenSession) -> SessionState | None:
         """The session an accepted CONNECT resumes (None: a new one), once the store placed the client here.
@@ -181,6 +184,7 @@ class Sessions:
         if state.expiry_s <= 0:
             self._answer(client_id)
             return
+        self.saved_subscriptions[client_id] = len(state.subscriptions)
         self._unwritten[client_id] = state  # on a full disk the save waits for room (owed): it then writes the latest
         await self._owed.attempt(client_id, functools.partial(self._write, client_id), key=SaveSession)
 
@@ -206,11 +210,13 @@ class Sessions:
         client_id = action.client_id
         self._suspended.pop(client_id, None)
         await self._subscriptions.leave_groups(connection)
-        if not action.expiry_s:
-            await self._commits.forget(client_id)
-        await self._owed.attempt(client_id, functools.partial(
-            self._store.close_session, client_id, expiry_s=action.expiry_s, will_delay_s=action.will_delay_s),
-            key=CloseSession)
+        close = functools.partial(self._store.close_session, client_id, expiry_s=action.expiry_s,
+                                  will_delay_s=action.will_delay_s)
+        if action.expiry_s:  # the store writes nothing: its expiry starts now, even while a save of it is owed
+            await close()  # (a save owed past the session's end writes nothing: StoreNode.save_session)
+            return
+        await self._commits.forget(client_id)
+        await self._owed.attempt(client_id, close, key=CloseSession)
 
     def connection_closed(self, connection: Connection) -> None:
         """Forget the closed connection's saves waiting for an answer (``Session.detach``)."""

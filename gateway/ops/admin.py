@@ -18,15 +18,20 @@ Routes (docs/operations.md has the reference with curl examples):
 - ``GET /metrics`` (Prometheus text), ``GET /healthz`` (the process answers),
   ``GET /readyz`` (the store answers and the MQTT listener is up; else 503 and
   why): never need a token, so probes and scrapers need no secret.
+- ``GET /api/openapi.json``: the OpenAPI 3.1 document of these routes (gateway/ops/openapi.py), open like the probes.
 - ``GET /`` the dashboard page (it holds no data; its polls of
-  ``/api/v1/overview`` carry the token).
+  ``/api/v1/overview`` and the views' endpoints carry the token).
 - ``/api/v1/...`` clients, sessions, queues, retained messages, overview:
   the bearer token ``admin.token`` when one is set. In a cluster, the calls
   about one client (``/clients/{id}``, ``/sessions/{id}``) reach the node it
-  is connected to, whichever gateway node is asked (through the store).
-- ``POST /api/v1/publish``: authenticated like an MQTT client (HTTP Basic with
-  the password file's users, or anonymous when allowed) and checked against
-  the ACL's publish rules; it is not an admin action, so the token plays no part.
+  is connected to, whichever gateway node is asked (through the store), and
+  the lists (``/clients``, ``/sessions``, ``/queues``) are the whole cluster's
+  (gateway/ops/clusterlists.py).
+- ``POST /api/v1/publish`` (one message, MQTT 5 properties included) and
+  ``POST /api/v1/publish/bulk`` (many, answered in order): authenticated like
+  an MQTT client (HTTP Basic with the password file's users, or anonymous when
+  allowed) and checked against the ACL's publish rules; it is not an admin
+  action, so the token plays no part. Bodies are gateway/ops/bodies.py's structs.
 
 The node's ``Administration`` (gateway/ops/administration.py) answers with the records of
 gateway/ops/records.py: frozen dataclasses that orjson writes as JSON objects.
@@ -44,17 +49,35 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, TypeVar, final
 from urllib.parse import parse_qsl, unquote
 
 import h11
+import msgspec
 import orjson
 import trio
 
 from gateway.node.accept import CapacityLog, serve_accepting
+from gateway.mqtt.properties import PacketType, Properties, encode_properties
+from gateway.mqtt.reasons import LocalProtocolError
+from gateway import __version__
+from gateway.ops.bodies import (
+    BodyError,
+    BulkOutcome,
+    BulkPublishBody,
+    BulkResult,
+    PublishBody,
+    Published,
+    decode_body,
+)
+from gateway.node.binding import naming_the_address
+from gateway.ops.clusterlists import cluster_clients, cluster_queues, cluster_sessions
+from gateway.ops.listing import ClientQuery, QueryError
 from gateway.ops.metrics import CONTENT_TYPE
+from gateway.ops.openapi import Operation, openapi_document
+from gateway.ops.records import ClientInfo, QueueInfo, SessionInfo
 from gateway.mqtt.reasons import ReasonCode
-from lightqueue.topics import TopicError
+from lightqueue.topics import TopicError, validate_topic
 
 if TYPE_CHECKING:
     from gateway.ops.administration import Administration
@@ -69,6 +92,8 @@ __all__ = [
 ]
 
 LOGGER = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MAX_HEAD_BYTES = 16 * 1024
 """Request line and headers together: an admin call needs a few hundred bytes; h11 answers more with 431."""
@@ -105,6 +130,12 @@ OVERVIEW_CLIENTS = 100
 
 OVERVIEW_TOP = 10
 """Sessions and queues in the dashboard's "top lagging" tables."""
+
+TOTAL_HEADER = "x-total-count"
+"""The header of ``GET /api/v1/clients`` that counts every client the search matched (the body is one page)."""
+
+MISSING_HEADER = "x-missing-nodes"
+"""The header of a cluster-wide list that names the gateway nodes that did not answer (the list lacks theirs)."""
 
 JSON = "application/json"
 DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -151,6 +182,39 @@ Handler = Callable[[Request, str], Awaitable[Response]]
 """A route's method handler: the request and the percent-decoded rest of the path (empty for exact routes)."""
 
 
+PATH_PARAMETERS = {"/api/v1/clients/": "client_id", "/api/v1/sessions/": "client_id", "/api/v1/retained/": "topic"}
+"""The name of what follows each prefixed route (its path parameter in the OpenAPI document)."""
+
+OPENAPI_PATH = "/api/openapi.json"
+
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("/", "GET"): Operation("the dashboard page", "none", content_type="text/html; charset=utf-8"),
+    ("/metrics", "GET"): Operation("Prometheus metrics (text exposition format)", "none", content_type=CONTENT_TYPE),
+    ("/healthz", "GET"): Operation("the process answers", "none"),
+    ("/readyz", "GET"): Operation("the store answers and the MQTT listener is up (else 503 and why)", "none"),
+    (OPENAPI_PATH, "GET"): Operation("this document", "none"),
+    ("/api/v1/overview", "GET"): Operation("what the dashboard polls: counts, traffic, store, lag, auth failures"),
+    ("/api/v1/clients", "GET"): Operation("the connected clients", answer=list[ClientInfo]),
+    ("/api/v1/clients/{client_id}", "GET"): Operation("one connected client, on whichever node it is connected to",
+                                                      answer=ClientInfo),
+    ("/api/v1/clients/{client_id}", "DELETE"): Operation("disconnect a client (MQTT 5: DISCONNECT 0x98)"),
+    ("/api/v1/sessions", "GET"): Operation("the sessions this node knows, with their lag", answer=list[SessionInfo]),
+    ("/api/v1/sessions/{client_id}", "GET"): Operation("one session", answer=SessionInfo),
+    ("/api/v1/sessions/{client_id}", "DELETE"): Operation("end a session now (its client is disconnected first)"),
+    ("/api/v1/queues", "GET"): Operation("the queues this node's sessions read, with their lag",
+                                         answer=list[QueueInfo]),
+    ("/api/v1/retained", "GET"): Operation("retained messages matching a filter", answer=list[dict[str, Any]],
+                                           query=(("filter", "a topic filter, default #"),)),
+    ("/api/v1/retained/{topic}", "GET"): Operation("the retained message of a topic ('/' may stay unencoded)"),
+    ("/api/v1/retained/{topic}", "DELETE"): Operation("delete the retained message of a topic"),
+    ("/api/v1/publish", "POST"): Operation("publish one message, as the HTTP Basic user (or anonymous)", "basic",
+                                           body=PublishBody, answer=Published),
+    ("/api/v1/publish/bulk", "POST"): Operation("publish many messages in order, each answered", "basic",
+                                                body=BulkPublishBody, answer=BulkResult),
+}
+"""What the OpenAPI document says of each route (path template, method); AdminApi.routes() must match it."""
+
+
 @final
 class AdminApi:
     """The routes of the admin endpoint over one node.
@@ -169,24 +233,35 @@ class AdminApi:
         self.mqtt_ready = False
         self._token = token.encode()
         self._dashboard = DASHBOARD.read_bytes()
+        self._openapi = orjson.dumps(openapi_document(OPERATIONS, title="LightGate admin API", version=__version__,
+                                                      description="docs/operations.md has the reference"))
         self._exact: dict[str, dict[str, Handler]] = {
             "/": {"GET": self._dashboard_page},
             "/metrics": {"GET": self._metrics},
             "/healthz": {"GET": self._healthz},
             "/readyz": {"GET": self._readyz},
+            OPENAPI_PATH: {"GET": self._openapi_document},
             "/api/v1/overview": {"GET": self._overview},
             "/api/v1/clients": {"GET": self._clients},
             "/api/v1/sessions": {"GET": self._sessions},
             "/api/v1/queues": {"GET": self._queues},
             "/api/v1/retained": {"GET": self._retained},
             "/api/v1/publish": {"POST": self._publish},
+            "/api/v1/publish/bulk": {"POST": self._publish_bulk},
         }
         self._prefixed: dict[str, dict[str, Handler]] = {
             "/api/v1/clients/": {"GET": self._client, "DELETE": self._disconnect},
             "/api/v1/sessions/": {"GET": self._session, "DELETE": self._delete_session},
             "/api/v1/retained/": {"GET": self._retained_one, "DELETE": self._delete_retained},
         }
-        self._open = {"/", "/metrics", "/healthz", "/readyz", "/api/v1/publish"}  # no admin token needed
+        self._open = {"/", "/metrics", "/healthz", "/readyz", OPENAPI_PATH,  # no admin token needed
+                      "/api/v1/publish", "/api/v1/publish/bulk"}
+
+    def routes(self) -> set[tuple[str, str]]:
+        """(path template, method) of every route this endpoint answers: what ``OPERATIONS`` must describe."""
+        exact = {(path, method) for path, handlers in self._exact.items() for method in handlers}
+        return exact | {(prefix + "{" + PATH_PARAMETERS[prefix] + "}", method)
+                        for prefix, handlers in self._prefixed.items() for method in handlers}
 
     async def handle(self, request: Request) -> Response:
         """Answer one request; never raises for a bad request (errors become 4xx/5xx JSON responses)."""
@@ -238,6 +313,9 @@ class AdminApi:
     async def _metrics(self, request: Request, rest: str) -> Response:
         return Response(200, await self.metrics.exposition(), CONTENT_TYPE)
 
+    async def _openapi_document(self, request: Request, rest: str) -> Response:
+        return Response(200, self._openapi)
+
     async def _healthz(self, request: Request, rest: str) -> Response:
         return json_response({"status": "ok"})
 
@@ -255,31 +333,50 @@ class AdminApi:
 
     async def _publish(self, request: Request, rest: str) -> Response:
         username, password = _basic_credentials(request)
-        fields = _json_object(request.body)
-        topic = fields.get("topic")
-        if not isinstance(topic, str):
-            raise HttpError(400, "'topic' must be a string")
-        payload = _payload(fields)
-        qos = fields.get("qos", 0)
-        retain = fields.get("retain", False)
-        if qos not in (0, 1, 2) or isinstance(qos, bool):
-            raise HttpError(400, "'qos' must be 0, 1 or 2")
-        if not isinstance(retain, bool):
-            raise HttpError(400, "'retain' must be true or false")
-        decision = await self.admin.authenticate_http(username, password, request.peer_host)
+        body = _decode(request.body, PublishBody)
+        message = _message(body)
+        username = await self._publisher(username, password, request.peer_host)
+        stored = await self._publish_one(body, *message, username, request.peer_host)
+        return Response(200, msgspec.json.encode(stored))
+
+    async def _publish_bulk(self, request: Request, rest: str) -> Response:
+        """Every message of the body, in order, each answered (``status`` 200 and what was stored, or its error);
+        a body that does not decode whole publishes nothing."""
+        username, password = _basic_credentials(request)
+        bodies = _decode(request.body, BulkPublishBody).messages
+        messages = [_message(body, f"messages[{index}].") for index, body in enumerate(bodies)]
+        username = await self._publisher(username, password, request.peer_host)
+        results: list[BulkOutcome] = []
+        for body, message in zip(bodies, messages):
+            try:
+                stored = await self._publish_one(body, *message, username, request.peer_host)
+                results.append(BulkOutcome(200, stored.topic, stored.qos, stored.retain, stored.bytes))
+            except HttpError as err:
+                results.append(BulkOutcome(err.status, body.topic, error=err.message))
+        return Response(200, msgspec.json.encode(BulkResult(results)))
+
+    async def _publisher(self, username: str | None, password: bytes | None, peer_host: str) -> str | None:
+        """The authenticated publisher's user name (None: anonymous), or a 401."""
+        decision = await self.admin.authenticate_http(username, password, peer_host)
         if not decision.accepted:
             raise HttpError(401, "credentials not accepted", (("www-authenticate", 'Basic realm="lightgate"'),))
+        return decision.username
+
+    async def _publish_one(self, body: PublishBody, payload: bytes, properties: bytes, username: str | None,
+                           peer_host: str) -> Published:
+        """Publish one message through the node; what was stored, or an HttpError saying why not."""
         try:
-            reason = await self.admin.publish(topic, payload, qos, retain, decision.username, request.peer_host)
+            reason = await self.admin.publish(body.topic, payload, body.qos, body.retain, username, peer_host,
+                                             properties)
         except TopicError as exc:
             raise HttpError(400, f"topic: {exc}") from None
         if reason is ReasonCode.NOT_AUTHORIZED:
-            raise HttpError(403, f"the ACL does not allow publishing to {topic!r}")
+            raise HttpError(403, f"the ACL does not allow publishing to {body.topic!r}")
         if reason is ReasonCode.PACKET_TOO_LARGE:
             raise HttpError(413, "the message exceeds commitlog.max_record_bytes")
         if reason is not None:
             raise HttpError(503, f"the store did not take the message: {reason.name}")
-        return json_response({"topic": topic, "qos": qos, "retain": retain, "bytes": len(payload)})
+        return Published(body.topic, body.qos, body.retain, len(payload))
 
     # --- admin routes -------------------------------------------------------------------
 
@@ -312,7 +409,12 @@ class AdminApi:
         })
 
     async def _clients(self, request: Request, rest: str) -> Response:
-        return json_response(self.admin.clients())
+        try:
+            query = ClientQuery.from_params(request.query)
+        except QueryError as exc:
+            raise HttpError(400, str(exc)) from None
+        total, page, missing = await cluster_clients(self.admin, query)
+        return Response(200, orjson.dumps(page), headers=((TOTAL_HEADER, str(total)), *_missing_header(missing)))
 
     async def _client(self, request: Request, rest: str) -> Response:
         info = await self.admin.client_info(rest)
@@ -326,7 +428,8 @@ class AdminApi:
         return json_response({"disconnected": rest})
 
     async def _sessions(self, request: Request, rest: str) -> Response:
-        return json_response(await self.admin.sessions())
+        sessions, missing = await cluster_sessions(self.admin)
+        return Response(200, orjson.dumps(sessions), headers=_missing_header(missing))
 
     async def _session(self, request: Request, rest: str) -> Response:
         info = await self.admin.session_info(rest)
@@ -340,7 +443,8 @@ class AdminApi:
         return json_response({"deleted": rest})
 
     async def _queues(self, request: Request, rest: str) -> Response:
-        return json_response(await self.admin.queues())
+        queues, missing = await cluster_queues(self.admin)
+        return Response(200, orjson.dumps(queues), headers=_missing_header(missing))
 
     async def _retained(self, request: Request, rest: str) -> Response:
         filter = request.query.get("filter", "#")
@@ -370,30 +474,62 @@ class AdminApi:
         return json_response({"deleted": rest})
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
+def _missing_header(missing: list[str]) -> tuple[tuple[str, str], ...]:
+    """The header that names the cluster's nodes a list lacks (they did not answer in time); none when complete."""
+    return ((MISSING_HEADER, ", ".join(missing)),) if missing else ()
+
+
+def _decode(body: bytes, type: type[T]) -> T:
+    """The request body as ``type`` (gateway/ops/bodies.py), or a 400 naming the field at fault."""
     try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise HttpError(400, f"the body is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise HttpError(400, "the body must be a JSON object")
-    return value
+        return decode_body(body, type)
+    except BodyError as exc:
+        raise HttpError(400, str(exc)) from None
 
 
-def _payload(fields: Mapping[str, Any]) -> bytes:
-    """The message payload: ``payload`` as UTF-8 text, or base64 with ``"encoding": "base64"``."""
-    text = fields.get("payload", "")
-    encoding = fields.get("encoding", "utf-8")
-    if not isinstance(text, str):
-        raise HttpError(400, "'payload' must be a string")
-    if encoding == "utf-8":
-        return text.encode()
-    if encoding == "base64":
+def _message(body: PublishBody, where: str = "") -> tuple[bytes, bytes]:
+    """The payload and MQTT 5 property block (as a record keeps it) of ``body``, or a 400 naming the field
+    (``where`` prefixes its path).
+
+    Raises:
+        HttpError: bad base64, a non-UTF-8 payload marked as UTF-8 (payload_format_indicator 1), a response topic
+            that is no topic name, or a string MQTT cannot carry (U+0000, over 65535 bytes).
+    """
+    payload = _base64(body.payload, f"{where}payload") if body.encoding == "base64" else body.payload.encode()
+    given = body.properties
+    if given is None:
+        return payload, b""
+    if given.payload_format_indicator == 1:
         try:
-            return base64.b64decode(text, validate=True)
-        except binascii.Error as exc:
-            raise HttpError(400, f"'payload' is not valid base64: {exc}") from None
-    raise HttpError(400, "'encoding' must be utf-8 or base64")
+            payload.decode()
+        except UnicodeDecodeError:
+            raise HttpError(400, f"'{where}payload' is not UTF-8 but properties.payload_format_indicator is 1") \
+                from None
+    if given.response_topic is not None:
+        try:
+            validate_topic(given.response_topic)
+        except TopicError as exc:
+            raise HttpError(400, f"'{where}properties.response_topic': {exc}") from None
+    correlation = given.correlation_data
+    properties = Properties(
+        payload_format_indicator=given.payload_format_indicator,
+        message_expiry_interval=given.message_expiry_interval,
+        content_type=given.content_type,
+        response_topic=given.response_topic,
+        correlation_data=None if correlation is None else _base64(correlation, f"{where}properties.correlation_data"),
+        user_properties=tuple(given.user_properties),
+    )
+    try:
+        return payload, encode_properties(properties, PacketType.PUBLISH)
+    except LocalProtocolError as exc:
+        raise HttpError(400, f"'{where}properties': {exc}") from None
+
+
+def _base64(text: str, field: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except binascii.Error as exc:
+        raise HttpError(400, f"'{field}' is not valid base64: {exc}") from None
 
 
 def _basic_credentials(request: Request) -> tuple[str | None, bytes | None]:
@@ -442,6 +578,9 @@ async def serve_admin(
     Bodies larger than ``max_body`` bytes are refused with 413 (and the connection closed); connections beyond
     ``max_connections`` open at once get 503 and are closed.
 
+    Raises:
+        BindError: the port is taken (or the host not local): the message names the address and ``admin.port``.
+
     Error handling: a failing connection is logged and closed; the listener keeps serving.
     """
     open_connections = 0
@@ -473,7 +612,8 @@ async def serve_admin(
         finally:
             open_connections -= 1
 
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    with naming_the_address("admin", host, port):
+        listeners = await trio.open_tcp_listeners(port, host=host)
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_accepting, listeners, handler, CapacityLog("admin"))
         task_status.started(listeners)

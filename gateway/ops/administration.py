@@ -22,6 +22,7 @@ from gateway.mqtt.reasons import ReasonCode
 from gateway.mqtt.session import SessionState
 from gateway.node.connection import Connection
 from gateway.node.node import GatewayNode
+from gateway.ops.clusterlists import LIST_OPS, list_here
 from gateway.ops.records import ClientInfo, QueueInfo, SessionInfo, SubscriptionLag
 from lightqueue.topics import TopicLimits, validate_filter, validate_topic
 from store.api import SHARE_PREFIX, AdminOp, NewMessage
@@ -220,7 +221,7 @@ class Administration:
         return await self.node.guard.http(username, password, source)
 
     async def publish(self, topic: str, payload: bytes, qos: int, retain: bool, username: str | None,
-                      source: str) -> ReasonCode | None:
+                      source: str, properties: bytes = b"") -> ReasonCode | None:
         """Publish for an HTTP client (``username`` authenticated, None: anonymous) through the normal path.
 
         The ACL's publish rules apply as to an MQTT client of that user; HTTP
@@ -236,7 +237,7 @@ class Administration:
         validate_topic(topic, TopicLimits(config.max_topic_length, config.max_topic_levels))
         if not node.guard.may_publish_http(username, topic, source):
             return ReasonCode.NOT_AUTHORIZED
-        message = NewMessage(topic, payload, HTTP_CLIENT_ID, qos, retain, born_ms=int(time.time() * 1000))
+        message = NewMessage(topic, payload, HTTP_CLIENT_ID, qos, retain, properties, int(time.time() * 1000))
         reason = await node.appends.own([message])
         if reason is None:
             node.traffic.messages_in += 1
@@ -250,19 +251,21 @@ class Administration:
         async with trio.open_nursery() as nursery:
             while True:
                 try:
-                    ask_id, client_id, op = await self.store.admin_asks()
+                    ask_id, client_id, op, query = await self.store.admin_asks()
                 except trio.EndOfChannel:
                     return
-                nursery.start_soon(self._answer, ask_id, client_id, op)
+                nursery.start_soon(self._answer, ask_id, client_id, op, query)
 
-    async def _answer(self, ask_id: int, client_id: str, op: AdminOp) -> None:
+    async def _answer(self, ask_id: int, client_id: str, op: AdminOp, query: bytes) -> None:
         """One admin call of another node: answered from this node only (never forwarded again); None when the
-        client is not connected here (it moved since)."""
+        client is not connected here (it moved since). A list call (gateway/ops/clusterlists.py) lists this node."""
         answer: Any = None
         node = self.node
         try:
             connection = node.registry.get(client_id)
-            if connection is not None and op is AdminOp.CLIENT:
+            if op in LIST_OPS:
+                answer = await list_here(self, op, query)
+            elif connection is not None and op is AdminOp.CLIENT:
                 answer = _client_info(connection)
             elif connection is not None and op is AdminOp.SESSION:
                 state = node.sessions.live(client_id)

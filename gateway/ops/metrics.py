@@ -6,7 +6,12 @@ the limit and admission counters, the store's figures) and to fixed-bucket
 the store's figures (``StoreApi.statistics``, async), then lets a custom
 collector turn everything into metric families. Each node has its own
 ``CollectorRegistry``: tests start many nodes in one process, and the global
-registry would mix them up. docs/operations.md lists every metric.
+registry would mix them up. The process's own figures (CPU seconds, resident
+memory, open descriptors, garbage collections, the Python version) come from
+prometheus_client's standard collectors, also read at scrape time only, under
+their standard names (``process_*``, ``python_*``), which the usual dashboards
+know. docs/operations.md lists every metric; packaging/grafana/lightgate.json
+charts them.
 """
 
 from __future__ import annotations
@@ -16,7 +21,14 @@ from dataclasses import fields
 from itertools import accumulate
 from typing import TYPE_CHECKING, final
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -75,6 +87,7 @@ class NodeMetrics:
         self._sessions = (0, 0)  # online, offline
         self.registry = CollectorRegistry()
         self.registry.register(self)
+        _add_process_collectors(self.registry)
 
     async def exposition(self) -> bytes:
         """The current metrics, store figures fetched now."""
@@ -162,6 +175,15 @@ class NodeMetrics:
         if self._flush_latency is not None:
             yield histogram(PREFIX + "commitlog_flush_seconds", "time of each CommitLog flush (fsync) round",
                             self._flush_latency)
+
+
+def _add_process_collectors(registry: CollectorRegistry) -> None:
+    """Register the process collectors on ``registry``: ``process_cpu_seconds_total``,
+    ``process_resident_memory_bytes``, ``process_open_fds`` (Linux ``/proc``), ``python_gc_collections_total``
+    and the other GC counters, ``python_info``."""
+    ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
+    PlatformCollector(registry=registry)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

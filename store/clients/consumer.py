@@ -37,6 +37,13 @@ Reconnecting: if the connection to the store breaks, the consumer waits for
 the client to reconnect, joins again and goes on; what it had not acknowledged
 went back to the group and is delivered again (to it or another member).
 
+Properties: ``message.properties`` is the MQTT 5 properties decoded
+(store/clients/properties.py: content type, user properties, response topic,
+correlation data, message expiry), ``message.raw_properties`` the stored block.
+
+Blocking code and asyncio: store/clients/blocking.py and store/clients/aio.py
+run this very consumer on a trio thread of their own.
+
 Resource handling: ``connect`` owns the connection; leaving the block leaves
 the group (the unacknowledged messages go to the other members) and closes it.
 """
@@ -53,6 +60,7 @@ from typing import final
 import trio
 
 from store.clients.producer import unique_client_name
+from store.clients.properties import MessageProperties, decode_properties
 from store.log.record import Record
 from store.api import StoreUnavailable
 from store.groups import group_owner
@@ -90,9 +98,35 @@ class ConsumerMessage:
         return self.record.payload
 
     @property
-    def properties(self) -> bytes:
-        """The MQTT 5 PUBLISH property block (without its length prefix), ``b""`` if none."""
+    def properties(self) -> MessageProperties:
+        """The MQTT 5 properties the publisher set (content type, user properties, response topic, correlation
+        data, message expiry...), decoded; ``NO_PROPERTIES`` if none.
+
+        Raises:
+            ValueError: the record's property block does not decode (a producer stored raw bytes that are not one);
+                ``raw_properties`` has them.
+        """
+        return decode_properties(self.record.properties)
+
+    @property
+    def raw_properties(self) -> bytes:
+        """The MQTT 5 PUBLISH property block as stored (without its length prefix), ``b""`` if none."""
         return self.record.properties
+
+    @property
+    def store_ms(self) -> int:
+        """When the store appended the message (ms since the epoch)."""
+        return self.record.store_ms
+
+    @property
+    def expires_ms(self) -> int | None:
+        """When the message expires (its message expiry interval after ``store_ms``), None if it does not.
+
+        The store keeps an expired message and a consumer group still gets it: MQTT subscribers are not sent it
+        [MQTT-3.3.2-5]; a service decides what an expired command means to it.
+        """
+        interval = self.properties.message_expiry_interval
+        return None if interval is None else self.record.store_ms + interval * 1000
 
 
 @dataclass(frozen=True, slots=True)

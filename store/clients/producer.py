@@ -24,7 +24,10 @@ again (the consumer side tolerates duplicates; see store/clients/consumer.py).
 MQTT 5 properties travel in the record as the MQTT 5 property block (the
 PUBLISH form, without its length prefix), which the gateway decodes for MQTT 5
 subscribers: pass it whole as ``properties=`` or use the keyword arguments for
-the common ones (:func:`encode_properties`).
+the common ones (:func:`store.clients.properties.encode_properties`).
+
+Blocking code and asyncio: store/clients/blocking.py and store/clients/aio.py
+run this very producer on a trio thread of their own.
 
 Resource handling: ``connect`` is an async context manager owning the
 connection and the batching task; leaving it flushes what was sent (unless the
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator, Generator, Iterable
+from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, final
@@ -44,6 +47,7 @@ import trio
 
 from lightqueue.topics import validate_topic
 from store.api import NewMessage
+from store.clients.properties import encode_properties
 from store.rpc.client import RemoteStore, default_node_name
 
 __all__ = ["Producer", "ProducerStatistics", "SendHandle", "encode_properties"]
@@ -67,56 +71,6 @@ IN_FLIGHT = 4
 
 _names = itertools.count(1)
 
-_PAYLOAD_FORMAT = 0x01
-_MESSAGE_EXPIRY = 0x02
-_CONTENT_TYPE = 0x03
-_RESPONSE_TOPIC = 0x08
-_CORRELATION_DATA = 0x09
-_USER_PROPERTY = 0x26
-
-
-def _string(value: str | bytes) -> bytes:
-    raw = value.encode() if isinstance(value, str) else value
-    if len(raw) > 0xFFFF:
-        raise ValueError(f"an MQTT string or binary property is at most 65535 bytes, not {len(raw)}")
-    return len(raw).to_bytes(2, "big") + raw
-
-
-def encode_properties(
-    *,
-    payload_format_indicator: int | None = None,
-    message_expiry_interval: int | None = None,
-    content_type: str | None = None,
-    response_topic: str | None = None,
-    correlation_data: bytes | None = None,
-    user_properties: Iterable[tuple[str, str]] = (),
-) -> bytes:
-    """The MQTT 5 PUBLISH property block (no length prefix) of the common properties, in identifier order.
-
-    Raises:
-        ValueError: a value out of range (the payload format indicator is 0 or 1,
-            the expiry interval a u32, strings at most 65535 bytes).
-        TopicError: ``response_topic`` is not a valid topic name.
-    """
-    parts: list[bytes] = []
-    if payload_format_indicator is not None:
-        if payload_format_indicator not in (0, 1):
-            raise ValueError(f"payload_format_indicator must be 0 or 1, not {payload_format_indicator!r}")
-        parts.append(bytes((_PAYLOAD_FORMAT, payload_format_indicator)))
-    if message_expiry_interval is not None:
-        if not 0 <= message_expiry_interval <= 0xFFFFFFFF:
-            raise ValueError(f"message_expiry_interval must be 0..4294967295 s, not {message_expiry_interval!r}")
-        parts.append(bytes((_MESSAGE_EXPIRY,)) + message_expiry_interval.to_bytes(4, "big"))
-    if content_type is not None:
-        parts.append(bytes((_CONTENT_TYPE,)) + _string(content_type))
-    if response_topic is not None:
-        parts.append(bytes((_RESPONSE_TOPIC,)) + _string(validate_topic(response_topic)))
-    if correlation_data is not None:
-        parts.append(bytes((_CORRELATION_DATA,)) + _string(correlation_data))
-    for name, value in user_properties:
-        parts.append(bytes((_USER_PROPERTY,)) + _string(name) + _string(value))
-    return b"".join(parts)
-
 
 @final
 class SendHandle:
@@ -127,15 +81,24 @@ class SendHandle:
     ``OSError`` (the store's write failed: not stored).
     """
 
-    __slots__ = ("_done", "_offset", "_error")
+    __slots__ = ("_done", "_offset", "_error", "_callbacks")
 
     def __init__(self) -> None:
         self._done = trio.Event()
         self._offset: int | None = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[SendHandle], object]] = []
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def add_done_callback(self, callback: Callable[[SendHandle], object]) -> None:
+        """Call ``callback(handle)`` once the handle is done (at once if it is), on the trio thread: how the blocking
+        and asyncio faces (store/clients/threaded.py) learn the outcome without a task per message."""
+        if self.done():
+            callback(self)
+        else:
+            self._callbacks.append(callback)
 
     def _set(self, outcome: int | BaseException) -> None:
         if isinstance(outcome, BaseException):
@@ -143,14 +106,23 @@ class SendHandle:
         else:
             self._offset = outcome
         self._done.set()
+        for callback in self._callbacks:
+            callback(self)
+        self._callbacks.clear()
 
-    async def wait(self) -> int:
-        """The message's CommitLog offset, once the store appended it."""
-        await self._done.wait()
+    def result(self) -> int:
+        """The message's CommitLog offset, or the send's error raised, once :meth:`done`."""
+        if not self.done():
+            raise RuntimeError("the message is not stored yet: await the handle")
         if self._error is not None:
             raise self._error
         assert self._offset is not None
         return self._offset
+
+    async def wait(self) -> int:
+        """The message's CommitLog offset, once the store appended it."""
+        await self._done.wait()
+        return self.result()
 
     def __await__(self) -> Generator[Any, None, int]:
         return self.wait().__await__()
@@ -220,7 +192,7 @@ class Producer:
         """
         name = client_id or unique_client_name("producer")
         async with RemoteStore.connect(host, port, node=name, timeout_s=timeout_s, username=username,
-                                             password=password) as client:
+                                       password=password) as client:
             producer = cls(client, client_id=name, linger_ms=linger_ms, batch_bytes=batch_bytes,
                            batch_count=batch_count, durable=durable)
             async with trio.open_nursery() as nursery:

@@ -39,7 +39,8 @@ from typing import Any, Callable, Mapping, Sequence
 from crc32c import crc32c
 
 from store.log.errors import FULL_ERRNOS, CorruptRecord, InvalidOffset, LogFullError, OffsetExpired, RecordTooLarge
-from store.log.record import EOS_SIZE, HEADER_SIZE, MAGIC_EOS, MAGIC_V1, Record, check_frame, decode_record, encode_eos
+from store.log.record import (EOS_SIZE, HEADER_SIZE, MAGIC_EOS, MAGIC_V1, PEEK, STORE_MS, STORE_MS_AT, Record, check_frame,
+                              decode_record, encode_eos)
 from store.log.segment import Segment, SegmentRetired, parse_segment_name, segment_name
 
 __all__ = [
@@ -96,9 +97,6 @@ META_VERSION = 1
 
 _HINT = struct.Struct(">QI")  # flushed offset, CRC32C of its 8 bytes
 _U64 = struct.Struct(">Q")
-_PEEK = struct.Struct(">I4xI9xQ")  # length, magic and store timestamp of a record in one unpack
-_STORE_MS = struct.Struct(">Q")
-_STORE_MS_AT = 21  # offset of the store timestamp in the record header (store.log.record's layout)
 
 
 @dataclass(frozen=True)
@@ -475,7 +473,7 @@ class CommitLog:
             return []
         sizes = self._sizes(records)
         try:
-            peeks = [_PEEK.unpack_from(r) for r in records]
+            peeks = [PEEK.unpack_from(r) for r in records]
         except struct.error:
             raise ValueError(f"a record is shorter than the {HEADER_SIZE}-byte header: not an encoded record") from None
         lengths, magics, store_ms = zip(*peeks)
@@ -1219,6 +1217,6 @@ def _walk(seg: Segment, durable: int = 0) -> _Walk:
             if step_over("zeros below the flushed mark"):
                 continue
             return _Walk(pos, "zeros", stats, skipped)
-        (ms,) = _STORE_MS.unpack_from(buf, p + _STORE_MS_AT)
+        (ms,) = STORE_MS.unpack_from(buf, p + STORE_MS_AT)
         stats.add(1, ms, ms)
         pos += size

@@ -53,6 +53,9 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC_EOS",
     "MAGIC_V1",
+    "PEEK",
+    "STORE_MS",
+    "STORE_MS_AT",
     "QOS_MASK",
     "CorruptRecord",
     "Record",
@@ -75,6 +78,11 @@ HEADER = struct.Struct(">IIIBQQHHHII")
 HEADER_SIZE = HEADER.size  # 43
 _FRAME = struct.Struct(">II")  # length and CRC32C: the header's first 8 bytes
 _BODY_HEADER = struct.Struct(">IBQQHHHII")  # the rest of the header, which the CRC covers
+PEEK = struct.Struct(">I4xI9xQ")
+"""A record's total length, magic and store timestamp in one unpack (the CommitLog checks a batch with it)."""
+STORE_MS = struct.Struct(">Q")
+STORE_MS_AT = 21
+"""Where the store timestamp is in the header (the CommitLog's recovery reads it without decoding the record)."""
 EOS = struct.Struct(">III")
 EOS_SIZE = EOS.size  # 12
 

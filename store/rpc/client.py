@@ -405,7 +405,7 @@ class _Link:
             elif kind is rpc.ClientMoved:
                 client._moved.post({message.client_id: 0})
             elif kind is rpc.AdminAsk:
-                client._asks_in.send_nowait((message.id, message.client_id, message.op))
+                client._asks_in.send_nowait((message.id, message.client_id, message.op, message.query))
             elif kind is rpc.Heartbeat:
                 pass
             elif kind is rpc.Error and message.id == 0:
@@ -533,7 +533,7 @@ class RemoteStore:
         self._moved = EventMailbox()  # {client id: 0} of the clients that are not this node's any more
         self._store_id = ""  # the store process and lease epoch this node holds (sent in each Hello)
         self._epoch = 0
-        self._asks_in, self._asks_out = trio.open_memory_channel[tuple[int, str, AdminOp]](math.inf)  # admin asks
+        self._asks_in, self._asks_out = trio.open_memory_channel[tuple[int, str, AdminOp, bytes]](math.inf)  # admin asks
         self._connected = trio.Event()
         self._link_up = trio.Event()  # set and replaced at each successful handshake (wait_reconnected)
         self._connects = 0
@@ -844,7 +844,11 @@ class RemoteStore:
         answer = await self._require_link().call(lambda rid: rpc.AdminCall(rid, client_id, op))
         return answer.value
 
-    async def admin_asks(self) -> tuple[int, str, AdminOp]:
+    async def admin_call_all(self, op: AdminOp, query: bytes) -> tuple[dict[str, bytes], list[str]]:
+        answer = await self._require_link().call(lambda rid: rpc.AdminCallAll(rid, op, query))
+        return answer.answers, answer.missing
+
+    async def admin_asks(self) -> tuple[int, str, AdminOp, bytes]:
         return await self._asks_out.receive()
 
     def admin_answer(self, ask_id: int, value: bytes | None) -> None:

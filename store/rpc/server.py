@@ -155,6 +155,7 @@ class _Connection:
             rpc.ReleaseAwaiting: self._release_awaiting, rpc.GetStatistics: self._statistics,
             rpc.ReadLog: self._read_log, rpc.Join: self._join, rpc.Claim: self._claim, rpc.Ack: self._ack,
             rpc.Leave: self._leave, rpc.AdminCall: self._admin_call,
+            rpc.AdminCallAll: self._admin_call_all,
         }
 
     def close(self) -> None:
@@ -395,6 +396,9 @@ class _Connection:
     async def _admin_call(self, request: rpc.AdminCall) -> rpc.Value:
         return rpc.Value(request.id, await self._store.admin_call(request.client_id, request.op))
 
+    async def _admin_call_all(self, request: rpc.AdminCallAll) -> rpc.NodeAnswers:
+        return rpc.NodeAnswers(request.id, *await self._store.admin_call_all(request.op, request.query))
+
     # --- appends, in order ----------------------------------------------------------------
 
     def _denied_groups(self, groups: list[list[NewMessage]]) -> dict[int, rpc.Error]:
@@ -478,10 +482,10 @@ class _Connection:
     async def _asker(self) -> None:
         while True:
             try:
-                ask_id, client_id, op = await self._store.admin_asks()
+                ask_id, client_id, op, query = await self._store.admin_asks()
             except trio.EndOfChannel:
                 return
-            self.send(rpc.AdminAsk(ask_id, client_id, op))
+            self.send(rpc.AdminAsk(ask_id, client_id, op, query))
 
     async def _heartbeat(self) -> None:
         leases = self._server.store.leases

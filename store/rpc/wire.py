@@ -28,7 +28,8 @@ The conversation (docs/cluster.md):
   connected to another) at any time;
 - cluster administration: a gateway asks about a client connected to another
   node with ``AdminCall``; the store forwards it to that node as ``AdminAsk``,
-  whose ``AdminAnswer`` it relays as ``Value``.
+  whose ``AdminAnswer`` it relays as ``Value``; the lists (``AdminCallAll``) go to
+  every other node that has clients, and the answers come back as ``NodeAnswers``.
 - back-end producers and consumers (store/clients/producer.py, store/clients/consumer.py) log
   in with the Hello's credentials (store/rpc/access.py) and use appends and the
   consumer-group calls ``Join``, ``Claim``, ``Ack``, ``Leave`` (store/groups.py).
@@ -69,6 +70,7 @@ __all__ = [
     "AdminAnswer",
     "AdminAsk",
     "AdminCall",
+    "AdminCallAll",
     "AdminOp",
     "AppendRequest",
     "Appended",
@@ -97,6 +99,7 @@ __all__ = [
     "LogBytes",
     "MaxOffsets",
     "Names",
+    "NodeAnswers",
     "OffsetMap",
     "Offsets",
     "OpRequest",
@@ -120,10 +123,12 @@ __all__ = [
     "parse_address",
 ]
 
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
-(4: the store's interface types on the wire; sessions, presence, wills and expiry in the store: ``OpenSession``,
-``CloseSession``, ``Reattach``, ``EndSession``, ``ListSessions``; group members named within a node.)"""
+(5: the store's interface types on the wire; sessions, presence, wills and expiry in the store: ``OpenSession``,
+``CloseSession``, ``Reattach``, ``EndSession``, ``ListSessions``; group members named within a node. 4: cluster-wide
+admin lists: ``AdminCallAll``, ``NodeAnswers``, ``AdminAsk.query``. 3: lease epochs on the Hello, the Welcome and
+every write; inbound QoS 2 flows: ``GetAwaiting``, ``ReleaseAwaiting``; ``ReadLog``.)"""
 
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
 """Largest frame either side accepts: room for an append batch of dozens of maximum-size (1 MiB) records and a
@@ -430,6 +435,15 @@ class AdminCall(_Message, tag="admin"):
     op: AdminOp
 
 
+class AdminCallAll(_Message, tag="adminall"):
+    """Run list ``op`` on every other gateway node that has clients (the store's presence): answered with
+    ``NodeAnswers``. ``query`` is the op's parameters (JSON bytes), handed to each node as they are."""
+
+    id: int
+    op: AdminOp
+    query: bytes = b""
+
+
 class AdminAnswer(_Message, tag="adminr"):
     """A node's answer to the store's ``AdminAsk`` ``id``: JSON bytes, or None (the client is not here)."""
 
@@ -440,7 +454,7 @@ class AdminAnswer(_Message, tag="adminr"):
 OpRequest: TypeAlias = (
     Pull | Activate | Release | MaxOffsets | GetOffsets | CommitOffsets | GetRetained | OpenSession | CloseSession
     | SaveSession | LoadSession | EndSession | ListSessions | GetAwaiting | ReleaseAwaiting | GetStatistics
-    | ReadLog | Join | Claim | Ack | Leave | AdminCall
+    | ReadLog | Join | Claim | Ack | Leave | AdminCall | AdminCallAll
 )
 """The requests answered by one message each; each names its ``StoreApi`` method."""
 
@@ -490,11 +504,21 @@ class ClientMoved(_Message, tag="moved"):
 
 
 class AdminAsk(_Message, tag="admina"):
-    """Run ``op`` for ``client_id``, connected to this node (another node's ``AdminCall``): answer ``AdminAnswer``."""
+    """Run ``op`` for ``client_id``, connected to this node (another node's ``AdminCall``), or list op ``op`` with
+    ``query`` (``AdminCallAll``; ``client_id`` empty): answer ``AdminAnswer``."""
 
     id: int
     client_id: str
     op: AdminOp
+    query: bytes = b""
+
+
+class NodeAnswers(_Message, tag="adminallr"):
+    """The answers to an ``AdminCallAll``: JSON bytes by node name, and the nodes that did not answer in time."""
+
+    id: int
+    answers: dict[str, bytes]
+    missing: list[str] = []
 
 
 class Appended(_Message, tag="appended"):
@@ -591,7 +615,7 @@ class LogBytes(_Message, tag="logbytes"):
 
 ServerMessage: TypeAlias = (
     Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Claimed | Offsets | Value | Names
-    | Awaiting | Done | Statistics | RecordList | AdminAsk | LogBytes
+    | Awaiting | Done | Statistics | RecordList | AdminAsk | NodeAnswers | LogBytes
 )
 SERVER_MESSAGES: Final = ServerMessage
 

@@ -1,0 +1,103 @@
+"""The back-end clients for asyncio: the trio Producer and Consumer on a trio thread, awaited without blocking.
+
+::
+
+    async with AsyncioProducer.connect("store-host", 7883, username="billing", password="...") as producer:
+        offset = await producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
+        await producer.flush()
+
+    async with AsyncioConsumer.connect("store-host", 7883, group="billing", filter="tele/#") as consumer:
+        async for batch in consumer:
+            for message in batch:
+                await handle(message.topic, message.payload, message.properties.user_properties)
+
+The trio clients run unchanged on their own thread (threaded.py); each call
+is a ``concurrent.futures.Future`` that asyncio awaits through
+``asyncio.wrap_future``, so a coroutine waiting on the store (a long poll, a
+durable append) leaves the event loop free and holds no executor thread.
+Cancelling the awaiting task cancels the call on the trio side. Only
+:meth:`AsyncioProducer.send` runs briefly on the caller's thread (it waits for
+the trio thread to queue the message, microseconds, so that a bad topic or a
+full buffer raises at once, as in the trio face).
+
+Arguments, guarantees and errors are the trio clients' (producer.py, consumer.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Self, TypeVar, final
+
+from store.clients.blocking import send_future
+from store.clients.consumer import Batch, Consumer
+from store.clients.producer import Producer, ProducerStatistics
+from store.clients.threaded import Face
+
+__all__ = ["AsyncioConsumer", "AsyncioProducer"]
+
+T = TypeVar("T")
+
+
+class _Asyncio(Face[T]):
+    @classmethod
+    @asynccontextmanager
+    async def connect(cls, host: str, port: int, **options: Any) -> AsyncIterator[Self]:
+        """Connect as the trio client's ``connect(host, port, **options)`` does (same arguments, same errors);
+        leaving the block leaves the client as the block did (raised or not)."""
+        thread = cls.start(host, port, options)
+        face = cls(thread, await asyncio.wrap_future(thread.opened))
+        try:
+            yield face
+        except BaseException as exc:
+            await asyncio.wrap_future(thread.close(exc))
+            raise
+        await asyncio.wrap_future(thread.close())
+
+
+@final
+class AsyncioProducer(_Asyncio[Producer]):
+    """:class:`store.clients.producer.Producer` for asyncio; create it with :meth:`connect`."""
+
+    trio_client = Producer.connect
+
+    def send(self, topic: str, payload: bytes, **options: Any) -> asyncio.Future[int]:
+        """Queue a message (``Producer.send``'s arguments); await the result for its CommitLog offset.
+
+        Raises (at once): ``Producer.send``'s errors (TopicError, ValueError, ``trio.WouldBlock``).
+        """
+        return asyncio.wrap_future(self._thread.call(send_future, self._client, topic, payload, options))
+
+    async def flush(self) -> None:
+        """Return once every message sent before the call is stored or failed."""
+        await asyncio.wrap_future(self._thread.submit(self._client.flush))
+
+    def statistics(self) -> ProducerStatistics:
+        return self._thread.call(self._client.statistics)
+
+
+@final
+class AsyncioConsumer(_Asyncio[Consumer]):
+    """:class:`store.clients.consumer.Consumer` for asyncio; create it with :meth:`connect`."""
+
+    trio_client = Consumer.connect
+
+    @property
+    def committed(self) -> int:
+        """The group's committed offset, as the store last said."""
+        return self._client.committed
+
+    async def poll(self, max_count: int | None = None, wait_s: float | None = None) -> Batch:
+        """``Consumer.poll``, awaited: the loop runs meanwhile."""
+        return await asyncio.wrap_future(self._thread.submit(self._client.poll, max_count, wait_s))
+
+    async def commit(self, batch: Batch | list[int]) -> int:
+        """``Consumer.commit``, awaited: the committed offset, durable on return."""
+        return await asyncio.wrap_future(self._thread.submit(self._client.commit, batch))
+
+    async def __aiter__(self) -> AsyncIterator[Batch]:
+        """The trio consumer's ``async for``, batch by batch (its auto-commit included)."""
+        batches = aiter(self._client)
+        while True:
+            yield await asyncio.wrap_future(self._thread.submit(anext, batches))

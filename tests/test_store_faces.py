@@ -1,0 +1,245 @@
+"""The back-end clients' three faces, trio (producer.py, consumer.py), blocking (blocking.py) and asyncio (aio.py),
+over one scenario against a real store node (RocksDB, CommitLog, RPC over TCP), run in a thread of this process:
+produce with MQTT 5 properties, consume with a consumer group, commit, and a new member resuming after the commit.
+And the consumers' decoding of MQTT 5 properties (properties.py)."""
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import trio
+
+from store.clients.aio import AsyncioConsumer, AsyncioProducer
+from store.clients.blocking import BlockingConsumer, BlockingProducer
+from store.clients.consumer import Consumer, ConsumerMessage
+from store.clients.producer import Producer
+from store.clients.properties import NO_PROPERTIES, MessageProperties, decode_properties, encode_properties
+from lightqueue.topics import TopicError
+from store.log.commitlog import CommitLogConfig
+from store.log.record import RecordTooLarge
+from store.node import open_store
+from store.rpc.client import StoreUnavailable
+from store.rpc.server import serve_rpc
+
+WAIT_S = 30.0
+"""Generous: two busy cores."""
+
+PROPERTIES = {"content_type": "application/json", "response_topic": "reply/billing", "correlation_data": b"\x00c1",
+              "message_expiry_interval": 600, "payload_format_indicator": 1,
+              "user_properties": [("trace", "t-1"), ("trace", "t-2")]}
+
+
+@contextmanager
+def store_node(tmp_path) -> Iterator[int]:
+    """A store node serving its RPC on a free port, on a trio thread; its port. Stops when the block ends."""
+    started: list[int] = []
+    ready = threading.Event()
+    token: list[trio.lowlevel.TrioToken] = []
+    stop: list[trio.Event] = []
+
+    async def main() -> None:
+        token.append(trio.lowlevel.current_trio_token())
+        stop.append(trio.Event())
+        async with open_store(tmp_path / "data", CommitLogConfig()) as store, trio.open_nursery() as nursery:
+            listeners = await nursery.start(lambda task_status: serve_rpc(store, "127.0.0.1", 0,
+                                                                          task_status=task_status))
+            started.append(listeners[0].socket.getsockname()[1])
+            ready.set()
+            await stop[0].wait()
+            nursery.cancel_scope.cancel()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    assert ready.wait(WAIT_S)
+    try:
+        yield started[0]
+    finally:
+        trio.from_thread.run_sync(stop[0].set, trio_token=token[0])
+        thread.join(WAIT_S)
+
+
+@pytest.fixture
+def port(tmp_path):
+    with store_node(tmp_path) as port:
+        yield port
+
+
+# --- one scenario, three faces --------------------------------------------------------------
+#
+# Each face gives: produce(port, topic, payloads) -> offsets (each send's outcome, after a flush), and
+# consume(port, group, filter, count) -> (messages, committed): joins, takes batches until it has ``count``
+# messages, commits them, leaves. The scenario (``check_scenario``) is the same for all three.
+
+
+async def send_all(producer, topic: str, payloads: list[bytes]) -> list[int]:
+    """With a trio or asyncio producer: send, flush, then each send's outcome (a trio handle or an asyncio future)."""
+    sent = [producer.send(topic, payload, qos=1, **PROPERTIES) for payload in payloads]
+    await producer.flush()
+    return [await outcome for outcome in sent]
+
+
+async def take(consumer, count: int) -> tuple[list[ConsumerMessage], int]:
+    """With a trio or asyncio consumer: batches, each committed, until ``count`` messages came."""
+    messages: list[ConsumerMessage] = []
+    async for batch in consumer:
+        messages += batch
+        committed = await consumer.commit(batch)
+        if len(messages) >= count:
+            return messages, committed
+    raise AssertionError("the iteration ended")
+
+
+async def produce_async(face, port: int, topic: str, payloads: list[bytes]) -> list[int]:
+    """With ``Producer`` (under trio) or ``AsyncioProducer`` (under asyncio)."""
+    async with face.connect("127.0.0.1", port) as producer:
+        return await send_all(producer, topic, payloads)
+
+
+async def consume_async(face, deadline, port: int, group: str, filter: str,
+                        count: int) -> tuple[list[ConsumerMessage], int]:
+    """With ``Consumer`` and ``trio_deadline``, or ``AsyncioConsumer`` and ``asyncio.timeout``."""
+    async with face.connect("127.0.0.1", port, group=group, filter=filter, auto_commit=False) as consumer:
+        async with deadline(WAIT_S):
+            return await take(consumer, count)
+
+
+@contextlib.asynccontextmanager
+async def trio_deadline(seconds: float):
+    """``trio.fail_after`` as an async context manager, as ``asyncio.timeout`` is."""
+    with trio.fail_after(seconds):
+        yield
+
+
+def blocking_produce(port: int, topic: str, payloads: list[bytes]) -> list[int]:
+    with BlockingProducer.connect("127.0.0.1", port) as producer:
+        futures = [producer.send(topic, payload, qos=1, **PROPERTIES) for payload in payloads]
+        producer.flush()
+        return [future.result(WAIT_S) for future in futures]
+
+
+def blocking_consume(port: int, group: str, filter: str, count: int) -> tuple[list[ConsumerMessage], int]:
+    messages: list[ConsumerMessage] = []
+    with BlockingConsumer.connect("127.0.0.1", port, group=group, filter=filter, auto_commit=False) as consumer:
+        for batch in consumer:
+            messages += batch
+            committed = consumer.commit(batch)
+            if len(messages) >= count:
+                return messages, committed
+    raise AssertionError("the iteration ended")
+
+
+def check_scenario(produce, consume) -> None:
+    """Produce three messages with properties; a group member gets them in order with the properties decoded and
+    commits; after a sentinel, a new member of the group starts from the commit: it gets the sentinel only."""
+    payloads = [b'{"n": %d}' % i for i in range(3)]
+    offsets = produce("tele/dev-1/state", payloads)
+    assert offsets == sorted(offsets) and len(set(offsets)) == 3
+    messages, committed = consume("billing", "tele/#", 3)
+    assert [m.payload for m in messages] == payloads
+    assert [m.offset for m in messages] == [0, 1, 2] and committed == 3
+    for message in messages:
+        props = message.properties
+        assert isinstance(props, MessageProperties)
+        assert (props.content_type, props.response_topic, props.correlation_data) == \
+            ("application/json", "reply/billing", b"\x00c1")
+        assert props.user_properties == (("trace", "t-1"), ("trace", "t-2")) and props.payload_format_indicator == 1
+        assert props.message_expiry_interval == 600
+        assert message.expires_ms == message.store_ms + 600_000
+        assert abs(message.store_ms - time.time() * 1000) < 600_000
+    produce("tele/dev-1/state", [b"sentinel"])
+    (again,), committed = consume("billing", "tele/#", 1)  # the committed messages are not delivered again
+    assert again.payload == b"sentinel" and again.offset == 3 and committed == 4
+
+
+def test_the_trio_face(port):
+    check_scenario(lambda *a: trio.run(produce_async, Producer, port, *a),
+                   lambda *a: trio.run(consume_async, Consumer, trio_deadline, port, *a))
+
+
+def test_the_blocking_face(port):
+    check_scenario(lambda *a: blocking_produce(port, *a), lambda *a: blocking_consume(port, *a))
+
+
+def test_the_asyncio_face(port):
+    check_scenario(lambda *a: asyncio.run(produce_async(AsyncioProducer, port, *a)),
+                   lambda *a: asyncio.run(consume_async(AsyncioConsumer, asyncio.timeout, port, *a)))
+
+
+# --- what only one face can get wrong -------------------------------------------------------
+
+
+def test_an_asyncio_consumer_waiting_on_the_store_leaves_the_event_loop_free(port):
+    """A long poll awaited in asyncio must not block the loop: the message it waits for is produced by another
+    coroutine of the same loop (a blocked loop would never send it, and the poll would end empty)."""
+
+    async def main() -> list[bytes]:
+        async with AsyncioConsumer.connect("127.0.0.1", port, group="g", filter="cmd/#", start="latest") as consumer, \
+                AsyncioProducer.connect("127.0.0.1", port) as producer:
+            poll = asyncio.create_task(consumer.poll(wait_s=WAIT_S))
+            await asyncio.sleep(0)  # let the poll start: it runs on the trio thread from now on
+            await producer.send("cmd/x", b"wake up")
+            batch = await asyncio.wait_for(poll, WAIT_S)
+            return [m.payload for m in batch]
+
+    assert asyncio.run(main()) == [b"wake up"]
+
+
+def test_cancelling_an_asyncio_call_cancels_it_on_the_trio_thread(port):
+    """A cancelled poll ends on the trio thread too (not 30 s later), and what it may have claimed at the store is
+    not lost: it goes back to the group when the member leaves, as with the trio client (at least once)."""
+
+    async def main() -> list[bytes]:
+        async with AsyncioProducer.connect("127.0.0.1", port) as producer:
+            async with AsyncioConsumer.connect("127.0.0.1", port, group="g", filter="idle/#",
+                                               start="latest") as consumer:
+                poll = asyncio.create_task(consumer.poll(wait_s=WAIT_S))
+                while not consumer._thread._nursery.child_tasks:  # the call runs on the trio thread
+                    await asyncio.sleep(0)
+                poll.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await poll
+                async with asyncio.timeout(WAIT_S / 3):  # well before the long poll's 30 s
+                    while consumer._thread._nursery.child_tasks:  # cancelled there, not left running
+                        await asyncio.sleep(0)
+                await producer.send("idle/x", b"after the cancel")
+            async with AsyncioConsumer.connect("127.0.0.1", port, group="g", filter="idle/#") as again:
+                return [m.payload for m in await again.poll(wait_s=WAIT_S)]
+
+    assert asyncio.run(main()) == [b"after the cancel"]
+
+
+def test_errors_raise_as_in_the_trio_face(port):
+    """A bad send raises at ``send``; a refused message fails its future; no store raises from ``connect``."""
+    with BlockingProducer.connect("127.0.0.1", port, batch_bytes=1) as producer:
+        with pytest.raises(TopicError):
+            producer.send("cmd/+", b"x")
+        with pytest.raises(ValueError, match="qos"):
+            producer.send("cmd/x", b"x", qos=3)
+        with pytest.raises(RecordTooLarge):
+            producer.send("cmd/x", b"x" * (CommitLogConfig().max_record_bytes + 1)).result(WAIT_S)
+        assert producer.send("cmd/x", b"fine").result(WAIT_S) >= 0  # the producer goes on
+    with pytest.raises(StoreUnavailable):
+        with BlockingProducer.connect("127.0.0.1", 1, timeout_s=0.5):
+            pass
+
+
+def test_consumers_decode_the_mqtt5_properties_into_a_typed_object():
+    assert decode_properties(b"") is NO_PROPERTIES
+    block = encode_properties(**PROPERTIES)
+    assert decode_properties(block) == MessageProperties(
+        payload_format_indicator=1, message_expiry_interval=600, content_type="application/json",
+        response_topic="reply/billing", correlation_data=b"\x00c1", user_properties=(("trace", "t-1"), ("trace", "t-2")))
+    # what a gateway stores for an MQTT 5 publisher decodes too (the gateway's own encoder)
+    from gateway.mqtt.properties import PacketType, Properties
+    from gateway.mqtt.properties import encode_properties as gateway_encode
+    gateway_block = gateway_encode(Properties(content_type="text/plain", user_properties=(("a", "b"),),
+                                              topic_alias=3), PacketType.PUBLISH)
+    assert decode_properties(gateway_block) == MessageProperties(content_type="text/plain",
+                                                                 user_properties=(("a", "b"),))
+    for bad in (block[:-1], b"\x03\x00\x05ab", b"\x11\x00\x00\x00\x01"):  # truncated; a CONNECT-only property
+        with pytest.raises(ValueError):
+            decode_properties(bad)
