@@ -291,10 +291,11 @@ class StoreApi(Protocol):
         ...
 
     async def close_session(self, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> None:
-        """The client's connection here closed: its session expires ``expiry_s`` from now (0: it ends now), and
-        the will held for it is published ``will_delay_s`` from now unless the session resumes first (None: it
-        is dropped: a normal DISCONNECT, or the node published it). Ignored once the client has connected to
-        another node."""
+        """The client's connection here closed: its session expires ``expiry_s`` from now (0: it ends now, or on
+        a full data disk once there is room: it cannot resume meanwhile), and the will held for it is published
+        ``will_delay_s`` from now unless the session resumes first (None: it is dropped: a normal DISCONNECT, or
+        the node published it). Ignored once the client has connected to another node. Never waits for room: a
+        close is heard at once, even while writes of the session are owed."""
         ...
 
     async def save_session(self, client_id: str, blob: bytes) -> None:

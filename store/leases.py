@@ -323,17 +323,26 @@ class Leases:
             await trio.sleep(expiry_s)
             if self._expiries.get(client_id) is scope:
                 del self._expiries[client_id]
-            with trio.CancelScope(shield=True):  # a half-ended session would keep its filters held
-                self._ending.add(client_id)
-                try:
-                    ended = await self._retried(self._end_session, client_id, "session not expired", client_id,
-                                                waiting="session expiry waits for room on the data disk: the session"
-                                                        " cannot resume until it is deleted")
-                finally:
-                    self._ending.discard(client_id)
-                if ended:
-                    self._expired += 1
-                    LOGGER.info("session expired", extra={"ctx": {"client_id": client_id}})
+            self._ending.add(client_id)
+            if await self._end_when_room(client_id, "session expiry"):
+                self._expired += 1
+                LOGGER.info("session expired", extra={"ctx": {"client_id": client_id}})
+
+    def end_when_room(self, client_id: str) -> None:
+        """The end of a closed session (Session Expiry 0) was refused by a full data disk: it ends once there is
+        room, and cannot resume meanwhile (``open`` refuses it)."""
+        self._ending.add(client_id)
+        self._nursery.start_soon(self._end_when_room, client_id, "session end")
+
+    async def _end_when_room(self, client_id: str, what: str) -> bool:
+        """End the session (marked ``_ending`` by the caller), retried while the data disk is full."""
+        with trio.CancelScope(shield=True):  # a half-ended session would keep its filters held
+            try:
+                return await self._retried(self._end_session, client_id, f"{what} failed", client_id,
+                                           waiting=f"{what} waits for room on the data disk: the session cannot"
+                                                   " resume until it is deleted")
+            finally:
+                self._ending.discard(client_id)
 
     @staticmethod
     async def _retried(write: Callable[[object], Awaitable[object]], arg: object, failure: str,

@@ -443,7 +443,10 @@ class StoreNode:
     async def close_session(self, node: str, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> None:
         """``StoreApi.close_session`` for ``node``: ignored once the client is present elsewhere."""
         if self.leases.close(node, client_id, expiry_s=expiry_s, will_delay_s=will_delay_s) and not expiry_s:
-            await self._end_session(client_id)
+            try:
+                await self._end_session(client_id)
+            except LogFullError:  # the client is not present any more: a retried close would find nothing to end
+                self.leases.end_when_room(client_id)
 
     async def end_session(self, client_id: str) -> bool:
         """``StoreApi.end_session``: an operator ends a session now; False when there was none."""

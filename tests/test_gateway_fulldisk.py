@@ -211,10 +211,10 @@ def test_every_packet_family_on_a_full_disk_is_answered_and_resumes_when_space_f
         # DISCONNECT of a clean session and the expiry of a persistent one: their deletion waits for room, and
         # the expired session cannot be resumed meanwhile.
         bye(plain)
-        mark = len(dep.sessions.logs)
+        mark = len(dep.store.logs)
         bye(short)
-        dep.sessions.wait_log(lambda d: d.get("msg", "").startswith("session expiry waits for room")
-                              and d.get("client_id") == brief, after=mark)
+        dep.store.wait_log(lambda d: d.get("msg", "").startswith("session expiry waits for room")  # the store's
+                           and d.get("client_id") == brief, after=mark)  # expiry (store/leases.py)
         refused(*open5(port, brief, clean=False), ReasonCode.QUOTA_EXCEEDED)
         # A will due while full waits for room [MQTT-3.1.2-8].
         refused_qos1 = 'lightgate_messages_refused_total{qos="1"}'

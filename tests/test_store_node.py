@@ -11,6 +11,7 @@ from store.api import NewMessage, PullRequest
 from store.local import INLINE_PULL, LocalStore
 from store.log.commitlog import CommitLogConfig
 from store.node import open_store
+from store.log.errors import LogFullError
 from store.log.record import RecordTooLarge
 
 CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
@@ -155,3 +156,39 @@ def test_free_heap_pages_go_back_to_the_system_within_the_trim_interval():
 
     assert returned("0.5") > 150  # MiB of the 180 given back by the trims
     assert returned("0") < 50  # without a trim the heap keeps them
+
+
+async def test_a_save_that_arrives_after_the_sessions_end_writes_nothing(tmp_path: Path):
+    """A node's save of a client no longer connected (delayed by a full disk: gateway/node/owed.py) updates the
+    session while the store keeps it, and never brings it back once it ended."""
+    async with open_store(tmp_path, CONFIG) as node:
+        store = LocalStore(node, "gw")
+        await store.open_session("c1", clean_start=False, expiry_s=60)
+        await store.save_session("c1", b"one")
+        await store.close_session("c1", expiry_s=60, will_delay_s=None)
+        await store.save_session("c1", b"two")  # closed, not ended: the last state lands
+        assert await store.load_session("c1") == b"two"
+        assert await store.end_session("c1")
+        await store.save_session("c1", b"late")
+        assert await store.load_session("c1") is None
+        await store.save_session("c2", b"new")  # a client connected nowhere whose session the store never had
+        assert await store.load_session("c2") is None
+
+
+async def test_a_session_a_full_disk_keeps_from_ending_at_its_close_ends_once_there_is_room(tmp_path: Path):
+    """Session Expiry 0: the close is heard at once; the end the full disk refuses is retried by the store, and
+    the session cannot resume meanwhile (store/leases.py)."""
+    async with open_store(tmp_path, CONFIG) as node:
+        store = LocalStore(node, "gw")
+        await store.open_session("c1", clean_start=False, expiry_s=0)
+        await store.activate("a/+", "c1")
+        margin, node.space.margin = node.space.margin, 1 << 62  # every write is refused as on a full disk
+        await store.close_session("c1", expiry_s=0, will_delay_s=None)  # returns: nothing waits for room
+        with pytest.raises(LogFullError):
+            await store.open_session("c1", clean_start=False, expiry_s=0)
+        assert node.queues.held_by("c1") == ["a/+"]
+        node.space.margin = margin
+        with trio.fail_after(10):
+            while node.queues.held_by("c1"):
+                await trio.sleep(0.05)
+        assert await store.open_session("c1", clean_start=False, expiry_s=0) is None

@@ -205,7 +205,8 @@ async def test_the_store_admits_clients_by_password_and_checks_their_topics(stor
         with pytest.raises(AccessDenied, match="gateway nodes only"):
             await producer.client.release_awaiting([("dev1", 7, 0)])
     async with RemoteStore.connect("127.0.0.1", port, node="gw-a", token="gw-secret") as gateway:
-        await gateway.save_session("dev1", b"blob")  # the token makes a trusted gateway node
+        await gateway.open_session("dev1", clean_start=False, expiry_s=60)  # the token makes a trusted gateway node
+        await gateway.save_session("dev1", b"blob")
         assert await gateway.load_session("dev1") == b"blob"
         [offset] = await gateway.append([qos2])  # a device's QoS 2 PUBLISH: the record says it awaits PUBREL
         assert await gateway.awaiting_release("dev1") == {7: offset}

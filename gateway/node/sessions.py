@@ -39,7 +39,7 @@ from store.api import StoreApi
 from store.log.errors import LogFullError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Iterable
 
     from gateway.node.connection import Connection
 
@@ -206,17 +206,15 @@ class Sessions:
     async def close(self, connection: Connection, action: CloseSession) -> None:
         """The connection's session is settled: its shared subscriptions leave their groups, and the store hears
         that it closed (expiry, will); a session that ends now has its unwritten commits dropped first (an offset
-        written after the end would keep its queues referenced). On a full disk the close is owed."""
+        written after the end would keep its queues referenced)."""
         client_id = action.client_id
         self._suspended.pop(client_id, None)
         await self._subscriptions.leave_groups(connection)
-        close = functools.partial(self._store.close_session, client_id, expiry_s=action.expiry_s,
-                                  will_delay_s=action.will_delay_s)
-        if action.expiry_s:  # the store writes nothing: its expiry starts now, even while a save of it is owed
-            await close()  # (a save owed past the session's end writes nothing: StoreNode.save_session)
-            return
-        await self._commits.forget(client_id)
-        await self._owed.attempt(client_id, close, key=CloseSession)
+        if not action.expiry_s:
+            await self._commits.forget(client_id)
+        # Not behind the client's owed writes: the expiry (or the end) starts now; the store retries an end
+        # a full disk refuses, and a save owed past the session's end writes nothing (StoreNode.save_session).
+        await self._store.close_session(client_id, expiry_s=action.expiry_s, will_delay_s=action.will_delay_s)
 
     def connection_closed(self, connection: Connection) -> None:
         """Forget the closed connection's saves waiting for an answer (``Session.detach``)."""
