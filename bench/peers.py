@@ -82,11 +82,6 @@ IDLE_TIMEOUT_S = 60.0
 PEERS = ("lightgate", "mosquitto", "amqtt")
 """Every broker the suite knows, LightGate first: the ratios are LightGate's figure over each peer's."""
 
-_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
-    filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))}
-"""LightGate runs from the checkout (or installation) this module is in: started in its working directory,
-``python -m gateway.app.cli`` would otherwise import whichever LightGate the interpreter finds first."""
-
 NOT_DURABLE = {
     "amqtt": "amqtt 0.12.1 has no persistence for these clients: its only store (contrib SessionDBPlugin, "
              "sqlalchemy + aiosqlite) skips anonymous sessions and never saves in-flight or queued QoS 1 messages",
