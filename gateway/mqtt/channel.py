@@ -113,8 +113,6 @@ MAX_REASON_STRING = 256
 BYTES_BURST_S = 1.0
 """The byte-rate bucket banks this many seconds of ``publish_bytes_rate``: a burst of a second's worth is normal."""
 
-_MAX_EXPIRY = 0xFFFF_FFFF  # Session Expiry Interval 0xFFFFFFFF means "never expires" (section 3.1.2.11.2)
-
 
 @dataclass(frozen=True, slots=True)
 class ChannelConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import replace
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gateway.mqtt.actions import Action, OpenSession, Send, SessionOpened
@@ -35,39 +36,107 @@ def _refuse(self: Channel, reason: ReasonCode, log: str) -> list[Action]:
 
 
 def process_connect(self: Channel, packet: Connect) -> list[Action]:
+    """A CONNECT: its checks (``CONNECT_CHECKS``, in order: the first refusal answers), the will, the terms of the
+    connection, then the ``OpenSession`` whose answer (``on_session_opened``) the CONNACK waits for."""
+    self._level = packet.protocol_level
+    self._peer_max_packet = packet.properties.maximum_packet_size
+    for check in CONNECT_CHECKS:
+        refusal = check(self, packet)
+        if refusal is not None:
+            return refusal
+    if packet.will_topic is not None:
+        _take_will(self, packet)
+    receive_maximum = _agree_terms(self, packet)
+    refusal = _check_connack_fits(self, packet)
+    if refusal is not None:
+        return refusal
     config = self.config
-    self._level = level = packet.protocol_level
     props = packet.properties
-    self._peer_max_packet = props.maximum_packet_size
-    if props.authentication_method is not None:
+    self._link = Link(
+        protocol_level=self._level,
+        receive_maximum=min(receive_maximum, config.max_inflight),
+        max_packet_size=props.maximum_packet_size,
+        topic_alias_maximum=props.topic_alias_maximum or 0,
+        pull_batch=config.pull_batch,
+        max_unwritten=config.max_unwritten,
+        commit_every=config.commit_every,
+        encoder=self._encoder,
+        now_ms=self._now_ms,
+        qos0_queue_bytes=config.qos0_queue_bytes,
+        report=self._limit_hit,
+    )
+    self._awaiting_session = True
+    return [OpenSession(self._client_id, packet.clean_start, self._expiry, packet.username, packet.password,
+                        packet.will_topic, self._will, self._will_delay_s())]
+
+
+def _check_authentication_method(self: Channel, packet: Connect) -> list[Action] | None:
+    """Enhanced authentication is not offered: a CONNECT asking for it is refused with 0x8C (section 4.12)."""
+    if packet.properties.authentication_method is not None:
         return _refuse(self, ReasonCode.BAD_AUTHENTICATION_METHOD, "enhanced authentication is not offered")
+    return None
+
+
+def _check_client_identifier(self: Channel, packet: Connect) -> list[Action] | None:
+    """The client's identifier, or one assigned for an empty one ([MQTT-3.1.3-6], told to an MQTT 5 client in
+    the CONNACK [MQTT-3.2.2-16]); a 3.1.1 client must not leave it empty with clean session 0 [MQTT-3.1.3-8]."""
     client_id = packet.client_id
     if not client_id:
+        level = self._level
         if level == MQTT_311 and not packet.clean_start:
             return _refuse(self, ReasonCode.CLIENT_IDENTIFIER_NOT_VALID,
-                                "empty client id with clean session 0 [MQTT-3.1.3-8]")
-        client_id = config.assigned_id_prefix + uuid.uuid4().hex
+                           "empty client id with clean session 0 [MQTT-3.1.3-8]")
+        client_id = self.config.assigned_id_prefix + uuid.uuid4().hex
         self._assigned = client_id if level == MQTT_5 else None
     self._client_id = client_id
-    if packet.will_topic is not None:
-        try:
-            validate_topic(packet.will_topic, SYNTAX_ONLY)
-        except TopicError as exc:
-            return _refuse(self, ReasonCode.TOPIC_NAME_INVALID, f"will topic: {exc}")
-        over = self._topic_over(packet.will_topic, "will topic")
-        if over is not None:
-            return [self._limit_hit(over[0], 1, over[1]), *_refuse(self, ReasonCode.TOPIC_NAME_INVALID, over[1])]
-        if packet.will_qos > config.max_qos:
-            return _refuse(self, ReasonCode.QOS_NOT_SUPPORTED, f"will QoS {packet.will_qos}")
-        if packet.will_retain and not config.retain_available:
-            return _refuse(self, ReasonCode.RETAIN_NOT_SUPPORTED, "will retain")
-        will_props = packet.will_properties
-        self._will_delay = will_props.will_delay_interval or 0
-        if will_props.will_delay_interval is not None:
-            will_props = replace(will_props, will_delay_interval=None)
-        self._will = NewMessage(packet.will_topic, packet.will_payload, client_id, packet.will_qos,
-                                packet.will_retain, property_block(will_props), self._now_ms())
-    if level == MQTT_5:
+    return None
+
+
+def _check_will(self: Channel, packet: Connect) -> list[Action] | None:
+    """A will the server can publish: a valid topic name within the topic limits, at most the Maximum QoS
+    [MQTT-3.2.2-12], retained only if retain is available [MQTT-3.2.2-13]."""
+    topic = packet.will_topic
+    if topic is None:
+        return None
+    config = self.config
+    try:
+        validate_topic(topic, SYNTAX_ONLY)
+    except TopicError as exc:
+        return _refuse(self, ReasonCode.TOPIC_NAME_INVALID, f"will topic: {exc}")
+    over = self._topic_over(topic, "will topic")
+    if over is not None:
+        return [self._limit_hit(over[0], 1, over[1]), *_refuse(self, ReasonCode.TOPIC_NAME_INVALID, over[1])]
+    if packet.will_qos > config.max_qos:
+        return _refuse(self, ReasonCode.QOS_NOT_SUPPORTED, f"will QoS {packet.will_qos}")
+    if packet.will_retain and not config.retain_available:
+        return _refuse(self, ReasonCode.RETAIN_NOT_SUPPORTED, "will retain")
+    return None
+
+
+CONNECT_CHECKS: tuple[Callable[[Channel, Connect], list[Action] | None], ...] = (
+    _check_authentication_method, _check_client_identifier, _check_will)
+"""The checks of a CONNECT, in order (EMQX's ``process_connect`` pipeline): each returns the refusal or None."""
+
+
+def _take_will(self: Channel, packet: Connect) -> None:
+    """Keep the checked will as the message it will be; its delay is the channel's, not the record's."""
+    topic = packet.will_topic
+    assert topic is not None  # _check_will passed it
+    will_props = packet.will_properties
+    self._will_delay = will_props.will_delay_interval or 0
+    if will_props.will_delay_interval is not None:
+        will_props = replace(will_props, will_delay_interval=None)
+    self._will = NewMessage(topic, packet.will_payload, self._client_id, packet.will_qos, packet.will_retain,
+                            property_block(will_props), self._now_ms())
+
+
+def _agree_terms(self: Channel, packet: Connect) -> int:
+    """Set the session expiry (MQTT 5: capped, the CONNACK then says so, section 3.2.2.3.2; 3.1.1: by clean
+    session) and the keep alive (capped: Server Keep Alive [MQTT-3.2.2-21]); return the client's Receive Maximum
+    (3.1.1: the configured default), the window of its outbound messages."""
+    config = self.config
+    props = packet.properties
+    if self._level == MQTT_5:
         self._requested_expiry = props.session_expiry_interval or 0
         self._expiry = min(self._requested_expiry, config.max_session_expiry_s)
         keepalive = packet.keep_alive
@@ -81,29 +150,22 @@ def process_connect(self: Channel, packet: Connect) -> list[Action]:
     self._keepalive = keepalive
     self._keepalive_override = keepalive if keepalive != packet.keep_alive else None
     self._clean_start = packet.clean_start
-    limit = props.maximum_packet_size
-    if limit is not None:  # before the session is opened (or taken over): the client could never be told
-        connack = Connack(False, ReasonCode.SUCCESS, _connack_properties(self))
-        if fit(connack, level, limit) is None:
-            return _refuse(self, ReasonCode.PACKET_TOO_LARGE,
-                                f"the CONNACK takes {len(encode(connack, level))} bytes, over the client's "
-                                f"Maximum Packet Size of {limit} [MQTT-3.1.2-24]")
-    self._link = Link(
-        protocol_level=level,
-        receive_maximum=min(receive_maximum, config.max_inflight),
-        max_packet_size=props.maximum_packet_size,
-        topic_alias_maximum=props.topic_alias_maximum or 0,
-        pull_batch=config.pull_batch,
-        max_unwritten=config.max_unwritten,
-        commit_every=config.commit_every,
-        encoder=self._encoder,
-        now_ms=self._now_ms,
-        qos0_queue_bytes=config.qos0_queue_bytes,
-        report=self._limit_hit,
-    )
-    self._awaiting_session = True
-    return [OpenSession(client_id, packet.clean_start, self._expiry, packet.username, packet.password,
-                        packet.will_topic, self._will, self._will_delay_s())]
+    return receive_maximum
+
+
+def _check_connack_fits(self: Channel, packet: Connect) -> list[Action] | None:
+    """The CONNACK must fit the client's Maximum Packet Size [MQTT-3.1.2-24]; checked before the session is opened
+    (or taken over), since the client could never be told."""
+    limit = packet.properties.maximum_packet_size
+    if limit is None:
+        return None
+    level = packet.protocol_level
+    connack = Connack(False, ReasonCode.SUCCESS, _connack_properties(self))
+    if fit(connack, level, limit) is not None:
+        return None
+    return _refuse(self, ReasonCode.PACKET_TOO_LARGE,
+                   f"the CONNACK takes {len(encode(connack, level))} bytes, over the client's "
+                   f"Maximum Packet Size of {limit} [MQTT-3.1.2-24]")
 
 
 def _connack_properties(self: Channel) -> Properties:

@@ -11,7 +11,7 @@ one's PUBCOMP only once its release is on disk (``InboundReleased``).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from gateway.mqtt.actions import Action, Append, Appended, InboundReleased, ReleaseInbound, Send
 from gateway.mqtt.errors import error_packet
@@ -84,50 +84,39 @@ def _topic_refusal(self: Channel, packet: Publish, limit: Limit, why: str) -> li
 
 
 def process_publish(self: Channel, packet: Publish) -> list[Action]:
+    """A PUBLISH from the client: its checks, cheapest first, then its ``Append`` (acknowledged on ``Appended``).
+
+    Each check is a step named for its rule, run only when the rule can apply (a QoS 1/2 message, an alias, a
+    topic name new on this connection, a topic long enough to be over a limit, a rate configured): a valid QoS 0
+    message on the topic its client used before, most of what a node reads, calls none of them.
+    """
     config = self.config
-    session = self._session
-    assert session is not None
     qos = packet.qos
     pid = packet.packet_id
     if qos > config.max_qos:
-        raise RemoteProtocolError(ReasonCode.QOS_NOT_SUPPORTED, f"PUBLISH QoS {qos} exceeds maximum QoS")
+        _qos_not_supported(qos)
     if packet.retain and not config.retain_available:
-        raise RemoteProtocolError(ReasonCode.RETAIN_NOT_SUPPORTED, "PUBLISH with RETAIN set")
+        _retain_not_supported()
     if qos and self._level != MQTT_5 and len(self._pending) >= config.receive_maximum:
-        # 3.1.1 has no Receive Maximum to tell the client: wait (the connection stops reading meanwhile).
-        held = self._hold(packet)
-        return [self._limit_hit(Limit.INFLIGHT, 1, f"{len(self._pending)} QoS 1/2 messages being stored: "
-                                                  "input paused"), *held]
+        return _wait_for_room(self, packet)
     if qos == 2:
-        if pid in session.awaiting_rel:
-            return [Send((Pubrec(pid),))]  # a resend of a stored message: acknowledge, do not store again
-        if pid in self._storing_qos2:
-            return []  # a resend while the first copy is being stored: its PUBREC follows
+        resent = _qos2_resend(self, pid)
+        if resent is not None:
+            return resent
     topic = packet.topic
     props = packet.properties
     alias = props.topic_alias
     if alias is not None:
-        if alias > config.topic_alias_maximum:
-            raise RemoteProtocolError(ReasonCode.TOPIC_ALIAS_INVALID, f"topic alias {alias} exceeds the maximum")
-        if topic:
-            self._aliases_in[alias] = topic
-        elif alias in self._aliases_in:
-            topic = self._aliases_in[alias]
-        else:
-            raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, f"topic alias {alias} is not mapped")
+        topic = _check_topic_alias(self, alias, topic)
         props = replace(props, topic_alias=None)
     if topic != self._valid_topic:
-        try:
-            self._valid_topic = validate_topic(topic, SYNTAX_ONLY)
-        except TopicError as exc:  # a wildcard [MQTT-3.3.2-2]; 0x90 is for names correctly formed but refused
-            raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, str(exc)) from None
+        _check_topic_name(self, topic)
     if len(topic) >= self._topic_check_from:
         over = self._topic_over(topic, "topic name")
         if over is not None:
             return _topic_refusal(self, packet, *over)
-    if qos and self._level == MQTT_5 and len(self._pending) + len(session.awaiting_rel) >= config.receive_maximum:
-        raise RemoteProtocolError(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED,
-                                  f"more than {config.receive_maximum} unacknowledged QoS 1/2 PUBLISHes")
+    if qos and self._level == MQTT_5:
+        _check_receive_maximum(self)
     if self._buckets:
         refusal = _rate_refusal(self, packet)
         if refusal is not None:
@@ -143,6 +132,78 @@ def process_publish(self: Channel, packet: Publish) -> list[Action]:
     if qos == 2:
         self._storing_qos2[pid] = None  # type: ignore[index]
     return [Append(self._next_ref, (message,))]
+
+
+def _qos_not_supported(qos: int) -> NoReturn:
+    """A PUBLISH above the Maximum QoS the CONNACK said [MQTT-3.2.2-11]: a protocol error, DISCONNECT 0x9B."""
+    raise RemoteProtocolError(ReasonCode.QOS_NOT_SUPPORTED, f"PUBLISH QoS {qos} exceeds maximum QoS")
+
+
+def _retain_not_supported() -> NoReturn:
+    """A retained PUBLISH though the CONNACK said Retain Available 0 [MQTT-3.2.2-14]: DISCONNECT 0x9A."""
+    raise RemoteProtocolError(ReasonCode.RETAIN_NOT_SUPPORTED, "PUBLISH with RETAIN set")
+
+
+def _wait_for_room(self: Channel, packet: Publish) -> list[Action]:
+    """A 3.1.1 QoS 1/2 message over the in-flight limit: 3.1.1 has no Receive Maximum to tell the client, so it
+    waits (the connection stops reading meanwhile: ``Channel.input_paused``)."""
+    held = self._hold(packet)
+    return [self._limit_hit(Limit.INFLIGHT, 1, f"{len(self._pending)} QoS 1/2 messages being stored: "
+                                              "input paused"), *held]
+
+
+def _qos2_resend(self: Channel, pid: int) -> list[Action] | None:
+    """The answer to a QoS 2 message whose packet id is already held ([MQTT-4.3.3-2]: until its PUBREL, PUBREC
+    again and store nothing), or None for a new one."""
+    if pid in self._session.awaiting_rel:  # type: ignore[union-attr]
+        return [Send((Pubrec(pid),))]  # a resend of a stored message: acknowledge, do not store again
+    if pid in self._storing_qos2:
+        return []  # a resend while the first copy is being stored: its PUBREC follows
+    return None
+
+
+def _check_topic_alias(self: Channel, alias: int, topic: str) -> str:
+    """The topic name of a PUBLISH with a Topic Alias: the alias is mapped to ``topic``, or ``topic`` is empty and
+    the alias's mapping is used (section 3.3.2.3.4).
+
+    Raises:
+        RemoteProtocolError: TOPIC_ALIAS_INVALID, the alias is above the server's Topic Alias Maximum
+            [MQTT-3.3.2-12]; PROTOCOL_ERROR, an empty topic name with an alias never mapped.
+    """
+    if alias > self.config.topic_alias_maximum:
+        raise RemoteProtocolError(ReasonCode.TOPIC_ALIAS_INVALID, f"topic alias {alias} exceeds the maximum")
+    if topic:
+        self._aliases_in[alias] = topic
+        return topic
+    if alias in self._aliases_in:
+        return self._aliases_in[alias]
+    raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, f"topic alias {alias} is not mapped")
+
+
+def _check_topic_name(self: Channel, topic: str) -> None:
+    """Validate a topic name new on this connection and remember it (devices repeat theirs).
+
+    Raises:
+        RemoteProtocolError: PROTOCOL_ERROR, a wildcard in a topic name [MQTT-3.3.2-2] (or another malformed
+            name); 0x90 is for names correctly formed but refused, as the topic limits answer.
+    """
+    try:
+        self._valid_topic = validate_topic(topic, SYNTAX_ONLY)
+    except TopicError as exc:
+        raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, str(exc)) from None
+
+
+def _check_receive_maximum(self: Channel) -> None:
+    """An MQTT 5 client may not have more QoS 1/2 messages unacknowledged than the server's Receive Maximum
+    [MQTT-3.3.4-7]; the server closes with 0x93 (section 3.3.4).
+
+    Raises:
+        RemoteProtocolError: RECEIVE_MAXIMUM_EXCEEDED.
+    """
+    maximum = self.config.receive_maximum
+    if len(self._pending) + len(self._session.awaiting_rel) >= maximum:  # type: ignore[union-attr]
+        raise RemoteProtocolError(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED,
+                                  f"more than {maximum} unacknowledged QoS 1/2 PUBLISHes")
 
 
 def process_pubrel(self: Channel, packet: Pubrel) -> list[Action]:

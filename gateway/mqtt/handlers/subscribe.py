@@ -40,7 +40,9 @@ def _parsed_filter(filter: str) -> tuple[str, str] | None:
 def _check_subscription(
     self: Channel, filter: str, options: SubscriptionOptions, sub_id: int | None
 ) -> Subscription | ReasonCode:
-    """The subscription a SUBSCRIBE entry asks for, or the SUBACK reason refusing it."""
+    """The subscription a SUBSCRIBE entry asks for, or the SUBACK reason refusing it: shared subscriptions and
+    wildcards only if available (0x9E, 0xA2), No Local never on a shared one [MQTT-3.8.3-4], the QoS granted at
+    most the Maximum QoS ([MQTT-3.2.2-10]: a request above it is accepted, downgraded)."""
     config = self.config
     shared = _parsed_filter(filter)
     group, queue = shared if shared is not None else (None, filter)
@@ -57,14 +59,26 @@ def _check_subscription(
     return Subscription(filter, queue, options, sub_id, group)
 
 
-def process_subscribe(self: Channel, packet: Subscribe) -> list[Action]:
-    session = self._session
-    assert session is not None
+def _check_subscription_identifier(self: Channel, packet: Subscribe) -> int | None:
+    """The SUBSCRIBE's Subscription Identifier, or None.
+
+    Raises:
+        RemoteProtocolError: SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED, the CONNACK said they are not available
+            (section 3.2.2.3.12: DISCONNECT 0xA1).
+    """
     ids = packet.properties.subscription_identifiers
     if ids and not self.config.subscription_ids_available:
         raise RemoteProtocolError(ReasonCode.SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED,
                                   "SUBSCRIBE with a subscription identifier")
-    sub_id = ids[0] if ids else None
+    return ids[0] if ids else None
+
+
+def process_subscribe(self: Channel, packet: Subscribe) -> list[Action]:
+    """A SUBSCRIBE: each filter checked (``_check_subscription``), over a topic limit or the session's quota
+    refused in the SUBACK; the accepted ones go to the node as one ``Activate`` (the SUBACK waits for it)."""
+    session = self._session
+    assert session is not None
+    sub_id = _check_subscription_identifier(self, packet)
     quota = self.config.max_subscriptions
     # New filters being activated count with those held: a SUBSCRIBE answered later must not let an earlier
     # one overshoot. (Counted, not collected: a SUBSCRIBE costs the same with 4,000 filters held as with 4.)
