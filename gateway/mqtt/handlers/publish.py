@@ -19,7 +19,7 @@ from gateway.mqtt.limits import SYNTAX_ONLY, Limit
 from gateway.mqtt.packets import MQTT_5, Puback, Pubcomp, Publish, Pubrec, Pubrel
 from gateway.mqtt.properties import EMPTY_PROPERTIES, PacketType, Properties, encode_properties
 from gateway.mqtt.reasons import PUBACK_REASONS, LocalProtocolError, ReasonCode, RemoteProtocolError
-from gateway.mqtt.session import NOT_IN_LOG
+from gateway.mqtt.session import NOT_IN_LOG, Session
 from gateway.mqtt.state import State
 from lightqueue.topics import TopicError, validate_topic
 from store.api import NewMessage
@@ -91,6 +91,8 @@ def process_publish(self: Channel, packet: Publish) -> list[Action]:
     message on the topic its client used before, most of what a node reads, calls none of them.
     """
     config = self.config
+    session = self._session
+    assert session is not None
     qos = packet.qos
     pid = packet.packet_id
     if qos > config.max_qos:
@@ -100,7 +102,7 @@ def process_publish(self: Channel, packet: Publish) -> list[Action]:
     if qos and self._level != MQTT_5 and len(self._pending) >= config.receive_maximum:
         return _wait_for_room(self, packet)
     if qos == 2:
-        resent = _qos2_resend(self, pid)
+        resent = _qos2_resend(self, session, pid)
         if resent is not None:
             return resent
     topic = packet.topic
@@ -116,7 +118,7 @@ def process_publish(self: Channel, packet: Publish) -> list[Action]:
         if over is not None:
             return _topic_refusal(self, packet, *over)
     if qos and self._level == MQTT_5:
-        _check_receive_maximum(self)
+        _check_receive_maximum(self, session)
     if self._buckets:
         refusal = _rate_refusal(self, packet)
         if refusal is not None:
@@ -152,10 +154,10 @@ def _wait_for_room(self: Channel, packet: Publish) -> list[Action]:
                                               "input paused"), *held]
 
 
-def _qos2_resend(self: Channel, pid: int) -> list[Action] | None:
+def _qos2_resend(self: Channel, session: Session, pid: int) -> list[Action] | None:
     """The answer to a QoS 2 message whose packet id is already held ([MQTT-4.3.3-2]: until its PUBREL, PUBREC
     again and store nothing), or None for a new one."""
-    if pid in self._session.awaiting_rel:  # type: ignore[union-attr]
+    if pid in session.awaiting_rel:
         return [Send((Pubrec(pid),))]  # a resend of a stored message: acknowledge, do not store again
     if pid in self._storing_qos2:
         return []  # a resend while the first copy is being stored: its PUBREC follows
@@ -193,7 +195,7 @@ def _check_topic_name(self: Channel, topic: str) -> None:
         raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, str(exc)) from None
 
 
-def _check_receive_maximum(self: Channel) -> None:
+def _check_receive_maximum(self: Channel, session: Session) -> None:
     """An MQTT 5 client may not have more QoS 1/2 messages unacknowledged than the server's Receive Maximum
     [MQTT-3.3.4-7]; the server closes with 0x93 (section 3.3.4).
 
@@ -201,7 +203,7 @@ def _check_receive_maximum(self: Channel) -> None:
         RemoteProtocolError: RECEIVE_MAXIMUM_EXCEEDED.
     """
     maximum = self.config.receive_maximum
-    if len(self._pending) + len(self._session.awaiting_rel) >= maximum:  # type: ignore[union-attr]
+    if len(self._pending) + len(session.awaiting_rel) >= maximum:
         raise RemoteProtocolError(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED,
                                   f"more than {maximum} unacknowledged QoS 1/2 PUBLISHes")
 
