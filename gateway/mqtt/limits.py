@@ -16,11 +16,17 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import final
 
-__all__ = ["LOG_INTERVAL_S", "HitLog", "Limit", "LimitCounters"]
+from lightqueue.topics import MAX_TOPIC_BYTES, TopicLimits
+
+__all__ = ["LOG_INTERVAL_S", "SYNTAX_ONLY", "HitLog", "Limit", "LimitCounters"]
 
 LOG_INTERVAL_S = 10.0
 """After its first hit, a limit of one connection is logged at most this often: a flood of hits becomes one line
 per interval with a count, which says as much and keeps the log readable."""
+
+SYNTAX_ONLY = TopicLimits(MAX_TOPIC_BYTES, MAX_TOPIC_BYTES + 1)
+"""Topic validation with the protocol's bounds only: the configured length and level limits are checked apart, so
+a topic over them is a counted limit hit answered per message, not a malformed packet."""
 
 
 class Limit(Enum):

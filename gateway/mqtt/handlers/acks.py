@@ -1,0 +1,23 @@
+"""PUBACK, PUBREC and PUBCOMP from the client: acknowledgements of outbound messages, which the session settles."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gateway.mqtt.actions import Action
+from gateway.mqtt.packets import Puback, Pubcomp, Pubrec
+
+if TYPE_CHECKING:  # the channel imports this module for its dispatch table: only the type checker imports it back
+    from gateway.mqtt.channel import Channel
+
+
+def process_puback(self: Channel, packet: Puback) -> list[Action]:
+    return self._session.puback(packet.packet_id)  # type: ignore[union-attr]
+
+
+def process_pubrec(self: Channel, packet: Pubrec) -> list[Action]:
+    return self._session.pubrec(packet.packet_id, packet.reason_code)  # type: ignore[union-attr]
+
+
+def process_pubcomp(self: Channel, packet: Pubcomp) -> list[Action]:
+    return self._session.pubcomp(packet.packet_id)  # type: ignore[union-attr]
