@@ -1,7 +1,7 @@
 """The channel's packet handlers, one module per packet family (Mosquitto's ``handle_*.c``, EMQX's ``process_*``).
 
-Each handler is a function of the channel (its first parameter, ``self``, is the
-``Channel`` whose state it reads and moves, as the method it was) and one packet
+Each handler is a function of the channel (its first parameter, ``channel``, is the
+``Channel`` whose state it reads and moves) and one packet
 or node event; it returns the actions the node executes, in order. The channel
 keeps the state, the transition table, the timers and the closing, and
 dispatches each packet (and each node event answering one) to its family's

@@ -11,13 +11,13 @@ if TYPE_CHECKING:  # the channel imports this module for its dispatch table: onl
     from gateway.mqtt.channel import Channel
 
 
-def process_puback(self: Channel, packet: Puback) -> list[Action]:
-    return self._session.puback(packet.packet_id)  # type: ignore[union-attr]
+def process_puback(channel: Channel, packet: Puback) -> list[Action]:
+    return channel._session.puback(packet.packet_id)  # type: ignore[union-attr]
 
 
-def process_pubrec(self: Channel, packet: Pubrec) -> list[Action]:
-    return self._session.pubrec(packet.packet_id, packet.reason_code)  # type: ignore[union-attr]
+def process_pubrec(channel: Channel, packet: Pubrec) -> list[Action]:
+    return channel._session.pubrec(packet.packet_id, packet.reason_code)  # type: ignore[union-attr]
 
 
-def process_pubcomp(self: Channel, packet: Pubcomp) -> list[Action]:
-    return self._session.pubcomp(packet.packet_id)  # type: ignore[union-attr]
+def process_pubcomp(channel: Channel, packet: Pubcomp) -> list[Action]:
+    return channel._session.pubcomp(packet.packet_id)  # type: ignore[union-attr]

@@ -38,31 +38,31 @@ def property_block(properties: Properties) -> bytes:
     return encode_properties(properties, PacketType.PUBLISH)
 
 
-def _rate_refusal(self: Channel, packet: Publish) -> list[Action] | None:
+def _rate_refusal(channel: Channel, packet: Publish) -> list[Action] | None:
     """Charge the publish-rate buckets for ``packet``; None when it may go on, else the answer to it.
 
     Over a rate an MQTT 5 QoS 1/2 message gets PUBACK / PUBREC 0x97 (quota exceeded) and a 3.1.1 one closes
     the connection (it cannot be refused, and acknowledging it would lose it unseen); QoS 0 ones are dropped.
     A client ``RATE_DEBT_S`` seconds in debt is disconnected (0x96, message rate too high).
     """
-    now = self._now()
+    now = channel._now()
     refused: Limit | None = None
-    for bucket, limit in self._buckets:
+    for bucket, limit in channel._buckets:
         cost = 1 if limit is Limit.PUBLISH_RATE else len(packet.payload)
         if not bucket.take(cost, now) and refused is None:
             refused = limit
     if refused is None:
         return None
-    debt = max(bucket.debt_s(now) for bucket, _ in self._buckets)
+    debt = max(bucket.debt_s(now) for bucket, _ in channel._buckets)
     what = "messages/s" if refused is Limit.PUBLISH_RATE else "payload bytes/s"
-    rate = self.config.publish_rate if refused is Limit.PUBLISH_RATE else self.config.publish_bytes_rate
-    if debt > RATE_DEBT_S or (packet.qos and self._level != MQTT_5):
+    rate = channel.config.publish_rate if refused is Limit.PUBLISH_RATE else channel.config.publish_bytes_rate
+    if debt > RATE_DEBT_S or (packet.qos and channel._level != MQTT_5):
         reason = ReasonCode.MESSAGE_RATE_TOO_HIGH
         why = f"publishing over {rate:g} {what}" + (f" for {debt:.0f} s" if debt > RATE_DEBT_S else "")
-        packet_out = self._explained(error_packet(self._level, False, reason), self._level, why)
-        return [self._limit_hit(refused, 1, f"{why}: disconnected"),
-                *self._close(reason, why, packet=packet_out, will=True)]
-    hit = self._limit_hit(refused, 1, f"QoS {packet.qos} message over {rate:g} {what}: "
+        packet_out = channel._explained(error_packet(channel._level, False, reason), channel._level, why)
+        return [channel._limit_hit(refused, 1, f"{why}: disconnected"),
+                *channel._close(reason, why, packet=packet_out, will=True)]
+    hit = channel._limit_hit(refused, 1, f"QoS {packet.qos} message over {rate:g} {what}: "
                                       + ("refused (0x97)" if packet.qos else "dropped"))
     if not packet.qos:
         return [hit]
@@ -70,28 +70,28 @@ def _rate_refusal(self: Channel, packet: Publish) -> list[Action] | None:
     return [hit, Send((ack(packet.packet_id, ReasonCode.QUOTA_EXCEEDED),))]  # type: ignore[arg-type]
 
 
-def _topic_refusal(self: Channel, packet: Publish, limit: Limit, why: str) -> list[Action]:
+def _topic_refusal(channel: Channel, packet: Publish, limit: Limit, why: str) -> list[Action]:
     """A PUBLISH whose topic is over a limit: MQTT 5 QoS 1/2 get PUBACK / PUBREC 0x90 (topic name invalid:
     not malformed, "not accepted by this Server"); QoS 0 (no acknowledgement to say it in) and 3.1.1 close."""
-    if packet.qos and self._level == MQTT_5:
+    if packet.qos and channel._level == MQTT_5:
         ack = Puback if packet.qos == 1 else Pubrec
-        return [self._limit_hit(limit, 1, f"QoS {packet.qos} message refused (0x90): {why}"),
+        return [channel._limit_hit(limit, 1, f"QoS {packet.qos} message refused (0x90): {why}"),
                 Send((ack(packet.packet_id, ReasonCode.TOPIC_NAME_INVALID),))]  # type: ignore[arg-type]
     reason = ReasonCode.TOPIC_NAME_INVALID
-    packet_out = self._explained(error_packet(self._level, False, reason), self._level, why)
-    return [self._limit_hit(limit, 1, f"{why}: disconnected"),
-            *self._close(reason, f"PUBLISH over a topic limit: {why}", packet=packet_out, will=True)]
+    packet_out = channel._explained(error_packet(channel._level, False, reason), channel._level, why)
+    return [channel._limit_hit(limit, 1, f"{why}: disconnected"),
+            *channel._close(reason, f"PUBLISH over a topic limit: {why}", packet=packet_out, will=True)]
 
 
-def process_publish(self: Channel, packet: Publish) -> list[Action]:
+def process_publish(channel: Channel, packet: Publish) -> list[Action]:
     """A PUBLISH from the client: its checks, cheapest first, then its ``Append`` (acknowledged on ``Appended``).
 
     Each check is a step named for its rule, run only when the rule can apply (a QoS 1/2 message, an alias, a
     topic name new on this connection, a topic long enough to be over a limit, a rate configured): a valid QoS 0
     message on the topic its client used before, most of what a node reads, calls none of them.
     """
-    config = self.config
-    session = self._session
+    config = channel.config
+    session = channel._session
     assert session is not None
     qos = packet.qos
     pid = packet.packet_id
@@ -99,41 +99,41 @@ def process_publish(self: Channel, packet: Publish) -> list[Action]:
         _qos_not_supported(qos)
     if packet.retain and not config.retain_available:
         _retain_not_supported()
-    if qos and self._level != MQTT_5 and len(self._pending) >= config.receive_maximum:
-        return _wait_for_room(self, packet)
+    if qos and channel._level != MQTT_5 and len(channel._pending) >= config.receive_maximum:
+        return _wait_for_room(channel, packet)
     if qos == 2:
-        resent = _qos2_resend(self, session, pid)
+        resent = _qos2_resend(channel, session, pid)
         if resent is not None:
             return resent
     topic = packet.topic
     props = packet.properties
     alias = props.topic_alias
     if alias is not None:
-        topic = _check_topic_alias(self, alias, topic)
+        topic = _check_topic_alias(channel, alias, topic)
         props = replace(props, topic_alias=None)
-    if topic != self._valid_topic:
-        _check_topic_name(self, topic)
-    if len(topic) >= self._topic_check_from:
-        over = self._topic_over(topic, "topic name")
+    if topic != channel._valid_topic:
+        _check_topic_name(channel, topic)
+    if len(topic) >= channel._topic_check_from:
+        over = channel._topic_over(topic, "topic name")
         if over is not None:
-            return _topic_refusal(self, packet, *over)
-    if qos and self._level == MQTT_5:
-        _check_receive_maximum(self, session)
-    if self._buckets:
-        refusal = _rate_refusal(self, packet)
+            return _topic_refusal(channel, packet, *over)
+    if qos and channel._level == MQTT_5:
+        _check_receive_maximum(channel, session)
+    if channel._buckets:
+        refusal = _rate_refusal(channel, packet)
         if refusal is not None:
             return refusal
-    born_ms = int(self._last_rx * 1000)  # the clock read when this packet came in (handle_in)
-    message = NewMessage(topic, packet.payload, self._client_id, qos, packet.retain,
+    born_ms = int(channel._last_rx * 1000)  # the clock read when this packet came in (handle_in)
+    message = NewMessage(topic, packet.payload, channel._client_id, qos, packet.retain,
                          b"" if props is EMPTY_PROPERTIES else property_block(props), born_ms,
                          pid if qos == 2 else 0)
     if not qos:
         return [Append(None, (message,))]
-    self._next_ref += 1
-    self._pending[self._next_ref] = (qos, pid)  # type: ignore[assignment]
+    channel._next_ref += 1
+    channel._pending[channel._next_ref] = (qos, pid)  # type: ignore[assignment]
     if qos == 2:
-        self._storing_qos2[pid] = None  # type: ignore[index]
-    return [Append(self._next_ref, (message,))]
+        channel._storing_qos2[pid] = None  # type: ignore[index]
+    return [Append(channel._next_ref, (message,))]
 
 
 def _qos_not_supported(qos: int) -> NoReturn:
@@ -146,25 +146,25 @@ def _retain_not_supported() -> NoReturn:
     raise RemoteProtocolError(ReasonCode.RETAIN_NOT_SUPPORTED, "PUBLISH with RETAIN set")
 
 
-def _wait_for_room(self: Channel, packet: Publish) -> list[Action]:
+def _wait_for_room(channel: Channel, packet: Publish) -> list[Action]:
     """A 3.1.1 QoS 1/2 message over the in-flight limit: 3.1.1 has no Receive Maximum to tell the client, so it
     waits (the connection stops reading meanwhile: ``Channel.input_paused``)."""
-    held = self._hold(packet)
-    return [self._limit_hit(Limit.INFLIGHT, 1, f"{len(self._pending)} QoS 1/2 messages being stored: "
+    held = channel._hold(packet)
+    return [channel._limit_hit(Limit.INFLIGHT, 1, f"{len(channel._pending)} QoS 1/2 messages being stored: "
                                               "input paused"), *held]
 
 
-def _qos2_resend(self: Channel, session: Session, pid: int) -> list[Action] | None:
+def _qos2_resend(channel: Channel, session: Session, pid: int) -> list[Action] | None:
     """The answer to a QoS 2 message whose packet id is already held ([MQTT-4.3.3-2]: until its PUBREL, PUBREC
     again and store nothing), or None for a new one."""
     if pid in session.awaiting_rel:
         return [Send((Pubrec(pid),))]  # a resend of a stored message: acknowledge, do not store again
-    if pid in self._storing_qos2:
+    if pid in channel._storing_qos2:
         return []  # a resend while the first copy is being stored: its PUBREC follows
     return None
 
 
-def _check_topic_alias(self: Channel, alias: int, topic: str) -> str:
+def _check_topic_alias(channel: Channel, alias: int, topic: str) -> str:
     """The topic name of a PUBLISH with a Topic Alias: the alias is mapped to ``topic``, or ``topic`` is empty and
     the alias's mapping is used (section 3.3.2.3.4).
 
@@ -172,17 +172,17 @@ def _check_topic_alias(self: Channel, alias: int, topic: str) -> str:
         RemoteProtocolError: TOPIC_ALIAS_INVALID, the alias is above the server's Topic Alias Maximum
             [MQTT-3.3.2-12]; PROTOCOL_ERROR, an empty topic name with an alias never mapped.
     """
-    if alias > self.config.topic_alias_maximum:
+    if alias > channel.config.topic_alias_maximum:
         raise RemoteProtocolError(ReasonCode.TOPIC_ALIAS_INVALID, f"topic alias {alias} exceeds the maximum")
     if topic:
-        self._aliases_in[alias] = topic
+        channel._aliases_in[alias] = topic
         return topic
-    if alias in self._aliases_in:
-        return self._aliases_in[alias]
+    if alias in channel._aliases_in:
+        return channel._aliases_in[alias]
     raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, f"topic alias {alias} is not mapped")
 
 
-def _check_topic_name(self: Channel, topic: str) -> None:
+def _check_topic_name(channel: Channel, topic: str) -> None:
     """Validate a topic name new on this connection and remember it (devices repeat theirs).
 
     Raises:
@@ -190,68 +190,68 @@ def _check_topic_name(self: Channel, topic: str) -> None:
             name); 0x90 is for names correctly formed but refused, as the topic limits answer.
     """
     try:
-        self._valid_topic = validate_topic(topic, SYNTAX_ONLY)
+        channel._valid_topic = validate_topic(topic, SYNTAX_ONLY)
     except TopicError as exc:
         raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, str(exc)) from None
 
 
-def _check_receive_maximum(self: Channel, session: Session) -> None:
+def _check_receive_maximum(channel: Channel, session: Session) -> None:
     """An MQTT 5 client may not have more QoS 1/2 messages unacknowledged than the server's Receive Maximum
     [MQTT-3.3.4-7]; the server closes with 0x93 (section 3.3.4).
 
     Raises:
         RemoteProtocolError: RECEIVE_MAXIMUM_EXCEEDED.
     """
-    maximum = self.config.receive_maximum
-    if len(self._pending) + len(session.awaiting_rel) >= maximum:
+    maximum = channel.config.receive_maximum
+    if len(channel._pending) + len(session.awaiting_rel) >= maximum:
         raise RemoteProtocolError(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED,
                                   f"more than {maximum} unacknowledged QoS 1/2 PUBLISHes")
 
 
-def process_pubrel(self: Channel, packet: Pubrel) -> list[Action]:
-    session = self._session
+def process_pubrel(channel: Channel, packet: Pubrel) -> list[Action]:
+    session = channel._session
     assert session is not None
     pid = packet.packet_id
     offset = session.awaiting_rel.get(pid)
     if offset is not None:
-        if pid in self._releasing.values():
+        if pid in channel._releasing.values():
             return []  # the release is being written: its PUBCOMP follows
         if offset == NOT_IN_LOG:
             del session.awaiting_rel[pid]
             return [Send((Pubcomp(pid),))]
-        self._next_ref += 1
-        self._releasing[self._next_ref] = pid
-        return [ReleaseInbound(self._next_ref, self._client_id, pid, offset)]
-    if self._level == MQTT_5:
+        channel._next_ref += 1
+        channel._releasing[channel._next_ref] = pid
+        return [ReleaseInbound(channel._next_ref, channel._client_id, pid, offset)]
+    if channel._level == MQTT_5:
         return [Send((Pubcomp(pid, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND),))]
     return [Send((Pubcomp(pid),))]  # 3.1.1 has no reason: complete the flow anyway
 
 
-def on_appended(self: Channel, event: Appended) -> list[Action]:
-    actions = _appended(self, event)
-    if self._held and self._state is State.CONNECTED:
-        actions += self._release_held()
+def on_appended(channel: Channel, event: Appended) -> list[Action]:
+    actions = _appended(channel, event)
+    if channel._held and channel._state is State.CONNECTED:
+        actions += channel._release_held()
     return actions
 
 
-def _appended(self: Channel, event: Appended) -> list[Action]:
+def _appended(channel: Channel, event: Appended) -> list[Action]:
     try:
-        qos, pid = self._pending.pop(event.ref)
+        qos, pid = channel._pending.pop(event.ref)
     except KeyError:
         raise LocalProtocolError(f"Appended for unknown ref {event.ref}") from None
-    session = self._session
+    session = channel._session
     assert session is not None
-    closing = self._state is not State.CONNECTED
+    closing = channel._state is not State.CONNECTED
     if qos == 2:
-        self._storing_qos2.pop(pid, None)
+        channel._storing_qos2.pop(pid, None)
     if event.ok:
         if qos == 2:
             session.awaiting_rel[pid] = event.offset  # the record says so too: the store knows it after a crash
-            return self._settle() if closing else [Send((Pubrec(pid),))]
-        return self._settle() if closing else [Send((Puback(pid),))]
+            return channel._settle() if closing else [Send((Pubrec(pid),))]
+        return channel._settle() if closing else [Send((Puback(pid),))]
     if closing:
-        return self._settle()
-    if self._level == MQTT_5:
+        return channel._settle()
+    if channel._level == MQTT_5:
         reason = event.reason if event.reason.is_failure and event.reason in PUBACK_REASONS else \
             ReasonCode.UNSPECIFIED_ERROR
         return [Send(((Puback if qos == 1 else Pubrec)(pid, reason),))]
@@ -259,15 +259,15 @@ def _appended(self: Channel, event: Appended) -> list[Action]:
         # 3.1.1 has no negative acknowledgement: acknowledge the dropped message (the node logged it), or the
         # client would resend it forever (Mosquitto does the same). A PUBREL for it gets its PUBCOMP anyway.
         return [Send(((Puback if qos == 1 else Pubrec)(pid),))]
-    return self._close(event.reason, f"message not stored ({event.reason.name}); 3.1.1 cannot refuse it")
+    return channel._close(event.reason, f"message not stored ({event.reason.name}); 3.1.1 cannot refuse it")
 
 
-def on_inbound_released(self: Channel, event: InboundReleased) -> list[Action]:
+def on_inbound_released(channel: Channel, event: InboundReleased) -> list[Action]:
     try:
-        pid = self._releasing.pop(event.ref)
+        pid = channel._releasing.pop(event.ref)
     except KeyError:
         raise LocalProtocolError(f"InboundReleased for unknown ref {event.ref}") from None
-    self._session.awaiting_rel.pop(pid, None)  # type: ignore[union-attr]
-    if self._state is not State.CONNECTED:
-        return self._settle()
+    channel._session.awaiting_rel.pop(pid, None)  # type: ignore[union-attr]
+    if channel._state is not State.CONNECTED:
+        return channel._settle()
     return [Send((Pubcomp(pid),))]

@@ -38,18 +38,18 @@ def _parsed_filter(filter: str) -> tuple[str, str] | None:
 
 
 def _check_subscription(
-    self: Channel, filter: str, options: SubscriptionOptions, sub_id: int | None
+    channel: Channel, filter: str, options: SubscriptionOptions, sub_id: int | None
 ) -> Subscription | ReasonCode:
     """The subscription a SUBSCRIBE entry asks for, or the SUBACK reason refusing it: shared subscriptions and
     wildcards only if available (0x9E, 0xA2), No Local never on a shared one [MQTT-3.8.3-4], the QoS granted at
     most the Maximum QoS ([MQTT-3.2.2-10]: a request above it is accepted, downgraded)."""
-    config = self.config
+    config = channel.config
     shared = _parsed_filter(filter)
     group, queue = shared if shared is not None else (None, filter)
     if group is not None:
         if not config.shared_available:
             return ReasonCode.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED
-        if options.no_local and self._level == MQTT_5:
+        if options.no_local and channel._level == MQTT_5:
             raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR,
                                       f"No Local on shared subscription {filter!r} [MQTT-3.8.3-4]")
     if is_wildcard(queue) and not config.wildcard_available:
@@ -59,7 +59,7 @@ def _check_subscription(
     return Subscription(filter, queue, options, sub_id, group)
 
 
-def _check_subscription_identifier(self: Channel, packet: Subscribe) -> int | None:
+def _check_subscription_identifier(channel: Channel, packet: Subscribe) -> int | None:
     """The SUBSCRIBE's Subscription Identifier, or None.
 
     Raises:
@@ -67,22 +67,22 @@ def _check_subscription_identifier(self: Channel, packet: Subscribe) -> int | No
             (section 3.2.2.3.12: DISCONNECT 0xA1).
     """
     ids = packet.properties.subscription_identifiers
-    if ids and not self.config.subscription_ids_available:
+    if ids and not channel.config.subscription_ids_available:
         raise RemoteProtocolError(ReasonCode.SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED,
                                   "SUBSCRIBE with a subscription identifier")
     return ids[0] if ids else None
 
 
-def process_subscribe(self: Channel, packet: Subscribe) -> list[Action]:
+def process_subscribe(channel: Channel, packet: Subscribe) -> list[Action]:
     """A SUBSCRIBE: each filter checked (``_check_subscription``), over a topic limit or the session's quota
     refused in the SUBACK; the accepted ones go to the node as one ``Activate`` (the SUBACK waits for it)."""
-    session = self._session
+    session = channel._session
     assert session is not None
-    sub_id = _check_subscription_identifier(self, packet)
-    quota = self.config.max_subscriptions
+    sub_id = _check_subscription_identifier(channel, packet)
+    quota = channel.config.max_subscriptions
     # New filters being activated count with those held: a SUBSCRIBE answered later must not let an earlier
     # one overshoot. (Counted, not collected: a SUBSCRIBE costs the same with 4,000 filters held as with 4.)
-    activating = {sub.filter for _, _, w in self._activations.values() for _, sub in w
+    activating = {sub.filter for _, _, w in channel._activations.values() for _, sub in w
                   if not session.holds(sub.filter)} if quota else set()
     held = session.subscription_count + len(activating)
     codes: list[ReasonCode] = []
@@ -91,14 +91,14 @@ def process_subscribe(self: Channel, packet: Subscribe) -> list[Action]:
     hits: list[Action] = []
     over_quota = 0
     for index, (filter, options) in enumerate(packet.subscriptions):
-        checked = _check_subscription(self, filter, options, sub_id)
+        checked = _check_subscription(channel, filter, options, sub_id)
         if isinstance(checked, ReasonCode):
             codes.append(checked)
             continue
-        over = self._topic_over(checked.queue, "topic filter")
+        over = channel._topic_over(checked.queue, "topic filter")
         if over is not None:
             codes.append(ReasonCode.TOPIC_FILTER_INVALID)
-            hits.append(self._limit_hit(over[0], 1, f"filter refused: {over[1]}"))
+            hits.append(channel._limit_hit(over[0], 1, f"filter refused: {over[1]}"))
             continue
         if quota and filter not in activating and not session.holds(filter):
             if held >= quota:
@@ -113,19 +113,19 @@ def process_subscribe(self: Channel, packet: Subscribe) -> list[Action]:
         if checked.group is None and (handling == 0 or (handling == 1 and not session.holds(filter))):
             retained.append(filter)
     if over_quota:
-        hits.append(self._limit_hit(Limit.SUBSCRIPTIONS, over_quota,
+        hits.append(channel._limit_hit(Limit.SUBSCRIPTIONS, over_quota,
                                     f"{over_quota} filter(s) refused: the session holds {held} "
                                     f"subscriptions, the limit is {quota}"))
     if not wanted:
         return [*hits, Send((Suback(packet.packet_id, tuple(codes)),))]
-    self._next_ref += 1
-    self._activations[self._next_ref] = (packet.packet_id, codes, wanted)
+    channel._next_ref += 1
+    channel._activations[channel._next_ref] = (packet.packet_id, codes, wanted)
     subs = tuple(sub for _, sub in wanted)
-    return [*hits, Activate(self._next_ref, self._client_id, subs, tuple(retained))]
+    return [*hits, Activate(channel._next_ref, channel._client_id, subs, tuple(retained))]
 
 
-def process_unsubscribe(self: Channel, packet: Unsubscribe) -> list[Action]:
-    session = self._session
+def process_unsubscribe(channel: Channel, packet: Unsubscribe) -> list[Action]:
+    session = channel._session
     assert session is not None
     codes: list[ReasonCode] = []
     released: list[str] = []
@@ -136,17 +136,17 @@ def process_unsubscribe(self: Channel, packet: Unsubscribe) -> list[Action]:
             released.append(filter)
         else:
             codes.append(ReasonCode.NO_SUBSCRIPTION_EXISTED)
-    actions: list[Action] = [Release(self._client_id, tuple(released)), *self._save()] if released else []
-    reasons = tuple(codes) if self._level == MQTT_5 else ()
+    actions: list[Action] = [Release(channel._client_id, tuple(released)), *channel._save()] if released else []
+    reasons = tuple(codes) if channel._level == MQTT_5 else ()
     return [*actions, Send((Unsuback(packet.packet_id, reasons),))]
 
 
-def on_activated(self: Channel, event: Activated) -> list[Action]:
+def on_activated(channel: Channel, event: Activated) -> list[Action]:
     try:
-        packet_id, codes, wanted = self._activations.pop(event.ref)
+        packet_id, codes, wanted = channel._activations.pop(event.ref)
     except KeyError:
         raise LocalProtocolError(f"Activated for unknown ref {event.ref}") from None
-    session = self._session
+    session = channel._session
     assert session is not None
     refused = event.reasons or {}
     subscribed = set()
@@ -159,6 +159,6 @@ def on_activated(self: Channel, event: Activated) -> list[Action]:
             raise LocalProtocolError(f"Activated without a start offset for {sub.filter!r}")
         session.subscribe(sub, event.starts.get(sub.filter, 0))
         subscribed.add(sub.filter)
-    actions: list[Action] = [*self._save(), Send((Suback(packet_id, tuple(codes)),))]
+    actions: list[Action] = [*channel._save(), Send((Suback(packet_id, tuple(codes)),))]
     retained = tuple(pair for pair in event.retained if pair[0] in subscribed)
     return actions + session.retained(retained)
