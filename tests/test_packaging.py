@@ -20,12 +20,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from mqtt_fixtures import WAIT_S, connected
-from processes import LightgateProcess
 
 from gateway import __version__
 from gateway.app import config as cfg
 from gateway.app.cli import build_parser
+from tests.helpers.mqtt_fixtures import WAIT_S, connected
+from tests.helpers.processes import LightgateProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -8,18 +8,10 @@ import urllib.request
 
 import pytest
 
-from mqtt_fixtures import WAIT_S, running_node, wait_until
-from processes import ROOT
+from tests.helpers.mqtt_fixtures import WAIT_S, wait_until
+from tests.helpers.processes import ROOT
 
 RUN_TIMEOUT_S = 120.0  # a 3-5 s run plus process start-up, drain and disconnects on 2 loaded cores
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    with running_node(tmp_path_factory.mktemp("node") / "data") as node:
-        yield node
-    assert node.proc.returncode == 0
-    assert not [doc for doc in node.logs if doc.get("level") == "error"], node.logs
 
 
 def simulate(node, tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:

@@ -11,10 +11,10 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 
-from mqtt_fixtures import properties
-from test_cluster import WAIT_S, running_cluster, run_id
-from test_gateway_admin import Admin, admin_port
-from test_gateway_server import Client
+from tests.helpers.admin import Admin, admin_port
+from tests.helpers.cluster import WAIT_S, running_cluster, run_id
+from tests.helpers.mqtt_fixtures import properties
+from tests.helpers.mqtt_fixtures import Client
 
 pytestmark = pytest.mark.slow
 

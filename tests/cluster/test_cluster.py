@@ -7,78 +7,21 @@ timeout (``WAIT_S``), never slept for.
 import queue
 import socket
 import time
-import uuid
-from contextlib import contextmanager
-from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-import trio
 from paho.mqtt.packettypes import PacketTypes
 
 from gateway.mqtt.packets import MQTT_5, Connack, Connect
 from gateway.mqtt.reasons import ReasonCode
-from mqtt_fixtures import connect_packet, properties, raw_client
-from processes import LightgateProcess
 from store.leases import LEASE_S
-from store.rpc import wire as rpc
-from store.rpc.client import RemoteStore
-from test_gateway_server import Client, connected
+from tests.helpers.cluster import (
+    QUIET_S, WAIT_S, ask_store, check_quiet, run_id, running_cluster, store_statistics, wait_for,
+)
+from tests.helpers.mqtt_fixtures import connect_packet, properties, raw_client
+from tests.helpers.mqtt_fixtures import Client, connected
 
 pytestmark = pytest.mark.slow
-
-WAIT_S = 30.0  # every condition below is waited for with this timeout (two cores, several processes)
-QUIET_S = 1.0  # how long a test listens to show that something does NOT arrive
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Process(LightgateProcess):
-    """A `lightgate` subprocess, waited for until it logs ``ready`` (that line kept as ``ready_line``)."""
-
-    def __init__(self, *args: str, ready: str) -> None:
-        super().__init__(*args, wait_s=WAIT_S)
-        self.ready_line = self.wait_log(lambda doc: doc.get("msg") == ready)
-
-
-class Store(Process):
-    def __init__(self, data: Path, port: int, *flags: str) -> None:
-        super().__init__("store", "--data", str(data), "--listen", f"127.0.0.1:{port}", *flags,
-                         ready="store node ready")
-        self.data = data
-        self.port = port
-        self.flags = flags
-
-    def restarted(self) -> "Store":
-        """A new store process on the same data, port and flags (this one must have exited)."""
-        return Store(self.data, self.port, *self.flags)
-
-
-class Gateway(Process):
-    def __init__(self, store_port: int, *flags: str) -> None:
-        super().__init__("gateway", "--store", f"127.0.0.1:{store_port}", "--port", "0",
-                         "--mqtt-sys-interval-s", "0", *flags, ready="gateway node ready")
-        self.port = self.ready_line["port"]
-        self.node = self.wait_log(lambda doc: doc.get("msg") == "connected to the store")["node"]
-
-
-@contextmanager
-def running_cluster(tmp_path: Path, gateways: int = 2):
-    store = Store(tmp_path / "data", free_port())
-    started = [store]
-    try:
-        nodes = []
-        for _ in range(gateways):
-            nodes.append(Gateway(store.port))
-            started.append(nodes[-1])
-        yield store, nodes
-    finally:
-        for process in reversed(started):
-            process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -89,29 +32,6 @@ def cluster(tmp_path_factory):
     for process in (store, *gateways):
         assert process.proc.returncode == 0, process.args
         assert not process.errors(), process.errors()
-
-
-def run_id() -> str:
-    return uuid.uuid4().hex[:6]
-
-
-def ask_store(port: int, call):
-    """``await call(client)`` with a RemoteStore of its own, as a gateway would ask."""
-    async def ask():
-        async with RemoteStore.connect("127.0.0.1", port, node=f"probe-{run_id()}", timeout_s=WAIT_S) as client:
-            return await call(client)
-
-    return trio.run(ask)
-
-
-def store_statistics(port: int):
-    return ask_store(port, lambda client: client.statistics())
-
-
-def check_quiet(messages: queue.Queue, seconds: float = QUIET_S) -> None:
-    with pytest.raises(queue.Empty):
-        extra = messages.get(timeout=seconds)
-        pytest.fail(f"unexpected message {extra.topic} {extra.payload!r}")
 
 
 def publisher(port: int, protocol: int) -> tuple[mqtt.Client, dict, queue.Queue]:
@@ -127,14 +47,6 @@ def publisher(port: int, protocol: int) -> tuple[mqtt.Client, dict, queue.Queue]
     client.loop_start()
     assert not connacks.get(timeout=WAIT_S).is_failure  # the session is open: publishes go to the store
     return client, acks, disconnects
-
-
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)  # polling paho's state: there is nothing to wait on
 
 
 @pytest.mark.parametrize("protocol", [mqtt.MQTTv311, mqtt.MQTTv5])

@@ -16,10 +16,10 @@ import shutil
 import subprocess
 import sys
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 
 import pytest
-from processes import ROOT, LightgateProcess
+
+from tests.helpers.processes import ROOT, LightgateProcess
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def network_namespace():
 
 def with_free_ports(commands: list[list[str]]) -> list[list[str]]:
     """The commands with every documented port replaced by a free one (the same one wherever it recurs)."""
-    from test_cluster import free_port
+    from tests.helpers.cluster import free_port
 
     ports: dict[str, str] = {}
 

@@ -13,9 +13,9 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 
-from mqtt_fixtures import properties
-from test_cluster import Gateway, Store, ask_store, check_quiet, free_port, run_id, wait_for
-from test_gateway_server import Client, connected
+from tests.helpers.cluster import Gateway, Store, ask_store, check_quiet, free_port, run_id, wait_for
+from tests.helpers.mqtt_fixtures import properties
+from tests.helpers.mqtt_fixtures import Client, connected
 
 pytestmark = pytest.mark.slow
 

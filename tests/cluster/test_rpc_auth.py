@@ -18,8 +18,8 @@ from store.api import NewMessage
 from store.rpc import wire as rpc
 from store.rpc.client import RemoteStore
 from store.rpc.server import HANDSHAKE_TIMEOUT_S
-from test_cluster import WAIT_S, Gateway, Store, free_port, run_id
-from test_gateway_server import connected
+from tests.helpers.cluster import WAIT_S, Gateway, Store, free_port, run_id
+from tests.helpers.mqtt_fixtures import connected
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from crashkit import ClusterNodes, CrashReport, EmbeddedNode, Node, run_crashes
+from tests.helpers.crashkit import ClusterNodes, CrashReport, EmbeddedNode, Node, run_crashes
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from mqtt_fixtures import WAIT_S, Client, connected, properties, quiet, run_id, running_node, wait_until
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
@@ -37,8 +36,9 @@ from gateway.bridge import (
     settings_from_config,
 )
 from lightqueue.topics import filters_overlap
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, connected, properties, quiet, run_id, wait_until
+from tests.helpers.processes import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 V5 = {"protocol": mqtt.MQTTv5}
 
 
@@ -152,15 +152,6 @@ def test_bad_settings_are_refused_with_the_reason(argv, message, tmp_path, monke
 
 
 # --- a real bridge ---
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    """One LightGate node for the module; the bridges must not make it log an error."""
-    with running_node(tmp_path_factory.mktemp("node") / "data") as node:
-        yield node
-    assert node.proc.returncode == 0
-    assert not [doc for doc in node.logs if doc.get("level") == "error"], node.logs
 
 
 class Mosquitto:

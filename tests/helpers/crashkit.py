@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import trio
 
 from bench.crashclients import Accounting, Address, Publisher, Subscriber, account, address_cycle, wait_delivered
-from processes import LightgateProcess
+from tests.helpers.processes import LightgateProcess
 
 __all__ = ["ClusterNodes", "CrashReport", "EmbeddedNode", "Node", "run_crashes"]
 

@@ -1,6 +1,6 @@
 """Subprocess for the crash test in test_store_dispatch.py: dispatch a prepared log until killed.
 
-Usage: ``python tests/dispatch_worker.py DATA_DIR PAUSE_AFTER``. Opens
+Usage: ``python tests/helpers/dispatch_worker.py DATA_DIR PAUSE_AFTER``. Opens
 ``DATA_DIR/commitlog`` and ``DATA_DIR/index`` and dispatches in small steps
 with a memtable flush every few steps. After ``PAUSE_AFTER`` steps it prints
 ``paused <dispatched offset> <flushed offset>`` and waits on stdin, with index

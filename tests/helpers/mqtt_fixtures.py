@@ -1,9 +1,7 @@
-"""Shared helpers of the interoperability tests: a `lightgate serve` node per module, paho clients, raw packets.
+"""A `lightgate serve` node in a subprocess and the clients that talk to it: paho clients, raw packets, waits.
 
-The node process and the paho client wrapper are the ones of tests/test_gateway_server.py;
-this module adds what the interop suites need on top (SIGKILL, MQTT 5 properties,
-manual acknowledgements, condition waits). Import the fixture into a test module
-with ``from mqtt_fixtures import interop_node  # noqa: F401``.
+The end-to-end suites of every folder use these; the module-scoped ``node`` and ``interop_node`` fixtures over them
+are in tests/conftest.py.
 """
 
 import queue
@@ -13,7 +11,9 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 
+import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -21,27 +21,126 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.mqtt.packets import MQTT_311, Connack, Connect, Packet, Suback, Subscribe, SubscriptionOptions
-from test_gateway_server import WAIT_S, Client, Node, _connect_packet, _recv_until_closed, connected, running_node
+from tests.helpers.processes import LightgateProcess
 
 __all__ = [
-    "WAIT_S", "Client", "Node", "connect_packet", "connected", "interop_node", "kill", "properties", "publish5",
+    "WAIT_S", "Client", "Node", "connect_packet", "connected", "kill", "properties", "publish5",
     "quiet", "RawClient", "raw_client", "recv_until_closed", "run_id", "running_node", "subscribe5", "wait_until",
 ]
-
-connect_packet = _connect_packet
-recv_until_closed = _recv_until_closed
 
 QUIET_S = 1.0
 """How long a test listens to show that a message does NOT arrive (the existing e2e tests' choice)."""
 
+WAIT_S = 20.0  # every condition below is waited for with this timeout, never slept for
 
-@pytest.fixture(scope="module")
-def interop_node(tmp_path_factory):
-    """One node for a test module; it must stop cleanly and log no error."""
-    with running_node(tmp_path_factory.mktemp("node") / "data", "--mqtt-connect-timeout-s", "2") as node:
+
+class Node(LightgateProcess):
+    """A `lightgate serve` subprocess on a free port, with its log lines collected."""
+
+    def __init__(self, data: Path, *flags: str) -> None:
+        super().__init__("serve", "--port", "0", "--data", str(data), *flags)
+        self.data = data
+        self.port = self.ready("gateway node ready")
+
+
+@contextmanager
+def running_node(data: Path, *flags: str):
+    node = Node(data, *flags)
+    try:
         yield node
-    assert node.proc.returncode == 0
-    assert not [doc for doc in node.logs if doc.get("level") == "error"], node.logs
+    finally:
+        node.stop()
+
+
+class Client:
+    """A paho client whose received messages and connection events land in queues."""
+
+    def __init__(self, port: int, client_id: str | None = None, *, protocol=mqtt.MQTTv311, clean=True,
+                 keepalive: int = 60, will: tuple[str, bytes, int] | None = None) -> None:
+        self.client_id = client_id or "c-" + uuid.uuid4().hex[:8]
+        kwargs = {"clean_session": clean} if protocol != mqtt.MQTTv5 else {}
+        self.paho = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=protocol,
+                                **kwargs)
+        self.protocol = protocol
+        self.messages: queue.Queue = queue.Queue()
+        self.connacks: queue.Queue = queue.Queue()
+        self.disconnects: queue.Queue = queue.Queue()
+        self.subacks: queue.Queue = queue.Queue()
+        self.paho.on_message = lambda c, u, msg: self.messages.put(msg)
+        self.paho.on_connect = lambda c, u, flags, rc, props: self.connacks.put((flags, rc))
+        self.paho.on_disconnect = lambda c, u, flags, rc, props: self.disconnects.put(rc)
+        self.paho.on_subscribe = lambda c, u, mid, rcs, props: self.subacks.put(rcs)
+        self.unsubacks: queue.Queue = queue.Queue()
+        self.paho.on_unsubscribe = lambda c, u, mid, rcs, props: self.unsubacks.put(mid)
+        if will is not None:
+            self.paho.will_set(*will)
+        self.port = port
+        self.keepalive = keepalive
+        self.clean = clean
+
+    def connect(self, **kwargs):
+        if self.protocol == mqtt.MQTTv5:
+            kwargs.setdefault("clean_start", self.clean)
+        self.paho.connect("127.0.0.1", self.port, keepalive=self.keepalive, **kwargs)
+        self.paho.loop_start()
+        flags, rc = self.connacks.get(timeout=WAIT_S)
+        assert not rc.is_failure, rc
+        return flags
+
+    def subscribe(self, topic: str, qos: int = 1):
+        self.paho.subscribe(topic, qos)
+        return self.subacks.get(timeout=WAIT_S)
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False):
+        info = self.paho.publish(topic, payload, qos, retain)
+        info.wait_for_publish(timeout=WAIT_S)
+        assert info.is_published()
+
+    def receive(self, count: int) -> list:
+        return [self.messages.get(timeout=WAIT_S) for _ in range(count)]
+
+    def disconnect(self):
+        self.paho.disconnect()
+        self.disconnects.get(timeout=WAIT_S)
+        self.paho.loop_stop()
+
+
+@contextmanager
+def connected(port: int, client_class: type | None = None, **kwargs):
+    """A connected ``client_class`` (default ``Client``), disconnected at the end of the block."""
+    client = (client_class or Client)(port, **kwargs)
+    client.connect()
+    try:
+        yield client
+    finally:
+        if client.paho.is_connected():
+            client.disconnect()
+        client.paho.loop_stop()
+
+
+def _string(text: str | bytes) -> bytes:
+    data = text.encode() if isinstance(text, str) else text
+    return len(data).to_bytes(2, "big") + data
+
+
+def connect_packet(client_id: str, keepalive: int = 60, will: tuple[str, bytes] | None = None) -> bytes:
+    flags = 0x02 | (0x04 | 0x08 if will else 0)  # clean session; will with QoS 1
+    body = _string("MQTT") + bytes([4, flags]) + keepalive.to_bytes(2, "big") + _string(client_id)
+    if will:
+        body += _string(will[0]) + _string(will[1])
+    return bytes([0x10, len(body)]) + body
+
+
+def recv_until_closed(raw: socket.socket) -> bytes:
+    """Read until the server closes (returns the last read: b"" on a clean close)."""
+    raw.settimeout(WAIT_S)
+    while True:
+        try:
+            data = raw.recv(4096)
+        except ConnectionResetError:
+            return b""
+        if not data:
+            return data
 
 
 def run_id() -> str:
@@ -140,4 +239,3 @@ def raw_client(port: int, level: int = MQTT_311):
         yield client
     finally:
         client.close()
-

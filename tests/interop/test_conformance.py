@@ -13,20 +13,6 @@ import time
 
 import paho.mqtt.client as mqtt
 import pytest
-from mqtt_fixtures import (
-    WAIT_S,
-    Client,
-    connected,
-    properties,
-    publish5,
-    quiet,
-    raw_client,
-    recv_until_closed,
-    run_id,
-    running_node,
-    subscribe5,
-    wait_until,
-)
 from paho.mqtt.packettypes import PacketTypes
 
 from gateway.mqtt.packets import (
@@ -45,6 +31,20 @@ from gateway.mqtt.packets import (
 )
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import ReasonCode
+from tests.helpers.mqtt_fixtures import (
+    WAIT_S,
+    Client,
+    connected,
+    properties,
+    publish5,
+    quiet,
+    raw_client,
+    recv_until_closed,
+    run_id,
+    running_node,
+    subscribe5,
+    wait_until,
+)
 
 V311, V5 = mqtt.MQTTv311, mqtt.MQTTv5
 BOTH = pytest.mark.parametrize("protocol", [V311, V5], ids=["3.1.1", "5.0"])

@@ -4,11 +4,18 @@ import queue
 
 import paho.mqtt.client as mqtt
 import pytest
-from mqtt_fixtures import (  # noqa: F401  (interop_node is a fixture)
+from paho.mqtt.packettypes import PacketTypes
+
+from gateway.mqtt.actions import InFlight, Subscription
+from gateway.mqtt.packets import MQTT_5, Disconnect, Puback, Publish, Subscribe, SubscriptionOptions
+from gateway.mqtt.properties import Properties
+from gateway.mqtt.reasons import ReasonCode
+from gateway.mqtt.session import merge_committed
+from gateway.mqtt.session import Session, SessionState
+from tests.helpers.mqtt_fixtures import (
     WAIT_S,
     Client,
     connected,
-    interop_node,
     kill,
     properties,
     quiet,
@@ -17,14 +24,6 @@ from mqtt_fixtures import (  # noqa: F401  (interop_node is a fixture)
     run_id,
     running_node,
 )
-from paho.mqtt.packettypes import PacketTypes
-
-from gateway.mqtt.actions import InFlight, Subscription
-from gateway.mqtt.session import merge_committed
-from gateway.mqtt.packets import MQTT_5, Disconnect, Puback, Publish, Subscribe, SubscriptionOptions
-from gateway.mqtt.properties import Properties
-from gateway.mqtt.reasons import ReasonCode
-from gateway.mqtt.session import Session, SessionState
 
 
 def manual_ack_client(port: int, client_id: str) -> Client:

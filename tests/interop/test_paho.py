@@ -7,11 +7,15 @@ Retained-message cases live with the retained-message work.
 
 import paho.mqtt.client as mqtt
 import pytest
-from mqtt_fixtures import (  # noqa: F401  (interop_node is a fixture)
+from paho.mqtt.packettypes import PacketTypes
+
+from gateway.mqtt.packets import MQTT_5, MQTT_311, Connect, Subscribe, SubscriptionOptions
+from gateway.mqtt.properties import Properties
+from gateway.mqtt.reasons import ReasonCode
+from tests.helpers.mqtt_fixtures import (
     WAIT_S,
     Client,
     connected,
-    interop_node,
     properties,
     quiet,
     raw_client,
@@ -19,11 +23,6 @@ from mqtt_fixtures import (  # noqa: F401  (interop_node is a fixture)
     run_id,
     wait_until,
 )
-from paho.mqtt.packettypes import PacketTypes
-
-from gateway.mqtt.packets import MQTT_5, MQTT_311, Connect, Subscribe, SubscriptionOptions
-from gateway.mqtt.properties import Properties
-from gateway.mqtt.reasons import ReasonCode
 
 PROTOCOLS = pytest.mark.parametrize("protocol", [mqtt.MQTTv311, mqtt.MQTTv5], ids=["3.1.1", "5.0"])
 

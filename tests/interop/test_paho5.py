@@ -8,11 +8,15 @@ import time
 
 import paho.mqtt.client as mqtt
 import pytest
-from mqtt_fixtures import (  # noqa: F401  (interop_node is a fixture)
+from paho.mqtt.packettypes import PacketTypes
+
+from gateway.mqtt.packets import MQTT_5, Connect, Disconnect, Puback, Publish
+from gateway.mqtt.properties import Properties
+from gateway.mqtt.reasons import ReasonCode
+from tests.helpers.mqtt_fixtures import (
     WAIT_S,
     Client,
     connected,
-    interop_node,
     properties,
     publish5 as publish,
     quiet,
@@ -21,11 +25,6 @@ from mqtt_fixtures import (  # noqa: F401  (interop_node is a fixture)
     run_id,
     subscribe5 as subscribe,
 )
-from paho.mqtt.packettypes import PacketTypes
-
-from gateway.mqtt.packets import MQTT_5, Connect, Disconnect, Puback, Publish
-from gateway.mqtt.properties import Properties
-from gateway.mqtt.reasons import ReasonCode
 
 V5 = {"protocol": mqtt.MQTTv5}
 
@@ -244,7 +243,7 @@ def test_receive_maximum_of_the_client_limits_what_is_in_flight(interop_node):
 
 @pytest.mark.slow
 def test_server_keep_alive_caps_what_mqtt5_clients_ask_for(tmp_path):
-    from mqtt_fixtures import raw_client, running_node
+    from tests.helpers.mqtt_fixtures import raw_client, running_node
 
     with running_node(tmp_path / "data", "--mqtt-max-keepalive", "60") as node:
         for asked, told in ((120, 60), (0, 60), (30, None)):

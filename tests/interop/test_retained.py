@@ -4,7 +4,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from mqtt_fixtures import WAIT_S, connected, interop_node, quiet, run_id, running_node  # noqa: F401
+from tests.helpers.mqtt_fixtures import WAIT_S, connected, quiet, run_id, running_node
 
 pytestmark = pytest.mark.slow
 

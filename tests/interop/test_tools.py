@@ -9,7 +9,8 @@ import threading
 import paho.mqtt.client as mqtt
 import pytest
 from amqtt.client import MQTTClient
-from mqtt_fixtures import WAIT_S, connected, interop_node, quiet, run_id  # noqa: F401  (interop_node is a fixture)
+
+from tests.helpers.mqtt_fixtures import WAIT_S, connected, quiet, run_id
 
 MOSQUITTO = pytest.mark.skipif(
     not all(shutil.which(tool) for tool in ("mosquitto_pub", "mosquitto_sub", "stdbuf")),

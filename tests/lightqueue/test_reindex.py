@@ -9,7 +9,7 @@ from lightqueue import keys
 from lightqueue.queues import LightQueues
 from lightqueue.reindex import forget_derived
 from store.dispatch import Dispatcher
-from test_store_dispatch import SEGMENT, Node, decode
+from tests.helpers.dispatch import SEGMENT, Node, decode
 
 TOPICS = ["s/1", "s/2", "a/b/c", "a/x/c", "t"]
 

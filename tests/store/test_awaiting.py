@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import trio
 
+from store.api import NewMessage
 from store.awaiting import AwaitingRelease
 from store.log.commitlog import CommitLogConfig
-from store.api import NewMessage
-from store.node import open_store
 from store.log.record import CorruptRecord, Record, decode_record, encode_record, new_record
+from store.node import open_store
 from store.rocks import open_db
+from tests.helpers.processes import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def record(offset: int, client: str, pid: int, qos: int = 2) -> Record:

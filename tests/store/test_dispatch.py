@@ -1,8 +1,8 @@
 """The dispatcher over a real CommitLog and RocksDB: batches, notification, trio driving, crashes."""
 
+import os
 import random
 import shutil
-import os
 import signal
 import subprocess
 import sys
@@ -13,65 +13,29 @@ import pytest
 import trio
 import trio.testing
 
-from lightqueue import keys
 from lightqueue.queues import LightQueues, is_implicit
 from lightqueue.targets import decode_queues
 from lightqueue.topics import first_level_queue, is_wildcard, matches
-from store.log.commitlog import CommitLog, CommitLogConfig
 from store.dispatch import Dispatcher
+from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import decode_record, encode_record
 from store.rocks import open_db
+from tests.helpers.dispatch import SEGMENT, Node, decode
+from tests.helpers.processes import ROOT
 
-WORKER = Path(__file__).with_name("dispatch_worker.py")
-SEGMENT = 256 * 1024
-
-
-def decode(raw, offset):
-    return decode_record(raw, 0, offset)
-
-
-class Node:
-    """A CommitLog, light queues and a dispatcher in one directory."""
-
-    def __init__(self, path, listener=None, **kwargs):
-        self.path = path
-        self.log = CommitLog.open(path / "commitlog", CommitLogConfig(segment_bytes=SEGMENT, max_record_bytes=SEGMENT, **kwargs))
-        self.db = open_db(path / "index")
-        self.lq = LightQueues(self.db)
-        self.dispatcher = Dispatcher(self.log, self.lq, listener)
-
-    def append(self, *topics, payload=b"p"):
-        return self.log.append_batch([encode_record(t, payload, queues=self.lq.targets(t)) for t in topics])
-
-    def dump(self):
-        """The index, each run of entries (``E`` keys) expanded to one key per entry: where dispatch batches
-        began decides how entries are grouped into runs, not which entries there are."""
-        dump = {}
-        for key, value in self.db.items():
-            if key[:1] != b"E":
-                dump[key] = value
-                continue
-            qid, first = keys.U64.unpack_from(key, 1)[0], keys.U64.unpack_from(key, 9)[0]
-            for i in range(len(value) // keys.ENTRY.size):
-                dump[keys.entry_key(qid, first + i)] = value[i * keys.ENTRY.size:(i + 1) * keys.ENTRY.size]
-        return dump
-
-    def close(self):
-        self.dispatcher.close()
-        self.db.close()
-        self.log.close()
+WORKER = ROOT / "tests" / "helpers" / "dispatch_worker.py"
 
 
 @pytest.fixture
-def node(tmp_path):
+def dispatch_node(tmp_path):
     n = Node(tmp_path)
     yield n
     n.close()
 
 
-def test_nothing_to_dispatch(node):
-    assert node.dispatcher.dispatch_once() is None
-    assert node.dispatcher.lag == 0
+def test_nothing_to_dispatch(dispatch_node):
+    assert dispatch_node.dispatcher.dispatch_once() is None
+    assert dispatch_node.dispatcher.lag == 0
 
 
 def test_listener_runs_after_the_batch_commits(tmp_path):
@@ -169,50 +133,50 @@ def test_index_ahead_of_the_log_is_rewound(tmp_path):
         n.close()
 
 
-async def test_run_dispatches_on_wake_and_serves_waiters(node):
+async def test_run_dispatches_on_wake_and_serves_waiters(dispatch_node):
     notified = []
-    node.dispatcher._listener = notified.append
+    dispatch_node.dispatcher._listener = notified.append
     async with trio.open_nursery() as nursery:
-        await nursery.start(node.dispatcher.run)
+        await nursery.start(dispatch_node.dispatcher.run)
         for i in range(5):
-            node.append(f"k/{i}")
-            node.dispatcher.wake()
+            dispatch_node.append(f"k/{i}")
+            dispatch_node.dispatcher.wake()
             with trio.fail_after(5):
-                await node.dispatcher.wait_dispatched(node.log.written_offset)
-            assert node.lq.max_offset("k/#") == i + 1
+                await dispatch_node.dispatcher.wait_dispatched(dispatch_node.log.written_offset)
+            assert dispatch_node.lq.max_offset("k/#") == i + 1
         nursery.cancel_scope.cancel()
     assert sum(len(n) for n in notified) == 5 * 2  # each batch: the topic queue and k/#
 
 
-async def test_activate_returns_the_exact_start(node):
-    node.lq.activate("+/b", "s1", 0)
-    node.append("a/b")  # before the new subscription: not for s2
+async def test_activate_returns_the_exact_start(dispatch_node):
+    dispatch_node.lq.activate("+/b", "s1", 0)
+    dispatch_node.append("a/b")  # before the new subscription: not for s2
     async with trio.open_nursery() as nursery:
-        await nursery.start(node.dispatcher.run)
+        await nursery.start(dispatch_node.dispatcher.run)
 
         async def publish_during_activation():
-            node.append("c/b")
-            node.dispatcher.wake()
+            dispatch_node.append("c/b")
+            dispatch_node.dispatcher.wake()
 
         nursery.start_soon(publish_during_activation)
         with trio.fail_after(5):
-            start = await node.dispatcher.activate("+/b", "s2")
-            await node.dispatcher.wait_dispatched(node.log.written_offset)
+            start = await dispatch_node.dispatcher.activate("+/b", "s2")
+            await dispatch_node.dispatcher.wait_dispatched(dispatch_node.log.written_offset)
         nursery.cancel_scope.cancel()
-    assert start == 1 and node.lq.max_offset("+/b") == 2
-    r = node.lq.pull("+/b", start, 10, 1 << 20, node.log, decode)
+    assert start == 1 and dispatch_node.lq.max_offset("+/b") == 2
+    r = dispatch_node.lq.pull("+/b", start, 10, 1 << 20, dispatch_node.log, decode)
     assert [m.topic for _, m in r.messages] == ["c/b"]
-    assert await node.dispatcher.release("+/b", "s2") and await node.dispatcher.release("+/b", "s1")
-    assert not await node.dispatcher.release("+/b", "s1")
-    assert node.lq.max_offset("+/b") == 0 and node.lq.targets("z/b") == b""
+    assert await dispatch_node.dispatcher.release("+/b", "s2") and await dispatch_node.dispatcher.release("+/b", "s1")
+    assert not await dispatch_node.dispatcher.release("+/b", "s1")
+    assert dispatch_node.lq.max_offset("+/b") == 0 and dispatch_node.lq.targets("z/b") == b""
 
 
-async def test_a_first_activation_waits_for_the_index_lock_off_the_trio_thread(node):
+async def test_a_first_activation_waits_for_the_index_lock_off_the_trio_thread(dispatch_node):
     """A filter's first activation allocates its queue id under the lock a dispatch batch holds."""
     held, let_go = threading.Event(), threading.Event()
 
     def hold_lock():  # as a long dispatch batch would
-        with node.lq._lock:
+        with dispatch_node.lq._lock:
             held.set()
             let_go.wait(timeout=10)
 
@@ -221,16 +185,16 @@ async def test_a_first_activation_waits_for_the_index_lock_off_the_trio_thread(n
     activated = trio.Event()
 
     async def activate():
-        assert await node.dispatcher.activate("+/b", "s1") == 0
+        assert await dispatch_node.dispatcher.activate("+/b", "s1") == 0
         activated.set()
 
     try:
         assert held.wait(timeout=10)
         async with trio.open_nursery() as nursery:
-            await nursery.start(node.dispatcher.run)
+            await nursery.start(dispatch_node.dispatcher.run)
             nursery.start_soon(activate)
             await trio.testing.wait_all_tasks_blocked()
-            assert not activated.is_set() and node.lq.targets("a/b") == b""  # waiting, and the loop runs
+            assert not activated.is_set() and dispatch_node.lq.targets("a/b") == b""  # waiting, and the loop runs
             let_go.set()
             with trio.fail_after(5):
                 await activated.wait()
@@ -238,7 +202,7 @@ async def test_a_first_activation_waits_for_the_index_lock_off_the_trio_thread(n
     finally:
         let_go.set()
         holder.join()
-    assert decode_queues(node.lq.targets("a/b")) == (node.lq.queue_id("+/b"),)
+    assert decode_queues(dispatch_node.lq.targets("a/b")) == (dispatch_node.lq.queue_id("+/b"),)
 
 
 def prepare_log(data: Path) -> int:
@@ -271,7 +235,7 @@ def test_sigkill_during_dispatch_then_redispatch_gives_identical_entries(tmp_pat
 
     proc = subprocess.Popen([sys.executable, str(WORKER), str(tmp_path / "killed"), "100"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(WORKER.parents[1])})  # this tree's code
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})  # this tree's code
     try:
         line = proc.stdout.readline()  # pytest's timeout guards a hung worker
         assert line.startswith("paused "), f"worker stopped early: {line!r}"
@@ -320,16 +284,16 @@ async def test_idle_dispatcher_flushes_the_index_on_its_timer(tmp_path):
         n.close()
 
 
-def test_filters_change_while_a_thread_appends_and_dispatches(node):
+def test_filters_change_while_a_thread_appends_and_dispatches(dispatch_node):
     """Activations, releases and pulls on one thread while another appends and dispatches."""
-    node.lq.activate("+/x", "steady", 0)
+    dispatch_node.lq.activate("+/x", "steady", 0)
     errors = []
 
     def traffic():
         try:
             for i in range(300):
-                node.append(f"t{i % 7}/x", f"t{i % 7}/y")
-                node.dispatcher.dispatch_once()
+                dispatch_node.append(f"t{i % 7}/x", f"t{i % 7}/y")
+                dispatch_node.dispatcher.dispatch_once()
         except Exception as exc:  # reported to the main thread, which fails the test
             errors.append(exc)
 
@@ -337,15 +301,15 @@ def test_filters_change_while_a_thread_appends_and_dispatches(node):
     worker.start()
     churn = 0
     while worker.is_alive():
-        node.lq.activate("t1/+", f"s{churn}", node.log.written_offset)
-        node.lq.pull("t1/+", 0, 32, 1 << 20, node.log, decode)
-        assert node.lq.release("t1/+", f"s{churn}")
+        dispatch_node.lq.activate("t1/+", f"s{churn}", dispatch_node.log.written_offset)
+        dispatch_node.lq.pull("t1/+", 0, 32, 1 << 20, dispatch_node.log, decode)
+        assert dispatch_node.lq.release("t1/+", f"s{churn}")
         churn += 1
     worker.join()
     assert not errors and churn > 0
-    r = node.lq.pull("+/x", 0, 1000, 1 << 30, node.log, decode)
+    r = dispatch_node.lq.pull("+/x", 0, 1000, 1 << 30, dispatch_node.log, decode)
     assert [m.topic for _, m in r.messages] == [f"t{i % 7}/x" for i in range(300)]
-    assert node.lq.max_offset("t1/+") == 0 and list(node.lq.active_filters()) == ["+/x"]
+    assert dispatch_node.lq.max_offset("t1/+") == 0 and list(dispatch_node.lq.active_filters()) == ["+/x"]
 
 
 @pytest.mark.parametrize("seed", range(6))

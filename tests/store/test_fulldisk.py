@@ -10,58 +10,19 @@ acknowledged message is lost. Starting on a full disk fails with one clear line.
 
 from __future__ import annotations
 
-import re
-import subprocess
 import threading
-import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 
 from gateway.mqtt.packets import MQTT_5, MQTT_311, Puback, Publish
 from gateway.mqtt.reasons import ReasonCode
-from mqtt_fixtures import RawClient, wait_until
-from processes import LightgateProcess
-from test_gateway_server import WAIT_S, Client, Node
+from tests.helpers.fulldisk import FLAGS, fill, full_lines, metric
+from tests.helpers.mqtt_fixtures import RawClient, wait_until
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, Node
+from tests.helpers.processes import LightgateProcess
 
-DISK = "16m"
-FLAGS = ("--commitlog-segment-bytes", str(1 << 20), "--commitlog-max-record-bytes", "65536",
-         "--mqtt-sys-interval-s", "0")
 PAYLOAD = b"x" * 200
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 16 MiB tmpfs of its own, unmounted at the end (skipped where mounting is not permitted)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def fill(path: Path) -> None:
-    """Write ``path`` until the disk is full (ENOSPC)."""
-    with open(path, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\xff" * 65536)
-        except OSError:
-            pass
-
-
-def metric(port: int, sample: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WAIT_S) as reply:
-        text = reply.read().decode()
-    found = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.M)
-    assert found, text
-    return float(found.group(1))
 
 
 class Load:
@@ -93,11 +54,6 @@ class Load:
         self.stop.set()
         self.thread.join(WAIT_S)
         self.client.close()
-
-
-def full_lines(node: LightgateProcess) -> tuple[list[dict], list[dict]]:
-    return ([d for d in node.logs if d.get("msg", "").startswith("data disk full")],
-            [d for d in node.logs if d.get("msg", "").startswith("data disk has room again")])
 
 
 @pytest.mark.slow

@@ -7,11 +7,11 @@ import pytest
 import trio
 
 from lightqueue.queues import LightQueues
-from store.log.commitlog import CommitLog, CommitLogConfig
 from store.api import NewMessage
 from store.groups import MAX_UNACKED, GroupState, group_owner
-from store.node import decode, open_store
-from store.log.record import decode_record, encode_record
+from store.log.commitlog import CommitLog, CommitLogConfig
+from store.log.record import encode_record
+from store.node import decode
 from store.rocks import open_db
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
@@ -115,12 +115,6 @@ def test_offset_at_time_finds_the_first_entry_stored_at_or_after_a_time(tmp_path
 G = group_owner("g")
 A = ("a", "")  # back-end members: each connection is its node
 B = ("b", "")
-
-
-@pytest.fixture
-async def store(tmp_path):
-    async with open_store(tmp_path / "data", CommitLogConfig()) as node:
-        yield node
 
 
 @pytest.fixture

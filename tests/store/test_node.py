@@ -10,8 +10,9 @@ from gateway.app.process import freeze_startup_objects
 from store.api import NewMessage, PullRequest
 from store.local import INLINE_PULL, LocalStore
 from store.log.commitlog import CommitLogConfig
-from store.node import open_store
 from store.log.record import RecordTooLarge
+from store.node import open_store
+from tests.helpers.processes import ROOT
 
 CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
 
@@ -119,7 +120,7 @@ def test_large_freed_buffers_go_back_to_the_system(tmp_path: Path):
 
     def returned(mode: str) -> float:
         out = subprocess.run([sys.executable, "-c", _FRAGMENT, mode], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parents[1])
+                             cwd=ROOT)
         return float(out.stdout)
 
     assert returned("fixed") > 150  # MiB of the 180 given back
@@ -150,7 +151,7 @@ def test_free_heap_pages_go_back_to_the_system_within_the_trim_interval():
 
     def returned(wait_s: str) -> float:
         out = subprocess.run([sys.executable, "-c", _HOLES, wait_s], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parents[1])
+                             cwd=ROOT)
         return float(out.stdout)
 
     assert returned("0.5") > 150  # MiB of the 180 given back by the trims

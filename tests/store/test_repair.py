@@ -17,13 +17,13 @@ import pytest
 import rocksdict
 import trio
 
-from processes import LightgateProcess
 from store.log.commitlog import CommitLogConfig
 from store.log.errors import StartupError
 from store.node import open_store
 from store.repair import repair
-from test_gateway_server import WAIT_S, Client, Node, connected
-from mqtt_fixtures import quiet
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, Node, connected
+from tests.helpers.mqtt_fixtures import quiet
+from tests.helpers.processes import LightgateProcess
 
 pytestmark = pytest.mark.slow
 

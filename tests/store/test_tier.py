@@ -16,11 +16,12 @@ import pytest
 import trio
 from spark_fixtures import Msg, telemetry, write_log
 
-from store.log.commitlog import CommitLog, CommitLogConfig
 from store.api import NewMessage
+from store.log.commitlog import CommitLog, CommitLogConfig
 from store.node import open_store
 from store.tier import TierConfig, TierConverter
 from store.tierfiles import TEMP_PREFIX, file_name, list_tier, open_tier, read_meta
+from tests.helpers.processes import ROOT
 
 SEGMENT = 64 * 1024
 CONFIG = CommitLogConfig(segment_bytes=SEGMENT, max_record_bytes=SEGMENT)
@@ -160,7 +161,7 @@ converter.convert_pending()
 def test_a_killed_converter_leaves_only_complete_files_and_resumes(tmp_path: Path) -> None:
     write_log(tmp_path, telemetry(30_000), segment_bytes=1 << 20)
     tier = tmp_path / "tier"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(tier)], env=env)
     try:
         deadline = time.monotonic() + 120

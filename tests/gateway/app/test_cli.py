@@ -7,12 +7,12 @@ import socket
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import ROOT
+
 LIGHTGATE = [sys.executable, "-m", "gateway.app.cli"]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(args, cwd, env=None, **kw):

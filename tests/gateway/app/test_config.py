@@ -3,11 +3,11 @@
 import argparse
 import re
 import tomllib
-from pathlib import Path
 
 import pytest
 
 from gateway.app import config as cfg
+from tests.helpers.processes import ROOT
 
 
 def parse(argv, environ=None):
@@ -121,7 +121,7 @@ def test_to_toml_round_trips_defaults():
 
 
 def test_readme_documents_every_option():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     for opt in cfg.OPTIONS:
         assert f"`{opt.key}`" in readme and f"`{opt.cli_flag}`" in readme, opt.key
     assert "LIGHTGATE_<SECTION>_<KEY>" in readme and "**flag > environment > file > default**" in readme

@@ -10,9 +10,9 @@ import uuid
 from contextlib import closing
 
 import pytest
-from processes import ROOT, WAIT_S, LightgateProcess
 
 from gateway.app.sdnotify import notify
+from tests.helpers.processes import ROOT, WAIT_S, LightgateProcess
 
 
 def datagram_socket(address: str) -> socket.socket:

@@ -13,9 +13,9 @@ import pytest
 import trustme
 
 from gateway.auth.passwords import PasswordFile
-from processes import LightgateProcess
-from test_cluster import Gateway, Store, free_port
-from test_gateway_server import WAIT_S, Client, Node, connected
+from tests.helpers.cluster import Gateway, Store, free_port
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, Node, connected
+from tests.helpers.processes import LightgateProcess
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import time
 
 import paho.mqtt.client as mqtt
 import pytest
-from mqtt_fixtures import WAIT_S, Client, RawClient, run_id, running_node
 
+from gateway.auth.passwords import PasswordFile
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role
 from gateway.mqtt.packets import (
     MQTT_5,
@@ -30,8 +30,9 @@ from gateway.mqtt.packets import (
     Pubrel,
     Publish,
 )
-from gateway.auth.passwords import PasswordFile
 from gateway.mqtt.reasons import ReasonCode
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, RawClient, run_id, running_node
+from tests.helpers.processes import ROOT
 
 FAILURE_DELAY_S = 0.5
 """The node's ``auth.failure_delay_s``: long enough to measure, short enough for a test run."""
@@ -382,7 +383,7 @@ def test_a_missing_or_broken_auth_file_stops_the_start_with_the_reason(tmp_path,
     proc = subprocess.run(
         [sys.executable, "-m", "gateway.app.cli", "serve", "--port", "0", "--data", str(tmp_path / "data"), flag, str(path)],
         capture_output=True, text=True, timeout=WAIT_S * 3,
-        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 1, proc.stderr
     assert "gateway node not started" in proc.stderr and str(path) in proc.stderr and expected in proc.stderr

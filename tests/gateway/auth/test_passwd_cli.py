@@ -4,14 +4,13 @@ import os
 import stat
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from gateway.auth.passwords import PasswordFile
+from tests.helpers.processes import ROOT
 
 LIGHTGATE = [sys.executable, "-m", "gateway.app.cli"]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def passwd(cwd, *args, stdin=""):

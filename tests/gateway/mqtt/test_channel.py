@@ -10,40 +10,11 @@ from __future__ import annotations
 import pytest
 from msgspec.structs import replace
 
-from gateway.mqtt.state import TRANSITIONS, State
 from gateway.mqtt.actions import (
-    Activate,
-    AdminDisconnect,
-    Activated,
-    Append,
-    Appended,
-    ArmTimer,
-    CancelTimer,
-    Close,
-    CommitOffsets,
-    ConnectionLost,
-    Deliver,
-    CloseSession,
-    Message,
-    OpenSession,
-    PublishWill,
-    Pull,
-    InboundReleased,
-    Pulled,
-    QueueAdvanced,
-    Release,
-    ReleaseInbound,
-    SaveSession,
-    Send,
-    ServerShutdown,
-    SessionOpened,
-    SessionSaved,
-    SocketWritten,
-    TakenOver,
+    Activate, AdminDisconnect, Activated, Append, Appended, ArmTimer, CancelTimer, Close, CommitOffsets, ConnectionLost, Deliver, CloseSession, Message, OpenSession, PublishWill, Pull, InboundReleased, Pulled, QueueAdvanced, Release, ReleaseInbound, SaveSession, ServerShutdown, SessionOpened, SocketWritten, TakenOver,
 )
 from gateway.mqtt.channel import Channel, ChannelConfig, error_packet
-from gateway.mqtt.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
-from gateway.mqtt.properties import PacketType, decode_properties
+from gateway.mqtt.codec import RemoteProtocolError, encode
 from gateway.mqtt.packets import (
     MQTT_5,
     MQTT_311,
@@ -64,81 +35,14 @@ from gateway.mqtt.packets import (
     Unsuback,
     Unsubscribe,
 )
+from gateway.mqtt.properties import PacketType, decode_properties
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import LocalProtocolError, ReasonCode
 from gateway.mqtt.session import SessionState
+from gateway.mqtt.state import TRANSITIONS, State
+from tests.helpers.channel import T0, Clock, connect, delivered, msg, of, sent, subscribe
 
-T0 = 1_700_000_000.0
 R = ReasonCode
-
-
-class Clock:
-    """A settable wall clock for the channel (seconds)."""
-
-    def __init__(self) -> None:
-        self.t = T0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def of(actions: list, cls: type) -> list:
-    return [a for a in actions if type(a) is cls]
-
-
-def sent(actions: list) -> list:
-    return [p for a in of(actions, Send) for p in a.packets]
-
-
-def delivered(actions: list, level: int = MQTT_5) -> list[Publish]:
-    decoder = MqttDecoder(role=Role.CLIENT, protocol_level=level)
-    for action in of(actions, Deliver):
-        decoder.feed(action.data)
-    out = []
-    while (packet := decoder.next_packet()) is not NEED_DATA:
-        out.append(packet)
-    return out
-
-
-def connect(
-    level: int = MQTT_5,
-    *,
-    config: ChannelConfig = ChannelConfig(),
-    state: SessionState | None = None,
-    client_id: str = "dev1",
-    clean: bool = True,
-    **fields,
-) -> tuple[Channel, Clock, list]:
-    """A connected channel and the actions of its SessionOpened."""
-    clock = Clock()
-    channel = Channel(config, clock)
-    first = channel.handle_in(Connect(protocol_level=level, client_id=client_id, clean_start=clean, **fields))
-    assert of(first, OpenSession), first
-    actions = channel.handle_event(SessionOpened(state is not None, state))
-    assert channel.state is State.CONNECTED
-    return channel, clock, actions
-
-
-def subscribe(channel: Channel, *entries, starts: dict | None = None, packet_id: int = 1, retained=(), **props):
-    """SUBSCRIBE, answer the Activate (and the session saves it asks for); returns (activate action, actions after
-    Activated)."""
-    actions = channel.handle_in(Subscribe(packet_id, tuple(entries), Properties(**props)))
-    (activate,) = of(actions, Activate)
-    starts = starts if starts is not None else {sub.filter: 0 for sub in activate.subscriptions}
-    return activate, saved(channel, channel.handle_event(Activated(activate.ref, starts, retained)))
-
-
-def saved(channel: Channel, actions: list) -> list:
-    """``actions`` and what answering their session saves (``SessionSaved``) brings, the node's part."""
-    out = list(actions)
-    for save in of(actions, SaveSession):
-        if save.ref is not None:
-            out += saved(channel, channel.handle_event(SessionSaved(save.ref)))
-    return out
-
-
-def msg(offset: int, topic: str = "a/b", qos: int = 1, queue: str = "a/b", **fields) -> Message:
-    return Message(topic, b"m%d" % offset, qos, queue=queue, offset=offset, store_ms=int(T0 * 1000), **fields)
 
 
 def decoded(block: bytes) -> Properties:
@@ -957,7 +861,7 @@ def test_a_subscribe_costs_the_same_work_whatever_the_session_holds():
     """SUBSCRIBE grew quadratically with the filters held (0.17 ms each at 5k held, 4.4 ms at 40k): every pump
     walked every stream, and the quota copied every filter. Counted in Python lines run, 8x the filters held
     must cost about the same per SUBSCRIBE (issue 21)."""
-    from work import python_lines
+    from tests.helpers.work import python_lines
 
     config = ChannelConfig(max_subscriptions=10_000)
     few, many = _holding(500, config), _holding(4000, config)
@@ -967,7 +871,7 @@ def test_a_subscribe_costs_the_same_work_whatever_the_session_holds():
 
 
 def test_news_on_one_queue_costs_the_same_work_whatever_else_the_session_holds():
-    from work import python_lines
+    from tests.helpers.work import python_lines
 
     few, many = _holding(500), _holding(4000)
     for channel in (few, many):

@@ -11,8 +11,6 @@ from amqtt.mqtt.suback import SubackPacket
 from amqtt.mqtt.subscribe import SubscribePacket
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_gateway_properties import mqtt_text, properties_for
-from work import python_lines
 
 from gateway.mqtt.codec import (
     MAX_PACKET_SIZE,
@@ -58,6 +56,8 @@ from gateway.mqtt.reasons import (
     connack_code_311,
     connack_reason_from_311,
 )
+from tests.helpers.strategies import mqtt_text, properties_for
+from tests.helpers.work import python_lines
 
 LEVELS = [4, 5]
 

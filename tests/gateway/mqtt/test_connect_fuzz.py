@@ -7,63 +7,13 @@ raw sockets, its log) is in tests/test_gateway_hostile.py.
 """
 
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from gateway.mqtt.actions import Close, OpenSession, Send, SessionOpened
 from gateway.mqtt.channel import Channel, ChannelConfig
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
 from gateway.mqtt.packets import MQTT_5, MQTT_311, Connack, Connect
-from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
 from gateway.mqtt.reasons import ReasonCode
-
-TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12)
-
-
-@st.composite
-def connects(draw) -> bytes:
-    """A valid CONNECT of either level, with most fields drawn."""
-    level = draw(st.sampled_from([MQTT_311, MQTT_5]))
-    five = level == MQTT_5
-    username = draw(st.none() | TEXT)
-    will = draw(st.booleans())
-    props = EMPTY_PROPERTIES
-    will_props = EMPTY_PROPERTIES
-    if five:
-        props = Properties(
-            session_expiry_interval=draw(st.none() | st.integers(0, 0xFFFF_FFFF)),
-            receive_maximum=draw(st.none() | st.integers(1, 0xFFFF)),
-            maximum_packet_size=draw(st.none() | st.integers(1, 64)),
-            topic_alias_maximum=draw(st.none() | st.integers(0, 0xFFFF)),
-            request_problem_information=draw(st.none() | st.booleans()),
-            user_properties=tuple(draw(st.lists(st.tuples(TEXT, TEXT), max_size=2))),
-        )
-        if will:
-            will_props = Properties(will_delay_interval=draw(st.none() | st.integers(0, 0xFFFF_FFFF)))
-    packet = Connect(
-        level, draw(TEXT), draw(st.booleans()), draw(st.integers(0, 0xFFFF)), username,
-        draw(st.none() | st.binary(max_size=8)) if username is not None or five else None,
-        draw(TEXT.filter(bool)) if will else None, draw(st.binary(max_size=8)) if will else b"",
-        draw(st.integers(0, 2)) if will else 0, draw(st.booleans()) if will else False, will_props, props,
-    )
-    return encode(packet, level)
-
-
-@st.composite
-def mutated(draw) -> bytes:
-    """A valid CONNECT with a few bytes flipped, inserted, deleted, or cut off."""
-    data = bytearray(draw(connects()))
-    for _ in range(draw(st.integers(1, 4))):
-        where = draw(st.integers(0, len(data)))
-        kind = draw(st.sampled_from(["flip", "insert", "delete", "cut"]))
-        if kind == "flip" and where < len(data):
-            data[where] ^= 1 << draw(st.integers(0, 7))
-        elif kind == "insert":
-            data[where:where] = draw(st.binary(min_size=1, max_size=3))
-        elif kind == "delete" and where < len(data):
-            del data[where]
-        elif kind == "cut":
-            del data[where:]
-    return bytes(data)
+from tests.helpers.strategies import connects, mutated
 
 
 def serve(data: bytes) -> tuple[list, Channel, int | None]:

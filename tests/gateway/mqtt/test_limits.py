@@ -14,11 +14,10 @@ import paho.mqtt.client as mqtt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mqtt_fixtures import WAIT_S, Client, connected, quiet, running_node
 from paho.mqtt.subscribeoptions import SubscribeOptions
-from test_gateway_channel import T0, Clock, connect, delivered, msg, of, sent, subscribe
 
-from gateway.mqtt.state import State
+from gateway.app.config import OPTIONS
+from gateway.app.serve import channel_config
 from gateway.mqtt.actions import (
     Activate,
     Activated,
@@ -35,9 +34,7 @@ from gateway.mqtt.actions import (
 )
 from gateway.mqtt.channel import RATE_DEBT_S, Channel, ChannelConfig
 from gateway.mqtt.codec import RemoteProtocolError, encode
-from gateway.app.config import OPTIONS
 from gateway.mqtt.limits import LOG_INTERVAL_S, HitLog, Limit, LimitCounters
-from gateway.app.serve import channel_config
 from gateway.mqtt.packets import (
     MQTT_5,
     MQTT_311,
@@ -56,6 +53,9 @@ from gateway.mqtt.packets import (
 from gateway.mqtt.properties import RepeatLimit
 from gateway.mqtt.reasons import ReasonCode
 from gateway.mqtt.session import SessionState
+from gateway.mqtt.state import State
+from tests.helpers.channel import T0, Clock, connect, delivered, msg, of, sent, subscribe
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, connected, quiet, running_node
 
 R = ReasonCode
 BOTH = pytest.mark.parametrize("level", [MQTT_5, MQTT_311])

@@ -26,40 +26,11 @@ from gateway.mqtt.properties import (
     with_length,
 )
 from gateway.mqtt.reasons import LocalProtocolError, ReasonCode, RemoteProtocolError
+from tests.helpers.strategies import mqtt_text, properties_for
 
 # Every place a property block can appear: each packet type that has properties, plus will properties.
 SCOPES = [(packet_type, False) for packet_type in PacketType if packet_type not in (PacketType.PINGREQ, PacketType.PINGRESP)]
 SCOPES.append((PacketType.CONNECT, True))
-
-mqtt_text = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\x00"), max_size=12)
-
-
-def _value_strategy(prop):
-    if prop.type is PropertyType.BOOL:
-        return st.booleans()
-    if prop.type is PropertyType.STRING:
-        return mqtt_text
-    if prop.type is PropertyType.STRING_PAIR:
-        return st.tuples(mqtt_text, mqtt_text)
-    if prop.type is PropertyType.BINARY:
-        return st.binary(max_size=12)
-    low, high = prop.value_range
-    return st.integers(low, high)
-
-
-def properties_for(packet_type: PacketType, will: bool = False) -> st.SearchStrategy[Properties]:
-    """Valid properties for one place, each allowed property present or absent at random."""
-    allowed = {}
-    for prop in PROPERTY_TABLE:
-        if not (prop.in_will if will else packet_type in prop.packets):
-            continue
-        value = _value_strategy(prop)
-        if prop.multiple:
-            most = 3 if packet_type in prop.repeatable_in else 1
-            allowed[prop.name] = st.lists(value, max_size=most).map(tuple)
-        else:
-            allowed[prop.name] = st.none() | value
-    return st.builds(Properties, **allowed)
 
 
 def decode_all(data: bytes, packet_type: PacketType, will: bool = False) -> Properties:

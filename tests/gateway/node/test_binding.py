@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from processes import ROOT, WAIT_S
+
+from tests.helpers.processes import ROOT, WAIT_S
 
 pytestmark = pytest.mark.slow  # a node process per case
 

@@ -7,9 +7,9 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from gateway.auth.passwords import PasswordFile
-from mqtt_fixtures import RawClient
-from processes import LightgateProcess
-from test_gateway_server import Client
+from tests.helpers.mqtt_fixtures import RawClient
+from tests.helpers.mqtt_fixtures import Client
+from tests.helpers.processes import LightgateProcess
 
 TEXT_CTX = re.compile(r" (\w+)=(\S*)")
 

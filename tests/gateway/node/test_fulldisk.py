@@ -25,10 +25,10 @@ from gateway.mqtt.packets import (MQTT_5, MQTT_311, Connack, Connect, Disconnect
                              Suback, Subscribe, SubscriptionOptions, Unsuback, Unsubscribe)
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import ReasonCode
-from mqtt_fixtures import RawClient, wait_until
-from processes import LightgateProcess
-from test_cluster import free_port
-from test_store_fulldisk import FLAGS, fill, full_lines, metric, small_disk  # noqa: F401  (small_disk: a fixture)
+from tests.helpers.cluster import free_port
+from tests.helpers.fulldisk import FLAGS, fill, full_lines, metric
+from tests.helpers.mqtt_fixtures import RawClient, wait_until
+from tests.helpers.processes import LightgateProcess
 
 pytestmark = pytest.mark.slow
 

@@ -14,17 +14,17 @@ import trio
 import trustme
 from hypothesis import HealthCheck, given, settings
 
-from gateway.node import connection as server
-from gateway.mqtt.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
 from gateway.app.config import OPTIONS
 from gateway.app.embedded import serve_gateway
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, RemoteProtocolError, Role, encode
 from gateway.mqtt.packets import (
     MQTT_5, MQTT_311, Connack, Connect, Disconnect, Packet, Puback, Publish, Suback, Subscribe, SubscriptionOptions,
 )
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import ReasonCode
-from test_gateway_connect_fuzz import mutated
-from test_gateway_server import running_node
+from gateway.node import connection as server
+from tests.helpers.mqtt_fixtures import running_node
+from tests.helpers.strategies import mutated
 
 DEFAULTS = {o.key: o.default for o in OPTIONS}
 WAIT_S = 20.0
@@ -76,7 +76,7 @@ class Peer:
 
 
 @pytest.fixture
-async def node(tmp_path, caplog):
+async def inprocess_port(tmp_path, caplog):
     """An embedded node on a free port; yields the port. No line it logs may carry a traceback."""
     caplog.set_level(logging.INFO)
     settings = {**DEFAULTS, "node.data": str(tmp_path / "data"), "node.port": 0, "admin.port": 0,
@@ -92,13 +92,13 @@ async def node(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("level, answer", [(MQTT_5, [ReasonCode.MALFORMED_PACKET]), (MQTT_311, [])])
-async def test_a_malformed_connect_gets_its_answer_and_one_log_line(node, caplog, level, answer):
+async def test_a_malformed_connect_gets_its_answer_and_one_log_line(inprocess_port, caplog, level, answer):
     """[MQTT-3.1.4-1] / section 3.2.2.2: a malformed MQTT 5 CONNECT gets CONNACK 0x81 in 5.0 form (it got an
     internal error and a traceback instead); a 3.1.1 one is closed (3.1.1 has no return code for it). Either way
     one log line and no traceback."""
     data = bytearray(encode(Connect(level, "malformed"), level))
     data[9] |= 0x01  # the reserved flag [MQTT-3.1.2-3]
-    peer = await Peer.open(node, level)
+    peer = await Peer.open(inprocess_port, level)
     await peer.stream.send_all(bytes(data))
     packets = await peer.rest()
     assert [p.reason_code for p in packets if isinstance(p, Connack)] == answer and len(packets) == len(answer)
@@ -111,11 +111,11 @@ async def test_a_malformed_connect_gets_its_answer_and_one_log_line(node, caplog
 
 
 @pytest.mark.parametrize("limit", [2, 4, 5, 10, 15, 16])
-async def test_no_packet_over_the_clients_maximum_packet_size_reaches_it(node, limit):
+async def test_no_packet_over_the_clients_maximum_packet_size_reaches_it(inprocess_port, limit):
     """[MQTT-3.1.2-24]: a client declaring a Maximum Packet Size of 2..15 got the node's 16-byte CONNACK. Now every
     byte it receives is within its limit: the full CONNACK from 16 on, CONNACK 0x95 without a reason string from
     5, and below that a close without a packet."""
-    peer = await Peer.open(node)
+    peer = await Peer.open(inprocess_port)
     await peer.send(Connect(MQTT_5, f"limit-{limit}", properties=Properties(maximum_packet_size=limit)))
     received = b""
     with trio.fail_after(WAIT_S):
@@ -136,11 +136,11 @@ async def test_no_packet_over_the_clients_maximum_packet_size_reaches_it(node, l
 # --- item 6: the last packet is not lost to a reset --------------------------------------------------------
 
 
-async def test_a_refusing_connack_is_followed_by_an_orderly_close_while_the_client_keeps_writing(node):
+async def test_a_refusing_connack_is_followed_by_an_orderly_close_while_the_client_keeps_writing(inprocess_port):
     """The server refuses (a malformed CONNECT: its reserved flag set, [MQTT-3.1.2-3], CONNACK 0x81) while more
     input waits unread: it half-closes and drains, so the client reads the CONNACK and then end of stream, not a
     reset (which can destroy the CONNACK before the client reads it)."""
-    peer = await Peer.open(node)
+    peer = await Peer.open(inprocess_port)
     connect = bytearray(encode(Connect(MQTT_5, "refused-writer"), MQTT_5))
     connect[9] |= 0x01  # the CONNECT flags byte: fixed header (2), protocol name (6), level (1)
     await peer.send(raw=bytes(connect) + JUNK)
@@ -149,10 +149,10 @@ async def test_a_refusing_connack_is_followed_by_an_orderly_close_while_the_clie
     assert peer.ending == "eof"
 
 
-async def test_a_disconnect_reason_is_followed_by_an_orderly_close_while_the_client_keeps_writing(node):
+async def test_a_disconnect_reason_is_followed_by_an_orderly_close_while_the_client_keeps_writing(inprocess_port):
     """[MQTT-4.13.2-1]: the server sends DISCONNECT with the reason before it closes; the client that is still
     writing reads it and then end of stream, not a reset."""
-    peer = await Peer.open(node)
+    peer = await Peer.open(inprocess_port)
     await peer.send(Connect(MQTT_5, "disconnected-writer"))
     assert isinstance(await peer.receive(), Connack)
     await peer.stream.send_all(BAD_PUBLISH + JUNK)
@@ -161,16 +161,16 @@ async def test_a_disconnect_reason_is_followed_by_an_orderly_close_while_the_cli
     assert peer.ending == "eof"
 
 
-async def test_a_reconnect_with_the_same_client_id_does_not_wait_for_the_lingering_close(node, monkeypatch):
+async def test_a_reconnect_with_the_same_client_id_does_not_wait_for_the_lingering_close(inprocess_port, monkeypatch):
     """The registration of a closed connection is released before its socket lingers: a device that reconnects
     at once (keeping its old socket open, so the old one lingers to the end) is taken in at once."""
     monkeypatch.setattr(server, "LINGER_S", 60.0)  # a takeover waiting for the linger would time out (15 s)
-    old = await Peer.open(node)
+    old = await Peer.open(inprocess_port)
     await old.send(Connect(MQTT_5, "comeback", clean_start=False))
     assert isinstance(await old.receive(), Connack)
     await old.stream.send_all(BAD_PUBLISH)
     assert isinstance(await old.receive(), Disconnect) and await old.receive() is None and old.ending == "eof"
-    new = await Peer.open(node)
+    new = await Peer.open(inprocess_port)
     await new.send(Connect(MQTT_5, "comeback", clean_start=False))
     with trio.fail_after(10):
         connack = await new.receive()

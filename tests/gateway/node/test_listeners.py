@@ -22,11 +22,10 @@ import paho.mqtt.client as mqtt
 import pytest
 import trio
 import trustme
-from mqtt_fixtures import WAIT_S, Client, connect_packet, connected, running_node, wait_until
 from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket
 
-from gateway.node.admission import Admission
 from gateway.app.config import OPTIONS
+from gateway.node.admission import Admission
 from gateway.node.listeners import (
     ListenerError,
     ListenerSpec,
@@ -35,9 +34,10 @@ from gateway.node.listeners import (
     serve_listeners,
     server_ssl_context,
 )
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, connect_packet, connected, running_node, wait_until
+from tests.helpers.processes import ROOT
 
 DEFAULTS = {o.key: o.default for o in OPTIONS}
-ROOT = Path(__file__).resolve().parents[1]
 
 ACL = """\
 pattern

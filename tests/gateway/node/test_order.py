@@ -14,11 +14,11 @@ from contextlib import contextmanager
 import pytest
 import trio
 
-from gateway.node.order import ReadOrder
-from gateway.mqtt.packets import MQTT_311, Pingreq, Pingresp, Publish, Suback, Subscribe, SubscriptionOptions
 from gateway.mqtt.codec import encode
-from mqtt_fixtures import RawClient, interop_node, raw_client  # noqa: F401  (interop_node is a fixture)
-from test_cluster import Gateway, Store, free_port
+from gateway.mqtt.packets import MQTT_311, Pingreq, Pingresp, Publish, Suback, Subscribe, SubscriptionOptions
+from gateway.node.order import ReadOrder
+from tests.helpers.cluster import Gateway, Store, free_port
+from tests.helpers.mqtt_fixtures import RawClient, raw_client
 
 TRIES = 1000
 CLUSTER_TRIES = 200  # each try is a few store round trips between three processes

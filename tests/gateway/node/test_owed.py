@@ -13,7 +13,7 @@ from store.local import LocalStore
 from store.log.commitlog import CommitLogConfig
 from store.log.errors import LogFullError
 from store.node import open_store
-from test_store_fulldisk import fill, small_disk  # noqa: F401  (small_disk: a fixture)
+from tests.helpers.fulldisk import fill
 
 pytestmark = pytest.mark.slow
 

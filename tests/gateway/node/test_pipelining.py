@@ -13,7 +13,7 @@ import pytest
 from gateway.mqtt.codec import encode
 from gateway.mqtt.packets import MQTT_5, MQTT_311, Connack, Connect, Disconnect, Puback, Publish
 from gateway.mqtt.reasons import ReasonCode
-from mqtt_fixtures import interop_node, raw_client, run_id  # noqa: F401  (interop_node is a fixture)
+from tests.helpers.mqtt_fixtures import raw_client, run_id
 
 PIPELINED = 5000
 RECEIVE_MAXIMUM = 128  # the node's default mqtt.receive_maximum

@@ -9,7 +9,7 @@ import trio.testing
 
 from gateway.mqtt.packets import MQTT_311, Puback, Publish, Subscribe, SubscriptionOptions
 from gateway.node.poller import FLOOD_READ_BYTES, MAX_EVENTS, ROUND_BYTES, Poller
-from mqtt_fixtures import raw_client, running_node
+from tests.helpers.mqtt_fixtures import raw_client, running_node
 
 
 def pairs(count: int) -> list[tuple[socket.socket, socket.socket]]:

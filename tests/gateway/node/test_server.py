@@ -4,116 +4,20 @@ import queue
 import socket
 import struct
 import uuid
-from contextlib import contextmanager
-from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
 
-from processes import LightgateProcess
-
-WAIT_S = 20.0  # every condition below is waited for with this timeout, never slept for
-
-
-class Node(LightgateProcess):
-    """A `lightgate serve` subprocess on a free port, with its log lines collected."""
-
-    def __init__(self, data: Path, *flags: str) -> None:
-        super().__init__("serve", "--port", "0", "--data", str(data), *flags)
-        self.data = data
-        self.port = self.ready("gateway node ready")
-
-
-@contextmanager
-def running_node(data: Path, *flags: str):
-    node = Node(data, *flags)
-    try:
-        yield node
-    finally:
-        node.stop()
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    with running_node(tmp_path_factory.mktemp("node") / "data", "--mqtt-connect-timeout-s", "1") as node:
-        yield node
-    assert node.proc.returncode == 0
-    assert not [doc for doc in node.logs if doc.get("level") == "error"], node.logs
-
-
-class Client:
-    """A paho client whose received messages and connection events land in queues."""
-
-    def __init__(self, port: int, client_id: str | None = None, *, protocol=mqtt.MQTTv311, clean=True,
-                 keepalive: int = 60, will: tuple[str, bytes, int] | None = None) -> None:
-        self.client_id = client_id or "c-" + uuid.uuid4().hex[:8]
-        kwargs = {"clean_session": clean} if protocol != mqtt.MQTTv5 else {}
-        self.paho = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=protocol,
-                                **kwargs)
-        self.protocol = protocol
-        self.messages: queue.Queue = queue.Queue()
-        self.connacks: queue.Queue = queue.Queue()
-        self.disconnects: queue.Queue = queue.Queue()
-        self.subacks: queue.Queue = queue.Queue()
-        self.paho.on_message = lambda c, u, msg: self.messages.put(msg)
-        self.paho.on_connect = lambda c, u, flags, rc, props: self.connacks.put((flags, rc))
-        self.paho.on_disconnect = lambda c, u, flags, rc, props: self.disconnects.put(rc)
-        self.paho.on_subscribe = lambda c, u, mid, rcs, props: self.subacks.put(rcs)
-        self.unsubacks: queue.Queue = queue.Queue()
-        self.paho.on_unsubscribe = lambda c, u, mid, rcs, props: self.unsubacks.put(mid)
-        if will is not None:
-            self.paho.will_set(*will)
-        self.port = port
-        self.keepalive = keepalive
-        self.clean = clean
-
-    def connect(self, **kwargs):
-        if self.protocol == mqtt.MQTTv5:
-            kwargs.setdefault("clean_start", self.clean)
-        self.paho.connect("127.0.0.1", self.port, keepalive=self.keepalive, **kwargs)
-        self.paho.loop_start()
-        flags, rc = self.connacks.get(timeout=WAIT_S)
-        assert not rc.is_failure, rc
-        return flags
-
-    def subscribe(self, topic: str, qos: int = 1):
-        self.paho.subscribe(topic, qos)
-        return self.subacks.get(timeout=WAIT_S)
-
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False):
-        info = self.paho.publish(topic, payload, qos, retain)
-        info.wait_for_publish(timeout=WAIT_S)
-        assert info.is_published()
-
-    def receive(self, count: int) -> list:
-        return [self.messages.get(timeout=WAIT_S) for _ in range(count)]
-
-    def disconnect(self):
-        self.paho.disconnect()
-        self.disconnects.get(timeout=WAIT_S)
-        self.paho.loop_stop()
-
-
-@contextmanager
-def connected(port: int, client_class: type | None = None, **kwargs):
-    """A connected ``client_class`` (default ``Client``), disconnected at the end of the block."""
-    client = (client_class or Client)(port, **kwargs)
-    client.connect()
-    try:
-        yield client
-    finally:
-        if client.paho.is_connected():
-            client.disconnect()
-        client.paho.loop_stop()
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, connect_packet, connected, recv_until_closed, running_node
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", [mqtt.MQTTv311, mqtt.MQTTv5])
 @pytest.mark.parametrize("qos", [0, 1, 2])
-def test_publish_reaches_wildcard_subscribers(node, protocol, qos):
+def test_publish_reaches_wildcard_subscribers(interop_node, protocol, qos):
     run = uuid.uuid4().hex[:6]
-    with connected(node.port, protocol=protocol) as plus, connected(node.port, protocol=protocol) as hash_, \
-            connected(node.port, protocol=protocol) as pub:
+    with connected(interop_node.port, protocol=protocol) as plus, connected(interop_node.port, protocol=protocol) as hash_, \
+            connected(interop_node.port, protocol=protocol) as pub:
         assert [int(getattr(rc, "value", rc)) for rc in plus.subscribe(f"tele{run}/+/temp", 2)] == [2]
         hash_.subscribe(f"tele{run}/#", qos)
         for i in range(5):
@@ -130,47 +34,47 @@ def test_publish_reaches_wildcard_subscribers(node, protocol, qos):
 
 
 @pytest.mark.slow
-def test_ping_and_keepalive_close(node):
-    with connected(node.port, keepalive=1) as quiet:
+def test_ping_and_keepalive_close(interop_node):
+    with connected(interop_node.port, keepalive=1) as quiet:
         # paho sends PINGREQs while idle: the connection outlives several keep alive periods
         with pytest.raises(queue.Empty):
             quiet.disconnects.get(timeout=3.5)
         assert quiet.paho.is_connected()
-    with socket.create_connection(("127.0.0.1", node.port), timeout=WAIT_S) as raw:
+    with socket.create_connection(("127.0.0.1", interop_node.port), timeout=WAIT_S) as raw:
         # CONNECT 3.1.1, keep alive 1 s, then silence: the server must close within 1.5 s (+ slack)
-        raw.sendall(_connect_packet("silent-" + uuid.uuid4().hex[:6], keepalive=1))
+        raw.sendall(connect_packet("silent-" + uuid.uuid4().hex[:6], keepalive=1))
         assert raw.recv(4) == b"\x20\x02\x00\x00"  # CONNACK accepted
-        assert _recv_until_closed(raw) == b""
+        assert recv_until_closed(raw) == b""
 
 
-def test_no_connect_within_the_timeout_is_closed(node):
-    with socket.create_connection(("127.0.0.1", node.port), timeout=WAIT_S) as raw:
-        assert _recv_until_closed(raw) == b""  # the fixture's node runs with --mqtt-connect-timeout-s 1
-    node.wait_log(lambda doc: "no CONNECT within" in doc.get("msg", ""))
+def test_no_connect_within_the_timeout_is_closed(interop_node):
+    with socket.create_connection(("127.0.0.1", interop_node.port), timeout=WAIT_S) as raw:
+        assert recv_until_closed(raw) == b""  # the fixture's node runs with --mqtt-connect-timeout-s 1
+    interop_node.wait_log(lambda doc: "no CONNECT within" in doc.get("msg", ""))
 
 
-def test_malformed_bytes_close_that_client_only(node):
+def test_malformed_bytes_close_that_client_only(interop_node):
     run = uuid.uuid4().hex[:6]
-    with connected(node.port) as sub, connected(node.port) as pub:
+    with connected(interop_node.port) as sub, connected(interop_node.port) as pub:
         sub.subscribe(f"m{run}/#")
-        with socket.create_connection(("127.0.0.1", node.port), timeout=WAIT_S) as raw:
-            raw.sendall(_connect_packet("bad-" + run))
+        with socket.create_connection(("127.0.0.1", interop_node.port), timeout=WAIT_S) as raw:
+            raw.sendall(connect_packet("bad-" + run))
             assert raw.recv(4) == b"\x20\x02\x00\x00"
             raw.sendall(b"\x3f\xff\xff\xff\xff\x00garbage")  # PUBLISH with QoS 3 and a 5-byte length
-            assert _recv_until_closed(raw) == b""
-        with socket.create_connection(("127.0.0.1", node.port), timeout=WAIT_S) as raw:
+            assert recv_until_closed(raw) == b""
+        with socket.create_connection(("127.0.0.1", interop_node.port), timeout=WAIT_S) as raw:
             raw.sendall(b"\x10\x03\x00\x01Z")  # a CONNECT that is cut short and nonsense
             raw.sendall(b"\xff" * 16)
-            assert _recv_until_closed(raw) == b""
+            assert recv_until_closed(raw) == b""
         pub.publish(f"m{run}/ok", b"still here", 1)
         (msg,) = sub.receive(1)
         assert msg.payload == b"still here"
-    node.wait_log(lambda doc: f"bad-{run}" in doc.get("msg", "") and "protocol error" in doc.get("msg", ""))
+    interop_node.wait_log(lambda doc: f"bad-{run}" in doc.get("msg", "") and "protocol error" in doc.get("msg", ""))
 
 
-def test_a_message_the_store_refuses_gets_a_failing_puback_not_a_false_ack(node):
+def test_a_message_the_store_refuses_gets_a_failing_puback_not_a_false_ack(interop_node):
     run = uuid.uuid4().hex[:6]
-    with connected(node.port) as sub, connected(node.port, protocol=mqtt.MQTTv5) as pub:
+    with connected(interop_node.port) as sub, connected(interop_node.port, protocol=mqtt.MQTTv5) as pub:
         sub.subscribe(f"big{run}/#")
         acks: queue.Queue = queue.Queue()
         pub.paho.on_publish = lambda c, u, mid, rc, props: acks.put((mid, rc))
@@ -183,19 +87,19 @@ def test_a_message_the_store_refuses_gets_a_failing_puback_not_a_false_ack(node)
 
 
 @pytest.mark.slow
-def test_a_backlog_bigger_than_the_pull_batches_is_delivered_whole_without_further_traffic(node):
+def test_a_backlog_bigger_than_the_pull_batches_is_delivered_whole_without_further_traffic(interop_node):
     """Every pull the deliveries lead to is served, also the one a write at the end of a read queues."""
     run = uuid.uuid4().hex[:6]
     count = 3000  # a dozen pull batches of 256, each emptied by the subscriber's PUBACKs
-    sub = Client(node.port, f"b-{run}", clean=False)
+    sub = Client(interop_node.port, f"b-{run}", clean=False)
     sub.connect()
     sub.subscribe(f"b{run}/#", 0)  # QoS 0: the node sends on as its writes complete, not on PUBACKs
     sub.disconnect()
-    with connected(node.port) as pub:
+    with connected(interop_node.port) as pub:
         for i in range(count):
             pub.paho.publish(f"b{run}/x", str(i).encode(), 1)
         pub.publish(f"b{run}/x", b"last", 1)  # waits for its PUBACK: the ones before were acknowledged first
-    again = Client(node.port, f"b-{run}", clean=False)
+    again = Client(interop_node.port, f"b-{run}", clean=False)
     assert again.connect().session_present
     try:
         got = again.receive(count + 1)  # nothing else happens on the node meanwhile
@@ -204,19 +108,19 @@ def test_a_backlog_bigger_than_the_pull_batches_is_delivered_whole_without_furth
         again.disconnect()
 
 
-def test_persistent_session_gets_what_was_published_while_offline(node):
+def test_persistent_session_gets_what_was_published_while_offline(interop_node):
     run = uuid.uuid4().hex[:6]
-    sub = Client(node.port, f"p-{run}", clean=False)
+    sub = Client(interop_node.port, f"p-{run}", clean=False)
     assert not sub.connect().session_present
     sub.subscribe(f"p{run}/+/v", 1)
-    with connected(node.port) as pub:
+    with connected(interop_node.port) as pub:
         pub.publish(f"p{run}/a/v", b"online", 1)
         (first,) = sub.receive(1)
         assert first.payload == b"online"
         sub.disconnect()
         for i in range(3):
             pub.publish(f"p{run}/a/v", f"offline{i}".encode(), 1)
-    again = Client(node.port, f"p-{run}", clean=False)
+    again = Client(interop_node.port, f"p-{run}", clean=False)
     flags = again.connect()
     assert flags.session_present
     got = again.receive(3)
@@ -251,21 +155,21 @@ def test_persistent_session_survives_a_node_restart(tmp_path):
 
 
 @pytest.mark.slow
-def test_will_on_abnormal_close_only(node):
+def test_will_on_abnormal_close_only(interop_node):
     run = uuid.uuid4().hex[:6]
-    with connected(node.port) as watcher:
+    with connected(interop_node.port) as watcher:
         watcher.subscribe(f"w{run}/#", 1)
-        polite = Client(node.port, will=(f"w{run}/polite", b"gone", 1))
+        polite = Client(interop_node.port, will=(f"w{run}/polite", b"gone", 1))
         polite.connect()
         polite.disconnect()
-        rude = socket.create_connection(("127.0.0.1", node.port), timeout=WAIT_S)
-        rude.sendall(_connect_packet("rude-" + run, will=(f"w{run}/rude", b"died")))
+        rude = socket.create_connection(("127.0.0.1", interop_node.port), timeout=WAIT_S)
+        rude.sendall(connect_packet("rude-" + run, will=(f"w{run}/rude", b"died")))
         assert rude.recv(4) == b"\x20\x02\x00\x00"
         rude.close()  # no DISCONNECT: the will goes
         (msg,) = watcher.receive(1)
         assert (msg.topic, msg.payload) == (f"w{run}/rude", b"died")
-        reset = socket.create_connection(("127.0.0.1", node.port), timeout=WAIT_S)
-        reset.sendall(_connect_packet("reset-" + run, will=(f"w{run}/reset", b"cut")))
+        reset = socket.create_connection(("127.0.0.1", interop_node.port), timeout=WAIT_S)
+        reset.sendall(connect_packet("reset-" + run, will=(f"w{run}/reset", b"cut")))
         assert reset.recv(4) == b"\x20\x02\x00\x00"
         reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         reset.close()  # an RST: the node's read fails (ECONNRESET), and the will goes
@@ -275,11 +179,11 @@ def test_will_on_abnormal_close_only(node):
             watcher.messages.get(timeout=1.0)
 
 
-def test_takeover_closes_the_old_connection(node):
+def test_takeover_closes_the_old_connection(interop_node):
     run = uuid.uuid4().hex[:6]
-    old = Client(node.port, f"t-{run}")
+    old = Client(interop_node.port, f"t-{run}")
     old.connect()
-    with connected(node.port, client_id=f"t-{run}") as new:
+    with connected(interop_node.port, client_id=f"t-{run}") as new:
         old.disconnects.get(timeout=WAIT_S)  # raises queue.Empty if the old connection stays open
         assert not old.paho.is_connected() and new.paho.is_connected()
     old.paho.loop_stop()
@@ -297,26 +201,3 @@ def _expiry(seconds: int):
     return props
 
 
-def _string(text: str | bytes) -> bytes:
-    data = text.encode() if isinstance(text, str) else text
-    return len(data).to_bytes(2, "big") + data
-
-
-def _connect_packet(client_id: str, keepalive: int = 60, will: tuple[str, bytes] | None = None) -> bytes:
-    flags = 0x02 | (0x04 | 0x08 if will else 0)  # clean session; will with QoS 1
-    body = _string("MQTT") + bytes([4, flags]) + keepalive.to_bytes(2, "big") + _string(client_id)
-    if will:
-        body += _string(will[0]) + _string(will[1])
-    return bytes([0x10, len(body)]) + body
-
-
-def _recv_until_closed(raw: socket.socket) -> bytes:
-    """Read until the server closes (returns the last read: b"" on a clean close)."""
-    raw.settimeout(WAIT_S)
-    while True:
-        try:
-            data = raw.recv(4096)
-        except ConnectionResetError:
-            return b""
-        if not data:
-            return data

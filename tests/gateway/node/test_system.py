@@ -6,7 +6,7 @@ import time
 import pytest
 
 from gateway.node.system import LOAD_WINDOWS_S, LoadAverage, SysFigures, SysTree
-from mqtt_fixtures import WAIT_S, connected, running_node
+from tests.helpers.mqtt_fixtures import WAIT_S, connected, running_node
 
 
 def test_a_steady_rate_brings_every_average_towards_it_the_short_window_first():

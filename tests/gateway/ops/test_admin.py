@@ -3,7 +3,6 @@ health and readiness, HTTP errors, each admin action taking effect on paho clien
 
 import base64
 import contextlib
-import http.client
 import json
 import re
 import socket
@@ -11,11 +10,12 @@ import uuid
 
 import paho.mqtt.client as mqtt
 import pytest
-from mqtt_fixtures import WAIT_S, Client, Node, connected, properties, quiet, running_node, wait_until
 from paho.mqtt.packettypes import PacketTypes
 
 from gateway.auth.passwords import PasswordFile
 from gateway.ops.admin import AdminApi
+from tests.helpers.admin import Admin, admin_port
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, connected, properties, quiet, running_node, wait_until
 
 TOKEN = "s3cret-admin-token"
 PASSWORDS = {"alice": "alice-pw", "bob": "bob-pw"}
@@ -30,45 +30,8 @@ allow subscribe #
 """
 
 
-class Admin:
-    """An HTTP/1.1 client of the admin endpoint on one kept-alive connection (http.client: a real socket)."""
-
-    def __init__(self, port: int, token: str | None = None) -> None:
-        self.port = port
-        self.token = token
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
-
-    def request(self, method: str, path: str, body: bytes | dict | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, http.client.HTTPMessage, object]:
-        """(status, headers, JSON body or raw bytes) of one request."""
-        sent = dict(headers or {})
-        if self.token is not None:
-            sent.setdefault("Authorization", f"Bearer {self.token}")
-        if isinstance(body, dict):
-            body = json.dumps(body).encode()
-            sent["Content-Type"] = "application/json"
-        self.conn.request(method, path, body=body, headers=sent)
-        response = self.conn.getresponse()
-        data = response.read()
-        if response.getheader("content-type", "").startswith("application/json"):
-            return response.status, response.headers, json.loads(data)
-        return response.status, response.headers, data
-
-    def get(self, path: str) -> object:
-        status, _, body = self.request("GET", path)
-        assert status == 200, (path, status, body)
-        return body
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-def admin_port(node: Node) -> int:
-    return node.wait_log(lambda doc: doc.get("msg") == "admin API ready")["port"]
-
-
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
+def node_without_sys(tmp_path_factory):
     with running_node(tmp_path_factory.mktemp("admin") / "data", "--mqtt-connect-timeout-s", "2",
                       "--mqtt-sys-interval-s", "0") as node:
         yield node
@@ -77,8 +40,8 @@ def node(tmp_path_factory):
 
 
 @pytest.fixture
-def admin(node):
-    client = Admin(admin_port(node))
+def admin(node_without_sys):
+    client = Admin(admin_port(node_without_sys))
     yield client
     client.close()
 
@@ -115,9 +78,9 @@ def test_http_errors_are_json_with_the_right_status(admin):
     assert status == 400 and "filter" in body["error"]
 
 
-def test_a_body_over_the_limit_gets_413_and_the_connection_closes(node):
+def test_a_body_over_the_limit_gets_413_and_the_connection_closes(node_without_sys):
     # The node runs with the default mqtt.max_packet_size (1 MiB + 1 KiB): bodies up to twice that are read.
-    with socket.create_connection(("127.0.0.1", admin_port(node)), timeout=WAIT_S) as raw:
+    with socket.create_connection(("127.0.0.1", admin_port(node_without_sys)), timeout=WAIT_S) as raw:
         raw.sendall(b"POST /api/v1/publish HTTP/1.1\r\nHost: x\r\nContent-Length: 5000000\r\n\r\n")
         answer = b""
         while chunk := raw.recv(65536):
@@ -126,8 +89,8 @@ def test_a_body_over_the_limit_gets_413_and_the_connection_closes(node):
     assert b"exceeds" in answer
 
 
-def test_a_chunked_body_over_the_limit_gets_413(node):
-    with socket.create_connection(("127.0.0.1", admin_port(node)), timeout=WAIT_S) as raw:
+def test_a_chunked_body_over_the_limit_gets_413(node_without_sys):
+    with socket.create_connection(("127.0.0.1", admin_port(node_without_sys)), timeout=WAIT_S) as raw:
         raw.sendall(b"POST /api/v1/publish HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
         chunk = b"x" * 1_000_000
         answer = b""
@@ -141,18 +104,18 @@ def test_a_chunked_body_over_the_limit_gets_413(node):
     assert answer.startswith(b"HTTP/1.1 413 ")
 
 
-def test_malformed_http_gets_400(node):
-    with socket.create_connection(("127.0.0.1", admin_port(node)), timeout=WAIT_S) as raw:
+def test_malformed_http_gets_400(node_without_sys):
+    with socket.create_connection(("127.0.0.1", admin_port(node_without_sys)), timeout=WAIT_S) as raw:
         raw.sendall(b"this is not HTTP\r\n\r\n")
         answer = raw.recv(65536)
     assert answer.startswith(b"HTTP/1.1 400 ")
 
 
-def test_disconnect_a_client_with_administrative_action(node, admin):
+def test_disconnect_a_client_with_administrative_action(node_without_sys, admin):
     run = run_id()
-    with connected(node.port) as watcher:
+    with connected(node_without_sys.port) as watcher:
         watcher.subscribe(f"will{run}/#", 1)
-        victim = Client(node.port, f"victim-{run}", protocol=mqtt.MQTTv5, will=(f"will{run}/gone", b"bye", 1))
+        victim = Client(node_without_sys.port, f"victim-{run}", protocol=mqtt.MQTTv5, will=(f"will{run}/gone", b"bye", 1))
         victim.paho.reconnect_delay_set(60, 60)  # paho reconnects by itself; not within this test
         victim.connect()
         clients = {c["client_id"]: c for c in admin.get("/api/v1/clients")}
@@ -170,12 +133,12 @@ def test_disconnect_a_client_with_administrative_action(node, admin):
         assert status == 404
 
 
-def test_the_client_list_is_searched_sorted_and_paged_by_the_node(node, admin):
+def test_the_client_list_is_searched_sorted_and_paged_by_the_node(node_without_sys, admin):
     run = run_id()
     ids = [f"list-{run}-{i}" for i in range(5)]
     with contextlib.ExitStack() as stack:
         for keep_alive, client_id in zip((30, 10, 50, 20, 40), ids):
-            stack.enter_context(connected(node.port, client_id=client_id, keepalive=keep_alive))
+            stack.enter_context(connected(node_without_sys.port, client_id=client_id, keepalive=keep_alive))
         status, headers, body = admin.request("GET", f"/api/v1/clients?search=LIST-{run}&sort=keep_alive_s&order=desc"
                                                      "&offset=1&limit=3")
         assert status == 200 and headers["x-total-count"] == "5"
@@ -188,15 +151,15 @@ def test_the_client_list_is_searched_sorted_and_paged_by_the_node(node, admin):
             assert status == 400 and named in body["error"], query
 
 
-def test_sessions_and_queues_show_lag_and_delete_session_ends_it(node, admin):
+def test_sessions_and_queues_show_lag_and_delete_session_ends_it(node_without_sys, admin):
     run = run_id()
     client_id = f"sess-{run}"
     expiry = properties(PacketTypes.CONNECT, SessionExpiryInterval=3600)
-    sub = Client(node.port, client_id, protocol=mqtt.MQTTv5, clean=False)
+    sub = Client(node_without_sys.port, client_id, protocol=mqtt.MQTTv5, clean=False)
     sub.connect(properties=expiry)
     sub.subscribe(f"lag{run}/#", 1)
     sub.disconnect()
-    with connected(node.port) as pub:
+    with connected(node_without_sys.port) as pub:
         for i in range(3):
             pub.publish(f"lag{run}/x", str(i).encode(), 1)
 
@@ -221,16 +184,16 @@ def test_sessions_and_queues_show_lag_and_delete_session_ends_it(node, admin):
     assert status == 404
     status, _, _ = admin.request("DELETE", f"/api/v1/sessions/{client_id}")
     assert status == 404
-    again = Client(node.port, client_id, protocol=mqtt.MQTTv5, clean=False)
+    again = Client(node_without_sys.port, client_id, protocol=mqtt.MQTTv5, clean=False)
     flags = again.connect(properties=expiry)
     assert not flags.session_present  # the session is gone: nothing of it resumes
     quiet(again.messages)
     again.disconnect()
 
 
-def test_delete_session_of_a_connected_client_disconnects_it(node, admin):
+def test_delete_session_of_a_connected_client_disconnects_it(node_without_sys, admin):
     run = run_id()
-    client = Client(node.port, f"live-{run}")
+    client = Client(node_without_sys.port, f"live-{run}")
     client.paho.reconnect_delay_set(60, 60)  # paho reconnects by itself; not within this test
     client.connect()
     try:
@@ -245,9 +208,9 @@ def test_delete_session_of_a_connected_client_disconnects_it(node, admin):
     assert status == 404
 
 
-def test_retained_messages_are_listed_and_deleted(node, admin):
+def test_retained_messages_are_listed_and_deleted(node_without_sys, admin):
     run = run_id()
-    with connected(node.port) as pub:
+    with connected(node_without_sys.port) as pub:
         pub.publish(f"ret{run}/a", b"kept", 1, retain=True)
         pub.publish(f"ret{run}/b", b"\xff\x00", 1, retain=True)
     wait_until(lambda: len(admin.get(f"/api/v1/retained?filter=ret{run}/%23")) == 2, what="two retained messages")
@@ -260,16 +223,16 @@ def test_retained_messages_are_listed_and_deleted(node, admin):
     assert status == 200 and body == {"deleted": f"ret{run}/a"}
     wait_until(lambda: [m["topic"] for m in admin.get(f"/api/v1/retained?filter=ret{run}/%23")] == [f"ret{run}/b"],
                what="the deleted retained message to go")
-    with connected(node.port) as late:
+    with connected(node_without_sys.port) as late:
         late.subscribe(f"ret{run}/a", 1)
         quiet(late.messages)  # a new subscriber gets no retained message for the deleted topic
     status, _, _ = admin.request("DELETE", f"/api/v1/retained/ret{run}/a")
     assert status == 404
 
 
-def test_http_publish_reaches_a_paho_subscriber(node, admin):
+def test_http_publish_reaches_a_paho_subscriber(node_without_sys, admin):
     run = run_id()
-    with connected(node.port, protocol=mqtt.MQTTv5) as sub:
+    with connected(node_without_sys.port, protocol=mqtt.MQTTv5) as sub:
         sub.subscribe(f"http{run}/#", 2)
         status, _, body = admin.request("POST", "/api/v1/publish", {"topic": f"http{run}/text", "payload": "héllo",
                                                                     "qos": 1})
@@ -280,7 +243,7 @@ def test_http_publish_reaches_a_paho_subscriber(node, admin):
         first, second = sub.receive(2)
         assert (first.topic, first.payload, first.qos) == (f"http{run}/text", "héllo".encode(), 1)
         assert (second.topic, second.payload, second.qos) == (f"http{run}/bin", b"\x00\x01", 2)
-    with connected(node.port) as late:
+    with connected(node_without_sys.port) as late:
         late.subscribe(f"http{run}/bin", 1)
         (retained,) = late.receive(1)
         assert retained.retain and retained.payload == b"\x00\x01"
@@ -300,9 +263,9 @@ def test_a_publish_body_with_an_unknown_or_mistyped_field_is_a_400_naming_it(adm
     assert status == 400 and field in answer["error"], answer
 
 
-def test_a_refused_publish_body_publishes_nothing(node, admin):
+def test_a_refused_publish_body_publishes_nothing(node_without_sys, admin):
     run = run_id()
-    with connected(node.port) as sub:
+    with connected(node_without_sys.port) as sub:
         sub.subscribe(f"strict{run}/#", 1)
         status, _, answer = admin.request("POST", "/api/v1/publish",
                                           {"topic": f"strict{run}/a", "payload": "kept?", "retained": True})
@@ -313,12 +276,12 @@ def test_a_refused_publish_body_publishes_nothing(node, admin):
         assert first.topic == f"strict{run}/b"
 
 
-def test_http_publish_sends_mqtt5_properties_to_a_paho_v5_subscriber(node, admin):
+def test_http_publish_sends_mqtt5_properties_to_a_paho_v5_subscriber(node_without_sys, admin):
     # The PUBLISH properties of [MQTT-3.3.2] are forwarded unaltered to the subscriber [MQTT-3.3.2-4, -15, -16, -17,
     # -18, -20]; the expiry interval is the one received minus the time waited [MQTT-3.3.2-6].
     run = run_id()
     correlation = b"\x00req-17\xff"
-    with connected(node.port, protocol=mqtt.MQTTv5) as sub:
+    with connected(node_without_sys.port, protocol=mqtt.MQTTv5) as sub:
         sub.subscribe(f"props{run}/#", 1)
         status, _, body = admin.request("POST", "/api/v1/publish", {
             "topic": f"props{run}/cmd", "payload": '{"on": true}', "qos": 1, "properties": {
@@ -357,9 +320,9 @@ def test_a_payload_marked_utf8_must_be_utf8(admin):
     assert status == 400 and "payload_format_indicator" in answer["error"]
 
 
-def test_bulk_publish_answers_each_message_in_order(node, admin):
+def test_bulk_publish_answers_each_message_in_order(node_without_sys, admin):
     run = run_id()
-    with connected(node.port, protocol=mqtt.MQTTv5) as sub:
+    with connected(node_without_sys.port, protocol=mqtt.MQTTv5) as sub:
         sub.subscribe(f"bulk{run}/#", 1)
         status, _, body = admin.request("POST", "/api/v1/publish/bulk", {"messages": [
             {"topic": f"bulk{run}/1", "payload": "one", "qos": 1},
@@ -378,9 +341,9 @@ def test_bulk_publish_answers_each_message_in_order(node, admin):
     assert received[1].properties.ContentType == "application/octet-stream"
 
 
-def test_a_bulk_body_that_does_not_decode_whole_publishes_nothing(node, admin):
+def test_a_bulk_body_that_does_not_decode_whole_publishes_nothing(node_without_sys, admin):
     run = run_id()
-    with connected(node.port) as sub:
+    with connected(node_without_sys.port) as sub:
         sub.subscribe(f"bulkbad{run}/#", 1)
         status, _, answer = admin.request("POST", "/api/v1/publish/bulk", {"messages": [
             {"topic": f"bulkbad{run}/a", "payload": "x"}, {"topic": f"bulkbad{run}/b", "retained": True}]})
@@ -409,7 +372,7 @@ def _request_for(path: str, method: str) -> tuple[str, dict | None]:
     return concrete, body
 
 
-def test_the_openapi_document_describes_exactly_the_routes_the_endpoint_answers(node, admin):
+def test_the_openapi_document_describes_exactly_the_routes_the_endpoint_answers(node_without_sys, admin):
     document = admin.get("/api/openapi.json")
     assert document["openapi"].startswith("3.")
     documented = {(path, method.upper()) for path, methods in document["paths"].items() for method in methods}

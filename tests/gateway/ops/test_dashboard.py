@@ -13,12 +13,12 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from mqtt_fixtures import WAIT_S, Client, connected, properties, running_node
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, connected, properties, running_node
 from paho.mqtt.packettypes import PacketTypes
 
 from gateway.auth.passwords import PasswordFile
-from test_cluster import running_cluster
-from test_gateway_admin import admin_port
+from tests.helpers.cluster import running_cluster
+from tests.helpers.admin import admin_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"

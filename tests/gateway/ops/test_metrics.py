@@ -6,20 +6,20 @@ import json
 import logging
 import re
 import uuid
-from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
 import trio
-from mqtt_fixtures import WAIT_S, Client, connected, running_node, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import __version__
 from gateway.app.config import OPTIONS
-from gateway.ops.metrics import histogram
 from gateway.app.embedded import serve_gateway
 from gateway.auth.passwords import PasswordFile
+from gateway.ops.metrics import histogram
 from store.log.aio import LatencyBuckets
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, connected, running_node, wait_until
+from tests.helpers.processes import ROOT
 
 DEFAULTS = {o.key: o.default for o in OPTIONS}
 
@@ -59,7 +59,7 @@ def test_latency_buckets_become_a_cumulative_prometheus_histogram():
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
+def node_with_passwords(tmp_path_factory):
     directory = tmp_path_factory.mktemp("metrics")
     passwords = PasswordFile.load_or_empty(directory / "users.txt")
     passwords.set_password("alice", "alice-pw")
@@ -72,17 +72,17 @@ def node(tmp_path_factory):
     assert node.proc.returncode == 0
 
 
-def test_metrics_move_with_traffic(node):
+def test_metrics_move_with_traffic(node_with_passwords):
     run = uuid.uuid4().hex[:6]
-    before = scrape(node.admin_port)
-    with connected(node.port, protocol=mqtt.MQTTv5) as sub, connected(node.port) as pub:
+    before = scrape(node_with_passwords.admin_port)
+    with connected(node_with_passwords.port, protocol=mqtt.MQTTv5) as sub, connected(node_with_passwords.port) as pub:
         sub.subscribe(f"m{run}/+", 2)  # a wildcard below the first level: an active filter
         for qos in (0, 1, 1, 2):
             pub.publish(f"m{run}/t", b"x" * 100, qos)
         sub.receive(4)
-        wait_until(lambda: value(scrape(node.admin_port), "lightgate_messages_sent_total", qos="1")
+        wait_until(lambda: value(scrape(node_with_passwords.admin_port), "lightgate_messages_sent_total", qos="1")
                    >= value(before, "lightgate_messages_sent_total", qos="1") + 2, what="sent QoS 1 counted")
-        during = scrape(node.admin_port)
+        during = scrape(node_with_passwords.admin_port)
     assert value(during, "lightgate_connections") == value(before, "lightgate_connections") + 2
     assert value(during, "lightgate_sessions", state="online") \
         == value(before, "lightgate_sessions", state="online") + 2
@@ -107,14 +107,14 @@ def test_metrics_move_with_traffic(node):
     assert sum(value(during, name) for name in reads) > sum(value(before, name) for name in reads)
 
 
-def test_build_info_names_the_running_version(node):
-    samples = scrape(node.admin_port)
+def test_build_info_names_the_running_version(node_with_passwords):
+    samples = scrape(node_with_passwords.admin_port)
     builds = {labels: v for (name, labels), v in samples.items() if name == "lightgate_build_info"}
     assert builds == {(("version", __version__),): 1.0}
 
 
-def test_process_cpu_memory_fds_and_gc_are_exported(node):
-    samples = scrape(node.admin_port)
+def test_process_cpu_memory_fds_and_gc_are_exported(node_with_passwords):
+    samples = scrape(node_with_passwords.admin_port)
     assert value(samples, "process_cpu_seconds_total") > 0
     assert value(samples, "process_resident_memory_bytes") > 10 * 1024 * 1024  # a Python node with trio and RocksDB
     assert 3 <= value(samples, "process_open_fds") < value(samples, "process_max_fds")
@@ -122,7 +122,7 @@ def test_process_cpu_memory_fds_and_gc_are_exported(node):
     assert {labels for (name, labels) in samples if name == "python_info"}  # the interpreter's version
 
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "packaging" / "grafana" / "lightgate.json"
+DASHBOARD = ROOT / "packaging" / "grafana" / "lightgate.json"
 
 PROMQL_WORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
                           "unless", "offset"})
@@ -148,9 +148,9 @@ def test_promql_metrics_finds_the_metrics_only():
     assert promql_metrics(expr) == {"lightgate_x_bucket", "process_y"}
 
 
-def test_the_grafana_dashboard_only_queries_metrics_a_running_node_exports(node):
+def test_the_grafana_dashboard_only_queries_metrics_a_running_node_exports(node_with_passwords):
     dashboard = json.loads(DASHBOARD.read_text())
-    exported = {name for name, _ in scrape(node.admin_port)}
+    exported = {name for name, _ in scrape(node_with_passwords.admin_port)}
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     assert len(panels) >= 20
     queried = set()
@@ -172,11 +172,11 @@ def test_the_grafana_dashboard_only_queries_metrics_a_running_node_exports(node)
         assert needed in queried, needed
 
 
-def test_auth_failures_and_limit_hits_are_counted(node):
-    before = scrape(node.admin_port)
-    refused = Client(node.port, protocol=mqtt.MQTTv5)
+def test_auth_failures_and_limit_hits_are_counted(node_with_passwords):
+    before = scrape(node_with_passwords.admin_port)
+    refused = Client(node_with_passwords.port, protocol=mqtt.MQTTv5)
     refused.paho.username_pw_set("alice", "wrong")
-    refused.paho.connect("127.0.0.1", node.port)
+    refused.paho.connect("127.0.0.1", node_with_passwords.port)
     refused.paho.loop_start()
     try:
         _, reason = refused.connacks.get(timeout=WAIT_S)
@@ -184,11 +184,11 @@ def test_auth_failures_and_limit_hits_are_counted(node):
     finally:
         refused.paho.loop_stop()
     hits = value(before, "lightgate_limit_hits_total", limit="topic_levels")
-    with connected(node.port, protocol=mqtt.MQTTv5) as deep:
+    with connected(node_with_passwords.port, protocol=mqtt.MQTTv5) as deep:
         deep.paho.publish("a/b/c/d/e", b"too deep", 1)  # 5 levels; the node allows 4 (MQTT 5: PUBACK 0x90)
-        wait_until(lambda: value(scrape(node.admin_port), "lightgate_limit_hits_total", limit="topic_levels")
+        wait_until(lambda: value(scrape(node_with_passwords.admin_port), "lightgate_limit_hits_total", limit="topic_levels")
                    == hits + 1, what="the limit hit counted")
-    after = scrape(node.admin_port)
+    after = scrape(node_with_passwords.admin_port)
     assert value(after, "lightgate_auth_failures_total") == value(before, "lightgate_auth_failures_total") + 1
 
 

@@ -15,21 +15,13 @@ from datetime import datetime, timezone
 import pytest
 import trio
 
-from store.rpc.access import AccessDenied, StoreAccess, Verdict
-from store.log.commitlog import CommitLogConfig
 from store.clients.consumer import Consumer, start_position
-from store.groups import group_owner
-from store.node import open_store
 from store.clients.producer import Producer
+from store.groups import group_owner
+from store.rpc.access import AccessDenied, StoreAccess, Verdict
 from store.rpc.server import serve_rpc
-from processes import ROOT
-from test_store_producer import WAIT_S, Device, cluster, running
-
-
-@pytest.fixture
-async def store(tmp_path):
-    async with open_store(tmp_path / "data", CommitLogConfig()) as node:
-        yield node
+from tests.helpers.backend import WAIT_S, Device, cluster, running
+from tests.helpers.processes import ROOT
 
 
 class Server:

@@ -5,97 +5,29 @@ slow test runs `lightgate store` and `lightgate gateway` processes with
 authentication on and a paho MQTT 5 device that receives what the producer sends.
 """
 
-import queue
-from contextlib import contextmanager
-from pathlib import Path
 
-import paho.mqtt.client as mqtt
 import pytest
 import trio
 
 from gateway.app import config as cfg
-from processes import LightgateProcess
 from gateway.app.cli import _store_access
 from gateway.auth.passwords import PasswordFile
 from gateway.mqtt.properties import PacketType, decode_properties
 from lightqueue.topics import TopicError
 from store.api import NewMessage, PullRequest
-from store.groups import group_owner
-from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
-from store.log.commitlog import CommitLogConfig
-from store.node import open_store
 from store.clients.producer import Producer, encode_properties
+from store.groups import group_owner
 from store.log.record import RecordTooLarge
+from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
 from store.rpc.client import RemoteStore, StoreRpcError
 from store.rpc.server import serve_rpc
-
-WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
+from tests.helpers.backend import WAIT_S, Device, cluster
 
 
 # --- processes ----------------------------------------------------------------------------------
 
 
-Proc = LightgateProcess  # test_store_consumer.py imports it from here
-
-
-@contextmanager
-def running(*args: str):
-    proc = Proc(*args)
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-@contextmanager
-def cluster(data: Path, *flags: str, store_port: int = 0):
-    """A store process and a gateway process in front of it; yields (store, store port, gateway, MQTT port)."""
-    with running("store", "--data", str(data / "store"), "--listen", f"127.0.0.1:{store_port}", *flags) as store:
-        port = store.ready("store node ready")
-        with running("gateway", "--store", f"127.0.0.1:{port}", "--port", "0", *flags) as gateway:
-            yield store, port, gateway, gateway.ready("gateway node ready")
-
-
-class Device:
-    """A paho MQTT 5 client whose received messages land in a queue."""
-
-    def __init__(self, port: int, client_id: str, username: str | None = None, password: str | None = None):
-        self.messages: queue.Queue = queue.Queue()
-        connacks: queue.Queue = queue.Queue()
-        self.paho = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
-        if username is not None:
-            self.paho.username_pw_set(username, password)
-        self.paho.on_message = lambda c, u, msg: self.messages.put(msg)
-        self.paho.on_connect = lambda c, u, flags, rc, props: connacks.put(rc)
-        self.subacks: queue.Queue = queue.Queue()
-        self.paho.on_subscribe = lambda c, u, mid, rcs, props: self.subacks.put(rcs)
-        self.paho.connect("127.0.0.1", port)
-        self.paho.loop_start()
-        rc = connacks.get(timeout=WAIT_S)
-        assert not rc.is_failure, rc
-
-    def subscribe(self, filter: str, qos: int = 1) -> None:
-        self.paho.subscribe(filter, qos)
-        [rc] = self.subacks.get(timeout=WAIT_S)
-        assert not rc.is_failure, rc
-
-    def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
-        info = self.paho.publish(topic, payload, qos)
-        info.wait_for_publish(timeout=WAIT_S)
-        assert info.is_published()
-
-    def close(self) -> None:
-        self.paho.disconnect()
-        self.paho.loop_stop()
-
-
 # --- in-process store ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def store(tmp_path):
-    async with open_store(tmp_path / "data", CommitLogConfig(max_record_bytes=4096)) as node:
-        yield node
 
 
 async def serve(nursery, store, access: StoreAccess | None = None) -> int:
@@ -119,8 +51,8 @@ def test_common_properties_encode_as_the_gateway_decodes_them():
         encode_properties(response_topic="reply/#")
 
 
-async def test_sends_are_batched_stored_in_order_and_each_handle_gets_its_offset(store, nursery):
-    port = await serve(nursery, store)
+async def test_sends_are_batched_stored_in_order_and_each_handle_gets_its_offset(store_small_records, nursery):
+    port = await serve(nursery, store_small_records)
     async with Producer.connect("127.0.0.1", port, client_id="svc-1", linger_ms=50) as producer:
         handles = [producer.send("cmd/dev1", b"%d" % i, qos=1, content_type="text/plain") for i in range(300)]
         retained = producer.send("status/dev1", b"on", qos=0, retain=True, properties=b"\x01\x01")
@@ -141,8 +73,8 @@ async def test_sends_are_batched_stored_in_order_and_each_handle_gets_its_offset
     assert (on.payload, on.qos, on.retain, on.properties, kept.payload) == (b"on", 0, True, b"\x01\x01", b"on")
 
 
-async def test_a_bad_message_fails_alone_and_bad_arguments_fail_at_send(store, nursery):
-    port = await serve(nursery, store)
+async def test_a_bad_message_fails_alone_and_bad_arguments_fail_at_send(store_small_records, nursery):
+    port = await serve(nursery, store_small_records)
     async with Producer.connect("127.0.0.1", port, linger_ms=1000) as producer:
         before = producer.send("a/b", b"1")
         huge = producer.send("a/b", b"x" * 8192)  # above the store's max_record_bytes of 4096
@@ -157,8 +89,8 @@ async def test_a_bad_message_fails_alone_and_bad_arguments_fail_at_send(store, n
             producer.send("a/b", b"", qos=3)
 
 
-async def test_flush_returns_at_once_when_nothing_waits_and_the_block_flushes_on_exit(store, nursery):
-    port = await serve(nursery, store)
+async def test_flush_returns_at_once_when_nothing_waits_and_the_block_flushes_on_exit(store_small_records, nursery):
+    port = await serve(nursery, store_small_records)
     async with Producer.connect("127.0.0.1", port, linger_ms=60_000) as producer:
         with trio.fail_after(WAIT_S):
             await producer.flush()
@@ -180,9 +112,9 @@ def only_cmd(username, client_id, access, topic) -> bool:
     return access == "publish" and topic.startswith("cmd/") or access == "subscribe" and topic.startswith("tele/")
 
 
-async def test_the_store_admits_clients_by_password_and_checks_their_topics(store, nursery):
+async def test_the_store_admits_clients_by_password_and_checks_their_topics(store_small_records, nursery):
     access = StoreAccess(token="gw-secret", authenticate=check_password, authorize=only_cmd)
-    port = await serve(nursery, store, access)
+    port = await serve(nursery, store_small_records, access)
     with pytest.raises(StoreRpcError, match="denied"):
         async with Producer.connect("127.0.0.1", port, username="svc", password="wrong", timeout_s=5):
             pass

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from store.log.commitlog import CommitLog, CommitLogConfig
-from test_gateway_server import WAIT_S, Client, Node, connected
-from mqtt_fixtures import quiet
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, Node, connected
+from tests.helpers.mqtt_fixtures import quiet
 
 SEGMENT = 64 * 1024
 FLAGS = ("--commitlog-segment-bytes", str(SEGMENT), "--commitlog-max-record-bytes", "4096", "--mqtt-sys-interval-s", "0")

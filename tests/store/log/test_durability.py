@@ -1,6 +1,6 @@
 """Crash durability: a writer process is SIGKILLed mid-stream; every acknowledged record must survive.
 
-The writer is tests/commitlog_writer.py. Under ``sync`` an acknowledgement means
+The writer is tests/helpers/commitlog_writer.py. Under ``sync`` an acknowledgement means
 "on disk", so every acknowledged record must be present and intact after the
 kill. Under ``async`` only records below the last flushed offset the writer
 reported are guaranteed; later ones may be missing but are never wrong.
@@ -14,11 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from commitlog_writer import SEGMENT_BYTES, payload
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.errors import InvalidOffset
+from tests.helpers.commitlog_writer import SEGMENT_BYTES, payload
+from tests.helpers.processes import ROOT
 
-WRITER = Path(__file__).with_name("commitlog_writer.py")
+WRITER = ROOT / "tests" / "helpers" / "commitlog_writer.py"
 ACKS_BEFORE_KILL = 3000  # enough batches that the kill lands mid-stream, past a few segment rolls
 
 
@@ -27,7 +28,7 @@ def run_and_kill(directory: Path, mode: str) -> tuple[list[tuple[int, int, int]]
     """Start the writer, read acknowledgements until enough arrived, SIGKILL it mid-stream."""
     proc = subprocess.Popen([sys.executable, "-u", str(WRITER), str(directory), mode],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(WRITER.parents[1])})  # this tree's code
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})  # this tree's code
     acks: list[tuple[int, int, int]] = []
     flushed = 0
     try:

@@ -20,8 +20,8 @@ import pytest
 
 from store.log.commitlog import read_flushed_hint
 from store.log.segment import parse_segment_name
-from test_gateway_server import WAIT_S, Client, Node, connected
-from mqtt_fixtures import quiet, wait_until
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, Node, connected
+from tests.helpers.mqtt_fixtures import quiet, wait_until
 
 NEVER_FLUSH = ("--commitlog-flush-min-bytes", str(1 << 30), "--commitlog-flush-force-interval-ms", str(3_600_000),
                "--mqtt-sys-interval-s", "0")

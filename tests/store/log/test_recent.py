@@ -7,14 +7,13 @@ the records in memory (``Dispatcher.wait_lag``).
 
 from pathlib import Path
 
-import pytest
 import trio
 
-from store.log.commitlog import SKIPPED, CommitLog, CommitLogConfig
 from store.api import NewMessage
-from store.node import open_store
+from store.log.commitlog import SKIPPED, CommitLog, CommitLogConfig
 from store.log.recent import RecentRecords
 from store.log.record import decode_record, encode_record, new_record
+from store.node import open_store
 
 CONFIG = CommitLogConfig(segment_bytes=64 << 10, max_record_bytes=16 << 10)
 

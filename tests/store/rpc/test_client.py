@@ -8,9 +8,7 @@ import trio
 from lightqueue.topics import TopicError
 from store.api import LeaseLost, NewMessage, PullRequest, StoreUnavailable
 from store.local import INLINE_PULL, LocalStore
-from store.log.commitlog import CommitLogConfig
 from store.log.record import RecordTooLarge
-from store.node import open_store
 from store.rpc import wire as rpc
 from store.rpc.client import RemoteStore, StoreRpcError
 from store.rpc.server import serve_rpc
@@ -23,12 +21,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-@pytest.fixture
-async def store(tmp_path):
-    async with open_store(tmp_path / "data", CommitLogConfig(max_record_bytes=4096), lease_s=LEASE_S) as node:
-        yield node
 
 
 class Server:
@@ -52,8 +44,8 @@ class Server:
 
 
 @pytest.fixture
-async def server(store, nursery):
-    server = Server(store, nursery)
+async def server(store_small_records, nursery):
+    server = Server(store_small_records, nursery)
     await server.start()
     return server
 
@@ -79,8 +71,8 @@ async def next_events(client, queue: str, offset: int) -> dict:
                 return events
 
 
-async def test_every_call_answers_as_the_local_store_does(store, server):
-    local = LocalStore(store, node="local-check")
+async def test_every_call_answers_as_the_local_store_does(store_small_records, server):
+    local = LocalStore(store_small_records, node="local-check")
     async with RemoteStore.connect("127.0.0.1", server.port, node="gw-a") as remote:
         assert await remote.activate("tele/+", "dev9") == 0
         remote.watch("tele/+")
@@ -210,7 +202,7 @@ async def test_calls_fail_while_the_store_is_down_and_work_after_it_returns(serv
         assert remote.client_statistics().connects == 2
 
 
-async def test_appends_in_flight_when_the_store_goes_either_succeed_or_raise(store, server):
+async def test_appends_in_flight_when_the_store_goes_either_succeed_or_raise(store_small_records, server):
     async with RemoteStore.connect("127.0.0.1", server.port) as remote:
         outcomes = []
 
@@ -228,7 +220,7 @@ async def test_appends_in_flight_when_the_store_goes_either_succeed_or_raise(sto
         acknowledged = [offset for offset in outcomes if offset is not None]
         assert len(outcomes) == 500 and None in outcomes
         for offset in acknowledged:  # no false acknowledgement: each acknowledged offset holds its record
-            assert (await store.log.read(offset)).topic == "burst"
+            assert (await store_small_records.log.read(offset)).topic == "burst"
 
 
 async def test_a_call_batched_on_a_link_that_broke_fails_at_once(server):

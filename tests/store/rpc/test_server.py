@@ -6,14 +6,12 @@ from functools import partial
 import pytest
 import trio
 
+from store.api import NewMessage, PullRequest
+from store.log.record import decode_record
 from store.rpc import server
 from store.rpc import wire as rpc
 from store.rpc.access import StoreAccess, Verdict
-from store.log.commitlog import CommitLogConfig
-from store.node import open_store
-from store.log.record import decode_record
 from store.rpc.server import RpcServer, serve_rpc
-from store.api import NewMessage, PullRequest
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
 LEASE_S = 1.5  # short leases, so the silence and will tests take seconds; not shorter: a busy 2-core CI machine
@@ -21,14 +19,8 @@ LEASE_S = 1.5  # short leases, so the silence and will tests take seconds; not s
 
 
 @pytest.fixture
-async def store(tmp_path):
-    async with open_store(tmp_path / "data", CommitLogConfig(max_record_bytes=4096), lease_s=LEASE_S) as node:
-        yield node
-
-
-@pytest.fixture
-async def port(store, nursery):
-    listeners = await nursery.start(lambda task_status: serve_rpc(store, "127.0.0.1", 0, task_status=task_status))
+async def port(store_small_records, nursery):
+    listeners = await nursery.start(lambda task_status: serve_rpc(store_small_records, "127.0.0.1", 0, task_status=task_status))
     return listeners[0].socket.getsockname()[1]
 
 
@@ -306,9 +298,9 @@ def check_password(username, password, source) -> Verdict:
     return Verdict(True, username) if (username, password) == ("u", b"p") else Verdict(False, why="bad password")
 
 
-async def test_a_back_end_user_cannot_take_a_gateway_node_name(store, nursery):
+async def test_a_back_end_user_cannot_take_a_gateway_node_name(store_small_records, nursery):
     access = StoreAccess(token="t", authenticate=check_password)
-    listeners = await nursery.start(partial(serve_rpc, store, "127.0.0.1", 0, access=access))
+    listeners = await nursery.start(partial(serve_rpc, store_small_records, "127.0.0.1", 0, access=access))
     port = listeners[0].socket.getsockname()[1]
     gateway = await Raw.open(port, node="gw-a", token="t")
     nursery.start_soon(gateway.keep_alive)
@@ -322,11 +314,11 @@ async def test_a_back_end_user_cannot_take_a_gateway_node_name(store, nursery):
     assert await gateway.receive() == rpc.Offsets(1, [])  # never closed meanwhile
 
 
-async def test_before_authentication_frames_are_capped_and_the_handshake_has_a_deadline(store, nursery, monkeypatch,
+async def test_before_authentication_frames_are_capped_and_the_handshake_has_a_deadline(store_small_records, nursery, monkeypatch,
                                                                                          caplog):
     monkeypatch.setattr(server, "HANDSHAKE_TIMEOUT_S", 1.0)
     caplog.set_level(logging.WARNING, logger="store.rpc.server")
-    rpc_server = RpcServer(store)
+    rpc_server = RpcServer(store_small_records)
     listeners = await nursery.start(partial(trio.serve_tcp, rpc_server.handle, 0, host="127.0.0.1"))
     port = listeners[0].socket.getsockname()[1]
     count = 8

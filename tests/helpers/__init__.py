@@ -1,0 +1,1 @@
+"""What several test modules share: processes, clients, strategies, scripts run by path. No test module imports another."""
