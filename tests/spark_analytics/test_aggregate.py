@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from spark_fixtures import (
+from tests.helpers.spark_fixtures import (
     T0_MS,
     Msg,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture

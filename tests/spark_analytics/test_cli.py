@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from spark_fixtures import (
+from tests.helpers.spark_fixtures import (
     analytics_args,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture
     telemetry,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from spark_fixtures import (
+from tests.helpers.spark_fixtures import (
     TABLES,
     analytics_args,
     spark_session_fixture,  # noqa: F401 - the `spark` fixture
@@ -28,7 +28,7 @@ from spark_analytics.microbatch import read_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.processes import ROOT  # noqa: E402  (the repo root, whatever the depth of this folder)
 CLUSTER = "local-cluster[2,1,1024]"
 """Two executors of one core and 1 GiB each: separate JVMs with their own Python workers, as on real machines."""
 

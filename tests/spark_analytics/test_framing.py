@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-from spark_fixtures import Msg, encode, telemetry, write_log
+from tests.helpers.spark_fixtures import Msg, encode, telemetry, write_log
 
 from spark_analytics.framing import RAW_SCHEMA, DecodeOptions, ScanRange, corrupt_skipped, scan_range, valid_end
 from spark_analytics.layout import FLUSHED_FILE, list_segments, read_flushed

@@ -10,7 +10,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from spark_fixtures import (
+from tests.helpers.spark_fixtures import (
     TABLES,
     Msg,
     analytics_args,

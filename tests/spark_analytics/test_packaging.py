@@ -10,7 +10,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-from spark_fixtures import telemetry, write_log
+from tests.helpers.spark_fixtures import telemetry, write_log
 
 from spark_analytics.options import ReaderOptions
 from spark_analytics.session import package_zip

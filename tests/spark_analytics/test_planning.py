@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from crc32c import crc32c
-from spark_fixtures import telemetry, write_log
+from tests.helpers.spark_fixtures import telemetry, write_log
 
 from spark_analytics.framing import DecodeOptions, scan_range
 from spark_analytics.layout import SegmentInfo, commitlog_dir, list_segments, read_flushed

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from spark_fixtures import (
+from tests.helpers.spark_fixtures import (
     T0_MS,
     Msg,
     available_now_progress,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from pyspark.sql import functions as F
-from spark_fixtures import (
+from tests.helpers.spark_fixtures import (
     TABLES,
     Msg,
     analytics_args,
@@ -36,7 +36,7 @@ from spark_analytics.telemetry import TelemetryMapping
 
 pytestmark = pytest.mark.spark
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.processes import ROOT  # noqa: E402  (the repo root, whatever the depth of this folder)
 MIDNIGHT_MS = 1_700_006_400_000  # 2023-11-15T00:00:00Z
 FLAGS = ("--metrics", "temp,hum", "--windows", "1m,1h", "--silence", "1m", "--dedup", "seq")
 MAPPING = TelemetryMapping(("temp", "hum"), key="seq")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from spark_fixtures import Msg, telemetry, write_log
+from tests.helpers.spark_fixtures import Msg, telemetry, write_log
 
 from spark_analytics.framing import DecodeOptions, scan_range
 from spark_analytics.layout import list_segments, read_flushed

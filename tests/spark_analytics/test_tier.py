@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from spark_fixtures import (
+from tests.helpers.spark_fixtures import (
     SEGMENT_BYTES,
     T0_MS,
     available_now_progress,

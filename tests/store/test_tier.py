@@ -14,7 +14,7 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 import trio
-from spark_fixtures import Msg, telemetry, write_log
+from tests.helpers.spark_fixtures import Msg, telemetry, write_log
 
 from store.api import NewMessage
 from store.log.commitlog import CommitLog, CommitLogConfig
