@@ -12,9 +12,8 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 
 from tests.helpers.admin import Admin, admin_port
-from tests.helpers.cluster import WAIT_S, running_cluster, run_id
-from tests.helpers.mqtt_fixtures import properties
-from tests.helpers.mqtt_fixtures import Client
+from tests.helpers.cluster import WAIT_S, run_id, running_cluster
+from tests.helpers.mqtt_fixtures import Client, properties
 
 pytestmark = pytest.mark.slow
 

@@ -36,7 +36,7 @@ from gateway.bridge import (
     settings_from_config,
 )
 from lightqueue.topics import filters_overlap
-from tests.helpers.mqtt_fixtures import WAIT_S, Client, connected, properties, quiet, run_id, wait_until
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, connected, properties, run_id, wait_until
 from tests.helpers.processes import ROOT
 
 V5 = {"protocol": mqtt.MQTTv5}
@@ -251,9 +251,10 @@ def test_out_rule_mirrors_local_publishes_to_mapped_remote_topics(node, mosquitt
         assert [(m.topic, m.payload) for m in got] == [(f"cloud/{run}/tele/dev{i % 3}/temp", f"t{i}".encode())
                                                       for i in range(20)]
         assert all(m.qos == 1 for m in got)
-        quiet(remote_sub.messages)
+        local_pub.publish(f"{run}/tele/last", b"last", qos=1)  # a barrier: the bridge forwards in order
+        assert [m.payload for m in remote_sub.receive(1)] == [b"last"]  # the unbridged one did not come first
         stats = bridge.statistics()
-        assert (stats.bridged_out, stats.bridged_in, stats.dropped, stats.errors) == (20, 0, 0, 0)
+        assert (stats.bridged_out, stats.bridged_in, stats.dropped, stats.errors) == (20 + 1, 0, 0, 0)
         wait_until(lambda: bridge.statistics().in_flight == 0, what="no message in flight")
 
 
@@ -312,10 +313,13 @@ def test_both_ways_at_once_delivers_each_message_exactly_once(node, mosquitto):
         remote = [m.payload for m in remote_sub.receive(n_out + n_in + 2)]
         assert sorted(local) == sorted(expected | {b"up", b"down"})
         assert sorted(remote) == sorted(expected | {b"up", b"down"})
-        quiet(local_sub.messages)  # a loop would keep re-publishing: nothing more may arrive on either side
-        quiet(remote_sub.messages, timeout=0.1)
+        # A barrier on each path a loop would take, one more message each way: a copy going round comes first.
+        local_pub.publish(f"{run}/sync/a", b"out-last", qos=1)
+        remote_pub.publish(f"site/{run}/sync/b", b"in-last", qos=1)
+        assert sorted(m.payload for m in local_sub.receive(2)) == [b"in-last", b"out-last"]
+        assert sorted(m.payload for m in remote_sub.receive(2)) == [b"in-last", b"out-last"]
         stats = bridge.statistics()
-        assert (stats.bridged_out, stats.bridged_in, stats.dropped) == (n_out + 1, n_in + 1, 0)
+        assert (stats.bridged_out, stats.bridged_in, stats.dropped) == (n_out + 2, n_in + 2, 0)
 
 
 class Stream:

@@ -24,8 +24,9 @@ from gateway.mqtt.packets import MQTT_311, Connack, Connect, Packet, Suback, Sub
 from tests.helpers.processes import LightgateProcess
 
 __all__ = [
-    "WAIT_S", "Client", "Node", "connect_packet", "connected", "kill", "properties", "publish5",
-    "quiet", "RawClient", "raw_client", "recv_until_closed", "run_id", "running_node", "subscribe5", "wait_until",
+    "WAIT_S", "Client", "Node", "connect_packet", "connected", "kill", "nothing_before_sentinel", "properties",
+    "publish5", "quiet", "RawClient", "raw_client", "recv_until_closed", "run_id", "running_node", "subscribe5",
+    "wait_until",
 ]
 
 QUIET_S = 1.0
@@ -186,8 +187,21 @@ def wait_until(condition: Callable[[], bool], timeout: float = WAIT_S, what: str
         time.sleep(0.01)
 
 
+def nothing_before_sentinel(subscriber: Client, publisher: Client, topic: str, copies: int = 1) -> None:
+    """Assert that nothing more arrives at ``subscriber`` through the subscriptions ``topic`` matches: ``publisher``
+    publishes a sentinel on ``topic`` and the next ``copies`` messages (one per matching subscription) must be it.
+
+    A barrier, not a wait: a subscription reads one light queue, in the order the log appended to it, so whatever
+    was still to come through it arrives before the sentinel ([MQTT-4.6.0-5])."""
+    sentinel = b"sentinel-" + uuid.uuid4().hex.encode()
+    publisher.publish(topic, sentinel, qos=1)
+    got = [subscriber.messages.get(timeout=WAIT_S) for _ in range(copies)]
+    early = [(m.topic, m.payload) for m in got if m.payload != sentinel]
+    assert not early, f"arrived before the sentinel: {early}"
+
+
 def quiet(messages: queue.Queue, timeout: float = QUIET_S) -> None:
-    """Assert that nothing more arrives."""
+    """Assert that nothing more arrives within ``timeout``: only where no barrier can exist (see the callers)."""
     with pytest.raises(queue.Empty):
         extra = messages.get(timeout=timeout)
         pytest.fail(f"unexpected message {extra.topic} {extra.payload!r}")

@@ -11,7 +11,32 @@ import pytest
 from msgspec.structs import replace
 
 from gateway.mqtt.actions import (
-    Activate, AdminDisconnect, Activated, Append, Appended, ArmTimer, CancelTimer, Close, CommitOffsets, ConnectionLost, Deliver, CloseSession, Message, OpenSession, PublishWill, Pull, InboundReleased, Pulled, QueueAdvanced, Release, ReleaseInbound, SaveSession, ServerShutdown, SessionOpened, SocketWritten, TakenOver,
+    Activate,
+    AdminDisconnect,
+    Activated,
+    Append,
+    Appended,
+    ArmTimer,
+    CancelTimer,
+    Close,
+    CommitOffsets,
+    ConnectionLost,
+    Deliver,
+    CloseSession,
+    Message,
+    OpenSession,
+    PublishWill,
+    Pull,
+    InboundReleased,
+    Pulled,
+    QueueAdvanced,
+    Release,
+    ReleaseInbound,
+    SaveSession,
+    ServerShutdown,
+    SessionOpened,
+    SocketWritten,
+    TakenOver,
 )
 from gateway.mqtt.channel import Channel, ChannelConfig, error_packet
 from gateway.mqtt.codec import RemoteProtocolError, encode

@@ -7,8 +7,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from gateway.auth.passwords import PasswordFile
-from tests.helpers.mqtt_fixtures import RawClient
-from tests.helpers.mqtt_fixtures import Client
+from tests.helpers.mqtt_fixtures import Client, RawClient
 from tests.helpers.processes import LightgateProcess
 
 TEXT_CTX = re.compile(r" (\w+)=(\S*)")

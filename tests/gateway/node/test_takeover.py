@@ -7,9 +7,7 @@ import pytest
 
 from gateway.mqtt.packets import MQTT_5, MQTT_311, Disconnect, Publish
 from gateway.mqtt.properties import Properties
-from tests.helpers.mqtt_fixtures import (
-    QUIET_S, WAIT_S, RawClient, raw_client, run_id,
-)
+from tests.helpers.mqtt_fixtures import QUIET_S, WAIT_S, RawClient, raw_client, run_id
 
 TAKEOVERS = 100
 

@@ -186,8 +186,8 @@ def test_auth_failures_and_limit_hits_are_counted(node_with_passwords):
     hits = value(before, "lightgate_limit_hits_total", limit="topic_levels")
     with connected(node_with_passwords.port, protocol=mqtt.MQTTv5) as deep:
         deep.paho.publish("a/b/c/d/e", b"too deep", 1)  # 5 levels; the node allows 4 (MQTT 5: PUBACK 0x90)
-        wait_until(lambda: value(scrape(node_with_passwords.admin_port), "lightgate_limit_hits_total", limit="topic_levels")
-                   == hits + 1, what="the limit hit counted")
+        wait_until(lambda: value(scrape(node_with_passwords.admin_port), "lightgate_limit_hits_total",
+                                 limit="topic_levels") == hits + 1, what="the limit hit counted")
     after = scrape(node_with_passwords.admin_port)
     assert value(after, "lightgate_auth_failures_total") == value(before, "lightgate_auth_failures_total") + 1
 

@@ -20,7 +20,8 @@ LEASE_S = 1.5  # short leases, so the silence and will tests take seconds; not s
 
 @pytest.fixture
 async def port(store_small_records, nursery):
-    listeners = await nursery.start(lambda task_status: serve_rpc(store_small_records, "127.0.0.1", 0, task_status=task_status))
+    listeners = await nursery.start(lambda task_status: serve_rpc(store_small_records, "127.0.0.1", 0,
+                                                                  task_status=task_status))
     return listeners[0].socket.getsockname()[1]
 
 
@@ -314,8 +315,8 @@ async def test_a_back_end_user_cannot_take_a_gateway_node_name(store_small_recor
     assert await gateway.receive() == rpc.Offsets(1, [])  # never closed meanwhile
 
 
-async def test_before_authentication_frames_are_capped_and_the_handshake_has_a_deadline(store_small_records, nursery, monkeypatch,
-                                                                                         caplog):
+async def test_before_authentication_frames_are_capped_and_the_handshake_has_a_deadline(store_small_records, nursery,
+                                                                                         monkeypatch, caplog):
     monkeypatch.setattr(server, "HANDSHAKE_TIMEOUT_S", 1.0)
     caplog.set_level(logging.WARNING, logger="store.rpc.server")
     rpc_server = RpcServer(store_small_records)
