@@ -128,7 +128,7 @@ def unit_service() -> configparser.SectionProxy:
 
 def test_the_unit_runs_serve_as_a_notify_service_reloaded_by_sighup():
     service = unit_service()
-    assert service["Type"] == "notify"  # gateway/app/sdnotify.py sends READY=1 (tests/test_gateway_sdnotify.py)
+    assert service["Type"] == "notify"  # gateway/app/sdnotify.py sends READY=1 (tests/gateway/app/test_sdnotify.py)
     assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
     assert service["Restart"] == "on-failure"
     assert service["User"] == "lightgate" and service["StateDirectory"] == "lightgate"

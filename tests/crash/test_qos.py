@@ -1,4 +1,4 @@
-"""QoS 1 and QoS 2 through SIGKILLs (tests/crashkit.py): nothing acknowledged is lost, QoS 2 is exactly once.
+"""QoS 1 and QoS 2 through SIGKILLs (tests/helpers/crashkit.py): nothing acknowledged is lost, QoS 2 is exactly once.
 
 Publishers reuse packet ids 1..100; under ``--commitlog-flush sync`` a PUBREC
 or PUBACK promises the message is on disk, and after any number of kills
@@ -6,7 +6,7 @@ every acknowledged message reaches a persistent QoS 2 subscriber exactly once
 ([MQTT-4.3.3-2]) and a QoS 1 one at least once; every resend to a subscriber
 carries DUP=1 and its first packet id ([MQTT-3.3.1-1], [MQTT-4.4.0-1]). Under
 ``async`` a process crash costs the same (the page cache keeps the log; what
-a power loss costs is tested in tests/test_store_awaiting.py and stated in
+a power loss costs is tested in tests/store/test_awaiting.py and stated in
 docs/storage.md).
 """
 

@@ -1,6 +1,6 @@
-"""Writer subprocess for tests/test_store_durability.py: appends until killed, printing what is acknowledged.
+"""Writer subprocess for tests/store/log/test_durability.py: appends until killed, printing what is acknowledged.
 
-Usage: ``python commitlog_writer.py DIR sync|async``
+Usage: ``python tests/helpers/commitlog_writer.py DIR sync|async``
 
 Every record's payload is :func:`payload` of its sequence number, so the test
 can check each acknowledged record byte for byte after the SIGKILL.

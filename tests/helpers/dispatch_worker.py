@@ -1,4 +1,4 @@
-"""Subprocess for the crash test in test_store_dispatch.py: dispatch a prepared log until killed.
+"""Subprocess for the crash test in tests/store/test_dispatch.py: dispatch a prepared log until killed.
 
 Usage: ``python tests/helpers/dispatch_worker.py DATA_DIR PAUSE_AFTER``. Opens
 ``DATA_DIR/commitlog`` and ``DATA_DIR/index`` and dispatches in small steps

@@ -166,7 +166,7 @@ def test_zero_length_clientid_without_clean_session_is_refused_in_311(interop_no
 def test_subscribe_with_a_malformed_filter_closes_the_connection(interop_node, level):
     """paho refuses to send a malformed filter, so a raw client does. '#' not last [MQTT-4.7.1-2] is a protocol
     violation, not a refused subscription: the server closes (3.1.1 [MQTT-4.8.0-1]; 5.0: DISCONNECT 0x82 [4.13.1]).
-    The suite's own subscribe failure (an ACL-refused filter) is in test_interop_conformance.py."""
+    The suite's own subscribe failure (an ACL-refused filter) is in tests/interop/test_conformance.py."""
     run = run_id()
     with raw_client(interop_node.port, level) as client:
         client.connect(f"subfail-{run}")

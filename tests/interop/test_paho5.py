@@ -1,7 +1,7 @@
 """The Eclipse Paho MQTT 5 interoperability cases (client_test5.py) with paho-mqtt 2.x.
 
 Retain handling is left to the retained-message work; shared subscriptions are in
-tests/test_interop_node.py.
+tests/interop/test_node.py.
 """
 
 import time

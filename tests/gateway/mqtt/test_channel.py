@@ -466,7 +466,7 @@ def test_in_flight_window_is_the_clients_receive_maximum():
 
 @pytest.mark.parametrize("level", [MQTT_5, MQTT_311])
 def test_pubcomp_for_a_qos1_delivery_closes_the_connection(level):
-    """A wrong-kind acknowledgement of a packet id in flight is a protocol violation (test_gateway_session.py):
+    """A wrong-kind acknowledgement of a packet id in flight is a protocol violation (test_session.py):
     5.0 says DISCONNECT 0x82 [4.13], 3.1.1 closes without a packet [MQTT-4.8.0-1]; the session keeps the message."""
     channel, _, _ = connect(level)
     subscribe(channel, ("a/b", SubscriptionOptions(qos=1)))

@@ -3,7 +3,7 @@ close, and nothing a client sends raises.
 
 Sans-IO first (hundreds of examples a second): the server decoder and the channel, and the encoding of everything
 the channel asks to send, at the level the server's connection would encode it. The end-to-end check (a real node,
-raw sockets, its log) is in tests/test_gateway_hostile.py.
+raw sockets, its log) is in tests/gateway/node/test_hostile.py.
 """
 
 from hypothesis import given, settings

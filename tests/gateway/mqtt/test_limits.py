@@ -1,6 +1,6 @@
 """Per-client limits: the channel's answers per protocol version, the hits it reports, and the node's counters.
 
-The channel tests run without sockets (helpers of tests/test_gateway_channel.py);
+The channel tests run without sockets (tests/helpers/channel.py);
 the end-to-end tests at the bottom drive a `lightgate serve` node with paho
 clients and read the counters from the node's log lines.
 """

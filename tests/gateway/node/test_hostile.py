@@ -1,7 +1,7 @@
 """Hostile and careless clients against the embedded node in-process, over real sockets: answers they can read,
 packets that fit what they declared, closes that do not destroy the answer, one log line and no traceback.
 
-The sans-IO fuzzing of the CONNECT path is tests/test_gateway_connect_fuzz.py.
+The sans-IO fuzzing of the CONNECT path is tests/gateway/mqtt/test_connect_fuzz.py.
 """
 
 import contextlib

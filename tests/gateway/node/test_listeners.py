@@ -350,7 +350,7 @@ def test_a_missing_certificate_stops_the_start_with_the_reason(tmp_path):
 
 
 class ListenerClient(Client):
-    """tests/test_gateway_server.py's paho wrapper over ``transport`` ("tcp" or "websockets"), with TLS if asked."""
+    """tests/helpers/mqtt_fixtures.py's paho wrapper over ``transport`` ("tcp" or "websockets"), with TLS if asked."""
 
     def __init__(self, port: int, *, transport: str = "tcp", tls: ssl.SSLContext | None = None,
                  protocol=mqtt.MQTTv311) -> None:
