@@ -4,7 +4,6 @@ A fixture one module alone uses stays in that module, named for what makes it di
 """
 
 import os
-import subprocess
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -12,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from store.leases import LEASE_S
 from store.log.commitlog import CommitLogConfig
 from store.node import open_store
-from tests.helpers.fulldisk import DISK
+from tests.helpers.fulldisk import DISK, tmpfs
 from tests.helpers.mqtt_fixtures import running_node
 
 # Two shared cores: wall-clock deadlines would make property tests flaky, not stricter.
@@ -68,13 +67,5 @@ async def store_small_records(tmp_path, request):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 16 MiB tmpfs of its own, unmounted at the end (skipped where mounting is not permitted)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", DISK) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -15,11 +15,9 @@ from paho.mqtt.packettypes import PacketTypes
 from gateway.mqtt.packets import MQTT_5, Connack, Connect
 from gateway.mqtt.reasons import ReasonCode
 from store.leases import LEASE_S
-from tests.helpers.cluster import (
-    QUIET_S, WAIT_S, ask_store, check_quiet, run_id, running_cluster, store_statistics, wait_for,
-)
+from tests.helpers.cluster import WAIT_S, ask_store, run_id, running_cluster, store_statistics, wait_for
 from tests.helpers.mqtt_fixtures import (
-    Client, connect_packet, connected, nothing_before_sentinel, properties, raw_client,
+    QUIET_S, Client, connect_packet, connected, nothing_before_sentinel, properties, quiet, raw_client,
 )
 
 pytestmark = pytest.mark.slow
@@ -182,7 +180,7 @@ def test_a_will_delayed_on_one_gateway_does_not_fire_once_the_session_resumed_on
         assert second.connect(properties=expiry).session_present
         try:
             # No barrier: a delayed will fires on a timer; listen past its delay (the behaviour), and a little more.
-            check_quiet(watcher.messages, seconds=max(QUIET_S, delay_s + QUIET_S - (time.monotonic() - lost)))
+            quiet(watcher.messages, timeout=max(QUIET_S, delay_s + QUIET_S - (time.monotonic() - lost)))
         finally:
             second.disconnect()
 

@@ -1,21 +1,17 @@
 """A cluster of real processes (one `lightgate store`, `lightgate gateway`s) and the waits its tests share."""
 
-import queue
 import socket
-import time
-import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
 import trio
 
 from store.rpc.client import RemoteStore
+from tests.helpers.mqtt_fixtures import run_id, wait_until
 from tests.helpers.processes import LightgateProcess
 
 WAIT_S = 30.0  # every condition below is waited for with this timeout (two cores, several processes)
-
-QUIET_S = 1.0  # how long a test listens to show that something does NOT arrive
 
 
 def free_port() -> int:
@@ -68,10 +64,6 @@ def running_cluster(tmp_path: Path, gateways: int = 2):
             process.stop()
 
 
-def run_id() -> str:
-    return uuid.uuid4().hex[:6]
-
-
 def ask_store(port: int, call):
     """``await call(client)`` with a RemoteStore of its own, as a gateway would ask."""
     async def ask():
@@ -85,15 +77,6 @@ def store_statistics(port: int):
     return ask_store(port, lambda client: client.statistics())
 
 
-def check_quiet(messages: queue.Queue, seconds: float = QUIET_S) -> None:
-    with pytest.raises(queue.Empty):
-        extra = messages.get(timeout=seconds)
-        pytest.fail(f"unexpected message {extra.topic} {extra.payload!r}")
-
-
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)  # polling paho's state: there is nothing to wait on
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` with the cluster's longer timeout (several processes on two cores)."""
+    wait_until(condition, WAIT_S, what)

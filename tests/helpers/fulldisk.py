@@ -1,18 +1,35 @@
-"""A data disk filled for real: fill a tmpfs, read a metric, find the full-disk log lines of a node."""
+"""A data disk filled for real: a tmpfs of its own, filled, and the full-disk log lines of a node."""
 
 from __future__ import annotations
 
-import re
-import urllib.request
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from tests.helpers.mqtt_fixtures import WAIT_S
+import pytest
+
 from tests.helpers.processes import LightgateProcess
 
 DISK = "16m"
 
 FLAGS = ("--commitlog-segment-bytes", str(1 << 20), "--commitlog-max-record-bytes", "65536",
          "--mqtt-sys-interval-s", "0")
+
+
+@contextmanager
+def tmpfs(mount: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``mount -o size=``) at ``mount``, unmounted at the end; the test is skipped where
+    mounting is not permitted (it needs root)."""
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a {size} tmpfs here (needs root): {done.stderr.strip() or done.returncode}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def fill(path: Path) -> None:
@@ -23,14 +40,6 @@ def fill(path: Path) -> None:
                 f.write(b"\xff" * 65536)
         except OSError:
             pass
-
-
-def metric(port: int, sample: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WAIT_S) as reply:
-        text = reply.read().decode()
-    found = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.M)
-    assert found, text
-    return float(found.group(1))
 
 
 def full_lines(node: LightgateProcess) -> tuple[list[dict], list[dict]]:

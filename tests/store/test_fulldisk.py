@@ -17,7 +17,8 @@ import pytest
 
 from gateway.mqtt.packets import MQTT_5, MQTT_311, Puback, Publish
 from gateway.mqtt.reasons import ReasonCode
-from tests.helpers.fulldisk import FLAGS, fill, full_lines, metric
+from tests.helpers.fulldisk import FLAGS, fill, full_lines
+from tests.helpers.prometheus import metric
 from tests.helpers.mqtt_fixtures import WAIT_S, Client, Node, RawClient, wait_until
 from tests.helpers.processes import LightgateProcess
 

@@ -26,7 +26,8 @@ from gateway.mqtt.packets import (MQTT_5, MQTT_311, Connack, Connect, Disconnect
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import ReasonCode
 from tests.helpers.cluster import free_port
-from tests.helpers.fulldisk import FLAGS, fill, full_lines, metric
+from tests.helpers.fulldisk import FLAGS, fill, full_lines
+from tests.helpers.prometheus import metric
 from tests.helpers.mqtt_fixtures import RawClient, wait_until
 from tests.helpers.processes import LightgateProcess
 

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import threading
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from store.log.commitlog import CommitLog, CommitLogConfig, read_flushed_hint
 from store.log.errors import InvalidOffset, LogFullError, OffsetExpired
 from store.log.record import EOS_SIZE, HEADER_SIZE, CorruptRecord, RecordTooLarge, encode_eos, encode_record
 from store.log.segment import segment_name
+from tests.helpers.fulldisk import tmpfs
 
 SEG = 4096
 CFG = CommitLogConfig(segment_bytes=SEG, max_record_bytes=SEG)
@@ -592,16 +592,8 @@ def test_a_reader_holding_a_segment_survives_its_deletion(logdir):
 
 @pytest.fixture
 def small_fs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a 2 MiB tmpfs to simulate a full disk: {proc.stderr.strip() or proc.returncode}")
-    try:
+    with tmpfs(tmp_path / "mnt", "2m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_full_disk_rejects_appends_cleanly_and_recovers_when_space_frees(small_fs):

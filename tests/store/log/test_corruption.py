@@ -12,14 +12,13 @@ keeps delivering new messages.
 
 from __future__ import annotations
 
-import re
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from store.log.commitlog import CommitLog, CommitLogConfig
-from tests.helpers.mqtt_fixtures import WAIT_S, Client, Node, connected
+from tests.helpers.mqtt_fixtures import Client, Node, connected
+from tests.helpers.prometheus import metric
 
 SEGMENT = 64 * 1024
 FLAGS = ("--commitlog-segment-bytes", str(SEGMENT), "--commitlog-max-record-bytes", "4096", "--mqtt-sys-interval-s", "0")
@@ -37,14 +36,6 @@ def flip(path: Path, position: int, bit: int = 0) -> None:
 
 def payload(i: int) -> bytes:
     return str(i).encode().ljust(PAYLOAD, b".")
-
-
-def metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WAIT_S) as reply:
-        text = reply.read().decode()
-    found = re.search(rf"^{name} (\S+)$", text, re.M)
-    assert found, text
-    return float(found.group(1))
 
 
 @pytest.mark.slow
