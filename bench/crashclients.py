@@ -1,7 +1,7 @@
 """MQTT clients that follow the QoS 1/2 flows to the letter through broker crashes, and count what came through.
 
 The durability benchmark (``lightgate bench durability --qos 2``) and the crash
-test kit (tests/crashkit.py) kill a broker under load again and again. What
+test kit (tests/helpers/crashkit.py) kill a broker under load again and again. What
 they measure is only as good as their clients: a client that gives up its
 in-flight messages at a reconnect, or delivers a QoS 2 message twice, hides the
 faults the kills are meant to show. These clients do what the specification

@@ -30,7 +30,7 @@ The attacks are issue 21's hostile-client campaign:
   closed with the packet incomplete).
 
 Timings are of a shared machine unless said otherwise; nothing here is
-asserted (tests/test_bench_hostile.py runs the scenario at tiny sizes).
+asserted (tests/bench/test_hostile.py runs the scenario at tiny sizes).
 """
 
 from __future__ import annotations

@@ -1,8 +1,18 @@
-"""Shared test settings. Fixtures specific to one area live in that area's test files."""
+"""Shared test settings, and the fixtures several test modules use (one definition each).
+
+A fixture one module alone uses stays in that module, named for what makes it differ from these.
+"""
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from store.leases import LEASE_S
+from store.log.commitlog import CommitLogConfig
+from store.node import open_store
+from tests.helpers.fulldisk import DISK, tmpfs
+from tests.helpers.mqtt_fixtures import running_node
 
 # Two shared cores: wall-clock deadlines would make property tests flaky, not stricter.
 settings.register_profile(
@@ -12,3 +22,50 @@ settings.register_profile(
     derandomize=bool(os.environ.get("CI")),
 )
 settings.load_profile("lightgate")
+
+SMALL_RECORD_BYTES = 4096  # small enough that a test can send a message over the limit without megabytes
+
+
+def _stops_cleanly(node) -> None:
+    assert node.proc.returncode == 0
+    assert not [doc for doc in node.logs if doc.get("level") == "error"], node.logs
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    """One `lightgate serve` node with the default settings for a test module; it must stop cleanly, no error."""
+    with running_node(tmp_path_factory.mktemp("node") / "data") as node:
+        yield node
+    _stops_cleanly(node)
+
+
+@pytest.fixture(scope="module")
+def interop_node(tmp_path_factory):
+    """One node for a test module that closes a connection without CONNECT after 2 s; it must stop cleanly."""
+    with running_node(tmp_path_factory.mktemp("node") / "data", "--mqtt-connect-timeout-s", "2") as node:
+        yield node
+    _stops_cleanly(node)
+
+
+@pytest.fixture
+async def store(tmp_path):
+    """An in-process store node (real CommitLog and RocksDB) with the default settings."""
+    async with open_store(tmp_path / "data", CommitLogConfig()) as node:
+        yield node
+
+
+@pytest.fixture
+async def store_small_records(tmp_path, request):
+    """A store node that refuses records over SMALL_RECORD_BYTES, with the test module's ``LEASE_S`` if it sets one
+    (short leases make the presence and will tests take seconds)."""
+    lease_s = getattr(request.module, "LEASE_S", LEASE_S)
+    async with open_store(tmp_path / "data", CommitLogConfig(max_record_bytes=SMALL_RECORD_BYTES),
+                          lease_s=lease_s) as node:
+        yield node
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs of its own, unmounted at the end (skipped where mounting is not permitted)."""
+    with tmpfs(tmp_path / "disk", DISK) as mount:
+        yield mount

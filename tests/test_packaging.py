@@ -20,12 +20,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from mqtt_fixtures import WAIT_S, connected
-from processes import LightgateProcess
 
 from gateway import __version__
 from gateway.app import config as cfg
 from gateway.app.cli import build_parser
+from tests.helpers.mqtt_fixtures import WAIT_S, connected
+from tests.helpers.processes import LightgateProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -128,7 +128,7 @@ def unit_service() -> configparser.SectionProxy:
 
 def test_the_unit_runs_serve_as_a_notify_service_reloaded_by_sighup():
     service = unit_service()
-    assert service["Type"] == "notify"  # gateway/app/sdnotify.py sends READY=1 (tests/test_gateway_sdnotify.py)
+    assert service["Type"] == "notify"  # gateway/app/sdnotify.py sends READY=1 (tests/gateway/app/test_sdnotify.py)
     assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
     assert service["Restart"] == "on-failure"
     assert service["User"] == "lightgate" and service["StateDirectory"] == "lightgate"

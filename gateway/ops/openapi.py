@@ -3,7 +3,7 @@
 The schemas come from the very types the routes decode and answer with (the
 request structs of gateway/ops/bodies.py, the node's records), through
 ``msgspec.json.schema_components``, so the document cannot drift from what the
-endpoint validates; tests/test_gateway_admin.py checks that its paths are
+endpoint validates; tests/gateway/ops/test_admin.py checks that its paths are
 exactly the routes the endpoint answers. msgspec writes JSON Schema 2020-12,
 which is OpenAPI 3.1's schema dialect.
 """

@@ -1,0 +1,95 @@
+"""Cluster administration: the admin API of any gateway node acts on, and reports, a client where it is connected.
+
+One `lightgate store` and two `lightgate gateway`s; paho devices on them, admin calls on either. A gateway reaches
+the other through the store's presence (the store forwards the call to the node the client is connected to, or a
+list call to every node with clients, and relays the answers).
+"""
+
+from contextlib import ExitStack
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.packettypes import PacketTypes
+
+from tests.helpers.admin import Admin, admin_port
+from tests.helpers.cluster import WAIT_S, run_id, running_cluster
+from tests.helpers.mqtt_fixtures import Client, properties
+
+pytestmark = pytest.mark.slow
+
+ADMINISTRATIVE_ACTION = 0x98
+
+
+def disconnect_reason(device: Client) -> int:
+    """The reason code of the DISCONNECT the device got; its loop stops (paho would reconnect)."""
+    reason = device.disconnects.get(timeout=WAIT_S)
+    device.paho.loop_stop()
+    return getattr(reason, "value", reason)
+
+
+def test_admin_calls_on_any_gateway_act_on_the_client_where_it_is_connected(tmp_path):
+    with running_cluster(tmp_path) as (store, (gw1, gw2)):
+        admin = Admin(admin_port(gw2))
+        run = run_id()
+        device_id = f"dev-{run}"
+        expiry = properties(PacketTypes.CONNECT, SessionExpiryInterval=300)
+        device = Client(gw1.port, device_id, protocol=mqtt.MQTTv5, clean=False)
+        device.connect(properties=expiry)
+        device.subscribe(f"cmd{run}/{device_id}", 1)
+        try:
+            info = admin.get(f"/api/v1/clients/{device_id}")
+            assert (info["client_id"], info["protocol"], info["subscriptions"]) == (device_id, "5.0", 1)
+            session = admin.get(f"/api/v1/sessions/{device_id}")
+            assert session["connected"] is True  # live, from gw1: not the stored copy
+            assert [s["filter"] for s in session["subscriptions"]] == [f"cmd{run}/{device_id}"]
+
+            status, _, body = admin.request("DELETE", f"/api/v1/clients/{device_id}")
+            assert (status, body) == (200, {"disconnected": device_id})
+            assert disconnect_reason(device) == ADMINISTRATIVE_ACTION  # closed on gw1
+            status, _, _ = admin.request("GET", f"/api/v1/clients/{device_id}")
+            assert status == 404  # connected nowhere now
+
+            device = Client(gw1.port, device_id, protocol=mqtt.MQTTv5, clean=False)
+            assert device.connect(properties=expiry).session_present  # a disconnect keeps the session
+            status, _, body = admin.request("DELETE", f"/api/v1/sessions/{device_id}")
+            assert (status, body) == (200, {"deleted": device_id})
+            assert disconnect_reason(device) == ADMINISTRATIVE_ACTION
+            status, _, _ = admin.request("GET", f"/api/v1/sessions/{device_id}")
+            assert status == 404
+            device = Client(gw1.port, device_id, protocol=mqtt.MQTTv5, clean=False)
+            assert not device.connect(properties=expiry).session_present  # the session is gone for good
+        finally:
+            device.paho.disconnect()
+            device.paho.loop_stop()
+            admin.close()
+    for process in (store, gw1, gw2):
+        assert not process.errors(), process.errors()
+
+
+def test_the_lists_of_any_gateway_cover_the_clients_sessions_and_queues_of_every_gateway(tmp_path):
+    """Clients interleaved over two gateways: a page asked of either one is sorted and counted across both;
+    the sessions and queues lists show what the other gateway's clients have (through the store's presence)."""
+    with running_cluster(tmp_path) as (store, gateways), ExitStack() as stack:
+        run = run_id()
+        ids = [f"all-{run}-{i}" for i in range(5)]
+        for i, client_id in enumerate(ids):  # even ones on the first gateway, odd ones on the second
+            device = Client(gateways[i % 2].port, client_id, protocol=mqtt.MQTTv5)
+            stack.callback(device.paho.loop_stop)
+            stack.callback(device.paho.disconnect)
+            device.connect()
+            device.subscribe(f"all{run}/{client_id}", 1)
+        for gateway in gateways:
+            admin = Admin(admin_port(gateway))
+            stack.callback(admin.close)
+            status, headers, body = admin.request("GET", f"/api/v1/clients?search=all-{run}&limit=2&offset=1")
+            assert status == 200 and headers["x-total-count"] == "5" and "x-missing-nodes" not in headers
+            assert [c["client_id"] for c in body] == ids[1:3]  # one from each gateway
+            status, headers, body = admin.request("GET", f"/api/v1/clients?search=all-{run}&order=desc&offset=3")
+            assert [c["client_id"] for c in body] == [ids[1], ids[0]]
+            sessions = {s["client_id"]: s for s in admin.get("/api/v1/sessions")}
+            assert all(sessions[c]["connected"] for c in ids)
+            assert [s["filter"] for s in sessions[ids[0]]["subscriptions"]] == [f"all{run}/{ids[0]}"]
+            queues = {q["queue"] for q in admin.get("/api/v1/queues")}
+            assert {f"all{run}/{c}" for c in ids} <= queues
+    for process in (store, *gateways):
+        assert not process.errors(), process.errors()

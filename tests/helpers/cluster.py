@@ -1,0 +1,82 @@
+"""A cluster of real processes (one `lightgate store`, `lightgate gateway`s) and the waits its tests share."""
+
+import socket
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import trio
+
+from store.rpc.client import RemoteStore
+from tests.helpers.mqtt_fixtures import run_id, wait_until
+from tests.helpers.processes import LightgateProcess
+
+WAIT_S = 30.0  # every condition below is waited for with this timeout (two cores, several processes)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Process(LightgateProcess):
+    """A `lightgate` subprocess, waited for until it logs ``ready`` (that line kept as ``ready_line``)."""
+
+    def __init__(self, *args: str, ready: str) -> None:
+        super().__init__(*args, wait_s=WAIT_S)
+        self.ready_line = self.wait_log(lambda doc: doc.get("msg") == ready)
+
+
+class Store(Process):
+    def __init__(self, data: Path, port: int, *flags: str) -> None:
+        super().__init__("store", "--data", str(data), "--listen", f"127.0.0.1:{port}", *flags,
+                         ready="store node ready")
+        self.data = data
+        self.port = port
+        self.flags = flags
+
+    def restarted(self) -> "Store":
+        """A new store process on the same data, port and flags (this one must have exited)."""
+        return Store(self.data, self.port, *self.flags)
+
+
+class Gateway(Process):
+    def __init__(self, store_port: int, *flags: str) -> None:
+        super().__init__("gateway", "--store", f"127.0.0.1:{store_port}", "--port", "0",
+                         "--mqtt-sys-interval-s", "0", *flags, ready="gateway node ready")
+        self.port = self.ready_line["port"]
+        self.node = self.wait_log(lambda doc: doc.get("msg") == "connected to the store")["node"]
+
+
+@contextmanager
+def running_cluster(tmp_path: Path, gateways: int = 2):
+    store = Store(tmp_path / "data", free_port())
+    started = [store]
+    try:
+        nodes = []
+        for _ in range(gateways):
+            nodes.append(Gateway(store.port))
+            started.append(nodes[-1])
+        yield store, nodes
+    finally:
+        for process in reversed(started):
+            process.stop()
+
+
+def ask_store(port: int, call):
+    """``await call(client)`` with a RemoteStore of its own, as a gateway would ask."""
+    async def ask():
+        async with RemoteStore.connect("127.0.0.1", port, node=f"probe-{run_id()}", timeout_s=WAIT_S) as client:
+            return await call(client)
+
+    return trio.run(ask)
+
+
+def store_statistics(port: int):
+    return ask_store(port, lambda client: client.statistics())
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` with the cluster's longer timeout (several processes on two cores)."""
+    wait_until(condition, WAIT_S, what)

@@ -1,0 +1,46 @@
+"""A CommitLog, RocksDB and dispatcher wired together in-process, as the dispatch and re-index tests need them."""
+
+from lightqueue import keys
+from lightqueue.queues import LightQueues
+from store.dispatch import Dispatcher
+from store.log.commitlog import CommitLog, CommitLogConfig
+from store.log.record import decode_record, encode_record
+from store.rocks import open_db
+
+SEGMENT = 256 * 1024
+
+
+def decode(raw, offset):
+    return decode_record(raw, 0, offset)
+
+
+class Node:
+    """A CommitLog, light queues and a dispatcher in one directory."""
+
+    def __init__(self, path, listener=None, **kwargs):
+        self.path = path
+        self.log = CommitLog.open(path / "commitlog", CommitLogConfig(segment_bytes=SEGMENT, max_record_bytes=SEGMENT, **kwargs))
+        self.db = open_db(path / "index")
+        self.lq = LightQueues(self.db)
+        self.dispatcher = Dispatcher(self.log, self.lq, listener)
+
+    def append(self, *topics, payload=b"p"):
+        return self.log.append_batch([encode_record(t, payload, queues=self.lq.targets(t)) for t in topics])
+
+    def dump(self):
+        """The index, each run of entries (``E`` keys) expanded to one key per entry: where dispatch batches
+        began decides how entries are grouped into runs, not which entries there are."""
+        dump = {}
+        for key, value in self.db.items():
+            if key[:1] != b"E":
+                dump[key] = value
+                continue
+            qid, first = keys.U64.unpack_from(key, 1)[0], keys.U64.unpack_from(key, 9)[0]
+            for i in range(len(value) // keys.ENTRY.size):
+                dump[keys.entry_key(qid, first + i)] = value[i * keys.ENTRY.size:(i + 1) * keys.ENTRY.size]
+        return dump
+
+    def close(self):
+        self.dispatcher.close()
+        self.db.close()
+        self.log.close()

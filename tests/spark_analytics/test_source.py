@@ -1,0 +1,101 @@
+"""The commitlog data source in a real local SparkSession (spark_analytics.source)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.helpers.spark_fixtures import (
+    T0_MS,
+    Msg,
+    spark_session_fixture,  # noqa: F401 - the `spark` fixture
+    telemetry,
+    write_log,
+)
+
+from spark_analytics.times import parse_time
+from lightqueue.topics import matches
+
+pytestmark = pytest.mark.spark
+
+
+def test_rows_schema_and_split_partitions(spark: Any, tmp_path: Path) -> None:
+    msgs = telemetry(2500) + [Msg("x/y", b"\x00\xff" * 30, T0_MS + 10**7, client_id="c", qos=2,
+                                  retain=True, properties=b"\x26\x00\x01k\x00\x01v")]
+    offsets = write_log(tmp_path, msgs)
+    df = spark.read.format("commitlog").option("partitionBytes", "20000").load(str(tmp_path))
+    assert df.columns == ["offset", "store_ts", "born_ts", "topic", "client_id", "qos", "retain", "properties", "payload"]
+    segments = len(list((tmp_path / "commitlog").glob("0" * 15 + "*[0-9]")))
+    assert df.rdd.getNumPartitions() > segments  # segments were cut into byte ranges
+    got = df.orderBy("offset").collect()
+    assert [r.offset for r in got] == offsets  # every record exactly once across the cuts
+    assert [(r.topic, r.payload, r.client_id, r.qos, r.retain) for r in got] == [
+        (m.topic, m.payload, m.client_id, m.qos, m.retain) for m in msgs]
+    assert got[-1].properties == msgs[-1].properties
+    assert round(got[7].store_ts.timestamp() * 1000) == msgs[7].store_ms
+
+
+def test_topic_and_time_push_down_options(spark: Any, tmp_path: Path) -> None:
+    msgs = telemetry(1500, devices=4)
+    write_log(tmp_path, msgs)
+    lo, hi = msgs[100].store_ms, msgs[1100].store_ms
+    assert hi == T0_MS + 1_100_000 == parse_time("2023-11-14T22:31:20Z")
+    df = (spark.read.format("commitlog").option("topicFilter", "fleet/+/telemetry").option("fromTime", str(lo))
+          .option("toTime", "2023-11-14T22:31:20Z").load(str(tmp_path)))
+    assert df.count() == 1000
+    one = spark.read.format("commitlog").option("topicFilter", "fleet/dev2/#").load(str(tmp_path))
+    assert sorted(r.offset for r in one.select("offset").collect()) == sorted(
+        r.offset for r in spark.read.format("commitlog").load(str(tmp_path)).where("topic = 'fleet/dev2/telemetry'")
+        .select("offset").collect())
+    assert one.count() == sum(matches("fleet/dev2/#", m.topic) for m in msgs)
+
+
+def test_telemetry_mode_counts_quarantine(spark: Any, tmp_path: Path) -> None:
+    msgs = telemetry(1000, bad_every=25)
+    write_log(tmp_path, msgs)
+    df = (spark.read.format("commitlog").options(**{"parse": "telemetry", "telemetry.metrics": "temp,hum"})
+          .load(str(tmp_path)))
+    assert df.columns == ["offset", "store_ts", "topic", "device", "event_ts", "temp", "hum", "error", "payload"]
+    bad = df.where("error is not null").collect()
+    assert len(bad) == 40 and all(r.payload is not None for r in bad)
+    assert df.where("error is null").count() == 960
+
+
+def test_bad_options_fail_at_load(spark: Any, tmp_path: Path) -> None:
+    write_log(tmp_path, telemetry(10))
+    with pytest.raises(Exception, match="unknown commitlog option"):
+        spark.read.format("commitlog").option("topic", "a").load(str(tmp_path)).count()
+
+
+def test_a_schema_subset_builds_only_those_columns(spark: Any, tmp_path: Path) -> None:
+    msgs = telemetry(300, bad_every=30)
+    write_log(tmp_path, msgs)
+    raw = spark.read.format("commitlog").schema("payload binary, offset long").load(str(tmp_path)).collect()
+    assert [r.payload for r in raw] == [m.payload for m in msgs] and raw[0].offset == 0
+    tel = (spark.read.format("commitlog").schema("temp double, error string")
+           .options(**{"parse": "telemetry", "telemetry.metrics": "temp,hum"}).load(str(tmp_path)))
+    assert tel.columns == ["temp", "error"] and tel.where("error is not null").count() == 10
+    with pytest.raises(Exception, match="is not one of the commitlog source's columns"):
+        spark.read.format("commitlog").schema("topic binary").load(str(tmp_path)).collect()
+
+
+def test_where_on_store_time_and_topic_is_pushed_into_the_reader(spark: Any, tmp_path: Path) -> None:
+    import datetime
+
+    from pyspark.sql import functions as F
+
+    msgs = telemetry(2000, devices=7)
+    write_log(tmp_path, msgs)
+    df = spark.read.format("commitlog").option("partitionBytes", "20000").load(str(tmp_path))
+    cut = datetime.datetime.fromtimestamp((T0_MS + 1_000_500) / 1000, datetime.timezone.utc)
+    late = datetime.datetime.fromtimestamp((T0_MS + 1_800_000) / 1000, datetime.timezone.utc)
+    query = df.where((F.col("store_ts") > F.lit(cut)) & (F.col("store_ts") <= F.lit(late))
+                     & (F.col("topic") == "fleet/dev3/telemetry") & F.col("qos").isin(0, 1))
+    plan = query._jdf.queryExecution().executedPlan().toString()
+    filters = [line for line in plan.splitlines() if re.search(r"\bFilter\b", line)]
+    assert filters and all("store_ts" not in f and "topic" not in f for f in filters)  # only the qos test is left
+    want = [m for m in msgs if T0_MS + 1_000_500 < m.store_ms <= T0_MS + 1_800_000
+            and m.topic == "fleet/dev3/telemetry" and m.qos in (0, 1)]
+    assert sorted(r.store_ts.timestamp() * 1000 for r in query.collect()) == [m.store_ms for m in want]

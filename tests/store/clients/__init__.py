@@ -1,0 +1,1 @@
+"""Tests of store/clients/ (a package, so that equal module basenames in different folders do not clash)."""

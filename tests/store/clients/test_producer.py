@@ -1,0 +1,226 @@
+"""Back-end producers (store/clients/producer.py) and store access (store/rpc/access.py, its wiring in gateway/app/cli.py).
+
+In-process tests run a real store node and its RPC server on real sockets; the
+slow test runs `lightgate store` and `lightgate gateway` processes with
+authentication on and a paho MQTT 5 device that receives what the producer sends.
+"""
+
+
+import pytest
+import trio
+
+from gateway.app import config as cfg
+from gateway.app.cli import _store_access
+from gateway.auth.passwords import PasswordFile
+from gateway.mqtt.properties import PacketType, decode_properties
+from lightqueue.topics import TopicError
+from store.api import NewMessage, PullRequest
+from store.clients.producer import Producer, encode_properties
+from store.groups import group_owner
+from store.log.record import RecordTooLarge
+from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
+from store.rpc.client import RemoteStore, StoreRpcError
+from store.rpc.server import serve_rpc
+from tests.helpers.backend import WAIT_S, Device, cluster
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+
+# --- in-process store ---------------------------------------------------------------------------
+
+
+async def serve(nursery, store, access: StoreAccess | None = None) -> int:
+    listeners = await nursery.start(lambda task_status: serve_rpc(store, "127.0.0.1", 0, access=access,
+                                                                  task_status=task_status))
+    return listeners[0].socket.getsockname()[1]
+
+
+def test_common_properties_encode_as_the_gateway_decodes_them():
+    block = encode_properties(payload_format_indicator=1, message_expiry_interval=60, content_type="text/plain",
+                              response_topic="reply/svc", correlation_data=b"\x00\x01",
+                              user_properties=[("k", "v"), ("k", "w")])
+    props = decode_properties(block, 0, len(block), PacketType.PUBLISH)
+    assert (props.payload_format_indicator, props.message_expiry_interval, props.content_type,
+            props.response_topic, props.correlation_data, props.user_properties) == \
+        (1, 60, "text/plain", "reply/svc", b"\x00\x01", (("k", "v"), ("k", "w")))
+    assert encode_properties() == b""
+    with pytest.raises(ValueError, match="payload_format_indicator"):
+        encode_properties(payload_format_indicator=2)
+    with pytest.raises(TopicError):
+        encode_properties(response_topic="reply/#")
+
+
+async def test_sends_are_batched_stored_in_order_and_each_handle_gets_its_offset(store_small_records, nursery):
+    port = await serve(nursery, store_small_records)
+    async with Producer.connect("127.0.0.1", port, client_id="svc-1", linger_ms=50) as producer:
+        handles = [producer.send("cmd/dev1", b"%d" % i, qos=1, content_type="text/plain") for i in range(300)]
+        retained = producer.send("status/dev1", b"on", qos=0, retain=True, properties=b"\x01\x01")
+        offsets = [await handle for handle in handles]
+        await producer.flush()
+        stats = producer.statistics()
+    assert offsets == sorted(offsets) and len(set(offsets)) == 300 and await retained > offsets[-1]
+    assert stats.stored == 301 and stats.failed == 0 and stats.batches < 301
+    async with RemoteStore.connect("127.0.0.1", port, node="reader") as client:
+        [cmd, status] = await client.pull([PullRequest("cmd/dev1", 0, 1000), PullRequest("status/dev1", 0, 10)])
+        [kept] = await client.retained("status/#")
+    records = [record for _, record in cmd.messages]
+    assert [r.payload for r in records] == [b"%d" % i for i in range(300)]
+    assert {(r.client_id, r.qos, r.retain) for r in records} == {("svc-1", 1, False)}
+    assert decode_properties(records[0].properties, 0, len(records[0].properties), PacketType.PUBLISH).content_type \
+        == "text/plain"
+    [(_, on)] = status.messages
+    assert (on.payload, on.qos, on.retain, on.properties, kept.payload) == (b"on", 0, True, b"\x01\x01", b"on")
+
+
+async def test_a_bad_message_fails_alone_and_bad_arguments_fail_at_send(store_small_records, nursery):
+    port = await serve(nursery, store_small_records)
+    async with Producer.connect("127.0.0.1", port, linger_ms=1000) as producer:
+        before = producer.send("a/b", b"1")
+        huge = producer.send("a/b", b"x" * 8192)  # above the store's max_record_bytes of 4096
+        after = producer.send("a/b", b"2")
+        await producer.flush()
+        with pytest.raises(RecordTooLarge):
+            await huge
+        assert await before < await after
+        with pytest.raises(TopicError):
+            producer.send("a/+", b"wildcards are for filters")
+        with pytest.raises(ValueError, match="qos"):
+            producer.send("a/b", b"", qos=3)
+
+
+async def test_flush_returns_at_once_when_nothing_waits_and_the_block_flushes_on_exit(store_small_records, nursery):
+    port = await serve(nursery, store_small_records)
+    async with Producer.connect("127.0.0.1", port, linger_ms=60_000) as producer:
+        with trio.fail_after(WAIT_S):
+            await producer.flush()
+        handle = producer.send("a/b", b"sent last")
+    assert handle.done()
+    assert await handle >= 0
+
+
+# --- access -------------------------------------------------------------------------------------
+
+
+def check_password(username, password, source) -> Verdict:
+    if (username, password) == ("svc", b"secret"):
+        return Verdict(True, "svc")
+    return Verdict(False, why="bad user name or password")
+
+
+def only_cmd(username, client_id, access, topic) -> bool:
+    return access == "publish" and topic.startswith("cmd/") or access == "subscribe" and topic.startswith("tele/")
+
+
+async def test_the_store_admits_clients_by_password_and_checks_their_topics(store_small_records, nursery):
+    access = StoreAccess(token="gw-secret", authenticate=check_password, authorize=only_cmd)
+    port = await serve(nursery, store_small_records, access)
+    with pytest.raises(StoreRpcError, match="denied"):
+        async with Producer.connect("127.0.0.1", port, username="svc", password="wrong", timeout_s=5):
+            pass
+    async with Producer.connect("127.0.0.1", port, username="svc", password="secret") as producer:
+        allowed = producer.send("cmd/dev1", b"ok")
+        denied = producer.send("secret/x", b"no")
+        await producer.flush()
+        assert await allowed >= 0
+        with pytest.raises(AccessDenied, match="publish"):
+            await denied
+        with pytest.raises(AccessDenied, match="gateway nodes only"):  # sessions are the gateways' business
+            await producer.client.save_session("dev1", b"blob")
+        with pytest.raises(AccessDenied, match="subscribe"):
+            await producer.client.join(group_owner("g"), "cmd/#", "")
+        with pytest.raises(AccessDenied, match="groups as their connection"):  # not an MQTT shared group
+            await producer.client.join("$share/g", "cmd/#", "")
+        qos2 = NewMessage("cmd/dev1", b"m", "dev1", 2, packet_id=7)
+        with pytest.raises(AccessDenied, match="packet id"):  # it would mark a flow of dev1 as awaiting PUBREL
+            await producer.client.append([qos2])
+        with pytest.raises(AccessDenied, match="gateway nodes only"):
+            await producer.client.release_awaiting([("dev1", 7, 0)])
+    async with RemoteStore.connect("127.0.0.1", port, node="gw-a", token="gw-secret") as gateway:
+        await gateway.open_session("dev1", clean_start=False, expiry_s=60)  # the token makes a trusted gateway node
+        await gateway.save_session("dev1", b"blob")
+        assert await gateway.load_session("dev1") == b"blob"
+        [offset] = await gateway.append([qos2])  # a device's QoS 2 PUBLISH: the record says it awaits PUBREL
+        assert await gateway.awaiting_release("dev1") == {7: offset}
+        await gateway.release_awaiting([("dev1", 7, offset)])
+        assert await gateway.awaiting_release("dev1") == {}
+    with pytest.raises(StoreRpcError, match="denied"):  # '$' names are the store's own
+        async with RemoteStore.connect("127.0.0.1", port, node="$groups-1", token="gw-secret", timeout_s=5):
+            pass
+
+
+def test_store_access_policy():
+    assert StoreAccess().admit("gw", "", None, None, "10.0.0.1") == Peer(True, client_id="gw")  # nothing set: open
+    access = StoreAccess(token="t", authenticate=check_password)
+    assert access.admit("gw", "t", None, None, "10.0.0.1") == Peer(True, client_id="gw")
+    assert access.admit("gw", "nope", None, None, "10.0.0.1").why == "bad store token"
+    assert access.admit("svc-1", "", "svc", b"secret", "10.0.0.1") == Peer(False, "svc", "svc-1")
+    assert not access.admit("svc-1", "", "svc", b"bad", "10.0.0.1").accepted
+    access.check(Peer(False, "svc", "svc-1"), "publish", "any/topic")  # no ACL: any topic
+    assert not StoreAccess(token="t").admit("svc-1", "", "svc", b"secret", "10.0.0.1").accepted
+
+
+def settings(tmp_path, **values) -> cfg.Config:
+    conf = {o.key: o.default for o in cfg.OPTIONS}
+    conf.update({key.replace("__", "."): value for key, value in values.items()})
+    return cfg.Config(conf)
+
+
+def test_cli_wiring_checks_back_end_clients_with_the_password_file_and_acl(tmp_path):
+    passwords = PasswordFile.load_or_empty(tmp_path / "passwd")
+    passwords.set_password("svc", "secret")
+    passwords.save()
+    (tmp_path / "acl").write_text("user svc\nallow publish cmd/#\nallow subscribe tele/#\n")
+    assert _store_access(settings(tmp_path)).open
+    with pytest.raises(ValueError, match="store.token"):
+        _store_access(settings(tmp_path, auth__password_file=str(tmp_path / "passwd")))
+    access = _store_access(settings(tmp_path, store__token="t", auth__password_file=str(tmp_path / "passwd"),
+                                    auth__acl_file=str(tmp_path / "acl"), auth__failure_delay_s=0.0))
+    peer = access.admit("svc-1", "", "svc", b"secret", "127.0.0.1")
+    assert peer == Peer(False, "svc", "svc-1")
+    assert not access.admit("svc-1", "", "svc", b"wrong", "127.0.0.1").accepted
+    assert not access.admit("svc-1", "", None, None, "127.0.0.1").accepted  # a password file: no anonymous
+    access.check(peer, "publish", "cmd/dev1")
+    access.check(peer, "subscribe", "tele/#")
+    with pytest.raises(AccessDenied):
+        access.check(peer, "publish", "tele/dev1")
+
+
+# --- processes: producer -> store -> gateway -> device ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_device_on_a_cluster_gateway_receives_what_a_producer_sends(tmp_path):
+    passwords = PasswordFile.load_or_empty(tmp_path / "passwd")
+    passwords.set_password("svc", "svc-secret")
+    passwords.set_password("dev1", "dev-secret")
+    passwords.save()
+    (tmp_path / "acl").write_text("user svc\nallow publish cmd/#\n\nuser dev1\nallow subscribe cmd/dev1/#\n")
+    flags = ("--store-token", "gw-token", "--auth-password-file", str(tmp_path / "passwd"),
+             "--auth-acl-file", str(tmp_path / "acl"), "--auth-failure-delay-s", "0")
+    with cluster(tmp_path, *flags) as (store, store_port, gateway, mqtt_port):
+        device = Device(mqtt_port, "dev1", "dev1", "dev-secret")
+        device.subscribe("cmd/dev1/#", qos=1)
+
+        async def produce() -> None:
+            with pytest.raises(StoreRpcError, match="denied"):
+                async with Producer.connect("127.0.0.1", store_port, username="svc", password="bad", timeout_s=5):
+                    pass
+            async with Producer.connect("127.0.0.1", store_port, username="svc", password="svc-secret") as producer:
+                handles = [producer.send(f"cmd/dev1/{i % 3}", b"%d" % i, qos=1, content_type="text/plain",
+                                         user_properties=[("from", "billing")]) for i in range(50)]
+                denied = producer.send("tele/dev1/temp", b"not the service's topic")
+                for handle in handles:
+                    await handle
+                with pytest.raises(AccessDenied):
+                    await denied
+
+        trio.run(produce)
+        received = [device.messages.get(timeout=WAIT_S) for _ in range(50)]
+        assert sorted(int(m.payload) for m in received) == list(range(50))
+        first = received[0]
+        assert first.qos == 1 and first.properties.ContentType == "text/plain"
+        assert first.properties.UserProperty == [("from", "billing")]
+        device.close()
+        assert not store.errors() and not gateway.errors()
+    assert store.proc.returncode == 0 and gateway.proc.returncode == 0

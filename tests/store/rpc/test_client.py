@@ -1,0 +1,339 @@
+"""RemoteStore (store/rpc/client.py) against a real RPC server and store in this process, over real sockets."""
+
+import socket
+
+import pytest
+import trio
+
+from lightqueue.topics import TopicError
+from store.api import LeaseLost, NewMessage, PullRequest, StoreUnavailable
+from store.local import INLINE_PULL, LocalStore
+from store.log.record import RecordTooLarge
+from store.rpc import wire as rpc
+from store.rpc.client import RemoteStore, StoreRpcError
+from store.rpc.server import serve_rpc
+
+WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
+LEASE_S = 0.6
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """The RPC server on a fixed port, which a test can stop and start again (a store restart, as clients see it)."""
+
+    def __init__(self, store, nursery) -> None:
+        self.store = store
+        self.nursery = nursery
+        self.port = free_port()
+        self.scope: trio.CancelScope | None = None
+
+    async def start(self) -> None:
+        async def run(task_status):
+            with trio.CancelScope() as self.scope:
+                await serve_rpc(self.store, "127.0.0.1", self.port, task_status=task_status)
+
+        await self.nursery.start(run)
+
+    def stop(self) -> None:
+        self.scope.cancel()
+
+
+@pytest.fixture
+async def server(store_small_records, nursery):
+    server = Server(store_small_records, nursery)
+    await server.start()
+    return server
+
+
+def message(topic: str, payload: bytes = b"m", **fields) -> NewMessage:
+    return NewMessage(topic, payload, **{"client_id": "dev1", "qos": 1, **fields})
+
+
+async def disconnected(*clients) -> None:
+    """Wait until each client saw its connection end."""
+    with trio.fail_after(WAIT_S):
+        for client in clients:
+            while client.connected:
+                await trio.lowlevel.checkpoint()
+
+
+async def next_events(client, queue: str, offset: int) -> dict:
+    """Events until one says ``queue`` reached ``offset``."""
+    with trio.fail_after(WAIT_S):
+        while True:
+            events = await client.events()
+            if events.get(queue, -1) >= offset:
+                return events
+
+
+async def test_every_call_answers_as_the_local_store_does(store_small_records, server):
+    local = LocalStore(store_small_records, node="local-check")
+    async with RemoteStore.connect("127.0.0.1", server.port, node="gw-a") as remote:
+        assert await remote.activate("tele/+", "dev9") == 0
+        remote.watch("tele/+")
+        offsets = await remote.append([message("tele/a", b"one", retain=True), message("tele/b", b"two")])
+        assert len(offsets) == 2 and offsets[0] < offsets[1]
+        await next_events(remote, "tele/+", 2)
+        requests = [PullRequest("tele/+", 0), PullRequest("tele/a", 0, max_count=1), PullRequest("none", 5)]
+        assert await remote.pull(requests) == await local.pull(requests)
+        small = [PullRequest("tele/+", 0, max_count=8), PullRequest("tele/a", 0, max_count=1)]
+        assert local.pull_nowait(small) == await local.pull(small)  # small: read in the caller's step
+        large = [PullRequest("tele/+", 0, max_count=INLINE_PULL + 1)]
+        assert local.pull_nowait(large) == await local.pull(large)  # large, but its records are kept in memory
+        with pytest.raises(trio.WouldBlock):  # a round trip: always awaited
+            remote.pull_nowait(small)
+        with pytest.raises(trio.WouldBlock):
+            remote.append_nowait([message("tele/a")])
+        assert await remote.max_offsets(["tele/+", "tele/a", "none"]) == [2, 1, 0]
+        await remote.commit_offsets({"dev9": {"tele/+": 1}, "$share/g": {"tele/a": 1}})
+        assert await remote.get_offsets("dev9") == await local.get_offsets("dev9") == {"tele/+": 1}
+        await remote.commit_offsets({"dev9": {"tele/+": 0}})  # a late, lower commit: offsets never move back
+        assert await remote.get_offsets("dev9") == {"tele/+": 1}
+        assert [r.payload for r in await remote.retained("tele/#")] == [b"one"]
+        assert await remote.open_session("dev9", clean_start=False, expiry_s=60) is None
+        await remote.save_session("dev9", b"\x00state")
+        assert await remote.load_session("dev9") == b"\x00state" == await local.load_session("dev9")
+        assert await remote.sessions() == await local.sessions() == ["dev9"]
+        assert await remote.end_session("dev9")
+        assert await local.load_session("dev9") is None and await remote.get_offsets("dev9") == {}
+        assert await remote.release("tele/+", "dev9") is False  # the session's end released it already
+        assert await remote.join("$share/g", "tele/a", "dev7", start="earliest") == 1
+        claimed = await remote.claim("$share/g", "tele/a", "dev7", 10)
+        assert [r.payload for _, r in claimed.messages] == [] and claimed.next_offset == 1  # from its offset 1
+        await remote.leave("$share/g", "tele/a", "dev7", unsubscribe=True)
+        stats = await remote.statistics()
+        assert stats.notify_by_node["gw-a"] >= 1 and stats.written_offset == (await local.statistics()).written_offset
+    local.close()
+
+
+async def test_store_errors_are_raised_as_the_local_store_raises_them(server):
+    async with RemoteStore.connect("127.0.0.1", server.port) as remote:
+        with pytest.raises(TopicError, match="'#' must be the last level"):
+            await remote.activate("a/#/b", "dev1")
+        with pytest.raises(RecordTooLarge):
+            await remote.append([message("a/b", b"x" * 8192)])
+        with pytest.raises(ValueError, match="QoS must be 0, 1 or 2"):
+            await remote.append([message("a/b", qos=3)])
+        with pytest.raises(ValueError, match="max_count and max_bytes must be positive"):
+            await remote.pull([PullRequest("a/b", 0, max_count=0)])
+        assert await remote.max_offsets(["a/b"]) == [0]  # nothing was appended, and the connection goes on
+
+
+async def test_concurrent_calls_travel_in_batches_and_a_bad_one_fails_alone(server):
+    async with RemoteStore.connect("127.0.0.1", server.port) as remote:
+        results = {}
+
+        async def publish(i: int) -> None:
+            try:
+                results[i] = await remote.append([message(f"fleet/dev{i}", b"x" * (8192 if i == 7 else 10)),
+                                                  message(f"fleet/dev{i}", b"second")])
+            except RecordTooLarge as exc:
+                results[i] = exc
+
+        async with trio.open_nursery() as nursery:
+            for i in range(200):
+                nursery.start_soon(publish, i)
+        assert isinstance(results.pop(7), RecordTooLarge)
+        offsets = [o for pair in results.values() for o in pair]
+        assert all(a < b for a, b in results.values()) and len(set(offsets)) == 398
+        calls, requests = remote.client_statistics().batches["append"]
+        assert calls == 200 and requests < 20  # batched: not one round trip per call
+
+        async def pull(i: int) -> None:
+            [result] = await remote.pull([PullRequest(f"fleet/dev{i}", 0)])
+            results[i] = result
+
+        while (await remote.statistics()).dispatch_lag:
+            await trio.lowlevel.checkpoint()  # the pulls below must find everything dispatched
+        async with trio.open_nursery() as nursery:
+            for i in range(200):
+                nursery.start_soon(pull, i)
+        assert [r.payload for _, r in results[3].messages] == [b"x" * 10, b"second"]
+        assert results[7].messages == []
+        calls, requests = remote.client_statistics().batches["pull"]
+        assert calls == 200 and requests < 20
+
+
+async def test_events_follow_watches_and_stop_after_unwatch(server):
+    async with RemoteStore.connect("127.0.0.1", server.port, node="gw-a") as remote, \
+            RemoteStore.connect("127.0.0.1", server.port, node="gw-b") as other:
+        remote.watch("a/b")
+        remote.watch("a/b")  # two local sessions
+        other.watch("x")
+        await other.append([message("a/b")])
+        assert await next_events(remote, "a/b", 1) == {"a/b": 1}
+        remote.unwatch("a/b")
+        await other.append([message("a/b")])
+        assert await next_events(remote, "a/b", 2) == {"a/b": 2}  # one session still reads it
+        remote.unwatch("a/b")
+        await remote.max_offsets([])  # a round trip: the unwatch went out before it
+        sent = (await other.statistics()).notify_by_node
+        assert sent == {"gw-a": 2, "gw-b": 0}
+        other.watch("a/b")
+        await other.append([message("a/b")])
+        assert await next_events(other, "a/b", 3) == {"a/b": 3}  # routed: to gw-b only
+        assert (await other.statistics()).notify_by_node == {"gw-a": 2, "gw-b": 1}
+        assert remote.client_statistics().events_received == 2
+
+
+async def test_calls_fail_while_the_store_is_down_and_work_after_it_returns(server):
+    async with RemoteStore.connect("127.0.0.1", server.port, node="gw-a") as remote:
+        remote.watch("a/b")
+        await remote.append([message("a/b")])
+        await next_events(remote, "a/b", 1)
+        server.stop()
+        await disconnected(remote)
+        with pytest.raises(StoreUnavailable):
+            await remote.append([message("a/b")])
+        with pytest.raises(StoreUnavailable):
+            await remote.max_offsets(["a/b"])
+        assert isinstance(StoreUnavailable(), ConnectionError)  # the gateway answers it as a failed write
+        await server.start()
+        with trio.fail_after(WAIT_S):
+            await remote.wait_connected()
+        assert await remote.events() == {"a/b": 1}  # after a reconnect: one event per watched queue, at its head
+        await remote.append([message("a/b")])
+        assert await next_events(remote, "a/b", 2) == {"a/b": 2}  # the watch was registered again
+        assert remote.client_statistics().connects == 2
+
+
+async def test_appends_in_flight_when_the_store_goes_either_succeed_or_raise(store_small_records, server):
+    async with RemoteStore.connect("127.0.0.1", server.port) as remote:
+        outcomes = []
+
+        async def publish(i: int) -> None:
+            try:
+                outcomes.append((await remote.append([message("burst", str(i).encode())]))[0])
+            except StoreUnavailable:
+                outcomes.append(None)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(500):
+                nursery.start_soon(publish, i)
+            await trio.lowlevel.checkpoint()
+            server.stop()
+        acknowledged = [offset for offset in outcomes if offset is not None]
+        assert len(outcomes) == 500 and None in outcomes
+        for offset in acknowledged:  # no false acknowledgement: each acknowledged offset holds its record
+            assert (await store_small_records.log.read(offset)).topic == "burst"
+
+
+async def test_a_call_batched_on_a_link_that_broke_fails_at_once(server):
+    """Between the break and the client dropping the link, calls still find it: they must not wait for ever
+    (a PUBLISH at that moment got no PUBACK, and its connection's worker hung)."""
+    async with RemoteStore.connect("127.0.0.1", server.port, node="gw-a") as remote:
+        await remote.append([message("a/b")])
+        link = remote._link
+        server.stop()
+        with trio.fail_after(WAIT_S):
+            while not link.broken:
+                await trio.lowlevel.checkpoint()
+        with trio.fail_after(WAIT_S), pytest.raises(StoreUnavailable):
+            await link.appends[None].submit([NewMessage("a/b", b"late")])
+        with trio.fail_after(WAIT_S), pytest.raises(StoreUnavailable):
+            await link.pulls.submit([PullRequest("a/b", 0, 1, 1024)])
+
+
+async def test_a_held_will_survives_a_store_restart_and_fires_when_the_node_is_gone(server):
+    async with RemoteStore.connect("127.0.0.1", server.port, node="observer") as observer:
+        observer.watch("will/dev1")
+        async with RemoteStore.connect("127.0.0.1", server.port, node="gw-a") as gateway:
+            await gateway.open_session("dev1", clean_start=True, expiry_s=0, will=message("will/dev1", b"gone"))
+            await gateway.open_session("dev2", clean_start=True, expiry_s=0, will=message("will/dev2", b"gone"))
+            await gateway.close_session("dev2", expiry_s=0, will_delay_s=None)
+            server.stop()  # the store forgets where its clients are, and their wills ...
+            await disconnected(gateway, observer)
+            await server.start()
+            with trio.fail_after(WAIT_S):
+                await gateway.wait_connected()
+                await observer.wait_connected()
+            await gateway.max_offsets([])  # ... and gw-a registered dev1 again first thing after reconnecting
+            assert gateway.client_statistics().clients == 1
+        events = await next_events(observer, "will/dev1", 1)  # gw-a is gone: its lease ends, its will fires
+        assert events == {"will/dev1": 1}
+        assert await observer.max_offsets(["will/dev2"]) == [0]
+
+
+async def test_connect_gives_up_after_its_timeout_when_nobody_listens():
+    with trio.fail_after(WAIT_S):
+        with pytest.raises(StoreUnavailable, match="within 0.3 s"):
+            async with RemoteStore.connect("127.0.0.1", free_port(), timeout_s=0.3):
+                pass
+
+
+async def test_a_store_of_another_protocol_version_is_refused(nursery):
+    async def old_store(stream):
+        decoder = rpc.FrameDecoder(rpc.CLIENT_MESSAGES)
+        while (hello := decoder.next_message()) is rpc.NEED_DATA:
+            decoder.receive_data(await stream.receive_some(1024))
+        await stream.send_all(rpc.encode(rpc.Error(0, rpc.ErrorKind.VERSION, f"not {hello.version}")))
+
+    listeners = await nursery.start(trio.serve_tcp, old_store, 0)
+    port = listeners[0].socket.getsockname()[1]
+    with pytest.raises(StoreRpcError, match=f"version: not {rpc.PROTOCOL_VERSION}"):
+        async with RemoteStore.connect("127.0.0.1", port):
+            pass
+
+
+class Freezer:
+    """A TCP proxy between a client and the store that can stop passing bytes, closes included: the client's
+    process frozen, as the store and the client see it (no byte, no close, until it thaws)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.thawed = trio.Event()
+        self.thawed.set()
+
+    def freeze(self) -> None:
+        self.thawed = trio.Event()
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await trio.serve_tcp(self._handle, 0, host="127.0.0.1", task_status=task_status)
+
+    async def _handle(self, downstream: trio.SocketStream) -> None:
+        async with downstream, await trio.open_tcp_stream("127.0.0.1", self.target_port) as upstream:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pipe, downstream, upstream, nursery.cancel_scope)
+                nursery.start_soon(self._pipe, upstream, downstream, nursery.cancel_scope)
+
+    async def _pipe(self, source, sink, scope: trio.CancelScope) -> None:
+        try:
+            while data := await source.receive_some(65536):
+                await self.thawed.wait()
+                await sink.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        await self.thawed.wait()
+        scope.cancel()
+
+
+async def test_a_client_back_after_its_lease_ended_is_fenced_and_its_writes_of_that_lease_are_refused(
+        server, nursery, caplog):
+    freezer = Freezer(server.port)
+    [listener] = await nursery.start(freezer.serve)
+    async with RemoteStore.connect("127.0.0.1", listener.socket.getsockname()[1], node="gw-a") as remote:
+        ended = remote.epoch
+        await remote.open_session("dev1", clean_start=True, expiry_s=0, will=message("will/dev1"))
+        freezer.freeze()
+        with trio.fail_after(WAIT_S):
+            while not any(r.getMessage() == "gateway node lease ended" and getattr(r, "ctx", {}).get("node") == "gw-a"
+                          for r in caplog.records):
+                await trio.sleep(0.01)  # the store's lease timer: wait for its line
+        freezer.thawed.set()
+        with trio.fail_after(WAIT_S):
+            assert await remote.moved() == ["dev1"]  # the clients of the ended lease are not this node's any more
+        assert remote.epoch != ended
+        with pytest.raises(LeaseLost):  # what is still written for dev1 names its ended lease
+            await remote.append([message("a/b", b"stale")])
+        with pytest.raises(LeaseLost):
+            await remote.commit_offsets({"dev1": {"a/b": 1}})
+        with pytest.raises(LeaseLost):
+            await remote.save_session("dev1", b"blob")
+        await remote.append([message("a/b", b"now", client_id="dev3")])  # another client: this lease's
+        [result] = await remote.pull([PullRequest("a/b", 0, 10)])
+        assert [record.payload for _, record in result.messages] == [b"now"]

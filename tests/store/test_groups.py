@@ -1,0 +1,239 @@
+"""Consumer groups (store/groups.py): the hand-out logic alone, then the coordinator over a real store node.
+
+Also ``LightQueues.offset_at_time`` (lightqueue/queues.py), which a group uses to start from a timestamp.
+"""
+
+import pytest
+import trio
+
+from lightqueue.queues import LightQueues
+from store.api import NewMessage
+from store.groups import MAX_UNACKED, GroupState, group_owner
+from store.log.commitlog import CommitLog, CommitLogConfig
+from store.log.record import encode_record
+from store.node import decode
+from store.rocks import open_db
+
+WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
+
+
+# --- GroupState: no I/O ---------------------------------------------------------------------
+
+
+def test_members_get_a_fair_share_of_the_backlog_and_never_the_same_offset():
+    state = GroupState(cursor=0)
+    state.join("a")
+    state.join("b")
+    returned, fresh = state.plan("a", max_count=100, head=10)
+    assert (returned, fresh) == ([], 5)  # half of the backlog of 10
+    state.hand_out("a", list(range(0, 5)))
+    state.advance(5)
+    returned, fresh = state.plan("b", max_count=100, head=10)
+    assert (returned, fresh) == ([], 3)  # ceil(5 / 2)
+    state.hand_out("b", [5, 6, 7])
+    state.advance(8)
+    assert state.plan("a", max_count=1, head=10) == ([], 1)  # max_count caps the share
+    assert state.held == {"a": {0, 1, 2, 3, 4}, "b": {5, 6, 7}}
+
+
+def test_a_leaving_member_hands_back_its_offsets_and_they_go_out_first_lowest_first():
+    state = GroupState(cursor=0)
+    for member in ("a", "b"):
+        state.join(member)
+    state.hand_out("a", [0, 1, 2])
+    state.hand_out("b", [3])
+    state.advance(4)
+    assert state.ack("a", [1]) == 1
+    assert state.leave("a") == 2
+    assert state.committed() == 0  # handed back is not acknowledged
+    returned, fresh = state.plan("b", max_count=10, head=6)
+    assert returned == [0, 2] and fresh == 2
+    state.hand_out("b", returned)
+    assert state.returned == []
+
+
+def test_committed_is_the_lowest_offset_not_acknowledged():
+    state = GroupState(cursor=10)
+    state.join("a")
+    state.join("b")
+    assert state.committed() == 10
+    state.hand_out("a", [10, 11])
+    state.hand_out("b", [12, 13])
+    state.advance(14)
+    assert state.committed() == 10
+    state.ack("b", [12, 13])
+    assert state.committed() == 10  # acknowledged above a held offset: the group cannot move past it
+    state.ack("a", [10])
+    assert state.committed() == 11
+    state.ack("a", [11])
+    assert state.committed() == 14
+    assert state.ack("a", [11, 99]) == 0  # not held (any more): ignored
+
+
+def test_offsets_read_for_a_member_that_left_meanwhile_go_back_to_the_group():
+    state = GroupState(cursor=0)
+    state.join("a")
+    state.join("b")
+    state.leave("a")
+    state.hand_out("a", [0, 1])
+    assert sorted(state.returned) == [0, 1] and "a" not in state.held
+
+
+def test_a_member_holding_the_maximum_unacknowledged_gets_nothing_more():
+    state = GroupState(cursor=0)
+    state.join("a")
+    state.hand_out("a", list(range(MAX_UNACKED)))
+    state.advance(MAX_UNACKED)
+    assert state.plan("a", max_count=10, head=MAX_UNACKED + 100) == ([], 0)
+    with pytest.raises(KeyError):
+        state.plan("stranger", max_count=10, head=10)
+
+
+# --- LightQueues.offset_at_time ---------------------------------------------------------------
+
+
+def test_offset_at_time_finds_the_first_entry_stored_at_or_after_a_time(tmp_path):
+    log = CommitLog.open(tmp_path / "commitlog", CommitLogConfig())
+    db = open_db(tmp_path / "index")
+    try:
+        queues = LightQueues(db)
+        records = [encode_record("t/a", b"x", store_ms=ms) for ms in (1000, 2000, 2000, 3000)]
+        log.append_batch(records)
+        scan = log.scan(0)
+        queues.index(scan.records, scan.next_offset)
+        assert [queues.offset_at_time("t/a", ms) for ms in (0, 1000, 1001, 2000, 2500, 3000, 3001)] == \
+            [0, 0, 1, 1, 3, 3, 4]
+        assert queues.offset_at_time("t/#", 2000) == 1  # the first-level queue holds the same records
+        assert queues.offset_at_time("never/written", 0) == 0
+    finally:
+        db.close()
+        log.close()
+
+
+# --- GroupCoordinator over a real store node --------------------------------------------------
+
+G = group_owner("g")
+A = ("a", "")  # back-end members: each connection is its node
+B = ("b", "")
+
+
+@pytest.fixture
+def groups(store):
+    return store.groups
+
+
+async def publish(store, *payloads: bytes, topic: str = "tele/dev1/temp") -> None:
+    await store.append([NewMessage(topic, p) for p in payloads])
+    await store.dispatcher.wait_dispatched(store.log.log.written_offset)
+
+
+async def claim(groups, member, max_count=100, wait_s=0.0, group=G, queue="tele/#"):
+    return (await groups.claim(member, group, queue, max_count, 1 << 20, wait_s, decode)).messages
+
+
+def payloads(entries) -> list[bytes]:
+    return [record.payload for _, record in entries]
+
+
+def offsets(entries) -> list[int]:
+    return [offset for offset, _ in entries]
+
+
+async def test_two_members_share_the_queue_and_each_message_goes_to_one(store, groups):
+    await publish(store, *[b"%d" % i for i in range(10)])
+    assert await groups.join(A, G, "tele/#", "earliest") == 0
+    await groups.join(B, G, "tele/#")
+    got = {A: [], B: []}
+    sizes = []
+    for member in (A, B, A, B):
+        claimed = await claim(groups, member)
+        sizes.append(len(claimed))
+        got[member] += payloads(claimed)
+    assert sizes == [5, 3, 1, 1]  # each claim takes a fair share of what is left: ceil(backlog / members)
+    assert sorted(got[A] + got[B], key=int) == [b"%d" % i for i in range(10)]
+    assert await claim(groups, A) == []
+
+
+async def test_acknowledged_offsets_are_committed_under_the_group_name_and_survive_a_reload(store, groups):
+    await publish(store, b"0", b"1", b"2")
+    await groups.join(A, G, "tele/#", "earliest")
+    got = await claim(groups, A, 2)
+    assert await groups.ack(A, G, "tele/#", offsets(got)) == 2
+    assert store.queues.get_offsets(G) == {"tele/#": 2}
+    groups.leave_node("a")  # the last member: the group is unloaded; the store keeps its offset
+    assert await groups.join(B, G, "tele/#", "latest") == 2  # the committed offset wins over the start
+    assert payloads(await claim(groups, B, 10)) == [b"2"]
+
+
+async def test_unacknowledged_messages_of_a_member_that_goes_are_delivered_to_another(store, groups):
+    await publish(store, b"0", b"1", b"2", b"3")
+    await groups.join(A, G, "tele/#", "earliest")
+    await groups.join(B, G, "tele/#")
+    got_a = await claim(groups, A)
+    got_b = await claim(groups, B)
+    await groups.ack(B, G, "tele/#", offsets(got_b))
+    groups.leave_node("a")
+    assert payloads(got_a) == [b"0", b"1"] and payloads(got_b) == [b"2"]
+    again = await claim(groups, B)
+    assert payloads(again) == [b"0", b"1", b"3"]  # handed back first, then the rest of the backlog
+    assert await groups.ack(B, G, "tele/#", offsets(again)) == 4
+
+
+async def test_a_member_acknowledges_what_it_holds_below_an_offset(store, groups):
+    await publish(store, b"0", b"1", b"2", b"3")
+    await groups.join(A, G, "tele/#", "earliest")
+    assert offsets(await claim(groups, A)) == [0, 1, 2, 3]
+    assert await groups.ack(A, G, "tele/#", below=3) == 3  # an MQTT session acknowledges by its committed offset
+
+
+async def test_a_claim_waits_for_new_messages_and_wakes_on_their_dispatch(store, groups, nursery):
+    await groups.join(A, G, "tele/+/temp", "latest")  # a wildcard filter: the group activates it
+    claimed = []
+
+    async def wait_for_one():
+        claimed.extend(await claim(groups, A, 10, WAIT_S, queue="tele/+/temp"))
+
+    async with trio.open_nursery() as waiting:
+        waiting.start_soon(wait_for_one)
+        await trio.testing.wait_all_tasks_blocked()
+        await publish(store, b"new", topic="tele/dev9/temp")
+    assert payloads(claimed) == [b"new"]
+    assert store.queues.holders("tele/+/temp") == [G]
+
+
+async def test_a_group_starts_where_it_is_told_when_it_has_no_offset(store, groups):
+    await publish(store, b"0", b"1", b"2", b"3")
+    m = ("m", "")
+    assert await groups.join(m, "earliest", "tele/#", "earliest") == 0
+    assert await groups.join(m, "latest", "tele/#", "latest") == 4
+    assert await groups.join(m, "at-2", "tele/#", "offset", 2) == 2
+    assert await groups.join(m, "beyond", "tele/#", "offset", 99) == 4  # clamped to the head
+    last = store.queues.pull("tele/#", 3, 1, 1 << 20, store.log.log, decode)
+    store_ms = last.messages[0][1].store_ms
+    assert await groups.join(m, "by-time", "tele/#", "time", store_ms + 1) == 4
+    assert await groups.join(m, "by-time-0", "tele/#", "time", 0) == 0
+
+
+async def test_bad_joins_and_claims_are_refused_with_reasons(groups):
+    with pytest.raises(ValueError, match="start must be"):
+        await groups.join(A, G, "tele/#", "yesterday")
+    with pytest.raises(ValueError, match="must not be empty"):
+        await groups.join(A, "", "tele/#")
+    with pytest.raises(ValueError, match="join first"):
+        await claim(groups, A, 1)
+    with pytest.raises(ValueError, match="join first"):
+        await groups.ack(A, G, "tele/#", [0])
+
+
+async def test_a_shared_subscription_holds_its_filter_until_its_last_subscriber_unsubscribes(store, groups):
+    """Members of an MQTT shared subscription on two nodes: one node's subscriber leaving must not release the
+    group's filter while another node's subscriber (connected or not) still holds the subscription."""
+    share = "$share/g"
+    gw1, gw2 = ("gw1", "dev-1"), ("gw2", "dev-2")
+    await groups.join(gw1, share, "tele/+/temp")
+    await groups.join(gw2, share, "tele/+/temp")
+    groups.leave_node("gw2")  # dev-2's node went away: dev-2 is a subscriber still
+    await groups.leave(gw1, share, "tele/+/temp", unsubscribe=True)
+    assert store.queues.holders("tele/+/temp") == [share]
+    await groups.drop_subscriber("dev-2")  # dev-2's session ended (expiry, clean start)
+    assert store.queues.holders("tele/+/temp") == []
