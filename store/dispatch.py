@@ -7,7 +7,8 @@ tells the listener (notify) which queues have news. The queues of a record come
 from the record itself (its topic and its target-queues section, fixed at
 append time), so re-dispatch after a crash writes the same entries again.
 
-The core is synchronous (:meth:`Dispatcher.dispatch_once`); :meth:`Dispatcher.run`
+The core is synchronous (:meth:`Dispatcher.step`, which :meth:`Dispatcher.dispatch_once` runs with the
+listener call for callers without trio); :meth:`Dispatcher.run`
 drives it from trio, running each step in a worker thread and sleeping on a
 wake-up that the appender pulls after each append.
 """
@@ -210,17 +211,29 @@ class Dispatcher:
         return {"log_end": log_end, **found} if found else {}
 
     def dispatch_once(self, max_bytes: int | None = None) -> DispatchBatch | None:
-        """Index the next chunk of records, then call the listener.
+        """One turn of :meth:`run` for callers without its task (repair, the index benchmark, tests): the same
+        :meth:`step` and listener call, here in the caller's thread.
 
         Returns:
             the batch, or None when there was nothing new to index.
         """
-        batch = self._step(max_bytes or self._scan_bytes)
-        if self._flush_due():
+        batch = self.step(max_bytes or self._scan_bytes)
+        self._announce(batch)
+        return batch
+
+    def step(self, max_bytes: int, *, flush: bool = True) -> DispatchBatch | None:
+        """Index the next chunk of records (about ``max_bytes``), then flush the index when due (``flush``:
+        else the caller does, in another thread). Synchronous: :meth:`run` calls it in a worker thread, or in
+        the trio thread for a small step in memory."""
+        batch = self._step(max_bytes)
+        if flush and self._flush_due():
             self._flush_idle()
+        return batch
+
+    def _announce(self, batch: DispatchBatch | None) -> None:
+        """Tell the listener the queues' new maxima (in the trio thread when :meth:`run` runs)."""
         if batch is not None and batch.max_offsets and self._listener is not None:
             self._listener(batch.max_offsets)
-        return batch
 
     def _step(self, max_bytes: int) -> DispatchBatch | None:
         with self._lock:
@@ -346,8 +359,7 @@ class Dispatcher:
                 LOGGER.warning("dispatch works again", extra={"ctx": {"dispatched_offset": self._offset}})
             if batch is None:
                 continue
-            if batch.max_offsets and self._listener is not None:
-                self._listener(batch.max_offsets)
+            self._announce(batch)
             self._progress.set()
             self._progress = trio.Event()
 
@@ -360,11 +372,11 @@ class Dispatcher:
                 await trio.to_thread.run_sync(self._flush_idle)
             return None
         if self._inline():
-            batch = self._step(INLINE_BYTES)
+            batch = self.step(INLINE_BYTES, flush=False)  # its flush, if due, runs in a worker thread below
             if self._offset < self._log.written_offset:
                 await trio.lowlevel.checkpoint()  # more to index: let the others run between steps
         else:
-            batch = await trio.to_thread.run_sync(self._step, self._scan_bytes)
+            batch = await trio.to_thread.run_sync(self.step, self._scan_bytes)
         if self._flush_due():
             await trio.to_thread.run_sync(self._flush_idle)
         return batch
