@@ -63,8 +63,8 @@ class Transport(Protocol):
     """What to do once the client is accepted (CONNACK sent): a WebSocket widens its message bound; None: nothing."""
 
     def read(self, receiver: Receiver) -> Awaitable[bool]:
-        """Hand what the client sends to ``receiver.received``, until the receiver pauses (True: call again once it
-        resumes) or reading ends (False).
+        """Hand what the client sends to ``receiver.received``: a stream one read, a polled socket every read
+        until the receiver pauses. True: call again (once the receiver resumes); False: reading ended.
 
         Raises:
             Exception: what ``receiver.received`` raised (a bug: it ends this connection only).
