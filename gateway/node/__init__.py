@@ -1,1 +1,1 @@
-"""The trio gateway node: connections, the poller, timers, listeners, and the node itself."""
+"""The trio gateway node: connections, their transports, the poller, timers, listeners, and the node itself."""

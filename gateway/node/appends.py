@@ -1,12 +1,12 @@
 """The publish path of a node: its connections' ``Append`` actions, and its own messages, to the store.
 
 Two ways, in trio's pairing (store/api.py): an append the store can take without waiting (embedded, async flush,
-dispatch not lagging) is done in the step that read its PUBLISH, no worker task: during a poller read round
-(gateway/node/poller.py) it joins the round, whose appends go to the store in one ``append_nowait`` call when
-the round ends, before any other task runs; if the store would block, each connection's appends go back to the
-head of its worker queue and take the other way: the connection's worker hands them to ``perform``, which
-awaits ``append`` (one batch per worker step). Either way every append with a ``ref`` is answered
-(``Appended``): never a false acknowledgement.
+dispatch not lagging) is done in the step that read its PUBLISH, no worker task: read in a poller round
+(``ReadRound``, gateway/node/poller.py) it joins the round, whose appends go to the store in one
+``append_nowait`` call when the poller ends it, before any other task runs; if the store would block, each
+connection's appends go back to the head of its worker queue and take the other way: the connection's worker
+hands them to ``perform``, which awaits ``append`` (one batch per worker step). Either way every append with a
+``ref`` is answered (``Appended``): never a false acknowledgement.
 
 Order: an append read while a subscription read before it (on any connection) is not applied yet never takes
 the fast way; it waits behind an ``AfterReads`` mark (gateway/node/order.py). The node's own appends (wills,
@@ -26,6 +26,7 @@ from gateway.mqtt.actions import Append, Appended, Event
 from gateway.mqtt.reasons import ReasonCode
 from gateway.node.guard import Guard
 from gateway.node.order import ReadOrder
+from gateway.node.poller import ReadRound
 from store.api import LeaseLost, NewMessage, StoreApi
 from store.log.errors import LogFullError
 from store.log.record import RecordTooLarge
@@ -58,33 +59,32 @@ class Appends:
         self._guard = guard
         self._order = order
         self._blocked_until = 0.0  # the store would block: the fast way waits until then
-        self._round: list[tuple[Connection, Append]] = []  # the read round's appends, written when it ends
         self.refused_by_qos = [0, 0, 0]  # messages the store did not take (a full disk...), index = QoS
 
     # --- the fast way -----------------------------------------------------------------------
 
-    def now(self, connection: Connection, action: Append, in_round: bool) -> bool:
-        """Append in this step, or in the read round's one store call; False leaves it, and any error, to
-        :meth:`perform`. The round's first append asks the ACL and the store for all of them (per message, that
-        was 3% of a fan-in's CPU)."""
+    def now(self, connection: Connection, action: Append, read_round: ReadRound | None) -> bool:
+        """Append in this step, or in the store call of ``read_round`` (the poller's round that read it, if any);
+        False leaves it, and any error, to :meth:`perform`. The round's first append asks the ACL and the store
+        for all of them (per message, that was 3% of a fan-in's CPU)."""
         if self._order.fenced:  # an activation read before it is not applied yet: ``perform`` waits for it
             return False
-        if self._round:
-            self._round.append((connection, action))
+        if read_round is not None and read_round.appends:
+            read_round.appends.append((connection, action))
             return True
         if self._guard.acl_file is not None or time.monotonic() < self._blocked_until:
             return False
-        if in_round:
-            self._round.append((connection, action))
+        if read_round is not None:
+            read_round.appends.append((connection, action))
             return True
         return self._append_now([(connection, action)])
 
-    def round_end(self) -> None:
-        """The end of a read round (the poller's ``round_done``): its appends in one store call, or, if the store
+    def round_end(self, read_round: ReadRound) -> None:
+        """The poller ended ``read_round`` (its ``round_done``): its appends in one store call, or, if the store
         would block, each connection's back to the head of its queue of node actions (``perform`` answers them)."""
-        if not self._round:
+        appends = read_round.appends
+        if not appends:
             return
-        appends, self._round = self._round, []
         if not self._append_now(appends):
             grouped: dict[Connection, list[Append]] = {}
             for connection, append in appends:

@@ -1,22 +1,24 @@
 """The MQTT listener: one trio task group per TCP connection, driving a sans-IO ``Channel``.
 
-This is EMQX's ``emqx_connection``: it owns the socket, the decoder, the
-encoder and the timers, and executes the actions the channel returns
-(``gateway/mqtt/actions.py``). Actions that touch the socket or a timer are done
-here; the ones that need the store or other connections (sessions, appends,
-subscriptions, pulls) go, in order, to the node through the ``Backend``
-interface (``gateway/node/node.py`` implements it).
+This is EMQX's ``emqx_connection``: it owns the transport (its byte stream,
+gateway/node/transports.py), the decoder, the encoder and the timers, and
+executes the actions the channel returns (``gateway/mqtt/actions.py``).
+Actions that touch the socket or a timer are done here; the ones that need
+the store or other connections (sessions, appends, subscriptions, pulls) go,
+in order, to the node through the ``Backend`` interface
+(``gateway/node/node.py`` implements it).
 
 Per connection one task always runs, and two more while they have work:
 
-- the reader (the connection's own task): ``MqttDecoder.feed`` ->
-  ``channel.handle_in`` per packet of every read; it stops reading while the
-  node has too much work queued for the connection (backpressure). A plain
-  TCP socket is read in the step of the node's one ``Poller`` task
-  (gateway/node/poller.py), so the reader task only waits; TLS and WebSocket
-  streams are read by it with ``receive_some``;
-- the writer, while bytes wait: joins everything the channel wants sent into
-  one ``send_all`` and reports written deliveries (``SocketWritten``);
+- the reader (the connection's own task): its transport hands every read to
+  :meth:`Connection.received`: ``MqttDecoder.feed`` -> ``channel.handle_in``
+  per packet; it stops reading while the node has too much work queued for the
+  connection (backpressure). A plain TCP socket is read in the step of the
+  node's one ``Poller`` task (gateway/node/poller.py), so the reader task only
+  waits; TLS and WebSocket streams are read by it;
+- the writer, while bytes wait that the transport did not take in place: joins
+  everything the channel wants sent into one ``send_all`` and reports written
+  deliveries (``SocketWritten``);
 - the worker, while node actions wait: hands them to the backend, one batch
   at a time, so the node sees them in the order the channel asked for them.
   Across connections the node keeps the read order of activations and
@@ -39,8 +41,6 @@ client read the last packet before the socket goes.
 from __future__ import annotations
 
 import logging
-import os
-import select
 import time
 from collections.abc import Awaitable, Callable
 from collections.abc import Sequence
@@ -58,19 +58,17 @@ from gateway.node import clientlog
 from gateway.node.admission import Admission
 from gateway.mqtt.channel import KEEPALIVE_TIMER, Channel, ChannelConfig
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
-from gateway.node.listeners import BoundListener, ListenerSpec, Peer, WebSocketStream, serve_listeners
+from gateway.node.listeners import BoundListener, ListenerSpec, Peer, serve_listeners
 from gateway.mqtt.packets import Publish
 from gateway.node.poller import Poller
 from gateway.mqtt.reasons import RemoteProtocolError
 from gateway.node.timers import Timer, Timers
+from gateway.node.transports import RECEIVE_BYTES, Transport, transport_for
 from store.log.aio import LatencyBuckets
 
 __all__ = ["Backend", "Connection", "Traffic", "serve_mqtt"]
 
 LOGGER = logging.getLogger(__name__)
-
-RECEIVE_BYTES = 64 * 1024
-"""One ``receive_some`` reads up to this much: a burst of small PUBLISHes is decoded in one wake-up."""
 
 MAX_QUEUED_ACTIONS = 1024
 """Stop reading from a client while this many node actions of its connection wait (QoS 0 floods)."""
@@ -136,7 +134,7 @@ class Backend(Protocol):
     connect_timeout_s: float
     traffic: Traffic
     timers: Timers  # the node's one timer task: keepalive, commit and CONNECT deadlines of every connection
-    reads: Poller  # the node's one read task for plain TCP sockets
+    reads: Poller  # the node's one read task for plain TCP sockets (their transports, gateway/node/transports.py)
     nursery: trio.Nursery  # where connections run their writer and worker tasks
 
     def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
@@ -168,7 +166,7 @@ class Backend(Protocol):
 
 @final
 class Connection:
-    """One client connection: socket, decoder, channel, timers, and its queue of node actions.
+    """One client connection: transport, decoder, channel, timers, and its queue of node actions.
 
     Tasks are spent only while there is work: the connection's own task reads;
     a writer task lives while bytes wait for the socket and a worker task while
@@ -177,18 +175,18 @@ class Connection:
     a cancel scope of the connection's, so an idle device costs one task (its
     reader) and no nursery.
 
-    Resource handling: :meth:`run` owns ``stream`` and closes it before returning.
+    Resource handling: :meth:`run` owns ``transport`` and closes it before returning.
     """
 
     __slots__ = (
-        "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_stream", "_backend", "_traffic",
-        "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing", "_read_scope",
-        "_broken", "_timers", "_deadline", "_running", "_scopes", "_fd", "_holding", "_reader", "_read_ended",
-        "_read_failure", "_lift", "_mark", "_backlog", "__weakref__",
+        "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_transport", "_backend",
+        "_traffic", "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing",
+        "_read_scope", "_broken", "_timers", "_deadline", "_running", "_scopes", "_holding", "_lift", "_mark",
+        "_backlog", "__weakref__",
     )
 
     def __init__(
-        self, stream: trio.abc.Stream, backend: Backend, peer: str, host: str, cert_identity: str | None = None
+        self, transport: Transport, backend: Backend, peer: str, host: str, cert_identity: str | None = None
     ) -> None:
         """``peer`` is the client's address and port (for logs), ``host`` its address alone (per-source limits),
         ``cert_identity`` the verified client-certificate CN (mTLS), if any."""
@@ -200,7 +198,7 @@ class Connection:
         self.username: str | None = None  # the authenticated user name (None: anonymous), set when the node accepts
         self._finished: trio.Event | None = None  # made by the first waiter: most connections never have one
         self._done = False
-        self._stream = stream
+        self._transport = transport
         self._backend = backend
         self._traffic = backend.traffic
         self._decoder = MqttDecoder(role=Role.SERVER, max_packet_size=config.max_packet_size,
@@ -218,20 +216,19 @@ class Connection:
         self._deadline: Timer | None = None  # until CONNECT is read
         self._running = False  # run() serves the connection: tasks and timers may start
         self._scopes: dict[str, trio.CancelScope] = {}  # the writer's and the worker's, while they run
-        # A plain TCP socket's descriptor, written directly by _flush while no writer task runs (-1: TLS, WebSocket).
-        self._fd = stream.socket.fileno() if type(stream) is trio.SocketStream else -1
         self._holding = False  # the reader is processing a read: _flush waits for its end
-        self._reader: trio.lowlevel.Task | None = None  # the reader task, while it waits for the poller
-        self._read_ended = False  # a polled read ended the connection (or failed)
-        self._read_failure: Exception | None = None  # what a polled read raised, for the reader task to raise
-        # A WebSocket's widening of its message bound, called once the client is accepted (CONNACK sent).
-        self._lift: Callable[[], None] | None = getattr(stream, "lift_message_limit", None)
+        self._lift = transport.accepted  # called once the client is accepted (CONNACK sent), then dropped
         self._mark = -1  # the last read-order mark queued (AfterReads)
         self._backlog = False  # a pause stopped decoding: packets read before it may wait in the decoder
 
     @property
     def client_id(self) -> str:
         return self.channel.client_id
+
+    @property
+    def closing(self) -> bool:
+        """The connection is closing: its transport reads nothing more."""
+        return self._closing
 
     async def wait_finished(self) -> None:
         """Return once the connection is gone (node told; the socket at most lingers): what a takeover waits for."""
@@ -337,7 +334,8 @@ class Connection:
         self._work.append(action)
 
     def _flush(self) -> None:
-        """Write the queued bytes now while a plain TCP socket takes them whole; else start the writer task.
+        """Write the queued bytes now while the transport takes them whole (a plain TCP socket); else start the
+        writer task.
 
         A socket with room in its buffer (nearly always) takes a write at
         once: doing it here saves a task and two switches per write, which is
@@ -353,13 +351,13 @@ class Connection:
             return
         self._writing = True
         try:
-            for _ in range(SYNC_WRITES if self._fd >= 0 and not self._broken else 0):
+            for _ in range(0 if self._broken else SYNC_WRITES):
                 if not self._out:
                     break
                 data = b"".join(self._out)
                 try:
-                    sent = os.write(self._fd, data)
-                except BlockingIOError:
+                    sent = self._transport.send_nowait(data)
+                except trio.WouldBlock:  # a full socket buffer, or a stream: the writer task sends it
                     break
                 except OSError as exc:
                     self._broken = True
@@ -410,7 +408,7 @@ class Connection:
         if self._closing:
             return
         try:
-            waiting = name == KEEPALIVE_TIMER and (self._backlog or self._bytes_waiting())
+            waiting = name == KEEPALIVE_TIMER and (self._backlog or self._transport.bytes_waiting())
             self.execute(self.channel.handle_timeout(name, waiting))
         except Exception as exc:
             LOGGER.error("connection failed: %r", exc, exc_info=exc,
@@ -419,7 +417,7 @@ class Connection:
             self.close()
 
     def _connect_deadline(self) -> None:
-        if self.channel.state is State.AWAIT_CONNECT and self._bytes_waiting():
+        if self.channel.state is State.AWAIT_CONNECT and self._transport.bytes_waiting():
             # The client did send; the node has not read it yet (a busy event loop): not the client's fault.
             self._arm_connect_deadline()
             return
@@ -430,18 +428,6 @@ class Connection:
 
     def _arm_connect_deadline(self) -> None:
         self._deadline = self._backend.timers.call_later(self._backend.connect_timeout_s, self._connect_deadline)
-
-    def _bytes_waiting(self) -> bool:
-        """Whether the kernel holds bytes from the client that the reader has not taken (plain TCP only)."""
-        socket = getattr(self._stream, "socket", None)
-        if socket is None:
-            return False
-        poll = select.poll()  # not select.select: descriptors above 1,023 are normal with 10,000 devices
-        try:
-            poll.register(socket.fileno(), select.POLLIN)
-            return bool(poll.poll(0))
-        except (OSError, ValueError):  # closed meanwhile
-            return False
 
     # --- tasks --------------------------------------------------------------------------
 
@@ -482,32 +468,16 @@ class Connection:
                 await self._linger()  # cancelled (the node stops): no lingering
             finally:
                 with trio.CancelScope(shield=True):
-                    await self._stream.aclose()
+                    await self._transport.aclose()
 
     async def _linger(self) -> None:
         """Half-close, then read and discard input until the client closes too, ``LINGER_S`` pass or
-        ``LINGER_BYTES`` arrive, so the socket is not closed with unread input (a reset). A WebSocket's close
-        handshake does the same (gateway/node/listeners.py).
-
-        TLS is half-closed below it, on the TCP connection (trio sends no close_notify alone): the client sees
-        the end at once, as plain TCP clients do, rather than after ``LINGER_S``.
-        """
-        stream = self._stream
-        if self._broken or isinstance(stream, WebSocketStream):
+        ``LINGER_BYTES`` arrive, so the socket is not closed with unread input (a reset): ``Transport.linger``
+        (a WebSocket's close handshake does it by itself, TLS on its TCP connection)."""
+        if self._broken:
             return
-        transport = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
         with trio.move_on_after(LINGER_S):
-            try:
-                if isinstance(transport, trio.abc.HalfCloseableStream):
-                    await transport.send_eof()
-                read = 0
-                while read < LINGER_BYTES:
-                    data = await transport.receive_some(RECEIVE_BYTES)
-                    if not data:
-                        return
-                    read += len(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                return
+            await self._transport.linger(LINGER_BYTES)
 
     def _release_buffers(self) -> None:
         """Drop what the ended connection still buffers (a partial packet, unsent bytes, queued work), so its memory
@@ -515,7 +485,6 @@ class Connection:
         self._decoder.discard()
         self._out.clear()
         self._work.clear()
-        self._read_failure = None
 
     async def _task(self, name: str, body: Callable[[], Awaitable[None]]) -> None:
         """Run the writer or the worker in the node's nursery; a failure ends this connection only."""
@@ -544,87 +513,38 @@ class Connection:
         idle = not self._work and not self._working
         return idle and (state is State.CLOSED or state is State.AWAIT_CONNECT)
 
-    def _paused(self) -> bool:
+    def paused(self) -> bool:
         """Reading waits: the node has too much work queued for the connection, a 3.1.1 in-flight window is full,
         or the CONNECT is read and not answered yet (a client not yet accepted buffers at most one read more)."""
         return len(self._work) >= MAX_QUEUED_ACTIONS or self.channel.input_paused \
             or self.channel.state is State.CONNECTING
 
     async def _read(self) -> None:
-        """The reader: receive, decode, hand each packet to the channel; return when the connection ends.
+        """The reader: the transport hands each read to :meth:`received`; return when the connection ends.
 
-        A plain TCP socket is read by the node's ``Poller`` (gateway/node/poller.py),
-        which calls :meth:`_on_readable` in its own step; this task only waits,
-        and takes the socket out of the set while reading is paused. TLS and
-        WebSocket streams are read here.
+        A plain TCP socket is read by the node's ``Poller`` (gateway/node/poller.py) in its own step while this
+        task waits in ``Transport.read``, and is out of the poller's set while reading is paused; TLS and WebSocket
+        streams are read by this task (gateway/node/transports.py).
 
         Raises:
             Exception: what processing a read raised (a bug: it ends this connection only).
         """
-        poller: Poller | None = self._backend.reads if self._fd >= 0 else None
+        transport = self._transport
         while True:
-            if self._paused():
-                await self._until(lambda: not self._paused())
+            if self.paused():
+                await self._until(lambda: not self.paused())
             if self._backlog:  # the packets read before the pause first: the client may send nothing more
                 if not self._decode():
                     return
                 continue
-            if poller is None:
-                try:
-                    data = await self._stream.receive_some(RECEIVE_BYTES)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    self.feed(ConnectionLost(f"receive failed: {exc!r}"))
-                    return
-                if not self._ingest(data):
-                    return
-                continue
-            self._reader = trio.lowlevel.current_task()
-            poller.register(self._fd, self._on_readable, RECEIVE_BYTES)
-            try:
-                await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
-            finally:
-                poller.unregister(self._fd)
-            failure, self._read_failure = self._read_failure, None
-            if failure is not None:
-                raise failure
-            if self._read_ended:
+            if not await transport.read(self):
                 return
 
-    def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
-        self._reader = None
-        return trio.lowlevel.Abort.SUCCEEDED
+    def receive_failed(self, exc: Exception) -> None:
+        """A read failed: the connection is lost."""
+        self.feed(ConnectionLost(f"receive failed: {exc!r}"))
 
-    def _on_readable(self) -> int:
-        """The poller saw bytes (or the end) on the socket: read once and process it, in the poller's step;
-        returns the bytes read.
-
-        Wakes the reader task when reading must stop: the connection ended or is paused.
-        """
-        if self._closing or self._read_ended:
-            self._backend.reads.unregister(self._fd)  # the reader task is about to leave: read nothing more
-            return 0
-        data = b""
-        try:
-            data = os.read(self._fd, RECEIVE_BYTES)
-        except BlockingIOError:
-            return 0
-        except OSError as exc:
-            self.feed(ConnectionLost(f"receive failed: {exc!r}"))
-            self._read_ended = True
-        else:
-            try:
-                self._read_ended = not self._ingest(data)
-            except Exception as exc:  # raised again in the reader task: "connection failed", this connection only
-                self._read_failure = exc
-                self._read_ended = True
-        reader = self._reader
-        if reader is not None and (self._read_ended or self._paused()):
-            self._reader = None
-            self._backend.reads.unregister(self._fd)
-            trio.lowlevel.reschedule(reader)
-        return len(data)
-
-    def _ingest(self, data: bytes) -> bool:
+    def received(self, data: bytes) -> bool:
         """Decode ``data`` and hand each packet to the channel; False once reading must end (the client closed
         the connection, sent a malformed packet, or the channel closed it)."""
         if not data:
@@ -635,8 +555,8 @@ class Connection:
         return self._decode()
 
     def _decode(self) -> bool:
-        """Hand the decoded packets to the channel until more bytes are needed or reading pauses (``_paused``:
-        a 3.1.1 client's in-flight window is full, or too much node work waits); False as :meth:`_ingest`.
+        """Hand the decoded packets to the channel until more bytes are needed or reading pauses (:meth:`paused`:
+        a 3.1.1 client's in-flight window is full, or too much node work waits); False as :meth:`received`.
 
         A pause stops decoding too, not only reading: a 3.1.1 client may pipeline any number of QoS 1
         PUBLISHes in one read, and back-pressure must not turn into a disconnect. The rest waits in the
@@ -649,7 +569,7 @@ class Connection:
         self._holding = True  # the answers to everything read go out in one write, after the loop
         try:
             while True:
-                paused = self._paused()
+                paused = self.paused()
                 try:
                     packet = NEED_DATA if paused else decoder.next_packet()
                 except RemoteProtocolError as err:
@@ -680,7 +600,7 @@ class Connection:
                 if self._broken:
                     continue
                 try:
-                    await self._stream.send_all(data)
+                    await self._transport.send_all(data)
                     self._traffic.bytes_out += len(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     self._broken = True
@@ -736,7 +656,8 @@ async def serve_mqtt(
 
     def handler(stream: trio.abc.Stream, peer: Peer) -> Awaitable[None]:
         # Returns the connection's coroutine rather than awaiting it: one frame less per idle device.
-        return Connection(stream, backend, peer.address, peer.host, peer.identity).run()
+        transport = transport_for(stream, backend.reads)
+        return Connection(transport, backend, peer.address, peer.host, peer.identity).run()
 
     config = backend.channel_config
     await serve_listeners(handler, specs, admission=admission, handshake_timeout_s=backend.connect_timeout_s,

@@ -5,8 +5,10 @@ switch, an epoll re-arm (``epoll_ctl``) and the waiting machinery per read.
 At a device's pace every PUBLISH is a read of its own, and this was a tenth of
 the node's CPU at 5,000 msg/s. Here each socket is registered once in an epoll
 set of our own; trio waits on that set's descriptor, and one task step reads
-every socket that has bytes, one read each, then calls the round's end hook
-(the node's batched appends, gateway/node/node.py).
+every socket that has bytes, one read each: a ``ReadRound``. Reads may leave
+work for the round's end (the node's appends, gathered for one CommitLog
+write: gateway/node/appends.py); the poller ends each round by handing it to
+its ``round_done`` hook before any other task runs.
 
 Read order: sockets are read in the order their bytes arrived, because the
 node applies packets in the order it reads them (gateway/node/order.py). The
@@ -35,11 +37,15 @@ from __future__ import annotations
 import logging
 import select
 from collections.abc import Callable
-from typing import final
+from typing import TYPE_CHECKING, final
 
 import trio
 
-__all__ = ["Poller"]
+if TYPE_CHECKING:
+    from gateway.mqtt.actions import Append
+    from gateway.node.connection import Connection
+
+__all__ = ["Poller", "ReadRound"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -62,6 +68,25 @@ HANG_UP = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
 a read returns nothing (the end), even after reads shorter than ``read_size``."""
 
 
+Events = list[tuple[int, int]]
+"""Sockets as epoll reports them: (descriptor, events)."""
+
+
+@final
+class ReadRound:
+    """One round of the poller: the sockets it reads, one read each, and the appends their reads gathered.
+
+    The appends are written to the store in one call when the poller ends the round (gateway/node/appends.py):
+    a round is made by the poller's task in one step, so nothing else runs between a read and that write.
+    """
+
+    __slots__ = ("sockets", "appends")
+
+    def __init__(self, sockets: Events) -> None:
+        self.sockets = sockets  # to read in this order: those carried from the round before, then the new ones
+        self.appends: list[tuple[Connection, Append]] = []  # for one CommitLog write when the round ends
+
+
 @final
 class Poller:
     """Calls a socket's callback from one task (:meth:`run`) whenever the socket is readable.
@@ -69,14 +94,14 @@ class Poller:
     A callback returns the number of bytes it read (the round's budget counts them).
     """
 
-    __slots__ = ("_epoll", "_callbacks", "_round_done", "in_round")
+    __slots__ = ("_epoll", "_callbacks", "_round_done", "round")
 
-    def __init__(self, round_done: Callable[[], None] = lambda: None) -> None:
-        """``round_done`` runs after the callbacks of each round (the readable sockets of one ``epoll_wait``)."""
+    def __init__(self, round_done: Callable[[ReadRound], None] = lambda _: None) -> None:
+        """``round_done`` ends each round, after its callbacks (the readable sockets of one ``epoll_wait``)."""
         self._epoll = select.epoll()
         self._callbacks: dict[int, tuple[Callable[[], int], int]] = {}
         self._round_done = round_done
-        self.in_round = False  # the poller task is calling callbacks: ``round_done`` runs before anything else
+        self.round: ReadRound | None = None  # the round whose callbacks run now: it ends before anything else runs
 
     def __len__(self) -> int:
         """Sockets in the set."""
@@ -106,40 +131,17 @@ class Poller:
         read in the next round before the sockets the kernel reports since.
         """
         epoll = self._epoll
-        callbacks = self._callbacks
-        carried: list[tuple[int, int]] = []  # (socket, events) with bytes to read, oldest first
+        carried: Events = []  # (socket, events) with bytes to read, oldest first
         try:
             while True:
                 await trio.lowlevel.wait_readable(epoll.fileno())
                 while True:
                     reported = epoll.poll(0, MAX_EVENTS)
-                    queue = _merged(carried, reported) if carried else reported
-                    carried = []
-                    more: list[tuple[int, int]] = []
-                    self.in_round = True
-                    budget = ROUND_BYTES
-                    for index, (fd, events) in enumerate(queue):
-                        entry = callbacks.get(fd)
-                        if entry is None:
-                            continue
-                        callback, read_size = entry
-                        try:
-                            count = callback()
-                        except Exception as exc:
-                            count = 0
-                            LOGGER.error("socket callback failed; the socket is no longer read: %r", exc,
-                                         exc_info=exc, extra={"ctx": {"fd": fd}})
-                            self.unregister(fd)
-                        if count >= read_size or (count and events & HANG_UP):
-                            more.append((fd, events))
-                        budget -= count
-                        if budget <= 0 or count >= FLOOD_READ_BYTES:
-                            carried = queue[index + 1:]
-                            break
-                    carried += more
-                    self.in_round = False
+                    current = self.round = ReadRound(_merged(carried, reported) if carried else reported)
+                    carried = self._read(current)
+                    self.round = None
                     try:
-                        self._round_done()
+                        self._round_done(current)
                     except Exception as exc:
                         LOGGER.error("end of a read round failed: %r", exc, exc_info=exc)
                     if not carried and len(reported) < MAX_EVENTS:
@@ -148,8 +150,37 @@ class Poller:
         finally:
             epoll.close()
 
+    def _read(self, current: ReadRound) -> Events:
+        """Call the callbacks of the round's sockets in order, within its budget; returns the sockets to read in
+        the next round: those it did not reach, then those it left bytes in."""
+        callbacks = self._callbacks
+        queue = current.sockets
+        carried: Events = []
+        more: Events = []
+        budget = ROUND_BYTES
+        for index, (fd, events) in enumerate(queue):
+            entry = callbacks.get(fd)
+            if entry is None:
+                continue
+            callback, read_size = entry
+            try:
+                count = callback()
+            except Exception as exc:
+                count = 0
+                LOGGER.error("socket callback failed; the socket is no longer read: %r", exc,
+                             exc_info=exc, extra={"ctx": {"fd": fd}})
+                self.unregister(fd)
+            if count >= read_size or (count and events & HANG_UP):
+                more.append((fd, events))
+            budget -= count
+            if budget <= 0 or count >= FLOOD_READ_BYTES:
+                carried = queue[index + 1:]
+                break
+        carried += more
+        return carried
 
-def _merged(carried: list[tuple[int, int]], reported: list[tuple[int, int]]) -> list[tuple[int, int]]:
+
+def _merged(carried: Events, reported: Events) -> Events:
     """The carried sockets, then those reported anew; a socket in both keeps its place, with both events."""
     place = {fd: index for index, (fd, _) in enumerate(carried)}
     for fd, events in reported:

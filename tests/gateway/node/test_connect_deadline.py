@@ -10,12 +10,15 @@ from gateway.mqtt.actions import SessionOpened
 from gateway.mqtt.channel import KEEPALIVE_TIMER, ChannelConfig
 from gateway.mqtt.packets import Connect
 from gateway.node.connection import Connection, Traffic
+from gateway.node.poller import Poller
 from gateway.node.timers import Timers
+from gateway.node.transports import PolledSocket
 
 
 def connection(sock: trio.socket.SocketType) -> Connection:
     backend = SimpleNamespace(channel_config=ChannelConfig(), connect_timeout_s=10.0, traffic=Traffic(), timers=Timers())
-    return Connection(trio.SocketStream(sock), backend, "127.0.0.1:1", "127.0.0.1")  # type: ignore[arg-type]
+    return Connection(PolledSocket(trio.SocketStream(sock), Poller()), backend, "127.0.0.1:1",  # type: ignore[arg-type]
+                      "127.0.0.1")
 
 
 async def test_bytes_waiting_in_the_kernel_extend_the_deadline_and_silence_closes():

@@ -48,13 +48,13 @@ async def serve_until(poller: Poller, condition, what: str) -> None:
 
 async def test_readable_sockets_are_served_in_one_round_then_the_round_ends():
     seen: list[object] = []
-    poller = Poller(lambda: seen.append(("end", poller.in_round)))
+    poller = Poller(lambda _: seen.append(("end", poller.round is not None)))
     sockets = pairs(3)
     try:
         def reader(index: int, sock: socket.socket):
             def callback() -> int:
                 data = sock.recv(100)
-                seen.append((index, data, poller.in_round))
+                seen.append((index, data, poller.round is not None))
                 return len(data)
             return callback
 
@@ -130,7 +130,7 @@ async def test_sockets_are_read_in_the_order_their_bytes_arrived_even_one_read_i
     A level-triggered set lists B first (it re-queues B when it reports it), so a PUBLISH read on B was applied
     before a SUBSCRIBE that had arrived earlier on A (gateway/node/order.py)."""
     read: list[str] = []
-    poller = Poller(lambda: read.append("end"))
+    poller = Poller(lambda _: read.append("end"))
     (a, a_peer), (b, b_peer) = pairs(2)
     with a, a_peer, b, b_peer:
         def read_a() -> int:
@@ -201,7 +201,7 @@ async def test_more_readable_sockets_than_a_round_takes_are_all_served_over_seve
     assert small * MAX_EVENTS < ROUND_BYTES and small < FLOOD_READ_BYTES  # only MAX_EVENTS ends the round
     read: set[int] = set()
     rounds: list[int] = []
-    poller = Poller(lambda: rounds.append(len(read)))
+    poller = Poller(lambda _: rounds.append(len(read)))
     sockets = pairs(count)
     try:
         register_reads(poller, sockets, small, read.add)
@@ -221,7 +221,7 @@ async def test_a_round_stops_at_its_byte_budget_and_the_next_rounds_serve_the_so
     chunk = FLOOD_READ_BYTES // 2  # not a flood read: only the byte budget ends a round
     order: list[int] = []
     rounds: list[int] = []
-    poller = Poller(lambda: rounds.append(len(order)))
+    poller = Poller(lambda _: rounds.append(len(order)))
     sockets = pairs(ROUND_BYTES // chunk * 2 + 1)  # more sockets than one round's budget reads
     try:
         register_reads(poller, sockets, chunk, order.append)
@@ -268,7 +268,7 @@ def test_a_311_flood_past_the_inflight_limit_pauses_reading_and_loses_nothing(tm
 async def test_a_flooding_sockets_read_ends_its_round():
     """A read of FLOOD_READ_BYTES or more is a round of its own: the other tasks (deliveries) get a turn."""
     rounds: list[list[int]] = [[]]
-    poller = Poller(lambda: rounds.append([]))
+    poller = Poller(lambda _: rounds.append([]))
     sockets = pairs(3)
     try:
         register_reads(poller, sockets, FLOOD_READ_BYTES, lambda index: rounds[-1].append(index))

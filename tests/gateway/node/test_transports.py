@@ -1,0 +1,119 @@
+"""A connection's transports (gateway/node/transports.py): a polled plain TCP socket and a read-and-written stream,
+over real sockets; the receiver stands in for the connection they serve."""
+
+import socket
+import struct
+
+import pytest
+import trio
+
+from gateway.node.poller import Poller
+from gateway.node.transports import RECEIVE_BYTES, PolledSocket, StreamTransport
+
+
+class Receiver:
+    """Records what a transport hands it; pauses after ``pause_after`` reads, fails on ``fail_on``."""
+
+    def __init__(self, poller: Poller | None = None, pause_after: int = 0, fail_on: bytes = b"") -> None:
+        self.closing = False
+        self.reads: list[tuple[bytes, bool]] = []  # (data, read in a poller round)
+        self.failures: list[Exception] = []
+        self._poller = poller
+        self.pause_after = pause_after
+        self._fail_on = fail_on
+
+    def paused(self) -> bool:
+        return bool(self.pause_after) and len(self.reads) >= self.pause_after
+
+    def received(self, data: bytes) -> bool:
+        if self._fail_on and data == self._fail_on:
+            raise RuntimeError("a bug in the connection")
+        self.reads.append((data, self._poller is not None and self._poller.round is not None))
+        return bool(data)
+
+    def receive_failed(self, exc: Exception) -> None:
+        self.failures.append(exc)
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """A connected loopback TCP pair: the server's end non-blocking, as trio's sockets are."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    server.setblocking(False)
+    return server, client
+
+
+async def test_a_polled_socket_is_read_in_the_pollers_rounds_until_its_receiver_pauses_then_until_the_end():
+    poller = Poller()
+    server, client = tcp_pair()
+    transport = PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(server)), poller)
+    receiver = Receiver(poller, pause_after=1)
+    with client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            client.send(b"first")
+            with trio.fail_after(5):
+                assert await transport.read(receiver) is True  # paused: call again once it resumes
+            assert receiver.reads == [(b"first", True)] and len(poller) == 0  # out of the set while paused
+            receiver.pause_after = 0
+            client.send(b"second")
+            client.shutdown(socket.SHUT_WR)
+            with trio.fail_after(5):
+                assert await transport.read(receiver) is False  # the end
+            assert receiver.reads[-1] == (b"", True) and b"".join(d for d, _ in receiver.reads) == b"firstsecond"
+            assert len(poller) == 0
+            nursery.cancel_scope.cancel()
+    await transport.aclose()
+
+
+async def test_what_a_polled_read_raises_is_raised_in_the_reading_task_and_the_poller_goes_on():
+    poller = Poller()
+    server, client = tcp_pair()
+    transport = PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(server)), poller)
+    with client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            client.send(b"boom")
+            with pytest.raises(RuntimeError, match="a bug in the connection"), trio.fail_after(5):
+                await transport.read(Receiver(poller, fail_on=b"boom"))
+            assert len(poller) == 0
+            nursery.cancel_scope.cancel()
+    await transport.aclose()
+
+
+async def test_a_polled_socket_writes_in_place_until_its_buffer_is_full_then_would_block():
+    server, client = tcp_pair()
+    transport = PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(server)), Poller())
+    with client:
+        chunk = b"x" * RECEIVE_BYTES
+        written = 0
+        with pytest.raises(trio.WouldBlock):
+            for _ in range(10_000):  # far more than any socket buffer holds
+                written += transport.send_nowait(chunk)
+        assert written > 0
+        assert transport.bytes_waiting() is False
+        client.send(b"unread")
+        with trio.fail_after(5):
+            while not transport.bytes_waiting():
+                await trio.sleep(0.001)
+    await transport.aclose()
+
+
+async def test_a_stream_is_read_once_per_call_never_written_in_place_and_a_reset_is_a_lost_connection():
+    server, client = tcp_pair()
+    transport = StreamTransport(trio.SocketStream(trio.socket.from_stdlib_socket(server)), None)
+    receiver = Receiver()
+    with client:
+        client.send(b"one read")
+        with trio.fail_after(5):
+            assert await transport.read(receiver) is True
+        assert receiver.reads == [(b"one read", False)]
+        with pytest.raises(trio.WouldBlock):
+            transport.send_nowait(b"x")
+        assert transport.bytes_waiting() is False  # not knowable under TLS or WebSocket framing
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with trio.fail_after(5):  # closed with SO_LINGER 0: a reset
+        assert await transport.read(receiver) is False
+    assert len(receiver.failures) == 1 and isinstance(receiver.failures[0], OSError | trio.BrokenResourceError)
+    await transport.aclose()
