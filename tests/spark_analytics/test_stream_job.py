@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,27 @@ def run_batch(data: Path, out: Path) -> None:
     assert cli.run(analytics_args("batch", "--data", str(data), "--out", str(out), "--no-chart", *FLAGS)) == 0
 
 
+@dataclass(frozen=True)
+class FleetLog:
+    """A CommitLog of :func:`fleet` records that no test changes, and the tables a batch run writes over it."""
+
+    data: Path
+    msgs: list[Msg]
+    offsets: list[int]
+    batch: Path
+
+
+@pytest.fixture(scope="module")
+def fleet_log(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> FleetLog:
+    """``fleet(200)`` (two event dates) and its batch run, once for the module: every stream test of it compares
+    with the same batch tables, and none writes to the log."""
+    root = tmp_path_factory.mktemp("fleet")
+    msgs = fleet(200)
+    offsets = write_log(root / "data", msgs)
+    run_batch(root / "data", root / "batch")
+    return FleetLog(root / "data", msgs, offsets, root / "batch")
+
+
 def stream_to_the_end(spark: Any, out: Path, checkpoint: Path, **options: str) -> list[Any]:
     """``start_stream`` with trigger(availableNow): every record there is, then stop; the query's progress."""
     query = start_stream(spark, data=options.pop("path", None), out=out, checkpoint=checkpoint, mapping=MAPPING,
@@ -81,19 +103,17 @@ def assert_same_tables(got: Path, want: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_rate_limited_stream_writes_what_a_batch_run_writes(spark: Any, tmp_path: Path) -> None:
-    msgs = fleet(300)
-    write_log(tmp_path / "data", msgs)
-    run_batch(tmp_path / "data", tmp_path / "batch")
-    progress = stream_to_the_end(spark, tmp_path / "stream", tmp_path / "checkpoint", path=str(tmp_path / "data"),
-                                 maxRecordsPerTrigger="800")
+def test_a_rate_limited_stream_writes_what_a_batch_run_writes(spark: Any, fleet_log: FleetLog, tmp_path: Path) -> None:
+    msgs = fleet_log.msgs
+    progress = stream_to_the_end(spark, tmp_path / "stream", tmp_path / "checkpoint", path=str(fleet_log.data),
+                                 maxRecordsPerTrigger="500")
     batches = [p["numInputRows"] for p in progress if p["numInputRows"]]
-    assert sum(batches) == len(msgs) and max(batches) <= 800 and len(batches) == 3  # each record read once
+    assert sum(batches) == len(msgs) and max(batches) <= 500 and len(batches) == 3  # each record read once
     assert cli._lag_bytes(progress[0]) > 0 and cli._lag_bytes(progress[-1]) == 0  # the lag, from the progress
     # 1 h windows, days, gaps and duplicates span micro-batches; the open windows at the end are there too
-    assert_same_tables(tmp_path / "stream", tmp_path / "batch")
-    assert len(table_rows(tmp_path / "batch" / "silence_gaps")) > 40
-    assert {r[0] for r in table_rows(tmp_path / "batch" / "device_day")} == {"2023-11-14", "2023-11-15"}
+    assert_same_tables(tmp_path / "stream", fleet_log.batch)
+    assert len(table_rows(fleet_log.batch / "silence_gaps")) > 40
+    assert {r[0] for r in table_rows(fleet_log.batch / "device_day")} == {"2023-11-14", "2023-11-15"}
     state = read_state(tmp_path / "checkpoint")
     assert (state.rows, state.late) == (len(msgs), 0)
     assert len(list((tmp_path / "checkpoint" / "rows").iterdir())) < len(batches)  # closed windows' rows dropped
@@ -133,11 +153,11 @@ def test_each_micro_batch_reads_the_log_once(spark: Any, tmp_path: Path, monkeyp
 
 
 @pytest.mark.slow
-def test_a_micro_batch_run_again_or_empty_changes_nothing(spark: Any, tmp_path: Path) -> None:
+def test_a_micro_batch_run_again_or_empty_changes_nothing(spark: Any, fleet_log: FleetLog, tmp_path: Path) -> None:
     """Spark re-runs a micro-batch whose commit a kill lost: the sink sees the batch id again. A micro-batch
     whose records the topic filter all left out changes nothing either, and aggregates nothing."""
-    offsets = write_log(tmp_path / "data", fleet(200))
-    rows = read_telemetry(spark, tmp_path / "data", MAPPING)
+    offsets = fleet_log.offsets
+    rows = read_telemetry(spark, fleet_log.data, MAPPING)
     sink = MicroBatchSink(tmp_path / "out", tmp_path / "checkpoint", MAPPING, CONFIG, dedup=True)
     tables = lambda: {name: table_rows(tmp_path / "out" / name) for name in TABLES}  # noqa: E731
     sink(rows.where(F.col("offset") < offsets[700]), 0)
@@ -150,8 +170,7 @@ def test_a_micro_batch_run_again_or_empty_changes_nothing(spark: Any, tmp_path: 
     assert tables() == before
     assert not (tmp_path / "checkpoint" / "state" / f"{2:010d}" / "pending").exists()
     sink(rows.where(F.col("offset") >= offsets[1000]), 3)  # the state went on through the empty micro-batch
-    run_batch(tmp_path / "data", tmp_path / "batch")
-    assert_same_tables(tmp_path / "out", tmp_path / "batch")
+    assert_same_tables(tmp_path / "out", fleet_log.batch)
     with pytest.raises(RuntimeError, match="past the query's 0"):  # a checkpoint changed by hand
         sink(rows, 0)
 
@@ -189,11 +208,11 @@ def test_the_former_stream_layout_and_delta_are_refused(spark: Any, tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_a_stream_killed_mid_way_and_restarted_writes_what_a_batch_run_writes(spark: Any, tmp_path: Path) -> None:
-    msgs = fleet(200)
-    write_log(tmp_path / "data", msgs)
-    flags = ["stream", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "stream"), "--checkpoint",
-             str(tmp_path / "checkpoint"), "--max-records-per-trigger", "500", *FLAGS]
+def test_a_stream_killed_mid_way_and_restarted_writes_what_a_batch_run_writes(spark: Any, fleet_log: FleetLog,
+                                                                              tmp_path: Path) -> None:
+    msgs = fleet_log.msgs
+    flags = ["stream", "--data", str(fleet_log.data), "--out", str(tmp_path / "stream"), "--checkpoint",
+             str(tmp_path / "checkpoint"), "--max-records-per-trigger", "800", *FLAGS]
     commits = tmp_path / "checkpoint" / "query" / "commits"
     with subprocess.Popen([sys.executable, "-m", "gateway.app.cli", "analytics", *flags], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
@@ -206,9 +225,8 @@ def test_a_stream_killed_mid_way_and_restarted_writes_what_a_batch_run_writes(sp
                 except subprocess.TimeoutExpired:
                     pass
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)  # the driver and its JVM, in the middle of micro-batch 1
+            os.killpg(proc.pid, signal.SIGKILL)  # the driver and its JVM, in the middle of micro-batch 1 (the last)
     assert read_state(tmp_path / "checkpoint").rows < len(msgs)
     assert cli.run(analytics_args(*flags)) == 0  # the restart: availableNow to the end
-    run_batch(tmp_path / "data", tmp_path / "batch")
-    assert_same_tables(tmp_path / "stream", tmp_path / "batch")
+    assert_same_tables(tmp_path / "stream", fleet_log.batch)
     assert read_state(tmp_path / "checkpoint").rows == len(msgs)
