@@ -319,6 +319,9 @@ def test_both_ways_at_once_delivers_each_message_exactly_once(node, mosquitto):
         remote_pub.publish(f"site/{run}/sync/b", b"in-last", qos=1)
         assert sorted(m.payload for m in local_sub.receive(2)) == [b"in-last", b"out-last"]
         assert sorted(m.payload for m in remote_sub.receive(2)) == [b"in-last", b"out-last"]
+        # counted on the receiving broker's PUBACK, which may come after its subscriber got the message
+        wait_until(lambda: (bridge.statistics().bridged_out, bridge.statistics().bridged_in) == (n_out + 2, n_in + 2),
+                   what="every message counted once each way")
         stats = bridge.statistics()
         assert (stats.bridged_out, stats.bridged_in, stats.dropped) == (n_out + 2, n_in + 2, 0)
 

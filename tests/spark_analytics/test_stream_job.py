@@ -27,7 +27,7 @@ from tests.helpers.spark_fixtures import (
     write_log,
 )
 
-import store.rpc.server
+from store.node import StoreNode
 from spark_analytics import cli
 from spark_analytics.aggregate import AggregationConfig
 from spark_analytics.jobs import read_telemetry, start_stream
@@ -131,15 +131,15 @@ def test_the_status_line_leaves_the_lag_out_when_the_progress_has_none() -> None
 
 def test_each_micro_batch_reads_the_log_once(spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     served: list[tuple[int, int]] = []
-    read_log_span = store.rpc.server.read_log_span
+    read_log = StoreNode.read_log
 
-    def counted(node: Any, offset: int, max_bytes: int) -> Any:
-        span = read_log_span(node, offset, max_bytes)
+    def counted(node: StoreNode, offset: int, max_bytes: int) -> Any:
+        span = read_log(node, offset, max_bytes)
         if max_bytes > 0:
             served.append((span.start, span.start + len(span.data)))
         return span
 
-    monkeypatch.setattr(store.rpc.server, "read_log_span", counted)
+    monkeypatch.setattr(StoreNode, "read_log", counted)
     part = fleet(150)
     offsets = write_log(tmp_path / "data", part)
     with store_node(tmp_path / "data") as address:  # every byte over the store RPC, where the spy sees it
