@@ -30,7 +30,7 @@ mode (``auth.acl_wildcard_mode``):
   subscriptions it covers (``deny subscribe test/nosubscribe`` refuses exactly
   that filter); a wildcard that merely *overlaps* it (``#``, ``test/+``) is
   granted, and the node withholds the denied topics at delivery
-  (:class:`ReadCheck`: a message is delivered only on a topic the subscriber
+  (:meth:`ClientAcl.may_read`: a message is delivered only on a topic the subscriber
   may subscribe to exactly);
 - ``refuse``: a deny rule matches as soon as the two filters overlap (some
   topic matches both), so a broad subscription is refused outright.
@@ -53,7 +53,7 @@ from typing import final
 from gateway.auth.passwords import validate_username
 from lightqueue.topics import TopicError, filters_overlap, matches, parse_shared, validate_filter
 
-__all__ = ["WILDCARD_MODES", "Access", "Acl", "AclError", "Decision", "ReadCheck", "Rule", "filter_covers"]
+__all__ = ["WILDCARD_MODES", "Access", "Acl", "AclError", "ClientAcl", "Decision", "Rule", "filter_covers"]
 
 MAX_CACHED_IDENTITIES = 16_384
 """Compiled rule lists kept per (user, client id): one per connected client in the common case, bounded for floods."""
@@ -65,7 +65,7 @@ MAX_CACHED_TOPIC_CHARS = 256
 """Longer topics are decided without caching, so the decision cache stays within tens of MiB."""
 
 MAX_CACHED_READS = 4_096
-"""Delivery decisions a ``ReadCheck`` keeps per connection (topic -> allowed): a wildcard subscriber over a large
+"""Delivery decisions a ``ClientAcl`` keeps per connection (topic -> allowed): a wildcard subscriber over a large
 fleet sees many topics, so the cache starts over when full (the ACL's own cache answers the misses)."""
 
 WILDCARD_MODES = ("filter", "refuse")
@@ -328,28 +328,36 @@ class Acl:
 
 
 @final
-class ReadCheck:
-    """May one connection's subscriber receive a message on ``topic``? The delivery side of the ACL.
+class ClientAcl:
+    """One connection's rights under the ACL: what the channel asks (``gateway.mqtt.actions.Authorizer``).
 
-    A topic is readable when the subscriber may subscribe to exactly that
-    topic. The answer depends only on the topic (the user and client id are
-    fixed), so it is decided once per topic and kept for every subscription of
-    the connection (at most ``MAX_CACHED_READS``); a reloaded ACL starts the
-    cache over. Pure: the channel's session calls it as an injected check.
+    Publish and subscribe checks ask the ACL in effect (``checked``: reloaded first when its file changed);
+    the delivery check (:meth:`may_read`) asks the ACL in memory (``current``: no file look per message). A
+    topic is readable when the subscriber may subscribe to exactly that topic; the answer depends only on the
+    topic (the user and client id are fixed), so it is decided once per topic and kept for every subscription
+    of the connection (at most ``MAX_CACHED_READS``); a reloaded ACL starts that cache over. Pure: the channel
+    calls it as an injected check.
     """
 
-    __slots__ = ("_source", "_username", "_client_id", "_acl", "_allowed")
+    __slots__ = ("_checked", "_current", "_username", "_client_id", "_acl", "_allowed")
 
-    def __init__(self, source: Callable[[], Acl], username: str | None, client_id: str) -> None:
-        """``source`` returns the ACL in effect now (it changes when the file is reloaded)."""
-        self._source = source
+    def __init__(self, checked: Callable[[], Acl], current: Callable[[], Acl], username: str | None,
+                 client_id: str) -> None:
+        self._checked = checked
+        self._current = current
         self._username = username
         self._client_id = client_id
         self._acl: Acl | None = None
         self._allowed: dict[str, bool] = {}
 
-    def __call__(self, topic: str) -> bool:
-        acl = self._source()
+    def may_publish(self, topic: str) -> bool:
+        return self._checked().check(self._username, self._client_id, Access.PUBLISH, topic)
+
+    def may_subscribe(self, filter: str) -> bool:
+        return self._checked().check(self._username, self._client_id, Access.SUBSCRIBE, filter)
+
+    def may_read(self, topic: str) -> bool:
+        acl = self._current()
         allowed = self._allowed.get(topic) if acl is self._acl else None
         if allowed is None:
             if acl is not self._acl:

@@ -17,9 +17,8 @@ delivery, its MQTT 5 properties decoded once for every local session.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from enum import Enum
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import msgspec
 
@@ -250,6 +249,15 @@ class CloseSession(msgspec.Struct, frozen=True):
     will_delay_s: int | None = None
 
 
+class Denied(msgspec.Struct, frozen=True):
+    """The ACL refused the client ``access`` ("publish", "subscribe") to ``topic``; the channel already answered
+    (dropped, PUBACK/PUBREC or SUBACK 0x87): this only feeds the node's count and its log line (``why``)."""
+
+    access: str
+    topic: str
+    why: str
+
+
 class LimitHit(msgspec.Struct, frozen=True):
     """The client ran into ``limit`` ``count`` times: count it; log ``log`` (with the client id) unless None.
 
@@ -262,20 +270,37 @@ class LimitHit(msgspec.Struct, frozen=True):
     log: str | None = None
 
 
+class Authorizer(Protocol):
+    """The ACL as a connection's channel asks it: pure checks of one client's rights, injected by the node with
+    ``SessionOpened`` (the sans-IO protocol knows no ACL file, user or rule)."""
+
+    def may_publish(self, topic: str) -> bool:
+        """May the client publish to ``topic``?"""
+        ...
+
+    def may_subscribe(self, filter: str) -> bool:
+        """May the client subscribe to ``filter`` (as sent: a shared subscription's with its ``$share/...``)?"""
+        ...
+
+    def may_read(self, topic: str) -> bool:
+        """May a message on ``topic`` be delivered to the client (a wildcard may cover a topic it may not read)?"""
+        ...
+
+
 # --- events: node -> channel ----------------------------------------------------------------
 
 
 class SessionOpened(msgspec.Struct, frozen=True):
     """Answer to ``OpenSession``. ``reason`` other than SUCCESS refuses the connection (CONNACK reason).
 
-    ``may_read`` is the delivery side of the ACL for this client (``gateway.auth.acl.ReadCheck``): a pure check
-    of a topic, None when every topic may be delivered.
+    ``authorizer`` is the ACL for this client (``gateway.auth.acl.ClientAcl``), None when it may publish,
+    subscribe and receive anything.
     """
 
     present: bool
     state: SessionState | None = None
     reason: ReasonCode = ReasonCode.SUCCESS
-    may_read: Callable[[str], bool] | None = None
+    authorizer: Authorizer | None = None
 
 
 class Appended(msgspec.Struct, frozen=True, gc=False):
@@ -372,7 +397,7 @@ class Timeout(msgspec.Struct, frozen=True):
 
 Action: TypeAlias = (
     Send | Deliver | Close | ArmTimer | CancelTimer | OpenSession | Append | Activate | AfterReads | Release
-    | CommitOffsets | Pull | PublishWill | SaveSession | ReleaseInbound | CloseSession | LimitHit
+    | CommitOffsets | Pull | PublishWill | SaveSession | ReleaseInbound | CloseSession | LimitHit | Denied
 )
 Event: TypeAlias = (
     SessionOpened | Appended | Activated | Pulled | QueueAdvanced | SocketWritten | ConnectionLost | TakenOver

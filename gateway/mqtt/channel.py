@@ -46,6 +46,7 @@ from gateway.mqtt.actions import (
     AdminDisconnect,
     Appended,
     ArmTimer,
+    Authorizer,
     CancelTimer,
     Close,
     ConnectionLost,
@@ -229,7 +230,7 @@ class Channel:
         "_session", "_link", "_queued", "_pending", "_storing_qos2", "_releasing", "_activations", "_next_ref",
         "_aliases_in",
         "_last_rx", "_timers", "_awaiting_session", "_handover", "_moved", "_held", "_hits", "_topic_check_from",
-        "_buckets", "_valid_topic",
+        "_buckets", "_valid_topic", "_authorizer", "_refused",
     )
 
     def __init__(
@@ -259,6 +260,8 @@ class Channel:
         self._link: Link | None = None
         self._queued: list[Packet] = []
         self._pending: dict[int, tuple[int, int]] = {}  # Append ref -> (qos, packet id), acks owed
+        self._refused: dict[int, None] = {}  # refs in _pending the ACL refused: answered in their turn
+        self._authorizer: Authorizer | None = None  # the ACL's checks of this client (None: it may do anything)
         # Dicts used as sets (keys only): an empty dict is 64 B, an empty set 216 B, on every idle connection.
         self._storing_qos2: dict[int, None] = {}  # inbound QoS 2 packet ids being appended
         self._releasing: dict[int, int] = {}  # ReleaseInbound ref -> inbound QoS 2 packet id whose PUBCOMP waits

@@ -24,7 +24,6 @@ import trio
 
 from gateway.mqtt.actions import Append, Appended, Event
 from gateway.mqtt.reasons import ReasonCode
-from gateway.node.guard import Guard
 from gateway.node.order import ReadOrder
 from gateway.node.poller import ReadRound
 from store.api import LeaseLost, NewMessage, StoreApi
@@ -50,13 +49,11 @@ class Appends:
 
     Args:
         store: where messages go.
-        guard: the ACL's publish rules.
         order: the read order of activations and appends.
     """
 
-    def __init__(self, store: StoreApi, guard: Guard, order: ReadOrder) -> None:
+    def __init__(self, store: StoreApi, order: ReadOrder) -> None:
         self._store = store
-        self._guard = guard
         self._order = order
         self._blocked_until = 0.0  # the store would block: the fast way waits until then
         self.refused_by_qos = [0, 0, 0]  # messages the store did not take (a full disk...), index = QoS
@@ -65,14 +62,14 @@ class Appends:
 
     def now(self, connection: Connection, action: Append, read_round: ReadRound | None) -> bool:
         """Append in this step, or in the store call of ``read_round`` (the poller's round that read it, if any);
-        False leaves it, and any error, to :meth:`perform`. The round's first append asks the ACL and the store
-        for all of them (per message, that was 3% of a fan-in's CPU)."""
+        False leaves it, and any error, to :meth:`perform`. The round's first append asks the store for all of
+        them (per message, that was 3% of a fan-in's CPU). The channel asked the ACL already."""
         if self._order.fenced:  # an activation read before it is not applied yet: ``perform`` waits for it
             return False
         if read_round is not None and read_round.appends:
             read_round.appends.append((connection, action))
             return True
-        if self._guard.acl_file is not None or time.monotonic() < self._blocked_until:
+        if time.monotonic() < self._blocked_until:
             return False
         if read_round is not None:
             read_round.appends.append((connection, action))
@@ -119,18 +116,14 @@ class Appends:
     # --- the awaited way ----------------------------------------------------------------------
 
     async def perform(self, connection: Connection, appends: list[Append]) -> None:
-        """Append a connection's consecutive appends (those the ACL allows) as one batch; answer each in order."""
-        await self._store_batch(connection, appends, self._guard.may_publish(connection, appends))
-
-    async def _store_batch(self, connection: Connection, appends: list[Append], allowed: list[bool]) -> None:
-        messages = [m for append, ok in zip(appends, allowed) if ok for m in append.messages]
-        offsets = await self.store(messages) if messages else []
-        if isinstance(offsets, ReasonCode) and allowed.count(True) > 1:
+        """Append a connection's consecutive appends as one batch; answer each in order."""
+        offsets = await self.store([m for append in appends for m in append.messages])
+        if isinstance(offsets, ReasonCode) and len(appends) > 1:
             # One bad message must not fail its neighbours: retry one by one so each gets its own answer.
-            for append, ok in zip(appends, allowed):
-                await self._store_batch(connection, [append], [ok])
+            for append in appends:
+                await self.perform(connection, [append])
             return
-        connection.feed_all(_answers(appends, allowed, offsets))
+        connection.feed_all(_answers(appends, offsets))
 
     async def store(self, messages: Sequence[NewMessage], *, count: bool = True) -> list[int] | ReasonCode:
         """The messages' CommitLog offsets once appended, or why the append failed.
@@ -166,18 +159,15 @@ class Appends:
         return offsets if isinstance(offsets, ReasonCode) else None
 
 
-def _answers(appends: Sequence[Append], allowed: Sequence[bool], offsets: list[int] | ReasonCode) -> list[Event]:
+def _answers(appends: Sequence[Append], offsets: list[int] | ReasonCode) -> list[Event]:
     """``Appended`` for each append with a ref: where the store put it, or why it did not."""
     answers: list[Event] = []
     index = 0
-    for append, ok in zip(appends, allowed):
-        count = len(append.messages) if ok else 0
+    for append in appends:
         if append.ref is not None:
-            if not ok:
-                answers.append(Appended(append.ref, False, ReasonCode.NOT_AUTHORIZED))
-            elif isinstance(offsets, ReasonCode):
+            if isinstance(offsets, ReasonCode):
                 answers.append(Appended(append.ref, False, offsets))
             else:
-                answers.append(Appended(append.ref, True, ReasonCode.SUCCESS, offsets[index] if count else -1))
-        index += count
+                answers.append(Appended(append.ref, True, ReasonCode.SUCCESS, offsets[index]))
+        index += len(append.messages)
     return answers

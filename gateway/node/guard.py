@@ -2,9 +2,10 @@
 
 The rules are gateway/auth/'s (password file, ACL, authenticator); this is where a node asks them, counts the
 refusals and logs each once: a CONNECT is authenticated before it can take a session over (argon2 in a worker
-thread, a refusal delayed against brute force), a will the client may not publish refuses the CONNECT,
-PUBLISHes and SUBSCRIBEs are checked before they are stored or activated, and each connection's session gets
-the ACL's delivery check (``ReadCheck``), so a wildcard granted over a deny rule never delivers a denied topic.
+thread, a refusal delayed against brute force), a will the client may not publish refuses the CONNECT, and
+each connection's channel gets the ACL as pure checks of that client (``ClientAcl``): its PUBLISHes and
+SUBSCRIBEs are checked before they reach the node, and a wildcard granted over a deny rule never delivers a
+denied topic. The denials the channels report are counted and logged here (``denied``).
 The files are looked at (one ``stat`` each) at most every ``AUTH_RECHECK_S`` when a check needs them.
 """
 
@@ -13,15 +14,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, final
 
 import trio
 
-from gateway.auth.acl import Access, Acl, ReadCheck
+from gateway.auth.acl import Access, Acl, ClientAcl
 from gateway.auth.authn import AuthDecision, Authenticator, ReloadError, WatchedFile
-from gateway.mqtt.actions import Append, OpenSession
+from gateway.mqtt.actions import OpenSession
 from gateway.mqtt.reasons import ReasonCode
 
 if TYPE_CHECKING:
@@ -171,9 +171,14 @@ class Guard:
         assert self.acl_file is not None
         return self.acl_file.value
 
-    def read_check(self, username: str | None, client_id: str) -> ReadCheck | None:
-        """The delivery side of the ACL for one connection's session; None when every topic may be delivered."""
-        return None if self.acl_file is None else ReadCheck(self._acl_now, username, client_id)
+    def client_acl(self, username: str | None, client_id: str) -> ClientAcl | None:
+        """The ACL for one connection, as its channel asks it; None when it may do anything."""
+        return None if self.acl_file is None else ClientAcl(self._acl_checked, self._acl_now, username, client_id)
+
+    def _acl_checked(self) -> Acl:
+        acl = self.acl()
+        assert acl is not None
+        return acl
 
     def denied(self, connection: Connection, access: Access, topic: str, why: str) -> None:
         """Count and log one ACL denial."""
@@ -181,23 +186,6 @@ class Guard:
         LOGGER.warning("%s denied by the ACL: %s", access.value, why,
                        extra={"ctx": {"client_id": connection.client_id, "username": connection.username,
                                       "topic": topic, "acl_denials": self.counters.acl_denials}})
-
-    def may_publish(self, connection: Connection, appends: Sequence[Append]) -> list[bool]:
-        """Per append, may the client publish it (every message of it; the channel sends one per append)?"""
-        acl = self.acl()
-        if acl is None:
-            return [True] * len(appends)
-        user = connection.username
-        client_id = connection.client_id
-        allowed = []
-        for append in appends:
-            ok = True
-            for message in append.messages:
-                if not acl.check(user, client_id, Access.PUBLISH, message.topic):
-                    self.denied(connection, Access.PUBLISH, message.topic, f"QoS {message.qos} message dropped")
-                    ok = False
-            allowed.append(ok)
-        return allowed
 
     def may_subscribe(self, connection: Connection, client_id: str, filter: str, why: str) -> bool:
         """May the client subscribe to ``filter``? A denial is counted and logged with ``why``."""

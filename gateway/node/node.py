@@ -12,6 +12,7 @@ and hands each channel action to the one that does it:
 | ``ReleaseInbound`` | the store, batched |
 | ``AfterReads`` | the ``ReadOrder`` (gateway/node/order.py) |
 | ``LimitHit`` | the limit counters |
+| ``Denied`` | the ACL's denial count and log line (gateway/node/guard.py) |
 
 The store is any ``StoreApi`` (store/api.py): the store node in this process or one over the RPC; the node
 never asks which. It owns every session's lifecycle (where its client is, its will, its expiry), so nothing of a
@@ -32,8 +33,9 @@ from typing import Any, final
 
 import trio
 
+from gateway.auth.acl import Access
 from gateway.mqtt.actions import (Action, Activate, AfterReads, Append, CloseSession, CommitOffsets, ConnectionLost,
-                                  InboundReleased, LimitHit, OpenSession, PublishWill, Pull, Pulled, Release,
+                                  Denied, InboundReleased, LimitHit, OpenSession, PublishWill, Pull, Pulled, Release,
                                   ReleaseInbound, SaveSession)
 from gateway.mqtt.channel import ChannelConfig
 from gateway.mqtt.limits import LimitCounters
@@ -87,13 +89,13 @@ class GatewayNode:
         self.limit_counters = LimitCounters()
         self.timers = Timers()
         self.order = ReadOrder()  # activations are applied before the appends read after them
-        self.appends = Appends(store, guard, self.order)
+        self.appends = Appends(store, self.order)
         self.reads = Poller(self.appends.round_end)
         self.cache = QueueCache(store)
         self.owed = OwedWrites(nursery)  # store writes a full data disk refused, done once it has room
         self.commits = CommitBatcher(store, nursery, self.owed)
         self.registry = Registry()
-        self.subscriptions = Subscriptions(store, self.cache, self.commits, self.owed, guard, self.order, nursery)
+        self.subscriptions = Subscriptions(store, self.cache, self.commits, self.owed, self.order, nursery)
         self.sessions = Sessions(store, self.registry, self.subscriptions, self.commits, self.owed, guard, nursery)
         self.wills = Wills(self.appends)
         self.system = SysTopics(store, self.appends, self.traffic, self.registry, self.sessions)
@@ -187,6 +189,10 @@ class GatewayNode:
     async def _publish_will(self, connection: Connection, action: PublishWill) -> None:
         await self.wills.publish(action)
 
+    async def _denied(self, connection: Connection, denied: Denied) -> None:
+        """Count and log an ACL refusal the channel answered."""
+        self.guard.denied(connection, Access(denied.access), denied.topic, denied.why)
+
     async def _limit_hit(self, connection: Connection, hit: LimitHit) -> None:
         """Count a client's limit hit; log it with the client id when the channel says a line is due."""
         total = self.limit_counters.add(hit.limit, hit.count)
@@ -250,5 +256,6 @@ _ACTIONS: dict[type, Handler] = {
     Pull: GatewayNode._pull,
     PublishWill: GatewayNode._publish_will,
     LimitHit: GatewayNode._limit_hit,
+    Denied: GatewayNode._denied,
 }
 """One handler per node action the channel asks for (gateway/mqtt/actions.py); the connection does the others."""

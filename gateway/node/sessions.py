@@ -86,8 +86,8 @@ class Sessions:
         except LogFullError:  # nothing was deleted; the store logged the full disk once
             connection.feed(SessionOpened(False, reason=ReasonCode.QUOTA_EXCEEDED))
             return
-        connection.feed(SessionOpened(state is not None, state, may_read=self._guard.read_check(decision.username,
-                                                                                                 client_id)))
+        connection.feed(SessionOpened(state is not None, state,
+                                      authorizer=self._guard.client_acl(decision.username, client_id)))
         clientlog.connected(connection, action.clean_start, state is not None)
 
     async def _resume(self, connection: Connection, action: OpenSession) -> SessionState | None:

@@ -28,7 +28,6 @@ from gateway.mqtt.actions import (Activate, Activated, CommitOffsets, Message, P
 from gateway.mqtt.reasons import ReasonCode
 from gateway.node.cache import QueueCache, from_record
 from gateway.node.commits import CommitBatcher
-from gateway.node.guard import Guard
 from gateway.node.order import ReadOrder
 from gateway.node.owed import OwedWrites
 from lightqueue.topics import TopicError, parse_shared
@@ -60,13 +59,12 @@ def group_of(sub: Subscription) -> Group:
 class Subscriptions:
     """The subscriptions of one node's connections (see the module docstring)."""
 
-    def __init__(self, store: StoreApi, cache: QueueCache, commits: CommitBatcher, owed: OwedWrites, guard: Guard,
+    def __init__(self, store: StoreApi, cache: QueueCache, commits: CommitBatcher, owed: OwedWrites,
                  order: ReadOrder, nursery: trio.Nursery) -> None:
         self._store = store
         self._cache = cache
         self._commits = commits
         self._owed = owed
-        self._guard = guard
         self._order = order
         self._nursery = nursery
         self._local: dict[str, set[Connection]] = {}  # queue -> connections with a subscription on it
@@ -106,10 +104,7 @@ class Subscriptions:
         starts: dict[str, int] = {}
         reasons: dict[str, ReasonCode] = {}
         client_id = action.client_id
-        for sub in action.subscriptions:
-            if not self._guard.may_subscribe(connection, client_id, sub.filter, "filter refused"):
-                reasons[sub.filter] = ReasonCode.NOT_AUTHORIZED
-                continue
+        for sub in action.subscriptions:  # the channel asked the ACL already
             try:
                 if sub.group is None:
                     await self._owed.settle(client_id)  # a release owed by an earlier UNSUBSCRIBE must not undo it

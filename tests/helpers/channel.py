@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.mqtt.actions import (
-    Activate, Activated, Deliver, Message, OpenSession, SaveSession, Send, SessionOpened, SessionSaved,
+    Activate, Activated, Authorizer, Deliver, Message, OpenSession, SaveSession, Send, SessionOpened, SessionSaved,
 )
 from gateway.mqtt.channel import Channel, ChannelConfig
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role
@@ -50,6 +50,7 @@ def connect(
     state: SessionState | None = None,
     client_id: str = "dev1",
     clean: bool = True,
+    authorizer: Authorizer | None = None,
     **fields,
 ) -> tuple[Channel, Clock, list]:
     """A connected channel and the actions of its SessionOpened."""
@@ -57,7 +58,7 @@ def connect(
     channel = Channel(config, clock)
     first = channel.handle_in(Connect(protocol_level=level, client_id=client_id, clean_start=clean, **fields))
     assert of(first, OpenSession), first
-    actions = channel.handle_event(SessionOpened(state is not None, state))
+    actions = channel.handle_event(SessionOpened(state is not None, state, authorizer=authorizer))
     assert channel.state is State.CONNECTED
     return channel, clock, actions
 

@@ -214,7 +214,8 @@ def on_session_opened(channel: Channel, event: SessionOpened) -> list[Action]:
     if closing:
         return channel._settle()
     assert channel._link is not None
-    channel._link.may_read = event.may_read
+    channel._authorizer = event.authorizer
+    channel._link.may_read = event.authorizer.may_read if event.authorizer is not None else None
     actions: list[Action] = [Send((Connack(state is not None, ReasonCode.SUCCESS, _connack_properties(channel)),))]
     if channel._keepalive:
         actions.append(channel._arm_keepalive(channel._keepalive * 1.5))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, NoReturn
 
-from gateway.mqtt.actions import Action, Append, Appended, InboundReleased, ReleaseInbound, Send
+from gateway.mqtt.actions import Action, Append, Appended, Denied, InboundReleased, ReleaseInbound, Send
 from gateway.mqtt.errors import error_packet
 from gateway.mqtt.limits import SYNTAX_ONLY, Limit
 from gateway.mqtt.packets import MQTT_5, Puback, Pubcomp, Publish, Pubrec, Pubrel
@@ -123,6 +123,8 @@ def process_publish(channel: Channel, packet: Publish) -> list[Action]:
         refusal = _rate_refusal(channel, packet)
         if refusal is not None:
             return refusal
+    if channel._authorizer is not None and not channel._authorizer.may_publish(topic):
+        return _not_authorized(channel, qos, pid, topic)
     born_ms = int(channel._last_rx * 1000)  # the clock read when this packet came in (handle_in)
     message = NewMessage(topic, packet.payload, channel._client_id, qos, packet.retain,
                          b"" if props is EMPTY_PROPERTIES else property_block(props), born_ms,
@@ -208,6 +210,31 @@ def _check_receive_maximum(channel: Channel, session: Session) -> None:
                                   f"more than {maximum} unacknowledged QoS 1/2 PUBLISHes")
 
 
+def _not_authorized(channel: Channel, qos: int, pid: int, topic: str) -> list[Action]:
+    """A message the ACL does not let this client publish: dropped, and a QoS 1/2 one answered NOT_AUTHORIZED
+    (3.1.1, which cannot refuse: acknowledged) in its turn, after the messages read before it are answered
+    [MQTT-4.6.0-2]: it waits in ``_pending`` as they do."""
+    denied = Denied("publish", topic, f"QoS {qos} message dropped")
+    if not qos:
+        return [denied]
+    channel._next_ref += 1
+    channel._pending[channel._next_ref] = (qos, pid)
+    channel._refused[channel._next_ref] = None
+    if qos == 2:
+        channel._storing_qos2[pid] = None
+    return [denied, *_answer_refused(channel)]
+
+
+def _answer_refused(channel: Channel) -> list[Action]:
+    """Answer the refused messages whose turn has come: those with no message read before them still owed."""
+    actions: list[Action] = []
+    refused = channel._refused
+    while refused and (ref := next(iter(channel._pending))) in refused:
+        del refused[ref]
+        actions += _appended(channel, Appended(ref, False, ReasonCode.NOT_AUTHORIZED))
+    return actions
+
+
 def process_pubrel(channel: Channel, packet: Pubrel) -> list[Action]:
     session = channel._session
     assert session is not None
@@ -229,6 +256,8 @@ def process_pubrel(channel: Channel, packet: Pubrel) -> list[Action]:
 
 def on_appended(channel: Channel, event: Appended) -> list[Action]:
     actions = _appended(channel, event)
+    if channel._refused:
+        actions += _answer_refused(channel)
     if channel._held and channel._state is State.CONNECTED:
         actions += channel._release_held()
     return actions

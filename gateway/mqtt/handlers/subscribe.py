@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gateway.mqtt.actions import Action, Activate, Activated, Release, Send, Subscription
+from gateway.mqtt.actions import Action, Activate, Activated, Denied, Release, Send, Subscription
 from gateway.mqtt.limits import SYNTAX_ONLY, Limit
 from gateway.mqtt.packets import MQTT_5, Suback, Subscribe, SubscriptionOptions, Unsuback, Unsubscribe
 from gateway.mqtt.reasons import LocalProtocolError, ReasonCode, RemoteProtocolError
@@ -99,6 +99,10 @@ def process_subscribe(channel: Channel, packet: Subscribe) -> list[Action]:
         if over is not None:
             codes.append(ReasonCode.TOPIC_FILTER_INVALID)
             hits.append(channel._limit_hit(over[0], 1, f"filter refused: {over[1]}"))
+            continue
+        if channel._authorizer is not None and not channel._authorizer.may_subscribe(filter):
+            codes.append(ReasonCode.NOT_AUTHORIZED)  # 3.1.1: 0x80, as every refusal
+            hits.append(Denied("subscribe", filter, "filter refused"))
             continue
         if quota and filter not in activating and not session.holds(filter):
             if held >= quota:

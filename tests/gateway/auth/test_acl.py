@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from gateway.auth import acl as acl_module
-from gateway.auth.acl import Access, Acl, AclError, ReadCheck, filter_covers
+from gateway.auth.acl import Access, Acl, AclError, ClientAcl, filter_covers
 from lightqueue.topics import TopicError, filters_overlap, matches, validate_filter
 
 PUB, SUB = Access.PUBLISH, Access.SUBSCRIBE
@@ -170,14 +170,14 @@ def test_subscribe_deny_rules_refuse_what_they_cover_in_filter_mode():
         assert acl.check("u", "c", SUB, granted), granted
     for refused in ("test/nosubscribe", "secret/#", "secret/+", "secret/a/b", "secret"):  # `secret/#` has `secret`
         assert not acl.check("u", "c", SUB, refused), refused
-    read = ReadCheck(lambda: acl, "u", "c")
+    read = ClientAcl(lambda: acl, lambda: acl, "u", "c").may_read
     assert [read(t) for t in ("test/nosubscribe", "test/x", "secret/a", "secret", "secrets/a")] == \
         [False, True, False, False, True]
 
 
 def test_read_check_decides_each_topic_once_and_starts_over_on_a_reloaded_acl():
     current = [Acl.parse("default allow\npattern\ndeny subscribe a/x\n")]
-    read = ReadCheck(lambda: current[0], None, "c")
+    read = ClientAcl(lambda: current[0], lambda: current[0], None, "c").may_read
     calls = []
     current[0].check = lambda *args: calls.append(args) or args[3] != "a/x"  # count the ACL's decisions
     assert [read("a/x"), read("a/y"), read("a/x"), read("a/y")] == [False, True, False, True]

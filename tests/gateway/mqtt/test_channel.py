@@ -22,6 +22,7 @@ from gateway.mqtt.actions import (
     CommitOffsets,
     ConnectionLost,
     Deliver,
+    Denied,
     CloseSession,
     Message,
     OpenSession,
@@ -259,17 +260,53 @@ def test_store_failure_is_a_reason_in_v5_and_a_close_in_311():
     assert sent(actions) == [] and of(actions, Close)
 
 
-def test_unauthorised_publish_is_0x87_in_v5_and_acknowledged_but_dropped_in_311():
-    channel, _, _ = connect(MQTT_5)
-    ref = of(channel.handle_in(Publish("t", qos=1, packet_id=1)), Append)[0].ref
-    assert sent(channel.handle_event(Appended(ref, False, R.NOT_AUTHORIZED))) == [Puback(1, R.NOT_AUTHORIZED)]
-    channel, _, _ = connect(MQTT_311)
-    ref = of(channel.handle_in(Publish("t", qos=1, packet_id=1)), Append)[0].ref
-    actions = channel.handle_event(Appended(ref, False, R.NOT_AUTHORIZED))
+class Denying:
+    """An ``Authorizer`` that refuses the topics and filters under ``no/``."""
+
+    def may_publish(self, topic: str) -> bool:
+        return not topic.startswith("no/")
+
+    def may_subscribe(self, filter: str) -> bool:
+        return not filter.startswith("no/")
+
+    def may_read(self, topic: str) -> bool:
+        return not topic.startswith("no/")
+
+
+def test_unauthorised_publish_is_dropped_0x87_in_v5_and_acknowledged_in_311():
+    """The channel asks its injected ``Authorizer``: a refused message never reaches the node (no ``Append``),
+    only its ``Denied`` for the count and the log line."""
+    channel, _, _ = connect(MQTT_5, authorizer=Denying())
+    actions = channel.handle_in(Publish("no/t", qos=1, packet_id=1))
+    assert not of(actions, Append) and of(actions, Denied) == [Denied("publish", "no/t", "QoS 1 message dropped")]
+    assert sent(actions) == [Puback(1, R.NOT_AUTHORIZED)]
+    assert of(channel.handle_in(Publish("no/t", qos=0)), Denied) and not of(channel.handle_in(Publish("ok")), Denied)
+    channel, _, _ = connect(MQTT_311, authorizer=Denying())
+    actions = channel.handle_in(Publish("no/t", qos=1, packet_id=1))
     assert sent(actions) == [Puback(1)] and not of(actions, Close)  # 3.1.1 has no negative ack
-    ref = of(channel.handle_in(Publish("t", qos=2, packet_id=2)), Append)[0].ref
-    assert sent(channel.handle_event(Appended(ref, False, R.NOT_AUTHORIZED))) == [Pubrec(2)]
+    assert sent(channel.handle_in(Publish("no/t", qos=2, packet_id=2))) == [Pubrec(2)]
     assert sent(channel.handle_in(Pubrel(2))) == [Pubcomp(2)]
+
+
+def test_a_refused_publish_is_answered_after_the_messages_read_before_it():
+    """[MQTT-4.6.0-2]: PUBACKs in the order the PUBLISHes came, though a refusal needs no store write."""
+    channel, _, _ = connect(MQTT_5, authorizer=Denying())
+    (first,) = of(channel.handle_in(Publish("ok/1", qos=1, packet_id=1)), Append)
+    actions = channel.handle_in(Publish("no/2", qos=1, packet_id=2))
+    assert sent(actions) == [] and of(actions, Denied)  # its answer waits for the first one's
+    (third,) = of(channel.handle_in(Publish("ok/3", qos=1, packet_id=3)), Append)
+    assert sent(channel.handle_event(Appended(first.ref))) == [Puback(1), Puback(2, R.NOT_AUTHORIZED)]
+    assert sent(channel.handle_event(Appended(third.ref))) == [Puback(3)]
+
+
+def test_a_refused_filter_is_0x87_in_the_suback_and_never_activated():
+    channel, _, _ = connect(MQTT_5, authorizer=Denying())
+    actions = channel.handle_in(Subscribe(1, (("ok/+", SubscriptionOptions(qos=1)), ("no/+", SubscriptionOptions()))))
+    (activate,) = of(actions, Activate)
+    assert [sub.filter for sub in activate.subscriptions] == ["ok/+"]
+    assert of(actions, Denied) == [Denied("subscribe", "no/+", "filter refused")]
+    suback = sent(channel.handle_event(Activated(activate.ref, {"ok/+": 0})))[0]
+    assert suback.reason_codes == (R.GRANTED_QOS_1, R.NOT_AUTHORIZED)
 
 
 def test_qos2_exactly_once_flow_and_duplicates():
