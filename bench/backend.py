@@ -31,7 +31,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from bench.devices import BrokerOptions, broadcast_filter, command_topic, device_id, new_client
+from bench.devices import BrokerOptions, command_topic, device_id, new_client
 from bench.report import CheckerTotals, CommandTotals, new_histogram, record_us
 from bench.telemetry import TopicTemplate, decode_stamp
 

@@ -40,7 +40,7 @@ from store.tierfiles import file_name, list_tier, open_tier, read_meta
 
 from .framing import RAW_SCHEMA, ScanRange, scan_range, valid_end
 from .layout import list_segments, read_flushed
-from .live import LiveRange, LogReader, read_live
+from .live import LogReader, read_live
 from .options import ReaderOptions
 from .planning import LogLayout, Range, plan_log, readable_limit
 from .telemetry import TelemetryParser

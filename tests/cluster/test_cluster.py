@@ -17,7 +17,7 @@ from gateway.mqtt.reasons import ReasonCode
 from store.leases import LEASE_S
 from tests.helpers.cluster import WAIT_S, ask_store, run_id, running_cluster, store_statistics, wait_for
 from tests.helpers.mqtt_fixtures import (
-    QUIET_S, Client, connect_packet, connected, nothing_before_sentinel, properties, quiet, raw_client,
+    QUIET_S, Client, connect_packet, connected, check_nothing_before_sentinel, properties, quiet, raw_client,
 )
 
 pytestmark = pytest.mark.slow
@@ -66,7 +66,7 @@ def test_publish_on_one_gateway_reaches_wildcard_subscribers_on_the_other(cluste
         assert {m.topic for m in hash_.receive(6)} == {f"tele{run}/dev{i}/temp" for i in range(5)} | \
             {f"tele{run}/dev0/humidity"}
         assert [m.payload for m in local.receive(1)] == [b"t0"]  # the publisher's own node delivers too
-        nothing_before_sentinel(plus, pub, f"tele{run}/dev9/temp")  # no humidity through `+/temp` before it
+        check_nothing_before_sentinel(plus, pub, f"tele{run}/dev9/temp")  # no humidity through `+/temp` before it
 
 
 def test_retained_messages_published_on_one_gateway_reach_new_subscribers_on_the_other(cluster):
@@ -213,10 +213,10 @@ def test_gateway_sigkill_devices_resume_on_the_other_and_wills_fire_within_the_l
             try:
                 assert flags.session_present
                 assert [m.payload for m in resumed.receive(5)] == [f"after{i}".encode() for i in range(5)]
-                nothing_before_sentinel(resumed, resumed, f"cmd{run}/{device_id}")  # nothing acknowledged comes again
+                check_nothing_before_sentinel(resumed, resumed, f"cmd{run}/{device_id}")  # nothing acknowledged comes again
             finally:
                 resumed.disconnect()
-            nothing_before_sentinel(watcher, watcher, f"will{run}/x")  # the will fired once
+            check_nothing_before_sentinel(watcher, watcher, f"will{run}/x")  # the will fired once
 
 
 def test_a_normal_disconnect_leaves_no_will_for_the_store_to_fire(tmp_path):
@@ -232,7 +232,7 @@ def test_a_normal_disconnect_leaves_no_will_for_the_store_to_fire(tmp_path):
                 probe.subscribe(f"probe{run}", 1)
             gw1.kill()
             store.wait_log(lambda doc: doc.get("msg") == "gateway node lease ended" and doc.get("node") == gw1.node)
-            nothing_before_sentinel(watcher, watcher, f"will{run}/x")  # the store fired no will at the lease's end
+            check_nothing_before_sentinel(watcher, watcher, f"will{run}/x")  # the store fired no will at the lease's end
 
 
 def test_store_restart_no_false_puback_and_publishes_are_accepted_again(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 
 from tests.helpers.cluster import Gateway, Store, ask_store, free_port, run_id, wait_for
-from tests.helpers.mqtt_fixtures import Client, connected, nothing_before_sentinel, properties
+from tests.helpers.mqtt_fixtures import Client, connected, check_nothing_before_sentinel, properties
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def test_a_gateway_frozen_past_its_lease_wakes_without_touching_what_its_clients
                 new.disconnect()
             for client_id in (mover, stayer):  # the woken node closed its stale connections
                 gw1.wait_log(lambda doc, c=client_id: doc.get("client_id") == c and "closing connection" in doc["msg"])
-            nothing_before_sentinel(watcher, watcher, f"will{run}/x")  # no will for the mover, no second for the stayer
+            check_nothing_before_sentinel(watcher, watcher, f"will{run}/x")  # no will for the mover, no second for the stayer
         fenced = gw1.wait_log(lambda doc: doc.get("msg", "").startswith("store lease lost"))
         assert fenced["clients"] == 2
         assert not [doc for doc in store.logs if doc.get("msg", "").startswith("writes of an ended lease")], \

@@ -24,7 +24,7 @@ from gateway.mqtt.packets import MQTT_311, Connack, Connect, Packet, Suback, Sub
 from tests.helpers.processes import LightgateProcess
 
 __all__ = [
-    "WAIT_S", "Client", "Node", "connect_packet", "connected", "kill", "nothing_before_sentinel", "properties",
+    "WAIT_S", "Client", "Node", "connect_packet", "connected", "kill", "check_nothing_before_sentinel", "properties",
     "publish5", "quiet", "RawClient", "raw_client", "recv_until_closed", "run_id", "running_node", "subscribe5",
     "wait_until",
 ]
@@ -187,7 +187,7 @@ def wait_until(condition: Callable[[], bool], timeout: float = WAIT_S, what: str
         time.sleep(0.01)
 
 
-def nothing_before_sentinel(subscriber: Client, publisher: Client, topic: str, copies: int = 1) -> None:
+def check_nothing_before_sentinel(subscriber: Client, publisher: Client, topic: str, copies: int = 1) -> None:
     """Assert that nothing more arrives at ``subscriber`` through the subscriptions ``topic`` matches: ``publisher``
     publishes a sentinel on ``topic`` and the next ``copies`` messages (one per matching subscription) must be it.
 

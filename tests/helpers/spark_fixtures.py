@@ -1,16 +1,11 @@
 """Shared helpers of the spark_analytics tests: CommitLogs written with the real
-CommitLog, generated telemetry, and one SparkSession per test session.
-
-Import the fixture into a test module with ``from spark_fixtures import spark_session_fixture``
-(it is named ``spark`` for the tests)
-(pytest puts tests/ on sys.path); the session is created once per process and
-stopped at exit, however many modules import the fixture.
+CommitLog and generated telemetry. The ``spark`` fixture (one SparkSession per
+test run) is tests/spark_analytics/conftest.py's.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import json
 import queue
@@ -21,7 +16,6 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import pyarrow.dataset as ds
-import pytest
 import trio
 
 from spark_analytics import cli
@@ -183,22 +177,3 @@ def table_rows(path: Path) -> list[tuple]:
     columns = sorted(c for c in data.column_names if c != "payload")
     return sorted(tuple(f"{v:.12g}" if isinstance(v, float) else str(v) for v in (row[c] for c in columns))
                   for row in data.select(columns).to_pylist())
-
-
-_SESSION: list[Any] = []
-
-
-def _session() -> Any:
-    if not _SESSION:
-        from spark_analytics.session import spark_session
-
-        spark = spark_session("local[2]", app_name="lightgate-tests")
-        _SESSION.append(spark)
-        atexit.register(spark.stop)
-    return _SESSION[0]
-
-
-@pytest.fixture(scope="session", name="spark")
-def spark_session_fixture() -> Iterator[Any]:
-    """The test process's one local SparkSession (``commitlog`` registered)."""
-    yield _session()

@@ -32,7 +32,7 @@ from gateway.mqtt.packets import (
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import ReasonCode
 from tests.helpers.mqtt_fixtures import (
-    WAIT_S, Client, connected, nothing_before_sentinel, properties, publish5, quiet, raw_client, recv_until_closed,
+    WAIT_S, Client, connected, check_nothing_before_sentinel, properties, publish5, quiet, raw_client, recv_until_closed,
     run_id, running_node, subscribe5, wait_until,
 )
 
@@ -184,7 +184,7 @@ def test_overlapping_subscriptions(suite_node, protocol):
         client.subscribe(f"over{run}/+", 1)
         client.publish(f"over{run}/x", b"overlapping topic filters", 2)
         assert sorted(m.qos for m in client.receive(2)) == [1, 2]
-        nothing_before_sentinel(client, client, f"over{run}/x", copies=2)
+        check_nothing_before_sentinel(client, client, f"over{run}/x", copies=2)
 
 
 @pytest.mark.slow
@@ -270,7 +270,7 @@ def test_dollar_topics_are_not_matched_by_leading_wildcards(suite_node, protocol
         client.publish(f"sentinel{run}", b"sentinel", 1)  # through `#` only (one level)
         while (msg := client.messages.get(timeout=WAIT_S)).topic != f"sentinel{run}":
             assert not msg.topic.startswith("$"), msg.topic  # other tests' retained messages may come first
-        nothing_before_sentinel(client, client, f"sentinel{run}/x", copies=2)  # `#` and `+/+`: no `$` one in them
+        check_nothing_before_sentinel(client, client, f"sentinel{run}/x", copies=2)  # `#` and `+/+`: no `$` one in them
 
 
 @BOTH
@@ -351,7 +351,7 @@ def test_message_expiry(suite_node):
     try:
         (msg,) = again.receive(1)
         assert msg.payload == b"lives" and 1 <= msg.properties.MessageExpiryInterval <= 58
-        nothing_before_sentinel(again, again, f"mexp{run}/x")
+        check_nothing_before_sentinel(again, again, f"mexp{run}/x")
     finally:
         again.disconnect()
 
@@ -370,7 +370,7 @@ def test_subscribe_options_no_local_and_retain_as_published(suite_node):
         got = {m.topic: m.retain for m in client.receive(2)}
         assert got == {f"nl{run}/rap": True, f"nl{run}/plain": False}
         with connected(suite_node.port, protocol=V5) as other:  # No Local would hold back a sentinel of its own
-            nothing_before_sentinel(client, other, f"nl{run}/local")
+            check_nothing_before_sentinel(client, other, f"nl{run}/local")
         for leaf in ("rap", "plain"):
             publish5(client, f"nl{run}/{leaf}", b"", retain=True)
 
@@ -449,7 +449,7 @@ def test_will_delay(suite_node):
         closed = time.monotonic()
         (will,) = watcher.receive(1)
         assert will.topic == f"wdl{run}/published" and time.monotonic() - closed >= 1.0
-        nothing_before_sentinel(watcher, watcher, f"wdl{run}/x")  # the same queue as the wills
+        check_nothing_before_sentinel(watcher, watcher, f"wdl{run}/x")  # the same queue as the wills
 
 
 def test_shared_subscriptions_deliver_each_message_to_one_member(suite_node):

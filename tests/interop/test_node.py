@@ -13,7 +13,7 @@ from gateway.mqtt.reasons import ReasonCode
 from gateway.mqtt.session import merge_committed
 from gateway.mqtt.session import Session, SessionState
 from tests.helpers.mqtt_fixtures import (
-    WAIT_S, Client, connected, kill, nothing_before_sentinel, properties, raw_client, recv_until_closed, run_id,
+    WAIT_S, Client, connected, kill, check_nothing_before_sentinel, properties, raw_client, recv_until_closed, run_id,
     running_node,
 )
 
@@ -58,7 +58,7 @@ def test_sigkill_loses_nothing_acknowledged_and_replays_nothing_acknowledged(tmp
         assert again.connect().session_present
         got = again.receive(9)
         assert [m.payload for m in got] == [str(i).encode() for i in range(6, 15)]  # in order, none acked again
-        nothing_before_sentinel(again, again, f"crash{run}/m")
+        check_nothing_before_sentinel(again, again, f"crash{run}/m")
         again.disconnect()
 
 
@@ -114,7 +114,7 @@ def test_shared_member_leaving_unacknowledged_hands_its_messages_to_another(inte
             keeper.subscribe(f"$share/g{run}/{topic}", 1)
         # The PUBACKs were read before the close: 0 and 1 count as delivered, 2..4 go to the other member.
         assert [m.payload for m in keeper.receive(3)] == [b"2", b"3", b"4"]
-        nothing_before_sentinel(keeper, keeper, topic)  # 0 and 1 would come again before it
+        check_nothing_before_sentinel(keeper, keeper, topic)  # 0 and 1 would come again before it
 
 
 @pytest.mark.slow
@@ -137,7 +137,7 @@ def test_shared_group_offset_lives_in_the_store_across_a_crash(tmp_path):
         again = Client(second.port, f"member-{run}", clean=False)
         assert again.connect().session_present
         assert [m.payload for m in again.receive(3)] == [b"offline0", b"offline1", b"offline2"]
-        nothing_before_sentinel(again, again, f"grp{run}/a")
+        check_nothing_before_sentinel(again, again, f"grp{run}/a")
         again.disconnect()
 
 
@@ -173,7 +173,7 @@ def test_sys_topics_are_published_and_hidden_from_leading_wildcards(tmp_path):
                 assert int(seen["$SYS/broker/bytes/received"]) > 100
             (msg,) = wild.receive(1)
             assert msg.topic == "plain/topic"  # '#' and '+/...' never see $SYS
-            nothing_before_sentinel(wild, wild, "plain/broker/uptime", copies=2)  # `#` and `+/broker/uptime`
+            check_nothing_before_sentinel(wild, wild, "plain/broker/uptime", copies=2)  # `#` and `+/broker/uptime`
 
 
 # --- takeover ----------------------------------------------------------------------------

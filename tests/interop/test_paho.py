@@ -13,7 +13,7 @@ from gateway.mqtt.packets import MQTT_5, MQTT_311, Connect, Subscribe, Subscript
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import ReasonCode
 from tests.helpers.mqtt_fixtures import (
-    WAIT_S, Client, connected, nothing_before_sentinel, properties, quiet, raw_client, recv_until_closed, run_id,
+    WAIT_S, Client, connected, check_nothing_before_sentinel, properties, quiet, raw_client, recv_until_closed, run_id,
     wait_until,
 )
 
@@ -93,7 +93,7 @@ def test_overlapping_subscriptions(interop_node, protocol):
         got = client.receive(2)  # one per matching subscription, each at min(granted, published)
         assert sorted(m.qos for m in got) == [1, 2]
         assert {m.payload for m in got} == {b"overlapping topic filters"}
-        nothing_before_sentinel(client, client, names[2], copies=2)
+        check_nothing_before_sentinel(client, client, names[2], copies=2)
 
 
 @pytest.mark.slow
@@ -131,7 +131,7 @@ def test_redelivery_on_reconnect(interop_node, protocol):
     assert again.connect(**expiry).session_present
     got = again.receive(2)
     assert sorted((m.payload, m.qos, m.dup) for m in got) == [(b"qos 1", 1, True), (b"qos 2", 2, True)]
-    nothing_before_sentinel(again, again, names[2])
+    check_nothing_before_sentinel(again, again, names[2])
     again.disconnect()
 
 
@@ -186,7 +186,7 @@ def test_dollar_topics(interop_node, protocol):
         client.publish(f"$dollar{run}/x", b"", 1)
         (msg,) = client.receive(1)  # only through the filter that names the $ level
         assert msg.topic == f"$dollar{run}/x"
-        nothing_before_sentinel(client, client, f"sentinel{run}/x", copies=2)  # `+/+` and `#`: no `$` one in them
+        check_nothing_before_sentinel(client, client, f"sentinel{run}/x", copies=2)  # `+/+` and `#`: no `$` one in them
 
 
 @PROTOCOLS

@@ -14,7 +14,7 @@ from gateway.mqtt.packets import MQTT_5, Connect, Disconnect, Puback, Publish
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import ReasonCode
 from tests.helpers.mqtt_fixtures import (
-    WAIT_S, Client, connected, nothing_before_sentinel, properties, publish5 as publish, raw_client,
+    WAIT_S, Client, connected, check_nothing_before_sentinel, properties, publish5 as publish, raw_client,
     recv_until_closed, run_id, subscribe5 as subscribe,
 )
 
@@ -75,7 +75,7 @@ def test_message_expiry(interop_node):
     (msg,) = again.receive(1)
     assert msg.payload == b"lives"
     assert 1 <= msg.properties.MessageExpiryInterval <= 58  # the time it waited is taken off
-    nothing_before_sentinel(again, again, f"expiry{run}/x")
+    check_nothing_before_sentinel(again, again, f"expiry{run}/x")
     again.disconnect()
 
 
@@ -109,7 +109,7 @@ def test_subscription_options_no_local_and_retain_as_published(interop_node):
         publish(client, f"opts{run}/cleared", b"r", retain=True)
         got = {m.topic: m.retain for m in other.receive(2)}
         assert got == {f"opts{run}/kept": True, f"opts{run}/cleared": False}
-        nothing_before_sentinel(client, other, f"opts{run}/local")
+        check_nothing_before_sentinel(client, other, f"opts{run}/local")
 
 
 def test_subscription_identifiers(interop_node):
@@ -135,7 +135,7 @@ def test_maximum_packet_size_of_the_client(interop_node):
             publish(pub, f"mps{run}/small", b"ok")
         (msg,) = sub.receive(1)
         assert msg.topic == f"mps{run}/small"
-        nothing_before_sentinel(sub, sub, f"mps{run}/x")
+        check_nothing_before_sentinel(sub, sub, f"mps{run}/x")
     finally:
         sub.disconnect()
 
@@ -211,7 +211,7 @@ def test_will_delay(interop_node):
         (will,) = watcher.receive(1)
         assert will.topic == f"wd{run}/delayed"
         assert time.monotonic() - started >= 1.0  # held back for (most of) its 2 s delay
-        nothing_before_sentinel(watcher, watcher, f"wd{run}/x")  # the same queue as the wills
+        check_nothing_before_sentinel(watcher, watcher, f"wd{run}/x")  # the same queue as the wills
 
 
 def test_receive_maximum_of_the_client_limits_what_is_in_flight(interop_node):

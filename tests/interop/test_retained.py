@@ -4,7 +4,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from tests.helpers.mqtt_fixtures import WAIT_S, connected, nothing_before_sentinel, run_id, running_node
+from tests.helpers.mqtt_fixtures import WAIT_S, connected, check_nothing_before_sentinel, run_id, running_node
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def test_new_subscribers_get_the_latest_retained_message_with_retain_set(interop
             assert [(m.topic, m.payload, m.retain) for m in got] == [
                 (f"r{run}/dev1/status", b"offline", True), (f"r{run}/dev2/status", b"online", True)]
             assert got[1].qos == 0  # delivered at min(subscription QoS, message QoS)
-            nothing_before_sentinel(wild, pub, f"r{run}/dev5/status")  # retained ones come before live ones
+            check_nothing_before_sentinel(wild, pub, f"r{run}/dev5/status")  # retained ones come before live ones
             pub.publish(f"r{run}/dev1/status", b"back", qos=1, retain=True)
             (live,) = exact.receive(1)
             assert (live.payload, live.retain) == (b"back", False)  # live traffic: RETAIN cleared [MQTT-3.3.1-9]
@@ -42,13 +42,13 @@ def test_retain_handling_2_sends_nothing_and_1_only_for_new_subscriptions(intero
     with connected(interop_node.port, protocol=mqtt.MQTTv5) as sub:
         sub.paho.subscribe(f"h{run}/cfg", options=SubscribeOptions(qos=1, retainHandling=2))
         sub.subacks.get(timeout=WAIT_S)
-        nothing_before_sentinel(sub, sub, f"h{run}/cfg")
+        check_nothing_before_sentinel(sub, sub, f"h{run}/cfg")
         sub.paho.subscribe(f"h{run}/#", options=SubscribeOptions(qos=1, retainHandling=1))
         sub.subacks.get(timeout=WAIT_S)
         assert [m.payload for m in sub.receive(1)] == [b"v1"]
         sub.paho.subscribe(f"h{run}/#", options=SubscribeOptions(qos=1, retainHandling=1))  # not new: nothing
         sub.subacks.get(timeout=WAIT_S)
-        nothing_before_sentinel(sub, sub, f"h{run}/cfg", copies=2)  # h/cfg and h/#
+        check_nothing_before_sentinel(sub, sub, f"h{run}/cfg", copies=2)  # h/cfg and h/#
 
 
 def test_retain_as_published_keeps_the_flag_on_live_messages(interop_node):

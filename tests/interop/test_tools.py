@@ -10,7 +10,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from amqtt.client import MQTTClient
 
-from tests.helpers.mqtt_fixtures import WAIT_S, connected, nothing_before_sentinel, run_id
+from tests.helpers.mqtt_fixtures import WAIT_S, connected, check_nothing_before_sentinel, run_id
 
 MOSQUITTO = pytest.mark.skipif(
     not all(shutil.which(tool) for tool in ("mosquitto_pub", "mosquitto_sub", "stdbuf")),
@@ -178,7 +178,7 @@ def test_mosquitto_sub_killed_publishes_its_will_and_others_carry_on(interop_nod
         mosquitto_pub(interop_node.port, "-t", f"mw{run}/data", "-q", "1", "-m", "after")
         (msg,) = watcher.receive(1)
         assert msg.payload == b"after"
-        nothing_before_sentinel(watcher, watcher, f"mw{run}/data")
+        check_nothing_before_sentinel(watcher, watcher, f"mw{run}/data")
 
 
 @MOSQUITTO

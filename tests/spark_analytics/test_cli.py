@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 from tests.helpers.spark_fixtures import (
     analytics_args,
-    spark_session_fixture,  # noqa: F401 - the `spark` fixture
     telemetry,
     write_log,
 )

@@ -15,7 +15,6 @@ import pytest
 from tests.helpers.spark_fixtures import (
     TABLES,
     analytics_args,
-    spark_session_fixture,  # noqa: F401 - the `spark` fixture
     store_node,
     table_rows,
     telemetry,

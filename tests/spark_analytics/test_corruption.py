@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.helpers.spark_fixtures import encode, spark_session_fixture, telemetry, write_log  # noqa: F401 - the `spark` fixture
+from tests.helpers.spark_fixtures import encode, telemetry, write_log
 
 from spark_analytics.layout import list_segments
 

@@ -14,7 +14,6 @@ from tests.helpers.spark_fixtures import (
     TABLES,
     Msg,
     analytics_args,
-    spark_session_fixture,  # noqa: F401 - the `spark` fixture
     table_rows,
     telemetry,
     write_log,

@@ -10,7 +10,6 @@ import pytest
 from tests.helpers.spark_fixtures import (
     T0_MS,
     Msg,
-    spark_session_fixture,  # noqa: F401 - the `spark` fixture
     telemetry,
     write_log,
 )

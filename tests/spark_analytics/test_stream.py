@@ -14,7 +14,6 @@ from tests.helpers.spark_fixtures import (
     Msg,
     available_now_progress,
     encode,
-    spark_session_fixture,  # noqa: F401 - the `spark` fixture
     telemetry,
     write_log,
 )

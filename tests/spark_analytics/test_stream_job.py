@@ -21,7 +21,6 @@ from tests.helpers.spark_fixtures import (
     Msg,
     analytics_args,
     encode,
-    spark_session_fixture,  # noqa: F401 - the `spark` fixture
     store_node,
     table_rows,
     write_log,

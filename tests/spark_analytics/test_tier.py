@@ -13,7 +13,6 @@ from tests.helpers.spark_fixtures import (
     T0_MS,
     available_now_progress,
     scan_all,
-    spark_session_fixture,  # noqa: F401 - the `spark` fixture
     store_node,
     telemetry,
     tier_then_expire,

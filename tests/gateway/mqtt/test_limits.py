@@ -55,7 +55,7 @@ from gateway.mqtt.reasons import ReasonCode
 from gateway.mqtt.session import SessionState
 from gateway.mqtt.state import State
 from tests.helpers.channel import T0, Clock, connect, delivered, msg, of, sent, subscribe
-from tests.helpers.mqtt_fixtures import WAIT_S, Client, connected, nothing_before_sentinel, quiet, running_node
+from tests.helpers.mqtt_fixtures import WAIT_S, Client, connected, check_nothing_before_sentinel, quiet, running_node
 
 R = ReasonCode
 BOTH = pytest.mark.parametrize("level", [MQTT_5, MQTT_311])
@@ -441,7 +441,7 @@ def test_e2e_publish_rate_refuses_with_quota_exceeded_in_v5(limited_node):
         # Burst 2 and 2/s: the node reads the ten within well under 2 s, so at most 6 are accepted.
         assert 2 <= len(accepted) <= 6 and len(refused) == 10 - len(accepted)
         assert {m.payload for m in sub.receive(len(accepted))} == accepted  # refused ones were not stored
-        nothing_before_sentinel(sub, sub, f"rate{run}/t")  # the subscriber's own rate is untouched
+        check_nothing_before_sentinel(sub, sub, f"rate{run}/t")  # the subscriber's own rate is untouched
         doc = limit_logged(limited_node, "publish_rate", pub.client_id)
         assert doc["total"] >= 1 and "0x97" in doc["msg"]
 

@@ -8,10 +8,7 @@ from gateway.mqtt.actions import CommitOffsets, Deliver, InFlight, Message, Phas
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode_publish_template
 from gateway.mqtt.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
-from gateway.mqtt.session import LANE_PIDS, NOT_IN_LOG, Link, Session, SessionState
-
-
-from gateway.mqtt.session import ALIAS_BYTES, Link, Session, SessionState
+from gateway.mqtt.session import ALIAS_BYTES, LANE_PIDS, NOT_IN_LOG, Link, Session, SessionState
 
 SUB = Subscription("a/+", "a/+", SubscriptionOptions(qos=1))
 

@@ -9,7 +9,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from tests.helpers.mqtt_fixtures import (
-    WAIT_S, Client, connect_packet, connected, nothing_before_sentinel, recv_until_closed, running_node,
+    WAIT_S, Client, connect_packet, connected, check_nothing_before_sentinel, recv_until_closed, running_node,
 )
 
 
@@ -128,7 +128,7 @@ def test_persistent_session_gets_what_was_published_while_offline(interop_node):
     assert flags.session_present
     got = again.receive(3)
     assert [m.payload for m in got] == [b"offline0", b"offline1", b"offline2"]
-    nothing_before_sentinel(again, again, f"p{run}/a/v")  # nothing acknowledged before the disconnect comes again
+    check_nothing_before_sentinel(again, again, f"p{run}/a/v")  # nothing acknowledged before the disconnect comes again
     again.disconnect()
 
 
@@ -177,7 +177,7 @@ def test_will_on_abnormal_close_only(interop_node):
         reset.close()  # an RST: the node's read fails (ECONNRESET), and the will goes
         (msg,) = watcher.receive(1)
         assert (msg.topic, msg.payload) == (f"w{run}/reset", b"cut")
-        nothing_before_sentinel(watcher, watcher, f"w{run}/x")  # each will went once
+        check_nothing_before_sentinel(watcher, watcher, f"w{run}/x")  # each will went once
 
 
 def test_takeover_closes_the_old_connection(interop_node):

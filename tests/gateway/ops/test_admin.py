@@ -16,7 +16,7 @@ from gateway.auth.passwords import PasswordFile
 from gateway.ops.admin import AdminApi
 from tests.helpers.admin import Admin, admin_port
 from tests.helpers.mqtt_fixtures import (
-    WAIT_S, Client, connected, nothing_before_sentinel, properties, running_node, wait_until,
+    WAIT_S, Client, connected, check_nothing_before_sentinel, properties, running_node, wait_until,
 )
 
 TOKEN = "s3cret-admin-token"
@@ -191,7 +191,7 @@ def test_sessions_and_queues_show_lag_and_delete_session_ends_it(node_without_sy
     flags = again.connect(properties=expiry)
     assert not flags.session_present  # the session is gone: nothing of it resumes
     again.subscribe(f"lag{run}/#", 1)
-    nothing_before_sentinel(again, again, f"lag{run}/x")  # none of the deleted session's three comes first
+    check_nothing_before_sentinel(again, again, f"lag{run}/x")  # none of the deleted session's three comes first
     again.disconnect()
 
 
@@ -229,7 +229,7 @@ def test_retained_messages_are_listed_and_deleted(node_without_sys, admin):
                what="the deleted retained message to go")
     with connected(node_without_sys.port) as late:
         late.subscribe(f"ret{run}/a", 1)
-        nothing_before_sentinel(late, late, f"ret{run}/a")  # a new subscriber gets no retained message for it
+        check_nothing_before_sentinel(late, late, f"ret{run}/a")  # a new subscriber gets no retained message for it
     status, _, _ = admin.request("DELETE", f"/api/v1/retained/ret{run}/a")
     assert status == 404
 
