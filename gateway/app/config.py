@@ -148,8 +148,10 @@ OPTIONS: tuple[Option, ...] = (
            " QoS 0 messages to it are dropped (0 = no limit)"),
     Option("admin.host", "127.0.0.1", "address the admin HTTP listener (metrics, health, admin API, dashboard) binds to"),
     Option("admin.port", 18083, "admin HTTP port (0 = off); a free port when node.port is 0"),
-    Option("admin.max_connections", 32, "admin HTTP connections open at once; more are answered 503 and closed"
-           " (0 = no cap)"),
+    Option("admin.max_connections", 32, "admin HTTP connections open at once (0 = no cap); at the cap a new one"
+           " closes the one idle longest, and is answered 503 only while a request is answered on every other"),
+    Option("admin.header_timeout_s", 5.0, "seconds a new admin HTTP connection has to send its request line and"
+           " headers (a kept-alive one: from the first byte of its next request) before it is closed"),
     Option("admin.token", "", "bearer token the admin API and dashboard data require; empty = none"
            " (/metrics, /healthz, /readyz never need it)", secret=True),
     Option("bridge.remote_host", "", "broker `lightgate bridge` mirrors topics to and from (required by the bridge)"),
