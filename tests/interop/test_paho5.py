@@ -79,6 +79,33 @@ def test_message_expiry(interop_node):
     again.disconnect()
 
 
+def test_message_expiry_interval_zero_reaches_who_is_connected_and_no_one_later(interop_node):
+    """MQTT 5.0 section 3.3.2.3.3: the interval is the message's lifetime, "if absent, the Application Message does
+    not expire"; 0 is a lifetime of none. Delivery to a connected subscriber starts as the message is stored, so it
+    gets it, with the interval 0 minus its wait [MQTT-3.3.2-6]; a session that was away and a later subscriber to the
+    retained message come after its lifetime: deleted for them [MQTT-3.3.2-5]. It was dropped for every subscriber
+    (Mosquitto delivers it)."""
+    run = run_id()
+    expiry = properties(PacketTypes.CONNECT, SessionExpiryInterval=3600)
+    away = Client(interop_node.port, f"zero-{run}", clean=False, **V5)
+    away.connect(properties=expiry)
+    subscribe(away, f"zero{run}/#")
+    away.disconnect()
+    with connected(interop_node.port, **V5) as online, connected(interop_node.port, **V5) as pub:
+        subscribe(online, f"zero{run}/#")
+        publish(pub, f"zero{run}/now", b"now or never", MessageExpiryInterval=0)
+        publish(pub, f"zero{run}/kept", b"retained", retain=True, MessageExpiryInterval=0)
+        got = online.receive(2)
+        assert [(m.payload, m.properties.MessageExpiryInterval) for m in got] == [(b"now or never", 0), (b"retained", 0)]
+        back = Client(interop_node.port, f"zero-{run}", clean=False, **V5)
+        back.connect(properties=expiry)
+        check_nothing_before_sentinel(back, pub, f"zero{run}/x")  # both were stored while it was away
+        back.disconnect()
+        with connected(interop_node.port, **V5) as late:
+            subscribe(late, f"zero{run}/kept")
+            check_nothing_before_sentinel(late, pub, f"zero{run}/kept")  # retained messages come before new traffic
+
+
 def test_publish_properties_pass_through(interop_node):
     """User properties, content type, payload format, response topic and correlation data (request/response)."""
     run = run_id()
