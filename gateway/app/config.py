@@ -420,8 +420,9 @@ def redacted(values: Mapping[str, Any]) -> dict[str, Any]:
     return shown
 
 
-URI_PASSWORD = re.compile(r"(?P<before>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:)[^\s/]+@")
-"""The password of a URI's userinfo (``scheme://user:PASSWORD@host``): up to the last ``@`` before the path."""
+URI_PASSWORD = re.compile(r"(?P<before>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:)\S+@")
+"""The password of a URI's userinfo (``scheme://user:PASSWORD@host``): up to the last ``@`` before a blank, since an
+object store's secret key pasted unencoded may hold ``/`` and ``@`` (more is hidden rather than some of it shown)."""
 
 
 def without_uri_passwords(text: str) -> str:
