@@ -41,7 +41,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -221,7 +221,7 @@ class Endpoint:
     host: str
     port: int
     username: str = ""
-    password: str = ""
+    password: str = field(default="", repr=False)  # a secret: no repr of an Endpoint in a log line shows it
     tls: bool = False
     cafile: str = ""
 

@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         conf = cfg.resolve(args)
     except cfg.ConfigError as exc:
         parser.exit(2, f"lightgate: configuration error: {exc}\n")
-    setup_logging(conf["log.level"], conf["log.json"], cfg.secrets(conf.values))
+    setup_logging(conf["log.level"], conf["log.json"])
     if args.command in cfg.COMMAND_KEYS:
         LOG.info("configuration", extra={"ctx": {"command": args.command, "file": conf.source,
                                                  **cfg.non_defaults(conf, args.command)}})

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
-from urllib.parse import urlsplit
 
 DEFAULT_CONFIG_FILE = "lightgate.toml"
 """Read from the working directory when present and no ``--config`` is given."""
@@ -75,8 +75,8 @@ OPTIONS: tuple[Option, ...] = (
            flag="--store"),
     Option("store.lease_s", 5.0, "a gateway node's lease (`lightgate store`): silent this long, its clients' wills"
            " are published and the node must drop them when it returns (docs/cluster.md)"),
-    Option("store.token", "", "shared secret of gateway nodes and their store node (set the same on both); required"
-           " on a store with auth.* set; empty = none (docs/cluster.md)", secret=True),
+    Option("store.token", "", "shared secret of gateway nodes and their store node (set the same on both), at least"
+           " 16 characters; required on a store with auth.* set; empty = none (docs/cluster.md)", secret=True),
     Option("gateway.workers", 1, "gateway processes sharing the MQTT port (SO_REUSEPORT); worker i serves its admin"
            " API on admin.port + i", flag="--workers"),
     Option("tls.port", 0, "MQTT over TLS listener port (0 = off; 8883 is the usual one); a free port when node.port is 0"),
@@ -148,10 +148,12 @@ OPTIONS: tuple[Option, ...] = (
            " QoS 0 messages to it are dropped (0 = no limit)"),
     Option("admin.host", "127.0.0.1", "address the admin HTTP listener (metrics, health, admin API, dashboard) binds to"),
     Option("admin.port", 18083, "admin HTTP port (0 = off); a free port when node.port is 0"),
-    Option("admin.max_connections", 32, "admin HTTP connections open at once; more are answered 503 and closed"
-           " (0 = no cap)"),
-    Option("admin.token", "", "bearer token the admin API and dashboard data require; empty = none"
-           " (/metrics, /healthz, /readyz never need it)", secret=True),
+    Option("admin.max_connections", 32, "admin HTTP connections open at once (0 = no cap); at the cap a new one"
+           " closes the one idle longest, and is answered 503 only while a request is answered on every other"),
+    Option("admin.header_timeout_s", 5.0, "seconds a new admin HTTP connection has to send its request line and"
+           " headers (a kept-alive one: from the first byte of its next request) before it is closed"),
+    Option("admin.token", "", "bearer token the admin API and dashboard data require, at least 16 characters;"
+           " empty = none (/metrics, /healthz, /readyz never need it)", secret=True),
     Option("bridge.remote_host", "", "broker `lightgate bridge` mirrors topics to and from (required by the bridge)"),
     Option("bridge.remote_port", 1883, "MQTT port of the remote broker (8883 is the usual TLS one)"),
     Option("bridge.remote_username", "", "the bridge's user name on the remote broker; empty = none"),
@@ -173,6 +175,17 @@ _BY_KEY = {o.key: o for o in OPTIONS}
 
 REDACTED = "<redacted>"
 """What `lightgate config` and the logs show instead of a secret."""
+
+TOKEN_KEYS = ("store.token", "admin.token")
+"""The secrets LightGate alone checks, so the operator makes them up for it: each must be ``MIN_TOKEN_LENGTH`` long.
+The bridge's passwords are accounts' passwords (of the remote broker, of the password file), whose rules are set
+where the account is; a password in ``tier.uri`` is the object store's."""
+
+MIN_TOKEN_LENGTH = 16
+"""Characters a token needs at least. ``openssl rand -hex 16`` gives 32; 16 random characters of even the hex
+alphabet are 64 bits, past guessing over the network (the store answers a wrong token after a delay, the admin
+API at HTTP speed). A shorter value is most likely a placeholder left in (``t``, ``changeme``): refused at start
+rather than run with."""
 
 CREDENTIAL_URI_KEYS = ("tier.uri",)
 """Keys whose value is a URI that may carry a password (``s3://KEY_ID:SECRET@bucket/prefix``, as pyarrow.fs takes
@@ -332,7 +345,11 @@ def misplaced_flag(command: str, unknown: list[str]) -> str | None:
 
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Config:
-    """Merge defaults, the configuration file, the environment and the flags, in this order, into a Config."""
+    """Merge defaults, the configuration file, the environment and the flags, in this order, into a Config.
+
+    Raises:
+        ConfigError: a file, variable or flag is invalid, or a token is too short (``check_tokens``).
+    """
     source = getattr(args, "config", None)
     if source is None and Path(DEFAULT_CONFIG_FILE).is_file():
         source = DEFAULT_CONFIG_FILE
@@ -343,6 +360,7 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -
         if flag_value is not None:
             values[opt.key] = _coerce(opt, flag_value, opt.cli_flag)
             flags.add(opt.key)
+    check_tokens(values)
     return Config(values, source, frozenset(flags))
 
 
@@ -355,7 +373,22 @@ def reread(conf: Config, environ: Mapping[str, str] = os.environ) -> Config:
     """
     values = _below_flags(conf.source, environ)
     values.update({key: conf.values[key] for key in conf.flags})
+    check_tokens(values)
     return Config(values, conf.source, conf.flags)
+
+
+def check_tokens(values: Mapping[str, Any]) -> None:
+    """Refuse a token (``TOKEN_KEYS``) that is set but shorter than ``MIN_TOKEN_LENGTH``.
+
+    Raises:
+        ConfigError: naming the key, its flag and its variable (never the value).
+    """
+    for key in TOKEN_KEYS:
+        token = values.get(key, "")
+        if 0 < len(token) < MIN_TOKEN_LENGTH:
+            opt = _BY_KEY[key]
+            raise ConfigError(f"{key} ({opt.cli_flag}, {opt.env}) is {len(token)} characters long: a token needs at"
+                              f" least {MIN_TOKEN_LENGTH} (e.g. `openssl rand -hex 16`)")
 
 
 def _below_flags(source: str | None, environ: Mapping[str, str]) -> dict[str, Any]:
@@ -374,33 +407,28 @@ def non_defaults(conf: Config, command: str) -> dict[str, Any]:
     return {o.key: shown[o.key] for o in OPTIONS if uses(command, o) and conf.values[o.key] != o.default}
 
 
-def secrets(values: Mapping[str, Any]) -> list[str]:
-    """The secrets ``values`` hold (non-empty), longest first: the values of secret keys and the passwords of
-    credential URIs. The logs replace each with ``REDACTED`` (gateway/app/logs.py)."""
-    found = [values[o.key] for o in OPTIONS if o.secret and values.get(o.key)]
-    found += [password for key in CREDENTIAL_URI_KEYS if (password := _uri_password(values.get(key, "")))]
-    return sorted(set(found), key=len, reverse=True)
-
-
 def redacted(values: Mapping[str, Any]) -> dict[str, Any]:
-    """``values`` with every secret (``secrets``) shown as ``REDACTED``; empty ones stay empty (none is set)."""
+    """``values`` with every secret key's value shown as ``REDACTED`` (empty ones stay empty: none is set), and the
+    password of each credential URI (``CREDENTIAL_URI_KEYS``)."""
     shown = dict(values)
     for opt in OPTIONS:
         if opt.secret and shown.get(opt.key):
             shown[opt.key] = REDACTED
     for key in CREDENTIAL_URI_KEYS:
-        password = _uri_password(shown.get(key, ""))
-        if password:
-            shown[key] = shown[key].replace(":" + password + "@", ":" + REDACTED + "@", 1)
+        if shown.get(key):
+            shown[key] = without_uri_passwords(shown[key])
     return shown
 
 
-def _uri_password(uri: str) -> str | None:
-    try:
-        return urlsplit(uri).password if "://" in uri else None
-    except ValueError:  # not a URI urllib can split (e.g. a bad port): look for the userinfo by hand
-        userinfo, at, _ = uri.partition("://")[2].split("/", 1)[0].rpartition("@")
-        return (userinfo.partition(":")[2] or None) if at else None
+URI_PASSWORD = re.compile(r"(?P<before>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:)\S+@")
+"""The password of a URI's userinfo (``scheme://user:PASSWORD@host``): up to the last ``@`` before a blank, since an
+object store's secret key pasted unencoded may hold ``/`` and ``@`` (more is hidden rather than some of it shown)."""
+
+
+def without_uri_passwords(text: str) -> str:
+    """``text`` with the password of every URI in it replaced by ``REDACTED``, the rest as it was: a position
+    known to hold a secret, wherever the URI is quoted (an option, an error message)."""
+    return URI_PASSWORD.sub(lambda m: m["before"] + REDACTED + "@", text)
 
 
 def to_toml(values: dict[str, Any]) -> str:

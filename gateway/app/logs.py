@@ -4,9 +4,12 @@ Modules log through ``logging.getLogger(__name__)`` and pass structured context
 as ``extra={"ctx": {...}}``; the text format appends it as ``key=value``, the
 JSON format as fields, so operators can grep either.
 
-The configuration's secrets (tokens, passwords: gateway/app/config.py ``secrets``) never reach the log: every
-line is written with each of them replaced by ``<redacted>``, whatever put it there (a message, a context field,
-an exception that quotes a URI).
+The configuration's secrets never reach the log, by structure, not by searching for their values: the lines that
+show the configuration show the secret keys as ``<redacted>`` (gateway/app/config.py ``redacted``), no other line
+carries a token or a password, and every line has the password of each URI it quotes (``scheme://user:PASSWORD@``,
+a ``tier.uri`` in an error message, say) replaced by ``<redacted>``. Nothing else in a line is ever changed:
+replacing each occurrence of a secret's value anywhere turned every ``t`` of every line into ``<redacted>`` for a
+token ``t``, and told the token by where it did.
 """
 
 from __future__ import annotations
@@ -15,9 +18,8 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterable
 
-from gateway.app.config import REDACTED
+from gateway.app.config import without_uri_passwords
 
 _RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -66,26 +68,20 @@ class JsonFormatter(logging.Formatter):
 
 
 class RedactingFormatter(logging.Formatter):
-    """Another formatter's lines with each secret replaced by ``REDACTED`` (as written, and as JSON escapes it)."""
+    """Another formatter's lines with the password of each URI they quote replaced by ``REDACTED``."""
 
-    def __init__(self, inner: logging.Formatter, secrets: Iterable[str]) -> None:
+    def __init__(self, inner: logging.Formatter) -> None:
         super().__init__()
         self._inner = inner
-        forms = {form for secret in secrets if secret for form in (secret, json.dumps(secret)[1:-1])}
-        self._secrets = sorted(forms, key=len, reverse=True)  # a secret inside a longer one: the longer first
 
     def format(self, record: logging.LogRecord) -> str:
-        line = self._inner.format(record)
-        for secret in self._secrets:
-            line = line.replace(secret, REDACTED)
-        return line
+        return without_uri_passwords(self._inner.format(record))
 
 
-def setup_logging(level: str = "info", json_lines: bool = False, secrets: Iterable[str] = ()) -> None:
-    """Configure the root logger once, writing to stderr, ``secrets`` redacted from every line."""
+def setup_logging(level: str = "info", json_lines: bool = False) -> None:
+    """Configure the root logger once, writing to stderr, URI passwords redacted from every line."""
     handler = logging.StreamHandler(sys.stderr)
-    formatter = JsonFormatter() if json_lines else TextFormatter()
-    handler.setFormatter(RedactingFormatter(formatter, secrets) if secrets else formatter)
+    handler.setFormatter(RedactingFormatter(JsonFormatter() if json_lines else TextFormatter()))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

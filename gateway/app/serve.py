@@ -135,7 +135,7 @@ async def serve_node(
             max_body = 2 * settings["mqtt.max_packet_size"]  # room for a payload as base64 in JSON
             listeners = await nursery.start(functools.partial(
                 serve_admin, admin, settings["admin.host"], admin_port, max_body=max_body,
-                max_connections=settings["admin.max_connections"]))
+                max_connections=settings["admin.max_connections"], header_timeout_s=settings["admin.header_timeout_s"]))
             admin_host, admin_port = listeners[0].socket.getsockname()[:2]
             LOGGER.info("admin API ready", extra={"ctx": {"host": admin_host, "port": admin_port,
                                                           "token": bool(settings["admin.token"])}})

@@ -158,6 +158,7 @@ class Link:
     qos0_queue_bytes: int = 0  # QoS 0 bytes handed to the socket but not yet written before new ones drop (0: none)
     report: Callable[[Limit, int, str | None], LimitHit] = LimitHit  # builds the action for a limit hit
     may_read: Callable[[str], bool] | None = None  # the ACL's delivery check (topic -> readable); None: all are
+    since_ms: int = 0  # when the connection's CONNECT came (ms since the epoch, as store times): interval 0's cut
 
 
 @final
@@ -543,7 +544,7 @@ class Session:
             if qos and pid is None:
                 break  # every id of the pool is in flight
             del retained[0]
-            template = self._template(link, message, sub, qos, True)
+            template = self._template(link, message, sub, qos, True, retained=True)
             if template is not None:
                 if pid is not None:
                     inflight[pid] = InFlight(pid, sub.filter, _NO_OFFSET, qos)
@@ -684,9 +685,19 @@ class Session:
         chunks.append(template.render(pid, dup=True))
 
     def _template(
-        self, link: Link, message: Message, sub: Subscription, qos: int, retain: bool, *, resend: bool = False
+        self, link: Link, message: Message, sub: Subscription, qos: int, retain: bool, *, resend: bool = False,
+        retained: bool = False,
     ) -> PublishTemplate | None:
-        """Encode ``message`` for this subscriber, or None if it must not be sent to it."""
+        """Encode ``message`` for this subscriber, or None if it must not be sent to it.
+
+        Message expiry (MQTT 5.0 section 3.3.2.3.3): a message whose Message Expiry Interval has passed before its
+        delivery to this subscriber started is not sent [MQTT-3.3.2-5], one that goes out carries the interval
+        minus the whole seconds it waited [MQTT-3.3.2-6]. An interval of 0 is a lifetime of none: the message goes
+        to the subscribers connected when it was stored (their delivery starts as it is stored; ``Link.since_ms``)
+        with an interval of 0, and to no one later: not to a session that connects afterwards, nor as a retained
+        message (``retained``: a retained-message delivery at subscribe time). A resend (``resend``) is the
+        delivery that already started: never expired.
+        """
         if sub.options.no_local and message.client_id == self.client_id:
             return None
         if link.may_read is not None and not link.may_read(message.topic):
@@ -700,9 +711,10 @@ class Session:
             expiry = props.message_expiry_interval
             if expiry is not None:
                 waited_ms = max(0, link.now_ms() - message.store_ms) if message.store_ms else 0
-                if waited_ms >= expiry * 1000 and not resend:
+                if not resend and (waited_ms >= expiry * 1000 if expiry
+                                   else retained or message.store_ms < link.since_ms):
                     return None
-                changes["message_expiry_interval"] = max(1, expiry - waited_ms // 1000)
+                changes["message_expiry_interval"] = max(1, expiry - waited_ms // 1000) if expiry else 0
             wanted_ids = (sub.subscription_id,) if sub.subscription_id else ()
             if props.subscription_identifiers != wanted_ids:
                 changes["subscription_identifiers"] = wanted_ids

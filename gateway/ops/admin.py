@@ -6,12 +6,18 @@ heads are bounded by h11 (``MAX_HEAD_BYTES``), bodies by ``max_body`` (413);
 every error is a JSON ``{"error": ...}`` with the status saying what kind.
 
 What a connection may cost is bounded: at most ``max_connections`` are open
-at once (more are answered 503 and closed at once); a connection idle for
-``IDLE_TIMEOUT_S`` is closed, a request's head must arrive within
-``HEAD_TIMEOUT_S`` of its first byte and the whole request within
-``REQUEST_TIMEOUT_S``, and a response must be taken within
-``SEND_TIMEOUT_S``, so slow clients (slowloris) cannot hold connections,
-descriptors and buffers.
+at once, and when a new one comes at the limit the one waiting longest on its
+client is closed to make room (gateway/ops/slots.py): only as many requests
+being answered at once make a new connection get 503, so idle connections never
+make a healthy node's ``/healthz`` and ``/metrics`` fail. A new connection must
+send its request head within ``header_timeout_s`` (``admin.header_timeout_s``)
+of being accepted; a kept-alive one with no byte of a new request for
+``IDLE_TIMEOUT_S`` is closed, and its next head must arrive within
+``header_timeout_s`` of its first byte; a body within ``REQUEST_TIMEOUT_S``
+of its head, and a response must be taken within ``SEND_TIMEOUT_S``,
+so slow clients (slowloris) cannot hold connections, descriptors and buffers.
+A connection buffers at most one read (``RECEIVE_BYTES``) beyond a head of
+``MAX_HEAD_BYTES``, and a body of ``max_body``.
 
 Routes (docs/operations.md has the reference with curl examples):
 
@@ -76,6 +82,7 @@ from gateway.ops.listing import ClientQuery, QueryError
 from gateway.ops.metrics import CONTENT_TYPE
 from gateway.ops.openapi import Operation, openapi_document
 from gateway.ops.records import ClientInfo, QueueInfo, SessionInfo
+from gateway.ops.slots import Slot, Slots
 from gateway.mqtt.reasons import ReasonCode
 from lightqueue.topics import TopicError, validate_topic
 
@@ -104,19 +111,21 @@ RECEIVE_BYTES = 64 * 1024
 IDLE_TIMEOUT_S = 60.0
 """A kept-alive connection with no byte of a new request for this long is closed (Prometheus scrapes every 15-60 s)."""
 
-HEAD_TIMEOUT_S = 10.0
-"""A request's line and headers must arrive within this of its first byte (a few hundred bytes; slowloris sends one
-byte at a time to hold the connection)."""
+HEADER_TIMEOUT_S = 5.0
+"""The default of ``admin.header_timeout_s``: a new connection's request line and headers must arrive within this
+of the accept, a kept-alive one's within this of their first byte (a few hundred bytes that a probe or a scraper
+sends at once; a connection that sends nothing, or slowloris one byte at a time, is closed)."""
 
 REQUEST_TIMEOUT_S = 30.0
-"""A request must arrive whole, body included, within this of its first byte, so a slow sender cannot hold a
-connection and its buffer forever."""
+"""A request's body must arrive whole within this of its head, so a slow sender cannot hold a connection and its
+buffer forever."""
 
 SEND_TIMEOUT_S = 30.0
 """A response must be taken by the client within this: one that never reads would hold the connection forever."""
 
 REFUSAL_LOG_INTERVAL_S = 10.0
-"""Connections over ``max_connections`` are logged at most once per this (with the count since the last line)."""
+"""Connections at ``max_connections`` (idle ones closed to make room, new ones refused) are logged at most once
+per this (with the counts since the last line)."""
 
 LINGER_S = 2.0
 """After an error answer that leaves the request unread (413, 400) the rest is read and dropped for up to this long
@@ -570,47 +579,61 @@ async def serve_admin(
     *,
     max_body: int,
     max_connections: int = 32,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the admin endpoint on ``host:port`` until cancelled.
 
     ``task_status.started`` receives the listeners (port 0 picks a free port: read it from them).
-    Bodies larger than ``max_body`` bytes are refused with 413 (and the connection closed); connections beyond
-    ``max_connections`` open at once get 503 and are closed.
+    Bodies larger than ``max_body`` bytes are refused with 413 (and the connection closed). At most
+    ``max_connections`` are open at once: a new one closes the one waiting longest on its client, and gets 503
+    (then closed) only when the node is answering a request on every other (gateway/ops/slots.py). A new
+    connection has ``header_timeout_s`` to send its request head.
 
     Raises:
         BindError: the port is taken (or the host not local): the message names the address and ``admin.port``.
 
     Error handling: a failing connection is logged and closed; the listener keeps serving.
     """
-    open_connections = 0
-    refused = 0
+    slots = Slots(max_connections)
+    logged = slots.statistics()
     quiet_until = 0.0
 
+    def log_crowding(peer_host: str) -> None:
+        """One line per ``REFUSAL_LOG_INTERVAL_S`` while connections come at the limit, with what it cost."""
+        nonlocal logged, quiet_until
+        if time.monotonic() < quiet_until:
+            return
+        quiet_until = time.monotonic() + REFUSAL_LOG_INTERVAL_S
+        now = slots.statistics()
+        LOGGER.warning("admin connections at the limit (admin.max_connections): %d idle closed to make room,"
+                       " %d refused while all were busy", now.reclaimed - logged.reclaimed,
+                       now.refused - logged.refused, extra={"ctx": {"peer": peer_host, "open": now.open,
+                                                                    "busy": now.busy}})
+        logged = now
+
     async def handler(stream: trio.SocketStream) -> None:
-        nonlocal open_connections, refused, quiet_until
         try:
             peer_host = stream.socket.getpeername()[0]
         except OSError:
             peer_host = "?"
-        if max_connections and open_connections >= max_connections:
-            refused += 1
-            if time.monotonic() >= quiet_until:
-                quiet_until = time.monotonic() + REFUSAL_LOG_INTERVAL_S
-                LOGGER.warning("admin connection refused: %d open, the limit is admin.max_connections",
-                               open_connections, extra={"ctx": {"peer": peer_host, "refused": refused}})
-            with trio.move_on_after(SEND_TIMEOUT_S), contextlib.suppress(trio.BrokenResourceError):
-                await stream.send_all(_BUSY)
-            return
-        open_connections += 1
-        try:
-            await _serve_connection(stream, api, peer_host, max_body)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the client went away; nothing to answer
-        except Exception as exc:  # one connection's failure must not stop the listener
-            LOGGER.error("admin connection failed: %r", exc, exc_info=exc, extra={"ctx": {"peer": peer_host}})
-        finally:
-            open_connections -= 1
+        with trio.CancelScope() as scope:  # cancelled when the slot is taken back: the stream is then closed
+            full = slots.full()
+            slot = slots.take(scope.cancel)
+            if full:
+                log_crowding(peer_host)
+            if slot is None:
+                with trio.move_on_after(SEND_TIMEOUT_S), contextlib.suppress(trio.BrokenResourceError):
+                    await stream.send_all(_BUSY)
+                return
+            try:
+                await _serve_connection(stream, api, peer_host, max_body, slot, header_timeout_s)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the client went away; nothing to answer
+            except Exception as exc:  # one connection's failure must not stop the listener
+                LOGGER.error("admin connection failed: %r", exc, exc_info=exc, extra={"ctx": {"peer": peer_host}})
+            finally:
+                slot.release()
 
     with naming_the_address("admin", host, port):
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -637,15 +660,19 @@ class _BodyTooLarge(Exception):
     """The request announced or sent a body over the limit."""
 
 
-async def _serve_connection(stream: trio.SocketStream, api: AdminApi, peer_host: str, max_body: int) -> None:
+async def _serve_connection(stream: trio.SocketStream, api: AdminApi, peer_host: str, max_body: int, slot: Slot,
+                            header_timeout_s: float) -> None:
     """Answer requests on one kept-alive connection until either side closes it or it idles out.
+
+    ``slot`` is busy while a request is answered, idle while the connection waits on its client.
 
     Resource handling: the caller (``serve_accepting``) closes ``stream``.
     """
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+    head_by: float | None = trio.current_time() + header_timeout_s  # a new connection's head: from the accept
     while True:
         try:
-            request = await _receive_request(stream, conn, peer_host, max_body)
+            request = await _receive_request(stream, conn, peer_host, max_body, head_by, header_timeout_s)
         except h11.RemoteProtocolError as exc:
             if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                 await _send(stream, conn, _closing(exc.error_status_hint, f"bad request: {exc}"), head=False)
@@ -659,35 +686,40 @@ async def _serve_connection(stream: trio.SocketStream, api: AdminApi, peer_host:
             return  # a request that does not arrive whole in time, or an answer not taken in time
         if request is None:
             return  # closed by the client, or idle
+        slot.busy()
         with trio.fail_after(SEND_TIMEOUT_S):
             await _send(stream, conn, await api.handle(request), head=request.method == "HEAD")
+        slot.idle()
         if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
             return  # "Connection: close", HTTP/1.0, or an unread body
         conn.start_next_cycle()
+        head_by = None  # kept alive: the next head is due ``header_timeout_s`` after its first byte
 
 
-async def _receive_request(stream: trio.abc.Stream, conn: h11.Connection, peer_host: str,
-                           max_body: int) -> Request | None:
+async def _receive_request(stream: trio.abc.Stream, conn: h11.Connection, peer_host: str, max_body: int,
+                           head_by: float | None, header_timeout_s: float) -> Request | None:
     """The next request with its whole body, or None when the client closed or stayed idle.
+
+    ``head_by``: when the head must have arrived (trio time); None: within ``IDLE_TIMEOUT_S`` comes its first byte
+    (or the connection is idle), then the head within ``header_timeout_s``.
 
     Raises:
         h11.RemoteProtocolError: not HTTP/1.1 as h11 understands it (the hint says which status).
         _BodyTooLarge: the body exceeds ``max_body``.
-        trio.TooSlowError: the head did not arrive within ``HEAD_TIMEOUT_S`` of the request's first byte, or
-            the whole request within ``REQUEST_TIMEOUT_S``.
+        trio.TooSlowError: the head did not arrive by its deadline, or the body within ``REQUEST_TIMEOUT_S`` of
+            the head.
     """
     event = conn.next_event()  # a pipelined request may be buffered already
     if event is h11.NEED_DATA:
         data = None
-        with trio.move_on_after(IDLE_TIMEOUT_S):
+        with trio.move_on_at(trio.current_time() + IDLE_TIMEOUT_S if head_by is None else head_by):
             data = await stream.receive_some(RECEIVE_BYTES)  # the first bytes of the next request, or the end
         if data is None:
-            return None  # idle
+            return None  # idle, or no head in time
         conn.receive_data(data)
+        with trio.fail_at(trio.current_time() + header_timeout_s if head_by is None else head_by):
+            event = await _next_event(stream, conn)
     with trio.fail_after(REQUEST_TIMEOUT_S):
-        if event is h11.NEED_DATA:
-            with trio.fail_after(HEAD_TIMEOUT_S):
-                event = await _next_event(stream, conn)
         if not isinstance(event, h11.Request):
             return None  # h11.ConnectionClosed
         headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers}

@@ -23,7 +23,7 @@ from tests.helpers.mqtt_fixtures import connected
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "gateway-token"
+TOKEN = "gateway-token-of-the-test"  # store.token: at least 16 characters
 USER, PASSWORD = "billing", "billing-pw"
 
 HOSTILE_CONNECTIONS = 8
@@ -78,6 +78,7 @@ def test_a_back_end_user_under_a_gateway_node_name_does_not_evict_the_gateway(tm
             line = store.wait_log(lambda doc: doc.get("msg") == "back-end client connected", after=after)
             assert line["node"] == f"$client/{USER}:{gateway.node}"
             after = store.logs.index(line) + 1
+        assert not [doc for doc in store.logs + gateway.logs if TOKEN in str(doc)]  # in no line of either log
     finally:
         gateway.stop()
         store.stop()

@@ -21,6 +21,20 @@ from tests.helpers.mqtt_fixtures import (
 V5 = {"protocol": mqtt.MQTTv5}
 
 
+def persistent(port: int, client_id: str) -> Client:
+    """A connected MQTT 5 client whose session outlives its connection by an hour (resumed if it exists)."""
+    client = Client(port, client_id, clean=False, **V5)
+    client.connect(properties=properties(PacketTypes.CONNECT, SessionExpiryInterval=3600))
+    return client
+
+
+def away(port: int, client_id: str, filter: str) -> None:
+    """A persistent session subscribed to ``filter`` whose client has gone: messages are stored for it."""
+    client = persistent(port, client_id)
+    subscribe(client, filter)
+    client.disconnect()
+
+
 def test_client_topic_alias(interop_node):
     run = run_id()
     with connected(interop_node.port, **V5) as sub, connected(interop_node.port, **V5) as pub:
@@ -61,22 +75,39 @@ def test_no_topic_alias_beyond_the_clients_maximum(interop_node):
 @pytest.mark.slow
 def test_message_expiry(interop_node):
     run = run_id()
-    expiry = properties(PacketTypes.CONNECT, SessionExpiryInterval=3600)
-    sub = Client(interop_node.port, f"expiry-{run}", clean=False, **V5)
-    sub.connect(properties=expiry)
-    subscribe(sub, f"expiry{run}/#")
-    sub.disconnect()
+    away(interop_node.port, f"expiry-{run}", f"expiry{run}/#")
     with connected(interop_node.port, **V5) as pub:
         publish(pub, f"expiry{run}/short", b"expires", MessageExpiryInterval=1)
         publish(pub, f"expiry{run}/long", b"lives", MessageExpiryInterval=60)
     time.sleep(2.1)  # the message must outlive its expiry while queued: the behaviour under test, not a sync
-    again = Client(interop_node.port, f"expiry-{run}", clean=False, **V5)
-    again.connect(properties=expiry)
+    again = persistent(interop_node.port, f"expiry-{run}")
     (msg,) = again.receive(1)
     assert msg.payload == b"lives"
     assert 1 <= msg.properties.MessageExpiryInterval <= 58  # the time it waited is taken off
     check_nothing_before_sentinel(again, again, f"expiry{run}/x")
     again.disconnect()
+
+
+def test_message_expiry_interval_zero_reaches_who_is_connected_and_no_one_later(interop_node):
+    """MQTT 5.0 section 3.3.2.3.3: the interval is the message's lifetime, "if absent, the Application Message does
+    not expire"; 0 is a lifetime of none. Delivery to a connected subscriber starts as the message is stored, so it
+    gets it, with the interval 0 minus its wait [MQTT-3.3.2-6]; a session that was away and a later subscriber to the
+    retained message come after its lifetime: deleted for them [MQTT-3.3.2-5]. It was dropped for every subscriber
+    (Mosquitto delivers it)."""
+    run = run_id()
+    away(interop_node.port, f"zero-{run}", f"zero{run}/#")
+    with connected(interop_node.port, **V5) as online, connected(interop_node.port, **V5) as pub:
+        subscribe(online, f"zero{run}/#")
+        publish(pub, f"zero{run}/now", b"now or never", MessageExpiryInterval=0)
+        publish(pub, f"zero{run}/kept", b"retained", retain=True, MessageExpiryInterval=0)
+        got = online.receive(2)
+        assert [(m.payload, m.properties.MessageExpiryInterval) for m in got] == [(b"now or never", 0), (b"retained", 0)]
+        back = persistent(interop_node.port, f"zero-{run}")
+        check_nothing_before_sentinel(back, pub, f"zero{run}/x")  # both were stored while it was away
+        back.disconnect()
+        with connected(interop_node.port, **V5) as late:
+            subscribe(late, f"zero{run}/kept")
+            check_nothing_before_sentinel(late, pub, f"zero{run}/kept")  # retained messages come before new traffic
 
 
 def test_publish_properties_pass_through(interop_node):

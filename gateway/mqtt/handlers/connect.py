@@ -64,6 +64,7 @@ def process_connect(channel: Channel, packet: Connect) -> list[Action]:
         now_ms=channel._now_ms,
         qos0_queue_bytes=config.qos0_queue_bytes,
         report=channel._limit_hit,
+        since_ms=channel._now_ms(),
     )
     channel._awaiting_session = True
     return [OpenSession(channel._client_id, packet.clean_start, channel._expiry, packet.username, packet.password,

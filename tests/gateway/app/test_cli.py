@@ -165,16 +165,17 @@ def test_every_flag_a_command_shows_is_accepted_and_config_takes_them_all():
             assert not unknown and getattr(args, opt.dest) is not None, (command, opt.key)
 
 
-SECRETS = {"admin.token": "adm1n-s3cret", "store.token": "st0re-s3cret", "bridge.remote_password": "rem0te-pw",
-           "bridge.local_password": "l0cal-pw"}
+SECRETS = {"admin.token": "adm1n-s3cret-t0ken", "store.token": "st0re-s3cret-t0ken",
+           "bridge.remote_password": "rem0te-pw", "bridge.local_password": "l0cal-pw"}
 
 
 def test_config_redacts_every_secret_from_any_layer(tmp_path):
     (tmp_path / "lightgate.toml").write_text('[bridge]\nremote_password = "rem0te-pw"\nlocal_password = "l0cal-pw"\n'
-                                             '[tier]\nuri = "s3://AKIAKEY:t1er-s3cret@bucket/lg"\n')
-    out = run(["config", "--store-token", "st0re-s3cret"], tmp_path, env={"LIGHTGATE_ADMIN_TOKEN": "adm1n-s3cret"})
+                                             '[tier]\nuri = "s3://AKIAKEY:t1er/s3cret@bucket/lg"\n')
+    out = run(["config", "--store-token", "st0re-s3cret-t0ken"], tmp_path,
+              env={"LIGHTGATE_ADMIN_TOKEN": "adm1n-s3cret-t0ken"})
     assert out.returncode == 0, out.stderr
-    for secret in (*SECRETS.values(), "t1er-s3cret"):
+    for secret in (*SECRETS.values(), "t1er", "s3cret@"):  # an unencoded / in the key: hidden too
         assert secret not in out.stdout + out.stderr
     doc = tomllib.loads(out.stdout)
     for key in SECRETS:
@@ -188,10 +189,41 @@ def test_the_start_up_configuration_line_redacts_secrets(tmp_path):
     with socket.socket() as taken:  # the node stops at once: the port is taken
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        out = run(["serve", "--port", str(taken.getsockname()[1]), "--log-json", "--admin-token", "adm1n-s3cret",
-                   "--mqtt-receive-maximum", "9"], tmp_path)
+        out = run(["serve", "--port", str(taken.getsockname()[1]), "--log-json", "--admin-token",
+                   "adm1n-s3cret-t0ken", "--mqtt-receive-maximum", "9"], tmp_path)
     assert out.returncode == 1
-    assert "adm1n-s3cret" not in out.stderr
+    assert "adm1n-s3cret-t0ken" not in out.stderr
     line = next(json.loads(text) for text in out.stderr.splitlines() if '"configuration"' in text)
     assert line["command"] == "serve" and line["admin.token"] == "<redacted>"
     assert line["mqtt.receive_maximum"] == 9 and "node.host" not in line  # what differs from the defaults
+
+
+def test_a_word_that_contains_a_secret_is_logged_as_it_is(tmp_path):
+    """Every occurrence of a secret's value in any line was replaced: a token ``t`` turned every t of the log into
+    <redacted> and so told the token. Only the values of secret keys and URI passwords are redacted now."""
+    token = "0123456789abcdef"
+    data = tmp_path / f"data-{token}-2"
+    with socket.socket() as taken:  # the node stops at once: the port is taken
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = run(["serve", "--port", str(taken.getsockname()[1]), "--log-json", "--admin-token", token,
+                   "--data", str(data)], tmp_path)
+    assert out.returncode == 1
+    line = next(json.loads(text) for text in out.stderr.splitlines() if '"configuration"' in text)
+    assert line["admin.token"] == "<redacted>" and line["node.data"] == str(data)
+    assert "<redacted>" not in out.stderr.replace('"admin.token": "<redacted>"', "")
+
+
+@pytest.mark.parametrize("args, env, key", [
+    (["serve", "--port", "0", "--admin-token", "changeme"], {}, "admin.token (--admin-token, LIGHTGATE_ADMIN_TOKEN)"),
+    (["store", "--listen", "127.0.0.1:0"], {"LIGHTGATE_STORE_TOKEN": "changeme"},
+     "store.token (--store-token, LIGHTGATE_STORE_TOKEN)"),
+    (["config", "--config", "lg.toml"], {}, "store.token (--store-token, LIGHTGATE_STORE_TOKEN)"),
+])
+def test_a_token_too_short_to_be_a_secret_is_refused_at_start_with_one_line(tmp_path, args, env, key):
+    (tmp_path / "lg.toml").write_text('[store]\ntoken = "changeme"\n')
+    out = run([*args, "--data", str(tmp_path / "data")] if args[0] != "config" else args, tmp_path, env=env)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"lightgate: configuration error: {key} is 8 characters long: a token needs at least 16"
+                          " (e.g. `openssl rand -hex 16`)\n")
+    assert not (tmp_path / "data").exists()  # refused before anything started

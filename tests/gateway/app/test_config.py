@@ -61,7 +61,7 @@ def test_every_option_has_a_flag(tmp_path, monkeypatch):
             conf = parse([opt.cli_flag, opt.choices[-1]])
             assert conf[opt.key] == opt.choices[-1]
         else:
-            value = "7" if not isinstance(opt.default, str) else "x"
+            value = "7" if not isinstance(opt.default, str) else "x" * cfg.MIN_TOKEN_LENGTH
             conf = parse([opt.cli_flag, value])
             assert conf[opt.key] == type(opt.default)(value)
 

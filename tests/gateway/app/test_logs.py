@@ -47,24 +47,38 @@ def test_setup_logging_replaces_handlers(capsys):
     assert json.loads(err)["n"] == 1
 
 
-SECRET = 'tok"en\\1'  # quotes and backslashes: JSON escapes them, the redaction must still find them
+SECRET = 'tok"en\\1'  # quotes and backslashes: JSON escapes them, the redaction must still find the password
 
 
-def test_secrets_never_reach_a_line_in_either_format(capsys):
+def test_a_uri_password_never_reaches_a_line_in_either_format(capsys):
     try:
         for json_lines in (False, True):
-            setup_logging("info", json_lines=json_lines, secrets=[SECRET, "pw"])
+            setup_logging("info", json_lines=json_lines)
             log = logging.getLogger("x")
-            log.warning("login with %s failed", SECRET, extra={"ctx": {"uri": f"s3://k:{SECRET}@b", "user": "pw"}})
+            log.warning("tier at s3://k:%s@b/lg failed", SECRET, extra={"ctx": {"uri": f"s3://k:{SECRET}@b"}})
             try:
                 raise ValueError(f"cannot parse s3://k:{SECRET}@b")
             except ValueError:
                 log.exception("tier failed")
             err = capsys.readouterr().err
-            assert SECRET not in err and json.dumps(SECRET)[1:-1] not in err and "pw" not in err
-            assert err.count("<redacted>") == 4, err
+            assert SECRET not in err and json.dumps(SECRET)[1:-1] not in err
+            assert err.count("s3://k:<redacted>@b") == 4, err
             if json_lines:
                 docs = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
-                assert docs[0]["msg"] == "login with <redacted> failed" and docs[0]["uri"] == "s3://k:<redacted>@b"
+                assert docs[0]["msg"] == "tier at s3://k:<redacted>@b/lg failed" and docs[0]["uri"] == "s3://k:<redacted>@b"
+    finally:
+        setup_logging("info")
+
+
+def test_nothing_but_uri_passwords_is_ever_replaced(capsys):
+    """A line is never searched for a secret's value: words, addresses and URIs without a password stay whole."""
+    lines = ["gateway node ready: t, tt, token, 127.0.0.1:1883", "store at mqtt://store-1:7883/x and a@b:c",
+             "user alice logged in as alice:secret without a scheme"]
+    try:
+        setup_logging("info", json_lines=True)
+        for line in lines:
+            logging.getLogger("x").warning(line, extra={"ctx": {"same": line}})
+        docs = [json.loads(text) for text in capsys.readouterr().err.splitlines()]
+        assert [(doc["msg"], doc["same"]) for doc in docs] == [(line, line) for line in lines]
     finally:
         setup_logging("info")

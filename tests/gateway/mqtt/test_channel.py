@@ -644,6 +644,28 @@ def test_message_expiry_skips_expired_and_sends_remaining_interval():
     assert out.properties.message_expiry_interval == 30
 
 
+def test_message_expiry_interval_zero_goes_to_the_connections_up_when_it_was_stored_and_to_no_one_later():
+    """MQTT 5.0 section 3.3.2.3.3: the interval is the message's lifetime in seconds, "if absent, the Application
+    Message does not expire"; 0 is present, a lifetime of none. The server deletes a message whose interval passed
+    before it started onward delivery to a subscriber [MQTT-3.3.2-5]: delivery to a connected subscriber starts
+    as it is stored, so it goes there, carrying 0 (the interval minus its wait [MQTT-3.3.2-6]); a session that
+    connects later, and a retained-message delivery at subscribe time, are after its lifetime. It was dropped for
+    every subscriber (Mosquitto delivers it)."""
+    zero = Properties(message_expiry_interval=0)
+    channel, clock, _ = connect(**persistent())
+    subscribe(channel, ("a/b", SubscriptionOptions(qos=1)))
+    clock.t += 5.5  # the subscriber is slow to read it: it was stored while the connection was up
+    (out,) = delivered(channel.handle_event(Pulled("a/b", (msg(0, properties=zero),), 1)))
+    assert out.payload == b"m0" and out.properties.message_expiry_interval == 0
+    earlier = replace(msg(1, properties=zero), store_ms=int(T0 * 1000) - 1)  # stored before this CONNECT
+    assert delivered(channel.handle_event(Pulled("a/b", (earlier,), 2))) == []
+    later = replace(msg(2, "r/zero", properties=zero, retain=True), store_ms=int(clock.t * 1000))
+    lives = replace(later, topic="r/lives", payload=b"lives", properties=Properties(message_expiry_interval=60))
+    _, actions = subscribe(channel, ("r/zero", SubscriptionOptions(qos=1)), ("r/lives", SubscriptionOptions(qos=1)),
+                           packet_id=2, retained=(("r/zero", later), ("r/lives", lives)))
+    assert [p.payload for p in delivered(actions)] == [b"lives"]  # the retained one of interval 0 has expired
+
+
 def test_outbound_topic_aliases_replace_repeated_topics():
     channel, _, _ = connect(properties=Properties(topic_alias_maximum=1))
     subscribe(channel, ("a/+", SubscriptionOptions()))

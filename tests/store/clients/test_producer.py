@@ -174,7 +174,7 @@ def test_cli_wiring_checks_back_end_clients_with_the_password_file_and_acl(tmp_p
     assert _store_access(settings(tmp_path)).open
     with pytest.raises(ValueError, match="store.token"):
         _store_access(settings(tmp_path, auth__password_file=str(tmp_path / "passwd")))
-    access = _store_access(settings(tmp_path, store__token="t", auth__password_file=str(tmp_path / "passwd"),
+    access = _store_access(settings(tmp_path, store__token="gw-token-0123456789", auth__password_file=str(tmp_path / "passwd"),
                                     auth__acl_file=str(tmp_path / "acl"), auth__failure_delay_s=0.0))
     peer = access.admit("svc-1", "", "svc", b"secret", "127.0.0.1")
     assert peer == Peer(False, "svc", "svc-1")
@@ -196,7 +196,7 @@ def test_a_device_on_a_cluster_gateway_receives_what_a_producer_sends(tmp_path):
     passwords.set_password("dev1", "dev-secret")
     passwords.save()
     (tmp_path / "acl").write_text("user svc\nallow publish cmd/#\n\nuser dev1\nallow subscribe cmd/dev1/#\n")
-    flags = ("--store-token", "gw-token", "--auth-password-file", str(tmp_path / "passwd"),
+    flags = ("--store-token", "gw-token-0123456789", "--auth-password-file", str(tmp_path / "passwd"),
              "--auth-acl-file", str(tmp_path / "acl"), "--auth-failure-delay-s", "0")
     with cluster(tmp_path, *flags) as (store, store_port, gateway, mqtt_port):
         device = Device(mqtt_port, "dev1", "dev1", "dev-secret")
