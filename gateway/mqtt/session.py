@@ -696,7 +696,8 @@ class Session:
         to the subscribers connected when it was stored (their delivery starts as it is stored; ``Link.since_ms``)
         with an interval of 0, and to no one later: not to a session that connects afterwards, nor as a retained
         message (``retained``: a retained-message delivery at subscribe time). A resend (``resend``) is the
-        delivery that already started: never expired.
+        delivery that already started: never expired. The rule binds the server whatever the subscriber's
+        protocol: a 3.1.1 subscriber is not sent what has expired either (without the property).
         """
         if sub.options.no_local and message.client_id == self.client_id:
             return None
@@ -705,15 +706,17 @@ class Session:
         topic = message.topic
         properties = b""
         new_alias = False
+        expiry = message.properties.message_expiry_interval
+        waited_ms = 0
+        if expiry is not None:  # a 5.0 publisher's interval binds the server for every subscriber, 3.1.1 too
+            waited_ms = max(0, link.now_ms() - message.store_ms) if message.store_ms else 0
+            if not resend and (waited_ms >= expiry * 1000 if expiry
+                               else retained or message.store_ms < link.since_ms):
+                return None
         if link.protocol_level == MQTT_5:
             props = message.properties
             changes: dict[str, object] = {}
-            expiry = props.message_expiry_interval
             if expiry is not None:
-                waited_ms = max(0, link.now_ms() - message.store_ms) if message.store_ms else 0
-                if not resend and (waited_ms >= expiry * 1000 if expiry
-                                   else retained or message.store_ms < link.since_ms):
-                    return None
                 changes["message_expiry_interval"] = max(1, expiry - waited_ms // 1000) if expiry else 0
             wanted_ids = (sub.subscription_id,) if sub.subscription_id else ()
             if props.subscription_identifiers != wanted_ids:

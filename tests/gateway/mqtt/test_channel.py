@@ -674,6 +674,18 @@ def test_outbound_topic_aliases_replace_repeated_topics():
     assert [(p.topic, p.properties.topic_alias) for p in out] == [("a/b", 1), ("", 1), ("a/c", None)]
 
 
+def test_311_subscriber_is_not_sent_an_expired_message():
+    """[MQTT-3.3.2-5] binds the server for every subscriber: a 3.1.1 one cannot be told the interval, but an
+    expired message is not sent to it either (it was, with its properties stripped)."""
+    channel, clock, _ = connect(MQTT_311)
+    subscribe(channel, ("a/b", SubscriptionOptions(qos=0)))
+    clock.t += 30.5
+    fresh = msg(0, qos=0, properties=Properties(message_expiry_interval=60))
+    stale = msg(1, qos=0, properties=Properties(message_expiry_interval=30))
+    out = delivered(channel.handle_event(Pulled("a/b", (fresh, stale), 2)), MQTT_311)
+    assert [p.payload for p in out] == [b"m0"]
+
+
 def test_311_delivery_carries_no_properties():
     channel, _, _ = connect(MQTT_311)
     subscribe(channel, ("a/b", SubscriptionOptions(qos=1)))
