@@ -43,14 +43,15 @@ HEAVY = {"pyspark", "pyarrow", "pandas", "numpy", "matplotlib", "amqtt", "rich",
 """What the base install must not pull in (the 1.1 GB that made `make run` slow)."""
 
 OPTIONAL = {
-    "analytics": "lightgate analytics needs the analytics extra: pip install 'lightgate[analytics]'",
-    "simulate": "lightgate simulate needs the bench extra: pip install 'lightgate[bench]'",
-    "bench fanin": "lightgate bench needs the bench extra: pip install 'lightgate[bench]'",
-    "bench report": "lightgate bench needs the bench extra: pip install 'lightgate[bench]'",
+    "analytics": "lightgate analytics needs the analytics extra: {pip} 'lightgate[analytics]'",
+    "simulate": "lightgate simulate needs the bench extra: {pip} 'lightgate[bench]'",
+    "bench fanin": "lightgate bench needs the bench extra: {pip} 'lightgate[bench]'",
+    "bench report": "lightgate bench needs the bench extra: {pip} 'lightgate[bench]'",
     "bench analytics": "lightgate bench analytics needs the bench and analytics extras: "
-                       "pip install 'lightgate[bench,analytics]'",
+                       "{pip} 'lightgate[bench,analytics]'",
 }
-"""Command line -> the one line that refuses it on the base install."""
+"""Command line -> the one line that refuses it on the base install; ``{pip}`` is the venv's pip, told to look in
+the directory of the wheel it was installed from (tests/gateway/app/test_extras.py: the checkout's lines)."""
 
 
 def normalized(name: str) -> str:
@@ -283,14 +284,15 @@ def test_the_base_install_serves_mqtt_from_the_wheel_without_the_checkout(base_v
 
 
 @pytest.mark.slow
-def test_the_base_install_names_the_extra_each_optional_command_needs(base_venv, tmp_path):
+def test_the_base_install_names_the_extra_each_optional_command_needs(base_venv, dist, tmp_path):
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(base_venv / "bin" / "lightgate"), *args], cwd=tmp_path, capture_output=True,
                               text=True, timeout=60, env=clean_env())
 
+    pip = f"{base_venv / 'bin' / 'python'} -m pip install --find-links {dist}"
     for command, line in OPTIONAL.items():
         done = run(*command.split())
-        assert (done.returncode, done.stdout, done.stderr) == (2, "", line + "\n")
+        assert (done.returncode, done.stdout, done.stderr) == (2, "", line.format(pip=pip) + "\n")
     assert run("--version").stdout == f"lightgate {__version__}\n"
     # bench and spark_analytics are in the wheel (importable), only usable with their extras.
     imported = subprocess.run([str(base_venv / "bin" / "python"), "-c", "import bench, spark_analytics"],
