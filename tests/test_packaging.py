@@ -117,7 +117,7 @@ def test_extras_hold_the_heavy_packages_and_dev_holds_them_all():
 
 # --- the systemd unit ---------------------------------------------------------------------------------------
 
-UNIT = ROOT / "packaging" / "lightgate.service"
+UNIT = ROOT / "gateway" / "app" / "lightgate.service"
 
 
 def unit_service() -> configparser.SectionProxy:
@@ -140,19 +140,55 @@ def test_the_unit_runs_serve_as_a_notify_service_reloaded_by_sighup():
     assert conf["node.data"] == "/var/lib/" + service["StateDirectory"]  # the directory systemd makes writable
 
 
-def test_systemd_analyze_verifies_the_unit(tmp_path):
+def systemd_verify(unit_text: str, directory: Path) -> None:
+    """``systemd-analyze verify`` accepts the unit: it exits 0 on unknown keys and bad values and only warns, so
+    any output is a failure (it also checks that ExecStart's program exists and is executable)."""
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed (apt-get install systemd)")
+    unit = directory / "lightgate.service"
+    unit.write_text(unit_text)
+    done = subprocess.run(["systemd-analyze", "verify", str(unit)], cwd=directory, capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout + done.stderr) == (0, "")
+
+
+def exec_start(unit_text: str) -> list[str]:
+    (line,) = [line for line in unit_text.splitlines() if line.startswith("ExecStart=")]
+    return shlex.split(line.removeprefix("ExecStart="))
+
+
+def test_systemd_analyze_verifies_the_unit_this_install_prints(tmp_path):
+    """``lightgate systemd-unit`` in the test environment (an editable install of a checkout, not under /opt)."""
     lightgate = Path(sys.executable).with_name("lightgate")
     if not lightgate.exists():
         pytest.skip(f"no lightgate script next to {sys.executable} for ExecStart (pip install -e .)")
-    # verify checks that ExecStart's program exists: point it at this environment's lightgate.
-    unit = tmp_path / "lightgate.service"
-    unit.write_text(UNIT.read_text().replace("/opt/lightgate/bin/lightgate", str(lightgate)))
-    done = subprocess.run(["systemd-analyze", "verify", str(unit)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
-    # verify exits 0 on unknown keys and bad values; it only warns, so any output is a failure.
-    assert (done.returncode, done.stdout + done.stderr) == (0, "")
+    done = subprocess.run([str(lightgate), "systemd-unit"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert exec_start(done.stdout) == [str(lightgate), "serve", "--data", "/var/lib/lightgate"]
+    systemd_verify(done.stdout, tmp_path)
+
+
+def test_a_checkout_that_is_not_installed_prints_a_unit_running_its_python_with_the_checkout_on_its_path(tmp_path):
+    python = tmp_path / "bare python"  # no lightgate script beside it; a space, which ExecStart must quote
+    python.mkdir()
+    (python / "python").symlink_to(sys.executable)
+    done = subprocess.run([str(python / "python"), "-m", "gateway.app.cli", "systemd-unit"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert exec_start(done.stdout)[:3] == [str(python / "python"), "-m", "gateway.app.cli"]
+    assert f'Environment="PYTHONPATH={ROOT}"' in done.stdout or f"Environment=PYTHONPATH={ROOT}" in done.stdout
+    assert "PrivateTmp=no" in done.stdout.splitlines()  # the service's own empty /tmp would hide this python
+    systemd_verify(done.stdout, tmp_path)
+
+
+def test_an_install_in_a_home_directory_stays_visible_to_the_service(tmp_path):
+    from gateway.app.unit import render_unit
+
+    text = render_unit(["/home/alice/venvs/lightgate 1/bin/lightgate"])
+    assert exec_start(text) == ["/home/alice/venvs/lightgate 1/bin/lightgate", "serve", "--data", "/var/lib/lightgate"]
+    assert "ProtectHome=read-only" in text.splitlines() and "PrivateTmp=yes" in text.splitlines()
+    assert render_unit(["/opt/lightgate/bin/lightgate"]) == UNIT.read_text()  # the shipped unit is /opt's
 
 
 # --- the Dockerfile -----------------------------------------------------------------------------------------
@@ -238,6 +274,7 @@ def test_the_wheel_holds_the_packages_the_dashboard_and_the_split_requirements(d
         names = set(zf.namelist())
         meta = zf.read(f"lightgate-{__version__}.dist-info/METADATA").decode()
     assert "gateway/ops/dashboard.html" in names  # served by GET /
+    assert "gateway/app/lightgate.service" in names  # printed by lightgate systemd-unit
     assert {f"{p}/__init__.py" for p in PACKAGES} <= names  # bench too: lightgate bench/simulate import it
     assert not any(n.startswith(("tests/", "bench/results/")) for n in names)
     requires = re.findall(r"^Requires-Dist: (.*)$", meta, re.MULTILINE)
@@ -247,7 +284,7 @@ def test_the_wheel_holds_the_packages_the_dashboard_and_the_split_requirements(d
     assert set(re.findall(r"^Provides-Extra: (.*)$", meta, re.MULTILINE)) == {"analytics", "bench", "dev", "tier"}
     with tarfile.open(sdist) as tf:
         members = {m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name}
-    assert {"pyproject.toml", "gateway/ops/dashboard.html", "tests/test_packaging.py", "packaging/lightgate.service",
+    assert {"pyproject.toml", "gateway/ops/dashboard.html", "tests/test_packaging.py", "gateway/app/lightgate.service",
             "Dockerfile", "Makefile"} <= members
 
 
@@ -298,6 +335,16 @@ def test_the_base_install_names_the_extra_each_optional_command_needs(base_venv,
     imported = subprocess.run([str(base_venv / "bin" / "python"), "-c", "import bench, spark_analytics"],
                               cwd=tmp_path, capture_output=True, text=True, timeout=60, env=clean_env())
     assert imported.returncode == 0, imported.stderr
+
+
+@pytest.mark.slow
+def test_the_wheel_prints_a_unit_systemd_verifies_for_its_own_install(base_venv, tmp_path):
+    lightgate = base_venv / "bin" / "lightgate"
+    done = subprocess.run([str(lightgate), "systemd-unit"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env=clean_env())
+    assert done.returncode == 0, done.stderr
+    assert exec_start(done.stdout) == [str(lightgate), "serve", "--data", "/var/lib/lightgate"]
+    systemd_verify(done.stdout, tmp_path)
 
 
 @pytest.mark.slow

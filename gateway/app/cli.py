@@ -241,6 +241,13 @@ def _cmd_passwd(args: argparse.Namespace, conf: cfg.Config) -> int:
     return 0
 
 
+def _cmd_systemd_unit(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from gateway.app.unit import render_unit, this_install
+
+    sys.stdout.write(render_unit(*this_install()))
+    return 0
+
+
 def _cmd_simulate(args: argparse.Namespace, conf: cfg.Config) -> int:
     from bench.simulate import run
 
@@ -290,6 +297,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         help="read the password from the first line of standard input (for scripts)")
     action.add_argument("--delete", action="store_true", help="remove USER instead")
     p.set_defaults(handler=_cmd_passwd)
+
+    p = sub.add_parser("systemd-unit", help="print the systemd unit that runs `lightgate serve` from this install",
+                       description="Print the systemd unit of `lightgate serve` with ExecStart naming this "
+                                   "install's lightgate: lightgate systemd-unit > "
+                                   "/etc/systemd/system/lightgate.service (docs/operations.md).")
+    p.set_defaults(handler=_cmd_systemd_unit)
 
     p = sub.add_parser("bench", help="run a benchmark (prints a BENCH <json> line per benchmark; the bench extra)")
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
