@@ -30,9 +30,9 @@ from tests.helpers.processes import LightgateProcess
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 BASE_COMMANDS = ("serve", "store", "gateway", "bridge", "passwd", "config")
-OPTIONAL_MODULES = {"store.tier", "store.tierfiles"}
+OPTIONAL_MODULES = {"store.tier", "store.tierfiles", "gateway.app.certs"}
 """The Parquet tier: the store imports it only when ``tier.uri`` is set, and says to install the tier extra
-when pyarrow is missing (store/node.py, ``open_store``)."""
+when pyarrow is missing (store/node.py, ``open_store``); the test CA of ``lightgate tls-certs`` (the tls extra)."""
 """The commands the base install must run (the others need an extra)."""
 
 PACKAGES = ("gateway", "store", "lightqueue", "notify", "retain", "spark_analytics", "bench")
@@ -43,6 +43,7 @@ HEAVY = {"pyspark", "pyarrow", "pandas", "numpy", "matplotlib", "amqtt", "rich",
 """What the base install must not pull in (the 1.1 GB that made `make run` slow)."""
 
 OPTIONAL = {
+    "tls-certs --out pki --host localhost": "lightgate tls-certs needs the tls extra: {pip} 'lightgate[tls]'",
     "analytics": "lightgate analytics needs the analytics extra: {pip} 'lightgate[analytics]'",
     "simulate": "lightgate simulate needs the bench extra: {pip} 'lightgate[bench]'",
     "bench fanin": "lightgate bench needs the bench extra: {pip} 'lightgate[bench]'",
@@ -110,7 +111,8 @@ def test_extras_hold_the_heavy_packages_and_dev_holds_them_all():
     assert not base & HEAVY
     assert {"pyspark", "pyarrow", "pandas", "numpy"} <= {requirement_name(r) for r in extras["analytics"]}
     assert {"amqtt", "hdrhistogram", "psutil", "rich"} <= {requirement_name(r) for r in extras["bench"]}
-    assert "lightgate[analytics,bench,tier]" in extras["dev"]  # make test installs the extras through dev
+    assert "lightgate[analytics,bench,tier,tls]" in extras["dev"]  # make test installs the extras through dev
+    assert {requirement_name(r) for r in extras["tls"]} == {"cryptography"}  # lightgate tls-certs
     assert {requirement_name(r) for r in extras["tier"]} == {"pyarrow"}  # the store's Parquet tier (tier.uri)
     assert {"pytest", "selenium", "build"} <= {requirement_name(r) for r in extras["dev"]}
 
@@ -281,7 +283,8 @@ def test_the_wheel_holds_the_packages_the_dashboard_and_the_split_requirements(d
     base = {requirement_name(r) for r in requires if "extra ==" not in r}
     assert base == {requirement_name(r) for r in PYPROJECT["project"]["dependencies"]}
     assert any(r.startswith("pyspark") and 'extra == "analytics"' in r for r in requires)
-    assert set(re.findall(r"^Provides-Extra: (.*)$", meta, re.MULTILINE)) == {"analytics", "bench", "dev", "tier"}
+    extras = {"analytics", "bench", "dev", "tier", "tls"}
+    assert set(re.findall(r"^Provides-Extra: (.*)$", meta, re.MULTILINE)) == extras
     with tarfile.open(sdist) as tf:
         members = {m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name}
     assert {"pyproject.toml", "gateway/ops/dashboard.html", "tests/test_packaging.py", "gateway/app/lightgate.service",

@@ -48,6 +48,7 @@ The modules import trio, the store and the load generator; they are imported
 only when the command is ``bench``, so other commands start without them."""
 
 EXTRAS = {
+    "tls-certs": ("tls",),
     "analytics": ("analytics",),
     "simulate": ("bench",),
     "bench": ("bench",),
@@ -241,6 +242,30 @@ def _cmd_passwd(args: argparse.Namespace, conf: cfg.Config) -> int:
     return 0
 
 
+def _cmd_tls_certs(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from pathlib import Path
+
+    from gateway.app.certs import issue
+
+    out = Path(args.out)
+    try:
+        issued = issue(out, args.host, args.client, days=args.days)
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"lightgate tls-certs: {exc}\n")
+        return 1
+    lines = [f"wrote {path}" for path in issued.files]
+    if not issued.new_ca:
+        lines.append(f"signed with the existing CA {out / 'ca.pem'}")
+    if args.host:
+        lines.append(f"serve TLS with: --tls-port 8883 --tls-certfile {out / 'server.pem'} "
+                     f"--tls-keyfile {out / 'server.key'}")
+    if args.client:
+        lines.append(f"ask clients for certificates with: --tls-cafile {out / 'ca.pem'} "
+                     f"(and --tls-require-client-cert for mTLS)")
+    sys.stdout.write("".join(line + "\n" for line in lines))
+    return 0
+
+
 def _cmd_systemd_unit(args: argparse.Namespace, conf: cfg.Config) -> int:
     from gateway.app.unit import render_unit, this_install
 
@@ -297,6 +322,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         help="read the password from the first line of standard input (for scripts)")
     action.add_argument("--delete", action="store_true", help="remove USER instead")
     p.set_defaults(handler=_cmd_passwd)
+
+    p = sub.add_parser("tls-certs", help="write a test CA, a server certificate and client certificates for "
+                                         "trying TLS and mTLS (the tls extra)",
+                       description="Write ca.pem/ca.key (reused if DIR has them), server.pem/server.key for every "
+                                   "--host, and NAME.pem/NAME.key per --client (CN = NAME) into DIR; keys mode 0600. "
+                                   "Existing files are not overwritten. Exit 1 with the reason otherwise.")
+    p.add_argument("--out", metavar="DIR", required=True, help="the directory to write into (created if missing)")
+    p.add_argument("--host", metavar="NAME", action="append", default=[],
+                   help="a DNS name or IP address clients reach the node by (repeat; the first is the CN)")
+    p.add_argument("--client", metavar="NAME", action="append", default=[],
+                   help="a client certificate with CN = NAME, for mTLS (repeat)")
+    p.add_argument("--days", type=int, default=365, help="validity of the server and client certificates")
+    p.set_defaults(handler=_cmd_tls_certs)
 
     p = sub.add_parser("systemd-unit", help="print the systemd unit that runs `lightgate serve` from this install",
                        description="Print the systemd unit of `lightgate serve` with ExecStart naming this "
