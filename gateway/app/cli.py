@@ -27,20 +27,20 @@ if TYPE_CHECKING:
 LOG = logging.getLogger("lightgate")
 
 BENCHMARKS = {
-    "store": ("bench.store", "CommitLog appends (async and sync group commit) next to the raw disk"),
-    "index": ("bench.index", "light queues: dispatch rate, filter match, pull latency, bytes per message"),
-    "analytics": ("bench.analytics", "rows/s of the Spark per-device telemetry aggregation"),
-    "fanin": ("bench.fanin", "many publishers -> one tele/# subscriber, as fast as possible"),
-    "fanin-rate": ("bench.fanin_rate", "fan-in at a fixed 5,000 msg/s, QoS 1: loss and latency"),
-    "fanout": ("bench.fanout", "one publisher -> 1,000 subscribers on cmd/+ and cmd/broadcast"),
-    "conns": ("bench.conns", "idle connections: broker memory per connection"),
-    "churn": ("bench.churn", "persistent sessions publishing, disconnecting and resuming: connects/s, loss"),
-    "offline-fanout": ("bench.offline_fanout",
+    "store": ("gateway.bench.store", "CommitLog appends (async and sync group commit) next to the raw disk"),
+    "index": ("gateway.bench.index", "light queues: dispatch rate, filter match, pull latency, bytes per message"),
+    "analytics": ("gateway.bench.analytics", "rows/s of the Spark per-device telemetry aggregation"),
+    "fanin": ("gateway.bench.fanin", "many publishers -> one tele/# subscriber, as fast as possible"),
+    "fanin-rate": ("gateway.bench.fanin_rate", "fan-in at a fixed 5,000 msg/s, QoS 1: loss and latency"),
+    "fanout": ("gateway.bench.fanout", "one publisher -> 1,000 subscribers on cmd/+ and cmd/broadcast"),
+    "conns": ("gateway.bench.conns", "idle connections: broker memory per connection"),
+    "churn": ("gateway.bench.churn", "persistent sessions publishing, disconnecting and resuming: connects/s, loss"),
+    "offline-fanout": ("gateway.bench.offline_fanout",
                        "10,000 offline persistent sessions, 1,000 broadcasts, then all reconnect: delivered, RSS, disk"),
-    "durability": ("bench.durability",
+    "durability": ("gateway.bench.durability",
                    "QoS 1 (or --qos 2) under load, broker SIGKILLed and restarted 10 times: acked but lost"),
-    "hostile": ("bench.hostile", "hostile clients (big topics, many filters, User Properties, partial-packet churn)"
-                " beside a canary: its latency, the broker's RSS and CPU"),
+    "hostile": ("gateway.bench.hostile", "hostile clients (big topics, many filters, User Properties, partial-packet "
+                                         "churn) beside a canary: its latency, the broker's RSS and CPU"),
 }
 """``lightgate bench NAME`` -> (module with ``add_arguments(parser)`` and ``run(args) -> dict``, help).
 
@@ -179,8 +179,8 @@ def _cmd_config(args: argparse.Namespace, conf: cfg.Config) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, conf: cfg.Config) -> int:
-    from bench.common import emit
-    from bench.history import main as report, show
+    from gateway.bench.common import emit
+    from gateway.bench.history import main as report, show
 
     if args.bench == "report":
         return report(args)
@@ -274,7 +274,7 @@ def _cmd_systemd_unit(args: argparse.Namespace, conf: cfg.Config) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace, conf: cfg.Config) -> int:
-    from bench.simulate import run
+    from gateway.bench.simulate import run
 
     return run(args)
 
@@ -349,7 +349,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                               description="Print the results table of bench/results/*.jsonl and write "
                                           "bench/results/charts/<scenario>.png.")
     if argv is None or argv[:1] == ["bench"]:
-        importlib.import_module("bench.history").add_arguments(rp)
+        importlib.import_module("gateway.bench.history").add_arguments(rp)
     for name, (module_name, help_text) in BENCHMARKS.items():
         bp = bench_sub.add_parser(name, help=help_text, description=help_text)
         if argv is None or argv[:1] == ["bench"]:
@@ -365,7 +365,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="a fleet of paho-mqtt devices against any MQTT broker: throughput, "
                                         "latency percentiles, lost messages (the bench extra)")
     if argv is None or argv[:1] == ["simulate"]:
-        importlib.import_module("bench.simulate").add_arguments(p)
+        importlib.import_module("gateway.bench.simulate").add_arguments(p)
     p.set_defaults(handler=_cmd_simulate)
 
     parser.add_argument("--version", action="version", version=f"lightgate {__version__}")

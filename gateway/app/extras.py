@@ -24,6 +24,8 @@ from importlib import metadata
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from gateway import checkout
+
 DISTRIBUTION = "lightgate"
 
 EXTRA_MARKER = re.compile(r"""\bextra\s*==\s*["']([^"']+)["']""")
@@ -33,10 +35,6 @@ REQUIREMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 """A requirement's distribution name: what comes before its extras, version and marker."""
 
 
-CHECKOUT = Path(__file__).resolve().parents[2]
-"""The directory holding the ``gateway`` package: a checkout when it has a pyproject.toml, site-packages if not."""
-
-
 def _requirements() -> list[str]:
     """lightgate's requirements as installed metadata lists them (``name>=1; extra == "x"``), or as the checkout's
     pyproject.toml does when lightgate runs from a checkout that is not installed; empty if neither is there."""
@@ -44,8 +42,9 @@ def _requirements() -> list[str]:
         return metadata.requires(DISTRIBUTION) or []
     except metadata.PackageNotFoundError:
         pass
+    source = checkout()
     try:
-        project = tomllib.loads((CHECKOUT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+        project = tomllib.loads((source / "pyproject.toml").read_text(encoding="utf-8"))["project"] if source else {}
     except (OSError, ValueError, KeyError):
         return []
     return [f'{requirement}; extra == "{extra}"'
@@ -92,8 +91,8 @@ def install_command(extras: Iterable[str]) -> str:
     try:
         origin = json.loads(metadata.distribution(DISTRIBUTION).read_text("direct_url.json") or "{}")
     except metadata.PackageNotFoundError:
-        if (CHECKOUT / "pyproject.toml").exists():
-            return f"{pip} -e {shlex.quote(f'{CHECKOUT}{wanted}')}"
+        if source := checkout():
+            return f"{pip} -e {shlex.quote(f'{source}{wanted}')}"
         origin = {}
     except ValueError:
         origin = {}

@@ -17,6 +17,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from gateway import SOURCE_DIR
+
 __all__ = ["render_unit", "this_install"]
 
 UNIT = "lightgate.service"
@@ -30,10 +32,6 @@ HIDING = (
     ("PrivateTmp", ("/tmp", "/var/tmp"), "no"),  # =yes gives the service an empty /tmp of its own
 )
 """(setting, directories it hides from the service, the value that lets it see an install there)."""
-
-CHECKOUT = Path(__file__).resolve().parents[2]
-"""The directory holding the ``gateway`` package (a checkout or site-packages)."""
-
 
 def _word(text: str, *, command: bool = True) -> str:
     """``text`` as one word of a systemd command line (or an ``Environment=`` assignment, where ``$`` is not
@@ -54,7 +52,7 @@ def this_install() -> tuple[list[str], dict[str, str]]:
     script = Path(sys.executable).with_name("lightgate")
     if script.is_file():
         return [str(script)], {}
-    return [sys.executable, "-m", "gateway.app.cli"], {"PYTHONPATH": str(CHECKOUT)}
+    return [sys.executable, "-m", "gateway.app.cli"], {"PYTHONPATH": str(SOURCE_DIR)}
 
 
 def render_unit(program: list[str], environment: dict[str, str] | None = None) -> str:
