@@ -356,12 +356,16 @@ def test_the_wheel_prints_a_unit_systemd_verifies_for_its_own_install(base_venv,
 
 
 @pytest.mark.slow
-def test_the_base_install_refuses_a_tier_with_one_line_naming_the_tier_extra(base_venv, tmp_path):
-    """``tier.uri`` set on a node without pyarrow: no traceback, exit 1, one line saying what to install."""
-    done = subprocess.run([str(base_venv / "bin" / "lightgate"), "serve", "--port", "0", "--admin-port", "0",
+@pytest.mark.parametrize("command", [["serve", "--port", "0", "--admin-port", "0"],
+                                     ["store", "--listen", "127.0.0.1:0"]], ids=["serve", "store"])
+def test_the_base_install_refuses_a_tier_with_one_line_naming_the_tier_extra(base_venv, dist, tmp_path, command):
+    """``tier.uri`` set on a node without pyarrow: no traceback, exit 1, one line saying what to install, with the
+    venv's pip and the wheel's directory."""
+    done = subprocess.run([str(base_venv / "bin" / "lightgate"), *command,
                            "--data", str(tmp_path / "data"), "--tier-uri", str(tmp_path / "tier"), "--log-json"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120, env=clean_env())
     assert done.returncode == 1
     errors = [json.loads(line) for line in done.stderr.splitlines() if '"error"' in line]
-    assert len(errors) == 1 and "pip install 'lightgate[tier]'" in errors[0]["msg"], done.stderr
-    assert "Traceback" not in done.stderr
+    pip = f"{base_venv / 'bin' / 'python'} -m pip install --find-links {dist}"
+    assert len(errors) == 1 and f"needs the tier extra: {pip} 'lightgate[tier]'" in errors[0]["msg"], done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "data").exists()

@@ -63,9 +63,20 @@ NODE_USAGE = "%(prog)s [-h] [--config FILE] [--FLAG VALUE ...]"
 """The usage line of the node commands: their flags, one per option, are listed by section below it."""
 
 
+def _lacks_the_tier(command: str, node: str, conf: cfg.Config) -> bool:
+    """Log the one line saying how to install the tier extra when ``tier.uri`` is set without it (store/node.py
+    would refuse too, but cannot tell how lightgate was installed)."""
+    lacking = extras.missing_line(f"{command} with tier.uri set", ["tier"]) if conf["tier.uri"] else None
+    if lacking:
+        LOG.error("%s node not started: %s", node, lacking)
+    return lacking is not None
+
+
 def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
     from gateway.app.embedded import run_gateway_node
 
+    if _lacks_the_tier("serve", "gateway", conf):
+        return 1
     LOG.info("starting embedded node", extra={"ctx": {"data": conf["node.data"]}})
     return run_gateway_node(conf)
 
@@ -75,6 +86,8 @@ def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
     from gateway.mqtt.session import clamp_session_blob
     from gateway.app.store_node import run_store_node
 
+    if _lacks_the_tier("store", "store", conf):
+        return 1
     reloader = Reloader(conf)
     try:
         access = _store_access(conf, reloader)
