@@ -2,7 +2,8 @@
 
 ``lightgate serve``, ``store``, ``gateway``, ``bridge``, ``passwd`` and ``config``
 run on the base install; ``analytics`` needs the ``analytics`` extra (Spark),
-``bench`` and ``simulate`` the ``bench`` extra. The extras' contents are read
+``bench`` and ``simulate`` the ``bench`` extra, ``tls-certs`` the ``tls`` extra
+(and a node with ``tier.uri`` set the ``tier`` extra). The extras' contents are read
 from the installed package's metadata (or, run from a checkout that is not
 installed, from its pyproject.toml), so pyproject.toml stays the one list.
 
@@ -83,8 +84,8 @@ def install_command(extras: Iterable[str]) -> str:
     An editable install (``pip install -e``, ``make venv``) or a checkout that is
     not installed gets ``pip install -e '<checkout>[extras]'``; an install from
     a source directory ``pip install '<directory>[extras]'``; an install from a
-    wheel file whose directory is still there ``--find-links <directory>``; any
-    other install (from an index) ``pip install 'lightgate[extras]'``.
+    wheel file that is still there ``--find-links <its directory>``; any other
+    install (from an index) ``pip install 'lightgate[extras]'``.
     """
     wanted = f"[{','.join(extras)}]"
     pip = f"{shlex.quote(sys.executable)} -m pip install"
@@ -101,6 +102,6 @@ def install_command(extras: Iterable[str]) -> str:
     if where is not None and "dir_info" in origin:
         editable = "-e " if origin["dir_info"].get("editable") else ""
         return f"{pip} {editable}{shlex.quote(f'{where}{wanted}')}"
-    if where is not None and where.parent.is_dir():
+    if where is not None and where.is_file():
         return f"{pip} --find-links {shlex.quote(str(where.parent))} {shlex.quote(DISTRIBUTION + wanted)}"
     return f"{pip} {shlex.quote(DISTRIBUTION + wanted)}"

@@ -33,10 +33,13 @@ HIDING = (
 )
 """(setting, directories it hides from the service, the value that lets it see an install there)."""
 
+
 def _word(text: str, *, command: bool = True) -> str:
     """``text`` as one word of a systemd command line (or an ``Environment=`` assignment, where ``$`` is not
     expanded): ``%`` and ``$`` taken literally, quoted if it has spaces."""
-    text = text.replace("%", "%%").replace("$", "$$" if command else "$")
+    text = text.replace("%", "%%")
+    if command:
+        text = text.replace("$", "$$")
     if re.search(r'[\s"\'\\]', text):
         return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return text
@@ -71,5 +74,6 @@ def render_unit(program: list[str], environment: dict[str, str] | None = None) -
             text = re.sub(rf"^{setting}=.*$", f"{setting}={value}", text, count=1, flags=re.M)
     start = " ".join(_word(word) for word in program)
     text = text.replace(f"ExecStart={SHIPPED_PROGRAM} ", f"ExecStart={start} ", 1)
-    lines = "".join(f"Environment={_word(f'{name}={value}', command=False)}\n" for name, value in environment.items())
+    lines = "".join(f"Environment={_word(f'{name}={value}', command=False)}\n"
+                    for name, value in environment.items())
     return text.replace("\nExecStart=", f"\n{lines}ExecStart=", 1)
