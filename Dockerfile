@@ -19,7 +19,6 @@ COPY lightqueue lightqueue
 COPY notify notify
 COPY retain retain
 COPY spark_analytics spark_analytics
-COPY bench bench
 RUN python -m pip wheel --no-cache-dir --wheel-dir /wheels .
 
 # Stage 2: the base install in a virtual environment, run by an unprivileged user.

@@ -35,6 +35,7 @@ import msgspec
 from lightqueue.results import PullResult
 from lightqueue.topics import SHARE_PREFIX as TOPIC_SHARE_PREFIX
 from store.log.record import Record
+from store.usage import ProcessUsage
 
 __all__ = [
     "GROUP_PREFIX", "SHARE_PREFIX", "AdminOp", "Flow", "LeaseLost", "LogSpan", "NewMessage", "PullRequest",
@@ -61,6 +62,7 @@ class AdminOp(enum.StrEnum):
     CLIENTS = "clients"  # a page of the node's clients (``GET /api/v1/clients``; the query in the ask)
     SESSIONS = "sessions"  # the node's sessions (``GET /api/v1/sessions``)
     QUEUES = "queues"  # the queues its sessions read (``GET /api/v1/queues``)
+    NODE = "node"  # the node itself: its process's CPU and memory, its clients (``GET /api/v1/nodes``)
 
 
 class NewMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -117,6 +119,7 @@ class StoreStatistics(msgspec.Struct, frozen=True, array_like=True):
     notify_by_node: dict[str, int] = {}  # attached node -> events routed to it
     corrupt_records: int = 0  # corrupt CommitLog records found and skipped since the store started (each once)
     disk_full: bool = False  # the data disk is full: new messages are refused until space frees
+    process: ProcessUsage | None = None  # the store node's process: pid, CPU seconds, RSS (the cluster view)
 
     @property
     def dispatch_lag(self) -> int:

@@ -55,6 +55,7 @@ from store.log.record import Record, decode_record, new_record, now_ms
 from store.rocks import open_db, open_family
 from store.space import DiskSpace
 from store.tasks import background
+from store.usage import process_usage
 
 LOGGER = logging.getLogger(__name__)
 
@@ -403,6 +404,7 @@ class StoreNode:
             notify_by_node=dict(notify.sent),
             corrupt_records=stats.corrupt_records,
             disk_full=self.disk_full,
+            process=process_usage(),
         )
 
     # --- subscriptions and offsets ----------------------------------------------------------

@@ -30,27 +30,31 @@ from tests.helpers.processes import LightgateProcess
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 BASE_COMMANDS = ("serve", "store", "gateway", "bridge", "passwd", "config")
-OPTIONAL_MODULES = {"store.tier", "store.tierfiles"}
+OPTIONAL_MODULES = ("store.tier", "store.tierfiles", "gateway.app.certs", "gateway.bench.")
 """The Parquet tier: the store imports it only when ``tier.uri`` is set, and says to install the tier extra
-when pyarrow is missing (store/node.py, ``open_store``)."""
+when pyarrow is missing (store/node.py, ``open_store``); the test CA of ``lightgate tls-certs`` (the tls extra);
+the benchmarks' modules (the bench extra). Prefixes of module names."""
 """The commands the base install must run (the others need an extra)."""
 
-PACKAGES = ("gateway", "store", "lightqueue", "notify", "retain", "spark_analytics", "bench")
-"""Every package of the wheel (pyproject's find include)."""
+PACKAGES = ("gateway", "store", "lightqueue", "notify", "retain", "spark_analytics")
+"""Every top-level package of the wheel (pyproject's find include), and nothing else: the benchmarks are
+gateway/bench/, their results (bench/results/) are the checkout's data."""
 
 HEAVY = {"pyspark", "pyarrow", "pandas", "numpy", "matplotlib", "amqtt", "rich", "psutil", "hdrhistogram",
          "selenium", "pytest", "hypothesis"}
 """What the base install must not pull in (the 1.1 GB that made `make run` slow)."""
 
 OPTIONAL = {
-    "analytics": "lightgate analytics needs the analytics extra: pip install 'lightgate[analytics]'",
-    "simulate": "lightgate simulate needs the bench extra: pip install 'lightgate[bench]'",
-    "bench fanin": "lightgate bench needs the bench extra: pip install 'lightgate[bench]'",
-    "bench report": "lightgate bench needs the bench extra: pip install 'lightgate[bench]'",
+    "tls-certs --out pki --host localhost": "lightgate tls-certs needs the tls extra: {pip} 'lightgate[tls]'",
+    "analytics": "lightgate analytics needs the analytics extra: {pip} 'lightgate[analytics]'",
+    "simulate": "lightgate simulate needs the bench extra: {pip} 'lightgate[bench]'",
+    "bench fanin": "lightgate bench needs the bench extra: {pip} 'lightgate[bench]'",
+    "bench report": "lightgate bench needs the bench extra: {pip} 'lightgate[bench]'",
     "bench analytics": "lightgate bench analytics needs the bench and analytics extras: "
-                       "pip install 'lightgate[bench,analytics]'",
+                       "{pip} 'lightgate[bench,analytics]'",
 }
-"""Command line -> the one line that refuses it on the base install."""
+"""Command line -> the one line that refuses it on the base install; ``{pip}`` is the venv's pip, told to look in
+the directory of the wheel it was installed from (tests/gateway/app/test_extras.py: the checkout's lines)."""
 
 
 def normalized(name: str) -> str:
@@ -89,7 +93,7 @@ def test_broker_commands_load_only_base_dependencies():
         "    build_parser([command])\n"
         "for package in ('gateway', 'store', 'lightqueue', 'notify', 'retain'):\n"
         "    for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + '.'):\n"
-        f"        if info.name not in {sorted(OPTIONAL_MODULES)!r}:\n"
+        f"        if not info.name.startswith({OPTIONAL_MODULES!r}):\n"
         "            importlib.import_module(info.name)\n"
         "tops = {name.split('.')[0] for name in set(sys.modules) - before}\n"
         "dists = metadata.packages_distributions()\n"
@@ -109,14 +113,15 @@ def test_extras_hold_the_heavy_packages_and_dev_holds_them_all():
     assert not base & HEAVY
     assert {"pyspark", "pyarrow", "pandas", "numpy"} <= {requirement_name(r) for r in extras["analytics"]}
     assert {"amqtt", "hdrhistogram", "psutil", "rich"} <= {requirement_name(r) for r in extras["bench"]}
-    assert "lightgate[analytics,bench,tier]" in extras["dev"]  # make test installs the extras through dev
+    assert "lightgate[analytics,bench,tier,tls]" in extras["dev"]  # make test installs the extras through dev
+    assert {requirement_name(r) for r in extras["tls"]} == {"cryptography"}  # lightgate tls-certs
     assert {requirement_name(r) for r in extras["tier"]} == {"pyarrow"}  # the store's Parquet tier (tier.uri)
     assert {"pytest", "selenium", "build"} <= {requirement_name(r) for r in extras["dev"]}
 
 
 # --- the systemd unit ---------------------------------------------------------------------------------------
 
-UNIT = ROOT / "packaging" / "lightgate.service"
+UNIT = ROOT / "gateway" / "app" / "lightgate.service"
 
 
 def unit_service() -> configparser.SectionProxy:
@@ -139,19 +144,55 @@ def test_the_unit_runs_serve_as_a_notify_service_reloaded_by_sighup():
     assert conf["node.data"] == "/var/lib/" + service["StateDirectory"]  # the directory systemd makes writable
 
 
-def test_systemd_analyze_verifies_the_unit(tmp_path):
+def systemd_verify(unit_text: str, directory: Path) -> None:
+    """``systemd-analyze verify`` accepts the unit: it exits 0 on unknown keys and bad values and only warns, so
+    any output is a failure (it also checks that ExecStart's program exists and is executable)."""
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed (apt-get install systemd)")
+    unit = directory / "lightgate.service"
+    unit.write_text(unit_text)
+    done = subprocess.run(["systemd-analyze", "verify", str(unit)], cwd=directory, capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout + done.stderr) == (0, "")
+
+
+def exec_start(unit_text: str) -> list[str]:
+    (line,) = [line for line in unit_text.splitlines() if line.startswith("ExecStart=")]
+    return shlex.split(line.removeprefix("ExecStart="))
+
+
+def test_systemd_analyze_verifies_the_unit_this_install_prints(tmp_path):
+    """``lightgate systemd-unit`` in the test environment (an editable install of a checkout, not under /opt)."""
     lightgate = Path(sys.executable).with_name("lightgate")
     if not lightgate.exists():
         pytest.skip(f"no lightgate script next to {sys.executable} for ExecStart (pip install -e .)")
-    # verify checks that ExecStart's program exists: point it at this environment's lightgate.
-    unit = tmp_path / "lightgate.service"
-    unit.write_text(UNIT.read_text().replace("/opt/lightgate/bin/lightgate", str(lightgate)))
-    done = subprocess.run(["systemd-analyze", "verify", str(unit)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
-    # verify exits 0 on unknown keys and bad values; it only warns, so any output is a failure.
-    assert (done.returncode, done.stdout + done.stderr) == (0, "")
+    done = subprocess.run([str(lightgate), "systemd-unit"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert exec_start(done.stdout) == [str(lightgate), "serve", "--data", "/var/lib/lightgate"]
+    systemd_verify(done.stdout, tmp_path)
+
+
+def test_a_checkout_that_is_not_installed_prints_a_unit_running_its_python_with_the_checkout_on_its_path(tmp_path):
+    python = tmp_path / "bare python"  # no lightgate script beside it; a space, which ExecStart must quote
+    python.mkdir()
+    (python / "python").symlink_to(sys.executable)
+    done = subprocess.run([str(python / "python"), "-m", "gateway.app.cli", "systemd-unit"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert exec_start(done.stdout)[:3] == [str(python / "python"), "-m", "gateway.app.cli"]
+    assert f'Environment="PYTHONPATH={ROOT}"' in done.stdout or f"Environment=PYTHONPATH={ROOT}" in done.stdout
+    assert "PrivateTmp=no" in done.stdout.splitlines()  # the service's own empty /tmp would hide this python
+    systemd_verify(done.stdout, tmp_path)
+
+
+def test_an_install_in_a_home_directory_stays_visible_to_the_service(tmp_path):
+    from gateway.app.unit import render_unit
+
+    text = render_unit(["/home/alice/venvs/lightgate 1/bin/lightgate"])
+    assert exec_start(text) == ["/home/alice/venvs/lightgate 1/bin/lightgate", "serve", "--data", "/var/lib/lightgate"]
+    assert "ProtectHome=read-only" in text.splitlines() and "PrivateTmp=yes" in text.splitlines()
+    assert render_unit(["/opt/lightgate/bin/lightgate"]) == UNIT.read_text()  # the shipped unit is /opt's
 
 
 # --- the Dockerfile -----------------------------------------------------------------------------------------
@@ -237,16 +278,18 @@ def test_the_wheel_holds_the_packages_the_dashboard_and_the_split_requirements(d
         names = set(zf.namelist())
         meta = zf.read(f"lightgate-{__version__}.dist-info/METADATA").decode()
     assert "gateway/ops/dashboard.html" in names  # served by GET /
-    assert {f"{p}/__init__.py" for p in PACKAGES} <= names  # bench too: lightgate bench/simulate import it
-    assert not any(n.startswith(("tests/", "bench/results/")) for n in names)
+    assert "gateway/app/lightgate.service" in names  # printed by lightgate systemd-unit
+    assert {name.split("/")[0] for name in names} == {*PACKAGES, f"lightgate-{__version__}.dist-info"}
+    assert {f"{p}/__init__.py" for p in PACKAGES} | {"gateway/bench/__init__.py"} <= names  # lightgate bench imports it
     requires = re.findall(r"^Requires-Dist: (.*)$", meta, re.MULTILINE)
     base = {requirement_name(r) for r in requires if "extra ==" not in r}
     assert base == {requirement_name(r) for r in PYPROJECT["project"]["dependencies"]}
     assert any(r.startswith("pyspark") and 'extra == "analytics"' in r for r in requires)
-    assert set(re.findall(r"^Provides-Extra: (.*)$", meta, re.MULTILINE)) == {"analytics", "bench", "dev", "tier"}
+    extras = {"analytics", "bench", "dev", "tier", "tls"}
+    assert set(re.findall(r"^Provides-Extra: (.*)$", meta, re.MULTILINE)) == extras
     with tarfile.open(sdist) as tf:
         members = {m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name}
-    assert {"pyproject.toml", "gateway/ops/dashboard.html", "tests/test_packaging.py", "packaging/lightgate.service",
+    assert {"pyproject.toml", "gateway/ops/dashboard.html", "tests/test_packaging.py", "gateway/app/lightgate.service",
             "Dockerfile", "Makefile"} <= members
 
 
@@ -283,28 +326,46 @@ def test_the_base_install_serves_mqtt_from_the_wheel_without_the_checkout(base_v
 
 
 @pytest.mark.slow
-def test_the_base_install_names_the_extra_each_optional_command_needs(base_venv, tmp_path):
+def test_the_base_install_names_the_extra_each_optional_command_needs(base_venv, dist, tmp_path):
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(base_venv / "bin" / "lightgate"), *args], cwd=tmp_path, capture_output=True,
                               text=True, timeout=60, env=clean_env())
 
+    pip = f"{base_venv / 'bin' / 'python'} -m pip install --find-links {dist}"
     for command, line in OPTIONAL.items():
         done = run(*command.split())
-        assert (done.returncode, done.stdout, done.stderr) == (2, "", line + "\n")
+        assert (done.returncode, done.stdout, done.stderr) == (2, "", line.format(pip=pip) + "\n")
     assert run("--version").stdout == f"lightgate {__version__}\n"
-    # bench and spark_analytics are in the wheel (importable), only usable with their extras.
-    imported = subprocess.run([str(base_venv / "bin" / "python"), "-c", "import bench, spark_analytics"],
+    # gateway.bench and spark_analytics are in the wheel (importable), only usable with their extras; an installed
+    # wheel keeps the benchmarks' results under the working directory, not in site-packages.
+    imported = subprocess.run([str(base_venv / "bin" / "python"), "-c", "import spark_analytics\n"
+                               "from gateway.bench.common import RESULTS_DIR\nprint(RESULTS_DIR.resolve())"],
                               cwd=tmp_path, capture_output=True, text=True, timeout=60, env=clean_env())
     assert imported.returncode == 0, imported.stderr
+    assert imported.stdout == f"{tmp_path.resolve() / 'bench' / 'results'}\n"
 
 
 @pytest.mark.slow
-def test_the_base_install_refuses_a_tier_with_one_line_naming_the_tier_extra(base_venv, tmp_path):
-    """``tier.uri`` set on a node without pyarrow: no traceback, exit 1, one line saying what to install."""
-    done = subprocess.run([str(base_venv / "bin" / "lightgate"), "serve", "--port", "0", "--admin-port", "0",
+def test_the_wheel_prints_a_unit_systemd_verifies_for_its_own_install(base_venv, tmp_path):
+    lightgate = base_venv / "bin" / "lightgate"
+    done = subprocess.run([str(lightgate), "systemd-unit"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env=clean_env())
+    assert done.returncode == 0, done.stderr
+    assert exec_start(done.stdout) == [str(lightgate), "serve", "--data", "/var/lib/lightgate"]
+    systemd_verify(done.stdout, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [["serve", "--port", "0", "--admin-port", "0"],
+                                     ["store", "--listen", "127.0.0.1:0"]], ids=["serve", "store"])
+def test_the_base_install_refuses_a_tier_with_one_line_naming_the_tier_extra(base_venv, dist, tmp_path, command):
+    """``tier.uri`` set on a node without pyarrow: no traceback, exit 1, one line saying what to install, with the
+    venv's pip and the wheel's directory."""
+    done = subprocess.run([str(base_venv / "bin" / "lightgate"), *command,
                            "--data", str(tmp_path / "data"), "--tier-uri", str(tmp_path / "tier"), "--log-json"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120, env=clean_env())
     assert done.returncode == 1
     errors = [json.loads(line) for line in done.stderr.splitlines() if '"error"' in line]
-    assert len(errors) == 1 and "pip install 'lightgate[tier]'" in errors[0]["msg"], done.stderr
-    assert "Traceback" not in done.stderr
+    pip = f"{base_venv / 'bin' / 'python'} -m pip install --find-links {dist}"
+    assert len(errors) == 1 and f"needs the tier extra: {pip} 'lightgate[tier]'" in errors[0]["msg"], done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "data").exists()

@@ -27,20 +27,20 @@ if TYPE_CHECKING:
 LOG = logging.getLogger("lightgate")
 
 BENCHMARKS = {
-    "store": ("bench.store", "CommitLog appends (async and sync group commit) next to the raw disk"),
-    "index": ("bench.index", "light queues: dispatch rate, filter match, pull latency, bytes per message"),
-    "analytics": ("bench.analytics", "rows/s of the Spark per-device telemetry aggregation"),
-    "fanin": ("bench.fanin", "many publishers -> one tele/# subscriber, as fast as possible"),
-    "fanin-rate": ("bench.fanin_rate", "fan-in at a fixed 5,000 msg/s, QoS 1: loss and latency"),
-    "fanout": ("bench.fanout", "one publisher -> 1,000 subscribers on cmd/+ and cmd/broadcast"),
-    "conns": ("bench.conns", "idle connections: broker memory per connection"),
-    "churn": ("bench.churn", "persistent sessions publishing, disconnecting and resuming: connects/s, loss"),
-    "offline-fanout": ("bench.offline_fanout",
+    "store": ("gateway.bench.store", "CommitLog appends (async and sync group commit) next to the raw disk"),
+    "index": ("gateway.bench.index", "light queues: dispatch rate, filter match, pull latency, bytes per message"),
+    "analytics": ("gateway.bench.analytics", "rows/s of the Spark per-device telemetry aggregation"),
+    "fanin": ("gateway.bench.fanin", "many publishers -> one tele/# subscriber, as fast as possible"),
+    "fanin-rate": ("gateway.bench.fanin_rate", "fan-in at a fixed 5,000 msg/s, QoS 1: loss and latency"),
+    "fanout": ("gateway.bench.fanout", "one publisher -> 1,000 subscribers on cmd/+ and cmd/broadcast"),
+    "conns": ("gateway.bench.conns", "idle connections: broker memory per connection"),
+    "churn": ("gateway.bench.churn", "persistent sessions publishing, disconnecting and resuming: connects/s, loss"),
+    "offline-fanout": ("gateway.bench.offline_fanout",
                        "10,000 offline persistent sessions, 1,000 broadcasts, then all reconnect: delivered, RSS, disk"),
-    "durability": ("bench.durability",
+    "durability": ("gateway.bench.durability",
                    "QoS 1 (or --qos 2) under load, broker SIGKILLed and restarted 10 times: acked but lost"),
-    "hostile": ("bench.hostile", "hostile clients (big topics, many filters, User Properties, partial-packet churn)"
-                " beside a canary: its latency, the broker's RSS and CPU"),
+    "hostile": ("gateway.bench.hostile", "hostile clients (big topics, many filters, User Properties, partial-packet "
+                                         "churn) beside a canary: its latency, the broker's RSS and CPU"),
 }
 """``lightgate bench NAME`` -> (module with ``add_arguments(parser)`` and ``run(args) -> dict``, help).
 
@@ -48,6 +48,7 @@ The modules import trio, the store and the load generator; they are imported
 only when the command is ``bench``, so other commands start without them."""
 
 EXTRAS = {
+    "tls-certs": ("tls",),
     "analytics": ("analytics",),
     "simulate": ("bench",),
     "bench": ("bench",),
@@ -62,9 +63,20 @@ NODE_USAGE = "%(prog)s [-h] [--config FILE] [--FLAG VALUE ...]"
 """The usage line of the node commands: their flags, one per option, are listed by section below it."""
 
 
+def _lacks_the_tier(command: str, node: str, conf: cfg.Config) -> bool:
+    """Log the one line saying how to install the tier extra when ``tier.uri`` is set without it (store/node.py
+    would refuse too, but cannot tell how lightgate was installed)."""
+    lacking = extras.missing_line(f"{command} with tier.uri set", ["tier"]) if conf["tier.uri"] else None
+    if lacking:
+        LOG.error("%s node not started: %s", node, lacking)
+    return lacking is not None
+
+
 def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
     from gateway.app.embedded import run_gateway_node
 
+    if _lacks_the_tier("serve", "gateway", conf):
+        return 1
     LOG.info("starting embedded node", extra={"ctx": {"data": conf["node.data"]}})
     return run_gateway_node(conf)
 
@@ -74,6 +86,8 @@ def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
     from gateway.mqtt.session import clamp_session_blob
     from gateway.app.store_node import run_store_node
 
+    if _lacks_the_tier("store", "store", conf):
+        return 1
     reloader = Reloader(conf)
     try:
         access = _store_access(conf, reloader)
@@ -178,8 +192,8 @@ def _cmd_config(args: argparse.Namespace, conf: cfg.Config) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, conf: cfg.Config) -> int:
-    from bench.common import emit
-    from bench.history import main as report, show
+    from gateway.bench.common import emit
+    from gateway.bench.history import main as report, show
 
     if args.bench == "report":
         return report(args)
@@ -241,8 +255,39 @@ def _cmd_passwd(args: argparse.Namespace, conf: cfg.Config) -> int:
     return 0
 
 
+def _cmd_tls_certs(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from pathlib import Path
+
+    from gateway.app.certs import issue
+
+    out = Path(args.out)
+    try:
+        issued = issue(out, args.host, args.client, days=args.days)
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"lightgate tls-certs: {exc}\n")
+        return 1
+    lines = [f"wrote {path}" for path in issued.files]
+    if not issued.new_ca:
+        lines.append(f"signed with the existing CA {out / 'ca.pem'}")
+    if args.host:
+        lines.append(f"serve TLS with: --tls-port 8883 --tls-certfile {out / 'server.pem'} "
+                     f"--tls-keyfile {out / 'server.key'}")
+    if args.client:
+        lines.append(f"ask clients for certificates with: --tls-cafile {out / 'ca.pem'} "
+                     f"(and --tls-require-client-cert for mTLS)")
+    sys.stdout.write("".join(line + "\n" for line in lines))
+    return 0
+
+
+def _cmd_systemd_unit(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from gateway.app.unit import render_unit, this_install
+
+    sys.stdout.write(render_unit(*this_install()))
+    return 0
+
+
 def _cmd_simulate(args: argparse.Namespace, conf: cfg.Config) -> int:
-    from bench.simulate import run
+    from gateway.bench.simulate import run
 
     return run(args)
 
@@ -291,6 +336,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     action.add_argument("--delete", action="store_true", help="remove USER instead")
     p.set_defaults(handler=_cmd_passwd)
 
+    p = sub.add_parser("tls-certs", help="write a test CA, a server certificate and client certificates for "
+                                         "trying TLS and mTLS (the tls extra)",
+                       description="Write ca.pem/ca.key (reused if DIR has them), server.pem/server.key for every "
+                                   "--host, and NAME.pem/NAME.key per --client (CN = NAME) into DIR; keys mode 0600. "
+                                   "Existing files are not overwritten. Exit 1 with the reason otherwise.")
+    p.add_argument("--out", metavar="DIR", required=True, help="the directory to write into (created if missing)")
+    p.add_argument("--host", metavar="NAME", action="append", default=[],
+                   help="a DNS name or IP address clients reach the node by (repeat; the first is the CN)")
+    p.add_argument("--client", metavar="NAME", action="append", default=[],
+                   help="a client certificate with CN = NAME, for mTLS (repeat)")
+    p.add_argument("--days", type=int, default=365, help="validity of the server and client certificates")
+    p.set_defaults(handler=_cmd_tls_certs)
+
+    p = sub.add_parser("systemd-unit", help="print the systemd unit that runs `lightgate serve` from this install",
+                       description="Print the systemd unit of `lightgate serve` with ExecStart naming this "
+                                   "install's lightgate: lightgate systemd-unit > "
+                                   "/etc/systemd/system/lightgate.service (docs/operations.md).")
+    p.set_defaults(handler=_cmd_systemd_unit)
+
     p = sub.add_parser("bench", help="run a benchmark (prints a BENCH <json> line per benchmark; the bench extra)")
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     bench_sub.add_parser("all", help="every benchmark with its default sizes")
@@ -298,7 +362,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                               description="Print the results table of bench/results/*.jsonl and write "
                                           "bench/results/charts/<scenario>.png.")
     if argv is None or argv[:1] == ["bench"]:
-        importlib.import_module("bench.history").add_arguments(rp)
+        importlib.import_module("gateway.bench.history").add_arguments(rp)
     for name, (module_name, help_text) in BENCHMARKS.items():
         bp = bench_sub.add_parser(name, help=help_text, description=help_text)
         if argv is None or argv[:1] == ["bench"]:
@@ -314,7 +378,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="a fleet of paho-mqtt devices against any MQTT broker: throughput, "
                                         "latency percentiles, lost messages (the bench extra)")
     if argv is None or argv[:1] == ["simulate"]:
-        importlib.import_module("bench.simulate").add_arguments(p)
+        importlib.import_module("gateway.bench.simulate").add_arguments(p)
     p.set_defaults(handler=_cmd_simulate)
 
     parser.add_argument("--version", action="version", version=f"lightgate {__version__}")

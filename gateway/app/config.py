@@ -120,7 +120,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("tier.retention_hours", 0.0, "delete tier files whose newest record is older than this (0 = keep)"),
     Option("tier.cpu_share", 0.25, "share of one core the tier conversion may use (0 < share <= 1)"),
     Option("tier.check_interval_s", 10.0, "how often the tier looks for newly sealed segments"),
-    Option("auth.password_file", "", "password file of user:argon2-hash lines (`lightgate passwd`); empty = none"),
+    Option("auth.password_file", "", "password file of user:hash lines (argon2id by `lightgate passwd`, or "
+                                     "mosquitto_passwd's); empty = none"),
     Option("auth.allow_anonymous", "auto", "accept clients without a user name; auto = only when no password file",
            choices=("auto", "true", "false")),
     Option("auth.acl_file", "", "ACL file (docs/security.md); empty = every client may publish and subscribe anywhere"),

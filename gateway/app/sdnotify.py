@@ -3,7 +3,7 @@
 systemd names a unix datagram socket in ``$NOTIFY_SOCKET`` (a path, or ``@name``
 in the abstract namespace); the message is one datagram of ``KEY=value`` lines
 (sd_notify(3)). Outside systemd the variable is unset and nothing is sent.
-packaging/lightgate.service runs ``lightgate serve`` this way.
+gateway/app/lightgate.service (``lightgate systemd-unit``) runs ``lightgate serve`` this way.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ async def _serve_until_signalled(conf: Config, serve: Any) -> None:
         await nursery.start(stop_on_signal)  # signals are caught before "ready" is logged
         await nursery.start(on_hangup, reload)
         await nursery.start(functools.partial(serve, conf.values, running=running))
-        notify("READY=1")  # a systemd Type=notify service (packaging/lightgate.service) is started now
+        notify("READY=1")  # a systemd Type=notify service (gateway/app/lightgate.service) is started now
     LOGGER.info("gateway node stopped")
 
 

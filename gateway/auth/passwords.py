@@ -4,17 +4,22 @@ The file is the operator's, so it is edited in place rather than rewritten
 from scratch: comments and the order of users survive ``lightgate passwd``.
 Hashes are argon2 PHC strings (``$argon2id$v=19$m=...,t=...,p=...$salt$hash``),
 so each carries its own salt and cost parameters and old entries keep
-verifying after the defaults change.
+verifying after the defaults change. Lines ``mosquitto_passwd`` wrote
+(``$7$`` PBKDF2-SHA512, ``$6$`` SHA-512; gateway/auth/mosquitto.py) verify as
+they are, so a Mosquitto user's file works unchanged; ``lightgate passwd``
+writes argon2id.
 
 Format::
 
     # comments and blank lines are kept as they are
     alice:$argon2id$v=19$m=19456,t=2,p=1$...$...
     sensor-17:$argon2id$v=19$m=19456,t=2,p=1$...$...
+    bob:$7$101$...$...
 
-Verification costs one argon2 computation whether or not the user exists (an
-unknown user is checked against a dummy hash with the file's parameters), so
-the time taken does not tell a client which of the two was wrong.
+Verification costs one hash computation whether or not the user exists (an
+unknown user is checked against a dummy hash with the scheme and parameters
+of the file's first user), so in a file of one scheme the time taken does not
+tell a client which of the two was wrong.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from pathlib import Path
 
 from argon2 import PasswordHasher, extract_parameters
 from argon2.exceptions import InvalidHashError, VerificationError
+
+from gateway.auth.mosquitto import MosquittoHash, is_mosquitto_hash
 
 __all__ = ["HASHER", "PasswordFile", "PasswordFileError", "validate_username"]
 
@@ -71,11 +78,26 @@ def validate_username(name: str) -> str:
 
 
 def _check_hash(encoded: str) -> None:
-    """Raise ValueError unless ``encoded`` is an argon2 PHC string argon2-cffi can verify against."""
+    """Raise ValueError unless ``encoded`` is an argon2 PHC string argon2-cffi can verify against, or a well-formed
+    mosquitto_passwd hash."""
+    if is_mosquitto_hash(encoded):
+        MosquittoHash.parse(encoded)
+        return
     try:
         extract_parameters(encoded)
     except InvalidHashError:
-        raise ValueError("the hash is not an argon2 PHC string ($argon2id$v=19$m=...,t=...,p=...$salt$hash)") from None
+        raise ValueError("the hash is not an argon2 PHC string ($argon2id$v=19$m=...,t=...,p=...$salt$hash) "
+                         "nor a mosquitto_passwd one ($7$... or $6$...)") from None
+
+
+def _verify(encoded: str, password: str | bytes) -> bool:
+    """True when ``password`` matches ``encoded`` (a hash :func:`_check_hash` accepted)."""
+    if is_mosquitto_hash(encoded):
+        return MosquittoHash.parse(encoded).verify(password.encode() if isinstance(password, str) else password)
+    try:
+        return HASHER.verify(encoded, password)
+    except (VerificationError, InvalidHashError):
+        return False
 
 
 class PasswordFile:
@@ -182,8 +204,8 @@ class PasswordFile:
     def verify(self, user: str | None, password: str | bytes | None) -> bool:
         """True when ``user`` exists and ``password`` is theirs.
 
-        Always runs one argon2 verification, against a dummy hash when the user
-        is unknown or no password was given, so a wrong user name and a wrong
+        Always runs one verification, against a dummy hash when the user is
+        unknown or no password was given, so a wrong user name and a wrong
         password take the same time.
         """
         encoded = self._hashes.get(user) if user is not None else None
@@ -192,18 +214,16 @@ class PasswordFile:
             encoded, known = self._dummy_hash, False
         else:
             known = True
-        try:
-            HASHER.verify(encoded, candidate)
-        except (VerificationError, InvalidHashError):
-            return False
-        return known
+        return _verify(encoded, candidate) and known
 
     @cached_property
     def _dummy_hash(self) -> str:
-        """A hash of a random secret, with the cost of this file's hashes (or :data:`HASHER`'s when empty)."""
-        hasher = HASHER
-        if self._hashes:
-            hasher = PasswordHasher.from_parameters(extract_parameters(next(iter(self._hashes.values()))))
+        """A hash of a random secret, with the scheme and cost of this file's first hash (or :data:`HASHER`'s when
+        empty)."""
+        first = next(iter(self._hashes.values()), None)
+        if first is not None and is_mosquitto_hash(first):
+            return MosquittoHash.parse(first).dummy().encode()
+        hasher = HASHER if first is None else PasswordHasher.from_parameters(extract_parameters(first))
         return hasher.hash(secrets.token_bytes(32))
 
     def render(self) -> str:

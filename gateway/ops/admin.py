@@ -27,12 +27,13 @@ Routes (docs/operations.md has the reference with curl examples):
 - ``GET /api/openapi.json``: the OpenAPI 3.1 document of these routes (gateway/ops/openapi.py), open like the probes.
 - ``GET /`` the dashboard page (it holds no data; its polls of
   ``/api/v1/overview`` and the views' endpoints carry the token).
-- ``/api/v1/...`` clients, sessions, queues, retained messages, overview:
+- ``/api/v1/...`` clients, sessions, queues, nodes, retained messages, overview:
   the bearer token ``admin.token`` when one is set. In a cluster, the calls
   about one client (``/clients/{id}``, ``/sessions/{id}``) reach the node it
   is connected to, whichever gateway node is asked (through the store), and
   the lists (``/clients``, ``/sessions``, ``/queues``) are the whole cluster's
-  (gateway/ops/clusterlists.py).
+  (gateway/ops/clusterlists.py); ``/nodes`` lists the deployment's nodes with
+  their CPU and memory (gateway/ops/nodes.py).
 - ``POST /api/v1/publish`` (one message, MQTT 5 properties included) and
   ``POST /api/v1/publish/bulk`` (many, answered in order): authenticated like
   an MQTT client (HTTP Basic with the password file's users, or anonymous when
@@ -81,7 +82,8 @@ from gateway.ops.clusterlists import cluster_clients, cluster_queues, cluster_se
 from gateway.ops.listing import ClientQuery, QueryError
 from gateway.ops.metrics import CONTENT_TYPE
 from gateway.ops.openapi import Operation, openapi_document
-from gateway.ops.records import ClientInfo, QueueInfo, SessionInfo
+from gateway.ops.nodes import CpuShares, cluster_nodes
+from gateway.ops.records import ClientInfo, NodeInfo, QueueInfo, SessionInfo
 from gateway.ops.slots import Slot, Slots
 from gateway.mqtt.reasons import ReasonCode
 from lightqueue.topics import TopicError, validate_topic
@@ -212,6 +214,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/api/v1/sessions/{client_id}", "DELETE"): Operation("end a session now (its client is disconnected first)"),
     ("/api/v1/queues", "GET"): Operation("the queues this node's sessions read, with their lag",
                                          answer=list[QueueInfo]),
+    ("/api/v1/nodes", "GET"): Operation("the nodes of the deployment: role, pid, CPU share, resident memory",
+                                        answer=list[NodeInfo]),
     ("/api/v1/retained", "GET"): Operation("retained messages matching a filter", answer=list[dict[str, Any]],
                                            query=(("filter", "a topic filter, default #"),)),
     ("/api/v1/retained/{topic}", "GET"): Operation("the retained message of a topic ('/' may stay unencoded)"),
@@ -242,6 +246,7 @@ class AdminApi:
         self.mqtt_ready = False
         self._token = token.encode()
         self._dashboard = DASHBOARD.read_bytes()
+        self._cpu_shares = CpuShares()  # the cluster view's previous look at each node's CPU time
         self._openapi = orjson.dumps(openapi_document(OPERATIONS, title="LightGate admin API", version=__version__,
                                                       description="docs/operations.md has the reference"))
         self._exact: dict[str, dict[str, Handler]] = {
@@ -254,6 +259,7 @@ class AdminApi:
             "/api/v1/clients": {"GET": self._clients},
             "/api/v1/sessions": {"GET": self._sessions},
             "/api/v1/queues": {"GET": self._queues},
+            "/api/v1/nodes": {"GET": self._nodes},
             "/api/v1/retained": {"GET": self._retained},
             "/api/v1/publish": {"POST": self._publish},
             "/api/v1/publish/bulk": {"POST": self._publish_bulk},
@@ -454,6 +460,10 @@ class AdminApi:
     async def _queues(self, request: Request, rest: str) -> Response:
         queues, missing = await cluster_queues(self.admin)
         return Response(200, orjson.dumps(queues), headers=_missing_header(missing))
+
+    async def _nodes(self, request: Request, rest: str) -> Response:
+        nodes, missing = await cluster_nodes(self.admin, self._cpu_shares)
+        return Response(200, orjson.dumps(nodes), headers=_missing_header(missing))
 
     async def _retained(self, request: Request, rest: str) -> Response:
         filter = request.query.get("filter", "#")

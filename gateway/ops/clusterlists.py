@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from gateway.ops.listing import ClientQuery, merge_pages
+from gateway.ops.nodes import node_here
 from store.api import AdminOp
 
 if TYPE_CHECKING:  # Administration imports this module to answer other nodes' asks
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # Administration imports this module to answer other nodes' a
 
 __all__ = ["LIST_OPS", "cluster_clients", "cluster_queues", "cluster_sessions", "list_here"]
 
-LIST_OPS = frozenset({AdminOp.CLIENTS, AdminOp.SESSIONS, AdminOp.QUEUES})
+LIST_OPS = frozenset({AdminOp.CLIENTS, AdminOp.SESSIONS, AdminOp.QUEUES, AdminOp.NODE})
 """The admin ops that list a node's state (the others are about one client)."""
 
 
@@ -34,6 +35,8 @@ async def list_here(admin: Administration, op: AdminOp, query: bytes) -> Any:
         return {"total": total, "clients": page}
     if op is AdminOp.SESSIONS:
         return await admin.sessions()
+    if op is AdminOp.NODE:
+        return node_here(admin)
     return await admin.queues()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ClientInfo", "QueueInfo", "SessionInfo", "SubscriptionLag"]
+__all__ = ["ClientInfo", "NodeInfo", "QueueInfo", "SessionInfo", "SubscriptionLag"]
 
 
 
@@ -56,3 +56,18 @@ class QueueInfo:
     consumers: int  # sessions and shared groups holding an offset on it
     min_offset: int  # the lowest committed offset among them
     lag: int  # max_offset - min_offset: what the slowest consumer has still to acknowledge
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A node of the deployment (gateway/ops/nodes.py) and what its process uses."""
+
+    name: str
+    role: str  # "embedded" (gateway and store in one process), "gateway" or "store"
+    pid: int
+    cpu_percent: float | None  # CPU share since the previous look (100: one core), None when unknown
+    cpu_s: float  # CPU seconds since the process started
+    rss_bytes: int  # resident memory
+    uptime_s: float  # since the process started
+    clients: int | None  # MQTT clients connected to it (None for the store node)
+    here: bool  # the node whose admin API answered

@@ -51,11 +51,11 @@ the group (the unacknowledged messages go to the other members) and closes it.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import final
+from typing import final, overload
 
 import trio
 
@@ -130,10 +130,23 @@ class ConsumerMessage:
 
 
 @dataclass(frozen=True, slots=True)
-class Batch:
-    """Messages claimed together, in queue order (handed-back ones first)."""
+class Batch(Sequence[ConsumerMessage]):
+    """Messages claimed together, in queue order (handed-back ones first).
+
+    A read-only sequence, as a list of them would be: ``batch[0]``, ``batch[-1]``,
+    ``batch[1:]`` (a list), ``len``, iteration, ``in``.
+    """
 
     messages: list[ConsumerMessage]
+
+    @overload
+    def __getitem__(self, index: int) -> ConsumerMessage: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[ConsumerMessage]: ...
+
+    def __getitem__(self, index: int | slice) -> ConsumerMessage | list[ConsumerMessage]:
+        return self.messages[index]
 
     def __iter__(self) -> Iterator[ConsumerMessage]:
         return iter(self.messages)

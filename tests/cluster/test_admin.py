@@ -93,3 +93,28 @@ def test_the_lists_of_any_gateway_cover_the_clients_sessions_and_queues_of_every
             assert {f"all{run}/{c}" for c in ids} <= queues
     for process in (store, *gateways):
         assert not process.errors(), process.errors()
+
+
+def test_any_gateways_cluster_view_lists_the_store_and_the_gateways_with_their_processes(tmp_path):
+    """The store node from its statistics, the gateway asked, and the other gateway through the store (it has a
+    client, so the store's presence knows it): each with its own pid, CPU time and resident memory."""
+    with running_cluster(tmp_path) as (store, (gw1, gw2)), ExitStack() as stack:
+        device = Client(gw1.port, f"nodes-{run_id()}", protocol=mqtt.MQTTv5)
+        stack.callback(device.paho.loop_stop)
+        stack.callback(device.paho.disconnect)
+        device.connect()
+        admin = Admin(admin_port(gw2))
+        stack.callback(admin.close)
+        status, headers, nodes = admin.request("GET", "/api/v1/nodes")
+        assert status == 200 and "x-missing-nodes" not in headers
+        assert [(n["role"], n["pid"], n["here"]) for n in nodes] == [
+            ("store", store.proc.pid, False),
+            *sorted([("gateway", gw1.proc.pid, False), ("gateway", gw2.proc.pid, True)],
+                    key=lambda row: next(n["name"] for n in nodes if n["pid"] == row[1]))]
+        by_pid = {n["pid"]: n for n in nodes}
+        assert (by_pid[store.proc.pid]["clients"], by_pid[gw1.proc.pid]["clients"]) == (None, 1)
+        assert all(n["cpu_s"] > 0 and n["rss_bytes"] > 1 << 20 and n["cpu_percent"] is not None for n in nodes)
+        assert len({n["name"] for n in nodes}) == 3
+    for process in (store, gw1, gw2):
+        assert not process.errors(), process.errors()
+

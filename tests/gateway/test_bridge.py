@@ -22,7 +22,7 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from bench import peers
+from gateway.bench import peers
 from gateway.app import config as cfg
 from gateway.bridge import (
     Bridge,

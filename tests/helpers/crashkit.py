@@ -1,6 +1,6 @@
 """The crash test kit: QoS 1 and QoS 2 flows through SIGKILLs of a node, and what they cost.
 
-A scenario runs spec-following clients (bench/crashclients.py) against a node
+A scenario runs spec-following clients (gateway/bench/crashclients.py) against a node
 while it is killed ``kills`` times: a QoS 1 and a QoS 2 publisher, each with
 a persistent session and packet ids cycling 1..100 (so every id is reused
 within a second), and a QoS 1 and a QoS 2 persistent subscriber of both. A
@@ -33,7 +33,8 @@ from typing import Any, Protocol
 
 import trio
 
-from bench.crashclients import Accounting, Address, Publisher, Subscriber, account, address_cycle, wait_delivered
+from gateway.bench.crashclients import (Accounting, Address, Publisher, Subscriber, account, address_cycle,
+                                        wait_delivered)
 from tests.helpers.processes import LightgateProcess
 
 __all__ = ["ClusterNodes", "CrashReport", "EmbeddedNode", "Node", "run_crashes"]

@@ -1,5 +1,5 @@
 """systemd readiness (gateway/app/sdnotify.py): READY=1 reaches $NOTIFY_SOCKET, a real unix datagram socket, once the
-node's listeners accept connections (packaging/lightgate.service is Type=notify)."""
+node's listeners accept connections (gateway/app/lightgate.service is Type=notify)."""
 
 from __future__ import annotations
 

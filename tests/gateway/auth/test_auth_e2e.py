@@ -8,6 +8,7 @@ refusal connects from its own loopback address (127.0.0.N): its first refusal wa
 
 import itertools
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -368,6 +369,32 @@ def test_anonymous_allowed_explicitly_gets_the_pattern_rules_only(tmp_path):
         user_client(node.port, "alice").disconnect()  # users still log in
         data, connack, _ = refuse(node.port, MQTT_311, username="alice", password=b"wrong")
         assert data == b"\x20\x02\x00\x04"  # a wrong password is still refused
+
+
+@pytest.mark.slow
+def test_a_password_file_written_by_mosquitto_passwd_logs_its_users_in(tmp_path):
+    """A Mosquitto user's file as it is: mosquitto_passwd's $7$ (PBKDF2-SHA512) lines, mosquitto_pub logging in."""
+    if shutil.which("mosquitto_passwd") is None or shutil.which("mosquitto_pub") is None:
+        pytest.skip("mosquitto_passwd or mosquitto_pub is not installed (apt-get install mosquitto mosquitto-clients)")
+    path = tmp_path / "mosquitto.pw"
+    subprocess.run(["mosquitto_passwd", "-c", "-b", str(path), "alice", PASSWORDS["alice"]], check=True,
+                   capture_output=True, timeout=30)
+    assert path.read_text().startswith("alice:$7$")
+    with running_node(tmp_path / "data", "--auth-password-file", str(path),
+                      "--auth-failure-delay-s", str(FAILURE_DELAY_S)) as node:
+        sub = user_client(node.port, "alice")  # paho, as alice
+        try:
+            sub.subscribe("fleet/#", 1)
+            sent = subprocess.run(["mosquitto_pub", "-p", str(node.port), "-u", "alice", "-P", PASSWORDS["alice"],
+                                   "-q", "1", "-t", "fleet/one", "-m", "from mosquitto_pub"],
+                                  capture_output=True, text=True, timeout=WAIT_S)
+            assert sent.returncode == 0, sent.stderr
+            (message,) = sub.receive(1)
+            assert message.payload == b"from mosquitto_pub"
+        finally:
+            sub.disconnect()
+        data, connack, _ = refuse(node.port, MQTT_311, username="alice", password=b"wrong")
+        assert data == b"\x20\x02\x00\x04"  # 3.1.1 return code 4: bad user name or password
 
 
 @pytest.mark.parametrize(("flag", "content", "expected"), [

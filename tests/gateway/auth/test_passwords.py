@@ -1,11 +1,25 @@
 """The password file: argon2id hashes, verification, file format, errors with line numbers, atomic saves."""
 
+import base64
+import shutil
 import stat
+import subprocess
 
 import pytest
 from argon2 import PasswordHasher, extract_parameters
 
+from gateway.auth.mosquitto import MosquittoHash
 from gateway.auth.passwords import HASHER, PasswordFile, PasswordFileError, validate_username
+
+
+MOSQUITTO_LINES = {
+    "alice": ("s3cret pass", "$7$101$KkArbQFc9FqUvHKw$1V+hbniTPVVsl1OwvnleuDB/yaIrB3yXNFkDorBtmMcxXCXsMm0PEBbO"
+                             "Wl0LbiDDVCxlkMerQ1ZjlMWRaSsxsA=="),
+    "carol": ("pw6", "$6$ENCViWEZMwY0pCI+$mFJF9BmVkR6ffl93k2UP7ZXE5oVH6fIDrab2noFw1nKQaj7ZCAU1alSdtDc9Al2PPjTGVNnZc/5M2D0"
+                     "jr7DUww=="),
+}
+"""Written by mosquitto 2.0.11's ``mosquitto_passwd -b`` (carol with ``-H sha512``): user -> (password, hash)."""
+MOSQUITTO_SALT, MOSQUITTO_DIGEST = MOSQUITTO_LINES["alice"][1].split("$")[3:]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +52,54 @@ def test_unknown_user_is_checked_against_a_dummy_hash_with_the_files_parameters(
     path.write_text(f"old:{slow.hash('x')}\n")
     pw = PasswordFile.load(path)
     assert extract_parameters(pw._dummy_hash) == extract_parameters(slow.hash("y"))
+
+
+def test_mosquitto_passwd_lines_verify_as_they_are(tmp_path, alice_hash):
+    """A file ``mosquitto_passwd`` wrote ($7$ PBKDF2-SHA512 and the older $6$ SHA-512), next to an argon2 line."""
+    path = tmp_path / "pw"
+    path.write_text("".join(f"{user}:{encoded}\n" for user, (_, encoded) in MOSQUITTO_LINES.items())
+                    + f"dave:{alice_hash}\n")
+    pw = PasswordFile.load(path)
+    for user, (password, _) in MOSQUITTO_LINES.items():
+        assert pw.verify(user, password) and pw.verify(user, password.encode()), user
+        assert not pw.verify(user, password + "x") and not pw.verify(user, b"") and not pw.verify(user, None), user
+    assert pw.verify("dave", "s3cret") and not pw.verify("alice", "s3cret")
+    assert not pw.verify("mallory", "s3cret pass")
+
+
+def test_a_mosquitto_file_keeps_its_lines_and_a_changed_password_becomes_argon2id(tmp_path):
+    path = tmp_path / "pw"
+    path.write_text("# from mosquitto\n" + "".join(f"{u}:{h}\n" for u, (_, h) in MOSQUITTO_LINES.items()))
+    pw = PasswordFile.load(path)
+    pw.set_password("alice", "new one")
+    lines = pw.render().splitlines()
+    assert lines[0] == "# from mosquitto" and lines[2] == f"carol:{MOSQUITTO_LINES['carol'][1]}"
+    assert extract_parameters(lines[1].split(":", 1)[1]).type.name == "ID"
+    assert pw.verify("alice", "new one") and pw.verify("carol", "pw6")
+
+
+def test_unknown_user_of_a_mosquitto_file_is_checked_against_a_dummy_of_the_same_cost(tmp_path):
+    path = tmp_path / "pw"
+    path.write_text(f"alice:{MOSQUITTO_LINES['alice'][1]}\n")
+    dummy = MosquittoHash.parse(PasswordFile.load(path)._dummy_hash)
+    assert (dummy.iterations, len(dummy.salt)) == (101, 12) and dummy.salt != base64.b64decode(MOSQUITTO_SALT)
+
+
+def test_a_file_the_real_mosquitto_passwd_writes_verifies(tmp_path):
+    if shutil.which("mosquitto_passwd") is None:
+        pytest.skip("mosquitto_passwd is not installed (apt-get install mosquitto)")
+    path = tmp_path / "pw"
+    users = {"sensor-17": "päss wörd", "ops": "x" * 60}
+    for i, (user, password) in enumerate(users.items()):
+        subprocess.run(["mosquitto_passwd", *(["-c"] if i == 0 else []), "-b", str(path), user, password],
+                       check=True, capture_output=True, timeout=30)
+    subprocess.run(["mosquitto_passwd", "-H", "sha512", "-b", str(path), "old", "from 1.6"], check=True,
+                   capture_output=True, timeout=30)
+    schemes = [line.split(":", 1)[1][:3] for line in path.read_text().splitlines()]
+    assert schemes == ["$7$", "$7$", "$6$"]
+    pw = PasswordFile.load(path)
+    for user, password in {**users, "old": "from 1.6"}.items():
+        assert pw.verify(user, password) and not pw.verify(user, password[:-1]), user
 
 
 def test_hashes_are_salted_argon2id_with_the_chosen_cost(tmp_path):
@@ -143,7 +205,13 @@ def test_empty_password_is_refused(tmp_path):
     [
         ("# ok\nalice\n", ":2: expected 'user:hash', found no ':'"),
         ("alice:plaintext\n", ":1: the hash is not an argon2 PHC string"),
-        ("alice:$7$101$abc$def\n", ":1: the hash is not an argon2 PHC string"),
+        ("alice:$5$rounds=5000$abc$def\n", ":1: the hash is not an argon2 PHC string"),
+        ("alice:$7$101$abc$def\n", ":1: the salt of the mosquitto hash is not base64"),
+        (f"alice:$7$0${MOSQUITTO_SALT}${MOSQUITTO_DIGEST}\n", ":1: the iterations of a mosquitto $7$ hash must be"),
+        (f"alice:$7$99999999999${MOSQUITTO_SALT}${MOSQUITTO_DIGEST}\n", ":1: the iterations of a mosquitto $7$"),
+        (f"alice:$7$101${MOSQUITTO_SALT}$AAAA\n", ":1: the digest of a mosquitto hash is 64 bytes (SHA-512), not 3"),
+        (f"alice:$7$101$${MOSQUITTO_DIGEST}\n", ":1: the salt of the mosquitto hash is empty"),
+        ("alice:$6$a$b$c\n", ":1: a mosquitto $6$ hash is $6$<base64 salt>$<base64 hash>"),
         ("\n\n:{h}\n", ":3: user name must not be empty"),
         ("alice:{h}\nbob:{h}\nalice:{h}\n", ":3: user 'alice' is already defined on line 1"),
     ],

@@ -4,6 +4,7 @@ health and readiness, HTTP errors, each admin action taking effect on paho clien
 import base64
 import contextlib
 import json
+import os
 import re
 import socket
 import uuid
@@ -365,6 +366,33 @@ def test_a_bulk_body_that_does_not_decode_whole_publishes_nothing(node_without_s
         assert status == 200
         (first,) = sub.receive(1)  # the sentinel comes first: nothing of the refused bodies was published
         assert first.topic == f"bulkbad{run}/sentinel"
+
+
+def proc_cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds as /proc/<pid>/stat says (fields 14 and 15, in clock ticks)."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        fields = stat.read().rpartition(b")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm", "rb") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_the_embedded_node_is_one_node_with_its_process_cpu_and_memory(node_without_sys, admin):
+    pid = node_without_sys.proc.pid
+    with connected(node_without_sys.port, client_id=f"nodes-{run_id()}"):
+        before = proc_cpu_s(pid)
+        (node,) = admin.get("/api/v1/nodes")
+        after = proc_cpu_s(pid)
+    assert (node["role"], node["pid"], node["here"]) == ("embedded", pid, True)  # gateway and store: one process
+    assert node["clients"] >= 1 and node["cpu_percent"] is not None and node["cpu_percent"] >= 0
+    # the process's own CPU time: /proc's tick-based figures and getrusage's finer ones differ by some ticks
+    assert before * 0.9 - 0.05 <= node["cpu_s"] <= after * 1.1 + 0.05
+    rss = proc_rss_bytes(pid)
+    assert rss / 2 < node["rss_bytes"] < rss * 2  # the node's resident memory, not the peak of another process
+    assert 0 < node["uptime_s"]
 
 
 def _request_for(path: str, method: str) -> tuple[str, dict | None]:

@@ -73,6 +73,12 @@ def test_the_dashboard_shows_clients_and_live_figures(tmp_path, browser):
             wait.until(lambda b: int(b.find_element(By.ID, "messages-out").text) == sent + 20)
             assert browser.execute_script("return history.some((point) => point.in > 0 && point.out > 0)")
             browser.save_screenshot(str(tmp_path / "dashboard.png"))
+            browser.find_element(By.CSS_SELECTOR, "nav button[data-view=cluster]").click()
+            wait.until(lambda b: len(rows(b, "nodes")) == 1)
+            (node_row,) = rows(browser, "nodes")
+            assert node_row[1:3] == ["embedded", str(node.proc.pid)] and node_row[0].endswith("(this node)")
+            assert float(node_row[3]) >= 0 and float(node_row[4]) > 1 and node_row[5] == "1"  # CPU %, MiB, clients
+            browser.find_element(By.CSS_SELECTOR, "nav button[data-view=clients]").click()
         wait.until(lambda b: f"dash-{run}" not in b.find_element(By.ID, "clients").text)
         assert browser.find_element(By.ID, "connections").text == "0"
     assert not [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"
@@ -205,5 +211,14 @@ def test_a_cluster_gateways_dashboard_lists_and_kicks_the_clients_of_every_gatew
         reason = clients[ids[2]].disconnects.get(timeout=WAIT_S)  # closed on the first gateway
         assert getattr(reason, "value", reason) == ADMINISTRATIVE_ACTION
         wait.until(lambda b: client_ids(b) == ids[:2])
+
+        browser.find_element(By.CSS_SELECTOR, "nav button[data-view=cluster]").click()  # each gateway has a client
+        wait.until(lambda b: len(rows(b, "nodes")) == 3)
+        nodes = rows(browser, "nodes")
+        assert [(row[1], row[2]) for row in nodes][0] == ("store", str(store.proc.pid))
+        assert {(row[1], row[2]) for row in nodes[1:]} == {("gateway", str(g.proc.pid)) for g in gateways}
+        assert [row[0].endswith("(this node)") for row in nodes].count(True) == 1
+        assert all(float(row[3]) >= 0 and float(row[4]) > 1 for row in nodes)  # CPU %, resident MiB
+        assert browser.find_element(By.ID, "nodes-missing").text == ""
     for process in (store, *gateways):
         assert not process.errors(), process.errors()

@@ -133,6 +133,18 @@ async def test_a_new_group_starts_where_it_is_told_and_an_existing_one_resumes(s
         assert [m.payload for m in await consumer.poll(wait_s=0)] == [b"after"]  # the committed offset wins
 
 
+async def test_a_batch_is_a_sequence_of_its_messages_in_queue_order(server):
+    await publish(server.port, "tele/dev1/temp", b"a", b"b", b"c")
+    async with Consumer.connect("127.0.0.1", server.port, group="g", filter="tele/#") as consumer:
+        batch = await consumer.poll(wait_s=0)
+        assert (batch[0].payload, batch[-1].payload) == (b"a", b"c")
+        assert [m.payload for m in batch[1:]] == [b"b", b"c"]
+        assert batch[1] in batch and batch.index(batch[2]) == 2
+        assert [m.payload for m in reversed(batch)] == [b"c", b"b", b"a"]
+        with pytest.raises(IndexError):
+            batch[3]  # noqa: B018 - the access is what is tested
+
+
 async def test_a_consumer_rejoins_after_the_store_restarts_and_gets_its_unacknowledged_messages_again(server):
     await publish(server.port, "tele/dev1/temp", b"1", b"2")
     async with Consumer.connect("127.0.0.1", server.port, group="g", filter="tele/#", auto_commit=False) as consumer:

@@ -1,8 +1,9 @@
-"""bench/report.py: loss and duplicate accounting, histogram merging across processes, percentiles, the report."""
+"""gateway/bench/report.py: loss and duplicate accounting, histogram merging across processes, percentiles, the
+report."""
 
 from rich.console import Console
 
-from bench.report import (
+from gateway.bench.report import (
     CheckerTotals, CommandTotals, WorkerTotals, account, build_report, latency_ms, merge_histograms, new_histogram,
     record_us, report_table,
 )

@@ -16,8 +16,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-"""Next to the benchmark code, so results travel with the repository when committed."""
+from gateway import checkout
+
+RESULTS_DIR = (checkout() or Path()) / "bench" / "results"
+"""The checkout's bench/results when the benchmarks run from one, so results travel with the repository when
+committed; bench/results under the working directory for an installed wheel (site-packages is no place for data)."""
 
 
 def machine() -> dict[str, Any]:

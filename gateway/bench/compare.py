@@ -1,8 +1,8 @@
 """Run one measurement against every broker in the same run and report LightGate's ratio to each peer.
 
-The gateway scenarios (``bench/fanin.py``, ``fanin_rate.py``, ``fanout.py``,
+The gateway scenarios (``gateway/bench/fanin.py``, ``fanin_rate.py``, ``fanout.py``,
 ``conns.py``) each describe a load; this module starts a fresh broker per run
-(``bench/peers.py``), measures the broker's CPU time during the load and its RSS at the end of the
+(``gateway/bench/peers.py``), measures the broker's CPU time during the load and its RSS at the end of the
 load, keeps the median run, and adds the ratios and the generator warning.
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import peers
-from bench.peers import Broker
+from gateway.bench import peers
+from gateway.bench.peers import Broker
 
 GENERATOR_LIMIT = 0.8
 """A generator process busier than this share of a core may have set the pace instead of the broker."""

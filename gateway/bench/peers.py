@@ -61,6 +61,8 @@ from typing import IO, Any, Callable
 
 import psutil
 
+from gateway import SOURCE_DIR
+
 HOST = "127.0.0.1"
 """Loopback only: the benchmark measures the brokers, not the network."""
 
@@ -88,15 +90,13 @@ NOT_DURABLE = {
 }
 """Brokers that cannot keep messages across a crash, with the reason the durability scenario reports."""
 
-ROOT = Path(__file__).resolve().parents[1]
-"""This checkout: LightGate processes run its code (PYTHONPATH), not whatever ``gateway`` the interpreter finds
-from the broker's working directory (an installed copy, another checkout)."""
-
 DATA_DIR = "data"
 """Every broker's data lives in ``<workdir>/data``, so disk growth is measured the same way for all of them."""
 
 
-_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(SOURCE_DIR), os.environ.get("PYTHONPATH"))))}
+"""LightGate processes run this code (its directory on PYTHONPATH), not whatever ``gateway`` the interpreter finds
+from the broker's working directory (an installed copy, another checkout)."""
 
 
 class PeerError(RuntimeError):

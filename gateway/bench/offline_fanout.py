@@ -26,9 +26,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bench import compare
-from bench.loadgen import Job, hold_connections, run_load, split
-from bench.peers import Broker
+from gateway.bench import compare
+from gateway.bench.loadgen import Job, hold_connections, run_load, split
+from gateway.bench.peers import Broker
 
 TOPIC = "bcast/all"  # every broadcast goes to every session
 FILTERS = ("bcast/#", "bcast/all")  # session i subscribes to FILTERS[i % 2]: half wildcard, half exact

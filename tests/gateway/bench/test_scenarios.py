@@ -1,4 +1,4 @@
-"""Churn, offline fan-out and durability at tiny sizes; the results table and charts of bench/history.py."""
+"""Churn, offline fan-out and durability at tiny sizes; the results table and charts of gateway/bench/history.py."""
 
 import argparse
 import json
@@ -10,7 +10,8 @@ import sys
 import pytest
 from rich.console import Console
 
-from bench import churn, durability, history, offline_fanout, peers
+from gateway.bench import churn, common, durability, history, offline_fanout, peers
+from tests.helpers.processes import ROOT
 
 BROKERS = [
     "lightgate",
@@ -173,6 +174,16 @@ def results(tmp_path):
             "qos1": {"brokers": {"lightgate": {"delivered_per_s": 9000, "lost": 0, "latency_ms": {"p99": 11.0}}}}}),
     ]) + "\n")
     return directory
+
+
+def test_from_a_checkout_results_go_to_its_bench_results_where_the_run_history_is():
+    """The code is gateway/bench/, the data stays bench/results/ of the repository (the wheel's case: the working
+    directory, tests/test_packaging.py)."""
+    assert common.RESULTS_DIR == ROOT / "bench" / "results"
+    assert (common.RESULTS_DIR / "history.md").is_file() and any(common.RESULTS_DIR.glob("*.jsonl"))
+    parser = argparse.ArgumentParser()
+    history.add_arguments(parser)
+    assert parser.parse_args([]).results == common.RESULTS_DIR
 
 
 def test_history_skips_bad_lines_and_keeps_the_runs_in_time_order(results, capsys):

@@ -7,8 +7,8 @@ import psutil
 import pytest
 from hdrh.histogram import HdrHistogram
 
-from bench import compare, conns, fanin, fanin_rate, fanout, peers
-from bench.loadgen import (
+from gateway.bench import compare, conns, fanin, fanin_rate, fanout, peers
+from gateway.bench.loadgen import (
     LATENCY_MAX_US, Accounting, Job, LoadError, WorkerReport, _Bitmap, _Subscriber, account, hold_connections, run_load,
     split, summarise,
 )

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bench import compare, peers
-from bench.loadgen import Job, run_load, split
-from bench.peers import Broker
+from gateway.bench import compare, peers
+from gateway.bench.loadgen import Job, run_load, split
+from gateway.bench.peers import Broker
 
 TOPIC = "cmd/broadcast"
 FILTERS = ("cmd/+", "cmd/broadcast")  # subscriber i takes FILTERS[i % 2]: half wildcard, half exact

@@ -43,7 +43,7 @@ from typing import Any
 
 from crc32c import crc32c
 
-from bench.common import Stopwatch
+from gateway.bench.common import Stopwatch
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import encode_record
 

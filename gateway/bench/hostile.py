@@ -30,7 +30,7 @@ The attacks are issue 21's hostile-client campaign:
   closed with the packet incomplete).
 
 Timings are of a shared machine unless said otherwise; nothing here is
-asserted (tests/bench/test_hostile.py runs the scenario at tiny sizes).
+asserted (tests/gateway/bench/test_hostile.py runs the scenario at tiny sizes).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from typing import Any
 import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
-from bench import peers
-from bench.peers import Broker
+from gateway.bench import peers
+from gateway.bench.peers import Broker
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.mqtt.packets import (
     MQTT_5, MQTT_311, Connack, Connect, Disconnect, Pingreq, Pingresp, Publish, Suback, Subscribe,

@@ -1,15 +1,15 @@
 """``lightgate simulate``: a fleet of paho-mqtt devices against any MQTT broker, with exact loss and latency.
 
 The parent process only orchestrates: it splits ``--devices`` over
-``--processes`` device workers (bench/devices.py: one selector loop each) and
-starts the backend (bench/backend.py: the checking subscriber and the
+``--processes`` device workers (gateway/bench/devices.py: one selector loop each) and
+starts the backend (gateway/bench/backend.py: the checking subscriber and the
 requester), all with multiprocessing's spawn start method. Every process
 reports ``ready``; the parent then gives all of them one wall-clock ``go`` time,
 so the ramp (or the storm) starts together. During the run it shows live
 progress from the processes' snapshots on stderr; after the publishing window
 it tells the backend how many messages the broker acknowledged, the backend
 drains until it has them all (or gives up), the devices disconnect, and the
-report (bench/report.py) is printed as a table on stdout and, with ``--json``,
+report (gateway/bench/report.py) is printed as a table on stdout and, with ``--json``,
 written as JSON. Whatever the outcome, the run ends by deleting the retained
 ``status/<device>`` message of each of its devices.
 
@@ -31,7 +31,7 @@ import uuid
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from bench.telemetry import METRICS, TemplateError, TopicTemplate, metrics_by_name
+from gateway.bench.telemetry import METRICS, TemplateError, TopicTemplate, metrics_by_name
 
 __all__ = ["add_arguments", "run"]
 
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from rich.console import Console
 
-    from bench.report import build_report, report_table
+    from gateway.bench.report import build_report, report_table
 
     try:
         workers, checker = _Run(args, settings).execute()
@@ -162,8 +162,8 @@ class _Run:
     """The processes of one run and the parent's side of their protocol."""
 
     def __init__(self, args: argparse.Namespace, settings: dict[str, Any]) -> None:
-        from bench.backend import BackendJob, backend_main
-        from bench.devices import BrokerOptions, FleetJob, worker_main
+        from gateway.bench.backend import BackendJob, backend_main
+        from gateway.bench.devices import BrokerOptions, FleetJob, worker_main
 
         self.args = args
         self.fleet = "sim" + uuid.uuid4().hex[:6]
@@ -202,9 +202,9 @@ class _Run:
             self._clear_status()
 
     def _clear_status(self) -> None:
-        """The devices are gone: delete their retained status messages (bench/devices.py ``clear_status``), also
+        """The devices are gone: delete their retained status messages (gateway/bench/devices.py ``clear_status``), also
         after a failed run. A broker that cannot be reached then is reported, not raised."""
-        from bench.devices import clear_status
+        from gateway.bench.devices import clear_status
 
         try:
             cleared = clear_status(self.broker, self.fleet, self.args.devices, self.args.protocol)
@@ -301,7 +301,7 @@ class _ProgressView:
     def update(self) -> None:
         if self.live is None:
             return
-        from bench.report import progress_table
+        from gateway.bench.report import progress_table
 
         snaps = [self.progress.get(p) or (0, 0, 0, 0, 0) for p in self.workers]
         backend = self.progress.get(self.backend) or (0, 0)

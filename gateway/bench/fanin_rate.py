@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bench import compare, fanin
+from gateway.bench import compare, fanin
 
 LATENCY_TARGET_MS = 10.0  # the p99 bound
 

@@ -26,8 +26,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import RESULTS_DIR
-from bench.peers import PEERS
+from gateway.bench.common import RESULTS_DIR
+from gateway.bench.peers import PEERS
 
 __all__ = ["Figure", "Row", "SCENARIOS", "add_arguments", "load", "main", "results_table", "rows", "show",
            "write_charts"]

@@ -32,7 +32,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import Stopwatch, median_of
+from gateway.bench.common import Stopwatch, median_of
 from lightqueue.filters import FilterIndex
 from lightqueue.queues import LightQueues, is_implicit
 from lightqueue.topics import matches

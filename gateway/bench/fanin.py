@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bench import compare, peers
-from bench.loadgen import Job, run_load, split
-from bench.peers import Broker
+from gateway.bench import compare, peers
+from gateway.bench.loadgen import Job, run_load, split
+from gateway.bench.peers import Broker
 
 TOPIC = "tele/dev{i}"  # one topic per device, as fleets publish
 FILTER = "tele/#"

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from bench import hostile
+from gateway.bench import hostile
 
 
 @pytest.mark.slow

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bench import compare
-from bench.loadgen import Job, hold_connections, split
-from bench.peers import Broker
+from gateway.bench import compare
+from gateway.bench.loadgen import Job, hold_connections, split
+from gateway.bench.peers import Broker
 
 KiB = 1024
 TARGET_KIB = 10.0  # the bound for LightGate

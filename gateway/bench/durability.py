@@ -10,7 +10,7 @@ the broker forgot it). After the last restart and another ``--load`` seconds
 the publishers stop and the subscriber reads until it has every acknowledged
 message, or nothing arrived for 10 s.
 
-Brokers run in their crash-safe configuration (``bench/peers.py``): LightGate
+Brokers run in their crash-safe configuration (``gateway/bench/peers.py``): LightGate
 with the ``sync`` flush policy (PUBACK after fsync), Mosquitto with
 persistence on and ``autosave_interval 1``. amqtt is skipped (``skipped`` in
 the result says why).
@@ -24,7 +24,7 @@ kill); ``restart_s`` = SIGKILL -> the new process accepts connections;
 session (session present = 0).
 
 ``--qos 2`` (the result's ``qos2`` section) runs the spec-following clients of
-bench/crashclients.py in this process instead: ``--publishers`` QoS 2
+gateway/bench/crashclients.py in this process instead: ``--publishers`` QoS 2
 publishers with persistent sessions and packet ids cycling 1..``--id-range``
 (resending with DUP and the same id after each reconnect), a persistent QoS 2
 subscriber and a persistent QoS 1 subscriber of ``dur/#``. Figures are those
@@ -52,9 +52,9 @@ from typing import Any
 
 import trio
 
-from bench import compare, crashclients, peers
-from bench.loadgen import Job, run_load, split
-from bench.peers import Broker
+from gateway.bench import compare, crashclients, peers
+from gateway.bench.loadgen import Job, run_load, split
+from gateway.bench.peers import Broker
 
 TOPIC = "dur/{i}"  # one topic per publisher
 FILTER = "dur/#"  # the one subscriber reads them all
@@ -188,7 +188,7 @@ def _spread(values: list[float]) -> dict[str, Any]:
 
 
 def run_exactly_once(args: argparse.Namespace) -> dict[str, Any]:
-    """``--qos 2``: the result has ``settings`` and the ``qos2`` section (bench/history.py charts it apart)."""
+    """``--qos 2``: the result has ``settings`` and the ``qos2`` section (gateway/bench/history.py charts it apart)."""
     per_broker, skipped = _measure_durable(args, measure_exactly_once)
     section: dict[str, Any] = {
         "brokers": per_broker,

@@ -1,11 +1,11 @@
-"""bench/telemetry.py: random walks stay in bounds, payloads round-trip, templates and their filters."""
+"""gateway/bench/telemetry.py: random walks stay in bounds, payloads round-trip, templates and their filters."""
 
 import random
 
 import orjson
 import pytest
 
-from bench.telemetry import (
+from gateway.bench.telemetry import (
     METRICS, Metric, RandomWalk, Stamp, TemplateError, TopicTemplate, decode_stamp, encode_payload, metrics_by_name,
     next_interval,
 )

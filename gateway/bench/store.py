@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import trio
 
-from bench.common import Stopwatch, median_of
+from gateway.bench.common import Stopwatch, median_of
 from store.log.aio import AsyncCommitLog
 from store.log.commitlog import CommitLogConfig
 from store.log.record import encode_record

@@ -19,14 +19,14 @@ A device (client id = device id):
 - subscribes to ``cmd/<device>`` and the fleet's broadcast filter, counts the
   commands it gets and answers MQTT 5 requests on their response topic with
   their correlation data;
-- publishes telemetry (bench/telemetry.py) at ``rate`` messages/s with jitter
+- publishes telemetry (gateway/bench/telemetry.py) at ``rate`` messages/s with jitter
   until the end of the publishing window, only while connected;
 - with churn, disconnects at random and reconnects to its persistent session;
   after a lost connection or a failed connect, retries after ``RETRY_S``.
 
 Once the fleet is gone, ``clear_status`` deletes the retained status messages.
 
-Protocol with the parent (over a duplex Pipe, see bench/simulate.py):
+Protocol with the parent (over a duplex Pipe, see gateway/bench/simulate.py):
 ``ready`` -> ``go <epoch>`` -> ``progress ...`` every ``PROGRESS_S`` ->
 ``published <acked>`` once the window closed and acknowledgements are in ->
 (keeps answering commands) -> ``stop`` -> ``done <WorkerTotals>``; any
@@ -51,8 +51,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from bench.report import WorkerTotals, new_histogram, record_us
-from bench.telemetry import RandomWalk, TopicTemplate, encode_payload, metrics_by_name, next_interval
+from gateway.bench.report import WorkerTotals, new_histogram, record_us
+from gateway.bench.telemetry import RandomWalk, TopicTemplate, encode_payload, metrics_by_name, next_interval
 
 __all__ = ["BrokerOptions", "FleetJob", "broadcast_filter", "clear_status", "command_topic", "device_id", "new_client",
            "worker_main"]

@@ -22,9 +22,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bench import compare
-from bench.loadgen import Job, account, generator_summary, latency_ms, run_clients, split
-from bench.peers import Broker
+from gateway.bench import compare
+from gateway.bench.loadgen import Job, account, generator_summary, latency_ms, run_clients, split
+from gateway.bench.peers import Broker
 
 TOPIC = "churn/{i}"  # client i publishes to and subscribes to its own topic
 

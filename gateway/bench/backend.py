@@ -31,9 +31,9 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from bench.devices import BrokerOptions, command_topic, device_id, new_client
-from bench.report import CheckerTotals, CommandTotals, new_histogram, record_us
-from bench.telemetry import TopicTemplate, decode_stamp
+from gateway.bench.devices import BrokerOptions, command_topic, device_id, new_client
+from gateway.bench.report import CheckerTotals, CommandTotals, new_histogram, record_us
+from gateway.bench.telemetry import TopicTemplate, decode_stamp
 
 __all__ = ["BackendJob", "backend_main"]
 

@@ -1,1 +1,0 @@
-"""Tests of bench/ (a package, so that equal module basenames in different folders do not clash)."""
