@@ -91,12 +91,12 @@ def install_command(extras: Iterable[str]) -> str:
     pip = f"{shlex.quote(sys.executable)} -m pip install"
     try:
         origin = json.loads(metadata.distribution(DISTRIBUTION).read_text("direct_url.json") or "{}")
-    except metadata.PackageNotFoundError:
-        if source := checkout():
-            return f"{pip} -e {shlex.quote(f'{source}{wanted}')}"
+    except (metadata.PackageNotFoundError, ValueError):
         origin = {}
-    except ValueError:
-        origin = {}
+    if not origin and (source := checkout()):
+        # not installed, or found as the checkout's own lightgate.egg-info (``python -m`` from the checkout's root,
+        # where that directory comes before site-packages): the checkout is where lightgate came from
+        return f"{pip} -e {shlex.quote(f'{source}{wanted}')}"
     url = urlparse(origin.get("url", ""))
     where = Path(unquote(url.path)) if url.scheme == "file" else None
     if where is not None and "dir_info" in origin:

@@ -43,7 +43,9 @@ def test_a_checkout_that_is_not_installed_is_told_to_install_itself_editable_wit
 
 def test_an_editable_install_is_told_to_install_its_checkout_with_the_extra():
     """The dev environment is an editable install of a checkout (``make venv-dev``: ``pip install -e``)."""
-    origin = json.loads(metadata.distribution(DISTRIBUTION).read_text("direct_url.json") or "{}")
+    # the installed distribution, not the checkout's lightgate.egg-info that the working directory puts first
+    installed = [d for d in metadata.distributions(name=DISTRIBUTION) if d.read_text("direct_url.json")]
+    origin = json.loads(installed[0].read_text("direct_url.json")) if installed else {}
     if not origin.get("dir_info", {}).get("editable"):
         pytest.skip(f"lightgate is not installed editable in {sys.prefix} (make venv-dev installs it so)")
     python, *pip, spec = shlex.split(install_command(["bench", "analytics"]))
