@@ -47,6 +47,7 @@ from store.awaiting import AwaitingRelease
 from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.groups import GroupCoordinator
 from store.leases import LEASE_S, Leases
+from store.ledger import ClientLedger
 from store.log.aio import AsyncCommitLog
 from store.log.commitlog import CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
@@ -148,7 +149,7 @@ class StoreNode:
 
     def __init__(self, data: Path, log: AsyncCommitLog, queues: LightQueues, dispatcher: Dispatcher,
                  sessions: rocksdict.Rdict, retained: RetainedStore, recent: RecentRecords, space: DiskSpace,
-                 awaiting: AwaitingRelease, nursery: trio.Nursery, lease_s: float) -> None:
+                 awaiting: AwaitingRelease, ledger: ClientLedger, nursery: trio.Nursery, lease_s: float) -> None:
         self.data = data
         self.log = log
         self.queues = queues
@@ -162,7 +163,7 @@ class StoreNode:
         self.router = NotifyRouter()
         self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
         self.leases = Leases(nursery, lease_s, append=self.append, end_session=self._end_session,
-                             on_moved=self._moved)
+                             on_moved=self._moved, ledger=ledger)
         self.groups = GroupCoordinator(self, self._poke)
 
     @property
@@ -447,6 +448,8 @@ class StoreNode:
                 await self._end_session(client_id)
             except LogFullError:  # the client is not present any more: a retried close would find nothing to end
                 self.leases.end_when_room(client_id)
+            else:
+                self.leases.session_ended(client_id)
 
     async def end_session(self, client_id: str) -> bool:
         """``StoreApi.end_session``: an operator ends a session now; False when there was none."""
@@ -613,15 +616,18 @@ async def open_store(
             dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
                                     awaiting=awaiting, room=space.has_room)
             sessions = open_family(db, SESSIONS_FAMILY)
+            ledger = ClientLedger(db)
             try:
                 await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
+                clients = await trio.to_thread.run_sync(ledger.entries)
             except Exception as exc:
                 raise _startup_error(data, exc) from exc
             try:
                 async with trio.open_nursery() as timers:  # leases, wills, session expiry: they end with the node
                     node = StoreNode(data, alog, queues, dispatcher, sessions, retained, recent, space, awaiting,
-                                     timers, lease_s)
+                                     ledger, timers, lease_s)
                     nodes.append(node)
+                    node.leases.restore(clients)  # expiries and wills pending when the store stopped
                     async with background(dispatcher.run), background(partial(_watch_space, space)):
                         if tier is not None and tier.get("tier.uri"):
                             try:
@@ -643,6 +649,7 @@ async def open_store(
                 with trio.CancelScope(shield=True):  # a cancelled node (SIGTERM) still shuts down cleanly
                     await trio.to_thread.run_sync(dispatcher.close)
                 sessions.close()  # a family handle keeps the database open
+                ledger.close()
                 retained.close()
                 awaiting.close()
         finally:
