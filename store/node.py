@@ -12,7 +12,9 @@ The node keeps the gateway's persistent session state as opaque blobs in the
 column family ``sessions``: the store knows nothing of MQTT, it only makes the
 blobs durable. It owns the sessions' lifecycle all the same (store/leases.py):
 where each client is connected, its will, its expiry, and ending a session
-(blob, offsets, held filters, QoS 2 flows, shared subscriptions). The one piece
+(blob, offsets, held filters, QoS 2 flows, shared subscriptions); the client
+ledger (store/ledger.py, column family ``clients``) keeps that lifecycle across
+restarts, re-armed by ``open_store`` before anyone is served. The one piece
 of session state it derives itself is which inbound QoS 2 flows await PUBREL
 (``awaiting``, store/awaiting.py): from the packet ids the records carry, so
 that "stored" and "awaits PUBREL" are one durable fact.
