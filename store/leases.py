@@ -98,6 +98,7 @@ class _Lease:
     ending: trio.CancelScope | None = None  # the timer that ends the lease once the node has no connection
     clients: set[str] = field(default_factory=set)  # present here
     restored: bool = False  # made from the ledger at start: the node's clients when the store stopped
+    unclaimed: set[str] = field(default_factory=set)  # restored clients its node has not registered again
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,8 +168,9 @@ class Leases:
             lease = None
         if lease is not None and lease.restored:
             if adopt and epoch:  # the node kept running while the store was down: its clients are still its
-                lease.epoch, lease.restored = epoch, False
+                lease.epoch, lease.restored, lease.unclaimed = epoch, False, set(lease.clients)
                 self._next_epoch = max(self._next_epoch, epoch + 1)
+                self._nursery.start_soon(self._drop_unclaimed, node, lease)
             else:  # a new process of the node: the clients it had when the store stopped are gone
                 self._end(node)
                 lease = None
@@ -228,18 +230,36 @@ class Leases:
         self._ended += 1
         wills = 0
         for client_id in sorted(lease.clients):
-            client = self._clients.pop(client_id)
-            self._keep_closed(client_id, client, client.will_delay_s)
-            if client.will is not None:
-                wills += 1
-                self._will_after(client_id, client.will, node, client.will_delay_s)
-            self._expire_after(client_id, client.expiry_s)
+            wills += self._gone(client_id, self._clients.pop(client_id))
         ctx = {"node": node, "epoch": lease.epoch, "clients": len(lease.clients), "wills": wills}
         if lease.restored:
             LOGGER.info("clients connected when the store stopped are gone: their wills and expiry run from now",
                         extra={"ctx": ctx})
         else:
             LOGGER.warning("gateway node lease ended", extra={"ctx": ctx})
+
+    async def _drop_unclaimed(self, node: str, lease: _Lease) -> None:
+        """The restored clients an adopting node has not registered again ``lease_s`` after its Hello (it sends
+        them at once) closed while the store was down, and their close never reached it: they are gone now."""
+        await trio.sleep(self.lease_s)
+        if self._leases.get(node) is not lease or not lease.unclaimed:  # ended meanwhile: they went with it
+            return
+        gone = sorted(lease.unclaimed)
+        wills = 0
+        for client_id in gone:
+            self._leave(client_id, client := self._clients[client_id])
+            wills += self._gone(client_id, client)
+        LOGGER.info("clients not registered again by their gateway are gone: their wills and expiry run from now",
+                    extra={"ctx": {"node": node, "clients": len(gone), "wills": wills}})
+
+    def _gone(self, client_id: str, client: _Client) -> bool:
+        """A client's connection is gone without a close the store heard (its node's lease ended): its will goes
+        after its delay and its session expires from now. Whether it had a will."""
+        self._keep_closed(client_id, client, client.will_delay_s)
+        if client.will is not None:
+            self._will_after(client_id, client.will, client.node, client.will_delay_s)
+        self._expire_after(client_id, client.expiry_s)
+        return client.will is not None
 
     # --- clients ----------------------------------------------------------------------------
 
@@ -366,6 +386,7 @@ class Leases:
         lease = self._leases.get(client.node)
         if lease is not None:
             lease.clients.discard(client_id)
+            lease.unclaimed.discard(client_id)
 
     # --- the ledger -------------------------------------------------------------------------
 

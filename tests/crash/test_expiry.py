@@ -165,3 +165,35 @@ def test_cluster_sessions_expire_through_a_store_restart(tmp_path, how):
         if gateway is not None:
             gateway.stop()
         store.stop()
+
+
+def test_cluster_clients_connected_through_a_store_kill_stay_and_one_that_left_meanwhile_expires(tmp_path):
+    """The gateway keeps running while its store is killed: it adopts its restored lease and registers its
+    connected clients again, which keep their sessions; a client that left during the outage (its close never
+    reached the store) expires once the gateway had its chance to register it."""
+    run = run_id()
+    store = Store(tmp_path / "data", free_port())
+    gateway = None
+    try:
+        gateway = Gateway(store.port)
+        live, _ = session5(gateway.port, f"live-{run}", SHORT_S)
+        subscribe5(live, f"ex/{run}/+")
+        leaving, _ = session5(gateway.port, f"leaving-{run}", SHORT_S)
+        kill(store)
+        leaving.disconnect()
+        store = store.restarted()
+
+        def stored() -> set[str]:
+            return set(ask_store(store.port, lambda client: client.sessions()))
+
+        wait_for(lambda: f"leaving-{run}" not in stored(), "the session left during the outage expired")
+        assert f"live-{run}" in stored()
+        publisher, _ = session5(gateway.port, f"pub-{run}", 0, clean=True)
+        publisher.publish(f"ex/{run}/t", b"after")
+        assert live.messages.get(timeout=WAIT_S).payload == b"after"
+        publisher.disconnect()
+        live.disconnect()
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        store.stop()
