@@ -20,6 +20,7 @@ from tests.helpers.admin import Admin, admin_port
 from tests.helpers.cluster import Gateway, Store, ask_store, free_port, wait_for
 from tests.helpers.mqtt_fixtures import (WAIT_S, Client, Node, RawClient, check_nothing_before_sentinel, kill,
                                          properties, run_id, subscribe5, wait_until)
+from tests.helpers.prometheus import metric
 
 pytestmark = pytest.mark.slow
 
@@ -71,12 +72,15 @@ def test_embedded_sessions_expire_through_a_restart(tmp_path, how):
         for client_id in detached + connected + [keeper_id]:
             client, _ = session5(node.port, client_id, LONG_S if client_id == keeper_id else SHORT_S)
             subscribe5(client, f"ex/{run}/+")
+            if client_id != keeper_id:
+                subscribe5(client, f"only/{run}/#")  # held by the short sessions alone: released by their expiry
             if client_id in connected:
                 continue  # still connected when the node stops
             client.disconnect()
         publisher, _ = session5(node.port, f"pub-{run}", 0, clean=True)
         publisher.publish(topic, b"queued")
         publisher.disconnect()
+        assert metric(admin_port(node), "lightgate_active_filters") == 2
         stop(node, how)
 
         node = Node(tmp_path / "data")
@@ -85,6 +89,8 @@ def test_embedded_sessions_expire_through_a_restart(tmp_path, how):
             for client_id in detached + connected:
                 wait_until(lambda: gone_in_admin(admin, client_id), WAIT_S, f"{client_id} expired after the restart")
             assert not gone_in_admin(admin, keeper_id)
+            wait_until(lambda: metric(admin.port, "lightgate_active_filters") == 1, WAIT_S,
+                       f"only/{run}/# released by the expired sessions, ex/{run}/+ still held by the long one")
         finally:
             admin.close()
         check_expired_and_kept(node.port, detached + connected, keeper_id, topic)
