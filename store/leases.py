@@ -423,7 +423,7 @@ class Leases:
 
     # --- timers -----------------------------------------------------------------------------
 
-    def _will_after(self, client_id: str, will: NewMessage, node: str, delay_s: int) -> None:
+    def _will_after(self, client_id: str, will: NewMessage, node: str, delay_s: float) -> None:
         old = self._wills.pop(client_id, None)
         if old is not None:
             old.scope.cancel()
