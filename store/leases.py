@@ -289,11 +289,7 @@ class Leases:
             self._leave(client_id, previous)
             if previous.node != node:
                 self._on_moved(previous.node, client_id)
-        self._cancel(self._expiries, client_id)
-        pending = self._wills.pop(client_id, None)
-        if pending is not None:
-            pending.scope.cancel()
-        self._closed.pop(client_id, None)
+        pending = self._resumed(client_id)
         self._present(node, client_id, self._keep_connected(client_id, _Client(node, expiry_s, will, will_delay_s)))
         return pending.will if pending is not None and clean_start else None
 
@@ -308,6 +304,7 @@ class Leases:
             return
         if previous is not None:
             self._leave(client_id, previous)
+        self._resumed(client_id)  # an expiry armed at the start (its entry said closed) is off: it is connected
         self._present(node, client_id, self._keep_connected(client_id, _Client(node, expiry_s, will, will_delay_s)))
 
     def close(self, node: str, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> bool:
@@ -374,6 +371,16 @@ class Leases:
         return LeaseStatistics(len(self._leases), len(self._clients),
                                sum(1 for c in self._clients.values() if c.will is not None), len(self._wills),
                                self._fired, len(self._expiries), self._expired, self._ended)
+
+    def _resumed(self, client_id: str) -> _Pending | None:
+        """The client is connected again: its session's expiry stops, and its will waiting for a delay is off
+        (returned)."""
+        self._cancel(self._expiries, client_id)
+        self._closed.pop(client_id, None)
+        pending = self._wills.pop(client_id, None)
+        if pending is not None:
+            pending.scope.cancel()
+        return pending
 
     def _present(self, node: str, client_id: str, client: _Client) -> None:
         self._clients[client_id] = client

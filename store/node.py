@@ -49,7 +49,7 @@ from store.awaiting import AwaitingRelease
 from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.groups import GroupCoordinator
 from store.leases import LEASE_S, Leases
-from store.ledger import ClientLedger
+from store.ledger import ClientEntry, ClientLedger
 from store.log.aio import AsyncCommitLog
 from store.log.commitlog import CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
@@ -61,8 +61,8 @@ from store.tasks import background
 
 LOGGER = logging.getLogger(__name__)
 
-__all__ = ["ADMIN_TIMEOUT_S", "Attachment", "SESSIONS_FAMILY", "SessionFixer", "StoreNode", "decode", "open_store",
-           "raw"]
+__all__ = ["ADMIN_TIMEOUT_S", "Attachment", "SESSIONS_FAMILY", "SessionExpiry", "SessionFixer", "StoreNode", "decode",
+           "open_store", "raw"]
 
 SESSIONS_FAMILY = "sessions"
 """Its own column family: the light queues own every key of the default family, and session
@@ -574,11 +574,15 @@ SessionFixer = Callable[[bytes, Callable[[str], int]], "bytes | None"]
 """``fix(blob, max_offset)``: the session blob with its queue positions pulled back to ``max_offset(queue)``, or
 None when none is past it. Given by the layer that owns the blob format (gateway/mqtt/session.py)."""
 
+SessionExpiry = Callable[[bytes], int]
+"""``expiry_of(blob)``: the Session Expiry Interval a session blob was saved with (0: unreadable). Given by the layer
+that owns the blob format (gateway/mqtt/session.py)."""
+
 
 @asynccontextmanager
 async def open_store(
     data: Path, config: CommitLogConfig, listener: Listener | None = None, tier: Mapping[str, Any] | None = None, *,
-    fix_session: SessionFixer | None = None, lease_s: float = LEASE_S
+    fix_session: SessionFixer | None = None, session_expiry: SessionExpiry | None = None, lease_s: float = LEASE_S
 ) -> AsyncIterator[StoreNode]:
     """Open the CommitLog and the index under ``data``, run flushing, retention and dispatch.
 
@@ -587,6 +591,9 @@ async def open_store(
     (store/tier.py; imported only then, as it loads pyarrow).
     ``fix_session``: after a power loss cost the log records that positions in RocksDB point past
     (``Dispatcher.recover``), every session blob is passed through it before anyone consumes.
+    ``session_expiry``: a session blob the client ledger has no entry for (kept before the ledger existed, or an
+    entry a power loss took) is asked its expiry and counts as closed at this start (store/ledger.py); None: such a
+    session never expires until its client connects again.
     ``lease_s``: how long a cluster gateway's lease outlives its last frame (store/leases.py).
 
     Resource handling: everything opened here is closed here, in reverse order,
@@ -622,6 +629,8 @@ async def open_store(
             try:
                 await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
                 clients = await trio.to_thread.run_sync(ledger.entries)
+                if session_expiry is not None:
+                    clients |= await trio.to_thread.run_sync(_unrecorded, sessions, ledger, clients, session_expiry)
             except Exception as exc:
                 raise _startup_error(data, exc) from exc
             try:
@@ -690,6 +699,26 @@ def _recover(dispatcher: Dispatcher, queues: LightQueues, sessions: rocksdict.Rd
     LOGGER.warning("positions past the end of the recovered CommitLog were pulled back to it (records lost in a"
                    " power loss or OS crash under the async flush policy); nothing appended from now on is skipped",
                    extra={"ctx": found})
+
+
+def _unrecorded(sessions: rocksdict.Rdict, ledger: ClientLedger, known: Mapping[str, ClientEntry],
+                expiry_of: SessionExpiry) -> dict[str, ClientEntry]:
+    """The session blobs without a ledger entry, each written as closed now with the expiry it was saved with:
+    their clients' closes were never recorded, and now is the earliest time the store can vouch for (blocking)."""
+    found = {}
+    closed_ms = now_ms()
+    for key, blob in sessions.items():
+        client_id = key.decode()
+        if client_id in known:
+            continue
+        expiry_s = expiry_of(blob)
+        if expiry_s:  # 0: unreadable (resuming it reports that); a blob is never saved with expiry 0
+            found[client_id] = entry = ClientEntry("", expiry_s, closed_ms=closed_ms)
+            ledger.put(client_id, entry)
+    if found:
+        LOGGER.info("stored sessions without a client ledger entry expire from this start",
+                    extra={"ctx": {"sessions": len(found)}})
+    return found
 
 
 def _startup_error(data: Path, exc: Exception) -> Exception:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import paho.mqtt.client as mqtt
 import pytest
+import rocksdict
 from paho.mqtt.packettypes import PacketTypes
 
 from gateway.mqtt.packets import MQTT_5
@@ -94,6 +95,40 @@ def test_embedded_sessions_expire_through_a_restart(tmp_path, how):
         finally:
             admin.close()
         check_expired_and_kept(node.port, detached + connected, keeper_id, topic)
+    finally:
+        node.stop()
+    assert not node.errors(), node.errors()
+
+
+def test_a_session_stored_without_a_ledger_entry_expires_one_expiry_after_the_start(tmp_path):
+    """Sessions kept before the client ledger existed (or whose entry is lost) were made permanent by every
+    restart: the first start that finds one counts it as closed then."""
+    run = run_id()
+    node = Node(tmp_path / "data")
+    try:
+        client, _ = session5(node.port, f"old-{run}", SHORT_S)
+        subscribe5(client, f"ex/{run}/+")
+        client.disconnect()
+        keeper, _ = session5(node.port, f"keep-{run}", LONG_S)
+        keeper.disconnect()
+        assert node.stop() == 0
+        index = str(tmp_path / "data" / "index")
+        if "clients" in rocksdict.Rdict.list_cf(index):  # as a data directory of an earlier version
+            db = rocksdict.Rdict(index, column_families={name: rocksdict.Options(raw_mode=True)
+                                                         for name in rocksdict.Rdict.list_cf(index)},
+                                 options=rocksdict.Options(raw_mode=True))
+            db.drop_column_family("clients")
+            db.close()
+
+        node = Node(tmp_path / "data")
+        admin = Admin(admin_port(node))
+        try:
+            found = node.wait_log(lambda doc: doc.get("msg", "").startswith("stored sessions without a client ledger"))
+            assert found["sessions"] == 2
+            wait_until(lambda: gone_in_admin(admin, f"old-{run}"), WAIT_S, "the session without an entry expired")
+            assert not gone_in_admin(admin, f"keep-{run}")
+        finally:
+            admin.close()
     finally:
         node.stop()
     assert not node.errors(), node.errors()

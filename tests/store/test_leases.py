@@ -304,3 +304,20 @@ async def test_clients_connected_at_the_stop_stay_with_a_node_that_adopts_its_le
         assert leases.where("kept") == "gw1" and len(store.ended) == 3
         assert sorted(ledger.entries()) == ["kept"]
         nursery.cancel_scope.cancel()
+
+
+async def test_a_client_registered_again_after_a_store_restart_is_not_expired_by_a_closed_entry(autojump_clock,
+                                                                                               ledger):
+    """A store upgraded under a running gateway finds its connected clients' sessions without connected entries
+    (store.node.open_store writes them closed at the start): the gateway's registration stops their expiry."""
+    ledger.put("c", ClientEntry("", 30, closed_ms=now_ms()))
+    store = Store()
+    async with trio.open_nursery() as nursery:
+        leases = store.leases(nursery, ledger)
+        leases.restore(ledger.entries())
+        epoch, _ = leases.connected("gw1", 7, adopt=True)
+        leases.reattach("gw1", "c", expiry_s=30, will=None, will_delay_s=0)
+        await trio.sleep(3600)
+        assert store.ended == [] and leases.where("c") == "gw1"
+        assert ledger.entries()["c"].closed_ms == 0  # connected
+        nursery.cancel_scope.cancel()
