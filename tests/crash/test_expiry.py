@@ -37,6 +37,14 @@ def session5(port: int, client_id: str, expiry_s: int, *, clean: bool = False) -
     return client, flags.session_present
 
 
+def detach(port: int, client_id: str, expiry_s: int, *filters: str) -> None:
+    """Leave a detached session: connect with ``expiry_s``, subscribe to ``filters`` (QoS 1), DISCONNECT."""
+    client, _ = session5(port, client_id, expiry_s)
+    for filter in filters:
+        subscribe5(client, filter)
+    client.disconnect()
+
+
 def stop(process, how: str) -> None:
     if how == "sigkill":
         kill(process)
@@ -106,11 +114,8 @@ def test_a_session_stored_without_a_ledger_entry_expires_one_expiry_after_the_st
     run = run_id()
     node = Node(tmp_path / "data")
     try:
-        client, _ = session5(node.port, f"old-{run}", SHORT_S)
-        subscribe5(client, f"ex/{run}/+")
-        client.disconnect()
-        keeper, _ = session5(node.port, f"keep-{run}", LONG_S)
-        keeper.disconnect()
+        detach(node.port, f"old-{run}", SHORT_S, f"ex/{run}/+")
+        detach(node.port, f"keep-{run}", LONG_S)
         assert node.stop() == 0
         index = str(tmp_path / "data" / "index")
         if "clients" in rocksdict.Rdict.list_cf(index):  # as a data directory of an earlier version
@@ -151,9 +156,7 @@ def test_wills_pending_or_held_at_a_kill_are_published_after_the_restart_unless_
     run = run_id()
     node = Node(tmp_path / "data")
     try:
-        watcher, _ = session5(node.port, f"watch-{run}", LONG_S)
-        subscribe5(watcher, f"will/{run}/+")
-        watcher.disconnect()
+        detach(node.port, f"watch-{run}", LONG_S, f"will/{run}/+")
         resumed = will_client(node.port, f"back-{run}", f"will/{run}/back", 5)
         lost = will_client(node.port, f"lost-{run}", f"will/{run}/lost", 5)
         crashed = will_client(node.port, f"crashed-{run}", f"will/{run}/crashed", 0)
@@ -187,9 +190,7 @@ def test_cluster_sessions_expire_through_a_store_restart(tmp_path, how):
     try:
         gateway = Gateway(store.port)
         for client_id in detached + [keeper_id]:
-            client, _ = session5(gateway.port, client_id, LONG_S if client_id == keeper_id else SHORT_S)
-            subscribe5(client, f"ex/{run}/+")
-            client.disconnect()
+            detach(gateway.port, client_id, LONG_S if client_id == keeper_id else SHORT_S, f"ex/{run}/+")
         publisher, _ = session5(gateway.port, f"pub-{run}", 0, clean=True)
         publisher.publish(topic, b"queued")
         publisher.disconnect()
