@@ -6,19 +6,21 @@ The leases write one entry per client at each step of its lifecycle, and re-arm 
 when the store starts (``Leases.restore``):
 
 - *connected* (``closed_ms`` 0): written when the client connects, before its CONNACK can go (its expiry and its
-  will, which the restart must honour); a client without either has no entry.
+  will, which the restart must honour; a clean session's too: what it holds in the store must go after a crash).
 - *closed* (``closed_ms`` the wall-clock time of the close): its session expires at ``closed_ms`` + expiry, its
   will (if still pending) is due at ``closed_ms`` + its delay; the will is dropped from the entry once published.
-- gone: the entry is deleted when the session ends (expiry, clean start, an operator's delete).
+- gone: the entry is deleted when the session ends (expiry, clean start, a clean session's close, an operator's
+  delete), or kept for the will alone (``expiry_s`` 0) until that is published.
 
 Storage: the column family ``clients``, key the client id (UTF-8), value a msgpack ``ClientEntry``; written with
-the WAL (a process crash keeps it) and not fsynced: an entry a power loss took leaves a session that outlives
-its expiry, never one that ends early. Times are wall-clock (``time.time``): they must survive the process.
+the WAL (a process crash keeps it) and not fsynced: a session whose entry a power loss took counts as closed at
+the next start (``store.node.open_store``), later than the truth, never earlier. Times are wall-clock
+(``time.time``): they must survive the process.
 This is derived state kept beside the session blobs until the CommitLog carries control records for it.
 
 Error handling: the entries are small and written within the data disk's margin (store/space.py), so a full disk
-does not refuse them; a write RocksDB fails anyway is logged once (until one succeeds) and skipped: the client's
-session then outlives a restart as it did before the ledger existed, and nothing else is refused for it.
+does not refuse them; a write RocksDB fails anyway is logged once (until one succeeds) and skipped: a restart
+then counts the client's close from its start at the latest, and nothing else is refused for it.
 """
 
 from __future__ import annotations
