@@ -22,23 +22,41 @@ memory or the timers of one gateway node:
   expiry interval unless it resumes first; 0 ends it at once. Expiry ends the session in the store
   (``end_session``: state, offsets, held filters, QoS 2 flows, shared-group subscriptions).
 
+- **Restarts.** Each step of a client's lifecycle is also written to the store's client ledger
+  (store/ledger.py) before it is acknowledged (the CONNACK waits for ``open``), and ``restore`` re-arms
+  everything from it when the store starts: a closed session expires at its close + its expiry (at once if that
+  passed while the store was down), a pending will fires at its close + its delay (at once if past), and a session
+  resumed before either cancelled them for good. A client the ledger says was connected when the store stopped
+  is placed on a *restored* lease of its node: a cluster gateway that kept running adopts it and registers its
+  clients again (``reattach``); any other start of that node (the embedded gateway of a restarted ``lightgate
+  serve``, a gateway process that restarted) ends it at once, and it ends ``lease_s`` after the start if the
+  node does not come back. Its clients are then gone as at any lease end: their wills go to their delays and
+  their sessions expire from that moment. That moment stands for their disconnection: the store cannot know
+  when their network connections closed during its outage, the specification starts the expiry when the
+  connection closes [MQTT-3.1.2-23] (section 3.1.2.11.2), and a later start than the true one never ends a session
+  before its client could expect, whereas the time of the connect would.
+
 Resource handling: the timers run in the nursery given to ``Leases``; they end with it (a store that shuts down
-fires nothing more). Presence, held wills and pending timers live in memory: after a store restart each gateway
-registers its clients and their wills again when it reconnects (``reattach``, store/rpc/client.py).
+fires nothing more: the ledger keeps what is pending). Presence, held wills and pending timers live in memory;
+after a store restart each gateway registers its clients and their wills again when it reconnects (``reattach``,
+store/rpc/client.py).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import final
 
 import trio
+from msgspec.structs import replace
 
 from store.api import NewMessage
+from store.ledger import ClientEntry, ClientLedger
 from store.log.errors import LogFullError
+from store.log.record import now_ms
 from store.space import FULL_RETRY_S
 
 __all__ = ["LEASE_S", "NEVER_EXPIRES", "LeaseStatistics", "Leases"]
@@ -79,6 +97,8 @@ class _Lease:
     last_seen: float = 0.0
     ending: trio.CancelScope | None = None  # the timer that ends the lease once the node has no connection
     clients: set[str] = field(default_factory=set)  # present here
+    restored: bool = False  # made from the ledger at start: the node's clients when the store stopped
+    unclaimed: set[str] = field(default_factory=set)  # restored clients its node has not registered again
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +123,7 @@ class Leases:
         append: how a will is stored (``StoreNode.append``); raises ``LogFullError`` while the disk is full.
         end_session: how a session ends in the store (``StoreNode.end_session``); same.
         on_moved: ``on_moved(node, client_id)``: the client is not ``node``'s any more (it connected elsewhere).
+        ledger: where each client's lifecycle is kept durably for ``restore`` (None: nothing outlives the process).
     """
 
     def __init__(
@@ -113,12 +134,15 @@ class Leases:
         append: Callable[[Sequence[NewMessage]], Awaitable[object]],
         end_session: Callable[[str], Awaitable[object]],
         on_moved: Callable[[str, str], None],
+        ledger: ClientLedger | None = None,
     ) -> None:
         self._nursery = nursery
         self.lease_s = lease_s
         self._append = append
         self._end_session = end_session
         self._on_moved = on_moved
+        self._ledger = ledger
+        self._closed: dict[str, ClientEntry] = {}  # client id -> its ledger entry, closed and not ended yet
         self._leases: dict[str, _Lease] = {}
         self._clients: dict[str, _Client] = {}  # client id -> where it is present and its will
         self._wills: dict[str, _Pending] = {}  # client id -> a will waiting for its delay
@@ -142,6 +166,14 @@ class Leases:
         if lease is not None and lease.ending is not None and trio.current_time() >= lease.ending.deadline:
             self._end(node)  # due, its timer has not run yet: it ended all the same
             lease = None
+        if lease is not None and lease.restored:
+            if adopt and epoch:  # the node kept running while the store was down: its clients are still its
+                lease.epoch, lease.restored, lease.unclaimed = epoch, False, set(lease.clients)
+                self._next_epoch = max(self._next_epoch, epoch + 1)
+                self._nursery.start_soon(self._drop_unclaimed, node, lease)
+            else:  # a new process of the node: the clients it had when the store stopped are gone
+                self._end(node)
+                lease = None
         if lease is None:
             new_epoch = epoch if adopt and epoch else self._next_epoch
             self._next_epoch = max(self._next_epoch, new_epoch) + 1  # never again for this node (nor any other)
@@ -178,6 +210,10 @@ class Leases:
         lease.connections -= 1
         if lease.connections > 0:
             return
+        self._end_later(node, lease)
+
+    def _end_later(self, node: str, lease: _Lease) -> None:
+        """Arm the timer that ends the lease ``lease_s`` after the node's last frame."""
         scope = lease.ending = trio.CancelScope(deadline=lease.last_seen + self.lease_s)
         self._nursery.start_soon(self._end_when_due, node, scope)
 
@@ -194,13 +230,36 @@ class Leases:
         self._ended += 1
         wills = 0
         for client_id in sorted(lease.clients):
-            client = self._clients.pop(client_id)
-            if client.will is not None:
-                wills += 1
-                self._will_after(client_id, client.will, node, client.will_delay_s)
-            self._expire_after(client_id, client.expiry_s)
-        LOGGER.warning("gateway node lease ended", extra={"ctx": {"node": node, "epoch": lease.epoch,
-                                                                  "clients": len(lease.clients), "wills": wills}})
+            wills += self._gone(client_id, self._clients.pop(client_id))
+        ctx = {"node": node, "epoch": lease.epoch, "clients": len(lease.clients), "wills": wills}
+        if lease.restored:
+            LOGGER.info("clients connected when the store stopped are gone: their wills and expiry run from now",
+                        extra={"ctx": ctx})
+        else:
+            LOGGER.warning("gateway node lease ended", extra={"ctx": ctx})
+
+    async def _drop_unclaimed(self, node: str, lease: _Lease) -> None:
+        """The restored clients an adopting node has not registered again ``lease_s`` after its Hello (it sends
+        them at once) closed while the store was down, and their close never reached it: they are gone now."""
+        await trio.sleep(self.lease_s)
+        if self._leases.get(node) is not lease or not lease.unclaimed:  # ended meanwhile: they went with it
+            return
+        gone = sorted(lease.unclaimed)
+        wills = 0
+        for client_id in gone:
+            self._leave(client_id, client := self._clients[client_id])
+            wills += self._gone(client_id, client)
+        LOGGER.info("clients not registered again by their gateway are gone: their wills and expiry run from now",
+                    extra={"ctx": {"node": node, "clients": len(gone), "wills": wills}})
+
+    def _gone(self, client_id: str, client: _Client) -> bool:
+        """A client's connection is gone without a close the store heard (its node's lease ended): its will goes
+        after its delay and its session expires from now. Whether it had a will."""
+        self._keep_closed(client_id, client, client.will_delay_s)
+        if client.will is not None:
+            self._will_after(client_id, client.will, client.node, client.will_delay_s)
+        self._expire_after(client_id, client.expiry_s)
+        return client.will is not None
 
     # --- clients ----------------------------------------------------------------------------
 
@@ -230,11 +289,8 @@ class Leases:
             self._leave(client_id, previous)
             if previous.node != node:
                 self._on_moved(previous.node, client_id)
-        self._cancel(self._expiries, client_id)
-        pending = self._wills.pop(client_id, None)
-        if pending is not None:
-            pending.scope.cancel()
-        self._present(node, client_id, _Client(node, expiry_s, will, will_delay_s))
+        pending = self._resumed(client_id)
+        self._present(node, client_id, self._keep_connected(client_id, _Client(node, expiry_s, will, will_delay_s)))
         return pending.will if pending is not None and clean_start else None
 
     def reattach(self, node: str, client_id: str, *, expiry_s: int, will: NewMessage | None,
@@ -248,7 +304,8 @@ class Leases:
             return
         if previous is not None:
             self._leave(client_id, previous)
-        self._present(node, client_id, _Client(node, expiry_s, will, will_delay_s))
+        self._resumed(client_id)  # an expiry armed at the start (its entry said closed) is off: it is connected
+        self._present(node, client_id, self._keep_connected(client_id, _Client(node, expiry_s, will, will_delay_s)))
 
     def close(self, node: str, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> bool:
         """The client's connection on ``node`` closed: start its will's delay (None: drop the will) and its
@@ -259,6 +316,8 @@ class Leases:
             return False
         del self._clients[client_id]
         self._leave(client_id, client)
+        if expiry_s or will_delay_s is not None:  # else the caller ends the session, then says so (``session_ended``)
+            self._keep_closed(client_id, _Client(node, expiry_s, client.will, client.will_delay_s), will_delay_s)
         if will_delay_s is not None and client.will is not None:
             self._will_after(client_id, client.will, node, will_delay_s)
         if expiry_s:
@@ -270,15 +329,58 @@ class Leases:
         its delay is returned, due now."""
         self._cancel(self._expiries, client_id)
         pending = self._wills.pop(client_id, None)
+        self.session_ended(client_id)
         if pending is None:
             return None
         pending.scope.cancel()
         return pending.will
 
+    def session_ended(self, client_id: str) -> None:
+        """The client's session ended in the store: its ledger entry goes (kept for its will alone while that waits
+        for its delay), unless the client connected again meanwhile."""
+        entry = self._closed.pop(client_id, None)
+        if client_id in self._clients:
+            return
+        if entry is not None and entry.will is not None and client_id in self._wills:
+            self._closed[client_id] = entry = replace(entry, expiry_s=0)
+            self._put(client_id, entry)
+        else:
+            self._forget(client_id)
+
+    def restore(self, entries: Mapping[str, ClientEntry]) -> None:
+        """At the store's start, re-arm what the ledger says is pending (see the module docstring): expiries and
+        wills of closed sessions for the time they have left, and the clients connected when the store stopped on
+        restored leases of their nodes."""
+        now, wall_ms = trio.current_time(), now_ms()
+        for client_id, entry in entries.items():
+            if not entry.closed_ms:
+                lease = self._leases.get(entry.node)
+                if lease is None:
+                    lease = self._leases[entry.node] = _Lease(0, last_seen=now, restored=True)
+                    self._end_later(entry.node, lease)
+                self._present(entry.node, client_id, _Client(entry.node, entry.expiry_s, entry.will,
+                                                             entry.will_delay_s))
+                continue
+            self._closed[client_id] = entry
+            if entry.will is not None:
+                self._will_after(client_id, entry.will, entry.node, _left(entry.closed_ms, entry.will_delay_s, wall_ms))
+            if 0 < entry.expiry_s < NEVER_EXPIRES:  # 0: the session ended already, only its will waited
+                self._expire_after(client_id, _left(entry.closed_ms, entry.expiry_s, wall_ms))
+
     def statistics(self) -> LeaseStatistics:
         return LeaseStatistics(len(self._leases), len(self._clients),
                                sum(1 for c in self._clients.values() if c.will is not None), len(self._wills),
                                self._fired, len(self._expiries), self._expired, self._ended)
+
+    def _resumed(self, client_id: str) -> _Pending | None:
+        """The client is connected again: its session's expiry stops, and its will waiting for a delay is off
+        (returned)."""
+        self._cancel(self._expiries, client_id)
+        self._closed.pop(client_id, None)
+        pending = self._wills.pop(client_id, None)
+        if pending is not None:
+            pending.scope.cancel()
+        return pending
 
     def _present(self, node: str, client_id: str, client: _Client) -> None:
         self._clients[client_id] = client
@@ -291,10 +393,44 @@ class Leases:
         lease = self._leases.get(client.node)
         if lease is not None:
             lease.clients.discard(client_id)
+            lease.unclaimed.discard(client_id)
+
+    # --- the ledger -------------------------------------------------------------------------
+
+    def _keep_connected(self, client_id: str, client: _Client) -> _Client:
+        """Write that ``client`` is connected (before its CONNACK: its expiry and will must outlive a crash)."""
+        self._put(client_id, ClientEntry(client.node, client.expiry_s, client.will, client.will_delay_s))
+        return client
+
+    def _keep_closed(self, client_id: str, client: _Client, will_delay_s: int | None) -> None:
+        """Write that the client's connection closed now, with its will pending unless ``will_delay_s`` is None."""
+        will = client.will if will_delay_s is not None else None
+        entry = self._closed[client_id] = ClientEntry(client.node, client.expiry_s, will, will_delay_s or 0, now_ms())
+        self._put(client_id, entry)
+
+    def _will_done(self, client_id: str, will: NewMessage) -> None:
+        """The pending will of a closed session was published: a restart must not publish it again."""
+        entry = self._closed.get(client_id)
+        if entry is None or entry.will is not will:  # the client connected again since, or another close
+            return
+        if entry.expiry_s:
+            self._closed[client_id] = entry = replace(entry, will=None)
+            self._put(client_id, entry)
+        else:
+            del self._closed[client_id]
+            self._forget(client_id)
+
+    def _put(self, client_id: str, entry: ClientEntry) -> None:
+        if self._ledger is not None:
+            self._ledger.put(client_id, entry)
+
+    def _forget(self, client_id: str) -> None:
+        if self._ledger is not None:
+            self._ledger.forget(client_id)
 
     # --- timers -----------------------------------------------------------------------------
 
-    def _will_after(self, client_id: str, will: NewMessage, node: str, delay_s: int) -> None:
+    def _will_after(self, client_id: str, will: NewMessage, node: str, delay_s: float) -> None:
         old = self._wills.pop(client_id, None)
         if old is not None:
             old.scope.cancel()
@@ -308,17 +444,18 @@ class Leases:
                 del self._wills[client_id]
             with trio.CancelScope(shield=True):  # once due, the will is appended even if the client returns now
                 if await self._retried(self._append, [pending.will], "will not published", client_id):
+                    self._will_done(client_id, pending.will)
                     self._fired += 1
                     LOGGER.info("will published", extra={"ctx": {"client_id": client_id, "node": node}})
 
-    def _expire_after(self, client_id: str, expiry_s: int) -> None:
+    def _expire_after(self, client_id: str, expiry_s: float) -> None:
         if expiry_s >= NEVER_EXPIRES:
             return
         self._cancel(self._expiries, client_id)
         scope = self._expiries[client_id] = trio.CancelScope()
         self._nursery.start_soon(self._expire, client_id, expiry_s, scope)
 
-    async def _expire(self, client_id: str, expiry_s: int, scope: trio.CancelScope) -> None:
+    async def _expire(self, client_id: str, expiry_s: float, scope: trio.CancelScope) -> None:
         with scope:
             await trio.sleep(expiry_s)
             if self._expiries.get(client_id) is scope:
@@ -338,9 +475,12 @@ class Leases:
         """End the session (marked ``_ending`` by the caller), retried while the data disk is full."""
         with trio.CancelScope(shield=True):  # a half-ended session would keep its filters held
             try:
-                return await self._retried(self._end_session, client_id, f"{what} failed", client_id,
-                                           waiting=f"{what} waits for room on the data disk: the session cannot"
-                                                   " resume until it is deleted")
+                ended = await self._retried(self._end_session, client_id, f"{what} failed", client_id,
+                                            waiting=f"{what} waits for room on the data disk: the session cannot"
+                                                    " resume until it is deleted")
+                if ended:
+                    self.session_ended(client_id)
+                return ended
             finally:
                 self._ending.discard(client_id)
 
@@ -368,3 +508,8 @@ class Leases:
         scope = table.pop(client_id, None)
         if scope is not None:
             scope.cancel()
+
+
+def _left(since_ms: int, seconds: int, now: int) -> float:
+    """Seconds left at wall-clock ``now`` (ms) of a period of ``seconds`` that started at ``since_ms`` (0 if past)."""
+    return max(0.0, (since_ms + seconds * 1000 - now) / 1000)

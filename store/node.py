@@ -12,7 +12,9 @@ The node keeps the gateway's persistent session state as opaque blobs in the
 column family ``sessions``: the store knows nothing of MQTT, it only makes the
 blobs durable. It owns the sessions' lifecycle all the same (store/leases.py):
 where each client is connected, its will, its expiry, and ending a session
-(blob, offsets, held filters, QoS 2 flows, shared subscriptions). The one piece
+(blob, offsets, held filters, QoS 2 flows, shared subscriptions); the client
+ledger (store/ledger.py, column family ``clients``) keeps that lifecycle across
+restarts, re-armed by ``open_store`` before anyone is served. The one piece
 of session state it derives itself is which inbound QoS 2 flows await PUBREL
 (``awaiting``, store/awaiting.py): from the packet ids the records carry, so
 that "stored" and "awaits PUBREL" are one durable fact.
@@ -47,6 +49,7 @@ from store.awaiting import AwaitingRelease
 from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.groups import GroupCoordinator
 from store.leases import LEASE_S, Leases
+from store.ledger import ClientEntry, ClientLedger
 from store.log.aio import AsyncCommitLog
 from store.log.commitlog import CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
@@ -59,8 +62,8 @@ from store.usage import process_usage
 
 LOGGER = logging.getLogger(__name__)
 
-__all__ = ["ADMIN_TIMEOUT_S", "Attachment", "SESSIONS_FAMILY", "SessionFixer", "StoreNode", "decode", "open_store",
-           "raw"]
+__all__ = ["ADMIN_TIMEOUT_S", "Attachment", "SESSIONS_FAMILY", "SessionExpiry", "SessionFixer", "StoreNode", "decode",
+           "open_store", "raw"]
 
 SESSIONS_FAMILY = "sessions"
 """Its own column family: the light queues own every key of the default family, and session
@@ -149,7 +152,7 @@ class StoreNode:
 
     def __init__(self, data: Path, log: AsyncCommitLog, queues: LightQueues, dispatcher: Dispatcher,
                  sessions: rocksdict.Rdict, retained: RetainedStore, recent: RecentRecords, space: DiskSpace,
-                 awaiting: AwaitingRelease, nursery: trio.Nursery, lease_s: float) -> None:
+                 awaiting: AwaitingRelease, ledger: ClientLedger, nursery: trio.Nursery, lease_s: float) -> None:
         self.data = data
         self.log = log
         self.queues = queues
@@ -163,7 +166,7 @@ class StoreNode:
         self.router = NotifyRouter()
         self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
         self.leases = Leases(nursery, lease_s, append=self.append, end_session=self._end_session,
-                             on_moved=self._moved)
+                             on_moved=self._moved, ledger=ledger)
         self.groups = GroupCoordinator(self, self._poke)
 
     @property
@@ -449,6 +452,8 @@ class StoreNode:
                 await self._end_session(client_id)
             except LogFullError:  # the client is not present any more: a retried close would find nothing to end
                 self.leases.end_when_room(client_id)
+            else:
+                self.leases.session_ended(client_id)
 
     async def end_session(self, client_id: str) -> bool:
         """``StoreApi.end_session``: an operator ends a session now; False when there was none."""
@@ -571,11 +576,15 @@ SessionFixer = Callable[[bytes, Callable[[str], int]], "bytes | None"]
 """``fix(blob, max_offset)``: the session blob with its queue positions pulled back to ``max_offset(queue)``, or
 None when none is past it. Given by the layer that owns the blob format (gateway/mqtt/session.py)."""
 
+SessionExpiry = Callable[[bytes], int]
+"""``expiry_of(blob)``: the Session Expiry Interval a session blob was saved with (0: unreadable). Given by the layer
+that owns the blob format (gateway/mqtt/session.py)."""
+
 
 @asynccontextmanager
 async def open_store(
     data: Path, config: CommitLogConfig, listener: Listener | None = None, tier: Mapping[str, Any] | None = None, *,
-    fix_session: SessionFixer | None = None, lease_s: float = LEASE_S
+    fix_session: SessionFixer | None = None, session_expiry: SessionExpiry | None = None, lease_s: float = LEASE_S
 ) -> AsyncIterator[StoreNode]:
     """Open the CommitLog and the index under ``data``, run flushing, retention and dispatch.
 
@@ -584,6 +593,9 @@ async def open_store(
     (store/tier.py; imported only then, as it loads pyarrow).
     ``fix_session``: after a power loss cost the log records that positions in RocksDB point past
     (``Dispatcher.recover``), every session blob is passed through it before anyone consumes.
+    ``session_expiry``: a session blob the client ledger has no entry for (kept before the ledger existed, or an
+    entry a power loss took) is asked its expiry and counts as closed at this start (store/ledger.py); None: such a
+    session never expires until its client connects again.
     ``lease_s``: how long a cluster gateway's lease outlives its last frame (store/leases.py).
 
     Resource handling: everything opened here is closed here, in reverse order,
@@ -615,15 +627,20 @@ async def open_store(
             dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
                                     awaiting=awaiting, room=space.has_room)
             sessions = open_family(db, SESSIONS_FAMILY)
+            ledger = ClientLedger(db)
             try:
                 await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
+                clients = await trio.to_thread.run_sync(ledger.entries)
+                if session_expiry is not None:
+                    clients |= await trio.to_thread.run_sync(_unrecorded, sessions, ledger, clients, session_expiry)
             except Exception as exc:
                 raise _startup_error(data, exc) from exc
             try:
                 async with trio.open_nursery() as timers:  # leases, wills, session expiry: they end with the node
                     node = StoreNode(data, alog, queues, dispatcher, sessions, retained, recent, space, awaiting,
-                                     timers, lease_s)
+                                     ledger, timers, lease_s)
                     nodes.append(node)
+                    node.leases.restore(clients)  # expiries and wills pending when the store stopped
                     async with background(dispatcher.run), background(partial(_watch_space, space)):
                         if tier is not None and tier.get("tier.uri"):
                             try:
@@ -645,6 +662,7 @@ async def open_store(
                 with trio.CancelScope(shield=True):  # a cancelled node (SIGTERM) still shuts down cleanly
                     await trio.to_thread.run_sync(dispatcher.close)
                 sessions.close()  # a family handle keeps the database open
+                ledger.close()
                 retained.close()
                 awaiting.close()
         finally:
@@ -683,6 +701,26 @@ def _recover(dispatcher: Dispatcher, queues: LightQueues, sessions: rocksdict.Rd
     LOGGER.warning("positions past the end of the recovered CommitLog were pulled back to it (records lost in a"
                    " power loss or OS crash under the async flush policy); nothing appended from now on is skipped",
                    extra={"ctx": found})
+
+
+def _unrecorded(sessions: rocksdict.Rdict, ledger: ClientLedger, known: Mapping[str, ClientEntry],
+                expiry_of: SessionExpiry) -> dict[str, ClientEntry]:
+    """The session blobs without a ledger entry, each written as closed now with the expiry it was saved with:
+    their clients' closes were never recorded, and now is the earliest time the store can vouch for (blocking)."""
+    found = {}
+    closed_ms = now_ms()
+    for key, blob in sessions.items():
+        client_id = key.decode()
+        if client_id in known:
+            continue
+        expiry_s = expiry_of(blob)
+        if expiry_s:  # 0: unreadable (resuming it reports that); a blob is never saved with expiry 0
+            found[client_id] = entry = ClientEntry("", expiry_s, closed_ms=closed_ms)
+            ledger.put(client_id, entry)
+    if found:
+        LOGGER.info("stored sessions without a client ledger entry expire from this start",
+                    extra={"ctx": {"sessions": len(found)}})
+    return found
 
 
 def _startup_error(data: Path, exc: Exception) -> Exception:

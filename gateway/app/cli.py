@@ -83,7 +83,7 @@ def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
 
 def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
     from gateway.app.reload import Reloader
-    from gateway.mqtt.session import clamp_session_blob
+    from gateway.mqtt.session import clamp_session_blob, session_blob_expiry
     from gateway.app.store_node import run_store_node
 
     if _lacks_the_tier("store", "store", conf):
@@ -95,7 +95,7 @@ def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
         LOG.error("store node not started: %s", exc)
         return 1
     LOG.info("starting store node", extra={"ctx": {"data": conf["node.data"]}})
-    return run_store_node(conf, access, reloader.reload, clamp_session_blob)
+    return run_store_node(conf, access, reloader.reload, clamp_session_blob, session_blob_expiry)
 
 
 def _cmd_repair(args: argparse.Namespace, conf: cfg.Config) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 import trio
 
 from gateway.app.serve import NodeFront, Running, run_node, serve_node
-from gateway.mqtt.session import clamp_session_blob
+from gateway.mqtt.session import clamp_session_blob, session_blob_expiry
 from store.local import LocalStore
 from store.log.commitlog import CommitLogConfig
 from store.node import open_store
@@ -43,7 +43,7 @@ async def serve_gateway(
     front = NodeFront.from_settings(settings)
     data = Path(settings["node.data"])
     async with open_store(data, CommitLogConfig.from_settings(settings), tier=settings,
-                          fix_session=clamp_session_blob) as store:
+                          fix_session=clamp_session_blob, session_expiry=session_blob_expiry) as store:
         LOGGER.info("store node ready", extra={"ctx": {"data": str(data),
                                                        "written_offset": store.log.log.written_offset}})
         local = LocalStore(store, lease=True)

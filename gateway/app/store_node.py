@@ -15,7 +15,7 @@ from gateway.app.process import freeze_startup_objects, return_freed_buffers
 from gateway.app.signals import on_hangup, until_signalled
 from store.log.commitlog import CommitLogConfig
 from store.log.errors import StartupError
-from store.node import SessionFixer, open_store
+from store.node import SessionExpiry, SessionFixer, open_store
 from store.rpc.access import StoreAccess
 from store.rpc.server import serve_rpc
 from store.rpc.wire import parse_address
@@ -31,12 +31,13 @@ a gateway's pull of 256 messages waited milliseconds, at 0.5 ms the backlog drai
 
 
 async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = None,
-                      reload: Callable[[], None] | None = None, fix_session: SessionFixer | None = None) -> None:
+                      reload: Callable[[], None] | None = None, fix_session: SessionFixer | None = None,
+                      session_expiry: SessionExpiry | None = None) -> None:
     """Run a store node, serving gateway nodes over the RPC on ``store.listen``, until SIGINT or SIGTERM.
 
     ``access`` (store/rpc/access.py, built by the command line from ``auth.*`` and ``store.token``)
     decides who may connect; None: everyone. ``reload`` runs on each SIGHUP (``on_hangup``);
-    ``fix_session``: see ``store.node.open_store``.
+    ``fix_session``, ``session_expiry``: see ``store.node.open_store``.
 
     Raises:
         ValueError: ``store.listen`` is not HOST:PORT (checked before the store opens).
@@ -46,7 +47,7 @@ async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = 
     host, port = parse_address(settings["store.listen"])
     data = Path(settings["node.data"])
     async with open_store(data, CommitLogConfig.from_settings(settings), tier=settings, fix_session=fix_session,
-                          lease_s=settings["store.lease_s"]) as node:
+                          session_expiry=session_expiry, lease_s=settings["store.lease_s"]) as node:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:
@@ -67,10 +68,10 @@ async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = 
 
 
 def run_store_node(conf: Any, access: StoreAccess | None = None, reload: Callable[[], None] | None = None,
-                   fix_session: SessionFixer | None = None) -> int:
+                   fix_session: SessionFixer | None = None, session_expiry: SessionExpiry | None = None) -> int:
     """Entry point for ``lightgate store``: returns the process exit status.
 
-    ``access``, ``reload``, ``fix_session``: see ``serve_store``.
+    ``access``, ``reload``, ``fix_session``, ``session_expiry``: see ``serve_store``.
     """
     try:
         parse_address(conf.values["store.listen"])
@@ -84,7 +85,7 @@ def run_store_node(conf: Any, access: StoreAccess | None = None, reload: Callabl
     return_freed_buffers()
     failed = False
     try:
-        trio.run(serve_store, conf.values, access, reload, fix_session)
+        trio.run(serve_store, conf.values, access, reload, fix_session, session_expiry)
     except* OSError as group:  # e.g. the RPC port is taken; nurseries may wrap it in a group
         LOGGER.error("store node failed: %s", "; ".join(str(exc) for exc in group.exceptions))
         failed = True

@@ -932,6 +932,15 @@ def clamp_to_heads(state: SessionState, heads: Mapping[str, int]) -> tuple[Sessi
     return replace(state, offsets=offsets, cursors=cursors, inflight=inflight), moved
 
 
+def session_blob_expiry(blob: bytes) -> int:
+    """The Session Expiry Interval the stored session ``blob`` was saved with (0 if it is unreadable): the store
+    asks it of the blobs its client ledger has no entry for (``store.node.open_store``)."""
+    try:
+        return decode_session(blob).expiry_s
+    except msgspec.DecodeError:
+        return 0
+
+
 def clamp_session_blob(blob: bytes, max_offset: Callable[[str], int]) -> bytes | None:
     """The stored session ``blob`` with its positions pulled back to its queues' heads (``max_offset(queue)``),
     or None if none is past them (or the blob is unreadable: resuming reports that). The store runs it over

@@ -27,6 +27,7 @@ is the composition roots' business (gateway/app/).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, final
@@ -107,10 +108,12 @@ class GatewayNode:
         """Execute node actions in order; consecutive appends (and QoS 2 releases) go to the store as one batch.
 
         When the store cannot be reached, the connection is closed as lost (the store client logs the outage,
-        the connection the close): no traceback per connection.
+        the connection the close): no traceback per connection. A session close among the actions not done is
+        still tried: the store hears it if it is back, and a remote store's client forgets the client either way,
+        so that it does not register it again as connected when it reconnects (its session would never expire).
         """
+        index = 0
         try:
-            index = 0
             while index < len(actions):
                 action = actions[index]
                 kind = type(action)
@@ -128,6 +131,10 @@ class GatewayNode:
                 await handler(self, connection, action)
                 index += 1
         except ConnectionError as exc:  # StoreUnavailable, or LeaseLost: the client is not this node's any more
+            for action in actions[index:]:
+                if type(action) is CloseSession:
+                    with contextlib.suppress(ConnectionError):
+                        await self._close_session(connection, action)
             connection.feed(ConnectionLost(f"the store is not reachable: {exc}"))
 
     def append_now(self, connection: Connection, action: Append) -> bool:

@@ -1,13 +1,18 @@
 """Node leases and what the store keeps for their clients: presence, wills, session expiry (store/leases.py).
 
 On trio's virtual clock (pytest-trio's ``autojump_clock``): a lease of 5 s and wills delayed by minutes cost
-no real time.
+no real time. The restarts are new ``Leases`` over the same client ledger in a real RocksDB (store/ledger.py);
+the ledger's times are wall-clock, so an entry closed "long ago" is written with that time.
 """
 
+import pytest
 import trio
 
 from store.api import NewMessage
 from store.leases import NEVER_EXPIRES, Leases
+from store.ledger import ClientEntry, ClientLedger
+from store.log.record import now_ms
+from store.rocks import open_db
 
 LEASE_S = 5.0
 
@@ -45,8 +50,9 @@ class Store:
         while not condition():
             await self.changed.wait()
 
-    def leases(self, nursery) -> Leases:
-        return Leases(nursery, LEASE_S, append=self.append, end_session=self.end_session, on_moved=self.on_moved)
+    def leases(self, nursery, ledger=None) -> Leases:
+        return Leases(nursery, LEASE_S, append=self.append, end_session=self.end_session, on_moved=self.on_moved,
+                      ledger=ledger)
 
 
 def open_(leases, node, client_id, *, expiry_s=0, delay=0, with_will=True, clean_start=False):
@@ -217,4 +223,101 @@ async def test_a_client_registered_again_after_a_reconnect_never_displaces_a_new
         assert leases.where("a") == "gw2" and store.moved == [("gw1", "a")]
         leases.reattach("gw2", "b", expiry_s=0, will=will("b"), will_delay_s=0)  # a store restart forgot b
         assert leases.where("b") == "gw2"
+        nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    db = open_db(tmp_path / "index")
+    ledger = ClientLedger(db)
+    yield ledger
+    ledger.close()
+    db.close()
+
+
+async def test_a_restart_rearms_expiries_and_wills_for_the_time_they_have_left(autojump_clock, ledger):
+    """Timers lived in memory only: every restart made pending sessions permanent and lost delayed wills."""
+    wall = now_ms()
+    ledger.put("past", ClientEntry("gw1", 5, closed_ms=wall - 10_000))  # due while the store was down
+    ledger.put("later", ClientEntry("gw1", 60, closed_ms=wall - 20_000))
+    ledger.put("forever", ClientEntry("gw1", NEVER_EXPIRES, closed_ms=wall - 20_000))
+    ledger.put("willed", ClientEntry("gw1", 3600, will("willed"), 30, closed_ms=wall - 20_000))
+    store = Store()
+    async with trio.open_nursery() as nursery:
+        leases = store.leases(nursery, ledger)
+        start = trio.current_time()
+        leases.restore(ledger.entries())
+        await store.wait_for(lambda: len(store.ended) == 2 and store.appended)
+        assert sorted((round(t - start), c) for t, c in store.ended) == [(0, "past"), (40, "later")]
+        assert [(round(t - start), topic) for t, topic in store.appended] == [(10, "will/willed")]
+        entries = ledger.entries()
+        assert sorted(entries) == ["forever", "willed"]  # ended sessions leave the ledger
+        assert entries["willed"].will is None  # published: a second restart must not publish it again
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_session_resumed_before_the_restart_keeps_neither_expiry_nor_will(autojump_clock, ledger):
+    store = Store()
+    async with trio.open_nursery() as nursery:
+        leases = store.leases(nursery, ledger)
+        leases.connected("gw1")
+        open_(leases, "gw1", "a", expiry_s=60, delay=30)
+        leases.close("gw1", "a", expiry_s=60, will_delay_s=30)
+        open_(leases, "gw1", "a", expiry_s=60, with_will=False)  # back in time: its expiry and will are off
+        leases.close("gw1", "a", expiry_s=0, will_delay_s=None)  # a clean end: the caller ends the session
+        leases.session_ended("a")
+        assert ledger.entries() == {}
+        nursery.cancel_scope.cancel()
+    async with trio.open_nursery() as nursery:
+        store.leases(nursery, ledger).restore(ledger.entries())
+        await trio.sleep(3600)
+        assert store.appended == [] and store.ended == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_clients_connected_at_the_stop_stay_with_a_node_that_adopts_its_lease_and_go_with_a_new_one(
+        autojump_clock, ledger):
+    """A cluster gateway that kept running keeps its clients; the embedded node (or a new process) had none."""
+    before = Store()
+    async with trio.open_nursery() as nursery:
+        leases = before.leases(nursery, ledger)
+        epoch, _ = leases.connected("gw1")
+        leases.connected("local")
+        open_(leases, "gw1", "kept", expiry_s=30)
+        open_(leases, "gw1", "unclaimed", expiry_s=30, with_will=False)  # it leaves gw1 while the store is down
+        open_(leases, "local", "gone", expiry_s=30, delay=10)
+        open_(leases, "away", "orphan", expiry_s=30, with_will=False)  # its node never comes back
+        nursery.cancel_scope.cancel()  # the store stops: nothing fires
+    store = Store()
+    async with trio.open_nursery() as nursery:
+        leases = store.leases(nursery, ledger)
+        start = trio.current_time()
+        leases.restore(ledger.entries())
+        assert leases.connected("gw1", epoch, adopt=True) == (epoch, True)
+        leases.reattach("gw1", "kept", expiry_s=30, will=will("kept"), will_delay_s=0)  # gw1 registers it again
+        leases.connected("local")  # the embedded node of the restarted process
+        await store.wait_for(lambda: len(store.ended) == 3)
+        assert [(round(t - start), topic) for t, topic in store.appended] == [(10, "will/gone")]
+        assert sorted((round(t - start), c) for t, c in store.ended) == [
+            (30, "gone"), (LEASE_S + 30, "orphan"), (LEASE_S + 30, "unclaimed")]
+        await trio.sleep(3600)
+        assert leases.where("kept") == "gw1" and len(store.ended) == 3
+        assert sorted(ledger.entries()) == ["kept"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_client_registered_again_after_a_store_restart_is_not_expired_by_a_closed_entry(autojump_clock,
+                                                                                               ledger):
+    """A store upgraded under a running gateway finds its connected clients' sessions without connected entries
+    (store.node.open_store writes them closed at the start): the gateway's registration stops their expiry."""
+    ledger.put("c", ClientEntry("", 30, closed_ms=now_ms()))
+    store = Store()
+    async with trio.open_nursery() as nursery:
+        leases = store.leases(nursery, ledger)
+        leases.restore(ledger.entries())
+        epoch, _ = leases.connected("gw1", 7, adopt=True)
+        leases.reattach("gw1", "c", expiry_s=30, will=None, will_delay_s=0)
+        await trio.sleep(3600)
+        assert store.ended == [] and leases.where("c") == "gw1"
+        assert ledger.entries()["c"].closed_ms == 0  # connected
         nursery.cancel_scope.cancel()

@@ -8,7 +8,8 @@ from gateway.mqtt.actions import CommitOffsets, Deliver, InFlight, Message, Phas
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode_publish_template
 from gateway.mqtt.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
-from gateway.mqtt.session import ALIAS_BYTES, LANE_PIDS, NOT_IN_LOG, Link, Session, SessionState
+from gateway.mqtt.session import (ALIAS_BYTES, LANE_PIDS, NOT_IN_LOG, Link, Session, SessionState, encode_session,
+                                  session_blob_expiry)
 
 SUB = Subscription("a/+", "a/+", SubscriptionOptions(qos=1))
 
@@ -312,3 +313,8 @@ def test_outbound_topic_aliases_hold_a_bounded_number_of_topic_bytes():
     assert 0 < len(aliased) < len(sent)
     assert sum(len(p.topic) for p in aliased) <= ALIAS_BYTES
     assert all(p.topic for p in sent)  # first sightings carry their names; none relies on an alias it lacks
+
+
+def test_the_store_reads_the_expiry_a_blob_was_saved_with_and_0_from_an_unreadable_one():
+    assert session_blob_expiry(encode_session(SessionState("c", 7200, (SUB,)))) == 7200
+    assert session_blob_expiry(b"\xc1 not a session") == 0
