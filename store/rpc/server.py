@@ -16,7 +16,8 @@ One trio task group per connection:
 - the writer joins every queued answer into one ``send_all``;
 - the notifiers push the node's merged topic events, its clients that moved away and admin asks;
 - the heartbeat task sends a heartbeat five times per lease and closes a
-  connection silent for a lease.
+  connection silent for a lease while the store ran (a stall of the store's own,
+  seen by its watchdog, store/stalls.py, is not the node's silence).
 
 Who is who: a gateway node (trusted, the store token) is attached under the
 node name of its Hello; a back-end client (user name and password) under
@@ -681,6 +682,7 @@ async def serve_rpc(
     """
     async with trio.open_nursery() as nursery:
         server = RpcServer(store, access=access)
+        nursery.start_soon(store.leases.stalls.run)  # before any lease of a remote node can end
         listeners = await nursery.start(partial(trio.serve_tcp, server.handle, port, host=host))
         nursery.start_soon(_log_statistics, server)
         task_status.started(listeners)

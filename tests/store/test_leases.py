@@ -5,6 +5,7 @@ no real time.
 """
 
 import trio
+import trio.testing
 
 from store.api import NewMessage
 from store.leases import NEVER_EXPIRES, Leases
@@ -216,5 +217,32 @@ async def test_a_client_registered_again_after_a_reconnect_never_displaces_a_new
         leases.reattach("gw1", "a", expiry_s=0, will=will("a"), will_delay_s=0)  # gw1's older connection of a
         assert leases.where("a") == "gw2" and store.moved == [("gw1", "a")]
         leases.reattach("gw2", "b", expiry_s=0, will=will("b"), will_delay_s=0)  # a store restart forgot b
+        assert leases.where("b") == "gw2"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_stall_of_the_store_is_not_its_nodes_silence_and_a_node_silent_after_it_loses_its_lease(autojump_clock):
+    """The store's loop stops for three leases (a virtual-clock jump: no task runs meanwhile, as under SIGSTOP):
+    no lease ends for it; each node has a whole lease from the store's resumption, and one that stays silent
+    while the store runs loses it then."""
+    store = Store()
+    async with trio.open_nursery() as nursery:
+        leases = store.leases(nursery)
+        nursery.start_soon(leases.stalls.run)
+        await trio.testing.wait_all_tasks_blocked()  # the watchdog ticks
+        leases.connected("gw1")
+        open_(leases, "gw1", "a")
+        epoch2, _ = leases.connected("gw2")
+        open_(leases, "gw2", "b")
+        leases.disconnected("gw2")  # gw2's lease would end LEASE_S from now
+        autojump_clock.jump(3 * LEASE_S)  # the stall
+        resumed = trio.current_time()
+        assert leases.silent_for("gw1") == 0  # also before the watchdog's late tick
+        await trio.testing.wait_all_tasks_blocked()  # the watchdog and gw2's overdue timer ran
+        assert store.appended == [] and leases.epoch("gw2") == epoch2
+        assert leases.connected("gw2", epoch2) == (epoch2, True)  # back within its lease from the resumption
+        leases.disconnected("gw1")  # gw1 stays silent while the store runs
+        await store.wait_for(lambda: store.appended)
+        assert store.appended == [(resumed + LEASE_S, "will/a")]
         assert leases.where("b") == "gw2"
         nursery.cancel_scope.cancel()
