@@ -109,14 +109,14 @@ class GatewayNode:
         When the store cannot be reached, the connection is closed as lost (the store client logs the outage,
         the connection the close): no traceback per connection.
         """
+        index = end = 0
         try:
-            index = 0
             while index < len(actions):
                 action = actions[index]
                 kind = type(action)
+                end = index + 1
                 batched = _BATCHED.get(kind)
                 if batched is not None:
-                    end = index + 1
                     while end < len(actions) and type(actions[end]) is kind:
                         end += 1
                     await batched(self, connection, actions[index:end])
@@ -126,9 +126,12 @@ class GatewayNode:
                 if handler is None:
                     raise TypeError(f"not a node action: {action!r}")
                 await handler(self, connection, action)
-                index += 1
+                index = end
         except ConnectionError as exc:  # StoreUnavailable, or LeaseLost: the client is not this node's any more
             connection.feed(ConnectionLost(f"the store is not reachable: {exc}"))
+            # The actions after the failed ones go back to the worker: each is answered (or fails) in its turn,
+            # so the closing channel waits for no answer that would never come.
+            connection.requeue(actions[end:])
 
     def append_now(self, connection: Connection, action: Append) -> bool:
         """Append without a worker task when the store can without waiting (gateway/node/appends.py)."""
@@ -155,8 +158,17 @@ class GatewayNode:
         await self.appends.perform(connection, appends)
 
     async def _release_inbound(self, connection: Connection, releases: list[ReleaseInbound]) -> None:
-        """Record the releases of inbound QoS 2 flows durably, in one store write; then their PUBCOMPs may go."""
-        await self.store.release_awaiting([(r.client_id, r.packet_id, r.offset) for r in releases])
+        """Record the releases of inbound QoS 2 flows durably, in one store write; then their PUBCOMPs may go.
+
+        Raises:
+            ConnectionError: the store is unreachable; the releases are answered as not recorded first, so the
+                channel waits for none of them.
+        """
+        try:
+            await self.store.release_awaiting([(r.client_id, r.packet_id, r.offset) for r in releases])
+        except ConnectionError:
+            connection.feed_all([InboundReleased(r.ref, ok=False) for r in releases])
+            raise
         connection.feed_all([InboundReleased(r.ref) for r in releases])
 
     async def _after_reads(self, connection: Connection, action: AfterReads) -> None:
