@@ -2,7 +2,8 @@
 
 Real processes: one `lightgate store` with a short lease, one `lightgate gateway`, paho devices with wills. The
 store is stopped for several leases and continued: it notices its own stall and gives its gateways a lease to
-speak again, so no will fires and no device is dropped. The opposite (a frozen gateway, which must lose its lease)
+speak again, so no will fires and no device is dropped; a publish made during the pause waits for the store and is
+acknowledged once stored, never before. The opposite (a frozen gateway, which must lose its lease)
 is tests/cluster/test_fencing.py.
 """
 
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from tests.helpers.cluster import Gateway, Store, free_port, run_id, wait_for
+from tests.helpers.cluster import WAIT_S, Gateway, Store, free_port, run_id
 from tests.helpers.mqtt_fixtures import Client, check_nothing_before_sentinel, connected
 
 pytestmark = pytest.mark.slow
@@ -40,9 +41,14 @@ def test_a_store_paused_past_the_lease_fires_no_will_and_drops_no_device(tmp_pat
             stopped = len(store.logs)
             store.proc.send_signal(signal.SIGSTOP)
             try:
+                during = devices[0].paho.publish(f"cmd{run}/0", b"during the pause", 1)  # it waits for the store
                 time.sleep(PAUSE_S)  # the pause itself (what the test does to the store), not a synchronisation
+                assert not during.is_published()  # never acknowledged before it is stored
             finally:
                 store.proc.send_signal(signal.SIGCONT)
+            during.wait_for_publish(timeout=WAIT_S)
+            assert during.is_published()
+            assert [m.payload for m in devices[0].receive(1)] == [b"during the pause"]
             for i, device in enumerate(devices):  # each device is still connected, through the same gateway
                 device.publish(f"cmd{run}/{i}", f"after the pause {i}".encode(), 1)
                 assert [m.payload for m in device.receive(1)] == [f"after the pause {i}".encode()]
