@@ -9,7 +9,9 @@ memory or the timers of one gateway node:
   (it is never disconnected; a stopping process fires nothing). Epochs never repeat within a store process;
   a node that comes back after its lease ended gets a new one and is told (``rpc.Welcome.resumed``), and
   writes made for clients of the ended lease are refused (``store.api.LeaseLost``). A lease of an earlier
-  store process (the store restarted) is adopted: nothing of this store's ended.
+  store process (the store restarted) is adopted: nothing of this store's ended. Silence counts only while the
+  store runs: after a stall of the store itself (store/stalls.py), every node has ``lease_s`` from the store's
+  resumption to speak again before its lease ends.
 - **Presence.** A client is *present* on the node it connected to last (``open``): the newest connection
   wins, and the node it was present on before is told that it moved (``on_moved``), so it closes its
   connection (a takeover across nodes) and writes nothing more for it.
@@ -58,6 +60,7 @@ from store.ledger import ClientEntry, ClientLedger
 from store.log.errors import LogFullError
 from store.log.record import now_ms
 from store.space import FULL_RETRY_S
+from store.stalls import StallWatch
 
 __all__ = ["LEASE_S", "NEVER_EXPIRES", "LeaseStatistics", "Leases"]
 
@@ -65,8 +68,8 @@ LOGGER = logging.getLogger(__name__)
 
 LEASE_S = 5.0
 """A cluster gateway node's lease lasts this long after the last frame the store got from it (the store's default,
-``store.lease_s``; it tells each node its own in the RPC's Welcome); the node also gives up on a store silent
-this long."""
+``store.lease_s``; it tells each node its own in the RPC's Welcome); the node gives up on a store silent for
+several (``store.rpc.client.STALLED_LEASES``)."""
 
 NEVER_EXPIRES = 0xFFFF_FFFF
 """A Session Expiry Interval of 0xFFFFFFFF means the session never expires (MQTT 5.0, section 3.1.2.11.2)."""
@@ -143,6 +146,7 @@ class Leases:
         self._on_moved = on_moved
         self._ledger = ledger
         self._closed: dict[str, ClientEntry] = {}  # client id -> its ledger entry, closed and not ended yet
+        self.stalls = StallWatch()  # run by the RPC server: a stall of the store is not its nodes' silence
         self._leases: dict[str, _Lease] = {}
         self._clients: dict[str, _Client] = {}  # client id -> where it is present and its will
         self._wills: dict[str, _Pending] = {}  # client id -> a will waiting for its delay
@@ -163,7 +167,7 @@ class Leases:
         the node named (False: that one ended, and this is a new one).
         """
         lease = self._leases.get(node)
-        if lease is not None and lease.ending is not None and trio.current_time() >= lease.ending.deadline:
+        if lease is not None and lease.ending is not None and trio.current_time() >= self._due(lease):
             self._end(node)  # due, its timer has not run yet: it ended all the same
             lease = None
         if lease is not None and lease.restored:
@@ -198,9 +202,17 @@ class Leases:
             lease.last_seen = trio.current_time()
 
     def silent_for(self, node: str) -> float:
-        """Seconds since the last frame of ``node``."""
+        """Seconds ``node`` has been silent while the store ran: since its last frame, or since the end of a later
+        stall of the store (store/stalls.py), which did not read the frames the node sent meanwhile."""
         lease = self._leases.get(node)
-        return trio.current_time() - lease.last_seen if lease is not None else 0.0
+        return trio.current_time() - self._heard(lease) if lease is not None else 0.0
+
+    def _heard(self, lease: _Lease) -> float:
+        return max(lease.last_seen, self.stalls.awake_since())
+
+    def _due(self, lease: _Lease) -> float:
+        """When the lease of a node without a connection ends: ``lease_s`` of silence while the store ran."""
+        return self._heard(lease) + self.lease_s
 
     def disconnected(self, node: str) -> None:
         """A connection of ``node`` ended; with its last one gone, the lease ends ``lease_s`` after its last frame."""
@@ -218,11 +230,17 @@ class Leases:
         self._nursery.start_soon(self._end_when_due, node, scope)
 
     async def _end_when_due(self, node: str, scope: trio.CancelScope) -> None:
-        with scope:
-            await trio.sleep_forever()  # until the deadline: the scope's deadline is the lease's end
-        lease = self._leases.get(node)
-        if scope.cancelled_caught and lease is not None and lease.ending is scope:  # else renewed, or ended already
-            self._end(node)
+        while True:
+            with scope:
+                await trio.sleep_forever()  # until the deadline: the scope's deadline is the lease's end
+            lease = self._leases.get(node)
+            if not (scope.cancelled_caught and lease is not None and lease.ending is scope):
+                return  # renewed, or ended already
+            due = self._due(lease)
+            if due <= trio.current_time():
+                break
+            lease.ending = scope = trio.CancelScope(deadline=due)  # the store stalled: a lease from its resumption
+        self._end(node)
 
     def _end(self, node: str) -> None:
         """The lease of ``node`` ends: its clients are gone as if their connections had closed abnormally."""
@@ -241,7 +259,9 @@ class Leases:
     async def _drop_unclaimed(self, node: str, lease: _Lease) -> None:
         """The restored clients an adopting node has not registered again ``lease_s`` after its Hello (it sends
         them at once) closed while the store was down, and their close never reached it: they are gone now."""
-        await trio.sleep(self.lease_s)
+        start = trio.current_time()
+        while (due := max(start, self.stalls.awake_since()) + self.lease_s) > trio.current_time():
+            await trio.sleep_until(due)  # a stall of the store in between: the node has its lease_s after it
         if self._leases.get(node) is not lease or not lease.unclaimed:  # ended meanwhile: they went with it
             return
         gone = sorted(lease.unclaimed)

@@ -319,9 +319,11 @@ class SessionSaved(msgspec.Struct, frozen=True):
 
 
 class InboundReleased(msgspec.Struct, frozen=True):
-    """Answer to ``ReleaseInbound``: the release is durable."""
+    """Answer to ``ReleaseInbound``: the release is durable (``ok``), or it could not be recorded (the store is
+    unreachable: no PUBCOMP; the flow still awaits its PUBREL, which the client sends again after reconnecting)."""
 
     ref: int
+    ok: bool = True
 
 
 class Activated(msgspec.Struct, frozen=True):

@@ -35,7 +35,8 @@ is logged with the client id and the reason and ends that connection only.
 Resource handling: each connection's stream is closed by its handler, after
 the writes queued before the ``Close`` action (bounded by ``CLOSE_TIMEOUT_S``)
 and a lingering half-close (``LINGER_S``, ``LINGER_BYTES``) that lets the
-client read the last packet before the socket goes.
+client read the last packet before the socket goes; node work still pending
+for the session then (store calls, its save) goes on behind the closed socket.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ SYNC_WRITES = 4
 """``Connection._flush`` writes at most this many times in a row before leaving the rest to the writer task."""
 
 CLOSE_TIMEOUT_S = 10.0
-"""How long a closing connection waits for its store results (to save an exact session) and its last writes."""
+"""How long a closing connection waits for its last writes, and then for its store results (to save an exact
+session: the socket is closed by then, so the client never waits for the store)."""
 
 LINGER_S = 2.0
 """After its last write the server half-closes a connection and reads and discards what the client still sends,
@@ -182,7 +184,7 @@ class Connection:
         "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_transport", "_backend",
         "_traffic", "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing",
         "_read_scope", "_broken", "_timers", "_deadline", "_running", "_scopes", "_holding", "_lift", "_mark",
-        "_backlog", "__weakref__",
+        "_backlog", "_shutting", "__weakref__",
     )
 
     def __init__(
@@ -220,6 +222,7 @@ class Connection:
         self._lift = transport.accepted  # called once the client is accepted (CONNACK sent), then dropped
         self._mark = -1  # the last read-order mark queued (AfterReads)
         self._backlog = False  # a pause stopped decoding: packets read before it may wait in the decoder
+        self._shutting = False  # the socket is being closed before the node settled the session
 
     @property
     def client_id(self) -> str:
@@ -447,8 +450,14 @@ class Connection:
                 timer.cancel()
             self._timers.clear()
             with trio.move_on_after(CLOSE_TIMEOUT_S):
-                await self._until(self._settled)
+                # Its last packets, then the socket goes at once: the node's work for the session (its save, store
+                # calls that meet an outage) finishes or fails behind it, and the client need not wait for it. A
+                # closing channel sends nothing more.
                 await self._until(lambda: not (self._out or self._writing) or self._broken)
+                if not self._settled():
+                    self._shutting = True
+                    self._backend.nursery.start_soon(self._shut)
+                await self._until(self._settled)
         except Exception as exc:  # one connection's failure must not stop the listener
             LOGGER.error("connection failed: %r", exc, exc_info=exc,
                          extra={"ctx": {"client_id": self.client_id, "peer": self.peer}})
@@ -464,11 +473,17 @@ class Connection:
             self._done = True
             if self._finished is not None:
                 self._finished.set()
-            try:
-                await self._linger()  # cancelled (the node stops): no lingering
-            finally:
-                with trio.CancelScope(shield=True):
-                    await self._transport.aclose()
+            if not self._shutting:
+                await self._shut()
+
+    async def _shut(self) -> None:
+        """Linger (cancelled when the node stops: no lingering), then close the socket; nothing is written after."""
+        try:
+            await self._linger()
+        finally:
+            self._broken = True
+            with trio.CancelScope(shield=True):
+                await self._transport.aclose()
 
     async def _linger(self) -> None:
         """Half-close, then read and discard input until the client closes too, ``LINGER_S`` pass or

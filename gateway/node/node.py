@@ -27,7 +27,6 @@ is the composition roots' business (gateway/app/).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, final
@@ -108,18 +107,19 @@ class GatewayNode:
         """Execute node actions in order; consecutive appends (and QoS 2 releases) go to the store as one batch.
 
         When the store cannot be reached, the connection is closed as lost (the store client logs the outage,
-        the connection the close): no traceback per connection. A session close among the actions not done is
-        still tried: the store hears it if it is back, and a remote store's client forgets the client either way,
-        so that it does not register it again as connected when it reconnects (its session would never expire).
+        the connection the close): no traceback per connection. The actions after the failed one are still done
+        in their turn (requeued): a session close among them is tried, so the store hears it if it is back, and a
+        remote store's client forgets the client either way and does not register it again as connected when it
+        reconnects (its session would never expire).
         """
-        index = 0
+        index = end = 0
         try:
             while index < len(actions):
                 action = actions[index]
                 kind = type(action)
+                end = index + 1
                 batched = _BATCHED.get(kind)
                 if batched is not None:
-                    end = index + 1
                     while end < len(actions) and type(actions[end]) is kind:
                         end += 1
                     await batched(self, connection, actions[index:end])
@@ -129,13 +129,12 @@ class GatewayNode:
                 if handler is None:
                     raise TypeError(f"not a node action: {action!r}")
                 await handler(self, connection, action)
-                index += 1
+                index = end
         except ConnectionError as exc:  # StoreUnavailable, or LeaseLost: the client is not this node's any more
-            for action in actions[index:]:
-                if type(action) is CloseSession:
-                    with contextlib.suppress(ConnectionError):
-                        await self._close_session(connection, action)
             connection.feed(ConnectionLost(f"the store is not reachable: {exc}"))
+            # The actions after the failed ones go back to the worker: each is answered (or fails) in its turn,
+            # so the closing channel waits for no answer that would never come.
+            connection.requeue(actions[end:])
 
     def append_now(self, connection: Connection, action: Append) -> bool:
         """Append without a worker task when the store can without waiting (gateway/node/appends.py)."""
@@ -162,8 +161,17 @@ class GatewayNode:
         await self.appends.perform(connection, appends)
 
     async def _release_inbound(self, connection: Connection, releases: list[ReleaseInbound]) -> None:
-        """Record the releases of inbound QoS 2 flows durably, in one store write; then their PUBCOMPs may go."""
-        await self.store.release_awaiting([(r.client_id, r.packet_id, r.offset) for r in releases])
+        """Record the releases of inbound QoS 2 flows durably, in one store write; then their PUBCOMPs may go.
+
+        Raises:
+            ConnectionError: the store is unreachable; the releases are answered as not recorded first, so the
+                channel waits for none of them.
+        """
+        try:
+            await self.store.release_awaiting([(r.client_id, r.packet_id, r.offset) for r in releases])
+        except ConnectionError:
+            connection.feed_all([InboundReleased(r.ref, ok=False) for r in releases])
+            raise
         connection.feed_all([InboundReleased(r.ref) for r in releases])
 
     async def _after_reads(self, connection: Connection, action: AfterReads) -> None:

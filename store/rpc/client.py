@@ -54,6 +54,7 @@ from store.log.errors import LogFullError, OffsetExpired
 from store.log.record import Record, RecordTooLarge, decode_record
 from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied
+from store.stalls import StallWatch
 from store.tasks import background
 
 __all__ = ["RemoteStore", "RemoteStoreStatistics", "StoreRpcError", "default_node_name"]
@@ -97,6 +98,13 @@ sessions draining backlogs on a node at the same time; the oldest is dropped fir
 
 STATISTICS_LOG_S = 60.0
 """How often ``log_statistics`` logs the node's notify figures."""
+
+STALLED_LEASES = 6
+"""The client gives up on a store whose connection lives but which has said nothing for this many of its leases.
+A store that stalls (a GC or swap stall, a paused VM, an fsync that blocks its loop) and runs again within them
+finds the client, its calls waiting and its node's devices as it left them (the store does not count its own
+stall against the node's lease, store/stalls.py): a broken link would have failed the calls and dropped their
+devices. A store host that vanished is noticed sooner, by TCP (``TCP_USER_TIMEOUT``: a lease)."""
 
 
 class StoreRpcError(OSError):
@@ -270,7 +278,9 @@ class _Link:
         self._watch_deltas: dict[str, int] = {}
         self._last_received = trio.current_time()
         self._heartbeat_s = welcome.heartbeat_s
-        self._lease_s = welcome.lease_s  # the store's: silence this long means the store is gone
+        self._lease_s = welcome.lease_s
+        self._silent_max_s = welcome.lease_s * STALLED_LEASES  # silence this long means the store is stuck
+        self._stalls = StallWatch()  # this process's own stalls: past the lease, its lease may have ended
         counts = client._batch_counts
         self.appends = {durable: _Batcher(self, lambda rid, groups, d=durable: rpc.AppendRequest(rid, groups, d),
                                           _split_appends, _group_bytes, APPEND_BATCH_BYTES, counts["append"])
@@ -363,6 +373,7 @@ class _Link:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._writer)
                     nursery.start_soon(self._heartbeat)
+                    nursery.start_soon(self._stalls.run)
                     for batcher in (*self.appends.values(), self.pulls, self.commits, self.releases):
                         nursery.start_soon(batcher.run)
                     await self._reader()
@@ -396,6 +407,8 @@ class _Link:
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     LOGGER.warning("store connection lost: %r", exc)
                     return
+                if self._away():
+                    return
                 decoder.receive_data(data)
                 self._last_received = trio.current_time()
                 continue
@@ -415,6 +428,18 @@ class _Link:
                 handler = self._pending.pop(message.id, None)
                 if handler is not None:  # else its caller was cancelled
                     handler(message)
+
+    def _away(self) -> bool:
+        """Whether this process stalled (its loop did not run) for longer than its lease since the store's last
+        frame: the store may have ended the lease meanwhile, so what it sent before may be stale (a client
+        moved away, then its lease ended). The link is dropped unread; the next Welcome says whether the lease
+        still holds."""
+        now = trio.current_time()
+        if now - self._last_received <= self._lease_s or self._stalls.awake_since() <= self._last_received:
+            return False
+        LOGGER.warning("this node stalled for longer than its store lease: reconnecting to learn whether the lease"
+                       " ended", extra={"ctx": {"silent_s": round(now - self._last_received, 3)}})
+        return True
 
     async def _writer(self) -> None:
         while True:
@@ -440,7 +465,7 @@ class _Link:
         while True:
             await trio.sleep(self._heartbeat_s)
             silent = trio.current_time() - self._last_received
-            if silent > self._lease_s:
+            if silent > self._silent_max_s:
                 LOGGER.warning("store connection closed: the store was silent for %.1f s", silent)
                 self.cancel_scope.cancel()
                 return
@@ -971,6 +996,8 @@ class RemoteStore:
                 LOGGER.error("the store refused this node: %s: %s", answer.kind.value, answer.message)
                 raise StoreRpcError(f"the store refused the connection: {answer.kind.value}: {answer.message}")
             raise ConnectionResetError("the store closed the connection during the handshake")
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux: a vanished store host breaks the link within a lease
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(answer.lease_s * 1000)))
         ended = self._epoch
         self._store_id, self._epoch = answer.store_id, answer.epoch
         if not answer.resumed and ended:

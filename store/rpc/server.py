@@ -13,10 +13,12 @@ One trio task group per connection:
   backpressure to a node that asks faster than the store answers);
 - the appender runs append requests one at a time, in arrival order, so a
   node's appends land in the CommitLog in the order it sent them;
-- the writer joins every queued answer into one ``send_all``;
+- the writer joins every queued answer into one ``send_all``; it is the only task that sends on the socket
+  after the handshake (a closing Error frame too: it sends that last, then ends);
 - the notifiers push the node's merged topic events, its clients that moved away and admin asks;
 - the heartbeat task sends a heartbeat five times per lease and closes a
-  connection silent for a lease.
+  connection silent for a lease while the store ran (a stall of the store's own,
+  seen by its watchdog, store/stalls.py, is not the node's silence).
 
 Who is who: a gateway node (trusted, the store token) is attached under the
 node name of its Hello; a back-end client (user name and password) under
@@ -86,6 +88,9 @@ MAX_CONCURRENT_REQUESTS = 64
 """Requests of one connection executed at once (pulls, offsets, sessions); more wait in the socket, so one gateway
 cannot queue unbounded work. Each may hold a worker thread; trio's default thread limit (40) caps them anyway."""
 
+FLUSH_S = 1.0
+"""A closing connection waits this long at most for the writer to send its last frames (a closing Error frame)."""
+
 APPENDS_QUEUED = 16
 """Append requests of one connection waiting for the appender before reading stops."""
 
@@ -143,6 +148,9 @@ class _Connection:
         self._store = LocalStore(server.store, node)
         self._out: list[bytes] = []
         self._out_ready = trio.Event()
+        self._ending = False  # the reader ended: the writer sends what is queued, then ends
+        self._last: bytes | None = None  # the closing Error frame: the writer sends it after everything else
+        self._written = trio.Event()  # the writer ended
         self._slots = trio.Semaphore(MAX_CONCURRENT_REQUESTS)
         self._appends_in, self._appends_out = trio.open_memory_channel[rpc.AppendRequest](APPENDS_QUEUED)
         self._fenced = 0  # writes of an ended lease refused on this connection
@@ -200,20 +208,22 @@ class _Connection:
                 nursery.start_soon(self._appender)
                 try:
                     await self._reader(nursery)
-                finally:
                     await self._flush_out()
+                finally:
                     nursery.cancel_scope.cancel()
 
     async def _flush_out(self) -> None:
-        """Send what is queued (a closing Error frame) before the connection closes; bounded by a short wait."""
-        if self._out:
-            with trio.move_on_after(1.0):
-                data = b"".join(self._out)
-                self._out.clear()
-                try:
-                    await self._stream.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
+        """Let the writer send what is queued and the closing Error frame, and end; bounded by ``FLUSH_S``."""
+        self._ending = True
+        self._out_ready.set()
+        with trio.move_on_after(FLUSH_S):
+            await self._written.wait()
+
+    def _refuse(self, why: str, kind: rpc.ErrorKind = rpc.ErrorKind.PROTOCOL) -> None:
+        """The peer broke the protocol, or sent what it may not: one WARNING line, and an ``Error(0)`` frame the
+        writer sends before the connection closes."""
+        LOGGER.warning("RPC connection closed: %s", why, extra={"ctx": {"node": self.node}})
+        self._last = rpc.encode(rpc.Error(0, kind, why))
 
     async def _reader(self, nursery: trio.Nursery) -> None:
         decoder = self._decoder
@@ -222,8 +232,7 @@ class _Connection:
             try:
                 message = decoder.next_message()
             except rpc.RpcProtocolError as exc:
-                LOGGER.warning("RPC connection closed: %s", exc, extra={"ctx": {"node": self.node}})
-                self.send(rpc.Error(0, rpc.ErrorKind.PROTOCOL, str(exc)))
+                self._refuse(str(exc))
                 return
             if message is rpc.NEED_DATA:
                 if decoder.eof:
@@ -241,7 +250,7 @@ class _Connection:
                 if hasattr(message, "id"):
                     self.send(rpc.Error(message.id, denied, f"{kind.__name__} is for gateway nodes only"))
                     continue
-                self.send(rpc.Error(0, denied, f"{kind.__name__} is for gateway nodes only"))
+                self._refuse(f"{kind.__name__} is for gateway nodes only", denied)
                 return
             if kind is rpc.AppendRequest:
                 await self._appends_in.send(message)
@@ -257,7 +266,7 @@ class _Connection:
             elif kind is rpc.AdminAnswer:
                 self._store.admin_answer(message.id, message.value)
             elif kind is rpc.Hello:
-                self.send(rpc.Error(0, rpc.ErrorKind.PROTOCOL, "Hello after the handshake"))
+                self._refuse("Hello after the handshake")
                 return
             else:
                 await self._slots.acquire()
@@ -272,7 +281,7 @@ class _Connection:
                 for _ in range(-delta):
                     self._store.unwatch(queue)
         except TopicError as exc:
-            self.send(rpc.Error(0, rpc.ErrorKind.PROTOCOL, f"watch: {exc}"))
+            self._refuse(f"watch: {exc}")
             return False
         return True
 
@@ -449,18 +458,31 @@ class _Connection:
     # --- pushing ----------------------------------------------------------------------------
 
     async def _writer(self) -> None:
-        while True:
-            if not self._out:
-                self._out_ready = trio.Event()
-                await self._out_ready.wait()
-                continue
-            data = b"".join(self._out)
-            self._out.clear()
-            try:
-                await self._stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self.cancel_scope.cancel()
-                return
+        """The one sender on the socket: every queued frame, in order, until the reader ended and none is left;
+        then the closing Error frame, if any, last."""
+        try:
+            while True:
+                last = None
+                if not self._out:
+                    if not self._ending:
+                        self._out_ready = trio.Event()
+                        await self._out_ready.wait()
+                        continue
+                    last, self._last = self._last, None
+                    if last is None:
+                        return
+                    self._out.append(last)
+                data = b"".join(self._out)
+                self._out.clear()
+                try:
+                    await self._stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self.cancel_scope.cancel()
+                    return
+                if last is not None:
+                    return
+        finally:
+            self._written.set()
 
     async def _notifier(self) -> None:
         while True:
@@ -681,6 +703,7 @@ async def serve_rpc(
     """
     async with trio.open_nursery() as nursery:
         server = RpcServer(store, access=access)
+        nursery.start_soon(store.leases.stalls.run)  # before any lease of a remote node can end
         listeners = await nursery.start(partial(trio.serve_tcp, server.handle, port, host=host))
         nursery.start_soon(_log_statistics, server)
         task_status.started(listeners)

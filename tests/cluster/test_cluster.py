@@ -12,12 +12,14 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 
-from gateway.mqtt.packets import MQTT_5, Connack, Connect
+from gateway.mqtt.packets import MQTT_5, MQTT_311, Connack, Connect, Pubcomp, Publish, Pubrec, Pubrel
+from gateway.node.connection import CLOSE_TIMEOUT_S
 from gateway.mqtt.reasons import ReasonCode
 from store.leases import LEASE_S
 from tests.helpers.cluster import WAIT_S, ask_store, run_id, running_cluster, store_statistics, wait_for
 from tests.helpers.mqtt_fixtures import (
     QUIET_S, Client, connect_packet, connected, check_nothing_before_sentinel, properties, quiet, raw_client,
+    recv_until_closed,
 )
 
 pytestmark = pytest.mark.slow
@@ -277,6 +279,43 @@ def test_store_restart_no_false_puback_and_publishes_are_accepted_again(tmp_path
                 assert set(acknowledged) <= set(got)  # no false PUBACK: each acknowledged message was stored
             finally:
                 client.loop_stop()
+                restarted.stop()
+
+
+def test_a_qos2_publisher_whose_release_meets_a_store_outage_is_closed_at_once_and_loses_nothing(tmp_path):
+    """A PUBREL the store cannot record (it was killed) closes the publisher's connection at once: the gateway
+    does not hold the socket while its store calls fail behind it. After the restart the publisher resumes its
+    session, releases again and publishes on; both messages, acknowledged (PUBREC) as stored, arrive once
+    ([MQTT-4.3.3-2], exactly once)."""
+    with running_cluster(tmp_path, gateways=1) as (store, (gw1,)):
+        run = run_id()
+        topic = f"q2{run}/x"
+        with connected(gw1.port, client_id=f"sub-{run}", clean=False) as sub:
+            sub.subscribe(topic, 2)
+            with raw_client(gw1.port, MQTT_311) as pub:
+                pub.connect(f"pub-{run}", clean=False)
+                pub.send(Publish(topic, b"m1", qos=2, packet_id=1))
+                assert pub.receive() == Pubrec(1)  # stored
+                store.kill()
+                gw1.wait_log(lambda doc: doc.get("msg", "").startswith(("the store closed", "store connection lost")))
+                pub.send(Pubrel(1))
+                # Closed at once: long before the node's close timeout, which bounds only the store calls behind it.
+                assert recv_until_closed(pub.sock, timeout=CLOSE_TIMEOUT_S / 2) == b""
+            restarted = store.restarted()
+            try:
+                gw1.wait_log(lambda doc: doc.get("msg") == "connected to the store" and doc.get("reconnect"))
+                with raw_client(gw1.port, MQTT_311) as pub:
+                    pub.sock.settimeout(CLOSE_TIMEOUT_S / 2)  # its old connection holds nothing up (a takeover)
+                    assert pub.connect(f"pub-{run}", clean=False).session_present
+                    pub.send(Pubrel(1))  # the release the outage cut off, again [MQTT-4.4.0-1]
+                    assert pub.receive() == Pubcomp(1)
+                    pub.send(Publish(topic, b"m2", qos=2, packet_id=2))
+                    assert pub.receive() == Pubrec(2)
+                    pub.send(Pubrel(2))
+                    assert pub.receive() == Pubcomp(2)
+                assert [m.payload for m in sub.receive(2)] == [b"m1", b"m2"]
+                check_nothing_before_sentinel(sub, sub, topic)  # each once
+            finally:
                 restarted.stop()
 
 

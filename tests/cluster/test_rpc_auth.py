@@ -4,12 +4,14 @@
   namespace: the gateway's connection, events and wills stay its own.
 - Connections that never authenticate cost bounded memory (a frame before the Hello is capped at a few KiB, the
   store's RSS measured) and are closed at the handshake deadline, with one log line per peer address.
+- A logged-in back-end user's malformed frame gets its Error frame and costs one WARNING line, every time.
 """
 
 import socket
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 
@@ -31,6 +33,10 @@ JUNK_BYTES = 8 * 1024 * 1024
 """Each hostile connection announces a 64 MiB frame and sends this much of it: 64 MiB in all, buffered whole by a
 store that trusts the length before authentication."""
 
+MALFORMED_FRAMES = 90
+"""Connections that each log in and send one malformed frame: enough that a race between the store's two senders
+on one socket showed (17 tracebacks and 18 lost Error frames in 90)."""
+
 RSS_GROWTH_LIMIT = 16 * 1024 * 1024
 """What the hostile connections may add to the store's resident memory: sockets and tasks, not their bytes."""
 
@@ -42,12 +48,12 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def secured_store(tmp_path: Path) -> Store:
+def secured_store(tmp_path: Path, *flags: str) -> Store:
     passwords = PasswordFile.load_or_empty(tmp_path / "passwd")
     passwords.set_password(USER, PASSWORD)
     passwords.save()
     return Store(tmp_path / "data", free_port(), "--store-token", TOKEN,
-                 "--auth-password-file", str(tmp_path / "passwd"))
+                 "--auth-password-file", str(tmp_path / "passwd"), *flags)
 
 
 def append_as_backend(port: int, node: str, topic: str) -> None:
@@ -120,5 +126,50 @@ def test_unauthenticated_connections_cost_bounded_memory_and_end_at_the_handshak
                 sock.close()
         refused = [doc for doc in store.logs if doc.get("msg", "").startswith("RPC connection refused")]
         assert len(refused) == 1, refused  # 16 refusals, one peer address: one line
+    finally:
+        store.stop()
+
+
+def frame(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + body
+
+
+MALFORMED = (
+    frame(b"\xc1"),  # not msgpack
+    frame(msgspec.msgpack.encode(["no-such-tag", 1])),
+    frame(msgspec.msgpack.encode(["append", "not an id", [], True])),  # a field of the wrong type
+)
+
+
+def test_every_malformed_frame_of_a_back_end_user_gets_its_error_frame_and_one_warning(tmp_path):
+    store = secured_store(tmp_path, "--store-lease-s", "600")  # no lease of theirs ends (its own line) meanwhile
+    run = run_id()
+    try:
+        for i in range(MALFORMED_FRAMES):
+            with socket.create_connection(("127.0.0.1", store.port), timeout=WAIT_S) as sock:
+                hello = rpc.Hello(rpc.PROTOCOL_VERSION, f"bad{i}-{run}", username=USER, password=PASSWORD.encode())
+                sock.sendall(rpc.encode(hello))
+                decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
+                while (welcome := decoder.next_message()) is rpc.NEED_DATA:
+                    decoder.receive_data(sock.recv(65536))
+                assert type(welcome) is rpc.Welcome, welcome
+                # A request, then the bad frame: the store is answering while it refuses the connection.
+                sock.sendall(rpc.encode(rpc.GetStatistics(1)) + MALFORMED[i % len(MALFORMED)])
+                while (data := sock.recv(65536)):
+                    decoder.receive_data(data)
+                answers = []
+                while (answer := decoder.next_message()) is not rpc.NEED_DATA:
+                    answers.append(answer)
+                assert answers and type(answers[-1]) is rpc.Error, answers
+                assert (answers[-1].id, answers[-1].kind) == (0, rpc.ErrorKind.PROTOCOL), answers
+        append_as_backend(store.port, f"good-{run}", f"after{run}")  # its line comes after every bad one's
+        store.wait_log(lambda doc: doc.get("msg") == "back-end client connected" and "good-" in doc["node"])
+        warnings = [doc for doc in store.logs if doc.get("level") == "warning"]
+        closed = [doc for doc in warnings if doc.get("msg", "").startswith("RPC connection closed")]
+        assert sorted(doc["node"] for doc in closed) == sorted(f"$client/{USER}:bad{i}-{run}"
+                                                               for i in range(MALFORMED_FRAMES))
+        assert len(warnings) == MALFORMED_FRAMES, warnings
+        assert not store.errors(), store.errors()
+        assert not [doc for doc in store.logs if "Traceback" in str(doc)]
     finally:
         store.stop()

@@ -132,9 +132,10 @@ def connect_packet(client_id: str, keepalive: int = 60, will: tuple[str, bytes] 
     return bytes([0x10, len(body)]) + body
 
 
-def recv_until_closed(raw: socket.socket) -> bytes:
-    """Read until the server closes (returns the last read: b"" on a clean close)."""
-    raw.settimeout(WAIT_S)
+def recv_until_closed(raw: socket.socket, timeout: float = WAIT_S) -> bytes:
+    """Read until the server closes (returns the last read: b"" on a clean close); a read waits ``timeout`` at
+    most (``socket.timeout`` then)."""
+    raw.settimeout(timeout)
     while True:
         try:
             data = raw.recv(4096)

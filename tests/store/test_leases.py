@@ -7,6 +7,7 @@ the ledger's times are wall-clock, so an entry closed "long ago" is written with
 
 import pytest
 import trio
+import trio.testing
 
 from store.api import NewMessage
 from store.leases import NEVER_EXPIRES, Leases
@@ -320,4 +321,31 @@ async def test_a_client_registered_again_after_a_store_restart_is_not_expired_by
         await trio.sleep(3600)
         assert store.ended == [] and leases.where("c") == "gw1"
         assert ledger.entries()["c"].closed_ms == 0  # connected
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_stall_of_the_store_is_not_its_nodes_silence_and_a_node_silent_after_it_loses_its_lease(autojump_clock):
+    """The store's loop stops for three leases (a virtual-clock jump: no task runs meanwhile, as under SIGSTOP):
+    no lease ends for it; each node has a whole lease from the store's resumption, and one that stays silent
+    while the store runs loses it then."""
+    store = Store()
+    async with trio.open_nursery() as nursery:
+        leases = store.leases(nursery)
+        nursery.start_soon(leases.stalls.run)
+        await trio.testing.wait_all_tasks_blocked()  # the watchdog ticks
+        leases.connected("gw1")
+        open_(leases, "gw1", "a")
+        epoch2, _ = leases.connected("gw2")
+        open_(leases, "gw2", "b")
+        leases.disconnected("gw2")  # gw2's lease would end LEASE_S from now
+        autojump_clock.jump(3 * LEASE_S)  # the stall
+        resumed = trio.current_time()
+        assert leases.silent_for("gw1") == 0  # also before the watchdog's late tick
+        await trio.testing.wait_all_tasks_blocked()  # the watchdog and gw2's overdue timer ran
+        assert store.appended == [] and leases.epoch("gw2") == epoch2
+        assert leases.connected("gw2", epoch2) == (epoch2, True)  # back within its lease from the resumption
+        leases.disconnected("gw1")  # gw1 stays silent while the store runs
+        await store.wait_for(lambda: store.appended)
+        assert store.appended == [(resumed + LEASE_S, "will/a")]
+        assert leases.where("b") == "gw2"
         nursery.cancel_scope.cancel()

@@ -296,7 +296,8 @@ def on_inbound_released(channel: Channel, event: InboundReleased) -> list[Action
         pid = channel._releasing.pop(event.ref)
     except KeyError:
         raise LocalProtocolError(f"InboundReleased for unknown ref {event.ref}") from None
-    channel._session.awaiting_rel.pop(pid, None)  # type: ignore[union-attr]
+    if event.ok:
+        channel._session.awaiting_rel.pop(pid, None)  # type: ignore[union-attr]
     if channel._state is not State.CONNECTED:
         return channel._settle()
-    return [Send((Pubcomp(pid),))]
+    return [Send((Pubcomp(pid),))] if event.ok else []  # not recorded: the node closes the connection

@@ -352,6 +352,18 @@ def test_a_connection_closing_waits_for_its_releases_before_saving():
     assert save.state.awaiting == {} and save.state.detached
 
 
+def test_a_release_the_store_could_not_record_sends_no_pubcomp_and_the_flow_still_awaits_its_pubrel():
+    """[MQTT-4.3.3-2]: no PUBCOMP for a release not recorded; the closing session settles without waiting and
+    keeps the flow, so the client's PUBREL after reconnecting is answered."""
+    channel, _, _ = connect(**persistent())
+    (append,) = of(channel.handle_in(Publish("t", qos=2, packet_id=5)), Append)
+    channel.handle_event(Appended(append.ref, offset=90))
+    (release,) = of(channel.handle_in(Pubrel(5)), ReleaseInbound)
+    assert channel.handle_event(InboundReleased(release.ref, ok=False)) == []
+    (save,) = of(channel.handle_event(ConnectionLost("the store is not reachable")), SaveSession)
+    assert save.state.awaiting == {5: 90} and save.state.detached
+
+
 def test_a_publish_keeps_a_connected_channel_connected():
     """handle_in's fast path for PUBLISH skips the transition table on the strength of this entry."""
     assert TRANSITIONS[State.CONNECTED][Publish] is State.CONNECTED
