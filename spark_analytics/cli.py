@@ -56,6 +56,12 @@ def _topic_filter(text: str) -> str:
     return text
 
 
+def _offset(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CommitLog offset (the offset column's value)")
+    return int(text)
+
+
 def _conf(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
@@ -89,7 +95,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="topic:1", help="device id from topic:<level> (default topic:1) or payload:<field>")
     p.add_argument("--time", dest="time_source", default="store", help="event time: store (default) or payload:<field>")
     p.add_argument("--time-unit", default="ms", choices=("ms", "s", "iso"), help="unit of a payload time field (default ms)")
-    p.add_argument("--topic", type=_topic_filter, default=None, help="only records whose topic matches this MQTT filter")
+    p.add_argument("--topic", type=_topic_filter, action="append", default=None,
+                   help="only records whose topic matches this MQTT filter (repeatable: those matching any)")
+    start, end = p.add_mutually_exclusive_group(), p.add_mutually_exclusive_group()
+    start.add_argument("--start-offset", type=_offset, default=None,
+                       help="start at the first record at or after this CommitLog offset (a new stream only)")
+    start.add_argument("--start-time", type=_time, default=None,
+                       help="start at the first record stored at or after this time (ISO-8601 or epoch ms; "
+                            "a new stream only)")
+    end.add_argument("--end-offset", type=_offset, default=None, help="end before this CommitLog offset")
+    end.add_argument("--end-time", type=_time, default=None,
+                     help="end before the first record stored at or after this time (ISO-8601 or epoch ms)")
     p.add_argument("--windows", type=_duration_list, default=(60, 3600), help="window lengths, e.g. 1m,1h (the default)")
     p.add_argument("--silence", type=_duration, default=300, help="report gaps longer than this (default 5m)")
     p.add_argument("--format", dest="fmt", choices=FORMATS, default="parquet",
@@ -126,13 +142,17 @@ DEFAULT_TOPIC = "#"
 
 def _reader_options(args: argparse.Namespace) -> dict[str, str]:
     """The source's options for the flags (the telemetry mapping aside)."""
-    options = {"verifyCrc": "false" if args.no_crc else "true", "topicFilter": args.topic or DEFAULT_TOPIC}
+    topics = args.topic or [DEFAULT_TOPIC]
+    options = {"verifyCrc": "false" if args.no_crc else "true",
+               **({"topicFilter": topics[0]} if len(topics) == 1 else {"topicFilters": json.dumps(topics)})}
     if args.data is not None:
         options["path"] = str(args.data)
     for key, value in (("tier", args.tier), ("store", args.store), ("storeToken", args.store_token),
                        ("maxRecordsPerTrigger", getattr(args, "max_records_per_trigger", None)),
-                       ("maxBytesPerTrigger", getattr(args, "max_bytes_per_trigger", None))):
-        if value:
+                       ("maxBytesPerTrigger", getattr(args, "max_bytes_per_trigger", None)),
+                       ("startingOffsets", args.start_offset), ("endingOffsets", args.end_offset),
+                       ("startingTimestamp", args.start_time), ("endingTimestamp", args.end_time)):
+        if value is not None and value != "":
             options[key] = str(value)
     return options
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -28,11 +29,10 @@ import pyarrow as pa
 
 from . import aggregate as agg
 from .framing import RAW_SCHEMA
-from .microbatch import MicroBatchSink, output_tables
+from .microbatch import REPEAT, MicroBatchSink, output_tables
 from .options import ReaderOptions
 from .outputs import BatchSummary, fleet_chart, write_table
-from .planning import plan_log
-from .source import FORMAT, load_layout, read_partition
+from .source import FORMAT, plan_read, read_partition
 from .telemetry import TelemetryMapping
 from .times import window_label
 
@@ -66,7 +66,7 @@ def _payloads(spark_options: dict[str, str]) -> Iterator[bytes]:
     tier, store RPC), for sampling."""
     opts = ReaderOptions.parse(spark_options)
     only_payload = pa.schema([RAW_SCHEMA.field("payload")])
-    for ranges in plan_log(load_layout(opts), target_bytes=opts.partition_bytes):
+    for ranges in plan_read(opts):
         for batch in read_partition(ranges, opts, only_payload):
             yield from batch.column(0).to_pylist()
 
@@ -88,8 +88,14 @@ def _sample(spark_options: dict[str, str]) -> tuple[int, dict[str, int]]:
 
 def _where(spark_options: dict[str, str]) -> str:
     place = spark_options.get("path") or f"the store at {spark_options.get('store')}"
-    topic = spark_options.get("topicFilter")
-    return f"{place}{f' matching {topic}' if topic else ''}"
+    return place + _matching(spark_options)
+
+
+def _matching(spark_options: dict[str, str]) -> str:
+    """`` matching a/+, b/#`` for the topic filter options, or nothing."""
+    topics = ([spark_options["topicFilter"]] if spark_options.get("topicFilter") else []) + (
+        json.loads(spark_options["topicFilters"]) if spark_options.get("topicFilters") else [])
+    return f" matching {', '.join(topics)}" if topics else ""
 
 
 def infer_metrics(spark_options: dict[str, str], *, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -251,7 +257,7 @@ def run_batch(
         summary.first_ts, summary.last_ts = counts["lo"], counts["hi"]
         if not summary.records:
             raise NoTelemetry(f"no records in {data if data is not None else options.get('store')}"
-                              f"{' matching ' + options['topicFilter'] if options.get('topicFilter') else ''}"
+                              f"{_matching(options)}"
                               f"{' in the given time range' if from_ms is not None or to_ms is not None else ''}")
         if not summary.parsed:
             top = agg.quarantine(df).groupBy("error").count().orderBy(F.desc("count")).first()

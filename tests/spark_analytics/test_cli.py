@@ -66,3 +66,31 @@ def test_bad_arguments_exit_with_a_message(tmp_path: Path) -> None:
     assert cli.run(analytics_args("batch", "--data", str(tmp_path / "none"), "--out", str(tmp_path))) == 2
     if not delta_available():
         assert cli.run(analytics_args("batch", "--data", str(tmp_path), "--out", str(tmp_path), "--format", "delta")) == 2
+
+
+def test_positions_and_several_topics_become_reader_options(tmp_path: Path) -> None:
+    args = analytics_args("stream", "--data", str(tmp_path), "--out", str(tmp_path), "--checkpoint", str(tmp_path),
+                          "--topic", "a/+/t", "--topic", "b/#", "--start-offset", "0",
+                          "--end-time", "1970-01-01T00:00:05Z")
+    assert cli._reader_options(args) == {"verifyCrc": "true", "topicFilters": '["a/+/t", "b/#"]',
+                                         "path": str(tmp_path), "startingOffsets": "0", "endingTimestamp": "5000"}
+    one = analytics_args("batch", "--data", str(tmp_path), "--out", str(tmp_path), "--start-time", "1000",
+                         "--end-offset", "4096")
+    assert cli._reader_options(one) == {"verifyCrc": "true", "topicFilter": "#", "path": str(tmp_path),
+                                        "startingTimestamp": "1000", "endingOffsets": "4096"}
+    for clash in (("--start-offset", "0", "--start-time", "0"), ("--end-offset", "x")):
+        with pytest.raises(SystemExit):
+            analytics_args("batch", "--data", str(tmp_path), "--out", str(tmp_path), *clash)
+
+
+@pytest.mark.slow
+def test_spark_starts_without_its_start_up_lines(tmp_path: Path) -> None:
+    """The JVM's start-up chatter (Spark's default log4j profile, its default log level and how to change it,
+    NativeCodeLoader) is not printed: the driver gets our log4j2 configuration (spark_analytics/session.py)."""
+    started = subprocess.run(
+        [sys.executable, "-c", "from spark_analytics.session import spark_session; "
+                               "spark_session(app_name='quiet').range(3).count()"],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert started.returncode == 0, started.stderr
+    for noise in ("log4j profile", "Setting default log level", "setLogLevel", "NativeCodeLoader", " WARN "):
+        assert noise not in started.stderr, started.stderr
