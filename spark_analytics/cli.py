@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,8 @@ if TYPE_CHECKING:  # pyspark, pyarrow and numpy load only when a command runs, n
     from .telemetry import TelemetryMapping
 
 __all__ = ["add_arguments", "run"]
+
+LOG = logging.getLogger(__name__)
 
 
 def _duration_list(text: str) -> tuple[int, ...]:
@@ -254,23 +257,35 @@ def _run_batch(args: argparse.Namespace, mapping: TelemetryMapping, config: Aggr
             spark.stop()
 
 
-def _lag_bytes(progress: Any) -> int | None:
-    """Log bytes between what the micro-batch read and the end of the log (the source reports both)."""
+def _positions(progress: Any) -> tuple[int | None, int | None, int | None]:
+    """The micro-batch's start and end and the log's end, as global CommitLog offsets (None: not reported:
+    the first micro-batch has no start; one re-run from Spark's offset log after a restart has no latest)."""
     source = (progress.get("sources") or [{}])[0]
-    end, latest = (json.loads(o) if isinstance(o, str) else o for o in (source.get("endOffset"),
-                                                                          source.get("latestOffset")))
-    if not end or not latest:  # "null": a micro-batch re-run from Spark's offset log after a restart
-        return None
-    return (latest["segment"] + latest["position"]) - (end["segment"] + end["position"])
+    return tuple(  # type: ignore[return-value]
+        None if not o else o["segment"] + o["position"]
+        for o in (json.loads(x) if isinstance(x, str) else x
+                  for x in (source.get("startOffset"), source.get("endOffset"), source.get("latestOffset"))))
 
 
 def _progress_line(progress: Any) -> str:
+    """One line per micro-batch: its records, log bytes and positions, the lag behind the log's end, the rate."""
     if not progress:
         return "streaming: first micro-batch"
-    lag = _lag_bytes(progress)
-    return (f"streaming: micro-batch {progress.get('batchId')}, {progress.get('numInputRows', 0):,} records "
-            f"({progress.get('processedRowsPerSecond') or 0:,.0f}/s)"
-            + ("" if lag is None else f", {lag:,} log bytes behind"))
+    start, end, latest = _positions(progress)
+    read = "" if start is None or end is None else f", {end - start:,} log bytes"
+    span = "" if end is None else f", offsets {'' if start is None else start}..{end}"
+    lag = "" if end is None or latest is None else f", {latest - end:,} log bytes behind"
+    return (f"streaming: micro-batch {progress.get('batchId')}, {progress.get('numInputRows', 0):,} records"
+            f"{read}{span}{lag}, {progress.get('processedRowsPerSecond') or 0:,.0f} records/s")
+
+
+def _log_progress(query: Any, logged: int) -> int:
+    """Log a line for each micro-batch that ended after micro-batch ``logged``; returns the last one logged."""
+    for progress in query.recentProgress:
+        if progress.get("batchId", -1) > logged:
+            logged = progress["batchId"]
+            LOG.info(_progress_line(progress))
+    return logged
 
 
 def _run_stream(args: argparse.Namespace, mapping: TelemetryMapping, config: AggregationConfig,
@@ -292,14 +307,17 @@ def _run_stream(args: argparse.Namespace, mapping: TelemetryMapping, config: Agg
         except ValueError as exc:
             console.print(f"[red]error:[/] {exc}")
             return 2
-        with console.status("streaming") as status:
+        logged = -1
+        with console.status("streaming") as status:  # shown on a terminal only; the log has every line
             while query.isActive:
                 if deadline is not None and time.time() >= deadline:
                     status.update("stopping after the running micro-batch")
                     stop_between_batches(query)
                     break
                 status.update(_progress_line(query.lastProgress))
+                logged = _log_progress(query, logged)
                 query.awaitTermination(1)
+        _log_progress(query, logged)
         if query.exception() is not None:
             console.print(f"[red]the stream failed:[/] {query.exception()}")
             return 1
