@@ -324,7 +324,9 @@ def _run_stream(args: argparse.Namespace, mapping: TelemetryMapping, config: Agg
         if deadline is not None and time.time() >= deadline:
             console.print(f"stopped after --timeout {args.timeout} s (no micro-batch started after it)")
         state = read_state(args.checkpoint)
-        console.print(f"{state.rows:,} records read; outputs in {args.out}")
+        kept = f" ({state.repeats:,} repeats dropped by --dedup, {state.rows - state.repeats:,} kept)" \
+            if args.dedup else ""
+        console.print(f"{state.rows:,} records read{kept}; outputs in {args.out}")
         if state.late:
             console.print(f"{state.late:,} telemetry records came later than --watermark {config.watermark_s} s "
                           "and were not aggregated (they are in no event-time table)")

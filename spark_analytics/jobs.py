@@ -239,21 +239,24 @@ def run_batch(
     payload_time = mapping.time_field is not None
     if not payload_time:  # event time is store time: the range is pushed into the reader
         options.update({k: str(v) for k, v in (("fromTime", from_ms), ("toTime", to_ms)) if v is not None})
-    df = read_telemetry(spark, data, mapping, **options)
-    if dedup:
-        df = agg.deduplicate(df)
-    df = df.persist()
+    read = read_telemetry(spark, data, mapping, **options)
+    read = agg.mark_repeats(read, REPEAT) if dedup else read.withColumn(REPEAT, F.lit(False))
+    read = read.persist()  # the one read of the CommitLog: the counts below and every table come from it
+    df = read.where(~F.col(REPEAT)).drop(REPEAT)
     summary = BatchSummary()
     try:
         step("reading and parsing the CommitLog")
-        events = df.where(_in_range("event_ts", from_ms, to_ms) | (F.col("error").isNotNull()
-                                                                    & _in_range("store_ts", from_ms, to_ms))
-                          ) if payload_time else df
+        in_range = _in_range("event_ts", from_ms, to_ms) | (F.col("error").isNotNull()
+                                                             & _in_range("store_ts", from_ms, to_ms))
+        events = df.where(in_range) if payload_time else df
         stored = df.where(_in_range("store_ts", from_ms, to_ms)) if payload_time else df
-        counts = events.agg(F.count(F.lit(1)).alias("n"), F.count("error").alias("bad"),
-                            F.min("event_ts").alias("lo"), F.max("event_ts").alias("hi")).first()
-        summary.records, summary.quarantined = counts["n"], counts["bad"]
-        summary.parsed = summary.records - summary.quarantined
+        kept = ~F.col(REPEAT)
+        counts = (read.where(in_range) if payload_time else read).agg(
+            F.count(F.lit(1)).alias("n"), F.count(F.when(F.col(REPEAT), 1)).alias("repeats"),
+            F.count(F.when(kept, F.col("error"))).alias("bad"), F.min(F.when(kept, F.col("event_ts"))).alias("lo"),
+            F.max(F.when(kept, F.col("event_ts"))).alias("hi")).first()
+        summary.records, summary.repeats, summary.quarantined = counts["n"], counts["repeats"], counts["bad"]
+        summary.parsed = summary.records - summary.repeats - summary.quarantined
         summary.first_ts, summary.last_ts = counts["lo"], counts["hi"]
         if not summary.records:
             raise NoTelemetry(f"no records in {data if data is not None else options.get('store')}"
@@ -315,7 +318,7 @@ def run_batch(
             series = agg.fleet_series(reader.load(str(out / first)), mapping.metrics)
             summary.chart = str(fleet_chart(series, mapping.metrics, out / "fleet_metrics.png"))
     finally:
-        df.unpersist()
+        read.unpersist()
     return summary
 
 
