@@ -43,6 +43,7 @@ from .layout import list_segments, read_flushed
 from .live import LogReader, read_live
 from .options import ReaderOptions
 from .planning import LogLayout, Range, plan_log, readable_limit
+from .sink import MqttSink
 from .telemetry import TelemetryParser
 from .tier import TierRange, read_tier
 
@@ -70,9 +71,11 @@ FILTER_PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
 
 
 def register(spark: Any) -> None:
-    """Make ``format("commitlog")`` available in ``spark`` (per session), with filter push-down on."""
+    """Make ``format("commitlog")`` (with filter push-down on) and the ``mqtt`` sink (sink.py) available in
+    ``spark`` (per session)."""
     spark.conf.set(FILTER_PUSHDOWN_CONF, "true")
     spark.dataSource.register(CommitLogDataSource)
+    spark.dataSource.register(MqttSink)
 
 
 def output_schema(opts: ReaderOptions) -> pa.Schema:
