@@ -257,14 +257,17 @@ def _run_batch(args: argparse.Namespace, mapping: TelemetryMapping, config: Aggr
             spark.stop()
 
 
+def _global(offset: Any) -> int | None:
+    """A stream offset of the progress (JSON text, a dict, or ``"null"``/None) as a global CommitLog offset."""
+    offset = json.loads(offset) if isinstance(offset, str) else offset
+    return None if not offset else offset["segment"] + offset["position"]
+
+
 def _positions(progress: Any) -> tuple[int | None, int | None, int | None]:
     """The micro-batch's start and end and the log's end, as global CommitLog offsets (None: not reported:
     the first micro-batch has no start; one re-run from Spark's offset log after a restart has no latest)."""
     source = (progress.get("sources") or [{}])[0]
-    return tuple(  # type: ignore[return-value]
-        None if not o else o["segment"] + o["position"]
-        for o in (json.loads(x) if isinstance(x, str) else x
-                  for x in (source.get("startOffset"), source.get("endOffset"), source.get("latestOffset"))))
+    return _global(source.get("startOffset")), _global(source.get("endOffset")), _global(source.get("latestOffset"))
 
 
 def _progress_line(progress: Any) -> str:
