@@ -18,7 +18,6 @@ from pyspark.sql import functions as F
 
 __all__ = [
     "AggregationConfig",
-    "deduplicate",
     "device_days",
     "device_windows",
     "fleet_series",
@@ -184,11 +183,6 @@ def mark_repeats(df: DataFrame, column: str, *, earlier: DataFrame | None = None
         df = df.join(seen, ["device", "key"], "left").select(*df.columns, "_seen")
         return df.withColumn(column, keyed & (F.col("_seen").isNotNull() | (first > 1))).drop("_seen")
     return df.withColumn(column, keyed & (first > 1))
-
-
-def deduplicate(df: DataFrame) -> DataFrame:
-    """``df`` without repeated telemetry messages (:func:`mark_repeats`)."""
-    return mark_repeats(df, "_repeat").where(~F.col("_repeat")).drop("_repeat")
 
 
 def fleet_series(device_table: DataFrame, metrics: Sequence[str]) -> Any:

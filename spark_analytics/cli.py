@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,8 @@ if TYPE_CHECKING:  # pyspark, pyarrow and numpy load only when a command runs, n
     from .telemetry import TelemetryMapping
 
 __all__ = ["add_arguments", "run"]
+
+LOG = logging.getLogger(__name__)
 
 
 def _duration_list(text: str) -> tuple[int, ...]:
@@ -54,6 +57,12 @@ def _topic_filter(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _offset(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CommitLog offset (the offset column's value)")
+    return int(text)
 
 
 def _conf(text: str) -> tuple[str, str]:
@@ -89,7 +98,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="topic:1", help="device id from topic:<level> (default topic:1) or payload:<field>")
     p.add_argument("--time", dest="time_source", default="store", help="event time: store (default) or payload:<field>")
     p.add_argument("--time-unit", default="ms", choices=("ms", "s", "iso"), help="unit of a payload time field (default ms)")
-    p.add_argument("--topic", type=_topic_filter, default=None, help="only records whose topic matches this MQTT filter")
+    p.add_argument("--topic", type=_topic_filter, action="append", default=None,
+                   help="only records whose topic matches this MQTT filter (repeatable: those matching any)")
+    start, end = p.add_mutually_exclusive_group(), p.add_mutually_exclusive_group()
+    start.add_argument("--start-offset", type=_offset, default=None,
+                       help="start at the first record at or after this CommitLog offset (a new stream only)")
+    start.add_argument("--start-time", type=_time, default=None,
+                       help="start at the first record stored at or after this time (ISO-8601 or epoch ms; "
+                            "a new stream only)")
+    end.add_argument("--end-offset", type=_offset, default=None, help="end before this CommitLog offset")
+    end.add_argument("--end-time", type=_time, default=None,
+                     help="end before the first record stored at or after this time (ISO-8601 or epoch ms)")
     p.add_argument("--windows", type=_duration_list, default=(60, 3600), help="window lengths, e.g. 1m,1h (the default)")
     p.add_argument("--silence", type=_duration, default=300, help="report gaps longer than this (default 5m)")
     p.add_argument("--format", dest="fmt", choices=FORMATS, default="parquet",
@@ -126,13 +145,17 @@ DEFAULT_TOPIC = "#"
 
 def _reader_options(args: argparse.Namespace) -> dict[str, str]:
     """The source's options for the flags (the telemetry mapping aside)."""
-    options = {"verifyCrc": "false" if args.no_crc else "true", "topicFilter": args.topic or DEFAULT_TOPIC}
+    topics = args.topic or [DEFAULT_TOPIC]
+    options = {"verifyCrc": "false" if args.no_crc else "true",
+               **({"topicFilter": topics[0]} if len(topics) == 1 else {"topicFilters": json.dumps(topics)})}
     if args.data is not None:
         options["path"] = str(args.data)
     for key, value in (("tier", args.tier), ("store", args.store), ("storeToken", args.store_token),
                        ("maxRecordsPerTrigger", getattr(args, "max_records_per_trigger", None)),
-                       ("maxBytesPerTrigger", getattr(args, "max_bytes_per_trigger", None))):
-        if value:
+                       ("maxBytesPerTrigger", getattr(args, "max_bytes_per_trigger", None)),
+                       ("startingOffsets", args.start_offset), ("endingOffsets", args.end_offset),
+                       ("startingTimestamp", args.start_time), ("endingTimestamp", args.end_time)):
+        if value is not None and value != "":
             options[key] = str(value)
     return options
 
@@ -234,23 +257,38 @@ def _run_batch(args: argparse.Namespace, mapping: TelemetryMapping, config: Aggr
             spark.stop()
 
 
-def _lag_bytes(progress: Any) -> int | None:
-    """Log bytes between what the micro-batch read and the end of the log (the source reports both)."""
+def _global(offset: Any) -> int | None:
+    """A stream offset of the progress (JSON text, a dict, or ``"null"``/None) as a global CommitLog offset."""
+    offset = json.loads(offset) if isinstance(offset, str) else offset
+    return None if not offset else offset["segment"] + offset["position"]
+
+
+def _positions(progress: Any) -> tuple[int | None, int | None, int | None]:
+    """The micro-batch's start and end and the log's end, as global CommitLog offsets (None: not reported:
+    the first micro-batch has no start; one re-run from Spark's offset log after a restart has no latest)."""
     source = (progress.get("sources") or [{}])[0]
-    end, latest = (json.loads(o) if isinstance(o, str) else o for o in (source.get("endOffset"),
-                                                                          source.get("latestOffset")))
-    if not end or not latest:  # "null": a micro-batch re-run from Spark's offset log after a restart
-        return None
-    return (latest["segment"] + latest["position"]) - (end["segment"] + end["position"])
+    return _global(source.get("startOffset")), _global(source.get("endOffset")), _global(source.get("latestOffset"))
 
 
 def _progress_line(progress: Any) -> str:
+    """One line per micro-batch: its records, log bytes and positions, the lag behind the log's end, the rate."""
     if not progress:
         return "streaming: first micro-batch"
-    lag = _lag_bytes(progress)
-    return (f"streaming: micro-batch {progress.get('batchId')}, {progress.get('numInputRows', 0):,} records "
-            f"({progress.get('processedRowsPerSecond') or 0:,.0f}/s)"
-            + ("" if lag is None else f", {lag:,} log bytes behind"))
+    start, end, latest = _positions(progress)
+    read = "" if start is None or end is None else f", {end - start:,} log bytes"
+    span = "" if end is None else f", offsets {'' if start is None else start}..{end}"
+    lag = "" if end is None or latest is None else f", {latest - end:,} log bytes behind"
+    return (f"streaming: micro-batch {progress.get('batchId')}, {progress.get('numInputRows', 0):,} records"
+            f"{read}{span}{lag}, {progress.get('processedRowsPerSecond') or 0:,.0f} records/s")
+
+
+def _log_progress(query: Any, logged: int) -> int:
+    """Log a line for each micro-batch that ended after micro-batch ``logged``; returns the last one logged."""
+    for progress in query.recentProgress:
+        if progress.get("batchId", -1) > logged:
+            logged = progress["batchId"]
+            LOG.info(_progress_line(progress))
+    return logged
 
 
 def _run_stream(args: argparse.Namespace, mapping: TelemetryMapping, config: AggregationConfig,
@@ -272,21 +310,26 @@ def _run_stream(args: argparse.Namespace, mapping: TelemetryMapping, config: Agg
         except ValueError as exc:
             console.print(f"[red]error:[/] {exc}")
             return 2
-        with console.status("streaming") as status:
+        logged = -1
+        with console.status("streaming") as status:  # shown on a terminal only; the log has every line
             while query.isActive:
                 if deadline is not None and time.time() >= deadline:
                     status.update("stopping after the running micro-batch")
                     stop_between_batches(query)
                     break
                 status.update(_progress_line(query.lastProgress))
+                logged = _log_progress(query, logged)
                 query.awaitTermination(1)
+        _log_progress(query, logged)
         if query.exception() is not None:
             console.print(f"[red]the stream failed:[/] {query.exception()}")
             return 1
         if deadline is not None and time.time() >= deadline:
             console.print(f"stopped after --timeout {args.timeout} s (no micro-batch started after it)")
         state = read_state(args.checkpoint)
-        console.print(f"{state.rows:,} records read; outputs in {args.out}")
+        kept = f" ({state.repeats:,} repeats dropped by --dedup, {state.rows - state.repeats:,} kept)" \
+            if args.dedup else ""
+        console.print(f"{state.rows:,} records read{kept}; outputs in {args.out}")
         if state.late:
             console.print(f"{state.late:,} telemetry records came later than --watermark {config.watermark_s} s "
                           "and were not aggregated (they are in no event-time table)")

@@ -118,13 +118,19 @@ class ScanRange:
 
 @dataclass(frozen=True, slots=True)
 class DecodeOptions:
-    """Push-down and checking options; store times in ms, ``[from_ms, to_ms)``."""
+    """Push-down and checking options; store times in ms, ``[from_ms, to_ms)``; ``topic_filters``: a record
+    is kept when its topic matches any of them (none: every topic)."""
 
     verify_crc: bool = True
-    topic_filter: str | None = None
+    topic_filters: tuple[str, ...] = ()
     from_ms: int | None = None
     to_ms: int | None = None
     window_bytes: int = WINDOW_BYTES
+
+    def wanted(self, topics: list[str]) -> list[bool]:
+        """For each distinct topic of a window, whether it matches one of the filters (the union: a record
+        is returned once, whichever filters match it)."""
+        return [any(matches(f, t) for f in self.topic_filters) for t in topics]
 
 
 class Frames:
@@ -511,8 +517,8 @@ def _first_record(fd: int, rng: ScanRange, window_bytes: int, key: tuple[int, in
     return pos if pos >= rng.start else None
 
 
-def _checked(win: _Window, starts: np.ndarray, rng: ScanRange, opts: DecodeOptions,
-             topic_filter: str | None) -> tuple[Frames | None, int | None]:
+def _checked(win: _Window, starts: np.ndarray, rng: ScanRange, opts: DecodeOptions
+             ) -> tuple[Frames | None, int | None]:
     """Decode one window's records, apply the push-down and the CRC checks.
 
     Returns the kept frames (None when none are kept) and the window position
@@ -538,10 +544,10 @@ def _checked(win: _Window, starts: np.ndarray, rng: ScanRange, opts: DecodeOptio
         keep &= frames.store_ms >= opts.from_ms
     if opts.to_ms is not None:
         keep &= frames.store_ms < opts.to_ms
-    if topic_filter is not None and keep.any():
+    if opts.topic_filters and keep.any():
         idx = np.flatnonzero(keep)
         encoded = frames.select(idx).topic().dictionary_encode()
-        wanted = np.array([matches(topic_filter, t) for t in encoded.dictionary.to_pylist()], bool)
+        wanted = np.array(opts.wanted(encoded.dictionary.to_pylist()), bool)
         keep[idx] = wanted[encoded.indices.to_numpy()]
     if opts.verify_crc and keep.any():
         idx = np.flatnonzero(keep)
@@ -573,7 +579,6 @@ def scan_range(rng: ScanRange, opts: DecodeOptions) -> Iterator[Frames]:
     returned. A missing file raises FileNotFoundError (the caller decides
     whether deleted segments are an error).
     """
-    topic_filter = opts.topic_filter or None
     fd = os.open(rng.path, os.O_RDONLY)
     try:
         key = _BOUNDARIES.key(fd)
@@ -581,7 +586,7 @@ def scan_range(rng: ScanRange, opts: DecodeOptions) -> Iterator[Frames]:
         if first is None:
             return
         for win, starts, end, last in _records(fd, rng, first, rng.end, opts.window_bytes):
-            frames, torn = _checked(win, starts, rng, opts, topic_filter)
+            frames, torn = _checked(win, starts, rng, opts)
             if frames is not None:
                 yield frames
             if torn is not None or last:
@@ -604,7 +609,7 @@ def valid_end(rng: ScanRange, *, verify_crc: bool = True, window_bytes: int = WI
     fd = os.open(rng.path, os.O_RDONLY)
     try:
         for win, starts, end, last in _records(fd, rng, rng.start, rng.end, window_bytes):
-            _frames, torn = _checked(win, starts, rng, opts, None)
+            _frames, torn = _checked(win, starts, rng, opts)
             if torn is not None:
                 return win.pos + torn, False
             if last:
@@ -655,5 +660,5 @@ def frames_in(buf: bytes, offset: int, opts: DecodeOptions, source: str) -> tupl
     reason = _end_reason(buf, end, why)
     if reason is not None:
         raise _corrupt(rng, end, reason)
-    frames, _torn = _checked(win, starts, rng, opts, opts.topic_filter or None)
+    frames, _torn = _checked(win, starts, rng, opts)
     return frames, end

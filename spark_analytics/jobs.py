@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -28,11 +29,10 @@ import pyarrow as pa
 
 from . import aggregate as agg
 from .framing import RAW_SCHEMA
-from .microbatch import MicroBatchSink, output_tables
+from .microbatch import REPEAT, MicroBatchSink, output_tables
 from .options import ReaderOptions
 from .outputs import BatchSummary, fleet_chart, write_table
-from .planning import plan_log
-from .source import FORMAT, load_layout, read_partition
+from .source import FORMAT, plan_read, read_partition
 from .telemetry import TelemetryMapping
 from .times import window_label
 
@@ -66,7 +66,7 @@ def _payloads(spark_options: dict[str, str]) -> Iterator[bytes]:
     tier, store RPC), for sampling."""
     opts = ReaderOptions.parse(spark_options)
     only_payload = pa.schema([RAW_SCHEMA.field("payload")])
-    for ranges in plan_log(load_layout(opts), target_bytes=opts.partition_bytes):
+    for ranges in plan_read(opts):
         for batch in read_partition(ranges, opts, only_payload):
             yield from batch.column(0).to_pylist()
 
@@ -88,8 +88,14 @@ def _sample(spark_options: dict[str, str]) -> tuple[int, dict[str, int]]:
 
 def _where(spark_options: dict[str, str]) -> str:
     place = spark_options.get("path") or f"the store at {spark_options.get('store')}"
-    topic = spark_options.get("topicFilter")
-    return f"{place}{f' matching {topic}' if topic else ''}"
+    return place + _matching(spark_options)
+
+
+def _matching(spark_options: dict[str, str]) -> str:
+    """`` matching a/+, b/#`` for the topic filter options, or nothing."""
+    topics = ([spark_options["topicFilter"]] if spark_options.get("topicFilter") else []) + (
+        json.loads(spark_options["topicFilters"]) if spark_options.get("topicFilters") else [])
+    return f" matching {', '.join(topics)}" if topics else ""
 
 
 def infer_metrics(spark_options: dict[str, str], *, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -233,25 +239,28 @@ def run_batch(
     payload_time = mapping.time_field is not None
     if not payload_time:  # event time is store time: the range is pushed into the reader
         options.update({k: str(v) for k, v in (("fromTime", from_ms), ("toTime", to_ms)) if v is not None})
-    df = read_telemetry(spark, data, mapping, **options)
-    if dedup:
-        df = agg.deduplicate(df)
-    df = df.persist()
+    read = read_telemetry(spark, data, mapping, **options)
+    read = agg.mark_repeats(read, REPEAT) if dedup else read.withColumn(REPEAT, F.lit(False))
+    read = read.persist()  # the one read of the CommitLog: the counts below and every table come from it
+    df = read.where(~F.col(REPEAT)).drop(REPEAT)
     summary = BatchSummary()
     try:
         step("reading and parsing the CommitLog")
-        events = df.where(_in_range("event_ts", from_ms, to_ms) | (F.col("error").isNotNull()
-                                                                    & _in_range("store_ts", from_ms, to_ms))
-                          ) if payload_time else df
+        in_range = _in_range("event_ts", from_ms, to_ms) | (F.col("error").isNotNull()
+                                                             & _in_range("store_ts", from_ms, to_ms))
+        events = df.where(in_range) if payload_time else df
         stored = df.where(_in_range("store_ts", from_ms, to_ms)) if payload_time else df
-        counts = events.agg(F.count(F.lit(1)).alias("n"), F.count("error").alias("bad"),
-                            F.min("event_ts").alias("lo"), F.max("event_ts").alias("hi")).first()
-        summary.records, summary.quarantined = counts["n"], counts["bad"]
-        summary.parsed = summary.records - summary.quarantined
+        kept = ~F.col(REPEAT)
+        counts = (read.where(in_range) if payload_time else read).agg(
+            F.count(F.lit(1)).alias("n"), F.count(F.when(F.col(REPEAT), 1)).alias("repeats"),
+            F.count(F.when(kept, F.col("error"))).alias("bad"), F.min(F.when(kept, F.col("event_ts"))).alias("lo"),
+            F.max(F.when(kept, F.col("event_ts"))).alias("hi")).first()
+        summary.records, summary.repeats, summary.quarantined = counts["n"], counts["repeats"], counts["bad"]
+        summary.parsed = summary.records - summary.repeats - summary.quarantined
         summary.first_ts, summary.last_ts = counts["lo"], counts["hi"]
         if not summary.records:
             raise NoTelemetry(f"no records in {data if data is not None else options.get('store')}"
-                              f"{' matching ' + options['topicFilter'] if options.get('topicFilter') else ''}"
+                              f"{_matching(options)}"
                               f"{' in the given time range' if from_ms is not None or to_ms is not None else ''}")
         if not summary.parsed:
             top = agg.quarantine(df).groupBy("error").count().orderBy(F.desc("count")).first()
@@ -309,7 +318,7 @@ def run_batch(
             series = agg.fleet_series(reader.load(str(out / first)), mapping.metrics)
             summary.chart = str(fleet_chart(series, mapping.metrics, out / "fleet_metrics.png"))
     finally:
-        df.unpersist()
+        read.unpersist()
     return summary
 
 

@@ -85,6 +85,8 @@ class StreamState:
     """``[batch, latest on-time event, latest store time]`` of each staged micro-batch still needed."""
     rows: int = 0
     """Records read so far (duplicates and quarantined ones included)."""
+    repeats: int = 0
+    """Of those, the repeated messages ``--dedup`` left out."""
     late: int = 0
     """Telemetry records read after the watermark had passed them: in no event-time table."""
 
@@ -196,7 +198,7 @@ class MicroBatchSink:
         write_table(rows.withColumn(ON_TIME, on_time).withColumn(STORED_ON_TIME, stored_on_time),
                     Path(self._rows(batch_id)), partition_by=())  # the one read of the CommitLog
         new = spark.read.parquet(self._rows(batch_id))
-        got = new.agg(F.count(F.lit(1)).alias("rows"),
+        got = new.agg(F.count(F.lit(1)).alias("rows"), F.count(F.when(F.col(REPEAT), 1)).alias("repeats"),
                       F.count(F.when(F.col("error").isNull() & ~F.col(REPEAT) & ~F.col(ON_TIME), 1)).alias("late"),
                       F.unix_micros(F.max(F.when(F.col(ON_TIME), F.col("event_ts")))).alias("event"),
                       F.unix_micros(F.max("store_ts")).alias("store")).first()
@@ -269,7 +271,8 @@ class MicroBatchSink:
         self._pend(agg.quarantine(new.where(~F.col(REPEAT))), F.lit(True), pending / "quarantine")
 
         self._complete(here, StreamState(batch_id, new_ev, new_st, _still_needed(staged, new_ev, new_st, config),
-                                         prev.rows + got["rows"], prev.late + got["late"]))
+                                         prev.rows + got["rows"], prev.repeats + got["repeats"],
+                                         prev.late + got["late"]))
 
     @staticmethod
     def _complete(here: Path, state: StreamState) -> None:

@@ -8,8 +8,9 @@ task; partitions then carry this record and segment paths, nothing else.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 from .framing import DecodeOptions
 from .layout import commitlog_dir
@@ -31,13 +32,18 @@ OPTIONS = {
     "admituntil": "streaming: ISO-8601 or epoch ms after which no micro-batch admits records (the running one "
                   "finishes; availableNow then ends): a stop that interrupts nothing",
     "topicfilter": "MQTT topic filter (+, #): only matching records are returned",
+    "topicfilters": "a JSON array of MQTT topic filters: the records matching any of them (with topicFilter too)",
     "fromtime": "store time lower bound, inclusive: ISO-8601 or epoch ms",
     "totime": "store time upper bound, exclusive: ISO-8601 or epoch ms",
     "verifycrc": "true (default) or false: check each returned record's CRC32C",
     "partitionbytes": f"segment bytes per Spark partition (default {PARTITION_BYTES})",
     "failondataloss": "streaming/batch: true (default) fails when segments were deleted by "
                       "retention before they were read; false logs a warning and skips them",
-    "startingoffsets": "streaming: earliest (default) or latest",
+    "startingoffsets": "earliest (default), latest (streaming), or a CommitLog position: the offset column's "
+                       "value or a stream offset {\"segment\": S, \"position\": P}; the first record at or after it",
+    "endingoffsets": "latest (default) or a CommitLog position (as startingOffsets): the read ends before it",
+    "startingtimestamp": "ISO-8601 or epoch ms: start at the first record (in log order) stored at or after it",
+    "endingtimestamp": "ISO-8601 or epoch ms: end before the first record (in log order) stored at or after it",
     "parse": "records (default: raw record columns) or telemetry (parsed JSON payloads)",
     OPTION_PREFIX + "metrics": "telemetry: comma-separated numeric payload fields",
     OPTION_PREFIX + "device": "telemetry: topic:<level> (default topic:1) or payload:<field>",
@@ -63,6 +69,38 @@ def _bool(options: Mapping[str, str], key: str, default: bool) -> bool:
     raise ValueError(f"option {key}: expected true or false, not {value!r}")
 
 
+def _position(key: str, value: str) -> int:
+    """A CommitLog position: a global offset (the ``offset`` column), or a stream offset's JSON."""
+    text = value.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        offset: Any = json.loads(text)
+    except ValueError:
+        offset = None
+    if (isinstance(offset, dict) and set(offset) == {"segment", "position"}
+            and all(type(v) is int and v >= 0 for v in offset.values())):
+        return offset["segment"] + offset["position"]
+    raise ValueError(f"option {key}: not a CommitLog position (an offset, or {{\"segment\": S, \"position\": P}}): "
+                     f"{value!r}")
+
+
+def _topic_filters(low: Mapping[str, str]) -> tuple[str, ...]:
+    """``topicFilter`` and the filters of ``topicFilters`` (a JSON array), validated, without repeats."""
+    filters = [low["topicfilter"]] if low.get("topicfilter") else []
+    if low.get("topicfilters"):
+        try:
+            more = json.loads(low["topicfilters"])
+        except ValueError:
+            more = None
+        if not isinstance(more, list) or not all(isinstance(f, str) for f in more):
+            raise ValueError(f"option topicFilters: not a JSON array of strings: {low['topicfilters']!r}")
+        filters += more
+    for topic_filter in filters:
+        validate_filter(topic_filter)
+    return tuple(dict.fromkeys(filters))
+
+
 @dataclass(frozen=True, slots=True)
 class ReaderOptions:
     """Everything a reader needs besides the segment paths of its partition."""
@@ -72,6 +110,10 @@ class ReaderOptions:
     partition_bytes: int = PARTITION_BYTES
     fail_on_data_loss: bool = True
     starting: str = "earliest"
+    start_offset: int | None = None
+    end_offset: int | None = None
+    start_ms: int | None = None
+    end_ms: int | None = None
     telemetry: TelemetryMapping | None = None
     tier: str | None = None
     store: str | None = None
@@ -110,11 +152,9 @@ class ReaderOptions:
                     raise ValueError(f"option {key}: not an integer: {low[key]!r}") from None
                 if limits[key] <= 0:
                     raise ValueError(f"option {key} must be positive, not {limits[key]}")
-        topic_filter = low.get("topicfilter") or None
-        if topic_filter is not None:
-            validate_filter(topic_filter)
+        topic_filters = _topic_filters(low)
         bounds = {}
-        for key in ("fromtime", "totime", "admituntil"):
+        for key in ("fromtime", "totime", "admituntil", "startingtimestamp", "endingtimestamp"):
             if low.get(key):
                 try:
                     bounds[key] = parse_time(low[key])
@@ -127,8 +167,19 @@ class ReaderOptions:
         if partition_bytes <= 0:
             raise ValueError(f"option partitionBytes must be positive, not {partition_bytes}")
         starting = low.get("startingoffsets", "earliest").lower()
+        start_offset = None
         if starting not in ("earliest", "latest"):
-            raise ValueError(f"option startingOffsets: earliest or latest, not {starting!r}")
+            try:
+                start_offset = _position("startingOffsets", starting)
+            except ValueError as exc:
+                raise ValueError(f"{exc}; or earliest or latest") from None
+            starting = "offset"
+        ending = low.get("endingoffsets", "latest").lower()
+        end_offset = None if ending == "latest" else _position("endingOffsets", ending)
+        if "startingtimestamp" in bounds and "startingoffsets" in low:
+            raise ValueError("give startingOffsets or startingTimestamp, not both")
+        if "endingtimestamp" in bounds and end_offset is not None:
+            raise ValueError("give endingOffsets or endingTimestamp, not both")
         parse = low.get("parse", "records").lower()
         if parse not in ("records", "telemetry"):
             raise ValueError(f"option parse: records or telemetry, not {parse!r}")
@@ -139,13 +190,17 @@ class ReaderOptions:
             directory=str(commitlog_dir(low["path"])) if low.get("path") and store is None else None,
             decode=DecodeOptions(
                 verify_crc=_bool(low, "verifycrc", True),
-                topic_filter=topic_filter,
+                topic_filters=topic_filters,
                 from_ms=bounds.get("fromtime"),
                 to_ms=bounds.get("totime"),
             ),
             partition_bytes=partition_bytes,
             fail_on_data_loss=_bool(low, "failondataloss", True),
             starting=starting,
+            start_offset=start_offset,
+            end_offset=end_offset,
+            start_ms=bounds.get("startingtimestamp"),
+            end_ms=bounds.get("endingtimestamp"),
             telemetry=telemetry,
             tier=low.get("tier") or None,
             store=store,

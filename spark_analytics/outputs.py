@@ -100,6 +100,9 @@ class BatchSummary:
     """What a batch run found, for the terminal summary and the CLI's exit."""
 
     records: int = 0
+    """Records read (repeats and quarantined ones included)."""
+    repeats: int = 0
+    """Repeated messages ``--dedup`` left out."""
     parsed: int = 0
     quarantined: int = 0
     quarantine_reasons: list[tuple[str, int]] = field(default_factory=list)
@@ -123,6 +126,8 @@ def summary_table(summary: BatchSummary) -> Any:
     overview.add_column("what")
     overview.add_column("value", justify="right")
     overview.add_row("records read", f"{summary.records:,}")
+    if summary.repeats:
+        overview.add_row("repeats dropped (--dedup)", f"{summary.repeats:,}")
     overview.add_row("telemetry rows", f"{summary.parsed:,}")
     overview.add_row("quarantined", f"{summary.quarantined:,}")
     overview.add_row("devices", f"{summary.devices:,}")

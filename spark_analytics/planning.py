@@ -147,6 +147,12 @@ class LogLayout:
         held = {f.base for f in self.tier}
         return [s for s in self.segments if s.base not in held]
 
+    def bases(self) -> list[int]:
+        """Where the pieces of the log start, in order (record boundaries): the tier's files, the local
+        segments and (``store`` mode) the live tail."""
+        return sorted({f.base for f in self.tier} | {s.base for s in self.local()}
+                      | ({self.live_start} if self.store is not None else set()))
+
     def end(self) -> int:
         """Where the durable log ends: the store's flushed offset, else the ``flushed`` hint, else 0."""
         return self.flushed or 0
@@ -160,8 +166,7 @@ def plan_log(layout: LogLayout, *, start: int = 0, end: int | None = None, from_
         raise ValueError(f"the partition size must be positive, not {target_bytes}")
     stop = NO_END if end is None else end
     local = layout.local()
-    bases = sorted({f.base for f in layout.tier} | {s.base for s in local}
-                   | ({layout.live_start} if layout.store is not None else set()))
+    bases = layout.bases()
     following = dict(zip(bases, [*bases[1:], NO_END]))
     pieces: list[Range] = []
     for tier_file in layout.tier:

@@ -3,8 +3,11 @@
 Quiet means: no web UI, no console progress bar (the CLI shows its own),
 driver bound to loopback only (without it Spark binds a non-loopback
 address), two shuffle partitions (the default 200 costs ~70 ms each on a
-laptop-sized job), UTC session time, and ERROR-level logs. Python workers run
-the same interpreter as the driver so the package and its dependencies match.
+laptop-sized job), UTC session time, and ERROR-level logs from the start:
+the driver JVM gets :data:`LOG4J2_CONFIG`, so Spark's start-up lines (its
+default log4j profile, the default log level, NativeCodeLoader) are not
+printed. Python workers run the same interpreter as the driver so the
+package and its dependencies match.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["DEFAULT_MASTER", "QUIET_CONF", "package_zip", "spark_session"]
+__all__ = ["DEFAULT_MASTER", "LOG4J2_CONFIG", "QUIET_CONF", "package_zip", "spark_session"]
 
 DEFAULT_MASTER = "local[2]"
 """The machine this project is measured on has two cores."""
@@ -35,6 +38,11 @@ QUIET_CONF = {
 """The settings measured in /work/shared/spark-notes.md; any of them can be overridden. The Python worker's
 connect-back timeout is raised from 15 s: on two busy cores a streaming query's source runner took longer to
 start, and the query failed with "Timed out while waiting for the Python worker to connect back"."""
+
+
+LOG4J2_CONFIG = Path(__file__).with_name("log4j2.properties")
+"""The driver JVM's log4j2 configuration: ERROR and above, from the JVM's start (``setLogLevel`` comes too late
+for the start-up lines)."""
 
 
 def spark_session(master: str = DEFAULT_MASTER, app_name: str = "lightgate-analytics",
@@ -64,7 +72,8 @@ def spark_session(master: str = DEFAULT_MASTER, app_name: str = "lightgate-analy
     from .source import register
 
     builder = SparkSession.builder.master(master).appName(app_name)
-    settings = dict(QUIET_CONF)
+    settings = {**QUIET_CONF,
+                "spark.driver.defaultJavaOptions": f"-Dlog4j2.configurationFile={LOG4J2_CONFIG.as_uri()}"}
     if not local:
         del settings["spark.driver.bindAddress"], settings["spark.driver.host"]
     settings.update(conf or {})

@@ -38,11 +38,12 @@ from pyspark.sql.types import StructType
 
 from store.tierfiles import file_name, list_tier, open_tier, read_meta
 
-from .framing import RAW_SCHEMA, ScanRange, scan_range, valid_end
+from .framing import RAW_SCHEMA, DecodeOptions, ScanRange, scan_range, valid_end
 from .layout import list_segments, read_flushed
 from .live import LogReader, read_live
 from .options import ReaderOptions
 from .planning import LogLayout, Range, plan_log, readable_limit
+from .sink import MqttSink
 from .telemetry import TelemetryParser
 from .tier import TierRange, read_tier
 
@@ -70,9 +71,11 @@ FILTER_PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
 
 
 def register(spark: Any) -> None:
-    """Make ``format("commitlog")`` available in ``spark`` (per session), with filter push-down on."""
+    """Make ``format("commitlog")`` (with filter push-down on) and the ``mqtt`` sink (sink.py) available in
+    ``spark`` (per session)."""
     spark.conf.set(FILTER_PUSHDOWN_CONF, "true")
     spark.dataSource.register(CommitLogDataSource)
+    spark.dataSource.register(MqttSink)
 
 
 def output_schema(opts: ReaderOptions) -> pa.Schema:
@@ -174,6 +177,104 @@ def read_partition(ranges: Sequence[Range], opts: ReaderOptions,
             LOG.warning("%s; skipped (failOnDataLoss=false)", message)
 
 
+ONLY_OFFSETS = pa.schema([RAW_SCHEMA.field("offset")])
+
+
+def _from(rng: Range, begin: int) -> Range:
+    """``rng`` without the records before ``begin`` (a segment's walk still starts at its anchor)."""
+    if isinstance(rng, ScanRange) and rng.base + rng.start < begin:
+        return dataclasses.replace(rng, start=begin - rng.base)
+    if isinstance(rng, TierRange) and rng.start < begin:
+        return dataclasses.replace(rng, start=begin)
+    return rng
+
+
+def _end(rng: Range) -> int:
+    return rng.base + rng.end if isinstance(rng, ScanRange) else rng.end
+
+
+def record_offsets(layout: LogLayout, opts: ReaderOptions, decode: DecodeOptions, begin: int,
+                   end: int | None = None) -> Iterator[np.ndarray]:
+    """The offsets of the records in ``[begin, end)`` that pass ``decode``, in log order, read on the driver
+    with only the offset column built: how read positions and rate limits are found.
+
+    ``begin`` need not be a record boundary: segments are walked from their start (four bytes per record)
+    and tier files filtered by their offset statistics; the live tail is read over the RPC from its start.
+    """
+    anchors = [b for b in layout.bases() if b <= begin]
+    raw = dataclasses.replace(opts, decode=decode, telemetry=None)
+    for ranges in plan_log(layout, start=anchors[-1] if anchors else begin, end=end, from_ms=decode.from_ms,
+                           to_ms=decode.to_ms, target_bytes=opts.partition_bytes):
+        for batch in read_partition([_from(r, begin) for r in ranges if _end(r) > begin], raw, ONLY_OFFSETS):
+            offsets = batch.column(0).to_numpy()
+            yield offsets[offsets >= begin]
+
+
+def first_record(layout: LogLayout, opts: ReaderOptions, begin: int, end: int | None = None, *,
+                 from_ms: int | None = None) -> int | None:
+    """The offset of the first record at or after ``begin`` (and before ``end``) stored at or after
+    ``from_ms``, or None: whole sealed segments and tier row groups are skipped by their time bounds, the
+    others' records by their store time (the topic filters play no part: a position is in the whole log)."""
+    decode = DecodeOptions(verify_crc=opts.decode.verify_crc, from_ms=from_ms)
+    for offsets in record_offsets(layout, opts, decode, begin, end):
+        if len(offsets):
+            return int(offsets[0])
+    return None
+
+
+def start_position(layout: LogLayout, opts: ReaderOptions) -> int | None:
+    """Where a read from ``startingOffsets``/``startingTimestamp`` starts (a record boundary; None: no
+    record there yet); 0 without them."""
+    if opts.start_offset is not None:
+        return first_record(layout, opts, opts.start_offset)
+    if opts.start_ms is not None:
+        return first_record(layout, opts, 0, from_ms=opts.start_ms)
+    return 0
+
+
+def end_position(layout: LogLayout, opts: ReaderOptions, begin: int, end: int | None = None) -> int | None:
+    """Where ``endingOffsets``/``endingTimestamp`` end a read from ``begin`` (a record boundary, exclusive),
+    looking at the records before ``end`` only; None: not in them (or no ending option)."""
+    if opts.end_offset is not None:
+        found = first_record(layout, opts, max(begin, opts.end_offset), end)
+        reached = end is not None and opts.end_offset < end
+        return found if found is not None else end if reached else None
+    if opts.end_ms is not None:
+        return first_record(layout, opts, begin, end, from_ms=opts.end_ms)
+    return None
+
+
+def retained_start(layout: LogLayout, opts: ReaderOptions, begin: int, stop: int, reader: str = "this read") -> int:
+    """``begin``, or the oldest offset still readable when retention deleted the log from ``begin`` on.
+
+    Raises:
+        DataLossError: offsets ``begin``.. were deleted (unless ``failOnDataLoss`` is false: then a warning).
+    """
+    oldest = layout.oldest
+    oldest = stop if oldest is None else oldest
+    if begin >= oldest:
+        return begin
+    message = (f"CommitLog offsets {begin} to {min(oldest, stop)} were deleted by retention before "
+               f"{reader} read them (oldest segment now starts at {oldest})")
+    if opts.fail_on_data_loss:
+        raise DataLossError(message + "; set failOnDataLoss=false to skip them and go on")
+    LOG.warning("%s; skipping them (failOnDataLoss=false)", message)
+    return oldest
+
+
+def plan_read(opts: ReaderOptions) -> list[tuple[Range, ...]]:
+    """The partitions of a batch read with these options: the positions, the time range and the
+    partition size (the records the positions bound, read once each)."""
+    layout = load_layout(opts)
+    begin = start_position(layout, opts)
+    if begin is None:
+        return []
+    if opts.start_offset is not None:  # fails (or warns) when retention deleted records from that offset on
+        retained_start(layout, opts, min(begin, opts.start_offset), begin)
+    return plan_log(layout, start=begin, end=end_position(layout, opts, begin), from_ms=opts.decode.from_ms,
+                    to_ms=opts.decode.to_ms, target_bytes=opts.partition_bytes)
+
+
 class CommitLogDataSource(DataSource):
     """``spark.read.format("commitlog")`` and ``spark.readStream.format("commitlog")``."""
 
@@ -189,6 +290,9 @@ class CommitLogDataSource(DataSource):
         return from_arrow_schema(output_schema(self.parsed), prefer_timestamp_ntz=False)
 
     def reader(self, schema: StructType) -> DataSourceReader:
+        if self.parsed.starting == "latest":
+            raise ValueError("startingOffsets=latest is for streams: a batch read starts at earliest, an offset "
+                             "or startingTimestamp")
         return CommitLogReader(self.parsed, _projection(schema, self.schema()))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
@@ -250,7 +354,7 @@ class CommitLogReader(DataSourceReader):
     ``.where()`` conditions are pushed down (PySpark >= 4.1, ``pushFilters``)
     when they are comparisons of ``store_ts`` with a timestamp (they become
     ``fromTime``/``toTime``: whole segments, tier row groups and records are
-    skipped) or ``topic = '<name>'`` without a ``topicFilter`` option; Spark
+    skipped) or ``topic = '<name>'`` without a topic filter option; Spark
     evaluates the others. Column pruning is not offered to Python data sources:
     a schema naming fewer columns is how a query reads fewer (see ``_projection``).
     """
@@ -262,7 +366,7 @@ class CommitLogReader(DataSourceReader):
     def pushFilters(self, filters: list[Any]) -> Iterator[Any]:
         decode = self.opts.decode
         bounds = {"from": decode.from_ms, "to": decode.to_ms}
-        topic = decode.topic_filter
+        topics = decode.topic_filters
         for flt in filters:
             bound = _time_bound(flt)
             if bound is not None:
@@ -271,17 +375,15 @@ class CommitLogReader(DataSourceReader):
                 bounds[side] = ms if old is None else max(old, ms) if side == "from" else min(old, ms)
                 continue
             if (isinstance(flt, EqualTo) and flt.attribute == ("topic",) and isinstance(flt.value, str)
-                    and topic is None and flt.value and not set(flt.value) & {"+", "#"}):
-                topic = flt.value  # a topic name is a filter that matches only itself
+                    and not topics and flt.value and not set(flt.value) & {"+", "#"}):
+                topics = (flt.value,)  # a topic name is a filter that matches only itself
                 continue
             yield flt
         self.opts = dataclasses.replace(self.opts, decode=dataclasses.replace(
-            decode, from_ms=bounds["from"], to_ms=bounds["to"], topic_filter=topic))
+            decode, from_ms=bounds["from"], to_ms=bounds["to"], topic_filters=topics))
 
     def partitions(self) -> list[CommitLogPartition]:
-        ranges = plan_log(load_layout(self.opts), from_ms=self.opts.decode.from_ms, to_ms=self.opts.decode.to_ms,
-                          target_bytes=self.opts.partition_bytes)
-        return [CommitLogPartition(r) for r in ranges] or [CommitLogPartition(())]
+        return [CommitLogPartition(r) for r in plan_read(self.opts)] or [CommitLogPartition(())]
 
     def read(self, partition: CommitLogPartition) -> Iterator[pa.RecordBatch]:
         return read_partition(partition.ranges, self.opts, self.projection)
@@ -311,6 +413,7 @@ class CommitLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self.opts = opts
         self.projection = projection
         self._target: int | None = None  # availableNow: never read past this global offset
+        self._ending: int | None = None  # endingOffsets/endingTimestamp, once the log holds it
 
     def _available_end(self, start: int, layout: LogLayout | None = None) -> int:
         """The global offset after the last durable record at or after ``start``."""
@@ -350,6 +453,12 @@ class CommitLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         layout = load_layout(self.opts)
         if self.opts.starting == "latest":
             return self._as_offset(self._available_end(0, layout), layout)
+        if self.opts.start_offset is not None or self.opts.start_ms is not None:
+            end = self._available_end(0, layout)
+            begin = start_position(layout, self.opts)
+            if begin is None and self.opts.start_offset is not None and self.opts.start_offset > end:
+                raise ValueError(f"startingOffsets {self.opts.start_offset} is past the end of the log ({end})")
+            return self._as_offset(end if begin is None else begin, layout)  # no record since then: what comes
         oldest = layout.oldest or 0
         return self._as_offset(oldest, layout)
 
@@ -368,6 +477,10 @@ class CommitLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         end = self._available_end(begin, layout)
         if self._target is not None:
             end = max(begin, min(end, self._target))
+        if self._ending is None and end > begin:
+            self._ending = end_position(layout, self.opts, begin, end)
+        if self._ending is not None:
+            end = max(begin, min(end, self._ending))
         max_records = self.opts.max_records
         max_bytes = self.opts.max_bytes
         if isinstance(limit, ReadMaxRows):
@@ -382,23 +495,17 @@ class CommitLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         """The record boundary where a micro-batch from ``begin`` reaches ``max_records`` records or about
         ``max_bytes`` log bytes (at least one record), or ``end``: the offsets are read to find it."""
         seen = 0
-        only_offsets = pa.schema([RAW_SCHEMA.field("offset")])
-        raw = ReaderOptions(self.opts.directory, self.opts.decode, self.opts.partition_bytes,
-                            self.opts.fail_on_data_loss, tier=self.opts.tier, store=self.opts.store,
-                            store_token=self.opts.store_token)
-        for ranges in plan_log(layout, start=begin, end=end, target_bytes=self.opts.partition_bytes):
-            for batch in read_partition(ranges, raw, only_offsets):
-                offsets = batch.column(0).to_numpy()
-                cut = len(offsets)
-                if max_records is not None and seen + len(offsets) > max_records:
-                    cut = max_records - seen
-                if max_bytes is not None:
-                    over = np.flatnonzero((offsets - begin >= max_bytes) & (offsets > begin))
-                    if len(over):
-                        cut = min(cut, int(over[0]))
-                if cut < len(offsets) and (seen + cut) > 0:
-                    return int(offsets[max(cut, 1 - seen)])
-                seen += len(offsets)
+        for offsets in record_offsets(layout, self.opts, self.opts.decode, begin, end):
+            cut = len(offsets)
+            if max_records is not None and seen + len(offsets) > max_records:
+                cut = max_records - seen
+            if max_bytes is not None:
+                over = np.flatnonzero((offsets - begin >= max_bytes) & (offsets > begin))
+                if len(over):
+                    cut = min(cut, int(over[0]))
+            if cut < len(offsets) and (seen + cut) > 0:
+                return int(offsets[max(cut, 1 - seen)])
+            seen += len(offsets)
         return end
 
     def reportLatestOffset(self) -> dict[str, int]:
@@ -409,18 +516,9 @@ class CommitLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self._target = self._available_end(0)
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[CommitLogPartition]:
-        begin = start["segment"] + start["position"]
         stop = end["segment"] + end["position"]
         layout = load_layout(self.opts)
-        oldest = layout.oldest
-        oldest = stop if oldest is None else oldest
-        if begin < oldest:
-            message = (f"CommitLog offsets {begin} to {min(oldest, stop)} were deleted by retention before "
-                       f"this stream read them (oldest segment now starts at {oldest})")
-            if self.opts.fail_on_data_loss:
-                raise DataLossError(message + "; set failOnDataLoss=false to skip them and go on")
-            LOG.warning("%s; skipping them (failOnDataLoss=false)", message)
-            begin = oldest
+        begin = retained_start(layout, self.opts, start["segment"] + start["position"], stop, "this stream")
         ranges = plan_log(layout, start=begin, end=stop, from_ms=self.opts.decode.from_ms,
                           to_ms=self.opts.decode.to_ms, target_bytes=self.opts.partition_bytes)
         return [CommitLogPartition(r) for r in ranges]

@@ -23,7 +23,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from lightqueue.topics import matches
 from store.tierfiles import RECORD_SCHEMA, TierFile, open_tier
 
 from .framing import DecodeOptions
@@ -132,9 +131,9 @@ def _keep(batch: pa.RecordBatch, rng: TierRange, opts: DecodeOptions) -> pa.Reco
     if opts.to_ms is not None:
         mask = pc.and_(mask, pc.less(batch.column("store_ts"),
                                      pa.scalar(opts.to_ms * _MS_TO_US, RECORD_SCHEMA.field("store_ts").type)))
-    if opts.topic_filter:
+    if opts.topic_filters:
         encoded = batch.column("topic").dictionary_encode()
-        wanted = pa.array([matches(opts.topic_filter, t) for t in encoded.dictionary.to_pylist()], pa.bool_())
+        wanted = pa.array(opts.wanted(encoded.dictionary.to_pylist()), pa.bool_())
         mask = pc.and_(mask, pc.take(wanted, encoded.indices))
     if mask.false_count == 0:
         return batch
@@ -149,7 +148,7 @@ def read_tier(rng: TierRange, opts: DecodeOptions, columns: list[str]) -> Iterat
     """
     needed = [c for c in RECORD_SCHEMA.names if c in columns or c == "offset"
               or (c == "store_ts" and (opts.from_ms is not None or opts.to_ms is not None))
-              or (c == "topic" and opts.topic_filter)]
+              or (c == "topic" and opts.topic_filters)]
     fs, _root = open_tier(rng.uri)
     with fs.open_input_file(rng.path) as handle:
         parquet = pq.ParquetFile(handle)

@@ -8,6 +8,9 @@ p50/p95) over the same records (those of the sealed segments) several ways:
   sealed segments converted by store/tier.py), parsing payloads in the reader;
 - ``commitlog``: the ``commitlog`` source reading the segment files (the live
   tail's path: framing, CRC checks and JSON parsing in the reader);
+- ``store_rpc``: the ``commitlog`` source reading the same segments over a
+  store node's RPC (``store=HOST:PORT``: ``ReadLog`` answers framed on the
+  executor, what a cluster without shared files reads), one partition;
 - ``records_parquet``: Spark over plain Parquet of the same records (the raw
   record columns written by Spark with its defaults), payloads parsed by the
   JVM's ``from_json``: the baseline of the tier's >= 0.9x target;
@@ -31,13 +34,16 @@ batches of encoded records). Spark results are materialised with the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
 import shutil
 import statistics
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +147,44 @@ def _convert(data: Path, tier: Path, config: CommitLogConfig, cpu_share: float, 
             "records_per_s": stats.records / wall, "core_share": cpu / wall}
 
 
+@contextlib.contextmanager
+def _store_node(data: Path, config: CommitLogConfig) -> Iterator[str]:
+    """A store node on ``data`` serving its RPC from a thread, its dispatch caught up (so that no indexing
+    runs during the timed reads); yields HOST:PORT."""
+    import dataclasses
+
+    import trio
+
+    from store.node import open_store
+    from store.rpc.server import serve_rpc
+
+    address: list[str] = []
+    ready, stop = threading.Event(), threading.Event()
+    keep = dataclasses.replace(config, retention_hours=0.0, retention_check_interval_s=0)  # 2023 records: not old
+
+    async def serve() -> None:
+        async with open_store(data, keep) as store, trio.open_nursery() as nursery:
+            listeners = await nursery.start(lambda task_status: serve_rpc(store, "127.0.0.1", 0,
+                                                                           task_status=task_status))
+            await store.dispatcher.wait_dispatched(store.log.log.written_offset)
+            address.append(f"127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+            ready.set()
+            while not stop.is_set():
+                await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+
+    thread = threading.Thread(target=trio.run, args=(serve,), daemon=True)
+    thread.start()
+    try:
+        while not ready.wait(1.0):
+            if not thread.is_alive():
+                raise RuntimeError("the benchmark's store node did not start")
+        yield address[0]
+    finally:
+        stop.set()
+        thread.join()
+
+
 def _python_reference(data: Path, config: CommitLogConfig) -> tuple[float, dict[str, Any]]:
     """The same aggregation in one Python process; returns (seconds, totals)."""
     import orjson
@@ -190,7 +234,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from spark_analytics.telemetry import TelemetryMapping
 
     work = args.dir or Path(tempfile.mkdtemp(prefix="lightgate-bench-analytics-"))
-    data, sealed, tier, empty = work / "data", work / "sealed", work / "tier", work / "empty" / "commitlog"
+    data, sealed, served, tier = work / "data", work / "sealed", work / "served", work / "tier"
+    empty = work / "empty" / "commitlog"
     try:
         config = CommitLogConfig(segment_bytes=args.segment_mib << 20)
         generated = _generate(data, args.records, args.devices, config)
@@ -235,14 +280,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for frame in (spark.read.parquet(str(parquet)), records_parquet(raw_parquet)):
             _aggregate(frame.limit(1000), args.percentiles).write.format("noop").mode("overwrite").save()
 
-        variants = {"tier": from_tier, "commitlog": source, "records_parquet": lambda: records_parquet(raw_parquet),
-                    "parquet": lambda: spark.read.parquet(str(parquet))}
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(args.runs):
-            for name, make in variants.items():
-                with Stopwatch() as sw:
-                    _aggregate(make(), args.percentiles).write.format("noop").mode("overwrite").save()
-                times[name].append(sw.seconds)
+        _sealed_copy(data, served, config)  # links of the same segments: the store node writes its own files
+        with _store_node(served, config) as address:
+            def over_rpc() -> Any:
+                return (spark.read.format("commitlog").schema(columns).options(**options, store=address).load()
+                        .where(F.col("error").isNull()))
+
+            _aggregate(over_rpc().limit(1000), args.percentiles).write.format("noop").mode("overwrite").save()
+            variants = {"tier": from_tier, "commitlog": source, "store_rpc": over_rpc,
+                        "records_parquet": lambda: records_parquet(raw_parquet),
+                        "parquet": lambda: spark.read.parquet(str(parquet))}
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for _ in range(args.runs):
+                for name, make in variants.items():
+                    with Stopwatch() as sw:
+                        _aggregate(make(), args.percentiles).write.format("noop").mode("overwrite").save()
+                    times[name].append(sw.seconds)
+            rpc_groups = _aggregate(over_rpc(), args.percentiles).count()
         spark_groups = _aggregate(from_tier(), args.percentiles).count()
 
         # push-down: a tenth of the time range through .where(), pushed into the reader, and the same filter
@@ -305,9 +359,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "parquet_write_s": parquet_write_s,
             "groups": spark_groups,
             "python_totals": totals,
-            "groups_agree": totals.get("groups") == spark_groups and totals.get("rows") == records,
+            "groups_agree": totals.get("groups") == spark_groups == rpc_groups and totals.get("rows") == records,
             "ratio_tier_to_records_parquet": rate["tier"] / rate["records_parquet"],
             "ratio_commitlog_to_records_parquet": rate["commitlog"] / rate["records_parquet"],
+            "ratio_store_rpc_to_records_parquet": rate["store_rpc"] / rate["records_parquet"],
+            "ratio_store_rpc_to_commitlog": rate["store_rpc"] / rate["commitlog"],
             "ratio_tier_to_parquet": rate["tier"] / rate["parquet"],
             "ratio_commitlog_to_parquet": rate["commitlog"] / rate["parquet"],
             "ratio_commitlog_to_python": rate["commitlog"] / rate["python"],

@@ -94,10 +94,10 @@ def test_topic_and_time_push_down(tmp_path: Path) -> None:
     msgs = telemetry(300, devices=5) + [Msg("$SYS/uptime", b"1", 99), Msg("fleet", b"{}", 98)]
     write_log(tmp_path, msgs)
     for topic_filter in ("fleet/dev3/#", "fleet/+/telemetry", "#", "fleet/#", "+/+/+"):
-        got = rows(tmp_path, DecodeOptions(topic_filter=topic_filter))
+        got = rows(tmp_path, DecodeOptions(topic_filters=(topic_filter,)))
         assert [r["topic"] for r in got] == [m.topic for m in msgs if matches(topic_filter, m.topic)]
     lo, hi = msgs[40].store_ms, msgs[77].store_ms
-    got = rows(tmp_path, DecodeOptions(from_ms=lo, to_ms=hi, topic_filter="fleet/dev1/telemetry"))
+    got = rows(tmp_path, DecodeOptions(from_ms=lo, to_ms=hi, topic_filters=("fleet/dev1/telemetry",)))
     want = [m for m in msgs if lo <= m.store_ms < hi and m.topic == "fleet/dev1/telemetry"]
     assert [r["payload"] for r in got] == [m.payload for m in want]
     assert len(want) > 3

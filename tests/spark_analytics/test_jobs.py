@@ -4,6 +4,7 @@ Parquet format, and clear errors instead of quiet failures. Tables are compared 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,8 @@ def test_a_range_that_does_not_fall_on_midnight_is_refused(tmp_path: Path, capsy
     assert not (tmp_path / "out").exists()
 
 
-def test_duplicates_are_dropped_by_the_payload_key_and_sys_topics_are_not_read(spark: Any, tmp_path: Path) -> None:
+def test_duplicates_are_dropped_by_the_payload_key_and_sys_topics_are_not_read(
+        spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     msgs = []
     for i in range(600):
         body = {"seq": i // 7, "temp": float(i % 40), "hum": 50}
@@ -74,6 +76,9 @@ def test_duplicates_are_dropped_by_the_payload_key_and_sys_topics_are_not_read(s
     assert batch(tmp_path / "data", tmp_path / "dedup", "--dedup", "seq") == 0
     counted = pq.read_table(tmp_path / "dedup" / "device_1m", columns=["count"]).column("count").to_pylist()
     assert sum(counted) == 600  # each message once, and no $SYS record
+    summary = capsys.readouterr().out  # the records read, the repeats apart
+    assert re.search(r"records read\s*│\s*660\b", summary) and re.search(r"repeats dropped.*│\s*60\b", summary)
+    assert re.search(r"telemetry rows\s*│\s*600\b", summary)
 
 
 def test_quiet_failures_are_now_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,8 @@ import pytest
 from tests.helpers.spark_fixtures import (
     T0_MS,
     Msg,
+    available_now_progress,
+    scan_all,
     telemetry,
     write_log,
 )
@@ -98,3 +102,38 @@ def test_where_on_store_time_and_topic_is_pushed_into_the_reader(spark: Any, tmp
     want = [m for m in msgs if T0_MS + 1_000_500 < m.store_ms <= T0_MS + 1_800_000
             and m.topic == "fleet/dev3/telemetry" and m.qos in (0, 1)]
     assert sorted(r.store_ts.timestamp() * 1000 for r in query.collect()) == [m.store_ms for m in want]
+
+
+def test_positions_by_offset_and_time_and_several_topic_filters(spark: Any, tmp_path: Path) -> None:
+    msgs = telemetry(1500, devices=5) + [Msg(f"alerts/dev{i % 5}/hot", b"{}", T0_MS + 1_500_000 + i) for i in range(40)]
+    msgs[700] = dataclasses.replace(msgs[700], store_ms=T0_MS)  # a clock that went back: earlier than its neighbours
+    offsets = write_log(tmp_path, msgs)
+    log = scan_all(tmp_path)  # the CommitLog's own reader: the independent truth
+    assert [o for o, _t, _p in log] == offsets
+
+    def read(**options: str) -> list[int]:
+        df = spark.read.format("commitlog").options(partitionBytes="20000", **options).load(str(tmp_path))
+        return sorted(r.offset for r in df.select("offset").collect())
+
+    assert read(startingOffsets=str(offsets[100]), endingOffsets=str(offsets[1200])) == offsets[100:1200]
+    # not a record boundary: from the next record on; a stream offset's JSON names a position too
+    assert read(startingOffsets=str(offsets[100] + 1), endingOffsets=str(offsets[1200] - 1)) == offsets[101:1200]
+    assert read(startingOffsets=json.dumps({"segment": 0, "position": offsets[1490]})) == offsets[1490:]
+    # a time is the position of the first record (in log order) stored at or after it: the record whose clock
+    # went back is inside the range, which fromTime/toTime (a filter on each record's time) leave out
+    lo, hi = msgs[300].store_ms, msgs[900].store_ms
+    assert read(startingTimestamp=str(lo), endingTimestamp=str(hi)) == offsets[300:900]
+    assert read(fromTime=str(lo), toTime=str(hi)) == [o for o, m in zip(offsets, msgs) if lo <= m.store_ms < hi]
+    assert offsets[700] not in read(fromTime=str(lo), toTime=str(hi))
+    assert read(startingTimestamp=str(T0_MS + 10**9)) == []  # nothing stored since
+    filters = ["fleet/dev1/#", "+/dev1/telemetry", "alerts/#"]  # dev1's records match two of them
+    want = [o for o, t, _p in log if any(matches(f, t) for f in filters)]
+    assert read(topicFilters=json.dumps(filters[1:]), topicFilter=filters[0]) == want  # each record once
+    assert read(topicFilters=json.dumps(filters), startingOffsets=str(offsets[1000])) == [o for o in want
+                                                                                           if o >= offsets[1000]]
+    # a stream: from an offset to a time, with availableNow, in steps of a rate limit
+    frame = (spark.readStream.format("commitlog").options(startingOffsets=str(offsets[250]), endingTimestamp=str(hi),
+                                                          maxRecordsPerTrigger="200").load(str(tmp_path)))
+    progress = available_now_progress(frame.select("offset"), tmp_path / "out", tmp_path / "checkpoint")
+    assert sum(p["numInputRows"] for p in progress) == 650
+    assert sorted(r.offset for r in spark.read.parquet(str(tmp_path / "out")).collect()) == offsets[250:900]

@@ -108,7 +108,8 @@ def test_a_rate_limited_stream_writes_what_a_batch_run_writes(spark: Any, fleet_
                                  maxRecordsPerTrigger="500")
     batches = [p["numInputRows"] for p in progress if p["numInputRows"]]
     assert sum(batches) == len(msgs) and max(batches) <= 500 and len(batches) == 3  # each record read once
-    assert cli._lag_bytes(progress[0]) > 0 and cli._lag_bytes(progress[-1]) == 0  # the lag, from the progress
+    lags = [latest - end for _start, end, latest in map(cli._positions, (progress[0], progress[-1]))]
+    assert lags[0] > 0 and lags[1] == 0  # the lag, from the progress
     # 1 h windows, days, gaps and duplicates span micro-batches; the open windows at the end are there too
     assert_same_tables(tmp_path / "stream", fleet_log.batch)
     assert len(table_rows(fleet_log.batch / "silence_gaps")) > 40
@@ -123,9 +124,11 @@ def test_the_status_line_leaves_the_lag_out_when_the_progress_has_none() -> None
     log: its progress has ``"latestOffset": "null"`` (the status line raised TypeError and the stream died)."""
     progress = {"batchId": 2, "numInputRows": 500, "processedRowsPerSecond": 100.0,
                 "sources": [{"endOffset": '{"segment": 0, "position": 900}', "latestOffset": "null"}]}
-    assert cli._progress_line(progress) == "streaming: micro-batch 2, 500 records (100/s)"
-    progress["sources"][0]["latestOffset"] = '{"segment": 0, "position": 1000}'
-    assert cli._progress_line(progress) == "streaming: micro-batch 2, 500 records (100/s), 100 log bytes behind"
+    assert cli._progress_line(progress) == "streaming: micro-batch 2, 500 records, offsets ..900, 100 records/s"
+    progress["sources"][0].update(latestOffset='{"segment": 0, "position": 1000}', startOffset='{"segment": 0, '
+                                                                                             '"position": 400}')
+    assert cli._progress_line(progress) == ("streaming: micro-batch 2, 500 records, 500 log bytes, offsets 400..900, "
+                                            "100 log bytes behind, 100 records/s")
 
 
 def test_each_micro_batch_reads_the_log_once(spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
