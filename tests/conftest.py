@@ -4,6 +4,7 @@ A fixture one module alone uses stays in that module, named for what makes it di
 """
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -22,6 +23,24 @@ settings.register_profile(
     derandomize=bool(os.environ.get("CI")),
 )
 settings.load_profile("lightgate")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On a pytest-xdist worker, the modules with Spark tests first, then those with other slow tests.
+
+    `make test` hands each worker whole modules (``--dist loadfile``), in this order
+    (``--no-loadscope-reorder``): the longest modules start first, so the run does not end waiting for a Spark
+    module that started last. A serial run keeps the collection order.
+    """
+    if not hasattr(config, "workerinput"):  # not an xdist worker
+        return
+    kinds: dict[Path, tuple[bool, bool]] = {}
+    for item in items:
+        spark, slow = kinds.get(item.path, (False, False))
+        kinds[item.path] = (spark or bool(item.get_closest_marker("spark")),
+                            slow or bool(item.get_closest_marker("slow")))
+    items.sort(key=lambda item: (not kinds[item.path][0], not kinds[item.path][1]))
+
 
 SMALL_RECORD_BYTES = 4096  # small enough that a test can send a message over the limit without megabytes
 
