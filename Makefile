@@ -44,11 +44,19 @@ test-deps:
 	else (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
 		|| echo "test-deps: could not install chromium and chromium-driver: the dashboard test will skip"; fi
 
+# The suite runs on TEST_WORKERS pytest-xdist workers: most tests wait on sockets and lightgate processes, not
+# on a core, so more workers than CI's two cores pay. Each worker takes whole modules (--dist loadfile: a
+# module's fixtures, a node or a wheel, are built once), the Spark modules first (tests/conftest.py orders them;
+# --no-loadscope-reorder keeps that order). docs/architecture.md#tests has the measured split.
+# TEST_WORKERS=0 (or PYTEST_ARGS="-n 0") runs the tests in one process, one at a time.
+TEST_WORKERS ?= 3
+XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: venv-dev test-deps
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: venv-dev test-deps
-	$(BIN)/python -m pytest -m "not slow and not spark" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not slow and not spark" $(PYTEST_ARGS)
 
 bench: venv-dev bench-peers
 	$(BIN)/lightgate bench all $(ARGS)

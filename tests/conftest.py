@@ -4,6 +4,7 @@ A fixture one module alone uses stays in that module, named for what makes it di
 """
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -22,6 +23,36 @@ settings.register_profile(
     derandomize=bool(os.environ.get("CI")),
 )
 settings.load_profile("lightgate")
+
+
+SPARK_TIMEOUT_S = 900
+"""pytest-timeout's budget of a Spark test, which counts its fixtures' setup: the first Spark test of a worker
+starts the worker's SparkSession and may build a module's fleet and batch run. Under load (six developers on two
+cores, three workers each starting a JVM) one such test took 275 s and another was stopped at the default 300 s
+in the middle of a Spark call, which left the worker's session broken for every later Spark test on it. A hang
+is still stopped, after 15 minutes."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A Spark test gets :data:`SPARK_TIMEOUT_S` (unless it sets its own). On a pytest-xdist worker, the modules
+    with Spark tests come first, then those with other slow tests.
+
+    `make test` hands each worker whole modules (``--dist loadfile``), in this order
+    (``--no-loadscope-reorder``): the longest modules start first, so the run does not end waiting for a Spark
+    module that started last. A serial run keeps the collection order.
+    """
+    for item in items:
+        if item.get_closest_marker("spark") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SPARK_TIMEOUT_S))
+    if not hasattr(config, "workerinput"):  # not an xdist worker
+        return
+    kinds: dict[Path, tuple[bool, bool]] = {}
+    for item in items:
+        spark, slow = kinds.get(item.path, (False, False))
+        kinds[item.path] = (spark or bool(item.get_closest_marker("spark")),
+                            slow or bool(item.get_closest_marker("slow")))
+    items.sort(key=lambda item: (not kinds[item.path][0], not kinds[item.path][1]))
+
 
 SMALL_RECORD_BYTES = 4096  # small enough that a test can send a message over the limit without megabytes
 
