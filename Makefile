@@ -30,14 +30,15 @@ $(DEV): pyproject.toml | $(BIN)/python
 run: venv
 	$(BIN)/lightgate serve $(ARGS)
 
-# The interop tests drive mosquitto_pub/mosquitto_sub and the dashboard test drives Debian's chromium through
+# The interop tests drive mosquitto_pub/mosquitto_sub, the password tests read files mosquitto_passwd (Debian's
+# mosquitto package) writes, and the dashboard test drives Debian's chromium through
 # chromium-driver (Selenium, never a downloaded browser); they skip (saying why) when these cannot be installed.
 test-deps:
-	@if command -v mosquitto_pub >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" != 0 ]; then echo "test-deps: mosquitto_pub missing and not root: mosquitto tests will skip"; \
+	@if command -v mosquitto_pub >/dev/null 2>&1 && command -v mosquitto_passwd >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" != 0 ]; then echo "test-deps: mosquitto_pub or mosquitto_passwd missing and not root: mosquitto tests will skip"; \
 	elif ! command -v apt-get >/dev/null 2>&1; then echo "test-deps: mosquitto_pub missing and no apt-get: mosquitto tests will skip"; \
-	else (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto-clients) \
-		|| echo "test-deps: could not install mosquitto-clients: mosquitto tests will skip"; fi
+	else (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto-clients mosquitto) \
+		|| echo "test-deps: could not install mosquitto-clients and mosquitto: mosquitto tests will skip"; fi
 	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" != 0 ]; then echo "test-deps: chromium or chromium-driver missing and not root: the dashboard test will skip"; \
 	elif ! command -v apt-get >/dev/null 2>&1; then echo "test-deps: chromium missing and no apt-get: the dashboard test will skip"; \
