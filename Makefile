@@ -48,7 +48,7 @@ test-deps:
 # The suite runs on TEST_WORKERS pytest-xdist workers: most tests wait on sockets and lightgate processes, not
 # on a core, so more workers than CI's two cores pay. Each worker takes whole modules (--dist loadfile: a
 # module's fixtures, a node or a wheel, are built once), the Spark modules first (tests/conftest.py orders them;
-# --no-loadscope-reorder keeps that order). docs/architecture.md#tests has the measured split.
+# --no-loadscope-reorder keeps that order). docs/architecture.md#5-how-the-suite-runs has the measured split.
 # TEST_WORKERS=0 (or PYTEST_ARGS="-n 0") runs the tests in one process, one at a time.
 TEST_WORKERS ?= 3
 XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
