@@ -148,9 +148,10 @@ def _convert(data: Path, tier: Path, config: CommitLogConfig, cpu_share: float, 
 
 
 @contextlib.contextmanager
-def _store_node(data: Path, config: CommitLogConfig) -> Iterator[str]:
+def store_node(data: Path, config: CommitLogConfig) -> Iterator[str]:
     """A store node on ``data`` serving its RPC from a thread, its dispatch caught up (so that no indexing
-    runs during the timed reads); yields HOST:PORT."""
+    runs during the timed reads) and retention off (the records are old); yields HOST:PORT. The Spark tests
+    serve their logs through it too (tests/helpers/spark_fixtures.py)."""
     import dataclasses
 
     import trio
@@ -281,7 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _aggregate(frame.limit(1000), args.percentiles).write.format("noop").mode("overwrite").save()
 
         _sealed_copy(data, served, config)  # links of the same segments: the store node writes its own files
-        with _store_node(served, config) as address:
+        with store_node(served, config) as address:
             def over_rpc() -> Any:
                 return (spark.read.format("commitlog").schema(columns).options(**options, store=address).load()
                         .where(F.col("error").isNull()))

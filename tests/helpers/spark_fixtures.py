@@ -8,21 +8,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import queue
 import random
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import pyarrow.dataset as ds
-import trio
 
+from gateway.bench.analytics import store_node as bench_store_node
 from spark_analytics import cli
 from store.log.commitlog import CommitLog, CommitLogConfig
-from store.node import open_store
 from store.log.record import encode_record
-from store.rpc.server import serve_rpc
 from store.tier import TierConfig, TierConverter
 
 T0_MS = 1_699_999_980_000
@@ -127,27 +123,8 @@ def tier_then_expire(data: Path, convert: int, keep_local: int) -> None:
 @contextlib.contextmanager
 def store_node(data: Path) -> Iterator[str]:
     """A store node on ``data``'s CommitLog, serving its RPC on a free port from a thread; yields HOST:PORT."""
-    ready: queue.Queue[Any] = queue.Queue()
-    stop = threading.Event()
-
-    async def serve() -> None:
-        config = CommitLogConfig(segment_bytes=SEGMENT_BYTES, max_record_bytes=SEGMENT_BYTES,
-                                 retention_check_interval_s=0)
-        async with open_store(data, config) as store, trio.open_nursery() as nursery:
-            listeners = await nursery.start(lambda task_status: serve_rpc(store, "127.0.0.1", 0,
-                                                                           task_status=task_status))
-            ready.put(listeners[0].socket.getsockname()[1])
-            while not stop.is_set():
-                await trio.sleep(0.05)
-            nursery.cancel_scope.cancel()
-
-    thread = threading.Thread(target=trio.run, args=(serve,), daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{ready.get(timeout=60)}"
-    finally:
-        stop.set()
-        thread.join(60)
+    with bench_store_node(data, CommitLogConfig(segment_bytes=SEGMENT_BYTES, max_record_bytes=SEGMENT_BYTES)) as at:
+        yield at
 
 
 TABLES = ("device_1m", "device_1h", "topic_1m", "device_day", "device_last_seen", "silence_gaps", "quarantine")
