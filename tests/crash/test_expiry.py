@@ -179,6 +179,11 @@ def test_wills_pending_or_held_at_a_kill_are_published_after_the_restart_unless_
         node.stop()
 
 
+def back_on_the_store(gateway: Gateway, after: int) -> None:
+    """Wait for ``gateway`` to reconnect to the restarted store: until then it answers CONNECT with 0x88."""
+    gateway.wait_log(lambda doc: doc.get("msg") == "connected to the store" and doc.get("reconnect"), after=after)
+
+
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_cluster_sessions_expire_through_a_store_restart(tmp_path, how):
     run = run_id()
@@ -194,8 +199,10 @@ def test_cluster_sessions_expire_through_a_store_restart(tmp_path, how):
         publisher, _ = session5(gateway.port, f"pub-{run}", 0, clean=True)
         publisher.publish(topic, b"queued")
         publisher.disconnect()
+        before = len(gateway.logs)
         stop(store, how)
         store = store.restarted()
+        back_on_the_store(gateway, before)
 
         def stored() -> set[str]:
             return set(ask_store(store.port, lambda client: client.sessions()))
@@ -221,9 +228,11 @@ def test_cluster_clients_connected_through_a_store_kill_stay_and_one_that_left_m
         live, _ = session5(gateway.port, f"live-{run}", SHORT_S)
         subscribe5(live, f"ex/{run}/+")
         leaving, _ = session5(gateway.port, f"leaving-{run}", SHORT_S)
+        before = len(gateway.logs)
         kill(store)
         leaving.disconnect()
         store = store.restarted()
+        back_on_the_store(gateway, before)
 
         def stored() -> set[str]:
             return set(ask_store(store.port, lambda client: client.sessions()))
