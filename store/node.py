@@ -709,11 +709,11 @@ def _unrecorded(sessions: rocksdict.Rdict, ledger: ClientLedger, known: Mapping[
     their clients' closes were never recorded, and now is the earliest time the store can vouch for (blocking)."""
     found = {}
     closed_ms = now_ms()
-    for key, blob in sessions.items():
+    for key in sessions.keys():  # the keys alone: after the first start almost every one has its entry
         client_id = key.decode()
         if client_id in known:
             continue
-        expiry_s = expiry_of(blob)
+        expiry_s = expiry_of(sessions[key])
         if expiry_s:  # 0: unreadable (resuming it reports that); a blob is never saved with expiry 0
             found[client_id] = entry = ClientEntry("", expiry_s, closed_ms=closed_ms)
             ledger.put(client_id, entry)

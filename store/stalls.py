@@ -36,9 +36,13 @@ every lease / 5."""
 
 @final
 class StallWatch:
-    """Knows when the store's event loop last stalled, so that leases measure only silence the store saw."""
+    """Knows when this process's event loop last stalled, so that leases measure only silence the store saw.
 
-    def __init__(self) -> None:
+    ``process`` names the process in the one line a stall logs: the store's watch, or a gateway node's link.
+    """
+
+    def __init__(self, process: str = "store") -> None:
+        self.process = process
         self._ticked: float | None = None  # the watchdog's last tick (None: it does not run)
         self._awake_since = -math.inf  # the end of the last stall
         self.stalls = 0
@@ -65,8 +69,8 @@ class StallWatch:
                 if stalled > STALL_S:
                     self._awake_since = now
                     self.stalls += 1
-                    LOGGER.warning("store stalled for %.1f s: its peers' leases run from now", stalled,
-                                   extra={"ctx": {"stalled_s": round(stalled, 3)}})
+                    LOGGER.warning("%s stalled for %.1f s: silence before now is not held against its peers",
+                                   self.process, stalled, extra={"ctx": {"stalled_s": round(stalled, 3)}})
                 self._ticked = now
         finally:
             self._ticked = None

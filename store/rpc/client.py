@@ -280,7 +280,7 @@ class _Link:
         self._heartbeat_s = welcome.heartbeat_s
         self._lease_s = welcome.lease_s
         self._silent_max_s = welcome.lease_s * STALLED_LEASES  # silence this long means the store is stuck
-        self._stalls = StallWatch()  # this process's own stalls: past the lease, its lease may have ended
+        self._stalls = StallWatch("gateway node")  # this process's own stalls: past the lease, its lease may have ended
         counts = client._batch_counts
         self.appends = {durable: _Batcher(self, lambda rid, groups, d=durable: rpc.AppendRequest(rid, groups, d),
                                           _split_appends, _group_bytes, APPEND_BATCH_BYTES, counts["append"])
