@@ -19,19 +19,20 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, final
+from typing import Any, Callable, Protocol, Sequence, final
 
 import trio
 
 from lightqueue.queues import LightQueues
 from retain.store import RetainedStore
 from store.awaiting import AwaitingRelease
+from store.control import Control, ControlError, decode_control
 from store.log.commitlog import SKIPPED, CommitLog, ScanResult
 from store.log.errors import OffsetExpired
 from store.log.recent import RecentRecords
-from store.log.record import FLAG_RETAIN, CorruptRecord, Record
+from store.log.record import FLAG_CONTROL, FLAG_RETAIN, CorruptRecord, Record
 
-__all__ = ["DispatchBatch", "Dispatcher", "DispatcherStatistics"]
+__all__ = ["ControlApplier", "DispatchBatch", "Dispatcher", "DispatcherStatistics"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -58,6 +59,31 @@ FALLBACK_WAKE_S = 1.0
 """The run loop also looks for new records this often, in case a wake-up was missed (appends from another process)."""
 
 Listener = Callable[[dict[str, int]], None]
+
+
+class ControlApplier(Protocol):
+    """A part of the store whose state is derived from control records (store/control.py).
+
+    Dispatch calls :meth:`apply` for every control record at or past :attr:`checkpoint`, in log order and
+    between the messages it indexes (a record appended after an activation is indexed after it is applied), in
+    the dispatcher's thread under its lock. Applying must be idempotent: after a crash dispatch runs again from
+    the lowest checkpoint of all its parts. :meth:`flush` runs after the CommitLog was flushed up to ``offset``
+    (so derived state never runs ahead of what the log keeps): persist what was applied below it and move the
+    checkpoint there.
+    """
+
+    @property
+    def checkpoint(self) -> int:
+        """Every control record below this CommitLog offset is applied (durably)."""
+        ...
+
+    def apply(self, record: Record, control: Control) -> None:
+        """Apply one control record (``record.offset`` is its CommitLog offset)."""
+        ...
+
+    def flush(self, offset: int) -> None:
+        """Persist what was applied below ``offset`` and move the checkpoint to it."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +153,10 @@ class Dispatcher:
         flush_bytes: int = FLUSH_BYTES,
         flush_interval_s: float = FLUSH_INTERVAL_S,
         room: Callable[[], bool] | None = None,
+        appliers: Sequence[ControlApplier] = (),
     ) -> None:
         self._log = log
+        self._appliers = tuple(appliers)
         self._room = room
         self._queues = queues
         self._listener = listener
@@ -151,7 +179,8 @@ class Dispatcher:
         if queues.retained_offset < log.min_offset:
             queues.on_retention(log.min_offset)
         log.add_retention_listener(queues.on_retention)
-        start = min([queues.checkpoint, *(part.checkpoint for part in (retained, awaiting) if part is not None)])
+        start = min([queues.checkpoint, *(part.checkpoint for part in (retained, awaiting) if part is not None),
+                     *(applier.checkpoint for applier in self._appliers)])
         self._offset = max(start, log.min_offset)
         self._flushed_offset = self._offset
         self._unflushed = 0
@@ -260,14 +289,41 @@ class Dispatcher:
                     self._awaiting.apply(flows, scan.next_offset)
             # After a crash the retained family may be behind the index: a batch
             # the index already has is fed to retain only.
-            max_offsets: dict[str, int] = {}
-            if scan.next_offset > self._queues.checkpoint:
-                max_offsets = self._queues.index(scan.records, scan.next_offset)
+            max_offsets = self._index(scan.records, scan.next_offset)
             self._offset = scan.next_offset
             self._batches += 1
             self._records += len(scan.records)
             self._unflushed += scan.next_offset - start
             return DispatchBatch(start, scan.next_offset, len(scan.records), max_offsets)
+
+    def _index(self, records: list[Record], next_offset: int) -> dict[str, int]:
+        """Index the messages of a scanned batch and apply its control records, in log order: the messages
+        before a control record are indexed (with the checkpoint at the control record) before it is applied.
+        Returns the queues' new max offsets."""
+        queues = self._queues
+        max_offsets: dict[str, int] = {}
+        first = 0
+        for i, record in enumerate(records):
+            if not record.flags & FLAG_CONTROL:
+                continue
+            if record.offset > queues.checkpoint:
+                max_offsets.update(queues.index(records[first:i], record.offset))
+            first = i + 1
+            self._apply(record)
+        if next_offset > queues.checkpoint:
+            max_offsets.update(queues.index(records[first:] if first else records, next_offset))
+        return max_offsets
+
+    def _apply(self, record: Record) -> None:
+        """Apply one control record to every part that has not applied it yet."""
+        try:
+            control = decode_control(record)
+        except ControlError as exc:  # it passed its CRC: written by another version, or a bug; never stall on it
+            LOGGER.error("control record skipped: %s", exc, extra={"ctx": {"offset": record.offset}})
+            return
+        for applier in self._appliers:
+            if record.offset >= applier.checkpoint:
+                applier.apply(record, control)
 
     def _read(self, start: int, max_bytes: int) -> ScanResult:
         """The records from ``start``: from memory when they are still there, else scanned from the log."""
@@ -310,6 +366,8 @@ class Dispatcher:
             self._awaiting.apply((), self._offset)  # the checkpoint of the batches without QoS 2 records
             self._awaiting.collect(self._offset)
             self._awaiting.flush()
+        for applier in self._appliers:
+            applier.flush(self._offset)
         self._queues.flush()
         self._flushed_offset = self._offset
         self._unflushed = 0

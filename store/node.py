@@ -46,6 +46,7 @@ from notify import EventMailbox, NotifyRouter
 from retain.store import RetainedStore
 from store.api import AdminOp, Flow, LogSpan, NewMessage, StoreStatistics
 from store.awaiting import AwaitingRelease
+from store.control import Control, encode_all
 from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.groups import GroupCoordinator
 from store.leases import LEASE_S, Leases
@@ -326,6 +327,24 @@ class StoreNode:
         self.space.cleared()
         self._appended(made, offsets)
         return offsets
+
+    async def append_control(self, controls: Sequence[Control], *, durable: bool | None = None) -> int:
+        """Append control records (store/control.py) in one CommitLog write and return once dispatch has applied
+        them: what they say is then both stored (as the flush policy, or ``durable``, promises) and readable.
+
+        Returns:
+            the CommitLog offset just past the last of them.
+
+        Raises:
+            ValueError: one does not encode (``RecordTooLarge``: a session blob over the record limit).
+            OSError: the write failed (``LogFullError``: the disk is full); nothing was appended.
+        """
+        made = encode_all(controls, now_ms(), self.log.log.config.max_record_bytes)
+        offsets = await self._write([raw for raw, _ in made], durable)
+        self._appended(made, offsets)
+        end = offsets[-1] + made[-1][1].size
+        await self.dispatcher.wait_dispatched(end)
+        return end
 
     async def _write(self, records: list[bytes], durable: bool | None) -> list[int]:
         """Append ``records`` unless the disk is short of space; either way the full-disk state follows.

@@ -10,7 +10,7 @@ Layout (all integers big-endian)::
     0      4    total length of the record, this field included
     4      4    CRC32C over bytes [8, total length)
     8      4    magic: MAGIC_V1 for a message, MAGIC_EOS for the end-of-segment marker
-    12     1    flags: bits 0-1 QoS, bit 2 retain, bit 3 packet id; bits 4-7 zero (ignored by v1 readers)
+    12     1    flags: bits 0-1 QoS, bit 2 retain, bit 3 packet id, bit 4 control; bits 5-7 zero
     13     8    born timestamp, ms since the epoch (when the producer created it)
     21     8    store timestamp, ms since the epoch (when the store accepted it)
     29     2    producer id (client id) length, then the UTF-8 bytes follow the header
@@ -30,6 +30,10 @@ PUBREL (store/awaiting.py). Readers that skip the section by its length (Spark)
 need not know; records without the flag, every record before it existed
 included, are unchanged.
 
+With flag bit 4 (``FLAG_CONTROL``) the record is not a message but a control
+record of the store (store/control.py): the topic names its kind, the payload
+is its body. Dispatch applies it instead of indexing it; message readers skip it.
+
 The end-of-segment marker is a 12-byte header (length = bytes left in the
 segment, CRC32C over the magic only, MAGIC_EOS). When fewer than 12 bytes are
 left in a segment no marker is written: readers move to the next segment.
@@ -47,6 +51,7 @@ from lightqueue.targets import QUEUE_ID_SIZE, CorruptTargets, decode_queues
 
 __all__ = [
     "EOS_SIZE",
+    "FLAG_CONTROL",
     "FLAG_PACKET_ID",
     "FLAG_RETAIN",
     "HEADER",
@@ -64,6 +69,7 @@ __all__ = [
     "decode_record",
     "encode_eos",
     "encode_record",
+    "new_control",
     "new_record",
     "now_ms",
 ]
@@ -90,6 +96,8 @@ QOS_MASK = 0x03
 FLAG_RETAIN = 0x04
 FLAG_PACKET_ID = 0x08
 """The last u32 of the target-queues section is the publisher's packet id (QoS 2 records), not a queue id."""
+FLAG_CONTROL = 0x10
+"""A control record of the store (store/control.py), not a message: dispatch applies it, message readers skip it."""
 _PACKET_ID = struct.Struct(">I")
 
 _MAX_U16 = 0xFFFF
@@ -135,6 +143,11 @@ class Record(msgspec.Struct, gc=False):
     def retain(self) -> bool:
         return bool(self.flags & FLAG_RETAIN)
 
+    @property
+    def control(self) -> bool:
+        """A control record of the store (``FLAG_CONTROL``), not a message."""
+        return bool(self.flags & FLAG_CONTROL)
+
 
 def encode_record(
     topic: str,
@@ -176,12 +189,12 @@ def encode_record(
 
 
 def _encode(topic: str, payload: bytes, client_id: str, qos: int, retain: bool, properties: bytes, queues: bytes,
-            born_ms: int, store_ms: int, max_size: int, packet_id: int = 0) -> bytes:
+            born_ms: int, store_ms: int, max_size: int, packet_id: int = 0, control: int = 0) -> bytes:
     """:func:`encode_record` with every field given, positionally: an append encodes each message once, and
-    a call with ten keyword arguments cost as much as the packing."""
+    a call with ten keyword arguments cost as much as the packing. ``control``: ``FLAG_CONTROL`` or 0."""
     if qos not in (0, 1, 2):
         raise ValueError(f"QoS must be 0, 1 or 2, not {qos!r}")
-    flags = qos | (FLAG_RETAIN if retain else 0)
+    flags = qos | (FLAG_RETAIN if retain else 0) | control
     if packet_id:
         if qos != 2 or not 0 < packet_id <= _MAX_U16:
             raise ValueError(f"a packet id (1..65535) is kept for QoS 2 messages only, not {packet_id!r} at QoS {qos}")
@@ -235,6 +248,14 @@ def new_record(
     ids = decode_queues(queues) if queues else ()
     flags = qos | (FLAG_RETAIN if retain else 0) | (FLAG_PACKET_ID if packet_id else 0)
     return raw, Record(0, len(raw), flags, born, store_ms, client_id, topic, ids, properties, payload, packet_id)
+
+
+def new_control(kind: str, body: bytes, store_ms: int, client_id: str = "",
+                max_size: int = _MAX_U32) -> tuple[bytes, Record]:
+    """A control record (``FLAG_CONTROL``): ``kind`` in the topic field, ``body`` in the payload, ``client_id`` the
+    client or owner it concerns (store/control.py encodes the kinds). Raises what :func:`encode_record` raises."""
+    raw = _encode(kind, body, client_id, 0, False, b"", b"", store_ms, store_ms, max_size, 0, FLAG_CONTROL)
+    return raw, Record(0, len(raw), FLAG_CONTROL, store_ms, store_ms, client_id, kind, (), b"", body, 0)
 
 
 def encode_eos(remaining: int) -> bytes:

@@ -1,0 +1,120 @@
+"""Control records: what the store knows besides messages, written to the CommitLog as records of their own.
+
+The log is the only truth (docs/storage.md, "Control records"): a filter's activation with the queue id it gets,
+its release, a consumer's offset commit, a QoS 2 release, a session's save and end, a client's lifecycle (where
+it is connected, its will, its expiry) are each a record, appended like a message (same frame, same CRC, same
+flush policy, so its acknowledgement means what a message's means) with ``FLAG_CONTROL`` set, its kind in the
+topic field and its body, msgpack, in the payload. Dispatch applies them in log order, between the messages it
+indexes (store/dispatch.py, ``ControlApplier``), so whatever RocksDB holds is derived from the log and a copy of
+the log (a replica, a rebuild after the index was deleted) derives the same.
+
+This module is the one definition of the kinds and their bodies; it knows nothing of RocksDB or trio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import msgspec
+
+from store.log.record import Record, new_control
+
+__all__ = [
+    "KIND_PREFIX", "Activated", "Committed", "Control", "ControlError", "FlowsReleased", "Released", "SessionEnded",
+    "SessionSaved", "decode_control", "encode_all", "encode_control",
+]
+
+KIND_PREFIX = "$store/"
+"""A control record's topic field is ``$store/<kind>``: readable in a dump, and no MQTT wildcard filter matches a
+``$`` topic ([MQTT-4.7.2-1]). Control-ness is the flag, never the topic: a client may publish to ``$store/x``."""
+
+
+class ControlError(ValueError):
+    """A control record whose body does not decode (it passed its CRC: a writer of another version, or a bug)."""
+
+
+# -- light queues ----------------------------------------------------------------------------------------------
+
+
+class Activated(msgspec.Struct, frozen=True, array_like=True, tag="activated"):
+    """``holder`` holds ``filter``; a wildcard filter's first holder starts its indexing at this record's offset,
+    under queue id ``qid`` (chosen by the writer, so every replica gets the same id)."""
+
+    filter: str
+    holder: str
+    qid: int
+
+
+class Released(msgspec.Struct, frozen=True, array_like=True, tag="released"):
+    """``holder`` no longer holds ``filter`` (its offset on the filter's queue goes; the last holder's release of a
+    wildcard filter ends its indexing and deletes its queue)."""
+
+    filter: str
+    holder: str
+
+
+class Committed(msgspec.Struct, frozen=True, array_like=True, tag="committed"):
+    """``owner`` (a session or a consumer group) consumed ``{queue: next offset}``; offsets never move back."""
+
+    owner: str
+    offsets: dict[str, int]
+
+
+# -- sessions and clients --------------------------------------------------------------------------------------
+
+
+class SessionSaved(msgspec.Struct, frozen=True, array_like=True, tag="session_saved"):
+    """The gateway's session blob of ``client`` (opaque to the store)."""
+
+    client: str
+    blob: bytes
+
+
+class SessionEnded(msgspec.Struct, frozen=True, array_like=True, tag="session_ended"):
+    """The session of ``client`` ended (expiry, clean start, a clean session's close, an operator's delete): its
+    blob, its offsets and held filters, its QoS 2 flows go."""
+
+    client: str
+
+
+class FlowsReleased(msgspec.Struct, frozen=True, array_like=True, tag="flows_released"):
+    """Inbound QoS 2 flows released by PUBREL: ``(client id, packet id, CommitLog offset of the record)``."""
+
+    flows: list[tuple[str, int, int]]
+
+
+Control = Union[Activated, Released, Committed, SessionSaved, SessionEnded, FlowsReleased]
+"""Every control record kind (a tagged union: the tag is the first element of the msgpack array)."""
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Control)
+
+
+def encode_control(control: Control, store_ms: int, max_size: int) -> tuple[bytes, Record]:
+    """The record of ``control`` (bytes to append, and the ``Record`` they decode to, offset 0).
+
+    Raises:
+        RecordTooLarge: the record would exceed ``max_size`` (a session blob over the record limit).
+    """
+    tag = type(control).__struct_config__.tag
+    client = getattr(control, "client", "") or getattr(control, "holder", "") or getattr(control, "owner", "")
+    return new_control(KIND_PREFIX + str(tag), _ENCODER.encode(control), store_ms, client, max_size)
+
+
+def decode_control(record: Record) -> Control:
+    """The control a control record carries.
+
+    Raises:
+        ControlError: the body does not decode as a known kind.
+    """
+    try:
+        return _DECODER.decode(record.payload)
+    except msgspec.DecodeError as exc:
+        raise ControlError(f"control record {record.topic!r} at offset {record.offset} does not decode: {exc}") \
+            from None
+
+
+def encode_all(controls: Sequence[Control], store_ms: int, max_size: int) -> list[tuple[bytes, Record]]:
+    """:func:`encode_control` for each of ``controls``."""
+    return [encode_control(control, store_ms, max_size) for control in controls]

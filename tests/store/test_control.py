@@ -1,0 +1,87 @@
+"""Control records (store/control.py): their encoding, and dispatch applying them in log order between messages."""
+
+import pytest
+
+from lightqueue.queues import LightQueues
+from store.control import Activated, Committed, FlowsReleased, SessionEnded, SessionSaved, decode_control, \
+    encode_control
+from store.dispatch import Dispatcher
+from store.log.commitlog import CommitLog, CommitLogConfig
+from store.log.record import FLAG_CONTROL, Record, decode_record, encode_record, new_control
+from store.rocks import open_db
+
+
+class Seen:
+    """A ControlApplier that remembers what it was given, and where dispatch stood on the messages then."""
+
+    def __init__(self, queues: LightQueues, checkpoint: int = 0) -> None:
+        self.queues = queues
+        self.applied: list[tuple[int, object, int]] = []  # (offset, control, queue "t"'s max offset when applied)
+        self._checkpoint = checkpoint
+        self.flushed: list[int] = []
+
+    @property
+    def checkpoint(self) -> int:
+        return self._checkpoint
+
+    def apply(self, record: Record, control: object) -> None:
+        self.applied.append((record.offset, control, self.queues.max_offset("t")))
+
+    def flush(self, offset: int) -> None:
+        self.flushed.append(offset)
+        self._checkpoint = offset
+
+
+@pytest.mark.parametrize("control", [
+    Activated("a/+", "c1", 7), Committed("$group/g", {"a/b": 3, "c": 0}), SessionSaved("c1", b"\x00blob"),
+    SessionEnded("c1"), FlowsReleased([("c1", 5, 1234)]),
+])
+def test_a_control_record_decodes_to_what_was_encoded(control):
+    raw, made = encode_control(control, 1_700_000_000_000, 1 << 20)
+    record = decode_record(raw, 0, 0)
+    assert record.control and record.flags == FLAG_CONTROL and record.qos == 0 and not record.retain
+    assert record.topic.startswith("$store/") and record == made
+    assert decode_control(record) == control
+
+
+def test_a_message_on_a_store_topic_is_not_a_control_record():
+    """Control-ness is the flag: a client may publish to any ``$store/...`` name it is allowed to."""
+    record = decode_record(encode_record("$store/committed", b"x"), 0, 0)
+    assert not record.control
+
+
+def test_dispatch_applies_control_records_between_the_messages_around_them(tmp_path):
+    log = CommitLog.open(tmp_path / "commitlog", CommitLogConfig())
+    db = open_db(tmp_path / "index")
+    queues = LightQueues(db)
+    seen = Seen(queues)
+    dispatcher = Dispatcher(log, queues, appliers=[seen])
+    first = encode_control(Committed("o", {"t": 1}), 1, 1 << 20)[0]
+    second = encode_control(SessionEnded("c"), 2, 1 << 20)[0]
+    offsets = log.append_batch([encode_record("t", b"1"), first, encode_record("t", b"2"), encode_record("t", b"3"),
+                                second, encode_record("t", b"4")])
+    dispatcher.dispatch_once()
+    assert [(o, c) for o, c, _ in seen.applied] == [(offsets[1], Committed("o", {"t": 1})),
+                                                    (offsets[4], SessionEnded("c"))]
+    assert [at for _, _, at in seen.applied] == [1, 3]  # the messages before each were indexed first
+    assert queues.max_offset("t") == 4 and queues.max_offset("$store/committed") == 0  # controls are not indexed
+    dispatcher.close()
+    assert seen.flushed == [log.written_offset]
+    db.close()
+    log.close()
+
+
+def test_redispatch_applies_only_past_the_appliers_checkpoint_and_skips_an_unreadable_body(tmp_path, caplog):
+    log = CommitLog.open(tmp_path / "commitlog", CommitLogConfig())
+    db = open_db(tmp_path / "index")
+    queues = LightQueues(db)
+    bad = new_control("$store/unknown", b"\xc1", 3, "c")[0]
+    offsets = log.append_batch([encode_control(SessionEnded("a"), 1, 1 << 20)[0], bad,
+                                encode_control(SessionEnded("b"), 2, 1 << 20)[0]])
+    seen = Seen(queues, checkpoint=offsets[1])
+    dispatcher = Dispatcher(log, queues, appliers=[seen])
+    dispatcher.dispatch_once()
+    assert [c for _, c, _ in seen.applied] == [SessionEnded("b")]
+    assert "control record skipped" in caplog.text
+    db.close()
+    log.close()
