@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, final
+from typing import Any, Callable, Iterable, Protocol, Sequence, final
 
 import trio
 
@@ -83,6 +83,11 @@ class ControlApplier(Protocol):
 
     def flush(self, offset: int) -> None:
         """Persist what was applied below ``offset`` and move the checkpoint to it."""
+        ...
+
+    def restate(self) -> Iterable[Control]:
+        """Control records that restate this part's live state as it is now (every session blob, every held
+        filter...): appended before retention deletes the records that made it, so the log alone still holds it."""
         ...
 
 
