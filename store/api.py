@@ -11,7 +11,10 @@ returning or raise ``trio.WouldBlock`` (a remote store always does: every call i
 
 The types of the seam live here too, and the RPC carries them as they are (msgspec structs, encoded as
 arrays): ``NewMessage`` (a message to append: the one shape a message has from the MQTT channel to the
-record), ``PullRequest``, ``PullResult``, ``LogSpan``, ``StoreStatistics``.
+record), ``PullRequest``, ``PullResult``, ``LogSpan``, ``StoreStatistics``. So do the errors its calls raise
+and the engine types its answers carry (``Record``, ``LogFullError``, ``RecordTooLarge``, ``OffsetExpired``,
+``TopicError``...): re-exported from the modules that raise them, so code above the store imports only this
+module (an import-linter contract in pyproject.toml checks it).
 
 Leases (store/leases.py): every node holds a lease, and a client's connection belongs to the lease its node
 held when the client connected. A remote store carries the epoch of each client's lease and names it in every
@@ -34,12 +37,24 @@ import msgspec
 
 from lightqueue.results import PullResult
 from lightqueue.topics import SHARE_PREFIX as TOPIC_SHARE_PREFIX
-from store.log.record import Record
 from store.usage import ProcessUsage
+
+# --- the engine's errors and types that cross the seam --------------------------------------
+# Defined where they are raised or made (the CommitLog, the record format, the topic grammar, the disk watch),
+# which sit below this module: re-exported here, so code above the store (gateway, back-end clients) names
+# them from the seam and never imports the engine. Not the other way round: store.log is the bottom layer,
+# usable on its own (repair, benchmarks), and must not depend on the interface built over it.
+from lightqueue.topics import TopicError
+from store.log.errors import InvalidOffset, LogFullError, OffsetExpired, StartupError
+from store.log.record import FLAG_RETAIN, QOS_MASK, Record, RecordTooLarge
+from store.space import FULL_RETRY_S
 
 __all__ = [
     "GROUP_PREFIX", "SHARE_PREFIX", "AdminOp", "Flow", "LeaseLost", "LogSpan", "NewMessage", "PullRequest",
     "PullResult", "StoreApi", "StoreStatistics", "StoreUnavailable",
+    # the engine's, re-exported (above)
+    "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
+    "RecordTooLarge", "StartupError", "TopicError",
 ]
 
 GROUP_PREFIX = "$group/"
@@ -170,7 +185,7 @@ class StoreApi(Protocol):
         ``durable`` is None).
 
         Raises:
-            store.log.record.RecordTooLarge: a message exceeds the record size limit (nothing is appended).
+            RecordTooLarge: a message exceeds the record size limit (nothing is appended).
             OSError: the write failed (``LogFullError`` when the disk is full); nothing is acknowledged.
             ConnectionError: ``StoreUnavailable``, or ``LeaseLost`` for messages of a client of an ended lease.
         """
@@ -201,8 +216,8 @@ class StoreApi(Protocol):
         offset, for readers that frame records themselves; ``max_bytes`` 0 returns only the log's bounds.
 
         Raises:
-            store.log.errors.OffsetExpired: ``offset`` is below the log's minimum (retention).
-            store.log.errors.InvalidOffset: ``offset`` is beyond the flushed offset.
+            OffsetExpired: ``offset`` is below the log's minimum (retention).
+            InvalidOffset: ``offset`` is beyond the flushed offset.
         """
         ...
 
@@ -216,7 +231,7 @@ class StoreApi(Protocol):
         """Hold the queue's filter for ``holder``; returns the queue offset the subscription starts at.
 
         Raises:
-            lightqueue.topics.TopicError: not a valid topic filter.
+            TopicError: not a valid topic filter.
             ValueError: the queue id space is exhausted.
         """
         ...
@@ -257,7 +272,7 @@ class StoreApi(Protocol):
         group's committed offset. ``start``/``at`` place a group without one (``store.groups.START_KINDS``).
 
         Raises:
-            lightqueue.topics.TopicError, ValueError: a bad filter, group name or start.
+            TopicError, ValueError: a bad filter, group name or start.
         """
         ...
 
