@@ -228,7 +228,7 @@ async def test_a_call_batched_on_a_link_that_broke_fails_at_once(server):
     (a PUBLISH at that moment got no PUBACK, and its connection's worker hung)."""
     async with RemoteStore.connect("127.0.0.1", server.port, node="gw-a") as remote:
         await remote.append([message("a/b")])
-        link = remote._link
+        link = remote._connection.link
         server.stop()
         with trio.fail_after(WAIT_S):
             while not link.broken:
