@@ -33,8 +33,8 @@ from typing import Any, Protocol, final
 
 import trio
 
-from store.api import (LeaseLost, LogFullError, NewMessage, OffsetExpired, PullRequest, PullResult, Record,
-                       RecordTooLarge, StoreUnavailable, TopicError)
+from store.api import (InvalidOffset, LeaseLost, LogFullError, NewMessage, OffsetExpired, PullRequest, PullResult,
+                       Record, RecordTooLarge, StoreUnavailable, TopicError)
 from store.log.record import decode_record
 from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied
@@ -102,6 +102,9 @@ def exception_of(error: rpc.Error) -> Exception:
     if kind is rpc.ErrorKind.EXPIRED:  # the message is OffsetExpired's: the offset first, the log's minimum last
         numbers = [int(n) for n in re.findall(r"\d+", error.message)]
         return OffsetExpired(numbers[0], numbers[-1]) if numbers else LookupError(error.message)
+    if kind is rpc.ErrorKind.INVALID_OFFSET:  # InvalidOffset's message: "offset <offset>: <reason>"
+        found = re.fullmatch(r"offset (-?\d+): (.*)", error.message, re.DOTALL)
+        return InvalidOffset(int(found[1]), found[2]) if found else ValueError(error.message)
     if kind is rpc.ErrorKind.TOPIC:
         return TopicError(error.message)
     if kind is rpc.ErrorKind.VALUE:

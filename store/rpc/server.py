@@ -58,7 +58,7 @@ import trio
 from lightqueue.topics import TopicError
 from store.api import GROUP_PREFIX, LeaseLost, NewMessage, PullResult
 from store.local import LocalStore
-from store.log.errors import LogFullError, OffsetExpired
+from store.log.errors import InvalidOffset, LogFullError, OffsetExpired
 from store.log.record import RecordTooLarge
 from store.node import StoreNode
 from store.rpc import wire as rpc
@@ -120,6 +120,8 @@ def _error(request_id: int, exc: BaseException) -> rpc.Error:
         kind = rpc.ErrorKind.RECORD_TOO_LARGE
     elif isinstance(exc, OffsetExpired):
         kind = rpc.ErrorKind.EXPIRED
+    elif isinstance(exc, InvalidOffset):
+        kind = rpc.ErrorKind.INVALID_OFFSET
     elif isinstance(exc, TopicError):
         kind = rpc.ErrorKind.TOPIC
     elif isinstance(exc, ValueError):
