@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
-from typing import final
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar, final
 
 import trio
 
@@ -37,6 +37,15 @@ an index scan over the memtable and records kept in memory cost less than a hand
 Larger pulls run there too when their records are kept in memory (``StoreNode.in_memory``): a worker
 thread runs Python only while it holds the GIL, so it took nothing off the loop and added hand-offs (a
 fan-in's queue cache fills with thousands of messages a step; bench fanin QoS 0 gained about 5%)."""
+
+
+T = TypeVar("T")
+
+
+def _read_each(read: Callable[[str, int, int, int], PullResult[T]], requests: Sequence[PullRequest]
+               ) -> list[PullResult[T]]:
+    """``read`` (``StoreNode.read`` or ``read_raw``) of each request, in order."""
+    return [read(r.queue, r.from_offset, r.max_count, r.max_bytes) for r in requests]
 
 
 @final
@@ -84,8 +93,7 @@ class LocalStore:
         return results
 
     def _pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
-        read = self.store.read
-        return [read(r.queue, r.from_offset, r.max_count, r.max_bytes) for r in requests]
+        return _read_each(self.store.read, requests)
 
     # --- the RPC server's forms: several callers at once, records as stored -------------------
 
@@ -98,11 +106,7 @@ class LocalStore:
     async def pull_raw(self, requests: Sequence[PullRequest]) -> list[PullResult[tuple[int, bytes]]]:
         """:meth:`pull` with each record as ``(log offset, bytes as stored)``, undecoded: the remote side decodes
         (the store's CPU is the one every gateway shares). Always in a worker thread."""
-        return await trio.to_thread.run_sync(self._pull_raw, requests)
-
-    def _pull_raw(self, requests: Sequence[PullRequest]) -> list[PullResult[tuple[int, bytes]]]:
-        read = self.store.read_raw
-        return [read(r.queue, r.from_offset, r.max_count, r.max_bytes) for r in requests]
+        return await trio.to_thread.run_sync(_read_each, self.store.read_raw, requests)
 
     async def retained_raw(self, filter: str) -> list[tuple[int, bytes]]:
         """:meth:`retained` as ``(log offset, record bytes as stored)``."""

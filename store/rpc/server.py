@@ -55,11 +55,9 @@ from typing import Any, final
 
 import trio
 
-from lightqueue.topics import TopicError
-from store.api import GROUP_PREFIX, LeaseLost, NewMessage, PullResult
+from store.api import (GROUP_PREFIX, InvalidOffset, LeaseLost, LogFullError, NewMessage, OffsetExpired, PullResult,
+                       RecordTooLarge, TopicError)
 from store.local import LocalStore
-from store.log.errors import InvalidOffset, LogFullError, OffsetExpired
-from store.log.record import RecordTooLarge
 from store.node import StoreNode
 from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
