@@ -51,7 +51,7 @@ from store.space import FULL_RETRY_S
 
 __all__ = [
     "GROUP_PREFIX", "SHARE_PREFIX", "AdminOp", "Flow", "LeaseLost", "LogSpan", "NewMessage", "PullRequest",
-    "PullResult", "StoreApi", "StoreStatistics", "StoreUnavailable",
+    "PullResult", "StoreApi", "StoreStatistics", "StoreUnavailable", "group_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
     "RecordTooLarge", "StartupError", "TopicError",
@@ -60,6 +60,12 @@ __all__ = [
 GROUP_PREFIX = "$group/"
 """Group names (offsets owner, filter holder) of back-end consumer groups: ``$group/<name>``, apart from sessions
 (client ids) and shared subscriptions."""
+
+
+def group_owner(group: str) -> str:
+    """The owner name (offsets) and holder name (filter activation) of consumer group ``group``: a back-end
+    consumer names its group so at the store."""
+    return GROUP_PREFIX + group
 
 SHARE_PREFIX = TOPIC_SHARE_PREFIX
 """Group names of MQTT shared subscriptions: ``$share/<group>``, as in the filters that make them. Client ids are
