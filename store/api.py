@@ -23,8 +23,9 @@ lease has ended (the node was cut off or frozen longer than the lease) the store
 (``LeaseLost``), and ``moved`` reports the client as gone. The embedded store holds one lease for the life of
 the process. So the interface has no epoch parameter: the remote side carries it.
 
-This module imports no trio, socket or store engine: the sans-IO protocol code (gateway/mqtt/) builds
-``NewMessage`` values from it.
+This module imports no trio, socket or store engine beyond the definitions it re-exports (store.log.errors,
+store.log.record, store.space: no IO at import): the sans-IO protocol code (gateway/mqtt/) builds ``NewMessage``
+values from it.
 """
 
 from __future__ import annotations
