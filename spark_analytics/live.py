@@ -97,7 +97,7 @@ class LogReader:
         if type(answer) is rpc.Error:
             if answer.kind is rpc.ErrorKind.EXPIRED:
                 raise LookupError(answer.message)
-            if answer.kind is rpc.ErrorKind.VALUE:
+            if answer.kind is rpc.ErrorKind.VALUE or answer.kind is rpc.ErrorKind.INVALID_OFFSET:
                 raise ValueError(answer.message)
             raise ConnectionError(f"the store at {self.address} failed the read: {answer.kind.value}: {answer.message}")
         return answer.span

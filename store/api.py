@@ -11,7 +11,10 @@ returning or raise ``trio.WouldBlock`` (a remote store always does: every call i
 
 The types of the seam live here too, and the RPC carries them as they are (msgspec structs, encoded as
 arrays): ``NewMessage`` (a message to append: the one shape a message has from the MQTT channel to the
-record), ``PullRequest``, ``PullResult``, ``LogSpan``, ``StoreStatistics``.
+record), ``PullRequest``, ``PullResult``, ``LogSpan``, ``StoreStatistics``. So do the errors its calls raise
+and the engine types its answers carry (``Record``, ``LogFullError``, ``RecordTooLarge``, ``OffsetExpired``,
+``TopicError``...): re-exported from the modules that raise them, so code above the store imports only this
+module (an import-linter contract in pyproject.toml checks it).
 
 Leases (store/leases.py): every node holds a lease, and a client's connection belongs to the lease its node
 held when the client connected. A remote store carries the epoch of each client's lease and names it in every
@@ -20,8 +23,9 @@ lease has ended (the node was cut off or frozen longer than the lease) the store
 (``LeaseLost``), and ``moved`` reports the client as gone. The embedded store holds one lease for the life of
 the process. So the interface has no epoch parameter: the remote side carries it.
 
-This module imports no trio, socket or store engine: the sans-IO protocol code (gateway/mqtt/) builds
-``NewMessage`` values from it.
+This module imports no trio, socket or store engine beyond the definitions it re-exports (store.log.errors,
+store.log.record, store.space: no IO at import): the sans-IO protocol code (gateway/mqtt/) builds ``NewMessage``
+values from it.
 """
 
 from __future__ import annotations
@@ -34,17 +38,35 @@ import msgspec
 
 from lightqueue.results import PullResult
 from lightqueue.topics import SHARE_PREFIX as TOPIC_SHARE_PREFIX
-from store.log.record import Record
 from store.usage import ProcessUsage
+
+# --- the engine's errors and types that cross the seam --------------------------------------
+# Defined where they are raised or made (the CommitLog, the record format, the topic grammar, the disk watch),
+# which sit below this module: re-exported here, so code above the store (gateway, back-end clients) names
+# them from the seam and never imports the engine. Not the other way round: store.log is the bottom layer,
+# usable on its own (repair, benchmarks), and must not depend on the interface built over it.
+from lightqueue.topics import TopicError
+from store.log.errors import InvalidOffset, LogFullError, OffsetExpired, StartupError
+from store.log.record import FLAG_RETAIN, QOS_MASK, Record, RecordTooLarge
+from store.space import FULL_RETRY_S
 
 __all__ = [
     "GROUP_PREFIX", "SHARE_PREFIX", "AdminOp", "Flow", "LeaseLost", "LogSpan", "NewMessage", "PullRequest",
-    "PullResult", "StoreApi", "StoreStatistics", "StoreUnavailable",
+    "PullResult", "StoreApi", "StoreStatistics", "StoreUnavailable", "group_owner",
+    # the engine's, re-exported (above)
+    "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
+    "RecordTooLarge", "StartupError", "TopicError",
 ]
 
 GROUP_PREFIX = "$group/"
 """Group names (offsets owner, filter holder) of back-end consumer groups: ``$group/<name>``, apart from sessions
 (client ids) and shared subscriptions."""
+
+
+def group_owner(group: str) -> str:
+    """The owner name (offsets) and holder name (filter activation) of consumer group ``group``: a back-end
+    consumer names its group so at the store."""
+    return GROUP_PREFIX + group
 
 SHARE_PREFIX = TOPIC_SHARE_PREFIX
 """Group names of MQTT shared subscriptions: ``$share/<group>``, as in the filters that make them. Client ids are
@@ -170,7 +192,7 @@ class StoreApi(Protocol):
         ``durable`` is None).
 
         Raises:
-            store.log.record.RecordTooLarge: a message exceeds the record size limit (nothing is appended).
+            RecordTooLarge: a message exceeds the record size limit (nothing is appended).
             OSError: the write failed (``LogFullError`` when the disk is full); nothing is acknowledged.
             ConnectionError: ``StoreUnavailable``, or ``LeaseLost`` for messages of a client of an ended lease.
         """
@@ -201,8 +223,8 @@ class StoreApi(Protocol):
         offset, for readers that frame records themselves; ``max_bytes`` 0 returns only the log's bounds.
 
         Raises:
-            store.log.errors.OffsetExpired: ``offset`` is below the log's minimum (retention).
-            store.log.errors.InvalidOffset: ``offset`` is beyond the flushed offset.
+            OffsetExpired: ``offset`` is below the log's minimum (retention).
+            InvalidOffset: ``offset`` is beyond the flushed offset.
         """
         ...
 
@@ -216,7 +238,7 @@ class StoreApi(Protocol):
         """Hold the queue's filter for ``holder``; returns the queue offset the subscription starts at.
 
         Raises:
-            lightqueue.topics.TopicError: not a valid topic filter.
+            TopicError: not a valid topic filter.
             ValueError: the queue id space is exhausted.
         """
         ...
@@ -257,7 +279,7 @@ class StoreApi(Protocol):
         group's committed offset. ``start``/``at`` place a group without one (``store.groups.START_KINDS``).
 
         Raises:
-            lightqueue.topics.TopicError, ValueError: a bad filter, group name or start.
+            TopicError, ValueError: a bad filter, group name or start.
         """
         ...
 

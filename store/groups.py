@@ -38,12 +38,11 @@ from typing import TYPE_CHECKING, TypeVar, final
 import trio
 
 from lightqueue.results import PullResult
-from store.api import GROUP_PREFIX
 
 if TYPE_CHECKING:  # the store node owns the coordinator: only the type checker imports it here
     from store.node import StoreNode
 
-__all__ = ["GroupCoordinator", "GroupState", "GroupStatistics", "Member", "START_KINDS", "group_owner"]
+__all__ = ["GroupCoordinator", "GroupState", "GroupStatistics", "Member", "START_KINDS"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -64,11 +63,6 @@ T = TypeVar("T")
 Member = tuple[str, str]
 """A group member: (the node it is connected to, its name there: an MQTT client id, or "" for a back-end client's
 connection, which is its own node)."""
-
-
-def group_owner(group: str) -> str:
-    """The owner name (offsets) and holder name (filter activation) of consumer group ``group``."""
-    return GROUP_PREFIX + group
 
 
 @final

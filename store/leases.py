@@ -69,7 +69,7 @@ LOGGER = logging.getLogger(__name__)
 LEASE_S = 5.0
 """A cluster gateway node's lease lasts this long after the last frame the store got from it (the store's default,
 ``store.lease_s``; it tells each node its own in the RPC's Welcome); the node gives up on a store silent for
-several (``store.rpc.client.STALLED_LEASES``)."""
+several (``store.rpc.connection.STALLED_LEASES``)."""
 
 NEVER_EXPIRES = 0xFFFF_FFFF
 """A Session Expiry Interval of 0xFFFFFFFF means the session never expires (MQTT 5.0, section 3.1.2.11.2)."""

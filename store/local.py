@@ -1,7 +1,10 @@
 """``LocalStore``: the ``StoreApi`` of a store node in this process.
 
 The embedded gateway uses it, and the RPC server runs every request of a remote node through one of its own
-(store/rpc/server.py), so a cluster gateway gets exactly the embedded one's behaviour. Short, in-memory calls
+(store/rpc/server.py), so a cluster gateway gets exactly the embedded one's behaviour. Besides ``StoreApi`` it
+has the few forms of the same calls that the server needs to serve many remote nodes well (``append_groups``:
+several callers' appends in one write; ``pull_raw``, ``claim_raw``, ``retained_raw``: records as stored, which the
+remote side decodes; ``reattach``): the server reaches the store node through them only. Short, in-memory calls
 run in the trio thread; RocksDB scans, CommitLog reads and WAL writes go to a worker thread, one hand-off per
 batch.
 
@@ -14,15 +17,15 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
-from typing import final
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar, final
 
 import trio
 
 from store.api import AdminOp, Flow, LogSpan, NewMessage, PullRequest, PullResult, StoreStatistics
 from store.groups import Member
 from store.log.record import Record, decode_record
-from store.node import StoreNode, decode
+from store.node import StoreNode, decode, raw
 
 __all__ = ["INLINE_PULL", "LocalStore"]
 
@@ -34,6 +37,15 @@ an index scan over the memtable and records kept in memory cost less than a hand
 Larger pulls run there too when their records are kept in memory (``StoreNode.in_memory``): a worker
 thread runs Python only while it holds the GIL, so it took nothing off the loop and added hand-offs (a
 fan-in's queue cache fills with thousands of messages a step; bench fanin QoS 0 gained about 5%)."""
+
+
+T = TypeVar("T")
+
+
+def _read_each(read: Callable[[str, int, int, int], PullResult[T]], requests: Sequence[PullRequest]
+               ) -> list[PullResult[T]]:
+    """``read`` (``StoreNode.read`` or ``read_raw``) of each request, in order."""
+    return [read(r.queue, r.from_offset, r.max_count, r.max_bytes) for r in requests]
 
 
 @final
@@ -81,16 +93,32 @@ class LocalStore:
         return results
 
     def _pull(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
-        read = self.store.read
-        return [read(r.queue, r.from_offset, r.max_count, r.max_bytes) for r in requests]
+        return _read_each(self.store.read, requests)
+
+    # --- the RPC server's forms: several callers at once, records as stored -------------------
+
+    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None
+                            ) -> list[list[int] | ValueError]:
+        """:meth:`append` of several callers' messages in one CommitLog write (``StoreNode.append_groups``): per
+        group its offsets, or the ``ValueError`` that kept that group (only) out."""
+        return await self.store.append_groups(groups, durable=durable)
+
+    async def pull_raw(self, requests: Sequence[PullRequest]) -> list[PullResult[tuple[int, bytes]]]:
+        """:meth:`pull` with each record as ``(log offset, bytes as stored)``, undecoded: the remote side decodes
+        (the store's CPU is the one every gateway shares). Always in a worker thread."""
+        return await trio.to_thread.run_sync(_read_each, self.store.read_raw, requests)
+
+    async def retained_raw(self, filter: str) -> list[tuple[int, bytes]]:
+        """:meth:`retained` as ``(log offset, record bytes as stored)``."""
+        found = await trio.to_thread.run_sync(self.store.retained.lookup, filter)
+        return [(r.log_offset, r.record) for r in found]
 
     async def max_offsets(self, queues: Sequence[str]) -> list[int]:
         max_offset = self.store.queues.max_offset
         return [max_offset(queue) for queue in queues]
 
     async def retained(self, filter: str) -> list[Record]:
-        found = await trio.to_thread.run_sync(self.store.retained.lookup, filter)
-        return [decode_record(r.record, 0, r.log_offset) for r in found]
+        return [decode_record(data, 0, log_offset) for log_offset, data in await self.retained_raw(filter)]
 
     async def read_log(self, offset: int, max_bytes: int) -> LogSpan:
         return await trio.to_thread.run_sync(self.store.read_log, offset, max_bytes)
@@ -134,6 +162,11 @@ class LocalStore:
         return await self.store.groups.claim(self._member(member), group, queue, max_count, max_bytes, wait_s,
                                              decode)
 
+    async def claim_raw(self, group: str, queue: str, member: str, max_count: int, *, max_bytes: int = 1 << 20,
+                        wait_s: float = 0.0) -> PullResult[tuple[int, bytes]]:
+        """:meth:`claim` with each record as ``(log offset, bytes as stored)`` (the RPC server's form)."""
+        return await self.store.groups.claim(self._member(member), group, queue, max_count, max_bytes, wait_s, raw)
+
     async def ack(self, group: str, queue: str, member: str, offsets: Sequence[int] = (), *, below: int = 0) -> int:
         return await self.store.groups.ack(self._member(member), group, queue, offsets, below)
 
@@ -175,6 +208,11 @@ class LocalStore:
 
     async def moved(self) -> list[str]:
         return list(await self._attachment.moved.get())
+
+    def reattach(self, client_id: str, *, expiry_s: int, will: NewMessage | None, will_delay_s: int) -> None:
+        """This node still has ``client_id`` connected, with that will: it says so again after reconnecting (the
+        RPC server's ``Reattach``; ``Leases.reattach``)."""
+        self.store.leases.reattach(self.node, client_id, expiry_s=expiry_s, will=will, will_delay_s=will_delay_s)
 
     async def wait_available(self) -> None:
         await trio.lowlevel.checkpoint()  # the store is in this process: always

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,3 +18,21 @@ def test_imports_point_down_as_the_layer_contracts_say():
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 broken" in result.stdout
+
+
+def test_the_gateway_importing_the_engine_breaks_the_seam_contract(tmp_path):
+    """The seam contract bites: a copy of the tree where a gateway node module imports the CommitLog's errors
+    directly (not through store.api) fails ``lint-imports`` on that contract, naming the import (issue 26)."""
+    for package in ("gateway", "store", "lightqueue", "retain", "notify", "spark_analytics"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    owed = tmp_path / "gateway" / "node" / "owed.py"
+    owed.write_text(owed.read_text().replace("from store.api import FULL_RETRY_S, LogFullError\n",
+                                             "from store.api import FULL_RETRY_S\nfrom store.log.errors import LogFullError\n"))
+    lint = Path(sys.executable).with_name("lint-imports")
+    result = subprocess.run([str(lint), "--no-cache", "--config", str(tmp_path / "pyproject.toml")], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=240, env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode != 0, result.stdout
+    assert "1 broken" in result.stdout
+    assert "gateway is not allowed to import store.log" in result.stdout
+    assert "gateway.node.owed -> store.log.errors" in result.stdout

@@ -34,9 +34,8 @@ from gateway.node.node import GatewayNode
 from gateway.ops.admin import AdminApi, serve_admin
 from gateway.ops.administration import Administration
 from gateway.ops.metrics import NodeMetrics
-from store.api import StoreApi
+from store.api import StartupError, StoreApi
 from store.log.aio import LatencyBuckets
-from store.log.errors import StartupError
 
 __all__ = ["NodeFront", "Running", "channel_config", "run_node", "serve_node"]
 

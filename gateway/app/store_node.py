@@ -13,8 +13,8 @@ import trio
 
 from gateway.app.process import freeze_startup_objects, return_freed_buffers
 from gateway.app.signals import on_hangup, until_signalled
+from store.api import StartupError
 from store.log.commitlog import CommitLogConfig
-from store.log.errors import StartupError
 from store.node import SessionExpiry, SessionFixer, open_store
 from store.rpc.access import StoreAccess
 from store.rpc.server import serve_rpc

@@ -26,9 +26,7 @@ from gateway.mqtt.actions import Append, Appended, Event
 from gateway.mqtt.reasons import ReasonCode
 from gateway.node.order import ReadOrder
 from gateway.node.poller import ReadRound
-from store.api import LeaseLost, NewMessage, StoreApi
-from store.log.errors import LogFullError
-from store.log.record import RecordTooLarge
+from store.api import LeaseLost, LogFullError, NewMessage, RecordTooLarge, StoreApi
 
 if TYPE_CHECKING:
     from gateway.node.connection import Connection

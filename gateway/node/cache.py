@@ -22,8 +22,7 @@ import trio
 
 from gateway.mqtt.actions import Message
 from gateway.mqtt.properties import EMPTY_PROPERTIES, PacketType, Properties, decode_properties
-from store.api import PullRequest, PullResult, StoreApi
-from store.log.record import FLAG_RETAIN, QOS_MASK, Record
+from store.api import FLAG_RETAIN, QOS_MASK, PullRequest, PullResult, Record, StoreApi
 
 __all__ = ["QueueCache", "QueueCacheStatistics", "from_record"]
 

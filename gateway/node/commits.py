@@ -29,8 +29,7 @@ import logging
 import trio
 
 from gateway.node.owed import OwedWrites
-from store.api import LeaseLost, StoreApi
-from store.log.errors import LogFullError
+from store.api import LeaseLost, LogFullError, StoreApi
 
 LOGGER = logging.getLogger(__name__)
 

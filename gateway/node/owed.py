@@ -28,8 +28,7 @@ from typing import final
 
 import trio
 
-from store.log.errors import LogFullError
-from store.space import FULL_RETRY_S
+from store.api import FULL_RETRY_S, LogFullError
 
 __all__ = ["OwedWrites", "Write"]
 

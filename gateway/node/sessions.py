@@ -35,8 +35,7 @@ from gateway.node.guard import Guard
 from gateway.node.owed import OwedWrites
 from gateway.node.registry import Registry
 from gateway.node.subscriptions import Subscriptions
-from store.api import StoreApi
-from store.log.errors import LogFullError
+from store.api import LogFullError, StoreApi
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

@@ -31,8 +31,7 @@ from gateway.node.commits import CommitBatcher
 from gateway.node.order import ReadOrder
 from gateway.node.owed import OwedWrites
 from lightqueue.topics import TopicError, parse_shared
-from store.api import SHARE_PREFIX, StoreApi
-from store.log.errors import LogFullError
+from store.api import SHARE_PREFIX, LogFullError, StoreApi
 
 if TYPE_CHECKING:
     from gateway.node.connection import Connection

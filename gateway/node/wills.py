@@ -17,7 +17,7 @@ import trio
 from gateway.mqtt.actions import PublishWill
 from gateway.mqtt.reasons import ReasonCode
 from gateway.node.appends import Appends
-from store.space import FULL_RETRY_S
+from store.api import FULL_RETRY_S
 
 __all__ = ["Wills"]
 

@@ -25,8 +25,7 @@ from gateway.node.node import GatewayNode
 from gateway.ops.clusterlists import LIST_OPS, list_here
 from gateway.ops.records import ClientInfo, QueueInfo, SessionInfo, SubscriptionLag
 from lightqueue.topics import TopicLimits, validate_filter, validate_topic
-from store.api import SHARE_PREFIX, AdminOp, NewMessage
-from store.log.record import Record
+from store.api import SHARE_PREFIX, AdminOp, NewMessage, Record
 
 __all__ = ["ADMIN_CLIENT_ID", "Administration", "HTTP_CLIENT_ID"]
 

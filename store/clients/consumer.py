@@ -61,9 +61,7 @@ import trio
 
 from store.clients.producer import unique_client_name
 from store.clients.properties import MessageProperties, decode_properties
-from store.log.record import Record
-from store.api import StoreUnavailable
-from store.groups import group_owner
+from store.api import Record, StoreUnavailable, group_owner
 from store.rpc.client import RemoteStore
 
 __all__ = ["Batch", "Consumer", "ConsumerMessage"]

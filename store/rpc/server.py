@@ -2,8 +2,10 @@
 
 Each connection (one remote node) is served through a ``LocalStore`` attached under the node's name (store/local.py),
 so a cluster gateway gets exactly the embedded one's behaviour: this module only translates frames to calls and
-answers to frames. Three calls are served from the store node directly, as raw record bytes that the client
-decodes (pulls, claims, retained lookups): the store's CPU is the one every gateway shares.
+answers to frames, and reaches the store node past it only for the connection's own lease (connected, seen,
+silent). Appends go through ``LocalStore.append_groups`` (one request's callers, one CommitLog write); pulls,
+claims and retained lookups through its raw forms, as record bytes that the client decodes: the store's CPU is
+the one every gateway shares.
 
 One trio task group per connection:
 
@@ -53,12 +55,10 @@ from typing import Any, final
 
 import trio
 
-from lightqueue.topics import TopicError
-from store.api import GROUP_PREFIX, LeaseLost, NewMessage
+from store.api import (GROUP_PREFIX, InvalidOffset, LeaseLost, LogFullError, NewMessage, OffsetExpired, PullResult,
+                       RecordTooLarge, TopicError)
 from store.local import LocalStore
-from store.log.errors import LogFullError, OffsetExpired
-from store.log.record import RecordTooLarge
-from store.node import StoreNode, raw
+from store.node import StoreNode
 from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
 
@@ -118,6 +118,8 @@ def _error(request_id: int, exc: BaseException) -> rpc.Error:
         kind = rpc.ErrorKind.RECORD_TOO_LARGE
     elif isinstance(exc, OffsetExpired):
         kind = rpc.ErrorKind.EXPIRED
+    elif isinstance(exc, InvalidOffset):
+        kind = rpc.ErrorKind.INVALID_OFFSET
     elif isinstance(exc, TopicError):
         kind = rpc.ErrorKind.TOPIC
     elif isinstance(exc, ValueError):
@@ -129,6 +131,12 @@ def _error(request_id: int, exc: BaseException) -> rpc.Error:
     else:
         kind = rpc.ErrorKind.INTERNAL
     return rpc.Error(request_id, kind, str(exc) or type(exc).__name__)
+
+
+def _raw_records(result: PullResult[tuple[int, bytes]]) -> rpc.RawRecords:
+    """A read's records as the wire carries them: ``(queue offset, log offset, bytes as stored)``."""
+    return rpc.RawRecords([(qoff, log_offset, data) for qoff, (log_offset, data) in result.messages],
+                          result.next_offset, result.expired)
 
 
 @final
@@ -261,8 +269,8 @@ class _Connection:
                     return
             elif kind is rpc.Reattach:
                 if self.current(message.epoch):
-                    leases.reattach(self.node, message.client_id, expiry_s=message.expiry_s, will=message.will,
-                                    will_delay_s=message.will_delay_s)
+                    self._store.reattach(message.client_id, expiry_s=message.expiry_s, will=message.will,
+                                         will_delay_s=message.will_delay_s)
             elif kind is rpc.AdminAnswer:
                 self._store.admin_answer(message.id, message.value)
             elif kind is rpc.Hello:
@@ -300,17 +308,9 @@ class _Connection:
     # --- requests: one ``StoreApi`` call each ------------------------------------------------
 
     async def _pull(self, request: rpc.Pull) -> rpc.Pulled:
-        return rpc.Pulled(request.id, await trio.to_thread.run_sync(self._read_raw, request.reads))
-
-    def _read_raw(self, reads: list[rpc.PullRequest]) -> list[rpc.RawRecords]:
-        """(worker thread) Index scans and CommitLog reads, the records left as stored."""
-        read = self._server.store.read_raw
-        results = []
-        for r in reads:
-            result = read(r.queue, r.from_offset, r.max_count, min(r.max_bytes, MAX_PULL_BYTES))
-            entries = [(qoff, log_offset, data) for qoff, (log_offset, data) in result.messages]
-            results.append(rpc.RawRecords(entries, result.next_offset, result.expired))
-        return results
+        reads = [r if r.max_bytes <= MAX_PULL_BYTES else rpc.PullRequest(r.queue, r.from_offset, r.max_count,
+                                                                          MAX_PULL_BYTES) for r in request.reads]
+        return rpc.Pulled(request.id, [_raw_records(result) for result in await self._store.pull_raw(reads)])
 
     async def _activate(self, request: rpc.Activate) -> rpc.Value:
         return rpc.Value(request.id, await self._store.activate(request.queue, request.holder))
@@ -331,8 +331,7 @@ class _Connection:
         return rpc.Done(request.id)
 
     async def _retained(self, request: rpc.GetRetained) -> rpc.RecordList:
-        found = await trio.to_thread.run_sync(self._server.store.retained.lookup, request.filter)
-        return rpc.RecordList(request.id, [(r.log_offset, r.record) for r in found])
+        return rpc.RecordList(request.id, await self._store.retained_raw(request.filter))
 
     async def _open_session(self, request: rpc.OpenSession) -> rpc.Value:
         return rpc.Value(request.id, await self._store.open_session(
@@ -386,11 +385,9 @@ class _Connection:
 
     async def _claim(self, request: rpc.Claim) -> rpc.Claimed:
         self._check_group(request.group, request.member)
-        result = await self._server.store.groups.claim(
-            (self.node, request.member), request.group, request.queue, request.max_count, request.max_bytes,
-            request.wait_ms / 1000, raw)
-        entries = [(qoff, log_offset, data) for qoff, (log_offset, data) in result.messages]
-        return rpc.Claimed(request.id, rpc.RawRecords(entries, result.next_offset, result.expired))
+        result = await self._store.claim_raw(request.group, request.queue, request.member, request.max_count,
+                                             max_bytes=request.max_bytes, wait_s=request.wait_ms / 1000)
+        return rpc.Claimed(request.id, _raw_records(result))
 
     async def _ack(self, request: rpc.Ack) -> rpc.Value:
         self._check_group(request.group, request.member)
@@ -427,7 +424,7 @@ class _Connection:
         return denied
 
     async def _appender(self) -> None:
-        store = self._server.store
+        store = self._store
         async for request in self._appends_out:
             if not self.current(request.epoch):
                 self.send(rpc.Error(request.id, rpc.ErrorKind.FENCED, f"lease {request.epoch} has ended"))

@@ -123,9 +123,9 @@ __all__ = [
     "parse_address",
 ]
 
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 6
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
-(5: the store's interface types on the wire; sessions, presence, wills and expiry in the store: ``OpenSession``,
+(6: ``ErrorKind.INVALID_OFFSET``, so a remote ``read_log`` raises ``InvalidOffset`` as the local one does. 5: the store's interface types on the wire; sessions, presence, wills and expiry in the store: ``OpenSession``,
 ``CloseSession``, ``Reattach``, ``EndSession``, ``ListSessions``; group members named within a node. 4: cluster-wide
 admin lists: ``AdminCallAll``, ``NodeAnswers``, ``AdminAsk.query``. 3: lease epochs on the Hello, the Welcome and
 every write; inbound QoS 2 flows: ``GetAwaiting``, ``ReleaseAwaiting``; ``ReadLog``.)"""
@@ -172,6 +172,7 @@ class ErrorKind(enum.StrEnum):
     DENIED = "denied"  # store.rpc.access.AccessDenied: bad credentials, or a call or topic the ACL does not allow
     FENCED = "fenced"  # the write names a lease of this node that has ended (store.log.errors.LeaseLost)
     EXPIRED = "expired"  # store.log.errors.OffsetExpired: retention deleted the offset asked for
+    INVALID_OFFSET = "invalid_offset"  # store.log.errors.InvalidOffset: no record starts there (read_log)
 
 
 class _Message(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):

@@ -7,8 +7,8 @@ import pytest
 import trio
 
 from lightqueue.queues import LightQueues
-from store.api import NewMessage
-from store.groups import MAX_UNACKED, GroupState, group_owner
+from store.api import NewMessage, group_owner
+from store.groups import MAX_UNACKED, GroupState
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import encode_record
 from store.node import decode

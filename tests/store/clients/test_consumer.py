@@ -15,9 +15,9 @@ from datetime import datetime, timezone
 import pytest
 import trio
 
+from store.api import group_owner
 from store.clients.consumer import Consumer, start_position
 from store.clients.producer import Producer
-from store.groups import group_owner
 from store.rpc.access import AccessDenied, StoreAccess, Verdict
 from store.rpc.server import serve_rpc
 from tests.helpers.backend import WAIT_S, Device, cluster, running

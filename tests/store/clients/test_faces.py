@@ -22,7 +22,7 @@ from lightqueue.topics import TopicError
 from store.log.commitlog import CommitLogConfig
 from store.log.record import RecordTooLarge
 from store.node import open_store
-from store.rpc.client import StoreUnavailable
+from store.api import StoreUnavailable
 from store.rpc.server import serve_rpc
 
 WAIT_S = 30.0

@@ -14,9 +14,8 @@ from gateway.app.cli import _store_access
 from gateway.auth.passwords import PasswordFile
 from gateway.mqtt.properties import PacketType, decode_properties
 from lightqueue.topics import TopicError
-from store.api import NewMessage, PullRequest
+from store.api import NewMessage, PullRequest, group_owner
 from store.clients.producer import Producer, encode_properties
-from store.groups import group_owner
 from store.log.record import RecordTooLarge
 from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
 from store.rpc.client import RemoteStore, StoreRpcError

@@ -1,0 +1,678 @@
+"""The connection of a ``RemoteStore`` (store/rpc/client.py) to a store node: one TCP connection at a time to the
+address its resolver gives, and everything that makes it cheap and safe to use.
+
+- pipelined: every call gets a request id and waits for its own answer; any
+  number are in flight at once;
+- batched: appends, pulls, offset commits and QoS 2 releases that callers make while earlier
+  ones of their kind are in flight travel together in the next request (one
+  frame, one store-side CommitLog write or thread hand-off), so the cost per
+  message is not a round trip;
+- reconnecting: when the connection breaks, calls in flight and new calls
+  raise ``StoreUnavailable`` (a ``ConnectionError``: an append is then not
+  acknowledged to any device) while the connection asks its resolver for the store's address again and
+  reconnects with backoff. The resolver is a callable returning the store's current ``(host, port)``: a fixed
+  address (``fixed``), or whatever says where the store is now (a new leader, later);
+- leased: each Hello names the store process and lease epoch this node held (``store_id``, ``epoch``), and the
+  Welcome says whether the lease still holds. What the node must tell the store again on a new connection
+  (its watches, its clients with their wills) and what the store pushes (events, moved clients, admin asks)
+  are the ``LinkListener``'s: the ``RemoteStore``.
+
+Resource handling: ``StoreConnection.run`` owns each link and its tasks, and closes the link's stream when it
+breaks or the run is cancelled.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import re
+import socket
+from collections.abc import Callable
+from itertools import count
+from typing import Any, Protocol, final
+
+import trio
+
+from store.api import (InvalidOffset, LeaseLost, LogFullError, NewMessage, OffsetExpired, PullRequest, PullResult,
+                       Record, RecordTooLarge, StoreUnavailable, TopicError)
+from store.log.record import decode_record
+from store.rpc import wire as rpc
+from store.rpc.access import AccessDenied
+from store.stalls import StallWatch
+
+__all__ = ["Link", "LinkListener", "Resolver", "StoreConnection", "StoreRpcError", "decoded", "exception_of",
+           "fixed"]
+
+LOGGER = logging.getLogger(__name__)
+
+RECEIVE_BYTES = 256 * 1024
+"""One ``receive_some`` reads up to this much: a burst of answers and events is decoded in one wake-up."""
+
+CONNECT_TIMEOUT_S = 5.0
+"""One connection attempt (TCP connect and handshake) gives up after this."""
+
+RECONNECT_MIN_S = 0.1
+RECONNECT_MAX_S = 2.0
+"""Reconnect backoff: doubling from the minimum to the maximum; the maximum bounds how long devices wait
+after a store restart for appends to be accepted again."""
+
+BATCHES_IN_FLIGHT = 2
+"""Batched requests of one kind in flight at once: one being answered while the next fills. One would leave the
+store idle for a round trip per batch; more splits the waiting calls into smaller batches."""
+
+APPEND_BATCH_BYTES = 4 * 1024 * 1024
+"""An append request carries about this many payload bytes at most (and always one caller's group), far below
+the frame limit."""
+
+PULL_BATCH_BYTES = 16 * 1024 * 1024
+"""The byte budgets of the reads in one pull request add up to at most this (a read counts at least
+``PULL_READ_MIN_BYTES``: it may return one record above its budget), so an answer stays far below the frame limit."""
+
+PULL_READ_MIN_BYTES = 1024 * 1024
+"""What a read counts against ``PULL_BATCH_BYTES`` at least: the default maximum record size."""
+
+READ_AHEAD_MAX = 64
+"""Reads made in advance kept at once (each at most a pull's byte budget, 1 MiB by default): enough for the
+sessions draining backlogs on a node at the same time; the oldest is dropped first."""
+
+STALLED_LEASES = 6
+"""The client gives up on a store whose connection lives but which has said nothing for this many of its leases.
+A store that stalls (a GC or swap stall, a paused VM, an fsync that blocks its loop) and runs again within them
+finds the client, its calls waiting and its node's devices as it left them (the store does not count its own
+stall against the node's lease, store/stalls.py): a broken link would have failed the calls and dropped their
+devices. A store host that vanished is noticed sooner, by TCP (``TCP_USER_TIMEOUT``: a lease)."""
+
+
+class StoreRpcError(OSError):
+    """The store refused the connection (protocol version, malformed frames) or failed a call with a bug.
+
+    An ``OSError``, so the gateway treats it like a failed write: nothing is acknowledged.
+    """
+
+
+def exception_of(error: rpc.Error) -> Exception:
+    """The exception the local store would have raised for a wire error."""
+    kind = error.kind
+    if kind is rpc.ErrorKind.DENIED:
+        return AccessDenied(error.message)
+    if kind is rpc.ErrorKind.FENCED:
+        return LeaseLost(error.message)
+    if kind is rpc.ErrorKind.RECORD_TOO_LARGE:
+        return RecordTooLarge(error.message)
+    if kind is rpc.ErrorKind.EXPIRED:  # the message is OffsetExpired's: the offset first, the log's minimum last
+        numbers = [int(n) for n in re.findall(r"\d+", error.message)]
+        return OffsetExpired(numbers[0], numbers[-1]) if numbers else LookupError(error.message)
+    if kind is rpc.ErrorKind.INVALID_OFFSET:  # InvalidOffset's message: "offset <offset>: <reason>"
+        found = re.fullmatch(r"offset (-?\d+): (.*)", error.message, re.DOTALL)
+        return InvalidOffset(int(found[1]), found[2]) if found else ValueError(error.message)
+    if kind is rpc.ErrorKind.TOPIC:
+        return TopicError(error.message)
+    if kind is rpc.ErrorKind.VALUE:
+        return ValueError(error.message)
+    if kind is rpc.ErrorKind.LOG_FULL:
+        return LogFullError(errno.ENOSPC, error.message)
+    if kind is rpc.ErrorKind.OS:
+        return OSError(error.message)
+    return StoreRpcError(f"store: {error.kind.value}: {error.message}")
+
+
+Handler = Callable[[Any], None]
+"""What waits for an answer: called once with the answer message or with the exception that replaces it."""
+
+
+@final
+class Call:
+    """One caller waiting for its result."""
+
+    __slots__ = ("done", "result", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def set(self, result: Any) -> None:
+        self.result = result
+        self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+
+    async def wait(self) -> Any:
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@final
+class Batcher:
+    """Calls of one kind made while ``BATCHES_IN_FLIGHT`` requests of it are in flight share the next request.
+
+    Args:
+        link: the connection the requests go out on.
+        make: ``make(request_id, items) -> request`` for a batch of items.
+        split: ``split(answer, calls)`` hands each call its part of an answer.
+        weight: an item's bytes against ``budget`` (a batch always takes at least one item).
+        counts: ``[calls, requests]`` of this kind, kept by the client across links.
+    """
+
+    def __init__(self, link: Link, make: Callable[[int, list[Any]], Any],
+                 split: Callable[[Any, list[tuple[Any, Call]]], None],
+                 weight: Callable[[Any], int], budget: int, counts: list[int]) -> None:
+        self._link = link
+        self._counts = counts
+        self._make = make
+        self._split = split
+        self._weight = weight
+        self._budget = budget
+        self._waiting: list[tuple[Any, Call]] = []
+        self._in_flight = 0
+        self._wakeup = trio.Event()
+
+    async def submit(self, item: Any) -> Any:
+        return await self.enqueue(item).wait()
+
+    def enqueue(self, item: Any) -> Call:
+        """Add ``item`` to the next batch; its result comes in the returned call.
+
+        On a link that broke, the call fails at once: the link's closing runs
+        ``fail_all`` once, and the client keeps the link until it is closed, so
+        a call made in between would otherwise wait for ever.
+        """
+        call = Call()
+        if self._link.broken:
+            call.fail(StoreUnavailable("the connection to the store broke"))
+            return call
+        self._waiting.append((item, call))
+        self._wakeup.set()
+        return call
+
+    def fail_all(self, error: BaseException) -> None:
+        for _, call in self._waiting:
+            call.fail(error)
+        self._waiting.clear()
+
+    async def run(self) -> None:
+        """Send batches whenever calls wait and a request slot is free (runs as long as the link)."""
+        while True:
+            if not self._waiting or self._in_flight >= BATCHES_IN_FLIGHT:
+                self._wakeup = trio.Event()
+                await self._wakeup.wait()
+                continue
+            taken = 1
+            size = self._weight(self._waiting[0][0])
+            while taken < len(self._waiting):
+                size += self._weight(self._waiting[taken][0])
+                if size > self._budget:
+                    break
+                taken += 1
+            batch = self._waiting[:taken]
+            del self._waiting[:taken]
+            self._in_flight += 1
+            self._counts[0] += taken
+            self._counts[1] += 1
+
+            def answered(answer: Any, batch: list[tuple[Any, Call]] = batch) -> None:
+                self._in_flight -= 1
+                self._wakeup.set()
+                if isinstance(answer, BaseException):
+                    for _, call in batch:
+                        call.fail(answer)
+                elif type(answer) is rpc.Error:
+                    error = exception_of(answer)
+                    for _, call in batch:
+                        call.fail(error)
+                else:
+                    self._split(answer, batch)
+
+            try:
+                self._link.request(lambda rid: self._make(rid, [item for item, _ in batch]), answered)
+            except rpc.RpcProtocolError as exc:  # larger than a frame: these callers fail, the link goes on
+                answered(ValueError(str(exc)))
+
+
+@final
+class Link:
+    """One live connection to the store: its answers in waiting, its batchers, its writer."""
+
+    def __init__(self, connection: StoreConnection, stream: trio.SocketStream, decoder: rpc.FrameDecoder,
+                 welcome: rpc.Welcome) -> None:
+        self.stream = stream
+        self.decoder = decoder
+        self.cancel_scope = trio.CancelScope()
+        self.broken = False  # set as the link starts closing: a request made after that would never be answered
+        self.epoch = welcome.epoch  # the lease this connection serves
+        self._listener = connection.listener
+        self._ids = connection.ids
+        self._pending: dict[int, Handler] = {}
+        self._out: list[bytes] = []
+        self._out_ready = trio.Event()
+        self._watch_deltas: dict[str, int] = {}
+        self._last_received = trio.current_time()
+        self._heartbeat_s = welcome.heartbeat_s
+        self._lease_s = welcome.lease_s
+        self._silent_max_s = welcome.lease_s * STALLED_LEASES  # silence this long means the store is stuck
+        self._stalls = StallWatch("gateway node")  # this process's own stalls: past the lease, its lease may have ended
+        counts = connection.batch_counts
+        self.appends = {durable: Batcher(self, lambda rid, groups, d=durable: rpc.AppendRequest(rid, groups, d),
+                                          _split_appends, _group_bytes, APPEND_BATCH_BYTES, counts["append"])
+                        for durable in (None, True, False)}
+        self.pulls = Batcher(self, lambda rid, reads: rpc.Pull(rid, [r for group in reads for r in group]),
+                              _split_pulls, _reads_bytes, PULL_BATCH_BYTES, counts["pull"])
+        self.commits = Batcher(self, _merge_commits, _split_done, lambda item: 64 * len(item), 1 << 20,
+                                counts["commit"])
+        self.releases = Batcher(self, lambda rid, items: rpc.ReleaseAwaiting(rid, [f for fl in items for f in fl]),
+                                 _split_done, lambda item: 64 * len(item), 1 << 20, counts["release"])
+        self.ahead: dict[tuple[str, int], tuple[PullRequest, Call]] = {}  # (queue, offset) -> read in advance
+        self._ahead_counts = connection.ahead_counts
+
+    # --- reading ahead --------------------------------------------------------------------
+
+    def read_ahead(self, request: PullRequest) -> None:
+        """Read ``request`` now, for the pull that will likely ask for it (oldest read-ahead dropped beyond the cap)."""
+        key = (request.queue, request.from_offset)
+        if key in self.ahead:
+            return
+        if len(self.ahead) >= READ_AHEAD_MAX:
+            del self.ahead[next(iter(self.ahead))]
+        self.ahead[key] = (request, self.pulls.enqueue([request]))
+        self._ahead_counts[1] += 1
+
+    async def take_ahead(self, request: PullRequest) -> PullResult[Record] | None:
+        """The answer to ``request`` from a read made in advance, or None when there is none that is exact.
+
+        Exact: it started at the same offset, with the same byte budget, and
+        holds at least ``request.max_count`` messages (the entries of a queue
+        below its head never change; a shorter read may have stopped at a head
+        that has moved since).
+        """
+        found = self.ahead.pop((request.queue, request.from_offset), None)
+        if found is None:
+            return None
+        early, call = found
+        if early.max_bytes != request.max_bytes or early.max_count < request.max_count:
+            return None
+        try:
+            (result,) = await call.wait()
+        except OSError:
+            return None
+        messages = result.messages
+        if len(messages) < request.max_count:
+            return None
+        self._ahead_counts[0] += 1
+        if len(messages) == request.max_count:
+            return result
+        return PullResult(messages[: request.max_count], messages[request.max_count][0], result.expired)
+
+    # --- sending ------------------------------------------------------------------------
+
+    def send(self, message: Any) -> None:
+        self._out.append(rpc.encode(message))
+        self._out_ready.set()
+
+    def watch(self, queue: str, delta: int) -> None:
+        deltas = self._watch_deltas
+        deltas[queue] = deltas.get(queue, 0) + delta
+        self._out_ready.set()
+
+    def request(self, make: Callable[[int], Any], handler: Handler) -> None:
+        """Send ``make(request_id)``; ``handler`` gets the answer, or ``StoreUnavailable`` if the link breaks first."""
+        if self.broken:
+            raise StoreUnavailable("the connection to the store broke")
+        rid = next(self._ids)
+        frame = rpc.encode(make(rid))
+        self._pending[rid] = handler
+        self._out.append(frame)
+        self._out_ready.set()
+
+    async def call(self, make: Callable[[int], Any]) -> Any:
+        """One request, one answer (an ``Error`` answer is raised as the local store's exception)."""
+        call = Call()
+        self.request(make, call.set)
+        answer = await call.wait()
+        if isinstance(answer, BaseException):
+            raise answer
+        if type(answer) is rpc.Error:
+            raise exception_of(answer)
+        return answer
+
+    # --- running ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Read, write, heartbeat and batch until the connection breaks; then fail everything waiting."""
+        try:
+            with self.cancel_scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._writer)
+                    nursery.start_soon(self._heartbeat)
+                    nursery.start_soon(self._stalls.run)
+                    for batcher in (*self.appends.values(), self.pulls, self.commits, self.releases):
+                        nursery.start_soon(batcher.run)
+                    await self._reader()
+                    nursery.cancel_scope.cancel()
+        finally:
+            self.broken = True
+            error = StoreUnavailable("the connection to the store broke")
+            pending, self._pending = self._pending, {}
+            for handler in pending.values():
+                handler(error)
+            for batcher in (*self.appends.values(), self.pulls, self.commits, self.releases):
+                batcher.fail_all(error)
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+    async def _reader(self) -> None:
+        decoder = self.decoder
+        pushed = self._listener.pushed
+        while True:
+            try:
+                message = decoder.next_message()
+            except rpc.RpcProtocolError as exc:
+                LOGGER.error("store connection closed: %s", exc)
+                return
+            if message is rpc.NEED_DATA:
+                if decoder.eof:
+                    LOGGER.warning("the store closed the connection")
+                    return
+                try:
+                    data = await self.stream.receive_some(RECEIVE_BYTES)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    LOGGER.warning("store connection lost: %r", exc)
+                    return
+                if self._away():
+                    return
+                decoder.receive_data(data)
+                self._last_received = trio.current_time()
+                continue
+            kind = type(message)
+            if kind is rpc.Events or kind is rpc.ClientMoved or kind is rpc.AdminAsk:
+                pushed(message)
+            elif kind is rpc.Heartbeat:
+                pass
+            elif kind is rpc.Error and message.id == 0:
+                LOGGER.error("the store closed the connection: %s: %s", message.kind.value, message.message)
+                return
+            else:
+                handler = self._pending.pop(message.id, None)
+                if handler is not None:  # else its caller was cancelled
+                    handler(message)
+
+    def _away(self) -> bool:
+        """Whether this process stalled (its loop did not run) for longer than its lease since the store's last
+        frame: the store may have ended the lease meanwhile, so what it sent before may be stale (a client
+        moved away, then its lease ended). The link is dropped unread; the next Welcome says whether the lease
+        still holds."""
+        now = trio.current_time()
+        if now - self._last_received <= self._lease_s or self._stalls.awake_since() <= self._last_received:
+            return False
+        LOGGER.warning("this node stalled for longer than its store lease: reconnecting to learn whether the lease"
+                       " ended", extra={"ctx": {"silent_s": round(now - self._last_received, 3)}})
+        return True
+
+    async def _writer(self) -> None:
+        while True:
+            if not self._out and not self._watch_deltas:
+                self._out_ready = trio.Event()
+                await self._out_ready.wait()
+                continue
+            frames = self._out
+            self._out = []
+            if self._watch_deltas:  # ahead of what was queued after the watch calls: routing first
+                deltas = {queue: delta for queue, delta in self._watch_deltas.items() if delta}
+                self._watch_deltas = {}
+                if deltas:
+                    frames.insert(0, rpc.encode(rpc.Watch(deltas)))
+            try:
+                await self.stream.send_all(b"".join(frames))
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                LOGGER.warning("store connection lost: %r", exc)
+                self.cancel_scope.cancel()
+                return
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await trio.sleep(self._heartbeat_s)
+            silent = trio.current_time() - self._last_received
+            if silent > self._silent_max_s:
+                LOGGER.warning("store connection closed: the store was silent for %.1f s", silent)
+                self.cancel_scope.cancel()
+                return
+            self.send(rpc.Heartbeat())
+
+
+def _group_bytes(group: list[NewMessage]) -> int:
+    return sum(len(m.payload) + len(m.topic) + len(m.properties) + 64 for m in group)
+
+
+def _reads_bytes(reads: list[PullRequest]) -> int:
+    return sum(max(r.max_bytes, PULL_READ_MIN_BYTES) for r in reads)
+
+
+def _split_appends(answer: rpc.Appended, batch: list[tuple[Any, Call]]) -> None:
+    for index, (_, call) in enumerate(batch):
+        error = answer.errors.get(index)
+        if error is not None:
+            call.fail(exception_of(error))
+        else:
+            call.set(answer.offsets[index])
+
+
+def decoded(records: rpc.RawRecords) -> PullResult[Record]:
+    """A read as the store sent it (records as stored), decoded here: the store's CPU is every gateway's."""
+    return PullResult([(qoff, decode_record(raw, 0, log_offset)) for qoff, log_offset, raw in records.entries],
+                      records.next_offset, records.expired)
+
+
+def _split_pulls(answer: rpc.Pulled, batch: list[tuple[Any, Call]]) -> None:
+    start = 0
+    results = answer.results
+    for reads, call in batch:
+        mine = results[start : start + len(reads)]
+        start += len(reads)
+        call.set([decoded(r) for r in mine])
+
+
+def _merge_commits(rid: int, items: list[dict[str, dict[str, int]]]) -> rpc.CommitOffsets:
+    merged: dict[str, dict[str, int]] = {}
+    for commits in items:  # in call order: a later commit of the same owner and queue wins
+        for owner, offsets in commits.items():
+            merged.setdefault(owner, {}).update(offsets)
+    return rpc.CommitOffsets(rid, merged)
+
+
+def _split_done(answer: rpc.Done, batch: list[tuple[Any, Call]]) -> None:
+    for _, call in batch:
+        call.set(None)
+
+
+Resolver = Callable[[], tuple[str, int]]
+"""Where the store is now: ``(host, port)``. Asked before each connection attempt."""
+
+
+def fixed(host: str, port: int) -> Resolver:
+    """The resolver of a store that stays at ``host:port``."""
+    return lambda: (host, port)
+
+
+class LinkListener(Protocol):
+    """What a ``StoreConnection`` hands to the ``StoreApi`` mapping over it (``RemoteStore``)."""
+
+    def welcomed(self, link: Link, welcome: rpc.Welcome, ended: int) -> None:
+        """A new link's Welcome (``ended``: the lease epoch held before it, 0 on the first): queue on ``link`` what
+        the store must know again before any call (watches, connected clients)."""
+        ...
+
+    async def reconnected(self, link: Link) -> None:
+        """A link after the first is up: catch up on what may have been missed while there was none."""
+        ...
+
+    def pushed(self, message: rpc.Events | rpc.ClientMoved | rpc.AdminAsk) -> None:
+        """A message the store sent unasked."""
+        ...
+
+
+@final
+class StoreConnection:
+    """One node's connection to the store, through any number of links in turn (see the module docstring).
+
+    Args:
+        resolver: where the store is (asked again before each attempt).
+        node: this node's name at the store.
+        credentials: ``(token, username, password)``, sent in every Hello (store/rpc/access.py).
+        listener: the ``RemoteStore`` over it.
+    """
+
+    def __init__(self, resolver: Resolver, node: str, credentials: tuple[str, str | None, bytes | None],
+                 listener: LinkListener) -> None:
+        self.resolver = resolver
+        self.node = node
+        self.listener = listener
+        self.address = "{}:{}".format(*resolver())  # the address last connected to, or tried
+        self.ids = count(1)
+        self.link: Link | None = None
+        self.store_id = ""  # the store process and lease epoch this node holds (sent in each Hello)
+        self.epoch = 0
+        self.connects = 0
+        self.batch_counts: dict[str, list[int]] = {"append": [0, 0], "pull": [0, 0], "commit": [0, 0],
+                                                   "release": [0, 0]}
+        self.ahead_counts = [0, 0]  # reads in advance: used, made
+        self._credentials = credentials
+        self._connected = trio.Event()
+        self._link_up = trio.Event()  # set and replaced at each successful handshake (wait_reconnected)
+
+    def require(self) -> Link:
+        """The live link.
+
+        Raises:
+            StoreUnavailable: there is none now.
+        """
+        link = self.link
+        if link is None:
+            raise StoreUnavailable(f"not connected to the store at {self.address}")
+        return link
+
+    async def wait_reconnected(self, connects: int) -> None:
+        """Return once a connection newer than the ``connects``-th is up (not one still closing)."""
+        while True:
+            up = self._link_up  # taken before the check: a handshake after it sets this one
+            link = self.link
+            if self.connects > connects and link is not None and not link.broken:
+                return
+            await up.wait()
+
+    async def wait_connected(self) -> None:
+        """Return once there is a link (at once if there is)."""
+        while self.link is None:
+            await self._connected.wait()
+
+    async def wait_available(self) -> None:
+        """Return once a link that is not breaking is up (at once if one is)."""
+        while True:
+            up = self._link_up  # taken before the check: a handshake after it sets this one
+            link = self.link
+            if link is not None and not link.broken:
+                return
+            await up.wait()
+
+    async def run(self, timeout_s: float | None, task_status: trio.TaskStatus[None]) -> None:
+        """Connect, serve the link until it breaks, reconnect with backoff; forever (until cancelled).
+
+        ``task_status.started()`` once the first link is up.
+
+        Raises:
+            StoreUnavailable: no first connection within ``timeout_s`` (None: retry forever).
+            StoreRpcError: the store refused the first handshake.
+        """
+        first_deadline = trio.current_time() + timeout_s if timeout_s is not None else float("inf")
+        backoff = RECONNECT_MIN_S
+        failures = 0
+        while True:
+            try:
+                link = await self._open_link()
+            except StoreRpcError:
+                if not self.connects:
+                    raise
+                link = None
+            except OSError as exc:  # refused, unreachable, timed out
+                failures += 1
+                if failures == 1 or failures % 30 == 0:
+                    LOGGER.warning("store not reachable: %r", exc,
+                                   extra={"ctx": {"store": self.address, "attempts": failures}})
+                link = None
+            if link is None:
+                if not self.connects and trio.current_time() + backoff > first_deadline:
+                    raise StoreUnavailable(f"no connection to the store at {self.address} within {timeout_s} s")
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, RECONNECT_MAX_S)
+                continue
+            backoff = RECONNECT_MIN_S
+            failures = 0
+            self.connects += 1
+            reconnected = self.connects > 1
+            self.link = link
+            self._connected.set()
+            self._link_up.set()
+            self._link_up = trio.Event()
+            LOGGER.info("connected to the store", extra={"ctx": {"store": self.address, "node": self.node,
+                                                                 "reconnect": reconnected}})
+            if not reconnected:
+                task_status.started()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._run_link, link)
+                if reconnected:
+                    nursery.start_soon(self.listener.reconnected, link)
+            self.link = None
+            self._connected = trio.Event()
+
+    async def _run_link(self, link: Link) -> None:
+        try:
+            await link.run()
+        finally:
+            self.link = None
+
+    async def _open_link(self) -> Link:
+        """Connect to where the resolver says the store is and shake hands; the listener re-registers this node's
+        watches and clients on the new link.
+
+        Raises:
+            OSError: no connection, or the store did not answer the Hello in time.
+            StoreRpcError: the store refused the Hello.
+        """
+        host, port = self.resolver()
+        self.address = f"{host}:{port}"
+        with trio.move_on_after(CONNECT_TIMEOUT_S) as attempt:
+            stream = await trio.open_tcp_stream(host, port)
+            try:
+                stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+                await stream.send_all(rpc.encode(rpc.Hello(rpc.PROTOCOL_VERSION, self.node, *self._credentials,
+                                                           self.store_id, self.epoch)))
+                decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
+                answer = decoder.next_message()
+                while answer is rpc.NEED_DATA and not decoder.eof:
+                    decoder.receive_data(await stream.receive_some(RECEIVE_BYTES))
+                    answer = decoder.next_message()
+            except BaseException as exc:
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
+                if isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError)):  # not OSErrors
+                    raise ConnectionResetError(f"the store connection broke during the handshake: {exc}") from exc
+                if isinstance(exc, rpc.RpcProtocolError):
+                    raise StoreRpcError(f"the store's answer to the Hello is not the RPC: {exc}") from exc
+                raise
+        if attempt.cancelled_caught:
+            raise TimeoutError(f"the store at {self.address} did not answer within {CONNECT_TIMEOUT_S} s")
+        if type(answer) is not rpc.Welcome:
+            await stream.aclose()
+            if type(answer) is rpc.Error:
+                LOGGER.error("the store refused this node: %s: %s", answer.kind.value, answer.message)
+                raise StoreRpcError(f"the store refused the connection: {answer.kind.value}: {answer.message}")
+            raise ConnectionResetError("the store closed the connection during the handshake")
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux: a vanished store host breaks the link within a lease
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(answer.lease_s * 1000)))
+        ended = self.epoch
+        self.store_id, self.epoch = answer.store_id, answer.epoch
+        link = Link(self, stream, decoder, answer)
+        self.listener.welcomed(link, answer, ended)
+        return link

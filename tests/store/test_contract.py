@@ -1,0 +1,271 @@
+"""The ``StoreApi`` contract (store/api.py): one suite, run against both implementations over a real store node.
+
+``local``: ``LocalStore`` over a store node in this process (the embedded gateway's). ``remote``: ``RemoteStore``
+over the RPC server serving that node on a real socket (a cluster gateway's, a back-end client's). Code above the
+store never asks which one it has, so each test here says what both must do, answers and errors alike; what only
+one of them does (the remote one's reconnects and batching, the local one's calls in the caller's step) is
+tested beside it (tests/store/rpc/, tests/store/test_node.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from store.api import (InvalidOffset, LogFullError, NewMessage, PullRequest, RecordTooLarge, StoreApi,
+                       TopicError)
+from store.local import LocalStore
+from store.log.commitlog import CommitLogConfig
+from store.node import StoreNode, open_store
+from store.rpc.client import RemoteStore
+from store.rpc.server import serve_rpc
+from tests.conftest import SMALL_RECORD_BYTES
+from tests.helpers.fulldisk import fill
+
+WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
+
+
+class Implementation:
+    """Opens ``StoreApi`` clients of one kind, under node names of their own, on one store node."""
+
+    def __init__(self, kind: str, node: StoreNode, nursery: trio.Nursery) -> None:
+        self.kind = kind
+        self.node = node
+        self._nursery = nursery
+        self._port = 0
+
+    @asynccontextmanager
+    async def connect(self, name: str) -> AsyncIterator[StoreApi]:
+        if self.kind == "local":
+            store = LocalStore(self.node, name, lease=True)
+            try:
+                yield store
+            finally:
+                store.close()
+            return
+        if not self._port:
+            listeners = await self._nursery.start(serve_rpc, self.node, "127.0.0.1", 0)
+            self._port = listeners[0].socket.getsockname()[1]
+        async with RemoteStore.connect("127.0.0.1", self._port, node=name, timeout_s=WAIT_S) as store:
+            yield store
+
+
+@pytest.fixture(params=["local", "remote"])
+async def stores(request, store_small_records, nursery) -> Implementation:
+    return Implementation(request.param, store_small_records, nursery)
+
+
+@pytest.fixture
+async def api(stores) -> AsyncIterator[StoreApi]:
+    async with stores.connect("gw-a") as store:
+        yield store
+
+
+def message(topic: str, payload: bytes = b"m", **fields) -> NewMessage:
+    return NewMessage(topic, payload, **{"client_id": "dev1", "qos": 1, **fields})
+
+
+async def dispatched(api: StoreApi) -> None:
+    """Wait until everything appended so far is indexed (pullable)."""
+    with trio.fail_after(WAIT_S):
+        while (await api.statistics()).dispatch_lag:
+            await trio.lowlevel.checkpoint()
+
+
+# --- messages ------------------------------------------------------------------------------
+
+
+async def test_appended_messages_are_pulled_back_in_order_from_any_queue_offset(api):
+    first = await api.append([message("tele/a", b"one", qos=0), message("tele/a", b"two", retain=True)])
+    (second,) = await api.append([message("tele/b", b"three", client_id="dev2", qos=2, packet_id=7)], durable=True)
+    assert first[0] < first[1] < second
+    await dispatched(api)
+    whole, tail, empty = await api.pull([PullRequest("tele/a", 0), PullRequest("tele/a", 1),
+                                         PullRequest("none", 0)])
+    assert [(qoff, r.payload, r.qos, r.retain, r.offset) for qoff, r in whole.messages] == [
+        (0, b"one", 0, False, first[0]), (1, b"two", 1, True, first[1])]
+    assert whole.next_offset == 2 and not whole.expired
+    assert [r.payload for _, r in tail.messages] == [b"two"]
+    assert empty.messages == [] and empty.next_offset == 0
+    ((_, record),) = (await api.pull([PullRequest("tele/b", 0)]))[0].messages
+    assert (record.topic, record.client_id, record.qos, record.packet_id) == ("tele/b", "dev2", 2, 7)
+    assert await api.max_offsets(["tele/a", "tele/b", "none"]) == [2, 1, 0]
+    limited = (await api.pull([PullRequest("tele/a", 0, max_count=1)]))[0]
+    assert [r.payload for _, r in limited.messages] == [b"one"] and limited.next_offset == 1
+
+
+async def test_append_nowait_either_appends_or_would_block(api):
+    """Both may refuse to append without waiting (a remote store always does); what one does append is
+    pulled back like any append."""
+    try:
+        offsets = api.append_nowait([message("now/a")])
+    except trio.WouldBlock:
+        offsets = await api.append([message("now/a")])
+    assert len(offsets) == 1
+    await dispatched(api)
+    try:
+        results = api.pull_nowait([PullRequest("now/a", 0)])
+    except trio.WouldBlock:
+        results = await api.pull([PullRequest("now/a", 0)])
+    assert [r.offset for _, r in results[0].messages] == offsets
+
+
+async def test_retained_messages_are_found_by_the_filters_that_match_their_topics(api):
+    await api.append([message("home/kitchen/temp", b"21", retain=True), message("home/hall/temp", b"19",
+                                                                                retain=True),
+                      message("home/kitchen/light", b"on")])
+    await dispatched(api)
+    assert sorted(r.payload for r in await api.retained("home/+/temp")) == [b"19", b"21"]
+    assert [r.topic for r in await api.retained("home/kitchen/#")] == ["home/kitchen/temp"]
+    assert await api.retained("office/#") == []
+
+
+async def test_the_log_is_read_raw_from_a_record_boundary(api):
+    offsets = await api.append([message("raw/a", b"x" * 100), message("raw/a", b"y" * 100)], durable=True)
+    bounds = await api.read_log(0, 0)
+    assert bounds.data == b"" and bounds.flushed > offsets[1] and bounds.min_offset == 0
+    span = await api.read_log(offsets[0], 1 << 20)
+    assert span.start == offsets[0] and span.data_end == span.flushed == bounds.flushed
+    assert len(span.data) == span.data_end - span.start and b"y" * 100 in span.data
+    with pytest.raises(InvalidOffset) as refused:  # beyond the flushed end: the local store's exception
+        await api.read_log(bounds.flushed + 4096, 1024)
+    assert refused.value.offset == bounds.flushed + 4096
+
+
+async def test_statistics_count_what_was_written(api):
+    before = await api.statistics()
+    await api.append([message("stat/a")], durable=True)
+    after = await api.statistics()
+    assert after.written_offset > before.written_offset and after.flushed_offset == after.written_offset
+    assert not after.disk_full
+
+
+# --- subscriptions, offsets and events ------------------------------------------------------
+
+
+async def test_activate_starts_a_subscription_at_the_head_and_release_ends_it(api):
+    await api.append([message("fleet/a"), message("fleet/b")])
+    await dispatched(api)
+    assert await api.activate("fleet/+", "dev9") == 0  # a new wildcard queue starts empty
+    await api.append([message("fleet/c")])
+    await dispatched(api)
+    assert await api.max_offsets(["fleet/+"]) == [1]
+    assert await api.activate("fleet/a", "dev9") == 1  # an exact topic's queue: at its head
+    assert await api.release("fleet/+", "dev9") is True
+    assert await api.release("fleet/+", "dev9") is False
+
+
+async def test_committed_offsets_are_read_back_and_never_move_back(api):
+    await api.commit_offsets({"dev9": {"a/b": 3, "a/+": 1}, "$share/g": {"a/b": 2}})
+    assert await api.get_offsets("dev9") == {"a/b": 3, "a/+": 1}
+    assert await api.get_offsets("$share/g") == {"a/b": 2}
+    await api.commit_offsets({"dev9": {"a/b": 1}})  # a late commit of a connection taken over
+    assert await api.get_offsets("dev9") == {"a/b": 3, "a/+": 1}
+    assert await api.get_offsets("nobody") == {}
+
+
+async def test_events_come_for_watched_queues_only(stores):
+    async with stores.connect("gw-a") as api, stores.connect("gw-b") as other:
+        api.watch("ev/a")
+        await api.max_offsets([])  # a round trip: the watch is registered
+        await other.append([message("ev/b"), message("ev/a")])
+        with trio.fail_after(WAIT_S):
+            events = await api.events()
+        assert events == {"ev/a": 1}
+        api.unwatch("ev/a")
+
+
+# --- consumer groups ---------------------------------------------------------------------
+
+
+async def test_a_group_hands_messages_to_its_members_until_they_acknowledge_them(api):
+    await api.append([message("jobs/a", b"0")])
+    await dispatched(api)
+    assert await api.join("$group/workers", "jobs/a", "m1", start="earliest") == 0
+    claimed = await api.claim("$group/workers", "jobs/a", "m1", 10)
+    assert [(qoff, r.payload) for qoff, r in claimed.messages] == [(0, b"0")] and claimed.next_offset == 1
+    assert (await api.claim("$group/workers", "jobs/a", "m1", 10)).messages == []  # it holds them: not again
+    assert await api.ack("$group/workers", "jobs/a", "m1", [0]) == 1
+    await api.leave("$group/workers", "jobs/a", "m1", unsubscribe=True)
+    with pytest.raises(ValueError):
+        await api.join("$group/workers", "jobs/a", "m1", start="sometime")
+
+
+# --- sessions --------------------------------------------------------------------------------
+
+
+async def test_a_session_is_opened_saved_loaded_listed_and_ended(api):
+    assert await api.open_session("dev9", clean_start=False, expiry_s=60) is None  # a new session
+    await api.save_session("dev9", b"\x00state")
+    assert await api.load_session("dev9") == b"\x00state"
+    assert await api.sessions() == ["dev9"]
+    await api.commit_offsets({"dev9": {"s/a": 2}})
+    assert await api.open_session("dev9", clean_start=False, expiry_s=60) == b"\x00state"  # resumed
+    await api.close_session("dev9", expiry_s=60, will_delay_s=None)
+    assert await api.load_session("dev9") == b"\x00state"  # closed, not expired: kept
+    assert await api.end_session("dev9") is True
+    assert await api.load_session("dev9") is None and await api.get_offsets("dev9") == {}
+    assert await api.sessions() == []
+    assert await api.end_session("dev9") is False
+
+
+async def test_qos2_messages_await_release_until_released(api):
+    (offset,) = await api.append([message("q2/a", qos=2, client_id="dev5", packet_id=11)])
+    assert await api.awaiting_release("dev5") == {11: offset}
+    await api.release_awaiting([("dev5", 11, offset)])
+    assert await api.awaiting_release("dev5") == {}
+    assert await api.awaiting_release("nobody") == {}
+
+
+async def test_a_client_that_connects_to_another_node_is_reported_moved(stores):
+    async with stores.connect("gw-a") as first, stores.connect("gw-b") as second:
+        await first.open_session("dev3", clean_start=False, expiry_s=60)
+        await second.open_session("dev3", clean_start=False, expiry_s=60)
+        with trio.fail_after(WAIT_S):
+            assert await first.moved() == ["dev3"]
+        assert await second.admin_call("dev3", "client") is None  # connected to the asking node itself
+
+
+async def test_available_at_once_while_connected(api):
+    with trio.fail_after(WAIT_S):
+        await api.wait_available()
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+async def test_bad_input_is_refused_with_the_same_exceptions_and_nothing_is_appended(api):
+    with pytest.raises(RecordTooLarge):
+        await api.append([message("err/a", b"x" * (SMALL_RECORD_BYTES * 2))])
+    with pytest.raises(ValueError, match="QoS must be 0, 1 or 2"):
+        await api.append([message("err/a", qos=3)])
+    with pytest.raises(TopicError, match="'#' must be the last level"):
+        await api.activate("err/#/b", "dev1")
+    with pytest.raises(ValueError, match="max_count and max_bytes must be positive"):
+        await api.pull([PullRequest("err/a", 0, max_count=0)])
+    assert await api.max_offsets(["err/a"]) == [0]  # nothing was appended, and the store goes on
+    assert len(await api.append([message("err/a")])) == 1
+
+
+@pytest.fixture
+async def full_stores(small_disk, request, nursery) -> AsyncIterator[Implementation]:
+    """Store clients of the kind asked for, over a store node on a small tmpfs of its own."""
+    async with open_store(small_disk / "data", CommitLogConfig(segment_bytes=1 << 20)) as node:
+        yield Implementation(request.param, node, nursery)
+
+
+@pytest.mark.parametrize("full_stores", ["local", "remote"], indirect=True)
+async def test_a_full_disk_refuses_appends_with_log_full_and_keeps_what_was_stored(full_stores, small_disk):
+    async with full_stores.connect("gw-a") as api:
+        (stored,) = await api.append([message("full/a", b"kept")], durable=True)
+        fill(small_disk / "filler")
+        with pytest.raises(LogFullError):
+            await api.append([message("full/a", b"x" * 2048) for _ in range(600)], durable=True)
+        (small_disk / "filler").unlink()
+        (after,) = await api.append([message("full/a", b"after")], durable=True)  # room again: at once
+        await dispatched(api)
+        records = (await api.pull([PullRequest("full/a", 0)]))[0].messages
+        assert [(r.offset, r.payload) for _, r in records] == [(stored, b"kept"), (after, b"after")]
