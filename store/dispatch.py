@@ -18,8 +18,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol, Sequence, final
+from functools import partial
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, final
 
 import trio
 
@@ -31,6 +33,7 @@ from store.log.commitlog import SKIPPED, CommitLog, ScanResult
 from store.log.errors import OffsetExpired
 from store.log.recent import RecentRecords
 from store.log.record import FLAG_CONTROL, FLAG_RETAIN, CorruptRecord, Record
+from store.restate import restate
 
 __all__ = ["ControlApplier", "DispatchBatch", "Dispatcher", "DispatcherStatistics"]
 
@@ -184,6 +187,8 @@ class Dispatcher:
         if queues.retained_offset < log.min_offset:
             queues.on_retention(log.min_offset)
         log.add_retention_listener(queues.on_retention)
+        if self._appliers:  # their live state is appended again before retention deletes what made it
+            log.add_retention_prelude(partial(restate, log, self))
         start = min([queues.checkpoint, *(part.checkpoint for part in (retained, awaiting) if part is not None),
                      *(applier.checkpoint for applier in self._appliers)])
         self._offset = max(start, log.min_offset)
@@ -243,6 +248,19 @@ class Dispatcher:
         if pulled.filters:
             found["filters"] = pulled.filters
         return {"log_end": log_end, **found} if found else {}
+
+    @contextmanager
+    def caught_up(self) -> Iterator[tuple[int, tuple[ControlApplier, ...]]]:
+        """Hold dispatch still with every record below the log's end applied: yields (that end, the appliers).
+        Appends may go on meanwhile (store/restate.py checks the end again when it appends)."""
+        while True:
+            while self._step(self._scan_bytes) is not None:
+                pass
+            with self._lock:
+                end = self._log.written_offset
+                if self._offset >= end:
+                    yield end, self._appliers
+                    return
 
     def dispatch_once(self, max_bytes: int | None = None) -> DispatchBatch | None:
         """One turn of :meth:`run` for callers without its task (repair, the index benchmark, tests): the same

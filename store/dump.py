@@ -62,9 +62,11 @@ def dump(index: Path) -> dict[str, Any]:
                 continue
             family = db.get_column_family(name)
             try:
-                out["families"][name] = _family(name, [(k, v) for k, v in family.items() if k != b""])
+                found = _family(name, [(k, v) for k, v in family.items() if k != b""])
             finally:
                 family.close()
+            if found:  # an empty family is no state: whether it exists depends on what opened the database
+                out["families"][name] = found
         return out
     finally:
         db.close()

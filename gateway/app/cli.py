@@ -110,6 +110,9 @@ def _cmd_repair(args: argparse.Namespace, conf: cfg.Config) -> int:
         LOG.error("repair failed: %s", exc, extra={"ctx": {"data": conf["node.data"]}})
         return 1
     LOG.info("repair done: start the node again", extra={"ctx": done})
+    if done["tables_set_aside"] and done["not_in_the_log"]:
+        LOG.warning("what the tables set aside held of the state not yet in the CommitLog is lost: %s",
+                    ", ".join(done["not_in_the_log"]), extra={"ctx": {"tables_set_aside": done["tables_set_aside"]}})
     return 0
 
 
