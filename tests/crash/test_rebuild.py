@@ -35,12 +35,12 @@ from gateway.mqtt.properties import Properties
 from store.clients.consumer import Consumer
 from store.dump import dump
 from tests.helpers.cluster import WAIT_S, Gateway, Store, free_port
-from tests.helpers.mqtt_fixtures import RawClient, check_nothing_before_sentinel, run_id, subscribe5
-from tests.crash.test_expiry import LONG_S, session5
+from tests.helpers.mqtt_fixtures import RawClient, check_nothing_before_sentinel, run_id, session5, subscribe5
 
 pytestmark = pytest.mark.slow
 
 WILL_DELAY_S = 2
+LONG_S = 3600  # the Session Expiry Interval of every persistent session: none expires during the test
 BESIDE_THE_LOG = ("kept beside the CommitLog until the control records of branches queues and clients land (session "
                  "blobs, the client ledger, QoS 2 releases, activations, offset commits, queue ids)")
 
