@@ -121,10 +121,16 @@ def publish_all(port: int, work: Workload) -> None:
     publisher.disconnect()
 
 
+def raw_session(port: int, client_id: str) -> tuple[RawClient, bool]:
+    """A raw MQTT 5 connection of a persistent session (no automatic acknowledgements): (it, Session Present)."""
+    client = RawClient(port, MQTT_5)
+    connack = client.connect(client_id, clean=False, properties=Properties(session_expiry_interval=LONG_S))
+    return client, connack.session_present
+
+
 def half_done_qos2_publisher(port: int, work: Workload) -> None:
     """A QoS 2 PUBLISH to the exact topic, PUBREC received, PUBREL never sent; the connection drops."""
-    client = RawClient(port, MQTT_5)
-    client.connect(f"q2pub-{work.run}", clean=False, properties=Properties(session_expiry_interval=LONG_S))
+    client, _ = raw_session(port, f"q2pub-{work.run}")
     client.send(Publish(f"{work.root}/exact", b"q2", qos=2, packet_id=7))
     assert isinstance(client.receive(), Pubrec)
     client.close()
@@ -134,8 +140,7 @@ def half_done_qos2_publisher(port: int, work: Workload) -> None:
 
 def unacknowledged_qos2_subscriber(port: int, work: Workload) -> None:
     """A QoS 2 subscriber that receives a message and never answers PUBREC; the connection drops."""
-    client = RawClient(port, MQTT_5)
-    client.connect(f"q2sub-{work.run}", clean=False, properties=Properties(session_expiry_interval=LONG_S))
+    client, _ = raw_session(port, f"q2sub-{work.run}")
     work.q2_topic = f"{work.root}/q2/t"
     client.subscribe(work.q2_topic, qos=2)
     publisher, _ = session5(port, f"pub2-{work.run}", 0, clean=True)
@@ -246,7 +251,8 @@ def test_queue_ids_filters_offsets_sessions_flows_and_clients_come_back(rebuilt)
     _, _, work = rebuilt
     for part in ("next_queue_id", "filters", "offsets"):
         assert work.after[part] == work.before[part], part
-    assert {n: q["id"] for n, q in work.after["queues"].items()} == {n: q["id"] for n, q in work.before["queues"].items()}
+    ids = [{name: queue["id"] for name, queue in state["queues"].items()} for state in (work.after, work.before)]
+    assert ids[0] == ids[1]
     for family in ("sessions", "qos2", "clients"):
         assert work.after["families"].get(family) == work.before["families"].get(family), family
 
@@ -273,6 +279,20 @@ def test_a_new_subscriber_gets_the_retained_messages(running):
     got = {m.topic: m.payload for m in client.receive(len(work.retained))}
     assert got == work.retained  # the deleted one stays deleted [MQTT-3.3.1-10]
     client.disconnect()
+
+
+def raw_resume(port: int, client_id: str) -> RawClient:
+    client, present = raw_session(port, client_id)
+    assert present, f"{client_id}: Session Present 0 after the rebuild [MQTT-3.2.2-3]"
+    return client
+
+
+def nothing_more(port: int, watcher, topic: str) -> None:
+    """Nothing more arrives at ``watcher`` through the subscriptions ``topic`` matches (a sentinel); it leaves."""
+    barrier, _ = session5(port, f"barrier-{run_id()}", 0, clean=True)
+    check_nothing_before_sentinel(watcher, barrier, topic)
+    watcher.disconnect()
+    barrier.disconnect()
 
 
 def shared_receipts(members, publisher, root: str, count: int) -> list[tuple[str, bytes]]:
@@ -313,7 +333,8 @@ def test_every_persistent_subscriber_gets_exactly_what_was_published_while_it_wa
         check_nothing_before_sentinel(client, barrier, f"{work.root}/{filter}")
         client.disconnect()
     members = [resume(gateway.port, f"{name}-{work.run}") for name in SHARED]
-    assert sorted(shared_receipts(members, barrier, work.root, len(work.shared))) == sorted(work.shared)  # each to one member, once
+    got = shared_receipts(members, barrier, work.root, len(work.shared))
+    assert sorted(got) == sorted(work.shared)  # each message of the group to one member, once
     for member in members:
         member.disconnect()
     barrier.disconnect()
@@ -322,28 +343,20 @@ def test_every_persistent_subscriber_gets_exactly_what_was_published_while_it_wa
 @beside_the_log
 def test_the_half_done_qos2_publisher_completes_and_its_resend_is_not_stored_again(running):
     _, gateway, work = running
-    client = RawClient(gateway.port, MQTT_5)
-    connack = client.connect(f"q2pub-{work.run}", clean=False, properties=Properties(session_expiry_interval=LONG_S))
-    assert connack.session_present
+    client = raw_resume(gateway.port, f"q2pub-{work.run}")
     client.send(Publish(f"{work.root}/exact", b"q2", qos=2, dup=True, packet_id=7))
     assert isinstance(client.receive(), Pubrec)  # known flow: acknowledged, not stored again [MQTT-4.3.3-2]
     client.send(Pubrel(7))
     completed = client.receive()
     assert isinstance(completed, Pubcomp) and completed.packet_id == 7 and not completed.reason_code.is_failure
     client.close()
-    watcher = resume(gateway.port, f"exact-{work.run}")
-    barrier, _ = session5(gateway.port, f"barrier2-{work.run}", 0, clean=True)
-    check_nothing_before_sentinel(watcher, barrier, f"{work.root}/exact")  # no second copy of b"q2"
-    watcher.disconnect()
-    barrier.disconnect()
+    nothing_more(gateway.port, resume(gateway.port, f"exact-{work.run}"), f"{work.root}/exact")  # no second b"q2"
 
 
 @beside_the_log
 def test_the_subscriber_gets_its_unacknowledged_qos2_message_again(running):
     _, gateway, work = running
-    client = RawClient(gateway.port, MQTT_5)
-    connack = client.connect(f"q2sub-{work.run}", clean=False, properties=Properties(session_expiry_interval=LONG_S))
-    assert connack.session_present
+    client = raw_resume(gateway.port, f"q2sub-{work.run}")
     again = client.receive()
     assert isinstance(again, Publish) and again.payload == b"held", again
     assert again.dup and again.packet_id == work.q2_packet_id  # [MQTT-4.4.0-1]
@@ -372,7 +385,4 @@ def test_the_delayed_will_is_published_once(running):
     watcher = resume(gateway.port, f"will-{work.run}")
     [will] = watcher.receive(1)
     assert (will.topic, will.payload) == (f"w{work.root}/w", b"gone")
-    barrier, _ = session5(gateway.port, f"barrier3-{work.run}", 0, clean=True)
-    check_nothing_before_sentinel(watcher, barrier, f"w{work.root}/sentinel")
-    watcher.disconnect()
-    barrier.disconnect()
+    nothing_more(gateway.port, watcher, f"w{work.root}/sentinel")

@@ -31,7 +31,8 @@ def logged(path) -> None:
     node.lq.activate("a/+", "holder", 0)
     node.lq.commit_offsets("holder", {"a/+": 2})
     for i in range(300):
-        node.log.append(encode_record(f"a/{i % 3}", b"%d" % i, retain=i % 50 == 0, queues=node.lq.targets(f"a/{i % 3}")))
+        topic = f"a/{i % 3}"
+        node.log.append(encode_record(topic, b"%d" % i, retain=i % 50 == 0, queues=node.lq.targets(topic)))
     node.close()
 
 
