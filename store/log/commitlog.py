@@ -1019,8 +1019,8 @@ class CommitLog:
             LOGGER.exception("CommitLog retention deferred: what must outlive the segments was not restated",
                              extra={"ctx": {"segments": count}})
             return []
-        with self._lock:  # only retention removes segments: the doomed ones are still the oldest
-            if self._closed:
+        with self._lock:
+            if self._closed or self._view.segments[:count] != doomed:  # closed, or cut meanwhile: next run
                 return []
             self._view = _View.of(self._view.segments[count:])
         for seg in doomed:

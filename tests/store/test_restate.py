@@ -15,6 +15,8 @@ import sys
 import textwrap
 from collections.abc import Iterable
 
+import trio
+
 from lightqueue.queues import LightQueues
 from store.control import Control, SessionEnded, SessionSaved, encode_control
 from store.dispatch import Dispatcher
@@ -172,4 +174,27 @@ def test_a_session_ended_while_its_state_was_restated_is_not_brought_back(tmp_pa
     again = Sessions()
     derived(log, tmp_path / "rebuilt", again)
     assert again.blobs == {}  # the stale restatement was not appended after the end it did not know
+    log.close()
+
+
+async def test_what_the_restatement_dispatched_first_is_announced(tmp_path):
+    """The restatement dispatches what was appended since the last step (in retention's thread): the dispatch
+    loop still tells the listener, and its waiters, about it."""
+    log = CommitLog.open(tmp_path / "commitlog", CONFIG)
+    written_with_live_sessions(log)
+    events: list[dict[str, int]] = []
+    queues = LightQueues(open_db(tmp_path / "index"))
+    dispatcher = Dispatcher(log, queues, events.append, appliers=[Sessions()])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(dispatcher.run)
+        with trio.fail_after(10):
+            await dispatcher.wait_dispatched(log.written_offset)
+            control(log, SessionSaved("c", b"blob-c"))
+            log.append(encode_record("t", b"late"))  # no wake-up: retention's restatement dispatches it
+            late = log.written_offset
+            assert await trio.to_thread.run_sync(log.delete_expired)
+            await dispatcher.wait_dispatched(late)
+            while not any(event.get("t") == queues.max_offset("t") for event in events):
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
     log.close()
