@@ -12,9 +12,11 @@ records and the restatement: applying is idempotent and the restatement says the
 
 No gap. The restatement is the state as of one log offset: dispatch has applied every record below the log's end
 (its lock held, so no step runs meanwhile) and the batch is appended only if the log still ends there
-(``CommitLog.append_if_end``); otherwise a control record appended meanwhile (a session ended) could be applied
-before a restatement that predates it, and a rebuild would bring back what it ended. Under appends the attempt
-is repeated after dispatching what came (``ATTEMPTS`` times, then retention waits for its next run).
+(``CommitLog.append_computed``); otherwise a control record appended meanwhile (a session ended) could be
+applied before a restatement that predates it, and a rebuild would bring back what it ended. Under appends the
+attempt is repeated after dispatching what came; after ``ATTEMPTS`` tries (a log appended to without pause) the
+state is read and appended with the log's append lock held, so appends wait for it (a pause as long as reading
+the state: retention must not wait for a quiet moment that may never come).
 """
 
 from __future__ import annotations
@@ -29,18 +31,13 @@ from store.log.record import now_ms
 if TYPE_CHECKING:
     from store.dispatch import Dispatcher
 
-__all__ = ["ATTEMPTS", "RestateError", "restate"]
+__all__ = ["ATTEMPTS", "restate"]
 
 LOGGER = logging.getLogger(__name__)
 
-ATTEMPTS = 50
-"""Tries at appending the restatement with nothing between it and the state it restates, before retention is
-deferred; each retry first dispatches what was appended meanwhile (milliseconds), so only a log appended to without
-pause for all of them defers it."""
-
-
-class RestateError(RuntimeError):
-    """The log kept growing between reading the state and appending it: retention waits for its next run."""
+ATTEMPTS = 20
+"""Tries at appending the restatement with nothing between it and the state it restates, without stopping
+appends; each retry first dispatches what was appended meanwhile. Then appends are held while it is made."""
 
 
 def restate(log: CommitLog, dispatcher: Dispatcher, new_min_offset: int) -> int:
@@ -48,19 +45,37 @@ def restate(log: CommitLog, dispatcher: Dispatcher, new_min_offset: int) -> int:
     to delete the records below ``new_min_offset``). Returns the number of records appended.
 
     Raises:
-        RestateError: something was appended before every attempt could append the restatement.
         RecordTooLarge: a restated record exceeds the log's maximum record size (retention waits, and says why).
+        OSError: the log refused the append (a full disk) or the flush.
     """
     for _ in range(ATTEMPTS):
-        with dispatcher.caught_up() as (end, appliers):
-            controls = [control for applier in appliers for control in applier.restate()]
-            if not controls:
-                return 0
-            records = [raw for raw, _ in encode_all(controls, now_ms(), log.config.max_record_bytes)]
-            offsets = log.append_if_end(records, end)
-        if offsets is not None:
-            log.flush()
-            LOGGER.info("live state restated before retention", extra={"ctx": {
-                "records": len(records), "at": end, "retention_min_offset": new_min_offset}})
-            return len(records)
-    raise RestateError(f"the CommitLog grew during each of {ATTEMPTS} attempts to restate the live state")
+        end, records = _restated(log, dispatcher)
+        if not records:
+            return 0
+        if log.append_computed(lambda at, end=end, records=records: records if at == end else None) is not None:
+            break
+    else:
+        made: list[bytes] = []
+
+        def under_the_lock(at: int) -> list[bytes]:
+            end, records = _restated(log, dispatcher)
+            if end != at:  # nothing appends without the lock: a bug, not a race
+                raise RuntimeError(f"the CommitLog's end moved from {at} to {end} under its append lock")
+            made.extend(records)
+            return records
+
+        log.append_computed(under_the_lock)
+        records = made
+        if not records:
+            return 0
+    log.flush()
+    LOGGER.info("live state restated before retention", extra={"ctx": {
+        "records": len(records), "retention_min_offset": new_min_offset}})
+    return len(records)
+
+
+def _restated(log: CommitLog, dispatcher: Dispatcher) -> tuple[int, list[bytes]]:
+    """The log's end, and the records restating every applier's state as of it (dispatch caught up to it)."""
+    with dispatcher.caught_up() as (end, appliers):
+        controls = [control for applier in appliers for control in applier.restate()]
+        return end, [raw for raw, _ in encode_all(controls, now_ms(), log.config.max_record_bytes)]

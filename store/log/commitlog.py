@@ -486,15 +486,17 @@ class CommitLog:
             self._check_writable()
             return self._append_locked(records, sizes, store_ms)
 
-    def append_if_end(self, records: Sequence[bytes], end: int) -> list[int] | None:
-        """:meth:`append_stamped` of records this process encoded, only if the log still ends at ``end`` (None:
-        something was appended since): records computed from the state as of ``end`` land with nothing between
-        (store/restate.py)."""
-        sizes = self._sizes(records)
-        store_ms = [PEEK.unpack_from(r)[2] for r in records]
+    def append_computed(self, compute: Callable[[int], Sequence[bytes] | None]) -> list[int] | None:
+        """Append the records ``compute(end)`` makes for the log's end as it is, with nothing appended between
+        (store/restate.py); None if it makes none. It runs under the append lock: appends wait for it. The
+        records are ones this process encoded (their headers are not checked)."""
         with self._lock:
             self._check_writable()
-            return self._append_locked(records, sizes, store_ms) if self._written == end else None
+            records = compute(self._written)
+            if not records:
+                return None
+            sizes = self._sizes(records)
+            return self._append_locked(records, sizes, [PEEK.unpack_from(r)[2] for r in records])
 
     def append_stamped(self, records: Sequence[bytes], store_ms: int) -> list[int]:
         """:meth:`append_batch` for records this process encoded itself (``store.log.record.new_record``), all

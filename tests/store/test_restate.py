@@ -198,3 +198,34 @@ async def test_what_the_restatement_dispatched_first_is_announced(tmp_path):
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     log.close()
+
+
+class Busy(Sessions):
+    """Each of its first ``times`` restatements races a message appended after the state was read."""
+
+    def __init__(self, log: CommitLog, times: int) -> None:
+        super().__init__()
+        self.log = log
+        self.times = times
+
+    def restate(self) -> Iterable[Control]:
+        state = super().restate()
+        if self.times:
+            self.times -= 1
+            self.log.append(encode_record("t", b"meanwhile"))
+        return state
+
+
+def test_a_log_appended_to_without_pause_is_restated_with_its_appends_held(tmp_path, monkeypatch):
+    """Retention does not wait for a quiet moment that may never come: after ``ATTEMPTS`` raced tries, the state
+    is read and appended under the append lock."""
+    monkeypatch.setattr("store.restate.ATTEMPTS", 3)
+    log = CommitLog.open(tmp_path / "commitlog", CONFIG)
+    written_with_live_sessions(log)
+    busy = Busy(log, times=3)
+    derived(log, tmp_path / "index", busy)
+    assert log.delete_expired() and busy.times == 0
+    again = Sessions()
+    derived(log, tmp_path / "rebuilt", again)
+    assert again.blobs == {"a": b"blob-a"}
+    log.close()
