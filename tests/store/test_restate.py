@@ -197,6 +197,9 @@ async def test_what_the_restatement_dispatched_first_is_announced(tmp_path):
             while not any(event.get("t") == queues.max_offset("t") for event in events):
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
+    again = Sessions()
+    derived(log, tmp_path / "rebuilt", again)
+    assert again.blobs == {"a": b"blob-a", "c": b"blob-c"}  # restated with what was not dispatched yet
     log.close()
 
 
