@@ -18,8 +18,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol, Sequence, final
+from functools import partial
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, final
 
 import trio
 
@@ -31,6 +33,7 @@ from store.log.commitlog import SKIPPED, CommitLog, ScanResult
 from store.log.errors import OffsetExpired
 from store.log.recent import RecentRecords
 from store.log.record import FLAG_CONTROL, FLAG_RETAIN, CorruptRecord, Record
+from store.restate import restate
 
 __all__ = ["ControlApplier", "DispatchBatch", "Dispatcher", "DispatcherStatistics"]
 
@@ -184,6 +187,8 @@ class Dispatcher:
         if queues.retained_offset < log.min_offset:
             queues.on_retention(log.min_offset)
         log.add_retention_listener(queues.on_retention)
+        if self._appliers:  # their live state is appended again before retention deletes what made it
+            log.add_retention_prelude(partial(restate, log, self))
         start = min([queues.checkpoint, *(part.checkpoint for part in (retained, awaiting) if part is not None),
                      *(applier.checkpoint for applier in self._appliers)])
         self._offset = max(start, log.min_offset)
@@ -197,6 +202,9 @@ class Dispatcher:
         self._wakeup = trio.Event()
         self._progress = trio.Event()
         self._failing = False  # a step or flush failed and was logged; cleared (and logged) when one succeeds
+        self._unannounced: dict[str, int] = {}  # max offsets of the steps caught_up took, for run to announce
+        self._unannounced_to: int | None = None  # where those steps ended (None: there are none)
+        self._unannounced_lock = threading.Lock()  # not the step lock: the trio thread takes it at every turn
 
     @property
     def dispatched_offset(self) -> int:
@@ -244,6 +252,22 @@ class Dispatcher:
             found["filters"] = pulled.filters
         return {"log_end": log_end, **found} if found else {}
 
+    @contextmanager
+    def caught_up(self) -> Iterator[tuple[int, tuple[ControlApplier, ...]]]:
+        """Hold dispatch still with every record below the log's end applied: yields (that end, the appliers).
+        Appends may go on meanwhile (store/restate.py checks the end again when it appends). The steps it takes
+        in the caller's thread are announced by :meth:`run` at its next turn (within ``FALLBACK_WAKE_S``)."""
+        while True:
+            while (batch := self._step(self._scan_bytes)) is not None:
+                with self._unannounced_lock:
+                    self._unannounced.update(batch.max_offsets)
+                    self._unannounced_to = batch.next_offset
+            with self._lock:
+                end = self._log.written_offset
+                if self._offset >= end:
+                    yield end, self._appliers
+                    return
+
     def dispatch_once(self, max_bytes: int | None = None) -> DispatchBatch | None:
         """One turn of :meth:`run` for callers without its task (repair, the index benchmark, tests): the same
         :meth:`step` and listener call, here in the caller's thread.
@@ -263,6 +287,19 @@ class Dispatcher:
         if flush and self._flush_due():
             self._flush_idle()
         return batch
+
+    def _with_unannounced(self, batch: DispatchBatch | None) -> DispatchBatch | None:
+        """``batch`` with the steps :meth:`caught_up` took since the last turn of :meth:`run` (None: neither)."""
+        if self._unannounced_to is None:  # read without the lock: one set meanwhile is taken at the next turn
+            return batch
+        with self._unannounced_lock:
+            events, self._unannounced = self._unannounced, {}
+            next_offset, self._unannounced_to = self._unannounced_to, None
+        if batch is None:
+            return DispatchBatch(next_offset, next_offset, 0, events)
+        for queue, max_offset in batch.max_offsets.items():
+            events[queue] = max(max_offset, events.get(queue, 0))
+        return DispatchBatch(batch.from_offset, batch.next_offset, batch.records, events)
 
     def _announce(self, batch: DispatchBatch | None) -> None:
         """Tell the listener the queues' new maxima (in the trio thread when :meth:`run` runs)."""
@@ -420,6 +457,7 @@ class Dispatcher:
             if self._failing:
                 self._failing = False
                 LOGGER.warning("dispatch works again", extra={"ctx": {"dispatched_offset": self._offset}})
+            batch = self._with_unannounced(batch)
             if batch is None:
                 continue
             self._announce(batch)

@@ -1,25 +1,20 @@
 """``lightgate repair``: bring a node's data back to a state it can start from after the index database broke.
 
-The CommitLog is the source of truth and checks itself on every open; the
-index database (``<data>/index``, RocksDB) holds derived state (light-queue
-entries, max offsets, the dispatch checkpoint, retained copies) and state with
-no other source (queue ids, filter activations and holders, consumer offsets,
-session blobs). When a RocksDB file is damaged (CURRENT, MANIFEST, an SST) the
-node refuses to start with one line pointing here. The repair:
+The CommitLog is the source of truth and checks itself on every open; the index database (``<data>/index``,
+RocksDB) is derived from it (docs/storage.md, "Recovery"). When a RocksDB file is damaged (CURRENT, MANIFEST, an
+SST) the node refuses to start with one line pointing here. The repair rebuilds the index from the log:
 
 1. opens the CommitLog, which takes its lock (a running node makes it fail) and recovers it;
-2. copies the index directory aside (``index.before-repair-<time>``), untouched, for later inspection;
-3. runs RocksDB's own repair, which rebuilds the MANIFEST and CURRENT from the table and WAL files it
-   can read and sets aside (in ``index/lost``) those it cannot;
-4. forgets the derived index state (entries, max offsets, the checkpoint) and makes the rest consistent
-   (lightqueue/reindex.py), and has the retained messages taken again from the log's start: a lost table
-   may have held entries or retained messages below a checkpoint that survived in another;
-5. opens the result as the node would and re-indexes the whole CommitLog, every entry at its original
-   queue offset, pulling every position past the log's end back to it (``Dispatcher.recover``).
+2. moves the damaged index aside (``index.before-repair-<time>``), untouched, for later inspection;
+3. while some state is still kept beside the log (:data:`BESIDE_THE_LOG`), salvages it: a copy of the damaged
+   index goes through RocksDB's own repair (which keeps the table and WAL files it can read and sets aside, in
+   ``index/lost``, those it cannot), then everything derived is forgotten and the rest made consistent
+   (lightqueue/reindex.py); with nothing beside the log, the new index starts empty;
+4. dispatches the whole CommitLog into it, every entry at its original queue offset, the retained messages taken
+   again from the log's start, every position past the log's end pulled back to it (``Dispatcher.recover``).
 
-What it cannot bring back is described in docs/storage.md ("Repair"): state with no other source
-(session blobs, consumer offsets, filter holders and activations, queue ids) that was only in a table
-file RocksDB could not read.
+What it cannot bring back is what :data:`BESIDE_THE_LOG` names, when it was only in a table file RocksDB could not
+read (docs/storage.md, "Repair").
 """
 
 from __future__ import annotations
@@ -38,7 +33,13 @@ from store.log.commitlog import CommitLog, CommitLogConfig
 from store.dispatch import Dispatcher
 from store.rocks import open_db
 
-__all__ = ["repair"]
+__all__ = ["BESIDE_THE_LOG", "repair"]
+
+BESIDE_THE_LOG = ("session blobs", "client ledger", "filter activations and holders", "consumer offsets",
+                  "queue ids", "inbound QoS 2 releases")
+"""The state the index still keeps with no record in the CommitLog: salvaged from the damaged index (what RocksDB
+can read of it), lost where it cannot. Each goes from here as it becomes control records (issue 26); empty, the
+repair is a rebuild from the log alone."""
 
 
 def repair(data: Path, config: CommitLogConfig) -> dict[str, Any]:
@@ -51,12 +52,10 @@ def repair(data: Path, config: CommitLogConfig) -> dict[str, Any]:
     index = data / "index"
     with CommitLog.open(data / "commitlog", config) as log:
         backup = data / f"index.before-repair-{time.strftime('%Y%m%d-%H%M%S')}"
-        shutil.copytree(index, backup)
-        rocksdict.Rdict.repair(str(index), rocksdict.Options(raw_mode=True))
-        lost = index / "lost"
-        db = open_db(index)
+        index.rename(backup)
+        db, salvaged, set_aside = _salvaged(index, backup) if BESIDE_THE_LOG else (open_db(index), False, [])
         try:
-            rebuilt = forget_derived(db, log.min_offset, log.written_offset)
+            rebuilt = forget_derived(db, log.min_offset, log.written_offset) if salvaged else {}
             queues = LightQueues(db)
             retained = RetainedStore(db)
             retained.replay_all()
@@ -68,5 +67,21 @@ def repair(data: Path, config: CommitLogConfig) -> dict[str, Any]:
         finally:
             db.close()
         return {"data": str(data), "backup": str(backup), "log_end": log.written_offset,
-                "tables_set_aside": sorted(p.name for p in lost.iterdir()) if lost.is_dir() else [],
-                "reindexed": rebuilt, "pulled_back": pulled}
+                "tables_set_aside": set_aside,
+                "reindexed": rebuilt, "pulled_back": pulled, "not_in_the_log": list(BESIDE_THE_LOG),
+                "salvaged": salvaged}
+
+
+def _salvaged(index: Path, damaged: Path) -> tuple[rocksdict.Rdict, bool, list[str]]:
+    """What RocksDB's repair keeps of a copy of the ``damaged`` index, opened at ``index``, and the table files it
+    set aside; an empty index (salvaged: False) when that cannot be opened (every table of a column family lost:
+    rocksdict still lists the family)."""
+    shutil.copytree(damaged, index)
+    rocksdict.Rdict.repair(str(index), rocksdict.Options(raw_mode=True))
+    lost = index / "lost"
+    set_aside = sorted(p.name for p in lost.iterdir()) if lost.is_dir() else []
+    try:
+        return open_db(index), True, set_aside
+    except Exception:  # rocksdict raises plain Exceptions ("Column family not found")
+        shutil.rmtree(index)
+        return open_db(index), False, set_aside

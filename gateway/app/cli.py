@@ -110,6 +110,9 @@ def _cmd_repair(args: argparse.Namespace, conf: cfg.Config) -> int:
         LOG.error("repair failed: %s", exc, extra={"ctx": {"data": conf["node.data"]}})
         return 1
     LOG.info("repair done: start the node again", extra={"ctx": done})
+    if done["tables_set_aside"] and done["not_in_the_log"]:
+        LOG.warning("what the tables set aside held of the state not yet in the CommitLog is lost: %s",
+                    ", ".join(done["not_in_the_log"]), extra={"ctx": {"tables_set_aside": done["tables_set_aside"]}})
     return 0
 
 
@@ -292,6 +295,38 @@ def _cmd_simulate(args: argparse.Namespace, conf: cfg.Config) -> int:
     return run(args)
 
 
+def _cmd_dump(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from pathlib import Path
+
+    from store.dump import dump_json
+
+    try:
+        text = dump_json(Path(conf["node.data"]) / "index")
+    except Exception as exc:  # rocksdict raises plain Exceptions; FileNotFoundError: no index there
+        LOG.error("dump failed: %s", exc, extra={"ctx": {"data": conf["node.data"]}})
+        return 1
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+def _cmd_snapshot(args: argparse.Namespace, conf: cfg.Config) -> int:
+    from pathlib import Path
+
+    from store.log.commitlog import CommitLogConfig
+    from store.snapshot import snapshot
+
+    if not args.to:
+        LOG.error("snapshot needs --to DIR: the new directory to write the copy to")
+        return 2
+    try:
+        done = snapshot(Path(conf["node.data"]), Path(args.to), CommitLogConfig.from_settings(conf.values))
+    except Exception as exc:  # rocksdict raises plain Exceptions; OSError: a node still runs on the data
+        LOG.error("snapshot failed: %s", exc, extra={"ctx": {"data": conf["node.data"]}})
+        return 1
+    LOG.info("snapshot done", extra={"ctx": done})
+    return 0
+
+
 def _cmd_bridge(args: argparse.Namespace, conf: cfg.Config) -> int:
     from gateway.bridge import run_bridge
 
@@ -317,6 +352,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                           "gateway nodes over the RPC (--listen HOST:PORT)", _cmd_store)
     node_command("repair", "repair a stopped node's data after its index database broke (RocksDB's repair, then "
                            "re-indexing from the CommitLog; docs/storage.md, \"Repair\")", _cmd_repair)
+    node_command("dump", "print a stopped node's index database as canonical JSON: what it derived from the "
+                         "CommitLog, independent of how it was written (docs/storage.md, \"Recovery\")", _cmd_dump)
+    p = node_command("snapshot", "copy a stopped node's index database consistently (RocksDB's checkpoint) to "
+                                 "--to DIR, for a replica to start from (docs/storage.md, \"Recovery\")",
+                     _cmd_snapshot)
+    p.add_argument("--to", metavar="DIR", help="the new directory to write the copy to (required)")
     p = node_command("gateway", "run a cluster gateway node in front of a store node (--store HOST:PORT, "
                                 "--workers N)", _cmd_gateway)
     p.set_defaults(argv=argv)  # --workers N starts N processes with the same command line

@@ -295,6 +295,8 @@ COMMAND_KEYS: dict[str, tuple[str, ...]] = {
     "gateway": ("node.host", "node.port", "gateway", "store.token", "tls", "ws", "wss", "log", "mqtt", "auth",
                 "limits", "admin"),
     "repair": ("node.data", "log", "commitlog"),
+    "dump": ("node.data", "log"),
+    "snapshot": ("node.data", "log", "commitlog"),
     "bridge": ("node.host", "node.port", "log", "bridge"),
 }
 """The keys each node command reads (a section stands for all its keys): its ``--help`` shows only their flags,

@@ -262,6 +262,7 @@ class CommitLog:
         self._closed = False
         self._released = False
         self._listeners: list[Callable[[int], None]] = []
+        self._preludes: list[Callable[[int], None]] = []
         self._retention_guard: Callable[[int], bool] | None = None
         self._appended_records = 0
         self._appended_batches = 0
@@ -484,6 +485,18 @@ class CommitLog:
         with self._lock:
             self._check_writable()
             return self._append_locked(records, sizes, store_ms)
+
+    def append_computed(self, compute: Callable[[int], Sequence[bytes] | None]) -> list[int] | None:
+        """Append the records ``compute(end)`` makes for the log's end as it is, with nothing appended between
+        (store/restate.py); None if it makes none. It runs under the append lock: appends wait for it. The
+        records are ones this process encoded (their headers are not checked)."""
+        with self._lock:
+            self._check_writable()
+            records = compute(self._written)
+            if not records:
+                return None
+            sizes = self._sizes(records)
+            return self._append_locked(records, sizes, [PEEK.unpack_from(r)[2] for r in records])
 
     def append_stamped(self, records: Sequence[bytes], store_ms: int) -> list[int]:
         """:meth:`append_batch` for records this process encoded itself (``store.log.record.new_record``), all
@@ -957,6 +970,11 @@ class CommitLog:
         """Call ``fn(new_min_offset)`` after retention deletes segments (in the thread that ran it)."""
         self._listeners.append(fn)
 
+    def add_retention_prelude(self, fn: Callable[[int], None]) -> None:
+        """Call ``fn(new_min_offset)`` before retention deletes the segments below it (in the thread that runs it):
+        it appends, durably, what must outlive them (store/restate.py). If it raises, nothing is deleted this time."""
+        self._preludes.append(fn)
+
     def set_retention_guard(self, may_delete: Callable[[int], bool] | None) -> None:
         """Let retention delete a segment only if ``may_delete(base)`` is true (None: no guard).
 
@@ -996,7 +1014,17 @@ class CommitLog:
             if not count:
                 return []
             doomed = segments[:count]
-            self._view = _View.of(segments[count:])
+        try:
+            for prelude in self._preludes:
+                prelude(segments[count].base)
+        except Exception:
+            LOGGER.exception("CommitLog retention deferred: what must outlive the segments was not restated",
+                             extra={"ctx": {"segments": count}})
+            return []
+        with self._lock:
+            if self._closed or self._view.segments[:count] != doomed:  # closed, or cut meanwhile: next run
+                return []
+            self._view = _View.of(self._view.segments[count:])
         for seg in doomed:
             seg.retire()
             seg.path.unlink(missing_ok=True)

@@ -10,17 +10,15 @@ session list, a message), with a bounded timeout.
 
 from __future__ import annotations
 
-import paho.mqtt.client as mqtt
 import pytest
 import rocksdict
-from paho.mqtt.packettypes import PacketTypes
 
 from gateway.mqtt.packets import MQTT_5
 from gateway.mqtt.properties import Properties
 from tests.helpers.admin import Admin, admin_port
 from tests.helpers.cluster import Gateway, Store, ask_store, free_port, wait_for
-from tests.helpers.mqtt_fixtures import (WAIT_S, Client, Node, RawClient, check_nothing_before_sentinel, kill,
-                                         properties, run_id, subscribe5, wait_until)
+from tests.helpers.mqtt_fixtures import (WAIT_S, Node, RawClient, check_nothing_before_sentinel, kill, run_id,
+                                         session5, subscribe5, wait_until)
 from tests.helpers.prometheus import metric
 
 pytestmark = pytest.mark.slow
@@ -28,13 +26,6 @@ pytestmark = pytest.mark.slow
 SHORT_S = 2  # the Session Expiry Interval of the sessions that must be gone after the restart
 LONG_S = 3600  # ... and of the ones that must still be there
 SESSIONS = 5
-
-
-def session5(port: int, client_id: str, expiry_s: int, *, clean: bool = False) -> tuple[Client, bool]:
-    """An MQTT 5 client connected with ``expiry_s``: (the client, Session Present)."""
-    client = Client(port, client_id, protocol=mqtt.MQTTv5, clean=clean)
-    flags = client.connect(properties=properties(PacketTypes.CONNECT, SessionExpiryInterval=expiry_s))
-    return client, flags.session_present
 
 
 def detach(port: int, client_id: str, expiry_s: int, *filters: str) -> None:

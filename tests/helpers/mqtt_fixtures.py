@@ -25,7 +25,7 @@ from tests.helpers.processes import LightgateProcess
 
 __all__ = [
     "WAIT_S", "Client", "Node", "connect_packet", "connected", "kill", "check_nothing_before_sentinel", "properties",
-    "publish5", "quiet", "RawClient", "raw_client", "recv_until_closed", "run_id", "running_node", "subscribe5",
+    "publish5", "quiet", "RawClient", "raw_client", "recv_until_closed", "run_id", "running_node", "session5", "subscribe5",
     "wait_until",
 ]
 
@@ -170,6 +170,13 @@ def publish5(client: Client, topic: str, payload: bytes, qos: int = 1, retain: b
                                properties=properties(PacketTypes.PUBLISH, **props) if props else None)
     info.wait_for_publish(timeout=WAIT_S)
     assert info.is_published()
+
+
+def session5(port: int, client_id: str, expiry_s: int, *, clean: bool = False) -> tuple[Client, bool]:
+    """An MQTT 5 client connected with ``expiry_s``: (the client, Session Present)."""
+    client = Client(port, client_id, protocol=mqtt.MQTTv5, clean=clean)
+    flags = client.connect(properties=properties(PacketTypes.CONNECT, SessionExpiryInterval=expiry_s))
+    return client, flags.session_present
 
 
 def subscribe5(client: Client, topic: str, qos: int = 1, sub_id: int | None = None, **options) -> list[int]:
