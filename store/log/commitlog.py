@@ -848,7 +848,7 @@ class CommitLog:
         if offset < view.bases[0]:
             raise OffsetExpired(offset, view.bases[0])
         if offset > flushed or offset < 0:
-            raise InvalidOffset(offset, f"beyond the flushed and confirmed end of the log ({flushed})")
+            raise InvalidOffset(offset, f"beyond the flushed end of the log ({flushed}, flushed and confirmed)")
         seg = view.find(offset)
         data_end = min(flushed, seg.base + seg.write_pos)
         if offset >= data_end and seg.sealed and seg.end <= flushed:
