@@ -290,18 +290,17 @@ class Dispatcher:
         with self._lock:
             log = self._log
             start = self._offset
-            end = log.confirm_offset
-            if start >= end:
+            if start >= log.confirm_offset:
                 return None
             try:
-                scan = self._read(start, max_bytes, end)
+                scan = self._read(start, max_bytes)
             except OffsetExpired as exc:
                 # Retention outran dispatch: those records are gone; queue offsets continue from here.
                 LOGGER.error("records expired before they were dispatched",
                              extra={"ctx": {"from": start, "min_offset": exc.min_offset}})
                 self._expired_skips += 1
                 start = exc.min_offset
-                scan = log.scan(start, max_bytes, end)
+                scan = log.scan(start, max_bytes, log.confirm_offset)
             if scan.next_offset == start:
                 return None
             if self._retained is not None:
@@ -348,18 +347,20 @@ class Dispatcher:
             if record.offset >= applier.checkpoint:
                 applier.apply(record, control)
 
-    def _read(self, start: int, max_bytes: int, end: int) -> ScanResult:
-        """The records from ``start`` to at most ``end`` (the confirm offset): from memory when they are still
-        there, else scanned from the log."""
+    def _read(self, start: int, max_bytes: int) -> ScanResult:
+        """The records from ``start`` up to the confirm offset: from memory when they are still there, else
+        scanned from the log. The confirm offset is read after the records: without replicas it is the written
+        offset, which the records appended meanwhile moved, and it only grows."""
         if self._recent is not None and start >= self._log.min_offset:
             records, next_offset = self._recent.run(self._log.next_record_offset(start), max_bytes)
+            end = self._log.confirm_offset
             if next_offset > end:  # replicas have not confirmed them all yet
                 records = [record for record in records if record.offset < end]
                 next_offset = end
             if records:
                 self._from_memory += len(records)
                 return ScanResult(records, next_offset, ())
-        return self._log.scan(start, max_bytes, end)
+        return self._log.scan(start, max_bytes, self._log.confirm_offset)
 
     def _retain(self, scan: ScanResult) -> None:
         """Apply the retained updates of a scanned batch (an empty payload deletes the topic's message).

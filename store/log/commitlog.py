@@ -607,10 +607,7 @@ class CommitLog:
                 seg = self._roll(seg)
                 created.append(seg)
         except BaseException as exc:
-            for new in created:
-                new.close()
-                new.path.unlink(missing_ok=True)
-            first.truncate(first_pos)
+            self._undo(first, first_pos, created)
             if isinstance(exc, OSError):
                 raise self._full_error(exc, n) from exc
             raise
@@ -624,6 +621,14 @@ class CommitLog:
         self._appended_records += n
         self._appended_batches += 1
         return offsets
+
+    @staticmethod
+    def _undo(first: Segment, first_pos: int, created: list[Segment]) -> None:
+        """Take back a write that failed part way: the segments it created go, ``first`` is cut where it began."""
+        for new in created:
+            new.close()
+            new.path.unlink(missing_ok=True)
+        first.truncate(first_pos)
 
     def _full_error(self, exc: OSError, n: int) -> OSError:
         """``LogFullError`` for ENOSPC/EDQUOT (the batch left no trace), else ``exc`` itself."""
@@ -1090,10 +1095,7 @@ class CommitLog:
                     seg = self._roll(seg)
                     created.append(seg)
         except BaseException as exc:
-            for new in created:
-                new.close()
-                new.path.unlink(missing_ok=True)
-            first.truncate(first_pos)
+            self._undo(first, first_pos, created)
             if isinstance(exc, OSError):
                 raise self._full_error(exc, count) from exc
             raise
@@ -1131,25 +1133,28 @@ class CommitLog:
             view = self._view
             if offset < view.bases[0] or offset > self._written:
                 raise InvalidOffset(offset, f"outside the log [{view.bases[0]}, {self._written}]")
-            self.epochs.truncate_from(offset)
-            if offset == self._written:
-                return
             i = bisect.bisect_right(view.bases, offset) - 1
             seg = view.segments[i]
             pos = offset - seg.base
-            if pos < seg.write_pos:
+            if offset < self._written and pos < seg.write_pos:
                 self.read(offset)  # raises InvalidOffset or CorruptRecord unless a record starts there
-            hint = min(self.published_offset, offset)
-            self._write_hint(hint)
+            self.epochs.truncate_from(offset)
+            if offset == self._written:
+                return
+            self._write_hint(min(self.published_offset, offset))
             os.fsync(self._hint_fd)
             doomed = view.segments[i + 1:]
+            self._view = _View.of(view.segments[: i + 1])  # first: a failure below leaves a consistent log
+            self._written = min(self._written, seg.base + seg.write_pos)
+            self._flushed = min(self._flushed, self._written)
+            if self._held is not None:
+                self._held = min(self._held, self._written)
             for later in reversed(doomed):
                 later.retire()
                 self._meta_path(later).unlink(missing_ok=True)
                 later.path.unlink()
                 self._fsync_dir()
                 self._stats.pop(later.base, None)
-            self._view = _View.of(view.segments[: i + 1])
             self._meta_path(seg).unlink(missing_ok=True)
             self._fsync_dir()
             seg.truncate(pos)

@@ -3,6 +3,11 @@ flows, control appliers, ``read_log``), and ``Dispatcher.truncate`` rewinds all 
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from lightqueue.queues import LightQueues
@@ -17,6 +22,7 @@ from store.log.recent import RecentRecords
 from store.log.record import Record, decode_record, new_record
 from store.node import open_store
 from store.rocks import open_db
+from tests.helpers.processes import ROOT
 
 SEGMENT = 64 * 1024
 
@@ -158,3 +164,41 @@ async def test_read_log_and_its_flushed_bound_stop_at_the_confirm_offset(tmp_pat
         log.confirm(log.written_offset)
         assert store.read_log(0, 0).flushed == log.flushed_offset
         assert len(store.read_log(0, 1 << 20).data) == log.written_offset
+
+
+KILLED_AFTER_THE_CUT = """
+import os, signal, sys
+from pathlib import Path
+from lightqueue.queues import LightQueues
+from tests.store.test_confirm import Parts
+
+def crash(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+p = Parts(Path(sys.argv[1]), recent=False)
+LightQueues.rewind = crash  # the log is cut; nothing derived is rewound yet
+p.dispatcher.truncate(int(sys.argv[2]))
+"""
+
+
+def test_a_crash_between_the_cut_and_the_rewind_is_rewound_on_the_next_open(tmp_path):
+    p = Parts(tmp_path, recent=False)
+    p.publish("s/a", b"kept", retain=True)
+    cut = p.publish("s/a", b"dropped", retain=True)
+    p.publish("s/b", b"dropped", packet_id=9)
+    p.dispatch()
+    p.close()  # everything derived is flushed, its checkpoints past the cut
+    child = subprocess.run([sys.executable, "-c", KILLED_AFTER_THE_CUT, str(tmp_path), str(cut)], cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    p = Parts(tmp_path, recent=False)
+    try:
+        assert p.log.written_offset == cut
+        p.dispatcher.recover()
+        assert p.payloads("s/a") == [b"kept"] and p.payloads("s/b") == [] and p.awaiting.awaiting("pub") == {}
+        assert "s/a" not in p.retained_payloads()
+        p.publish("s/b", b"new")
+        p.dispatch()
+        assert p.payloads("s/b") == [b"new"]
+    finally:
+        p.close()
