@@ -459,7 +459,8 @@ class CommitLog:
 
     def confirm(self, offset: int) -> None:
         """The replicas hold every record below ``offset`` (a record boundary: the end of a batch they
-        acknowledged). A no-op while the confirm offset follows ``written_offset``.
+        acknowledged). A no-op while the confirm offset follows ``written_offset``. The caller then wakes
+        dispatch (``Dispatcher.wake``), which indexes up to it.
 
         Raises:
             ValueError: ``offset`` is beyond ``written_offset`` or below the current confirm offset (only
