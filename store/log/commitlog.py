@@ -38,10 +38,11 @@ import os
 import struct
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from crc32c import crc32c
 
@@ -583,14 +584,13 @@ class CommitLog:
     def _append_rolling(self, view: _View, records: Sequence[bytes], sizes: list[int],
                         store_ms: Sequence[int]) -> list[int]:
         """Append a batch that crosses into new segments: one write per segment, undone whole on failure."""
-        first = seg = view.segments[-1]
-        first_pos = seg.write_pos
+        seg = view.segments[-1]
         created: list[Segment] = []
         chunks: list[tuple[Segment, int, int]] = []  # (segment, first record, end record) for the stats
         offsets: list[int] = []
         n = len(records)
         i = 0
-        try:
+        with self._undoing(seg, created, n):
             while True:
                 room = seg.remaining
                 j = i
@@ -607,29 +607,38 @@ class CommitLog:
                     break
                 seg = self._roll(seg)
                 created.append(seg)
-        except BaseException as exc:
-            self._undo(first, first_pos, created)
-            if isinstance(exc, OSError):
-                raise self._full_error(exc, n) from exc
-            raise
         for new in created:
             self._stats[new.base] = _Stats()
         for s, lo, hi in chunks:
             self._stats[s.base].add(hi - lo, min(store_ms[lo:hi]), max(store_ms[lo:hi]))
-        self._dir_dirty = True
-        self._view = _View.of(view.segments + created)  # publish the segments before the offset
-        self._written = seg.base + seg.write_pos
-        self._appended_records += n
-        self._appended_batches += 1
+        self._publish(view, created, n)
         return offsets
 
-    @staticmethod
-    def _undo(first: Segment, first_pos: int, created: list[Segment]) -> None:
-        """Take back a write that failed part way: the segments it created go, ``first`` is cut where it began."""
-        for new in created:
-            new.close()
-            new.path.unlink(missing_ok=True)
-        first.truncate(first_pos)
+    @contextmanager
+    def _undoing(self, first: Segment, created: list[Segment], n: int) -> Iterator[None]:
+        """Take back a write of ``n`` records that fails part way: the segments it created (``created``, filled
+        in as it goes) go, and ``first`` is cut where it began; ENOSPC/EDQUOT become ``LogFullError``."""
+        first_pos = first.write_pos
+        try:
+            yield
+        except BaseException as exc:
+            for new in created:
+                new.close()
+                new.path.unlink(missing_ok=True)
+            first.truncate(first_pos)
+            if isinstance(exc, OSError):
+                raise self._full_error(exc, n) from exc
+            raise
+
+    def _publish(self, view: _View, created: list[Segment], n: int) -> None:
+        """Make a write of ``n`` records across the segments it ``created`` visible: the segments before the
+        offset."""
+        self._dir_dirty = self._dir_dirty or bool(created)
+        self._view = _View.of(view.segments + created)
+        last = self._view.segments[-1]
+        self._written = last.base + last.write_pos
+        self._appended_records += n
+        self._appended_batches += 1
 
     def _full_error(self, exc: OSError, n: int) -> OSError:
         """``LogFullError`` for ENOSPC/EDQUOT (the batch left no trace), else ``exc`` itself."""
@@ -1086,30 +1095,20 @@ class CommitLog:
     def _write_frames(self, pieces: list[_Piece], count: int) -> int:
         view = self._view
         first = seg = view.segments[-1]
-        first_pos = seg.write_pos
         created: list[Segment] = []
-        try:
+        with self._undoing(first, created, count):
             for piece in pieces:
                 if piece.data:
                     seg.append(piece.data)
                 if piece.sealed:
                     seg = self._roll(seg)
                     created.append(seg)
-        except BaseException as exc:
-            self._undo(first, first_pos, created)
-            if isinstance(exc, OSError):
-                raise self._full_error(exc, count) from exc
-            raise
         for new in created:
             self._stats[new.base] = _Stats()
         for s, piece in zip([first, *created], pieces):
             if piece.records:
                 self._stats[s.base].add(len(piece.records), min(piece.records), max(piece.records))
-        self._dir_dirty = self._dir_dirty or bool(created)
-        self._view = _View.of(view.segments + created)
-        self._written = seg.base + seg.write_pos
-        self._appended_records += count
-        self._appended_batches += 1
+        self._publish(view, created, count)
         return self._written
 
     def truncate(self, offset: int) -> None:
