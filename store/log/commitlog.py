@@ -1029,8 +1029,9 @@ class CommitLog:
     def read_frames(self, offset: int, max_bytes: int) -> bytes:
         """The log's bytes from the record boundary ``offset`` as :meth:`append_frames` takes them on a replica:
         whole frames up to about ``max_bytes`` (at least one), up to ``written_offset`` (the replicas confirm
-        what they copied, so they read past the confirm offset); a sealed segment's end-of-segment marker (or its short tail of zeros) is included,
-        and the frames after it are the next segment's. Nothing is decoded; the replica checks every frame.
+        what they copied, so they read past the confirm offset); a sealed segment's end-of-segment marker (or
+        its short tail of zeros) is included, and the frames after it are the next segment's. Nothing is
+        decoded; the replica checks every frame.
 
         Raises:
             OffsetExpired: below ``min_offset``.

@@ -261,7 +261,7 @@ def test_ranges_read_in_any_order_after_earlier_ones_are_exact_and_a_rewritten_l
 
 def test_control_records_of_the_store_are_not_rows(tmp_path: Path) -> None:
     """Records with FLAG_CONTROL (store/control.py) are the store's own state, not messages: neither the segment
-    reader nor the live tail's framing (``frames_in``) makes rows of them, and the messages around them are all there."""
+    reader nor the live tail's framing (``frames_in``) makes rows of them; the messages around them are all there."""
     config = CommitLogConfig(segment_bytes=16 * 1024, max_record_bytes=16 * 1024)
     with CommitLog.open(tmp_path / "commitlog", config) as log:
         offsets = []

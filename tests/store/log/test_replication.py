@@ -182,3 +182,22 @@ def test_the_confirm_offset_follows_written_until_held_then_bounds_read_span_and
         assert log.confirm_offset == more[3]
         log.release_confirm()
         assert log.confirm_offset == log.written_offset == more[3]
+
+
+@pytest.mark.parametrize("where", ["a segment's base", "a sealed segment's data end"])
+def test_truncate_at_a_segment_boundary_leaves_an_active_segment_that_appends_and_recovers(tmp_path, where):
+    with CommitLog.open(tmp_path / "log", CONFIG) as log:
+        fill(log, 80)
+        log.flush()
+        second = log.segments()[1]
+        cut = second.base if where == "a segment's base" else second.end
+        kept = len(topics(log, cut))
+        log.truncate(cut)
+        assert log.written_offset == cut and not log.segments()[-1].sealed
+        assert len(log.segments()) == 2  # the later ones went; the cut one is the active one
+        fill(log, 30, 900)
+        log.flush()
+        expected = topics(log)
+        assert expected[kept:] == [f"t/{i}" for i in range(900, 930)]
+    with CommitLog.open(tmp_path / "log", CONFIG) as again:
+        assert topics(again) == expected
