@@ -54,8 +54,8 @@ from crc32c import crc32c
 from numpy.lib.stride_tricks import sliding_window_view
 
 from lightqueue.topics import matches
-from store.log.record import (EOS_SIZE, FLAG_RETAIN, HEADER_SIZE, MAGIC_EOS, MAGIC_V1, QOS_MASK, CorruptRecord,
-                          check_frame)
+from store.log.record import (EOS_SIZE, FLAG_CONTROL, FLAG_RETAIN, HEADER_SIZE, MAGIC_EOS, MAGIC_V1, QOS_MASK,
+                              CorruptRecord, check_frame)
 from store.tierfiles import RECORD_SCHEMA, UTC_MICROS
 
 __all__ = ["RAW_SCHEMA", "UTC_MICROS", "DecodeOptions", "Frames", "ScanRange", "corrupt_skipped", "frames_in",
@@ -538,7 +538,7 @@ def _checked(win: _Window, starts: np.ndarray, rng: ScanRange, opts: DecodeOptio
     for row in np.flatnonzero(fields + HEADER_SIZE != size).tolist():
         bad[row] = f"field lengths do not add up to the record length {int(size[row])}"
     frames = Frames(win.buf, rng.base + win.pos, pos, hdr)
-    keep = np.ones(len(pos), bool)
+    keep = (frames.flags & FLAG_CONTROL) == 0  # the store's control records are not messages
     keep[list(bad)] = False
     if opts.from_ms is not None:
         keep &= frames.store_ms >= opts.from_ms

@@ -72,7 +72,17 @@ class ControlApplier(Protocol):
     the dispatcher's thread under its lock. Applying must be idempotent: after a crash dispatch runs again from
     the lowest checkpoint of all its parts. :meth:`flush` runs after the CommitLog was flushed up to ``offset``
     (so derived state never runs ahead of what the log keeps): persist what was applied below it and move the
-    checkpoint there.
+    checkpoint there. Dispatch applies no record at or past the log's confirm offset (the replicas hold the
+    records below it).
+
+    :meth:`rewind` runs when the log lost or dropped its records from ``log_end`` on (a follower's truncate,
+    ``Dispatcher.truncate``; or, on open, a checkpoint past the log's end after an OS crash), in the
+    dispatcher's thread under its lock: afterwards no state made by a record at or past ``log_end`` may remain,
+    and the checkpoint must be at most ``log_end``; dispatch then applies the records from the lowest
+    checkpoint again, and the records appended next reuse those offsets. An applier that keeps history (what
+    each record changed) undoes the records past ``log_end``; one that keeps none may reset itself to an
+    earlier state it can rebuild (its state as of an older checkpoint, or empty with checkpoint 0 while the log
+    still starts at 0) and let dispatch re-apply from there.
     """
 
     @property
@@ -86,6 +96,10 @@ class ControlApplier(Protocol):
 
     def flush(self, offset: int) -> None:
         """Persist what was applied below ``offset`` and move the checkpoint to it."""
+        ...
+
+    def rewind(self, log_end: int) -> None:
+        """Forget what the records at or past ``log_end`` made; the checkpoint ends at or below ``log_end``."""
         ...
 
     def restate(self) -> Iterable[Control]:
@@ -184,6 +198,9 @@ class Dispatcher:
             self._rewound["retained_dropped"] = retained.rewind(log.written_offset)
         if awaiting is not None:
             awaiting.rewind(log.written_offset)
+        for applier in self._appliers:
+            if applier.checkpoint > log.written_offset:
+                applier.rewind(log.written_offset)
         if queues.retained_offset < log.min_offset:
             queues.on_retention(log.min_offset)
         log.add_retention_listener(queues.on_retention)
@@ -310,7 +327,7 @@ class Dispatcher:
         with self._lock:
             log = self._log
             start = self._offset
-            if start >= log.written_offset:
+            if start >= log.confirm_offset:
                 return None
             try:
                 scan = self._read(start, max_bytes)
@@ -320,7 +337,7 @@ class Dispatcher:
                              extra={"ctx": {"from": start, "min_offset": exc.min_offset}})
                 self._expired_skips += 1
                 start = exc.min_offset
-                scan = log.scan(start, max_bytes)
+                scan = log.scan(start, max_bytes, log.confirm_offset)
             if scan.next_offset == start:
                 return None
             if self._retained is not None:
@@ -368,13 +385,19 @@ class Dispatcher:
                 applier.apply(record, control)
 
     def _read(self, start: int, max_bytes: int) -> ScanResult:
-        """The records from ``start``: from memory when they are still there, else scanned from the log."""
+        """The records from ``start`` up to the confirm offset: from memory when they are still there, else
+        scanned from the log. The confirm offset is read after the records: without replicas it is the written
+        offset, which the records appended meanwhile moved, and it only grows."""
         if self._recent is not None and start >= self._log.min_offset:
             records, next_offset = self._recent.run(self._log.next_record_offset(start), max_bytes)
+            end = self._log.confirm_offset
+            if next_offset > end:  # replicas have not confirmed them all yet
+                records = [record for record in records if record.offset < end]
+                next_offset = end
             if records:
                 self._from_memory += len(records)
                 return ScanResult(records, next_offset, ())
-        return self._log.scan(start, max_bytes)
+        return self._log.scan(start, max_bytes, self._log.confirm_offset)
 
     def _retain(self, scan: ScanResult) -> None:
         """Apply the retained updates of a scanned batch (an empty payload deletes the topic's message).
@@ -414,6 +437,33 @@ class Dispatcher:
         self._flushed_offset = self._offset
         self._unflushed = 0
         self._flushed_at = time.monotonic()
+
+    def truncate(self, offset: int) -> None:
+        """Cut the CommitLog at ``offset`` (``CommitLog.truncate``: a follower drops what its leader does not
+        have) and rewind everything derived from the records past it: the index and the consumer offsets past
+        its new end, the retained messages, the QoS 2 flows, the control appliers and the records kept in
+        memory. Blocking (run it in a worker thread); dispatch waits meanwhile.
+
+        The log is cut first: a crash after it leaves derived state past the log's end, which the next open
+        rewinds (this constructor and :meth:`recover`), as after an OS crash.
+        """
+        with self._lock:
+            self._log.truncate(offset)
+            if self._recent is not None:
+                self._recent.drop_from(offset)
+            self._queues.rewind(offset)
+            self._queues.pull_back(offset)
+            if self._retained is not None:
+                self._retained.rewind(offset)
+            if self._awaiting is not None:
+                self._awaiting.rewind(offset)
+            for applier in self._appliers:
+                applier.rewind(offset)
+            start = min([self._queues.checkpoint, self._offset, offset,
+                         *(part.checkpoint for part in (self._retained, self._awaiting) if part is not None),
+                         *(applier.checkpoint for applier in self._appliers)])
+            self._offset = max(start, self._log.min_offset)
+            self._flushed_offset = min(self._flushed_offset, self._offset)
 
     def _flush_due(self) -> bool:
         return bool(self._unflushed) and (self._unflushed >= self._flush_bytes
@@ -466,7 +516,7 @@ class Dispatcher:
 
     async def _run_once(self) -> DispatchBatch | None:
         """One turn of :meth:`run`: a step (or a wait for records) and the flush it made due."""
-        if self._offset >= self._log.written_offset:
+        if self._offset >= self._log.confirm_offset:
             with trio.move_on_after(FALLBACK_WAKE_S):
                 await self._wakeup.wait()
             if self._flush_due():
@@ -474,7 +524,7 @@ class Dispatcher:
             return None
         if self._inline():
             batch = self.step(INLINE_BYTES, flush=False)  # its flush, if due, runs in a worker thread below
-            if self._offset < self._log.written_offset:
+            if self._offset < self._log.confirm_offset:
                 await trio.lowlevel.checkpoint()  # more to index: let the others run between steps
         else:
             batch = await trio.to_thread.run_sync(self.step, self._scan_bytes)
@@ -485,7 +535,7 @@ class Dispatcher:
     def _inline(self) -> bool:
         """Is the next step small and in memory?"""
         recent = self._recent
-        return (recent is not None and self._log.written_offset - self._offset <= INLINE_BYTES
+        return (recent is not None and self._log.confirm_offset - self._offset <= INLINE_BYTES
                 and recent.get(self._offset) is not None)
 
     async def wait_lag(self, max_lag: int = MAX_LAG) -> None:

@@ -400,12 +400,13 @@ class StoreNode:
         return log_offset is not None and log_offset >= oldest
 
     def read_log(self, offset: int, max_bytes: int) -> LogSpan:
-        """``StoreApi.read_log`` (blocking): ``max_bytes`` 0 asks for the log's bounds only, for any ``offset``."""
+        """``StoreApi.read_log`` (blocking): ``max_bytes`` 0 asks for the log's bounds only, for any ``offset``.
+        Its ``flushed`` bound is the log's published offset: flushed and confirmed by the replicas."""
         log = self.log.log
         if max_bytes <= 0:
-            return LogSpan(offset, b"", offset, log.flushed_offset, log.min_offset)
+            return LogSpan(offset, b"", offset, log.published_offset, log.min_offset)
         start, data, data_end = log.read_span(offset, max(0, min(max_bytes, MAX_READ_LOG_BYTES)))
-        return LogSpan(start, data, data_end, log.flushed_offset, log.min_offset)
+        return LogSpan(start, data, data_end, log.published_offset, log.min_offset)
 
     def statistics(self) -> StoreStatistics:
         """The store's current figures."""

@@ -198,6 +198,8 @@ def _python_reference(data: Path, config: CommitLogConfig) -> tuple[float, dict[
             while offset < end:
                 result = log.scan(offset, 8 << 20)
                 for rec in result.records:
+                    if rec.control:  # the store's own records, not telemetry
+                        continue
                     body = orjson.loads(rec.payload)
                     key = (rec.topic.split("/")[1], rec.store_ms - rec.store_ms % 60_000)
                     cell = groups.get(key)

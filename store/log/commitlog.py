@@ -11,13 +11,20 @@ Directory layout (``docs/storage.md`` has the details)::
 
     <dir>/00000000000000000000        segment files, named by base offset
     <dir>/00000000000268435456.meta   JSON summary of a sealed, fsynced segment
-    <dir>/flushed                     hint: u64 flushed offset + CRC32C, for out-of-process readers
+    <dir>/flushed                     hint: u64 published offset + CRC32C, for out-of-process readers
+    <dir>/epochs                      leader epochs and their start offsets (store.log.epochs)
     <dir>/lock                        flock held while a CommitLog has the directory open
 
 Recovery on open walks every segment from the first one without a valid
 ``.meta`` (normally only the active one) record by record, checking lengths and
 CRCs. The log is a clean prefix: the first bad or torn record ends it, and
 everything after it is zeroed, later segments included.
+
+Replication adds three things: :meth:`CommitLog.append_frames` writes bytes copied
+from a leader's log at the same offsets, :meth:`CommitLog.truncate` cuts the log
+at a record boundary, and the confirm offset (:meth:`CommitLog.confirm`) bounds
+what readers may see to the records the replicas hold. Without replicas it
+follows ``written_offset`` and costs nothing.
 """
 
 from __future__ import annotations
@@ -31,13 +38,15 @@ import os
 import struct
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from crc32c import crc32c
 
+from store.log.epochs import EpochFile
 from store.log.errors import FULL_ERRNOS, CorruptRecord, InvalidOffset, LogFullError, OffsetExpired, RecordTooLarge
 from store.log.record import (EOS_SIZE, HEADER_SIZE, MAGIC_EOS, MAGIC_V1, PEEK, STORE_MS, STORE_MS_AT, Record, check_frame,
                               decode_record, encode_eos)
@@ -257,6 +266,8 @@ class CommitLog:
         self._stats: dict[int, _Stats] = {}
         self._written = 0
         self._flushed = 0
+        self._held: int | None = None  # the confirm offset while replicas confirm; None: it follows _written
+        self.epochs = EpochFile(directory / "epochs", [])
         self._dir_dirty = False
         self._fsync_error: OSError | None = None
         self._closed = False
@@ -309,6 +320,7 @@ class CommitLog:
     def _load(self) -> None:
         for leftover in self._dir.glob("*.tmp"):
             leftover.unlink()
+        self.epochs = EpochFile.open(self._dir)
         bases = sorted(b for b in (parse_segment_name(p.name) for p in self._dir.iterdir()) if b is not None)
         if not bases:
             self._view = _View.of([Segment.create(self._dir, 0, self._config.segment_bytes)])
@@ -321,6 +333,7 @@ class CommitLog:
         self._recover(read_flushed_hint(self._dir))
         self._written = self._flushed = self._view.segments[-1].base + self._view.segments[-1].write_pos
         self._write_hint(self._flushed)
+        self.epochs.truncate_from(self._written + 1)  # epochs of records the recovery dropped
 
     def _open_segment(self, bases: list[int], i: int) -> Segment:
         path = self._dir / segment_name(bases[i])
@@ -420,6 +433,51 @@ class CommitLog:
     def flushed_offset(self) -> int:
         """Everything below this offset is on disk (fsynced)."""
         return self._flushed
+
+    @property
+    def confirm_offset(self) -> int:
+        """Every record below this offset is confirmed: the replicas hold it (``written_offset`` without
+        replicas). Dispatch indexes no record at or past it and readers are served none."""
+        held = self._held
+        return self._written if held is None else held
+
+    @property
+    def published_offset(self) -> int:
+        """What out-of-process readers may read (the ``flushed`` hint, ``read_span``): flushed and confirmed."""
+        return min(self._flushed, self.confirm_offset)
+
+    def hold_confirm(self) -> None:
+        """Replicas follow this log from now on: the confirm offset stays where it is until :meth:`confirm`
+        moves it (a no-op when it is held already)."""
+        with self._lock:
+            if self._held is None:
+                self._held = self._written
+
+    def release_confirm(self) -> None:
+        """No replica follows any more: the confirm offset follows ``written_offset`` again."""
+        with self._lock:
+            self._held = None
+        self._write_hint(self.published_offset)
+
+    def confirm(self, offset: int) -> None:
+        """The replicas hold every record below ``offset`` (a record boundary: the end of a batch they
+        acknowledged). A no-op while the confirm offset follows ``written_offset``. The caller then wakes
+        dispatch (``Dispatcher.wake``), which indexes up to it.
+
+        Raises:
+            ValueError: ``offset`` is beyond ``written_offset`` or below the current confirm offset (only
+                :meth:`truncate` moves it back).
+        """
+        with self._lock:
+            if offset > self._written:
+                raise ValueError(f"cannot confirm offset {offset}: beyond the written end of the log ({self._written})")
+            if self._held is None:
+                return
+            if offset < self._held:
+                raise ValueError(f"cannot confirm offset {offset}: the log is confirmed up to {self._held} already,"
+                                 " and only a truncate moves it back")
+            self._held = offset
+        self._write_hint(self.published_offset)
 
     @property
     def min_offset(self) -> int:
@@ -539,14 +597,13 @@ class CommitLog:
     def _append_rolling(self, view: _View, records: Sequence[bytes], sizes: list[int],
                         store_ms: Sequence[int]) -> list[int]:
         """Append a batch that crosses into new segments: one write per segment, undone whole on failure."""
-        first = seg = view.segments[-1]
-        first_pos = seg.write_pos
+        seg = view.segments[-1]
         created: list[Segment] = []
         chunks: list[tuple[Segment, int, int]] = []  # (segment, first record, end record) for the stats
         offsets: list[int] = []
         n = len(records)
         i = 0
-        try:
+        with self._undoing(seg, created, n):
             while True:
                 room = seg.remaining
                 j = i
@@ -563,6 +620,20 @@ class CommitLog:
                     break
                 seg = self._roll(seg)
                 created.append(seg)
+        for new in created:
+            self._stats[new.base] = _Stats()
+        for s, lo, hi in chunks:
+            self._stats[s.base].add(hi - lo, min(store_ms[lo:hi]), max(store_ms[lo:hi]))
+        self._publish(view, created, n)
+        return offsets
+
+    @contextmanager
+    def _undoing(self, first: Segment, created: list[Segment], n: int) -> Iterator[None]:
+        """Take back a write of ``n`` records that fails part way: the segments it created (``created``, filled
+        in as it goes) go, and ``first`` is cut where it began; ENOSPC/EDQUOT become ``LogFullError``."""
+        first_pos = first.write_pos
+        try:
+            yield
         except BaseException as exc:
             for new in created:
                 new.close()
@@ -571,16 +642,16 @@ class CommitLog:
             if isinstance(exc, OSError):
                 raise self._full_error(exc, n) from exc
             raise
-        for new in created:
-            self._stats[new.base] = _Stats()
-        for s, lo, hi in chunks:
-            self._stats[s.base].add(hi - lo, min(store_ms[lo:hi]), max(store_ms[lo:hi]))
-        self._dir_dirty = True
-        self._view = _View.of(view.segments + created)  # publish the segments before the offset
-        self._written = seg.base + seg.write_pos
+
+    def _publish(self, view: _View, created: list[Segment], n: int) -> None:
+        """Make a write of ``n`` records across the segments it ``created`` visible: the segments before the
+        offset."""
+        self._dir_dirty = self._dir_dirty or bool(created)
+        self._view = _View.of(view.segments + created)
+        last = self._view.segments[-1]
+        self._written = last.base + last.write_pos
         self._appended_records += n
         self._appended_batches += 1
-        return offsets
 
     def _full_error(self, exc: OSError, n: int) -> OSError:
         """``LogFullError`` for ENOSPC/EDQUOT (the batch left no trace), else ``exc`` itself."""
@@ -663,7 +734,7 @@ class CommitLog:
         if target > self._flushed:
             self._flushed = target
         self._flushes += 1
-        self._write_hint(self._flushed)
+        self._write_hint(self.published_offset)
         return self._flushed
 
     def _fsync_dir(self) -> None:
@@ -789,23 +860,23 @@ class CommitLog:
 
         Returns ``(start, data, data_end)``: ``start`` is ``offset``, or the next
         segment's base when ``offset`` is at the end of a segment's data; ``data``
-        is at most ``max_bytes`` from ``start``, never past the flushed offset nor
+        is at most ``max_bytes`` from ``start``, never past the published offset (flushed and confirmed) nor
         the segment's data (it may end inside a record, which the caller reads
         again from its start); ``data_end`` is where the segment's readable data
-        ends (its sealed end, or the flushed offset). Nothing is decoded or checked.
+        ends (its sealed end, or the published offset). Nothing is decoded or checked.
 
         Raises:
             OffsetExpired: below ``min_offset``.
-            InvalidOffset: beyond the flushed offset.
+            InvalidOffset: beyond the published offset.
         """
-        flushed = self._flushed
+        flushed = self.published_offset
         view = self._view
         if self._closed:
             raise ValueError(f"CommitLog {self._dir} is closed")
         if offset < view.bases[0]:
             raise OffsetExpired(offset, view.bases[0])
         if offset > flushed or offset < 0:
-            raise InvalidOffset(offset, f"beyond the flushed end of the log ({flushed})")
+            raise InvalidOffset(offset, f"beyond the flushed end of the log ({flushed}, flushed and confirmed)")
         seg = view.find(offset)
         data_end = min(flushed, seg.base + seg.write_pos)
         if offset >= data_end and seg.sealed and seg.end <= flushed:
@@ -902,7 +973,7 @@ class CommitLog:
         except CorruptRecord as exc:
             raise CorruptRecord(f"record at offset {offset}: {exc}") from None
 
-    def scan(self, from_offset: int, max_bytes: int = SCAN_BYTES) -> ScanResult:
+    def scan(self, from_offset: int, max_bytes: int = SCAN_BYTES, end: int | None = None) -> ScanResult:
         """Decode the complete records from ``from_offset``, reading about ``max_bytes``.
 
         One pread per segment touched; every record's CRC is verified (cheap
@@ -912,6 +983,8 @@ class CommitLog:
         a record with intact framing but a bad CRC is skipped alone; after broken
         framing the scan resumes at the next valid record (``_resync``).
 
+        ``end`` (a record boundary, e.g. the confirm offset) stops the scan before ``written_offset``.
+
         Returns:
             The records and ``next_offset``, where the next scan starts (past
             end-of-segment markers, so it may be the next segment's base).
@@ -920,7 +993,7 @@ class CommitLog:
             OffsetExpired: ``from_offset`` is below ``min_offset``.
             InvalidOffset: ``from_offset`` is beyond ``written_offset``.
         """
-        written = self._written
+        written = self._written if end is None else min(end, self._written)
         view = self._view
         if self._closed:
             raise ValueError(f"CommitLog {self._dir} is closed")
@@ -963,6 +1036,150 @@ class CommitLog:
             elif offset < data_end:
                 break  # the next record did not fit in this read: the next scan starts with it
         return ScanResult(records, offset, tuple(corrupt))
+
+    # ------------------------------------------------------------------ replication
+
+    def read_frames(self, offset: int, max_bytes: int) -> bytes:
+        """The log's bytes from the record boundary ``offset`` as :meth:`append_frames` takes them on a replica:
+        whole frames up to about ``max_bytes`` (at least one), up to ``written_offset`` (the replicas confirm
+        what they copied, so they read past the confirm offset); a sealed segment's end-of-segment marker (or
+        its short tail of zeros) is included, and the frames after it are the next segment's. Nothing is
+        decoded; the replica checks every frame.
+
+        Raises:
+            OffsetExpired: below ``min_offset``.
+            InvalidOffset: beyond ``written_offset``.
+        """
+        written = self._written
+        view = self._view
+        if offset < view.bases[0]:
+            raise OffsetExpired(offset, view.bases[0])
+        if not 0 <= offset <= written:
+            raise InvalidOffset(offset, f"beyond the written end of the log ({written})")
+        parts: list[bytes] = []
+        budget = max_bytes
+        while offset < written and budget > 0:
+            seg = view.find(offset)
+            data_end = min(written, seg.base + seg.write_pos)
+            if offset >= data_end:
+                left = seg.end - offset
+                parts.append(encode_eos(left) if left >= EOS_SIZE else bytes(left))
+                budget -= min(left, EOS_SIZE)
+                offset = seg.end
+                continue
+            try:
+                with seg.pinned():
+                    buf = seg.read(offset - seg.base, min(max(budget, READ_GUESS), data_end - offset))
+                    first = int.from_bytes(buf[:4], "big")
+                    if len(buf) < first <= data_end - offset:
+                        buf = seg.read(offset - seg.base, first)
+            except SegmentRetired:
+                raise OffsetExpired(offset, self.min_offset) from None
+            whole = _whole_frames(buf)
+            parts.append(buf[:whole])
+            budget -= whole
+            offset += whole
+            if whole < len(buf) or offset < data_end:
+                break
+        return b"".join(parts)
+
+    def append_frames(self, offset: int, data: bytes) -> int:
+        """Append bytes copied from a leader's log (:meth:`read_frames`) at the same offsets; returns the new
+        ``written_offset``. Every frame is checked (length, magic, CRC); an end-of-segment marker or short tail
+        seals this log's segment where the leader's ended, so both logs have the same segments and offsets.
+        All-or-nothing, like :meth:`append_batch`.
+
+        Raises:
+            ValueError: ``offset`` is not this log's ``written_offset`` (a gap or an overlap), or the segment
+                layout disagrees (the leader's ``segment_bytes`` differ), or the log is closed.
+            CorruptRecord: a frame does not check (nothing was written).
+            RecordTooLarge: a record is larger than ``max_record_bytes``.
+            LogFullError, OSError: as for :meth:`append_batch`.
+        """
+        if not data:
+            return self._written
+        with self._lock:
+            self._check_writable()
+            if offset != self._written:
+                raise ValueError(f"frames at offset {offset} do not continue this log, which ends at {self._written}"
+                                 f" ({'a gap' if offset > self._written else 'an overlap'})")
+            pieces = _plan_frames(data, offset, self._view.segments[-1].end, self._config)
+            return self._write_frames(pieces, sum(len(p.records) for p in pieces))
+
+    def _write_frames(self, pieces: list[_Piece], count: int) -> int:
+        view = self._view
+        first = seg = view.segments[-1]
+        created: list[Segment] = []
+        with self._undoing(first, created, count):
+            for piece in pieces:
+                if piece.data:
+                    seg.append(piece.data)
+                if piece.sealed:
+                    seg = self._roll(seg)
+                    created.append(seg)
+        for new in created:
+            self._stats[new.base] = _Stats()
+        for s, piece in zip([first, *created], pieces):
+            if piece.records:
+                self._stats[s.base].add(len(piece.records), min(piece.records), max(piece.records))
+        self._publish(view, created, count)
+        return self._written
+
+    def truncate(self, offset: int) -> None:
+        """Cut the log at the record boundary ``offset`` (``min_offset`` <= offset <= ``written_offset``): a
+        follower drops what its leader does not have. Later segments and their ``.meta`` go, the segment it
+        lands in is zeroed after it and un-sealed, the written, flushed and confirm offsets and the epochs
+        follow. Durable on return.
+
+        Crash-safe at every step: the epochs and the ``flushed`` hint are lowered first (so recovery never
+        takes the zeros below an old hint for damage to step over), segments are deleted newest first (the
+        rest is a valid log), then the cut segment is zeroed from ``offset``. A crash leaves a valid log
+        ending at or after ``offset`` and at or before the old end; truncating again finishes the job.
+        Readers of the dropped records must have stopped (they were past the confirm offset, or the caller,
+        :meth:`store.dispatch.Dispatcher.truncate`, holds them).
+
+        Raises:
+            InvalidOffset: ``offset`` is out of bounds or no record starts there.
+            OSError: I/O failed; the log may be partly cut (still valid): call again.
+        """
+        with self._flush_lock, self._lock:
+            self._check_writable()
+            view = self._view
+            if offset < view.bases[0] or offset > self._written:
+                raise InvalidOffset(offset, f"outside the log [{view.bases[0]}, {self._written}]")
+            i = bisect.bisect_right(view.bases, offset) - 1
+            seg = view.segments[i]
+            pos = offset - seg.base
+            if offset < self._written and pos < seg.write_pos:
+                self.read(offset)  # raises InvalidOffset or CorruptRecord unless a record starts there
+            self.epochs.truncate_from(offset)
+            if offset == self._written:
+                return
+            self._write_hint(min(self.published_offset, offset))
+            os.fsync(self._hint_fd)
+            doomed = view.segments[i + 1:]
+            self._view = _View.of(view.segments[: i + 1])  # first: a failure below leaves a consistent log
+            self._written = min(self._written, seg.base + seg.write_pos)
+            self._flushed = min(self._flushed, self._written)
+            if self._held is not None:
+                self._held = min(self._held, self._written)
+            for later in reversed(doomed):
+                later.retire()
+                self._meta_path(later).unlink(missing_ok=True)
+                later.path.unlink()
+                self._fsync_dir()
+                self._stats.pop(later.base, None)
+            self._meta_path(seg).unlink(missing_ok=True)
+            self._fsync_dir()
+            seg.truncate(pos)
+            seg.sync()
+            self._stats[seg.base] = _walk(seg).stats
+            self._written = offset
+            self._flushed = min(self._flushed, offset)
+            if self._held is not None:
+                self._held = min(self._held, offset)
+            self._write_hint(self.published_offset)
+        LOGGER.warning("CommitLog truncated", extra={"ctx": {"offset": offset, "segments_deleted": len(doomed)}})
 
     # ------------------------------------------------------------------ retention
 
@@ -1102,6 +1319,74 @@ def read_flushed_hint(directory: Path) -> int | None:
         return None
     offset, crc = _HINT.unpack_from(raw)
     return offset if crc == crc32c(raw[:8]) else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """Frames for one segment of :meth:`CommitLog.append_frames`: its records' bytes, their store times, and
+    whether the leader's segment ended after them (sealed: this log rolls to the next segment)."""
+
+    data: bytes
+    records: list[int]
+    sealed: bool
+
+
+def _plan_frames(data: bytes, offset: int, seg_end: int, config: CommitLogConfig) -> list[_Piece]:
+    """Check every frame of a leader's bytes starting at ``offset`` (``seg_end``: where this log's active
+    segment ends) and split them by segment. Raises CorruptRecord, RecordTooLarge or ValueError."""
+    pieces: list[_Piece] = []
+    times: list[int] = []
+    start = p = 0
+    limit = len(data)
+    while p < limit:
+        left = seg_end - offset
+        at = f"frame at offset {offset}"
+        if left < EOS_SIZE:
+            if data[p:p + left] != bytes(left):
+                raise CorruptRecord(f"{at}: the {left}-byte short tail of a segment is not zeros or not whole")
+            pieces.append(_Piece(data[start:p], times, True))
+            times, p, start = [], p + left, p + left
+            offset, seg_end = seg_end, seg_end + config.segment_bytes
+            continue
+        if int.from_bytes(data[p + 8:p + 12], "big") == MAGIC_EOS:  # it claims the rest of the leader's segment
+            if data[p:p + EOS_SIZE] != encode_eos(left):
+                size = int.from_bytes(data[p:p + 4], "big")
+                if data[p:p + EOS_SIZE] != encode_eos(size):
+                    raise CorruptRecord(f"{at}: an invalid end-of-segment marker")
+                raise ValueError(f"{at}: the leader's segment ends with {size} bytes left, this log's with {left}:"
+                                 " the segment layouts disagree (segment_bytes differ)")
+            pieces.append(_Piece(data[start:p], times, True))
+            times, p, start = [], p + EOS_SIZE, p + EOS_SIZE
+            offset, seg_end = seg_end, seg_end + config.segment_bytes
+            continue
+        try:
+            _, size = check_frame(data, p, limit)
+        except CorruptRecord as exc:
+            raise CorruptRecord(f"{at}: {exc}") from None
+        if size == 0:
+            raise CorruptRecord(f"{at}: zeros where a frame should be")
+        if size > left:
+            raise ValueError(f"{at}: a record of {size} bytes crosses this log's segment end ({left} bytes left):"
+                             " the segment layouts disagree (segment_bytes differ)")
+        if size > config.max_record_bytes:
+            raise RecordTooLarge(f"{at}: a record of {size} bytes exceeds the maximum record size of"
+                                 f" {config.max_record_bytes} bytes")
+        times.append(STORE_MS.unpack_from(data, p + STORE_MS_AT)[0])
+        p += size
+        offset += size
+    pieces.append(_Piece(data[start:], times, False))
+    return pieces
+
+
+def _whole_frames(buf: bytes) -> int:
+    """How many bytes at the start of ``buf`` are whole frames (by their length fields, not checked)."""
+    p = 0
+    while p + 4 <= len(buf):
+        size = int.from_bytes(buf[p:p + 4], "big")
+        if size < EOS_SIZE or p + size > len(buf):
+            break
+        p += size
+    return p
 
 
 def _is_eos(buf: bytes | memoryview, left: int) -> bool:

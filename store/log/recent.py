@@ -61,6 +61,15 @@ class RecentRecords:
             by_offset.pop(old.offset, None)
             self._bytes -= old.size
 
+    def drop_from(self, offset: int) -> None:
+        """Forget the records at or past ``offset``: the CommitLog was cut there (``CommitLog.truncate``) and
+        the records appended next reuse those offsets."""
+        order = self._order
+        while order and order[-1].offset >= offset:
+            old = order.pop()
+            self._by_offset.pop(old.offset, None)
+            self._bytes -= old.size
+
     @property
     def oldest(self) -> int | None:
         """The CommitLog offset of the oldest record kept (None: none is): every later record is kept too."""

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 from tests.helpers.spark_fixtures import Msg, encode, telemetry, write_log
 
-from spark_analytics.framing import RAW_SCHEMA, DecodeOptions, ScanRange, corrupt_skipped, scan_range, valid_end
+from spark_analytics.framing import (RAW_SCHEMA, DecodeOptions, ScanRange, corrupt_skipped, frames_in, scan_range,
+                                     valid_end)
 from spark_analytics.layout import FLUSHED_FILE, list_segments, read_flushed
 from spark_analytics.planning import plan_ranges, readable_limit
 from lightqueue.topics import matches
 from store.log.commitlog import CommitLog, CommitLogConfig
+from store.control import SessionEnded, encode_control
 from store.log.record import MAGIC_V1, encode_record
 
 MAGIC = MAGIC_V1.to_bytes(4, "big")
@@ -255,3 +257,20 @@ def test_ranges_read_in_any_order_after_earlier_ones_are_exact_and_a_rewritten_l
         path.unlink()
     written, got = offsets(13)  # the same file names, other record boundaries
     assert sum(got, []) == written
+
+
+def test_control_records_of_the_store_are_not_rows(tmp_path: Path) -> None:
+    """Records with FLAG_CONTROL (store/control.py) are the store's own state, not messages: neither the segment
+    reader nor the live tail's framing (``frames_in``) makes rows of them; the messages around them are all there."""
+    config = CommitLogConfig(segment_bytes=16 * 1024, max_record_bytes=16 * 1024)
+    with CommitLog.open(tmp_path / "commitlog", config) as log:
+        offsets = []
+        for i in range(200):
+            offsets.append(log.append(encode_record("a/b", b"m%d" % i, store_ms=1_000 + i)))
+            if i % 3 == 0:
+                log.append(encode_control(SessionEnded(f"c{i}"), 1_000 + i, 1 << 20)[0])
+        log.flush()
+        span = log.read_span(0, 1 << 20)[1]
+    assert [(r["offset"], r["payload"]) for r in rows(tmp_path)] == [(o, b"m%d" % i) for i, o in enumerate(offsets)]
+    frames, _used = frames_in(span, 0, DecodeOptions(), "live")
+    assert frames.raw_batch().to_pydict()["offset"] == [o for o in offsets if o < len(span)]

@@ -14,9 +14,10 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 import trio
-from tests.helpers.spark_fixtures import Msg, telemetry, write_log
+from tests.helpers.spark_fixtures import Msg, encode, telemetry, write_log
 
 from store.api import NewMessage
+from store.control import SessionSaved, encode_control
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.node import open_store
 from store.tier import TierConfig, TierConverter
@@ -198,3 +199,26 @@ async def test_the_store_node_converts_sealed_segments_in_the_background(tmp_pat
             while len(list_tier(*open_tier(str(tier)))) < len(sealed):
                 await trio.sleep(0.05)
     assert [f.base for f in list_tier(*open_tier(str(tier)))][: len(sealed)] == sealed
+
+
+def test_control_records_are_not_converted_to_rows(tmp_path: Path) -> None:
+    """The store's control records (FLAG_CONTROL) are in the CommitLog between the messages, not messages: the
+    tier holds the messages only, and each file's record count says so."""
+    messages = mixed(1500)
+    with CommitLog.open(tmp_path / "commitlog", CONFIG) as log:
+        for i, msg in enumerate(messages):
+            log.append(encode(msg))
+            if i % 4 == 0:
+                log.append(encode_control(SessionSaved(f"c{i}", b"blob" * 20), msg.store_ms, SEGMENT)[0])
+        log.flush()
+    expected = [r for r in log_records(tmp_path) if not r[3].startswith("$store/")]
+    with CommitLog.open(tmp_path / "commitlog", CONFIG) as log:
+        converter = TierConverter(log, TierConfig(uri=str(tmp_path / "tier"), cpu_share=1.0))
+        converter.open()
+        assert converter.convert_pending() > 1
+        active = log.segments()[-1].base
+    assert tier_rows(tmp_path / "tier") == [r for r in expected if r[0] < active]
+    fs, _root = open_tier(str(tmp_path / "tier"))
+    for file in list_tier(fs, _root):
+        meta, parquet = read_meta(fs, file.path)
+        assert meta.records == parquet.num_rows
