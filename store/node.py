@@ -46,7 +46,7 @@ from notify import EventMailbox, NotifyRouter
 from retain.store import RetainedStore
 from store.api import AdminOp, Flow, LogSpan, NewMessage, StoreStatistics
 from store.awaiting import AwaitingRelease
-from store.control import Control, encode_all
+from store.control import Activated, Committed, Control, Released, SessionEnded, encode_all
 from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.groups import GroupCoordinator
 from store.leases import LEASE_S, Leases
@@ -55,6 +55,7 @@ from store.log.aio import AsyncCommitLog
 from store.log.commitlog import CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.log.recent import RecentRecords
+from store.queuecontrol import QueueControls
 from store.log.record import Record, decode_record, new_record, now_ms
 from store.rocks import open_db, open_family
 from store.space import DiskSpace
@@ -169,6 +170,9 @@ class StoreNode:
         self.leases = Leases(nursery, lease_s, append=self.append, end_session=self._end_session,
                              on_moved=self._moved, ledger=ledger)
         self.groups = GroupCoordinator(self, self._poke)
+        # Activations and releases, one at a time: a filter's id and its first and last holder are decided from the
+        # state the previous one left (applied before it returns), so two new filters never get one id.
+        self._holding = trio.Lock()
 
     @property
     def disk_full(self) -> bool:
@@ -432,19 +436,44 @@ class StoreNode:
     # --- subscriptions and offsets ----------------------------------------------------------
 
     async def activate(self, queue: str, holder: str) -> int:
-        self.space.check()  # RocksDB writes (WAL) must not meet a full disk: store/space.py
-        return await self.dispatcher.activate(queue, holder)
+        """``holder`` holds filter ``queue``: an ``Activated`` record (with the filter's queue id, chosen here),
+        appended and applied. Returns the subscription's exact start: the queue offset of the first entry after
+        the record (every message appended after this returns lists the filter, if it is a wildcard's).
+
+        Raises:
+            TopicError: the filter is not a valid MQTT topic filter.
+            ValueError: the filter's queue id does not fit a target-queues section.
+        """
+        self.space.check()
+        async with self._holding:
+            end = await self.append_control([Activated(queue, holder, self.queues.filter_id(queue))])
+        return self.queues.offset_at(queue, end)
 
     async def release(self, queue: str, holder: str) -> bool:
+        """``holder`` no longer holds ``queue``: a ``Released`` record, appended and applied (its offset on the
+        queue goes; the last holder of a wildcard filter ends its indexing). False if it did not hold it."""
         self.space.check()
-        return await self.dispatcher.release(queue, holder)
+        async with self._holding:
+            if holder not in await trio.to_thread.run_sync(self.queues.holders, queue):
+                return False
+            await self.append_control([Released(queue, holder)])
+        return True
 
-    def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
-        """(blocking) ``{owner: {queue: next offset}}`` in one durable write each; offsets never move back."""
-        self.space.check()
-        commit = self.queues.commit_offsets
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
+        """``{owner: {queue: next offset}}`` as ``Committed`` records in one write, applied on return; offsets never
+        move back.
+
+        Raises:
+            ValueError: an offset is negative.
+        """
         for owner, offsets in commits.items():
-            commit(owner, offsets)
+            for name, offset in offsets.items():
+                if offset < 0:
+                    raise ValueError(f"offset for queue {name!r} must not be negative, not {offset}")
+        controls = [Committed(owner, dict(offsets)) for owner, offsets in commits.items() if offsets]
+        if controls:
+            self.space.check()
+            await self.append_control(controls)
 
     # --- sessions ---------------------------------------------------------------------------
 
@@ -495,14 +524,17 @@ class StoreNode:
         existed = await trio.to_thread.run_sync(self.drop_session, client_id)
         existed = await self.drop_awaiting(client_id) or existed
         await self.groups.drop_subscriber(client_id)
-        return await trio.to_thread.run_sync(self._delete_owner, client_id) or existed
+        return await self._delete_owner(client_id) or existed
 
-    def _delete_owner(self, owner: str) -> bool:
+    async def _delete_owner(self, owner: str) -> bool:
+        """The owner's offsets and held filters go: a ``SessionEnded`` record, appended and applied (the light
+        queues' applier drops them; nothing is written when there is nothing to drop)."""
         queues = self.queues
-        if not (queues.held_by(owner) or queues.get_offsets(owner)):  # nothing to delete, nothing to write
+        if not await trio.to_thread.run_sync(lambda: bool(queues.held_by(owner) or queues.get_offsets(owner))):
             return False
         self.space.check()
-        queues.delete_owner(owner)
+        async with self._holding:
+            await self.append_control([SessionEnded(owner)])
         return True
 
     def save_session(self, client_id: str, blob: bytes, *, only_existing: bool = False) -> bool:
@@ -643,8 +675,9 @@ async def open_store(
             recent = RecentRecords()
             space = DiskSpace(data)
             awaiting = AwaitingRelease(db)
+            controls = QueueControls(queues)
             dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
-                                    awaiting=awaiting, room=space.has_room)
+                                    awaiting=awaiting, room=space.has_room, appliers=[controls])
             sessions = open_family(db, SESSIONS_FAMILY)
             ledger = ClientLedger(db)
             try:
@@ -661,6 +694,8 @@ async def open_store(
                     nodes.append(node)
                     node.leases.restore(clients)  # expiries and wills pending when the store stopped
                     async with background(dispatcher.run), background(partial(_watch_space, space)):
+                        if not controls.restated:
+                            await _restate(node, controls)
                         if tier is not None and tier.get("tier.uri"):
                             try:
                                 from store.tier import TierConfig, TierConverter, run_tier
@@ -720,6 +755,15 @@ def _recover(dispatcher: Dispatcher, queues: LightQueues, sessions: rocksdict.Rd
     LOGGER.warning("positions past the end of the recovered CommitLog were pulled back to it (records lost in a"
                    " power loss or OS crash under the async flush policy); nothing appended from now on is skipped",
                    extra={"ctx": found})
+
+
+async def _restate(node: StoreNode, controls: QueueControls) -> None:
+    """An index written before control records holds activations and offsets that no record made: restate them in
+    the log (one write), so that it holds them from now on (a replica, a rebuild derive them)."""
+    restated = list(controls.restate())
+    await node.append_control(restated, durable=True)
+    LOGGER.info("filter holders and consumer offsets of an index from before control records restated in the log",
+                extra={"ctx": {"records": len(restated)}})
 
 
 def _unrecorded(sessions: rocksdict.Rdict, ledger: ClientLedger, known: Mapping[str, ClientEntry],

@@ -160,14 +160,14 @@ async def test_activate_returns_the_exact_start(dispatch_node):
 
         nursery.start_soon(publish_during_activation)
         with trio.fail_after(5):
-            start = await dispatch_node.dispatcher.activate("+/b", "s2")
+            start = await dispatch_node.activate("+/b", "s2")
             await dispatch_node.dispatcher.wait_dispatched(dispatch_node.log.written_offset)
         nursery.cancel_scope.cancel()
     assert start == 1 and dispatch_node.lq.max_offset("+/b") == 2
     r = dispatch_node.lq.pull("+/b", start, 10, 1 << 20, dispatch_node.log, decode)
     assert [m.topic for _, m in r.messages] == ["c/b"]
-    assert await dispatch_node.dispatcher.release("+/b", "s2") and await dispatch_node.dispatcher.release("+/b", "s1")
-    assert not await dispatch_node.dispatcher.release("+/b", "s1")
+    assert await dispatch_node.release("+/b", "s2") and await dispatch_node.release("+/b", "s1")
+    assert not await dispatch_node.release("+/b", "s1")
     assert dispatch_node.lq.max_offset("+/b") == 0 and dispatch_node.lq.targets("z/b") == b""
 
 
@@ -185,7 +185,7 @@ async def test_a_first_activation_waits_for_the_index_lock_off_the_trio_thread(d
     activated = trio.Event()
 
     async def activate():
-        assert await dispatch_node.dispatcher.activate("+/b", "s1") == 0
+        assert await dispatch_node.activate("+/b", "s1") == 0
         activated.set()
 
     try:

@@ -91,7 +91,7 @@ def test_read_many_gives_none_for_records_retention_deleted(tmp_path: Path):
 
 async def test_appends_are_dispatched_and_pulled_from_memory(tmp_path: Path):
     async with open_store(tmp_path, CONFIG) as node:
-        start = await node.dispatcher.activate("tele/+/temp", "s1")
+        start = await node.activate("tele/+/temp", "s1")
         messages = [NewMessage(f"tele/d{i}/temp", b"%d" % i * 200, f"d{i}", 1) for i in range(600)]
         await node.append(messages)  # about 2.5 segments: the run of records breaks at each segment end
         with trio.fail_after(10):
