@@ -212,10 +212,16 @@ class LightQueues:
 
     # -- queue names -----------------------------------------------------------------
 
-    def queue_id(self, name: str) -> int | None:
-        """The id of a queue (None: it does not exist)."""
+    def queue_id(self, name: str) -> int:
+        """The id of a queue, allocated on first use (a topic queue's, like dispatch's first entry; no WAL)."""
         state = self._load(name)
-        return state.qid if state is not None else None
+        if state is not None:
+            return state.qid
+        with self._lock:
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            state = self._state(name) or self._allocate(name, batch)
+            self._write(batch, None)
+            return state.qid
 
     def queue_name(self, qid: int) -> str | None:
         raw = self._db.get(keys.id_key(qid))

@@ -2,9 +2,11 @@
 
 from lightqueue import keys
 from lightqueue.queues import LightQueues
+from store.control import encode_control
 from store.dispatch import Dispatcher
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import decode_record, encode_record
+from store.queuecontrol import QueueControls
 from store.rocks import open_db
 
 SEGMENT = 256 * 1024
@@ -22,10 +24,14 @@ class Node:
         self.log = CommitLog.open(path / "commitlog", CommitLogConfig(segment_bytes=SEGMENT, max_record_bytes=SEGMENT, **kwargs))
         self.db = open_db(path / "index")
         self.lq = LightQueues(self.db)
-        self.dispatcher = Dispatcher(self.log, self.lq, listener)
+        self.dispatcher = Dispatcher(self.log, self.lq, listener, appliers=[QueueControls(self.lq)])
 
     def append(self, *topics, payload=b"p"):
         return self.log.append_batch([encode_record(t, payload, queues=self.lq.targets(t)) for t in topics])
+
+    def control(self, *controls):
+        """Append control records (store/control.py), as ``StoreNode.append_control`` writes them."""
+        return self.log.append_batch([encode_control(c, 0, SEGMENT)[0] for c in controls])
 
     def dump(self):
         """The index, each run of entries (``E`` keys) expanded to one key per entry: where dispatch batches

@@ -156,8 +156,7 @@ def test_listed_ids_that_are_not_active_filters_are_skipped(env):
     assert env.activate("+/b", "s2") == 0
     new = env.lq.queue_id("+/b")
     assert new != old and env.lq.queue_name(old) is None
-    topic_qid = env.lq.queue_id("t/b")  # a queue, but no filter's
-    env.log.append_batch([encode_record("t/b", b"p", queues=encode_queues([old, topic_qid, 10**6]))])
+    env.log.append_batch([encode_record("t/b", b"p", queues=encode_queues([old, 10**6]))])
     env.append("c/b")  # lists the new id
     changed = env.index()
     assert changed == {"a/b": 1, "a/#": 1, "t/b": 1, "t/#": 1, "c/b": 1, "c/#": 1, "+/b": 1}
