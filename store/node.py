@@ -681,7 +681,7 @@ async def open_store(
             sessions = open_family(db, SESSIONS_FAMILY)
             ledger = ClientLedger(db)
             try:
-                await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
+                missing = await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
                 clients = await trio.to_thread.run_sync(ledger.entries)
                 if session_expiry is not None:
                     clients |= await trio.to_thread.run_sync(_unrecorded, sessions, ledger, clients, session_expiry)
@@ -696,6 +696,7 @@ async def open_store(
                     async with background(dispatcher.run), background(partial(_watch_space, space)):
                         if not controls.restated:
                             await _restate(node, controls)
+                        await _activate_again(node, missing)
                         if tier is not None and tier.get("tier.uri"):
                             try:
                                 from store.tier import TierConfig, TierConverter, run_tier
@@ -738,23 +739,57 @@ async def _watch_space(space: DiskSpace, *, task_status: trio.TaskStatus[None] =
 
 
 def _recover(dispatcher: Dispatcher, queues: LightQueues, sessions: rocksdict.Rdict,
-             fix_session: SessionFixer | None) -> None:
+             fix_session: SessionFixer | None) -> list[tuple[str, str]]:
     """Before anyone consumes: index the whole log and pull back every position past its end (sessions
-    included), so that nothing appended from now on is skipped; one WARNING line says what moved."""
+    included), so that nothing appended from now on is skipped; one WARNING line says what moved.
+
+    Session blobs are kept beside the log (with the WAL): after a power loss they may read queues from positions,
+    or hold filters, that lost records made. Returns ``(filter, client id)`` for every filter a blob reads that
+    its client no longer holds (its ``Activated`` record was lost) and nobody else holds either: ``open_store``
+    activates them again, from the log's end.
+    """
     found = dispatcher.recover()
+    log_end = dispatcher.dispatched_offset
+    if queues.applied_hint > log_end:
+        found.setdefault("log_end", log_end)
+        found["control_records_from"] = queues.applied_hint
     if not found:
-        return
+        return []
+    missing: list[tuple[str, str]] = []
     if fix_session is not None:
         fixed = 0
+        read: list[str] = []
+
+        def max_offset(queue: str) -> int:
+            read.append(queue)
+            return queues.max_offset(queue)
+
         for key, blob in sessions.items():
-            new = fix_session(blob, queues.max_offset)
+            read.clear()
+            new = fix_session(blob, max_offset)
             if new is not None:
                 sessions.put(key, new, _WAL)
                 fixed += 1
+            client_id = key.decode()
+            held = set(queues.held_by(client_id))
+            missing.extend((queue, client_id) for queue in read if queue not in held and not queues.holders(queue))
         found["sessions"] = fixed
+        found["filters"] = len(missing)
+    queues.forget_hint(log_end)
     LOGGER.warning("positions past the end of the recovered CommitLog were pulled back to it (records lost in a"
                    " power loss or OS crash under the async flush policy); nothing appended from now on is skipped",
                    extra={"ctx": found})
+    return missing
+
+
+async def _activate_again(node: StoreNode, missing: Sequence[tuple[str, str]]) -> None:
+    """The filters ``_recover`` found held by session blobs but not by the light queues, held again."""
+    for filter, client_id in missing:
+        try:
+            await node.activate(filter, client_id)
+        except ValueError as exc:  # TopicError included: never stored so; the session reports it when it resumes
+            LOGGER.error("filter of a stored session not activated again: %s", exc,
+                         extra={"ctx": {"client_id": client_id}})
 
 
 async def _restate(node: StoreNode, controls: QueueControls) -> None:
