@@ -16,6 +16,20 @@ def decode(raw, offset):
     return decode_record(raw, 0, offset)
 
 
+def dump(db):
+    """The keys of ``db``'s default family (the light queues'), each run of entries (``E`` keys) expanded to one
+    key per entry: where dispatch batches began decides how entries are grouped into runs, not which there are."""
+    found = {}
+    for key, value in db.items():
+        if key[:1] != b"E":
+            found[key] = value
+            continue
+        qid, first = keys.U64.unpack_from(key, 1)[0], keys.U64.unpack_from(key, 9)[0]
+        for i in range(len(value) // keys.ENTRY.size):
+            found[keys.entry_key(qid, first + i)] = value[i * keys.ENTRY.size:(i + 1) * keys.ENTRY.size]
+    return found
+
+
 class Node:
     """A CommitLog, light queues and a dispatcher in one directory."""
 
@@ -34,17 +48,8 @@ class Node:
         return self.log.append_batch([encode_control(c, 0, SEGMENT)[0] for c in controls])
 
     def dump(self):
-        """The index, each run of entries (``E`` keys) expanded to one key per entry: where dispatch batches
-        began decides how entries are grouped into runs, not which entries there are."""
-        dump = {}
-        for key, value in self.db.items():
-            if key[:1] != b"E":
-                dump[key] = value
-                continue
-            qid, first = keys.U64.unpack_from(key, 1)[0], keys.U64.unpack_from(key, 9)[0]
-            for i in range(len(value) // keys.ENTRY.size):
-                dump[keys.entry_key(qid, first + i)] = value[i * keys.ENTRY.size:(i + 1) * keys.ENTRY.size]
-        return dump
+        """The index, each run of entries expanded (:func:`dump`)."""
+        return dump(self.db)
 
     def close(self):
         self.dispatcher.close()

@@ -19,7 +19,7 @@ from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import encode_record
 from store.node import open_store
 from store.rocks import open_db
-from tests.helpers.dispatch import Node, decode
+from tests.helpers.dispatch import Node, decode, dump
 from tests.helpers.processes import ROOT
 
 CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
@@ -32,20 +32,11 @@ def controls(data: Path) -> list:
         return [decode_control(r) for r in log.scan(log.min_offset, 1 << 30).records if r.control]
 
 
-def dump(data: Path) -> dict[bytes, bytes]:
-    """The light-queue keys (the default column family) of the index under ``data``, each run of entries expanded
-    to one key per entry: where dispatch batches began decides how entries group into runs, not which there are."""
+def index_dump(data: Path) -> dict[bytes, bytes]:
+    """The light-queue keys of the index under ``data``, runs expanded."""
     db = open_db(data / "index")
     try:
-        found = {}
-        for key, value in db.items():
-            if key[:1] != b"E":
-                found[key] = value
-                continue
-            qid, first = keys.U64.unpack_from(key, 1)[0], keys.U64.unpack_from(key, 9)[0]
-            for i in range(len(value) // keys.ENTRY.size):
-                found[keys.entry_key(qid, first + i)] = value[i * keys.ENTRY.size:(i + 1) * keys.ENTRY.size]
-        return found
+        return dump(db)
     finally:
         db.close()
 
@@ -126,14 +117,14 @@ async def test_dispatch_from_an_empty_index_derives_identical_light_queue_state(
     async with open_store(tmp_path, CONFIG) as node:
         await activity(node)
         hum = node.queues.queue_id("+/+/hum")
-    before = dump(tmp_path)
+    before = index_dump(tmp_path)
     assert keys.active_key("+/+/hum") in before and keys.holder_key("dev/1/temp", "d1") in before
     shutil.rmtree(tmp_path / "index")
     async with open_store(tmp_path, CONFIG) as node:
         assert node.queues.queue_id("+/+/hum") == hum == 3  # the released filter had 2
         assert topics(node, "+/+/hum") == ["dev/9/hum"]  # not what listed the released id
         assert node.queues.get_offsets("app") == {"dev/+/temp": 5, "dev/#": 2} and node.queues.holders("x/+") == []
-    assert dump(tmp_path) == before
+    assert index_dump(tmp_path) == before
 
 
 async def test_a_release_and_re_activation_after_a_rebuild_continue_the_filter_ids(tmp_path):
@@ -147,11 +138,11 @@ async def test_a_release_and_re_activation_after_a_rebuild_continue_the_filter_i
         await settle(node)
         assert node.queues.queue_id("+/+/hum") == 5  # after x/+'s 4: never an id a record may still list
         assert topics(node, "+/+/hum") == ["dev/3/hum"]
-    before = dump(tmp_path)
+    before = index_dump(tmp_path)
     shutil.rmtree(tmp_path / "index")
     async with open_store(tmp_path, CONFIG):
         pass
-    assert dump(tmp_path) == before
+    assert index_dump(tmp_path) == before
 
 
 def test_control_records_appended_by_a_process_killed_before_dispatch_are_applied_at_the_next_start(tmp_path):
