@@ -323,8 +323,8 @@ class GroupCoordinator:
         if len(loaded.subscribers) > 1 or loaded.state.members:
             loaded.subscribers.discard(client_id)
             return
-        await self._store.release(loaded.queue, loaded.name)  # its offset on the queue goes with it (a full disk:
-        # LogFullError, nothing changed, the caller may try again)
+        # Its offset on the queue goes with it; on a full disk (LogFullError) nothing changed: the caller may try again.
+        await self._store.release(loaded.queue, loaded.name)
         loaded.subscribers.discard(client_id)
         self._unload(loaded)
 

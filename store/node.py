@@ -55,8 +55,8 @@ from store.log.aio import AsyncCommitLog
 from store.log.commitlog import CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.log.recent import RecentRecords
-from store.queuecontrol import QueueControls
 from store.log.record import Record, decode_record, new_record, now_ms
+from store.queuecontrol import QueueControls
 from store.rocks import open_db, open_family
 from store.space import DiskSpace
 from store.tasks import background
