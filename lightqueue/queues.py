@@ -307,8 +307,8 @@ class LightQueues:
         """The queue id an ``Activated`` record for ``filter`` carries, as things stand: an active wildcard
         filter's own id, else the next filter id; 0 for an exact filter or ``a/#`` (never listed in a record).
 
-        The caller serialises activations and waits for each to be applied before it asks again (store/node.py),
-        so two filters never get one id.
+        The caller serialises the first activations of filters, each applied before the next asks (store/node.py),
+        so two filters never get one id; an active filter's id is never given to another, even once released.
 
         Raises:
             TopicError: the filter is not a valid MQTT topic filter.
@@ -324,6 +324,10 @@ class LightQueues:
         if qid > MAX_QUEUE_ID:
             raise ValueError(f"queue id {qid} of filter {filter!r} does not fit a target-queues section")
         return qid
+
+    def is_active(self, filter: str) -> bool:
+        """Is ``filter`` a wildcard filter being indexed (implicit first-level filters excluded)?"""
+        return filter in self._active
 
     def activate(self, filter: str, holder: str, since: int, qid: int | None = None, *,
                  applied: int | None = None) -> int:

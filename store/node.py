@@ -170,9 +170,9 @@ class StoreNode:
         self.leases = Leases(nursery, lease_s, append=self.append, end_session=self._end_session,
                              on_moved=self._moved, ledger=ledger)
         self.groups = GroupCoordinator(self, self._poke)
-        # Activations and releases, one at a time: a filter's id and its first and last holder are decided from the
-        # state the previous one left (applied before it returns), so two new filters never get one id.
-        self._holding = trio.Lock()
+        # First activations of wildcard filters, one at a time: each new filter's id is chosen from the state the
+        # previous one left (applied before it returns), so two new filters never get one id.
+        self._new_filters = trio.Lock()
 
     @property
     def disk_full(self) -> bool:
@@ -445,18 +445,22 @@ class StoreNode:
             ValueError: the filter's queue id does not fit a target-queues section.
         """
         self.space.check()
-        async with self._holding:
-            end = await self.append_control([Activated(queue, holder, self.queues.filter_id(queue))])
-        return self.queues.offset_at(queue, end)
+        queues = self.queues
+        qid = queues.filter_id(queue)
+        if qid and not queues.is_active(queue):
+            async with self._new_filters:
+                end = await self.append_control([Activated(queue, holder, queues.filter_id(queue))])
+        else:  # an active filter's id stays its own, even if its last holder releases it meanwhile
+            end = await self.append_control([Activated(queue, holder, qid)])
+        return queues.offset_at(queue, end)
 
     async def release(self, queue: str, holder: str) -> bool:
         """``holder`` no longer holds ``queue``: a ``Released`` record, appended and applied (its offset on the
         queue goes; the last holder of a wildcard filter ends its indexing). False if it did not hold it."""
         self.space.check()
-        async with self._holding:
-            if holder not in await trio.to_thread.run_sync(self.queues.holders, queue):
-                return False
-            await self.append_control([Released(queue, holder)])
+        if holder not in await trio.to_thread.run_sync(self.queues.holders, queue):
+            return False
+        await self.append_control([Released(queue, holder)])  # applied in log order: the last holder's ends it
         return True
 
     async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
@@ -533,8 +537,7 @@ class StoreNode:
         if not await trio.to_thread.run_sync(lambda: bool(queues.held_by(owner) or queues.get_offsets(owner))):
             return False
         self.space.check()
-        async with self._holding:
-            await self.append_control([SessionEnded(owner)])
+        await self.append_control([SessionEnded(owner)])
         return True
 
     def save_session(self, client_id: str, blob: bytes, *, only_existing: bool = False) -> bool:

@@ -233,3 +233,18 @@ def test_restate_lists_every_holding_with_its_id_and_every_owner_s_offsets(tmp_p
             Committed("c1", {"a/+": 3, "a/b": 1}), Committed("$group/g", {"a/b": 2})], key=repr)
     finally:
         db.close()
+
+
+async def test_concurrent_first_activations_get_distinct_ids_and_a_racing_release_leaves_a_consistent_filter(tmp_path):
+    async with open_store(tmp_path, CONFIG) as node:
+        async with trio.open_nursery() as nursery:
+            for i in range(20):
+                nursery.start_soon(node.activate, f"f{i}/+", "c")
+        assert sorted(node.queues.queue_id(f"f{i}/+") for i in range(20)) == list(range(1, 21))
+        for round in range(10):  # the last holder leaves while another arrives: whichever record lands first
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(node.release, "f0/+", f"h{round - 1}" if round else "c")
+                nursery.start_soon(node.activate, "f0/+", f"h{round}")
+            assert node.queues.holders("f0/+") == [f"h{round}"] and node.queues.is_active("f0/+")
+            assert decode_queues(node.queues.targets("f0/x")) == (node.queues.queue_id("f0/+"),)
+        assert node.queues.filter_id("new/+") == 21  # a released filter's id was never given to another
