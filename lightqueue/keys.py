@@ -5,19 +5,26 @@ consistent prefix of all writes. The first byte says what a key is:
 
     key                                        value                           written
     C                                          u64 CommitLog offset dispatched up to   index batch (no WAL)
-    I                                          u64 next queue id               with WAL
+    c                                          u64 CommitLog offset control records are applied up to  no WAL
+    w                                          u64 the same, a hint kept with the WAL: a log that ends before it
+                                               lost control records (the store then checks its session blobs)
+    I                                          u64 next topic queue id (from 2^32)      index batch (no WAL)
+    F                                          u64 next filter queue id (below 2^32)    with an activation (no WAL)
     T                                          u64 CommitLog min offset retention has applied  with WAL
-    N name                                     u64 queue id                    with WAL
-    Q id                                       name (UTF-8)                    with WAL
+    N name                                     u64 queue id                    index batch or activation (no WAL)
+    Q id                                       name (UTF-8)                    index batch or activation (no WAL)
     E id qoff                                  a run of entries from qoff: per entry u64 log offset,
                                                u32 size, u64 store ms (20 bytes)      index batch (no WAL)
     M id                                       u64 max queue offset (next to write)    index batch (no WAL)
     m id                                       u64 min queue offset (first kept)       with WAL, after a flush
-    A filter                                   u64 log offset it is active since       with WAL
-    H len filter holder                        (empty): filter held by holder          with WAL
-    h len holder filter                        (empty): the same, by holder            with WAL
-    O len owner id                             u64 next offset to consume              with WAL
-    R id owner                                 (empty): queue id referenced by owner   with WAL
+    A filter                                   u64 log offset it is active since       activation (no WAL)
+    H len filter holder                        (empty): filter held by holder          activation (no WAL)
+    h len holder filter                        (empty): the same, by holder            activation (no WAL)
+    O len owner id                             u64 next offset to consume              commit (no WAL)
+    R id owner                                 (empty): queue id referenced by owner   commit (no WAL)
+
+Everything but ``m`` and ``T`` is derived from the CommitLog: messages (index batches) and control records
+(activations, releases, commits, session ends: store/queuecontrol.py applies them).
 
 ``id`` and ``qoff`` are u64 big-endian, so one queue's runs are contiguous
 and sorted by queue offset (a run holds the consecutive entries one dispatch
@@ -31,11 +38,15 @@ from __future__ import annotations
 import struct
 
 __all__ = [
+    "APPLIED",
+    "APPLIED_HINT",
     "CHECKPOINT",
     "ENTRY",
     "RUN_ENTRIES",
+    "NEXT_FILTER_ID",
     "NEXT_ID",
     "RETAINED",
+    "U16",
     "U64",
     "active_key",
     "entry_key",
@@ -56,7 +67,7 @@ __all__ = [
 ]
 
 U64 = struct.Struct(">Q")
-_U16 = struct.Struct(">H")
+U16 = struct.Struct(">H")
 
 ENTRY = struct.Struct(">QIQ")
 """An index entry: CommitLog offset, record size, store timestamp (ms) - 20 bytes; an ``E`` key's value is a run."""
@@ -67,13 +78,16 @@ and queue (about 1.5 us of a fan-in message's 25); a pull reads whole runs, so a
 (20 KiB) that reading one for a few entries costs little."""
 
 CHECKPOINT = b"C"
+APPLIED = b"c"
+APPLIED_HINT = b"w"
 NEXT_ID = b"I"
+NEXT_FILTER_ID = b"F"
 RETAINED = b"T"
 
 
 def _str(text: str) -> bytes:
     raw = text.encode()
-    return _U16.pack(len(raw)) + raw
+    return U16.pack(len(raw)) + raw
 
 
 def name_key(name: str) -> bytes:

@@ -15,27 +15,22 @@ Where a record goes (decided by the appender and dispatcher together):
   target-queues section (:meth:`LightQueues.targets` computes it at append
   time) and that is active at the record's offset.
 
-Durability: index batches (entries, max offsets, dispatch checkpoint) are
-written without the WAL, one write batch per dispatch batch, so whatever a crash
-leaves is a consistent prefix that re-dispatch from the checkpoint extends with
-identical entries. State with no other source (queue ids, filter activations and
-holders, consumer offsets, retention) is written with the WAL; a filter's queue
-id is allocated in the same write as its activation. Retention flushes the
-memtable first, so its WAL'd range deletes never sit on top of index writes a
-crash could still lose; a released filter's queue is deleted whole, id included.
-A listed id is indexed only if it is the id of an active filter activated at or
-before the record's offset; an id whose queue is gone is skipped, and a
-re-activated filter gets a new id. So re-dispatch agrees with the original
-dispatch even across a release and re-activation. See docs/storage.md,
-"Light-queue index (RocksDB)".
+Durability: everything here is derived from the CommitLog. Index batches (entries, max offsets, dispatch
+checkpoint) and the state that control records make (store/control.py: filter activations with their queue ids,
+holders, consumer offsets, applied by store/queuecontrol.py through :meth:`activate`, :meth:`release`,
+:meth:`commit_offsets` and :meth:`delete_owner`) are written without the WAL, so whatever a crash leaves is a
+consistent prefix of dispatch that re-dispatch from the checkpoints extends identically. Retention writes with the
+WAL after flushing the memtable, so its range deletes never sit on top of writes a crash could still lose.
 
-Concurrency: one dispatcher thread calls :meth:`index`; other threads may pull,
-activate, release and commit offsets at the same time. Changes to queue state
-(index batches, retention, queue removal, id allocation) are serialised by one
-lock, which :meth:`activate` (of a filter's first holder), :meth:`release` and
-:meth:`delete_owner` may wait for for the length of a dispatch batch: from
-async code call them in a worker thread (``Dispatcher.activate`` and
-``Dispatcher.release`` do). :meth:`targets` is meant for the appender's thread.
+Queue ids: a wildcard filter's id is chosen by the writer of its ``Activated`` record (:meth:`filter_id`, from
+``1`` up, below 2^32 as the target-queues section needs) and written in the record; topic and first-level queues
+(never named by id in a record) get theirs from dispatch, from ``TOPIC_IDS`` (2^32) up. The two ranges never meet,
+so every copy of the log derives the same filter ids whatever ids its topic queues got. A listed id is indexed only
+if it is the id of a filter active at the record's offset (activated at or before it, in log order); an id whose
+filter is gone is skipped. See docs/storage.md, "Light-queue index (RocksDB)".
+
+Concurrency: one dispatcher thread calls :meth:`index` and applies control records; other threads may pull at the
+same time. Changes to queue state are serialised by one lock. :meth:`targets` is meant for the appender's thread.
 """
 
 from __future__ import annotations
@@ -53,7 +48,7 @@ from lightqueue.sized import SizedCache
 from lightqueue.targets import MAX_QUEUE_ID, encode_queues
 from lightqueue.topics import first_level_queue, is_wildcard, validate_filter
 
-__all__ = ["IndexRecord", "LightQueues", "LightQueuesStatistics", "LogReader", "PullResult", "PulledBack"]
+__all__ = ["TOPIC_IDS", "IndexRecord", "LightQueues", "LightQueuesStatistics", "LogReader", "PullResult"]
 
 T = TypeVar("T")
 
@@ -72,6 +67,9 @@ QUEUE_CACHE_BYTES = 64 * 1024 * 1024
 
 QUEUE_STATE_BYTES = 200
 """Bytes one cached queue state costs (the object and its key prefix), for the byte bound."""
+
+TOPIC_IDS = MAX_QUEUE_ID + 1
+"""The first id of a topic or first-level queue; filter ids are below it (docs/storage.md, "Queue ids")."""
 
 SWEEP_CHUNK = 1024
 """Queues examined per lock hold during retention, so dispatch is never stalled for long."""
@@ -104,24 +102,11 @@ class IndexRecord(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class PulledBack:
-    """What :meth:`LightQueues.pull_back` moved: filters whose "active since" offset was past the log's end,
-    and consumer offsets that were past their queue's max offset, as ``(owner, queue, from, to)``."""
-
-    filters: int
-    offsets: tuple[tuple[str, str, int, int], ...]
-
-    @property
-    def messages(self) -> int:
-        """Queue offsets the consumers would have skipped (summed over the offsets pulled back)."""
-        return sum(old - new for _, _, old, new in self.offsets)
-
-
-@dataclass(frozen=True, slots=True)
 class LightQueuesStatistics:
     active_filters: int  # wildcard filters in the trie (implicit `a/#` and exact filters excluded)
     checkpoint: int  # CommitLog offset dispatched up to
-    next_queue_id: int
+    next_queue_id: int  # of topic queues (from TOPIC_IDS)
+    next_filter_id: int
     cached_queues: int
     cached_targets: int
     entries_indexed: int  # since this process opened the index
@@ -184,8 +169,8 @@ class LightQueues:
 
     Args:
         db: a raw-mode Rdict (store.rocks.open_db).
-        sync: fsync the WAL on writes that use it (filter activations, consumer
-            offsets, queue ids). False survives a process crash; True also a power loss.
+        sync: fsync the WAL on the writes that use it (retention, the one-time split of an older index's queue
+            ids). False survives a process crash; True also a power loss.
 
     Resource handling: the caller owns ``db`` and closes it after this object
     is no longer used.
@@ -194,11 +179,6 @@ class LightQueues:
     def __init__(self, db: rocksdict.Rdict, *, sync: bool = False) -> None:
         self._db = db
         self._lock = threading.Lock()
-        # Serialises holder changes: "the filter is already active" (activate) and "this is the
-        # last holder" (release) must not interleave, or a new holder could land on a filter
-        # that is being removed and receive nothing. Taken before self._lock, never inside it.
-        self._membership = threading.Lock()
-        self._commits = threading.Lock()  # consumer offsets are compared before they are written (never back)
         self._wal = rocksdict.WriteOptions()
         self._wal.sync = sync
         self._no_wal = rocksdict.WriteOptions()
@@ -210,12 +190,20 @@ class LightQueues:
         self._active_ids: dict[int, _Filter] = {}  # the same, by queue id
         self._entries_indexed = 0
         self._queues_removed = 0
-        raw = db.get(keys.CHECKPOINT)
-        self._checkpoint = keys.U64.unpack(raw)[0] if raw else 0
-        raw = db.get(keys.RETAINED)
-        self._retained = keys.U64.unpack(raw)[0] if raw else 0
-        raw = db.get(keys.NEXT_ID)
-        self._next_id = keys.U64.unpack(raw)[0] if raw else 1
+        self._checkpoint = self._u64(keys.CHECKPOINT, 0)
+        self._retained = self._u64(keys.RETAINED, 0)
+        raw = db.get(keys.APPLIED)
+        self._applied = keys.U64.unpack(raw)[0] if raw else None
+        self._applied_hint = self._u64(keys.APPLIED_HINT, 0)
+        self._next_id = self._u64(keys.NEXT_ID, TOPIC_IDS)
+        self._next_filter_id = self._u64(keys.NEXT_FILTER_ID, 1)
+        if self._next_id < TOPIC_IDS:  # an index from before the split: filters go on from its ids, topics above
+            self._next_filter_id = max(self._next_filter_id, self._next_id)
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            batch.put(keys.NEXT_FILTER_ID, keys.U64.pack(self._next_filter_id))
+            batch.put(keys.NEXT_ID, keys.U64.pack(TOPIC_IDS))
+            db.write(batch, self._wal)
+            self._next_id = TOPIC_IDS
         for key, value in self._scan(b"A"):
             name = key[1:].decode()
             state = self._load(name)
@@ -226,15 +214,14 @@ class LightQueues:
     # -- queue names -----------------------------------------------------------------
 
     def queue_id(self, name: str) -> int:
-        """The id of a queue, allocated (durably) on first use."""
+        """The id of a queue, allocated on first use (a topic queue's, like dispatch's first entry; no WAL)."""
         state = self._load(name)
         if state is not None:
             return state.qid
         with self._lock:
             batch = rocksdict.WriteBatch(raw_mode=True)
             state = self._state(name) or self._allocate(name, batch)
-            if not batch.is_empty():
-                self._db.write(batch, self._wal)
+            self._write(batch, None)
             return state.qid
 
     def queue_name(self, qid: int) -> str | None:
@@ -316,94 +303,118 @@ class LightQueues:
             cache.put(topic, section)
         return section
 
-    def activate(self, filter: str, holder: str, log_offset: int) -> int:
-        """Make ``holder`` (a session or consumer group) hold ``filter``; durable on return.
+    def filter_id(self, filter: str) -> int:
+        """The queue id an ``Activated`` record for ``filter`` carries, as things stand: an active wildcard
+        filter's own id, else the next filter id; 0 for an exact filter or ``a/#`` (never listed in a record).
 
-        The first holder of a wildcard filter starts its indexing: its queue id
-        is allocated (in the same durable write), and every record at or after
-        CommitLog offset ``log_offset`` (pass the log's written offset, read
-        *before* this call) that the appender matched to the filter is indexed
-        into the filter's queue. Exact filters and ``a/#`` are always indexed;
-        holding them keeps their queues from being removed. The first holder
-        may wait for a dispatch batch (the index lock); holder changes are
-        serialised with :meth:`release`, so others may wait behind it.
-
-        Returns:
-            the queue's current max offset: the subscription's start once
-            dispatch has reached ``log_offset`` (see :meth:`offset_at`).
+        The caller serialises the first activations of filters, each applied before the next asks (store/node.py),
+        so two filters never get one id; an active filter's id is never given to another, even once released.
 
         Raises:
             TopicError: the filter is not a valid MQTT topic filter.
-            ValueError: the filter's queue id does not fit a target-queues
-                section (more than MAX_QUEUE_ID queues were ever allocated).
+            ValueError: the id does not fit a target-queues section (2^32 - 1 filter ids were given out).
         """
         validate_filter(filter)
-        with self._membership:
-            return self._activate(filter, holder, log_offset)
+        if not is_wildcard(filter) or is_implicit(filter):
+            return 0
+        active = self._active.get(filter)
+        if active is not None:
+            return active.qid
+        qid = self._next_filter_id
+        if qid > MAX_QUEUE_ID:
+            raise ValueError(f"queue id {qid} of filter {filter!r} does not fit a target-queues section")
+        return qid
 
-    def _activate(self, filter: str, holder: str, log_offset: int) -> int:
-        batch = rocksdict.WriteBatch(raw_mode=True)
-        batch.put(keys.holder_key(filter, holder), _EMPTY)
-        batch.put(keys.held_by_key(holder, filter), _EMPTY)
-        if not is_wildcard(filter) or is_implicit(filter) or filter in self._active:
-            self._db.write(batch, self._wal)
-            return self.max_offset(filter)
+    def is_active(self, filter: str) -> bool:
+        """Is ``filter`` a wildcard filter being indexed (implicit first-level filters excluded)?"""
+        return filter in self._active
+
+    def activate(self, filter: str, holder: str, since: int, qid: int | None = None, *,
+                 applied: int | None = None) -> int:
+        """Apply an activation: ``holder`` (a session or consumer group) holds ``filter``.
+
+        The first holder of a wildcard filter starts its indexing under queue id ``qid`` (None: :meth:`filter_id`):
+        every record at or after CommitLog offset ``since`` (the ``Activated`` record's) that lists the id is
+        indexed into the filter's queue, and :meth:`targets` lists it from now on. An active filter keeps its id
+        and its start. Exact filters and ``a/#`` are always indexed; holding them keeps their queues from being
+        removed. Written without the WAL (derived state); ``applied``: the control checkpoint to write with it.
+
+        Returns:
+            the queue's current max offset.
+
+        Raises:
+            TopicError: the filter is not a valid MQTT topic filter.
+            ValueError: ``qid`` is not a filter id (0, or from the topic queues' range).
+        """
+        validate_filter(filter)
         with self._lock:
-            if filter not in self._active:  # re-checked: another thread may have activated it meanwhile
-                batch.put(keys.active_key(filter), keys.U64.pack(log_offset))
-                state = self._state(filter) or self._allocate(filter, batch)
-                if state.qid > MAX_QUEUE_ID:
-                    self._reset_cache()
-                    raise ValueError(f"queue id {state.qid} of filter {filter!r} does not fit a target-queues section")
-                try:
-                    self._db.write(batch, self._wal)
-                except Exception:
-                    self._reset_cache()  # the id allocated above may not exist in the database
-                    raise
-                self._add_active(_Filter(filter, state.qid, log_offset))
-                self._targets = _target_cache()
-                return state.max
-        self._db.write(batch, self._wal)
-        return self.max_offset(filter)
+            batch = self._batch(applied)
+            batch.put(keys.holder_key(filter, holder), _EMPTY)
+            batch.put(keys.held_by_key(holder, filter), _EMPTY)
+            if not is_wildcard(filter) or is_implicit(filter) or filter in self._active:
+                self._write(batch, applied)
+                return self.max_offset(filter)
+            qid = self.filter_id(filter) if qid is None else qid
+            if not 0 < qid <= MAX_QUEUE_ID:
+                raise ValueError(f"{qid} is not a filter's queue id (1 to {MAX_QUEUE_ID})")
+            state = self._state(filter)
+            if state is not None and state.qid != qid:  # an older queue of that name (offsets on it): replaced
+                self._remove(filter, state, batch)
+                state = None
+            if state is None:
+                state = self._cache(filter, _Queue(qid, 0))
+                batch.put(keys.name_key(filter), keys.U64.pack(qid))
+                batch.put(keys.id_key(qid), filter.encode())
+            next_filter_id = max(self._next_filter_id, qid + 1)
+            batch.put(keys.NEXT_FILTER_ID, keys.U64.pack(next_filter_id))
+            batch.put(keys.active_key(filter), keys.U64.pack(since))
+            try:
+                self._write(batch, applied)
+            except Exception:
+                self._reset_cache()
+                raise
+            self._next_filter_id = next_filter_id
+            self._add_active(_Filter(filter, qid, since))
+            self._targets = _target_cache()
+            return state.max
 
-    def release(self, filter: str, holder: str) -> bool:
-        """``holder`` stops holding ``filter``; durable on return.
+    def release(self, filter: str, holder: str, *, applied: int | None = None) -> bool:
+        """Apply a release: ``holder`` stops holding ``filter`` (written without the WAL).
 
         The holder's offset on the filter's queue goes too. When the last holder
         of a wildcard filter goes, the filter stops being indexed and its queue
-        (entries, offsets) is deleted.
+        (entries, offsets, id) is deleted.
 
         Returns:
             True if the holder held the filter.
         """
-        with self._membership:
-            return self._release(filter, holder)
+        with self._lock:
+            return self._release(filter, holder, self._batch(applied), applied)
 
-    def _release(self, filter: str, holder: str) -> bool:
+    def _release(self, filter: str, holder: str, batch: rocksdict.WriteBatch, applied: int | None) -> bool:
+        """:meth:`release` with the lock held, into ``batch`` (written here, with what it held before)."""
         key = keys.holder_key(filter, holder)
         if self._db.get(key) is None:
+            self._write(batch, applied)
             return False
-        batch = rocksdict.WriteBatch(raw_mode=True)
         batch.delete(key)
         batch.delete(keys.held_by_key(holder, filter))
-        state = self._load(filter)
+        state = self._state(filter)
         if state is not None:
             batch.delete(keys.offset_key(holder, state.qid))
             batch.delete(keys.ref_key(state.qid, holder))
         last = not any(k != key for k, _ in self._scan(keys.holder_prefix(filter), limit=2))
         if not (last and filter in self._active):
-            self._db.write(batch, self._wal)
+            self._write(batch, applied)
             return True
         batch.delete(keys.active_key(filter))
-        with self._lock:
-            state = self._state(filter)
-            if state is not None:
-                self._remove(filter, state, batch)  # the whole queue and its id: listed, it is skipped
-            self._db.write(batch, self._wal)
-            self._filters.remove(filter)
-            self._targets = _target_cache()
-            gone = self._active.pop(filter)  # after the trie: nothing new lists it, and dispatch skips the rest
-            del self._active_ids[gone.qid]
+        if state is not None:
+            self._remove(filter, state, batch)  # the whole queue and its id: listed, it is skipped
+        self._write(batch, applied)
+        self._filters.remove(filter)
+        self._targets = _target_cache()
+        gone = self._active.pop(filter)  # after the trie: nothing new lists it, and dispatch skips the rest
+        del self._active_ids[gone.qid]
         return True
 
     def holders(self, filter: str) -> list[str]:
@@ -431,8 +442,7 @@ class LightQueues:
         """Index records (in CommitLog order) and move the checkpoint to ``next_log_offset``.
 
         One write batch (no WAL) holds every entry, every touched queue's new
-        max offset and the checkpoint; new queue ids are written (with the WAL)
-        just before it. A queue's entries of the batch are written as runs
+        max offset, the new queue ids (from ``TOPIC_IDS`` up) and the checkpoint. A queue's entries of the batch are written as runs
         (``keys.RUN_ENTRIES``), one key per run. Records below the checkpoint
         were indexed before and are skipped, so indexing is idempotent.
 
@@ -444,7 +454,6 @@ class LightQueues:
             checkpoint = self._checkpoint
             if next_log_offset < checkpoint:
                 raise ValueError(f"checkpoint cannot move back from {checkpoint} to {next_log_offset}")
-            ids = rocksdict.WriteBatch(raw_mode=True)
             batch = rocksdict.WriteBatch(raw_mode=True)
             put = batch.put
             touched: dict[str, _Slot] = {}
@@ -457,7 +466,7 @@ class LightQueues:
                 value = pack_entry(offset, rec.size, rec.store_ms)
                 route = routes.get((rec.topic, rec.queues))
                 if route is None:
-                    route, stable = self._route(rec.topic, rec.queues, offset, checkpoint, touched, ids)
+                    route, stable = self._route(rec.topic, rec.queues, offset, checkpoint, touched, batch)
                     if stable:
                         routes[(rec.topic, rec.queues)] = route
                 for entries in route:
@@ -467,8 +476,6 @@ class LightQueues:
             for slot in touched.values():
                 slot.write(put)
             try:
-                if not ids.is_empty():
-                    self._db.write(ids, self._wal)
                 self._db.write(batch, self._no_wal)
             except Exception:
                 self._reset_cache()  # states allocated above may not exist in the database
@@ -487,7 +494,7 @@ class LightQueues:
         offset: int,
         checkpoint: int,
         touched: dict[str, _Slot],
-        ids: rocksdict.WriteBatch,
+        batch: rocksdict.WriteBatch,
     ) -> tuple[list[list[bytes]], bool]:
         """The entry lists (of the queues' slots) a record at ``offset`` goes to, and whether
         every record of the batch with this topic and section goes to the same ones (no filter
@@ -509,7 +516,7 @@ class LightQueues:
         for name in names:
             slot = touched.get(name)
             if slot is None:
-                slot = touched[name] = _Slot(self._state(name) or self._allocate(name, ids))
+                slot = touched[name] = _Slot(self._state(name) or self._allocate(name, batch))
             route.append(slot.entries)
         return route, stable
 
@@ -595,44 +602,34 @@ class LightQueues:
         messages = [(qoff, value) for (qoff, _, _), value in zip(found, values) if value is not None]
         return PullResult(messages, next_offset, expired)
 
-    def commit_offsets(self, owner: str, offsets: Mapping[str, int]) -> None:
-        """Store ``owner``'s next offsets for several queues in one durable write.
+    def commit_offsets(self, owner: str, offsets: Mapping[str, int], *, applied: int | None = None) -> None:
+        """Apply a commit: ``owner``'s next offsets for several queues, in one write (no WAL: derived state).
 
         ``owner`` is an opaque string (a session's client id, a consumer group's
         name): callers keep the two apart, e.g. with a prefix. An offset never
         moves back: one below the stored offset of its queue is left out (a
         connection taken over by another node may commit after its successor).
+        A queue that does not exist yet gets its id (a topic queue's) here.
         """
         for name, offset in offsets.items():
             if offset < 0:
                 raise ValueError(f"offset for queue {name!r} must not be negative, not {offset}")
-        with self._commits:  # read, compare and write as one step: concurrent commits of an owner race otherwise
-            states = {name: self._load(name) for name in offsets}
-            if all(states.values()):
-                batch = self._offsets_batch(owner, offsets, states)
-            else:
-                with self._lock:  # new queues: allocate them in the same write, safe from a concurrent sweep
-                    batch = self._offsets_batch(owner, offsets, states)
-            if batch is not None:
-                self._db.write(batch, self._wal)
-
-    def _offsets_batch(self, owner: str, offsets: Mapping[str, int],
-                       states: dict[str, _Queue | None]) -> rocksdict.WriteBatch | None:
-        """The offset and back-reference keys of the offsets that move forward (None: none does); queues missing
-        from ``states`` are allocated (hold the lock then)."""
-        batch = rocksdict.WriteBatch(raw_mode=True)
-        written = False
-        for name, offset in offsets.items():
-            state = states[name]
-            if state is not None:
-                stored = self._db.get(keys.offset_key(owner, state.qid))
-                if stored is not None and keys.U64.unpack(stored)[0] >= offset:
-                    continue
-            state = state or self._state(name) or self._allocate(name, batch)
-            batch.put(keys.offset_key(owner, state.qid), keys.U64.pack(offset))
-            batch.put(keys.ref_key(state.qid, owner), _EMPTY)
-            written = True
-        return batch if written else None
+        with self._lock:
+            batch = self._batch(applied)
+            for name, offset in offsets.items():
+                state = self._state(name)
+                if state is not None:
+                    stored = self._db.get(keys.offset_key(owner, state.qid))
+                    if stored is not None and keys.U64.unpack(stored)[0] >= offset:
+                        continue
+                state = state or self._allocate(name, batch)
+                batch.put(keys.offset_key(owner, state.qid), keys.U64.pack(offset))
+                batch.put(keys.ref_key(state.qid, owner), _EMPTY)
+            try:
+                self._write(batch, applied)
+            except Exception:
+                self._reset_cache()  # ids allocated above may not exist in the database
+                raise
 
     def get_offsets(self, owner: str) -> dict[str, int]:
         """``{queue name: next offset}`` committed by ``owner``."""
@@ -644,17 +641,84 @@ class LightQueues:
                 result[name] = keys.U64.unpack(value)[0]
         return result
 
-    def delete_owner(self, owner: str) -> None:
-        """Forget an owner (session expiry): its offsets go and its filters are released."""
-        for filter in self.held_by(owner):
-            self.release(filter, owner)
-        prefix = keys.offset_prefix(owner)
-        batch = rocksdict.WriteBatch(raw_mode=True)
-        for key, _ in self._scan(prefix):
-            batch.delete(key)
-            batch.delete(keys.ref_key(keys.U64.unpack_from(key, len(prefix))[0], owner))
-        if not batch.is_empty():
+    def delete_owner(self, owner: str, *, applied: int | None = None) -> None:
+        """Apply a session's end: the owner's filters are released and its offsets go (no WAL: derived state)."""
+        with self._lock:
+            for filter in self.held_by(owner):
+                self._release(filter, owner, self._batch(None), None)
+            prefix = keys.offset_prefix(owner)
+            batch = self._batch(applied)
+            for key, _ in self._scan(prefix):
+                batch.delete(key)
+                batch.delete(keys.ref_key(keys.U64.unpack_from(key, len(prefix))[0], owner))
+            self._write(batch, applied)
+
+    # -- control records -------------------------------------------------------------
+
+    @property
+    def applied(self) -> int | None:
+        """Every control record below this CommitLog offset is applied (None: no control record ever was: an
+        index written before control records, whose holders and offsets the store restates once)."""
+        return self._applied
+
+    @property
+    def applied_hint(self) -> int:
+        """The highest control checkpoint ever written, kept with the WAL: when the log ends before it after a
+        power loss, control records were lost that state kept outside the log (session blobs) may depend on."""
+        return self._applied_hint
+
+    def forget_hint(self, log_end: int) -> None:
+        """The state outside the log was checked against the log ending at ``log_end``: the hint goes back to it."""
+        self._db.put(keys.APPLIED_HINT, keys.U64.pack(log_end), self._wal)
+        self._applied_hint = log_end
+
+    def mark_applied(self, offset: int) -> None:
+        """Move the control checkpoint to ``offset`` (no WAL: persisted by the next :meth:`flush`)."""
+        with self._lock:
+            self._write(self._batch(offset), offset)
+
+    def holdings(self) -> Iterator[tuple[str, str, int]]:
+        """Every held filter as ``(filter, holder, queue id)`` (0 for exact filters and ``a/#``): what
+        ``Activated`` records restate."""
+        for key, _ in self._scan(b"H"):
+            size = keys.U16.unpack_from(key, 1)[0]
+            filter = key[3:3 + size].decode()
+            active = self._active.get(filter)
+            yield filter, key[3 + size:].decode(), active.qid if active is not None else 0
+
+    def owners(self) -> Iterator[str]:
+        """Every owner with a committed offset."""
+        last = None
+        for key, _ in self._scan(b"O"):
+            owner = key[3:-8].decode()
+            if owner != last:
+                yield owner
+                last = owner
+
+    def forget_controls(self, log_end: int) -> None:
+        """Undo what control records made, for dispatch to apply them again from the log's start: the log
+        ends at ``log_end`` before the control checkpoint (what the records past it made cannot be told apart).
+
+        Holders, offsets and activations go, and the control checkpoint goes to 0; a filter active since
+        ``log_end`` or later goes whole (its ``Activated`` record is lost), the others keep their queue, which
+        their ``Activated`` record, applied again, finds with its id.
+        """
+        with self._lock:
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            for active in list(self._active.values()):
+                if active.since >= log_end:
+                    state = self._state(active.name)
+                    if state is not None:
+                        self._remove(active.name, state, batch)
+            for prefix in (b"A", b"H", b"h", b"O", b"R"):
+                batch.delete_range(prefix, keys.prefix_end(prefix))
+            batch.put(keys.APPLIED, keys.U64.pack(0))
             self._db.write(batch, self._wal)
+            self._applied = 0
+            self._active.clear()
+            self._active_ids.clear()
+            self._filters = FilterIndex()
+            self._targets = _target_cache()
 
     # -- retention -----------------------------------------------------------------
 
@@ -711,46 +775,12 @@ class LightQueues:
                 self._db.put(keys.CHECKPOINT, keys.U64.pack(log_end), self._wal)
                 self._checkpoint = log_end
 
-    def pull_back(self, log_end: int) -> PulledBack:
-        """Pull every position past the end of the index back to it: consumer offsets beyond their queue's
-        max offset, and filters active since a CommitLog offset at or beyond ``log_end``.
-
-        Call it once dispatch has indexed the whole log (``log_end`` is its written offset), before anyone
-        consumes: after a power loss under the async flush policy the log lost records that consumers had
-        acknowledged, the WAL'd offsets survived, and the records appended next reuse those queue offsets.
-        An offset left past the max would skip them; a filter active since a lost offset would not index
-        them. One WAL'd write; a no-op when nothing is past the end.
-        """
-        batch = rocksdict.WriteBatch(raw_mode=True)
-        filters = 0
-        with self._lock:
-            for active in self._active.values():
-                if active.since > log_end:
-                    batch.put(keys.active_key(active.name), keys.U64.pack(log_end))
-                    filters += 1
-            heads: dict[int, int] = {}
-            moved: list[tuple[str, str, int, int]] = []  # (owner, queue, from, to)
-            for key, value in self._scan(b"O"):
-                qid = keys.U64.unpack_from(key, len(key) - 8)[0]
-                head = heads.get(qid)
-                if head is None:
-                    raw = self._db.get(keys.max_key(qid))
-                    head = heads[qid] = keys.U64.unpack(raw)[0] if raw else 0
-                offset = keys.U64.unpack(value)[0]
-                if offset > head:
-                    batch.put(key, keys.U64.pack(head))
-                    moved.append((key[3:-8].decode(), self.queue_name(qid) or str(qid), offset, head))
-            if not batch.is_empty():
-                self._db.write(batch, self._wal)
-            for active in self._active.values():
-                active.since = min(active.since, log_end)
-        return PulledBack(filters, tuple(moved))
-
     def statistics(self) -> LightQueuesStatistics:
         return LightQueuesStatistics(
             active_filters=len(self._filters),
             checkpoint=self._checkpoint,
             next_queue_id=self._next_id,
+            next_filter_id=self._next_filter_id,
             cached_queues=len(self._queues),
             cached_targets=len(self._targets),
             entries_indexed=self._entries_indexed,
@@ -781,17 +811,38 @@ class LightQueues:
         return self._cache(name, state) if state is not None else None
 
     def _reset_cache(self) -> None:
-        """Forget cached queue states and re-read the id counter: after a failed write. Hold the lock."""
+        """Forget cached queue states and re-read the id counters: after a failed write. Hold the lock."""
         self._queues.clear()
-        raw = self._db.get(keys.NEXT_ID)
-        self._next_id = keys.U64.unpack(raw)[0] if raw else 1
+        self._next_id = self._u64(keys.NEXT_ID, TOPIC_IDS)
+        self._next_filter_id = self._u64(keys.NEXT_FILTER_ID, 1)
+
+    def _u64(self, key: bytes, default: int) -> int:
+        raw = self._db.get(key)
+        return keys.U64.unpack(raw)[0] if raw else default
+
+    def _batch(self, applied: int | None) -> rocksdict.WriteBatch:
+        """A write batch that moves the control checkpoint to ``applied`` (None: leaves it)."""
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        if applied is not None:
+            batch.put(keys.APPLIED, keys.U64.pack(applied))
+        return batch
+
+    def _write(self, batch: rocksdict.WriteBatch, applied: int | None) -> None:
+        """Write derived state (no WAL) and note the control checkpoint it carries."""
+        if not batch.is_empty():
+            self._db.write(batch, self._no_wal)
+        if applied is not None:
+            self._applied = applied
+            if applied > self._applied_hint:
+                self._db.put(keys.APPLIED_HINT, keys.U64.pack(applied), self._wal)
+                self._applied_hint = applied
 
     def _cache(self, name: str, state: _Queue) -> _Queue:
         self._queues.put(name, state)
         return state
 
     def _allocate(self, name: str, batch: rocksdict.WriteBatch) -> _Queue:
-        """A new queue id, its name mapping added to ``batch`` (written with the WAL). Hold the lock."""
+        """A new topic queue id (``TOPIC_IDS`` and up), its name mapping added to ``batch``. Hold the lock."""
         qid = self._next_id
         self._next_id = qid + 1
         batch.put(keys.NEXT_ID, keys.U64.pack(qid + 1))

@@ -15,7 +15,8 @@ deterministic: keys.py, docs/storage.md). The state with no other source is
 kept and made consistent first, so that dispatch can run over it:
 
 - a queue id whose name key (``N``) or id key (``Q``) survived alone gets the other back;
-- the next id (``I``) is set above every id still named, so no new queue takes a surviving id;
+- the next ids (``I`` of topic queues, ``F`` of filters: their ranges are split at ``TOPIC_IDS``) are set above
+  every id still named, so no new queue takes a surviving id;
 - a wildcard filter whose queue is named but whose activation (``A``) was lost is active again since
   the log's start: the records that list its id are exactly those appended while it was active;
 - a filter activation whose queue id was lost gets a new id, active since the log's end (the records
@@ -30,7 +31,7 @@ from typing import Any
 import rocksdict
 
 from lightqueue import keys
-from lightqueue.queues import is_implicit
+from lightqueue.queues import TOPIC_IDS, is_implicit
 from lightqueue.topics import is_wildcard
 
 __all__ = ["forget_derived"]
@@ -60,7 +61,11 @@ def forget_derived(db: rocksdict.Rdict, log_min: int, log_end: int) -> dict[str,
             names[name] = qid
             restored += 1
     raw = db.get(keys.NEXT_ID)
-    next_id = max(keys.U64.unpack(raw)[0] if raw else 1, max(ids, default=0) + 1)
+    next_id = keys.U64.unpack(raw)[0] if raw else TOPIC_IDS
+    raw = db.get(keys.NEXT_FILTER_ID)
+    next_filter_id = max(keys.U64.unpack(raw)[0] if raw else 1, next_id if next_id < TOPIC_IDS else 1,
+                         max((qid for qid in ids if qid < TOPIC_IDS), default=0) + 1)
+    next_id = max(next_id, TOPIC_IDS, max(ids, default=0) + 1)
     active = {key[1:].decode() for key, _ in _scan(db, b"A")}
     reactivated = 0
     for name in names.keys() - active:
@@ -69,12 +74,13 @@ def forget_derived(db: rocksdict.Rdict, log_min: int, log_end: int) -> dict[str,
             reactivated += 1
     renamed = 0
     for name in active - names.keys():
-        batch.put(keys.name_key(name), keys.U64.pack(next_id))
-        batch.put(keys.id_key(next_id), name.encode())
+        batch.put(keys.name_key(name), keys.U64.pack(next_filter_id))
+        batch.put(keys.id_key(next_filter_id), name.encode())
         batch.put(keys.active_key(name), keys.U64.pack(log_end))
-        next_id += 1
+        next_filter_id += 1
         renamed += 1
     batch.put(keys.NEXT_ID, keys.U64.pack(next_id))
+    batch.put(keys.NEXT_FILTER_ID, keys.U64.pack(next_filter_id))
     minimums = {keys.U64.unpack_from(key, 1)[0]: value for key, value in _scan(db, b"m")}
     for key, _ in _scan(db, b"M"):
         if keys.U64.unpack_from(key, 1)[0] not in minimums:
@@ -86,7 +92,7 @@ def forget_derived(db: rocksdict.Rdict, log_min: int, log_end: int) -> dict[str,
     batch.put(keys.RETAINED, keys.U64.pack(log_min))
     db.write(batch, rocksdict.WriteOptions())
     return {"queues": len(names), "ids_restored": restored, "filters_reactivated": reactivated,
-            "filters_with_new_ids": renamed, "next_queue_id": next_id}
+            "filters_with_new_ids": renamed, "next_queue_id": next_id, "next_filter_id": next_filter_id}
 
 
 def _scan(db: rocksdict.Rdict, prefix: bytes) -> list[tuple[bytes, bytes]]:

@@ -107,6 +107,11 @@ class ControlApplier(Protocol):
         filter...): appended before retention deletes the records that made it, so the log alone still holds it."""
         ...
 
+    def rewind(self, log_end: int) -> None:
+        """The log ends at ``log_end`` (a power loss took its tail): state made by records at or past it goes; an
+        applier that keeps no history may reset itself to an earlier checkpoint and let dispatch apply again."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class DispatchBatch:
@@ -199,8 +204,7 @@ class Dispatcher:
         if awaiting is not None:
             awaiting.rewind(log.written_offset)
         for applier in self._appliers:
-            if applier.checkpoint > log.written_offset:
-                applier.rewind(log.written_offset)
+            applier.rewind(log.written_offset)
         if queues.retained_offset < log.min_offset:
             queues.on_retention(log.min_offset)
         log.add_retention_listener(queues.on_retention)
@@ -238,18 +242,18 @@ class Dispatcher:
                                     self._batches, self._records, self._expired_skips, self._from_memory)
 
     def recover(self) -> dict[str, Any]:
-        """Index the whole log, then pull every position past its end back to it; call once, before :meth:`run`
-        and before anyone consumes (``open_store`` does, in a worker thread, and logs what this returns).
+        """Index the whole log and say what was past its end; call once, before :meth:`run` and before anyone
+        consumes (``open_store`` does, in a worker thread, and logs what this returns).
 
-        After a power loss under the async flush policy the log ends before positions that RocksDB kept:
-        consumer offsets and filter activations (WAL'd), and, if the memtable was flushed meanwhile, the
-        index checkpoint, queue max offsets and retained messages (the constructor drops those). Records
-        appended from now on reuse the lost offsets and must not be skipped.
+        After a power loss under the async flush policy the log may end before what RocksDB kept: if the memtable
+        was flushed meanwhile, the index checkpoint, queue max offsets and retained messages (the constructor drops
+        those). Consumer offsets and filter activations are control records, applied in log order and persisted
+        only after the log: they are never past its end (a memtable RocksDB flushed by itself is rewound by the
+        appliers). Records appended from now on reuse the lost offsets and must not be skipped.
 
         Returns:
             what was past the end, as log fields (empty when nothing was): ``log_end``, the checkpoints
-            it came from, retained messages dropped, consumer offsets pulled back (how many, by how many
-            queue offsets in all, the largest pull-back) and filter activations pulled back.
+            it came from, retained messages dropped.
         """
         while self._step(self._scan_bytes) is not None:
             pass
@@ -260,13 +264,6 @@ class Dispatcher:
             dropped = self._retained.rewind(log_end) + found.pop("retained_dropped", 0)
             if dropped:
                 found["retained_dropped"] = dropped
-        pulled = self._queues.pull_back(log_end)
-        if pulled.offsets:
-            worst = max(pulled.offsets, key=lambda o: o[2] - o[3])
-            found.update(consumer_offsets=len(pulled.offsets), queue_offsets_total=pulled.messages,
-                         largest={"owner": worst[0], "queue": worst[1], "from": worst[2], "to": worst[3]})
-        if pulled.filters:
-            found["filters"] = pulled.filters
         return {"log_end": log_end, **found} if found else {}
 
     @contextmanager
@@ -440,8 +437,7 @@ class Dispatcher:
 
     def truncate(self, offset: int) -> None:
         """Cut the CommitLog at ``offset`` (``CommitLog.truncate``: a follower drops what its leader does not
-        have) and rewind everything derived from the records past it: the index and the consumer offsets past
-        its new end, the retained messages, the QoS 2 flows, the control appliers and the records kept in
+        have) and rewind everything derived from the records past it: the index, the retained messages, the QoS 2 flows, the control appliers and the records kept in
         memory. Blocking (run it in a worker thread); dispatch waits meanwhile.
 
         The log is cut first: a crash after it leaves derived state past the log's end, which the next open
@@ -452,7 +448,6 @@ class Dispatcher:
             if self._recent is not None:
                 self._recent.drop_from(offset)
             self._queues.rewind(offset)
-            self._queues.pull_back(offset)
             if self._retained is not None:
                 self._retained.rewind(offset)
             if self._awaiting is not None:
@@ -548,33 +543,6 @@ class Dispatcher:
         """Return once every record below CommitLog offset ``offset`` is indexed (needs :meth:`run`)."""
         while self._offset < offset:
             await self._progress.wait()
-
-    async def activate(self, filter: str, holder: str) -> int:
-        """Activate a filter for a holder and return the exact start offset of the subscription.
-
-        The start is the queue offset of the first message appended after this
-        call: the log's end is read before the activation, dispatch is awaited
-        up to it, and the filter's queue is searched for the first entry at or
-        after it. The activation runs in a worker thread: a filter's first
-        activation allocates its queue id under the lock a dispatch batch holds.
-        Needs :meth:`run`.
-
-        Raises:
-            TopicError: the filter is not a valid MQTT topic filter.
-            ValueError: the filter's queue id does not fit a target-queues section.
-        """
-        log_end = self._log.written_offset
-        await trio.to_thread.run_sync(self._queues.activate, filter, holder, log_end)
-        await self.wait_dispatched(log_end)
-        return self._queues.offset_at(filter, log_end)
-
-    async def release(self, filter: str, holder: str) -> bool:
-        """:meth:`LightQueues.release` in a worker thread: it may wait for a dispatch batch.
-
-        Returns:
-            True if the holder held the filter.
-        """
-        return await trio.to_thread.run_sync(self._queues.release, filter, holder)
 
     def close(self) -> None:
         """Flush what was dispatched, so a restart does not re-dispatch it; not on a full disk (a failed flush

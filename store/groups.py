@@ -253,8 +253,7 @@ class GroupCoordinator:
         """Hold the queue's filter for the group and find its offset: the committed one, else the start's."""
         store = self._store
         queues = store.queues
-        store.space.check()  # RocksDB writes (WAL) must not meet a full disk: store/space.py
-        latest = await store.dispatcher.activate(queue, group)
+        latest = await store.activate(queue, group)
         committed = (await trio.to_thread.run_sync(queues.get_offsets, group)).get(queue)
         if committed is None:
             if start == "latest":
@@ -268,8 +267,7 @@ class GroupCoordinator:
         return _Group(group, queue, GroupState(committed), committed)
 
     async def _commit(self, group: str, queue: str, offset: int) -> None:
-        self._store.space.check()
-        await trio.to_thread.run_sync(self._store.queues.commit_offsets, group, {queue: offset})
+        await self._store.commit_offsets({group: {queue: offset}})
 
     async def leave(self, member: Member, group: str, queue: str, *, unsubscribe: bool = False) -> None:
         """``member`` leaves: what it holds goes back to the group (a no-op if it was not a member).
@@ -319,9 +317,8 @@ class GroupCoordinator:
         if len(loaded.subscribers) > 1 or loaded.state.members:
             loaded.subscribers.discard(client_id)
             return
-        store = self._store
-        store.space.check()  # on a full disk nothing changed: the caller may try again
-        await store.dispatcher.release(loaded.queue, loaded.name)  # its offset on the queue goes with it
+        # Its offset on the queue goes with it; on a full disk (LogFullError) nothing changed: the caller may try again.
+        await self._store.release(loaded.queue, loaded.name)
         loaded.subscribers.discard(client_id)
         self._unload(loaded)
 

@@ -138,7 +138,7 @@ class LocalStore:
         return await trio.to_thread.run_sync(self.store.queues.get_offsets, owner)
 
     async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
-        await trio.to_thread.run_sync(self.store.commit_offsets, commits)
+        await self.store.commit_offsets(commits)
 
     def watch(self, queue: str) -> None:
         self.store.router.register(self.node, queue)

@@ -46,7 +46,7 @@ from notify import EventMailbox, NotifyRouter
 from retain.store import RetainedStore
 from store.api import AdminOp, Flow, LogSpan, NewMessage, StoreStatistics
 from store.awaiting import AwaitingRelease
-from store.control import Control, encode_all
+from store.control import Activated, Committed, Control, Released, SessionEnded, encode_all
 from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.groups import GroupCoordinator
 from store.leases import LEASE_S, Leases
@@ -56,6 +56,7 @@ from store.log.commitlog import CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.log.recent import RecentRecords
 from store.log.record import Record, decode_record, new_record, now_ms
+from store.queuecontrol import QueueControls
 from store.rocks import open_db, open_family
 from store.space import DiskSpace
 from store.tasks import background
@@ -169,6 +170,9 @@ class StoreNode:
         self.leases = Leases(nursery, lease_s, append=self.append, end_session=self._end_session,
                              on_moved=self._moved, ledger=ledger)
         self.groups = GroupCoordinator(self, self._poke)
+        # First activations of wildcard filters, one at a time: each new filter's id is chosen from the state the
+        # previous one left (applied before it returns), so two new filters never get one id.
+        self._new_filters = trio.Lock()
 
     @property
     def disk_full(self) -> bool:
@@ -433,19 +437,48 @@ class StoreNode:
     # --- subscriptions and offsets ----------------------------------------------------------
 
     async def activate(self, queue: str, holder: str) -> int:
-        self.space.check()  # RocksDB writes (WAL) must not meet a full disk: store/space.py
-        return await self.dispatcher.activate(queue, holder)
+        """``holder`` holds filter ``queue``: an ``Activated`` record (with the filter's queue id, chosen here),
+        appended and applied. Returns the subscription's exact start: the queue offset of the first entry after
+        the record (every message appended after this returns lists the filter, if it is a wildcard's).
+
+        Raises:
+            TopicError: the filter is not a valid MQTT topic filter.
+            ValueError: the filter's queue id does not fit a target-queues section.
+        """
+        self.space.check()
+        queues = self.queues
+        qid = queues.filter_id(queue)
+        if qid and not queues.is_active(queue):
+            async with self._new_filters:
+                end = await self.append_control([Activated(queue, holder, queues.filter_id(queue))])
+        else:  # an active filter's id stays its own, even if its last holder releases it meanwhile
+            end = await self.append_control([Activated(queue, holder, qid)])
+        return queues.offset_at(queue, end)
 
     async def release(self, queue: str, holder: str) -> bool:
+        """``holder`` no longer holds ``queue``: a ``Released`` record, appended and applied (its offset on the
+        queue goes; the last holder of a wildcard filter ends its indexing). False if it did not hold it."""
         self.space.check()
-        return await self.dispatcher.release(queue, holder)
+        if holder not in await trio.to_thread.run_sync(self.queues.holders, queue):
+            return False
+        await self.append_control([Released(queue, holder)])  # applied in log order: the last holder's ends it
+        return True
 
-    def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
-        """(blocking) ``{owner: {queue: next offset}}`` in one durable write each; offsets never move back."""
-        self.space.check()
-        commit = self.queues.commit_offsets
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
+        """``{owner: {queue: next offset}}`` as ``Committed`` records in one write, applied on return; offsets never
+        move back.
+
+        Raises:
+            ValueError: an offset is negative.
+        """
         for owner, offsets in commits.items():
-            commit(owner, offsets)
+            for name, offset in offsets.items():
+                if offset < 0:
+                    raise ValueError(f"offset for queue {name!r} must not be negative, not {offset}")
+        controls = [Committed(owner, dict(offsets)) for owner, offsets in commits.items() if offsets]
+        if controls:
+            self.space.check()
+            await self.append_control(controls)
 
     # --- sessions ---------------------------------------------------------------------------
 
@@ -496,14 +529,16 @@ class StoreNode:
         existed = await trio.to_thread.run_sync(self.drop_session, client_id)
         existed = await self.drop_awaiting(client_id) or existed
         await self.groups.drop_subscriber(client_id)
-        return await trio.to_thread.run_sync(self._delete_owner, client_id) or existed
+        return await self._delete_owner(client_id) or existed
 
-    def _delete_owner(self, owner: str) -> bool:
+    async def _delete_owner(self, owner: str) -> bool:
+        """The owner's offsets and held filters go: a ``SessionEnded`` record, appended and applied (the light
+        queues' applier drops them; nothing is written when there is nothing to drop)."""
         queues = self.queues
-        if not (queues.held_by(owner) or queues.get_offsets(owner)):  # nothing to delete, nothing to write
+        if not await trio.to_thread.run_sync(lambda: bool(queues.held_by(owner) or queues.get_offsets(owner))):
             return False
         self.space.check()
-        queues.delete_owner(owner)
+        await self.append_control([SessionEnded(owner)])
         return True
 
     def save_session(self, client_id: str, blob: bytes, *, only_existing: bool = False) -> bool:
@@ -644,12 +679,13 @@ async def open_store(
             recent = RecentRecords()
             space = DiskSpace(data)
             awaiting = AwaitingRelease(db)
+            controls = QueueControls(queues)
             dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
-                                    awaiting=awaiting, room=space.has_room)
+                                    awaiting=awaiting, room=space.has_room, appliers=[controls])
             sessions = open_family(db, SESSIONS_FAMILY)
             ledger = ClientLedger(db)
             try:
-                await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
+                missing = await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
                 clients = await trio.to_thread.run_sync(ledger.entries)
                 if session_expiry is not None:
                     clients |= await trio.to_thread.run_sync(_unrecorded, sessions, ledger, clients, session_expiry)
@@ -662,6 +698,9 @@ async def open_store(
                     nodes.append(node)
                     node.leases.restore(clients)  # expiries and wills pending when the store stopped
                     async with background(dispatcher.run), background(partial(_watch_space, space)):
+                        if not controls.restated:
+                            await _restate(node, controls)
+                        await _activate_again(node, missing)
                         if tier is not None and tier.get("tier.uri"):
                             try:
                                 from store.tier import TierConfig, TierConverter, run_tier
@@ -704,23 +743,66 @@ async def _watch_space(space: DiskSpace, *, task_status: trio.TaskStatus[None] =
 
 
 def _recover(dispatcher: Dispatcher, queues: LightQueues, sessions: rocksdict.Rdict,
-             fix_session: SessionFixer | None) -> None:
+             fix_session: SessionFixer | None) -> list[tuple[str, str]]:
     """Before anyone consumes: index the whole log and pull back every position past its end (sessions
-    included), so that nothing appended from now on is skipped; one WARNING line says what moved."""
+    included), so that nothing appended from now on is skipped; one WARNING line says what moved.
+
+    Session blobs are kept beside the log (with the WAL): after a power loss they may read queues from positions,
+    or hold filters, that lost records made. Returns ``(filter, client id)`` for every filter a blob reads that
+    its client no longer holds (its ``Activated`` record was lost) and nobody else holds either: ``open_store``
+    activates them again, from the log's end.
+    """
     found = dispatcher.recover()
+    log_end = dispatcher.dispatched_offset
+    if queues.applied_hint > log_end:
+        found.setdefault("log_end", log_end)
+        found["control_records_from"] = queues.applied_hint
     if not found:
-        return
+        return []
+    missing: list[tuple[str, str]] = []
     if fix_session is not None:
         fixed = 0
+        read: list[str] = []
+
+        def max_offset(queue: str) -> int:
+            read.append(queue)
+            return queues.max_offset(queue)
+
         for key, blob in sessions.items():
-            new = fix_session(blob, queues.max_offset)
+            read.clear()
+            new = fix_session(blob, max_offset)
             if new is not None:
                 sessions.put(key, new, _WAL)
                 fixed += 1
+            client_id = key.decode()
+            held = set(queues.held_by(client_id))
+            missing.extend((queue, client_id) for queue in read if queue not in held and not queues.holders(queue))
         found["sessions"] = fixed
+        found["filters"] = len(missing)
+    queues.forget_hint(log_end)
     LOGGER.warning("positions past the end of the recovered CommitLog were pulled back to it (records lost in a"
                    " power loss or OS crash under the async flush policy); nothing appended from now on is skipped",
                    extra={"ctx": found})
+    return missing
+
+
+async def _activate_again(node: StoreNode, missing: Sequence[tuple[str, str]]) -> None:
+    """The filters ``_recover`` found held by session blobs but not by the light queues, held again."""
+    for filter, client_id in missing:
+        try:
+            await node.activate(filter, client_id)
+        except ValueError as exc:  # TopicError included: never stored so; the session reports it when it resumes
+            LOGGER.error("filter of a stored session not activated again: %s", exc,
+                         extra={"ctx": {"client_id": client_id}})
+
+
+async def _restate(node: StoreNode, controls: QueueControls) -> None:
+    """An index written before control records holds activations and offsets that no record made: restate them in
+    the log (one write), so that it holds them from now on (a replica, a rebuild derive them)."""
+    restated = list(controls.restate())
+    await node.append_control(restated, durable=True)
+    LOGGER.info("filter holders and consumer offsets of an index from before control records restated in the log",
+                extra={"ctx": {"records": len(restated)}})
 
 
 def _unrecorded(sessions: rocksdict.Rdict, ledger: ClientLedger, known: Mapping[str, ClientEntry],

@@ -31,6 +31,7 @@ from lightqueue.reindex import forget_derived
 from retain.store import RetainedStore
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.dispatch import Dispatcher
+from store.queuecontrol import QueueControls
 from store.rocks import open_db
 
 __all__ = ["BESIDE_THE_LOG", "repair"]
@@ -59,7 +60,7 @@ def repair(data: Path, config: CommitLogConfig) -> dict[str, Any]:
             queues = LightQueues(db)
             retained = RetainedStore(db)
             retained.replay_all()
-            dispatcher = Dispatcher(log, queues, retained=retained)
+            dispatcher = Dispatcher(log, queues, retained=retained, appliers=[QueueControls(queues)])
             pulled = dispatcher.recover()
             rebuilt.update(entries=queues.statistics().entries_indexed, retained=retained.count)
             dispatcher.close()

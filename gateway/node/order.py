@@ -3,13 +3,13 @@
 Each connection hands its node actions to the node in its own order (its
 worker task, gateway/node/connection.py), but the workers of different connections run
 in any order, and an append may even be written in the step that read it
-(``GatewayNode.append_now``). A subscription starts at the CommitLog's end
-when it is activated (``Dispatcher.activate``), and the first activation of a
-wildcard filter decides which later records list its queue
-(docs/architecture.md, "Target queues are fixed at append time"). So without
+(``GatewayNode.append_now``). A subscription starts at its ``Activated`` control
+record in the CommitLog (``StoreNode.activate``), and once it is applied every
+later record lists the filter's queue (docs/architecture.md, "Target queues are
+fixed at append time"). The log orders what is written, not what was read: without
 an order between connections, a PUBLISH read a few microseconds after a
-SUBSCRIBE on another connection was often written first, and lost to that
-subscription.
+SUBSCRIBE on another connection was often written before the activation's
+record, and lost to that subscription.
 
 Here an activation holds a *fence* from the moment the channel asks for it
 (its SUBSCRIBE was read) until the store has applied it; an append read while

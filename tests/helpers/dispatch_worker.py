@@ -13,6 +13,7 @@ from pathlib import Path
 from lightqueue.queues import LightQueues
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.dispatch import Dispatcher
+from store.queuecontrol import QueueControls
 from store.rocks import open_db
 
 SEGMENT_BYTES = 256 * 1024
@@ -21,7 +22,8 @@ SEGMENT_BYTES = 256 * 1024
 def main(data: Path, pause_after: int) -> None:
     log = CommitLog.open(data / "commitlog", CommitLogConfig(segment_bytes=SEGMENT_BYTES, max_record_bytes=SEGMENT_BYTES))
     queues = LightQueues(open_db(data / "index"))
-    dispatcher = Dispatcher(log, queues, scan_bytes=16 * 1024, flush_bytes=1024 * 1024)
+    dispatcher = Dispatcher(log, queues, scan_bytes=16 * 1024, flush_bytes=1024 * 1024,
+                            appliers=[QueueControls(queues)])
     for _ in range(pause_after):
         if dispatcher.dispatch_once() is None:
             break

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 
 from lightqueue import keys
-from lightqueue.queues import LightQueues, is_implicit
+from lightqueue.queues import TOPIC_IDS, LightQueues, is_implicit
 from lightqueue.targets import decode_queues, encode_queues
 from lightqueue.topics import TopicError
 from store.log.commitlog import CommitLog, CommitLogConfig
@@ -156,8 +156,7 @@ def test_listed_ids_that_are_not_active_filters_are_skipped(env):
     assert env.activate("+/b", "s2") == 0
     new = env.lq.queue_id("+/b")
     assert new != old and env.lq.queue_name(old) is None
-    topic_qid = env.lq.queue_id("t/b")  # a queue, but no filter's
-    env.log.append_batch([encode_record("t/b", b"p", queues=encode_queues([old, topic_qid, 10**6]))])
+    env.log.append_batch([encode_record("t/b", b"p", queues=encode_queues([old, 10**6]))])
     env.append("c/b")  # lists the new id
     changed = env.index()
     assert changed == {"a/b": 1, "a/#": 1, "t/b": 1, "t/#": 1, "c/b": 1, "c/#": 1, "+/b": 1}
@@ -502,3 +501,33 @@ def test_the_topic_keyed_caches_are_bounded_in_bytes_not_only_in_entries(env, mo
     stats = env.lq.statistics()
     assert stats.cached_targets < 600 and stats.cached_queues < 600
     assert held < 12 * 2**20, f"{held / 2**20:.0f} MiB held for 39 MB of topics (budgets: 2 x 4 MiB)"
+
+
+def test_an_index_from_before_the_id_split_gives_filters_ids_from_its_counter_and_topics_from_2_32(env):
+    """One counter gave every queue its id before control records; filter ids are written in records now, so the
+    ids dispatch gives topic queues must never be ids a writer may choose for a filter."""
+    env.db.put(keys.NEXT_ID, keys.U64.pack(7))  # ids 1-6 taken, topics and filters alike
+    env.reopen()
+    assert env.lq.filter_id("a/+") == 7 and env.lq.filter_id("a/b") == 0 and env.lq.filter_id("a/#") == 0
+    env.activate("a/+", "s1")
+    env.append("a/b")
+    env.index()
+    assert env.lq.queue_id("a/+") == 7 and env.lq.queue_id("a/b") == TOPIC_IDS and env.lq.filter_id("x/+") == 8
+    env.reopen()
+    assert env.lq.statistics().next_queue_id == TOPIC_IDS + 2 and env.lq.filter_id("x/+") == 8
+
+
+def test_forgetting_control_state_keeps_the_queues_of_filters_activated_before_the_log_end(env):
+    """What a rewind does when control records past the log's end were applied: everything they made goes, and
+    the activations before the end find their queues again when applied anew."""
+    env.lq.activate("a/+", "s1", 0, applied=10)
+    env.append("a/b")
+    env.index()
+    env.lq.activate("b/+", "s2", 500, applied=510)
+    env.lq.commit_offsets("s1", {"a/+": 1}, applied=520)
+    env.lq.forget_controls(400)
+    assert env.lq.applied == 0 and env.lq.holders("a/+") == [] and env.lq.get_offsets("s1") == {}
+    assert list(env.lq.active_filters()) == [] and env.lq.targets("a/b") == b""
+    assert env.db.get(keys.name_key("b/+")) is None  # activated past the end: its queue goes whole
+    assert env.lq.activate("a/+", "s1", 0, 1, applied=10) == 1  # applied again: its queue, entries and all
+    assert env.topics("a/+") == ["a/b"] and env.lq.filter_id("c/+") == 3  # ids are never given out twice

@@ -17,7 +17,7 @@ TOPICS = ["s/1", "s/2", "a/b/c", "a/x/c", "t"]
 def build(tmp_path) -> tuple[dict[bytes, bytes], int]:
     """A node's index after retention cut its log (queue minimum offsets above 0) and a filter activated late;
     returns the index, runs expanded, and the id of ``s/1``'s queue."""
-    n = Node(tmp_path, retention_hours=0, retention_max_bytes=4 * SEGMENT)
+    n = Node(tmp_path, controls=False, retention_hours=0, retention_max_bytes=4 * SEGMENT)
     try:
         n.lq.activate("s/+", "h1", 0)
         for round in range(12):
@@ -43,7 +43,7 @@ def readable(dump: dict[bytes, bytes]) -> dict[bytes, bytes]:
 
 def rebuilt(tmp_path, lose) -> tuple[Node, dict]:
     """Delete what ``lose(db)`` deletes (as RocksDB's repair drops a table's keys), then rebuild as the repair does."""
-    n = Node(tmp_path)
+    n = Node(tmp_path, controls=False)
     lose(n.db)
     figures = forget_derived(n.db, n.log.min_offset, n.log.written_offset)
     n.lq = LightQueues(n.db)

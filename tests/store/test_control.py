@@ -31,6 +31,9 @@ class Seen:
         self.flushed.append(offset)
         self._checkpoint = offset
 
+    def rewind(self, log_end: int) -> None:
+        self._checkpoint = min(self._checkpoint, log_end)
+
 
 @pytest.mark.parametrize("control", [
     Activated("a/+", "c1", 7), Committed("$group/g", {"a/b": 3, "c": 0}), SessionSaved("c1", b"\x00blob"),

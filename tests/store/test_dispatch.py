@@ -16,9 +16,11 @@ import trio.testing
 from lightqueue.queues import LightQueues, is_implicit
 from lightqueue.targets import decode_queues
 from lightqueue.topics import first_level_queue, is_wildcard, matches
+from store.control import Activated, Committed, Released, encode_control
 from store.dispatch import Dispatcher
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import decode_record, encode_record
+from store.queuecontrol import QueueControls
 from store.rocks import open_db
 from tests.helpers.dispatch import SEGMENT, Node, decode
 from tests.helpers.processes import ROOT
@@ -99,7 +101,9 @@ def test_restart_continues_from_the_checkpoint(tmp_path):
 
 
 def test_retention_that_outruns_dispatch_skips_the_lost_records(tmp_path):
-    n = Node(tmp_path, retention_hours=0, retention_max_bytes=SEGMENT)
+    """A dispatcher without control appliers (the store's has them, and retention then catches dispatch up before
+    it deletes anything: tests/store/test_restate.py)."""
+    n = Node(tmp_path, controls=False, retention_hours=0, retention_max_bytes=SEGMENT)
     try:
         for _ in range(12):
             n.append(*["t"] * 100, payload=b"x" * 500)
@@ -148,82 +152,35 @@ async def test_run_dispatches_on_wake_and_serves_waiters(dispatch_node):
     assert sum(len(n) for n in notified) == 5 * 2  # each batch: the topic queue and k/#
 
 
-async def test_activate_returns_the_exact_start(dispatch_node):
-    dispatch_node.lq.activate("+/b", "s1", 0)
-    dispatch_node.append("a/b")  # before the new subscription: not for s2
-    async with trio.open_nursery() as nursery:
-        await nursery.start(dispatch_node.dispatcher.run)
-
-        async def publish_during_activation():
-            dispatch_node.append("c/b")
-            dispatch_node.dispatcher.wake()
-
-        nursery.start_soon(publish_during_activation)
-        with trio.fail_after(5):
-            start = await dispatch_node.dispatcher.activate("+/b", "s2")
-            await dispatch_node.dispatcher.wait_dispatched(dispatch_node.log.written_offset)
-        nursery.cancel_scope.cancel()
-    assert start == 1 and dispatch_node.lq.max_offset("+/b") == 2
-    r = dispatch_node.lq.pull("+/b", start, 10, 1 << 20, dispatch_node.log, decode)
-    assert [m.topic for _, m in r.messages] == ["c/b"]
-    assert await dispatch_node.dispatcher.release("+/b", "s2") and await dispatch_node.dispatcher.release("+/b", "s1")
-    assert not await dispatch_node.dispatcher.release("+/b", "s1")
-    assert dispatch_node.lq.max_offset("+/b") == 0 and dispatch_node.lq.targets("z/b") == b""
-
-
-async def test_a_first_activation_waits_for_the_index_lock_off_the_trio_thread(dispatch_node):
-    """A filter's first activation allocates its queue id under the lock a dispatch batch holds."""
-    held, let_go = threading.Event(), threading.Event()
-
-    def hold_lock():  # as a long dispatch batch would
-        with dispatch_node.lq._lock:
-            held.set()
-            let_go.wait(timeout=10)
-
-    holder = threading.Thread(target=hold_lock)
-    holder.start()
-    activated = trio.Event()
-
-    async def activate():
-        assert await dispatch_node.dispatcher.activate("+/b", "s1") == 0
-        activated.set()
-
-    try:
-        assert held.wait(timeout=10)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(dispatch_node.dispatcher.run)
-            nursery.start_soon(activate)
-            await trio.testing.wait_all_tasks_blocked()
-            assert not activated.is_set() and dispatch_node.lq.targets("a/b") == b""  # waiting, and the loop runs
-            let_go.set()
-            with trio.fail_after(5):
-                await activated.wait()
-            nursery.cancel_scope.cancel()
-    finally:
-        let_go.set()
-        holder.join()
-    assert decode_queues(dispatch_node.lq.targets("a/b")) == (dispatch_node.lq.queue_id("+/b"),)
-
-
 def prepare_log(data: Path) -> int:
-    """A log whose records list filters activated, and released, at various points; nothing dispatched."""
+    """A log whose records list filters activated, and released, at various points by control records (their
+    writer's state applied as it appends, as ``StoreNode`` does); nothing dispatched, no index."""
     log = CommitLog.open(data / "commitlog", CommitLogConfig(segment_bytes=SEGMENT, max_record_bytes=SEGMENT))
-    db = open_db(data / "index")
+    db = open_db(data / "writer")
     lq = LightQueues(db)
-    lq.activate("dev/+/t1", "app", 0)
-    lq.activate("dev/#", "app", 0)
+    controls = QueueControls(lq)
+
+    def control(made):
+        raw, record = encode_control(made, 0, SEGMENT)
+        record.offset = log.append(raw)
+        controls.apply(record, made)
+
+    control(Activated("dev/+/t1", "app", lq.filter_id("dev/+/t1")))
+    control(Activated("dev/#", "app", 0))
     for i in range(60):
         if i == 15:
-            lq.activate("+/+/t2", "app", log.written_offset)
-            lq.activate("dev/3/#", "tmp", log.written_offset)
+            control(Activated("+/+/t2", "app", lq.filter_id("+/+/t2")))
+            control(Activated("dev/3/#", "tmp", lq.filter_id("dev/3/#")))
         if i == 30:
-            lq.release("dev/3/#", "tmp")
+            control(Released("dev/3/#", "tmp"))
+            control(Committed("app", {"dev/+/t1": 7, "dev/1/t1": 3}))
         if i == 40:
-            lq.activate("#", "audit", log.written_offset)
+            control(Activated("#", "audit", lq.filter_id("#")))
         topics = [f"dev/{j % 50}/t{j % 7}" for j in range(i, i + 1000)]
         log.append_batch([encode_record(t, b"v" * 40, client_id="c", queues=lq.targets(t)) for t in topics])
     end = log.written_offset
     db.close()
+    shutil.rmtree(data / "writer")
     log.close()
     return end
 
@@ -256,6 +213,8 @@ def test_sigkill_during_dispatch_then_redispatch_gives_identical_entries(tmp_pat
             while n.dispatcher.dispatch_once() is not None:
                 pass
             assert n.dispatcher.dispatched_offset == end
+            assert sorted(n.lq.active_filters()) == ["#", "+/+/t2", "dev/+/t1"] and n.lq.holders("dev/3/#") == []
+            assert n.lq.get_offsets("app") == {"dev/+/t1": 7, "dev/1/t1": 3}
             dumps.append(n.dump())
         finally:
             n.close()
@@ -376,7 +335,7 @@ class RetainNode(Node):
         self.db = open_db(path / "index")
         self.lq = LightQueues(self.db)
         self.retained = RetainedStore(self.db) if retain else None
-        self.dispatcher = Dispatcher(self.log, self.lq, retained=self.retained)
+        self.dispatcher = Dispatcher(self.log, self.lq, retained=self.retained, appliers=[QueueControls(self.lq)])
 
     def publish(self, topic, payload, retain=True):
         return self.log.append(encode_record(topic, payload, retain=retain, queues=self.lq.targets(topic)))
@@ -455,24 +414,29 @@ def test_a_retained_family_behind_the_index_is_fed_again_without_reindexing(tmp_
         n.close()
 
 
-def test_recover_pulls_every_position_past_a_shortened_log_back_to_its_end(tmp_path):
+def test_recover_after_a_power_loss_leaves_no_position_past_the_shortened_log(tmp_path):
     """A power loss under the async policy after the index memtable was flushed: the index checkpoint, queue
-    max offsets, retained messages, consumer offsets and a filter's activation all point past the log's end.
-    Records appended after recovery reuse the lost offsets; none may be skipped."""
+    max offsets, retained messages, and the state of the control records past the cut (an activation, consumer
+    offsets) were persisted past the log's end. The control records' state is derived again from the log, so
+    nothing the lost records made survives; records appended after recovery reuse the lost offsets, none skipped."""
     n = RetainNode(tmp_path)
-    n.lq.activate("a/+", "s1", 0)
+    n.control(Activated("a/+", "s1", 1))
+    n.dispatcher.dispatch_once()  # applied: the messages appended from now on list the filter
     for i in range(5):
         n.publish("a/x", b"kept%d" % i)
+    n.control(Committed("s1", {"a/+": 2}))
+    while n.dispatcher.dispatch_once():
+        pass
     cut = n.log.written_offset
     for i in range(5):
         n.publish("a/x", b"lost%d" % i)
-    n.lq.activate("b/+", "s2", n.log.written_offset)
+    n.control(Activated("b/+", "s2", 2))
     n.publish("b/y", b"lost")
+    n.control(Committed("s1", {"a/+": 10, "a/x": 10}), Committed("s2", {"b/+": 1}))
     while n.dispatcher.dispatch_once():
         pass
-    n.lq.commit_offsets("s1", {"a/+": 10, "a/x": 10})
-    n.lq.commit_offsets("s2", {"b/+": 1})
-    n.close()  # the index is flushed: its checkpoint and max offsets are past what the log will keep
+    assert n.lq.get_offsets("s1") == {"a/+": 10, "a/x": 10} and n.lq.holders("b/+") == ["s2"]
+    n.close()  # the index is flushed: its checkpoints, max offsets, holders and offsets are past what the log keeps
     segment = tmp_path / "commitlog" / "00000000000000000000"
     with open(segment, "r+b") as f:  # the page cache that never reached the disk: zeros from the cut on
         size = f.seek(0, 2)
@@ -482,18 +446,17 @@ def test_recover_pulls_every_position_past_a_shortened_log_back_to_its_end(tmp_p
     n = RetainNode(tmp_path)
     try:
         found = n.dispatcher.recover()
-        assert found["log_end"] == cut and found["checkpoint_from"] > cut
-        assert found["consumer_offsets"] == 3 and found["queue_offsets_total"] == 5 + 5 + 1
-        assert found["filters"] == 1 and found["retained_dropped"] == 2
-        assert n.lq.get_offsets("s1") == {"a/+": 5, "a/x": 5} and n.lq.get_offsets("s2") == {"b/+": 0}
+        assert found["log_end"] == cut and found["checkpoint_from"] > cut and found["retained_dropped"] == 2
+        assert n.lq.get_offsets("s1") == {"a/+": 2} and n.lq.get_offsets("s2") == {}
+        assert n.lq.holders("a/+") == ["s1"] and n.lq.holders("b/+") == [] and list(n.lq.active_filters()) == ["a/+"]
+        assert n.lq.max_offset("a/+") == n.lq.max_offset("a/x") == 5
         assert retained_payloads(n.retained) == {}  # lost updates go; the ones they replaced stay replaced (docs)
         n.publish("a/x", b"new")
         n.publish("b/y", b"new")
         while n.dispatcher.dispatch_once():
             pass
-        for owner, queue in (("s1", "a/+"), ("s1", "a/x"), ("s2", "b/+")):
-            pulled = n.lq.pull(queue, n.lq.get_offsets(owner)[queue], 100, 1 << 20, n.log, decode)
-            assert [m.payload for _, m in pulled.messages] == [b"new"], (owner, queue)
+        pulled = n.lq.pull("a/+", 5, 100, 1 << 20, n.log, decode)
+        assert [m.payload for _, m in pulled.messages] == [b"new"]
         assert n.dispatcher.recover() == {}  # nothing is past the end any more
     finally:
         n.close()

@@ -21,7 +21,7 @@ CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
 async def test_appended_messages_are_indexed_and_pullable(tmp_path: Path):
     events: list[dict[str, int]] = []
     async with open_store(tmp_path, CONFIG, listener=events.append) as node:
-        start = await node.dispatcher.activate("tele/+/temp", "session-1")
+        start = await node.activate("tele/+/temp", "session-1")
         offsets = await node.append([NewMessage("tele/d1/temp", b"21.5", "d1", 1), NewMessage("tele/d2/hum", b"40", "d2")])
         with trio.fail_after(10):
             await node.dispatcher.wait_dispatched(node.log.log.written_offset)

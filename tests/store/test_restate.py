@@ -51,6 +51,11 @@ class Sessions:
     def flush(self, offset: int) -> None:
         self._checkpoint = offset
 
+    def rewind(self, log_end: int) -> None:
+        if self._checkpoint > log_end:  # no history: derive everything again
+            self.blobs.clear()
+            self._checkpoint = 0
+
     def restate(self) -> Iterable[Control]:
         if self.fail:
             raise OSError("the restatement could not be written")

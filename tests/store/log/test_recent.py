@@ -91,13 +91,13 @@ def test_read_many_gives_none_for_records_retention_deleted(tmp_path: Path):
 
 async def test_appends_are_dispatched_and_pulled_from_memory(tmp_path: Path):
     async with open_store(tmp_path, CONFIG) as node:
-        start = await node.dispatcher.activate("tele/+/temp", "s1")
+        start = await node.activate("tele/+/temp", "s1")
         messages = [NewMessage(f"tele/d{i}/temp", b"%d" % i * 200, f"d{i}", 1) for i in range(600)]
         await node.append(messages)  # about 2.5 segments: the run of records breaks at each segment end
         with trio.fail_after(10):
             await node.dispatcher.wait_dispatched(node.log.log.written_offset)
         stats = node.dispatcher.statistics()
-        assert stats.records == 600 and stats.from_memory == 600
+        assert stats.records == stats.from_memory == 600 + 1  # the activation is a control record
         result = node.read("tele/+/temp", start, max_count=1000, max_bytes=1 << 30)
         assert [r.payload for _, r in result.messages] == [m.payload for m in messages]
         assert result.messages[5][1] is node.recent.get(result.messages[5][1].offset)  # the kept object itself
