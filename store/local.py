@@ -3,7 +3,8 @@
 The embedded gateway uses it, and the RPC server runs every request of a remote node through one of its own
 (store/rpc/server.py), so a cluster gateway gets exactly the embedded one's behaviour. Short, in-memory calls
 run in the trio thread; RocksDB scans, CommitLog reads and WAL writes go to a worker thread, one hand-off per
-batch.
+batch. The node has one CommitLog, ``MAIN_LOG``: the positions the seam carries are turned into its offsets here
+(a position of another log is an ``InvalidOffset``).
 
 Resource handling: a ``LocalStore`` attaches its node to the store on creation (events, client notices and
 admin asks are routed to it); :meth:`close` detaches it (its ``events`` and ``moved`` then end). With ``lease``
@@ -19,12 +20,14 @@ from typing import final
 
 import trio
 
-from store.api import AdminOp, Flow, LogSpan, NewMessage, PullRequest, PullResult, StoreStatistics
+from store.api import (MAIN_LOG, AdminOp, Flow, LogSpan, NewMessage, Position, Positions, PullRequest, PullResult,
+                       StoreStatistics)
 from store.groups import Member
+from store.log.errors import InvalidOffset
 from store.log.record import Record, decode_record
 from store.node import StoreNode, decode
 
-__all__ = ["INLINE_PULL", "LocalStore"]
+__all__ = ["INLINE_PULL", "LocalStore", "offset_in_log"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -34,6 +37,17 @@ an index scan over the memtable and records kept in memory cost less than a hand
 Larger pulls run there too when their records are kept in memory (``StoreNode.in_memory``): a worker
 thread runs Python only while it holds the GIL, so it took nothing off the loop and added hand-offs (a
 fan-in's queue cache fills with thousands of messages a step; bench fanin QoS 0 gained about 5%)."""
+
+
+def offset_in_log(position: Position) -> int:
+    """The offset in the node's log of ``position``.
+
+    Raises:
+        InvalidOffset: the position is of another log (the node has only ``MAIN_LOG``).
+    """
+    if position.log != MAIN_LOG:
+        raise InvalidOffset(position.offset, f"no log {position.log} in this store (it has log {MAIN_LOG})")
+    return position.offset
 
 
 @final
@@ -59,11 +73,11 @@ class LocalStore:
 
     # --- messages ---------------------------------------------------------------------------
 
-    def append_nowait(self, messages: Sequence[NewMessage]) -> list[int]:
-        return self.store.append_nowait(messages)
+    def append_nowait(self, messages: Sequence[NewMessage]) -> Positions:
+        return Positions(MAIN_LOG, self.store.append_nowait(messages))
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
-        return await self.store.append(messages, durable=durable)
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> Positions:
+        return Positions(MAIN_LOG, await self.store.append(messages, durable=durable))
 
     def pull_nowait(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         store = self.store
@@ -92,8 +106,8 @@ class LocalStore:
         found = await trio.to_thread.run_sync(self.store.retained.lookup, filter)
         return [decode_record(r.record, 0, r.log_offset) for r in found]
 
-    async def read_log(self, offset: int, max_bytes: int) -> LogSpan:
-        return await trio.to_thread.run_sync(self.store.read_log, offset, max_bytes)
+    async def read_log(self, start: Position, max_bytes: int) -> LogSpan:
+        return await trio.to_thread.run_sync(self.store.read_log, offset_in_log(start), max_bytes)
 
     async def statistics(self) -> StoreStatistics:
         return self.store.statistics()
@@ -167,11 +181,13 @@ class LocalStore:
     async def sessions(self) -> list[str]:
         return await trio.to_thread.run_sync(self.store.session_ids)
 
-    async def awaiting_release(self, client_id: str) -> dict[int, int]:
-        return await self.store.awaiting_release(client_id)
+    async def awaiting_release(self, client_id: str) -> dict[int, Position]:
+        awaiting = await self.store.awaiting_release(client_id)
+        return {pid: Position(MAIN_LOG, offset) for pid, offset in awaiting.items()}
 
     async def release_awaiting(self, flows: Sequence[Flow]) -> None:
-        await self.store.release_awaiting(flows)
+        await self.store.release_awaiting([(flow.client_id, flow.packet_id, offset_in_log(flow.position))
+                                           for flow in flows])
 
     async def moved(self) -> list[str]:
         return list(await self._attachment.moved.get())

@@ -55,7 +55,7 @@ from typing import Any, Final, TypeAlias
 
 import msgspec
 
-from store.api import AdminOp, LogSpan, NewMessage, PullRequest, StoreStatistics
+from store.api import AdminOp, Flow, LogSpan, NewMessage, Position, Positions, PullRequest, StoreStatistics
 
 __all__ = [
     "CLIENT_MESSAGES",
@@ -123,10 +123,12 @@ __all__ = [
     "parse_address",
 ]
 
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 6
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
-(5: the store's interface types on the wire; sessions, presence, wills and expiry in the store: ``OpenSession``,
-``CloseSession``, ``Reattach``, ``EndSession``, ``ListSessions``; group members named within a node. 4: cluster-wide
+(6: positions, not offsets: ``Appended`` carries each group's ``Positions``, ``Awaiting`` and ``ReleaseAwaiting``
+a ``Position`` per flow, ``ReadLog`` starts at one and ``LogSpan`` names its log. 5: the store's interface types
+on the wire; sessions, presence, wills and expiry in the store: ``OpenSession``, ``CloseSession``, ``Reattach``,
+``EndSession``, ``ListSessions``; group members named within a node. 4: cluster-wide
 admin lists: ``AdminCallAll``, ``NodeAnswers``, ``AdminAsk.query``. 3: lease epochs on the Hello, the Welcome and
 every write; inbound QoS 2 flows: ``GetAwaiting``, ``ReleaseAwaiting``; ``ReadLog``.)"""
 
@@ -352,11 +354,11 @@ class GetAwaiting(_Message, tag="awaiting?"):
 
 
 class ReleaseAwaiting(_Message, tag="relflows"):
-    """``StoreApi.release_awaiting`` (``(client id, packet id, log offset)`` per flow): ``Done`` once fsynced
+    """``StoreApi.release_awaiting`` (a ``Flow`` each: client id, packet id, position): ``Done`` once fsynced
     (refused for an ended lease ``epoch``)."""
 
     id: int
-    flows: list[tuple[str, int, int]]
+    flows: list[Flow]
     epoch: int = 0
 
 
@@ -371,7 +373,7 @@ class ReadLog(_Message, tag="readlog"):
     (readers that frame records themselves: Spark executors without the segment files)."""
 
     id: int
-    offset: int
+    start: Position
     max_bytes: int
 
 
@@ -522,10 +524,10 @@ class NodeAnswers(_Message, tag="adminallr"):
 
 
 class Appended(_Message, tag="appended"):
-    """Per group of the request: its CommitLog offsets, or (index -> error) when it did not encode."""
+    """Per group of the request: its positions, or (index -> error) when it did not encode."""
 
     id: int
-    offsets: list[list[int]]
+    positions: list[Positions]
     errors: dict[int, Error] = {}
 
 
@@ -577,10 +579,10 @@ class Names(_Message, tag="names"):
 
 
 class Awaiting(_Message, tag="awaiting"):
-    """A client's inbound QoS 2 flows awaiting PUBREL: ``{packet id: log offset}``."""
+    """A client's inbound QoS 2 flows awaiting PUBREL: ``{packet id: position of its record}``."""
 
     id: int
-    flows: dict[int, int]
+    flows: dict[int, Position]
 
 
 class Done(_Message, tag="done"):
