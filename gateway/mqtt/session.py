@@ -926,6 +926,8 @@ class _BlobV1(msgspec.Struct):
 
 
 class _Version(msgspec.Struct):
+    """A blob's version alone (its other fields skipped): version 1 had no ``v``."""
+
     v: int = 1
 
 
