@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from store.api import LogSpan
+from store.api import MAIN_LOG, LogSpan, Position
 from store.rpc import wire as rpc
 
 from .framing import DecodeOptions, Frames, frames_in
@@ -92,7 +92,7 @@ class LogReader:
             ConnectionError: the store refused or closed the connection.
         """
         self._ids += 1
-        self._sock.sendall(rpc.encode(rpc.ReadLog(self._ids, offset, max_bytes)))
+        self._sock.sendall(rpc.encode(rpc.ReadLog(self._ids, Position(MAIN_LOG, offset), max_bytes)))
         answer = self._receive()
         if type(answer) is rpc.Error:
             if answer.kind is rpc.ErrorKind.EXPIRED:

@@ -11,10 +11,14 @@ returning or raise ``trio.WouldBlock`` (a remote store always does: every call i
 
 The types of the seam live here too, and the RPC carries them as they are (msgspec structs, encoded as
 arrays): ``NewMessage`` (a message to append: the one shape a message has from the MQTT channel to the
-record), ``PullRequest``, ``PullResult``, ``LogSpan``, ``StoreStatistics``. So do the errors its calls raise
-and the engine types its answers carry (``Record``, ``LogFullError``, ``RecordTooLarge``, ``OffsetExpired``,
-``TopicError``...): re-exported from the modules that raise them, so code above the store imports only this
-module (an import-linter contract in pyproject.toml checks it).
+record), ``PullRequest``, ``PullResult``, ``LogSpan``, ``StoreStatistics``, ``Position``, ``Positions``, ``Flow``.
+So do the errors its calls raise and the engine types its answers carry (``Record``, ``LogFullError``,
+``RecordTooLarge``, ``OffsetExpired``, ``TopicError``...): re-exported from the modules that raise them, so code
+above the store imports only this module (an import-linter contract in pyproject.toml checks it).
+
+Positions, not offsets: a record's place is a ``Position``, the log it is in and its CommitLog offset there. A
+store has one log today (``MAIN_LOG``); a sharded store will have several, and the protocol core, which only
+carries positions (QoS 2 flows, the session blob), will not change for it.
 
 Leases (store/leases.py): every node holds a lease, and a client's connection belongs to the lease its node
 held when the client connected. A remote store carries the epoch of each client's lease and names it in every
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import msgspec
 
@@ -51,8 +55,9 @@ from store.log.record import FLAG_RETAIN, QOS_MASK, Record, RecordTooLarge
 from store.space import FULL_RETRY_S
 
 __all__ = [
-    "GROUP_PREFIX", "SHARE_PREFIX", "AdminOp", "Flow", "LeaseLost", "LogSpan", "NewMessage", "PullRequest",
-    "PullResult", "StoreApi", "StoreStatistics", "StoreUnavailable", "group_owner",
+    "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "Flow", "LeaseLost", "LogSpan", "NewMessage",
+    "Position", "Positions", "PullRequest", "PullResult", "StoreApi", "StoreStatistics", "StoreUnavailable",
+    "group_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
     "RecordTooLarge", "StartupError", "TopicError",
@@ -87,6 +92,35 @@ class AdminOp(enum.StrEnum):
     NODE = "node"  # the node itself: its process's CPU and memory, its clients (``GET /api/v1/nodes``)
 
 
+MAIN_LOG = 0
+"""The id of a store's one CommitLog (a sharded store will number its logs from it)."""
+
+
+class Position(msgspec.Struct, frozen=True, array_like=True, gc=False, order=True):
+    """Where a record is: ``offset`` in CommitLog ``log``. Ordered as (log, offset), which means something only
+    within one log: offsets of different logs say nothing of which record came first."""
+
+    log: int
+    offset: int
+
+
+class Positions(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Where an append put its messages: one log (an append is one write) and their offsets in it, in order.
+
+    ``positions[i]`` is the i-th message's ``Position``, made when asked for: an append returns one of these per
+    batch rather than a struct per message (a QoS 0 flood asks for none).
+    """
+
+    log: int
+    offsets: list[int]
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, index: int) -> Position:
+        return Position(self.log, self.offsets[index])
+
+
 class NewMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One message to append, as the channel makes it, the RPC carries it and the store encodes it.
 
@@ -116,9 +150,10 @@ class PullRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 class LogSpan(msgspec.Struct, frozen=True, array_like=True):
-    """The answer of ``read_log``: the log's bytes from ``start`` to at most ``data_end`` (see
-    ``CommitLog.read_span``), and the log's current flushed and minimum offsets."""
+    """The answer of ``read_log``: log ``log``'s bytes from offset ``start`` to at most ``data_end`` (see
+    ``CommitLog.read_span``), and that log's current flushed and minimum offsets (all offsets of ``log``)."""
 
+    log: int
     start: int
     data: bytes
     data_end: int
@@ -149,8 +184,12 @@ class StoreStatistics(msgspec.Struct, frozen=True, array_like=True):
         return self.written_offset - self.dispatched_offset
 
 
-Flow = tuple[str, int, int]
-"""An inbound QoS 2 flow: (client id, packet id, CommitLog offset of its record)."""
+class Flow(NamedTuple):
+    """An inbound QoS 2 flow: the client, the packet id, and the position of the message's record."""
+
+    client_id: str
+    packet_id: int
+    position: Position
 
 
 class StoreUnavailable(ConnectionError):
@@ -175,8 +214,8 @@ class StoreApi(Protocol):
 
     # --- messages -------------------------------------------------------------------------
 
-    def append_nowait(self, messages: Sequence[NewMessage]) -> list[int]:
-        """:meth:`append` (not durable) done before returning: the messages' CommitLog offsets.
+    def append_nowait(self, messages: Sequence[NewMessage]) -> Positions:
+        """:meth:`append` (not durable) done before returning: the messages' positions.
 
         Raises:
             trio.WouldBlock: the store cannot append without waiting (a remote store never can; the sync flush
@@ -185,8 +224,8 @@ class StoreApi(Protocol):
         """
         ...
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
-        """Append messages in one write, their target queues fixed now; returns their CommitLog offsets.
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> Positions:
+        """Append messages in one write, their target queues fixed now; returns their positions.
 
         Returns once they are appended, and on disk when ``durable`` (or when the flush policy is sync and
         ``durable`` is None).
@@ -218,13 +257,14 @@ class StoreApi(Protocol):
         """The retained messages whose topics match ``filter``."""
         ...
 
-    async def read_log(self, offset: int, max_bytes: int) -> LogSpan:
-        """The log's raw bytes from the record boundary ``offset`` (``CommitLog.read_span``), up to the flushed
-        offset, for readers that frame records themselves; ``max_bytes`` 0 returns only the log's bounds.
+    async def read_log(self, start: Position, max_bytes: int) -> LogSpan:
+        """Log ``start.log``'s raw bytes from the record boundary ``start.offset`` (``CommitLog.read_span``), up
+        to its flushed offset, for readers that frame records themselves; ``max_bytes`` 0 returns only the log's
+        bounds.
 
         Raises:
-            OffsetExpired: ``offset`` is below the log's minimum (retention).
-            InvalidOffset: ``offset`` is beyond the flushed offset.
+            OffsetExpired: the offset is below the log's minimum (retention).
+            InvalidOffset: the offset is beyond the flushed offset, or the store has no such log.
         """
         ...
 
@@ -340,8 +380,8 @@ class StoreApi(Protocol):
         """The client ids of the stored sessions (connected or not)."""
         ...
 
-    async def awaiting_release(self, client_id: str) -> dict[int, int]:
-        """``{packet id: CommitLog offset}`` of the client's inbound QoS 2 messages stored and awaiting PUBREL:
+    async def awaiting_release(self, client_id: str) -> dict[int, Position]:
+        """``{packet id: position of its record}`` of the client's inbound QoS 2 messages stored and awaiting PUBREL:
         derived from the records, complete for everything appended before the call."""
         ...
 

@@ -6,7 +6,8 @@ has the few forms of the same calls that the server needs to serve many remote n
 several callers' appends in one write; ``pull_raw``, ``claim_raw``, ``retained_raw``: records as stored, which the
 remote side decodes; ``reattach``): the server reaches the store node through them only. Short, in-memory calls
 run in the trio thread; RocksDB scans, CommitLog reads and WAL writes go to a worker thread, one hand-off per
-batch.
+batch. The node has one CommitLog, ``MAIN_LOG``: the positions the seam carries are turned into its offsets here
+(a position of another log is an ``InvalidOffset``).
 
 Resource handling: a ``LocalStore`` attaches its node to the store on creation (events, client notices and
 admin asks are routed to it); :meth:`close` detaches it (its ``events`` and ``moved`` then end). With ``lease``
@@ -22,12 +23,14 @@ from typing import TypeVar, final
 
 import trio
 
-from store.api import AdminOp, Flow, LogSpan, NewMessage, PullRequest, PullResult, StoreStatistics
+from store.api import (MAIN_LOG, AdminOp, Flow, LogSpan, NewMessage, Position, Positions, PullRequest, PullResult,
+                       StoreStatistics)
 from store.groups import Member
+from store.log.errors import InvalidOffset
 from store.log.record import Record, decode_record
 from store.node import StoreNode, decode, raw
 
-__all__ = ["INLINE_PULL", "LocalStore"]
+__all__ = ["INLINE_PULL", "LocalStore", "offset_in_log"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -46,6 +49,15 @@ def _read_each(read: Callable[[str, int, int, int], PullResult[T]], requests: Se
                ) -> list[PullResult[T]]:
     """``read`` (``StoreNode.read`` or ``read_raw``) of each request, in order."""
     return [read(r.queue, r.from_offset, r.max_count, r.max_bytes) for r in requests]
+def offset_in_log(position: Position) -> int:
+    """The offset in the node's log of ``position``.
+
+    Raises:
+        InvalidOffset: the position is of another log (the node has only ``MAIN_LOG``).
+    """
+    if position.log != MAIN_LOG:
+        raise InvalidOffset(position.offset, f"no log {position.log} in this store (it has log {MAIN_LOG})")
+    return position.offset
 
 
 @final
@@ -71,11 +83,11 @@ class LocalStore:
 
     # --- messages ---------------------------------------------------------------------------
 
-    def append_nowait(self, messages: Sequence[NewMessage]) -> list[int]:
-        return self.store.append_nowait(messages)
+    def append_nowait(self, messages: Sequence[NewMessage]) -> Positions:
+        return Positions(MAIN_LOG, self.store.append_nowait(messages))
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
-        return await self.store.append(messages, durable=durable)
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> Positions:
+        return Positions(MAIN_LOG, await self.store.append(messages, durable=durable))
 
     def pull_nowait(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         store = self.store
@@ -120,8 +132,8 @@ class LocalStore:
     async def retained(self, filter: str) -> list[Record]:
         return [decode_record(data, 0, log_offset) for log_offset, data in await self.retained_raw(filter)]
 
-    async def read_log(self, offset: int, max_bytes: int) -> LogSpan:
-        return await trio.to_thread.run_sync(self.store.read_log, offset, max_bytes)
+    async def read_log(self, start: Position, max_bytes: int) -> LogSpan:
+        return await trio.to_thread.run_sync(self.store.read_log, offset_in_log(start), max_bytes)
 
     async def statistics(self) -> StoreStatistics:
         return self.store.statistics()
@@ -200,11 +212,13 @@ class LocalStore:
     async def sessions(self) -> list[str]:
         return await trio.to_thread.run_sync(self.store.session_ids)
 
-    async def awaiting_release(self, client_id: str) -> dict[int, int]:
-        return await self.store.awaiting_release(client_id)
+    async def awaiting_release(self, client_id: str) -> dict[int, Position]:
+        awaiting = await self.store.awaiting_release(client_id)
+        return {pid: Position(MAIN_LOG, offset) for pid, offset in awaiting.items()}
 
     async def release_awaiting(self, flows: Sequence[Flow]) -> None:
-        await self.store.release_awaiting(flows)
+        await self.store.release_awaiting([(flow.client_id, flow.packet_id, offset_in_log(flow.position))
+                                           for flow in flows])
 
     async def moved(self) -> list[str]:
         return list(await self._attachment.moved.get())

@@ -44,8 +44,8 @@ import trio
 from lightqueue.queues import LightQueues, PullResult
 from notify import EventMailbox, NotifyRouter
 from retain.store import RetainedStore
-from store.api import AdminOp, Flow, LogSpan, NewMessage, StoreStatistics
-from store.awaiting import AwaitingRelease
+from store.api import MAIN_LOG, AdminOp, LogSpan, NewMessage, StoreStatistics
+from store.awaiting import AwaitingRelease, Flow
 from store.control import Activated, Committed, Control, Released, SessionEnded, encode_all
 from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.groups import GroupCoordinator
@@ -408,9 +408,9 @@ class StoreNode:
         Its ``flushed`` bound is the log's published offset: flushed and confirmed by the replicas."""
         log = self.log.log
         if max_bytes <= 0:
-            return LogSpan(offset, b"", offset, log.published_offset, log.min_offset)
+            return LogSpan(MAIN_LOG, offset, b"", offset, log.published_offset, log.min_offset)
         start, data, data_end = log.read_span(offset, max(0, min(max_bytes, MAX_READ_LOG_BYTES)))
-        return LogSpan(start, data, data_end, log.published_offset, log.min_offset)
+        return LogSpan(MAIN_LOG, start, data, data_end, log.published_offset, log.min_offset)
 
     def statistics(self) -> StoreStatistics:
         """The store's current figures."""

@@ -26,10 +26,15 @@ from gateway.mqtt.limits import Limit
 from gateway.mqtt.packets import Packet, SubscriptionOptions
 from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
 from gateway.mqtt.reasons import ReasonCode
-from store.api import NewMessage
+from store.api import NewMessage, Position
 
 if TYPE_CHECKING:  # the session module builds on these classes, so only the type checker imports it here
     from gateway.mqtt.session import SessionState
+
+
+NOT_IN_LOG = Position(-1, -1)
+"""The position of an inbound QoS 2 message's record the store does not know (a blob saved before records kept
+packet ids): its PUBREL is answered without a store write."""
 
 
 class Message(msgspec.Struct, gc=False):
@@ -236,7 +241,7 @@ class ReleaseInbound(msgspec.Struct, frozen=True):
     ref: int
     client_id: str
     packet_id: int
-    offset: int  # the CommitLog offset of the message's record
+    position: Position  # the message's record
 
 
 class CloseSession(msgspec.Struct, frozen=True):
@@ -304,12 +309,12 @@ class SessionOpened(msgspec.Struct, frozen=True):
 
 
 class Appended(msgspec.Struct, frozen=True, gc=False):
-    """Answer to ``Append``: stored (``ok``, at CommitLog ``offset``), or refused with a PUBACK/PUBREC reason."""
+    """Answer to ``Append``: stored (``ok``, its record at ``position``), or refused with a PUBACK/PUBREC reason."""
 
     ref: int
     ok: bool = True
     reason: ReasonCode = ReasonCode.UNSPECIFIED_ERROR
-    offset: int = -1
+    position: Position = NOT_IN_LOG
 
 
 class SessionSaved(msgspec.Struct, frozen=True):

@@ -62,6 +62,7 @@ import msgspec
 from msgspec.structs import replace as with_fields
 
 from gateway.mqtt.actions import (
+    NOT_IN_LOG,
     Action,
     CommitOffsets,
     Deliver,
@@ -79,15 +80,12 @@ from gateway.mqtt.limits import Limit
 from gateway.mqtt.packets import MQTT_5, Pubrel
 from gateway.mqtt.properties import MAX_UINT16, PacketType, encode_properties
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
+from store.api import MAIN_LOG, Position
 
 Encoder = Callable[[str, bytes, int, bool, bytes, int], PublishTemplate]
 """``codec.encode_publish_template``'s signature; a node may pass a caching one to share encodings."""
 
 _NO_OFFSET = -1  # the "offset" of an in-flight retained message: not in a queue, never resent after a reconnect
-
-NOT_IN_LOG = -1
-"""The "CommitLog offset" of an inbound QoS 2 flow the store does not know (a blob saved before records kept
-packet ids): its PUBREL is answered without a store write."""
 
 LANE_PIDS = 512
 """Packet ids per lane (see the module docstring): also the most messages of one subscription in flight, and how
@@ -110,7 +108,7 @@ class SessionState:
     ``detached`` says the state was saved with no connection attached (a disconnect or a handover): its
     ``cursors`` and ``inflight`` are exact; a state saved while connected is what a crash leaves, and is
     resumed from the committed offsets by lanes (module docstring). ``awaiting`` (inbound QoS 2 packet id
-    -> CommitLog offset) is taken from the store at resume (``StoreApi.awaiting_release``), never from a
+    -> position of its record) is taken from the store at resume (``StoreApi.awaiting_release``), never from a
     saved blob; ``awaiting_rel`` lists the ids the store does not know (blobs of earlier versions).
     """
 
@@ -122,7 +120,7 @@ class SessionState:
     awaiting_rel: frozenset[int] = frozenset()
     inflight: tuple[InFlight, ...] = ()
     next_packet_id: int = 1
-    awaiting: dict[int, int] = field(default_factory=dict)
+    awaiting: dict[int, Position] = field(default_factory=dict)
     lanes: dict[str, int] = field(default_factory=dict)
     detached: bool = False
 
@@ -217,8 +215,8 @@ class Session:
     def __init__(self, client_id: str, expiry_s: int, state: SessionState | None = None) -> None:
         self.client_id = client_id
         self.expiry_s = expiry_s
-        self.awaiting_rel: dict[int, int] = {}
-        """Inbound QoS 2 packet id -> CommitLog offset of its record (``NOT_IN_LOG``: unknown to the store), stored
+        self.awaiting_rel: dict[int, Position] = {}
+        """Inbound QoS 2 packet id -> position of its record (``NOT_IN_LOG``: unknown to the store), stored
         and PUBREC'd, waiting for PUBREL: a resent PUBLISH is not stored again."""
         self._streams: dict[str, _Stream] = {}
         self._by_queue: dict[str, list[_Stream]] = {}  # the streams reading each queue (shared ones included)
@@ -868,18 +866,119 @@ def _wrong_ack(kind: str, packet_id: int, entry: InFlight) -> RemoteProtocolErro
     return RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, f"{kind} for packet id {packet_id}, which is {flow}")
 
 
+BLOB_VERSION = 2
+"""The session blob's format (``encode_session``). 2: each stream of a subscription is keyed by (filter, log),
+since a wildcard filter's queue has offsets per log, and positions carry their log. A blob without a version is
+1: ``SessionState``'s fields as they were, every offset in the store's one log."""
+
+
+class SavedStream(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A saved subscription's stream over one log: the committed ``offset`` of ``filter``'s queue in ``log`` and
+    the ``cursor`` delivery resumes at (None: not saved: the state had none for the filter)."""
+
+    filter: str
+    log: int
+    offset: int | None = None
+    cursor: int | None = None
+
+
+class SavedInFlight(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """An ``InFlight`` as saved: its queue offset with the log it is in."""
+
+    packet_id: int
+    filter: str
+    log: int
+    offset: int
+    qos: int
+    phase: Phase = Phase.PUBLISHED
+
+
+class _Blob(msgspec.Struct, kw_only=True):
+    """A session blob (version ``v``); a map, so a later version adds fields with defaults."""
+
+    v: int = BLOB_VERSION
+    client_id: str
+    expiry_s: int = 0
+    subscriptions: tuple[Subscription, ...] = ()
+    streams: list[SavedStream] = []
+    lanes: dict[str, int] = {}
+    awaiting_rel: frozenset[int] = frozenset()
+    inflight: tuple[SavedInFlight, ...] = ()
+    next_packet_id: int = 1
+    awaiting: dict[int, Position] = {}
+    detached: bool = False
+
+
+class _BlobV1(msgspec.Struct):
+    """A blob of version 1 (no ``v``): ``SessionState`` as it was, offsets by filter, ``awaiting`` by offset."""
+
+    client_id: str
+    expiry_s: int = 0
+    subscriptions: tuple[Subscription, ...] = ()
+    offsets: dict[str, int] = {}
+    cursors: dict[str, int] = {}
+    awaiting_rel: frozenset[int] = frozenset()
+    inflight: tuple[InFlight, ...] = ()
+    next_packet_id: int = 1
+    awaiting: dict[int, int] = {}
+    lanes: dict[str, int] = {}
+    detached: bool = False
+
+
+class _Version(msgspec.Struct):
+    """A blob's version alone (its other fields skipped): version 1 had no ``v``."""
+
+    v: int = 1
+
+
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(SessionState)
+_VERSION = msgspec.msgpack.Decoder(_Version)
+_DECODERS = {1: msgspec.msgpack.Decoder(_BlobV1), BLOB_VERSION: msgspec.msgpack.Decoder(_Blob)}
 
 
 def encode_session(state: SessionState) -> bytes:
-    """The session as the blob the store keeps (msgpack: no pickle, readable by any version that knows the fields)."""
-    return _ENCODER.encode(state)
+    """The session as the blob the store keeps: msgpack (no pickle), a map of named fields, ``BLOB_VERSION``.
+
+    The state reads the store's one log (``MAIN_LOG``): its streams and in-flight offsets are saved as that log's.
+    """
+    offsets, cursors = state.offsets, state.cursors
+    streams = [SavedStream(f, MAIN_LOG, offset, cursors.get(f)) for f, offset in offsets.items()]
+    streams += [SavedStream(f, MAIN_LOG, None, cursor) for f, cursor in cursors.items() if f not in offsets]
+    return _ENCODER.encode(_Blob(
+        client_id=state.client_id, expiry_s=state.expiry_s, subscriptions=state.subscriptions, streams=streams,
+        lanes=state.lanes, awaiting_rel=state.awaiting_rel,
+        inflight=tuple(SavedInFlight(e.packet_id, e.filter, MAIN_LOG, e.offset, e.qos, e.phase)
+                       for e in state.inflight),
+        next_packet_id=state.next_packet_id, awaiting=state.awaiting, detached=state.detached))
 
 
 def decode_session(blob: bytes) -> SessionState:
-    """Raises msgspec.DecodeError (a ValueError) on a blob that is not a session."""
-    return _DECODER.decode(blob)
+    """The session a blob of any version holds.
+
+    Raises:
+        msgspec.DecodeError: (a ValueError) the blob is not a session, is of a version this code does not know,
+            or has positions in a log other than ``MAIN_LOG`` (a store of several logs: a later version's).
+    """
+    version = _VERSION.decode(blob).v
+    decoder = _DECODERS.get(version)
+    if decoder is None:
+        raise msgspec.DecodeError(f"session blob of version {version}: this version reads {sorted(_DECODERS)}")
+    saved = decoder.decode(blob)
+    if isinstance(saved, _BlobV1):
+        return SessionState(
+            saved.client_id, saved.expiry_s, saved.subscriptions, saved.offsets, saved.cursors, saved.awaiting_rel,
+            saved.inflight, saved.next_packet_id, {pid: Position(MAIN_LOG, o) for pid, o in saved.awaiting.items()},
+            saved.lanes, saved.detached)
+    logs = {s.log for s in saved.streams} | {e.log for e in saved.inflight} | {p.log for p in saved.awaiting.values()}
+    if logs - {MAIN_LOG}:
+        raise msgspec.DecodeError(f"session blob with positions in logs {sorted(logs)}: this store has one log")
+    return SessionState(
+        saved.client_id, saved.expiry_s, saved.subscriptions,
+        offsets={s.filter: s.offset for s in saved.streams if s.offset is not None},
+        cursors={s.filter: s.cursor for s in saved.streams if s.cursor is not None},
+        awaiting_rel=saved.awaiting_rel,
+        inflight=tuple(InFlight(e.packet_id, e.filter, e.offset, e.qos, e.phase) for e in saved.inflight),
+        next_packet_id=saved.next_packet_id, awaiting=saved.awaiting, lanes=saved.lanes, detached=saved.detached)
 
 
 def merge_committed(state: SessionState, committed: Mapping[str, int]) -> SessionState:

@@ -26,7 +26,7 @@ from gateway.mqtt.actions import Append, Appended, Event
 from gateway.mqtt.reasons import ReasonCode
 from gateway.node.order import ReadOrder
 from gateway.node.poller import ReadRound
-from store.api import LeaseLost, LogFullError, NewMessage, RecordTooLarge, StoreApi
+from store.api import LeaseLost, LogFullError, NewMessage, Positions, RecordTooLarge, StoreApi
 
 if TYPE_CHECKING:
     from gateway.node.connection import Connection
@@ -90,19 +90,19 @@ class Appends:
     def _append_now(self, appends: list[tuple[Connection, Append]]) -> bool:
         """Append now and acknowledge, one write per connection; False: nothing was appended."""
         try:
-            offsets = self._store.append_nowait([m for _, append in appends for m in append.messages])
+            positions = self._store.append_nowait([m for _, append in appends for m in append.messages])
         except trio.WouldBlock:
             self._blocked_until = time.monotonic() + NOWAIT_RETRY_S
             return False
         except (OSError, ValueError):
             return False  # nothing was appended: ``perform`` tries again and answers with the reason
         acknowledged: dict[Connection, list[Event]] = {}  # QoS 0 appends (no ref) wait for no answer
-        position = 0
+        index = 0
         for connection, append in appends:
             if append.ref is not None:
                 acknowledged.setdefault(connection, []).append(
-                    Appended(append.ref, True, ReasonCode.SUCCESS, offsets[position]))
-            position += len(append.messages)
+                    Appended(append.ref, True, ReasonCode.SUCCESS, positions[index]))
+            index += len(append.messages)
         for connection, events in acknowledged.items():
             connection.feed_all(events)
         return True
@@ -115,16 +115,16 @@ class Appends:
 
     async def perform(self, connection: Connection, appends: list[Append]) -> None:
         """Append a connection's consecutive appends as one batch; answer each in order."""
-        offsets = await self.store([m for append in appends for m in append.messages])
-        if isinstance(offsets, ReasonCode) and len(appends) > 1:
+        positions = await self.store([m for append in appends for m in append.messages])
+        if isinstance(positions, ReasonCode) and len(appends) > 1:
             # One bad message must not fail its neighbours: retry one by one so each gets its own answer.
             for append in appends:
                 await self.perform(connection, [append])
             return
-        connection.feed_all(_answers(appends, offsets))
+        connection.feed_all(_answers(appends, positions))
 
-    async def store(self, messages: Sequence[NewMessage], *, count: bool = True) -> list[int] | ReasonCode:
-        """The messages' CommitLog offsets once appended, or why the append failed.
+    async def store(self, messages: Sequence[NewMessage], *, count: bool = True) -> Positions | ReasonCode:
+        """The messages' positions once appended, or why the append failed.
 
         A failure counts the messages in ``refused_by_qos`` (unless ``count`` is False: a retry). A full disk is
         QUOTA_EXCEEDED and not logged here: the store logs the episode once (store/space.py), not once per
@@ -153,19 +153,19 @@ class Appends:
         """Append the node's own messages (wills, ``$SYS``, HTTP publish), durable under the sync flush policy,
         after the activations read before this call; None, or why it failed."""
         await self._order.wait(self._order.mark())
-        offsets = await self.store(messages, count=count)
-        return offsets if isinstance(offsets, ReasonCode) else None
+        positions = await self.store(messages, count=count)
+        return positions if isinstance(positions, ReasonCode) else None
 
 
-def _answers(appends: Sequence[Append], offsets: list[int] | ReasonCode) -> list[Event]:
+def _answers(appends: Sequence[Append], positions: Positions | ReasonCode) -> list[Event]:
     """``Appended`` for each append with a ref: where the store put it, or why it did not."""
     answers: list[Event] = []
     index = 0
     for append in appends:
         if append.ref is not None:
-            if isinstance(offsets, ReasonCode):
-                answers.append(Appended(append.ref, False, offsets))
+            if isinstance(positions, ReasonCode):
+                answers.append(Appended(append.ref, False, positions))
             else:
-                answers.append(Appended(append.ref, True, ReasonCode.SUCCESS, offsets[index]))
+                answers.append(Appended(append.ref, True, ReasonCode.SUCCESS, positions[index]))
         index += len(append.messages)
     return answers

@@ -53,7 +53,7 @@ from gateway.node.subscriptions import Subscriptions
 from gateway.node.system import SysTopics
 from gateway.node.timers import Timers
 from gateway.node.wills import Wills
-from store.api import StoreApi
+from store.api import Flow, StoreApi
 
 __all__ = ["GatewayNode"]
 
@@ -168,7 +168,7 @@ class GatewayNode:
                 channel waits for none of them.
         """
         try:
-            await self.store.release_awaiting([(r.client_id, r.packet_id, r.offset) for r in releases])
+            await self.store.release_awaiting([Flow(r.client_id, r.packet_id, r.position) for r in releases])
         except ConnectionError:
             connection.feed_all([InboundReleased(r.ref, ok=False) for r in releases])
             raise

@@ -3,7 +3,7 @@
 ::
 
     async with AsyncioProducer.connect("store-host", 7883, username="billing", password="...") as producer:
-        offset = await producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
+        position = await producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
         await producer.flush()
 
     async with AsyncioConsumer.connect("store-host", 7883, group="billing", filter="tele/#") as consumer:
@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Self, TypeVar, final
 
+from store.api import Position
 from store.clients.blocking import send_future
 from store.clients.consumer import Batch, Consumer
 from store.clients.producer import Producer, ProducerStatistics
@@ -62,8 +63,8 @@ class AsyncioProducer(_Asyncio[Producer]):
 
     trio_client = Producer.connect
 
-    def send(self, topic: str, payload: bytes, **options: Any) -> asyncio.Future[int]:
-        """Queue a message (``Producer.send``'s arguments); await the result for its CommitLog offset.
+    def send(self, topic: str, payload: bytes, **options: Any) -> asyncio.Future[Position]:
+        """Queue a message (``Producer.send``'s arguments); await the result for its ``Position``.
 
         Raises (at once): ``Producer.send``'s errors (TopicError, ValueError, ``trio.WouldBlock``).
         """

@@ -4,7 +4,7 @@
 
     with BlockingProducer.connect("store-host", 7883, username="billing", password="...") as producer:
         future = producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
-        offset = future.result()      # appended (durable: on disk by default)
+        position = future.result()    # appended (durable: on disk by default)
         producer.flush()              # or: wait for everything sent so far
 
     with BlockingConsumer.connect("store-host", 7883, group="billing", filter="tele/#") as consumer:
@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Self, TypeVar, final
 
+from store.api import Position
 from store.clients.consumer import Batch, Consumer
 from store.clients.producer import Producer, ProducerStatistics, SendHandle
 from store.clients.threaded import Face
@@ -38,9 +39,9 @@ T = TypeVar("T")
 
 
 def send_future(producer: Producer, topic: str, payload: bytes, options: dict[str, Any]) -> \
-        concurrent.futures.Future[int]:
+        concurrent.futures.Future[Position]:
     """``producer.send`` (run on the trio thread) with its handle's outcome as a future any thread can wait on."""
-    future: concurrent.futures.Future[int] = concurrent.futures.Future()
+    future: concurrent.futures.Future[Position] = concurrent.futures.Future()
 
     def settle(handle: SendHandle) -> None:
         try:
@@ -74,7 +75,7 @@ class BlockingProducer(_Blocking[Producer]):
 
     trio_client = Producer.connect
 
-    def send(self, topic: str, payload: bytes, **options: Any) -> concurrent.futures.Future[int]:
+    def send(self, topic: str, payload: bytes, **options: Any) -> concurrent.futures.Future[Position]:
         """Queue a message (``Producer.send``'s arguments); the future gives its CommitLog offset or error.
 
         Raises (at once): ``Producer.send``'s errors (TopicError, ValueError, ``trio.WouldBlock``).

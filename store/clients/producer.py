@@ -6,7 +6,7 @@ devices subscribed on any gateway node receive it through the normal path::
 
     async with Producer.connect("store-host", 7883, username="billing", password="...") as producer:
         handle = producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
-        offset = await handle          # appended (durable: on disk by default)
+        position = await handle        # appended (durable: on disk by default)
         await producer.flush()         # or: wait for everything sent so far
 
 Batching: :meth:`Producer.send` only queues; a batch leaves when it holds
@@ -46,7 +46,7 @@ from typing import Any, final
 import trio
 
 from lightqueue.topics import validate_topic
-from store.api import NewMessage
+from store.api import NewMessage, Position
 from store.clients.properties import encode_properties
 from store.rpc.client import RemoteStore, default_node_name
 
@@ -74,18 +74,19 @@ _names = itertools.count(1)
 
 @final
 class SendHandle:
-    """The outcome of one :meth:`Producer.send`: ``await handle`` returns the message's CommitLog offset.
+    """The outcome of one :meth:`Producer.send`: ``await handle`` returns the message's ``Position`` (its log and
+    CommitLog offset).
 
     Raises (on await): ``AccessDenied`` (the ACL does not allow the topic),
     ``RecordTooLarge``, ``StoreUnavailable`` (the connection broke: maybe stored),
     ``OSError`` (the store's write failed: not stored).
     """
 
-    __slots__ = ("_done", "_offset", "_error", "_callbacks")
+    __slots__ = ("_done", "_position", "_error", "_callbacks")
 
     def __init__(self) -> None:
         self._done = trio.Event()
-        self._offset: int | None = None
+        self._position: Position | None = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[SendHandle], object]] = []
 
@@ -100,31 +101,31 @@ class SendHandle:
         else:
             self._callbacks.append(callback)
 
-    def _set(self, outcome: int | BaseException) -> None:
+    def _set(self, outcome: Position | BaseException) -> None:
         if isinstance(outcome, BaseException):
             self._error = outcome
         else:
-            self._offset = outcome
+            self._position = outcome
         self._done.set()
         for callback in self._callbacks:
             callback(self)
         self._callbacks.clear()
 
-    def result(self) -> int:
-        """The message's CommitLog offset, or the send's error raised, once :meth:`done`."""
+    def result(self) -> Position:
+        """The message's position, or the send's error raised, once :meth:`done`."""
         if not self.done():
             raise RuntimeError("the message is not stored yet: await the handle")
         if self._error is not None:
             raise self._error
-        assert self._offset is not None
-        return self._offset
+        assert self._position is not None
+        return self._position
 
-    async def wait(self) -> int:
-        """The message's CommitLog offset, once the store appended it."""
+    async def wait(self) -> Position:
+        """The message's position, once the store appended it."""
         await self._done.wait()
         return self.result()
 
-    def __await__(self) -> Generator[Any, None, int]:
+    def __await__(self) -> Generator[Any, None, Position]:
         return self.wait().__await__()
 
 
@@ -290,7 +291,7 @@ class Producer:
 
     async def _send(self, batch: list[tuple[NewMessage, SendHandle]]) -> None:
         try:
-            outcomes: list[int | Exception] | None = None
+            outcomes: list[Position | Exception] | None = None
             try:
                 outcomes = await self.client.append_each([message for message, _ in batch], durable=self._durable)
             except (OSError, ValueError) as exc:  # StoreUnavailable is an OSError

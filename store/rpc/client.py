@@ -36,8 +36,8 @@ from typing import Any, final
 import trio
 
 from notify import EventMailbox
-from store.api import (AdminOp, Flow, LeaseLost, LogSpan, NewMessage, PullRequest, PullResult, Record,
-                       StoreStatistics)
+from store.api import (MAIN_LOG, AdminOp, Flow, LeaseLost, LogSpan, NewMessage, Position, Positions, PullRequest,
+                       PullResult, Record, StoreStatistics)
 from store.log.record import decode_record
 from store.rpc import wire as rpc
 from store.rpc.connection import (Link, Resolver, StoreConnection, StoreRpcError, decoded, exception_of,
@@ -184,24 +184,24 @@ class RemoteStore:
 
     # --- messages ---------------------------------------------------------------------------
 
-    def append_nowait(self, messages: Sequence[NewMessage]) -> list[int]:
+    def append_nowait(self, messages: Sequence[NewMessage]) -> Positions:
         """Always raises ``trio.WouldBlock``: an append is a round trip to the store node."""
         raise trio.WouldBlock
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> Positions:
         link = self._require_link()
         if not messages:
-            return []
+            return Positions(MAIN_LOG, [])
         group = list(messages)
         self._refuse_stale(self._epoch_of(group[0].client_id), link)  # a connection's appends: one publisher
         return await link.appends[durable].submit(group)
 
     async def append_each(self, messages: Sequence[NewMessage], *, durable: bool | None = None
-                          ) -> list[int | Exception]:
+                          ) -> list[Position | Exception]:
         """Append messages in one request and one CommitLog write, each one failing alone (back-end producers,
         store/clients/producer.py, which batch by themselves: this skips the client's own batching).
 
-        Returns, per message, its CommitLog offset or the exception that refused it
+        Returns, per message, its position or the exception that refused it
         (``RecordTooLarge``, ``AccessDenied`` for a topic the ACL does not allow).
 
         Raises:
@@ -218,7 +218,7 @@ class RemoteStore:
         except rpc.RpcProtocolError as exc:
             raise ValueError(str(exc)) from None
         errors = answer.errors
-        return [exception_of(errors[i]) if i in errors else answer.offsets[i][0] for i in range(len(groups))]
+        return [exception_of(errors[i]) if i in errors else answer.positions[i][0] for i in range(len(groups))]
 
     def pull_nowait(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         """Always raises ``trio.WouldBlock``: a read is a round trip to the store node."""
@@ -254,8 +254,8 @@ class RemoteStore:
         answer = await self._require_link().call(lambda rid: rpc.GetRetained(rid, filter))
         return [decode_record(raw, 0, log_offset) for log_offset, raw in answer.records]
 
-    async def read_log(self, offset: int, max_bytes: int) -> LogSpan:
-        answer = await self._require_link().call(lambda rid: rpc.ReadLog(rid, offset, max_bytes))
+    async def read_log(self, start: Position, max_bytes: int) -> LogSpan:
+        answer = await self._require_link().call(lambda rid: rpc.ReadLog(rid, start, max_bytes))
         return answer.span
 
     async def statistics(self) -> StoreStatistics:
@@ -375,7 +375,7 @@ class RemoteStore:
         answer = await self._require_link().call(lambda rid: rpc.ListSessions(rid))
         return answer.names
 
-    async def awaiting_release(self, client_id: str) -> dict[int, int]:
+    async def awaiting_release(self, client_id: str) -> dict[int, Position]:
         answer = await self._require_link().call(lambda rid: rpc.GetAwaiting(rid, client_id))
         return answer.flows
 
@@ -383,8 +383,8 @@ class RemoteStore:
         if not flows:
             return
         link = self._require_link()
-        self._refuse_stale(self._epoch_of(flows[0][0]), link)  # one connection's releases: one client
-        await link.releases.submit([tuple(flow) for flow in flows])
+        self._refuse_stale(self._epoch_of(flows[0].client_id), link)  # one connection's releases: one client
+        await link.releases.submit(list(flows))
 
     async def moved(self) -> list[str]:
         return list(await self._moved.get())

@@ -456,7 +456,7 @@ def _split_appends(answer: rpc.Appended, batch: list[tuple[Any, Call]]) -> None:
         if error is not None:
             call.fail(exception_of(error))
         else:
-            call.set(answer.offsets[index])
+            call.set(answer.positions[index])
 
 
 def decoded(records: rpc.RawRecords) -> PullResult[Record]:

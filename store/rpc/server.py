@@ -55,8 +55,8 @@ from typing import Any, final
 
 import trio
 
-from store.api import (GROUP_PREFIX, InvalidOffset, LeaseLost, LogFullError, NewMessage, OffsetExpired, PullResult,
-                       RecordTooLarge, TopicError)
+from store.api import (GROUP_PREFIX, MAIN_LOG, InvalidOffset, LeaseLost, LogFullError, NewMessage, OffsetExpired,
+                       Positions, PullResult, RecordTooLarge, TopicError)
 from store.local import LocalStore
 from store.node import StoreNode
 from store.rpc import wire as rpc
@@ -370,7 +370,7 @@ class _Connection:
         return rpc.Statistics(request.id, await self._store.statistics())
 
     async def _read_log(self, request: rpc.ReadLog) -> rpc.LogBytes:
-        return rpc.LogBytes(request.id, await self._store.read_log(request.offset, request.max_bytes))
+        return rpc.LogBytes(request.id, await self._store.read_log(request.start, request.max_bytes))
 
     def _check_group(self, group: str, member: str) -> None:
         """A back-end client uses its own groups (``$group/``) as itself: its connection is the member."""
@@ -439,18 +439,18 @@ class _Connection:
                     LOGGER.error("append failed: %r", exc, exc_info=exc, extra={"ctx": {"node": self.node}})
                 self.send(error)
                 continue
-            offsets: list[list[int]] = []
+            positions: list[Positions] = []
             errors: dict[int, rpc.Error] = {}
             for index, result in enumerate(results):
                 if index in denied:
-                    offsets.append([])
+                    positions.append(Positions(MAIN_LOG, []))
                     errors[index] = denied[index]
                 elif isinstance(result, ValueError):
-                    offsets.append([])
+                    positions.append(Positions(MAIN_LOG, []))
                     errors[index] = _error(0, result)
                 else:
-                    offsets.append(result)
-            self.send(rpc.Appended(request.id, offsets, errors))
+                    positions.append(Positions(MAIN_LOG, result))
+            self.send(rpc.Appended(request.id, positions, errors))
 
     # --- pushing ----------------------------------------------------------------------------
 

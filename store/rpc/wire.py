@@ -55,7 +55,7 @@ from typing import Any, Final, TypeAlias
 
 import msgspec
 
-from store.api import AdminOp, LogSpan, NewMessage, PullRequest, StoreStatistics
+from store.api import AdminOp, Flow, LogSpan, NewMessage, Position, Positions, PullRequest, StoreStatistics
 
 __all__ = [
     "CLIENT_MESSAGES",
@@ -125,8 +125,11 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 6
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
-(6: ``ErrorKind.INVALID_OFFSET``, so a remote ``read_log`` raises ``InvalidOffset`` as the local one does. 5: the store's interface types on the wire; sessions, presence, wills and expiry in the store: ``OpenSession``,
-``CloseSession``, ``Reattach``, ``EndSession``, ``ListSessions``; group members named within a node. 4: cluster-wide
+(6: positions, not offsets: ``Appended`` carries each group's ``Positions``, ``Awaiting`` and ``ReleaseAwaiting``
+a ``Position`` per flow, ``ReadLog`` starts at one and ``LogSpan`` names its log; ``ErrorKind.INVALID_OFFSET``, so
+a remote ``read_log`` raises ``InvalidOffset`` as the local one does. 5: the store's interface types
+on the wire; sessions, presence, wills and expiry in the store: ``OpenSession``, ``CloseSession``, ``Reattach``,
+``EndSession``, ``ListSessions``; group members named within a node. 4: cluster-wide
 admin lists: ``AdminCallAll``, ``NodeAnswers``, ``AdminAsk.query``. 3: lease epochs on the Hello, the Welcome and
 every write; inbound QoS 2 flows: ``GetAwaiting``, ``ReleaseAwaiting``; ``ReadLog``.)"""
 
@@ -353,11 +356,11 @@ class GetAwaiting(_Message, tag="awaiting?"):
 
 
 class ReleaseAwaiting(_Message, tag="relflows"):
-    """``StoreApi.release_awaiting`` (``(client id, packet id, log offset)`` per flow): ``Done`` once fsynced
+    """``StoreApi.release_awaiting`` (a ``Flow`` each: client id, packet id, position): ``Done`` once fsynced
     (refused for an ended lease ``epoch``)."""
 
     id: int
-    flows: list[tuple[str, int, int]]
+    flows: list[Flow]
     epoch: int = 0
 
 
@@ -372,7 +375,7 @@ class ReadLog(_Message, tag="readlog"):
     (readers that frame records themselves: Spark executors without the segment files)."""
 
     id: int
-    offset: int
+    start: Position
     max_bytes: int
 
 
@@ -523,10 +526,10 @@ class NodeAnswers(_Message, tag="adminallr"):
 
 
 class Appended(_Message, tag="appended"):
-    """Per group of the request: its CommitLog offsets, or (index -> error) when it did not encode."""
+    """Per group of the request: its positions, or (index -> error) when it did not encode."""
 
     id: int
-    offsets: list[list[int]]
+    positions: list[Positions]
     errors: dict[int, Error] = {}
 
 
@@ -578,10 +581,10 @@ class Names(_Message, tag="names"):
 
 
 class Awaiting(_Message, tag="awaiting"):
-    """A client's inbound QoS 2 flows awaiting PUBREL: ``{packet id: log offset}``."""
+    """A client's inbound QoS 2 flows awaiting PUBREL: ``{packet id: position of its record}``."""
 
     id: int
-    flows: dict[int, int]
+    flows: dict[int, Position]
 
 
 class Done(_Message, tag="done"):

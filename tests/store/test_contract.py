@@ -15,8 +15,8 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from store.api import (InvalidOffset, LogFullError, NewMessage, PullRequest, RecordTooLarge, StoreApi,
-                       TopicError)
+from store.api import (MAIN_LOG, Flow, InvalidOffset, LogFullError, NewMessage, Position, PullRequest,
+                       RecordTooLarge, StoreApi, TopicError)
 from store.local import LocalStore
 from store.log.commitlog import CommitLogConfig
 from store.node import StoreNode, open_store
@@ -86,7 +86,7 @@ async def test_appended_messages_are_pulled_back_in_order_from_any_queue_offset(
     whole, tail, empty = await api.pull([PullRequest("tele/a", 0), PullRequest("tele/a", 1),
                                          PullRequest("none", 0)])
     assert [(qoff, r.payload, r.qos, r.retain, r.offset) for qoff, r in whole.messages] == [
-        (0, b"one", 0, False, first[0]), (1, b"two", 1, True, first[1])]
+        (0, b"one", 0, False, first[0].offset), (1, b"two", 1, True, first[1].offset)]
     assert whole.next_offset == 2 and not whole.expired
     assert [r.payload for _, r in tail.messages] == [b"two"]
     assert empty.messages == [] and empty.next_offset == 0
@@ -110,7 +110,7 @@ async def test_append_nowait_either_appends_or_would_block(api):
         results = api.pull_nowait([PullRequest("now/a", 0)])
     except trio.WouldBlock:
         results = await api.pull([PullRequest("now/a", 0)])
-    assert [r.offset for _, r in results[0].messages] == offsets
+    assert [r.offset for _, r in results[0].messages] == offsets.offsets
 
 
 async def test_retained_messages_are_found_by_the_filters_that_match_their_topics(api):
@@ -125,13 +125,13 @@ async def test_retained_messages_are_found_by_the_filters_that_match_their_topic
 
 async def test_the_log_is_read_raw_from_a_record_boundary(api):
     offsets = await api.append([message("raw/a", b"x" * 100), message("raw/a", b"y" * 100)], durable=True)
-    bounds = await api.read_log(0, 0)
-    assert bounds.data == b"" and bounds.flushed > offsets[1] and bounds.min_offset == 0
+    bounds = await api.read_log(Position(MAIN_LOG, 0), 0)
+    assert bounds.data == b"" and bounds.flushed > offsets[1].offset and bounds.min_offset == 0
     span = await api.read_log(offsets[0], 1 << 20)
-    assert span.start == offsets[0] and span.data_end == span.flushed == bounds.flushed
+    assert span.log == MAIN_LOG and span.start == offsets[0].offset and span.data_end == span.flushed == bounds.flushed
     assert len(span.data) == span.data_end - span.start and b"y" * 100 in span.data
     with pytest.raises(InvalidOffset) as refused:  # beyond the flushed end: the local store's exception
-        await api.read_log(bounds.flushed + 4096, 1024)
+        await api.read_log(Position(MAIN_LOG, bounds.flushed + 4096), 1024)
     assert refused.value.offset == bounds.flushed + 4096
 
 
@@ -215,7 +215,7 @@ async def test_a_session_is_opened_saved_loaded_listed_and_ended(api):
 async def test_qos2_messages_await_release_until_released(api):
     (offset,) = await api.append([message("q2/a", qos=2, client_id="dev5", packet_id=11)])
     assert await api.awaiting_release("dev5") == {11: offset}
-    await api.release_awaiting([("dev5", 11, offset)])
+    await api.release_awaiting([Flow("dev5", 11, offset)])
     assert await api.awaiting_release("dev5") == {}
     assert await api.awaiting_release("nobody") == {}
 
@@ -268,4 +268,4 @@ async def test_a_full_disk_refuses_appends_with_log_full_and_keeps_what_was_stor
         (after,) = await api.append([message("full/a", b"after")], durable=True)  # room again: at once
         await dispatched(api)
         records = (await api.pull([PullRequest("full/a", 0)]))[0].messages
-        assert [(r.offset, r.payload) for _, r in records] == [(stored, b"kept"), (after, b"after")]
+        assert [(r.offset, r.payload) for _, r in records] == [(stored.offset, b"kept"), (after.offset, b"after")]

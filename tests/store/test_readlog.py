@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from store.api import NewMessage
+from store.api import MAIN_LOG, NewMessage, Position
 from store.local import LocalStore
 from store.log.commitlog import CommitLogConfig
 from store.log.errors import OffsetExpired
@@ -22,10 +22,10 @@ SEGMENT = 16 * 1024
 
 async def read_all(client, chunk: int) -> list[tuple[int, bytes]]:
     """Every record from the log's start to its flushed end, framed from read_log's bytes alone."""
-    first = await client.read_log(0, 0)
+    first = await client.read_log(Position(MAIN_LOG, 0), 0)
     offset, out = first.min_offset, []
     while offset < first.flushed:
-        span = await client.read_log(offset, chunk)
+        span = await client.read_log(Position(MAIN_LOG, offset), chunk)
         offset = span.start
         pos = 0
         while pos + 4 <= len(span.data):
@@ -63,10 +63,10 @@ async def test_both_clients_read_the_whole_log_as_the_commitlog_scans_it(tmp_pat
         async with RemoteStore.connect("127.0.0.1", port, node="reader") as remote:
             assert await read_all(remote, 1 << 20) == expected
             with pytest.raises(ValueError, match="beyond the flushed end"):
-                await remote.read_log(log.flushed_offset + 1, 10)
+                await remote.read_log(Position(MAIN_LOG, log.flushed_offset + 1), 10)
             await trio.to_thread.run_sync(log.delete_expired)
             with pytest.raises(OffsetExpired):
-                await remote.read_log(0, 10)
-            bounds = await remote.read_log(0, 0)  # bounds only: any offset
+                await remote.read_log(Position(MAIN_LOG, 0), 10)
+            bounds = await remote.read_log(Position(MAIN_LOG, 0), 0)  # bounds only: any offset
             assert (bounds.data, bounds.min_offset, bounds.flushed) == (b"", log.min_offset, log.flushed_offset) \
                 and bounds.min_offset > 0

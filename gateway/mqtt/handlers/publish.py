@@ -239,16 +239,16 @@ def process_pubrel(channel: Channel, packet: Pubrel) -> list[Action]:
     session = channel._session
     assert session is not None
     pid = packet.packet_id
-    offset = session.awaiting_rel.get(pid)
-    if offset is not None:
+    position = session.awaiting_rel.get(pid)
+    if position is not None:
         if pid in channel._releasing.values():
             return []  # the release is being written: its PUBCOMP follows
-        if offset == NOT_IN_LOG:
+        if position == NOT_IN_LOG:
             del session.awaiting_rel[pid]
             return [Send((Pubcomp(pid),))]
         channel._next_ref += 1
         channel._releasing[channel._next_ref] = pid
-        return [ReleaseInbound(channel._next_ref, channel._client_id, pid, offset)]
+        return [ReleaseInbound(channel._next_ref, channel._client_id, pid, position)]
     if channel._level == MQTT_5:
         return [Send((Pubcomp(pid, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND),))]
     return [Send((Pubcomp(pid),))]  # 3.1.1 has no reason: complete the flow anyway
@@ -275,7 +275,7 @@ def _appended(channel: Channel, event: Appended) -> list[Action]:
         channel._storing_qos2.pop(pid, None)
     if event.ok:
         if qos == 2:
-            session.awaiting_rel[pid] = event.offset  # the record says so too: the store knows it after a crash
+            session.awaiting_rel[pid] = event.position  # the record says so too: the store knows it after a crash
             return channel._settle() if closing else [Send((Pubrec(pid),))]
         return channel._settle() if closing else [Send((Puback(pid),))]
     if closing:

@@ -66,6 +66,7 @@ from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import LocalProtocolError, ReasonCode
 from gateway.mqtt.session import SessionState
 from gateway.mqtt.state import TRANSITIONS, State
+from store.api import Position
 from tests.helpers.channel import T0, Clock, connect, delivered, msg, of, sent, subscribe
 
 R = ReasonCode
@@ -315,14 +316,15 @@ def test_qos2_exactly_once_flow_and_duplicates():
     (append,) = of(channel.handle_in(Publish("t", b"1", qos=2, packet_id=3)), Append)
     assert append.messages[0].packet_id == 3  # the record keeps it: the store knows the flow awaits PUBREL
     assert channel.handle_in(Publish("t", b"1", qos=2, packet_id=3, dup=True)) == []  # still being stored
-    actions = channel.handle_event(Appended(append.ref, offset=700))
+    actions = channel.handle_event(Appended(append.ref, position=Position(0, 700)))
     assert of(actions, SaveSession) == []  # the record is the state: no session write per message
     assert sent(actions) == [Pubrec(3)]
     actions = channel.handle_in(Publish("t", b"1", qos=2, packet_id=3, dup=True))
     assert of(actions, Append) == [] and sent(actions) == [Pubrec(3)]
     actions = channel.handle_in(Pubrel(3))
     (release,) = of(actions, ReleaseInbound)
-    assert (release.client_id, release.packet_id, release.offset) == ("dev1", 3, 700) and sent(actions) == []
+    assert (release.client_id, release.packet_id, release.position) == ("dev1", 3, Position(0, 700))
+    assert sent(actions) == []
     assert channel.handle_in(Pubrel(3)) == []  # the release is being written: one PUBCOMP follows
     assert sent(channel.handle_event(InboundReleased(release.ref))) == [Pubcomp(3)]
     assert sent(channel.handle_in(Pubrel(3))) == [Pubcomp(3, R.PACKET_IDENTIFIER_NOT_FOUND)]
@@ -334,18 +336,19 @@ def test_pubrel_for_unknown_id_in_311_still_completes():
 
 
 def test_qos2_state_survives_reconnect_so_a_resend_is_not_stored_twice():
-    state = SessionState("dev1", 3600, awaiting={5: 700}, awaiting_rel=frozenset({6}))  # 6: an earlier version's
+    # 6: a flow of an earlier version's blob, unknown to the store
+    state = SessionState("dev1", 3600, awaiting={5: Position(0, 700)}, awaiting_rel=frozenset({6}))
     channel, _, _ = connect(state=state, **persistent())
     actions = channel.handle_in(Publish("t", qos=2, packet_id=5, dup=True))
     assert of(actions, Append) == [] and sent(actions) == [Pubrec(5)]
-    assert of(channel.handle_in(Pubrel(5)), ReleaseInbound)[0].offset == 700
+    assert of(channel.handle_in(Pubrel(5)), ReleaseInbound)[0].position == Position(0, 700)
     assert sent(channel.handle_in(Pubrel(6))) == [Pubcomp(6)]  # the store never knew it: nothing to write
 
 
 def test_a_connection_closing_waits_for_its_releases_before_saving():
     channel, _, _ = connect(**persistent())
     (append,) = of(channel.handle_in(Publish("t", qos=2, packet_id=5)), Append)
-    channel.handle_event(Appended(append.ref, offset=90))
+    channel.handle_event(Appended(append.ref, position=Position(0, 90)))
     (release,) = of(channel.handle_in(Pubrel(5)), ReleaseInbound)
     assert of(channel.handle_event(ConnectionLost("reset")), SaveSession) == []  # the release is not written yet
     (save,) = of(channel.handle_event(InboundReleased(release.ref)), SaveSession)
@@ -357,11 +360,11 @@ def test_a_release_the_store_could_not_record_sends_no_pubcomp_and_the_flow_stil
     keeps the flow, so the client's PUBREL after reconnecting is answered."""
     channel, _, _ = connect(**persistent())
     (append,) = of(channel.handle_in(Publish("t", qos=2, packet_id=5)), Append)
-    channel.handle_event(Appended(append.ref, offset=90))
+    channel.handle_event(Appended(append.ref, position=Position(0, 90)))
     (release,) = of(channel.handle_in(Pubrel(5)), ReleaseInbound)
     assert channel.handle_event(InboundReleased(release.ref, ok=False)) == []
     (save,) = of(channel.handle_event(ConnectionLost("the store is not reachable")), SaveSession)
-    assert save.state.awaiting == {5: 90} and save.state.detached
+    assert save.state.awaiting == {5: Position(0, 90)} and save.state.detached
 
 
 def test_a_publish_keeps_a_connected_channel_connected():

@@ -10,6 +10,7 @@ from gateway.mqtt.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
 from gateway.mqtt.session import (ALIAS_BYTES, LANE_PIDS, NOT_IN_LOG, Link, Session, SessionState, encode_session,
                                   session_blob_expiry)
+from store.api import Position
 
 SUB = Subscription("a/+", "a/+", SubscriptionOptions(qos=1))
 
@@ -161,11 +162,11 @@ def test_resume_ignores_in_flight_below_a_later_commit():
 
 def test_state_round_trip_keeps_subscriptions_and_qos2_state():
     session = attached()
-    session.awaiting_rel.update({12: 700, 13: NOT_IN_LOG})
+    session.awaiting_rel.update({12: Position(0, 700), 13: NOT_IN_LOG})
     state = session.state()
     assert state.subscriptions == (SUB,)
-    assert state.awaiting == {12: 700} and state.awaiting_rel == {13}  # 13: unknown to the store
-    assert Session("c", 60, state).awaiting_rel == {12: 700, 13: NOT_IN_LOG}
+    assert state.awaiting == {12: Position(0, 700)} and state.awaiting_rel == {13}  # 13: unknown to the store
+    assert Session("c", 60, state).awaiting_rel == {12: Position(0, 700), 13: NOT_IN_LOG}
 
 
 def test_persistence_follows_expiry():

@@ -17,6 +17,7 @@ from gateway.mqtt.packets import MQTT_5, Connack, Connect, Disconnect, Suback, S
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import ReasonCode
 from gateway.mqtt.session import SessionState
+from store.api import MAIN_LOG, Position
 from store.log.commitlog import CommitLogConfig
 from store.node import open_store
 
@@ -38,7 +39,7 @@ async def test_session_blobs_are_durable_and_droppable(tmp_path):
 def test_session_state_round_trips_through_its_blob():
     state = SessionState(
         "dev-1", 3600, (Subscription("a/+", "a/+", SubscriptionOptions(qos=2)),), {"a/+": 3}, {"a/+": 5},
-        frozenset({7}), (InFlight(9, "a/+", 4, 2, Phase.RELEASED),), 10, {3: 700}, {"a/+": 2}, True,
+        frozenset({7}), (InFlight(9, "a/+", 4, 2, Phase.RELEASED),), 10, {3: Position(MAIN_LOG, 700)}, {"a/+": 2}, True,
     )
     assert decode_session(encode_session(state)) == state
     with pytest.raises(msgspec.DecodeError):

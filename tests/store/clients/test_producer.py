@@ -14,7 +14,7 @@ from gateway.app.cli import _store_access
 from gateway.auth.passwords import PasswordFile
 from gateway.mqtt.properties import PacketType, decode_properties
 from lightqueue.topics import TopicError
-from store.api import NewMessage, PullRequest, group_owner
+from store.api import MAIN_LOG, Flow, NewMessage, Position, PullRequest, group_owner
 from store.clients.producer import Producer, encode_properties
 from store.log.record import RecordTooLarge
 from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
@@ -95,7 +95,7 @@ async def test_flush_returns_at_once_when_nothing_waits_and_the_block_flushes_on
             await producer.flush()
         handle = producer.send("a/b", b"sent last")
     assert handle.done()
-    assert await handle >= 0
+    assert (await handle).offset >= 0
 
 
 # --- access -------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ async def test_the_store_admits_clients_by_password_and_checks_their_topics(stor
         allowed = producer.send("cmd/dev1", b"ok")
         denied = producer.send("secret/x", b"no")
         await producer.flush()
-        assert await allowed >= 0
+        assert (await allowed).offset >= 0
         with pytest.raises(AccessDenied, match="publish"):
             await denied
         with pytest.raises(AccessDenied, match="gateway nodes only"):  # sessions are the gateways' business
@@ -134,14 +134,14 @@ async def test_the_store_admits_clients_by_password_and_checks_their_topics(stor
         with pytest.raises(AccessDenied, match="packet id"):  # it would mark a flow of dev1 as awaiting PUBREL
             await producer.client.append([qos2])
         with pytest.raises(AccessDenied, match="gateway nodes only"):
-            await producer.client.release_awaiting([("dev1", 7, 0)])
+            await producer.client.release_awaiting([Flow("dev1", 7, Position(MAIN_LOG, 0))])
     async with RemoteStore.connect("127.0.0.1", port, node="gw-a", token="gw-secret") as gateway:
         await gateway.open_session("dev1", clean_start=False, expiry_s=60)  # the token makes a trusted gateway node
         await gateway.save_session("dev1", b"blob")
         assert await gateway.load_session("dev1") == b"blob"
-        [offset] = await gateway.append([qos2])  # a device's QoS 2 PUBLISH: the record says it awaits PUBREL
-        assert await gateway.awaiting_release("dev1") == {7: offset}
-        await gateway.release_awaiting([("dev1", 7, offset)])
+        [position] = await gateway.append([qos2])  # a device's QoS 2 PUBLISH: the record says it awaits PUBREL
+        assert await gateway.awaiting_release("dev1") == {7: position}
+        await gateway.release_awaiting([Flow("dev1", 7, position)])
         assert await gateway.awaiting_release("dev1") == {}
     with pytest.raises(StoreRpcError, match="denied"):  # '$' names are the store's own
         async with RemoteStore.connect("127.0.0.1", port, node="$groups-1", token="gw-secret", timeout_s=5):

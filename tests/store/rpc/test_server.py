@@ -6,7 +6,7 @@ from functools import partial
 import pytest
 import trio
 
-from store.api import NewMessage, PullRequest
+from store.api import MAIN_LOG, Flow, NewMessage, Position, PullRequest
 from store.log.record import decode_record
 from store.rpc import server
 from store.rpc import wire as rpc
@@ -133,13 +133,13 @@ async def test_append_groups_fail_alone_and_pulls_return_the_records(port):
     await raw.send(rpc.Watch({"a/#": 1}), rpc.AppendRequest(1, [good, too_large, [NewMessage("a/c", b"three")]]))
     appended = await raw.receive()
     assert await raw.receive() == rpc.Events({"a/#": 3})  # dispatched: the pulls below find everything
-    assert appended.id == 1 and appended.offsets[1] == [] and len(appended.offsets[0]) == 2
+    assert appended.id == 1 and len(appended.positions[1]) == 0 and len(appended.positions[0]) == 2
     assert appended.errors[1].kind is rpc.ErrorKind.RECORD_TOO_LARGE
     await raw.send(rpc.Pull(2, [PullRequest("a/b", 0, 10, 1 << 20), PullRequest("a/#", 0, 10, 1 << 20)]))
     pulled = await raw.receive()
     by_b, by_a = pulled.results
     assert [(q, decode_record(r, 0, o).payload) for q, o, r in by_b.entries] == [(0, b"one"), (1, b"two")]
-    assert by_b.next_offset == 2 and [o for _, o, _ in by_b.entries] == appended.offsets[0]
+    assert by_b.next_offset == 2 and [o for _, o, _ in by_b.entries] == appended.positions[0].offsets
     assert [decode_record(r, 0, o).topic for _, o, r in by_a.entries] == ["a/b", "a/b", "a/c"]  # first-level queue
 
 
@@ -254,7 +254,8 @@ async def test_a_node_back_after_its_lease_ended_is_told_and_its_writes_of_that_
     message = NewMessage("a/b", b"stale", "dev1", 1)
     await woken.send(rpc.AppendRequest(1, [[message]], None, ended), rpc.SaveSession(2, "dev1", b"blob", ended),
                      rpc.CommitOffsets(3, {"dev1": {"a/b": 1}}, ended), rpc.CloseSession(4, "dev1", 0, None, ended),
-                     rpc.Release(5, "a/#", "dev1", ended), rpc.ReleaseAwaiting(6, [("dev1", 1, 0)], ended))
+                     rpc.Release(5, "a/#", "dev1", ended),
+                     rpc.ReleaseAwaiting(6, [Flow("dev1", 1, Position(MAIN_LOG, 0))], ended))
     answers = [await woken.receive() for _ in range(6)]
     assert sorted(a.id for a in answers) == [1, 2, 3, 4, 5, 6]
     assert {a.kind for a in answers} == {rpc.ErrorKind.FENCED}

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from store.api import AdminOp, LogSpan, NewMessage, PullRequest, StoreStatistics
+from store.api import AdminOp, LogSpan, NewMessage, Positions, PullRequest, StoreStatistics
 from store.rpc import wire as rpc
 
 CLIENT_SAMPLES = [
@@ -43,7 +43,8 @@ SERVER_SAMPLES = [
     rpc.Error(0, rpc.ErrorKind.VERSION, "no"),
     rpc.Events({"a/b": 7}),
     rpc.ClientMoved("dev1"),
-    rpc.Appended(1, [[0, 51], []], {1: rpc.Error(0, rpc.ErrorKind.RECORD_TOO_LARGE, "too big")}),
+    rpc.Appended(1, [Positions(0, [0, 51]), Positions(0, [])],
+                 {1: rpc.Error(0, rpc.ErrorKind.RECORD_TOO_LARGE, "too big")}),
     rpc.Pulled(2, [rpc.RawRecords([(0, 0, b"record")], 1, False), rpc.RawRecords([], 5, True)]),
     rpc.Claimed(18, rpc.RawRecords([(4, 100, b"record")], 5, False)),
     rpc.Offsets(5, [3, 0]),
@@ -58,7 +59,7 @@ SERVER_SAMPLES = [
     rpc.Done(7),
     rpc.Statistics(16, StoreStatistics(1, 2, 3, 4, 5, 6, 7, 8, 9, {"gw-1": 8})),
     rpc.RecordList(9, [(0, b"record")]),
-    rpc.LogBytes(22, LogSpan(0, b"log", 3, 3, 0)),
+    rpc.LogBytes(22, LogSpan(0, 0, b"log", 3, 3, 0)),
 ]
 
 
