@@ -21,6 +21,12 @@ class Receiver:
         self._poller = poller
         self.pause_after = pause_after
         self._fail_on = fail_on
+        self._arrived = trio.Event()
+
+    async def wait_reads(self, count: int) -> None:
+        """Return once ``count`` reads were handed over."""
+        while len(self.reads) < count:
+            await self._arrived.wait()
 
     def paused(self) -> bool:
         return bool(self.pause_after) and len(self.reads) >= self.pause_after
@@ -29,6 +35,8 @@ class Receiver:
         if self._fail_on and data == self._fail_on:
             raise RuntimeError("a bug in the connection")
         self.reads.append((data, self._poller is not None and self._poller.round is not None))
+        self._arrived.set()
+        self._arrived = trio.Event()
         return bool(data)
 
     def receive_failed(self, exc: Exception) -> None:
@@ -55,7 +63,7 @@ async def test_a_polled_socket_is_read_in_the_pollers_rounds_until_its_receiver_
             client.send(b"first")
             with trio.fail_after(5):
                 assert await transport.read(receiver) is True  # paused: call again once it resumes
-            assert receiver.reads == [(b"first", True)] and len(poller) == 0  # out of the set while paused
+            assert receiver.reads == [(b"first", True)] and len(poller) == 1  # in the set while paused
             receiver.pause_after = 0
             client.send(b"second")
             client.shutdown(socket.SHUT_WR)
@@ -65,6 +73,59 @@ async def test_a_polled_socket_is_read_in_the_pollers_rounds_until_its_receiver_
             assert len(poller) == 0
             nursery.cancel_scope.cancel()
     await transport.aclose()
+
+
+async def test_bytes_sent_once_a_pause_ended_are_read_in_the_pollers_step_before_the_task_reads_again():
+    """A connection that stops pausing (its CONNECT answered) has its next bytes read in their arrival order, not
+    when its task next runs: a SUBSCRIBE sent on reading the CONNACK before another client's PUBLISH sent after
+    it (issue 31, item 6)."""
+    poller = Poller()
+    server, client = tcp_pair()
+    transport = PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(server)), poller)
+    receiver = Receiver(poller, pause_after=1)
+    with client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            client.send(b"connect")
+            with trio.fail_after(5):
+                assert await transport.read(receiver) is True  # paused
+            receiver.pause_after = 0  # the pause ends; no task reads
+            client.send(b"subscribe")
+            with trio.fail_after(5):
+                await receiver.wait_reads(2)
+            assert receiver.reads == [(b"connect", True), (b"subscribe", True)]
+            nursery.cancel_scope.cancel()
+    await transport.aclose()
+    assert len(poller) == 0
+
+
+async def test_bytes_that_arrive_during_a_pause_wait_unread_until_the_task_reads_again():
+    poller = Poller()
+    server, client = tcp_pair()
+    witness_server, witness_client = tcp_pair()
+    transport = PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(server)), poller)
+    witness_transport = PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(witness_server)), poller)
+    receiver = Receiver(poller, pause_after=1)
+    witness = Receiver(poller, pause_after=1)
+    with client, witness_client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            client.send(b"first")
+            with trio.fail_after(5):
+                assert await transport.read(receiver) is True  # paused
+            client.send(b"during")
+            witness_client.send(b"after")  # read once the poller has seen "during"
+            with trio.fail_after(5):
+                assert await witness_transport.read(witness) is True
+            assert receiver.reads == [(b"first", True)]  # the paused receiver is not handed it
+            receiver.pause_after = 0
+            nursery.start_soon(transport.read, receiver)  # the task reads again: the socket is re-armed
+            with trio.fail_after(5):
+                await receiver.wait_reads(2)
+            assert receiver.reads == [(b"first", True), (b"during", True)]
+            nursery.cancel_scope.cancel()
+    await transport.aclose()
+    await witness_transport.aclose()
 
 
 async def test_what_a_polled_read_raises_is_raised_in_the_reading_task_and_the_poller_goes_on():
