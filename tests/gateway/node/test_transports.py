@@ -52,67 +52,55 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
     return server, client
 
 
+def polled(server: socket.socket, poller: Poller) -> PolledSocket:
+    return PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(server)), poller)
+
+
+async def read_until_paused(transport: PolledSocket, receiver: Receiver, client: socket.socket, data: bytes) -> None:
+    """Send ``data`` and have the transport read it into ``receiver``, which pauses after it."""
+    client.send(data)
+    with trio.fail_after(5):
+        assert await transport.read(receiver) is True  # paused: call again once it resumes
+
+
 async def test_a_polled_socket_is_read_in_the_pollers_rounds_until_its_receiver_pauses_then_until_the_end():
+    """Once a pause ends (the CONNECT answered), the socket's next bytes are read in the poller's step, in their
+    arrival order, not when the connection's task next runs: a SUBSCRIBE sent on reading the CONNACK comes before
+    another client's PUBLISH sent after it (issue 31, item 6)."""
     poller = Poller()
     server, client = tcp_pair()
-    transport = PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(server)), poller)
+    transport = polled(server, poller)
     receiver = Receiver(poller, pause_after=1)
     with client:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
-            client.send(b"first")
-            with trio.fail_after(5):
-                assert await transport.read(receiver) is True  # paused: call again once it resumes
-            assert receiver.reads == [(b"first", True)] and len(poller) == 1  # in the set while paused
-            receiver.pause_after = 0
-            client.send(b"second")
-            client.shutdown(socket.SHUT_WR)
-            with trio.fail_after(5):
-                assert await transport.read(receiver) is False  # the end
-            assert receiver.reads[-1] == (b"", True) and b"".join(d for d, _ in receiver.reads) == b"firstsecond"
-            assert len(poller) == 0
-            nursery.cancel_scope.cancel()
-    await transport.aclose()
-
-
-async def test_bytes_sent_once_a_pause_ended_are_read_in_the_pollers_step_before_the_task_reads_again():
-    """A connection that stops pausing (its CONNECT answered) has its next bytes read in their arrival order, not
-    when its task next runs: a SUBSCRIBE sent on reading the CONNACK before another client's PUBLISH sent after
-    it (issue 31, item 6)."""
-    poller = Poller()
-    server, client = tcp_pair()
-    transport = PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(server)), poller)
-    receiver = Receiver(poller, pause_after=1)
-    with client:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(poller.run)
-            client.send(b"connect")
-            with trio.fail_after(5):
-                assert await transport.read(receiver) is True  # paused
+            await read_until_paused(transport, receiver, client, b"connect")
+            assert receiver.reads == [(b"connect", True)] and len(poller) == 1  # in the set while paused
             receiver.pause_after = 0  # the pause ends; no task reads
             client.send(b"subscribe")
             with trio.fail_after(5):
                 await receiver.wait_reads(2)
             assert receiver.reads == [(b"connect", True), (b"subscribe", True)]
+            client.shutdown(socket.SHUT_WR)
+            with trio.fail_after(5):
+                assert await transport.read(receiver) is False  # the end
+            assert receiver.reads[-1] == (b"", True) and len(poller) == 0
             nursery.cancel_scope.cancel()
     await transport.aclose()
-    assert len(poller) == 0
 
 
 async def test_bytes_that_arrive_during_a_pause_wait_unread_until_the_task_reads_again():
     poller = Poller()
     server, client = tcp_pair()
     witness_server, witness_client = tcp_pair()
-    transport = PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(server)), poller)
-    witness_transport = PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(witness_server)), poller)
+    transport = polled(server, poller)
+    witness_transport = polled(witness_server, poller)
     receiver = Receiver(poller, pause_after=1)
     witness = Receiver(poller, pause_after=1)
     with client, witness_client:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
-            client.send(b"first")
-            with trio.fail_after(5):
-                assert await transport.read(receiver) is True  # paused
+            await read_until_paused(transport, receiver, client, b"first")
             client.send(b"during")
             witness_client.send(b"after")  # read once the poller has seen "during"
             with trio.fail_after(5):
