@@ -5,8 +5,9 @@ A ``Connection`` (gateway/node/connection.py) has one read path and one write pa
 
 - ``PolledSocket``: a plain TCP socket in the node's one epoll set (gateway/node/poller.py). It is read in the
   poller's step, every read of a round handed to the connection there (the connection's own task only waits; the
-  socket stays in the set while reading is paused, so its bytes keep their place in arrival order); it is written in place while the socket takes the bytes
-  whole (no task, no switch), the rest by the connection's writer task.
+  socket stays in the set while reading is paused, so its bytes keep their place in arrival order); it is
+  written in place while the socket takes the bytes whole (no task, no switch), the rest by the connection's
+  writer task.
 - ``StreamTransport``: a TLS or WebSocket trio stream: read by the connection's task with ``receive_some``, one
   read per :meth:`Transport.read`, and written by its writer task only.
 
@@ -191,9 +192,14 @@ class PolledSocket:
         if receiver is None or receiver.closing or self._ended:
             self._stop()  # the reading task is about to leave: read nothing more
             return 0
-        if receiver.paused():
+        if receiver.paused():  # a pause that began outside a read (node work queued): the task waits for its end
             self._parked = True
+            task = self._task
+            if task is not None:
+                self._task = None
+                trio.lowlevel.reschedule(task, outcome.Value(True))
             return 0
+        self._parked = False
         data = b""
         try:
             data = os.read(self._fd, RECEIVE_BYTES)
@@ -208,7 +214,7 @@ class PolledSocket:
             except Exception as exc:  # raised again in the reading task: this connection only
                 self._failure = exc
                 self._ended = True
-        task = self._task
+        task = self._task  # after the read: closing the connection in it may have aborted the wait
         if self._ended or receiver.paused():
             self._task = None
             if self._ended:

@@ -6,6 +6,7 @@ import struct
 
 import pytest
 import trio
+import trio.testing
 
 from gateway.node.poller import Poller
 from gateway.node.transports import RECEIVE_BYTES, PolledSocket, StreamTransport
@@ -22,6 +23,7 @@ class Receiver:
         self.pause_after = pause_after
         self._fail_on = fail_on
         self._arrived = trio.Event()
+        self.held = False  # paused whatever was read (the node's work queued for the connection)
 
     async def wait_reads(self, count: int) -> None:
         """Return once ``count`` reads were handed over."""
@@ -29,7 +31,7 @@ class Receiver:
             await self._arrived.wait()
 
     def paused(self) -> bool:
-        return bool(self.pause_after) and len(self.reads) >= self.pause_after
+        return self.held or bool(self.pause_after) and len(self.reads) >= self.pause_after
 
     def received(self, data: bytes) -> bool:
         if self._fail_on and data == self._fail_on:
@@ -114,6 +116,35 @@ async def test_bytes_that_arrive_during_a_pause_wait_unread_until_the_task_reads
             nursery.cancel_scope.cancel()
     await transport.aclose()
     await witness_transport.aclose()
+
+
+async def test_a_pause_that_begins_between_reads_wakes_the_waiting_task_and_its_bytes_wait_for_the_next_read():
+    poller = Poller()
+    server, client = tcp_pair()
+    transport = polled(server, poller)
+    receiver = Receiver(poller)
+    answers = []
+
+    async def read() -> None:
+        answers.append(await transport.read(receiver))
+
+    with client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            with trio.fail_after(5):
+                async with trio.open_nursery() as reading:
+                    reading.start_soon(read)
+                    await trio.testing.wait_all_tasks_blocked()  # the task waits in read()
+                    receiver.held = True
+                    client.send(b"held")
+            assert answers == [True] and receiver.reads == []  # woken to wait for the pause's end; nothing read
+            receiver.held = False
+            nursery.start_soon(read)
+            with trio.fail_after(5):
+                await receiver.wait_reads(1)
+            assert receiver.reads == [(b"held", True)]
+            nursery.cancel_scope.cancel()
+    await transport.aclose()
 
 
 async def test_what_a_polled_read_raises_is_raised_in_the_reading_task_and_the_poller_goes_on():
