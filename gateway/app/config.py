@@ -106,7 +106,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("mqtt.max_connect_size", 128 * 1024, "largest CONNECT accepted (at most mqtt.max_packet_size): bounds what"
            " a client not yet authenticated can make the node buffer"),
     Option("mqtt.receive_maximum", 128, "inbound QoS 1/2 PUBLISHes a client may have unacknowledged (1..65535)"),
-    Option("mqtt.inflight_311", 256, "QoS 1/2 messages in flight to an MQTT 3.1.1 client before it acknowledges"
+    Option("mqtt.inflight_311", 4096, "QoS 1/2 messages in flight to an MQTT 3.1.1 client before it acknowledges"
            " (MQTT 5 clients set theirs with Receive Maximum) (1..65535)"),
     Option("mqtt.connect_timeout_s", 10.0, "close connections that send no CONNECT within this"),
     Option("mqtt.max_keepalive", 0, "longest keep alive granted to MQTT 5 clients, told as Server Keep Alive"

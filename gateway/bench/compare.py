@@ -23,6 +23,11 @@ GENERATOR_LIMIT = 0.8
 """A generator process busier than this share of a core may have set the pace instead of the broker."""
 
 
+DROPPED_MOST = 0.5
+"""A peer that lost more than this share of its messages: LightGate's ratio to it says so beside it (a rate of what
+is left after dropping most is no rate of the same work)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser, runs: int = 1) -> None:
     """The flags every gateway scenario shares."""
     parser.add_argument("--brokers", nargs="+", default=list(peers.PEERS), choices=peers.PEERS,
@@ -69,6 +74,24 @@ def ratios(results: dict[str, dict[str, Any]], get: Callable[[dict[str, Any]], f
             theirs = get(result)
             out[f"lightgate/{name}"] = round(mine / theirs, 3) if theirs else None
     return out
+
+
+def dropped(run: Any) -> str | None:
+    """"dropped N%" when a broker's ``run`` lost more than ``DROPPED_MOST`` of the messages it was sent (``lost``
+    of ``expected``); else None."""
+    lost, expected = (run.get(key) if isinstance(run, dict) else None for key in ("lost", "expected"))
+    if not isinstance(lost, (int, float)) or not isinstance(expected, (int, float)) or not expected \
+            or lost <= DROPPED_MOST * expected:
+        return None
+    return f"dropped {lost / expected:.0%}"
+
+
+def caveats(results: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """``lightgate/<peer>`` -> why LightGate's ratio to that peer is no like-for-like figure (it dropped most)."""
+    if "lightgate" not in results:
+        return {}
+    return {f"lightgate/{name}": caveat for name, result in results.items()
+            if name != "lightgate" and (caveat := dropped(result))}
 
 
 def generator_warnings(results: dict[str, dict[str, Any]]) -> list[str]:

@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "brokers": per_broker,
         "ratios": compare.ratios(per_broker, lambda r: r["delivered_per_s"]),
         "p99_ms_ratios": compare.ratios(per_broker, lambda r: r["latency_ms"].get("p99", 0.0)),
+        "caveats": compare.caveats(per_broker),
         "warnings": compare.generator_warnings(per_broker),
     }
     mine = per_broker.get("lightgate")

@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "mode": args.mode, "gateways": args.gateways},
         "brokers": per_broker,
         "ratios": ratios,
+        "caveats": compare.caveats(per_broker),
         "warnings": compare.generator_warnings(per_broker),
     }
     if "lightgate" in per_broker:

@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.bench.common import RESULTS_DIR
+from gateway.bench.compare import dropped
 from gateway.bench.peers import PEERS
 
 __all__ = ["Figure", "Row", "SCENARIOS", "add_arguments", "load", "main", "results_table", "rows", "show",
@@ -68,7 +69,8 @@ def _resumed_percent(run: dict[str, Any]) -> float | None:
 
 
 _DELIVERY = (Figure("delivered/s", _at("delivered_per_s")), Figure("lost", _at("lost")),
-             Figure("p99 ms", _at("latency_ms", "p99")))
+             Figure("p50 ms", _at("latency_ms", "p50")), Figure("p99 ms", _at("latency_ms", "p99")))
+
 
 SCENARIOS: dict[str, tuple[tuple[str | None, ...], tuple[Figure, ...]]] = {
     "fanin": (("qos0", "qos1"), _DELIVERY),
@@ -97,6 +99,7 @@ class Row:
     broker: str
     figures: dict[str, float | None]
     ratios: dict[str, float | None]  # peer -> LightGate's first figure over the peer's (LightGate rows only)
+    caveats: dict[str, str] = field(default_factory=dict)  # peer -> why its ratio is no like-for-like comparison
 
 
 def load(results_dir: Path) -> list[dict[str, Any]]:
@@ -134,11 +137,13 @@ def rows(docs: Iterable[dict[str, Any]], scenarios: Sequence[str] = ()) -> list[
             first = figures[0].label
             for name in sorted(values, key=_broker_order):
                 ratios = {}
+                caveats = {}
                 if name == "lightgate":
                     ratios = {peer: _ratio(values[name][first], theirs[first])
                               for peer, theirs in values.items() if peer != name}
+                    caveats = {peer: caveat for peer in ratios if (caveat := dropped(brokers[peer]))}
                 out.append(Row(str(doc.get("at", "")), f"{doc['bench']} {section}" if section else doc["bench"],
-                               name, values[name], ratios))
+                               name, values[name], ratios, caveats))
     return out
 
 
@@ -166,19 +171,34 @@ def results_table(table_rows: Sequence[Row]) -> Table:
         table.add_column(column, no_wrap=True)
     table.add_column("headline figures", no_wrap=True)
     for peer in peers:
-        table.add_column(f"LightGate / {peer}", justify="right")
+        table.add_column(f"LightGate / {peer}", justify="right", no_wrap=True)  # a caveat stays beside its ratio
     for row in table_rows:
         figures = "\n".join(f"{label} {_number(value)}" for label, value in row.figures.items())
-        ratios = [_number(row.ratios[p]) if p in row.ratios else "" for p in peers]
+        ratios = [_ratio_cell(row, p) if p in row.ratios else "" for p in peers]
         table.add_row(row.at[:16].replace("T", " "), row.scenario, row.broker, figures, *ratios)
     return table
+
+
+def _ratio_cell(row: Row, peer: str) -> str:
+    caveat = row.caveats.get(peer)
+    return _number(row.ratios[peer]) + (f" ({caveat})" if caveat else "")
+
+
+PIPE_WIDTH = 120
+"""Columns of the table written to a file or a pipe (which have no width: rich assumes 80, where a ratio and the
+caveat beside it do not fit with the figures)."""
+
+
+def _console(stderr: bool = False) -> Console:
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=PIPE_WIDTH)
 
 
 def show(doc: dict[str, Any]) -> None:
     """Print the table of one run of a broker scenario to stderr (stdout keeps the one ``BENCH`` line)."""
     table_rows = rows([doc])
     if table_rows:
-        Console(stderr=True).print(results_table(table_rows))
+        _console(stderr=True).print(results_table(table_rows))
 
 
 def write_charts(table_rows: Sequence[Row], charts_dir: Path) -> list[Path]:
@@ -250,7 +270,7 @@ def main(args: argparse.Namespace) -> int:
     if not table_rows:
         print(f"bench report: no broker benchmark results in {args.results}", file=sys.stderr)
         return 1
-    Console().print(results_table(table_rows))
+    _console().print(results_table(table_rows))
     for path in write_charts(table_rows, args.charts):
         print(f"bench report: wrote {path}")
     return 0

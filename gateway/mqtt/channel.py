@@ -124,7 +124,14 @@ class ChannelConfig:
     User Property bounds (``max_user_properties``, ``max_user_property_bytes``
     per property block; 0 = none: ``repeat_limit``). ``receive_maximum`` bounds inbound QoS 1/2 messages awaiting
     acknowledgement; ``default_receive_maximum`` is the outbound window of
-    3.1.1 clients (which cannot say), ``max_inflight`` caps any client's.
+    3.1.1 clients (which cannot say), ``max_inflight`` caps any client's. A
+    subscriber's acknowledgements are read once per read round of the node
+    (gateway/node/poller.py, in arrival order), so its window must hold what
+    a round stores for it: at 256 a 50-publisher QoS 1 fan-in delivered
+    8-20k/s seconds behind 40k/s of publishes; 4096 (more than 50 publishers'
+    windows of 64) keeps up (docs/benchmarks.md). It costs memory only while
+    a subscriber lags, as unacknowledged entries; a persistent session has at
+    most ``LANE_PIDS`` of one subscription in flight (gateway/mqtt/session.py).
     ``max_keepalive`` None honours any keep alive; otherwise an MQTT 5 client
     asking for more (or for none, 0) is told this value as Server Keep Alive.
     ``reason_strings`` adds the error's text as Reason String to the CONNACKs
@@ -146,8 +153,8 @@ class ChannelConfig:
     max_packet_size: int = 1024 * 1024 + 1024
     max_connect_size: int = 128 * 1024
     receive_maximum: int = 128
-    default_receive_maximum: int = 256
-    max_inflight: int = 1024
+    default_receive_maximum: int = 4096
+    max_inflight: int = 4096
     topic_alias_maximum: int = 64
     max_keepalive: int | None = None
     max_session_expiry_s: int = 7 * 24 * 3600

@@ -89,8 +89,8 @@ _NO_OFFSET = -1  # the "offset" of an in-flight retained message: not in a queue
 
 LANE_PIDS = 512
 """Packet ids per lane (see the module docstring): also the most messages of one subscription in flight, and how
-far delivery may run ahead of the last saved committed offset. 512 keeps a 3.1.1 window (256) busy while a save
-made halfway through the lane is written, and leaves room for ``LANES`` lanes."""
+far delivery may run ahead of the last saved committed offset, whatever the client's window. 512 keeps a
+subscription busy while a save made halfway through the lane is written, and leaves room for ``LANES`` lanes."""
 
 LANES = MAX_UINT16 // LANE_PIDS
 """Lanes 1..127 use ids 512..65535; ids 1..511 are the pool of retained and shared deliveries."""

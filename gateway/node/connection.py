@@ -538,8 +538,9 @@ class Connection:
         """The reader: the transport hands each read to :meth:`received`; return when the connection ends.
 
         A plain TCP socket is read by the node's ``Poller`` (gateway/node/poller.py) in its own step while this
-        task waits in ``Transport.read``, and is out of the poller's set while reading is paused; TLS and WebSocket
-        streams are read by this task (gateway/node/transports.py).
+        task waits in ``Transport.read``; it stays in the poller's set while reading is paused: bytes that arrive once
+        the pause ended are read there in their order, even before this task runs again, those that came during the
+        pause when it does (gateway/node/transports.py). TLS and WebSocket streams are read by this task.
 
         Raises:
             Exception: what processing a read raised (a bug: it ends this connection only).

@@ -68,6 +68,9 @@ HANG_UP = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
 a read returns nothing (the end), even after reads shorter than ``read_size``."""
 
 
+WATCH = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
+"""What the set watches a socket for: bytes and the end, edge-triggered (see "Read order")."""
+
 Events = list[tuple[int, int]]
 """Sockets as epoll reports them: (descriptor, events)."""
 
@@ -113,8 +116,14 @@ class Poller:
         ``read_size``: the most the callback reads at once; a read of that many is taken to leave bytes behind.
         A socket registered with bytes waiting is read in the next round.
         """
-        self._epoll.register(fd, select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET)
+        self._epoll.register(fd, WATCH)
         self._callbacks[fd] = (callback, read_size)
+
+    def rearm(self, fd: int) -> None:
+        """Report ``fd`` again if it has bytes now: a callback that did not read what the set reported (its
+        connection paused) asks for it once it can read."""
+        if fd in self._callbacks:
+            self._epoll.modify(fd, WATCH)
 
     def unregister(self, fd: int) -> None:
         """Stop watching ``fd``; call it before the descriptor is closed (its number is reused). Idempotent."""

@@ -4,9 +4,10 @@ A ``Connection`` (gateway/node/connection.py) has one read path and one write pa
 ``Transport``; which kind it has decides how the bytes move:
 
 - ``PolledSocket``: a plain TCP socket in the node's one epoll set (gateway/node/poller.py). It is read in the
-  poller's step, every read of a round handed to the connection there (the connection's own task only waits, and
-  the socket leaves the set while reading is paused); it is written in place while the socket takes the bytes
-  whole (no task, no switch), the rest by the connection's writer task.
+  poller's step, every read of a round handed to the connection there (the connection's own task only waits; the
+  socket stays in the set while reading is paused, so its bytes keep their place in arrival order); it is
+  written in place while the socket takes the bytes whole (no task, no switch), the rest by the connection's
+  writer task.
 - ``StreamTransport``: a TLS or WebSocket trio stream: read by the connection's task with ``receive_some``, one
   read per :meth:`Transport.read`, and written by its writer task only.
 
@@ -134,13 +135,18 @@ async def _drain(stream: trio.abc.Stream, max_bytes: int) -> None:
 class PolledSocket:
     """A plain TCP socket read in the step of the node's ``Poller`` and written in place (see the module docstring).
 
-    While :meth:`read` waits, the socket is in the poller's set and each read is handed to the receiver in the
-    poller's step; the waiting task is woken only when reading ends or pauses, with the answer of :meth:`read`. A
-    failure of the receiver is raised again in that task, so it ends this connection only. The task waits in trio
-    itself, not in a frame of ours: a frame per idle device is memory (``lightgate bench conns``).
+    The socket joins the poller's set at the first :meth:`read` and stays in it until reading ends, paused or
+    not, so the kernel queues it for the poller in the order its bytes arrive (gateway/node/poller.py). Each read
+    is handed to the receiver in the poller's step, whenever the receiver is not paused, even while the reading
+    task is away (back from a pause, the task may not have run yet: a SUBSCRIBE sent on reading the CONNACK must
+    still be read before a PUBLISH that another connection sent after it). While the receiver is paused the
+    socket is not read: the poller's report is kept (``_parked``) and the socket is re-armed when the task reads
+    again. The waiting task is woken when reading ends or pauses, with the answer of :meth:`read`; a failure of
+    the receiver is raised again in that task, so it ends this connection only. The task waits in trio itself,
+    not in a frame of ours: a frame per idle device is memory (``lightgate bench conns``).
     """
 
-    __slots__ = ("_stream", "_fd", "_poller", "_receiver", "_task", "_ended")
+    __slots__ = ("_stream", "_fd", "_poller", "_receiver", "_task", "_ended", "_failure", "_parked")
 
     accepted = None  # nothing to widen
 
@@ -148,18 +154,28 @@ class PolledSocket:
         self._stream = stream
         self._fd = stream.socket.fileno()
         self._poller = poller
-        self._receiver: Receiver | None = None  # only while read() waits: no reference cycle with the connection
+        self._receiver: Receiver | None = None  # from the first read to the end (a cycle the end breaks)
         self._task: trio.lowlevel.Task | None = None  # the task waiting in read()
         self._ended = False  # a polled read ended the connection (or failed)
+        self._failure: Exception | None = None  # what the receiver raised while no task waited
+        self._parked = False  # the poller reported bytes while the receiver was paused: not read yet
 
     def read(self, receiver: Receiver) -> Awaitable[bool]:
-        self._receiver = receiver
+        if self._receiver is None and not self._ended:
+            self._receiver = receiver
+            self._poller.register(self._fd, self._on_readable, RECEIVE_BYTES)
+        elif self._parked:
+            self._parked = False
+            self._poller.rearm(self._fd)
+        if self._ended:
+            return _answer(outcome.Value(False) if self._failure is None else outcome.Error(self._failure))
+        if receiver.paused():  # a read in the poller's step paused it while this task was away
+            return _answer(outcome.Value(True))
         self._task = trio.lowlevel.current_task()
-        self._poller.register(self._fd, self._on_readable, RECEIVE_BYTES)
         return trio.lowlevel.wait_task_rescheduled(self._abort_wait)
 
     def _stop(self) -> None:
-        """Out of the poller's set; the waiting task is leaving."""
+        """Out of the poller's set for good: reading ended."""
         self._poller.unregister(self._fd)
         self._task = None
         self._receiver = None
@@ -170,13 +186,21 @@ class PolledSocket:
 
     def _on_readable(self) -> int:
         """The poller saw bytes (or the end) on the socket: read once and hand it to the receiver, in the poller's
-        step; returns the bytes read. Wakes the reading task when reading must stop: it ended or is paused."""
+        step; returns the bytes read. Wakes the reading task, if it waits, when reading must stop: it ended or is
+        paused."""
         receiver = self._receiver
         if receiver is None or receiver.closing or self._ended:
-            self._poller.unregister(self._fd)  # the reading task is about to leave: read nothing more
+            self._stop()  # the reading task is about to leave: read nothing more
             return 0
+        if receiver.paused():  # a pause that began outside a read (node work queued): the task waits for its end
+            self._parked = True
+            task = self._task
+            if task is not None:
+                self._task = None
+                trio.lowlevel.reschedule(task, outcome.Value(True))
+            return 0
+        self._parked = False
         data = b""
-        failure: Exception | None = None
         try:
             data = os.read(self._fd, RECEIVE_BYTES)
         except BlockingIOError:
@@ -188,13 +212,16 @@ class PolledSocket:
             try:
                 self._ended = not receiver.received(data)
             except Exception as exc:  # raised again in the reading task: this connection only
-                failure = exc
+                self._failure = exc
                 self._ended = True
-        task = self._task
-        if task is not None and (self._ended or receiver.paused()):
-            self._stop()
-            trio.lowlevel.reschedule(task, outcome.Value(not self._ended) if failure is None
-                                     else outcome.Error(failure))
+        task = self._task  # after the read: closing the connection in it may have aborted the wait
+        if self._ended or receiver.paused():
+            self._task = None
+            if self._ended:
+                self._stop()
+            if task is not None:
+                trio.lowlevel.reschedule(task, outcome.Value(not self._ended) if self._failure is None
+                                         else outcome.Error(self._failure))
         return len(data)
 
     def send_nowait(self, data: bytes) -> int:
@@ -215,6 +242,7 @@ class PolledSocket:
             return False
 
     async def linger(self, max_bytes: int) -> None:
+        self._stop()  # the connection drains its input now: the poller must not read it
         try:
             await self._stream.send_eof()
         except RECEIVE_ERRORS:
@@ -222,7 +250,14 @@ class PolledSocket:
         await _drain(self._stream, max_bytes)
 
     async def aclose(self) -> None:
+        self._stop()  # before the descriptor is closed: its number is reused
         await self._stream.aclose()
+
+
+async def _answer(result: outcome.Outcome[bool]) -> bool:
+    """The answer of a :meth:`PolledSocket.read` known at once (reading ended or paused in the poller's step)."""
+    await trio.lowlevel.checkpoint()
+    return result.unwrap()
 
 
 @final

@@ -10,7 +10,7 @@ import sys
 import pytest
 from rich.console import Console
 
-from gateway.bench import churn, common, durability, history, offline_fanout, peers
+from gateway.bench import churn, common, compare, durability, history, offline_fanout, peers
 from tests.helpers.processes import ROOT
 
 BROKERS = [
@@ -171,7 +171,10 @@ def results(tmp_path):
     (directory / "2026-11-22.jsonl").write_text("\n".join([
         _churn("2026-11-22T09:00:00+00:00", 300.0, 600.0),
         _doc("fanin", "2026-11-22T09:10:00+00:00", {
-            "qos1": {"brokers": {"lightgate": {"delivered_per_s": 9000, "lost": 0, "latency_ms": {"p99": 11.0}}}}}),
+            "qos1": {"brokers": {"lightgate": {"delivered_per_s": 9000, "lost": 0, "expected": 90_000,
+                                               "latency_ms": {"p50": 4.0, "p99": 11.0}},
+                                 "mosquitto": {"delivered_per_s": 1000, "lost": 81_000, "expected": 90_000,
+                                               "latency_ms": {"p50": 30.0, "p99": 60.0}}}}}),
     ]) + "\n")
     return directory
 
@@ -197,14 +200,25 @@ def test_rows_carry_the_headline_figures_and_lightgates_ratio_to_each_peer(resul
     assert [(r.scenario, r.broker) for r in table_rows] == [
         ("churn", "lightgate"), ("churn", "mosquitto"), ("churn", "amqtt"),
         ("churn", "lightgate"), ("churn", "mosquitto"), ("churn", "amqtt"),
-        ("fanin qos1", "lightgate"),
+        ("fanin qos1", "lightgate"), ("fanin qos1", "mosquitto"),
     ]
     latest = table_rows[3]
     assert latest.figures == {"connects/s": 300.0, "resumed %": 100.0, "lost": 0}
     assert latest.ratios == {"mosquitto": 0.5, "amqtt": None}  # amqtt's 0 connects/s gives no ratio
     assert table_rows[4].ratios == {}  # ratios are LightGate's, on its own rows
-    assert table_rows[6].figures == {"delivered/s": 9000, "lost": 0, "p99 ms": 11.0}
-    assert [r.scenario for r in history.rows(history.load(results), ["fanin"])] == ["fanin qos1"]
+    assert table_rows[6].figures == {"delivered/s": 9000, "lost": 0, "p50 ms": 4.0, "p99 ms": 11.0}
+    assert [r.scenario for r in history.rows(history.load(results), ["fanin"])] == ["fanin qos1"] * 2
+
+
+def test_a_ratio_against_a_peer_that_dropped_most_of_its_messages_says_so():
+    """9x Mosquitto's delivered/s is no like-for-like figure when Mosquitto dropped 90% of the messages."""
+    lightgate = {"delivered_per_s": 9000, "lost": 0, "expected": 90_000}
+    brokers = {"lightgate": lightgate, "mosquitto": {"delivered_per_s": 1000, "lost": 81_000, "expected": 90_000},
+               "amqtt": {"delivered_per_s": 4500, "lost": 45_000, "expected": 90_000}}  # half: not most
+    assert compare.caveats(brokers) == {"lightgate/mosquitto": "dropped 90%"}
+    assert compare.caveats({"mosquitto": brokers["mosquitto"]}) == {}  # no LightGate, no ratio
+    row = history.rows([json.loads(_doc("fanin", "2026-11-22T09:10:00+00:00", {"qos1": {"brokers": brokers}}))])[0]
+    assert row.ratios == {"mosquitto": 9.0, "amqtt": 2.0} and row.caveats == {"mosquitto": "dropped 90%"}
 
 
 def test_the_table_shows_one_line_per_run_and_broker(results):
@@ -212,12 +226,13 @@ def test_the_table_shows_one_line_per_run_and_broker(results):
     console.print(history.results_table(history.rows(history.load(results))))
     lines = console.export_text().splitlines()
     starts = [n for n, line in enumerate(lines) if "churn" in line or "fanin" in line]
-    assert len(starts) == 7  # a row's first line names its scenario; its figures follow, one per line
+    assert len(starts) == 8  # a row's first line names its scenario; its figures follow, one per line
     latest = lines[starts[3]:starts[4]]
     cells = [cell.strip() for cell in latest[0].split("│")[1:-1]]
     assert cells == ["2026-11-22 09:00", "churn", "lightgate", "connects/s 300", "0.5", "-"]  # 300/600; amqtt: 0
     assert "resumed % 100" in latest[1] and "lost 0" in latest[2]
     assert "fanin qos1" in lines[starts[6]] and "delivered/s 9,000" in lines[starts[6]]
+    assert "9 (dropped 90%)" in lines[starts[6]]  # on the ratio's own line
 
 
 def test_a_run_shows_its_rows_on_stderr_and_other_benchmarks_show_nothing(capsys):

@@ -535,6 +535,44 @@ def test_311_window_is_the_configured_default():
     assert len(out) == 3
 
 
+def _all_delivered(channel: Channel, actions: list, level: int) -> list[Publish]:
+    """What ``actions`` deliver, and what each write of them lets out after (a pump hands out a turn at a time)."""
+    out = []
+    while deliveries := of(actions, Deliver):
+        out += delivered(deliveries, level)
+        actions = [a for d in deliveries for a in channel.handle_event(SocketWritten(d.seq))]
+    return out
+
+
+def test_a_311_clients_default_window_fills_in_order_and_each_puback_lets_the_next_one_out():
+    """The 3.1.1 window (``mqtt.inflight_311``) holds a fan-in read round (issue 31): at most that many QoS 1
+    messages unacknowledged, in the order stored [MQTT-4.6.0-6], then one more per PUBACK."""
+    window = ChannelConfig().default_receive_maximum
+    channel, _, _ = connect(MQTT_311)
+    subscribe(channel, ("a/b", SubscriptionOptions(qos=1)))
+    count = window + 3
+    out = _all_delivered(channel, channel.handle_event(Pulled("a/b", tuple(msg(i) for i in range(count)), count)),
+                         MQTT_311)
+    assert [p.payload for p in out] == [b"m%d" % i for i in range(window)]
+    assert len({p.packet_id for p in out}) == window and not any(p.dup for p in out)
+    more = _all_delivered(channel, channel.handle_in(Puback(out[0].packet_id)) + channel.input_done(), MQTT_311)
+    assert [p.payload for p in more] == [b"m%d" % window]
+
+
+def test_an_mqtt5_receive_maximum_above_the_311_window_is_honoured_up_to_max_inflight():
+    """[MQTT-3.3.4-9]: never more unacknowledged than the client's Receive Maximum; the server's own cap
+    (``max_inflight``) is no smaller than the 3.1.1 window, so a client that asks for that much gets it."""
+    config = ChannelConfig()
+    assert config.max_inflight >= config.default_receive_maximum
+    for asked, window in ((2000, 2000), (65535, config.max_inflight)):
+        channel, _, _ = connect(properties=Properties(receive_maximum=asked))
+        subscribe(channel, ("a/b", SubscriptionOptions(qos=1)))
+        count = window + 5
+        out = _all_delivered(channel, channel.handle_event(Pulled("a/b", tuple(msg(i) for i in range(count)),
+                                                                  count)), MQTT_5)
+        assert [p.payload for p in out] == [b"m%d" % i for i in range(window)], asked
+
+
 def test_offsets_commit_only_contiguously_and_in_batches():
     channel, _, _ = connect()
     subscribe(channel, ("a/b", SubscriptionOptions(qos=1)), starts={"a/b": 5})

@@ -84,3 +84,37 @@ def test_a_311_client_pipelining_its_publishes_behind_its_connect_gets_every_pub
             acked.append(packet.packet_id)
         sender.join()
         assert acked == list(range(1, PIPELINED + 1))
+
+
+UNACKED = 400  # more than the 3.1.1 window before issue 31 (256), less than a persistent subscription's lane (512)
+
+
+@pytest.mark.slow
+def test_a_311_subscriber_gets_its_window_unacknowledged_in_order_and_a_resumed_session_resends_it_with_dup(
+        interop_node):
+    """The 3.1.1 outbound window (``mqtt.inflight_311``) lets a subscriber hold this many QoS 1 messages
+    unacknowledged, in the order published [MQTT-4.6.0-6]; the persistent session resumed resends each of them
+    with DUP set and the same packet id, in order [MQTT-4.4.0-1], and PUBACKs for them end the flows."""
+    run = run_id()
+    topic = f"win{run}/x"
+    with raw_client(interop_node.port) as pub:
+        pub.connect(f"pub-{run}")
+        with raw_client(interop_node.port) as sub:
+            sub.connect(f"sub-{run}", clean=False)
+            sub.subscribe(topic, qos=1)
+            pub.sock.sendall(b"".join(encode(Publish(topic, str(i).encode(), 1, packet_id=i), MQTT_311)
+                                      for i in range(1, UNACKED + 1)))
+            assert [pub.receive().packet_id for _ in range(UNACKED)] == list(range(1, UNACKED + 1))
+            first = [sub.receive() for _ in range(UNACKED)]  # none acknowledged
+        assert [p.payload for p in first] == [str(i).encode() for i in range(1, UNACKED + 1)]
+        assert not any(p.dup for p in first) and len({p.packet_id for p in first}) == UNACKED
+        with raw_client(interop_node.port) as sub:
+            assert sub.connect(f"sub-{run}", clean=False).session_present
+            again = [sub.receive() for _ in range(UNACKED)]
+            assert [(p.payload, p.packet_id) for p in again] == [(p.payload, p.packet_id) for p in first]
+            assert all(p.dup for p in again)
+            sub.send(*(Puback(p.packet_id) for p in again))
+            pub.send(Publish(topic, b"after", 1, packet_id=1))
+            assert isinstance(pub.receive(), Puback)
+            last = sub.receive()
+            assert (last.payload, last.dup) == (b"after", False)  # nothing of the acknowledged ones again

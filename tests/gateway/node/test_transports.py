@@ -6,6 +6,7 @@ import struct
 
 import pytest
 import trio
+import trio.testing
 
 from gateway.node.poller import Poller
 from gateway.node.transports import RECEIVE_BYTES, PolledSocket, StreamTransport
@@ -21,14 +22,23 @@ class Receiver:
         self._poller = poller
         self.pause_after = pause_after
         self._fail_on = fail_on
+        self._arrived = trio.Event()
+        self.held = False  # paused whatever was read (the node's work queued for the connection)
+
+    async def wait_reads(self, count: int) -> None:
+        """Return once ``count`` reads were handed over."""
+        while len(self.reads) < count:
+            await self._arrived.wait()
 
     def paused(self) -> bool:
-        return bool(self.pause_after) and len(self.reads) >= self.pause_after
+        return self.held or bool(self.pause_after) and len(self.reads) >= self.pause_after
 
     def received(self, data: bytes) -> bool:
         if self._fail_on and data == self._fail_on:
             raise RuntimeError("a bug in the connection")
         self.reads.append((data, self._poller is not None and self._poller.round is not None))
+        self._arrived.set()
+        self._arrived = trio.Event()
         return bool(data)
 
     def receive_failed(self, exc: Exception) -> None:
@@ -44,25 +54,95 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
     return server, client
 
 
+def polled(server: socket.socket, poller: Poller) -> PolledSocket:
+    return PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(server)), poller)
+
+
+async def read_until_paused(transport: PolledSocket, receiver: Receiver, client: socket.socket, data: bytes) -> None:
+    """Send ``data`` and have the transport read it into ``receiver``, which pauses after it."""
+    client.send(data)
+    with trio.fail_after(5):
+        assert await transport.read(receiver) is True  # paused: call again once it resumes
+
+
 async def test_a_polled_socket_is_read_in_the_pollers_rounds_until_its_receiver_pauses_then_until_the_end():
+    """Once a pause ends (the CONNECT answered), the socket's next bytes are read in the poller's step, in their
+    arrival order, not when the connection's task next runs: a SUBSCRIBE sent on reading the CONNACK comes before
+    another client's PUBLISH sent after it (issue 31, item 6)."""
     poller = Poller()
     server, client = tcp_pair()
-    transport = PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(server)), poller)
+    transport = polled(server, poller)
     receiver = Receiver(poller, pause_after=1)
     with client:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
-            client.send(b"first")
+            await read_until_paused(transport, receiver, client, b"connect")
+            assert receiver.reads == [(b"connect", True)] and len(poller) == 1  # in the set while paused
+            receiver.pause_after = 0  # the pause ends; no task reads
+            client.send(b"subscribe")
             with trio.fail_after(5):
-                assert await transport.read(receiver) is True  # paused: call again once it resumes
-            assert receiver.reads == [(b"first", True)] and len(poller) == 0  # out of the set while paused
-            receiver.pause_after = 0
-            client.send(b"second")
+                await receiver.wait_reads(2)
+            assert receiver.reads == [(b"connect", True), (b"subscribe", True)]
             client.shutdown(socket.SHUT_WR)
             with trio.fail_after(5):
                 assert await transport.read(receiver) is False  # the end
-            assert receiver.reads[-1] == (b"", True) and b"".join(d for d, _ in receiver.reads) == b"firstsecond"
-            assert len(poller) == 0
+            assert receiver.reads[-1] == (b"", True) and len(poller) == 0
+            nursery.cancel_scope.cancel()
+    await transport.aclose()
+
+
+async def test_bytes_that_arrive_during_a_pause_wait_unread_until_the_task_reads_again():
+    poller = Poller()
+    server, client = tcp_pair()
+    witness_server, witness_client = tcp_pair()
+    transport = polled(server, poller)
+    witness_transport = polled(witness_server, poller)
+    receiver = Receiver(poller, pause_after=1)
+    witness = Receiver(poller, pause_after=1)
+    with client, witness_client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            await read_until_paused(transport, receiver, client, b"first")
+            client.send(b"during")
+            witness_client.send(b"after")  # read once the poller has seen "during"
+            with trio.fail_after(5):
+                assert await witness_transport.read(witness) is True
+            assert receiver.reads == [(b"first", True)]  # the paused receiver is not handed it
+            receiver.pause_after = 0
+            nursery.start_soon(transport.read, receiver)  # the task reads again: the socket is re-armed
+            with trio.fail_after(5):
+                await receiver.wait_reads(2)
+            assert receiver.reads == [(b"first", True), (b"during", True)]
+            nursery.cancel_scope.cancel()
+    await transport.aclose()
+    await witness_transport.aclose()
+
+
+async def test_a_pause_that_begins_between_reads_wakes_the_waiting_task_and_its_bytes_wait_for_the_next_read():
+    poller = Poller()
+    server, client = tcp_pair()
+    transport = polled(server, poller)
+    receiver = Receiver(poller)
+    answers = []
+
+    async def read() -> None:
+        answers.append(await transport.read(receiver))
+
+    with client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            with trio.fail_after(5):
+                async with trio.open_nursery() as reading:
+                    reading.start_soon(read)
+                    await trio.testing.wait_all_tasks_blocked()  # the task waits in read()
+                    receiver.held = True
+                    client.send(b"held")
+            assert answers == [True] and receiver.reads == []  # woken to wait for the pause's end; nothing read
+            receiver.held = False
+            nursery.start_soon(read)
+            with trio.fail_after(5):
+                await receiver.wait_reads(1)
+            assert receiver.reads == [(b"held", True)]
             nursery.cancel_scope.cancel()
     await transport.aclose()
 
