@@ -24,8 +24,8 @@ memory or the timers of one gateway node:
   expiry interval unless it resumes first; 0 ends it at once. Expiry ends the session in the store
   (``end_session``: state, offsets, held filters, QoS 2 flows, shared-group subscriptions).
 
-- **Restarts.** Each step of a client's lifecycle is also written to the store's client ledger
-  (store/ledger.py) before it is acknowledged (the CONNACK waits for ``open``), and ``restore`` re-arms
+- **Restarts.** Each step of a client's lifecycle is also appended as a control record of the store's client
+  ledger (store/ledger.py) before it is acknowledged (the CONNACK waits for ``written``), and ``restore`` re-arms
   everything from it when the store starts: a closed session expires at its close + its expiry (at once if that
   passed while the store was down), a pending will fires at its close + its delay (at once if past), and a session
   resumed before either cancelled them for good. A client the ledger says was connected when the store stopped
@@ -56,7 +56,8 @@ import trio
 from msgspec.structs import replace
 
 from store.api import NewMessage
-from store.ledger import ClientEntry, ClientLedger
+from store.control import ClientForgotten, Control, WillPublished
+from store.ledger import ClientEntry, entry_control
 from store.log.errors import LogFullError
 from store.log.record import now_ms
 from store.space import FULL_RETRY_S
@@ -126,7 +127,8 @@ class Leases:
         append: how a will is stored (``StoreNode.append``); raises ``LogFullError`` while the disk is full.
         end_session: how a session ends in the store (``StoreNode.end_session``); same.
         on_moved: ``on_moved(node, client_id)``: the client is not ``node``'s any more (it connected elsewhere).
-        ledger: where each client's lifecycle is kept durably for ``restore`` (None: nothing outlives the process).
+        write: how the client ledger's control records are appended (``StoreNode.append_control``; None: nothing
+            outlives the process); a write the disk refuses is logged and skipped (store/ledger.py).
     """
 
     def __init__(
@@ -137,14 +139,17 @@ class Leases:
         append: Callable[[Sequence[NewMessage]], Awaitable[object]],
         end_session: Callable[[str], Awaitable[object]],
         on_moved: Callable[[str, str], None],
-        ledger: ClientLedger | None = None,
+        write: Callable[[Sequence[Control]], Awaitable[object]] | None = None,
     ) -> None:
         self._nursery = nursery
         self.lease_s = lease_s
         self._append = append
         self._end_session = end_session
         self._on_moved = on_moved
-        self._ledger = ledger
+        self._write = write
+        self._unwritten: list[Control] = []  # ledger records not appended yet (``written``)
+        self._writing = trio.Lock()  # one append at a time, in the order the records were made
+        self._write_failing = False  # an append failed and none succeeded since: logged once
         self._closed: dict[str, ClientEntry] = {}  # client id -> its ledger entry, closed and not ended yet
         self.stalls = StallWatch()  # run by the RPC server: a stall of the store is not its nodes' silence
         self._leases: dict[str, _Lease] = {}
@@ -434,19 +439,47 @@ class Leases:
         if entry is None or entry.will is not will:  # the client connected again since, or another close
             return
         if entry.expiry_s:
-            self._closed[client_id] = entry = replace(entry, will=None)
-            self._put(client_id, entry)
+            self._closed[client_id] = replace(entry, will=None)
         else:
             del self._closed[client_id]
-            self._forget(client_id)
+        self._record(WillPublished(client_id))  # the ledger makes the same choice (store/ledger.py)
 
     def _put(self, client_id: str, entry: ClientEntry) -> None:
-        if self._ledger is not None:
-            self._ledger.put(client_id, entry)
+        self._record(entry_control(client_id, entry))
 
     def _forget(self, client_id: str) -> None:
-        if self._ledger is not None:
-            self._ledger.forget(client_id)
+        self._record(ClientForgotten(client_id))
+
+    def _record(self, control: Control) -> None:
+        """Queue a ledger record; it is appended by the next :meth:`written`, which runs soon in any case."""
+        if self._write is None:
+            return
+        if not self._unwritten:
+            self._nursery.start_soon(self.written)
+        self._unwritten.append(control)
+
+    async def written(self) -> None:
+        """Return once every ledger record made so far is appended (and durable as the flush policy promises):
+        the CONNACK of a client waits for this after ``open``. A refused append is logged once and skipped."""
+        if self._write is None:
+            await trio.lowlevel.checkpoint()
+            return
+        async with self._writing:
+            controls, self._unwritten = self._unwritten, []
+            if not controls:
+                return
+            try:
+                await self._write(controls)
+            except (OSError, ValueError) as exc:  # a full disk included: nothing else is refused for it
+                if not self._write_failing:  # a full disk is logged as an error once by the store already
+                    LOGGER.log(logging.WARNING if isinstance(exc, LogFullError) else logging.ERROR,
+                               "client ledger write failed: sessions may outlive their expiry across a restart: "
+                               "%r", exc, extra={"ctx": {"records": len(controls)}})
+                self._write_failing = True
+                return
+        if self._write_failing:
+            LOGGER.info("client ledger writes succeed again")
+            self._write_failing = False
 
     # --- timers -----------------------------------------------------------------------------
 

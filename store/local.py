@@ -12,7 +12,6 @@ admin asks are routed to it); :meth:`close` detaches it (its ``events`` and ``mo
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import final
@@ -144,34 +143,33 @@ class LocalStore:
 
     async def open_session(self, client_id: str, *, clean_start: bool, expiry_s: int,
                            will: NewMessage | None = None, will_delay_s: int = 0) -> bytes | None:
-        return await self.store.open_session(self.node, client_id, clean_start=clean_start, expiry_s=expiry_s,
-                                        will=will, will_delay_s=will_delay_s)
+        return await self.store.sessions.open_session(self.node, client_id, clean_start=clean_start,
+                                                      expiry_s=expiry_s, will=will, will_delay_s=will_delay_s)
 
     async def close_session(self, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> None:
-        await self.store.close_session(self.node, client_id, expiry_s=expiry_s, will_delay_s=will_delay_s)
+        await self.store.sessions.close_session(self.node, client_id, expiry_s=expiry_s, will_delay_s=will_delay_s)
 
     async def save_session(self, client_id: str, blob: bytes) -> None:
         # A client connected elsewhere or nowhere: only an update of a session the store still keeps.
         only_existing = self.store.leases.where(client_id) != self.node
-        if not await trio.to_thread.run_sync(functools.partial(self.store.save_session, client_id, blob,
-                                                               only_existing=only_existing)):
+        if not await self.store.sessions.save_session(client_id, blob, only_existing=only_existing):
             LOGGER.info("session save dropped: the session ended before it was written",
                         extra={"ctx": {"client_id": client_id, "node": self.node}})
 
     async def load_session(self, client_id: str) -> bytes | None:
-        return await trio.to_thread.run_sync(self.store.load_session, client_id)
+        return await self.store.sessions.load_session(client_id)
 
     async def end_session(self, client_id: str) -> bool:
-        return await self.store.end_session(client_id)
+        return await self.store.sessions.end_session(client_id)
 
     async def sessions(self) -> list[str]:
-        return await trio.to_thread.run_sync(self.store.session_ids)
+        return await self.store.sessions.session_ids()
 
     async def awaiting_release(self, client_id: str) -> dict[int, int]:
-        return await self.store.awaiting_release(client_id)
+        return await self.store.sessions.awaiting_release(client_id)
 
     async def release_awaiting(self, flows: Sequence[Flow]) -> None:
-        await self.store.release_awaiting(flows)
+        await self.store.sessions.release_awaiting(flows)
 
     async def moved(self) -> list[str]:
         return list(await self._attachment.moved.get())
