@@ -93,8 +93,8 @@ class AwaitingRelease:
     Args:
         db: the node's raw-mode Rdict (store.rocks.open_db); the family is created on first use.
 
-    ``legacy``: entries and no control checkpoint: releases written by a version before control records, which
-    the log does not hold; ``controls.restate`` them once (``open_store``).
+    ``legacy``: records applied and no control checkpoint: releases written by a version before control records,
+    which the log does not hold; ``controls.restate`` them once (``open_store``).
 
     Concurrency: the dispatcher's thread applies records; lookups may come from any thread (one lock).
 
@@ -120,7 +120,7 @@ class AwaitingRelease:
             (pid,) = _PID.unpack_from(key, 2 + length)
             offset, released = _VALUE.unpack(value)
             self._entries.setdefault(key[2 : 2 + length].decode(), {})[pid] = (offset, bool(released))
-        self.legacy = controls is None and bool(self._entries)
+        self.legacy = controls is None and self._checkpoint > 0
         self.controls = AwaitingControls(self, controls or 0)
 
     @property
@@ -158,15 +158,17 @@ class AwaitingRelease:
             self._checkpoint = max(checkpoint, next_log_offset)
         return marked
 
-    def _mark(self, flows: Iterable[Flow], *, released: bool) -> tuple[rocksdict.WriteBatch, int]:
-        """Mark ``flows`` awaiting (a record, or its restatement) or released, each unless its entry holds a later
-        offset (or, awaiting, the same one); the batch of the changes, to write, and how many. Holds the lock."""
+    def _mark(self, flows: Iterable[Flow], *, released: bool, stated: bool = False) -> tuple[rocksdict.WriteBatch, int]:
+        """Mark ``flows`` awaiting (a record) or released, each unless its entry holds a later offset (or, awaiting,
+        the same one, unless ``stated``: a restatement says it awaits); the batch of the changes, to write, and how
+        many. Holds the lock."""
         batch = rocksdict.WriteBatch(raw_mode=True)
         marked = 0
         for client, pid, offset in flows:
             entries = self._entries.setdefault(client, {})
             current = entries.get(pid)
-            if current is not None and (current[0] > offset or (current[0] == offset and not released)):
+            if current is not None and (current[0] > offset or (current[0] == offset and not released
+                                                                 and not stated)):
                 continue
             entries[pid] = (offset, released)
             batch.put(_key(client, pid), _VALUE.pack(offset, int(released)), self._handle)
@@ -227,11 +229,22 @@ class AwaitingRelease:
         self.mark(flows, released=True)
 
     def mark(self, flows: Sequence[Flow], *, released: bool) -> None:
-        """Mark flows as a record, a release or their restatement says (``_mark``), and write the changes."""
+        """Mark flows as a record or a release says (``_mark``), and write the changes."""
         with self._lock:
             batch, _ = self._mark(flows, released=released)
             if not batch.is_empty():
                 self._db.write(batch, _NO_WAL)
+
+    def restated(self, flows: Sequence[Flow], settled_below: int) -> None:
+        """A ``FlowsAwaiting`` record: every flow below ``settled_below`` is released, then ``flows`` await."""
+        with self._lock:
+            settled = [(client, pid, offset) for client, entries in self._entries.items()
+                       for pid, (offset, released) in entries.items() if not released and offset < settled_below]
+            batch, _ = self._mark(settled, released=True)
+            stated, _ = self._mark(flows, released=False, stated=True)
+            for write in (batch, stated):
+                if not write.is_empty():
+                    self._db.write(write, _NO_WAL)
 
     def drop(self, client_id: str, before: int = 1 << 63) -> bool:
         """Release every flow of the client whose record lies below CommitLog offset ``before`` (its session ended
@@ -244,14 +257,15 @@ class AwaitingRelease:
             self.release(flows)
         return bool(flows)
 
-    def restate(self) -> Iterator[Control]:
-        """Every entry as a record that makes it again: the flows awaiting release, and the releases kept."""
+    def restate(self) -> Iterator[FlowsAwaiting]:
+        """The flows as records that make them again: every QoS 2 record applied so far is settled (released)
+        except the flows awaiting release, listed (in records of at most ``RESTATE_FLOWS``; the first settles)."""
         with self._lock:
             awaiting = [(c, pid, o) for c, entries in self._entries.items() for pid, (o, r) in entries.items() if not r]
-            released = [(c, pid, o) for c, entries in self._entries.items() for pid, (o, r) in entries.items() if r]
-        for flows, kind in ((awaiting, FlowsAwaiting), (released, FlowsReleased)):
-            for start in range(0, len(flows), RESTATE_FLOWS):
-                yield kind(flows[start : start + RESTATE_FLOWS])
+            settled_below = self._checkpoint
+        yield FlowsAwaiting(awaiting[:RESTATE_FLOWS], settled_below)
+        for start in range(RESTATE_FLOWS, len(awaiting), RESTATE_FLOWS):
+            yield FlowsAwaiting(awaiting[start : start + RESTATE_FLOWS])
 
     def write_checkpoint(self, key: bytes, offset: int) -> None:
         """Write a checkpoint (no WAL: the next :meth:`flush` persists it)."""
@@ -283,7 +297,7 @@ class AwaitingControls:
         elif isinstance(control, SessionEnded):
             state.drop(control.client, record.offset)
         elif isinstance(control, FlowsAwaiting):
-            state.mark(control.flows, released=False)
+            state.restated(control.flows, control.settled_below)
 
     def flush(self, offset: int) -> None:
         self._state.write_checkpoint(CONTROLS_KEY, offset)

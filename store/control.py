@@ -90,10 +90,13 @@ class FlowsReleased(msgspec.Struct, frozen=True, array_like=True, tag="flows_rel
 
 
 class FlowsAwaiting(msgspec.Struct, frozen=True, array_like=True, tag="flows_awaiting"):
-    """Inbound QoS 2 flows stored and awaiting PUBREL, as their message records said (``(client id, packet id,
-    CommitLog offset of the record)``): restated before retention deletes those records."""
+    """The inbound QoS 2 flows as the store knows them (restated: before retention deletes the records that made
+    them, and over data of a version without control records): every flow whose record lies below
+    ``settled_below`` is released, then ``flows`` (``(client id, packet id, CommitLog offset of the record)``)
+    await PUBREL."""
 
     flows: list[tuple[str, int, int]]
+    settled_below: int = 0
 
 
 class ClientConnected(msgspec.Struct, frozen=True, array_like=True, tag="client_connected"):
