@@ -82,9 +82,11 @@ class StoreNode:
         self.awaiting = awaiting  # inbound QoS 2 flows awaiting PUBREL, kept up to date by the dispatcher
         self.router = NotifyRouter()
         self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
-        self.sessions = Sessions(self, blobs, nursery, lease_s)  # the client-keyed part (store/sessions.py)
-        self.leases = self.sessions.leases
         self.groups = GroupCoordinator(self, self._poke)
+        self.sessions = Sessions(  # the client-keyed part (store/sessions.py)
+            blobs, awaiting, log.log, dispatcher, self.groups, append=self.append, append_control=self.append_control,
+            delete_owner=self._delete_owner, on_moved=self.moved, nursery=nursery, lease_s=lease_s)
+        self.leases = self.sessions.leases
 
     @property
     def disk_full(self) -> bool:

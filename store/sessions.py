@@ -14,21 +14,22 @@ releases (``FlowsReleased``, appended and fsynced before the PUBCOMP) in store/a
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, final
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import final
 
 import rocksdict
 import trio
 
 from store.api import Flow, NewMessage
+from store.awaiting import AwaitingRelease
 from store.control import Control, FlowsReleased, SessionEnded, SessionSaved
 from store.derived import DerivedFamily
+from store.dispatch import Dispatcher
+from store.groups import GroupCoordinator
 from store.leases import Leases
+from store.log.commitlog import CommitLog
 from store.log.errors import LogFullError
 from store.log.record import Record
-
-if TYPE_CHECKING:
-    from store.node import StoreNode
 
 __all__ = ["SESSIONS_FAMILY", "SessionBlobs", "Sessions"]
 
@@ -99,17 +100,29 @@ class Sessions:
     """The sessions of a store node's clients: ``StoreApi``'s session calls for the attached nodes.
 
     Args:
-        node: the store node whose log, dispatch and light queues the sessions use.
         blobs: the derived session blobs.
-        nursery: where the leases' timers run.
-        lease_s: how long a cluster gateway's lease outlives its last frame (store/leases.py).
+        awaiting: the inbound QoS 2 flows, derived by dispatch.
+        log, dispatcher: the node's CommitLog and dispatcher (a read waits for dispatch to pass the log's end).
+        groups: the node's consumer groups (an ended session leaves its shared subscriptions).
+        append: ``StoreNode.append`` (wills); append_control: ``StoreNode.append_control``.
+        delete_owner: deletes an owner's offsets and held filters; True if it had any.
+        on_moved, nursery, lease_s: as ``Leases`` (store/leases.py).
     """
 
-    def __init__(self, node: StoreNode, blobs: SessionBlobs, nursery: trio.Nursery, lease_s: float) -> None:
-        self._node = node
+    def __init__(self, blobs: SessionBlobs, awaiting: AwaitingRelease, log: CommitLog, dispatcher: Dispatcher,
+                 groups: GroupCoordinator, *, append: Callable[[Sequence[NewMessage]], Awaitable[object]],
+                 append_control: Callable[..., Awaitable[int]], delete_owner: Callable[[str], bool],
+                 on_moved: Callable[[str, str], None], nursery: trio.Nursery, lease_s: float) -> None:
         self.blobs = blobs
-        self.leases = Leases(nursery, lease_s, append=node.append, end_session=self._end_session,
-                             on_moved=node.moved, write=node.append_control)
+        self._awaiting = awaiting
+        self._log = log
+        self._dispatcher = dispatcher
+        self._groups = groups
+        self._append = append
+        self._append_control = append_control
+        self._delete_owner = delete_owner
+        self.leases = Leases(nursery, lease_s, append=append, end_session=self._end_session, on_moved=on_moved,
+                             write=append_control)
 
     async def open_session(self, node: str, client_id: str, *, clean_start: bool, expiry_s: int,
                            will: NewMessage | None, will_delay_s: int) -> bytes | None:
@@ -153,7 +166,7 @@ class Sessions:
 
     async def _publish_due(self, client_id: str, will: NewMessage) -> None:
         try:
-            await self._node.append([will])
+            await self._append([will])
         except (OSError, ValueError) as exc:  # a full disk included: the session's end must not wait for room
             LOGGER.error("will not published: %r", exc, extra={"ctx": {"client_id": client_id}})
         else:
@@ -163,16 +176,15 @@ class Sessions:
         """Forget a session: one ``SessionEnded`` record for its blob and its inbound QoS 2 flows (refused on a full
         disk: ``LogFullError``, and the session stays whole), then its shared subscriptions, its offsets and held
         filters. True if anything of it was stored. A session with no blob and no flow writes no record."""
-        node = self._node
-        await node.dispatcher.wait_dispatched(node.log.log.written_offset)
-        existed = bool(node.awaiting.awaiting(client_id))
+        await self._dispatcher.wait_dispatched(self._log.written_offset)
+        existed = bool(self._awaiting.awaiting(client_id))
         if not existed:
             existed = await trio.to_thread.run_sync(self.blobs.get, client_id) is not None
         if existed:
-            await node.append_control([SessionEnded(client_id)])
-        await node.groups.drop_subscriber(client_id)
+            await self._append_control([SessionEnded(client_id)])
+        await self._groups.drop_subscriber(client_id)
         # Offsets and held filters: the light queues' applier of SessionEnded takes this over (branch queues).
-        return await trio.to_thread.run_sync(node._delete_owner, client_id) or existed
+        return await trio.to_thread.run_sync(self._delete_owner, client_id) or existed
 
     async def save_session(self, client_id: str, blob: bytes, *, only_existing: bool = False) -> bool:
         """Keep a session blob (a ``SessionSaved`` record): durable as the flush policy promises (under ``sync`` a
@@ -188,7 +200,7 @@ class Sessions:
         """
         if only_existing and await trio.to_thread.run_sync(self.blobs.get, client_id) is None:
             return False
-        await self._node.append_control([SessionSaved(client_id, blob, only_existing)])
+        await self._append_control([SessionSaved(client_id, blob, only_existing)])
         return True
 
     async def load_session(self, client_id: str) -> bytes | None:
@@ -202,9 +214,8 @@ class Sessions:
     async def awaiting_release(self, client_id: str) -> dict[int, int]:
         """``{packet id: CommitLog offset}`` of the client's inbound QoS 2 messages stored and not released,
         once dispatch has passed everything appended before the call."""
-        node = self._node
-        await node.dispatcher.wait_dispatched(node.log.log.written_offset)
-        return node.awaiting.awaiting(client_id)
+        await self._dispatcher.wait_dispatched(self._log.written_offset)
+        return self._awaiting.awaiting(client_id)
 
     async def release_awaiting(self, flows: Sequence[Flow]) -> None:
         """Mark inbound QoS 2 flows released in one ``FlowsReleased`` record, fsynced under every flush policy: their
@@ -216,4 +227,4 @@ class Sessions:
         """
         if not all(1 <= pid <= 0xFFFF for _, pid, _ in flows):
             raise ValueError("packet ids are 1..65535")
-        await self._node.append_control([FlowsReleased([tuple(flow) for flow in flows])], durable=True)
+        await self._append_control([FlowsReleased([tuple(flow) for flow in flows])], durable=True)
