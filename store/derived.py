@@ -19,7 +19,7 @@ import rocksdict
 
 from store.rocks import open_family
 
-__all__ = ["CHECKPOINT_KEY", "DerivedFamily"]
+__all__ = ["CHECKPOINT_KEY", "DerivedApplier", "DerivedFamily"]
 
 CHECKPOINT_KEY = b"\xff"
 
@@ -93,6 +93,32 @@ class DerivedFamily:
         self.flush(0)
         self.applied_end = 0
         return True
+
+    def close(self) -> None:
+        self._family.close()
+
+
+class DerivedApplier:
+    """What a ``ControlApplier`` that keeps one ``DerivedFamily`` (``name``) does the same as every other: its
+    checkpoint, flush, rewind and close; ``legacy`` as the family's. Subclasses apply and restate."""
+
+    def __init__(self, db: rocksdict.Rdict, name: str) -> None:
+        self._family = DerivedFamily(db, name)
+
+    @property
+    def checkpoint(self) -> int:
+        return self._family.checkpoint
+
+    @property
+    def legacy(self) -> bool:
+        """Entries written before control records existed: the applier's ``restate`` makes them records once."""
+        return self._family.legacy
+
+    def flush(self, offset: int) -> None:
+        self._family.flush(offset)
+
+    def rewind(self, log_end: int) -> None:
+        self._family.rewind(log_end)
 
     def close(self) -> None:
         self._family.close()

@@ -35,7 +35,7 @@ from msgspec.structs import replace
 
 from store.api import NewMessage
 from store.control import ClientClosed, ClientConnected, ClientForgotten, Control, WillPublished
-from store.derived import DerivedFamily
+from store.derived import DerivedApplier
 from store.log.record import Record
 
 __all__ = ["LEDGER_FAMILY", "ClientEntry", "ClientLedger", "entry_control"]
@@ -68,7 +68,7 @@ _DECODER = msgspec.msgpack.Decoder(ClientEntry)
 
 
 @final
-class ClientLedger:
+class ClientLedger(DerivedApplier):
     """The ``clients`` column family, derived from the client control records (a ``ControlApplier``).
 
     Concurrency: dispatch applies in its thread; :meth:`entries` runs at start, before dispatch does.
@@ -77,16 +77,7 @@ class ClientLedger:
     """
 
     def __init__(self, db: rocksdict.Rdict) -> None:
-        self._family = DerivedFamily(db, LEDGER_FAMILY)
-
-    @property
-    def checkpoint(self) -> int:
-        return self._family.checkpoint
-
-    @property
-    def legacy(self) -> bool:
-        """Entries written before control records existed: :meth:`restate` them once."""
-        return self._family.legacy
+        super().__init__(db, LEDGER_FAMILY)
 
     def apply(self, record: Record, control: Control) -> None:
         family = self._family
@@ -114,12 +105,6 @@ class ClientLedger:
         raw = self._family.get(client_id)
         return _DECODER.decode(raw) if raw is not None else None
 
-    def flush(self, offset: int) -> None:
-        self._family.flush(offset)
-
-    def rewind(self, log_end: int) -> None:
-        self._family.rewind(log_end)
-
     def restate(self) -> Iterable[Control]:
         """Every client's entry, as the record that makes it."""
         return [entry_control(client_id, entry) for client_id, entry in self.entries().items()]
@@ -134,6 +119,3 @@ class ClientLedger:
                 LOGGER.warning("client ledger entry unreadable: skipped (its session is kept, without expiry): %s",
                                exc, extra={"ctx": {"client_id": client_id}})
         return found
-
-    def close(self) -> None:
-        self._family.close()

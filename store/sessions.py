@@ -23,7 +23,7 @@ import trio
 from store.api import Flow, NewMessage
 from store.awaiting import AwaitingRelease
 from store.control import Control, FlowsReleased, SessionEnded, SessionSaved
-from store.derived import DerivedFamily
+from store.derived import DerivedApplier
 from store.dispatch import Dispatcher
 from store.groups import GroupCoordinator
 from store.leases import Leases
@@ -40,7 +40,7 @@ SESSIONS_FAMILY = "sessions"
 
 
 @final
-class SessionBlobs:
+class SessionBlobs(DerivedApplier):
     """The ``sessions`` column family (client id -> blob), derived from ``SessionSaved`` and ``SessionEnded``
     records: a ``ControlApplier``.
 
@@ -48,16 +48,7 @@ class SessionBlobs:
     """
 
     def __init__(self, db: rocksdict.Rdict) -> None:
-        self._family = DerivedFamily(db, SESSIONS_FAMILY)
-
-    @property
-    def checkpoint(self) -> int:
-        return self._family.checkpoint
-
-    @property
-    def legacy(self) -> bool:
-        """Blobs saved before control records existed: :meth:`restate` them once."""
-        return self._family.legacy
+        super().__init__(db, SESSIONS_FAMILY)
 
     def apply(self, record: Record, control: Control) -> None:
         family = self._family
@@ -68,12 +59,6 @@ class SessionBlobs:
                 family.put(control.client, control.blob, record.offset)
         elif isinstance(control, SessionEnded):
             family.delete(control.client, record.offset)
-
-    def flush(self, offset: int) -> None:
-        self._family.flush(offset)
-
-    def rewind(self, log_end: int) -> None:
-        self._family.rewind(log_end)
 
     def restate(self) -> Iterable[Control]:
         """Every blob, as the save that makes it (blocking: a scan of the family)."""
@@ -91,8 +76,6 @@ class SessionBlobs:
         """The client ids of the stored blobs (blocking: a scan of the keys)."""
         return list(self._family.keys())
 
-    def close(self) -> None:
-        self._family.close()
 
 
 @final
