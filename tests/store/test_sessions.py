@@ -204,3 +204,25 @@ def test_a_power_loss_under_sync_loses_no_acknowledged_save(tmp_path):
     lose_unflushed_tail(tmp_path / "commitlog")  # the log as a power loss leaves it: RocksDB as the kill left it
     assert trio.run(loaded, tmp_path, "sync") == {"applied": b"applied", "pending": b"pending"}
     assert derived(tmp_path)["clients"].keys() == {"applied", "pending"}  # connected before their CONNACKs
+
+
+def test_a_rewind_past_an_applied_record_forgets_the_family_until_the_log_is_applied_again(tmp_path):
+    """A follower's log cut below records it applied (``ControlApplier.rewind``): a family that keeps no history
+    starts again from the log's first record, and dispatch derives it again from what the log still holds."""
+    trio.run(lifecycle, tmp_path)
+    before = derived(tmp_path)
+    db = open_db(tmp_path / "index")
+    blobs = SessionBlobs(db)
+    with CommitLog.open(tmp_path / "commitlog", CommitLogConfig()) as log:
+        records = [r for r in log.scan(log.min_offset, 1 << 30).records if r.control]
+    last = records[-1]
+    blobs.rewind(last.offset + last.size)  # nothing applied at or past the end: kept
+    assert blobs.checkpoint and dict(blobs.items()) == before["sessions"]
+    blobs.apply(last, decode_control(last))
+    blobs.rewind(last.offset)  # the last record applied is past the new end
+    assert blobs.checkpoint == 0 and dict(blobs.items()) == {}
+    for record in records:
+        blobs.apply(record, decode_control(record))
+    assert dict(blobs.items()) == before["sessions"]
+    blobs.close()
+    db.close()
