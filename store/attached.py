@@ -1,9 +1,10 @@
 """A gateway node attached to the store: what is routed to it (its events, its clients that moved away) and the
-admin calls the store forwards to it about its clients (``StoreNode.attach``)."""
+admin calls the store forwards to it about its clients (``StoreNode.attach``, ``admin_call``, ``admin_call_all``)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from itertools import count
 from typing import final
 
@@ -12,7 +13,7 @@ import trio
 from notify import EventMailbox
 from store.api import AdminOp
 
-__all__ = ["ADMIN_TIMEOUT_S", "Attachment"]
+__all__ = ["ADMIN_TIMEOUT_S", "Attachment", "admin_call", "admin_call_all"]
 
 
 @final
@@ -83,3 +84,43 @@ class _Ask:
 ADMIN_TIMEOUT_S = 20.0
 """How long an admin call waits for the answer of the node a client is connected to (a disconnect waits up to
 15 s for the client's connection to close)."""
+
+
+async def admin_call(attached: Mapping[str, Attachment], owner: str | None, node: str, client_id: str,
+                     op: AdminOp) -> bytes | None:
+    """Run admin ``op`` on ``owner``, the node ``client_id`` is connected to (``Leases.where``), for ``node``'s admin
+    API; None when it is present on no other attached node (``node`` answers from what it has).
+
+    Raises:
+        OSError: that node did not answer in time, or went away.
+    """
+    attachment = attached.get(owner) if owner is not None and owner != node else None
+    if attachment is None:
+        await trio.lowlevel.checkpoint()
+        return None
+    return await attachment.ask(client_id, op)
+
+
+async def admin_call_all(attached: Mapping[str, Attachment], nodes: Iterable[str], node: str, op: AdminOp,
+                         query: bytes) -> tuple[dict[str, bytes], list[str]]:
+    """Run list ``op`` at once on every other attached node of ``nodes`` (those with clients:
+    ``Leases.nodes_with_clients``), for ``node``'s admin API: (the answers by node name, the nodes that did not
+    answer in time or went away)."""
+    answers: dict[str, bytes] = {}
+    missing: list[str] = []
+
+    async def ask(name: str, attachment: Attachment) -> None:
+        try:
+            answer = await attachment.ask("", op, query)
+        except OSError:
+            missing.append(name)
+            return
+        if answer is not None:
+            answers[name] = answer
+
+    async with trio.open_nursery() as nursery:
+        for name in sorted(set(nodes) - {node}):
+            attachment = attached.get(name)
+            if attachment is not None:
+                nursery.start_soon(ask, name, attachment)
+    return answers, sorted(missing)

@@ -19,6 +19,7 @@ from typing import final
 import trio
 
 from store.api import AdminOp, Flow, LogSpan, NewMessage, PullRequest, PullResult, StoreStatistics
+from store.attached import admin_call, admin_call_all
 from store.groups import Member
 from store.log.record import Record, decode_record
 from store.node import StoreNode, decode
@@ -180,10 +181,12 @@ class LocalStore:
     # --- administration across nodes -------------------------------------------------------
 
     async def admin_call(self, client_id: str, op: AdminOp) -> bytes | None:
-        return await self.store.admin_call(self.node, client_id, op)
+        store = self.store
+        return await admin_call(store.attached, store.leases.where(client_id), self.node, client_id, op)
 
     async def admin_call_all(self, op: AdminOp, query: bytes) -> tuple[dict[str, bytes], list[str]]:
-        return await self.store.admin_call_all(self.node, op, query)
+        store = self.store
+        return await admin_call_all(store.attached, store.leases.nodes_with_clients(), self.node, op, query)
 
     async def admin_asks(self) -> tuple[int, str, AdminOp, bytes]:
         return await self._attachment.asks.receive()

@@ -17,8 +17,8 @@ Nodes attach to it (``attach``): the embedded gateway as ``"local"``, each RPC
 connection under its node's name. After each dispatch batch the node routes
 ``{queue: max offset}`` through its ``NotifyRouter`` to the mailbox of every
 attached node with a session on the queue; it also tells a node which of its
-clients moved away, and forwards admin calls about a client to the node it is
-connected to.
+clients moved away (store/attached.py, where admin calls about a client are forwarded to the node it is
+connected to).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import trio
 from lightqueue.queues import LightQueues, PullResult
 from notify import NotifyRouter
 from retain.store import RetainedStore
-from store.api import AdminOp, LogSpan, NewMessage, StoreStatistics
-from store.attached import ADMIN_TIMEOUT_S, Attachment
+from store.api import LogSpan, NewMessage, StoreStatistics
+from store.attached import Attachment
 from store.awaiting import AwaitingRelease
 from store.control import ClientClosed, Control, SessionSaved, encode_all
 from store.dispatch import MAX_LAG, SCAN_BYTES, Dispatcher, Listener
@@ -55,8 +55,7 @@ from store.usage import process_usage
 
 LOGGER = logging.getLogger(__name__)
 
-__all__ = ["ADMIN_TIMEOUT_S", "Attachment", "SessionExpiry", "SessionFixer", "StoreNode", "decode", "open_store",
-           "raw"]
+__all__ = ["SessionExpiry", "SessionFixer", "StoreNode", "decode", "open_store", "raw"]
 
 
 @final
@@ -133,42 +132,6 @@ class StoreNode:
         attachment = self.attached.get(node)
         if attachment is not None:
             attachment.moved.post({client_id: 0})
-
-    async def admin_call(self, node: str, client_id: str, op: AdminOp) -> bytes | None:
-        """Run admin ``op`` on the node ``client_id`` is connected to, for ``node``'s admin API; None when it is
-        present on no other attached node (``node`` answers from what it has).
-
-        Raises:
-            OSError: that node did not answer in time, or went away.
-        """
-        owner = self.leases.where(client_id)
-        attachment = self.attached.get(owner) if owner is not None and owner != node else None
-        if attachment is None:
-            await trio.lowlevel.checkpoint()
-            return None
-        return await attachment.ask(client_id, op)
-
-    async def admin_call_all(self, node: str, op: AdminOp, query: bytes) -> tuple[dict[str, bytes], list[str]]:
-        """Run list ``op`` at once on every other attached node that has clients, for ``node``'s admin API:
-        (the answers by node name, the nodes that did not answer in time or went away)."""
-        answers: dict[str, bytes] = {}
-        missing: list[str] = []
-
-        async def ask(name: str, attachment: Attachment) -> None:
-            try:
-                answer = await attachment.ask("", op, query)
-            except OSError:
-                missing.append(name)
-                return
-            if answer is not None:
-                answers[name] = answer
-
-        async with trio.open_nursery() as nursery:
-            for name in sorted(self.leases.nodes_with_clients() - {node}):
-                attachment = self.attached.get(name)
-                if attachment is not None:
-                    nursery.start_soon(ask, name, attachment)
-        return answers, sorted(missing)
 
     # --- appends ----------------------------------------------------------------------------
 
