@@ -260,6 +260,7 @@ class Leases:
                         extra={"ctx": ctx})
         else:
             LOGGER.warning("gateway node lease ended", extra={"ctx": ctx})
+        self._write_soon()
 
     async def _drop_unclaimed(self, node: str, lease: _Lease) -> None:
         """The restored clients an adopting node has not registered again ``lease_s`` after its Hello (it sends
@@ -276,6 +277,7 @@ class Leases:
             wills += self._gone(client_id, client)
         LOGGER.info("clients not registered again by their gateway are gone: their wills and expiry run from now",
                     extra={"ctx": {"node": node, "clients": len(gone), "wills": wills}})
+        await self.written()
 
     def _gone(self, client_id: str, client: _Client) -> bool:
         """A client's connection is gone without a close the store heard (its node's lease ended): its will goes
@@ -331,6 +333,7 @@ class Leases:
             self._leave(client_id, previous)
         self._resumed(client_id)  # an expiry armed at the start (its entry said closed) is off: it is connected
         self._present(node, client_id, self._keep_connected(client_id, _Client(node, expiry_s, will, will_delay_s)))
+        self._write_soon()
 
     def close(self, node: str, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> bool:
         """The client's connection on ``node`` closed: start its will's delay (None: drop the will) and its
@@ -451,12 +454,16 @@ class Leases:
         self._record(ClientForgotten(client_id))
 
     def _record(self, control: Control) -> None:
-        """Queue a ledger record; it is appended by the next :meth:`written`, which runs soon in any case."""
-        if self._write is None:
-            return
-        if not self._unwritten:
+        """Queue a ledger record for the next :meth:`written`: each path that makes records ends with one (the
+        caller's, for ``open``, ``close``, ``ended`` and ``session_ended``: the CONNACK waits for it), or with
+        :meth:`_write_soon`."""
+        if self._write is not None:
+            self._unwritten.append(control)
+
+    def _write_soon(self) -> None:
+        """Append the queued ledger records in a task of their own (a path that cannot wait for them)."""
+        if self._unwritten:
             self._nursery.start_soon(self.written)
-        self._unwritten.append(control)
 
     async def written(self) -> None:
         """Return once every ledger record made so far is appended (and durable as the flush policy promises):
@@ -500,6 +507,7 @@ class Leases:
                     self._will_done(client_id, pending.will)
                     self._fired += 1
                     LOGGER.info("will published", extra={"ctx": {"client_id": client_id, "node": node}})
+                    await self.written()
 
     def _expire_after(self, client_id: str, expiry_s: float) -> None:
         if expiry_s >= NEVER_EXPIRES:
@@ -533,6 +541,7 @@ class Leases:
                                                     " resume until it is deleted")
                 if ended:
                     self.session_ended(client_id)
+                    await self.written()
                 return ended
             finally:
                 self._ending.discard(client_id)

@@ -210,9 +210,11 @@ class StoreNode:
         self._appended(made, offsets)
         return offsets
 
-    async def append_control(self, controls: Sequence[Control], *, durable: bool | None = None) -> int:
+    async def append_control(self, controls: Sequence[Control], *, durable: bool | None = None,
+                             applied: bool = True) -> int:
         """Append control records (store/control.py) in one CommitLog write and return once dispatch has applied
         them: what they say is then both stored (as the flush policy, or ``durable``, promises) and readable.
+        ``applied`` False: return once stored (state nobody reads before the next start: the client ledger).
 
         Returns:
             the CommitLog offset just past the last of them.
@@ -225,7 +227,8 @@ class StoreNode:
         offsets = await self._write([raw for raw, _ in made], durable)
         self._appended(made, offsets)
         end = offsets[-1] + made[-1][1].size
-        await self.dispatcher.wait_dispatched(end)
+        if applied:
+            await self.dispatcher.wait_dispatched(end)
         return end
 
     async def _write(self, records: list[bytes], durable: bool | None) -> list[int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from functools import partial
 from typing import final
 
 import rocksdict
@@ -105,7 +106,7 @@ class Sessions:
         self._append_control = append_control
         self._delete_owner = delete_owner
         self.leases = Leases(nursery, lease_s, append=append, end_session=self._end_session, on_moved=on_moved,
-                             write=append_control)
+                             write=partial(append_control, applied=False))
 
     async def open_session(self, node: str, client_id: str, *, clean_start: bool, expiry_s: int,
                            will: NewMessage | None, will_delay_s: int) -> bytes | None:
