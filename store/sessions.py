@@ -121,7 +121,7 @@ class Sessions:
                           clean_start=clean_start)
         if due is not None:  # the old session's delayed will, due as the clean start ends its session
             await self._publish_due(client_id, due)
-        blob = None if clean_start else await trio.to_thread.run_sync(self.blobs.get, client_id)
+        blob = None if clean_start else await self.load_session(client_id)
         if blob is None:  # whatever a session that is gone left (offsets, QoS 2 flows) goes, or the clean start's
             await self._end_session(client_id)
         await leases.written()
@@ -171,9 +171,10 @@ class Sessions:
         return await trio.to_thread.run_sync(self._delete_owner, client_id) or existed
 
     async def save_session(self, client_id: str, blob: bytes, *, only_existing: bool = False) -> bool:
-        """Keep a session blob (a ``SessionSaved`` record): durable as the flush policy promises (under ``sync`` a
-        power loss keeps it: a QoS 2 subscriber's PUBREL waits for it), and loaded by the next
-        :meth:`load_session`.
+        """Keep a session blob (a ``SessionSaved`` record): returns once it is stored as the flush policy promises
+        (under ``sync`` a power loss keeps it: a QoS 2 subscriber's PUBREL waits for it), before dispatch applies
+        it (a subscriber saves while its messages stream in: it must not wait for them to be indexed); the next
+        :meth:`load_session` waits for that and returns it.
 
         ``only_existing``: only over a blob kept now (the save of a client no longer connected, which a full disk
         delayed, must not bring back a session that ended meanwhile). False when there was none.
@@ -182,17 +183,19 @@ class Sessions:
             LogFullError: the data disk is short of space.
             ValueError: the blob is over the record size limit (``RecordTooLarge``).
         """
-        if only_existing and await trio.to_thread.run_sync(self.blobs.get, client_id) is None:
+        if only_existing and await self.load_session(client_id) is None:
             return False
-        await self._append_control([SessionSaved(client_id, blob, only_existing)])
+        await self._append_control([SessionSaved(client_id, blob, only_existing)], applied=False)
         return True
 
     async def load_session(self, client_id: str) -> bytes | None:
-        """The blob last saved for ``client_id``, or None."""
+        """The blob last saved for ``client_id``, or None, once dispatch has passed everything appended before."""
+        await self._dispatcher.wait_dispatched(self._log.written_offset)
         return await trio.to_thread.run_sync(self.blobs.get, client_id)
 
     async def session_ids(self) -> list[str]:
-        """The client ids of the stored session blobs."""
+        """The client ids of the stored session blobs, once dispatch has passed everything appended before."""
+        await self._dispatcher.wait_dispatched(self._log.written_offset)
         return await trio.to_thread.run_sync(self.blobs.ids)
 
     async def awaiting_release(self, client_id: str) -> dict[int, int]:
