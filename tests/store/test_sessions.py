@@ -170,7 +170,7 @@ WRITER = textwrap.dedent("""
         async with open_store(Path(sys.argv[1]), CommitLogConfig(flush=sys.argv[2])) as node:
             gw = LocalStore(node, "gw", lease=True)
             await gw.open_session("applied", clean_start=False, expiry_s=60)
-            await gw.save_session("applied", b"applied")  # acknowledged: appended and applied, not flushed
+            await gw.save_session("applied", b"applied")  # acknowledged: stored; RocksDB holds it unflushed at most
             await gw.open_session("pending", clean_start=False, expiry_s=60)
             raw, _ = encode_control(SessionSaved("pending", b"pending"), 1, 1 << 20)
             await node.log.append_batch([raw], durable=True)  # appended, dispatch never woken for it
