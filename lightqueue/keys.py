@@ -39,7 +39,6 @@ import struct
 
 __all__ = [
     "APPLIED",
-    "APPLIED_HINT",
     "CHECKPOINT",
     "ENTRY",
     "RUN_ENTRIES",
@@ -79,7 +78,6 @@ and queue (about 1.5 us of a fan-in message's 25); a pull reads whole runs, so a
 
 CHECKPOINT = b"C"
 APPLIED = b"c"
-APPLIED_HINT = b"w"
 NEXT_ID = b"I"
 NEXT_FILTER_ID = b"F"
 RETAINED = b"T"

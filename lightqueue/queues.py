@@ -194,7 +194,6 @@ class LightQueues:
         self._retained = self._u64(keys.RETAINED, 0)
         raw = db.get(keys.APPLIED)
         self._applied = keys.U64.unpack(raw)[0] if raw else None
-        self._applied_hint = self._u64(keys.APPLIED_HINT, 0)
         self._next_id = self._u64(keys.NEXT_ID, TOPIC_IDS)
         self._next_filter_id = self._u64(keys.NEXT_FILTER_ID, 1)
         if self._next_id < TOPIC_IDS:  # an index from before the split: filters go on from its ids, topics above
@@ -661,17 +660,6 @@ class LightQueues:
         index written before control records, whose holders and offsets the store restates once)."""
         return self._applied
 
-    @property
-    def applied_hint(self) -> int:
-        """The highest control checkpoint ever written, kept with the WAL: when the log ends before it after a
-        power loss, control records were lost that state kept outside the log (session blobs) may depend on."""
-        return self._applied_hint
-
-    def forget_hint(self, log_end: int) -> None:
-        """The state outside the log was checked against the log ending at ``log_end``: the hint goes back to it."""
-        self._db.put(keys.APPLIED_HINT, keys.U64.pack(log_end), self._wal)
-        self._applied_hint = log_end
-
     def mark_applied(self, offset: int) -> None:
         """Move the control checkpoint to ``offset`` (no WAL: persisted by the next :meth:`flush`)."""
         with self._lock:
@@ -833,9 +821,6 @@ class LightQueues:
             self._db.write(batch, self._no_wal)
         if applied is not None:
             self._applied = applied
-            if applied > self._applied_hint:
-                self._db.put(keys.APPLIED_HINT, keys.U64.pack(applied), self._wal)
-                self._applied_hint = applied
 
     def _cache(self, name: str, state: _Queue) -> _Queue:
         self._queues.put(name, state)

@@ -18,10 +18,17 @@ releases:
   the entry already holds X or a later offset (the same record again, or a
   release that covers it);
 - a release of (client, id, X) marks the entry released at X unless it holds a
-  later offset; it is written with the WAL, fsynced (``sync``), before the
-  PUBCOMP goes out, so a PUBCOMP never outruns the release it reports;
-- dropping a client's flows (its session ended, clean start) releases them
-  all, so records of the old session re-dispatched after a crash stay released.
+  later offset; it is a control record (``FlowsReleased``, store/control.py)
+  appended and fsynced under every flush policy before the PUBCOMP goes out, so
+  a PUBCOMP never outruns the release it reports;
+- the end of a session (``SessionEnded`` at offset E: expiry, clean start)
+  releases every flow of the client below E, so records of the old session
+  re-dispatched after a crash stay released, and a message the next session
+  sends with the id (after E) awaits release again.
+
+These rules commute: the QoS 2 records of a dispatch batch and its control records may be applied in either order
+(the records by :meth:`AwaitingRelease.apply`, the controls by :attr:`AwaitingRelease.controls`, the
+``ControlApplier`` with a checkpoint of its own).
 
 Released entries are needed only while a re-dispatch could meet the records
 they cover: ``collect`` deletes them once the family's checkpoint is durably
@@ -29,8 +36,9 @@ past them (at each dispatcher flush).
 
 Storage: the column family ``qos2``, key u16 length + client id (UTF-8) + u16
 packet id, value u64 offset + u8 released; the family's checkpoint (every
-record below it applied) under the empty key. Dispatch writes go without the
-WAL, like the light-queue index: the CommitLog produces them again. The whole
+record below it applied) under the empty key, its control records' under
+``b"\\0"``. Every write goes without the WAL, like the light-queue index: the
+CommitLog produces them again. The whole
 family is mirrored in memory (entries exist only for flows in flight and, for
 a few seconds, released ones), so dispatch and lookups never read RocksDB.
 """
@@ -39,11 +47,12 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import final
 
 import rocksdict
 
+from store.control import Control, FlowsAwaiting, FlowsReleased, SessionEnded
 from store.log.record import QOS_MASK, Record
 from store.rocks import open_family
 
@@ -54,6 +63,12 @@ AWAITING_FAMILY = "qos2"
 
 CHECKPOINT_KEY = b""
 """The family's checkpoint: every key of an entry starts with a two-byte length, so none is empty."""
+
+CONTROLS_KEY = b"\0"
+"""The checkpoint of the control records applied (no entry's key is one byte long)."""
+
+RESTATE_FLOWS = 1000
+"""Flows per restated record (a record stays far below the record size limit)."""
 
 _U64 = struct.Struct(">Q")
 _VALUE = struct.Struct(">QB")  # offset, released
@@ -77,34 +92,36 @@ class AwaitingRelease:
 
     Args:
         db: the node's raw-mode Rdict (store.rocks.open_db); the family is created on first use.
-        sync: fsync the WAL of releases and drops. True (the default) makes a
-            PUBCOMP survive a power loss under every flush policy: a release
-            lost while its record survives would take the client's next
-            message with that id, sent after the recovery, for a resend.
 
-    Concurrency: the dispatcher's thread applies records; releases, drops and
-    lookups may come from any thread (one lock).
+    ``legacy``: records applied and no control checkpoint: releases written by a version before control records,
+    which the log does not hold; ``controls.restate`` them once (``open_store``).
+
+    Concurrency: the dispatcher's thread applies records; lookups may come from any thread (one lock).
 
     Resource handling: the caller owns ``db``; call :meth:`close` before closing it.
     """
 
-    def __init__(self, db: rocksdict.Rdict, *, sync: bool = True) -> None:
+    def __init__(self, db: rocksdict.Rdict) -> None:
         self._family: rocksdict.Rdict = open_family(db, AWAITING_FAMILY)
         self._handle = db.get_column_family_handle(AWAITING_FAMILY)
         self._db = db
-        self._wal = rocksdict.WriteOptions()
-        self._wal.sync = sync
         self._lock = threading.Lock()
         self._entries: dict[str, dict[int, tuple[int, bool]]] = {}  # client -> packet id -> (offset, released)
         self._checkpoint = 0
+        controls = None
         for key, value in self._family.items():
             if key == CHECKPOINT_KEY:
                 self._checkpoint = _U64.unpack(value)[0]
+                continue
+            if key == CONTROLS_KEY:
+                controls = _U64.unpack(value)[0]
                 continue
             (length,) = _LENGTH.unpack_from(key)
             (pid,) = _PID.unpack_from(key, 2 + length)
             offset, released = _VALUE.unpack(value)
             self._entries.setdefault(key[2 : 2 + length].decode(), {})[pid] = (offset, bool(released))
+        self.legacy = controls is None and self._checkpoint > 0
+        self.controls = AwaitingControls(self, controls or 0)
 
     @property
     def checkpoint(self) -> int:
@@ -129,29 +146,34 @@ class AwaitingRelease:
     def apply(self, records: Iterable[Record], next_log_offset: int) -> int:
         """Mark the QoS 2 records of one dispatch batch (in CommitLog order) as awaiting release; write the
         entries and the checkpoint ``next_log_offset`` without the WAL. Returns the entries written."""
-        batch = rocksdict.WriteBatch(raw_mode=True)
-        handle = self._handle
-        marked = 0
         with self._lock:
             checkpoint = self._checkpoint
-            for record in records:
-                pid = record.packet_id
-                offset = record.offset
-                if not pid or record.flags & QOS_MASK != 2 or offset < checkpoint:
-                    continue
-                entries = self._entries.setdefault(record.client_id, {})
-                current = entries.get(pid)
-                if current is not None and current[0] >= offset:
-                    continue
-                entries[pid] = (offset, False)
-                batch.put(_key(record.client_id, pid), _VALUE.pack(offset, 0), handle)
-                marked += 1
+            flows = [(record.client_id, record.packet_id, record.offset) for record in records
+                     if record.packet_id and record.flags & QOS_MASK == 2 and record.offset >= checkpoint]
+            batch, marked = self._mark(flows, released=False)
             if next_log_offset > checkpoint:
-                batch.put(CHECKPOINT_KEY, _U64.pack(next_log_offset), handle)
+                batch.put(CHECKPOINT_KEY, _U64.pack(next_log_offset), self._handle)
             if not batch.is_empty():
                 self._db.write(batch, _NO_WAL)
             self._checkpoint = max(checkpoint, next_log_offset)
         return marked
+
+    def _mark(self, flows: Iterable[Flow], *, released: bool, stated: bool = False) -> tuple[rocksdict.WriteBatch, int]:
+        """Mark ``flows`` awaiting (a record) or released, each unless its entry holds a later offset (or, awaiting,
+        the same one, unless ``stated``: a restatement says it awaits); the batch of the changes, to write, and how
+        many. Holds the lock."""
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        marked = 0
+        for client, pid, offset in flows:
+            entries = self._entries.setdefault(client, {})
+            current = entries.get(pid)
+            if current is not None and (current[0] > offset or (current[0] == offset and not released
+                                                                 and not stated)):
+                continue
+            entries[pid] = (offset, released)
+            batch.put(_key(client, pid), _VALUE.pack(offset, int(released)), self._handle)
+            marked += 1
+        return batch, marked
 
     def collect(self, durable_offset: int) -> int:
         """Delete released entries below ``durable_offset`` (no WAL): once the family's checkpoint
@@ -189,7 +211,6 @@ class AwaitingRelease:
                     for pid, (offset, _) in entries.items() if offset >= log_end]
             if not past and self._checkpoint <= log_end:
                 return 0
-            self._family.flush()  # the WAL'd changes must not sit on top of dispatch writes a crash could lose
             batch = rocksdict.WriteBatch(raw_mode=True)
             for client, pid in past:
                 self._entries[client][pid] = (log_end - 1, True)
@@ -197,43 +218,96 @@ class AwaitingRelease:
             if self._checkpoint > log_end:
                 self._checkpoint = log_end
                 batch.put(CHECKPOINT_KEY, _U64.pack(log_end), self._handle)
-            self._db.write(batch, self._wal)
+            self._db.write(batch, _NO_WAL)
+            self._family.flush()
         return len(past)
 
-    # -- the gateway's calls -----------------------------------------------------------
+    # -- control records (``AwaitingControls``) ---------------------------------------------
 
     def release(self, flows: Sequence[Flow]) -> None:
-        """Mark flows released, durably (WAL, fsynced when ``sync``), in one write: the PUBCOMPs may go out.
+        """Mark flows released (a ``FlowsReleased`` record), each unless a later record holds its id."""
+        self.mark(flows, released=True)
 
-        The fsync happens outside the lock: dispatch, which takes it, may run in the event loop's thread. Nothing
-        can reorder it against dispatch: a record that takes the same key again comes after the PUBCOMP.
-        """
-        if not all(1 <= pid <= 0xFFFF for _, pid, _ in flows):
-            raise ValueError("packet ids are 1..65535")
-        batch = rocksdict.WriteBatch(raw_mode=True)
+    def mark(self, flows: Sequence[Flow], *, released: bool) -> None:
+        """Mark flows as a record or a release says (``_mark``), and write the changes."""
         with self._lock:
-            for client, pid, offset in flows:
-                entries = self._entries.setdefault(client, {})
-                current = entries.get(pid)
-                if current is not None and current[0] > offset:
-                    continue  # a later record holds the id: this release is stale
-                entries[pid] = (offset, True)
-                batch.put(_key(client, pid), _VALUE.pack(offset, 1), self._handle)
-        if not batch.is_empty():
-            self._db.write(batch, self._wal)
+            batch, _ = self._mark(flows, released=released)
+            if not batch.is_empty():
+                self._db.write(batch, _NO_WAL)
 
-    def drop(self, client_id: str) -> bool:
-        """Release every flow of the client (its session ended), durably: its records, dispatched again after a
-        crash, stay released. Call once dispatch has passed the client's records. Writes only when the client
-        has flows awaiting release; returns whether it had any."""
+    def restated(self, flows: Sequence[Flow], settled_below: int) -> None:
+        """A ``FlowsAwaiting`` record: every flow below ``settled_below`` is released, then ``flows`` await."""
+        with self._lock:
+            settled = [(client, pid, offset) for client, entries in self._entries.items()
+                       for pid, (offset, released) in entries.items() if not released and offset < settled_below]
+            batch, _ = self._mark(settled, released=True)
+            stated, _ = self._mark(flows, released=False, stated=True)
+            for write in (batch, stated):
+                if not write.is_empty():
+                    self._db.write(write, _NO_WAL)
+
+    def drop(self, client_id: str, before: int = 1 << 63) -> bool:
+        """Release every flow of the client whose record lies below CommitLog offset ``before`` (its session ended
+        there): its records, dispatched again after a crash, stay released. Returns whether it had any."""
         with self._lock:
             entries = self._entries.get(client_id, {})
-            flows = [(client_id, pid, offset) for pid, (offset, released) in entries.items() if not released]
+            flows = [(client_id, pid, offset) for pid, (offset, released) in entries.items()
+                     if not released and offset < before]
         if flows:
             self.release(flows)
         return bool(flows)
+
+    def restate(self) -> Iterator[FlowsAwaiting]:
+        """The flows as records that make them again: every QoS 2 record applied so far is settled (released)
+        except the flows awaiting release, listed (in records of at most ``RESTATE_FLOWS``; the first settles)."""
+        with self._lock:
+            awaiting = [(c, pid, o) for c, entries in self._entries.items() for pid, (o, r) in entries.items() if not r]
+            settled_below = self._checkpoint
+        yield FlowsAwaiting(awaiting[:RESTATE_FLOWS], settled_below)
+        for start in range(RESTATE_FLOWS, len(awaiting), RESTATE_FLOWS):
+            yield FlowsAwaiting(awaiting[start : start + RESTATE_FLOWS])
+
+    def write_checkpoint(self, key: bytes, offset: int) -> None:
+        """Write a checkpoint (no WAL: the next :meth:`flush` persists it)."""
+        self._family.put(key, _U64.pack(offset), _NO_WAL)
 
     def close(self) -> None:
         """Release the family handles (they keep the database open)."""
         self._family.close()
         del self._handle
+
+
+@final
+class AwaitingControls:
+    """The ``ControlApplier`` of the inbound QoS 2 flows: releases (``FlowsReleased``), session ends
+    (``SessionEnded``) and restated flows (``FlowsAwaiting``), with the control checkpoint of the ``qos2`` family."""
+
+    def __init__(self, state: AwaitingRelease, checkpoint: int) -> None:
+        self._state = state
+        self._checkpoint = checkpoint
+
+    @property
+    def checkpoint(self) -> int:
+        return self._checkpoint
+
+    def apply(self, record: Record, control: Control) -> None:
+        state = self._state
+        if isinstance(control, FlowsReleased):
+            state.release(control.flows)
+        elif isinstance(control, SessionEnded):
+            state.drop(control.client, record.offset)
+        elif isinstance(control, FlowsAwaiting):
+            state.restated(control.flows, control.settled_below)
+
+    def flush(self, offset: int) -> None:
+        self._state.write_checkpoint(CONTROLS_KEY, offset)
+        self._state.flush()
+        self._checkpoint = offset
+
+    def rewind(self, log_end: int) -> None:
+        """Entries past the log's end are released by ``AwaitingRelease.rewind``; the checkpoint comes back."""
+        if self._checkpoint > log_end:
+            self._checkpoint = log_end
+
+    def restate(self) -> Iterable[Control]:
+        return list(self._state.restate())

@@ -18,11 +18,13 @@ from typing import Union
 
 import msgspec
 
+from store.api import NewMessage
 from store.log.record import Record, new_control
 
 __all__ = [
-    "KIND_PREFIX", "Activated", "Committed", "Control", "ControlError", "FlowsReleased", "Released", "SessionEnded",
-    "SessionSaved", "decode_control", "encode_all", "encode_control",
+    "KIND_PREFIX", "Activated", "ClientClosed", "ClientConnected", "ClientForgotten", "Committed", "Control",
+    "ControlError", "FlowsAwaiting", "FlowsReleased", "Released", "SessionEnded", "SessionSaved", "WillPublished",
+    "decode_control", "encode_all", "encode_control",
 ]
 
 KIND_PREFIX = "$store/"
@@ -65,10 +67,13 @@ class Committed(msgspec.Struct, frozen=True, array_like=True, tag="committed"):
 
 
 class SessionSaved(msgspec.Struct, frozen=True, array_like=True, tag="session_saved"):
-    """The gateway's session blob of ``client`` (opaque to the store)."""
+    """The gateway's session blob of ``client`` (opaque to the store). ``only_existing``: it replaces a blob kept
+    when it is applied, and is dropped when there is none (the late save of a client connected nowhere must not
+    bring back a session that ended before it in the log)."""
 
     client: str
     blob: bytes
+    only_existing: bool = False
 
 
 class SessionEnded(msgspec.Struct, frozen=True, array_like=True, tag="session_ended"):
@@ -84,7 +89,53 @@ class FlowsReleased(msgspec.Struct, frozen=True, array_like=True, tag="flows_rel
     flows: list[tuple[str, int, int]]
 
 
-Control = Union[Activated, Released, Committed, SessionSaved, SessionEnded, FlowsReleased]
+class FlowsAwaiting(msgspec.Struct, frozen=True, array_like=True, tag="flows_awaiting"):
+    """The inbound QoS 2 flows as the store knows them (restated: before retention deletes the records that made
+    them, and over data of a version without control records): every flow whose record lies below
+    ``settled_below`` is released, then ``flows`` (``(client id, packet id, CommitLog offset of the record)``)
+    await PUBREL."""
+
+    flows: list[tuple[str, int, int]]
+    settled_below: int = 0
+
+
+class ClientConnected(msgspec.Struct, frozen=True, array_like=True, tag="client_connected"):
+    """``client`` connected to gateway node ``node`` with this expiry and will (stored before its CONNACK): after a
+    restart the store places it on a restored lease of its node (store/leases.py)."""
+
+    client: str
+    node: str
+    expiry_s: int
+    will: NewMessage | None = None
+    will_delay_s: int = 0
+
+
+class ClientClosed(msgspec.Struct, frozen=True, array_like=True, tag="client_closed"):
+    """The connection of ``client`` closed at wall-clock ``closed_ms``: its session expires ``expiry_s`` later
+    (0: it ended already, only its will waits), its will (None: none pending) is due ``will_delay_s`` later."""
+
+    client: str
+    node: str
+    expiry_s: int
+    will: NewMessage | None
+    will_delay_s: int
+    closed_ms: int
+
+
+class WillPublished(msgspec.Struct, frozen=True, array_like=True, tag="will_published"):
+    """The pending will of closed ``client`` was appended: a restart must not publish it again."""
+
+    client: str
+
+
+class ClientForgotten(msgspec.Struct, frozen=True, array_like=True, tag="client_forgotten"):
+    """Nothing is pending for ``client`` any more (its session ended and no will waits)."""
+
+    client: str
+
+
+Control = Union[Activated, Released, Committed, SessionSaved, SessionEnded, FlowsReleased, FlowsAwaiting,
+                ClientConnected, ClientClosed, WillPublished, ClientForgotten]
 """Every control record kind (a tagged union: the tag is the first element of the msgpack array)."""
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -11,8 +11,9 @@ and nothing that depends on *when* it was written:
 - every column family: the known ones decoded (``retain``, ``qos2``, ``sessions``, ``clients``), any other
   (a family added later) as hex keys and values, so the dump keeps covering what is added beside it.
 
-Left out, on purpose: the checkpoints (the light queues' ``C``, the retention mark ``T``, and a family's empty key,
-the convention of ``retain`` and ``qos2`` for theirs). They say how far dispatch got, not what it derived: they move
+Left out, on purpose: the checkpoints (the light queues' ``C`` and control checkpoint ``c``, the retention mark ``T``,
+a family's empty key, the convention of ``retain`` and ``qos2`` for theirs, the QoS 2 family's control checkpoint and
+a derived family's, store/derived.py). They say how far dispatch got, not what it derived: they move
 with flushes, and a rebuild reaches the same state with its own. Released QoS 2 flows are left out too: they are
 kept only until the family's checkpoint is durably past them (store/awaiting.py), a matter of flush timing.
 """
@@ -30,7 +31,8 @@ import rocksdict
 
 from lightqueue import keys
 from retain.store import RETAIN_FAMILY
-from store.awaiting import AWAITING_FAMILY
+from store.awaiting import AWAITING_FAMILY, CONTROLS_KEY as AWAITING_CONTROLS_KEY
+from store.derived import CHECKPOINT_KEY as DERIVED_CHECKPOINT_KEY
 from store.ledger import LEDGER_FAMILY, ClientEntry
 from store.log.record import CorruptRecord, decode_record
 
@@ -40,7 +42,9 @@ _U16 = struct.Struct(">H")
 _QOS2_VALUE = struct.Struct(">QB")
 _CLIENT_ENTRY = msgspec.msgpack.Decoder(ClientEntry)
 _SESSIONS_FAMILY = "sessions"  # store/node.py's SESSIONS_FAMILY (the dump does not import the running node)
-_EXCLUDED = (keys.CHECKPOINT, keys.RETAINED)
+_EXCLUDED = (keys.CHECKPOINT, keys.RETAINED, keys.APPLIED)
+_FAMILY_CHECKPOINTS = (b"", AWAITING_CONTROLS_KEY, DERIVED_CHECKPOINT_KEY)
+"""A family's checkpoints: the empty key (retain, qos2), the QoS 2 family's control checkpoint, a derived family's."""
 
 
 def dump(index: Path) -> dict[str, Any]:
@@ -62,7 +66,7 @@ def dump(index: Path) -> dict[str, Any]:
                 continue
             family = db.get_column_family(name)
             try:
-                found = _family(name, [(k, v) for k, v in family.items() if k != b""])
+                found = _family(name, [(k, v) for k, v in family.items() if k not in _FAMILY_CHECKPOINTS])
             finally:
                 family.close()
             if found:  # an empty family is no state: whether it exists depends on what opened the database
@@ -88,13 +92,15 @@ def _light_queues(items: Iterable[tuple[bytes, bytes]]) -> dict[str, Any]:
     refs: dict[int, list[str]] = {}
     held_by: set[tuple[str, str]] = set()
     other: dict[str, str] = {}
-    next_id = None
+    next_id = next_filter_id = None
     for key, value in items:
         kind = key[:1]
         if key in _EXCLUDED:
             continue
         if key == keys.NEXT_ID:
             next_id = keys.U64.unpack(value)[0]
+        elif key == keys.NEXT_FILTER_ID:
+            next_filter_id = keys.U64.unpack(value)[0]
         elif kind == b"N":
             ids[key[1:].decode()] = keys.U64.unpack(value)[0]
         elif kind == b"Q":
@@ -126,6 +132,7 @@ def _light_queues(items: Iterable[tuple[bytes, bytes]]) -> dict[str, Any]:
     held = {(f, h) for f, state in filters.items() for h in state.get("holders", ())}
     out: dict[str, Any] = {
         "next_queue_id": next_id,
+        "next_filter_id": next_filter_id,
         "queues": queues,
         "filters": filters,
         "offsets": {owner: {names.get(qid, f"#{qid}"): offset for qid, offset in by_qid.items()}

@@ -24,8 +24,8 @@ memory or the timers of one gateway node:
   expiry interval unless it resumes first; 0 ends it at once. Expiry ends the session in the store
   (``end_session``: state, offsets, held filters, QoS 2 flows, shared-group subscriptions).
 
-- **Restarts.** Each step of a client's lifecycle is also written to the store's client ledger
-  (store/ledger.py) before it is acknowledged (the CONNACK waits for ``open``), and ``restore`` re-arms
+- **Restarts.** Each step of a client's lifecycle is also appended as a control record of the store's client
+  ledger (store/ledger.py) before it is acknowledged (the CONNACK waits for ``written``), and ``restore`` re-arms
   everything from it when the store starts: a closed session expires at its close + its expiry (at once if that
   passed while the store was down), a pending will fires at its close + its delay (at once if past), and a session
   resumed before either cancelled them for good. A client the ledger says was connected when the store stopped
@@ -56,7 +56,8 @@ import trio
 from msgspec.structs import replace
 
 from store.api import NewMessage
-from store.ledger import ClientEntry, ClientLedger
+from store.control import ClientForgotten, Control, WillPublished
+from store.ledger import ClientEntry, entry_control
 from store.log.errors import LogFullError
 from store.log.record import now_ms
 from store.space import FULL_RETRY_S
@@ -126,7 +127,8 @@ class Leases:
         append: how a will is stored (``StoreNode.append``); raises ``LogFullError`` while the disk is full.
         end_session: how a session ends in the store (``StoreNode.end_session``); same.
         on_moved: ``on_moved(node, client_id)``: the client is not ``node``'s any more (it connected elsewhere).
-        ledger: where each client's lifecycle is kept durably for ``restore`` (None: nothing outlives the process).
+        write: how the client ledger's control records are appended (``StoreNode.append_control``; None: nothing
+            outlives the process); a write the disk refuses is logged and skipped (store/ledger.py).
     """
 
     def __init__(
@@ -137,14 +139,17 @@ class Leases:
         append: Callable[[Sequence[NewMessage]], Awaitable[object]],
         end_session: Callable[[str], Awaitable[object]],
         on_moved: Callable[[str, str], None],
-        ledger: ClientLedger | None = None,
+        write: Callable[[Sequence[Control]], Awaitable[object]] | None = None,
     ) -> None:
         self._nursery = nursery
         self.lease_s = lease_s
         self._append = append
         self._end_session = end_session
         self._on_moved = on_moved
-        self._ledger = ledger
+        self._write = write
+        self._unwritten: list[Control] = []  # ledger records not appended yet (``written``)
+        self._writing = trio.Lock()  # one append at a time, in the order the records were made
+        self._write_failing = False  # an append failed and none succeeded since: logged once
         self._closed: dict[str, ClientEntry] = {}  # client id -> its ledger entry, closed and not ended yet
         self.stalls = StallWatch()  # run by the RPC server: a stall of the store is not its nodes' silence
         self._leases: dict[str, _Lease] = {}
@@ -255,6 +260,7 @@ class Leases:
                         extra={"ctx": ctx})
         else:
             LOGGER.warning("gateway node lease ended", extra={"ctx": ctx})
+        self._write_soon()
 
     async def _drop_unclaimed(self, node: str, lease: _Lease) -> None:
         """The restored clients an adopting node has not registered again ``lease_s`` after its Hello (it sends
@@ -271,6 +277,7 @@ class Leases:
             wills += self._gone(client_id, client)
         LOGGER.info("clients not registered again by their gateway are gone: their wills and expiry run from now",
                     extra={"ctx": {"node": node, "clients": len(gone), "wills": wills}})
+        await self.written()
 
     def _gone(self, client_id: str, client: _Client) -> bool:
         """A client's connection is gone without a close the store heard (its node's lease ended): its will goes
@@ -326,6 +333,7 @@ class Leases:
             self._leave(client_id, previous)
         self._resumed(client_id)  # an expiry armed at the start (its entry said closed) is off: it is connected
         self._present(node, client_id, self._keep_connected(client_id, _Client(node, expiry_s, will, will_delay_s)))
+        self._write_soon()
 
     def close(self, node: str, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> bool:
         """The client's connection on ``node`` closed: start its will's delay (None: drop the will) and its
@@ -434,19 +442,51 @@ class Leases:
         if entry is None or entry.will is not will:  # the client connected again since, or another close
             return
         if entry.expiry_s:
-            self._closed[client_id] = entry = replace(entry, will=None)
-            self._put(client_id, entry)
+            self._closed[client_id] = replace(entry, will=None)
         else:
             del self._closed[client_id]
-            self._forget(client_id)
+        self._record(WillPublished(client_id))  # the ledger makes the same choice (store/ledger.py)
 
     def _put(self, client_id: str, entry: ClientEntry) -> None:
-        if self._ledger is not None:
-            self._ledger.put(client_id, entry)
+        self._record(entry_control(client_id, entry))
 
     def _forget(self, client_id: str) -> None:
-        if self._ledger is not None:
-            self._ledger.forget(client_id)
+        self._record(ClientForgotten(client_id))
+
+    def _record(self, control: Control) -> None:
+        """Queue a ledger record for the next :meth:`written`: each path that makes records ends with one (the
+        caller's, for ``open``, ``close``, ``ended`` and ``session_ended``: the CONNACK waits for it), or with
+        :meth:`_write_soon`."""
+        if self._write is not None:
+            self._unwritten.append(control)
+
+    def _write_soon(self) -> None:
+        """Append the queued ledger records in a task of their own (a path that cannot wait for them)."""
+        if self._unwritten:
+            self._nursery.start_soon(self.written)
+
+    async def written(self) -> None:
+        """Return once every ledger record made so far is appended (and durable as the flush policy promises):
+        the CONNACK of a client waits for this after ``open``. A refused append is logged once and skipped."""
+        if self._write is None:
+            await trio.lowlevel.checkpoint()
+            return
+        async with self._writing:
+            controls, self._unwritten = self._unwritten, []
+            if not controls:
+                return
+            try:
+                await self._write(controls)
+            except (OSError, ValueError) as exc:  # a full disk included: nothing else is refused for it
+                if not self._write_failing:  # a full disk is logged as an error once by the store already
+                    LOGGER.log(logging.WARNING if isinstance(exc, LogFullError) else logging.ERROR,
+                               "client ledger write failed: sessions may outlive their expiry across a restart: "
+                               "%r", exc, extra={"ctx": {"records": len(controls)}})
+                self._write_failing = True
+                return
+        if self._write_failing:
+            LOGGER.info("client ledger writes succeed again")
+            self._write_failing = False
 
     # --- timers -----------------------------------------------------------------------------
 
@@ -467,6 +507,7 @@ class Leases:
                     self._will_done(client_id, pending.will)
                     self._fired += 1
                     LOGGER.info("will published", extra={"ctx": {"client_id": client_id, "node": node}})
+                    await self.written()
 
     def _expire_after(self, client_id: str, expiry_s: float) -> None:
         if expiry_s >= NEVER_EXPIRES:
@@ -500,6 +541,7 @@ class Leases:
                                                     " resume until it is deleted")
                 if ended:
                     self.session_ended(client_id)
+                    await self.written()
                 return ended
             finally:
                 self._ending.discard(client_id)

@@ -12,30 +12,33 @@ when the store starts (``Leases.restore``):
 - gone: the entry is deleted when the session ends (expiry, clean start, a clean session's close, an operator's
   delete), or kept for the will alone (``expiry_s`` 0) until that is published.
 
-Storage: the column family ``clients``, key the client id (UTF-8), value a msgpack ``ClientEntry``; written with
-the WAL (a process crash keeps it) and not fsynced: a session whose entry a power loss took counts as closed at
-the next start (``store.node.open_store``), later than the truth, never earlier. Times are wall-clock
-(``time.time``): they must survive the process.
-This is derived state kept beside the session blobs until the CommitLog carries control records for it.
+Storage: each step is a control record (store/control.py: ``ClientConnected``, ``ClientClosed``,
+``WillPublished``, ``ClientForgotten``), appended by the leases like any write (under the ``sync`` flush policy the
+CONNACK waits for its fsync) and applied by dispatch into the column family ``clients`` (store/derived.py: key the
+client id, value a msgpack ``ClientEntry``, no WAL), which ``open_store`` reads at start. A session whose entry a
+power loss took (``async``) counts as closed at the next start (``store.node.open_store``), later than the truth,
+never earlier. Times are wall-clock (``time.time``): they must survive the process.
 
-Error handling: the entries are small and written within the data disk's margin (store/space.py), so a full disk
-does not refuse them; a write RocksDB fails anyway is logged once (until one succeeds) and skipped: a restart
-then counts the client's close from its start at the latest, and nothing else is refused for it.
+Error handling: an append the disk refuses is logged once (until one succeeds) and skipped (store/leases.py): a
+restart then counts the client's close from its start at the latest, and nothing else is refused for it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Iterable
 from typing import final
 
 import msgspec
 import rocksdict
+from msgspec.structs import replace
 
 from store.api import NewMessage
-from store.rocks import open_family
+from store.control import ClientClosed, ClientConnected, ClientForgotten, Control, WillPublished
+from store.derived import DerivedApplier
+from store.log.record import Record
 
-__all__ = ["LEDGER_FAMILY", "ClientEntry", "ClientLedger"]
+__all__ = ["LEDGER_FAMILY", "ClientEntry", "ClientLedger", "entry_control"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -53,54 +56,66 @@ class ClientEntry(msgspec.Struct, frozen=True, array_like=True):
     closed_ms: int = 0  # wall-clock ms of its close; 0: connected as far as the store knows
 
 
+def entry_control(client_id: str, entry: ClientEntry) -> ClientConnected | ClientClosed:
+    """The control record that makes ``entry`` the ledger's entry of ``client_id``."""
+    if not entry.closed_ms:
+        return ClientConnected(client_id, entry.node, entry.expiry_s, entry.will, entry.will_delay_s)
+    return ClientClosed(client_id, entry.node, entry.expiry_s, entry.will, entry.will_delay_s, entry.closed_ms)
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(ClientEntry)
-_WAL = rocksdict.WriteOptions()
 
 
 @final
-class ClientLedger:
-    """The ``clients`` column family of the store's RocksDB (see the module docstring).
+class ClientLedger(DerivedApplier):
+    """The ``clients`` column family, derived from the client control records (a ``ControlApplier``).
+
+    Concurrency: dispatch applies in its thread; :meth:`entries` runs at start, before dispatch does.
 
     Resource handling: :meth:`close` closes the family handle (before the database is closed).
     """
 
     def __init__(self, db: rocksdict.Rdict) -> None:
-        self._family = open_family(db, LEDGER_FAMILY)
-        self._failing = False  # a write failed and none succeeded since: logged once
+        super().__init__(db, LEDGER_FAMILY)
 
-    def put(self, client_id: str, entry: ClientEntry) -> None:
-        """Keep ``entry`` for ``client_id`` (a small WAL write: done in the caller's thread)."""
-        self._write(self._family.put, client_id, _ENCODER.encode(entry))
-
-    def forget(self, client_id: str) -> None:
-        """Delete the entry of ``client_id``, if it has one (no write when it has none)."""
-        if self._family.get(client_id.encode()) is not None:
-            self._write(self._family.delete, client_id)
-
-    def _write(self, write: Callable[..., None], client_id: str, *value: bytes) -> None:
-        try:
-            write(client_id.encode(), *value, _WAL)
-        except Exception as exc:  # rocksdict raises plain Exceptions ("IO error: ...")
-            if not self._failing:
-                LOGGER.error("client ledger write failed: sessions may outlive their expiry across a restart: %s",
-                             exc, extra={"ctx": {"client_id": client_id}})
-            self._failing = True
+    def apply(self, record: Record, control: Control) -> None:
+        family = self._family
+        if isinstance(control, ClientConnected):
+            entry = ClientEntry(control.node, control.expiry_s, control.will, control.will_delay_s)
+        elif isinstance(control, ClientClosed):
+            entry = ClientEntry(control.node, control.expiry_s, control.will, control.will_delay_s, control.closed_ms)
+        elif isinstance(control, WillPublished):
+            old = self._entry(control.client)
+            if old is None or not old.closed_ms:  # connected again since: its will is held, not pending
+                family.applied(record.offset)
+                return
+            if not old.expiry_s:  # the session ended already: only the will kept the entry
+                family.delete(control.client, record.offset)
+                return
+            entry = replace(old, will=None)
+        elif isinstance(control, ClientForgotten):
+            family.delete(control.client, record.offset)
             return
-        if self._failing:
-            LOGGER.info("client ledger writes succeed again")
-            self._failing = False
+        else:
+            return
+        family.put(control.client, _ENCODER.encode(entry), record.offset)
+
+    def _entry(self, client_id: str) -> ClientEntry | None:
+        raw = self._family.get(client_id)
+        return _DECODER.decode(raw) if raw is not None else None
+
+    def restate(self) -> Iterable[Control]:
+        """Every client's entry, as the record that makes it."""
+        return [entry_control(client_id, entry) for client_id, entry in self.entries().items()]
 
     def entries(self) -> dict[str, ClientEntry]:
         """Every entry, by client id (blocking: a scan of the family, at start); an unreadable one is skipped."""
         found = {}
-        for key, value in self._family.items():
+        for client_id, value in self._family.items():
             try:
-                found[key.decode()] = _DECODER.decode(value)
-            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+                found[client_id] = _DECODER.decode(value)
+            except msgspec.DecodeError as exc:
                 LOGGER.warning("client ledger entry unreadable: skipped (its session is kept, without expiry): %s",
-                               exc, extra={"ctx": {"key": key.hex()}})
+                               exc, extra={"ctx": {"client_id": client_id}})
         return found
-
-    def close(self) -> None:
-        self._family.close()

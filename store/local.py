@@ -16,7 +16,6 @@ admin asks are routed to it); :meth:`close` detaches it (its ``events`` and ``mo
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar, final
@@ -25,6 +24,7 @@ import trio
 
 from store.api import (MAIN_LOG, AdminOp, Flow, LogSpan, NewMessage, Position, Positions, PullRequest, PullResult,
                        StoreStatistics)
+from store.attached import admin_call, admin_call_all
 from store.groups import Member
 from store.log.errors import InvalidOffset
 from store.log.record import Record, decode_record
@@ -189,36 +189,35 @@ class LocalStore:
 
     async def open_session(self, client_id: str, *, clean_start: bool, expiry_s: int,
                            will: NewMessage | None = None, will_delay_s: int = 0) -> bytes | None:
-        return await self.store.open_session(self.node, client_id, clean_start=clean_start, expiry_s=expiry_s,
-                                        will=will, will_delay_s=will_delay_s)
+        return await self.store.sessions.open_session(self.node, client_id, clean_start=clean_start,
+                                                      expiry_s=expiry_s, will=will, will_delay_s=will_delay_s)
 
     async def close_session(self, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> None:
-        await self.store.close_session(self.node, client_id, expiry_s=expiry_s, will_delay_s=will_delay_s)
+        await self.store.sessions.close_session(self.node, client_id, expiry_s=expiry_s, will_delay_s=will_delay_s)
 
     async def save_session(self, client_id: str, blob: bytes) -> None:
         # A client connected elsewhere or nowhere: only an update of a session the store still keeps.
         only_existing = self.store.leases.where(client_id) != self.node
-        if not await trio.to_thread.run_sync(functools.partial(self.store.save_session, client_id, blob,
-                                                               only_existing=only_existing)):
+        if not await self.store.sessions.save_session(client_id, blob, only_existing=only_existing):
             LOGGER.info("session save dropped: the session ended before it was written",
                         extra={"ctx": {"client_id": client_id, "node": self.node}})
 
     async def load_session(self, client_id: str) -> bytes | None:
-        return await trio.to_thread.run_sync(self.store.load_session, client_id)
+        return await self.store.sessions.load_session(client_id)
 
     async def end_session(self, client_id: str) -> bool:
-        return await self.store.end_session(client_id)
+        return await self.store.sessions.end_session(client_id)
 
     async def sessions(self) -> list[str]:
-        return await trio.to_thread.run_sync(self.store.session_ids)
+        return await self.store.sessions.session_ids()
 
     async def awaiting_release(self, client_id: str) -> dict[int, Position]:
-        awaiting = await self.store.awaiting_release(client_id)
+        awaiting = await self.store.sessions.awaiting_release(client_id)
         return {pid: Position(MAIN_LOG, offset) for pid, offset in awaiting.items()}
 
     async def release_awaiting(self, flows: Sequence[Flow]) -> None:
-        await self.store.release_awaiting([(flow.client_id, flow.packet_id, offset_in_log(flow.position))
-                                           for flow in flows])
+        await self.store.sessions.release_awaiting([(flow.client_id, flow.packet_id, offset_in_log(flow.position))
+                                                    for flow in flows])
 
     async def moved(self) -> list[str]:
         return list(await self._attachment.moved.get())
@@ -234,10 +233,12 @@ class LocalStore:
     # --- administration across nodes -------------------------------------------------------
 
     async def admin_call(self, client_id: str, op: AdminOp) -> bytes | None:
-        return await self.store.admin_call(self.node, client_id, op)
+        store = self.store
+        return await admin_call(store.attached, store.leases.where(client_id), self.node, client_id, op)
 
     async def admin_call_all(self, op: AdminOp, query: bytes) -> tuple[dict[str, bytes], list[str]]:
-        return await self.store.admin_call_all(self.node, op, query)
+        store = self.store
+        return await admin_call_all(store.attached, store.leases.nodes_with_clients(), self.node, op, query)
 
     async def admin_asks(self) -> tuple[int, str, AdminOp, bytes]:
         return await self._attachment.asks.receive()

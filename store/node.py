@@ -8,138 +8,55 @@ shutdown leaves nothing to recover or re-dispatch. ``lightgate store`` serves it
 
 Messages become records here, and only here (``StoreNode._encode``): the store's one encoder.
 
-The node keeps the gateway's persistent session state as opaque blobs in the
-column family ``sessions``: the store knows nothing of MQTT, it only makes the
-blobs durable. It owns the sessions' lifecycle all the same (store/leases.py):
-where each client is connected, its will, its expiry, and ending a session
-(blob, offsets, held filters, QoS 2 flows, shared subscriptions); the client
-ledger (store/ledger.py, column family ``clients``) keeps that lifecycle across
-restarts, re-armed by ``open_store`` before anyone is served. The one piece
-of session state it derives itself is which inbound QoS 2 flows await PUBREL
-(``awaiting``, store/awaiting.py): from the packet ids the records carry, so
-that "stored" and "awaits PUBREL" are one durable fact.
+The client-keyed part (session blobs, presence, wills, expiry, inbound QoS 2 flows) is ``StoreNode.sessions``
+(store/sessions.py); its state is derived from control records (store/control.py) that dispatch applies, like
+the light queues' index. At its first start over data written before control records existed, ``open_store``
+restates the session blobs, client ledger and QoS 2 releases found there as control records, once.
 
 Nodes attach to it (``attach``): the embedded gateway as ``"local"``, each RPC
 connection under its node's name. After each dispatch batch the node routes
 ``{queue: max offset}`` through its ``NotifyRouter`` to the mailbox of every
 attached node with a session on the queue; it also tells a node which of its
-clients moved away, and forwards admin calls about a client to the node it is
-connected to.
+clients moved away (store/attached.py, where admin calls about a client are forwarded to the node it is
+connected to).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import threading
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
-from itertools import count
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence, final
 
-import rocksdict
 import trio
 
 from lightqueue.queues import LightQueues, PullResult
-from notify import EventMailbox, NotifyRouter
+from notify import NotifyRouter
 from retain.store import RetainedStore
-from store.api import MAIN_LOG, AdminOp, LogSpan, NewMessage, StoreStatistics
-from store.awaiting import AwaitingRelease, Flow
-from store.control import Activated, Committed, Control, Released, SessionEnded, encode_all
-from store.dispatch import MAX_LAG, Dispatcher, Listener
+from store.api import MAIN_LOG, LogSpan, NewMessage, StoreStatistics
+from store.attached import Attachment
+from store.awaiting import AwaitingRelease
+from store.control import Activated, ClientClosed, Committed, Control, Released, SessionEnded, SessionSaved, encode_all
+from store.dispatch import MAX_LAG, SCAN_BYTES, Dispatcher, Listener
 from store.groups import GroupCoordinator
-from store.leases import LEASE_S, Leases
-from store.ledger import ClientEntry, ClientLedger
+from store.leases import LEASE_S
+from store.ledger import ClientLedger
 from store.log.aio import AsyncCommitLog
-from store.log.commitlog import CommitLogConfig
+from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.log.recent import RecentRecords
 from store.log.record import Record, decode_record, new_record, now_ms
 from store.queuecontrol import QueueControls
-from store.rocks import open_db, open_family
+from store.rocks import open_db
+from store.sessions import SessionBlobs, Sessions
 from store.space import DiskSpace
 from store.tasks import background
 from store.usage import process_usage
 
 LOGGER = logging.getLogger(__name__)
 
-__all__ = ["ADMIN_TIMEOUT_S", "Attachment", "SESSIONS_FAMILY", "SessionExpiry", "SessionFixer", "StoreNode", "decode",
-           "open_store", "raw"]
-
-SESSIONS_FAMILY = "sessions"
-"""Its own column family: the light queues own every key of the default family, and session
-blobs are written with the WAL (they have no other source), unlike the index batches."""
-
-
-@final
-class Attachment:
-    """What the store routes to one attached node: its events, its clients that moved away, admin asks.
-
-    Resource handling: :meth:`close` ends the node's ``events`` and ``moved`` (``trio.EndOfChannel``) and fails
-    the asks it has not answered.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.events = EventMailbox()
-        self.moved = EventMailbox()  # {client id: 0}: clients not this node's any more
-        self._asks_in, self.asks = trio.open_memory_channel[tuple[int, str, AdminOp, bytes]](math.inf)
-        self._pending: dict[int, _Ask] = {}  # asks sent to this node, by id
-        self._ask_ids = count(1)
-
-    def close(self) -> None:
-        self.events.close()
-        self.moved.close()
-        self._asks_in.close()
-        for ask in self._pending.values():
-            ask.value = OSError(f"the gateway node {self.name} went away before answering")
-            ask.done.set()
-
-    async def ask(self, client_id: str, op: AdminOp, query: bytes = b"") -> bytes | None:
-        """Ask this node to run admin ``op`` about its client ``client_id`` (or list op ``op`` with ``query``) and
-        wait for its answer.
-
-        Raises:
-            OSError: the node did not answer within ``ADMIN_TIMEOUT_S``, or went away.
-        """
-        ask_id = next(self._ask_ids)
-        ask = self._pending[ask_id] = _Ask()
-        try:
-            try:
-                self._asks_in.send_nowait((ask_id, client_id, op, query))
-            except trio.ClosedResourceError:
-                raise OSError(f"the gateway node {self.name} went away") from None
-            with trio.move_on_after(ADMIN_TIMEOUT_S):
-                await ask.done.wait()
-        finally:
-            del self._pending[ask_id]
-        if not ask.done.is_set():
-            raise OSError(f"the gateway node {self.name} did not answer within {ADMIN_TIMEOUT_S} s")
-        if isinstance(ask.value, OSError):
-            raise ask.value
-        return ask.value
-
-    def answer(self, ask_id: int, value: bytes | None) -> None:
-        """The node's answer to ask ``ask_id`` (dropped if it came too late)."""
-        ask = self._pending.get(ask_id)
-        if ask is not None:
-            ask.value = value
-            ask.done.set()
-
-
-@final
-class _Ask:
-    __slots__ = ("done", "value")
-
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.value: bytes | None | OSError = None
-
-
-ADMIN_TIMEOUT_S = 20.0
-"""How long an admin call waits for the answer of the node a client is connected to (a disconnect waits up to
-15 s for the client's connection to close)."""
+__all__ = ["SessionExpiry", "SessionFixer", "StoreNode", "decode", "open_store", "raw"]
 
 
 @final
@@ -153,26 +70,26 @@ class StoreNode:
     """
 
     def __init__(self, data: Path, log: AsyncCommitLog, queues: LightQueues, dispatcher: Dispatcher,
-                 sessions: rocksdict.Rdict, retained: RetainedStore, recent: RecentRecords, space: DiskSpace,
-                 awaiting: AwaitingRelease, ledger: ClientLedger, nursery: trio.Nursery, lease_s: float) -> None:
+                 blobs: SessionBlobs, retained: RetainedStore, recent: RecentRecords, space: DiskSpace,
+                 awaiting: AwaitingRelease, nursery: trio.Nursery, lease_s: float) -> None:
         self.data = data
         self.log = log
         self.queues = queues
         self.dispatcher = dispatcher
-        self.sessions = sessions  # the SESSIONS_FAMILY column family: client id (UTF-8) -> session blob
-        self._session_lock = threading.Lock()  # saves and drops run in worker threads
         self.retained = retained  # kept up to date by the dispatcher; looked up at subscribe time
         self.recent = recent  # the last appended records, decoded: dispatch and pulls at the head read them here
         self.space = space  # free space on the data disk: appends and RocksDB writes are refused while it is short
         self.awaiting = awaiting  # inbound QoS 2 flows awaiting PUBREL, kept up to date by the dispatcher
         self.router = NotifyRouter()
         self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
-        self.leases = Leases(nursery, lease_s, append=self.append, end_session=self._end_session,
-                             on_moved=self._moved, ledger=ledger)
         self.groups = GroupCoordinator(self, self._poke)
         # First activations of wildcard filters, one at a time: each new filter's id is chosen from the state the
         # previous one left (applied before it returns), so two new filters never get one id.
         self._new_filters = trio.Lock()
+        self.sessions = Sessions(  # the client-keyed part (store/sessions.py)
+            blobs, awaiting, log.log, dispatcher, self.groups, append=self.append, append_control=self.append_control,
+            owns=self._owns, on_moved=self.moved, nursery=nursery, lease_s=lease_s)
+        self.leases = self.sessions.leases
 
     @property
     def disk_full(self) -> bool:
@@ -214,46 +131,11 @@ class StoreNode:
         """Offsets of ``queue`` were handed back to a group: the nodes with sessions on it pull."""
         self.route({queue: self.queues.max_offset(queue)})
 
-    def _moved(self, node: str, client_id: str) -> None:
+    def moved(self, node: str, client_id: str) -> None:
+        """``client_id`` connected elsewhere: ``node`` is told it is not its client any more."""
         attachment = self.attached.get(node)
         if attachment is not None:
             attachment.moved.post({client_id: 0})
-
-    async def admin_call(self, node: str, client_id: str, op: AdminOp) -> bytes | None:
-        """Run admin ``op`` on the node ``client_id`` is connected to, for ``node``'s admin API; None when it is
-        present on no other attached node (``node`` answers from what it has).
-
-        Raises:
-            OSError: that node did not answer in time, or went away.
-        """
-        owner = self.leases.where(client_id)
-        attachment = self.attached.get(owner) if owner is not None and owner != node else None
-        if attachment is None:
-            await trio.lowlevel.checkpoint()
-            return None
-        return await attachment.ask(client_id, op)
-
-    async def admin_call_all(self, node: str, op: AdminOp, query: bytes) -> tuple[dict[str, bytes], list[str]]:
-        """Run list ``op`` at once on every other attached node that has clients, for ``node``'s admin API:
-        (the answers by node name, the nodes that did not answer in time or went away)."""
-        answers: dict[str, bytes] = {}
-        missing: list[str] = []
-
-        async def ask(name: str, attachment: Attachment) -> None:
-            try:
-                answer = await attachment.ask("", op, query)
-            except OSError:
-                missing.append(name)
-                return
-            if answer is not None:
-                answers[name] = answer
-
-        async with trio.open_nursery() as nursery:
-            for name in sorted(self.leases.nodes_with_clients() - {node}):
-                attachment = self.attached.get(name)
-                if attachment is not None:
-                    nursery.start_soon(ask, name, attachment)
-        return answers, sorted(missing)
 
     # --- appends ----------------------------------------------------------------------------
 
@@ -332,9 +214,11 @@ class StoreNode:
         self._appended(made, offsets)
         return offsets
 
-    async def append_control(self, controls: Sequence[Control], *, durable: bool | None = None) -> int:
+    async def append_control(self, controls: Sequence[Control], *, durable: bool | None = None,
+                             applied: bool = True) -> int:
         """Append control records (store/control.py) in one CommitLog write and return once dispatch has applied
         them: what they say is then both stored (as the flush policy, or ``durable``, promises) and readable.
+        ``applied`` False: return once stored (state nobody reads before the next start: the client ledger).
 
         Returns:
             the CommitLog offset just past the last of them.
@@ -344,10 +228,12 @@ class StoreNode:
             OSError: the write failed (``LogFullError``: the disk is full); nothing was appended.
         """
         made = encode_all(controls, now_ms(), self.log.log.config.max_record_bytes)
+        self.space.check()  # not only the log's room: what dispatch derives from them is written to RocksDB
         offsets = await self._write([raw for raw, _ in made], durable)
         self._appended(made, offsets)
         end = offsets[-1] + made[-1][1].size
-        await self.dispatcher.wait_dispatched(end)
+        if applied:
+            await self.dispatcher.wait_dispatched(end)
         return end
 
     async def _write(self, records: list[bytes], durable: bool | None) -> list[int]:
@@ -480,141 +366,14 @@ class StoreNode:
             self.space.check()
             await self.append_control(controls)
 
-    # --- sessions ---------------------------------------------------------------------------
-
-    async def open_session(self, node: str, client_id: str, *, clean_start: bool, expiry_s: int,
-                           will: NewMessage | None, will_delay_s: int) -> bytes | None:
-        """``StoreApi.open_session`` for ``node``: place the client there, then its stored session (None: new).
-
-        Raises:
-            LogFullError: a clean start meets a full data disk (nothing was deleted).
-        """
-        due = self.leases.open(node, client_id, expiry_s=expiry_s, will=will, will_delay_s=will_delay_s,
-                               clean_start=clean_start)
-        if due is not None:  # the old session's delayed will, due as the clean start ends its session
-            await self._publish_due(client_id, due)
-        blob = None if clean_start else await trio.to_thread.run_sync(self.load_session, client_id)
-        if blob is None:  # whatever a session that is gone left (offsets, QoS 2 flows) goes, or the clean start's
-            await self._end_session(client_id)
-        return blob
-
-    async def close_session(self, node: str, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> None:
-        """``StoreApi.close_session`` for ``node``: ignored once the client is present elsewhere."""
-        if self.leases.close(node, client_id, expiry_s=expiry_s, will_delay_s=will_delay_s) and not expiry_s:
-            try:
-                await self._end_session(client_id)
-            except LogFullError:  # the client is not present any more: a retried close would find nothing to end
-                self.leases.end_when_room(client_id)
-            else:
-                self.leases.session_ended(client_id)
-
-    async def end_session(self, client_id: str) -> bool:
-        """``StoreApi.end_session``: an operator ends a session now; False when there was none."""
-        due = self.leases.ended(client_id)
-        if due is not None:
-            await self._publish_due(client_id, due)
-        return await self._end_session(client_id) or due is not None
-
-    async def _publish_due(self, client_id: str, will: NewMessage) -> None:
-        try:
-            await self.append([will])
-        except (OSError, ValueError) as exc:  # a full disk included: the session's end must not wait for room
-            LOGGER.error("will not published: %r", exc, extra={"ctx": {"client_id": client_id}})
-        else:
-            LOGGER.info("will published: its session ended", extra={"ctx": {"client_id": client_id}})
-
-    async def _end_session(self, client_id: str) -> bool:
-        """Forget a session: its blob first (on a full disk it stays whole: ``LogFullError``), its inbound QoS 2
-        flows, its shared subscriptions, its offsets and held filters. True if anything of it was stored."""
-        existed = await trio.to_thread.run_sync(self.drop_session, client_id)
-        existed = await self.drop_awaiting(client_id) or existed
-        await self.groups.drop_subscriber(client_id)
-        return await self._delete_owner(client_id) or existed
-
-    async def _delete_owner(self, owner: str) -> bool:
-        """The owner's offsets and held filters go: a ``SessionEnded`` record, appended and applied (the light
-        queues' applier drops them; nothing is written when there is nothing to drop)."""
+    def _owns(self, owner: str) -> bool:
+        """Whether ``owner`` holds filters or has offsets, which its ``SessionEnded`` drops (blocking)."""
         queues = self.queues
-        if not await trio.to_thread.run_sync(lambda: bool(queues.held_by(owner) or queues.get_offsets(owner))):
-            return False
-        self.space.check()
-        await self.append_control([SessionEnded(owner)])
-        return True
-
-    def save_session(self, client_id: str, blob: bytes, *, only_existing: bool = False) -> bool:
-        """Keep a session blob durably (WAL write): it must survive a process crash as written, and under the
-        ``sync`` flush policy a power loss too (fsynced): a QoS 2 subscriber's PUBREL waits for it.
-
-        ``only_existing``: write only over a blob kept now (the save of a client no longer connected, which a
-        full disk delayed, must not bring back a session that ended meanwhile). False when nothing was written.
-
-        Raises:
-            LogFullError: the data disk is short of space (RocksDB is not asked: ``store.space``).
-        """
-        key = client_id.encode()
-        with self._session_lock:  # an end between the check and the write would be undone by it
-            if only_existing and self.sessions.get(key) is None:
-                return False
-            self.space.check()
-            self.sessions.put(key, blob, self._session_writes())
-        return True
-
-    def load_session(self, client_id: str) -> bytes | None:
-        """The blob last saved for ``client_id``, or None."""
-        return self.sessions.get(client_id.encode())
-
-    def session_ids(self) -> list[str]:
-        """The client ids of the stored session blobs (blocking: a scan of the family)."""
-        return [key.decode() for key in self.sessions.keys()]
-
-    def drop_session(self, client_id: str) -> bool:
-        """Forget the blob of ``client_id``; False if there was none (clean-start connects write nothing).
-
-        Raises LogFullError as :meth:`save_session`.
-        """
-        key = client_id.encode()
-        with self._session_lock:
-            if self.sessions.get(key) is None:
-                return False
-            self.space.check()
-            self.sessions.delete(key, self._session_writes())
-        return True
-
-    def _session_writes(self) -> rocksdict.WriteOptions:
-        return _SYNCED if self.log.log.config.flush == "sync" else _WAL
-
-    async def awaiting_release(self, client_id: str) -> dict[int, int]:
-        """``{packet id: CommitLog offset}`` of the client's inbound QoS 2 messages stored and not released,
-        once dispatch has passed everything appended before the call."""
-        await self.dispatcher.wait_dispatched(self.log.log.written_offset)
-        return self.awaiting.awaiting(client_id)
-
-    async def release_awaiting(self, flows: Sequence[Flow]) -> None:
-        """Mark inbound QoS 2 flows released, durably (fsynced), in one write: their PUBCOMPs may go out.
-
-        Raises LogFullError as :meth:`save_session`.
-        """
-        self.space.check()
-        await trio.to_thread.run_sync(self.awaiting.release, flows)
-
-    async def drop_awaiting(self, client_id: str) -> bool:
-        """Forget the client's inbound QoS 2 flows (its session ended), the ones being dispatched included;
-        False if it had none."""
-        await self.dispatcher.wait_dispatched(self.log.log.written_offset)
-        if not self.awaiting.awaiting(client_id):  # most clients (every clean start) have none: no thread, no write
-            return False
-        self.space.check()
-        await trio.to_thread.run_sync(self.awaiting.drop, client_id)
-        return True
+        return bool(queues.held_by(owner) or queues.get_offsets(owner))
 
 
 MAX_READ_LOG_BYTES = 16 * 1024 * 1024
 """A ``read_log`` returns at most this much, so an RPC answer stays far below the frame limit."""
-
-
-_WAL = rocksdict.WriteOptions()  # session blobs have no other source: write them through the WAL
-_SYNCED = rocksdict.WriteOptions()
-_SYNCED.sync = True  # ... and under the sync flush policy fsync it
 
 
 def decode(raw: bytes, offset: int) -> Record:
@@ -680,27 +439,26 @@ async def open_store(
             space = DiskSpace(data)
             awaiting = AwaitingRelease(db)
             controls = QueueControls(queues)
-            dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
-                                    awaiting=awaiting, room=space.has_room, appliers=[controls])
-            sessions = open_family(db, SESSIONS_FAMILY)
+            blobs = SessionBlobs(db)
             ledger = ClientLedger(db)
+            dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
+                                    awaiting=awaiting, room=space.has_room,
+                                    appliers=[controls, blobs, ledger, awaiting.controls])
             try:
-                missing = await trio.to_thread.run_sync(_recover, dispatcher, queues, sessions, fix_session)
-                clients = await trio.to_thread.run_sync(ledger.entries)
+                await trio.to_thread.run_sync(_recover, alog.log, dispatcher, queues, blobs, fix_session)
+                await trio.to_thread.run_sync(_restate_legacy, alog.log, dispatcher, controls, blobs, ledger, awaiting)
                 if session_expiry is not None:
-                    clients |= await trio.to_thread.run_sync(_unrecorded, sessions, ledger, clients, session_expiry)
+                    await trio.to_thread.run_sync(_unrecorded, alog.log, dispatcher, blobs, ledger, session_expiry)
+                clients = await trio.to_thread.run_sync(ledger.entries)
             except Exception as exc:
                 raise _startup_error(data, exc) from exc
             try:
                 async with trio.open_nursery() as timers:  # leases, wills, session expiry: they end with the node
-                    node = StoreNode(data, alog, queues, dispatcher, sessions, retained, recent, space, awaiting,
-                                     ledger, timers, lease_s)
+                    node = StoreNode(data, alog, queues, dispatcher, blobs, retained, recent, space, awaiting,
+                                     timers, lease_s)
                     nodes.append(node)
                     node.leases.restore(clients)  # expiries and wills pending when the store stopped
                     async with background(dispatcher.run), background(partial(_watch_space, space)):
-                        if not controls.restated:
-                            await _restate(node, controls)
-                        await _activate_again(node, missing)
                         if tier is not None and tier.get("tier.uri"):
                             try:
                                 from store.tier import TierConfig, TierConverter, run_tier
@@ -720,7 +478,7 @@ async def open_store(
                         node.detach(name)
                 with trio.CancelScope(shield=True):  # a cancelled node (SIGTERM) still shuts down cleanly
                     await trio.to_thread.run_sync(dispatcher.close)
-                sessions.close()  # a family handle keeps the database open
+                blobs.close()  # a family handle keeps the database open
                 ledger.close()
                 retained.close()
                 awaiting.close()
@@ -742,87 +500,74 @@ async def _watch_space(space: DiskSpace, *, task_status: trio.TaskStatus[None] =
             space.has_room()
 
 
-def _recover(dispatcher: Dispatcher, queues: LightQueues, sessions: rocksdict.Rdict,
-             fix_session: SessionFixer | None) -> list[tuple[str, str]]:
+def _recover(log: CommitLog, dispatcher: Dispatcher, queues: LightQueues, blobs: SessionBlobs,
+             fix_session: SessionFixer | None) -> None:
     """Before anyone consumes: index the whole log and pull back every position past its end (sessions
-    included), so that nothing appended from now on is skipped; one WARNING line says what moved.
-
-    Session blobs are kept beside the log (with the WAL): after a power loss they may read queues from positions,
-    or hold filters, that lost records made. Returns ``(filter, client id)`` for every filter a blob reads that
-    its client no longer holds (its ``Activated`` record was lost) and nobody else holds either: ``open_store``
-    activates them again, from the log's end.
-    """
+    included: their fixed blobs are saved again), so that nothing appended from now on is skipped; one WARNING
+    line says what moved."""
     found = dispatcher.recover()
-    log_end = dispatcher.dispatched_offset
-    if queues.applied_hint > log_end:
-        found.setdefault("log_end", log_end)
-        found["control_records_from"] = queues.applied_hint
     if not found:
-        return []
-    missing: list[tuple[str, str]] = []
+        return
     if fix_session is not None:
-        fixed = 0
-        read: list[str] = []
-
-        def max_offset(queue: str) -> int:
-            read.append(queue)
-            return queues.max_offset(queue)
-
-        for key, blob in sessions.items():
-            read.clear()
-            new = fix_session(blob, max_offset)
+        fixed: list[Control] = []
+        for client_id, blob in blobs.items():
+            new = fix_session(blob, queues.max_offset)
             if new is not None:
-                sessions.put(key, new, _WAL)
-                fixed += 1
-            client_id = key.decode()
-            held = set(queues.held_by(client_id))
-            missing.extend((queue, client_id) for queue in read if queue not in held and not queues.holders(queue))
-        found["sessions"] = fixed
-        found["filters"] = len(missing)
-    queues.forget_hint(log_end)
+                fixed.append(SessionSaved(client_id, new))
+        _append_at_start(log, dispatcher, fixed)
+        found["sessions"] = len(fixed)
     LOGGER.warning("positions past the end of the recovered CommitLog were pulled back to it (records lost in a"
                    " power loss or OS crash under the async flush policy); nothing appended from now on is skipped",
                    extra={"ctx": found})
-    return missing
 
 
-async def _activate_again(node: StoreNode, missing: Sequence[tuple[str, str]]) -> None:
-    """The filters ``_recover`` found held by session blobs but not by the light queues, held again."""
-    for filter, client_id in missing:
-        try:
-            await node.activate(filter, client_id)
-        except ValueError as exc:  # TopicError included: never stored so; the session reports it when it resumes
-            LOGGER.error("filter of a stored session not activated again: %s", exc,
-                         extra={"ctx": {"client_id": client_id}})
+def _restate_legacy(log: CommitLog, dispatcher: Dispatcher, queues: QueueControls, blobs: SessionBlobs,
+                    ledger: ClientLedger, awaiting: AwaitingRelease) -> None:
+    """Data written before control records existed (filter holders and consumer offsets, session blobs, client
+    ledger entries and QoS 2 releases that no record makes): restate them as control records, once, so that the log
+    alone holds them (blocking)."""
+    legacy: list[Any] = [queues] if not queues.restated else []
+    legacy += [part for part in (blobs, ledger) if part.legacy]
+    if awaiting.legacy:
+        legacy.append(awaiting.controls)
+    controls = [control for part in legacy for control in part.restate()]
+    if not controls:
+        return
+    _append_at_start(log, dispatcher, controls)  # a crash before the next flush restates them again: harmless
+    LOGGER.info("session state stored before control records restated as control records",
+                extra={"ctx": {"records": len(controls)}})
 
 
-async def _restate(node: StoreNode, controls: QueueControls) -> None:
-    """An index written before control records holds activations and offsets that no record made: restate them in
-    the log (one write), so that it holds them from now on (a replica, a rebuild derive them)."""
-    restated = list(controls.restate())
-    await node.append_control(restated, durable=True)
-    LOGGER.info("filter holders and consumer offsets of an index from before control records restated in the log",
-                extra={"ctx": {"records": len(restated)}})
-
-
-def _unrecorded(sessions: rocksdict.Rdict, ledger: ClientLedger, known: Mapping[str, ClientEntry],
-                expiry_of: SessionExpiry) -> dict[str, ClientEntry]:
-    """The session blobs without a ledger entry, each written as closed now with the expiry it was saved with:
+def _unrecorded(log: CommitLog, dispatcher: Dispatcher, blobs: SessionBlobs, ledger: ClientLedger,
+                expiry_of: SessionExpiry) -> None:
+    """The session blobs without a ledger entry, each recorded as closed now with the expiry it was saved with:
     their clients' closes were never recorded, and now is the earliest time the store can vouch for (blocking)."""
-    found = {}
+    known = ledger.entries()
     closed_ms = now_ms()
-    for key in sessions.keys():  # the keys alone: after the first start almost every one has its entry
-        client_id = key.decode()
+    found: list[Control] = []
+    for client_id in blobs.ids():  # the keys alone: after the first start almost every one has its entry
         if client_id in known:
             continue
-        expiry_s = expiry_of(sessions[key])
+        blob = blobs.get(client_id)
+        expiry_s = expiry_of(blob) if blob is not None else 0
         if expiry_s:  # 0: unreadable (resuming it reports that); a blob is never saved with expiry 0
-            found[client_id] = entry = ClientEntry("", expiry_s, closed_ms=closed_ms)
-            ledger.put(client_id, entry)
+            found.append(ClientClosed(client_id, "", expiry_s, None, 0, closed_ms))
     if found:
+        _append_at_start(log, dispatcher, found)
         LOGGER.info("stored sessions without a client ledger entry expire from this start",
                     extra={"ctx": {"sessions": len(found)}})
-    return found
+
+
+def _append_at_start(log: CommitLog, dispatcher: Dispatcher, controls: Sequence[Control]) -> None:
+    """Append control records durably before the node serves, and apply them (blocking; dispatch is not
+    running yet)."""
+    if not controls:
+        return
+    made = encode_all(controls, now_ms(), log.config.max_record_bytes)
+    log.append_batch([raw for raw, _ in made])
+    log.flush()
+    while dispatcher.step(SCAN_BYTES, flush=False) is not None:
+        pass
 
 
 def _startup_error(data: Path, exc: Exception) -> Exception:

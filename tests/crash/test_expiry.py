@@ -16,6 +16,7 @@ import rocksdict
 from gateway.mqtt.packets import MQTT_5
 from gateway.mqtt.properties import Properties
 from tests.helpers.admin import Admin, admin_port
+from tests.helpers.base import BaseNode, base_tree
 from tests.helpers.cluster import Gateway, Store, ask_store, free_port, wait_for
 from tests.helpers.mqtt_fixtures import (WAIT_S, Node, RawClient, check_nothing_before_sentinel, kill, run_id,
                                          session5, subscribe5, wait_until)
@@ -100,10 +101,11 @@ def test_embedded_sessions_expire_through_a_restart(tmp_path, how):
 
 
 def test_a_session_stored_without_a_ledger_entry_expires_one_expiry_after_the_start(tmp_path):
-    """Sessions kept before the client ledger existed (or whose entry is lost) were made permanent by every
-    restart: the first start that finds one counts it as closed then."""
+    """Sessions kept before the client ledger existed were made permanent by every restart: the first start that
+    finds one counts it as closed then. The data directory is BASE's (tests/helpers/base.py: session blobs beside
+    the log) without its ledger, as a version before the ledger left it."""
     run = run_id()
-    node = Node(tmp_path / "data")
+    node = BaseNode(base_tree(tmp_path / "base"), tmp_path / "data")
     try:
         detach(node.port, f"old-{run}", SHORT_S, f"ex/{run}/+")
         detach(node.port, f"keep-{run}", LONG_S)

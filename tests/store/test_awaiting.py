@@ -129,11 +129,11 @@ WRITER = textwrap.dedent("""
             for pid in (1, 2, 3):
                 [offset] = await store.append([NewMessage("t", b"m", "pub", 2, packet_id=pid)])
                 offsets.append(offset)
-            await store.release_awaiting([("pub", 2, offsets[1]), ("pub", 3, offsets[2])])
+            await store.sessions.release_awaiting([("pub", 2, offsets[1]), ("pub", 3, offsets[2])])
             await store.log.flush()
             # Packet id 3 again (its first flow is complete), appended and released before the log's next flush.
             [tail] = await store.append([NewMessage("t", b"tail", "pub", 2, packet_id=3)], durable=False)
-            await store.release_awaiting([("pub", 3, tail)])
+            await store.sessions.release_awaiting([("pub", 3, tail)])
             print(*offsets, tail, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -151,7 +151,7 @@ def crash_writer(data: Path, flush: str) -> list[int]:
 
 async def awaiting_after_restart(data: Path, flush: str) -> dict[int, int]:
     async with open_store(data, CommitLogConfig(flush=flush)) as store:
-        return await store.awaiting_release("pub")
+        return await store.sessions.awaiting_release("pub")
 
 
 def test_after_a_sigkill_the_store_knows_which_flows_await_release(tmp_path):
@@ -172,7 +172,7 @@ def test_a_power_loss_under_async_never_takes_a_later_message_for_a_resend(tmp_p
         async with open_store(tmp_path, CommitLogConfig(flush="async")) as store:
             [offset] = await store.append([NewMessage("t", b"after", "pub", 2, packet_id=3)])
             assert offset == tail  # the lost tail's offset, reused
-            return await store.awaiting_release("pub")
+            return await store.sessions.awaiting_release("pub")
 
     # The release of the lost record (fsynced) must not cover the new one at the same offset: a resend of it
     # would be stored twice.

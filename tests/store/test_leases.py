@@ -1,8 +1,9 @@
 """Node leases and what the store keeps for their clients: presence, wills, session expiry (store/leases.py).
 
 On trio's virtual clock (pytest-trio's ``autojump_clock``): a lease of 5 s and wills delayed by minutes cost
-no real time. The restarts are new ``Leases`` over the same client ledger in a real RocksDB (store/ledger.py);
-the ledger's times are wall-clock, so an entry closed "long ago" is written with that time.
+no real time. The restarts are new ``Leases`` over the same client ledger in a real RocksDB (store/ledger.py), which
+applies the control records the leases write as dispatch would; the ledger's times are wall-clock, so an entry
+closed "long ago" is written with that time.
 """
 
 import pytest
@@ -11,7 +12,8 @@ import trio.testing
 
 from store.api import NewMessage
 from store.leases import NEVER_EXPIRES, Leases
-from store.ledger import ClientEntry, ClientLedger
+from store.control import encode_control
+from store.ledger import ClientEntry, ClientLedger, entry_control
 from store.log.record import now_ms
 from store.rocks import open_db
 
@@ -53,7 +55,32 @@ class Store:
 
     def leases(self, nursery, ledger=None) -> Leases:
         return Leases(nursery, LEASE_S, append=self.append, end_session=self.end_session, on_moved=self.on_moved,
-                      ledger=ledger)
+                      write=ledger.write if ledger is not None else None)
+
+
+class Ledger:
+    """A client ledger over a real RocksDB that applies the records written to it at once, in order."""
+
+    def __init__(self, db):
+        self.ledger = ClientLedger(db)
+        self.offset = 0
+
+    async def write(self, controls):
+        for control in controls:
+            self.put_control(control)
+        await trio.lowlevel.checkpoint()
+
+    def put_control(self, control):
+        _, record = encode_control(control, 1, 1 << 20)
+        record.offset = self.offset
+        self.offset += record.size
+        self.ledger.apply(record, control)
+
+    def put(self, client_id, entry):
+        self.put_control(entry_control(client_id, entry))
+
+    def entries(self):
+        return self.ledger.entries()
 
 
 def open_(leases, node, client_id, *, expiry_s=0, delay=0, with_will=True, clean_start=False):
@@ -230,9 +257,9 @@ async def test_a_client_registered_again_after_a_reconnect_never_displaces_a_new
 @pytest.fixture
 def ledger(tmp_path):
     db = open_db(tmp_path / "index")
-    ledger = ClientLedger(db)
+    ledger = Ledger(db)
     yield ledger
-    ledger.close()
+    ledger.ledger.close()
     db.close()
 
 
@@ -251,6 +278,7 @@ async def test_a_restart_rearms_expiries_and_wills_for_the_time_they_have_left(a
         await store.wait_for(lambda: len(store.ended) == 2 and store.appended)
         assert sorted((round(t - start), c) for t, c in store.ended) == [(0, "past"), (40, "later")]
         assert [(round(t - start), topic) for t, topic in store.appended] == [(10, "will/willed")]
+        await leases.written()
         entries = ledger.entries()
         assert sorted(entries) == ["forever", "willed"]  # ended sessions leave the ledger
         assert entries["willed"].will is None  # published: a second restart must not publish it again
@@ -267,6 +295,7 @@ async def test_a_session_resumed_before_the_restart_keeps_neither_expiry_nor_wil
         open_(leases, "gw1", "a", expiry_s=60, with_will=False)  # back in time: its expiry and will are off
         leases.close("gw1", "a", expiry_s=0, will_delay_s=None)  # a clean end: the caller ends the session
         leases.session_ended("a")
+        await leases.written()
         assert ledger.entries() == {}
         nursery.cancel_scope.cancel()
     async with trio.open_nursery() as nursery:
@@ -288,6 +317,7 @@ async def test_clients_connected_at_the_stop_stay_with_a_node_that_adopts_its_le
         open_(leases, "gw1", "unclaimed", expiry_s=30, with_will=False)  # it leaves gw1 while the store is down
         open_(leases, "local", "gone", expiry_s=30, delay=10)
         open_(leases, "away", "orphan", expiry_s=30, with_will=False)  # its node never comes back
+        await leases.written()  # the CONNACKs wait for this
         nursery.cancel_scope.cancel()  # the store stops: nothing fires
     store = Store()
     async with trio.open_nursery() as nursery:
@@ -303,6 +333,7 @@ async def test_clients_connected_at_the_stop_stay_with_a_node_that_adopts_its_le
             (30, "gone"), (LEASE_S + 30, "orphan"), (LEASE_S + 30, "unclaimed")]
         await trio.sleep(3600)
         assert leases.where("kept") == "gw1" and len(store.ended) == 3
+        await leases.written()
         assert sorted(ledger.entries()) == ["kept"]
         nursery.cancel_scope.cancel()
 
@@ -320,6 +351,7 @@ async def test_a_client_registered_again_after_a_store_restart_is_not_expired_by
         leases.reattach("gw1", "c", expiry_s=30, will=None, will_delay_s=0)
         await trio.sleep(3600)
         assert store.ended == [] and leases.where("c") == "gw1"
+        await leases.written()
         assert ledger.entries()["c"].closed_ms == 0  # connected
         nursery.cancel_scope.cancel()
 

@@ -26,14 +26,15 @@ DEFAULTS = {o.key: o.default for o in OPTIONS}
 
 async def test_session_blobs_are_durable_and_droppable(tmp_path):
     async with open_store(tmp_path, CommitLogConfig()) as store:
-        store.save_session("kept", b"one")
-        store.save_session("kept", b"two")  # the latest wins
-        store.save_session("dropped", b"x")
-        store.drop_session("dropped")
-        store.drop_session("never-saved")  # harmless
+        sessions = store.sessions
+        await sessions.save_session("kept", b"one")
+        await sessions.save_session("kept", b"two")  # the latest wins
+        await sessions.save_session("dropped", b"x")
+        assert await sessions.end_session("dropped")
+        assert not await sessions.end_session("never-saved")  # harmless
     async with open_store(tmp_path, CommitLogConfig()) as store:
-        assert store.load_session("kept") == b"two"
-        assert store.load_session("dropped") is None
+        assert await store.sessions.load_session("kept") == b"two"
+        assert await store.sessions.load_session("dropped") is None
 
 
 def test_session_state_round_trips_through_its_blob():
@@ -97,7 +98,7 @@ async def test_session_expires_after_disconnect_and_releases_its_filter(tmp_path
                 await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
     async with open_store(tmp_path, CommitLogConfig()) as store:
-        assert store.load_session("exp") is None
+        assert await store.sessions.load_session("exp") is None
         assert store.queues.holders("exp/+/x") == []
 
 

@@ -1,0 +1,124 @@
+"""A RocksDB column family derived from control records: what a ``ControlApplier`` keeps by client id.
+
+Dispatch applies control records in log order (store/dispatch.py); the family is only their product, so its writes
+skip the WAL (a crash re-applies the log from the family's checkpoint) and it is persisted by the dispatcher's
+flush, after the CommitLog's, so it never holds what the log lost. Deleting the family makes the next start
+derive it again from the log.
+
+Storage: key the client id (UTF-8), value what the applier keeps for it; the checkpoint (every control record
+below it applied) under ``CHECKPOINT_KEY``, a byte that is no UTF-8 text, so no client id is it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from typing import final
+
+import rocksdict
+
+from store.rocks import open_family
+
+__all__ = ["CHECKPOINT_KEY", "DerivedApplier", "DerivedFamily"]
+
+CHECKPOINT_KEY = b"\xff"
+
+_U64 = struct.Struct(">Q")
+_NO_WAL = rocksdict.WriteOptions()
+_NO_WAL.disable_wal = True
+
+
+@final
+class DerivedFamily:
+    """One derived column family of the node's database (see the module docstring).
+
+    ``legacy``: the family has entries and no checkpoint: written with the WAL by a version before control records,
+    so the log does not hold what made it; its applier restates it once (``open_store``).
+
+    Resource handling: the caller owns ``db``; :meth:`close` before closing it.
+    """
+
+    def __init__(self, db: rocksdict.Rdict, name: str) -> None:
+        self._family: rocksdict.Rdict = open_family(db, name)
+        raw = self._family.get(CHECKPOINT_KEY)
+        self.checkpoint = _U64.unpack(raw)[0] if raw is not None else 0
+        self.legacy = raw is None and any(True for _ in self._family.keys())
+        self.applied_end = self.checkpoint  # just past the last record applied in this process
+
+    def get(self, client_id: str) -> bytes | None:
+        return self._family.get(client_id.encode())
+
+    def put(self, client_id: str, value: bytes, offset: int) -> None:
+        """Keep ``value`` for ``client_id``, as applied from the record at ``offset``."""
+        self._family.put(client_id.encode(), value, _NO_WAL)
+        self.applied(offset)
+
+    def delete(self, client_id: str, offset: int) -> None:
+        """Forget ``client_id`` (a record at ``offset`` said so); nothing is written when it has nothing."""
+        key = client_id.encode()
+        if self._family.get(key) is not None:
+            self._family.delete(key, _NO_WAL)
+        self.applied(offset)
+
+    def applied(self, offset: int) -> None:
+        """The record at ``offset`` was applied (whatever it changed)."""
+        self.applied_end = max(self.applied_end, offset + 1)
+
+    def items(self) -> Iterator[tuple[str, bytes]]:
+        """Every entry (blocking: a scan of the family)."""
+        for key, value in self._family.items():
+            if key != CHECKPOINT_KEY:
+                yield key.decode(), value
+
+    def keys(self) -> Iterator[str]:
+        """Every client id (blocking: a scan of the keys only)."""
+        for key in self._family.keys():
+            if key != CHECKPOINT_KEY:
+                yield key.decode()
+
+    def flush(self, offset: int) -> None:
+        """Move the checkpoint to ``offset`` and persist the family (the dispatcher's flush, after the log's)."""
+        self._family.put(CHECKPOINT_KEY, _U64.pack(offset), _NO_WAL)
+        self._family.flush()
+        self.checkpoint = offset
+        self.legacy = False
+
+    def rewind(self, log_end: int) -> bool:
+        """The log now ends at ``log_end``: when a record at or past it was applied, forget everything and start
+        again from the log's first record (the family keeps no history). Whether it did."""
+        if self.applied_end <= log_end and self.checkpoint <= log_end:
+            return False
+        for key in list(self._family.keys()):
+            self._family.delete(key, _NO_WAL)
+        self.flush(0)
+        self.applied_end = 0
+        return True
+
+    def close(self) -> None:
+        self._family.close()
+
+
+class DerivedApplier:
+    """What a ``ControlApplier`` that keeps one ``DerivedFamily`` (``name``) does the same as every other: its
+    checkpoint, flush, rewind and close; ``legacy`` as the family's. Subclasses apply and restate."""
+
+    def __init__(self, db: rocksdict.Rdict, name: str) -> None:
+        self._family = DerivedFamily(db, name)
+
+    @property
+    def checkpoint(self) -> int:
+        return self._family.checkpoint
+
+    @property
+    def legacy(self) -> bool:
+        """Entries written before control records existed: the applier's ``restate`` makes them records once."""
+        return self._family.legacy
+
+    def flush(self, offset: int) -> None:
+        self._family.flush(offset)
+
+    def rewind(self, log_end: int) -> None:
+        self._family.rewind(log_end)
+
+    def close(self) -> None:
+        self._family.close()
