@@ -282,15 +282,6 @@ class RetainedStore:
             self._checkpoint = min(self._checkpoint, log_end)
         return len(doomed)
 
-    def replay_all(self) -> None:
-        """Take every retained update again, from the CommitLog's first record on (``lightgate repair``: a table
-        the database lost may have held messages below the checkpoint). The latest offset still wins, so no
-        message held now is replaced by an older one; one whose record retention deleted cannot come back."""
-        family, _ = self._open()
-        with self._lock:
-            family.delete(CHECKPOINT_KEY, self._wal)
-            self._checkpoint = 0
-
     # -- direct writes (admin) -------------------------------------------------------
 
     def set(self, topic: str, log_offset: int, record: bytes) -> bool:

@@ -110,9 +110,6 @@ def _cmd_repair(args: argparse.Namespace, conf: cfg.Config) -> int:
         LOG.error("repair failed: %s", exc, extra={"ctx": {"data": conf["node.data"]}})
         return 1
     LOG.info("repair done: start the node again", extra={"ctx": done})
-    if done["tables_set_aside"] and done["not_in_the_log"]:
-        LOG.warning("what the tables set aside held of the state not yet in the CommitLog is lost: %s",
-                    ", ".join(done["not_in_the_log"]), extra={"ctx": {"tables_set_aside": done["tables_set_aside"]}})
     return 0
 
 
@@ -350,8 +347,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     node_command("serve", "run the embedded node (gateway, store, dispatch, notify in one process)", _cmd_serve)
     node_command("store", "run a store node (CommitLog, RocksDB light queues, dispatch, retention) serving "
                           "gateway nodes over the RPC (--listen HOST:PORT)", _cmd_store)
-    node_command("repair", "repair a stopped node's data after its index database broke (RocksDB's repair, then "
-                           "re-indexing from the CommitLog; docs/storage.md, \"Repair\")", _cmd_repair)
+    node_command("repair", "repair a stopped node's data after its index database broke (a new index, derived "
+                           "again from the CommitLog; docs/storage.md, \"Repair\")", _cmd_repair)
     node_command("dump", "print a stopped node's index database as canonical JSON: what it derived from the "
                          "CommitLog, independent of how it was written (docs/storage.md, \"Recovery\")", _cmd_dump)
     p = node_command("snapshot", "copy a stopped node's index database consistently (RocksDB's checkpoint) to "
