@@ -11,16 +11,12 @@ Then the store and a gateway run again and every client comes back: each subscri
 published for it while it was away, in order, nothing twice [MQTT-4.6.0-5]; the QoS 2 publisher's resend (DUP=1)
 is answered PUBREC and not stored again, its PUBREL gets PUBCOMP [MQTT-4.3.3-2]; the subscriber gets its
 unacknowledged QoS 2 message again with DUP=1 and its packet id [MQTT-4.4.0-1]; the group resumes after its
-commit; the delayed will is published once [MQTT-3.1.2-8].
-
-Until every piece of state is a control record (sessions, QoS 2 releases, the client ledger, activations, offset
-commits, queue ids), the tests of what is still kept beside the log are expected to fail (strict: once they pass,
-the mark must go).
+commit; the delayed will is published once [MQTT-3.1.2-8]. A twin run keeps its index instead of deleting it and
+must pass the same tests, which shows the tests themselves are right.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import queue
 import shutil
@@ -41,26 +37,6 @@ pytestmark = pytest.mark.slow
 
 WILL_DELAY_S = 2
 LONG_S = 3600  # the Session Expiry Interval of every persistent session: none expires during the test
-BESIDE_THE_LOG = ("kept beside the CommitLog until the control records of branches queues and clients land (session "
-                 "blobs, the client ledger, QoS 2 releases, activations, offset commits, queue ids)")
-
-
-def beside_the_log(test):
-    """A test of state still kept beside the log: with the index deleted it is expected to fail (and must fail:
-    once it passes, this mark goes); on the twin that kept its index it must pass, which shows the test itself
-    is right."""
-    @functools.wraps(test)
-    def run(**fixtures):
-        work = next(value for value in fixtures.values() if isinstance(value, tuple))[-1]
-        if not work.deleted:
-            return test(**fixtures)
-        try:
-            test(**fixtures)
-        except AssertionError as exc:
-            pytest.xfail(f"{BESIDE_THE_LOG}: {str(exc).splitlines()[0]}")
-        pytest.fail("passes with the index deleted: remove @beside_the_log")
-
-    return run
 
 
 @dataclass
@@ -233,7 +209,6 @@ def test_exact_and_first_level_queues_come_back_with_every_entry_at_its_queue_of
     assert without_ids(work.after, names) == without_ids(work.before, names)
 
 
-@beside_the_log
 def test_the_index_derived_again_dumps_identical(rebuilt):
     _, _, work = rebuilt
     assert json.dumps(work.after, sort_keys=True, indent=1) == json.dumps(work.before, sort_keys=True, indent=1)
@@ -246,7 +221,6 @@ def test_retained_messages_come_back(rebuilt):
             if topic.startswith(work.root)} == work.retained
 
 
-@beside_the_log
 def test_queue_ids_filters_offsets_sessions_flows_and_clients_come_back(rebuilt):
     _, _, work = rebuilt
     for part in ("next_queue_id", "filters", "offsets"):
@@ -321,7 +295,6 @@ def resume(port: int, client_id: str):
     return client
 
 
-@beside_the_log
 def test_every_persistent_subscriber_gets_exactly_what_was_published_while_it_was_away(running):
     _, gateway, work = running
     barrier, _ = session5(gateway.port, f"barrier-{work.run}", 0, clean=True)
@@ -340,7 +313,6 @@ def test_every_persistent_subscriber_gets_exactly_what_was_published_while_it_wa
     barrier.disconnect()
 
 
-@beside_the_log
 def test_the_half_done_qos2_publisher_completes_and_its_resend_is_not_stored_again(running):
     _, gateway, work = running
     client = raw_resume(gateway.port, f"q2pub-{work.run}")
@@ -353,7 +325,6 @@ def test_the_half_done_qos2_publisher_completes_and_its_resend_is_not_stored_aga
     nothing_more(gateway.port, resume(gateway.port, f"exact-{work.run}"), f"{work.root}/exact")  # no second b"q2"
 
 
-@beside_the_log
 def test_the_subscriber_gets_its_unacknowledged_qos2_message_again(running):
     _, gateway, work = running
     client = raw_resume(gateway.port, f"q2sub-{work.run}")
@@ -366,7 +337,6 @@ def test_the_subscriber_gets_its_unacknowledged_qos2_message_again(running):
     client.close()
 
 
-@beside_the_log
 def test_the_group_continues_from_its_committed_offsets(running):
     store, _, work = running
 
@@ -379,7 +349,6 @@ def test_the_group_continues_from_its_committed_offsets(running):
     assert trio.run(consume) == work.group_rest
 
 
-@beside_the_log
 def test_the_delayed_will_is_published_once(running):
     _, gateway, work = running
     watcher = resume(gateway.port, f"will-{work.run}")
