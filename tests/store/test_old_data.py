@@ -12,7 +12,7 @@ from gateway.mqtt.packets import MQTT_5, Publish, Pubcomp, Pubrec, Pubrel
 from gateway.mqtt.properties import Properties
 from tests.helpers.base import BaseNode, base_tree
 from tests.helpers.mqtt_fixtures import Node, RawClient
-from tests.store.test_sessions import control_kinds, derived, drop_families
+from tests.helpers.derived import control_kinds, derived, drop_families
 
 pytestmark = pytest.mark.slow
 

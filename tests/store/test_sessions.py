@@ -15,22 +15,21 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import rocksdict
 import trio
 
 from store.api import Flow, NewMessage
-from store.awaiting import AWAITING_FAMILY, AwaitingRelease
-from store.control import FlowsAwaiting, decode_control, encode_control
-from store.ledger import LEDGER_FAMILY, ClientLedger
+from store.awaiting import AwaitingRelease
+from store.control import decode_control, encode_control
+from store.ledger import ClientLedger
 from store.local import LocalStore
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.node import open_store
 from store.rocks import open_db
-from store.sessions import SESSIONS_FAMILY, SessionBlobs
+from store.sessions import SessionBlobs
 from tests.helpers.processes import ROOT
-from tests.store.log.test_powerloss import lose_unflushed_tail
+from tests.helpers.derived import control_kinds, derived, drop_families
+from tests.helpers.powerloss import lose_unflushed_tail
 
-FAMILIES = (SESSIONS_FAMILY, LEDGER_FAMILY, AWAITING_FAMILY)
 HOUR = 3600
 
 
@@ -70,39 +69,9 @@ async def lifecycle(data: Path) -> None:
         gw.close()
 
 
-def derived(data: Path) -> dict:
-    """The derived families, canonically: blobs, ledger entries, flows awaiting release (released ones are kept
-    only until the next flush)."""
-    db = open_db(data / "index")
-    blobs, ledger, awaiting = SessionBlobs(db), ClientLedger(db), AwaitingRelease(db)
-    try:
-        flows = sorted(flow for c in awaiting.restate() if isinstance(c, FlowsAwaiting) for flow in c.flows)
-        return {"sessions": dict(blobs.items()), "clients": ledger.entries(), "awaiting": flows}
-    finally:
-        for part in (blobs, ledger, awaiting):
-            part.close()
-        db.close()
-
-
-def drop_families(data: Path) -> None:
-    index = str(data / "index")
-    db = rocksdict.Rdict(index, column_families={name: rocksdict.Options(raw_mode=True)
-                                                 for name in rocksdict.Rdict.list_cf(index)},
-                         options=rocksdict.Options(raw_mode=True))
-    for name in FAMILIES:
-        db.drop_column_family(name)
-    db.close()
-
-
 async def restart(data: Path) -> None:
     async with open_store(data, CommitLogConfig(), lease_s=HOUR):
         pass
-
-
-def control_kinds(data: Path) -> list[str]:
-    with CommitLog.open(data / "commitlog", CommitLogConfig()) as log:
-        records = log.scan(log.min_offset, 1 << 30).records
-    return [type(decode_control(r)).__struct_config__.tag for r in records if r.control]
 
 
 def test_every_step_of_a_session_is_a_control_record_and_applied(tmp_path):

@@ -8,20 +8,18 @@ import pytest
 import trio
 
 from gateway.mqtt.actions import InFlight, Phase, Subscription
-from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
-from gateway.app.config import OPTIONS
 from gateway.app.embedded import serve_gateway
 from gateway.node.sessions import rejoin, split
 from gateway.mqtt.session import decode_session, encode_session
-from gateway.mqtt.packets import MQTT_5, Connack, Connect, Disconnect, Suback, Subscribe, SubscriptionOptions
+from gateway.mqtt.packets import Connack, Connect, Disconnect, Suback, Subscribe, SubscriptionOptions
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import ReasonCode
 from gateway.mqtt.session import SessionState
 from store.api import MAIN_LOG, Position
 from store.log.commitlog import CommitLogConfig
 from store.node import open_store
+from tests.helpers.trio_mqtt import DEFAULTS, RawClient
 
-DEFAULTS = {o.key: o.default for o in OPTIONS}
 
 
 async def test_session_blobs_are_durable_and_droppable(tmp_path):
@@ -60,24 +58,6 @@ def test_suspended_subscriptions_rejoin_every_save_and_a_reused_packet_id_is_del
     assert [(e.packet_id, e.filter) for e in whole.inflight] == [(7, "a/#"), (8, "b/#")]
     resubscribed = replace(live, subscriptions=(*live.subscriptions, Subscription("b/#", "b/#")))
     assert rejoin(resubscribed, suspended) == resubscribed  # made again meanwhile: the live one wins
-
-
-class RawClient:
-    """An MQTT 5 client over a trio socket, using the project's own codec."""
-
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self.decoder = MqttDecoder(role=Role.CLIENT, protocol_level=MQTT_5)
-
-    async def send(self, packet) -> None:
-        await self.stream.send_all(encode(packet, MQTT_5))
-
-    async def receive(self):
-        while (packet := self.decoder.next_packet()) is NEED_DATA:
-            data = await self.stream.receive_some(65536)
-            assert data, "the server closed the connection"
-            self.decoder.feed(data)
-        return packet
 
 
 async def test_session_expires_after_disconnect_and_releases_its_filter(tmp_path, caplog):

@@ -12,7 +12,7 @@ from gateway.mqtt.session import BLOB_VERSION
 from store.api import MAIN_LOG, NewMessage
 from store.log.commitlog import CommitLogConfig
 from store.node import open_store
-from tests.gateway.node.test_node import DEFAULTS, RawClient
+from tests.helpers.trio_mqtt import DEFAULTS, RawClient
 
 BLOB_V1 = bytes.fromhex(
     "8ba9636c69656e745f6964a464657631a86578706972795f73cd0e10ad737562736372697074696f6e739185a666696c746572a3612f"
@@ -30,7 +30,7 @@ async def test_a_session_saved_before_positions_resumes_and_is_saved_again_keyed
         assert await store.activate("a/+", "dev1") == 0
         await store.append([NewMessage("a/x", b"%d" % i, "pub", 1) for i in range(3)], durable=True)
         await store.dispatcher.wait_dispatched(store.log.log.written_offset)
-        store.save_session("dev1", BLOB_V1)
+        await store.sessions.save_session("dev1", BLOB_V1)
     settings = {**DEFAULTS, "node.data": str(tmp_path), "node.port": 0}
     async with trio.open_nursery() as nursery:
         host, port = await nursery.start(serve_gateway, settings)
@@ -48,5 +48,5 @@ async def test_a_session_saved_before_positions_resumes_and_is_saved_again_keyed
         await client.stream.aclose()
         nursery.cancel_scope.cancel()
     async with open_store(tmp_path, CommitLogConfig()) as store:
-        saved = msgspec.msgpack.decode(store.load_session("dev1"))
+        saved = msgspec.msgpack.decode(await store.sessions.load_session("dev1"))
     assert saved["v"] == BLOB_VERSION and [stream[:2] for stream in saved["streams"]] == [["a/+", MAIN_LOG]]

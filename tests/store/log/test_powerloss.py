@@ -17,12 +17,10 @@ import json
 import urllib.error
 import urllib.request
 from functools import partial
-from pathlib import Path
 
 import pytest
 
-from store.log.commitlog import read_flushed_hint
-from store.log.segment import parse_segment_name
+from tests.helpers.powerloss import lose_unflushed_tail
 from tests.helpers.mqtt_fixtures import WAIT_S, Client, Node, connected, quiet, wait_until
 
 NEVER_FLUSH = ("--commitlog-flush-min-bytes", str(1 << 30), "--commitlog-flush-force-interval-ms", str(3_600_000),
@@ -34,30 +32,6 @@ BEFORE = 20  # messages flushed by a clean restart: they survive
 LOST = 150  # messages acknowledged, delivered and acknowledged by the subscribers, then lost with the log's tail
 AFTER = 150  # messages acknowledged after recovery: every one must arrive
 DEVICES = 5  # topics pl/d0/t .. pl/d4/t; the filter pl/d1/+ sees one message in five
-
-
-def lose_unflushed_tail(commitlog: Path) -> int:
-    """Make the log what a power loss leaves: zeros from the flushed mark on, no later segment. Returns the
-    bytes dropped."""
-    mark = read_flushed_hint(commitlog)
-    assert mark is not None
-    dropped = 0
-    for path in sorted(commitlog.iterdir()):
-        base = parse_segment_name(path.name)
-        if base is None:
-            continue
-        size = path.stat().st_size
-        if base > mark:
-            dropped += len(path.read_bytes().rstrip(b"\0"))
-            path.unlink()
-            path.with_name(path.name + ".meta").unlink(missing_ok=True)
-        elif base + size > mark:
-            with open(path, "r+b") as f:
-                f.seek(mark - base)
-                dropped += len(f.read().rstrip(b"\0"))
-                f.truncate(mark - base)
-                f.truncate(size)
-    return dropped
 
 
 def admin_session(port: int, client_id: str) -> dict:

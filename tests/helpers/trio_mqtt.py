@@ -1,0 +1,28 @@
+"""An MQTT 5 client over a trio socket with the project's own codec, and the node settings it is run against."""
+
+import trio
+
+from gateway.app.config import OPTIONS
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.mqtt.packets import MQTT_5
+
+DEFAULTS = {o.key: o.default for o in OPTIONS}
+"""Every setting at its default: an in-process node's settings (``serve_gateway``) start from these."""
+
+
+class RawClient:
+    """An MQTT 5 client over a trio socket, using the project's own codec."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.decoder = MqttDecoder(role=Role.CLIENT, protocol_level=MQTT_5)
+
+    async def send(self, packet) -> None:
+        await self.stream.send_all(encode(packet, MQTT_5))
+
+    async def receive(self):
+        while (packet := self.decoder.next_packet()) is NEED_DATA:
+            data = await self.stream.receive_some(65536)
+            assert data, "the server closed the connection"
+            self.decoder.feed(data)
+        return packet
