@@ -19,9 +19,14 @@ import rocksdict
 
 from store.rocks import open_family
 
-__all__ = ["CHECKPOINT_KEY", "DerivedApplier", "DerivedFamily"]
+__all__ = ["APPLIED_KEY", "CHECKPOINT_KEY", "DerivedApplier", "DerivedFamily"]
 
 CHECKPOINT_KEY = b"\xff"
+APPLIED_KEY = b"\xfe"
+"""Just past the last record applied, written before each change it makes (no WAL either): if RocksDB flushes the
+family's memtable on its own and the log then loses its tail (a power loss under ``async``), the change cannot be
+on disk without this mark, and :meth:`DerivedFamily.rewind` sees that a record past the log's end was applied."""
+_MARKS = (CHECKPOINT_KEY, APPLIED_KEY)
 
 _U64 = struct.Struct(">Q")
 _NO_WAL = rocksdict.WriteOptions()
@@ -42,38 +47,46 @@ class DerivedFamily:
         self._family: rocksdict.Rdict = open_family(db, name)
         raw = self._family.get(CHECKPOINT_KEY)
         self.checkpoint = _U64.unpack(raw)[0] if raw is not None else 0
-        self.legacy = raw is None and any(True for _ in self._family.keys())
-        self.applied_end = self.checkpoint  # just past the last record applied in this process
+        mark = self._family.get(APPLIED_KEY)
+        self.legacy = raw is None and mark is None and any(True for _ in self._family.keys())
+        self.applied_end = max(self.checkpoint, _U64.unpack(mark)[0] if mark is not None else 0)
 
     def get(self, client_id: str) -> bytes | None:
         return self._family.get(client_id.encode())
 
     def put(self, client_id: str, value: bytes, offset: int) -> None:
         """Keep ``value`` for ``client_id``, as applied from the record at ``offset``."""
+        self._mark(offset)
         self._family.put(client_id.encode(), value, _NO_WAL)
-        self.applied(offset)
 
     def delete(self, client_id: str, offset: int) -> None:
         """Forget ``client_id`` (a record at ``offset`` said so); nothing is written when it has nothing."""
         key = client_id.encode()
         if self._family.get(key) is not None:
+            self._mark(offset)
             self._family.delete(key, _NO_WAL)
-        self.applied(offset)
+        else:
+            self.applied(offset)
 
     def applied(self, offset: int) -> None:
         """The record at ``offset`` was applied (whatever it changed)."""
         self.applied_end = max(self.applied_end, offset + 1)
 
+    def _mark(self, offset: int) -> None:
+        """The record at ``offset`` is about to change the family: its mark goes first (``APPLIED_KEY``)."""
+        self.applied(offset)
+        self._family.put(APPLIED_KEY, _U64.pack(self.applied_end), _NO_WAL)
+
     def items(self) -> Iterator[tuple[str, bytes]]:
         """Every entry (blocking: a scan of the family)."""
         for key, value in self._family.items():
-            if key != CHECKPOINT_KEY:
+            if key not in _MARKS:
                 yield key.decode(), value
 
     def keys(self) -> Iterator[str]:
         """Every client id (blocking: a scan of the keys only)."""
         for key in self._family.keys():
-            if key != CHECKPOINT_KEY:
+            if key not in _MARKS:
                 yield key.decode()
 
     def flush(self, offset: int) -> None:

@@ -355,14 +355,15 @@ class Dispatcher:
     def _index(self, records: list[Record], next_offset: int) -> dict[str, int]:
         """Index the messages of a scanned batch and apply its control records, in log order: the messages
         before a control record are indexed (with the checkpoint at the control record) before it is applied.
-        Returns the queues' new max offsets."""
+        Control records in a row cost no index write between them (the parts that apply them keep their own
+        checkpoints). Returns the queues' new max offsets."""
         queues = self._queues
         max_offsets: dict[str, int] = {}
         first = 0
         for i, record in enumerate(records):
             if not record.flags & FLAG_CONTROL:
                 continue
-            if record.offset > queues.checkpoint:
+            if i > first and record.offset > queues.checkpoint:  # no messages before it: no index write
                 max_offsets.update(queues.index(records[first:i], record.offset))
             first = i + 1
             self._apply(record)

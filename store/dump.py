@@ -32,7 +32,7 @@ import rocksdict
 from lightqueue import keys
 from retain.store import RETAIN_FAMILY
 from store.awaiting import AWAITING_FAMILY, CONTROLS_KEY as AWAITING_CONTROLS_KEY
-from store.derived import CHECKPOINT_KEY as DERIVED_CHECKPOINT_KEY
+from store.derived import APPLIED_KEY as DERIVED_APPLIED_KEY, CHECKPOINT_KEY as DERIVED_CHECKPOINT_KEY
 from store.ledger import LEDGER_FAMILY, ClientEntry
 from store.log.record import CorruptRecord, decode_record
 
@@ -43,7 +43,7 @@ _QOS2_VALUE = struct.Struct(">QB")
 _CLIENT_ENTRY = msgspec.msgpack.Decoder(ClientEntry)
 _SESSIONS_FAMILY = "sessions"  # store/node.py's SESSIONS_FAMILY (the dump does not import the running node)
 _EXCLUDED = (keys.CHECKPOINT, keys.RETAINED, keys.APPLIED)
-_FAMILY_CHECKPOINTS = (b"", AWAITING_CONTROLS_KEY, DERIVED_CHECKPOINT_KEY)
+_FAMILY_CHECKPOINTS = (b"", AWAITING_CONTROLS_KEY, DERIVED_CHECKPOINT_KEY, DERIVED_APPLIED_KEY)
 """A family's checkpoints: the empty key (retain, qos2), the QoS 2 family's control checkpoint, a derived family's."""
 
 
