@@ -6,8 +6,6 @@ consistent prefix of all writes. The first byte says what a key is:
     key                                        value                           written
     C                                          u64 CommitLog offset dispatched up to   index batch (no WAL)
     c                                          u64 CommitLog offset control records are applied up to  no WAL
-    w                                          u64 the same, a hint kept with the WAL: a log that ends before it
-                                               lost control records (the store then checks its session blobs)
     I                                          u64 next topic queue id (from 2^32)      index batch (no WAL)
     F                                          u64 next filter queue id (below 2^32)    with an activation (no WAL)
     T                                          u64 CommitLog min offset retention has applied  with WAL

@@ -7,9 +7,10 @@ offset + record bytes. In memory, a :class:`~retain.tree.TopicTree` knows
 which topics exist (and their offsets); a lookup matches the filter in the
 tree and multi-gets only the matches.
 
-Updates come from the dispatcher, inside its index write batch (no WAL):
-:meth:`RetainedStore.stage` adds them to the batch, the dispatcher writes it,
-then :meth:`RetainedStore.commit_staged` updates the tree. The latest CommitLog
+Updates come from the dispatcher, one write batch (no WAL) per dispatch step
+that has retained records (:meth:`RetainedStore.apply`: :meth:`RetainedStore.stage`
+adds them to the batch, it is written, then :meth:`RetainedStore.commit_staged`
+updates the tree). The latest CommitLog
 offset wins, and records below the family's checkpoint were applied before, so
 feeding the same records again (re-dispatch) changes nothing, not even for a
 moment (a replayed put cannot resurrect a message deleted after it).

@@ -98,18 +98,15 @@ class ControlApplier(Protocol):
         """Persist what was applied below ``offset`` and move the checkpoint to it."""
         ...
 
-    def rewind(self, log_end: int) -> None:
-        """Forget what the records at or past ``log_end`` made; the checkpoint ends at or below ``log_end``."""
-        ...
-
     def restate(self) -> Iterable[Control]:
         """Control records that restate this part's live state as it is now (every session blob, every held
         filter...): appended before retention deletes the records that made it, so the log alone still holds it."""
         ...
 
     def rewind(self, log_end: int) -> None:
-        """The log ends at ``log_end`` (a power loss took its tail): state made by records at or past it goes; an
-        applier that keeps no history may reset itself to an earlier checkpoint and let dispatch apply again."""
+        """The log ends at ``log_end`` (a power loss took its tail, or a follower truncated it): state made by records
+        at or past it goes, and the checkpoint ends at or below ``log_end``; an applier that keeps no history may reset
+        itself to an earlier checkpoint and let dispatch apply again."""
         ...
 
 

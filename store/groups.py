@@ -422,7 +422,7 @@ class GroupCoordinator:
 
     async def ack(self, member: Member, group: str, queue: str, offsets: Sequence[int] = (), below: int = 0) -> int:
         """``member`` processed ``offsets`` and every offset it holds below ``below``; returns the group's
-        committed offset, durable on return.
+        committed offset, stored on return as the flush policy promises (a ``Committed`` control record).
 
         Offsets the member does not hold (handed to another member since) are ignored.
 

@@ -41,8 +41,10 @@ def repair(data: Path, config: CommitLogConfig) -> dict[str, Any]:
     """
     index = data / "index"
     with CommitLog.open(data / "commitlog", config) as log:
-        backup = data / f"index.before-repair-{time.strftime('%Y%m%d-%H%M%S')}"
-        index.rename(backup)
+        backup = None  # an index deleted by hand: nothing to keep aside
+        if index.exists():
+            backup = data / f"index.before-repair-{time.strftime('%Y%m%d-%H%M%S')}"
+            index.rename(backup)
         db = open_db(index)
         try:
             queues = LightQueues(db)
@@ -62,4 +64,4 @@ def repair(data: Path, config: CommitLogConfig) -> dict[str, Any]:
                     part.close()
         finally:
             db.close()
-        return {"data": str(data), "backup": str(backup), "log_end": log.written_offset, "reindexed": rebuilt}
+        return {"data": str(data), "backup": str(backup) if backup else None, "log_end": log.written_offset, "reindexed": rebuilt}

@@ -12,7 +12,7 @@ or, acknowledging explicitly (``auto_commit=False``)::
 
         async for batch in consumer:
             await process(batch)
-            await consumer.commit(batch)  # durable on return
+            await consumer.commit(batch)  # stored on return, as the store's flush policy promises
 
 The group lives in the store node (store/groups.py): every consumer of a group
 is a member; members share the queue's messages (each message is handed to one
@@ -274,7 +274,8 @@ class Consumer:
             return Batch([ConsumerMessage(offset, record) for offset, record in found.messages])
 
     async def commit(self, batch: Batch | list[int]) -> int:
-        """Acknowledge a batch (or queue offsets); returns the group's committed offset, durable on return.
+        """Acknowledge a batch (or queue offsets); returns the group's committed offset, stored on return as
+        the store's flush policy promises (a control record: on disk under ``sync``, in the page cache under ``async``).
 
         Offsets no longer this member's (handed to another after a reconnect) are ignored: they are delivered again.
 

@@ -173,7 +173,7 @@ class ErrorKind(enum.StrEnum):
     OS = "os"  # any other OSError of the store (the write failed)
     INTERNAL = "internal"  # a bug in the store: logged there with its traceback
     DENIED = "denied"  # store.rpc.access.AccessDenied: bad credentials, or a call or topic the ACL does not allow
-    FENCED = "fenced"  # the write names a lease of this node that has ended (store.log.errors.LeaseLost)
+    FENCED = "fenced"  # the write names a lease of this node that has ended (store.api.LeaseLost)
     EXPIRED = "expired"  # store.log.errors.OffsetExpired: retention deleted the offset asked for
     INVALID_OFFSET = "invalid_offset"  # store.log.errors.InvalidOffset: no record starts there (read_log)
 

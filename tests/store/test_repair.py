@@ -145,10 +145,9 @@ BOTH = ("keep", "keepw")
     (garbage_in("MANIFEST-*"), open_failure, repaired_here, BOTH),
     (tables_missing, open_failure, repaired_here, BOTH),
     (tables_cut_short, open_failure, repaired_here, BOTH),
-    # The wildcard filter's activation and queue id are gone with it: its subscriber is not served (the
-    # documented cost, docs/storage.md); the first-level queue is rebuilt under a new id, every entry in place.
-    (first_run_table_missing, open_failure, repaired_here, ("keep",)),
-    (first_block_damaged, open_failure, repaired_here, ("keep",)),  # RocksDB sets the table aside
+    # The first run's tables held the wildcard filter's activation and queue id: the log holds them too.
+    (first_run_table_missing, open_failure, repaired_here, BOTH),
+    (first_block_damaged, open_failure, repaired_here, BOTH),
 ], ids=["CURRENT", "MANIFEST", "tables-missing", "tables-cut-short", "ids-missing", "block-damaged"])
 def test_a_damaged_index_stops_the_start_with_one_line_and_repair_brings_everything_back(stored, tmp_path, damage,
                                                                                           start, fix, subscribers):
@@ -167,7 +166,7 @@ def test_a_damaged_index_stops_the_start_with_one_line_and_repair_brings_everyth
         with connected(node.port) as pub:  # a barrier behind the backlog, the next number: nothing may come after
             pub.publish("r/0", b"%d" % len(expected), 1)
         expected.append(len(expected))
-        for client_id in subscribers:  # persistent sessions whose blobs survived: everything, in order
+        for client_id in subscribers:  # persistent sessions, derived again from the log: everything, in order
             sub = Client(node.port, client_id, clean=False)
             assert sub.connect().session_present
             assert [int(m.payload) for m in sub.receive(len(expected))] == expected
@@ -182,7 +181,7 @@ def test_a_damaged_index_stops_the_start_with_one_line_and_repair_brings_everyth
 
 
 def every_table_damaged(index: Path) -> None:
-    """Bytes of the first data block of every table file: RocksDB sets them all aside, nothing is salvaged."""
+    """Bytes of the first data block of every table file: nothing of the index can be read."""
     for path in index.glob("*.sst"):
         with open(path, "r+b") as f:
             f.seek(16)
