@@ -136,7 +136,8 @@ class RetainedStore:
 
     # -- dispatch ------------------------------------------------------------------
 
-    def stage(self, batch: rocksdict.WriteBatch, topic: str, log_offset: int, record: bytes | None) -> bool:
+    def stage(self, batch: rocksdict.WriteBatch, topic: str, log_offset: int, record: bytes | None,
+              at: int | None = None) -> bool:
         """Add a retained update to the dispatcher's write batch (written without the WAL).
 
         Call once per retained record, in CommitLog order, then write the batch
@@ -151,6 +152,9 @@ class RetainedStore:
             log_offset: the record's CommitLog offset.
             record: the encoded CommitLog record, or None when the payload is
                 empty (which deletes the topic's retained message).
+            at: the CommitLog offset of the record that carries the update, when it is not the message's own (a
+                restatement of a retained message before retention deletes its record): the checkpoint is
+                compared with it, the topic's current offset with ``log_offset``.
 
         Returns:
             True if the batch got the update, False if it was ignored.
@@ -164,7 +168,7 @@ class RetainedStore:
         pending = self._pending  # only the dispatcher's thread touches it
         with self._lock:
             current = pending[topic] if topic in pending else self._tree.get(topic)
-            if log_offset < self._checkpoint or (current is not None and log_offset <= current):
+            if (log_offset if at is None else at) < self._checkpoint or (current is not None and log_offset <= current):
                 self._stale += 1
                 return False
             if current is None and record is None:
@@ -217,21 +221,21 @@ class RetainedStore:
         self.discard_staged()
         return len(pending)
 
-    def apply(self, updates: Iterable[tuple[str, int, bytes | None]], next_log_offset: int) -> int:
+    def apply(self, updates: Iterable[tuple[str, int, bytes | None, int | None]], next_log_offset: int) -> int:
         """Stage one dispatch batch's retained updates, write them (no WAL), then commit them.
 
         For a dispatcher that writes retained updates in their own batch, next
         to (not inside) its index batch: the family's own checkpoint makes that
         safe, since a crash can only lose what lies above it. ``updates`` are
-        ``(topic, log offset, record or None)`` in CommitLog order, as for :meth:`stage`.
+        ``(topic, log offset, record or None, at)`` in CommitLog order, as for :meth:`stage`.
 
         Returns:
             the number of retained updates applied.
         """
         batch = rocksdict.WriteBatch(raw_mode=True)
         try:
-            for topic, log_offset, record in updates:
-                self.stage(batch, topic, log_offset, record)
+            for topic, log_offset, record, at in updates:
+                self.stage(batch, topic, log_offset, record, at)
             self.stage_checkpoint(batch, next_log_offset)
             if not batch.is_empty():
                 self._db.write(batch, _NO_WAL)
@@ -245,6 +249,14 @@ class RetainedStore:
         self._pending = {}
         self._pending_checkpoint = None
         self._staged_into = None
+
+    def kept(self) -> Iterator[tuple[str, int, bytes]]:
+        """Every retained message as stored: ``(topic, CommitLog offset, record bytes)`` (blocking: a scan of the
+        family), for the restatement before retention deletes their records (store/restate.py)."""
+        family, _ = self._open()
+        for key, value in family.items():
+            if key != CHECKPOINT_KEY:
+                yield key.decode(), _U64.unpack_from(value)[0], value[_U64.size:]
 
     def flush(self) -> None:
         """Persist the family's memtable (call it before the light queues flush theirs).

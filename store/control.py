@@ -23,8 +23,8 @@ from store.log.record import Record, new_control
 
 __all__ = [
     "KIND_PREFIX", "Activated", "ClientClosed", "ClientConnected", "ClientForgotten", "Committed", "Control",
-    "ControlError", "FlowsAwaiting", "FlowsReleased", "Released", "SessionEnded", "SessionSaved", "WillPublished",
-    "decode_control", "encode_all", "encode_control",
+    "ControlError", "FlowsAwaiting", "FlowsReleased", "Released", "RetainedKept", "SessionEnded", "SessionSaved",
+    "WillPublished", "decode_control", "encode_all", "encode_control",
 ]
 
 KIND_PREFIX = "$store/"
@@ -134,8 +134,21 @@ class ClientForgotten(msgspec.Struct, frozen=True, array_like=True, tag="client_
     client: str
 
 
+# -- retained messages -----------------------------------------------------------------------------------------
+
+
+class RetainedKept(msgspec.Struct, frozen=True, array_like=True, tag="retained_kept"):
+    """``topic``'s retained message is the record ``record`` (its bytes as stored) at CommitLog offset ``offset``:
+    restated before retention deletes that record (retained messages outlive the log's retention). Applied in log
+    order with the retained messages of the records around it, the latest original offset winning."""
+
+    topic: str
+    offset: int
+    record: bytes
+
+
 Control = Union[Activated, Released, Committed, SessionSaved, SessionEnded, FlowsReleased, FlowsAwaiting,
-                ClientConnected, ClientClosed, WillPublished, ClientForgotten]
+                ClientConnected, ClientClosed, WillPublished, ClientForgotten, RetainedKept]
 """Every control record kind (a tagged union: the tag is the first element of the msgpack array)."""
 
 _ENCODER = msgspec.msgpack.Encoder()

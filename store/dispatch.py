@@ -28,7 +28,7 @@ import trio
 from lightqueue.queues import LightQueues
 from retain.store import RetainedStore
 from store.awaiting import AwaitingRelease
-from store.control import Control, ControlError, decode_control
+from store.control import KIND_PREFIX, Control, ControlError, RetainedKept, decode_control
 from store.log.commitlog import SKIPPED, CommitLog, ScanResult
 from store.log.errors import OffsetExpired
 from store.log.recent import RecentRecords
@@ -62,6 +62,9 @@ FALLBACK_WAKE_S = 1.0
 """The run loop also looks for new records this often, in case a wake-up was missed (appends from another process)."""
 
 Listener = Callable[[dict[str, int]], None]
+
+_RETAINED_KEPT = KIND_PREFIX + "retained_kept"
+"""The topic field of a ``RetainedKept`` control record: the retained store applies it, in ``_retain``."""
 
 
 class ControlApplier(Protocol):
@@ -370,14 +373,29 @@ class Dispatcher:
 
     def _apply(self, record: Record) -> None:
         """Apply one control record to every part that has not applied it yet."""
-        try:
-            control = decode_control(record)
-        except ControlError as exc:  # it passed its CRC: written by another version, or a bug; never stall on it
-            LOGGER.error("control record skipped: %s", exc, extra={"ctx": {"offset": record.offset}})
+        control = self._control(record)
+        if control is None:
             return
         for applier in self._appliers:
             if record.offset >= applier.checkpoint:
                 applier.apply(record, control)
+
+    @staticmethod
+    def _control(record: Record) -> Control | None:
+        """The control a control record carries; None (logged) when its body does not decode."""
+        try:
+            return decode_control(record)
+        except ControlError as exc:  # it passed its CRC: written by another version, or a bug; never stall on it
+            LOGGER.error("control record skipped: %s", exc, extra={"ctx": {"offset": record.offset}})
+            return None
+
+    def restated(self) -> list[Control]:
+        """The live state of every part, as control records (blocking): each applier's ``restate()`` and every
+        retained message (``RetainedKept``). Call with dispatch caught up to the log's end (:meth:`caught_up`)."""
+        controls = [control for applier in self._appliers for control in applier.restate()]
+        if self._retained is not None:
+            controls += [RetainedKept(topic, offset, record) for topic, offset, record in self._retained.kept()]
+        return controls
 
     def _read(self, start: int, max_bytes: int) -> ScanResult:
         """The records from ``start`` up to the confirm offset: from memory when they are still there, else
@@ -402,8 +420,14 @@ class Dispatcher:
         writes skip the WAL, so a checkpoint is durable only once flushed anyway;
         writing it per batch cost a RocksDB write per dispatch step.
         """
-        updates = [(rec.topic, rec.offset, self._retained_copy(rec) if rec.payload else None)
-                   for rec in scan.records if rec.flags & FLAG_RETAIN]
+        updates: list[tuple[str, int, bytes | None, int | None]] = []
+        for rec in scan.records:
+            if rec.flags & FLAG_RETAIN:
+                updates.append((rec.topic, rec.offset, self._retained_copy(rec) if rec.payload else None, None))
+            elif rec.flags & FLAG_CONTROL and rec.topic == _RETAINED_KEPT:
+                kept = self._control(rec)
+                if isinstance(kept, RetainedKept):  # a restatement, in log order with the messages around it
+                    updates.append((kept.topic, kept.offset, kept.record, rec.offset))
         if updates:
             self._retained.apply([u for u in updates if u[2] != SKIPPED], scan.next_offset)
 

@@ -18,10 +18,11 @@ from collections.abc import Iterable
 import trio
 
 from lightqueue.queues import LightQueues
+from retain.store import RetainedStore
 from store.control import Control, SessionEnded, SessionSaved, encode_control
 from store.dispatch import Dispatcher
 from store.log.commitlog import CommitLog, CommitLogConfig, read_flushed_hint
-from store.log.record import Record, encode_record
+from store.log.record import Record, decode_record, encode_record
 from store.rocks import open_db
 from tests.helpers.processes import ROOT
 
@@ -236,4 +237,34 @@ def test_a_log_appended_to_without_pause_is_restated_with_its_appends_held(tmp_p
     again = Sessions()
     derived(log, tmp_path / "rebuilt", again)
     assert again.blobs == {"a": b"blob-a"}
+    log.close()
+
+
+def retained_topics(log: CommitLog, path) -> tuple[dict[str, bytes], RetainedStore]:
+    """The retained messages a new index at ``path`` derives from the (remaining) log (topic -> payload), and the
+    store (its dispatcher restates it before retention deletes records: close it after the log's last retention)."""
+    db = open_db(path)
+    retained = RetainedStore(db)
+    dispatcher = Dispatcher(log, LightQueues(db), retained=retained, appliers=[Sessions()])
+    while dispatcher.dispatch_once() is not None:
+        pass
+    return {topic: decode_record(record, 0, offset).payload for topic, offset, record in retained.kept()}, retained
+
+
+def test_retained_messages_outlive_the_records_retention_deletes(tmp_path):
+    """A retained message is kept whatever the log's retention ([MQTT-3.3.1-5]): restated before its record goes
+    (``RetainedKept``), a rebuild from the remaining log still has it; one deleted after the restatement stays
+    deleted, and a newer message on a restated topic wins over the restatement."""
+    log = CommitLog.open(tmp_path / "commitlog", CONFIG)
+    log.append_batch([encode_record(topic, payload, retain=True) for topic, payload in
+                      (("r/kept", b"old"), ("r/kept", b"kept"), ("r/gone", b"gone"), ("r/new", b"first"))])
+    fill(log)
+    found, live = retained_topics(log, tmp_path / "index")
+    assert found == {"r/kept": b"kept", "r/gone": b"gone", "r/new": b"first"}
+    assert log.delete_expired() and log.min_offset > 0  # the retained records are gone; their restatement is not
+    log.append_batch([encode_record("r/gone", b"", retain=True), encode_record("r/new", b"second", retain=True)])
+    found, rebuilt = retained_topics(log, tmp_path / "rebuilt")
+    assert found == {"r/kept": b"kept", "r/new": b"second"}
+    for store in (live, rebuilt):
+        store.close()
     log.close()
