@@ -101,7 +101,8 @@ def package_zip(directory: Path) -> Path:
     """Zip ``spark_analytics``, the record format (``store/log/record.py``
     and the target-queues codec it imports, ``lightqueue/targets.py``), the tier's
     file format (``store/tierfiles.py``), the store RPC's wire format (``store/rpc/wire.py``) and the
-    store interface's types it carries (``store/api.py``, ``store/usage.py``, ``lightqueue/results.py``)
+    store interface's types it carries (``store/api.py`` and what it re-exports: ``store/usage.py``,
+    ``store/space.py``, ``store/log/errors.py``, ``lightqueue/results.py``)
     and the MQTT topic rules (``lightqueue/topics.py``) into ``directory``
     for ``SparkContext.addPyFile``: the code executors need when the project is
     not installed on them (its dependencies still must be: pyarrow, numpy,
@@ -113,8 +114,9 @@ def package_zip(directory: Path) -> Path:
     with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as zf:
         for path in [*sorted((root / "spark_analytics").glob("*.py")),
                      root / "store" / "__init__.py", root / "store" / "api.py", root / "store" / "usage.py",
-                     root / "store" / "log" / "__init__.py",
-                     root / "store" / "log" / "record.py", root / "store" / "tierfiles.py",
+                     root / "store" / "space.py", root / "store" / "log" / "__init__.py",
+                     root / "store" / "log" / "errors.py", root / "store" / "log" / "record.py",
+                     root / "store" / "tierfiles.py",
                      root / "store" / "rpc" / "__init__.py", root / "store" / "rpc" / "wire.py",
                      root / "lightqueue" / "__init__.py", root / "lightqueue" / "results.py",
                      root / "lightqueue" / "targets.py", root / "lightqueue" / "topics.py"]:
