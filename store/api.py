@@ -92,7 +92,8 @@ class NewMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
     ``properties`` is the MQTT 5 PUBLISH property block (wire encoding, no length prefix); ``born_ms`` when the
     publisher made it (0: when the store takes it); ``packet_id`` a QoS 2 message's id, which its record keeps
-    so that the store knows the flow awaits PUBREL (store/awaiting.py). Untracked by the garbage collector: a
+    so that the store knows the flow awaits PUBREL (store/awaiting.py); ``deliver_at_ms`` (epoch ms, 0: now)
+    makes it a delayed message, which the timer keeps until then (store/timer/). Untracked by the garbage collector: a
     flood makes one per PUBLISH and nothing it holds refers back.
     """
 
@@ -104,6 +105,7 @@ class NewMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):
     properties: bytes = b""
     born_ms: int = 0
     packet_id: int = 0
+    deliver_at_ms: int = 0
 
 
 class PullRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -21,8 +21,8 @@ import msgspec
 from store.log.record import Record, new_control
 
 __all__ = [
-    "KIND_PREFIX", "Activated", "Committed", "Control", "ControlError", "FlowsReleased", "Released", "SessionEnded",
-    "SessionSaved", "decode_control", "encode_all", "encode_control",
+    "KIND_PREFIX", "Activated", "Committed", "Control", "ControlError", "Delayed", "FlowsReleased", "Released",
+    "SessionEnded", "SessionSaved", "TimersFired", "TimersRolled", "decode_control", "encode_all", "encode_control",
 ]
 
 KIND_PREFIX = "$store/"
@@ -84,7 +84,40 @@ class FlowsReleased(msgspec.Struct, frozen=True, array_like=True, tag="flows_rel
     flows: list[tuple[str, int, int]]
 
 
-Control = Union[Activated, Released, Committed, SessionSaved, SessionEnded, FlowsReleased]
+# -- delayed delivery (store/timer/) ---------------------------------------------------------------------------
+
+
+class Delayed(msgspec.Struct, frozen=True, array_like=True, tag="delayed"):
+    """A message to deliver to ``topic`` at ``due_ms`` (epoch ms): written once, here, under the timer's system
+    queue; the timer (store/timer/) points at this record until it fires. ``client`` is the publisher's client
+    id, ``properties`` the MQTT 5 property block (wire encoding), ``born_ms`` when the publisher made it."""
+
+    client: str
+    topic: str
+    due_ms: int
+    payload: bytes
+    qos: int = 0
+    retain: bool = False
+    properties: bytes = b""
+    born_ms: int = 0
+
+
+class TimersFired(msgspec.Struct, frozen=True, array_like=True, tag="timers_fired"):
+    """The messages appended just before this record, in the same write, deliver these timer entries:
+    ``(CommitLog offset of the Delayed record, TimerLog position when fired, due ms)``; they never fire again."""
+
+    entries: list[tuple[int, int, int]]
+
+
+class TimersRolled(msgspec.Struct, frozen=True, array_like=True, tag="timers_rolled"):
+    """These timer entries (as in :class:`TimersFired`) are due beyond the wheel's window: each is enqueued again
+    (a new TimerLog entry, in a slot the window reaches) and the old entry ends."""
+
+    entries: list[tuple[int, int, int]]
+
+
+Control = Union[Activated, Released, Committed, SessionSaved, SessionEnded, FlowsReleased, Delayed, TimersFired,
+                TimersRolled]
 """Every control record kind (a tagged union: the tag is the first element of the msgpack array)."""
 
 _ENCODER = msgspec.msgpack.Encoder()

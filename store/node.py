@@ -46,7 +46,7 @@ from notify import EventMailbox, NotifyRouter
 from retain.store import RetainedStore
 from store.api import AdminOp, Flow, LogSpan, NewMessage, StoreStatistics
 from store.awaiting import AwaitingRelease
-from store.control import Control, encode_all
+from store.control import Control, Delayed, encode_all, encode_control
 from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.groups import GroupCoordinator
 from store.leases import LEASE_S, Leases
@@ -59,6 +59,8 @@ from store.log.record import Record, decode_record, new_record, now_ms
 from store.rocks import open_db, open_family
 from store.space import DiskSpace
 from store.tasks import background
+from store.timer.applier import WINDOW_S, TimerApplier
+from store.timer.dequeue import Dequeue
 from store.usage import process_usage
 
 LOGGER = logging.getLogger(__name__)
@@ -153,7 +155,8 @@ class StoreNode:
 
     def __init__(self, data: Path, log: AsyncCommitLog, queues: LightQueues, dispatcher: Dispatcher,
                  sessions: rocksdict.Rdict, retained: RetainedStore, recent: RecentRecords, space: DiskSpace,
-                 awaiting: AwaitingRelease, ledger: ClientLedger, nursery: trio.Nursery, lease_s: float) -> None:
+                 awaiting: AwaitingRelease, ledger: ClientLedger, nursery: trio.Nursery, lease_s: float,
+                 timers: TimerApplier) -> None:
         self.data = data
         self.log = log
         self.queues = queues
@@ -164,6 +167,7 @@ class StoreNode:
         self.recent = recent  # the last appended records, decoded: dispatch and pulls at the head read them here
         self.space = space  # free space on the data disk: appends and RocksDB writes are refused while it is short
         self.awaiting = awaiting  # inbound QoS 2 flows awaiting PUBREL, kept up to date by the dispatcher
+        self.timers = timers  # delayed messages pending (store/timer/), kept up to date by the dispatcher
         self.router = NotifyRouter()
         self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
         self.leases = Leases(nursery, lease_s, append=self.append, end_session=self._end_session,
@@ -328,9 +332,11 @@ class StoreNode:
         self._appended(made, offsets)
         return offsets
 
-    async def append_control(self, controls: Sequence[Control], *, durable: bool | None = None) -> int:
+    async def append_control(self, controls: Sequence[Control], *, durable: bool | None = None,
+                             messages: Sequence[NewMessage] = ()) -> int:
         """Append control records (store/control.py) in one CommitLog write and return once dispatch has applied
         them: what they say is then both stored (as the flush policy, or ``durable``, promises) and readable.
+        ``messages`` go first in the same write (the timer's fired messages with the record that ends them).
 
         Returns:
             the CommitLog offset just past the last of them.
@@ -339,7 +345,8 @@ class StoreNode:
             ValueError: one does not encode (``RecordTooLarge``: a session blob over the record limit).
             OSError: the write failed (``LogFullError``: the disk is full); nothing was appended.
         """
-        made = encode_all(controls, now_ms(), self.log.log.config.max_record_bytes)
+        now = now_ms()
+        made = self._encode(messages, now) + encode_all(controls, now, self.log.log.config.max_record_bytes)
         offsets = await self._write([raw for raw, _ in made], durable)
         self._appended(made, offsets)
         end = offsets[-1] + made[-1][1].size
@@ -363,10 +370,13 @@ class StoreNode:
 
     def _encode(self, messages: Sequence[NewMessage], now: int) -> list[tuple[bytes, Record]]:
         """The records of ``messages`` with their target queues fixed now (raises ValueError as ``new_record``):
-        the one place messages become records."""
+        the one place messages become records. A delayed message (``deliver_at_ms``) becomes a ``Delayed``
+        control record, which the timer keeps until it is due (store/timer/)."""
         max_size = self.log.log.config.max_record_bytes
         targets = self.queues.targets
-        return [new_record(m.topic, m.payload, now, m.client_id, m.qos, m.retain, m.properties, targets(m.topic),
+        return [encode_control(Delayed(m.client_id, m.topic, m.deliver_at_ms, m.payload, m.qos, m.retain, m.properties,
+                                       m.born_ms or now), now, max_size) if m.deliver_at_ms else
+                new_record(m.topic, m.payload, now, m.client_id, m.qos, m.retain, m.properties, targets(m.topic),
                            m.born_ms or None, max_size, m.packet_id) for m in messages]
 
     def _appended(self, made: list[tuple[bytes, Record]], offsets: list[int]) -> None:
@@ -604,7 +614,8 @@ that owns the blob format (gateway/mqtt/session.py)."""
 @asynccontextmanager
 async def open_store(
     data: Path, config: CommitLogConfig, listener: Listener | None = None, tier: Mapping[str, Any] | None = None, *,
-    fix_session: SessionFixer | None = None, session_expiry: SessionExpiry | None = None, lease_s: float = LEASE_S
+    fix_session: SessionFixer | None = None, session_expiry: SessionExpiry | None = None, lease_s: float = LEASE_S,
+    timer_window_s: int = WINDOW_S
 ) -> AsyncIterator[StoreNode]:
     """Open the CommitLog and the index under ``data``, run flushing, retention and dispatch.
 
@@ -617,6 +628,7 @@ async def open_store(
     entry a power loss took) is asked its expiry and counts as closed at this start (store/ledger.py); None: such a
     session never expires until its client connects again.
     ``lease_s``: how long a cluster gateway's lease outlives its last frame (store/leases.py).
+    ``timer_window_s``: the slots of the timer wheel (store/timer/): delayed messages due further out roll.
 
     Resource handling: everything opened here is closed here, in reverse order,
     when the block exits (the index memtable and the CommitLog are flushed).
@@ -644,8 +656,11 @@ async def open_store(
             recent = RecentRecords()
             space = DiskSpace(data)
             awaiting = AwaitingRelease(db)
+            delayed = TimerApplier(data / "timer", timer_window_s)
+            opened.callback(delayed.close)
+            alog.log.add_retention_guard(delayed.may_delete)
             dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
-                                    awaiting=awaiting, room=space.has_room)
+                                    awaiting=awaiting, room=space.has_room, appliers=[delayed])
             sessions = open_family(db, SESSIONS_FAMILY)
             ledger = ClientLedger(db)
             try:
@@ -658,10 +673,12 @@ async def open_store(
             try:
                 async with trio.open_nursery() as timers:  # leases, wills, session expiry: they end with the node
                     node = StoreNode(data, alog, queues, dispatcher, sessions, retained, recent, space, awaiting,
-                                     ledger, timers, lease_s)
+                                     ledger, timers, lease_s, delayed)
                     nodes.append(node)
                     node.leases.restore(clients)  # expiries and wills pending when the store stopped
-                    async with background(dispatcher.run), background(partial(_watch_space, space)):
+                    dequeue = Dequeue(delayed, alog.log, partial(_append_fired, node))
+                    async with background(dispatcher.run), background(partial(_watch_space, space)), \
+                            background(dequeue.run):
                         if tier is not None and tier.get("tier.uri"):
                             try:
                                 from store.tier import TierConfig, TierConverter, run_tier
@@ -688,6 +705,10 @@ async def open_store(
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(db.close)
+
+
+async def _append_fired(node: StoreNode, controls: Sequence[Control], messages: Sequence[NewMessage]) -> int:
+    return await node.append_control(controls, messages=messages)
 
 
 SPACE_PROBE_S = 1.0
