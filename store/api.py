@@ -51,7 +51,8 @@ from store.log.record import FLAG_RETAIN, QOS_MASK, Record, RecordTooLarge
 from store.space import FULL_RETRY_S
 
 __all__ = [
-    "GROUP_PREFIX", "SHARE_PREFIX", "AdminOp", "Flow", "LeaseLost", "LogSpan", "NewMessage", "PullRequest",
+    "GROUP_PREFIX", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "Flow", "LeaseLost", "LogSpan", "NewMessage",
+    "PullRequest",
     "PullResult", "StoreApi", "StoreStatistics", "StoreUnavailable", "group_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
@@ -165,6 +166,12 @@ class StoreUnavailable(ConnectionError):
 class LeaseLost(ConnectionError):
     """A write for a client of a lease that has ended: the client is no longer this node's (it may have connected
     to another node since), so the store refused it. Nothing is acknowledged for it."""
+
+
+class DelayedCapExceeded(ValueError):
+    """A delayed message refused: its client has as many delayed messages pending as the store allows
+    (``open_store(timer_max_pending=...)``, setting ``delayed.max_pending_per_client``). Nothing of its append was
+    stored; MQTT answers 0x97 (quota exceeded), or closes a 3.1.1 connection."""
 
 
 class StoreApi(Protocol):

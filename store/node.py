@@ -44,7 +44,7 @@ import trio
 from lightqueue.queues import LightQueues, PullResult
 from notify import EventMailbox, NotifyRouter
 from retain.store import RetainedStore
-from store.api import AdminOp, Flow, LogSpan, NewMessage, StoreStatistics
+from store.api import AdminOp, DelayedCapExceeded, Flow, LogSpan, NewMessage, StoreStatistics
 from store.awaiting import AwaitingRelease
 from store.control import Control, Delayed, encode_all, encode_control
 from store.dispatch import MAX_LAG, Dispatcher, Listener
@@ -168,6 +168,7 @@ class StoreNode:
         self.space = space  # free space on the data disk: appends and RocksDB writes are refused while it is short
         self.awaiting = awaiting  # inbound QoS 2 flows awaiting PUBREL, kept up to date by the dispatcher
         self.timers = timers  # delayed messages pending (store/timer/), kept up to date by the dispatcher
+        self.timer_max_pending = 0  # delayed messages a client may have pending (0: no cap)
         self.router = NotifyRouter()
         self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
         self.leases = Leases(nursery, lease_s, append=self.append, end_session=self._end_session,
@@ -284,6 +285,8 @@ class StoreNode:
         Raises:
             OSError: the write failed; no group was appended.
         """
+        if self.timer_max_pending and any(m.deliver_at_ms for group in groups for m in group):
+            await self.dispatcher.wait_dispatched(self.log.log.written_offset)  # the cap counts every append before
         now = now_ms()
         encoded: list[list[tuple[bytes, Record]] | ValueError] = []
         for messages in groups:
@@ -318,7 +321,8 @@ class StoreNode:
             ValueError: a message does not encode (``RecordTooLarge`` included); nothing was appended.
             OSError: the write failed; nothing was appended.
         """
-        if self.log.log.config.flush == "sync" or self.dispatcher.lag > MAX_LAG:
+        if self.log.log.config.flush == "sync" or self.dispatcher.lag > MAX_LAG or \
+                any(m.deliver_at_ms for m in messages):  # a delayed one: its client's cap counts what dispatch applied
             raise trio.WouldBlock
         now = now_ms()
         made = self._encode(messages, now)
@@ -374,10 +378,24 @@ class StoreNode:
         control record, which the timer keeps until it is due (store/timer/)."""
         max_size = self.log.log.config.max_record_bytes
         targets = self.queues.targets
+        if self.timer_max_pending:
+            self._check_delayed_cap(messages)
         return [encode_control(Delayed(m.client_id, m.topic, m.deliver_at_ms, m.payload, m.qos, m.retain, m.properties,
                                        m.born_ms or now), now, max_size) if m.deliver_at_ms else
                 new_record(m.topic, m.payload, now, m.client_id, m.qos, m.retain, m.properties, targets(m.topic),
                            m.born_ms or None, max_size, m.packet_id) for m in messages]
+
+    def _check_delayed_cap(self, messages: Sequence[NewMessage]) -> None:
+        """Raises DelayedCapExceeded when a client of ``messages`` would pass ``timer_max_pending``, counted from
+        what dispatch applied (:meth:`append_groups` waits for it first; appends of the same client in flight at
+        the same moment may pass it by their number)."""
+        added: dict[str, int] = {}
+        for m in messages:
+            if m.deliver_at_ms:
+                added[m.client_id] = added.get(m.client_id, 0) + 1
+                if self.timers.pending_of(m.client_id) + added[m.client_id] > self.timer_max_pending:
+                    raise DelayedCapExceeded(f"client {m.client_id!r} has {self.timer_max_pending} delayed messages "
+                                             "pending already")
 
     def _appended(self, made: list[tuple[bytes, Record]], offsets: list[int]) -> None:
         """Keep the appended records in memory with their offsets, and wake dispatch."""
@@ -615,7 +633,7 @@ that owns the blob format (gateway/mqtt/session.py)."""
 async def open_store(
     data: Path, config: CommitLogConfig, listener: Listener | None = None, tier: Mapping[str, Any] | None = None, *,
     fix_session: SessionFixer | None = None, session_expiry: SessionExpiry | None = None, lease_s: float = LEASE_S,
-    timer_window_s: int = WINDOW_S
+    timer_window_s: int = WINDOW_S, timer_max_pending: int = 0
 ) -> AsyncIterator[StoreNode]:
     """Open the CommitLog and the index under ``data``, run flushing, retention and dispatch.
 
@@ -629,6 +647,7 @@ async def open_store(
     session never expires until its client connects again.
     ``lease_s``: how long a cluster gateway's lease outlives its last frame (store/leases.py).
     ``timer_window_s``: the slots of the timer wheel (store/timer/): delayed messages due further out roll.
+    ``timer_max_pending``: delayed messages a client may have pending (``DelayedCapExceeded``); 0: no cap.
 
     Resource handling: everything opened here is closed here, in reverse order,
     when the block exits (the index memtable and the CommitLog are flushed).
@@ -675,6 +694,7 @@ async def open_store(
                     node = StoreNode(data, alog, queues, dispatcher, sessions, retained, recent, space, awaiting,
                                      ledger, timers, lease_s, delayed)
                     nodes.append(node)
+                    node.timer_max_pending = timer_max_pending
                     node.leases.restore(clients)  # expiries and wills pending when the store stopped
                     dequeue = Dequeue(delayed, alog.log, partial(_append_fired, node))
                     async with background(dispatcher.run), background(partial(_watch_space, space)), \
