@@ -52,7 +52,7 @@ from store.space import FULL_RETRY_S
 
 __all__ = [
     "GROUP_PREFIX", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "Flow", "LeaseLost", "LogSpan", "NewMessage",
-    "PullRequest",
+    "PullRequest", "TimerStatistics",
     "PullResult", "StoreApi", "StoreStatistics", "StoreUnavailable", "group_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
@@ -129,6 +129,20 @@ class LogSpan(msgspec.Struct, frozen=True, array_like=True):
     min_offset: int
 
 
+class TimerStatistics(msgspec.Struct, frozen=True, array_like=True):
+    """The delayed messages of the store (store/timer/): pending now, and since the store started: scheduled
+    (enqueued by their Delayed record), fired (delivered to their topic), rolled (due beyond the wheel's window),
+    and how late each fired one went out (``lateness_counts[i]`` below ``lateness_bounds[i]``, the last above all)."""
+
+    pending: int
+    scheduled: int
+    fired: int
+    rolled: int
+    lateness_bounds: tuple[float, ...]
+    lateness_counts: list[int]
+    lateness_sum_s: float
+
+
 class StoreStatistics(msgspec.Struct, frozen=True, array_like=True):
     """The store's figures an operator watches (metrics, ``$SYS``, the admin API)."""
 
@@ -145,6 +159,7 @@ class StoreStatistics(msgspec.Struct, frozen=True, array_like=True):
     corrupt_records: int = 0  # corrupt CommitLog records found and skipped since the store started (each once)
     disk_full: bool = False  # the data disk is full: new messages are refused until space frees
     process: ProcessUsage | None = None  # the store node's process: pid, CPU seconds, RSS (the cluster view)
+    timers: TimerStatistics | None = None  # delayed messages (store/timer/)
 
     @property
     def dispatch_lag(self) -> int:

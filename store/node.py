@@ -44,14 +44,14 @@ import trio
 from lightqueue.queues import LightQueues, PullResult
 from notify import EventMailbox, NotifyRouter
 from retain.store import RetainedStore
-from store.api import AdminOp, DelayedCapExceeded, Flow, LogSpan, NewMessage, StoreStatistics
+from store.api import AdminOp, DelayedCapExceeded, Flow, LogSpan, NewMessage, StoreStatistics, TimerStatistics
 from store.awaiting import AwaitingRelease
 from store.control import Control, Delayed, encode_all, encode_control
 from store.dispatch import MAX_LAG, Dispatcher, Listener
 from store.groups import GroupCoordinator
 from store.leases import LEASE_S, Leases
 from store.ledger import ClientEntry, ClientLedger
-from store.log.aio import AsyncCommitLog
+from store.log.aio import AsyncCommitLog, LatencyBuckets
 from store.log.commitlog import CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.log.recent import RecentRecords
@@ -169,6 +169,7 @@ class StoreNode:
         self.awaiting = awaiting  # inbound QoS 2 flows awaiting PUBREL, kept up to date by the dispatcher
         self.timers = timers  # delayed messages pending (store/timer/), kept up to date by the dispatcher
         self.timer_max_pending = 0  # delayed messages a client may have pending (0: no cap)
+        self.timer_lateness: LatencyBuckets | None = None  # the dequeue step's (open_store sets it)
         self.router = NotifyRouter()
         self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
         self.leases = Leases(nursery, lease_s, append=self.append, end_session=self._end_session,
@@ -456,7 +457,15 @@ class StoreNode:
             corrupt_records=stats.corrupt_records,
             disk_full=self.disk_full,
             process=process_usage(),
+            timers=self._timer_statistics(),
         )
+
+    def _timer_statistics(self) -> TimerStatistics:
+        timers = self.timers
+        late = self.timer_lateness
+        return TimerStatistics(timers.pending, timers.scheduled, timers.fired, timers.rolled,
+                               late.bounds if late else (), list(late.counts) if late else [0],
+                               late.sum_s if late else 0.0)
 
     # --- subscriptions and offsets ----------------------------------------------------------
 
@@ -697,6 +706,7 @@ async def open_store(
                     node.timer_max_pending = timer_max_pending
                     node.leases.restore(clients)  # expiries and wills pending when the store stopped
                     dequeue = Dequeue(delayed, alog.log, partial(_append_fired, node))
+                    node.timer_lateness = dequeue.lateness
                     async with background(dispatcher.run), background(partial(_watch_space, space)), \
                             background(dequeue.run):
                         if tier is not None and tier.get("tier.uri"):

@@ -15,7 +15,9 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 
+from tests.helpers.admin import admin_port
 from tests.helpers.mqtt_fixtures import WAIT_S, Client, connected, properties, run_id, running_node, subscribe5
+from tests.helpers.prometheus import metric
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +50,11 @@ def test_a_delayed_publish_reaches_the_real_topic_after_its_delay_with_what_it_c
         pub.publish(topic, b"sentinel", 1)  # nothing came on the $delayed/... name before it
         assert sub.messages.get(timeout=WAIT_S).payload == b"sentinel"
         assert sub.messages.empty()
+        port = admin_port(node)
+        assert metric(port, "lightgate_delayed_pending") == 0
+        assert metric(port, "lightgate_delayed_scheduled_total") == metric(port, "lightgate_delayed_dequeued_total") == 1
+        assert metric(port, "lightgate_delayed_lateness_seconds_count") == 1
+        assert metric(port, 'lightgate_delayed_lateness_seconds_bucket{le="1.0"}') == 1  # within the promised second
 
 
 def test_retain_is_kept_and_applies_at_the_due_time(tmp_path):
