@@ -20,7 +20,7 @@ import struct
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, final
+from typing import Iterable, Iterator, final
 
 from crc32c import crc32c
 
@@ -85,20 +85,13 @@ class TimerApplier:
                 self.scheduled += 1
         elif isinstance(control, TimersFired):
             with self._lock:
-                for offset, pos, due_ms in control.entries:
-                    found = self._find(offset, pos, due_ms)
-                    if found is not None:
-                        self._end(found, record.offset)
-                        self.fired += 1
+                self.fired += sum(1 for _ in self._end_all(control.entries, record.offset))
         elif isinstance(control, TimersRolled):
             with self._lock:
-                for offset, pos, due_ms in control.entries:
-                    found = self._find(offset, pos, due_ms)
-                    if found is not None:
-                        old = self._end(found, record.offset)
-                        self._enqueue(old._replace(prev=0, slot_s=self._slot_second(due_ms, record.store_ms),
-                                                   made_at=record.offset, done_at=0))
-                        self.rolled += 1
+                for old in self._end_all(control.entries, record.offset):
+                    self._enqueue(old._replace(prev=0, slot_s=self._slot_second(old.due_ms, record.store_ms),
+                                               made_at=record.offset, done_at=0))
+                    self.rolled += 1
 
     def flush(self, offset: int) -> None:
         with self._lock:
@@ -186,6 +179,14 @@ class TimerApplier:
         self._count(entry, 1)
         self._low = entry.slot_s if self._low is None else min(self._low, entry.slot_s)
 
+    def _end_all(self, refs: list[tuple[int, int, int]], at: int) -> Iterator[TimerEntry]:
+        """End the pending entries ``refs`` names (as the ``TimersFired`` / ``TimersRolled`` record at ``at`` does);
+        yields each as it was. An entry already ended, or unknown here, is skipped: applying is idempotent."""
+        for offset, pos, _ in refs:
+            found = self._find(offset, pos)
+            if found is not None:
+                yield self._end(found, at)
+
     def _end(self, pos: int, at: int) -> TimerEntry:
         """End the pending entry at ``pos`` (fired or rolled by the record at ``at``); returns it as it was."""
         entry = self._log.read(pos)
@@ -202,7 +203,7 @@ class TimerApplier:
             if not counts[key]:
                 del counts[key]
 
-    def _find(self, offset: int, pos: int, due_ms: int) -> int | None:
+    def _find(self, offset: int, pos: int) -> int | None:
         """The position of the pending entry of the Delayed record at ``offset``: ``pos`` when the TimerLog is laid
         out as where the end was written (always, but after a rebuild from a log retention shortened), else
         by a walk; None when there is none (its record is older than the log this TimerLog was built from)."""
