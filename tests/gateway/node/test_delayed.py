@@ -15,7 +15,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 
-from tests.helpers.admin import admin_port
+from tests.helpers.admin import Admin, admin_port
 from tests.helpers.mqtt_fixtures import WAIT_S, Client, connected, properties, run_id, running_node, subscribe5
 from tests.helpers.prometheus import metric
 
@@ -109,3 +109,26 @@ def test_a_client_over_its_cap_of_pending_delayed_messages_is_refused_never_drop
                 client.paho.publish(f"$delayed/600/d/{run}", b"x", qos)
                 assert client.disconnects.get(timeout=WAIT_S) is not None
                 client.paho.loop_stop()
+
+
+def test_http_publish_takes_delay_s_or_deliver_at(tmp_path):
+    run = run_id()
+    topic = f"d/{run}/http"
+    with running_node(tmp_path / "data", "--delayed-max-delay-s", "60") as node:
+        admin = Admin(admin_port(node))
+        with connected(node.port) as sub:
+            sub.subscribe(topic, 1)
+            sent = time.monotonic()
+            status, _, body = admin.request("POST", "/api/v1/publish", {"topic": topic, "payload": "a", "qos": 1,
+                                                                        "delay_s": 1})
+            assert status == 200 and body["deliver_at"] > 0, body
+            status, _, body = admin.request("POST", "/api/v1/publish", {"topic": topic, "payload": "b", "qos": 1,
+                                                                        "deliver_at": body["deliver_at"] + 500})
+            assert status == 200, body
+            assert [m.payload for m in sub.receive(2)] == [b"a", b"b"]
+            assert time.monotonic() - sent >= 1.0 - 0.05
+        status, _, body = admin.request("POST", "/api/v1/publish", {"topic": topic, "delay_s": 61})
+        assert status == 400 and "max_delay_s" in body["error"], body
+        status, _, body = admin.request("POST", "/api/v1/publish", {"topic": topic, "delay_s": 1, "deliver_at": 1})
+        assert status == 400, body
+        admin.close()
