@@ -94,7 +94,13 @@ class TimerApplier:
                     self.rolled += 1
 
     def flush(self, offset: int) -> None:
+        """Persist below ``offset``; with nothing pending the TimerLog starts again empty (it grows only while
+        messages wait: a crash before the checkpoint is written re-applies the records since the last one, whose
+        ends then find their entries by their Delayed offsets)."""
         with self._lock:
+            if not self._pending and self._log.count:
+                self._log.truncate(0)
+                self._lowest_real = 0
             self._log.sync()
             _write_checkpoint(self._checkpoint_path, offset, self._log.count)
             self._checkpoint = offset

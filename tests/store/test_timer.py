@@ -219,3 +219,20 @@ def test_an_end_found_at_another_position_still_ends_its_entry_once(tmp_path: Pa
     timers.apply(control_record(31, fired), fired)  # idempotent
     assert timers.pending == 1 and [e.offset_real for _, e in timers.due_entries(5_000)] == [10]
     timers.close()
+
+
+def test_the_timerlog_starts_again_empty_when_nothing_is_pending_at_a_flush(tmp_path: Path):
+    timers = TimerApplier(tmp_path, window_s=100)
+    timers.apply(*delayed_record(10, 5_000_000))
+    timers.flush(20)
+    assert (tmp_path / "timerlog").stat().st_size == 64  # one entry, pending
+    fired = TimersFired([(10, 1, 5_000_000)])
+    timers.apply(control_record(30, fired), fired)
+    timers.flush(40)
+    assert (tmp_path / "timerlog").stat().st_size == 0 and timers.pending == 0
+    timers.apply(*delayed_record(50, 5_001_000))  # the next one starts at position 1
+    assert [pos for pos, _ in timers.due_entries(5_001)] == [1]
+    timers.close()
+    timers = TimerApplier(tmp_path, window_s=100)  # a crash before the next checkpoint: re-applied from 40
+    assert timers.checkpoint == 40 and timers.pending == 0
+    timers.close()
