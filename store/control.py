@@ -124,15 +124,16 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Control)
 
 
-def encode_control(control: Control, store_ms: int, max_size: int) -> tuple[bytes, Record]:
-    """The record of ``control`` (bytes to append, and the ``Record`` they decode to, offset 0).
+def encode_control(control: Control, store_ms: int, max_size: int, packet_id: int = 0) -> tuple[bytes, Record]:
+    """The record of ``control`` (bytes to append, and the ``Record`` they decode to, offset 0); ``packet_id``: a
+    ``Delayed`` record's QoS 2 publisher's (``new_control``).
 
     Raises:
         RecordTooLarge: the record would exceed ``max_size`` (a session blob over the record limit).
     """
     tag = type(control).__struct_config__.tag
     client = getattr(control, "client", "") or getattr(control, "holder", "") or getattr(control, "owner", "")
-    return new_control(KIND_PREFIX + str(tag), _ENCODER.encode(control), store_ms, client, max_size)
+    return new_control(KIND_PREFIX + str(tag), _ENCODER.encode(control), store_ms, client, max_size, packet_id)
 
 
 def decode_control(record: Record) -> Control:

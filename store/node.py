@@ -382,7 +382,7 @@ class StoreNode:
         if self.timer_max_pending:
             self._check_delayed_cap(messages)
         return [encode_control(Delayed(m.client_id, m.topic, m.deliver_at_ms, m.payload, m.qos, m.retain, m.properties,
-                                       m.born_ms or now), now, max_size) if m.deliver_at_ms else
+                                       m.born_ms or now), now, max_size, m.packet_id) if m.deliver_at_ms else
                 new_record(m.topic, m.payload, now, m.client_id, m.qos, m.retain, m.properties, targets(m.topic),
                            m.born_ms or None, max_size, m.packet_id) for m in messages]
 

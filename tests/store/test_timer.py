@@ -236,3 +236,14 @@ def test_the_timerlog_starts_again_empty_when_nothing_is_pending_at_a_flush(tmp_
     timers = TimerApplier(tmp_path, window_s=100)  # a crash before the next checkpoint: re-applied from 40
     assert timers.checkpoint == 40 and timers.pending == 0
     timers.close()
+
+
+async def test_a_delayed_qos2_message_awaits_pubrel_from_its_record(tmp_path: Path):
+    """[MQTT-4.3.3-2]: until PUBREL, a resend of a QoS 2 PUBLISH is not stored again; the store knows the flow
+    awaits PUBREL from the Delayed record itself (its frame keeps the packet id), as from a message record."""
+    async with open_store(tmp_path, CONFIG) as node:
+        (offset,) = await node.append([NewMessage("t", b"x", "pub", 2, packet_id=7,
+                                                  deliver_at_ms=now_ms() + 600_000)])
+        assert await node.awaiting_release("pub") == {7: offset}
+        record = node.log.log.read(offset)
+        assert record.control and record.packet_id == 7 and isinstance(decode_control(record), Delayed)
