@@ -198,7 +198,7 @@ class ChannelConfig:
             raise ValueError(f"max_topic_levels must be 1..{DEFAULT_LIMITS.max_levels} (the store's limit), "
                              f"not {self.max_topic_levels}")
         for name in ("max_subscriptions", "publish_rate", "publish_burst", "publish_bytes_rate", "qos0_queue_bytes",
-                     "max_user_properties", "max_user_property_bytes"):
+                     "max_user_properties", "max_user_property_bytes", "max_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, not {getattr(self, name)}")
 
