@@ -55,9 +55,9 @@ from store.log.record import FLAG_RETAIN, QOS_MASK, Record, RecordTooLarge
 from store.space import FULL_RETRY_S
 
 __all__ = [
-    "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "Flow", "LeaseLost", "LogSpan", "NewMessage",
-    "Position", "Positions", "PullRequest", "PullResult", "StoreApi", "StoreStatistics", "StoreUnavailable",
-    "group_owner",
+    "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "Flow", "LeaseLost", "LogSpan",
+    "NewMessage", "Position", "Positions", "PullRequest", "PullResult", "StoreApi", "StoreStatistics",
+    "StoreUnavailable", "TimerStatistics", "group_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
     "RecordTooLarge", "StartupError", "TopicError",
@@ -126,7 +126,8 @@ class NewMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
     ``properties`` is the MQTT 5 PUBLISH property block (wire encoding, no length prefix); ``born_ms`` when the
     publisher made it (0: when the store takes it); ``packet_id`` a QoS 2 message's id, which its record keeps
-    so that the store knows the flow awaits PUBREL (store/awaiting.py). Untracked by the garbage collector: a
+    so that the store knows the flow awaits PUBREL (store/awaiting.py); ``deliver_at_ms`` (epoch ms, 0: now)
+    makes it a delayed message, which the timer keeps until then (store/timer/). Untracked by the garbage collector: a
     flood makes one per PUBLISH and nothing it holds refers back.
     """
 
@@ -138,6 +139,7 @@ class NewMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):
     properties: bytes = b""
     born_ms: int = 0
     packet_id: int = 0
+    deliver_at_ms: int = 0
 
 
 class PullRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -161,6 +163,20 @@ class LogSpan(msgspec.Struct, frozen=True, array_like=True):
     min_offset: int
 
 
+class TimerStatistics(msgspec.Struct, frozen=True, array_like=True):
+    """The delayed messages of the store (store/timer/): pending now, and since the store started: scheduled
+    (enqueued by their Delayed record), fired (delivered to their topic), rolled (due beyond the wheel's window),
+    and how late each fired one went out (``lateness_counts[i]`` below ``lateness_bounds[i]``, the last above all)."""
+
+    pending: int
+    scheduled: int
+    fired: int
+    rolled: int
+    lateness_bounds: tuple[float, ...]
+    lateness_counts: list[int]
+    lateness_sum_s: float
+
+
 class StoreStatistics(msgspec.Struct, frozen=True, array_like=True):
     """The store's figures an operator watches (metrics, ``$SYS``, the admin API)."""
 
@@ -177,6 +193,7 @@ class StoreStatistics(msgspec.Struct, frozen=True, array_like=True):
     corrupt_records: int = 0  # corrupt CommitLog records found and skipped since the store started (each once)
     disk_full: bool = False  # the data disk is full: new messages are refused until space frees
     process: ProcessUsage | None = None  # the store node's process: pid, CPU seconds, RSS (the cluster view)
+    timers: TimerStatistics | None = None  # delayed messages (store/timer/)
 
     @property
     def dispatch_lag(self) -> int:
@@ -202,6 +219,12 @@ class StoreUnavailable(ConnectionError):
 class LeaseLost(ConnectionError):
     """A write for a client of a lease that has ended: the client is no longer this node's (it may have connected
     to another node since), so the store refused it. Nothing is acknowledged for it."""
+
+
+class DelayedCapExceeded(ValueError):
+    """A delayed message refused: its client has as many delayed messages pending as the store allows
+    (``open_store(timer_max_pending=...)``, setting ``delayed.max_pending_per_client``). Nothing of its append was
+    stored; MQTT answers 0x97 (quota exceeded), or closes a 3.1.1 connection."""
 
 
 class StoreApi(Protocol):

@@ -23,8 +23,8 @@ from store.log.record import Record, new_control
 
 __all__ = [
     "KIND_PREFIX", "Activated", "ClientClosed", "ClientConnected", "ClientForgotten", "Committed", "Control",
-    "ControlError", "FlowsAwaiting", "FlowsReleased", "Released", "RetainedKept", "SessionEnded", "SessionSaved",
-    "WillPublished", "decode_control", "encode_all", "encode_control",
+    "ControlError", "Delayed", "FlowsAwaiting", "FlowsReleased", "Released", "RetainedKept", "SessionEnded",
+    "SessionSaved", "TimersFired", "TimersRolled", "WillPublished", "decode_control", "encode_all", "encode_control",
 ]
 
 KIND_PREFIX = "$store/"
@@ -147,23 +147,57 @@ class RetainedKept(msgspec.Struct, frozen=True, array_like=True, tag="retained_k
     record: bytes
 
 
+# -- delayed delivery (store/timer/) ---------------------------------------------------------------------------
+
+
+class Delayed(msgspec.Struct, frozen=True, array_like=True, tag="delayed"):
+    """A message to deliver to ``topic`` at ``due_ms`` (epoch ms): written once, here, under the timer's system
+    queue; the timer (store/timer/) points at this record until it fires. ``client`` is the publisher's client
+    id, ``properties`` the MQTT 5 property block (wire encoding), ``born_ms`` when the publisher made it."""
+
+    client: str
+    topic: str
+    due_ms: int
+    payload: bytes
+    qos: int = 0
+    retain: bool = False
+    properties: bytes = b""
+    born_ms: int = 0
+
+
+class TimersFired(msgspec.Struct, frozen=True, array_like=True, tag="timers_fired"):
+    """The messages appended just before this record, in the same write, deliver these timer entries:
+    ``(CommitLog offset of the Delayed record, TimerLog position when fired, due ms)``; they never fire again."""
+
+    entries: list[tuple[int, int, int]]
+
+
+class TimersRolled(msgspec.Struct, frozen=True, array_like=True, tag="timers_rolled"):
+    """These timer entries (as in :class:`TimersFired`) are due beyond the wheel's window: each is enqueued again
+    (a new TimerLog entry, in a slot the window reaches) and the old entry ends."""
+
+    entries: list[tuple[int, int, int]]
+
+
 Control = Union[Activated, Released, Committed, SessionSaved, SessionEnded, FlowsReleased, FlowsAwaiting,
-                ClientConnected, ClientClosed, WillPublished, ClientForgotten, RetainedKept]
+                ClientConnected, ClientClosed, WillPublished, ClientForgotten, RetainedKept, Delayed, TimersFired,
+                TimersRolled]
 """Every control record kind (a tagged union: the tag is the first element of the msgpack array)."""
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Control)
 
 
-def encode_control(control: Control, store_ms: int, max_size: int) -> tuple[bytes, Record]:
-    """The record of ``control`` (bytes to append, and the ``Record`` they decode to, offset 0).
+def encode_control(control: Control, store_ms: int, max_size: int, packet_id: int = 0) -> tuple[bytes, Record]:
+    """The record of ``control`` (bytes to append, and the ``Record`` they decode to, offset 0); ``packet_id``: a
+    ``Delayed`` record's QoS 2 publisher's (``new_control``).
 
     Raises:
         RecordTooLarge: the record would exceed ``max_size`` (a session blob over the record limit).
     """
     tag = type(control).__struct_config__.tag
     client = getattr(control, "client", "") or getattr(control, "holder", "") or getattr(control, "owner", "")
-    return new_control(KIND_PREFIX + str(tag), _ENCODER.encode(control), store_ms, client, max_size)
+    return new_control(KIND_PREFIX + str(tag), _ENCODER.encode(control), store_ms, client, max_size, packet_id)
 
 
 def decode_control(record: Record) -> Control:

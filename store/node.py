@@ -34,15 +34,16 @@ import trio
 from lightqueue.queues import LightQueues, PullResult
 from notify import NotifyRouter
 from retain.store import RetainedStore
-from store.api import MAIN_LOG, LogSpan, NewMessage, StoreStatistics
+from store.api import MAIN_LOG, DelayedCapExceeded, LogSpan, NewMessage, StoreStatistics, TimerStatistics
 from store.attached import Attachment
 from store.awaiting import AwaitingRelease
-from store.control import Activated, ClientClosed, Committed, Control, Released, SessionEnded, SessionSaved, encode_all
+from store.control import (Activated, ClientClosed, Committed, Control, Delayed, Released, SessionSaved,
+                           encode_all, encode_control)
 from store.dispatch import MAX_LAG, SCAN_BYTES, Dispatcher, Listener
 from store.groups import GroupCoordinator
 from store.leases import LEASE_S
 from store.ledger import ClientLedger
-from store.log.aio import AsyncCommitLog
+from store.log.aio import AsyncCommitLog, LatencyBuckets
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.log.recent import RecentRecords
@@ -52,6 +53,8 @@ from store.rocks import open_db
 from store.sessions import SessionBlobs, Sessions
 from store.space import DiskSpace
 from store.tasks import background
+from store.timer.applier import WINDOW_S, TimerApplier
+from store.timer.dequeue import Dequeue
 from store.usage import process_usage
 
 LOGGER = logging.getLogger(__name__)
@@ -71,7 +74,7 @@ class StoreNode:
 
     def __init__(self, data: Path, log: AsyncCommitLog, queues: LightQueues, dispatcher: Dispatcher,
                  blobs: SessionBlobs, retained: RetainedStore, recent: RecentRecords, space: DiskSpace,
-                 awaiting: AwaitingRelease, nursery: trio.Nursery, lease_s: float) -> None:
+                 awaiting: AwaitingRelease, nursery: trio.Nursery, lease_s: float, timers: TimerApplier) -> None:
         self.data = data
         self.log = log
         self.queues = queues
@@ -80,6 +83,9 @@ class StoreNode:
         self.recent = recent  # the last appended records, decoded: dispatch and pulls at the head read them here
         self.space = space  # free space on the data disk: appends and RocksDB writes are refused while it is short
         self.awaiting = awaiting  # inbound QoS 2 flows awaiting PUBREL, kept up to date by the dispatcher
+        self.timers = timers  # delayed messages pending (store/timer/), kept up to date by the dispatcher
+        self.timer_max_pending = 0  # delayed messages a client may have pending (0: no cap)
+        self.timer_lateness: LatencyBuckets | None = None  # the dequeue step's (open_store sets it)
         self.router = NotifyRouter()
         self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
         self.groups = GroupCoordinator(self, self._poke)
@@ -166,6 +172,8 @@ class StoreNode:
         Raises:
             OSError: the write failed; no group was appended.
         """
+        if self.timer_max_pending and any(m.deliver_at_ms for group in groups for m in group):
+            await self.dispatcher.wait_dispatched(self.log.log.written_offset)  # the cap counts every append before
         now = now_ms()
         encoded: list[list[tuple[bytes, Record]] | ValueError] = []
         for messages in groups:
@@ -200,7 +208,8 @@ class StoreNode:
             ValueError: a message does not encode (``RecordTooLarge`` included); nothing was appended.
             OSError: the write failed; nothing was appended.
         """
-        if self.log.log.config.flush == "sync" or self.dispatcher.lag > MAX_LAG:
+        if self.log.log.config.flush == "sync" or self.dispatcher.lag > MAX_LAG or \
+                any(m.deliver_at_ms for m in messages):  # a delayed one: its client's cap counts what dispatch applied
             raise trio.WouldBlock
         now = now_ms()
         made = self._encode(messages, now)
@@ -215,10 +224,11 @@ class StoreNode:
         return offsets
 
     async def append_control(self, controls: Sequence[Control], *, durable: bool | None = None,
-                             applied: bool = True) -> int:
+                             applied: bool = True, messages: Sequence[NewMessage] = ()) -> int:
         """Append control records (store/control.py) in one CommitLog write and return once dispatch has applied
         them: what they say is then both stored (as the flush policy, or ``durable``, promises) and readable.
         ``applied`` False: return once stored (state nobody reads before the next start: the client ledger).
+        ``messages`` go first in the same write (the timer's fired messages with the record that ends them).
 
         Returns:
             the CommitLog offset just past the last of them.
@@ -227,7 +237,8 @@ class StoreNode:
             ValueError: one does not encode (``RecordTooLarge``: a session blob over the record limit).
             OSError: the write failed (``LogFullError``: the disk is full); nothing was appended.
         """
-        made = encode_all(controls, now_ms(), self.log.log.config.max_record_bytes)
+        now = now_ms()
+        made = self._encode(messages, now) + encode_all(controls, now, self.log.log.config.max_record_bytes)
         self.space.check()  # not only the log's room: what dispatch derives from them is written to RocksDB
         offsets = await self._write([raw for raw, _ in made], durable)
         self._appended(made, offsets)
@@ -253,11 +264,28 @@ class StoreNode:
 
     def _encode(self, messages: Sequence[NewMessage], now: int) -> list[tuple[bytes, Record]]:
         """The records of ``messages`` with their target queues fixed now (raises ValueError as ``new_record``):
-        the one place messages become records."""
+        the one place messages become records. A delayed message (``deliver_at_ms``) becomes a ``Delayed``
+        control record, which the timer keeps until it is due (store/timer/)."""
         max_size = self.log.log.config.max_record_bytes
         targets = self.queues.targets
-        return [new_record(m.topic, m.payload, now, m.client_id, m.qos, m.retain, m.properties, targets(m.topic),
+        if self.timer_max_pending:
+            self._check_delayed_cap(messages)
+        return [encode_control(Delayed(m.client_id, m.topic, m.deliver_at_ms, m.payload, m.qos, m.retain, m.properties,
+                                       m.born_ms or now), now, max_size, m.packet_id) if m.deliver_at_ms else
+                new_record(m.topic, m.payload, now, m.client_id, m.qos, m.retain, m.properties, targets(m.topic),
                            m.born_ms or None, max_size, m.packet_id) for m in messages]
+
+    def _check_delayed_cap(self, messages: Sequence[NewMessage]) -> None:
+        """Raises DelayedCapExceeded when a client of ``messages`` would pass ``timer_max_pending``, counted from
+        what dispatch applied (:meth:`append_groups` waits for it first; appends of the same client in flight at
+        the same moment may pass it by their number)."""
+        added: dict[str, int] = {}
+        for m in messages:
+            if m.deliver_at_ms:
+                added[m.client_id] = added.get(m.client_id, 0) + 1
+                if self.timers.pending_of(m.client_id) + added[m.client_id] > self.timer_max_pending:
+                    raise DelayedCapExceeded(f"client {m.client_id!r} has {self.timer_max_pending} delayed messages "
+                                             "pending already")
 
     def _appended(self, made: list[tuple[bytes, Record]], offsets: list[int]) -> None:
         """Keep the appended records in memory with their offsets, and wake dispatch."""
@@ -318,7 +346,15 @@ class StoreNode:
             corrupt_records=stats.corrupt_records,
             disk_full=self.disk_full,
             process=process_usage(),
+            timers=self._timer_statistics(),
         )
+
+    def _timer_statistics(self) -> TimerStatistics:
+        timers = self.timers
+        late = self.timer_lateness
+        return TimerStatistics(timers.pending, timers.scheduled, timers.fired, timers.rolled,
+                               late.bounds if late else (), list(late.counts) if late else [0],
+                               late.sum_s if late else 0.0)
 
     # --- subscriptions and offsets ----------------------------------------------------------
 
@@ -398,7 +434,8 @@ that owns the blob format (gateway/mqtt/session.py)."""
 @asynccontextmanager
 async def open_store(
     data: Path, config: CommitLogConfig, listener: Listener | None = None, tier: Mapping[str, Any] | None = None, *,
-    fix_session: SessionFixer | None = None, session_expiry: SessionExpiry | None = None, lease_s: float = LEASE_S
+    fix_session: SessionFixer | None = None, session_expiry: SessionExpiry | None = None, lease_s: float = LEASE_S,
+    timer_window_s: int = WINDOW_S, timer_max_pending: int = 0
 ) -> AsyncIterator[StoreNode]:
     """Open the CommitLog and the index under ``data``, run flushing, retention and dispatch.
 
@@ -411,6 +448,8 @@ async def open_store(
     entry a power loss took) is asked its expiry and counts as closed at this start (store/ledger.py); None: such a
     session never expires until its client connects again.
     ``lease_s``: how long a cluster gateway's lease outlives its last frame (store/leases.py).
+    ``timer_window_s``: the slots of the timer wheel (store/timer/): delayed messages due further out roll.
+    ``timer_max_pending``: delayed messages a client may have pending (``DelayedCapExceeded``); 0: no cap.
 
     Resource handling: everything opened here is closed here, in reverse order,
     when the block exits (the index memtable and the CommitLog are flushed).
@@ -440,10 +479,13 @@ async def open_store(
             awaiting = AwaitingRelease(db)
             controls = QueueControls(queues)
             blobs = SessionBlobs(db)
+            delayed = TimerApplier(data / "timer", timer_window_s)
+            opened.callback(delayed.close)
+            alog.log.add_retention_guard(delayed.may_delete)
             ledger = ClientLedger(db)
             dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
                                     awaiting=awaiting, room=space.has_room,
-                                    appliers=[controls, blobs, ledger, awaiting.controls])
+                                    appliers=[controls, blobs, ledger, awaiting.controls, delayed])
             try:
                 await trio.to_thread.run_sync(_recover, alog.log, dispatcher, queues, blobs, fix_session)
                 await trio.to_thread.run_sync(_restate_legacy, alog.log, dispatcher, controls, blobs, ledger, awaiting)
@@ -455,10 +497,14 @@ async def open_store(
             try:
                 async with trio.open_nursery() as timers:  # leases, wills, session expiry: they end with the node
                     node = StoreNode(data, alog, queues, dispatcher, blobs, retained, recent, space, awaiting,
-                                     timers, lease_s)
+                                     timers, lease_s, delayed)
                     nodes.append(node)
+                    node.timer_max_pending = timer_max_pending
                     node.leases.restore(clients)  # expiries and wills pending when the store stopped
-                    async with background(dispatcher.run), background(partial(_watch_space, space)):
+                    dequeue = Dequeue(delayed, alog.log, partial(_append_fired, node))
+                    node.timer_lateness = dequeue.lateness
+                    async with background(dispatcher.run), background(partial(_watch_space, space)), \
+                            background(dequeue.run):
                         if tier is not None and tier.get("tier.uri"):
                             try:
                                 from store.tier import TierConfig, TierConverter, run_tier
@@ -485,6 +531,10 @@ async def open_store(
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(db.close)
+
+
+async def _append_fired(node: StoreNode, controls: Sequence[Control], messages: Sequence[NewMessage]) -> int:
+    return await node.append_control(controls, messages=messages)
 
 
 SPACE_PROBE_S = 1.0

@@ -29,6 +29,7 @@ LOG = logging.getLogger("lightgate")
 BENCHMARKS = {
     "store": ("gateway.bench.store", "CommitLog appends (async and sync group commit) next to the raw disk"),
     "index": ("gateway.bench.index", "light queues: dispatch rate, filter match, pull latency, bytes per message"),
+    "timers": ("gateway.bench.timers", "delayed messages: scheduling and dequeue rates, lateness, RSS and disk pending"),
     "analytics": ("gateway.bench.analytics", "rows/s of the Spark per-device telemetry aggregation"),
     "fanin": ("gateway.bench.fanin", "many publishers -> one tele/# subscriber, as fast as possible"),
     "fanin-rate": ("gateway.bench.fanin_rate", "fan-in at a fixed 5,000 msg/s, QoS 1: loss and latency"),

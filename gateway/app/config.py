@@ -147,6 +147,10 @@ OPTIONS: tuple[Option, ...] = (
            " packet may take (0 = no limit)"),
     Option("limits.qos0_queue_bytes", 0, "QoS 0 delivery bytes a session may have waiting for its socket before new"
            " QoS 0 messages to it are dropped (0 = no limit)"),
+    Option("delayed.max_delay_s", 7 * 24 * 3600, "longest delay of a PUBLISH to $delayed/<seconds>/<topic>; a longer"
+           " one is refused (docs/operations.md, \"Delayed delivery\")"),
+    Option("delayed.max_pending_per_client", 10_000, "delayed messages a client may have pending; more are refused"
+           " (MQTT 5: 0x97, 3.1.1: the connection closes) (0 = no limit)"),
     Option("admin.host", "127.0.0.1", "address the admin HTTP listener (metrics, health, admin API, dashboard) binds to"),
     Option("admin.port", 18083, "admin HTTP port (0 = off); a free port when node.port is 0"),
     Option("admin.max_connections", 32, "admin HTTP connections open at once (0 = no cap); at the cap a new one"
@@ -289,11 +293,12 @@ def load_env(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 COMMAND_KEYS: dict[str, tuple[str, ...]] = {
-    "serve": ("node", "tls", "ws", "wss", "log", "commitlog", "mqtt", "retention", "tier", "auth", "limits", "admin"),
+    "serve": ("node", "tls", "ws", "wss", "log", "commitlog", "mqtt", "retention", "tier", "auth", "limits", "admin",
+              "delayed"),
     "store": ("node.data", "store", "log", "commitlog", "retention", "tier", "auth.password_file",
-              "auth.allow_anonymous", "auth.acl_file", "auth.failure_delay_s"),
+              "auth.allow_anonymous", "auth.acl_file", "auth.failure_delay_s", "delayed.max_pending_per_client"),
     "gateway": ("node.host", "node.port", "gateway", "store.token", "tls", "ws", "wss", "log", "mqtt", "auth",
-                "limits", "admin"),
+                "limits", "admin", "delayed.max_delay_s"),
     "repair": ("node.data", "log", "commitlog"),
     "dump": ("node.data", "log"),
     "snapshot": ("node.data", "log", "commitlog"),

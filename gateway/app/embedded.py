@@ -43,7 +43,8 @@ async def serve_gateway(
     front = NodeFront.from_settings(settings)
     data = Path(settings["node.data"])
     async with open_store(data, CommitLogConfig.from_settings(settings), tier=settings,
-                          fix_session=clamp_session_blob, session_expiry=session_blob_expiry) as store:
+                          fix_session=clamp_session_blob, session_expiry=session_blob_expiry,
+                          timer_max_pending=settings["delayed.max_pending_per_client"]) as store:
         LOGGER.info("store node ready", extra={"ctx": {"data": str(data),
                                                        "written_offset": store.log.log.written_offset}})
         local = LocalStore(store, lease=True)

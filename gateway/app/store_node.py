@@ -47,7 +47,8 @@ async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = 
     host, port = parse_address(settings["store.listen"])
     data = Path(settings["node.data"])
     async with open_store(data, CommitLogConfig.from_settings(settings), tier=settings, fix_session=fix_session,
-                          session_expiry=session_expiry, lease_s=settings["store.lease_s"]) as node:
+                          session_expiry=session_expiry, lease_s=settings["store.lease_s"],
+                          timer_max_pending=settings["delayed.max_pending_per_client"]) as node:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:

@@ -147,7 +147,8 @@ class ChannelConfig:
     clients, as the number of their QoS 1/2 messages stored at once.
     ``pull_batch`` messages per pull bounds a slow stream's buffer; it is the
     deliveries of one step (four turns of ``gateway.mqtt.session.DELIVER_BUDGET``),
-    so a subscriber draining a backlog pulls once per step.
+    so a subscriber draining a backlog pulls once per step. ``max_delay_s`` is the longest delay of a PUBLISH
+    to ``$delayed/<seconds>/<topic>`` (gateway/mqtt/delayed.py).
     """
 
     max_packet_size: int = 1024 * 1024 + 1024
@@ -180,6 +181,7 @@ class ChannelConfig:
     publish_burst: float = 0.0
     publish_bytes_rate: float = 0.0
     qos0_queue_bytes: int = 0
+    max_delay_s: int = 7 * 24 * 3600
 
     def __post_init__(self) -> None:
         for name in ("receive_maximum", "default_receive_maximum", "max_inflight"):
@@ -203,7 +205,7 @@ class ChannelConfig:
             raise ValueError(f"max_topic_levels must be 1..{DEFAULT_LIMITS.max_levels} (the store's limit), "
                              f"not {self.max_topic_levels}")
         for name in ("max_subscriptions", "publish_rate", "publish_burst", "publish_bytes_rate", "qos0_queue_bytes",
-                     "max_user_properties", "max_user_property_bytes"):
+                     "max_user_properties", "max_user_property_bytes", "max_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, not {getattr(self, name)}")
 

@@ -41,6 +41,7 @@ class Limit(Enum):
     PUBLISH_BYTES_RATE = "publish_bytes_rate"  # limits.publish_bytes_rate: a message over the byte rate
     QOS0_QUEUE = "qos0_queue"  # limits.qos0_queue_bytes: a QoS 0 delivery dropped, the writer was too far behind
     USER_PROPERTIES = "user_properties"  # limits.max_user_properties / max_user_property_bytes: the decoder refused
+    DELAYED = "delayed"  # delayed.max_delay_s: a $delayed/<seconds>/<topic> name malformed or over the longest delay
 
 
 @dataclass(slots=True)
@@ -56,6 +57,7 @@ class LimitCounters:
     publish_bytes_rate: int = 0
     qos0_queue: int = 0
     user_properties: int = 0
+    delayed: int = 0
 
     def add(self, limit: Limit, count: int = 1) -> int:
         """Count ``count`` hits of ``limit``; returns the new total."""

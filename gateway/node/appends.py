@@ -26,7 +26,7 @@ from gateway.mqtt.actions import Append, Appended, Event
 from gateway.mqtt.reasons import ReasonCode
 from gateway.node.order import ReadOrder
 from gateway.node.poller import ReadRound
-from store.api import LeaseLost, LogFullError, NewMessage, Positions, RecordTooLarge, StoreApi
+from store.api import DelayedCapExceeded, LeaseLost, LogFullError, NewMessage, Positions, RecordTooLarge, StoreApi
 
 if TYPE_CHECKING:
     from gateway.node.connection import Connection
@@ -63,6 +63,8 @@ class Appends:
         False leaves it, and any error, to :meth:`perform`. The round's first append asks the store for all of
         them (per message, that was 3% of a fan-in's CPU). The channel asked the ACL already."""
         if self._order.fenced:  # an activation read before it is not applied yet: ``perform`` waits for it
+            return False
+        if action.messages[0].deliver_at_ms:  # a delayed message waits for its client's cap: ``perform`` stores it
             return False
         if read_round is not None and read_round.appends:
             read_round.appends.append((connection, action))
@@ -136,7 +138,7 @@ class Appends:
         except RecordTooLarge as exc:
             LOGGER.warning("append refused: %s", exc)
             reason = ReasonCode.PACKET_TOO_LARGE
-        except LogFullError:
+        except (LogFullError, DelayedCapExceeded):
             reason = ReasonCode.QUOTA_EXCEEDED
         except LeaseLost:
             reason = ReasonCode.SESSION_TAKEN_OVER

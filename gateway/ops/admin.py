@@ -380,9 +380,10 @@ class AdminApi:
     async def _publish_one(self, body: PublishBody, payload: bytes, properties: bytes, username: str | None,
                            peer_host: str) -> Published:
         """Publish one message through the node; what was stored, or an HttpError saying why not."""
+        deliver_at = _deliver_at(body, self.admin.node.channel_config.max_delay_s)
         try:
             reason = await self.admin.publish(body.topic, payload, body.qos, body.retain, username, peer_host,
-                                             properties)
+                                             properties, deliver_at or 0)
         except TopicError as exc:
             raise HttpError(400, f"topic: {exc}") from None
         if reason is ReasonCode.NOT_AUTHORIZED:
@@ -391,7 +392,7 @@ class AdminApi:
             raise HttpError(413, "the message exceeds commitlog.max_record_bytes")
         if reason is not None:
             raise HttpError(503, f"the store did not take the message: {reason.name}")
-        return Published(body.topic, body.qos, body.retain, len(payload))
+        return Published(body.topic, body.qos, body.retain, len(payload), deliver_at)
 
     # --- admin routes -------------------------------------------------------------------
 
@@ -504,6 +505,23 @@ def _decode(body: bytes, type: type[T]) -> T:
         return decode_body(body, type)
     except BodyError as exc:
         raise HttpError(400, str(exc)) from None
+
+
+def _deliver_at(body: PublishBody, max_delay_s: int) -> int | None:
+    """When a delayed message (``delay_s`` or ``deliver_at``) is due, ms since the epoch; None: publish now.
+
+    Raises:
+        HttpError: 400, both are given, or the delay exceeds ``delayed.max_delay_s``.
+    """
+    if body.delay_s is None and body.deliver_at is None:
+        return None
+    if body.delay_s is not None and body.deliver_at is not None:
+        raise HttpError(400, "give delay_s or deliver_at, not both")
+    now = int(time.time() * 1000)
+    due = now + body.delay_s * 1000 if body.delay_s is not None else body.deliver_at
+    if due - now > max_delay_s * 1000:
+        raise HttpError(400, f"the delay exceeds delayed.max_delay_s ({max_delay_s} s)")
+    return max(due, now)
 
 
 def _message(body: PublishBody, where: str = "") -> tuple[bytes, bytes]:

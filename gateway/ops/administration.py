@@ -220,13 +220,14 @@ class Administration:
         return await self.node.guard.http(username, password, source)
 
     async def publish(self, topic: str, payload: bytes, qos: int, retain: bool, username: str | None,
-                      source: str, properties: bytes = b"") -> ReasonCode | None:
+                      source: str, properties: bytes = b"", deliver_at_ms: int = 0) -> ReasonCode | None:
         """Publish for an HTTP client (``username`` authenticated, None: anonymous) through the normal path.
 
         The ACL's publish rules apply as to an MQTT client of that user; HTTP
         publishers have no client id, so ``client`` rules and ``%c`` patterns
-        never match them. Returns None when stored, NOT_AUTHORIZED, or the
-        append's failure (PACKET_TOO_LARGE, ...).
+        never match them. ``deliver_at_ms`` makes it a delayed message (store/timer/). Returns None when
+        stored, NOT_AUTHORIZED, or the append's failure (PACKET_TOO_LARGE, QUOTA_EXCEEDED: the HTTP publishers'
+        cap of pending delayed messages, or a full disk...).
 
         Raises:
             TopicError: not a valid topic name, or beyond the topic limits.
@@ -236,7 +237,8 @@ class Administration:
         validate_topic(topic, TopicLimits(config.max_topic_length, config.max_topic_levels))
         if not node.guard.may_publish_http(username, topic, source):
             return ReasonCode.NOT_AUTHORIZED
-        message = NewMessage(topic, payload, HTTP_CLIENT_ID, qos, retain, properties, int(time.time() * 1000))
+        message = NewMessage(topic, payload, HTTP_CLIENT_ID, qos, retain, properties, int(time.time() * 1000),
+                             deliver_at_ms=deliver_at_ms)
         reason = await node.appends.own([message])
         if reason is None:
             node.traffic.messages_in += 1

@@ -50,6 +50,8 @@ class PublishBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     qos: Literal[0, 1, 2] = 0
     retain: bool = False
     properties: PublishProperties | None = None
+    delay_s: Annotated[int, msgspec.Meta(ge=0)] | None = None  # deliver this many seconds from now (store/timer/)
+    deliver_at: Annotated[int, msgspec.Meta(ge=0)] | None = None  # ... or at this time, ms since the epoch
 
 
 class BulkPublishBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -58,13 +60,14 @@ class BulkPublishBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     messages: Annotated[list[PublishBody], msgspec.Meta(min_length=1, max_length=MAX_BULK_MESSAGES)]
 
 
-class Published(msgspec.Struct, frozen=True):
+class Published(msgspec.Struct, frozen=True, omit_defaults=True):
     """What a publish stored (the answer of ``POST /api/v1/publish``)."""
 
     topic: str
     qos: int
     retain: bool
     bytes: int  # the payload's length
+    deliver_at: int | None = None  # a delayed message: when it is due, ms since the epoch
 
 
 class BulkOutcome(msgspec.Struct, frozen=True, omit_defaults=True):

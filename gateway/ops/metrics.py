@@ -172,9 +172,26 @@ class NodeMetrics:
                            "the ERROR log line names its file and offset)", store.corrupt_records)
             yield _gauge("store_disk_full", "1 while the data disk is full and new QoS 1/2 messages are refused",
                          int(store.disk_full))
+            yield from _timer_metrics(store)
         if self._flush_latency is not None:
             yield histogram(PREFIX + "commitlog_flush_seconds", "time of each CommitLog flush (fsync) round",
                             self._flush_latency)
+
+
+def _timer_metrics(store: StoreStatistics) -> Iterator[Metric]:
+    """The delayed messages of the store (docs/operations.md, "Delayed delivery"); rates come from the counters."""
+    timers = store.timers
+    if timers is None:
+        return
+    yield _gauge("delayed_pending", "delayed messages stored and not delivered yet", timers.pending)
+    yield _counter("delayed_scheduled", "delayed messages enqueued in the timer wheel", timers.scheduled)
+    yield _counter("delayed_dequeued", "delayed messages delivered to their topic at their due time", timers.fired)
+    yield _counter("delayed_rolled", "delayed messages due beyond the wheel's window, enqueued again", timers.rolled)
+    late = LatencyBuckets(timers.lateness_bounds)
+    late.counts = list(timers.lateness_counts)
+    late.sum_s = timers.lateness_sum_s
+    yield histogram(PREFIX + "delayed_lateness_seconds", "how late each delayed message went out after its due "
+                    "time", late)
 
 
 def _add_process_collectors(registry: CollectorRegistry) -> None:

@@ -210,6 +210,8 @@ class Producer:
         qos: int = 1,
         retain: bool = False,
         properties: bytes = b"",
+        delay_s: float | None = None,
+        deliver_at: int | None = None,
         **common: Any,
     ) -> SendHandle:
         """Queue a message for ``topic``; returns its handle at once (``await`` it for the offset).
@@ -219,12 +221,16 @@ class Producer:
                 the lower of this and their subscription's QoS.
             retain: also make it the topic's retained message (an empty payload deletes that).
             properties: an MQTT 5 PUBLISH property block, as encoded on the wire without its length.
+            delay_s, deliver_at: deliver it this many seconds from now, or at this time (ms since the epoch), not
+                now: a delayed message, which the store keeps until then (store/timer/; the handle's offset is
+                its Delayed record's). A store with a cap of delayed messages per client fails the handle with
+                ``DelayedCapExceeded`` when this producer's client id is at it.
             common: keyword arguments of :func:`encode_properties`, appended to ``properties``
                 (do not set a property in both).
 
         Raises:
             TopicError: not a valid topic name (wildcards included).
-            ValueError: a bad QoS or property value.
+            ValueError: a bad QoS or property value, a negative delay, or both delay_s and deliver_at.
             trio.WouldBlock: ``MAX_BUFFERED_BYTES`` are waiting to be sent: ``await flush()`` first.
         """
         validate_topic(topic)
@@ -234,7 +240,9 @@ class Producer:
             raise trio.WouldBlock(f"{self._buffered_bytes} bytes are waiting to be sent: await flush() first")
         if common:
             properties += encode_properties(**common)
-        message = NewMessage(topic, bytes(payload), self.client_id, qos, retain, properties, int(time.time() * 1000))
+        now = int(time.time() * 1000)
+        message = NewMessage(topic, bytes(payload), self.client_id, qos, retain, properties, now, 0,
+                             _due(now, delay_s, deliver_at))
         handle = SendHandle()
         self._buffer.append((message, handle))
         self._buffered_bytes += len(payload)
@@ -309,6 +317,17 @@ class Producer:
             self._slots.release()
             if not self._in_flight and not self._buffer:
                 self._idle.set()
+
+
+def _due(now: int, delay_s: float | None, deliver_at: int | None) -> int:
+    """``NewMessage.deliver_at_ms`` of a send (0: not delayed; a past time: due at once)."""
+    if delay_s is not None and deliver_at is not None:
+        raise ValueError("give delay_s or deliver_at, not both")
+    if delay_s is not None:
+        if delay_s < 0:
+            raise ValueError(f"delay_s must not be negative, not {delay_s!r}")
+        return now + int(delay_s * 1000)
+    return max(deliver_at, 1) if deliver_at is not None else 0
 
 
 def unique_client_name(role: str) -> str:

@@ -275,6 +275,7 @@ class CommitLog:
         self._listeners: list[Callable[[int], None]] = []
         self._preludes: list[Callable[[int], None]] = []
         self._retention_guard: Callable[[int], bool] | None = None
+        self._guards: list[Callable[[int, int], bool]] = []
         self._appended_records = 0
         self._appended_batches = 0
         self._flushes = 0
@@ -1200,6 +1201,12 @@ class CommitLog:
         """
         self._retention_guard = may_delete
 
+    def add_retention_guard(self, may_delete: Callable[[int, int], bool]) -> None:
+        """Let retention delete the segment ``[base, end)`` only if ``may_delete(base, end)`` is true as well
+        (called under the log's lock: it must not call the log). The timer (store/timer/) keeps the segments its
+        pending entries point into; the segments after a refused one stay too."""
+        self._guards.append(may_delete)
+
     def delete_expired(self, now_ms: int | None = None) -> list[int]:
         """Delete whole sealed segments older than ``retention_hours`` or beyond ``retention_max_bytes``.
 
@@ -1219,12 +1226,14 @@ class CommitLog:
             total = self._written - segments[0].base
             cutoff = now_ms - cfg.retention_hours * 3_600_000 if cfg.retention_hours > 0 else None
             count = 0
-            for seg in segments[:-1]:
+            for seg, after in zip(segments, segments[1:]):
                 too_big = cfg.retention_max_bytes > 0 and total > cfg.retention_max_bytes
                 too_old = cutoff is not None and self._newest_ms(seg) < cutoff
                 if not (too_big or too_old):
                     break
                 if self._retention_guard is not None and not self._retention_guard(seg.base):
+                    break
+                if not all(may_delete(seg.base, after.base) for may_delete in self._guards):
                     break
                 total -= seg.size
                 count += 1

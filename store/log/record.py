@@ -251,11 +251,16 @@ def new_record(
 
 
 def new_control(kind: str, body: bytes, store_ms: int, client_id: str = "",
-                max_size: int = _MAX_U32) -> tuple[bytes, Record]:
+                max_size: int = _MAX_U32, packet_id: int = 0) -> tuple[bytes, Record]:
     """A control record (``FLAG_CONTROL``): ``kind`` in the topic field, ``body`` in the payload, ``client_id`` the
-    client or owner it concerns (store/control.py encodes the kinds). Raises what :func:`encode_record` raises."""
-    raw = _encode(kind, body, client_id, 0, False, b"", b"", store_ms, store_ms, max_size, 0, FLAG_CONTROL)
-    return raw, Record(0, len(raw), FLAG_CONTROL, store_ms, store_ms, client_id, kind, (), b"", body, 0)
+    client or owner it concerns (store/control.py encodes the kinds). ``packet_id``: the QoS 2 packet id of the
+    publisher whose delayed message this record is (QoS 2 and ``FLAG_PACKET_ID`` in its frame, as its message
+    record would have: the flow awaits PUBREL from the same fact, store/awaiting.py). Raises what
+    :func:`encode_record` raises."""
+    qos = 2 if packet_id else 0
+    raw = _encode(kind, body, client_id, qos, False, b"", b"", store_ms, store_ms, max_size, packet_id, FLAG_CONTROL)
+    flags = FLAG_CONTROL | (qos | FLAG_PACKET_ID if packet_id else 0)
+    return raw, Record(0, len(raw), flags, store_ms, store_ms, client_id, kind, (), b"", body, packet_id)
 
 
 def encode_eos(remaining: int) -> bytes:

@@ -33,8 +33,8 @@ from typing import Any, Protocol, final
 
 import trio
 
-from store.api import (InvalidOffset, LeaseLost, LogFullError, NewMessage, OffsetExpired, PullRequest, PullResult,
-                       Record, RecordTooLarge, StoreUnavailable, TopicError)
+from store.api import (DelayedCapExceeded, InvalidOffset, LeaseLost, LogFullError, NewMessage, OffsetExpired,
+                       PullRequest, PullResult, Record, RecordTooLarge, StoreUnavailable, TopicError)
 from store.log.record import decode_record
 from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied
@@ -109,6 +109,8 @@ def exception_of(error: rpc.Error) -> Exception:
         return TopicError(error.message)
     if kind is rpc.ErrorKind.VALUE:
         return ValueError(error.message)
+    if kind is rpc.ErrorKind.DELAYED_CAP:
+        return DelayedCapExceeded(error.message)
     if kind is rpc.ErrorKind.LOG_FULL:
         return LogFullError(errno.ENOSPC, error.message)
     if kind is rpc.ErrorKind.OS:

@@ -55,8 +55,8 @@ from typing import Any, final
 
 import trio
 
-from store.api import (GROUP_PREFIX, MAIN_LOG, InvalidOffset, LeaseLost, LogFullError, NewMessage, OffsetExpired,
-                       Positions, PullResult, RecordTooLarge, TopicError)
+from store.api import (GROUP_PREFIX, MAIN_LOG, DelayedCapExceeded, InvalidOffset, LeaseLost, LogFullError, NewMessage,
+                       OffsetExpired, Positions, PullResult, RecordTooLarge, TopicError)
 from store.local import LocalStore
 from store.node import StoreNode
 from store.rpc import wire as rpc
@@ -122,6 +122,8 @@ def _error(request_id: int, exc: BaseException) -> rpc.Error:
         kind = rpc.ErrorKind.INVALID_OFFSET
     elif isinstance(exc, TopicError):
         kind = rpc.ErrorKind.TOPIC
+    elif isinstance(exc, DelayedCapExceeded):
+        kind = rpc.ErrorKind.DELAYED_CAP
     elif isinstance(exc, ValueError):
         kind = rpc.ErrorKind.VALUE
     elif isinstance(exc, LogFullError):

@@ -169,6 +169,7 @@ class ErrorKind(enum.StrEnum):
     RECORD_TOO_LARGE = "record_too_large"  # store.log.record.RecordTooLarge
     TOPIC = "topic"  # lightqueue.topics.TopicError
     VALUE = "value"  # ValueError: a bad argument
+    DELAYED_CAP = "delayed_cap"  # store.api.DelayedCapExceeded: the client's delayed messages pending are at the cap
     LOG_FULL = "log_full"  # store.log.errors.LogFullError: the disk is full
     OS = "os"  # any other OSError of the store (the write failed)
     INTERNAL = "internal"  # a bug in the store: logged there with its traceback

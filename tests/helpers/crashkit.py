@@ -29,7 +29,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import trio
 
@@ -88,9 +88,12 @@ class _Process:
         proc.wait_log(lambda doc: doc.get("msg") == self.ready)
         return proc
 
-    def crash(self) -> None:
+    def crash(self, between: Callable[[], None] | None = None) -> None:
+        """SIGKILL, then ``between()`` (a power loss cuts the log there), then start again."""
         self.proc.kill()
         self.logs += self.proc.logs
+        if between is not None:
+            between()
         self.proc = self._start()
 
     def stop(self) -> None:
@@ -110,8 +113,8 @@ class EmbeddedNode:
                                 str(port), "--admin-port", "0", "--mqtt-sys-interval-s", "0",
                                 "--commitlog-flush", flush)
 
-    def crash(self) -> None:
-        self.process.crash()
+    def crash(self, between: Callable[[], None] | None = None) -> None:
+        self.process.crash(between)
 
     def stop(self) -> None:
         self.process.stop()

@@ -5,7 +5,10 @@ Checks run cheapest first, as Mosquitto's ``handle__publish``: the header
 name and its limits, the Receive Maximum, the publish rate; then the message's
 one shape (``NewMessage``) goes to the node as an ``Append``. A QoS 1/2 message
 is acknowledged only when the node reports it stored (``Appended``); a QoS 2
-one's PUBCOMP only once its release is on disk (``InboundReleased``).
+one's PUBCOMP only once its release is on disk (``InboundReleased``). A PUBLISH
+to ``$delayed/<seconds>/<topic>`` (gateway/mqtt/delayed.py) becomes a delayed
+message to ``<topic>``; even at QoS 0 it waits for the store's answer, which
+may refuse it (the client's cap of pending delayed messages).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, NoReturn
 
 from gateway.mqtt.actions import Action, Append, Appended, Denied, InboundReleased, ReleaseInbound, Send
+from gateway.mqtt.delayed import DELAYED_PREFIX, parse_delayed
 from gateway.mqtt.errors import error_packet
 from gateway.mqtt.limits import SYNTAX_ONLY, Limit
 from gateway.mqtt.packets import MQTT_5, Puback, Pubcomp, Publish, Pubrec, Pubrel
@@ -123,13 +127,20 @@ def process_publish(channel: Channel, packet: Publish) -> list[Action]:
         refusal = _rate_refusal(channel, packet)
         if refusal is not None:
             return refusal
+    born_ms = int(channel._last_rx * 1000)  # the clock read when this packet came in (handle_in)
+    deliver_at_ms = 0
+    if topic.startswith(DELAYED_PREFIX):
+        try:
+            topic, delay_s = parse_delayed(topic, config.max_delay_s)
+        except ValueError as exc:
+            return _topic_refusal(channel, packet, Limit.DELAYED, str(exc))
+        deliver_at_ms = born_ms + delay_s * 1000
     if channel._authorizer is not None and not channel._authorizer.may_publish(topic):
         return _not_authorized(channel, qos, pid, topic)
-    born_ms = int(channel._last_rx * 1000)  # the clock read when this packet came in (handle_in)
     message = NewMessage(topic, packet.payload, channel._client_id, qos, packet.retain,
                          b"" if props is EMPTY_PROPERTIES else property_block(props), born_ms,
-                         pid if qos == 2 else 0)
-    if not qos:
+                         pid if qos == 2 else 0, deliver_at_ms)
+    if not qos and not deliver_at_ms:
         return [Append(None, (message,))]
     channel._next_ref += 1
     channel._pending[channel._next_ref] = (qos, pid)  # type: ignore[assignment]
@@ -271,6 +282,10 @@ def _appended(channel: Channel, event: Appended) -> list[Action]:
     session = channel._session
     assert session is not None
     closing = channel._state is not State.CONNECTED
+    if not qos:  # a delayed QoS 0 message: the store may refuse it (its client's cap), which must not go unseen
+        if closing or event.ok:
+            return channel._settle() if closing else []
+        return channel._close(event.reason, f"delayed QoS 0 message not stored ({event.reason.name})")
     if qos == 2:
         channel._storing_qos2.pop(pid, None)
     if event.ok:

@@ -110,7 +110,7 @@ def test_serve_help_shows_only_what_serve_uses_grouped_by_section(tmp_path):
                         "--bridge-remote-host", "--rule"}
     sections = [line.split()[0] for line in text.splitlines() if line.startswith("[")]
     assert sections == ["[node]", "[tls]", "[ws]", "[wss]", "[log]", "[commitlog]", "[mqtt]", "[retention]",
-                        "[tier]", "[auth]", "[limits]", "[admin]"]
+                        "[tier]", "[auth]", "[limits]", "[delayed]", "[admin]"]
     node = text[text.index("[node]"):text.index("[tls]")]
     assert "--port" in node and "--tls-port" not in node and "LIGHTGATE_NODE_<KEY>" in node
 

@@ -243,3 +243,34 @@ def test_consumers_decode_the_mqtt5_properties_into_a_typed_object():
     for bad in (block[:-1], b"\x03\x00\x05ab", b"\x11\x00\x00\x00\x01"):  # truncated; a CONNECT-only property
         with pytest.raises(ValueError):
             decode_properties(bad)
+
+
+def test_every_face_sends_delayed_messages(tmp_path):
+    """``delay_s`` and ``deliver_at`` through the trio, blocking and asyncio producers: each message is held by the
+    store's timer and reaches its topic once due, not before."""
+    with store_node(tmp_path) as port:
+        async def trio_face() -> None:
+            async with Producer.connect("127.0.0.1", port, client_id="delay-trio") as producer:
+                await producer.send("delayed/trio", b"t", delay_s=1)
+                await producer.send("delayed/trio", b"u", deliver_at=int(time.time() * 1000) + 1000)
+                with pytest.raises(ValueError):
+                    producer.send("delayed/trio", b"v", delay_s=1, deliver_at=1)
+
+        sent = time.monotonic()
+        trio.run(trio_face)
+        with BlockingProducer.connect("127.0.0.1", port, client_id="delay-blocking") as producer:
+            producer.send("delayed/blocking", b"b", delay_s=1).result(timeout=WAIT_S)
+
+        async def asyncio_face() -> None:
+            async with AsyncioProducer.connect("127.0.0.1", port, client_id="delay-asyncio") as producer:
+                await producer.send("delayed/asyncio", b"a", delay_s=1)
+
+        asyncio.run(asyncio_face())
+        with BlockingConsumer.connect("127.0.0.1", port, group="delayed", filter="delayed/#",
+                                      client_id="delay-reader") as consumer:
+            got: list[bytes] = []
+            deadline = time.monotonic() + WAIT_S
+            while len(got) < 4 and time.monotonic() < deadline:
+                got += [message.payload for message in consumer.poll(wait_s=1)]
+        assert sorted(got) == [b"a", b"b", b"t", b"u"]
+        assert time.monotonic() - sent >= 1.0

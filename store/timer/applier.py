@@ -1,0 +1,290 @@
+"""The timer's state, derived from the log: the enqueue step, and the ends of entries, as a ``ControlApplier``.
+
+Dispatch applies the timer's control records (store/control.py) here, in log order: ``Delayed`` enqueues (a
+TimerLog entry, linked into its wheel slot), ``TimersFired`` ends the entries whose messages were appended just
+before it, ``TimersRolled`` ends entries and enqueues them again further on. Being an applier rather than a
+reader of its own over the system queue, the timer gets log order, the checkpoint, ``rewind`` and replicas for
+free: a replica's dispatch, or a rebuild after the data was deleted, derives the same pending entries.
+
+Crash safety (docs/storage.md, "Delayed delivery"): :meth:`flush` runs after the CommitLog was flushed up to its
+offset; it fdatasyncs the TimerLog, then writes the checkpoint (offset, TimerLog length). On open the TimerLog is
+cut to that length, every end recorded at or past the checkpoint is undone (dispatch applies those records
+again), and the wheel and the counts are rebuilt from the entries that remain pending.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Iterator, final
+
+from crc32c import crc32c
+
+from store.control import Control, Delayed, TimersFired, TimersRolled
+from store.log.record import Record
+from store.timer.timerlog import TimerEntry, TimerLog
+from store.timer.wheel import EMPTY, Slot, TimerWheel
+
+__all__ = ["BUCKET_BITS", "WINDOW_S", "TimerApplier", "client_hash"]
+
+WINDOW_S = 14 * 24 * 3600
+"""Slots of the wheel: twice the default maximum delay (7 days), as RocketMQ sizes it; an entry due beyond the
+window waits in its last slot and is rolled (enqueued again) when the wheel reaches it."""
+
+BUCKET_BITS = 24
+"""Pending entries are counted per 16 MiB of CommitLog, for the retention guard (a few counters, not a heap)."""
+
+_CHECKPOINT = struct.Struct(">QQ")
+
+
+def client_hash(client_id: str) -> int:
+    """The 64-bit hash under which a client's pending delayed messages are counted."""
+    return int.from_bytes(hashlib.blake2b(client_id.encode(), digest_size=8).digest(), "big")
+
+
+@final
+class TimerApplier:
+    """The TimerLog, the TimerWheel and the counts under ``directory``, kept up to date by dispatch.
+
+    ``window_s``: slots of the wheel (seconds). Methods are thread-safe: dispatch applies in its thread, the
+    dequeue step reads in another.
+
+    Resource handling: :meth:`close` closes the files (flush first: the dispatcher's close does).
+    """
+
+    def __init__(self, directory: Path, window_s: int = WINDOW_S) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self._checkpoint_path = directory / "checkpoint"
+        self._checkpoint, count = _read_checkpoint(self._checkpoint_path)
+        self._log = TimerLog(directory / "timerlog")
+        self._wheel = TimerWheel(directory / "wheel", window_s)
+        self._window = window_s
+        self._lock = threading.Lock()
+        self.scheduled = 0  # entries enqueued by Delayed records since this start
+        self.fired = 0
+        self.rolled = 0
+        self._rebuild(self._checkpoint, min(count, self._log.count))
+
+    # -- ControlApplier ----------------------------------------------------------------------------------------
+
+    @property
+    def checkpoint(self) -> int:
+        return self._checkpoint
+
+    def apply(self, record: Record, control: Control) -> None:
+        if isinstance(control, Delayed):
+            entry = TimerEntry(0, self._slot_second(control.due_ms, record.store_ms), control.due_ms, record.offset,
+                               record.offset, 0, record.size, crc32c(control.topic.encode()),
+                               client_hash(control.client))
+            with self._lock:
+                self._enqueue(entry)
+                self.scheduled += 1
+        elif isinstance(control, TimersFired):
+            with self._lock:
+                self.fired += sum(1 for _ in self._end_all(control.entries, record.offset))
+        elif isinstance(control, TimersRolled):
+            with self._lock:
+                for old in self._end_all(control.entries, record.offset):
+                    self._enqueue(old._replace(prev=0, slot_s=self._slot_second(old.due_ms, record.store_ms),
+                                               made_at=record.offset, done_at=0))
+                    self.rolled += 1
+
+    def flush(self, offset: int) -> None:
+        """Persist below ``offset``; with nothing pending the TimerLog starts again empty (it grows only while
+        messages wait: a crash before the checkpoint is written re-applies the records since the last one, whose
+        ends then find their entries by their Delayed offsets)."""
+        with self._lock:
+            if not self._pending and self._log.count:
+                self._log.truncate(0)
+                self._lowest_real = 0
+            self._log.sync()
+            _write_checkpoint(self._checkpoint_path, offset, self._log.count)
+            self._checkpoint = offset
+
+    def rewind(self, log_end: int) -> None:
+        with self._lock:
+            self._rebuild(log_end, self._log.count)
+            self._checkpoint = min(self._checkpoint, log_end)
+
+    def restate(self) -> Iterable[Control]:
+        """Nothing: the ``Delayed`` records stay in the log while their entries are pending (:meth:`may_delete`
+        keeps their segments from retention), and the ends after them stay with them."""
+        return ()
+
+    # -- what the rest of the store asks -----------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Delayed messages enqueued and not fired yet."""
+        return self._pending
+
+    def pending_of(self, client_id: str) -> int:
+        """Pending delayed messages published by ``client_id`` (by hash: two ids that collide share a count)."""
+        return self._clients.get(client_hash(client_id), 0)
+
+    def may_delete(self, base: int, end: int) -> bool:
+        """The CommitLog retention guard: may the segment ``[base, end)`` go? Not while a pending entry points
+        into it, or into a later one (the count is per ``BUCKET_BITS``, rounded down: never too early)."""
+        with self._lock:
+            return not self._buckets or min(self._buckets) << BUCKET_BITS >= end
+
+    def take_low(self) -> int | None:
+        """The earliest wheel second an entry was placed at since the last call (None: none was): the dequeue
+        step goes back there when it is behind its cursor (a message due in the past, a restart)."""
+        with self._lock:
+            low, self._low = self._low, None
+            return low
+
+    def next_due(self, first: int, last: int) -> int | None:
+        """:meth:`TimerWheel.next_due`."""
+        with self._lock:
+            return self._wheel.next_due(first, last)
+
+    def due_entries(self, second: int) -> list[tuple[int, TimerEntry]]:
+        """The pending entries of the slot of ``second``, with their positions, in the order they were placed;
+        empty when the slot holds nothing for ``second`` or before (only later revolutions)."""
+        with self._lock:
+            slot = self._wheel.get(second)
+            if not slot.pending or slot.delayed_s > second:
+                return []
+            found = []
+            pos = slot.last
+            while pos:
+                entry = self._log.read(pos)
+                if not entry.done_at:
+                    found.append((pos, entry))
+                pos = entry.prev
+            found.reverse()
+            return found
+
+    def close(self) -> None:
+        self._log.close()
+        self._wheel.close()
+
+    # -- inside ------------------------------------------------------------------------------------------------
+
+    def _slot_second(self, due_ms: int, store_ms: int) -> int:
+        """The second whose slot takes an entry due at ``due_ms``, placed by a record stored at ``store_ms``: its
+        due second, or the window's last second when it is due beyond (it rolls from there). From the records
+        alone, so that every replica places it alike."""
+        return min(due_ms // 1000, store_ms // 1000 + self._window - 1)
+
+    def _enqueue(self, entry: TimerEntry) -> None:
+        pos = self._log.count + 1
+        slot = self._wheel.get(entry.slot_s)
+        if slot.pending:
+            new = Slot(min(slot.delayed_s, entry.slot_s), slot.first, pos, slot.num + 1, slot.pending + 1)
+        else:
+            new = Slot(entry.slot_s, pos, pos, 1, 1)
+        self._log.append(entry._replace(prev=slot.last if slot.pending else 0))
+        self._wheel.put(entry.slot_s, new)
+        self._count(entry, 1)
+        self._low = entry.slot_s if self._low is None else min(self._low, entry.slot_s)
+
+    def _end_all(self, refs: list[tuple[int, int, int]], at: int) -> Iterator[TimerEntry]:
+        """End the pending entries ``refs`` names (as the ``TimersFired`` / ``TimersRolled`` record at ``at`` does);
+        yields each as it was. An entry already ended, or unknown here, is skipped: applying is idempotent."""
+        for offset, pos, _ in refs:
+            found = self._find(offset, pos)
+            if found is not None:
+                yield self._end(found, at)
+
+    def _end(self, pos: int, at: int) -> TimerEntry:
+        """End the pending entry at ``pos`` (fired or rolled by the record at ``at``); returns it as it was."""
+        entry = self._log.read(pos)
+        self._log.write(pos, entry._replace(done_at=at))
+        slot = self._wheel.get(entry.slot_s)
+        self._wheel.put(entry.slot_s, slot._replace(pending=slot.pending - 1) if slot.pending > 1 else EMPTY)
+        self._count(entry, -1)
+        return entry
+
+    def _count(self, entry: TimerEntry, delta: int) -> None:
+        self._pending += delta
+        for counts, key in ((self._clients, entry.hash_client), (self._buckets, entry.offset_real >> BUCKET_BITS)):
+            counts[key] += delta
+            if not counts[key]:
+                del counts[key]
+
+    def _find(self, offset: int, pos: int) -> int | None:
+        """The position of the pending entry of the Delayed record at ``offset``: ``pos`` when the TimerLog is laid
+        out as where the end was written (always, but after a rebuild from a log retention shortened), else
+        by a walk; None when there is none (its record is older than the log this TimerLog was built from)."""
+        log = self._log
+        if 0 < pos <= log.count:
+            entry = log.read(pos)
+            if entry.offset_real == offset and not entry.done_at:
+                return pos
+        if not self._pending or offset < self._lowest_real:
+            return None
+        for pos, entry in log.entries():
+            if entry.offset_real == offset and not entry.done_at:
+                return pos
+        return None
+
+    def _rebuild(self, cut: int, count: int) -> None:
+        """Keep the first ``count`` entries made below ``cut``, undo the ends at or past ``cut``, and rebuild the
+        wheel and the counts from the entries pending then."""
+        log = self._log
+        log.truncate(count)
+        self._wheel.clear()
+        self._pending = 0
+        self._clients: Counter[int] = Counter()
+        self._buckets: Counter[int] = Counter()
+        self._low: int | None = None
+        slots: dict[int, Slot] = {}
+        kept = 0
+        self._lowest_real = 0
+        for pos, entry in log.entries():
+            if entry.made_at >= cut:
+                break
+            kept = pos
+            if kept == 1:
+                self._lowest_real = entry.offset_real
+            fixed = entry._replace(done_at=0) if entry.done_at >= cut else entry
+            if not fixed.done_at:
+                index = fixed.slot_s % self._window
+                slot = slots.get(index, EMPTY)
+                fixed = fixed._replace(prev=slot.last)
+                slots[index] = Slot(min(slot.delayed_s or fixed.slot_s, fixed.slot_s), slot.first or pos, pos,
+                                    slot.num + 1, slot.pending + 1)
+                self._count(fixed, 1)
+                self._low = fixed.slot_s if self._low is None else min(self._low, fixed.slot_s)
+            if fixed != entry:
+                log.write(pos, fixed)
+        log.truncate(kept)
+        for index, slot in slots.items():
+            self._wheel.put(index, slot)
+
+
+def _read_checkpoint(path: Path) -> tuple[int, int]:
+    """(checkpoint offset, TimerLog entries it covers); (0, 0) when there is none: rebuild from the log."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return 0, 0
+    if len(data) != _CHECKPOINT.size + 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:], "big"):
+        return 0, 0
+    offset, count = _CHECKPOINT.unpack(data[:-4])
+    return offset, count
+
+
+def _write_checkpoint(path: Path, offset: int, count: int) -> None:
+    """Atomically: temporary file, fsync, rename, directory fsync."""
+    body = _CHECKPOINT.pack(offset, count)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, body + crc32c(body).to_bytes(4, "big"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

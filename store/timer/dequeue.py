@@ -1,0 +1,147 @@
+"""The dequeue step: each second, the due messages of the wheel go to their real topics.
+
+A cursor moves one second at a time through the wheel (store/timer/wheel.py). At each second it walks the slot's
+chain: the entries due in that second or before are fired in due order as soon as they are due, the others
+(placed there because they were due beyond the window, or a later revolution of the ring) are rolled. Firing
+re-appends each message to its real topic (normal dispatch, notify and delivery from there) in one write with a
+``TimersFired`` record naming the entries, so the log itself says what was dequeued: after a crash the entries
+whose ``TimersFired`` reached the log are done, the others fire again, and none fires twice. The next batch
+waits until dispatch has applied the previous one. After a restart the cursor starts at the earliest pending
+second, so the messages that fell due while the node was down go at once, in due order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, Callable, Sequence, final
+
+import trio
+
+from store.api import NewMessage
+from store.control import Control, ControlError, Delayed, TimersFired, TimersRolled, decode_control
+from store.log.aio import LatencyBuckets
+from store.log.commitlog import CommitLog
+from store.log.record import CorruptRecord, decode_record, now_ms
+from store.timer.applier import TimerApplier
+from store.timer.timerlog import TimerEntry
+
+__all__ = ["BATCH", "LATENESS_BOUNDS", "Dequeue"]
+
+LOGGER = logging.getLogger(__name__)
+
+BATCH = 512
+"""Messages fired per write (and per wait for dispatch)."""
+
+RETRY_S = 1.0
+"""After a failed append (a full disk), the step tries again this much later: nothing is dropped."""
+
+Append = Callable[[Sequence[Control], Sequence[NewMessage]], Awaitable[int]]
+"""``append(controls, messages)``: the messages, then the control records, in one CommitLog write; returns once
+dispatch applied them (``StoreNode.append_control``)."""
+
+LATENESS_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 60.0)
+"""Buckets (seconds) of how late fired messages went out: the goal is p99 under 0.2 s, the promise under 1 s."""
+
+
+@final
+class Dequeue:
+    """The dequeue step of ``timers``, appending with ``append`` and reading the Delayed records from ``log``."""
+
+    def __init__(self, timers: TimerApplier, log: CommitLog, append: Append) -> None:
+        self._timers = timers
+        self._log = log
+        self._append = append
+        self.lateness = LatencyBuckets(LATENESS_BOUNDS)  # how late each fired message went out (metrics)
+        self._cursor: int | None = None  # the next second to dequeue; None: nothing was ever pending
+        self._failing = False
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Dequeue until cancelled (start it once dispatch has applied the log: ``open_store`` recovers first)."""
+        task_status.started()
+        while True:
+            try:
+                await self._turn()
+            except OSError as exc:  # the disk is full, or an fsync failed: the entries wait, they are not dropped
+                if not self._failing:
+                    self._failing = True
+                    LOGGER.error("delayed messages not dequeued; retrying every %s s: %r", RETRY_S, exc)
+                await trio.sleep(RETRY_S)
+                continue
+            if self._failing:
+                self._failing = False
+                LOGGER.warning("delayed messages dequeued again")
+
+    async def _turn(self) -> None:
+        """Dequeue the cursor's second if it has come (or jump to the next second that has something), else sleep
+        until the next second begins."""
+        low = self._timers.take_low()
+        if low is not None:
+            self._cursor = low if self._cursor is None else min(self._cursor, low)
+        now = now_ms()
+        now_s = now // 1000
+        if self._cursor is None or self._cursor > now_s:
+            await trio.sleep((1000 - now % 1000) / 1000)
+            return
+        found = await trio.to_thread.run_sync(self._timers.next_due, self._cursor, now_s)
+        if found is None:
+            self._cursor = now_s + 1
+            return
+        await self._second(found)
+        self._cursor = found + 1
+
+    async def _second(self, second: int) -> None:
+        """Roll the entries of ``second``'s slot that are not due in it, fire the others as they fall due."""
+        entries = await trio.to_thread.run_sync(self._timers.due_entries, second)
+        roll = [(pos, entry) for pos, entry in entries if entry.due_ms // 1000 > second]
+        if roll:
+            await self._append([TimersRolled([_ref(item) for item in roll])], [])
+        fire = sorted((item for item in entries if item[1].due_ms // 1000 <= second),
+                      key=lambda item: (item[1].due_ms, item[1].offset_real))
+        start = 0
+        while start < len(fire):
+            wait_ms = fire[start][1].due_ms - now_ms()
+            if wait_ms > 0:
+                await trio.sleep(wait_ms / 1000)
+            now = now_ms()
+            end = start
+            while end < len(fire) and end - start < BATCH and fire[end][1].due_ms <= now:
+                end += 1
+            await self._fire(fire[start:end])
+            start = end
+
+    async def _fire(self, batch: list[tuple[int, TimerEntry]]) -> None:
+        """Append the messages of ``batch`` to their real topics, with the ``TimersFired`` record that ends them."""
+        by_offset = sorted(batch, key=lambda item: item[1].offset_real)
+        raws = await trio.to_thread.run_sync(
+            self._log.read_many, [(entry.offset_real, entry.size_real) for _, entry in by_offset])
+        found = {entry.offset_real: raw for (_, entry), raw in zip(by_offset, raws)}
+        messages = []
+        for _, entry in batch:
+            delayed = _delayed(entry, found[entry.offset_real])
+            if delayed is not None:
+                messages.append(NewMessage(delayed.topic, delayed.payload, delayed.client, delayed.qos,
+                                           delayed.retain, delayed.properties, delayed.born_ms))
+        await self._append([TimersFired([_ref(item) for item in batch])], messages)
+        now = now_ms()
+        for _, entry in batch:
+            self.lateness.observe(max(0, now - entry.due_ms) / 1000)
+
+
+def _ref(item: tuple[int, TimerEntry]) -> tuple[int, int, int]:
+    pos, entry = item
+    return entry.offset_real, pos, entry.due_ms
+
+
+def _delayed(entry: TimerEntry, raw: bytes | None) -> Delayed | None:
+    """The Delayed control at ``entry``'s CommitLog location; None (logged) when it cannot be read: its entry
+    ends all the same, or the wheel would stall on it."""
+    try:
+        if not raw:  # None: retention deleted it (the guard forbids it); b"": corrupt (the log reported it)
+            raise CorruptRecord(f"the record at {entry.offset_real} is gone or corrupt")
+        control = decode_control(decode_record(raw, 0, entry.offset_real))
+        if not isinstance(control, Delayed):
+            raise ControlError(f"the record at {entry.offset_real} is not a delayed message")
+    except (CorruptRecord, ControlError) as exc:
+        LOGGER.error("a delayed message cannot be delivered: %s", exc, extra={"ctx": {"due_ms": entry.due_ms}})
+        return None
+    return control

@@ -1,0 +1,116 @@
+"""Delayed messages through SIGKILLs and a power loss of `lightgate serve`: every acknowledged one is delivered once.
+
+A QoS 2 publisher sends delayed messages (``$delayed/<1..3>/<topic>``; its PUBCOMP means stored, under
+``commitlog.flush sync`` on disk) to a persistent QoS 2 subscriber (gateway/bench/crashclients.py: it counts a
+message when its PUBLISH comes, so one the node delivered just before a kill is not lost with a client library's
+state). The node is SIGKILLed while they are pending,
+then, after more were published, while they are being dequeued (the subscriber has received some of them and
+not all); the power-loss run also cuts the log at its flushed mark before the last start (tests/store/test_timer.py
+covers the async policy's tail with the timer files ahead of the log). At the end the subscriber has every
+acknowledged message (lost: 0), none twice except resends marked DUP [MQTT-3.3.1-1] (duplicated: 0), and the log
+holds each delivered message exactly once (the timer fired none twice).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from functools import partial
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+import trio
+
+from gateway.bench.crashclients import STAMP, Subscriber, address_cycle, message_key
+from store.log.commitlog import CommitLogConfig
+from store.node import open_store
+from tests.helpers.crashkit import EmbeddedNode
+from tests.helpers.mqtt_fixtures import Client
+
+pytestmark = pytest.mark.slow
+
+HALF = 20
+TOPIC = "fleet/cmd"
+WAIT_S = 60.0
+
+
+def publish(port: int, numbers: range) -> set[int]:
+    """Publish delayed messages at QoS 2 (blocking); the message keys of those acknowledged (PUBCOMP)."""
+    acked = set()
+    client = Client(port, "delayed-pub", protocol=mqtt.MQTTv5)
+    client.connect()
+    for i in numbers:
+        client.publish(f"$delayed/{1 + i % 3}/{TOPIC}", STAMP.pack(0, i), qos=2)  # waits for PUBCOMP
+        acked.add(message_key(0, i))
+    client.disconnect()
+    return acked
+
+
+async def until(condition, what: str) -> None:
+    """Wait for ``condition`` (the subscriber's state, checked as it changes: every 10 ms)."""
+    with trio.fail_after(WAIT_S):
+        while not condition():
+            await trio.sleep(0.01)
+
+
+def cut_at_flushed_mark(data: Path) -> None:
+    """The power loss: every byte of the log after its flushed mark is gone (the timer's files are kept)."""
+    log = data / "commitlog"
+    flushed = int.from_bytes((log / "flushed").read_bytes()[:8], "big")
+    for segment in sorted(log.glob("0*[0-9]")):
+        base, size = int(segment.name), segment.stat().st_size
+        if base + size > flushed:
+            with open(segment, "r+b") as handle:
+                handle.seek(max(0, flushed - base))
+                handle.write(bytes(size - max(0, flushed - base)))
+
+
+async def stored_messages(data: Path) -> Counter[int]:
+    async with open_store(data, CommitLogConfig()) as node:
+        await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+        assert node.timers.pending == 0
+        result = node.read(TOPIC, 0, max_count=10 * HALF)
+        return Counter(message_key(*STAMP.unpack_from(record.payload)) for _, record in result.messages)
+
+
+async def scenario(data: Path, power_loss: bool) -> dict:
+    node = await trio.to_thread.run_sync(EmbeddedNode, data, "sync")
+    port = node.addresses[0][1]
+    subscriber = Subscriber(0, 2, TOPIC, prefix="delayed-sub-")  # delivers at PUBLISH, PUBREL only frees the id
+    stop = trio.Event()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(subscriber.run, address_cycle(node.addresses), stop)
+            await until(lambda: subscriber.connects, "the subscriber's session")
+            acked = await trio.to_thread.run_sync(publish, port, range(HALF))
+            pending_at_kill = len(acked - set(subscriber.counts))
+            await trio.to_thread.run_sync(node.crash)  # 1: while delayed messages are pending
+            second = await trio.to_thread.run_sync(publish, port, range(HALF, 2 * HALF))
+            acked |= second
+            await until(lambda: second & set(subscriber.counts), "a second-half message")
+            in_flight = len(acked - set(subscriber.counts))
+            # 2: while they are being dequeued (and, for the power loss, the log cut at its flushed mark)
+            await trio.to_thread.run_sync(node.crash, partial(cut_at_flushed_mark, data) if power_loss else None)
+            with trio.move_on_after(WAIT_S):
+                await until(lambda: subscriber.has(acked), "every acknowledged message")
+            stop.set()
+    finally:
+        await trio.to_thread.run_sync(node.stop)
+    return {"acknowledged": len(acked), "delivered": len(acked & set(subscriber.counts)),
+            "lost": len(acked - set(subscriber.counts)),
+            "duplicated": sum(count - 1 for count in subscriber.counts.values()),
+            "sessions_lost": subscriber.sessions_lost, "pending_at_first_kill": pending_at_kill,
+            "undelivered_at_second_kill": in_flight, "errors": node.errors()}
+
+
+@pytest.mark.parametrize("power_loss", [False, True], ids=["sigkill", "power-loss"])
+def test_delayed_messages_are_delivered_once_through_kills(tmp_path, power_loss):
+    data = tmp_path / "data"
+    report = trio.run(scenario, data, power_loss)
+    print(json.dumps(report))
+    assert report["lost"] == 0 and report["duplicated"] == 0 and report["sessions_lost"] == 0, report
+    assert report["pending_at_first_kill"] > 0 and report["undelivered_at_second_kill"] > 0, report
+    assert not report["errors"], report
+    stored = trio.run(stored_messages, data)
+    assert set(stored) == {message_key(0, i) for i in range(2 * HALF)} and max(stored.values()) == 1, stored

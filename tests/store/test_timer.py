@@ -1,0 +1,249 @@
+"""Delayed delivery in the store (store/timer/): the Delayed record, the TimerLog and wheel derived from the log, the
+dequeue step re-appending each due message once, rolls beyond the window, restarts, and the retention guard."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import trio
+
+from store.api import NewMessage
+from store.control import Delayed, TimersFired, decode_control, encode_control
+from store.log.commitlog import CommitLogConfig
+from store.log.record import Record, now_ms
+from store.node import StoreNode, open_store
+from store.timer.applier import TimerApplier
+from tests.helpers.processes import ROOT
+
+CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
+
+
+async def delivered(node: StoreNode, topic: str, count: int, timeout: float = 15) -> list:
+    """The messages of ``topic``'s queue once it has ``count`` (waits on dispatch progress, never on a clock)."""
+    with trio.fail_after(timeout):
+        while node.queues.max_offset(topic) < count:
+            await node.dispatcher.wait_dispatched(node.dispatcher.dispatched_offset + 1)
+    return [record for _, record in node.read(topic, 0, max_count=count + 10).messages]
+
+
+def fired_entries(node: StoreNode) -> list[int]:
+    """The Delayed offsets named by every TimersFired record in the log."""
+    found = []
+    offset = node.log.log.min_offset
+    while offset < node.log.log.written_offset:
+        scan = node.log.log.scan(offset)
+        for record in scan.records:
+            if record.control:
+                control = decode_control(record)
+                if isinstance(control, TimersFired):
+                    found.extend(entry[0] for entry in control.entries)
+        offset = scan.next_offset
+    return found
+
+
+async def test_a_delayed_message_is_delivered_to_its_topic_at_its_due_time_and_only_then(tmp_path: Path):
+    async with open_store(tmp_path, CONFIG) as node:
+        due = now_ms() + 1500
+        (offset,) = await node.append([NewMessage("cmd/dev-1", b"off", "app", 1, True, b"", 0, 0, due)])
+        await node.append([NewMessage("cmd/dev-1", b"now", "app", 1)])
+        await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+        assert node.timers.pending == 1 and node.timers.pending_of("app") == 1 and node.timers.pending_of("x") == 0
+        assert [rec.payload for _, rec in node.read("cmd/dev-1", 0).messages] == [b"now"]  # not delivered early
+        (_, late) = await delivered(node, "cmd/dev-1", 2)
+        assert now_ms() >= due and late.payload == b"off"
+        assert (late.client_id, late.qos, late.retain, late.topic) == ("app", 1, True, "cmd/dev-1")
+        assert late.store_ms >= due  # Message Expiry counts from the store time of this record: the due time
+        assert node.queues.max_offset("$store/delayed") == 0  # the system queue itself is never a topic
+        assert node.timers.pending == 0 and node.timers.pending_of("app") == 0
+        assert fired_entries(node) == [offset]
+
+
+async def test_messages_due_while_the_node_was_down_go_at_once_in_due_order_and_once(tmp_path: Path):
+    async with open_store(tmp_path, CONFIG) as node:
+        now = now_ms()
+        dues = [now + 1200, now + 1100, now + 1300, now + 600_000]  # the last stays pending
+        await node.append([NewMessage("t", b"%d" % i, "c", 1, deliver_at_ms=d) for i, d in enumerate(dues)])
+        await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+        assert node.timers.pending == 4
+    with trio.fail_after(10):
+        while now_ms() < now + 1300:
+            await trio.sleep(0.05)  # the clock must pass the dues while the node is closed: this is the condition
+    async with open_store(tmp_path, CONFIG) as node:
+        assert node.timers.pending == 4  # rebuilt from the TimerLog and its checkpoint
+        got = await delivered(node, "t", 3)
+        assert [r.payload for r in got] == [b"1", b"0", b"2"]
+        assert node.timers.pending == 1
+    async with open_store(tmp_path, CONFIG) as node:  # and never again
+        await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+        assert node.timers.pending == 1 and node.queues.max_offset("t") == 3
+
+
+async def test_a_message_due_beyond_the_window_rolls_and_still_goes_at_its_due_time(tmp_path: Path):
+    async with open_store(tmp_path, CONFIG, timer_window_s=2) as node:
+        due = now_ms() + 3500  # beyond a 2-second window: placed in its last slot, then rolled
+        await node.append([NewMessage("r", b"rolled", "c", deliver_at_ms=due)])
+        (late,) = await delivered(node, "r", 1)
+        assert now_ms() >= due and late.payload == b"rolled"
+        assert node.timers.rolled >= 1 and node.timers.pending == 0
+
+
+async def test_retention_keeps_every_segment_a_pending_entry_points_into(tmp_path: Path):
+    config = CommitLogConfig(segment_bytes=64 << 10, max_record_bytes=16 << 10, retention_hours=0,
+                             retention_max_bytes=64 << 10)
+    async with open_store(tmp_path, config) as node:
+        (offset,) = await node.append([NewMessage("k", b"kept", "c", deliver_at_ms=now_ms() + 3_600_000)])
+        for _ in range(20):  # several segments of ordinary traffic after it
+            await node.append([NewMessage("fill", b"x" * 8000)])
+        await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+        log = node.log.log
+        await trio.to_thread.run_sync(log.delete_expired)
+        assert log.min_offset <= offset  # the pending entry's segment stayed, and so did every one after it
+        assert log.read(offset).control
+
+
+WRITER = textwrap.dedent("""
+    import os, signal, sys, trio
+    from pathlib import Path
+    from store.api import NewMessage
+    from store.log.commitlog import CommitLogConfig
+    from store.log.record import Record, now_ms
+    from store.node import open_store
+
+    async def main():
+        async with open_store(Path(sys.argv[1]), CommitLogConfig(flush=sys.argv[2])) as store:
+            now = now_ms()
+            messages = [NewMessage("t", b"%d" % i, "pub", 1, deliver_at_ms=now + 1000 + 20 * i) for i in range(60)]
+            for i in range(0, 60, 10):
+                await store.append(messages[i:i + 10], durable=True)
+            print("acknowledged", 60, flush=True)
+            with trio.fail_after(30):  # SIGKILL while the dequeue step is between its batches
+                while not (store.queues.max_offset("t") and store.timers.pending):
+                    await store.dispatcher.wait_dispatched(store.dispatcher.dispatched_offset + 1)
+            print("delivered", store.queues.max_offset("t"), "pending", store.timers.pending, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    trio.run(main)
+""")
+
+
+def crash_writer(data: Path, flush: str) -> str:
+    """A store process that acknowledges 60 delayed messages (due over 1.2 s) and is SIGKILLed while they fire."""
+    proc = subprocess.run([sys.executable, "-c", WRITER, str(data), flush], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    return proc.stdout
+
+
+async def delivered_once_after_restart(data: Path, flush: str) -> None:
+    async with open_store(data, CommitLogConfig(flush=flush)) as node:
+        got = await delivered(node, "t", 60, timeout=30)
+        await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+        assert node.timers.pending == 0  # nothing left that could fire again
+        payloads = [record.payload for record in got]
+        assert sorted(payloads) == sorted(b"%d" % i for i in range(60))  # none lost, none twice
+        assert payloads == [b"%d" % i for i in range(60)]  # in due order
+        assert len(fired_entries(node)) == 60
+
+
+@pytest.mark.slow
+def test_a_sigkill_while_delayed_messages_fire_loses_none_and_delivers_none_twice(tmp_path: Path):
+    out = crash_writer(tmp_path, "sync")
+    assert "delivered" in out, out
+    trio.run(delivered_once_after_restart, tmp_path, "sync")
+
+
+@pytest.mark.slow
+def test_a_power_loss_while_delayed_messages_fire_loses_none_and_delivers_none_twice(tmp_path: Path):
+    """The log is cut at its flushed mark (the acknowledged Delayed records were made durable; the fired messages
+    and their TimersFired records after the mark are lost); the timer's files are kept as the kill left them."""
+    out = crash_writer(tmp_path, "async")
+    assert "delivered" in out, out
+    flushed = int.from_bytes((tmp_path / "commitlog" / "flushed").read_bytes()[:8], "big")
+    for segment in sorted((tmp_path / "commitlog").glob("0*[0-9]")):
+        base = int(segment.name)
+        size = segment.stat().st_size
+        if base + size > flushed:
+            with open(segment, "r+b") as handle:
+                handle.seek(max(0, flushed - base))
+                handle.write(bytes(size - max(0, flushed - base)))
+    trio.run(delivered_once_after_restart, tmp_path, "async")
+
+
+def delayed_record(offset: int, due_ms: int, store_ms: int = 0) -> tuple[Record, Delayed]:
+    control = Delayed("c", "t", due_ms, b"x")
+    _, record = encode_control(control, store_ms or due_ms - 1000, 1 << 20)
+    record.offset = offset
+    return record, control
+
+
+def control_record(offset: int, control) -> Record:
+    _, record = encode_control(control, now_ms(), 1 << 20)
+    record.offset = offset
+    return record
+
+
+def test_on_open_the_timer_forgets_what_came_after_its_checkpoint_and_dispatch_applies_it_again(tmp_path: Path):
+    """A crash after ends were written to the TimerLog but before the checkpoint covered them: those ends are
+    undone (the records that made them may be lost with the log's tail); the entries below it are kept."""
+    timers = TimerApplier(tmp_path, window_s=100)
+    timers.apply(*delayed_record(10, 5_000_000))
+    timers.apply(*delayed_record(20, 5_001_000))
+    timers.flush(30)
+    timers.apply(control_record(40, TimersFired([(10, 1, 5_000_000)])), TimersFired([(10, 1, 5_000_000)]))
+    timers.apply(*delayed_record(50, 5_002_000))
+    assert timers.pending == 2
+    timers.close()  # no flush: the crash
+    timers = TimerApplier(tmp_path, window_s=100)
+    assert timers.checkpoint == 30 and timers.pending == 2  # both entries below 30, neither ended
+    assert [entry.offset_real for _, entry in timers.due_entries(5_000)] == [10]
+    timers.rewind(15)  # a follower's truncate below the second entry
+    assert timers.pending == 1 and timers.checkpoint == 15
+    timers.close()
+
+
+def test_an_end_found_at_another_position_still_ends_its_entry_once(tmp_path: Path):
+    """After a rebuild from a log that retention shortened, TimerLog positions differ from where the ends were
+    written: the entry is found by its Delayed record's offset, and an end for a record older than the log is a
+    no-op."""
+    timers = TimerApplier(tmp_path, window_s=100)
+    timers.apply(*delayed_record(10, 5_000_000))
+    timers.apply(*delayed_record(20, 5_000_500))
+    fired = TimersFired([(5, 1, 4_999_000), (20, 1, 5_000_500)])  # 5: gone with retention; 20: at position 2 here
+    timers.apply(control_record(30, fired), fired)
+    timers.apply(control_record(31, fired), fired)  # idempotent
+    assert timers.pending == 1 and [e.offset_real for _, e in timers.due_entries(5_000)] == [10]
+    timers.close()
+
+
+def test_the_timerlog_starts_again_empty_when_nothing_is_pending_at_a_flush(tmp_path: Path):
+    timers = TimerApplier(tmp_path, window_s=100)
+    timers.apply(*delayed_record(10, 5_000_000))
+    timers.flush(20)
+    assert (tmp_path / "timerlog").stat().st_size == 64  # one entry, pending
+    fired = TimersFired([(10, 1, 5_000_000)])
+    timers.apply(control_record(30, fired), fired)
+    timers.flush(40)
+    assert (tmp_path / "timerlog").stat().st_size == 0 and timers.pending == 0
+    timers.apply(*delayed_record(50, 5_001_000))  # the next one starts at position 1
+    assert [pos for pos, _ in timers.due_entries(5_001)] == [1]
+    timers.close()
+    timers = TimerApplier(tmp_path, window_s=100)  # a crash before the next checkpoint: re-applied from 40
+    assert timers.checkpoint == 40 and timers.pending == 0
+    timers.close()
+
+
+async def test_a_delayed_qos2_message_awaits_pubrel_from_its_record(tmp_path: Path):
+    """[MQTT-4.3.3-2]: until PUBREL, a resend of a QoS 2 PUBLISH is not stored again; the store knows the flow
+    awaits PUBREL from the Delayed record itself (its frame keeps the packet id), as from a message record."""
+    async with open_store(tmp_path, CONFIG) as node:
+        (offset,) = await node.append([NewMessage("t", b"x", "pub", 2, packet_id=7,
+                                                  deliver_at_ms=now_ms() + 600_000)])
+        assert await node.sessions.awaiting_release("pub") == {7: offset}
+        record = node.log.log.read(offset)
+        assert record.control and record.packet_id == 7 and isinstance(decode_control(record), Delayed)
