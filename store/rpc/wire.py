@@ -127,7 +127,8 @@ PROTOCOL_VERSION: Final = 6
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
 (6: positions, not offsets: ``Appended`` carries each group's ``Positions``, ``Awaiting`` and ``ReleaseAwaiting``
 a ``Position`` per flow, ``ReadLog`` starts at one and ``LogSpan`` names its log; ``ErrorKind.INVALID_OFFSET``, so
-a remote ``read_log`` raises ``InvalidOffset`` as the local one does. 5: the store's interface types
+a remote ``read_log`` raises ``InvalidOffset`` as the local one does; ``NewMessage.deliver_at_ms`` and
+``ErrorKind.DELAYED_CAP`` (delayed delivery). 5: the store's interface types
 on the wire; sessions, presence, wills and expiry in the store: ``OpenSession``, ``CloseSession``, ``Reattach``,
 ``EndSession``, ``ListSessions``; group members named within a node. 4: cluster-wide
 admin lists: ``AdminCallAll``, ``NodeAnswers``, ``AdminAsk.query``. 3: lease epochs on the Hello, the Welcome and
