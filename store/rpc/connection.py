@@ -90,31 +90,31 @@ class StoreRpcError(OSError):
     """
 
 
+_BY_MESSAGE: dict[rpc.ErrorKind, Callable[[str], Exception]] = {
+    rpc.ErrorKind.DENIED: AccessDenied,
+    rpc.ErrorKind.FENCED: LeaseLost,
+    rpc.ErrorKind.RECORD_TOO_LARGE: RecordTooLarge,
+    rpc.ErrorKind.TOPIC: TopicError,
+    rpc.ErrorKind.VALUE: ValueError,
+    rpc.ErrorKind.DELAYED_CAP: DelayedCapExceeded,
+    rpc.ErrorKind.LOG_FULL: lambda message: LogFullError(errno.ENOSPC, message),
+    rpc.ErrorKind.OS: OSError,
+}
+"""The wire errors whose exception is made from the message alone."""
+
+
 def exception_of(error: rpc.Error) -> Exception:
     """The exception the local store would have raised for a wire error."""
     kind = error.kind
-    if kind is rpc.ErrorKind.DENIED:
-        return AccessDenied(error.message)
-    if kind is rpc.ErrorKind.FENCED:
-        return LeaseLost(error.message)
-    if kind is rpc.ErrorKind.RECORD_TOO_LARGE:
-        return RecordTooLarge(error.message)
+    made = _BY_MESSAGE.get(kind)
+    if made is not None:
+        return made(error.message)
     if kind is rpc.ErrorKind.EXPIRED:  # the message is OffsetExpired's: the offset first, the log's minimum last
         numbers = [int(n) for n in re.findall(r"\d+", error.message)]
         return OffsetExpired(numbers[0], numbers[-1]) if numbers else LookupError(error.message)
     if kind is rpc.ErrorKind.INVALID_OFFSET:  # InvalidOffset's message: "offset <offset>: <reason>"
         found = re.fullmatch(r"offset (-?\d+): (.*)", error.message, re.DOTALL)
         return InvalidOffset(int(found[1]), found[2]) if found else ValueError(error.message)
-    if kind is rpc.ErrorKind.TOPIC:
-        return TopicError(error.message)
-    if kind is rpc.ErrorKind.VALUE:
-        return ValueError(error.message)
-    if kind is rpc.ErrorKind.DELAYED_CAP:
-        return DelayedCapExceeded(error.message)
-    if kind is rpc.ErrorKind.LOG_FULL:
-        return LogFullError(errno.ENOSPC, error.message)
-    if kind is rpc.ErrorKind.OS:
-        return OSError(error.message)
     return StoreRpcError(f"store: {error.kind.value}: {error.message}")
 
 
