@@ -8,6 +8,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.processes import ROOT, LightgateProcess
 
 BASE = "9cb2293"
@@ -15,7 +17,11 @@ BASE = "9cb2293"
 
 
 def base_tree(dest: Path) -> Path:
-    """BASE's files under ``dest`` (``git archive`` of this repository's history)."""
+    """BASE's files under ``dest`` (``git archive`` of this repository's history); the test is skipped, saying why,
+    in a clone without that history (a shallow one)."""
+    known = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{BASE}^{{commit}}"], capture_output=True)
+    if known.returncode:
+        pytest.skip(f"commit {BASE} is not in this clone's history (a shallow clone): its data format cannot be made")
     dest.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", BASE], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
