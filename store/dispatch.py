@@ -267,8 +267,8 @@ class Dispatcher:
         return {"log_end": log_end, **found} if found else {}
 
     @contextmanager
-    def caught_up(self) -> Iterator[tuple[int, tuple[ControlApplier, ...]]]:
-        """Hold dispatch still with every record below the log's end applied: yields (that end, the appliers).
+    def caught_up(self) -> Iterator[int]:
+        """Hold dispatch still with every record below the log's end applied: yields that end.
         Appends may go on meanwhile (store/restate.py checks the end again when it appends). The steps it takes
         in the caller's thread are announced by :meth:`run` at its next turn (within ``FALLBACK_WAKE_S``)."""
         while True:
@@ -279,7 +279,7 @@ class Dispatcher:
             with self._lock:
                 end = self._log.written_offset
                 if self._offset >= end:
-                    yield end, self._appliers
+                    yield end
                     return
 
     def dispatch_once(self, max_bytes: int | None = None) -> DispatchBatch | None:

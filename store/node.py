@@ -268,24 +268,26 @@ class StoreNode:
         control record, which the timer keeps until it is due (store/timer/)."""
         max_size = self.log.log.config.max_record_bytes
         targets = self.queues.targets
-        if self.timer_max_pending:
-            self._check_delayed_cap(messages)
-        return [encode_control(Delayed(m.client_id, m.topic, m.deliver_at_ms, m.payload, m.qos, m.retain, m.properties,
-                                       m.born_ms or now), now, max_size, m.packet_id) if m.deliver_at_ms else
+        added: dict[str, int] = {}  # delayed messages of each client in this append
+        return [self._delayed(m, now, max_size, added) if m.deliver_at_ms else
                 new_record(m.topic, m.payload, now, m.client_id, m.qos, m.retain, m.properties, targets(m.topic),
                            m.born_ms or None, max_size, m.packet_id) for m in messages]
 
-    def _check_delayed_cap(self, messages: Sequence[NewMessage]) -> None:
-        """Raises DelayedCapExceeded when a client of ``messages`` would pass ``timer_max_pending``, counted from
-        what dispatch applied (:meth:`append_groups` waits for it first; appends of the same client in flight at
-        the same moment may pass it by their number)."""
-        added: dict[str, int] = {}
-        for m in messages:
-            if m.deliver_at_ms:
-                added[m.client_id] = added.get(m.client_id, 0) + 1
-                if self.timers.pending_of(m.client_id) + added[m.client_id] > self.timer_max_pending:
-                    raise DelayedCapExceeded(f"client {m.client_id!r} has {self.timer_max_pending} delayed messages "
-                                             "pending already")
+    def _delayed(self, m: NewMessage, now: int, max_size: int, added: dict[str, int]) -> tuple[bytes, Record]:
+        """The ``Delayed`` record of a delayed message, once its client's cap allows it (counted from what dispatch
+        applied, plus the ``added`` delayed messages of this append; :meth:`append_groups` waits for dispatch first,
+        and appends of the same client in flight at the same moment may pass it by their number).
+
+        Raises:
+            DelayedCapExceeded: the client would pass ``timer_max_pending``.
+        """
+        if self.timer_max_pending:
+            added[m.client_id] = count = added.get(m.client_id, 0) + 1
+            if self.timers.pending_of(m.client_id) + count > self.timer_max_pending:
+                raise DelayedCapExceeded(f"client {m.client_id!r} has {self.timer_max_pending} delayed messages "
+                                         "pending already")
+        return encode_control(Delayed(m.client_id, m.topic, m.deliver_at_ms, m.payload, m.qos, m.retain, m.properties,
+                                      m.born_ms or now), now, max_size, m.packet_id)
 
     def _appended(self, made: list[tuple[bytes, Record]], offsets: list[int]) -> None:
         """Keep the appended records in memory with their offsets, and wake dispatch."""

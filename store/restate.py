@@ -76,7 +76,7 @@ def restate(log: CommitLog, dispatcher: Dispatcher, new_min_offset: int) -> int:
 
 def _restated(log: CommitLog, dispatcher: Dispatcher) -> tuple[int, list[bytes]]:
     """The log's end, and the records restating every part's state as of it (dispatch caught up to it)."""
-    with dispatcher.caught_up() as (end, _):
+    with dispatcher.caught_up() as end:
         controls = dispatcher.restated()
     now, limit = now_ms(), log.config.max_record_bytes
     records = []
