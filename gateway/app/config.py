@@ -77,6 +77,23 @@ OPTIONS: tuple[Option, ...] = (
            " are published and the node must drop them when it returns (docs/cluster.md)"),
     Option("store.token", "", "shared secret of gateway nodes and their store node (set the same on both), at least"
            " 16 characters; required on a store with auth.* set; empty = none (docs/cluster.md)", secret=True),
+    Option("replication.group", "", "the store group this `lightgate store` is a replica of (empty = an"
+           " unreplicated store; docs/cluster.md, \"Replicated store\")"),
+    Option("replication.name", "", "this replica's name in its group (required with replication.group; stable across"
+           " restarts: its data directory is this replica's copy)"),
+    Option("replication.replicas", [], "the group's replica names, used when the group is first created (later"
+           " `lightgate store add-replica` / `remove-replica` change it in etcd)", flag="--replica"),
+    Option("replication.etcd", ["http://127.0.0.1:2379"], "client URLs of the etcd members that are the group's"
+           " controller", flag="--etcd"),
+    Option("replication.acks", "quorum", "when a write is acknowledged: leader (its own log), quorum (every in-sync"
+           " replica, and they are a majority), all (every replica) (docs/storage.md, \"Replication\")",
+           choices=("leader", "quorum", "all")),
+    Option("replication.lease_s", 3.0, "the etcd lease of a replica: a leader silent this long is replaced"),
+    Option("replication.leader_lease_s", 2.0, "a leader acknowledges nothing once this long has passed since its last"
+           " successful etcd keep-alive (below replication.lease_s, so it stops before a new leader can be elected)"),
+    Option("replication.max_lag_s", 3.0, "a follower this far behind the leader leaves the in-sync set"),
+    Option("replication.unclean_election", False, "let a replica outside the in-sync set be elected when no member of"
+           " it is alive: the group serves again, but acknowledged messages it lacks are lost"),
     Option("gateway.workers", 1, "gateway processes sharing the MQTT port (SO_REUSEPORT); worker i serves its admin"
            " API on admin.port + i", flag="--workers"),
     Option("tls.port", 0, "MQTT over TLS listener port (0 = off; 8883 is the usual one); a free port when node.port is 0"),
@@ -295,7 +312,7 @@ def load_env(environ: Mapping[str, str]) -> dict[str, Any]:
 COMMAND_KEYS: dict[str, tuple[str, ...]] = {
     "serve": ("node", "tls", "ws", "wss", "log", "commitlog", "mqtt", "retention", "tier", "auth", "limits", "admin",
               "delayed"),
-    "store": ("node.data", "store", "log", "commitlog", "retention", "tier", "auth.password_file",
+    "store": ("node.data", "store", "replication", "log", "commitlog", "retention", "tier", "auth.password_file",
               "auth.allow_anonymous", "auth.acl_file", "auth.failure_delay_s", "delayed.max_pending_per_client"),
     "gateway": ("node.host", "node.port", "gateway", "store.token", "tls", "ws", "wss", "log", "mqtt", "auth",
                 "limits", "admin", "delayed.max_delay_s"),
