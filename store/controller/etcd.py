@@ -12,6 +12,10 @@ streaming response and closes it when the iterator is closed or left.
 Error handling: no member answering raises :class:`EtcdUnavailable`, naming each endpoint and why it failed; an
 answer that is an error (a bad request, a lease that is gone) raises :class:`EtcdError` with etcd's message and
 gRPC code.
+
+httpx is imported when a client opens, not with this module: ``import httpx`` also loads its command line's
+click, rich and pygments when they are installed (the bench extra has rich), which a process that never talks
+to etcd (an embedded node, the base-dependency test walking every module) should not load.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import httpx
+if TYPE_CHECKING:
+    import httpx
 
 CALL_TIMEOUT_S = 2.0
 """The default budget of one call to one member: above a healthy etcd's commit (fsync + a network round trip),
@@ -126,9 +131,12 @@ class EtcdClient:
     """The calls LightGate makes of etcd, over ``endpoints`` (``http://host:port``), failing over between them."""
 
     def __init__(self, http: httpx.AsyncClient, endpoints: Sequence[str], timeout_s: float) -> None:
+        import httpx  # noqa: PLC0415 (see the module docstring)
+
         if not endpoints:
             raise ValueError("etcd: no endpoints given")
         self._http = http
+        self._httpx = httpx
         self.endpoints = tuple(url.rstrip("/") for url in endpoints)
         self.timeout_s = timeout_s
         self._current = 0  # the member that answered last: asked first
@@ -136,6 +144,8 @@ class EtcdClient:
     @classmethod
     @asynccontextmanager
     async def open(cls, endpoints: Sequence[str], timeout_s: float = CALL_TIMEOUT_S) -> AsyncIterator[EtcdClient]:
+        import httpx  # noqa: PLC0415 (see the module docstring)
+
         async with httpx.AsyncClient(timeout=timeout_s) as http:
             yield cls(http, endpoints, timeout_s)
 
@@ -150,7 +160,7 @@ class EtcdClient:
             url = self.endpoints[index] + path
             try:
                 response = await self._http.post(url, json=body, timeout=timeout_s or self.timeout_s)
-            except httpx.HTTPError as exc:
+            except self._httpx.HTTPError as exc:
                 failures.append(f"{self.endpoints[index]}: {type(exc).__name__} {exc}".rstrip())
                 continue
             answer = _json(response)
@@ -228,7 +238,7 @@ class EtcdClient:
             request = {"create_request": {**_range(key, prefix), "start_revision": str(start_revision)}}
             try:
                 async with self._http.stream("POST", self.endpoints[index] + "/v3/watch", json=request,
-                                             timeout=httpx.Timeout(self.timeout_s, read=None)) as response:
+                                             timeout=self._httpx.Timeout(self.timeout_s, read=None)) as response:
                     async for line in response.aiter_lines():
                         result = _json_line(line).get("result", {})
                         if int(result.get("compact_revision", 0)):
@@ -238,7 +248,7 @@ class EtcdClient:
                             start_revision = change.mod_revision + 1
                             failures.clear()
                             yield change
-            except httpx.HTTPError as exc:
+            except self._httpx.HTTPError as exc:
                 failures.append(f"{self.endpoints[index]}: {type(exc).__name__} {exc}".rstrip())
             else:
                 failures.append(f"{self.endpoints[index]}: the watch stream ended")
