@@ -22,7 +22,9 @@ API (the role loop, ``store/replica/role.py``, is its one user in the store):
 - ``await group.set_isr(epoch, members)`` -> bool: fenced by the leader key (ours, that epoch, our lease).
 - ``group.leader_lease_valid()``, ``group.leader_lease_deadline``: the leader lease (below), checked cheaply.
 - ``await group.resign()``: delete the leader key if it is ours, for a clean handover.
-- ``add_replica(name)``, ``remove_replica(name)``, ``status()``: membership and ``lightgate store status``.
+- ``add_replica(name)``, ``remove_replica(name)``, ``status()``: membership and ``lightgate store status``;
+  also on ``async with GroupAdmin.open(endpoints, group) as admin``, which reads the group and changes its
+  membership without joining it (no lease, no member key): what the ``lightgate store`` commands use.
 
 Election: when no ``leader`` key exists, a replica that may win (in the ISR; any configured replica when the
 group has no ISR yet, the first election; any live replica under ``unclean_election``) writes its position
@@ -145,20 +147,100 @@ def best_candidate(candidates: dict[str, tuple[int, int]]) -> str:
     return max(candidates, key=lambda name: (*candidates[name], name))
 
 
-class GroupController:
+class GroupAdmin:
+    """A store group read, and its membership changed, without joining it: what ``lightgate store status``,
+    ``add-replica`` and ``remove-replica`` use (and :class:`GroupController`, a replica's, builds on)."""
+
+    def __init__(self, etcd: EtcdClient, group: str) -> None:
+        self.etcd = etcd
+        self.group = group
+        self.prefix = f"{ROOT}{group}/"
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, endpoints: Sequence[str], group: str) -> AsyncIterator[GroupAdmin]:
+        async with EtcdClient.open(endpoints) as etcd:
+            yield cls(etcd, group)
+
+    async def state(self) -> GroupState:
+        values, revision = await self.etcd.get_prefix(self.prefix)
+        return parse_state(self.prefix, values, revision)
+
+    async def wait_state_change(self, revision: int) -> GroupState:
+        """The state after the first change under the group's prefix past ``revision`` (a watch, not a poll)."""
+        await self._next_change(revision)
+        return await self.state()
+
+    async def _next_change(self, revision: int) -> None:
+        watch = self.etcd.watch(self.prefix, revision + 1, prefix=True)
+        try:
+            async for _ in watch:
+                return
+        finally:
+            await watch.aclose()
+
+    async def add_replica(self, name: str) -> tuple[str, ...]:
+        """Add ``name`` to the configured replicas (the quorum grows with them); the replicas now."""
+        return await self._change_replicas(lambda state: (*state.replicas, name) if name not in state.replicas
+                                           else state.replicas)
+
+    async def remove_replica(self, name: str) -> tuple[str, ...]:
+        """Remove ``name`` from the configured replicas; the replicas now.
+
+        Raises :class:`MembershipRefused` for the leader (stop or resign it first), the last replica, or when the
+        ISR left would not be a majority of the replicas left (acks=quorum would stop). The leader drops a removed
+        member from the ISR itself.
+        """
+        def without(state: GroupState) -> tuple[str, ...]:
+            if name not in state.replicas:
+                return state.replicas
+            left = tuple(replica for replica in state.replicas if replica != name)
+            if name == state.leader:
+                raise MembershipRefused(f"{name} is the leader of group {self.group}: stop it first")
+            if not left:
+                raise MembershipRefused(f"{name} is the last replica of group {self.group}")
+            in_sync = [member for member in state.isr if member in left]
+            if state.has_isr and len(in_sync) < len(left) // 2 + 1:
+                raise MembershipRefused(
+                    f"removing {name} leaves the in-sync set {in_sync} below a majority of {list(left)}")
+            return left
+        return await self._change_replicas(without)
+
+    async def _change_replicas(self, change: Callable[[GroupState], tuple[str, ...]]) -> tuple[str, ...]:
+        """Write ``change(state)`` as the replicas, unless ``replicas``, ``isr`` or ``leader`` changed since the
+        state it was decided on was read (then decide again)."""
+        while True:
+            state = await self.state()
+            replicas = change(state)
+            if replicas == state.replicas:
+                return replicas
+            unchanged = [Compare(self.prefix + key, "mod", "<", state.revision + 1)
+                         for key in ("replicas", "isr", "leader")]
+            changed, _ = await self.etcd.txn(unchanged, [Put(self.prefix + "replicas", _json_bytes(list(replicas)))])
+            if changed:
+                return replicas
+
+    async def status(self) -> dict[str, Any]:
+        """The group as ``lightgate store status`` shows it (JSON-able)."""
+        state = await self.state()
+        return {"group": self.group, "leader": state.leader, "leader_address": state.leader_address,
+                "epoch": state.epoch, "isr": list(state.isr), "isr_epoch": state.isr_epoch,
+                "replicas": list(state.replicas), "members": dict(sorted(state.members.items()))}
+
+
+class GroupController(GroupAdmin):
     """One replica's view of its store group in etcd, while its lease lives (see the module docstring)."""
 
     def __init__(self, etcd: EtcdClient, config: GroupConfig, lease: int, granted_at: float) -> None:
-        self.etcd = etcd
+        super().__init__(etcd, config.group)
         self.config = config
         self.lease = lease
-        self.prefix = f"{ROOT}{config.group}/"
         self.lost = trio.Event()
         self._last_renewal_sent = granted_at  # the send time of the grant, then of the last keep-alive answered
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, config: GroupConfig) -> AsyncIterator[GroupController]:
+    async def open(cls, config: GroupConfig) -> AsyncIterator[GroupController]:  # type: ignore[override]
         async with EtcdClient.open(config.endpoints, min(CALL_TIMEOUT_S, config.lease_s / 3)) as etcd:
             sent = time.monotonic()
             lease, _ = await etcd.lease_grant(math.ceil(config.lease_s))
@@ -220,12 +302,11 @@ class GroupController:
         if self.lost.is_set():
             raise LeaseLost(f"the etcd lease of replica {self.config.name} ended")
 
-    # State.
+    # State: the group's, read under the lease.
 
     async def state(self) -> GroupState:
         self._check()
-        values, revision = await self.etcd.get_prefix(self.prefix)
-        return parse_state(self.prefix, values, revision)
+        return await super().state()
 
     async def wait_state_change(self, revision: int) -> GroupState:
         """The state after the first change under the group's prefix past ``revision``.
@@ -235,13 +316,7 @@ class GroupController:
         self._check()
         async with background() as nursery:
             nursery.start_soon(self._cancel_when_lost, nursery.cancel_scope)
-            watch = self.etcd.watch(self.prefix, revision + 1, prefix=True)
-            try:
-                async for _ in watch:
-                    break
-            finally:
-                await watch.aclose()
-        self._check()
+            await self._next_change(revision)
         return await self.state()
 
     async def _cancel_when_lost(self, scope: trio.CancelScope) -> None:
@@ -329,53 +404,3 @@ class GroupController:
             return False
         resigned, _ = await self.etcd.txn(self._fence(state.epoch), [Delete(self.prefix + "leader")])
         return resigned
-
-    # Membership.
-
-    async def add_replica(self, name: str) -> tuple[str, ...]:
-        """Add ``name`` to the configured replicas (the quorum grows with them); the replicas now."""
-        return await self._change_replicas(lambda state: (*state.replicas, name) if name not in state.replicas
-                                           else state.replicas)
-
-    async def remove_replica(self, name: str) -> tuple[str, ...]:
-        """Remove ``name`` from the configured replicas; the replicas now.
-
-        Raises :class:`MembershipRefused` for the leader (stop or resign it first), the last replica, or when the
-        ISR left would not be a majority of the replicas left (acks=quorum would stop). The leader drops a removed
-        member from the ISR itself.
-        """
-        def without(state: GroupState) -> tuple[str, ...]:
-            if name not in state.replicas:
-                return state.replicas
-            left = tuple(replica for replica in state.replicas if replica != name)
-            if name == state.leader:
-                raise MembershipRefused(f"{name} is the leader of group {self.config.group}: stop it first")
-            if not left:
-                raise MembershipRefused(f"{name} is the last replica of group {self.config.group}")
-            in_sync = [member for member in state.isr if member in left]
-            if state.has_isr and len(in_sync) < len(left) // 2 + 1:
-                raise MembershipRefused(
-                    f"removing {name} leaves the in-sync set {in_sync} below a majority of {list(left)}")
-            return left
-        return await self._change_replicas(without)
-
-    async def _change_replicas(self, change: Callable[[GroupState], tuple[str, ...]]) -> tuple[str, ...]:
-        """Write ``change(state)`` as the replicas, unless ``replicas``, ``isr`` or ``leader`` changed since the
-        state it was decided on was read (then decide again)."""
-        while True:
-            state = await self.state()
-            replicas = change(state)
-            if replicas == state.replicas:
-                return replicas
-            unchanged = [Compare(self.prefix + key, "mod", "<", state.revision + 1)
-                         for key in ("replicas", "isr", "leader")]
-            changed, _ = await self.etcd.txn(unchanged, [Put(self.prefix + "replicas", _json_bytes(list(replicas)))])
-            if changed:
-                return replicas
-
-    async def status(self) -> dict[str, Any]:
-        """The group as ``lightgate store status`` shows it (JSON-able)."""
-        state = await self.state()
-        return {"group": self.config.group, "leader": state.leader, "leader_address": state.leader_address,
-                "epoch": state.epoch, "isr": list(state.isr), "isr_epoch": state.isr_epoch,
-                "replicas": list(state.replicas), "members": dict(sorted(state.members.items()))}

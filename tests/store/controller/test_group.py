@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from store.controller.etcd import EtcdClient
-from store.controller.group import GroupConfig, GroupController, LeaseLost, MembershipRefused
+from store.controller.group import GroupAdmin, GroupConfig, GroupController, LeaseLost, MembershipRefused
 from tests.helpers.etcd import running_etcd
 
 WAIT_S = 30  # every wait on etcd below is bounded by this (two shared cores)
@@ -161,24 +161,25 @@ async def test_a_lease_etcd_ends_is_lost_and_the_controller_refuses(etcd):
 
 
 async def test_membership_changes_and_refusals(etcd):
+    """``lightgate store add-replica/remove-replica/status`` through a GroupAdmin, which does not join the group."""
     group = new_group()
     async with AsyncExitStack() as stack:
         controllers = await open_all(stack, etcd.endpoints, group, "ab")
         await elect_all(controllers, {"a": (0, 9), "b": (0, 1)})
-        a = controllers["a"]
-        assert await a.add_replica("d") == ("a", "b", "c", "d")
-        assert await a.add_replica("d") == ("a", "b", "c", "d")
-        with pytest.raises(MembershipRefused, match="leader"):
-            await a.remove_replica("a")
-        with pytest.raises(MembershipRefused, match="majority"):  # ISR [a] of [a, b, c]: 1 < 2
-            await a.remove_replica("d")
-        assert await a.set_isr(1, ["a", "b"])
-        assert await a.remove_replica("d") == ("a", "b", "c")
-        assert await a.remove_replica("c") == ("a", "b")
-        status = await controllers["b"].status()
-        assert status == {"group": group, "leader": "a", "leader_address": "127.0.0.1:97", "epoch": 1,
-                          "isr": ["a", "b"], "isr_epoch": 1, "replicas": ["a", "b"],
-                          "members": {"a": "127.0.0.1:97", "b": "127.0.0.1:98"}}
+        async with GroupAdmin.open(etcd.endpoints, group) as admin:
+            assert await admin.add_replica("d") == ("a", "b", "c", "d")
+            assert await admin.add_replica("d") == ("a", "b", "c", "d")
+            with pytest.raises(MembershipRefused, match="leader"):
+                await admin.remove_replica("a")
+            with pytest.raises(MembershipRefused, match="majority"):  # ISR [a] of [a, b, c]: 1 < 2
+                await admin.remove_replica("d")
+            assert await controllers["a"].set_isr(1, ["a", "b"])
+            assert await admin.remove_replica("d") == ("a", "b", "c")
+            assert await admin.remove_replica("c") == ("a", "b")
+            assert await admin.status() == {
+                "group": group, "leader": "a", "leader_address": "127.0.0.1:97", "epoch": 1, "isr": ["a", "b"],
+                "isr_epoch": 1, "replicas": ["a", "b"], "members": {"a": "127.0.0.1:97", "b": "127.0.0.1:98"}}
+        assert (await controllers["b"].state()).replicas == ("a", "b")
 
 
 @pytest.mark.slow
