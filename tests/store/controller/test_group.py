@@ -227,3 +227,20 @@ async def test_a_three_member_etcd_losing_one_still_elects(tmp_path):
             states = await elect_all(controllers, {"a": (1, 5), "b": (1, 4)})
             assert {(s.leader, s.epoch) for s in states.values()} == {("a", 2)}
             assert (await controllers["b"].status())["members"].keys() == {"a", "b"}
+
+
+@pytest.mark.slow
+async def test_a_best_candidate_that_never_runs_the_transaction_is_passed_over(etcd):
+    """The best position belongs to a live replica that hangs (its keys are kept alive, its transaction never
+    comes): after waiting a few leases the next candidate runs the transaction itself and wins."""
+    group = new_group()
+    async with GroupController.open(config(etcd.endpoints, group, "a")) as a:
+        await elect_all({"a": a}, {"a": (0, 0)})
+        assert await a.set_isr(1, ["a", "b", "c"])
+    async with GroupController.open(config(etcd.endpoints, group, "b", lease_s=2.0, leader_lease_s=1.0)) as b, \
+            GroupController.open(config(etcd.endpoints, group, "c")) as hung:
+        await hung.etcd.put(f"/lightgate/groups/{group}/election/2/c", b'{"end":99,"last_epoch":1}', hung.lease)
+        started = time.monotonic()
+        states = await elect_all({"b": b}, {"b": (1, 5)})
+        assert (states["b"].leader, states["b"].epoch) == ("b", 2)
+        assert time.monotonic() - started >= 3 * 2.0  # it did wait for c first
