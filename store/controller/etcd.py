@@ -131,7 +131,7 @@ class EtcdClient:
     """The calls LightGate makes of etcd, over ``endpoints`` (``http://host:port``), failing over between them."""
 
     def __init__(self, http: httpx.AsyncClient, endpoints: Sequence[str], timeout_s: float) -> None:
-        import httpx  # noqa: PLC0415 (see the module docstring)
+        import httpx  # here, not at the top: see the module docstring
 
         if not endpoints:
             raise ValueError("etcd: no endpoints given")
@@ -144,7 +144,7 @@ class EtcdClient:
     @classmethod
     @asynccontextmanager
     async def open(cls, endpoints: Sequence[str], timeout_s: float = CALL_TIMEOUT_S) -> AsyncIterator[EtcdClient]:
-        import httpx  # noqa: PLC0415 (see the module docstring)
+        import httpx  # here, not at the top: see the module docstring
 
         async with httpx.AsyncClient(timeout=timeout_s) as http:
             yield cls(http, endpoints, timeout_s)

@@ -58,15 +58,14 @@ class EtcdCluster:
         cluster = ",".join(f"{member}={peer}" for member, peer in zip(self.names, peers))
         self.processes: list[subprocess.Popen] = []
         for member, client, peer in zip(self.names, self.endpoints, peers):
-            log = open(directory / f"{member}.log", "wb")  # noqa: SIM115 (the process writes it until stop)
-            self.processes.append(subprocess.Popen(
-                [ETCD, "--name", member, "--data-dir", str(directory / member),
-                 "--listen-client-urls", client, "--advertise-client-urls", client,
-                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                 "--initial-cluster", cluster, "--initial-cluster-state", "new",
-                 "--initial-cluster-token", f"{name}-{client_ports[0]}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-            log.close()
+            with open(directory / f"{member}.log", "wb") as log:  # the process keeps its own descriptor
+                self.processes.append(subprocess.Popen(
+                    [ETCD, "--name", member, "--data-dir", str(directory / member),
+                     "--listen-client-urls", client, "--advertise-client-urls", client,
+                     "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                     "--initial-cluster", cluster, "--initial-cluster-state", "new",
+                     "--initial-cluster-token", f"{name}-{client_ports[0]}"],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         self.logs = [directory / f"{member}.log" for member in self.names]
         for index in range(size):
             self.wait_healthy(index)
