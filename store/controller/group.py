@@ -11,8 +11,11 @@ Keys, under ``/lightgate/groups/<group>/`` (docs/cluster.md, "The controller (et
 
 API (the role loop, ``store/replica/role.py``, is its one user in the store):
 
-- ``async with GroupController.open(config) as group``: a lease, its keep-alive task, ``members/<name>``, and
-  ``replicas`` created from the config when absent; on exit the lease is revoked, so a leader's key goes at once.
+- ``async with GroupController.open(config) as group``: a lease, its keep-alive task, ``members/<name>`` (once
+  an earlier incarnation's lease has ended: a ``leader`` key with this name is always this lease's;
+  :class:`ReplicaNameTaken` when another live process holds the name), and ``replicas`` created from the config
+  when absent; on exit the lease is revoked, so a leader's key goes at once. No etcd member answering raises
+  :class:`~store.controller.etcd.EtcdUnavailable`.
 - ``group.lost`` / ``await group.wait_lost()``: the lease ended (etcd answered TTL 0, or no keep-alive succeeded
   for ``lease_s``). The controller is then spent: every call raises :class:`LeaseLost`; the role loop stops
   leading, leaves the ``async with`` and opens a new controller (a new lease) to re-register.
@@ -64,6 +67,10 @@ live best candidate runs it within one window; a dead one's position vanishes wi
 
 class LeaseLost(Exception):
     """This replica's etcd lease ended: it is no longer a member (nor the leader) until it opens a new one."""
+
+
+class ReplicaNameTaken(Exception):
+    """Another live process holds this replica's name in the group."""
 
 
 class MembershipRefused(Exception):
@@ -171,8 +178,9 @@ class GroupAdmin:
         await self._next_change(revision)
         return await self.state()
 
-    async def _next_change(self, revision: int) -> None:
-        watch = self.etcd.watch(self.prefix, revision + 1, prefix=True)
+    async def _next_change(self, revision: int, key: str | None = None) -> None:
+        """Return at the first change past ``revision`` of ``key`` (of any key under the group's prefix)."""
+        watch = self.etcd.watch(key or self.prefix, revision + 1, prefix=key is None)
         try:
             async for _ in watch:
                 return
@@ -258,10 +266,25 @@ class GroupController(GroupAdmin):
                         pass  # etcd unreachable: the lease ends by itself within lease_s
 
     async def _register(self) -> None:
-        await self.etcd.put(self.prefix + "members/" + self.config.name,
-                            _json_bytes({"address": self.config.address}), self.lease)
-        await self.etcd.txn([Compare(self.prefix + "replicas", "create", "==", 0)],
-                            [Put(self.prefix + "replicas", _json_bytes(list(self.config.replicas)))])
+        """``members/<name>`` on this lease, once no other lease holds it: a replica restarted after a crash
+        waits for its previous lease to end (taking that incarnation's ``leader`` key with it), so a ``leader``
+        key naming this replica is always this lease's. Raises :class:`ReplicaNameTaken` when the key stays
+        held for two leases (another live process runs under this name)."""
+        member = self.prefix + "members/" + self.config.name
+        with trio.move_on_after(2 * self.config.lease_s):
+            while True:
+                registered, _ = await self.etcd.txn(
+                    [Compare(member, "create", "==", 0)],
+                    [Put(member, _json_bytes({"address": self.config.address}), self.lease)])
+                if registered:
+                    await self.etcd.txn([Compare(self.prefix + "replicas", "create", "==", 0)],
+                                        [Put(self.prefix + "replicas", _json_bytes(list(self.config.replicas)))])
+                    return
+                _, revision = await self.etcd.get(member)
+                if revision:
+                    await self._next_change(revision, member)
+        raise ReplicaNameTaken(f"replica {self.config.name} of group {self.group} is registered by another live "
+                               f"process: its key did not go within {2 * self.config.lease_s:g} s")
 
     async def _keep_alive(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         interval = self.config.lease_s / 3

@@ -9,7 +9,8 @@ import pytest
 import trio
 
 from store.controller.etcd import EtcdClient
-from store.controller.group import GroupAdmin, GroupConfig, GroupController, LeaseLost, MembershipRefused
+from store.controller.group import (GroupAdmin, GroupConfig, GroupController, LeaseLost, MembershipRefused,
+                                    ReplicaNameTaken)
 from tests.helpers.etcd import running_etcd
 
 WAIT_S = 30  # every wait on etcd below is bounded by this (two shared cores)
@@ -244,3 +245,29 @@ async def test_a_best_candidate_that_never_runs_the_transaction_is_passed_over(e
         states = await elect_all({"b": b}, {"b": (1, 5)})
         assert (states["b"].leader, states["b"].epoch) == ("b", 2)
         assert time.monotonic() - started >= 3 * 2.0  # it did wait for c first
+
+
+@pytest.mark.slow
+async def test_a_restarted_replica_waits_for_its_previous_lease_and_its_leader_key(etcd):
+    """A replica restarted after a crash finds its previous incarnation's keys on a lease etcd has not ended yet:
+    it registers once they are gone, so a ``leader`` key with its name is never the dead incarnation's."""
+    group = new_group()
+    prefix = f"/lightgate/groups/{group}/"
+    async with EtcdClient.open(etcd.endpoints) as client:
+        crashed, _ = await client.lease_grant(2)  # the dead incarnation's lease: nobody keeps it alive
+        await client.put(prefix + "members/a", b'{"address":"127.0.0.1:97"}', crashed)
+        await client.put(prefix + "epoch", b"1")
+        await client.put(prefix + "leader", b'{"address":"127.0.0.1:97","epoch":1,"name":"a"}', crashed)
+        async with GroupController.open(config(etcd.endpoints, group, "a")) as a:
+            state = await a.state()
+            assert state.leader is None and state.members == {"a": "127.0.0.1:97"}
+            assert await client.lease_keepalive(crashed) == 0
+
+
+@pytest.mark.slow
+async def test_a_second_live_process_under_one_replica_name_is_refused(etcd):
+    group = new_group()
+    async with GroupController.open(config(etcd.endpoints, group, "a")):
+        with pytest.raises(ReplicaNameTaken, match="replica a of group"):
+            async with GroupController.open(config(etcd.endpoints, group, "a", lease_s=2.0, leader_lease_s=1.0)):
+                pytest.fail("two live processes registered as replica a")
