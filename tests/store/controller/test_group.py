@@ -7,6 +7,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 import trio
+import trio.testing
 
 from store.controller.etcd import EtcdClient
 from store.controller.group import (GroupAdmin, GroupConfig, GroupController, LeaseLost, MembershipRefused,
@@ -159,6 +160,21 @@ async def test_a_lease_etcd_ends_is_lost_and_the_controller_refuses(etcd):
             with pytest.raises(LeaseLost):
                 await a.set_isr(1, ["a"])
             await a.state()
+
+
+async def test_waiting_for_a_change_ends_when_the_lease_does(etcd):
+    """The role loop waits on wait_state_change; a lease that ends meanwhile (the keep-alive task sets ``lost``)
+    ends the wait with LeaseLost, though nothing changed in etcd."""
+    async with GroupController.open(config(etcd.endpoints, new_group(), "a")) as a:
+        state = await a.state()
+        with trio.fail_after(WAIT_S):
+            async with trio.open_nursery() as nursery:
+                async def wait() -> None:
+                    with pytest.raises(LeaseLost):
+                        await a.wait_state_change(state.revision)
+                nursery.start_soon(wait)
+                await trio.testing.wait_all_tasks_blocked()
+                a.lost.set()
 
 
 async def test_membership_changes_and_refusals(etcd):
