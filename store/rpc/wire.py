@@ -178,6 +178,8 @@ class ErrorKind(enum.StrEnum):
     FENCED = "fenced"  # the write names a lease of this node that has ended (store.api.LeaseLost)
     EXPIRED = "expired"  # store.log.errors.OffsetExpired: retention deleted the offset asked for
     INVALID_OFFSET = "invalid_offset"  # store.log.errors.InvalidOffset: no record starts there (read_log)
+    NOT_LEADER = "not_leader"  # store.api.NotLeader: a replica that does not lead; the message is the leader's
+    # address host:port (empty: no leader known now)
 
 
 class _Message(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
