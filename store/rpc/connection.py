@@ -531,7 +531,7 @@ class Addresses:
         Raises:
             ValueError: an item is not ``HOST:PORT``.
         """
-        return cls([rpc.parse_address(item.strip()) for item in text.split(",")])
+        return cls(rpc.parse_addresses(text))
 
     def __call__(self) -> tuple[str, int]:
         address = self._addresses[self._next]

@@ -43,7 +43,6 @@ class _Phase:
     def __init__(self, handle: Callable[[trio.SocketStream], Awaitable[None]]) -> None:
         self.handle = handle
         self.scopes: set[trio.CancelScope] = set()
-        self.ended = False
         self.idle = trio.Event()  # set while no connection of the phase is open
         self.idle.set()
 
@@ -60,7 +59,6 @@ class _Phase:
 
     async def end(self) -> None:
         """Close every connection of the phase and wait until they have ended."""
-        self.ended = True
         for scope in self.scopes:
             scope.cancel()
         with trio.CancelScope(shield=True):  # bounded: each was cancelled
@@ -109,7 +107,7 @@ class RpcFront:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         phase = self._phase
-        if phase is None or phase.ended:
+        if phase is None:
             await _refuse(lambda: "", None, stream)
             return
         await phase.run(stream)

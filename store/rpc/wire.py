@@ -644,6 +644,15 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def parse_addresses(text: str) -> list[tuple[str, int]]:
+    """A comma-separated list of ``HOST:PORT`` (the replicas of a replicated store; one: a store) as ``(host, port)``s.
+
+    Raises:
+        ValueError: an item is not ``HOST:PORT``.
+    """
+    return [parse_address(item.strip()) for item in text.split(",")]
+
+
 def encode(message: _Message) -> bytes:
     """The bytes of one frame carrying ``message``.
 
