@@ -4,9 +4,10 @@
 import logging
 from functools import partial
 
+import pytest
 import trio
 
-from store.api import NewMessage, PullRequest
+from store.api import NewMessage, PullRequest, StoreUnavailable
 from store.log.commitlog import CommitLogConfig
 from store.node import open_store
 from store.rpc.client import RemoteStore
@@ -53,3 +54,15 @@ async def test_a_leading_phase_that_ends_closes_its_connections_and_the_refusal_
     messages = [record.getMessage() for record in caplog.records]
     assert messages.count(f"store leader is now {leader}") == 1
     assert messages.count("RPC connections refused: this replica does not lead") == 1
+
+
+async def test_a_replica_that_knows_no_leader_is_not_fatal_to_a_first_connection(nursery):
+    """A refusal naming no leader (an election in progress) is retried with backoff: a first connection that meets
+    only such refusals ends as one that found no store (``StoreUnavailable`` after ``timeout_s``), not as a store
+    that refused this node (``StoreRpcError``)."""
+    front = RpcFront()
+    await nursery.start(front.refusing, lambda: "")
+    (listener,) = await nursery.start(partial(front.serve, "127.0.0.1", 0))
+    with pytest.raises(StoreUnavailable, match="within 0.5 s"):
+        async with RemoteStore.connect("127.0.0.1", listener.socket.getsockname()[1], node="gw-a", timeout_s=0.5):
+            pass
