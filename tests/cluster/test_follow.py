@@ -7,6 +7,7 @@ line, and work. Then the failover wait: a QoS 1 publish that meets a store outag
 for the next store connection and is acknowledged once stored there, the device staying connected.
 """
 
+import asyncio
 import sys
 
 import pytest
@@ -14,6 +15,7 @@ import trio
 
 from gateway.mqtt.packets import MQTT_5, MQTT_311, Puback, Publish
 from gateway.mqtt.reasons import ReasonCode
+from store.clients.aio import AsyncioProducer
 from store.clients.blocking import BlockingProducer
 from store.clients.producer import Producer
 from tests.helpers.cluster import WAIT_S, Gateway, Store, free_port, run_id
@@ -74,8 +76,8 @@ def test_a_gateway_given_a_replica_that_does_not_lead_first_ends_up_on_the_leade
 
 
 def test_back_end_producers_given_a_replica_that_does_not_lead_first_end_up_on_the_leader(a_and_b):
-    """The trio producer and the blocking face, given ``B,A``: each message is stored (its position comes back);
-    B logs one line for all its refusals (one phase)."""
+    """The trio producer and its blocking and asyncio faces, given ``B,A``: each message is stored (its position
+    comes back); B logs one line for all its refusals (one phase)."""
     store, b = a_and_b
     addresses = f"127.0.0.1:{b.port},127.0.0.1:{store.port}"
     run = run_id()
@@ -88,8 +90,14 @@ def test_back_end_producers_given_a_replica_that_does_not_lead_first_end_up_on_t
     trio.run(produce)
     with BlockingProducer.connect(addresses, timeout_s=WAIT_S) as producer:
         assert producer.send(f"p{run}/blocking", b"blocking").result(timeout=WAIT_S).offset >= 0
+
+    async def produce_asyncio() -> None:
+        async with AsyncioProducer.connect(addresses, timeout_s=WAIT_S) as producer:
+            assert (await producer.send(f"p{run}/asyncio", b"asyncio")).offset >= 0
+
+    asyncio.run(produce_asyncio())
     assert len([doc for doc in store.logs if doc.get("msg") == "gateway node connected"  # an open store: trusted
-                and doc["node"].startswith("producer-")]) == 2
+                and doc["node"].startswith("producer-")]) == 3
     assert b.refusals_logged() == 1
 
 
