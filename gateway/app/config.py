@@ -71,8 +71,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("node.data", "./data", "data directory (CommitLog, RocksDB)", flag="--data"),
     Option("store.listen", "127.0.0.1:7883", "HOST:PORT the store node serves gateways on (`lightgate store`;"
            " port 0 = a free one, logged)", flag="--listen"),
-    Option("gateway.store", "127.0.0.1:7883", "HOST:PORT of the store node a cluster gateway uses (`lightgate gateway`);"
-           " a replicated store: its replicas' HOST:PORT,HOST:PORT,... (the leader is found and followed)",
+    Option("gateway.store", "127.0.0.1:7883", "HOST:PORT of the store node a cluster gateway uses"
+           " (`lightgate gateway`); a replicated store: its replicas' HOST:PORT,HOST:PORT,... (the leader is found and followed)",
            flag="--store"),
     Option("store.lease_s", 5.0, "a gateway node's lease (`lightgate store`): silent this long, its clients' wills"
            " are published and the node must drop them when it returns (docs/cluster.md)"),
@@ -301,8 +301,8 @@ COMMAND_KEYS: dict[str, tuple[str, ...]] = {
               "delayed"),
     "store": ("node.data", "store", "log", "commitlog", "retention", "tier", "auth.password_file",
               "auth.allow_anonymous", "auth.acl_file", "auth.failure_delay_s", "delayed.max_pending_per_client"),
-    "gateway": ("node.host", "node.port", "gateway", "store.token", "store.failover_wait_s", "tls", "ws", "wss", "log", "mqtt", "auth",
-                "limits", "admin", "delayed.max_delay_s"),
+    "gateway": ("node.host", "node.port", "gateway", "store.token", "store.failover_wait_s", "tls", "ws", "wss", "log",
+                "mqtt", "auth", "limits", "admin", "delayed.max_delay_s"),
     "repair": ("node.data", "log", "commitlog"),
     "dump": ("node.data", "log"),
     "snapshot": ("node.data", "log", "commitlog"),
