@@ -56,7 +56,7 @@ from store.space import FULL_RETRY_S
 
 __all__ = [
     "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "Flow", "LeaseLost", "LogSpan",
-    "NewMessage", "Position", "Positions", "PullRequest", "PullResult", "StoreApi", "StoreStatistics",
+    "NewMessage", "NotLeader", "Position", "Positions", "PullRequest", "PullResult", "StoreApi", "StoreStatistics",
     "StoreUnavailable", "TimerStatistics", "group_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
@@ -214,6 +214,16 @@ class StoreUnavailable(ConnectionError):
 
     The call may or may not have taken effect; nothing that depends on it is acknowledged to a device.
     """
+
+
+class NotLeader(StoreUnavailable):
+    """The store replica reached does not lead its group now: it serves nothing and names the leader it knows
+    (``leader``, ``host:port``; empty when no leader is known now, during an election). The client tries there
+    next: nothing was done."""
+
+    def __init__(self, leader: str) -> None:
+        super().__init__(f"this store replica does not lead: the leader is {leader or 'not known now'}")
+        self.leader = leader
 
 
 class LeaseLost(ConnectionError):

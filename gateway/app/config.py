@@ -71,10 +71,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("node.data", "./data", "data directory (CommitLog, RocksDB)", flag="--data"),
     Option("store.listen", "127.0.0.1:7883", "HOST:PORT the store node serves gateways on (`lightgate store`;"
            " port 0 = a free one, logged)", flag="--listen"),
-    Option("gateway.store", "127.0.0.1:7883", "HOST:PORT of the store node a cluster gateway uses (`lightgate gateway`)",
+    Option("gateway.store", "127.0.0.1:7883", "HOST:PORT of the store node a cluster gateway uses"
+           " (`lightgate gateway`); a replicated store: its replicas' HOST:PORT,HOST:PORT,... (the leader is found and followed)",
            flag="--store"),
     Option("store.lease_s", 5.0, "a gateway node's lease (`lightgate store`): silent this long, its clients' wills"
            " are published and the node must drop them when it returns (docs/cluster.md)"),
+    Option("store.failover_wait_s", 5.0, "a cluster gateway's publish that finds no store connection (a store"
+           " restart, a new leader) waits this long for the next one instead of failing at once; 0 = fail at once"
+           " (`lightgate gateway`, docs/cluster.md)"),
     Option("store.token", "", "shared secret of gateway nodes and their store node (set the same on both), at least"
            " 16 characters; required on a store with auth.* set; empty = none (docs/cluster.md)", secret=True),
     Option("replication.group", "", "the store group this `lightgate store` is a replica of (empty = an"
@@ -314,8 +318,8 @@ COMMAND_KEYS: dict[str, tuple[str, ...]] = {
               "delayed"),
     "store": ("node.data", "store", "replication", "log", "commitlog", "retention", "tier", "auth.password_file",
               "auth.allow_anonymous", "auth.acl_file", "auth.failure_delay_s", "delayed.max_pending_per_client"),
-    "gateway": ("node.host", "node.port", "gateway", "store.token", "tls", "ws", "wss", "log", "mqtt", "auth",
-                "limits", "admin", "delayed.max_delay_s"),
+    "gateway": ("node.host", "node.port", "gateway", "store.token", "store.failover_wait_s", "tls", "ws", "wss", "log",
+                "mqtt", "auth", "limits", "admin", "delayed.max_delay_s"),
     "repair": ("node.data", "log", "commitlog"),
     "dump": ("node.data", "log"),
     "snapshot": ("node.data", "log", "commitlog"),

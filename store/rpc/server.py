@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-from functools import partial
 from typing import Any, final
 
 import trio
@@ -61,6 +60,7 @@ from store.local import LocalStore
 from store.node import StoreNode
 from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
+from store.rpc.front import RpcFront
 
 __all__ = ["RpcServer", "serve_rpc"]
 
@@ -675,6 +675,14 @@ class RpcServer:
             connection.closed.set()
             LOGGER.info("gateway node disconnected", extra={"ctx": {"node": node, "peer": peer}})
 
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The server's own tasks while it serves (until cancelled): the store's stall watch, started before any
+        lease of a remote node can end, and the statistics line."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.store.leases.stalls.run)
+            nursery.start_soon(_log_statistics, self)
+            task_status.started()
+
     def figures(self) -> dict[str, Any]:
         """The notify routing and lease figures an operator watches (the periodic log line)."""
         notify = self.store.router.statistics()
@@ -695,16 +703,16 @@ async def serve_rpc(
     access: StoreAccess | None = None,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``store`` over the RPC on ``host:port`` until cancelled.
+    """Serve ``store`` over the RPC on ``host:port`` until cancelled: an unreplicated store, one serving phase of
+    its listener (store/rpc/front.py) for ever.
 
     ``task_status.started`` receives the listeners (port 0 picks a free port: read it from them).
     ``access`` (who may connect, store/rpc/access.py; default: everyone, trusted): see ``RpcServer``.
     """
+    front = RpcFront()
     async with trio.open_nursery() as nursery:
-        server = RpcServer(store, access=access)
-        nursery.start_soon(store.leases.stalls.run)  # before any lease of a remote node can end
-        listeners = await nursery.start(partial(trio.serve_tcp, server.handle, port, host=host))
-        nursery.start_soon(_log_statistics, server)
+        await nursery.start(front.serving, RpcServer(store, access=access))
+        listeners = await nursery.start(front.serve, host, port)
         task_status.started(listeners)
 
 

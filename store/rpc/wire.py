@@ -178,6 +178,8 @@ class ErrorKind(enum.StrEnum):
     FENCED = "fenced"  # the write names a lease of this node that has ended (store.api.LeaseLost)
     EXPIRED = "expired"  # store.log.errors.OffsetExpired: retention deleted the offset asked for
     INVALID_OFFSET = "invalid_offset"  # store.log.errors.InvalidOffset: no record starts there (read_log)
+    NOT_LEADER = "not_leader"  # store.api.NotLeader: a replica that does not lead; the message is the leader's
+    # address host:port (empty: no leader known now)
 
 
 class _Message(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
@@ -640,6 +642,15 @@ def parse_address(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"{text!r} is not HOST:PORT")
     return host, int(port)
+
+
+def parse_addresses(text: str) -> list[tuple[str, int]]:
+    """A comma-separated list of ``HOST:PORT`` (the replicas of a replicated store; one: a store) as ``(host, port)``s.
+
+    Raises:
+        ValueError: an item is not ``HOST:PORT``.
+    """
+    return [parse_address(item.strip()) for item in text.split(",")]
 
 
 def encode(message: _Message) -> bytes:
