@@ -56,7 +56,7 @@ from store.space import FULL_RETRY_S
 
 __all__ = [
     "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "Flow", "LeaseLost", "LogSpan",
-    "NewMessage", "Position", "Positions", "PullRequest", "PullResult", "StoreApi", "StoreStatistics",
+    "NewMessage", "NotLeader", "Position", "Positions", "PullRequest", "PullResult", "StoreApi", "StoreStatistics",
     "StoreUnavailable", "TimerStatistics", "group_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
@@ -219,6 +219,17 @@ class StoreUnavailable(ConnectionError):
 class LeaseLost(ConnectionError):
     """A write for a client of a lease that has ended: the client is no longer this node's (it may have connected
     to another node since), so the store refused it. Nothing is acknowledged for it."""
+
+
+class NotLeader(OSError):
+    """A replicated store that is not (or no longer) its group's leader refused or could not acknowledge a write: its
+    leader lease is gone, or the controller fenced it (store/replica/leader.py). An OSError, so every caller treats
+    it as a failed write: nothing was acknowledged. ``address`` is the leader's ``host:port`` when known, else empty.
+    """
+
+    def __init__(self, message: str, address: str = "") -> None:
+        super().__init__(message)
+        self.address = address
 
 
 class DelayedCapExceeded(ValueError):

@@ -56,7 +56,7 @@ from typing import Any, final
 import trio
 
 from store.api import (GROUP_PREFIX, MAIN_LOG, DelayedCapExceeded, InvalidOffset, LeaseLost, LogFullError, NewMessage,
-                       OffsetExpired, Positions, PullResult, RecordTooLarge, TopicError)
+                       NotLeader, OffsetExpired, Positions, PullResult, RecordTooLarge, TopicError)
 from store.local import LocalStore
 from store.node import StoreNode
 from store.rpc import wire as rpc
@@ -110,6 +110,8 @@ STATISTICS_LOG_S = 60.0
 
 def _error(request_id: int, exc: BaseException) -> rpc.Error:
     """The wire error for an exception of a store call: the client raises the same kind."""
+    if isinstance(exc, NotLeader):
+        return rpc.Error(request_id, rpc.ErrorKind.NOT_LEADER, exc.address)
     if isinstance(exc, AccessDenied):
         kind = rpc.ErrorKind.DENIED
     elif isinstance(exc, LeaseLost):
@@ -278,6 +280,8 @@ class _Connection:
             elif kind is rpc.Hello:
                 self._refuse("Hello after the handshake")
                 return
+            elif kind is rpc.Fetch:
+                self.send(rpc.Error(message.id, rpc.ErrorKind.DENIED, "Fetch is for replicas only"))
             else:
                 await self._slots.acquire()
                 nursery.start_soon(self._answer, message)
@@ -562,6 +566,9 @@ class RpcServer:
                 if hello is None or admitted is None:
                     return
                 decoder.allow(rpc.MAX_FRAME_BYTES)
+                if hello.node.startswith(rpc.REPLICA_PREFIX):
+                    await self._serve_replica(stream, decoder, hello.node.removeprefix(rpc.REPLICA_PREFIX), peer)
+                    return
                 name = hello.node if admitted.trusted else f"{BACKEND_PREFIX}{admitted.username or ''}:{hello.node}"
                 await self._serve(stream, decoder, name, peer, admitted, hello)
         except Exception as exc:  # one connection's failure must not stop the listener
@@ -626,8 +633,11 @@ class RpcServer:
 
         A refusal waits the authenticator's brute-force delay before it answers.
         """
-        if hello.node.startswith("$"):
+        replica = hello.node.startswith(rpc.REPLICA_PREFIX) and len(hello.node) > len(rpc.REPLICA_PREFIX)
+        if hello.node.startswith("$") and not replica:
             verdict: Verdict | Peer = Verdict(False, why="node names starting with '$' are the store's own")
+        elif replica and not self.access.open and not hello.token:
+            verdict = Verdict(False, why="a replica presents the store token")
         elif self.access.open:
             return Peer(True, client_id=hello.node)
         else:
@@ -674,6 +684,51 @@ class RpcServer:
                 del self._connections[node]
             connection.closed.set()
             LOGGER.info("gateway node disconnected", extra={"ctx": {"node": node, "peer": peer}})
+
+    async def _serve_replica(self, stream: trio.SocketStream, decoder: rpc.FrameDecoder, name: str,
+                             peer: str) -> None:
+        """Serve a replica's fetches (store/replica/leader.py), one at a time, until it goes. It takes no lease and
+        is attached to nothing. Not a replicated leader: ``NOT_LEADER``; anything but a ``Fetch``: refused."""
+        replication = self.store.replication
+        if replication is None:
+            await stream.send_all(rpc.encode(rpc.Error(0, rpc.ErrorKind.NOT_LEADER, "")))
+            return
+        LOGGER.info("replica connected", extra={"ctx": {"replica": name, "peer": peer}})
+        welcome = rpc.Welcome(rpc.PROTOCOL_VERSION, rpc.REPLICA_PREFIX + name, self.heartbeat_s,
+                              self.store.leases.lease_s, self.store_id, replication.epoch)
+        await stream.send_all(rpc.encode(welcome))
+        try:
+            while True:
+                message = decoder.next_message()
+                if message is rpc.NEED_DATA:
+                    if decoder.eof:
+                        return
+                    decoder.receive_data(await stream.receive_some(RECEIVE_BYTES))
+                    continue
+                if type(message) is not rpc.Fetch:
+                    why = f"{type(message).__name__} is not for a replica connection"
+                    LOGGER.warning("replica connection closed: %s", why, extra={"ctx": {"replica": name}})
+                    await stream.send_all(rpc.encode(rpc.Error(0, rpc.ErrorKind.PROTOCOL, why)))
+                    return
+                try:
+                    answer = await replication.fetch(name, message.epoch, message.last_epoch, message.offset,
+                                                     message.held, min(message.max_bytes, MAX_PULL_BYTES))
+                except Exception as exc:
+                    error = _error(message.id, exc)
+                    if error.kind is rpc.ErrorKind.INTERNAL:
+                        LOGGER.error("fetch failed: %r", exc, exc_info=exc, extra={"ctx": {"replica": name}})
+                    await stream.send_all(rpc.encode(error))
+                    continue
+                await stream.send_all(rpc.encode(rpc.Frames(message.id, answer.epoch, answer.data, answer.confirm,
+                                                            answer.epochs, answer.truncate_to)))
+        except rpc.RpcProtocolError as exc:
+            LOGGER.warning("replica connection closed: %s", exc, extra={"ctx": {"replica": name}})
+            with trio.move_on_after(1.0):
+                await stream.send_all(rpc.encode(rpc.Error(0, rpc.ErrorKind.PROTOCOL, str(exc))))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            LOGGER.info("replica disconnected", extra={"ctx": {"replica": name, "peer": peer}})
 
     def figures(self) -> dict[str, Any]:
         """The notify routing and lease figures an operator watches (the periodic log line)."""
