@@ -260,7 +260,10 @@ class Replication:
             if self._fenced is not None:
                 continue
             now = trio.current_time()
-            lagging = {m for m in self._isr - {self.name} if now - self._followers[m].caught_up_at > self.max_lag_s}
+            written = self.log.log.written_offset
+            lagging = {m for m in self._isr - {self.name}  # one that has everything (waiting for more) is in sync
+                       if self._followers[m].written < written
+                       and now - self._followers[m].caught_up_at > self.max_lag_s}
             if lagging:
                 await self._record(sorted(self._isr - lagging))
                 if self._fenced is None:
