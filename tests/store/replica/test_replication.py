@@ -4,6 +4,7 @@ real CommitLogs and RocksDB; the controller (etcd, outside this part) is an in-m
 from __future__ import annotations
 
 import shutil
+import sys
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -15,13 +16,14 @@ import trio.testing
 from store.api import NewMessage, NotLeader
 from store.dump import dump
 from store.log.commitlog import CommitLog, CommitLogConfig
-from store.log.epochs import EpochFile
 from store.log.record import new_record
 from store.node import open_follower, open_store
 from store.replica.follower import LeaderChanged, follow
 from store.replica.leader import Replication
 from store.rpc import wire as rpc
+from store.rpc.access import StoreAccess
 from store.rpc.server import serve_rpc
+from tests.helpers.processes import LightgateProcess
 
 WAIT_S = 30.0  # every condition is waited for with this timeout, never slept for
 SEGMENT = 256 * 1024  # small segments: the copies roll and seal segments as the leader's do
@@ -332,3 +334,95 @@ def without_topic_ids(state: dict) -> dict:
     queues = {name: {k: v for k, v in queue.items() if k != "id"} for name, queue in state["queues"].items()
               if queue["entries"] or queue["max"] or queue.get("referenced_by")}
     return {**{k: v for k, v in state.items() if k != "next_queue_id"}, "queues": queues}
+
+
+async def hello(port: int, node: str, token: str = ""):
+    """Open a connection with a Hello of ``node``: the stream and the store's first answer."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(rpc.encode(rpc.Hello(rpc.PROTOCOL_VERSION, node, token)))
+    return stream, await answer(stream)
+
+
+async def answer(stream, decoder=None):
+    decoder = decoder or rpc.FrameDecoder(rpc.SERVER_MESSAGES)
+    with trio.fail_after(WAIT_S):
+        while (message := decoder.next_message()) is rpc.NEED_DATA:
+            decoder.receive_data(await stream.receive_some(1 << 16))
+    return message
+
+
+@asynccontextmanager
+async def served(node, access):
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(serve_rpc, node, "127.0.0.1", 0, access=access))
+        yield listeners[0].socket.getsockname()[1]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_replica_connection_presents_the_token_and_takes_no_gateway_lease(tmp_path):
+    async with leader(tmp_path / "a") as node, served(node, StoreAccess(token="secret")) as port:
+        _, refused = await hello(port, "$replica/b", "wrong")
+        assert refused == rpc.Error(0, rpc.ErrorKind.DENIED, "not authorized")
+        _, refused = await hello(port, "$replica/b")  # no token: a password does not make a replica
+        assert refused == rpc.Error(0, rpc.ErrorKind.DENIED, "not authorized")
+        stream, welcome = await hello(port, "$replica/b", "secret")
+        assert type(welcome) is rpc.Welcome and welcome.epoch == 1
+        await stream.send_all(rpc.encode(rpc.Fetch(1, 1, 1, 0, 0, 1 << 20)))
+        frames = await answer(stream)
+        assert type(frames) is rpc.Frames and frames.epoch == 1 and frames.truncate_to == -1
+        assert node.leases.statistics().nodes == 0 and not node.attached  # no lease, no gateway node
+
+
+async def test_a_gateway_connection_may_not_fetch_and_a_store_that_does_not_lead_says_so(tmp_path):
+    async with leader(tmp_path / "a") as node, served(node, StoreAccess(token="secret")) as port:
+        stream, welcome = await hello(port, "gw-1", "secret")
+        decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
+        await stream.send_all(rpc.encode(rpc.Fetch(7, 1, 1, 0, 0, 1 << 20)))
+        while type(refused := await answer(stream, decoder)) is rpc.Heartbeat:
+            pass
+        assert refused == rpc.Error(7, rpc.ErrorKind.DENIED, "Fetch is for replicas only")
+    async with open_store(tmp_path / "plain", CONFIG) as node, served(node, None) as port:
+        _, refused = await hello(port, "$replica/b")
+        assert refused == rpc.Error(0, rpc.ErrorKind.NOT_LEADER, "")
+
+
+@pytest.mark.slow
+async def test_a_follower_killed_mid_stream_catches_up_after_its_restart(tmp_path, nursery):
+    c = Follower(tmp_path / "c", "c")
+    stop, stopped = trio.Event(), trio.Event()
+    acked: list[int] = []
+
+    async def writer(node) -> None:
+        i = 0
+        while not stop.is_set():
+            acked.extend(await node.append(messages(20, i)))
+            i += 20
+        stopped.set()
+
+    def start_b(port: int) -> LightgateProcess:
+        process = LightgateProcess(str(tmp_path / "b"), str(port), "b", "1", str(SEGMENT), json_logs=False,
+                                   command=[sys.executable, "-m", "tests.helpers.replica_follower"])
+        process.wait_log(lambda doc: doc["msg"] == "following")
+        return process
+
+    async with leader(tmp_path / "a", isr=REPLICAS, max_lag_s=0.5) as node:
+        await nursery.start(c.run, node.port)
+        nursery.start_soon(writer, node)
+        b = await trio.to_thread.run_sync(start_b, node.port)
+
+        def held() -> int:
+            return node.replication.figures()["followers"]["b"]["held"]
+
+        await until(lambda: held() > 2 * SEGMENT, "b copied two segments")
+        b.kill()  # mid-stream: the writer goes on, acknowledged by a and c once b left the ISR
+        killed_at = held()
+        await until(lambda: "b" not in node.replication.figures()["isr"], "b left the ISR")
+        b = await trio.to_thread.run_sync(start_b, node.port)
+        await until(lambda: held() > killed_at + SEGMENT and "b" in node.replication.figures()["isr"],
+                    "b caught up and is in sync again")
+        stop.set()
+        await stopped.wait()
+        await until(lambda: held() == node.log.log.written_offset, "b holds the whole log")
+        b.kill()
+        await c.stop()
+    assert acked and log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a") == log_bytes(tmp_path / "c")
