@@ -3,6 +3,7 @@ real CommitLogs and RocksDB; the controller (etcd, outside this part) is an in-m
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 from contextlib import asynccontextmanager
@@ -80,12 +81,12 @@ def log_bytes(data: Path) -> dict[str, bytes]:
 
 @asynccontextmanager
 async def leader(data: Path, *, acks: str = "quorum", isr=("a",), max_lag_s: float = 60.0,
-                 controller: Controller | None = None, epoch: int = 1):
+                 controller: Controller | None = None, epoch: int = 1, config: CommitLogConfig = CONFIG):
     start_epoch(data, epoch)
     controller = controller or Controller()
     replication = Replication(name="a", epoch=epoch, replicas=REPLICAS, isr=list(isr), acks=acks,
                               max_lag_s=max_lag_s, controller=controller)
-    async with open_store(data, CONFIG, replication=replication) as node, trio.open_nursery() as nursery:
+    async with open_store(data, config, replication=replication) as node, trio.open_nursery() as nursery:
         listeners = await nursery.start(partial(serve_rpc, node, "127.0.0.1", 0))
         node.port = listeners[0].socket.getsockname()[1]
         node.controller = controller
@@ -96,7 +97,8 @@ async def leader(data: Path, *, acks: str = "quorum", isr=("a",), max_lag_s: flo
 class Follower:
     """A follower in this process: its store in follower mode and its fetch loop, stopped with ``stop``."""
 
-    def __init__(self, data: Path, name: str) -> None:
+    def __init__(self, data: Path, name: str, config: CommitLogConfig = CONFIG) -> None:
+        self.config = config
         self.data = data
         self.name = name
         self.log = None
@@ -108,7 +110,7 @@ class Follower:
     async def run(self, port: int, epoch: int = 1, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             with self._cancel:
-                async with open_follower(self.data, CONFIG) as (alog, dispatcher):
+                async with open_follower(self.data, self.config) as (alog, dispatcher):
                     self.log, self.dispatcher = alog.log, dispatcher
                     task_status.started()
                     await follow(alog, dispatcher, ("127.0.0.1", port), name=self.name, epoch=epoch)
@@ -126,12 +128,17 @@ class Follower:
         return self.log.written_offset
 
 
-async def test_followers_copy_the_log_byte_for_byte_and_derive_the_same_state(tmp_path, nursery):
-    followers = [Follower(tmp_path / name, name) for name in ("b", "c")]
-    async with leader(tmp_path / "a", acks="all") as node:
+@pytest.mark.parametrize("flush", ["async", "sync"])
+async def test_followers_copy_the_log_byte_for_byte_and_derive_the_same_state(tmp_path, nursery, flush):
+    """Under the sync flush policy a follower holds what it fsynced: acks=all then means on three disks."""
+    config = dataclasses.replace(CONFIG, flush=flush)
+    followers = [Follower(tmp_path / name, name, config) for name in ("b", "c")]
+    async with leader(tmp_path / "a", acks="all", config=config) as node:
         for f in followers:
             await nursery.start(f.run, node.port)
-        await node.append(messages(50))
+        offsets = await node.append(messages(50))
+        if flush == "sync":
+            assert all(f.log.flushed_offset > offsets[-1] for f in followers)
         end = await node.activate("t/#", "holder")
         await node.commit_offsets({"holder": {"t/1": 3}})
         await node.append(messages(2000, 50))  # rolls segments
@@ -426,3 +433,22 @@ async def test_a_follower_killed_mid_stream_catches_up_after_its_restart(tmp_pat
         b.kill()
         await c.stop()
     assert acked and log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a") == log_bytes(tmp_path / "c")
+
+
+async def test_a_follower_reopens_as_the_leader_of_the_next_epoch(tmp_path, nursery):
+    """The role loop's promotion: the follower's directory opens in leader mode, with everything it copied."""
+    b = Follower(tmp_path / "b", "b")
+    async with leader(tmp_path / "a", acks="quorum") as node:
+        await nursery.start(b.run, node.port)
+        offsets = await node.append(messages(30))
+        await node.activate("t/#", "holder")
+        end = node.log.log.written_offset
+        await until(lambda: b.dispatcher.dispatched_offset == end, "b dispatched everything")
+        await b.stop()
+    async with leader(tmp_path / "b", acks="leader", epoch=2) as promoted:
+        assert promoted.log.log.epochs.entries == [(1, 0), (2, end)]
+        more = await promoted.append(messages(5, 30))
+        assert more[0] == end and offsets[-1] < end
+        await promoted.dispatcher.wait_dispatched(promoted.log.log.written_offset)
+        assert promoted.queues.max_offset("t/1") == 7  # the 6 it copied and the one it appended
+        assert await trio.to_thread.run_sync(promoted.queues.holders, "t/#") == ["holder"]
