@@ -30,6 +30,10 @@ FETCH_BYTES = 4 * 1024 * 1024
 """A fetch asks for at most this much: a few large records, well under the frame limit; a follower catching up
 takes many fetches, each a cheap ``read_frames`` and ``append_frames``."""
 
+INLINE_BYTES = 256 * 1024
+"""Frames up to this size are appended on the event loop (the leader's appends are too, store/log/aio.py); larger
+ones, a follower catching up, in a worker thread."""
+
 ANSWER_TIMEOUT_S = 5.0
 """A fetch unanswered for this long means the leader or the network is gone (the leader answers an idle fetch
 within its long poll, half a second): the connection is dropped and made again."""
@@ -117,8 +121,10 @@ async def _fetch_loop(link: _Link, alog: AsyncCommitLog, dispatcher: Dispatcher,
                            extra={"ctx": {"offset": answer.truncate_to, "written": written, "epoch": epoch}})
             await trio.to_thread.run_sync(dispatcher.truncate, answer.truncate_to)
             continue
-        if answer.data:
+        if len(answer.data) > INLINE_BYTES:
             written = await trio.to_thread.run_sync(log.append_frames, written, answer.data)
+        elif answer.data:  # a copy into the page cache: cheaper here than a hop to a worker thread and back
+            written = log.append_frames(written, answer.data)
         latest = log.epochs.latest
         new = [(e, start) for e, start in answer.epochs if (latest is None or e > latest[0]) and start <= written]
         for entry in new:

@@ -34,6 +34,9 @@ FETCH_WAIT_S = 0.5
 """An up-to-date follower's fetch waits at most this for the next append (or confirm move): the long poll that
 keeps the follower's latency to one round trip without a busy loop, and the connection alive when idle."""
 
+INLINE_BYTES = 256 * 1024
+"""A fetch of at most this much past the follower's offset is read on the event loop."""
+
 LEASE_CHECK_S = 0.05
 """A waiting acknowledgement looks at the leader lease at least this often: the lease ends with time, not with an
 event, and an ack must never be sent past it by more than this."""
@@ -209,7 +212,10 @@ class Replication:
             with trio.move_on_after(FETCH_WAIT_S):
                 await changed.wait()
         written = log.written_offset
-        data = await trio.to_thread.run_sync(log.read_frames, offset, max_bytes) if offset < written else b""
+        if written - offset > INLINE_BYTES:  # a follower catching up: the read may miss the page cache
+            data = await trio.to_thread.run_sync(log.read_frames, offset, max_bytes)
+        else:  # the last appends, in the page cache: cheaper here than a hop to a worker thread and back
+            data = log.read_frames(offset, max_bytes) if offset < written else b""
         progress.sent_written = written
         progress.sent_at = trio.current_time()
         progress.sent_confirm = log.confirm_offset
