@@ -731,7 +731,7 @@ class RpcServer:
             LOGGER.info("replica disconnected", extra={"ctx": {"replica": name, "peer": peer}})
 
     def figures(self) -> dict[str, Any]:
-        """The notify routing and lease figures an operator watches (the periodic log line)."""
+        """The notify routing, lease and replication figures an operator watches (the periodic log line)."""
         notify = self.store.router.statistics()
         leases = self.store.leases.statistics()
         return {"notify_sent": notify.sent, "notify_suppressed": notify.suppressed,
@@ -739,7 +739,8 @@ class RpcServer:
                 "clients_placed": leases.clients, "wills_held": leases.wills_held, "wills_fired": leases.wills_fired,
                 "sessions_expired": leases.sessions_expired,
                 "consumer_groups": [(g.group, g.queue, g.members, g.committed, g.unacked)
-                                    for g in self.store.groups.statistics()]}
+                                    for g in self.store.groups.statistics()],
+                **({"replication": self.store.replication.figures()} if self.store.replication else {})}
 
 
 async def serve_rpc(

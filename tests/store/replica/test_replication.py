@@ -378,6 +378,7 @@ async def test_a_replica_connection_presents_the_token_and_takes_no_gateway_leas
         frames = await answer(stream)
         assert type(frames) is rpc.Frames and frames.epoch == 1 and frames.truncate_to == -1
         assert node.leases.statistics().nodes == 0 and not node.attached  # no lease, no gateway node
+        assert node.replication.figures()["followers"]["b"]["since_fetch_s"] is not None  # its fetch counted
 
 
 async def test_a_gateway_connection_may_not_fetch_and_a_store_that_does_not_lead_says_so(tmp_path):
