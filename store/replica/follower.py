@@ -116,10 +116,11 @@ async def _fetch_loop(link: _Link, alog: AsyncCommitLog, dispatcher: Dispatcher,
         if answer.epoch != epoch:
             raise LeaderChanged(f"the leader at {link.peer} leads epoch {answer.epoch}, not {epoch}"
                                 + ("; its frames are refused" if answer.epoch < epoch else ""), answer.epoch)
-        if answer.truncate_to >= 0:
+        cut = _parting(log.epochs.latest, answer)
+        if cut >= 0:
             LOGGER.warning("replica log parts from its leader's: truncating",
-                           extra={"ctx": {"offset": answer.truncate_to, "written": written, "epoch": epoch}})
-            await trio.to_thread.run_sync(dispatcher.truncate, answer.truncate_to)
+                           extra={"ctx": {"offset": cut, "written": written, "epoch": epoch}})
+            await trio.to_thread.run_sync(dispatcher.truncate, cut)
             continue
         if len(answer.data) > INLINE_BYTES:
             written = await trio.to_thread.run_sync(log.append_frames, written, answer.data)
@@ -135,6 +136,16 @@ async def _fetch_loop(link: _Link, alog: AsyncCommitLog, dispatcher: Dispatcher,
         if confirm > log.confirm_offset:
             log.confirm(confirm)
             dispatcher.wake()
+
+
+def _parting(latest: tuple[int, int] | None, answer: rpc.Frames) -> int:
+    """Where this log stops agreeing with the leader's (-1: it agrees): the leader's ``truncate_to``, or the start
+    of this log's last epoch if the leader has no such epoch (its leader never replicated a record of it, and the
+    leader's answer counted it as the epoch before, which this log's records of it are not)."""
+    cut = answer.truncate_to
+    if latest is not None and latest[0] not in {e for e, _ in answer.epochs}:
+        cut = latest[1] if cut < 0 else min(cut, latest[1])
+    return cut
 
 
 @final

@@ -453,3 +453,28 @@ async def test_a_follower_reopens_as_the_leader_of_the_next_epoch(tmp_path, nurs
         await promoted.dispatcher.wait_dispatched(promoted.log.log.written_offset)
         assert promoted.queues.max_offset("t/1") == 7  # the 6 it copied and the one it appended
         assert await trio.to_thread.run_sync(promoted.queues.holders, "t/#") == ["holder"]
+
+
+async def test_a_follower_is_cut_where_an_epoch_its_leader_never_had_starts(tmp_path, nursery):
+    """b led epoch 2 for a moment and wrote records nobody copied; a, which had more of epoch 1, leads epoch 3.
+    b's log ends before a's epoch 1 does, so a's answer alone (the end of epoch 2 is the end of epoch 1 in its
+    log) would let it fetch from inside a record: b cuts where its epoch 2 began."""
+    def publish(data: Path, topic: str, n: int) -> None:
+        with CommitLog.open(data / "commitlog", CONFIG) as log:
+            log.append_batch([new_record(topic, bytes([i]) * 300, 1_000, "pub", 1, True)[0] for i in range(n)])
+
+    start_epoch(tmp_path / "a", 1)
+    publish(tmp_path / "a", "t/common", 10)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    publish(tmp_path / "a", "t/more", 30)
+    start_epoch(tmp_path / "b", 2)
+    publish(tmp_path / "b", "t/lost", 5)
+    b = Follower(tmp_path / "b", "b")
+    async with leader(tmp_path / "a", acks="quorum", epoch=3) as node:
+        await nursery.start(b.run, node.port, 3)
+        await node.append(messages(10))
+        assert b.log.epochs.entries == node.log.log.epochs.entries
+        await until(lambda: b.dispatcher.dispatched_offset == node.log.log.written_offset ==
+                    node.dispatcher.dispatched_offset, "b dispatched a's log")
+        await b.stop()
+    assert log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a")
