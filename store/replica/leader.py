@@ -271,8 +271,7 @@ class Replication:
                        if self._followers[m].written < written
                        and now - self._followers[m].caught_up_at > self.max_lag_s}
             if lagging:
-                await self._record(sorted(self._isr - lagging))
-                if self._fenced is None:
+                if await self._record(sorted(self._isr - lagging)):
                     self._isr -= lagging
                     self.shrinks += len(lagging)
                     LOGGER.warning("replicas left the in-sync set: they lag more than replication.max_lag_s",
@@ -284,11 +283,20 @@ class Replication:
                 await self._record(sorted(self._isr))
             self._advance()  # a lone leader's fsyncs, under the sync flush policy
 
-    async def _record(self, members: list[str]) -> None:
-        if await self.controller.set_isr(self.epoch, members):
-            self._isr_recorded = set(members)
-        else:
+    async def _record(self, members: list[str]) -> bool:
+        """Have the controller record ``members`` as the ISR; False if it did not (tried again next round, or
+        fenced: it refused)."""
+        try:
+            recorded = await self.controller.set_isr(self.epoch, members)
+        except Exception as exc:  # the controller is unreachable: the ISR stays as it is, the lease decides
+            LOGGER.warning("the ISR change could not be recorded; retrying", extra={"ctx": {
+                "epoch": self.epoch, "isr": members, "error": repr(exc)}})
+            return False
+        if not recorded:
             self._fence("the controller refused an ISR change of this epoch")
+            return False
+        self._isr_recorded = set(members)
+        return True
 
     # --- figures ------------------------------------------------------------------------------
 
