@@ -26,8 +26,10 @@ Who is who: a gateway node (trusted, the store token) is attached under the
 node name of its Hello; a back-end client (user name and password) under
 ``$client/<user>:<name>``, its own namespace, so it can never take a gateway
 node's name (and with it the node's connection, events and clients); it may append (its topics checked by
-the ACL, no QoS 2 packet ids) and use consumer groups (``$group/`` names, its connection the member). Before a
-peer is admitted the store buffers at most one ``wire.MAX_HELLO_BYTES`` frame, for at most
+the ACL, no QoS 2 packet ids) and use consumer groups (``$group/`` names, its connection the member). A replica
+of a replicated group (``$replica/<name>``, the store token) only fetches the log (``Fetch``, answered by the
+leader's ``Replication``, store/replica/leader.py, or ``NOT_LEADER``): it takes no lease and is attached to
+nothing. Before a peer is admitted the store buffers at most one ``wire.MAX_HELLO_BYTES`` frame, for at most
 ``HANDSHAKE_TIMEOUT_S``; refusals are logged once per peer address per ``REFUSAL_LOG_S``.
 
 Fencing (store/leases.py): each connection serves one lease epoch of its node;
