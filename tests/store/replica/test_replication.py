@@ -254,19 +254,40 @@ async def test_a_leader_whose_lease_ended_acknowledges_nothing(tmp_path, nursery
 async def test_a_leader_the_controller_refuses_an_isr_change_acknowledges_nothing(tmp_path, nursery):
     controller = Controller()
     b, c = Follower(tmp_path / "b", "b"), Follower(tmp_path / "c", "c")
-    async with leader(tmp_path / "a", acks="leader", isr=REPLICAS, max_lag_s=0.3, controller=controller) as node:
+    async with leader(tmp_path / "a", acks="quorum", isr=REPLICAS, max_lag_s=0.3, controller=controller) as node:
         for f in (b, c):
             await nursery.start(f.run, node.port)
         await node.append(messages(5))
         await c.stop()
         controller.accept = False  # a newer leader's epoch is the group's now
-        await node.append(messages(5))  # c lags from here
-        await until(lambda: node.replication.fenced, "the shrink was refused")
-        assert controller.writes[-1] == ["a", "b"]
+        pending = Pending(node, nursery, messages(5))  # waits for c, in the ISR until the shrink is recorded
+        with trio.fail_after(WAIT_S):
+            await pending.acked.wait()
+        assert isinstance(pending.error, NotLeader) and controller.writes[-1] == ["a", "b"]
+        assert node.replication.figures()["isr"] == ["a", "b", "c"]  # not shrunk: the controller did not record it
         with pytest.raises(NotLeader):
             await node.append(messages(1))
         with pytest.raises(trio.WouldBlock):
             node.append_nowait(messages(1))
+
+
+async def test_an_unreachable_controller_keeps_the_isr_and_is_asked_again(tmp_path, nursery):
+    class Unreachable(Controller):
+        async def set_isr(self, epoch: int, members: list[str]) -> bool:
+            self.writes.append(members)
+            if len(self.writes) < 3:
+                raise ConnectionError("etcd is away")
+            return True
+
+    controller = Unreachable()
+    async with leader(tmp_path / "a", acks="quorum", max_lag_s=0.4, controller=controller) as node:
+        pending = Pending(node, nursery, messages(1))
+        await nursery.start(Follower(tmp_path / "b", "b").run, node.port)
+        with trio.fail_after(WAIT_S):
+            await pending.acked.wait()  # b counts at once; the controller is told when it can be
+        await until(lambda: len(controller.writes) == 3, "the grown ISR was recorded at the third try")
+        assert pending.error is None and not node.replication.fenced
+        assert controller.writes == [["a", "b"]] * 3
 
 
 async def test_a_fetch_of_a_later_epoch_fences_the_leader(tmp_path, nursery):
