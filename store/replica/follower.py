@@ -70,6 +70,9 @@ async def follow(log: AsyncCommitLog, dispatcher: Dispatcher, leader: tuple[str,
         LeaderChanged: the leader answers for another epoch, or is not the leader.
         ConnectionRefusedError: the leader refused this replica (its token, its name, the protocol version).
         OSError: the local log could not be written (a full disk...).
+        CorruptRecord: a frame the leader sent does not check (damage in the leader's log: fetching it again
+            would not help).
+        ValueError: the leader's segments do not fit this log's (another ``segment_bytes``).
     """
     started = False
     attempt = 0
