@@ -26,8 +26,10 @@ Who is who: a gateway node (trusted, the store token) is attached under the
 node name of its Hello; a back-end client (user name and password) under
 ``$client/<user>:<name>``, its own namespace, so it can never take a gateway
 node's name (and with it the node's connection, events and clients); it may append (its topics checked by
-the ACL, no QoS 2 packet ids) and use consumer groups (``$group/`` names, its connection the member). Before a
-peer is admitted the store buffers at most one ``wire.MAX_HELLO_BYTES`` frame, for at most
+the ACL, no QoS 2 packet ids) and use consumer groups (``$group/`` names, its connection the member). A replica
+of a replicated group (``$replica/<name>``, the store token) only fetches the log (``Fetch``, answered by the
+leader's ``Replication``, store/replica/leader.py, or ``NOT_LEADER``): it takes no lease and is attached to
+nothing. Before a peer is admitted the store buffers at most one ``wire.MAX_HELLO_BYTES`` frame, for at most
 ``HANDSHAKE_TIMEOUT_S``; refusals are logged once per peer address per ``REFUSAL_LOG_S``.
 
 Fencing (store/leases.py): each connection serves one lease epoch of its node;
@@ -278,6 +280,8 @@ class _Connection:
             elif kind is rpc.Hello:
                 self._refuse("Hello after the handshake")
                 return
+            elif kind is rpc.Fetch:
+                self.send(rpc.Error(message.id, rpc.ErrorKind.DENIED, "Fetch is for replicas only"))
             else:
                 await self._slots.acquire()
                 nursery.start_soon(self._answer, message)
@@ -562,6 +566,9 @@ class RpcServer:
                 if hello is None or admitted is None:
                     return
                 decoder.allow(rpc.MAX_FRAME_BYTES)
+                if hello.node.startswith(rpc.REPLICA_PREFIX):
+                    await self._serve_replica(stream, decoder, hello.node.removeprefix(rpc.REPLICA_PREFIX), peer)
+                    return
                 name = hello.node if admitted.trusted else f"{BACKEND_PREFIX}{admitted.username or ''}:{hello.node}"
                 await self._serve(stream, decoder, name, peer, admitted, hello)
         except Exception as exc:  # one connection's failure must not stop the listener
@@ -626,8 +633,11 @@ class RpcServer:
 
         A refusal waits the authenticator's brute-force delay before it answers.
         """
-        if hello.node.startswith("$"):
+        replica = hello.node.startswith(rpc.REPLICA_PREFIX) and len(hello.node) > len(rpc.REPLICA_PREFIX)
+        if hello.node.startswith("$") and not replica:
             verdict: Verdict | Peer = Verdict(False, why="node names starting with '$' are the store's own")
+        elif replica and not self.access.open and not hello.token:
+            verdict = Verdict(False, why="a replica presents the store token")
         elif self.access.open:
             return Peer(True, client_id=hello.node)
         else:
@@ -683,8 +693,53 @@ class RpcServer:
             nursery.start_soon(_log_statistics, self)
             task_status.started()
 
+    async def _serve_replica(self, stream: trio.SocketStream, decoder: rpc.FrameDecoder, name: str,
+                             peer: str) -> None:
+        """Serve a replica's fetches (store/replica/leader.py), one at a time, until it goes. It takes no lease and
+        is attached to nothing. Not a replicated leader: ``NOT_LEADER``; anything but a ``Fetch``: refused."""
+        replication = self.store.replication
+        if replication is None:
+            await stream.send_all(rpc.encode(rpc.Error(0, rpc.ErrorKind.NOT_LEADER, "")))
+            return
+        LOGGER.info("replica connected", extra={"ctx": {"replica": name, "peer": peer}})
+        welcome = rpc.Welcome(rpc.PROTOCOL_VERSION, rpc.REPLICA_PREFIX + name, self.heartbeat_s,
+                              self.store.leases.lease_s, self.store_id, replication.epoch)
+        await stream.send_all(rpc.encode(welcome))
+        try:
+            while True:
+                message = decoder.next_message()
+                if message is rpc.NEED_DATA:
+                    if decoder.eof:
+                        return
+                    decoder.receive_data(await stream.receive_some(RECEIVE_BYTES))
+                    continue
+                if type(message) is not rpc.Fetch:
+                    why = f"{type(message).__name__} is not for a replica connection"
+                    LOGGER.warning("replica connection closed: %s", why, extra={"ctx": {"replica": name}})
+                    await stream.send_all(rpc.encode(rpc.Error(0, rpc.ErrorKind.PROTOCOL, why)))
+                    return
+                try:
+                    answer = await replication.fetch(name, message.epoch, message.last_epoch, message.offset,
+                                                     message.held, min(message.max_bytes, MAX_PULL_BYTES))
+                except Exception as exc:
+                    error = _error(message.id, exc)
+                    if error.kind is rpc.ErrorKind.INTERNAL:
+                        LOGGER.error("fetch failed: %r", exc, exc_info=exc, extra={"ctx": {"replica": name}})
+                    await stream.send_all(rpc.encode(error))
+                    continue
+                await stream.send_all(rpc.encode(rpc.Frames(message.id, answer.epoch, answer.data, answer.confirm,
+                                                            answer.epochs, answer.truncate_to)))
+        except rpc.RpcProtocolError as exc:
+            LOGGER.warning("replica connection closed: %s", exc, extra={"ctx": {"replica": name}})
+            with trio.move_on_after(1.0):
+                await stream.send_all(rpc.encode(rpc.Error(0, rpc.ErrorKind.PROTOCOL, str(exc))))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            LOGGER.info("replica disconnected", extra={"ctx": {"replica": name, "peer": peer}})
+
     def figures(self) -> dict[str, Any]:
-        """The notify routing and lease figures an operator watches (the periodic log line)."""
+        """The notify routing, lease and replication figures an operator watches (the periodic log line)."""
         notify = self.store.router.statistics()
         leases = self.store.leases.statistics()
         return {"notify_sent": notify.sent, "notify_suppressed": notify.suppressed,
@@ -692,7 +747,8 @@ class RpcServer:
                 "clients_placed": leases.clients, "wills_held": leases.wills_held, "wills_fired": leases.wills_fired,
                 "sessions_expired": leases.sessions_expired,
                 "consumer_groups": [(g.group, g.queue, g.members, g.committed, g.unacked)
-                                    for g in self.store.groups.statistics()]}
+                                    for g in self.store.groups.statistics()],
+                **({"replication": self.store.replication.figures()} if self.store.replication else {})}
 
 
 async def serve_rpc(
