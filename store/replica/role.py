@@ -79,7 +79,7 @@ async def run_replica(config: ReplicaConfig, front: RpcFront, server_of: ServerO
                 while True:
                     state = await _follow_until_elected(config, controller, front)
                     await _lead(config, controller, front, server_of, state)
-        except LeaseLost:
+        except* LeaseLost:  # out of the nurseries of a phase, wrapped in their groups
             LOGGER.warning("store replica's etcd lease ended: registering again", extra={"ctx": {
                 "group": config.group.group, "name": config.group.name}})
 
@@ -177,7 +177,14 @@ async def _lead(config: ReplicaConfig, controller: GroupController, front: RpcFr
             nursery.cancel_scope.cancel()
 
         async def until_replaced() -> None:
-            await _next_leader(controller, state)
+            current = state
+            while True:  # membership changes are applied as they come; another leader or epoch ends the phase
+                current = await controller.wait_state_change(current.revision)
+                if (current.leader, current.epoch) != (state.leader, state.epoch):
+                    break
+                if current.replicas != replication.replicas:
+                    LOGGER.info("store group replicas changed", extra={"ctx": {"replicas": list(current.replicas)}})
+                    replication.set_replicas(current.replicas)
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(until_fenced)

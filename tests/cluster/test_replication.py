@@ -109,6 +109,8 @@ def test_a_frozen_leader_is_replaced_then_fenced_and_rejoins_as_a_follower(tmp_p
                 try:
                     new, new_epoch = group.wait_leader(after_epoch=epoch)
                     assert new != old
+                    gateway.wait_log(lambda doc: doc.get("msg") == "connected to the store"
+                                     and doc.get("store") == group.replicas[new].address)
                     during = publish_acked(gateway.port, f"f{run}", 20, prefix="during")
                     assert during  # the group serves without its old leader
                 finally:
