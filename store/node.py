@@ -529,10 +529,12 @@ async def open_store(
     ``lease_s``: how long a cluster gateway's lease outlives its last frame (store/leases.py).
     ``timer_window_s``: the slots of the timer wheel (store/timer/): delayed messages due further out roll.
     ``timer_max_pending``: delayed messages a client may have pending (``DelayedCapExceeded``); 0: no cap.
-    ``replication``: the node leads a replicated group (store/replica/leader.py): the confirm offset is held from
-    the end of the startup appends on (they restate or fix the leader's own state, which its log already implies,
-    so they are confirmed by it alone and reach the followers like any record), and every acknowledging path waits
-    for ``Replication.wait_acked``.
+    ``replication``: the node leads a replicated group (store/replica/leader.py): every acknowledging path waits
+    for ``Replication.wait_acked``. The confirm offset is held: for a promoted follower (``replication.confirmed``)
+    from before recovery, at the offset its last leader confirmed, so the old epoch's tail only it has is neither
+    dispatched nor served before the ISR holds it (a subscriber never sees a message the next leader may lack); else
+    from the end of the startup appends on (they restate or fix the leader's own state, which its log already
+    implies, so they are confirmed by it alone and reach the followers like any record).
 
     Resource handling: everything opened here is closed here, in reverse order,
     when the block exits (the index memtable and the CommitLog are flushed).
@@ -547,6 +549,8 @@ async def open_store(
     async with _open_parts(data, config, on_dispatched, timer_window_s) as parts:
         alog, dispatcher, queues, blobs = parts.log, parts.dispatcher, parts.queues, parts.blobs
         try:
+            if replication is not None and replication.confirmed is not None:  # a promoted follower: see above
+                alog.log.hold_confirm(replication.confirmed)
             await trio.to_thread.run_sync(_recover, alog.log, dispatcher, queues, blobs, fix_session)
             await trio.to_thread.run_sync(_restate_legacy, alog.log, dispatcher, parts.controls, blobs, parts.ledger,
                                           parts.awaiting)
@@ -601,7 +605,8 @@ async def open_follower(data: Path, config: CommitLogConfig, *,
     """
     follower_config = dataclasses.replace(config, retention_check_interval_s=0)
     async with _open_parts(data, follower_config, lambda events: None, timer_window_s) as parts:
-        parts.log.log.hold_confirm()  # what it has is confirmed; the leader's confirm moves it on
+        # What it had dispatched was confirmed when it did; the rest waits for the leader's confirm offset.
+        parts.log.log.hold_confirm(parts.dispatcher.dispatched_offset)
         async with background(parts.dispatcher.run):
             yield parts.log, parts.dispatcher
 

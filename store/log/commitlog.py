@@ -447,12 +447,13 @@ class CommitLog:
         """What out-of-process readers may read (the ``flushed`` hint, ``read_span``): flushed and confirmed."""
         return min(self._flushed, self.confirm_offset)
 
-    def hold_confirm(self) -> None:
-        """Replicas follow this log from now on: the confirm offset stays where it is until :meth:`confirm`
-        moves it (a no-op when it is held already)."""
+    def hold_confirm(self, offset: int | None = None) -> None:
+        """Replicas follow this log from now on: the confirm offset stays at ``offset`` (a record boundary; default:
+        the written end; never past it) until :meth:`confirm` moves it (a no-op when it is held already). A replica
+        reopening its log holds it where it knew the group had confirmed, so what only it has is not served."""
         with self._lock:
             if self._held is None:
-                self._held = self._written
+                self._held = self._written if offset is None else max(0, min(offset, self._written))
 
     def release_confirm(self) -> None:
         """No replica follows any more: the confirm offset follows ``written_offset`` again."""

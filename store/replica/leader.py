@@ -91,10 +91,13 @@ class Replication:
         acks: ``leader``, ``quorum`` or ``all`` (docs/storage.md, "Replication").
         max_lag_s: a follower not caught up for this long leaves the ISR.
         controller: records ISR changes and says whether the leader lease is valid.
+        confirmed: a promoted follower's confirm offset: what it has past it (the old epoch's unconfirmed tail) is
+            served only once the ISR holds it (``open_store`` holds the confirm offset there before recovery).
     """
 
     def __init__(self, *, name: str, epoch: int, replicas: Sequence[str], isr: Sequence[str],
-                 acks: Literal["leader", "quorum", "all"], max_lag_s: float, controller: Controller) -> None:
+                 acks: Literal["leader", "quorum", "all"], max_lag_s: float, controller: Controller,
+                 confirmed: int | None = None) -> None:
         if acks not in ACKS:
             raise ValueError(f"replication.acks must be one of {', '.join(ACKS)}, not {acks!r}")
         if name not in replicas:
@@ -105,6 +108,7 @@ class Replication:
         self.acks = acks
         self.max_lag_s = max_lag_s
         self.controller = controller
+        self.confirmed = confirmed  # the confirm offset its last leader told it (a promoted follower), else None
         self._followers = {member: _Follower() for member in self.replicas if member != name}
         self._isr = {name, *(member for member in isr if member in self._followers)}
         self._isr_recorded = set(self._isr)  # what the controller holds

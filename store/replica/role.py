@@ -83,8 +83,8 @@ async def run_replica(config: ReplicaConfig, front: RpcFront, server_of: ServerO
                     started = True
                     task_status.started()
                 while True:
-                    state = await _follow_until_elected(config, controller, front)
-                    await _lead(config, controller, front, server_of, state)
+                    state, confirmed = await _follow_until_elected(config, controller, front)
+                    await _lead(config, controller, front, server_of, state, confirmed)
         except* LeaseLost:  # out of the nurseries of a phase, wrapped in their groups
             LOGGER.warning("store replica's etcd lease ended: registering again", extra={"ctx": {
                 "group": config.group.group, "name": config.group.name}})
@@ -97,9 +97,10 @@ async def run_replica(config: ReplicaConfig, front: RpcFront, server_of: ServerO
             await trio.sleep(ETCD_RETRY_S[min(unreachable, len(ETCD_RETRY_S)) - 1])
 
 
-async def _follow_until_elected(config: ReplicaConfig, controller: GroupController, front: RpcFront) -> GroupState:
+async def _follow_until_elected(config: ReplicaConfig, controller: GroupController,
+                                front: RpcFront) -> tuple[GroupState, int]:
     """Follow whichever replica leads; return the state in which this replica won an election (the new epoch's
-    entry appended to its log: from its end on, the log is the new epoch's)."""
+    entry appended to its log: from its end on, the log is the new epoch's) and its confirm offset then."""
     name = config.group.name
     async with open_follower(config.data, config.log_config) as (alog, dispatcher), trio.open_nursery() as nursery:
         leader_address = ""
@@ -121,7 +122,7 @@ async def _follow_until_elected(config: ReplicaConfig, controller: GroupControll
                         "group": config.group.group, "epoch": state.epoch, "log_end": alog.log.written_offset,
                         "confirmed": alog.log.confirm_offset}})
                     refusing.cancel()
-                    return state
+                    return state, alog.log.confirm_offset
                 continue
             leader_address = state.leader_address or ""
             if state.leader == name:  # the key of an earlier process of this replica: it goes with that lease
@@ -166,7 +167,7 @@ async def _next_leader(controller: GroupController, state: GroupState) -> GroupS
 
 
 async def _lead(config: ReplicaConfig, controller: GroupController, front: RpcFront, server_of: ServerOf,
-                state: GroupState) -> None:
+                state: GroupState, confirmed: int) -> None:
     """Serve as the leader of ``state.epoch`` until this replica must stop (see the module docstring); the node
     is closed on return and the caller follows again."""
     name = config.group.name
@@ -177,7 +178,7 @@ async def _lead(config: ReplicaConfig, controller: GroupController, front: RpcFr
         LOGGER.warning("fenced before leading: another replica leads", extra={"ctx": {"epoch": state.epoch}})
         return
     replication = Replication(name=name, epoch=state.epoch, replicas=state.replicas, isr=isr, acks=config.acks,
-                              max_lag_s=config.max_lag_s, controller=controller)
+                              max_lag_s=config.max_lag_s, controller=controller, confirmed=confirmed)
     async with open_store(config.data, config.log_config, replication=replication, **config.store_options) as node, \
             trio.open_nursery() as nursery:
         await nursery.start(front.serving, server_of(node))

@@ -56,8 +56,8 @@ from typing import Any, final
 
 import trio
 
-from store.api import (GROUP_PREFIX, MAIN_LOG, DelayedCapExceeded, InvalidOffset, LeaseLost, LogFullError, NewMessage,
-                       OffsetExpired, Positions, PullResult, RecordTooLarge, TopicError)
+from store.api import (GROUP_PREFIX, MAIN_LOG, DelayedCapExceeded, InvalidOffset, LeaderFenced, LeaseLost, LogFullError,
+                       NewMessage, OffsetExpired, Positions, PullResult, RecordTooLarge, TopicError)
 from store.local import LocalStore
 from store.node import StoreNode
 from store.rpc import wire as rpc
@@ -721,6 +721,9 @@ class RpcServer:
                 try:
                     answer = await replication.fetch(name, message.epoch, message.last_epoch, message.offset,
                                                      message.held, min(message.max_bytes, MAX_PULL_BYTES))
+                except LeaderFenced:  # it follows a later epoch: this store does not lead it
+                    await stream.send_all(rpc.encode(rpc.Error(message.id, rpc.ErrorKind.NOT_LEADER, "")))
+                    return
                 except Exception as exc:
                     error = _error(message.id, exc)
                     if error.kind is rpc.ErrorKind.INTERNAL:

@@ -499,3 +499,33 @@ async def test_a_follower_is_cut_where_an_epoch_its_leader_never_had_starts(tmp_
                     node.dispatcher.dispatched_offset, "b dispatched a's log")
         await b.stop()
     assert log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a")
+
+
+async def test_a_promoted_follower_serves_its_unconfirmed_tail_only_once_the_isr_holds_it(tmp_path, nursery):
+    """A follower copied records its leader had not confirmed (in no other replica yet), then was elected: until a
+    follower of the new epoch holds them, its dispatch does not index them, so no subscriber sees a message the next
+    leader could lack (if this one died too) and no publisher's resend of it could be delivered twice."""
+    async with leader(tmp_path / "old", acks="leader") as old:
+        follower = Follower(tmp_path / "b", "b")
+        await nursery.start(follower.run, old.port)
+        await old.append(messages(10))
+        await until(lambda: follower.written == old.log.log.written_offset, "the copy")
+        confirmed = follower.log.confirm_offset
+        await follower.stop()
+    tail = messages(5, start=10)
+    with CommitLog.open(tmp_path / "b" / "commitlog", CONFIG) as log:  # records its leader never confirmed
+        end = log.written_offset
+        log.append_batch([new_record(m.topic, m.payload, 1_000, m.client_id, 1, False)[0] for m in tail])
+        log.flush()
+    start_epoch(tmp_path / "b", 2)
+    replication = Replication(name="b", epoch=2, replicas=REPLICAS, isr=["b", "c"], acks="quorum",
+                              max_lag_s=60.0, controller=Controller(), confirmed=confirmed)
+    async with open_store(tmp_path / "b", CONFIG, replication=replication) as node:
+        assert node.log.log.confirm_offset == confirmed <= end
+        assert node.dispatcher.dispatched_offset <= end  # the tail waits for the ISR
+        listeners = await nursery.start(partial(serve_rpc, node, "127.0.0.1", 0))
+        c = Follower(tmp_path / "c", "c")
+        await nursery.start(c.run, listeners[0].socket.getsockname()[1], 2)
+        await until(lambda: node.dispatcher.dispatched_offset > end, "the tail indexed once c holds it")
+        assert c.written > end
+        await c.stop()
