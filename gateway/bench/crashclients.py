@@ -157,8 +157,12 @@ class Publisher:
         self.client_id = f"{prefix}{number}"
         self.padding = bytes(max(0, payload_bytes - STAMP.size))
         self.seq = 0  # messages sent so far (the next sequence number)
-        self.inflight: dict[int, list[int]] = {}  # packet id -> [sequence, released (PUBREC got, PUBREL sent)]
+        # packet id -> [sequence, released (PUBREC got, PUBREL sent), trio time of its first PUBLISH]
+        self.inflight: dict[int, list[Any]] = {}
         self.acked: set[int] = set()  # message keys acknowledged (PUBACK / PUBREC)
+        # (first sent, acknowledged) trio times of every acknowledgement, in the order they came: when a broker
+        # that went away serves again is the first acknowledgement of a message first sent after it went away
+        self.ack_times: list[tuple[float, float]] = []
         self.next_pid = 1
         self.connects = 0
         self.sessions_lost = 0  # reconnects that found no session (Session Present 0)
@@ -194,7 +198,7 @@ class Publisher:
     async def _session(self, link: _Link, stop: trio.Event) -> None:
         """One connection: resend what is owed, then publish; returns when stopped and nothing is in flight."""
         owed = [Pubrel(pid) if released else self._publish(pid, seq, dup=True)
-                for pid, (seq, released) in self.inflight.items()]
+                for pid, (seq, released, _) in self.inflight.items()]
         if owed:
             self.resent += len(owed)
             await link.send(*owed)
@@ -207,7 +211,7 @@ class Publisher:
                 while due > 0 and self.next_pid not in self.inflight:
                     pid = self.next_pid
                     self.next_pid = pid % self.id_range + 1
-                    self.inflight[pid] = [self.seq, 0]
+                    self.inflight[pid] = [self.seq, 0, trio.current_time()]
                     packets.append(self._publish(pid, self.seq))
                     self.seq += 1
                     due -= 1
@@ -230,16 +234,20 @@ class Publisher:
             kind = type(packet)
             entry = self.inflight.get(packet.packet_id) if kind in (Puback, Pubrec, Pubcomp) else None
             if kind is Puback and entry is not None and self.qos == 1:
-                self.acked.add(message_key(self.number, entry[0]))
+                self._acknowledged(entry)
                 del self.inflight[packet.packet_id]
             elif kind is Pubrec:
-                if entry is not None:
-                    self.acked.add(message_key(self.number, entry[0]))
+                if entry is not None and not entry[1]:
+                    self._acknowledged(entry)
                     entry[1] = 1
                 await link.send(Pubrel(packet.packet_id))  # also for an unknown id: the broker holds it
             elif kind is Pubcomp and entry is not None and entry[1]:
                 del self.inflight[packet.packet_id]
             self._room.set()
+
+    def _acknowledged(self, entry: list[Any]) -> None:
+        self.acked.add(message_key(self.number, entry[0]))
+        self.ack_times.append((entry[2], trio.current_time()))
 
 
 class Subscriber:
