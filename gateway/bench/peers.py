@@ -189,7 +189,7 @@ class Broker:
     def stop(self) -> None:
         """Terminate the broker and reap it (killed if it ignores SIGTERM)."""
         for process in (self.process, *self.companions):  # a cluster's gateways first, then its store (or group)
-            _terminate(process)
+            terminate(process)
         self.log.close()
 
     def __enter__(self) -> "Broker":
@@ -399,7 +399,7 @@ def _start_cluster(name: str, workdir: Path, port: int, durable: bool) -> Broker
          "--listen", f"{HOST}:{store_port}", *quiet, *(["--commitlog-flush", "sync"] if durable else [])],
         cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_ENV)
     try:
-        _wait_listening([store.pid], store_port, 1, name, workdir / f"{name}.log")
+        wait_listening([store.pid], store_port, 1, name, workdir / f"{name}.log")
         gateway = start_gateway([f"{HOST}:{store_port}"], port, workdir, log, workers=gateways)
     except BaseException:
         store.kill()
@@ -408,14 +408,14 @@ def _start_cluster(name: str, workdir: Path, port: int, durable: bool) -> Broker
         raise
     broker = Broker(name, port, gateway, log, workdir=workdir, durable=durable, companions=[store])
     try:
-        _wait_listening(None, port, gateways, name, workdir / f"{name}.log", broker)
+        wait_listening(None, port, gateways, name, workdir / f"{name}.log", broker)
     except PeerError:
         broker.stop()
         raise
     return broker
 
 
-def _wait_listening(pids: list[int] | None, port: int, count: int, name: str, log_path: Path,
+def wait_listening(pids: list[int] | None, port: int, count: int, name: str, log_path: Path,
                     broker: Broker | None = None) -> None:
     """Wait until ``count`` of the processes (``pids``, or the broker's) listen on ``port``.
 
@@ -561,17 +561,18 @@ class Group:
             return None
         return replica, int(key["epoch"])  # type: ignore[index]
 
-    def healthy(self) -> tuple[Replica, int] | None:
-        """The leader and its epoch once every replica runs and etcd's in-sync set holds all of them (for that
-        epoch); else None."""
+    def healthy(self, above: int = -1) -> tuple[Replica, int] | None:
+        """The leader and its epoch once every replica runs, etcd names a leader of an epoch above ``above`` and
+        that epoch's in-sync set holds every replica; else None."""
         isr = self.etcd.in_sync(GROUP)
         leader = self.leader()
-        if leader is None or isr is None or sorted(isr.get("members", ())) != sorted(r.name for r in self.replicas):
+        if leader is None or leader[1] <= above or isr is None \
+                or sorted(isr.get("members", ())) != sorted(r.name for r in self.replicas):
             return None
         return leader if int(isr.get("epoch", -1)) == leader[1] else None
 
-    def wait_healthy(self, timeout_s: float = READY_TIMEOUT_S) -> tuple[Replica, int] | None:
-        """``healthy()``, polled until it holds or ``timeout_s`` passed (then None).
+    def wait_healthy(self, timeout_s: float = READY_TIMEOUT_S, above: int = -1) -> tuple[Replica, int] | None:
+        """``healthy(above)``, polled until it holds or ``timeout_s`` passed (then None).
 
         Raises:
             PeerError: a replica exited (its log's tail says why).
@@ -583,18 +584,25 @@ class Group:
                     raise PeerError(f"replica {replica.name} exited with status {replica.process.returncode}: "
                                     + replica.log_path.read_text(errors="replace")[-2000:])
             try:
-                found = self.healthy()
+                found = self.healthy(above)
             except etcd.EtcdError:
                 found = None  # etcd busy for a moment: look again
             if found is not None or time.monotonic() > deadline:
                 return found
             time.sleep(0.05)  # polling etcd's keys: the benchmark does not watch them
 
+    def state(self) -> str:
+        """What etcd says of the group now (leader and in-sync set), for a message."""
+        try:
+            return f"leader {self.etcd.leader(GROUP)}, in-sync set {self.etcd.in_sync(GROUP)}"
+        except etcd.EtcdError as exc:
+            return str(exc)
+
     def stop(self) -> None:
         """Terminate every replica, then etcd (each killed if it ignores SIGTERM)."""
         for replica in self.replicas:
             if replica.process is not None:
-                _terminate(replica.process)
+                terminate(replica.process)
         self.etcd.stop()
 
     def tail(self) -> str:
@@ -603,7 +611,8 @@ class Group:
                          for r in self.replicas if r.log_path.exists())
 
 
-def _terminate(process: subprocess.Popen[bytes]) -> None:
+def terminate(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM ``process`` and reap it; SIGKILL it if it has not exited within ``STOP_TIMEOUT_S``."""
     if process.poll() is None:
         process.terminate()
         try:
@@ -643,8 +652,7 @@ def start_group(workdir: Path, acks: str, *, durable: bool = False) -> Group:
             replica.start()
         if group.wait_healthy() is None:
             raise PeerError(f"replicated group ({acks}) not healthy within {READY_TIMEOUT_S} s "
-                            f"(leader {group.etcd.leader(GROUP)}, in-sync set {group.etcd.in_sync(GROUP)}):\n"
-                            + group.tail())
+                            f"({group.state()}):\n{group.tail()}")
     except BaseException:
         group.stop()
         raise
@@ -664,7 +672,7 @@ def _start_replicated(name: str, acks: str, workdir: Path, port: int, durable: b
         raise
     broker = Broker(name, port, gateway, log, workdir=workdir, durable=durable, companions=group.processes())
     try:
-        _wait_listening(None, port, 1, name, workdir / f"{name}.log", broker)
+        wait_listening(None, port, 1, name, workdir / f"{name}.log", broker)
     except PeerError:
         broker.stop()
         raise
