@@ -31,7 +31,7 @@ to another gateway when its own dies).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,8 @@ from gateway.mqtt.packets import (
 )
 from gateway.mqtt.reasons import ReasonCode
 
-__all__ = ["Accounting", "Address", "Publisher", "Subscriber", "account", "address_cycle", "message_key", "wait_delivered"]
+__all__ = ["Accounting", "Address", "Publisher", "Subscriber", "account", "address_cycle", "exchange", "message_key",
+           "wait_delivered"]
 
 STAMP = struct.Struct(">II")
 """Payload prefix: publisher number, sequence number."""
@@ -385,3 +386,28 @@ async def wait_delivered(subscribers: Sequence[Subscriber], publishers: Sequence
         if trio.current_time() - latest >= quiet_s:
             return
         await trio.sleep(poll_s)  # polling counters the reader tasks update: nothing to wait on
+
+
+async def exchange(publishers: Sequence[Publisher], subscribers: Sequence[Subscriber],
+                   address: Callable[[Publisher | Subscriber], Callable[[], Address]],
+                   during: Callable[[], Awaitable[None]], *, drain_s: float, quiet_s: float,
+                   poll_s: float = 0.05) -> None:
+    """Connect the subscribers, then publish while ``during()`` runs (it kills brokers); then stop the publishers
+    (they finish their flows) and let the subscribers read until ``wait_delivered`` or ``drain_s`` ends.
+
+    ``address(client)`` is the address callable of each client's connection attempts.
+    """
+    stop_publishing, stop_receiving = trio.Event(), trio.Event()
+    async with trio.open_nursery() as receiving:
+        for sub in subscribers:
+            receiving.start_soon(sub.run, address(sub), stop_receiving)
+        while not all(sub.connects for sub in subscribers):
+            await trio.sleep(poll_s)  # polling the subscribers' counters: all subscribed before anything is published
+        async with trio.open_nursery() as publishing:
+            for pub in publishers:
+                publishing.start_soon(pub.run, address(pub), stop_publishing)
+            await during()
+            stop_publishing.set()
+        with trio.move_on_after(drain_s):
+            await wait_delivered(subscribers, publishers, quiet_s, poll_s)
+        stop_receiving.set()

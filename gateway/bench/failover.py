@@ -31,7 +31,7 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -130,30 +130,23 @@ def _faulted(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 async def _run(group: peers.Group, gateways: list[crashclients.Address], args: argparse.Namespace
                ) -> dict[str, Any]:
-    def addresses(i: int) -> Any:  # client i starts on gateway i % 2, then alternates
-        return crashclients.address_cycle(gateways[i % 2:] + gateways[:i % 2])
+    def addresses(client: crashclients.Publisher | crashclients.Subscriber) -> Callable[[], crashclients.Address]:
+        """Client number i starts on gateway i % 2, then alternates."""
+        first = client.number % 2
+        return crashclients.address_cycle(gateways[first:] + gateways[:first])
 
     publishers = [crashclients.Publisher(i, 1 + i // args.publishers, TOPIC.format(i=i), rate=args.rate,
                                          id_range=args.id_range, payload_bytes=args.payload, prefix="fpub-")
                   for i in range(2 * args.publishers)]
     exact = crashclients.Subscriber(0, 2, FILTER, prefix="fsub2-")
     once = crashclients.Subscriber(1, 1, FILTER, prefix="fsub1-")
-    stop_publishing, stop_receiving = trio.Event(), trio.Event()
     faults: list[Fault] = []
-    async with trio.open_nursery() as receiving:
-        for number, sub in enumerate((exact, once)):
-            receiving.start_soon(sub.run, addresses(number), stop_receiving)
-        while not (exact.connects and once.connects):
-            await trio.sleep(0.05)  # polling the subscribers' counters: both subscribed before anything is published
-        async with trio.open_nursery() as publishing:
-            for pub in publishers:
-                publishing.start_soon(pub.run, addresses(pub.number), stop_publishing)
-            await _fault(group, args, faults)
-            await trio.sleep(args.load)
-            stop_publishing.set()
-        with trio.move_on_after(DRAIN_S):
-            await crashclients.wait_delivered([exact, once], publishers, QUIET_S)
-        stop_receiving.set()
+
+    async def during() -> None:
+        await _fault(group, args, faults)
+        await trio.sleep(args.load)
+
+    await crashclients.exchange(publishers, [exact, once], addresses, during, drain_s=DRAIN_S, quiet_s=QUIET_S)
     for fault in faults:
         fault.unavailable_s = unavailable_s(publishers, fault.at)
     return account(publishers, exact, once, faults) | {
