@@ -8,15 +8,17 @@ QoS 2 publishers at ``--rate`` each on ``fail/<i>`` (persistent sessions; after 
 not acknowledged, with DUP and the same packet id), a persistent QoS 2 and a persistent QoS 1 subscriber of
 ``fail/#``; each client cycles over the two gateways, half of them starting on each.
 
-Each fault waits ``--load`` seconds and until the group is whole (etcd names a leader whose epoch's in-sync set
-holds all 3 replicas), reads the leader from etcd, then either SIGKILLs it and starts it again at once (same
-data directory and flags: it comes back as a follower), or SIGSTOPs it for ``FREEZE_LEASES`` etcd leases and
-SIGCONTs it (it must find itself fenced, step down and follow). A fault's *unavailable* time runs from the
-signal to the first acknowledgement (PUBACK or PUBREC) of a message first sent after it: no replica but a new
-leader can acknowledge that message, so the figure is how long publishing stopped, as a device sees it. The
-fault is a *failover* once etcd names a leader of a higher epoch, and *whole_s* is how long until the group is
-whole again. After the last fault and another ``--load`` seconds the publishers stop and finish their flows,
-and the subscribers read until they have every acknowledged message (or ``QUIET_S`` without a delivery).
+Each fault waits ``--load`` seconds and until the group is whole (``peers.Group.whole``: etcd names a running
+leader and its in-sync set holds all 3 replicas), reads the leader from etcd, then either SIGKILLs it and starts
+it again at once (same data directory and flags: it rejoins the group, usually as a follower), or SIGSTOPs it for
+``FREEZE_LEASES`` etcd leases and SIGCONTs it (it must find itself fenced, step down and follow). A fault's
+*unavailable* time runs from the signal to the first acknowledgement (PUBACK or PUBREC) of a message first sent
+after it: only a leader of a later epoch can acknowledge that message, so the figure is how long publishing
+stopped, as a device sees it. The fault is a *failover* once etcd names a leader of a higher epoch, and
+*whole_s* is how long until the group is whole again with that leader, the faulted replica leading or logging
+that it follows (``peers.FOLLOWING``).
+After the last fault and another ``--load`` seconds the publishers stop and finish their flows, and the
+subscribers read until they have every acknowledged message (or ``QUIET_S`` without a delivery).
 
 The throughput section measures QoS 1 fan-in (gateway/bench/fanin.py's load) against the replicated peers
 ``lightgate-r3-leader|quorum|all`` and the unreplicated ``lightgate-cluster-1gw`` in the same run (median of
@@ -161,7 +163,7 @@ async def _fault(group: peers.Group, args: argparse.Namespace, faults: list[Faul
     for kind in ["kill"] * args.kills + ["freeze"] * args.freezes:
         await trio.sleep(args.load)  # the load runs in the client tasks meanwhile
         try:
-            found = await trio.to_thread.run_sync(group.wait_healthy, WHOLE_S)
+            found = await trio.to_thread.run_sync(group.wait_whole, WHOLE_S)
         except peers.PeerError as exc:  # a replica exited on its own
             found, why = None, str(exc)
         else:
@@ -171,6 +173,7 @@ async def _fault(group: peers.Group, args: argparse.Namespace, faults: list[Faul
                   flush=True)
             return
         leader, epoch = found
+        logged = leader.log_size()
         fault = Fault(kind, leader.name, epoch, trio.current_time())
         assert leader.process is not None
         if kind == "kill":
@@ -181,7 +184,7 @@ async def _fault(group: peers.Group, args: argparse.Namespace, faults: list[Faul
             await trio.sleep(FREEZE_LEASES * peers.LEASE_S)
             os.kill(leader.process.pid, signal.SIGCONT)
         try:
-            after = await trio.to_thread.run_sync(group.wait_healthy, WHOLE_S, epoch)
+            after = await trio.to_thread.run_sync(group.wait_whole, WHOLE_S, epoch, (leader, logged))
         except peers.PeerError as exc:
             after = None
             print(f"bench: failover: after {kind} {len(faults)} of {leader.name}: {exc}", file=sys.stderr, flush=True)

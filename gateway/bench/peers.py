@@ -471,6 +471,8 @@ ACKS = ("leader", "quorum", "all")
 
 REPLICAS = 3
 GROUP = "g"
+FOLLOWING = "following the leader"
+"""The log line (its ``msg``) of a replica that follows the group's leader: a faulted leader has rejoined."""
 LEASE_S = 2.0
 """``replication.lease_s`` of the benchmark groups: the leader's etcd lease, so the longest a dead leader holds
 its key before an election can start."""
@@ -529,6 +531,22 @@ class Replica:
             self.process = subprocess.Popen(self.command, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=_ENV)
 
+    def log_size(self) -> int:
+        """The bytes in the replica's log now: ``logged(msg, since=log_size())`` looks only at what comes after."""
+        return self.log_path.stat().st_size if self.log_path.exists() else 0
+
+    def logged(self, msg: str, since: int = 0) -> bool:
+        """The replica logged a JSON line whose ``msg`` is ``msg`` after byte ``since`` of its log."""
+        with open(self.log_path, "rb") as log:
+            log.seek(since)
+            for line in log:
+                try:
+                    if json.loads(line).get("msg") == msg:
+                        return True
+                except (ValueError, AttributeError):
+                    pass  # a line that is no JSON object (an interpreter's traceback): not the one
+        return False
+
     def kill(self) -> None:
         """SIGKILL the replica (it may be stopped: a SIGKILL ends a stopped process too) and reap it."""
         if self.process is not None:
@@ -561,18 +579,26 @@ class Group:
             return None
         return replica, int(key["epoch"])  # type: ignore[index]
 
-    def healthy(self, above: int = -1) -> tuple[Replica, int] | None:
-        """The leader and its epoch once every replica runs, etcd names a leader of an epoch above ``above`` and
-        that epoch's in-sync set holds every replica; else None."""
-        isr = self.etcd.in_sync(GROUP)
-        leader = self.leader()
-        if leader is None or leader[1] <= above or isr is None \
-                or sorted(isr.get("members", ())) != sorted(r.name for r in self.replicas):
-            return None
-        return leader if int(isr.get("epoch", -1)) == leader[1] else None
+    def whole(self, above: int = -1, faulted: tuple[Replica, int] | None = None) -> tuple[Replica, int] | None:
+        """The leader and its epoch once the group is whole again; else None.
 
-    def wait_healthy(self, timeout_s: float = READY_TIMEOUT_S, above: int = -1) -> tuple[Replica, int] | None:
-        """``healthy(above)``, polled until it holds or ``timeout_s`` passed (then None).
+        Whole: etcd names a running leader of an epoch above ``above``, its in-sync set holds every replica, and
+        ``faulted`` (a replica that was killed or frozen, and the size of its log then) leads, or has logged
+        since that it follows the leader.
+        """
+        leader = self.leader()
+        if leader is None or leader[1] <= above:
+            return None
+        isr = self.etcd.in_sync(GROUP)
+        if isr is None or sorted(isr.get("members", ())) != sorted(r.name for r in self.replicas):
+            return None
+        if faulted is not None and faulted[0] is not leader[0] and not faulted[0].logged(FOLLOWING, faulted[1]):
+            return None
+        return leader
+
+    def wait_whole(self, timeout_s: float = READY_TIMEOUT_S, above: int = -1,
+                   faulted: tuple[Replica, int] | None = None) -> tuple[Replica, int] | None:
+        """``whole(above, faulted)``, polled until it holds or ``timeout_s`` passed (then None).
 
         Raises:
             PeerError: a replica exited (its log's tail says why).
@@ -584,12 +610,12 @@ class Group:
                     raise PeerError(f"replica {replica.name} exited with status {replica.process.returncode}: "
                                     + replica.log_path.read_text(errors="replace")[-2000:])
             try:
-                found = self.healthy(above)
+                found = self.whole(above, faulted)
             except etcd.EtcdError:
                 found = None  # etcd busy for a moment: look again
             if found is not None or time.monotonic() > deadline:
                 return found
-            time.sleep(0.05)  # polling etcd's keys: the benchmark does not watch them
+            time.sleep(0.05)  # polling etcd's keys and a log: the benchmark does not watch them
 
     def state(self) -> str:
         """What etcd says of the group now (leader and in-sync set), for a message."""
@@ -624,10 +650,10 @@ def terminate(process: subprocess.Popen[bytes]) -> None:
 
 def start_group(workdir: Path, acks: str, *, durable: bool = False) -> Group:
     """etcd and ``REPLICAS`` replicas acknowledging with ``acks``, their data under ``workdir/data``; returns
-    once the group is healthy (``Group.healthy``).
+    once the group is whole (``Group.whole``).
 
     Raises:
-        PeerError: etcd or a replica did not start, or the group was not healthy within ``READY_TIMEOUT_S``.
+        PeerError: etcd or a replica did not start, or the group was not whole within ``READY_TIMEOUT_S``.
     """
     data = workdir / DATA_DIR
     data.mkdir(parents=True, exist_ok=True)
@@ -650,8 +676,8 @@ def start_group(workdir: Path, acks: str, *, durable: bool = False) -> Group:
     try:
         for replica in replicas:
             replica.start()
-        if group.wait_healthy() is None:
-            raise PeerError(f"replicated group ({acks}) not healthy within {READY_TIMEOUT_S} s "
+        if group.wait_whole() is None:
+            raise PeerError(f"replicated group ({acks}) not whole within {READY_TIMEOUT_S} s "
                             f"({group.state()}):\n{group.tail()}")
     except BaseException:
         group.stop()
