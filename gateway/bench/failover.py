@@ -181,8 +181,10 @@ async def _fault(group: peers.Group, args: argparse.Namespace, faults: list[Faul
             await trio.to_thread.run_sync(leader.start)
         else:
             os.kill(leader.process.pid, signal.SIGSTOP)
-            await trio.sleep(FREEZE_LEASES * peers.LEASE_S)
-            os.kill(leader.process.pid, signal.SIGCONT)
+            try:
+                await trio.sleep(FREEZE_LEASES * peers.LEASE_S)
+            finally:  # also when the run is interrupted: a stopped process would not act on its SIGTERM
+                os.kill(leader.process.pid, signal.SIGCONT)
         try:
             after = await trio.to_thread.run_sync(group.wait_whole, WHOLE_S, epoch, (leader, logged))
         except peers.PeerError as exc:
