@@ -32,7 +32,9 @@ run: venv
 
 # The interop tests drive mosquitto_pub/mosquitto_sub, the password tests read files mosquitto_passwd (Debian's
 # mosquitto package) writes, and the dashboard test drives Debian's chromium through
-# chromium-driver (Selenium, never a downloaded browser); they skip (saying why) when these cannot be installed.
+# chromium-driver (Selenium, never a downloaded browser), and the replicated-store tests start their own etcd
+# (Debian's etcd-server; etcdctl from etcd-client for a look at its keys); they skip (saying why) when these cannot
+# be installed.
 test-deps:
 	@if command -v mosquitto_pub >/dev/null 2>&1 && command -v mosquitto_passwd >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" != 0 ]; then echo "test-deps: mosquitto_pub or mosquitto_passwd missing and not root: mosquitto tests will skip"; \
@@ -44,6 +46,11 @@ test-deps:
 	elif ! command -v apt-get >/dev/null 2>&1; then echo "test-deps: chromium missing and no apt-get: the dashboard test will skip"; \
 	else (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
 		|| echo "test-deps: could not install chromium and chromium-driver: the dashboard test will skip"; fi
+	@if command -v etcd >/dev/null 2>&1 && command -v etcdctl >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" != 0 ]; then echo "test-deps: etcd or etcdctl missing and not root: the replicated-store tests will skip"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "test-deps: etcd missing and no apt-get: the replicated-store tests will skip"; \
+	else (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client) \
+		|| echo "test-deps: could not install etcd-server and etcd-client: the replicated-store tests will skip"; fi
 
 # The suite runs on TEST_WORKERS pytest-xdist workers: most tests wait on sockets and lightgate processes, not
 # on a core, so more workers than CI's two cores pay. Each worker takes whole modules (--dist loadfile: a

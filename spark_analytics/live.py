@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from store.api import MAIN_LOG, LogSpan, Position
+from store.api import MAIN_LOG, LogSpan, NotLeader, Position
 from store.rpc import wire as rpc
 
 from .framing import DecodeOptions, Frames, frames_in
@@ -52,17 +52,48 @@ class LogReader:
     """
 
     def __init__(self, address: str, token: str = "") -> None:
-        host, port = rpc.parse_address(address)
+        """Connect to the store at ``address``: ``HOST:PORT``, or a replicated store's replicas
+        ``HOST:PORT,HOST:PORT,...``, tried in turn; a replica that does not lead names the leader, tried next.
+
+        Raises:
+            OSError: no replica could be reached (the last attempt's error), or the store refused the Hello.
+        """
         self.address = address
-        self._sock = socket.create_connection((host, port), timeout=TIMEOUT_S)
-        self._decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
         self._ids = 0
         node = f"spark-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # unique: a name is a connection
+        candidates = rpc.parse_addresses(address)
+        redirects = len(candidates)  # each replica may name a leader once: replicas naming each other end
+        while True:
+            host, port = candidates.pop(0)
+            try:
+                self._open(host, port, node, token)
+                return
+            except NotLeader as exc:
+                if exc.leader and redirects:
+                    redirects -= 1
+                    candidates.insert(0, rpc.parse_address(exc.leader))
+                if not candidates:
+                    raise
+            except OSError:
+                if not candidates:
+                    raise
+
+    def _open(self, host: str, port: int, node: str, token: str) -> None:
+        """Connect and shake hands with the store at ``host:port``.
+
+        Raises:
+            NotLeader: a replica that does not lead; OSError: no connection, or another refusal.
+        """
+        self.address = f"{host}:{port}"
+        self._sock = socket.create_connection((host, port), timeout=TIMEOUT_S)
+        self._decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
         try:
             self._sock.sendall(rpc.encode(rpc.Hello(rpc.PROTOCOL_VERSION, node, token)))
             answer = self._receive()
+            if type(answer) is rpc.Error and answer.kind is rpc.ErrorKind.NOT_LEADER:
+                raise NotLeader(answer.message)
             if type(answer) is not rpc.Welcome:
-                raise ConnectionError(f"the store at {address} refused the connection: {answer}")
+                raise ConnectionError(f"the store at {self.address} refused the connection: {answer}")
         except BaseException:
             self._sock.close()
             raise

@@ -18,7 +18,7 @@ from .planning import PARTITION_BYTES
 from .telemetry import OPTION_PREFIX, TelemetryMapping
 from .times import parse_time
 from lightqueue.topics import validate_filter
-from store.rpc.wire import parse_address
+from store.rpc.wire import parse_addresses
 
 __all__ = ["OPTIONS", "ReaderOptions"]
 
@@ -140,7 +140,7 @@ class ReaderOptions:
         store = low.get("store") or None
         if store is not None:
             try:
-                parse_address(store)
+                parse_addresses(store)
             except ValueError as exc:
                 raise ValueError(f"option store: {exc}") from None
         limits = {}

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping
 from pyspark.sql.datasource import DataSource, DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
 from pyspark.sql.types import BinaryType, BooleanType, IntegralType, StringType, StructType
 
-from store.rpc.wire import parse_address
+from store.rpc.wire import parse_addresses
 
 __all__ = ["FORMAT", "MqttSink", "SinkOptions"]
 
@@ -68,7 +68,7 @@ class SinkOptions:
         if not low.get("store"):
             raise ValueError("the mqtt sink needs the store option (HOST:PORT of the store node)")
         try:
-            parse_address(low["store"])
+            parse_addresses(low["store"])
         except ValueError as exc:
             raise ValueError(f"option store: {exc}") from None
         if low.get("qos", "1") not in ("0", "1", "2"):
@@ -109,9 +109,8 @@ def send_rows(opts: SinkOptions, rows: Iterator[Any]) -> int:
 
     from store.clients.blocking import BlockingProducer
 
-    host, port = parse_address(opts.store)
     sent = 0
-    with BlockingProducer.connect(host, port, username=opts.user, password=opts.password) as producer:
+    with BlockingProducer.connect(opts.store, username=opts.user, password=opts.password) as producer:
         pending: list[Any] = []
 
         def settle() -> None:

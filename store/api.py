@@ -55,9 +55,9 @@ from store.log.record import FLAG_RETAIN, QOS_MASK, Record, RecordTooLarge
 from store.space import FULL_RETRY_S
 
 __all__ = [
-    "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "Flow", "LeaseLost", "LogSpan",
-    "NewMessage", "Position", "Positions", "PullRequest", "PullResult", "StoreApi", "StoreStatistics",
-    "StoreUnavailable", "TimerStatistics", "group_owner",
+    "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "Flow", "LeaderFenced", "LeaseLost",
+    "LogSpan", "NewMessage", "NotLeader", "Position", "Positions", "PullRequest", "PullResult", "StoreApi",
+    "StoreStatistics", "StoreUnavailable", "TimerStatistics", "group_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
     "RecordTooLarge", "StartupError", "TopicError",
@@ -216,9 +216,26 @@ class StoreUnavailable(ConnectionError):
     """
 
 
+class NotLeader(StoreUnavailable):
+    """The store replica reached does not lead its group now: it serves nothing and names the leader it knows
+    (``leader``, ``host:port``; empty when no leader is known now, during an election). The client tries there
+    next: nothing was done."""
+
+    def __init__(self, leader: str) -> None:
+        super().__init__(f"this store replica does not lead: the leader is {leader or 'not known now'}")
+        self.leader = leader
+
+
 class LeaseLost(ConnectionError):
     """A write for a client of a lease that has ended: the client is no longer this node's (it may have connected
     to another node since), so the store refused it. Nothing is acknowledged for it."""
+
+
+class LeaderFenced(OSError):
+    """A replicated store's leader could not acknowledge a write it had appended: its leader lease is gone, or the
+    controller fenced it (store/replica/leader.py). The write may reach the next leader or not: unlike
+    :class:`NotLeader` (nothing done), its outcome is unknown. An OSError, so every caller treats it as a failed
+    write: nothing is acknowledged."""
 
 
 class DelayedCapExceeded(ValueError):

@@ -23,11 +23,13 @@ connected to).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping, Sequence, final
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Sequence, final
 
 import trio
 
@@ -57,9 +59,12 @@ from store.timer.applier import WINDOW_S, TimerApplier
 from store.timer.dequeue import Dequeue
 from store.usage import process_usage
 
+if TYPE_CHECKING:
+    from store.replica.leader import Replication
+
 LOGGER = logging.getLogger(__name__)
 
-__all__ = ["SessionExpiry", "SessionFixer", "StoreNode", "decode", "open_store", "raw"]
+__all__ = ["SessionExpiry", "SessionFixer", "StoreNode", "decode", "open_follower", "open_store", "raw"]
 
 
 @final
@@ -96,6 +101,7 @@ class StoreNode:
             blobs, awaiting, log.log, dispatcher, self.groups, append=self.append, append_control=self.append_control,
             owns=self._owns, on_moved=self.moved, nursery=nursery, lease_s=lease_s)
         self.leases = self.sessions.leases
+        self.replication: Replication | None = None  # leading a replicated group: acknowledgements wait for it
 
     @property
     def disk_full(self) -> bool:
@@ -185,6 +191,8 @@ class StoreNode:
         await self.dispatcher.wait_lag()
         offsets = await self._write([raw for raw, _ in made], durable) if made else []
         self._appended(made, offsets)
+        if offsets and self.replication is not None:
+            await self.replication.wait_acked(offsets[-1] + made[-1][1].size)
         results: list[list[int] | ValueError] = []
         start = 0
         for group in encoded:
@@ -203,12 +211,14 @@ class StoreNode:
         per publish.
 
         Raises:
-            trio.WouldBlock: it must wait: the sync policy (the fsync), or dispatch lags (``Dispatcher.wait_lag``);
-                nothing was appended.
+            trio.WouldBlock: it must wait: the sync policy (the fsync), dispatch lags (``Dispatcher.wait_lag``), or
+                a replicated leader's acks wait for followers (or it may not acknowledge); nothing was appended.
             ValueError: a message does not encode (``RecordTooLarge`` included); nothing was appended.
             OSError: the write failed; nothing was appended.
         """
+        replication = self.replication
         if self.log.log.config.flush == "sync" or self.dispatcher.lag > MAX_LAG or \
+                (replication is not None and not replication.acks_at_once()) or \
                 any(m.deliver_at_ms for m in messages):  # a delayed one: its client's cap counts what dispatch applied
             raise trio.WouldBlock
         now = now_ms()
@@ -243,6 +253,8 @@ class StoreNode:
         offsets = await self._write([raw for raw, _ in made], durable)
         self._appended(made, offsets)
         end = offsets[-1] + made[-1][1].size
+        if self.replication is not None:
+            await self.replication.wait_acked(end)
         if applied:
             await self.dispatcher.wait_dispatched(end)
         return end
@@ -297,6 +309,8 @@ class StoreNode:
             records.append(record)
         self.recent.add(records)
         self.dispatcher.wake()
+        if self.replication is not None:
+            self.replication.appended()
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -433,11 +447,74 @@ SessionExpiry = Callable[[bytes], int]
 that owns the blob format (gateway/mqtt/session.py)."""
 
 
+@dataclass(slots=True)
+class _Parts:
+    """What a store node and a follower both open over a data directory: the log, the index and every part
+    dispatch derives from the log."""
+
+    log: AsyncCommitLog
+    queues: LightQueues
+    retained: RetainedStore
+    recent: RecentRecords
+    space: DiskSpace
+    awaiting: AwaitingRelease
+    controls: QueueControls
+    blobs: SessionBlobs
+    ledger: ClientLedger
+    delayed: TimerApplier
+    dispatcher: Dispatcher
+
+
+@asynccontextmanager
+async def _open_parts(data: Path, config: CommitLogConfig, on_dispatched: Listener,
+                      timer_window_s: int) -> AsyncIterator[_Parts]:
+    """Open the log and the index under ``data`` and the parts derived from them; close them in reverse on exit
+    (the dispatcher flushed, so a clean shutdown leaves nothing to re-dispatch)."""
+    data.mkdir(parents=True, exist_ok=True)
+    async with AsyncExitStack() as opened:
+        try:
+            alog = await opened.enter_async_context(AsyncCommitLog.open(data / "commitlog", config))
+            db = await trio.to_thread.run_sync(open_db, data / "index")
+        except Exception as exc:  # rocksdict raises plain Exceptions ("IO error: ...", "Corruption: ...")
+            raise _startup_error(data, exc) from exc
+        try:
+            try:  # RocksDB opens a table whose blocks are damaged, and fails on the first read of one
+                queues = LightQueues(db)
+                retained = RetainedStore(db)
+            except Exception as exc:
+                raise _startup_error(data, exc) from exc
+            recent = RecentRecords()
+            space = DiskSpace(data)
+            awaiting = AwaitingRelease(db)
+            controls = QueueControls(queues)
+            blobs = SessionBlobs(db)
+            delayed = TimerApplier(data / "timer", timer_window_s)
+            opened.callback(delayed.close)
+            alog.log.add_retention_guard(delayed.may_delete)
+            ledger = ClientLedger(db)
+            dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
+                                    awaiting=awaiting, room=space.has_room,
+                                    appliers=[controls, blobs, ledger, awaiting.controls, delayed])
+            try:
+                yield _Parts(alog, queues, retained, recent, space, awaiting, controls, blobs, ledger, delayed,
+                             dispatcher)
+            finally:
+                with trio.CancelScope(shield=True):  # a cancelled node (SIGTERM) still shuts down cleanly
+                    await trio.to_thread.run_sync(dispatcher.close)
+                blobs.close()  # a family handle keeps the database open
+                ledger.close()
+                retained.close()
+                awaiting.close()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(db.close)
+
+
 @asynccontextmanager
 async def open_store(
     data: Path, config: CommitLogConfig, listener: Listener | None = None, tier: Mapping[str, Any] | None = None, *,
     fix_session: SessionFixer | None = None, session_expiry: SessionExpiry | None = None, lease_s: float = LEASE_S,
-    timer_window_s: int = WINDOW_S, timer_max_pending: int = 0
+    timer_window_s: int = WINDOW_S, timer_max_pending: int = 0, replication: Replication | None = None
 ) -> AsyncIterator[StoreNode]:
     """Open the CommitLog and the index under ``data``, run flushing, retention and dispatch.
 
@@ -452,87 +529,81 @@ async def open_store(
     ``lease_s``: how long a cluster gateway's lease outlives its last frame (store/leases.py).
     ``timer_window_s``: the slots of the timer wheel (store/timer/): delayed messages due further out roll.
     ``timer_max_pending``: delayed messages a client may have pending (``DelayedCapExceeded``); 0: no cap.
+    ``replication``: the node leads a replicated group (store/replica/leader.py): the confirm offset is held from
+    the end of the startup appends on (they restate or fix the leader's own state, which its log already implies,
+    so they are confirmed by it alone and reach the followers like any record), and every acknowledging path waits
+    for ``Replication.wait_acked``.
 
     Resource handling: everything opened here is closed here, in reverse order,
     when the block exits (the index memtable and the CommitLog are flushed).
     """
-    data.mkdir(parents=True, exist_ok=True)
-    async with AsyncExitStack() as opened:
+    nodes: list[StoreNode] = []
+
+    def on_dispatched(events: dict[str, int]) -> None:
+        nodes[0].route(events)
+        if listener is not None:
+            listener(events)
+
+    async with _open_parts(data, config, on_dispatched, timer_window_s) as parts:
+        alog, dispatcher, queues, blobs = parts.log, parts.dispatcher, parts.queues, parts.blobs
         try:
-            alog = await opened.enter_async_context(AsyncCommitLog.open(data / "commitlog", config))
-            db = await trio.to_thread.run_sync(open_db, data / "index")
-        except Exception as exc:  # rocksdict raises plain Exceptions ("IO error: ...", "Corruption: ...")
+            await trio.to_thread.run_sync(_recover, alog.log, dispatcher, queues, blobs, fix_session)
+            await trio.to_thread.run_sync(_restate_legacy, alog.log, dispatcher, parts.controls, blobs, parts.ledger,
+                                          parts.awaiting)
+            if session_expiry is not None:
+                await trio.to_thread.run_sync(_unrecorded, alog.log, dispatcher, blobs, parts.ledger, session_expiry)
+            clients = await trio.to_thread.run_sync(parts.ledger.entries)
+        except Exception as exc:
             raise _startup_error(data, exc) from exc
         try:
-            try:  # RocksDB opens a table whose blocks are damaged, and fails on the first read of one
-                queues = LightQueues(db)
-                retained = RetainedStore(db)
-            except Exception as exc:
-                raise _startup_error(data, exc) from exc
-            nodes: list[StoreNode] = []
+            async with trio.open_nursery() as timers:  # leases, wills, session expiry: they end with the node
+                node = StoreNode(data, alog, queues, dispatcher, blobs, parts.retained, parts.recent, parts.space,
+                                 parts.awaiting, timers, lease_s, parts.delayed)
+                nodes.append(node)
+                node.timer_max_pending = timer_max_pending
+                node.leases.restore(clients)  # expiries and wills pending when the store stopped
+                dequeue = Dequeue(parts.delayed, alog.log, partial(_append_fired, node))
+                node.timer_lateness = dequeue.lateness
+                async with AsyncExitStack() as running:
+                    if replication is not None:
+                        replication.bind(alog, dispatcher.wake)
+                        node.replication = replication
+                        await running.enter_async_context(background(replication.run))
+                    await running.enter_async_context(background(dispatcher.run))
+                    await running.enter_async_context(background(partial(_watch_space, parts.space)))
+                    await running.enter_async_context(background(dequeue.run))
+                    if tier is not None and tier.get("tier.uri"):
+                        try:
+                            from store.tier import TierConfig, TierConverter, run_tier
+                        except ImportError as exc:  # the base install has no pyarrow
+                            raise StartupError(f"cannot start: tier.uri is set, and the tier needs the tier "
+                                               f"extra (pip install 'lightgate[tier]'): {exc}") from exc
 
-            def on_dispatched(events: dict[str, int]) -> None:
-                nodes[0].route(events)
-                if listener is not None:
-                    listener(events)
-
-            recent = RecentRecords()
-            space = DiskSpace(data)
-            awaiting = AwaitingRelease(db)
-            controls = QueueControls(queues)
-            blobs = SessionBlobs(db)
-            delayed = TimerApplier(data / "timer", timer_window_s)
-            opened.callback(delayed.close)
-            alog.log.add_retention_guard(delayed.may_delete)
-            ledger = ClientLedger(db)
-            dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
-                                    awaiting=awaiting, room=space.has_room,
-                                    appliers=[controls, blobs, ledger, awaiting.controls, delayed])
-            try:
-                await trio.to_thread.run_sync(_recover, alog.log, dispatcher, queues, blobs, fix_session)
-                await trio.to_thread.run_sync(_restate_legacy, alog.log, dispatcher, controls, blobs, ledger, awaiting)
-                if session_expiry is not None:
-                    await trio.to_thread.run_sync(_unrecorded, alog.log, dispatcher, blobs, ledger, session_expiry)
-                clients = await trio.to_thread.run_sync(ledger.entries)
-            except Exception as exc:
-                raise _startup_error(data, exc) from exc
-            try:
-                async with trio.open_nursery() as timers:  # leases, wills, session expiry: they end with the node
-                    node = StoreNode(data, alog, queues, dispatcher, blobs, retained, recent, space, awaiting,
-                                     timers, lease_s, delayed)
-                    nodes.append(node)
-                    node.timer_max_pending = timer_max_pending
-                    node.leases.restore(clients)  # expiries and wills pending when the store stopped
-                    dequeue = Dequeue(delayed, alog.log, partial(_append_fired, node))
-                    node.timer_lateness = dequeue.lateness
-                    async with background(dispatcher.run), background(partial(_watch_space, space)), \
-                            background(dequeue.run):
-                        if tier is not None and tier.get("tier.uri"):
-                            try:
-                                from store.tier import TierConfig, TierConverter, run_tier
-                            except ImportError as exc:  # the base install has no pyarrow
-                                raise StartupError(f"cannot start: tier.uri is set, and the tier needs the tier "
-                                                   f"extra (pip install 'lightgate[tier]'): {exc}") from exc
-
-                            converter = TierConverter(alog.log, TierConfig.from_settings(tier))
-                            async with background(partial(run_tier, converter)):
-                                yield node
-                        else:
-                            yield node
-                    timers.cancel_scope.cancel()
-            finally:
-                for node in nodes:
-                    for name in tuple(node.attached):
-                        node.detach(name)
-                with trio.CancelScope(shield=True):  # a cancelled node (SIGTERM) still shuts down cleanly
-                    await trio.to_thread.run_sync(dispatcher.close)
-                blobs.close()  # a family handle keeps the database open
-                ledger.close()
-                retained.close()
-                awaiting.close()
+                        converter = TierConverter(alog.log, TierConfig.from_settings(tier))
+                        await running.enter_async_context(background(partial(run_tier, converter)))
+                    yield node
+                timers.cancel_scope.cancel()
         finally:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(db.close)
+            for node in nodes:
+                for name in tuple(node.attached):
+                    node.detach(name)
+
+
+@asynccontextmanager
+async def open_follower(data: Path, config: CommitLogConfig, *,
+                        timer_window_s: int = WINDOW_S) -> AsyncIterator[tuple[AsyncCommitLog, Dispatcher]]:
+    """Open ``data`` as a replica that follows a leader (store/replica/follower.py): the log, the index and
+    dispatch up to the confirm offset the leader sends, so the derived state stays warm for a promotion.
+
+    It appends nothing: no recovery fixes, no restatement, no leases, wills, expiry or timer dequeue, no tier, no
+    retention (its restatement prelude appends; the leader's log says what to keep): its log is byte for byte the
+    leader's. The directory reopens with ``open_store`` after a promotion.
+    """
+    follower_config = dataclasses.replace(config, retention_check_interval_s=0)
+    async with _open_parts(data, follower_config, lambda events: None, timer_window_s) as parts:
+        parts.log.log.hold_confirm()  # what it has is confirmed; the leader's confirm moves it on
+        async with background(parts.dispatcher.run):
+            yield parts.log, parts.dispatcher
 
 
 async def _append_fired(node: StoreNode, controls: Sequence[Control], messages: Sequence[NewMessage]) -> int:

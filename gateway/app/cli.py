@@ -90,6 +90,8 @@ def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
     from gateway.mqtt.session import clamp_session_blob, session_blob_expiry
     from gateway.app.store_node import run_store_node
 
+    if args.action != "run":
+        return _group_command(args, conf)
     if _lacks_the_tier("store", "store", conf):
         return 1
     reloader = Reloader(conf)
@@ -100,6 +102,41 @@ def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
         return 1
     LOG.info("starting store node", extra={"ctx": {"data": conf["node.data"]}})
     return run_store_node(conf, access, reloader.reload, clamp_session_blob, session_blob_expiry)
+
+
+def _group_command(args: argparse.Namespace, conf: cfg.Config) -> int:
+    """``lightgate store status | add-replica NAME | remove-replica NAME``: read or change the store group
+    ``replication.group`` in its controller (etcd), without joining it. Prints the group as JSON."""
+    import json
+
+    import trio
+
+    from store.controller.etcd import EtcdError
+    from store.controller.group import GroupAdmin, MembershipRefused
+
+    group = conf["replication.group"]
+    if not group:
+        LOG.error("lightgate store %s: replication.group is not set (--replication-group NAME)", args.action)
+        return 1
+    if args.action != "status" and not args.replica_name:
+        LOG.error("lightgate store %s: name the replica (lightgate store %s NAME)", args.action, args.action)
+        return 1
+
+    async def run() -> dict[str, object]:
+        async with GroupAdmin.open(conf["replication.etcd"], group) as admin:
+            if args.action == "add-replica":
+                await admin.add_replica(args.replica_name)
+            elif args.action == "remove-replica":
+                await admin.remove_replica(args.replica_name)
+            return await admin.status()
+
+    try:
+        status = trio.run(run)
+    except (EtcdError, MembershipRefused) as exc:
+        LOG.error("lightgate store %s: %s", args.action, exc)
+        return 1
+    print(json.dumps(status, indent=2, sort_keys=True))
+    return 0
 
 
 def _cmd_repair(args: argparse.Namespace, conf: cfg.Config) -> int:
@@ -349,8 +386,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         return p
 
     node_command("serve", "run the embedded node (gateway, store, dispatch, notify in one process)", _cmd_serve)
-    node_command("store", "run a store node (CommitLog, RocksDB light queues, dispatch, retention) serving "
-                          "gateway nodes over the RPC (--listen HOST:PORT)", _cmd_store)
+    p = node_command("store", "run a store node (CommitLog, RocksDB light queues, dispatch, retention) serving "
+                              "gateway nodes over the RPC (--listen HOST:PORT), alone or as a replica of "
+                              "--replication-group; or show or change that group (status, add-replica NAME, "
+                              "remove-replica NAME; docs/cluster.md)", _cmd_store)
+    p.add_argument("action", nargs="?", default="run", choices=("run", "status", "add-replica", "remove-replica"),
+                   help="run (the default): run the store node; status: print the group's leader, epoch, in-sync"
+                        " set and members as JSON; add-replica / remove-replica NAME: change its configured replicas")
+    p.add_argument("replica_name", nargs="?", metavar="NAME", help="the replica add-replica / remove-replica change")
     node_command("repair", "repair a stopped node's data after its index database broke (a new index, derived "
                            "again from the CommitLog; docs/storage.md, \"Repair\")", _cmd_repair)
     node_command("dump", "print a stopped node's index database as canonical JSON: what it derived from the "

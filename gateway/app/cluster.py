@@ -2,7 +2,8 @@
 
 The node is the embedded one over a ``RemoteStore`` (store/rpc/client.py); its MQTT listeners set SO_REUSEPORT,
 so several gateway processes can share a port (``gateway.workers``, gateway/app/workers.py). The store may start
-later or restart: the client retries until it connects.
+later or restart: the client retries until it connects. ``gateway.store`` may list the replicas of a replicated
+store (``HOST:PORT,HOST:PORT,...``): the client finds the leader and follows it (store/rpc/connection.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import trio
 
 from gateway.app.serve import NodeFront, Running, run_node, serve_node
 from store.rpc.client import RemoteStore
-from store.rpc.wire import parse_address
+from store.rpc.connection import Addresses
 
 __all__ = ["run_cluster_gateway", "serve_cluster_gateway"]
 
@@ -36,12 +37,13 @@ async def serve_cluster_gateway(
 
     Raises:
         PasswordFileError, AclError, ListenerError: as ``serve_gateway`` (before connecting).
-        ValueError: ``gateway.store`` is not HOST:PORT.
+        ValueError: ``gateway.store`` is not a list of HOST:PORT.
     """
     front = NodeFront.from_settings(settings)
     front = replace(front, specs=[replace(spec, reuse_port=True) for spec in front.specs])
-    host, port = parse_address(settings["gateway.store"])
-    async with RemoteStore.connect(host, port, timeout_s=None, token=settings.get("store.token", "")) as client:
+    addresses = Addresses.parse(settings["gateway.store"])
+    async with RemoteStore.connect(resolver=addresses, timeout_s=None, token=settings.get("store.token", ""),
+                                   failover_wait_s=settings.get("store.failover_wait_s", 0.0)) as client:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.log_statistics)
             bound = await nursery.start(functools.partial(serve_node, settings, client, front, running=running))
@@ -51,8 +53,11 @@ async def serve_cluster_gateway(
 def run_cluster_gateway(conf: Any) -> int:
     """Entry point for one ``lightgate gateway`` process: returns the process exit status."""
     try:
-        parse_address(conf["gateway.store"])
+        Addresses.parse(conf["gateway.store"])
     except ValueError as exc:
         LOGGER.error("gateway node not started: gateway.store: %s", exc)
+        return 1
+    if conf["store.failover_wait_s"] < 0:
+        LOGGER.error("gateway node not started: store.failover_wait_s must not be negative")
         return 1
     return run_node(conf, serve_cluster_gateway)

@@ -71,12 +71,33 @@ OPTIONS: tuple[Option, ...] = (
     Option("node.data", "./data", "data directory (CommitLog, RocksDB)", flag="--data"),
     Option("store.listen", "127.0.0.1:7883", "HOST:PORT the store node serves gateways on (`lightgate store`;"
            " port 0 = a free one, logged)", flag="--listen"),
-    Option("gateway.store", "127.0.0.1:7883", "HOST:PORT of the store node a cluster gateway uses (`lightgate gateway`)",
+    Option("gateway.store", "127.0.0.1:7883", "HOST:PORT of the store node a cluster gateway uses"
+           " (`lightgate gateway`); a replicated store: its replicas' HOST:PORT,HOST:PORT,... (the leader is found and followed)",
            flag="--store"),
     Option("store.lease_s", 5.0, "a gateway node's lease (`lightgate store`): silent this long, its clients' wills"
            " are published and the node must drop them when it returns (docs/cluster.md)"),
+    Option("store.failover_wait_s", 5.0, "a cluster gateway's publish that finds no store connection (a store"
+           " restart, a new leader) waits this long for the next one instead of failing at once; 0 = fail at once"
+           " (`lightgate gateway`, docs/cluster.md)"),
     Option("store.token", "", "shared secret of gateway nodes and their store node (set the same on both), at least"
            " 16 characters; required on a store with auth.* set; empty = none (docs/cluster.md)", secret=True),
+    Option("replication.group", "", "the store group this `lightgate store` is a replica of (empty = an"
+           " unreplicated store; docs/cluster.md, \"Replicated store\")"),
+    Option("replication.name", "", "this replica's name in its group (required with replication.group; stable across"
+           " restarts: its data directory is this replica's copy)"),
+    Option("replication.replicas", [], "the group's replica names, used when the group is first created (later"
+           " `lightgate store add-replica` / `remove-replica` change it in etcd)", flag="--replica"),
+    Option("replication.etcd", ["http://127.0.0.1:2379"], "client URLs of the etcd members that are the group's"
+           " controller", flag="--etcd"),
+    Option("replication.acks", "quorum", "when a write is acknowledged: leader (its own log), quorum (every in-sync"
+           " replica, and they are a majority), all (every replica) (docs/storage.md, \"Replication\")",
+           choices=("leader", "quorum", "all")),
+    Option("replication.lease_s", 3.0, "the etcd lease of a replica: a leader silent this long is replaced"),
+    Option("replication.leader_lease_s", 2.0, "a leader acknowledges nothing once this long has passed since its last"
+           " successful etcd keep-alive (below replication.lease_s, so it stops before a new leader can be elected)"),
+    Option("replication.max_lag_s", 3.0, "a follower this far behind the leader leaves the in-sync set"),
+    Option("replication.unclean_election", False, "let a replica outside the in-sync set be elected when no member of"
+           " it is alive: the group serves again, but acknowledged messages it lacks are lost"),
     Option("gateway.workers", 1, "gateway processes sharing the MQTT port (SO_REUSEPORT); worker i serves its admin"
            " API on admin.port + i", flag="--workers"),
     Option("tls.port", 0, "MQTT over TLS listener port (0 = off; 8883 is the usual one); a free port when node.port is 0"),
@@ -295,10 +316,10 @@ def load_env(environ: Mapping[str, str]) -> dict[str, Any]:
 COMMAND_KEYS: dict[str, tuple[str, ...]] = {
     "serve": ("node", "tls", "ws", "wss", "log", "commitlog", "mqtt", "retention", "tier", "auth", "limits", "admin",
               "delayed"),
-    "store": ("node.data", "store", "log", "commitlog", "retention", "tier", "auth.password_file",
+    "store": ("node.data", "store", "replication", "log", "commitlog", "retention", "tier", "auth.password_file",
               "auth.allow_anonymous", "auth.acl_file", "auth.failure_delay_s", "delayed.max_pending_per_client"),
-    "gateway": ("node.host", "node.port", "gateway", "store.token", "tls", "ws", "wss", "log", "mqtt", "auth",
-                "limits", "admin", "delayed.max_delay_s"),
+    "gateway": ("node.host", "node.port", "gateway", "store.token", "store.failover_wait_s", "tls", "ws", "wss", "log",
+                "mqtt", "auth", "limits", "admin", "delayed.max_delay_s"),
     "repair": ("node.data", "log", "commitlog"),
     "dump": ("node.data", "log"),
     "snapshot": ("node.data", "log", "commitlog"),

@@ -1,4 +1,5 @@
-"""The composition root of ``lightgate store``: a store node serving remote nodes over the RPC."""
+"""The composition root of ``lightgate store``: a store node serving remote nodes over the RPC, alone or as a replica
+of a replicated group (``replication.group``: store/replica/role.py runs its roles, store/controller/ its etcd)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from store.rpc.access import StoreAccess
 from store.rpc.server import serve_rpc
 from store.rpc.wire import parse_address
 
-__all__ = ["STORE_SWITCH_INTERVAL_S", "run_store_node", "serve_store"]
+__all__ = ["STORE_SWITCH_INTERVAL_S", "run_store_node", "serve_replica", "serve_store"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -68,6 +69,55 @@ async def serve_store(settings: Mapping[str, Any], access: StoreAccess | None = 
     LOGGER.info("store node stopped")
 
 
+async def serve_replica(settings: Mapping[str, Any], access: StoreAccess | None = None,
+                        reload: Callable[[], None] | None = None, fix_session: SessionFixer | None = None,
+                        session_expiry: SessionExpiry | None = None) -> None:
+    """Run one replica of the store group ``replication.group`` until SIGINT or SIGTERM: its RPC listener on
+    ``store.listen`` (registered in etcd as its address), following or leading as the controller decides.
+
+    Raises:
+        ValueError: ``store.listen`` is not HOST:PORT, or the replication settings disagree (no name, a lease
+            shorter than the leader lease).
+        OSError: the RPC port cannot be bound.
+    """
+    from store.controller.group import GroupConfig
+    from store.replica.role import ReplicaConfig, run_replica
+    from store.rpc.front import RpcFront
+    from store.rpc.server import RpcServer
+
+    sys.setswitchinterval(STORE_SWITCH_INTERVAL_S)
+    host, port = parse_address(settings["store.listen"])
+    name = settings["replication.name"]
+    front = RpcFront()
+    async with trio.open_nursery() as nursery:
+
+        async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:
+            await until_signalled(task_status=task_status)
+            nursery.cancel_scope.cancel()
+
+        await nursery.start(stop_on_signal)
+        await nursery.start(on_hangup, reload)
+        listeners = await nursery.start(front.serve, host, port)
+        bound_host, bound_port = listeners[0].socket.getsockname()[:2]
+        group = GroupConfig(
+            endpoints=tuple(settings["replication.etcd"]), group=settings["replication.group"], name=name,
+            address=f"{bound_host}:{bound_port}", replicas=tuple(settings["replication.replicas"]) or (name,),
+            lease_s=settings["replication.lease_s"], leader_lease_s=settings["replication.leader_lease_s"],
+            unclean_election=settings["replication.unclean_election"])
+        config = ReplicaConfig(
+            data=Path(settings["node.data"]), log_config=CommitLogConfig.from_settings(settings), group=group,
+            acks=settings["replication.acks"], max_lag_s=settings["replication.max_lag_s"],
+            token=settings.get("store.token", ""),
+            store_options={"tier": settings, "fix_session": fix_session, "session_expiry": session_expiry,
+                           "lease_s": settings["store.lease_s"],
+                           "timer_max_pending": settings["delayed.max_pending_per_client"]})
+        await nursery.start(run_replica, config, front, lambda node: RpcServer(node, access=access))
+        LOGGER.info("store replica ready", extra={"ctx": {
+            "group": group.group, "name": name, "data": str(config.data), "host": bound_host, "port": bound_port,
+            "acks": config.acks}})
+    LOGGER.info("store replica stopped")
+
+
 def run_store_node(conf: Any, access: StoreAccess | None = None, reload: Callable[[], None] | None = None,
                    fix_session: SessionFixer | None = None, session_expiry: SessionExpiry | None = None) -> int:
     """Entry point for ``lightgate store``: returns the process exit status.
@@ -79,6 +129,15 @@ def run_store_node(conf: Any, access: StoreAccess | None = None, reload: Callabl
     except ValueError as exc:
         LOGGER.error("store node not started: store.listen: %s", exc)
         return 1
+    replicated = bool(conf.values["replication.group"])
+    if replicated and not conf.values["replication.name"]:
+        LOGGER.error("store node not started: replication.group is set without replication.name (this replica's"
+                     " name in the group)")
+        return 1
+    if replicated and not 0 < conf.values["replication.leader_lease_s"] < conf.values["replication.lease_s"]:
+        LOGGER.error("store node not started: replication.leader_lease_s must be above 0 and below "
+                     "replication.lease_s (an old leader stops acknowledging before its etcd lease ends)")
+        return 1
     if conf.values["store.lease_s"] <= 0:
         LOGGER.error("store node not started: store.lease_s must be more than 0 (heartbeats go every lease / 5)")
         return 1
@@ -86,7 +145,8 @@ def run_store_node(conf: Any, access: StoreAccess | None = None, reload: Callabl
     return_freed_buffers()
     failed = False
     try:
-        trio.run(serve_store, conf.values, access, reload, fix_session, session_expiry)
+        trio.run(serve_replica if replicated else serve_store, conf.values, access, reload, fix_session,
+                 session_expiry)
     except* OSError as group:  # e.g. the RPC port is taken; nurseries may wrap it in a group
         LOGGER.error("store node failed: %s", "; ".join(str(exc) for exc in group.exceptions))
         failed = True

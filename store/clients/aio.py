@@ -44,7 +44,7 @@ T = TypeVar("T")
 class _Asyncio(Face[T]):
     @classmethod
     @asynccontextmanager
-    async def connect(cls, host: str, port: int, **options: Any) -> AsyncIterator[Self]:
+    async def connect(cls, host: str, port: int | None = None, **options: Any) -> AsyncIterator[Self]:
         """Connect as the trio client's ``connect(host, port, **options)`` does (same arguments, same errors);
         leaving the block leaves the client as the block did (raised or not)."""
         thread = cls.start(host, port, options)

@@ -56,7 +56,7 @@ def send_future(producer: Producer, topic: str, payload: bytes, options: dict[st
 class _Blocking(Face[T]):
     @classmethod
     @contextmanager
-    def connect(cls, host: str, port: int, **options: Any) -> Iterator[Self]:
+    def connect(cls, host: str, port: int | None = None, **options: Any) -> Iterator[Self]:
         """Connect as the trio client's ``connect(host, port, **options)`` does (same arguments, same errors);
         leaving the block leaves the client as the block did (raised or not)."""
         thread = cls.start(host, port, options)

@@ -199,7 +199,7 @@ class Consumer:
     async def connect(
         cls,
         host: str,
-        port: int,
+        port: int | None = None,
         *,
         group: str,
         filter: str,
@@ -214,6 +214,9 @@ class Consumer:
         timeout_s: float | None = 30.0,
     ) -> AsyncIterator[Consumer]:
         """Connect to the store node at ``host:port`` and join ``group`` on ``filter``'s queue.
+
+        Without ``port``, ``host`` is the comma-separated ``HOST:PORT`` list of a replicated store's replicas (as
+        :meth:`store.clients.producer.Producer.connect`).
 
         Args:
             filter: a topic filter (``tele/#``, ``tele/+/temp``) or a topic; a

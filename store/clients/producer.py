@@ -165,7 +165,7 @@ class Producer:
     async def connect(
         cls,
         host: str,
-        port: int,
+        port: int | None = None,
         *,
         username: str | None = None,
         password: str | bytes | None = None,
@@ -177,6 +177,9 @@ class Producer:
         timeout_s: float | None = 30.0,
     ) -> AsyncIterator[Producer]:
         """Connect to the store node at ``host:port`` (its ``store.listen``) and produce until the block exits.
+
+        Without ``port``, ``host`` is the comma-separated ``HOST:PORT`` list of a replicated store's replicas: the
+        producer finds the leader and follows it when it changes (docs/cluster.md, "Replicated store").
 
         Args:
             username, password: the service's credentials, when the store has a password file.

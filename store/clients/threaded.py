@@ -194,6 +194,6 @@ class Face(Generic[T]):
         self._client = client
 
     @classmethod
-    def start(cls, host: str, port: int, options: dict[str, Any]) -> TrioThread[T]:
+    def start(cls, host: str, port: int | None, options: dict[str, Any]) -> TrioThread[T]:
         """A trio thread connecting ``trio_client(host, port, **options)``; wait on its ``opened``."""
         return TrioThread(lambda: cls.trio_client(host, port, **options), f"lightgate-{cls.__name__}")

@@ -40,8 +40,8 @@ from store.api import (MAIN_LOG, AdminOp, Flow, LeaseLost, LogSpan, NewMessage, 
                        PullResult, Record, StoreStatistics)
 from store.log.record import decode_record
 from store.rpc import wire as rpc
-from store.rpc.connection import (Link, Resolver, StoreConnection, StoreRpcError, decoded, exception_of,
-                                  fixed)
+from store.rpc.connection import (Link, NotSent, Resolver, StoreConnection, StoreRpcError, decoded, exception_of,
+                                  resolver_of)
 from store.tasks import background
 
 __all__ = ["RemoteStore", "RemoteStoreStatistics", "StoreRpcError", "default_node_name"]
@@ -90,8 +90,10 @@ class RemoteStore:
     """The ``StoreApi`` of a store node process (see the module docstring). Create it with :meth:`connect`."""
 
     def __init__(self, resolver: Resolver, node: str, *, token: str = "", username: str | None = None,
-                 password: bytes | None = None) -> None:
+                 password: bytes | None = None, failover_wait_s: float = 0.0) -> None:
         self.node = node
+        self._failover_wait_s = failover_wait_s
+        self._failover_waits = 0  # appends waiting for a link now
         self._connection = StoreConnection(resolver, node, (token, username, password), self)
         self._mailbox = EventMailbox()
         self._watched: dict[str, int] = {}  # queue -> local sessions on it (sent again after a reconnect)
@@ -103,12 +105,16 @@ class RemoteStore:
     @classmethod
     @asynccontextmanager
     async def connect(
-        cls, host: str = "", port: int = 0, *, resolver: Resolver | None = None, node: str | None = None,
+        cls, host: str = "", port: int | None = None, *, resolver: Resolver | None = None, node: str | None = None,
         timeout_s: float | None = 30.0, token: str = "", username: str | None = None,
-        password: bytes | str | None = None,
+        password: bytes | str | None = None, failover_wait_s: float = 0.0,
     ) -> AsyncIterator[RemoteStore]:
         """Connect to the store at ``host:port`` (or wherever ``resolver`` says it is, asked again at each
         reconnect) and keep connected until the block exits.
+
+        Without ``port``, ``host`` is a comma-separated list of ``HOST:PORT``: the replicas of a replicated store
+        (store/rpc/connection.py, ``Addresses``: tried in turn, and a replica that does not lead redirects to the
+        leader).
 
         Args:
             node: this client's node name, as the store routes events and places clients
@@ -116,15 +122,18 @@ class RemoteStore:
             timeout_s: give up if the first connection does not succeed within this (None: retry forever).
             token: the store's ``store.token``: a gateway node's credential (store/rpc/access.py).
             username, password: a back-end client's credentials, when the store has a password file.
+            failover_wait_s: how long an append that could not be sent waits for the next link (:meth:`append`);
+                0: it fails at once.
 
         Raises:
             StoreUnavailable: no connection within ``timeout_s``.
             StoreRpcError: the store refused the handshake (another protocol version).
+            ValueError: ``host`` is not a list of ``HOST:PORT`` (without ``port``).
         """
         if isinstance(password, str):
             password = password.encode()
-        client = cls(resolver or fixed(host, port), node or default_node_name(), token=token, username=username,
-                     password=password)
+        client = cls(resolver or resolver_of(host, port), node or default_node_name(), token=token, username=username,
+                     password=password, failover_wait_s=failover_wait_s)
         try:
             async with background(lambda task_status: client._connection.run(timeout_s, task_status)):
                 yield client
@@ -189,12 +198,37 @@ class RemoteStore:
         raise trio.WouldBlock
 
     async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> Positions:
-        link = self._require_link()
-        if not messages:
-            return Positions(MAIN_LOG, [])
-        group = list(messages)
-        self._refuse_stale(self._epoch_of(group[0].client_id), link)  # a connection's appends: one publisher
-        return await link.appends[durable].submit(group)
+        """See ``StoreApi.append``. An append that finds no link, or whose link broke before it was sent
+        (``NotSent``), waits for the next link (a store restart, a new leader) until ``failover_wait_s`` after
+        the link broke, and is made there: it cannot have been stored by the store it never reached. Later, or
+        sent and not answered, it fails (``StoreUnavailable``): the latter may be stored, and a retry could
+        store it twice."""
+        while True:
+            try:
+                link = self._require_link()
+                if not messages:
+                    return Positions(MAIN_LOG, [])
+                group = list(messages)
+                self._refuse_stale(self._epoch_of(group[0].client_id), link)  # a connection's appends: one publisher
+                return await link.appends[durable].submit(group)
+            except NotSent:
+                down_since = self._connection.down_since
+                deadline = (trio.current_time() if down_since is None else down_since) + self._failover_wait_s
+                if trio.current_time() >= deadline:
+                    raise
+                await self._wait_link(deadline)
+
+    async def _wait_link(self, deadline: float) -> None:
+        """Wait for a link until ``deadline``; the first of the appends waiting at once logs it."""
+        if not self._failover_waits:
+            LOGGER.warning("appends wait for the store connection", extra={"ctx": {
+                "node": self.node, "store": self._connection.address, "failover_wait_s": self._failover_wait_s}})
+        self._failover_waits += 1
+        try:
+            with trio.move_on_at(deadline):
+                await self._connection.wait_available()
+        finally:
+            self._failover_waits -= 1
 
     async def append_each(self, messages: Sequence[NewMessage], *, durable: bool | None = None
                           ) -> list[Position | Exception]:

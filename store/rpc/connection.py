@@ -9,9 +9,13 @@ address its resolver gives, and everything that makes it cheap and safe to use.
   message is not a round trip;
 - reconnecting: when the connection breaks, calls in flight and new calls
   raise ``StoreUnavailable`` (a ``ConnectionError``: an append is then not
-  acknowledged to any device) while the connection asks its resolver for the store's address again and
-  reconnects with backoff. The resolver is a callable returning the store's current ``(host, port)``: a fixed
-  address (``fixed``), or whatever says where the store is now (a new leader, later);
+  acknowledged to any device; ``NotSent`` for those that never left this node, which may be made again)
+  while the connection asks its resolver for the store's address again and
+  reconnects with backoff. The resolver is a callable returning where to try next: a fixed
+  address (``fixed``), or the replicas of a replicated store in turn (``Addresses``);
+- following the leader: a replica that does not lead answers the Hello with ``NOT_LEADER`` naming the leader
+  (``NotLeader``, never fatal); the next attempt goes there, at once unless it was itself a redirection
+  (replicas naming each other during an election: then with backoff). One log line per leader change;
 - leased: each Hello names the store process and lease epoch this node held (``store_id``, ``epoch``), and the
   Welcome says whether the lease still holds. What the node must tell the store again on a new connection
   (its watches, its clients with their wills) and what the store pushes (events, moved clients, admin asks)
@@ -27,21 +31,21 @@ import errno
 import logging
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import count
 from typing import Any, Protocol, final
 
 import trio
 
-from store.api import (DelayedCapExceeded, InvalidOffset, LeaseLost, LogFullError, NewMessage, OffsetExpired,
-                       PullRequest, PullResult, Record, RecordTooLarge, StoreUnavailable, TopicError)
+from store.api import (DelayedCapExceeded, InvalidOffset, LeaseLost, LogFullError, NewMessage, NotLeader,
+                       OffsetExpired, PullRequest, PullResult, Record, RecordTooLarge, StoreUnavailable, TopicError)
 from store.log.record import decode_record
 from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied
 from store.stalls import StallWatch
 
-__all__ = ["Link", "LinkListener", "Resolver", "StoreConnection", "StoreRpcError", "decoded", "exception_of",
-           "fixed"]
+__all__ = ["Addresses", "Link", "LinkListener", "NotSent", "Resolver", "StoreConnection", "StoreRpcError", "decoded",
+           "exception_of", "fixed", "resolver_of"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -83,6 +87,12 @@ stall against the node's lease, store/stalls.py): a broken link would have faile
 devices. A store host that vanished is noticed sooner, by TCP (``TCP_USER_TIMEOUT``: a lease)."""
 
 
+class NotSent(StoreUnavailable):
+    """A call that never left this node: there was no link, or the link broke before the call was sent. It cannot
+    have taken effect at the store, so it may be made again on the next link (``RemoteStore.append`` does, for
+    ``failover_wait_s``); a call that was sent and whose answer was lost raises plain ``StoreUnavailable``."""
+
+
 class StoreRpcError(OSError):
     """The store refused the connection (protocol version, malformed frames) or failed a call with a bug.
 
@@ -99,6 +109,7 @@ _BY_MESSAGE: dict[rpc.ErrorKind, Callable[[str], Exception]] = {
     rpc.ErrorKind.DELAYED_CAP: DelayedCapExceeded,
     rpc.ErrorKind.LOG_FULL: lambda message: LogFullError(errno.ENOSPC, message),
     rpc.ErrorKind.OS: OSError,
+    rpc.ErrorKind.NOT_LEADER: NotLeader,
 }
 """The wire errors whose exception is made from the message alone."""
 
@@ -185,7 +196,7 @@ class Batcher:
         """
         call = Call()
         if self._link.broken:
-            call.fail(StoreUnavailable("the connection to the store broke"))
+            call.fail(NotSent("the connection to the store broke"))
             return call
         self._waiting.append((item, call))
         self._wakeup.set()
@@ -322,7 +333,7 @@ class Link:
     def request(self, make: Callable[[int], Any], handler: Handler) -> None:
         """Send ``make(request_id)``; ``handler`` gets the answer, or ``StoreUnavailable`` if the link breaks first."""
         if self.broken:
-            raise StoreUnavailable("the connection to the store broke")
+            raise NotSent("the connection to the store broke")
         rid = next(self._ids)
         frame = rpc.encode(make(rid))
         self._pending[rid] = handler
@@ -360,8 +371,9 @@ class Link:
             pending, self._pending = self._pending, {}
             for handler in pending.values():
                 handler(error)
+            unsent = NotSent("the connection to the store broke")
             for batcher in (*self.appends.values(), self.pulls, self.commits, self.releases):
-                batcher.fail_all(error)
+                batcher.fail_all(unsent)
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()
 
@@ -490,12 +502,50 @@ def _split_done(answer: rpc.Done, batch: list[tuple[Any, Call]]) -> None:
 
 
 Resolver = Callable[[], tuple[str, int]]
-"""Where the store is now: ``(host, port)``. Asked before each connection attempt."""
+"""Where to try the store next: ``(host, port)``. Asked before each connection attempt that is not a redirection."""
 
 
 def fixed(host: str, port: int) -> Resolver:
     """The resolver of a store that stays at ``host:port``."""
     return lambda: (host, port)
+
+
+@final
+class Addresses:
+    """The resolver of a replicated store: its replicas' addresses, one after another, round and round.
+
+    A replica that does not lead names the leader, and the connection goes there next (``StoreConnection``):
+    the list only has to hold one live replica.
+    """
+
+    def __init__(self, addresses: Sequence[tuple[str, int]]) -> None:
+        if not addresses:
+            raise ValueError("no store address")
+        self._addresses = list(addresses)
+        self._next = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Addresses:
+        """A comma-separated list of ``HOST:PORT``.
+
+        Raises:
+            ValueError: an item is not ``HOST:PORT``.
+        """
+        return cls(rpc.parse_addresses(text))
+
+    def __call__(self) -> tuple[str, int]:
+        address = self._addresses[self._next]
+        self._next = (self._next + 1) % len(self._addresses)
+        return address
+
+
+def resolver_of(host: str, port: int | None) -> Resolver:
+    """The resolver of ``host:port``, or of the comma-separated ``HOST:PORT`` list ``host`` when ``port`` is None.
+
+    Raises:
+        ValueError: ``host`` is not such a list.
+    """
+    return fixed(host, port) if port is not None else Addresses.parse(host)
 
 
 class LinkListener(Protocol):
@@ -531,12 +581,17 @@ class StoreConnection:
         self.resolver = resolver
         self.node = node
         self.listener = listener
-        self.address = "{}:{}".format(*resolver())  # the address last connected to, or tried
+        self._next_address: tuple[str, int] | None = resolver()  # where the next attempt goes (else: resolver)
+        self._next_redirected = False  # whether it goes there because a replica that does not lead said so
+        self._redirected = False  # whether the last attempt did
+        self.address = "{}:{}".format(*self._next_address)  # the address last connected to, or tried
+        self.leader = ""  # the store (leader) address last connected to or named by a replica; "": none yet
         self.ids = count(1)
         self.link: Link | None = None
         self.store_id = ""  # the store process and lease epoch this node holds (sent in each Hello)
         self.epoch = 0
         self.connects = 0
+        self.down_since: float | None = None  # trio time the last link broke, while there is none after it
         self.batch_counts: dict[str, list[int]] = {"append": [0, 0], "pull": [0, 0], "commit": [0, 0],
                                                    "release": [0, 0]}
         self.ahead_counts = [0, 0]  # reads in advance: used, made
@@ -548,11 +603,11 @@ class StoreConnection:
         """The live link.
 
         Raises:
-            StoreUnavailable: there is none now.
+            NotSent: there is none now.
         """
         link = self.link
         if link is None:
-            raise StoreUnavailable(f"not connected to the store at {self.address}")
+            raise NotSent(f"not connected to the store at {self.address}")
         return link
 
     async def wait_reconnected(self, connects: int) -> None:
@@ -583,6 +638,9 @@ class StoreConnection:
 
         ``task_status.started()`` once the first link is up.
 
+        A replica that does not lead (``NotLeader``) sends the next attempt to the leader it names (at once, unless
+        that attempt was a redirection already): never fatal, not even on the first connection.
+
         Raises:
             StoreUnavailable: no first connection within ``timeout_s`` (None: retry forever).
             StoreRpcError: the store refused the first handshake.
@@ -593,6 +651,10 @@ class StoreConnection:
         while True:
             try:
                 link = await self._open_link()
+            except NotLeader as exc:  # never fatal: the next attempt goes to the leader it names
+                if self._redirect(exc.leader):
+                    continue
+                link = None
             except StoreRpcError:
                 if not self.connects:
                     raise
@@ -611,9 +673,11 @@ class StoreConnection:
                 continue
             backoff = RECONNECT_MIN_S
             failures = 0
+            self._leader_is(self.address, announce=bool(self.leader))
             self.connects += 1
             reconnected = self.connects > 1
             self.link = link
+            self.down_since = None
             self._connected.set()
             self._link_up.set()
             self._link_up = trio.Event()
@@ -628,11 +692,37 @@ class StoreConnection:
             self.link = None
             self._connected = trio.Event()
 
+    def _redirect(self, leader: str) -> bool:
+        """Send the next attempt to ``leader``, the address a replica that does not lead named (empty: it knows
+        none now: the next attempt asks the resolver, after the backoff). Whether to try at once: yes, unless
+        the refused attempt was itself a redirection (replicas naming each other while an election settles:
+        then the usual backoff)."""
+        try:
+            address = rpc.parse_address(leader) if leader else None
+        except ValueError:
+            LOGGER.warning("a store replica named a leader that is not HOST:PORT: ignored",
+                           extra={"ctx": {"store": self.address, "leader": leader}})
+            address = None
+        if address is None:
+            return False
+        self._leader_is(leader, announce=True)
+        self._next_address = address
+        self._next_redirected = True
+        return not self._redirected
+
+    def _leader_is(self, address: str, *, announce: bool) -> None:
+        """Note the store's leader address; one log line per change when ``announce``."""
+        if address != self.leader:
+            self.leader = address
+            if announce:
+                LOGGER.info("store leader is now %s", address, extra={"ctx": {"node": self.node}})
+
     async def _run_link(self, link: Link) -> None:
         try:
             await link.run()
         finally:
             self.link = None
+            self.down_since = trio.current_time()
 
     async def _open_link(self) -> Link:
         """Connect to where the resolver says the store is and shake hands; the listener re-registers this node's
@@ -640,9 +730,12 @@ class StoreConnection:
 
         Raises:
             OSError: no connection, or the store did not answer the Hello in time.
+            NotLeader: the replica there does not lead.
             StoreRpcError: the store refused the Hello.
         """
-        host, port = self.resolver()
+        address, self._next_address = self._next_address, None
+        self._redirected, self._next_redirected = self._next_redirected, False
+        host, port = address or self.resolver()
         self.address = f"{host}:{port}"
         with trio.move_on_after(CONNECT_TIMEOUT_S) as attempt:
             stream = await trio.open_tcp_stream(host, port)
@@ -667,6 +760,8 @@ class StoreConnection:
             raise TimeoutError(f"the store at {self.address} did not answer within {CONNECT_TIMEOUT_S} s")
         if type(answer) is not rpc.Welcome:
             await stream.aclose()
+            if type(answer) is rpc.Error and answer.kind is rpc.ErrorKind.NOT_LEADER:
+                raise NotLeader(answer.message)
             if type(answer) is rpc.Error:
                 LOGGER.error("the store refused this node: %s: %s", answer.kind.value, answer.message)
                 raise StoreRpcError(f"the store refused the connection: {answer.kind.value}: {answer.message}")

@@ -26,8 +26,10 @@ Who is who: a gateway node (trusted, the store token) is attached under the
 node name of its Hello; a back-end client (user name and password) under
 ``$client/<user>:<name>``, its own namespace, so it can never take a gateway
 node's name (and with it the node's connection, events and clients); it may append (its topics checked by
-the ACL, no QoS 2 packet ids) and use consumer groups (``$group/`` names, its connection the member). Before a
-peer is admitted the store buffers at most one ``wire.MAX_HELLO_BYTES`` frame, for at most
+the ACL, no QoS 2 packet ids) and use consumer groups (``$group/`` names, its connection the member). A replica
+of a replicated group (``$replica/<name>``, the store token) only fetches the log (``Fetch``, answered by the
+leader's ``Replication``, store/replica/leader.py, or ``NOT_LEADER``): it takes no lease and is attached to
+nothing. Before a peer is admitted the store buffers at most one ``wire.MAX_HELLO_BYTES`` frame, for at most
 ``HANDSHAKE_TIMEOUT_S``; refusals are logged once per peer address per ``REFUSAL_LOG_S``.
 
 Fencing (store/leases.py): each connection serves one lease epoch of its node;
@@ -50,7 +52,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-from functools import partial
 from typing import Any, final
 
 import trio
@@ -61,6 +62,7 @@ from store.local import LocalStore
 from store.node import StoreNode
 from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
+from store.rpc.front import RpcFront
 
 __all__ = ["RpcServer", "serve_rpc"]
 
@@ -278,6 +280,8 @@ class _Connection:
             elif kind is rpc.Hello:
                 self._refuse("Hello after the handshake")
                 return
+            elif kind is rpc.Fetch:
+                self.send(rpc.Error(message.id, rpc.ErrorKind.DENIED, "Fetch is for replicas only"))
             else:
                 await self._slots.acquire()
                 nursery.start_soon(self._answer, message)
@@ -562,6 +566,9 @@ class RpcServer:
                 if hello is None or admitted is None:
                     return
                 decoder.allow(rpc.MAX_FRAME_BYTES)
+                if hello.node.startswith(rpc.REPLICA_PREFIX):
+                    await self._serve_replica(stream, decoder, hello.node.removeprefix(rpc.REPLICA_PREFIX), peer)
+                    return
                 name = hello.node if admitted.trusted else f"{BACKEND_PREFIX}{admitted.username or ''}:{hello.node}"
                 await self._serve(stream, decoder, name, peer, admitted, hello)
         except Exception as exc:  # one connection's failure must not stop the listener
@@ -626,8 +633,11 @@ class RpcServer:
 
         A refusal waits the authenticator's brute-force delay before it answers.
         """
-        if hello.node.startswith("$"):
+        replica = hello.node.startswith(rpc.REPLICA_PREFIX) and len(hello.node) > len(rpc.REPLICA_PREFIX)
+        if hello.node.startswith("$") and not replica:
             verdict: Verdict | Peer = Verdict(False, why="node names starting with '$' are the store's own")
+        elif replica and not self.access.open and not hello.token:
+            verdict = Verdict(False, why="a replica presents the store token")
         elif self.access.open:
             return Peer(True, client_id=hello.node)
         else:
@@ -675,8 +685,61 @@ class RpcServer:
             connection.closed.set()
             LOGGER.info("gateway node disconnected", extra={"ctx": {"node": node, "peer": peer}})
 
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The server's own tasks while it serves (until cancelled): the store's stall watch, started before any
+        lease of a remote node can end, and the statistics line."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.store.leases.stalls.run)
+            nursery.start_soon(_log_statistics, self)
+            task_status.started()
+
+    async def _serve_replica(self, stream: trio.SocketStream, decoder: rpc.FrameDecoder, name: str,
+                             peer: str) -> None:
+        """Serve a replica's fetches (store/replica/leader.py), one at a time, until it goes. It takes no lease and
+        is attached to nothing. Not a replicated leader: ``NOT_LEADER``; anything but a ``Fetch``: refused."""
+        replication = self.store.replication
+        if replication is None:
+            await stream.send_all(rpc.encode(rpc.Error(0, rpc.ErrorKind.NOT_LEADER, "")))
+            return
+        LOGGER.info("replica connected", extra={"ctx": {"replica": name, "peer": peer}})
+        welcome = rpc.Welcome(rpc.PROTOCOL_VERSION, rpc.REPLICA_PREFIX + name, self.heartbeat_s,
+                              self.store.leases.lease_s, self.store_id, replication.epoch)
+        await stream.send_all(rpc.encode(welcome))
+        try:
+            while True:
+                message = decoder.next_message()
+                if message is rpc.NEED_DATA:
+                    if decoder.eof:
+                        return
+                    decoder.receive_data(await stream.receive_some(RECEIVE_BYTES))
+                    continue
+                if type(message) is not rpc.Fetch:
+                    why = f"{type(message).__name__} is not for a replica connection"
+                    LOGGER.warning("replica connection closed: %s", why, extra={"ctx": {"replica": name}})
+                    await stream.send_all(rpc.encode(rpc.Error(0, rpc.ErrorKind.PROTOCOL, why)))
+                    return
+                try:
+                    answer = await replication.fetch(name, message.epoch, message.last_epoch, message.offset,
+                                                     message.held, min(message.max_bytes, MAX_PULL_BYTES))
+                except Exception as exc:
+                    error = _error(message.id, exc)
+                    if error.kind is rpc.ErrorKind.INTERNAL:
+                        LOGGER.error("fetch failed: %r", exc, exc_info=exc, extra={"ctx": {"replica": name}})
+                    await stream.send_all(rpc.encode(error))
+                    continue
+                await stream.send_all(rpc.encode(rpc.Frames(message.id, answer.epoch, answer.data, answer.confirm,
+                                                            answer.epochs, answer.truncate_to)))
+        except rpc.RpcProtocolError as exc:
+            LOGGER.warning("replica connection closed: %s", exc, extra={"ctx": {"replica": name}})
+            with trio.move_on_after(1.0):
+                await stream.send_all(rpc.encode(rpc.Error(0, rpc.ErrorKind.PROTOCOL, str(exc))))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            LOGGER.info("replica disconnected", extra={"ctx": {"replica": name, "peer": peer}})
+
     def figures(self) -> dict[str, Any]:
-        """The notify routing and lease figures an operator watches (the periodic log line)."""
+        """The notify routing, lease and replication figures an operator watches (the periodic log line)."""
         notify = self.store.router.statistics()
         leases = self.store.leases.statistics()
         return {"notify_sent": notify.sent, "notify_suppressed": notify.suppressed,
@@ -684,7 +747,8 @@ class RpcServer:
                 "clients_placed": leases.clients, "wills_held": leases.wills_held, "wills_fired": leases.wills_fired,
                 "sessions_expired": leases.sessions_expired,
                 "consumer_groups": [(g.group, g.queue, g.members, g.committed, g.unacked)
-                                    for g in self.store.groups.statistics()]}
+                                    for g in self.store.groups.statistics()],
+                **({"replication": self.store.replication.figures()} if self.store.replication else {})}
 
 
 async def serve_rpc(
@@ -695,16 +759,16 @@ async def serve_rpc(
     access: StoreAccess | None = None,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``store`` over the RPC on ``host:port`` until cancelled.
+    """Serve ``store`` over the RPC on ``host:port`` until cancelled: an unreplicated store, one serving phase of
+    its listener (store/rpc/front.py) for ever.
 
     ``task_status.started`` receives the listeners (port 0 picks a free port: read it from them).
     ``access`` (who may connect, store/rpc/access.py; default: everyone, trusted): see ``RpcServer``.
     """
+    front = RpcFront()
     async with trio.open_nursery() as nursery:
-        server = RpcServer(store, access=access)
-        nursery.start_soon(store.leases.stalls.run)  # before any lease of a remote node can end
-        listeners = await nursery.start(partial(trio.serve_tcp, server.handle, port, host=host))
-        nursery.start_soon(_log_statistics, server)
+        await nursery.start(front.serving, RpcServer(store, access=access))
+        listeners = await nursery.start(front.serve, host, port)
         task_status.started(listeners)
 
 

@@ -86,6 +86,8 @@ __all__ = [
     "Error",
     "ErrorKind",
     "Events",
+    "Fetch",
+    "Frames",
     "GetAwaiting",
     "GetOffsets",
     "GetRetained",
@@ -106,6 +108,7 @@ __all__ = [
     "OpenSession",
     "Pull",
     "Pulled",
+    "REPLICA_PREFIX",
     "RawRecords",
     "ReadLog",
     "Reattach",
@@ -123,11 +126,12 @@ __all__ = [
     "parse_address",
 ]
 
-PROTOCOL_VERSION: Final = 6
+PROTOCOL_VERSION: Final = 7
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
-(6: positions, not offsets: ``Appended`` carries each group's ``Positions``, ``Awaiting`` and ``ReleaseAwaiting``
-a ``Position`` per flow, ``ReadLog`` starts at one and ``LogSpan`` names its log; ``ErrorKind.INVALID_OFFSET``, so
-a remote ``read_log`` raises ``InvalidOffset`` as the local one does; ``NewMessage.deliver_at_ms`` and
+(7: replication: ``Fetch`` and ``Frames`` between a replica (``$replica/<name>``) and its leader;
+``ErrorKind.NOT_LEADER``. 6: positions, not offsets: ``Appended`` carries each group's ``Positions``, ``Awaiting``
+and ``ReleaseAwaiting`` a ``Position`` per flow, ``ReadLog`` starts at one and ``LogSpan`` names its log;
+``ErrorKind.INVALID_OFFSET``, so a remote ``read_log`` raises ``InvalidOffset`` as the local one does; ``NewMessage.deliver_at_ms`` and
 ``ErrorKind.DELAYED_CAP`` (delayed delivery). 5: the store's interface types
 on the wire; sessions, presence, wills and expiry in the store: ``OpenSession``, ``CloseSession``, ``Reattach``,
 ``EndSession``, ``ListSessions``; group members named within a node. 4: cluster-wide
@@ -141,6 +145,10 @@ pull batch the client keeps under half of it; a larger length prefix is a broken
 MAX_HELLO_BYTES: Final = 4096
 """Largest frame a store accepts before the peer is authenticated: a Hello (node name, token, user name, password)
 takes a few hundred bytes; a connection that has proven nothing must not make the store buffer more."""
+
+REPLICA_PREFIX: Final = "$replica/"
+"""The node names of replicas fetching the log (``$replica/<name>``, store/replica/follower.py): they present the
+store token like a gateway node and send nothing but ``Fetch``; they take no lease and are no gateway node."""
 
 HEARTBEATS_PER_LEASE: Final = 5
 """Both sides send a heartbeat every lease / 5 (1 s by default), so silence for a lease is five missed heartbeats:
@@ -178,6 +186,8 @@ class ErrorKind(enum.StrEnum):
     FENCED = "fenced"  # the write names a lease of this node that has ended (store.api.LeaseLost)
     EXPIRED = "expired"  # store.log.errors.OffsetExpired: retention deleted the offset asked for
     INVALID_OFFSET = "invalid_offset"  # store.log.errors.InvalidOffset: no record starts there (read_log)
+    NOT_LEADER = "not_leader"  # store.api.NotLeader: a replica that does not lead; the message is the leader's
+    # address host:port (empty: no leader known now)
 
 
 class _Message(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
@@ -457,6 +467,21 @@ class AdminAnswer(_Message, tag="adminr"):
     value: bytes | None = None
 
 
+class Fetch(_Message, tag="fetch"):
+    """A replica asks its leader for the log from ``offset`` (its written end; a record boundary), answered with
+    ``Frames`` (store/replica/). Only on a ``$replica/<name>`` connection. ``epoch``: the leader epoch the replica
+    follows; ``last_epoch``: the epoch of its last record (-1: none), so the leader can tell where their logs part;
+    ``held``: what the replica holds (written, or fsynced under the sync flush policy): the leader's confirm offset
+    and acknowledgements count it. The leader waits (a bounded long poll) when there is nothing past ``offset``."""
+
+    id: int
+    epoch: int
+    last_epoch: int
+    offset: int
+    held: int
+    max_bytes: int
+
+
 OpRequest: TypeAlias = (
     Pull | Activate | Release | MaxOffsets | GetOffsets | CommitOffsets | GetRetained | OpenSession | CloseSession
     | SaveSession | LoadSession | EndSession | ListSessions | GetAwaiting | ReleaseAwaiting | GetStatistics
@@ -464,7 +489,7 @@ OpRequest: TypeAlias = (
 )
 """The requests answered by one message each; each names its ``StoreApi`` method."""
 
-ClientMessage: TypeAlias = Hello | Heartbeat | Watch | Reattach | AppendRequest | AdminAnswer | OpRequest
+ClientMessage: TypeAlias = Hello | Heartbeat | Watch | Reattach | AppendRequest | AdminAnswer | Fetch | OpRequest
 CLIENT_MESSAGES: Final = ClientMessage
 
 
@@ -619,9 +644,23 @@ class LogBytes(_Message, tag="logbytes"):
     span: LogSpan
 
 
+class Frames(_Message, tag="frames"):
+    """The answer to ``Fetch``: the leader's log bytes from the fetch's offset (``CommitLog.read_frames``: whole
+    frames, perhaps none), the leader's ``epoch`` and ``confirm`` offset, its epoch entries ``(epoch, start)`` that
+    cover ``data``, and ``truncate_to`` (-1: none): the replica's log parts from the leader's there; it cuts its log
+    at that offset before it fetches again."""
+
+    id: int
+    epoch: int
+    data: bytes
+    confirm: int
+    epochs: list[tuple[int, int]]
+    truncate_to: int = -1
+
+
 ServerMessage: TypeAlias = (
     Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Claimed | Offsets | Value | Names
-    | Awaiting | Done | Statistics | RecordList | AdminAsk | NodeAnswers | LogBytes
+    | Awaiting | Done | Statistics | RecordList | AdminAsk | NodeAnswers | LogBytes | Frames
 )
 SERVER_MESSAGES: Final = ServerMessage
 
@@ -640,6 +679,15 @@ def parse_address(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"{text!r} is not HOST:PORT")
     return host, int(port)
+
+
+def parse_addresses(text: str) -> list[tuple[str, int]]:
+    """A comma-separated list of ``HOST:PORT`` (the replicas of a replicated store; one: a store) as ``(host, port)``s.
+
+    Raises:
+        ValueError: an item is not ``HOST:PORT``.
+    """
+    return [parse_address(item.strip()) for item in text.split(",")]
 
 
 def encode(message: _Message) -> bytes:

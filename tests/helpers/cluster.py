@@ -42,8 +42,10 @@ class Store(Process):
 
 
 class Gateway(Process):
-    def __init__(self, store_port: int, *flags: str) -> None:
-        super().__init__("gateway", "--store", f"127.0.0.1:{store_port}", "--port", "0",
+    """A `lightgate gateway` on the store at ``store`` (a port on 127.0.0.1, or its ``--store`` address list)."""
+
+    def __init__(self, store: int | str, *flags: str) -> None:
+        super().__init__("gateway", "--store", f"127.0.0.1:{store}" if isinstance(store, int) else store, "--port", "0",
                          "--mqtt-sys-interval-s", "0", *flags, ready="gateway node ready")
         self.port = self.ready_line["port"]
         self.node = self.wait_log(lambda doc: doc.get("msg") == "connected to the store")["node"]

@@ -1,0 +1,501 @@
+"""The replication data path (store/replica/): a leader StoreNode served by serve_rpc, followers over real sockets,
+real CommitLogs and RocksDB; the controller (etcd, outside this part) is an in-memory one."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from store.api import NewMessage, LeaderFenced
+from store.dump import dump
+from store.log.commitlog import CommitLog, CommitLogConfig
+from store.log.record import new_record
+from store.node import open_follower, open_store
+from store.replica.follower import LeaderChanged, follow
+from store.replica.leader import Replication
+from store.rpc import wire as rpc
+from store.rpc.access import StoreAccess
+from store.rpc.server import serve_rpc
+from tests.helpers.processes import LightgateProcess
+
+WAIT_S = 30.0  # every condition is waited for with this timeout, never slept for
+SEGMENT = 256 * 1024  # small segments: the copies roll and seal segments as the leader's do
+CONFIG = CommitLogConfig(segment_bytes=SEGMENT, max_record_bytes=64 * 1024, retention_check_interval_s=0)
+REPLICAS = ["a", "b", "c"]
+
+
+class Controller:
+    """The controller protocol in memory: the ISR changes it was asked for, refused while ``accept`` is False;
+    ``lease`` says whether the leader lease is valid; ``gate``, when set, holds every ISR write until it is."""
+
+    def __init__(self, *, accept: bool = True) -> None:
+        self.accept = accept
+        self.lease = True
+        self.writes: list[list[str]] = []
+        self.gate: trio.Event | None = None
+
+    async def set_isr(self, epoch: int, members: list[str]) -> bool:
+        self.writes.append(members)
+        if self.gate is not None:
+            await self.gate.wait()
+        return self.accept
+
+    def leader_lease_valid(self) -> bool:
+        return self.lease
+
+
+async def until(condition, what: str) -> None:
+    """Wait for ``condition()`` (re-checked whenever the other tasks have run), failing after ``WAIT_S``."""
+    with trio.fail_after(WAIT_S):
+        while not condition():
+            await trio.sleep(0.01)
+    assert condition(), what
+
+
+def messages(n: int, start: int = 0, size: int = 200) -> list[NewMessage]:
+    return [NewMessage(f"t/{i % 5}", bytes([i % 251]) * size, "pub", qos=1, retain=i % 7 == 0)
+            for i in range(start, start + n)]
+
+
+def start_epoch(data: Path, epoch: int) -> None:
+    """What the role loop does on winning: the epoch's entry at the log's end."""
+    (data / "commitlog").mkdir(parents=True, exist_ok=True)
+    with CommitLog.open(data / "commitlog", CONFIG) as log:
+        log.epochs.append(epoch, log.written_offset)
+
+
+def log_bytes(data: Path) -> dict[str, bytes]:
+    """The segment files of a log (a stopped node's), by name: what ``read_frames`` and ``append_frames`` keep
+    identical."""
+    return {path.name: path.read_bytes() for path in sorted((data / "commitlog").iterdir())
+            if path.name.isdigit()}
+
+
+@asynccontextmanager
+async def leader(data: Path, *, acks: str = "quorum", isr=("a",), max_lag_s: float = 60.0,
+                 controller: Controller | None = None, epoch: int = 1, config: CommitLogConfig = CONFIG):
+    start_epoch(data, epoch)
+    controller = controller or Controller()
+    replication = Replication(name="a", epoch=epoch, replicas=REPLICAS, isr=list(isr), acks=acks,
+                              max_lag_s=max_lag_s, controller=controller)
+    async with open_store(data, config, replication=replication) as node, trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(serve_rpc, node, "127.0.0.1", 0))
+        node.port = listeners[0].socket.getsockname()[1]
+        node.controller = controller
+        yield node
+        nursery.cancel_scope.cancel()
+
+
+class Follower:
+    """A follower in this process: its store in follower mode and its fetch loop, stopped with ``stop``."""
+
+    def __init__(self, data: Path, name: str, config: CommitLogConfig = CONFIG) -> None:
+        self.config = config
+        self.data = data
+        self.name = name
+        self.log = None
+        self.dispatcher = None
+        self.done = trio.Event()
+        self._cancel = trio.CancelScope()
+        self.error: BaseException | None = None
+
+    async def run(self, port: int, epoch: int = 1, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with self._cancel:
+                async with open_follower(self.data, self.config) as (alog, dispatcher):
+                    self.log, self.dispatcher = alog.log, dispatcher
+                    task_status.started()
+                    await follow(alog, dispatcher, ("127.0.0.1", port), name=self.name, epoch=epoch)
+        except LeaderChanged as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+
+    async def stop(self) -> None:
+        self._cancel.cancel()
+        await self.done.wait()
+
+    @property
+    def written(self) -> int:
+        return self.log.written_offset
+
+
+@pytest.mark.parametrize("flush", ["async", "sync"])
+async def test_followers_copy_the_log_byte_for_byte_and_derive_the_same_state(tmp_path, nursery, flush):
+    """Under the sync flush policy a follower holds what it fsynced: acks=all then means on three disks."""
+    config = dataclasses.replace(CONFIG, flush=flush)
+    followers = [Follower(tmp_path / name, name, config) for name in ("b", "c")]
+    async with leader(tmp_path / "a", acks="all", config=config) as node:
+        for f in followers:
+            await nursery.start(f.run, node.port)
+        offsets = await node.append(messages(50))
+        if flush == "sync":
+            assert all(f.log.flushed_offset > offsets[-1] for f in followers)
+        end = await node.activate("t/#", "holder")
+        await node.commit_offsets({"holder": {"t/1": 3}})
+        await node.append(messages(2000, 50))  # rolls segments
+        written = node.log.log.written_offset
+        await until(lambda: all(f.written == written and f.log.confirm_offset == written for f in followers),
+                    "both followers hold and confirm the whole log")
+        await until(lambda: all(f.dispatcher.dispatched_offset == written for f in followers)
+                    and node.dispatcher.dispatched_offset == written, "every dispatch is done")
+        assert end > 0 and node.replication.figures()["isr_size"] == 3
+        for f in followers:
+            await f.stop()
+    leader_log = log_bytes(tmp_path / "a")
+    assert len(leader_log) > 1  # the copies rolled and sealed segments where the leader's did
+    for name in ("b", "c"):
+        assert log_bytes(tmp_path / name) == leader_log
+        assert dump(tmp_path / name / "index") == dump(tmp_path / "a" / "index")
+
+
+class Pending:
+    """An append running in its own task: ``acked`` once it returned, ``error`` if it raised."""
+
+    def __init__(self, node, nursery, batch) -> None:
+        self.acked = trio.Event()
+        self.error: BaseException | None = None
+        self.offsets: list[int] = []
+        nursery.start_soon(self._run, node, batch)
+
+    async def _run(self, node, batch) -> None:
+        try:
+            self.offsets = await node.append(batch)
+        except OSError as exc:
+            self.error = exc
+        self.acked.set()
+
+
+async def written_and_settled(node, end: int) -> None:
+    """The leader wrote up to ``end`` and every task is waiting: an append the gate did not hold has returned."""
+    await until(lambda: node.log.log.written_offset >= end, "the leader wrote the append")
+    await trio.testing.wait_all_tasks_blocked()
+
+
+@pytest.mark.parametrize("acks, followers_needed", [("leader", 0), ("quorum", 1), ("all", 2)])
+async def test_an_append_is_acknowledged_once_the_acks_mode_holds_it(tmp_path, nursery, acks, followers_needed):
+    async with leader(tmp_path / "a", acks=acks) as node:
+        before = node.log.log.written_offset
+        pending = Pending(node, nursery, messages(3))
+        await written_and_settled(node, before + 1)
+        for started, name in enumerate(("b", "c")):
+            assert pending.acked.is_set() == (started >= followers_needed), f"acks={acks}, {started} followers"
+            follower = Follower(tmp_path / name, name)
+            await nursery.start(follower.run, node.port)
+            if started + 1 >= followers_needed:
+                with trio.fail_after(WAIT_S):
+                    await pending.acked.wait()
+        assert pending.error is None
+        if acks == "quorum":  # the first follower joined the ISR locally at once, and the controller was told
+            await until(lambda: ["a", "b"] in node.controller.writes, "the controller recorded the grown ISR")
+
+
+async def test_a_quorum_needs_a_majority_in_sync(tmp_path, nursery):
+    """3 replicas: the leader alone is no majority, however durable its own write."""
+    async with leader(tmp_path / "a", acks="quorum") as node:
+        pending = Pending(node, nursery, messages(1))
+        await written_and_settled(node, 1)
+        assert node.dispatcher.dispatched_offset == node.log.log.written_offset  # its ISR of one confirms it...
+        assert not pending.acked.is_set()  # ...but does not acknowledge it
+        with pytest.raises(trio.WouldBlock):
+            node.append_nowait(messages(1))
+
+
+async def test_the_confirm_offset_waits_for_a_paused_follower_until_the_controller_removed_it(tmp_path, nursery):
+    controller = Controller()
+    b, c = Follower(tmp_path / "b", "b"), Follower(tmp_path / "c", "c")
+    async with leader(tmp_path / "a", isr=REPLICAS, max_lag_s=0.3, controller=controller) as node:
+        for f in (b, c):
+            await nursery.start(f.run, node.port)
+        await node.append(messages(10))
+        await c.stop()  # paused: it fetches no more
+        held_by_c = node.replication.figures()["followers"]["c"]["held"]
+        controller.gate = trio.Event()  # the controller answers the shrink only when the test says
+        pending = Pending(node, nursery, messages(10, 10))
+        await until(lambda: controller.writes[-1:] == [["a", "b"]], "the leader asked the controller to shrink")
+        await until(lambda: b.written == node.log.log.written_offset, "b holds the new records")
+        await trio.testing.wait_all_tasks_blocked()
+        assert node.log.log.confirm_offset == held_by_c < node.log.log.written_offset
+        assert node.dispatcher.dispatched_offset == held_by_c  # nothing past what c holds is dispatched
+        assert not pending.acked.is_set()
+        controller.gate.set()
+        with trio.fail_after(WAIT_S):
+            await pending.acked.wait()
+        assert pending.error is None and node.log.log.confirm_offset == node.log.log.written_offset
+        figures = node.replication.figures()
+        assert figures["isr"] == ["a", "b"] and figures["shrinks"] == 1 and not figures["followers"]["c"]["in_isr"]
+
+
+async def test_a_leader_whose_lease_ended_acknowledges_nothing(tmp_path, nursery):
+    async with leader(tmp_path / "a", acks="quorum") as node:
+        pending = Pending(node, nursery, messages(1))
+        await written_and_settled(node, 1)
+        node.controller.lease = False
+        with trio.fail_after(WAIT_S):
+            await pending.acked.wait()
+        assert isinstance(pending.error, LeaderFenced)
+        await nursery.start(Follower(tmp_path / "b", "b").run, node.port)  # a majority now, too late
+        with pytest.raises(LeaderFenced):
+            await node.append(messages(1))
+        with pytest.raises(LeaderFenced):
+            await node.commit_offsets({"holder": {"t/1": 1}})  # control records (session saves...) alike
+        with pytest.raises(trio.WouldBlock):
+            node.append_nowait(messages(1))
+
+
+async def test_a_leader_the_controller_refuses_an_isr_change_acknowledges_nothing(tmp_path, nursery):
+    controller = Controller()
+    b, c = Follower(tmp_path / "b", "b"), Follower(tmp_path / "c", "c")
+    async with leader(tmp_path / "a", acks="quorum", isr=REPLICAS, max_lag_s=0.3, controller=controller) as node:
+        for f in (b, c):
+            await nursery.start(f.run, node.port)
+        await node.append(messages(5))
+        await c.stop()
+        controller.accept = False  # a newer leader's epoch is the group's now
+        pending = Pending(node, nursery, messages(5))  # waits for c, in the ISR until the shrink is recorded
+        with trio.fail_after(WAIT_S):
+            await pending.acked.wait()
+        assert isinstance(pending.error, LeaderFenced) and controller.writes[-1] == ["a", "b"]
+        assert node.replication.figures()["isr"] == ["a", "b", "c"]  # not shrunk: the controller did not record it
+        with pytest.raises(LeaderFenced):
+            await node.append(messages(1))
+        with pytest.raises(trio.WouldBlock):
+            node.append_nowait(messages(1))
+
+
+async def test_an_unreachable_controller_keeps_the_isr_and_is_asked_again(tmp_path, nursery):
+    class Unreachable(Controller):
+        async def set_isr(self, epoch: int, members: list[str]) -> bool:
+            self.writes.append(members)
+            if len(self.writes) < 3:
+                raise ConnectionError("etcd is away")
+            return True
+
+    controller = Unreachable()
+    async with leader(tmp_path / "a", acks="quorum", max_lag_s=0.4, controller=controller) as node:
+        pending = Pending(node, nursery, messages(1))
+        await nursery.start(Follower(tmp_path / "b", "b").run, node.port)
+        with trio.fail_after(WAIT_S):
+            await pending.acked.wait()  # b counts at once; the controller is told when it can be
+        await until(lambda: len(controller.writes) == 3, "the grown ISR was recorded at the third try")
+        assert pending.error is None and not node.replication.fenced
+        assert controller.writes == [["a", "b"]] * 3
+
+
+async def test_a_fetch_of_a_later_epoch_fences_the_leader(tmp_path, nursery):
+    async with leader(tmp_path / "a", acks="quorum") as node:
+        pending = Pending(node, nursery, messages(1))
+        stale = Follower(tmp_path / "b", "b")
+        await nursery.start(stale.run, node.port, 2)  # it follows epoch 2: this leader of epoch 1 is an old one
+        with trio.fail_after(WAIT_S):
+            await pending.acked.wait()
+            await stale.done.wait()
+        assert isinstance(pending.error, LeaderFenced) and node.replication.fenced
+        assert isinstance(stale.error, LeaderChanged)
+
+
+async def test_frames_of_a_lower_epoch_are_refused(tmp_path, nursery):
+    """A store still answering for epoch 1 (an old leader) sends real frames to a follower of epoch 2: nothing is
+    appended, and the follower says its leader changed."""
+    start_epoch(tmp_path / "old", 1)
+    with CommitLog.open(tmp_path / "old" / "commitlog", CONFIG) as old:
+        old.append_batch([new_record("t/1", b"x" * 100, 1_000, "pub", 1, False)[0] for _ in range(5)])
+        frames = old.read_frames(0, 1 << 20)
+
+    async def old_leader(stream: trio.SocketStream) -> None:
+        decoder = rpc.FrameDecoder(rpc.CLIENT_MESSAGES)
+        async for data in stream:
+            decoder.receive_data(data)
+            while (message := decoder.next_message()) is not rpc.NEED_DATA:
+                if type(message) is rpc.Hello:
+                    answer = rpc.Welcome(rpc.PROTOCOL_VERSION, message.node, 1.0, 5.0, "old", 1)
+                else:
+                    answer = rpc.Frames(message.id, 1, frames, len(frames), [(1, 0)])
+                await stream.send_all(rpc.encode(answer))
+
+    listeners = await nursery.start(partial(trio.serve_tcp, old_leader, 0, host="127.0.0.1"))
+    async with open_follower(tmp_path / "b", CONFIG) as (alog, dispatcher):
+        with pytest.raises(LeaderChanged, match="leads epoch 1, not 2; its frames are refused"):
+            await follow(alog, dispatcher, ("127.0.0.1", listeners[0].socket.getsockname()[1]), name="b", epoch=2)
+        assert alog.log.written_offset == 0 and alog.log.epochs.entries == []
+
+
+async def test_a_follower_with_records_the_leader_lacks_is_cut_where_its_epoch_ends(tmp_path, nursery):
+    """b was in epoch 1 with records its leader never replicated (it crashed); a leads epoch 2 from where their
+    logs agree. b's extra records, and what its dispatch derived from them, go; its log ends as a's."""
+    def publish(data: Path, topic: str, n: int) -> None:
+        with CommitLog.open(data / "commitlog", CONFIG) as log:
+            log.append_batch([new_record(topic, bytes([i]) * 300, 1_000, "pub", 1, True)[0]
+                              for i in range(n)])
+
+    start_epoch(tmp_path / "a", 1)
+    publish(tmp_path / "a", "t/common", 20)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    publish(tmp_path / "b", "t/lost", 30)  # epoch 1's records a never had
+    b = Follower(tmp_path / "b", "b")
+    async with leader(tmp_path / "a", acks="quorum", epoch=2) as node:
+        cut = node.log.log.written_offset
+        await nursery.start(b.run, node.port, 2)
+        await node.append(messages(40))  # acknowledged: b joined the ISR after its cut
+        assert b.log.epochs.entries == [(1, 0), (2, cut)]
+        await until(lambda: b.dispatcher.dispatched_offset == node.log.log.written_offset ==
+                    node.dispatcher.dispatched_offset, "b dispatched a's log")
+        await b.stop()
+    assert log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a")
+    derived = without_topic_ids(dump(tmp_path / "b" / "index"))
+    assert derived == without_topic_ids(dump(tmp_path / "a" / "index")) and "t/lost" not in str(derived)
+
+
+def without_topic_ids(state: dict) -> dict:
+    """A dump without the ids dispatch chose for topic queues, nor the empty queues a truncation left: the rewind
+    of the light queues (lightqueue/queues.py) cuts entries, not the ids it handed to topics first seen in the
+    records it cut, so a truncated follower numbers later topics differently (an internal key prefix; every
+    entry, offset and filter id is the leader's)."""
+    queues = {name: {k: v for k, v in queue.items() if k != "id"} for name, queue in state["queues"].items()
+              if queue["entries"] or queue["max"] or queue.get("referenced_by")}
+    return {**{k: v for k, v in state.items() if k != "next_queue_id"}, "queues": queues}
+
+
+async def hello(port: int, node: str, token: str = ""):
+    """Open a connection with a Hello of ``node``: the stream and the store's first answer."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(rpc.encode(rpc.Hello(rpc.PROTOCOL_VERSION, node, token)))
+    return stream, await answer(stream)
+
+
+async def answer(stream, decoder=None):
+    decoder = decoder or rpc.FrameDecoder(rpc.SERVER_MESSAGES)
+    with trio.fail_after(WAIT_S):
+        while (message := decoder.next_message()) is rpc.NEED_DATA:
+            decoder.receive_data(await stream.receive_some(1 << 16))
+    return message
+
+
+@asynccontextmanager
+async def served(node, access):
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(serve_rpc, node, "127.0.0.1", 0, access=access))
+        yield listeners[0].socket.getsockname()[1]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_replica_connection_presents_the_token_and_takes_no_gateway_lease(tmp_path):
+    async with leader(tmp_path / "a") as node, served(node, StoreAccess(token="secret")) as port:
+        _, refused = await hello(port, "$replica/b", "wrong")
+        assert refused == rpc.Error(0, rpc.ErrorKind.DENIED, "not authorized")
+        _, refused = await hello(port, "$replica/b")  # no token: a password does not make a replica
+        assert refused == rpc.Error(0, rpc.ErrorKind.DENIED, "not authorized")
+        stream, welcome = await hello(port, "$replica/b", "secret")
+        assert type(welcome) is rpc.Welcome and welcome.epoch == 1
+        await stream.send_all(rpc.encode(rpc.Fetch(1, 1, 1, 0, 0, 1 << 20)))
+        frames = await answer(stream)
+        assert type(frames) is rpc.Frames and frames.epoch == 1 and frames.truncate_to == -1
+        assert node.leases.statistics().nodes == 0 and not node.attached  # no lease, no gateway node
+        assert node.replication.figures()["followers"]["b"]["since_fetch_s"] is not None  # its fetch counted
+
+
+async def test_a_gateway_connection_may_not_fetch_and_a_store_that_does_not_lead_says_so(tmp_path):
+    async with leader(tmp_path / "a") as node, served(node, StoreAccess(token="secret")) as port:
+        stream, welcome = await hello(port, "gw-1", "secret")
+        decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
+        await stream.send_all(rpc.encode(rpc.Fetch(7, 1, 1, 0, 0, 1 << 20)))
+        while type(refused := await answer(stream, decoder)) is rpc.Heartbeat:
+            pass
+        assert refused == rpc.Error(7, rpc.ErrorKind.DENIED, "Fetch is for replicas only")
+    async with open_store(tmp_path / "plain", CONFIG) as node, served(node, None) as port:
+        _, refused = await hello(port, "$replica/b")
+        assert refused == rpc.Error(0, rpc.ErrorKind.NOT_LEADER, "")
+
+
+@pytest.mark.slow
+async def test_a_follower_killed_mid_stream_catches_up_after_its_restart(tmp_path, nursery):
+    c = Follower(tmp_path / "c", "c")
+    stop, stopped = trio.Event(), trio.Event()
+    acked: list[int] = []
+
+    async def writer(node) -> None:
+        i = 0
+        while not stop.is_set():
+            acked.extend(await node.append(messages(20, i)))
+            i += 20
+        stopped.set()
+
+    def start_b(port: int) -> LightgateProcess:
+        process = LightgateProcess(str(tmp_path / "b"), str(port), "b", "1", str(SEGMENT), json_logs=False,
+                                   command=[sys.executable, "-m", "tests.helpers.replica_follower"])
+        process.wait_log(lambda doc: doc["msg"] == "following")
+        return process
+
+    async with leader(tmp_path / "a", isr=REPLICAS, max_lag_s=0.5) as node:
+        await nursery.start(c.run, node.port)
+        nursery.start_soon(writer, node)
+        b = await trio.to_thread.run_sync(start_b, node.port)
+
+        def held() -> int:
+            return node.replication.figures()["followers"]["b"]["held"]
+
+        await until(lambda: held() > 2 * SEGMENT, "b copied two segments")
+        b.kill()  # mid-stream: the writer goes on, acknowledged by a and c once b left the ISR
+        killed_at = held()
+        await until(lambda: "b" not in node.replication.figures()["isr"], "b left the ISR")
+        b = await trio.to_thread.run_sync(start_b, node.port)
+        await until(lambda: held() > killed_at + SEGMENT and "b" in node.replication.figures()["isr"],
+                    "b caught up and is in sync again")
+        stop.set()
+        await stopped.wait()
+        await until(lambda: held() == node.log.log.written_offset, "b holds the whole log")
+        b.kill()
+        await c.stop()
+    assert acked and log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a") == log_bytes(tmp_path / "c")
+
+
+async def test_a_follower_reopens_as_the_leader_of_the_next_epoch(tmp_path, nursery):
+    """The role loop's promotion: the follower's directory opens in leader mode, with everything it copied."""
+    b = Follower(tmp_path / "b", "b")
+    async with leader(tmp_path / "a", acks="quorum") as node:
+        await nursery.start(b.run, node.port)
+        offsets = await node.append(messages(30))
+        await node.activate("t/#", "holder")
+        end = node.log.log.written_offset
+        await until(lambda: b.dispatcher.dispatched_offset == end, "b dispatched everything")
+        await b.stop()
+    async with leader(tmp_path / "b", acks="leader", epoch=2) as promoted:
+        assert promoted.log.log.epochs.entries == [(1, 0), (2, end)]
+        more = await promoted.append(messages(5, 30))
+        assert more[0] == end and offsets[-1] < end
+        await promoted.dispatcher.wait_dispatched(promoted.log.log.written_offset)
+        assert promoted.queues.max_offset("t/1") == 7  # the 6 it copied and the one it appended
+        assert await trio.to_thread.run_sync(promoted.queues.holders, "t/#") == ["holder"]
+
+
+async def test_a_follower_is_cut_where_an_epoch_its_leader_never_had_starts(tmp_path, nursery):
+    """b led epoch 2 for a moment and wrote records nobody copied; a, which had more of epoch 1, leads epoch 3.
+    b's log ends before a's epoch 1 does, so a's answer alone (the end of epoch 2 is the end of epoch 1 in its
+    log) would let it fetch from inside a record: b cuts where its epoch 2 began."""
+    def publish(data: Path, topic: str, n: int) -> None:
+        with CommitLog.open(data / "commitlog", CONFIG) as log:
+            log.append_batch([new_record(topic, bytes([i]) * 300, 1_000, "pub", 1, True)[0] for i in range(n)])
+
+    start_epoch(tmp_path / "a", 1)
+    publish(tmp_path / "a", "t/common", 10)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    publish(tmp_path / "a", "t/more", 30)
+    start_epoch(tmp_path / "b", 2)
+    publish(tmp_path / "b", "t/lost", 5)
+    b = Follower(tmp_path / "b", "b")
+    async with leader(tmp_path / "a", acks="quorum", epoch=3) as node:
+        await nursery.start(b.run, node.port, 3)
+        await node.append(messages(10))
+        assert b.log.epochs.entries == node.log.log.epochs.entries
+        await until(lambda: b.dispatcher.dispatched_offset == node.log.log.written_offset ==
+                    node.dispatcher.dispatched_offset, "b dispatched a's log")
+        await b.stop()
+    assert log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a")

@@ -1,0 +1,75 @@
+"""The failover wait of ``RemoteStore.append`` (store/rpc/client.py): an append that was sent and whose answer was
+lost is failed, never made again (its outcome is unknown: a second copy of a QoS 2 message must not be stored), even
+with a long ``failover_wait_s``; the appends after it go to the next connection. A real store behind a TCP relay
+that plays the network: it cuts the connection once the append's bytes are on their way, before the store reads them.
+"""
+
+from functools import partial
+
+import pytest
+import trio
+
+from store.api import NewMessage, PullRequest, StoreUnavailable
+from store.log.commitlog import CommitLogConfig
+from store.node import open_store
+from store.rpc.client import RemoteStore
+from store.rpc.connection import NotSent
+from store.rpc import wire as rpc
+from store.rpc.server import serve_rpc
+
+WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
+
+
+class Relay:
+    """Forwards TCP connections to ``target``; once ``cut_next`` is set, the next bytes from the client that carry
+    an append are dropped with the connection (both sides closed), as a network that fails mid-request."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.cut_next = False
+        self.cut = trio.Event()
+
+    async def handle(self, client: trio.SocketStream) -> None:
+        async with client, await trio.open_tcp_stream("127.0.0.1", self.target) as store:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump, store, client, nursery.cancel_scope)
+                await self._pump(client, store, nursery.cancel_scope, cutting=True)
+
+    async def _pump(self, source: trio.SocketStream, sink: trio.SocketStream, scope: trio.CancelScope,
+                    cutting: bool = False) -> None:
+        frames = rpc.FrameDecoder(rpc.CLIENT_MESSAGES)  # what the client sends (cutting): is an append on its way?
+        try:
+            while data := await source.receive_some(65536):
+                if cutting:
+                    frames.receive_data(data)
+                    kinds = set()
+                    while (message := frames.next_message()) is not rpc.NEED_DATA:
+                        kinds.add(type(message))
+                    if self.cut_next and rpc.AppendRequest in kinds:
+                        self.cut_next = False
+                        self.cut.set()
+                        break
+                await sink.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        scope.cancel()
+
+
+async def test_an_append_sent_and_unanswered_fails_and_is_not_made_again_while_later_ones_wait_and_land(
+        tmp_path, nursery):
+    async with open_store(tmp_path / "data", CommitLogConfig()) as node:
+        (listener,) = await nursery.start(partial(serve_rpc, node, "127.0.0.1", 0))
+        relay = Relay(listener.socket.getsockname()[1])
+        (front,) = await nursery.start(partial(trio.serve_tcp, relay.handle, 0, host="127.0.0.1"))
+        async with RemoteStore.connect("127.0.0.1", front.socket.getsockname()[1], node="gw-a", timeout_s=WAIT_S,
+                                       failover_wait_s=WAIT_S) as remote:
+            await remote.append([NewMessage("tele/a", b"before", "dev1", 1)])
+            relay.cut_next = True
+            with pytest.raises(StoreUnavailable) as raised:
+                await remote.append([NewMessage("tele/a", b"lost", "dev1", 1)])
+            assert not isinstance(raised.value, NotSent)  # it was sent: not retried, whatever the wait
+            assert relay.cut.is_set()
+            with trio.fail_after(WAIT_S):
+                await remote.append([NewMessage("tele/a", b"after", "dev1", 1)])
+            (result,) = await remote.pull([PullRequest("tele/a", 0)])
+            assert [record.payload for _, record in result.messages] == [b"before", b"after"]
