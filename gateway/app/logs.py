@@ -78,6 +78,11 @@ class RedactingFormatter(logging.Formatter):
         return without_uri_passwords(self._inner.format(record))
 
 
+QUIET_LIBRARIES = ("httpx", "httpcore")
+"""Libraries that log every request at INFO (httpx: each etcd call of a store replica, several a second): only
+their warnings are logged."""
+
+
 def setup_logging(level: str = "info", json_lines: bool = False) -> None:
     """Configure the root logger once, writing to stderr, URI passwords redacted from every line."""
     handler = logging.StreamHandler(sys.stderr)
@@ -85,3 +90,5 @@ def setup_logging(level: str = "info", json_lines: bool = False) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for chatty in QUIET_LIBRARIES:
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, root.level))

@@ -181,6 +181,18 @@ class Replication:
     def fenced(self) -> bool:
         return self._fenced is not None
 
+    async def wait_fenced(self) -> None:
+        """Return once this leader may acknowledge nothing any more (the role loop then stops leading): fenced by
+        the controller or a later epoch's fetch, or its lease ran out (looked at every ``LEASE_CHECK_S``, as the lease
+        ends with time, not with an event)."""
+        while self._fenced is None:
+            if not self.controller.leader_lease_valid():
+                self._fence("the leader lease has expired")
+                return
+            changed = self._changed
+            with trio.move_on_after(LEASE_CHECK_S):
+                await changed.wait()
+
     # --- followers ----------------------------------------------------------------------------
 
     async def fetch(self, follower: str, epoch: int, last_epoch: int, offset: int, held: int,
