@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fanin-publishers", type=int, default=50, help="throughput: fan-in publisher connections")
     parser.add_argument("--fanin-duration", type=float, default=10.0, help="throughput: seconds of fan-in per run")
     parser.add_argument("--fanin-workers", type=int, default=2, help="throughput: publisher worker processes")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="run the faulted group here and keep its data and logs (r<i>.log, gateways.log, "
+                             "etcd.log) for a look afterwards (default: a temporary directory, removed)")
 
 
 @dataclass
@@ -89,6 +92,7 @@ class Fault:
     replica: str  # the leader it hit
     epoch: int  # that leader's epoch
     at: float
+    elected_s: float | None = None  # until etcd named a leader of a later epoch (None: not within WHOLE_S)
     leader_after: str | None = None  # the leader once the group was whole again (None: it never was)
     epoch_after: int | None = None
     whole_s: float | None = None
@@ -106,8 +110,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if reason:
         print(f"bench: skipping failover: {reason}", file=sys.stderr, flush=True)
         return {"settings": settings, "skipped": reason}
-    with tempfile.TemporaryDirectory(prefix="bench-failover-") as tmp:
-        result = _faulted(Path(tmp), args)
+    if args.workdir is not None:
+        result = _faulted(args.workdir, args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-failover-") as tmp:
+            result = _faulted(Path(tmp), args)
     result["throughput"] = throughput(args)
     result["targets"] = targets(result)
     return {"settings": settings, **result}
@@ -175,25 +182,47 @@ async def _fault(group: peers.Group, args: argparse.Namespace, faults: list[Faul
         leader, epoch = found
         logged = leader.log_size()
         fault = Fault(kind, leader.name, epoch, trio.current_time())
-        assert leader.process is not None
-        if kind == "kill":
-            leader.kill()
-            await trio.to_thread.run_sync(leader.start)
-        else:
-            os.kill(leader.process.pid, signal.SIGSTOP)
-            try:
-                await trio.sleep(FREEZE_LEASES * peers.LEASE_S)
-            finally:  # also when the run is interrupted: a stopped process would not act on its SIGTERM
-                os.kill(leader.process.pid, signal.SIGCONT)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_election, group, fault)
+            if kind == "kill":
+                leader.kill()
+                await trio.to_thread.run_sync(leader.start)
+            else:
+                await _freeze(leader)
         try:
             after = await trio.to_thread.run_sync(group.wait_whole, WHOLE_S, epoch, (leader, logged))
         except peers.PeerError as exc:
             after = None
-            print(f"bench: failover: after {kind} {len(faults)} of {leader.name}: {exc}", file=sys.stderr, flush=True)
+            print(f"bench: failover: fault {len(faults) + 1} ({kind} of {leader.name}): {exc}", file=sys.stderr,
+                  flush=True)
         if after is not None:
             fault.leader_after, fault.epoch_after = after[0].name, after[1]
             fault.whole_s = round(trio.current_time() - fault.at, 3)
         faults.append(fault)
+
+
+async def _freeze(leader: peers.Replica) -> None:
+    """SIGSTOP ``leader`` for ``FREEZE_LEASES`` etcd leases, then SIGCONT it."""
+    assert leader.process is not None
+    os.kill(leader.process.pid, signal.SIGSTOP)
+    try:
+        await trio.sleep(FREEZE_LEASES * peers.LEASE_S)
+    finally:  # also when the run is interrupted: a stopped process would not act on its SIGTERM
+        os.kill(leader.process.pid, signal.SIGCONT)
+
+
+async def _watch_election(group: peers.Group, fault: Fault) -> None:
+    """Set ``fault.elected_s`` once etcd names a leader of a later epoch than the faulted one's (during a freeze,
+    too), polling for at most ``WHOLE_S``."""
+    while trio.current_time() - fault.at < WHOLE_S:
+        try:
+            leader = await trio.to_thread.run_sync(group.etcd.leader, peers.GROUP)
+        except etcd.EtcdError:
+            leader = None  # etcd busy for a moment: look again
+        if leader is not None and int(leader["epoch"]) > fault.epoch:
+            fault.elected_s = round(trio.current_time() - fault.at, 3)
+            return
+        await trio.sleep(0.05)  # polling etcd's leader key: the benchmark does not watch it
 
 
 def unavailable_s(publishers: Sequence[crashclients.Publisher], at: float) -> float | None:

@@ -51,8 +51,8 @@ def test_account_counts_what_a_subscriber_missed_and_qos2_duplicates_only_of_qos
     # the QoS 1 subscriber missed (0, 2); (1, 5) was never acknowledged: delivered, not lost
     exact = _subscriber(0, 2, {(0, 0): 2, (0, 1): 1, (0, 2): 1, (1, 0): 1, (1, 1): 2, (1, 5): 1})
     once = _subscriber(1, 1, {(0, 0): 1, (0, 1): 3, (1, 0): 1, (1, 1): 1})
-    faults = [Fault("kill", "r0", 1, 5.0, "r1", 2, 3.0, 1.5), Fault("kill", "r1", 2, 9.0, "r2", 3, 2.0, 0.5),
-              Fault("freeze", "r2", 3, 20.0, "r0", 4, 8.0, 2.5)]
+    faults = [Fault("kill", "r0", 1, 5.0, 1.2, "r1", 2, 3.0, 1.5), Fault("kill", "r1", 2, 9.0, 0.3, "r2", 3, 2.0, 0.5),
+              Fault("freeze", "r2", 3, 20.0, 2.2, "r0", 4, 8.0, 2.5)]
     result = failover.account([qos1, qos2], exact, once, faults)
     assert (result["acked"], result["acked_lost"], result["duplicates_qos2"]) == (5, 1, 1)
     assert result["qos1_subscriber"] == {"lost": 1, "duplicates": 2}
@@ -60,14 +60,14 @@ def test_account_counts_what_a_subscriber_missed_and_qos2_duplicates_only_of_qos
     assert result["qos2_subscriber"]["unacknowledged_delivered"] == 1
     assert (result["kills"], result["freezes"], result["failovers"], result["never_available"]) == (2, 1, 3, 0)
     assert (result["unavailable_s_p50"], result["unavailable_s_p99"], result["unavailable_s_max"]) == (1.5, 2.5, 2.5)
-    assert result["faults"][2] == {"kind": "freeze", "replica": "r2", "epoch": 3, "leader_after": "r0",
-                                   "epoch_after": 4, "whole_s": 8.0, "unavailable_s": 2.5}
+    assert result["faults"][2] == {"kind": "freeze", "replica": "r2", "epoch": 3, "elected_s": 2.2,
+                                   "leader_after": "r0", "epoch_after": 4, "whole_s": 8.0, "unavailable_s": 2.5}
 
 
 def test_a_fault_publishing_never_recovered_from_fails_the_unavailability_target():
     publishers = [_publisher(0, 2, [(0, 0, 1)])]
     everything = _subscriber(0, 2, {(0, 0): 1})
-    faults = [Fault("kill", "r0", 1, 5.0, "r1", 2, 3.0, 0.2), Fault("kill", "r1", 2, 9.0, None, None, None, None)]
+    faults = [Fault("kill", "r0", 1, 5.0, 1.0, "r1", 2, 3.0, 0.2), Fault("kill", "r1", 2, 9.0)]
     result = failover.account(publishers, everything, everything, faults)
     assert result["failovers"] == 1 and result["never_available"] == 1
     assert result["unavailable_s_p50"] == 0.2 and result["unavailable_s_p99"] is None
