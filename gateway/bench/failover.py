@@ -9,9 +9,10 @@ not acknowledged, with DUP and the same packet id), a persistent QoS 2 and a per
 ``fail/#``; each client cycles over the two gateways, half of them starting on each.
 
 Each fault waits ``--load`` seconds and until the group is whole (``peers.Group.whole``: etcd names a running
-leader and its in-sync set holds all 3 replicas), reads the leader from etcd, then either SIGKILLs it and starts
-it again at once (same data directory and flags: it rejoins the group, usually as a follower), or SIGSTOPs it for
-``FREEZE_LEASES`` etcd leases and SIGCONTs it (it must find itself fenced, step down and follow). A fault's
+leader and its in-sync set holds all 3 replicas), reads the leader from etcd, then either SIGKILLs it and, once
+etcd names another leader, starts it again (same data directory and flags: it comes back as a follower, cutting
+what the new leader never had), or SIGSTOPs it for ``FREEZE_LEASES`` etcd leases and SIGCONTs it (it must find
+itself fenced, step down and follow). A fault's
 *unavailable* time runs from the signal to the first acknowledgement (PUBACK or PUBREC) of a message first sent
 after it: only a leader of a later epoch can acknowledge that message, so the figure is how long publishing
 stopped, as a device sees it. The fault is a *failover* once etcd names a leader of a higher epoch, and
@@ -65,7 +66,7 @@ UNAVAILABLE_P99_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kills", type=int, default=20, help="leader SIGKILLs (each restarted at once)")
+    parser.add_argument("--kills", type=int, default=20, help="leader SIGKILLs (each restarted once another leader is elected)")
     parser.add_argument("--freezes", type=int, default=5,
                         help=f"leader SIGSTOPs of {FREEZE_LEASES} x the {peers.LEASE_S} s etcd lease, then SIGCONT")
     parser.add_argument("--load", type=float, default=2.0, help="seconds of load before each fault (and after the last)")
@@ -182,12 +183,13 @@ async def _fault(group: peers.Group, args: argparse.Namespace, faults: list[Faul
         leader, epoch = found
         logged = leader.log_size()
         fault = Fault(kind, leader.name, epoch, trio.current_time())
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_election, group, fault)
-            if kind == "kill":
-                leader.kill()
-                await trio.to_thread.run_sync(leader.start)
-            else:
+        if kind == "kill":
+            leader.kill()
+            await _watch_election(group, fault)  # a machine that died comes back after the group moved on
+            await trio.to_thread.run_sync(leader.start)
+        else:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_watch_election, group, fault)
                 await _freeze(leader)
         try:
             after = await trio.to_thread.run_sync(group.wait_whole, WHOLE_S, epoch, (leader, logged))
