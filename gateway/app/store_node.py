@@ -15,6 +15,7 @@ import trio
 from gateway.app.process import freeze_startup_objects, return_freed_buffers
 from gateway.app.signals import on_hangup, until_signalled
 from store.api import StartupError
+from store.controller.group import ReplicaNameTaken
 from store.log.commitlog import CommitLogConfig
 from store.node import SessionExpiry, SessionFixer, open_store
 from store.rpc.access import StoreAccess
@@ -149,6 +150,9 @@ def run_store_node(conf: Any, access: StoreAccess | None = None, reload: Callabl
                  session_expiry)
     except* OSError as group:  # e.g. the RPC port is taken; nurseries may wrap it in a group
         LOGGER.error("store node failed: %s", "; ".join(str(exc) for exc in group.exceptions))
+        failed = True
+    except* ReplicaNameTaken as group:  # another live replica of the group has this name
+        LOGGER.error("store replica not started: %s", "; ".join(str(exc) for exc in group.exceptions))
         failed = True
     except* StartupError as group:  # the data cannot be opened: what happened and what to do
         LOGGER.error("%s", "; ".join(str(exc) for exc in group.exceptions))

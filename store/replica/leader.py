@@ -267,6 +267,18 @@ class Replication:
 
     # --- ISR maintenance ----------------------------------------------------------------------
 
+    def set_replicas(self, replicas: Sequence[str]) -> None:
+        """The group's configured replicas changed (``lightgate store add-replica`` / ``remove-replica``): a new one
+        may fetch, and joins the ISR once it holds the confirm offset; a removed one no longer counts for ``all``
+        nor the quorum, and leaves the ISR at the next maintenance round (the controller first)."""
+        self.replicas = tuple(replicas)
+        for member in self.replicas:
+            if member != self.name:
+                self._followers.setdefault(member, _Follower())
+        for member in [m for m in self._followers if m not in self.replicas and m not in self._isr]:
+            del self._followers[member]
+        self._isr_due.set()
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep the ISR: remove the followers that lag more than ``max_lag_s`` (the controller first), record the
         ones that joined. Runs until cancelled."""
@@ -280,11 +292,13 @@ class Replication:
             now = trio.current_time()
             written = self.log.log.written_offset
             lagging = {m for m in self._isr - {self.name}  # one that has everything (waiting for more) is in sync
-                       if self._followers[m].written < written
-                       and now - self._followers[m].caught_up_at > self.max_lag_s}
+                       if m not in self.replicas or (self._followers[m].written < written
+                                                     and now - self._followers[m].caught_up_at > self.max_lag_s)}
             if lagging:
                 if await self._record(sorted(self._isr - lagging)):
                     self._isr -= lagging
+                    for member in lagging - set(self.replicas):  # removed from the group: forgotten
+                        del self._followers[member]
                     self.shrinks += len(lagging)
                     LOGGER.warning("replicas left the in-sync set: they lag more than replication.max_lag_s",
                                    extra={"ctx": {"replicas": sorted(lagging), "epoch": self.epoch,

@@ -25,6 +25,7 @@ from typing import Any
 
 import trio
 
+from store.controller.etcd import EtcdError
 from store.controller.group import GroupConfig, GroupController, GroupState, LeaseLost
 from store.dispatch import Dispatcher
 from store.log.aio import AsyncCommitLog
@@ -38,6 +39,9 @@ from store.rpc.server import RpcServer
 __all__ = ["ReplicaConfig", "run_replica"]
 
 LOGGER = logging.getLogger(__name__)
+
+ETCD_RETRY_S = (0.1, 0.25, 0.5, 1.0)
+"""Waits before registering again while etcd does not answer, the last repeated."""
 
 REDIRECT_RETRY_S = 0.1
 """A leader the controller names that does not serve this replica yet (still opening its store) or any more (the
@@ -70,18 +74,27 @@ async def run_replica(config: ReplicaConfig, front: RpcFront, server_of: ServerO
     """Be a replica of ``config.group`` until cancelled: follow, stand for election, lead, and again. An etcd lease
     that ends (a stall, a partition) costs this replica its membership: it registers again with a new one."""
     started = False
+    unreachable = 0  # attempts in a row that found no etcd
     while True:
         try:
             async with GroupController.open(config.group) as controller:
+                unreachable = 0
                 if not started:
                     started = True
                     task_status.started()
                 while True:
                     state = await _follow_until_elected(config, controller, front)
                     await _lead(config, controller, front, server_of, state)
-        except LeaseLost:
+        except* LeaseLost:  # out of the nurseries of a phase, wrapped in their groups
             LOGGER.warning("store replica's etcd lease ended: registering again", extra={"ctx": {
                 "group": config.group.group, "name": config.group.name}})
+        except* EtcdError as group:  # etcd down or unreachable: no role can be held; try again
+            if unreachable % 10 == 0:
+                LOGGER.warning("etcd not reachable: this replica neither leads nor follows until it is", extra={
+                    "ctx": {"group": config.group.group, "name": config.group.name, "attempts": unreachable + 1,
+                            "error": str(group.exceptions[0])}})
+            unreachable += 1
+            await trio.sleep(ETCD_RETRY_S[min(unreachable, len(ETCD_RETRY_S)) - 1])
 
 
 async def _follow_until_elected(config: ReplicaConfig, controller: GroupController, front: RpcFront) -> GroupState:
@@ -177,7 +190,14 @@ async def _lead(config: ReplicaConfig, controller: GroupController, front: RpcFr
             nursery.cancel_scope.cancel()
 
         async def until_replaced() -> None:
-            await _next_leader(controller, state)
+            current = state
+            while True:  # membership changes are applied as they come; another leader or epoch ends the phase
+                current = await controller.wait_state_change(current.revision)
+                if (current.leader, current.epoch) != (state.leader, state.epoch):
+                    break
+                if current.replicas != replication.replicas:
+                    LOGGER.info("store group replicas changed", extra={"ctx": {"replicas": list(current.replicas)}})
+                    replication.set_replicas(current.replicas)
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(until_fenced)

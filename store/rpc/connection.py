@@ -87,6 +87,12 @@ stall against the node's lease, store/stalls.py): a broken link would have faile
 devices. A store host that vanished is noticed sooner, by TCP (``TCP_USER_TIMEOUT``: a lease)."""
 
 
+PROBE_SILENT_HEARTBEATS = 2
+"""A replicated store's client asks the other replicas who leads once its link has been silent for this many of the
+store's heartbeats: a leader frozen or cut off is replaced within an etcd lease, long before ``STALLED_LEASES``
+would give up on it, and its followers name the new leader (or the new leader welcomes the probe)."""
+
+
 class NotSent(StoreUnavailable):
     """A call that never left this node: there was no link, or the link broke before the call was sent. It cannot
     have taken effect at the store, so it may be made again on the next link (``RemoteStore.append`` does, for
@@ -445,6 +451,14 @@ class Link:
                 self.cancel_scope.cancel()
                 return
 
+    @property
+    def heartbeat_s(self) -> float:
+        return self._heartbeat_s
+
+    def silent_s(self) -> float:
+        """Seconds since the store's last frame on this link."""
+        return trio.current_time() - self._last_received
+
     async def _heartbeat(self) -> None:
         while True:
             await trio.sleep(self._heartbeat_s)
@@ -532,6 +546,13 @@ class Addresses:
             ValueError: an item is not ``HOST:PORT``.
         """
         return cls(rpc.parse_addresses(text))
+
+    def __len__(self) -> int:
+        return len(self._addresses)
+
+    def others(self, address: str) -> list[tuple[str, int]]:
+        """Every address but ``address`` (``host:port``)."""
+        return [(host, port) for host, port in self._addresses if f"{host}:{port}" != address]
 
     def __call__(self) -> tuple[str, int]:
         address = self._addresses[self._next]
@@ -689,6 +710,8 @@ class StoreConnection:
                 nursery.start_soon(self._run_link, link)
                 if reconnected:
                     nursery.start_soon(self.listener.reconnected, link)
+                if isinstance(self.resolver, Addresses) and len(self.resolver) > 1:
+                    nursery.start_soon(self._leave_when_replaced, link)
             self.link = None
             self._connected = trio.Event()
 
@@ -709,6 +732,49 @@ class StoreConnection:
         self._next_address = address
         self._next_redirected = True
         return not self._redirected
+
+    async def _leave_when_replaced(self, link: Link) -> None:
+        """While ``link`` is silent (its store frozen or cut off), ask the other replicas who leads; when one names
+        another leader (or leads itself), break the link and connect there: the calls in flight on it fail (their
+        outcome unknown), those not sent yet wait for the new link (``NotSent``)."""
+        assert isinstance(self.resolver, Addresses)
+        while not link.broken:
+            await trio.sleep(link.heartbeat_s)
+            if link.silent_s() < PROBE_SILENT_HEARTBEATS * link.heartbeat_s:
+                continue
+            for host, port in self.resolver.others(self.address):
+                leader = await self._probe(host, port)
+                if leader and leader != self.address and not link.broken and self._redirect(leader):
+                    LOGGER.warning("store connection closed: the store was silent and another replica leads",
+                                   extra={"ctx": {"store": self.address, "leader": leader,
+                                                  "silent_s": round(link.silent_s(), 3)}})
+                    link.cancel_scope.cancel()
+                    return
+
+    async def _probe(self, host: str, port: int) -> str:
+        """Who the replica at ``host:port`` says leads (``host:port``; itself when it welcomes this node; empty
+        when it does not answer or knows none). The probe's connection is closed at once."""
+        with trio.move_on_after(CONNECT_TIMEOUT_S):
+            try:
+                stream = await trio.open_tcp_stream(host, port)
+            except OSError:
+                return ""
+            async with stream:
+                try:
+                    await stream.send_all(rpc.encode(rpc.Hello(rpc.PROTOCOL_VERSION, self.node, *self._credentials,
+                                                               self.store_id, self.epoch)))
+                    decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
+                    answer = decoder.next_message()
+                    while answer is rpc.NEED_DATA and not decoder.eof:
+                        decoder.receive_data(await stream.receive_some(RECEIVE_BYTES))
+                        answer = decoder.next_message()
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, rpc.RpcProtocolError):
+                    return ""
+            if type(answer) is rpc.Welcome:
+                return f"{host}:{port}"
+            if type(answer) is rpc.Error and answer.kind is rpc.ErrorKind.NOT_LEADER:
+                return answer.message
+        return ""
 
     def _leader_is(self, address: str, *, announce: bool) -> None:
         """Note the store's leader address; one log line per change when ``announce``."""

@@ -1,0 +1,220 @@
+"""A replicated store group of real processes: etcd, three `lightgate store` replicas, gateways, MQTT clients.
+
+Faults are real signals (SIGKILL, SIGSTOP) and a real full disk (a small tmpfs); the group's state is read from etcd
+itself (tests/helpers/replicas.py). What must hold: one leader at a time, gateways follow it, nothing acknowledged is
+lost, a fenced leader rejoins as a follower with its log cut to the new leader's, followers hold the leader's log
+byte for byte. The leader kills under QoS 1 and QoS 2 load are `lightgate bench failover`'s (gateway/bench/failover.py),
+run here small.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import paho.mqtt.client as mqtt
+import pytest
+
+from store.log.commitlog import CommitLog, CommitLogConfig
+from tests.helpers.cluster import WAIT_S, free_port
+from tests.helpers.etcd import running_etcd
+from tests.helpers.fulldisk import tmpfs
+from tests.helpers.mqtt_fixtures import connected, run_id
+from tests.helpers.processes import ROOT
+from tests.helpers.replicas import Group, Replica, wait_for
+
+pytestmark = pytest.mark.slow
+
+NAMES = ("r0", "r1", "r2")
+
+
+def log_bytes(data) -> bytes:
+    """A stopped replica's whole CommitLog, frame by frame as replication copies it."""
+    with CommitLog.open(data / "commitlog", CommitLogConfig()) as log:
+        parts, offset = [], log.min_offset
+        while offset < log.written_offset:
+            chunk = log.read_frames(offset, 1 << 20)
+            parts.append(chunk)
+            offset += len(chunk)
+        return b"".join(parts)
+
+
+def publish_acked(port: int, topic: str, count: int, qos: int = 1, prefix: str = "m",
+                  payload: bytes = b"") -> list[bytes]:
+    """Publish ``count`` messages (MQTT 5) through the gateway at ``port``, one at a time; the payloads acknowledged
+    as stored (PUBACK / PUBREC reason code 0: [MQTT-3.4.2-1], a code of 0x80 or more is a refusal)."""
+    codes: dict[int, int] = {}
+    acked: list[bytes] = []
+    with connected(port, protocol=mqtt.MQTTv5) as client:
+        client.paho.on_publish = lambda c, u, mid, rc, props: codes.__setitem__(mid, int(getattr(rc, "value", rc)))
+        for i in range(count):
+            body = f"{prefix}{i}".encode() + payload
+            info = client.paho.publish(topic, body, qos)
+            info.wait_for_publish(timeout=WAIT_S)
+            wait_for(lambda: info.mid in codes, "the acknowledgement")
+            if codes[info.mid] < 0x80:
+                acked.append(body)
+    return acked
+
+
+def store_command(*args: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "gateway.app.cli", "store", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_one_leader_serves_gateways_given_every_replica_and_status_shows_the_group(tmp_path):
+    with running_etcd(tmp_path) as etcd:
+        group = Group(tmp_path, etcd.endpoints, NAMES)
+        try:
+            leader, epoch = group.wait_leader()
+            group.wait_isr(NAMES)  # the followers caught up and joined
+            gateway = group.gateway()
+            try:
+                run = run_id()
+                with connected(gateway.port, client_id=f"sub-{run}") as sub:
+                    sub.subscribe(f"t{run}/#", 1)
+                    assert publish_acked(gateway.port, f"t{run}/a", 5) == [f"m{i}".encode() for i in range(5)]
+                    assert [m.payload for m in sub.receive(5)] == [f"m{i}".encode() for i in range(5)]
+            finally:
+                gateway.stop()
+            status = store_command("status", "--replication-group", "g", *(f for e in etcd.endpoints
+                                                                             for f in ("--etcd", e)))
+            assert (status["leader"], status["epoch"]) == (leader, epoch)
+            assert sorted(status["isr"]) == sorted(NAMES) and sorted(status["members"]) == sorted(NAMES)
+            followers = [name for name in NAMES if name != leader]
+            for name in followers:  # a follower refuses gateways, naming the leader
+                assert group.replicas[name].wait_log(lambda doc: doc.get("msg") == "following the leader")
+        finally:
+            group.stop()
+
+
+def test_a_frozen_leader_is_replaced_then_fenced_and_rejoins_as_a_follower(tmp_path):
+    """SIGSTOP past the etcd lease: another replica is elected (epoch + 1) and acknowledges; the old leader, woken,
+    acknowledges nothing more, follows the new one, and the group's logs end byte for byte equal."""
+    with running_etcd(tmp_path) as etcd:
+        group = Group(tmp_path, etcd.endpoints, NAMES)
+        try:
+            old, epoch = group.wait_leader()
+            group.wait_isr(NAMES)
+            gateway = group.gateway()
+            try:
+                run = run_id()
+                before = publish_acked(gateway.port, f"f{run}", 20, prefix="before")
+                frozen = group.replicas[old]
+                frozen.proc.send_signal(signal.SIGSTOP)
+                try:
+                    new, new_epoch = group.wait_leader(after_epoch=epoch)
+                    assert new != old
+                    gateway.wait_log(lambda doc: doc.get("msg") == "connected to the store"
+                                     and doc.get("store") == group.replicas[new].address)
+                    during = publish_acked(gateway.port, f"f{run}", 20, prefix="during")
+                    assert during  # the group serves without its old leader
+                finally:
+                    frozen.proc.send_signal(signal.SIGCONT)
+                frozen.wait_log(lambda doc: doc.get("msg") == "no longer the store group's leader: following again")
+                frozen.wait_log(lambda doc: doc.get("msg") == "following the leader" and doc.get("leader") == new)
+                group.wait_isr(NAMES)
+                after = publish_acked(gateway.port, f"f{run}", 5, prefix="after")
+            finally:
+                gateway.stop()
+        finally:
+            group.stop()
+        logs = {name: log_bytes(tmp_path / name) for name in NAMES}
+        assert logs[old] == logs[new] == logs[next(n for n in NAMES if n not in (old, new))]
+        for payload in before + during + after:
+            assert payload in logs[new]
+
+
+def test_a_follower_restarted_catches_up_and_holds_the_leaders_log_byte_for_byte(tmp_path):
+    with running_etcd(tmp_path) as etcd:
+        group = Group(tmp_path, etcd.endpoints, NAMES)
+        try:
+            leader, _ = group.wait_leader()
+            group.wait_isr(NAMES)
+            follower = next(name for name in NAMES if name != leader)
+            group.replicas[follower].kill()
+            gateway = group.gateway()
+            try:
+                acked = publish_acked(gateway.port, f"c{run_id()}", 50)  # quorum: the leader and one follower
+                assert len(acked) == 50
+                group.restart(follower)
+                group.wait_isr(NAMES)
+            finally:
+                gateway.stop()
+        finally:
+            group.stop()
+        logs = {name: log_bytes(tmp_path / name) for name in NAMES}
+        assert logs[follower] == logs[leader]
+        assert all(payload in logs[follower] for payload in acked)
+
+
+def test_a_replica_added_to_a_running_group_catches_up_from_the_log_under_load(tmp_path):
+    with running_etcd(tmp_path) as etcd:
+        group = Group(tmp_path, etcd.endpoints, NAMES)
+        extra = None
+        try:
+            leader, _ = group.wait_leader()
+            group.wait_isr(NAMES)
+            gateway = group.gateway()
+            try:
+                first = publish_acked(gateway.port, f"n{run_id()}", 100, prefix="first")
+                status = store_command("add-replica", "r3", "--replication-group", "g",
+                                       *(f for e in etcd.endpoints for f in ("--etcd", e)))
+                assert "r3" in status["replicas"]
+                extra = Replica(tmp_path / "r3", free_port(), "r3", (*NAMES, "r3"), etcd.endpoints)
+                second = publish_acked(gateway.port, f"n{run_id()}", 100, prefix="second")
+                group.wait_isr((*NAMES, "r3"))
+            finally:
+                gateway.stop()
+        finally:
+            if extra is not None:
+                extra.stop()
+            group.stop()
+        assert log_bytes(tmp_path / "r3") == log_bytes(tmp_path / leader)
+        assert all(p in log_bytes(tmp_path / "r3") for p in first + second)
+
+
+def test_a_follower_whose_disk_is_full_leaves_the_in_sync_set_and_quorum_carries_on(tmp_path):
+    with running_etcd(tmp_path) as etcd, tmpfs(tmp_path / "small", "8m") as small:
+        group = Group(tmp_path, etcd.endpoints, NAMES, "--commitlog-segment-bytes", str(1 << 20))
+        try:
+            leader, _ = group.wait_leader()
+            group.wait_isr(NAMES)
+            follower = next(name for name in NAMES if name != leader)
+            group.replicas[follower].stop()
+            group.replicas[follower] = Replica(small / "data", group.replicas[follower].port, follower, NAMES,
+                                               etcd.endpoints, "--commitlog-segment-bytes", str(1 << 20))
+            group.wait_isr(NAMES)
+            gateway = group.gateway()
+            try:
+                acked = publish_acked(gateway.port, f"d{run_id()}", 200, payload=b"x" * 60_000)  # 12 MB > 8 MB
+                assert len(acked) == 200  # the leader and the other follower hold each: a quorum
+                wait_for(lambda: follower not in group.isr(), "the full follower leaving the in-sync set")
+                assert len(publish_acked(gateway.port, "after/full", 10)) == 10  # quorum: the other two
+            finally:
+                gateway.stop()
+        finally:
+            group.stop()
+
+
+def test_losing_one_of_three_etcd_members_still_fails_the_leader_over(tmp_path):
+    with running_etcd(tmp_path, size=3) as etcd:
+        group = Group(tmp_path, etcd.endpoints, NAMES)
+        try:
+            old, epoch = group.wait_leader()
+            group.wait_isr(NAMES)
+            etcd.kill(0)
+            group.replicas[old].kill()
+            new, _ = group.wait_leader(after_epoch=epoch)
+            assert new != old
+            gateway = group.gateway()
+            try:
+                assert len(publish_acked(gateway.port, f"e{run_id()}", 10)) == 10
+            finally:
+                gateway.stop()
+        finally:
+            group.stop()

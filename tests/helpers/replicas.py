@@ -1,0 +1,117 @@
+"""A replicated store group of real processes: etcd, `lightgate store` replicas, `lightgate gateway`s over them.
+
+The group's state is read from etcd itself (the v3 JSON gateway, with urllib: independent of the controller code
+under test), so a test waits on what the controller holds (a leader of a later epoch, an in-sync set) rather than on
+any one replica's account of it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tests.helpers.cluster import WAIT_S, Gateway, Process, free_port
+from tests.helpers.mqtt_fixtures import wait_until
+
+GROUP = "g"
+
+LEASE_FLAGS = ("--replication-lease-s", "2", "--replication-leader-lease-s", "1.4", "--replication-max-lag-s", "2")
+"""Short leases, so a failover takes seconds: a replica's etcd lease of 2 s (etcd's floor is 1.5 s with its
+default timing), its leader lease 1.4 s."""
+
+
+class Replica(Process):
+    """One `lightgate store` replica of the group (ready once it runs its role loop)."""
+
+    def __init__(self, data: Path, port: int, name: str, names: Sequence[str], etcd: Sequence[str],
+                 *flags: str) -> None:
+        self.data, self.port, self.name, self.names, self.etcd, self.flags = data, port, name, names, etcd, flags
+        args = ["store", "--data", str(data), "--listen", f"127.0.0.1:{port}", "--replication-group", GROUP,
+                "--replication-name", name, *(f for n in names for f in ("--replica", n)),
+                *(f for url in etcd for f in ("--etcd", url)), *LEASE_FLAGS, *flags]
+        super().__init__(*args, ready="store replica ready")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def restarted(self) -> Replica:
+        """A new process of this replica: same data, port, name and flags (this one must have exited)."""
+        return Replica(self.data, self.port, self.name, self.names, self.etcd, *self.flags)
+
+
+def etcd_get(endpoints: Sequence[str], key: str) -> bytes | None:
+    """The value of ``key`` in etcd (the first endpoint that answers), or None."""
+    body = json.dumps({"key": base64.b64encode(key.encode()).decode()}).encode()
+    error: Exception | None = None
+    for url in endpoints:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"{url}/v3/kv/range", data=body), timeout=5) as answer:
+                kvs = json.load(answer).get("kvs") or []
+                return base64.b64decode(kvs[0]["value"]) if kvs else None
+        except OSError as exc:
+            error = exc
+    raise AssertionError(f"no etcd endpoint of {endpoints} answered: {error}")
+
+
+class Group:
+    """``names`` replicas of one group over ``etcd``, each with its own data directory under ``root``."""
+
+    def __init__(self, root: Path, etcd: Sequence[str], names: Sequence[str] = ("r0", "r1", "r2"),
+                 *flags: str) -> None:
+        self.etcd = list(etcd)
+        self.names = list(names)
+        self.replicas: dict[str, Replica] = {}
+        try:
+            for name in names:
+                self.replicas[name] = Replica(root / name, free_port(), name, names, self.etcd, *flags)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def addresses(self) -> str:
+        """The ``--store`` value of a gateway: every replica's address."""
+        return ",".join(replica.address for replica in self.replicas.values())
+
+    def state(self, key: str) -> dict | None:
+        raw = etcd_get(self.etcd, f"/lightgate/groups/{GROUP}/{key}")
+        return json.loads(raw) if raw is not None else None
+
+    def leader(self) -> tuple[str, int] | None:
+        """(name, epoch) of the leader etcd names now, or None."""
+        found = self.state("leader")
+        return (found["name"], found["epoch"]) if found else None
+
+    def isr(self) -> list[str]:
+        found = self.state("isr")
+        return sorted(found["members"]) if found else []
+
+    def wait_leader(self, after_epoch: int = 0) -> tuple[str, int]:
+        """The leader of the first epoch above ``after_epoch``, once it serves (its log says so)."""
+        wait_until(lambda: (self.leader() or ("", 0))[1] > after_epoch, WAIT_S, f"a leader after epoch {after_epoch}")
+        name, epoch = self.leader()
+        self.replicas[name].wait_log(lambda doc: doc.get("msg") == "store group leader serving"
+                                     and doc.get("epoch") == epoch)
+        return name, epoch
+
+    def wait_isr(self, members: Sequence[str]) -> None:
+        wait_until(lambda: self.isr() == sorted(members), WAIT_S, f"the in-sync set {sorted(members)}")
+
+    def restart(self, name: str) -> Replica:
+        self.replicas[name] = self.replicas[name].restarted()
+        return self.replicas[name]
+
+    def gateway(self, *flags: str) -> Gateway:
+        return Gateway(self.addresses, *flags)
+
+    def stop(self) -> None:
+        for replica in self.replicas.values():
+            replica.stop()
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    wait_until(condition, WAIT_S, what)
