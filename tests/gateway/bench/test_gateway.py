@@ -127,6 +127,13 @@ def test_replicated_peers_compare_with_one_unreplicated_store():
     assert peers.replicated_ratios({"lightgate-r3-quorum": {"rate": 150}}, lambda r: r["rate"]) == {}
 
 
+def test_the_replicated_peers_are_skipped_saying_why_without_etcd(monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no etcd on the PATH: what a machine without etcd-server looks like
+    assert peers.missing("lightgate-r3-quorum").startswith("etcd is not installed (Debian: apt-get install etcd-server")
+    assert peers.available(["lightgate-r3-all", "lightgate"]) == ["lightgate"]
+    assert "skipping lightgate-r3-all: etcd is not installed" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_refused_connection_is_a_load_error_with_its_reason():
     with socket.socket() as sock:  # bound, never listening: connections to it are refused
