@@ -80,9 +80,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fanin-publishers", type=int, default=50, help="throughput: fan-in publisher connections")
     parser.add_argument("--fanin-duration", type=float, default=10.0, help="throughput: seconds of fan-in per run")
     parser.add_argument("--fanin-workers", type=int, default=2, help="throughput: publisher worker processes")
-    parser.add_argument("--workdir", type=Path, default=None,
-                        help="run the faulted group here and keep its data and logs (r<i>.log, gateways.log, "
-                             "etcd.log) for a look afterwards (default: a temporary directory, removed)")
+    parser.add_argument("--workdir", type=_new_directory, default=None,
+                        help="run the faulted group here (a new or empty directory) and keep its data and logs "
+                             "(r<i>.log, gateways.log, etcd.log) for a look afterwards (default: a temporary "
+                             "directory, removed)")
+
+
+def _new_directory(text: str) -> Path:
+    """``--workdir``: a directory the run can start its group in from nothing (an old group's data would be its
+    starting state).
+
+    Raises:
+        argparse.ArgumentTypeError: it is a file, or a directory with something in it.
+    """
+    path = Path(text)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise argparse.ArgumentTypeError(f"{text} is not a new or empty directory")
+    return path
 
 
 @dataclass

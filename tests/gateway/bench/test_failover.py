@@ -88,6 +88,17 @@ def test_without_etcd_the_bench_says_why_it_skipped(monkeypatch):
     assert result["skipped"].startswith("etcd is not installed") and result["settings"]["kills"] == 1
 
 
+def test_the_kept_directory_must_be_new_or_empty(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    failover.add_arguments(parser)
+    assert parser.parse_args(["--workdir", str(tmp_path / "new")]).workdir == tmp_path / "new"
+    assert parser.parse_args(["--workdir", str(tmp_path)]).workdir == tmp_path
+    (tmp_path / "r0.log").write_text("an earlier run")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--workdir", str(tmp_path)])
+    assert f"{tmp_path} is not a new or empty directory" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_publishers_record_when_each_acknowledged_message_was_sent_and_acknowledged(tmp_path):
     async def publish(broker: peers.Broker) -> list[Publisher]:
