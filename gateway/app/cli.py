@@ -40,6 +40,9 @@ BENCHMARKS = {
                        "10,000 offline persistent sessions, 1,000 broadcasts, then all reconnect: delivered, RSS, disk"),
     "durability": ("gateway.bench.durability",
                    "QoS 1 (or --qos 2) under load, broker SIGKILLed and restarted 10 times: acked but lost"),
+    "failover": ("gateway.bench.failover",
+                 "3 store replicas + 2 gateways under QoS 1/2 load, leader killed 20 and frozen 5 times: acked but "
+                 "lost, QoS 2 duplicates, unavailable s; acks=leader|quorum|all fan-in vs one store"),
     "hostile": ("gateway.bench.hostile", "hostile clients (big topics, many filters, User Properties, partial-packet "
                                          "churn) beside a canary: its latency, the broker's RSS and CPU"),
 }

@@ -30,8 +30,10 @@ is left after dropping most is no rate of the same work)."""
 
 def add_arguments(parser: argparse.ArgumentParser, runs: int = 1) -> None:
     """The flags every gateway scenario shares."""
-    parser.add_argument("--brokers", nargs="+", default=list(peers.PEERS), choices=peers.PEERS,
-                        help="brokers to measure (LightGate's ratios need it in the list)")
+    parser.add_argument("--brokers", nargs="+", default=list(peers.PEERS), type=peers.peer_name,
+                        help=f"brokers to measure: {', '.join(peers.PEERS)}, {peers.CLUSTER_PREFIX}<N>gw (cluster "
+                             f"mode), {', '.join(map(peers.replicated_name, peers.ACKS))} (3 replicas and etcd: "
+                             f"compared with {peers.UNREPLICATED}); LightGate's ratios need lightgate in the list")
     parser.add_argument("--runs", type=int, default=runs, help="runs per broker; the median run is reported")
 
 

@@ -31,7 +31,7 @@ to another gateway when its own dies).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,8 @@ from gateway.mqtt.packets import (
 )
 from gateway.mqtt.reasons import ReasonCode
 
-__all__ = ["Accounting", "Address", "Publisher", "Subscriber", "account", "address_cycle", "message_key", "wait_delivered"]
+__all__ = ["Accounting", "Address", "Publisher", "Subscriber", "account", "address_cycle", "exchange", "message_key",
+           "wait_delivered"]
 
 STAMP = struct.Struct(">II")
 """Payload prefix: publisher number, sequence number."""
@@ -157,8 +158,12 @@ class Publisher:
         self.client_id = f"{prefix}{number}"
         self.padding = bytes(max(0, payload_bytes - STAMP.size))
         self.seq = 0  # messages sent so far (the next sequence number)
-        self.inflight: dict[int, list[int]] = {}  # packet id -> [sequence, released (PUBREC got, PUBREL sent)]
+        # packet id -> [sequence, released (PUBREC got, PUBREL sent), trio time of its first PUBLISH]
+        self.inflight: dict[int, list[Any]] = {}
         self.acked: set[int] = set()  # message keys acknowledged (PUBACK / PUBREC)
+        # (first sent, acknowledged) trio times of every acknowledgement, in the order they came: when a broker
+        # that went away serves again is the first acknowledgement of a message first sent after it went away
+        self.ack_times: list[tuple[float, float]] = []
         self.next_pid = 1
         self.connects = 0
         self.sessions_lost = 0  # reconnects that found no session (Session Present 0)
@@ -194,7 +199,7 @@ class Publisher:
     async def _session(self, link: _Link, stop: trio.Event) -> None:
         """One connection: resend what is owed, then publish; returns when stopped and nothing is in flight."""
         owed = [Pubrel(pid) if released else self._publish(pid, seq, dup=True)
-                for pid, (seq, released) in self.inflight.items()]
+                for pid, (seq, released, _) in self.inflight.items()]
         if owed:
             self.resent += len(owed)
             await link.send(*owed)
@@ -207,7 +212,7 @@ class Publisher:
                 while due > 0 and self.next_pid not in self.inflight:
                     pid = self.next_pid
                     self.next_pid = pid % self.id_range + 1
-                    self.inflight[pid] = [self.seq, 0]
+                    self.inflight[pid] = [self.seq, 0, trio.current_time()]
                     packets.append(self._publish(pid, self.seq))
                     self.seq += 1
                     due -= 1
@@ -230,16 +235,20 @@ class Publisher:
             kind = type(packet)
             entry = self.inflight.get(packet.packet_id) if kind in (Puback, Pubrec, Pubcomp) else None
             if kind is Puback and entry is not None and self.qos == 1:
-                self.acked.add(message_key(self.number, entry[0]))
+                self._acknowledged(entry)
                 del self.inflight[packet.packet_id]
             elif kind is Pubrec:
-                if entry is not None:
-                    self.acked.add(message_key(self.number, entry[0]))
+                if entry is not None and not entry[1]:
+                    self._acknowledged(entry)
                     entry[1] = 1
                 await link.send(Pubrel(packet.packet_id))  # also for an unknown id: the broker holds it
             elif kind is Pubcomp and entry is not None and entry[1]:
                 del self.inflight[packet.packet_id]
             self._room.set()
+
+    def _acknowledged(self, entry: list[Any]) -> None:
+        self.acked.add(message_key(self.number, entry[0]))
+        self.ack_times.append((entry[2], trio.current_time()))
 
 
 class Subscriber:
@@ -377,3 +386,28 @@ async def wait_delivered(subscribers: Sequence[Subscriber], publishers: Sequence
         if trio.current_time() - latest >= quiet_s:
             return
         await trio.sleep(poll_s)  # polling counters the reader tasks update: nothing to wait on
+
+
+async def exchange(publishers: Sequence[Publisher], subscribers: Sequence[Subscriber],
+                   address: Callable[[Publisher | Subscriber], Callable[[], Address]],
+                   during: Callable[[], Awaitable[None]], *, drain_s: float, quiet_s: float,
+                   poll_s: float = 0.05) -> None:
+    """Connect the subscribers, then publish while ``during()`` runs (it kills brokers); then stop the publishers
+    (they finish their flows) and let the subscribers read until ``wait_delivered`` or ``drain_s`` ends.
+
+    ``address(client)`` is the address callable of each client's connection attempts.
+    """
+    stop_publishing, stop_receiving = trio.Event(), trio.Event()
+    async with trio.open_nursery() as receiving:
+        for sub in subscribers:
+            receiving.start_soon(sub.run, address(sub), stop_receiving)
+        while not all(sub.connects for sub in subscribers):
+            await trio.sleep(poll_s)  # polling the subscribers' counters: all subscribed before anything is published
+        async with trio.open_nursery() as publishing:
+            for pub in publishers:
+                publishing.start_soon(pub.run, address(pub), stop_publishing)
+            await during()
+            stop_publishing.set()
+        with trio.move_on_after(drain_s):
+            await wait_delivered(subscribers, publishers, quiet_s, poll_s)
+        stop_receiving.set()

@@ -239,25 +239,17 @@ async def _exactly_once(running: _Running, args: argparse.Namespace) -> dict[str
                                          payload_bytes=args.payload, prefix="dpub-") for i in range(args.publishers)]
     exact, once = crashclients.Subscriber(0, 2, FILTER, prefix="dsub2-"), crashclients.Subscriber(1, 1, FILTER,
                                                                                                     prefix="dsub1-")
-    stop_publishing, stop_receiving = trio.Event(), trio.Event()
     restart_s = []
+
+    async def crashes() -> None:
+        for _ in range(args.cycles):
+            await trio.sleep(args.load)  # the load runs in the client tasks meanwhile
+            restart_s.append(await trio.to_thread.run_sync(running.crash))
+        await trio.sleep(args.load)
+
     cpu0, wall0 = _cpu_s(), time.perf_counter()
-    async with trio.open_nursery() as receiving:
-        for sub in (exact, once):
-            receiving.start_soon(sub.run, running.address, stop_receiving)
-        while not (exact.connects and once.connects):
-            await trio.sleep(POLL_S)  # both subscribed before anything is published
-        async with trio.open_nursery() as publishing:
-            for pub in publishers:
-                publishing.start_soon(pub.run, running.address, stop_publishing)
-            for _ in range(args.cycles):
-                await trio.sleep(args.load)  # the load runs in the client tasks meanwhile
-                restart_s.append(await trio.to_thread.run_sync(running.crash))
-            await trio.sleep(args.load)
-            stop_publishing.set()
-        with trio.move_on_after(DRAIN_S):
-            await crashclients.wait_delivered([exact, once], publishers, QUIET_S)
-        stop_receiving.set()
+    await crashclients.exchange(publishers, [exact, once], lambda client: running.address, crashes, drain_s=DRAIN_S,
+                                quiet_s=QUIET_S, poll_s=POLL_S)
     cpu, wall = _cpu_s() - cpu0, time.perf_counter() - wall0
     two, one = crashclients.account(publishers, exact), crashclients.account(publishers, once)
     return {

@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         per_broker = compare.measure_all(args, lambda broker: measure(broker, args, qos, rate=0.0), "delivered_per_s")
         ratios = compare.ratios(per_broker, lambda r: r["delivered_per_s"])
         ratios.update(peers.cluster_ratios(per_broker, lambda r: r["delivered_per_s"]))
+        ratios.update(peers.replicated_ratios(per_broker, lambda r: r["delivered_per_s"]))
         result[f"qos{qos}"] = {"brokers": per_broker, "ratios": ratios, "caveats": compare.caveats(per_broker),
                                "warnings": compare.generator_warnings(per_broker)}
         if qos == 0:

@@ -36,7 +36,17 @@ Cluster mode (docs/cluster.md) runs as the peers named ``cluster_name(N)``
 the admin listener; the broker's CPU time and memory are those of all its
 processes, and it is ready once all N gateways listen.
 
-A peer that is not installed is skipped with a printed reason.
+Replicated mode (docs/cluster.md, a store group of 3 replicas) runs as the peers named
+``replicated_name(acks)`` (``lightgate-r3-leader``, ``lightgate-r3-quorum``, ``lightgate-r3-all``): a
+one-member etcd (gateway/bench/etcd.py), 3 ``lightgate store`` replicas of group ``g`` (``start_group``: each
+``--replication-name r<i> --replica r0 --replica r1 --replica r2 --etcd <url> --replication-acks <acks>
+--replication-lease-s 2 --replication-leader-lease-s 1.4``, ``--commitlog-flush sync`` when durable) and one
+gateway process given the 3 replica addresses (``--store a,b,c``: it follows the leader). It is ready once
+etcd names a leader, the in-sync set holds all 3 replicas and the gateway listens: the same start as the
+cluster peer, whose one store process is the unreplicated comparison (``lightgate-cluster-1gw``). Both
+kinds of cluster run their gateways with ``--mqtt-sys-interval-s 0``, so they compare the same work.
+
+A peer that is not installed is skipped with a printed reason (the replicated peers need etcd).
 
 Resource handling: ``start`` returns a running ``Broker``; its owner calls
 ``stop()`` (or uses it as a context manager), which terminates and reaps the
@@ -62,6 +72,7 @@ from typing import IO, Any, Callable
 import psutil
 
 from gateway import SOURCE_DIR
+from gateway.bench import etcd
 
 HOST = "127.0.0.1"
 """Loopback only: the benchmark measures the brokers, not the network."""
@@ -177,14 +188,8 @@ class Broker:
 
     def stop(self) -> None:
         """Terminate the broker and reap it (killed if it ignores SIGTERM)."""
-        for process in (self.process, *self.companions):  # a cluster's gateways first, then its store
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        for process in (self.process, *self.companions):  # a cluster's gateways first, then its store (or group)
+            terminate(process)
         self.log.close()
 
     def __enter__(self) -> "Broker":
@@ -200,9 +205,24 @@ def missing(name: str) -> str | None:
         return "mosquitto is not installed (run `make bench-peers`)"
     if name == "amqtt" and importlib.util.find_spec("amqtt") is None:
         return "amqtt is not installed (it is a project dependency: `make venv`)"
+    if replicated_acks(name) is not None:
+        return etcd.missing()
     if name not in PEERS and cluster_gateways(name) is None:
-        return f"unknown broker {name!r} (known: {', '.join(PEERS)}, {CLUSTER_PREFIX}<N>gw)"
+        return (f"unknown broker {name!r} (known: {', '.join(PEERS)}, {CLUSTER_PREFIX}<N>gw, "
+                f"{', '.join(map(replicated_name, ACKS))})")
     return None
+
+
+def peer_name(name: str) -> str:
+    """``name`` if it names a broker of the suite (installed or not), for ``--brokers``.
+
+    Raises:
+        argparse.ArgumentTypeError: it names none.
+    """
+    reason = missing(name)
+    if reason and reason.startswith("unknown broker"):
+        raise argparse.ArgumentTypeError(reason)
+    return name
 
 
 CLUSTER_PREFIX = "lightgate-cluster-"
@@ -248,6 +268,8 @@ def start(name: str, workdir: Path, *, port: int | None = None, durable: bool = 
         raise PeerError(f"{name} cannot run durable: {NOT_DURABLE[name]}")
     if cluster_gateways(name) is not None:
         return _start_cluster(name, workdir, port or free_port(), durable)
+    if (acks := replicated_acks(name)) is not None:
+        return _start_replicated(name, acks, workdir, port or free_port(), durable)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / DATA_DIR).mkdir(exist_ok=True)
     port = port or free_port()
@@ -377,11 +399,8 @@ def _start_cluster(name: str, workdir: Path, port: int, durable: bool) -> Broker
          "--listen", f"{HOST}:{store_port}", *quiet, *(["--commitlog-flush", "sync"] if durable else [])],
         cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_ENV)
     try:
-        _wait_listening([store.pid], store_port, 1, name, workdir / f"{name}.log")
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "gateway.app.cli", "gateway", "--store", f"{HOST}:{store_port}", "--host", HOST,
-             "--port", str(port), "--workers", str(gateways), *quiet, "--admin-port", "0"],
-            cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_ENV)
+        wait_listening([store.pid], store_port, 1, name, workdir / f"{name}.log")
+        gateway = start_gateway([f"{HOST}:{store_port}"], port, workdir, log, workers=gateways)
     except BaseException:
         store.kill()
         store.wait()
@@ -389,14 +408,14 @@ def _start_cluster(name: str, workdir: Path, port: int, durable: bool) -> Broker
         raise
     broker = Broker(name, port, gateway, log, workdir=workdir, durable=durable, companions=[store])
     try:
-        _wait_listening(None, port, gateways, name, workdir / f"{name}.log", broker)
+        wait_listening(None, port, gateways, name, workdir / f"{name}.log", broker)
     except PeerError:
         broker.stop()
         raise
     return broker
 
 
-def _wait_listening(pids: list[int] | None, port: int, count: int, name: str, log_path: Path,
+def wait_listening(pids: list[int] | None, port: int, count: int, name: str, log_path: Path,
                     broker: Broker | None = None) -> None:
     """Wait until ``count`` of the processes (``pids``, or the broker's) listen on ``port``.
 
@@ -432,3 +451,255 @@ def _wait_until_accepting(broker: Broker, log_path: Path) -> None:
             time.sleep(0.05)  # polling a port: nothing to wait on but the next attempt
     raise PeerError(f"{broker.name} did not accept connections on {broker.host}:{broker.port} "
                     f"within {READY_TIMEOUT_S} s")
+
+
+def start_gateway(stores: list[str], port: int, workdir: Path, log: IO[bytes], *, workers: int = 1
+                  ) -> subprocess.Popen[bytes]:
+    """A ``lightgate gateway`` command (``workers`` processes sharing ``port``) in front of the store addresses
+    ``stores`` (a replicated group's replicas: it follows their leader), at warning level without the admin
+    listener or $SYS publishing."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway.app.cli", "gateway", "--store", ",".join(stores), "--host", HOST,
+         "--port", str(port), "--workers", str(workers), "--log-level", "warning", "--admin-port", "0",
+         "--mqtt-sys-interval-s", "0"],
+        cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_ENV)
+
+
+REPLICATED_PREFIX = "lightgate-r3-"
+ACKS = ("leader", "quorum", "all")
+"""``replication.acks`` of the replicated peers, in the order they are reported."""
+
+REPLICAS = 3
+GROUP = "g"
+FOLLOWING = "following the leader"
+"""The log line (its ``msg``) of a replica that follows the group's leader: a faulted leader has rejoined."""
+LEASE_S = 2.0
+"""``replication.lease_s`` of the benchmark groups: the leader's etcd lease, so the longest a dead leader holds
+its key before an election can start."""
+
+LEADER_LEASE_S = 1.4
+"""``replication.leader_lease_s``: below ``LEASE_S``, so an old leader stops acknowledging before a new one is
+elected."""
+
+UNREPLICATED = cluster_name(1)
+"""The replicated peers' comparison: one store process and one gateway process, the same gateway command."""
+
+
+def replicated_name(acks: str) -> str:
+    """The peer name of a 3-replica group acknowledging with ``acks``."""
+    return f"{REPLICATED_PREFIX}{acks}"
+
+
+def replicated_acks(name: str) -> str | None:
+    """The ``replication.acks`` of a replicated peer name, or None if ``name`` is not one."""
+    acks = name.removeprefix(REPLICATED_PREFIX)
+    return acks if name.startswith(REPLICATED_PREFIX) and acks in ACKS else None
+
+
+def replicated_ratios(results: dict[str, Any], get: Callable[[dict[str, Any]], float]) -> dict[str, float | None]:
+    """``<acks>/unreplicated`` of the figure ``get`` extracts, for every replicated peer measured beside
+    ``UNREPLICATED``."""
+    if UNREPLICATED not in results:
+        return {}
+    theirs = get(results[UNREPLICATED])
+    return {f"{acks}/unreplicated": round(get(results[name]) / theirs, 3) if theirs else None
+            for acks in ACKS if (name := replicated_name(acks)) in results}
+
+
+@dataclass
+class Replica:
+    """One store replica of a group: its command (a restart runs it again), port and log; ``process`` is the
+    running one, or None once killed."""
+
+    name: str
+    port: int
+    command: list[str]
+    workdir: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def start(self) -> None:
+        """Run the replica's command (again); its JSON log lines go to ``log_path`` after the earlier ones."""
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(self.command, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=_ENV)
+
+    def log_size(self) -> int:
+        """The bytes in the replica's log now: ``logged(msg, since=log_size())`` looks only at what comes after."""
+        return self.log_path.stat().st_size if self.log_path.exists() else 0
+
+    def logged(self, msg: str, since: int = 0) -> bool:
+        """The replica logged a JSON line whose ``msg`` is ``msg`` after byte ``since`` of its log."""
+        with open(self.log_path, "rb") as log:
+            log.seek(since)
+            for line in log:
+                try:
+                    if json.loads(line).get("msg") == msg:
+                        return True
+                except (ValueError, AttributeError):
+                    pass  # a line that is no JSON object (an interpreter's traceback): not the one
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL the replica (it may be stopped: a SIGKILL ends a stopped process too) and reap it."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+
+@dataclass
+class Group:
+    """A replicated store group on loopback: a one-member etcd and ``REPLICAS`` store replicas."""
+
+    etcd: etcd.Etcd
+    replicas: list[Replica]
+    acks: str
+
+    def addresses(self) -> list[str]:
+        return [r.address for r in self.replicas]
+
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        """The running replicas' processes, then etcd's (the order ``Broker.stop`` ends them in)."""
+        return [*(r.process for r in self.replicas if r.process is not None), self.etcd.process]
+
+    def leader(self) -> tuple[Replica, int] | None:
+        """The replica etcd names the leader and its epoch, or None while no leader key exists (or it names a
+        replica that is not running: its lease has not run out yet)."""
+        key = self.etcd.leader(GROUP)
+        replica = next((r for r in self.replicas if key and r.name == key.get("name")), None)
+        if replica is None or replica.process is None:
+            return None
+        return replica, int(key["epoch"])  # type: ignore[index]
+
+    def whole(self, above: int = -1, faulted: tuple[Replica, int] | None = None) -> tuple[Replica, int] | None:
+        """The leader and its epoch once the group is whole again; else None.
+
+        Whole: etcd names a running leader of an epoch above ``above``, its in-sync set holds every replica, and
+        ``faulted`` (a replica that was killed or frozen, and the size of its log then) leads, or has logged
+        since that it follows the leader.
+        """
+        leader = self.leader()
+        if leader is None or leader[1] <= above:
+            return None
+        isr = self.etcd.in_sync(GROUP)
+        if isr is None or sorted(isr.get("members", ())) != sorted(r.name for r in self.replicas):
+            return None
+        if faulted is not None and faulted[0] is not leader[0] and not faulted[0].logged(FOLLOWING, faulted[1]):
+            return None
+        return leader
+
+    def wait_whole(self, timeout_s: float = READY_TIMEOUT_S, above: int = -1,
+                   faulted: tuple[Replica, int] | None = None) -> tuple[Replica, int] | None:
+        """``whole(above, faulted)``, polled until it holds or ``timeout_s`` passed (then None).
+
+        Raises:
+            PeerError: a replica exited (its log's tail says why).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for replica in self.replicas:
+                if replica.process is not None and replica.process.poll() is not None:
+                    raise PeerError(f"replica {replica.name} exited with status {replica.process.returncode}: "
+                                    + replica.log_path.read_text(errors="replace")[-2000:])
+            try:
+                found = self.whole(above, faulted)
+            except etcd.EtcdError:
+                found = None  # etcd busy for a moment: look again
+            if found is not None or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)  # polling etcd's keys and a log: the benchmark does not watch them
+
+    def state(self) -> str:
+        """What etcd says of the group now (leader and in-sync set), for a message."""
+        try:
+            return f"leader {self.etcd.leader(GROUP)}, in-sync set {self.etcd.in_sync(GROUP)}"
+        except etcd.EtcdError as exc:
+            return str(exc)
+
+    def stop(self) -> None:
+        """Terminate every replica, then etcd (each killed if it ignores SIGTERM)."""
+        for replica in self.replicas:
+            if replica.process is not None:
+                terminate(replica.process)
+        self.etcd.stop()
+
+    def tail(self) -> str:
+        """The last lines of every replica's log, for an error message."""
+        return "\n".join(f"{r.name}: " + r.log_path.read_text(errors="replace")[-1000:]
+                         for r in self.replicas if r.log_path.exists())
+
+
+def terminate(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM ``process`` and reap it; SIGKILL it if it has not exited within ``STOP_TIMEOUT_S``."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def start_group(workdir: Path, acks: str, *, durable: bool = False) -> Group:
+    """etcd and ``REPLICAS`` replicas acknowledging with ``acks``, their data under ``workdir/data``; returns
+    once the group is whole (``Group.whole``).
+
+    Raises:
+        PeerError: etcd or a replica did not start, or the group was not whole within ``READY_TIMEOUT_S``.
+    """
+    data = workdir / DATA_DIR
+    data.mkdir(parents=True, exist_ok=True)
+    try:
+        server = etcd.start(data / "etcd", free_port(), free_port(), workdir / "etcd.log")
+    except etcd.EtcdError as exc:
+        raise PeerError(str(exc)) from None
+    names = [f"r{i}" for i in range(REPLICAS)]
+    members = [arg for name in names for arg in ("--replica", name)]
+    replicas = []
+    for name in names:
+        port = free_port()
+        command = [sys.executable, "-m", "gateway.app.cli", "store", "--data", str(data / name),
+                   "--listen", f"{HOST}:{port}", "--replication-group", GROUP, "--replication-name", name,
+                   *members, "--etcd", server.client_url, "--replication-acks", acks,
+                   "--replication-lease-s", str(LEASE_S), "--replication-leader-lease-s", str(LEADER_LEASE_S),
+                   "--log-json", *(["--commitlog-flush", "sync"] if durable else [])]
+        replicas.append(Replica(name, port, command, workdir))
+    group = Group(server, replicas, acks)
+    try:
+        for replica in replicas:
+            replica.start()
+        if group.wait_whole() is None:
+            raise PeerError(f"replicated group ({acks}) not whole within {READY_TIMEOUT_S} s "
+                            f"({group.state()}):\n{group.tail()}")
+    except BaseException:
+        group.stop()
+        raise
+    return group
+
+
+def _start_replicated(name: str, acks: str, workdir: Path, port: int, durable: bool) -> Broker:
+    """A replicated group and one gateway in front of it (see the module docstring); ready when the gateway
+    listens."""
+    group = start_group(workdir, acks, durable=durable)
+    log = open(workdir / f"{name}.log", "ab")
+    try:
+        gateway = start_gateway(group.addresses(), port, workdir, log)
+    except BaseException:
+        group.stop()
+        log.close()
+        raise
+    broker = Broker(name, port, gateway, log, workdir=workdir, durable=durable, companions=group.processes())
+    try:
+        wait_listening(None, port, 1, name, workdir / f"{name}.log", broker)
+    except PeerError:
+        broker.stop()
+        raise
+    return broker

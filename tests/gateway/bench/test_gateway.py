@@ -100,9 +100,38 @@ def test_ratios_and_median_run():
 
 
 def test_unknown_peer_is_skipped_with_a_reason(capsys):
-    assert peers.missing("nosuchbroker") == "unknown broker 'nosuchbroker' (known: lightgate, mosquitto, amqtt, lightgate-cluster-<N>gw)"
+    assert peers.missing("nosuchbroker") == ("unknown broker 'nosuchbroker' (known: lightgate, mosquitto, amqtt, "
+                                             "lightgate-cluster-<N>gw, lightgate-r3-leader, lightgate-r3-quorum, "
+                                             "lightgate-r3-all)")
     assert peers.available(["nosuchbroker", "lightgate"]) == ["lightgate"]
     assert "skipping nosuchbroker: unknown broker" in capsys.readouterr().err
+
+
+def test_brokers_takes_the_cluster_and_replicated_peers_and_refuses_unknown_names(capsys):
+    args = _args(fanin, "lightgate-cluster-1gw", "lightgate-r3-leader", "lightgate-r3-quorum", "lightgate-r3-all")
+    assert args.brokers == ["lightgate", "lightgate-cluster-1gw", "lightgate-r3-leader", "lightgate-r3-quorum",
+                            "lightgate-r3-all"]
+    for name in ("lightgate-r3-most", "lightgate-cluster-0gw"):
+        with pytest.raises(SystemExit):
+            _args(fanin, name)
+        assert f"unknown broker {name!r}" in capsys.readouterr().err
+
+
+def test_replicated_peers_compare_with_one_unreplicated_store():
+    assert [peers.replicated_acks(peers.replicated_name(acks)) for acks in peers.ACKS] == ["leader", "quorum", "all"]
+    assert peers.replicated_acks("lightgate-r3-") is None and peers.replicated_acks("lightgate") is None
+    results = {"lightgate-cluster-1gw": {"rate": 200}, "lightgate-r3-quorum": {"rate": 150},
+               "lightgate-r3-all": {"rate": 0}, "lightgate": {"rate": 400}}
+    assert peers.replicated_ratios(results, lambda r: r["rate"]) == {"quorum/unreplicated": 0.75,
+                                                                     "all/unreplicated": 0.0}
+    assert peers.replicated_ratios({"lightgate-r3-quorum": {"rate": 150}}, lambda r: r["rate"]) == {}
+
+
+def test_the_replicated_peers_are_skipped_saying_why_without_etcd(monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no etcd on the PATH: what a machine without etcd-server looks like
+    assert peers.missing("lightgate-r3-quorum").startswith("etcd is not installed (Debian: apt-get install etcd-server")
+    assert peers.available(["lightgate-r3-all", "lightgate"]) == ["lightgate"]
+    assert "skipping lightgate-r3-all: etcd is not installed" in capsys.readouterr().err
 
 
 @pytest.mark.slow
