@@ -18,6 +18,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from store.log.commitlog import CommitLog, CommitLogConfig
+from store.rpc.connection import STALLED_LEASES
 from tests.helpers.cluster import WAIT_S, free_port
 from tests.helpers.etcd import running_etcd
 from tests.helpers.fulldisk import tmpfs
@@ -103,8 +104,10 @@ def freeze_leader(group: Group, gateway, epoch: int, topic: str, prefix: str) ->
     try:
         new, new_epoch = group.wait_leader(after_epoch=epoch)
         assert new != old
+        # Within half the stalled-link limit (6 store leases: 30 s), after which any client gives up on a silent
+        # store: a gateway must leave the frozen leader because another replica leads, not because it waited.
         gateway.wait_log(lambda doc: doc.get("msg") == "connected to the store"
-                         and doc.get("store") == group.replicas[new].address)
+                         and doc.get("store") == group.replicas[new].address, timeout=STALLED_LEASES * 5.0 / 2)
         during = publish_acked(gateway.port, topic, 20, prefix=prefix)
         assert during  # the group serves without its old leader
     finally:
