@@ -236,3 +236,19 @@ def test_losing_one_of_three_etcd_members_still_fails_the_leader_over(tmp_path):
                 gateway.stop()
         finally:
             group.stop()
+
+
+def test_leader_kills_and_freezes_under_qos1_and_qos2_load_through_two_gateways_lose_and_repeat_nothing():
+    """`lightgate bench failover`, small: QoS 1 and QoS 2 publishers and persistent subscribers (the spec-following
+    clients of gateway/bench/crashclients.py) through two gateways to a 3-replica group whose leader is SIGKILLed 3
+    times and SIGSTOPped past its lease once. Nothing acknowledged (PUBACK, PUBREC) is lost, no QoS 2 message
+    reaches the QoS 2 subscriber twice ([MQTT-4.3.3]), and every fault ends with a new leader that acknowledges."""
+    done = subprocess.run([sys.executable, "-m", "gateway.app.cli", "bench", "failover", "--kills", "3", "--freezes",
+                           "1", "--load", "1", "--runs", "0"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=20 * WAIT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.split("BENCH ", 1)[1])
+    result = result.get("result", result)
+    assert result["acked"] > 0 and result["failovers"] == 4, result
+    assert (result["acked_lost"], result["duplicates_qos2"]) == (0, 0), result
+    assert result["never_available"] == 0 and result["qos1_subscriber"]["lost"] == 0, result
