@@ -80,7 +80,10 @@ async def serve_replica(settings: Mapping[str, Any], access: StoreAccess | None 
             shorter than the leader lease).
         OSError: the RPC port cannot be bound.
     """
+    from gateway.ops.admin import serve_admin
+    from gateway.ops.replica import ReplicaEndpoint
     from store.controller.group import GroupConfig
+    from store.replica.figures import RoleFigures
     from store.replica.role import ReplicaConfig, run_replica
     from store.rpc.front import RpcFront
     from store.rpc.server import RpcServer
@@ -111,10 +114,17 @@ async def serve_replica(settings: Mapping[str, Any], access: StoreAccess | None 
             store_options={"tier": settings, "fix_session": fix_session, "session_expiry": session_expiry,
                            "lease_s": settings["store.lease_s"],
                            "timer_max_pending": settings["delayed.max_pending_per_client"]})
-        await nursery.start(run_replica, config, front, lambda node: RpcServer(node, access=access))
+        figures = RoleFigures(group.group, name)
+        metrics_port = None
+        if settings["store.metrics_port"]:
+            metrics = await nursery.start(partial(serve_admin, ReplicaEndpoint(figures.statistics), host,
+                                                  settings["store.metrics_port"], max_body=0, kind="store_metrics"))
+            metrics_port = metrics[0].socket.getsockname()[1]
+        await nursery.start(partial(run_replica, config, front, lambda node: RpcServer(node, access=access),
+                                    figures=figures))
         LOGGER.info("store replica ready", extra={"ctx": {
             "group": group.group, "name": name, "data": str(config.data), "host": bound_host, "port": bound_port,
-            "acks": config.acks}})
+            "acks": config.acks, "metrics_port": metrics_port}})
     LOGGER.info("store replica stopped")
 
 

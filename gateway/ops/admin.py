@@ -56,7 +56,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, final
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, final
 from urllib.parse import parse_qsl, unquote
 
 import h11
@@ -96,6 +96,7 @@ __all__ = [
     "AdminApi",
     "HttpError",
     "Request",
+    "Routes",
     "Response",
     "serve_admin",
 ]
@@ -173,6 +174,13 @@ class Response:
     body: bytes
     content_type: str = JSON
     headers: tuple[tuple[str, str], ...] = ()
+
+
+class Routes(Protocol):
+    """What ``serve_admin`` serves: the admin endpoint (``AdminApi``), or a store replica's (gateway/ops/replica.py)."""
+
+    async def handle(self, request: Request) -> Response:
+        """Answer one request; never raises for a bad request."""
 
 
 class HttpError(Exception):
@@ -601,16 +609,18 @@ def _message_json(message: Any) -> dict[str, Any]:
 
 
 async def serve_admin(
-    api: AdminApi,
+    api: Routes,
     host: str,
     port: int,
     *,
     max_body: int,
     max_connections: int = 32,
     header_timeout_s: float = HEADER_TIMEOUT_S,
+    kind: str = "admin",
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the admin endpoint on ``host:port`` until cancelled.
+    """Serve the admin endpoint (or another ``api``: ``kind`` names it in a bind error, gateway/node/binding.py)
+    on ``host:port`` until cancelled.
 
     ``task_status.started`` receives the listeners (port 0 picks a free port: read it from them).
     Bodies larger than ``max_body`` bytes are refused with 413 (and the connection closed). At most
@@ -663,7 +673,7 @@ async def serve_admin(
             finally:
                 slot.release()
 
-    with naming_the_address("admin", host, port):
+    with naming_the_address(kind, host, port):
         listeners = await trio.open_tcp_listeners(port, host=host)
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_accepting, listeners, handler, CapacityLog("admin"))
@@ -688,7 +698,7 @@ class _BodyTooLarge(Exception):
     """The request announced or sent a body over the limit."""
 
 
-async def _serve_connection(stream: trio.SocketStream, api: AdminApi, peer_host: str, max_body: int, slot: Slot,
+async def _serve_connection(stream: trio.SocketStream, api: Routes, peer_host: str, max_body: int, slot: Slot,
                             header_timeout_s: float) -> None:
     """Answer requests on one kept-alive connection until either side closes it or it idles out.
 
