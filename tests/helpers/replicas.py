@@ -24,14 +24,17 @@ default timing), its leader lease 1.4 s."""
 
 
 class Replica(Process):
-    """One `lightgate store` replica of the group (ready once it runs its role loop)."""
+    """One `lightgate store` replica of the group (ready once it runs its role loop); ``metrics_port``: its
+    ``/metrics`` endpoint's (0: none)."""
 
     def __init__(self, data: Path, port: int, name: str, names: Sequence[str], etcd: Sequence[str],
-                 *flags: str) -> None:
+                 *flags: str, metrics_port: int = 0) -> None:
         self.data, self.port, self.name, self.names, self.etcd, self.flags = data, port, name, names, etcd, flags
+        self.metrics_port = metrics_port
         args = ["store", "--data", str(data), "--listen", f"127.0.0.1:{port}", "--replication-group", GROUP,
                 "--replication-name", name, *(f for n in names for f in ("--replica", n)),
-                *(f for url in etcd for f in ("--etcd", url)), *LEASE_FLAGS, *flags]
+                *(f for url in etcd for f in ("--etcd", url)), *LEASE_FLAGS, *flags,
+                *(("--store-metrics-port", str(metrics_port)) if metrics_port else ())]
         super().__init__(*args, ready="store replica ready")
 
     @property
@@ -40,7 +43,8 @@ class Replica(Process):
 
     def restarted(self) -> Replica:
         """A new process of this replica: same data, port, name and flags (this one must have exited)."""
-        return Replica(self.data, self.port, self.name, self.names, self.etcd, *self.flags)
+        return Replica(self.data, self.port, self.name, self.names, self.etcd, *self.flags,
+                       metrics_port=self.metrics_port)
 
 
 def etcd_get(endpoints: Sequence[str], key: str) -> bytes | None:
@@ -58,16 +62,18 @@ def etcd_get(endpoints: Sequence[str], key: str) -> bytes | None:
 
 
 class Group:
-    """``names`` replicas of one group over ``etcd``, each with its own data directory under ``root``."""
+    """``names`` replicas of one group over ``etcd``, each with its own data directory under ``root`` (and its
+    own ``/metrics`` port with ``metrics``)."""
 
     def __init__(self, root: Path, etcd: Sequence[str], names: Sequence[str] = ("r0", "r1", "r2"),
-                 *flags: str) -> None:
+                 *flags: str, metrics: bool = False) -> None:
         self.etcd = list(etcd)
         self.names = list(names)
         self.replicas: dict[str, Replica] = {}
         try:
             for name in names:
-                self.replicas[name] = Replica(root / name, free_port(), name, names, self.etcd, *flags)
+                self.replicas[name] = Replica(root / name, free_port(), name, names, self.etcd, *flags,
+                                              metrics_port=free_port() if metrics else 0)
         except BaseException:
             self.stop()
             raise
