@@ -91,6 +91,7 @@ from lightqueue.topics import TopicError, validate_topic
 if TYPE_CHECKING:
     from gateway.ops.administration import Administration
     from gateway.ops.metrics import NodeMetrics
+    from store.api import ReplicationStatistics
 
 __all__ = [
     "AdminApi",
@@ -212,7 +213,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/healthz", "GET"): Operation("the process answers", "none"),
     ("/readyz", "GET"): Operation("the store answers and the MQTT listener is up (else 503 and why)", "none"),
     (OPENAPI_PATH, "GET"): Operation("this document", "none"),
-    ("/api/v1/overview", "GET"): Operation("what the dashboard polls: counts, traffic, store, lag, auth failures"),
+    ("/api/v1/overview", "GET"): Operation("what the dashboard polls: counts, traffic, store, its replicated group, lag,"
+                                           " auth failures"),
     ("/api/v1/clients", "GET"): Operation("the connected clients", answer=list[ClientInfo]),
     ("/api/v1/clients/{client_id}", "GET"): Operation("one connected client, on whichever node it is connected to",
                                                       answer=ClientInfo),
@@ -425,6 +427,7 @@ class AdminApi:
             "store": {"dispatch_lag": store.dispatch_lag, "log_bytes": store.log_bytes, "queue_ids": store.queue_ids,
                       "active_filters": store.active_filters, "retained": store.retained,
                       "notify_sent": store.notify_sent, "notify_suppressed": store.notify_suppressed},
+            "replication": _group_view(store.replication),
             "auth": {"failures": counters.auth_failures, "acl_denials": counters.acl_denials,
                      "recent": list(reversed(counters.recent))},
             "clients": clients[:OVERVIEW_CLIENTS],
@@ -500,6 +503,17 @@ class AdminApi:
         if not existed:
             raise HttpError(404, f"no retained message on {rest!r}")
         return json_response({"deleted": rest})
+
+
+def _group_view(stats: ReplicationStatistics | None) -> dict[str, Any] | None:
+    """The store group as the dashboard shows it (its leader's view), or None for an unreplicated store."""
+    if stats is None:
+        return None
+    return {"group": stats.group, "leader": stats.name, "epoch": stats.epoch, "acks": stats.acks,
+            "fenced": stats.fenced, "isr": stats.isr, "confirm_offset": stats.confirm_offset,
+            "written_offset": stats.written_offset,
+            "followers": [{"name": f.name, "held": f.held, "lag_bytes": f.lag_bytes, "in_isr": f.in_isr}
+                          for f in stats.followers]}
 
 
 def _missing_header(missing: list[str]) -> tuple[tuple[str, str], ...]:

@@ -1,5 +1,5 @@
 """Watching a replicated store group: each replica's own ``/metrics`` (``store.metrics_port``), the leader's view
-through a gateway's ``/metrics``, and ``lightgate store status`` with every live replica's figures.
+through a gateway's ``/metrics`` and the dashboard's ``/api/v1/overview``, and ``lightgate store status`` with every live replica's figures.
 
 Real processes (etcd, three `lightgate store` replicas, a gateway), real SIGKILLs; every figure is waited for as a
 condition on the scraped text, never after a sleep.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.cluster.test_replication import publish_acked, store_command
-from tests.helpers.admin import admin_port
+from tests.helpers.admin import Admin, admin_port
 from tests.helpers.etcd import running_etcd
 from tests.helpers.mqtt_fixtures import run_id
 from tests.helpers.prometheus import metric
@@ -73,6 +73,11 @@ def test_each_replica_its_gateway_and_status_show_roles_epochs_the_isr_and_lag(t
                 for name in followers:
                     assert metric(gateway_admin, f'lightgate_replication_follower_held_offset{{replica="{name}"}}') \
                         >= end
+                view = Admin(gateway_admin).get("/api/v1/overview")["replication"]  # what the dashboard shows
+                assert (view["group"], view["leader"], view["epoch"], sorted(view["isr"])) == ("g", leader, 1,
+                                                                                           sorted(NAMES))
+                assert {f["name"]: (f["in_isr"], f["held"] >= end) for f in view["followers"]} == \
+                    {name: (True, True) for name in followers}
 
                 shown = status(etcd.endpoints)
                 assert sorted(shown["figures"]) == sorted(NAMES)
