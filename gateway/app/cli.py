@@ -12,7 +12,7 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from gateway import __version__
 
@@ -121,7 +121,7 @@ def _group_command(args: argparse.Namespace, conf: cfg.Config) -> int:
         LOG.error("lightgate store %s: name the replica (lightgate store %s NAME)", args.action, args.action)
         return 1
 
-    async def run() -> dict[str, object]:
+    async def run() -> dict[str, Any]:
         async with GroupAdmin.open(conf["replication.etcd"], group) as admin:
             if args.action == "add-replica":
                 await admin.add_replica(args.replica_name)
@@ -135,7 +135,7 @@ def _group_command(args: argparse.Namespace, conf: cfg.Config) -> int:
         LOG.error("lightgate store %s: %s", args.action, exc)
         return 1
     figures: dict[str, object] = {}
-    for name, address in status["metrics"].items():  # type: ignore[union-attr]
+    for name, address in status["metrics"].items():
         try:
             figures[name] = read_figures(address, STATUS_TIMEOUT_S)
         except (OSError, ValueError) as exc:  # gone since etcd listed it, or not a replica's endpoint
