@@ -76,6 +76,8 @@ OPTIONS: tuple[Option, ...] = (
            flag="--store"),
     Option("store.lease_s", 5.0, "a gateway node's lease (`lightgate store`): silent this long, its clients' wills"
            " are published and the node must drop them when it returns (docs/cluster.md)"),
+    Option("store.metrics_port", 0, "a store replica's HTTP port for its own Prometheus /metrics (role, epoch, lag,"
+           " in-sync set), on store.listen's host; 0 = off (`lightgate store` with replication.group; docs/operations.md)"),
     Option("store.failover_wait_s", 5.0, "a cluster gateway's publish that finds no store connection (a store"
            " restart, a new leader) waits this long for the next one instead of failing at once; 0 = fail at once"
            " (`lightgate gateway`, docs/cluster.md)"),

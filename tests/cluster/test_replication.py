@@ -10,11 +10,10 @@ run here small.
 from __future__ import annotations
 
 import json
-from signal import SIGCONT, SIGSTOP
 import subprocess
 import sys
+from signal import SIGCONT, SIGSTOP
 
-import paho.mqtt.client as mqtt
 import pytest
 
 from store.log.commitlog import CommitLog, CommitLogConfig
@@ -24,7 +23,7 @@ from tests.helpers.etcd import running_etcd
 from tests.helpers.fulldisk import tmpfs
 from tests.helpers.mqtt_fixtures import connected, run_id
 from tests.helpers.processes import ROOT
-from tests.helpers.replicas import Group, Replica, wait_for
+from tests.helpers.replicas import Group, Replica, publish_acked, store_command, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -40,31 +39,6 @@ def log_bytes(data) -> bytes:
             parts.append(chunk)
             offset += len(chunk)
         return b"".join(parts)
-
-
-def publish_acked(port: int, topic: str, count: int, qos: int = 1, prefix: str = "m",
-                  payload: bytes = b"") -> list[bytes]:
-    """Publish ``count`` messages (MQTT 5) through the gateway at ``port``, one at a time; the payloads acknowledged
-    as stored (PUBACK / PUBREC reason code 0: [MQTT-3.4.2-1], a code of 0x80 or more is a refusal)."""
-    codes: dict[int, int] = {}
-    acked: list[bytes] = []
-    with connected(port, protocol=mqtt.MQTTv5) as client:
-        client.paho.on_publish = lambda c, u, mid, rc, props: codes.__setitem__(mid, int(getattr(rc, "value", rc)))
-        for i in range(count):
-            body = f"{prefix}{i}".encode() + payload
-            info = client.paho.publish(topic, body, qos)
-            info.wait_for_publish(timeout=WAIT_S)
-            wait_for(lambda: info.mid in codes, "the acknowledgement")
-            if codes[info.mid] < 0x80:
-                acked.append(body)
-    return acked
-
-
-def store_command(*args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "gateway.app.cli", "store", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=WAIT_S)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
 
 
 def test_one_leader_serves_gateways_given_every_replica_and_status_shows_the_group(tmp_path):
