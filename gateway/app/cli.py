@@ -85,11 +85,18 @@ def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
     return run_gateway_node(conf)
 
 
+GROUP_ACTIONS = ("run", "status", "add-replica", "remove-replica")
+"""What ``lightgate store`` does: run the store node (the default), or show or change its replicated group."""
+
+
 def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
     from gateway.app.reload import Reloader
     from gateway.mqtt.session import clamp_session_blob, session_blob_expiry
     from gateway.app.store_node import run_store_node
 
+    if args.action not in GROUP_ACTIONS:  # checked here, not by argparse: another command's flag is named first
+        LOG.error("lightgate store: unknown action %r (%s)", args.action, ", ".join(GROUP_ACTIONS))
+        return 2
     if args.action != "run":
         return _group_command(args, conf)
     if _lacks_the_tier("store", "store", conf):
@@ -403,7 +410,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                               "gateway nodes over the RPC (--listen HOST:PORT), alone or as a replica of "
                               "--replication-group; or show or change that group (status, add-replica NAME, "
                               "remove-replica NAME; docs/cluster.md)", _cmd_store)
-    p.add_argument("action", nargs="?", default="run", choices=("run", "status", "add-replica", "remove-replica"),
+    p.add_argument("action", nargs="?", default="run", metavar="{run,status,add-replica,remove-replica}",
                    help="run (the default): run the store node; status: print the group's leader, epoch, in-sync"
                         " set and members as JSON; add-replica / remove-replica NAME: change its configured replicas")
     p.add_argument("replica_name", nargs="?", metavar="NAME", help="the replica add-replica / remove-replica change")

@@ -16,7 +16,7 @@ from store.log.record import new_record
 from store.node import open_follower
 from store.replica.figures import RoleFigures
 from store.replica.follower import follow
-from tests.store.replica.test_replication import CONFIG, leader, messages, start_epoch, until
+from tests.helpers.replication import CONFIG, leader, messages, start_epoch, until
 
 
 def publish(data: Path, topic: str, n: int) -> None:
