@@ -93,11 +93,11 @@ def until_sentinel(client: Client, sentinel: bytes) -> list[bytes]:
 
 
 def publish_through_outage(gateway: LightgateProcess, port: int, outage: Callable[[], None],
-                           recover: Callable[[], None]) -> None:
+                           recover: Callable[[], None], *, during: Callable[[], None] = lambda: None) -> None:
     """Subscribers of every kind, a publisher before, during and after an outage (``outage()`` breaks the store,
-    ``recover()`` brings it back); each subscriber stays connected (the same socket: no new CONNACK, no disconnect)
-    and gets every message acknowledged, in the publisher's order ([MQTT-4.6.0-5]); QoS 1 is at least once
-    ([MQTT-4.3.2]): duplicates are counted and printed."""
+    ``during()`` runs once a call met it, ``recover()`` brings it back); each subscriber stays connected (the same
+    socket: no new CONNACK, no disconnect) and gets every message acknowledged, in the publisher's order
+    ([MQTT-4.6.0-5]); QoS 1 is at least once ([MQTT-4.3.2]): duplicates are counted and printed."""
     run = run_id()
     topic = f"fo{run}/x"
     fleet = subscribers(port, topic, run)
@@ -110,6 +110,7 @@ def publish_through_outage(gateway: LightgateProcess, port: int, outage: Callabl
         link_broke(gateway, mark)
         publisher.publish(topic, [b"during-%d" % i for i in range(3)])
         met_the_outage(gateway, mark)
+        during()
         recover()
         publisher.publish(topic, [b"after-%d" % i for i in range(5)])
         acked = publisher.acked()
@@ -204,19 +205,44 @@ def test_a_connect_during_a_store_restart_is_accepted_after_it(restartable):
 def test_a_replicated_group_leader_kill_is_hidden_from_devices(tmp_path):
     """End to end: etcd, three replicas, a gateway given their addresses; the leader is SIGKILLed while subscribers
     of every kind are connected and a publisher publishes before, during and after the election: no subscriber is
-    disconnected, each gets every acknowledged message in order."""
+    disconnected, each gets every acknowledged message in order. A QoS 2 PUBREL sent during the election gets
+    PUBCOMP 0 from the new leader ([MQTT-4.3.3-1]) and its message arrives once ([MQTT-4.3.3-2]: the flow is in
+    the log, so the new leader knows it); a CONNECT sent during it is accepted ([MQTT-3.2.2-6])."""
+    run = run_id()
+    topic = f"g2{run}/x"
     with running_etcd(tmp_path) as etcd:
         group = Group(tmp_path, etcd.endpoints)
         try:
             _, epoch = group.wait_leader()
             group.wait_isr(group.names)
             gateway = group.gateway(*WAIT_FLAGS)
+            subscriber = Client(gateway.port, f"s2-{run}", protocol=mqtt.MQTTv5)
+            subscriber.connect()
+            subscriber.subscribe(topic, 2)
             try:
-                def kill_leader() -> None:
-                    group.replicas[group.leader()[0]].kill()
+                with raw_client(gateway.port, MQTT_5) as device, raw_client(gateway.port, MQTT_5) as late:
+                    device.connect(f"p2-{run}")
+                    device.send(Publish(topic, b"once", qos=2, packet_id=9))
+                    assert device.receive() == Pubrec(9)
 
-                publish_through_outage(gateway, gateway.port, kill_leader, lambda: group.wait_leader(epoch))
+                    def kill_leader() -> None:
+                        group.replicas[group.leader()[0]].kill()
+
+                    def in_the_window() -> None:
+                        device.send(Pubrel(9))
+                        late.send(Connect(MQTT_5, f"late-{run}", True))
+
+                    publish_through_outage(gateway, gateway.port, kill_leader, lambda: group.wait_leader(epoch),
+                                           during=in_the_window)
+                    assert device.receive() == Pubcomp(9, ReasonCode.SUCCESS)
+                    connack = late.receive()
+                    assert isinstance(connack, Connack) and connack.reason_code is ReasonCode.SUCCESS, connack
+                    device.send(Publish(topic, b"sentinel", qos=1, packet_id=10))
+                    device.receive()
+                assert until_sentinel(subscriber, b"sentinel") == [b"once"]
+                assert subscriber.disconnects.empty()
             finally:
+                subscriber.disconnect()
                 gateway.stop()
         finally:
             group.stop()
