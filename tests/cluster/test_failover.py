@@ -11,6 +11,7 @@ accepted after it.
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable
 
 import paho.mqtt.client as mqtt
@@ -106,12 +107,15 @@ def publish_through_outage(gateway: LightgateProcess, port: int, outage: Callabl
         publisher.publish(topic, [b"before-%d" % i for i in range(5)])
         assert publisher.acked() == [b"before-%d" % i for i in range(5)]
         mark = len(gateway.logs)
+        broke = time.monotonic()
         outage()
         link_broke(gateway, mark)
         publisher.publish(topic, [b"during-%d" % i for i in range(3)])
         met_the_outage(gateway, mark)
         during()
         recover()
+        publisher.sent[5][1].wait_for_publish(timeout=WAIT_S)
+        print(f"the first publish of the outage acknowledged {time.monotonic() - broke:.2f} s after it began")
         publisher.publish(topic, [b"after-%d" % i for i in range(5)])
         acked = publisher.acked()
         assert acked == [payload for payload, _ in publisher.sent]  # every publish stored, none refused
