@@ -255,6 +255,13 @@ class StoreUnavailable(ConnectionError):
     """
 
 
+class LeaderFenced(StoreUnavailable):
+    """A replicated store's leader could not acknowledge a write it had appended: its leader lease is gone, or the
+    controller fenced it (store/replica/leader.py). The write may reach the next leader or not: unlike
+    :class:`NotLeader` (nothing done), its outcome is unknown, as a broken connection's is; nothing is
+    acknowledged, and the caller must not write it again on its own (its client resends)."""
+
+
 class NotLeader(StoreUnavailable):
     """The store replica reached does not lead its group now: it serves nothing and names the leader it knows
     (``leader``, ``host:port``; empty when no leader is known now, during an election). The client tries there
@@ -270,11 +277,7 @@ class LeaseLost(ConnectionError):
     to another node since), so the store refused it. Nothing is acknowledged for it."""
 
 
-class LeaderFenced(OSError):
-    """A replicated store's leader could not acknowledge a write it had appended: its leader lease is gone, or the
-    controller fenced it (store/replica/leader.py). The write may reach the next leader or not: unlike
-    :class:`NotLeader` (nothing done), its outcome is unknown. An OSError, so every caller treats it as a failed
-    write: nothing is acknowledged."""
+
 
 
 class DelayedCapExceeded(ValueError):

@@ -117,9 +117,11 @@ class Appends:
 
     async def perform(self, connection: Connection, appends: list[Append]) -> None:
         """Append a connection's consecutive appends as one batch; answer each in order."""
-        positions = await self.store([m for append in appends for m in append.messages])
-        if isinstance(positions, ReasonCode) and len(appends) > 1:
-            # One bad message must not fail its neighbours: retry one by one so each gets its own answer.
+        positions, unknown = await self._stored([m for append in appends for m in append.messages])
+        if isinstance(positions, ReasonCode) and len(appends) > 1 and not unknown:
+            # One bad message must not fail its neighbours: retry one by one so each gets its own answer. Not when
+            # the store went away with the call in flight: the messages may be stored, and a retry would store
+            # them twice (a QoS 2 duplicate, [MQTT-4.3.3]); each is refused, and its publisher sends it again.
             for append in appends:
                 await self.perform(connection, [append])
             return
@@ -133,8 +135,15 @@ class Appends:
         publish. Messages of a client of an ended store lease are SESSION_TAKEN_OVER (the client is another
         node's now).
         """
+        return (await self._stored(messages, count=count))[0]
+
+    async def _stored(self, messages: Sequence[NewMessage], *,
+                      count: bool = True) -> tuple[Positions | ReasonCode, bool]:
+        """:meth:`store`, and whether a failure leaves the outcome unknown (the store became unreachable with the
+        call sent: the messages may be stored) rather than nothing appended."""
+        unknown = False
         try:
-            return await self._store.append(messages)
+            return await self._store.append(messages), False
         except RecordTooLarge as exc:
             LOGGER.warning("append refused: %s", exc)
             reason = ReasonCode.PACKET_TOO_LARGE
@@ -144,12 +153,13 @@ class Appends:
             reason = ReasonCode.SESSION_TAKEN_OVER
         except ConnectionError:  # the store is unreachable: its client logs that once
             reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+            unknown = True
         except (OSError, ValueError) as exc:
             LOGGER.error("append failed: %r", exc)
             reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
         for message in messages if count else ():
             self.refused_by_qos[message.qos] += 1
-        return reason
+        return reason, unknown
 
     async def own(self, messages: Sequence[NewMessage], *, count: bool = True) -> ReasonCode | None:
         """Append the node's own messages (wills, ``$SYS``, HTTP publish), durable under the sync flush policy,

@@ -37,8 +37,9 @@ from typing import Any, Protocol, final
 
 import trio
 
-from store.api import (DelayedCapExceeded, InvalidOffset, LeaseLost, LogFullError, NewMessage, NotLeader,
-                       OffsetExpired, PullRequest, PullResult, Record, RecordTooLarge, StoreUnavailable, TopicError)
+from store.api import (DelayedCapExceeded, InvalidOffset, LeaderFenced, LeaseLost, LogFullError, NewMessage,
+                       NotLeader, OffsetExpired, PullRequest, PullResult, Record, RecordTooLarge, StoreUnavailable,
+                       TopicError)
 from store.log.record import decode_record
 from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied
@@ -114,6 +115,7 @@ class StoreRpcError(OSError):
 _BY_MESSAGE: dict[rpc.ErrorKind, Callable[[str], Exception]] = {
     rpc.ErrorKind.DENIED: AccessDenied,
     rpc.ErrorKind.FENCED: LeaseLost,
+    rpc.ErrorKind.LEADER_FENCED: LeaderFenced,
     rpc.ErrorKind.RECORD_TOO_LARGE: RecordTooLarge,
     rpc.ErrorKind.TOPIC: TopicError,
     rpc.ErrorKind.VALUE: ValueError,

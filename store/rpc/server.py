@@ -114,6 +114,8 @@ def _error(request_id: int, exc: BaseException) -> rpc.Error:
     """The wire error for an exception of a store call: the client raises the same kind."""
     if isinstance(exc, AccessDenied):
         kind = rpc.ErrorKind.DENIED
+    elif isinstance(exc, LeaderFenced):
+        kind = rpc.ErrorKind.LEADER_FENCED
     elif isinstance(exc, LeaseLost):
         kind = rpc.ErrorKind.FENCED
     elif isinstance(exc, RecordTooLarge):

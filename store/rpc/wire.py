@@ -186,6 +186,7 @@ class ErrorKind(enum.StrEnum):
     FENCED = "fenced"  # the write names a lease of this node that has ended (store.api.LeaseLost)
     EXPIRED = "expired"  # store.log.errors.OffsetExpired: retention deleted the offset asked for
     INVALID_OFFSET = "invalid_offset"  # store.log.errors.InvalidOffset: no record starts there (read_log)
+    LEADER_FENCED = "leader_fenced"  # store.api.LeaderFenced: a write appended by a leader that may no longer ack it
     NOT_LEADER = "not_leader"  # store.api.NotLeader: a replica that does not lead; the message is the leader's
     # address host:port (empty: no leader known now)
 
