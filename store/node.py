@@ -588,7 +588,8 @@ async def open_store(
                             raise StartupError(f"cannot start: tier.uri is set, and the tier needs the tier "
                                                f"extra (pip install 'lightgate[tier]'): {exc}") from exc
 
-                        converter = TierConverter(alog.log, TierConfig.from_settings(tier))
+                        converter = TierConverter(alog.log, TierConfig.from_settings(tier),
+                                                  _leading(replication))
                         await running.enter_async_context(background(partial(run_tier, converter)))
                     yield node
                 timers.cancel_scope.cancel()
@@ -614,6 +615,14 @@ async def open_follower(data: Path, config: CommitLogConfig, *,
         parts.log.log.hold_confirm(parts.dispatcher.dispatched_offset)
         async with background(parts.dispatcher.run):
             yield parts.log, parts.dispatcher
+
+
+def _leading(replication: Replication | None) -> Callable[[], bool]:
+    """Whether this node may act as the only writer of what the replicas share (the tier): an unreplicated node
+    always; a replicated leader while it is not fenced and its leader lease is valid (callable from any thread)."""
+    if replication is None:
+        return lambda: True
+    return lambda: not replication.fenced and replication.controller.leader_lease_valid()
 
 
 async def _append_fired(node: StoreNode, controls: Sequence[Control], messages: Sequence[NewMessage]) -> int:
