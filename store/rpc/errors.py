@@ -11,31 +11,26 @@ from store.api import (DelayedCapExceeded, InvalidOffset, LeaseLost, LogFullErro
 from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied
 
-__all__ = ["error_frame"]
+__all__ = ["KINDS", "error_frame"]
+
+
+KINDS: tuple[tuple[type[BaseException], rpc.ErrorKind], ...] = (
+    (AccessDenied, rpc.ErrorKind.DENIED),
+    (LeaseLost, rpc.ErrorKind.FENCED),
+    (RecordTooLarge, rpc.ErrorKind.RECORD_TOO_LARGE),
+    (OffsetExpired, rpc.ErrorKind.EXPIRED),
+    (InvalidOffset, rpc.ErrorKind.INVALID_OFFSET),
+    (TopicError, rpc.ErrorKind.TOPIC),
+    (DelayedCapExceeded, rpc.ErrorKind.DELAYED_CAP),
+    (ValueError, rpc.ErrorKind.VALUE),
+    (LogFullError, rpc.ErrorKind.LOG_FULL),
+    (OSError, rpc.ErrorKind.OS),
+)
+"""Each exception class and its kind, the first match wins: subclasses (an ``InvalidOffset`` is a ``ValueError``)
+come before their bases."""
 
 
 def error_frame(request_id: int, exc: BaseException) -> rpc.Error:
-    """The ``Error`` answering request ``request_id`` that failed with ``exc``."""
-    if isinstance(exc, AccessDenied):
-        kind = rpc.ErrorKind.DENIED
-    elif isinstance(exc, LeaseLost):
-        kind = rpc.ErrorKind.FENCED
-    elif isinstance(exc, RecordTooLarge):
-        kind = rpc.ErrorKind.RECORD_TOO_LARGE
-    elif isinstance(exc, OffsetExpired):
-        kind = rpc.ErrorKind.EXPIRED
-    elif isinstance(exc, InvalidOffset):
-        kind = rpc.ErrorKind.INVALID_OFFSET
-    elif isinstance(exc, TopicError):
-        kind = rpc.ErrorKind.TOPIC
-    elif isinstance(exc, DelayedCapExceeded):
-        kind = rpc.ErrorKind.DELAYED_CAP
-    elif isinstance(exc, ValueError):
-        kind = rpc.ErrorKind.VALUE
-    elif isinstance(exc, LogFullError):
-        kind = rpc.ErrorKind.LOG_FULL
-    elif isinstance(exc, OSError):
-        kind = rpc.ErrorKind.OS
-    else:
-        kind = rpc.ErrorKind.INTERNAL
+    """The ``Error`` answering request ``request_id`` that failed with ``exc`` (``INTERNAL``: not a store error)."""
+    kind = next((kind for cls, kind in KINDS if isinstance(exc, cls)), rpc.ErrorKind.INTERNAL)
     return rpc.Error(request_id, kind, str(exc) or type(exc).__name__)

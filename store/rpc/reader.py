@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -27,7 +28,7 @@ from store.local import offset_in_log
 from store.rpc import wire as rpc
 from store.rpc.errors import error_frame
 
-__all__ = ["IDLE_S", "ReadSpan", "serve_reader"]
+__all__ = ["IDLE_S", "ReadSpan", "next_message", "serve_reader"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -35,12 +36,26 @@ IDLE_S = 600.0
 """A reader that sends nothing for this long is closed: a Spark task reads without pause and opens a new
 connection per task, so only a dead or stuck peer waits that long."""
 
-RECEIVE_BYTES = 64 * 1024
-"""A reader's requests are a few dozen bytes each: one receive holds many."""
+RECEIVE_BYTES = 256 * 1024
+"""One receive of a peer that sends a request at a time (the server's ``RECEIVE_BYTES``)."""
 
 ReadSpan = Callable[[int, int], LogSpan]
 """``read_span(offset, max_bytes)``: ``StoreNode.read_log`` or ``store.node.log_span`` over a follower's log
 (blocking: called in a worker thread)."""
+
+
+async def next_message(stream: trio.abc.ReceiveStream, decoder: rpc.FrameDecoder) -> Any:
+    """The peer's next message, receiving as needed; None once the peer closed the connection (a peer that sends
+    one request at a time and waits for its answer: a log reader, a replica fetching the log).
+
+    Raises:
+        rpc.RpcProtocolError: the bytes break the wire format.
+    """
+    while (message := decoder.next_message()) is rpc.NEED_DATA:
+        if decoder.eof:
+            return None
+        decoder.receive_data(await stream.receive_some(RECEIVE_BYTES))
+    return message
 
 
 async def serve_reader(stream: trio.abc.Stream, decoder: rpc.FrameDecoder, name: str, peer: str,
@@ -54,16 +69,13 @@ async def serve_reader(stream: trio.abc.Stream, decoder: rpc.FrameDecoder, name:
         await stream.send_all(rpc.encode(rpc.Welcome(rpc.PROTOCOL_VERSION, rpc.READER_PREFIX + name, 0.0, IDLE_S,
                                                      store_id, epoch)))
         while True:
-            message = decoder.next_message()
-            if message is rpc.NEED_DATA:
-                if decoder.eof:
-                    return
-                with trio.move_on_after(IDLE_S) as idle:
-                    decoder.receive_data(await stream.receive_some(RECEIVE_BYTES))
-                if idle.cancelled_caught:
-                    LOGGER.info("log reader closed: silent for %.0f s", IDLE_S, extra={"ctx": {"reader": name}})
-                    return
-                continue
+            with trio.move_on_after(IDLE_S) as idle:
+                message = await next_message(stream, decoder)
+            if idle.cancelled_caught:
+                LOGGER.info("log reader closed: silent for %.0f s", IDLE_S, extra={"ctx": {"reader": name}})
+                return
+            if message is None:
+                return
             if type(message) is rpc.Heartbeat:
                 continue
             if type(message) is not rpc.ReadLog:

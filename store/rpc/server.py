@@ -64,7 +64,7 @@ from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict, admit_hello
 from store.rpc.errors import error_frame
 from store.rpc.front import RpcFront
-from store.rpc.reader import serve_reader
+from store.rpc.reader import next_message, serve_reader
 
 __all__ = ["RpcServer", "serve_rpc"]
 
@@ -668,13 +668,7 @@ class RpcServer:
                               self.store.leases.lease_s, self.store_id, replication.epoch)
         await stream.send_all(rpc.encode(welcome))
         try:
-            while True:
-                message = decoder.next_message()
-                if message is rpc.NEED_DATA:
-                    if decoder.eof:
-                        return
-                    decoder.receive_data(await stream.receive_some(RECEIVE_BYTES))
-                    continue
+            while (message := await next_message(stream, decoder)) is not None:
                 if type(message) is not rpc.Fetch:
                     why = f"{type(message).__name__} is not for a replica connection"
                     LOGGER.warning("replica connection closed: %s", why, extra={"ctx": {"replica": name}})
