@@ -4,11 +4,13 @@ everything else; gateways are still sent to the leader. Real stores, real socket
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 import trio
 
-from spark_analytics.live import LogReader
+from spark_analytics.framing import DecodeOptions
+from spark_analytics.live import LiveRange, LogReader, read_live
 from store.api import MAIN_LOG, NewMessage, Position, PullRequest
 from store.node import log_span
 from store.rpc import wire as rpc
@@ -80,3 +82,38 @@ async def test_a_follower_refuses_readers_without_the_token_and_anything_but_rea
     assert (closed.id, closed.kind) == (0, rpc.ErrorKind.DENIED) and "Pull" in closed.message
     (redirected,) = await ask(follower, hello("gw-a", TOKEN))
     assert (redirected.kind, redirected.message) == (rpc.ErrorKind.NOT_LEADER, leader)
+
+
+async def test_a_live_range_past_a_lagging_follower_waits_for_it_and_reads_every_record(store, nursery):
+    """The driver planned the range on a replica that had published more than the follower the executor reads:
+    the follower's answers stop at its published offset, the reader asks again (no record is skipped, the range
+    does not end early), and once the follower confirms the rest it reads every record of the range once."""
+    offsets = await store.append([NewMessage("tele/a", f"m{i}".encode(), "dev1", 1) for i in range(100)],
+                                 durable=True)
+    log = store.log.log
+    end = log.written_offset
+    log.hold_confirm(offsets[50])  # the follower holds the first half only, as far as its leader confirmed
+    held = log.published_offset
+    waiting = threading.Event()
+
+    def read_span(offset: int, max_bytes: int):
+        if offset >= held:  # the reader asks at the follower's published end: it waits there
+            waiting.set()
+        return log_span(log, offset, max_bytes)
+
+    front = RpcFront(StoreAccess(token=TOKEN))
+    await nursery.start(front.refusing, lambda: "", read_span)
+    (listener,) = await nursery.start(front.serve, "127.0.0.1", 0)
+    rng = LiveRange("127.0.0.1:{}".format(listener.socket.getsockname()[1]), TOKEN, 0, end)
+
+    async with trio.open_nursery() as reading:
+        got: list[bytes] = []
+
+        async def read() -> None:
+            frames = await trio.to_thread.run_sync(lambda: list(read_live(rng, DecodeOptions())))
+            got.extend(payload for batch in frames for payload in batch.payload().to_pylist())
+
+        reading.start_soon(read)
+        assert await trio.to_thread.run_sync(waiting.wait, 20)
+        log.confirm(end)
+    assert got == [f"m{i}".encode() for i in range(100)]
