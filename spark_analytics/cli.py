@@ -83,8 +83,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the gateway's data directory (with commitlog/) or a CommitLog directory (or --store)")
     p.add_argument("--tier", default=None, help="the store's Parquet tier (tier.uri): a directory or a pyarrow.fs URI")
     p.add_argument("--store", default=None,
-                   help="HOST:PORT of the store node (a replicated store: its replicas HOST:PORT,HOST:PORT,..., the"
-                        " leader is found): read the live tail over its RPC, no --data needed")
+                   help="HOST:PORT of the store node (a replicated store: its replicas HOST:PORT,HOST:PORT,..., read"
+                        " from a follower): read the live tail over its RPC, no --data needed")
     p.add_argument("--store-token", default="", help="the store's store.token, with --store")
     p.add_argument("--out", required=True, type=Path, help="output directory for the tables (and the chart)")
     p.add_argument("--master", default=DEFAULT_MASTER, help=f"Spark master URL (default {DEFAULT_MASTER})")

@@ -25,7 +25,8 @@ __all__ = ["OPTIONS", "ReaderOptions"]
 OPTIONS = {
     "path": "the data directory (with commitlog/ inside) or the CommitLog directory; optional with store",
     "tier": "the Parquet tier (tier.uri of the store): a directory or a pyarrow.fs URI; read with the local log",
-    "store": "HOST:PORT of the store node: the live tail is read over its RPC (no segment files needed)",
+    "store": "HOST:PORT of the store node, or a replicated store's replicas HOST:PORT,HOST:PORT,... (read from a "
+             "follower): the live tail is read over its RPC (no segment files needed)",
     "storetoken": "the store's store.token, for the store option",
     "maxrecordspertrigger": "streaming: at most this many records per micro-batch (default: no limit)",
     "maxbytespertrigger": "streaming: about this many log bytes per micro-batch at most (default: no limit)",

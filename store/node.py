@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
 LOGGER = logging.getLogger(__name__)
 
-__all__ = ["SessionExpiry", "SessionFixer", "StoreNode", "decode", "open_follower", "open_store", "raw"]
+__all__ = ["SessionExpiry", "SessionFixer", "StoreNode", "decode", "log_span", "open_follower", "open_store", "raw"]
 
 
 @final
@@ -334,13 +334,8 @@ class StoreNode:
         return log_offset is not None and log_offset >= oldest
 
     def read_log(self, offset: int, max_bytes: int) -> LogSpan:
-        """``StoreApi.read_log`` (blocking): ``max_bytes`` 0 asks for the log's bounds only, for any ``offset``.
-        Its ``flushed`` bound is the log's published offset: flushed and confirmed by the replicas."""
-        log = self.log.log
-        if max_bytes <= 0:
-            return LogSpan(MAIN_LOG, offset, b"", offset, log.published_offset, log.min_offset)
-        start, data, data_end = log.read_span(offset, max(0, min(max_bytes, MAX_READ_LOG_BYTES)))
-        return LogSpan(MAIN_LOG, start, data, data_end, log.published_offset, log.min_offset)
+        """``StoreApi.read_log`` (blocking): see :func:`log_span`."""
+        return log_span(self.log.log, offset, max_bytes)
 
     def statistics(self) -> StoreStatistics:
         """The store's current figures."""
@@ -427,6 +422,16 @@ class StoreNode:
 
 MAX_READ_LOG_BYTES = 16 * 1024 * 1024
 """A ``read_log`` returns at most this much, so an RPC answer stays far below the frame limit."""
+
+
+def log_span(log: CommitLog, offset: int, max_bytes: int) -> LogSpan:
+    """``StoreApi.read_log`` over ``log`` (blocking), a leader's or a follower's (store/rpc/reader.py): ``max_bytes``
+    0 asks for the log's bounds only, for any ``offset``. Its ``flushed`` bound is the log's published offset:
+    flushed, and confirmed by the replicas."""
+    if max_bytes <= 0:
+        return LogSpan(MAIN_LOG, offset, b"", offset, log.published_offset, log.min_offset)
+    start, data, data_end = log.read_span(offset, max(0, min(max_bytes, MAX_READ_LOG_BYTES)))
+    return LogSpan(MAIN_LOG, start, data, data_end, log.published_offset, log.min_offset)
 
 
 def decode(raw: bytes, offset: int) -> Record:
@@ -584,7 +589,8 @@ async def open_store(
                             raise StartupError(f"cannot start: tier.uri is set, and the tier needs the tier "
                                                f"extra (pip install 'lightgate[tier]'): {exc}") from exc
 
-                        converter = TierConverter(alog.log, TierConfig.from_settings(tier))
+                        converter = TierConverter(alog.log, TierConfig.from_settings(tier),
+                                                  _leading(replication))
                         await running.enter_async_context(background(partial(run_tier, converter)))
                     yield node
                 timers.cancel_scope.cancel()
@@ -610,6 +616,14 @@ async def open_follower(data: Path, config: CommitLogConfig, *,
         parts.log.log.hold_confirm(parts.dispatcher.dispatched_offset)
         async with background(parts.dispatcher.run):
             yield parts.log, parts.dispatcher
+
+
+def _leading(replication: Replication | None) -> Callable[[], bool]:
+    """Whether this node may act as the only writer of what the replicas share (the tier): an unreplicated node
+    always; a replicated leader while it is not fenced and its leader lease is valid (callable from any thread)."""
+    if replication is None:
+        return lambda: True
+    return lambda: not replication.fenced and replication.controller.leader_lease_valid()
 
 
 async def _append_fired(node: StoreNode, controls: Sequence[Control], messages: Sequence[NewMessage]) -> int:

@@ -8,11 +8,17 @@ format is store/tierfiles.py; readers are docs/analytics.md.
 The store node runs one :class:`TierConverter` (``open_store`` with a
 ``TierConfig``):
 
-- **what**: every sealed segment whose data is flushed, oldest first, that
-  the tier does not have yet. The tier's listing is the record of what is
+- **what**: every sealed segment whose data is published (flushed, and confirmed by the replicas of a
+  replicated store: a segment with records beyond the confirm offset may not be the next leader's), oldest
+  first, that the tier does not have yet. The tier's listing is the record of what is
   done: a file exists under its final name only once complete, so a restart
   resumes with the first segment that has no file (a conversion cut short
-  leaves a temporary file, removed at the next start);
+  leaves a temporary file, removed at the next start), and a segment whose file appeared since the converter
+  listed the tier (another replica converted it) is adopted, not converted again;
+- **one converter**: the tier is shared by a replicated store's replicas, and only the leader converts: the node
+  gives the converter a predicate, checked before each segment and again before a file is published, that is
+  false once the leader's lease is not valid (store/replica/leader.py): a fenced leader, even one frozen past its
+  lease whose role loop has not noticed yet, starts no conversion and publishes nothing (docs/storage.md);
 - **crash-safe**: written under a temporary name, then renamed; on a local
   tier the file and its directory are fsynced before and after the rename, so
   after a power loss a visible file is a complete one. Object stores
@@ -38,6 +44,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -134,9 +141,13 @@ class TierConverter:
     plus the retention thread asking :meth:`may_delete`.
     """
 
-    def __init__(self, log: CommitLog, config: TierConfig) -> None:
+    def __init__(self, log: CommitLog, config: TierConfig, may_convert: Callable[[], bool] = lambda: True) -> None:
+        """``may_convert``: whether this node may write the tier now (a replicated leader: its lease is valid);
+        called from the converting thread, before each segment and before each file is published."""
         self.log = log
         self.config = config
+        self.may_convert = may_convert
+        self._refused = False  # the last check refused: logged once per refusal
         self.fs, self.root = open_tier(config.uri)
         self._local = isinstance(self.fs, pafs.LocalFileSystem)
         self._stop = threading.Event()
@@ -172,9 +183,9 @@ class TierConverter:
         return TierStatistics(self._segments, self._records, self._cpu_s, len(self._metas), self._skipped)
 
     def pending(self) -> list[int]:
-        """Base offsets of the sealed, flushed segments the tier does not hold yet, oldest first."""
-        flushed = self.log.flushed_offset
-        return [s.base for s in self.log.segments() if s.sealed and s.end <= flushed and s.base not in self._metas]
+        """Base offsets of the sealed, published segments the tier does not hold yet, oldest first."""
+        published = self.log.published_offset
+        return [s.base for s in self.log.segments() if s.sealed and s.end <= published and s.base not in self._metas]
 
     def convert_pending(self) -> int:
         """Convert every pending segment (worker thread); returns how many were converted.
@@ -185,19 +196,24 @@ class TierConverter:
         self._stop.clear()
         done = 0
         for base in self.pending():
-            if self._stop.is_set():
+            if self._stop.is_set() or not self._allowed():
                 break
             if self.convert(base):
                 done += 1
         return done
 
     def convert(self, base: int) -> bool:
-        """Convert the sealed segment at ``base``; False if the tier has it, it was deleted first, or the
-        converter was stopped."""
+        """Convert the sealed segment at ``base``; False if the tier has it (another replica's file is adopted),
+        it was deleted first, or the converter was stopped or may not convert."""
         info = next((s for s in self.log.segments() if s.base == base), None)
         if info is None or not info.sealed or base in self._metas:
             return False
         final = f"{self.root}/{file_name(base)}"
+        if self.fs.get_file_info(final).type != pafs.FileType.NotFound:
+            self._metas[base] = read_meta(self.fs, final)[0]
+            LOGGER.info("tier: segment already in the tier (converted by another replica): adopted",
+                        extra={"ctx": {"base": base}})
+            return False
         temp = f"{self.root}/{TEMP_PREFIX}{file_name(base)}.{uuid.uuid4().hex}.part"
         meta = TierMeta(base, info.end, 0, info.min_store_ms, info.max_store_ms)
         try:
@@ -213,7 +229,7 @@ class TierConverter:
         except BaseException:
             self._discard(temp)
             raise
-        if records is None:  # stopped
+        if records is None or not self._allowed():  # stopped, or no longer the leader: publish nothing
             self._discard(temp)
             return False
         self._publish(temp, final)
@@ -225,6 +241,15 @@ class TierConverter:
             "base": base, "records": records, "cpu_s": round(cpu_s, 3),
             "records_per_cpu_s": round(records / cpu_s) if cpu_s else None}})
         return True
+
+    def _allowed(self) -> bool:
+        """``may_convert()``, its refusal logged once until it allows again."""
+        allowed = self.may_convert()
+        if not allowed and not self._refused:
+            LOGGER.warning("tier: not converting: this replica's leader lease is not valid (another replica may "
+                           "lead and convert)")
+        self._refused = not allowed
+        return allowed
 
     def _write(self, path: str, start: int, end: int, meta: TierMeta) -> tuple[int | None, float]:
         """Write the records of ``[start, end)`` to ``path``; (records, CPU seconds), or (None, _) when stopped."""

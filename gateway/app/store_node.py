@@ -92,7 +92,7 @@ async def serve_replica(settings: Mapping[str, Any], access: StoreAccess | None 
     sys.setswitchinterval(STORE_SWITCH_INTERVAL_S)
     host, port = parse_address(settings["store.listen"])
     name = settings["replication.name"]
-    front = RpcFront()
+    front = RpcFront(access)  # its refusing phases admit log readers as the leader does
     async with trio.open_nursery() as nursery:
 
         async def stop_on_signal(task_status: trio.TaskStatus[None]) -> None:

@@ -12,7 +12,7 @@ controller refused it), whose etcd lease ended, or that sees another leader or a
 the new leader does not have (the epoch file says where).
 
 The RPC listener outlives the roles (store/rpc/front.py): while following it answers every Hello ``NOT_LEADER``
-with the leader's address.
+with the leader's address, except a log reader's, served from the follower's own log (store/rpc/reader.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from store.controller.group import GroupConfig, GroupController, GroupState, Lea
 from store.dispatch import Dispatcher
 from store.log.aio import AsyncCommitLog
 from store.log.commitlog import CommitLogConfig
-from store.node import StoreNode, open_follower, open_store
+from store.node import StoreNode, log_span, open_follower, open_store
 from store.replica.figures import RoleFigures
 from store.replica.follower import LeaderChanged, follow
 from store.replica.leader import Replication
@@ -113,7 +114,7 @@ async def _follow_until_elected(config: ReplicaConfig, controller: GroupControll
 
         async def refuse(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             with refusing:
-                await front.refusing(lambda: leader_address, task_status=task_status)
+                await front.refusing(lambda: leader_address, partial(log_span, alog.log), task_status=task_status)
 
         await nursery.start(refuse)
         state = await controller.state()

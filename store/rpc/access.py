@@ -16,6 +16,10 @@ connection (the store port is then as open as the data directory; bind it to a
 private address). A store with authentication configured needs the token
 too, or no gateway node could connect.
 
+Two more kinds present the store token under a ``$`` name of their own: replicas fetching the log
+(``$replica/<name>``) and log readers (``$reader/<name>``, the Spark live tail), which a follower replica admits
+too (store/rpc/front.py). :func:`admit_hello` is the one admission both the server and a follower run.
+
 The store does not import the gateway: the checks are callables injected by
 the command-line wiring (gateway/app/cli.py), which builds them from the gateway's
 password file (argon2) and ACL modules, so both sides decide alike.
@@ -28,7 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import final
 
-__all__ = ["AccessDenied", "Authenticate", "Authorize", "Peer", "StoreAccess", "Verdict"]
+import trio
+
+from store.rpc import wire as rpc
+
+__all__ = ["AccessDenied", "Authenticate", "Authorize", "Peer", "StoreAccess", "Verdict", "admit_hello"]
+
+OWN_PREFIXES = (rpc.REPLICA_PREFIX, rpc.READER_PREFIX)
+"""The ``$`` node names a Hello may use: the store's own peers, trusted by the store token only."""
 
 
 class AccessDenied(Exception):
@@ -107,9 +118,40 @@ class StoreAccess:
             return verdict
         return Peer(False, verdict.username, node)
 
+    def name_refusal(self, node: str, token: str) -> Verdict | None:
+        """The refusal a Hello's node name earns before its credentials are checked; None: check them."""
+        own = next((p for p in OWN_PREFIXES if node.startswith(p) and len(node) > len(p)), None)
+        if node.startswith("$") and own is None:
+            return Verdict(False, why="node names starting with '$' are the store's own")
+        if own is not None and not self.open and not token:
+            return Verdict(False, why=f"a {own.strip('$/')} presents the store token")
+        return None
+
     def check(self, peer: Peer, access: str, topic: str) -> None:
         """Raise ``AccessDenied`` unless ``peer`` may ``access`` ("publish" or "subscribe") ``topic``."""
         if peer.trusted or self._authorize is None:
             return
         if not self._authorize(peer.username, peer.client_id, access, topic):
             raise AccessDenied(f"not allowed to {access} {topic!r}")
+
+
+async def admit_hello(access: StoreAccess, stream: trio.abc.SendStream, hello: rpc.Hello, source: str,
+                      refused: Callable[[Verdict], None]) -> Peer | None:
+    """The peer ``hello`` admits; None after refusing it: ``refused(verdict)`` (the caller's log line), the
+    authenticator's brute-force delay, then a ``DENIED`` Error frame on ``stream`` (which the caller closes)."""
+    verdict = access.name_refusal(hello.node, hello.token)
+    if verdict is None:
+        if access.open:
+            return Peer(True, client_id=hello.node)
+        verdict = await trio.to_thread.run_sync(access.admit, hello.node, hello.token, hello.username,
+                                                hello.password, source)
+        if isinstance(verdict, Peer):
+            return verdict
+    refused(verdict)
+    await trio.sleep(verdict.delay_s)
+    with trio.move_on_after(1.0):
+        try:
+            await stream.send_all(rpc.encode(rpc.Error(0, rpc.ErrorKind.DENIED, "not authorized")))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    return None

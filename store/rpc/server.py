@@ -29,7 +29,8 @@ node's name (and with it the node's connection, events and clients); it may appe
 the ACL, no QoS 2 packet ids) and use consumer groups (``$group/`` names, its connection the member). A replica
 of a replicated group (``$replica/<name>``, the store token) only fetches the log (``Fetch``, answered by the
 leader's ``Replication``, store/replica/leader.py, or ``NOT_LEADER``): it takes no lease and is attached to
-nothing. Before a peer is admitted the store buffers at most one ``wire.MAX_HELLO_BYTES`` frame, for at most
+nothing; nor does a log reader (``$reader/<name>``, the store token: ``ReadLog`` only, store/rpc/reader.py).
+Before a peer is admitted the store buffers at most one ``wire.MAX_HELLO_BYTES`` frame, for at most
 ``HANDSHAKE_TIMEOUT_S``; refusals are logged once per peer address per ``REFUSAL_LOG_S``.
 
 Fencing (store/leases.py): each connection serves one lease epoch of its node;
@@ -56,13 +57,14 @@ from typing import Any, final
 
 import trio
 
-from store.api import (GROUP_PREFIX, MAIN_LOG, DelayedCapExceeded, InvalidOffset, LeaderFenced, LeaseLost, LogFullError,
-                       NewMessage, OffsetExpired, Positions, PullResult, RecordTooLarge, TopicError)
+from store.api import GROUP_PREFIX, MAIN_LOG, LeaderFenced, LeaseLost, NewMessage, Positions, PullResult, TopicError
 from store.local import LocalStore
 from store.node import StoreNode
 from store.rpc import wire as rpc
-from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
+from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict, admit_hello
+from store.rpc.errors import error_frame
 from store.rpc.front import RpcFront
+from store.rpc.reader import next_message, serve_reader
 
 __all__ = ["RpcServer", "serve_rpc"]
 
@@ -108,35 +110,6 @@ _GROUP_CALLS = frozenset({rpc.Join, rpc.Claim, rpc.Ack, rpc.Leave})
 
 STATISTICS_LOG_S = 60.0
 """How often the store logs its notify routing figures (events sent per node, suppressed), when they changed."""
-
-
-def _error(request_id: int, exc: BaseException) -> rpc.Error:
-    """The wire error for an exception of a store call: the client raises the same kind."""
-    if isinstance(exc, AccessDenied):
-        kind = rpc.ErrorKind.DENIED
-    elif isinstance(exc, LeaderFenced):
-        kind = rpc.ErrorKind.LEADER_FENCED
-    elif isinstance(exc, LeaseLost):
-        kind = rpc.ErrorKind.FENCED
-    elif isinstance(exc, RecordTooLarge):
-        kind = rpc.ErrorKind.RECORD_TOO_LARGE
-    elif isinstance(exc, OffsetExpired):
-        kind = rpc.ErrorKind.EXPIRED
-    elif isinstance(exc, InvalidOffset):
-        kind = rpc.ErrorKind.INVALID_OFFSET
-    elif isinstance(exc, TopicError):
-        kind = rpc.ErrorKind.TOPIC
-    elif isinstance(exc, DelayedCapExceeded):
-        kind = rpc.ErrorKind.DELAYED_CAP
-    elif isinstance(exc, ValueError):
-        kind = rpc.ErrorKind.VALUE
-    elif isinstance(exc, LogFullError):
-        kind = rpc.ErrorKind.LOG_FULL
-    elif isinstance(exc, OSError):
-        kind = rpc.ErrorKind.OS
-    else:
-        kind = rpc.ErrorKind.INTERNAL
-    return rpc.Error(request_id, kind, str(exc) or type(exc).__name__)
 
 
 def _raw_records(result: PullResult[tuple[int, bytes]]) -> rpc.RawRecords:
@@ -305,7 +278,7 @@ class _Connection:
         try:
             self.send(await self._handlers[type(request)](request))
         except Exception as exc:  # the request's failure, answered; the connection goes on
-            error = _error(request.id, exc)
+            error = error_frame(request.id, exc)
             if error.kind is rpc.ErrorKind.INTERNAL:
                 LOGGER.error("RPC request failed: %r", exc, exc_info=exc,
                              extra={"ctx": {"node": self.node, "request": type(request).__name__}})
@@ -428,7 +401,7 @@ class _Connection:
                     if message.packet_id:  # it would mark a flow of the client id it names as awaiting PUBREL
                         raise AccessDenied("only gateway nodes append messages with a packet id")
             except AccessDenied as exc:
-                denied[index] = _error(0, exc)
+                denied[index] = error_frame(0, exc)
         return denied
 
     async def _appender(self) -> None:
@@ -442,7 +415,7 @@ class _Connection:
             try:
                 results = await store.append_groups(groups, durable=request.durable)
             except Exception as exc:  # the write failed (OSError) or a bug: the whole request fails
-                error = _error(request.id, exc)
+                error = error_frame(request.id, exc)
                 if error.kind is rpc.ErrorKind.INTERNAL:
                     LOGGER.error("append failed: %r", exc, exc_info=exc, extra={"ctx": {"node": self.node}})
                 self.send(error)
@@ -455,7 +428,7 @@ class _Connection:
                     errors[index] = denied[index]
                 elif isinstance(result, ValueError):
                     positions.append(Positions(MAIN_LOG, []))
-                    errors[index] = _error(0, result)
+                    errors[index] = error_frame(0, result)
                 else:
                     positions.append(Positions(MAIN_LOG, result))
             self.send(rpc.Appended(request.id, positions, errors))
@@ -571,6 +544,12 @@ class RpcServer:
                 if hello.node.startswith(rpc.REPLICA_PREFIX):
                     await self._serve_replica(stream, decoder, hello.node.removeprefix(rpc.REPLICA_PREFIX), peer)
                     return
+                if hello.node.startswith(rpc.READER_PREFIX):
+                    replication = self.store.replication
+                    await serve_reader(stream, decoder, hello.node.removeprefix(rpc.READER_PREFIX), peer,
+                                       self.store.read_log, epoch=replication.epoch if replication else 0,
+                                       store_id=self.store_id)
+                    return
                 name = hello.node if admitted.trusted else f"{BACKEND_PREFIX}{admitted.username or ''}:{hello.node}"
                 await self._serve(stream, decoder, name, peer, admitted, hello)
         except Exception as exc:  # one connection's failure must not stop the listener
@@ -631,31 +610,12 @@ class RpcServer:
         return None
 
     async def _admit(self, stream: trio.SocketStream, hello: rpc.Hello, peer: str) -> Peer | None:
-        """The peer the Hello's credentials admit (store/rpc/access.py); None after refusing it with an Error frame.
+        """The peer the Hello's credentials admit (store/rpc/access.py); None after refusing it with an Error frame
+        (after the authenticator's brute-force delay)."""
+        def refused(verdict: Verdict) -> None:
+            self._refused(verdict.why, peer, node=hello.node, username=hello.username)
 
-        A refusal waits the authenticator's brute-force delay before it answers.
-        """
-        replica = hello.node.startswith(rpc.REPLICA_PREFIX) and len(hello.node) > len(rpc.REPLICA_PREFIX)
-        if hello.node.startswith("$") and not replica:
-            verdict: Verdict | Peer = Verdict(False, why="node names starting with '$' are the store's own")
-        elif replica and not self.access.open and not hello.token:
-            verdict = Verdict(False, why="a replica presents the store token")
-        elif self.access.open:
-            return Peer(True, client_id=hello.node)
-        else:
-            source = peer.rpartition(":")[0] or peer
-            verdict = await trio.to_thread.run_sync(self.access.admit, hello.node, hello.token, hello.username,
-                                                    hello.password, source)
-        if isinstance(verdict, Peer):
-            return verdict
-        self._refused(verdict.why, peer, node=hello.node, username=hello.username)
-        await trio.sleep(verdict.delay_s)
-        with trio.move_on_after(1.0):
-            try:
-                await stream.send_all(rpc.encode(rpc.Error(0, rpc.ErrorKind.DENIED, "not authorized")))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-        return None
+        return await admit_hello(self.access, stream, hello, peer.rpartition(":")[0] or peer, refused)
 
     async def _serve(self, stream: trio.SocketStream, decoder: rpc.FrameDecoder, node: str, peer: str,
                      admitted: Peer, hello: rpc.Hello) -> None:
@@ -708,13 +668,7 @@ class RpcServer:
                               self.store.leases.lease_s, self.store_id, replication.epoch)
         await stream.send_all(rpc.encode(welcome))
         try:
-            while True:
-                message = decoder.next_message()
-                if message is rpc.NEED_DATA:
-                    if decoder.eof:
-                        return
-                    decoder.receive_data(await stream.receive_some(RECEIVE_BYTES))
-                    continue
+            while (message := await next_message(stream, decoder)) is not None:
                 if type(message) is not rpc.Fetch:
                     why = f"{type(message).__name__} is not for a replica connection"
                     LOGGER.warning("replica connection closed: %s", why, extra={"ctx": {"replica": name}})
@@ -727,7 +681,7 @@ class RpcServer:
                     await stream.send_all(rpc.encode(rpc.Error(message.id, rpc.ErrorKind.NOT_LEADER, "")))
                     return
                 except Exception as exc:
-                    error = _error(message.id, exc)
+                    error = error_frame(message.id, exc)
                     if error.kind is rpc.ErrorKind.INTERNAL:
                         LOGGER.error("fetch failed: %r", exc, exc_info=exc, extra={"ctx": {"replica": name}})
                     await stream.send_all(rpc.encode(error))

@@ -108,6 +108,7 @@ __all__ = [
     "OpenSession",
     "Pull",
     "Pulled",
+    "READER_PREFIX",
     "REPLICA_PREFIX",
     "RawRecords",
     "ReadLog",
@@ -149,6 +150,11 @@ takes a few hundred bytes; a connection that has proven nothing must not make th
 REPLICA_PREFIX: Final = "$replica/"
 """The node names of replicas fetching the log (``$replica/<name>``, store/replica/follower.py): they present the
 store token like a gateway node and send nothing but ``Fetch``; they take no lease and are no gateway node."""
+
+READER_PREFIX: Final = "$reader/"
+"""The node names of log readers (``$reader/<name>``, spark_analytics/live.py, store/rpc/reader.py): they present the
+store token and send nothing but ``ReadLog``; a follower replica serves them from its own log as a leader does. Their
+``Welcome.epoch`` is the epoch the replica leads (0: it follows, or the store is not replicated)."""
 
 HEARTBEATS_PER_LEASE: Final = 5
 """Both sides send a heartbeat every lease / 5 (1 s by default), so silence for a lease is five missed heartbeats:
