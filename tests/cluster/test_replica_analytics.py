@@ -14,10 +14,9 @@ import pytest
 from spark_analytics.live import LogReader
 from store.log.record import MAGIC_EOS, CorruptRecord, check_frame, decode_record
 from store.tierfiles import list_tier, open_tier
-from tests.cluster.test_replication import publish_acked
 from tests.helpers.etcd import running_etcd
 from tests.helpers.mqtt_fixtures import run_id
-from tests.helpers.replicas import Group, wait_for
+from tests.helpers.replicas import Group, publish_acked, wait_for
 
 pytestmark = pytest.mark.slow
 
