@@ -198,7 +198,21 @@ class Batcher:
         self._wakeup = trio.Event()
 
     async def submit(self, item: Any) -> Any:
-        return await self.enqueue(item).wait()
+        """``item``'s result. A caller cancelled while its item waits takes it back (never sent); once it was sent,
+        the cancellation waits for the answer (or the link's end): a write the caller gave up on must not reach
+        the store after it (a publisher whose connection closed resends it on its next one: an append still
+        travelling then would store it twice)."""
+        call = self.enqueue(item)
+        try:
+            return await call.wait()
+        except trio.Cancelled:
+            entry = next((entry for entry in self._waiting if entry[1] is call), None)
+            if entry is not None:
+                self._waiting.remove(entry)
+            else:
+                with trio.CancelScope(shield=True):
+                    await call.done.wait()  # bounded: answered, or failed when the link breaks
+            raise
 
     def enqueue(self, item: Any) -> Call:
         """Add ``item`` to the next batch; its result comes in the returned call.

@@ -11,6 +11,7 @@ from functools import partial
 
 import pytest
 import trio
+import trio.testing
 
 from store.api import Flow, NewMessage, PullRequest, StoreUnavailable
 from store.log.commitlog import CommitLogConfig
@@ -33,6 +34,9 @@ class Relay:
         self.cut_next = False
         self.cut_kind: type = rpc.AppendRequest
         self.cut = trio.Event()
+        self.hold_next = False  # the next append's bytes wait for ``release`` (``held`` once they do): a slow link
+        self.held = trio.Event()
+        self.release = trio.Event()
 
     async def handle(self, client: trio.SocketStream) -> None:
         async with client, await trio.open_tcp_stream("127.0.0.1", self.target) as store:
@@ -54,6 +58,10 @@ class Relay:
                         self.cut_next = False
                         self.cut.set()
                         break
+                    if self.hold_next and rpc.AppendRequest in kinds:
+                        self.hold_next = False
+                        self.held.set()
+                        await self.release.wait()
                 await sink.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
@@ -108,3 +116,29 @@ async def test_idempotent_calls_sent_and_unanswered_are_made_again_on_the_next_c
                         await remote.activate("tele/#", "dev1")
                     assert not isinstance(raised.value, NotSent)
             assert relay.cut.is_set()
+
+
+async def test_an_append_cancelled_once_sent_ends_only_with_its_answer(tmp_path, nursery):
+    """A gateway connection that closes cancels its appends: one already sent must not reach the store after the
+    cancellation returned (the publisher's next connection resends it, and would find no trace of it yet: stored
+    twice, a QoS 2 duplicate). The cancellation waits for the answer; the message is then stored, once."""
+    async with relayed(tmp_path, nursery) as (relay, remote):
+        relay.hold_next = True
+        scope = trio.CancelScope()
+        finished = trio.Event()
+
+        async def publish() -> None:
+            with scope:
+                await remote.append([NewMessage("tele/a", b"in flight", "dev1", 1)])
+            finished.set()
+
+        nursery.start_soon(publish)
+        with trio.fail_after(WAIT_S):
+            await relay.held.wait()
+        scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert not finished.is_set()  # its request is on its way: the cancellation waits for what became of it
+        relay.release.set()
+        with trio.fail_after(WAIT_S):
+            await finished.wait()
+        assert (await remote.max_offsets(["tele/a"])) == [1]  # stored once, before the cancellation returned
