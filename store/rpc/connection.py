@@ -751,7 +751,8 @@ class StoreConnection:
                 continue
             for host, port in self.resolver.others(self.address):
                 leader = await self._probe(host, port)
-                if leader and leader != self.address and not link.broken and self._redirect(leader):
+                if leader and leader != self.address and not link.broken:
+                    self._redirect(leader)  # the next attempt goes there, at once: the link ends normally
                     LOGGER.warning("store connection closed: the store was silent and another replica leads",
                                    extra={"ctx": {"store": self.address, "leader": leader,
                                                   "silent_s": round(link.silent_s(), 3)}})

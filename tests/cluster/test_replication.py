@@ -10,7 +10,7 @@ run here small.
 from __future__ import annotations
 
 import json
-import signal
+from signal import SIGCONT, SIGSTOP
 import subprocess
 import sys
 
@@ -18,6 +18,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from store.log.commitlog import CommitLog, CommitLogConfig
+from store.rpc.connection import STALLED_LEASES
 from tests.helpers.cluster import WAIT_S, free_port
 from tests.helpers.etcd import running_etcd
 from tests.helpers.fulldisk import tmpfs
@@ -92,40 +93,57 @@ def test_one_leader_serves_gateways_given_every_replica_and_status_shows_the_gro
             group.stop()
 
 
-def test_a_frozen_leader_is_replaced_then_fenced_and_rejoins_as_a_follower(tmp_path):
-    """SIGSTOP past the etcd lease: another replica is elected (epoch + 1) and acknowledges; the old leader, woken,
-    acknowledges nothing more, follows the new one, and the group's logs end byte for byte equal."""
+def freeze_leader(group: Group, gateway, epoch: int, topic: str, prefix: str) -> tuple[str, str, int, list[bytes]]:
+    """SIGSTOP the leader of ``epoch`` past its etcd lease: another replica is elected, the gateway (its link
+    silent) moves to it, and publishes are acknowledged there; then SIGCONT: the old leader is fenced and follows
+    the new one. Returns (old, new, new epoch, the payloads acknowledged during the freeze)."""
+    old = group.leader()[0]
+    frozen = group.replicas[old]
+    stopped_at = len(frozen.logs)
+    frozen.proc.send_signal(SIGSTOP)
+    try:
+        new, new_epoch = group.wait_leader(after_epoch=epoch)
+        assert new != old
+        # Within half the stalled-link limit (6 store leases: 30 s), after which any client gives up on a silent
+        # store: a gateway must leave the frozen leader because another replica leads, not because it waited.
+        gateway.wait_log(lambda doc: doc.get("msg") == "connected to the store"
+                         and doc.get("store") == group.replicas[new].address, timeout=STALLED_LEASES * 5.0 / 2)
+        during = publish_acked(gateway.port, topic, 20, prefix=prefix)
+        assert during  # the group serves without its old leader
+    finally:
+        frozen.proc.send_signal(SIGCONT)
+    frozen.wait_log(lambda doc: doc.get("msg") == "no longer the store group's leader: following again",
+                    after=stopped_at)
+    frozen.wait_log(lambda doc: doc.get("msg") == "following the leader" and doc.get("leader") == new,
+                    after=stopped_at)
+    group.wait_isr(NAMES)
+    return old, new, new_epoch, during
+
+
+def test_frozen_leaders_are_replaced_then_fenced_and_rejoin_as_followers(tmp_path):
+    """SIGSTOP past the etcd lease, twice (the second time the gateway's link is one it was redirected to): another
+    replica is elected (epoch + 1) and acknowledges; the old leader, woken, acknowledges nothing more, follows the
+    new one, and the group's logs end byte for byte equal."""
     with running_etcd(tmp_path) as etcd:
         group = Group(tmp_path, etcd.endpoints, NAMES)
         try:
-            old, epoch = group.wait_leader()
+            _, epoch = group.wait_leader()
             group.wait_isr(NAMES)
             gateway = group.gateway()
             try:
                 run = run_id()
-                before = publish_acked(gateway.port, f"f{run}", 20, prefix="before")
-                frozen = group.replicas[old]
-                frozen.proc.send_signal(signal.SIGSTOP)
-                try:
-                    new, new_epoch = group.wait_leader(after_epoch=epoch)
-                    assert new != old
-                    gateway.wait_log(lambda doc: doc.get("msg") == "connected to the store"
-                                     and doc.get("store") == group.replicas[new].address)
-                    during = publish_acked(gateway.port, f"f{run}", 20, prefix="during")
-                    assert during  # the group serves without its old leader
-                finally:
-                    frozen.proc.send_signal(signal.SIGCONT)
-                frozen.wait_log(lambda doc: doc.get("msg") == "no longer the store group's leader: following again")
-                frozen.wait_log(lambda doc: doc.get("msg") == "following the leader" and doc.get("leader") == new)
-                group.wait_isr(NAMES)
-                after = publish_acked(gateway.port, f"f{run}", 5, prefix="after")
+                acked = publish_acked(gateway.port, f"f{run}", 20, prefix="before")
+                _, _, epoch, during = freeze_leader(group, gateway, epoch, f"f{run}", "first")
+                acked += during
+                _, new, epoch, during = freeze_leader(group, gateway, epoch, f"f{run}", "second")
+                acked += during + publish_acked(gateway.port, f"f{run}", 5, prefix="after")
             finally:
                 gateway.stop()
         finally:
             group.stop()
         logs = {name: log_bytes(tmp_path / name) for name in NAMES}
-        assert logs[old] == logs[new] == logs[next(n for n in NAMES if n not in (old, new))]
-        for payload in before + during + after:
+        assert logs["r0"] == logs["r1"] == logs["r2"]
+        for payload in acked:
             assert payload in logs[new]
 
 
