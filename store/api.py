@@ -55,9 +55,10 @@ from store.log.record import FLAG_RETAIN, QOS_MASK, Record, RecordTooLarge
 from store.space import FULL_RETRY_S
 
 __all__ = [
-    "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "Flow", "LeaderFenced", "LeaseLost",
-    "LogSpan", "NewMessage", "NotLeader", "Position", "Positions", "PullRequest", "PullResult", "StoreApi",
-    "StoreStatistics", "StoreUnavailable", "TimerStatistics", "group_owner",
+    "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "Flow", "FollowerStatistics",
+    "LeaderFenced", "LeaseLost", "LogSpan", "NewMessage", "NotLeader", "Position", "Positions", "PullRequest",
+    "PullResult", "ReplicationStatistics", "StoreApi", "StoreStatistics", "StoreUnavailable", "TimerStatistics",
+    "group_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
     "RecordTooLarge", "StartupError", "TopicError",
@@ -177,6 +178,43 @@ class TimerStatistics(msgspec.Struct, frozen=True, array_like=True):
     lateness_sum_s: float
 
 
+class FollowerStatistics(msgspec.Struct, frozen=True, array_like=True):
+    """A follower as its leader sees it from its fetches (store/replica/leader.py)."""
+
+    name: str
+    held: int  # what it holds: written, or fsynced under its sync flush policy
+    lag_bytes: int  # the leader's written end minus ``held``
+    in_isr: bool  # counted in the confirm offset (the in-sync set)
+    since_fetch_s: float | None  # seconds since its last fetch (None: it never fetched in this epoch)
+
+
+class ReplicationStatistics(msgspec.Struct, frozen=True, array_like=True):
+    """One replica of a replicated store group: its role and position, the leader's view of its followers, and
+    what its role loop counted since the process started (docs/operations.md, "Metrics")."""
+
+    role: str  # leader | follower
+    group: str
+    name: str
+    epoch: int  # the epoch it leads or follows
+    confirm_offset: int  # what dispatch, pulls and readers may see
+    written_offset: int  # its log's end
+    leader_end: int  # the leader's written end: a follower's as its last Frames said (-1: none yet)
+    isr: list[str] = []  # leader: the in-sync set, itself included
+    followers: list[FollowerStatistics] = []  # leader: each other configured replica
+    shrinks: int = 0  # leader: followers that left the in-sync set in this epoch
+    expands: int = 0  # leader: followers that joined it in this epoch
+    acks: str = ""  # leader: its acks mode
+    fenced: bool = False  # leader: it acknowledges nothing any more (lease gone, or a newer leader)
+    elections: int = 0  # elections this replica won
+    truncations: int = 0  # times its log was cut back to agree with a new leader's
+    leader_changes: int = 0  # times it saw another leader or epoch after the first it saw
+
+    @property
+    def lag_bytes(self) -> int:
+        """How far this replica's log is behind the leader's end (0 for the leader)."""
+        return max(0, self.leader_end - self.written_offset)
+
+
 class StoreStatistics(msgspec.Struct, frozen=True, array_like=True):
     """The store's figures an operator watches (metrics, ``$SYS``, the admin API)."""
 
@@ -194,6 +232,7 @@ class StoreStatistics(msgspec.Struct, frozen=True, array_like=True):
     disk_full: bool = False  # the data disk is full: new messages are refused until space frees
     process: ProcessUsage | None = None  # the store node's process: pid, CPU seconds, RSS (the cluster view)
     timers: TimerStatistics | None = None  # delayed messages (store/timer/)
+    replication: ReplicationStatistics | None = None  # the leader of a replicated group: its view (None: unreplicated)
 
     @property
     def dispatch_lag(self) -> int:

@@ -363,6 +363,7 @@ class StoreNode:
             disk_full=self.disk_full,
             process=process_usage(),
             timers=self._timer_statistics(),
+            replication=self.replication.statistics() if self.replication is not None else None,
         )
 
     def _timer_statistics(self) -> TimerStatistics:

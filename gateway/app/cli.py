@@ -12,7 +12,7 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from gateway import __version__
 
@@ -85,11 +85,18 @@ def _cmd_serve(args: argparse.Namespace, conf: cfg.Config) -> int:
     return run_gateway_node(conf)
 
 
+GROUP_ACTIONS = ("run", "status", "add-replica", "remove-replica")
+"""What ``lightgate store`` does: run the store node (the default), or show or change its replicated group."""
+
+
 def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
     from gateway.app.reload import Reloader
     from gateway.mqtt.session import clamp_session_blob, session_blob_expiry
     from gateway.app.store_node import run_store_node
 
+    if args.action not in GROUP_ACTIONS:  # checked here, not by argparse: another command's flag is named first
+        LOG.error("lightgate store: unknown action %r (%s)", args.action, ", ".join(GROUP_ACTIONS))
+        return 2
     if args.action != "run":
         return _group_command(args, conf)
     if _lacks_the_tier("store", "store", conf):
@@ -106,11 +113,13 @@ def _cmd_store(args: argparse.Namespace, conf: cfg.Config) -> int:
 
 def _group_command(args: argparse.Namespace, conf: cfg.Config) -> int:
     """``lightgate store status | add-replica NAME | remove-replica NAME``: read or change the store group
-    ``replication.group`` in its controller (etcd), without joining it. Prints the group as JSON."""
+    ``replication.group`` in its controller (etcd), without joining it. Prints the group as JSON, with each live
+    replica's own figures (``figures``: read from the ``/metrics`` it registered, store.metrics_port)."""
     import json
 
     import trio
 
+    from gateway.ops.replica import read_figures
     from store.controller.etcd import EtcdError
     from store.controller.group import GroupAdmin, MembershipRefused
 
@@ -122,7 +131,7 @@ def _group_command(args: argparse.Namespace, conf: cfg.Config) -> int:
         LOG.error("lightgate store %s: name the replica (lightgate store %s NAME)", args.action, args.action)
         return 1
 
-    async def run() -> dict[str, object]:
+    async def run() -> dict[str, Any]:
         async with GroupAdmin.open(conf["replication.etcd"], group) as admin:
             if args.action == "add-replica":
                 await admin.add_replica(args.replica_name)
@@ -135,8 +144,19 @@ def _group_command(args: argparse.Namespace, conf: cfg.Config) -> int:
     except (EtcdError, MembershipRefused) as exc:
         LOG.error("lightgate store %s: %s", args.action, exc)
         return 1
+    figures: dict[str, object] = {}
+    for name, address in status["metrics"].items():
+        try:
+            figures[name] = read_figures(address, STATUS_TIMEOUT_S)
+        except (OSError, ValueError) as exc:  # gone since etcd listed it, or not a replica's endpoint
+            figures[name] = {"error": f"{address}: {exc}"}
+    status["figures"] = figures
     print(json.dumps(status, indent=2, sort_keys=True))
     return 0
+
+
+STATUS_TIMEOUT_S = 2.0
+"""``lightgate store status`` waits this long for each replica's ``/metrics``: a stalled one is shown as such."""
 
 
 def _cmd_repair(args: argparse.Namespace, conf: cfg.Config) -> int:
@@ -390,7 +410,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                               "gateway nodes over the RPC (--listen HOST:PORT), alone or as a replica of "
                               "--replication-group; or show or change that group (status, add-replica NAME, "
                               "remove-replica NAME; docs/cluster.md)", _cmd_store)
-    p.add_argument("action", nargs="?", default="run", choices=("run", "status", "add-replica", "remove-replica"),
+    p.add_argument("action", nargs="?", default="run", metavar="{run,status,add-replica,remove-replica}",
                    help="run (the default): run the store node; status: print the group's leader, epoch, in-sync"
                         " set and members as JSON; add-replica / remove-replica NAME: change its configured replicas")
     p.add_argument("replica_name", nargs="?", metavar="NAME", help="the replica add-replica / remove-replica change")

@@ -76,9 +76,11 @@ OPTIONS: tuple[Option, ...] = (
            flag="--store"),
     Option("store.lease_s", 5.0, "a gateway node's lease (`lightgate store`): silent this long, its clients' wills"
            " are published and the node must drop them when it returns (docs/cluster.md)"),
-    Option("store.failover_wait_s", 5.0, "a cluster gateway's publish that finds no store connection (a store"
-           " restart, a new leader) waits this long for the next one instead of failing at once; 0 = fail at once"
-           " (`lightgate gateway`, docs/cluster.md)"),
+    Option("store.metrics_port", 0, "a store replica's HTTP port for its own Prometheus /metrics (role, epoch, lag,"
+           " in-sync set), on store.listen's host; 0 = off (`lightgate store` with replication.group; docs/operations.md)"),
+    Option("store.failover_wait_s", 10.0, "a cluster gateway's store call that finds no store connection (a store"
+           " restart, a new leader: a publish, a pull, a PUBREL, a CONNECT...) waits for the next one until this long"
+           " after the break instead of failing at once; 0 = fail at once (`lightgate gateway`, docs/cluster.md)"),
     Option("store.token", "", "shared secret of gateway nodes and their store node (set the same on both), at least"
            " 16 characters; required on a store with auth.* set; empty = none (docs/cluster.md)", secret=True),
     Option("replication.group", "", "the store group this `lightgate store` is a replica of (empty = an"

@@ -81,7 +81,10 @@ async def serve_replica(settings: Mapping[str, Any], access: StoreAccess | None 
             shorter than the leader lease).
         OSError: the RPC port cannot be bound.
     """
+    from gateway.ops.admin import serve_admin
+    from gateway.ops.replica import ReplicaEndpoint
     from store.controller.group import GroupConfig
+    from store.replica.figures import RoleFigures
     from store.replica.role import ReplicaConfig, run_replica
     from store.rpc.front import RpcFront
     from store.rpc.server import RpcServer
@@ -100,11 +103,17 @@ async def serve_replica(settings: Mapping[str, Any], access: StoreAccess | None 
         await nursery.start(on_hangup, reload)
         listeners = await nursery.start(front.serve, host, port)
         bound_host, bound_port = listeners[0].socket.getsockname()[:2]
+        figures = RoleFigures(settings["replication.group"], name)
+        metrics_address = ""
+        if settings["store.metrics_port"]:
+            metrics = await nursery.start(partial(serve_admin, ReplicaEndpoint(figures.statistics), host,
+                                                  settings["store.metrics_port"], max_body=0, kind="store_metrics"))
+            metrics_address = "{}:{}".format(*metrics[0].socket.getsockname()[:2])
         group = GroupConfig(
             endpoints=tuple(settings["replication.etcd"]), group=settings["replication.group"], name=name,
             address=f"{bound_host}:{bound_port}", replicas=tuple(settings["replication.replicas"]) or (name,),
             lease_s=settings["replication.lease_s"], leader_lease_s=settings["replication.leader_lease_s"],
-            unclean_election=settings["replication.unclean_election"])
+            unclean_election=settings["replication.unclean_election"], metrics_address=metrics_address)
         config = ReplicaConfig(
             data=Path(settings["node.data"]), log_config=CommitLogConfig.from_settings(settings), group=group,
             acks=settings["replication.acks"], max_lag_s=settings["replication.max_lag_s"],
@@ -112,10 +121,11 @@ async def serve_replica(settings: Mapping[str, Any], access: StoreAccess | None 
             store_options={"tier": settings, "fix_session": fix_session, "session_expiry": session_expiry,
                            "lease_s": settings["store.lease_s"],
                            "timer_max_pending": settings["delayed.max_pending_per_client"]})
-        await nursery.start(run_replica, config, front, lambda node: RpcServer(node, access=access))
+        await nursery.start(partial(run_replica, config, front, lambda node: RpcServer(node, access=access),
+                                    figures=figures))
         LOGGER.info("store replica ready", extra={"ctx": {
             "group": group.group, "name": name, "data": str(config.data), "host": bound_host, "port": bound_port,
-            "acks": config.acks}})
+            "acks": config.acks, "metrics": metrics_address}})
     LOGGER.info("store replica stopped")
 
 

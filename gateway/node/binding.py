@@ -20,6 +20,8 @@ LISTENER_OPTIONS = {
     "ws": ("WebSocket listener", "ws.port (--ws-port)", "ws.host (--ws-host)"),
     "wss": ("secure WebSocket listener", "wss.port (--wss-port)", "wss.host (--wss-host)"),
     "admin": ("admin API", "admin.port (--admin-port)", "admin.host (--admin-host)"),
+    "store_metrics": ("store replica metrics", "store.metrics_port (--store-metrics-port)",
+                      "store.listen (--listen)"),
 }
 """Listener kind -> (what it is, in the error line; the option that sets its port; the one that sets its host)."""
 

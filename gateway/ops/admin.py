@@ -56,7 +56,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, final
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, final
 from urllib.parse import parse_qsl, unquote
 
 import h11
@@ -91,11 +91,13 @@ from lightqueue.topics import TopicError, validate_topic
 if TYPE_CHECKING:
     from gateway.ops.administration import Administration
     from gateway.ops.metrics import NodeMetrics
+    from store.api import ReplicationStatistics
 
 __all__ = [
     "AdminApi",
     "HttpError",
     "Request",
+    "Routes",
     "Response",
     "serve_admin",
 ]
@@ -175,6 +177,13 @@ class Response:
     headers: tuple[tuple[str, str], ...] = ()
 
 
+class Routes(Protocol):
+    """What ``serve_admin`` serves: the admin endpoint (``AdminApi``), or a store replica's (gateway/ops/replica.py)."""
+
+    async def handle(self, request: Request) -> Response:
+        """Answer one request; never raises for a bad request."""
+
+
 class HttpError(Exception):
     """Answer the request with ``status`` and ``{"error": message}``."""
 
@@ -204,7 +213,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/healthz", "GET"): Operation("the process answers", "none"),
     ("/readyz", "GET"): Operation("the store answers and the MQTT listener is up (else 503 and why)", "none"),
     (OPENAPI_PATH, "GET"): Operation("this document", "none"),
-    ("/api/v1/overview", "GET"): Operation("what the dashboard polls: counts, traffic, store, lag, auth failures"),
+    ("/api/v1/overview", "GET"): Operation("what the dashboard polls: counts, traffic, store, its replicated group, lag,"
+                                           " auth failures"),
     ("/api/v1/clients", "GET"): Operation("the connected clients", answer=list[ClientInfo]),
     ("/api/v1/clients/{client_id}", "GET"): Operation("one connected client, on whichever node it is connected to",
                                                       answer=ClientInfo),
@@ -417,6 +427,7 @@ class AdminApi:
             "store": {"dispatch_lag": store.dispatch_lag, "log_bytes": store.log_bytes, "queue_ids": store.queue_ids,
                       "active_filters": store.active_filters, "retained": store.retained,
                       "notify_sent": store.notify_sent, "notify_suppressed": store.notify_suppressed},
+            "replication": _group_view(store.replication),
             "auth": {"failures": counters.auth_failures, "acl_denials": counters.acl_denials,
                      "recent": list(reversed(counters.recent))},
             "clients": clients[:OVERVIEW_CLIENTS],
@@ -492,6 +503,17 @@ class AdminApi:
         if not existed:
             raise HttpError(404, f"no retained message on {rest!r}")
         return json_response({"deleted": rest})
+
+
+def _group_view(stats: ReplicationStatistics | None) -> dict[str, Any] | None:
+    """The store group as the dashboard shows it (its leader's view), or None for an unreplicated store."""
+    if stats is None:
+        return None
+    return {"group": stats.group, "leader": stats.name, "epoch": stats.epoch, "acks": stats.acks,
+            "fenced": stats.fenced, "isr": stats.isr, "confirm_offset": stats.confirm_offset,
+            "written_offset": stats.written_offset,
+            "followers": [{"name": f.name, "held": f.held, "lag_bytes": f.lag_bytes, "in_isr": f.in_isr}
+                          for f in stats.followers]}
 
 
 def _missing_header(missing: list[str]) -> tuple[tuple[str, str], ...]:
@@ -601,16 +623,18 @@ def _message_json(message: Any) -> dict[str, Any]:
 
 
 async def serve_admin(
-    api: AdminApi,
+    api: Routes,
     host: str,
     port: int,
     *,
     max_body: int,
     max_connections: int = 32,
     header_timeout_s: float = HEADER_TIMEOUT_S,
+    kind: str = "admin",
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the admin endpoint on ``host:port`` until cancelled.
+    """Serve the admin endpoint (or another ``api``: ``kind`` names it in a bind error, gateway/node/binding.py)
+    on ``host:port`` until cancelled.
 
     ``task_status.started`` receives the listeners (port 0 picks a free port: read it from them).
     Bodies larger than ``max_body`` bytes are refused with 413 (and the connection closed). At most
@@ -663,7 +687,7 @@ async def serve_admin(
             finally:
                 slot.release()
 
-    with naming_the_address("admin", host, port):
+    with naming_the_address(kind, host, port):
         listeners = await trio.open_tcp_listeners(port, host=host)
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_accepting, listeners, handler, CapacityLog("admin"))
@@ -688,7 +712,7 @@ class _BodyTooLarge(Exception):
     """The request announced or sent a body over the limit."""
 
 
-async def _serve_connection(stream: trio.SocketStream, api: AdminApi, peer_host: str, max_body: int, slot: Slot,
+async def _serve_connection(stream: trio.SocketStream, api: Routes, peer_host: str, max_body: int, slot: Slot,
                             header_timeout_s: float) -> None:
     """Answer requests on one kept-alive connection until either side closes it or it idles out.
 

@@ -45,9 +45,9 @@ if TYPE_CHECKING:
     from gateway.node.admission import Admission
     from gateway.node.cache import QueueCache
     from gateway.ops.administration import Administration
-    from store.api import StoreStatistics
+    from store.api import ReplicationStatistics, StoreStatistics
 
-__all__ = ["CONTENT_TYPE", "NodeMetrics", "histogram"]
+__all__ = ["CONTENT_TYPE", "NodeMetrics", "build_info", "histogram", "process_collectors", "replication_metrics"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 """The Prometheus text exposition format's content type."""
@@ -87,7 +87,7 @@ class NodeMetrics:
         self._sessions = (0, 0)  # online, offline
         self.registry = CollectorRegistry()
         self.registry.register(self)
-        _add_process_collectors(self.registry)
+        process_collectors(self.registry)
 
     async def exposition(self) -> bytes:
         """The current metrics, store figures fetched now."""
@@ -101,8 +101,7 @@ class NodeMetrics:
         traffic = node.traffic
         online, offline = self._sessions
         admission = self._admission
-        yield InfoMetricFamily(PREFIX + "build", "the running LightGate's version (always 1)",
-                               value={"version": __version__})
+        yield build_info()
         yield _gauge("connections", "open MQTT connections",
                      admission.connections if admission is not None else online)
         sessions = GaugeMetricFamily(PREFIX + "sessions", "sessions by state: online (connected to this node) and "
@@ -173,6 +172,8 @@ class NodeMetrics:
             yield _gauge("store_disk_full", "1 while the data disk is full and new QoS 1/2 messages are refused",
                          int(store.disk_full))
             yield from _timer_metrics(store)
+            if store.replication is not None:
+                yield from replication_metrics(store.replication)
         if self._flush_latency is not None:
             yield histogram(PREFIX + "commitlog_flush_seconds", "time of each CommitLog flush (fsync) round",
                             self._flush_latency)
@@ -194,7 +195,51 @@ def _timer_metrics(store: StoreStatistics) -> Iterator[Metric]:
                     "time", late)
 
 
-def _add_process_collectors(registry: CollectorRegistry) -> None:
+def replication_metrics(stats: ReplicationStatistics) -> Iterator[Metric]:
+    """One replica of a replicated store group (docs/operations.md, "Replication metrics"): a gateway exports its
+    leader's (``StoreStatistics.replication``), each replica's ``/metrics`` its own (gateway/ops/replica.py)."""
+    yield InfoMetricFamily(PREFIX + "replication", "this replica's group, name and role (always 1)",
+                           value={"group": stats.group, "replica": stats.name, "role": stats.role})
+    yield _gauge("replication_leader", "1 while this replica leads its group, 0 while it follows",
+                 int(stats.role == "leader"))
+    yield _gauge("replication_epoch", "the leader epoch this replica leads or follows", stats.epoch)
+    yield _gauge("replication_confirm_offset", "the confirm offset: what dispatch, pulls and readers may see",
+                 stats.confirm_offset)
+    yield _gauge("replication_written_offset", "this replica's log end", stats.written_offset)
+    yield _gauge("replication_lag_bytes", "bytes this replica's log is behind the leader's end (a follower: as its"
+                 " last fetch answer said; the leader: 0)", stats.lag_bytes)
+    yield _counter("replication_elections", "elections this replica won since it started", stats.elections)
+    yield _counter("replication_truncations", "times this replica cut its log back to agree with a new leader's",
+                   stats.truncations)
+    yield _counter("replication_leader_changes", "times this replica saw a new leader or epoch", stats.leader_changes)
+    if stats.role != "leader":
+        return
+    yield _gauge("replication_isr_size", "replicas in the in-sync set, the leader included", len(stats.isr))
+    yield _gauge("replication_fenced", "1 once this leader acknowledges nothing any more (its lease is gone, or a"
+                 " newer leader exists)", int(stats.fenced))
+    yield _counter("replication_isr_shrinks", "followers that left the in-sync set in this epoch", stats.shrinks)
+    yield _counter("replication_isr_expands", "followers that joined the in-sync set in this epoch", stats.expands)
+    held = GaugeMetricFamily(PREFIX + "replication_follower_held_offset", "what each follower holds (written, or"
+                             " fsynced under its sync flush policy)", labels=["replica"])
+    lag = GaugeMetricFamily(PREFIX + "replication_follower_lag_bytes", "bytes each follower holds less than the"
+                            " leader's log end", labels=["replica"])
+    in_isr = GaugeMetricFamily(PREFIX + "replication_follower_in_isr", "1 while the follower is in the in-sync set",
+                               labels=["replica"])
+    for follower in stats.followers:
+        held.add_metric([follower.name], follower.held)
+        lag.add_metric([follower.name], follower.lag_bytes)
+        in_isr.add_metric([follower.name], int(follower.in_isr))
+    yield held
+    yield lag
+    yield in_isr
+
+
+def build_info() -> InfoMetricFamily:
+    """``lightgate_build_info{version}``: every LightGate process's metrics start with it."""
+    return InfoMetricFamily(PREFIX + "build", "the running LightGate's version (always 1)", value={"version": __version__})
+
+
+def process_collectors(registry: CollectorRegistry) -> None:
     """Register the process collectors on ``registry``: ``process_cpu_seconds_total``,
     ``process_resident_memory_bytes``, ``process_open_fds`` (Linux ``/proc``), ``python_gc_collections_total``
     and the other GC counters, ``python_info``."""

@@ -3,7 +3,8 @@
 Keys, under ``/lightgate/groups/<group>/`` (docs/cluster.md, "The controller (etcd)"):
 
 - ``replicas``: the configured member names, a JSON list (the group size and the quorum come from it);
-- ``members/<name>``: a live replica, JSON ``{"address"}`` of its RPC listener, attached to its etcd lease;
+- ``members/<name>``: a live replica, JSON ``{"address"}`` of its RPC listener (and ``"metrics"``, its
+  ``/metrics`` endpoint's, when it serves one), attached to its etcd lease;
 - ``leader``: JSON ``{"name", "epoch", "address"}``, attached to the leader's lease (it vanishes with it);
 - ``epoch``: the last epoch ever elected, a decimal string;
 - ``isr``: JSON ``{"epoch", "members"}``, the in-sync set and the epoch of the leader that wrote it;
@@ -88,6 +89,7 @@ class GroupConfig:
     leader_lease_s: float = 2.0
     unclean_election: bool = False
     election_window_s: float = 0.3
+    metrics_address: str = ""  # host:port of the replica's /metrics ("": none), for ``lightgate store status``
 
     def __post_init__(self) -> None:
         if not 0 < self.leader_lease_s < self.lease_s:
@@ -110,6 +112,7 @@ class GroupState:
     revision: int = 0
     has_isr: bool = False  # False until the first election wrote one
     candidates: dict[str, tuple[int, int]] = field(default_factory=dict)  # election/<epoch + 1>/: name -> position
+    metrics: dict[str, str] = field(default_factory=dict)  # live name -> its /metrics address (those that serve one)
 
 
 def _json_bytes(value: Any) -> bytes:
@@ -128,8 +131,9 @@ def parse_state(prefix: str, values: dict[str, bytes], revision: int) -> GroupSt
     leader = _loads(values.get(prefix + "leader"), {})
     isr = _loads(values.get(prefix + "isr"), {})
     epoch = int(values.get(prefix + "epoch") or b"0")
-    members = {key[len(prefix + "members/"):]: _loads(raw, {}).get("address", "")
-               for key, raw in values.items() if key.startswith(prefix + "members/")}
+    registered = {key[len(prefix + "members/"):]: _loads(raw, {})
+                  for key, raw in values.items() if key.startswith(prefix + "members/")}
+    members = {name: doc.get("address", "") for name, doc in registered.items()}
     round_prefix = f"{prefix}election/{epoch + 1}/"
     candidates = {key[len(round_prefix):]: (int(doc.get("last_epoch", 0)), int(doc.get("end", 0)))
                   for key, raw in values.items() if key.startswith(round_prefix)
@@ -138,7 +142,8 @@ def parse_state(prefix: str, values: dict[str, bytes], revision: int) -> GroupSt
         leader=leader.get("name"), leader_address=leader.get("address"), epoch=epoch,
         isr=tuple(isr.get("members", ())), isr_epoch=int(isr.get("epoch", 0)),
         replicas=tuple(_loads(values.get(prefix + "replicas"), [])), members=members, revision=revision,
-        has_isr=prefix + "isr" in values, candidates=candidates)
+        has_isr=prefix + "isr" in values, candidates=candidates,
+        metrics={name: doc["metrics"] for name, doc in registered.items() if doc.get("metrics")})
 
 
 def may_win(state: GroupState, name: str, unclean: bool) -> bool:
@@ -233,7 +238,8 @@ class GroupAdmin:
         state = await self.state()
         return {"group": self.group, "leader": state.leader, "leader_address": state.leader_address,
                 "epoch": state.epoch, "isr": list(state.isr), "isr_epoch": state.isr_epoch,
-                "replicas": list(state.replicas), "members": dict(sorted(state.members.items()))}
+                "replicas": list(state.replicas), "members": dict(sorted(state.members.items())),
+                "metrics": dict(sorted(state.metrics.items()))}
 
 
 class GroupController(GroupAdmin):
@@ -275,7 +281,9 @@ class GroupController(GroupAdmin):
             while True:
                 registered, _ = await self.etcd.txn(
                     [Compare(member, "create", "==", 0)],
-                    [Put(member, _json_bytes({"address": self.config.address}), self.lease)])
+                    [Put(member, _json_bytes({"address": self.config.address,
+                                              **({"metrics": self.config.metrics_address}
+                                                 if self.config.metrics_address else {})}), self.lease)])
                 if registered:
                     await self.etcd.txn([Compare(self.prefix + "replicas", "create", "==", 0)],
                                         [Put(self.prefix + "replicas", _json_bytes(list(self.config.replicas)))])

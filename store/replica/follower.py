@@ -20,6 +20,7 @@ import trio
 
 from store.dispatch import Dispatcher
 from store.log.aio import AsyncCommitLog
+from store.replica.figures import RoleFigures
 from store.rpc import wire as rpc
 
 __all__ = ["FETCH_BYTES", "LeaderChanged", "follow"]
@@ -61,10 +62,12 @@ class _Refused(Exception):
 
 
 async def follow(log: AsyncCommitLog, dispatcher: Dispatcher, leader: tuple[str, int], *, name: str, epoch: int,
-                 token: str = "", task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                 token: str = "", figures: RoleFigures | None = None,
+                 task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Follow the leader of ``epoch`` at ``leader`` (host, port) until cancelled.
 
-    ``task_status.started()`` once the first connection is welcomed.
+    ``task_status.started()`` once the first connection is welcomed. ``figures``: the role loop's, given the
+    leader's end and the truncations.
 
     Raises:
         LeaderChanged: the leader answers for another epoch, or is not the leader.
@@ -92,7 +95,7 @@ async def follow(log: AsyncCommitLog, dispatcher: Dispatcher, leader: tuple[str,
                         task_status.started()
                     attempt = 0
                     LOGGER.info("replica following its leader", extra={"ctx": {"leader": leader, "epoch": epoch}})
-                    await _fetch_loop(link, log, dispatcher, epoch)
+                    await _fetch_loop(link, log, dispatcher, epoch, figures or RoleFigures("", name))
                 except _Refused as exc:
                     raise ConnectionRefusedError(str(exc)) from None
                 except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError,
@@ -105,7 +108,8 @@ async def follow(log: AsyncCommitLog, dispatcher: Dispatcher, leader: tuple[str,
         attempt += 1
 
 
-async def _fetch_loop(link: _Link, alog: AsyncCommitLog, dispatcher: Dispatcher, epoch: int) -> None:
+async def _fetch_loop(link: _Link, alog: AsyncCommitLog, dispatcher: Dispatcher, epoch: int,
+                      figures: RoleFigures) -> None:
     log = alog.log
     sync = log.config.flush == "sync"
     next_id = 0
@@ -124,7 +128,9 @@ async def _fetch_loop(link: _Link, alog: AsyncCommitLog, dispatcher: Dispatcher,
             LOGGER.warning("replica log parts from its leader's: truncating",
                            extra={"ctx": {"offset": cut, "written": written, "epoch": epoch}})
             await trio.to_thread.run_sync(dispatcher.truncate, cut)
+            figures.truncations += 1
             continue
+        figures.leader_end = answer.end
         if len(answer.data) > INLINE_BYTES:
             written = await trio.to_thread.run_sync(log.append_frames, written, answer.data)
         elif answer.data:  # a copy into the page cache: cheaper here than a hop to a worker thread and back

@@ -21,8 +21,9 @@ from typing import Any, Callable, Literal, Protocol, Sequence, final
 
 import trio
 
-from store.api import LeaderFenced
+from store.api import FollowerStatistics, LeaderFenced, ReplicationStatistics
 from store.log.aio import AsyncCommitLog
+from store.replica.figures import RoleFigures
 
 __all__ = ["ACKS", "FETCH_WAIT_S", "Answer", "Controller", "Replication"]
 
@@ -75,6 +76,7 @@ class Answer:
     confirm: int
     epochs: list[tuple[int, int]]
     truncate_to: int = -1
+    end: int = -1  # the leader's written end when it answered
 
 
 @final
@@ -93,11 +95,12 @@ class Replication:
         controller: records ISR changes and says whether the leader lease is valid.
         confirmed: a promoted follower's confirm offset: what it has past it (the old epoch's unconfirmed tail) is
             served only once the ISR holds it (``open_store`` holds the confirm offset there before recovery).
+        figures: the replica's role loop figures (its group, its counts), shown with this leader's.
     """
 
     def __init__(self, *, name: str, epoch: int, replicas: Sequence[str], isr: Sequence[str],
                  acks: Literal["leader", "quorum", "all"], max_lag_s: float, controller: Controller,
-                 confirmed: int | None = None) -> None:
+                 confirmed: int | None = None, figures: RoleFigures | None = None) -> None:
         if acks not in ACKS:
             raise ValueError(f"replication.acks must be one of {', '.join(ACKS)}, not {acks!r}")
         if name not in replicas:
@@ -109,6 +112,7 @@ class Replication:
         self.max_lag_s = max_lag_s
         self.controller = controller
         self.confirmed = confirmed  # the confirm offset its last leader told it (a promoted follower), else None
+        self.role = figures if figures is not None else RoleFigures("", name, epoch)
         self._followers = {member: _Follower() for member in self.replicas if member != name}
         self._isr = {name, *(member for member in isr if member in self._followers)}
         self._isr_recorded = set(self._isr)  # what the controller holds
@@ -235,7 +239,7 @@ class Replication:
         progress.sent_written = written
         progress.sent_at = trio.current_time()
         progress.sent_confirm = log.confirm_offset
-        return Answer(self.epoch, data, progress.sent_confirm, log.epochs.entries)
+        return Answer(self.epoch, data, progress.sent_confirm, log.epochs.entries, end=written)
 
     def _progress(self, member: str, progress: _Follower, offset: int, held: int) -> None:
         now = trio.current_time()
@@ -330,17 +334,27 @@ class Replication:
 
     # --- figures ------------------------------------------------------------------------------
 
-    def figures(self) -> dict[str, Any]:
-        """Role, epoch, confirm offset and each follower's held offset, lag and ISR membership: metrics and status."""
+    def statistics(self) -> ReplicationStatistics:
+        """Role, epoch, confirm offset, each follower's held offset, lag and ISR membership, and the role loop's
+        counts: the leader's ``StoreStatistics.replication`` and its replica's ``/metrics``."""
         log = self.log.log
         written = log.written_offset
         now = trio.current_time()
-        return {
-            "role": "leader", "epoch": self.epoch, "acks": self.acks, "fenced": self._fenced is not None,
-            "written": written, "confirm": log.confirm_offset, "isr_size": len(self._isr),
-            "isr": sorted(self._isr), "shrinks": self.shrinks, "expands": self.expands,
-            "followers": {
-                name: {"held": f.held, "lag_bytes": written - f.held, "in_isr": name in self._isr,
-                       "since_fetch_s": round(now - f.fetched_at, 3) if f.fetched_at >= 0 else None}
-                for name, f in sorted(self._followers.items())},
-        }
+        role = self.role
+        return ReplicationStatistics(
+            role="leader", group=role.group, name=self.name, epoch=self.epoch,
+            confirm_offset=log.confirm_offset, written_offset=written, leader_end=written, isr=sorted(self._isr),
+            followers=[FollowerStatistics(name, f.held, written - f.held, name in self._isr,
+                                          round(now - f.fetched_at, 3) if f.fetched_at >= 0 else None)
+                       for name, f in sorted(self._followers.items())],
+            shrinks=self.shrinks, expands=self.expands, acks=self.acks, fenced=self._fenced is not None,
+            elections=role.elections, truncations=role.truncations, leader_changes=role.leader_changes)
+
+    def figures(self) -> dict[str, Any]:
+        """``statistics()`` as the store's periodic statistics log line shows it."""
+        stats = self.statistics()
+        return {"role": stats.role, "epoch": stats.epoch, "acks": stats.acks, "fenced": stats.fenced,
+                "written": stats.written_offset, "confirm": stats.confirm_offset, "isr_size": len(stats.isr),
+                "isr": stats.isr, "shrinks": stats.shrinks, "expands": stats.expands,
+                "followers": {f.name: {"held": f.held, "lag_bytes": f.lag_bytes, "in_isr": f.in_isr,
+                                       "since_fetch_s": f.since_fetch_s} for f in stats.followers}}

@@ -31,6 +31,7 @@ from store.dispatch import Dispatcher
 from store.log.aio import AsyncCommitLog
 from store.log.commitlog import CommitLogConfig
 from store.node import StoreNode, open_follower, open_store
+from store.replica.figures import RoleFigures
 from store.replica.follower import LeaderChanged, follow
 from store.replica.leader import Replication
 from store.rpc.front import RpcFront
@@ -70,9 +71,12 @@ ServerOf = Callable[[StoreNode], RpcServer]
 
 
 async def run_replica(config: ReplicaConfig, front: RpcFront, server_of: ServerOf,
-                      *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                      *, figures: RoleFigures | None = None,
+                      task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Be a replica of ``config.group`` until cancelled: follow, stand for election, lead, and again. An etcd lease
-    that ends (a stall, a partition) costs this replica its membership: it registers again with a new one."""
+    that ends (a stall, a partition) costs this replica its membership: it registers again with a new one.
+    ``figures``: kept up to date for the replica's ``/metrics`` (store/replica/figures.py)."""
+    figures = figures if figures is not None else RoleFigures(config.group.group, config.group.name)
     started = False
     unreachable = 0  # attempts in a row that found no etcd
     while True:
@@ -83,8 +87,8 @@ async def run_replica(config: ReplicaConfig, front: RpcFront, server_of: ServerO
                     started = True
                     task_status.started()
                 while True:
-                    state, confirmed = await _follow_until_elected(config, controller, front)
-                    await _lead(config, controller, front, server_of, state, confirmed)
+                    state, confirmed = await _follow_until_elected(config, controller, front, figures)
+                    await _lead(config, controller, front, server_of, state, confirmed, figures)
         except* LeaseLost:  # out of the nurseries of a phase, wrapped in their groups
             LOGGER.warning("store replica's etcd lease ended: registering again", extra={"ctx": {
                 "group": config.group.group, "name": config.group.name}})
@@ -97,12 +101,13 @@ async def run_replica(config: ReplicaConfig, front: RpcFront, server_of: ServerO
             await trio.sleep(ETCD_RETRY_S[min(unreachable, len(ETCD_RETRY_S)) - 1])
 
 
-async def _follow_until_elected(config: ReplicaConfig, controller: GroupController,
-                                front: RpcFront) -> tuple[GroupState, int]:
+async def _follow_until_elected(config: ReplicaConfig, controller: GroupController, front: RpcFront,
+                                figures: RoleFigures) -> tuple[GroupState, int]:
     """Follow whichever replica leads; return the state in which this replica won an election (the new epoch's
     entry appended to its log: from its end on, the log is the new epoch's) and its confirm offset then."""
     name = config.group.name
     async with open_follower(config.data, config.log_config) as (alog, dispatcher), trio.open_nursery() as nursery:
+        figures.log, figures.replication = alog.log, None
         leader_address = ""
         refusing = trio.CancelScope()
 
@@ -118,6 +123,9 @@ async def _follow_until_elected(config: ReplicaConfig, controller: GroupControll
                 state = await controller.elect((latest[0] if latest else 0, alog.log.written_offset))
                 if state.leader == name:
                     await trio.to_thread.run_sync(alog.log.epochs.append, state.epoch, alog.log.written_offset)
+                    figures.elections += 1
+                    figures.saw_leader(name, state.epoch)
+                    figures.log = None
                     LOGGER.info("elected leader of the store group", extra={"ctx": {
                         "group": config.group.group, "epoch": state.epoch, "log_end": alog.log.written_offset,
                         "confirmed": alog.log.confirm_offset}})
@@ -130,11 +138,12 @@ async def _follow_until_elected(config: ReplicaConfig, controller: GroupControll
                 continue
             LOGGER.info("following the leader", extra={"ctx": {"leader": state.leader, "epoch": state.epoch,
                                                                "address": leader_address}})
-            state = await _copy_until_change(config, controller, alog, dispatcher, state)
+            figures.saw_leader(state.leader, state.epoch)
+            state = await _copy_until_change(config, controller, alog, dispatcher, state, figures)
 
 
 async def _copy_until_change(config: ReplicaConfig, controller: GroupController, alog: AsyncCommitLog,
-                             dispatcher: Dispatcher, state: GroupState) -> GroupState:
+                             dispatcher: Dispatcher, state: GroupState, figures: RoleFigures) -> GroupState:
     """Copy the log of ``state``'s leader until the controller names another leader or epoch; the state then."""
     host, port = (state.leader_address or "").rsplit(":", 1)
     async with trio.open_nursery() as nursery:
@@ -142,7 +151,7 @@ async def _copy_until_change(config: ReplicaConfig, controller: GroupController,
             while True:
                 try:
                     await follow(alog, dispatcher, (host, int(port)), name=config.group.name, epoch=state.epoch,
-                                 token=config.token)
+                                 token=config.token, figures=figures)
                 except LeaderChanged as exc:  # not serving yet, or replaced: the controller will say which
                     LOGGER.debug("the leader did not serve this replica", extra={"ctx": {"why": str(exc)}})
                     await trio.sleep(REDIRECT_RETRY_S)
@@ -167,7 +176,7 @@ async def _next_leader(controller: GroupController, state: GroupState) -> GroupS
 
 
 async def _lead(config: ReplicaConfig, controller: GroupController, front: RpcFront, server_of: ServerOf,
-                state: GroupState, confirmed: int) -> None:
+                state: GroupState, confirmed: int, figures: RoleFigures) -> None:
     """Serve as the leader of ``state.epoch`` until this replica must stop (see the module docstring); the node
     is closed on return and the caller follows again."""
     name = config.group.name
@@ -178,9 +187,11 @@ async def _lead(config: ReplicaConfig, controller: GroupController, front: RpcFr
         LOGGER.warning("fenced before leading: another replica leads", extra={"ctx": {"epoch": state.epoch}})
         return
     replication = Replication(name=name, epoch=state.epoch, replicas=state.replicas, isr=isr, acks=config.acks,
-                              max_lag_s=config.max_lag_s, controller=controller, confirmed=confirmed)
+                              max_lag_s=config.max_lag_s, controller=controller, confirmed=confirmed,
+                              figures=figures)
     async with open_store(config.data, config.log_config, replication=replication, **config.store_options) as node, \
             trio.open_nursery() as nursery:
+        figures.replication = replication
         await nursery.start(front.serving, server_of(node))
         LOGGER.info("store group leader serving", extra={"ctx": {
             "group": config.group.group, "epoch": state.epoch, "log_end": node.log.log.written_offset,
@@ -203,5 +214,6 @@ async def _lead(config: ReplicaConfig, controller: GroupController, front: RpcFr
 
         nursery.start_soon(until_fenced)
         nursery.start_soon(until_replaced)
+    figures.replication = None
     LOGGER.warning("no longer the store group's leader: following again", extra={"ctx": {
         "group": config.group.group, "epoch": state.epoch, "fenced": replication.fenced}})

@@ -6,9 +6,14 @@ pipelining, batching and reconnecting, to the address a resolver gives):
 
 - never without waiting: ``append_nowait`` and ``pull_nowait`` always raise ``trio.WouldBlock`` (each is a
   round trip); the awaiting forms are the ones to use;
-- across reconnects: while there is no connection calls raise ``StoreUnavailable``; on reconnecting the
-  client registers its watches and its connected clients with their wills again (``Reattach``) and posts one
-  event per watched queue at its current head, so every local session pulls whatever it may have missed;
+- across reconnects: on reconnecting the client registers its watches and its connected clients with their
+  wills again (``Reattach``) and posts one event per watched queue at its current head, so every local session
+  pulls whatever it may have missed;
+- through a failover (a store restart, a new leader): a call that could not be sent (``NotSent``: no link, or
+  the link broke before it left) waits for the next link until ``failover_wait_s`` after the link broke, and is
+  made there; so does an idempotent call that was sent and not answered (a read, an offset commit, a session
+  save, a QoS 2 release: made twice, the store holds what it holds after one). Past that wait, or sent and not
+  idempotent (an append: stored twice if made again), a call raises ``StoreUnavailable`` as without the wait;
 - fenced: the client carries the lease epoch of each of its clients (the lease its node held when the
   client connected) and names it in every write made for the client. If the lease ended meanwhile (the
   process was frozen, or cut off, for longer than the lease), the store says so in the Welcome: the clients
@@ -28,16 +33,16 @@ import logging
 import math
 import os
 import socket
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, final
+from typing import Any, TypeVar, final
 
 import trio
 
 from notify import EventMailbox
 from store.api import (MAIN_LOG, AdminOp, Flow, LeaseLost, LogSpan, NewMessage, Position, Positions, PullRequest,
-                       PullResult, Record, StoreStatistics)
+                       PullResult, Record, StoreStatistics, StoreUnavailable)
 from store.log.record import decode_record
 from store.rpc import wire as rpc
 from store.rpc.connection import (Link, NotSent, Resolver, StoreConnection, StoreRpcError, decoded, exception_of,
@@ -55,6 +60,8 @@ a window that does not start where the next pull does is dropped unused)."""
 
 STATISTICS_LOG_S = 60.0
 """How often ``log_statistics`` logs the node's notify figures."""
+
+T = TypeVar("T")
 
 
 def default_node_name() -> str:
@@ -93,7 +100,7 @@ class RemoteStore:
                  password: bytes | None = None, failover_wait_s: float = 0.0) -> None:
         self.node = node
         self._failover_wait_s = failover_wait_s
-        self._failover_waits = 0  # appends waiting for a link now
+        self._failover_waits = 0  # calls waiting for a link now
         self._connection = StoreConnection(resolver, node, (token, username, password), self)
         self._mailbox = EventMailbox()
         self._watched: dict[str, int] = {}  # queue -> local sessions on it (sent again after a reconnect)
@@ -122,8 +129,9 @@ class RemoteStore:
             timeout_s: give up if the first connection does not succeed within this (None: retry forever).
             token: the store's ``store.token``: a gateway node's credential (store/rpc/access.py).
             username, password: a back-end client's credentials, when the store has a password file.
-            failover_wait_s: how long an append that could not be sent waits for the next link (:meth:`append`);
-                0: it fails at once.
+            failover_wait_s: how long a call that could not be sent (or an idempotent one whose answer was lost)
+                waits for the next link, counted from when the link broke (the module docstring); 0: it fails at
+                once.
 
         Raises:
             StoreUnavailable: no connection within ``timeout_s``.
@@ -197,21 +205,18 @@ class RemoteStore:
         """Always raises ``trio.WouldBlock``: an append is a round trip to the store node."""
         raise trio.WouldBlock
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> Positions:
-        """See ``StoreApi.append``. An append that finds no link, or whose link broke before it was sent
-        (``NotSent``), waits for the next link (a store restart, a new leader) until ``failover_wait_s`` after
-        the link broke, and is made there: it cannot have been stored by the store it never reached. Later, or
-        sent and not answered, it fails (``StoreUnavailable``): the latter may be stored, and a retry could
-        store it twice."""
+    async def _through_failover(self, attempt: Callable[[Link], Awaitable[T]], *, idempotent: bool = False) -> T:
+        """``attempt(link)`` on the live link; made again on the next link (a store restart, a new leader) when it
+        was not sent (``NotSent``: the store it never reached cannot have done it) or, ``idempotent``, when it was
+        sent and its answer was lost (the store holds the same after doing it twice). The wait for that link ends
+        ``failover_wait_s`` after the link broke: then, or sent and not idempotent, the call raises
+        ``StoreUnavailable`` as it would without the wait."""
         while True:
             try:
-                link = self._require_link()
-                if not messages:
-                    return Positions(MAIN_LOG, [])
-                group = list(messages)
-                self._refuse_stale(self._epoch_of(group[0].client_id), link)  # a connection's appends: one publisher
-                return await link.appends[durable].submit(group)
-            except NotSent:
+                return await attempt(self._require_link())
+            except StoreUnavailable as exc:
+                if not (isinstance(exc, NotSent) or idempotent and type(exc) is StoreUnavailable):
+                    raise
                 down_since = self._connection.down_since
                 deadline = (trio.current_time() if down_since is None else down_since) + self._failover_wait_s
                 if trio.current_time() >= deadline:
@@ -219,9 +224,9 @@ class RemoteStore:
                 await self._wait_link(deadline)
 
     async def _wait_link(self, deadline: float) -> None:
-        """Wait for a link until ``deadline``; the first of the appends waiting at once logs it."""
+        """Wait for a link until ``deadline``; the first of the calls waiting at once logs it."""
         if not self._failover_waits:
-            LOGGER.warning("appends wait for the store connection", extra={"ctx": {
+            LOGGER.warning("store calls wait for the store connection", extra={"ctx": {
                 "node": self.node, "store": self._connection.address, "failover_wait_s": self._failover_wait_s}})
         self._failover_waits += 1
         try:
@@ -229,6 +234,23 @@ class RemoteStore:
                 await self._connection.wait_available()
         finally:
             self._failover_waits -= 1
+
+    async def _call(self, make: Callable[[int], Any], *, idempotent: bool = False) -> Any:
+        """One request through a failover (:meth:`_through_failover`); its answer."""
+        return await self._through_failover(lambda link: link.call(make), idempotent=idempotent)
+
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> Positions:
+        """See ``StoreApi.append``. Through a failover only when not sent: an append sent and not answered may be
+        stored, and made again it could be stored twice (``StoreUnavailable``: the device is told it was not)."""
+        group = list(messages)
+
+        async def attempt(link: Link) -> Positions:
+            if not group:
+                return Positions(MAIN_LOG, [])
+            self._refuse_stale(self._epoch_of(group[0].client_id), link)  # a connection's appends: one publisher
+            return await link.appends[durable].submit(group)
+
+        return await self._through_failover(attempt)
 
     async def append_each(self, messages: Sequence[NewMessage], *, durable: bool | None = None
                           ) -> list[Position | Exception]:
@@ -243,12 +265,12 @@ class RemoteStore:
             OSError: the write failed; none was appended.
             ValueError: the request exceeds the RPC frame limit (nothing was sent).
         """
-        link = self._require_link()
         if not messages:
+            self._require_link()
             return []
         groups = [[m] for m in messages]
         try:
-            answer = await link.call(lambda rid: rpc.AppendRequest(rid, groups, durable))
+            answer = await self._call(lambda rid: rpc.AppendRequest(rid, groups, durable))
         except rpc.RpcProtocolError as exc:
             raise ValueError(str(exc)) from None
         errors = answer.errors
@@ -263,9 +285,12 @@ class RemoteStore:
 
         Reading ahead overlaps the store's next reads with the caller's work on
         this one (a session delivering a batch, then pulling the next): without
-        it a backlog drains at one round trip per pull batch.
+        it a backlog drains at one round trip per pull batch. Idempotent through a failover: a read changes
+        nothing, and the new leader holds every record a pull returned (they were below the confirm offset).
         """
-        link = self._require_link()
+        return await self._through_failover(lambda link: self._pull(link, requests), idempotent=True)
+
+    async def _pull(self, link: Link, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         if not requests:
             return []
         early = [await link.take_ahead(r) if link.ahead else None for r in requests]
@@ -281,42 +306,46 @@ class RemoteStore:
         return results
 
     async def max_offsets(self, queues: Sequence[str]) -> list[int]:
-        answer = await self._require_link().call(lambda rid: rpc.MaxOffsets(rid, list(queues)))
+        answer = await self._call(lambda rid: rpc.MaxOffsets(rid, list(queues)), idempotent=True)
         return answer.offsets
 
     async def retained(self, filter: str) -> list[Record]:
-        answer = await self._require_link().call(lambda rid: rpc.GetRetained(rid, filter))
+        answer = await self._call(lambda rid: rpc.GetRetained(rid, filter), idempotent=True)
         return [decode_record(raw, 0, log_offset) for log_offset, raw in answer.records]
 
     async def read_log(self, start: Position, max_bytes: int) -> LogSpan:
-        answer = await self._require_link().call(lambda rid: rpc.ReadLog(rid, start, max_bytes))
+        answer = await self._call(lambda rid: rpc.ReadLog(rid, start, max_bytes), idempotent=True)
         return answer.span
 
     async def statistics(self) -> StoreStatistics:
-        answer = await self._require_link().call(lambda rid: rpc.GetStatistics(rid))
+        answer = await self._call(lambda rid: rpc.GetStatistics(rid), idempotent=True)
         return answer.stats
 
     # --- subscriptions and offsets ----------------------------------------------------------
 
     async def activate(self, queue: str, holder: str) -> int:
-        answer = await self._require_link().call(lambda rid: rpc.Activate(rid, queue, holder))
+        answer = await self._call(lambda rid: rpc.Activate(rid, queue, holder))
         return answer.value
 
     async def release(self, queue: str, holder: str) -> bool:
-        link = self._require_link()
-        epoch = self._epoch_of(holder)
-        self._refuse_stale(epoch, link)
-        answer = await link.call(lambda rid: rpc.Release(rid, queue, holder, epoch))
-        return answer.value
+        async def attempt(link: Link) -> bool:
+            epoch = self._epoch_of(holder)
+            self._refuse_stale(epoch, link)
+            return (await link.call(lambda rid: rpc.Release(rid, queue, holder, epoch))).value
+
+        return await self._through_failover(attempt)
 
     async def get_offsets(self, owner: str) -> dict[str, int]:
-        answer = await self._require_link().call(lambda rid: rpc.GetOffsets(rid, owner))
+        answer = await self._call(lambda rid: rpc.GetOffsets(rid, owner), idempotent=True)
         return answer.value
 
     async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
         """The commits of clients of this node's lease go in one batched request; those of clients of an ended
-        lease are not sent: ``LeaseLost`` once the others are written."""
-        link = self._require_link()
+        lease are not sent: ``LeaseLost`` once the others are written. Idempotent through a failover: the same
+        positions committed twice are the same commit (the store never moves an offset back)."""
+        await self._through_failover(lambda link: self._commit_offsets(link, commits), idempotent=True)
+
+    async def _commit_offsets(self, link: Link, commits: Mapping[str, Mapping[str, int]]) -> None:
         current: dict[str, dict[str, int]] = {}
         stale: list[int] = []
         for owner, offsets in commits.items():
@@ -352,73 +381,91 @@ class RemoteStore:
     # --- consumer groups and shared subscriptions --------------------------------------------
 
     async def join(self, group: str, queue: str, member: str, *, start: str = "latest", at: int = 0) -> int:
-        answer = await self._require_link().call(lambda rid: rpc.Join(rid, group, queue, member, start, at))
+        answer = await self._call(lambda rid: rpc.Join(rid, group, queue, member, start, at))
         return answer.value
 
     async def claim(self, group: str, queue: str, member: str, max_count: int, *, max_bytes: int = 1 << 20,
                     wait_s: float = 0.0) -> PullResult[Record]:
         wait_ms = max(0, int(wait_s * 1000))
-        answer = await self._require_link().call(
-            lambda rid: rpc.Claim(rid, group, queue, max_count, max_bytes, wait_ms, member))
+        answer = await self._call(lambda rid: rpc.Claim(rid, group, queue, max_count, max_bytes, wait_ms, member))
         return decoded(answer.result)
 
     async def ack(self, group: str, queue: str, member: str, offsets: Sequence[int] = (), *, below: int = 0) -> int:
-        answer = await self._require_link().call(
-            lambda rid: rpc.Ack(rid, group, queue, list(offsets), member, below))
+        answer = await self._call(lambda rid: rpc.Ack(rid, group, queue, list(offsets), member, below))
         return answer.value
 
     async def leave(self, group: str, queue: str, member: str, *, unsubscribe: bool = False) -> None:
-        await self._require_link().call(lambda rid: rpc.Leave(rid, group, queue, member, unsubscribe))
+        await self._call(lambda rid: rpc.Leave(rid, group, queue, member, unsubscribe))
 
     # --- sessions -----------------------------------------------------------------------------
 
     async def open_session(self, client_id: str, *, clean_start: bool, expiry_s: int,
                            will: NewMessage | None = None, will_delay_s: int = 0) -> bytes | None:
-        link = self._require_link()
-        self._clients[client_id] = _Client(link.epoch, expiry_s, will, will_delay_s)
-        try:
-            answer = await link.call(lambda rid: rpc.OpenSession(rid, client_id, clean_start, expiry_s, will,
-                                                              will_delay_s))
-        except BaseException:
-            self._clients.pop(client_id, None)
-            raise
-        return answer.value
+        """See ``StoreApi.open_session``; through a failover only when not sent (a CONNECT then waits for the next
+        link, rather than being refused Server unavailable at once)."""
+        async def attempt(link: Link) -> bytes | None:
+            self._clients[client_id] = _Client(link.epoch, expiry_s, will, will_delay_s)
+            try:
+                answer = await link.call(lambda rid: rpc.OpenSession(rid, client_id, clean_start, expiry_s, will,
+                                                                  will_delay_s))
+            except BaseException:
+                self._clients.pop(client_id, None)
+                raise
+            return answer.value
+
+        return await self._through_failover(attempt)
 
     async def close_session(self, client_id: str, *, expiry_s: int, will_delay_s: int | None) -> None:
+        """See ``StoreApi.close_session``; through a failover only when not sent (closed twice, a session whose
+        client connected again elsewhere meanwhile could be closed)."""
         client = self._clients.pop(client_id, None)
         epoch = client.epoch if client is not None else 0
-        link = self._require_link()
-        self._refuse_stale(epoch, link)
-        await link.call(lambda rid: rpc.CloseSession(rid, client_id, expiry_s, will_delay_s, epoch))
+
+        async def attempt(link: Link) -> None:
+            self._refuse_stale(epoch, link)
+            await link.call(lambda rid: rpc.CloseSession(rid, client_id, expiry_s, will_delay_s, epoch))
+
+        await self._through_failover(attempt)
 
     async def save_session(self, client_id: str, blob: bytes) -> None:
-        link = self._require_link()
-        epoch = self._epoch_of(client_id)
-        self._refuse_stale(epoch, link)
-        await link.call(lambda rid: rpc.SaveSession(rid, client_id, blob, epoch))
+        """See ``StoreApi.save_session``. Idempotent through a failover: a ``SessionSaved`` record replaces the
+        blob whole, so the same blob saved twice leaves the same session."""
+        async def attempt(link: Link) -> None:
+            epoch = self._epoch_of(client_id)
+            self._refuse_stale(epoch, link)
+            await link.call(lambda rid: rpc.SaveSession(rid, client_id, blob, epoch))
+
+        await self._through_failover(attempt, idempotent=True)
 
     async def load_session(self, client_id: str) -> bytes | None:
-        answer = await self._require_link().call(lambda rid: rpc.LoadSession(rid, client_id))
+        answer = await self._call(lambda rid: rpc.LoadSession(rid, client_id), idempotent=True)
         return answer.value
 
     async def end_session(self, client_id: str) -> bool:
-        answer = await self._require_link().call(lambda rid: rpc.EndSession(rid, client_id))
+        answer = await self._call(lambda rid: rpc.EndSession(rid, client_id))
         return answer.value
 
     async def sessions(self) -> list[str]:
-        answer = await self._require_link().call(lambda rid: rpc.ListSessions(rid))
+        answer = await self._call(lambda rid: rpc.ListSessions(rid), idempotent=True)
         return answer.names
 
     async def awaiting_release(self, client_id: str) -> dict[int, Position]:
-        answer = await self._require_link().call(lambda rid: rpc.GetAwaiting(rid, client_id))
+        answer = await self._call(lambda rid: rpc.GetAwaiting(rid, client_id), idempotent=True)
         return answer.flows
 
     async def release_awaiting(self, flows: Sequence[Flow]) -> None:
+        """See ``StoreApi.release_awaiting``. Idempotent through a failover (store/awaiting.py): a release of a flow
+        at an offset marks it released at that offset unless it holds a later one, so made again it changes
+        nothing; the PUBCOMP waits for the new leader to have recorded it."""
         if not flows:
             return
-        link = self._require_link()
-        self._refuse_stale(self._epoch_of(flows[0].client_id), link)  # one connection's releases: one client
-        await link.releases.submit(list(flows))
+        group = list(flows)
+
+        async def attempt(link: Link) -> None:
+            self._refuse_stale(self._epoch_of(group[0].client_id), link)  # one connection's releases: one client
+            await link.releases.submit(group)
+
+        await self._through_failover(attempt, idempotent=True)
 
     async def moved(self) -> list[str]:
         return list(await self._moved.get())
@@ -426,11 +473,11 @@ class RemoteStore:
     # --- administration across nodes -------------------------------------------------------
 
     async def admin_call(self, client_id: str, op: AdminOp) -> bytes | None:
-        answer = await self._require_link().call(lambda rid: rpc.AdminCall(rid, client_id, op))
+        answer = await self._call(lambda rid: rpc.AdminCall(rid, client_id, op))
         return answer.value
 
     async def admin_call_all(self, op: AdminOp, query: bytes) -> tuple[dict[str, bytes], list[str]]:
-        answer = await self._require_link().call(lambda rid: rpc.AdminCallAll(rid, op, query))
+        answer = await self._call(lambda rid: rpc.AdminCallAll(rid, op, query))
         return answer.answers, answer.missing
 
     async def admin_asks(self) -> tuple[int, str, AdminOp, bytes]:

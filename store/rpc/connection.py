@@ -100,7 +100,7 @@ would give up on it, and its followers name the new leader (or the new leader we
 
 class NotSent(StoreUnavailable):
     """A call that never left this node: there was no link, or the link broke before the call was sent. It cannot
-    have taken effect at the store, so it may be made again on the next link (``RemoteStore.append`` does, for
+    have taken effect at the store, so it may be made again on the next link (``RemoteStore`` does, for
     ``failover_wait_s``); a call that was sent and whose answer was lost raises plain ``StoreUnavailable``."""
 
 

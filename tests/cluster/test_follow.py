@@ -123,7 +123,7 @@ def test_a_publish_that_meets_a_store_restart_waits_for_it_and_is_acknowledged_s
                                                                                 "store connection lost")),
                                      after=waits_before)
                     device.send(Publish(topic, payload, qos=1, packet_id=7))
-                    gateway.wait_log(lambda doc: doc.get("msg") == "appends wait for the store connection",
+                    gateway.wait_log(lambda doc: doc.get("msg") == "store calls wait for the store connection",
                                      after=waits_before)  # the publish waits: no answer yet, the store is down
                     store = store.restarted()
                     assert device.receive() == Puback(7, ReasonCode.SUCCESS)

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import paho.mqtt.client as mqtt
+
 from tests.helpers.cluster import WAIT_S, Gateway, Process, free_port
-from tests.helpers.mqtt_fixtures import wait_until
+from tests.helpers.mqtt_fixtures import connected, wait_until
+from tests.helpers.processes import ROOT
 
 GROUP = "g"
 
@@ -24,14 +29,17 @@ default timing), its leader lease 1.4 s."""
 
 
 class Replica(Process):
-    """One `lightgate store` replica of the group (ready once it runs its role loop)."""
+    """One `lightgate store` replica of the group (ready once it runs its role loop); ``metrics_port``: its
+    ``/metrics`` endpoint's (0: none)."""
 
     def __init__(self, data: Path, port: int, name: str, names: Sequence[str], etcd: Sequence[str],
-                 *flags: str) -> None:
+                 *flags: str, metrics_port: int = 0) -> None:
         self.data, self.port, self.name, self.names, self.etcd, self.flags = data, port, name, names, etcd, flags
+        self.metrics_port = metrics_port
         args = ["store", "--data", str(data), "--listen", f"127.0.0.1:{port}", "--replication-group", GROUP,
                 "--replication-name", name, *(f for n in names for f in ("--replica", n)),
-                *(f for url in etcd for f in ("--etcd", url)), *LEASE_FLAGS, *flags]
+                *(f for url in etcd for f in ("--etcd", url)), *LEASE_FLAGS, *flags,
+                *(("--store-metrics-port", str(metrics_port)) if metrics_port else ())]
         super().__init__(*args, ready="store replica ready")
 
     @property
@@ -40,7 +48,8 @@ class Replica(Process):
 
     def restarted(self) -> Replica:
         """A new process of this replica: same data, port, name and flags (this one must have exited)."""
-        return Replica(self.data, self.port, self.name, self.names, self.etcd, *self.flags)
+        return Replica(self.data, self.port, self.name, self.names, self.etcd, *self.flags,
+                       metrics_port=self.metrics_port)
 
 
 def etcd_get(endpoints: Sequence[str], key: str) -> bytes | None:
@@ -58,16 +67,18 @@ def etcd_get(endpoints: Sequence[str], key: str) -> bytes | None:
 
 
 class Group:
-    """``names`` replicas of one group over ``etcd``, each with its own data directory under ``root``."""
+    """``names`` replicas of one group over ``etcd``, each with its own data directory under ``root`` (and its
+    own ``/metrics`` port with ``metrics``)."""
 
     def __init__(self, root: Path, etcd: Sequence[str], names: Sequence[str] = ("r0", "r1", "r2"),
-                 *flags: str) -> None:
+                 *flags: str, metrics: bool = False) -> None:
         self.etcd = list(etcd)
         self.names = list(names)
         self.replicas: dict[str, Replica] = {}
         try:
             for name in names:
-                self.replicas[name] = Replica(root / name, free_port(), name, names, self.etcd, *flags)
+                self.replicas[name] = Replica(root / name, free_port(), name, names, self.etcd, *flags,
+                                              metrics_port=free_port() if metrics else 0)
         except BaseException:
             self.stop()
             raise
@@ -115,3 +126,28 @@ class Group:
 
 def wait_for(condition: Callable[[], bool], what: str) -> None:
     wait_until(condition, WAIT_S, what)
+
+
+def publish_acked(port: int, topic: str, count: int, qos: int = 1, prefix: str = "m",
+                  payload: bytes = b"") -> list[bytes]:
+    """Publish ``count`` messages (MQTT 5) through the gateway at ``port``, one at a time; the payloads acknowledged
+    as stored (PUBACK / PUBREC reason code 0: [MQTT-3.4.2-1], a code of 0x80 or more is a refusal)."""
+    codes: dict[int, int] = {}
+    acked: list[bytes] = []
+    with connected(port, protocol=mqtt.MQTTv5) as client:
+        client.paho.on_publish = lambda c, u, mid, rc, props: codes.__setitem__(mid, int(getattr(rc, "value", rc)))
+        for i in range(count):
+            body = f"{prefix}{i}".encode() + payload
+            info = client.paho.publish(topic, body, qos)
+            info.wait_for_publish(timeout=WAIT_S)
+            wait_for(lambda: info.mid in codes, "the acknowledgement")
+            if codes[info.mid] < 0x80:
+                acked.append(body)
+    return acked
+
+
+def store_command(*args: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "gateway.app.cli", "store", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)

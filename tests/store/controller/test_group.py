@@ -195,7 +195,8 @@ async def test_membership_changes_and_refusals(etcd):
             assert await admin.remove_replica("c") == ("a", "b")
             assert await admin.status() == {
                 "group": group, "leader": "a", "leader_address": "127.0.0.1:97", "epoch": 1, "isr": ["a", "b"],
-                "isr_epoch": 1, "replicas": ["a", "b"], "members": {"a": "127.0.0.1:97", "b": "127.0.0.1:98"}}
+                "isr_epoch": 1, "replicas": ["a", "b"], "members": {"a": "127.0.0.1:97", "b": "127.0.0.1:98"},
+                "metrics": {}}
         assert (await controllers["b"].state()).replicas == ("a", "b")
 
 
