@@ -175,6 +175,8 @@ async def _run(group: peers.Group, gateways: list[crashclients.Address], args: a
         fault.unavailable_s = unavailable_s(publishers, fault.at)
     return account(publishers, exact, once, faults) | {
         "unfinished_flows": sum(len(p.inflight) for p in publishers),
+        "publisher_reconnects": sum(p.connects - 1 for p in publishers if p.connects),
+        "publisher_resent": sum(p.resent for p in publishers),
         "sessions_lost": {"publishers": sum(p.sessions_lost for p in publishers),
                           "subscribers": exact.sessions_lost + once.sessions_lost},
     }
