@@ -268,16 +268,17 @@ class Dispatcher:
 
     @contextmanager
     def caught_up(self) -> Iterator[int]:
-        """Hold dispatch still with every record below the log's end applied: yields that end.
-        Appends may go on meanwhile (store/restate.py checks the end again when it appends). The steps it takes
-        in the caller's thread are announced by :meth:`run` at its next turn (within ``FALLBACK_WAKE_S``)."""
+        """Hold dispatch still with every record below the log's confirm offset applied: yields that offset (the
+        written end without replicas). Appends and confirms may go on meanwhile (store/restate.py checks the end
+        again when it appends). The steps it takes in the caller's thread are announced by :meth:`run` at its
+        next turn (within ``FALLBACK_WAKE_S``)."""
         while True:
             while (batch := self._step(self._scan_bytes)) is not None:
                 with self._unannounced_lock:
                     self._unannounced.update(batch.max_offsets)
                     self._unannounced_to = batch.next_offset
             with self._lock:
-                end = self._log.written_offset
+                end = self._log.confirm_offset
                 if self._offset >= end:
                     yield end
                     return

@@ -47,7 +47,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from crc32c import crc32c
 
 from store.log.epochs import EpochFile
-from store.log.errors import FULL_ERRNOS, CorruptRecord, InvalidOffset, LogFullError, OffsetExpired, RecordTooLarge
+from store.log.errors import (FULL_ERRNOS, CorruptRecord, InvalidOffset, LogFullError, OffsetExpired, RecordTooLarge,
+                              RetentionDeferred)
 from store.log.record import (EOS_SIZE, HEADER_SIZE, MAGIC_EOS, MAGIC_V1, PEEK, STORE_MS, STORE_MS_AT, Record, check_frame,
                               decode_record, encode_eos)
 from store.log.segment import Segment, SegmentRetired, parse_segment_name, segment_name
@@ -267,6 +268,7 @@ class CommitLog:
         self._written = 0
         self._flushed = 0
         self._held: int | None = None  # the confirm offset while replicas confirm; None: it follows _written
+        self._confirmed = threading.Condition(threading.Lock())  # notified when the confirm offset moves
         self.epochs = EpochFile(directory / "epochs", [])
         self._dir_dirty = False
         self._fsync_error: OSError | None = None
@@ -459,6 +461,8 @@ class CommitLog:
         with self._lock:
             self._held = None
         self._write_hint(self.published_offset)
+        with self._confirmed:
+            self._confirmed.notify_all()
 
     def confirm(self, offset: int) -> None:
         """The replicas hold every record below ``offset`` (a record boundary: the end of a batch they
@@ -479,6 +483,15 @@ class CommitLog:
                                  " and only a truncate moves it back")
             self._held = offset
         self._write_hint(self.published_offset)
+        with self._confirmed:
+            self._confirmed.notify_all()
+
+    def wait_confirmed(self, offset: int, timeout: float) -> bool:
+        """Block until the confirm offset reaches ``offset`` (True) or ``timeout`` seconds passed (False); never
+        holds the append lock meanwhile, since :meth:`confirm` takes it. Any thread but the one that confirms."""
+        with self._confirmed:
+            return self._confirmed.wait_for(lambda: self.confirm_offset >= offset or self._closed, timeout) \
+                and not self._closed
 
     @property
     def min_offset(self) -> int:
@@ -1243,6 +1256,9 @@ class CommitLog:
         try:
             for prelude in self._preludes:
                 prelude(segments[count].base)
+        except RetentionDeferred as exc:
+            LOGGER.warning("CommitLog retention deferred: %s", exc, extra={"ctx": {"segments": count}})
+            return []
         except Exception:
             LOGGER.exception("CommitLog retention deferred: what must outlive the segments was not restated",
                              extra={"ctx": {"segments": count}})
@@ -1294,6 +1310,8 @@ class CommitLog:
             if self._closed:
                 return
             self._closed = True
+        with self._confirmed:
+            self._confirmed.notify_all()
         with self._flush_lock:
             try:
                 if self._fsync_error is None:
