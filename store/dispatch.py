@@ -483,6 +483,14 @@ class Dispatcher:
             self._offset = max(start, self._log.min_offset)
             self._flushed_offset = min(self._flushed_offset, self._offset)
 
+    def start_at(self, offset: int) -> None:
+        """Begin the empty log at ``offset`` (``CommitLog.start_at``: a new replica joining a leader whose retention
+        deleted what is below) and dispatch from there. Blocking (run it in a worker thread)."""
+        with self._lock:
+            self._log.start_at(offset)
+            self._queues.on_retention(offset)
+            self._offset = self._flushed_offset = offset
+
     def _flush_due(self) -> bool:
         return bool(self._unflushed) and (self._unflushed >= self._flush_bytes
                                           or time.monotonic() - self._flushed_at >= self._flush_interval_s) \

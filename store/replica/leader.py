@@ -75,6 +75,7 @@ class Answer:
     confirm: int
     epochs: list[tuple[int, int]]
     truncate_to: int = -1
+    min_offset: int = 0
 
 
 @final
@@ -198,7 +199,8 @@ class Replication:
     async def fetch(self, follower: str, epoch: int, last_epoch: int, offset: int, held: int,
                     max_bytes: int) -> Answer:
         """A follower's fetch: note what it holds, then answer the log from ``offset`` (waiting up to
-        ``FETCH_WAIT_S`` when there is nothing new), or where to truncate.
+        ``FETCH_WAIT_S`` when there is nothing new), or where to truncate. Every answer carries the log's
+        ``min_offset``; a fetch below it (an empty replica joining after retention) is answered with no data.
 
         Raises:
             LeaderFenced: the follower follows a later epoch: this leader is fenced.
@@ -213,11 +215,13 @@ class Replication:
             raise LeaderFenced(f"not the leader of epoch {epoch}")
         log = self.log.log
         if epoch < self.epoch:  # it follows an older leader: it learns this one's epoch and comes back
-            return Answer(self.epoch, b"", log.confirm_offset, log.epochs.entries)
+            return Answer(self.epoch, b"", log.confirm_offset, log.epochs.entries, min_offset=log.min_offset)
         end = log.epochs.end_offset(last_epoch, log.written_offset) if last_epoch >= 0 else None
         if offset > (end if end is not None else 0):
             return Answer(self.epoch, b"", log.confirm_offset, log.epochs.entries,
-                          truncate_to=end if end is not None else 0)
+                          truncate_to=end if end is not None else 0, min_offset=log.min_offset)
+        if offset < log.min_offset:  # retention deleted it: an empty replica starts at min_offset, others cannot
+            return Answer(self.epoch, b"", log.confirm_offset, log.epochs.entries, min_offset=log.min_offset)
         self._progress(follower, progress, offset, min(held, offset))
         if offset >= log.written_offset and log.confirm_offset <= progress.sent_confirm:
             changed = self._changed
@@ -231,7 +235,7 @@ class Replication:
         progress.sent_written = written
         progress.sent_at = trio.current_time()
         progress.sent_confirm = log.confirm_offset
-        return Answer(self.epoch, data, progress.sent_confirm, log.epochs.entries)
+        return Answer(self.epoch, data, progress.sent_confirm, log.epochs.entries, min_offset=log.min_offset)
 
     def _progress(self, member: str, progress: _Follower, offset: int, held: int) -> None:
         now = trio.current_time()

@@ -728,7 +728,8 @@ class RpcServer:
                     await stream.send_all(rpc.encode(error))
                     continue
                 await stream.send_all(rpc.encode(rpc.Frames(message.id, answer.epoch, answer.data, answer.confirm,
-                                                            answer.epochs, answer.truncate_to)))
+                                                            answer.epochs, answer.truncate_to,
+                                                            answer.min_offset)))
         except rpc.RpcProtocolError as exc:
             LOGGER.warning("replica connection closed: %s", exc, extra={"ctx": {"replica": name}})
             with trio.move_on_after(1.0):

@@ -647,8 +647,9 @@ class LogBytes(_Message, tag="logbytes"):
 class Frames(_Message, tag="frames"):
     """The answer to ``Fetch``: the leader's log bytes from the fetch's offset (``CommitLog.read_frames``: whole
     frames, perhaps none), the leader's ``epoch`` and ``confirm`` offset, its epoch entries ``(epoch, start)`` that
-    cover ``data``, and ``truncate_to`` (-1: none): the replica's log parts from the leader's there; it cuts its log
-    at that offset before it fetches again."""
+    cover ``data``, ``truncate_to`` (-1: none): the replica's log parts from the leader's there; it cuts its log
+    at that offset before it fetches again, and ``min_offset``: where the leader's log starts (its retention deleted
+    what is below): the replica deletes its sealed segments below it, and an empty replica starts its log there."""
 
     id: int
     epoch: int
@@ -656,6 +657,7 @@ class Frames(_Message, tag="frames"):
     confirm: int
     epochs: list[tuple[int, int]]
     truncate_to: int = -1
+    min_offset: int = 0
 
 
 ServerMessage: TypeAlias = (

@@ -489,3 +489,31 @@ async def test_a_follower_is_cut_where_an_epoch_its_leader_never_had_starts(tmp_
                     node.dispatcher.dispatched_offset, "b dispatched a's log")
         await b.stop()
     assert log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a")
+
+
+RETAINED = dataclasses.replace(CONFIG, retention_hours=0, retention_max_bytes=3 * SEGMENT)
+"""Retention by bytes: about three segments kept (run by the test, ``delete_expired``, not by a timer)."""
+
+
+async def retention(node) -> list[int]:
+    """The leader's retention run (its restatement waits, in the worker thread, for the followers to confirm)."""
+    return await trio.to_thread.run_sync(node.log.log.delete_expired)
+
+
+async def test_a_follower_deletes_the_segments_its_leader_deleted(tmp_path, nursery):
+    """No retention of its own (it would append a restatement): the leader's ``min_offset`` travels with its
+    ``Frames`` and the follower deletes its sealed segments below it, so both hold the same segment files."""
+    b = Follower(tmp_path / "b", "b", RETAINED)
+    async with leader(tmp_path / "a", acks="quorum", isr=("a", "b"), config=RETAINED) as node:
+        await nursery.start(b.run, node.port)
+        await node.activate("t/#", "holder")
+        await node.append(messages(3000, size=1000))  # about a dozen segments
+        assert await retention(node)
+        await node.append(messages(10, 3000))  # restated, and more after it: both copied
+        first = node.log.log.min_offset
+        assert first > 0
+        await until(lambda: b.log.min_offset == first and b.written == node.log.log.written_offset,
+                    "b deleted what a deleted and copied the rest")
+        await b.stop()
+    assert sorted(log_bytes(tmp_path / "b")) == sorted(log_bytes(tmp_path / "a"))  # the same names
+    assert log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a")  # and bytes
