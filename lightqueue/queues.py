@@ -736,6 +736,38 @@ class LightQueues:
         self._db.put(keys.RETAINED, keys.U64.pack(min_log_offset), self._wal)
         self._retained = min_log_offset
 
+    def bases(self, cut: int) -> tuple[int, list[tuple[str, int, int]]]:
+        """The numbering of the topic queues as a log cut at CommitLog offset ``cut`` implies: the next topic id,
+        and ``(name, id, queue offset of the first entry at or after cut)`` of every topic queue that keeps
+        entries past it or is referenced (retention removes the others). Blocking; call with dispatch held."""
+        found = []
+        for key, value in self._scan(b"Q"):
+            qid = keys.U64.unpack_from(key, 1)[0]
+            name = value.decode()
+            state = self._load(name)
+            if qid < TOPIC_IDS or state is None or state.qid != qid:
+                continue
+            base = self._first_at_or_after(qid, self._min(qid), state.max, cut)
+            if base < state.max or self._referenced(name, qid):
+                found.append((name, qid, base))
+        return self._next_id, found
+
+    def seed(self, next_id: int, bases: Iterable[tuple[str, int, int]]) -> None:
+        """Number the topic queues of an empty index as :meth:`bases` of the original said: each queue exists
+        with its id, and its entries start at its base; topic ids go on from ``next_id``."""
+        with self._lock:
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            for name, qid, base in bases:
+                batch.put(keys.name_key(name), keys.U64.pack(qid))
+                batch.put(keys.id_key(qid), name.encode())
+                batch.put(keys.max_key(qid), keys.U64.pack(base))
+                if base:
+                    batch.put(keys.min_key(qid), keys.U64.pack(base))
+            self._next_id = max(self._next_id, next_id)
+            batch.put(keys.NEXT_ID, keys.U64.pack(self._next_id))
+            self._db.write(batch, self._wal)
+            self._queues.clear()
+
     @property
     def retained_offset(self) -> int:
         """The CommitLog minimum offset the last completed :meth:`on_retention` applied."""

@@ -66,7 +66,7 @@ def restate(log: CommitLog, dispatcher: Dispatcher, new_min_offset: int) -> int:
     for _ in range(ATTEMPTS):
         if not log.wait_confirmed(log.written_offset, CONFIRM_WAIT_S):
             raise RetentionDeferred(f"the replicas did not confirm the log's end within {CONFIRM_WAIT_S} s")
-        end, records = _restated(log, dispatcher)
+        end, records = _restated(log, dispatcher, new_min_offset)
         if not records:
             return 0
         if log.append_computed(lambda at, end=end, records=records: records if at == end else None) is not None:
@@ -79,7 +79,7 @@ def restate(log: CommitLog, dispatcher: Dispatcher, new_min_offset: int) -> int:
             confirmed.append(log.confirm_offset == at)
             if not confirmed[0]:  # replicas confirm through this lock: waiting here would deadlock
                 return None
-            end, records = _restated(log, dispatcher)
+            end, records = _restated(log, dispatcher, new_min_offset)
             if end != at:  # nothing appends or confirms without the lock: a bug, not a race
                 raise RuntimeError(f"the CommitLog's end moved from {at} to {end} under its append lock")
             made.extend(records)
@@ -98,11 +98,12 @@ def restate(log: CommitLog, dispatcher: Dispatcher, new_min_offset: int) -> int:
     return len(records)
 
 
-def _restated(log: CommitLog, dispatcher: Dispatcher) -> tuple[int, list[bytes]]:
-    """The log's confirmed end, and the records restating every part's state as of it (dispatch caught up to it)."""
-    with dispatcher.caught_up() as end:
-        controls = dispatcher.restated()
+def _restated(log: CommitLog, dispatcher: Dispatcher, cut: int) -> tuple[int, list[bytes]]:
+    """The log's confirmed end, and the records restating every part's state as of it (dispatch caught up to it)
+    and the queues' numbering at ``cut``."""
     now, limit = now_ms(), log.config.max_record_bytes
+    with dispatcher.caught_up() as end:
+        controls = dispatcher.restated(cut, limit // 2)
     records = []
     for control in controls:
         try:

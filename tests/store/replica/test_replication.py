@@ -517,3 +517,33 @@ async def test_a_follower_deletes_the_segments_its_leader_deleted(tmp_path, nurs
         await b.stop()
     assert sorted(log_bytes(tmp_path / "b")) == sorted(log_bytes(tmp_path / "a"))  # the same names
     assert log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a")  # and bytes
+
+
+async def test_a_new_replica_joins_after_retention_cut_the_leaders_log_and_numbers_its_queues_the_same(tmp_path,
+                                                                                                       nursery):
+    """An empty replica starts its log at the leader's ``min_offset`` (a fetch at 0 would have expired) and its
+    dispatch takes the queues' numbering from the restatement at the cut (``QueueBases``): the same queue offsets
+    and topic ids as the leader's for the same records, though it never saw the records retention deleted."""
+    async with leader(tmp_path / "a", acks="leader", config=RETAINED) as node:
+        await node.append(messages(3000, size=1000))
+        await node.commit_offsets({"owner": {"t/1": 5}})
+        assert await retention(node)
+        await node.append(messages(20, 3000) + [NewMessage("t/new", b"late", "pub", qos=1)])
+        first = node.log.log.min_offset
+        b = Follower(tmp_path / "b", "b", RETAINED)
+        await nursery.start(b.run, node.port)
+        end = node.log.log.written_offset
+        await until(lambda: b.written == end and b.dispatcher.dispatched_offset == end
+                    and node.dispatcher.dispatched_offset == end, "b copied and dispatched a's log")
+        assert b.log.min_offset == first > 0
+        await b.stop()
+    assert log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a")
+    a_state, b_state = dump(tmp_path / "a" / "index"), dump(tmp_path / "b" / "index")
+    queue = a_state["queues"]["t/1"]
+    assert queue["min"] > 0  # retention took the queue's first entries: the numbering does not start at 0
+    assert b_state == a_state  # queue ids, min and max offsets, every entry (queue offset -> record)
+    with CommitLog.open(tmp_path / "a" / "commitlog", RETAINED) as a_log, \
+            CommitLog.open(tmp_path / "b" / "commitlog", RETAINED) as b_log:
+        qoff, log_offset = queue["entries"][0][:2]  # the same queue offset on both: the same record
+        assert a_log.read(log_offset) == b_log.read(b_state["queues"]["t/1"]["entries"][0][1])
+        assert b_state["queues"]["t/1"]["entries"][0][0] == qoff
