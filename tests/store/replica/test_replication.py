@@ -19,6 +19,7 @@ from store.dump import dump
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import new_record
 from store.node import open_follower, open_store
+from store.repair import repair
 from store.replica.follower import LeaderChanged, follow
 from store.replica.leader import Replication
 from store.rpc import wire as rpc
@@ -547,3 +548,5 @@ async def test_a_new_replica_joins_after_retention_cut_the_leaders_log_and_numbe
         qoff, log_offset = queue["entries"][0][:2]  # the same queue offset on both: the same record
         assert a_log.read(log_offset) == b_log.read(b_state["queues"]["t/1"]["entries"][0][1])
         assert b_state["queues"]["t/1"]["entries"][0][0] == qoff
+    repair(tmp_path / "b", RETAINED)  # the index deleted and derived again from the cut log: the same numbering
+    assert dump(tmp_path / "b" / "index") == a_state
