@@ -26,7 +26,8 @@ append lock and wait there: followers confirm through that lock, so waiting unde
 lock it restates only if the end is confirmed at that moment (then nothing can move it), else the run is deferred
 with one log line (``RetentionDeferred``), as it is when the followers do not confirm within ``CONFIRM_WAIT_S``
 (a follower that stopped leaves the in-sync set after ``replication.max_lag_s``, and the next run succeeds).
-Retention is deferred, never done with a restatement a rebuild could misread.
+Retention is deferred, never done with a restatement a rebuild could misread. The deletion also waits for the
+followers to confirm the restatement itself (``Replication``'s own prelude, store/replica/leader.py).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ import trio
 
 from store.api import LeaderFenced
 from store.log.aio import AsyncCommitLog
+from store.log.errors import RetentionDeferred
+from store.restate import CONFIRM_WAIT_S
 
 __all__ = ["ACKS", "FETCH_WAIT_S", "Answer", "Controller", "Replication"]
 
@@ -124,6 +126,18 @@ class Replication:
         log.log.hold_confirm()
         self.log = log
         self.wake_dispatch = wake_dispatch
+        token = trio.lowlevel.current_trio_token()
+
+        def restated(new_min_offset: int) -> None:
+            """After the restatement (store/restate.py, the prelude before this one): every in-sync replica holds
+            it before the leader's ``min_offset``, which its followers' retention follows, passes the records it
+            restates; else retention is deferred (the restatement left in the log is harmless: applying is
+            idempotent). Its append, from retention's thread, is announced here like the node's own."""
+            token.run_sync_soon(self.appended)
+            if not log.log.wait_confirmed(log.log.written_offset, CONFIRM_WAIT_S):
+                raise RetentionDeferred(f"the replicas did not confirm the restatement within {CONFIRM_WAIT_S} s")
+
+        log.log.add_retention_prelude(restated)
 
     # --- the leader's own writes --------------------------------------------------------------
 
