@@ -736,6 +736,38 @@ class LightQueues:
         self._db.put(keys.RETAINED, keys.U64.pack(min_log_offset), self._wal)
         self._retained = min_log_offset
 
+    def bases(self, cut: int) -> tuple[int, list[tuple[str, int, int]]]:
+        """The numbering of the topic queues as a log cut at CommitLog offset ``cut`` implies: the next topic id,
+        and ``(name, id, queue offset of the first entry at or after cut)`` of every topic queue that keeps
+        entries past it or is referenced (retention removes the others). Blocking; call with dispatch held."""
+        found = []
+        for key, value in self._scan(b"Q"):
+            qid = keys.U64.unpack_from(key, 1)[0]
+            name = value.decode()
+            state = self._load(name)
+            if qid < TOPIC_IDS or state is None or state.qid != qid:
+                continue
+            base = self._first_at_or_after(qid, self._min(qid), state.max, cut)
+            if base < state.max or self._referenced(name, qid):
+                found.append((name, qid, base))
+        return self._next_id, found
+
+    def seed(self, next_id: int, bases: Iterable[tuple[str, int, int]]) -> None:
+        """Number the topic queues of an empty index as :meth:`bases` of the original said: each queue exists
+        with its id, and its entries start at its base; topic ids go on from ``next_id``."""
+        with self._lock:
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            for name, qid, base in bases:
+                batch.put(keys.name_key(name), keys.U64.pack(qid))
+                batch.put(keys.id_key(qid), name.encode())
+                batch.put(keys.max_key(qid), keys.U64.pack(base))
+                if base:
+                    batch.put(keys.min_key(qid), keys.U64.pack(base))
+            self._next_id = max(self._next_id, next_id)
+            batch.put(keys.NEXT_ID, keys.U64.pack(self._next_id))
+            self._db.write(batch, self._wal)
+            self._queues.clear()
+
     @property
     def retained_offset(self) -> int:
         """The CommitLog minimum offset the last completed :meth:`on_retention` applied."""
@@ -745,10 +777,24 @@ class LightQueues:
         """The CommitLog ends at ``log_end``, before the checkpoint: drop entries past it.
 
         Only after losing CommitLog data that the index had seen (an OS crash
-        under the async flush policy): the dispatcher then re-indexes from the end.
+        under the async flush policy, a follower's truncate): the dispatcher then re-indexes from the end.
+
+        The ids given to topics first seen in the dropped records go too: topic ids come from one counter in
+        dispatch order, so the queues left with no entry at all (never any, none deleted by retention) whose
+        ids are above every other topic queue's are those topics; they are removed and the counter goes back
+        to the lowest of them. The records appended next then get the ids a copy of the log that never had
+        the dropped records gives them (a truncated follower numbers as its leader does).
         """
+        kept = [TOPIC_IDS - 1]  # the highest id of a topic queue that stays
+        emptied: list[tuple[str, _Queue]] = []
+
         def cut(name: str, state: _Queue, low: int, batch: rocksdict.WriteBatch) -> None:
             new_max = self._first_at_or_after(state.qid, low, state.max, log_end)
+            if state.qid >= TOPIC_IDS:
+                if new_max == low == 0:
+                    emptied.append((name, state))
+                else:
+                    kept[0] = max(kept[0], state.qid)
             if new_max < state.max:
                 run = self._run_at(state.qid, new_max)
                 if run is not None and run[0] < new_max:  # a run across the cut keeps its entries before it
@@ -759,9 +805,18 @@ class LightQueues:
 
         self._sweep(cut)
         with self._lock:
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            forgotten = [(name, state) for name, state in emptied if state.qid > kept[0]]
+            for name, state in forgotten:
+                self._remove(name, state, batch)
+            if forgotten:
+                self._next_id = min(state.qid for _, state in forgotten)
+                batch.put(keys.NEXT_ID, keys.U64.pack(self._next_id))
             if log_end < self._checkpoint:
-                self._db.put(keys.CHECKPOINT, keys.U64.pack(log_end), self._wal)
+                batch.put(keys.CHECKPOINT, keys.U64.pack(log_end))
                 self._checkpoint = log_end
+            if not batch.is_empty():
+                self._db.write(batch, self._wal)
 
     def statistics(self) -> LightQueuesStatistics:
         return LightQueuesStatistics(

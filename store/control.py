@@ -23,7 +23,7 @@ from store.log.record import Record, new_control
 
 __all__ = [
     "KIND_PREFIX", "Activated", "ClientClosed", "ClientConnected", "ClientForgotten", "Committed", "Control",
-    "ControlError", "Delayed", "FlowsAwaiting", "FlowsReleased", "Released", "RetainedKept", "SessionEnded",
+    "ControlError", "Delayed", "FlowsAwaiting", "FlowsReleased", "QueueBases", "Released", "RetainedKept", "SessionEnded",
     "SessionSaved", "TimersFired", "TimersRolled", "WillPublished", "decode_control", "encode_all", "encode_control",
 ]
 
@@ -61,6 +61,19 @@ class Committed(msgspec.Struct, frozen=True, array_like=True, tag="committed"):
 
     owner: str
     offsets: dict[str, int]
+
+
+class QueueBases(msgspec.Struct, frozen=True, array_like=True, tag="queue_bases"):
+    """The numbering of the topic queues where retention cut the log at ``cut`` (restated before it deletes the
+    records below): ``queues`` ``(name, queue id, queue offset of its first entry at or after cut)`` (its max
+    offset when it has none there), and ``next_id``, the next topic queue id. A dispatch that starts an empty
+    index at a log cut there (a new replica, a repair) takes it first, so it numbers as the original did; one
+    restatement may span several records in a row (all with the same ``cut``; ``more``: another follows)."""
+
+    cut: int
+    next_id: int
+    queues: list[tuple[str, int, int]]
+    more: bool = False
 
 
 # -- sessions and clients --------------------------------------------------------------------------------------
@@ -181,7 +194,7 @@ class TimersRolled(msgspec.Struct, frozen=True, array_like=True, tag="timers_rol
 
 Control = Union[Activated, Released, Committed, SessionSaved, SessionEnded, FlowsReleased, FlowsAwaiting,
                 ClientConnected, ClientClosed, WillPublished, ClientForgotten, RetainedKept, Delayed, TimersFired,
-                TimersRolled]
+                TimersRolled, QueueBases]
 """Every control record kind (a tagged union: the tag is the first element of the msgpack array)."""
 
 _ENCODER = msgspec.msgpack.Encoder()

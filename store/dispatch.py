@@ -25,10 +25,10 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, final
 
 import trio
 
-from lightqueue.queues import LightQueues
+from lightqueue.queues import TOPIC_IDS, LightQueues
 from retain.store import RetainedStore
 from store.awaiting import AwaitingRelease
-from store.control import KIND_PREFIX, Control, ControlError, RetainedKept, decode_control
+from store.control import KIND_PREFIX, Control, ControlError, QueueBases, RetainedKept, decode_control
 from store.log.commitlog import SKIPPED, CommitLog, ScanResult
 from store.log.errors import OffsetExpired
 from store.log.recent import RecentRecords
@@ -65,6 +65,9 @@ Listener = Callable[[dict[str, int]], None]
 
 _RETAINED_KEPT = KIND_PREFIX + "retained_kept"
 """The topic field of a ``RetainedKept`` control record: the retained store applies it, in ``_retain``."""
+
+_QUEUE_BASES = KIND_PREFIX + "queue_bases"
+"""The topic field of a ``QueueBases`` control record: taken by a dispatch that starts at a cut log (``_seed``)."""
 
 
 class ControlApplier(Protocol):
@@ -214,6 +217,11 @@ class Dispatcher:
                      *(applier.checkpoint for applier in self._appliers)])
         self._offset = max(start, log.min_offset)
         self._flushed_offset = self._offset
+        # An empty index over a log retention cut numbers its queues as the original did (``_seed``) first.
+        self._seeding = log.min_offset > 0 and queues.checkpoint <= log.min_offset \
+            and queues.statistics().next_queue_id == TOPIC_IDS
+        self._seek = log.min_offset  # where ``_seed`` looks next
+        self._bases: list[QueueBases] = []
         self._unflushed = 0
         self._flushed_at = time.monotonic()
         self._batches = 0
@@ -257,6 +265,12 @@ class Dispatcher:
         """
         while self._step(self._scan_bytes) is not None:
             pass
+        if self._seeding:  # the whole log is here and has no numbering for its cut (cut by an older version)
+            LOGGER.warning("no queue numbering for the log's cut: its queues are numbered from 0 here",
+                           extra={"ctx": {"cut": self._log.min_offset}})
+            self._seeding = False
+            while self._step(self._scan_bytes) is not None:
+                pass
         log_end = self._log.written_offset
         found: dict[str, Any] = dict(self._rewound)
         self._rewound = {}
@@ -268,16 +282,17 @@ class Dispatcher:
 
     @contextmanager
     def caught_up(self) -> Iterator[int]:
-        """Hold dispatch still with every record below the log's end applied: yields that end.
-        Appends may go on meanwhile (store/restate.py checks the end again when it appends). The steps it takes
-        in the caller's thread are announced by :meth:`run` at its next turn (within ``FALLBACK_WAKE_S``)."""
+        """Hold dispatch still with every record below the log's confirm offset applied: yields that offset (the
+        written end without replicas). Appends and confirms may go on meanwhile (store/restate.py checks the end
+        again when it appends). The steps it takes in the caller's thread are announced by :meth:`run` at its
+        next turn (within ``FALLBACK_WAKE_S``)."""
         while True:
             while (batch := self._step(self._scan_bytes)) is not None:
                 with self._unannounced_lock:
                     self._unannounced.update(batch.max_offsets)
                     self._unannounced_to = batch.next_offset
             with self._lock:
-                end = self._log.written_offset
+                end = self._log.confirm_offset
                 if self._offset >= end:
                     yield end
                     return
@@ -324,7 +339,7 @@ class Dispatcher:
         with self._lock:
             log = self._log
             start = self._offset
-            if start >= log.confirm_offset:
+            if start >= log.confirm_offset or self._seeding and not self._seed():
                 return None
             try:
                 scan = self._read(start, max_bytes)
@@ -389,13 +404,60 @@ class Dispatcher:
             LOGGER.error("control record skipped: %s", exc, extra={"ctx": {"offset": record.offset}})
             return None
 
-    def restated(self) -> list[Control]:
-        """The live state of every part, as control records (blocking): each applier's ``restate()`` and every
-        retained message (``RetainedKept``). Call with dispatch caught up to the log's end (:meth:`caught_up`)."""
-        controls = [control for applier in self._appliers for control in applier.restate()]
+    def restated(self, cut: int, chunk_bytes: int) -> list[Control]:
+        """The live state of every part, as control records (blocking): each applier's ``restate()``, every
+        retained message (``RetainedKept``) and the topic queues' numbering at ``cut`` (``QueueBases``, in
+        records of about ``chunk_bytes``). Call with dispatch caught up to the log's end (:meth:`caught_up`)."""
+        controls: list[Control] = [control for applier in self._appliers for control in applier.restate()]
         if self._retained is not None:
             controls += [RetainedKept(topic, offset, record) for topic, offset, record in self._retained.kept()]
+        next_id, bases = self._queues.bases(cut)
+        chunks: list[list[tuple[str, int, int]]] = [[]]
+        size = 0
+        for base in bases:
+            if chunks[-1] and size + len(base[0]) > chunk_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(base)
+            size += len(base[0]) + 20
+        controls += [QueueBases(cut, next_id, chunk, i < len(chunks) - 1) for i, chunk in enumerate(chunks)]
         return controls
+
+    def _seed(self) -> bool:
+        """A dispatch that starts an empty index at a cut log (``_seeding``) first takes the queues' numbering
+        where the log was cut (the ``QueueBases`` records the cut's restatement appended further on), so its
+        queue offsets and ids are the original's: True once done. It reads the confirmed log from where its last
+        look stopped; False while the records are not there yet (a new replica copying the log). Hold the lock."""
+        log, cut = self._log, self._log.min_offset
+        while self._seek < log.confirm_offset:
+            try:
+                scan = log.scan(self._seek, self._scan_bytes, log.confirm_offset)
+            except OffsetExpired:
+                break
+            for record in scan.records:
+                found = record.flags & FLAG_CONTROL and record.topic == _QUEUE_BASES
+                bases = self._control(record) if found else None
+                if isinstance(bases, QueueBases) and bases.cut == cut:
+                    self._bases.append(bases)
+                    if not bases.more:
+                        return self._seeded()
+            if scan.next_offset == self._seek:
+                break
+            self._seek = scan.next_offset
+        return False
+
+    def _try_seed(self) -> bool:
+        """:meth:`_seed` under the lock (the run loop's look while the numbering has not arrived)."""
+        with self._lock:
+            return not self._seeding or self._seed()
+
+    def _seeded(self) -> bool:
+        """Number the queues as the ``QueueBases`` found say, and dispatch normally from now on."""
+        self._queues.seed(self._bases[0].next_id, (base for part in self._bases for base in part.queues))
+        LOGGER.info("queue numbering taken from the restatement at the log's cut", extra={"ctx": {
+            "cut": self._log.min_offset, "queues": sum(len(part.queues) for part in self._bases)}})
+        self._seeding, self._bases = False, []
+        return True
 
     def _read(self, start: int, max_bytes: int) -> ScanResult:
         """The records from ``start`` up to the confirm offset: from memory when they are still there, else
@@ -482,6 +544,15 @@ class Dispatcher:
             self._offset = max(start, self._log.min_offset)
             self._flushed_offset = min(self._flushed_offset, self._offset)
 
+    def start_at(self, offset: int) -> None:
+        """Begin the empty log at ``offset`` (``CommitLog.start_at``: a new replica joining a leader whose retention
+        deleted what is below) and dispatch from there. Blocking (run it in a worker thread)."""
+        with self._lock:
+            self._log.start_at(offset)
+            self._queues.on_retention(offset)
+            self._offset = self._flushed_offset = self._seek = offset
+            self._seeding = self._queues.statistics().next_queue_id == TOPIC_IDS
+
     def _flush_due(self) -> bool:
         return bool(self._unflushed) and (self._unflushed >= self._flush_bytes
                                           or time.monotonic() - self._flushed_at >= self._flush_interval_s) \
@@ -533,7 +604,8 @@ class Dispatcher:
 
     async def _run_once(self) -> DispatchBatch | None:
         """One turn of :meth:`run`: a step (or a wait for records) and the flush it made due."""
-        if self._offset >= self._log.confirm_offset:
+        if self._offset >= self._log.confirm_offset or self._seeding and not await trio.to_thread.run_sync(
+                self._try_seed):
             with trio.move_on_after(FALLBACK_WAKE_S):
                 await self._wakeup.wait()
             if self._flush_due():

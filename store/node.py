@@ -607,8 +607,9 @@ async def open_follower(data: Path, config: CommitLogConfig, *,
     dispatch up to the confirm offset the leader sends, so the derived state stays warm for a promotion.
 
     It appends nothing: no recovery fixes, no restatement, no leases, wills, expiry or timer dequeue, no tier, no
-    retention (its restatement prelude appends; the leader's log says what to keep): its log is byte for byte the
-    leader's. The directory reopens with ``open_store`` after a promotion.
+    retention of its own (its restatement prelude appends): it deletes what its leader deleted, when the leader's
+    answers say (``CommitLog.delete_before``), so its log is byte for byte the leader's. The directory reopens
+    with ``open_store`` after a promotion.
     """
     follower_config = dataclasses.replace(config, retention_check_interval_s=0)
     async with _open_parts(data, follower_config, lambda events: None, timer_window_s) as parts:

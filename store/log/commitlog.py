@@ -47,7 +47,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from crc32c import crc32c
 
 from store.log.epochs import EpochFile
-from store.log.errors import FULL_ERRNOS, CorruptRecord, InvalidOffset, LogFullError, OffsetExpired, RecordTooLarge
+from store.log.errors import (FULL_ERRNOS, CorruptRecord, InvalidOffset, LogFullError, OffsetExpired, RecordTooLarge,
+                              RetentionDeferred)
 from store.log.record import (EOS_SIZE, HEADER_SIZE, MAGIC_EOS, MAGIC_V1, PEEK, STORE_MS, STORE_MS_AT, Record, check_frame,
                               decode_record, encode_eos)
 from store.log.segment import Segment, SegmentRetired, parse_segment_name, segment_name
@@ -267,6 +268,7 @@ class CommitLog:
         self._written = 0
         self._flushed = 0
         self._held: int | None = None  # the confirm offset while replicas confirm; None: it follows _written
+        self._confirmed = threading.Condition(threading.Lock())  # notified when the confirm offset moves
         self.epochs = EpochFile(directory / "epochs", [])
         self._dir_dirty = False
         self._fsync_error: OSError | None = None
@@ -460,6 +462,8 @@ class CommitLog:
         with self._lock:
             self._held = None
         self._write_hint(self.published_offset)
+        with self._confirmed:
+            self._confirmed.notify_all()
 
     def confirm(self, offset: int) -> None:
         """The replicas hold every record below ``offset`` (a record boundary: the end of a batch they
@@ -480,6 +484,15 @@ class CommitLog:
                                  " and only a truncate moves it back")
             self._held = offset
         self._write_hint(self.published_offset)
+        with self._confirmed:
+            self._confirmed.notify_all()
+
+    def wait_confirmed(self, offset: int, timeout: float) -> bool:
+        """Block until the confirm offset reaches ``offset`` (True) or ``timeout`` seconds passed (False); never
+        holds the append lock meanwhile, since :meth:`confirm` takes it. Any thread but the one that confirms."""
+        with self._confirmed:
+            return self._confirmed.wait_for(lambda: self.confirm_offset >= offset or self._closed, timeout) \
+                and not self._closed
 
     @property
     def min_offset(self) -> int:
@@ -1183,6 +1196,42 @@ class CommitLog:
             self._write_hint(self.published_offset)
         LOGGER.warning("CommitLog truncated", extra={"ctx": {"offset": offset, "segments_deleted": len(doomed)}})
 
+    def start_at(self, offset: int) -> None:
+        """Begin this empty log at ``offset`` (a new replica joining a leader whose retention deleted the log
+        below ``offset``): its one segment is replaced by an empty one named by that base, so it has the leader's
+        segments and offsets from there on. Durable on return; recovery opens such a log as one retention cut.
+
+        Crash-safe: the old segment goes first (a crash then leaves no segment, and the next open starts an
+        empty log at 0 again), then the new one is created and the hint written.
+
+        Raises:
+            ValueError: the log holds records.
+        """
+        with self._flush_lock, self._lock:
+            self._check_writable()
+            view = self._view
+            if self._written != view.bases[0]:
+                raise ValueError(f"cannot start a log that holds records ([{view.bases[0]}, {self._written})) at"
+                                 f" {offset}")
+            if offset == self._written:
+                return
+            old = view.segments[0]
+            old.retire()
+            self._meta_path(old).unlink(missing_ok=True)
+            old.path.unlink()
+            self._fsync_dir()
+            seg = Segment.create(self._dir, offset, self._config.segment_bytes)
+            self._fsync_dir()
+            self._stats.pop(old.base, None)
+            self._stats[offset] = _Stats()
+            self._view = _View.of([seg])
+            self._written = self._flushed = offset
+            if self._held is not None:
+                self._held = offset
+            self._write_hint(offset)
+            os.fsync(self._hint_fd)
+        LOGGER.info("CommitLog started at its leader's first offset", extra={"ctx": {"offset": offset}})
+
     # ------------------------------------------------------------------ retention
 
     def add_retention_listener(self, fn: Callable[[int], None]) -> None:
@@ -1230,11 +1279,7 @@ class CommitLog:
             for seg, after in zip(segments, segments[1:]):
                 too_big = cfg.retention_max_bytes > 0 and total > cfg.retention_max_bytes
                 too_old = cutoff is not None and self._newest_ms(seg) < cutoff
-                if not (too_big or too_old):
-                    break
-                if self._retention_guard is not None and not self._retention_guard(seg.base):
-                    break
-                if not all(may_delete(seg.base, after.base) for may_delete in self._guards):
+                if not (too_big or too_old) or not self._guarded(seg, after):
                     break
                 total -= seg.size
                 count += 1
@@ -1244,10 +1289,41 @@ class CommitLog:
         try:
             for prelude in self._preludes:
                 prelude(segments[count].base)
+        except RetentionDeferred as exc:
+            LOGGER.warning("CommitLog retention deferred: %s", exc, extra={"ctx": {"segments": count}})
+            return []
         except Exception:
             LOGGER.exception("CommitLog retention deferred: what must outlive the segments was not restated",
                              extra={"ctx": {"segments": count}})
             return []
+        return self._delete_oldest(doomed)
+
+    def delete_before(self, offset: int) -> list[int]:
+        """A follower's retention: delete the sealed segments wholly below ``offset`` (its leader's ``min_offset``:
+        the leader deleted them), oldest first, under the same guards as :meth:`delete_expired` but with no
+        prelude (the leader's restatement is in the log this one copied; a follower never appends). The active
+        segment is never deleted. Returns the base offsets of the deleted segments."""
+        with self._lock:
+            if self._closed:
+                return []
+            segments = self._view.segments
+            doomed = []
+            for seg, after in zip(segments, segments[1:]):
+                if after.base > offset or not self._guarded(seg, after):
+                    break
+                doomed.append(seg)
+        return self._delete_oldest(doomed) if doomed else []
+
+    def _guarded(self, seg: Segment, after: Segment) -> bool:
+        """Whether the retention guards let ``seg`` (followed by ``after``) be deleted. Hold the lock."""
+        if self._retention_guard is not None and not self._retention_guard(seg.base):
+            return False
+        return all(may_delete(seg.base, after.base) for may_delete in self._guards)
+
+    def _delete_oldest(self, doomed: list[Segment]) -> list[int]:
+        """Delete the oldest segments ``doomed`` (unless the log was closed or cut meanwhile), then tell the
+        retention listeners the new ``min_offset``."""
+        count = len(doomed)
         with self._lock:
             if self._closed or self._view.segments[:count] != doomed:  # closed, or cut meanwhile: next run
                 return []
@@ -1295,6 +1371,8 @@ class CommitLog:
             if self._closed:
                 return
             self._closed = True
+        with self._confirmed:
+            self._confirmed.notify_all()
         with self._flush_lock:
             try:
                 if self._fsync_error is None:

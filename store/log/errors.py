@@ -6,7 +6,8 @@ import errno
 
 from store.log.record import CorruptRecord, RecordTooLarge
 
-__all__ = ["CorruptRecord", "InvalidOffset", "LogFullError", "OffsetExpired", "RecordTooLarge", "StartupError",
+__all__ = ["CorruptRecord", "InvalidOffset", "LogFullError", "OffsetExpired", "RecordTooLarge",
+           "RetentionDeferred", "StartupError",
            "FULL_ERRNOS"]
 
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -32,6 +33,11 @@ class OffsetExpired(LookupError):
         super().__init__(f"offset {offset} has expired: retention deleted it (the log now starts at {min_offset})")
         self.offset = offset
         self.min_offset = min_offset
+
+
+class RetentionDeferred(Exception):
+    """A retention prelude could not do its part now (a replicated log's end was not confirmed in time): nothing
+    is deleted this run, and ``CommitLog.delete_expired`` says why in one log line (no traceback: not a fault)."""
 
 
 class InvalidOffset(ValueError):

@@ -6,6 +6,9 @@ One connection to the leader's RPC listener (Hello as ``$replica/<name>`` with t
 flushed as its policy says (under ``sync`` the held offset is the fsynced one), and the confirm offset moves to
 ``min(leader's confirm, written)`` so its dispatch keeps the derived state warm. When the leader says the logs part
 (``truncate_to``), the follower cuts its log and every derived part there (``Dispatcher.truncate``) first.
+Retention follows the leader's: every answer carries the leader's ``min_offset``, below which the follower deletes
+its sealed segments (``CommitLog.delete_before``: the leader's restatement is in the copied log, so nothing is
+appended), and an empty follower joining after the leader's retention starts its log there (``Dispatcher.start_at``).
 
 A lost connection is retried with backoff while the leader is the same epoch; a leader of another epoch ends the
 loop with ``LeaderChanged`` (the role loop, which knows the group from the controller, decides what next).
@@ -23,7 +26,7 @@ from store.log.aio import AsyncCommitLog
 from store.replica.figures import RoleFigures
 from store.rpc import wire as rpc
 
-__all__ = ["FETCH_BYTES", "LeaderChanged", "follow"]
+__all__ = ["FETCH_BYTES", "LeaderChanged", "ReplicaExpired", "follow"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -57,6 +60,12 @@ class LeaderChanged(Exception):
         self.address = address
 
 
+@final
+class ReplicaExpired(Exception):
+    """This replica's log ends below the leader's first offset (the leader's retention deleted what it lacks): it
+    cannot catch up by fetching, only by starting empty (an empty log starts at the leader's first offset)."""
+
+
 class _Refused(Exception):
     """The leader refused the connection (credentials, protocol version): retrying will not help."""
 
@@ -76,6 +85,7 @@ async def follow(log: AsyncCommitLog, dispatcher: Dispatcher, leader: tuple[str,
         CorruptRecord: a frame the leader sent does not check (damage in the leader's log: fetching it again
             would not help).
         ValueError: the leader's segments do not fit this log's (another ``segment_bytes``).
+        ReplicaExpired: this log ends below the leader's first offset (its retention ran meanwhile).
     """
     started = False
     attempt = 0
@@ -131,6 +141,12 @@ async def _fetch_loop(link: _Link, alog: AsyncCommitLog, dispatcher: Dispatcher,
             figures.truncations += 1
             continue
         figures.leader_end = answer.end
+        if written < answer.min_offset:
+            if written > log.min_offset:
+                raise ReplicaExpired(f"this replica's log ends at {written}, below the first offset its leader still"
+                                     f" has ({answer.min_offset}): it cannot catch up by fetching; start it empty")
+            await trio.to_thread.run_sync(dispatcher.start_at, answer.min_offset)
+            written = answer.min_offset
         if len(answer.data) > INLINE_BYTES:
             written = await trio.to_thread.run_sync(log.append_frames, written, answer.data)
         elif answer.data:  # a copy into the page cache: cheaper here than a hop to a worker thread and back
@@ -139,6 +155,8 @@ async def _fetch_loop(link: _Link, alog: AsyncCommitLog, dispatcher: Dispatcher,
         new = [(e, start) for e, start in answer.epochs if (latest is None or e > latest[0]) and start <= written]
         for entry in new:
             await trio.to_thread.run_sync(log.epochs.append, *entry)
+        if answer.min_offset > log.min_offset:  # the leader's retention deleted segments: so does this copy
+            await trio.to_thread.run_sync(log.delete_before, answer.min_offset)
         if sync and answer.data:
             await alog.wait_flushed(written)
         confirm = min(answer.confirm, written)

@@ -24,6 +24,8 @@ import trio
 from store.api import FollowerStatistics, LeaderFenced, ReplicationStatistics
 from store.log.aio import AsyncCommitLog
 from store.replica.figures import RoleFigures
+from store.log.errors import RetentionDeferred
+from store.restate import CONFIRM_WAIT_S
 
 __all__ = ["ACKS", "FETCH_WAIT_S", "Answer", "Controller", "Replication"]
 
@@ -77,6 +79,7 @@ class Answer:
     epochs: list[tuple[int, int]]
     truncate_to: int = -1
     end: int = -1  # the leader's written end when it answered
+    min_offset: int = 0  # where the leader's log starts (its retention deleted what is below)
 
 
 @final
@@ -131,6 +134,18 @@ class Replication:
         log.log.hold_confirm()
         self.log = log
         self.wake_dispatch = wake_dispatch
+        token = trio.lowlevel.current_trio_token()
+
+        def restated(new_min_offset: int) -> None:
+            """After the restatement (store/restate.py, the prelude before this one): every in-sync replica holds
+            it before the leader's ``min_offset``, which its followers' retention follows, passes the records it
+            restates; else retention is deferred (the restatement left in the log is harmless: applying is
+            idempotent). Its append, from retention's thread, is announced here like the node's own."""
+            token.run_sync_soon(self.appended)
+            if not log.log.wait_confirmed(log.log.written_offset, CONFIRM_WAIT_S):
+                raise RetentionDeferred(f"the replicas did not confirm the restatement within {CONFIRM_WAIT_S} s")
+
+        log.log.add_retention_prelude(restated)
 
     # --- the leader's own writes --------------------------------------------------------------
 
@@ -206,7 +221,8 @@ class Replication:
     async def fetch(self, follower: str, epoch: int, last_epoch: int, offset: int, held: int,
                     max_bytes: int) -> Answer:
         """A follower's fetch: note what it holds, then answer the log from ``offset`` (waiting up to
-        ``FETCH_WAIT_S`` when there is nothing new), or where to truncate.
+        ``FETCH_WAIT_S`` when there is nothing new), or where to truncate. Every answer carries the log's
+        ``min_offset``; a fetch below it (an empty replica joining after retention) is answered with no data.
 
         Raises:
             LeaderFenced: the follower follows a later epoch: this leader is fenced.
@@ -221,11 +237,13 @@ class Replication:
             raise LeaderFenced(f"not the leader of epoch {epoch}")
         log = self.log.log
         if epoch < self.epoch:  # it follows an older leader: it learns this one's epoch and comes back
-            return Answer(self.epoch, b"", log.confirm_offset, log.epochs.entries)
+            return Answer(self.epoch, b"", log.confirm_offset, log.epochs.entries, min_offset=log.min_offset)
         end = log.epochs.end_offset(last_epoch, log.written_offset) if last_epoch >= 0 else None
         if offset > (end if end is not None else 0):
             return Answer(self.epoch, b"", log.confirm_offset, log.epochs.entries,
-                          truncate_to=end if end is not None else 0)
+                          truncate_to=end if end is not None else 0, min_offset=log.min_offset)
+        if offset < log.min_offset:  # retention deleted it: an empty replica starts at min_offset, others cannot
+            return Answer(self.epoch, b"", log.confirm_offset, log.epochs.entries, min_offset=log.min_offset)
         self._progress(follower, progress, offset, min(held, offset))
         if offset >= log.written_offset and log.confirm_offset <= progress.sent_confirm:
             changed = self._changed
@@ -239,7 +257,8 @@ class Replication:
         progress.sent_written = written
         progress.sent_at = trio.current_time()
         progress.sent_confirm = log.confirm_offset
-        return Answer(self.epoch, data, progress.sent_confirm, log.epochs.entries, end=written)
+        return Answer(self.epoch, data, progress.sent_confirm, log.epochs.entries, end=written,
+                      min_offset=log.min_offset)
 
     def _progress(self, member: str, progress: _Follower, offset: int, held: int) -> None:
         now = trio.current_time()

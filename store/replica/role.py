@@ -33,7 +33,7 @@ from store.log.aio import AsyncCommitLog
 from store.log.commitlog import CommitLogConfig
 from store.node import StoreNode, log_span, open_follower, open_store
 from store.replica.figures import RoleFigures
-from store.replica.follower import LeaderChanged, follow
+from store.replica.follower import LeaderChanged, ReplicaExpired, follow
 from store.replica.leader import Replication
 from store.rpc.front import RpcFront
 from store.rpc.server import RpcServer
@@ -48,6 +48,10 @@ ETCD_RETRY_S = (0.1, 0.25, 0.5, 1.0)
 REDIRECT_RETRY_S = 0.1
 """A leader the controller names that does not serve this replica yet (still opening its store) or any more (the
 controller will name the next one) is asked again after this."""
+
+EXPIRED_RETRY_S = 60.0
+"""A follower whose log fell below its leader's retention asks again this often (and logs why each time): it stays
+out of the in-sync set until an operator empties its directory (docs/cluster.md, "Membership")."""
 
 COPY_RETRY_S = 1.0
 """A follower whose own log cannot be written (its disk is full) tries again this often: it copies on as soon as
@@ -156,6 +160,10 @@ async def _copy_until_change(config: ReplicaConfig, controller: GroupController,
                 except LeaderChanged as exc:  # not serving yet, or replaced: the controller will say which
                     LOGGER.debug("the leader did not serve this replica", extra={"ctx": {"why": str(exc)}})
                     await trio.sleep(REDIRECT_RETRY_S)
+                except ReplicaExpired as exc:  # its log ends below the leader's retention: only an empty one joins
+                    LOGGER.error("replica cannot catch up: empty its data directory and start it again", extra={
+                        "ctx": {"error": str(exc), "data": str(config.data), "retry_s": EXPIRED_RETRY_S}})
+                    await trio.sleep(EXPIRED_RETRY_S)
                 except OSError as exc:  # this replica's own write failed (a full disk): it lags, and may leave the ISR
                     LOGGER.warning("replica cannot write its copy of the log; retrying", extra={"ctx": {
                         "error": str(exc), "retry_s": COPY_RETRY_S}})

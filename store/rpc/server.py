@@ -688,7 +688,7 @@ class RpcServer:
                     continue
                 await stream.send_all(rpc.encode(rpc.Frames(message.id, answer.epoch, answer.data, answer.confirm,
                                                             answer.epochs, answer.truncate_to,
-                                                            answer.end)))
+                                                            answer.end, answer.min_offset)))
         except rpc.RpcProtocolError as exc:
             LOGGER.warning("replica connection closed: %s", exc, extra={"ctx": {"replica": name}})
             with trio.move_on_after(1.0):

@@ -655,8 +655,9 @@ class Frames(_Message, tag="frames"):
     """The answer to ``Fetch``: the leader's log bytes from the fetch's offset (``CommitLog.read_frames``: whole
     frames, perhaps none), the leader's ``epoch`` and ``confirm`` offset, its epoch entries ``(epoch, start)`` that
     cover ``data``, ``truncate_to`` (-1: none): the replica's log parts from the leader's there; it cuts its log
-    at that offset before it fetches again, and ``end``: the leader's written end when it answered (the replica's
-    lag, for its metrics; -1: not said)."""
+    at that offset before it fetches again; ``end``: the leader's written end when it answered (the replica's lag,
+    for its metrics; -1: not said); and ``min_offset``: where the leader's log starts (its retention deleted what
+    is below): the replica deletes its sealed segments below it, and an empty replica starts its log there."""
 
     id: int
     epoch: int
@@ -665,6 +666,7 @@ class Frames(_Message, tag="frames"):
     epochs: list[tuple[int, int]]
     truncate_to: int = -1
     end: int = -1
+    min_offset: int = 0
 
 
 ServerMessage: TypeAlias = (

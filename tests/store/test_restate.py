@@ -9,10 +9,12 @@ appended between reading the state and appending it is never overtaken by the re
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterable
 
 import trio
@@ -267,4 +269,77 @@ def test_retained_messages_outlive_the_records_retention_deletes(tmp_path):
     assert found == {"r/kept": b"kept", "r/new": b"second"}
     for store in (live, rebuilt):
         store.close()
+    log.close()
+
+
+class Follower:
+    """A thread that confirms the log's written end as a follower's fetches do (a fetch every few ms)."""
+
+    def __init__(self, log: CommitLog) -> None:
+        self.log = log
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.005):
+            written = self.log.written_offset
+            if written > self.log.confirm_offset:
+                self.log.confirm(written)
+
+    def __enter__(self) -> Follower:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)  # blocked on the append lock only if the restatement deadlocked (asserted before)
+
+
+def bounded(fn, timeout: float = 60.0):
+    """``fn()`` in a daemon thread; fails the test (instead of hanging it) when it has not returned in time."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{fn} did not return within {timeout} s (spinning or deadlocked)"
+    return result[0]
+
+
+def test_a_replicated_leader_restates_once_its_followers_confirm_and_never_deadlocks_with_them(tmp_path, monkeypatch):
+    """A replicated leader's dispatch stops at the confirm offset: the restatement waits for the followers to
+    confirm the end (without the append lock: they confirm through it) instead of spinning; a log appended to
+    without pause defers retention rather than wait under the lock, and the next run restates and deletes."""
+    monkeypatch.setattr("store.restate.ATTEMPTS", 3)
+    log = CommitLog.open(tmp_path / "commitlog", CONFIG)
+    written_with_live_sessions(log)
+    log.hold_confirm()
+    log.append(encode_record("t", b"not confirmed yet"))
+    busy = Busy(log, times=3)
+    derived(log, tmp_path / "index", busy)
+    with Follower(log):
+        deleted = bounded(log.delete_expired)
+        assert busy.times == 0
+        if not deleted:  # the last append was not confirmed when the lock was taken: deferred, not waited for
+            deleted = bounded(log.delete_expired)
+        assert deleted and log.min_offset > 0
+    again = Sessions()
+    derived(log, tmp_path / "rebuilt", again)
+    assert again.blobs == {"a": b"blob-a"}
+    log.close()
+
+
+def test_a_replicated_leader_whose_followers_never_confirm_defers_retention_with_one_line(tmp_path, monkeypatch,
+                                                                                          caplog):
+    monkeypatch.setattr("store.restate.CONFIRM_WAIT_S", 0.2)
+    log = CommitLog.open(tmp_path / "commitlog", CONFIG)
+    written_with_live_sessions(log)
+    log.hold_confirm()
+    log.append(encode_record("t", b"never confirmed"))
+    derived(log, tmp_path / "index", Sessions())
+    segments = len(log.segments())
+    with caplog.at_level(logging.WARNING, logger="store.log.commitlog"):
+        assert bounded(log.delete_expired) == []
+    assert log.min_offset == 0 and len(log.segments()) == segments
+    deferred = [r for r in caplog.records if "retention deferred" in r.getMessage()]
+    assert len(deferred) == 1 and deferred[0].exc_info is None
     log.close()

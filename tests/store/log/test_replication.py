@@ -201,3 +201,31 @@ def test_truncate_at_a_segment_boundary_leaves_an_active_segment_that_appends_an
         assert expected[kept:] == [f"t/{i}" for i in range(900, 930)]
     with CommitLog.open(tmp_path / "log", CONFIG) as again:
         assert topics(again) == expected
+
+
+def test_an_empty_log_started_at_a_leaders_cut_copies_its_segments_and_reopens_there(tmp_path):
+    """A new replica of a leader whose retention deleted its first segments: ``start_at`` begins the empty log at
+    the leader's ``min_offset`` (a segment named by that base), frames from there make the same segment files, and
+    recovery, the flushed hint and the epochs accept a log that starts there; a log with records refuses."""
+    retained = CommitLogConfig(segment_bytes=SEGMENT, max_record_bytes=2048, retention_hours=0,
+                               retention_max_bytes=2 * SEGMENT)
+    with CommitLog.open(tmp_path / "leader", retained) as leader:
+        leader.epochs.append(1, 0)
+        fill(leader, 150)
+        assert leader.delete_expired() and leader.min_offset > 0
+        with CommitLog.open(tmp_path / "follower", CONFIG) as follower:
+            follower.start_at(leader.min_offset)
+            assert follower.min_offset == follower.written_offset == leader.min_offset
+            follower.epochs.append(1, 0)
+            copy(leader, follower, 700)
+            with pytest.raises(ValueError, match="holds records"):
+                follower.start_at(0)
+        expected = topics(leader)
+    with CommitLog.open(tmp_path / "follower", CONFIG) as follower:
+        assert topics(follower) == expected
+        assert read_flushed_hint(tmp_path / "follower") == follower.written_offset
+        assert follower.epochs.entries == [(1, 0)]
+    names = sorted(p.name for p in (tmp_path / "leader").iterdir() if p.name.isdigit())
+    assert sorted(p.name for p in (tmp_path / "follower").iterdir() if p.name.isdigit()) == names
+    for name in names:
+        assert (tmp_path / "follower" / name).read_bytes() == (tmp_path / "leader" / name).read_bytes()

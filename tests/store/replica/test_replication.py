@@ -14,15 +14,18 @@ import pytest
 import trio
 import trio.testing
 
-from store.api import LeaderFenced
+from store.api import NewMessage, LeaderFenced
+from lightqueue.queues import LightQueues
 from store.dump import dump
 from store.log.commitlog import CommitLog
-from store.log.record import new_record
+from store.log.record import decode_record, new_record
 from store.node import open_follower, open_store
+from store.repair import repair
 from store.replica.follower import LeaderChanged, follow
 from store.replica.leader import Replication
 from store.rpc import wire as rpc
 from store.rpc.access import StoreAccess
+from store.rocks import open_db
 from store.rpc.server import serve_rpc
 from tests.helpers.processes import LightgateProcess
 from tests.helpers.replication import (CONFIG, REPLICAS, SEGMENT, WAIT_S, Controller, Follower, leader, log_bytes,
@@ -250,18 +253,8 @@ async def test_a_follower_with_records_the_leader_lacks_is_cut_where_its_epoch_e
                     node.dispatcher.dispatched_offset, "b dispatched a's log")
         await b.stop()
     assert log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a")
-    derived = without_topic_ids(dump(tmp_path / "b" / "index"))
-    assert derived == without_topic_ids(dump(tmp_path / "a" / "index")) and "t/lost" not in str(derived)
-
-
-def without_topic_ids(state: dict) -> dict:
-    """A dump without the ids dispatch chose for topic queues, nor the empty queues a truncation left: the rewind
-    of the light queues (lightqueue/queues.py) cuts entries, not the ids it handed to topics first seen in the
-    records it cut, so a truncated follower numbers later topics differently (an internal key prefix; every
-    entry, offset and filter id is the leader's)."""
-    queues = {name: {k: v for k, v in queue.items() if k != "id"} for name, queue in state["queues"].items()
-              if queue["entries"] or queue["max"] or queue.get("referenced_by")}
-    return {**{k: v for k, v in state.items() if k != "next_queue_id"}, "queues": queues}
+    derived = dump(tmp_path / "b" / "index")
+    assert derived == dump(tmp_path / "a" / "index") and "t/lost" not in str(derived)  # topic ids included
 
 
 async def hello(port: int, node: str, token: str = ""):
@@ -429,3 +422,69 @@ async def test_a_promoted_follower_serves_its_unconfirmed_tail_only_once_the_isr
         await until(lambda: node.dispatcher.dispatched_offset > end, "the tail indexed once c holds it")
         assert c.written > end
         await c.stop()
+RETAINED = dataclasses.replace(CONFIG, retention_hours=0, retention_max_bytes=3 * SEGMENT)
+"""Retention by bytes: about three segments kept (run by the test, ``delete_expired``, not by a timer)."""
+
+
+async def retention(node) -> list[int]:
+    """The leader's retention run (its restatement waits, in the worker thread, for the followers to confirm)."""
+    return await trio.to_thread.run_sync(node.log.log.delete_expired)
+
+
+async def test_a_follower_deletes_the_segments_its_leader_deleted(tmp_path, nursery):
+    """No retention of its own (it would append a restatement): the leader's ``min_offset`` travels with its
+    ``Frames`` and the follower deletes its sealed segments below it, so both hold the same segment files."""
+    b = Follower(tmp_path / "b", "b", RETAINED)
+    async with leader(tmp_path / "a", acks="quorum", isr=("a", "b"), config=RETAINED) as node:
+        await nursery.start(b.run, node.port)
+        await node.activate("t/#", "holder")
+        await node.append(messages(3000, size=1000))  # about a dozen segments
+        assert await retention(node)
+        await node.append(messages(10, 3000))  # restated, and more after it: both copied
+        first = node.log.log.min_offset
+        assert first > 0
+        await until(lambda: b.log.min_offset == first and b.written == node.log.log.written_offset,
+                    "b deleted what a deleted and copied the rest")
+        await b.stop()
+    assert sorted(log_bytes(tmp_path / "b")) == sorted(log_bytes(tmp_path / "a"))  # the same names
+    assert log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a")  # and bytes
+
+
+def pull_at(data: Path, queue: str, offset: int) -> list[tuple[int, object]]:
+    """Two messages of ``queue`` from queue ``offset``, pulled from a stopped node's index and log."""
+    db = open_db(data / "index")
+    try:
+        with CommitLog.open(data / "commitlog", RETAINED) as log:
+            found = LightQueues(db).pull(queue, offset, 2, 1 << 20, log, lambda raw, at: decode_record(raw, 0, at))
+            return [(qoff, record) for qoff, record in found.messages]
+    finally:
+        db.close()
+
+
+async def test_a_new_replica_joins_after_retention_cut_the_leaders_log_and_numbers_its_queues_the_same(tmp_path,
+                                                                                                       nursery):
+    """An empty replica starts its log at the leader's ``min_offset`` (a fetch at 0 would have expired) and its
+    dispatch takes the queues' numbering from the restatement at the cut (``QueueBases``): the same queue offsets
+    and topic ids as the leader's for the same records, though it never saw the records retention deleted."""
+    async with leader(tmp_path / "a", acks="leader", config=RETAINED) as node:
+        await node.append(messages(3000, size=1000))
+        await node.commit_offsets({"owner": {"t/1": 5}})
+        assert await retention(node)
+        await node.append(messages(20, 3000) + [NewMessage("t/new", b"late", "pub", qos=1)])
+        first = node.log.log.min_offset
+        b = Follower(tmp_path / "b", "b", RETAINED)
+        await nursery.start(b.run, node.port)
+        end = node.log.log.written_offset
+        await until(lambda: b.written == end and b.dispatcher.dispatched_offset == end
+                    and node.dispatcher.dispatched_offset == end, "b copied and dispatched a's log")
+        assert b.log.min_offset == first > 0
+        await b.stop()
+    assert log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a")
+    a_state, b_state = dump(tmp_path / "a" / "index"), dump(tmp_path / "b" / "index")
+    queue = a_state["queues"]["t/1"]
+    assert queue["min"] > 0  # retention took the queue's first entries: the numbering does not start at 0
+    assert b_state == a_state  # queue ids, min and max offsets, every entry (queue offset -> record)
+    pulled = [pull_at(tmp_path / name, "t/1", queue["min"] + 3) for name in ("a", "b")]
+    assert pulled[0] == pulled[1] and pulled[0][0][1].topic == "t/1"  # the same queue offset: the same record
+    repair(tmp_path / "b", RETAINED)  # the index deleted and derived again from the cut log: the same numbering
+    assert dump(tmp_path / "b" / "index") == a_state
