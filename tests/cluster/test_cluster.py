@@ -283,11 +283,12 @@ def test_store_restart_no_false_puback_and_publishes_are_accepted_again(tmp_path
 
 
 def test_a_qos2_publisher_whose_release_meets_a_store_outage_is_closed_at_once_and_loses_nothing(tmp_path):
-    """A PUBREL the store cannot record (it was killed) closes the publisher's connection at once: the gateway
-    does not hold the socket while its store calls fail behind it. After the restart the publisher resumes its
-    session, releases again and publishes on; both messages, acknowledged (PUBREC) as stored, arrive once
-    ([MQTT-4.3.3-2], exactly once)."""
-    with running_cluster(tmp_path, gateways=1) as (store, (gw1,)):
+    """A PUBREL the store cannot record (it was killed, and the gateway waits for no failover:
+    ``store.failover_wait_s`` 0; tests/cluster/test_failover.py has the wait) closes the publisher's connection at
+    once: the gateway does not hold the socket while its store calls fail behind it. After the restart the
+    publisher resumes its session, releases again and publishes on; both messages, acknowledged (PUBREC) as stored,
+    arrive once ([MQTT-4.3.3-2], exactly once)."""
+    with running_cluster(tmp_path, 1, "--store-failover-wait-s", "0") as (store, (gw1,)):
         run = run_id()
         topic = f"q2{run}/x"
         with connected(gw1.port, client_id=f"sub-{run}", clean=False) as sub:

@@ -52,13 +52,13 @@ class Gateway(Process):
 
 
 @contextmanager
-def running_cluster(tmp_path: Path, gateways: int = 2):
+def running_cluster(tmp_path: Path, gateways: int = 2, *gateway_flags: str):
     store = Store(tmp_path / "data", free_port())
     started = [store]
     try:
         nodes = []
         for _ in range(gateways):
-            nodes.append(Gateway(store.port))
+            nodes.append(Gateway(store.port, *gateway_flags))
             started.append(nodes[-1])
         yield store, nodes
     finally:
