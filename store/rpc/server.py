@@ -37,8 +37,9 @@ Fencing (store/leases.py): each connection serves one lease epoch of its node;
 a write that names another epoch (an ended lease of the node: it was frozen
 or cut off, and its clients may have moved) is refused with
 ``ErrorKind.FENCED``, or ignored when it is a one-way message. An append
-group of a client present on another node (it connected there since) is
-refused the same way: that node has its session (``_moved_groups``).
+group of QoS 2 messages of a client present on another node (it connected
+there since) is refused the same way: that node has its session and its QoS 2
+flows (``_moved_groups``).
 
 Error handling: a request that fails is answered with ``Error(id, kind,
 message)`` and the connection goes on; a frame that breaks the wire format
@@ -408,17 +409,21 @@ class _Connection:
         return denied
 
     def _moved_groups(self, groups: list[list[NewMessage]]) -> dict[int, rpc.Error]:
-        """The append groups of a client present on another node (``LeaseLost``): it connected there since this
-        node read them, and that node has its session now (store/leases.py, "Presence"). A group is one
-        connection's messages (one client). Such appends come late: made on a connection that was closing while
-        the store was away (a failover), they wait for the next link; by then the publisher may have resent them
-        to its new connection, which stored them and completed their QoS 2 flows, and stored again here they
-        would be new messages (duplicates, [MQTT-4.3.3-2])."""
+        """The append groups of QoS 2 messages (a packet id: each opens a flow of the session) of a client present
+        on another node (``LeaseLost``): it connected there since this node read them, and that node has its
+        session and its flows now (store/leases.py, "Presence"). A group is one connection's messages (one
+        client). Such appends come late: made on a connection that was closing while the store was away (a
+        failover), they wait for the next link; by then the publisher may have resent them to its new
+        connection, which stored them and completed their flows, and stored again here they would be new
+        messages (duplicates, [MQTT-4.3.3-2]). Other messages of such a client (QoS 0 and 1, its will due at
+        the takeover) are not refused: they open no flow, and QoS 1 is at least once."""
         where = self._server.store.leases.where
         moved: dict[int, rpc.Error] = {}
         for index, group in enumerate(groups):
-            client_id = group[0].client_id if group else ""
-            node = where(client_id) if client_id else None
+            if not any(message.packet_id for message in group):
+                continue
+            client_id = group[0].client_id
+            node = where(client_id)
             if node is not None and node != self.node:
                 moved[index] = error_frame(0, LeaseLost(f"client {client_id!r} is present on node {node!r} now"))
         return moved
