@@ -36,7 +36,10 @@ Before a peer is admitted the store buffers at most one ``wire.MAX_HELLO_BYTES``
 Fencing (store/leases.py): each connection serves one lease epoch of its node;
 a write that names another epoch (an ended lease of the node: it was frozen
 or cut off, and its clients may have moved) is refused with
-``ErrorKind.FENCED``, or ignored when it is a one-way message.
+``ErrorKind.FENCED``, or ignored when it is a one-way message. An append
+group of QoS 2 messages of a client present on another node (it connected
+there since) is refused the same way: that node has its session and its QoS 2
+flows (``_moved_groups``).
 
 Error handling: a request that fails is answered with ``Error(id, kind,
 message)`` and the connection goes on; a frame that breaks the wire format
@@ -389,10 +392,11 @@ class _Connection:
     # --- appends, in order ----------------------------------------------------------------
 
     def _denied_groups(self, groups: list[list[NewMessage]]) -> dict[int, rpc.Error]:
-        """The append groups with a topic this connection may not publish to (none for a trusted one)."""
-        denied: dict[int, rpc.Error] = {}
+        """The append groups this connection may not append: for a gateway node, those of a client present on
+        another node (``_moved_groups``); for another peer, those with a topic it may not publish to."""
         if self.peer.trusted:
-            return denied
+            return self._moved_groups(groups)
+        denied: dict[int, rpc.Error] = {}
         check = self._server.access.check
         for index, group in enumerate(groups):
             try:
@@ -403,6 +407,26 @@ class _Connection:
             except AccessDenied as exc:
                 denied[index] = error_frame(0, exc)
         return denied
+
+    def _moved_groups(self, groups: list[list[NewMessage]]) -> dict[int, rpc.Error]:
+        """The append groups of QoS 2 messages (a packet id: each opens a flow of the session) of a client present
+        on another node (``LeaseLost``): it connected there since this node read them, and that node has its
+        session and its flows now (store/leases.py, "Presence"). A group is one connection's messages (one
+        client). Such appends come late: made on a connection that was closing while the store was away (a
+        failover), they wait for the next link; by then the publisher may have resent them to its new
+        connection, which stored them and completed their flows, and stored again here they would be new
+        messages (duplicates, [MQTT-4.3.3-2]). Other messages of such a client (QoS 0 and 1, its will due at
+        the takeover) are not refused: they open no flow, and QoS 1 is at least once."""
+        where = self._server.store.leases.where
+        moved: dict[int, rpc.Error] = {}
+        for index, group in enumerate(groups):
+            if not any(message.packet_id for message in group):
+                continue
+            client_id = group[0].client_id
+            node = where(client_id)
+            if node is not None and node != self.node:
+                moved[index] = error_frame(0, LeaseLost(f"client {client_id!r} is present on node {node!r} now"))
+        return moved
 
     async def _appender(self) -> None:
         store = self._store

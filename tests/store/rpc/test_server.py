@@ -187,6 +187,32 @@ async def test_a_client_present_on_another_node_is_reported_moved_to_the_node_th
     assert await a.receive() == rpc.Offsets(7, [])  # and nothing else came to gw-a meanwhile
 
 
+async def test_appends_of_a_client_present_on_another_node_are_refused_there(port):
+    """A connection closing while the store is away (a failover) keeps its appends until the next link; meanwhile
+    its publisher connected to another node and resent them there, which stored them and released their QoS 2
+    flows. Stored again from the old node, they would be new messages [MQTT-4.3.3-2]: duplicates."""
+    a = await Raw.open(port, node="gw-a")
+    b = await Raw.open(port, node="gw-b")
+    await a.send(opened(1, "dev1"), opened(2, "dev2"))
+    assert sorted([(await a.receive()).id for _ in range(2)]) == [1, 2]
+    await b.send(opened(1, "dev1"))
+    assert await a.receive() == rpc.ClientMoved("dev1")
+    assert await b.receive() == rpc.Value(1, None)
+    resent = NewMessage("q2/dev1", b"m1", "dev1", 2, packet_id=7)
+    await b.send(rpc.AppendRequest(2, [[resent]]))
+    assert [len(p) for p in (await b.receive()).positions] == [1]
+    late = rpc.AppendRequest(3, [[resent], [NewMessage("q2/dev2", b"m2", "dev2", 2, packet_id=7)],
+                                 [NewMessage("will/dev1", b"gone", "dev1", 1)]])
+    await a.send(late)
+    appended = await a.receive()
+    assert appended.id == 3 and appended.errors[0].kind is rpc.ErrorKind.FENCED and set(appended.errors) == {0}
+    # dev2 is still gw-a's; dev1's will (due at the takeover: published by gw-a) opens no QoS 2 flow
+    assert [len(p) for p in appended.positions] == [0, 1, 1]
+    await b.send(rpc.Pull(4, [PullRequest("q2/dev1", 0, 10, 1 << 20)]))
+    [result] = (await b.receive()).results
+    assert [decode_record(r, 0, o).payload for _, o, r in result.entries] == [b"m1"]  # stored once
+
+
 async def test_a_silent_node_is_closed_and_its_wills_fire_after_the_lease(port, nursery):
     observer = await Raw.open(port, node="observer")
     nursery.start_soon(observer.keep_alive)
