@@ -9,20 +9,18 @@ run here small.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import argparse
 from signal import SIGCONT, SIGSTOP
 
 import pytest
 
+from gateway.bench import failover
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.rpc.connection import STALLED_LEASES
-from tests.helpers.cluster import WAIT_S, free_port
+from tests.helpers.cluster import free_port
 from tests.helpers.etcd import running_etcd
 from tests.helpers.fulldisk import tmpfs
 from tests.helpers.mqtt_fixtures import connected, run_id
-from tests.helpers.processes import ROOT
 from tests.helpers.replicas import Group, Replica, publish_acked, store_command, wait_for
 
 pytestmark = pytest.mark.slow
@@ -213,16 +211,13 @@ def test_losing_one_of_three_etcd_members_still_fails_the_leader_over(tmp_path):
 
 
 def test_leader_kills_and_freezes_under_qos1_and_qos2_load_through_two_gateways_lose_and_repeat_nothing():
-    """`lightgate bench failover`, small: QoS 1 and QoS 2 publishers and persistent subscribers (the spec-following
+    """`lightgate bench failover` (its measurement, without writing a result line), small: QoS 1 and QoS 2 publishers and persistent subscribers (the spec-following
     clients of gateway/bench/crashclients.py) through two gateways to a 3-replica group whose leader is SIGKILLed 3
     times and SIGSTOPped past its lease once. Nothing acknowledged (PUBACK, PUBREC) is lost, no QoS 2 message
     reaches the QoS 2 subscriber twice ([MQTT-4.3.3]), and every fault ends with a new leader that acknowledges."""
-    done = subprocess.run([sys.executable, "-m", "gateway.app.cli", "bench", "failover", "--kills", "3", "--freezes",
-                           "1", "--load", "1", "--runs", "0"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=20 * WAIT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.split("BENCH ", 1)[1])
-    result = result.get("result", result)
+    parser = argparse.ArgumentParser()
+    failover.add_arguments(parser)
+    result = failover.run(parser.parse_args(["--kills", "3", "--freezes", "1", "--load", "1", "--runs", "0"]))
     assert result["acked"] > 0 and result["failovers"] == 4, result
     assert (result["acked_lost"], result["duplicates_qos2"]) == (0, 0), result
     assert result["never_available"] == 0 and result["qos1_subscriber"]["lost"] == 0, result
