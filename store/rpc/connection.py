@@ -785,13 +785,7 @@ class StoreConnection:
                 return ""
             async with stream:
                 try:
-                    await stream.send_all(rpc.encode(rpc.Hello(rpc.PROTOCOL_VERSION, self.node, *self._credentials,
-                                                               self.store_id, self.epoch)))
-                    decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
-                    answer = decoder.next_message()
-                    while answer is rpc.NEED_DATA and not decoder.eof:
-                        decoder.receive_data(await stream.receive_some(RECEIVE_BYTES))
-                        answer = decoder.next_message()
+                    answer, _ = await self._hello(stream)
                 except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, rpc.RpcProtocolError):
                     return ""
             if type(answer) is rpc.Welcome:
@@ -799,6 +793,18 @@ class StoreConnection:
             if type(answer) is rpc.Error and answer.kind is rpc.ErrorKind.NOT_LEADER:
                 return answer.message
         return ""
+
+    async def _hello(self, stream: trio.SocketStream) -> tuple[Any, rpc.FrameDecoder]:
+        """Send this node's Hello on ``stream``; the store's first answer (``Welcome``, an ``Error``, or
+        ``NEED_DATA`` when it closed first) and the decoder that read it."""
+        await stream.send_all(rpc.encode(rpc.Hello(rpc.PROTOCOL_VERSION, self.node, *self._credentials,
+                                                   self.store_id, self.epoch)))
+        decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
+        answer = decoder.next_message()
+        while answer is rpc.NEED_DATA and not decoder.eof:
+            decoder.receive_data(await stream.receive_some(RECEIVE_BYTES))
+            answer = decoder.next_message()
+        return answer, decoder
 
     def _leader_is(self, address: str, *, announce: bool) -> None:
         """Note the store's leader address; one log line per change when ``announce``."""
@@ -831,13 +837,7 @@ class StoreConnection:
             stream = await trio.open_tcp_stream(host, port)
             try:
                 stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
-                await stream.send_all(rpc.encode(rpc.Hello(rpc.PROTOCOL_VERSION, self.node, *self._credentials,
-                                                           self.store_id, self.epoch)))
-                decoder = rpc.FrameDecoder(rpc.SERVER_MESSAGES)
-                answer = decoder.next_message()
-                while answer is rpc.NEED_DATA and not decoder.eof:
-                    decoder.receive_data(await stream.receive_some(RECEIVE_BYTES))
-                    answer = decoder.next_message()
+                answer, decoder = await self._hello(stream)
             except BaseException as exc:
                 with trio.CancelScope(shield=True):
                     await stream.aclose()
