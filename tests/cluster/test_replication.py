@@ -10,6 +10,7 @@ run here small.
 from __future__ import annotations
 
 import argparse
+import time
 from signal import SIGCONT, SIGSTOP
 
 import pytest
@@ -221,3 +222,39 @@ def test_leader_kills_and_freezes_under_qos1_and_qos2_load_through_two_gateways_
     assert result["acked"] > 0 and result["failovers"] == 4, result
     assert (result["acked_lost"], result["duplicates_qos2"]) == (0, 0), result
     assert result["never_available"] == 0 and result["qos1_subscriber"]["lost"] == 0, result
+
+
+DELAY_S = 6
+"""The delay of the messages pending at the kill: longer than publishing them takes, so none is due before it."""
+
+
+def test_delayed_messages_pending_at_a_leader_kill_are_delivered_once_by_the_next_leader(tmp_path):
+    """The timer's state is derived from the log every replica copies (store/timer/), so the next leader's wheel
+    holds what the killed one scheduled: each acknowledged delayed message is delivered once, at or after its due
+    time, by the new leader (issue 28, "a new leader continues the wheel")."""
+    with running_etcd(tmp_path) as etcd:
+        group = Group(tmp_path, etcd.endpoints, NAMES)
+        try:
+            old, epoch = group.wait_leader()
+            group.wait_isr(NAMES)
+            gateway = group.gateway()
+            try:
+                run = run_id()
+                topic = f"later{run}/cmd"
+                with connected(gateway.port, client_id=f"sub-{run}", clean=False) as sub:
+                    sub.subscribe(topic, 1)
+                    scheduled = time.monotonic()
+                    acked = publish_acked(gateway.port, f"$delayed/{DELAY_S}/{topic}", 5, prefix="due")
+                    assert len(acked) == 5
+                    group.replicas[old].kill()
+                    assert time.monotonic() - scheduled < DELAY_S  # before any was due: the next leader fires them
+                    new, _ = group.wait_leader(after_epoch=epoch)
+                    assert new != old
+                    got = sorted(m.payload for m in sub.receive(5))
+                    assert got == sorted(acked)
+                    publish_acked(gateway.port, topic, 1, prefix="sentinel")
+                    assert sub.receive(1)[0].payload == b"sentinel0"  # each delayed message came once
+            finally:
+                gateway.stop()
+        finally:
+            group.stop()
