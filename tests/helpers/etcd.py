@@ -84,7 +84,16 @@ class EtcdCluster:
         self.processes[index].wait(timeout=WAIT_S)
 
     def freeze(self, index: int) -> None:
-        self.processes[index].send_signal(signal.SIGSTOP)
+        """SIGSTOP the member and return once the kernel reports it stopped (state ``T`` in /proc): a signal sent is
+        not yet a process stopped, and on a loaded machine the member could still answer a call made at once."""
+        process = self.processes[index]
+        process.send_signal(signal.SIGSTOP)
+        stat = Path(f"/proc/{process.pid}/stat")
+        deadline = time.monotonic() + WAIT_S
+        while stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+            if time.monotonic() > deadline:
+                pytest.fail(f"etcd member {self.names[index]} did not stop within {WAIT_S} s of SIGSTOP")
+            time.sleep(0.005)  # polling the kernel's process state: the condition, paced
 
     def thaw(self, index: int) -> None:
         self.processes[index].send_signal(signal.SIGCONT)
