@@ -93,7 +93,7 @@ def until_sentinel(client: Client, sentinel: bytes) -> list[bytes]:
         got.append(payload)
 
 
-def publish_through_outage(gateway: LightgateProcess, port: int, outage: Callable[[], None],
+def check_publishes_through_outage(gateway: LightgateProcess, port: int, outage: Callable[[], None],
                            recover: Callable[[], None], *, during: Callable[[], None] = lambda: None) -> None:
     """Subscribers of every kind, a publisher before, during and after an outage (``outage()`` breaks the store,
     ``during()`` runs once a call met it, ``recover()`` brings it back); each subscriber stays connected (the same
@@ -165,7 +165,7 @@ def test_subscribers_stay_connected_and_get_everything_through_a_store_restart(r
     """A subscriber's pulls, commits and session saves that meet the outage wait for the store and go on: without
     the wait the gateway closes each subscriber (connection lost) and the clean ones lose their subscriptions."""
     stores, gateway = restartable
-    publish_through_outage(gateway, gateway.port, lambda: stores[-1].kill(), lambda: restart(stores))
+    check_publishes_through_outage(gateway, gateway.port, lambda: stores[-1].kill(), lambda: restart(stores))
 
 
 def test_a_pubrel_during_a_store_restart_gets_its_pubcomp_and_the_message_arrives_once(restartable):
@@ -242,7 +242,7 @@ def test_a_replicated_group_leader_kill_is_hidden_from_devices(tmp_path):
                         device.send(Pubrel(9))
                         late.send(Connect(MQTT_5, f"late-{run}", True))
 
-                    publish_through_outage(gateway, gateway.port, kill_leader, lambda: group.wait_leader(epoch),
+                    check_publishes_through_outage(gateway, gateway.port, kill_leader, lambda: group.wait_leader(epoch),
                                            during=in_the_window)
                     completed_once(device, subscriber, topic)
                     connack = late.receive()
