@@ -426,12 +426,14 @@ MAX_READ_LOG_BYTES = 16 * 1024 * 1024
 
 def log_span(log: CommitLog, offset: int, max_bytes: int) -> LogSpan:
     """``StoreApi.read_log`` over ``log`` (blocking), a leader's or a follower's (store/rpc/reader.py): ``max_bytes``
-    0 asks for the log's bounds only, for any ``offset``. Its ``flushed`` bound is the log's published offset:
-    flushed, and confirmed by the replicas."""
+    0 asks for the log's bounds only, for any ``offset``. Its ``flushed`` bound is the log's published offset
+    (flushed, and confirmed by the replicas) as it was before the read: an empty span then always means the reader
+    is at that bound, never that a confirm landing during the read moved the bound past bytes it did not get."""
+    published = log.published_offset  # before the read: a bound that moved after it would promise bytes not sent
     if max_bytes <= 0:
-        return LogSpan(MAIN_LOG, offset, b"", offset, log.published_offset, log.min_offset)
+        return LogSpan(MAIN_LOG, offset, b"", offset, published, log.min_offset)
     start, data, data_end = log.read_span(offset, max(0, min(max_bytes, MAX_READ_LOG_BYTES)))
-    return LogSpan(MAIN_LOG, start, data, data_end, log.published_offset, log.min_offset)
+    return LogSpan(MAIN_LOG, start, data, data_end, published, log.min_offset)
 
 
 def decode(raw: bytes, offset: int) -> Record:

@@ -117,3 +117,29 @@ async def test_a_live_range_past_a_lagging_follower_waits_for_it_and_reads_every
         assert await trio.to_thread.run_sync(waiting.wait, 20)
         log.confirm(end)
     assert got == [f"m{i}".encode() for i in range(100)]
+
+
+async def test_an_empty_span_never_reports_a_bound_past_its_start(store):
+    """A confirm that lands between the read of a follower's bytes and the read of its published offset must not
+    make the answer say "published up to the end, nothing here": the Spark reader would take that for the end of
+    the range and skip the records it did not get (the bound is taken before the read)."""
+    offsets = await store.append([NewMessage("tele/a", f"m{i}".encode(), "dev1", 1) for i in range(10)],
+                                 durable=True)
+    log = store.log.log
+    end = log.written_offset
+    log.hold_confirm(offsets[5])  # the follower publishes the first half only, as far as its leader confirmed
+    held = log.published_offset
+
+    class ConfirmDuringRead:
+        """The follower's log, with its leader's confirm arriving just after the bytes were read."""
+
+        def __getattr__(self, name: str):
+            return getattr(log, name)
+
+        def read_span(self, offset: int, max_bytes: int):
+            answer = log.read_span(offset, max_bytes)
+            log.confirm(end)
+            return answer
+
+    span = log_span(ConfirmDuringRead(), held, 4096)
+    assert span.data or span.flushed <= span.start
