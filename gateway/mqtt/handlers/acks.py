@@ -12,12 +12,12 @@ if TYPE_CHECKING:  # the channel imports this module for its dispatch table: onl
 
 
 def process_puback(channel: Channel, packet: Puback) -> list[Action]:
-    return channel._session.puback(packet.packet_id)  # type: ignore[union-attr]
+    return channel.conn.session.puback(packet.packet_id)  # type: ignore[union-attr]
 
 
 def process_pubrec(channel: Channel, packet: Pubrec) -> list[Action]:
-    return channel._session.pubrec(packet.packet_id, packet.reason_code)  # type: ignore[union-attr]
+    return channel.conn.session.pubrec(packet.packet_id, packet.reason_code)  # type: ignore[union-attr]
 
 
 def process_pubcomp(channel: Channel, packet: Pubcomp) -> list[Action]:
-    return channel._session.pubcomp(packet.packet_id)  # type: ignore[union-attr]
+    return channel.conn.session.pubcomp(packet.packet_id)  # type: ignore[union-attr]

@@ -31,15 +31,15 @@ if TYPE_CHECKING:  # the channel imports this module for its dispatch table: onl
 
 
 def _refuse(channel: Channel, reason: ReasonCode, log: str) -> list[Action]:
-    packet = channel._explained(error_packet(channel._level, True, reason), channel._level, log)
-    return channel._close(reason, f"connection refused: {log}", packet=packet)
+    packet = channel.explained(error_packet(channel.conn.level, True, reason), channel.conn.level, log)
+    return channel.close(reason, f"connection refused: {log}", packet=packet)
 
 
 def process_connect(channel: Channel, packet: Connect) -> list[Action]:
     """A CONNECT: its checks (``CONNECT_CHECKS``, in order: the first refusal answers), the will, the terms of the
     connection, then the ``OpenSession`` whose answer (``on_session_opened``) the CONNACK waits for."""
-    channel._level = packet.protocol_level
-    channel._peer_max_packet = packet.properties.maximum_packet_size
+    channel.conn.level = packet.protocol_level
+    channel.conn.peer_max_packet = packet.properties.maximum_packet_size
     for check in CONNECT_CHECKS:
         refusal = check(channel, packet)
         if refusal is not None:
@@ -52,23 +52,23 @@ def process_connect(channel: Channel, packet: Connect) -> list[Action]:
         return refusal
     config = channel.config
     props = packet.properties
-    channel._link = Link(
-        protocol_level=channel._level,
+    channel.conn.link = Link(
+        protocol_level=channel.conn.level,
         receive_maximum=min(receive_maximum, config.max_inflight),
         max_packet_size=props.maximum_packet_size,
         topic_alias_maximum=props.topic_alias_maximum or 0,
         pull_batch=config.pull_batch,
         max_unwritten=config.max_unwritten,
         commit_every=config.commit_every,
-        encoder=channel._encoder,
-        now_ms=channel._now_ms,
+        encoder=channel.encoder,
+        now_ms=channel.now_ms,
         qos0_queue_bytes=config.qos0_queue_bytes,
-        report=channel._limit_hit,
-        since_ms=channel._now_ms(),
+        report=channel.limit_hit,
+        since_ms=channel.now_ms(),
     )
-    channel._awaiting_session = True
-    return [OpenSession(channel._client_id, packet.clean_start, channel._expiry, packet.username, packet.password,
-                        packet.will_topic, channel._will, channel._will_delay_s())]
+    channel.conn.awaiting_session = True
+    return [OpenSession(channel.conn.client_id, packet.clean_start, channel.conn.expiry, packet.username,
+                        packet.password, packet.will_topic, channel.conn.will, channel.will_delay_s())]
 
 
 def _check_authentication_method(channel: Channel, packet: Connect) -> list[Action] | None:
@@ -83,13 +83,13 @@ def _check_client_identifier(channel: Channel, packet: Connect) -> list[Action] 
     the CONNACK [MQTT-3.2.2-16]); a 3.1.1 client must not leave it empty with clean session 0 [MQTT-3.1.3-8]."""
     client_id = packet.client_id
     if not client_id:
-        level = channel._level
+        level = channel.conn.level
         if level == MQTT_311 and not packet.clean_start:
             return _refuse(channel, ReasonCode.CLIENT_IDENTIFIER_NOT_VALID,
                            "empty client id with clean session 0 [MQTT-3.1.3-8]")
         client_id = channel.config.assigned_id_prefix + uuid.uuid4().hex
-        channel._assigned = client_id if level == MQTT_5 else None
-    channel._client_id = client_id
+        channel.conn.assigned = client_id if level == MQTT_5 else None
+    channel.conn.client_id = client_id
     return None
 
 
@@ -104,9 +104,9 @@ def _check_will(channel: Channel, packet: Connect) -> list[Action] | None:
         validate_topic(topic, SYNTAX_ONLY)
     except TopicError as exc:
         return _refuse(channel, ReasonCode.TOPIC_NAME_INVALID, f"will topic: {exc}")
-    over = channel._topic_over(topic, "will topic")
+    over = channel.topic_over(topic, "will topic")
     if over is not None:
-        return [channel._limit_hit(over[0], 1, over[1]), *_refuse(channel, ReasonCode.TOPIC_NAME_INVALID, over[1])]
+        return [channel.limit_hit(over[0], 1, over[1]), *_refuse(channel, ReasonCode.TOPIC_NAME_INVALID, over[1])]
     if packet.will_qos > config.max_qos:
         return _refuse(channel, ReasonCode.QOS_NOT_SUPPORTED, f"will QoS {packet.will_qos}")
     if packet.will_retain and not config.retain_available:
@@ -124,11 +124,11 @@ def _take_will(channel: Channel, packet: Connect) -> None:
     topic = packet.will_topic
     assert topic is not None  # _check_will passed it
     will_props = packet.will_properties
-    channel._will_delay = will_props.will_delay_interval or 0
+    channel.conn.will_delay = will_props.will_delay_interval or 0
     if will_props.will_delay_interval is not None:
         will_props = replace(will_props, will_delay_interval=None)
-    channel._will = NewMessage(topic, packet.will_payload, channel._client_id, packet.will_qos, packet.will_retain,
-                            property_block(will_props), channel._now_ms())
+    channel.conn.will = NewMessage(topic, packet.will_payload, channel.conn.client_id, packet.will_qos,
+                                   packet.will_retain, property_block(will_props), channel.now_ms())
 
 
 def _agree_terms(channel: Channel, packet: Connect) -> int:
@@ -137,20 +137,20 @@ def _agree_terms(channel: Channel, packet: Connect) -> int:
     (3.1.1: the configured default), the window of its outbound messages."""
     config = channel.config
     props = packet.properties
-    if channel._level == MQTT_5:
-        channel._requested_expiry = props.session_expiry_interval or 0
-        channel._expiry = min(channel._requested_expiry, config.max_session_expiry_s)
+    if channel.conn.level == MQTT_5:
+        channel.conn.requested_expiry = props.session_expiry_interval or 0
+        channel.conn.expiry = min(channel.conn.requested_expiry, config.max_session_expiry_s)
         keepalive = packet.keep_alive
         if config.max_keepalive is not None and not 0 < keepalive <= config.max_keepalive:
             keepalive = config.max_keepalive
         receive_maximum = props.receive_maximum or MAX_UINT16
     else:
-        channel._expiry = channel._requested_expiry = 0 if packet.clean_start else config.session_expiry_311_s
+        channel.conn.expiry = channel.conn.requested_expiry = 0 if packet.clean_start else config.session_expiry_311_s
         keepalive = packet.keep_alive
         receive_maximum = config.default_receive_maximum
-    channel._keepalive = keepalive
-    channel._keepalive_override = keepalive if keepalive != packet.keep_alive else None
-    channel._clean_start = packet.clean_start
+    channel.conn.keepalive = keepalive
+    channel.conn.keepalive_override = keepalive if keepalive != packet.keep_alive else None
+    channel.conn.clean_start = packet.clean_start
     return receive_maximum
 
 
@@ -171,19 +171,19 @@ def _check_connack_fits(channel: Channel, packet: Connect) -> list[Action] | Non
 
 def _connack_properties(channel: Channel) -> Properties:
     config = channel.config
-    if channel._level != MQTT_5:
+    if channel.conn.level != MQTT_5:
         return EMPTY_PROPERTIES
     fields: dict[str, object] = {
         "receive_maximum": config.receive_maximum,
         "maximum_packet_size": config.max_packet_size,
         "topic_alias_maximum": config.topic_alias_maximum,
     }
-    if channel._assigned is not None:
-        fields["assigned_client_identifier"] = channel._assigned
-    if channel._expiry != channel._requested_expiry:
-        fields["session_expiry_interval"] = channel._expiry
-    if channel._keepalive_override is not None:
-        fields["server_keep_alive"] = channel._keepalive_override
+    if channel.conn.assigned is not None:
+        fields["assigned_client_identifier"] = channel.conn.assigned
+    if channel.conn.expiry != channel.conn.requested_expiry:
+        fields["session_expiry_interval"] = channel.conn.expiry
+    if channel.conn.keepalive_override is not None:
+        fields["server_keep_alive"] = channel.conn.keepalive_override
     if config.max_qos < 2:
         fields["maximum_qos"] = config.max_qos
     for name, available in (
@@ -198,30 +198,30 @@ def _connack_properties(channel: Channel) -> Properties:
 
 
 def on_session_opened(channel: Channel, event: SessionOpened) -> list[Action]:
-    if not channel._awaiting_session:
+    if not channel.conn.awaiting_session:
         raise LocalProtocolError("SessionOpened without an OpenSession")
-    channel._awaiting_session = False
-    closing = channel._state is State.DISCONNECTING
+    channel.conn.awaiting_session = False
+    closing = channel.state is State.DISCONNECTING
     if event.reason.is_failure:
         if closing:
-            return channel._settle()
+            return channel.settle()
         # The node refuses for its own state (a full data disk...), not for what the client sent: a 3.1.1
         # client gets the nearest return code (3, Server unavailable) rather than a silent close.
-        reason = event.reason if channel._level == MQTT_5 or event.reason in CONNACK_REFUSALS_311 \
+        reason = event.reason if channel.conn.level == MQTT_5 or event.reason in CONNACK_REFUSALS_311 \
             else ReasonCode.SERVER_UNAVAILABLE
         return _refuse(channel, reason, f"by the node ({event.reason.name})")
-    state = event.state if event.present and not channel._clean_start else None
-    channel._session = session = Session(channel._client_id, channel._expiry, state)
+    state = event.state if event.present and not channel.conn.clean_start else None
+    channel.conn.session = session = Session(channel.conn.client_id, channel.conn.expiry, state)
     if closing:
-        return channel._settle()
-    assert channel._link is not None
-    channel._authorizer = event.authorizer
-    channel._link.may_read = event.authorizer.may_read if event.authorizer is not None else None
+        return channel.settle()
+    assert channel.conn.link is not None
+    channel.conn.authorizer = event.authorizer
+    channel.conn.link.may_read = event.authorizer.may_read if event.authorizer is not None else None
     actions: list[Action] = [Send((Connack(state is not None, ReasonCode.SUCCESS, _connack_properties(channel)),))]
-    if channel._keepalive:
-        actions.append(channel._arm_keepalive(channel._keepalive * 1.5))
-    actions += session.attach(channel._link)
-    queued, channel._queued = channel._queued, []
+    if channel.conn.keepalive:
+        actions.append(channel.arm_keepalive(channel.conn.keepalive * 1.5))
+    actions += session.attach(channel.conn.link)
+    queued, channel.conn.queued = channel.conn.queued, []
     for packet in queued:
         actions += channel.handle_in(packet)
     return actions + channel.input_done()

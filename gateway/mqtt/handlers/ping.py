@@ -22,10 +22,10 @@ def process_disconnect(channel: Channel, packet: Disconnect) -> list[Action]:
     expiry = packet.properties.session_expiry_interval
     if expiry is not None:
         _check_session_expiry(channel, expiry)
-        channel._expiry = min(expiry, channel.config.max_session_expiry_s)
-        channel._session.expiry_s = channel._expiry  # type: ignore[union-attr]
+        channel.conn.expiry = min(expiry, channel.config.max_session_expiry_s)
+        channel.conn.session.expiry_s = channel.conn.expiry  # type: ignore[union-attr]
     with_will = packet.reason_code is ReasonCode.DISCONNECT_WITH_WILL_MESSAGE
-    return channel._close(packet.reason_code, f"client disconnected ({packet.reason_code.name})", will=with_will)
+    return channel.close(packet.reason_code, f"client disconnected ({packet.reason_code.name})", will=with_will)
 
 
 def _check_session_expiry(channel: Channel, expiry: int) -> None:
@@ -34,6 +34,6 @@ def _check_session_expiry(channel: Channel, expiry: int) -> None:
     Raises:
         RemoteProtocolError: PROTOCOL_ERROR [MQTT-3.14.2-2].
     """
-    if channel._requested_expiry == 0 and expiry > 0:
+    if channel.conn.requested_expiry == 0 and expiry > 0:
         raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR,
                                   "session expiry set at DISCONNECT after 0 at CONNECT [MQTT-3.14.2-2]")
