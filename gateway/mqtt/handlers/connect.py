@@ -11,12 +11,12 @@ from __future__ import annotations
 import uuid
 from dataclasses import replace
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from gateway.mqtt.actions import Action, OpenSession, Send, SessionOpened
 from gateway.mqtt.codec import encode, fit
 from gateway.mqtt.errors import CONNACK_REFUSALS_311, error_packet
 from gateway.mqtt.handlers.publish import property_block
+from gateway.mqtt.handlers.view import ChannelView
 from gateway.mqtt.limits import SYNTAX_ONLY
 from gateway.mqtt.packets import MQTT_5, MQTT_311, Connack, Connect
 from gateway.mqtt.properties import EMPTY_PROPERTIES, MAX_UINT16, Properties
@@ -26,16 +26,13 @@ from gateway.mqtt.state import State
 from lightqueue.topics import TopicError, validate_topic
 from store.api import NewMessage
 
-if TYPE_CHECKING:  # the channel imports this module for its dispatch table: only the type checker imports it back
-    from gateway.mqtt.channel import Channel
 
-
-def _refuse(channel: Channel, reason: ReasonCode, log: str) -> list[Action]:
+def _refuse(channel: ChannelView, reason: ReasonCode, log: str) -> list[Action]:
     packet = channel.explained(error_packet(channel.conn.level, True, reason), channel.conn.level, log)
     return channel.close(reason, f"connection refused: {log}", packet=packet)
 
 
-def process_connect(channel: Channel, packet: Connect) -> list[Action]:
+def process_connect(channel: ChannelView, packet: Connect) -> list[Action]:
     """A CONNECT: its checks (``CONNECT_CHECKS``, in order: the first refusal answers), the will, the terms of the
     connection, then the ``OpenSession`` whose answer (``on_session_opened``) the CONNACK waits for."""
     channel.conn.level = packet.protocol_level
@@ -71,14 +68,14 @@ def process_connect(channel: Channel, packet: Connect) -> list[Action]:
                         packet.password, packet.will_topic, channel.conn.will, channel.will_delay_s())]
 
 
-def _check_authentication_method(channel: Channel, packet: Connect) -> list[Action] | None:
+def _check_authentication_method(channel: ChannelView, packet: Connect) -> list[Action] | None:
     """Enhanced authentication is not offered: a CONNECT asking for it is refused with 0x8C (section 4.12)."""
     if packet.properties.authentication_method is not None:
         return _refuse(channel, ReasonCode.BAD_AUTHENTICATION_METHOD, "enhanced authentication is not offered")
     return None
 
 
-def _check_client_identifier(channel: Channel, packet: Connect) -> list[Action] | None:
+def _check_client_identifier(channel: ChannelView, packet: Connect) -> list[Action] | None:
     """The client's identifier, or one assigned for an empty one ([MQTT-3.1.3-6], told to an MQTT 5 client in
     the CONNACK [MQTT-3.2.2-16]); a 3.1.1 client must not leave it empty with clean session 0 [MQTT-3.1.3-8]."""
     client_id = packet.client_id
@@ -93,7 +90,7 @@ def _check_client_identifier(channel: Channel, packet: Connect) -> list[Action] 
     return None
 
 
-def _check_will(channel: Channel, packet: Connect) -> list[Action] | None:
+def _check_will(channel: ChannelView, packet: Connect) -> list[Action] | None:
     """A will the server can publish: a valid topic name within the topic limits, at most the Maximum QoS
     [MQTT-3.2.2-12], retained only if retain is available [MQTT-3.2.2-13]."""
     topic = packet.will_topic
@@ -114,12 +111,12 @@ def _check_will(channel: Channel, packet: Connect) -> list[Action] | None:
     return None
 
 
-CONNECT_CHECKS: tuple[Callable[[Channel, Connect], list[Action] | None], ...] = (
+CONNECT_CHECKS: tuple[Callable[[ChannelView, Connect], list[Action] | None], ...] = (
     _check_authentication_method, _check_client_identifier, _check_will)
 """The checks of a CONNECT, in order (EMQX's ``process_connect`` pipeline): each returns the refusal or None."""
 
 
-def _take_will(channel: Channel, packet: Connect) -> None:
+def _take_will(channel: ChannelView, packet: Connect) -> None:
     """Keep the checked will as the message it will be; its delay is the channel's, not the record's."""
     topic = packet.will_topic
     assert topic is not None  # _check_will passed it
@@ -131,7 +128,7 @@ def _take_will(channel: Channel, packet: Connect) -> None:
                                    packet.will_retain, property_block(will_props), channel.now_ms())
 
 
-def _agree_terms(channel: Channel, packet: Connect) -> int:
+def _agree_terms(channel: ChannelView, packet: Connect) -> int:
     """Set the session expiry (MQTT 5: capped, the CONNACK then says so, section 3.2.2.3.2; 3.1.1: by clean
     session) and the keep alive (capped: Server Keep Alive [MQTT-3.2.2-21]); return the client's Receive Maximum
     (3.1.1: the configured default), the window of its outbound messages."""
@@ -154,7 +151,7 @@ def _agree_terms(channel: Channel, packet: Connect) -> int:
     return receive_maximum
 
 
-def _check_connack_fits(channel: Channel, packet: Connect) -> list[Action] | None:
+def _check_connack_fits(channel: ChannelView, packet: Connect) -> list[Action] | None:
     """The CONNACK must fit the client's Maximum Packet Size [MQTT-3.1.2-24]; checked before the session is opened
     (or taken over), since the client could never be told."""
     limit = packet.properties.maximum_packet_size
@@ -169,7 +166,7 @@ def _check_connack_fits(channel: Channel, packet: Connect) -> list[Action] | Non
                    f"Maximum Packet Size of {limit} [MQTT-3.1.2-24]")
 
 
-def _connack_properties(channel: Channel) -> Properties:
+def _connack_properties(channel: ChannelView) -> Properties:
     config = channel.config
     if channel.conn.level != MQTT_5:
         return EMPTY_PROPERTIES
@@ -197,7 +194,7 @@ def _connack_properties(channel: Channel) -> Properties:
     return Properties(**fields)  # type: ignore[arg-type]
 
 
-def on_session_opened(channel: Channel, event: SessionOpened) -> list[Action]:
+def on_session_opened(channel: ChannelView, event: SessionOpened) -> list[Action]:
     if not channel.conn.awaiting_session:
         raise LocalProtocolError("SessionOpened without an OpenSession")
     channel.conn.awaiting_session = False

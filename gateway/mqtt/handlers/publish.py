@@ -14,11 +14,12 @@ may refuse it (the client's cap of pending delayed messages).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 from gateway.mqtt.actions import Action, Append, Appended, Denied, InboundReleased, ReleaseInbound, Send
 from gateway.mqtt.delayed import DELAYED_PREFIX, parse_delayed
 from gateway.mqtt.errors import error_packet
+from gateway.mqtt.handlers.view import ChannelView
 from gateway.mqtt.limits import SYNTAX_ONLY, Limit
 from gateway.mqtt.packets import MQTT_5, Puback, Pubcomp, Publish, Pubrec, Pubrel
 from gateway.mqtt.properties import EMPTY_PROPERTIES, PacketType, Properties, encode_properties
@@ -27,9 +28,6 @@ from gateway.mqtt.session import NOT_IN_LOG, Session
 from gateway.mqtt.state import State
 from lightqueue.topics import TopicError, validate_topic
 from store.api import NewMessage
-
-if TYPE_CHECKING:  # the channel imports this module for its dispatch table: only the type checker imports it back
-    from gateway.mqtt.channel import Channel
 
 
 RATE_DEBT_S = 10.0
@@ -42,7 +40,7 @@ def property_block(properties: Properties) -> bytes:
     return encode_properties(properties, PacketType.PUBLISH)
 
 
-def _rate_refusal(channel: Channel, packet: Publish) -> list[Action] | None:
+def _rate_refusal(channel: ChannelView, packet: Publish) -> list[Action] | None:
     """Charge the publish-rate buckets for ``packet``; None when it may go on, else the answer to it.
 
     Over a rate an MQTT 5 QoS 1/2 message gets PUBACK / PUBREC 0x97 (quota exceeded) and a 3.1.1 one closes
@@ -74,7 +72,7 @@ def _rate_refusal(channel: Channel, packet: Publish) -> list[Action] | None:
     return [hit, Send((ack(packet.packet_id, ReasonCode.QUOTA_EXCEEDED),))]  # type: ignore[arg-type]
 
 
-def _topic_refusal(channel: Channel, packet: Publish, limit: Limit, why: str) -> list[Action]:
+def _topic_refusal(channel: ChannelView, packet: Publish, limit: Limit, why: str) -> list[Action]:
     """A PUBLISH whose topic is over a limit: MQTT 5 QoS 1/2 get PUBACK / PUBREC 0x90 (topic name invalid:
     not malformed, "not accepted by this Server"); QoS 0 (no acknowledgement to say it in) and 3.1.1 close."""
     if packet.qos and channel.conn.level == MQTT_5:
@@ -87,7 +85,7 @@ def _topic_refusal(channel: Channel, packet: Publish, limit: Limit, why: str) ->
             *channel.close(reason, f"PUBLISH over a topic limit: {why}", packet=packet_out, will=True)]
 
 
-def process_publish(channel: Channel, packet: Publish) -> list[Action]:
+def process_publish(channel: ChannelView, packet: Publish) -> list[Action]:
     """A PUBLISH from the client: its checks, cheapest first, then its ``Append`` (acknowledged on ``Appended``).
 
     Each check is a step named for its rule, run only when the rule can apply (a QoS 1/2 message, an alias, a
@@ -159,7 +157,7 @@ def _retain_not_supported() -> NoReturn:
     raise RemoteProtocolError(ReasonCode.RETAIN_NOT_SUPPORTED, "PUBLISH with RETAIN set")
 
 
-def _wait_for_room(channel: Channel, packet: Publish) -> list[Action]:
+def _wait_for_room(channel: ChannelView, packet: Publish) -> list[Action]:
     """A 3.1.1 QoS 1/2 message over the in-flight limit: 3.1.1 has no Receive Maximum to tell the client, so it
     waits (the connection stops reading meanwhile: ``Channel.input_paused``)."""
     held = channel.hold(packet)
@@ -167,7 +165,7 @@ def _wait_for_room(channel: Channel, packet: Publish) -> list[Action]:
                                                  "input paused"), *held]
 
 
-def _qos2_resend(channel: Channel, session: Session, pid: int) -> list[Action] | None:
+def _qos2_resend(channel: ChannelView, session: Session, pid: int) -> list[Action] | None:
     """The answer to a QoS 2 message whose packet id is already held ([MQTT-4.3.3-2]: until its PUBREL, PUBREC
     again and store nothing), or None for a new one."""
     if pid in session.awaiting_rel:
@@ -177,7 +175,7 @@ def _qos2_resend(channel: Channel, session: Session, pid: int) -> list[Action] |
     return None
 
 
-def _check_topic_alias(channel: Channel, alias: int, topic: str) -> str:
+def _check_topic_alias(channel: ChannelView, alias: int, topic: str) -> str:
     """The topic name of a PUBLISH with a Topic Alias: the alias is mapped to ``topic``, or ``topic`` is empty and
     the alias's mapping is used (section 3.3.2.3.4).
 
@@ -195,7 +193,7 @@ def _check_topic_alias(channel: Channel, alias: int, topic: str) -> str:
     raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, f"topic alias {alias} is not mapped")
 
 
-def _check_topic_name(channel: Channel, topic: str) -> None:
+def _check_topic_name(channel: ChannelView, topic: str) -> None:
     """Validate a topic name new on this connection and remember it (devices repeat theirs).
 
     Raises:
@@ -208,7 +206,7 @@ def _check_topic_name(channel: Channel, topic: str) -> None:
         raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, str(exc)) from None
 
 
-def _check_receive_maximum(channel: Channel, session: Session) -> None:
+def _check_receive_maximum(channel: ChannelView, session: Session) -> None:
     """An MQTT 5 client may not have more QoS 1/2 messages unacknowledged than the server's Receive Maximum
     [MQTT-3.3.4-7]; the server closes with 0x93 (section 3.3.4).
 
@@ -221,7 +219,7 @@ def _check_receive_maximum(channel: Channel, session: Session) -> None:
                                   f"more than {maximum} unacknowledged QoS 1/2 PUBLISHes")
 
 
-def _not_authorized(channel: Channel, qos: int, pid: int, topic: str) -> list[Action]:
+def _not_authorized(channel: ChannelView, qos: int, pid: int, topic: str) -> list[Action]:
     """A message the ACL does not let this client publish: dropped, and a QoS 1/2 one answered NOT_AUTHORIZED
     (3.1.1, which cannot refuse: acknowledged) in its turn, after the messages read before it are answered
     [MQTT-4.6.0-2]: it waits in ``pending`` as they do."""
@@ -236,7 +234,7 @@ def _not_authorized(channel: Channel, qos: int, pid: int, topic: str) -> list[Ac
     return [denied, *_answer_refused(channel)]
 
 
-def _answer_refused(channel: Channel) -> list[Action]:
+def _answer_refused(channel: ChannelView) -> list[Action]:
     """Answer the refused messages whose turn has come: those with no message read before them still owed."""
     actions: list[Action] = []
     refused = channel.conn.refused
@@ -246,7 +244,7 @@ def _answer_refused(channel: Channel) -> list[Action]:
     return actions
 
 
-def process_pubrel(channel: Channel, packet: Pubrel) -> list[Action]:
+def process_pubrel(channel: ChannelView, packet: Pubrel) -> list[Action]:
     session = channel.conn.session
     assert session is not None
     pid = packet.packet_id
@@ -265,7 +263,7 @@ def process_pubrel(channel: Channel, packet: Pubrel) -> list[Action]:
     return [Send((Pubcomp(pid),))]  # 3.1.1 has no reason: complete the flow anyway
 
 
-def on_appended(channel: Channel, event: Appended) -> list[Action]:
+def on_appended(channel: ChannelView, event: Appended) -> list[Action]:
     actions = _appended(channel, event)
     if channel.conn.refused:
         actions += _answer_refused(channel)
@@ -274,7 +272,7 @@ def on_appended(channel: Channel, event: Appended) -> list[Action]:
     return actions
 
 
-def _appended(channel: Channel, event: Appended) -> list[Action]:
+def _appended(channel: ChannelView, event: Appended) -> list[Action]:
     try:
         qos, pid = channel.conn.pending.pop(event.ref)
     except KeyError:
@@ -306,7 +304,7 @@ def _appended(channel: Channel, event: Appended) -> list[Action]:
     return channel.close(event.reason, f"message not stored ({event.reason.name}); 3.1.1 cannot refuse it")
 
 
-def on_inbound_released(channel: Channel, event: InboundReleased) -> list[Action]:
+def on_inbound_released(channel: ChannelView, event: InboundReleased) -> list[Action]:
     try:
         pid = channel.conn.releasing.pop(event.ref)
     except KeyError:

@@ -7,16 +7,13 @@ and the retained messages (per Retain Handling) follow its ``Activated``.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from gateway.mqtt.actions import Action, Activate, Activated, Denied, Release, Send, Subscription
+from gateway.mqtt.handlers.view import ChannelView
 from gateway.mqtt.limits import SYNTAX_ONLY, Limit
 from gateway.mqtt.packets import MQTT_5, Suback, Subscribe, SubscriptionOptions, Unsuback, Unsubscribe
 from gateway.mqtt.reasons import LocalProtocolError, ReasonCode, RemoteProtocolError
 from lightqueue.topics import TopicError, is_wildcard, parse_shared, validate_filter
-
-if TYPE_CHECKING:  # the channel imports this module for its dispatch table: only the type checker imports it back
-    from gateway.mqtt.channel import Channel
 
 
 def _parsed_filter(filter: str) -> tuple[str, str] | None:
@@ -38,7 +35,7 @@ def _parsed_filter(filter: str) -> tuple[str, str] | None:
 
 
 def _check_subscription(
-    channel: Channel, filter: str, options: SubscriptionOptions, sub_id: int | None
+    channel: ChannelView, filter: str, options: SubscriptionOptions, sub_id: int | None
 ) -> Subscription | ReasonCode:
     """The subscription a SUBSCRIBE entry asks for, or the SUBACK reason refusing it: shared subscriptions and
     wildcards only if available (0x9E, 0xA2), No Local never on a shared one [MQTT-3.8.3-4], the QoS granted at
@@ -59,7 +56,7 @@ def _check_subscription(
     return Subscription(filter, queue, options, sub_id, group)
 
 
-def _check_subscription_identifier(channel: Channel, packet: Subscribe) -> int | None:
+def _check_subscription_identifier(channel: ChannelView, packet: Subscribe) -> int | None:
     """The SUBSCRIBE's Subscription Identifier, or None.
 
     Raises:
@@ -73,7 +70,7 @@ def _check_subscription_identifier(channel: Channel, packet: Subscribe) -> int |
     return ids[0] if ids else None
 
 
-def process_subscribe(channel: Channel, packet: Subscribe) -> list[Action]:
+def process_subscribe(channel: ChannelView, packet: Subscribe) -> list[Action]:
     """A SUBSCRIBE: each filter checked (``_check_subscription``), over a topic limit or the session's quota
     refused in the SUBACK; the accepted ones go to the node as one ``Activate`` (the SUBACK waits for it)."""
     session = channel.conn.session
@@ -128,7 +125,7 @@ def process_subscribe(channel: Channel, packet: Subscribe) -> list[Action]:
     return [*hits, Activate(channel.conn.next_ref, channel.conn.client_id, subs, tuple(retained))]
 
 
-def process_unsubscribe(channel: Channel, packet: Unsubscribe) -> list[Action]:
+def process_unsubscribe(channel: ChannelView, packet: Unsubscribe) -> list[Action]:
     session = channel.conn.session
     assert session is not None
     codes: list[ReasonCode] = []
@@ -145,7 +142,7 @@ def process_unsubscribe(channel: Channel, packet: Unsubscribe) -> list[Action]:
     return [*actions, Send((Unsuback(packet.packet_id, reasons),))]
 
 
-def on_activated(channel: Channel, event: Activated) -> list[Action]:
+def on_activated(channel: ChannelView, event: Activated) -> list[Action]:
     try:
         packet_id, codes, wanted = channel.conn.activations.pop(event.ref)
     except KeyError:
