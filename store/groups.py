@@ -33,19 +33,17 @@ import heapq
 import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar, final
+from typing import Protocol, TypeVar, final
 
 import trio
 
+from lightqueue.queues import LightQueues
 from lightqueue.results import PullResult
+from store.log.aio import AsyncCommitLog
 
-if TYPE_CHECKING:  # the store node owns the coordinator: only the type checker imports it here
-    from store.node import StoreNode
-
-__all__ = ["GroupCoordinator", "GroupState", "GroupStatistics", "Member", "START_KINDS"]
+__all__ = ["GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore", "Member", "START_KINDS"]
 
 LOGGER = logging.getLogger(__name__)
-
 
 
 START_KINDS = ("earliest", "latest", "offset", "time")
@@ -187,16 +185,33 @@ class GroupStatistics:
     unacked: int  # held by members or handed back
 
 
+class GroupStore(Protocol):
+    """What the coordinator uses of the store node that owns it (``store.node.StoreNode``, which makes it: this
+    Protocol names those parts, so this module does not import it back)."""
+
+    queues: LightQueues
+    log: AsyncCommitLog
+
+    async def activate(self, queue: str, holder: str) -> int:
+        """Hold filter ``queue`` for ``holder``; returns the queue offset the hold starts at."""
+
+    async def release(self, queue: str, holder: str) -> bool:
+        """``holder`` no longer holds ``queue``."""
+
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
+        """``{owner: {queue: next offset}}``, durable on return."""
+
+
 @final
 class GroupCoordinator:
     """The consumer groups and shared subscription groups of one store node (see the module docstring).
 
     Args:
-        store: the open store node: its light queues, log, dispatcher and disk space.
+        store: the open store node: its light queues, log, activations, releases and offset commits.
         poke: ``poke(queue)`` tells the nodes with sessions on ``queue`` to pull (offsets were handed back).
     """
 
-    def __init__(self, store: StoreNode, poke: Callable[[str], None]) -> None:
+    def __init__(self, store: GroupStore, poke: Callable[[str], None]) -> None:
         self._store = store
         self._poke = poke
         self._groups: dict[tuple[str, str], _Group] = {}

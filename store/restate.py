@@ -33,17 +33,15 @@ followers to confirm the restatement itself (``Replication``'s own prelude, stor
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Protocol
 
-from store.control import RetainedKept, encode_control
+from store.control import Control, RetainedKept, encode_control
 from store.log.commitlog import CommitLog
 from store.log.errors import RetentionDeferred
 from store.log.record import RecordTooLarge, now_ms
 
-if TYPE_CHECKING:
-    from store.dispatch import Dispatcher
-
-__all__ = ["ATTEMPTS", "CONFIRM_WAIT_S", "restate"]
+__all__ = ["ATTEMPTS", "CONFIRM_WAIT_S", "Restatable", "restate"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -56,7 +54,18 @@ CONFIRM_WAIT_S = 5.0
 run: longer than a healthy follower's round trip, short enough not to hold the retention thread."""
 
 
-def restate(log: CommitLog, dispatcher: Dispatcher, new_min_offset: int) -> int:
+class Restatable(Protocol):
+    """What a restatement reads the state from: ``store.dispatch.Dispatcher``, which adds :func:`restate` to its
+    log's retention preludes (so this module names the two calls it makes, and does not import it back)."""
+
+    def caught_up(self) -> AbstractContextManager[int]:
+        """Dispatch held still, caught up to the log's confirm offset, which it yields."""
+
+    def restated(self, cut: int, chunk_bytes: int) -> list[Control]:
+        """The live state of every part, as control records."""
+
+
+def restate(log: CommitLog, dispatcher: Restatable, new_min_offset: int) -> int:
     """Append, durably, the live state of every applier of ``dispatcher`` (a retention prelude: retention is about
     to delete the records below ``new_min_offset``). Returns the number of records appended.
 
@@ -99,7 +108,7 @@ def restate(log: CommitLog, dispatcher: Dispatcher, new_min_offset: int) -> int:
     return len(records)
 
 
-def _restated(log: CommitLog, dispatcher: Dispatcher, cut: int) -> tuple[int, list[bytes]]:
+def _restated(log: CommitLog, dispatcher: Restatable, cut: int) -> tuple[int, list[bytes]]:
     """The log's confirmed end, and the records restating every part's state as of it (dispatch caught up to it)
     and the queues' numbering at ``cut``."""
     now, limit = now_ms(), log.config.max_record_bytes

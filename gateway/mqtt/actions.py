@@ -8,7 +8,8 @@ Requests that need an answer carry a ``ref`` that the answering event repeats.
 All of them are frozen msgspec structs (cheaper to build than slotted dataclasses; the ones made per message
 are untracked by the garbage collector: ``gc=False``, nothing they hold refers back to them). Don't subclass
 these: the channel and the node dispatch on exact type through tables. Mapping fields (``dict``) are read-only
-by convention.
+by convention. ``SessionState``, the session as data that ``SaveSession`` and ``SessionOpened`` carry, is a
+slotted dataclass that gateway/mqtt/session.py builds and restores.
 
 An inbound message is the store's ``NewMessage`` from the channel on (store/api.py): the one shape a message
 has from the PUBLISH to the record. ``Message`` is the outbound one: a record as the queue cache keeps it for
@@ -17,8 +18,9 @@ delivery, its MQTT 5 properties decoded once for every local session.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import Protocol, TypeAlias
 
 import msgspec
 
@@ -27,10 +29,6 @@ from gateway.mqtt.packets import Packet, SubscriptionOptions
 from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
 from gateway.mqtt.reasons import ReasonCode
 from store.api import NewMessage, Position
-
-if TYPE_CHECKING:  # the session module builds on these classes, so only the type checker imports it here
-    from gateway.mqtt.session import SessionState
-
 
 NOT_IN_LOG = Position(-1, -1)
 """The position of an inbound QoS 2 message's record the store does not know (a blob saved before records kept
@@ -92,6 +90,33 @@ class InFlight(msgspec.Struct, gc=False):
     offset: int
     qos: int
     phase: Phase = Phase.PUBLISHED
+
+
+@dataclass(frozen=True, slots=True)
+class SessionState:
+    """A session as data. ``offsets`` are committed (contiguously acknowledged) queue offsets per
+    subscription filter; ``cursors`` where delivery resumes (above it nothing was delivered; below
+    it everything not ``inflight`` was acknowledged). Dicts are read-only by convention.
+
+    ``lanes`` gives each non-shared QoS 1/2 subscription of a persistent session its lane of packet ids.
+    ``detached`` says the state was saved with no connection attached (a disconnect or a handover): its
+    ``cursors`` and ``inflight`` are exact; a state saved while connected is what a crash leaves, and is
+    resumed from the committed offsets by lanes (module docstring). ``awaiting`` (inbound QoS 2 packet id
+    -> position of its record) is taken from the store at resume (``StoreApi.awaiting_release``), never from a
+    saved blob; ``awaiting_rel`` lists the ids the store does not know (blobs of earlier versions).
+    """
+
+    client_id: str
+    expiry_s: int = 0
+    subscriptions: tuple[Subscription, ...] = ()
+    offsets: dict[str, int] = field(default_factory=dict)
+    cursors: dict[str, int] = field(default_factory=dict)
+    awaiting_rel: frozenset[int] = frozenset()
+    inflight: tuple[InFlight, ...] = ()
+    next_packet_id: int = 1
+    awaiting: dict[int, Position] = field(default_factory=dict)
+    lanes: dict[str, int] = field(default_factory=dict)
+    detached: bool = False
 
 
 # --- actions: channel -> node ---------------------------------------------------------------

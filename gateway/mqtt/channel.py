@@ -36,17 +36,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, final
 
-from gateway.mqtt.state import Closing, Settled, State, next_state
+from gateway.mqtt.state import Closing, ConnectionState, Settled, State, next_state
 from gateway.mqtt.actions import (
     Action,
     Activated,
     AdminDisconnect,
     Appended,
     ArmTimer,
-    Authorizer,
     CancelTimer,
     Close,
     ConnectionLost,
@@ -64,11 +63,11 @@ from gateway.mqtt.actions import (
     SessionOpened,
     SessionSaved,
     SocketWritten,
-    Subscription,
     TakenOver,
     Timeout,
 )
 from gateway.mqtt.codec import encode, encode_publish_template, fit
+from gateway.mqtt.config import ChannelConfig
 from gateway.mqtt.errors import error_packet
 from gateway.mqtt.handlers import acks, connect, ping, publish, subscribe
 from gateway.mqtt.handlers.publish import RATE_DEBT_S, process_publish
@@ -88,16 +87,14 @@ from gateway.mqtt.packets import (
     Subscribe,
     Unsubscribe,
 )
-from gateway.mqtt.properties import MAX_UINT16, MAX_VARINT, RepeatLimit, RepeatLimitExceeded
+from gateway.mqtt.properties import RepeatLimitExceeded
 from gateway.mqtt.reasons import (
     LocalProtocolError,
     ReasonCode,
     RemoteProtocolError,
 )
 from gateway.mqtt.ratelimit import TokenBucket
-from gateway.mqtt.session import Encoder, Link, Session
-from lightqueue.topics import DEFAULT_LIMITS, MAX_TOPIC_BYTES
-from store.api import NewMessage
+from gateway.mqtt.session import Encoder, Session
 
 __all__ = ["KEEPALIVE_TIMER", "RATE_DEBT_S", "Channel", "ChannelConfig", "error_packet"]
 
@@ -113,106 +110,6 @@ MAX_REASON_STRING = 256
 
 BYTES_BURST_S = 1.0
 """The byte-rate bucket banks this many seconds of ``publish_bytes_rate``: a burst of a second's worth is normal."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChannelConfig:
-    """What the server offers its clients (advertised in the MQTT 5 CONNACK) and the channel's memory bounds.
-
-    ``max_packet_size`` must equal the decoder's limit (the server enforces it
-    on input), as must ``max_connect_size`` (the largest CONNECT) and the
-    User Property bounds (``max_user_properties``, ``max_user_property_bytes``
-    per property block; 0 = none: ``repeat_limit``). ``receive_maximum`` bounds inbound QoS 1/2 messages awaiting
-    acknowledgement; ``default_receive_maximum`` is the outbound window of
-    3.1.1 clients (which cannot say), ``max_inflight`` caps any client's. A
-    subscriber's acknowledgements are read once per read round of the node
-    (gateway/node/poller.py, in arrival order), so its window must hold what
-    a round stores for it: at 256 a 50-publisher QoS 1 fan-in delivered
-    8-20k/s seconds behind 40k/s of publishes; 4096 (more than 50 publishers'
-    windows of 64) keeps up (docs/benchmarks.md). It costs memory only while
-    a subscriber lags, as unacknowledged entries; a persistent session has at
-    most ``LANE_PIDS`` of one subscription in flight (gateway/mqtt/session.py).
-    ``max_keepalive`` None honours any keep alive; otherwise an MQTT 5 client
-    asking for more (or for none, 0) is told this value as Server Keep Alive.
-    ``reason_strings`` adds the error's text as Reason String to the CONNACKs
-    and DISCONNECTs that refuse or close an MQTT 5 client.
-
-    Per-client limits (docs/security.md, "Limits"): ``max_topic_length`` (UTF-8
-    bytes) and ``max_topic_levels`` bound topic names and filters (at most the
-    protocol's 65535 bytes and the store's 128 levels); ``max_subscriptions``
-    per session, ``publish_rate`` (messages/s, banking ``publish_burst``, 0 =
-    one second's worth), ``publish_bytes_rate`` (payload bytes/s) and
-    ``qos0_queue_bytes`` (QoS 0 delivery bytes waiting for the socket) are
-    off at 0. ``receive_maximum`` is also the in-flight limit of 3.1.1
-    clients, as the number of their QoS 1/2 messages stored at once.
-    ``pull_batch`` messages per pull bounds a slow stream's buffer; it is the
-    deliveries of one step (four turns of ``gateway.mqtt.session.DELIVER_BUDGET``),
-    so a subscriber draining a backlog pulls once per step. ``max_delay_s`` is the longest delay of a PUBLISH
-    to ``$delayed/<seconds>/<topic>`` (gateway/mqtt/delayed.py).
-    """
-
-    max_packet_size: int = 1024 * 1024 + 1024
-    max_connect_size: int = 128 * 1024
-    receive_maximum: int = 128
-    default_receive_maximum: int = 4096
-    max_inflight: int = 4096
-    topic_alias_maximum: int = 64
-    max_keepalive: int | None = None
-    max_session_expiry_s: int = 7 * 24 * 3600
-    session_expiry_311_s: int = 7 * 24 * 3600
-    max_qos: int = 2
-    retain_available: bool = True
-    wildcard_available: bool = True
-    shared_available: bool = True
-    subscription_ids_available: bool = True
-    assigned_id_prefix: str = "lightgate-"
-    pull_batch: int = 1024
-    max_unwritten: int = 1024
-    commit_interval_s: float = 1.0
-    commit_every: int = 256
-    max_queued_packets: int = 256
-    reason_strings: bool = False
-    max_topic_length: int = MAX_TOPIC_BYTES
-    max_topic_levels: int = DEFAULT_LIMITS.max_levels
-    max_subscriptions: int = 0
-    max_user_properties: int = 0
-    max_user_property_bytes: int = 0
-    publish_rate: float = 0.0
-    publish_burst: float = 0.0
-    publish_bytes_rate: float = 0.0
-    qos0_queue_bytes: int = 0
-    max_delay_s: int = 7 * 24 * 3600
-
-    def __post_init__(self) -> None:
-        for name in ("receive_maximum", "default_receive_maximum", "max_inflight"):
-            if not 1 <= getattr(self, name) <= MAX_UINT16:
-                raise ValueError(f"{name} must be 1..{MAX_UINT16}, not {getattr(self, name)}")
-        if not 0 <= self.topic_alias_maximum <= MAX_UINT16:
-            raise ValueError(f"topic_alias_maximum must be 0..{MAX_UINT16}, not {self.topic_alias_maximum}")
-        if self.max_qos not in (0, 1, 2):
-            raise ValueError(f"max_qos must be 0, 1 or 2, not {self.max_qos}")
-        if self.max_keepalive is not None and not 1 <= self.max_keepalive <= MAX_UINT16:
-            raise ValueError(f"max_keepalive must be 1..{MAX_UINT16}, not {self.max_keepalive}")
-        for name in ("pull_batch", "max_unwritten", "commit_every", "max_queued_packets", "max_packet_size",
-                     "max_connect_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
-        if self.commit_interval_s <= 0:
-            raise ValueError(f"commit_interval_s must be positive, not {self.commit_interval_s}")
-        if not 1 <= self.max_topic_length <= MAX_TOPIC_BYTES:
-            raise ValueError(f"max_topic_length must be 1..{MAX_TOPIC_BYTES}, not {self.max_topic_length}")
-        if not 1 <= self.max_topic_levels <= DEFAULT_LIMITS.max_levels:
-            raise ValueError(f"max_topic_levels must be 1..{DEFAULT_LIMITS.max_levels} (the store's limit), "
-                             f"not {self.max_topic_levels}")
-        for name in ("max_subscriptions", "publish_rate", "publish_burst", "publish_bytes_rate", "qos0_queue_bytes",
-                     "max_user_properties", "max_user_property_bytes", "max_delay_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must not be negative, not {getattr(self, name)}")
-
-    @property
-    def repeat_limit(self) -> RepeatLimit:
-        """The decoder's bounds of the repeated properties of one property block (0: none)."""
-        return RepeatLimit(self.max_user_properties or MAX_VARINT, self.max_user_property_bytes or MAX_VARINT)
 
 
 @final
@@ -233,13 +130,7 @@ class Channel:
     """
 
     __slots__ = (  # one channel per device: slots save a dict of about 1.5 KiB each
-        "config", "_now", "_encoder", "_state", "_level", "_client_id", "_assigned", "_clean_start", "_expiry",
-        "_requested_expiry", "_keepalive", "_keepalive_override", "_peer_max_packet", "_will", "_will_delay",
-        "_will_due",
-        "_session", "_link", "_queued", "_pending", "_storing_qos2", "_releasing", "_activations", "_next_ref",
-        "_aliases_in",
-        "_last_rx", "_timers", "_awaiting_session", "_handover", "_moved", "_held", "_hits", "_topic_check_from",
-        "_buckets", "_valid_topic", "_authorizer", "_refused",
+        "config", "now", "encoder", "conn", "_state", "_will_due", "_timers", "_handover", "_moved", "_hits",
     )
 
     def __init__(
@@ -250,50 +141,23 @@ class Channel:
         encoder: Encoder = encode_publish_template,
     ) -> None:
         self.config = config
-        self._now = now
-        self._encoder = encoder
+        self.now = now
+        self.encoder = encoder
         self._state = State.AWAIT_CONNECT
-        self._level: int | None = None
-        self._peer_max_packet: int | None = None  # the client's Maximum Packet Size, once its CONNECT is read
-        self._client_id = ""
-        self._assigned: str | None = None
-        self._clean_start = True
-        self._requested_expiry = 0
-        self._expiry = 0
-        self._keepalive = 0
-        self._keepalive_override: int | None = None  # Server Keep Alive, when it differs from the client's
-        self._will: NewMessage | None = None
-        self._will_delay = 0
         self._will_due: int | None = None  # the delay of a will left to the store at the close (None: none is due)
-        self._session: Session | None = None
-        self._link: Link | None = None
-        self._queued: list[Packet] = []
-        self._pending: dict[int, tuple[int, int]] = {}  # Append ref -> (qos, packet id), acks owed
-        self._refused: dict[int, None] = {}  # refs in _pending the ACL refused: answered in their turn
-        self._authorizer: Authorizer | None = None  # the ACL's checks of this client (None: it may do anything)
-        # Dicts used as sets (keys only): an empty dict is 64 B, an empty set 216 B, on every idle connection.
-        self._storing_qos2: dict[int, None] = {}  # inbound QoS 2 packet ids being appended
-        self._releasing: dict[int, int] = {}  # ReleaseInbound ref -> inbound QoS 2 packet id whose PUBCOMP waits
-        self._activations: dict[int, tuple[int, list[ReasonCode], list[tuple[int, Subscription]]]] = {}
-        self._next_ref = 0
-        self._aliases_in: dict[int, str] = {}
-        self._last_rx = now()
         self._timers: dict[str, None] = {}  # names of the armed timers
-        self._awaiting_session = False
         self._handover = False
         self._moved = False  # taken over from another node: that node saves the session
-        self._held: list[Packet] = []  # 3.1.1 packets waiting for room under the in-flight limit (a list: 56 B idle)
         self._hits: HitLog | None = None  # made at the first limit hit: most connections never hit one
-        # Shorter topics cannot be over a topic limit (a level takes a character, a character at most 4 bytes):
-        # the publish path skips the check for them.
-        self._topic_check_from = min(config.max_topic_levels, config.max_topic_length // 4 + 1)
-        self._valid_topic = ""  # the topic name the last PUBLISH passed validation with: devices repeat theirs
         start = now()
-        self._buckets: tuple[tuple[TokenBucket, Limit], ...] = tuple(
-            (TokenBucket(rate, burst, start), limit) for rate, burst, limit in (
+        self.conn = ConnectionState(
+            start,
+            min(config.max_topic_levels, config.max_topic_length // 4 + 1),
+            tuple((TokenBucket(rate, burst, start), limit) for rate, burst, limit in (
                 (config.publish_rate, config.publish_burst or config.publish_rate, Limit.PUBLISH_RATE),
                 (config.publish_bytes_rate, config.publish_bytes_rate * BYTES_BURST_S, Limit.PUBLISH_BYTES_RATE),
-            ) if rate > 0)
+            ) if rate > 0))
+        """The protocol state the packet handlers read and change (``gateway/mqtt/state.py``)."""
 
     # --- introspection ------------------------------------------------------------------
 
@@ -304,63 +168,63 @@ class Channel:
     @property
     def protocol_level(self) -> int:
         """The level to encode ``Send`` packets at: the client's, or 3.1.1 before a CONNECT was read."""
-        return self._level or MQTT_311
+        return self.conn.level or MQTT_311
 
     @property
     def client_id(self) -> str:
         """The client identifier (assigned one included); empty before CONNECT."""
-        return self._client_id
+        return self.conn.client_id
 
     @property
     def session(self) -> Session | None:
-        return self._session
+        return self.conn.session
 
     @property
     def keep_alive(self) -> int:
         """The keep alive in force, in seconds (0: none)."""
-        return self._keepalive
+        return self.conn.keepalive
 
     @property
     def input_paused(self) -> bool:
         """True while packets wait for room under the in-flight limit (3.1.1), or the session is being opened:
         stop reading (and decoding) until it is False again (it changes when an ``Appended`` or the
         ``SessionOpened`` is handled). Packets handed in meanwhile are kept, up to ``max_queued_packets``."""
-        return bool(self._held) or self._awaiting_session
+        return bool(self.conn.held) or self.conn.awaiting_session
 
     # --- entry points -------------------------------------------------------------------
 
     def handle_in(self, packet: Packet) -> list[Action]:
         """Process one decoded packet from the client. Packets after the close are dropped."""
-        if type(packet) is Publish and self._state is State.CONNECTED and not self._held:
+        if type(packet) is Publish and self._state is State.CONNECTED and not self.conn.held:
             # A device's PUBLISH on an open connection, most of what a node reads: the state stays CONNECTED
             # (TRANSITIONS), and a PUBLISH acknowledges no delivery, so no commit can be due (``_after``).
-            self._last_rx = self._now()
+            self.conn.last_rx = self.now()
             try:
                 actions = process_publish(self, packet)
             except RemoteProtocolError as err:
                 actions = self._protocol_error(err)
-            return actions if self._peer_max_packet is None else self._fit(actions)
+            return actions if self.conn.peer_max_packet is None else self._fit(actions)
         if self._state in (State.DISCONNECTING, State.CLOSED):
             return []
         try:
             self._state = next_state(self._state, type(packet))
-            self._last_rx = self._now()
+            self.conn.last_rx = self.now()
             if self._state is State.CONNECTING and type(packet) is not Connect:
-                if len(self._queued) >= self.config.max_queued_packets:
+                if len(self.conn.queued) >= self.config.max_queued_packets:
                     raise RemoteProtocolError(ReasonCode.QUOTA_EXCEEDED, "too many packets before CONNACK")
-                self._queued.append(packet)
+                self.conn.queued.append(packet)
                 return []
-            if self._held:
-                return self._hold(packet)
+            if self.conn.held:
+                return self.hold(packet)
             actions = self._after(_PROCESS[type(packet)](self, packet))
         except RemoteProtocolError as err:
             actions = self._protocol_error(err)
-        return actions if self._peer_max_packet is None else self._fit(actions)
+        return actions if self.conn.peer_max_packet is None else self._fit(actions)
 
     def input_done(self) -> list[Action]:
         """Everything the client sent so far is processed: deliver what its acknowledgements made room for
         (the session defers that while most of its window is in flight; call this after each read)."""
-        session = self._session
+        session = self.conn.session
         if session is None or self._state is not State.CONNECTED:
             return []
         return session.pump_due()
@@ -379,7 +243,7 @@ class Channel:
             actions = self._after(_EVENTS[type(event)](self, event))
         except RemoteProtocolError as err:
             actions = self._protocol_error(err)
-        return actions if self._peer_max_packet is None else self._fit(actions)
+        return actions if self.conn.peer_max_packet is None else self._fit(actions)
 
     def handle_timeout(self, name: str, input_waiting: bool = False) -> list[Action]:
         """A timer armed with ``ArmTimer(name, ...)`` fired; ``input_waiting`` as in ``Timeout``."""
@@ -392,21 +256,21 @@ class Channel:
             protocol_level: the decoder's level, for errors inside a CONNECT (the channel has not seen it).
         """
         actions = self._protocol_error(err, protocol_level)
-        return actions if self._peer_max_packet is None else self._fit(actions)
+        return actions if self.conn.peer_max_packet is None else self._fit(actions)
 
     def _protocol_error(self, err: RemoteProtocolError, protocol_level: int | None = None) -> list[Action]:
         if self._state in (State.DISCONNECTING, State.CLOSED):
             return []
-        if self._level is None:  # inside the CONNECT: answer at its level, which the client reads [MQTT-3.1.4-1]
-            self._level = protocol_level
-        level = self._level
+        if self.conn.level is None:  # inside the CONNECT: answer at its level, which the client reads [MQTT-3.1.4-1]
+            self.conn.level = protocol_level
+        level = self.conn.level
         before_connack = self._state in (State.AWAIT_CONNECT, State.CONNECTING)
-        packet = self._explained(error_packet(level, before_connack, err.reason), level, err.message)
+        packet = self.explained(error_packet(level, before_connack, err.reason), level, err.message)
         limit = Limit.USER_PROPERTIES if isinstance(err, RepeatLimitExceeded) else _LIMIT_ERRORS.get(err.reason)
         hit = [LimitHit(limit, 1)] if limit is not None else []  # counted; the close is the one log line
-        return hit + self._close(err.reason, f"protocol error: {err.message}", packet=packet, will=True)
+        return hit + self.close(err.reason, f"protocol error: {err.message}", packet=packet, will=True)
 
-    def _explained(self, packet: Packet | None, level: int | None, text: str) -> Packet | None:
+    def explained(self, packet: Packet | None, level: int | None, text: str) -> Packet | None:
         """``packet`` (an error CONNACK or DISCONNECT) with ``text`` as its Reason String, if configured and
         MQTT 5 (``_fit`` leaves it out if the client's Maximum Packet Size has no room for it [MQTT-3.14.2-3])."""
         if packet is None or level != MQTT_5 or not self.config.reason_strings:
@@ -423,7 +287,7 @@ class Channel:
         cannot receive an acknowledgement cannot go on. The node actions are kept (their results settle the
         session).
         """
-        limit: int = self._peer_max_packet  # type: ignore[assignment]
+        limit: int = self.conn.peer_max_packet  # type: ignore[assignment]
         level = self.protocol_level
         for index, action in enumerate(actions):
             if not isinstance(action, Send):
@@ -448,46 +312,47 @@ class Channel:
             return kept  # already closing (the packet said why): only that packet is not sent
         size = len(encode(packet, self.protocol_level))
         why = (f"a {packet.packet_type.name} of {size} bytes, even without its reason string and user properties, "
-               f"exceeds the client's Maximum Packet Size of {self._peer_max_packet} [MQTT-3.1.2-24]")
-        return kept + self._close(ReasonCode.PACKET_TOO_LARGE, f"not sent: {why}", will=True)
+               f"exceeds the client's Maximum Packet Size of {self.conn.peer_max_packet} [MQTT-3.1.2-24]")
+        return kept + self.close(ReasonCode.PACKET_TOO_LARGE, f"not sent: {why}", will=True)
 
     # --- closing ------------------------------------------------------------------------
 
-    def _close(
+    def close(
         self, reason: ReasonCode, log: str, *, packet: Packet | None = None, will: bool = False, handover: bool = False
     ) -> list[Action]:
         """Leave the connection: send ``packet``, stop timers, publish the will if due, close, settle the session."""
         actions: list[Action] = [Send((packet,))] if packet is not None else []
         actions += [CancelTimer(name) for name in sorted(self._timers)]
         self._timers.clear()
-        if will and self._state is State.CONNECTED and self._will is not None:
-            delay = self._will_delay_s()
+        if will and self._state is State.CONNECTED and self.conn.will is not None:
+            delay = self.will_delay_s()
             if delay:  # the store publishes it then, unless the session resumes first
                 self._will_due = delay
             else:
-                actions.append(PublishWill(self._client_id, self._will))
-        self._will = None
+                actions.append(PublishWill(self.conn.client_id, self.conn.will))
+        self.conn.will = None
         self._handover = handover
-        self._held.clear()  # unacknowledged: a QoS 1/2 client sends them again
+        self.conn.held.clear()  # unacknowledged: a QoS 1/2 client sends them again
         self._state = next_state(self._state, Closing)
-        actions.append(Close(reason, f"client {self._client_id or '?'}: {log}"))
-        return actions + self._settle()
+        actions.append(Close(reason, f"client {self.conn.client_id or '?'}: {log}"))
+        return actions + self.settle()
 
-    def _will_delay_s(self) -> int:
+    def will_delay_s(self) -> int:
         # The will goes when its delay passes or the session ends, whichever is first (section 3.1.3.2.2).
-        return min(self._will_delay, self._expiry)
+        return min(self.conn.will_delay, self.conn.expiry)
 
-    def _settle(self) -> list[Action]:
+    def settle(self) -> list[Action]:
         """Once no store result the session depends on is outstanding: hand over, save or end the session."""
-        if self._state is not State.DISCONNECTING or self._pending or self._releasing or self._awaiting_session:
+        conn = self.conn
+        if self._state is not State.DISCONNECTING or conn.pending or conn.releasing or conn.awaiting_session:
             return []
         self._state = next_state(self._state, Settled)
-        self._link = None  # it refers back to this channel (now_ms, report): no cycle outlives the connection
-        session = self._session
+        self.conn.link = None  # it refers back to this channel (now_ms, report): no cycle outlives the connection
+        session = self.conn.session
         if session is None:
             return []
         session.detach()
-        closed = CloseSession(self._client_id, self._expiry if session.persistent else 0, self._will_due)
+        closed = CloseSession(self.conn.client_id, self.conn.expiry if session.persistent else 0, self._will_due)
         if self._handover and self._moved:
             return [*session.commit(), closed]  # the store ignores it: the client is another node's now
         if self._handover and session.persistent:  # a session that ends with its connection is never handed over
@@ -498,7 +363,7 @@ class Channel:
 
     def _after(self, actions: list[Action]) -> list[Action]:
         """Batch offset commits: at ``commit_every`` acks, else on the commit timer."""
-        session = self._session
+        session = self.conn.session
         if self._state is State.CONNECTED and session is not None and session.commit_pending:
             if session.commit_due():
                 actions += session.commit()
@@ -507,32 +372,32 @@ class Channel:
                 actions.append(ArmTimer(COMMIT_TIMER, self.config.commit_interval_s))
         return actions
 
-    def _arm_keepalive(self, delay_s: float) -> ArmTimer:
-        """(Re)arm the keep alive timer: the channel keeps the names of its armed timers (``_close`` stops them)."""
+    def arm_keepalive(self, delay_s: float) -> ArmTimer:
+        """(Re)arm the keep alive timer: the channel keeps the names of its armed timers (``close`` stops them)."""
         self._timers[KEEPALIVE_TIMER] = None
         return ArmTimer(KEEPALIVE_TIMER, delay_s)
 
-    def _save(self) -> list[Action]:
-        assert self._session is not None
-        return self._session.save()
+    def save(self) -> list[Action]:
+        assert self.conn.session is not None
+        return self.conn.session.save()
 
-    def _now_ms(self) -> int:
-        return int(self._now() * 1000)
+    def now_ms(self) -> int:
+        return int(self.now() * 1000)
 
     # --- limits -------------------------------------------------------------------------
 
-    def _limit_hit(self, limit: Limit, count: int, detail: str | None) -> LimitHit:
+    def limit_hit(self, limit: Limit, count: int, detail: str | None) -> LimitHit:
         """The action reporting ``count`` hits of ``limit``, with a log line if this connection's ``HitLog`` says."""
         if self._hits is None:
             self._hits = HitLog()
-        due = self._hits.due(limit, count, self._now())
+        due = self._hits.due(limit, count, self.now())
         if due is None or detail is None:
             return LimitHit(limit, count)
         if due > count:
             detail += f" ({due} hits of this limit since the last line)"
         return LimitHit(limit, count, detail)
 
-    def _topic_over(self, text: str, what: str) -> tuple[Limit, str] | None:
+    def topic_over(self, text: str, what: str) -> tuple[Limit, str] | None:
         """The limit a (valid) topic name or filter is over, and why, or None."""
         config = self.config
         levels = text.count("/") + 1
@@ -544,51 +409,51 @@ class Channel:
                 return Limit.TOPIC_LENGTH, f"{what} is {size} bytes; the limit is {config.max_topic_length}"
         return None
 
-    def _hold(self, packet: Packet) -> list[Action]:
+    def hold(self, packet: Packet) -> list[Action]:
         """Keep a packet for later, behind the QoS 1/2 message waiting for room under the in-flight limit."""
-        if len(self._held) >= self.config.max_queued_packets:
+        if len(self.conn.held) >= self.config.max_queued_packets:
             raise RemoteProtocolError(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED,
                                       f"more than {self.config.max_queued_packets} packets wait behind "
                                       f"{self.config.receive_maximum} QoS 1/2 messages being stored")
-        self._held.append(packet)
+        self.conn.held.append(packet)
         return []
 
-    def _release_held(self) -> list[Action]:
+    def release_held(self) -> list[Action]:
         """Process held packets until one has to wait again (or the connection closes)."""
-        held, self._held = self._held, []
+        held, self.conn.held = self.conn.held, []
         actions: list[Action] = []
         for index, packet in enumerate(held):
             if self._state is not State.CONNECTED:
                 break
             actions += self.handle_in(packet)
-            if self._held:
-                self._held.extend(held[index + 1:])
+            if self.conn.held:
+                self.conn.held.extend(held[index + 1:])
                 break
         return actions + self.input_done()
 
     # --- node events (those of a packet family are its handler module's) -----------------
 
     def _on_session_saved(self, event: SessionSaved) -> list[Action]:
-        return self._session.saved(event.ref)  # type: ignore[union-attr]
+        return self.conn.session.saved(event.ref)  # type: ignore[union-attr]
 
     def _on_pulled(self, event: Pulled) -> list[Action]:
-        return self._session.pulled(event.filter, event.messages, event.next_offset)  # type: ignore[union-attr]
+        return self.conn.session.pulled(event.filter, event.messages, event.next_offset)  # type: ignore[union-attr]
 
     def _on_queue_advanced(self, event: QueueAdvanced) -> list[Action]:
-        if self._session is None:
+        if self.conn.session is None:
             return []  # not connected yet: the session pulls from its cursor once attached
-        return self._session.queue_advanced(event.queue, event.max_offset)
+        return self.conn.session.queue_advanced(event.queue, event.max_offset)
 
     def _on_socket_written(self, event: SocketWritten) -> list[Action]:
-        return self._session.written(event.up_to)  # type: ignore[union-attr]
+        return self.conn.session.written(event.up_to)  # type: ignore[union-attr]
 
     def _on_connection_lost(self, event: ConnectionLost) -> list[Action]:
-        return self._close(ReasonCode.UNSPECIFIED_ERROR, f"connection lost: {event.error}", will=True)
+        return self.close(ReasonCode.UNSPECIFIED_ERROR, f"connection lost: {event.error}", will=True)
 
     def _server_disconnect(self, reason: ReasonCode) -> Disconnect | None:
         """The DISCONNECT the server ends a connection with: MQTT 5 only, and never before the CONNACK, which must
         be the first packet the server sends [MQTT-3.2.0-1]."""
-        return Disconnect(reason) if self._level == MQTT_5 and self._state is State.CONNECTED else None
+        return Disconnect(reason) if self.conn.level == MQTT_5 and self._state is State.CONNECTED else None
 
     def _on_taken_over(self, event: TakenOver) -> list[Action]:
         packet = self._server_disconnect(ReasonCode.SESSION_TAKEN_OVER)
@@ -596,41 +461,41 @@ class Channel:
             # Resumed on another node: a delayed will must never fire (section 3.1.3.2.2), one without delay goes
             # now, as for a local takeover; that node owns the stored session, so this one only commits.
             self._moved = True
-            return self._close(ReasonCode.SESSION_TAKEN_OVER, "session taken over by a connection to another node",
-                               packet=packet, will=self._will_delay_s() == 0, handover=True)
-        return self._close(ReasonCode.SESSION_TAKEN_OVER, "session taken over by a new connection", packet=packet,
-                           will=True, handover=True)
+            return self.close(ReasonCode.SESSION_TAKEN_OVER, "session taken over by a connection to another node",
+                              packet=packet, will=self.will_delay_s() == 0, handover=True)
+        return self.close(ReasonCode.SESSION_TAKEN_OVER, "session taken over by a new connection", packet=packet,
+                          will=True, handover=True)
 
     def _on_admin_disconnect(self, event: AdminDisconnect) -> list[Action]:
         packet = self._server_disconnect(ReasonCode.ADMINISTRATIVE_ACTION)
-        return self._close(ReasonCode.ADMINISTRATIVE_ACTION, "disconnected by an operator (admin API)",
-                           packet=packet, will=True)
+        return self.close(ReasonCode.ADMINISTRATIVE_ACTION, "disconnected by an operator (admin API)",
+                          packet=packet, will=True)
 
     def _on_server_shutdown(self, event: ServerShutdown) -> list[Action]:
         # Before the CONNACK it says so: 0x88 Server unavailable (3.1.1: return code 3); after, DISCONNECT 0x8B.
         before_connack = self._state is State.CONNECTING
         reason = ReasonCode.SERVER_UNAVAILABLE if before_connack else ReasonCode.SERVER_SHUTTING_DOWN
         why = "the server is shutting down"
-        packet = self._explained(error_packet(self._level, before_connack, reason), self._level, why)
-        return self._close(reason, why, packet=packet)
+        packet = self.explained(error_packet(self.conn.level, before_connack, reason), self.conn.level, why)
+        return self.close(reason, why, packet=packet)
 
     def _on_timeout(self, event: Timeout) -> list[Action]:
         if event.name not in self._timers:
             return []  # cancelled while the timer was firing
         del self._timers[event.name]
         if event.name == COMMIT_TIMER:
-            return self._session.commit() if self._session is not None else []
+            return self.conn.session.commit() if self.conn.session is not None else []
         if event.name == KEEPALIVE_TIMER:
-            limit = self._keepalive * 1.5
+            limit = self.conn.keepalive * 1.5
             if event.input_waiting:
-                self._last_rx = self._now()
-            idle = self._now() - self._last_rx
+                self.conn.last_rx = self.now()
+            idle = self.now() - self.conn.last_rx
             if idle >= limit:
                 packet = self._server_disconnect(ReasonCode.KEEP_ALIVE_TIMEOUT)
-                return self._close(ReasonCode.KEEP_ALIVE_TIMEOUT,
-                                   f"nothing received for {idle:.1f} s (keep alive {self._keepalive} s)",
-                                   packet=packet, will=True)
-            return [self._arm_keepalive(limit - idle)]
+                return self.close(ReasonCode.KEEP_ALIVE_TIMEOUT,
+                                  f"nothing received for {idle:.1f} s (keep alive {self.conn.keepalive} s)",
+                                  packet=packet, will=True)
+            return [self.arm_keepalive(limit - idle)]
         raise LocalProtocolError(f"unknown timer {event.name!r}")
 
 

@@ -1,7 +1,8 @@
 """MQTT sessions: the state that outlives a connection, and the delivery engine that feeds a connected client.
 
-``SessionState`` is the session as data: what a persistent session stores
-(``SaveSession``) and what a resumed or taken-over session starts from.
+``SessionState`` (``gateway/mqtt/actions.py``, which carries it) is the session
+as data: what a persistent session stores (``SaveSession``) and what a resumed
+or taken-over session starts from.
 ``Session`` is the live, mutable session of one connected client. It does no
 I/O: its methods return actions (``gateway/mqtt/actions.py``).
 
@@ -73,6 +74,7 @@ from gateway.mqtt.actions import (
     Pull,
     SaveSession,
     Send,
+    SessionState,
     Subscription,
 )
 from gateway.mqtt.codec import PublishTemplate
@@ -96,33 +98,6 @@ LANES = MAX_UINT16 // LANE_PIDS
 """Lanes 1..127 use ids 512..65535; ids 1..511 are the pool of retained and shared deliveries."""
 
 POOL_PIDS = LANE_PIDS - 1
-
-
-@dataclass(frozen=True, slots=True)
-class SessionState:
-    """A session as data. ``offsets`` are committed (contiguously acknowledged) queue offsets per
-    subscription filter; ``cursors`` where delivery resumes (above it nothing was delivered; below
-    it everything not ``inflight`` was acknowledged). Dicts are read-only by convention.
-
-    ``lanes`` gives each non-shared QoS 1/2 subscription of a persistent session its lane of packet ids.
-    ``detached`` says the state was saved with no connection attached (a disconnect or a handover): its
-    ``cursors`` and ``inflight`` are exact; a state saved while connected is what a crash leaves, and is
-    resumed from the committed offsets by lanes (module docstring). ``awaiting`` (inbound QoS 2 packet id
-    -> position of its record) is taken from the store at resume (``StoreApi.awaiting_release``), never from a
-    saved blob; ``awaiting_rel`` lists the ids the store does not know (blobs of earlier versions).
-    """
-
-    client_id: str
-    expiry_s: int = 0
-    subscriptions: tuple[Subscription, ...] = ()
-    offsets: dict[str, int] = field(default_factory=dict)
-    cursors: dict[str, int] = field(default_factory=dict)
-    awaiting_rel: frozenset[int] = frozenset()
-    inflight: tuple[InFlight, ...] = ()
-    next_packet_id: int = 1
-    awaiting: dict[int, Position] = field(default_factory=dict)
-    lanes: dict[str, int] = field(default_factory=dict)
-    detached: bool = False
 
 
 DELIVER_BUDGET = 256

@@ -9,14 +9,12 @@ one, refusals and protocol errors included). docs/operations.md, "Client log".
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gateway.mqtt.actions import Close
+from gateway.mqtt.channel import Channel
 
-if TYPE_CHECKING:
-    from gateway.node.connection import Connection
-
-__all__ = ["closed", "connected"]
+__all__ = ["LoggedConnection", "closed", "connected"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -24,7 +22,20 @@ PROTOCOLS = {3: "3.1", 4: "3.1.1", 5: "5.0"}
 """CONNECT's protocol level -> the MQTT version operators know it by (as the admin API shows it)."""
 
 
-def connected(connection: Connection, clean_start: bool, session_present: bool) -> None:
+class LoggedConnection(Protocol):
+    """What the client log reads of a connection: ``gateway.node.connection.Connection``, which calls ``closed``
+    (so this module names what it reads, and does not import it back)."""
+
+    channel: Channel
+    peer: str
+    username: str | None
+
+    @property
+    def client_id(self) -> str:
+        """The client identifier (empty before CONNECT)."""
+
+
+def connected(connection: LoggedConnection, clean_start: bool, session_present: bool) -> None:
     """Log the CONNECT the node just accepted (its CONNACK is on its way)."""
     channel = connection.channel
     level = channel.protocol_level
@@ -34,7 +45,7 @@ def connected(connection: Connection, clean_start: bool, session_present: bool) 
         "clean_start": clean_start, "session_present": session_present}})
 
 
-def closed(connection: Connection, close: Close) -> None:
+def closed(connection: LoggedConnection, close: Close) -> None:
     """Log why ``connection`` closes: ``close.log`` says it in words, ``reason`` is the MQTT reason code's name."""
     LOGGER.info("closing connection: %s", close.log, extra={"ctx": {
         "client_id": connection.client_id, "username": connection.username, "peer": connection.peer,

@@ -11,24 +11,36 @@ node's own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
 from gateway.ops.listing import ClientQuery, merge_pages
-from gateway.ops.nodes import node_here
+from gateway.ops.nodes import NodeView, node_here
+from gateway.ops.records import ClientInfo, QueueInfo, SessionInfo
 from store.api import AdminOp
 
-if TYPE_CHECKING:  # Administration imports this module to answer other nodes' asks
-    from gateway.ops.administration import Administration
-
-__all__ = ["LIST_OPS", "cluster_clients", "cluster_queues", "cluster_sessions", "list_here"]
+__all__ = ["LIST_OPS", "ListView", "cluster_clients", "cluster_queues", "cluster_sessions", "list_here"]
 
 LIST_OPS = frozenset({AdminOp.CLIENTS, AdminOp.SESSIONS, AdminOp.QUEUES, AdminOp.NODE})
 """The admin ops that list a node's state (the others are about one client)."""
 
 
-async def list_here(admin: Administration, op: AdminOp, query: bytes) -> Any:
+class ListView(NodeView, Protocol):
+    """What the lists read of a node: ``gateway.ops.administration.Administration``, which imports this module to
+    answer other nodes' asks (so it names what it reads, and does not import it back)."""
+
+    def clients(self) -> list[ClientInfo]:
+        """The clients connected here."""
+
+    async def sessions(self) -> list[SessionInfo]:
+        """The sessions of the clients connected here, and the stored sessions of clients connected nowhere."""
+
+    async def queues(self) -> list[QueueInfo]:
+        """The queues the sessions read, with the slowest consumer's lag."""
+
+
+async def list_here(admin: ListView, op: AdminOp, query: bytes) -> Any:
     """This node's answer to another node's list call (as msgspec encodes it to JSON)."""
     if op is AdminOp.CLIENTS:
         total, page = msgspec.json.decode(query, type=ClientQuery).page(admin.clients())
@@ -40,7 +52,7 @@ async def list_here(admin: Administration, op: AdminOp, query: bytes) -> Any:
     return await admin.queues()
 
 
-async def cluster_clients(admin: Administration, query: ClientQuery) -> tuple[int, list[Any], list[str]]:
+async def cluster_clients(admin: ListView, query: ClientQuery) -> tuple[int, list[Any], list[str]]:
     """The page of ``query`` over the clients of every node: (how many match, the page, the nodes that did not
     answer).
 
@@ -57,7 +69,7 @@ async def cluster_clients(admin: Administration, query: ClientQuery) -> tuple[in
     return total, page, missing
 
 
-async def cluster_sessions(admin: Administration) -> tuple[list[Any], list[str]]:
+async def cluster_sessions(admin: ListView) -> tuple[list[Any], list[str]]:
     """The sessions every node knows, one per client id (the live one where its client is connected), by client
     id; and the nodes that did not answer.
 
@@ -74,7 +86,7 @@ async def cluster_sessions(admin: Administration) -> tuple[list[Any], list[str]]
     return [sessions[client_id] for client_id in sorted(sessions)], missing
 
 
-async def cluster_queues(admin: Administration) -> tuple[list[Any], list[str]]:
+async def cluster_queues(admin: ListView) -> tuple[list[Any], list[str]]:
     """The queues the sessions and shared groups of every node read, merged by queue (consumers added up, the
     slowest consumer's offset and lag); and the nodes that did not answer.
 

@@ -19,22 +19,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, final
+from typing import Protocol, final
 
 import msgspec
 
+from gateway.node.node import GatewayNode
 from gateway.ops.records import NodeInfo
-from store.api import AdminOp
+from store.api import AdminOp, StoreApi
 from store.usage import ProcessUsage, process_usage
 
-if TYPE_CHECKING:
-    from gateway.ops.administration import Administration
-
-__all__ = ["CpuShares", "NodeAnswer", "cluster_nodes", "node_here"]
+__all__ = ["CpuShares", "NodeAnswer", "NodeView", "cluster_nodes", "node_here"]
 
 MIN_INTERVAL_S = 0.5
 """A share is measured over at least this much wall time: two looks closer together (a second browser tab) get
 the share measured before, not the noise of a few milliseconds."""
+
+
+class NodeView(Protocol):
+    """What the cluster views read of a node: ``gateway.ops.administration.Administration``, which imports them to
+    answer other nodes' asks (so they name what they read, and do not import it back)."""
+
+    node: GatewayNode
+    store: StoreApi
 
 
 class NodeAnswer(msgspec.Struct, frozen=True):
@@ -45,7 +51,7 @@ class NodeAnswer(msgspec.Struct, frozen=True):
     usage: ProcessUsage
 
 
-def node_here(admin: Administration) -> NodeAnswer:
+def node_here(admin: NodeView) -> NodeAnswer:
     """This gateway node's process and its connected clients."""
     return NodeAnswer(admin.store.node, len(admin.node.registry), process_usage())
 
@@ -88,7 +94,7 @@ class CpuShares:
         return shares
 
 
-async def cluster_nodes(admin: Administration, shares: CpuShares) -> tuple[list[NodeInfo], list[str]]:
+async def cluster_nodes(admin: NodeView, shares: CpuShares) -> tuple[list[NodeInfo], list[str]]:
     """The nodes of the deployment, the store node first, then the gateway nodes by name; and the nodes that did
     not answer (``store`` when the store's statistics carry no process figures).
 

@@ -9,15 +9,22 @@ leader's ``Replication`` add to it, and the composition root reads ``statistics(
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from store.api import ReplicationStatistics
 
 if TYPE_CHECKING:
     from store.log.commitlog import CommitLog
-    from store.replica.leader import Replication
 
-__all__ = ["RoleFigures"]
+__all__ = ["Leading", "RoleFigures"]
+
+
+class Leading(Protocol):
+    """A leader's replication state as the figures read it: ``store.replica.leader.Replication``, which adds to
+    them (so this module names the one call it makes, and does not import it back)."""
+
+    def statistics(self) -> ReplicationStatistics:
+        """The leader's figures, the role loop's counts included."""
 
 
 @dataclass
@@ -32,7 +39,7 @@ class RoleFigures:
     truncations: int = 0
     leader_changes: int = 0
     log: CommitLog | None = None  # the log it copies (None: between roles, or leading)
-    replication: Replication | None = None  # leading: the leader's replication state
+    replication: Leading | None = None  # leading: the leader's replication state
     _leader: tuple[str, int] | None = field(default=None, repr=False)  # the last (leader, epoch) it saw
 
     def saw_leader(self, name: str, epoch: int) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING, final
+from typing import Protocol, final
 
 import trio
 
@@ -28,10 +28,7 @@ from store.rpc import wire as rpc
 from store.rpc.access import StoreAccess, Verdict, admit_hello
 from store.rpc.reader import ReadSpan, serve_reader
 
-if TYPE_CHECKING:
-    from store.rpc.server import RpcServer
-
-__all__ = ["RpcFront"]
+__all__ = ["RpcFront", "Served"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -41,6 +38,17 @@ REFUSALS_LOGGED = 1024
 REFUSE_TIMEOUT_S = 1.0
 """A refused connection waits this long at most for its Hello (read so that closing after the answer does not
 reset the connection before the peer reads it) and for the answer to be sent."""
+
+
+class Served(Protocol):
+    """What the front serves while the replica leads: ``store.rpc.server.RpcServer``, whose module serves through it
+    (so this module names the two calls it makes, and does not import it back)."""
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The server's own tasks, until cancelled; ``task_status.started`` once it serves."""
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        """Serve one connection until it ends; always closes the stream."""
 
 
 @final
@@ -90,7 +98,7 @@ class RpcFront:
         free port: read it from them)."""
         await trio.serve_tcp(self._handle, port, host=host, task_status=task_status)
 
-    async def serving(self, server: RpcServer,
+    async def serving(self, server: Served,
                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve ``server`` to every connection until cancelled; then close the connections it had.
 

@@ -1,9 +1,10 @@
 """The channel's packet handlers, one module per packet family (Mosquitto's ``handle_*.c``, EMQX's ``process_*``).
 
 Each handler is a function of the channel (its first parameter, ``channel``, is the
-``Channel`` whose state it reads and moves) and one packet
-or node event; it returns the actions the node executes, in order. The channel
-keeps the state, the transition table, the timers and the closing, and
+``Channel`` whose protocol state, ``channel.conn``, it reads and moves, seen through
+``view.ChannelView``) and one packet or node event; it returns the actions the node
+executes, in order. The channel keeps the state, the transition table, the timers and
+the closing (public methods such as ``close`` and ``settle``; its private names are its own), and
 dispatches each packet (and each node event answering one) to its family's
 handler through one table (``gateway/mqtt/channel.py``). Checks are named steps
 citing their clause; a check that fails raises ``RemoteProtocolError`` or

@@ -11,12 +11,12 @@ from __future__ import annotations
 import uuid
 from dataclasses import replace
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from gateway.mqtt.actions import Action, OpenSession, Send, SessionOpened
 from gateway.mqtt.codec import encode, fit
 from gateway.mqtt.errors import CONNACK_REFUSALS_311, error_packet
 from gateway.mqtt.handlers.publish import property_block
+from gateway.mqtt.handlers.view import ChannelView
 from gateway.mqtt.limits import SYNTAX_ONLY
 from gateway.mqtt.packets import MQTT_5, MQTT_311, Connack, Connect
 from gateway.mqtt.properties import EMPTY_PROPERTIES, MAX_UINT16, Properties
@@ -26,20 +26,17 @@ from gateway.mqtt.state import State
 from lightqueue.topics import TopicError, validate_topic
 from store.api import NewMessage
 
-if TYPE_CHECKING:  # the channel imports this module for its dispatch table: only the type checker imports it back
-    from gateway.mqtt.channel import Channel
+
+def _refuse(channel: ChannelView, reason: ReasonCode, log: str) -> list[Action]:
+    packet = channel.explained(error_packet(channel.conn.level, True, reason), channel.conn.level, log)
+    return channel.close(reason, f"connection refused: {log}", packet=packet)
 
 
-def _refuse(channel: Channel, reason: ReasonCode, log: str) -> list[Action]:
-    packet = channel._explained(error_packet(channel._level, True, reason), channel._level, log)
-    return channel._close(reason, f"connection refused: {log}", packet=packet)
-
-
-def process_connect(channel: Channel, packet: Connect) -> list[Action]:
+def process_connect(channel: ChannelView, packet: Connect) -> list[Action]:
     """A CONNECT: its checks (``CONNECT_CHECKS``, in order: the first refusal answers), the will, the terms of the
     connection, then the ``OpenSession`` whose answer (``on_session_opened``) the CONNACK waits for."""
-    channel._level = packet.protocol_level
-    channel._peer_max_packet = packet.properties.maximum_packet_size
+    channel.conn.level = packet.protocol_level
+    channel.conn.peer_max_packet = packet.properties.maximum_packet_size
     for check in CONNECT_CHECKS:
         refusal = check(channel, packet)
         if refusal is not None:
@@ -52,48 +49,48 @@ def process_connect(channel: Channel, packet: Connect) -> list[Action]:
         return refusal
     config = channel.config
     props = packet.properties
-    channel._link = Link(
-        protocol_level=channel._level,
+    channel.conn.link = Link(
+        protocol_level=channel.conn.level,
         receive_maximum=min(receive_maximum, config.max_inflight),
         max_packet_size=props.maximum_packet_size,
         topic_alias_maximum=props.topic_alias_maximum or 0,
         pull_batch=config.pull_batch,
         max_unwritten=config.max_unwritten,
         commit_every=config.commit_every,
-        encoder=channel._encoder,
-        now_ms=channel._now_ms,
+        encoder=channel.encoder,
+        now_ms=channel.now_ms,
         qos0_queue_bytes=config.qos0_queue_bytes,
-        report=channel._limit_hit,
-        since_ms=channel._now_ms(),
+        report=channel.limit_hit,
+        since_ms=channel.now_ms(),
     )
-    channel._awaiting_session = True
-    return [OpenSession(channel._client_id, packet.clean_start, channel._expiry, packet.username, packet.password,
-                        packet.will_topic, channel._will, channel._will_delay_s())]
+    channel.conn.awaiting_session = True
+    return [OpenSession(channel.conn.client_id, packet.clean_start, channel.conn.expiry, packet.username,
+                        packet.password, packet.will_topic, channel.conn.will, channel.will_delay_s())]
 
 
-def _check_authentication_method(channel: Channel, packet: Connect) -> list[Action] | None:
+def _check_authentication_method(channel: ChannelView, packet: Connect) -> list[Action] | None:
     """Enhanced authentication is not offered: a CONNECT asking for it is refused with 0x8C (section 4.12)."""
     if packet.properties.authentication_method is not None:
         return _refuse(channel, ReasonCode.BAD_AUTHENTICATION_METHOD, "enhanced authentication is not offered")
     return None
 
 
-def _check_client_identifier(channel: Channel, packet: Connect) -> list[Action] | None:
+def _check_client_identifier(channel: ChannelView, packet: Connect) -> list[Action] | None:
     """The client's identifier, or one assigned for an empty one ([MQTT-3.1.3-6], told to an MQTT 5 client in
     the CONNACK [MQTT-3.2.2-16]); a 3.1.1 client must not leave it empty with clean session 0 [MQTT-3.1.3-8]."""
     client_id = packet.client_id
     if not client_id:
-        level = channel._level
+        level = channel.conn.level
         if level == MQTT_311 and not packet.clean_start:
             return _refuse(channel, ReasonCode.CLIENT_IDENTIFIER_NOT_VALID,
                            "empty client id with clean session 0 [MQTT-3.1.3-8]")
         client_id = channel.config.assigned_id_prefix + uuid.uuid4().hex
-        channel._assigned = client_id if level == MQTT_5 else None
-    channel._client_id = client_id
+        channel.conn.assigned = client_id if level == MQTT_5 else None
+    channel.conn.client_id = client_id
     return None
 
 
-def _check_will(channel: Channel, packet: Connect) -> list[Action] | None:
+def _check_will(channel: ChannelView, packet: Connect) -> list[Action] | None:
     """A will the server can publish: a valid topic name within the topic limits, at most the Maximum QoS
     [MQTT-3.2.2-12], retained only if retain is available [MQTT-3.2.2-13]."""
     topic = packet.will_topic
@@ -104,9 +101,9 @@ def _check_will(channel: Channel, packet: Connect) -> list[Action] | None:
         validate_topic(topic, SYNTAX_ONLY)
     except TopicError as exc:
         return _refuse(channel, ReasonCode.TOPIC_NAME_INVALID, f"will topic: {exc}")
-    over = channel._topic_over(topic, "will topic")
+    over = channel.topic_over(topic, "will topic")
     if over is not None:
-        return [channel._limit_hit(over[0], 1, over[1]), *_refuse(channel, ReasonCode.TOPIC_NAME_INVALID, over[1])]
+        return [channel.limit_hit(over[0], 1, over[1]), *_refuse(channel, ReasonCode.TOPIC_NAME_INVALID, over[1])]
     if packet.will_qos > config.max_qos:
         return _refuse(channel, ReasonCode.QOS_NOT_SUPPORTED, f"will QoS {packet.will_qos}")
     if packet.will_retain and not config.retain_available:
@@ -114,47 +111,47 @@ def _check_will(channel: Channel, packet: Connect) -> list[Action] | None:
     return None
 
 
-CONNECT_CHECKS: tuple[Callable[[Channel, Connect], list[Action] | None], ...] = (
+CONNECT_CHECKS: tuple[Callable[[ChannelView, Connect], list[Action] | None], ...] = (
     _check_authentication_method, _check_client_identifier, _check_will)
 """The checks of a CONNECT, in order (EMQX's ``process_connect`` pipeline): each returns the refusal or None."""
 
 
-def _take_will(channel: Channel, packet: Connect) -> None:
+def _take_will(channel: ChannelView, packet: Connect) -> None:
     """Keep the checked will as the message it will be; its delay is the channel's, not the record's."""
     topic = packet.will_topic
     assert topic is not None  # _check_will passed it
     will_props = packet.will_properties
-    channel._will_delay = will_props.will_delay_interval or 0
+    channel.conn.will_delay = will_props.will_delay_interval or 0
     if will_props.will_delay_interval is not None:
         will_props = replace(will_props, will_delay_interval=None)
-    channel._will = NewMessage(topic, packet.will_payload, channel._client_id, packet.will_qos, packet.will_retain,
-                            property_block(will_props), channel._now_ms())
+    channel.conn.will = NewMessage(topic, packet.will_payload, channel.conn.client_id, packet.will_qos,
+                                   packet.will_retain, property_block(will_props), channel.now_ms())
 
 
-def _agree_terms(channel: Channel, packet: Connect) -> int:
+def _agree_terms(channel: ChannelView, packet: Connect) -> int:
     """Set the session expiry (MQTT 5: capped, the CONNACK then says so, section 3.2.2.3.2; 3.1.1: by clean
     session) and the keep alive (capped: Server Keep Alive [MQTT-3.2.2-21]); return the client's Receive Maximum
     (3.1.1: the configured default), the window of its outbound messages."""
     config = channel.config
     props = packet.properties
-    if channel._level == MQTT_5:
-        channel._requested_expiry = props.session_expiry_interval or 0
-        channel._expiry = min(channel._requested_expiry, config.max_session_expiry_s)
+    if channel.conn.level == MQTT_5:
+        channel.conn.requested_expiry = props.session_expiry_interval or 0
+        channel.conn.expiry = min(channel.conn.requested_expiry, config.max_session_expiry_s)
         keepalive = packet.keep_alive
         if config.max_keepalive is not None and not 0 < keepalive <= config.max_keepalive:
             keepalive = config.max_keepalive
         receive_maximum = props.receive_maximum or MAX_UINT16
     else:
-        channel._expiry = channel._requested_expiry = 0 if packet.clean_start else config.session_expiry_311_s
+        channel.conn.expiry = channel.conn.requested_expiry = 0 if packet.clean_start else config.session_expiry_311_s
         keepalive = packet.keep_alive
         receive_maximum = config.default_receive_maximum
-    channel._keepalive = keepalive
-    channel._keepalive_override = keepalive if keepalive != packet.keep_alive else None
-    channel._clean_start = packet.clean_start
+    channel.conn.keepalive = keepalive
+    channel.conn.keepalive_override = keepalive if keepalive != packet.keep_alive else None
+    channel.conn.clean_start = packet.clean_start
     return receive_maximum
 
 
-def _check_connack_fits(channel: Channel, packet: Connect) -> list[Action] | None:
+def _check_connack_fits(channel: ChannelView, packet: Connect) -> list[Action] | None:
     """The CONNACK must fit the client's Maximum Packet Size [MQTT-3.1.2-24]; checked before the session is opened
     (or taken over), since the client could never be told."""
     limit = packet.properties.maximum_packet_size
@@ -169,21 +166,21 @@ def _check_connack_fits(channel: Channel, packet: Connect) -> list[Action] | Non
                    f"Maximum Packet Size of {limit} [MQTT-3.1.2-24]")
 
 
-def _connack_properties(channel: Channel) -> Properties:
+def _connack_properties(channel: ChannelView) -> Properties:
     config = channel.config
-    if channel._level != MQTT_5:
+    if channel.conn.level != MQTT_5:
         return EMPTY_PROPERTIES
     fields: dict[str, object] = {
         "receive_maximum": config.receive_maximum,
         "maximum_packet_size": config.max_packet_size,
         "topic_alias_maximum": config.topic_alias_maximum,
     }
-    if channel._assigned is not None:
-        fields["assigned_client_identifier"] = channel._assigned
-    if channel._expiry != channel._requested_expiry:
-        fields["session_expiry_interval"] = channel._expiry
-    if channel._keepalive_override is not None:
-        fields["server_keep_alive"] = channel._keepalive_override
+    if channel.conn.assigned is not None:
+        fields["assigned_client_identifier"] = channel.conn.assigned
+    if channel.conn.expiry != channel.conn.requested_expiry:
+        fields["session_expiry_interval"] = channel.conn.expiry
+    if channel.conn.keepalive_override is not None:
+        fields["server_keep_alive"] = channel.conn.keepalive_override
     if config.max_qos < 2:
         fields["maximum_qos"] = config.max_qos
     for name, available in (
@@ -197,31 +194,31 @@ def _connack_properties(channel: Channel) -> Properties:
     return Properties(**fields)  # type: ignore[arg-type]
 
 
-def on_session_opened(channel: Channel, event: SessionOpened) -> list[Action]:
-    if not channel._awaiting_session:
+def on_session_opened(channel: ChannelView, event: SessionOpened) -> list[Action]:
+    if not channel.conn.awaiting_session:
         raise LocalProtocolError("SessionOpened without an OpenSession")
-    channel._awaiting_session = False
-    closing = channel._state is State.DISCONNECTING
+    channel.conn.awaiting_session = False
+    closing = channel.state is State.DISCONNECTING
     if event.reason.is_failure:
         if closing:
-            return channel._settle()
+            return channel.settle()
         # The node refuses for its own state (a full data disk...), not for what the client sent: a 3.1.1
         # client gets the nearest return code (3, Server unavailable) rather than a silent close.
-        reason = event.reason if channel._level == MQTT_5 or event.reason in CONNACK_REFUSALS_311 \
+        reason = event.reason if channel.conn.level == MQTT_5 or event.reason in CONNACK_REFUSALS_311 \
             else ReasonCode.SERVER_UNAVAILABLE
         return _refuse(channel, reason, f"by the node ({event.reason.name})")
-    state = event.state if event.present and not channel._clean_start else None
-    channel._session = session = Session(channel._client_id, channel._expiry, state)
+    state = event.state if event.present and not channel.conn.clean_start else None
+    channel.conn.session = session = Session(channel.conn.client_id, channel.conn.expiry, state)
     if closing:
-        return channel._settle()
-    assert channel._link is not None
-    channel._authorizer = event.authorizer
-    channel._link.may_read = event.authorizer.may_read if event.authorizer is not None else None
+        return channel.settle()
+    assert channel.conn.link is not None
+    channel.conn.authorizer = event.authorizer
+    channel.conn.link.may_read = event.authorizer.may_read if event.authorizer is not None else None
     actions: list[Action] = [Send((Connack(state is not None, ReasonCode.SUCCESS, _connack_properties(channel)),))]
-    if channel._keepalive:
-        actions.append(channel._arm_keepalive(channel._keepalive * 1.5))
-    actions += session.attach(channel._link)
-    queued, channel._queued = channel._queued, []
+    if channel.conn.keepalive:
+        actions.append(channel.arm_keepalive(channel.conn.keepalive * 1.5))
+    actions += session.attach(channel.conn.link)
+    queued, channel.conn.queued = channel.conn.queued, []
     for packet in queued:
         actions += channel.handle_in(packet)
     return actions + channel.input_done()

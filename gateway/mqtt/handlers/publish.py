@@ -14,11 +14,12 @@ may refuse it (the client's cap of pending delayed messages).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 from gateway.mqtt.actions import Action, Append, Appended, Denied, InboundReleased, ReleaseInbound, Send
 from gateway.mqtt.delayed import DELAYED_PREFIX, parse_delayed
 from gateway.mqtt.errors import error_packet
+from gateway.mqtt.handlers.view import ChannelView
 from gateway.mqtt.limits import SYNTAX_ONLY, Limit
 from gateway.mqtt.packets import MQTT_5, Puback, Pubcomp, Publish, Pubrec, Pubrel
 from gateway.mqtt.properties import EMPTY_PROPERTIES, PacketType, Properties, encode_properties
@@ -27,9 +28,6 @@ from gateway.mqtt.session import NOT_IN_LOG, Session
 from gateway.mqtt.state import State
 from lightqueue.topics import TopicError, validate_topic
 from store.api import NewMessage
-
-if TYPE_CHECKING:  # the channel imports this module for its dispatch table: only the type checker imports it back
-    from gateway.mqtt.channel import Channel
 
 
 RATE_DEBT_S = 10.0
@@ -42,52 +40,52 @@ def property_block(properties: Properties) -> bytes:
     return encode_properties(properties, PacketType.PUBLISH)
 
 
-def _rate_refusal(channel: Channel, packet: Publish) -> list[Action] | None:
+def _rate_refusal(channel: ChannelView, packet: Publish) -> list[Action] | None:
     """Charge the publish-rate buckets for ``packet``; None when it may go on, else the answer to it.
 
     Over a rate an MQTT 5 QoS 1/2 message gets PUBACK / PUBREC 0x97 (quota exceeded) and a 3.1.1 one closes
     the connection (it cannot be refused, and acknowledging it would lose it unseen); QoS 0 ones are dropped.
     A client ``RATE_DEBT_S`` seconds in debt is disconnected (0x96, message rate too high).
     """
-    now = channel._now()
+    now = channel.now()
     refused: Limit | None = None
-    for bucket, limit in channel._buckets:
+    for bucket, limit in channel.conn.buckets:
         cost = 1 if limit is Limit.PUBLISH_RATE else len(packet.payload)
         if not bucket.take(cost, now) and refused is None:
             refused = limit
     if refused is None:
         return None
-    debt = max(bucket.debt_s(now) for bucket, _ in channel._buckets)
+    debt = max(bucket.debt_s(now) for bucket, _ in channel.conn.buckets)
     what = "messages/s" if refused is Limit.PUBLISH_RATE else "payload bytes/s"
     rate = channel.config.publish_rate if refused is Limit.PUBLISH_RATE else channel.config.publish_bytes_rate
-    if debt > RATE_DEBT_S or (packet.qos and channel._level != MQTT_5):
+    if debt > RATE_DEBT_S or (packet.qos and channel.conn.level != MQTT_5):
         reason = ReasonCode.MESSAGE_RATE_TOO_HIGH
         why = f"publishing over {rate:g} {what}" + (f" for {debt:.0f} s" if debt > RATE_DEBT_S else "")
-        packet_out = channel._explained(error_packet(channel._level, False, reason), channel._level, why)
-        return [channel._limit_hit(refused, 1, f"{why}: disconnected"),
-                *channel._close(reason, why, packet=packet_out, will=True)]
-    hit = channel._limit_hit(refused, 1, f"QoS {packet.qos} message over {rate:g} {what}: "
-                                      + ("refused (0x97)" if packet.qos else "dropped"))
+        packet_out = channel.explained(error_packet(channel.conn.level, False, reason), channel.conn.level, why)
+        return [channel.limit_hit(refused, 1, f"{why}: disconnected"),
+                *channel.close(reason, why, packet=packet_out, will=True)]
+    hit = channel.limit_hit(refused, 1, f"QoS {packet.qos} message over {rate:g} {what}: "
+                                        + ("refused (0x97)" if packet.qos else "dropped"))
     if not packet.qos:
         return [hit]
     ack = Puback if packet.qos == 1 else Pubrec
     return [hit, Send((ack(packet.packet_id, ReasonCode.QUOTA_EXCEEDED),))]  # type: ignore[arg-type]
 
 
-def _topic_refusal(channel: Channel, packet: Publish, limit: Limit, why: str) -> list[Action]:
+def _topic_refusal(channel: ChannelView, packet: Publish, limit: Limit, why: str) -> list[Action]:
     """A PUBLISH whose topic is over a limit: MQTT 5 QoS 1/2 get PUBACK / PUBREC 0x90 (topic name invalid:
     not malformed, "not accepted by this Server"); QoS 0 (no acknowledgement to say it in) and 3.1.1 close."""
-    if packet.qos and channel._level == MQTT_5:
+    if packet.qos and channel.conn.level == MQTT_5:
         ack = Puback if packet.qos == 1 else Pubrec
-        return [channel._limit_hit(limit, 1, f"QoS {packet.qos} message refused (0x90): {why}"),
+        return [channel.limit_hit(limit, 1, f"QoS {packet.qos} message refused (0x90): {why}"),
                 Send((ack(packet.packet_id, ReasonCode.TOPIC_NAME_INVALID),))]  # type: ignore[arg-type]
     reason = ReasonCode.TOPIC_NAME_INVALID
-    packet_out = channel._explained(error_packet(channel._level, False, reason), channel._level, why)
-    return [channel._limit_hit(limit, 1, f"{why}: disconnected"),
-            *channel._close(reason, f"PUBLISH over a topic limit: {why}", packet=packet_out, will=True)]
+    packet_out = channel.explained(error_packet(channel.conn.level, False, reason), channel.conn.level, why)
+    return [channel.limit_hit(limit, 1, f"{why}: disconnected"),
+            *channel.close(reason, f"PUBLISH over a topic limit: {why}", packet=packet_out, will=True)]
 
 
-def process_publish(channel: Channel, packet: Publish) -> list[Action]:
+def process_publish(channel: ChannelView, packet: Publish) -> list[Action]:
     """A PUBLISH from the client: its checks, cheapest first, then its ``Append`` (acknowledged on ``Appended``).
 
     Each check is a step named for its rule, run only when the rule can apply (a QoS 1/2 message, an alias, a
@@ -95,7 +93,7 @@ def process_publish(channel: Channel, packet: Publish) -> list[Action]:
     message on the topic its client used before, most of what a node reads, calls none of them.
     """
     config = channel.config
-    session = channel._session
+    session = channel.conn.session
     assert session is not None
     qos = packet.qos
     pid = packet.packet_id
@@ -103,7 +101,7 @@ def process_publish(channel: Channel, packet: Publish) -> list[Action]:
         _qos_not_supported(qos)
     if packet.retain and not config.retain_available:
         _retain_not_supported()
-    if qos and channel._level != MQTT_5 and len(channel._pending) >= config.receive_maximum:
+    if qos and channel.conn.level != MQTT_5 and len(channel.conn.pending) >= config.receive_maximum:
         return _wait_for_room(channel, packet)
     if qos == 2:
         resent = _qos2_resend(channel, session, pid)
@@ -115,19 +113,19 @@ def process_publish(channel: Channel, packet: Publish) -> list[Action]:
     if alias is not None:
         topic = _check_topic_alias(channel, alias, topic)
         props = replace(props, topic_alias=None)
-    if topic != channel._valid_topic:
+    if topic != channel.conn.valid_topic:
         _check_topic_name(channel, topic)
-    if len(topic) >= channel._topic_check_from:
-        over = channel._topic_over(topic, "topic name")
+    if len(topic) >= channel.conn.topic_check_from:
+        over = channel.topic_over(topic, "topic name")
         if over is not None:
             return _topic_refusal(channel, packet, *over)
-    if qos and channel._level == MQTT_5:
+    if qos and channel.conn.level == MQTT_5:
         _check_receive_maximum(channel, session)
-    if channel._buckets:
+    if channel.conn.buckets:
         refusal = _rate_refusal(channel, packet)
         if refusal is not None:
             return refusal
-    born_ms = int(channel._last_rx * 1000)  # the clock read when this packet came in (handle_in)
+    born_ms = int(channel.conn.last_rx * 1000)  # the clock read when this packet came in (handle_in)
     deliver_at_ms = 0
     if topic.startswith(DELAYED_PREFIX):
         try:
@@ -135,18 +133,18 @@ def process_publish(channel: Channel, packet: Publish) -> list[Action]:
         except ValueError as exc:
             return _topic_refusal(channel, packet, Limit.DELAYED, str(exc))
         deliver_at_ms = born_ms + delay_s * 1000
-    if channel._authorizer is not None and not channel._authorizer.may_publish(topic):
+    if channel.conn.authorizer is not None and not channel.conn.authorizer.may_publish(topic):
         return _not_authorized(channel, qos, pid, topic)
-    message = NewMessage(topic, packet.payload, channel._client_id, qos, packet.retain,
+    message = NewMessage(topic, packet.payload, channel.conn.client_id, qos, packet.retain,
                          b"" if props is EMPTY_PROPERTIES else property_block(props), born_ms,
                          pid if qos == 2 else 0, deliver_at_ms)
     if not qos and not deliver_at_ms:
         return [Append(None, (message,))]
-    channel._next_ref += 1
-    channel._pending[channel._next_ref] = (qos, pid)  # type: ignore[assignment]
+    channel.conn.next_ref += 1
+    channel.conn.pending[channel.conn.next_ref] = (qos, pid)  # type: ignore[assignment]
     if qos == 2:
-        channel._storing_qos2[pid] = None  # type: ignore[index]
-    return [Append(channel._next_ref, (message,))]
+        channel.conn.storing_qos2[pid] = None  # type: ignore[index]
+    return [Append(channel.conn.next_ref, (message,))]
 
 
 def _qos_not_supported(qos: int) -> NoReturn:
@@ -159,25 +157,25 @@ def _retain_not_supported() -> NoReturn:
     raise RemoteProtocolError(ReasonCode.RETAIN_NOT_SUPPORTED, "PUBLISH with RETAIN set")
 
 
-def _wait_for_room(channel: Channel, packet: Publish) -> list[Action]:
+def _wait_for_room(channel: ChannelView, packet: Publish) -> list[Action]:
     """A 3.1.1 QoS 1/2 message over the in-flight limit: 3.1.1 has no Receive Maximum to tell the client, so it
     waits (the connection stops reading meanwhile: ``Channel.input_paused``)."""
-    held = channel._hold(packet)
-    return [channel._limit_hit(Limit.INFLIGHT, 1, f"{len(channel._pending)} QoS 1/2 messages being stored: "
-                                              "input paused"), *held]
+    held = channel.hold(packet)
+    return [channel.limit_hit(Limit.INFLIGHT, 1, f"{len(channel.conn.pending)} QoS 1/2 messages being stored: "
+                                                 "input paused"), *held]
 
 
-def _qos2_resend(channel: Channel, session: Session, pid: int) -> list[Action] | None:
+def _qos2_resend(channel: ChannelView, session: Session, pid: int) -> list[Action] | None:
     """The answer to a QoS 2 message whose packet id is already held ([MQTT-4.3.3-2]: until its PUBREL, PUBREC
     again and store nothing), or None for a new one."""
     if pid in session.awaiting_rel:
         return [Send((Pubrec(pid),))]  # a resend of a stored message: acknowledge, do not store again
-    if pid in channel._storing_qos2:
+    if pid in channel.conn.storing_qos2:
         return []  # a resend while the first copy is being stored: its PUBREC follows
     return None
 
 
-def _check_topic_alias(channel: Channel, alias: int, topic: str) -> str:
+def _check_topic_alias(channel: ChannelView, alias: int, topic: str) -> str:
     """The topic name of a PUBLISH with a Topic Alias: the alias is mapped to ``topic``, or ``topic`` is empty and
     the alias's mapping is used (section 3.3.2.3.4).
 
@@ -188,14 +186,14 @@ def _check_topic_alias(channel: Channel, alias: int, topic: str) -> str:
     if alias > channel.config.topic_alias_maximum:
         raise RemoteProtocolError(ReasonCode.TOPIC_ALIAS_INVALID, f"topic alias {alias} exceeds the maximum")
     if topic:
-        channel._aliases_in[alias] = topic
+        channel.conn.aliases_in[alias] = topic
         return topic
-    if alias in channel._aliases_in:
-        return channel._aliases_in[alias]
+    if alias in channel.conn.aliases_in:
+        return channel.conn.aliases_in[alias]
     raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, f"topic alias {alias} is not mapped")
 
 
-def _check_topic_name(channel: Channel, topic: str) -> None:
+def _check_topic_name(channel: ChannelView, topic: str) -> None:
     """Validate a topic name new on this connection and remember it (devices repeat theirs).
 
     Raises:
@@ -203,12 +201,12 @@ def _check_topic_name(channel: Channel, topic: str) -> None:
             name); 0x90 is for names correctly formed but refused, as the topic limits answer.
     """
     try:
-        channel._valid_topic = validate_topic(topic, SYNTAX_ONLY)
+        channel.conn.valid_topic = validate_topic(topic, SYNTAX_ONLY)
     except TopicError as exc:
         raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, str(exc)) from None
 
 
-def _check_receive_maximum(channel: Channel, session: Session) -> None:
+def _check_receive_maximum(channel: ChannelView, session: Session) -> None:
     """An MQTT 5 client may not have more QoS 1/2 messages unacknowledged than the server's Receive Maximum
     [MQTT-3.3.4-7]; the server closes with 0x93 (section 3.3.4).
 
@@ -216,86 +214,86 @@ def _check_receive_maximum(channel: Channel, session: Session) -> None:
         RemoteProtocolError: RECEIVE_MAXIMUM_EXCEEDED.
     """
     maximum = channel.config.receive_maximum
-    if len(channel._pending) + len(session.awaiting_rel) >= maximum:
+    if len(channel.conn.pending) + len(session.awaiting_rel) >= maximum:
         raise RemoteProtocolError(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED,
                                   f"more than {maximum} unacknowledged QoS 1/2 PUBLISHes")
 
 
-def _not_authorized(channel: Channel, qos: int, pid: int, topic: str) -> list[Action]:
+def _not_authorized(channel: ChannelView, qos: int, pid: int, topic: str) -> list[Action]:
     """A message the ACL does not let this client publish: dropped, and a QoS 1/2 one answered NOT_AUTHORIZED
     (3.1.1, which cannot refuse: acknowledged) in its turn, after the messages read before it are answered
-    [MQTT-4.6.0-2]: it waits in ``_pending`` as they do."""
+    [MQTT-4.6.0-2]: it waits in ``pending`` as they do."""
     denied = Denied("publish", topic, f"QoS {qos} message dropped")
     if not qos:
         return [denied]
-    channel._next_ref += 1
-    channel._pending[channel._next_ref] = (qos, pid)
-    channel._refused[channel._next_ref] = None
+    channel.conn.next_ref += 1
+    channel.conn.pending[channel.conn.next_ref] = (qos, pid)
+    channel.conn.refused[channel.conn.next_ref] = None
     if qos == 2:
-        channel._storing_qos2[pid] = None
+        channel.conn.storing_qos2[pid] = None
     return [denied, *_answer_refused(channel)]
 
 
-def _answer_refused(channel: Channel) -> list[Action]:
+def _answer_refused(channel: ChannelView) -> list[Action]:
     """Answer the refused messages whose turn has come: those with no message read before them still owed."""
     actions: list[Action] = []
-    refused = channel._refused
-    while refused and (ref := next(iter(channel._pending))) in refused:
+    refused = channel.conn.refused
+    while refused and (ref := next(iter(channel.conn.pending))) in refused:
         del refused[ref]
         actions += _appended(channel, Appended(ref, False, ReasonCode.NOT_AUTHORIZED))
     return actions
 
 
-def process_pubrel(channel: Channel, packet: Pubrel) -> list[Action]:
-    session = channel._session
+def process_pubrel(channel: ChannelView, packet: Pubrel) -> list[Action]:
+    session = channel.conn.session
     assert session is not None
     pid = packet.packet_id
     position = session.awaiting_rel.get(pid)
     if position is not None:
-        if pid in channel._releasing.values():
+        if pid in channel.conn.releasing.values():
             return []  # the release is being written: its PUBCOMP follows
         if position == NOT_IN_LOG:
             del session.awaiting_rel[pid]
             return [Send((Pubcomp(pid),))]
-        channel._next_ref += 1
-        channel._releasing[channel._next_ref] = pid
-        return [ReleaseInbound(channel._next_ref, channel._client_id, pid, position)]
-    if channel._level == MQTT_5:
+        channel.conn.next_ref += 1
+        channel.conn.releasing[channel.conn.next_ref] = pid
+        return [ReleaseInbound(channel.conn.next_ref, channel.conn.client_id, pid, position)]
+    if channel.conn.level == MQTT_5:
         return [Send((Pubcomp(pid, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND),))]
     return [Send((Pubcomp(pid),))]  # 3.1.1 has no reason: complete the flow anyway
 
 
-def on_appended(channel: Channel, event: Appended) -> list[Action]:
+def on_appended(channel: ChannelView, event: Appended) -> list[Action]:
     actions = _appended(channel, event)
-    if channel._refused:
+    if channel.conn.refused:
         actions += _answer_refused(channel)
-    if channel._held and channel._state is State.CONNECTED:
-        actions += channel._release_held()
+    if channel.conn.held and channel.state is State.CONNECTED:
+        actions += channel.release_held()
     return actions
 
 
-def _appended(channel: Channel, event: Appended) -> list[Action]:
+def _appended(channel: ChannelView, event: Appended) -> list[Action]:
     try:
-        qos, pid = channel._pending.pop(event.ref)
+        qos, pid = channel.conn.pending.pop(event.ref)
     except KeyError:
         raise LocalProtocolError(f"Appended for unknown ref {event.ref}") from None
-    session = channel._session
+    session = channel.conn.session
     assert session is not None
-    closing = channel._state is not State.CONNECTED
+    closing = channel.state is not State.CONNECTED
     if not qos:  # a delayed QoS 0 message: the store may refuse it (its client's cap), which must not go unseen
         if closing or event.ok:
-            return channel._settle() if closing else []
-        return channel._close(event.reason, f"delayed QoS 0 message not stored ({event.reason.name})")
+            return channel.settle() if closing else []
+        return channel.close(event.reason, f"delayed QoS 0 message not stored ({event.reason.name})")
     if qos == 2:
-        channel._storing_qos2.pop(pid, None)
+        channel.conn.storing_qos2.pop(pid, None)
     if event.ok:
         if qos == 2:
             session.awaiting_rel[pid] = event.position  # the record says so too: the store knows it after a crash
-            return channel._settle() if closing else [Send((Pubrec(pid),))]
-        return channel._settle() if closing else [Send((Puback(pid),))]
+            return channel.settle() if closing else [Send((Pubrec(pid),))]
+        return channel.settle() if closing else [Send((Puback(pid),))]
     if closing:
-        return channel._settle()
-    if channel._level == MQTT_5:
+        return channel.settle()
+    if channel.conn.level == MQTT_5:
         reason = event.reason if event.reason.is_failure and event.reason in PUBACK_REASONS else \
             ReasonCode.UNSPECIFIED_ERROR
         return [Send(((Puback if qos == 1 else Pubrec)(pid, reason),))]
@@ -303,16 +301,16 @@ def _appended(channel: Channel, event: Appended) -> list[Action]:
         # 3.1.1 has no negative acknowledgement: acknowledge the dropped message (the node logged it), or the
         # client would resend it forever (Mosquitto does the same). A PUBREL for it gets its PUBCOMP anyway.
         return [Send(((Puback if qos == 1 else Pubrec)(pid),))]
-    return channel._close(event.reason, f"message not stored ({event.reason.name}); 3.1.1 cannot refuse it")
+    return channel.close(event.reason, f"message not stored ({event.reason.name}); 3.1.1 cannot refuse it")
 
 
-def on_inbound_released(channel: Channel, event: InboundReleased) -> list[Action]:
+def on_inbound_released(channel: ChannelView, event: InboundReleased) -> list[Action]:
     try:
-        pid = channel._releasing.pop(event.ref)
+        pid = channel.conn.releasing.pop(event.ref)
     except KeyError:
         raise LocalProtocolError(f"InboundReleased for unknown ref {event.ref}") from None
     if event.ok:
-        channel._session.awaiting_rel.pop(pid, None)  # type: ignore[union-attr]
-    if channel._state is not State.CONNECTED:
-        return channel._settle()
+        channel.conn.session.awaiting_rel.pop(pid, None)  # type: ignore[union-attr]
+    if channel.state is not State.CONNECTED:
+        return channel.settle()
     return [Send((Pubcomp(pid),))] if event.ok else []  # not recorded: the node closes the connection

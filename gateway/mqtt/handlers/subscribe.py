@@ -7,16 +7,13 @@ and the retained messages (per Retain Handling) follow its ``Activated``.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from gateway.mqtt.actions import Action, Activate, Activated, Denied, Release, Send, Subscription
+from gateway.mqtt.handlers.view import ChannelView
 from gateway.mqtt.limits import SYNTAX_ONLY, Limit
 from gateway.mqtt.packets import MQTT_5, Suback, Subscribe, SubscriptionOptions, Unsuback, Unsubscribe
 from gateway.mqtt.reasons import LocalProtocolError, ReasonCode, RemoteProtocolError
 from lightqueue.topics import TopicError, is_wildcard, parse_shared, validate_filter
-
-if TYPE_CHECKING:  # the channel imports this module for its dispatch table: only the type checker imports it back
-    from gateway.mqtt.channel import Channel
 
 
 def _parsed_filter(filter: str) -> tuple[str, str] | None:
@@ -38,7 +35,7 @@ def _parsed_filter(filter: str) -> tuple[str, str] | None:
 
 
 def _check_subscription(
-    channel: Channel, filter: str, options: SubscriptionOptions, sub_id: int | None
+    channel: ChannelView, filter: str, options: SubscriptionOptions, sub_id: int | None
 ) -> Subscription | ReasonCode:
     """The subscription a SUBSCRIBE entry asks for, or the SUBACK reason refusing it: shared subscriptions and
     wildcards only if available (0x9E, 0xA2), No Local never on a shared one [MQTT-3.8.3-4], the QoS granted at
@@ -49,7 +46,7 @@ def _check_subscription(
     if group is not None:
         if not config.shared_available:
             return ReasonCode.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED
-        if options.no_local and channel._level == MQTT_5:
+        if options.no_local and channel.conn.level == MQTT_5:
             raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR,
                                       f"No Local on shared subscription {filter!r} [MQTT-3.8.3-4]")
     if is_wildcard(queue) and not config.wildcard_available:
@@ -59,7 +56,7 @@ def _check_subscription(
     return Subscription(filter, queue, options, sub_id, group)
 
 
-def _check_subscription_identifier(channel: Channel, packet: Subscribe) -> int | None:
+def _check_subscription_identifier(channel: ChannelView, packet: Subscribe) -> int | None:
     """The SUBSCRIBE's Subscription Identifier, or None.
 
     Raises:
@@ -73,16 +70,16 @@ def _check_subscription_identifier(channel: Channel, packet: Subscribe) -> int |
     return ids[0] if ids else None
 
 
-def process_subscribe(channel: Channel, packet: Subscribe) -> list[Action]:
+def process_subscribe(channel: ChannelView, packet: Subscribe) -> list[Action]:
     """A SUBSCRIBE: each filter checked (``_check_subscription``), over a topic limit or the session's quota
     refused in the SUBACK; the accepted ones go to the node as one ``Activate`` (the SUBACK waits for it)."""
-    session = channel._session
+    session = channel.conn.session
     assert session is not None
     sub_id = _check_subscription_identifier(channel, packet)
     quota = channel.config.max_subscriptions
     # New filters being activated count with those held: a SUBSCRIBE answered later must not let an earlier
     # one overshoot. (Counted, not collected: a SUBSCRIBE costs the same with 4,000 filters held as with 4.)
-    activating = {sub.filter for _, _, w in channel._activations.values() for _, sub in w
+    activating = {sub.filter for _, _, w in channel.conn.activations.values() for _, sub in w
                   if not session.holds(sub.filter)} if quota else set()
     held = session.subscription_count + len(activating)
     codes: list[ReasonCode] = []
@@ -95,12 +92,12 @@ def process_subscribe(channel: Channel, packet: Subscribe) -> list[Action]:
         if isinstance(checked, ReasonCode):
             codes.append(checked)
             continue
-        over = channel._topic_over(checked.queue, "topic filter")
+        over = channel.topic_over(checked.queue, "topic filter")
         if over is not None:
             codes.append(ReasonCode.TOPIC_FILTER_INVALID)
-            hits.append(channel._limit_hit(over[0], 1, f"filter refused: {over[1]}"))
+            hits.append(channel.limit_hit(over[0], 1, f"filter refused: {over[1]}"))
             continue
-        if channel._authorizer is not None and not channel._authorizer.may_subscribe(filter):
+        if channel.conn.authorizer is not None and not channel.conn.authorizer.may_subscribe(filter):
             codes.append(ReasonCode.NOT_AUTHORIZED)  # 3.1.1: 0x80, as every refusal
             hits.append(Denied("subscribe", filter, "filter refused"))
             continue
@@ -117,19 +114,19 @@ def process_subscribe(channel: Channel, packet: Subscribe) -> list[Action]:
         if checked.group is None and (handling == 0 or (handling == 1 and not session.holds(filter))):
             retained.append(filter)
     if over_quota:
-        hits.append(channel._limit_hit(Limit.SUBSCRIPTIONS, over_quota,
-                                    f"{over_quota} filter(s) refused: the session holds {held} "
-                                    f"subscriptions, the limit is {quota}"))
+        hits.append(channel.limit_hit(Limit.SUBSCRIPTIONS, over_quota,
+                                      f"{over_quota} filter(s) refused: the session holds {held} "
+                                      f"subscriptions, the limit is {quota}"))
     if not wanted:
         return [*hits, Send((Suback(packet.packet_id, tuple(codes)),))]
-    channel._next_ref += 1
-    channel._activations[channel._next_ref] = (packet.packet_id, codes, wanted)
+    channel.conn.next_ref += 1
+    channel.conn.activations[channel.conn.next_ref] = (packet.packet_id, codes, wanted)
     subs = tuple(sub for _, sub in wanted)
-    return [*hits, Activate(channel._next_ref, channel._client_id, subs, tuple(retained))]
+    return [*hits, Activate(channel.conn.next_ref, channel.conn.client_id, subs, tuple(retained))]
 
 
-def process_unsubscribe(channel: Channel, packet: Unsubscribe) -> list[Action]:
-    session = channel._session
+def process_unsubscribe(channel: ChannelView, packet: Unsubscribe) -> list[Action]:
+    session = channel.conn.session
     assert session is not None
     codes: list[ReasonCode] = []
     released: list[str] = []
@@ -140,17 +137,17 @@ def process_unsubscribe(channel: Channel, packet: Unsubscribe) -> list[Action]:
             released.append(filter)
         else:
             codes.append(ReasonCode.NO_SUBSCRIPTION_EXISTED)
-    actions: list[Action] = [Release(channel._client_id, tuple(released)), *channel._save()] if released else []
-    reasons = tuple(codes) if channel._level == MQTT_5 else ()
+    actions: list[Action] = [Release(channel.conn.client_id, tuple(released)), *channel.save()] if released else []
+    reasons = tuple(codes) if channel.conn.level == MQTT_5 else ()
     return [*actions, Send((Unsuback(packet.packet_id, reasons),))]
 
 
-def on_activated(channel: Channel, event: Activated) -> list[Action]:
+def on_activated(channel: ChannelView, event: Activated) -> list[Action]:
     try:
-        packet_id, codes, wanted = channel._activations.pop(event.ref)
+        packet_id, codes, wanted = channel.conn.activations.pop(event.ref)
     except KeyError:
         raise LocalProtocolError(f"Activated for unknown ref {event.ref}") from None
-    session = channel._session
+    session = channel.conn.session
     assert session is not None
     refused = event.reasons or {}
     subscribed = set()
@@ -163,6 +160,6 @@ def on_activated(channel: Channel, event: Activated) -> list[Action]:
             raise LocalProtocolError(f"Activated without a start offset for {sub.filter!r}")
         session.subscribe(sub, event.starts.get(sub.filter, 0))
         subscribed.add(sub.filter)
-    actions: list[Action] = [*channel._save(), Send((Suback(packet_id, tuple(codes)),))]
+    actions: list[Action] = [*channel.save(), Send((Suback(packet_id, tuple(codes)),))]
     retained = tuple(pair for pair in event.retained if pair[0] in subscribed)
     return actions + session.retained(retained)

@@ -227,3 +227,19 @@ def test_a_token_too_short_to_be_a_secret_is_refused_at_start_with_one_line(tmp_
     assert out.stderr == (f"lightgate: configuration error: {key} is 8 characters long: a token needs at least 16"
                           " (e.g. `openssl rand -hex 16`)\n")
     assert not (tmp_path / "data").exists()  # refused before anything started
+
+
+def test_the_cli_loads_the_benchmarks_only_for_lightgate_bench():
+    """``lightgate serve`` (and every command but ``bench`` and ``simulate``) runs without the benchmark code:
+    importing the CLI and building its parser for ``serve`` leaves gateway.bench unloaded (issue 31); building it
+    for ``bench`` loads it, else the check would prove nothing."""
+    script = ("import sys\n"
+              "from gateway.app import cli\n"
+              "cli.build_parser(['serve'])\n"
+              "print(sorted(name for name in sys.modules if name.startswith('gateway.bench')))\n"
+              "cli.build_parser(['bench'])\n"
+              "print('gateway.bench.fanin' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[]", "True"]

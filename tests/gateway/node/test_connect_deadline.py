@@ -41,7 +41,7 @@ async def test_keepalive_expiry_asks_the_kernel_for_unread_bytes():
         for conn in (waiting, silent):
             conn.channel.handle_in(Connect(client_id="dev", clean_start=True, keep_alive=1))
             conn.channel.handle_event(SessionOpened(False, None))  # the channel arms its keep-alive timer
-            conn.channel._last_rx -= 2  # 2 s of silence as the node saw it: past 1.5 x keep alive
+            conn.channel.conn.last_rx -= 2  # 2 s of silence as the node saw it: past 1.5 x keep alive
         await waiting_client.send(b"\xc0\x00")  # a PINGREQ the busy node has not read
         waiting._fire(KEEPALIVE_TIMER)
         silent._fire(KEEPALIVE_TIMER)
