@@ -77,7 +77,7 @@ def port(tmp_path):
 
 async def send_all(producer, topic: str, payloads: list[bytes]) -> list[int]:
     """With a trio or asyncio producer: send, flush, then each send's outcome (a trio handle or an asyncio future)."""
-    sent = [producer.send(topic, payload, qos=1, **PROPERTIES) for payload in payloads]
+    sent = [await producer.send(topic, payload, qos=1, **PROPERTIES) for payload in payloads]
     await producer.flush()
     return [await outcome for outcome in sent]
 
@@ -181,7 +181,7 @@ def test_an_asyncio_consumer_waiting_on_the_store_leaves_the_event_loop_free(por
                 AsyncioProducer.connect("127.0.0.1", port) as producer:
             poll = asyncio.create_task(consumer.poll(wait_s=WAIT_S))
             await asyncio.sleep(0)  # let the poll start: it runs on the trio thread from now on
-            await producer.send("cmd/x", b"wake up")
+            await (await producer.send("cmd/x", b"wake up"))
             batch = await asyncio.wait_for(poll, WAIT_S)
             return [m.payload for m in batch]
 
@@ -205,7 +205,7 @@ def test_cancelling_an_asyncio_call_cancels_it_on_the_trio_thread(port):
                 async with asyncio.timeout(WAIT_S / 3):  # well before the long poll's 30 s
                     while consumer._thread._nursery.child_tasks:  # cancelled there, not left running
                         await asyncio.sleep(0)
-                await producer.send("idle/x", b"after the cancel")
+                await (await producer.send("idle/x", b"after the cancel"))
             async with AsyncioConsumer.connect("127.0.0.1", port, group="g", filter="idle/#") as again:
                 return [m.payload for m in await again.poll(wait_s=WAIT_S)]
 
@@ -214,7 +214,7 @@ def test_cancelling_an_asyncio_call_cancels_it_on_the_trio_thread(port):
 
 def test_errors_raise_as_in_the_trio_face(port):
     """A bad send raises at ``send``; a refused message fails its future; no store raises from ``connect``."""
-    with BlockingProducer.connect("127.0.0.1", port, batch_bytes=1) as producer:
+    with BlockingProducer.connect("127.0.0.1", port, batch_max_bytes=1) as producer:
         with pytest.raises(TopicError):
             producer.send("cmd/+", b"x")
         with pytest.raises(ValueError, match="qos"):
@@ -251,10 +251,10 @@ def test_every_face_sends_delayed_messages(tmp_path):
     with store_node(tmp_path) as port:
         async def trio_face() -> None:
             async with Producer.connect("127.0.0.1", port, client_id="delay-trio") as producer:
-                await producer.send("delayed/trio", b"t", delay_s=1)
-                await producer.send("delayed/trio", b"u", deliver_at=int(time.time() * 1000) + 1000)
+                await (await producer.send("delayed/trio", b"t", delay_s=1))
+                await (await producer.send("delayed/trio", b"u", deliver_at=int(time.time() * 1000) + 1000))
                 with pytest.raises(ValueError):
-                    producer.send("delayed/trio", b"v", delay_s=1, deliver_at=1)
+                    await producer.send("delayed/trio", b"v", delay_s=1, deliver_at=1)
 
         sent = time.monotonic()
         trio.run(trio_face)
@@ -263,7 +263,7 @@ def test_every_face_sends_delayed_messages(tmp_path):
 
         async def asyncio_face() -> None:
             async with AsyncioProducer.connect("127.0.0.1", port, client_id="delay-asyncio") as producer:
-                await producer.send("delayed/asyncio", b"a", delay_s=1)
+                await (await producer.send("delayed/asyncio", b"a", delay_s=1))
 
         asyncio.run(asyncio_face())
         with BlockingConsumer.connect("127.0.0.1", port, group="delayed", filter="delayed/#",

@@ -52,9 +52,9 @@ def test_common_properties_encode_as_the_gateway_decodes_them():
 
 async def test_sends_are_batched_stored_in_order_and_each_handle_gets_its_offset(store_small_records, nursery):
     port = await serve(nursery, store_small_records)
-    async with Producer.connect("127.0.0.1", port, client_id="svc-1", linger_ms=50) as producer:
-        handles = [producer.send("cmd/dev1", b"%d" % i, qos=1, content_type="text/plain") for i in range(300)]
-        retained = producer.send("status/dev1", b"on", qos=0, retain=True, properties=b"\x01\x01")
+    async with Producer.connect("127.0.0.1", port, client_id="svc-1", batch_max_delay_ms=50) as producer:
+        handles = [await producer.send("cmd/dev1", b"%d" % i, qos=1, content_type="text/plain") for i in range(300)]
+        retained = await producer.send("status/dev1", b"on", qos=0, retain=True, properties=b"\x01\x01")
         offsets = [await handle for handle in handles]
         await producer.flush()
         stats = producer.statistics()
@@ -74,26 +74,26 @@ async def test_sends_are_batched_stored_in_order_and_each_handle_gets_its_offset
 
 async def test_a_bad_message_fails_alone_and_bad_arguments_fail_at_send(store_small_records, nursery):
     port = await serve(nursery, store_small_records)
-    async with Producer.connect("127.0.0.1", port, linger_ms=1000) as producer:
-        before = producer.send("a/b", b"1")
-        huge = producer.send("a/b", b"x" * 8192)  # above the store's max_record_bytes of 4096
-        after = producer.send("a/b", b"2")
+    async with Producer.connect("127.0.0.1", port, batch_max_delay_ms=1000) as producer:
+        before = await producer.send("a/b", b"1")
+        huge = await producer.send("a/b", b"x" * 8192)  # above the store's max_record_bytes of 4096
+        after = await producer.send("a/b", b"2")
         await producer.flush()
         with pytest.raises(RecordTooLarge):
             await huge
         assert await before < await after
         with pytest.raises(TopicError):
-            producer.send("a/+", b"wildcards are for filters")
+            await producer.send("a/+", b"wildcards are for filters")
         with pytest.raises(ValueError, match="qos"):
-            producer.send("a/b", b"", qos=3)
+            await producer.send("a/b", b"", qos=3)
 
 
 async def test_flush_returns_at_once_when_nothing_waits_and_the_block_flushes_on_exit(store_small_records, nursery):
     port = await serve(nursery, store_small_records)
-    async with Producer.connect("127.0.0.1", port, linger_ms=60_000) as producer:
+    async with Producer.connect("127.0.0.1", port, batch_max_delay_ms=60_000) as producer:
         with trio.fail_after(WAIT_S):
             await producer.flush()
-        handle = producer.send("a/b", b"sent last")
+        handle = await producer.send("a/b", b"sent last")
     assert handle.done()
     assert (await handle).offset >= 0
 
@@ -118,8 +118,8 @@ async def test_the_store_admits_clients_by_password_and_checks_their_topics(stor
         async with Producer.connect("127.0.0.1", port, username="svc", password="wrong", timeout_s=5):
             pass
     async with Producer.connect("127.0.0.1", port, username="svc", password="secret") as producer:
-        allowed = producer.send("cmd/dev1", b"ok")
-        denied = producer.send("secret/x", b"no")
+        allowed = await producer.send("cmd/dev1", b"ok")
+        denied = await producer.send("secret/x", b"no")
         await producer.flush()
         assert (await allowed).offset >= 0
         with pytest.raises(AccessDenied, match="publish"):
@@ -206,9 +206,9 @@ def test_a_device_on_a_cluster_gateway_receives_what_a_producer_sends(tmp_path):
                 async with Producer.connect("127.0.0.1", store_port, username="svc", password="bad", timeout_s=5):
                     pass
             async with Producer.connect("127.0.0.1", store_port, username="svc", password="svc-secret") as producer:
-                handles = [producer.send(f"cmd/dev1/{i % 3}", b"%d" % i, qos=1, content_type="text/plain",
+                handles = [await producer.send(f"cmd/dev1/{i % 3}", b"%d" % i, qos=1, content_type="text/plain",
                                          user_properties=[("from", "billing")]) for i in range(50)]
-                denied = producer.send("tele/dev1/temp", b"not the service's topic")
+                denied = await producer.send("tele/dev1/temp", b"not the service's topic")
                 for handle in handles:
                     await handle
                 with pytest.raises(AccessDenied):
