@@ -16,7 +16,7 @@ import trio
 from store.clients.aio import AsyncioConsumer, AsyncioProducer
 from store.clients.blocking import BlockingConsumer, BlockingProducer
 from store.clients.consumer import Consumer, ConsumerMessage
-from store.clients.producer import Producer
+from store.clients.producer import Message, Producer
 from store.clients.properties import NO_PROPERTIES, MessageProperties, decode_properties, encode_properties
 from lightqueue.topics import TopicError
 from store.log.commitlog import CommitLogConfig
@@ -225,6 +225,46 @@ def test_errors_raise_as_in_the_trio_face(port):
     with pytest.raises(StoreUnavailable):
         with BlockingProducer.connect("127.0.0.1", 1, timeout_s=0.5):
             pass
+
+
+def test_every_face_sends_a_batch_with_an_outcome_per_message(port):
+    """``send_batch``: one future per message, in order; a refused message fails alone."""
+    too_large = b"x" * (CommitLogConfig().max_record_bytes + 1)
+    batch = [Message("batch/a", b"1"), Message("batch/a", too_large), Message("batch/b", b"2", qos=0)]
+    with BlockingProducer.connect("127.0.0.1", port) as producer:
+        futures = producer.send_batch(batch)
+        blocking = [futures[0].result(WAIT_S), futures[2].result(WAIT_S)]
+        with pytest.raises(RecordTooLarge):
+            futures[1].result(WAIT_S)
+        assert producer.statistics().batches == 1
+
+    async def main() -> list:
+        async with AsyncioProducer.connect("127.0.0.1", port) as producer:
+            futures = await producer.send_batch(batch)
+            with pytest.raises(RecordTooLarge):
+                await futures[1]
+            return [await futures[0], await futures[2]]
+
+    positions = blocking + asyncio.run(main())
+    assert [p.offset for p in positions] == sorted(p.offset for p in positions)
+
+
+def test_a_blocking_send_waits_while_the_producer_holds_its_total_bytes(port):
+    with BlockingProducer.connect("127.0.0.1", port, total_batch_max_bytes=1000,
+                                  batch_max_delay_ms=60_000) as producer:
+        first = [producer.send("full/a", b"x" * 400) for _ in range(2)]
+        third: list = []
+        sender = threading.Thread(target=lambda: third.append(producer.send("full/a", b"y" * 400)))
+        sender.start()
+        deadline = time.monotonic() + WAIT_S
+        while producer.statistics().waits < 1:  # the third send is waiting for room
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert sender.is_alive() and not third and producer.statistics().held_bytes == 800
+        producer.flush()  # the first two leave; their answers free the room
+        sender.join(WAIT_S)
+        assert len(third) == 1
+    assert [f.result(WAIT_S).offset for f in first + third] == sorted(f.result().offset for f in first + third)
 
 
 def test_consumers_decode_the_mqtt5_properties_into_a_typed_object():
