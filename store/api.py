@@ -247,6 +247,7 @@ class StoreStatistics(msgspec.Struct, frozen=True, array_like=True):
     process: ProcessUsage | None = None  # the store node's process: pid, CPU seconds, RSS (the cluster view)
     timers: TimerStatistics | None = None  # delayed messages (store/timer/)
     replication: ReplicationStatistics | None = None  # the leader of a replicated group: its view (None: unreplicated)
+    log_writes: int = 0  # CommitLog writes since the store started: each appends one or more records (a batch)
 
     @property
     def dispatch_lag(self) -> int:
