@@ -107,22 +107,25 @@ class SendHandle:
     ``OSError`` (the store's write failed: not stored).
     """
 
-    __slots__ = ("_done", "_position", "_error", "_callbacks")
+    __slots__ = ("_done", "_event", "_position", "_error", "_callbacks")
 
     def __init__(self) -> None:
-        self._done = trio.Event()
+        self._done = False
+        self._event: trio.Event | None = None  # made for the first waiter only: most handles are never awaited alone
         self._position: Position | None = None
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[[SendHandle], object]] = []
+        self._callbacks: list[Callable[[SendHandle], object]] | None = None
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def add_done_callback(self, callback: Callable[[SendHandle], object]) -> None:
         """Call ``callback(handle)`` once the handle is done (at once if it is), on the trio thread: how the blocking
         and asyncio faces (store/clients/threaded.py) learn the outcome without a task per message."""
-        if self.done():
+        if self._done:
             callback(self)
+        elif self._callbacks is None:
+            self._callbacks = [callback]
         else:
             self._callbacks.append(callback)
 
@@ -131,14 +134,16 @@ class SendHandle:
             self._error = outcome
         else:
             self._position = outcome
-        self._done.set()
-        for callback in self._callbacks:
+        self._done = True
+        if self._event is not None:
+            self._event.set()
+        callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
             callback(self)
-        self._callbacks.clear()
 
     def result(self) -> Position:
         """The message's position, or the send's error raised, once :meth:`done`."""
-        if not self.done():
+        if not self._done:
             raise RuntimeError("the message is not stored yet: await the handle")
         if self._error is not None:
             raise self._error
@@ -147,7 +152,12 @@ class SendHandle:
 
     async def wait(self) -> Position:
         """The message's position, once the store appended it."""
-        await self._done.wait()
+        if self._done:
+            await trio.lowlevel.checkpoint()
+        else:
+            if self._event is None:
+                self._event = trio.Event()
+            await self._event.wait()
         return self.result()
 
     def __await__(self) -> Generator[Any, None, Position]:
@@ -276,7 +286,7 @@ class Producer:
 
     async def send(self, topic: str, payload: bytes, **options: Any) -> SendHandle:
         """Queue a message for ``topic`` once there is room (``total_batch_max_bytes``); returns its handle
-        (``await`` it for the position).
+        (``await`` it for the position). With room, it yields to other tasks only when the message fills a batch.
 
         Args (keyword):
             qos: the QoS the message is stored with (0..2, default 1): devices receive it at
@@ -295,8 +305,14 @@ class Producer:
             ValueError: a bad QoS or property value, a negative delay, or both delay_s and deliver_at.
         """
         message = self._message(topic, payload, options)
-        await self._room(len(message.payload))
-        return self._queue([message], cut=False)[0]
+        size = len(message.payload)
+        if self._room_lock.locked() or not self._fits(size):
+            await self._room(size)
+            return self._queue([message], cut=False)[0]
+        handle = self._queue([message], cut=False)[0]
+        if self._full():  # a batch is ready: the batching task sends it now (a scheduler round for every message
+            await trio.lowlevel.checkpoint()  # would cost more than the message)
+        return handle
 
     def send_nowait(self, topic: str, payload: bytes, **options: Any) -> SendHandle:
         """:meth:`send` without waiting for room.
@@ -338,6 +354,9 @@ class Producer:
     def _message(self, topic: str, payload: bytes, options: Mapping[str, Any]) -> NewMessage:
         """The message a send stores, its arguments checked (:meth:`send`)."""
         validate_topic(topic)
+        now = int(time.time() * 1000)
+        if not options:
+            return NewMessage(topic, bytes(payload), self.client_id, 1, False, b"", now)
         common = dict(options)
         qos = common.pop("qos", 1)
         retain = common.pop("retain", False)
@@ -348,7 +367,6 @@ class Producer:
             raise ValueError(f"qos must be 0, 1 or 2, not {qos!r}")
         if common:
             properties += encode_properties(**common)
-        now = int(time.time() * 1000)
         return NewMessage(topic, bytes(payload), self.client_id, qos, retain, properties, now, 0,
                           _due(now, delay_s, deliver_at))
 
