@@ -35,7 +35,7 @@ Routes (docs/operations.md has the reference with curl examples):
   (gateway/ops/clusterlists.py); ``/nodes`` lists the deployment's nodes with
   their CPU and memory (gateway/ops/nodes.py).
 - ``POST /api/v1/publish`` (one message, MQTT 5 properties included) and
-  ``POST /api/v1/publish/bulk`` (many, answered in order): authenticated like
+  ``POST /api/v1/publish/bulk`` (many, in one append, answered in order): authenticated like
   an MQTT client (HTTP Basic with the password file's users, or anonymous when
   allowed) and checked against the ACL's publish rules; it is not an admin
   action, so the token plays no part. Bodies are gateway/ops/bodies.py's structs.
