@@ -4,7 +4,8 @@ For each target (``embedded``: a store node in this process, the producer on a `
 ``lightgate store`` process, the producer and the consumer on their own connections), each payload size and
 each mode, a fresh store takes:
 
-- ``single``: ``auto_batch=False``: every message its own request (up to ``IN_FLIGHT`` requests travel at once);
+- ``single``: ``auto_batch=False``: every message its own request (up to ``IN_FLIGHT`` requests travel at once
+  over the RPC, one in process);
 - ``batch``: ``send_batch`` of ``--batch`` messages at a time;
 - ``auto``: ``send`` with AutoBatch on (its defaults).
 

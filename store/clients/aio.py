@@ -5,7 +5,7 @@
     async with AsyncioProducer.connect("store-host", 7883, username="billing", password="...") as producer:
         future = await producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
         position = await future
-        futures = await producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/reboot", b"now")])
+        futures = await producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/on", b"1")])
         await producer.flush()
 
     async with AsyncioConsumer.connect("store-host", 7883, group="billing", filter="tele/#") as consumer:

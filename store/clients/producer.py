@@ -7,7 +7,7 @@ devices subscribed on any gateway node receive it through the normal path::
     async with Producer.connect("store-host", 7883, username="billing", password="...") as producer:
         handle = await producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
         position = await handle        # appended (durable: on disk by default)
-        handles = await producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/reboot", b"now")])
+        handles = await producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/on", b"1")])
         await producer.flush()         # or: wait for everything sent so far
 
 AutoBatch (on by default, RocketMQ 5's): :meth:`Producer.send` only queues
@@ -18,10 +18,11 @@ messages, or ``batch_max_delay_ms`` after its first message, or at once on
 closes. A batch is one append request and one CommitLog write (one group
 commit when durable), and each message in it fails alone (a topic the ACL
 denies, a record over the size limit): its handle raises, its neighbours'
-do not. Up to ``IN_FLIGHT`` batches travel at once; the store appends them in
-the order sent. ``auto_batch=False`` sends each message as its own request at
-once (what a service that wants no added latency at all pays for in
-throughput: docs/benchmarks.md, "Produce").
+do not. Up to ``IN_FLIGHT`` batches travel at once over the RPC (one to a store
+in this process); the store appends them in the order sent.
+``auto_batch=False`` sends each message as its own request at once (what a
+service that wants no added latency at all pays for in throughput:
+docs/benchmarks.md, "Produce").
 
 Back-pressure: messages buffered or in flight hold at most
 ``total_batch_max_bytes`` of payload; past it :meth:`Producer.send` waits
@@ -84,7 +85,10 @@ TOTAL_BATCH_MAX_BYTES = 64 * 1024 * 1024
 faster than the store accepts is slowed to its pace instead of growing without bound."""
 
 IN_FLIGHT = 4
-"""Batches sent and not yet answered: enough to keep the store busy across a round trip."""
+"""Batches sent and not yet answered, over the RPC: enough to keep the store busy across a round trip. The store
+serves one connection's appends in the order they came, so they are stored in the order sent. A store in this
+process takes one batch at a time: concurrent appends there could reach the CommitLog in another order (two
+waiting for dispatch to catch up are woken in any order)."""
 
 _names = itertools.count(1)
 
@@ -194,7 +198,7 @@ class Producer:
     def __init__(self, client: GroupAppender, *, client_id: str, auto_batch: bool = True,
                  batch_max_delay_ms: float = BATCH_MAX_DELAY_MS, batch_max_bytes: int = BATCH_MAX_BYTES,
                  batch_max_count: int = BATCH_MAX_COUNT, total_batch_max_bytes: int = TOTAL_BATCH_MAX_BYTES,
-                 durable: bool | None = True) -> None:
+                 durable: bool | None = True, in_flight: int = 1) -> None:
         self.client = client
         self.client_id = client_id
         self._delay_s = batch_max_delay_ms / 1000 if auto_batch else 0.0
@@ -210,7 +214,7 @@ class Producer:
         self._wakeup = trio.Event()  # set when the buffer gets its first message or fills a batch, or on flush
         self._flushing = False  # a flush waits: send what is buffered without lingering
         self._cut_through = 0  # the first messages of the buffer the next batch takes whole (a send_batch's)
-        self._slots = trio.Semaphore(IN_FLIGHT)
+        self._slots = trio.Semaphore(in_flight)
         self._idle = trio.Event()  # set while nothing is buffered or in flight
         self._idle.set()
         self._in_flight = 0
@@ -277,7 +281,8 @@ class Producer:
         """
         producer = cls(client, client_id=client_id, auto_batch=auto_batch, batch_max_delay_ms=batch_max_delay_ms,
                        batch_max_bytes=batch_max_bytes, batch_max_count=batch_max_count,
-                       total_batch_max_bytes=total_batch_max_bytes, durable=durable)
+                       total_batch_max_bytes=total_batch_max_bytes, durable=durable,
+                       in_flight=IN_FLIGHT if isinstance(client, RemoteStore) else 1)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(producer._run, nursery)
             yield producer
@@ -462,8 +467,8 @@ class Producer:
     async def _append(self, messages: list[NewMessage]) -> list[Position | Exception]:
         """The one call that stores a batch: one request (one CommitLog write), its messages in runs of one topic.
 
-        Today each message is a group of its own, so that each fails alone; ``groups = runs`` would ask the store
-        to write each same-topic run as one record, all or nothing.
+        Today each message is a group of its own, so that each fails alone; ``groups = [[messages[i] for i in run]
+        for run in runs]`` would ask the store to write each same-topic run as one record, all or nothing.
         """
         runs = by_topic(messages)
         groups = [[messages[i]] for run in runs for i in run]
