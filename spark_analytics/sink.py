@@ -105,8 +105,6 @@ def send_rows(opts: SinkOptions, rows: Iterator[Any]) -> int:
         ValueError: a row with a null topic, payload, qos or retain, or a QoS out of range.
         The producer's errors: TopicError (not a topic name), AccessDenied, RecordTooLarge, StoreUnavailable.
     """
-    import trio
-
     from store.clients.blocking import BlockingProducer
 
     sent = 0
@@ -126,11 +124,7 @@ def send_rows(opts: SinkOptions, rows: Iterator[Any]) -> int:
             if topic is None or payload is None or qos is None or retain is None:
                 raise ValueError(f"a row to send has a null topic, payload, qos or retain: {fields!r}")
             body = payload.encode() if isinstance(payload, str) else bytes(payload)
-            try:
-                pending.append(producer.send(topic, body, qos=qos, retain=retain))
-            except trio.WouldBlock:  # the producer's buffer is full: wait for what is in flight
-                settle()
-                pending.append(producer.send(topic, body, qos=qos, retain=retain))
+            pending.append(producer.send(topic, body, qos=qos, retain=retain))  # waits while the producer is full
             sent += 1
             if len(pending) >= SETTLE_EVERY:
                 settle()

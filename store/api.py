@@ -58,7 +58,7 @@ __all__ = [
     "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "Flow", "FollowerStatistics",
     "LeaderFenced", "LeaseLost", "LogSpan", "NewMessage", "NotLeader", "Position", "Positions", "PullRequest",
     "PullResult", "ReplicationStatistics", "StoreApi", "StoreStatistics", "StoreUnavailable", "TimerStatistics",
-    "group_owner",
+    "by_topic", "group_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
     "RecordTooLarge", "StartupError", "TopicError",
@@ -141,6 +141,20 @@ class NewMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):
     born_ms: int = 0
     packet_id: int = 0
     deliver_at_ms: int = 0
+
+
+def by_topic(messages: Sequence[NewMessage]) -> list[list[int]]:
+    """The indexes of ``messages`` in runs of one topic each: topics in the order of their first message, each
+    run in the order sent.
+
+    How a batch of many messages goes to one append (a back-end producer's, an HTTP bulk publish): a same-topic
+    run is what the store can write as one batch record, and per topic the order of the messages, the one MQTT
+    promises, is kept; messages of different topics in one batch may be stored in another order than sent.
+    """
+    runs: dict[str, list[int]] = {}
+    for index, message in enumerate(messages):
+        runs.setdefault(message.topic, []).append(index)
+    return list(runs.values())
 
 
 class PullRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -233,6 +247,7 @@ class StoreStatistics(msgspec.Struct, frozen=True, array_like=True):
     process: ProcessUsage | None = None  # the store node's process: pid, CPU seconds, RSS (the cluster view)
     timers: TimerStatistics | None = None  # delayed messages (store/timer/)
     replication: ReplicationStatistics | None = None  # the leader of a replicated group: its view (None: unreplicated)
+    log_writes: int = 0  # CommitLog writes since the store started: each appends one or more records (a batch)
 
     @property
     def dispatch_lag(self) -> int:

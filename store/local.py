@@ -110,10 +110,12 @@ class LocalStore:
     # --- the RPC server's forms: several callers at once, records as stored -------------------
 
     async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None
-                            ) -> list[list[int] | ValueError]:
+                            ) -> list[Positions | ValueError]:
         """:meth:`append` of several callers' messages in one CommitLog write (``StoreNode.append_groups``): per
-        group its offsets, or the ``ValueError`` that kept that group (only) out."""
-        return await self.store.append_groups(groups, durable=durable)
+        group its positions, or the ``ValueError`` that kept that group (only) out. The form ``RemoteStore`` has
+        too: a back-end producer (store/clients/producer.py) appends through either."""
+        results = await self.store.append_groups(groups, durable=durable)
+        return [result if isinstance(result, ValueError) else Positions(MAIN_LOG, result) for result in results]
 
     async def pull_raw(self, requests: Sequence[PullRequest]) -> list[PullResult[tuple[int, bytes]]]:
         """:meth:`pull` with each record as ``(log offset, bytes as stored)``, undecoded: the remote side decodes

@@ -359,6 +359,7 @@ class StoreNode:
             process=process_usage(),
             timers=self._timer_statistics(),
             replication=self.replication.statistics() if self.replication is not None else None,
+            log_writes=stats.appended_batches,
         )
 
     def _timer_statistics(self) -> TimerStatistics:

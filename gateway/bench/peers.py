@@ -105,7 +105,7 @@ DATA_DIR = "data"
 """Every broker's data lives in ``<workdir>/data``, so disk growth is measured the same way for all of them."""
 
 
-_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(SOURCE_DIR), os.environ.get("PYTHONPATH"))))}
+SOURCE_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(SOURCE_DIR), os.environ.get("PYTHONPATH"))))}
 """LightGate processes run this code (its directory on PYTHONPATH), not whatever ``gateway`` the interpreter finds
 from the broker's working directory (an installed copy, another checkout)."""
 
@@ -282,7 +282,7 @@ def start(name: str, workdir: Path, *, port: int | None = None, durable: bool = 
     log = open(workdir / f"{name}.log", "ab")  # append: a restarted broker's log follows the killed one's
     # cwd=workdir: LightGate reads ./lightgate.toml when present; the repository's must not leak in.
     process = subprocess.Popen(command, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env=_ENV)
+                               env=SOURCE_ENV)
     broker = Broker(name, port, process, log, workdir=workdir, durable=durable, ws_port=ws_port)
     try:
         _wait_until_accepting(broker, workdir / f"{name}.log")
@@ -397,7 +397,7 @@ def _start_cluster(name: str, workdir: Path, port: int, durable: bool) -> Broker
     store = subprocess.Popen(
         [sys.executable, "-m", "gateway.app.cli", "store", "--data", str(workdir / DATA_DIR),
          "--listen", f"{HOST}:{store_port}", *quiet, *(["--commitlog-flush", "sync"] if durable else [])],
-        cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_ENV)
+        cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=SOURCE_ENV)
     try:
         wait_listening([store.pid], store_port, 1, name, workdir / f"{name}.log")
         gateway = start_gateway([f"{HOST}:{store_port}"], port, workdir, log, workers=gateways)
@@ -462,7 +462,7 @@ def start_gateway(stores: list[str], port: int, workdir: Path, log: IO[bytes], *
         [sys.executable, "-m", "gateway.app.cli", "gateway", "--store", ",".join(stores), "--host", HOST,
          "--port", str(port), "--workers", str(workers), "--log-level", "warning", "--admin-port", "0",
          "--mqtt-sys-interval-s", "0"],
-        cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_ENV)
+        cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=SOURCE_ENV)
 
 
 REPLICATED_PREFIX = "lightgate-r3-"
@@ -529,7 +529,7 @@ class Replica:
         """Run the replica's command (again); its JSON log lines go to ``log_path`` after the earlier ones."""
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(self.command, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=_ENV)
+                                            stdin=subprocess.DEVNULL, env=SOURCE_ENV)
 
     def log_size(self) -> int:
         """The bytes in the replica's log now: ``logged(msg, since=log_size())`` looks only at what comes after."""

@@ -168,6 +168,21 @@ class Appends:
         positions = await self.store(messages, count=count)
         return positions if isinstance(positions, ReasonCode) else None
 
+    async def own_each(self, messages: Sequence[NewMessage]) -> list[ReasonCode | None]:
+        """:meth:`own` of messages that fail alone (an HTTP bulk publish's): one append (one CommitLog write, one
+        flush under the sync policy) for all, and only if the store refuses it whole (one message too large, a
+        delayed one over its cap), each again on its own, so that each gets its own answer. Not when the store
+        went away with the call in flight: they may be stored, and each is refused (as in :meth:`perform`)."""
+        await self._order.wait(self._order.mark())
+        positions, unknown = await self._stored(messages, count=False)
+        if not isinstance(positions, ReasonCode):
+            return [None] * len(messages)
+        if len(messages) > 1 and not unknown:
+            return [await self.own([message]) for message in messages]
+        for message in messages:
+            self.refused_by_qos[message.qos] += 1
+        return [positions] * len(messages)
+
 
 def _answers(appends: Sequence[Append], positions: Positions | ReasonCode) -> list[Event]:
     """``Appended`` for each append with a ref: where the store put it, or why it did not."""

@@ -35,7 +35,7 @@ Routes (docs/operations.md has the reference with curl examples):
   (gateway/ops/clusterlists.py); ``/nodes`` lists the deployment's nodes with
   their CPU and memory (gateway/ops/nodes.py).
 - ``POST /api/v1/publish`` (one message, MQTT 5 properties included) and
-  ``POST /api/v1/publish/bulk`` (many, answered in order): authenticated like
+  ``POST /api/v1/publish/bulk`` (many, in one append, answered in order): authenticated like
   an MQTT client (HTTP Basic with the password file's users, or anonymous when
   allowed) and checked against the ACL's publish rules; it is not an admin
   action, so the token plays no part. Bodies are gateway/ops/bodies.py's structs.
@@ -83,6 +83,7 @@ from gateway.ops.listing import ClientQuery, QueryError
 from gateway.ops.metrics import CONTENT_TYPE
 from gateway.ops.openapi import Operation, openapi_document
 from gateway.ops.nodes import CpuShares, cluster_nodes
+from gateway.ops.administration import HttpPublish
 from gateway.ops.records import ClientInfo, NodeInfo, QueueInfo, SessionInfo
 from gateway.ops.slots import Slot, Slots
 from gateway.mqtt.reasons import ReasonCode
@@ -361,23 +362,22 @@ class AdminApi:
         body = _decode(request.body, PublishBody)
         message = _message(body)
         username = await self._publisher(username, password, request.peer_host)
-        stored = await self._publish_one(body, *message, username, request.peer_host)
-        return Response(200, msgspec.json.encode(stored))
+        [outcome] = await self._publish_all([body], [message], username, request.peer_host)
+        if isinstance(outcome, HttpError):
+            raise outcome
+        return Response(200, msgspec.json.encode(outcome))
 
     async def _publish_bulk(self, request: Request, rest: str) -> Response:
-        """Every message of the body, in order, each answered (``status`` 200 and what was stored, or its error);
-        a body that does not decode whole publishes nothing."""
+        """Every message of the body, in one append, each answered in order (``status`` 200 and what was stored,
+        or its error); a body that does not decode whole publishes nothing."""
         username, password = _basic_credentials(request)
         bodies = _decode(request.body, BulkPublishBody).messages
         messages = [_message(body, f"messages[{index}].") for index, body in enumerate(bodies)]
         username = await self._publisher(username, password, request.peer_host)
-        results: list[BulkOutcome] = []
-        for body, message in zip(bodies, messages):
-            try:
-                stored = await self._publish_one(body, *message, username, request.peer_host)
-                results.append(BulkOutcome(200, stored.topic, stored.qos, stored.retain, stored.bytes))
-            except HttpError as err:
-                results.append(BulkOutcome(err.status, body.topic, error=err.message))
+        outcomes = await self._publish_all(bodies, messages, username, request.peer_host)
+        results = [BulkOutcome(outcome.status, body.topic, error=outcome.message) if isinstance(outcome, HttpError)
+                   else BulkOutcome(200, outcome.topic, outcome.qos, outcome.retain, outcome.bytes)
+                   for body, outcome in zip(bodies, outcomes)]
         return Response(200, msgspec.json.encode(BulkResult(results)))
 
     async def _publisher(self, username: str | None, password: bytes | None, peer_host: str) -> str | None:
@@ -387,22 +387,27 @@ class AdminApi:
             raise HttpError(401, "credentials not accepted", (("www-authenticate", 'Basic realm="lightgate"'),))
         return decision.username
 
-    async def _publish_one(self, body: PublishBody, payload: bytes, properties: bytes, username: str | None,
-                           peer_host: str) -> Published:
-        """Publish one message through the node; what was stored, or an HttpError saying why not."""
-        deliver_at = _deliver_at(body, self.admin.node.channel_config.max_delay_s)
-        try:
-            reason = await self.admin.publish(body.topic, payload, body.qos, body.retain, username, peer_host,
-                                             properties, deliver_at or 0)
-        except TopicError as exc:
-            raise HttpError(400, f"topic: {exc}") from None
-        if reason is ReasonCode.NOT_AUTHORIZED:
-            raise HttpError(403, f"the ACL does not allow publishing to {body.topic!r}")
-        if reason is ReasonCode.PACKET_TOO_LARGE:
-            raise HttpError(413, "the message exceeds commitlog.max_record_bytes")
-        if reason is not None:
-            raise HttpError(503, f"the store did not take the message: {reason.name}")
-        return Published(body.topic, body.qos, body.retain, len(payload), deliver_at)
+    async def _publish_all(self, bodies: list[PublishBody], messages: list[tuple[bytes, bytes]],
+                           username: str | None, peer_host: str) -> list[Published | HttpError]:
+        """Publish the messages (payload and properties of each body) through the node, in one append; per
+        message what was stored, or an HttpError saying why not."""
+        max_delay_s = self.admin.node.channel_config.max_delay_s
+        outcomes: list[Published | HttpError] = []
+        publishes: list[HttpPublish] = []
+        published: list[int] = []  # the index of each of ``publishes``
+        for index, (body, (payload, properties)) in enumerate(zip(bodies, messages)):
+            try:
+                deliver_at = _deliver_at(body, max_delay_s)
+            except HttpError as err:
+                outcomes.append(err)
+                continue
+            outcomes.append(Published(body.topic, body.qos, body.retain, len(payload), deliver_at))
+            publishes.append(HttpPublish(body.topic, payload, body.qos, body.retain, properties, deliver_at or 0))
+            published.append(index)
+        for index, reason in zip(published, await self.admin.publish(publishes, username, peer_host)):
+            if reason is not None:
+                outcomes[index] = _refusal(bodies[index].topic, reason)
+        return outcomes
 
     # --- admin routes -------------------------------------------------------------------
 
@@ -527,6 +532,17 @@ def _decode(body: bytes, type: type[T]) -> T:
         return decode_body(body, type)
     except BodyError as exc:
         raise HttpError(400, str(exc)) from None
+
+
+def _refusal(topic: str, reason: ReasonCode | TopicError) -> HttpError:
+    """The HTTP error of a message the node did not publish (``Administration.publish``'s outcome)."""
+    if isinstance(reason, TopicError):
+        return HttpError(400, f"topic: {reason}")
+    if reason is ReasonCode.NOT_AUTHORIZED:
+        return HttpError(403, f"the ACL does not allow publishing to {topic!r}")
+    if reason is ReasonCode.PACKET_TOO_LARGE:
+        return HttpError(413, "the message exceeds commitlog.max_record_bytes")
+    return HttpError(503, f"the store did not take the message: {reason.name}")
 
 
 def _deliver_at(body: PublishBody, max_delay_s: int) -> int | None:

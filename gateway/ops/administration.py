@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, final
 
 import msgspec
@@ -24,10 +25,10 @@ from gateway.node.connection import Connection
 from gateway.node.node import GatewayNode
 from gateway.ops.clusterlists import LIST_OPS, list_here
 from gateway.ops.records import ClientInfo, QueueInfo, SessionInfo, SubscriptionLag
-from lightqueue.topics import TopicLimits, validate_filter, validate_topic
-from store.api import SHARE_PREFIX, AdminOp, NewMessage, Record
+from lightqueue.topics import TopicError, TopicLimits, validate_filter, validate_topic
+from store.api import SHARE_PREFIX, AdminOp, NewMessage, Record, by_topic
 
-__all__ = ["ADMIN_CLIENT_ID", "Administration", "HTTP_CLIENT_ID"]
+__all__ = ["ADMIN_CLIENT_ID", "Administration", "HTTP_CLIENT_ID", "HttpPublish"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -37,6 +38,19 @@ names (``$SYS``, ``$share``), which devices do not use, so No Local does not dro
 
 ADMIN_CLIENT_ID = "$admin"
 """The publisher client id of the empty retained messages that delete retained messages (admin API)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HttpPublish:
+    """One message an HTTP client publishes: ``properties`` as a record keeps them, ``deliver_at_ms`` (ms since the
+    epoch, 0: now) makes it a delayed message (store/timer/)."""
+
+    topic: str
+    payload: bytes
+    qos: int = 0
+    retain: bool = False
+    properties: bytes = b""
+    deliver_at_ms: int = 0
 
 
 @final
@@ -219,31 +233,48 @@ class Administration:
         """Decide the credentials of an HTTP publish as a CONNECT's: counted, logged and delayed when refused."""
         return await self.node.guard.http(username, password, source)
 
-    async def publish(self, topic: str, payload: bytes, qos: int, retain: bool, username: str | None,
-                      source: str, properties: bytes = b"", deliver_at_ms: int = 0) -> ReasonCode | None:
-        """Publish for an HTTP client (``username`` authenticated, None: anonymous) through the normal path.
+    async def publish(self, publishes: Sequence[HttpPublish], username: str | None, source: str
+                      ) -> list[ReasonCode | TopicError | None]:
+        """Publish for an HTTP client (``username`` authenticated, None: anonymous) through the normal path, all
+        the messages allowed in one append (one CommitLog write, one flush under the sync policy), in runs of one
+        topic (``store.api.by_topic``: per topic in the order given).
 
         The ACL's publish rules apply as to an MQTT client of that user; HTTP
         publishers have no client id, so ``client`` rules and ``%c`` patterns
-        never match them. ``deliver_at_ms`` makes it a delayed message (store/timer/). Returns None when
-        stored, NOT_AUTHORIZED, or the append's failure (PACKET_TOO_LARGE, QUOTA_EXCEEDED: the HTTP publishers'
-        cap of pending delayed messages, or a full disk...).
-
-        Raises:
-            TopicError: not a valid topic name, or beyond the topic limits.
+        never match them. Returns, per message: None when stored, its TopicError (not a valid topic name, or
+        beyond the topic limits), NOT_AUTHORIZED, or the append's failure (PACKET_TOO_LARGE, QUOTA_EXCEEDED: the
+        HTTP publishers' cap of pending delayed messages, or a full disk...).
         """
         node = self.node
         config = node.channel_config
-        validate_topic(topic, TopicLimits(config.max_topic_length, config.max_topic_levels))
-        if not node.guard.may_publish_http(username, topic, source):
-            return ReasonCode.NOT_AUTHORIZED
-        message = NewMessage(topic, payload, HTTP_CLIENT_ID, qos, retain, properties, int(time.time() * 1000),
-                             deliver_at_ms=deliver_at_ms)
-        reason = await node.appends.own([message])
-        if reason is None:
-            node.traffic.messages_in += 1
-            node.traffic.messages_in_by_qos[qos] += 1
-        return reason
+        limits = TopicLimits(config.max_topic_length, config.max_topic_levels)
+        outcomes: list[ReasonCode | TopicError | None] = []
+        allowed: list[tuple[int, NewMessage]] = []  # (index in publishes, message)
+        now = int(time.time() * 1000)
+        for index, publish in enumerate(publishes):
+            try:
+                validate_topic(publish.topic, limits)
+            except TopicError as exc:
+                outcomes.append(exc)
+                continue
+            if not node.guard.may_publish_http(username, publish.topic, source):
+                outcomes.append(ReasonCode.NOT_AUTHORIZED)
+                continue
+            outcomes.append(None)
+            allowed.append((index, NewMessage(publish.topic, publish.payload, HTTP_CLIENT_ID, publish.qos,
+                                              publish.retain, publish.properties, now,
+                                              deliver_at_ms=publish.deliver_at_ms)))
+        if not allowed:
+            return outcomes
+        order = [i for run in by_topic([message for _, message in allowed]) for i in run]
+        reasons = await node.appends.own_each([allowed[i][1] for i in order])
+        for i, reason in zip(order, reasons):
+            index, message = allowed[i]
+            outcomes[index] = reason
+            if reason is None:
+                node.traffic.messages_in += 1
+                node.traffic.messages_in_by_qos[message.qos] += 1
+        return outcomes
 
     # --- other nodes' asks -----------------------------------------------------------------------
 

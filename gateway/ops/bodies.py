@@ -23,8 +23,9 @@ T = TypeVar("T")
 
 
 MAX_BULK_MESSAGES = 1000
-"""Messages in one bulk publish: each is appended (and, under the sync flush policy, flushed) before the next,
-so a request this long still answers within seconds; the body limit (2 x ``mqtt.max_packet_size``) bounds the bytes."""
+"""Messages in one bulk publish: they go in one append, but one refused whole makes each go again alone (each
+flushed under the sync flush policy), so a request this long still answers within seconds; the body limit
+(2 x ``mqtt.max_packet_size``) bounds the bytes."""
 
 MqttString = Annotated[str, msgspec.Meta(max_length=65535)]
 """An MQTT UTF-8 string (at most 65535 bytes: checked as characters here, as bytes when the message is built)."""

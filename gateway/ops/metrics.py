@@ -157,6 +157,8 @@ class NodeMetrics:
             yield _gauge("dispatch_lag_bytes", "CommitLog bytes appended and not indexed yet", store.dispatch_lag)
             yield _counter("commitlog_written_bytes", "bytes appended to the CommitLog since it began",
                            store.written_offset)
+            yield _counter("commitlog_writes", "CommitLog writes since the store started, each of one or more records "
+                           "(with commitlog_written_bytes: the bytes per write, what batching gains)", store.log_writes)
             yield _gauge("commitlog_bytes", "bytes of records the CommitLog holds (retention bounds it)",
                          store.log_bytes)
             yield _gauge("commitlog_unflushed_bytes", "CommitLog bytes written and not on disk yet",

@@ -3,7 +3,9 @@
 ::
 
     async with AsyncioProducer.connect("store-host", 7883, username="billing", password="...") as producer:
-        position = await producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
+        future = await producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
+        position = await future
+        futures = await producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/on", b"1")])
         await producer.flush()
 
     async with AsyncioConsumer.connect("store-host", 7883, group="billing", filter="tele/#") as consumer:
@@ -16,9 +18,10 @@ is a ``concurrent.futures.Future`` that asyncio awaits through
 ``asyncio.wrap_future``, so a coroutine waiting on the store (a long poll, a
 durable append) leaves the event loop free and holds no executor thread.
 Cancelling the awaiting task cancels the call on the trio side. Only
-:meth:`AsyncioProducer.send` runs briefly on the caller's thread (it waits for
-the trio thread to queue the message, microseconds, so that a bad topic or a
-full buffer raises at once, as in the trio face).
+:meth:`AsyncioProducer.send` runs briefly on the caller's thread when the
+producer has room (it waits for the trio thread to queue the message,
+microseconds, so that a bad topic raises at once, as in the trio face); when
+it holds ``total_batch_max_bytes``, the send is awaited until there is room.
 
 Arguments, guarantees and errors are the trio clients' (producer.py, consumer.py).
 """
@@ -26,17 +29,17 @@ Arguments, guarantees and errors are the trio clients' (producer.py, consumer.py
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, Self, TypeVar, final
 
 from store.api import Position
-from store.clients.blocking import send_future
+from store.clients.blocking import send_futures
 from store.clients.consumer import Batch, Consumer
-from store.clients.producer import Producer, ProducerStatistics
+from store.clients.producer import Message, Producer, ProducerStatistics
 from store.clients.threaded import Face
 
-__all__ = ["AsyncioConsumer", "AsyncioProducer"]
+__all__ = ["AsyncioConsumer", "AsyncioProducer", "Message"]
 
 T = TypeVar("T")
 
@@ -63,12 +66,26 @@ class AsyncioProducer(_Asyncio[Producer]):
 
     trio_client = Producer.connect
 
-    def send(self, topic: str, payload: bytes, **options: Any) -> asyncio.Future[Position]:
-        """Queue a message (``Producer.send``'s arguments); await the result for its ``Position``.
+    async def send(self, topic: str, payload: bytes, **options: Any) -> asyncio.Future[Position]:
+        """Queue a message (``Producer.send``'s arguments), awaiting room while the producer holds
+        ``total_batch_max_bytes``; await the future it returns for the message's ``Position``.
 
-        Raises (at once): ``Producer.send``'s errors (TopicError, ValueError, ``trio.WouldBlock``).
+        Raises: ``Producer.send``'s errors (TopicError, ValueError).
         """
-        return asyncio.wrap_future(self._thread.call(send_future, self._client, topic, payload, options))
+        (future,) = await self._queued([Message(topic, payload, **options)])
+        return future
+
+    async def send_batch(self, messages: Iterable[Message]) -> list[asyncio.Future[Position]]:
+        """``Producer.send_batch``: the messages in one request; a future per message, in order.
+
+        Raises: ``Producer.send``'s errors, for any of the messages (then none is sent).
+        """
+        return await self._queued(list(messages))
+
+    async def _queued(self, messages: list[Message]) -> list[asyncio.Future[Position]]:
+        queued = send_futures(self._thread, self._client, messages)
+        futures = queued.result() if queued.done() else await asyncio.wrap_future(queued)
+        return [asyncio.wrap_future(future) for future in futures]
 
     async def flush(self) -> None:
         """Return once every message sent before the call is stored or failed."""

@@ -5,6 +5,7 @@
     with BlockingProducer.connect("store-host", 7883, username="billing", password="...") as producer:
         future = producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
         position = future.result()    # appended (durable: on disk by default)
+        futures = producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/reboot", b"now")])
         producer.flush()              # or: wait for everything sent so far
 
     with BlockingConsumer.connect("store-host", 7883, group="billing", filter="tele/#") as consumer:
@@ -15,7 +16,8 @@
 The arguments, batching, guarantees (at most once per send; at least once per
 consumer group), reconnection and errors are the trio clients' (producer.py,
 consumer.py): these faces run them unchanged (threaded.py says how, and why
-not anyio). Calls may come from any thread.
+not anyio). Calls may come from any thread; ``send`` blocks its caller while
+the producer holds ``total_batch_max_bytes`` (the trio face's back-pressure).
 
 Resource handling: ``connect`` owns the trio thread; leaving the block flushes
 the producer (unless the block raised) or leaves the group, then ends it.
@@ -24,33 +26,56 @@ the producer (unless the block raised) or leaves the group, then ends it.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Self, TypeVar, final
 
+import trio
+
 from store.api import Position
 from store.clients.consumer import Batch, Consumer
-from store.clients.producer import Producer, ProducerStatistics, SendHandle
-from store.clients.threaded import Face
+from store.clients.producer import Message, Producer, ProducerStatistics, SendHandle
+from store.clients.threaded import Face, TrioThread
 
-__all__ = ["BlockingConsumer", "BlockingProducer", "send_future"]
+__all__ = ["BlockingConsumer", "BlockingProducer", "Message", "send_futures"]
 
 T = TypeVar("T")
 
 
-def send_future(producer: Producer, topic: str, payload: bytes, options: dict[str, Any]) -> \
-        concurrent.futures.Future[Position]:
-    """``producer.send`` (run on the trio thread) with its handle's outcome as a future any thread can wait on."""
+def future_of(handle: SendHandle) -> concurrent.futures.Future[Position]:
+    """The handle's outcome as a future any thread can wait on (made on the trio thread)."""
     future: concurrent.futures.Future[Position] = concurrent.futures.Future()
 
-    def settle(handle: SendHandle) -> None:
+    def settle(done: SendHandle) -> None:
         try:
-            future.set_result(handle.result())
+            future.set_result(done.result())
         except Exception as exc:  # the send's error, for the waiter to raise
             future.set_exception(exc)
 
-    producer.send(topic, payload, **options).add_done_callback(settle)
+    handle.add_done_callback(settle)
     return future
+
+
+def send_futures(thread: TrioThread[Producer], producer: Producer, messages: list[Message]
+                 ) -> concurrent.futures.Future[list[concurrent.futures.Future[Position]]]:
+    """``producer.send`` of one message (``producer.send_batch`` of several) from another thread: completes with
+    the messages' futures once they are queued, at once when there is room (one call into the trio thread),
+    after the producer's back-pressure wait otherwise."""
+    if len(messages) == 1:
+        (message,) = messages
+        try:
+            handles = [thread.call(producer.send_nowait, message.topic, message.payload, **message.options)]
+        except trio.WouldBlock:
+            pass
+        else:
+            queued: concurrent.futures.Future[list[concurrent.futures.Future[Position]]] = concurrent.futures.Future()
+            queued.set_result([future_of(handle) for handle in handles])
+            return queued
+
+    async def send() -> list[concurrent.futures.Future[Position]]:
+        return [future_of(handle) for handle in await producer.send_batch(messages)]
+
+    return thread.submit(send)
 
 
 class _Blocking(Face[T]):
@@ -76,11 +101,20 @@ class BlockingProducer(_Blocking[Producer]):
     trio_client = Producer.connect
 
     def send(self, topic: str, payload: bytes, **options: Any) -> concurrent.futures.Future[Position]:
-        """Queue a message (``Producer.send``'s arguments); the future gives its CommitLog offset or error.
+        """Queue a message (``Producer.send``'s arguments), waiting while the producer holds
+        ``total_batch_max_bytes``; the future gives its position or error.
 
-        Raises (at once): ``Producer.send``'s errors (TopicError, ValueError, ``trio.WouldBlock``).
+        Raises (at once): ``Producer.send``'s errors (TopicError, ValueError).
         """
-        return self._thread.call(send_future, self._client, topic, payload, options)
+        (future,) = send_futures(self._thread, self._client, [Message(topic, payload, **options)]).result()
+        return future
+
+    def send_batch(self, messages: Iterable[Message]) -> list[concurrent.futures.Future[Position]]:
+        """``Producer.send_batch``: the messages in one request; a future per message, in order.
+
+        Raises (at once): ``Producer.send``'s errors, for any of the messages (then none is sent).
+        """
+        return send_futures(self._thread, self._client, list(messages)).result()
 
     def flush(self) -> None:
         """Return once every message sent before the call is stored or failed."""

@@ -1,22 +1,40 @@
-"""Back-end producers: a service publishes to MQTT topics through the store, batched, with a durability handle.
+"""Back-end producers: a service publishes to MQTT topics through the store, auto-batched, with a durability handle.
 
 A message a producer sends is appended to the CommitLog exactly like a device's
 PUBLISH (the store fixes its target queues and notifies the gateway nodes), so
 devices subscribed on any gateway node receive it through the normal path::
 
     async with Producer.connect("store-host", 7883, username="billing", password="...") as producer:
-        handle = producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
+        handle = await producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
         position = await handle        # appended (durable: on disk by default)
+        handles = await producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/on", b"1")])
         await producer.flush()         # or: wait for everything sent so far
 
-Batching: :meth:`Producer.send` only queues; a batch leaves when it holds
-``batch_bytes`` of payload or ``batch_count`` messages, or ``linger_ms`` after
-its first message, whichever comes first. A batch is one RPC request and one
-CommitLog write (one group commit when durable), and each message in it fails
-alone (a topic the ACL denies, a record over the size limit). Up to
-``IN_FLIGHT`` batches travel at once; the store appends them in the order sent.
+AutoBatch (on by default, RocketMQ 5's): :meth:`Producer.send` only queues
+the message and returns its handle; the producer's one batching task cuts a
+batch when it holds ``batch_max_bytes`` of payload or ``batch_max_count``
+messages, or ``batch_max_delay_ms`` after its first message, or at once on
+:meth:`Producer.flush`, :meth:`Producer.send_batch` and when the producer
+closes. A batch is one append request and one CommitLog write (one group
+commit when durable), and each message in it fails alone (a topic the ACL
+denies, a record over the size limit): its handle raises, its neighbours'
+do not. Up to ``IN_FLIGHT`` batches travel at once over the RPC (one to a store
+in this process); the store appends them in the order sent.
+``auto_batch=False`` sends each message as its own request at once (what a
+service that wants no added latency at all pays for in throughput:
+docs/benchmarks.md, "Produce").
 
-Delivery guarantee: at most once per :meth:`send`. A handle that raises
+Back-pressure: messages buffered or in flight hold at most
+``total_batch_max_bytes`` of payload; past it :meth:`Producer.send` waits
+(senders in the order they came) until answers free room, and
+:meth:`Producer.send_nowait` raises ``trio.WouldBlock``.
+
+Order: per topic, messages are stored in the order sent. Within one batch the
+messages of a topic go together (``store.api.by_topic``: the store can write a
+same-topic run as one record), so messages of different topics sent close
+together may be stored in another order than sent.
+
+Delivery guarantee: at most once per send. A handle that raises
 ``StoreUnavailable`` means the connection broke with the batch in flight: the
 message may or may not be stored; a producer that needs at-least-once sends it
 again (the consumer side tolerates duplicates; see store/clients/consumer.py).
@@ -29,75 +47,89 @@ the common ones (:func:`store.clients.properties.encode_properties`).
 Blocking code and asyncio: store/clients/blocking.py and store/clients/aio.py
 run this very producer on a trio thread of their own.
 
-Resource handling: ``connect`` is an async context manager owning the
-connection and the batching task; leaving it flushes what was sent (unless the
-block raised), then closes the connection.
+Resource handling: ``connect`` (and ``over``, for a store in this process) is
+an async context manager owning the connection and the batching task; leaving
+it flushes what was sent (unless the block raised), then closes the connection.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, final
+from typing import Any, Protocol, final
 
 import trio
 
 from lightqueue.topics import validate_topic
-from store.api import NewMessage, Position
+from store.api import NewMessage, Position, Positions, by_topic
 from store.clients.properties import encode_properties
 from store.rpc.client import RemoteStore, default_node_name
 
-__all__ = ["Producer", "ProducerStatistics", "SendHandle", "encode_properties"]
+__all__ = ["GroupAppender", "Message", "Producer", "ProducerStatistics", "SendHandle", "encode_properties"]
 
-LINGER_MS = 5
+BATCH_MAX_DELAY_MS = 5
 """Default wait after a batch's first message for more to join it: a few ms cost a service little and turn
 a burst of sends into one request and one CommitLog write."""
 
-BATCH_BYTES = 1024 * 1024
+BATCH_MAX_BYTES = 1024 * 1024
 """Default payload bytes that close a batch at once: far below the RPC's append budget and frame limit."""
 
-BATCH_COUNT = 2000
+BATCH_MAX_COUNT = 2000
 """Default messages that close a batch at once: bounds the per-request decode work on the store."""
 
-MAX_BUFFERED_BYTES = 64 * 1024 * 1024
-"""Payload bytes waiting to be sent beyond which :meth:`Producer.send` refuses (``trio.WouldBlock``): a service
-producing faster than the store accepts learns it instead of growing without bound."""
+TOTAL_BATCH_MAX_BYTES = 64 * 1024 * 1024
+"""Default payload bytes buffered or in flight beyond which :meth:`Producer.send` waits: a service producing
+faster than the store accepts is slowed to its pace instead of growing without bound."""
 
 IN_FLIGHT = 4
-"""Batches sent and not yet answered: enough to keep the store busy across a round trip."""
+"""Batches sent and not yet answered, over the RPC: enough to keep the store busy across a round trip. The store
+serves one connection's appends in the order they came, so they are stored in the order sent. A store in this
+process takes one batch at a time: concurrent appends there could reach the CommitLog in another order (two
+waiting for dispatch to catch up are woken in any order)."""
 
 _names = itertools.count(1)
 
 
+class GroupAppender(Protocol):
+    """Where a producer appends: ``RemoteStore`` (a store node over the RPC) or ``LocalStore`` (a store in this
+    process). Per group its positions, or the exception that kept that group (only) out."""
+
+    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None
+                            ) -> Sequence[Positions | Exception]: ...
+
+
 @final
 class SendHandle:
-    """The outcome of one :meth:`Producer.send`: ``await handle`` returns the message's ``Position`` (its log and
-    CommitLog offset).
+    """The outcome of one send: ``await handle`` returns the message's ``Position`` (its log and CommitLog offset;
+    a delayed message's is its Delayed record's).
 
     Raises (on await): ``AccessDenied`` (the ACL does not allow the topic),
-    ``RecordTooLarge``, ``StoreUnavailable`` (the connection broke: maybe stored),
+    ``RecordTooLarge``, ``DelayedCapExceeded``, ``StoreUnavailable`` (the connection broke: maybe stored),
     ``OSError`` (the store's write failed: not stored).
     """
 
-    __slots__ = ("_done", "_position", "_error", "_callbacks")
+    __slots__ = ("_done", "_event", "_position", "_error", "_callbacks")
 
     def __init__(self) -> None:
-        self._done = trio.Event()
+        self._done = False
+        self._event: trio.Event | None = None  # made for the first waiter only: most handles are never awaited alone
         self._position: Position | None = None
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[[SendHandle], object]] = []
+        self._callbacks: list[Callable[[SendHandle], object]] | None = None
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def add_done_callback(self, callback: Callable[[SendHandle], object]) -> None:
         """Call ``callback(handle)`` once the handle is done (at once if it is), on the trio thread: how the blocking
         and asyncio faces (store/clients/threaded.py) learn the outcome without a task per message."""
-        if self.done():
+        if self._done:
             callback(self)
+        elif self._callbacks is None:
+            self._callbacks = [callback]
         else:
             self._callbacks.append(callback)
 
@@ -106,14 +138,16 @@ class SendHandle:
             self._error = outcome
         else:
             self._position = outcome
-        self._done.set()
-        for callback in self._callbacks:
+        self._done = True
+        if self._event is not None:
+            self._event.set()
+        callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
             callback(self)
-        self._callbacks.clear()
 
     def result(self) -> Position:
         """The message's position, or the send's error raised, once :meth:`done`."""
-        if not self.done():
+        if not self._done:
             raise RuntimeError("the message is not stored yet: await the handle")
         if self._error is not None:
             raise self._error
@@ -122,43 +156,69 @@ class SendHandle:
 
     async def wait(self) -> Position:
         """The message's position, once the store appended it."""
-        await self._done.wait()
+        if self._done:
+            await trio.lowlevel.checkpoint()
+        else:
+            if self._event is None:
+                self._event = trio.Event()
+            await self._event.wait()
         return self.result()
 
     def __await__(self) -> Generator[Any, None, Position]:
         return self.wait().__await__()
 
 
+@final
+class Message:
+    """One message of a :meth:`Producer.send_batch`: :meth:`Producer.send`'s arguments."""
+
+    __slots__ = ("topic", "payload", "options")
+
+    def __init__(self, topic: str, payload: bytes, **options: Any) -> None:
+        self.topic = topic
+        self.payload = payload
+        self.options: Mapping[str, Any] = options
+
+
 @dataclass(frozen=True, slots=True)
 class ProducerStatistics:
-    sent: int  # send() calls accepted
+    sent: int  # messages accepted (send, send_nowait, send_batch)
     stored: int  # messages the store appended
     failed: int  # messages whose handle raised
     batches: int  # requests sent
     buffered: int  # messages waiting for a batch
+    held_bytes: int  # payload bytes buffered or in flight (at most total_batch_max_bytes, or one message's)
+    waits: int  # sends that waited for room (back-pressure)
 
 
 @final
 class Producer:
-    """Publishes to MQTT topics through a store node; create it with :meth:`connect`."""
+    """Publishes to MQTT topics through a store node; create it with :meth:`connect` (or :meth:`over`)."""
 
-    def __init__(self, client: RemoteStore, *, client_id: str, linger_ms: float, batch_bytes: int,
-                 batch_count: int, durable: bool | None) -> None:
+    def __init__(self, client: GroupAppender, *, client_id: str, auto_batch: bool = True,
+                 batch_max_delay_ms: float = BATCH_MAX_DELAY_MS, batch_max_bytes: int = BATCH_MAX_BYTES,
+                 batch_max_count: int = BATCH_MAX_COUNT, total_batch_max_bytes: int = TOTAL_BATCH_MAX_BYTES,
+                 durable: bool | None = True, in_flight: int = 1) -> None:
         self.client = client
         self.client_id = client_id
-        self._linger_s = linger_ms / 1000
-        self._batch_bytes = batch_bytes
-        self._batch_count = batch_count
+        self._delay_s = batch_max_delay_ms / 1000 if auto_batch else 0.0
+        self._batch_bytes = batch_max_bytes
+        self._batch_count = batch_max_count if auto_batch else 1
+        self._total_bytes = total_batch_max_bytes
         self._durable = durable
         self._buffer: list[tuple[NewMessage, SendHandle]] = []
         self._buffered_bytes = 0
+        self._held_bytes = 0  # buffered or in flight: what total_batch_max_bytes bounds
+        self._room_lock = trio.Lock()  # senders waiting for room, first come first served
+        self._room_freed = trio.Event()
         self._wakeup = trio.Event()  # set when the buffer gets its first message or fills a batch, or on flush
         self._flushing = False  # a flush waits: send what is buffered without lingering
-        self._slots = trio.Semaphore(IN_FLIGHT)
+        self._cut_through = 0  # the first messages of the buffer the next batch takes whole (a send_batch's)
+        self._slots = trio.Semaphore(in_flight)
         self._idle = trio.Event()  # set while nothing is buffered or in flight
         self._idle.set()
         self._in_flight = 0
-        self._sent = self._stored = self._failed = self._batches = 0
+        self._sent = self._stored = self._failed = self._batches = self._waits = 0
 
     @classmethod
     @asynccontextmanager
@@ -170,11 +230,8 @@ class Producer:
         username: str | None = None,
         password: str | bytes | None = None,
         client_id: str | None = None,
-        linger_ms: float = LINGER_MS,
-        batch_bytes: int = BATCH_BYTES,
-        batch_count: int = BATCH_COUNT,
-        durable: bool | None = True,
         timeout_s: float | None = 30.0,
+        **settings: Any,
     ) -> AsyncIterator[Producer]:
         """Connect to the store node at ``host:port`` (its ``store.listen``) and produce until the block exits.
 
@@ -185,10 +242,8 @@ class Producer:
             username, password: the service's credentials, when the store has a password file.
             client_id: the producer id recorded with each message (and ``%c`` in ACL rules);
                 default ``producer-<host>-<pid>-<n>``. Unique among the store's connections.
-            linger_ms, batch_bytes, batch_count: batching (see the module docstring).
-            durable: True: a handle completes once the message is on disk; None: per
-                the store's flush policy; False: once it is written (not flushed).
             timeout_s: give up if the first connection takes longer (None: retry forever).
+            settings: the batching and durability settings of :meth:`over`.
 
         Raises:
             StoreUnavailable: no connection within ``timeout_s``.
@@ -196,64 +251,98 @@ class Producer:
         """
         name = client_id or unique_client_name("producer")
         async with RemoteStore.connect(host, port, node=name, timeout_s=timeout_s, username=username,
-                                       password=password) as client:
-            producer = cls(client, client_id=name, linger_ms=linger_ms, batch_bytes=batch_bytes,
-                           batch_count=batch_count, durable=durable)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(producer._run, nursery)
-                yield producer
-                await producer.flush()
-                nursery.cancel_scope.cancel()
+                                       password=password) as client, cls.over(client, client_id=name,
+                                                                              **settings) as producer:
+            yield producer
 
-    def send(
-        self,
-        topic: str,
-        payload: bytes,
+    @classmethod
+    @asynccontextmanager
+    async def over(
+        cls,
+        client: GroupAppender,
         *,
-        qos: int = 1,
-        retain: bool = False,
-        properties: bytes = b"",
-        delay_s: float | None = None,
-        deliver_at: int | None = None,
-        **common: Any,
-    ) -> SendHandle:
-        """Queue a message for ``topic``; returns its handle at once (``await`` it for the offset).
+        client_id: str,
+        auto_batch: bool = True,
+        batch_max_delay_ms: float = BATCH_MAX_DELAY_MS,
+        batch_max_bytes: int = BATCH_MAX_BYTES,
+        batch_max_count: int = BATCH_MAX_COUNT,
+        total_batch_max_bytes: int = TOTAL_BATCH_MAX_BYTES,
+        durable: bool | None = True,
+    ) -> AsyncIterator[Producer]:
+        """Produce through ``client`` (a connected ``RemoteStore``, or a store in this process: ``LocalStore``)
+        until the block exits, then flush (unless the block raised).
 
         Args:
-            qos: the QoS the message is stored with (0..2): devices receive it at
+            auto_batch: group sends into batches (the module docstring); False: each send is a request of its own.
+            batch_max_delay_ms, batch_max_bytes, batch_max_count: when a batch leaves (the module docstring).
+            total_batch_max_bytes: payload bytes buffered or in flight beyond which ``send`` waits.
+            durable: True: a handle completes once the message is on disk; None: per
+                the store's flush policy; False: once it is written (not flushed).
+        """
+        producer = cls(client, client_id=client_id, auto_batch=auto_batch, batch_max_delay_ms=batch_max_delay_ms,
+                       batch_max_bytes=batch_max_bytes, batch_max_count=batch_max_count,
+                       total_batch_max_bytes=total_batch_max_bytes, durable=durable,
+                       in_flight=IN_FLIGHT if isinstance(client, RemoteStore) else 1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer._run, nursery)
+            yield producer
+            await producer.flush()
+            nursery.cancel_scope.cancel()
+
+    async def send(self, topic: str, payload: bytes, **options: Any) -> SendHandle:
+        """Queue a message for ``topic`` once there is room (``total_batch_max_bytes``); returns its handle
+        (``await`` it for the position). With room, it yields to other tasks only when the message fills a batch.
+
+        Args (keyword):
+            qos: the QoS the message is stored with (0..2, default 1): devices receive it at
                 the lower of this and their subscription's QoS.
             retain: also make it the topic's retained message (an empty payload deletes that).
             properties: an MQTT 5 PUBLISH property block, as encoded on the wire without its length.
             delay_s, deliver_at: deliver it this many seconds from now, or at this time (ms since the epoch), not
-                now: a delayed message, which the store keeps until then (store/timer/; the handle's offset is
+                now: a delayed message, which the store keeps until then (store/timer/; the handle's position is
                 its Delayed record's). A store with a cap of delayed messages per client fails the handle with
                 ``DelayedCapExceeded`` when this producer's client id is at it.
-            common: keyword arguments of :func:`encode_properties`, appended to ``properties``
+            others: keyword arguments of :func:`encode_properties`, appended to ``properties``
                 (do not set a property in both).
 
         Raises:
             TopicError: not a valid topic name (wildcards included).
             ValueError: a bad QoS or property value, a negative delay, or both delay_s and deliver_at.
-            trio.WouldBlock: ``MAX_BUFFERED_BYTES`` are waiting to be sent: ``await flush()`` first.
         """
-        validate_topic(topic)
-        if qos not in (0, 1, 2):
-            raise ValueError(f"qos must be 0, 1 or 2, not {qos!r}")
-        if self._buffered_bytes + len(payload) > MAX_BUFFERED_BYTES and self._buffer:
-            raise trio.WouldBlock(f"{self._buffered_bytes} bytes are waiting to be sent: await flush() first")
-        if common:
-            properties += encode_properties(**common)
-        now = int(time.time() * 1000)
-        message = NewMessage(topic, bytes(payload), self.client_id, qos, retain, properties, now, 0,
-                             _due(now, delay_s, deliver_at))
-        handle = SendHandle()
-        self._buffer.append((message, handle))
-        self._buffered_bytes += len(payload)
-        self._sent += 1
-        self._idle = trio.Event() if self._idle.is_set() else self._idle
-        if len(self._buffer) == 1 or self._full():
-            self._wakeup.set()
+        message = self._message(topic, payload, options)
+        size = len(message.payload)
+        if self._room_lock.locked() or not self._fits(size):
+            await self._room(size)
+            return self._queue([message], cut=False)[0]
+        handle = self._queue([message], cut=False)[0]
+        if self._full():  # a batch is ready: the batching task sends it now (a scheduler round for every message
+            await trio.lowlevel.checkpoint()  # would cost more than the message)
         return handle
+
+    def send_nowait(self, topic: str, payload: bytes, **options: Any) -> SendHandle:
+        """:meth:`send` without waiting for room.
+
+        Raises:
+            trio.WouldBlock: ``total_batch_max_bytes`` are buffered or in flight, or other sends wait for room.
+            others: as :meth:`send`.
+        """
+        message = self._message(topic, payload, options)
+        if self._room_lock.locked() or not self._fits(len(message.payload)):
+            raise trio.WouldBlock(f"{self._held_bytes} bytes are buffered or in flight: await send() or flush()")
+        return self._queue([message], cut=False)[0]
+
+    async def send_batch(self, messages: Iterable[Message]) -> list[SendHandle]:
+        """Send ``messages`` in one request, now (after what is buffered); their handles, in order, each with its
+        message's own outcome. Checked whole first: a bad one raises and none is sent.
+
+        Raises:
+            TopicError, ValueError: as :meth:`send`, for any of the messages.
+        """
+        made = [self._message(m.topic, m.payload, m.options) for m in messages]
+        if not made:
+            return []
+        await self._room(sum(len(m.payload) for m in made))
+        return self._queue(made, cut=True)
 
     async def flush(self) -> None:
         """Return once every message sent before the call is stored or failed (its handle is done)."""
@@ -264,21 +353,74 @@ class Producer:
         await self._idle.wait()
 
     def statistics(self) -> ProducerStatistics:
-        return ProducerStatistics(self._sent, self._stored, self._failed, self._batches, len(self._buffer))
+        return ProducerStatistics(self._sent, self._stored, self._failed, self._batches, len(self._buffer),
+                                  self._held_bytes, self._waits)
+
+    def _message(self, topic: str, payload: bytes, options: Mapping[str, Any]) -> NewMessage:
+        """The message a send stores, its arguments checked (:meth:`send`)."""
+        validate_topic(topic)
+        now = int(time.time() * 1000)
+        if not options:
+            return NewMessage(topic, bytes(payload), self.client_id, 1, False, b"", now)
+        common = dict(options)
+        qos = common.pop("qos", 1)
+        retain = common.pop("retain", False)
+        properties = common.pop("properties", b"")
+        delay_s = common.pop("delay_s", None)
+        deliver_at = common.pop("deliver_at", None)
+        if qos not in (0, 1, 2):
+            raise ValueError(f"qos must be 0, 1 or 2, not {qos!r}")
+        if common:
+            properties += encode_properties(**common)
+        return NewMessage(topic, bytes(payload), self.client_id, qos, retain, properties, now, 0,
+                          _due(now, delay_s, deliver_at))
+
+    def _fits(self, size: int) -> bool:
+        """Room for ``size`` more bytes: within the total, or nothing held (one message larger than the total goes
+        alone rather than never)."""
+        return not self._held_bytes or self._held_bytes + size <= self._total_bytes
+
+    async def _room(self, size: int) -> None:
+        """Wait until ``size`` bytes fit, behind the senders that waited first."""
+        await trio.lowlevel.checkpoint()
+        if not self._room_lock.locked() and self._fits(size):
+            return
+        self._waits += 1
+        async with self._room_lock:
+            while not self._fits(size):
+                self._room_freed = trio.Event()
+                await self._room_freed.wait()
+
+    def _queue(self, messages: list[NewMessage], *, cut: bool) -> list[SendHandle]:
+        """Buffer the messages (``cut``: the next batch takes them all, at once); their handles."""
+        size = sum(len(m.payload) for m in messages)
+        handles = [SendHandle() for _ in messages]
+        first = not self._buffer
+        self._buffer.extend(zip(messages, handles))
+        self._buffered_bytes += size
+        self._held_bytes += size
+        self._sent += len(messages)
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        if cut:
+            self._cut_through = len(self._buffer)
+        if first or cut or self._full():
+            self._wakeup.set()
+        return handles
 
     def _full(self) -> bool:
         return self._buffered_bytes >= self._batch_bytes or len(self._buffer) >= self._batch_count
 
     async def _run(self, nursery: trio.Nursery) -> None:
-        """Cut batches: when one is full, or ``linger_ms`` after its first message (or at once on flush)."""
+        """Cut batches: when one is full, or ``batch_max_delay_ms`` after its first message (or at once on flush
+        and send_batch). The producer's one timer."""
         while True:
             if not self._buffer:
                 self._wakeup = trio.Event()
                 await self._wakeup.wait()
                 continue
-            if not self._full() and not self._flushing:
+            if not self._full() and not self._flushing and not self._cut_through and self._delay_s:
                 self._wakeup = trio.Event()
-                with trio.move_on_after(self._linger_s):
+                with trio.move_on_after(self._delay_s):
                     await self._wakeup.wait()
             await self._slots.acquire()
             batch = self._take()
@@ -290,26 +432,25 @@ class Producer:
         buffer = self._buffer
         taken = 0
         size = 0
-        while taken < len(buffer) and taken < self._batch_count:
+        while taken < len(buffer) and (taken < self._cut_through or taken < self._batch_count
+                                       and size < self._batch_bytes):
             size += len(buffer[taken][0].payload)
             taken += 1
-            if size >= self._batch_bytes:
-                break
         batch = buffer[:taken]
         del buffer[:taken]
         self._buffered_bytes -= size
+        self._cut_through = max(0, self._cut_through - taken)
         return batch
 
     async def _send(self, batch: list[tuple[NewMessage, SendHandle]]) -> None:
+        size = sum(len(message.payload) for message, _ in batch)
         try:
-            outcomes: list[Position | Exception] | None = None
             try:
-                outcomes = await self.client.append_each([message for message, _ in batch], durable=self._durable)
+                outcomes = await self._append([message for message, _ in batch])
             except (OSError, ValueError) as exc:  # StoreUnavailable is an OSError
-                error = exc
+                outcomes = [exc] * len(batch)
             self._batches += 1
-            for index, (_, handle) in enumerate(batch):
-                outcome = outcomes[index] if outcomes is not None else error
+            for (_, handle), outcome in zip(batch, outcomes):
                 handle._set(outcome)
                 if isinstance(outcome, BaseException):
                     self._failed += 1
@@ -317,9 +458,27 @@ class Producer:
                     self._stored += 1
         finally:
             self._in_flight -= 1
+            self._held_bytes -= size
+            self._room_freed.set()
             self._slots.release()
             if not self._in_flight and not self._buffer:
                 self._idle.set()
+
+    async def _append(self, messages: list[NewMessage]) -> list[Position | Exception]:
+        """The one call that stores a batch: one request (one CommitLog write), its messages in runs of one topic.
+
+        Today each message is a group of its own, so that each fails alone; ``groups = [[messages[i] for i in run]
+        for run in runs]`` would ask the store to write each same-topic run as one record, all or nothing.
+        """
+        runs = by_topic(messages)
+        groups = [[messages[i]] for run in runs for i in run]
+        results = await self.client.append_groups(groups, durable=self._durable)
+        outcomes: dict[int, Position | Exception] = {}  # by the index the message was sent at
+        order = itertools.chain.from_iterable(runs)
+        for group, result in zip(groups, results):
+            for k in range(len(group)):
+                outcomes[next(order)] = result if isinstance(result, Exception) else result[k]
+        return [outcomes[i] for i in range(len(messages))]
 
 
 def _due(now: int, delay_s: float | None, deliver_at: int | None) -> int:

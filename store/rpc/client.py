@@ -21,7 +21,7 @@ pipelining, batching and reconnecting, to the address a resolver gives):
   their writes (``LeaseLost``).
 
 Back-end producers and consumers (store/clients/) use the same client: ``RemoteStore.connect(host, port)``
-then ``append`` (or ``append_each``), ``join``, ``claim``, ``ack``, ``leave``.
+then ``append`` (or ``append_groups``), ``join``, ``claim``, ``ack``, ``leave``.
 
 Resource handling: ``connect`` is an async context manager that owns the
 connection and its tasks; leaving it closes both, and ``events`` then ends.
@@ -252,12 +252,13 @@ class RemoteStore:
 
         return await self._through_failover(attempt)
 
-    async def append_each(self, messages: Sequence[NewMessage], *, durable: bool | None = None
-                          ) -> list[Position | Exception]:
-        """Append messages in one request and one CommitLog write, each one failing alone (back-end producers,
-        store/clients/producer.py, which batch by themselves: this skips the client's own batching).
+    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None
+                            ) -> list[Positions | Exception]:
+        """Append groups of messages in one request and one CommitLog write, each group all or nothing and failing
+        alone (back-end producers, store/clients/producer.py, which batch by themselves: this skips the client's
+        own batching).
 
-        Returns, per message, its position or the exception that refused it
+        Returns, per group, its positions or the exception that refused it
         (``RecordTooLarge``, ``AccessDenied`` for a topic the ACL does not allow).
 
         Raises:
@@ -265,16 +266,16 @@ class RemoteStore:
             OSError: the write failed; none was appended.
             ValueError: the request exceeds the RPC frame limit (nothing was sent).
         """
-        if not messages:
+        if not groups:
             self._require_link()
             return []
-        groups = [[m] for m in messages]
+        sent = [list(group) for group in groups]
         try:
-            answer = await self._call(lambda rid: rpc.AppendRequest(rid, groups, durable))
+            answer = await self._call(lambda rid: rpc.AppendRequest(rid, sent, durable))
         except rpc.RpcProtocolError as exc:
             raise ValueError(str(exc)) from None
         errors = answer.errors
-        return [exception_of(errors[i]) if i in errors else answer.positions[i][0] for i in range(len(groups))]
+        return [exception_of(errors[i]) if i in errors else answer.positions[i] for i in range(len(sent))]
 
     def pull_nowait(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         """Always raises ``trio.WouldBlock``: a read is a round trip to the store node."""

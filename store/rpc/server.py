@@ -454,7 +454,7 @@ class _Connection:
                     positions.append(Positions(MAIN_LOG, []))
                     errors[index] = error_frame(0, result)
                 else:
-                    positions.append(Positions(MAIN_LOG, result))
+                    positions.append(result)
             self.send(rpc.Appended(request.id, positions, errors))
 
     # --- pushing ----------------------------------------------------------------------------

@@ -84,7 +84,7 @@ def test_back_end_producers_given_a_replica_that_does_not_lead_first_end_up_on_t
 
     async def produce() -> None:
         async with Producer.connect(addresses, timeout_s=WAIT_S) as producer:
-            position = await producer.send(f"p{run}/trio", b"trio")
+            position = await (await producer.send(f"p{run}/trio", b"trio"))
             assert position.offset >= 0
 
     trio.run(produce)
@@ -93,7 +93,7 @@ def test_back_end_producers_given_a_replica_that_does_not_lead_first_end_up_on_t
 
     async def produce_asyncio() -> None:
         async with AsyncioProducer.connect(addresses, timeout_s=WAIT_S) as producer:
-            assert (await producer.send(f"p{run}/asyncio", b"asyncio")).offset >= 0
+            assert (await (await producer.send(f"p{run}/asyncio", b"asyncio"))).offset >= 0
 
     asyncio.run(produce_asyncio())
     assert len([doc for doc in store.logs if doc.get("msg") == "gateway node connected"  # an open store: trusted

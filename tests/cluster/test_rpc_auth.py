@@ -61,7 +61,8 @@ def append_as_backend(port: int, node: str, topic: str) -> None:
     async def run() -> None:
         async with RemoteStore.connect("127.0.0.1", port, node=node, username=USER, password=PASSWORD,
                                              timeout_s=WAIT_S) as client:
-            await client.append_each([NewMessage(topic, b"from the back end", qos=1)])
+            [appended] = await client.append_groups([[NewMessage(topic, b"from the back end", qos=1)]])
+            assert not isinstance(appended, Exception), appended
 
     trio.run(run)
 

@@ -68,5 +68,5 @@ async def test_the_local_and_the_remote_store_answer_positions(store_small_recor
     async with RemoteStore.connect("127.0.0.1", port, node="gw-remote") as remote:
         await remote.open_session("dev1", clean_start=True, expiry_s=60)
         await check_positions(remote, Position(1, 0))
-        each = await remote.append_each([NewMessage("t/c", b"3")])
-        assert each == [Position(MAIN_LOG, each[0].offset)]  # a back-end producer's: one position a message
+        [each] = await remote.append_groups([[NewMessage("t/c", b"3")]])
+        assert each[0] == Position(MAIN_LOG, each.offsets[0])  # a back-end producer's: positions a group

@@ -15,7 +15,9 @@ from paho.mqtt.packettypes import PacketTypes
 
 from gateway.auth.passwords import PasswordFile
 from gateway.ops.admin import AdminApi
+from store.log.commitlog import CommitLogConfig
 from tests.helpers.admin import Admin, admin_port
+from tests.helpers.prometheus import metric
 from tests.helpers.mqtt_fixtures import (
     WAIT_S, Client, connected, check_nothing_before_sentinel, properties, running_node, wait_until,
 )
@@ -325,7 +327,9 @@ def test_a_payload_marked_utf8_must_be_utf8(admin):
     assert status == 400 and "payload_format_indicator" in answer["error"]
 
 
-def test_bulk_publish_answers_each_message_in_order(node_without_sys, admin):
+def test_bulk_publish_answers_each_message_in_order_and_stores_each_topic_in_order(node_without_sys, admin):
+    """One append for the bulk, the messages in runs of one topic: a subscriber to both topics receives each
+    topic's messages in the order sent [MQTT-4.6.0-6] (the HTTP publisher is one publisher)."""
     run = run_id()
     with connected(node_without_sys.port, protocol=mqtt.MQTTv5) as sub:
         sub.subscribe(f"bulk{run}/#", 1)
@@ -341,9 +345,25 @@ def test_bulk_publish_answers_each_message_in_order(node_without_sys, admin):
         assert body["results"][0] == {"status": 200, "topic": f"bulk{run}/1", "qos": 1, "retain": False, "bytes": 3}
         assert "wildcard" in body["results"][1]["error"]
         received = sub.receive(3)
-    assert [(m.topic, m.payload) for m in received] == [(f"bulk{run}/1", b"one"), (f"bulk{run}/3", b"\x03"),
-                                                       (f"bulk{run}/1", b"four")]
-    assert received[1].properties.ContentType == "application/octet-stream"
+    assert [(m.topic, m.payload) for m in received] == [(f"bulk{run}/1", b"one"), (f"bulk{run}/1", b"four"),
+                                                       (f"bulk{run}/3", b"\x03")]
+    assert received[2].properties.ContentType == "application/octet-stream"
+
+
+def test_a_bulk_publish_is_one_commitlog_write_and_a_refused_message_fails_alone(node_without_sys, admin):
+    run = run_id()
+    port = admin_port(node_without_sys)
+    messages = [{"topic": f"bulkone{run}/{i % 7}", "payload": f"{i}", "qos": 1} for i in range(200)]
+    before = metric(port, "lightgate_commitlog_writes_total")
+    status, _, body = admin.request("POST", "/api/v1/publish/bulk", {"messages": messages})
+    assert status == 200 and {r["status"] for r in body["results"]} == {200}
+    writes = metric(port, "lightgate_commitlog_writes_total") - before
+    assert 1 <= writes <= 3  # one for the bulk (not 200, each a flush under the sync policy); the node's own may land
+    status, _, body = admin.request("POST", "/api/v1/publish/bulk", {"messages": [
+        {"topic": f"bulkone{run}/a", "payload": "fine"},
+        {"topic": f"bulkone{run}/a", "payload": "x" * (CommitLogConfig().max_record_bytes + 1)},
+        {"topic": f"bulkone{run}/b", "payload": "fine too"}]})
+    assert [r["status"] for r in body["results"]] == [200, 413, 200]
 
 
 def test_a_bulk_body_that_does_not_decode_whole_publishes_nothing(node_without_sys, admin):

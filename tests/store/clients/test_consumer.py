@@ -56,7 +56,7 @@ async def server(store, nursery):
 async def publish(port: int, topic: str, *payloads: bytes) -> None:
     async with Producer.connect("127.0.0.1", port) as producer:
         for payload in payloads:
-            producer.send(topic, payload)
+            await producer.send(topic, payload)
 
 
 async def consume(consumer: Consumer, count: int, into: list[bytes]) -> None:

@@ -16,7 +16,7 @@ import trio
 from store.clients.aio import AsyncioConsumer, AsyncioProducer
 from store.clients.blocking import BlockingConsumer, BlockingProducer
 from store.clients.consumer import Consumer, ConsumerMessage
-from store.clients.producer import Producer
+from store.clients.producer import Message, Producer
 from store.clients.properties import NO_PROPERTIES, MessageProperties, decode_properties, encode_properties
 from lightqueue.topics import TopicError
 from store.log.commitlog import CommitLogConfig
@@ -77,7 +77,7 @@ def port(tmp_path):
 
 async def send_all(producer, topic: str, payloads: list[bytes]) -> list[int]:
     """With a trio or asyncio producer: send, flush, then each send's outcome (a trio handle or an asyncio future)."""
-    sent = [producer.send(topic, payload, qos=1, **PROPERTIES) for payload in payloads]
+    sent = [await producer.send(topic, payload, qos=1, **PROPERTIES) for payload in payloads]
     await producer.flush()
     return [await outcome for outcome in sent]
 
@@ -181,7 +181,7 @@ def test_an_asyncio_consumer_waiting_on_the_store_leaves_the_event_loop_free(por
                 AsyncioProducer.connect("127.0.0.1", port) as producer:
             poll = asyncio.create_task(consumer.poll(wait_s=WAIT_S))
             await asyncio.sleep(0)  # let the poll start: it runs on the trio thread from now on
-            await producer.send("cmd/x", b"wake up")
+            await (await producer.send("cmd/x", b"wake up"))
             batch = await asyncio.wait_for(poll, WAIT_S)
             return [m.payload for m in batch]
 
@@ -205,7 +205,7 @@ def test_cancelling_an_asyncio_call_cancels_it_on_the_trio_thread(port):
                 async with asyncio.timeout(WAIT_S / 3):  # well before the long poll's 30 s
                     while consumer._thread._nursery.child_tasks:  # cancelled there, not left running
                         await asyncio.sleep(0)
-                await producer.send("idle/x", b"after the cancel")
+                await (await producer.send("idle/x", b"after the cancel"))
             async with AsyncioConsumer.connect("127.0.0.1", port, group="g", filter="idle/#") as again:
                 return [m.payload for m in await again.poll(wait_s=WAIT_S)]
 
@@ -214,7 +214,7 @@ def test_cancelling_an_asyncio_call_cancels_it_on_the_trio_thread(port):
 
 def test_errors_raise_as_in_the_trio_face(port):
     """A bad send raises at ``send``; a refused message fails its future; no store raises from ``connect``."""
-    with BlockingProducer.connect("127.0.0.1", port, batch_bytes=1) as producer:
+    with BlockingProducer.connect("127.0.0.1", port, batch_max_bytes=1) as producer:
         with pytest.raises(TopicError):
             producer.send("cmd/+", b"x")
         with pytest.raises(ValueError, match="qos"):
@@ -225,6 +225,46 @@ def test_errors_raise_as_in_the_trio_face(port):
     with pytest.raises(StoreUnavailable):
         with BlockingProducer.connect("127.0.0.1", 1, timeout_s=0.5):
             pass
+
+
+def test_every_face_sends_a_batch_with_an_outcome_per_message(port):
+    """``send_batch``: one future per message, in order; a refused message fails alone."""
+    too_large = b"x" * (CommitLogConfig().max_record_bytes + 1)
+    batch = [Message("batch/a", b"1"), Message("batch/a", too_large), Message("batch/b", b"2", qos=0)]
+    with BlockingProducer.connect("127.0.0.1", port) as producer:
+        futures = producer.send_batch(batch)
+        blocking = [futures[0].result(WAIT_S), futures[2].result(WAIT_S)]
+        with pytest.raises(RecordTooLarge):
+            futures[1].result(WAIT_S)
+        assert producer.statistics().batches == 1
+
+    async def main() -> list:
+        async with AsyncioProducer.connect("127.0.0.1", port) as producer:
+            futures = await producer.send_batch(batch)
+            with pytest.raises(RecordTooLarge):
+                await futures[1]
+            return [await futures[0], await futures[2]]
+
+    positions = blocking + asyncio.run(main())
+    assert [p.offset for p in positions] == sorted(p.offset for p in positions)
+
+
+def test_a_blocking_send_waits_while_the_producer_holds_its_total_bytes(port):
+    with BlockingProducer.connect("127.0.0.1", port, total_batch_max_bytes=1000,
+                                  batch_max_delay_ms=60_000) as producer:
+        first = [producer.send("full/a", b"x" * 400) for _ in range(2)]
+        third: list = []
+        sender = threading.Thread(target=lambda: third.append(producer.send("full/a", b"y" * 400)))
+        sender.start()
+        deadline = time.monotonic() + WAIT_S
+        while producer.statistics().waits < 1:  # the third send is waiting for room
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert sender.is_alive() and not third and producer.statistics().held_bytes == 800
+        producer.flush()  # the first two leave; their answers free the room
+        sender.join(WAIT_S)
+        assert len(third) == 1
+    assert [f.result(WAIT_S).offset for f in first + third] == sorted(f.result().offset for f in first + third)
 
 
 def test_consumers_decode_the_mqtt5_properties_into_a_typed_object():
@@ -251,10 +291,10 @@ def test_every_face_sends_delayed_messages(tmp_path):
     with store_node(tmp_path) as port:
         async def trio_face() -> None:
             async with Producer.connect("127.0.0.1", port, client_id="delay-trio") as producer:
-                await producer.send("delayed/trio", b"t", delay_s=1)
-                await producer.send("delayed/trio", b"u", deliver_at=int(time.time() * 1000) + 1000)
+                await (await producer.send("delayed/trio", b"t", delay_s=1))
+                await (await producer.send("delayed/trio", b"u", deliver_at=int(time.time() * 1000) + 1000))
                 with pytest.raises(ValueError):
-                    producer.send("delayed/trio", b"v", delay_s=1, deliver_at=1)
+                    await producer.send("delayed/trio", b"v", delay_s=1, deliver_at=1)
 
         sent = time.monotonic()
         trio.run(trio_face)
@@ -263,7 +303,7 @@ def test_every_face_sends_delayed_messages(tmp_path):
 
         async def asyncio_face() -> None:
             async with AsyncioProducer.connect("127.0.0.1", port, client_id="delay-asyncio") as producer:
-                await producer.send("delayed/asyncio", b"a", delay_s=1)
+                await (await producer.send("delayed/asyncio", b"a", delay_s=1))
 
         asyncio.run(asyncio_face())
         with BlockingConsumer.connect("127.0.0.1", port, group="delayed", filter="delayed/#",

@@ -6,8 +6,11 @@ authentication on and a paho MQTT 5 device that receives what the producer sends
 """
 
 
+import time
+
 import pytest
 import trio
+import trio.testing
 
 from gateway.app import config as cfg
 from gateway.app.cli import _store_access
@@ -15,7 +18,8 @@ from gateway.auth.passwords import PasswordFile
 from gateway.mqtt.properties import PacketType, decode_properties
 from lightqueue.topics import TopicError
 from store.api import MAIN_LOG, Flow, NewMessage, Position, PullRequest, group_owner
-from store.clients.producer import Producer, encode_properties
+from store.clients.producer import Message, Producer, encode_properties
+from store.local import LocalStore
 from store.log.record import RecordTooLarge
 from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
 from store.rpc.client import RemoteStore, StoreRpcError
@@ -52,9 +56,9 @@ def test_common_properties_encode_as_the_gateway_decodes_them():
 
 async def test_sends_are_batched_stored_in_order_and_each_handle_gets_its_offset(store_small_records, nursery):
     port = await serve(nursery, store_small_records)
-    async with Producer.connect("127.0.0.1", port, client_id="svc-1", linger_ms=50) as producer:
-        handles = [producer.send("cmd/dev1", b"%d" % i, qos=1, content_type="text/plain") for i in range(300)]
-        retained = producer.send("status/dev1", b"on", qos=0, retain=True, properties=b"\x01\x01")
+    async with Producer.connect("127.0.0.1", port, client_id="svc-1", batch_max_delay_ms=50) as producer:
+        handles = [await producer.send("cmd/dev1", b"%d" % i, qos=1, content_type="text/plain") for i in range(300)]
+        retained = await producer.send("status/dev1", b"on", qos=0, retain=True, properties=b"\x01\x01")
         offsets = [await handle for handle in handles]
         await producer.flush()
         stats = producer.statistics()
@@ -74,28 +78,144 @@ async def test_sends_are_batched_stored_in_order_and_each_handle_gets_its_offset
 
 async def test_a_bad_message_fails_alone_and_bad_arguments_fail_at_send(store_small_records, nursery):
     port = await serve(nursery, store_small_records)
-    async with Producer.connect("127.0.0.1", port, linger_ms=1000) as producer:
-        before = producer.send("a/b", b"1")
-        huge = producer.send("a/b", b"x" * 8192)  # above the store's max_record_bytes of 4096
-        after = producer.send("a/b", b"2")
+    async with Producer.connect("127.0.0.1", port, batch_max_delay_ms=1000) as producer:
+        before = await producer.send("a/b", b"1")
+        huge = await producer.send("a/b", b"x" * 8192)  # above the store's max_record_bytes of 4096
+        after = await producer.send("a/b", b"2")
         await producer.flush()
         with pytest.raises(RecordTooLarge):
             await huge
         assert await before < await after
         with pytest.raises(TopicError):
-            producer.send("a/+", b"wildcards are for filters")
+            await producer.send("a/+", b"wildcards are for filters")
         with pytest.raises(ValueError, match="qos"):
-            producer.send("a/b", b"", qos=3)
+            await producer.send("a/b", b"", qos=3)
 
 
 async def test_flush_returns_at_once_when_nothing_waits_and_the_block_flushes_on_exit(store_small_records, nursery):
     port = await serve(nursery, store_small_records)
-    async with Producer.connect("127.0.0.1", port, linger_ms=60_000) as producer:
+    async with Producer.connect("127.0.0.1", port, batch_max_delay_ms=60_000) as producer:
         with trio.fail_after(WAIT_S):
             await producer.flush()
-        handle = producer.send("a/b", b"sent last")
+        handle = await producer.send("a/b", b"sent last")
     assert handle.done()
     assert (await handle).offset >= 0
+
+
+# --- AutoBatch and send_batch -------------------------------------------------------------------
+
+
+async def pulled(port: int, queue: str, token: str = "") -> list[bytes]:
+    async with RemoteStore.connect("127.0.0.1", port, node="reader", token=token) as client:
+        [result] = await client.pull([PullRequest(queue, 0, 10_000)])
+    return [record.payload for _, record in result.messages]
+
+
+async def test_a_batch_leaves_when_full_each_handle_resolves_alone_and_each_topic_keeps_its_order(
+        store_small_records, nursery):
+    port = await serve(nursery, store_small_records)
+    async with Producer.connect("127.0.0.1", port, batch_max_count=4, batch_max_delay_ms=60_000) as producer:
+        handles = [await producer.send(f"order/{'ab'[i % 2]}", b"%d" % i) for i in range(6)]
+        with trio.fail_after(WAIT_S):  # the first four are a full batch: they leave without waiting the delay
+            first = [await handle for handle in handles[:4]]
+        assert not handles[4].done() and not handles[5].done()  # the last two wait for the delay (a minute)
+        assert producer.statistics().buffered == 2
+        await producer.flush()
+        last = [await handle for handle in handles[4:]]
+    a_offsets = [p.offset for p in (first[0], first[2], last[0])]
+    b_offsets = [p.offset for p in (first[1], first[3], last[1])]
+    assert a_offsets == sorted(a_offsets) and b_offsets == sorted(b_offsets)
+    assert first[0].offset < first[2].offset < first[1].offset  # in a batch, a topic's messages go together
+    assert await pulled(port, "order/a") == [b"0", b"2", b"4"]
+    assert await pulled(port, "order/b") == [b"1", b"3", b"5"]
+
+
+async def test_a_batch_leaves_after_its_delay_without_a_flush(store_small_records, nursery):
+    port = await serve(nursery, store_small_records)
+    async with Producer.connect("127.0.0.1", port, batch_max_delay_ms=20) as producer:
+        handle = await producer.send("delay/a", b"alone")
+        with trio.fail_after(WAIT_S):
+            assert (await handle).offset >= 0  # no flush, no full batch: the delay sent it
+        assert producer.statistics().batches == 1
+
+
+async def test_closing_the_producer_stores_every_message_sent(store_small_records, nursery):
+    port = await serve(nursery, store_small_records)
+    async with Producer.connect("127.0.0.1", port, batch_max_delay_ms=60_000, batch_max_count=100_000) as producer:
+        handles = [await producer.send("close/a", b"%d" % i, qos=0) for i in range(1000)]
+        handles += await producer.send_batch([Message("close/a", b"batch"), Message("close/b", b"batch")])
+        handles.append(await producer.send("close/a", b"last"))
+        assert not any(handle.done() for handle in handles[:1000])
+    assert all(handle.done() for handle in handles)
+    assert await pulled(port, "close/a") == [b"%d" % i for i in range(1000)] + [b"batch", b"last"]
+    assert await pulled(port, "close/b") == [b"batch"]
+
+
+async def test_send_batch_is_one_request_and_each_message_has_its_own_outcome(store_small_records, nursery):
+    access = StoreAccess(token="gw-secret", authenticate=check_password, authorize=only_cmd)
+    port = await serve(nursery, store_small_records, access)
+    async with Producer.connect("127.0.0.1", port, username="svc", password="secret") as producer:
+        handles = await producer.send_batch([
+            Message("cmd/dev1", b"one", qos=1, content_type="text/plain"),
+            Message("secret/x", b"the ACL says no"),
+            Message("cmd/dev1", b"x" * 8192),  # above the store's max_record_bytes of 4096
+            Message("cmd/dev2", b"two", qos=0),
+            Message("cmd/dev1", b"later", delay_s=3600),  # a delayed message: its Delayed record's position
+            Message("cmd/dev1", b"three"),
+        ])
+        with trio.fail_after(WAIT_S):
+            one, two, later, three = await handles[0], await handles[3], await handles[4], await handles[5]
+            with pytest.raises(AccessDenied, match="publish"):
+                await handles[1]
+            with pytest.raises(RecordTooLarge):
+                await handles[2]
+        assert producer.statistics().batches == 1  # all six in one request, sent at once (no delay waited)
+        with pytest.raises(TopicError):  # checked whole before anything is sent
+            await producer.send_batch([Message("cmd/dev1", b"fine"), Message("cmd/+", b"a filter")])
+        assert producer.statistics().sent == 6
+    assert one.offset < later.offset < three.offset and two.offset >= 0
+    assert await pulled(port, "cmd/dev1", "gw-secret") == [b"one", b"three"]
+
+
+async def test_send_waits_while_the_producer_holds_its_total_bytes(store_small_records, nursery):
+    port = await serve(nursery, store_small_records)
+    async with Producer.connect("127.0.0.1", port, total_batch_max_bytes=1000,
+                                batch_max_delay_ms=60_000) as producer:
+        first = [await producer.send("full/a", b"x" * 400) for _ in range(2)]
+        third: list = []
+
+        async def send_third() -> None:
+            third.append(await producer.send("full/a", b"y" * 400))
+
+        nursery.start_soon(send_third)
+        await trio.testing.wait_all_tasks_blocked()
+        stats = producer.statistics()
+        assert not third and stats.waits == 1 and stats.held_bytes == 800  # 1200 would exceed 1000: it waits
+        with pytest.raises(trio.WouldBlock):
+            producer.send_nowait("full/a", b"z")
+        await producer.flush()  # the first two leave, and their answers free the room
+        with trio.fail_after(WAIT_S):
+            while not third:
+                await trio.testing.wait_all_tasks_blocked()
+        assert producer.statistics().held_bytes == 400
+    assert all(handle.done() for handle in first + third)
+    assert await pulled(port, "full/a") == [b"x" * 400] * 2 + [b"y" * 400]
+
+
+async def test_a_producer_appends_to_a_store_in_this_process_as_over_the_rpc(store_small_records):
+    local = LocalStore(store_small_records)
+    try:
+        async with Producer.over(local, client_id="in-process") as producer:
+            handles = await producer.send_batch([Message("local/a", b"1"), Message("local/a", b"x" * 8192)])
+            handles.append(await producer.send("local/a", b"2"))
+        with pytest.raises(RecordTooLarge):
+            await handles[1]
+        [result] = await local.pull([PullRequest("local/a", 0, 10)])
+        assert [(record.payload, record.client_id) for _, record in result.messages] == [(b"1", "in-process"),
+                                                                                        (b"2", "in-process")]
+        assert (await handles[0]).offset == result.messages[0][1].offset
+    finally:
+        local.close()
 
 
 # --- access -------------------------------------------------------------------------------------
@@ -118,8 +238,8 @@ async def test_the_store_admits_clients_by_password_and_checks_their_topics(stor
         async with Producer.connect("127.0.0.1", port, username="svc", password="wrong", timeout_s=5):
             pass
     async with Producer.connect("127.0.0.1", port, username="svc", password="secret") as producer:
-        allowed = producer.send("cmd/dev1", b"ok")
-        denied = producer.send("secret/x", b"no")
+        allowed = await producer.send("cmd/dev1", b"ok")
+        denied = await producer.send("secret/x", b"no")
         await producer.flush()
         assert (await allowed).offset >= 0
         with pytest.raises(AccessDenied, match="publish"):
@@ -206,9 +326,9 @@ def test_a_device_on_a_cluster_gateway_receives_what_a_producer_sends(tmp_path):
                 async with Producer.connect("127.0.0.1", store_port, username="svc", password="bad", timeout_s=5):
                     pass
             async with Producer.connect("127.0.0.1", store_port, username="svc", password="svc-secret") as producer:
-                handles = [producer.send(f"cmd/dev1/{i % 3}", b"%d" % i, qos=1, content_type="text/plain",
+                handles = [await producer.send(f"cmd/dev1/{i % 3}", b"%d" % i, qos=1, content_type="text/plain",
                                          user_properties=[("from", "billing")]) for i in range(50)]
-                denied = producer.send("tele/dev1/temp", b"not the service's topic")
+                denied = await producer.send("tele/dev1/temp", b"not the service's topic")
                 for handle in handles:
                     await handle
                 with pytest.raises(AccessDenied):
