@@ -268,7 +268,7 @@ class Channel:
         self._session: Session | None = None
         self._link: Link | None = None
         self._queued: list[Packet] = []
-        self._pending: dict[int, tuple[int, int]] = {}  # Append ref -> (qos, packet id), acks owed
+        self._pending: dict[int, tuple[int, int, bool]] = {}  # Append ref -> (qos, packet id, delayed), acks owed
         self._refused: dict[int, None] = {}  # refs in _pending the ACL refused: answered in their turn
         self._authorizer: Authorizer | None = None  # the ACL's checks of this client (None: it may do anything)
         # Dicts used as sets (keys only): an empty dict is 64 B, an empty set 216 B, on every idle connection.

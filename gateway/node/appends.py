@@ -164,9 +164,13 @@ class Appends:
     async def own(self, messages: Sequence[NewMessage], *, count: bool = True) -> ReasonCode | None:
         """Append the node's own messages (wills, ``$SYS``, HTTP publish), durable under the sync flush policy,
         after the activations read before this call; None, or why it failed."""
-        await self._order.wait(self._order.mark())
-        positions = await self.store(messages, count=count)
+        positions = await self.own_stored(messages, count=count)
         return positions if isinstance(positions, ReasonCode) else None
+
+    async def own_stored(self, messages: Sequence[NewMessage], *, count: bool = True) -> Positions | ReasonCode:
+        """:meth:`own`, answering where the messages were stored (an HTTP publish of a delayed message: its id)."""
+        await self._order.wait(self._order.mark())
+        return await self.store(messages, count=count)
 
 
 def _answers(appends: Sequence[Append], positions: Positions | ReasonCode) -> list[Event]:

@@ -25,7 +25,7 @@ from gateway.node.node import GatewayNode
 from gateway.ops.clusterlists import LIST_OPS, list_here
 from gateway.ops.records import ClientInfo, QueueInfo, SessionInfo, SubscriptionLag
 from lightqueue.topics import TopicLimits, validate_filter, validate_topic
-from store.api import SHARE_PREFIX, AdminOp, NewMessage, Record
+from store.api import SHARE_PREFIX, AdminOp, NewMessage, Position, Record
 
 __all__ = ["ADMIN_CLIENT_ID", "Administration", "HTTP_CLIENT_ID"]
 
@@ -220,13 +220,13 @@ class Administration:
         return await self.node.guard.http(username, password, source)
 
     async def publish(self, topic: str, payload: bytes, qos: int, retain: bool, username: str | None,
-                      source: str, properties: bytes = b"", deliver_at_ms: int = 0) -> ReasonCode | None:
+                      source: str, properties: bytes = b"", deliver_at_ms: int = 0) -> Position | ReasonCode:
         """Publish for an HTTP client (``username`` authenticated, None: anonymous) through the normal path.
 
         The ACL's publish rules apply as to an MQTT client of that user; HTTP
         publishers have no client id, so ``client`` rules and ``%c`` patterns
-        never match them. ``deliver_at_ms`` makes it a delayed message (store/timer/). Returns None when
-        stored, NOT_AUTHORIZED, or the append's failure (PACKET_TOO_LARGE, QUOTA_EXCEEDED: the HTTP publishers'
+        never match them. ``deliver_at_ms`` makes it a delayed message (store/timer/). Returns its position
+        when stored (a delayed message's id is its ``id``), NOT_AUTHORIZED, or the append's failure (PACKET_TOO_LARGE, QUOTA_EXCEEDED: the HTTP publishers'
         cap of pending delayed messages, or a full disk...).
 
         Raises:
@@ -239,11 +239,12 @@ class Administration:
             return ReasonCode.NOT_AUTHORIZED
         message = NewMessage(topic, payload, HTTP_CLIENT_ID, qos, retain, properties, int(time.time() * 1000),
                              deliver_at_ms=deliver_at_ms)
-        reason = await node.appends.own([message])
-        if reason is None:
-            node.traffic.messages_in += 1
-            node.traffic.messages_in_by_qos[qos] += 1
-        return reason
+        stored = await node.appends.own_stored([message])
+        if isinstance(stored, ReasonCode):
+            return stored
+        node.traffic.messages_in += 1
+        node.traffic.messages_in_by_qos[qos] += 1
+        return stored[0]
 
     # --- other nodes' asks -----------------------------------------------------------------------
 

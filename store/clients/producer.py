@@ -9,6 +9,9 @@ devices subscribed on any gateway node receive it through the normal path::
         position = await handle        # appended (durable: on disk by default)
         await producer.flush()         # or: wait for everything sent so far
 
+        later = await producer.send("cmd/dev-17/off", b"", delay_s=3600)   # a delayed message
+        await producer.cancel_delayed(later.id)                          # its id: cancel it before it is due
+
 Batching: :meth:`Producer.send` only queues; a batch leaves when it holds
 ``batch_bytes`` of payload or ``batch_count`` messages, or ``linger_ms`` after
 its first message, whichever comes first. A batch is one RPC request and one
@@ -225,8 +228,8 @@ class Producer:
             retain: also make it the topic's retained message (an empty payload deletes that).
             properties: an MQTT 5 PUBLISH property block, as encoded on the wire without its length.
             delay_s, deliver_at: deliver it this many seconds from now, or at this time (ms since the epoch), not
-                now: a delayed message, which the store keeps until then (store/timer/; the handle's offset is
-                its Delayed record's). A store with a cap of delayed messages per client fails the handle with
+                now: a delayed message, which the store keeps until then (store/timer/; the handle's position is
+                its Delayed record's, whose ``id`` is the message's id: :meth:`cancel_delayed`). A store with a cap of delayed messages per client fails the handle with
                 ``DelayedCapExceeded`` when this producer's client id is at it.
             common: keyword arguments of :func:`encode_properties`, appended to ``properties``
                 (do not set a property in both).
@@ -262,6 +265,21 @@ class Producer:
         self._flushing = True
         self._wakeup.set()
         await self._idle.wait()
+
+    async def cancel_delayed(self, delayed_id: str | Position) -> bool:
+        """Cancel a pending delayed message: it is never delivered. True once the cancellation is stored (per the
+        store's flush policy); False when no such message is pending (an unknown id, or one fired or cancelled).
+
+        Args:
+            delayed_id: the message's id (``position.id`` of its send's position), or that position.
+
+        Raises:
+            ValueError: not a delayed message id.
+            AccessDenied: the ACL does not let this producer publish to the message's topic.
+            StoreUnavailable: the connection broke with the call in flight: it may or may not be cancelled.
+        """
+        position = delayed_id if isinstance(delayed_id, Position) else Position.parse(delayed_id)
+        return await self.client.delayed_cancel(position)
 
     def statistics(self) -> ProducerStatistics:
         return ProducerStatistics(self._sent, self._stored, self._failed, self._batches, len(self._buffer))

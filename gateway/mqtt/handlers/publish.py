@@ -8,7 +8,10 @@ is acknowledged only when the node reports it stored (``Appended``); a QoS 2
 one's PUBCOMP only once its release is on disk (``InboundReleased``). A PUBLISH
 to ``$delayed/<seconds>/<topic>`` (gateway/mqtt/delayed.py) becomes a delayed
 message to ``<topic>``; even at QoS 0 it waits for the store's answer, which
-may refuse it (the client's cap of pending delayed messages).
+may refuse it (the client's cap of pending delayed messages). An MQTT 5 client gets the delayed message's id
+(``Position.id`` of its record, which the admin API lists and cancels by) in its PUBACK / PUBREC, as the User
+Property ``delayed-id``; left out when the client's Maximum Packet Size has no room for it ([MQTT-3.4.2-3],
+[MQTT-3.5.2-3]: ``Channel._fit``). QoS 0 (no acknowledgement) and MQTT 3.1.1 (no properties) get no id.
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ from gateway.mqtt.reasons import PUBACK_REASONS, LocalProtocolError, ReasonCode,
 from gateway.mqtt.session import NOT_IN_LOG, Session
 from gateway.mqtt.state import State
 from lightqueue.topics import TopicError, validate_topic
-from store.api import NewMessage
+from store.api import NewMessage, Position
 
 if TYPE_CHECKING:  # the channel imports this module for its dispatch table: only the type checker imports it back
     from gateway.mqtt.channel import Channel
 
+
+DELAYED_ID_PROPERTY = "delayed-id"
+"""The User Property of the PUBACK / PUBREC of an MQTT 5 delayed publish: the message's id."""
 
 RATE_DEBT_S = 10.0
 """A client whose publish-rate bucket owes more than this many seconds of refill is disconnected: it kept sending
@@ -143,7 +149,7 @@ def process_publish(channel: Channel, packet: Publish) -> list[Action]:
     if not qos and not deliver_at_ms:
         return [Append(None, (message,))]
     channel._next_ref += 1
-    channel._pending[channel._next_ref] = (qos, pid)  # type: ignore[assignment]
+    channel._pending[channel._next_ref] = (qos, pid, bool(deliver_at_ms))  # type: ignore[assignment]
     if qos == 2:
         channel._storing_qos2[pid] = None  # type: ignore[index]
     return [Append(channel._next_ref, (message,))]
@@ -229,7 +235,7 @@ def _not_authorized(channel: Channel, qos: int, pid: int, topic: str) -> list[Ac
     if not qos:
         return [denied]
     channel._next_ref += 1
-    channel._pending[channel._next_ref] = (qos, pid)
+    channel._pending[channel._next_ref] = (qos, pid, False)
     channel._refused[channel._next_ref] = None
     if qos == 2:
         channel._storing_qos2[pid] = None
@@ -276,7 +282,7 @@ def on_appended(channel: Channel, event: Appended) -> list[Action]:
 
 def _appended(channel: Channel, event: Appended) -> list[Action]:
     try:
-        qos, pid = channel._pending.pop(event.ref)
+        qos, pid, delayed = channel._pending.pop(event.ref)
     except KeyError:
         raise LocalProtocolError(f"Appended for unknown ref {event.ref}") from None
     session = channel._session
@@ -289,10 +295,15 @@ def _appended(channel: Channel, event: Appended) -> list[Action]:
     if qos == 2:
         channel._storing_qos2.pop(pid, None)
     if event.ok:
+        if closing:
+            if qos == 2:
+                session.awaiting_rel[pid] = event.position  # the record says so too: the store knows it after a crash
+            return channel._settle()
+        props = _delayed_id(event.position) if delayed and channel._level == MQTT_5 else EMPTY_PROPERTIES
         if qos == 2:
-            session.awaiting_rel[pid] = event.position  # the record says so too: the store knows it after a crash
-            return channel._settle() if closing else [Send((Pubrec(pid),))]
-        return channel._settle() if closing else [Send((Puback(pid),))]
+            session.awaiting_rel[pid] = event.position
+            return [Send((Pubrec(pid, properties=props),))]
+        return [Send((Puback(pid, properties=props),))]
     if closing:
         return channel._settle()
     if channel._level == MQTT_5:
@@ -304,6 +315,11 @@ def _appended(channel: Channel, event: Appended) -> list[Action]:
         # client would resend it forever (Mosquitto does the same). A PUBREL for it gets its PUBCOMP anyway.
         return [Send(((Puback if qos == 1 else Pubrec)(pid),))]
     return channel._close(event.reason, f"message not stored ({event.reason.name}); 3.1.1 cannot refuse it")
+
+
+def _delayed_id(position: Position) -> Properties:
+    """The properties of the acknowledgement of a delayed message stored at ``position``: its id."""
+    return Properties(user_properties=((DELAYED_ID_PROPERTY, position.id),))
 
 
 def on_inbound_released(channel: Channel, event: InboundReleased) -> list[Action]:
