@@ -56,11 +56,10 @@ from store.log.record import FLAG_RETAIN, QOS_MASK, Record, RecordTooLarge
 from store.space import FULL_RETRY_S
 
 __all__ = [
-    "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "DelayedMessage",
-    "DelayedPage", "Flow", "FollowerStatistics",
-    "LeaderFenced", "LeaseLost", "LogSpan", "NewMessage", "NotLeader", "Position", "Positions", "PullRequest",
-    "PullResult", "ReplicationStatistics", "StoreApi", "StoreStatistics", "StoreUnavailable", "TimerStatistics",
-    "group_owner",
+    "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "DelayedMessage", "DelayedPage",
+    "Flow", "FollowerStatistics", "LeaderFenced", "LeaseLost", "LogSpan", "NewMessage", "NotLeader", "Position",
+    "Positions", "PullRequest", "PullResult", "ReplicationStatistics", "StoreApi", "StoreStatistics",
+    "StoreUnavailable", "TimerStatistics", "group_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
     "RecordTooLarge", "StartupError", "TopicError",

@@ -195,7 +195,8 @@ class TimersRolled(msgspec.Struct, frozen=True, array_like=True, tag="timers_rol
 
 class TimerCancelled(msgspec.Struct, frozen=True, array_like=True, tag="timer_cancelled"):
     """An operator (or the publisher) cancelled these pending timer entries (as in :class:`TimersFired`): each ends
-    and its message is never delivered. Written only while the dequeue step cannot fire them (store/node.py)."""
+    and its message is never delivered. Written only while the dequeue step cannot fire them
+    (store/timer/pending.py)."""
 
     entries: list[tuple[int, int, int]]
 

@@ -226,8 +226,8 @@ class Administration:
         The ACL's publish rules apply as to an MQTT client of that user; HTTP
         publishers have no client id, so ``client`` rules and ``%c`` patterns
         never match them. ``deliver_at_ms`` makes it a delayed message (store/timer/). Returns its position
-        when stored (a delayed message's id is its ``id``), NOT_AUTHORIZED, or the append's failure (PACKET_TOO_LARGE, QUOTA_EXCEEDED: the HTTP publishers'
-        cap of pending delayed messages, or a full disk...).
+        when stored (a delayed message's id is its ``id``), NOT_AUTHORIZED, or the append's failure
+        (PACKET_TOO_LARGE, QUOTA_EXCEEDED: the HTTP publishers' cap of pending delayed messages, or a full disk...).
 
         Raises:
             TopicError: not a valid topic name, or beyond the topic limits.

@@ -229,8 +229,9 @@ class Producer:
             properties: an MQTT 5 PUBLISH property block, as encoded on the wire without its length.
             delay_s, deliver_at: deliver it this many seconds from now, or at this time (ms since the epoch), not
                 now: a delayed message, which the store keeps until then (store/timer/; the handle's position is
-                its Delayed record's, whose ``id`` is the message's id: :meth:`cancel_delayed`). A store with a cap of delayed messages per client fails the handle with
-                ``DelayedCapExceeded`` when this producer's client id is at it.
+                its Delayed record's, whose ``id`` is the message's id: :meth:`cancel_delayed`). A store with a
+                cap of delayed messages per client fails the handle with ``DelayedCapExceeded`` when this
+                producer's client id is at it.
             common: keyword arguments of :func:`encode_properties`, appended to ``properties``
                 (do not set a property in both).
 

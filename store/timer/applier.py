@@ -179,9 +179,18 @@ class TimerApplier:
             return found
 
     def still_pending(self, items: list[tuple[int, TimerEntry]]) -> list[tuple[int, TimerEntry]]:
-        """Those of ``items`` (as :meth:`due_entries` gave them) that are still pending: none was cancelled since."""
+        """Those of ``items`` (as :meth:`due_entries` gave them) that are still pending: not cancelled since. An
+        entry is looked for elsewhere only when its position holds another one now (a rebuild moved it)."""
         with self._lock:
-            return [item for item in items if self._find(item[1].offset_real, item[0]) is not None]
+            kept = []
+            for pos, entry in items:
+                now = self._log.read(pos) if pos <= self._log.count else None
+                if now is not None and now.offset_real == entry.offset_real:
+                    if not now.done_at:
+                        kept.append((pos, entry))
+                elif self._find(entry.offset_real, pos) is not None:
+                    kept.append((pos, entry))
+            return kept
 
     def locate(self, offset: int, due_ms: int, store_ms: int) -> tuple[int, TimerEntry] | None:
         """The pending entry of the Delayed record at ``offset`` (due at ``due_ms``, stored at ``store_ms``), with its

@@ -8,8 +8,8 @@ re-appends each message to its real topic (normal dispatch, notify and delivery 
 whose ``TimersFired`` reached the log are done, the others fire again, and none fires twice. The next batch
 waits until dispatch has applied the previous one. A batch fires under ``lock``, which a cancellation holds
 while it writes its ``TimerCancelled`` (store/timer/pending.py): a batch read before a cancellation fires only
-the entries still pending, so a cancelled message is never delivered. After a restart the cursor starts at the earliest pending
-second, so the messages that fell due while the node was down go at once, in due order.
+the entries still pending, so a cancelled message is never delivered. After a restart the cursor starts at the
+earliest pending second, so the messages that fell due while the node was down go at once, in due order.
 """
 
 from __future__ import annotations
