@@ -35,6 +35,7 @@ values from it.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol
 
@@ -55,10 +56,10 @@ from store.log.record import FLAG_RETAIN, QOS_MASK, Record, RecordTooLarge
 from store.space import FULL_RETRY_S
 
 __all__ = [
-    "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "Flow", "FollowerStatistics",
-    "LeaderFenced", "LeaseLost", "LogSpan", "NewMessage", "NotLeader", "Position", "Positions", "PullRequest",
-    "PullResult", "ReplicationStatistics", "StoreApi", "StoreStatistics", "StoreUnavailable", "TimerStatistics",
-    "by_topic", "group_owner",
+    "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "DelayedMessage", "DelayedPage",
+    "Flow", "FollowerStatistics", "LeaderFenced", "LeaseLost", "LogSpan", "NewMessage", "NotLeader", "Position",
+    "Positions", "PullRequest", "PullResult", "ReplicationStatistics", "StoreApi", "StoreStatistics",
+    "StoreUnavailable", "TimerStatistics", "by_topic", "group_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
     "RecordTooLarge", "StartupError", "TopicError",
@@ -103,6 +104,29 @@ class Position(msgspec.Struct, frozen=True, array_like=True, gc=False, order=Tru
 
     log: int
     offset: int
+
+    @property
+    def id(self) -> str:
+        """This position as a short opaque string: a delayed message's id (its ``Delayed`` record's position), which
+        its publisher gets (the MQTT 5 PUBACK / PUBREC, the HTTP publish answer, a producer's send) and which
+        lists and cancels it (:meth:`StoreApi.delayed_cancel`)."""
+        return f"{self.log:x}-{self.offset:x}"
+
+    @classmethod
+    def parse(cls, text: str) -> Position:
+        """The position :attr:`id` made ``text`` from.
+
+        Raises:
+            ValueError: ``text`` is no such id.
+        """
+        log, dash, offset = text.partition("-")
+        if not dash or not _ID_PART.fullmatch(log) or not _ID_PART.fullmatch(offset):
+            raise ValueError(f"{text!r} is not a delayed message id")
+        return cls(int(log, 16), int(offset, 16))
+
+
+_ID_PART = re.compile("[0-9a-f]{1,16}")
+"""One hex field of a ``Position.id``: at most 64 bits, so a parsed id always fits the wire's integers."""
 
 
 class Positions(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -181,7 +205,8 @@ class LogSpan(msgspec.Struct, frozen=True, array_like=True):
 class TimerStatistics(msgspec.Struct, frozen=True, array_like=True):
     """The delayed messages of the store (store/timer/): pending now, and since the store started: scheduled
     (enqueued by their Delayed record), fired (delivered to their topic), rolled (due beyond the wheel's window),
-    and how late each fired one went out (``lateness_counts[i]`` below ``lateness_bounds[i]``, the last above all)."""
+    cancelled (never to be delivered), and how late each fired one went out (``lateness_counts[i]`` below
+    ``lateness_bounds[i]``, the last above all)."""
 
     pending: int
     scheduled: int
@@ -190,6 +215,29 @@ class TimerStatistics(msgspec.Struct, frozen=True, array_like=True):
     lateness_bounds: tuple[float, ...]
     lateness_counts: list[int]
     lateness_sum_s: float
+    cancelled: int = 0
+
+
+class DelayedMessage(msgspec.Struct, frozen=True, array_like=True):
+    """A pending delayed message as an operator sees it (``StoreApi.delayed_list``): where its ``Delayed`` record
+    is (``position.id`` is its id), its real topic, its publisher's client id, when it is due (epoch ms), its QoS,
+    retain flag and payload size."""
+
+    position: Position
+    topic: str
+    client_id: str
+    due_ms: int
+    qos: int
+    retain: bool
+    payload_bytes: int
+
+
+class DelayedPage(msgspec.Struct, frozen=True, array_like=True):
+    """One page of ``StoreApi.delayed_list``: its messages, and where the next page starts (``after``; 0: this was
+    the last). A page may hold fewer than asked for (a bounded walk) and still have a next one."""
+
+    messages: list[DelayedMessage]
+    next: int
 
 
 class FollowerStatistics(msgspec.Struct, frozen=True, array_like=True):
@@ -367,6 +415,25 @@ class StoreApi(Protocol):
 
     async def statistics(self) -> StoreStatistics:
         """The store's current figures."""
+        ...
+
+    # --- delayed messages (store/timer/) ---------------------------------------------------
+
+    async def delayed_list(self, *, topic: str = "", client_id: str = "", after: int = 0,
+                           limit: int = 100) -> DelayedPage:
+        """A page of the pending delayed messages, of real topic ``topic`` and publisher ``client_id`` when given
+        (empty: any), in the order the timer holds them, from where the previous page's ``next`` said (``after``;
+        0: the start). Bounded: at most ``limit`` messages, and a bounded walk of the timer per page.
+
+        Raises:
+            ValueError: ``limit`` is not positive, or ``after`` is negative.
+        """
+        ...
+
+    async def delayed_cancel(self, position: Position) -> bool:
+        """Cancel the pending delayed message whose ``Delayed`` record is at ``position`` (its id): a
+        ``TimerCancelled`` record, stored as the flush policy promises and applied on return; it is never delivered.
+        False (nothing done) when no such message is pending: an unknown id, or one already fired or cancelled."""
         ...
 
     # --- subscriptions and offsets --------------------------------------------------------

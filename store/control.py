@@ -24,7 +24,8 @@ from store.log.record import Record, new_control
 __all__ = [
     "KIND_PREFIX", "Activated", "ClientClosed", "ClientConnected", "ClientForgotten", "Committed", "Control",
     "ControlError", "Delayed", "FlowsAwaiting", "FlowsReleased", "QueueBases", "Released", "RetainedKept", "SessionEnded",
-    "SessionSaved", "TimersFired", "TimersRolled", "WillPublished", "decode_control", "encode_all", "encode_control",
+    "SessionSaved", "TimerCancelled", "TimersFired", "TimersRolled", "WillPublished", "decode_control", "encode_all",
+    "encode_control",
 ]
 
 KIND_PREFIX = "$store/"
@@ -192,9 +193,17 @@ class TimersRolled(msgspec.Struct, frozen=True, array_like=True, tag="timers_rol
     entries: list[tuple[int, int, int]]
 
 
+class TimerCancelled(msgspec.Struct, frozen=True, array_like=True, tag="timer_cancelled"):
+    """An operator (or the publisher) cancelled these pending timer entries (as in :class:`TimersFired`): each ends
+    and its message is never delivered. Written only while the dequeue step cannot fire them
+    (store/timer/pending.py)."""
+
+    entries: list[tuple[int, int, int]]
+
+
 Control = Union[Activated, Released, Committed, SessionSaved, SessionEnded, FlowsReleased, FlowsAwaiting,
                 ClientConnected, ClientClosed, WillPublished, ClientForgotten, RetainedKept, Delayed, TimersFired,
-                TimersRolled, QueueBases]
+                TimersRolled, TimerCancelled, QueueBases]
 """Every control record kind (a tagged union: the tag is the first element of the msgpack array)."""
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -22,8 +22,8 @@ from typing import TypeVar, final
 
 import trio
 
-from store.api import (MAIN_LOG, AdminOp, Flow, LogSpan, NewMessage, Position, Positions, PullRequest, PullResult,
-                       StoreStatistics)
+from store.api import (MAIN_LOG, AdminOp, DelayedPage, Flow, LogSpan, NewMessage, Position, Positions, PullRequest,
+                       PullResult, StoreStatistics)
 from store.attached import admin_call, admin_call_all
 from store.groups import Member
 from store.log.errors import InvalidOffset
@@ -139,6 +139,19 @@ class LocalStore:
 
     async def statistics(self) -> StoreStatistics:
         return self.store.statistics()
+
+    # --- delayed messages --------------------------------------------------------------------
+
+    async def delayed_list(self, *, topic: str = "", client_id: str = "", after: int = 0,
+                           limit: int = 100) -> DelayedPage:
+        return await self.store.delayed.page(topic, client_id, after, limit)
+
+    async def delayed_cancel(self, position: Position, *, check: Callable[[str], None] | None = None) -> bool:
+        """``StoreApi.delayed_cancel``; ``check(topic)`` raises when the caller may not cancel a message of that
+        real topic (the RPC server's back-end clients: their ACL's publish rules)."""
+        if position.log != MAIN_LOG:
+            return False  # no such log here, so no such message
+        return await self.store.delayed.cancel(position.offset, check)
 
     # --- subscriptions and offsets ----------------------------------------------------------
 

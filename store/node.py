@@ -57,6 +57,7 @@ from store.space import DiskSpace
 from store.tasks import background
 from store.timer.applier import WINDOW_S, TimerApplier
 from store.timer.dequeue import Dequeue
+from store.timer.pending import PendingDelayed
 from store.usage import process_usage
 
 if TYPE_CHECKING:
@@ -91,6 +92,8 @@ class StoreNode:
         self.timers = timers  # delayed messages pending (store/timer/), kept up to date by the dispatcher
         self.timer_max_pending = 0  # delayed messages a client may have pending (0: no cap)
         self.timer_lateness: LatencyBuckets | None = None  # the dequeue step's (open_store sets it)
+        # pending delayed messages, listed and cancelled by operators and publishers
+        self.delayed = PendingDelayed(timers, log.log, self.append_control, dispatcher.wait_dispatched)
         self.router = NotifyRouter()
         self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
         self.groups = GroupCoordinator(self, self._poke)
@@ -367,7 +370,7 @@ class StoreNode:
         late = self.timer_lateness
         return TimerStatistics(timers.pending, timers.scheduled, timers.fired, timers.rolled,
                                late.bounds if late else (), list(late.counts) if late else [0],
-                               late.sum_s if late else 0.0)
+                               late.sum_s if late else 0.0, timers.cancelled)
 
     # --- subscriptions and offsets ----------------------------------------------------------
 
@@ -575,7 +578,7 @@ async def open_store(
                 nodes.append(node)
                 node.timer_max_pending = timer_max_pending
                 node.leases.restore(clients)  # expiries and wills pending when the store stopped
-                dequeue = Dequeue(parts.delayed, alog.log, partial(_append_fired, node))
+                dequeue = Dequeue(parts.delayed, alog.log, partial(_append_fired, node), node.delayed.lock)
                 node.timer_lateness = dequeue.lateness
                 async with AsyncExitStack() as running:
                     if replication is not None:

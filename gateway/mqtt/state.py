@@ -190,7 +190,7 @@ class ConnectionState:
         self.session: Session | None = None
         self.link: Link | None = None
         self.queued: list[Packet] = []
-        self.pending: dict[int, tuple[int, int]] = {}  # Append ref -> (qos, packet id), acks owed
+        self.pending: dict[int, tuple[int, int, bool]] = {}  # Append ref -> (qos, packet id, delayed), acks owed
         self.refused: dict[int, None] = {}  # refs in pending the ACL refused: answered in their turn
         self.authorizer: Authorizer | None = None  # the ACL's checks of this client (None: it may do anything)
         # Dicts used as sets (keys only): an empty dict is 64 B, an empty set 216 B, on every idle connection.

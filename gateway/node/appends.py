@@ -26,7 +26,7 @@ from gateway.mqtt.actions import Append, Appended, Event
 from gateway.mqtt.reasons import ReasonCode
 from gateway.node.order import ReadOrder
 from gateway.node.poller import ReadRound
-from store.api import DelayedCapExceeded, LeaseLost, LogFullError, NewMessage, Positions, RecordTooLarge, StoreApi
+from store.api import DelayedCapExceeded, LeaseLost, LogFullError, NewMessage, Position, Positions, RecordTooLarge, StoreApi
 
 if TYPE_CHECKING:
     from gateway.node.connection import Connection
@@ -164,21 +164,27 @@ class Appends:
     async def own(self, messages: Sequence[NewMessage], *, count: bool = True) -> ReasonCode | None:
         """Append the node's own messages (wills, ``$SYS``, HTTP publish), durable under the sync flush policy,
         after the activations read before this call; None, or why it failed."""
-        await self._order.wait(self._order.mark())
-        positions = await self.store(messages, count=count)
+        positions = await self.own_stored(messages, count=count)
         return positions if isinstance(positions, ReasonCode) else None
 
-    async def own_each(self, messages: Sequence[NewMessage]) -> list[ReasonCode | None]:
+    async def own_stored(self, messages: Sequence[NewMessage], *, count: bool = True) -> Positions | ReasonCode:
+        """:meth:`own`, answering where the messages were stored (an HTTP publish of a delayed message: its id)."""
+        await self._order.wait(self._order.mark())
+        return await self.store(messages, count=count)
+
+    async def own_each(self, messages: Sequence[NewMessage]) -> list[Position | ReasonCode]:
         """:meth:`own` of messages that fail alone (an HTTP bulk publish's): one append (one CommitLog write, one
         flush under the sync policy) for all, and only if the store refuses it whole (one message too large, a
         delayed one over its cap), each again on its own, so that each gets its own answer. Not when the store
-        went away with the call in flight: they may be stored, and each is refused (as in :meth:`perform`)."""
+        went away with the call in flight: they may be stored, and each is refused (as in :meth:`perform`). Per
+        message: where it was stored (a delayed message's id), or why not."""
         await self._order.wait(self._order.mark())
         positions, unknown = await self._stored(messages, count=False)
         if not isinstance(positions, ReasonCode):
-            return [None] * len(messages)
+            return list(positions)
         if len(messages) > 1 and not unknown:
-            return [await self.own([message]) for message in messages]
+            return [stored if isinstance(stored := await self.own_stored([message]), ReasonCode) else stored[0]
+                    for message in messages]
         for message in messages:
             self.refused_by_qos[message.qos] += 1
         return [positions] * len(messages)

@@ -33,7 +33,8 @@ Routes (docs/operations.md has the reference with curl examples):
   is connected to, whichever gateway node is asked (through the store), and
   the lists (``/clients``, ``/sessions``, ``/queues``) are the whole cluster's
   (gateway/ops/clusterlists.py); ``/nodes`` lists the deployment's nodes with
-  their CPU and memory (gateway/ops/nodes.py).
+  their CPU and memory (gateway/ops/nodes.py). ``/delayed`` pages through the store's pending delayed messages
+  (by topic, by client id) and ``DELETE /delayed/{id}`` cancels one: the store holds them, so any node answers.
 - ``POST /api/v1/publish`` (one message, MQTT 5 properties included) and
   ``POST /api/v1/publish/bulk`` (many, in one append, answered in order): authenticated like
   an MQTT client (HTTP Basic with the password file's users, or anonymous when
@@ -84,10 +85,11 @@ from gateway.ops.metrics import CONTENT_TYPE
 from gateway.ops.openapi import Operation, openapi_document
 from gateway.ops.nodes import CpuShares, cluster_nodes
 from gateway.ops.administration import HttpPublish
-from gateway.ops.records import ClientInfo, NodeInfo, QueueInfo, SessionInfo
+from gateway.ops.records import ClientInfo, DelayedInfo, DelayedList, NodeInfo, QueueInfo, SessionInfo
 from gateway.ops.slots import Slot, Slots
 from gateway.mqtt.reasons import ReasonCode
 from lightqueue.topics import TopicError, validate_topic
+from store.api import Position
 
 if TYPE_CHECKING:
     from gateway.ops.administration import Administration
@@ -151,6 +153,12 @@ TOTAL_HEADER = "x-total-count"
 MISSING_HEADER = "x-missing-nodes"
 """The header of a cluster-wide list that names the gateway nodes that did not answer (the list lacks theirs)."""
 
+DELAYED_PAGE = 100
+"""Pending delayed messages one page of ``GET /api/v1/delayed`` holds unless ``limit`` says otherwise."""
+
+MAX_DELAYED_PAGE = 1000
+"""The largest ``limit`` of ``GET /api/v1/delayed``: each message's record is read for the page."""
+
 JSON = "application/json"
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 
@@ -203,7 +211,8 @@ Handler = Callable[[Request, str], Awaitable[Response]]
 """A route's method handler: the request and the percent-decoded rest of the path (empty for exact routes)."""
 
 
-PATH_PARAMETERS = {"/api/v1/clients/": "client_id", "/api/v1/sessions/": "client_id", "/api/v1/retained/": "topic"}
+PATH_PARAMETERS = {"/api/v1/clients/": "client_id", "/api/v1/sessions/": "client_id", "/api/v1/retained/": "topic",
+                   "/api/v1/delayed/": "id"}
 """The name of what follows each prefixed route (its path parameter in the OpenAPI document)."""
 
 OPENAPI_PATH = "/api/openapi.json"
@@ -231,6 +240,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                            query=(("filter", "a topic filter, default #"),)),
     ("/api/v1/retained/{topic}", "GET"): Operation("the retained message of a topic ('/' may stay unencoded)"),
     ("/api/v1/retained/{topic}", "DELETE"): Operation("delete the retained message of a topic"),
+    ("/api/v1/delayed", "GET"): Operation(
+        "a page of the pending delayed messages, oldest scheduled first", answer=DelayedList,
+        query=(("topic", "only those going to this topic"), ("client_id", "only those of this publisher"),
+               ("limit", f"at most this many (1..{MAX_DELAYED_PAGE}, default {DELAYED_PAGE})"),
+               ("cursor", "the previous page's cursor: the page after it"))),
+    ("/api/v1/delayed/{id}", "DELETE"): Operation("cancel a pending delayed message: it is never delivered"),
     ("/api/v1/publish", "POST"): Operation("publish one message, as the HTTP Basic user (or anonymous)", "basic",
                                            body=PublishBody, answer=Published),
     ("/api/v1/publish/bulk", "POST"): Operation("publish many messages in order, each answered", "basic",
@@ -272,6 +287,7 @@ class AdminApi:
             "/api/v1/queues": {"GET": self._queues},
             "/api/v1/nodes": {"GET": self._nodes},
             "/api/v1/retained": {"GET": self._retained},
+            "/api/v1/delayed": {"GET": self._delayed},
             "/api/v1/publish": {"POST": self._publish},
             "/api/v1/publish/bulk": {"POST": self._publish_bulk},
         }
@@ -279,6 +295,7 @@ class AdminApi:
             "/api/v1/clients/": {"GET": self._client, "DELETE": self._disconnect},
             "/api/v1/sessions/": {"GET": self._session, "DELETE": self._delete_session},
             "/api/v1/retained/": {"GET": self._retained_one, "DELETE": self._delete_retained},
+            "/api/v1/delayed/": {"DELETE": self._cancel_delayed},
         }
         self._open = {"/", "/metrics", "/healthz", "/readyz", OPENAPI_PATH,  # no admin token needed
                       "/api/v1/publish", "/api/v1/publish/bulk"}
@@ -376,7 +393,7 @@ class AdminApi:
         username = await self._publisher(username, password, request.peer_host)
         outcomes = await self._publish_all(bodies, messages, username, request.peer_host)
         results = [BulkOutcome(outcome.status, body.topic, error=outcome.message) if isinstance(outcome, HttpError)
-                   else BulkOutcome(200, outcome.topic, outcome.qos, outcome.retain, outcome.bytes)
+                   else BulkOutcome(200, outcome.topic, outcome.qos, outcome.retain, outcome.bytes, id=outcome.id)
                    for body, outcome in zip(bodies, outcomes)]
         return Response(200, msgspec.json.encode(BulkResult(results)))
 
@@ -404,9 +421,11 @@ class AdminApi:
             outcomes.append(Published(body.topic, body.qos, body.retain, len(payload), deliver_at))
             publishes.append(HttpPublish(body.topic, payload, body.qos, body.retain, properties, deliver_at or 0))
             published.append(index)
-        for index, reason in zip(published, await self.admin.publish(publishes, username, peer_host)):
-            if reason is not None:
-                outcomes[index] = _refusal(bodies[index].topic, reason)
+        for index, stored in zip(published, await self.admin.publish(publishes, username, peer_host)):
+            if not isinstance(stored, Position):
+                outcomes[index] = _refusal(bodies[index].topic, stored)
+            elif (done := outcomes[index]).deliver_at:  # type: ignore[union-attr]
+                outcomes[index] = msgspec.structs.replace(done, id=stored.id)
         return outcomes
 
     # --- admin routes -------------------------------------------------------------------
@@ -508,6 +527,31 @@ class AdminApi:
         if not existed:
             raise HttpError(404, f"no retained message on {rest!r}")
         return json_response({"deleted": rest})
+
+
+    async def _delayed(self, request: Request, rest: str) -> Response:
+        query = request.query
+        try:
+            limit = int(query.get("limit", DELAYED_PAGE))
+            after = int(query.get("cursor") or "0", 16)
+        except ValueError:
+            raise HttpError(400, "limit must be a number, and cursor a page's cursor") from None
+        if not 1 <= limit <= MAX_DELAYED_PAGE or after < 0:
+            raise HttpError(400, f"limit must be 1..{MAX_DELAYED_PAGE}, and cursor a page's cursor")
+        page = await self.admin.store.delayed_list(topic=query.get("topic", ""), client_id=query.get("client_id", ""),
+                                                   after=after, limit=limit)
+        return json_response(DelayedList(
+            tuple(DelayedInfo(m.position.id, m.topic, m.client_id, m.due_ms, m.qos, m.retain, m.payload_bytes)
+                  for m in page.messages), f"{page.next:x}" if page.next else None))
+
+    async def _cancel_delayed(self, request: Request, rest: str) -> Response:
+        try:
+            position = Position.parse(rest)
+        except ValueError as exc:
+            raise HttpError(400, str(exc)) from None
+        if not await self.admin.store.delayed_cancel(position):
+            raise HttpError(404, f"no pending delayed message {rest!r} (unknown, delivered, or cancelled)")
+        return json_response({"cancelled": rest})
 
 
 def _group_view(stats: ReplicationStatistics | None) -> dict[str, Any] | None:

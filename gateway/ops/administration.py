@@ -26,7 +26,7 @@ from gateway.node.node import GatewayNode
 from gateway.ops.clusterlists import LIST_OPS, list_here
 from gateway.ops.records import ClientInfo, QueueInfo, SessionInfo, SubscriptionLag
 from lightqueue.topics import TopicError, TopicLimits, validate_filter, validate_topic
-from store.api import SHARE_PREFIX, AdminOp, NewMessage, Record, by_topic
+from store.api import SHARE_PREFIX, AdminOp, NewMessage, Position, Record, by_topic
 
 __all__ = ["ADMIN_CLIENT_ID", "Administration", "HTTP_CLIENT_ID", "HttpPublish"]
 
@@ -234,21 +234,22 @@ class Administration:
         return await self.node.guard.http(username, password, source)
 
     async def publish(self, publishes: Sequence[HttpPublish], username: str | None, source: str
-                      ) -> list[ReasonCode | TopicError | None]:
+                      ) -> list[Position | ReasonCode | TopicError]:
         """Publish for an HTTP client (``username`` authenticated, None: anonymous) through the normal path, all
         the messages allowed in one append (one CommitLog write, one flush under the sync policy), in runs of one
         topic (``store.api.by_topic``: per topic in the order given).
 
         The ACL's publish rules apply as to an MQTT client of that user; HTTP
         publishers have no client id, so ``client`` rules and ``%c`` patterns
-        never match them. Returns, per message: None when stored, its TopicError (not a valid topic name, or
+        never match them. Returns, per message: its position when stored (a delayed message's id is its ``id``), its
+        TopicError (not a valid topic name, or
         beyond the topic limits), NOT_AUTHORIZED, or the append's failure (PACKET_TOO_LARGE, QUOTA_EXCEEDED: the
         HTTP publishers' cap of pending delayed messages, or a full disk...).
         """
         node = self.node
         config = node.channel_config
         limits = TopicLimits(config.max_topic_length, config.max_topic_levels)
-        outcomes: list[ReasonCode | TopicError | None] = []
+        outcomes: list[Position | ReasonCode | TopicError] = []
         allowed: list[tuple[int, NewMessage]] = []  # (index in publishes, message)
         now = int(time.time() * 1000)
         for index, publish in enumerate(publishes):
@@ -260,18 +261,18 @@ class Administration:
             if not node.guard.may_publish_http(username, publish.topic, source):
                 outcomes.append(ReasonCode.NOT_AUTHORIZED)
                 continue
-            outcomes.append(None)
+            outcomes.append(ReasonCode.UNSPECIFIED_ERROR)  # replaced by the append's outcome below
             allowed.append((index, NewMessage(publish.topic, publish.payload, HTTP_CLIENT_ID, publish.qos,
                                               publish.retain, publish.properties, now,
                                               deliver_at_ms=publish.deliver_at_ms)))
         if not allowed:
             return outcomes
         order = [i for run in by_topic([message for _, message in allowed]) for i in run]
-        reasons = await node.appends.own_each([allowed[i][1] for i in order])
-        for i, reason in zip(order, reasons):
+        stored = await node.appends.own_each([allowed[i][1] for i in order])
+        for i, outcome in zip(order, stored):
             index, message = allowed[i]
-            outcomes[index] = reason
-            if reason is None:
+            outcomes[index] = outcome
+            if isinstance(outcome, Position):
                 node.traffic.messages_in += 1
                 node.traffic.messages_in_by_qos[message.qos] += 1
         return outcomes

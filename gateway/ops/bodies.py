@@ -69,6 +69,7 @@ class Published(msgspec.Struct, frozen=True, omit_defaults=True):
     retain: bool
     bytes: int  # the payload's length
     deliver_at: int | None = None  # a delayed message: when it is due, ms since the epoch
+    id: str | None = None  # a delayed message: its id (``DELETE /api/v1/delayed/{id}`` cancels it)
 
 
 class BulkOutcome(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -81,6 +82,7 @@ class BulkOutcome(msgspec.Struct, frozen=True, omit_defaults=True):
     retain: bool | None = None
     bytes: int | None = None
     error: str | None = None
+    id: str | None = None  # a delayed message: its id
 
 
 class BulkResult(msgspec.Struct, frozen=True):

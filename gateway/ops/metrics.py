@@ -190,6 +190,7 @@ def _timer_metrics(store: StoreStatistics) -> Iterator[Metric]:
     yield _counter("delayed_scheduled", "delayed messages enqueued in the timer wheel", timers.scheduled)
     yield _counter("delayed_dequeued", "delayed messages delivered to their topic at their due time", timers.fired)
     yield _counter("delayed_rolled", "delayed messages due beyond the wheel's window, enqueued again", timers.rolled)
+    yield _counter("delayed_cancelled", "delayed messages cancelled before their due time", timers.cancelled)
     late = LatencyBuckets(timers.lateness_bounds)
     late.counts = list(timers.lateness_counts)
     late.sum_s = timers.lateness_sum_s

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ClientInfo", "NodeInfo", "QueueInfo", "SessionInfo", "SubscriptionLag"]
+__all__ = ["ClientInfo", "DelayedInfo", "DelayedList", "NodeInfo", "QueueInfo", "SessionInfo", "SubscriptionLag"]
 
 
 
@@ -71,3 +71,24 @@ class NodeInfo:
     uptime_s: float  # since the process started
     clients: int | None  # MQTT clients connected to it (None for the store node)
     here: bool  # the node whose admin API answered
+
+
+@dataclass(frozen=True, slots=True)
+class DelayedInfo:
+    """A pending delayed message (store/timer/): what ``GET /api/v1/delayed`` lists and ``DELETE`` cancels by."""
+
+    id: str  # its id, as its publisher got it
+    topic: str  # the real topic it goes to when due
+    client_id: str  # its publisher ("$http": an HTTP publish)
+    due_ms: int  # when it is due, ms since the epoch
+    qos: int
+    retain: bool
+    bytes: int  # the payload's length
+
+
+@dataclass(frozen=True, slots=True)
+class DelayedList:
+    """One page of pending delayed messages; ``cursor`` asks for the next (None: this was the last)."""
+
+    messages: tuple[DelayedInfo, ...]
+    cursor: str | None

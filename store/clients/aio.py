@@ -7,6 +7,7 @@
         position = await future
         futures = await producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/on", b"1")])
         await producer.flush()
+        await producer.cancel_delayed((await producer.send("cmd/dev-17/off", b"", delay_s=60)).id)
 
     async with AsyncioConsumer.connect("store-host", 7883, group="billing", filter="tele/#") as consumer:
         async for batch in consumer:
@@ -90,6 +91,10 @@ class AsyncioProducer(_Asyncio[Producer]):
     async def flush(self) -> None:
         """Return once every message sent before the call is stored or failed."""
         await asyncio.wrap_future(self._thread.submit(self._client.flush))
+
+    async def cancel_delayed(self, delayed_id: str | Position) -> bool:
+        """Cancel a pending delayed message by its id (``Producer.cancel_delayed``), awaited."""
+        return await asyncio.wrap_future(self._thread.submit(self._client.cancel_delayed, delayed_id))
 
     def statistics(self) -> ProducerStatistics:
         return self._thread.call(self._client.statistics)

@@ -7,6 +7,7 @@
         position = future.result()    # appended (durable: on disk by default)
         futures = producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/reboot", b"now")])
         producer.flush()              # or: wait for everything sent so far
+        producer.cancel_delayed(producer.send("cmd/dev-17/off", b"", delay_s=60).result().id)
 
     with BlockingConsumer.connect("store-host", 7883, group="billing", filter="tele/#") as consumer:
         for batch in consumer:        # the previous batch is acknowledged when the next is asked for
@@ -119,6 +120,10 @@ class BlockingProducer(_Blocking[Producer]):
     def flush(self) -> None:
         """Return once every message sent before the call is stored or failed."""
         self._thread.submit(self._client.flush).result()
+
+    def cancel_delayed(self, delayed_id: str | Position) -> bool:
+        """Cancel a pending delayed message by its id (``Producer.cancel_delayed``)."""
+        return self._thread.submit(self._client.cancel_delayed, delayed_id).result()
 
     def statistics(self) -> ProducerStatistics:
         return self._thread.call(self._client.statistics)

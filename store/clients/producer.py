@@ -9,6 +9,8 @@ devices subscribed on any gateway node receive it through the normal path::
         position = await handle        # appended (durable: on disk by default)
         handles = await producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/on", b"1")])
         await producer.flush()         # or: wait for everything sent so far
+        later = await (await producer.send("cmd/dev-17/off", b"", delay_s=3600))  # a delayed message, stored
+        await producer.cancel_delayed(later.id)                                  # its id: cancel it before it is due
 
 AutoBatch (on by default, RocketMQ 5's): :meth:`Producer.send` only queues
 the message and returns its handle; the producer's one batching task cuts a
@@ -300,8 +302,9 @@ class Producer:
             properties: an MQTT 5 PUBLISH property block, as encoded on the wire without its length.
             delay_s, deliver_at: deliver it this many seconds from now, or at this time (ms since the epoch), not
                 now: a delayed message, which the store keeps until then (store/timer/; the handle's position is
-                its Delayed record's). A store with a cap of delayed messages per client fails the handle with
-                ``DelayedCapExceeded`` when this producer's client id is at it.
+                its Delayed record's, whose ``id`` is the message's id: :meth:`cancel_delayed`). A store with a
+                cap of delayed messages per client fails the handle with ``DelayedCapExceeded`` when this
+                producer's client id is at it.
             others: keyword arguments of :func:`encode_properties`, appended to ``properties``
                 (do not set a property in both).
 
@@ -351,6 +354,21 @@ class Producer:
         self._flushing = True
         self._wakeup.set()
         await self._idle.wait()
+
+    async def cancel_delayed(self, delayed_id: str | Position) -> bool:
+        """Cancel a pending delayed message: it is never delivered. True once the cancellation is stored (per the
+        store's flush policy); False when no such message is pending (an unknown id, or one fired or cancelled).
+
+        Args:
+            delayed_id: the message's id (``position.id`` of its send's position), or that position.
+
+        Raises:
+            ValueError: not a delayed message id.
+            AccessDenied: the ACL does not let this producer publish to the message's topic.
+            StoreUnavailable: the connection broke with the call in flight: it may or may not be cancelled.
+        """
+        position = delayed_id if isinstance(delayed_id, Position) else Position.parse(delayed_id)
+        return await self.client.delayed_cancel(position)
 
     def statistics(self) -> ProducerStatistics:
         return ProducerStatistics(self._sent, self._stored, self._failed, self._batches, len(self._buffer),

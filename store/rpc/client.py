@@ -41,8 +41,8 @@ from typing import Any, TypeVar, final
 import trio
 
 from notify import EventMailbox
-from store.api import (MAIN_LOG, AdminOp, Flow, LeaseLost, LogSpan, NewMessage, Position, Positions, PullRequest,
-                       PullResult, Record, StoreStatistics, StoreUnavailable)
+from store.api import (MAIN_LOG, AdminOp, DelayedPage, Flow, LeaseLost, LogSpan, NewMessage, Position, Positions,
+                       PullRequest, PullResult, Record, StoreStatistics, StoreUnavailable)
 from store.log.record import decode_record
 from store.rpc import wire as rpc
 from store.rpc.connection import (Link, NotSent, Resolver, StoreConnection, StoreRpcError, decoded, exception_of,
@@ -321,6 +321,18 @@ class RemoteStore:
     async def statistics(self) -> StoreStatistics:
         answer = await self._call(lambda rid: rpc.GetStatistics(rid), idempotent=True)
         return answer.stats
+
+    # --- delayed messages --------------------------------------------------------------------
+
+    async def delayed_list(self, *, topic: str = "", client_id: str = "", after: int = 0,
+                           limit: int = 100) -> DelayedPage:
+        answer = await self._call(lambda rid: rpc.ListDelayed(rid, topic, client_id, after, limit), idempotent=True)
+        return answer.page
+
+    async def delayed_cancel(self, position: Position) -> bool:
+        # Not idempotent: made again after a lost answer, it would say "not pending" of what it cancelled.
+        answer = await self._call(lambda rid: rpc.CancelDelayed(rid, position))
+        return answer.value
 
     # --- subscriptions and offsets ----------------------------------------------------------
 

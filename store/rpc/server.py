@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from functools import partial
 from typing import Any, final
 
 import trio
@@ -105,9 +106,10 @@ MAX_PULL_BYTES = 16 * 1024 * 1024
 """A queue read's byte budget is capped at this, so a pull answer stays well under the frame limit."""
 
 CLIENT_MESSAGES = frozenset({rpc.Heartbeat, rpc.AppendRequest, rpc.MaxOffsets, rpc.GetStatistics, rpc.Join, rpc.Claim,
-                             rpc.Ack, rpc.Leave})
-"""What a back-end client (not a trusted gateway node, store/rpc/access.py) may send: appends and consumer groups.
-Sessions, wills, watches and other owners' offsets are the gateways'."""
+                             rpc.Ack, rpc.Leave, rpc.CancelDelayed})
+"""What a back-end client (not a trusted gateway node, store/rpc/access.py) may send: appends, consumer groups and
+cancellations of delayed messages (of topics it may publish to). Sessions, wills, watches, other owners' offsets
+and the list of delayed messages are the gateways'."""
 
 _GROUP_CALLS = frozenset({rpc.Join, rpc.Claim, rpc.Ack, rpc.Leave})
 
@@ -153,7 +155,8 @@ class _Connection:
             rpc.ReleaseAwaiting: self._release_awaiting, rpc.GetStatistics: self._statistics,
             rpc.ReadLog: self._read_log, rpc.Join: self._join, rpc.Claim: self._claim, rpc.Ack: self._ack,
             rpc.Leave: self._leave, rpc.AdminCall: self._admin_call,
-            rpc.AdminCallAll: self._admin_call_all,
+            rpc.AdminCallAll: self._admin_call_all, rpc.ListDelayed: self._list_delayed,
+            rpc.CancelDelayed: self._cancel_delayed,
         }
 
     def close(self) -> None:
@@ -355,6 +358,14 @@ class _Connection:
 
     async def _read_log(self, request: rpc.ReadLog) -> rpc.LogBytes:
         return rpc.LogBytes(request.id, await self._store.read_log(request.start, request.max_bytes))
+
+    async def _list_delayed(self, request: rpc.ListDelayed) -> rpc.DelayedList:
+        return rpc.DelayedList(request.id, await self._store.delayed_list(
+            topic=request.topic, client_id=request.client_id, after=request.after, limit=request.limit))
+
+    async def _cancel_delayed(self, request: rpc.CancelDelayed) -> rpc.Value:
+        check = None if self.peer.trusted else partial(self._server.access.check, self.peer, "publish")
+        return rpc.Value(request.id, await self._store.delayed_cancel(request.position, check=check))
 
     def _check_group(self, group: str, member: str) -> None:
         """A back-end client uses its own groups (``$group/``) as itself: its connection is the member."""

@@ -55,7 +55,8 @@ from typing import Any, Final, TypeAlias
 
 import msgspec
 
-from store.api import AdminOp, Flow, LogSpan, NewMessage, Position, Positions, PullRequest, StoreStatistics
+from store.api import (AdminOp, DelayedPage, Flow, LogSpan, NewMessage, Position, Positions, PullRequest,
+                       StoreStatistics)
 
 __all__ = [
     "CLIENT_MESSAGES",
@@ -74,6 +75,7 @@ __all__ = [
     "AdminOp",
     "AppendRequest",
     "Appended",
+    "CancelDelayed",
     "Awaiting",
     "Claim",
     "Claimed",
@@ -81,6 +83,7 @@ __all__ = [
     "ClientMoved",
     "CloseSession",
     "CommitOffsets",
+    "DelayedList",
     "Done",
     "EndSession",
     "Error",
@@ -96,6 +99,7 @@ __all__ = [
     "Hello",
     "Join",
     "Leave",
+    "ListDelayed",
     "ListSessions",
     "LoadSession",
     "LogBytes",
@@ -389,6 +393,24 @@ class GetStatistics(_Message, tag="stats?"):
     id: int
 
 
+class ListDelayed(_Message, tag="delayed?"):
+    """``StoreApi.delayed_list``: a page of the pending delayed messages, answered with ``DelayedList``."""
+
+    id: int
+    topic: str
+    client_id: str
+    after: int
+    limit: int
+
+
+class CancelDelayed(_Message, tag="canceldelayed"):
+    """``StoreApi.delayed_cancel``: answered with ``Value(whether it was pending)``, once the cancellation is
+    stored and applied. A back-end client may cancel a message of a real topic its ACL lets it publish to."""
+
+    id: int
+    position: Position
+
+
 class ReadLog(_Message, tag="readlog"):
     """``StoreApi.read_log``: the log's raw bytes from a record boundary, answered with ``LogBytes``
     (readers that frame records themselves: Spark executors without the segment files)."""
@@ -492,7 +514,7 @@ class Fetch(_Message, tag="fetch"):
 OpRequest: TypeAlias = (
     Pull | Activate | Release | MaxOffsets | GetOffsets | CommitOffsets | GetRetained | OpenSession | CloseSession
     | SaveSession | LoadSession | EndSession | ListSessions | GetAwaiting | ReleaseAwaiting | GetStatistics
-    | ReadLog | Join | Claim | Ack | Leave | AdminCall | AdminCallAll
+    | ReadLog | Join | Claim | Ack | Leave | AdminCall | AdminCallAll | ListDelayed | CancelDelayed
 )
 """The requests answered by one message each; each names its ``StoreApi`` method."""
 
@@ -634,6 +656,13 @@ class Statistics(_Message, tag="statsr"):
     stats: StoreStatistics
 
 
+class DelayedList(_Message, tag="delayedr"):
+    """The answer to ``ListDelayed``."""
+
+    id: int
+    page: DelayedPage
+
+
 class RecordList(_Message, tag="reclist"):
     """The answer to ``GetRetained``: ``(CommitLog offset, record bytes)`` per retained message."""
 
@@ -671,7 +700,7 @@ class Frames(_Message, tag="frames"):
 
 ServerMessage: TypeAlias = (
     Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Claimed | Offsets | Value | Names
-    | Awaiting | Done | Statistics | RecordList | AdminAsk | NodeAnswers | LogBytes | Frames
+    | Awaiting | Done | Statistics | RecordList | AdminAsk | NodeAnswers | LogBytes | Frames | DelayedList
 )
 SERVER_MESSAGES: Final = ServerMessage
 

@@ -2,7 +2,8 @@
 
 Dispatch applies the timer's control records (store/control.py) here, in log order: ``Delayed`` enqueues (a
 TimerLog entry, linked into its wheel slot), ``TimersFired`` ends the entries whose messages were appended just
-before it, ``TimersRolled`` ends entries and enqueues them again further on. Being an applier rather than a
+before it, ``TimersRolled`` ends entries and enqueues them again further on, ``TimerCancelled`` ends entries whose
+messages are never delivered. Being an applier rather than a
 reader of its own over the system queue, the timer gets log order, the checkpoint, ``rewind`` and replicas for
 free: a replica's dispatch, or a rebuild after the data was deleted, derives the same pending entries.
 
@@ -24,12 +25,12 @@ from typing import Iterable, Iterator, final
 
 from crc32c import crc32c
 
-from store.control import Control, Delayed, TimersFired, TimersRolled
+from store.control import Control, Delayed, TimerCancelled, TimersFired, TimersRolled
 from store.log.record import Record
 from store.timer.timerlog import TimerEntry, TimerLog
 from store.timer.wheel import EMPTY, Slot, TimerWheel
 
-__all__ = ["BUCKET_BITS", "WINDOW_S", "TimerApplier", "client_hash"]
+__all__ = ["BUCKET_BITS", "PAGE_WALK", "WINDOW_S", "TimerApplier", "client_hash", "topic_hash"]
 
 WINDOW_S = 14 * 24 * 3600
 """Slots of the wheel: twice the default maximum delay (7 days), as RocketMQ sizes it; an entry due beyond the
@@ -38,12 +39,24 @@ window waits in its last slot and is rolled (enqueued again) when the wheel reac
 BUCKET_BITS = 24
 """Pending entries are counted per 16 MiB of CommitLog, for the retention guard (a few counters, not a heap)."""
 
+PAGE_WALK = 65536
+"""TimerLog entries one page of pending messages walks at most (4 MiB read, 0.2 s of Python): a filter that matches
+few of them gets short pages, each as cheap as the last, rather than one unbounded walk."""
+
+PAGE_CHUNK = 4096
+"""TimerLog entries a page walks per hold of the timer's lock: dispatch and the dequeue step wait 10 ms at most."""
+
 _CHECKPOINT = struct.Struct(">QQ")
 
 
 def client_hash(client_id: str) -> int:
-    """The 64-bit hash under which a client's pending delayed messages are counted."""
+    """The 64-bit hash under which a client's pending delayed messages are counted (and listed)."""
     return int.from_bytes(hashlib.blake2b(client_id.encode(), digest_size=8).digest(), "big")
+
+
+def topic_hash(topic: str) -> int:
+    """The 32-bit hash of a real topic that its entries carry (listing by topic)."""
+    return crc32c(topic.encode())
 
 
 @final
@@ -67,6 +80,7 @@ class TimerApplier:
         self.scheduled = 0  # entries enqueued by Delayed records since this start
         self.fired = 0
         self.rolled = 0
+        self.cancelled = 0
         self._rebuild(self._checkpoint, min(count, self._log.count))
 
     # -- ControlApplier ----------------------------------------------------------------------------------------
@@ -78,7 +92,7 @@ class TimerApplier:
     def apply(self, record: Record, control: Control) -> None:
         if isinstance(control, Delayed):
             entry = TimerEntry(0, self._slot_second(control.due_ms, record.store_ms), control.due_ms, record.offset,
-                               record.offset, 0, record.size, crc32c(control.topic.encode()),
+                               record.offset, 0, record.size, topic_hash(control.topic),
                                client_hash(control.client))
             with self._lock:
                 self._enqueue(entry)
@@ -92,6 +106,9 @@ class TimerApplier:
                     self._enqueue(old._replace(prev=0, slot_s=self._slot_second(old.due_ms, record.store_ms),
                                                made_at=record.offset, done_at=0))
                     self.rolled += 1
+        elif isinstance(control, TimerCancelled):
+            with self._lock:
+                self.cancelled += sum(1 for _ in self._end_all(control.entries, record.offset))
 
     def flush(self, offset: int) -> None:
         """Persist below ``offset``; with nothing pending the TimerLog starts again empty (it grows only while
@@ -160,6 +177,55 @@ class TimerApplier:
                 pos = entry.prev
             found.reverse()
             return found
+
+    def still_pending(self, items: list[tuple[int, TimerEntry]]) -> list[tuple[int, TimerEntry]]:
+        """Those of ``items`` (as :meth:`due_entries` gave them) that are still pending: not cancelled since. An
+        entry is looked for elsewhere only when its position holds another one now (a rebuild moved it)."""
+        with self._lock:
+            kept = []
+            for pos, entry in items:
+                now = self._log.read(pos) if pos <= self._log.count else None
+                if now is not None and now.offset_real == entry.offset_real:
+                    if not now.done_at:
+                        kept.append((pos, entry))
+                elif self._find(entry.offset_real, pos) is not None:
+                    kept.append((pos, entry))
+            return kept
+
+    def locate(self, offset: int, due_ms: int, store_ms: int) -> tuple[int, TimerEntry] | None:
+        """The pending entry of the Delayed record at ``offset`` (due at ``due_ms``, stored at ``store_ms``), with its
+        position; None when none is pending. Looked for in the chain of the slot its record placed it in; an entry
+        due beyond the window may have rolled since, and only such an entry is looked for in the whole TimerLog."""
+        with self._lock:
+            second = self._slot_second(due_ms, store_ms)
+            slot = self._wheel.get(second)
+            pos = slot.last if slot.pending else 0
+            while pos:
+                entry = self._log.read(pos)
+                if entry.offset_real == offset and not entry.done_at:
+                    return pos, entry
+                pos = entry.prev
+            found = self._find(offset, 0) if due_ms // 1000 > second else None
+            return None if found is None else (found, self._log.read(found))
+
+    def pending_page(self, after: int, topic: int | None, client: int | None,
+                     limit: int) -> tuple[list[TimerEntry], int]:
+        """Up to ``limit`` pending entries past TimerLog position ``after`` whose topic and client hashes are
+        ``topic`` and ``client`` (None: any), in TimerLog order, walking at most ``PAGE_WALK`` entries; and the
+        position the next page starts after (0: the walk reached the end)."""
+        found: list[TimerEntry] = []
+        last, stop = after, after + PAGE_WALK
+        while True:
+            with self._lock:  # a chunk at a time: dispatch and the dequeue step wait for one chunk at most
+                count = self._log.count
+                end = min(count, stop, last + PAGE_CHUNK)
+                if last >= end or len(found) == limit:
+                    return found, last if last < count else 0
+                for last, entry in self._log.entries(last + 1, end):
+                    if not entry.done_at and topic in (None, entry.hash_topic) and client in (None, entry.hash_client):
+                        found.append(entry)
+                        if len(found) == limit:
+                            break
 
     def close(self) -> None:
         self._log.close()

@@ -6,8 +6,10 @@ chain: the entries due in that second or before are fired in due order as soon a
 re-appends each message to its real topic (normal dispatch, notify and delivery from there) in one write with a
 ``TimersFired`` record naming the entries, so the log itself says what was dequeued: after a crash the entries
 whose ``TimersFired`` reached the log are done, the others fire again, and none fires twice. The next batch
-waits until dispatch has applied the previous one. After a restart the cursor starts at the earliest pending
-second, so the messages that fell due while the node was down go at once, in due order.
+waits until dispatch has applied the previous one. A batch fires under ``lock``, which a cancellation holds
+while it writes its ``TimerCancelled`` (store/timer/pending.py): a batch read before a cancellation fires only
+the entries still pending, so a cancelled message is never delivered. After a restart the cursor starts at the
+earliest pending second, so the messages that fell due while the node was down go at once, in due order.
 """
 
 from __future__ import annotations
@@ -45,12 +47,14 @@ LATENESS_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
 
 @final
 class Dequeue:
-    """The dequeue step of ``timers``, appending with ``append`` and reading the Delayed records from ``log``."""
+    """The dequeue step of ``timers``, appending with ``append`` and reading the Delayed records from ``log``;
+    ``lock``: held while a batch fires (shared with the cancellations)."""
 
-    def __init__(self, timers: TimerApplier, log: CommitLog, append: Append) -> None:
+    def __init__(self, timers: TimerApplier, log: CommitLog, append: Append, lock: trio.Lock) -> None:
         self._timers = timers
         self._log = log
         self._append = append
+        self._lock = lock
         self.lateness = LatencyBuckets(LATENESS_BOUNDS)  # how late each fired message went out (metrics)
         self._cursor: int | None = None  # the next second to dequeue; None: nothing was ever pending
         self._failing = False
@@ -91,6 +95,7 @@ class Dequeue:
 
     async def _second(self, second: int) -> None:
         """Roll the entries of ``second``'s slot that are not due in it, fire the others as they fall due."""
+        cancelled = self._timers.cancelled
         entries = await trio.to_thread.run_sync(self._timers.due_entries, second)
         roll = [(pos, entry) for pos, entry in entries if entry.due_ms // 1000 > second]
         if roll:
@@ -106,11 +111,20 @@ class Dequeue:
             end = start
             while end < len(fire) and end - start < BATCH and fire[end][1].due_ms <= now:
                 end += 1
-            await self._fire(fire[start:end])
+            await self._fire(fire[start:end], cancelled)
             start = end
 
-    async def _fire(self, batch: list[tuple[int, TimerEntry]]) -> None:
-        """Append the messages of ``batch`` to their real topics, with the ``TimersFired`` record that ends them."""
+    async def _fire(self, batch: list[tuple[int, TimerEntry]], cancelled: int) -> None:
+        """Append the messages of ``batch`` to their real topics, with the ``TimersFired`` record that ends them;
+        ``cancelled``: the timer's count of cancellations when the batch was read (what changed since is not fired)."""
+        async with self._lock:
+            if self._timers.cancelled != cancelled:
+                batch = await trio.to_thread.run_sync(self._timers.still_pending, batch)
+            if batch:
+                await self._fire_now(batch)
+
+    async def _fire_now(self, batch: list[tuple[int, TimerEntry]]) -> None:
+        """:meth:`_fire` of the entries found still pending, under the lock."""
         by_offset = sorted(batch, key=lambda item: item[1].offset_real)
         raws = await trio.to_thread.run_sync(
             self._log.read_many, [(entry.offset_real, entry.size_real) for _, entry in by_offset])

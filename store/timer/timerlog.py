@@ -61,11 +61,13 @@ class TimerLog:
     def write(self, pos: int, entry: TimerEntry) -> None:
         os.pwrite(self._fd, ENTRY.pack(*entry), (pos - 1) * ENTRY_SIZE)
 
-    def entries(self) -> Iterator[tuple[int, TimerEntry]]:
-        """Every entry with its position, in file order (a walk in large reads)."""
-        pos = 1
-        while pos <= self.count:
-            chunk = os.pread(self._fd, min(READ_ENTRIES, self.count - pos + 1) * ENTRY_SIZE, (pos - 1) * ENTRY_SIZE)
+    def entries(self, start: int = 1, stop: int | None = None) -> Iterator[tuple[int, TimerEntry]]:
+        """The entries from position ``start`` to ``stop`` (default: the last) with their positions, in file order
+        (a walk in large reads)."""
+        pos = start
+        end = self.count if stop is None else min(stop, self.count)
+        while pos <= end:
+            chunk = os.pread(self._fd, min(READ_ENTRIES, end - pos + 1) * ENTRY_SIZE, (pos - 1) * ENTRY_SIZE)
             for fields in ENTRY.iter_unpack(chunk[: len(chunk) - len(chunk) % ENTRY_SIZE]):
                 yield pos, TimerEntry._make(fields)
                 pos += 1

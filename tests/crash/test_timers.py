@@ -8,7 +8,8 @@ then, after more were published, while they are being dequeued (the subscriber h
 not all); the power-loss run also cuts the log at its flushed mark before the last start (tests/store/test_timer.py
 covers the async policy's tail with the timer files ahead of the log). At the end the subscriber has every
 acknowledged message (lost: 0), none twice except resends marked DUP [MQTT-3.3.1-1] (duplicated: 0), and the log
-holds each delivered message exactly once (the timer fired none twice).
+holds each delivered message exactly once (the timer fired none twice). A message cancelled through the admin API
+just before a SIGKILL stays cancelled: the restarted node neither lists nor delivers it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import trio
 from gateway.bench.crashclients import STAMP, Subscriber, address_cycle, message_key
 from store.log.commitlog import CommitLogConfig
 from store.node import open_store
+from tests.helpers.admin import Admin
 from tests.helpers.crashkit import EmbeddedNode
-from tests.helpers.mqtt_fixtures import Client
+from tests.helpers.mqtt_fixtures import Client, session5, subscribe5
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +66,13 @@ def cut_at_flushed_mark(data: Path) -> None:
             with open(segment, "r+b") as handle:
                 handle.seek(max(0, flushed - base))
                 handle.write(bytes(size - max(0, flushed - base)))
+
+
+async def queue_payloads(data: Path, topic: str) -> list[bytes]:
+    """What the stopped node's log delivered to ``topic``."""
+    async with open_store(data, CommitLogConfig()) as node:
+        await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+        return [record.payload for _, record in node.read(topic, 0, max_count=100).messages]
 
 
 async def stored_messages(data: Path) -> Counter[int]:
@@ -114,3 +123,38 @@ def test_delayed_messages_are_delivered_once_through_kills(tmp_path, power_loss)
     assert not report["errors"], report
     stored = trio.run(stored_messages, data)
     assert set(stored) == {message_key(0, i) for i in range(2 * HALF)} and max(stored.values()) == 1, stored
+
+
+def test_a_cancellation_survives_a_sigkill_of_the_node(tmp_path):
+    data = tmp_path / "data"
+    topic = "fleet/cancel"
+    node = EmbeddedNode(data, "sync", admin=True)
+    port = node.addresses[0][1]
+    try:
+        sub, _ = session5(port, "cancel-sub", 600)
+        assert subscribe5(sub, topic, qos=1) == [1]
+        sub.disconnect()  # its session, and its place in the topic's queue, wait in the store
+        pub = Client(port, "cancel-pub", protocol=mqtt.MQTTv5)
+        pub.connect()
+        ids = []
+        pub.paho.on_publish = lambda c, u, mid, rc, props: ids.append(dict(props.UserProperty)["delayed-id"])
+        for delay_s, payload in ((4, b"cancelled"), (6, b"kept")):
+            pub.paho.publish(f"$delayed/{delay_s}/{topic}", payload, 1).wait_for_publish(timeout=WAIT_S)
+        pub.disconnect()
+        admin = Admin(node.admin_port)
+        assert admin.request("DELETE", f"/api/v1/delayed/{ids[0]}")[0] == 200
+        admin.close()
+        node.crash()  # at once: the cancellation is in the log, not yet under the timer's checkpoint
+        admin = Admin(node.admin_port)
+        listed = admin.get(f"/api/v1/delayed?topic={topic}")["messages"]
+        assert [m["id"] for m in listed] in ([ids[1]], [])  # "kept" may have fired already on a slow restart
+        assert admin.request("DELETE", f"/api/v1/delayed/{ids[0]}")[0] == 404
+        admin.close()
+        sub, present = session5(port, "cancel-sub", 600)
+        assert present
+        assert sub.messages.get(timeout=WAIT_S).payload == b"kept"  # the first the session gets: never "cancelled"
+        sub.disconnect()
+    finally:
+        node.stop()
+    assert not node.errors()
+    assert trio.run(queue_payloads, data, topic) == [b"kept"]

@@ -104,13 +104,15 @@ class _Process:
 
 
 class EmbeddedNode:
-    """``lightgate serve`` on a fixed port; ``crash`` kills and restarts the whole node."""
+    """``lightgate serve`` on a fixed port; ``crash`` kills and restarts the whole node. ``admin``: its admin API
+    on a fixed port too (``admin_port``; 0: off)."""
 
-    def __init__(self, data: Path, flush: str = "sync") -> None:
+    def __init__(self, data: Path, flush: str = "sync", *, admin: bool = False) -> None:
         port = free_port()
         self.addresses = [(HOST, port)]
+        self.admin_port = free_port() if admin else 0
         self.process = _Process("gateway node ready", "serve", "--data", str(data), "--host", HOST, "--port",
-                                str(port), "--admin-port", "0", "--mqtt-sys-interval-s", "0",
+                                str(port), "--admin-port", str(self.admin_port), "--mqtt-sys-interval-s", "0",
                                 "--commitlog-flush", flush)
 
     def crash(self, between: Callable[[], None] | None = None) -> None:

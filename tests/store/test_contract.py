@@ -9,6 +9,7 @@ tested beside it (tests/store/rpc/, tests/store/test_node.py).
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -141,6 +142,59 @@ async def test_statistics_count_what_was_written(api):
     after = await api.statistics()
     assert after.written_offset > before.written_offset and after.flushed_offset == after.written_offset
     assert not after.disk_full
+
+
+# --- delayed messages ---------------------------------------------------------------------
+
+
+async def every_page(api: StoreApi, **query) -> tuple[list[list[str]], list]:
+    """The payload-less view of every page of ``delayed_list(**query)`` (their messages' ids), and the messages."""
+    pages, messages, after = [], [], 0
+    while True:
+        page = await api.delayed_list(after=after, **query)
+        pages.append([m.position.id for m in page.messages])
+        messages += page.messages
+        if not page.next:
+            return pages, messages
+        after = page.next
+
+
+async def test_pending_delayed_messages_are_listed_by_topic_and_by_client_in_pages(api):
+    later = 10 ** 13  # due long after the test
+    positions = await api.append([message("dl/a", b"1", client_id="c1", deliver_at_ms=later),
+                                  message("dl/b", b"22", client_id="c1", qos=0, deliver_at_ms=later + 1),
+                                  message("dl/a", b"333", client_id="c2", qos=2, retain=True, deliver_at_ms=later + 2),
+                                  message("dl/a", b"now", client_id="c1")])
+    ids = [positions[i].id for i in range(3)]
+    pages, listed = await every_page(api, topic="dl/a", limit=1)
+    assert pages == [[ids[0]], [ids[2]]]  # one per page, then the last page says so
+    assert [(m.topic, m.client_id, m.due_ms, m.qos, m.retain, m.payload_bytes) for m in listed] == [
+        ("dl/a", "c1", later, 1, False, 1), ("dl/a", "c2", later + 2, 2, True, 3)]
+    assert (await every_page(api, client_id="c1"))[0] == [[ids[0], ids[1]]]
+    assert (await every_page(api, topic="dl/a", client_id="c2"))[0] == [[ids[2]]]
+    assert (await every_page(api, topic="dl/none"))[0] == [[]]
+    with pytest.raises(ValueError):
+        await api.delayed_list(limit=0)
+
+
+async def test_a_cancelled_delayed_message_is_never_delivered_and_is_cancelled_once(api):
+    due = int(time.time() * 1000) + 500
+    cancelled, kept = await api.append([message("dl/c", b"cancelled", deliver_at_ms=due),
+                                        message("dl/c", b"kept", deliver_at_ms=due + 100)])
+    assert await api.delayed_cancel(cancelled)
+    assert not await api.delayed_cancel(cancelled)  # already cancelled: not found
+    assert not await api.delayed_cancel(Position(MAIN_LOG, cancelled.offset + 1))  # no record starts there
+    assert not await api.delayed_cancel(Position(7, cancelled.offset))  # no such log
+    assert [m.position for m in (await api.delayed_list(topic="dl/c")).messages] == [kept]
+    with trio.fail_after(WAIT_S):
+        while (await api.statistics()).timers.fired < 1:  # "kept" went out, after "cancelled" was due
+            await trio.sleep(0.02)
+    await dispatched(api)
+    records = (await api.pull([PullRequest("dl/c", 0)]))[0].messages
+    assert [r.payload for _, r in records] == [b"kept"]
+    timers = (await api.statistics()).timers
+    assert (timers.pending, timers.fired, timers.cancelled) == (0, 1, 1)
+    assert not await api.delayed_cancel(kept)  # fired: not found either
 
 
 # --- subscriptions, offsets and events ------------------------------------------------------

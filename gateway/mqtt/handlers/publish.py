@@ -8,7 +8,10 @@ is acknowledged only when the node reports it stored (``Appended``); a QoS 2
 one's PUBCOMP only once its release is on disk (``InboundReleased``). A PUBLISH
 to ``$delayed/<seconds>/<topic>`` (gateway/mqtt/delayed.py) becomes a delayed
 message to ``<topic>``; even at QoS 0 it waits for the store's answer, which
-may refuse it (the client's cap of pending delayed messages).
+may refuse it (the client's cap of pending delayed messages). An MQTT 5 client gets the delayed message's id
+(``Position.id`` of its record, which the admin API lists and cancels by) in its PUBACK / PUBREC, as the User
+Property ``delayed-id``; left out when the client's Maximum Packet Size has no room for it ([MQTT-3.4.2-3],
+[MQTT-3.5.2-3]: ``Channel._fit``). QoS 0 (no acknowledgement) and MQTT 3.1.1 (no properties) get no id.
 """
 
 from __future__ import annotations
@@ -27,8 +30,11 @@ from gateway.mqtt.reasons import PUBACK_REASONS, LocalProtocolError, ReasonCode,
 from gateway.mqtt.session import NOT_IN_LOG, Session
 from gateway.mqtt.state import State
 from lightqueue.topics import TopicError, validate_topic
-from store.api import NewMessage
+from store.api import NewMessage, Position
 
+
+DELAYED_ID_PROPERTY = "delayed-id"
+"""The User Property of the PUBACK / PUBREC of an MQTT 5 delayed publish: the message's id."""
 
 RATE_DEBT_S = 10.0
 """A client whose publish-rate bucket owes more than this many seconds of refill is disconnected: it kept sending
@@ -141,7 +147,7 @@ def process_publish(channel: ChannelView, packet: Publish) -> list[Action]:
     if not qos and not deliver_at_ms:
         return [Append(None, (message,))]
     channel.conn.next_ref += 1
-    channel.conn.pending[channel.conn.next_ref] = (qos, pid)  # type: ignore[assignment]
+    channel.conn.pending[channel.conn.next_ref] = (qos, pid, bool(deliver_at_ms))  # type: ignore[assignment]
     if qos == 2:
         channel.conn.storing_qos2[pid] = None  # type: ignore[index]
     return [Append(channel.conn.next_ref, (message,))]
@@ -227,7 +233,7 @@ def _not_authorized(channel: ChannelView, qos: int, pid: int, topic: str) -> lis
     if not qos:
         return [denied]
     channel.conn.next_ref += 1
-    channel.conn.pending[channel.conn.next_ref] = (qos, pid)
+    channel.conn.pending[channel.conn.next_ref] = (qos, pid, False)
     channel.conn.refused[channel.conn.next_ref] = None
     if qos == 2:
         channel.conn.storing_qos2[pid] = None
@@ -274,7 +280,7 @@ def on_appended(channel: ChannelView, event: Appended) -> list[Action]:
 
 def _appended(channel: ChannelView, event: Appended) -> list[Action]:
     try:
-        qos, pid = channel.conn.pending.pop(event.ref)
+        qos, pid, delayed = channel.conn.pending.pop(event.ref)
     except KeyError:
         raise LocalProtocolError(f"Appended for unknown ref {event.ref}") from None
     session = channel.conn.session
@@ -287,10 +293,15 @@ def _appended(channel: ChannelView, event: Appended) -> list[Action]:
     if qos == 2:
         channel.conn.storing_qos2.pop(pid, None)
     if event.ok:
+        if closing:
+            if qos == 2:
+                session.awaiting_rel[pid] = event.position  # the record says so too: the store knows it after a crash
+            return channel.settle()
+        props = _delayed_id(event.position) if delayed and channel.conn.level == MQTT_5 else EMPTY_PROPERTIES
         if qos == 2:
-            session.awaiting_rel[pid] = event.position  # the record says so too: the store knows it after a crash
-            return channel.settle() if closing else [Send((Pubrec(pid),))]
-        return channel.settle() if closing else [Send((Puback(pid),))]
+            session.awaiting_rel[pid] = event.position
+            return [Send((Pubrec(pid, properties=props),))]
+        return [Send((Puback(pid, properties=props),))]
     if closing:
         return channel.settle()
     if channel.conn.level == MQTT_5:
@@ -302,6 +313,11 @@ def _appended(channel: ChannelView, event: Appended) -> list[Action]:
         # client would resend it forever (Mosquitto does the same). A PUBREL for it gets its PUBCOMP anyway.
         return [Send(((Puback if qos == 1 else Pubrec)(pid),))]
     return channel.close(event.reason, f"message not stored ({event.reason.name}); 3.1.1 cannot refuse it")
+
+
+def _delayed_id(position: Position) -> Properties:
+    """The properties of the acknowledgement of a delayed message stored at ``position``: its id."""
+    return Properties(user_properties=((DELAYED_ID_PROPERTY, position.id),))
 
 
 def on_inbound_released(channel: ChannelView, event: InboundReleased) -> list[Action]:

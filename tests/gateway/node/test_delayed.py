@@ -3,7 +3,8 @@
 A message is delivered to ``<topic>`` once its delay has passed and never on the ``$delayed/...`` name; QoS,
 retain, MQTT 5 properties and the publisher's client id are kept, and Message Expiry counts from the due time. A
 delay over ``delayed.max_delay_s`` and a client over ``delayed.max_pending_per_client`` are refused with a reason
-code (MQTT 5) or a close (3.1.1), never dropped unseen.
+code (MQTT 5) or a close (3.1.1), never dropped unseen. A delayed message's id (MQTT 5 acks, HTTP publish) lists
+and cancels it through the admin API, and a cancelled one is never delivered.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 
+from gateway.mqtt.packets import MQTT_5, Puback, Pubcomp, Publish, Pubrec, Pubrel
+from gateway.mqtt.properties import Properties
+from gateway.mqtt.reasons import ReasonCode
 from tests.helpers.admin import Admin, admin_port
-from tests.helpers.mqtt_fixtures import WAIT_S, Client, connected, properties, run_id, running_node, subscribe5
+from tests.helpers.mqtt_fixtures import (WAIT_S, Client, connected, properties, raw_client, run_id, running_node,
+                                         subscribe5)
 from tests.helpers.prometheus import metric
 
 pytestmark = pytest.mark.slow
@@ -131,4 +136,86 @@ def test_http_publish_takes_delay_s_or_deliver_at(tmp_path):
         assert status == 400 and "max_delay_s" in body["error"], body
         status, _, body = admin.request("POST", "/api/v1/publish", {"topic": topic, "delay_s": 1, "deliver_at": 1})
         assert status == 400, body
+        admin.close()
+
+
+def delayed_id(properties) -> str:
+    """The ``delayed-id`` User Property of an acknowledgement's properties (paho's or the codec's)."""
+    pairs = getattr(properties, "UserProperty", None) or getattr(properties, "user_properties", ())
+    (found,) = [value for name, value in pairs if name == "delayed-id"]
+    return found
+
+
+def test_the_mqtt5_ack_of_a_delayed_publish_carries_its_id_which_lists_and_cancels_it(tmp_path):
+    """PUBACK / PUBREC carry the id as a User Property [MQTT-3.4.2.2.3, 3.5.2.2.3], left out when the client's
+    Maximum Packet Size has no room for it [MQTT-3.4.2-3] [MQTT-3.1.2-24]; MQTT 3.1.1 acks have no properties."""
+    run = run_id()
+    topic = f"d/{run}/ids"
+    with running_node(tmp_path / "data") as node:
+        admin = Admin(admin_port(node))
+        with connected(node.port, protocol=mqtt.MQTTv5, client_id=f"pub-{run}") as pub:
+            got: queue.Queue = queue.Queue()
+            pub.paho.on_publish = lambda c, u, mid, rc, props: got.put(props)
+            pub.paho.publish(f"$delayed/600/{topic}", b"one", 1)
+            paho_id = delayed_id(got.get(timeout=WAIT_S))
+        with raw_client(node.port, MQTT_5) as raw:
+            raw.connect(f"raw-{run}")
+            raw.send(Publish(f"$delayed/600/{topic}", b"two", qos=2, packet_id=1))
+            pubrec = raw.receive()
+            assert isinstance(pubrec, Pubrec) and pubrec.reason_code == ReasonCode.SUCCESS
+            raw_id = delayed_id(pubrec.properties)
+            raw.send(Pubrel(1))
+            assert isinstance(raw.receive(), Pubcomp)
+        with raw_client(node.port, MQTT_5) as small:
+            small.connect(f"small-{run}", properties=Properties(maximum_packet_size=20))  # a CONNACK fits
+            small.send(Publish(f"$delayed/600/{topic}", b"three", qos=1, packet_id=1))
+            assert small.receive() == Puback(1)  # stored, acknowledged without the id that would not fit
+        with raw_client(node.port) as old:
+            old.connect(f"old-{run}")
+            old.send(Publish(f"$delayed/600/{topic}", b"four", qos=1, packet_id=1))
+            assert old.receive() == Puback(1)
+        listed = admin.get(f"/api/v1/delayed?topic={topic}")
+        assert listed["cursor"] is None and len(listed["messages"]) == 4
+        first = listed["messages"][0]
+        assert (first["id"], first["topic"], first["client_id"], first["qos"], first["retain"], first["bytes"]) == (
+            paho_id, topic, f"pub-{run}", 1, False, 3)
+        assert [m["id"] for m in admin.get(f"/api/v1/delayed?client_id=raw-{run}")["messages"]] == [raw_id]
+        pages, cursor = [], ""
+        while cursor is not None:
+            page = admin.get(f"/api/v1/delayed?topic={topic}&limit=3" + (f"&cursor={cursor}" if cursor else ""))
+            pages.append([m["id"] for m in page["messages"]])
+            cursor = page["cursor"]
+        assert pages == [[m["id"] for m in listed["messages"][:3]], [listed["messages"][3]["id"]]]
+        assert admin.request("DELETE", f"/api/v1/delayed/{paho_id}")[0] == 200
+        assert admin.request("DELETE", f"/api/v1/delayed/{paho_id}")[0] == 404  # cancelled already
+        assert admin.request("DELETE", "/api/v1/delayed/0-fffffff")[0] == 404  # unknown
+        assert admin.request("DELETE", "/api/v1/delayed/not-an-id")[0] == 400
+        assert admin.request("GET", "/api/v1/delayed?limit=0")[0] == 400
+        assert [m["id"] for m in admin.get(f"/api/v1/delayed?topic={topic}")["messages"]] == [
+            m["id"] for m in listed["messages"][1:]]
+        admin.close()
+
+
+def test_a_cancelled_delayed_message_is_never_delivered(tmp_path):
+    run = run_id()
+    topic = f"d/{run}/cancel"
+    with running_node(tmp_path / "data") as node:
+        port = admin_port(node)
+        admin = Admin(port)
+        with connected(node.port, protocol=mqtt.MQTTv5, client_id=f"sub-{run}") as sub, \
+                connected(node.port, protocol=mqtt.MQTTv5, client_id=f"pub-{run}") as pub:
+            assert subscribe5(sub, topic, qos=1) == [1]
+            got: queue.Queue = queue.Queue()
+            pub.paho.on_publish = lambda c, u, mid, rc, props: got.put(props)
+            pub.paho.publish(f"$delayed/2/{topic}", b"cancelled", 1)
+            cancelled = delayed_id(got.get(timeout=WAIT_S))
+            status, _, body = admin.request("POST", "/api/v1/publish", {"topic": topic, "payload": "http cancelled",
+                                                                        "qos": 1, "delay_s": 2})
+            assert status == 200 and body["id"], body
+            assert admin.request("DELETE", f"/api/v1/delayed/{cancelled}")[0] == 200
+            assert admin.request("DELETE", f"/api/v1/delayed/{body['id']}")[0] == 200
+            pub.paho.publish(f"$delayed/3/{topic}", b"kept", 1)  # due after both: the barrier
+            assert sub.messages.get(timeout=WAIT_S).payload == b"kept"  # the cancelled ones, due before, never came
+        assert metric(port, "lightgate_delayed_cancelled_total") == 2
+        assert metric(port, "lightgate_delayed_dequeued_total") == 1 and metric(port, "lightgate_delayed_pending") == 0
         admin.close()

@@ -488,12 +488,14 @@ def test_the_admin_api_needs_its_token_and_probes_do_not(secured):
         for path in ("/healthz", "/readyz", "/metrics", "/", "/api/openapi.json"):
             status, _, _ = anonymous.request("GET", path)
             assert status == 200, path
-        for path in ("/api/v1/clients", "/api/v1/overview", "/api/v1/retained"):
+        for path in ("/api/v1/clients", "/api/v1/overview", "/api/v1/retained", "/api/v1/delayed"):
             status, headers, body = anonymous.request("GET", path)
             assert status == 401 and headers["www-authenticate"].startswith("Bearer"), path
         status, _, _ = anonymous.request("GET", "/api/v1/clients", headers={"Authorization": "Bearer wrong"})
         assert status == 401
         status, _, _ = anonymous.request("DELETE", "/api/v1/retained/alice/x")
+        assert status == 401
+        status, _, _ = anonymous.request("DELETE", "/api/v1/delayed/0-0")
         assert status == 401
     finally:
         anonymous.close()

@@ -314,3 +314,23 @@ def test_every_face_sends_delayed_messages(tmp_path):
                 got += [message.payload for message in consumer.poll(wait_s=1)]
         assert sorted(got) == [b"a", b"b", b"t", b"u"]
         assert time.monotonic() - sent >= 1.0
+
+
+def test_every_face_cancels_a_delayed_message_by_the_id_its_send_gave(tmp_path):
+    later = int(time.time() * 1000) + 3_600_000
+    with store_node(tmp_path) as port:
+        async def trio_face() -> list[bool]:
+            async with Producer.connect("127.0.0.1", port) as producer:
+                position = await (await producer.send("delayed/trio", b"t", deliver_at=later))
+                return [await producer.cancel_delayed(position.id), await producer.cancel_delayed(position.id)]
+
+        async def asyncio_face() -> list[bool]:
+            async with AsyncioProducer.connect("127.0.0.1", port) as producer:
+                position = await (await producer.send("delayed/asyncio", b"a", deliver_at=later))
+                return [await producer.cancel_delayed(position.id), await producer.cancel_delayed(position)]
+
+        assert trio.run(trio_face) == [True, False]
+        assert asyncio.run(asyncio_face()) == [True, False]
+        with BlockingProducer.connect("127.0.0.1", port) as producer:
+            position = producer.send("delayed/blocking", b"b", deliver_at=later).result(timeout=WAIT_S)
+            assert [producer.cancel_delayed(position.id), producer.cancel_delayed(position.id)] == [True, False]

@@ -343,3 +343,26 @@ def test_a_device_on_a_cluster_gateway_receives_what_a_producer_sends(tmp_path):
         device.close()
         assert not store.errors() and not gateway.errors()
     assert store.proc.returncode == 0 and gateway.proc.returncode == 0
+
+
+async def test_a_producer_cancels_its_delayed_messages_by_id_on_topics_it_may_publish_to(store_small_records, nursery):
+    access = StoreAccess(token="gw-secret", authenticate=check_password, authorize=only_cmd)
+    port = await serve(nursery, store_small_records, access)
+    later = 10 ** 13  # due long after the test
+    async with RemoteStore.connect("127.0.0.1", port, node="gw-a", token="gw-secret") as gateway:
+        [other] = await gateway.append([NewMessage("secret/x", b"s", "dev1", deliver_at_ms=later)])
+    async with Producer.connect("127.0.0.1", port, username="svc", password="secret") as producer:
+        position = await (await producer.send("cmd/dev1", b"later", deliver_at=later))
+        kept = await (await producer.send("cmd/dev1", b"kept", deliver_at=later))
+        assert await producer.cancel_delayed(position.id)
+        assert not await producer.cancel_delayed(position.id)  # cancelled already: not pending
+        assert not await producer.cancel_delayed(Position(MAIN_LOG, 10 ** 9))  # no such record
+        with pytest.raises(AccessDenied, match="publish"):  # a message of a topic it may not publish to
+            await producer.cancel_delayed(other.id)
+        with pytest.raises(AccessDenied, match="gateway nodes only"):  # listing is the operators' (the admin API)
+            await producer.client.delayed_list()
+        with pytest.raises(ValueError, match="not a delayed message id"):
+            await producer.cancel_delayed("cmd/dev1")
+    assert store_small_records.timers.pending == 2 and store_small_records.timers.cancelled == 1
+    page = await store_small_records.delayed.page("", "", 0, 10)
+    assert [m.position for m in page.messages] == [other, kept]
