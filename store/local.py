@@ -86,8 +86,9 @@ class LocalStore:
     def append_nowait(self, messages: Sequence[NewMessage]) -> Positions:
         return Positions(MAIN_LOG, self.store.append_nowait(messages))
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> Positions:
-        return Positions(MAIN_LOG, await self.store.append(messages, durable=durable))
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None,
+                     batch: bool = False) -> Positions:
+        return Positions(MAIN_LOG, await self.store.append(messages, durable=durable, batch=batch))
 
     def pull_nowait(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         store = self.store
@@ -109,11 +110,12 @@ class LocalStore:
 
     # --- the RPC server's forms: several callers at once, records as stored -------------------
 
-    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None
-                            ) -> list[list[int] | ValueError]:
+    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None,
+                            batched: Sequence[bool] = ()) -> list[list[int] | ValueError]:
         """:meth:`append` of several callers' messages in one CommitLog write (``StoreNode.append_groups``): per
-        group its offsets, or the ``ValueError`` that kept that group (only) out."""
-        return await self.store.append_groups(groups, durable=durable)
+        group its positions, or the ``ValueError`` that kept that group (only) out; ``batched[i]``: group i is
+        one batch record."""
+        return await self.store.append_groups(groups, durable=durable, batched=batched)
 
     async def pull_raw(self, requests: Sequence[PullRequest]) -> list[PullResult[tuple[int, bytes]]]:
         """:meth:`pull` with each record as ``(log offset, bytes as stored)``, undecoded: the remote side decodes

@@ -239,10 +239,14 @@ class RemoteStore:
         """One request through a failover (:meth:`_through_failover`); its answer."""
         return await self._through_failover(lambda link: link.call(make), idempotent=idempotent)
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> Positions:
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None,
+                     batch: bool = False) -> Positions:
         """See ``StoreApi.append``. Through a failover only when not sent: an append sent and not answered may be
-        stored, and made again it could be stored twice (``StoreUnavailable``: the device is told it was not)."""
+        stored, and made again it could be stored twice (``StoreUnavailable``: the device is told it was not).
+        A ``batch`` is a request of its own (its caller batched already)."""
         group = list(messages)
+        if batch and group:
+            return await self._append_batch(group, durable)
 
         async def attempt(link: Link) -> Positions:
             if not group:
@@ -251,6 +255,16 @@ class RemoteStore:
             return await link.appends[durable].submit(group)
 
         return await self._through_failover(attempt)
+
+    async def _append_batch(self, group: list[NewMessage], durable: bool | None) -> Positions:
+        """``append(batch=True)``: one request, its one group a batch record; raises what refused it."""
+        try:
+            answer = await self._call(lambda rid: rpc.AppendRequest(rid, [group], durable, batched=[0]))
+        except rpc.RpcProtocolError as exc:
+            raise ValueError(str(exc)) from None
+        if 0 in answer.errors:
+            raise exception_of(answer.errors[0])
+        return answer.positions[0]
 
     async def append_each(self, messages: Sequence[NewMessage], *, durable: bool | None = None
                           ) -> list[Position | Exception]:

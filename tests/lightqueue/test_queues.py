@@ -398,6 +398,7 @@ class Rec:
     store_ms: int = 0
     topic: str = "t"
     queues: tuple = ()
+    batch_count: int = 0
 
 
 def index_records(env, first, count, size=100):
