@@ -79,6 +79,7 @@ __all__ = [
     "Record",
     "RecordTooLarge",
     "BatchItem",
+    "batch_fields",
     "check_frame",
     "decode_record",
     "encode_eos",
@@ -446,9 +447,9 @@ def decode_record(buf: bytes | memoryview, pos: int, offset: int) -> Record:
     return Record(offset, size, flags, born_ms, store_ms, cid, topic, queues, props, payload, packet_id)
 
 
-def _decode_batch(buf: bytes | memoryview, p: int, length: int, offset: int, store_ms: int, topic: str,
-                  queues: tuple[int, ...]) -> tuple[Record, ...]:
-    """The messages of a batch body of ``length`` bytes at ``p``, at positions ``offset`` + i.
+def batch_fields(buf: bytes | memoryview, p: int, length: int) -> list[tuple[int, int, int, int, int, int, int, int]]:
+    """Where each message of the batch body of ``length`` bytes at ``p`` is in ``buf``: ``(flags, born ms, client
+    id start, its length, properties start, length, payload start, length)`` (the Spark reader takes columns so).
 
     Raises:
         CorruptRecord: the body does not parse to exactly its length (it passed its CRC: a writer's bug).
@@ -458,23 +459,28 @@ def _decode_batch(buf: bytes | memoryview, p: int, length: int, offset: int, sto
         raise CorruptRecord("a batch record's body is shorter than its message count")
     (count,) = _COUNT.unpack_from(buf, p)
     p += _COUNT.size
-    messages = []
+    found = []
     unpack = _MESSAGE.unpack_from
     for i in range(count):
         if p + _MESSAGE.size > end:
             raise CorruptRecord(f"a batch record's body ends inside message {i} of {count}")
         flags, born, n_cid, n_props, n_payload = unpack(buf, p)
-        size = _MESSAGE.size + n_cid + n_props + n_payload
-        if p + size > end or flags & ~(QOS_MASK | FLAG_RETAIN) or flags & QOS_MASK == 3:
-            raise CorruptRecord(f"message {i} of a batch record overruns its body or has flags 0x{flags:02x}")
         q = p + _MESSAGE.size
-        cid = bytes(buf[q : q + n_cid]).decode()
-        q += n_cid
-        props = bytes(buf[q : q + n_props])
-        q += n_props
-        payload = bytes(buf[q : q + n_payload])
-        messages.append(Record(offset + i, size, flags, born, store_ms, cid, topic, queues, props, payload))
-        p += size
+        p = q + n_cid + n_props + n_payload
+        if p > end or flags & ~(QOS_MASK | FLAG_RETAIN) or flags & QOS_MASK == 3:
+            raise CorruptRecord(f"message {i} of a batch record overruns its body or has flags 0x{flags:02x}")
+        found.append((flags, born, q, n_cid, q + n_cid, n_props, q + n_cid + n_props, n_payload))
     if p != end or not count:
         raise CorruptRecord(f"a batch record's body has {end - p} bytes past its {count} messages")
-    return tuple(messages)
+    return found
+
+
+def _decode_batch(buf: bytes | memoryview, p: int, length: int, offset: int, store_ms: int, topic: str,
+                  queues: tuple[int, ...]) -> tuple[Record, ...]:
+    """The messages of a batch body of ``length`` bytes at ``p``, at positions ``offset`` + i (raises as
+    :func:`batch_fields`)."""
+    return tuple(
+        Record(offset + i, _MESSAGE.size + n_cid + n_props + n_payload, flags, born, store_ms,
+               bytes(buf[c : c + n_cid]).decode(), topic, queues, bytes(buf[q : q + n_props]),
+               bytes(buf[d : d + n_payload]))
+        for i, (flags, born, c, n_cid, q, n_props, d, n_payload) in enumerate(batch_fields(buf, p, length)))
