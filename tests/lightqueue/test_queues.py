@@ -619,10 +619,11 @@ def test_a_batch_of_16_costs_the_index_a_tenth_of_the_bytes_of_16_single_records
     for kind in ("single", "batch"):
         counting = CountingDb(env.db)
         env.lq = LightQueues(counting)
-        start = env.lq.checkpoint
+        start, queued = env.lq.checkpoint, env.lq.max_offset("t")
         for step in range(64 // per_step):
             first = start + step * per_step * 16 * 100
             index_layout(env, first, [0] * 16 * per_step if kind == "single" else [16] * per_step)
+        assert env.lq.max_offset("t") - queued == 1024  # a queue offset per message either way
         costs[kind] = counting.written / 1024
     print(f"index bytes per message, {per_step} append(s) of 16 per dispatch step: {costs}")
     assert costs["single"] >= ratio * costs["batch"], costs

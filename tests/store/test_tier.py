@@ -213,15 +213,20 @@ def test_control_records_are_not_converted_to_rows(tmp_path: Path) -> None:
             if i % 4 == 0:
                 log.append(encode_control(SessionSaved(f"c{i}", b"blob" * 20), msg.store_ms, SEGMENT)[0])
         log.flush()
-    expected = [r for r in log_records(tmp_path) if not r[3].startswith("$store/")]
-    with CommitLog.open(tmp_path / "commitlog", CONFIG) as log:
-        converter = TierConverter(log, TierConfig(uri=str(tmp_path / "tier"), cpu_share=1.0))
+    check_converted(tmp_path, [r for r in log_records(tmp_path) if not r[3].startswith("$store/")])
+
+
+def check_converted(data: Path, expected: list[tuple]) -> None:
+    """Convert the sealed segments of the log under ``data``: the tier's rows are the ``expected`` rows of those
+    segments, and each file's record count is its rows."""
+    with CommitLog.open(data / "commitlog", CONFIG) as log:
+        converter = TierConverter(log, TierConfig(uri=str(data / "tier"), cpu_share=1.0))
         converter.open()
         assert converter.convert_pending() > 1
         active = log.segments()[-1].base
-    assert tier_rows(tmp_path / "tier") == [r for r in expected if r[0] < active]
-    fs, _root = open_tier(str(tmp_path / "tier"))
-    for file in list_tier(fs, _root):
+    assert tier_rows(data / "tier") == [r for r in expected if r[0] < active]
+    fs, root = open_tier(str(data / "tier"))
+    for file in list_tier(fs, root):
         meta, parquet = read_meta(fs, file.path)
         assert meta.records == parquet.num_rows
 
@@ -243,12 +248,4 @@ def test_a_batch_record_becomes_a_row_per_message(tmp_path: Path) -> None:
             expected += [(offset + i, msg.store_ms, m.born_ms, msg.topic, m.client_id, m.qos, m.retain, b"",
                           m.payload) for i, m in enumerate(items)]
         log.flush()
-        converter = TierConverter(log, TierConfig(uri=str(tmp_path / "tier"), cpu_share=1.0))
-        converter.open()
-        assert converter.convert_pending() > 1
-        active = log.segments()[-1].base
-    assert tier_rows(tmp_path / "tier") == [r for r in expected if r[0] < active]
-    fs, root = open_tier(str(tmp_path / "tier"))
-    for file in list_tier(fs, root):
-        meta, parquet = read_meta(fs, file.path)
-        assert meta.records == parquet.num_rows
+    check_converted(tmp_path, expected)
