@@ -57,6 +57,7 @@ __all__ = [
     "cut_run",
     "entry_key",
     "entry_prefix",
+    "is_batch_run",
     "held_by_key",
     "held_by_prefix",
     "holder_key",
@@ -171,14 +172,15 @@ def prefix_end(prefix: bytes) -> bytes:
     return stripped[:-1] + bytes([stripped[-1] + 1])
 
 
-def _is_batch_run(value: bytes) -> bool:
+def is_batch_run(value: bytes) -> bool:
+    """Is this ``E`` value a batch run (else a run of single records' entries)?"""
     return len(value) % ENTRY.size != 0 and value[:1] == BATCH_RUN
 
 
 def run_entries(first: int, value: bytes) -> Iterator[tuple[int, int, int, int, int]]:
     """The entries of an ``E`` key's run starting at queue offset ``first``, as ``(queue offset, log offset, size,
     store ms, count)``: count 0 for a single record (one queue offset), the message count for a batch record."""
-    if not _is_batch_run(value):
+    if not is_batch_run(value):
         for i, (log_offset, size, store_ms) in enumerate(ENTRY.iter_unpack(value)):
             yield first + i, log_offset, size, store_ms, 0
         return
@@ -190,14 +192,14 @@ def run_entries(first: int, value: bytes) -> Iterator[tuple[int, int, int, int, 
 
 def run_span(value: bytes) -> int:
     """How many queue offsets a run covers."""
-    if not _is_batch_run(value):
+    if not is_batch_run(value):
         return len(value) // ENTRY.size
     return sum(count for _, _, _, count in BATCH_ENTRY.iter_unpack(value[1:]))
 
 
 def cut_run(first: int, value: bytes, end: int) -> bytes:
     """The run starting at ``first`` without its entries at or past queue offset ``end`` (which starts an entry)."""
-    if not _is_batch_run(value):
+    if not is_batch_run(value):
         return value[:(end - first) * ENTRY.size]
     kept = sum(1 for qoff, _, _, _, count in run_entries(first, value) if qoff + count <= end)
     return value[:1 + kept * BATCH_ENTRY.size]

@@ -596,30 +596,41 @@ class LightQueues:
         next_offset = from_offset
         end = min(head, from_offset + max_count)
         width = keys.ENTRY.size
-        full = False
+        full = batched = False
         for first, run in self._runs(state.qid, from_offset, end):
-            if run[:1] == keys.BATCH_RUN and len(run) % width:
-                entries: Iterable[tuple[int, int, int, int, int]] = keys.run_entries(first, run)
-            else:  # single records: only the entries from from_offset to end are unpacked
-                skip = max(0, from_offset - first)
-                entries = keys.run_entries(first + skip, run[skip * width:(end - first) * width])
-            for qoff, log_offset, size, _store_ms, count in entries:
-                stop = min(qoff + (count or 1), end)
-                if stop <= next_offset:
-                    continue  # a batch record's messages before from_offset
-                if qoff >= end:
-                    break
-                if max(qoff, from_offset) != next_offset:
-                    expired = True  # retention range-deleted entries since we read the minimum
-                if log_offset < log_min:
-                    expired = True
-                else:
-                    if found and total + size > max_bytes:
+            if keys.is_batch_run(run):  # each entry a batch record: its messages from next_offset on
+                batched = True
+                for base, log_offset, size, _store_ms, count in keys.run_entries(first, run):
+                    stop = min(base + count, end)
+                    if stop <= next_offset or base >= end:
+                        continue  # before from_offset, or past the pull's end
+                    if max(base, from_offset) != next_offset:
+                        expired = True  # retention range-deleted entries since we read the minimum
+                    if log_offset < log_min:
+                        expired = True
+                    elif found and total + size > max_bytes:
                         full = True
                         break
-                    found.append((max(qoff, next_offset), log_offset, size, qoff if count else -1, stop))
-                    total += size
-                next_offset = stop
+                    else:
+                        found.append((max(base, next_offset), log_offset, size, base, stop))
+                        total += size
+                    next_offset = stop
+            else:  # single records: the entries from from_offset to end, unpacked at once
+                skip = max(0, from_offset - first)
+                qoff = first + skip
+                if qoff != next_offset:
+                    expired = True  # retention range-deleted entries since we read the minimum
+                for log_offset, size, _store_ms in keys.ENTRY.iter_unpack(run[skip * width:(end - first) * width]):
+                    if log_offset < log_min:
+                        expired = True
+                    else:
+                        if found and total + size > max_bytes:
+                            full = True
+                            break
+                        found.append((qoff, log_offset, size, -1, 0))
+                        total += size
+                    qoff += 1
+                next_offset = qoff  # past the run's last entry, or at the entry that did not fit
             if full:
                 break
         values: list[T | None] = [None] * len(found)
@@ -633,6 +644,11 @@ class LightQueues:
                     expired = True
                 elif raw:  # b"": corrupt, skipped like a filtered message (its offset is passed)
                     values[i] = decode(raw, found[i][1])
+        if not batched:
+            return PullResult([(entry[0], value) for entry, value in zip(found, values) if value is not None],
+                              next_offset, expired)
+        if unpack is None:
+            raise ValueError(f"queue {name!r} holds batch records: its pulls need an unpack")
         messages: list[tuple[int, T]] = []
         for (qoff, _, _, base, stop), value in zip(found, values):
             if value is None:
@@ -640,8 +656,6 @@ class LightQueues:
             if base < 0:
                 messages.append((qoff, value))
                 continue
-            if unpack is None:
-                raise ValueError(f"queue {name!r} holds batch records: its pulls need an unpack")
             inside = unpack(value)
             messages.extend((base + i, inside[i]) for i in range(qoff - base, min(len(inside), stop - base)))
         return PullResult(messages, next_offset, expired)
@@ -974,7 +988,7 @@ class LightQueues:
         if found is None:
             return None
         first, run = found
-        if len(run) % keys.ENTRY.size == 0:
+        if not keys.is_batch_run(run):
             return keys.ENTRY.unpack_from(run, (qoff - first) * keys.ENTRY.size)
         for base, log_offset, size, store_ms, count in keys.run_entries(first, run):
             if qoff < base + count:
