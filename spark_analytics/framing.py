@@ -182,23 +182,24 @@ class Frames:
             setattr(out, name, getattr(self, name)[keep])
         return out
 
-    def messages(self) -> "Frames":
-        """These rows with each batch record (``FLAG_BATCH``) replaced by its messages, a row each at position
-        offset + i (its topic and store time, their own fields; docs/storage.md, "Batch records").
+    def batch_fields(self, row: int) -> list[tuple[int, int, int, int, int, int, int, int]]:
+        """Where the messages of the batch record in ``row`` are (``store.log.record.batch_fields``; raises
+        ``CorruptRecord`` as it does)."""
+        return batch_fields(self._buf, int(self._payload_start[row]), int(self._payload_len[row]))
 
-        Raises:
-            CorruptRecord: a batch body that passed its CRC does not parse (a writer's bug).
-        """
-        batches = np.flatnonzero(self.flags & FLAG_BATCH)
-        if not len(batches):
-            return self
+    def messages(self, batches: dict[int, list[tuple[int, int, int, int, int, int, int, int]]]) -> "Frames":
+        """These rows with each batch record (``FLAG_BATCH``) replaced by its messages, a row each at position
+        offset + i (its topic and store time, their own fields; docs/storage.md, "Batch records"); ``batches``:
+        the :meth:`batch_fields` of each, by offset."""
         rows: list[tuple[int, ...]] = []
-        for row in batches.tolist():
+        for row in np.flatnonzero(self.flags & FLAG_BATCH).tolist():
             offset, store_ms = int(self.offset[row]), int(self.store_ms[row])
             topic_start, topic_len = int(self._topic_start[row]), int(self._topic_len[row])
-            fields = batch_fields(self._buf, int(self._payload_start[row]), int(self._payload_len[row]))
+            fields = batches[offset]
             rows += [(offset + i, flags, born, store_ms, c, n_cid, topic_start, topic_len, p, n_props, d, n_payload)
                      for i, (flags, born, c, n_cid, p, n_props, d, n_payload) in enumerate(fields)]
+        if not rows:
+            return self
         singles = self.select((self.flags & FLAG_BATCH) == 0)
         added = np.array(rows, np.int64).T
         order = np.argsort(np.concatenate((singles.offset, added[0])), kind="stable")
@@ -576,6 +577,13 @@ def _checked(win: _Window, starts: np.ndarray, rng: ScanRange, opts: DecodeOptio
         got = np.fromiter(map(crc32c, map(win.buf.__getitem__, map(slice, lo, hi))), np.uint32, len(lo))
         for row in idx[np.flatnonzero(got != _be(hdr, 4, 8, ">u4")[idx])].tolist():
             bad[row] = "CRC mismatch"
+    batches = {}  # offset -> where its messages are, for each batch record kept
+    for row in np.flatnonzero(keep & ((frames.flags & FLAG_BATCH) != 0)).tolist():
+        if row not in bad:
+            try:
+                batches[int(frames.offset[row])] = frames.batch_fields(row)
+            except CorruptRecord as exc:  # it passed its CRC (a writer's bug): skipped alone, as the store does
+                bad[row] = str(exc)
     torn = None
     if bad and rng.strict:  # framing intact: each is skipped alone, by its length (as the store does)
         for row in sorted(bad):
@@ -584,7 +592,7 @@ def _checked(win: _Window, starts: np.ndarray, rng: ScanRange, opts: DecodeOptio
     elif bad:  # past the durable end: the first invalid record is a torn tail, the end of the data
         torn = int(pos[min(bad)])
         keep[min(bad):] = False
-    kept = (frames if keep.all() else frames.select(keep)).messages()
+    kept = (frames if keep.all() else frames.select(keep)).messages(batches)
     return (kept if len(kept) else None), torn
 
 

@@ -21,6 +21,7 @@ from store.log.commitlog import CommitLog, CommitLogConfig
 from store.control import SessionEnded, encode_control
 from store.api import NewMessage
 from store.log.record import MAGIC_V1, encode_record, new_batch
+from tests.helpers.batches import malformed_batch
 
 MAGIC = MAGIC_V1.to_bytes(4, "big")
 
@@ -304,3 +305,16 @@ def test_a_batch_record_is_a_row_per_message_in_the_segment_reader_and_the_live_
     assert [r["offset"] for r in only] == [e[0] for e in expected if e[1] == "b/batch"]
     frames, _used = frames_in(span, 0, DecodeOptions(), "live")
     assert frames.raw_batch().to_pydict()["offset"] == [e[0] for e in expected]
+
+
+def test_a_batch_whose_body_does_not_parse_is_skipped_alone_below_the_durable_end(tmp_path: Path, caplog) -> None:
+    """Its CRC is right (a writer's bug): skipped, logged and counted like a corrupt record, as the store skips it."""
+    config = CommitLogConfig(segment_bytes=16 * 1024, max_record_bytes=16 * 1024)
+    with CommitLog.open(tmp_path / "commitlog", config) as log:
+        first = log.append(encode_record("a/b", b"1", store_ms=1))
+        log.append(malformed_batch("a/b", 2))
+        last = log.append(encode_record("a/b", b"2", store_ms=3))
+        log.flush()
+    skipped = corrupt_skipped()
+    assert [r["offset"] for r in rows(tmp_path)] == [first, last]
+    assert corrupt_skipped() == skipped + 1 and _corrupt_lines(caplog)
