@@ -5,12 +5,11 @@ the store RPC, once as single records and once as one batch record (``append(bat
 topic root of its own. Paho devices on the gateway receive both copies as the same PUBLISH packets: payloads,
 QoS, properties forwarded unaltered [MQTT-3.3.2-17] [MQTT-3.3.2-20], in publication order [MQTT-4.6.0-6], No Local
 honoured for the messages of the device's own client id [MQTT-3.8.3-3], and the batch's retained message sent to
-a later subscriber with RETAIN set [MQTT-3.3.1-6].
+a later subscriber (Retain Handling 0) with RETAIN set [MQTT-3.3.1-9].
 """
 
 from __future__ import annotations
 
-import paho.mqtt.client as mqtt
 import pytest
 import trio
 from paho.mqtt.subscribeoptions import SubscribeOptions
