@@ -99,6 +99,7 @@ class IndexRecord(Protocol):
     store_ms: int
     topic: str
     queues: tuple[int, ...]  # queue ids of the target-queues section
+    batch_count: int  # a batch record's messages (one entry, that many queue offsets); 0 for a single record
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,25 +138,44 @@ class _Queue:
 
 @final
 class _Slot:
-    """One queue's share of an index batch: the packed entries it gets, from its max offset on."""
+    """One queue's share of an index batch: the packed entries it gets, from its max offset on (20-byte
+    ``keys.ENTRY`` for a single record, 24-byte ``keys.BATCH_ENTRY`` for a batch record)."""
 
-    __slots__ = ("state", "entries")
+    __slots__ = ("state", "entries", "end")
 
     def __init__(self, state: _Queue) -> None:
         self.state = state
         self.entries: list[bytes] = []
-
-    @property
-    def end(self) -> int:
-        """The queue's max offset once the batch is written."""
-        return self.state.max + len(self.entries)
+        self.end = state.max  # the queue's max offset once the batch is written (set by write)
 
     def write(self, put: Callable[[bytes, bytes], None]) -> None:
-        """Put the entries as runs of ``keys.RUN_ENTRIES``, and the new max offset."""
-        state, entries = self.state, self.entries
-        for i in range(0, len(entries), keys.RUN_ENTRIES):
-            put(state.prefix + (state.max + i).to_bytes(8, "big"), b"".join(entries[i:i + keys.RUN_ENTRIES]))
-        put(keys.max_key(state.qid), keys.U64.pack(self.end))
+        """Put the entries as runs of at most ``keys.RUN_ENTRIES`` (a batch run for batch records' entries), and
+        the new max offset."""
+        state, entries, width = self.state, self.entries, keys.ENTRY.size
+        qoff = state.max
+        if sum(map(len, entries)) == width * len(entries):  # single records only: the layout before batches
+            for i in range(0, len(entries), keys.RUN_ENTRIES):
+                put(state.prefix + (qoff + i).to_bytes(8, "big"), b"".join(entries[i:i + keys.RUN_ENTRIES]))
+            qoff += len(entries)
+        else:
+            for run in _runs_of(entries):
+                value = b"".join(run) if len(run[0]) == width else keys.BATCH_RUN + b"".join(run)
+                put(state.prefix + qoff.to_bytes(8, "big"), value)
+                qoff += keys.run_span(value)
+        self.end = qoff
+        put(keys.max_key(state.qid), keys.U64.pack(qoff))
+
+
+def _runs_of(entries: list[bytes]) -> Iterator[list[bytes]]:
+    """Consecutive entries of one width, at most ``keys.RUN_ENTRIES`` each: the runs a slot writes."""
+    run: list[bytes] = []
+    for entry in entries:
+        if run and (len(entry) != len(run[0]) or len(run) == keys.RUN_ENTRIES):
+            yield run
+            run = []
+        run.append(entry)
+    if run:
+        yield run
 
 
 def is_implicit(filter: str) -> bool:
@@ -448,7 +468,7 @@ class LightQueues:
         Returns:
             ``{queue name: new max offset}`` for every queue that got entries.
         """
-        pack_entry = keys.ENTRY.pack
+        pack_entry, pack_batch = keys.ENTRY.pack, keys.BATCH_ENTRY.pack
         with self._lock:
             checkpoint = self._checkpoint
             if next_log_offset < checkpoint:
@@ -462,7 +482,9 @@ class LightQueues:
                 offset = rec.offset
                 if offset < checkpoint:
                     continue
-                value = pack_entry(offset, rec.size, rec.store_ms)
+                batched = rec.batch_count
+                value = pack_batch(offset, rec.size, rec.store_ms, batched) if batched else \
+                    pack_entry(offset, rec.size, rec.store_ms)
                 route = routes.get((rec.topic, rec.queues))
                 if route is None:
                     route, stable = self._route(rec.topic, rec.queues, offset, checkpoint, touched, batch)
@@ -534,6 +556,7 @@ class LightQueues:
         log: LogReader,
         decode: Callable[[bytes, int], T],
         cached: Callable[[int], T | None] | None = None,
+        unpack: Callable[[T], Sequence[T]] | None = None,
     ) -> PullResult[T]:
         """Read up to ``max_count`` messages of a queue, starting at queue offset ``from_offset``.
 
@@ -549,6 +572,11 @@ class LightQueues:
             cached: ``cached(log_offset)``, the message if the caller holds it
                 decoded already (None: read it). The rest are read from the log
                 in one call.
+            unpack: ``unpack(value)``, the messages of a batch record that ``decode`` or ``cached`` gave (in
+                order: message i at queue offset base + i). Pulls of a queue holding batch records need it.
+
+        A batch record's entry counts its whole size against ``max_bytes`` and serves its messages from
+        ``from_offset`` (or its base) up to ``max_count``; the next pull starts inside it if it was cut.
         """
         if max_count < 1 or max_bytes < 1:
             raise ValueError(f"max_count and max_bytes must be positive, not {max_count} and {max_bytes}")
@@ -563,42 +591,73 @@ class LightQueues:
         if from_offset >= head:
             return PullResult([], from_offset, expired)
         log_min = log.min_offset
-        found: list[tuple[int, int, int]] = []  # (queue offset, log offset, size)
+        found: list[tuple[int, int, int, int, int]] = []  # (queue offset, log offset, size, base or -1, stop)
         total = 0
         next_offset = from_offset
         end = min(head, from_offset + max_count)
         width = keys.ENTRY.size
-        full = False
+        full = batched = False
         for first, run in self._runs(state.qid, from_offset, end):
-            skip = max(0, from_offset - first)
-            qoff = first + skip
-            if qoff != next_offset:
-                expired = True  # retention range-deleted entries since we read the minimum
-            for log_offset, size, _store_ms in keys.ENTRY.iter_unpack(run[skip * width:(end - first) * width]):
-                if log_offset < log_min:
-                    expired = True
-                else:
-                    if found and total + size > max_bytes:
+            if keys.is_batch_run(run):  # each entry a batch record: its messages from next_offset on
+                batched = True
+                for base, log_offset, size, _store_ms, count in keys.run_entries(first, run):
+                    stop = min(base + count, end)
+                    if stop <= next_offset or base >= end:
+                        continue  # before from_offset, or past the pull's end
+                    if max(base, from_offset) != next_offset:
+                        expired = True  # retention range-deleted entries since we read the minimum
+                    if log_offset < log_min:
+                        expired = True
+                    elif found and total + size > max_bytes:
                         full = True
                         break
-                    found.append((qoff, log_offset, size))
-                    total += size
-                qoff += 1
-            next_offset = qoff  # past the run's last entry, or at the entry that did not fit
+                    else:
+                        found.append((max(base, next_offset), log_offset, size, base, stop))
+                        total += size
+                    next_offset = stop
+            else:  # single records: the entries from from_offset to end, unpacked at once
+                skip = max(0, from_offset - first)
+                qoff = first + skip
+                if qoff != next_offset:
+                    expired = True  # retention range-deleted entries since we read the minimum
+                for log_offset, size, _store_ms in keys.ENTRY.iter_unpack(run[skip * width:(end - first) * width]):
+                    if log_offset < log_min:
+                        expired = True
+                    else:
+                        if found and total + size > max_bytes:
+                            full = True
+                            break
+                        found.append((qoff, log_offset, size, -1, 0))
+                        total += size
+                    qoff += 1
+                next_offset = qoff  # past the run's last entry, or at the entry that did not fit
             if full:
                 break
         values: list[T | None] = [None] * len(found)
         if cached is not None:
-            values = list(map(cached, [log_offset for _, log_offset, _ in found]))
+            values = list(map(cached, [entry[1] for entry in found]))
         missing = [i for i, value in enumerate(values) if value is None]
         if missing:
-            raws = log.read_many([found[i][1:] for i in missing])
+            raws = log.read_many([found[i][1:3] for i in missing])
             for i, raw in zip(missing, raws):
                 if raw is None:  # retention deleted the segment since we looked at log_min
                     expired = True
                 elif raw:  # b"": corrupt, skipped like a filtered message (its offset is passed)
                     values[i] = decode(raw, found[i][1])
-        messages = [(qoff, value) for (qoff, _, _), value in zip(found, values) if value is not None]
+        if not batched:
+            return PullResult([(entry[0], value) for entry, value in zip(found, values) if value is not None],
+                              next_offset, expired)
+        if unpack is None:
+            raise ValueError(f"queue {name!r} holds batch records: its pulls need an unpack")
+        messages: list[tuple[int, T]] = []
+        for (qoff, _, _, base, stop), value in zip(found, values):
+            if value is None:
+                continue
+            if base < 0:
+                messages.append((qoff, value))
+                continue
+            inside = unpack(value)
+            messages.extend((base + i, inside[i]) for i in range(qoff - base, min(len(inside), stop - base)))
         return PullResult(messages, next_offset, expired)
 
     def commit_offsets(self, owner: str, offsets: Mapping[str, int], *, applied: int | None = None) -> None:
@@ -798,7 +857,7 @@ class LightQueues:
             if new_max < state.max:
                 run = self._run_at(state.qid, new_max)
                 if run is not None and run[0] < new_max:  # a run across the cut keeps its entries before it
-                    batch.put(keys.entry_key(state.qid, run[0]), run[1][:(new_max - run[0]) * keys.ENTRY.size])
+                    batch.put(keys.entry_key(state.qid, run[0]), keys.cut_run(run[0], run[1], new_max))
                 batch.delete_range(keys.entry_key(state.qid, new_max), keys.entry_key(state.qid, state.max))
                 batch.put(keys.max_key(state.qid), keys.U64.pack(new_max))
                 state.max = new_max
@@ -923,14 +982,23 @@ class LightQueues:
         return low
 
     def _entry(self, qid: int, qoff: int) -> tuple[int, int, int] | None:
-        """The entry at queue offset ``qoff``: (log offset, size, store ms); None if it is not stored."""
-        run = self._run_at(qid, qoff)
-        return None if run is None else keys.ENTRY.unpack_from(run[1], (qoff - run[0]) * keys.ENTRY.size)
+        """The entry at queue offset ``qoff``: (log position, size, store ms); None if it is not stored. A message
+        of a batch record is at the record's offset + its index, and has the record's size and store ms."""
+        found = self._run_at(qid, qoff)
+        if found is None:
+            return None
+        first, run = found
+        if not keys.is_batch_run(run):
+            return keys.ENTRY.unpack_from(run, (qoff - first) * keys.ENTRY.size)
+        for base, log_offset, size, store_ms, count in keys.run_entries(first, run):
+            if qoff < base + count:
+                return log_offset + qoff - base, size, store_ms
+        return None
 
     def _run_at(self, qid: int, qoff: int) -> tuple[int, bytes] | None:
         """The run holding queue offset ``qoff``: (its first queue offset, its entries); None if none does."""
         for first, run in self._runs(qid, qoff, qoff + 1):
-            return (first, run) if first <= qoff and (qoff - first) * keys.ENTRY.size < len(run) else None
+            return (first, run) if first <= qoff < first + keys.run_span(run) else None
         return None
 
     def _runs(self, qid: int, from_offset: int, end: int) -> Iterator[tuple[int, bytes]]:

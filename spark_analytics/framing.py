@@ -54,8 +54,8 @@ from crc32c import crc32c
 from numpy.lib.stride_tricks import sliding_window_view
 
 from lightqueue.topics import matches
-from store.log.record import (EOS_SIZE, FLAG_CONTROL, FLAG_RETAIN, HEADER_SIZE, MAGIC_EOS, MAGIC_V1, QOS_MASK,
-                              CorruptRecord, check_frame)
+from store.log.record import (EOS_SIZE, FLAG_BATCH, FLAG_CONTROL, FLAG_RETAIN, HEADER_SIZE, MAGIC_EOS, MAGIC_V1,
+                              QOS_MASK, CorruptRecord, batch_fields, check_frame)
 from store.tierfiles import RECORD_SCHEMA, UTC_MICROS
 
 __all__ = ["RAW_SCHEMA", "UTC_MICROS", "DecodeOptions", "Frames", "ScanRange", "corrupt_skipped", "frames_in",
@@ -138,26 +138,32 @@ class Frames:
     checks, as numpy columns over the window buffer; Arrow columns are built
     on demand so a consumer pays only for the fields it uses."""
 
-    __slots__ = ("_buf", "_u8", "_data", "offset", "flags", "born_ms", "store_ms",
-                 "_pos", "_cid_len", "_topic_len", "_queues_len", "_props_len", "_payload_len")
+    __slots__ = ("_buf", "_u8", "_data", "offset", "flags", "born_ms", "store_ms", "_cid_start", "_cid_len",
+                 "_topic_start", "_topic_len", "_props_start", "_props_len", "_payload_start", "_payload_len")
+
+    _COLUMNS = ("offset", "flags", "born_ms", "store_ms", "_cid_start", "_cid_len", "_topic_start", "_topic_len",
+                "_props_start", "_props_len", "_payload_start", "_payload_len")
 
     def __init__(self, buf: bytes, window_offset: int, pos: np.ndarray, hdr: np.ndarray) -> None:
         self._buf = buf
         self._u8 = np.frombuffer(buf, np.uint8)
         self._data = pa.py_buffer(buf)
-        self._pos = pos
         self.offset = pos + window_offset
         self.flags = hdr[:, 12]
         self.born_ms = _be(hdr, 13, 21, ">i8")
         self.store_ms = _be(hdr, 21, 29, ">i8")
+        # Field starts follow the layout: producer id | topic | target queues | properties | payload.
         self._cid_len = _be(hdr, 29, 31, ">u2").astype(np.int64)
         self._topic_len = _be(hdr, 31, 33, ">u2").astype(np.int64)
-        self._queues_len = _be(hdr, 33, 35, ">u2").astype(np.int64)
         self._props_len = _be(hdr, 35, 39, ">u4").astype(np.int64)
         self._payload_len = _be(hdr, 39, 43, ">u4").astype(np.int64)
+        self._cid_start = pos + HEADER_SIZE
+        self._topic_start = self._cid_start + self._cid_len
+        self._props_start = self._topic_start + self._topic_len + _be(hdr, 33, 35, ">u2")
+        self._payload_start = self._props_start + self._props_len
 
     def __len__(self) -> int:
-        return len(self._pos)
+        return len(self.offset)
 
     @property
     def buffer(self) -> bytes:
@@ -166,45 +172,58 @@ class Frames:
 
     def payload_bounds(self) -> tuple[np.ndarray, np.ndarray]:
         """Start and end of each payload in :attr:`buffer`."""
-        start = self._payload_start()
-        return start, start + self._payload_len
+        return self._payload_start, self._payload_start + self._payload_len
 
     def select(self, keep: np.ndarray) -> "Frames":
         """A copy with only the rows where ``keep`` (bool mask or indices) selects."""
         out = Frames.__new__(Frames)
         out._buf, out._u8, out._data = self._buf, self._u8, self._data
-        for name in ("offset", "flags", "born_ms", "store_ms", "_pos", "_cid_len", "_topic_len",
-                     "_queues_len", "_props_len", "_payload_len"):
+        for name in self._COLUMNS:
             setattr(out, name, getattr(self, name)[keep])
         return out
 
-    # Field starts follow the layout: producer id | topic | target queues | properties | payload.
-    def _cid_start(self) -> np.ndarray:
-        return self._pos + HEADER_SIZE
+    def batch_fields(self, row: int) -> list[tuple[int, int, int, int, int, int, int, int]]:
+        """Where the messages of the batch record in ``row`` are (``store.log.record.batch_fields``; raises
+        ``CorruptRecord`` as it does)."""
+        return batch_fields(self._buf, int(self._payload_start[row]), int(self._payload_len[row]))
 
-    def _topic_start(self) -> np.ndarray:
-        return self._cid_start() + self._cid_len
-
-    def _props_start(self) -> np.ndarray:
-        return self._topic_start() + self._topic_len + self._queues_len
-
-    def _payload_start(self) -> np.ndarray:
-        return self._props_start() + self._props_len
+    def messages(self, batches: dict[int, list[tuple[int, int, int, int, int, int, int, int]]]) -> "Frames":
+        """These rows with each batch record (``FLAG_BATCH``) replaced by its messages, a row each at position
+        offset + i (its topic and store time, their own fields; docs/storage.md, "Batch records"); ``batches``:
+        the :meth:`batch_fields` of each, by offset."""
+        rows: list[tuple[int, ...]] = []
+        for row in np.flatnonzero(self.flags & FLAG_BATCH).tolist():
+            offset, store_ms = int(self.offset[row]), int(self.store_ms[row])
+            topic_start, topic_len = int(self._topic_start[row]), int(self._topic_len[row])
+            fields = batches[offset]
+            rows += [(offset + i, flags, born, store_ms, c, n_cid, topic_start, topic_len, p, n_props, d, n_payload)
+                     for i, (flags, born, c, n_cid, p, n_props, d, n_payload) in enumerate(fields)]
+        if not rows:
+            return self
+        singles = self.select((self.flags & FLAG_BATCH) == 0)
+        added = np.array(rows, np.int64).T
+        order = np.argsort(np.concatenate((singles.offset, added[0])), kind="stable")
+        out = Frames.__new__(Frames)
+        out._buf, out._u8, out._data = self._buf, self._u8, self._data
+        for i, name in enumerate(self._COLUMNS):
+            column = getattr(singles, name)
+            setattr(out, name, np.concatenate((column, added[i].astype(column.dtype)))[order])
+        return out
 
     def _column(self, starts: np.ndarray, lengths: np.ndarray, typ: pa.DataType) -> pa.Array:
         return _views(self._u8, self._data, starts, lengths).cast(typ)
 
     def topic(self) -> pa.Array:
-        return self._column(self._topic_start(), self._topic_len, pa.string())
+        return self._column(self._topic_start, self._topic_len, pa.string())
 
     def client_id(self) -> pa.Array:
-        return self._column(self._cid_start(), self._cid_len, pa.string())
+        return self._column(self._cid_start, self._cid_len, pa.string())
 
     def properties(self) -> pa.Array:
-        return self._column(self._props_start(), self._props_len, pa.binary())
+        return self._column(self._props_start, self._props_len, pa.binary())
 
     def payload(self) -> pa.Array:
-        return self._column(self._payload_start(), self._payload_len, pa.binary())
+        return self._column(self._payload_start, self._payload_len, pa.binary())
 
     def store_ts(self) -> pa.Array:
         return pa.array(self.store_ms * _MS_TO_US, type=UTC_MICROS)
@@ -558,6 +577,13 @@ def _checked(win: _Window, starts: np.ndarray, rng: ScanRange, opts: DecodeOptio
         got = np.fromiter(map(crc32c, map(win.buf.__getitem__, map(slice, lo, hi))), np.uint32, len(lo))
         for row in idx[np.flatnonzero(got != _be(hdr, 4, 8, ">u4")[idx])].tolist():
             bad[row] = "CRC mismatch"
+    batches = {}  # offset -> where its messages are, for each batch record kept
+    for row in np.flatnonzero(keep & ((frames.flags & FLAG_BATCH) != 0)).tolist():
+        if row not in bad:
+            try:
+                batches[int(frames.offset[row])] = frames.batch_fields(row)
+            except CorruptRecord as exc:  # it passed its CRC (a writer's bug): skipped alone, as the store does
+                bad[row] = str(exc)
     torn = None
     if bad and rng.strict:  # framing intact: each is skipped alone, by its length (as the store does)
         for row in sorted(bad):
@@ -566,7 +592,7 @@ def _checked(win: _Window, starts: np.ndarray, rng: ScanRange, opts: DecodeOptio
     elif bad:  # past the durable end: the first invalid record is a torn tail, the end of the data
         torn = int(pos[min(bad)])
         keep[min(bad):] = False
-    kept = frames if keep.all() else frames.select(keep)
+    kept = (frames if keep.all() else frames.select(keep)).messages(batches)
     return (kept if len(kept) else None), torn
 
 

@@ -27,7 +27,7 @@ import datetime
 import itertools
 import logging
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -208,6 +208,42 @@ def record_offsets(layout: LogLayout, opts: ReaderOptions, decode: DecodeOptions
         for batch in read_partition([_from(r, begin) for r in ranges if _end(r) > begin], raw, ONLY_OFFSETS):
             offsets = batch.column(0).to_numpy()
             yield offsets[offsets >= begin]
+
+
+def admitted_end(chunks: Iterable[np.ndarray], begin: int, end: int, max_records: int | None,
+                 max_bytes: int | None) -> int:
+    """The record boundary where a micro-batch from ``begin`` reaches ``max_records`` rows or about ``max_bytes``
+    log bytes (at least one record), or ``end``; ``chunks``: the offsets of the rows from ``begin``, in order.
+
+    A batch record's rows (docs/storage.md, "Batch records") are at consecutive offsets, which single records
+    never are (each is longer than one byte): a micro-batch never ends inside a batch, but after it, since a read
+    from inside a record would start at the next one.
+    """
+    seen = 0
+    previous = -2  # the offset of the row before the chunk: a row one past it continues a batch record
+    cut: int | None = None  # once decided, where in the chunk the next record start is looked for
+    for offsets in chunks:
+        if not len(offsets):
+            continue
+        starts = np.diff(offsets, prepend=previous) != 1
+        previous = int(offsets[-1])
+        if cut is None:
+            found = len(offsets)
+            if max_records is not None and seen + len(offsets) > max_records:
+                found = max_records - seen
+            if max_bytes is not None:
+                over = np.flatnonzero((offsets - begin >= max_bytes) & (offsets > begin))
+                if len(over):
+                    found = min(found, int(over[0]))
+            if found >= len(offsets) or seen + found <= 0:
+                seen += len(offsets)
+                continue
+            cut = max(found, 1 - seen)
+        at = np.flatnonzero(starts[cut:])
+        if len(at):
+            return int(offsets[cut + at[0]])
+        cut = 0  # the batch goes on in the next chunk
+    return end
 
 
 def first_record(layout: LogLayout, opts: ReaderOptions, begin: int, end: int | None = None, *,
@@ -492,21 +528,10 @@ class CommitLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         return self._as_offset(end, layout)
 
     def _admit(self, layout: LogLayout, begin: int, end: int, max_records: int | None, max_bytes: int | None) -> int:
-        """The record boundary where a micro-batch from ``begin`` reaches ``max_records`` records or about
-        ``max_bytes`` log bytes (at least one record), or ``end``: the offsets are read to find it."""
-        seen = 0
-        for offsets in record_offsets(layout, self.opts, self.opts.decode, begin, end):
-            cut = len(offsets)
-            if max_records is not None and seen + len(offsets) > max_records:
-                cut = max_records - seen
-            if max_bytes is not None:
-                over = np.flatnonzero((offsets - begin >= max_bytes) & (offsets > begin))
-                if len(over):
-                    cut = min(cut, int(over[0]))
-            if cut < len(offsets) and (seen + cut) > 0:
-                return int(offsets[max(cut, 1 - seen)])
-            seen += len(offsets)
-        return end
+        """The record boundary where a micro-batch from ``begin`` ends (:func:`admitted_end`): the offsets are read
+        to find it."""
+        return admitted_end(record_offsets(layout, self.opts, self.opts.decode, begin, end), begin, end, max_records,
+                            max_bytes)
 
     def reportLatestOffset(self) -> dict[str, int]:
         layout = load_layout(self.opts)

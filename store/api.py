@@ -369,14 +369,19 @@ class StoreApi(Protocol):
         """
         ...
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> Positions:
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None,
+                     batch: bool = False) -> Positions:
         """Append messages in one write, their target queues fixed now; returns their positions.
 
         Returns once they are appended, and on disk when ``durable`` (or when the flush policy is sync and
-        ``durable`` is None).
+        ``durable`` is None). ``batch``: the messages, all of one topic, none delayed nor with a packet id, go in
+        one batch record (one record, one CRC, one index entry per queue; docs/storage.md, "Batch records"): each
+        still has a position and a queue offset of its own, and readers cannot tell.
 
         Raises:
-            RecordTooLarge: a message exceeds the record size limit (nothing is appended).
+            RecordTooLarge: a message exceeds the record size limit, or a batch's record does (nothing is
+                appended: the caller splits the batch).
+            ValueError: a batch of more than one topic, or with a delayed message or a packet id.
             OSError: the write failed (``LogFullError`` when the disk is full); nothing is acknowledged.
             ConnectionError: ``StoreUnavailable``, or ``LeaseLost`` for messages of a client of an ended lease.
         """

@@ -32,7 +32,7 @@ from store.control import KIND_PREFIX, Control, ControlError, QueueBases, Retain
 from store.log.commitlog import SKIPPED, CommitLog, ScanResult
 from store.log.errors import OffsetExpired
 from store.log.recent import RecentRecords
-from store.log.record import FLAG_CONTROL, FLAG_RETAIN, CorruptRecord, Record
+from store.log.record import FLAG_BATCH, FLAG_CONTROL, FLAG_RETAIN, CorruptRecord, Record, encode_message
 from store.restate import restate
 
 __all__ = ["ControlApplier", "DispatchBatch", "Dispatcher", "DispatcherStatistics"]
@@ -486,6 +486,9 @@ class Dispatcher:
         for rec in scan.records:
             if rec.flags & FLAG_RETAIN:
                 updates.append((rec.topic, rec.offset, self._retained_copy(rec) if rec.payload else None, None))
+            elif rec.flags & FLAG_BATCH:  # its retained messages, as records of their own at their positions
+                updates += [(m.topic, m.offset, encode_message(m) if m.payload else None, None)
+                            for m in rec.messages if m.flags & FLAG_RETAIN]
             elif rec.flags & FLAG_CONTROL and rec.topic == _RETAINED_KEPT:
                 kept = self._control(rec)
                 if isinstance(kept, RetainedKept):  # a restatement, in log order with the messages around it

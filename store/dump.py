@@ -157,12 +157,15 @@ def _string(key: bytes, at: int) -> tuple[str, bytes]:
 
 
 def _entries(runs: Iterable[tuple[int, bytes]], low: int, high: int) -> list[list[int]]:
-    """The entries ``[low, high)`` of a queue, one ``[queue offset, log offset, size, store ms]`` each."""
+    """The entries ``[low, high)`` of a queue, one ``[queue offset, log position, size, store ms]`` each: a batch
+    record's messages one by one (at the record's offset + their index), so the dump says what the queue holds
+    whichever runs hold it."""
     found = []
     for first, run in sorted(runs):
-        for i, (log_offset, size, store_ms) in enumerate(keys.ENTRY.iter_unpack(run)):
-            if low <= first + i < high:
-                found.append([first + i, log_offset, size, store_ms])
+        for base, log_offset, size, store_ms, count in keys.run_entries(first, run):
+            for i in range(count or 1):
+                if low <= base + i < high:
+                    found.append([base + i, log_offset + i, size, store_ms])
     return found
 
 

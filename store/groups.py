@@ -40,6 +40,7 @@ import trio
 from lightqueue.queues import LightQueues
 from lightqueue.results import PullResult
 from store.log.aio import AsyncCommitLog
+from store.log.record import split_batch
 
 __all__ = ["GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore", "Member", "START_KINDS"]
 
@@ -408,11 +409,16 @@ class GroupCoordinator:
         record retention deleted is neither returned nor given back: it is gone.
         """
         store = self._store
-        pull = store.queues.pull
         log = store.log.log
 
-        def sized(raw: bytes, log_offset: int) -> tuple[T, int]:
-            return decode(raw, log_offset), len(raw)
+        def kept(raw: bytes, log_offset: int) -> tuple[int, bytes]:
+            return log_offset, raw
+
+        def pull(from_offset: int, max_count: int, budget: int) -> PullResult[tuple[T, int]]:
+            """The queue's messages with their sizes, a batch record's as records of their own (``split_batch``)."""
+            found = store.queues.pull(queue, from_offset, max_count, budget, log, kept, unpack=split_batch)
+            return PullResult([(qoff, (decode(raw, log_offset), len(raw))) for qoff, (log_offset, raw) in
+                               found.messages], found.next_offset, found.expired)
 
         entries: list[tuple[int, T]] = []
         budget = max_bytes
@@ -421,7 +427,7 @@ class GroupCoordinator:
             unread = run if budget <= 0 else []
             if not unread:
                 wanted = set(run)
-                result = pull(queue, run[0], len(run), budget, log, sized)
+                result = pull(run[0], len(run), budget)
                 for qoff, (value, size) in result.messages:
                     if qoff in wanted:
                         entries.append((qoff, value))
@@ -431,7 +437,7 @@ class GroupCoordinator:
                 return entries, unread + [o for later in runs[index + 1:] for o in later], cursor
         if fresh <= 0 or budget <= 0:
             return entries, [], cursor
-        result = pull(queue, cursor, fresh, budget, log, sized)
+        result = pull(cursor, fresh, budget)
         entries.extend((qoff, value) for qoff, (value, _) in result.messages)
         return entries, [], result.next_offset
 

@@ -86,8 +86,9 @@ class LocalStore:
     def append_nowait(self, messages: Sequence[NewMessage]) -> Positions:
         return Positions(MAIN_LOG, self.store.append_nowait(messages))
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> Positions:
-        return Positions(MAIN_LOG, await self.store.append(messages, durable=durable))
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None,
+                     batch: bool = False) -> Positions:
+        return Positions(MAIN_LOG, await self.store.append(messages, durable=durable, batch=batch))
 
     def pull_nowait(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:
         store = self.store
@@ -109,12 +110,13 @@ class LocalStore:
 
     # --- the RPC server's forms: several callers at once, records as stored -------------------
 
-    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None
-                            ) -> list[Positions | ValueError]:
+    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None,
+                            batched: Sequence[bool] = ()) -> list[Positions | ValueError]:
         """:meth:`append` of several callers' messages in one CommitLog write (``StoreNode.append_groups``): per
-        group its positions, or the ``ValueError`` that kept that group (only) out. The form ``RemoteStore`` has
-        too: a back-end producer (store/clients/producer.py) appends through either."""
-        results = await self.store.append_groups(groups, durable=durable)
+        group its positions, or the ``ValueError`` that kept that group (only) out; ``batched[i]``: group i is
+        one batch record. The form ``RemoteStore`` has too: a back-end producer (store/clients/producer.py)
+        appends through either."""
+        results = await self.store.append_groups(groups, durable=durable, batched=batched)
         return [result if isinstance(result, ValueError) else Positions(MAIN_LOG, result) for result in results]
 
     async def pull_raw(self, requests: Sequence[PullRequest]) -> list[PullResult[tuple[int, bytes]]]:

@@ -49,7 +49,7 @@ from store.log.aio import AsyncCommitLog, LatencyBuckets
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.log.recent import RecentRecords
-from store.log.record import Record, decode_record, new_record, now_ms
+from store.log.record import FLAG_BATCH, Record, decode_record, new_batch, new_record, now_ms, split_batch
 from store.queuecontrol import QueueControls
 from store.rocks import open_db
 from store.sessions import SessionBlobs, Sessions
@@ -154,29 +154,33 @@ class StoreNode:
 
     # --- appends ----------------------------------------------------------------------------
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> list[int]:
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None,
+                     batch: bool = False) -> list[int]:
         """Append messages in one CommitLog write with their target queues fixed now, and wake the dispatcher.
 
-        Returns their CommitLog offsets once appended (and durable, if ``durable`` or the flush policy is sync).
+        Returns their CommitLog positions once appended (and durable, if ``durable`` or the flush policy is sync).
+        ``batch``: the messages (all of one topic) go in one batch record (store/log/record.py, ``FLAG_BATCH``).
 
         Raises:
-            ValueError: a message does not encode (``RecordTooLarge`` included); nothing was appended.
+            ValueError: a message does not encode (``RecordTooLarge`` included: a batch over the record limit), or
+                a batch is not of one topic, holds a delayed message or a QoS 2 packet id; nothing was appended.
             OSError: the write failed (``LogFullError``: the disk is full); nothing was appended.
         """
-        (result,) = await self.append_groups([messages], durable=durable)
+        (result,) = await self.append_groups([messages], durable=durable, batched=[batch])
         if isinstance(result, ValueError):
             raise result
         return result
 
     async def append_groups(
-        self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None
+        self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None, batched: Sequence[bool] = ()
     ) -> list[list[int] | ValueError]:
         """Append the messages of several callers in one CommitLog write: the RPC server's batches.
 
-        Returns, per group, its offsets, or the ``ValueError`` (``RecordTooLarge``
+        Returns, per group, its positions, or the ``ValueError`` (``RecordTooLarge``
         included) that one of its messages raised when encoded: such a group is
         not appended at all and its neighbours are (the all-or-nothing of
-        :meth:`append`, per caller). Waits first while dispatch lags (``Dispatcher.wait_lag``).
+        :meth:`append`, per caller). ``batched[i]``: group i goes in one batch record (:meth:`append`).
+        Waits first while dispatch lags (``Dispatcher.wait_lag``).
 
         Raises:
             OSError: the write failed; no group was appended.
@@ -185,9 +189,10 @@ class StoreNode:
             await self.dispatcher.wait_dispatched(self.log.log.written_offset)  # the cap counts every append before
         now = now_ms()
         encoded: list[list[tuple[bytes, Record]] | ValueError] = []
-        for messages in groups:
+        for i, messages in enumerate(groups):
             try:
-                encoded.append(self._encode(messages, now))
+                encoded.append(self._batch(messages, now) if i < len(batched) and batched[i] and messages
+                               else self._encode(messages, now))
             except ValueError as exc:
                 encoded.append(exc)
         made = [pair for group in encoded if not isinstance(group, ValueError) for pair in group]
@@ -202,7 +207,7 @@ class StoreNode:
             if isinstance(group, ValueError):
                 results.append(group)
             else:
-                results.append(offsets[start : start + len(group)])
+                results.append(_positions(group, offsets[start : start + len(group)]))
                 start += len(group)
         return results
 
@@ -288,6 +293,18 @@ class StoreNode:
                 new_record(m.topic, m.payload, now, m.client_id, m.qos, m.retain, m.properties, targets(m.topic),
                            m.born_ms or None, max_size, m.packet_id) for m in messages]
 
+    def _batch(self, messages: Sequence[NewMessage], now: int) -> list[tuple[bytes, Record]]:
+        """The one batch record of ``messages`` (``append(batch=True)``), its target queues fixed now.
+
+        Raises:
+            ValueError: they are not all of one topic, one is delayed, or the record does not encode.
+        """
+        topic = messages[0].topic
+        if any(m.topic != topic or m.deliver_at_ms for m in messages):
+            raise ValueError("a batch record holds messages of one topic, none of them delayed")
+        config = self.log.log.config
+        return [new_batch(topic, messages, now, self.queues.targets(topic), config.max_record_bytes)]
+
     def _delayed(self, m: NewMessage, now: int, max_size: int, added: dict[str, int]) -> tuple[bytes, Record]:
         """The ``Delayed`` record of a delayed message, once its client's cap allows it (counted from what dispatch
         applied, plus the ``added`` delayed messages of this append; :meth:`append_groups` waits for dispatch first,
@@ -308,7 +325,7 @@ class StoreNode:
         """Keep the appended records in memory with their offsets, and wake dispatch."""
         records = []
         for (_, record), offset in zip(made, offsets):
-            record.offset = offset
+            record.place(offset)
             records.append(record)
         self.recent.add(records)
         self.dispatcher.wake()
@@ -320,12 +337,13 @@ class StoreNode:
     def read(self, queue: str, from_offset: int, max_count: int = 32, max_bytes: int = 1 << 20) -> PullResult[Record]:
         """Messages of a queue from a queue offset: an index scan, then the records kept in ``recent``, the rest
         read from the CommitLog (blocking: keep it out of the trio thread unless it is small)."""
-        return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, decode, self.recent.get)
+        return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, decode, self.recent.get,
+                                messages_of)
 
     def read_raw(self, queue: str, from_offset: int, max_count: int, max_bytes: int) -> PullResult[tuple[int, bytes]]:
         """:meth:`read` with each record as ``(log offset, bytes as stored)``, undecoded (the RPC sends them so;
         its clients decode: the store's CPU is the one every gateway shares). Blocking."""
-        return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, raw)
+        return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, raw, unpack=split_batch)
 
     def in_memory(self, queue: str, from_offset: int) -> bool:
         """Whether a read of ``queue`` from ``from_offset`` finds its records in ``recent`` (an index lookup):
@@ -448,6 +466,18 @@ def decode(raw: bytes, offset: int) -> Record:
 def raw(data: bytes, offset: int) -> tuple[int, bytes]:
     """A record left as stored, with its CommitLog offset (``LightQueues.pull``'s ``decode`` for the RPC)."""
     return offset, data
+
+
+def messages_of(record: Record) -> tuple[Record, ...]:
+    """The messages of a batch record (``LightQueues.pull``'s ``unpack``)."""
+    return record.messages
+
+
+def _positions(made: list[tuple[bytes, Record]], offsets: list[int]) -> list[int]:
+    """The positions of an append's messages: a record's offset, or each message's of a batch record."""
+    if len(made) == 1 and made[0][1].flags & FLAG_BATCH:
+        return [offsets[0] + i for i in range(len(made[0][1].messages))]
+    return offsets
 
 
 SessionFixer = Callable[[bytes, Callable[[str], int]], "bytes | None"]

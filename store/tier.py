@@ -55,7 +55,7 @@ import trio
 
 from store.log.commitlog import CommitLog
 from store.log.errors import OffsetExpired
-from store.log.record import FLAG_CONTROL, FLAG_RETAIN, QOS_MASK, Record
+from store.log.record import FLAG_BATCH, FLAG_CONTROL, FLAG_RETAIN, QOS_MASK, Record
 from store.tierfiles import META_PREFIX, RECORD_SCHEMA, TEMP_PREFIX, TierMeta, file_name, list_tier, open_tier, read_meta
 
 __all__ = ["TierConfig", "TierConverter", "TierStatistics", "run_tier"]
@@ -270,7 +270,8 @@ class TierConverter:
                         return None, cpu_s
                     began, began_cpu = time.monotonic(), time.thread_time()
                     scanned = self.log.scan(offset, SCAN_BYTES)
-                    chunk = [r for r in scanned.records if r.offset < end and not r.flags & FLAG_CONTROL]
+                    chunk = [m for r in scanned.records if r.offset < end and not r.flags & FLAG_CONTROL
+                             for m in (r.messages if r.flags & FLAG_BATCH else (r,))]  # a row per message
                     if chunk:
                         pending.append(_batch(chunk))
                         rows += len(chunk)

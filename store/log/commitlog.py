@@ -1507,7 +1507,10 @@ def _decode_into(records: list[Record], buf: bytes, offset: int, data_end: int) 
         if magic != MAGIC_V1:
             what = "zeros" if size == 0 else "an end-of-segment marker"
             return p, CorruptRange(offset + p, -1, f"{what} inside written data")
-        append(decode_record(buf, p, offset + p))
+        try:
+            append(decode_record(buf, p, offset + p))
+        except CorruptRecord as exc:  # it passed its CRC (a writer's bug): skipped alone, like a CRC-bad one
+            return p, CorruptRange(offset + p, offset + p + size, str(exc))
         p += size
     return p, None
 

@@ -10,7 +10,7 @@ Layout (all integers big-endian)::
     0      4    total length of the record, this field included
     4      4    CRC32C over bytes [8, total length)
     8      4    magic: MAGIC_V1 for a message, MAGIC_EOS for the end-of-segment marker
-    12     1    flags: bits 0-1 QoS, bit 2 retain, bit 3 packet id, bit 4 control; bits 5-7 zero
+    12     1    flags: bits 0-1 QoS, bit 2 retain, bit 3 packet id, bit 4 control, bit 5 batch; bits 6-7 zero
     13     8    born timestamp, ms since the epoch (when the producer created it)
     21     8    store timestamp, ms since the epoch (when the store accepted it)
     29     2    producer id (client id) length, then the UTF-8 bytes follow the header
@@ -34,6 +34,17 @@ With flag bit 4 (``FLAG_CONTROL``) the record is not a message but a control
 record of the store (store/control.py): the topic names its kind, the payload
 is its body. Dispatch applies it instead of indexing it; message readers skip it.
 
+With flag bit 5 (``FLAG_BATCH``) the record holds N messages of its one topic (a batch record: one frame,
+one CRC, one index entry per queue). Its header has QoS 0, no retain, the store timestamp of all of them, an
+empty producer id and properties; its payload is the batch body::
+
+    4    message count N (at least 1)
+    N x  19-byte message header: u8 flags (QoS, retain), u64 born ms, u16 client id length,
+         u32 properties length, u32 payload length; then client id | properties | payload
+
+Message i of a batch record at offset O is at *position* O + i (a batch is longer than its count, so no other
+record starts there): what an append returns for it, its ``Record.offset`` and what an index points at.
+
 The end-of-segment marker is a 12-byte header (length = bytes left in the
 segment, CRC32C over the magic only, MAGIC_EOS). When fewer than 12 bytes are
 left in a segment no marker is written: readers move to the next segment.
@@ -43,14 +54,16 @@ from __future__ import annotations
 
 import struct
 import time
+from typing import Protocol, Sequence
 
 import msgspec
 from crc32c import crc32c
 
-from lightqueue.targets import QUEUE_ID_SIZE, CorruptTargets, decode_queues
+from lightqueue.targets import QUEUE_ID_SIZE, CorruptTargets, decode_queues, encode_queues
 
 __all__ = [
     "EOS_SIZE",
+    "FLAG_BATCH",
     "FLAG_CONTROL",
     "FLAG_PACKET_ID",
     "FLAG_RETAIN",
@@ -65,10 +78,15 @@ __all__ = [
     "CorruptRecord",
     "Record",
     "RecordTooLarge",
+    "BatchItem",
+    "batch_fields",
     "check_frame",
     "decode_record",
     "encode_eos",
+    "encode_message",
     "encode_record",
+    "split_batch",
+    "new_batch",
     "new_control",
     "new_record",
     "now_ms",
@@ -98,7 +116,12 @@ FLAG_PACKET_ID = 0x08
 """The last u32 of the target-queues section is the publisher's packet id (QoS 2 records), not a queue id."""
 FLAG_CONTROL = 0x10
 """A control record of the store (store/control.py), not a message: dispatch applies it, message readers skip it."""
+FLAG_BATCH = 0x20
+"""A batch record: the payload holds the messages of the topic (module docstring); dispatch indexes it once."""
 _PACKET_ID = struct.Struct(">I")
+_COUNT = struct.Struct(">I")
+_MESSAGE = struct.Struct(">BQHII")
+"""A batch message's header: flags (QoS, retain), born ms, client id, properties and payload lengths."""
 
 _MAX_U16 = 0xFFFF
 _MAX_U32 = 0xFFFFFFFF
@@ -134,6 +157,7 @@ class Record(msgspec.Struct, gc=False):
     properties: bytes
     payload: bytes
     packet_id: int = 0  # the publisher's QoS 2 packet id (FLAG_PACKET_ID), 0 for other records
+    messages: tuple[Record, ...] = ()  # a batch record's messages (FLAG_BATCH), each at its position; () otherwise
 
     @property
     def qos(self) -> int:
@@ -147,6 +171,17 @@ class Record(msgspec.Struct, gc=False):
     def control(self) -> bool:
         """A control record of the store (``FLAG_CONTROL``), not a message."""
         return bool(self.flags & FLAG_CONTROL)
+
+    @property
+    def batch_count(self) -> int:
+        """The messages of a batch record (``FLAG_BATCH``), each a queue offset of its own; 0 for any other."""
+        return len(self.messages) if self.flags & FLAG_BATCH else 0
+
+    def place(self, offset: int) -> None:
+        """Set the CommitLog offset of a record just appended, and its messages' positions if it is a batch."""
+        self.offset = offset
+        for i, message in enumerate(self.messages):
+            message.offset = offset + i
 
 
 def encode_record(
@@ -263,6 +298,71 @@ def new_control(kind: str, body: bytes, store_ms: int, client_id: str = "",
     return raw, Record(0, len(raw), flags, store_ms, store_ms, client_id, kind, (), b"", body, packet_id)
 
 
+class BatchItem(Protocol):
+    """What a batch record keeps of each message (store.api.NewMessage has it)."""
+
+    payload: bytes
+    client_id: str
+    qos: int
+    retain: bool
+    properties: bytes
+    born_ms: int  # 0: the store timestamp
+    packet_id: int  # must be 0: a QoS 2 flow keeps its packet id in a record of its own
+
+
+def new_batch(topic: str, items: Sequence[BatchItem], store_ms: int, queues: bytes = b"",
+              max_size: int = _MAX_U32) -> tuple[bytes, Record]:
+    """One batch record (``FLAG_BATCH``) holding ``items``, all on ``topic``, and the ``Record`` it decodes to
+    (its ``messages`` at offsets 0..N-1 until :meth:`Record.place` puts it).
+
+    Raises:
+        RecordTooLarge: the record would be larger than ``max_size``.
+        ValueError: no items, a QoS not 0-2, a packet id, or a field too long for its length field.
+    """
+    if not items:
+        raise ValueError("a batch record holds at least one message")
+    parts = [_COUNT.pack(len(items))]
+    messages = []
+    for i, m in enumerate(items):
+        if m.qos not in (0, 1, 2):
+            raise ValueError(f"QoS must be 0, 1 or 2, not {m.qos!r}")
+        if m.packet_id:
+            raise ValueError("a QoS 2 message with a packet id cannot be in a batch record")
+        payload = m.payload if type(m.payload) is bytes else bytes(m.payload)
+        cid = m.client_id.encode()
+        if len(cid) > _MAX_U16:
+            raise ValueError("a client id is limited to 65535 bytes")
+        flags = m.qos | (FLAG_RETAIN if m.retain else 0)
+        born = m.born_ms or store_ms
+        parts += (_MESSAGE.pack(flags, born, len(cid), len(m.properties), len(payload)), cid, m.properties, payload)
+        size = _MESSAGE.size + len(cid) + len(m.properties) + len(payload)
+        messages.append(Record(i, size, flags, born, store_ms, m.client_id, topic, (), m.properties, payload))
+    body = b"".join(parts)
+    raw = _encode(topic, body, "", 0, False, b"", queues, store_ms, store_ms, max_size, 0, FLAG_BATCH)
+    ids = decode_queues(queues) if queues else ()
+    for message in messages:
+        message.queues = ids
+    return raw, Record(0, len(raw), FLAG_BATCH, store_ms, store_ms, "", topic, ids, b"", b"", 0, tuple(messages))
+
+
+def encode_message(record: Record) -> bytes:
+    """A message of a batch record as a record of its own, at its position (a v1 single record with the same
+    fields): for readers that take one record per message (the RPC's raw pulls, the retained store)."""
+    return _encode(record.topic, record.payload, record.client_id, record.qos, record.retain, record.properties,
+                   encode_queues(record.queues), record.born_ms, record.store_ms, _MAX_U32)
+
+
+def split_batch(stored: tuple[int, bytes]) -> list[tuple[int, bytes]]:
+    """A batch record as stored, ``(offset, bytes)``, as one single record per message ``(position, bytes)``
+    (``LightQueues.pull``'s ``unpack`` for raw reads: their readers decode single records, as before batches).
+
+    Raises:
+        CorruptRecord: the batch body does not parse.
+    """
+    offset, data = stored
+    return [(m.offset, encode_message(m)) for m in decode_record(data, 0, offset).messages]
+
+
 def encode_eos(remaining: int) -> bytes:
     """The end-of-segment marker for a segment with ``remaining`` bytes left (>= EOS_SIZE)."""
     magic = MAGIC_EOS.to_bytes(4, "big")
@@ -340,5 +440,47 @@ def decode_record(buf: bytes | memoryview, pos: int, offset: int) -> Record:
     p += queues_len
     props = bytes(buf[p : p + props_len])
     p += props_len
+    if flags & FLAG_BATCH:
+        messages = _decode_batch(buf, p, payload_len, offset, store_ms, topic, queues)
+        return Record(offset, size, flags, born_ms, store_ms, cid, topic, queues, props, b"", packet_id, messages)
     payload = bytes(buf[p : p + payload_len])
     return Record(offset, size, flags, born_ms, store_ms, cid, topic, queues, props, payload, packet_id)
+
+
+def batch_fields(buf: bytes | memoryview, p: int, length: int) -> list[tuple[int, int, int, int, int, int, int, int]]:
+    """Where each message of the batch body of ``length`` bytes at ``p`` is in ``buf``: ``(flags, born ms, client
+    id start, its length, properties start, length, payload start, length)`` (the Spark reader takes columns so).
+
+    Raises:
+        CorruptRecord: the body does not parse to exactly its length (it passed its CRC: a writer's bug).
+    """
+    end = p + length
+    if length < _COUNT.size:
+        raise CorruptRecord("a batch record's body is shorter than its message count")
+    (count,) = _COUNT.unpack_from(buf, p)
+    p += _COUNT.size
+    found = []
+    unpack = _MESSAGE.unpack_from
+    for i in range(count):
+        if p + _MESSAGE.size > end:
+            raise CorruptRecord(f"a batch record's body ends inside message {i} of {count}")
+        flags, born, n_cid, n_props, n_payload = unpack(buf, p)
+        q = p + _MESSAGE.size
+        p = q + n_cid + n_props + n_payload
+        if p > end or flags & ~(QOS_MASK | FLAG_RETAIN) or flags & QOS_MASK == 3:
+            raise CorruptRecord(f"message {i} of a batch record overruns its body or has flags 0x{flags:02x}")
+        found.append((flags, born, q, n_cid, q + n_cid, n_props, q + n_cid + n_props, n_payload))
+    if p != end or not count:
+        raise CorruptRecord(f"a batch record's body has {end - p} bytes past its {count} messages")
+    return found
+
+
+def _decode_batch(buf: bytes | memoryview, p: int, length: int, offset: int, store_ms: int, topic: str,
+                  queues: tuple[int, ...]) -> tuple[Record, ...]:
+    """The messages of a batch body of ``length`` bytes at ``p``, at positions ``offset`` + i (raises as
+    :func:`batch_fields`)."""
+    return tuple(
+        Record(offset + i, _MESSAGE.size + n_cid + n_props + n_payload, flags, born, store_ms,
+               bytes(buf[c : c + n_cid]).decode(), topic, queues, bytes(buf[q : q + n_props]),
+               bytes(buf[d : d + n_payload]))
+        for i, (flags, born, c, n_cid, q, n_props, d, n_payload) in enumerate(batch_fields(buf, p, length)))

@@ -239,10 +239,14 @@ class RemoteStore:
         """One request through a failover (:meth:`_through_failover`); its answer."""
         return await self._through_failover(lambda link: link.call(make), idempotent=idempotent)
 
-    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None) -> Positions:
+    async def append(self, messages: Sequence[NewMessage], *, durable: bool | None = None,
+                     batch: bool = False) -> Positions:
         """See ``StoreApi.append``. Through a failover only when not sent: an append sent and not answered may be
-        stored, and made again it could be stored twice (``StoreUnavailable``: the device is told it was not)."""
+        stored, and made again it could be stored twice (``StoreUnavailable``: the device is told it was not).
+        A ``batch`` is a request of its own (its caller batched already)."""
         group = list(messages)
+        if batch and group:
+            return await self._append_batch(group, durable)
 
         async def attempt(link: Link) -> Positions:
             if not group:
@@ -252,11 +256,18 @@ class RemoteStore:
 
         return await self._through_failover(attempt)
 
-    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None
-                            ) -> list[Positions | Exception]:
+    async def _append_batch(self, group: list[NewMessage], durable: bool | None) -> Positions:
+        """``append(batch=True)``: one request, its one group a batch record; raises what refused it."""
+        (result,) = await self.append_groups([group], durable=durable, batched=[True])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None,
+                            batched: Sequence[bool] = ()) -> list[Positions | Exception]:
         """Append groups of messages in one request and one CommitLog write, each group all or nothing and failing
         alone (back-end producers, store/clients/producer.py, which batch by themselves: this skips the client's
-        own batching).
+        own batching); ``batched[i]``: group i is one batch record (``append(batch=True)``).
 
         Returns, per group, its positions or the exception that refused it
         (``RecordTooLarge``, ``AccessDenied`` for a topic the ACL does not allow).
@@ -271,7 +282,8 @@ class RemoteStore:
             return []
         sent = [list(group) for group in groups]
         try:
-            answer = await self._call(lambda rid: rpc.AppendRequest(rid, sent, durable))
+            answer = await self._call(lambda rid: rpc.AppendRequest(
+                rid, sent, durable, batched=[i for i, batch in enumerate(batched) if batch]))
         except rpc.RpcProtocolError as exc:
             raise ValueError(str(exc)) from None
         errors = answer.errors

@@ -448,7 +448,8 @@ class _Connection:
             denied = self._denied_groups(request.groups)
             groups = [[] if index in denied else group for index, group in enumerate(request.groups)]
             try:
-                results = await store.append_groups(groups, durable=request.durable)
+                batched = [i in request.batched for i in range(len(groups))] if request.batched else ()
+                results = await store.append_groups(groups, durable=request.durable, batched=batched)
             except Exception as exc:  # the write failed (OSError) or a bug: the whole request fails
                 error = error_frame(request.id, exc)
                 if error.kind is rpc.ErrorKind.INTERNAL:

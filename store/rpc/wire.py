@@ -258,12 +258,14 @@ class AppendRequest(_Message, tag="append"):
     """Append each group in one CommitLog write; a group that does not encode fails alone.
 
     ``epoch``: the lease its senders were accepted under (0: the connection's own); refused if it has ended.
+    ``batched``: the indexes of the groups that go in one batch record each (``StoreApi.append(batch=True)``).
     """
 
     id: int
     groups: list[list[NewMessage]]
     durable: bool | None = None
     epoch: int = 0
+    batched: list[int] = []
 
 
 class Pull(_Message, tag="pull"):

@@ -398,6 +398,7 @@ class Rec:
     store_ms: int = 0
     topic: str = "t"
     queues: tuple = ()
+    batch_count: int = 0
 
 
 def index_records(env, first, count, size=100):
@@ -531,3 +532,98 @@ def test_forgetting_control_state_keeps_the_queues_of_filters_activated_before_t
     assert env.db.get(keys.name_key("b/+")) is None  # activated past the end: its queue goes whole
     assert env.lq.activate("a/+", "s1", 0, 1, applied=10) == 1  # applied again: its queue, entries and all
     assert env.topics("a/+") == ["a/b"] and env.lq.filter_id("c/+") == 3  # ids are never given out twice
+
+
+# --- batch records: one entry for many queue offsets ------------------------------------------
+
+
+def index_layout(env, first, layout, size=100):
+    """Index one record per item of ``layout`` (its batch count, 0: a single record) from log offset ``first``,
+    in one dispatch step; the records."""
+    records = [Rec(first + i * size, size, store_ms=first + i * size, batch_count=count)
+               for i, count in enumerate(layout)]
+    env.lq.index(records, first + len(layout) * size)
+    return records
+
+
+def pulled_positions(env, records, queue, start, count, max_bytes=1 << 30):
+    """(queue offset, log position) pairs: ``cached`` answers every entry with its log offset, and a batch
+    record's messages are at that offset + their index (store/log/record.py)."""
+    counts = {r.offset: r.batch_count for r in records}
+    result = env.lq.pull(queue, start, count, max_bytes, env.log, decode, cached=lambda log_offset: log_offset,
+                         unpack=lambda log_offset: [log_offset + i for i in range(counts[log_offset])])
+    return result.messages, result.next_offset, result.expired
+
+
+def positions_of(records):
+    """Every message's log position, in queue order (a record's queue offsets are its messages')."""
+    return [r.offset + i for r in records for i in range(r.batch_count or 1)]
+
+
+def test_a_batch_record_is_one_entry_of_a_batch_run_and_pulls_serve_its_messages_from_any_queue_offset(env):
+    records = index_layout(env, 0, [0, 16, 16, 0, 3])
+    positions = positions_of(records)
+    qid = env.lq.queue_id("t")
+    # singles, then the two batches in one batch run, a single, a batch: a key where the kind of entry changes
+    assert env.entry_keys(qid) == [keys.entry_key(qid, q) for q in (0, 1, 33, 34)]
+    assert env.lq.max_offset("t") == env.lq.max_offset("t/#") == 37 == len(positions)
+    for start in range(37):
+        messages, next_offset, expired = pulled_positions(env, records, "t", start, 100)
+        assert messages == [(q, positions[q]) for q in range(start, 37)] and next_offset == 37 and not expired
+    messages, next_offset, _ = pulled_positions(env, records, "t", 5, 20)  # ends inside the second batch
+    assert messages == [(q, positions[q]) for q in range(5, 25)] and next_offset == 25
+    messages, next_offset, _ = pulled_positions(env, records, "t", 0, 100, max_bytes=150)  # a batch costs its size
+    assert messages == [(0, 0)] and next_offset == 1
+    assert env.lq.log_offset("t", 20) == positions[20] == 200 + 3
+    assert env.lq.offset_at("t", 200) == 17 and env.lq.offset_at("t", 150) == 17  # the batch's first message
+    assert env.lq.offset_at("t", 101) == 2 and env.lq.offset_at_time("t", 300) == 33
+
+
+def test_rewind_and_retention_cut_batch_runs_at_their_records(env):
+    records = index_layout(env, 0, [4, 4, 4, 0])
+    positions = positions_of(records)
+    env.lq.rewind(200)  # the log lost the third batch and the single
+    qid = env.lq.queue_id("t")
+    assert env.lq.max_offset("t") == 8 and env.entry_keys(qid) == [keys.entry_key(qid, 0)]
+    assert pulled_positions(env, records, "t", 0, 100)[0] == [(q, positions[q]) for q in range(8)]
+    again = index_layout(env, 200, [4, 0])  # re-dispatch from the new end
+    assert pulled_positions(env, records + again, "t", 6, 100)[0] == [(q, positions[q]) for q in range(6, 13)]
+    env.lq.on_retention(100)  # the log now starts at the second batch
+    assert env.lq.min_offset("t") == 4
+    messages, next_offset, expired = pulled_positions(env, records + again, "t", 0, 100)
+    assert messages == [(q, positions[q]) for q in range(4, 13)] and next_offset == 13 and expired
+
+
+class CountingDb:
+    """A RocksDB handle that counts the bytes of the write batches written through it (RocksDB's own encoding)."""
+
+    def __init__(self, db):
+        self._db = db
+        self.written = 0
+
+    def write(self, batch, options):
+        self.written += batch.size_in_bytes()
+        return self._db.write(batch, options)
+
+    def __getattr__(self, name):
+        return getattr(self._db, name)
+
+
+@pytest.mark.parametrize(("per_step", "ratio"), [(1, 4), (64, 10)])
+def test_a_batch_of_16_costs_the_index_a_tenth_of_the_bytes_of_16_single_records(env, per_step, ratio):
+    """Issue 30's target: index bytes per message >= 10x fewer for batches of 16 (docs/storage.md, "Batch
+    records"). Dispatch writes 1,024 messages, ``per_step`` appends of 16 per step (64: a busy log; 1: an idle one,
+    where every step's checkpoint and max offsets, the same for both, are most of what a batch costs), as single
+    records and as batch records."""
+    costs = {}
+    for kind in ("single", "batch"):
+        counting = CountingDb(env.db)
+        env.lq = LightQueues(counting)
+        start, queued = env.lq.checkpoint, env.lq.max_offset("t")
+        for step in range(64 // per_step):
+            first = start + step * per_step * 16 * 100
+            index_layout(env, first, [0] * 16 * per_step if kind == "single" else [16] * per_step)
+        assert env.lq.max_offset("t") - queued == 1024  # a queue offset per message either way
+        costs[kind] = counting.written / 1024
+    print(f"index bytes per message, {per_step} append(s) of 16 per dispatch step: {costs}")
+    assert costs["single"] >= ratio * costs["batch"], costs

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from tests.helpers.spark_fixtures import (
     T0_MS,
@@ -18,6 +19,7 @@ from tests.helpers.spark_fixtures import (
     write_log,
 )
 
+from spark_analytics.source import admitted_end
 from spark_analytics.times import parse_time
 from lightqueue.topics import matches
 
@@ -137,3 +139,18 @@ def test_positions_by_offset_and_time_and_several_topic_filters(spark: Any, tmp_
     progress = available_now_progress(frame.select("offset"), tmp_path / "out", tmp_path / "checkpoint")
     assert sum(p["numInputRows"] for p in progress) == 650
     assert sorted(r.offset for r in spark.read.parquet(str(tmp_path / "out")).collect()) == offsets[250:900]
+
+
+def test_a_micro_batch_never_ends_inside_a_batch_record() -> None:
+    """A batch record's rows are at consecutive offsets (docs/storage.md, "Batch records"): a rate limit that falls
+    among them ends the micro-batch after the batch (a read from inside a record would start at the next one, so
+    the batch's other rows would be lost), also when the batch goes on in the next chunk of offsets."""
+    singles = np.array([0, 100, 200])
+    batch = np.arange(300, 310)  # one batch record at 300, its 10 messages
+    after = np.array([600, 700])
+    chunks = [singles, batch, after]
+    assert admitted_end(chunks, 0, 800, 2, None) == 200  # among single records: as before
+    assert admitted_end(chunks, 0, 800, 5, None) == 600  # inside the batch: after it
+    assert admitted_end([np.concatenate((singles, batch[:4])), batch[4:], after], 0, 800, 5, None) == 600
+    assert admitted_end(chunks, 0, 800, 100, None) == 800
+    assert admitted_end([batch, after], 300, 800, None, 1) == 600  # at least one record: the whole batch

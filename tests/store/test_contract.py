@@ -195,6 +195,68 @@ async def test_a_cancelled_delayed_message_is_never_delivered_and_is_cancelled_o
     timers = (await api.statistics()).timers
     assert (timers.pending, timers.fired, timers.cancelled) == (0, 1, 1)
     assert not await api.delayed_cancel(kept)  # fired: not found either
+# --- batch records ---------------------------------------------------------------------------
+
+
+async def test_a_batch_is_one_record_whose_messages_have_positions_and_queue_offsets_of_their_own(api):
+    """``append(batch=True)``: one record (docs/storage.md, "Batch records"), yet every message is pulled as if it
+    had been appended alone, from any queue offset, with its own fields, between single records."""
+    (single,) = await api.append([message("bat/a", b"before")])
+    batch = [message("bat/a", b"m%d" % i, client_id=f"dev{i}", qos=i % 3, retain=i == 3, born_ms=1_000 + i,
+                     properties=b"\x01\x01" if i == 2 else b"") for i in range(20)]
+    positions = await api.append(batch, batch=True)
+    (after,) = await api.append([message("bat/a", b"after")])
+    base = positions[0].offset
+    assert positions.offsets == [base + i for i in range(20)] and single.offset < base < after.offset
+    assert after.offset > base + 20  # the record holds more bytes than messages: no other record starts inside
+    await dispatched(api)
+    assert await api.max_offsets(["bat/a", "bat/#"]) == [22, 22]
+    whole = (await api.pull([PullRequest("bat/a", 0, max_count=100)]))[0]
+    assert [r.payload for _, r in whole.messages] == [b"before", *(m.payload for m in batch), b"after"]
+    assert [qoff for qoff, _ in whole.messages] == list(range(22)) and whole.next_offset == 22
+    got = [r for _, r in whole.messages[1:21]]
+    assert [(r.offset, r.client_id, r.qos, r.retain, r.born_ms, r.properties) for r in got] == [
+        (base + i, m.client_id, m.qos, m.retain, m.born_ms, m.properties) for i, m in enumerate(batch)]
+    for start in (5, 20):  # inside the batch, and its last message
+        tail = (await api.pull([PullRequest("bat/a", start, max_count=100)]))[0]
+        assert [qoff for qoff, _ in tail.messages] == list(range(start, 22))
+    cut = (await api.pull([PullRequest("bat/a", 3, max_count=4)]))[0]  # a pull that ends inside the batch
+    assert [(qoff, r.payload) for qoff, r in cut.messages] == [(q, b"m%d" % (q - 1)) for q in range(3, 7)]
+    assert cut.next_offset == 7
+    assert [(r.payload, r.offset) for r in await api.retained("bat/a")] == [(b"m3", base + 3)]
+
+
+async def test_a_batch_is_indexed_into_the_wildcard_queues_active_when_it_is_appended(api):
+    await api.activate("fleet2/+/t", "dev9")
+    await api.append([message("fleet2/x/t", b"%d" % i) for i in range(3)], batch=True)
+    await dispatched(api)
+    assert await api.max_offsets(["fleet2/+/t"]) == [3]
+    result = (await api.pull([PullRequest("fleet2/+/t", 1)]))[0]
+    assert [(qoff, r.payload, r.topic) for qoff, r in result.messages] == [(1, b"1", "fleet2/x/t"),
+                                                                           (2, b"2", "fleet2/x/t")]
+
+
+async def test_a_group_claims_and_acknowledges_messages_inside_a_batch_one_by_one(api):
+    await api.append([message("jobs2/a", b"%d" % i) for i in range(6)], batch=True)
+    await dispatched(api)
+    await api.join("$group/w2", "jobs2/a", "m1", start="earliest")
+    first = await api.claim("$group/w2", "jobs2/a", "m1", 2)
+    assert [(qoff, r.payload) for qoff, r in first.messages] == [(0, b"0"), (1, b"1")]
+    assert await api.ack("$group/w2", "jobs2/a", "m1", [1]) == 0  # 0 still held: the committed offset waits
+    rest = await api.claim("$group/w2", "jobs2/a", "m1", 10)
+    assert [qoff for qoff, _ in rest.messages] == [2, 3, 4, 5]
+    assert await api.ack("$group/w2", "jobs2/a", "m1", [0, 2, 3, 4, 5]) == 6
+
+
+async def test_a_batch_that_cannot_be_one_record_is_refused_whole(api):
+    with pytest.raises(RecordTooLarge):
+        await api.append([message("bat/err", b"x" * (SMALL_RECORD_BYTES // 3)) for _ in range(4)], batch=True)
+    with pytest.raises(ValueError, match="one topic"):
+        await api.append([message("bat/err"), message("bat/other")], batch=True)
+    with pytest.raises(ValueError, match="packet id"):
+        await api.append([message("bat/err", qos=2, packet_id=3)], batch=True)
+    assert await api.max_offsets(["bat/err", "bat/other"]) == [0, 0]
+    assert len(await api.append([message("bat/err")], batch=True)) == 1
 
 
 # --- subscriptions, offsets and events ------------------------------------------------------

@@ -19,6 +19,7 @@ from tests.helpers.spark_fixtures import Msg, encode, telemetry, write_log
 from store.api import NewMessage
 from store.control import SessionSaved, encode_control
 from store.log.commitlog import CommitLog, CommitLogConfig
+from store.log.record import new_batch
 from store.node import open_store
 from store.tier import TierConfig, TierConverter
 from store.tierfiles import TEMP_PREFIX, file_name, list_tier, open_tier, read_meta
@@ -150,6 +151,7 @@ CHILD = """
 import sys
 from pathlib import Path
 from store.log.commitlog import CommitLog, CommitLogConfig
+from store.log.record import new_batch
 from store.tier import TierConfig, TierConverter
 log = CommitLog.open(Path(sys.argv[1]) / "commitlog", CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=1 << 20))
 converter = TierConverter(log, TierConfig(uri=sys.argv[2], cpu_share=0.05, row_group_rows=1000))
@@ -211,14 +213,39 @@ def test_control_records_are_not_converted_to_rows(tmp_path: Path) -> None:
             if i % 4 == 0:
                 log.append(encode_control(SessionSaved(f"c{i}", b"blob" * 20), msg.store_ms, SEGMENT)[0])
         log.flush()
-    expected = [r for r in log_records(tmp_path) if not r[3].startswith("$store/")]
-    with CommitLog.open(tmp_path / "commitlog", CONFIG) as log:
-        converter = TierConverter(log, TierConfig(uri=str(tmp_path / "tier"), cpu_share=1.0))
+    check_converted(tmp_path, [r for r in log_records(tmp_path) if not r[3].startswith("$store/")])
+
+
+def check_converted(data: Path, expected: list[tuple]) -> None:
+    """Convert the sealed segments of the log under ``data``: the tier's rows are the ``expected`` rows of those
+    segments, and each file's record count is its rows."""
+    with CommitLog.open(data / "commitlog", CONFIG) as log:
+        converter = TierConverter(log, TierConfig(uri=str(data / "tier"), cpu_share=1.0))
         converter.open()
         assert converter.convert_pending() > 1
         active = log.segments()[-1].base
-    assert tier_rows(tmp_path / "tier") == [r for r in expected if r[0] < active]
-    fs, _root = open_tier(str(tmp_path / "tier"))
-    for file in list_tier(fs, _root):
+    assert tier_rows(data / "tier") == [r for r in expected if r[0] < active]
+    fs, root = open_tier(str(data / "tier"))
+    for file in list_tier(fs, root):
         meta, parquet = read_meta(fs, file.path)
         assert meta.records == parquet.num_rows
+
+
+def test_a_batch_record_becomes_a_row_per_message(tmp_path: Path) -> None:
+    """A batch record (docs/storage.md, "Batch records") is one frame of the log and one row per message in the
+    tier: each at its position (the record's offset + its index), with its own fields; the record count is rows."""
+    expected = []
+    with CommitLog.open(tmp_path / "commitlog", CONFIG) as log:
+        for n, msg in enumerate(mixed(1200)):
+            if n % 2:
+                r = log.read(log.append(encode(msg)))
+                expected.append((r.offset, r.store_ms, r.born_ms, r.topic, r.client_id, r.qos, r.retain,
+                                 r.properties, r.payload))
+                continue
+            items = [NewMessage(msg.topic, msg.payload + b"%d" % i, client_id=f"c{i}", qos=i % 3, retain=i == 0,
+                                born_ms=msg.store_ms - i) for i in range(4)]
+            offset = log.append(new_batch(msg.topic, items, msg.store_ms)[0])
+            expected += [(offset + i, msg.store_ms, m.born_ms, msg.topic, m.client_id, m.qos, m.retain, b"",
+                          m.payload) for i, m in enumerate(items)]
+        log.flush()
+    check_converted(tmp_path, expected)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from msgspec.structs import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crc32c import crc32c
 
 from lightqueue.targets import MAX_QUEUE_ID, encode_queues
+from store.api import NewMessage
+from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import (
     EOS_SIZE,
+    FLAG_BATCH,
     FLAG_RETAIN,
     HEADER,
     HEADER_SIZE,
@@ -22,7 +26,10 @@ from store.log.record import (
     decode_record,
     encode_eos,
     encode_record,
+    new_batch,
+    split_batch,
 )
+from tests.helpers.batches import malformed_batch
 
 MiB = 1024 * 1024
 U63 = st.integers(min_value=0, max_value=2**63 - 1)
@@ -167,3 +174,45 @@ def test_unknown_magic_is_refused():
     raw[8:12] = (0x4C470002).to_bytes(4, "big")
     with pytest.raises(CorruptRecord, match="unknown magic"):
         check_frame(bytes(raw), 0, len(raw))
+
+
+# --- batch records ------------------------------------------------------------------------------
+
+
+def test_a_batch_record_decodes_to_its_messages_at_their_positions_and_each_reencodes_alone():
+    items = [NewMessage("b/t", b"p%d" % i, client_id=f"c{i}", qos=i % 3, retain=i == 1,
+                        properties=b"\x01\x01" if i else b"", born_ms=10 + i) for i in range(3)]
+    raw, made = new_batch("b/t", items, 99, queues=encode_queues([7]))
+    assert check_frame(raw, 0, len(raw)) == (MAGIC_V1, len(raw))
+    record = decode_record(raw, 0, 1_000)
+    made.place(1_000)
+    assert record == made and record.batch_count == 3 and record.flags & FLAG_BATCH and record.payload == b""
+    assert [(m.offset, m.client_id, m.qos, m.retain, m.properties, m.born_ms, m.store_ms, m.topic, m.queues,
+             m.payload) for m in record.messages] == [
+        (1_000 + i, f"c{i}", i % 3, i == 1, b"\x01\x01" if i else b"", 10 + i, 99, "b/t", (7,), b"p%d" % i)
+        for i in range(3)]
+    alone = [decode_record(data, 0, position) for position, data in split_batch((1_000, raw))]
+    assert [replace(r, size=0) for r in alone] == [replace(m, size=0) for m in record.messages]  # sizes as stored
+    assert decode_record(encode_record("b/t", b"x"), 0, 0).batch_count == 0
+
+
+def test_a_batch_refuses_what_a_batch_record_cannot_hold():
+    with pytest.raises(ValueError, match="at least one"):
+        new_batch("b/t", [], 1)
+    with pytest.raises(ValueError, match="packet id"):
+        new_batch("b/t", [NewMessage("b/t", b"", qos=2, packet_id=1)], 1)
+    with pytest.raises(RecordTooLarge):
+        new_batch("b/t", [NewMessage("b/t", b"x" * 100)] * 10, 1, max_size=1_000)
+
+
+def test_a_batch_whose_body_does_not_parse_is_skipped_alone_by_a_scan(tmp_path):
+    """Its CRC is right (a writer's bug, not damage): a scan skips it like a CRC-bad record and goes on."""
+    with CommitLog.open(tmp_path, CommitLogConfig()) as log:
+        before = log.append(encode_record("a", b"1"))
+        bad = log.append(malformed_batch("b/t", 5))
+        after = log.append(encode_record("a", b"2"))
+        with pytest.raises(CorruptRecord, match="body"):
+            decode_record(log.read_bytes(bad, after - bad), 0, bad)
+        scan = log.scan(0)
+    assert [r.offset for r in scan.records] == [before, after]
+    assert [(c.offset, c.end) for c in scan.corrupt] == [(bad, after)]

@@ -369,6 +369,28 @@ async def test_a_follower_reopens_as_the_leader_of_the_next_epoch(tmp_path, nurs
         assert await trio.to_thread.run_sync(promoted.queues.holders, "t/#") == ["holder"]
 
 
+async def test_a_follower_copies_batch_records_and_serves_their_messages_once_promoted(tmp_path, nursery):
+    """A batch record (docs/storage.md, "Batch records") is a frame like any other: the follower copies it byte
+    for byte, derives the same index (one entry per batch), and promoted, serves its messages one by one."""
+    b = Follower(tmp_path / "b", "b")
+    async with leader(tmp_path / "a", acks="quorum") as node:
+        await nursery.start(b.run, node.port)
+        batch = [NewMessage("t/b", b"%d" % i, f"pub{i % 3}", qos=1, retain=i == 4) for i in range(25)]
+        positions = await node.append(batch, batch=True)
+        await node.append(messages(3))
+        end = node.log.log.written_offset
+        await until(lambda: b.dispatcher.dispatched_offset == end and node.dispatcher.dispatched_offset == end,
+                    "both dispatched everything")
+        await b.stop()
+    assert log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a")
+    assert dump(tmp_path / "b" / "index") == dump(tmp_path / "a" / "index")
+    async with leader(tmp_path / "b", acks="leader", epoch=2) as promoted:
+        result = promoted.read("t/b", 10, 100)
+        assert [(qoff, r.offset, r.payload, r.client_id) for qoff, r in result.messages] == [
+            (q, positions[q], b"%d" % q, f"pub{q % 3}") for q in range(10, 25)]
+        assert [r.log_offset for r in promoted.retained.lookup("t/b")] == [positions[4]]
+
+
 async def test_a_follower_is_cut_where_an_epoch_its_leader_never_had_starts(tmp_path, nursery):
     """b led epoch 2 for a moment and wrote records nobody copied; a, which had more of epoch 1, leads epoch 3.
     b's log ends before a's epoch 1 does, so a's answer alone (the end of epoch 2 is the end of epoch 1 in its
