@@ -1,4 +1,5 @@
-"""The back-end clients for asyncio: the trio Producer and Consumer on a trio thread, awaited without blocking.
+"""The back-end clients for asyncio: the trio Producer, Consumer and PopConsumer on a trio thread, awaited without
+blocking.
 
 ::
 
@@ -20,7 +21,7 @@ Cancelling the awaiting task cancels the call on the trio side. Only
 the trio thread to queue the message, microseconds, so that a bad topic or a
 full buffer raises at once, as in the trio face).
 
-Arguments, guarantees and errors are the trio clients' (producer.py, consumer.py).
+Arguments, guarantees and errors are the trio clients' (producer.py, consumer.py, pop.py).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from typing import Any, Self, TypeVar, final
 from store.api import Position
 from store.clients.blocking import send_future
 from store.clients.consumer import Batch, Consumer
+from store.clients.pop import PopConsumer, PopMessage, Receipt
 from store.clients.producer import Producer, ProducerStatistics
 from store.clients.threaded import Face
 
-__all__ = ["AsyncioConsumer", "AsyncioProducer"]
+__all__ = ["AsyncioConsumer", "AsyncioPopConsumer", "AsyncioProducer"]
 
 T = TypeVar("T")
 
@@ -102,3 +104,29 @@ class AsyncioConsumer(_Asyncio[Consumer]):
         batches = aiter(self._client)
         while True:
             yield await asyncio.wrap_future(self._thread.submit(anext, batches))
+
+
+@final
+class AsyncioPopConsumer(_Asyncio[PopConsumer]):
+    """:class:`store.clients.pop.PopConsumer` for asyncio; create it with :meth:`connect`."""
+
+    trio_client = PopConsumer.connect
+
+    async def pop(self, max_count: int | None = None, invisible_s: float | None = None,
+                  wait_s: float | None = None) -> list[PopMessage]:
+        """``PopConsumer.pop``, awaited: the loop runs meanwhile."""
+        return await asyncio.wrap_future(self._thread.submit(self._client.pop, max_count, invisible_s, wait_s))
+
+    async def ack(self, receipt: Receipt) -> bool:
+        """``PopConsumer.ack``: whether it counted, durable on return."""
+        return await asyncio.wrap_future(self._thread.submit(self._client.ack, receipt))
+
+    async def ack_all(self, receipts: list[Receipt]) -> list[bool]:
+        return await asyncio.wrap_future(self._thread.submit(self._client.ack_all, receipts))
+
+    async def nack(self, receipt: Receipt, delay_s: float = 0.0) -> str | None:
+        return await asyncio.wrap_future(self._thread.submit(self._client.nack, receipt, delay_s))
+
+    async def change_invisible_time(self, receipt: Receipt, invisible_s: float) -> str | None:
+        return await asyncio.wrap_future(self._thread.submit(self._client.change_invisible_time, receipt,
+                                                             invisible_s))
