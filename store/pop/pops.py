@@ -21,7 +21,7 @@ already says which message and when; the revive step is the group's own small ti
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar, final
 
@@ -93,7 +93,7 @@ class PopCoordinator:
         self._loading = trio.Lock()
         self._revive_news = trio.Event()
 
-    def wake(self, events: Sequence[str] | dict[str, int]) -> None:
+    def wake(self, events: Iterable[str]) -> None:
         """Queues got messages (a dispatch batch): wake the pops waiting on them."""
         for queue in events:
             for loaded in self._by_queue.get(queue, ()):
@@ -182,8 +182,10 @@ class PopCoordinator:
                     max_bytes: int, decode: Callable[[bytes, int], T]) -> list[tuple[str, int, int, T]]:
         key = (loaded.group, loaded.queue)
         state = self._group(key)
+        retries: list[int] = []
+        attempts: dict[int, int] = {}  # the attempt each retry is handed out with (new messages: 1)
         if state is None:
-            retries, fresh, cursor, attempts = [], min(max_count, MAX_INFLIGHT), loaded.committed, {}
+            fresh, cursor = min(max_count, MAX_INFLIGHT), loaded.committed
         else:
             retries, fresh = state.plan(max_count)
             cursor, attempts = state.cursor, {offset: state.retry[offset] for offset in retries}
