@@ -56,10 +56,11 @@ from store.log.record import FLAG_RETAIN, QOS_MASK, Record, RecordTooLarge
 from store.space import FULL_RETRY_S
 
 __all__ = [
-    "GROUP_PREFIX", "MAIN_LOG", "SHARE_PREFIX", "AdminOp", "DelayedCapExceeded", "DelayedMessage", "DelayedPage",
-    "Flow", "FollowerStatistics", "LeaderFenced", "LeaseLost", "LogSpan", "NewMessage", "NotLeader", "Position",
-    "Positions", "PullRequest", "PullResult", "ReplicationStatistics", "StoreApi", "StoreStatistics",
-    "StoreUnavailable", "TimerStatistics", "by_topic", "group_owner",
+    "DLQ_PREFIX", "GROUP_PREFIX", "MAIN_LOG", "MAX_ATTEMPTS", "POP_PREFIX", "SHARE_PREFIX", "AdminOp",
+    "DelayedCapExceeded", "DelayedMessage", "DelayedPage", "Flow", "FollowerStatistics", "LeaderFenced", "LeaseLost",
+    "LogSpan", "NewMessage", "NotLeader", "Popped", "Position", "Positions", "PullRequest", "PullResult",
+    "ReplicationStatistics", "StoreApi", "StoreStatistics", "StoreUnavailable", "TimerStatistics", "by_topic",
+    "dlq_topic", "group_owner", "pop_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
     "RecordTooLarge", "StartupError", "TopicError",
@@ -74,6 +75,27 @@ def group_owner(group: str) -> str:
     """The owner name (offsets) and holder name (filter activation) of consumer group ``group``: a back-end
     consumer names its group so at the store."""
     return GROUP_PREFIX + group
+
+POP_PREFIX = "$pop/"
+"""The owner name (offsets) and holder name (filter activation) of POP group ``g`` is ``$pop/<g>``: apart from the
+claim/ack groups (``$group/``), so one name may be used both ways without sharing an offset."""
+
+DLQ_PREFIX = "$dlq/"
+"""The dead-letter queue of POP group ``g`` is the topic ``$dlq/<g>``: a real topic, read like any other."""
+
+MAX_ATTEMPTS = 16
+"""Default deliveries of a POP message (RocketMQ's default): after this many without an ack it is dead-lettered."""
+
+
+def pop_owner(group: str) -> str:
+    """The owner and holder name of POP group ``group`` at the store."""
+    return POP_PREFIX + group
+
+
+def dlq_topic(group: str) -> str:
+    """The dead-letter topic of POP group ``group``."""
+    return DLQ_PREFIX + group
+
 
 SHARE_PREFIX = TOPIC_SHARE_PREFIX
 """Group names of MQTT shared subscriptions: ``$share/<group>``, as in the filters that make them. Client ids are
@@ -311,6 +333,16 @@ class Flow(NamedTuple):
     position: Position
 
 
+class Popped(NamedTuple):
+    """One message a POP handed out: its receipt ``handle`` (opaque: ``pop_ack``, ``change_invisible``), which
+    delivery this is (``attempt``, 1 the first), its queue ``offset`` and the stored record."""
+
+    handle: str
+    attempt: int
+    offset: int
+    record: Record
+
+
 class StoreUnavailable(ConnectionError):
     """The store cannot be reached now (a remote store not connected, or the connection broke during the call).
 
@@ -506,6 +538,41 @@ class StoreApi(Protocol):
     async def leave(self, group: str, queue: str, member: str, *, unsubscribe: bool = False) -> None:
         """``member`` leaves: what it holds goes to the other members. ``unsubscribe``: the member's session no
         longer has the subscription either; the group's last subscriber out releases its filter and offset."""
+        ...
+
+    # --- POP consumption (store/pop/) -----------------------------------------------------
+
+    async def pop(self, group: str, queue: str, member: str, max_count: int, *, invisible_s: float,
+                  wait_s: float = 0.0, max_attempts: int = MAX_ATTEMPTS, max_bytes: int = 1 << 20,
+                  start: str = "latest", at: int = 0) -> list[Popped]:
+        """Up to ``max_count`` messages of POP group ``group`` on ``queue`` for ``member`` (any number of members
+        pop one queue at once), waiting up to ``wait_s`` for some: retries first, then new ones. Each is invisible
+        to the group for ``invisible_s``; not acknowledged by then it is handed out again (attempt + 1), and after
+        ``max_attempts`` appended to ``dlq_topic(group)`` instead. ``start``/``at`` place a group without an offset
+        (``store.groups.START_KINDS``). Durable on return as the flush policy promises (a checkpoint record).
+
+        Raises:
+            TopicError, ValueError: a bad filter, group name, start, count or time.
+        """
+        ...
+
+    async def pop_ack(self, handles: Sequence[str]) -> list[bool]:
+        """Acknowledge popped messages (in one record per group); per handle, whether it was acknowledged now:
+        False for a stale handle (the message was handed out again, its invisible time changed, or it was
+        acknowledged or dead-lettered already). Durable on return as the flush policy promises.
+
+        Raises:
+            ValueError: a text that is not a receipt handle.
+        """
+        ...
+
+    async def change_invisible(self, handle: str, invisible_s: float) -> str | None:
+        """The message is invisible ``invisible_s`` from now instead (0: visible again at once, for its next
+        attempt: a nack); returns its new handle (the old one is stale), None when ``handle`` is stale.
+
+        Raises:
+            ValueError: not a receipt handle, or a negative time.
+        """
         ...
 
     # --- sessions: presence, expiry, wills (store/leases.py) -------------------------------

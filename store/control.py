@@ -23,9 +23,9 @@ from store.log.record import Record, new_control
 
 __all__ = [
     "KIND_PREFIX", "Activated", "ClientClosed", "ClientConnected", "ClientForgotten", "Committed", "Control",
-    "ControlError", "Delayed", "FlowsAwaiting", "FlowsReleased", "QueueBases", "Released", "RetainedKept", "SessionEnded",
-    "SessionSaved", "TimerCancelled", "TimersFired", "TimersRolled", "WillPublished", "decode_control", "encode_all",
-    "encode_control",
+    "ControlError", "Delayed", "FlowsAwaiting", "FlowsReleased", "PopAcked", "PopCheckpoint", "PopRestated",
+    "PopRevived", "QueueBases", "Released", "RetainedKept", "SessionEnded", "SessionSaved", "TimerCancelled",
+    "TimersFired", "TimersRolled", "WillPublished", "decode_control", "encode_all", "encode_control",
 ]
 
 KIND_PREFIX = "$store/"
@@ -201,9 +201,65 @@ class TimerCancelled(msgspec.Struct, frozen=True, array_like=True, tag="timer_ca
     entries: list[tuple[int, int, int]]
 
 
+# -- POP consumption (store/pop/) -------------------------------------------------------------------------------
+
+
+class PopCheckpoint(msgspec.Struct, frozen=True, array_like=True, tag="pop_ck"):
+    """A POP of ``group`` on ``queue`` handed ``offsets`` (queue offsets, each with its delivery ``attempts``, 1 the
+    first) to ``member`` at ``pop_ms``, invisible to the other members until ``pop_ms + invisible_ms``; the record's
+    CommitLog offset is the checkpoint's identity (what receipt handles name). ``cursor``: the group's next queue
+    offset never handed out, after this pop; ``gone``: handed-back offsets retention deleted (done: they are lost);
+    ``max_attempts``: the group's setting, after which a message not acknowledged goes to the dead-letter queue.
+    Written again for one offset, it changes that message's invisible time (its older handles go stale)."""
+
+    group: str
+    queue: str
+    member: str
+    offsets: list[int]
+    attempts: list[int]
+    pop_ms: int
+    invisible_ms: int
+    cursor: int
+    max_attempts: int
+    gone: list[int] = []
+
+
+class PopAcked(msgspec.Struct, frozen=True, array_like=True, tag="pop_acked"):
+    """Members of ``group`` processed ``acks``: ``(queue offset, CommitLog offset of its checkpoint)``; an ack whose
+    checkpoint is not the message's current one (it was revived, or its invisible time changed) does nothing."""
+
+    group: str
+    queue: str
+    acks: list[tuple[int, int]]
+
+
+class PopRevived(msgspec.Struct, frozen=True, array_like=True, tag="pop_revived"):
+    """The revive step: the invisible time of ``retries`` (as in :class:`PopAcked`) passed without an ack, they are
+    visible again for their next attempt; ``dead`` passed their last attempt and were appended to the group's
+    dead-letter queue just before this record, in the same write (done)."""
+
+    group: str
+    queue: str
+    retries: list[tuple[int, int]]
+    dead: list[tuple[int, int]] = []
+
+
+class PopRestated(msgspec.Struct, frozen=True, array_like=True, tag="pop_restated"):
+    """One POP group's state as it is (restated before retention deletes the checkpoints that made it): its cursor
+    and setting, ``inflight`` ``(queue offset, checkpoint offset, visible again at ms, attempt, member)`` and
+    ``retry`` ``(queue offset, attempt it is handed out with next)``. Applying it replaces what was kept."""
+
+    group: str
+    queue: str
+    cursor: int
+    max_attempts: int
+    inflight: list[tuple[int, int, int, int, str]]
+    retry: list[tuple[int, int]]
+
+
 Control = Union[Activated, Released, Committed, SessionSaved, SessionEnded, FlowsReleased, FlowsAwaiting,
                 ClientConnected, ClientClosed, WillPublished, ClientForgotten, RetainedKept, Delayed, TimersFired,
-                TimersRolled, TimerCancelled, QueueBases]
+                TimersRolled, TimerCancelled, QueueBases, PopCheckpoint, PopAcked, PopRevived, PopRestated]
 """Every control record kind (a tagged union: the tag is the first element of the msgpack array)."""
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -42,7 +42,8 @@ from lightqueue.results import PullResult
 from store.log.aio import AsyncCommitLog
 from store.log.record import split_batch
 
-__all__ = ["GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore", "Member", "START_KINDS"]
+__all__ = ["GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore", "Member", "START_KINDS", "read_offsets",
+           "start_offset"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -272,13 +273,7 @@ class GroupCoordinator:
         latest = await store.activate(queue, group)
         committed = (await trio.to_thread.run_sync(queues.get_offsets, group)).get(queue)
         if committed is None:
-            if start == "latest":
-                committed = latest
-            elif start == "time":
-                committed = await trio.to_thread.run_sync(queues.offset_at_time, queue, at)
-            else:
-                low = queues.min_offset(queue)
-                committed = low if start == "earliest" else min(max(at, low), queues.max_offset(queue))
+            committed = await start_offset(store, queue, start, at, latest)
             await self._commit(group, queue, committed)
         return _Group(group, queue, GroupState(committed), committed)
 
@@ -393,53 +388,12 @@ class GroupCoordinator:
         if not returned and not fresh:
             return []
         entries, unread, next_offset = await trio.to_thread.run_sync(
-            self._read, loaded.queue, returned, state.cursor, fresh, max_bytes, decode)
+            read_offsets, self._store, loaded.queue, returned, state.cursor, fresh, max_bytes, decode)
         state.give_back(unread)
         state.hand_out(member, [entry[0] for entry in entries])
         if fresh:
             state.advance(next_offset)
         return entries
-
-    def _read(self, queue: str, returned: list[int], cursor: int, fresh: int, max_bytes: int,
-              decode: Callable[[bytes, int], T]) -> tuple[list[tuple[int, T]], list[int], int]:
-        """(worker thread) The messages of ``returned`` and of ``fresh`` offsets from ``cursor``.
-
-        Returns the entries, the handed-back offsets not read (the byte budget
-        ran out: they go back), and where the cursor moves. An offset whose
-        record retention deleted is neither returned nor given back: it is gone.
-        """
-        store = self._store
-        log = store.log.log
-
-        def kept(raw: bytes, log_offset: int) -> tuple[int, bytes]:
-            return log_offset, raw
-
-        def pull(from_offset: int, max_count: int, budget: int) -> PullResult[tuple[T, int]]:
-            """The queue's messages with their sizes, a batch record's as records of their own (``split_batch``)."""
-            found = store.queues.pull(queue, from_offset, max_count, budget, log, kept, unpack=split_batch)
-            return PullResult([(qoff, (decode(raw, log_offset), len(raw))) for qoff, (log_offset, raw) in
-                               found.messages], found.next_offset, found.expired)
-
-        entries: list[tuple[int, T]] = []
-        budget = max_bytes
-        runs = _runs(returned)
-        for index, run in enumerate(runs):
-            unread = run if budget <= 0 else []
-            if not unread:
-                wanted = set(run)
-                result = pull(run[0], len(run), budget)
-                for qoff, (value, size) in result.messages:
-                    if qoff in wanted:
-                        entries.append((qoff, value))
-                        budget -= size
-                unread = [o for o in run if o >= result.next_offset]
-            if unread:
-                return entries, unread + [o for later in runs[index + 1:] for o in later], cursor
-        if fresh <= 0 or budget <= 0:
-            return entries, [], cursor
-        result = pull(cursor, fresh, budget)
-        entries.extend((qoff, value) for qoff, (value, _) in result.messages)
-        return entries, [], result.next_offset
 
     async def ack(self, member: Member, group: str, queue: str, offsets: Sequence[int] = (), below: int = 0) -> int:
         """``member`` processed ``offsets`` and every offset it holds below ``below``; returns the group's
@@ -471,6 +425,60 @@ class GroupCoordinator:
         """The groups loaded now (those with a member or a subscriber)."""
         return [GroupStatistics(g.name, g.queue, g.state.members, g.state.cursor, g.committed, g.state.unacked())
                 for g in self._groups.values()]
+
+
+async def start_offset(store: GroupStore, queue: str, start: str, at: int, latest: int) -> int:
+    """Where a group without a committed offset on ``queue`` starts (``START_KINDS``; ``latest``: the queue offset
+    its activation returned)."""
+    queues = store.queues
+    if start == "latest":
+        return latest
+    if start == "time":
+        return await trio.to_thread.run_sync(queues.offset_at_time, queue, at)
+    low = queues.min_offset(queue)
+    return low if start == "earliest" else min(max(at, low), queues.max_offset(queue))
+
+
+def read_offsets(store: GroupStore, queue: str, returned: list[int], cursor: int, fresh: int, max_bytes: int,
+                 decode: Callable[[bytes, int], T]) -> tuple[list[tuple[int, T]], list[int], int]:
+    """(worker thread) The messages of ``returned`` offsets and of ``fresh`` offsets from ``cursor`` (a group's claim,
+    a POP: store/pop/).
+
+    Returns the entries, the handed-back offsets not read (the byte budget
+    ran out: they go back), and where the cursor moves. An offset whose
+    record retention deleted is neither returned nor given back: it is gone.
+    """
+    log = store.log.log
+
+    def kept(raw: bytes, log_offset: int) -> tuple[int, bytes]:
+        return log_offset, raw
+
+    def pull(queue: str, from_offset: int, max_count: int, budget: int) -> PullResult[tuple[T, int]]:
+        """The queue's messages with their sizes, a batch record's as records of their own (``split_batch``)."""
+        found = store.queues.pull(queue, from_offset, max_count, budget, log, kept, unpack=split_batch)
+        return PullResult([(qoff, (decode(raw, log_offset), len(raw))) for qoff, (log_offset, raw) in
+                           found.messages], found.next_offset, found.expired)
+
+    entries: list[tuple[int, T]] = []
+    budget = max_bytes
+    runs = _runs(returned)
+    for index, run in enumerate(runs):
+        unread = run if budget <= 0 else []
+        if not unread:
+            wanted = set(run)
+            result = pull(queue, run[0], len(run), budget)
+            for qoff, (value, size) in result.messages:
+                if qoff in wanted:
+                    entries.append((qoff, value))
+                    budget -= size
+            unread = [o for o in run if o >= result.next_offset]
+        if unread:
+            return entries, unread + [o for later in runs[index + 1:] for o in later], cursor
+    if fresh <= 0 or budget <= 0:
+        return entries, [], cursor
+    result = pull(queue, cursor, fresh, budget)
+    entries.extend((qoff, value) for qoff, (value, _) in result.messages)
+    return entries, [], result.next_offset
 
 
 def _runs(offsets: list[int]) -> list[list[int]]:

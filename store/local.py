@@ -22,8 +22,8 @@ from typing import TypeVar, final
 
 import trio
 
-from store.api import (MAIN_LOG, AdminOp, DelayedPage, Flow, LogSpan, NewMessage, Position, Positions, PullRequest,
-                       PullResult, StoreStatistics)
+from store.api import (MAIN_LOG, MAX_ATTEMPTS, AdminOp, DelayedPage, Flow, LogSpan, NewMessage, Popped, Position,
+                       Positions, PullRequest, PullResult, StoreStatistics)
 from store.attached import admin_call, admin_call_all
 from store.groups import Member
 from store.log.errors import InvalidOffset
@@ -201,6 +201,28 @@ class LocalStore:
 
     async def leave(self, group: str, queue: str, member: str, *, unsubscribe: bool = False) -> None:
         await self.store.groups.leave(self._member(member), group, queue, unsubscribe=unsubscribe)
+
+    # --- POP consumption ------------------------------------------------------------------------
+
+    async def pop(self, group: str, queue: str, member: str, max_count: int, *, invisible_s: float,
+                  wait_s: float = 0.0, max_attempts: int = MAX_ATTEMPTS, max_bytes: int = 1 << 20,
+                  start: str = "latest", at: int = 0) -> list[Popped]:
+        found = await self.store.pops.pop(member, group, queue, max_count, invisible_s, wait_s, max_attempts,
+                                          max_bytes, start, at, decode)
+        return [Popped(*entry) for entry in found]
+
+    async def pop_raw(self, group: str, queue: str, member: str, max_count: int, *, invisible_s: float,
+                      wait_s: float = 0.0, max_attempts: int = MAX_ATTEMPTS, max_bytes: int = 1 << 20,
+                      start: str = "latest", at: int = 0) -> list[tuple[str, int, int, tuple[int, bytes]]]:
+        """:meth:`pop` with each record as ``(log offset, bytes as stored)`` (the RPC server's form)."""
+        return await self.store.pops.pop(member, group, queue, max_count, invisible_s, wait_s, max_attempts,
+                                         max_bytes, start, at, raw)
+
+    async def pop_ack(self, handles: Sequence[str]) -> list[bool]:
+        return await self.store.pops.ack(handles)
+
+    async def change_invisible(self, handle: str, invisible_s: float) -> str | None:
+        return await self.store.pops.change_invisible(handle, invisible_s)
 
     # --- sessions -----------------------------------------------------------------------------
 

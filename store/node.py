@@ -50,6 +50,8 @@ from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.log.recent import RecentRecords
 from store.log.record import FLAG_BATCH, Record, decode_record, new_batch, new_record, now_ms, split_batch
+from store.pop.applier import PopApplier
+from store.pop.pops import PopCoordinator
 from store.queuecontrol import QueueControls
 from store.rocks import open_db
 from store.sessions import SessionBlobs, Sessions
@@ -75,12 +77,14 @@ class StoreNode:
     ``log`` appends and reads, ``queues`` activates filters and pulls, ``dispatcher`` indexes new records and
     says when they are indexed, ``leases`` keeps the attached nodes' leases and their clients' presence, wills
     and expiry (store/leases.py), ``groups`` arbitrates consumer groups and shared subscriptions
-    (store/groups.py). ``store.local.LocalStore`` is the ``StoreApi`` over it.
+    (store/groups.py), ``pops`` serves POP consumption (store/pop/). ``store.local.LocalStore`` is the ``StoreApi``
+    over it.
     """
 
     def __init__(self, data: Path, log: AsyncCommitLog, queues: LightQueues, dispatcher: Dispatcher,
                  blobs: SessionBlobs, retained: RetainedStore, recent: RecentRecords, space: DiskSpace,
-                 awaiting: AwaitingRelease, nursery: trio.Nursery, lease_s: float, timers: TimerApplier) -> None:
+                 awaiting: AwaitingRelease, nursery: trio.Nursery, lease_s: float, timers: TimerApplier,
+                 pops: PopApplier) -> None:
         self.data = data
         self.log = log
         self.queues = queues
@@ -97,6 +101,7 @@ class StoreNode:
         self.router = NotifyRouter()
         self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
         self.groups = GroupCoordinator(self, self._poke)
+        self.pops = PopCoordinator(self, pops)  # POP consumption (store/pop/)
         # First activations of wildcard filters, one at a time: each new filter's id is chosen from the state the
         # previous one left (applied before it returns), so two new filters never get one id.
         self._new_filters = trio.Lock()
@@ -141,6 +146,7 @@ class StoreNode:
             if attachment is not None:
                 attachment.events.post(mine)
         self.groups.wake(events)
+        self.pops.wake(events)
 
     def _poke(self, queue: str) -> None:
         """Offsets of ``queue`` were handed back to a group: the nodes with sessions on it pull."""
@@ -255,6 +261,12 @@ class StoreNode:
             ValueError: one does not encode (``RecordTooLarge``: a session blob over the record limit).
             OSError: the write failed (``LogFullError``: the disk is full); nothing was appended.
         """
+        return (await self.write_controls(controls, durable=durable, applied=applied, messages=messages))[-1]
+
+    async def write_controls(self, controls: Sequence[Control], *, durable: bool | None = None,
+                             applied: bool = True, messages: Sequence[NewMessage] = ()) -> list[int]:
+        """:meth:`append_control`, returning the CommitLog offset of each record (``messages`` first), then the
+        offset just past the last: a control record's own offset is its identity (a POP checkpoint's)."""
         now = now_ms()
         made = self._encode(messages, now) + encode_all(controls, now, self.log.log.config.max_record_bytes)
         self.space.check()  # not only the log's room: what dispatch derives from them is written to RocksDB
@@ -265,7 +277,7 @@ class StoreNode:
             await self.replication.wait_acked(end)
         if applied:
             await self.dispatcher.wait_dispatched(end)
-        return end
+        return [*offsets, end]
 
     async def _write(self, records: list[bytes], durable: bool | None) -> list[int]:
         """Append ``records`` unless the disk is short of space; either way the full-disk state follows.
@@ -504,6 +516,7 @@ class _Parts:
     blobs: SessionBlobs
     ledger: ClientLedger
     delayed: TimerApplier
+    pops: PopApplier
     dispatcher: Dispatcher
 
 
@@ -534,16 +547,18 @@ async def _open_parts(data: Path, config: CommitLogConfig, on_dispatched: Listen
             opened.callback(delayed.close)
             alog.log.add_retention_guard(delayed.may_delete)
             ledger = ClientLedger(db)
+            pops = PopApplier(db)
             dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
                                     awaiting=awaiting, room=space.has_room,
-                                    appliers=[controls, blobs, ledger, awaiting.controls, delayed])
+                                    appliers=[controls, blobs, ledger, awaiting.controls, delayed, pops])
             try:
-                yield _Parts(alog, queues, retained, recent, space, awaiting, controls, blobs, ledger, delayed,
+                yield _Parts(alog, queues, retained, recent, space, awaiting, controls, blobs, ledger, delayed, pops,
                              dispatcher)
             finally:
                 with trio.CancelScope(shield=True):  # a cancelled node (SIGTERM) still shuts down cleanly
                     await trio.to_thread.run_sync(dispatcher.close)
                 blobs.close()  # a family handle keeps the database open
+                pops.close()
                 ledger.close()
                 retained.close()
                 awaiting.close()
@@ -604,7 +619,7 @@ async def open_store(
         try:
             async with trio.open_nursery() as timers:  # leases, wills, session expiry: they end with the node
                 node = StoreNode(data, alog, queues, dispatcher, blobs, parts.retained, parts.recent, parts.space,
-                                 parts.awaiting, timers, lease_s, parts.delayed)
+                                 parts.awaiting, timers, lease_s, parts.delayed, parts.pops)
                 nodes.append(node)
                 node.timer_max_pending = timer_max_pending
                 node.leases.restore(clients)  # expiries and wills pending when the store stopped
@@ -618,6 +633,7 @@ async def open_store(
                     await running.enter_async_context(background(dispatcher.run))
                     await running.enter_async_context(background(partial(_watch_space, parts.space)))
                     await running.enter_async_context(background(dequeue.run))
+                    await running.enter_async_context(background(node.pops.run_revive))
                     if tier is not None and tier.get("tier.uri"):
                         try:
                             from store.tier import TierConfig, TierConverter, run_tier

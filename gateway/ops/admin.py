@@ -85,7 +85,8 @@ from gateway.ops.metrics import CONTENT_TYPE
 from gateway.ops.openapi import Operation, openapi_document
 from gateway.ops.nodes import CpuShares, cluster_nodes
 from gateway.ops.administration import HttpPublish
-from gateway.ops.records import ClientInfo, DelayedInfo, DelayedList, NodeInfo, QueueInfo, SessionInfo
+from gateway.ops.records import (ClientInfo, DeadLetters, DelayedInfo, DelayedList, NodeInfo, QueueInfo, Redriven,
+                                 SessionInfo)
 from gateway.ops.slots import Slot, Slots
 from gateway.mqtt.reasons import ReasonCode
 from lightqueue.topics import TopicError, validate_topic
@@ -212,7 +213,7 @@ Handler = Callable[[Request, str], Awaitable[Response]]
 
 
 PATH_PARAMETERS = {"/api/v1/clients/": "client_id", "/api/v1/sessions/": "client_id", "/api/v1/retained/": "topic",
-                   "/api/v1/delayed/": "id"}
+                   "/api/v1/delayed/": "id", "/api/v1/dlq/": "group"}
 """The name of what follows each prefixed route (its path parameter in the OpenAPI document)."""
 
 OPENAPI_PATH = "/api/openapi.json"
@@ -246,6 +247,13 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                ("limit", f"at most this many (1..{MAX_DELAYED_PAGE}, default {DELAYED_PAGE})"),
                ("cursor", "the previous page's cursor: the page after it"))),
     ("/api/v1/delayed/{id}", "DELETE"): Operation("cancel a pending delayed message: it is never delivered"),
+    ("/api/v1/dlq/{group}", "GET"): Operation("the dead letters of a POP group ($dlq/<group>), with where each came "
+                                              "from", answer=DeadLetters,
+                                              query=(("from", "queue offset to start at, default 0"),
+                                                     ("limit", "at most this many, default 100"))),
+    ("/api/v1/dlq/{group}", "POST"): Operation("re-drive a POP group's dead letters not re-driven yet: appended back to "
+                                               "their original topics", answer=Redriven,
+                                               query=(("limit", "at most this many, default 1000"),)),
     ("/api/v1/publish", "POST"): Operation("publish one message, as the HTTP Basic user (or anonymous)", "basic",
                                            body=PublishBody, answer=Published),
     ("/api/v1/publish/bulk", "POST"): Operation("publish many messages in order, each answered", "basic",
@@ -296,6 +304,7 @@ class AdminApi:
             "/api/v1/sessions/": {"GET": self._session, "DELETE": self._delete_session},
             "/api/v1/retained/": {"GET": self._retained_one, "DELETE": self._delete_retained},
             "/api/v1/delayed/": {"DELETE": self._cancel_delayed},
+            "/api/v1/dlq/": {"GET": self._dead_letters, "POST": self._redrive},
         }
         self._open = {"/", "/metrics", "/healthz", "/readyz", OPENAPI_PATH,  # no admin token needed
                       "/api/v1/publish", "/api/v1/publish/bulk"}
@@ -519,6 +528,21 @@ class AdminApi:
             raise HttpError(404, f"no retained message on {rest!r}")
         return json_response(_message_json(found[0]))
 
+    async def _dead_letters(self, request: Request, rest: str) -> Response:
+        try:
+            letters, next_offset, redriven = await self.admin.dead_letters(rest, _count(request, "from", 0),
+                                                                           _count(request, "limit", 100))
+        except TopicError as exc:
+            raise HttpError(400, f"group: {exc}") from None
+        return json_response(DeadLetters(rest, letters, next_offset, redriven))
+
+    async def _redrive(self, request: Request, rest: str) -> Response:
+        try:
+            count, below = await self.admin.redrive(rest, _count(request, "limit", 1000))
+        except TopicError as exc:
+            raise HttpError(400, f"group: {exc}") from None
+        return json_response(Redriven(rest, count, below))
+
     async def _delete_retained(self, request: Request, rest: str) -> Response:
         try:
             existed = await self.admin.delete_retained(rest)
@@ -552,6 +576,14 @@ class AdminApi:
         if not await self.admin.store.delayed_cancel(position):
             raise HttpError(404, f"no pending delayed message {rest!r} (unknown, delivered, or cancelled)")
         return json_response({"cancelled": rest})
+
+
+def _count(request: Request, name: str, default: int) -> int:
+    """A non-negative integer query parameter."""
+    text = request.query.get(name, str(default))
+    if not text.isdigit():
+        raise HttpError(400, f"{name}: a non-negative integer, not {text[:40]!r}")
+    return int(text)
 
 
 def _group_view(stats: ReplicationStatistics | None) -> dict[str, Any] | None:

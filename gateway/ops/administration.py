@@ -8,6 +8,7 @@ one client (details, session, disconnect, delete) reach the node it is connected
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -24,9 +25,11 @@ from gateway.mqtt.session import SessionState
 from gateway.node.connection import Connection
 from gateway.node.node import GatewayNode
 from gateway.ops.clusterlists import LIST_OPS, list_here
-from gateway.ops.records import ClientInfo, QueueInfo, SessionInfo, SubscriptionLag
+from gateway.mqtt.properties import PacketType, decode_properties
+from gateway.mqtt.reasons import RemoteProtocolError
+from gateway.ops.records import ClientInfo, DeadLetter, QueueInfo, SessionInfo, SubscriptionLag
 from lightqueue.topics import TopicError, TopicLimits, validate_filter, validate_topic
-from store.api import SHARE_PREFIX, AdminOp, NewMessage, Position, Record, by_topic
+from store.api import SHARE_PREFIX, AdminOp, NewMessage, Position, PullRequest, Record, by_topic, dlq_topic
 
 __all__ = ["ADMIN_CLIENT_ID", "Administration", "HTTP_CLIENT_ID", "HttpPublish"]
 
@@ -51,6 +54,35 @@ class HttpPublish:
     retain: bool = False
     properties: bytes = b""
     deliver_at_ms: int = 0
+
+
+DLQ_PAGE = 1000
+"""Dead letters one admin call lists or re-drives at most."""
+
+
+def redrive_owner(group: str) -> str:
+    """The offsets owner that records how far the dead letters of POP group ``group`` were re-driven."""
+    return "$redrive/" + group
+
+
+def dead_letter(offset: int, record: Record) -> DeadLetter:
+    """The admin view of the dead letter ``record`` at ``offset`` (fields it lacks are empty)."""
+    try:
+        users = dict(decode_properties(record.properties, 0, len(record.properties), PacketType.PUBLISH)
+                     .user_properties)
+    except RemoteProtocolError:
+        users = {}
+    try:
+        payload, encoding = record.payload.decode(), "utf-8"
+    except UnicodeDecodeError:
+        payload, encoding = base64.b64encode(record.payload).decode(), "base64"
+    return DeadLetter(offset, users.get("dlq-topic", ""), users.get("dlq-client", ""),
+                      _int(users.get("dlq-attempts", "")), users.get("dlq-queue", ""),
+                      _int(users.get("dlq-offset", "")), record.qos, payload, encoding, record.store_ms)
+
+
+def _int(text: str) -> int:
+    return int(text) if text.isdigit() else 0
 
 
 @final
@@ -226,6 +258,49 @@ class Administration:
             raise OSError(f"the empty retained message was not stored: {reason.name}")
         LOGGER.info("retained message deleted (admin API)", extra={"ctx": {"topic": topic}})
         return True
+
+    # --- dead letters of POP groups (store/pop/) -------------------------------------------------
+
+    async def dead_letters(self, group: str, from_offset: int, limit: int) -> tuple[list[DeadLetter], int, int]:
+        """The messages of ``$dlq/<group>`` from queue offset ``from_offset`` (at most ``limit``): each with where it
+        came from; and the queue offset after them, and the one below which they were re-driven.
+
+        Raises:
+            TopicError: ``group`` makes no valid topic.
+        """
+        topic = dlq_topic(group)
+        validate_topic(topic)
+        (result,) = await self.store.pull([PullRequest(topic, max(0, from_offset), max(1, min(limit, DLQ_PAGE)))])
+        redriven = (await self.store.get_offsets(redrive_owner(group))).get(topic, 0)
+        return [dead_letter(offset, record) for offset, record in result.messages], result.next_offset, redriven
+
+    async def redrive(self, group: str, limit: int) -> tuple[int, int]:
+        """Append the dead letters of ``group`` not re-driven yet (at most ``limit``) back to their original topics,
+        then record how far re-driving went (a committed offset of ``$redrive/<group>`` on ``$dlq/<group>``):
+        (messages re-driven, the offset re-driven below).
+
+        Raises:
+            TopicError: ``group`` makes no valid topic.
+            OSError: the store did not take the messages (nothing is recorded: a retry re-drives them again).
+        """
+        topic = dlq_topic(group)
+        validate_topic(topic)
+        owner = redrive_owner(group)
+        start = (await self.store.get_offsets(owner)).get(topic, 0)
+        (result,) = await self.store.pull([PullRequest(topic, start, max(1, min(limit, DLQ_PAGE)))])
+        letters = [dead_letter(offset, record) for offset, record in result.messages]
+        messages = [NewMessage(letter.origin_topic, record.payload, record.client_id, record.qos, False,
+                               record.properties, record.born_ms)
+                    for letter, (_, record) in zip(letters, result.messages) if letter.origin_topic]
+        if messages:
+            reason = await self.node.appends.own(messages)
+            if reason is not None:
+                raise OSError(f"the re-driven messages were not stored: {reason.name}")
+        if result.next_offset > start:
+            await self.store.commit_offsets({owner: {topic: result.next_offset}})
+        LOGGER.info("dead letters re-driven (admin API)", extra={"ctx": {"group": group, "messages": len(messages),
+                                                                        "below": result.next_offset}})
+        return len(messages), result.next_offset
 
     # --- HTTP publish ----------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ClientInfo", "DelayedInfo", "DelayedList", "NodeInfo", "QueueInfo", "SessionInfo", "SubscriptionLag"]
+__all__ = ["ClientInfo", "DeadLetter", "DeadLetters", "DelayedInfo", "DelayedList", "NodeInfo", "QueueInfo", "Redriven",
+           "SessionInfo", "SubscriptionLag"]
 
 
 
@@ -92,3 +93,39 @@ class DelayedList:
 
     messages: tuple[DelayedInfo, ...]
     cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A message of a POP group's dead-letter topic: where it came from (its ``dlq-*`` user properties,
+    store/pop/pops.py) and the message itself."""
+
+    offset: int  # in the dead-letter topic's queue
+    origin_topic: str
+    origin_client: str
+    attempts: int
+    queue: str  # the group's queue (filter) it was popped from
+    queue_offset: int
+    qos: int
+    payload: str
+    encoding: str  # utf-8, or base64 when the payload is not text
+    store_ms: int  # when it was dead-lettered
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetters:
+    """A page of a POP group's dead letters (``GET /api/v1/dlq/{group}``)."""
+
+    group: str
+    letters: list[DeadLetter]
+    next_offset: int  # where the next page starts
+    redriven_below: int  # the letters below this offset were re-driven already
+
+
+@dataclass(frozen=True, slots=True)
+class Redriven:
+    """What ``POST /api/v1/dlq/{group}`` re-drove: messages appended back to their topics."""
+
+    group: str
+    redriven: int
+    redriven_below: int

@@ -1,4 +1,5 @@
-"""The back-end clients for asyncio: the trio Producer and Consumer on a trio thread, awaited without blocking.
+"""The back-end clients for asyncio: the trio Producer, Consumer and PopConsumer on a trio thread, awaited without
+blocking.
 
 ::
 
@@ -24,7 +25,7 @@ producer has room (it waits for the trio thread to queue the message,
 microseconds, so that a bad topic raises at once, as in the trio face); when
 it holds ``total_batch_max_bytes``, the send is awaited until there is room.
 
-Arguments, guarantees and errors are the trio clients' (producer.py, consumer.py).
+Arguments, guarantees and errors are the trio clients' (producer.py, consumer.py, pop.py).
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from typing import Any, Self, TypeVar, final
 from store.api import Position
 from store.clients.blocking import send_futures
 from store.clients.consumer import Batch, Consumer
+from store.clients.pop import PopConsumer, PopMessage, Receipt
 from store.clients.producer import Message, Producer, ProducerStatistics
 from store.clients.threaded import Face
 
-__all__ = ["AsyncioConsumer", "AsyncioProducer", "Message"]
+__all__ = ["AsyncioConsumer", "AsyncioPopConsumer", "AsyncioProducer", "Message"]
 
 T = TypeVar("T")
 
@@ -124,3 +126,29 @@ class AsyncioConsumer(_Asyncio[Consumer]):
         batches = aiter(self._client)
         while True:
             yield await asyncio.wrap_future(self._thread.submit(anext, batches))
+
+
+@final
+class AsyncioPopConsumer(_Asyncio[PopConsumer]):
+    """:class:`store.clients.pop.PopConsumer` for asyncio; create it with :meth:`connect`."""
+
+    trio_client = PopConsumer.connect
+
+    async def pop(self, max_count: int | None = None, invisible_s: float | None = None,
+                  wait_s: float | None = None) -> list[PopMessage]:
+        """``PopConsumer.pop``, awaited: the loop runs meanwhile."""
+        return await asyncio.wrap_future(self._thread.submit(self._client.pop, max_count, invisible_s, wait_s))
+
+    async def ack(self, receipt: Receipt) -> bool:
+        """``PopConsumer.ack``: whether it counted, durable on return."""
+        return await asyncio.wrap_future(self._thread.submit(self._client.ack, receipt))
+
+    async def ack_all(self, receipts: list[Receipt]) -> list[bool]:
+        return await asyncio.wrap_future(self._thread.submit(self._client.ack_all, receipts))
+
+    async def nack(self, receipt: Receipt, delay_s: float = 0.0) -> str | None:
+        return await asyncio.wrap_future(self._thread.submit(self._client.nack, receipt, delay_s))
+
+    async def change_invisible_time(self, receipt: Receipt, invisible_s: float) -> str | None:
+        return await asyncio.wrap_future(self._thread.submit(self._client.change_invisible_time, receipt,
+                                                             invisible_s))

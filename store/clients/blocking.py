@@ -14,9 +14,14 @@
             for message in batch:
                 handle(message.topic, message.payload, message.properties.content_type)
 
+    with BlockingPopConsumer.connect("store-host", 7883, group="billing", filter="tele/#", invisible_s=30) as pops:
+        for message in pops.pop(max_count=16):
+            handle(message.payload)
+            pops.ack(message)
+
 The arguments, batching, guarantees (at most once per send; at least once per
-consumer group), reconnection and errors are the trio clients' (producer.py,
-consumer.py): these faces run them unchanged (threaded.py says how, and why
+consumer group and POP group), reconnection and errors are the trio clients' (producer.py,
+consumer.py, pop.py): these faces run them unchanged (threaded.py says how, and why
 not anyio). Calls may come from any thread; ``send`` blocks its caller while
 the producer holds ``total_batch_max_bytes`` (the trio face's back-pressure).
 
@@ -35,10 +40,11 @@ import trio
 
 from store.api import Position
 from store.clients.consumer import Batch, Consumer
+from store.clients.pop import PopConsumer, PopMessage, Receipt
 from store.clients.producer import Message, Producer, ProducerStatistics, SendHandle
 from store.clients.threaded import Face, TrioThread
 
-__all__ = ["BlockingConsumer", "BlockingProducer", "Message", "send_futures"]
+__all__ = ["BlockingConsumer", "BlockingPopConsumer", "BlockingProducer", "Message", "send_futures"]
 
 T = TypeVar("T")
 
@@ -155,3 +161,28 @@ class BlockingConsumer(_Blocking[Consumer]):
         batches = aiter(self._client)
         while True:
             yield self._thread.submit(anext, batches).result()
+
+
+@final
+class BlockingPopConsumer(_Blocking[PopConsumer]):
+    """:class:`store.clients.pop.PopConsumer` for blocking code; create it with :meth:`connect`."""
+
+    trio_client = PopConsumer.connect
+
+    def pop(self, max_count: int | None = None, invisible_s: float | None = None,
+            wait_s: float | None = None) -> list[PopMessage]:
+        """``PopConsumer.pop``."""
+        return self._thread.submit(self._client.pop, max_count, invisible_s, wait_s).result()
+
+    def ack(self, receipt: Receipt) -> bool:
+        """``PopConsumer.ack``: whether it counted, durable on return."""
+        return self._thread.submit(self._client.ack, receipt).result()
+
+    def ack_all(self, receipts: list[Receipt]) -> list[bool]:
+        return self._thread.submit(self._client.ack_all, receipts).result()
+
+    def nack(self, receipt: Receipt, delay_s: float = 0.0) -> str | None:
+        return self._thread.submit(self._client.nack, receipt, delay_s).result()
+
+    def change_invisible_time(self, receipt: Receipt, invisible_s: float) -> str | None:
+        return self._thread.submit(self._client.change_invisible_time, receipt, invisible_s).result()

@@ -64,7 +64,7 @@ from store.clients.properties import MessageProperties, decode_properties
 from store.api import Record, StoreUnavailable, group_owner
 from store.rpc.client import RemoteStore
 
-__all__ = ["Batch", "Consumer", "ConsumerMessage"]
+__all__ = ["Batch", "Consumer", "ConsumerMessage", "queue_of", "start_position"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -157,6 +157,12 @@ class Batch(Sequence[ConsumerMessage]):
         return [m.offset for m in self.messages]
 
 
+def queue_of(filter: str) -> str:
+    """The queue a consumer reads for ``filter``: a first-level topic ``tele`` is read as ``tele/#``, as
+    server-side consumers read it."""
+    return filter if "/" in filter or "+" in filter or filter == "#" else filter + "/#"
+
+
 def start_position(start: Start) -> tuple[str, int]:
     """``start`` as the RPC's ``(kind, at)``: ``earliest``/``latest``, an offset, or a time in ms since the epoch.
 
@@ -234,8 +240,7 @@ class Consumer:
             AccessDenied: the ACL does not allow this user to subscribe to ``filter``.
             TopicError, ValueError: a bad filter, group name or start.
         """
-        if "/" not in filter and "+" not in filter and filter != "#":
-            filter += "/#"  # a first-level topic: its queue, as server-side consumers read it
+        filter = queue_of(filter)
         position = start_position(start)  # a bad start fails before connecting
         async with RemoteStore.connect(host, port, node=client_id or unique_client_name("consumer"),
                                              timeout_s=timeout_s, username=username, password=password) as client:

@@ -41,8 +41,8 @@ from typing import Any, TypeVar, final
 import trio
 
 from notify import EventMailbox
-from store.api import (MAIN_LOG, AdminOp, DelayedPage, Flow, LeaseLost, LogSpan, NewMessage, Position, Positions,
-                       PullRequest, PullResult, Record, StoreStatistics, StoreUnavailable)
+from store.api import (MAIN_LOG, MAX_ATTEMPTS, AdminOp, DelayedPage, Flow, LeaseLost, LogSpan, NewMessage, Popped,
+                       Position, Positions, PullRequest, PullResult, Record, StoreStatistics, StoreUnavailable)
 from store.log.record import decode_record
 from store.rpc import wire as rpc
 from store.rpc.connection import (Link, NotSent, Resolver, StoreConnection, StoreRpcError, decoded, exception_of,
@@ -421,6 +421,27 @@ class RemoteStore:
 
     async def leave(self, group: str, queue: str, member: str, *, unsubscribe: bool = False) -> None:
         await self._call(lambda rid: rpc.Leave(rid, group, queue, member, unsubscribe))
+
+    # --- POP consumption ------------------------------------------------------------------------
+
+    async def pop(self, group: str, queue: str, member: str, max_count: int, *, invisible_s: float,
+                  wait_s: float = 0.0, max_attempts: int = MAX_ATTEMPTS, max_bytes: int = 1 << 20,
+                  start: str = "latest", at: int = 0) -> list[Popped]:
+        invisible_ms, wait_ms = max(1, int(invisible_s * 1000)) if invisible_s > 0 else 0, max(0, int(wait_s * 1000))
+        answer = await self._call(lambda rid: rpc.Pop(rid, group, queue, max_count, invisible_ms, wait_ms,
+                                                      max_attempts, max_bytes, member, start, at))
+        return [Popped(handle, attempt, offset, decode_record(data, 0, log_offset))
+                for handle, attempt, offset, log_offset, data in answer.entries]
+
+    async def pop_ack(self, handles: Sequence[str]) -> list[bool]:
+        answer = await self._call(lambda rid: rpc.PopAck(rid, list(handles)))
+        return answer.acked
+
+    async def change_invisible(self, handle: str, invisible_s: float) -> str | None:
+        if invisible_s < 0:
+            raise ValueError(f"an invisible time must not be negative, not {invisible_s}")
+        answer = await self._call(lambda rid: rpc.ChangeInvisible(rid, handle, int(invisible_s * 1000)))
+        return answer.handle
 
     # --- sessions -----------------------------------------------------------------------------
 

@@ -64,6 +64,7 @@ import trio
 from store.api import GROUP_PREFIX, MAIN_LOG, LeaderFenced, LeaseLost, NewMessage, Positions, PullResult, TopicError
 from store.local import LocalStore
 from store.node import StoreNode
+from store.pop.handles import decode_handle
 from store.rpc import wire as rpc
 from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict, admit_hello
 from store.rpc.errors import error_frame
@@ -106,9 +107,9 @@ MAX_PULL_BYTES = 16 * 1024 * 1024
 """A queue read's byte budget is capped at this, so a pull answer stays well under the frame limit."""
 
 CLIENT_MESSAGES = frozenset({rpc.Heartbeat, rpc.AppendRequest, rpc.MaxOffsets, rpc.GetStatistics, rpc.Join, rpc.Claim,
-                             rpc.Ack, rpc.Leave, rpc.CancelDelayed})
-"""What a back-end client (not a trusted gateway node, store/rpc/access.py) may send: appends, consumer groups and
-cancellations of delayed messages (of topics it may publish to). Sessions, wills, watches, other owners' offsets
+                             rpc.Ack, rpc.Leave, rpc.CancelDelayed, rpc.Pop, rpc.PopAck, rpc.ChangeInvisible})
+"""What a back-end client (not a trusted gateway node, store/rpc/access.py) may send: appends, consumer groups, POP
+and cancellations of delayed messages (of topics it may publish to). Sessions, wills, watches, other owners' offsets
 and the list of delayed messages are the gateways'."""
 
 _GROUP_CALLS = frozenset({rpc.Join, rpc.Claim, rpc.Ack, rpc.Leave})
@@ -156,7 +157,8 @@ class _Connection:
             rpc.ReadLog: self._read_log, rpc.Join: self._join, rpc.Claim: self._claim, rpc.Ack: self._ack,
             rpc.Leave: self._leave, rpc.AdminCall: self._admin_call,
             rpc.AdminCallAll: self._admin_call_all, rpc.ListDelayed: self._list_delayed,
-            rpc.CancelDelayed: self._cancel_delayed,
+            rpc.CancelDelayed: self._cancel_delayed, rpc.Pop: self._pop, rpc.PopAck: self._pop_ack,
+            rpc.ChangeInvisible: self._change_invisible,
         }
 
     def close(self) -> None:
@@ -393,6 +395,33 @@ class _Connection:
         self._check_group(request.group, request.member)
         await self._store.leave(request.group, request.queue, request.member, unsubscribe=request.unsubscribe)
         return rpc.Done(request.id)
+
+    def _check_pop(self, group: str, queue: str) -> None:
+        """A back-end client pops groups of its own namespace (no ``$`` name: those are the gateways') on queues it
+        may subscribe to; a handle it acknowledges names its queue too."""
+        if not self.peer.trusted:
+            if group.startswith("$"):
+                raise AccessDenied("back-end clients pop groups whose names do not start with '$'")
+            self._server.access.check(self.peer, "subscribe", queue)
+
+    async def _pop(self, request: rpc.Pop) -> rpc.PopResult:
+        self._check_pop(request.group, request.queue)
+        found = await self._store.pop_raw(request.group, request.queue, request.member or self.node,
+                                          request.max_count, invisible_s=request.invisible_ms / 1000,
+                                          wait_s=request.wait_ms / 1000, max_attempts=request.max_attempts,
+                                          max_bytes=request.max_bytes, start=request.start, at=request.at)
+        return rpc.PopResult(request.id, [(handle, attempt, offset, log_offset, data)
+                                          for handle, attempt, offset, (log_offset, data) in found])
+
+    async def _pop_ack(self, request: rpc.PopAck) -> rpc.PopAcks:
+        for handle in request.handles:
+            self._check_pop(*decode_handle(handle)[:2])
+        return rpc.PopAcks(request.id, await self._store.pop_ack(request.handles))
+
+    async def _change_invisible(self, request: rpc.ChangeInvisible) -> rpc.NewHandle:
+        self._check_pop(*decode_handle(request.handle)[:2])
+        return rpc.NewHandle(request.id, await self._store.change_invisible(request.handle,
+                                                                            request.invisible_ms / 1000))
 
     async def _admin_call(self, request: rpc.AdminCall) -> rpc.Value:
         return rpc.Value(request.id, await self._store.admin_call(request.client_id, request.op))

@@ -32,7 +32,8 @@ The conversation (docs/cluster.md):
   every other node that has clients, and the answers come back as ``NodeAnswers``.
 - back-end producers and consumers (store/clients/producer.py, store/clients/consumer.py) log
   in with the Hello's credentials (store/rpc/access.py) and use appends and the
-  consumer-group calls ``Join``, ``Claim``, ``Ack``, ``Leave`` (store/groups.py).
+  consumer-group calls ``Join``, ``Claim``, ``Ack``, ``Leave`` (store/groups.py), and POP consumption's
+  ``Pop``, ``PopAck``, ``ChangeInvisible`` (store/pop/).
 
 The messages carry the store interface's own types as they are (``store.api``: ``NewMessage``,
 ``PullRequest``, ``LogSpan``, ``StoreStatistics``), so a call and its answer have one shape on both sides.
@@ -60,6 +61,7 @@ from store.api import (AdminOp, DelayedPage, Flow, LogSpan, NewMessage, Position
 
 __all__ = [
     "CLIENT_MESSAGES",
+    "ChangeInvisible",
     "HEARTBEATS_PER_LEASE",
     "MAX_FRAME_BYTES",
     "MAX_HELLO_BYTES",
@@ -105,11 +107,16 @@ __all__ = [
     "LogBytes",
     "MaxOffsets",
     "Names",
+    "NewHandle",
     "NodeAnswers",
     "OffsetMap",
     "Offsets",
     "OpRequest",
     "OpenSession",
+    "Pop",
+    "PopAck",
+    "PopAcks",
+    "PopResult",
     "Pull",
     "Pulled",
     "READER_PREFIX",
@@ -473,6 +480,38 @@ class Leave(_Message, tag="leave"):
     unsubscribe: bool = False
 
 
+class Pop(_Message, tag="pop"):
+    """``StoreApi.pop``: up to ``max_count`` messages of POP group ``group``, invisible for ``invisible_ms``, waiting up
+    to ``wait_ms`` for some: answered with ``PopResult``."""
+
+    id: int
+    group: str
+    queue: str
+    max_count: int
+    invisible_ms: int
+    wait_ms: int
+    max_attempts: int
+    max_bytes: int
+    member: str = ""
+    start: str = "latest"
+    at: int = 0
+
+
+class PopAck(_Message, tag="popack"):
+    """``StoreApi.pop_ack``: answered with ``PopAcks`` (per handle, whether it was acknowledged now)."""
+
+    id: int
+    handles: list[str]
+
+
+class ChangeInvisible(_Message, tag="invisible"):
+    """``StoreApi.change_invisible``: answered with ``NewHandle`` (None: the handle was stale)."""
+
+    id: int
+    handle: str
+    invisible_ms: int
+
+
 class AdminCall(_Message, tag="admin"):
     """``StoreApi.admin_call``: run ``op`` on the node ``client_id`` is connected to: answered with
     ``Value(its answer, JSON bytes)``, or ``Value(None)`` when the client is connected to no other node."""
@@ -516,7 +555,8 @@ class Fetch(_Message, tag="fetch"):
 OpRequest: TypeAlias = (
     Pull | Activate | Release | MaxOffsets | GetOffsets | CommitOffsets | GetRetained | OpenSession | CloseSession
     | SaveSession | LoadSession | EndSession | ListSessions | GetAwaiting | ReleaseAwaiting | GetStatistics
-    | ReadLog | Join | Claim | Ack | Leave | AdminCall | AdminCallAll | ListDelayed | CancelDelayed
+    | ReadLog | Join | Claim | Ack | Leave | AdminCall | AdminCallAll | ListDelayed | CancelDelayed | Pop | PopAck
+    | ChangeInvisible
 )
 """The requests answered by one message each; each names its ``StoreApi`` method."""
 
@@ -617,6 +657,27 @@ class Claimed(_Message, tag="claimed"):
     result: RawRecords
 
 
+class PopResult(_Message, tag="popped"):
+    """The answer to ``Pop``: ``(handle, attempt, queue offset, CommitLog offset, record bytes)`` per message."""
+
+    id: int
+    entries: list[tuple[str, int, int, int, bytes]]
+
+
+class PopAcks(_Message, tag="popacks"):
+    """The answer to ``PopAck``: per handle, in order, whether it was acknowledged now."""
+
+    id: int
+    acked: list[bool]
+
+
+class NewHandle(_Message, tag="handle"):
+    """The answer to ``ChangeInvisible``: the message's new receipt handle, None when the one given was stale."""
+
+    id: int
+    handle: str | None
+
+
 class Offsets(_Message, tag="offs"):
     """``max_offsets``: one int per queue, in request order."""
 
@@ -702,7 +763,8 @@ class Frames(_Message, tag="frames"):
 
 ServerMessage: TypeAlias = (
     Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Claimed | Offsets | Value | Names
-    | Awaiting | Done | Statistics | RecordList | AdminAsk | NodeAnswers | LogBytes | Frames | DelayedList
+    | Awaiting | Done | Statistics | RecordList | AdminAsk | NodeAnswers | LogBytes | Frames | DelayedList | PopResult
+    | PopAcks | NewHandle
 )
 SERVER_MESSAGES: Final = ServerMessage
 

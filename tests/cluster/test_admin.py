@@ -11,8 +11,9 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 
+from store.api import NewMessage
 from tests.helpers.admin import Admin, admin_port
-from tests.helpers.cluster import WAIT_S, run_id, running_cluster
+from tests.helpers.cluster import WAIT_S, ask_store, run_id, running_cluster, wait_for
 from tests.helpers.mqtt_fixtures import Client, properties
 
 pytestmark = pytest.mark.slow
@@ -118,3 +119,38 @@ def test_any_gateways_cluster_view_lists_the_store_and_the_gateways_with_their_p
     for process in (store, gw1, gw2):
         assert not process.errors(), process.errors()
 
+
+
+def test_the_dead_letters_of_a_pop_group_are_listed_and_re_driven_to_their_original_topic(tmp_path):
+    with running_cluster(tmp_path, 1) as (store, (gateway,)):
+        admin = Admin(admin_port(gateway))
+        run = run_id()
+        group, topic = f"workers{run}", f"jobs{run}/a"
+        subscriber = Client(gateway.port, protocol=mqtt.MQTTv5)
+        subscriber.connect()
+        subscriber.subscribe(f"jobs{run}/#", 1)
+
+        async def pop_and_never_ack(client) -> list[int]:
+            await client.append([NewMessage(topic, b"poison", "dev-1", 1)])
+            popped = await client.pop(group, f"jobs{run}/#", "m", 10, invisible_s=0.1, wait_s=WAIT_S,
+                                      max_attempts=1, start="earliest")
+            return [p.attempt for p in popped]
+
+        assert ask_store(store.port, pop_and_never_ack) == [1]
+        assert subscriber.messages.get(timeout=WAIT_S).payload == b"poison"
+        wait_for(lambda: admin.get(f"/api/v1/dlq/{group}")["letters"], "the message to be dead-lettered")
+        page = admin.get(f"/api/v1/dlq/{group}")
+        (letter,) = page["letters"]
+        assert (letter["origin_topic"], letter["origin_client"], letter["attempts"], letter["payload"]) == \
+            (topic, "dev-1", 1, "poison")
+        assert (page["next_offset"], page["redriven_below"]) == (1, 0)
+
+        status, _, body = admin.request("POST", f"/api/v1/dlq/{group}")
+        assert (status, body) == (200, {"group": group, "redriven": 1, "redriven_below": 1})
+        again = subscriber.messages.get(timeout=WAIT_S)  # re-driven: appended to its topic again
+        assert (again.topic, again.payload) == (topic, b"poison")
+        status, _, body = admin.request("POST", f"/api/v1/dlq/{group}")
+        assert body["redriven"] == 0 and admin.get(f"/api/v1/dlq/{group}")["redriven_below"] == 1
+        status, _, body = admin.request("GET", f"/api/v1/dlq/{group}?limit=x")
+        assert status == 400 and "limit" in body["error"]
+        subscriber.disconnect()

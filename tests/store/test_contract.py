@@ -310,6 +310,27 @@ async def test_a_group_hands_messages_to_its_members_until_they_acknowledge_them
         await api.join("$group/workers", "jobs/a", "m1", start="sometime")
 
 
+# --- POP consumption -------------------------------------------------------------------------
+
+
+async def test_a_pop_hands_out_messages_with_handles_that_acknowledge_once_and_change_invisible_time(api):
+    await api.append([message("jobs/p", b"0"), message("jobs/p", b"1")])
+    await dispatched(api)
+    popped = await api.pop("workers", "jobs/p", "m1", 10, invisible_s=60, start="earliest")
+    assert [(p.offset, p.attempt, p.record.payload) for p in popped] == [(0, 1, b"0"), (1, 1, b"1")]
+    assert await api.pop("workers", "jobs/p", "m2", 10, invisible_s=60) == []  # in flight: not again
+    assert await api.pop_ack([popped[0].handle, popped[0].handle]) == [True, False]
+    assert await api.get_offsets("$pop/workers") == {"jobs/p": 1}
+    renewed = await api.change_invisible(popped[1].handle, 0)
+    assert renewed is not None and await api.change_invisible(popped[1].handle, 5) is None
+    (again,) = await api.pop("workers", "jobs/p", "m2", 10, invisible_s=60, wait_s=WAIT_S)
+    assert (again.offset, again.attempt) == (1, 2) and await api.pop_ack([renewed]) == [False]
+    with pytest.raises(ValueError):
+        await api.pop_ack(["not a handle"])
+    with pytest.raises(ValueError):
+        await api.pop("workers", "jobs/p", "m1", 10, invisible_s=0)
+
+
 # --- sessions --------------------------------------------------------------------------------
 
 

@@ -7,8 +7,6 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import trio
@@ -21,9 +19,8 @@ from store.clients.properties import NO_PROPERTIES, MessageProperties, decode_pr
 from lightqueue.topics import TopicError
 from store.log.commitlog import CommitLogConfig
 from store.log.record import RecordTooLarge
-from store.node import open_store
 from store.api import StoreUnavailable
-from store.rpc.server import serve_rpc
+from tests.helpers.threadstore import store_node
 
 WAIT_S = 30.0
 """Generous: two busy cores."""
@@ -31,35 +28,6 @@ WAIT_S = 30.0
 PROPERTIES = {"content_type": "application/json", "response_topic": "reply/billing", "correlation_data": b"\x00c1",
               "message_expiry_interval": 600, "payload_format_indicator": 1,
               "user_properties": [("trace", "t-1"), ("trace", "t-2")]}
-
-
-@contextmanager
-def store_node(tmp_path) -> Iterator[int]:
-    """A store node serving its RPC on a free port, on a trio thread; its port. Stops when the block ends."""
-    started: list[int] = []
-    ready = threading.Event()
-    token: list[trio.lowlevel.TrioToken] = []
-    stop: list[trio.Event] = []
-
-    async def main() -> None:
-        token.append(trio.lowlevel.current_trio_token())
-        stop.append(trio.Event())
-        async with open_store(tmp_path / "data", CommitLogConfig()) as store, trio.open_nursery() as nursery:
-            listeners = await nursery.start(lambda task_status: serve_rpc(store, "127.0.0.1", 0,
-                                                                          task_status=task_status))
-            started.append(listeners[0].socket.getsockname()[1])
-            ready.set()
-            await stop[0].wait()
-            nursery.cancel_scope.cancel()
-
-    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
-    thread.start()
-    assert ready.wait(WAIT_S)
-    try:
-        yield started[0]
-    finally:
-        trio.from_thread.run_sync(stop[0].set, trio_token=token[0])
-        thread.join(WAIT_S)
 
 
 @pytest.fixture
