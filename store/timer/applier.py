@@ -260,6 +260,7 @@ class TimerApplier:
         self._low: int | None = found.earliest if found.pending else None
         if wheel.fresh and found.count:
             self._rebuild(found.offset)
+        wheel.fresh = False
 
     def _write_checkpoint(self, offset: int) -> None:
         """Checkpoint the state at ``offset``: the files synced (the previous checkpoint's changes are in them),
@@ -288,7 +289,6 @@ class TimerApplier:
         _remove(self._checkpoint_path)
         log = self._log
         self._wheel.clear()
-        self._wheel.fresh = False
         self._pending = 0
         self._clients = Counter()
         self._buckets = Counter()
