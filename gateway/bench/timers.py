@@ -2,11 +2,12 @@
 
 An in-process store schedules ``--messages`` delayed messages due over ``--spread`` seconds (or at ``--due-rate``
 per second) after a lead time that covers the scheduling; it reports the scheduling rate (appended and applied by
-dispatch), the process's RSS and the disk growth with all of them pending, then closes the store and opens it
-again (the open's time and the TimerLog entries it read: none, the wheel is kept with the checkpoint), waits until
-the last message is delivered and reports the dequeue rate (delivered messages over the time from the first
-delivery to the last: with ``--spread 0`` all are due at once and it is the step's capacity) and the lateness of
-every message (its delivered record's store time minus its due time: p50, p99, max).
+dispatch), the process's RSS (its peak, as the OS counts it) and the disk growth with all of them pending, then
+closes the store and opens it again (the open's time and the TimerLog entries it read: none, the wheel is kept
+with the checkpoint), waits until the last message is delivered and reports the dequeue rate (delivered messages
+over the time from the first delivery to the last: with ``--spread 0`` all are due at once and it is the step's
+capacity), the lateness of every message (its delivered record's store time minus its due time: p50, p99, max)
+and the RSS peak of the whole run (the dequeue's working set included).
 
 Undelayed traffic meanwhile (``--probe-hz``): a probe appends a QoS 1 message to a topic of its own at that rate
 and times its round trip (append acknowledged, then indexed by dispatch: readable by a subscriber), while the
@@ -104,6 +105,7 @@ async def _run(data: Path, args: argparse.Namespace) -> dict[str, Any]:
         "dequeued_per_s": round(delivered * 1000 / max(1, last_went - first_went)) if delivered else 0,
         "lateness_ms": _percentiles(lateness), "first_due_passed_while_scheduling_ms": late_at_scheduled,
         "rss_growth_bytes": rss_pending - rss_before, "disk_growth_bytes": disk_pending - disk_before,
+        "rss_peak_growth_bytes": process_usage().rss_bytes - rss_before,
         "disk_bytes_per_pending": round((disk_pending - disk_before) / max(1, count)),
         "reopen_s": round(reopen_s, 3), "timer_entries_read_on_open": entries_read,
         "probe_round_trip_ms": probe.figures() if args.probe_hz else None,
