@@ -9,7 +9,12 @@ and nothing that depends on *when* it was written:
   CommitLog offset, size and store time; the filters with their active-since offset and their holders; the consumer
   offsets of each owner by queue name; the next queue id;
 - every column family: the known ones decoded (``retain``, ``qos2``, ``sessions``, ``clients``), any other
-  (a family added later) as hex keys and values, so the dump keeps covering what is added beside it.
+  (a family added later) as hex keys and values, so the dump keeps covering what is added beside it;
+- the timer's pending delayed messages (``<data>/timer/`` beside the index, store/timer/), when there are any:
+  their count, per due second the number pending and an order-free digest of their entries (the Delayed record,
+  due time, slot second, size, topic and client hashes, the record that placed it), and the wheel's pending
+  count per slot; so the output is bounded by the seconds, not the messages. TimerLog positions and chain links
+  are left out (a TimerLog that was emptied at another flush numbers its entries otherwise).
 
 Left out, on purpose: the checkpoints (the light queues' ``C`` and control checkpoint ``c``, the retention mark ``T``,
 a family's empty key, the convention of ``retain`` and ``qos2`` for theirs, the QoS 2 family's control checkpoint and
@@ -20,7 +25,9 @@ kept only until the family's checkpoint is durably past them (store/awaiting.py)
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,6 +42,9 @@ from store.awaiting import AWAITING_FAMILY, CONTROLS_KEY as AWAITING_CONTROLS_KE
 from store.derived import APPLIED_KEY as DERIVED_APPLIED_KEY, CHECKPOINT_KEY as DERIVED_CHECKPOINT_KEY
 from store.ledger import LEDGER_FAMILY, ClientEntry
 from store.log.record import CorruptRecord, decode_record
+from store.timer.checkpoint import read_checkpoint
+from store.timer.timerlog import read_entries
+from store.timer.wheel import READ_SLOTS, SLOT, SLOT_SIZE, Slot
 
 __all__ = ["dump", "dump_json"]
 
@@ -45,6 +55,9 @@ _SESSIONS_FAMILY = "sessions"  # store/node.py's SESSIONS_FAMILY (the dump does 
 _EXCLUDED = (keys.CHECKPOINT, keys.RETAINED, keys.APPLIED)
 _FAMILY_CHECKPOINTS = (b"", AWAITING_CONTROLS_KEY, DERIVED_CHECKPOINT_KEY, DERIVED_APPLIED_KEY)
 """A family's checkpoints: the empty key (retain, qos2), the QoS 2 family's control checkpoint, a derived family's."""
+_TIMER_DIR = "timer"  # store/node.py's <data>/timer (the dump does not import the running node)
+_TIMER_FIELDS = struct.Struct(">QQQQIIQ")
+_DIGEST_MOD = 1 << 128
 
 
 def dump(index: Path) -> dict[str, Any]:
@@ -71,9 +84,12 @@ def dump(index: Path) -> dict[str, Any]:
                 family.close()
             if found:  # an empty family is no state: whether it exists depends on what opened the database
                 out["families"][name] = found
-        return out
     finally:
         db.close()
+    timer = _timer(index.parent / _TIMER_DIR)
+    if timer:
+        out["timer"] = timer
+    return out
 
 
 def dump_json(index: Path) -> str:
@@ -197,3 +213,61 @@ def _retained(value: bytes) -> dict[str, Any]:
         return {"offset": offset, "record": value[8:].hex()}
     return {"offset": offset, "topic": record.topic, "payload": record.payload.hex(), "qos": record.qos,
             "flags": record.flags, "client_id": record.client_id, "store_ms": record.store_ms}
+
+
+def _timer(directory: Path) -> dict[str, Any]:
+    """The pending delayed messages of a stopped node's timer at its checkpoint (read-only: the checkpoint's
+    changes are applied here, not written); empty when nothing is pending."""
+    checkpoint = read_checkpoint(directory / "checkpoint")
+    if checkpoint is None or not checkpoint.count:
+        return {}
+    wheel_path = directory / "wheel"
+    window = wheel_path.stat().st_size // SLOT_SIZE if wheel_path.exists() else 0
+    due: dict[int, list[int]] = {}
+    by_slot: dict[int, int] = {}
+    fd = os.open(directory / "timerlog", os.O_RDONLY)
+    try:
+        for _, entry in read_entries(fd, checkpoint.count, checkpoint.ends):
+            if entry.done_at:
+                continue
+            fields = _TIMER_FIELDS.pack(entry.slot_s, entry.due_ms, entry.offset_real, entry.made_at,
+                                        entry.size_real, entry.hash_topic, entry.hash_client)
+            counted = due.setdefault(entry.due_ms // 1000, [0, 0])
+            counted[0] += 1
+            counted[1] = (counted[1] + int.from_bytes(hashlib.blake2b(fields, digest_size=16).digest(), "big")) \
+                % _DIGEST_MOD
+            if window:
+                by_slot[entry.slot_s % window] = by_slot.get(entry.slot_s % window, 0) + 1
+    finally:
+        os.close(fd)
+    wheel = _wheel_pending(wheel_path, window, checkpoint.slots) if window else {}
+    out: dict[str, Any] = {
+        "pending": sum(n for n, _ in due.values()),
+        "due": {str(second): [n, f"{digest:032x}"] for second, (n, digest) in sorted(due.items())},
+        "wheel": {str(index): n for index, n in sorted(wheel.items())},
+    }
+    disagrees = sorted(index for index in wheel.keys() | by_slot.keys() if wheel.get(index) != by_slot.get(index))
+    if disagrees or out["pending"] != checkpoint.pending:
+        out["inconsistent"] = {"wheel_slots": disagrees, "checkpoint_pending": checkpoint.pending}
+    return out
+
+
+def _wheel_pending(path: Path, window: int, changed: dict[int, Slot]) -> dict[int, int]:
+    """Pending entries per wheel slot index (non-empty slots), with the checkpoint's ``changed`` slots applied."""
+    found = {}
+    with open(path, "rb") as handle:
+        index = 0
+        while index < window:
+            chunk = handle.read(min(READ_SLOTS, window - index) * SLOT_SIZE)
+            if not chunk:
+                break
+            for i, slot in enumerate(SLOT.iter_unpack(chunk)):
+                if slot[4]:
+                    found[index + i] = slot[4]
+            index += len(chunk) // SLOT_SIZE
+    for index, slot in changed.items():
+        if slot.pending:
+            found[index] = slot.pending
+        else:
+            found.pop(index, None)
+    return found

@@ -1,11 +1,18 @@
 """``lightgate bench timers``: delayed messages in the store (store/timer/), scheduled, held, and dequeued.
 
-An in-process store schedules ``--messages`` delayed messages due over ``--spread`` seconds after a lead time
-that covers the scheduling; it reports the scheduling rate (appended and applied by dispatch), the process's RSS
-and the disk growth with all of them pending, then waits until the last one is delivered and reports the dequeue
-rate (delivered messages over the time from the first delivery to the last: with ``--spread 0`` all are due at
-once and it is the step's capacity) and the lateness of every message (its delivered record's store time minus its
-due time: p50, p99, max).
+An in-process store schedules ``--messages`` delayed messages due over ``--spread`` seconds (or at ``--due-rate``
+per second) after a lead time that covers the scheduling; it reports the scheduling rate (appended and applied by
+dispatch), the process's RSS (its peak, as the OS counts it) and the disk growth with all of them pending, then
+closes the store and opens it again (the open's time and the TimerLog entries it read: none, the wheel is kept
+with the checkpoint), waits until the last message is delivered and reports the dequeue rate (delivered messages
+over the time from the first delivery to the last: with ``--spread 0`` all are due at once and it is the step's
+capacity), the lateness of every message (its delivered record's store time minus its due time: p50, p99, max)
+and the RSS peak of the whole run (the dequeue's working set included).
+
+Undelayed traffic meanwhile (``--probe-hz``): a probe appends a QoS 1 message to a topic of its own at that rate
+and times its round trip (append acknowledged, then indexed by dispatch: readable by a subscriber), while the
+delayed messages wait (``idle``) and while they fire (``firing``), so the cost of the timer to other traffic is
+two latency figures side by side.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import os
 import struct
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +40,19 @@ DUE = struct.Struct(">Q")
 BATCH = 1000
 """Delayed messages per append."""
 
+PROBE_TOPIC = "bench-probe"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--messages", type=int, default=100_000, help="delayed messages scheduled")
     parser.add_argument("--spread", type=float, default=10.0, help="seconds their due times are spread over")
+    parser.add_argument("--due-rate", type=float, default=None,
+                        help="messages due per second (sets the spread to messages / rate)")
+    parser.add_argument("--lead", type=float, default=None,
+                        help="seconds from the start to the first due time (default: 5 + 1 per 10,000 messages)")
     parser.add_argument("--payload", type=int, default=64, help="payload bytes of each message")
+    parser.add_argument("--probe-hz", type=float, default=20.0,
+                        help="undelayed QoS 1 round trips timed per second (0: none)")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
 
 
@@ -46,12 +62,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _run(data: Path, args: argparse.Namespace) -> dict[str, Any]:
-    count, spread_ms = args.messages, int(args.spread * 1000)
+    count = args.messages
+    spread_s = count / args.due_rate if args.due_rate else args.spread
+    spread_ms = int(spread_s * 1000)
     filler = b"x" * max(0, args.payload - DUE.size)
+    lead_ms = int(args.lead * 1000) if args.lead is not None else 5000 + count // 10
     rss_before = process_usage().rss_bytes
     async with open_store(data, CommitLogConfig()) as node:
         disk_before = _disk(data)
-        lead_ms = 5000 + count // 10  # long enough to schedule them all before the first is due (10 k/ms budget)
         first_due = now_ms() + lead_ms
         started = time.perf_counter()
         for start in range(0, count, BATCH):
@@ -65,28 +83,81 @@ async def _run(data: Path, args: argparse.Namespace) -> dict[str, Any]:
         pending = node.timers.pending
         rss_pending = process_usage().rss_bytes
         disk_pending = _disk(data)
-        with trio.fail_after(lead_ms / 1000 + args.spread + 600):
-            while node.timers.pending:
-                await trio.sleep(0.1)  # polling the figure the bench reports on, not a synchronisation
-        delivered = await trio.to_thread.run_sync(_delivered, node)
-    lateness = sorted(store_ms - due for due, store_ms in delivered)
-    went = [store_ms for _, store_ms in delivered]
-    last = len(lateness) - 1
+    late_at_scheduled = max(0, now_ms() - first_due)
+    opened = time.perf_counter()
+    async with open_store(data, CommitLogConfig()) as node:
+        reopen_s = time.perf_counter() - opened
+        entries_read = node.timers.entries_read
+        probe = _Probe(node, first_due, first_due + spread_ms)
+        with trio.fail_after(lead_ms / 1000 + spread_s + 600):
+            async with trio.open_nursery() as nursery:
+                if args.probe_hz:
+                    nursery.start_soon(probe.run, 1 / args.probe_hz)
+                while node.timers.pending:
+                    await trio.sleep(0.1)  # polling the figure the bench reports on, not a synchronisation
+                nursery.cancel_scope.cancel()
+        lateness, first_went, last_went = await trio.to_thread.run_sync(_delivered, node)
+    delivered = sum(lateness.values())
     return {
-        "messages": count, "pending_after_scheduling": pending, "delivered": len(lateness),
+        "messages": count, "due_per_s": round(count / spread_s) if spread_s else None,
+        "pending_after_scheduling": pending, "delivered": delivered,
         "scheduled_per_s": round(count / scheduled_s),
-        "dequeued_per_s": round(len(went) * 1000 / max(1, max(went) - min(went))) if went else 0,
-        "lateness_ms": {"p50": lateness[last // 2], "p99": lateness[last * 99 // 100], "max": lateness[-1]}
-        if lateness else None,
+        "dequeued_per_s": round(delivered * 1000 / max(1, last_went - first_went)) if delivered else 0,
+        "lateness_ms": _percentiles(lateness), "first_due_passed_while_scheduling_ms": late_at_scheduled,
         "rss_growth_bytes": rss_pending - rss_before, "disk_growth_bytes": disk_pending - disk_before,
+        "rss_peak_growth_bytes": process_usage().rss_bytes - rss_before,
         "disk_bytes_per_pending": round((disk_pending - disk_before) / max(1, count)),
+        "reopen_s": round(reopen_s, 3), "timer_entries_read_on_open": entries_read,
+        "probe_round_trip_ms": probe.figures() if args.probe_hz else None,
         "load_average": round(os.getloadavg()[0], 2),
     }
 
 
-def _delivered(node: StoreNode) -> list[tuple[int, int]]:
-    """(due ms, store ms) of every delivered message (blocking: reads the topics' queues)."""
-    found = []
+class _Probe:
+    """Undelayed QoS 1 messages, one at a time at a fixed rate: append, then wait until dispatch indexed it."""
+
+    def __init__(self, node: StoreNode, firing_from: int, firing_to: int) -> None:
+        self._node = node
+        self._firing = (firing_from, firing_to)
+        self._ms: dict[str, Counter[float]] = {"idle": Counter(), "firing": Counter()}  # ms, 0.1 ms steps
+
+    async def run(self, interval_s: float) -> None:
+        node = self._node
+        while True:
+            began_ms = now_ms()
+            started = time.perf_counter()
+            (offset,) = await node.append([NewMessage(PROBE_TOPIC, b"probe", "bench-probe", 1)])
+            await node.dispatcher.wait_dispatched(offset + 1)
+            took = round((time.perf_counter() - started) * 1000, 1)
+            phase = "firing" if self._firing[0] <= began_ms <= self._firing[1] else "idle"
+            self._ms[phase][took] += 1
+            await trio.sleep(max(0.0, interval_s - (time.perf_counter() - started)))
+
+    def figures(self) -> dict[str, Any]:
+        return {phase: _percentiles(ms) for phase, ms in self._ms.items()}
+
+
+def _percentiles(counts: Counter[int] | Counter[float]) -> dict[str, float] | None:
+    """p50, p99 and max of the values counted in ``counts`` (value -> how many), and their number."""
+    total = sum(counts.values())
+    if not total:
+        return None
+    found: dict[str, float] = {"n": total}
+    seen = 0
+    marks = [("p50", (total - 1) // 2), ("p99", (total - 1) * 99 // 100)]
+    for value in sorted(counts):
+        seen += counts[value]
+        while marks and seen > marks[0][1]:
+            found[marks.pop(0)[0]] = value
+    found["max"] = max(counts)
+    return found
+
+
+def _delivered(node: StoreNode) -> tuple[Counter[int], int, int]:
+    """The lateness (ms -> messages) of every delivered message, and the store times of the first and the last
+    (blocking: reads the topics' queues; counts, not a list: 10 M messages would be a gigabyte of tuples)."""
+    lateness: Counter[int] = Counter()
+    first, last = 1 << 63, 0
     for topic in range(100):
         offset = 0
         while True:
@@ -94,9 +165,10 @@ def _delivered(node: StoreNode) -> list[tuple[int, int]]:
             if not result.messages:
                 break
             for queue_offset, record in result.messages:
-                found.append((DUE.unpack_from(record.payload)[0], record.store_ms))
+                lateness[record.store_ms - DUE.unpack_from(record.payload)[0]] += 1
+                first, last = min(first, record.store_ms), max(last, record.store_ms)
                 offset = queue_offset + 1
-    return found
+    return lateness, first, last
 
 
 def _disk(data: Path) -> int:

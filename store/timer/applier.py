@@ -8,16 +8,17 @@ reader of its own over the system queue, the timer gets log order, the checkpoin
 free: a replica's dispatch, or a rebuild after the data was deleted, derives the same pending entries.
 
 Crash safety (docs/storage.md, "Delayed delivery"): :meth:`flush` runs after the CommitLog was flushed up to its
-offset; it fdatasyncs the TimerLog, then writes the checkpoint (offset, TimerLog length). On open the TimerLog is
-cut to that length, every end recorded at or past the checkpoint is undone (dispatch applies those records
-again), and the wheel and the counts are rebuilt from the entries that remain pending.
+offset; it fdatasyncs the TimerLog and the wheel, then writes the checkpoint (store/timer/checkpoint.py: offset,
+TimerLog length, counts, and the wheel slots and entry ends changed since the previous one, which only then go
+into the files). On open the checkpoint's changes are written again, the TimerLog is cut to its length and the
+counts are read from it: the state at the checkpoint, whatever a crash left after it, without reading a single
+entry; dispatch then applies the records from the checkpoint again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import struct
 import threading
 from collections import Counter
 from pathlib import Path
@@ -27,6 +28,7 @@ from crc32c import crc32c
 
 from store.control import Control, Delayed, TimerCancelled, TimersFired, TimersRolled
 from store.log.record import Record
+from store.timer.checkpoint import TimerCheckpoint, read_checkpoint, write_checkpoint
 from store.timer.timerlog import TimerEntry, TimerLog
 from store.timer.wheel import EMPTY, Slot, TimerWheel
 
@@ -45,8 +47,6 @@ few of them gets short pages, each as cheap as the last, rather than one unbound
 
 PAGE_CHUNK = 4096
 """TimerLog entries a page walks per hold of the timer's lock: dispatch and the dequeue step wait 10 ms at most."""
-
-_CHECKPOINT = struct.Struct(">QQ")
 
 
 def client_hash(client_id: str) -> int:
@@ -72,7 +72,6 @@ class TimerApplier:
     def __init__(self, directory: Path, window_s: int = WINDOW_S) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self._checkpoint_path = directory / "checkpoint"
-        self._checkpoint, count = _read_checkpoint(self._checkpoint_path)
         self._log = TimerLog(directory / "timerlog")
         self._wheel = TimerWheel(directory / "wheel", window_s)
         self._window = window_s
@@ -81,7 +80,7 @@ class TimerApplier:
         self.fired = 0
         self.rolled = 0
         self.cancelled = 0
-        self._rebuild(self._checkpoint, min(count, self._log.count))
+        self._restore()
 
     # -- ControlApplier ----------------------------------------------------------------------------------------
 
@@ -112,20 +111,17 @@ class TimerApplier:
 
     def flush(self, offset: int) -> None:
         """Persist below ``offset``; with nothing pending the TimerLog starts again empty (it grows only while
-        messages wait: a crash before the checkpoint is written re-applies the records since the last one, whose
-        ends then find their entries by their Delayed offsets)."""
+        messages wait)."""
         with self._lock:
-            if not self._pending and self._log.count:
-                self._log.truncate(0)
-                self._lowest_real = 0
-            self._log.sync()
-            _write_checkpoint(self._checkpoint_path, offset, self._log.count)
-            self._checkpoint = offset
+            self._write_checkpoint(offset)
 
     def rewind(self, log_end: int) -> None:
+        """Back to the checkpoint's state (dispatch applies the records from it again), or, when ``log_end`` is
+        below the checkpoint (a follower's truncate of flushed records), to the state at ``log_end`` by a walk."""
         with self._lock:
-            self._rebuild(log_end, self._log.count)
-            self._checkpoint = min(self._checkpoint, log_end)
+            self._restore()
+            if log_end < self._checkpoint:
+                self._rebuild(log_end)
 
     def restate(self) -> Iterable[Control]:
         """Nothing: the ``Delayed`` records stay in the log while their entries are pending (:meth:`may_delete`
@@ -138,6 +134,12 @@ class TimerApplier:
     def pending(self) -> int:
         """Delayed messages enqueued and not fired yet."""
         return self._pending
+
+    @property
+    def entries_read(self) -> int:
+        """TimerLog entries read since opened (a statistic: opening reads none, dequeueing a slot reads its
+        chain)."""
+        return self._log.reads
 
     def pending_of(self, client_id: str) -> int:
         """Pending delayed messages published by ``client_id`` (by hash: two ids that collide share a count)."""
@@ -249,7 +251,7 @@ class TimerApplier:
         self._log.append(entry._replace(prev=slot.last if slot.pending else 0))
         self._wheel.put(entry.slot_s, new)
         self._count(entry, 1)
-        self._low = entry.slot_s if self._low is None else min(self._low, entry.slot_s)
+        self._placed(entry, pos)
 
     def _end_all(self, refs: list[tuple[int, int, int]], at: int) -> Iterator[TimerEntry]:
         """End the pending entries ``refs`` names (as the ``TimersFired`` / ``TimersRolled`` record at ``at`` does);
@@ -262,11 +264,19 @@ class TimerApplier:
     def _end(self, pos: int, at: int) -> TimerEntry:
         """End the pending entry at ``pos`` (fired or rolled by the record at ``at``); returns it as it was."""
         entry = self._log.read(pos)
-        self._log.write(pos, entry._replace(done_at=at))
+        self._log.end(pos, at)
         slot = self._wheel.get(entry.slot_s)
         self._wheel.put(entry.slot_s, slot._replace(pending=slot.pending - 1) if slot.pending > 1 else EMPTY)
         self._count(entry, -1)
         return entry
+
+    def _placed(self, entry: TimerEntry, pos: int) -> None:
+        """Note where dequeue must look (``_low``; ``_earliest``: since the TimerLog was last empty, kept by the
+        checkpoint) and the TimerLog's first Delayed offset."""
+        self._low = entry.slot_s if self._low is None else min(self._low, entry.slot_s)
+        self._earliest = min(self._earliest or entry.slot_s, entry.slot_s)
+        if pos == 1:
+            self._lowest_real = entry.offset_real
 
     def _count(self, entry: TimerEntry, delta: int) -> None:
         self._pending += delta
@@ -291,19 +301,67 @@ class TimerApplier:
                 return pos
         return None
 
-    def _rebuild(self, cut: int, count: int) -> None:
-        """Keep the first ``count`` entries made below ``cut``, undo the ends at or past ``cut``, and rebuild the
-        wheel and the counts from the entries pending then."""
-        log = self._log
+    def _restore(self) -> None:
+        """The state at the checkpoint: its changes written into the files again, the TimerLog cut to its length,
+        its counts; no entry is read. Without a usable checkpoint (none, or a TimerLog shorter than it: deleted)
+        the files start empty and dispatch derives them from the whole log; a wheel file that was not there (or had
+        another window) is rebuilt from the TimerLog."""
+        log, wheel = self._log, self._wheel
+        found = read_checkpoint(self._checkpoint_path)
+        if found is None or log.count < found.count:
+            found = TimerCheckpoint()
+            wheel.clear()
+        wheel.dirty = {}
+        wheel.write(found.slots)
+        log.ends = {}
+        log.truncate(found.count)
+        log.write_ends(found.ends)
+        log.durable = found.count
+        self._checkpoint = found.offset
+        self._pending = found.pending
+        self._clients: Counter[int] = Counter(found.clients)
+        self._buckets: Counter[int] = Counter(found.buckets)
+        self._earliest = found.earliest
+        self._lowest_real = found.lowest_real
+        self._low: int | None = found.earliest if found.pending else None
+        if wheel.fresh and found.count:
+            self._rebuild(found.offset)
+        wheel.fresh = False
+
+    def _write_checkpoint(self, offset: int) -> None:
+        """Checkpoint the state at ``offset``: the files synced (the previous checkpoint's changes are in them),
+        then the checkpoint with the changes since, then those changes written into the files."""
+        log, wheel = self._log, self._wheel
+        log.sync()
+        wheel.sync()
+        count = log.count if self._pending else 0
+        write_checkpoint(self._checkpoint_path, TimerCheckpoint(
+            offset, count, self._pending, self._earliest if count else 0, self._lowest_real if count else 0,
+            dict(self._buckets), dict(self._clients), wheel.dirty, log.ends if count else {}))
+        wheel.write_dirty()
+        log.write_ends(log.ends)
         log.truncate(count)
+        log.durable = count
+        log.ends = {}
+        if not count:
+            self._earliest = self._lowest_real = 0
+        self._checkpoint = offset
+
+    def _rebuild(self, cut: int) -> None:
+        """Keep the entries made below ``cut``, undo the ends at or past ``cut``, rebuild the wheel and the counts
+        from the entries pending then, and checkpoint that at ``cut``: a walk of the TimerLog, for a wheel file
+        that was lost and a follower's truncate below the checkpoint. The checkpoint goes first, so a crash in the
+        middle derives the timer again from the whole log."""
+        _remove(self._checkpoint_path)
+        log = self._log
         self._wheel.clear()
         self._pending = 0
-        self._clients: Counter[int] = Counter()
-        self._buckets: Counter[int] = Counter()
-        self._low: int | None = None
+        self._clients = Counter()
+        self._buckets = Counter()
+        self._low = None
+        self._earliest = self._lowest_real = 0
         slots: dict[int, Slot] = {}
         kept = 0
-        self._lowest_real = 0
         for pos, entry in log.entries():
             if entry.made_at >= cut:
                 break
@@ -318,37 +376,17 @@ class TimerApplier:
                 slots[index] = Slot(min(slot.delayed_s or fixed.slot_s, fixed.slot_s), slot.first or pos, pos,
                                     slot.num + 1, slot.pending + 1)
                 self._count(fixed, 1)
-                self._low = fixed.slot_s if self._low is None else min(self._low, fixed.slot_s)
+                self._placed(fixed, pos)
             if fixed != entry:
                 log.write(pos, fixed)
         log.truncate(kept)
-        for index, slot in slots.items():
-            self._wheel.put(index, slot)
+        self._wheel.write(slots)
+        self._write_checkpoint(cut)
 
 
-def _read_checkpoint(path: Path) -> tuple[int, int]:
-    """(checkpoint offset, TimerLog entries it covers); (0, 0) when there is none: rebuild from the log."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return 0, 0
-    if len(data) != _CHECKPOINT.size + 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:], "big"):
-        return 0, 0
-    offset, count = _CHECKPOINT.unpack(data[:-4])
-    return offset, count
-
-
-def _write_checkpoint(path: Path, offset: int, count: int) -> None:
-    """Atomically: temporary file, fsync, rename, directory fsync."""
-    body = _CHECKPOINT.pack(offset, count)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, body + crc32c(body).to_bytes(4, "big"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+def _remove(path: Path) -> None:
+    """Remove ``path``, durably (the directory fsynced)."""
+    path.unlink(missing_ok=True)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -4,7 +4,10 @@ Each entry points at the ``Delayed`` control record in the CommitLog that carrie
 ``size_real``) and links to the previous entry of the same wheel slot (``prev``), so a slot is a chain walked
 backwards from its last entry, as in RocketMQ's TimerLog. It is derived from the log (store/timer/applier.py
 appends and updates it while dispatch applies ``Delayed``, ``TimersFired`` and ``TimersRolled`` records), so it
-can be rebuilt from the log. This module knows the bytes only. Layout: docs/storage.md, "Delayed delivery".
+can be rebuilt from the log. Entries are appended, and ended by setting ``done_at``: the end of an entry the last
+checkpoint covers (``durable``) is kept in memory until the next checkpoint has recorded it (``ends``), so a crash
+never leaves the file ahead of the checkpoint (store/timer/checkpoint.py). This module knows the bytes only.
+Layout: docs/storage.md, "Delayed delivery".
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Iterator, NamedTuple, final
+from typing import Iterator, Mapping, NamedTuple, final
 
-__all__ = ["ENTRY", "ENTRY_SIZE", "TimerEntry", "TimerLog"]
+__all__ = ["ENTRY", "ENTRY_SIZE", "TimerEntry", "TimerLog", "read_entries"]
 
 ENTRY = struct.Struct(">QQQQQQIIQ")
 ENTRY_SIZE = ENTRY.size  # 64 bytes
+_DONE_AT = struct.Struct(">Q")
+_DONE_AT_AT = 40  # byte of done_at in an entry
 
 READ_ENTRIES = 16384
 """Entries read per pread when the whole file is walked (recovery)."""
@@ -47,6 +52,9 @@ class TimerLog:
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         self.count = os.fstat(self._fd).st_size // ENTRY_SIZE  # a torn last entry is ignored (and overwritten)
+        self.durable = 0  # entries the last checkpoint covers: their ends wait in ``ends``
+        self.ends: dict[int, int] = {}  # position -> done_at, of entries up to ``durable`` ended since
+        self.reads = 0  # entries read since opened (a statistic: opening must not walk the file)
 
     def append(self, entry: TimerEntry) -> int:
         """Write ``entry`` at the end; returns its position."""
@@ -56,31 +64,58 @@ class TimerLog:
 
     def read(self, pos: int) -> TimerEntry:
         """The entry at position ``pos`` (1-based)."""
-        return TimerEntry._make(ENTRY.unpack(os.pread(self._fd, ENTRY_SIZE, (pos - 1) * ENTRY_SIZE)))
+        self.reads += 1
+        entry = TimerEntry._make(ENTRY.unpack(os.pread(self._fd, ENTRY_SIZE, (pos - 1) * ENTRY_SIZE)))
+        done_at = self.ends.get(pos)
+        return entry if done_at is None else entry._replace(done_at=done_at)
+
+    def end(self, pos: int, done_at: int) -> None:
+        """Set the entry's ``done_at`` (in memory while the last checkpoint covers it)."""
+        if pos <= self.durable:
+            self.ends[pos] = done_at
+        else:
+            os.pwrite(self._fd, _DONE_AT.pack(done_at), (pos - 1) * ENTRY_SIZE + _DONE_AT_AT)
+
+    def write_ends(self, ends: dict[int, int]) -> None:
+        """Write ``ends`` (position -> done_at) into the file."""
+        for pos, done_at in ends.items():
+            os.pwrite(self._fd, _DONE_AT.pack(done_at), (pos - 1) * ENTRY_SIZE + _DONE_AT_AT)
 
     def write(self, pos: int, entry: TimerEntry) -> None:
+        """Rewrite an entry in place (a rebuild, which writes a checkpoint after it)."""
         os.pwrite(self._fd, ENTRY.pack(*entry), (pos - 1) * ENTRY_SIZE)
 
     def entries(self, start: int = 1, stop: int | None = None) -> Iterator[tuple[int, TimerEntry]]:
         """The entries from position ``start`` to ``stop`` (default: the last) with their positions, in file order
-        (a walk in large reads)."""
-        pos = start
-        end = self.count if stop is None else min(stop, self.count)
-        while pos <= end:
-            chunk = os.pread(self._fd, min(READ_ENTRIES, end - pos + 1) * ENTRY_SIZE, (pos - 1) * ENTRY_SIZE)
-            for fields in ENTRY.iter_unpack(chunk[: len(chunk) - len(chunk) % ENTRY_SIZE]):
-                yield pos, TimerEntry._make(fields)
-                pos += 1
-            if len(chunk) < ENTRY_SIZE:
-                break
+        (a walk in large reads), the ends kept in memory since the checkpoint applied."""
+        for item in read_entries(self._fd, self.count if stop is None else min(stop, self.count), self.ends, start):
+            self.reads += 1
+            yield item
 
     def truncate(self, count: int) -> None:
         """Keep the first ``count`` entries."""
         os.ftruncate(self._fd, count * ENTRY_SIZE)
         self.count = count
+        self.durable = min(self.durable, count)
+        self.ends = {pos: at for pos, at in self.ends.items() if pos <= count}
 
     def sync(self) -> None:
         os.fdatasync(self._fd)
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def read_entries(fd: int, count: int, ends: Mapping[int, int], start: int = 1) -> Iterator[tuple[int, TimerEntry]]:
+    """The entries ``start`` to ``count`` of the TimerLog file open at ``fd``, with their positions and ``ends``
+    (position -> done_at) applied, in file order: a walk in large reads."""
+    pos = start
+    while pos <= count:
+        chunk = os.pread(fd, min(READ_ENTRIES, count - pos + 1) * ENTRY_SIZE, (pos - 1) * ENTRY_SIZE)
+        for fields in ENTRY.iter_unpack(chunk[: len(chunk) - len(chunk) % ENTRY_SIZE]):
+            entry = TimerEntry._make(fields)
+            done_at = ends.get(pos)
+            yield pos, entry if done_at is None else entry._replace(done_at=done_at)
+            pos += 1
+        if len(chunk) < ENTRY_SIZE:
+            break

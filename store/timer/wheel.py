@@ -4,7 +4,9 @@ The slot of second ``s`` is ``s % window``; it holds the chain of TimerLog entri
 placed at that second: ``{delayed_s, first, last, num, pending}`` as in RocketMQ's TimerWheel, with ``pending``
 the entries of the chain not fired yet (a slot whose last entry ends is cleared, so the next revolution starts a
 new chain). A file, not a heap in memory: a week of seconds is 1.2 M slots, 39 MB of mostly sparse zeros.
-The wheel is derived from the TimerLog: ``clear`` empties it before a rebuild.
+The file holds the wheel as of the timer's last checkpoint (store/timer/checkpoint.py): a slot changed since then
+is kept in memory (``dirty``) until the next checkpoint has recorded it, so a crash never leaves the file ahead of
+the checkpoint. The wheel is derived from the TimerLog: ``clear`` empties it before a rebuild.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ EMPTY = Slot(0, 0, 0, 0, 0)
 
 @final
 class TimerWheel:
-    """The wheel file of ``window`` slots, empty when opened (the caller rebuilds it from the TimerLog).
+    """The wheel file of ``window`` slots, as it was left (``fresh``: it was not there, or had another window, and
+    was cleared: the caller rebuilds it from the TimerLog).
 
     Resource handling: :meth:`close` closes the file.
     """
@@ -46,24 +49,45 @@ class TimerWheel:
             raise ValueError(f"a timer wheel needs at least 2 slots, not {window}")
         self.window = window
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        self.clear()
+        self.dirty: dict[int, Slot] = {}  # slot index -> slot, changed since the file was last written
+        self.fresh = os.fstat(self._fd).st_size != window * SLOT_SIZE
+        if self.fresh:
+            self.clear()
 
     def get(self, second: int) -> Slot:
-        return Slot._make(SLOT.unpack(os.pread(self._fd, SLOT_SIZE, (second % self.window) * SLOT_SIZE)))
+        index = second % self.window
+        slot = self.dirty.get(index)
+        return slot if slot is not None else Slot._make(SLOT.unpack(os.pread(self._fd, SLOT_SIZE, index * SLOT_SIZE)))
 
     def put(self, second: int, slot: Slot) -> None:
-        os.pwrite(self._fd, SLOT.pack(*slot), (second % self.window) * SLOT_SIZE)
+        """Change a slot (in memory until :meth:`write_dirty`)."""
+        self.dirty[second % self.window] = slot
+
+    def write(self, slots: dict[int, Slot]) -> None:
+        """Write ``slots`` (by index) into the file."""
+        for index, slot in slots.items():
+            os.pwrite(self._fd, SLOT.pack(*slot), index * SLOT_SIZE)
+
+    def write_dirty(self) -> None:
+        """Write the changed slots into the file (once a checkpoint recorded them)."""
+        self.write(self.dirty)
+        self.dirty = {}
 
     def next_due(self, first: int, last: int) -> int | None:
         """The first second of ``[first, last]`` whose slot holds pending entries placed at it or before (a scan
-        in large reads: after a restart the dequeue step jumps over the empty seconds); None if there is none."""
-        second = first
-        last = min(last, first + self.window - 1)
+        in large reads: after a restart the dequeue step jumps over the empty seconds); None if there is none.
+        A range longer than the window is scanned over its last window only: that visits every slot once, at the
+        latest second it stands for, so an entry placed at any second up to ``last`` is found."""
+        second = max(first, last - self.window + 1)
+        dirty = self.dirty
         while second <= last:
             index = second % self.window
             count = min(READ_SLOTS, self.window - index, last - second + 1)
             chunk = os.pread(self._fd, count * SLOT_SIZE, index * SLOT_SIZE)
             for i, (delayed_s, _, _, _, pending) in enumerate(SLOT.iter_unpack(chunk)):
+                changed = dirty.get(index + i) if dirty else None
+                if changed is not None:
+                    delayed_s, pending = changed.delayed_s, changed.pending
                 if pending and delayed_s <= second + i:
                     return second + i
             second += count
@@ -71,8 +95,12 @@ class TimerWheel:
 
     def clear(self) -> None:
         """Every slot empty (sparse zeros)."""
+        self.dirty = {}
         os.ftruncate(self._fd, 0)
         os.ftruncate(self._fd, self.window * SLOT_SIZE)
+
+    def sync(self) -> None:
+        os.fdatasync(self._fd)
 
     def close(self) -> None:
         os.close(self._fd)

@@ -15,6 +15,7 @@ import trio
 
 from store.api import NewMessage
 from store.control import Delayed, TimersFired, decode_control, encode_control
+from store.dump import dump
 from store.log.commitlog import CommitLogConfig
 from store.log.record import Record, now_ms
 from store.node import StoreNode, open_store
@@ -247,3 +248,72 @@ async def test_a_delayed_qos2_message_awaits_pubrel_from_its_record(tmp_path: Pa
         assert await node.sessions.awaiting_release("pub") == {7: offset}
         record = node.log.log.read(offset)
         assert record.control and record.packet_id == 7 and isinstance(decode_control(record), Delayed)
+
+
+async def pending_far(node: StoreNode, count: int) -> None:
+    """``count`` delayed messages due in an hour, in 3 topics and over 7 seconds, applied by dispatch."""
+    due = now_ms() + 3_600_000
+    for start in range(0, count, 500):
+        await node.append([NewMessage(f"far/{i % 3}", b"%d" % i, f"c{i % 4}", 1, deliver_at_ms=due + i % 7 * 1000)
+                           for i in range(start, min(count, start + 500))])
+    await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+
+
+async def test_opening_a_store_with_pending_messages_reads_no_timerlog_entry(tmp_path: Path):
+    """The wheel and the counts are kept with the checkpoint: open costs the records after it, not the pending
+    entries (10 M of them would be 640 MB of TimerLog to walk)."""
+    async with open_store(tmp_path, CONFIG) as node:
+        await pending_far(node, 3000)
+    before = dump(tmp_path / "index")
+    async with open_store(tmp_path, CONFIG) as node:
+        await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+        assert node.timers.pending == 3000 and node.timers.pending_of("c1") == 750
+        assert node.timers.entries_read == 0
+    assert dump(tmp_path / "index") == before and before["timer"]["pending"] == 3000
+
+
+@pytest.mark.parametrize("deleted", [("wheel",), ("checkpoint",), ("timerlog",), ("wheel", "timerlog", "checkpoint")])
+async def test_the_timer_files_deleted_come_back_from_the_log_and_dump_the_same(tmp_path: Path, deleted):
+    """The log is the only truth: the TimerLog, wheel and checkpoint are derived, and any of them deleted is
+    derived again (the wheel from the TimerLog, the rest from the log) to the same pending entries; what fired
+    before (its TimersFired in the log) does not fire again."""
+    async with open_store(tmp_path, CONFIG) as node:
+        await pending_far(node, 600)
+        due = now_ms() + 300
+        await node.append([NewMessage("soon", b"%d" % i, "c0", 1, deliver_at_ms=due) for i in range(5)])
+        assert len(await delivered(node, "soon", 5)) == 5
+    before = dump(tmp_path / "index")
+    assert before["timer"]["pending"] == 600 and "inconsistent" not in before["timer"]
+    for name in deleted:
+        (tmp_path / "timer" / name).unlink()
+    async with open_store(tmp_path, CONFIG) as node:
+        await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+        assert node.timers.pending == 600 and node.timers.pending_of("c0") == 150
+        assert node.queues.max_offset("soon") == 5
+    assert dump(tmp_path / "index") == before
+
+
+def test_a_checkpoint_whose_writes_into_the_files_were_lost_is_written_again_on_open(tmp_path: Path):
+    """A power loss right after a checkpoint: its changes of the wheel and of the ends never reached the files,
+    which hold the previous checkpoint's state; opening writes them from the checkpoint (its redo), reading no
+    entry."""
+    timers = TimerApplier(tmp_path, window_s=100)
+    timers.apply(*delayed_record(10, 5_000_000))
+    timers.apply(*delayed_record(20, 5_000_000))
+    timers.flush(30)
+    fired = TimersFired([(10, 1, 5_000_000)])
+    timers.apply(control_record(40, fired), fired)  # ends a checkpointed entry and changes its slot
+    timers.apply(*delayed_record(50, 5_001_000))
+    timers.flush(60)
+    files = {name: (tmp_path / name).read_bytes() for name in ("wheel", "timerlog")}
+    timers.close()
+    timerlog = bytearray(files["timerlog"])
+    timerlog[40:48] = bytes(8)  # entry 1's done_at as the file had it before the checkpoint of 60
+    (tmp_path / "timerlog").write_bytes(timerlog)
+    (tmp_path / "wheel").write_bytes(bytes(len(files["wheel"])))  # the slots as of no checkpoint at all
+    timers = TimerApplier(tmp_path, window_s=100)
+    assert timers.checkpoint == 60 and timers.pending == 2 and timers.entries_read == 0
+    assert [entry.offset_real for _, entry in timers.due_entries(5_000)] == [20]
+    assert [entry.offset_real for _, entry in timers.due_entries(5_001)] == [50]
+    assert timers.next_due(4_990, 5_050) == 5_000
+    timers.close()

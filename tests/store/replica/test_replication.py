@@ -18,7 +18,7 @@ from store.api import NewMessage, LeaderFenced
 from lightqueue.queues import LightQueues
 from store.dump import dump
 from store.log.commitlog import CommitLog
-from store.log.record import decode_record, new_record
+from store.log.record import decode_record, new_record, now_ms
 from store.node import open_follower, open_store
 from store.repair import repair
 from store.replica.follower import LeaderChanged, follow
@@ -45,6 +45,8 @@ async def test_followers_copy_the_log_byte_for_byte_and_derive_the_same_state(tm
         end = await node.activate("t/#", "holder")
         await node.commit_offsets({"holder": {"t/1": 3}})
         await node.append(messages(2000, 50))  # rolls segments
+        await node.append([NewMessage("t/later", b"%d" % i, "pub", 1, deliver_at_ms=now_ms() + 3_600_000 + i)
+                           for i in range(30)])  # pending in every copy's timer, which the dump covers
         written = node.log.log.written_offset
         await until(lambda: all(f.written == written and f.log.confirm_offset == written for f in followers),
                     "both followers hold and confirm the whole log")
@@ -58,6 +60,7 @@ async def test_followers_copy_the_log_byte_for_byte_and_derive_the_same_state(tm
     for name in ("b", "c"):
         assert log_bytes(tmp_path / name) == leader_log
         assert dump(tmp_path / name / "index") == dump(tmp_path / "a" / "index")
+    assert dump(tmp_path / "a" / "index")["timer"]["pending"] == 30
 
 
 class Pending:
