@@ -10,6 +10,10 @@ work for the round's end (the node's appends, gathered for one CommitLog
 write: gateway/node/appends.py); the poller ends each round by handing it to
 its ``round_done`` hook before any other task runs.
 
+Who is read: a registrant (a connection's transport, gateway/node/transports.py) gives a callback and needs no
+task of its own; when the poller stops (the node stops) it calls each registrant's ``gone``, so a connection that
+waits for bytes learns that none will be read any more and closes.
+
 Read order: sockets are read in the order their bytes arrived, because the
 node applies packets in the order it reads them (gateway/node/order.py). The
 set is edge-triggered for that: the kernel queues a socket when bytes arrive
@@ -29,7 +33,7 @@ reached in a round, is read in the next one, before sockets reported since and
 after its neighbours.
 
 A callback must not block. An exception it raises is logged and its socket
-is dropped from the set: one connection's bug must not stop everyone's reads.
+is dropped from the set (its ``gone`` called): one connection's bug must not stop everyone's reads.
 """
 
 from __future__ import annotations
@@ -37,13 +41,9 @@ from __future__ import annotations
 import logging
 import select
 from collections.abc import Callable
-from typing import TYPE_CHECKING, final
+from typing import final
 
 import trio
-
-if TYPE_CHECKING:
-    from gateway.mqtt.actions import Append
-    from gateway.node.connection import Connection
 
 __all__ = ["Poller", "ReadRound"]
 
@@ -77,17 +77,16 @@ Events = list[tuple[int, int]]
 
 @final
 class ReadRound:
-    """One round of the poller: the sockets it reads, one read each, and the appends their reads gathered.
+    """One round of the poller: the sockets it reads, one read each.
 
-    The appends are written to the store in one call when the poller ends the round (gateway/node/appends.py):
-    a round is made by the poller's task in one step, so nothing else runs between a read and that write.
+    A round is made by the poller's task in one step, so nothing else runs between its reads and its end
+    (``round_done``): what the reads gathered (the node's appends, gateway/node/appends.py) is done there at once.
     """
 
-    __slots__ = ("sockets", "appends")
+    __slots__ = ("sockets",)
 
     def __init__(self, sockets: Events) -> None:
         self.sockets = sockets  # to read in this order: those carried from the round before, then the new ones
-        self.appends: list[tuple[Connection, Append]] = []  # for one CommitLog write when the round ends
 
 
 @final
@@ -102,7 +101,7 @@ class Poller:
     def __init__(self, round_done: Callable[[ReadRound], None] = lambda _: None) -> None:
         """``round_done`` ends each round, after its callbacks (the readable sockets of one ``epoll_wait``)."""
         self._epoll = select.epoll()
-        self._callbacks: dict[int, tuple[Callable[[], int], int]] = {}
+        self._callbacks: dict[int, tuple[Callable[[], int], int, Callable[[], None] | None]] = {}
         self._round_done = round_done
         self.round: ReadRound | None = None  # the round whose callbacks run now: it ends before anything else runs
 
@@ -110,14 +109,16 @@ class Poller:
         """Sockets in the set."""
         return len(self._callbacks)
 
-    def register(self, fd: int, callback: Callable[[], int], read_size: int) -> None:
+    def register(self, fd: int, callback: Callable[[], int], read_size: int,
+                 gone: Callable[[], None] | None = None) -> None:
         """Call ``callback()`` from the poller task while ``fd`` has bytes (at most once per round).
 
         ``read_size``: the most the callback reads at once; a read of that many is taken to leave bytes behind.
-        A socket registered with bytes waiting is read in the next round.
+        A socket registered with bytes waiting is read in the next round. ``gone()`` is called if the poller
+        stops reading ``fd`` by itself (it stops, or the callback failed); not after :meth:`unregister`.
         """
         self._epoll.register(fd, WATCH)
-        self._callbacks[fd] = (callback, read_size)
+        self._callbacks[fd] = (callback, read_size, gone)
 
     def rearm(self, fd: int) -> None:
         """Report ``fd`` again if it has bytes now: a callback that did not read what the set reported (its
@@ -125,13 +126,28 @@ class Poller:
         if fd in self._callbacks:
             self._epoll.modify(fd, WATCH)
 
-    def unregister(self, fd: int) -> None:
-        """Stop watching ``fd``; call it before the descriptor is closed (its number is reused). Idempotent."""
-        if self._callbacks.pop(fd, None) is not None:
+    def unregister(self, fd: int) -> Callable[[], None] | None:
+        """Stop watching ``fd``; call it before the descriptor is closed (its number is reused). Idempotent.
+
+        Returns the socket's ``gone`` (None if it had none or was not in the set), which is not called.
+        """
+        entry = self._callbacks.pop(fd, None)
+        if entry is None:
+            return None
+        try:
+            self._epoll.unregister(fd)
+        except (OSError, ValueError):  # closed already (the socket, or the set at shutdown)
+            pass
+        return entry[2]
+
+    def _drop(self, fd: int) -> None:
+        """Stop reading ``fd`` and tell its registrant (``gone``); a failure there is logged."""
+        gone = self.unregister(fd)
+        if gone is not None:
             try:
-                self._epoll.unregister(fd)
-            except (OSError, ValueError):  # closed already (the socket, or the set at shutdown)
-                pass
+                gone()
+            except Exception as exc:
+                LOGGER.error("socket's end failed: %r", exc, exc_info=exc, extra={"ctx": {"fd": fd}})
 
     async def run(self) -> None:
         """Serve the set until cancelled; then close it.
@@ -157,6 +173,8 @@ class Poller:
                         break
                     await trio.lowlevel.checkpoint()
         finally:
+            for fd in list(self._callbacks):  # their connections wait for reads no one will make
+                self._drop(fd)
             epoll.close()
 
     def _read(self, current: ReadRound) -> Events:
@@ -171,14 +189,14 @@ class Poller:
             entry = callbacks.get(fd)
             if entry is None:
                 continue
-            callback, read_size = entry
+            callback, read_size, _ = entry
             try:
                 count = callback()
             except Exception as exc:
                 count = 0
                 LOGGER.error("socket callback failed; the socket is no longer read: %r", exc,
                              exc_info=exc, extra={"ctx": {"fd": fd}})
-                self.unregister(fd)
+                self._drop(fd)
             if count >= read_size or (count and events & HANG_UP):
                 more.append((fd, events))
             budget -= count
