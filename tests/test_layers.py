@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -36,3 +37,15 @@ def test_the_gateway_importing_the_engine_breaks_the_seam_contract(tmp_path):
     assert "1 broken" in result.stdout
     assert "gateway is not allowed to import store.log" in result.stdout
     assert "gateway.node.owed -> store.log.errors" in result.stdout
+
+
+def test_the_poller_and_the_transports_import_nothing_above_them_not_even_for_the_type_checker():
+    """gateway/node/{poller,transports}.py imported the connection (the poller under TYPE_CHECKING, which the
+    contracts do not count): the dependency is one-way now, connection -> transports -> poller (issue 31)."""
+    above = {"gateway/node/poller.py": ("gateway.node.transports", "gateway.node.connection"),
+             "gateway/node/transports.py": ("gateway.node.connection",)}
+    for path, forbidden in above.items():
+        tree = ast.parse((ROOT / path).read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert not imported & set(forbidden), (path, sorted(imported & set(forbidden)))
