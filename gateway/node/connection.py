@@ -183,7 +183,7 @@ class Connection:
     __slots__ = (
         "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_transport", "_backend",
         "_traffic", "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing",
-        "_read_scope", "_broken", "_timers", "_deadline", "_running", "_scopes", "_holding", "_lift", "_mark",
+        "_read_scope", "_broken", "_timers", "_due", "_running", "_scopes", "_holding", "_lift", "_mark",
         "_backlog", "_shutting", "_resuming", "_ended", "__weakref__",
     )
 
@@ -216,10 +216,10 @@ class Connection:
         self._closing = False
         self._read_scope: trio.CancelScope | None = None  # run()'s: a stream's reading task (a polled socket has none)
         self._broken = False
-        self._timers: dict[str, Timer] = {}
-        self._deadline: Timer | None = None  # until CONNECT is read
+        self._timers: dict[str, Timer] | None = None  # the heap's timers by name (the commit's), made at the first
+        self._due: int | None = None  # the wheel's tick of the CONNECT deadline, then of the keep alive (Timers.arm)
         self._running = False  # run() serves the connection: tasks and timers may start
-        self._scopes: dict[str, trio.CancelScope] = {}  # the writer's and the worker's, while they run
+        self._scopes: dict[str, trio.CancelScope] | None = None  # the tasks' while they run; made by the first
         self._holding = False  # the reader is processing a read: _flush waits for its end
         self._lift = transport.accepted  # called once the client is accepted (CONNACK sent), then dropped
         self._mark = -1  # the last read-order mark queued (AfterReads)
@@ -320,7 +320,11 @@ class Connection:
         self._arm(action.name, action.delay_s)
 
     def _cancel_timer(self, action: CancelTimer) -> None:
-        timer = self._timers.pop(action.name, None)
+        if action.name == KEEPALIVE_TIMER:
+            self._backend.timers.disarm(self, self._due)
+            self._due = None
+            return
+        timer = self._timers.pop(action.name, None) if self._timers else None
         if timer is not None:
             timer.cancel()
 
@@ -416,12 +420,31 @@ class Connection:
             changed.set()
 
     def _arm(self, name: str, delay_s: float) -> None:
-        old = self._timers.pop(name, None)
+        """Arm the channel's timer ``name``: the keep alive in the node's wheel, the others as heap timers."""
+        if name == KEEPALIVE_TIMER:
+            if not self._running or self._closing:
+                self._backend.timers.disarm(self, self._due)
+                self._due = None
+            else:
+                self._due = self._backend.timers.arm(self, delay_s, self._due)
+            return
+        timers = self._timers
+        if timers is None:
+            timers = self._timers = {}
+        old = timers.pop(name, None)
         if old is not None:
             old.cancel()
         if not self._running or self._closing:
             return
-        self._timers[name] = self._backend.timers.call_later(delay_s, lambda: self._fire(name))
+        timers[name] = self._backend.timers.call_later(delay_s, lambda: self._fire(name))
+
+    def expired(self) -> None:
+        """The wheel's deadline came (``Timers.arm``): the CONNECT's while none was read, else the keep alive's."""
+        self._due = None
+        if self.channel.state is State.AWAIT_CONNECT:
+            self._connect_deadline()
+        else:
+            self._fire(KEEPALIVE_TIMER)
 
     def _fire(self, name: str) -> None:
         """A timer of this connection came due (in the node's timer task: a failure must stay in this connection).
@@ -429,7 +452,8 @@ class Connection:
         A keep-alive expiry first asks the kernel whether the client's bytes wait unread: they are its activity,
         as are packets a pause left in the decoder (``_backlog``).
         """
-        self._timers.pop(name, None)
+        if self._timers:
+            self._timers.pop(name, None)
         if self._closing:
             return
         try:
@@ -452,7 +476,7 @@ class Connection:
             self.close()
 
     def _arm_connect_deadline(self) -> None:
-        self._deadline = self._backend.timers.call_later(self._backend.connect_timeout_s, self._connect_deadline)
+        self._due = self._backend.timers.arm(self, self._backend.connect_timeout_s, self._due)
 
     # --- tasks --------------------------------------------------------------------------
 
@@ -506,7 +530,7 @@ class Connection:
                              extra={"ctx": {"client_id": self.client_id, "peer": self.peer}})
             self._running = False
             self._stop_timers()
-            for scope in self._scopes.values():
+            for scope in (self._scopes or {}).values():
                 scope.cancel()
             with trio.CancelScope(shield=True):
                 await self._until(lambda: not (self._writing or self._working))
@@ -525,11 +549,12 @@ class Connection:
                     ended()
 
     def _stop_timers(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        for timer in self._timers.values():
-            timer.cancel()
-        self._timers.clear()
+        self._backend.timers.disarm(self, self._due)
+        self._due = None
+        if self._timers:
+            for timer in self._timers.values():
+                timer.cancel()
+            self._timers.clear()
 
     async def _shut(self) -> None:
         """Linger (cancelled when the node stops: no lingering), then close the socket; nothing is written after."""
@@ -558,6 +583,8 @@ class Connection:
 
     async def _task(self, name: str, body: Callable[[], Awaitable[None]]) -> None:
         """Run the writer or the worker in the node's nursery; a failure ends this connection only."""
+        if self._scopes is None:
+            self._scopes = {}
         scope = self._scopes[name] = trio.CancelScope()
         if not self._running:
             scope.cancel()  # started after the connection ended: only its clean-up runs
@@ -570,7 +597,7 @@ class Connection:
             self._broken = True
             self.close()
         finally:
-            del self._scopes[name]
+            del self._scopes[name]  # type: ignore[union-attr]
 
     async def _until(self, condition: Callable[[], bool]) -> None:
         while not condition():
