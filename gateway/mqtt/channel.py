@@ -73,6 +73,7 @@ from gateway.mqtt.errors import error_packet
 from gateway.mqtt.handlers import acks, connect, ping, publish, subscribe
 from gateway.mqtt.handlers.publish import RATE_DEBT_S, process_publish
 from gateway.mqtt.limits import HitLog, Limit
+from gateway.mqtt.lazy import made_on_first_use
 from gateway.mqtt.packets import (
     MQTT_5,
     MQTT_311,
@@ -242,6 +243,18 @@ class Channel:
         "_buckets", "_valid_topic", "_authorizer", "_refused",
     )
 
+    # Made at their first use (gateway/mqtt/lazy.py): an idle device's stay empty.
+    _pending: dict[int, tuple[int, int]]  # Append ref -> (qos, packet id), acks owed
+    _refused: dict[int, None]  # refs in _pending the ACL refused: answered in their turn
+    # Dicts used as sets (keys only): an empty dict is 64 B, an empty set 216 B.
+    _storing_qos2: dict[int, None]  # inbound QoS 2 packet ids being appended
+    _releasing: dict[int, int]  # ReleaseInbound ref -> inbound QoS 2 packet id whose PUBCOMP waits
+    _activations: dict[int, tuple[int, list[ReasonCode], list[tuple[int, Subscription]]]]
+    _aliases_in: dict[int, str]
+    _timers: dict[str, None]  # names of the armed timers
+    __getattr__ = made_on_first_use({"_pending": dict, "_refused": dict, "_storing_qos2": dict, "_releasing": dict,
+                                     "_activations": dict, "_aliases_in": dict, "_timers": dict})
+
     def __init__(
         self,
         config: ChannelConfig = ChannelConfig(),
@@ -267,22 +280,15 @@ class Channel:
         self._will_due: int | None = None  # the delay of a will left to the store at the close (None: none is due)
         self._session: Session | None = None
         self._link: Link | None = None
-        self._queued: list[Packet] = []
-        self._pending: dict[int, tuple[int, int]] = {}  # Append ref -> (qos, packet id), acks owed
-        self._refused: dict[int, None] = {}  # refs in _pending the ACL refused: answered in their turn
+        self._queued: list[Packet] = []  # packets read while the session is being opened
         self._authorizer: Authorizer | None = None  # the ACL's checks of this client (None: it may do anything)
-        # Dicts used as sets (keys only): an empty dict is 64 B, an empty set 216 B, on every idle connection.
-        self._storing_qos2: dict[int, None] = {}  # inbound QoS 2 packet ids being appended
-        self._releasing: dict[int, int] = {}  # ReleaseInbound ref -> inbound QoS 2 packet id whose PUBCOMP waits
-        self._activations: dict[int, tuple[int, list[ReasonCode], list[tuple[int, Subscription]]]] = {}
         self._next_ref = 0
-        self._aliases_in: dict[int, str] = {}
         self._last_rx = now()
-        self._timers: dict[str, None] = {}  # names of the armed timers
         self._awaiting_session = False
         self._handover = False
         self._moved = False  # taken over from another node: that node saves the session
-        self._held: list[Packet] = []  # 3.1.1 packets waiting for room under the in-flight limit (a list: 56 B idle)
+        # Read with every packet (input_paused): made at once. A list: 56 B idle.
+        self._held: list[Packet] = []  # 3.1.1 packets waiting for room under the in-flight limit
         self._hits: HitLog | None = None  # made at the first limit hit: most connections never hit one
         # Shorter topics cannot be over a topic limit (a level takes a character, a character at most 4 bytes):
         # the publish path skips the check for them.

@@ -439,11 +439,12 @@ class Connection:
         timers[name] = self._backend.timers.call_later(delay_s, lambda: self._fire(name))
 
     def expired(self) -> None:
-        """The wheel's deadline came (``Timers.arm``): the CONNECT's while none was read, else the keep alive's."""
+        """The wheel's deadline came (``Timers.arm``): the CONNECT's while none was read, else the keep alive's (a
+        client without one has only its CONNECT deadline, moot once its CONNECT was read)."""
         self._due = None
         if self.channel.state is State.AWAIT_CONNECT:
             self._connect_deadline()
-        else:
+        elif self.channel.keep_alive:
             self._fire(KEEPALIVE_TIMER)
 
     def _fire(self, name: str) -> None:
