@@ -10,9 +10,10 @@ work for the round's end (the node's appends, gathered for one CommitLog
 write: gateway/node/appends.py); the poller ends each round by handing it to
 its ``round_done`` hook before any other task runs.
 
-Who is read: a registrant (a connection's transport, gateway/node/transports.py) gives a callback and needs no
-task of its own; when the poller stops (the node stops) it calls each registrant's ``gone``, so a connection that
-waits for bytes learns that none will be read any more and closes.
+Who is read: a ``Readable`` (a connection's transport, gateway/node/transports.py), called in the poller's step,
+needs no task of its own; when the poller stops (the node stops) it calls each one's ``gone``, so a connection that
+waits for bytes learns that none will be read any more and closes. The set keeps the object itself: no callback
+objects per socket (``lightgate bench conns``).
 
 Read order: sockets are read in the order their bytes arrived, because the
 node applies packets in the order it reads them (gateway/node/order.py). The
@@ -32,7 +33,7 @@ then yields to the other tasks; a socket with more bytes than one read, or not
 reached in a round, is read in the next one, before sockets reported since and
 after its neighbours.
 
-A callback must not block. An exception it raises is logged and its socket
+A reader must not block. An exception it raises is logged and its socket
 is dropped from the set (its ``gone`` called): one connection's bug must not stop everyone's reads.
 """
 
@@ -41,11 +42,11 @@ from __future__ import annotations
 import logging
 import select
 from collections.abc import Callable
-from typing import final
+from typing import Protocol, final
 
 import trio
 
-__all__ = ["Poller", "ReadRound"]
+__all__ = ["Poller", "ReadRound", "Readable"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -75,6 +76,22 @@ Events = list[tuple[int, int]]
 """Sockets as epoll reports them: (descriptor, events)."""
 
 
+class Readable(Protocol):
+    """A socket's reader in the poller's set."""
+
+    read_size: int
+    """The most :meth:`readable` reads at once; a read of that many is taken to leave bytes behind."""
+
+    def readable(self) -> int:
+        """The socket has bytes (or the end): read once, in the poller's step, without blocking; returns the bytes
+        read (the round's budget counts them)."""
+        ...
+
+    def gone(self) -> None:
+        """The poller stopped reading the socket by itself (it stops, or :meth:`readable` raised)."""
+        ...
+
+
 @final
 class ReadRound:
     """One round of the poller: the sockets it reads, one read each.
@@ -91,61 +108,56 @@ class ReadRound:
 
 @final
 class Poller:
-    """Calls a socket's callback from one task (:meth:`run`) whenever the socket is readable.
+    """Calls a socket's ``Readable`` from one task (:meth:`run`) whenever the socket is readable."""
 
-    A callback returns the number of bytes it read (the round's budget counts them).
-    """
-
-    __slots__ = ("_epoll", "_callbacks", "_round_done", "round")
+    __slots__ = ("_epoll", "_readers", "_round_done", "round")
 
     def __init__(self, round_done: Callable[[ReadRound], None] = lambda _: None) -> None:
-        """``round_done`` ends each round, after its callbacks (the readable sockets of one ``epoll_wait``)."""
+        """``round_done`` ends each round, after its reads (the readable sockets of one ``epoll_wait``)."""
         self._epoll = select.epoll()
-        self._callbacks: dict[int, tuple[Callable[[], int], int, Callable[[], None] | None]] = {}
+        self._readers: dict[int, Readable] = {}
         self._round_done = round_done
-        self.round: ReadRound | None = None  # the round whose callbacks run now: it ends before anything else runs
+        self.round: ReadRound | None = None  # the round whose reads run now: it ends before anything else runs
 
     def __len__(self) -> int:
         """Sockets in the set."""
-        return len(self._callbacks)
+        return len(self._readers)
 
-    def register(self, fd: int, callback: Callable[[], int], read_size: int,
-                 gone: Callable[[], None] | None = None) -> None:
-        """Call ``callback()`` from the poller task while ``fd`` has bytes (at most once per round).
+    def register(self, fd: int, reader: Readable) -> None:
+        """Call ``reader.readable()`` from the poller task while ``fd`` has bytes (at most once per round).
 
-        ``read_size``: the most the callback reads at once; a read of that many is taken to leave bytes behind.
-        A socket registered with bytes waiting is read in the next round. ``gone()`` is called if the poller
-        stops reading ``fd`` by itself (it stops, or the callback failed); not after :meth:`unregister`.
+        A socket registered with bytes waiting is read in the next round. ``reader.gone()`` is called if the poller
+        stops reading ``fd`` by itself; not after :meth:`unregister`.
         """
         self._epoll.register(fd, WATCH)
-        self._callbacks[fd] = (callback, read_size, gone)
+        self._readers[fd] = reader
 
     def rearm(self, fd: int) -> None:
-        """Report ``fd`` again if it has bytes now: a callback that did not read what the set reported (its
+        """Report ``fd`` again if it has bytes now: a reader that did not read what the set reported (its
         connection paused) asks for it once it can read."""
-        if fd in self._callbacks:
+        if fd in self._readers:
             self._epoll.modify(fd, WATCH)
 
-    def unregister(self, fd: int) -> Callable[[], None] | None:
+    def unregister(self, fd: int) -> Readable | None:
         """Stop watching ``fd``; call it before the descriptor is closed (its number is reused). Idempotent.
 
-        Returns the socket's ``gone`` (None if it had none or was not in the set), which is not called.
+        Returns its reader (None: it was not in the set), whose ``gone`` is not called.
         """
-        entry = self._callbacks.pop(fd, None)
-        if entry is None:
+        reader = self._readers.pop(fd, None)
+        if reader is None:
             return None
         try:
             self._epoll.unregister(fd)
         except (OSError, ValueError):  # closed already (the socket, or the set at shutdown)
             pass
-        return entry[2]
+        return reader
 
     def _drop(self, fd: int) -> None:
-        """Stop reading ``fd`` and tell its registrant (``gone``); a failure there is logged."""
-        gone = self.unregister(fd)
-        if gone is not None:
+        """Stop reading ``fd`` and tell its reader (``gone``); a failure there is logged."""
+        reader = self.unregister(fd)
+        if reader is not None:
             try:
-                gone()
+                reader.gone()
             except Exception as exc:
                 LOGGER.error("socket's end failed: %r", exc, exc_info=exc, extra={"ctx": {"fd": fd}})
 
@@ -173,31 +185,30 @@ class Poller:
                         break
                     await trio.lowlevel.checkpoint()
         finally:
-            for fd in list(self._callbacks):  # their connections wait for reads no one will make
+            for fd in list(self._readers):  # their connections wait for reads no one will make
                 self._drop(fd)
             epoll.close()
 
     def _read(self, current: ReadRound) -> Events:
-        """Call the callbacks of the round's sockets in order, within its budget; returns the sockets to read in
+        """Call the readers of the round's sockets in order, within its budget; returns the sockets to read in
         the next round: those it did not reach, then those it left bytes in."""
-        callbacks = self._callbacks
+        readers = self._readers
         queue = current.sockets
         carried: Events = []
         more: Events = []
         budget = ROUND_BYTES
         for index, (fd, events) in enumerate(queue):
-            entry = callbacks.get(fd)
-            if entry is None:
+            reader = readers.get(fd)
+            if reader is None:
                 continue
-            callback, read_size, _ = entry
             try:
-                count = callback()
+                count = reader.readable()
             except Exception as exc:
                 count = 0
-                LOGGER.error("socket callback failed; the socket is no longer read: %r", exc,
+                LOGGER.error("socket reader failed; the socket is no longer read: %r", exc,
                              exc_info=exc, extra={"ctx": {"fd": fd}})
                 self._drop(fd)
-            if count >= read_size or (count and events & HANG_UP):
+            if count >= reader.read_size or (count and events & HANG_UP):
                 more.append((fd, events))
             budget -= count
             if budget <= 0 or count >= FLOOD_READ_BYTES:

@@ -157,6 +157,7 @@ class PolledSocket:
     __slots__ = ("_stream", "_fd", "_poller", "_receiver", "_parked")
 
     accepted = None  # nothing to widen
+    read_size = RECEIVE_BYTES  # a Readable of the poller's
 
     def __init__(self, stream: trio.SocketStream, poller: Poller) -> None:
         self._stream = stream
@@ -168,7 +169,7 @@ class PolledSocket:
     def start(self, receiver: Receiver) -> None:
         """Hand every read to ``receiver``, in the poller's step, from now until reading ends."""
         self._receiver = receiver
-        self._poller.register(self._fd, self._on_readable, RECEIVE_BYTES, self._gone)
+        self._poller.register(self._fd, self)
 
     def resume(self) -> None:
         """The receiver's pause ended: have the poller report the socket again if it reported it meanwhile."""
@@ -181,14 +182,14 @@ class PolledSocket:
         self._poller.unregister(self._fd)
         self._receiver = None
 
-    def _gone(self) -> None:
+    def gone(self) -> None:
         """The poller stopped reading the socket (it stopped): the connection ends."""
         receiver = self._receiver
         self._receiver = None
         if receiver is not None:
             receiver.close()
 
-    def _on_readable(self) -> int:
+    def readable(self) -> int:
         """The poller saw bytes (or the end) on the socket: read once and hand it to the receiver, in the poller's
         step; returns the bytes read."""
         receiver = self._receiver
