@@ -1,30 +1,16 @@
 """A connection (gateway/node/connection.py) over a polled plain TCP socket: no task while idle, and everything a
 client sees unchanged, with the embedded node in this process and raw clients over real sockets."""
 
-from contextlib import asynccontextmanager
-
 import trio
 import trio.testing
 
-from gateway.app.embedded import serve_gateway
 from gateway.mqtt.codec import encode
 from gateway.mqtt.packets import MQTT_5, Connack, Connect, Disconnect, Publish, Suback, Subscribe, SubscriptionOptions
 from gateway.mqtt.reasons import ReasonCode
 from gateway.node.transports import RECEIVE_BYTES
-from tests.helpers.trio_mqtt import DEFAULTS, RawClient
+from tests.helpers.trio_mqtt import RawClient, embedded_node
 
 WAIT_S = 10.0
-
-
-@asynccontextmanager
-async def embedded(tmp_path):
-    """The embedded node on a free port; yields the port."""
-    settings = {**DEFAULTS, "node.data": str(tmp_path / "data"), "node.port": 0, "admin.port": 0,
-                "mqtt.sys_interval_s": 0.0}
-    async with trio.open_nursery() as nursery:
-        _, port = await nursery.start(serve_gateway, settings)
-        yield port
-        nursery.cancel_scope.cancel()
 
 
 async def connected(port: int, client_id: str) -> RawClient:
@@ -50,7 +36,7 @@ def tasks() -> int:
 async def test_an_idle_plain_tcp_connection_has_no_task(tmp_path):
     """A task per idle device was 43% of its memory (issue 31, item 4): the poller hands a connection its reads,
     so a connected client that sends nothing costs no task once its CONNECT is answered."""
-    async with embedded(tmp_path) as port:
+    async with embedded_node(tmp_path / "data") as port:
         await trio.testing.wait_all_tasks_blocked()
         before = tasks()
         clients = [await connected(port, f"idle-{index}") for index in range(50)]
@@ -64,7 +50,7 @@ async def test_a_connection_closed_while_its_socket_waits_in_the_pollers_next_ro
     """A read that fills its buffer leaves the socket for the poller's next round; a malformed packet in that read
     closes the connection first [MQTT-4.13.1-1]: the next round must not hand it the rest, the client gets its
     DISCONNECT (0x81) and the end, and the node goes on serving others."""
-    async with embedded(tmp_path) as port:
+    async with embedded_node(tmp_path / "data") as port:
         flooder = await connected(port, "flooder")
         publish = encode(Publish(topic="flood/x", payload=b"p" * 1000, qos=0), MQTT_5)
         malformed = b"\x00\x00"  # packet type 0 is reserved

@@ -104,52 +104,30 @@ async def test_a_polled_socket_is_read_in_the_pollers_rounds_until_its_receiver_
     await transport.aclose()
 
 
-async def test_bytes_that_arrive_during_a_pause_wait_unread_until_the_transport_resumes():
+@pytest.mark.parametrize("paused_by", ["its first read", "node work queued between reads"])
+async def test_bytes_that_arrive_during_a_pause_wait_unread_until_the_transport_resumes(paused_by):
     poller = Poller()
     server, client = tcp_pair()
-    witness_server, witness_client = tcp_pair()
     transport = polled(server, poller)
-    witness_transport = polled(witness_server, poller)
     receiver = Receiver(poller, pause_after=1)
-    witness = Receiver(poller, pause_after=1)
-    with client, witness_client:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(poller.run)
-            transport.start(receiver)
-            witness_transport.start(witness)
-            client.send(b"first")
-            await receiver.until(lambda: receiver.reads)
-            client.send(b"during")
-            await receiver.until(lambda: receiver.stalls)  # the poller reported it: the receiver is told once
-            witness_client.send(b"after")
-            await witness.until(lambda: witness.reads)
-            assert receiver.reads == [(b"first", True)] and receiver.stalls == 1  # not handed it while paused
-            receiver.pause_after = 0
-            transport.resume()  # the pause ended: the socket is re-armed
-            await receiver.until(lambda: len(receiver.reads) == 2)
-            assert receiver.reads == [(b"first", True), (b"during", True)]
-            nursery.cancel_scope.cancel()
-    await transport.aclose()
-    await witness_transport.aclose()
-
-
-async def test_a_pause_that_begins_between_reads_keeps_its_bytes_for_the_resume():
-    poller = Poller()
-    server, client = tcp_pair()
-    transport = polled(server, poller)
-    receiver = Receiver(poller)
+    earlier: list[tuple[bytes, bool]] = []
     with client:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
             transport.start(receiver)
-            receiver.held = True
-            client.send(b"held")
-            await receiver.until(lambda: receiver.stalls)
-            assert receiver.reads == []
-            receiver.held = False
-            transport.resume()
-            await receiver.until(lambda: receiver.reads)
-            assert receiver.reads == [(b"held", True)]
+            if paused_by == "its first read":
+                client.send(b"first")
+                await receiver.until(lambda: receiver.reads)
+                earlier = [(b"first", True)]
+            else:
+                receiver.pause_after, receiver.held = 0, True
+            client.send(b"during")
+            await receiver.until(lambda: receiver.stalls)  # the poller reported it while paused: told once
+            assert receiver.reads == earlier and receiver.stalls == 1
+            receiver.pause_after, receiver.held = 0, False
+            transport.resume()  # the pause ended: the socket is re-armed
+            await receiver.until(lambda: len(receiver.reads) == len(earlier) + 1)
+            assert receiver.reads == [*earlier, (b"during", True)]
             nursery.cancel_scope.cancel()
     await transport.aclose()
 
