@@ -221,16 +221,16 @@ class Session:
     _by_queue: dict[str, list[_Stream]]  # the streams reading each queue (shared ones included)
     _written: list[tuple[int, list[tuple[_Stream, int]], int]]  # (seq, QoS 0 items, bytes); not a deque (760 B)
     _committed: dict[str, int]
+    # Read by every delivery (pump): made by the first one, which a session without subscriptions never makes.
+    _ready: dict[_Stream, None]  # streams with buffered messages or a pull to make, oldest first
+    _inflight: dict[int, InFlight]
+    _retained: list[tuple[Subscription, Message]]  # a list, not a deque: an empty deque costs 760 B
     __getattr__ = made_on_first_use({"awaiting_rel": dict, "_streams": dict, "_by_queue": dict, "_written": list,
-                                     "_committed": dict})
+                                     "_committed": dict, "_ready": dict, "_inflight": dict, "_retained": list})
 
     def __init__(self, client_id: str, expiry_s: int, state: SessionState | None = None) -> None:
         self.client_id = client_id
         self.expiry_s = expiry_s
-        # Read by every delivery (pump, also at attach): made at once.
-        self._ready: dict[_Stream, None] = {}  # streams with buffered messages or a pull to make, oldest first
-        self._inflight: dict[int, InFlight] = {}
-        self._retained: list[tuple[Subscription, Message]] = []  # a list, not a deque: an empty deque costs 760 B
         self._next_pid = state.next_packet_id if state else 1
         self._unwritten = 0
         self._unwritten_bytes = 0
@@ -392,6 +392,8 @@ class Session:
     def attach(self, link: Link) -> list[Action]:
         """Bind to a connection: resend PUBRELs owed, then resend in-flight PUBLISHes and deliver."""
         self._link = link
+        if not (made(self, "_inflight") or made(self, "_streams") or made(self, "_retained")):
+            return []  # a new session: nothing to resend or deliver (its containers stay unmade while it idles)
         pubrels = tuple(Pubrel(e.packet_id) for e in self._inflight.values() if e.phase is Phase.RELEASED)
         actions: list[Action] = [Send(pubrels)] if pubrels else []
         return actions + self.pump()
