@@ -154,14 +154,15 @@ class PolledSocket:
     failed, the poller stopped), the socket leaves the set and the receiver is closed; nothing waits in between.
     """
 
-    __slots__ = ("_stream", "_fd", "_poller", "_receiver", "_parked")
+    __slots__ = ("_socket", "_stream", "_fd", "_poller", "_receiver", "_parked")
 
     accepted = None  # nothing to widen
     read_size = RECEIVE_BYTES  # a Readable of the poller's
 
     def __init__(self, stream: trio.SocketStream, poller: Poller) -> None:
-        self._stream = stream
-        self._fd = stream.socket.fileno()
+        self._socket = stream.socket
+        self._stream: trio.SocketStream | None = None  # made again only to write with a task or to linger (_streamed)
+        self._fd = self._socket.fileno()
         self._poller = poller
         self._receiver: Receiver | None = None  # from start() to the end of reading (a cycle the end breaks)
         self._parked = False  # the poller reported bytes while the receiver was paused: not read yet
@@ -228,12 +229,18 @@ class PolledSocket:
             raise trio.WouldBlock from None
 
     async def send_all(self, data: bytes) -> None:
-        await self._stream.send_all(data)
+        await self._streamed().send_all(data)
+
+    def _streamed(self) -> trio.SocketStream:
+        """The socket as a trio stream: an idle connection does not keep one (its objects were 0.18 KiB)."""
+        if self._stream is None:
+            self._stream = trio.SocketStream(self._socket)
+        return self._stream
 
     def bytes_waiting(self) -> bool:
         poll = select.poll()  # not select.select: descriptors above 1,023 are normal with 10,000 devices
         try:
-            poll.register(self._stream.socket.fileno(), select.POLLIN)
+            poll.register(self._socket.fileno(), select.POLLIN)
             return bool(poll.poll(0))
         except (OSError, ValueError):  # closed meanwhile
             return False
@@ -241,14 +248,14 @@ class PolledSocket:
     async def linger(self, max_bytes: int) -> None:
         self._stop()  # the connection drains its input now: the poller must not read it
         try:
-            await self._stream.send_eof()
+            await self._streamed().send_eof()
         except RECEIVE_ERRORS:
             return
-        await _drain(self._stream, max_bytes)
+        await _drain(self._streamed(), max_bytes)
 
     async def aclose(self) -> None:
         self._stop()  # before the descriptor is closed: its number is reused
-        await self._stream.aclose()
+        await self._streamed().aclose()
 
 
 @final
