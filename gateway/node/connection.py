@@ -583,7 +583,7 @@ class Connection:
         self._work.clear()
 
     async def _task(self, name: str, body: Callable[[], Awaitable[None]]) -> None:
-        """Run the writer or the worker in the node's nursery; a failure ends this connection only."""
+        """Run the writer, the worker or the reader in the node's nursery; a failure ends this connection only."""
         if self._scopes is None:
             self._scopes = {}
         scope = self._scopes[name] = trio.CancelScope()
@@ -598,7 +598,10 @@ class Connection:
             self._broken = True
             self.close()
         finally:
-            del self._scopes[name]  # type: ignore[union-attr]
+            scopes = self._scopes
+            del scopes[name]  # type: ignore[index]
+            if not scopes:
+                self._scopes = None  # an idle connection keeps no empty dict
 
     async def _until(self, condition: Callable[[], bool]) -> None:
         while not condition():
