@@ -72,6 +72,7 @@ from gateway.mqtt.errors import error_packet
 from gateway.mqtt.handlers import acks, connect, ping, publish, subscribe
 from gateway.mqtt.handlers.publish import RATE_DEBT_S, process_publish
 from gateway.mqtt.limits import HitLog, Limit
+from gateway.mqtt.lazy import made_on_first_use
 from gateway.mqtt.packets import (
     MQTT_5,
     MQTT_311,
@@ -133,6 +134,9 @@ class Channel:
         "config", "now", "encoder", "conn", "_state", "_will_due", "_timers", "_handover", "_moved", "_hits",
     )
 
+    _timers: dict[str, None]  # names of the armed timers: made at the first (gateway/mqtt/lazy.py)
+    __getattr__ = made_on_first_use({"_timers": dict})
+
     def __init__(
         self,
         config: ChannelConfig = ChannelConfig(),
@@ -145,7 +149,6 @@ class Channel:
         self.encoder = encoder
         self._state = State.AWAIT_CONNECT
         self._will_due: int | None = None  # the delay of a will left to the store at the close (None: none is due)
-        self._timers: dict[str, None] = {}  # names of the armed timers
         self._handover = False
         self._moved = False  # taken over from another node: that node saves the session
         self._hits: HitLog | None = None  # made at the first limit hit: most connections never hit one

@@ -290,6 +290,9 @@ class MqttDecoder:
         if self._error is not None:
             raise self._error
         if len(self._buf) - self._pos + len(self._incoming) < self._need:
+            if self._pos == len(self._buf) and self._pos:  # all decoded: an idle connection keeps no old bytes
+                self._buf = b""
+                self._pos = 0
             return NEED_DATA
         if self._incoming:
             self._join()

@@ -79,6 +79,7 @@ from gateway.mqtt.actions import (
 )
 from gateway.mqtt.codec import PublishTemplate
 from gateway.mqtt.limits import Limit
+from gateway.mqtt.lazy import made, made_on_first_use
 from gateway.mqtt.packets import MQTT_5, Pubrel
 from gateway.mqtt.properties import MAX_UINT16, PacketType, encode_properties
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
@@ -187,25 +188,29 @@ class Session:
                  "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due",
                  "_saves", "_next_ref", "_pubrel_due", "_need_save", "_by_queue", "_ready")
 
+    awaiting_rel: dict[int, Position]
+    """Inbound QoS 2 packet id -> position of its record (``NOT_IN_LOG``: unknown to the store), stored
+    and PUBREC'd, waiting for PUBREL: a resent PUBLISH is not stored again."""
+    # Made at their first use (gateway/mqtt/lazy.py), as awaiting_rel: an idle device's session keeps them empty.
+    _streams: dict[str, _Stream]
+    _by_queue: dict[str, list[_Stream]]  # the streams reading each queue (shared ones included)
+    _written: list[tuple[int, list[tuple[_Stream, int]], int]]  # (seq, QoS 0 items, bytes); not a deque (760 B)
+    _committed: dict[str, int]
+    # Read by every delivery (pump): made by the first one, which a session without subscriptions never makes.
+    _ready: dict[_Stream, None]  # streams with buffered messages or a pull to make, oldest first
+    _inflight: dict[int, InFlight]
+    _retained: list[tuple[Subscription, Message]]  # a list, not a deque: an empty deque costs 760 B
+    __getattr__ = made_on_first_use({"awaiting_rel": dict, "_streams": dict, "_by_queue": dict, "_written": list,
+                                     "_committed": dict, "_ready": dict, "_inflight": dict, "_retained": list})
+
     def __init__(self, client_id: str, expiry_s: int, state: SessionState | None = None) -> None:
         self.client_id = client_id
         self.expiry_s = expiry_s
-        self.awaiting_rel: dict[int, Position] = {}
-        """Inbound QoS 2 packet id -> position of its record (``NOT_IN_LOG``: unknown to the store), stored
-        and PUBREC'd, waiting for PUBREL: a resent PUBLISH is not stored again."""
-        self._streams: dict[str, _Stream] = {}
-        self._by_queue: dict[str, list[_Stream]] = {}  # the streams reading each queue (shared ones included)
-        self._ready: dict[_Stream, None] = {}  # streams with buffered messages or a pull to make, oldest first
-        self._inflight: dict[int, InFlight] = {}
         self._next_pid = state.next_packet_id if state else 1
-        # Lists, not deques: an idle session keeps both empty, and an empty deque costs 760 B.
-        self._retained: list[tuple[Subscription, Message]] = []
-        self._written: list[tuple[int, list[tuple[_Stream, int]], int]] = []  # (seq, QoS 0 items, bytes)
         self._unwritten = 0
         self._unwritten_bytes = 0
         self._seq = 0
         self._link: Link | None = None
-        self._committed: dict[str, int] = {}
         self._acks = 0
         self._pump_due = False
         # Made at the first save: most sessions never save while connected (an empty dict is 64 B each).
@@ -267,7 +272,7 @@ class Session:
 
     @property
     def subscription_count(self) -> int:
-        return len(self._streams)
+        return len(self._streams) if made(self, "_streams") else 0
 
     def holds(self, filter: str) -> bool:
         """Is ``filter`` subscribed (without copying the subscriptions)?"""
@@ -362,6 +367,8 @@ class Session:
     def attach(self, link: Link) -> list[Action]:
         """Bind to a connection: resend PUBRELs owed, then resend in-flight PUBLISHes and deliver."""
         self._link = link
+        if not (made(self, "_inflight") or made(self, "_streams") or made(self, "_retained")):
+            return []  # a new session: nothing to resend or deliver (its containers stay unmade while it idles)
         pubrels = tuple(Pubrel(e.packet_id) for e in self._inflight.values() if e.phase is Phase.RELEASED)
         actions: list[Action] = [Send(pubrels)] if pubrels else []
         return actions + self.pump()

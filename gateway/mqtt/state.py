@@ -45,6 +45,7 @@ from gateway.mqtt.actions import (
     TakenOver,
     Timeout,
 )
+from gateway.mqtt.lazy import made_on_first_use
 from gateway.mqtt.limits import Limit
 from gateway.mqtt.packets import (
     Auth,
@@ -175,6 +176,17 @@ class ConnectionState:
         "awaiting_session", "held", "topic_check_from", "valid_topic", "buckets",
     )
 
+    # Made at their first use (gateway/mqtt/lazy.py): an idle device's stay empty (an empty dict is 64 B).
+    pending: dict[int, tuple[int, int, bool]]  # Append ref -> (qos, packet id, delayed), acks owed
+    refused: dict[int, None]  # refs in pending the ACL refused: answered in their turn
+    # Dicts used as sets (keys only): an empty set is 216 B.
+    storing_qos2: dict[int, None]  # inbound QoS 2 packet ids being appended
+    releasing: dict[int, int]  # ReleaseInbound ref -> inbound QoS 2 packet id whose PUBCOMP waits
+    activations: dict[int, tuple[int, list[ReasonCode], list[tuple[int, Subscription]]]]
+    aliases_in: dict[int, str]
+    __getattr__ = made_on_first_use({"pending": dict, "refused": dict, "storing_qos2": dict, "releasing": dict,
+                                     "activations": dict, "aliases_in": dict})
+
     def __init__(self, last_rx: float, topic_check_from: int, buckets: tuple[tuple[TokenBucket, Limit], ...]) -> None:
         self.level: int | None = None
         self.peer_max_packet: int | None = None  # the client's Maximum Packet Size, once its CONNECT is read
@@ -190,15 +202,8 @@ class ConnectionState:
         self.session: Session | None = None
         self.link: Link | None = None
         self.queued: list[Packet] = []
-        self.pending: dict[int, tuple[int, int, bool]] = {}  # Append ref -> (qos, packet id, delayed), acks owed
-        self.refused: dict[int, None] = {}  # refs in pending the ACL refused: answered in their turn
         self.authorizer: Authorizer | None = None  # the ACL's checks of this client (None: it may do anything)
-        # Dicts used as sets (keys only): an empty dict is 64 B, an empty set 216 B, on every idle connection.
-        self.storing_qos2: dict[int, None] = {}  # inbound QoS 2 packet ids being appended
-        self.releasing: dict[int, int] = {}  # ReleaseInbound ref -> inbound QoS 2 packet id whose PUBCOMP waits
-        self.activations: dict[int, tuple[int, list[ReasonCode], list[tuple[int, Subscription]]]] = {}
         self.next_ref = 0
-        self.aliases_in: dict[int, str] = {}
         self.last_rx = last_rx
         self.awaiting_session = False
         self.held: list[Packet] = []  # 3.1.1 packets waiting for room under the in-flight limit (a list: 56 B idle)

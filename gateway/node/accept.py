@@ -11,7 +11,8 @@ again one line says how many were refused and for how long.
 
 Resource handling: each accepted stream belongs to the handler's task and is
 closed (forcefully, if the handler did not) when the handler returns, as
-``trio.serve_listeners`` does.
+``trio.serve_listeners`` does, unless the handler returns True: it kept the
+stream, to close it itself later (a plain MQTT connection, served with no task).
 """
 
 from __future__ import annotations
@@ -120,7 +121,9 @@ async def _accept_loop(listener: trio.abc.Listener[Any], handler: Callable[[Any]
 
 
 async def _run_handler(stream: trio.abc.AsyncResource, handler: Callable[[Any], Awaitable[object]]) -> None:
+    kept = False
     try:
-        await handler(stream)
+        kept = await handler(stream) is True
     finally:
-        await trio.aclose_forcefully(stream)
+        if not kept:
+            await trio.aclose_forcefully(stream)

@@ -2,8 +2,8 @@
 
 Two ways, in trio's pairing (store/api.py): an append the store can take without waiting (embedded, async flush,
 dispatch not lagging) is done in the step that read its PUBLISH, no worker task: read in a poller round
-(``ReadRound``, gateway/node/poller.py) it joins the round, whose appends go to the store in one
-``append_nowait`` call when the poller ends it, before any other task runs; if the store would block, each
+(``ReadRound``, gateway/node/poller.py) it joins the round's appends, which go to the store in one
+``append_nowait`` call when the poller ends the round, before any other task runs; if the store would block, each
 connection's appends go back to the head of its worker queue and take the other way: the connection's worker
 hands them to ``perform``, which awaits ``append`` (one batch per worker step). Either way every append with a
 ``ref`` is answered (``Appended``): never a false acknowledgement.
@@ -54,34 +54,36 @@ class Appends:
         self._store = store
         self._order = order
         self._blocked_until = 0.0  # the store would block: the fast way waits until then
+        self._round: list[tuple[Connection, Append]] = []  # the poller's round's, for one write when it ends
         self.refused_by_qos = [0, 0, 0]  # messages the store did not take (a full disk...), index = QoS
 
     # --- the fast way -----------------------------------------------------------------------
 
-    def now(self, connection: Connection, action: Append, read_round: ReadRound | None) -> bool:
-        """Append in this step, or in the store call of ``read_round`` (the poller's round that read it, if any);
+    def now(self, connection: Connection, action: Append, in_round: bool) -> bool:
+        """Append in this step, or in the store call that ends the poller's round (``in_round``: read in one);
         False leaves it, and any error, to :meth:`perform`. The round's first append asks the store for all of
         them (per message, that was 3% of a fan-in's CPU). The channel asked the ACL already."""
         if self._order.fenced:  # an activation read before it is not applied yet: ``perform`` waits for it
             return False
         if action.messages[0].deliver_at_ms:  # a delayed message waits for its client's cap: ``perform`` stores it
             return False
-        if read_round is not None and read_round.appends:
-            read_round.appends.append((connection, action))
+        if in_round and self._round:
+            self._round.append((connection, action))
             return True
         if time.monotonic() < self._blocked_until:
             return False
-        if read_round is not None:
-            read_round.appends.append((connection, action))
+        if in_round:
+            self._round.append((connection, action))
             return True
         return self._append_now([(connection, action)])
 
-    def round_end(self, read_round: ReadRound) -> None:
-        """The poller ended ``read_round`` (its ``round_done``): its appends in one store call, or, if the store
-        would block, each connection's back to the head of its queue of node actions (``perform`` answers them)."""
-        appends = read_round.appends
+    def round_end(self, _: ReadRound) -> None:
+        """The poller ended a round (its ``round_done``): its appends in one store call, or, if the store would
+        block, each connection's back to the head of its queue of node actions (``perform`` answers them)."""
+        appends = self._round
         if not appends:
             return
+        self._round = []
         if not self._append_now(appends):
             grouped: dict[Connection, list[Append]] = {}
             for connection, append in appends:

@@ -1,4 +1,4 @@
-"""The MQTT listener: one trio task group per TCP connection, driving a sans-IO ``Channel``.
+"""The MQTT listener: one connection per client, driving a sans-IO ``Channel``, with tasks only while it has work.
 
 This is EMQX's ``emqx_connection``: it owns the transport (its byte stream,
 gateway/node/transports.py), the decoder, the encoder and the timers, and
@@ -8,14 +8,14 @@ the store or other connections (sessions, appends, subscriptions, pulls) go,
 in order, to the node through the ``Backend`` interface
 (``gateway/node/node.py`` implements it).
 
-Per connection one task always runs, and two more while they have work:
+An idle plain TCP connection has no task: its socket is in the node's one
+``Poller`` (gateway/node/poller.py), which hands every read to
+:meth:`Connection.received` in its own step (``MqttDecoder.feed`` ->
+``channel.handle_in`` per packet). Tasks run while there is work:
 
-- the reader (the connection's own task): its transport hands every read to
-  :meth:`Connection.received`: ``MqttDecoder.feed`` -> ``channel.handle_in``
-  per packet; it stops reading while the node has too much work queued for the
-  connection (backpressure). A plain TCP socket is read in the step of the
-  node's one ``Poller`` task (gateway/node/poller.py), so the reader task only
-  waits; TLS and WebSocket streams are read by it;
+- the reader: a TLS or WebSocket stream's connection task reads it (:meth:`Connection.run`); a polled
+  socket's reader runs only while a pause (back-pressure: too much node work queued for the connection, a
+  full in-flight window, the CONNECT not answered yet) holds bytes back, and reads them once it ends;
 - the writer, while bytes wait that the transport did not take in place: joins
   everything the channel wants sent into one ``send_all`` and reports written
   deliveries (``SocketWritten``);
@@ -23,16 +23,17 @@ Per connection one task always runs, and two more while they have work:
   at a time, so the node sees them in the order the channel asked for them.
   Across connections the node keeps the read order of activations and
   appends (gateway/node/order.py): an append read while an activation read before
-  it waits is queued behind an ``AfterReads`` mark.
+  it waits is queued behind an ``AfterReads`` mark;
+- the closing task of a polled socket, from :meth:`Connection.close` on (a stream's is its connection task).
 
 Timers (keepalive, commit, the CONNECT deadline) are handles in the node's one
-``Timers`` task (gateway/node/timers.py), so an idle device costs one task.
+``Timers`` task (gateway/node/timers.py).
 
 Error handling: nothing a client sends may stop the listener. Decoder errors
 go to ``channel.handle_protocol_error``; any other failure inside a connection
 is logged with the client id and the reason and ends that connection only.
 
-Resource handling: each connection's stream is closed by its handler, after
+Resource handling: each connection's stream is closed by the connection, after
 the writes queued before the ``Close`` action (bounded by ``CLOSE_TIMEOUT_S``)
 and a lingering half-close (``LINGER_S``, ``LINGER_BYTES``) that lets the
 client read the last packet before the socket goes; node work still pending
@@ -64,7 +65,7 @@ from gateway.mqtt.packets import Publish
 from gateway.node.poller import Poller
 from gateway.mqtt.reasons import RemoteProtocolError
 from gateway.node.timers import Timer, Timers
-from gateway.node.transports import RECEIVE_BYTES, Transport, transport_for
+from gateway.node.transports import RECEIVE_BYTES, PolledSocket, Receiver, Transport, stream_transport
 from store.log.aio import LatencyBuckets
 
 __all__ = ["Backend", "Connection", "Traffic", "serve_mqtt"]
@@ -170,28 +171,29 @@ class Backend(Protocol):
 class Connection:
     """One client connection: transport, decoder, channel, timers, and its queue of node actions.
 
-    Tasks are spent only while there is work: the connection's own task reads;
-    a writer task lives while bytes wait for the socket and a worker task while
-    node actions wait for the backend. Timers are handles in the node's
-    ``Timers``. The writer and the worker run in the node's nursery, each in
-    a cancel scope of the connection's, so an idle device costs one task (its
-    reader) and no nursery.
+    Tasks are spent only while there is work (see the module docstring): a polled socket is read in the poller's
+    step (:meth:`start`), a stream by the connection's task (:meth:`run`); a writer task lives while bytes wait for
+    the socket and a worker task while node actions wait for the backend. Timers are handles in the node's
+    ``Timers``. The tasks run in the node's nursery, each in a cancel scope of the connection's, so an idle
+    plain TCP device costs no task and no nursery.
 
-    Resource handling: :meth:`run` owns ``transport`` and closes it before returning.
+    Resource handling: the connection owns ``transport`` and closes it when it ends (then calls ``ended``).
     """
 
     __slots__ = (
         "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_transport", "_backend",
         "_traffic", "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing",
-        "_read_scope", "_broken", "_timers", "_deadline", "_running", "_scopes", "_holding", "_lift", "_mark",
-        "_backlog", "_shutting", "__weakref__",
+        "_read_scope", "_broken", "_timers", "_due", "_running", "_scopes", "_holding", "_lift", "_mark",
+        "_backlog", "_shutting", "_resuming", "_ended", "__weakref__",
     )
 
     def __init__(
-        self, transport: Transport, backend: Backend, peer: str, host: str, cert_identity: str | None = None
+        self, transport: Transport, backend: Backend, peer: str, host: str, cert_identity: str | None = None,
+        ended: Callable[[], None] | None = None,
     ) -> None:
         """``peer`` is the client's address and port (for logs), ``host`` its address alone (per-source limits),
-        ``cert_identity`` the verified client-certificate CN (mTLS), if any."""
+        ``cert_identity`` the verified client-certificate CN (mTLS), if any; ``ended()`` is called once the
+        transport is closed (a polled socket's listener hands its admission over: gateway/node/listeners.py)."""
         config = backend.channel_config
         self.channel = Channel(config)
         self.peer = peer
@@ -212,17 +214,19 @@ class Connection:
         self._working = False  # a worker task runs (it holds the batch it hands to the backend)
         self._changed: trio.Event | None = None  # created by a waiter in _until, set by _signal
         self._closing = False
-        self._read_scope = trio.CancelScope()
+        self._read_scope: trio.CancelScope | None = None  # run()'s: a stream's reading task (a polled socket has none)
         self._broken = False
-        self._timers: dict[str, Timer] = {}
-        self._deadline: Timer | None = None  # until CONNECT is read
+        self._timers: dict[str, Timer] | None = None  # the heap's timers by name (the commit's), made at the first
+        self._due: int | None = None  # the wheel's tick of the CONNECT deadline, then of the keep alive (Timers.arm)
         self._running = False  # run() serves the connection: tasks and timers may start
-        self._scopes: dict[str, trio.CancelScope] = {}  # the writer's and the worker's, while they run
+        self._scopes: dict[str, trio.CancelScope] | None = None  # the tasks' while they run; made by the first
         self._holding = False  # the reader is processing a read: _flush waits for its end
         self._lift = transport.accepted  # called once the client is accepted (CONNACK sent), then dropped
         self._mark = -1  # the last read-order mark queued (AfterReads)
         self._backlog = False  # a pause stopped decoding: packets read before it may wait in the decoder
         self._shutting = False  # the socket is being closed before the node settled the session
+        self._resuming = False  # a task waits for a pause to end to read a polled socket again (_resume)
+        self._ended = ended
 
     @property
     def client_id(self) -> str:
@@ -316,7 +320,11 @@ class Connection:
         self._arm(action.name, action.delay_s)
 
     def _cancel_timer(self, action: CancelTimer) -> None:
-        timer = self._timers.pop(action.name, None)
+        if action.name == KEEPALIVE_TIMER:
+            self._backend.timers.disarm(self, self._due)
+            self._due = None
+            return
+        timer = self._timers.pop(action.name, None) if self._timers else None
         if timer is not None:
             timer.cancel()
 
@@ -383,9 +391,27 @@ class Connection:
             self._backend.nursery.start_soon(self._task, "writer", self._writer)
 
     def close(self) -> None:
-        """Stop reading and close once the node has settled the channel and the queued bytes are written."""
+        """Stop reading and close once the node has settled the channel and the queued bytes are written: the
+        reading task ends (a stream), or a task starts that does it (a polled socket)."""
+        if self._closing:
+            return
         self._closing = True
-        self._read_scope.cancel()
+        if self._read_scope is not None:
+            self._read_scope.cancel()
+        elif self._running:
+            self._backend.nursery.start_soon(self._end)
+        self._signal()
+
+    def stalled(self) -> None:
+        """The polled socket has bytes that a pause left unread: a task waits for the pause to end (``_resume``)."""
+        self._resume_soon()
+
+    def failed(self, exc: Exception) -> None:
+        """Processing a polled read raised (a bug): it ends this connection only."""
+        LOGGER.error("connection failed: %r", exc, exc_info=exc,
+                     extra={"ctx": {"client_id": self.client_id, "peer": self.peer}})
+        self._broken = True
+        self.close()
 
     def _signal(self) -> None:
         changed = self._changed
@@ -394,12 +420,32 @@ class Connection:
             changed.set()
 
     def _arm(self, name: str, delay_s: float) -> None:
-        old = self._timers.pop(name, None)
+        """Arm the channel's timer ``name``: the keep alive in the node's wheel, the others as heap timers."""
+        if name == KEEPALIVE_TIMER:
+            if not self._running or self._closing:
+                self._backend.timers.disarm(self, self._due)
+                self._due = None
+            else:
+                self._due = self._backend.timers.arm(self, delay_s, self._due)
+            return
+        timers = self._timers
+        if timers is None:
+            timers = self._timers = {}
+        old = timers.pop(name, None)
         if old is not None:
             old.cancel()
         if not self._running or self._closing:
             return
-        self._timers[name] = self._backend.timers.call_later(delay_s, lambda: self._fire(name))
+        timers[name] = self._backend.timers.call_later(delay_s, lambda: self._fire(name))
+
+    def expired(self) -> None:
+        """The wheel's deadline came (``Timers.arm``): the CONNECT's while none was read, else the keep alive's (a
+        client without one has only its CONNECT deadline, moot once its CONNECT was read)."""
+        self._due = None
+        if self.channel.state is State.AWAIT_CONNECT:
+            self._connect_deadline()
+        elif self.channel.keep_alive:
+            self._fire(KEEPALIVE_TIMER)
 
     def _fire(self, name: str) -> None:
         """A timer of this connection came due (in the node's timer task: a failure must stay in this connection).
@@ -407,7 +453,8 @@ class Connection:
         A keep-alive expiry first asks the kernel whether the client's bytes wait unread: they are its activity,
         as are packets a pause left in the decoder (``_backlog``).
         """
-        self._timers.pop(name, None)
+        if self._timers:
+            self._timers.pop(name, None)
         if self._closing:
             return
         try:
@@ -430,41 +477,61 @@ class Connection:
             self.close()
 
     def _arm_connect_deadline(self) -> None:
-        self._deadline = self._backend.timers.call_later(self._backend.connect_timeout_s, self._connect_deadline)
+        self._due = self._backend.timers.arm(self, self._backend.connect_timeout_s, self._due)
 
     # --- tasks --------------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Serve the connection until the channel closes it or the socket fails; then close the socket.
+    def start(self, begin: Callable[[Receiver], None]) -> None:
+        """Serve a connection over a polled socket: ``begin(self)`` (``PolledSocket.start``) has its reads handed
+        to :meth:`received` in the poller's step, so it has no task while idle; a task starts while it has work
+        (writer, worker, a pause with bytes waiting: ``_resume``) and when it closes (:meth:`close`: its last
+        writes, the session settled, the socket closed, ``ended`` called)."""
+        self._running = True
+        self._arm_connect_deadline()
+        begin(self)
+
+    async def run(self, read: Callable[[Receiver], Awaitable[bool]]) -> None:
+        """Serve a connection over a stream (TLS, WebSocket) until the channel closes it or the stream fails; then
+        close the stream. This task reads: ``read`` (``StreamTransport.read``) hands one read to :meth:`received`.
 
         Error handling: a failure is logged with the client id and ends this connection only.
         """
+        self._read_scope = trio.CancelScope()
         self._running = True
         self._arm_connect_deadline()
         try:
             with self._read_scope:
-                await self._read()
-            self._closing = True  # the channel closes on every way the reader ends; this is the backstop
-            self._deadline.cancel()  # type: ignore[union-attr]
-            for timer in self._timers.values():
-                timer.cancel()
-            self._timers.clear()
-            with trio.move_on_after(CLOSE_TIMEOUT_S):
-                # Its last packets, then the socket goes at once: the node's work for the session (its save, store
-                # calls that meet an outage) finishes or fails behind it, and the client need not wait for it. A
-                # closing channel sends nothing more.
-                await self._until(lambda: not (self._out or self._writing) or self._broken)
-                if not self._settled():
-                    self._shutting = True
-                    self._backend.nursery.start_soon(self._shut)
-                await self._until(self._settled)
+                await self._read(read)
         except Exception as exc:  # one connection's failure must not stop the listener
-            LOGGER.error("connection failed: %r", exc, exc_info=exc,
-                         extra={"ctx": {"client_id": self.client_id, "peer": self.peer}})
+            await self._end(exc)
+            return
+        await self._end()
+
+    async def _end(self, failure: Exception | None = None) -> None:
+        """Close the connection: its last writes (bounded by ``CLOSE_TIMEOUT_S``), the node told, the socket
+        closed after a lingering half-close; ``failure`` (a bug) skips the writes and is logged."""
+        self._closing = True  # the channel closes on every way reading ends; this is the backstop
+        try:
+            self._stop_timers()
+            if failure is None:
+                with trio.move_on_after(CLOSE_TIMEOUT_S):
+                    # Its last packets, then the socket goes at once: the node's work for the session (its save,
+                    # store calls that meet an outage) finishes or fails behind it, and the client need not wait for
+                    # it. A closing channel sends nothing more.
+                    await self._until(lambda: not (self._out or self._writing) or self._broken)
+                    if not self._settled():
+                        self._shutting = True
+                        self._backend.nursery.start_soon(self._shut)
+                    await self._until(self._settled)
+        except Exception as exc:
+            failure = exc
         finally:
+            if failure is not None:
+                LOGGER.error("connection failed: %r", failure, exc_info=failure,
+                             extra={"ctx": {"client_id": self.client_id, "peer": self.peer}})
             self._running = False
-            self._deadline.cancel()  # type: ignore[union-attr]
-            for scope in self._scopes.values():
+            self._stop_timers()
+            for scope in (self._scopes or {}).values():
                 scope.cancel()
             with trio.CancelScope(shield=True):
                 await self._until(lambda: not (self._writing or self._working))
@@ -473,8 +540,22 @@ class Connection:
             self._done = True
             if self._finished is not None:
                 self._finished.set()
-            if not self._shutting:
-                await self._shut()
+            try:
+                if not self._shutting:
+                    await self._shut()
+            finally:
+                ended = self._ended
+                self._ended = None
+                if ended is not None:
+                    ended()
+
+    def _stop_timers(self) -> None:
+        self._backend.timers.disarm(self, self._due)
+        self._due = None
+        if self._timers:
+            for timer in self._timers.values():
+                timer.cancel()
+            self._timers.clear()
 
     async def _shut(self) -> None:
         """Linger (cancelled when the node stops: no lingering), then close the socket; nothing is written after."""
@@ -502,7 +583,9 @@ class Connection:
         self._work.clear()
 
     async def _task(self, name: str, body: Callable[[], Awaitable[None]]) -> None:
-        """Run the writer or the worker in the node's nursery; a failure ends this connection only."""
+        """Run the writer, the worker or the reader in the node's nursery; a failure ends this connection only."""
+        if self._scopes is None:
+            self._scopes = {}
         scope = self._scopes[name] = trio.CancelScope()
         if not self._running:
             scope.cancel()  # started after the connection ended: only its clean-up runs
@@ -515,7 +598,10 @@ class Connection:
             self._broken = True
             self.close()
         finally:
-            del self._scopes[name]
+            scopes = self._scopes
+            del scopes[name]  # type: ignore[index]
+            if not scopes:
+                self._scopes = None  # an idle connection keeps no empty dict
 
     async def _until(self, condition: Callable[[], bool]) -> None:
         while not condition():
@@ -534,18 +620,12 @@ class Connection:
         return len(self._work) >= MAX_QUEUED_ACTIONS or self.channel.input_paused \
             or self.channel.state is State.CONNECTING
 
-    async def _read(self) -> None:
-        """The reader: the transport hands each read to :meth:`received`; return when the connection ends.
-
-        A plain TCP socket is read by the node's ``Poller`` (gateway/node/poller.py) in its own step while this
-        task waits in ``Transport.read``; it stays in the poller's set while reading is paused: bytes that arrive once
-        the pause ended are read there in their order, even before this task runs again, those that came during the
-        pause when it does (gateway/node/transports.py). TLS and WebSocket streams are read by this task.
+    async def _read(self, read: Callable[[Receiver], Awaitable[bool]]) -> None:
+        """A stream's reader: ``read`` hands each read to :meth:`received`; return when the connection ends.
 
         Raises:
             Exception: what processing a read raised (a bug: it ends this connection only).
         """
-        transport = self._transport
         while True:
             if self.paused():
                 await self._until(lambda: not self.paused())
@@ -553,7 +633,7 @@ class Connection:
                 if not self._decode():
                     return
                 continue
-            if not await transport.read(self):
+            if not await read(self):
                 return
 
     def receive_failed(self, exc: Exception) -> None:
@@ -603,7 +683,30 @@ class Connection:
             self._holding = holding
             if not holding:
                 self._start_pending()
+        if self._backlog and self._read_scope is None:  # a polled socket: no reading task to decode it later
+            self._resume_soon()
         return not self._closing
+
+    def _resume_soon(self) -> None:
+        """Start the task that reads a polled socket again once a pause ends (``_resume``), unless it runs."""
+        if not self._resuming and self._running and not self._closing:
+            self._resuming = True
+            self._backend.nursery.start_soon(self._task, "reader", self._resume)
+
+    async def _resume(self) -> None:
+        """A polled socket's reader while a pause holds bytes back (unread, or read and left in the decoder):
+        wait for the pause to end, decode what waits, then have the poller report the socket again. Bytes that
+        arrive once the pause ended are read by the poller at once, in their order, even before this task runs."""
+        try:
+            while not self._closing:
+                await self._until(lambda: not self.paused() or self._closing)
+                if self._closing or not self._backlog:
+                    break
+                self._decode()
+        finally:
+            self._resuming = False
+        if not self._closing:
+            self._transport.resume()
 
     async def _writer(self) -> None:
         """Write what is queued until nothing is; then end (the next ``execute`` with bytes starts another)."""
@@ -671,11 +774,15 @@ async def serve_mqtt(
     """
 
     def handler(stream: trio.abc.Stream, peer: Peer) -> Awaitable[None]:
-        # Returns the connection's coroutine rather than awaiting it: one frame less per idle device.
-        transport = transport_for(stream, backend.reads)
-        return Connection(transport, backend, peer.address, peer.host, peer.identity).run()
+        # Returns the connection's coroutine rather than awaiting it: one frame less per connection.
+        transport = stream_transport(stream)
+        return Connection(transport, backend, peer.address, peer.host, peer.identity).run(transport.read)
+
+    def adopt(stream: trio.SocketStream, peer: Peer, ended: Callable[[], None]) -> None:
+        transport = PolledSocket(stream, backend.reads)
+        Connection(transport, backend, peer.address, peer.host, ended=ended).start(transport.start)
 
     config = backend.channel_config
-    await serve_listeners(handler, specs, admission=admission, handshake_timeout_s=backend.connect_timeout_s,
+    await serve_listeners(handler, specs, adopt=adopt, admission=admission, handshake_timeout_s=backend.connect_timeout_s,
                           max_message_size=WS_MESSAGE_PACKETS * config.max_packet_size,
                           connect_message_size=config.max_connect_size + RECEIVE_BYTES, task_status=task_status)

@@ -14,11 +14,14 @@ limit, one log line per episode and back-off); per connection, in this order:
 3. WebSocket (``ws`` and ``wss``): the HTTP upgrade, bounded in time; a wrong
    path is answered 404 and a missing ``mqtt`` subprotocol 400, both logged.
    The accepted WebSocket is adapted to a byte stream (:class:`WebSocketStream`);
-4. the handler gets the stream and a :class:`Peer`.
+4. the handler gets the stream and a :class:`Peer`; or, for a plain TCP
+   connection, ``adopt`` does if given: it takes the socket without a task (a
+   task per idle device is memory) and the connection's admission slot.
 
 Resource handling: the handler owns the stream it gets and closes it (as
 gateway/node/connection.py's ``Connection.run`` does); the listener closes the socket of
-every connection that never reached the handler.
+every connection that never reached the handler. ``adopt`` owns the socket and the admission slot it gets: it
+closes the socket and calls ``ended()`` once, when it is done.
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ NORMAL_CLOSE_CODES = frozenset({1000, 1001, 1005})
 """WebSocket close codes that end a connection cleanly (normal, going away, no code given): read as end of stream."""
 
 Handler = Callable[[trio.abc.Stream, "Peer"], Awaitable[None]]
+
+Adopt = Callable[[trio.SocketStream, "Peer", Callable[[], None]], None]
+"""Takes a plain TCP connection with no task (``serve_listeners``): the stream, its peer, and ``ended``."""
 
 
 class ListenerError(OSError):
@@ -214,6 +220,7 @@ async def serve_listeners(
     handler: Handler,
     specs: Sequence[ListenerSpec],
     *,
+    adopt: Adopt | None = None,
     admission: Admission | None = None,
     handshake_timeout_s: float = 10.0,
     max_message_size: int = 2 * 1024 * 1024,
@@ -224,6 +231,8 @@ async def serve_listeners(
 
     Args:
         handler: runs once per connection that passed admission and its handshakes; it owns the stream.
+        adopt: called instead of ``handler`` for the plain TCP connections (see the module docstring); it must not
+            block, and once it returned its ``ended()`` releases the connection's admission slot. None: ``handler``.
         specs: the listeners; all of them are listening before ``task_status.started`` is called.
         admission: decides each accepted socket (None: everyone is admitted).
         handshake_timeout_s: a TLS handshake and a WebSocket upgrade must each finish within this.
@@ -251,8 +260,8 @@ async def serve_listeners(
                     listeners = await trio.open_tcp_listeners(spec.port, host=spec.host)
             host, port = listeners[0].socket.getsockname()[:2]
             bound.append(BoundListener(spec.kind, host, port))
-            accepted = _Accepted(spec, handler, admission, refusals, handshake_timeout_s, max_message_size,
-                                 connect_message_size or max_message_size)
+            accepted = _Accepted(spec, handler, adopt if spec.kind == "tcp" else None, admission, refusals,
+                                 handshake_timeout_s, max_message_size, connect_message_size or max_message_size)
             await nursery.start(serve_accepting, listeners, accepted, CapacityLog(spec.kind))
             LOGGER.info("listener ready", extra={"ctx": {"listener": spec.kind, "host": host, "port": port}})
         task_status.started(bound)
@@ -322,26 +331,33 @@ class _RefusalLog:
             "refused_connect_rate": counters.refused_connect_rate}})
 
 
+def _nothing() -> None:
+    """An adopted connection's ``ended`` when no admission counts connections."""
+
+
 @final
 class _Accepted:
     """What one listener does with each accepted socket (see the module docstring)."""
 
-    def __init__(self, spec: ListenerSpec, handler: Handler, admission: Admission | None, refusals: _RefusalLog,
-                 handshake_timeout_s: float, max_message_size: int, connect_message_size: int) -> None:
+    def __init__(self, spec: ListenerSpec, handler: Handler, adopt: Adopt | None, admission: Admission | None,
+                 refusals: _RefusalLog, handshake_timeout_s: float, max_message_size: int,
+                 connect_message_size: int) -> None:
         self._spec = spec
         self._handler = handler
+        self._adopt = adopt
         self._admission = admission
         self._refusals = refusals
         self._timeout_s = handshake_timeout_s
         self._max_message_size = max_message_size
         self._connect_message_size = min(connect_message_size, max_message_size)
 
-    async def __call__(self, stream: trio.SocketStream) -> None:
-        """Called by ``serve_accepting`` (gateway/node/accept.py), which closes ``stream`` afterwards."""
+    async def __call__(self, stream: trio.SocketStream) -> bool:
+        """Called by ``serve_accepting`` (gateway/node/accept.py), which closes ``stream`` afterwards unless this
+        returns True (``adopt`` kept it)."""
         try:
             host, port = stream.socket.getpeername()[:2]
         except OSError:  # the client is already gone
-            return
+            return False
         peer = Peer(f"{host}:{port}", host, self._spec.kind)
         admission = self._admission
         if admission is not None:
@@ -349,7 +365,17 @@ class _Accepted:
             verdict = admission.admit(host, now)
             if verdict is not Verdict.ADMITTED:
                 self._refusals.refused(verdict, peer, admission, now)
-                return
+                return False
+        if self._adopt is not None:
+            try:
+                self._adopt(stream, peer, _nothing if admission is None else admission.release)
+            except Exception as exc:  # not kept: closed here, its slot released
+                LOGGER.error("connection failed: %r", exc, exc_info=exc,
+                             extra={"ctx": {"peer": peer.address, "listener": peer.listener}})
+                if admission is not None:
+                    admission.release()
+                return False
+            return True
         try:
             if self._spec.kind == "tcp":  # no frames in between: an idle device's task stack is memory
                 await self._handler(stream, peer)
@@ -361,6 +387,7 @@ class _Accepted:
         finally:
             if admission is not None:
                 admission.release()
+        return False
 
     async def _secure(self, stream: trio.SocketStream, peer: Peer) -> None:
         context = self._spec.ssl_context

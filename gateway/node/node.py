@@ -138,7 +138,7 @@ class GatewayNode:
 
     def append_now(self, connection: Connection, action: Append) -> bool:
         """Append without a worker task when the store can without waiting (gateway/node/appends.py)."""
-        return self.appends.now(connection, action, self.reads.round)
+        return self.appends.now(connection, action, self.reads.round is not None)
 
     def append_mark(self) -> int | None:
         return self.appends.mark()

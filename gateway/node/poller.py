@@ -10,6 +10,11 @@ work for the round's end (the node's appends, gathered for one CommitLog
 write: gateway/node/appends.py); the poller ends each round by handing it to
 its ``round_done`` hook before any other task runs.
 
+Who is read: a ``Readable`` (a connection's transport, gateway/node/transports.py), called in the poller's step,
+needs no task of its own; when the poller stops (the node stops) it calls each one's ``gone``, so a connection that
+waits for bytes learns that none will be read any more and closes. The set keeps the object itself: no callback
+objects per socket (``lightgate bench conns``).
+
 Read order: sockets are read in the order their bytes arrived, because the
 node applies packets in the order it reads them (gateway/node/order.py). The
 set is edge-triggered for that: the kernel queues a socket when bytes arrive
@@ -28,8 +33,8 @@ then yields to the other tasks; a socket with more bytes than one read, or not
 reached in a round, is read in the next one, before sockets reported since and
 after its neighbours.
 
-A callback must not block. An exception it raises is logged and its socket
-is dropped from the set: one connection's bug must not stop everyone's reads.
+A reader must not block. An exception it raises is logged and its socket
+is dropped from the set (its ``gone`` called): one connection's bug must not stop everyone's reads.
 """
 
 from __future__ import annotations
@@ -37,15 +42,11 @@ from __future__ import annotations
 import logging
 import select
 from collections.abc import Callable
-from typing import TYPE_CHECKING, final
+from typing import Protocol, final
 
 import trio
 
-if TYPE_CHECKING:
-    from gateway.mqtt.actions import Append
-    from gateway.node.connection import Connection
-
-__all__ = ["Poller", "ReadRound"]
+__all__ = ["Poller", "ReadRound", "Readable"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -75,63 +76,90 @@ Events = list[tuple[int, int]]
 """Sockets as epoll reports them: (descriptor, events)."""
 
 
+class Readable(Protocol):
+    """A socket's reader in the poller's set."""
+
+    read_size: int
+    """The most :meth:`readable` reads at once; a read of that many is taken to leave bytes behind."""
+
+    def readable(self) -> int:
+        """The socket has bytes (or the end): read once, in the poller's step, without blocking; returns the bytes
+        read (the round's budget counts them)."""
+        ...
+
+    def gone(self) -> None:
+        """The poller stopped reading the socket by itself (it stops, or :meth:`readable` raised)."""
+        ...
+
+
 @final
 class ReadRound:
-    """One round of the poller: the sockets it reads, one read each, and the appends their reads gathered.
+    """One round of the poller: the sockets it reads, one read each.
 
-    The appends are written to the store in one call when the poller ends the round (gateway/node/appends.py):
-    a round is made by the poller's task in one step, so nothing else runs between a read and that write.
+    A round is made by the poller's task in one step, so nothing else runs between its reads and its end
+    (``round_done``): what the reads gathered (the node's appends, gateway/node/appends.py) is done there at once.
     """
 
-    __slots__ = ("sockets", "appends")
+    __slots__ = ("sockets",)
 
     def __init__(self, sockets: Events) -> None:
         self.sockets = sockets  # to read in this order: those carried from the round before, then the new ones
-        self.appends: list[tuple[Connection, Append]] = []  # for one CommitLog write when the round ends
 
 
 @final
 class Poller:
-    """Calls a socket's callback from one task (:meth:`run`) whenever the socket is readable.
+    """Calls a socket's ``Readable`` from one task (:meth:`run`) whenever the socket is readable."""
 
-    A callback returns the number of bytes it read (the round's budget counts them).
-    """
-
-    __slots__ = ("_epoll", "_callbacks", "_round_done", "round")
+    __slots__ = ("_epoll", "_readers", "_round_done", "round")
 
     def __init__(self, round_done: Callable[[ReadRound], None] = lambda _: None) -> None:
-        """``round_done`` ends each round, after its callbacks (the readable sockets of one ``epoll_wait``)."""
+        """``round_done`` ends each round, after its reads (the readable sockets of one ``epoll_wait``)."""
         self._epoll = select.epoll()
-        self._callbacks: dict[int, tuple[Callable[[], int], int]] = {}
+        self._readers: dict[int, Readable] = {}
         self._round_done = round_done
-        self.round: ReadRound | None = None  # the round whose callbacks run now: it ends before anything else runs
+        self.round: ReadRound | None = None  # the round whose reads run now: it ends before anything else runs
 
     def __len__(self) -> int:
         """Sockets in the set."""
-        return len(self._callbacks)
+        return len(self._readers)
 
-    def register(self, fd: int, callback: Callable[[], int], read_size: int) -> None:
-        """Call ``callback()`` from the poller task while ``fd`` has bytes (at most once per round).
+    def register(self, fd: int, reader: Readable) -> None:
+        """Call ``reader.readable()`` from the poller task while ``fd`` has bytes (at most once per round).
 
-        ``read_size``: the most the callback reads at once; a read of that many is taken to leave bytes behind.
-        A socket registered with bytes waiting is read in the next round.
+        A socket registered with bytes waiting is read in the next round. ``reader.gone()`` is called if the poller
+        stops reading ``fd`` by itself; not after :meth:`unregister`.
         """
         self._epoll.register(fd, WATCH)
-        self._callbacks[fd] = (callback, read_size)
+        self._readers[fd] = reader
 
     def rearm(self, fd: int) -> None:
-        """Report ``fd`` again if it has bytes now: a callback that did not read what the set reported (its
+        """Report ``fd`` again if it has bytes now: a reader that did not read what the set reported (its
         connection paused) asks for it once it can read."""
-        if fd in self._callbacks:
+        if fd in self._readers:
             self._epoll.modify(fd, WATCH)
 
-    def unregister(self, fd: int) -> None:
-        """Stop watching ``fd``; call it before the descriptor is closed (its number is reused). Idempotent."""
-        if self._callbacks.pop(fd, None) is not None:
+    def unregister(self, fd: int) -> Readable | None:
+        """Stop watching ``fd``; call it before the descriptor is closed (its number is reused). Idempotent.
+
+        Returns its reader (None: it was not in the set), whose ``gone`` is not called.
+        """
+        reader = self._readers.pop(fd, None)
+        if reader is None:
+            return None
+        try:
+            self._epoll.unregister(fd)
+        except (OSError, ValueError):  # closed already (the socket, or the set at shutdown)
+            pass
+        return reader
+
+    def _drop(self, fd: int) -> None:
+        """Stop reading ``fd`` and tell its reader (``gone``); a failure there is logged."""
+        reader = self.unregister(fd)
+        if reader is not None:
             try:
-                self._epoll.unregister(fd)
-            except (OSError, ValueError):  # closed already (the socket, or the set at shutdown)
-                pass
+                reader.gone()
+            except Exception as exc:
+                LOGGER.error("socket's end failed: %r", exc, exc_info=exc, extra={"ctx": {"fd": fd}})
 
     async def run(self) -> None:
         """Serve the set until cancelled; then close it.
@@ -157,29 +185,30 @@ class Poller:
                         break
                     await trio.lowlevel.checkpoint()
         finally:
+            for fd in list(self._readers):  # their connections wait for reads no one will make
+                self._drop(fd)
             epoll.close()
 
     def _read(self, current: ReadRound) -> Events:
-        """Call the callbacks of the round's sockets in order, within its budget; returns the sockets to read in
+        """Call the readers of the round's sockets in order, within its budget; returns the sockets to read in
         the next round: those it did not reach, then those it left bytes in."""
-        callbacks = self._callbacks
+        readers = self._readers
         queue = current.sockets
         carried: Events = []
         more: Events = []
         budget = ROUND_BYTES
         for index, (fd, events) in enumerate(queue):
-            entry = callbacks.get(fd)
-            if entry is None:
+            reader = readers.get(fd)
+            if reader is None:
                 continue
-            callback, read_size = entry
             try:
-                count = callback()
+                count = reader.readable()
             except Exception as exc:
                 count = 0
-                LOGGER.error("socket callback failed; the socket is no longer read: %r", exc,
+                LOGGER.error("socket reader failed; the socket is no longer read: %r", exc,
                              exc_info=exc, extra={"ctx": {"fd": fd}})
-                self.unregister(fd)
-            if count >= read_size or (count and events & HANG_UP):
+                self._drop(fd)
+            if count >= reader.read_size or (count and events & HANG_UP):
                 more.append((fd, events))
             budget -= count
             if budget <= 0 or count >= FLOOD_READ_BYTES:

@@ -29,7 +29,7 @@ async def test_bytes_waiting_in_the_kernel_extend_the_deadline_and_silence_close
         await waiting_client.send(b"\x10\x10")  # the start of a CONNECT, never read by the (not running) reader
         waiting._connect_deadline()
         silent._connect_deadline()
-        assert not waiting._closing and waiting._deadline is not None  # re-armed: the client did its part
+        assert not waiting._closing and waiting._due is not None  # re-armed: the client did its part
         assert silent._closing  # nothing arrived in time: closed
 
 

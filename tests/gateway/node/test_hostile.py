@@ -25,6 +25,7 @@ from gateway.mqtt.reasons import ReasonCode
 from gateway.node import connection as server
 from tests.helpers.mqtt_fixtures import running_node
 from tests.helpers.strategies import mutated
+from tests.helpers.trio_mqtt import embedded_node
 
 DEFAULTS = {o.key: o.default for o in OPTIONS}
 WAIT_S = 20.0
@@ -79,12 +80,8 @@ class Peer:
 async def inprocess_port(tmp_path, caplog):
     """An embedded node on a free port; yields the port. No line it logs may carry a traceback."""
     caplog.set_level(logging.INFO)
-    settings = {**DEFAULTS, "node.data": str(tmp_path / "data"), "node.port": 0, "admin.port": 0,
-                "mqtt.sys_interval_s": 0}
-    async with trio.open_nursery() as nursery:
-        _, port = await nursery.start(serve_gateway, settings)
+    async with embedded_node(tmp_path / "data") as port:
         yield port
-        nursery.cancel_scope.cancel()
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]
 
 

@@ -12,6 +12,18 @@ from gateway.node.poller import FLOOD_READ_BYTES, MAX_EVENTS, ROUND_BYTES, Polle
 from tests.helpers.mqtt_fixtures import raw_client, running_node
 
 
+class Reads:
+    """A poller's reader made of a function that reads once and returns the bytes read."""
+
+    def __init__(self, read, read_size: int) -> None:
+        self.readable = read
+        self.read_size = read_size
+        self.gone_calls = 0
+
+    def gone(self) -> None:
+        self.gone_calls += 1
+
+
 def pairs(count: int) -> list[tuple[socket.socket, socket.socket]]:
     made = [socket.socketpair() for _ in range(count)]
     for ours, _ in made:
@@ -36,7 +48,7 @@ def register_reads(poller: Poller, sockets: list[tuple[socket.socket, socket.soc
                 return 0
             on_read(index)
             return len(data)
-        poller.register(ours.fileno(), callback, size)
+        poller.register(ours.fileno(), Reads(callback, size))
 
 
 async def serve_until(poller: Poller, condition, what: str) -> None:
@@ -59,7 +71,7 @@ async def test_readable_sockets_are_served_in_one_round_then_the_round_ends():
             return callback
 
         for index, (ours, _) in enumerate(sockets):
-            poller.register(ours.fileno(), reader(index, ours), 100)
+            poller.register(ours.fileno(), Reads(reader(index, ours), 100))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
             await trio.testing.wait_all_tasks_blocked()
@@ -85,8 +97,8 @@ async def test_an_unregistered_socket_is_not_read_and_unregister_is_idempotent()
             calls.append(kept.recv(100).decode())
             return 4
 
-        poller.register(gone.fileno(), lambda: calls.append("gone") or 1, 100)
-        poller.register(kept.fileno(), read_kept, 100)
+        poller.register(gone.fileno(), Reads(lambda: calls.append("gone") or 1, 100))
+        poller.register(kept.fileno(), Reads(read_kept, 100))
         poller.unregister(gone.fileno())
         poller.unregister(gone.fileno())
         assert len(poller) == 1
@@ -100,7 +112,9 @@ async def test_an_unregistered_socket_is_not_read_and_unregister_is_idempotent()
     poller.unregister(kept.fileno())  # after the socket and the set are closed: still no error
 
 
-async def test_a_failing_callback_is_logged_and_dropped_and_the_others_go_on(caplog):
+async def test_a_failing_reader_is_logged_and_dropped_and_the_others_go_on_until_the_poller_stops(caplog):
+    """A dropped reader is told (``gone``: its connection closes), and so is every reader when the poller stops:
+    an idle connection has no task that the node's end would cancel (issue 31)."""
     got: list[bytes] = []
     poller = Poller()
     (bad, bad_peer), (good, good_peer) = pairs(2)
@@ -112,8 +126,9 @@ async def test_a_failing_callback_is_logged_and_dropped_and_the_others_go_on(cap
             got.append(good.recv(100))
             return len(got[-1])
 
-        poller.register(bad.fileno(), fail, 100)
-        poller.register(good.fileno(), read_good, 100)
+        bad_reads, good_reads = Reads(fail, 100), Reads(read_good, 100)
+        poller.register(bad.fileno(), bad_reads)
+        poller.register(good.fileno(), good_reads)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
             with caplog.at_level(logging.ERROR, logger="gateway.node.poller"):
@@ -121,7 +136,9 @@ async def test_a_failing_callback_is_logged_and_dropped_and_the_others_go_on(cap
                 await wait_for(lambda: len(poller) == 1, "the failing socket dropped")
             good_peer.send(b"still served")
             await wait_for(lambda: got == [b"still served"], "the other socket read")
+            assert (bad_reads.gone_calls, good_reads.gone_calls) == (1, 0)
             nursery.cancel_scope.cancel()
+        assert (bad_reads.gone_calls, good_reads.gone_calls) == (1, 1) and len(poller) == 0
     assert "a bug in one connection" in caplog.text
 
 
@@ -146,8 +163,8 @@ async def test_sockets_are_read_in_the_order_their_bytes_arrived_even_one_read_i
                 b_peer.send(b"publish")
             return len(data)
 
-        poller.register(a.fileno(), read_a, 100)
-        poller.register(b.fileno(), read_b, 100)
+        poller.register(a.fileno(), Reads(read_a, 100))
+        poller.register(b.fileno(), Reads(read_b, 100))
         b_peer.send(b"first")
         await serve_until(poller, lambda: read.count("end") >= 2 and len(read) >= 5, "three reads")
         assert read[:5] == ["b", "end", "a", "b", "end"]
@@ -164,7 +181,7 @@ async def test_a_read_that_fills_its_buffer_is_read_again_without_new_bytes():
             got.append(ours.recv(4))
             return len(got[-1])
 
-        poller.register(ours.fileno(), read, 4)
+        poller.register(ours.fileno(), Reads(read, 4))
         theirs.send(b"0123456789")
         await serve_until(poller, lambda: b"".join(got) == b"0123456789", "every byte read")
         assert got == [b"0123", b"4567", b"89"]
@@ -187,7 +204,7 @@ async def test_the_end_that_came_with_the_last_bytes_is_read_too():
                 poller.unregister(ours.fileno())
             return len(data)
 
-        poller.register(ours.fileno(), read, 100)
+        poller.register(ours.fileno(), Reads(read, 100))
         theirs.send(b"\x10")
         theirs.shutdown(socket.SHUT_WR)
         await serve_until(poller, lambda: b"" in got, "the end read")

@@ -5,7 +5,7 @@ import weakref
 import trio
 import trio.testing
 
-from gateway.node.timers import SWEEP_FROM, Timers
+from gateway.node.timers import SWEEP_FROM, TICK_S, Timers
 
 
 async def test_timers_fire_in_deadline_order_and_cancelled_ones_never(autojump_clock):
@@ -94,3 +94,40 @@ def test_cancelled_handles_are_swept_so_the_heap_grows_with_live_timers_only():
 
     trio.run(churn)
     assert len(timers) <= 2 * SWEEP_FROM
+
+
+class Owner:
+    """A wheel deadline's owner that records when it expired."""
+
+    def __init__(self, name: str, fired: list[tuple[str, float]]) -> None:
+        self.name = name
+        self.fired = fired
+        self.tick: int | None = None
+
+    def expired(self) -> None:
+        self.tick = None
+        self.fired.append((self.name, trio.current_time()))
+
+
+async def test_wheel_deadlines_come_due_at_most_a_tick_late_once_per_owner_and_never_when_disarmed(autojump_clock):
+    """Keep alives and CONNECT deadlines are a connection in a wheel slot, not two objects per device (issue 31):
+    re-arming moves the owner (it expires once, at the new deadline), disarming removes it."""
+    timers = Timers()
+    fired: list[tuple[str, float]] = []
+    moved, kept, disarmed = Owner("moved", fired), Owner("kept", fired), Owner("disarmed", fired)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(timers.run)
+        await trio.testing.wait_all_tasks_blocked()
+        start = trio.current_time()
+        moved.tick = timers.arm(moved, 1.0, None)
+        kept.tick = timers.arm(kept, 2.0, None)
+        disarmed.tick = timers.arm(disarmed, 1.5, None)
+        moved.tick = timers.arm(moved, 3.0, moved.tick)  # traffic came: the keep alive moves on
+        timers.disarm(disarmed, disarmed.tick)
+        assert len(timers) == 2
+        await trio.sleep(10)
+        nursery.cancel_scope.cancel()
+    assert [name for name, _ in fired] == ["kept", "moved"]
+    for (_, at), delay in zip(fired, (2.0, 3.0)):
+        assert delay <= at - start <= delay + TICK_S
+    assert len(timers) == 0

@@ -13,22 +13,29 @@ from gateway.node.transports import RECEIVE_BYTES, PolledSocket, StreamTransport
 
 
 class Receiver:
-    """Records what a transport hands it; pauses after ``pause_after`` reads, fails on ``fail_on``."""
+    """Records what a transport hands it and tells it; pauses after ``pause_after`` reads, fails on ``fail_on``."""
 
     def __init__(self, poller: Poller | None = None, pause_after: int = 0, fail_on: bytes = b"") -> None:
         self.closing = False
         self.reads: list[tuple[bytes, bool]] = []  # (data, read in a poller round)
         self.failures: list[Exception] = []
+        self.stalls = 0
+        self.closes = 0
         self._poller = poller
         self.pause_after = pause_after
         self._fail_on = fail_on
-        self._arrived = trio.Event()
+        self._changed = trio.Event()
         self.held = False  # paused whatever was read (the node's work queued for the connection)
 
-    async def wait_reads(self, count: int) -> None:
-        """Return once ``count`` reads were handed over."""
-        while len(self.reads) < count:
-            await self._arrived.wait()
+    async def until(self, condition) -> None:
+        """Return once ``condition()`` holds (checked whenever the transport hands or tells something)."""
+        with trio.fail_after(5):
+            while not condition():
+                await self._changed.wait()
+
+    def _told(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
 
     def paused(self) -> bool:
         return self.held or bool(self.pause_after) and len(self.reads) >= self.pause_after
@@ -37,12 +44,25 @@ class Receiver:
         if self._fail_on and data == self._fail_on:
             raise RuntimeError("a bug in the connection")
         self.reads.append((data, self._poller is not None and self._poller.round is not None))
-        self._arrived.set()
-        self._arrived = trio.Event()
+        self._told()
         return bool(data)
 
     def receive_failed(self, exc: Exception) -> None:
         self.failures.append(exc)
+        self._told()
+
+    def stalled(self) -> None:
+        self.stalls += 1
+        self._told()
+
+    def failed(self, exc: Exception) -> None:
+        self.failures.append(exc)
+        self._told()
+
+    def close(self) -> None:
+        self.closing = True
+        self.closes += 1
+        self._told()
 
 
 def tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -58,17 +78,10 @@ def polled(server: socket.socket, poller: Poller) -> PolledSocket:
     return PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(server)), poller)
 
 
-async def read_until_paused(transport: PolledSocket, receiver: Receiver, client: socket.socket, data: bytes) -> None:
-    """Send ``data`` and have the transport read it into ``receiver``, which pauses after it."""
-    client.send(data)
-    with trio.fail_after(5):
-        assert await transport.read(receiver) is True  # paused: call again once it resumes
-
-
 async def test_a_polled_socket_is_read_in_the_pollers_rounds_until_its_receiver_pauses_then_until_the_end():
     """Once a pause ends (the CONNECT answered), the socket's next bytes are read in the poller's step, in their
-    arrival order, not when the connection's task next runs: a SUBSCRIBE sent on reading the CONNACK comes before
-    another client's PUBLISH sent after it (issue 31, item 6)."""
+    arrival order, with no task: a SUBSCRIBE sent on reading the CONNACK comes before another client's PUBLISH
+    sent after it (issue 31, item 6)."""
     poller = Poller()
     server, client = tcp_pair()
     transport = polled(server, poller)
@@ -76,89 +89,83 @@ async def test_a_polled_socket_is_read_in_the_pollers_rounds_until_its_receiver_
     with client:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
-            await read_until_paused(transport, receiver, client, b"connect")
+            transport.start(receiver)
+            client.send(b"connect")
+            await receiver.until(lambda: receiver.reads)
             assert receiver.reads == [(b"connect", True)] and len(poller) == 1  # in the set while paused
-            receiver.pause_after = 0  # the pause ends; no task reads
+            receiver.pause_after = 0  # the pause ends before the next bytes: nothing to resume
             client.send(b"subscribe")
-            with trio.fail_after(5):
-                await receiver.wait_reads(2)
-            assert receiver.reads == [(b"connect", True), (b"subscribe", True)]
+            await receiver.until(lambda: len(receiver.reads) == 2)
+            assert receiver.reads == [(b"connect", True), (b"subscribe", True)] and receiver.stalls == 0
             client.shutdown(socket.SHUT_WR)
-            with trio.fail_after(5):
-                assert await transport.read(receiver) is False  # the end
-            assert receiver.reads[-1] == (b"", True) and len(poller) == 0
+            await receiver.until(lambda: receiver.closes)
+            assert receiver.reads[-1] == (b"", True) and len(poller) == 0 and receiver.closes == 1
             nursery.cancel_scope.cancel()
     await transport.aclose()
 
 
-async def test_bytes_that_arrive_during_a_pause_wait_unread_until_the_task_reads_again():
+@pytest.mark.parametrize("paused_by", ["its first read", "node work queued between reads"])
+async def test_bytes_that_arrive_during_a_pause_wait_unread_until_the_transport_resumes(paused_by):
     poller = Poller()
     server, client = tcp_pair()
-    witness_server, witness_client = tcp_pair()
     transport = polled(server, poller)
-    witness_transport = polled(witness_server, poller)
     receiver = Receiver(poller, pause_after=1)
-    witness = Receiver(poller, pause_after=1)
-    with client, witness_client:
+    earlier: list[tuple[bytes, bool]] = []
+    with client:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
-            await read_until_paused(transport, receiver, client, b"first")
+            transport.start(receiver)
+            if paused_by == "its first read":
+                client.send(b"first")
+                await receiver.until(lambda: receiver.reads)
+                earlier = [(b"first", True)]
+            else:
+                receiver.pause_after, receiver.held = 0, True
             client.send(b"during")
-            witness_client.send(b"after")  # read once the poller has seen "during"
-            with trio.fail_after(5):
-                assert await witness_transport.read(witness) is True
-            assert receiver.reads == [(b"first", True)]  # the paused receiver is not handed it
-            receiver.pause_after = 0
-            nursery.start_soon(transport.read, receiver)  # the task reads again: the socket is re-armed
-            with trio.fail_after(5):
-                await receiver.wait_reads(2)
-            assert receiver.reads == [(b"first", True), (b"during", True)]
+            await receiver.until(lambda: receiver.stalls)  # the poller reported it while paused: told once
+            assert receiver.reads == earlier and receiver.stalls == 1
+            receiver.pause_after, receiver.held = 0, False
+            transport.resume()  # the pause ended: the socket is re-armed
+            await receiver.until(lambda: len(receiver.reads) == len(earlier) + 1)
+            assert receiver.reads == [*earlier, (b"during", True)]
             nursery.cancel_scope.cancel()
     await transport.aclose()
-    await witness_transport.aclose()
 
 
-async def test_a_pause_that_begins_between_reads_wakes_the_waiting_task_and_its_bytes_wait_for_the_next_read():
+async def test_what_a_polled_read_raises_ends_that_socket_only_and_the_poller_goes_on():
+    poller = Poller()
+    server, client = tcp_pair()
+    other_server, other_client = tcp_pair()
+    transport, other = polled(server, poller), polled(other_server, poller)
+    receiver, other_receiver = Receiver(poller, fail_on=b"boom"), Receiver(poller)
+    with client, other_client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            transport.start(receiver)
+            other.start(other_receiver)
+            client.send(b"boom")
+            await receiver.until(lambda: receiver.failures)
+            assert isinstance(receiver.failures[0], RuntimeError) and len(poller) == 1
+            other_client.send(b"still read")
+            await other_receiver.until(lambda: other_receiver.reads)
+            nursery.cancel_scope.cancel()
+    await transport.aclose()
+    await other.aclose()
+
+
+async def test_a_polled_socket_waiting_for_bytes_is_closed_when_the_poller_stops():
+    """An idle connection has no task that a node's cancellation would end: the poller's end tells it."""
     poller = Poller()
     server, client = tcp_pair()
     transport = polled(server, poller)
     receiver = Receiver(poller)
-    answers = []
-
-    async def read() -> None:
-        answers.append(await transport.read(receiver))
-
     with client:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
-            with trio.fail_after(5):
-                async with trio.open_nursery() as reading:
-                    reading.start_soon(read)
-                    await trio.testing.wait_all_tasks_blocked()  # the task waits in read()
-                    receiver.held = True
-                    client.send(b"held")
-            assert answers == [True] and receiver.reads == []  # woken to wait for the pause's end; nothing read
-            receiver.held = False
-            nursery.start_soon(read)
-            with trio.fail_after(5):
-                await receiver.wait_reads(1)
-            assert receiver.reads == [(b"held", True)]
+            transport.start(receiver)
+            await trio.testing.wait_all_tasks_blocked()
             nursery.cancel_scope.cancel()
-    await transport.aclose()
-
-
-async def test_what_a_polled_read_raises_is_raised_in_the_reading_task_and_the_poller_goes_on():
-    poller = Poller()
-    server, client = tcp_pair()
-    transport = PolledSocket(trio.SocketStream(trio.socket.from_stdlib_socket(server)), poller)
-    with client:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(poller.run)
-            client.send(b"boom")
-            with pytest.raises(RuntimeError, match="a bug in the connection"), trio.fail_after(5):
-                await transport.read(Receiver(poller, fail_on=b"boom"))
-            assert len(poller) == 0
-            nursery.cancel_scope.cancel()
+        assert receiver.closes == 1 and len(poller) == 0
     await transport.aclose()
 
 
