@@ -8,7 +8,7 @@ from gateway.mqtt.actions import CommitOffsets, Deliver, InFlight, Message, Phas
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode_publish_template
 from gateway.mqtt.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
-from gateway.mqtt.session import (ALIAS_BYTES, LANE_PIDS, NOT_IN_LOG, Link, Session, SessionState, encode_session,
+from gateway.mqtt.session import (ALIAS_BYTES, LANE_PIDS, LANES, NOT_IN_LOG, Link, Session, SessionState, encode_session,
                                   session_blob_expiry)
 from store.api import Position
 
@@ -290,6 +290,41 @@ def test_retained_deliveries_of_a_persistent_session_take_ids_from_the_pool():
     session = persistent()
     out = publishes(session.retained((("a/+", Message("a/r", b"r", 1, retain=True)),)))
     assert 1 <= out[0].packet_id < LANE_PIDS
+
+
+def test_a_save_asked_while_one_is_written_follows_its_answer_with_every_change_made_meanwhile():
+    # Issue 31: a client pipelining SUBSCRIBEs must not make each one write the whole blob (O(filters) per
+    # SUBSCRIBE); the saves asked meanwhile become one, and none of their subscriptions is left out of it.
+    session = Session("c", 60)
+    session.attach(link())
+    session.subscribe(Subscription("f/0", "f/0", SubscriptionOptions()), 0)
+    (first,) = session.save()
+    for n in range(1, 5):
+        session.subscribe(Subscription(f"f/{n}", f"f/{n}", SubscriptionOptions()), 0)
+        assert saves(session.save()) == []  # the first is not written yet
+    (second,) = saves(session.saved(first.ref))
+    assert [sub.filter for sub in second.state.subscriptions] == [f"f/{n}" for n in range(5)]
+    assert saves(session.saved(second.ref)) == []  # nothing changed since: no third save
+    session.detach()
+    (last,) = session.save()  # detached: saved at once, whatever is in flight
+    assert last.ref is None and len(last.state.subscriptions) == 5
+
+
+def test_lanes_go_to_the_first_persistent_qos1_subscriptions_and_come_back_when_unsubscribed():
+    session = Session("c", 60)
+    session.attach(link())
+    subs = [Subscription(f"f/{n}", f"f/{n}", SubscriptionOptions(qos=1)) for n in range(LANES + 2)]
+    for sub in subs:
+        session.subscribe(sub, 0)
+    lanes = session.state().lanes
+    assert sorted(lanes.values()) == list(range(1, LANES + 1))  # every lane once; the last two use the pool
+    assert "f/%d" % (LANES + 1) not in lanes
+    freed = lanes["f/7"]
+    session.unsubscribe("f/7")
+    session.subscribe(Subscription("g", "g", SubscriptionOptions(qos=1)), 0)
+    assert session.state().lanes["g"] == freed
+    session.subscribe(Subscription("h", "h", SubscriptionOptions(qos=1)), 0)
+    assert "h" not in session.state().lanes  # every lane is taken again
 
 
 def test_a_crashed_persistent_session_resumed_without_expiry_still_resends_its_lane():
