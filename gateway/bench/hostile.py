@@ -26,8 +26,8 @@ The attacks are issue 21's hostile-client campaign:
   packet, 64 in flight; the ms per filter at each 5,000 held;
 - ``session-filters``: 50 persistent sessions at once each SUBSCRIBE 1,000
   distinct filters (half of them wildcards), one per packet, 64 in flight;
-- ``flood``: one publisher sends 100,000 QoS 0 PUBLISHes of 1 KB as fast as
-  the broker reads them, to a topic a subscriber reads (the baseline of ``never-reads``);
+- ``flood``: one publisher sends 3,000 QoS 0 PUBLISHes of 64 KB (192 MB) as fast
+  as the broker reads them, to a topic a subscriber reads (the baseline of ``never-reads``);
 - ``never-reads``: the same flood, with a second subscriber (QoS 0 and QoS 1
   filters over the flood) that never reads its socket;
 - ``user-properties``: 50 MQTT 5 PUBLISHes with 20,000 User Properties each;
@@ -202,8 +202,8 @@ SIZES: dict[str, dict[str, int]] = {
     "long-topics": {"topics": 30_000, "topic_bytes": 4_000},
     "many-filters": {"filters": 20_000, "in_flight": 64, "report_every": 5000},
     "session-filters": {"sessions": 50, "filters": 1_000, "in_flight": 64},
-    "flood": {"messages": 100_000, "payload_bytes": 1_024, "stalled": 0},
-    "never-reads": {"messages": 100_000, "payload_bytes": 1_024, "stalled": 1},
+    "flood": {"messages": 3_000, "payload_bytes": 65_536, "stalled": 0},
+    "never-reads": {"messages": 3_000, "payload_bytes": 65_536, "stalled": 1},
     "user-properties": {"packets": 50, "properties": 20_000},
     "churn-tcp": {"rounds": 3, "connections": 150, "announced": 1_000_000, "sent": 900_000},
     "churn-ws": {"rounds": 3, "connections": 150, "announced": 1_000_000, "sent": 900_000},
@@ -379,22 +379,22 @@ async def _flood(host: str, port: int, ws_port: int | None, sizes: dict[str, int
                     received += 1
 
     payload = b"x" * sizes["payload_bytes"]
-    batch = encode(Publish("flood/t", payload), MQTT_311) * 100
+    packet = encode(Publish("flood/t", payload), MQTT_311)
     began = time.perf_counter()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(read)
-        for _ in range(sizes["messages"] // 100):
-            await publisher.stream.send_all(batch)
+        for _ in range(sizes["messages"]):
+            await publisher.stream.send_all(packet)
         processed = await publisher.barrier()
         published_s = time.perf_counter() - began
         with trio.move_on_after(PHASE_S):  # the reader catches up, or stops short of what it was dropped
-            while received < sizes["messages"] // 100 * 100:
+            while received < sizes["messages"]:
                 await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
     for client in (publisher, reader, stalled):
         if client is not None:
             await client.close()
-    return {"published": sizes["messages"] // 100 * 100, "published_s": round(published_s, 2),
+    return {"published": sizes["messages"], "published_s": round(published_s, 2),
             "reader_received": received, "processed_all": processed}
 
 

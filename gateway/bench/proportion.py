@@ -7,7 +7,7 @@ beside its canary (``hostile.measure``), LightGate and Mosquitto in the same run
   seconds and the broker's RSS growth (peak over before);
 - ``long-topics``: one client, 30,000 distinct 4 KB topics: seconds, RSS
   growth, the canary's p99 during it;
-- ``never-reads``: a 100,000-message QoS 0 flood with a subscriber that never
+- ``never-reads``: a QoS 0 flood (3,000 x 64 KB) with a subscriber that never
   reads, beside the same flood without it (``flood``): RSS growth over the
   flood's, and the canary's p99 during it over its p99 during the plain flood.
 

@@ -153,7 +153,8 @@ class Link:
     now_ms: Callable[[], int]
     aliases: dict[str, int] = field(default_factory=dict)  # outbound topic -> alias, for this connection
     alias_bytes: int = 0  # the length of the topics in ``aliases`` (at most ALIAS_BYTES)
-    qos0_queue_bytes: int = 0  # QoS 0 bytes handed to the socket but not yet written before new ones drop (0: none)
+    qos0_queue_bytes: int = 0  # delivery bytes handed to the socket, not yet written, before new QoS 0 ones drop (0: none)
+    max_unwritten_bytes: int = 0  # delivery bytes handed to the socket, not yet written, before delivery stops (0: none)
     report: Callable[[Limit, int, str | None], LimitHit] = LimitHit  # builds the action for a limit hit
     may_read: Callable[[str], bool] | None = None  # the ACL's delivery check (topic -> readable); None: all are
     since_ms: int = 0  # when the connection's CONNECT came (ms since the epoch, as store times): interval 0's cut
@@ -226,7 +227,7 @@ class Session:
         self._next_pid = state.next_packet_id if state else 1
         # Lists, not deques: an idle session keeps both empty, and an empty deque costs 760 B.
         self._retained: list[tuple[Subscription, Message]] = []
-        self._written: list[tuple[int, list[tuple[_Stream, int]], int]] = []  # (seq, QoS 0 items, bytes)
+        self._written: list[tuple[int, list[tuple[_Stream, int]], int]] = []  # (seq, QoS 0 items, bytes of any QoS)
         self._unwritten = 0
         self._unwritten_bytes = 0
         self._seq = 0
@@ -537,9 +538,12 @@ class Session:
     def pump(self) -> list[Action]:
         """Deliver what the windows allow and pull for streams that ran dry.
 
-        While the QoS 0 deliveries not yet written add up to ``qos0_queue_bytes``
-        or more, further QoS 0 queue messages are dropped (their offsets advance:
-        QoS 0 is at most once) and reported, so a slow reader costs bounded memory.
+        While the deliveries not yet written add up to ``max_unwritten_bytes`` or
+        more, nothing more is delivered until the socket takes them (``written``):
+        a client that does not read costs that buffer, its messages of any QoS
+        wait in their queues. While they add up to ``qos0_queue_bytes`` or more,
+        further QoS 0 queue messages are dropped (their offsets advance: QoS 0 is
+        at most once) and reported.
 
         At most ``DELIVER_BUDGET`` messages go out per call; the write of a
         ``Deliver`` comes back as ``written``, which pumps again. So 10,000
@@ -558,6 +562,7 @@ class Session:
         unwritten_room = link.max_unwritten - self._unwritten
         queue_limit = link.qos0_queue_bytes
         queued = self._unwritten_bytes
+        byte_cap = link.max_unwritten_bytes or 1 << 62  # 0: no cap
         dropped = 0
         oldest = 0  # the earliest store time of the queue messages delivered now (the latency metric's)
         retained = self._retained
@@ -565,7 +570,7 @@ class Session:
             sub, message = retained[0]
             qos = min(sub.options.qos, message.qos)
             if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
-                    or len(chunks) >= DELIVER_BUDGET:
+                    or len(chunks) >= DELIVER_BUDGET or queued >= byte_cap:
                 break
             pid = self._allocate() if qos else None
             if qos and pid is None:
@@ -576,6 +581,7 @@ class Session:
                 if pid is not None:
                     inflight[pid] = InFlight(pid, sub.filter, _NO_OFFSET, qos)
                 chunks.append(template.render(pid))
+                queued += template.size
         idle: list[_Stream] = []
         for stream in self._ready:
             sub = stream.sub
@@ -592,7 +598,7 @@ class Session:
                     continue
                 qos = min(sub.options.qos, message.qos)
                 if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
-                        or len(chunks) >= DELIVER_BUDGET:
+                        or len(chunks) >= DELIVER_BUDGET or queued >= byte_cap:
                     break
                 pid = None
                 if qos:
@@ -636,7 +642,7 @@ class Session:
                 else:
                     chunks.append(template.render())
                     written.append((stream, offset))
-                    queued += template.size
+                queued += template.size
             if not buffer and not stream.pulling and (stream.head is None or stream.cursor < stream.head):
                 stream.pulling = True
                 if sub.group is not None:
@@ -654,10 +660,9 @@ class Session:
         if not chunks:
             return actions
         self._seq += 1
-        if written:
-            self._written.append((self._seq, written, queued - self._unwritten_bytes))
-            self._unwritten += len(written)
-            self._unwritten_bytes = queued
+        self._written.append((self._seq, written, queued - self._unwritten_bytes))
+        self._unwritten += len(written)
+        self._unwritten_bytes = queued
         by_qos = [0, 0, 0]
         for chunk in chunks:
             by_qos[chunk[0] >> 1 & 3] += 1  # the QoS bits of the PUBLISH's first byte
@@ -855,7 +860,7 @@ class Session:
         return self.pump() if self._pump_due else []
 
     def written(self, up_to: int) -> list[Action]:
-        """Deliveries up to ``seq`` reached the socket: their QoS 0 messages are done."""
+        """Deliveries up to ``seq`` reached the socket: their QoS 0 messages are done, their bytes no longer wait."""
         while self._written and self._written[0][0] <= up_to:
             _, items, size = self._written.pop(0)
             self._unwritten -= len(items)

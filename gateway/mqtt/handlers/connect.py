@@ -63,6 +63,7 @@ def process_connect(channel: Channel, packet: Connect) -> list[Action]:
         encoder=channel._encoder,
         now_ms=channel._now_ms,
         qos0_queue_bytes=config.qos0_queue_bytes,
+        max_unwritten_bytes=config.max_unwritten_bytes,
         report=channel._limit_hit,
         since_ms=channel._now_ms(),
     )

@@ -132,6 +132,27 @@ def test_qos0_backpressure_until_written():
     assert len(publishes(session.written(deliver.seq))) == 2
 
 
+@pytest.mark.parametrize("qos", [0, 1])
+def test_delivery_stops_at_the_unwritten_bytes_cap_and_resumes_when_written_with_nothing_lost(qos):
+    # Issue 31: a client that does not read costs its own bounded buffer (4,096 QoS 1 messages of 64 KB in flight
+    # were 256 MB of one connection's); its messages wait in their queue, none is dropped or skipped.
+    big = [Message("a/b", b"%06d" % i + b"x" * 994, qos, queue="a/+", offset=i) for i in range(10)]
+    session = attached(max_unwritten_bytes=3000, receive_maximum=100, max_unwritten=100, pull_batch=10)
+    session.subscribe(Subscription("a/+", "a/+", SubscriptionOptions(qos=qos)), 0)
+    actions = session.pulled("a/+", tuple(big), 10)
+    got = publishes(actions)
+    assert len(got) == 3  # 3 x ~1 KB reach the cap: the 4th waits
+    assert publishes(session.pump()) == []  # nothing more until the socket takes them
+    while (delivers := [a for a in actions if isinstance(a, Deliver)]):
+        actions = session.written(delivers[-1].seq)
+        got += publishes(actions)
+    assert [int(p.payload[:6]) for p in got] == list(range(10))
+    if qos:
+        for p in got:
+            session.puback(p.packet_id)
+    assert session.committed_offsets() == {"a/+": 10}
+
+
 def test_detach_counts_unwritten_qos0_as_delivered():
     session = attached()
     session.subscribe(Subscription("a/+", "a/+", SubscriptionOptions(qos=0)), 0)
