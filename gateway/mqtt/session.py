@@ -153,8 +153,8 @@ class Link:
     now_ms: Callable[[], int]
     aliases: dict[str, int] = field(default_factory=dict)  # outbound topic -> alias, for this connection
     alias_bytes: int = 0  # the length of the topics in ``aliases`` (at most ALIAS_BYTES)
-    qos0_queue_bytes: int = 0  # delivery bytes handed to the socket, not yet written, before new QoS 0 ones drop (0: none)
-    max_unwritten_bytes: int = 0  # delivery bytes handed to the socket, not yet written, before delivery stops (0: none)
+    qos0_queue_bytes: int = 0  # delivery bytes handed to the socket, unwritten, before new QoS 0 ones drop (0: none)
+    max_unwritten_bytes: int = 0  # delivery bytes handed to the socket, unwritten, before delivery stops (0: none)
     report: Callable[[Limit, int, str | None], LimitHit] = LimitHit  # builds the action for a limit hit
     may_read: Callable[[str], bool] | None = None  # the ACL's delivery check (topic -> readable); None: all are
     since_ms: int = 0  # when the connection's CONNECT came (ms since the epoch, as store times): interval 0's cut

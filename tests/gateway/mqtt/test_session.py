@@ -8,8 +8,8 @@ from gateway.mqtt.actions import CommitOffsets, Deliver, InFlight, Message, Phas
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode_publish_template
 from gateway.mqtt.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
-from gateway.mqtt.session import (ALIAS_BYTES, LANE_PIDS, LANES, NOT_IN_LOG, Link, Session, SessionState, encode_session,
-                                  session_blob_expiry)
+from gateway.mqtt.session import (ALIAS_BYTES, LANE_PIDS, LANES, NOT_IN_LOG, Link, Session, SessionState,
+                                  encode_session, session_blob_expiry)
 from store.api import Position
 
 SUB = Subscription("a/+", "a/+", SubscriptionOptions(qos=1))
