@@ -326,8 +326,8 @@ class LightQueues:
         """The queue id an ``Activated`` record for ``filter`` carries, as things stand: an active wildcard
         filter's own id, else the next filter id; 0 for an exact filter or ``a/#`` (never listed in a record).
 
-        The caller serialises the first activations of filters, each applied before the next asks (store/node.py),
-        so two filters never get one id; an active filter's id is never given to another, even once released.
+        The caller (store/node.py) gives each first activation an id no other was given, applied or not, so two
+        filters never get one id; an active filter's id is never given to another, even once released.
 
         Raises:
             TopicError: the filter is not a valid MQTT topic filter.

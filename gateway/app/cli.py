@@ -47,6 +47,8 @@ BENCHMARKS = {
                  "lost, QoS 2 duplicates, unavailable s; acks=leader|quorum|all fan-in vs one store"),
     "hostile": ("gateway.bench.hostile", "hostile clients (big topics, many filters, User Properties, partial-packet "
                                          "churn) beside a canary: its latency, the broker's RSS and CPU"),
+    "proportion": ("gateway.bench.proportion", "costs in proportion: 50 sessions x 1,000 filters, 30,000 long topics, "
+                                               "a subscriber that never reads, beside a canary, against targets"),
 }
 """``lightgate bench NAME`` -> (module with ``add_arguments(parser)`` and ``run(args) -> dict``, help).
 

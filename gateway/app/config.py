@@ -168,8 +168,11 @@ OPTIONS: tuple[Option, ...] = (
            " (0 = no limit)"),
     Option("limits.max_user_property_bytes", 8192, "bytes the User Properties of one property block of a received"
            " packet may take (0 = no limit)"),
-    Option("limits.qos0_queue_bytes", 0, "QoS 0 delivery bytes a session may have waiting for its socket before new"
+    Option("limits.qos0_queue_bytes", 0, "delivery bytes a session may have waiting for its socket before new"
            " QoS 0 messages to it are dropped (0 = no limit)"),
+    Option("limits.outbound_bytes", 1024 * 1024, "delivery bytes a connection may have waiting for its socket; beyond"
+           " them it is sent nothing more until the socket takes them, its messages wait in their queues (0 = no"
+           " limit)"),
     Option("delayed.max_delay_s", 7 * 24 * 3600, "longest delay of a PUBLISH to $delayed/<seconds>/<topic>; a longer"
            " one is refused (docs/operations.md, \"Delayed delivery\")"),
     Option("delayed.max_pending_per_client", 10_000, "delayed messages a client may have pending; more are refused"

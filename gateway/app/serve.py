@@ -93,6 +93,7 @@ def channel_config(settings: Mapping[str, Any]) -> ChannelConfig:
         publish_burst=settings["limits.publish_burst"],
         publish_bytes_rate=settings["limits.publish_bytes_rate"],
         qos0_queue_bytes=settings["limits.qos0_queue_bytes"],
+        max_unwritten_bytes=settings["limits.outbound_bytes"],
         max_delay_s=settings["delayed.max_delay_s"],
     )
 

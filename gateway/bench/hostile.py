@@ -20,10 +20,16 @@ The attacks are issue 21's hostile-client campaign:
 
 - ``big-topics``: 6,000 QoS 0 PUBLISHes, each to a distinct 65,000-byte topic
   (one connection; reconnects when the broker closes it);
-- ``long-topics``: 20,000 distinct 4,000-byte topics (under LightGate's
-  default ``limits.max_topic_length``: what accepted long topics cost);
+- ``long-topics``: one client, 30,000 distinct 4,000-byte topics (under
+  LightGate's default ``limits.max_topic_length``: what accepted long topics cost);
 - ``many-filters``: one session SUBSCRIBEs 20,000 distinct filters, one per
   packet, 64 in flight; the ms per filter at each 5,000 held;
+- ``session-filters``: 50 persistent sessions at once each SUBSCRIBE 1,000
+  distinct filters (half of them wildcards), one per packet, 64 in flight;
+- ``flood``: one publisher sends 3,000 QoS 0 PUBLISHes of 64 KB (192 MB) as fast
+  as the broker reads them, to a topic a subscriber reads (the baseline of ``never-reads``);
+- ``never-reads``: the same flood, with a second subscriber (QoS 0 and QoS 1
+  filters over the flood) that never reads its socket;
 - ``user-properties``: 50 MQTT 5 PUBLISHes with 20,000 User Properties each;
 - ``churn-tcp`` / ``churn-ws``: 3 rounds of 150 connections that connect, send
   900 KB of a 1 MB PUBLISH and vanish (TCP: reset; WebSocket: the WebSocket
@@ -36,6 +42,7 @@ asserted (tests/gateway/bench/test_hostile.py runs the scenario at tiny sizes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import socket
 import struct
@@ -192,15 +199,18 @@ def _ratios(per_broker: dict[str, Any]) -> dict[str, float | None]:
 
 SIZES: dict[str, dict[str, int]] = {
     "big-topics": {"topics": 6000, "topic_bytes": 65_000},
-    "long-topics": {"topics": 20_000, "topic_bytes": 4_000},
+    "long-topics": {"topics": 30_000, "topic_bytes": 4_000},
     "many-filters": {"filters": 20_000, "in_flight": 64, "report_every": 5000},
+    "session-filters": {"sessions": 50, "filters": 1_000, "in_flight": 64},
+    "flood": {"messages": 3_000, "payload_bytes": 65_536, "stalled": 0},
+    "never-reads": {"messages": 3_000, "payload_bytes": 65_536, "stalled": 1},
     "user-properties": {"packets": 50, "properties": 20_000},
     "churn-tcp": {"rounds": 3, "connections": 150, "announced": 1_000_000, "sent": 900_000},
     "churn-ws": {"rounds": 3, "connections": 150, "announced": 1_000_000, "sent": 900_000},
 }
 """Each attack's sizes at ``--scale 1``; the counts (not the byte sizes) scale."""
 
-_SCALED = {"topics", "filters", "packets", "connections", "report_every"}
+_SCALED = {"topics", "filters", "packets", "connections", "report_every", "messages"}
 
 
 def _sizes(attack: str, scale: float) -> dict[str, int]:
@@ -216,9 +226,15 @@ class _Client:
         self.decoder = MqttDecoder(role=Role.CLIENT, protocol_level=level)
 
     @classmethod
-    async def connect(cls, host: str, port: int, client_id: str, level: int = MQTT_311) -> _Client:
-        client = cls(await trio.open_tcp_stream(host, port), level)
-        await client.send(Connect(level, client_id, True, keep_alive=0))
+    async def connect(cls, host: str, port: int, client_id: str, level: int = MQTT_311, *, clean: bool = True,
+                      receive_buffer: int | None = None) -> _Client:
+        """Connected and accepted; ``receive_buffer``: the socket's SO_RCVBUF, set before it connects."""
+        sock = trio.socket.socket()
+        if receive_buffer is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        await sock.connect((host, port))
+        client = cls(trio.SocketStream(sock), level)
+        await client.send(Connect(level, client_id, clean, keep_alive=0))
         connack = await client.receive()
         if not isinstance(connack, Connack) or connack.reason_code.is_failure:
             raise ConnectionError(f"CONNECT refused: {connack!r}")
@@ -304,6 +320,84 @@ async def _subscribe_filters(host: str, port: int, ws_port: int | None, sizes: d
     return {"granted": granted, "refused": refused, "ms_per_filter_by_held": ms_per_filter}
 
 
+async def _session_filters(host: str, port: int, ws_port: int | None, sizes: dict[str, int]) -> dict[str, Any]:
+    """Persistent sessions SUBSCRIBE at once, each its own distinct filters, one per packet, a window in flight."""
+    per_session, window = sizes["filters"], sizes["in_flight"]
+    granted = refused = 0
+    slowest = 0.0
+
+    async def one(session: int) -> None:
+        nonlocal granted, refused, slowest
+        client = await _Client.connect(host, port, f"hostile-session-{session}", clean=False)
+        began = time.perf_counter()
+        sent = answered = 0
+        while answered < per_session:
+            while sent < per_session and sent - answered < window:
+                sent += 1
+                filter = f"fleet/{session}/{sent}" if sent % 2 else f"fleet/{session}/+/{sent}"
+                await client.send(Subscribe(sent % 65535 + 1, ((filter, SubscriptionOptions(qos=1)),)))
+            with trio.fail_after(ATTACK_TIMEOUT_S):
+                suback = await client.receive()
+            if isinstance(suback, Suback):
+                answered += 1
+                if suback.reason_codes[0].is_failure:
+                    refused += 1
+                else:
+                    granted += 1
+        slowest = max(slowest, time.perf_counter() - began)
+        await client.close()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for session in range(sizes["sessions"]):
+                nursery.start_soon(one, session)
+    except (*_LOST, trio.TooSlowError) as exc:
+        return {"granted": granted, "refused": refused, "ended": f"{type(exc).__name__}: {exc}"}
+    return {"granted": granted, "refused": refused, "slowest_session_s": round(slowest, 2)}
+
+
+async def _flood(host: str, port: int, ws_port: int | None, sizes: dict[str, int]) -> dict[str, Any]:
+    """QoS 0 PUBLISHes as fast as the broker reads them, to a topic a subscriber reads; with ``stalled``, a second
+    subscriber (QoS 0 and QoS 1 filters over it) with a small receive buffer never reads its socket."""
+    reader = await _Client.connect(host, port, "flood-reader")
+    await reader.send(Subscribe(1, (("flood/#", SubscriptionOptions()),)))
+    await reader.receive()  # the SUBACK
+    stalled = None
+    if sizes["stalled"]:
+        stalled = await _Client.connect(host, port, "flood-stalled", receive_buffer=4096)
+        await stalled.send(Subscribe(1, (("flood/#", SubscriptionOptions()),
+                                         ("flood/+", SubscriptionOptions(qos=1)))))
+        await stalled.receive()  # the SUBACK; nothing is read after it
+    publisher = await _Client.connect(host, port, "flood-publisher")
+    received = 0
+
+    async def read() -> None:
+        nonlocal received
+        with contextlib.suppress(*_LOST):
+            while True:
+                if isinstance(await reader.receive(), Publish):
+                    received += 1
+
+    payload = b"x" * sizes["payload_bytes"]
+    packet = encode(Publish("flood/t", payload), MQTT_311)
+    began = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        for _ in range(sizes["messages"]):
+            await publisher.stream.send_all(packet)
+        processed = await publisher.barrier()
+        published_s = time.perf_counter() - began
+        with trio.move_on_after(PHASE_S):  # the reader catches up, or stops short of what it was dropped
+            while received < sizes["messages"]:
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    for client in (publisher, reader, stalled):
+        if client is not None:
+            await client.close()
+    return {"published": sizes["messages"], "published_s": round(published_s, 2),
+            "reader_received": received, "processed_all": processed}
+
+
 async def _user_properties(host: str, port: int, ws_port: int | None, sizes: dict[str, int]) -> dict[str, Any]:
     """MQTT 5 PUBLISHes with thousands of User Properties, each followed by a barrier; reconnect when closed."""
     props = Properties(user_properties=tuple((f"k{i}", "v") for i in range(sizes["properties"])))
@@ -372,6 +466,9 @@ ATTACKS: dict[str, Callable[..., Any]] = {
     "big-topics": _publish_topics,
     "long-topics": _publish_topics,
     "many-filters": _subscribe_filters,
+    "session-filters": _session_filters,
+    "flood": _flood,
+    "never-reads": _flood,
     "user-properties": _user_properties,
     "churn-tcp": lambda *a: _churn(*a, websocket=False),
     "churn-ws": lambda *a: _churn(*a, websocket=True),

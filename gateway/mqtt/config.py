@@ -41,8 +41,9 @@ class ChannelConfig:
     protocol's 65535 bytes and the store's 128 levels); ``max_subscriptions``
     per session, ``publish_rate`` (messages/s, banking ``publish_burst``, 0 =
     one second's worth), ``publish_bytes_rate`` (payload bytes/s) and
-    ``qos0_queue_bytes`` (QoS 0 delivery bytes waiting for the socket) are
-    off at 0. ``receive_maximum`` is also the in-flight limit of 3.1.1
+    ``qos0_queue_bytes`` (delivery bytes waiting for the socket, beyond which
+    QoS 0 messages drop) and ``max_unwritten_bytes`` (beyond which delivery
+    waits for the socket) are off at 0. ``receive_maximum`` is also the in-flight limit of 3.1.1
     clients, as the number of their QoS 1/2 messages stored at once.
     ``pull_batch`` messages per pull bounds a slow stream's buffer; it is the
     deliveries of one step (four turns of ``gateway.mqtt.session.DELIVER_BUDGET``),
@@ -80,6 +81,7 @@ class ChannelConfig:
     publish_burst: float = 0.0
     publish_bytes_rate: float = 0.0
     qos0_queue_bytes: int = 0
+    max_unwritten_bytes: int = 0
     max_delay_s: int = 7 * 24 * 3600
 
     def __post_init__(self) -> None:
@@ -104,7 +106,7 @@ class ChannelConfig:
             raise ValueError(f"max_topic_levels must be 1..{DEFAULT_LIMITS.max_levels} (the store's limit), "
                              f"not {self.max_topic_levels}")
         for name in ("max_subscriptions", "publish_rate", "publish_burst", "publish_bytes_rate", "qos0_queue_bytes",
-                     "max_user_properties", "max_user_property_bytes", "max_delay_s"):
+                     "max_unwritten_bytes", "max_user_properties", "max_user_property_bytes", "max_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, not {getattr(self, name)}")
 

@@ -129,7 +129,8 @@ class Link:
     now_ms: Callable[[], int]
     aliases: dict[str, int] = field(default_factory=dict)  # outbound topic -> alias, for this connection
     alias_bytes: int = 0  # the length of the topics in ``aliases`` (at most ALIAS_BYTES)
-    qos0_queue_bytes: int = 0  # QoS 0 bytes handed to the socket but not yet written before new ones drop (0: none)
+    qos0_queue_bytes: int = 0  # delivery bytes handed to the socket, unwritten, before new QoS 0 ones drop (0: none)
+    max_unwritten_bytes: int = 0  # delivery bytes handed to the socket, unwritten, before delivery stops (0: none)
     report: Callable[[Limit, int, str | None], LimitHit] = LimitHit  # builds the action for a limit hit
     may_read: Callable[[str], bool] | None = None  # the ACL's delivery check (topic -> readable); None: all are
     since_ms: int = 0  # when the connection's CONNECT came (ms since the epoch, as store times): interval 0's cut
@@ -186,7 +187,7 @@ class Session:
 
     __slots__ = ("client_id", "expiry_s", "awaiting_rel", "_streams", "_inflight", "_next_pid", "_retained",
                  "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due",
-                 "_saves", "_next_ref", "_pubrel_due", "_need_save", "_by_queue", "_ready")
+                 "_saves", "_next_ref", "_pubrel_due", "_need_save", "_by_queue", "_ready", "_lanes")
 
     awaiting_rel: dict[int, Position]
     """Inbound QoS 2 packet id -> position of its record (``NOT_IN_LOG``: unknown to the store), stored
@@ -207,6 +208,7 @@ class Session:
         self.client_id = client_id
         self.expiry_s = expiry_s
         self._next_pid = state.next_packet_id if state else 1
+        self._lanes: dict[int, int] | None = None  # lane -> streams holding it (made at the first lane)
         self._unwritten = 0
         self._unwritten_bytes = 0
         self._seq = 0
@@ -236,7 +238,7 @@ class Session:
             self._committed[sub.filter] = committed
         for stream in self._streams.values():
             if not stream.lane and self._wants_lane(stream.sub):
-                stream.lane = self._free_lane()  # a blob without lanes: usable once a save records it
+                self._take_lane(stream)  # a blob without lanes: usable once a save records it
         for entry in state.inflight:
             stream = self._streams.get(entry.filter)
             current = stream is not None and entry.offset >= self._committed[entry.filter]
@@ -331,6 +333,9 @@ class Session:
             return []
         if self._link is None:
             return [SaveSession(self.state())]
+        if self._saves:  # one is being written: the next follows its answer (``saved``), with all changed meanwhile
+            self._need_save = True
+            return []
         return [self._save_action()]
 
     def _save_action(self) -> SaveSession:
@@ -398,7 +403,7 @@ class Session:
         if stream is not None:
             stream.sub = sub
             if not stream.lane and self._wants_lane(sub):
-                stream.lane = self._free_lane()
+                self._take_lane(stream)
             return False
         self._add(_Stream(sub, start, self._free_lane() if self._wants_lane(sub) else 0))
         self._committed[sub.filter] = start
@@ -411,6 +416,8 @@ class Session:
         if stream is None:
             return False
         self._ready.pop(stream, None)
+        if stream.lane:
+            self._hold_lane(stream.lane, -1)
         readers = self._by_queue[stream.sub.queue]
         readers.remove(stream)
         if not readers:
@@ -418,6 +425,8 @@ class Session:
         return True
 
     def _add(self, stream: _Stream) -> None:
+        if stream.lane:
+            self._hold_lane(stream.lane, 1)
         self._streams[stream.sub.filter] = stream
         self._by_queue.setdefault(stream.sub.queue, []).append(stream)
         self._ready[stream] = None  # its first pull finds where the queue's head is
@@ -426,11 +435,32 @@ class Session:
         """Does ``sub`` send by lane: a persistent session's non-shared QoS 1/2 subscription."""
         return self.persistent and sub.group is None and sub.options.qos > 0
 
+    def _hold_lane(self, lane: int, streams: int) -> None:
+        """``streams`` more (or fewer) streams hold ``lane``."""
+        lanes = self._lanes
+        if lanes is None:
+            lanes = self._lanes = {}
+        held = lanes.get(lane, 0) + streams
+        if held > 0:
+            lanes[lane] = held
+        else:
+            lanes.pop(lane, None)
+
+    def _take_lane(self, stream: _Stream) -> None:
+        stream.lane = self._free_lane()
+        if stream.lane:
+            self._hold_lane(stream.lane, 1)
+
     def _free_lane(self) -> int:
-        """The lowest lane no stream and no message in flight uses; 0 (the pool) when every lane is taken."""
-        used = {stream.lane for stream in self._streams.values()}
-        used.update(pid // LANE_PIDS for pid in self._inflight)
-        return next((lane for lane in range(1, LANES + 1) if lane not in used), 0)
+        """The lowest lane no stream and no message in flight uses; 0 (the pool) when every lane is taken.
+
+        The streams' lanes are counted as they change (``_hold_lane``), not collected: with every lane taken a
+        SUBSCRIBE costs the same at 1,000 subscriptions held as at 200."""
+        held = self._lanes or {}
+        if len(held) >= LANES:
+            return 0
+        used = {pid // LANE_PIDS for pid in self._inflight}
+        return next((lane for lane in range(1, LANES + 1) if lane not in held and lane not in used), 0)
 
     # --- delivery -----------------------------------------------------------------------
 
@@ -490,9 +520,12 @@ class Session:
     def pump(self) -> list[Action]:
         """Deliver what the windows allow and pull for streams that ran dry.
 
-        While the QoS 0 deliveries not yet written add up to ``qos0_queue_bytes``
-        or more, further QoS 0 queue messages are dropped (their offsets advance:
-        QoS 0 is at most once) and reported, so a slow reader costs bounded memory.
+        While the deliveries not yet written add up to ``max_unwritten_bytes`` or
+        more, nothing more is delivered until the socket takes them (``written``):
+        a client that does not read costs that buffer, its messages of any QoS
+        wait in their queues. While they add up to ``qos0_queue_bytes`` or more,
+        further QoS 0 queue messages are dropped (their offsets advance: QoS 0 is
+        at most once) and reported.
 
         At most ``DELIVER_BUDGET`` messages go out per call; the write of a
         ``Deliver`` comes back as ``written``, which pumps again. So 10,000
@@ -511,6 +544,7 @@ class Session:
         unwritten_room = link.max_unwritten - self._unwritten
         queue_limit = link.qos0_queue_bytes
         queued = self._unwritten_bytes
+        byte_cap = link.max_unwritten_bytes or 1 << 62  # 0: no cap
         dropped = 0
         oldest = 0  # the earliest store time of the queue messages delivered now (the latency metric's)
         retained = self._retained
@@ -518,7 +552,7 @@ class Session:
             sub, message = retained[0]
             qos = min(sub.options.qos, message.qos)
             if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
-                    or len(chunks) >= DELIVER_BUDGET:
+                    or len(chunks) >= DELIVER_BUDGET or queued >= byte_cap:
                 break
             pid = self._allocate() if qos else None
             if qos and pid is None:
@@ -529,6 +563,7 @@ class Session:
                 if pid is not None:
                     inflight[pid] = InFlight(pid, sub.filter, _NO_OFFSET, qos)
                 chunks.append(template.render(pid))
+                queued += template.size
         idle: list[_Stream] = []
         for stream in self._ready:
             sub = stream.sub
@@ -545,7 +580,7 @@ class Session:
                     continue
                 qos = min(sub.options.qos, message.qos)
                 if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
-                        or len(chunks) >= DELIVER_BUDGET:
+                        or len(chunks) >= DELIVER_BUDGET or queued >= byte_cap:
                     break
                 pid = None
                 if qos:
@@ -589,7 +624,7 @@ class Session:
                 else:
                     chunks.append(template.render())
                     written.append((stream, offset))
-                    queued += template.size
+                queued += template.size
             if not buffer and not stream.pulling and (stream.head is None or stream.cursor < stream.head):
                 stream.pulling = True
                 if sub.group is not None:
@@ -607,10 +642,9 @@ class Session:
         if not chunks:
             return actions
         self._seq += 1
-        if written:
-            self._written.append((self._seq, written, queued - self._unwritten_bytes))
-            self._unwritten += len(written)
-            self._unwritten_bytes = queued
+        self._written.append((self._seq, written, queued - self._unwritten_bytes))
+        self._unwritten += len(written)
+        self._unwritten_bytes = queued
         by_qos = [0, 0, 0]
         for chunk in chunks:
             by_qos[chunk[0] >> 1 & 3] += 1  # the QoS bits of the PUBLISH's first byte
@@ -808,7 +842,7 @@ class Session:
         return self.pump() if self._pump_due else []
 
     def written(self, up_to: int) -> list[Action]:
-        """Deliveries up to ``seq`` reached the socket: their QoS 0 messages are done."""
+        """Deliveries up to ``seq`` reached the socket: their QoS 0 messages are done, their bytes no longer wait."""
         while self._written and self._written[0][0] <= up_to:
             _, items, size = self._written.pop(0)
             self._unwritten -= len(items)

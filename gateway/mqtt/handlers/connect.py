@@ -60,6 +60,7 @@ def process_connect(channel: ChannelView, packet: Connect) -> list[Action]:
         encoder=channel.encoder,
         now_ms=channel.now_ms,
         qos0_queue_bytes=config.qos0_queue_bytes,
+        max_unwritten_bytes=config.max_unwritten_bytes,
         report=channel.limit_hit,
         since_ms=channel.now_ms(),
     )

@@ -79,6 +79,11 @@ def process_subscribe(channel: ChannelView, packet: Subscribe) -> list[Action]:
     quota = channel.config.max_subscriptions
     # New filters being activated count with those held: a SUBSCRIBE answered later must not let an earlier
     # one overshoot. (Counted, not collected: a SUBSCRIBE costs the same with 4,000 filters held as with 4.)
+    # The filters in flight are collected only when they could reach the quota, not on every SUBSCRIBE of a
+    # client that pipelines them.
+    in_flight = sum(len(w) for _, _, w in channel.conn.activations.values()) if quota else 0
+    if quota and session.subscription_count + in_flight + len(packet.subscriptions) <= quota:
+        quota = 0  # every filter of this packet fits
     activating = {sub.filter for _, _, w in channel.conn.activations.values() for _, sub in w
                   if not session.holds(sub.filter)} if quota else set()
     held = session.subscription_count + len(activating)

@@ -8,8 +8,8 @@ from gateway.mqtt.actions import CommitOffsets, Deliver, InFlight, Message, Phas
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode_publish_template
 from gateway.mqtt.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
-from gateway.mqtt.session import (ALIAS_BYTES, LANE_PIDS, NOT_IN_LOG, Link, Session, SessionState, encode_session,
-                                  session_blob_expiry)
+from gateway.mqtt.session import (ALIAS_BYTES, LANE_PIDS, LANES, NOT_IN_LOG, Link, Session, SessionState,
+                                  encode_session, session_blob_expiry)
 from store.api import Position
 
 SUB = Subscription("a/+", "a/+", SubscriptionOptions(qos=1))
@@ -130,6 +130,27 @@ def test_qos0_backpressure_until_written():
     (deliver,) = [a for a in actions if isinstance(a, Deliver)]
     assert len(publishes(actions)) == 2
     assert len(publishes(session.written(deliver.seq))) == 2
+
+
+@pytest.mark.parametrize("qos", [0, 1])
+def test_delivery_stops_at_the_unwritten_bytes_cap_and_resumes_when_written_with_nothing_lost(qos):
+    # Issue 31: a client that does not read costs its own bounded buffer (4,096 QoS 1 messages of 64 KB in flight
+    # were 256 MB of one connection's); its messages wait in their queue, none is dropped or skipped.
+    big = [Message("a/b", b"%06d" % i + b"x" * 994, qos, queue="a/+", offset=i) for i in range(10)]
+    session = attached(max_unwritten_bytes=3000, receive_maximum=100, max_unwritten=100, pull_batch=10)
+    session.subscribe(Subscription("a/+", "a/+", SubscriptionOptions(qos=qos)), 0)
+    actions = session.pulled("a/+", tuple(big), 10)
+    got = publishes(actions)
+    assert len(got) == 3  # 3 x ~1 KB reach the cap: the 4th waits
+    assert publishes(session.pump()) == []  # nothing more until the socket takes them
+    while (delivers := [a for a in actions if isinstance(a, Deliver)]):
+        actions = session.written(delivers[-1].seq)
+        got += publishes(actions)
+    assert [int(p.payload[:6]) for p in got] == list(range(10))
+    if qos:
+        for p in got:
+            session.puback(p.packet_id)
+    assert session.committed_offsets() == {"a/+": 10}
 
 
 def test_detach_counts_unwritten_qos0_as_delivered():
@@ -290,6 +311,41 @@ def test_retained_deliveries_of_a_persistent_session_take_ids_from_the_pool():
     session = persistent()
     out = publishes(session.retained((("a/+", Message("a/r", b"r", 1, retain=True)),)))
     assert 1 <= out[0].packet_id < LANE_PIDS
+
+
+def test_a_save_asked_while_one_is_written_follows_its_answer_with_every_change_made_meanwhile():
+    # Issue 31: a client pipelining SUBSCRIBEs must not make each one write the whole blob (O(filters) per
+    # SUBSCRIBE); the saves asked meanwhile become one, and none of their subscriptions is left out of it.
+    session = Session("c", 60)
+    session.attach(link())
+    session.subscribe(Subscription("f/0", "f/0", SubscriptionOptions()), 0)
+    (first,) = session.save()
+    for n in range(1, 5):
+        session.subscribe(Subscription(f"f/{n}", f"f/{n}", SubscriptionOptions()), 0)
+        assert saves(session.save()) == []  # the first is not written yet
+    (second,) = saves(session.saved(first.ref))
+    assert [sub.filter for sub in second.state.subscriptions] == [f"f/{n}" for n in range(5)]
+    assert saves(session.saved(second.ref)) == []  # nothing changed since: no third save
+    session.detach()
+    (last,) = session.save()  # detached: saved at once, whatever is in flight
+    assert last.ref is None and len(last.state.subscriptions) == 5
+
+
+def test_lanes_go_to_the_first_persistent_qos1_subscriptions_and_come_back_when_unsubscribed():
+    session = Session("c", 60)
+    session.attach(link())
+    subs = [Subscription(f"f/{n}", f"f/{n}", SubscriptionOptions(qos=1)) for n in range(LANES + 2)]
+    for sub in subs:
+        session.subscribe(sub, 0)
+    lanes = session.state().lanes
+    assert sorted(lanes.values()) == list(range(1, LANES + 1))  # every lane once; the last two use the pool
+    assert "f/%d" % (LANES + 1) not in lanes
+    freed = lanes["f/7"]
+    session.unsubscribe("f/7")
+    session.subscribe(Subscription("g", "g", SubscriptionOptions(qos=1)), 0)
+    assert session.state().lanes["g"] == freed
+    session.subscribe(Subscription("h", "h", SubscriptionOptions(qos=1)), 0)
+    assert "h" not in session.state().lanes  # every lane is taken again
 
 
 def test_a_crashed_persistent_session_resumed_without_expiry_still_resends_its_lane():

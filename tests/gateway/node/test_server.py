@@ -157,6 +157,35 @@ def test_persistent_session_survives_a_node_restart(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_session_that_pipelined_its_subscribes_has_every_filter_matching_and_after_a_restart(tmp_path):
+    # Issue 31: the saves of a session pipelining SUBSCRIBEs are merged (one blob for many); none may be left out.
+    # [MQTT-3.1.2-4/5]: a session resumed with clean session 0 keeps its subscriptions, across a node restart too.
+    run = uuid.uuid4().hex[:6]
+    filters = [f"p{run}/{n}" if n % 2 else f"p{run}/+/{n}" for n in range(300)]
+    topics = [f"p{run}/{n}" if n % 2 else f"p{run}/x/{n}" for n in range(300)]
+
+    def every_filter_matches(port: int, sub: Client) -> None:
+        with connected(port) as pub:
+            for n, topic in enumerate(topics):
+                pub.publish(topic, b"%d" % n, 1)
+        assert sorted(int(m.payload) for m in sub.receive(len(topics))) == list(range(len(topics)))
+
+    with running_node(tmp_path / "data") as first:
+        sub = Client(first.port, f"p-{run}", clean=False)
+        sub.connect()
+        for topic_filter in filters:  # one SUBSCRIBE each, none waiting for the SUBACK of the one before
+            sub.paho.subscribe(topic_filter, 1)
+        assert [sub.subacks.get(timeout=WAIT_S) for _ in filters] and sub.subacks.empty()
+        every_filter_matches(first.port, sub)
+        sub.disconnect()
+    with running_node(tmp_path / "data") as second:
+        again = Client(second.port, f"p-{run}", clean=False)
+        assert again.connect().session_present
+        every_filter_matches(second.port, again)
+        again.disconnect()
+
+
+@pytest.mark.slow
 def test_will_on_abnormal_close_only(interop_node):
     run = uuid.uuid4().hex[:6]
     with connected(interop_node.port) as watcher:
