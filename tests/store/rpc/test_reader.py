@@ -32,6 +32,16 @@ async def follower_and_leader(store, nursery) -> tuple[str, str]:
     return "127.0.0.1:{}".format(listener.socket.getsockname()[1]), leader
 
 
+async def half_confirmed(store, count: int) -> tuple:
+    """``count`` messages appended, the log held as a follower's whose leader confirmed the first half only: the
+    log, its published offset and its written end."""
+    offsets = await store.append([NewMessage("tele/a", f"m{i}".encode(), "dev1", 1) for i in range(count)],
+                                 durable=True)
+    log = store.log.log
+    log.hold_confirm(offsets[count // 2])
+    return log, log.published_offset, log.written_offset
+
+
 async def ask(address: str, *messages: object) -> list[object]:
     """Send ``messages`` on a new connection; every frame the store answers until it closes the connection."""
     host, port = address.rsplit(":", 1)
@@ -88,12 +98,7 @@ async def test_a_live_range_past_a_lagging_follower_waits_for_it_and_reads_every
     """The driver planned the range on a replica that had published more than the follower the executor reads:
     the follower's answers stop at its published offset, the reader asks again (no record is skipped, the range
     does not end early), and once the follower confirms the rest it reads every record of the range once."""
-    offsets = await store.append([NewMessage("tele/a", f"m{i}".encode(), "dev1", 1) for i in range(100)],
-                                 durable=True)
-    log = store.log.log
-    end = log.written_offset
-    log.hold_confirm(offsets[50])  # the follower holds the first half only, as far as its leader confirmed
-    held = log.published_offset
+    log, held, end = await half_confirmed(store, 100)
     waiting = threading.Event()
 
     def read_span(offset: int, max_bytes: int):
@@ -123,12 +128,7 @@ async def test_an_empty_span_never_reports_a_bound_past_its_start(store):
     """A confirm that lands between the read of a follower's bytes and the read of its published offset must not
     make the answer say "published up to the end, nothing here": the Spark reader would take that for the end of
     the range and skip the records it did not get (the bound is taken before the read)."""
-    offsets = await store.append([NewMessage("tele/a", f"m{i}".encode(), "dev1", 1) for i in range(10)],
-                                 durable=True)
-    log = store.log.log
-    end = log.written_offset
-    log.hold_confirm(offsets[5])  # the follower publishes the first half only, as far as its leader confirmed
-    held = log.published_offset
+    log, held, end = await half_confirmed(store, 10)
 
     class ConfirmDuringRead:
         """The follower's log, with its leader's confirm arriving just after the bytes were read."""
