@@ -74,7 +74,8 @@ def build(root: Path) -> str | None:
         ])
     except (Exception, SystemExit) as exc:  # setuptools and mypyc report a failed build as SystemExit
         remove(root)
-        why = str(exc) or type(exc).__name__
+        why = (f"mypy or the compiler stopped with status {exc.code}: see above"
+               if isinstance(exc, SystemExit) and not isinstance(exc.code, str) else str(exc) or type(exc).__name__)
         return f"the build failed ({why if len(why) <= 200 else why[:200] + ' ...'})"
     finally:
         os.chdir(cwd)
