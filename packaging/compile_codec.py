@@ -81,7 +81,7 @@ def build(root: Path) -> str | None:
         os.chdir(cwd)
     if len(compiled_files(root)) != len(MODULES) + 1:
         remove(root)
-        return "the build left no extension modules"
+        return "the build did not leave the extension modules expected"
     (root / MANIFEST).write_text(json.dumps(source_hashes(root), indent=1) + "\n")
     return None
 
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=ROOT, help="the source tree (default: this checkout)")
     parser.add_argument("--remove", action="store_true", help="remove the compiled modules (make pure)")
     args = parser.parse_args(argv)
+    args.root = args.root.resolve()
     if args.remove:
         remove(args.root)
         print("compiled codec removed: the node runs the pure-Python codec")
