@@ -95,6 +95,7 @@ def test_without_mypy_the_build_leaves_the_pure_codec(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @needs_mypyc
 def test_without_a_working_compiler_the_build_leaves_the_pure_codec(tmp_path):
     root = _source_copy(tmp_path)
@@ -102,6 +103,7 @@ def test_without_a_working_compiler_the_build_leaves_the_pure_codec(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # mypyc and gcc -O3 take 15 s of CPU, minutes on a busy machine
 @needs_mypyc
 def test_a_build_loads_compiled_and_agrees_with_the_source(tmp_path):
     root = _source_copy(tmp_path)
