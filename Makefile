@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 BASE := $(VENV)/.installed-base
 DEV := $(VENV)/.installed-dev
 
-.PHONY: venv venv-dev run test test-deps test-fast bench bench-peers dist clean
+.PHONY: venv venv-dev run test test-deps test-fast bench bench-peers dist clean compiled pure
 
 # `make run` needs the broker only: the base install. `make test` and `make bench` need everything: the dev
 # extra (the analytics and bench extras, the test tools). A stamp is remade only when pyproject.toml changed;
@@ -27,7 +27,26 @@ $(DEV): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $@ $(BASE)
 
-run: venv
+# The MQTT codec compiled with mypyc (docs/benchmarks.md#compiled-codec): opt-in, never needed. `make compiled`
+# builds it in place beside its sources, which stay the reference; without mypy or a C compiler, or when the build
+# fails, it says so and leaves the pure-Python codec (exit 0). A build, once made, is remade by `make run` and
+# `make test` when its sources changed; `make pure` removes it. The suite runs against whichever is in place.
+CODEC := gateway/mqtt/properties.py gateway/mqtt/codec.py
+COMPILED := build/compiled/manifest.json
+RECOMPILE := $(if $(wildcard $(COMPILED)),$(COMPILED))
+
+compiled: venv
+	@$(BIN)/python -m pip install --quiet 'mypy>=2.4,<3' \
+		|| echo "compiled: could not install mypy: the build below will say so"
+	$(BIN)/python packaging/compile_codec.py
+
+$(COMPILED): $(CODEC) packaging/compile_codec.py
+	$(BIN)/python packaging/compile_codec.py
+
+pure: venv
+	$(BIN)/python packaging/compile_codec.py --remove
+
+run: venv $(RECOMPILE)
 	$(BIN)/lightgate serve $(ARGS)
 
 # The interop tests drive mosquitto_pub/mosquitto_sub, the password tests read files mosquitto_passwd (Debian's
@@ -60,10 +79,10 @@ test-deps:
 TEST_WORKERS ?= 3
 XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test: venv-dev test-deps
+test: venv-dev test-deps $(RECOMPILE)
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
-test-fast: venv-dev test-deps
+test-fast: venv-dev test-deps $(RECOMPILE)
 	$(BIN)/python -m pytest $(XDIST) -m "not slow and not spark" $(PYTEST_ARGS)
 
 bench: venv-dev bench-peers
@@ -83,4 +102,4 @@ dist: venv-dev
 	$(BIN)/python -m build --outdir dist .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build dist
+	rm -rf $(VENV) .pytest_cache .hypothesis build dist gateway/mqtt/*.so

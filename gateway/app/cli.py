@@ -28,6 +28,8 @@ LOG = logging.getLogger("lightgate")
 
 BENCHMARKS = {
     "store": ("gateway.bench.store", "CommitLog appends (async and sync group commit) next to the raw disk"),
+    "codec": ("gateway.bench.codec", "the per-message codec work in one process: PUBLISH decode and encode, record "
+                                     "encode and decode; says whether the compiled codec modules were loaded"),
     "index": ("gateway.bench.index", "light queues: dispatch rate, filter match, pull latency, bytes per message"),
     "produce": ("gateway.bench.produce", "back-end producers, embedded and over the RPC: single sends vs send_batch vs "
                                          "AutoBatch with a consumer group reading: produced/s, consumed/s, p99, bytes, CPU"),

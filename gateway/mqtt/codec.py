@@ -275,7 +275,7 @@ class MqttDecoder:
         """Which end of the connection this decoder sits at."""
         return self._role
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Add received bytes to the buffer (copying them: the caller may reuse ``data``)."""
         self._incoming += data
 
@@ -454,9 +454,10 @@ class MqttDecoder:
                 raise _malformed(f"CONNACK return code {code} is reserved")
             reason = connack_reason_from_311(ConnackCode311(code))
         else:
-            reason = _CONNACK_CODES.get(code)
-            if reason is None:
+            found = _CONNACK_CODES.get(code)
+            if found is None:
                 raise _malformed(f"0x{code:02X} is not a CONNACK reason code")
+            reason = found
             properties, pos = read_properties(buf, start + 2, end, PacketType.CONNACK)
             if pos != end:
                 raise _malformed("bytes after the end of the CONNACK properties")
@@ -650,7 +651,7 @@ def _ack_reader(
     return read
 
 
-_PING = {PacketType.PINGREQ: Pingreq(), PacketType.PINGRESP: Pingresp()}
+_PING: dict[int, Pingreq | Pingresp] = {PacketType.PINGREQ: Pingreq(), PacketType.PINGRESP: Pingresp()}
 _DISCONNECT = Disconnect()
 
 # Keyed by packet type (the first byte's high nibble); type 0 never gets this far.
@@ -864,9 +865,9 @@ def _write_suback(packet: Suback, level: int) -> bytes:
         raise LocalProtocolError("SUBACK needs at least one reason code")
     for reason in packet.reason_codes:
         _check_reason(reason, SUBACK_REASONS, PacketType.SUBACK)
-    codes = packet.reason_codes
+    codes: tuple[int, ...] = packet.reason_codes
     if level == MQTT_311:
-        codes = tuple(SUBACK_FAILURE_311 if reason.is_failure else reason for reason in codes)
+        codes = tuple(SUBACK_FAILURE_311 if reason.is_failure else reason for reason in packet.reason_codes)
     body = (
         _packet_id(packet.packet_id, PacketType.SUBACK)
         + _property_block(packet.properties, PacketType.SUBACK, level)

@@ -529,7 +529,7 @@ def test_request_response(suite_node):
     Request Response Information 1 may be answered with Response Information (the server's choice)."""
     run = run_id()
     with raw_client(suite_node.port, MQTT_5) as requester, raw_client(suite_node.port, MQTT_5) as responder:
-        connack = requester.connect(f"req-{run}", properties=Properties(request_response_information=1))
+        connack = requester.connect(f"req-{run}", properties=Properties(request_response_information=True))
         assert connack.reason_code is ReasonCode.SUCCESS
         responder.connect(f"resp-{run}")
         responder.subscribe(f"rr{run}/request", 1)
