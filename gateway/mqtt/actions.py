@@ -24,6 +24,7 @@ from typing import Protocol, TypeAlias
 
 import msgspec
 
+from gateway.mqtt.codec import PublishTemplate
 from gateway.mqtt.limits import Limit
 from gateway.mqtt.packets import Packet, SubscriptionOptions
 from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
@@ -43,7 +44,8 @@ class Message(msgspec.Struct, gc=False):
 
     ``client_id`` is the publisher's (for No Local). ``store_ms`` is set by the
     store; message expiry counts from it. ``queue``/``offset`` locate a message
-    read from a light queue (None for a retained message).
+    read from a light queue (None for a retained message). ``template``: the
+    PUBLISH every session that delivers the message writes from (gateway/mqtt/session.py).
     """
 
     topic: str
@@ -56,6 +58,7 @@ class Message(msgspec.Struct, gc=False):
     store_ms: int = 0
     queue: str | None = None
     offset: int | None = None
+    template: PublishTemplate | None = None  # its PUBLISH, encoded by the first session that delivers it
 
 
 class Subscription(msgspec.Struct, frozen=True):

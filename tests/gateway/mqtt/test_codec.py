@@ -17,10 +17,10 @@ from gateway.mqtt.codec import (
     NEED_DATA,
     LocalProtocolError,
     MqttDecoder,
+    PublishTemplate,
     RemoteProtocolError,
     Role,
     encode,
-    encode_publish_template,
 )
 from gateway.mqtt.packets import (
     Auth,
@@ -582,42 +582,41 @@ def test_amqtt_interop_both_ways():
 )
 def test_template_renders_what_encode_produces(level, topic, payload, qos, retain, packet_id, dup, data):
     properties = data.draw(props(PacketType.PUBLISH, level))
-    template = encode_publish_template(topic, payload, qos, retain, encode_properties(properties, PacketType.PUBLISH) if level == 5 else b"", level)
+    template = PublishTemplate(topic, payload, properties)
     packet = Publish(topic, payload, qos, retain, dup and qos > 0, packet_id if qos else None, properties)
-    rendered = template.render(packet.packet_id, packet.dup)
+    block = template.patched(properties.message_expiry_interval, properties.subscription_identifiers,
+                             properties.topic_alias) if level == 5 else None
+    rendered = template.render(level, qos, retain, packet.dup, packet.packet_id, block)
     assert rendered == encode(packet, level)
-    assert len(rendered) == template.size
+    head = template.head(level, qos, retain, packet.dup, block)
+    assert len(rendered) == template.size(head, level, qos, block)
 
 
-def test_template_patches_only_packet_id_and_dup():
-    template = encode_publish_template("t", b"p", 1, False, b"", 5)
-    assert template.render(1) == b"\x32\x07\x00\x01t\x00\x01\x00p"
-    assert template.render(0xABCD) == b"\x32\x07\x00\x01t\xab\xcd\x00p"
-    assert template.render(1, dup=True) == b"\x3a\x07\x00\x01t\x00\x01\x00p"
+def test_template_patches_only_flags_and_packet_id():
+    template = PublishTemplate("t", b"p")
+    assert template.render(5, 1, packet_id=1) == b"\x32\x07\x00\x01t\x00\x01\x00p"
+    assert template.render(5, 1, packet_id=0xABCD) == b"\x32\x07\x00\x01t\xab\xcd\x00p"
+    assert template.render(5, 1, dup=True, packet_id=1) == b"\x3a\x07\x00\x01t\x00\x01\x00p"
+    assert template.render(4, 2, retain=True, packet_id=1) == b"\x35\x06\x00\x01t\x00\x01p"
+    assert template.render(4, 0) == b"\x30\x04\x00\x01tp"
 
 
 @pytest.mark.parametrize(
     ("qos", "packet_id", "dup"), [(0, 1, False), (0, None, True), (1, None, False), (1, 0, False), (2, 65_536, False)]
 )
 def test_template_refuses_bad_packet_ids(qos, packet_id, dup):
-    template = encode_publish_template("t", b"", qos, False, b"", 4)
+    template = PublishTemplate("t", b"")
     with pytest.raises(LocalProtocolError):
-        template.render(packet_id, dup)
+        template.render(4, qos, False, dup, packet_id)
 
 
 @pytest.mark.parametrize(
-    ("args", "why"),
-    [
-        (("t", b"", 3, False, b"", 5), "QoS 3"),
-        (("t", b"", 0, False, b"\x23\x00\x01", 4), "properties on 3.1.1"),
-        (("", b"", 0, False, b"", 4), "empty topic on 3.1.1"),
-        (("t", b"", 0, False, b"", 6), "unknown level"),
-        (("t\x00", b"", 0, False, b"", 5), "U+0000 in topic"),
-    ],
+    ("topic", "level", "qos", "why"),
+    [("t", 5, 3, "QoS 3"), ("t", 6, 0, "unknown level"), ("t\x00", 5, 0, "U+0000 in topic")],
 )
-def test_template_refuses_invalid_messages(args, why):
+def test_template_refuses_invalid_messages(topic, level, qos, why):
     with pytest.raises(LocalProtocolError):
-        encode_publish_template(*args)
+        PublishTemplate(topic, b"").render(level, qos)
 
 
 # --- decoding rules: the fixed header and connection state --------------------------------------
