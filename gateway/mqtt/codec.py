@@ -838,8 +838,13 @@ def _ack_writer(
 ) -> Callable[[Puback | Pubrec | Pubrel | Pubcomp, int], bytes]:
     """The writer for PUBACK, PUBREC, PUBREL or PUBCOMP, in the shortest form the spec allows."""
     first = packet_type << 4 | _FIXED_FLAGS[packet_type]
+    plain = bytes((first, 2))  # the fixed header of a success without properties, in either version
 
     def write(packet: Puback | Pubrec | Pubrel | Pubcomp, level: int) -> bytes:
+        packet_id = packet.packet_id
+        if packet.reason_code is ReasonCode.SUCCESS and packet.properties is EMPTY_PROPERTIES \
+                and type(packet_id) is int and 0 < packet_id <= MAX_UINT16:
+            return plain + packet_id.to_bytes(2, "big")  # one per QoS 1/2 message: its shortest form, at once
         _check_reason(packet.reason_code, reasons, packet_type)
         body = _packet_id(packet.packet_id, packet_type)
         if level == MQTT_311:

@@ -635,6 +635,9 @@ class Session:
         of them all otherwise (its window guarantees one is free); None when the pool is all in flight."""
         limit = POOL_PIDS if self.persistent else MAX_UINT16
         pid = self._next_pid if self._next_pid <= limit else 1
+        if pid not in self._inflight:  # acknowledged in order: the next id is free, no search
+            self._next_pid = pid + 1 if pid < limit else 1
+            return pid
         for _ in range(limit):
             if pid not in self._inflight:
                 self._next_pid = pid % limit + 1
