@@ -51,12 +51,13 @@ from typing import Any
 import trio
 from hdrh.histogram import HdrHistogram
 
-from gateway.mqtt.codec import NEED_DATA, MqttDecoder, PublishTemplate, Role, encode
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.app.logs import leaves
 from gateway.mqtt.packets import (
     MQTT_311, Connack, Connect, Disconnect, Puback, Publish, Suback, Subscribe, SubscriptionOptions,
 )
 from gateway.mqtt.reasons import ReasonCode
+from gateway.mqtt.template import PublishTemplate
 
 STAMP = struct.Struct(">IIQ")
 """Payload prefix: publisher index, sequence number, send time in ns (time.time_ns, shared by all processes)."""

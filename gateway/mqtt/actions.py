@@ -24,11 +24,11 @@ from typing import Protocol, TypeAlias
 
 import msgspec
 
-from gateway.mqtt.codec import PublishTemplate
 from gateway.mqtt.limits import Limit
 from gateway.mqtt.packets import Packet, SubscriptionOptions
 from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
 from gateway.mqtt.reasons import ReasonCode
+from gateway.mqtt.template import PublishTemplate
 from store.api import NewMessage, Position
 
 NOT_IN_LOG = Position(-1, -1)

@@ -3,9 +3,9 @@
 There is no socket here (the h11 pattern). ``MqttDecoder.feed()`` buffers
 bytes as they arrive, in fragments of any size; ``next_packet()`` returns one
 packet or ``NEED_DATA``. ``encode()`` turns a packet into bytes, and
-``PublishTemplate`` encodes a message once so that delivering it to many
-subscribers only patches the flags, the packet id and their own properties
-(design.md section 6).
+PUBLISH is written through ``gateway/mqtt/template.py``'s ``PublishTemplate``, which
+encodes a message once so that delivering it to many subscribers only patches
+the flags, the packet id and their own properties (design.md section 6).
 
 Errors: the peer's mistakes raise ``RemoteProtocolError`` carrying the MQTT 5
 reason code to answer with (the connection layer sends it in a CONNACK or
@@ -91,6 +91,7 @@ from gateway.mqtt.reasons import (
     connack_code_311,
     connack_reason_from_311,
 )
+from gateway.mqtt.template import PublishTemplate
 
 MAX_PACKET_SIZE = MAX_VARINT + 5
 """The largest packet MQTT can express: a type byte, four Remaining Length bytes and the largest Remaining Length."""
@@ -964,136 +965,3 @@ _WRITERS: dict[type, Callable[..., bytes]] = {
     Disconnect: _write_disconnect,
     Auth: _write_auth,
 }
-
-
-_CACHED_TOPIC_CHARS = 128
-"""Topics up to this long keep their encoded form (``_topic_string``): devices publish on the same few names, and
-4,096 of them hold about 1 MB; longer ones are encoded per message."""
-
-_topic_string = functools.lru_cache(maxsize=4096)(encode_string)
-
-
-@final
-class PublishTemplate:
-    """A message's PUBLISH encoded once for every subscriber that gets it, whatever its QoS and protocol level.
-
-    The topic, the payload and the MQTT 5 properties a subscriber cannot change are encoded once; what differs
-    between subscribers is patched in when a packet is written: the first byte (QoS, RETAIN, DUP), the packet
-    id, and (MQTT 5) the Message Expiry Interval as the subscriber waited for it, its Subscription Identifiers
-    and its Topic Alias (``patched``), which sit between the others in the spec's table order. Written as
-    parts (``write``) that the caller joins with the rest of its write, so delivering a message adds no bytes
-    object of its own but its packet id (and a fixed header, for a packet of 128 bytes or more).
-
-    Raises (on construction):
-        LocalProtocolError: the topic contains U+0000 or a lone surrogate, or is over 65535 bytes.
-    """
-
-    __slots__ = ("payload", "properties", "_topic", "_segments", "_plain")
-
-    def __init__(self, topic: str, payload: bytes, properties: Properties = EMPTY_PROPERTIES) -> None:
-        self.payload = payload
-        self.properties = properties
-        self._topic = _topic_string(topic) if len(topic) <= _CACHED_TOPIC_CHARS else encode_string(topic)
-        self._segments: tuple[bytes, bytes, bytes] | None = None  # MQTT 5: before, between and after the patches
-        self._plain = b"\x00"  # MQTT 5: the property block (length included) with nothing patched
-        if properties:
-            self._segments = self._split(properties)
-            self._plain = with_length(b"".join(self._segments))
-
-    @staticmethod
-    def _split(properties: Properties) -> tuple[bytes, bytes, bytes]:
-        """The encoded properties around the patched ones: a PUBLISH's table order is Payload Format Indicator,
-        Message Expiry Interval, Content Type, Response Topic, Correlation Data, Subscription Identifiers, Topic
-        Alias, User Properties (section 2.2.2.2). Raises what ``encode_properties`` raises."""
-        kept = replace(properties, message_expiry_interval=None, subscription_identifiers=(), topic_alias=None)
-        whole = encode_properties(kept, PacketType.PUBLISH)
-        before = encode_properties(Properties(payload_format_indicator=kept.payload_format_indicator),
-                                   PacketType.PUBLISH)
-        after = encode_properties(Properties(user_properties=kept.user_properties), PacketType.PUBLISH)
-        return before, whole[len(before):len(whole) - len(after)], after
-
-    def patched(self, expiry: int | None, subscription_ids: tuple[int, ...], alias: int | None) -> bytes:
-        """The MQTT 5 property block (length included) with this subscriber's Message Expiry Interval,
-        Subscription Identifiers and Topic Alias (None, (), None: the block every such subscriber shares).
-
-        Raises:
-            LocalProtocolError: a value out of range.
-        """
-        if expiry is None and not subscription_ids and alias is None:
-            return self._plain
-        before, between, after = self._segments or (b"", b"", b"")
-        own = Properties(message_expiry_interval=expiry)
-        ids = Properties(subscription_identifiers=subscription_ids, topic_alias=alias)
-        return with_length(b"".join((before, encode_properties(own, PacketType.PUBLISH), between,
-                                     encode_properties(ids, PacketType.PUBLISH), after)))
-
-    def head(self, level: int, qos: int, retain: bool, dup: bool = False, block: bytes | None = None,
-             by_alias: bool = False) -> bytes:
-        """The fixed header of this message at ``level`` (4: 3.1.1, 5: 5.0) with these flags and MQTT 5 property
-        block (None: the shared one; ``patched`` makes another); ``by_alias``: with an empty topic name (the
-        subscriber knows the topic by its alias, MQTT 5). Pass the same ``block`` and ``by_alias`` to ``write``.
-
-        Raises:
-            LocalProtocolError: bad QoS or level, a packet over the size limit.
-        """
-        if level == MQTT_5:
-            rest = len(block if block is not None else self._plain)
-        elif level == MQTT_311:
-            rest = 0
-        else:
-            raise LocalProtocolError(f"protocol level {level!r} is not 4 (3.1.1) or 5 (5.0)")
-        if qos not in (0, 1, 2):
-            _check_qos(qos, "PUBLISH")
-        length = (2 if by_alias else len(self._topic)) + (2 if qos else 0) + rest + len(self.payload)
-        first = qos << 1 | (0x08 if dup else 0) | (0x01 if retain else 0)
-        if length < 128:
-            return _SHORT_HEADERS[first][length]
-        if length > MAX_VARINT:
-            raise LocalProtocolError(f"PUBLISH of {length} bytes exceeds the maximum remaining length")
-        return _SHORT_HEADERS[first][0][:1] + encode_varint(length)
-
-    def write(self, out: list[bytes], head: bytes, level: int, packet_id: int | None = None,
-              block: bytes | None = None, by_alias: bool = False) -> int:
-        """Append the packet that ``head`` starts to ``out`` as parts: the topic name, the packet id (QoS 1/2),
-        the property block (MQTT 5), the payload. Returns the packet's size. ``packet_id`` is trusted (``render``
-        checks it)."""
-        topic = b"\x00\x00" if by_alias else self._topic
-        out += (head, topic)
-        size = len(head) + len(topic) + len(self.payload)
-        if packet_id is not None:
-            out.append(packet_id.to_bytes(2, "big"))
-            size += 2
-        if level == MQTT_5:
-            if block is None:
-                block = self._plain
-            out.append(block)
-            size += len(block)
-        out.append(self.payload)
-        return size
-
-    def render(self, level: int, qos: int, retain: bool = False, dup: bool = False, packet_id: int | None = None,
-               block: bytes | None = None, by_alias: bool = False) -> bytes:
-        """The whole packet as one bytes object (``head`` and ``write``, joined).
-
-        Raises:
-            LocalProtocolError: what ``head`` raises; a packet id on QoS 0, none or one outside 1..65535 on
-                QoS 1/2, or DUP on QoS 0 ([MQTT-3.3.1-2]).
-        """
-        if not qos:
-            if packet_id is not None or dup:
-                raise LocalProtocolError("a QoS 0 PUBLISH has no packet identifier and no DUP flag")
-        elif packet_id is None or not 0 < packet_id <= MAX_UINT16:
-            raise LocalProtocolError(f"PUBLISH packet identifier {packet_id!r} is outside 1..65535")
-        out: list[bytes] = []
-        self.write(out, self.head(level, qos, retain, dup, block, by_alias), level, packet_id, block, by_alias)
-        return b"".join(out)
-
-    def size(self, head: bytes, level: int, qos: int, block: bytes | None = None, by_alias: bool = False) -> int:
-        """The size of the packet ``head`` starts, without writing it (to compare with a Maximum Packet Size)."""
-        rest = len(block if block is not None else self._plain) if level == MQTT_5 else 0
-        return len(head) + (2 if by_alias else len(self._topic)) + (2 if qos else 0) + rest + len(self.payload)
-
-
-_SHORT_HEADERS = tuple(tuple(bytes((0x30 | flags, length)) for length in range(128)) for flags in range(16))
-"""The fixed header of every PUBLISH under 128 bytes, by its flags (DUP, QoS, RETAIN) and Remaining Length: 4 KB
-made once, so that writing a small message costs no bytes object for it."""

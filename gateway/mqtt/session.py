@@ -77,11 +77,11 @@ from gateway.mqtt.actions import (
     SessionState,
     Subscription,
 )
-from gateway.mqtt.codec import PublishTemplate
 from gateway.mqtt.limits import Limit
 from gateway.mqtt.packets import MQTT_5, Pubrel
 from gateway.mqtt.properties import MAX_UINT16
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
+from gateway.mqtt.template import PublishTemplate
 from store.api import MAIN_LOG, Position
 
 

@@ -17,7 +17,6 @@ from gateway.mqtt.codec import (
     NEED_DATA,
     LocalProtocolError,
     MqttDecoder,
-    PublishTemplate,
     RemoteProtocolError,
     Role,
     encode,
@@ -41,7 +40,7 @@ from gateway.mqtt.packets import (
     Unsubscribe,
 )
 from gateway.mqtt.properties import (
-    EMPTY_PROPERTIES, PacketType, Properties, RepeatLimit, RepeatLimitExceeded, encode_properties,
+    EMPTY_PROPERTIES, PacketType, Properties, RepeatLimit, RepeatLimitExceeded,
 )
 from gateway.mqtt.reasons import (
     AUTH_REASONS,
@@ -565,58 +564,6 @@ def test_amqtt_interop_both_ways():
     assert (publish.topic_name, publish.data, publish.qos, publish.packet_id, publish.dup_flag) == ("x/y", b"z", 2, 9, True)
     suback = asyncio.run(parse(SubackPacket, encode(Suback(4, (ReasonCode.GRANTED_QOS_2, ReasonCode.NOT_AUTHORIZED)), 4)))
     assert (suback.variable_header.packet_id, suback.payload.return_codes) == (4, [2, 0x80])
-
-
-# --- the publish template ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("level", LEVELS)
-@given(
-    topic=mqtt_text.filter(bool),
-    payload=st.binary(max_size=300),
-    qos=st.integers(0, 2),
-    retain=st.booleans(),
-    packet_id=packet_ids,
-    dup=st.booleans(),
-    data=st.data(),
-)
-def test_template_renders_what_encode_produces(level, topic, payload, qos, retain, packet_id, dup, data):
-    properties = data.draw(props(PacketType.PUBLISH, level))
-    template = PublishTemplate(topic, payload, properties)
-    packet = Publish(topic, payload, qos, retain, dup and qos > 0, packet_id if qos else None, properties)
-    block = template.patched(properties.message_expiry_interval, properties.subscription_identifiers,
-                             properties.topic_alias) if level == 5 else None
-    rendered = template.render(level, qos, retain, packet.dup, packet.packet_id, block)
-    assert rendered == encode(packet, level)
-    head = template.head(level, qos, retain, packet.dup, block)
-    assert len(rendered) == template.size(head, level, qos, block)
-
-
-def test_template_patches_only_flags_and_packet_id():
-    template = PublishTemplate("t", b"p")
-    assert template.render(5, 1, packet_id=1) == b"\x32\x07\x00\x01t\x00\x01\x00p"
-    assert template.render(5, 1, packet_id=0xABCD) == b"\x32\x07\x00\x01t\xab\xcd\x00p"
-    assert template.render(5, 1, dup=True, packet_id=1) == b"\x3a\x07\x00\x01t\x00\x01\x00p"
-    assert template.render(4, 2, retain=True, packet_id=1) == b"\x35\x06\x00\x01t\x00\x01p"
-    assert template.render(4, 0) == b"\x30\x04\x00\x01tp"
-
-
-@pytest.mark.parametrize(
-    ("qos", "packet_id", "dup"), [(0, 1, False), (0, None, True), (1, None, False), (1, 0, False), (2, 65_536, False)]
-)
-def test_template_refuses_bad_packet_ids(qos, packet_id, dup):
-    template = PublishTemplate("t", b"")
-    with pytest.raises(LocalProtocolError):
-        template.render(4, qos, False, dup, packet_id)
-
-
-@pytest.mark.parametrize(
-    ("topic", "level", "qos", "why"),
-    [("t", 5, 3, "QoS 3"), ("t", 6, 0, "unknown level"), ("t\x00", 5, 0, "U+0000 in topic")],
-)
-def test_template_refuses_invalid_messages(topic, level, qos, why):
-    with pytest.raises(LocalProtocolError):
-        PublishTemplate(topic, b"").render(level, qos)
 
 
 # --- decoding rules: the fixed header and connection state --------------------------------------

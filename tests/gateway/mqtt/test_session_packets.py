@@ -2,8 +2,7 @@
 
 Delivery writes every message from one ``PublishTemplate`` shared by the sessions that deliver it, patching in
 each subscriber's flags, packet id and MQTT 5 properties. What a client reads must be exactly what encoding a
-whole PUBLISH for it gives: ``reference`` below is that encoder (fixed header, topic name, packet id, property
-block in the spec's table order, payload: section 3.3), independent of the template.
+whole PUBLISH for it gives: ``reference`` (tests/helpers/publish.py) is that encoder, independent of the template.
 """
 
 from __future__ import annotations
@@ -14,10 +13,9 @@ import pytest
 
 from gateway.mqtt.actions import Deliver, InFlight, Message, Subscription
 from gateway.mqtt.packets import MQTT_5, MQTT_311, SubscriptionOptions
-from gateway.mqtt.properties import (
-    EMPTY_PROPERTIES, PacketType, Properties, encode_properties, encode_string, encode_varint, with_length,
-)
+from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
 from gateway.mqtt.session import LANE_PIDS, Link, Session, SessionState
+from tests.helpers.publish import reference_publish as reference, split_packets
 
 STORED_MS = 1_700_000_000_000
 
@@ -25,31 +23,8 @@ PROPERTIES = Properties(payload_format_indicator=1, content_type="text/plain", r
                         correlation_data=b"\x00\x01", user_properties=(("k", "v"), ("k", "w")))
 
 
-def reference(level: int, topic: str, payload: bytes, qos: int, retain: bool, dup: bool, packet_id: int | None,
-              properties: Properties) -> bytes:
-    """A PUBLISH as section 3.3 lays it out, encoded whole."""
-    body = encode_string(topic) + (packet_id.to_bytes(2, "big") if qos else b"") \
-        + (with_length(encode_properties(properties, PacketType.PUBLISH)) if level == MQTT_5 else b"") + payload
-    return bytes((0x30 | dup << 3 | qos << 1 | retain,)) + encode_varint(len(body)) + body
-
-
 def packets(actions: list) -> list[bytes]:
-    """The packets of the ``Deliver`` actions, split by their fixed headers (not decoded)."""
-    data = b"".join(a.data for a in actions if isinstance(a, Deliver))
-    out = []
-    pos = 0
-    while pos < len(data):
-        length, shift, index = 0, 0, pos + 1
-        while True:
-            byte = data[index]
-            length |= (byte & 0x7F) << shift
-            index += 1
-            shift += 7
-            if byte < 0x80:
-                break
-        out.append(data[pos:index + length])
-        pos = index + length
-    return out
+    return split_packets(b"".join(a.data for a in actions if isinstance(a, Deliver)))
 
 
 def link(level: int, now_ms: int = STORED_MS, **overrides) -> Link:
