@@ -237,7 +237,7 @@ class MqttDecoder:
     """
 
     __slots__ = ("max_packet_size", "_role", "_level", "_verdicts", "_buf", "_pos", "_incoming", "_need", "_error",
-                 "_limit", "_repeat", "_topic_raw", "_topic")
+                 "_limit", "_repeat")
 
     def __init__(self, *, role: Role, max_packet_size: int = MAX_PACKET_SIZE, protocol_level: int | None = None,
                  max_connect_size: int | None = None, repeat_limit: RepeatLimit = NO_REPEAT_LIMIT) -> None:
@@ -262,10 +262,6 @@ class MqttDecoder:
         self._incoming = bytearray()
         self._need = 2
         self._error: RemoteProtocolError | None = None
-        # The last PUBLISH topic name read, as bytes and decoded: a device publishes on the same name again and
-        # again, and the next one that matches these bytes is neither copied nor decoded (nor checked) again.
-        self._topic_raw = b""
-        self._topic = ""
 
     @property
     def protocol_level(self) -> int | None:
@@ -474,17 +470,10 @@ class MqttDecoder:
         # The hot path: a handful of index operations and slices, no per-byte loop over the payload.
         if start + 2 > end:
             raise _malformed("PUBLISH ends before its topic name")
-        size = (buf[start] << 8) | buf[start + 1]
-        start += 2
-        pos = start + size
+        pos = start + 2 + ((buf[start] << 8) | buf[start + 1])
         if pos > end:
             raise _malformed("PUBLISH topic name runs past the end of the packet")
-        if size == len(self._topic_raw) and buf.startswith(self._topic_raw, start):
-            topic = self._topic
-        else:
-            raw = buf[start:pos]
-            topic = decode_utf8(raw)
-            self._topic_raw, self._topic = raw, topic
+        topic = decode_utf8(buf[start + 2:pos])
         qos = (first >> 1) & 0x03
         packet_id = None
         if qos:

@@ -794,16 +794,6 @@ def test_publish_edge_cases_that_are_valid():
     assert decode_stream(bom, level=4) == [Publish("\ufeffa")]
 
 
-def test_a_topic_name_read_again_is_not_decoded_again_and_another_of_its_length_is():
-    # A device repeats its topic: the decoder keeps the last name read and matches the next one's bytes to it.
-    wire = b"".join(encode(Publish(topic, b"p"), 4) for topic in ("a/b", "a/b", "a/c", "a/b"))
-    packets = decode_stream(wire, level=4)
-    assert [p.topic for p in packets] == ["a/b", "a/b", "a/c", "a/b"]
-    assert packets[1].topic is packets[0].topic  # the same string: not copied, not decoded
-    with pytest.raises(RemoteProtocolError):  # after the names, an empty one is still refused on 3.1.1
-        decode_stream(encode(Publish("a/b", b"p"), 4) + b"\x30\x02\x00\x00", level=4)
-
-
 @pytest.mark.parametrize(
     ("wire", "level", "reason"),
     [
