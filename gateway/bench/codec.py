@@ -3,7 +3,7 @@ CommitLog record encode and decode.
 
 What every message costs before any socket, lock or index: a PUBLISH read from a client's bytes
 (``MqttDecoder``), the record made of it (``new_record``), the record read back (``decode_record``) and the
-PUBLISH written to a subscriber (``encode_publish_template`` and ``render``, and ``encode`` of a ``Publish``).
+PUBLISH written to a subscriber (a ``PublishTemplate`` and its ``render``, and ``encode`` of a ``Publish``).
 Each operation runs ``--count`` times per run; the rate reported is the median of ``--runs`` runs. ``compiled``
 lists the codec modules loaded as compiled extensions (docs/benchmarks.md#compiled-codec), so two results of
 the same machine say which build they measured.
@@ -20,7 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.mqtt import codec, packets, properties
-from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode, encode_publish_template
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.mqtt.template import PublishTemplate
 from gateway.mqtt.packets import MQTT_5, MQTT_311, Connect, Publish
 from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
 from store.log import record
@@ -104,7 +105,7 @@ def _encode_packets(topics: list[str], payload: bytes) -> int:
 def _render_templates(topics: list[str], payload: bytes) -> int:
     """A delivery's encoding: the template of the stored message, rendered with the subscriber's packet id."""
     for i, topic in enumerate(topics):
-        encode_publish_template(topic, payload, 1, False, b"", MQTT_5).render(1 + i % 65535)
+        PublishTemplate(topic, payload).render(MQTT_5, 1, packet_id=1 + i % 65535)
     return len(topics)
 
 

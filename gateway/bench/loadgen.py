@@ -5,7 +5,7 @@ message as it can and spreads the clients over processes (multiprocessing,
 spawn), each running trio with many TCP connections:
 
 - publishers render one PUBLISH per topic with the project's codec
-  (``encode_publish_template``) and per message only join the packet id and a
+  (``PublishTemplate``) and per message only join the packet id and a
   16-byte stamp (publisher index, sequence number, ``time.time_ns()`` at send:
   the one clock every process on the machine shares) in front of a fixed
   padding; many messages go out in one ``send_all``. Fixed-rate runs use one
@@ -51,12 +51,13 @@ from typing import Any
 import trio
 from hdrh.histogram import HdrHistogram
 
-from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode, encode_publish_template
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.app.logs import leaves
 from gateway.mqtt.packets import (
     MQTT_311, Connack, Connect, Disconnect, Puback, Publish, Suback, Subscribe, SubscriptionOptions,
 )
 from gateway.mqtt.reasons import ReasonCode
+from gateway.mqtt.template import PublishTemplate
 
 STAMP = struct.Struct(">IIQ")
 """Payload prefix: publisher index, sequence number, send time in ns (time.time_ns, shared by all processes)."""
@@ -724,9 +725,8 @@ class _Publisher:
         if job.payload_bytes < STAMP.size:
             raise LoadError(f"payload of {job.payload_bytes} B cannot hold the {STAMP.size}-byte stamp")
         self.padding = bytes(job.payload_bytes - STAMP.size)
-        template = encode_publish_template(
-            job.topic.format(i=client.number), bytes(job.payload_bytes), job.qos, False, b"", PROTOCOL_LEVEL)
-        rendered = template.render(1 if job.qos else None)
+        template = PublishTemplate(job.topic.format(i=client.number), bytes(job.payload_bytes))
+        rendered = template.render(PROTOCOL_LEVEL, job.qos, packet_id=1 if job.qos else None)
         cut = len(rendered) - job.payload_bytes - (2 if job.qos else 0)
         self.head = rendered[:cut]  # fixed header + topic, identical for every message of this publisher
         self.packet_ids = _PACKET_IDS if job.qos else []

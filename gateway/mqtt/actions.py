@@ -28,6 +28,7 @@ from gateway.mqtt.limits import Limit
 from gateway.mqtt.packets import Packet, SubscriptionOptions
 from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
 from gateway.mqtt.reasons import ReasonCode
+from gateway.mqtt.template import PublishTemplate
 from store.api import NewMessage, Position
 
 NOT_IN_LOG = Position(-1, -1)
@@ -43,7 +44,8 @@ class Message(msgspec.Struct, gc=False):
 
     ``client_id`` is the publisher's (for No Local). ``store_ms`` is set by the
     store; message expiry counts from it. ``queue``/``offset`` locate a message
-    read from a light queue (None for a retained message).
+    read from a light queue (None for a retained message). ``template``: the
+    PUBLISH every session that delivers the message writes from (gateway/mqtt/session.py).
     """
 
     topic: str
@@ -56,6 +58,7 @@ class Message(msgspec.Struct, gc=False):
     store_ms: int = 0
     queue: str | None = None
     offset: int | None = None
+    template: PublishTemplate | None = None  # its PUBLISH, encoded by the first session that delivers it
 
 
 class Subscription(msgspec.Struct, frozen=True):

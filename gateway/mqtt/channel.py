@@ -66,7 +66,7 @@ from gateway.mqtt.actions import (
     TakenOver,
     Timeout,
 )
-from gateway.mqtt.codec import encode, encode_publish_template, fit
+from gateway.mqtt.codec import encode, fit
 from gateway.mqtt.config import ChannelConfig
 from gateway.mqtt.errors import error_packet
 from gateway.mqtt.handlers import acks, connect, ping, publish, subscribe
@@ -95,7 +95,7 @@ from gateway.mqtt.reasons import (
     RemoteProtocolError,
 )
 from gateway.mqtt.ratelimit import TokenBucket
-from gateway.mqtt.session import Encoder, Session
+from gateway.mqtt.session import Session
 
 __all__ = ["KEEPALIVE_TIMER", "RATE_DEBT_S", "Channel", "ChannelConfig", "error_packet"]
 
@@ -120,7 +120,6 @@ class Channel:
     Args:
         config: what the server offers.
         now: wall-clock seconds (``time.time``); keep alive, born timestamps and message expiry use it.
-        encoder: builds outbound PUBLISH templates; a node may share a caching one between channels.
 
     Error handling: a peer's protocol error never raises out of ``handle_in``;
     it becomes the actions that close the connection. ``LocalProtocolError``
@@ -131,7 +130,7 @@ class Channel:
     """
 
     __slots__ = (  # one channel per device: slots save a dict of about 1.5 KiB each
-        "config", "now", "encoder", "conn", "_state", "_will_due", "_timers", "_handover", "_moved", "_hits",
+        "config", "now", "conn", "_state", "_will_due", "_timers", "_handover", "_moved", "_hits",
     )
 
     _timers: dict[str, None]  # names of the armed timers: made at the first (gateway/mqtt/lazy.py)
@@ -141,12 +140,9 @@ class Channel:
         self,
         config: ChannelConfig = ChannelConfig(),
         now: Callable[[], float] = time.time,
-        *,
-        encoder: Encoder = encode_publish_template,
     ) -> None:
         self.config = config
         self.now = now
-        self.encoder = encoder
         self._state = State.AWAIT_CONNECT
         self._will_due: int | None = None  # the delay of a will left to the store at the close (None: none is due)
         self._handover = False

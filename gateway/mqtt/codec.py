@@ -3,8 +3,9 @@
 There is no socket here (the h11 pattern). ``MqttDecoder.feed()`` buffers
 bytes as they arrive, in fragments of any size; ``next_packet()`` returns one
 packet or ``NEED_DATA``. ``encode()`` turns a packet into bytes, and
-``encode_publish_template()`` encodes a message once so that delivering it to
-many subscribers only patches the packet id (design.md section 6).
+PUBLISH is written through ``gateway/mqtt/template.py``'s ``PublishTemplate``, which
+encodes a message once so that delivering it to many subscribers only patches
+the flags, the packet id and their own properties (design.md section 6).
 
 Errors: the peer's mistakes raise ``RemoteProtocolError`` carrying the MQTT 5
 reason code to answer with (the connection layer sends it in a CONNACK or
@@ -90,6 +91,7 @@ from gateway.mqtt.reasons import (
     connack_code_311,
     connack_reason_from_311,
 )
+from gateway.mqtt.template import PublishTemplate
 
 MAX_PACKET_SIZE = MAX_VARINT + 5
 """The largest packet MQTT can express: a type byte, four Remaining Length bytes and the largest Remaining Length."""
@@ -814,13 +816,15 @@ def _write_connack(packet: Connack, level: int) -> bytes:
 
 
 def _write_publish(packet: Publish, level: int) -> bytes:
-    if not packet.topic and (level == MQTT_311 or packet.properties.topic_alias is None):
+    props = packet.properties
+    if not packet.topic and (level == MQTT_311 or props.topic_alias is None):
         raise LocalProtocolError("PUBLISH with an empty topic name needs a topic alias (and MQTT 5.0)")
-    if level == MQTT_311 and packet.properties:
+    if level == MQTT_311 and props:
         raise LocalProtocolError("MQTT 3.1.1 PUBLISH cannot carry properties")
-    properties = encode_properties(packet.properties, PacketType.PUBLISH) if level == MQTT_5 else b""
-    template = encode_publish_template(packet.topic, packet.payload, packet.qos, packet.retain, properties, level)
-    return template.render(packet.packet_id, packet.dup)
+    template = PublishTemplate(packet.topic, packet.payload, props)
+    block = template.patched(props.message_expiry_interval, props.subscription_identifiers, props.topic_alias) \
+        if level == MQTT_5 else None
+    return template.render(level, packet.qos, packet.retain, packet.dup, packet.packet_id, block)
 
 
 def _ack_writer(
@@ -828,8 +832,13 @@ def _ack_writer(
 ) -> Callable[[Puback | Pubrec | Pubrel | Pubcomp, int], bytes]:
     """The writer for PUBACK, PUBREC, PUBREL or PUBCOMP, in the shortest form the spec allows."""
     first = packet_type << 4 | _FIXED_FLAGS[packet_type]
+    plain = bytes((first, 2))  # the fixed header of a success without properties, in either version
 
     def write(packet: Puback | Pubrec | Pubrel | Pubcomp, level: int) -> bytes:
+        packet_id = packet.packet_id
+        if packet.reason_code is ReasonCode.SUCCESS and packet.properties is EMPTY_PROPERTIES \
+                and type(packet_id) is int and 0 < packet_id <= MAX_UINT16:
+            return plain + packet_id.to_bytes(2, "big")  # one per QoS 1/2 message: its shortest form, at once
         _check_reason(packet.reason_code, reasons, packet_type)
         body = _packet_id(packet.packet_id, packet_type)
         if level == MQTT_311:
@@ -949,78 +958,3 @@ _WRITERS: dict[type, Callable[..., bytes]] = {
     Disconnect: _write_disconnect,
     Auth: _write_auth,
 }
-
-
-@final
-class PublishTemplate:
-    """A PUBLISH encoded once, rendered per subscriber by patching only the packet id and DUP bit.
-
-    ``size`` is the length of every rendering, so a caller can compare it with a
-    client's Maximum Packet Size without rendering.
-    """
-
-    __slots__ = ("qos", "size", "_head", "_dup_head", "_tail")
-
-    def __init__(self, qos: int, head: bytes, tail: bytes) -> None:
-        self.qos = qos
-        if qos:
-            self.size = len(head) + len(tail) + 2
-            self._head = head
-            self._dup_head = bytes((head[0] | 0x08,)) + head[1:]
-            self._tail = tail
-        else:  # one rendering for every subscriber: joined once
-            self._head = head + tail
-            self.size = len(self._head)
-
-    def render(self, packet_id: int | None = None, dup: bool = False) -> bytes:
-        """The packet's bytes with this packet id (None for QoS 0) and DUP flag.
-
-        Raises:
-            LocalProtocolError: a packet id on QoS 0, none or one outside 1..65535 on
-                QoS 1/2, or DUP on QoS 0 ([MQTT-3.3.1-2]).
-        """
-        if not self.qos:
-            if packet_id is not None or dup:
-                raise LocalProtocolError("a QoS 0 PUBLISH has no packet identifier and no DUP flag")
-            return self._head
-        if packet_id is None or not 0 < packet_id <= MAX_UINT16:
-            raise LocalProtocolError(f"PUBLISH packet identifier {packet_id!r} is outside 1..65535")
-        return b"".join((self._dup_head if dup else self._head, packet_id.to_bytes(2, "big"), self._tail))
-
-
-_PUBLISH_FIRST = tuple(bytes((0x30 | flags,)) for flags in range(8))
-"""A PUBLISH's first byte by its QoS and RETAIN bits (DUP is set when rendering)."""
-
-
-def encode_publish_template(
-    topic: str, payload: bytes, qos: int, retain: bool, properties_bytes: bytes, protocol_level: int
-) -> PublishTemplate:
-    """Encode a PUBLISH once for all subscribers that get it at this QoS and protocol level.
-
-    Args:
-        properties_bytes: the encoded properties without their length prefix (as
-            ``encode_properties`` returns and the CommitLog stores them). They are
-            trusted, not re-validated. Must be empty for 3.1.1.
-
-    Raises:
-        LocalProtocolError: bad QoS or level, a topic MQTT cannot encode, an empty
-            topic on 3.1.1, properties on 3.1.1, or a packet over the size limit.
-    """
-    _check_qos(qos, "PUBLISH")
-    if protocol_level == MQTT_311:
-        if properties_bytes:
-            raise LocalProtocolError("MQTT 3.1.1 PUBLISH cannot carry properties")
-        if not topic:
-            raise LocalProtocolError("MQTT 3.1.1 PUBLISH needs a topic name")
-        tail = payload
-    elif protocol_level == MQTT_5:
-        tail = with_length(properties_bytes) + payload
-    else:
-        raise LocalProtocolError(f"protocol level {protocol_level!r} is not 4 (3.1.1) or 5 (5.0)")
-    topic_bytes = encode_string(topic)
-    length = len(topic_bytes) + (2 if qos else 0) + len(tail)
-    if length > MAX_VARINT:
-        raise LocalProtocolError(f"PUBLISH of {length} bytes exceeds the maximum remaining length")
-    first = _PUBLISH_FIRST[qos << 1 | (1 if retain else 0)]
-    return PublishTemplate(qos, first + encode_varint(length) + topic_bytes, tail)
-

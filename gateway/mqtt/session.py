@@ -77,16 +77,14 @@ from gateway.mqtt.actions import (
     SessionState,
     Subscription,
 )
-from gateway.mqtt.codec import PublishTemplate
 from gateway.mqtt.limits import Limit
 from gateway.mqtt.lazy import made, made_on_first_use
 from gateway.mqtt.packets import MQTT_5, Pubrel
-from gateway.mqtt.properties import MAX_UINT16, PacketType, encode_properties
+from gateway.mqtt.properties import MAX_UINT16
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
+from gateway.mqtt.template import PublishTemplate
 from store.api import MAIN_LOG, Position
 
-Encoder = Callable[[str, bytes, int, bool, bytes, int], PublishTemplate]
-"""``codec.encode_publish_template``'s signature; a node may pass a caching one to share encodings."""
 
 _NO_OFFSET = -1  # the "offset" of an in-flight retained message: not in a queue, never resent after a reconnect
 
@@ -125,7 +123,6 @@ class Link:
     pull_batch: int  # messages per pull, and so the buffer bound per stream
     max_unwritten: int  # QoS 0 messages handed to the socket but not yet written
     commit_every: int  # commit offsets after this many acknowledgements even before the commit timer
-    encoder: Encoder
     now_ms: Callable[[], int]
     aliases: dict[str, int] = field(default_factory=dict)  # outbound topic -> alias, for this connection
     alias_bytes: int = 0  # the length of the topics in ``aliases`` (at most ALIAS_BYTES)
@@ -536,7 +533,9 @@ class Session:
         if link is None:
             return []
         self._pump_due = False
-        chunks: list[bytes] = []
+        chunks: list[bytes] = []  # the parts of the packets written
+        sent = 0
+        by_qos = [0, 0, 0]
         written: list[tuple[_Stream, int]] = []
         actions: list[Action] = []
         inflight = self._inflight
@@ -552,18 +551,19 @@ class Session:
             sub, message = retained[0]
             qos = min(sub.options.qos, message.qos)
             if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
-                    or len(chunks) >= DELIVER_BUDGET or queued >= byte_cap:
+                    or sent >= DELIVER_BUDGET or queued >= byte_cap:
                 break
             pid = self._allocate() if qos else None
             if qos and pid is None:
                 break  # every id of the pool is in flight
             del retained[0]
-            template = self._template(link, message, sub, qos, True, retained=True)
-            if template is not None:
+            size = self._write(link, message, sub, qos, True, chunks, pid, retained=True)
+            if size:
                 if pid is not None:
                     inflight[pid] = InFlight(pid, sub.filter, _NO_OFFSET, qos)
-                chunks.append(template.render(pid))
-                queued += template.size
+                sent += 1
+                by_qos[qos] += 1
+                queued += size
         idle: list[_Stream] = []
         for stream in self._ready:
             sub = stream.sub
@@ -575,12 +575,13 @@ class Session:
                 if offset < stream.skip_below:
                     buffer.popleft()
                     pid = stream.resend.pop(offset, None)
-                    if pid is not None:
-                        self._resend(link, stream, message, pid, chunks)
+                    if pid is not None and self._resend(link, stream, message, pid, chunks):
+                        sent += 1
+                        by_qos[self._inflight[pid].qos] += 1
                     continue
                 qos = min(sub.options.qos, message.qos)
                 if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
-                        or len(chunks) >= DELIVER_BUDGET or queued >= byte_cap:
+                        or sent >= DELIVER_BUDGET or queued >= byte_cap:
                     break
                 pid = None
                 if qos:
@@ -602,29 +603,30 @@ class Session:
                     # After a crash it may have gone out already, with this id: again, with DUP (at least once).
                     if not qos:
                         continue  # QoS 0 is at most once
-                    template = self._template(link, message, sub, qos, sub.options.retain_as_published
-                                              and message.retain, resend=True)
-                    if template is not None:
+                    if self._write(link, message, sub, qos, sub.options.retain_as_published and message.retain,
+                                   chunks, pid, dup=True, resend=True):
                         stream.unacked.add(offset)
                         inflight[pid] = InFlight(pid, sub.filter, offset, qos)  # type: ignore[index,arg-type]
-                        chunks.append(template.render(pid, dup=True))
+                        sent += 1
+                        by_qos[qos] += 1
                     continue
                 if not qos and queue_limit and queued >= queue_limit:
                     dropped += 1
                     continue
-                template = self._template(link, message, sub, qos, sub.options.retain_as_published and message.retain)
-                if template is None:
+                size = self._write(link, message, sub, qos, sub.options.retain_as_published and message.retain,
+                                   chunks, pid)
+                if not size:
                     continue  # expired, No Local, not readable, or too big for the client: skipped, offset advances
                 stream.unacked.add(offset)
+                sent += 1
+                by_qos[qos] += 1
                 if not oldest or message.store_ms < oldest:
                     oldest = message.store_ms
                 if qos:
                     inflight[pid] = InFlight(pid, sub.filter, offset, qos)  # type: ignore[index,arg-type]
-                    chunks.append(template.render(pid))
                 else:
-                    chunks.append(template.render())
                     written.append((stream, offset))
-                queued += template.size
+                queued += size
             if not buffer and not stream.pulling and (stream.head is None or stream.cursor < stream.head):
                 stream.pulling = True
                 if sub.group is not None:
@@ -639,16 +641,13 @@ class Session:
                                        f" wait for the socket (limit {queue_limit})"))
         if self._need_save and not self._saves:
             actions.append(self._save_action())
-        if not chunks:
+        if not sent:
             return actions
         self._seq += 1
         self._written.append((self._seq, written, queued - self._unwritten_bytes))
         self._unwritten += len(written)
         self._unwritten_bytes = queued
-        by_qos = [0, 0, 0]
-        for chunk in chunks:
-            by_qos[chunk[0] >> 1 & 3] += 1  # the QoS bits of the PUBLISH's first byte
-        return [Deliver(b"".join(chunks), self._seq, len(chunks), (by_qos[0], by_qos[1], by_qos[2]), oldest),
+        return [Deliver(b"".join(chunks), self._seq, sent, (by_qos[0], by_qos[1], by_qos[2]), oldest),
                 *actions]
 
     def _in_lane(self, stream: _Stream, offset: int) -> bool:
@@ -678,6 +677,9 @@ class Session:
         of them all otherwise (its window guarantees one is free); None when the pool is all in flight."""
         limit = POOL_PIDS if self.persistent else MAX_UINT16
         pid = self._next_pid if self._next_pid <= limit else 1
+        if pid not in self._inflight:  # acknowledged in order: the next id is free, no search
+            self._next_pid = pid + 1 if pid < limit else 1
+            return pid
         for _ in range(limit):
             if pid not in self._inflight:
                 self._next_pid = pid % limit + 1
@@ -685,24 +687,28 @@ class Session:
             pid = pid % limit + 1
         return None
 
-    def _resend(self, link: Link, stream: _Stream, message: Message, pid: int, chunks: list[bytes]) -> None:
+    def _resend(self, link: Link, stream: _Stream, message: Message, pid: int, chunks: list[bytes]) -> bool:
+        """Write the message in flight with ``pid`` again, with DUP; False when it is no longer sent (forgotten)."""
         entry = self._inflight.get(pid)
         if entry is None:
-            return
+            return False
         # A resend is the same message: no expiry check, the QoS it was first sent with.
-        template = self._template(link, message, stream.sub, entry.qos, stream.sub.options.retain_as_published
-                                  and message.retain, resend=True)
-        if template is None:
-            del self._inflight[pid]
-            stream.unacked.discard(entry.offset)
-            return
-        chunks.append(template.render(pid, dup=True))
+        if self._write(link, message, stream.sub, entry.qos, stream.sub.options.retain_as_published
+                       and message.retain, chunks, pid, dup=True, resend=True):
+            return True
+        del self._inflight[pid]
+        stream.unacked.discard(entry.offset)
+        return False
 
-    def _template(
-        self, link: Link, message: Message, sub: Subscription, qos: int, retain: bool, *, resend: bool = False,
-        retained: bool = False,
-    ) -> PublishTemplate | None:
-        """Encode ``message`` for this subscriber, or None if it must not be sent to it.
+    def _write(
+        self, link: Link, message: Message, sub: Subscription, qos: int, retain: bool, out: list[bytes],
+        pid: int | None, *, dup: bool = False, resend: bool = False, retained: bool = False,
+    ) -> int:
+        """Write ``message`` for this subscriber to ``out`` (as parts of its packet) and return the packet's size;
+        0 if it must not be sent to it.
+
+        The message's template (``Message.template``) is made by the first session that delivers it and shared
+        by every other: a subscriber adds its flags, packet id and own properties.
 
         Message expiry (MQTT 5.0 section 3.3.2.3.3): a message whose Message Expiry Interval has passed before its
         delivery to this subscriber started is not sent [MQTT-3.3.2-5], one that goes out carries the interval
@@ -714,48 +720,44 @@ class Session:
         protocol: a 3.1.1 subscriber is not sent what has expired either (without the property).
         """
         if sub.options.no_local and message.client_id == self.client_id:
-            return None
+            return 0
         if link.may_read is not None and not link.may_read(message.topic):
-            return None  # a wildcard overlapping an ACL deny rule: the denied topics are withheld
-        topic = message.topic
-        properties = b""
-        new_alias = False
+            return 0  # a wildcard overlapping an ACL deny rule: the denied topics are withheld
+        template = message.template
+        if template is None:
+            template = message.template = PublishTemplate(message.topic, message.payload, message.properties)
+        level = link.protocol_level
         expiry = message.properties.message_expiry_interval
-        waited_ms = 0
         if expiry is not None:  # a 5.0 publisher's interval binds the server for every subscriber, 3.1.1 too
             waited_ms = max(0, link.now_ms() - message.store_ms) if message.store_ms else 0
             if not resend and (waited_ms >= expiry * 1000 if expiry
                                else retained or message.store_ms < link.since_ms):
-                return None
-        if link.protocol_level == MQTT_5:
-            props = message.properties
-            changes: dict[str, object] = {}
-            if expiry is not None:
-                changes["message_expiry_interval"] = max(1, expiry - waited_ms // 1000) if expiry else 0
-            wanted_ids = (sub.subscription_id,) if sub.subscription_id else ()
-            if props.subscription_identifiers != wanted_ids:
-                changes["subscription_identifiers"] = wanted_ids
+                return 0
+            expiry = max(1, expiry - waited_ms // 1000) if expiry else 0
+        block = None
+        alias = None
+        new_alias = by_alias = False
+        if level == MQTT_5:
             # Topic aliases are first come, first served until the client's maximum; a known topic is
             # sent as an empty name plus its alias. A new alias counts only once its packet is sent.
-            alias = link.aliases.get(topic)
-            new_alias = alias is None and len(link.aliases) < link.topic_alias_maximum \
-                and link.alias_bytes + len(topic) <= ALIAS_BYTES
-            if new_alias:
-                alias = len(link.aliases) + 1
-            elif alias is not None:
-                topic = ""
-            if alias != props.topic_alias:
-                changes["topic_alias"] = alias
-            if changes:
-                props = replace(props, **changes)  # type: ignore[arg-type]
-            properties = encode_properties(props, PacketType.PUBLISH)
-        template = link.encoder(topic, message.payload, qos, retain, properties, link.protocol_level)
-        if link.max_packet_size is not None and template.size > link.max_packet_size:
-            return None
+            if link.topic_alias_maximum:
+                topic = message.topic
+                alias = link.aliases.get(topic)
+                new_alias = alias is None and len(link.aliases) < link.topic_alias_maximum \
+                    and link.alias_bytes + len(topic) <= ALIAS_BYTES
+                if new_alias:
+                    alias = len(link.aliases) + 1
+                by_alias = alias is not None and not new_alias
+            if expiry is not None or sub.subscription_id or alias is not None:
+                block = template.patched(expiry, (sub.subscription_id,) if sub.subscription_id else (), alias)
+        head = template.head(level, qos, retain, dup, block, by_alias)
+        if link.max_packet_size is not None \
+                and template.size(head, level, qos, block, by_alias) > link.max_packet_size:
+            return 0
         if new_alias:
             link.aliases[message.topic] = alias  # type: ignore[assignment]
             link.alias_bytes += len(message.topic)
-        return template
+        return template.write(out, head, level, pid, block, by_alias)
 
     # --- acknowledgements ---------------------------------------------------------------
 

@@ -26,14 +26,17 @@ from store.api import FLAG_RETAIN, QOS_MASK, PullRequest, PullResult, Record, St
 
 __all__ = ["QueueCache", "QueueCacheStatistics", "from_record"]
 
-MESSAGE_OVERHEAD = 200
-"""Bytes a cached ``Message`` costs beyond its topic and payload (object, list slot), for the budget."""
+MESSAGE_OVERHEAD = 300
+"""Bytes a cached ``Message`` costs beyond its topic and payload (object, list slot, and the ``PublishTemplate`` its
+first delivery makes: a struct sharing the payload, and a short topic's encoding shared by its messages), for the
+budget."""
 
 PROPERTIES_OVERHEAD = 200
 USER_PROPERTY_OVERHEAD = 160
 """What decoded MQTT 5 properties cost beyond their text: the ``Properties`` object, and a tuple and two strings
-per User Property. Counted so that messages carrying 32 User Properties each (~5 KB decoded) do not make the byte
-budget hold 25 times what it says."""
+per User Property; their text is counted twice, decoded and encoded once more in the message's template. Counted
+so that messages carrying 32 User Properties each (~5 KB decoded) do not make the byte budget hold 25 times what it
+says."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,8 @@ class _Cached:
 class QueueCache:
     """Recent messages of the queues local sessions read, shared by those sessions.
 
-    Each record becomes the ``Message`` sessions deliver once (``from_record``), shared by them.
+    Each record becomes the ``Message`` sessions deliver once (``from_record``), shared by them, and so is the
+    PUBLISH template the first of them makes (``Message.template``).
 
     Args:
         store: where misses and fills read.
@@ -199,8 +203,9 @@ def _bytes(messages: list[Message]) -> int:
 
 def _properties_bytes(properties: Properties) -> int:
     pairs = properties.user_properties
-    return PROPERTIES_OVERHEAD + sum([len(k) + len(v) for k, v in pairs]) + USER_PROPERTY_OVERHEAD * len(pairs) \
-        + len(properties.correlation_data or b"") + len(properties.response_topic or "")
+    text = sum([len(k) + len(v) for k, v in pairs]) + len(properties.correlation_data or b"") \
+        + len(properties.response_topic or "")
+    return PROPERTIES_OVERHEAD + 2 * text + USER_PROPERTY_OVERHEAD * len(pairs)
 
 
 def from_record(record: Record, queue: str | None, offset: int | None) -> Message:

@@ -19,8 +19,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
-TWINNED = ("gateway.mqtt.properties", "gateway.mqtt.packets", "gateway.mqtt.codec")
-"""The compiled modules and ``packets``, whose classes hold the compiled ``Properties``, in import order."""
+TWINNED = ("gateway.mqtt.properties", "gateway.mqtt.packets", "gateway.mqtt.template", "gateway.mqtt.codec")
+"""The compiled modules, and ``packets`` and ``template``, whose classes hold the compiled ``Properties``, in import
+order."""
 
 BUILD = runpy.run_path(str(ROOT / "packaging" / "compile_codec.py"))
 """packaging/compile_codec.py's names (it is a script, not a package module)."""

@@ -57,7 +57,6 @@ def process_connect(channel: ChannelView, packet: Connect) -> list[Action]:
         pull_batch=config.pull_batch,
         max_unwritten=config.max_unwritten,
         commit_every=config.commit_every,
-        encoder=channel.encoder,
         now_ms=channel.now_ms,
         qos0_queue_bytes=config.qos0_queue_bytes,
         max_unwritten_bytes=config.max_unwritten_bytes,

@@ -17,7 +17,6 @@ from gateway.mqtt.config import ChannelConfig
 from gateway.mqtt.limits import Limit
 from gateway.mqtt.packets import Packet
 from gateway.mqtt.reasons import ReasonCode
-from gateway.mqtt.session import Encoder
 from gateway.mqtt.state import ConnectionState, State
 
 __all__ = ["ChannelView"]
@@ -29,7 +28,6 @@ class ChannelView(Protocol):
     config: ChannelConfig
     conn: ConnectionState
     now: Callable[[], float]
-    encoder: Encoder
 
     @property
     def state(self) -> State:

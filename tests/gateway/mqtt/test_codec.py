@@ -20,7 +20,6 @@ from gateway.mqtt.codec import (
     RemoteProtocolError,
     Role,
     encode,
-    encode_publish_template,
 )
 from gateway.mqtt.packets import (
     Auth,
@@ -41,7 +40,7 @@ from gateway.mqtt.packets import (
     Unsubscribe,
 )
 from gateway.mqtt.properties import (
-    EMPTY_PROPERTIES, PacketType, Properties, RepeatLimit, RepeatLimitExceeded, encode_properties,
+    EMPTY_PROPERTIES, PacketType, Properties, RepeatLimit, RepeatLimitExceeded,
 )
 from gateway.mqtt.reasons import (
     AUTH_REASONS,
@@ -565,59 +564,6 @@ def test_amqtt_interop_both_ways():
     assert (publish.topic_name, publish.data, publish.qos, publish.packet_id, publish.dup_flag) == ("x/y", b"z", 2, 9, True)
     suback = asyncio.run(parse(SubackPacket, encode(Suback(4, (ReasonCode.GRANTED_QOS_2, ReasonCode.NOT_AUTHORIZED)), 4)))
     assert (suback.variable_header.packet_id, suback.payload.return_codes) == (4, [2, 0x80])
-
-
-# --- the publish template ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("level", LEVELS)
-@given(
-    topic=mqtt_text.filter(bool),
-    payload=st.binary(max_size=300),
-    qos=st.integers(0, 2),
-    retain=st.booleans(),
-    packet_id=packet_ids,
-    dup=st.booleans(),
-    data=st.data(),
-)
-def test_template_renders_what_encode_produces(level, topic, payload, qos, retain, packet_id, dup, data):
-    properties = data.draw(props(PacketType.PUBLISH, level))
-    template = encode_publish_template(topic, payload, qos, retain, encode_properties(properties, PacketType.PUBLISH) if level == 5 else b"", level)
-    packet = Publish(topic, payload, qos, retain, dup and qos > 0, packet_id if qos else None, properties)
-    rendered = template.render(packet.packet_id, packet.dup)
-    assert rendered == encode(packet, level)
-    assert len(rendered) == template.size
-
-
-def test_template_patches_only_packet_id_and_dup():
-    template = encode_publish_template("t", b"p", 1, False, b"", 5)
-    assert template.render(1) == b"\x32\x07\x00\x01t\x00\x01\x00p"
-    assert template.render(0xABCD) == b"\x32\x07\x00\x01t\xab\xcd\x00p"
-    assert template.render(1, dup=True) == b"\x3a\x07\x00\x01t\x00\x01\x00p"
-
-
-@pytest.mark.parametrize(
-    ("qos", "packet_id", "dup"), [(0, 1, False), (0, None, True), (1, None, False), (1, 0, False), (2, 65_536, False)]
-)
-def test_template_refuses_bad_packet_ids(qos, packet_id, dup):
-    template = encode_publish_template("t", b"", qos, False, b"", 4)
-    with pytest.raises(LocalProtocolError):
-        template.render(packet_id, dup)
-
-
-@pytest.mark.parametrize(
-    ("args", "why"),
-    [
-        (("t", b"", 3, False, b"", 5), "QoS 3"),
-        (("t", b"", 0, False, b"\x23\x00\x01", 4), "properties on 3.1.1"),
-        (("", b"", 0, False, b"", 4), "empty topic on 3.1.1"),
-        (("t", b"", 0, False, b"", 6), "unknown level"),
-        (("t\x00", b"", 0, False, b"", 5), "U+0000 in topic"),
-    ],
-)
-def test_template_refuses_invalid_messages(args, why):
-    with pytest.raises(LocalProtocolError):
-        encode_publish_template(*args)
 
 
 # --- decoding rules: the fixed header and connection state --------------------------------------

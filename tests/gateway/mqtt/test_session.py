@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.mqtt.actions import CommitOffsets, Deliver, InFlight, Message, Phase, Pull, SaveSession, Send, Subscription
-from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode_publish_template
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role
 from gateway.mqtt.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
 from gateway.mqtt.session import (ALIAS_BYTES, LANE_PIDS, LANES, NOT_IN_LOG, Link, Session, SessionState,
@@ -17,7 +17,7 @@ SUB = Subscription("a/+", "a/+", SubscriptionOptions(qos=1))
 
 def link(**overrides) -> Link:
     fields = dict(protocol_level=MQTT_5, receive_maximum=8, max_packet_size=None, topic_alias_maximum=0,
-                  pull_batch=4, max_unwritten=4, commit_every=1000, encoder=encode_publish_template,
+                  pull_batch=4, max_unwritten=4, commit_every=1000,
                   now_ms=lambda: 0)
     fields.update(overrides)
     return Link(**fields)
