@@ -94,6 +94,7 @@ def channel_config(settings: Mapping[str, Any]) -> ChannelConfig:
         publish_bytes_rate=settings["limits.publish_bytes_rate"],
         qos0_queue_bytes=settings["limits.qos0_queue_bytes"],
         max_delay_s=settings["delayed.max_delay_s"],
+        shared_invisible_s=settings["mqtt.shared_invisible_s"],
     )
 
 

@@ -47,6 +47,14 @@ be sent as a new PUBLISH. Retained messages and shared subscriptions take ids
 from a pool (1..``LANE_PIDS`` - 1) and are resent after a crash only as at
 least once, with new ids; so is a subscription beyond the ``LANES`` lanes.
 
+A shared subscription (``$share/<group>/<filter>``) reads its group's queue by POP (docs/consumer-groups.md,
+"MQTT shared subscriptions"): each message pulled comes with a receipt handle, kept with the buffered message and
+then with its in-flight entry; the handle is acknowledged to the group when the message is done for this member
+(QoS 0: handed to the socket; QoS 1: PUBACK; QoS 2: PUBREC, from which the client owns it and only its PUBREL
+is resent) or skipped, batched with the offset commits (``CommitOffsets.acks``). What the session holds when its
+connection closes is given back to the group at once (``receipts``); after a gateway crash the group hands it
+out again when its invisible time passes. A shared stream pops at most what its window can send now.
+
 Persistence is not a separate class: whether the session is persistent is
 ``expiry_s > 0``, which a DISCONNECT may change (>0 to 0) mid-session, so one
 class decides per call whether ``SaveSession`` is emitted.
@@ -64,6 +72,7 @@ from msgspec.structs import replace as with_fields
 
 from gateway.mqtt.actions import (
     NOT_IN_LOG,
+    REVIVED,
     Action,
     CommitOffsets,
     Deliver,
@@ -139,7 +148,7 @@ class _Stream:
     """Delivery state of one subscription's queue."""
 
     __slots__ = ("sub", "cursor", "head", "pulling", "buffer", "unacked", "resend", "skip_below", "lane", "durable",
-                 "dup_below", "completed")
+                 "dup_below", "completed", "handles")
 
     def __init__(self, sub: Subscription, cursor: int, lane: int = 0) -> None:
         self.sub = sub
@@ -156,6 +165,9 @@ class _Stream:
         self.durable: int | None = None  # committed offset of the last save known written (None: none yet)
         self.dup_below = 0  # after a crash: offsets below may have been sent, they go again with DUP=1
         self.completed: set[int] | None = None  # QoS 2 offsets completed at or above the committed offset
+        # A shared subscription's buffered messages' receipt handles by queue offset (None: not shared). A
+        # buffered offset without one is a second copy (the group handed it out again): dropped.
+        self.handles: dict[int, str] | None = {} if sub.group is not None else None
 
     def pid(self, offset: int) -> int:
         """The packet id of the message at ``offset`` in this stream's lane."""
@@ -185,7 +197,8 @@ class Session:
 
     __slots__ = ("client_id", "expiry_s", "awaiting_rel", "_streams", "_inflight", "_next_pid", "_retained",
                  "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due",
-                 "_saves", "_next_ref", "_pubrel_due", "_need_save", "_by_queue", "_ready")
+                 "_saves", "_next_ref", "_pubrel_due", "_need_save", "_by_queue", "_ready", "_pop_acks",
+                 "_pop_releases")
 
     def __init__(self, client_id: str, expiry_s: int, state: SessionState | None = None) -> None:
         self.client_id = client_id
@@ -213,6 +226,9 @@ class Session:
         self._next_ref = 0
         self._pubrel_due: Sequence[int] = ()  # PUBRELs waiting for a save that records their PUBREC
         self._need_save = False  # a stream waits for (or will soon need) a save of its committed offset
+        # Shared subscriptions' receipt handles to acknowledge, and to give back, at the next commit (None: none).
+        self._pop_acks: list[str] | None = None
+        self._pop_releases: list[str] | None = None
         if state is not None:
             self._restore(state)
 
@@ -286,6 +302,31 @@ class Session:
     def committed_offsets(self) -> dict[str, int]:
         """The committed offset of every subscription as delivery stands now."""
         return {name: stream.committed() for name, stream in self._streams.items()}
+
+    def receipts(self) -> tuple[list[str], list[str]]:
+        """The shared subscriptions' receipt handles when the connection closes, then forgotten: those done and not
+        committed yet (to acknowledge), and those still held (in flight or buffered: to give back to the group, so
+        another member gets them now rather than after their invisible time; resuming, the session does not send
+        them again)."""
+        acks, held = self._pop_acks or [], self._pop_releases or []
+        self._pop_acks = self._pop_releases = None
+        for entry in self._inflight.values():
+            if entry.handle is not None:
+                held.append(entry.handle)
+                entry.handle = None
+        for stream in self._streams.values():
+            if stream.handles:
+                held += stream.handles.values()
+                stream.handles.clear()
+                stream.buffer.clear()
+        return acks, held
+
+    def _pop_ack(self, handle: str) -> None:
+        """A shared subscription's message is done for this member: acknowledged to its group at the next commit."""
+        if self._pop_acks is None:
+            self._pop_acks = []
+        self._pop_acks.append(handle)
+        self._acks += 1
 
     def state(self, *, resumable: bool = False) -> SessionState:
         """The session as data, for ``SaveSession`` (retained-message deliveries in flight are not kept).
@@ -403,6 +444,9 @@ class Session:
         stream = self._streams.pop(filter, None)
         if stream is None:
             return False
+        if stream.handles:  # its buffered messages go back to the group (those in flight finish their flows)
+            self._pop_releases = [*(self._pop_releases or ()), *stream.handles.values()]
+            self._acks += 1
         self._ready.pop(stream, None)
         readers = self._by_queue[stream.sub.queue]
         readers.remove(stream)
@@ -437,25 +481,29 @@ class Session:
         for stream in self._by_queue.get(queue, ()):
             if stream.sub.group is not None:
                 stream.head = None
-            elif stream.head is None or stream.head < max_offset:
+            elif max_offset != REVIVED and (stream.head is None or stream.head < max_offset):
                 stream.head = max_offset
             else:
                 continue
             ready[stream] = None
         return self.pump()
 
-    def pulled(self, filter: str, messages: tuple[Message, ...], next_offset: int) -> list[Action]:
-        """Messages a ``Pull`` brought; an empty answer means the stream reached the head."""
+    def pulled(self, filter: str, messages: tuple[Message, ...], next_offset: int,
+               handles: tuple[str, ...] = ()) -> list[Action]:
+        """Messages a ``Pull`` brought; an empty answer means the stream reached the head. A shared
+        subscription's come with their receipt ``handles``."""
         stream = self._streams.get(filter)
         if stream is None:
             return []
         stream.pulling = False
         self._ready[stream] = None
-        if stream.sub.group is not None:
-            # The group hands out messages, old ones a member left unacknowledged included: the cursor
-            # follows the group's, no offset is filtered, and news during the pull (head None) pulls again.
+        if stream.handles is not None:
+            # The group hands out messages, old ones another member did not acknowledge included: no offset is
+            # filtered, and news during the pull (head None) pulls again. The cursor stays the subscription's
+            # start: it only places a group that has no offset yet.
+            for message, handle in zip(messages, handles, strict=True):
+                stream.handles[message.offset] = handle  # type: ignore[index]
             stream.buffer.extend(messages)
-            stream.cursor = next_offset
             if messages:
                 stream.head = None
             return self.pump()
@@ -536,6 +584,10 @@ class Session:
                     if pid is not None:
                         self._resend(link, stream, message, pid, chunks)
                     continue
+                handles = stream.handles
+                if handles is not None and offset not in handles:
+                    buffer.popleft()  # a second copy: the group handed it out again before this one went
+                    continue
                 qos = min(sub.options.qos, message.qos)
                 if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
                         or len(chunks) >= DELIVER_BUDGET:
@@ -556,6 +608,7 @@ class Session:
                         if pid is None:
                             break  # every id of the pool is in flight
                 buffer.popleft()
+                handle = handles.pop(offset) if handles is not None else None
                 if offset < stream.dup_below:
                     # After a crash it may have gone out already, with this id: again, with DUP (at least once).
                     if not qos:
@@ -567,27 +620,38 @@ class Session:
                         inflight[pid] = InFlight(pid, sub.filter, offset, qos)  # type: ignore[index,arg-type]
                         chunks.append(template.render(pid, dup=True))
                     continue
-                if not qos and queue_limit and queued >= queue_limit:
+                template = None
+                if qos or not queue_limit or queued < queue_limit:
+                    template = self._template(link, message, sub, qos,
+                                              sub.options.retain_as_published and message.retain)
+                else:
                     dropped += 1
-                    continue
-                template = self._template(link, message, sub, qos, sub.options.retain_as_published and message.retain)
-                if template is None:
-                    continue  # expired, No Local, not readable, or too big for the client: skipped, offset advances
+                if template is None or not qos:
+                    if handle is not None:  # done for this member: QoS 0 goes at most once, a skip is final
+                        self._pop_ack(handle)
+                    if template is None:
+                        continue  # dropped, expired, not readable, too big for the client: skipped, offset advances
                 stream.unacked.add(offset)
                 if not oldest or message.store_ms < oldest:
                     oldest = message.store_ms
                 if qos:
-                    inflight[pid] = InFlight(pid, sub.filter, offset, qos)  # type: ignore[index,arg-type]
+                    inflight[pid] = InFlight(pid, sub.filter, offset, qos,  # type: ignore[index,arg-type]
+                                             handle=handle)
                     chunks.append(template.render(pid))
                 else:
                     chunks.append(template.render())
                     written.append((stream, offset))
                     queued += template.size
             if not buffer and not stream.pulling and (stream.head is None or stream.cursor < stream.head):
-                stream.pulling = True
+                count = link.pull_batch
                 if sub.group is not None:
+                    if sub.options.qos:  # a POP: what the window can send now (the rest stays with the group)
+                        count = min(count, window - len(inflight))
+                        if count < 1:
+                            continue  # an acknowledgement pumps again
                     stream.head = stream.cursor  # idle after an empty answer unless news comes meanwhile
-                actions.append(Pull(sub.filter, sub.queue, stream.cursor, link.pull_batch, sub.group))
+                stream.pulling = True
+                actions.append(Pull(sub.filter, sub.queue, stream.cursor, count, sub.group))
             if not buffer and (stream.pulling or stream.cursor >= stream.head):  # type: ignore[operator]
                 idle.append(stream)  # nothing to deliver until a pull answers or news comes
         for stream in idle:
@@ -730,6 +794,8 @@ class Session:
         if entry.qos != 1:
             raise _wrong_ack("PUBACK", packet_id, entry)
         del self._inflight[packet_id]
+        if entry.handle is not None:  # a failure reason too: not sent to another member [MQTT-4.8.2-6]
+            self._pop_ack(entry.handle)
         self._acked(entry)
         return self._after_ack()
 
@@ -747,6 +813,11 @@ class Session:
             return [Send((Pubrel(packet_id),))]
         if entry.qos != 2:
             raise _wrong_ack("PUBREC", packet_id, entry)
+        if entry.handle is not None:
+            # The client has the message (or refused it: not sent to another member [MQTT-4.8.2-6]): from here
+            # only its PUBREL is owed, which needs no message, so the group is done with it.
+            self._pop_ack(entry.handle)
+            entry.handle = None
         if reason.is_failure:
             del self._inflight[packet_id]
             self._acked(entry)
@@ -826,10 +897,16 @@ class Session:
         self._acks = 0
         moved = {}
         for name, stream in self._streams.items():
+            if stream.handles is not None:
+                continue  # shared: its group keeps the offset, its messages are acknowledged by handle
             offset = stream.committed()
             if self._committed.get(name) != offset:
                 moved[name] = self._committed[name] = offset
-        return [CommitOffsets(self.client_id, moved)] if moved else []
+        acks, releases = self._pop_acks or (), self._pop_releases or ()
+        self._pop_acks = self._pop_releases = None
+        if not (moved or acks or releases):
+            return []
+        return [CommitOffsets(self.client_id, moved, tuple(acks), tuple(releases))]
 
 
 def _wrong_ack(kind: str, packet_id: int, entry: InFlight) -> RemoteProtocolError:
