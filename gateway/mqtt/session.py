@@ -51,9 +51,10 @@ A shared subscription (``$share/<group>/<filter>``) reads its group's queue by P
 "MQTT shared subscriptions"): each message pulled comes with a receipt handle, kept with the buffered message and
 then with its in-flight entry; the handle is acknowledged to the group when the message is done for this member
 (QoS 0: handed to the socket; QoS 1: PUBACK; QoS 2: PUBREC, from which the client owns it and only its PUBREL
-is resent) or skipped, batched with the offset commits (``CommitOffsets.acks``). What the session holds when its
-connection closes is given back to the group at once (``receipts``); after a gateway crash the group hands it
-out again when its invisible time passes. A shared stream pops at most what its window can send now.
+is resent) or skipped, with the offset commits (``CommitOffsets.acks``), which then come after each event, not
+on the commit timer. What the session holds when its connection closes is given back to the group at once
+(``receipts``); after a gateway crash the group hands it out again when its invisible time passes. A shared
+stream pops at most what its window can send now.
 
 Persistence is not a separate class: whether the session is persistent is
 ``expiry_s > 0``, which a DISCONNECT may change (>0 to 0) mid-session, so one
@@ -889,8 +890,11 @@ class Session:
         self._acks += 1
 
     def commit_due(self) -> bool:
-        """Enough acknowledgements piled up to commit without waiting for the commit timer."""
-        return self._link is not None and self._acks >= self._link.commit_every
+        """Enough acknowledgements piled up to commit without waiting for the commit timer, or a shared
+        subscription's receipt handles wait: they go after the packet that made them (their invisible time runs,
+        and the packets read at once go in one commit)."""
+        return self._link is not None and (self._acks >= self._link.commit_every or bool(self._pop_acks)
+                                           or bool(self._pop_releases))
 
     def commit(self) -> list[Action]:
         """``CommitOffsets`` for every subscription whose committed offset moved since the last commit."""
