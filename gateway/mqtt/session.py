@@ -54,7 +54,7 @@ then with its in-flight entry; the handle is acknowledged to the group when the 
 is resent) or skipped, with the offset commits (``CommitOffsets.acks``), which then come after each event, not
 on the commit timer. What the session holds when its connection closes is given back to the group at once
 (``receipts``); after a gateway crash the group hands it out again when its invisible time passes. A shared
-stream pops at most what its window can send now.
+stream pops at most what its window can send now, and ``SHARED_POP``.
 
 Persistence is not a separate class: whether the session is persistent is
 ``expiry_s > 0``, which a DISCONNECT may change (>0 to 0) mid-session, so one
@@ -108,6 +108,11 @@ LANES = MAX_UINT16 // LANE_PIDS
 """Lanes 1..127 use ids 512..65535; ids 1..511 are the pool of retained and shared deliveries."""
 
 POOL_PIDS = LANE_PIDS - 1
+
+SHARED_POP = 32
+"""Messages a shared subscription pops at most at once: each is invisible to the group's other members until this
+one delivers it, so a fast member takes a small share at a time and the others get the rest (store.clients.pop's
+default, for the same reason)."""
 
 
 DELIVER_BUDGET = 256
@@ -646,6 +651,7 @@ class Session:
             if not buffer and not stream.pulling and (stream.head is None or stream.cursor < stream.head):
                 count = link.pull_batch
                 if sub.group is not None:
+                    count = min(count, SHARED_POP)
                     if sub.options.qos:  # a POP: what the window can send now (the rest stays with the group)
                         count = min(count, window - len(inflight))
                         if count < 1:
