@@ -100,13 +100,13 @@ class StoreNode:
         self.delayed = PendingDelayed(timers, log.log, self.append_control, dispatcher.wait_dispatched)
         self.router = NotifyRouter()
         self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
-        self.groups = GroupCoordinator(self, self._poke)
+        self.groups = GroupCoordinator(self)
         self.pops = PopCoordinator(self, pops)  # POP consumption (store/pop/)
         # First activations of wildcard filters, one at a time: each new filter's id is chosen from the state the
         # previous one left (applied before it returns), so two new filters never get one id.
         self._new_filters = trio.Lock()
         self.sessions = Sessions(  # the client-keyed part (store/sessions.py)
-            blobs, awaiting, log.log, dispatcher, self.groups, append=self.append, append_control=self.append_control,
+            blobs, awaiting, log.log, dispatcher, append=self.append, append_control=self.append_control,
             owns=self._owns, on_moved=self.moved, nursery=nursery, lease_s=lease_s)
         self.leases = self.sessions.leases
         self.replication: Replication | None = None  # leading a replicated group: acknowledgements wait for it
@@ -147,10 +147,6 @@ class StoreNode:
                 attachment.events.post(mine)
         self.groups.wake(events)
         self.pops.wake(events)
-
-    def _poke(self, queue: str) -> None:
-        """Offsets of ``queue`` were handed back to a group: the nodes with sessions on it pull."""
-        self.route({queue: self.queues.max_offset(queue)})
 
     def moved(self, node: str, client_id: str) -> None:
         """``client_id`` connected elsewhere: ``node`` is told it is not its client any more."""
