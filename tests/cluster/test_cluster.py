@@ -14,13 +14,12 @@ from paho.mqtt.packettypes import PacketTypes
 
 from gateway.mqtt.packets import MQTT_5, MQTT_311, Connack, Connect, Pubcomp, Publish, Pubrec, Pubrel
 from gateway.node.connection import CLOSE_TIMEOUT_S
-from gateway.mqtt.properties import Properties as ConnectProperties
 from gateway.mqtt.reasons import ReasonCode
 from store.leases import LEASE_S
 from tests.helpers.cluster import WAIT_S, ask_store, run_id, running_cluster, store_statistics, wait_for
 from tests.helpers.mqtt_fixtures import (
-    QUIET_S, Client, connect_packet, connected, check_nothing_before_sentinel, properties, quiet, raw_client,
-    recv_until_closed,
+    QUIET_S, Client, check_hung_member_holds_only_its_window, connect_packet, connected, check_nothing_before_sentinel,
+    properties, quiet, raw_client, recv_until_closed,
 )
 
 pytestmark = pytest.mark.slow
@@ -120,22 +119,7 @@ def test_a_hung_shared_member_on_one_gateway_delays_only_its_window_and_gives_it
     only its Receive Maximum (2) while the member on gw2 gets the rest; when it disconnects, gw1 gives its two back
     at once (no wait for the 30 s invisible time) and gw2's member gets them (5.0 section 4.8.2)."""
     _, (gw1, gw2) = cluster
-    run = run_id()
-    topic, share = f"hang{run}/t", f"$share/hang{run}/hang{run}/t"
-    with raw_client(gw1.port, MQTT_5) as hung, connected(gw1.port) as pub:
-        hung.connect(f"hung-{run}", properties=ConnectProperties(receive_maximum=2))
-        hung.subscribe(share, 1)
-        for i in range(2):
-            pub.publish(topic, str(i).encode(), 1)
-        assert [hung.receive().payload for _ in range(2)] == [b"0", b"1"]
-        with connected(gw2.port) as other:
-            other.subscribe(share, 1)
-            for i in range(2, 10):
-                pub.publish(topic, str(i).encode(), 1)
-            assert [m.payload for m in other.receive(8)] == [str(i).encode() for i in range(2, 10)]
-            hung.close()
-            assert sorted(m.payload for m in other.receive(2)) == [b"0", b"1"]
-            check_nothing_before_sentinel(other, pub, topic)
+    check_hung_member_holds_only_its_window(gw1.port, gw2.port)
 
 
 def test_a_gateway_without_sessions_on_a_queue_gets_no_events_for_it(cluster):

@@ -3,9 +3,9 @@
 
 import pytest
 
-from gateway.mqtt.packets import MQTT_5, Puback, Publish, Pubrec
-from gateway.mqtt.properties import Properties
-from tests.helpers.mqtt_fixtures import check_nothing_before_sentinel, connected, raw_client, run_id, running_node
+from gateway.mqtt.packets import Puback, Publish, Pubrec
+from tests.helpers.mqtt_fixtures import (check_hung_member_holds_only_its_window, check_nothing_before_sentinel,
+                                        connected, raw_client, run_id, running_node)
 
 INVISIBLE_S = "1"
 
@@ -41,22 +41,7 @@ def test_a_hung_member_holds_only_its_window_and_gives_it_back_when_it_goes(inte
     """A member pops only what its Receive Maximum lets it send: while it hangs the other member gets the rest at
     once, and when it disconnects what it held goes to the other member without waiting for the invisible time
     (30 s, longer than the test waits)."""
-    run = run_id()
-    topic, share = f"win{run}/t", f"$share/g{run}/win{run}/t"
-    with raw_client(interop_node.port, MQTT_5) as hung, connected(interop_node.port) as pub:
-        hung.connect(f"win-{run}", properties=Properties(receive_maximum=2))
-        hung.subscribe(share, 1)
-        for i in range(2):
-            pub.publish(topic, str(i).encode(), 1)
-        assert [hung.receive().payload for _ in range(2)] == [b"0", b"1"]  # its window is full
-        with connected(interop_node.port) as other:
-            other.subscribe(share, 1)
-            for i in range(2, 10):
-                pub.publish(topic, str(i).encode(), 1)
-            assert [m.payload for m in other.receive(8)] == [str(i).encode() for i in range(2, 10)]
-            hung.close()
-            assert sorted(m.payload for m in other.receive(2)) == [b"0", b"1"]
-            check_nothing_before_sentinel(other, pub, topic)
+    check_hung_member_holds_only_its_window(interop_node.port, interop_node.port)
 
 
 def test_a_qos2_member_owns_a_message_from_its_pubrec(short_node):
