@@ -85,7 +85,7 @@ class MemberJob:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="production time of each mode")
-    parser.add_argument("--rate", type=int, default=400, help="messages published per second")
+    parser.add_argument("--rate", type=int, default=200, help="messages published per second")
     parser.add_argument("--burst-ms", type=int, default=100, help="the producer appends a burst this often")
     parser.add_argument("--consumers", type=int, default=4, help="members of the group")
     parser.add_argument("--hang", type=int, default=1, help="members that take a batch and never acknowledge it")
