@@ -31,9 +31,10 @@ import signal
 import struct
 import tempfile
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import psutil
 import trio
@@ -247,19 +248,20 @@ async def _member(job: MemberJob) -> None:
     with open(job.log, "w", buffering=1) as log:
         if job.mode == "pop":
             async with PopConsumer.connect(HOST, job.port, group=GROUP, filter=TOPIC, client_id=name,
-                                           invisible_s=job.invisible_s, max_count=job.batch, wait_s=1.0) as consumer:
-                await _serve(job, log, consumer.pop, consumer.ack)
+                                           invisible_s=job.invisible_s, max_count=job.batch, wait_s=1.0) as popper:
+                await _serve(job, log, popper.pop, popper.ack)
         else:
             async with Consumer.connect(HOST, job.port, group=GROUP, filter=TOPIC, client_id=name,
-                                        max_count=job.batch, wait_s=1.0, auto_commit=False) as consumer:
+                                        max_count=job.batch, wait_s=1.0, auto_commit=False) as claimer:
                 async def commit(message: Any) -> bool:
-                    await consumer.commit([message.offset])
+                    await claimer.commit([message.offset])
                     return True  # a claimed offset stays this member's: it is never handed out again
 
-                await _serve(job, log, consumer.poll, commit)
+                await _serve(job, log, claimer.poll, commit)
 
 
-async def _serve(job: MemberJob, log: Any, take: Any, ack: Any) -> None:
+async def _serve(job: MemberJob, log: TextIO, take: Callable[[], Awaitable[Sequence[Any]]],
+                 ack: Callable[[Any], Awaitable[bool]]) -> None:
     """Take batches, handle each message, acknowledge it; log ``D seq`` per delivery and ``A seq µs`` per
     acknowledgement that counted. At its first batch after ``fail_after_s`` a ``hang`` member stops (connected),
     a ``crash`` member SIGKILLs itself once half of the batch is acknowledged."""

@@ -219,8 +219,8 @@ class Subscriptions:
             popped = []
         if not popped:
             self._idle.setdefault(queue, set()).add(connection)
-        messages = tuple(from_record(p.record, queue, p.offset) for p in popped)
-        connection.feed(Pulled(action.filter, messages, action.from_offset, tuple(p.handle for p in popped)))
+        handed = tuple(from_record(p.record, queue, p.offset) for p in popped)
+        connection.feed(Pulled(action.filter, handed, action.from_offset, tuple(p.handle for p in popped)))
 
     async def _wake_idle(self) -> None:
         """Every ``REVIVE_POLL_S``, the shared subscriptions whose last pop was empty pop again (module docstring)."""
