@@ -269,9 +269,9 @@ class Subscriptions:
 
     async def leave_groups(self, connection: Connection) -> None:
         """The connection closes: what its session's shared subscriptions were handed and did not finish goes
-        back to their groups now, for the other members ([MQTT-4.8.2-5] is kept only in part: docs/consumer-
-        groups.md). What the session finished and has not committed yet (commits are batched) is acknowledged
-        first: it counts as delivered."""
+        back to their groups now, for the other members (a QoS 2 message before its PUBREC too, which departs from
+        [MQTT-4.8.2-4]: see docs/consumer-groups.md). What the session finished and has not committed yet is
+        acknowledged first: it counts as delivered."""
         if connection not in self._members:
             return
         self._members.discard(connection)
