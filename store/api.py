@@ -535,9 +535,8 @@ class StoreApi(Protocol):
         committed offset, durable on return."""
         ...
 
-    async def leave(self, group: str, queue: str, member: str, *, unsubscribe: bool = False) -> None:
-        """``member`` leaves: what it holds goes to the other members. ``unsubscribe``: the member's session no
-        longer has the subscription either; the group's last subscriber out releases its filter and offset."""
+    async def leave(self, group: str, queue: str, member: str) -> None:
+        """``member`` leaves: what it holds goes to the other members."""
         ...
 
     # --- POP consumption (store/pop/) -----------------------------------------------------

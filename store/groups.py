@@ -1,25 +1,21 @@
-"""Consumer groups and shared subscriptions: members that share one queue, at least once, from a committed offset.
+"""Consumer groups (claim/ack): members that share one queue, at least once, from a committed offset.
 
-The one arbitration of the project: back-end consumers (store/clients/consumer.py), MQTT shared subscriptions
-(``$share/<group>/<filter>``) of the embedded gateway and of cluster gateways all go through the store node's
-``GroupCoordinator``, so a group's members may sit on any number of nodes.
+Back-end consumers (store/clients/consumer.py) go through the store node's ``GroupCoordinator``, so a group's
+members may sit on any number of connections. MQTT shared subscriptions pop instead (store/pop/,
+docs/consumer-groups.md); so may back-end consumers.
 
-A group (its name is the offsets owner and the filter holder: ``$share/<name>`` for MQTT, ``$group/<name>``
-for back-end consumers) reads one light queue. A *member* is one connected consumer: a back-end client, or a
-connected MQTT session of the group (named by its client id, within its node). Hand-out (:class:`GroupState`,
+A group (its name is the offsets owner and the filter holder: ``$group/<name>`` for back-end consumers) reads one
+light queue. A *member* is one connected consumer (named within its connection). Hand-out (:class:`GroupState`,
 no I/O): a member's claim gets the offsets other members handed back first (lowest first), then a fair share
 of the backlog from the group's cursor (the backlog divided by the members, so one large claim does not starve
 the others). Offsets stay the member's until it acknowledges them; when it leaves (its connection closed, its
-node went away: ``leave_node``) what it did not acknowledge goes back to the group, and the nodes with
-sessions on the queue are told (an event), so the other members pull it. The group's committed offset is the
+node went away: ``leave_node``) what it did not acknowledge goes back to the group, and the claims waiting on
+the group are woken. The group's committed offset is the
 lowest offset not acknowledged (handed back, held, or the cursor), written under the group's name, so a group
 loaded again from it loses nothing (what was acknowledged above it is delivered again: at least once).
 
 The group holds its filter (``activate`` with its name as holder), so a wildcard filter's queue is indexed
-from the first join on, also while no member is connected. MQTT shared subscriptions also count their
-*subscribers* (sessions holding the subscription, connected or not): the last one out (``leave`` with
-``unsubscribe``, or its session ended: ``drop_subscriber``) releases the filter and the group's offset.
-A group without a committed offset starts at ``earliest`` (the queue's first offset still stored),
+from the first join on, also while no member is connected. A group without a committed offset starts at ``earliest`` (the queue's first offset still stored),
 ``latest`` (the first message appended after the join), an ``offset`` or a ``time`` (the first message
 stored at or after it, ``LightQueues.offset_at_time``); later joins resume from the committed offset.
 
@@ -61,8 +57,8 @@ MAX_CLAIM_BYTES = 16 * 1024 * 1024
 T = TypeVar("T")
 
 Member = tuple[str, str]
-"""A group member: (the node it is connected to, its name there: an MQTT client id, or "" for a back-end client's
-connection, which is its own node)."""
+"""A group member: (the node it is connected to, its name there: "" for a back-end client's connection, which is
+its own node)."""
 
 
 @final
@@ -159,13 +155,12 @@ class GroupState:
 
 @dataclass(eq=False)
 class _Group:
-    """One group's queue as the coordinator keeps it while members are joined or subscribers hold it."""
+    """One group's queue as the coordinator keeps it while members are joined."""
 
     name: str
     queue: str
     state: GroupState
     committed: int  # the offset last written to the store
-    subscribers: set[str] = field(default_factory=set)  # MQTT sessions holding the subscription, connected or not
     lock: trio.Lock = field(default_factory=trio.Lock)  # one claim at a time: reads between plan and advance
     commit_lock: trio.Lock = field(default_factory=trio.Lock)  # commits in order: the newest offset lands last
     news: trio.Event = field(default_factory=trio.Event)  # set when the queue grew or offsets were handed back
@@ -206,16 +201,14 @@ class GroupStore(Protocol):
 
 @final
 class GroupCoordinator:
-    """The consumer groups and shared subscription groups of one store node (see the module docstring).
+    """The consumer groups of one store node (see the module docstring).
 
     Args:
         store: the open store node: its light queues, log, activations, releases and offset commits.
-        poke: ``poke(queue)`` tells the nodes with sessions on ``queue`` to pull (offsets were handed back).
     """
 
-    def __init__(self, store: GroupStore, poke: Callable[[str], None]) -> None:
+    def __init__(self, store: GroupStore) -> None:
         self._store = store
-        self._poke = poke
         self._groups: dict[tuple[str, str], _Group] = {}
         self._by_queue: dict[str, list[_Group]] = {}
         self._memberships: dict[Member, set[tuple[str, str]]] = {}  # member -> the groups it joined
@@ -231,8 +224,7 @@ class GroupCoordinator:
     # --- membership -------------------------------------------------------------------
 
     async def join(self, member: Member, group: str, queue: str, start: str = "latest", at: int = 0) -> int:
-        """``member`` joins ``group`` on ``queue`` (and, for an MQTT session, subscribes); returns the group's
-        committed offset.
+        """``member`` joins ``group`` on ``queue``; returns the group's committed offset.
 
         Args:
             start, at: where a group with no committed offset on the queue
@@ -249,8 +241,6 @@ class GroupCoordinator:
             raise ValueError(f"start must be one of {', '.join(START_KINDS)}, not {start!r}")
         loaded = await self._loaded(group, queue, start, at)
         loaded.state.join(member)
-        if member[1]:
-            loaded.subscribers.add(member[1])
         self._memberships.setdefault(member, set()).add((group, queue))
         LOGGER.debug("member joined a group", extra={"ctx": {"member": member, "group": group, "queue": queue,
                                                              "members": loaded.state.members}})
@@ -280,12 +270,8 @@ class GroupCoordinator:
     async def _commit(self, group: str, queue: str, offset: int) -> None:
         await self._store.commit_offsets({group: {queue: offset}})
 
-    async def leave(self, member: Member, group: str, queue: str, *, unsubscribe: bool = False) -> None:
-        """``member`` leaves: what it holds goes back to the group (a no-op if it was not a member).
-
-        ``unsubscribe``: its session no longer holds the subscription either (MQTT UNSUBSCRIBE); the last
-        subscriber out releases the group's filter and offset.
-        """
+    async def leave(self, member: Member, group: str, queue: str) -> None:
+        """``member`` leaves: what it holds goes back to the group (a no-op if it was not a member)."""
         key = (group, queue)
         keys = self._memberships.get(member)
         if keys is not None:
@@ -293,8 +279,6 @@ class GroupCoordinator:
             if not keys:
                 del self._memberships[member]
         self._leave(key, member)
-        if unsubscribe:
-            await self._unsubscribe(key, member[1])
 
     def leave_node(self, node: str) -> None:
         """``node`` went away (its connection to the store closed): its members leave every group they joined."""
@@ -302,40 +286,20 @@ class GroupCoordinator:
             for key in self._memberships.pop(member):
                 self._leave(key, member)
 
-    async def drop_subscriber(self, client_id: str) -> None:
-        """The session of ``client_id`` ended: it holds no shared subscription any more."""
-        for key, loaded in list(self._groups.items()):
-            if client_id in loaded.subscribers:
-                await self._unsubscribe(key, client_id)
-
     def _leave(self, key: tuple[str, str], member: Member) -> None:
         loaded = self._groups.get(key)
         if loaded is None or member not in loaded.state.held:
             return
         handed_back = loaded.state.leave(member)
         loaded.wake()
-        if handed_back:
-            self._poke(loaded.queue)
         LOGGER.debug("member left a group", extra={"ctx": {"member": member, "group": key[0], "queue": key[1],
                                                            "handed_back": handed_back,
                                                            "members": loaded.state.members}})
         self._unload_if_idle(loaded)
 
-    async def _unsubscribe(self, key: tuple[str, str], client_id: str) -> None:
-        loaded = self._groups.get(key)
-        if loaded is None or client_id not in loaded.subscribers:
-            return
-        if len(loaded.subscribers) > 1 or loaded.state.members:
-            loaded.subscribers.discard(client_id)
-            return
-        # Its offset on the queue goes with it; on a full disk (LogFullError) nothing changed: the caller may try again.
-        await self._store.release(loaded.queue, loaded.name)
-        loaded.subscribers.discard(client_id)
-        self._unload(loaded)
-
     def _unload_if_idle(self, loaded: _Group) -> None:
-        """A group without members or subscribers is forgotten: the store keeps its committed offset."""
-        if not loaded.state.members and not loaded.subscribers:
+        """A group without members is forgotten: the store keeps its committed offset."""
+        if not loaded.state.members:
             self._unload(loaded)
 
     def _unload(self, loaded: _Group) -> None:

@@ -199,8 +199,8 @@ class LocalStore:
     async def ack(self, group: str, queue: str, member: str, offsets: Sequence[int] = (), *, below: int = 0) -> int:
         return await self.store.groups.ack(self._member(member), group, queue, offsets, below)
 
-    async def leave(self, group: str, queue: str, member: str, *, unsubscribe: bool = False) -> None:
-        await self.store.groups.leave(self._member(member), group, queue, unsubscribe=unsubscribe)
+    async def leave(self, group: str, queue: str, member: str) -> None:
+        await self.store.groups.leave(self._member(member), group, queue)
 
     # --- POP consumption ------------------------------------------------------------------------
 

@@ -101,13 +101,13 @@ class StoreNode:
         self.delayed = PendingDelayed(timers, log.log, self.append_control, dispatcher.wait_dispatched)
         self.router = NotifyRouter()
         self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
-        self.groups = GroupCoordinator(self, self._poke)
+        self.groups = GroupCoordinator(self)
         self.pops = PopCoordinator(self, pops)  # POP consumption (store/pop/)
         # The next id a first activation of a wildcard filter may take: ids given out but not applied yet count,
         # so two new filters never get one id without waiting for each other's record to be applied.
         self._next_filter_id = 0
         self.sessions = Sessions(  # the client-keyed part (store/sessions.py)
-            blobs, awaiting, log.log, dispatcher, self.groups, append=self.append, append_control=self.append_control,
+            blobs, awaiting, log.log, dispatcher, append=self.append, append_control=self.append_control,
             owns=self._owns, on_moved=self.moved, nursery=nursery, lease_s=lease_s)
         self.leases = self.sessions.leases
         self.replication: Replication | None = None  # leading a replicated group: acknowledgements wait for it
@@ -148,10 +148,6 @@ class StoreNode:
                 attachment.events.post(mine)
         self.groups.wake(events)
         self.pops.wake(events)
-
-    def _poke(self, queue: str) -> None:
-        """Offsets of ``queue`` were handed back to a group: the nodes with sessions on it pull."""
-        self.route({queue: self.queues.max_offset(queue)})
 
     def moved(self, node: str, client_id: str) -> None:
         """``client_id`` connected elsewhere: ``node`` is told it is not its client any more."""

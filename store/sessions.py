@@ -26,7 +26,6 @@ from store.awaiting import AwaitingRelease
 from store.control import Control, FlowsReleased, SessionEnded, SessionSaved
 from store.derived import DerivedApplier
 from store.dispatch import Dispatcher
-from store.groups import GroupCoordinator
 from store.leases import Leases
 from store.log.commitlog import CommitLog
 from store.log.errors import LogFullError
@@ -87,21 +86,19 @@ class Sessions:
         blobs: the derived session blobs.
         awaiting: the inbound QoS 2 flows, derived by dispatch.
         log, dispatcher: the node's CommitLog and dispatcher (a read waits for dispatch to pass the log's end).
-        groups: the node's consumer groups (an ended session leaves its shared subscriptions).
         append: ``StoreNode.append`` (wills); append_control: ``StoreNode.append_control``.
         owns: whether an owner holds filters or has offsets (blocking), which its ``SessionEnded`` drops too.
         on_moved, nursery, lease_s: as ``Leases`` (store/leases.py).
     """
 
     def __init__(self, blobs: SessionBlobs, awaiting: AwaitingRelease, log: CommitLog, dispatcher: Dispatcher,
-                 groups: GroupCoordinator, *, append: Callable[[Sequence[NewMessage]], Awaitable[object]],
+                 *, append: Callable[[Sequence[NewMessage]], Awaitable[object]],
                  append_control: Callable[..., Awaitable[int]], owns: Callable[[str], bool],
                  on_moved: Callable[[str, str], None], nursery: trio.Nursery, lease_s: float) -> None:
         self.blobs = blobs
         self._awaiting = awaiting
         self._log = log
         self._dispatcher = dispatcher
-        self._groups = groups
         self._append = append
         self._append_control = append_control
         self._owns = owns
@@ -164,7 +161,6 @@ class Sessions:
         existed = bool(self._awaiting.awaiting(client_id)) or await trio.to_thread.run_sync(self._stored, client_id)
         if existed:
             await self._append_control([SessionEnded(client_id)])
-        await self._groups.drop_subscriber(client_id)
         return existed
 
     def _stored(self, client_id: str) -> bool:

@@ -33,6 +33,8 @@ BENCHMARKS = {
     "index": ("gateway.bench.index", "light queues: dispatch rate, filter match, pull latency, bytes per message"),
     "produce": ("gateway.bench.produce", "back-end producers, embedded and over the RPC: single sends vs send_batch vs "
                                          "AutoBatch with a consumer group reading: produced/s, consumed/s, p99, bytes, CPU"),
+    "pop": ("gateway.bench.pop", "POP vs claim/ack consumer groups with hung and crashed members: delivered/s, lost, "
+                                 "redelivered, dead-lettered, publish-to-ack p99"),
     "timers": ("gateway.bench.timers", "delayed messages: scheduling and dequeue rates, lateness, RSS and disk pending"),
     "analytics": ("gateway.bench.analytics", "rows/s of the Spark per-device telemetry aggregation"),
     "fanin": ("gateway.bench.fanin", "many publishers -> one tele/# subscriber, as fast as possible"),

@@ -135,6 +135,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("mqtt.max_keepalive", 0, "longest keep alive granted to MQTT 5 clients, told as Server Keep Alive"
            " (0 = grant what the client asks)"),
     Option("mqtt.sys_interval_s", 10.0, "publish the $SYS/broker/... statistics this often (0 = never)"),
+    Option("mqtt.shared_invisible_s", 30.0, "a shared subscription's QoS 1/2 message not acknowledged by its member"
+           " within this goes to another member (> 0)"),
     Option("retention.hours", 72.0, "delete sealed segments older than this"),
     Option("retention.max_bytes", 0, "delete oldest sealed segments beyond this total (0 = no limit)"),
     Option("retention.check_interval_s", 60.0, "how often retention runs"),

@@ -95,6 +95,7 @@ def channel_config(settings: Mapping[str, Any]) -> ChannelConfig:
         qos0_queue_bytes=settings["limits.qos0_queue_bytes"],
         max_unwritten_bytes=settings["limits.outbound_bytes"],
         max_delay_s=settings["delayed.max_delay_s"],
+        shared_invisible_s=settings["mqtt.shared_invisible_s"],
     )
 
 

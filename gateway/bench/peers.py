@@ -65,6 +65,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
@@ -703,3 +705,22 @@ def _start_replicated(name: str, acks: str, workdir: Path, port: int, durable: b
         broker.stop()
         raise
     return broker
+
+
+@contextmanager
+def store_process(data: Path, flush: str) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """A ``lightgate store`` process on ``data`` (created; its log beside it) with ``commitlog.flush`` ``flush``,
+    listening: its port and process, terminated at the end. For the back-end benchmarks (produce, pop)."""
+    data.mkdir(parents=True)
+    port = free_port()
+    log_path = data.parent / f"{data.name}.log"
+    with open(log_path, "ab") as log:
+        store = subprocess.Popen(
+            [sys.executable, "-m", "gateway.app.cli", "store", "--data", str(data), "--listen", f"{HOST}:{port}",
+             "--log-level", "warning", "--commitlog-flush", flush],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=SOURCE_ENV)
+    try:
+        wait_listening([store.pid], port, 1, "lightgate store", log_path)
+        yield port, store
+    finally:
+        terminate(store)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ import psutil
 import trio
 
 from gateway.bench.common import emit
-from gateway.bench.peers import HOST, SOURCE_ENV, free_port, terminate, wait_listening
+from gateway.bench.peers import HOST, store_process
 from store.api import StoreApi, group_owner
 from store.clients.producer import Message, Producer
 from store.local import LocalStore
@@ -183,21 +182,10 @@ async def _embedded(data: Path, args: argparse.Namespace) -> AsyncIterator[tuple
 @asynccontextmanager
 async def _remote(data: Path, args: argparse.Namespace) -> AsyncIterator[tuple[Any, StoreApi, psutil.Process]]:
     """A ``lightgate store`` process; the producer and the consumer on connections of their own."""
-    data.mkdir(parents=True)
-    port = free_port()
-    log_path = data.parent / f"{data.name}.log"
-    with open(log_path, "ab") as log:
-        store = subprocess.Popen(
-            [sys.executable, "-m", "gateway.app.cli", "store", "--data", str(data), "--listen", f"{HOST}:{port}",
-             "--log-level", "warning", "--commitlog-flush", args.flush],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=SOURCE_ENV)
-    try:
-        await trio.to_thread.run_sync(wait_listening, [store.pid], port, 1, "lightgate store", log_path)
+    with store_process(data, args.flush) as (port, store):
         async with RemoteStore.connect(HOST, port, node="bench-producer") as producing, \
                 RemoteStore.connect(HOST, port, node="bench-consumer") as consuming:
             yield producing, consuming, psutil.Process(store.pid)
-    finally:
-        await trio.to_thread.run_sync(terminate, store)
 
 
 class _Cpu:

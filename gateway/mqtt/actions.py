@@ -31,6 +31,10 @@ from gateway.mqtt.reasons import ReasonCode
 from gateway.mqtt.template import PublishTemplate
 from store.api import NewMessage, Position
 
+REVIVED = -1
+"""``QueueAdvanced.max_offset`` that wakes only a queue's shared subscriptions: their groups' invisible times pass
+without news on the queue (gateway/node/subscriptions.py polls the idle ones)."""
+
 NOT_IN_LOG = Position(-1, -1)
 """The position of an inbound QoS 2 message's record the store does not know (a blob saved before records kept
 packet ids): its PUBREL is answered without a store write."""
@@ -86,13 +90,15 @@ class Phase(Enum):
 
 class InFlight(msgspec.Struct, gc=False):
     """An outbound QoS 1/2 message not yet acknowledged, by reference into its queue (no body). Not frozen:
-    its phase moves on."""
+    its phase moves on. ``handle``: a shared subscription's message's POP receipt handle until its PUBACK or
+    PUBREC acknowledges it to the group (never saved: a restarted gateway's handles are stale)."""
 
     packet_id: int
     filter: str
     offset: int
     qos: int
     phase: Phase = Phase.PUBLISHED
+    handle: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,17 +230,22 @@ class Release(msgspec.Struct, frozen=True):
 
 
 class CommitOffsets(msgspec.Struct, frozen=True):
-    """Store the session's consumer offsets: filter -> next queue offset not yet fully acknowledged."""
+    """Store the session's consumer offsets: filter -> next queue offset not yet fully acknowledged. Its shared
+    subscriptions' messages have no offset here: ``acks`` are the POP receipt handles of those done (delivered at
+    QoS 0, PUBACK, PUBREC, or skipped), ``releases`` of those it will not deliver (unsubscribed): visible to the
+    other members at once."""
 
     client_id: str
     offsets: dict[str, int]
+    acks: tuple[str, ...] = ()
+    releases: tuple[str, ...] = ()
 
 
 class Pull(msgspec.Struct, frozen=True, gc=False):
     """Read up to ``max_count`` messages of ``queue`` from ``from_offset``; answer ``Pulled(filter, ...)``.
 
-    For a shared subscription (``group`` set) answer only with the messages the
-    group assigns to this member (offsets may skip).
+    For a shared subscription (``group`` set) POP them from the group (any offsets, each with its receipt
+    handle); ``from_offset`` places a group that has no offset yet (its first member's subscription start).
     """
 
     filter: str
@@ -373,15 +384,18 @@ class Activated(msgspec.Struct, frozen=True):
 
 
 class Pulled(msgspec.Struct, frozen=True, gc=False):
-    """Answer to ``Pull``: messages (with ``offset`` set) in queue order, and where the next pull starts."""
+    """Answer to ``Pull``: messages (with ``offset`` set) in queue order, and where the next pull starts; for a
+    shared subscription, the POP receipt ``handles`` of the messages, one each."""
 
     filter: str
     messages: tuple[Message, ...]
     next_offset: int
+    handles: tuple[str, ...] = ()
 
 
 class QueueAdvanced(msgspec.Struct, frozen=True, gc=False):
-    """Notify: ``queue`` has messages up to (not including) ``max_offset``."""
+    """Notify: ``queue`` has messages up to (not including) ``max_offset``; ``REVIVED``: its shared subscriptions'
+    groups may have messages to hand out again (their streams pull, the others ignore it)."""
 
     queue: str
     max_offset: int

@@ -436,7 +436,8 @@ class Channel:
         return self.conn.session.saved(event.ref)  # type: ignore[union-attr]
 
     def _on_pulled(self, event: Pulled) -> list[Action]:
-        return self.conn.session.pulled(event.filter, event.messages, event.next_offset)  # type: ignore[union-attr]
+        return self.conn.session.pulled(  # type: ignore[union-attr]
+            event.filter, event.messages, event.next_offset, event.handles)
 
     def _on_queue_advanced(self, event: QueueAdvanced) -> list[Action]:
         if self.conn.session is None:

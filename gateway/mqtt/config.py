@@ -48,7 +48,9 @@ class ChannelConfig:
     ``pull_batch`` messages per pull bounds a slow stream's buffer; it is the
     deliveries of one step (four turns of ``gateway.mqtt.session.DELIVER_BUDGET``),
     so a subscriber draining a backlog pulls once per step. ``max_delay_s`` is the longest delay of a PUBLISH
-    to ``$delayed/<seconds>/<topic>`` (gateway/mqtt/delayed.py).
+    to ``$delayed/<seconds>/<topic>`` (gateway/mqtt/delayed.py). ``shared_invisible_s`` is how long a shared
+    subscription's member has to acknowledge a message before its group gives it to another member
+    (gateway/node/subscriptions.py).
     """
 
     max_packet_size: int = 1024 * 1024 + 1024
@@ -83,6 +85,7 @@ class ChannelConfig:
     qos0_queue_bytes: int = 0
     max_unwritten_bytes: int = 0
     max_delay_s: int = 7 * 24 * 3600
+    shared_invisible_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("receive_maximum", "default_receive_maximum", "max_inflight"):
@@ -98,8 +101,9 @@ class ChannelConfig:
                      "max_connect_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
-        if self.commit_interval_s <= 0:
-            raise ValueError(f"commit_interval_s must be positive, not {self.commit_interval_s}")
+        for name in ("commit_interval_s", "shared_invisible_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
         if not 1 <= self.max_topic_length <= MAX_TOPIC_BYTES:
             raise ValueError(f"max_topic_length must be 1..{MAX_TOPIC_BYTES}, not {self.max_topic_length}")
         if not 1 <= self.max_topic_levels <= DEFAULT_LIMITS.max_levels:

@@ -47,6 +47,15 @@ be sent as a new PUBLISH. Retained messages and shared subscriptions take ids
 from a pool (1..``LANE_PIDS`` - 1) and are resent after a crash only as at
 least once, with new ids; so is a subscription beyond the ``LANES`` lanes.
 
+A shared subscription (``$share/<group>/<filter>``) reads its group's queue by POP (docs/consumer-groups.md,
+"MQTT shared subscriptions"): each message pulled comes with a receipt handle, kept with the buffered message and
+then with its in-flight entry; the handle is acknowledged to the group when the message is done for this member
+(QoS 0: handed to the socket; QoS 1: PUBACK; QoS 2: PUBREC, from which the client owns it and only its PUBREL
+is resent) or skipped, with the offset commits (``CommitOffsets.acks``), which then come after each event, not
+on the commit timer. What the session holds when its connection closes is given back to the group at once
+(``receipts``); after a gateway crash the group hands it out again when its invisible time passes. A shared
+stream pops at most what its window can send now, and ``SHARED_POP``.
+
 Persistence is not a separate class: whether the session is persistent is
 ``expiry_s > 0``, which a DISCONNECT may change (>0 to 0) mid-session, so one
 class decides per call whether ``SaveSession`` is emitted.
@@ -64,6 +73,7 @@ from msgspec.structs import replace as with_fields
 
 from gateway.mqtt.actions import (
     NOT_IN_LOG,
+    REVIVED,
     Action,
     CommitOffsets,
     Deliver,
@@ -97,6 +107,11 @@ LANES = MAX_UINT16 // LANE_PIDS
 """Lanes 1..127 use ids 512..65535; ids 1..511 are the pool of retained and shared deliveries."""
 
 POOL_PIDS = LANE_PIDS - 1
+
+SHARED_POP = 32
+"""Messages a shared subscription pops at most at once: each is invisible to the group's other members until this
+one delivers it, so a fast member takes a small share at a time and the others get the rest (store.clients.pop's
+default, for the same reason)."""
 
 
 DELIVER_BUDGET = 256
@@ -138,7 +153,7 @@ class _Stream:
     """Delivery state of one subscription's queue."""
 
     __slots__ = ("sub", "cursor", "head", "pulling", "buffer", "unacked", "resend", "skip_below", "lane", "durable",
-                 "dup_below", "completed")
+                 "dup_below", "completed", "handles")
 
     def __init__(self, sub: Subscription, cursor: int, lane: int = 0) -> None:
         self.sub = sub
@@ -155,6 +170,9 @@ class _Stream:
         self.durable: int | None = None  # committed offset of the last save known written (None: none yet)
         self.dup_below = 0  # after a crash: offsets below may have been sent, they go again with DUP=1
         self.completed: set[int] | None = None  # QoS 2 offsets completed at or above the committed offset
+        # A shared subscription's buffered messages' receipt handles by queue offset (None: not shared). A
+        # buffered offset without one is a second copy (the group handed it out again): dropped.
+        self.handles: dict[int, str] | None = {} if sub.group is not None else None
 
     def pid(self, offset: int) -> int:
         """The packet id of the message at ``offset`` in this stream's lane."""
@@ -184,7 +202,8 @@ class Session:
 
     __slots__ = ("client_id", "expiry_s", "awaiting_rel", "_streams", "_inflight", "_next_pid", "_retained",
                  "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due",
-                 "_saves", "_next_ref", "_pubrel_due", "_need_save", "_by_queue", "_ready", "_lanes")
+                 "_saves", "_next_ref", "_pubrel_due", "_need_save", "_by_queue", "_ready", "_lanes",
+                 "_pop_acks", "_pop_releases")
 
     awaiting_rel: dict[int, Position]
     """Inbound QoS 2 packet id -> position of its record (``NOT_IN_LOG``: unknown to the store), stored
@@ -217,6 +236,9 @@ class Session:
         self._next_ref = 0
         self._pubrel_due: Sequence[int] = ()  # PUBRELs waiting for a save that records their PUBREC
         self._need_save = False  # a stream waits for (or will soon need) a save of its committed offset
+        # Shared subscriptions' receipt handles to acknowledge, and to give back, at the next commit (None: none).
+        self._pop_acks: list[str] | None = None
+        self._pop_releases: list[str] | None = None
         if state is not None:
             self._restore(state)
 
@@ -290,6 +312,31 @@ class Session:
     def committed_offsets(self) -> dict[str, int]:
         """The committed offset of every subscription as delivery stands now."""
         return {name: stream.committed() for name, stream in self._streams.items()}
+
+    def receipts(self) -> tuple[list[str], list[str]]:
+        """The shared subscriptions' receipt handles when the connection closes, then forgotten: those done and not
+        committed yet (to acknowledge), and those still held (in flight or buffered: to give back to the group, so
+        another member gets them now rather than after their invisible time; resuming, the session does not send
+        them again)."""
+        acks, held = self._pop_acks or [], self._pop_releases or []
+        self._pop_acks = self._pop_releases = None
+        for entry in self._inflight.values():
+            if entry.handle is not None:
+                held.append(entry.handle)
+                entry.handle = None
+        for stream in self._streams.values():
+            if stream.handles:
+                held += stream.handles.values()
+                stream.handles.clear()
+                stream.buffer.clear()
+        return acks, held
+
+    def _pop_ack(self, handle: str) -> None:
+        """A shared subscription's message is done for this member: acknowledged to its group at the next commit."""
+        if self._pop_acks is None:
+            self._pop_acks = []
+        self._pop_acks.append(handle)
+        self._acks += 1
 
     def state(self, *, resumable: bool = False) -> SessionState:
         """The session as data, for ``SaveSession`` (retained-message deliveries in flight are not kept).
@@ -412,6 +459,9 @@ class Session:
         stream = self._streams.pop(filter, None)
         if stream is None:
             return False
+        if stream.handles:  # its buffered messages go back to the group (those in flight finish their flows)
+            self._pop_releases = [*(self._pop_releases or ()), *stream.handles.values()]
+            self._acks += 1
         self._ready.pop(stream, None)
         if stream.lane:
             self._hold_lane(stream.lane, -1)
@@ -471,25 +521,29 @@ class Session:
         for stream in self._by_queue.get(queue, ()):
             if stream.sub.group is not None:
                 stream.head = None
-            elif stream.head is None or stream.head < max_offset:
+            elif max_offset != REVIVED and (stream.head is None or stream.head < max_offset):
                 stream.head = max_offset
             else:
                 continue
             ready[stream] = None
         return self.pump()
 
-    def pulled(self, filter: str, messages: tuple[Message, ...], next_offset: int) -> list[Action]:
-        """Messages a ``Pull`` brought; an empty answer means the stream reached the head."""
+    def pulled(self, filter: str, messages: tuple[Message, ...], next_offset: int,
+               handles: tuple[str, ...] = ()) -> list[Action]:
+        """Messages a ``Pull`` brought; an empty answer means the stream reached the head. A shared
+        subscription's come with their receipt ``handles``."""
         stream = self._streams.get(filter)
         if stream is None:
             return []
         stream.pulling = False
         self._ready[stream] = None
-        if stream.sub.group is not None:
-            # The group hands out messages, old ones a member left unacknowledged included: the cursor
-            # follows the group's, no offset is filtered, and news during the pull (head None) pulls again.
+        if stream.handles is not None:
+            # The group hands out messages, old ones another member did not acknowledge included: no offset is
+            # filtered, and news during the pull (head None) pulls again. The cursor stays the subscription's
+            # start: it only places a group that has no offset yet.
+            for message, handle in zip(messages, handles, strict=True):
+                stream.handles[message.offset] = handle  # type: ignore[index]
             stream.buffer.extend(messages)
-            stream.cursor = next_offset
             if messages:
                 stream.head = None
             return self.pump()
@@ -579,6 +633,10 @@ class Session:
                         sent += 1
                         by_qos[self._inflight[pid].qos] += 1
                     continue
+                handles = stream.handles
+                if handles is not None and offset not in handles:
+                    buffer.popleft()  # a second copy: the group handed it out again before this one went
+                    continue
                 qos = min(sub.options.qos, message.qos)
                 if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
                         or sent >= DELIVER_BUDGET or queued >= byte_cap:
@@ -599,6 +657,7 @@ class Session:
                         if pid is None:
                             break  # every id of the pool is in flight
                 buffer.popleft()
+                handle = handles.pop(offset) if handles is not None else None
                 if offset < stream.dup_below:
                     # After a crash it may have gone out already, with this id: again, with DUP (at least once).
                     if not qos:
@@ -610,28 +669,39 @@ class Session:
                         sent += 1
                         by_qos[qos] += 1
                     continue
-                if not qos and queue_limit and queued >= queue_limit:
+                size = 0
+                if qos or not queue_limit or queued < queue_limit:
+                    size = self._write(link, message, sub, qos, sub.options.retain_as_published and message.retain,
+                                       chunks, pid)
+                else:
                     dropped += 1
-                    continue
-                size = self._write(link, message, sub, qos, sub.options.retain_as_published and message.retain,
-                                   chunks, pid)
-                if not size:
-                    continue  # expired, No Local, not readable, or too big for the client: skipped, offset advances
+                if not size or not qos:
+                    if handle is not None:  # done for this member: QoS 0 goes at most once, a skip is final
+                        self._pop_ack(handle)
+                    if not size:
+                        continue  # dropped, expired, not readable, too big for the client: skipped, offset advances
                 stream.unacked.add(offset)
                 sent += 1
                 by_qos[qos] += 1
                 if not oldest or message.store_ms < oldest:
                     oldest = message.store_ms
                 if qos:
-                    inflight[pid] = InFlight(pid, sub.filter, offset, qos)  # type: ignore[index,arg-type]
+                    inflight[pid] = InFlight(pid, sub.filter, offset, qos,  # type: ignore[index,arg-type]
+                                             handle=handle)
                 else:
                     written.append((stream, offset))
                 queued += size
             if not buffer and not stream.pulling and (stream.head is None or stream.cursor < stream.head):
-                stream.pulling = True
+                count = link.pull_batch
                 if sub.group is not None:
+                    count = min(count, SHARED_POP)
+                    if sub.options.qos:  # a POP: what the window can send now (the rest stays with the group)
+                        count = min(count, window - len(inflight))
+                        if count < 1:
+                            continue  # an acknowledgement pumps again
                     stream.head = stream.cursor  # idle after an empty answer unless news comes meanwhile
-                actions.append(Pull(sub.filter, sub.queue, stream.cursor, link.pull_batch, sub.group))
+                stream.pulling = True
+                actions.append(Pull(sub.filter, sub.queue, stream.cursor, count, sub.group))
             if not buffer and (stream.pulling or stream.cursor >= stream.head):  # type: ignore[operator]
                 idle.append(stream)  # nothing to deliver until a pull answers or news comes
         for stream in idle:
@@ -773,6 +843,8 @@ class Session:
         if entry.qos != 1:
             raise _wrong_ack("PUBACK", packet_id, entry)
         del self._inflight[packet_id]
+        if entry.handle is not None:  # a failure reason too: not sent to another member [MQTT-4.8.2-6]
+            self._pop_ack(entry.handle)
         self._acked(entry)
         return self._after_ack()
 
@@ -790,6 +862,11 @@ class Session:
             return [Send((Pubrel(packet_id),))]
         if entry.qos != 2:
             raise _wrong_ack("PUBREC", packet_id, entry)
+        if entry.handle is not None:
+            # The client has the message (or refused it: not sent to another member [MQTT-4.8.2-6]): from here
+            # only its PUBREL is owed, which needs no message, so the group is done with it.
+            self._pop_ack(entry.handle)
+            entry.handle = None
         if reason.is_failure:
             del self._inflight[packet_id]
             self._acked(entry)
@@ -861,18 +938,27 @@ class Session:
         self._acks += 1
 
     def commit_due(self) -> bool:
-        """Enough acknowledgements piled up to commit without waiting for the commit timer."""
-        return self._link is not None and self._acks >= self._link.commit_every
+        """Enough acknowledgements piled up to commit without waiting for the commit timer, or a shared
+        subscription's receipt handles wait: they go after the packet that made them (their invisible time runs,
+        and the packets read at once go in one commit)."""
+        return self._link is not None and (self._acks >= self._link.commit_every or bool(self._pop_acks)
+                                           or bool(self._pop_releases))
 
     def commit(self) -> list[Action]:
         """``CommitOffsets`` for every subscription whose committed offset moved since the last commit."""
         self._acks = 0
         moved = {}
         for name, stream in self._streams.items():
+            if stream.handles is not None:
+                continue  # shared: its group keeps the offset, its messages are acknowledged by handle
             offset = stream.committed()
             if self._committed.get(name) != offset:
                 moved[name] = self._committed[name] = offset
-        return [CommitOffsets(self.client_id, moved)] if moved else []
+        acks, releases = self._pop_acks or (), self._pop_releases or ()
+        self._pop_acks = self._pop_releases = None
+        if not (moved or acks or releases):
+            return []
+        return [CommitOffsets(self.client_id, moved, tuple(acks), tuple(releases))]
 
 
 def _wrong_ack(kind: str, packet_id: int, entry: InFlight) -> RemoteProtocolError:

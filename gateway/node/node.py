@@ -95,7 +95,8 @@ class GatewayNode:
         self.owed = OwedWrites(nursery)  # store writes a full data disk refused, done once it has room
         self.commits = CommitBatcher(store, nursery, self.owed)
         self.registry = Registry()
-        self.subscriptions = Subscriptions(store, self.cache, self.commits, self.owed, self.order, nursery)
+        self.subscriptions = Subscriptions(store, self.cache, self.commits, self.owed, self.order, nursery,
+                                           invisible_s=channel_config.shared_invisible_s)
         self.sessions = Sessions(store, self.registry, self.subscriptions, self.commits, self.owed, guard, nursery)
         self.wills = Wills(self.appends)
         self.system = SysTopics(store, self.appends, self.traffic, self.registry, self.sessions)

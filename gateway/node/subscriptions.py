@@ -1,16 +1,21 @@
 """Subscriptions of a node's connections: activations, releases, offset commits, pulls, and who reads which queue.
 
 - Activate: each new subscription's queue is held at the store (its holder: the client id), and its start
-  offset fixed; a shared subscription (``$share/<group>/<filter>``) joins the store's group instead
-  (store/groups.py: the group, ``$share/<group>``, holds the queue and owns its offset; the store arbitrates
-  among the members of every node). The retained messages of the new subscriptions that want them come with
-  the answer. Read order (gateway/node/order.py): the activation holds a fence from the moment its SUBSCRIBE
-  was read until the store applied it, so appends read after it are written after it.
-- Release, commit: the store's holders and offsets; a shared subscription's acknowledgements go to its group.
+  offset fixed; a shared subscription (``$share/<group>/<filter>``) reads the store's POP group ``$share/<group>``
+  instead (store/pop/: the group holds the queue and owns its offset, and hands each message to one member of
+  any node, per message), whose queue is held for the group (its start places a new group). The retained
+  messages of the new subscriptions that want them come with the answer. Read order (gateway/node/order.py): the
+  activation holds a fence from the moment its SUBSCRIBE was read until the store applied it, so appends read
+  after it are written after it.
+- Release, commit: the store's holders and offsets; a shared subscription's messages are acknowledged to its
+  group by receipt handle (``CommitOffsets.acks``), and what its session held is given back when it closes.
 - Pull: at the head of an unshared queue from the queue cache (gateway/node/cache.py), else from the store; a
-  shared subscription's member claims from its group.
+  shared subscription's member pops from its group, each message invisible to the others for
+  ``invisible_s`` (not acknowledged by then, it goes to another member: docs/consumer-groups.md).
 - Notify: the node watches at the store the queues its connections read (reference counted), and feeds the
-  news to the connections on each queue (``QueueAdvanced``).
+  news to the connections on each queue (``QueueAdvanced``). A group's messages also come back without news
+  (their invisible time passed): the shared subscriptions whose last pop was empty pull again every
+  ``REVIVE_POLL_S``.
 """
 
 from __future__ import annotations
@@ -18,40 +23,36 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, final
 
 import trio
 
-from gateway.mqtt.actions import (Activate, Activated, CommitOffsets, Message, Pull, Pulled, QueueAdvanced,
-                                  Release, Subscription)
+from gateway.mqtt.actions import (REVIVED, Activate, Activated, CommitOffsets, Message, Pull, Pulled,
+                                  QueueAdvanced, Release, Subscription)
 from gateway.mqtt.reasons import ReasonCode
 from gateway.node.cache import QueueCache, from_record
 from gateway.node.commits import CommitBatcher
 from gateway.node.order import ReadOrder
 from gateway.node.owed import OwedWrites
 from lightqueue.topics import TopicError, parse_shared
-from store.api import SHARE_PREFIX, LogFullError, StoreApi
+from store.api import SHARE_PREFIX, LogFullError, StoreApi, pop_owner
 
 if TYPE_CHECKING:
     from gateway.node.connection import Connection
 
-__all__ = ["CLAIM_BYTES", "Subscriptions"]
+__all__ = ["POP_BYTES", "REVIVE_POLL_S", "Subscriptions"]
 
 LOGGER = logging.getLogger(__name__)
 
-CLAIM_BYTES = 1 << 20
-"""A shared subscription's claim's byte budget at the store, as a pull's: at least one message, at most about this
+POP_BYTES = 1 << 20
+"""A shared subscription's pop's byte budget at the store, as a pull's: at least one message, at most about this
 much."""
 
-Group = tuple[str, str]
-"""A shared subscription's group at the store: (``$share/<group>``, queue)."""
-
-
-def group_of(sub: Subscription) -> Group:
-    """The store group of a shared subscription."""
-    assert sub.group is not None
-    return SHARE_PREFIX + sub.group, sub.queue
+REVIVE_POLL_S = 1.0
+"""How often a shared subscription whose last pop was empty pops again: its group's messages whose invisible time
+passed (or that a closed member gave back) come back without news on the queue. The store's revive step looks at
+the deadlines as often (``store.pop.pops.REVIVE_TICK_S``)."""
 
 
 @final
@@ -59,16 +60,19 @@ class Subscriptions:
     """The subscriptions of one node's connections (see the module docstring)."""
 
     def __init__(self, store: StoreApi, cache: QueueCache, commits: CommitBatcher, owed: OwedWrites,
-                 order: ReadOrder, nursery: trio.Nursery) -> None:
+                 order: ReadOrder, nursery: trio.Nursery, *, invisible_s: float = 30.0) -> None:
         self._store = store
         self._cache = cache
         self._commits = commits
         self._owed = owed
         self._order = order
         self._nursery = nursery
+        self._invisible_s = invisible_s
         self._local: dict[str, set[Connection]] = {}  # queue -> connections with a subscription on it
         self._held: dict[Connection, set[str]] = {}  # connection -> its queues in _local
-        self._members: dict[Connection, set[Group]] = {}  # connection -> the store groups it is a member of
+        self._members: set[Connection] = set()  # connections with shared subscriptions, until they leave
+        self._idle: dict[str, set[Connection]] = {}  # queue -> members whose last pop on it was empty
+        self._polling = False  # the task that wakes the idle members runs
         self._fences: dict[Connection, dict[int, int]] = {}  # connection -> Activate ref -> its open fence
 
     # --- activations ----------------------------------------------------------------------
@@ -121,22 +125,25 @@ class Subscriptions:
         return starts, reasons
 
     async def _join(self, connection: Connection, sub: Subscription) -> int:
-        """The connection's session joins its shared subscription's group (a new group starts at the queue's
-        head); returns the group's committed offset."""
-        group = group_of(sub)
-        committed = await self._store.join(*group, connection.client_id, start="latest")
-        self._members.setdefault(connection, set()).add(group)
-        return committed
+        """The connection's session pops its shared subscription's group from now on; the group holds the queue
+        (a wildcard's is indexed from here). Returns where a new group starts: the queue's head now (the first
+        pop places a group that has no offset there; an existing group keeps its own)."""
+        assert sub.group is not None
+        start = await self._store.activate(sub.queue, pop_owner(SHARE_PREFIX + sub.group))
+        self._member(connection)
+        return start
+
+    def _member(self, connection: Connection) -> None:
+        self._members.add(connection)
+        if not self._polling:
+            self._polling = True
+            self._nursery.start_soon(self._wake_idle)
 
     async def resume(self, connection: Connection, subscriptions: tuple[Subscription, ...]) -> None:
-        """A resumed session's subscriptions: its shared ones join their groups again, all are read here.
-
-        Raises:
-            LogFullError: a group's first offset could not be stored.
-        """
+        """A resumed session's subscriptions: all are read here, its shared ones pop their groups again."""
         for sub in subscriptions:
             if sub.group is not None:
-                await self._join(connection, sub)
+                self._member(connection)
             self._subscribe_local(connection, sub.queue)
 
     async def _retained_for(self, action: Activate, starts: Mapping[str, int]) -> tuple[tuple[str, Message], ...]:
@@ -164,32 +171,26 @@ class Subscriptions:
                 await self._owed.attempt(client_id, functools.partial(self._store.release, filter, client_id))
                 self._unsubscribe_local(connection, filter)
                 continue
-            group = (SHARE_PREFIX + shared[0], shared[1])
+            # Its group stays (a POP group has no members to count): what the session buffered goes back to it
+            # with the next commit (``CommitOffsets.releases``), what it has in flight is acknowledged as it ends.
             self._unsubscribe_local(connection, shared[1])
-            members = self._members.get(connection)
-            if members is not None:
-                members.discard(group)
-            await self._owed.attempt(client_id, functools.partial(self._store.leave, *group, client_id,
-                                                                  unsubscribe=True))
 
     async def commit(self, connection: Connection, action: CommitOffsets) -> None:
-        """Commit the session's offsets (batched with other connections'); a shared subscription acknowledges
-        to its group what it was handed below its committed offset."""
-        offsets: dict[str, int] = {}
-        for filter, offset in action.offsets.items():
-            shared = parse_shared(filter)
-            if shared is None:
-                offsets[filter] = offset
-                continue
-            try:
-                await self._store.ack(SHARE_PREFIX + shared[0], shared[1], action.client_id, below=offset)
-            except LogFullError:  # the group's offset stays behind; a later acknowledgement moves it
-                pass
-            except ValueError:  # not a member any more (its node's store connection broke): handed back already
-                pass
-        if offsets:
-            self._commits.post(action.client_id, offsets)
+        """Commit the session's offsets (batched with other connections'); acknowledge its shared subscriptions'
+        messages to their groups, and give back those it will not deliver."""
+        await self._settle_receipts(action.acks, action.releases)
+        if action.offsets:
+            self._commits.post(action.client_id, action.offsets)
         LOGGER.debug("offsets committed", extra={"ctx": {"client_id": action.client_id, "offsets": action.offsets}})
+
+    async def _settle_receipts(self, acks: Sequence[str], releases: Sequence[str]) -> None:
+        """Acknowledge ``acks`` to their groups and make ``releases`` visible again at once. A failure is not
+        retried: the group hands those messages out again when their invisible time passes (at least once)."""
+        with contextlib.suppress(LogFullError):  # the store logged the full disk once
+            if acks:
+                await self._store.pop_ack(acks)
+            for handle in releases:
+                await self._store.change_invisible(handle, 0)
 
     # --- pulls ------------------------------------------------------------------------------
 
@@ -205,14 +206,31 @@ class Subscriptions:
             messages, next_offset, _ = await self._cache.read(action.queue, action.from_offset, action.max_count)
             connection.feed(Pulled(action.filter, tuple(messages), next_offset))
             return
-        group = (SHARE_PREFIX + action.group, action.queue)
-        if group not in self._members.get(connection, ()):
-            connection.feed(Pulled(action.filter, (), action.from_offset))  # left or unsubscribed meanwhile
+        if connection not in self._members:
+            connection.feed(Pulled(action.filter, (), action.from_offset))  # closed meanwhile
             return
-        claimed = await self._store.claim(*group, connection.client_id, action.max_count, max_bytes=CLAIM_BYTES)
         queue = action.queue
-        messages = tuple(from_record(record, queue, offset) for offset, record in claimed.messages)
-        connection.feed(Pulled(action.filter, messages, claimed.next_offset))
+        popped = await self._store.pop(SHARE_PREFIX + action.group, queue, connection.client_id, action.max_count,
+                                       invisible_s=self._invisible_s, max_bytes=POP_BYTES, start="offset",
+                                       at=action.from_offset)
+        session = connection.channel.session
+        if connection not in self._members or session is None or not session.holds(action.filter):
+            await self._settle_receipts((), [p.handle for p in popped])  # closed or unsubscribed meanwhile
+            popped = []
+        if not popped:
+            self._idle.setdefault(queue, set()).add(connection)
+        handed = tuple(from_record(p.record, queue, p.offset) for p in popped)
+        connection.feed(Pulled(action.filter, handed, action.from_offset, tuple(p.handle for p in popped)))
+
+    async def _wake_idle(self) -> None:
+        """Every ``REVIVE_POLL_S``, the shared subscriptions whose last pop was empty pop again (module docstring)."""
+        while True:
+            await trio.sleep(REVIVE_POLL_S)
+            idle, self._idle = self._idle, {}
+            for queue, connections in idle.items():
+                for connection in connections:
+                    if connection in self._members:
+                        connection.feed(QueueAdvanced(queue, REVIVED))
 
     # --- the queues the connections read ------------------------------------------------------
 
@@ -250,23 +268,22 @@ class Subscriptions:
         return self._local
 
     async def leave_groups(self, connection: Connection) -> None:
-        """The connection closes: its session's shared subscriptions leave their groups (what it was handed and
-        did not acknowledge goes to the other members). What the session acknowledged and has not committed yet
-        (commits are batched) is acknowledged to the group first: it counts as delivered."""
-        groups = self._members.pop(connection, ())
+        """The connection closes: what its session's shared subscriptions were handed and did not finish goes
+        back to their groups now, for the other members (a QoS 2 message before its PUBREC too, which departs from
+        [MQTT-4.8.2-4]: see docs/consumer-groups.md). What the session finished and has not committed yet is
+        acknowledged first: it counts as delivered."""
+        if connection not in self._members:
+            return
+        self._members.discard(connection)
         session = connection.channel.session
-        acknowledged = {} if session is None or not groups else session.committed_offsets()
-        for group in groups:
-            try:
-                for filter, offset in acknowledged.items():
-                    shared = parse_shared(filter)
-                    if shared is not None and (SHARE_PREFIX + shared[0], shared[1]) == group:
-                        with contextlib.suppress(LogFullError, ValueError):  # as in ``commit``
-                            await self._store.ack(*group, connection.client_id, below=offset)
-                await self._store.leave(*group, connection.client_id)
-            except OSError as exc:  # the store is gone: it dropped this node's members with its connection
-                LOGGER.warning("shared group not left at the store: %r", exc,
-                               extra={"ctx": {"group": group[0], "queue": group[1]}})
+        if session is None:
+            return
+        acks, held = session.receipts()
+        try:
+            await self._settle_receipts(acks, held)
+        except OSError as exc:  # the store is gone: the messages come back after their invisible time
+            LOGGER.warning("shared subscriptions' messages not given back: %r", exc,
+                           extra={"ctx": {"client_id": connection.client_id, "messages": len(held)}})
 
     def connection_closed(self, connection: Connection) -> None:
         """Forget the connection: the activations it will never apply, the queues it read, its groups."""

@@ -419,8 +419,8 @@ class RemoteStore:
         answer = await self._call(lambda rid: rpc.Ack(rid, group, queue, list(offsets), member, below))
         return answer.value
 
-    async def leave(self, group: str, queue: str, member: str, *, unsubscribe: bool = False) -> None:
-        await self._call(lambda rid: rpc.Leave(rid, group, queue, member, unsubscribe))
+    async def leave(self, group: str, queue: str, member: str) -> None:
+        await self._call(lambda rid: rpc.Leave(rid, group, queue, member))
 
     # --- POP consumption ------------------------------------------------------------------------
 

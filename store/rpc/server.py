@@ -393,7 +393,7 @@ class _Connection:
 
     async def _leave(self, request: rpc.Leave) -> rpc.Done:
         self._check_group(request.group, request.member)
-        await self._store.leave(request.group, request.queue, request.member, unsubscribe=request.unsubscribe)
+        await self._store.leave(request.group, request.queue, request.member)
         return rpc.Done(request.id)
 
     def _check_pop(self, group: str, queue: str) -> None:

@@ -479,7 +479,6 @@ class Leave(_Message, tag="leave"):
     group: str
     queue: str
     member: str = ""
-    unsubscribe: bool = False
 
 
 class Pop(_Message, tag="pop"):

@@ -18,8 +18,8 @@ from gateway.mqtt.reasons import ReasonCode
 from store.leases import LEASE_S
 from tests.helpers.cluster import WAIT_S, ask_store, run_id, running_cluster, store_statistics, wait_for
 from tests.helpers.mqtt_fixtures import (
-    QUIET_S, Client, connect_packet, connected, check_nothing_before_sentinel, properties, quiet, raw_client,
-    recv_until_closed,
+    QUIET_S, Client, check_hung_member_holds_only_its_window, connect_packet, connected, check_nothing_before_sentinel,
+    properties, quiet, raw_client, recv_until_closed,
 )
 
 pytestmark = pytest.mark.slow
@@ -112,6 +112,14 @@ def test_shared_subscription_members_on_both_gateways_share_the_messages(cluster
         for i in range(40, 50):
             pub.publish(f"jobs{run}/j{i}", str(i).encode(), 1)
         assert sorted(m.payload for m in two.receive(10)) == sorted(str(i).encode() for i in range(40, 50))
+
+
+def test_a_hung_shared_member_on_one_gateway_delays_only_its_window_and_gives_it_back_across_gateways(cluster):
+    """The store's POP group balances per message across gateways: a member on gw1 that never acknowledges holds
+    only its Receive Maximum (2) while the member on gw2 gets the rest; when it disconnects, gw1 gives its two back
+    at once (no wait for the 30 s invisible time) and gw2's member gets them (5.0 section 4.8.2)."""
+    _, (gw1, gw2) = cluster
+    check_hung_member_holds_only_its_window(gw1.port, gw2.port)
 
 
 def test_a_gateway_without_sessions_on_a_queue_gets_no_events_for_it(cluster):

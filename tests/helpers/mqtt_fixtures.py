@@ -20,13 +20,14 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
-from gateway.mqtt.packets import MQTT_311, Connack, Connect, Packet, Suback, Subscribe, SubscriptionOptions
+from gateway.mqtt.packets import MQTT_5, MQTT_311, Connack, Connect, Packet, Suback, Subscribe, SubscriptionOptions
+from gateway.mqtt.properties import Properties as Mqtt5Properties
 from tests.helpers.processes import LightgateProcess
 
 __all__ = [
     "WAIT_S", "Client", "Node", "connect_packet", "connected", "kill", "check_nothing_before_sentinel", "properties",
     "publish5", "quiet", "RawClient", "raw_client", "recv_until_closed", "run_id", "running_node", "session5", "subscribe5",
-    "wait_until",
+    "wait_until", "check_hung_member_holds_only_its_window",
 ]
 
 QUIET_S = 1.0
@@ -261,3 +262,25 @@ def raw_client(port: int, level: int = MQTT_311):
         yield client
     finally:
         client.close()
+
+
+def check_hung_member_holds_only_its_window(hung_port: int, other_port: int) -> None:
+    """A shared subscription's member connected to ``hung_port`` with a Receive Maximum of 2 takes two messages and
+    never acknowledges them: the member on ``other_port`` must get the next eight while it hangs, then its two once
+    it disconnects (within ``WAIT_S``, shorter than the nodes' invisible time), and nothing more."""
+    run = run_id()
+    topic, share = f"win{run}/t", f"$share/g{run}/win{run}/t"
+    with raw_client(hung_port, MQTT_5) as hung, connected(other_port) as pub:
+        hung.connect(f"win-{run}", properties=Mqtt5Properties(receive_maximum=2))
+        hung.subscribe(share, 1)
+        for i in range(2):
+            pub.publish(topic, str(i).encode(), 1)
+        assert [hung.receive().payload for _ in range(2)] == [b"0", b"1"]  # its window is full
+        with connected(other_port) as other:
+            other.subscribe(share, 1)
+            for i in range(2, 10):
+                pub.publish(topic, str(i).encode(), 1)
+            assert [m.payload for m in other.receive(8)] == [str(i).encode() for i in range(2, 10)]
+            hung.close()
+            assert sorted(m.payload for m in other.receive(2)) == [b"0", b"1"]
+            check_nothing_before_sentinel(other, pub, topic)

@@ -305,7 +305,7 @@ async def test_a_group_hands_messages_to_its_members_until_they_acknowledge_them
     assert [(qoff, r.payload) for qoff, r in claimed.messages] == [(0, b"0")] and claimed.next_offset == 1
     assert (await api.claim("$group/workers", "jobs/a", "m1", 10)).messages == []  # it holds them: not again
     assert await api.ack("$group/workers", "jobs/a", "m1", [0]) == 1
-    await api.leave("$group/workers", "jobs/a", "m1", unsubscribe=True)
+    await api.leave("$group/workers", "jobs/a", "m1")
     with pytest.raises(ValueError):
         await api.join("$group/workers", "jobs/a", "m1", start="sometime")
 

@@ -223,17 +223,3 @@ async def test_bad_joins_and_claims_are_refused_with_reasons(groups):
         await claim(groups, A, 1)
     with pytest.raises(ValueError, match="join first"):
         await groups.ack(A, G, "tele/#", [0])
-
-
-async def test_a_shared_subscription_holds_its_filter_until_its_last_subscriber_unsubscribes(store, groups):
-    """Members of an MQTT shared subscription on two nodes: one node's subscriber leaving must not release the
-    group's filter while another node's subscriber (connected or not) still holds the subscription."""
-    share = "$share/g"
-    gw1, gw2 = ("gw1", "dev-1"), ("gw2", "dev-2")
-    await groups.join(gw1, share, "tele/+/temp")
-    await groups.join(gw2, share, "tele/+/temp")
-    groups.leave_node("gw2")  # dev-2's node went away: dev-2 is a subscriber still
-    await groups.leave(gw1, share, "tele/+/temp", unsubscribe=True)
-    assert store.queues.holders("tele/+/temp") == [share]
-    await groups.drop_subscriber("dev-2")  # dev-2's session ended (expiry, clean start)
-    assert store.queues.holders("tele/+/temp") == []

@@ -375,3 +375,89 @@ def test_outbound_topic_aliases_hold_a_bounded_number_of_topic_bytes():
 def test_the_store_reads_the_expiry_a_blob_was_saved_with_and_0_from_an_unreadable_one():
     assert session_blob_expiry(encode_session(SessionState("c", 7200, (SUB,)))) == 7200
     assert session_blob_expiry(b"\xc1 not a session") == 0
+
+
+# --- shared subscriptions: POP receipt handles (docs/consumer-groups.md, "MQTT shared subscriptions") ----------
+
+SHARED = Subscription("$share/g/a/+", "a/+", SubscriptionOptions(qos=2), group="g")
+
+
+def shared_session(qos: int = 2, **overrides) -> Session:
+    session = Session("c", 0)
+    session.subscribe(SHARED if qos == 2 else Subscription(SHARED.filter, SHARED.queue, SubscriptionOptions(qos=qos),
+                                                           group="g"), 5)
+    session.attach(link(**overrides))
+    return session
+
+
+def popped(session: Session, *offsets: int, qos: int = 1) -> list:
+    return session.pulled(SHARED.filter, tuple(msg(o, qos) for o in offsets), 5, tuple(f"h{o}" for o in offsets))
+
+
+def test_a_shared_stream_pops_only_what_its_window_can_send():
+    session = Session("c", 0)
+    session.subscribe(SHARED, 5)
+    assert pulls(session.attach(link(receive_maximum=3))) == [Pull(SHARED.filter, "a/+", 5, 3, "g")]
+    actions = popped(session, 1, 2)
+    assert len(publishes(actions)) == 2
+    (pull,) = pulls(actions)
+    assert pull.max_count == 1  # two in flight of three: the rest stays with the group, for the other members
+    actions = session.pulled(SHARED.filter, (msg(3),), 5, ("h3",))
+    assert len(publishes(actions)) == 1 and pulls(actions) == []
+    assert pulls(session.queue_advanced("a/+", 9)) == []  # window full: no pop until an acknowledgement
+    assert pulls(session.puback(publishes(actions)[0].packet_id))[0].max_count == 1
+
+
+def test_puback_and_pubrec_acknowledge_the_handle_pubcomp_does_not():
+    session = shared_session()
+    out = publishes(popped(session, 7) + popped(session, 8, qos=2))
+    assert [p.qos for p in out] == [1, 2]
+    session.puback(out[0].packet_id)
+    session.pubrec(out[1].packet_id, ReasonCode.SUCCESS)
+    session.pubcomp(out[1].packet_id)
+    (commit,) = [a for a in session.commit() if isinstance(a, CommitOffsets)]
+    assert commit.acks == ("h7", "h8") and commit.offsets == {}  # the group keeps the offset
+    assert session.commit() == []
+
+
+def test_a_refused_qos1_message_is_acknowledged_to_the_group_not_given_to_another_member():
+    session = shared_session()
+    (out,) = publishes(popped(session, 7))
+    session.puback(out.packet_id)  # whatever its reason code [MQTT-4.8.2-6]
+    assert session.commit()[0].acks == ("h7",)
+
+
+def test_qos0_shared_deliveries_are_acknowledged_at_once():
+    session = shared_session(qos=0)
+    assert len(publishes(popped(session, 7, 8))) == 2
+    assert session.commit_pending
+    assert session.commit()[0].acks == ("h7", "h8")
+
+
+def test_receipts_at_close_give_back_what_is_in_flight_or_buffered_and_acknowledge_what_is_done():
+    session = shared_session(receive_maximum=2)
+    out = publishes(popped(session, 1, 2, 3, 4))
+    assert len(out) == 2  # 3 and 4 wait in the buffer
+    session.puback(out[0].packet_id)
+    session.detach()
+    assert session.receipts() == (["h1"], ["h2", "h3", "h4"])
+    assert session.receipts() == ([], [])  # given once
+    resumed = Session("c", 60, session.state())
+    assert resumed.inflight == ()  # not sent again: the group gives it to a member
+
+
+def test_unsubscribing_gives_back_the_buffered_messages():
+    session = shared_session(receive_maximum=1)
+    publishes(popped(session, 1, 2))
+    session.unsubscribe(SHARED.filter)
+    assert session.commit()[0].releases == ("h2",)
+
+
+def test_a_second_copy_of_a_buffered_message_goes_out_once():
+    session = shared_session(receive_maximum=1)
+    (first,) = publishes(popped(session, 1, 2))
+    popped(session, 2)  # the group handed 2 out again (its invisible time passed) while it waited here
+    out = publishes(session.puback(first.packet_id))
+    assert [p.payload for p in out] == [b"2"]
+    assert publishes(session.puback(out[0].packet_id)) == []
+    assert session.commit()[0].acks == ("h1", "h2")

@@ -31,7 +31,7 @@ CLIENT_SAMPLES = [
     rpc.Join(17, "$share/g", "a/+", "dev1", "latest"),
     rpc.Claim(18, "$share/g", "a/+", 10, 1 << 20, 0, "dev1"),
     rpc.Ack(19, "$share/g", "a/+", [], "dev1", below=4),
-    rpc.Leave(20, "$share/g", "a/+", "dev1", unsubscribe=True),
+    rpc.Leave(20, "$group/g", "a/+", "m1"),
     rpc.AdminCall(21, "dev1", AdminOp.SESSION),
     rpc.AdminCallAll(22, AdminOp.CLIENTS, b'{"search":"dev"}'),
     rpc.AdminAnswer(23, b"[]"),
