@@ -81,6 +81,11 @@ class LocalStore:
     def close(self) -> None:
         self.store.detach(self.node)
 
+    @property
+    def max_record_bytes(self) -> int:
+        """The store's ``commitlog.max_record_bytes`` (``RemoteStore`` has it from the store's Welcome)."""
+        return self.store.max_record_bytes
+
     # --- messages ---------------------------------------------------------------------------
 
     def append_nowait(self, messages: Sequence[NewMessage]) -> Positions:

@@ -117,6 +117,11 @@ class StoreNode:
         """Whether new messages are refused because the data disk is full."""
         return self.space.full
 
+    @property
+    def max_record_bytes(self) -> int:
+        """``commitlog.max_record_bytes``: no record, a batch record included, is larger."""
+        return self.log.log.config.max_record_bytes
+
     # --- attached nodes ---------------------------------------------------------------------
 
     def attach(self, name: str) -> Attachment:

@@ -18,9 +18,11 @@ batch when it holds ``batch_max_bytes`` of payload or ``batch_max_count``
 messages, or ``batch_max_delay_ms`` after its first message, or at once on
 :meth:`Producer.flush`, :meth:`Producer.send_batch` and when the producer
 closes. A batch is one append request and one CommitLog write (one group
-commit when durable), and each message in it fails alone (a topic the ACL
-denies, a record over the size limit): its handle raises, its neighbours'
-do not. Up to ``IN_FLIGHT`` batches travel at once over the RPC (one to a store
+commit when durable), its same-topic runs written as batch records (one
+record, one CRC, one index entry: docs/storage.md, "Batch records"), and
+each message in it fails alone (a record over the size limit goes as a
+record of its own; a topic the ACL denies fails all of that topic's
+alike): its handle raises, its neighbours' do not. Up to ``IN_FLIGHT`` batches travel at once over the RPC (one to a store
 in this process); the store appends them in the order sent.
 ``auto_batch=False`` sends each message as its own request at once (what a
 service that wants no added latency at all pays for in throughput:
@@ -32,8 +34,8 @@ Back-pressure: messages buffered or in flight hold at most
 :meth:`Producer.send_nowait` raises ``trio.WouldBlock``.
 
 Order: per topic, messages are stored in the order sent. Within one batch the
-messages of a topic go together (``store.api.by_topic``: the store can write a
-same-topic run as one record), so messages of different topics sent close
+messages of a topic go together (``store.api.by_topic``: the store writes a
+same-topic run as batch records), so messages of different topics sent close
 together may be stored in another order than sent.
 
 Delivery guarantee: at most once per send. A handle that raises
@@ -68,6 +70,7 @@ import trio
 from lightqueue.topics import validate_topic
 from store.api import NewMessage, Position, Positions, by_topic
 from store.clients.properties import encode_properties
+from store.log.record import HEADER_SIZE
 from store.rpc.client import RemoteStore, default_node_name
 
 __all__ = ["GroupAppender", "Message", "Producer", "ProducerStatistics", "SendHandle", "encode_properties"]
@@ -95,12 +98,22 @@ waiting for dispatch to catch up are woken in any order)."""
 _names = itertools.count(1)
 
 
+BATCH_RECORD_MARGIN = 4096
+"""Bytes a message's single record must stay below the store's record limit to go in a batch record (a quarter of
+the limit, if less): the batch record's message count and message header, and its target-queue section (4 bytes per
+wildcard filter the topic matches: room for about a thousand)."""
+
+
 class GroupAppender(Protocol):
     """Where a producer appends: ``RemoteStore`` (a store node over the RPC) or ``LocalStore`` (a store in this
-    process). Per group its positions, or the exception that kept that group (only) out."""
+    process). Per group its positions, or the exception that kept that group (only) out; ``batched[i]``: group i
+    goes in batch records. ``max_record_bytes``: the store's record size limit (0: unknown, nothing is batched)."""
 
-    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None
-                            ) -> Sequence[Positions | Exception]: ...
+    @property
+    def max_record_bytes(self) -> int: ...
+
+    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None,
+                            batched: Sequence[bool] = ()) -> Sequence[Positions | Exception]: ...
 
 
 @final
@@ -485,18 +498,49 @@ class Producer:
     async def _append(self, messages: list[NewMessage]) -> list[Position | Exception]:
         """The one call that stores a batch: one request (one CommitLog write), its messages in runs of one topic.
 
-        Today each message is a group of its own, so that each fails alone; ``groups = [[messages[i] for i in run]
-        for run in runs]`` would ask the store to write each same-topic run as one record, all or nothing.
+        Each stretch of two or more messages of a run that can share a batch record is a batched group (the store
+        writes it as batch records that fit its record limit, all or nothing); every other message is a group of
+        its own. Groups go in the order of the run, so per topic the store keeps the order sent. A batched group
+        fails only whole, for what fails every message of its topic alike (the ACL, a full disk) but not for size:
+        it holds only messages whose single record stays ``BATCH_RECORD_MARGIN`` below the limit, so each fits a
+        batch record of its own. What remains: a topic matching so many wildcard filters that its target-queue
+        section outgrows the margin fails its batched group whole with ``RecordTooLarge``.
         """
         runs = by_topic(messages)
-        groups = [[messages[i]] for run in runs for i in run]
-        results = await self.client.append_groups(groups, durable=self._durable)
+        groups: list[list[NewMessage]] = []
+        batched: list[bool] = []
+        order: list[int] = []  # the index each group's messages were sent at, in group order
+        limit = self.client.max_record_bytes
+        for run in runs:
+            order += run
+            fixed = HEADER_SIZE + len(messages[run[0]].topic.encode()) + len(self.client_id.encode()) + \
+                min(BATCH_RECORD_MARGIN, limit // 4)
+            stretch: list[NewMessage] = []
+            for i in run:
+                message = messages[i]
+                if not message.deliver_at_ms and fixed + len(message.payload) + len(message.properties) <= limit:
+                    stretch.append(message)
+                    continue
+                _close(stretch, groups, batched)
+                groups.append([message])
+                batched.append(False)
+            _close(stretch, groups, batched)
+        results = await self.client.append_groups(groups, durable=self._durable, batched=batched)
         outcomes: dict[int, Position | Exception] = {}  # by the index the message was sent at
-        order = itertools.chain.from_iterable(runs)
+        sent = iter(order)
         for group, result in zip(groups, results):
             for k in range(len(group)):
-                outcomes[next(order)] = result if isinstance(result, Exception) else result[k]
+                outcomes[next(sent)] = result if isinstance(result, Exception) else result[k]
         return [outcomes[i] for i in range(len(messages))]
+
+
+def _close(stretch: list[NewMessage], groups: list[list[NewMessage]], batched: list[bool]) -> None:
+    """End a stretch of messages that can share a batch record: a batched group of two or more, or one message's
+    own group; the stretch is emptied."""
+    if stretch:
+        groups.append(list(stretch))
+        batched.append(len(stretch) > 1)
+        stretch.clear()
 
 
 def _due(now: int, delay_s: float | None, deliver_at: int | None) -> int:
