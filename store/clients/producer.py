@@ -68,9 +68,8 @@ from typing import Any, Protocol, final
 import trio
 
 from lightqueue.topics import validate_topic
-from store.api import NewMessage, Position, Positions, by_topic
+from store.api import NewMessage, Position, Positions, batch_groups
 from store.clients.properties import encode_properties
-from store.log.record import HEADER_SIZE
 from store.rpc.client import RemoteStore, default_node_name
 
 __all__ = ["GroupAppender", "Message", "Producer", "ProducerStatistics", "SendHandle", "encode_properties"]
@@ -96,12 +95,6 @@ process takes one batch at a time: concurrent appends there could reach the Comm
 waiting for dispatch to catch up are woken in any order)."""
 
 _names = itertools.count(1)
-
-
-BATCH_RECORD_MARGIN = 4096
-"""Bytes a message's single record must stay below the store's record limit to go in a batch record (a quarter of
-the limit, if less): the batch record's message count and message header, and its target-queue section (4 bytes per
-wildcard filter the topic matches: room for about a thousand)."""
 
 
 class GroupAppender(Protocol):
@@ -496,51 +489,17 @@ class Producer:
                 self._idle.set()
 
     async def _append(self, messages: list[NewMessage]) -> list[Position | Exception]:
-        """The one call that stores a batch: one request (one CommitLog write), its messages in runs of one topic.
-
-        Each stretch of two or more messages of a run that can share a batch record is a batched group (the store
-        writes it as batch records that fit its record limit, all or nothing); every other message is a group of
-        its own. Groups go in the order of the run, so per topic the store keeps the order sent. A batched group
-        fails only whole, for what fails every message of its topic alike (the ACL, a full disk) but not for size:
-        it holds only messages whose single record stays ``BATCH_RECORD_MARGIN`` below the limit, so each fits a
-        batch record of its own. What remains: a topic matching so many wildcard filters that its target-queue
-        section outgrows the margin fails its batched group whole with ``RecordTooLarge``.
-        """
-        runs = by_topic(messages)
-        groups: list[list[NewMessage]] = []
-        batched: list[bool] = []
-        order: list[int] = []  # the index each group's messages were sent at, in group order
-        limit = self.client.max_record_bytes
-        for run in runs:
-            order += run
-            fixed = HEADER_SIZE + len(messages[run[0]].topic.encode()) + len(self.client_id.encode()) + \
-                min(BATCH_RECORD_MARGIN, limit // 4)
-            stretch: list[NewMessage] = []
-            for i in run:
-                message = messages[i]
-                if not message.deliver_at_ms and fixed + len(message.payload) + len(message.properties) <= limit:
-                    stretch.append(message)
-                    continue
-                _close(stretch, groups, batched)
-                groups.append([message])
-                batched.append(False)
-            _close(stretch, groups, batched)
+        """The one call that stores a batch: one request (one CommitLog write), its same-topic runs as batch
+        records where that lets each message fail alone and keeps each topic's order (``store.api.batch_groups``:
+        what remains, a topic matching very many wildcard filters, is said there)."""
+        indexes, batched = batch_groups(messages, self.client.max_record_bytes)
+        groups = [[messages[i] for i in group] for group in indexes]
         results = await self.client.append_groups(groups, durable=self._durable, batched=batched)
         outcomes: dict[int, Position | Exception] = {}  # by the index the message was sent at
-        sent = iter(order)
-        for group, result in zip(groups, results):
-            for k in range(len(group)):
-                outcomes[next(sent)] = result if isinstance(result, Exception) else result[k]
+        for group, result in zip(indexes, results):
+            for k, i in enumerate(group):
+                outcomes[i] = result if isinstance(result, Exception) else result[k]
         return [outcomes[i] for i in range(len(messages))]
-
-
-def _close(stretch: list[NewMessage], groups: list[list[NewMessage]], batched: list[bool]) -> None:
-    """End a stretch of messages that can share a batch record: a batched group of two or more, or one message's
-    own group; the stretch is emptied."""
-    if stretch:
-        groups.append(list(stretch))
-        batched.append(len(stretch) > 1)
-        stretch.clear()
 
 
 def _due(now: int, delay_s: float | None, deliver_at: int | None) -> int:
