@@ -52,14 +52,15 @@ from store.usage import ProcessUsage
 # usable on its own (repair, benchmarks), and must not depend on the interface built over it.
 from lightqueue.topics import TopicError
 from store.log.errors import InvalidOffset, LogFullError, OffsetExpired, StartupError
-from store.log.record import FLAG_RETAIN, QOS_MASK, Record, RecordTooLarge
+from store.log.record import FLAG_RETAIN, HEADER_SIZE, QOS_MASK, Record, RecordTooLarge
 from store.space import FULL_RETRY_S
 
 __all__ = [
     "DLQ_PREFIX", "GROUP_PREFIX", "MAIN_LOG", "MAX_ATTEMPTS", "POP_PREFIX", "SHARE_PREFIX", "AdminOp",
     "DelayedCapExceeded", "DelayedMessage", "DelayedPage", "Flow", "FollowerStatistics", "LeaderFenced", "LeaseLost",
     "LogSpan", "NewMessage", "NotLeader", "Popped", "Position", "Positions", "PullRequest", "PullResult",
-    "ReplicationStatistics", "StoreApi", "StoreStatistics", "StoreUnavailable", "TimerStatistics", "by_topic",
+    "ReplicationStatistics", "StoreApi", "StoreStatistics", "StoreUnavailable", "TimerStatistics", "batch_groups",
+    "by_topic",
     "dlq_topic", "group_owner", "pop_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
@@ -201,6 +202,48 @@ def by_topic(messages: Sequence[NewMessage]) -> list[list[int]]:
     for index, message in enumerate(messages):
         runs.setdefault(message.topic, []).append(index)
     return list(runs.values())
+
+
+BATCH_RECORD_MARGIN = 4096
+"""Bytes a message's single record must stay below the store's record limit to go in a batch record (a quarter of
+the limit, if less): the batch record's message count and message header, and its target-queue section (4 bytes per
+wildcard filter the topic matches: room for about a thousand)."""
+
+
+def batch_groups(messages: Sequence[NewMessage], max_record_bytes: int) -> tuple[list[list[int]], list[bool]]:
+    """The groups of an ``append_groups`` that writes same-topic runs as batch records and lets each message fail
+    alone: the indexes of ``messages`` per group, and whether each group is batched.
+
+    Per topic (:func:`by_topic`), each stretch of two or more messages that can share a batch record is a batched
+    group (the store writes it as batch records that fit its limit, all or nothing); every other message is a
+    group of its own: a delayed one, one with a packet id, one whose single record is not ``BATCH_RECORD_MARGIN``
+    below ``max_record_bytes`` (0: unknown, nothing is batched). Groups keep each topic's order. So a batched
+    group fails only for what fails every message of its topic alike (the ACL, a full disk), not for size. What
+    remains: a topic matching so many wildcard filters that its target-queue section outgrows the margin fails
+    its batched group whole with ``RecordTooLarge``.
+    """
+    groups: list[list[int]] = []
+    batched: list[bool] = []
+    margin = HEADER_SIZE + min(BATCH_RECORD_MARGIN, max_record_bytes // 4)
+    for run in by_topic(messages):
+        room = max_record_bytes - margin - len(messages[run[0]].topic.encode())
+        stretch: list[int] = []
+        for i in run:
+            m = messages[i]
+            if not (m.deliver_at_ms or m.packet_id) and \
+                    len(m.payload) + len(m.properties) + len(m.client_id.encode()) <= room:
+                stretch.append(i)
+                continue
+            if stretch:
+                groups.append(stretch)
+                batched.append(len(stretch) > 1)
+                stretch = []
+            groups.append([i])
+            batched.append(False)
+        if stretch:
+            groups.append(stretch)
+            batched.append(len(stretch) > 1)
+    return groups, batched
 
 
 class PullRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -417,6 +460,23 @@ class StoreApi(Protocol):
             OSError: the write failed (``LogFullError`` when the disk is full); nothing is acknowledged.
             ConnectionError: ``StoreUnavailable``, or ``LeaseLost`` for messages of a client of an ended lease.
         """
+        ...
+
+    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None,
+                            batched: Sequence[bool] = ()) -> Sequence[Positions | Exception]:
+        """:meth:`append` of several groups in one write (one request): per group its positions, or the exception
+        that kept that group (only) out (``RecordTooLarge``, ``ValueError``, ``DelayedCapExceeded``, and over
+        the RPC ``AccessDenied``); ``batched[i]``: group i goes in batch records (:func:`batch_groups` makes
+        groups that fail only whole).
+
+        Raises:
+            OSError, ConnectionError: as :meth:`append`, for every group.
+        """
+        ...
+
+    @property
+    def max_record_bytes(self) -> int:
+        """The store's ``commitlog.max_record_bytes`` (0: unknown: a store that did not say)."""
         ...
 
     def pull_nowait(self, requests: Sequence[PullRequest]) -> list[PullResult[Record]]:

@@ -29,17 +29,17 @@ import heapq
 import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, final
+from typing import Generic, Protocol, TypeVar, final
 
 import trio
 
 from lightqueue.queues import LightQueues
 from lightqueue.results import PullResult
 from store.log.aio import AsyncCommitLog
-from store.log.record import split_batch
+from store.log.record import Record, decode_record, encode_message
 
-__all__ = ["GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore", "Member", "START_KINDS", "read_offsets",
-           "start_offset"]
+__all__ = ["DECODED", "AS_STORED", "Form", "GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore", "Member",
+           "START_KINDS", "read_offsets", "start_offset"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -55,6 +55,25 @@ MAX_CLAIM_BYTES = 16 * 1024 * 1024
 """A claim's byte budget is capped at this, so its answer stays far below the RPC frame limit."""
 
 T = TypeVar("T")
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Form(Generic[T]):
+    """What a consumer read (:func:`read_offsets`) hands out per message: ``record(raw, log_offset)`` of a single
+    record as stored, ``message(record)`` of a message of a batch record, which is decoded once for all its
+    messages (neither re-encoded nor decoded again per message: most of a claim's cost when batches came)."""
+
+    record: Callable[[bytes, int], T]
+    message: Callable[[Record], T]
+
+
+DECODED: Form[Record] = Form(lambda raw, offset: decode_record(raw, 0, offset), lambda message: message)
+"""Each message as a ``Record`` (a store in this process)."""
+
+AS_STORED: Form[tuple[int, bytes]] = Form(lambda raw, offset: (offset, raw),
+                                          lambda message: (message.offset, encode_message(message)))
+"""Each message as ``(position, single-record bytes)`` (the RPC's raw form; its client decodes)."""
 
 Member = tuple[str, str]
 """A group member: (the node it is connected to, its name there: "" for a back-end client's connection, which is
@@ -198,6 +217,9 @@ class GroupStore(Protocol):
     async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
         """``{owner: {queue: next offset}}``, durable on return."""
 
+    def in_memory(self, queue: str, from_offset: int) -> bool:
+        """Whether the records of ``queue`` from ``from_offset`` on are recent ones (kept in memory)."""
+
 
 @final
 class GroupCoordinator:
@@ -320,10 +342,10 @@ class GroupCoordinator:
     # --- claims and acknowledgements ----------------------------------------------------
 
     async def claim(self, member: Member, group: str, queue: str, max_count: int, max_bytes: int, wait_s: float,
-                    decode: Callable[[bytes, int], T]) -> PullResult[T]:
+                    form: Form[T]) -> PullResult[T]:
         """Messages for ``member``, now its until it acknowledges them; waits up to ``wait_s`` for some.
 
-        ``decode(raw, log_offset)`` makes each message (``next_offset`` is the group's cursor). Empty when
+        Each message in ``form`` (``next_offset`` is the group's cursor). Empty when
         nothing came within ``wait_s`` or the member left meanwhile (it is then not an error: a member that
         leaves while its claim waits gets nothing).
 
@@ -337,22 +359,30 @@ class GroupCoordinator:
         while True:
             news = loaded.news
             async with loaded.lock:
-                entries = await self._take(loaded, member, max_count, min(max_bytes, MAX_CLAIM_BYTES), decode)
+                entries = await self._take(loaded, member, max_count, min(max_bytes, MAX_CLAIM_BYTES), form)
             if entries or trio.current_time() >= deadline or member not in loaded.state.held:
                 return PullResult(entries, loaded.state.cursor, False)
             with trio.move_on_at(deadline):
                 await news.wait()
 
     async def _take(self, loaded: _Group, member: Member, max_count: int, max_bytes: int,
-                    decode: Callable[[bytes, int], T]) -> list[tuple[int, T]]:
+                    form: Form[T]) -> list[tuple[int, T]]:
         state = loaded.state
         if member not in state.held:
             return []
         returned, fresh = state.plan(member, max_count, self._store.queues.max_offset(loaded.queue))
         if not returned and not fresh:
             return []
-        entries, unread, next_offset = await trio.to_thread.run_sync(
-            read_offsets, self._store, loaded.queue, returned, state.cursor, fresh, max_bytes, decode)
+        store = self._store
+        if store.in_memory(loaded.queue, min(returned, default=state.cursor)):
+            # Recent records (in the page cache): a worker thread would take nothing off the loop (Python holds
+            # the GIL) and add two hand-offs per claim, which a loaded process waits for behind its producers.
+            await trio.lowlevel.checkpoint()
+            entries, unread, next_offset = read_offsets(store, loaded.queue, returned, state.cursor, fresh,
+                                                        max_bytes, form)
+        else:
+            entries, unread, next_offset = await trio.to_thread.run_sync(
+                read_offsets, store, loaded.queue, returned, state.cursor, fresh, max_bytes, form)
         state.give_back(unread)
         state.hand_out(member, [entry[0] for entry in entries])
         if fresh:
@@ -404,9 +434,9 @@ async def start_offset(store: GroupStore, queue: str, start: str, at: int, lates
 
 
 def read_offsets(store: GroupStore, queue: str, returned: list[int], cursor: int, fresh: int, max_bytes: int,
-                 decode: Callable[[bytes, int], T]) -> tuple[list[tuple[int, T]], list[int], int]:
+                 form: Form[T]) -> tuple[list[tuple[int, T]], list[int], int]:
     """(worker thread) The messages of ``returned`` offsets and of ``fresh`` offsets from ``cursor`` (a group's claim,
-    a POP: store/pop/).
+    a POP: store/pop/), each in ``form``.
 
     Returns the entries, the handed-back offsets not read (the byte budget
     ran out: they go back), and where the cursor moves. An offset whose
@@ -414,14 +444,12 @@ def read_offsets(store: GroupStore, queue: str, returned: list[int], cursor: int
     """
     log = store.log.log
 
-    def kept(raw: bytes, log_offset: int) -> tuple[int, bytes]:
-        return log_offset, raw
-
     def pull(queue: str, from_offset: int, max_count: int, budget: int) -> PullResult[tuple[T, int]]:
-        """The queue's messages with their sizes, a batch record's as records of their own (``split_batch``)."""
-        found = store.queues.pull(queue, from_offset, max_count, budget, log, kept, unpack=split_batch)
-        return PullResult([(qoff, (decode(raw, log_offset), len(raw))) for qoff, (log_offset, raw) in
-                           found.messages], found.next_offset, found.expired)
+        """The queue's messages with their sizes, a batch record's each from the one decode of the record."""
+        found = store.queues.pull(queue, from_offset, max_count, budget, log, _as_stored, unpack=_batch_messages)
+        return PullResult([(qoff, (form.message(value), value.size) if isinstance(value, Record) else
+                            (form.record(value[1], value[0]), len(value[1]))) for qoff, value in found.messages],
+                          found.next_offset, found.expired)
 
     entries: list[tuple[int, T]] = []
     budget = max_bytes
@@ -443,6 +471,20 @@ def read_offsets(store: GroupStore, queue: str, returned: list[int], cursor: int
     result = pull(queue, cursor, fresh, budget)
     entries.extend((qoff, value) for qoff, (value, _) in result.messages)
     return entries, [], result.next_offset
+
+
+def _as_stored(raw: bytes, log_offset: int) -> tuple[int, bytes] | Record:
+    return log_offset, raw
+
+
+def _batch_messages(stored: tuple[int, bytes] | Record) -> Sequence[tuple[int, bytes] | Record]:
+    """The messages of a batch record as stored (``LightQueues.pull``'s ``unpack``), decoded once.
+
+    Raises:
+        CorruptRecord: the batch body does not parse.
+    """
+    assert not isinstance(stored, Record)
+    return decode_record(stored[1], 0, stored[0]).messages
 
 
 def _runs(offsets: list[int]) -> list[list[int]]:

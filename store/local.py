@@ -25,10 +25,10 @@ import trio
 from store.api import (MAIN_LOG, MAX_ATTEMPTS, AdminOp, DelayedPage, Flow, LogSpan, NewMessage, Popped, Position,
                        Positions, PullRequest, PullResult, StoreStatistics)
 from store.attached import admin_call, admin_call_all
-from store.groups import Member
+from store.groups import AS_STORED, DECODED, Member
 from store.log.errors import InvalidOffset
 from store.log.record import Record, decode_record
-from store.node import StoreNode, decode, raw
+from store.node import StoreNode
 
 __all__ = ["INLINE_PULL", "LocalStore", "offset_in_log"]
 
@@ -80,6 +80,11 @@ class LocalStore:
 
     def close(self) -> None:
         self.store.detach(self.node)
+
+    @property
+    def max_record_bytes(self) -> int:
+        """The store's ``commitlog.max_record_bytes`` (``RemoteStore`` has it from the store's Welcome)."""
+        return self.store.max_record_bytes
 
     # --- messages ---------------------------------------------------------------------------
 
@@ -189,12 +194,13 @@ class LocalStore:
     async def claim(self, group: str, queue: str, member: str, max_count: int, *, max_bytes: int = 1 << 20,
                     wait_s: float = 0.0) -> PullResult[Record]:
         return await self.store.groups.claim(self._member(member), group, queue, max_count, max_bytes, wait_s,
-                                             decode)
+                                             DECODED)
 
     async def claim_raw(self, group: str, queue: str, member: str, max_count: int, *, max_bytes: int = 1 << 20,
                         wait_s: float = 0.0) -> PullResult[tuple[int, bytes]]:
         """:meth:`claim` with each record as ``(log offset, bytes as stored)`` (the RPC server's form)."""
-        return await self.store.groups.claim(self._member(member), group, queue, max_count, max_bytes, wait_s, raw)
+        return await self.store.groups.claim(self._member(member), group, queue, max_count, max_bytes, wait_s,
+                                             AS_STORED)
 
     async def ack(self, group: str, queue: str, member: str, offsets: Sequence[int] = (), *, below: int = 0) -> int:
         return await self.store.groups.ack(self._member(member), group, queue, offsets, below)
@@ -208,7 +214,7 @@ class LocalStore:
                   wait_s: float = 0.0, max_attempts: int = MAX_ATTEMPTS, max_bytes: int = 1 << 20,
                   start: str = "latest", at: int = 0) -> list[Popped]:
         found = await self.store.pops.pop(member, group, queue, max_count, invisible_s, wait_s, max_attempts,
-                                          max_bytes, start, at, decode)
+                                          max_bytes, start, at, DECODED)
         return [Popped(*entry) for entry in found]
 
     async def pop_raw(self, group: str, queue: str, member: str, max_count: int, *, invisible_s: float,
@@ -216,7 +222,7 @@ class LocalStore:
                       start: str = "latest", at: int = 0) -> list[tuple[str, int, int, tuple[int, bytes]]]:
         """:meth:`pop` with each record as ``(log offset, bytes as stored)`` (the RPC server's form)."""
         return await self.store.pops.pop(member, group, queue, max_count, invisible_s, wait_s, max_attempts,
-                                         max_bytes, start, at, raw)
+                                         max_bytes, start, at, AS_STORED)
 
     async def pop_ack(self, handles: Sequence[str]) -> list[bool]:
         return await self.store.pops.ack(handles)

@@ -50,7 +50,7 @@ from store.log.aio import AsyncCommitLog, LatencyBuckets
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.log.recent import RecentRecords
-from store.log.record import FLAG_BATCH, Record, decode_record, new_batch, new_record, now_ms, split_batch
+from store.log.record import FLAG_BATCH, Record, decode_record, fit_batches, new_batch, new_record, now_ms, split_batch
 from store.pop.applier import PopApplier
 from store.pop.pops import PopCoordinator
 from store.queuecontrol import QueueControls
@@ -116,6 +116,11 @@ class StoreNode:
     def disk_full(self) -> bool:
         """Whether new messages are refused because the data disk is full."""
         return self.space.full
+
+    @property
+    def max_record_bytes(self) -> int:
+        """``commitlog.max_record_bytes``: no record, a batch record included, is larger."""
+        return self.log.log.config.max_record_bytes
 
     # --- attached nodes ---------------------------------------------------------------------
 
@@ -303,16 +308,19 @@ class StoreNode:
                            m.born_ms or None, max_size, m.packet_id) for m in messages]
 
     def _batch(self, messages: Sequence[NewMessage], now: int) -> list[tuple[bytes, Record]]:
-        """The one batch record of ``messages`` (``append(batch=True)``), its target queues fixed now.
+        """The batch records of ``messages`` (``append(batch=True)``), their target queues fixed now: as few as
+        ``commitlog.max_record_bytes`` allows (a caller need not know the limit to batch).
 
         Raises:
-            ValueError: they are not all of one topic, one is delayed, or the record does not encode.
+            ValueError: they are not all of one topic, one is delayed, or a record does not encode
+                (``RecordTooLarge``: a message too large for a record of its own).
         """
         topic = messages[0].topic
         if any(m.topic != topic or m.deliver_at_ms for m in messages):
             raise ValueError("a batch record holds messages of one topic, none of them delayed")
-        config = self.log.log.config
-        return [new_batch(topic, messages, now, self.queues.targets(topic), config.max_record_bytes)]
+        max_size = self.log.log.config.max_record_bytes
+        queues = self.queues.targets(topic)
+        return [new_batch(topic, run, now, queues, max_size) for run in fit_batches(topic, messages, queues, max_size)]
 
     def _delayed(self, m: NewMessage, now: int, max_size: int, added: dict[str, int]) -> tuple[bytes, Record]:
         """The ``Delayed`` record of a delayed message, once its client's cap allows it (counted from what dispatch
@@ -489,9 +497,15 @@ def messages_of(record: Record) -> tuple[Record, ...]:
 
 def _positions(made: list[tuple[bytes, Record]], offsets: list[int]) -> list[int]:
     """The positions of an append's messages: a record's offset, or each message's of a batch record."""
-    if len(made) == 1 and made[0][1].flags & FLAG_BATCH:
-        return [offsets[0] + i for i in range(len(made[0][1].messages))]
-    return offsets
+    if not any(record.flags & FLAG_BATCH for _, record in made):
+        return offsets
+    positions: list[int] = []
+    for (_, record), offset in zip(made, offsets):
+        if record.flags & FLAG_BATCH:
+            positions.extend(range(offset, offset + len(record.messages)))
+        else:
+            positions.append(offset)
+    return positions
 
 
 SessionFixer = Callable[[bytes, Callable[[str], int]], "bytes | None"]

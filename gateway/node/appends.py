@@ -26,7 +26,8 @@ from gateway.mqtt.actions import Append, Appended, Event
 from gateway.mqtt.reasons import ReasonCode
 from gateway.node.order import ReadOrder
 from gateway.node.poller import ReadRound
-from store.api import DelayedCapExceeded, LeaseLost, LogFullError, NewMessage, Position, Positions, RecordTooLarge, StoreApi
+from store.api import (DelayedCapExceeded, LeaseLost, LogFullError, NewMessage, Position, Positions, RecordTooLarge,
+                       StoreApi, batch_groups)
 
 if TYPE_CHECKING:
     from gateway.node.connection import Connection
@@ -143,23 +144,29 @@ class Appends:
                       count: bool = True) -> tuple[Positions | ReasonCode, bool]:
         """:meth:`store`, and whether a failure leaves the outcome unknown (the store became unreachable with the
         call sent: the messages may be stored) rather than nothing appended."""
-        unknown = False
         try:
             return await self._store.append(messages), False
-        except RecordTooLarge as exc:
+        except (OSError, ValueError) as exc:
+            return self._refused(exc, messages if count else ())
+
+    def _refused(self, exc: Exception, messages: Sequence[NewMessage]) -> tuple[ReasonCode, bool]:
+        """Why an append failed, and whether its outcome is unknown (:meth:`_stored`); ``messages`` are counted
+        in ``refused_by_qos``."""
+        unknown = False
+        if isinstance(exc, RecordTooLarge):
             LOGGER.warning("append refused: %s", exc)
             reason = ReasonCode.PACKET_TOO_LARGE
-        except (LogFullError, DelayedCapExceeded):
+        elif isinstance(exc, (LogFullError, DelayedCapExceeded)):
             reason = ReasonCode.QUOTA_EXCEEDED
-        except LeaseLost:
+        elif isinstance(exc, LeaseLost):
             reason = ReasonCode.SESSION_TAKEN_OVER
-        except ConnectionError:  # the store is unreachable: its client logs that once
+        elif isinstance(exc, ConnectionError):  # the store is unreachable: its client logs that once
             reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
             unknown = True
-        except (OSError, ValueError) as exc:
+        else:
             LOGGER.error("append failed: %r", exc)
             reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
-        for message in messages if count else ():
+        for message in messages:
             self.refused_by_qos[message.qos] += 1
         return reason, unknown
 
@@ -176,20 +183,24 @@ class Appends:
 
     async def own_each(self, messages: Sequence[NewMessage]) -> list[Position | ReasonCode]:
         """:meth:`own` of messages that fail alone (an HTTP bulk publish's): one append (one CommitLog write, one
-        flush under the sync policy) for all, and only if the store refuses it whole (one message too large, a
-        delayed one over its cap), each again on its own, so that each gets its own answer. Not when the store
-        went away with the call in flight: they may be stored, and each is refused (as in :meth:`perform`). Per
-        message: where it was stored (a delayed message's id), or why not."""
+        flush under the sync policy) for all, its same-topic runs as batch records, in groups that the store
+        refuses alone (``store.api.batch_groups``: one message too large, a delayed one over its cap, fails by
+        itself). Per message: where it was stored (a delayed message's id), or why not."""
         await self._order.wait(self._order.mark())
-        positions, unknown = await self._stored(messages, count=False)
-        if not isinstance(positions, ReasonCode):
-            return list(positions)
-        if len(messages) > 1 and not unknown:
-            return [stored if isinstance(stored := await self.own_stored([message]), ReasonCode) else stored[0]
-                    for message in messages]
-        for message in messages:
-            self.refused_by_qos[message.qos] += 1
-        return [positions] * len(messages)
+        indexes, batched = batch_groups(messages, self._store.max_record_bytes)
+        try:
+            results = await self._store.append_groups([[messages[i] for i in group] for group in indexes],
+                                                      batched=batched)
+        except (OSError, ValueError) as exc:  # the store went away with the call in flight: maybe stored, refused
+            return [self._refused(exc, messages)[0]] * len(messages)
+        outcomes: dict[int, Position | ReasonCode] = {}
+        for group, result in zip(indexes, results):
+            if isinstance(result, Exception):
+                reason = self._refused(result, [messages[i] for i in group])[0]
+                outcomes.update((i, reason) for i in group)
+            else:
+                outcomes.update(zip(group, result))
+        return [outcomes[i] for i in range(len(messages))]
 
 
 def _answers(appends: Sequence[Append], positions: Positions | ReasonCode) -> list[Event]:

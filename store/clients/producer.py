@@ -18,9 +18,11 @@ batch when it holds ``batch_max_bytes`` of payload or ``batch_max_count``
 messages, or ``batch_max_delay_ms`` after its first message, or at once on
 :meth:`Producer.flush`, :meth:`Producer.send_batch` and when the producer
 closes. A batch is one append request and one CommitLog write (one group
-commit when durable), and each message in it fails alone (a topic the ACL
-denies, a record over the size limit): its handle raises, its neighbours'
-do not. Up to ``IN_FLIGHT`` batches travel at once over the RPC (one to a store
+commit when durable), its same-topic runs written as batch records (one
+record, one CRC, one index entry: docs/storage.md, "Batch records"), and
+each message in it fails alone (a record over the size limit goes as a
+record of its own; a topic the ACL denies fails all of that topic's
+alike): its handle raises, its neighbours' do not. Up to ``IN_FLIGHT`` batches travel at once over the RPC (one to a store
 in this process); the store appends them in the order sent.
 ``auto_batch=False`` sends each message as its own request at once (what a
 service that wants no added latency at all pays for in throughput:
@@ -32,8 +34,8 @@ Back-pressure: messages buffered or in flight hold at most
 :meth:`Producer.send_nowait` raises ``trio.WouldBlock``.
 
 Order: per topic, messages are stored in the order sent. Within one batch the
-messages of a topic go together (``store.api.by_topic``: the store can write a
-same-topic run as one record), so messages of different topics sent close
+messages of a topic go together (``store.api.by_topic``: the store writes a
+same-topic run as batch records), so messages of different topics sent close
 together may be stored in another order than sent.
 
 Delivery guarantee: at most once per send. A handle that raises
@@ -66,7 +68,7 @@ from typing import Any, Protocol, final
 import trio
 
 from lightqueue.topics import validate_topic
-from store.api import NewMessage, Position, Positions, by_topic
+from store.api import NewMessage, Position, Positions, batch_groups
 from store.clients.properties import encode_properties
 from store.rpc.client import RemoteStore, default_node_name
 
@@ -97,10 +99,14 @@ _names = itertools.count(1)
 
 class GroupAppender(Protocol):
     """Where a producer appends: ``RemoteStore`` (a store node over the RPC) or ``LocalStore`` (a store in this
-    process). Per group its positions, or the exception that kept that group (only) out."""
+    process). Per group its positions, or the exception that kept that group (only) out; ``batched[i]``: group i
+    goes in batch records. ``max_record_bytes``: the store's record size limit (0: unknown, nothing is batched)."""
 
-    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None
-                            ) -> Sequence[Positions | Exception]: ...
+    @property
+    def max_record_bytes(self) -> int: ...
+
+    async def append_groups(self, groups: Sequence[Sequence[NewMessage]], *, durable: bool | None = None,
+                            batched: Sequence[bool] = ()) -> Sequence[Positions | Exception]: ...
 
 
 @final
@@ -483,19 +489,16 @@ class Producer:
                 self._idle.set()
 
     async def _append(self, messages: list[NewMessage]) -> list[Position | Exception]:
-        """The one call that stores a batch: one request (one CommitLog write), its messages in runs of one topic.
-
-        Today each message is a group of its own, so that each fails alone; ``groups = [[messages[i] for i in run]
-        for run in runs]`` would ask the store to write each same-topic run as one record, all or nothing.
-        """
-        runs = by_topic(messages)
-        groups = [[messages[i]] for run in runs for i in run]
-        results = await self.client.append_groups(groups, durable=self._durable)
+        """The one call that stores a batch: one request (one CommitLog write), its same-topic runs as batch
+        records where that lets each message fail alone and keeps each topic's order (``store.api.batch_groups``:
+        what remains, a topic matching very many wildcard filters, is said there)."""
+        indexes, batched = batch_groups(messages, self.client.max_record_bytes)
+        groups = [[messages[i] for i in group] for group in indexes]
+        results = await self.client.append_groups(groups, durable=self._durable, batched=batched)
         outcomes: dict[int, Position | Exception] = {}  # by the index the message was sent at
-        order = itertools.chain.from_iterable(runs)
-        for group, result in zip(groups, results):
-            for k in range(len(group)):
-                outcomes[next(order)] = result if isinstance(result, Exception) else result[k]
+        for group, result in zip(indexes, results):
+            for k, i in enumerate(group):
+                outcomes[i] = result if isinstance(result, Exception) else result[k]
         return [outcomes[i] for i in range(len(messages))]
 
 

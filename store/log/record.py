@@ -85,6 +85,7 @@ __all__ = [
     "encode_eos",
     "encode_message",
     "encode_record",
+    "fit_batches",
     "split_batch",
     "new_batch",
     "new_control",
@@ -343,6 +344,29 @@ def new_batch(topic: str, items: Sequence[BatchItem], store_ms: int, queues: byt
     for message in messages:
         message.queues = ids
     return raw, Record(0, len(raw), FLAG_BATCH, store_ms, store_ms, "", topic, ids, b"", b"", 0, tuple(messages))
+
+
+def fit_batches(topic: str, items: Sequence[BatchItem], queues: bytes, max_size: int) -> list[Sequence[BatchItem]]:
+    """``items`` cut, in order, into the fewest runs whose batch records (:func:`new_batch` with ``queues``) are
+    each at most ``max_size`` bytes: greedy, each run as long as fits.
+
+    Raises:
+        RecordTooLarge: one item is too large for a batch record of its own.
+    """
+    room = max_size - (HEADER_SIZE + len(topic.encode()) + len(queues) + _COUNT.size)
+    runs: list[Sequence[BatchItem]] = []
+    start = used = 0
+    for i, m in enumerate(items):
+        size = _MESSAGE.size + len(m.client_id.encode()) + len(m.properties) + len(m.payload)
+        if size > room:
+            raise RecordTooLarge(f"a message of {size} bytes does not fit a batch record of at most {max_size}"
+                                 f" bytes (the maximum record size)")
+        if used + size > room:
+            runs.append(items[start:i])
+            start, used = i, 0
+        used += size
+    runs.append(items[start:])
+    return runs
 
 
 def encode_message(record: Record) -> bytes:

@@ -21,7 +21,7 @@ already says which message and when; the revive step is the group's own small ti
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, final
 
@@ -30,8 +30,8 @@ import trio
 from lightqueue.topics import validate_topic
 from store.api import NewMessage, Record, dlq_topic, pop_owner
 from store.control import Committed, Control, PopAcked, PopCheckpoint, PopRevived
-from store.groups import START_KINDS, GroupStore, read_offsets, start_offset
-from store.log.record import decode_record, now_ms
+from store.groups import DECODED, START_KINDS, Form, GroupStore, read_offsets, start_offset
+from store.log.record import now_ms
 from store.pop.applier import PopApplier
 from store.pop.handles import Handle, decode_handle, encode_handle
 from store.pop.state import MAX_INFLIGHT, PopBook, PopGroup
@@ -159,9 +159,8 @@ class PopCoordinator:
 
     async def pop(self, member: str, group: str, queue: str, max_count: int, invisible_s: float, wait_s: float,
                   max_attempts: int, max_bytes: int, start: str, at: int,
-                  decode: Callable[[bytes, int], T]) -> list[tuple[str, int, int, T]]:
-        """``StoreApi.pop``: ``(handle, attempt, queue offset, message)`` each, ``decode(raw, log_offset)`` making
-        the message.
+                  form: Form[T]) -> list[tuple[str, int, int, T]]:
+        """``StoreApi.pop``: ``(handle, attempt, queue offset, message)`` each, the message in ``form``.
 
         Raises:
             ValueError, TopicError: a bad group name, count, time or start.
@@ -179,14 +178,14 @@ class PopCoordinator:
             news = loaded.news
             async with loaded.lock:
                 taken = await self._take(loaded, member, max_count, invisible_ms, max_attempts,
-                                         min(max_bytes, MAX_POP_BYTES), decode)
+                                         min(max_bytes, MAX_POP_BYTES), form)
             if taken or trio.current_time() >= deadline:
                 return taken
             with trio.move_on_at(deadline):
                 await news.wait()
 
     async def _take(self, loaded: _Queue, member: str, max_count: int, invisible_ms: int, max_attempts: int,
-                    max_bytes: int, decode: Callable[[bytes, int], T]) -> list[tuple[str, int, int, T]]:
+                    max_bytes: int, form: Form[T]) -> list[tuple[str, int, int, T]]:
         key = (loaded.group, loaded.queue)
         state = self._group(key)
         retries: list[int] = []
@@ -201,7 +200,7 @@ class PopCoordinator:
         if not retries and not fresh:
             return []
         entries, unread, next_cursor = await trio.to_thread.run_sync(
-            read_offsets, self._store, loaded.queue, retries, cursor, fresh, max_bytes, decode)
+            read_offsets, self._store, loaded.queue, retries, cursor, fresh, max_bytes, form)
         offsets = [offset for offset, _ in entries]
         taken = set(offsets) | set(unread)
         gone = [offset for offset in retries if offset not in taken]  # retention deleted them: done, lost
@@ -303,7 +302,7 @@ class PopCoordinator:
         if dead:
             entries, _, _ = await trio.to_thread.run_sync(
                 read_offsets, self._store, loaded.queue, [offset for offset, _ in dead], 0, 0, MAX_POP_BYTES,
-                _decode)
+                DECODED)
             records = dict(entries)
             messages = [dead_letter(loaded.group, loaded.queue, offset, held.attempt, records[offset])
                         for offset, held in dead if offset in records]
@@ -328,10 +327,6 @@ def _due_groups(book: PopBook, now: int) -> list[tuple[str, str]]:
 
 def _next_deadline(book: PopBook) -> int | None:
     return min((due for group in book.groups.values() if (due := group.next_deadline()) is not None), default=None)
-
-
-def _decode(raw: bytes, offset: int) -> Record:
-    return decode_record(raw, 0, offset)
 
 
 def _user_property(name: str, value: str) -> bytes:

@@ -164,6 +164,11 @@ class RemoteStore:
         """The lease epoch this node holds at the store (0 before the first connection)."""
         return self._connection.epoch
 
+    @property
+    def max_record_bytes(self) -> int:
+        """The store's ``commitlog.max_record_bytes``, as it said when this node connected (0: not said)."""
+        return self._connection.max_record_bytes
+
     def _require_link(self) -> Link:
         return self._connection.require()
 

@@ -634,6 +634,7 @@ class StoreConnection:
         self.link: Link | None = None
         self.store_id = ""  # the store process and lease epoch this node holds (sent in each Hello)
         self.epoch = 0
+        self.max_record_bytes = 0  # the store's record size limit, as its last Welcome said (0: not said)
         self.connects = 0
         self.down_since: float | None = None  # trio time the last link broke, while there is none after it
         self.batch_counts: dict[str, list[int]] = {"append": [0, 0], "pull": [0, 0], "commit": [0, 0],
@@ -860,6 +861,7 @@ class StoreConnection:
             stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(answer.lease_s * 1000)))
         ended = self.epoch
         self.store_id, self.epoch = answer.store_id, answer.epoch
+        self.max_record_bytes = answer.max_record_bytes
         link = Link(self, stream, decoder, answer)
         self.listener.welcomed(link, answer, ended)
         return link

@@ -702,7 +702,7 @@ class RpcServer:
                            extra={"ctx": {"node": node, "ended_epoch": hello.epoch, "epoch": epoch}})
         try:
             connection.send(rpc.Welcome(rpc.PROTOCOL_VERSION, node, self.heartbeat_s, leases.lease_s,
-                                        self.store_id, epoch, resumed))
+                                        self.store_id, epoch, resumed, self.store.max_record_bytes))
             await connection.run()
         finally:
             connection.close()

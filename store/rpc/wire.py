@@ -584,6 +584,8 @@ class Welcome(_Message, tag="welcome"):
     store_id: str = ""
     epoch: int = 0
     resumed: bool = True
+    max_record_bytes: int = 0  # the store's commitlog.max_record_bytes (0: an older store, unknown): producers
+    # batch only messages that fit a record of their own (store/clients/producer.py)
 
 
 class Error(_Message, tag="err"):

@@ -248,9 +248,22 @@ async def test_a_group_claims_and_acknowledges_messages_inside_a_batch_one_by_on
     assert await api.ack("$group/w2", "jobs2/a", "m1", [0, 2, 3, 4, 5]) == 6
 
 
-async def test_a_batch_that_cannot_be_one_record_is_refused_whole(api):
-    with pytest.raises(RecordTooLarge):
-        await api.append([message("bat/err", b"x" * (SMALL_RECORD_BYTES // 3)) for _ in range(4)], batch=True)
+async def test_a_batch_over_the_record_limit_is_split_into_batch_records_that_fit(api):
+    """Four messages of a third of ``max_record_bytes`` each: two batch records of two, in order, every message
+    with its own position (a gap between the records: the first holds more bytes than messages)."""
+    batch = [message("bat/fit", b"%d" % i + b"x" * (SMALL_RECORD_BYTES // 3)) for i in range(4)]
+    positions = (await api.append(batch, batch=True)).offsets
+    assert positions[1] == positions[0] + 1 and positions[3] == positions[2] + 1
+    assert positions[2] > positions[0] + SMALL_RECORD_BYTES // 2  # the second record starts past the first
+    await dispatched(api)
+    got = (await api.pull([PullRequest("bat/fit", 0, max_count=10)]))[0]
+    assert [(qoff, r.offset, r.payload) for qoff, r in got.messages] == [
+        (i, positions[i], m.payload) for i, m in enumerate(batch)]
+
+
+async def test_a_batch_that_cannot_be_written_is_refused_whole(api):
+    with pytest.raises(RecordTooLarge):  # one message too large for a record of its own: no part of the batch
+        await api.append([message("bat/err"), message("bat/err", b"x" * SMALL_RECORD_BYTES)], batch=True)
     with pytest.raises(ValueError, match="one topic"):
         await api.append([message("bat/err"), message("bat/other")], batch=True)
     with pytest.raises(ValueError, match="packet id"):

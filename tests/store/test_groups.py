@@ -8,7 +8,7 @@ import trio
 
 from lightqueue.queues import LightQueues
 from store.api import NewMessage, group_owner
-from store.groups import MAX_UNACKED, GroupState
+from store.groups import DECODED, MAX_UNACKED, GroupState
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import encode_record
 from store.node import decode
@@ -128,7 +128,7 @@ async def publish(store, *payloads: bytes, topic: str = "tele/dev1/temp") -> Non
 
 
 async def claim(groups, member, max_count=100, wait_s=0.0, group=G, queue="tele/#"):
-    return (await groups.claim(member, group, queue, max_count, 1 << 20, wait_s, decode)).messages
+    return (await groups.claim(member, group, queue, max_count, 1 << 20, wait_s, DECODED)).messages
 
 
 def payloads(entries) -> list[bytes]:

@@ -92,6 +92,35 @@ async def test_a_bad_message_fails_alone_and_bad_arguments_fail_at_send(store_sm
             await producer.send("a/b", b"", qos=3)
 
 
+@pytest.mark.parametrize("where", ["rpc", "local"])
+async def test_same_topic_runs_are_batch_records_and_a_message_too_large_fails_alone_in_order(
+        where, store_small_records, nursery):
+    """A run of one topic is written as batch records (its messages' positions follow one another: no single
+    record is one byte long); a message too large fails alone and one close to the limit is stored alone, and
+    the topic keeps its order around both (what the store learns of its limit: the Welcome, or its config)."""
+    near = 4096 - 200  # its own record fits the store's max_record_bytes of 4096; in a batch record, barely
+    sends = [b"a0", b"a1", b"a2", b"x" * 8192, b"a3", b"a4", b"n" * near, b"a5", b"a6"]
+    local = LocalStore(store_small_records, "local-producer")
+    try:
+        async with Producer.over(local, client_id="svc-2") if where == "local" else \
+                Producer.connect("127.0.0.1", await serve(nursery, store_small_records), client_id="svc-2") \
+                as producer:
+            handles = await producer.send_batch([Message("runs/a", payload) for payload in sends] +
+                                                [Message("runs/b", b"b%d" % i) for i in range(3)])
+            with pytest.raises(RecordTooLarge):
+                await handles[3]
+            offsets = [(await handle).offset for i, handle in enumerate(handles) if i != 3]
+    finally:
+        local.close()
+    a, b = offsets[:8], offsets[8:]
+    assert a == sorted(a) and b == sorted(b)
+    assert (a[1] - a[0], a[2] - a[1], a[4] - a[3], a[7] - a[6], b[1] - b[0], b[2] - b[1]) == (1,) * 6
+    assert a[5] - a[4] > 1 and a[6] - a[5] > near  # the one near the limit is a record of its own
+    [result] = await LocalStore(store_small_records, "reader").pull([PullRequest("runs/a", 0, 100)])
+    assert [record.payload for _, record in result.messages] == [p for i, p in enumerate(sends) if i != 3]
+    assert [record.offset for _, record in result.messages] == a
+
+
 async def test_flush_returns_at_once_when_nothing_waits_and_the_block_flushes_on_exit(store_small_records, nursery):
     port = await serve(nursery, store_small_records)
     async with Producer.connect("127.0.0.1", port, batch_max_delay_ms=60_000) as producer:

@@ -12,6 +12,7 @@ from store.rpc import server
 from store.rpc import wire as rpc
 from store.rpc.access import StoreAccess, Verdict
 from store.rpc.server import RpcServer, serve_rpc
+from tests.conftest import SMALL_RECORD_BYTES
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
 LEASE_S = 1.5  # short leases, so the silence and will tests take seconds; not shorter: a busy 2-core CI machine
@@ -40,7 +41,8 @@ class Raw:
             await raw.send(rpc.Hello(rpc.PROTOCOL_VERSION, node, **hello))
             raw.welcome = welcome = await raw.receive()
             assert welcome == rpc.Welcome(rpc.PROTOCOL_VERSION, welcome.node, LEASE_S / rpc.HEARTBEATS_PER_LEASE,
-                                          LEASE_S, welcome.store_id, welcome.epoch, welcome.resumed)
+                                          LEASE_S, welcome.store_id, welcome.epoch, welcome.resumed,
+                                          SMALL_RECORD_BYTES)  # the store's limit: what a producer batches by
             assert welcome.epoch > 0 and welcome.store_id
             assert welcome.node == node or hello.get("username")
         return raw
