@@ -287,7 +287,8 @@ class TimerApplier:
         """End the pending ``entry`` at ``pos`` (fired or rolled by the record at ``at``); returns it as it was."""
         self._log.end(pos, at)
         slot = self._wheel.get(entry.slot_s)
-        self._wheel.put(entry.slot_s, slot._replace(pending=slot.pending - 1) if slot.pending > 1 else EMPTY)
+        self._wheel.put(entry.slot_s, Slot(slot.delayed_s, slot.first, slot.last, slot.num, slot.pending - 1)
+                        if slot.pending > 1 else EMPTY)  # not ``_replace``: this runs for every fired message
         self._count(entry, -1)
         return entry
 
@@ -301,10 +302,8 @@ class TimerApplier:
 
     def _count(self, entry: TimerEntry, delta: int) -> None:
         self._pending += delta
-        for counts, key in ((self._clients, entry.hash_client), (self._buckets, entry.offset_real >> BUCKET_BITS)):
-            counts[key] += delta
-            if not counts[key]:
-                del counts[key]
+        _bump(self._clients, entry.hash_client, delta)
+        _bump(self._buckets, entry.offset_real >> BUCKET_BITS, delta)
 
     def _find(self, offset: int, pos: int) -> tuple[int, TimerEntry] | None:
         """The pending entry of the Delayed record at ``offset``, with its position: at ``pos`` when the TimerLog is
@@ -403,6 +402,15 @@ class TimerApplier:
         log.truncate(kept)
         self._wheel.write(slots)
         self._write_checkpoint(cut)
+
+
+def _bump(counts: Counter[int], key: int, delta: int) -> None:
+    """Add ``delta`` to ``counts[key]``, dropping the key at 0 (once per fired message: no loop, no ``__missing__``)."""
+    count = counts.get(key, 0) + delta
+    if count:
+        counts[key] = count
+    else:
+        del counts[key]
 
 
 def _remove(path: Path) -> None:
