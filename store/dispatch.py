@@ -161,6 +161,8 @@ class Dispatcher:
             CommitLog data dispatched or this much time (bounds re-dispatch after a crash).
         room: whether the data disk has room for a memtable flush (store/space.py: RocksDB
             refuses every write after one failed for lack of space); None: always.
+        flush_wanted: whether a part asks for a flush before ``flush_interval_s`` (the timer, store/timer/, when
+            the state it keeps in memory until its next checkpoint grew large); None: never.
 
     On construction the dispatcher registers ``queues.on_retention`` as a
     retention listener of the log and catches the index up with the log: it
@@ -184,10 +186,12 @@ class Dispatcher:
         flush_interval_s: float = FLUSH_INTERVAL_S,
         room: Callable[[], bool] | None = None,
         appliers: Sequence[ControlApplier] = (),
+        flush_wanted: Callable[[], bool] | None = None,
     ) -> None:
         self._log = log
         self._appliers = tuple(appliers)
         self._room = room
+        self._flush_wanted = flush_wanted
         self._queues = queues
         self._listener = listener
         self._retained = retained
@@ -558,7 +562,8 @@ class Dispatcher:
 
     def _flush_due(self) -> bool:
         return bool(self._unflushed) and (self._unflushed >= self._flush_bytes
-                                          or time.monotonic() - self._flushed_at >= self._flush_interval_s) \
+                                          or time.monotonic() - self._flushed_at >= self._flush_interval_s
+                                          or self._flush_wanted is not None and self._flush_wanted()) \
             and (self._room is None or self._room())
 
     def _flush_idle(self) -> None:

@@ -32,7 +32,7 @@ from store.timer.checkpoint import TimerCheckpoint, read_checkpoint, write_check
 from store.timer.timerlog import TimerEntry, TimerLog
 from store.timer.wheel import EMPTY, Slot, TimerWheel
 
-__all__ = ["BUCKET_BITS", "PAGE_WALK", "WINDOW_S", "TimerApplier", "client_hash", "topic_hash"]
+__all__ = ["BUCKET_BITS", "ENDS_FLUSH", "PAGE_WALK", "WINDOW_S", "TimerApplier", "client_hash", "topic_hash"]
 
 WINDOW_S = 14 * 24 * 3600
 """Slots of the wheel: twice the default maximum delay (7 days), as RocketMQ sizes it; an entry due beyond the
@@ -44,6 +44,15 @@ BUCKET_BITS = 24
 PAGE_WALK = 65536
 """TimerLog entries one page of pending messages walks at most (4 MiB read, 0.2 s of Python): a filter that matches
 few of them gets short pages, each as cheap as the last, rather than one unbounded walk."""
+
+ENDS_FLUSH = 100_000
+"""Ends of checkpointed entries kept in memory (``TimerLog.ends``, about 100 B each as a dict) before the timer asks
+dispatch for a checkpoint sooner than its interval: firing 10,000 a second, the 30 s flush alone let 300,000 pile
+up, tens of MB, and made each checkpoint a long write."""
+
+SPAN_READ = 4
+"""A slot's chain is read in file order (large reads, the entries between of other slots skipped) when it holds at
+least a quarter of the entries between its first and its last; else walked entry by entry (a pread each)."""
 
 PAGE_CHUNK = 4096
 """TimerLog entries a page walks per hold of the timer's lock: dispatch and the dequeue step wait 10 ms at most."""
@@ -123,6 +132,11 @@ class TimerApplier:
             if log_end < self._checkpoint:
                 self._rebuild(log_end)
 
+    def flush_wanted(self) -> bool:
+        """Whether the ends kept in memory until the next checkpoint passed ``ENDS_FLUSH`` (dispatch then flushes
+        before its interval, and the checkpoint takes them to the file)."""
+        return len(self._log.ends) >= ENDS_FLUSH
+
     def restate(self) -> Iterable[Control]:
         """Nothing: the ``Delayed`` records stay in the log while their entries are pending (:meth:`may_delete`
         keeps their segments from retention), and the ends after them stay with them."""
@@ -170,6 +184,10 @@ class TimerApplier:
             slot = self._wheel.get(second)
             if not slot.pending or slot.delayed_s > second:
                 return []
+            if slot.last - slot.first < SPAN_READ * slot.num:  # the chain is most of its span: large reads
+                index = second % self._window
+                return [(pos, entry) for pos, entry in self._log.entries(slot.first, slot.last)
+                        if not entry.done_at and entry.slot_s % self._window == index]
             found = []
             pos = slot.last
             while pos:
@@ -207,8 +225,7 @@ class TimerApplier:
                 if entry.offset_real == offset and not entry.done_at:
                     return pos, entry
                 pos = entry.prev
-            found = self._find(offset, 0) if due_ms // 1000 > second else None
-            return None if found is None else (found, self._log.read(found))
+            return self._find(offset, 0) if due_ms // 1000 > second else None
 
     def pending_page(self, after: int, topic: int | None, client: int | None,
                      limit: int) -> tuple[list[TimerEntry], int]:
@@ -256,17 +273,22 @@ class TimerApplier:
     def _end_all(self, refs: list[tuple[int, int, int]], at: int) -> Iterator[TimerEntry]:
         """End the pending entries ``refs`` names (as the ``TimersFired`` / ``TimersRolled`` record at ``at`` does);
         yields each as it was. An entry already ended, or unknown here, is skipped: applying is idempotent."""
+        log = self._log
+        wanted = sorted({pos for _, pos, _ in refs if 0 < pos <= log.count})
+        known = dict(zip(wanted, log.read_many(wanted)))
         for offset, pos, _ in refs:
-            found = self._find(offset, pos)
-            if found is not None:
-                yield self._end(found, at)
+            entry = known.pop(pos, None)  # popped: a position named twice is looked up again (and found ended)
+            if entry is not None and entry.offset_real == offset and not entry.done_at:
+                yield self._end(pos, entry, at)
+            elif (found := self._find(offset, 0 if entry is not None else pos)) is not None:
+                yield self._end(*found, at)
 
-    def _end(self, pos: int, at: int) -> TimerEntry:
-        """End the pending entry at ``pos`` (fired or rolled by the record at ``at``); returns it as it was."""
-        entry = self._log.read(pos)
+    def _end(self, pos: int, entry: TimerEntry, at: int) -> TimerEntry:
+        """End the pending ``entry`` at ``pos`` (fired or rolled by the record at ``at``); returns it as it was."""
         self._log.end(pos, at)
         slot = self._wheel.get(entry.slot_s)
-        self._wheel.put(entry.slot_s, slot._replace(pending=slot.pending - 1) if slot.pending > 1 else EMPTY)
+        self._wheel.put(entry.slot_s, Slot(slot.delayed_s, slot.first, slot.last, slot.num, slot.pending - 1)
+                        if slot.pending > 1 else EMPTY)  # not ``_replace``: this runs for every fired message
         self._count(entry, -1)
         return entry
 
@@ -280,25 +302,23 @@ class TimerApplier:
 
     def _count(self, entry: TimerEntry, delta: int) -> None:
         self._pending += delta
-        for counts, key in ((self._clients, entry.hash_client), (self._buckets, entry.offset_real >> BUCKET_BITS)):
-            counts[key] += delta
-            if not counts[key]:
-                del counts[key]
+        _bump(self._clients, entry.hash_client, delta)
+        _bump(self._buckets, entry.offset_real >> BUCKET_BITS, delta)
 
-    def _find(self, offset: int, pos: int) -> int | None:
-        """The position of the pending entry of the Delayed record at ``offset``: ``pos`` when the TimerLog is laid
-        out as where the end was written (always, but after a rebuild from a log retention shortened), else
-        by a walk; None when there is none (its record is older than the log this TimerLog was built from)."""
+    def _find(self, offset: int, pos: int) -> tuple[int, TimerEntry] | None:
+        """The pending entry of the Delayed record at ``offset``, with its position: at ``pos`` when the TimerLog is
+        laid out as where the end was written (always, but after a rebuild from a log retention shortened), else
+        found by a walk; None when there is none (its record is older than the log this TimerLog was built from)."""
         log = self._log
         if 0 < pos <= log.count:
             entry = log.read(pos)
             if entry.offset_real == offset and not entry.done_at:
-                return pos
+                return pos, entry
         if not self._pending or offset < self._lowest_real:
             return None
         for pos, entry in log.entries():
             if entry.offset_real == offset and not entry.done_at:
-                return pos
+                return pos, entry
         return None
 
     def _restore(self) -> None:
@@ -382,6 +402,15 @@ class TimerApplier:
         log.truncate(kept)
         self._wheel.write(slots)
         self._write_checkpoint(cut)
+
+
+def _bump(counts: Counter[int], key: int, delta: int) -> None:
+    """Add ``delta`` to ``counts[key]``, dropping the key at 0 (once per fired message: no loop, no ``__missing__``)."""
+    count = counts.get(key, 0) + delta
+    if count:
+        counts[key] = count
+    else:
+        del counts[key]
 
 
 def _remove(path: Path) -> None:

@@ -27,6 +27,9 @@ _DONE_AT_AT = 40  # byte of done_at in an entry
 READ_ENTRIES = 16384
 """Entries read per pread when the whole file is walked (recovery)."""
 
+END_GAP = 64
+"""Entries at most this many apart are read or written back in one block (4 KiB between two of them at most)."""
+
 
 class TimerEntry(NamedTuple):
     """One delayed message in the wheel. Positions are entry numbers + 1, so that 0 means "none"."""
@@ -76,10 +79,40 @@ class TimerLog:
         else:
             os.pwrite(self._fd, _DONE_AT.pack(done_at), (pos - 1) * ENTRY_SIZE + _DONE_AT_AT)
 
-    def write_ends(self, ends: dict[int, int]) -> None:
-        """Write ``ends`` (position -> done_at) into the file."""
-        for pos, done_at in ends.items():
-            os.pwrite(self._fd, _DONE_AT.pack(done_at), (pos - 1) * ENTRY_SIZE + _DONE_AT_AT)
+    def read_many(self, positions: list[int]) -> list[TimerEntry]:
+        """The entries at ``positions`` (sorted, each at most ``count``), entries close together read as one
+        block: a batch of ends (a ``TimersFired`` record) reads its entries in a few preads, not one each."""
+        found = []
+        for first, block, group in self._blocks(positions):
+            for pos in group:
+                entry = TimerEntry._make(ENTRY.unpack_from(block, (pos - first) * ENTRY_SIZE))
+                done_at = self.ends.get(pos)
+                found.append(entry if done_at is None else entry._replace(done_at=done_at))
+        self.reads += len(found)
+        return found
+
+    def write_ends(self, ends: Mapping[int, int]) -> None:
+        """Write ``ends`` (position -> done_at) into the file: entries close together are read, patched and
+        written back as one block (a checkpoint carries up to ``ENDS_FLUSH`` ends, store/timer/applier.py: one
+        pwrite each stalled dispatch for seconds); the bytes around the ends are written back as they were."""
+        for first, block, group in self._blocks(sorted(ends)):
+            for pos in group:
+                _DONE_AT.pack_into(block, (pos - first) * ENTRY_SIZE + _DONE_AT_AT, ends[pos])
+            os.pwrite(self._fd, block, (first - 1) * ENTRY_SIZE)
+
+    def _blocks(self, positions: list[int]) -> Iterator[tuple[int, bytearray, list[int]]]:
+        """``positions`` (sorted) in groups of neighbours (at most ``END_GAP`` apart, ``READ_ENTRIES`` in all),
+        each with its first position and the entries from there to its last, read with one pread."""
+        i, count = 0, len(positions)
+        while i < count:
+            first = last = positions[i]
+            k = i + 1
+            while k < count and positions[k] - last <= END_GAP and positions[k] - first < READ_ENTRIES:
+                last = positions[k]
+                k += 1
+            yield first, bytearray(os.pread(self._fd, (last - first + 1) * ENTRY_SIZE, (first - 1) * ENTRY_SIZE)), \
+                positions[i:k]
+            i = k
 
     def write(self, pos: int, entry: TimerEntry) -> None:
         """Rewrite an entry in place (a rebuild, which writes a checkpoint after it)."""

@@ -14,13 +14,14 @@ import pytest
 import trio
 
 from store.api import NewMessage
-from store.control import Delayed, TimersFired, decode_control, encode_control
+from store.control import Delayed, TimersFired, decode_control
 from store.dump import dump
 from store.log.commitlog import CommitLogConfig
-from store.log.record import Record, now_ms
+from store.log.record import now_ms
 from store.node import StoreNode, open_store
 from store.timer.applier import TimerApplier
 from tests.helpers.processes import ROOT
+from tests.helpers.timers import control_record, delayed_record, timers_fired
 
 CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
 
@@ -35,17 +36,7 @@ async def delivered(node: StoreNode, topic: str, count: int, timeout: float = 15
 
 def fired_entries(node: StoreNode) -> list[int]:
     """The Delayed offsets named by every TimersFired record in the log."""
-    found = []
-    offset = node.log.log.min_offset
-    while offset < node.log.log.written_offset:
-        scan = node.log.log.scan(offset)
-        for record in scan.records:
-            if record.control:
-                control = decode_control(record)
-                if isinstance(control, TimersFired):
-                    found.extend(entry[0] for entry in control.entries)
-        offset = scan.next_offset
-    return found
+    return [entry[0] for fired in timers_fired(node) for entry in fired.entries]
 
 
 async def test_a_delayed_message_is_delivered_to_its_topic_at_its_due_time_and_only_then(tmp_path: Path):
@@ -113,7 +104,7 @@ WRITER = textwrap.dedent("""
     from pathlib import Path
     from store.api import NewMessage
     from store.log.commitlog import CommitLogConfig
-    from store.log.record import Record, now_ms
+    from store.log.record import now_ms
     from store.node import open_store
 
     async def main():
@@ -174,19 +165,6 @@ def test_a_power_loss_while_delayed_messages_fire_loses_none_and_delivers_none_t
                 handle.seek(max(0, flushed - base))
                 handle.write(bytes(size - max(0, flushed - base)))
     trio.run(delivered_once_after_restart, tmp_path, "async")
-
-
-def delayed_record(offset: int, due_ms: int, store_ms: int = 0) -> tuple[Record, Delayed]:
-    control = Delayed("c", "t", due_ms, b"x")
-    _, record = encode_control(control, store_ms or due_ms - 1000, 1 << 20)
-    record.offset = offset
-    return record, control
-
-
-def control_record(offset: int, control) -> Record:
-    _, record = encode_control(control, now_ms(), 1 << 20)
-    record.offset = offset
-    return record
 
 
 def test_on_open_the_timer_forgets_what_came_after_its_checkpoint_and_dispatch_applies_it_again(tmp_path: Path):

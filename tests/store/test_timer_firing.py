@@ -1,0 +1,99 @@
+"""Firing at a rate (store/timer/): messages falling due together go in a few writes, the ends the timer keeps in
+memory until its checkpoint are bounded, and the TimerLog is read and patched in blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from store.api import NewMessage
+from store.log.commitlog import CommitLogConfig
+from store.log.record import now_ms
+from store.node import StoreNode, open_store
+from store.timer import applier
+from store.timer.applier import TimerApplier
+from store.timer.dequeue import TICK_MS
+from store.timer.timerlog import TimerEntry, TimerLog
+from tests.helpers.timers import delayed_record, timers_fired
+
+CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
+
+
+async def all_fired(node: StoreNode, topic: str, count: int) -> None:
+    """Until ``topic``'s queue has ``count`` messages (waits on dispatch progress, never on a clock)."""
+    with trio.fail_after(30):
+        while node.queues.max_offset(topic) < count:
+            await node.dispatcher.wait_dispatched(node.dispatcher.dispatched_offset + 1)
+
+
+async def test_messages_falling_due_a_millisecond_apart_fire_in_a_few_writes_never_early(tmp_path: Path):
+    """1,000 messages due over one second: one write (and TimersFired record) per tick of the dequeue step, not
+    one per message or two as each fell due."""
+    async with open_store(tmp_path, CONFIG) as node:
+        first = now_ms() + 2000
+        await node.append([NewMessage("cmd/a", i.to_bytes(4, "big"), "app", 1, deliver_at_ms=first + i)
+                           for i in range(1000)])
+        await all_fired(node, "cmd/a", 1000)
+        records = node.read("cmd/a", 0, max_count=1000).messages
+        assert [int.from_bytes(rec.payload, "big") for _, rec in records] == list(range(1000))  # in due order
+        assert all(rec.store_ms >= first + int.from_bytes(rec.payload, "big") for _, rec in records)
+        fired = timers_fired(node)
+        assert sum(len(f.entries) for f in fired) == 1000
+        assert len(fired) <= 1000 // TICK_MS + 5
+
+
+async def test_ends_kept_in_memory_past_a_count_bring_the_checkpoint_forward(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch):
+    """Entries the timer's checkpoint covers are ended in memory until the next checkpoint: past ``ENDS_FLUSH``
+    of them dispatch flushes at once rather than at its 30 s interval, so firing never piles them up."""
+    monkeypatch.setattr(applier, "ENDS_FLUSH", 100)
+    async with open_store(tmp_path, CONFIG) as node:
+        due = now_ms() + 2000
+        await node.append([NewMessage("cmd/b", b"x", "app", 1, deliver_at_ms=due) for _ in range(300)])
+    async with open_store(tmp_path, CONFIG) as node:  # reopened: every entry is covered by the checkpoint
+        opened_at = node.timers.checkpoint
+        await all_fired(node, "cmd/b", 300)
+        fired_to = node.log.log.written_offset
+        (offset,) = await node.append([NewMessage("cmd/c", b"after", "app", 1)])
+        await node.dispatcher.wait_dispatched(offset + 1)  # dispatch's turn after the one that applied the ends
+        assert node.timers.checkpoint > opened_at and node.timers.checkpoint >= fired_to - 1
+        assert node.timers.pending == 0
+
+
+def test_ends_and_reads_by_block_touch_only_their_entries(tmp_path: Path):
+    log = TimerLog(tmp_path / "timerlog")
+    made = [TimerEntry(0, 5000 + i, 5_000_000 + i, 100 * i, 100 * i, 0, 50, 7, 9) for i in range(1, 201)]
+    for entry in made:
+        log.append(entry)
+    ends = {1: 11, 2: 12, 3: 13, 70: 170, 140: 240, 200: 300}
+    log.write_ends(ends)
+    log.ends = {5: 105}  # an end kept in memory (covered by the last checkpoint) is applied to what is read
+    wanted = [1, 2, 3, 4, 5, 70, 139, 140, 199, 200]
+    expected = [made[pos - 1]._replace(done_at=ends.get(pos, 105 if pos == 5 else 0)) for pos in wanted]
+    assert log.read_many(wanted) == expected
+    assert [entry for _, entry in log.entries()] == [made[pos - 1]._replace(done_at=ends.get(pos, log.ends.get(pos, 0)))
+                                                     for pos in range(1, 201)]
+    log.close()
+
+
+def test_a_slots_entries_read_in_file_order_skip_those_of_other_slots(tmp_path: Path):
+    """Chains interleaved in the TimerLog (two seconds, and a later revolution of the first one's slot): each
+    slot gives its own entries in the order they were placed, whether read in blocks or walked."""
+    timers = TimerApplier(tmp_path, window_s=100)
+    offset = 0
+    for i in range(30):
+        for second in (5000, 5001, 5100):
+            offset += 10
+            timers.apply(*delayed_record(offset, second * 1000 + i, store_ms=5_001_000))
+    for i in range(50):  # then a long run of another second: the next entry of 5000 is far from the others
+        offset += 10
+        timers.apply(*delayed_record(offset, 5_002_000 + i, store_ms=5_001_000))
+    offset += 10
+    timers.apply(*delayed_record(offset, 5_000_999, store_ms=5_001_000))
+    got = {second: [(e.due_ms // 1000, e.due_ms % 1000) for _, e in timers.due_entries(second)]
+           for second in (5000, 5001, 5002)}
+    assert got[5000] == [(s, i) for i in range(30) for s in (5000, 5100)] + [(5000, 999)]
+    assert got[5001] == [(5001, i) for i in range(30)] and got[5002] == [(5002, i) for i in range(50)]
+    timers.close()
