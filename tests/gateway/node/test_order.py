@@ -7,9 +7,7 @@ the SUBSCRIBE first; then, after the SUBACK, a sentinel PUBLISH: the
 subscriber's first message must be the PUBLISH, not the sentinel.
 """
 
-import os
 import uuid
-from contextlib import contextmanager
 
 import pytest
 import trio
@@ -18,6 +16,7 @@ from gateway.mqtt.codec import encode
 from gateway.mqtt.packets import MQTT_311, Pingreq, Pingresp, Publish, Suback, Subscribe, SubscriptionOptions
 from gateway.node.order import ReadOrder
 from tests.helpers.cluster import Gateway, Store, free_port
+from tests.helpers.cpu import one_cpu
 from tests.helpers.mqtt_fixtures import RawClient, raw_client
 
 TRIES = 1000
@@ -71,7 +70,7 @@ def _missed(port: int, filter_of, tries: int) -> list[int]:
     times; the tries whose PUBLISH the subscriber did not get."""
     run = uuid.uuid4().hex[:6]
     missed = []
-    with raw_client(port) as sub, raw_client(port) as pub, _one_cpu():
+    with raw_client(port) as sub, raw_client(port) as pub, one_cpu():
         sub.connect(f"sub-{run}")
         pub.connect(f"pub-{run}")
         for i in range(tries):
@@ -98,7 +97,7 @@ def _missed_after_connack(port: int, tries: int) -> list[int]:
     is read: the tries whose PUBLISH (sent on the other socket after that SUBSCRIBE) the subscriber did not get."""
     run = uuid.uuid4().hex[:6]
     missed = []
-    with raw_client(port) as pub, _one_cpu():
+    with raw_client(port) as pub, one_cpu():
         pub.connect(f"pub-{run}")
         for i in range(tries):
             topic = f"fresh{run}-{i}/a/x"
@@ -130,18 +129,6 @@ def _writes_done(pub: RawClient) -> None:
     """
     pub.send(Pingreq())
     assert isinstance(pub.receive(), Pingresp)
-
-
-@contextmanager
-def _one_cpu():
-    """Run the test process on one CPU meanwhile: loopback segments are delivered through a per-CPU queue, so
-    two sends made on different CPUs may reach the node in either order; on one CPU, in the order sent."""
-    allowed = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(allowed)})
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, allowed)
 
 
 def _next_publish(client: RawClient) -> Publish:
