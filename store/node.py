@@ -429,9 +429,8 @@ class StoreNode:
         for dispatch, not one each). Each gets its start, or the ``TopicError``/``ValueError`` that refused it alone.
 
         Raises:
-            LogFullError: the disk is full; none of them was appended.
+            LogFullError: the disk is full (``append_control`` looks); none of them was appended.
         """
-        self.space.check()
         results: list[int | ValueError] = []
         controls: list[Activated] = []
         given: dict[str, int] = {}  # first activations of this write: one id per filter

@@ -74,8 +74,10 @@ class Subscriptions:
     # --- activations ----------------------------------------------------------------------
 
     def activation_read(self, connection: Connection, action: Activate) -> None:
-        """Open the activation's fence: appends read from now on are written after :meth:`activate` applied it."""
-        self._fences.setdefault(connection, {})[action.ref] = self._order.open()
+        """Open the activation's fence: appends read from now on to topics its filters match are written after
+        :meth:`activate` applied it."""
+        fence = self._order.open([sub.queue for sub in action.subscriptions])
+        self._fences.setdefault(connection, {})[action.ref] = fence
 
     def _applied(self, connection: Connection, action: Activate) -> None:
         """Close the activation's fence (idempotent)."""
