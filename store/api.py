@@ -499,6 +499,11 @@ class StoreApi(Protocol):
         """The retained messages whose topics match ``filter``."""
         ...
 
+    async def retained_all(self, filters: Sequence[str]) -> list[list[Record]]:
+        """:meth:`retained` of each of ``filters``, in order (an embedded store looks them up in one worker-thread
+        hop: a SUBSCRIBE's filters, or a connection's SUBSCRIBEs read together)."""
+        ...
+
     async def read_log(self, start: Position, max_bytes: int) -> LogSpan:
         """Log ``start.log``'s raw bytes from the record boundary ``start.offset`` (``CommitLog.read_span``), up
         to its flushed offset, for readers that frame records themselves; ``max_bytes`` 0 returns only the log's
@@ -541,6 +546,15 @@ class StoreApi(Protocol):
         Raises:
             TopicError: not a valid topic filter.
             ValueError: the queue id space is exhausted.
+        """
+        ...
+
+    async def activate_all(self, queues: Sequence[str], holder: str) -> list[int | ValueError]:
+        """:meth:`activate` of each of ``queues`` for one holder: each one's start, or the ``TopicError`` or
+        ``ValueError`` that refused it alone (an embedded store writes them in one CommitLog write).
+
+        Raises:
+            LogFullError: the disk is full; none of them is held.
         """
         ...
 

@@ -141,6 +141,11 @@ class LocalStore:
     async def retained(self, filter: str) -> list[Record]:
         return [decode_record(data, 0, log_offset) for log_offset, data in await self.retained_raw(filter)]
 
+    async def retained_all(self, filters: Sequence[str]) -> list[list[Record]]:
+        lookup = self.store.retained.lookup
+        found = await trio.to_thread.run_sync(lambda: [lookup(f) for f in filters])
+        return [[decode_record(r.record, 0, r.log_offset) for r in each] for each in found]
+
     async def read_log(self, start: Position, max_bytes: int) -> LogSpan:
         return await trio.to_thread.run_sync(self.store.read_log, offset_in_log(start), max_bytes)
 
@@ -164,6 +169,9 @@ class LocalStore:
 
     async def activate(self, queue: str, holder: str) -> int:
         return await self.store.activate(queue, holder)
+
+    async def activate_all(self, queues: Sequence[str], holder: str) -> list[int | ValueError]:
+        return await self.store.activate_all(queues, holder)
 
     async def release(self, queue: str, holder: str) -> bool:
         return await self.store.release(queue, holder)

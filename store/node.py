@@ -364,11 +364,15 @@ class StoreNode:
 
     def in_memory(self, queue: str, from_offset: int) -> bool:
         """Whether a read of ``queue`` from ``from_offset`` finds its records in ``recent`` (an index lookup):
-        such a read costs Python time only, which a worker thread would not take off the event loop."""
+        such a read costs Python time only, which a worker thread would not take off the event loop. So does a read
+        at the queue's head (a new subscription's first read): it finds nothing."""
+        queues = self.queues
+        if from_offset >= queues.max_offset(queue):
+            return True
         oldest = self.recent.oldest
         if oldest is None:
             return False
-        log_offset = self.queues.log_offset(queue, from_offset)
+        log_offset = queues.log_offset(queue, from_offset)
         return log_offset is not None and log_offset >= oldest
 
     def read_log(self, offset: int, max_bytes: int) -> LogSpan:
@@ -418,20 +422,54 @@ class StoreNode:
             TopicError: the filter is not a valid MQTT topic filter.
             ValueError: the filter's queue id does not fit a target-queues section.
         """
-        self.space.check()
+        start = (await self.activate_all([queue], holder))[0]
+        if isinstance(start, ValueError):
+            raise start
+        return start
+
+    async def activate_all(self, queues: Sequence[str], holder: str) -> list[int | ValueError]:
+        """:meth:`activate` of each of ``queues``: their ``Activated`` records in one CommitLog write, applied
+        together (a SUBSCRIBE's filters, or a connection's SUBSCRIBEs read together, cost one write and one wait
+        for dispatch, not one each). Each gets its start, or the ``TopicError``/``ValueError`` that refused it alone.
+
+        Raises:
+            LogFullError: the disk is full (``append_control`` looks); none of them was appended.
+        """
+        results: list[int | ValueError] = []
+        controls: list[Activated] = []
+        given: dict[str, int] = {}  # first activations of this write: one id per filter
+        for queue in queues:
+            try:
+                qid = given.get(queue) or self._filter_id(queue)
+            except ValueError as exc:  # TopicError included
+                results.append(exc)
+                continue
+            given[queue] = qid
+            controls.append(Activated(queue, holder, qid))
+            results.append(0)
+        if not controls:
+            return results
+        end = await self.append_control(controls)
+        offset_at = self.queues.offset_at
+        return [start if isinstance(start, ValueError) else offset_at(queue, end)
+                for queue, start in zip(queues, results)]
+
+    def _filter_id(self, queue: str) -> int:
+        """The queue id of an ``Activated`` record of ``queue`` written now (raises as ``LightQueues.filter_id``).
+
+        An active filter's id stays its own, even if its last holder releases it meanwhile. A new one takes the
+        next id not given out: first activations go to the log together (they went one at a time, a log write
+        and its dispatch each, so 25,000 new filters took a minute), and an id given to a record that ends up
+        holder-only (two first activations of one filter: the first applied wins) is skipped, never reused.
+        """
         queues = self.queues
         qid = queues.filter_id(queue)
-        # An active filter's id stays its own, even if its last holder releases it meanwhile. A new one takes the
-        # next id not given out: first activations go to the log together (they went one at a time, a log write
-        # and its dispatch each, so 25,000 new filters took a minute), and an id given to a record that ends up
-        # holder-only (two first activations of one filter: the first applied wins) is skipped, never reused.
         if qid and not queues.is_active(queue):
             qid = max(qid, self._next_filter_id)
             if qid > MAX_QUEUE_ID:
                 raise ValueError(f"queue id {qid} of filter {queue!r} does not fit a target-queues section")
             self._next_filter_id = qid + 1
-        end = await self.append_control([Activated(queue, holder, qid)])
-        return queues.offset_at(queue, end)
+        return qid
 
     async def release(self, queue: str, holder: str) -> bool:
         """``holder`` no longer holds ``queue``: a ``Released`` record, appended and applied (its offset on the

@@ -8,8 +8,9 @@ connection's appends go back to the head of its worker queue and take the other 
 hands them to ``perform``, which awaits ``append`` (one batch per worker step). Either way every append with a
 ``ref`` is answered (``Appended``): never a false acknowledgement.
 
-Order: an append read while a subscription read before it (on any connection) is not applied yet never takes
-the fast way; it waits behind an ``AfterReads`` mark (gateway/node/order.py). The node's own appends (wills,
+Order: an append read while a subscription to a filter matching its topic read before it (on any connection) is not
+applied yet never takes the fast way; it waits behind an ``AfterReads`` mark (gateway/node/order.py), for every
+activation read before it. The node's own appends (wills,
 ``$SYS``, HTTP publish) wait for the fences open when they are made.
 """
 
@@ -64,7 +65,8 @@ class Appends:
         """Append in this step, or in the store call that ends the poller's round (``in_round``: read in one);
         False leaves it, and any error, to :meth:`perform`. The round's first append asks the store for all of
         them (per message, that was 3% of a fan-in's CPU). The channel asked the ACL already."""
-        if self._order.fenced:  # an activation read before it is not applied yet: ``perform`` waits for it
+        order = self._order  # an activation of a filter matching it read before it is not applied yet: ``perform``
+        if order.fenced and any([order.fences(m.topic) for m in action.messages]):  # waits for it
             return False
         if action.messages[0].deliver_at_ms:  # a delayed message waits for its client's cap: ``perform`` stores it
             return False

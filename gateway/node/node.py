@@ -190,8 +190,8 @@ class GatewayNode:
             return
         await self.sessions.close(connection, action)
 
-    async def _activate(self, connection: Connection, action: Activate) -> None:
-        await self.subscriptions.activate(connection, action)
+    async def _activate(self, connection: Connection, actions: list[Activate]) -> None:
+        await self.subscriptions.activate(connection, actions)
 
     async def _release(self, connection: Connection, action: Release) -> None:
         await self.subscriptions.release(connection, action)
@@ -258,7 +258,8 @@ class GatewayNode:
         await self.registry.shutdown()
 
 
-_BATCHED: dict[type, Handler] = {Append: GatewayNode._append, ReleaseInbound: GatewayNode._release_inbound}
+_BATCHED: dict[type, Handler] = {Append: GatewayNode._append, ReleaseInbound: GatewayNode._release_inbound,
+                                 Activate: GatewayNode._activate}
 """Actions that go to the store together when a connection asks several in a row."""
 
 _ACTIONS: dict[type, Handler] = {
@@ -266,7 +267,6 @@ _ACTIONS: dict[type, Handler] = {
     OpenSession: GatewayNode._open_session,
     SaveSession: GatewayNode._save_session,
     CloseSession: GatewayNode._close_session,
-    Activate: GatewayNode._activate,
     Release: GatewayNode._release,
     CommitOffsets: GatewayNode._commit,
     Pull: GatewayNode._pull,

@@ -78,8 +78,10 @@ class Subscriptions:
     # --- activations ----------------------------------------------------------------------
 
     def activation_read(self, connection: Connection, action: Activate) -> None:
-        """Open the activation's fence: appends read from now on are written after :meth:`activate` applied it."""
-        self._fences.setdefault(connection, {})[action.ref] = self._order.open()
+        """Open the activation's fence: appends read from now on to topics its filters match are written after
+        :meth:`activate` applied it."""
+        fence = self._order.open([sub.queue for sub in action.subscriptions])
+        self._fences.setdefault(connection, {})[action.ref] = fence
 
     def _applied(self, connection: Connection, action: Activate) -> None:
         """Close the activation's fence (idempotent)."""
@@ -88,41 +90,64 @@ class Subscriptions:
         if fence is not None:
             self._order.close(fence)
 
-    async def activate(self, connection: Connection, action: Activate) -> None:
-        """Hold each new subscription's queue (or join its group); answer ``Activated``. The fence closes once
-        the starts are fixed, and in any case when this returns (failed or cancelled: it must not hold every
-        append of the node)."""
+    async def activate(self, connection: Connection, actions: list[Activate]) -> None:
+        """Hold each new subscription's queue (or join its group) of one connection's consecutive activations (its
+        SUBSCRIBEs read together: one store write for all of them); answer ``Activated`` to each, in order. The
+        fences close once the starts are fixed, and in any case when this returns (failed or cancelled: they must
+        not hold every append of the node)."""
         try:
-            starts, reasons = await self._start(connection, action)
-            self._applied(connection, action)  # the starts are fixed: the appends read after it may go
-            retained = await self._retained_for(action, starts)
+            answers = await self._start(connection, actions)
+            for action in actions:
+                self._applied(connection, action)  # the starts are fixed: the appends read after them may go
+            retained = await self._retained_for(actions, answers)
         finally:
-            self._applied(connection, action)
-        connection.feed(Activated(action.ref, starts, retained, reasons or None))
-        for sub in action.subscriptions:
-            if sub.filter in starts:
-                self._subscribe_local(connection, sub.queue)
+            for action in actions:
+                self._applied(connection, action)
+        connection.feed_all([Activated(action.ref, starts, found, reasons or None)  # their SUBACKs in one write
+                             for action, (starts, reasons), found in zip(actions, answers, retained)])
+        for action, (starts, _) in zip(actions, answers):
+            for sub in action.subscriptions:
+                if sub.filter in starts:
+                    self._subscribe_local(connection, sub.queue)
 
-    async def _start(self, connection: Connection, action: Activate) -> tuple[dict[str, int], dict[str, ReasonCode]]:
-        starts: dict[str, int] = {}
-        reasons: dict[str, ReasonCode] = {}
-        client_id = action.client_id
-        for sub in action.subscriptions:  # the channel asked the ACL already
+    async def _start(self, connection: Connection,
+                     actions: list[Activate]) -> list[tuple[dict[str, int], dict[str, ReasonCode]]]:
+        """Each activation's starts and refusals; the unshared subscriptions of all of them held in one store call."""
+        answers: list[tuple[dict[str, int], dict[str, ReasonCode]]] = [({}, {}) for _ in actions]
+        client_id = actions[0].client_id
+        unshared = [(n, sub) for n, action in enumerate(actions) for sub in action.subscriptions if sub.group is None]
+        if unshared:  # the channel asked the ACL already
+            held: list[int | ValueError] | list[LogFullError]
             try:
-                if sub.group is None:
-                    await self._owed.settle(client_id)  # a release owed by an earlier UNSUBSCRIBE must not undo it
-                    starts[sub.filter] = await self._store.activate(sub.queue, client_id)
+                await self._owed.settle(client_id)  # a release owed by an earlier UNSUBSCRIBE must not undo it
+                held = await self._store.activate_all([sub.queue for _, sub in unshared], client_id)
+            except LogFullError as exc:  # the store logged the full disk once
+                held = [exc] * len(unshared)
+            for (n, sub), start in zip(unshared, held):
+                starts, reasons = answers[n]
+                if isinstance(start, int):
+                    starts[sub.filter] = start
                 else:
-                    starts[sub.filter] = await self._join(connection, sub)
-            except TopicError as exc:
-                LOGGER.warning("subscription refused: %s", exc, extra={"ctx": {"client_id": client_id}})
-                reasons[sub.filter] = ReasonCode.TOPIC_FILTER_INVALID
-            except ValueError as exc:
-                LOGGER.error("subscription failed: %s", exc, extra={"ctx": {"client_id": client_id}})
-                reasons[sub.filter] = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
-            except LogFullError:  # the store logged the full disk once
-                reasons[sub.filter] = ReasonCode.QUOTA_EXCEEDED
-        return starts, reasons
+                    reasons[sub.filter] = self._refusal(client_id, start)
+        for (starts, reasons), action in zip(answers, actions):
+            for sub in action.subscriptions:
+                if sub.group is not None:
+                    try:
+                        starts[sub.filter] = await self._join(connection, sub)
+                    except (ValueError, LogFullError) as exc:
+                        reasons[sub.filter] = self._refusal(client_id, exc)
+        return answers
+
+    @staticmethod
+    def _refusal(client_id: str, exc: Exception) -> ReasonCode:
+        """The reason code of a subscription the store refused (logged here, but a full disk: the store logged it)."""
+        if isinstance(exc, TopicError):
+            LOGGER.warning("subscription refused: %s", exc, extra={"ctx": {"client_id": client_id}})
+            return ReasonCode.TOPIC_FILTER_INVALID
+        if isinstance(exc, LogFullError):
+            return ReasonCode.QUOTA_EXCEEDED
+        LOGGER.error("subscription failed: %s", exc, extra={"ctx": {"client_id": client_id}})
+        return ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
 
     async def _join(self, connection: Connection, sub: Subscription) -> int:
         """The connection's session pops its shared subscription's group from now on; the group holds the queue
@@ -146,19 +171,24 @@ class Subscriptions:
                 self._member(connection)
             self._subscribe_local(connection, sub.queue)
 
-    async def _retained_for(self, action: Activate, starts: Mapping[str, int]) -> tuple[tuple[str, Message], ...]:
-        """The retained messages for the new subscriptions that want them now.
+    async def _retained_for(self, actions: list[Activate], answers: list[tuple[dict[str, int], dict[str, ReasonCode]]]
+                            ) -> list[tuple[tuple[str, Message], ...]]:
+        """The retained messages for each activation's new subscriptions that want them now, looked up together.
 
         The channel already applied MQTT 5 retain handling (``action.retained``);
         shared subscriptions never get retained messages (MQTT 5.0, section 4.8.2).
         """
-        wanted = set(action.retained)
-        found: list[tuple[str, Message]] = []
-        for sub in action.subscriptions:
-            if sub.filter in wanted and sub.filter in starts and sub.group is None:
-                found += ((sub.filter, from_record(record, None, None))
-                          for record in await self._store.retained(sub.queue))
-        return tuple(found)
+        wanted: list[tuple[int, Subscription]] = []
+        for n, (action, (starts, _)) in enumerate(zip(actions, answers)):
+            keep = set(action.retained)
+            wanted += ((n, sub) for sub in action.subscriptions
+                       if sub.filter in keep and sub.filter in starts and sub.group is None)
+        found: list[list[tuple[str, Message]]] = [[] for _ in actions]
+        if wanted:
+            records = await self._store.retained_all([sub.queue for _, sub in wanted])
+            for (n, sub), each in zip(wanted, records):
+                found[n] += ((sub.filter, from_record(record, None, None)) for record in each)
+        return [tuple(each) for each in found]
 
     # --- releases and commits ---------------------------------------------------------------
 

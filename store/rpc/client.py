@@ -331,6 +331,9 @@ class RemoteStore:
         answer = await self._call(lambda rid: rpc.GetRetained(rid, filter), idempotent=True)
         return [decode_record(raw, 0, log_offset) for log_offset, raw in answer.records]
 
+    async def retained_all(self, filters: Sequence[str]) -> list[list[Record]]:
+        return [await self.retained(filter) for filter in filters]  # one request each: the wire has no batch form
+
     async def read_log(self, start: Position, max_bytes: int) -> LogSpan:
         answer = await self._call(lambda rid: rpc.ReadLog(rid, start, max_bytes), idempotent=True)
         return answer.span
@@ -356,6 +359,15 @@ class RemoteStore:
     async def activate(self, queue: str, holder: str) -> int:
         answer = await self._call(lambda rid: rpc.Activate(rid, queue, holder))
         return answer.value
+
+    async def activate_all(self, queues: Sequence[str], holder: str) -> list[int | ValueError]:
+        starts: list[int | ValueError] = []
+        for queue in queues:  # one request each: the wire has no batch form
+            try:
+                starts.append(await self.activate(queue, holder))
+            except ValueError as exc:  # TopicError included
+                starts.append(exc)
+        return starts
 
     async def release(self, queue: str, holder: str) -> bool:
         async def attempt(link: Link) -> bool:

@@ -82,12 +82,15 @@ async def test_a_large_pull_runs_in_the_callers_step_only_when_its_records_are_k
         with trio.fail_after(10):
             await node.dispatcher.wait_dispatched(node.log.log.written_offset)
         client = LocalStore(node)
-        assert node.in_memory("tele/#", 0) and not node.in_memory("tele/#", INLINE_PULL * 2)  # the head: none
+        assert node.in_memory("tele/#", 0)
         (result,) = client.pull_nowait(large)
         assert [r.payload for _, r in result.messages] == [m.payload for m in messages]
     async with open_store(tmp_path, CONFIG) as node:  # restarted: nothing is kept in memory
         client = LocalStore(node)
         assert not node.in_memory("tele/#", 0)
+        # A read at the head (a new subscription's first) finds nothing: no worker thread for it.
+        assert node.in_memory("tele/#", INLINE_PULL * 2) and node.in_memory("nobody/+", 0)
+        assert client.pull_nowait([PullRequest("tele/#", INLINE_PULL * 2, max_count=INLINE_PULL * 2)])[0].messages == []
         with pytest.raises(trio.WouldBlock):  # the log must be read: a worker thread's job
             client.pull_nowait(large)
         ((result,),) = [await client.pull(large)]

@@ -7,9 +7,7 @@ the SUBSCRIBE first; then, after the SUBACK, a sentinel PUBLISH: the
 subscriber's first message must be the PUBLISH, not the sentinel.
 """
 
-import os
 import uuid
-from contextlib import contextmanager
 
 import pytest
 import trio
@@ -18,6 +16,7 @@ from gateway.mqtt.codec import encode
 from gateway.mqtt.packets import MQTT_311, Pingreq, Pingresp, Publish, Suback, Subscribe, SubscriptionOptions
 from gateway.node.order import ReadOrder
 from tests.helpers.cluster import Gateway, Store, free_port
+from tests.helpers.cpu import one_cpu
 from tests.helpers.mqtt_fixtures import RawClient, raw_client
 
 TRIES = 1000
@@ -31,9 +30,9 @@ CONNACK_TRIES = 200  # each try is a new connection (2-5 of 10 were missed befor
 async def test_an_append_waits_for_the_activations_read_before_it_and_not_for_later_ones():
     order = ReadOrder()
     assert not order.fenced and order.passed(order.mark())
-    first = order.open()
+    first = order.open(['a/+'])
     mark = order.mark()  # an append read now
-    second = order.open()  # an activation read after it
+    second = order.open(['a/b'])  # an activation read after it
     assert order.fenced and not order.passed(mark)
     order.close(second)
     assert not order.passed(mark)  # the activation read before it is still open
@@ -54,13 +53,31 @@ async def test_an_append_waits_for_the_activations_read_before_it_and_not_for_la
 
 async def test_a_mark_taken_while_later_fences_stay_open_passes_once_the_earlier_ones_close():
     order = ReadOrder()
-    first = order.open()
+    first = order.open(['a/b'])
     mark = order.mark()
-    order.open()  # read later, stays open
+    order.open(['a/b'])  # read later, stays open
     order.close(first)
     assert order.passed(mark) and order.fenced
     with trio.fail_after(1):
         await order.wait(mark)
+
+
+def test_an_append_is_fenced_only_by_the_open_activations_of_filters_matching_its_topic():
+    """The read order matters only between an append and the subscriptions that would get it: a publish to
+    another topic is not held behind activations in flight (issue 31, item 5)."""
+    order = ReadOrder()
+    first = order.open(["fleet/1/+/x", "fleet/1/y"])
+    second = order.open(["#", "fleet/1/+/x"])
+    assert order.fenced
+    assert order.fences("fleet/1/a/x") and order.fences("fleet/1/y") and order.fences("canary/t")  # "#" matches all
+    assert not order.fences("$SYS/uptime")  # "#" matches no "$" topic [MQTT-4.7.2-1]
+    order.close(second)
+    assert order.fences("fleet/1/a/x")  # still held by the first fence
+    assert not order.fences("canary/t") and not order.fences("fleet/1/a/y") and not order.fences("fleet/1")
+    order.close(first)
+    assert not order.fenced and not order.fences("fleet/1/a/x") and not order.fences("fleet/1/y")
+    order.open(["$SYS/#"])
+    assert order.fences("$SYS/uptime") and not order.fences("canary/t")
 
 
 # --- end to end ---------------------------------------------------------------------------------------------------
@@ -71,7 +88,7 @@ def _missed(port: int, filter_of, tries: int) -> list[int]:
     times; the tries whose PUBLISH the subscriber did not get."""
     run = uuid.uuid4().hex[:6]
     missed = []
-    with raw_client(port) as sub, raw_client(port) as pub, _one_cpu():
+    with raw_client(port) as sub, raw_client(port) as pub, one_cpu():
         sub.connect(f"sub-{run}")
         pub.connect(f"pub-{run}")
         for i in range(tries):
@@ -98,7 +115,7 @@ def _missed_after_connack(port: int, tries: int) -> list[int]:
     is read: the tries whose PUBLISH (sent on the other socket after that SUBSCRIBE) the subscriber did not get."""
     run = uuid.uuid4().hex[:6]
     missed = []
-    with raw_client(port) as pub, _one_cpu():
+    with raw_client(port) as pub, one_cpu():
         pub.connect(f"pub-{run}")
         for i in range(tries):
             topic = f"fresh{run}-{i}/a/x"
@@ -130,18 +147,6 @@ def _writes_done(pub: RawClient) -> None:
     """
     pub.send(Pingreq())
     assert isinstance(pub.receive(), Pingresp)
-
-
-@contextmanager
-def _one_cpu():
-    """Run the test process on one CPU meanwhile: loopback segments are delivered through a per-CPU queue, so
-    two sends made on different CPUs may reach the node in either order; on one CPU, in the order sent."""
-    allowed = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(allowed)})
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, allowed)
 
 
 def _next_publish(client: RawClient) -> Publish:
