@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.mqtt.actions import CommitOffsets, Deliver, InFlight, Message, Phase, Pull, SaveSession, Send, Subscription
+from gateway.mqtt.actions import (CommitOffsets, Deliver, InFlight, LimitHit, Message, Phase, Pull, SaveSession, Send,
+                                  Subscription)
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode_publish_template
 from gateway.mqtt.packets import MQTT_5, Publish, Pubrel, SubscriptionOptions
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
@@ -18,9 +19,19 @@ SUB = Subscription("a/+", "a/+", SubscriptionOptions(qos=1))
 def link(**overrides) -> Link:
     fields = dict(protocol_level=MQTT_5, receive_maximum=8, max_packet_size=None, topic_alias_maximum=0,
                   pull_batch=4, max_unwritten=4, commit_every=1000, encoder=encode_publish_template,
-                  now_ms=lambda: 0)
+                  owner=Owner())
     fields.update(overrides)
     return Link(**fields)
+
+
+class Owner:
+    """A link's channel as far as delivery asks: the clock at 0, limit hits as plain actions."""
+
+    def now_ms(self) -> int:
+        return 0
+
+    def limit_hit(self, limit, count, detail):
+        return LimitHit(limit, count, detail)
 
 
 def msg(offset: int, qos: int = 1) -> Message:
