@@ -1,4 +1,4 @@
-"""Containers made at their first use, for the objects every idle device has (its channel, its session).
+"""Containers made at their first use and queues left ``()`` until used, for the objects every idle device has.
 
 An idle device's channel and session hold a dozen containers that stay empty
 for its whole life (acks owed, QoS 2 flows, aliases, in-flight messages...): an
