@@ -13,6 +13,7 @@ This module is the one definition of the kinds and their bodies; it knows nothin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Union
 
@@ -273,9 +274,15 @@ def encode_control(control: Control, store_ms: int, max_size: int, packet_id: in
     Raises:
         RecordTooLarge: the record would exceed ``max_size`` (a session blob over the record limit).
     """
-    tag = type(control).__struct_config__.tag
     client = getattr(control, "client", "") or getattr(control, "holder", "") or getattr(control, "owner", "")
-    return new_control(KIND_PREFIX + str(tag), _ENCODER.encode(control), store_ms, client, max_size, packet_id)
+    return new_control(_kind(type(control)), _ENCODER.encode(control), store_ms, client, max_size, packet_id)
+
+
+@functools.cache
+def _kind(control_type: type) -> str:
+    """The topic field of a kind's records: one string per kind, shared by the records the store keeps decoded
+    (store/log/recent.py), as every connection's client-connected record (about 60 B each, issue 31)."""
+    return KIND_PREFIX + str(control_type.__struct_config__.tag)  # type: ignore[attr-defined]
 
 
 def decode_control(record: Record) -> Control:

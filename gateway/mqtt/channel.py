@@ -72,7 +72,7 @@ from gateway.mqtt.errors import error_packet
 from gateway.mqtt.handlers import acks, connect, ping, publish, subscribe
 from gateway.mqtt.handlers.publish import RATE_DEBT_S, process_publish
 from gateway.mqtt.limits import HitLog, Limit
-from gateway.mqtt.lazy import made_on_first_use
+from gateway.mqtt.lazy import appended, made_on_first_use
 from gateway.mqtt.packets import (
     MQTT_5,
     MQTT_311,
@@ -211,7 +211,7 @@ class Channel:
             if self._state is State.CONNECTING and type(packet) is not Connect:
                 if len(self.conn.queued) >= self.config.max_queued_packets:
                     raise RemoteProtocolError(ReasonCode.QUOTA_EXCEEDED, "too many packets before CONNACK")
-                self.conn.queued.append(packet)
+                self.conn.queued = appended(self.conn.queued, packet)
                 return []
             if self.conn.held:
                 return self.hold(packet)
@@ -331,7 +331,7 @@ class Channel:
                 actions.append(PublishWill(self.conn.client_id, self.conn.will))
         self.conn.will = None
         self._handover = handover
-        self.conn.held.clear()  # unacknowledged: a QoS 1/2 client sends them again
+        self.conn.held = ()  # unacknowledged: a QoS 1/2 client sends them again
         self._state = next_state(self._state, Closing)
         actions.append(Close(reason, f"client {self.conn.client_id or '?'}: {log}"))
         return actions + self.settle()
@@ -346,7 +346,7 @@ class Channel:
         if self._state is not State.DISCONNECTING or conn.pending or conn.releasing or conn.awaiting_session:
             return []
         self._state = next_state(self._state, Settled)
-        self.conn.link = None  # it refers back to this channel (now_ms, report): no cycle outlives the connection
+        self.conn.link = None  # it refers back to this channel (its owner): no cycle outlives the connection
         session = self.conn.session
         if session is None:
             return []
@@ -414,19 +414,19 @@ class Channel:
             raise RemoteProtocolError(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED,
                                       f"more than {self.config.max_queued_packets} packets wait behind "
                                       f"{self.config.receive_maximum} QoS 1/2 messages being stored")
-        self.conn.held.append(packet)
+        self.conn.held = appended(self.conn.held, packet)
         return []
 
     def release_held(self) -> list[Action]:
         """Process held packets until one has to wait again (or the connection closes)."""
-        held, self.conn.held = self.conn.held, []
+        held, self.conn.held = self.conn.held, ()
         actions: list[Action] = []
         for index, packet in enumerate(held):
             if self._state is not State.CONNECTED:
                 break
             actions += self.handle_in(packet)
             if self.conn.held:
-                self.conn.held.extend(held[index + 1:])
+                self.conn.held = appended(self.conn.held, *held[index + 1:])
                 break
         return actions + self.input_done()
 

@@ -259,7 +259,7 @@ class MqttDecoder:
         # next step requires, so a packet trickling in is copied a bounded number of times.
         self._buf = b""
         self._pos = 0
-        self._incoming = bytearray()
+        self._incoming: bytes | bytearray = b""  # a bytearray from the first feed to the next join
         self._need = 2
         self._error: RemoteProtocolError | None = None
 
@@ -279,7 +279,10 @@ class MqttDecoder:
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Add received bytes to the buffer (copying them: the caller may reuse ``data``)."""
-        self._incoming += data
+        if self._incoming:
+            self._incoming += data
+        else:  # an idle connection's decoder keeps no empty bytearray (56 B) between its packets
+            self._incoming = bytearray(data)
 
     def next_packet(self) -> Packet | Literal[_NeedData.NEED_DATA]:
         """Decode the next complete packet, or return ``NEED_DATA``.
@@ -310,7 +313,7 @@ class MqttDecoder:
         else:
             self._buf = b"".join((memoryview(self._buf)[self._pos:], self._incoming))
         self._pos = 0
-        self._incoming.clear()
+        self._incoming = b""
 
     def _decode_next(self) -> Packet | Literal[_NeedData.NEED_DATA]:
         buf = self._buf
@@ -371,7 +374,7 @@ class MqttDecoder:
         """Drop the buffered bytes (the connection ended): a partial packet must not outlive its connection."""
         self._buf = b""
         self._pos = 0
-        self._incoming = bytearray()
+        self._incoming = b""
 
     # --- one reader per packet type: (first byte, buffer, body start, body end) -> packet ------
 

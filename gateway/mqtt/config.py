@@ -6,6 +6,7 @@ One ``ChannelConfig`` is shared by every channel of a node (gateway/mqtt/channel
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from gateway.mqtt.properties import MAX_UINT16, MAX_VARINT, RepeatLimit
@@ -117,4 +118,10 @@ class ChannelConfig:
     @property
     def repeat_limit(self) -> RepeatLimit:
         """The decoder's bounds of the repeated properties of one property block (0: none)."""
-        return RepeatLimit(self.max_user_properties or MAX_VARINT, self.max_user_property_bytes or MAX_VARINT)
+        return _repeat_limit(self.max_user_properties or MAX_VARINT, self.max_user_property_bytes or MAX_VARINT)
+
+
+@functools.lru_cache(maxsize=8)
+def _repeat_limit(count: int, size: int) -> RepeatLimit:
+    """One (immutable) ``RepeatLimit`` shared by every connection's decoder: 48 B each otherwise (issue 31)."""
+    return RepeatLimit(count, size)

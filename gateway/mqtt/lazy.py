@@ -1,4 +1,4 @@
-"""Containers made at their first use, for the objects every idle device has (its channel, its session).
+"""Containers made at their first use and queues left ``()`` until used, for the objects every idle device has.
 
 An idle device's channel and session hold a dozen containers that stay empty
 for its whole life (acks owed, QoS 2 flows, aliases, in-flight messages...): an
@@ -6,14 +6,23 @@ empty dict is 64 B, an empty list 56 B, and they were 1 KiB of its 8 (issue 31,
 ``lightgate bench conns``). Such a container's slot is left unset until the
 first access, which makes it; from then on it is a plain attribute, and the
 code that uses it reads and writes it as it would any other.
+
+A queue read on every step (a connection's output, its node work, its held
+packets) is ``()`` while empty instead: reading it costs nothing, and
+``appended`` gives the list it becomes when something is queued.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["made", "made_on_first_use"]
+__all__ = ["Queued", "appended", "made", "made_on_first_use"]
+
+T = TypeVar("T")
+
+Queued = list[T] | tuple[()]
+"""Items queued for later: ``()`` while there are none (an empty list is 56 B per connection)."""
 
 
 def made_on_first_use(makers: Mapping[str, Callable[[], object]]) -> Callable[[Any, str], Any]:
@@ -42,3 +51,11 @@ def made(owner: object, name: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def appended(queued: Queued[T], *items: T) -> list[T]:
+    """``queued`` with ``items`` at its end: the same list, or a new one in place of ``()``."""
+    if isinstance(queued, list):
+        queued.extend(items)
+        return queued
+    return list(items)

@@ -45,7 +45,7 @@ from gateway.mqtt.actions import (
     TakenOver,
     Timeout,
 )
-from gateway.mqtt.lazy import made_on_first_use
+from gateway.mqtt.lazy import Queued, made_on_first_use
 from gateway.mqtt.limits import Limit
 from gateway.mqtt.packets import (
     Auth,
@@ -201,12 +201,12 @@ class ConnectionState:
         self.will_delay = 0
         self.session: Session | None = None
         self.link: Link | None = None
-        self.queued: list[Packet] = []
+        self.queued: Queued[Packet] = ()  # packets read before the CONNACK
         self.authorizer: Authorizer | None = None  # the ACL's checks of this client (None: it may do anything)
         self.next_ref = 0
         self.last_rx = last_rx
         self.awaiting_session = False
-        self.held: list[Packet] = []  # 3.1.1 packets waiting for room under the in-flight limit (a list: 56 B idle)
+        self.held: Queued[Packet] = ()  # 3.1.1 packets waiting for room under the in-flight limit
         # Shorter topics cannot be over a topic limit (a level takes a character, a character at most 4 bytes):
         # the publish path skips the check for them.
         self.topic_check_from = topic_check_from

@@ -60,6 +60,7 @@ from gateway.node import clientlog
 from gateway.node.admission import Admission
 from gateway.mqtt.channel import KEEPALIVE_TIMER, Channel, ChannelConfig
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.mqtt.lazy import Queued, appended
 from gateway.node.listeners import BoundListener, ListenerSpec, Peer, serve_listeners
 from gateway.mqtt.packets import Publish
 from gateway.node.poller import Poller
@@ -181,23 +182,22 @@ class Connection:
     """
 
     __slots__ = (
-        "channel", "peer", "host", "username", "cert_identity", "_finished", "_done", "_transport", "_backend",
+        "channel", "peer", "username", "cert_identity", "_finished", "_done", "_transport", "_backend",
         "_traffic", "_decoder", "_out", "_out_seq", "_writing", "_work", "_working", "_changed", "_closing",
         "_read_scope", "_broken", "_timers", "_due", "_running", "_scopes", "_holding", "_lift", "_mark",
         "_backlog", "_shutting", "_resuming", "_ended", "__weakref__",
     )
 
     def __init__(
-        self, transport: Transport, backend: Backend, peer: str, host: str, cert_identity: str | None = None,
+        self, transport: Transport, backend: Backend, peer: str, cert_identity: str | None = None,
         ended: Callable[[], None] | None = None,
     ) -> None:
-        """``peer`` is the client's address and port (for logs), ``host`` its address alone (per-source limits),
+        """``peer`` is the client's address and port, ``host:port`` (for logs; ``host`` is read from it),
         ``cert_identity`` the verified client-certificate CN (mTLS), if any; ``ended()`` is called once the
         transport is closed (a polled socket's listener hands its admission over: gateway/node/listeners.py)."""
         config = backend.channel_config
         self.channel = Channel(config)
         self.peer = peer
-        self.host = host
         self.cert_identity = cert_identity
         self.username: str | None = None  # the authenticated user name (None: anonymous), set when the node accepts
         self._finished: trio.Event | None = None  # made by the first waiter: most connections never have one
@@ -207,10 +207,10 @@ class Connection:
         self._traffic = backend.traffic
         self._decoder = MqttDecoder(role=Role.SERVER, max_packet_size=config.max_packet_size,
                                     max_connect_size=config.max_connect_size, repeat_limit=config.repeat_limit)
-        self._out: list[bytes] = []
+        self._out: Queued[bytes] = ()  # bytes to write (a list once there are some: gateway/mqtt/lazy.py)
         self._out_seq: int | None = None  # highest Deliver seq among the bytes in _out
         self._writing = False  # a writer task runs (it holds bytes taken from _out until they are written)
-        self._work: list[Action] = []
+        self._work: Queued[Action] = ()  # node actions for the worker, in order
         self._working = False  # a worker task runs (it holds the batch it hands to the backend)
         self._changed: trio.Event | None = None  # created by a waiter in _until, set by _signal
         self._closing = False
@@ -231,6 +231,12 @@ class Connection:
     @property
     def client_id(self) -> str:
         return self.channel.client_id
+
+    @property
+    def host(self) -> str:
+        """The client's address without the port (per-source limits): read from ``peer`` when asked (at CONNECT), not
+        kept as a second string per connection."""
+        return self.peer.rpartition(":")[0]
 
     @property
     def closing(self) -> bool:
@@ -267,7 +273,7 @@ class Connection:
     def requeue(self, actions: list[Action]) -> None:
         """Node actions the backend took in this step but must leave to ``perform`` after all. They go first:
         nothing the connection queued after them has run yet (its worker starts in a later step)."""
-        self._work[:0] = actions
+        self._work = [*actions, *self._work]
         self._start_pending()
 
     def execute(self, actions: list[Action]) -> None:
@@ -300,15 +306,16 @@ class Connection:
         mark = self._backend.append_mark()
         if mark is not None and mark > self._mark:  # after the activations read before it
             self._mark = mark
-            self._work.append(AfterReads(mark))
-        self._work.append(action)
+            self._work = appended(self._work, AfterReads(mark), action)
+        else:
+            self._work = appended(self._work, action)
 
     def _send(self, action: Send) -> None:
         level = self.channel.protocol_level
-        self._out.extend(encode(packet, level) for packet in action.packets)
+        self._out = appended(self._out, *(encode(packet, level) for packet in action.packets))
 
     def _deliver(self, action: Deliver) -> None:
-        self._out.append(action.data)
+        self._out = appended(self._out, action.data)
         self._out_seq = action.seq
         self._traffic.delivered(action)
 
@@ -330,7 +337,7 @@ class Connection:
 
     def _activate(self, action: Activate) -> None:
         self._backend.activation_read(self, action)
-        self._work.append(action)
+        self._work = appended(self._work, action)
 
     def _pull(self, action: Pull) -> None:
         if not self._work and not self._working:  # in order: no work waits, so the node may answer now
@@ -338,11 +345,11 @@ class Connection:
             if pulled is not None:  # a cache hit: answered without a worker hop
                 self.feed(pulled)
                 return
-        self._work.append(action)
+        self._work = appended(self._work, action)
 
     def _queue(self, action: Action) -> None:
         """A node action: the worker hands it to the node, in order."""
-        self._work.append(action)
+        self._work = appended(self._work, action)
 
     def _flush(self) -> None:
         """Write the queued bytes now while the transport takes them whole (a plain TCP socket); else start the
@@ -377,10 +384,10 @@ class Connection:
                     return
                 self._traffic.bytes_out += sent
                 if sent < len(data):
-                    self._out[:] = [data[sent:]]  # the writer sends the rest, then reports the Deliver written
+                    self._out = [data[sent:]]  # the writer sends the rest, then reports the Deliver written
                     break
                 seq = self._out_seq
-                self._out.clear()
+                self._out = ()
                 self._out_seq = None
                 if seq is not None:
                     self._apply(self.channel.handle_event(SocketWritten(seq)))
@@ -579,8 +586,8 @@ class Connection:
         """Drop what the ended connection still buffers (a partial packet, unsent bytes, queued work), so its memory
         goes now, whoever still holds the connection (a takeover waiting, a log record, a reference cycle)."""
         self._decoder.discard()
-        self._out.clear()
-        self._work.clear()
+        self._out = ()
+        self._work = ()
 
     async def _task(self, name: str, body: Callable[[], Awaitable[None]]) -> None:
         """Run the writer, the worker or the reader in the node's nursery; a failure ends this connection only."""
@@ -714,7 +721,7 @@ class Connection:
             while self._out:
                 data = b"".join(self._out)
                 seq = self._out_seq
-                self._out.clear()
+                self._out = ()
                 self._out_seq = None
                 if self._broken:
                     continue
@@ -735,8 +742,7 @@ class Connection:
         """Hand queued node actions to the backend, a batch at a time, until none are queued; then end."""
         try:
             while self._work:
-                batch = self._work
-                self._work = []
+                batch, self._work = self._work, ()
                 await self._backend.perform(self, batch)
                 self._signal()
         finally:
@@ -776,11 +782,11 @@ async def serve_mqtt(
     def handler(stream: trio.abc.Stream, peer: Peer) -> Awaitable[None]:
         # Returns the connection's coroutine rather than awaiting it: one frame less per connection.
         transport = stream_transport(stream)
-        return Connection(transport, backend, peer.address, peer.host, peer.identity).run(transport.read)
+        return Connection(transport, backend, peer.address, peer.identity).run(transport.read)
 
     def adopt(stream: trio.SocketStream, peer: Peer, ended: Callable[[], None]) -> None:
         transport = PolledSocket(stream, backend.reads)
-        Connection(transport, backend, peer.address, peer.host, ended=ended).start(transport.start)
+        Connection(transport, backend, peer.address, ended=ended).start(transport.start)
 
     config = backend.channel_config
     await serve_listeners(handler, specs, adopt=adopt, admission=admission, handshake_timeout_s=backend.connect_timeout_s,

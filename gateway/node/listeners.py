@@ -346,6 +346,8 @@ class _Accepted:
         self._handler = handler
         self._adopt = adopt
         self._admission = admission
+        # One bound method for every connection this listener adopts (64 B each if made per connection).
+        self._ended: Callable[[], None] = _nothing if admission is None else admission.release
         self._refusals = refusals
         self._timeout_s = handshake_timeout_s
         self._max_message_size = max_message_size
@@ -368,7 +370,7 @@ class _Accepted:
                 return False
         if self._adopt is not None:
             try:
-                self._adopt(stream, peer, _nothing if admission is None else admission.release)
+                self._adopt(stream, peer, self._ended)
             except Exception as exc:  # not kept: closed here, its slot released
                 LOGGER.error("connection failed: %r", exc, exc_info=exc,
                              extra={"ctx": {"peer": peer.address, "listener": peer.listener}})

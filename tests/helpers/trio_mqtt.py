@@ -26,14 +26,15 @@ async def embedded_node(data: Path) -> AsyncIterator[int]:
 
 
 class RawClient:
-    """An MQTT 5 client over a trio socket, using the project's own codec."""
+    """An MQTT 5 (or ``level``) client over a trio socket, using the project's own codec."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream, level: int = MQTT_5) -> None:
         self.stream = stream
-        self.decoder = MqttDecoder(role=Role.CLIENT, protocol_level=MQTT_5)
+        self.level = level
+        self.decoder = MqttDecoder(role=Role.CLIENT, protocol_level=level)
 
     async def send(self, packet) -> None:
-        await self.stream.send_all(encode(packet, MQTT_5))
+        await self.stream.send_all(encode(packet, self.level))
 
     async def receive(self):
         while (packet := self.decoder.next_packet()) is NEED_DATA:

@@ -57,10 +57,9 @@ def process_connect(channel: ChannelView, packet: Connect) -> list[Action]:
         pull_batch=config.pull_batch,
         max_unwritten=config.max_unwritten,
         commit_every=config.commit_every,
-        now_ms=channel.now_ms,
+        owner=channel,
         qos0_queue_bytes=config.qos0_queue_bytes,
         max_unwritten_bytes=config.max_unwritten_bytes,
-        report=channel.limit_hit,
         since_ms=channel.now_ms(),
     )
     channel.conn.awaiting_session = True
@@ -218,7 +217,7 @@ def on_session_opened(channel: ChannelView, event: SessionOpened) -> list[Action
     if channel.conn.keepalive:
         actions.append(channel.arm_keepalive(channel.conn.keepalive * 1.5))
     actions += session.attach(channel.conn.link)
-    queued, channel.conn.queued = channel.conn.queued, []
+    queued, channel.conn.queued = channel.conn.queued, ()
     for packet in queued:
         actions += channel.handle_in(packet)
     return actions + channel.input_done()

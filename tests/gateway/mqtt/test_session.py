@@ -11,6 +11,7 @@ from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
 from gateway.mqtt.session import (ALIAS_BYTES, LANE_PIDS, LANES, NOT_IN_LOG, Link, Session, SessionState,
                                   encode_session, session_blob_expiry)
 from store.api import Position
+from tests.helpers.links import Owner
 
 SUB = Subscription("a/+", "a/+", SubscriptionOptions(qos=1))
 
@@ -18,7 +19,7 @@ SUB = Subscription("a/+", "a/+", SubscriptionOptions(qos=1))
 def link(**overrides) -> Link:
     fields = dict(protocol_level=MQTT_5, receive_maximum=8, max_packet_size=None, topic_alias_maximum=0,
                   pull_batch=4, max_unwritten=4, commit_every=1000,
-                  now_ms=lambda: 0)
+                  owner=Owner())
     fields.update(overrides)
     return Link(**fields)
 

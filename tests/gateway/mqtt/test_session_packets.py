@@ -15,6 +15,7 @@ from gateway.mqtt.actions import Deliver, InFlight, Message, Subscription
 from gateway.mqtt.packets import MQTT_5, MQTT_311, SubscriptionOptions
 from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
 from gateway.mqtt.session import LANE_PIDS, Link, Session, SessionState
+from tests.helpers.links import Owner
 from tests.helpers.publish import reference_publish as reference, split_packets
 
 STORED_MS = 1_700_000_000_000
@@ -29,7 +30,7 @@ def packets(actions: list) -> list[bytes]:
 
 def link(level: int, now_ms: int = STORED_MS, **overrides) -> Link:
     fields = dict(protocol_level=level, receive_maximum=100, max_packet_size=None, topic_alias_maximum=0,
-                  pull_batch=100, max_unwritten=100, commit_every=1000, now_ms=lambda: now_ms)
+                  pull_batch=100, max_unwritten=100, commit_every=1000, owner=Owner(now_ms))
     fields.update(overrides)
     return Link(**fields)
 

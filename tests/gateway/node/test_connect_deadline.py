@@ -17,8 +17,7 @@ from gateway.node.transports import PolledSocket
 
 def connection(sock: trio.socket.SocketType) -> Connection:
     backend = SimpleNamespace(channel_config=ChannelConfig(), connect_timeout_s=10.0, traffic=Traffic(), timers=Timers())
-    return Connection(PolledSocket(trio.SocketStream(sock), Poller()), backend, "127.0.0.1:1",  # type: ignore[arg-type]
-                      "127.0.0.1")
+    return Connection(PolledSocket(trio.SocketStream(sock), Poller()), backend, "127.0.0.1:1")  # type: ignore[arg-type]
 
 
 async def test_bytes_waiting_in_the_kernel_extend_the_deadline_and_silence_closes():
