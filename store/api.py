@@ -59,7 +59,7 @@ __all__ = [
     "DLQ_PREFIX", "GROUP_PREFIX", "MAIN_LOG", "MAX_ATTEMPTS", "POP_PREFIX", "SHARE_PREFIX", "AdminOp",
     "DelayedCapExceeded", "DelayedMessage", "DelayedPage", "Flow", "FollowerStatistics", "LeaderFenced", "LeaseLost",
     "LogSpan", "NewMessage", "NotLeader", "Popped", "Position", "Positions", "PullRequest", "PullResult",
-    "ReplicationStatistics", "StoreApi", "StoreStatistics", "StoreUnavailable", "TimerStatistics", "batch_groups",
+    "PopStatistics", "ReplicationStatistics", "StoreApi", "StoreStatistics", "StoreUnavailable", "TimerStatistics", "batch_groups",
     "by_topic",
     "dlq_topic", "group_owner", "pop_owner",
     # the engine's, re-exported (above)
@@ -283,6 +283,20 @@ class TimerStatistics(msgspec.Struct, frozen=True, array_like=True):
     cancelled: int = 0
 
 
+class PopStatistics(msgspec.Struct, frozen=True, array_like=True):
+    """The POP groups of the store (store/pop/): groups known and messages in flight (invisible) or waiting for a
+    retry now, and by the records applied since the store started: messages popped (first deliveries and retries,
+    not invisible-time changes), acknowledged, revived for another attempt, dead-lettered."""
+
+    groups: int
+    inflight: int
+    waiting: int
+    popped: int
+    acked: int
+    revived: int
+    dead: int
+
+
 class DelayedMessage(msgspec.Struct, frozen=True, array_like=True):
     """A pending delayed message as an operator sees it (``StoreApi.delayed_list``): where its ``Delayed`` record
     is (``position.id`` is its id), its real topic, its publisher's client id, when it is due (epoch ms), its QoS,
@@ -361,6 +375,7 @@ class StoreStatistics(msgspec.Struct, frozen=True, array_like=True):
     timers: TimerStatistics | None = None  # delayed messages (store/timer/)
     replication: ReplicationStatistics | None = None  # the leader of a replicated group: its view (None: unreplicated)
     log_writes: int = 0  # CommitLog writes since the store started: each appends one or more records (a batch)
+    pops: PopStatistics | None = None  # POP groups (store/pop/)
 
     @property
     def dispatch_lag(self) -> int:

@@ -402,6 +402,7 @@ class StoreNode:
             timers=self._timer_statistics(),
             replication=self.replication.statistics() if self.replication is not None else None,
             log_writes=stats.appended_batches,
+            pops=self.pops.statistics(),
         )
 
     def _timer_statistics(self) -> TimerStatistics:

@@ -174,6 +174,7 @@ class NodeMetrics:
             yield _gauge("store_disk_full", "1 while the data disk is full and new QoS 1/2 messages are refused",
                          int(store.disk_full))
             yield from _timer_metrics(store)
+            yield from _pop_metrics(store)
             if store.replication is not None:
                 yield from replication_metrics(store.replication)
         if self._flush_latency is not None:
@@ -196,6 +197,23 @@ def _timer_metrics(store: StoreStatistics) -> Iterator[Metric]:
     late.sum_s = timers.lateness_sum_s
     yield histogram(PREFIX + "delayed_lateness_seconds", "how late each delayed message went out after its due "
                     "time", late)
+
+
+def _pop_metrics(store: StoreStatistics) -> Iterator[Metric]:
+    """The POP groups of the store (docs/consumer-groups.md): what members hold now, and where messages went."""
+    pops = store.pops
+    if pops is None:
+        return
+    yield _gauge("pop_groups", "POP groups the store keeps (one per group and queue)", pops.groups)
+    yield _gauge("pop_inflight", "POP messages handed out and not acknowledged, invisible to the other members",
+                 pops.inflight)
+    yield _gauge("pop_waiting", "POP messages whose invisible time passed, waiting for their next attempt",
+                 pops.waiting)
+    yield _counter("pop_popped", "POP messages handed out (first deliveries and retries)", pops.popped)
+    yield _counter("pop_acked", "POP messages acknowledged (acks that counted)", pops.acked)
+    yield _counter("pop_revived", "POP messages made visible again after their invisible time (redelivered)",
+                   pops.revived)
+    yield _counter("pop_dead_lettered", "POP messages moved to $dlq/<group> after their last attempt", pops.dead)
 
 
 def replication_metrics(stats: ReplicationStatistics) -> Iterator[Metric]:

@@ -28,7 +28,7 @@ from typing import Protocol, TypeVar, final
 import trio
 
 from lightqueue.topics import validate_topic
-from store.api import NewMessage, Record, dlq_topic, pop_owner
+from store.api import NewMessage, PopStatistics, Record, dlq_topic, pop_owner
 from store.control import Committed, Control, PopAcked, PopCheckpoint, PopRevived
 from store.groups import DECODED, START_KINDS, Form, GroupStore, read_offsets, start_offset
 from store.log.record import now_ms
@@ -106,9 +106,9 @@ class PopCoordinator:
             for loaded in self._by_queue.get(queue, ()):
                 loaded.wake()
 
-    def statistics(self) -> tuple[int, int, int]:
-        """(acknowledged, revived, dead-lettered) by the records applied since this start."""
-        return self._book.read(lambda book: (book.acked, book.revived, book.dead))
+    def statistics(self) -> PopStatistics:
+        """The groups' figures now (``StoreStatistics.pops``)."""
+        return self._book.read(PopBook.statistics)
 
     # --- loading ------------------------------------------------------------------------------------------
 

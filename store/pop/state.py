@@ -15,6 +15,7 @@ from typing import final
 
 import msgspec
 
+from store.api import PopStatistics
 from store.control import Control, PopAcked, PopCheckpoint, PopRestated, PopRevived
 
 __all__ = ["MAX_INFLIGHT", "InFlight", "PopBook", "PopGroup"]
@@ -84,7 +85,9 @@ class PopBook:
 
     def __init__(self) -> None:
         self.groups: dict[tuple[str, str], PopGroup] = {}
-        self.acked = 0  # since this start, by the records applied: acks that matched, retries, dead letters
+        self.popped = 0  # since this start, by the records applied: messages handed out, acks that matched,
+        # retries, dead letters
+        self.acked = 0
         self.revived = 0
         self.dead = 0
 
@@ -100,6 +103,7 @@ class PopBook:
             deadline = control.pop_ms + control.invisible_ms
             for queue_offset, attempt in zip(control.offsets, control.attempts):
                 group.retry.pop(queue_offset, None)
+                self.popped += queue_offset not in group.inflight  # else a change of its invisible time
                 group.inflight[queue_offset] = InFlight(offset, deadline, attempt, control.member)
             for queue_offset in control.gone:
                 group.retry.pop(queue_offset, None)
@@ -126,6 +130,12 @@ class PopBook:
                 dict(control.retry))
             return key
         return None
+
+    def statistics(self) -> PopStatistics:
+        """The groups' figures now (``StoreStatistics.pops``)."""
+        groups = self.groups.values()
+        return PopStatistics(len(self.groups), sum(len(group.inflight) for group in groups),
+                             sum(len(group.retry) for group in groups), self.popped, self.acked, self.revived, self.dead)
 
     def restate(self) -> Iterator[PopRestated]:
         """A ``PopRestated`` per group with messages in flight or to retry (a group with none is its cursor, which

@@ -11,9 +11,8 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 
-from store.api import NewMessage
 from tests.helpers.admin import Admin, admin_port
-from tests.helpers.cluster import WAIT_S, ask_store, run_id, running_cluster, wait_for
+from tests.helpers.cluster import WAIT_S, pop_once, run_id, running_cluster, wait_for
 from tests.helpers.mqtt_fixtures import Client, properties
 
 pytestmark = pytest.mark.slow
@@ -130,13 +129,7 @@ def test_the_dead_letters_of_a_pop_group_are_listed_and_re_driven_to_their_origi
         subscriber.connect()
         subscriber.subscribe(f"jobs{run}/#", 1)
 
-        async def pop_and_never_ack(client) -> list[int]:
-            await client.append([NewMessage(topic, b"poison", "dev-1", 1)])
-            popped = await client.pop(group, f"jobs{run}/#", "m", 10, invisible_s=0.1, wait_s=WAIT_S,
-                                      max_attempts=1, start="earliest")
-            return [p.attempt for p in popped]
-
-        assert ask_store(store.port, pop_and_never_ack) == [1]
+        assert pop_once(store.port, group, topic, b"poison", f"jobs{run}/#") == [1]
         assert subscriber.messages.get(timeout=WAIT_S).payload == b"poison"
         wait_for(lambda: admin.get(f"/api/v1/dlq/{group}")["letters"], "the message to be dead-lettered")
         page = admin.get(f"/api/v1/dlq/{group}")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import trio
 
+from store.api import NewMessage
 from store.rpc.client import RemoteStore
 from tests.helpers.mqtt_fixtures import run_id, wait_until
 from tests.helpers.processes import LightgateProcess
@@ -73,6 +74,19 @@ def ask_store(port: int, call):
             return await call(client)
 
     return trio.run(ask)
+
+
+def pop_once(port: int, group: str, topic: str, payload: bytes, filter: str) -> list[int]:
+    """Append ``payload`` to ``topic`` and pop it for POP ``group`` on ``filter`` at one attempt at most, invisible
+    0.1 s, never acknowledged: the store's revive step dead-letters it to ``$dlq/<group>``. Returns the attempts
+    popped."""
+    async def pop(client) -> list[int]:
+        await client.append([NewMessage(topic, payload, "dev-1", 1)])
+        popped = await client.pop(group, filter, "m", 10, invisible_s=0.1, wait_s=WAIT_S, max_attempts=1,
+                                  start="earliest")
+        return [p.attempt for p in popped]
+
+    return ask_store(port, pop)
 
 
 def store_statistics(port: int):

@@ -17,7 +17,7 @@ from tests.helpers.mqtt_fixtures import WAIT_S, Client, connected, properties, r
 from paho.mqtt.packettypes import PacketTypes
 
 from gateway.auth.passwords import PasswordFile
-from tests.helpers.cluster import running_cluster
+from tests.helpers.cluster import pop_once, running_cluster
 from tests.helpers.admin import admin_port
 
 CHROMIUM = "/usr/bin/chromium"
@@ -221,4 +221,34 @@ def test_a_cluster_gateways_dashboard_lists_and_kicks_the_clients_of_every_gatew
         assert all(float(row[3]) >= 0 and float(row[4]) > 1 for row in nodes)  # CPU %, resident MiB
         assert browser.find_element(By.ID, "nodes-missing").text == ""
     for process in (store, *gateways):
+        assert not process.errors(), process.errors()
+
+
+def test_the_dead_letters_view_lists_a_groups_letters_and_re_drives_them(tmp_path, browser):
+    """A POP group's message popped once and never acknowledged is dead-lettered; the view lists it for the group
+    the operator types (GET /api/v1/dlq/{group}) and its button appends it back to its topic (POST)."""
+    run = uuid.uuid4().hex[:6]
+    group, topic = f"workers{run}", f"jobs{run}/a"
+    with running_cluster(tmp_path, 1) as (store, (gateway,)):
+        with connected(gateway.port) as subscriber:
+            subscriber.subscribe(f"jobs{run}/#", 1)
+            assert pop_once(store.port, group, topic, b"poison", f"jobs{run}/#") == [1]
+            assert [m.payload for m in subscriber.receive(1)] == [b"poison"]
+            browser.get(f"http://127.0.0.1:{admin_port(gateway)}/")
+            wait = WebDriverWait(browser, WAIT_S)
+            browser.find_element(By.CSS_SELECTOR, "nav button[data-view=dlq]").click()
+            wait.until(lambda b: "type a POP group" in b.find_element(By.ID, "dlq").text)
+            browser.find_element(By.ID, "dlq-group").send_keys(group + "\n")  # Enter: the field's change event
+            wait.until(lambda b: [r[1:7] + r[8:] for r in rows(b, "dlq")] ==
+                       [[topic, "dev-1", "1", "0", "1", "poison", "no"]])  # the revive step dead-lettered it
+            assert browser.find_element(By.ID, "dlq-info").text == "1 not re-driven yet"
+            browser.find_element(By.ID, "redrive").click()
+            again = subscriber.receive(1)  # appended back to its original topic
+            assert [(m.topic, m.payload) for m in again] == [(topic, b"poison")]
+            wait.until(lambda b: [r[-1] for r in rows(b, "dlq")] == ["yes"])
+            assert not browser.find_element(By.ID, "redrive").is_enabled()
+            assert browser.find_element(By.ID, "notice").text == f"re-drove 1 dead letters of {group} to their topics"
+    assert not [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"
+                and "/api/v1/" not in entry["message"]]  # the page itself has no script errors
+    for process in (store, gateway):
         assert not process.errors(), process.errors()
