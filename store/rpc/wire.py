@@ -143,7 +143,7 @@ PROTOCOL_VERSION: Final = 8
 (8: delayed messages listed and cancelled: ``ListDelayed``, ``CancelDelayed``, ``DelayedList``,
 ``TimerStatistics.cancelled``; POP: ``Pop``, ``PopAck``, ``ChangeInvisible``, ``PopResult``, ``PopAcks``,
 ``NewHandle``; batch records: ``AppendRequest.batched``, ``Welcome.max_record_bytes``; ``StoreStatistics.log_writes``;
-``Leave.unsubscribe`` gone (MQTT shared subscriptions are POP groups). 7: replication: ``Fetch`` and ``Frames`` between a replica (``$replica/<name>``) and its leader;
+``Leave.unsubscribe`` gone (MQTT shared subscriptions are POP groups); ``StoreStatistics.pops``. 7: replication: ``Fetch`` and ``Frames`` between a replica (``$replica/<name>``) and its leader;
 ``ErrorKind.NOT_LEADER``. 6: positions, not offsets: ``Appended`` carries each group's ``Positions``, ``Awaiting``
 and ``ReleaseAwaiting`` a ``Position`` per flow, ``ReadLog`` starts at one and ``LogSpan`` names its log;
 ``ErrorKind.INVALID_OFFSET``, so a remote ``read_log`` raises ``InvalidOffset`` as the local one does; ``NewMessage.deliver_at_ms`` and
