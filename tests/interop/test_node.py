@@ -91,8 +91,10 @@ def test_shared_subscription_delivers_each_message_to_one_member(interop_node, p
             pub.paho.publish(f"sh{run}/x", str(i).encode(), 1)
         assert sorted(int(m.payload) for m in plain.receive(40)) == list(range(40))  # not shared: all of them
         got = [merged.get(timeout=WAIT_S) for _ in range(40)]
-        assert sorted(int(m.payload) for _, m in got) == list(range(40))  # each to exactly one member
-        assert {name for name, _ in got} == {"a", "b"}  # fair shares of the backlog: both members get some
+        # Each to exactly one member. Which member gets how many is who asks first: the group hands messages out
+        # one by one to whoever pops (a member takes at most its window; tests/interop/test_shared_pop.py shows a
+        # member that holds its messages leaving the rest to the other), so an even split is not a promise here.
+        assert sorted(int(m.payload) for _, m in got) == list(range(40))
         pub.publish(f"sh{run}/x", b"sentinel", 1)  # a barrier: the group hands its queue out in order
         assert merged.get(timeout=WAIT_S)[1].payload == b"sentinel"
         assert all(m.topic == f"sh{run}/x" for _, m in got)
