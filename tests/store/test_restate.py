@@ -293,6 +293,8 @@ class Follower:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         self.thread.join(10)  # blocked on the append lock only if the restatement deadlocked (asserted before)
+        if self.log.written_offset > self.log.confirm_offset:  # its last fetch: what was appended since its last
+            self.log.confirm(self.log.written_offset)        # round (a restatement just written) is confirmed too
 
 
 def bounded(fn, timeout: float = 60.0):
