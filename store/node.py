@@ -102,7 +102,7 @@ class StoreNode:
         self.router = NotifyRouter()
         self.attached: dict[str, Attachment] = {}  # attached node -> what is routed to it
         self.groups = GroupCoordinator(self)
-        self.pops = PopCoordinator(self, pops)  # POP consumption (store/pop/)
+        self.pops = PopCoordinator(self, pops, self._poke)  # POP consumption (store/pop/)
         # The next id a first activation of a wildcard filter may take: ids given out but not applied yet count,
         # so two new filters never get one id without waiting for each other's record to be applied.
         self._next_filter_id = 0
@@ -143,6 +143,11 @@ class StoreNode:
             attachment.close()
         self.router.drop_node(name)
         self.groups.leave_node(name)
+
+    def _poke(self, queue: str) -> None:
+        """Messages of ``queue`` came back to a POP group (revived): the nodes with sessions on it and the pops
+        waiting on it are told, as of news."""
+        self.route({queue: self.queues.max_offset(queue)})
 
     def route(self, events: Mapping[str, int]) -> None:
         """The dispatcher's listener (trio thread): post each attached node the events of its queues, and wake

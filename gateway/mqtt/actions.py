@@ -31,10 +31,6 @@ from gateway.mqtt.reasons import ReasonCode
 from gateway.mqtt.template import PublishTemplate
 from store.api import NewMessage, Position
 
-REVIVED = -1
-"""``QueueAdvanced.max_offset`` that wakes only a queue's shared subscriptions: their groups' invisible times pass
-without news on the queue (gateway/node/subscriptions.py polls the idle ones)."""
-
 NOT_IN_LOG = Position(-1, -1)
 """The position of an inbound QoS 2 message's record the store does not know (a blob saved before records kept
 packet ids): its PUBREL is answered without a store write."""
@@ -394,8 +390,8 @@ class Pulled(msgspec.Struct, frozen=True, gc=False):
 
 
 class QueueAdvanced(msgspec.Struct, frozen=True, gc=False):
-    """Notify: ``queue`` has messages up to (not including) ``max_offset``; ``REVIVED``: its shared subscriptions'
-    groups may have messages to hand out again (their streams pull, the others ignore it)."""
+    """Notify: ``queue`` has messages up to (not including) ``max_offset`` (or a POP group's messages came back:
+    shared subscriptions' streams pull on any news)."""
 
     queue: str
     max_offset: int

@@ -74,7 +74,6 @@ from msgspec.structs import replace as with_fields
 
 from gateway.mqtt.actions import (
     NOT_IN_LOG,
-    REVIVED,
     Action,
     CommitOffsets,
     Deliver,
@@ -538,7 +537,7 @@ class Session:
         for stream in self._by_queue.get(queue, ()):
             if stream.sub.group is not None:
                 stream.head = None
-            elif max_offset != REVIVED and (stream.head is None or stream.head < max_offset):
+            elif stream.head is None or stream.head < max_offset:
                 stream.head = max_offset
             else:
                 continue

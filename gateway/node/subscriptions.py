@@ -13,9 +13,8 @@
   shared subscription's member pops from its group, each message invisible to the others for
   ``invisible_s`` (not acknowledged by then, it goes to another member: docs/consumer-groups.md).
 - Notify: the node watches at the store the queues its connections read (reference counted), and feeds the
-  news to the connections on each queue (``QueueAdvanced``). A group's messages also come back without news
-  (their invisible time passed): the shared subscriptions whose last pop was empty pull again every
-  ``REVIVE_POLL_S``.
+  news to the connections on each queue (``QueueAdvanced``); a group's messages that come back (their invisible
+  time passed, or a member gave them back) are news too: the store's revive step routes an event for the queue.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, final
 
 import trio
 
-from gateway.mqtt.actions import (REVIVED, Activate, Activated, CommitOffsets, Message, Pull, Pulled,
+from gateway.mqtt.actions import (Activate, Activated, CommitOffsets, Message, Pull, Pulled,
                                   QueueAdvanced, Release, Subscription)
 from gateway.mqtt.reasons import ReasonCode
 from gateway.node.cache import QueueCache, from_record
@@ -41,18 +40,13 @@ from store.api import SHARE_PREFIX, LogFullError, StoreApi, pop_owner
 if TYPE_CHECKING:
     from gateway.node.connection import Connection
 
-__all__ = ["POP_BYTES", "REVIVE_POLL_S", "Subscriptions"]
+__all__ = ["POP_BYTES", "Subscriptions"]
 
 LOGGER = logging.getLogger(__name__)
 
 POP_BYTES = 1 << 20
 """A shared subscription's pop's byte budget at the store, as a pull's: at least one message, at most about this
 much."""
-
-REVIVE_POLL_S = 1.0
-"""How often a shared subscription whose last pop was empty pops again: its group's messages whose invisible time
-passed (or that a closed member gave back) come back without news on the queue. The store's revive step looks at
-the deadlines as often (``store.pop.pops.REVIVE_TICK_S``)."""
 
 
 @final
@@ -71,8 +65,6 @@ class Subscriptions:
         self._local: dict[str, set[Connection]] = {}  # queue -> connections with a subscription on it
         self._held: dict[Connection, set[str]] = {}  # connection -> its queues in _local
         self._members: set[Connection] = set()  # connections with shared subscriptions, until they leave
-        self._idle: dict[str, set[Connection]] = {}  # queue -> members whose last pop on it was empty
-        self._polling = False  # the task that wakes the idle members runs
         self._fences: dict[Connection, dict[int, int]] = {}  # connection -> Activate ref -> its open fence
 
     # --- activations ----------------------------------------------------------------------
@@ -155,20 +147,14 @@ class Subscriptions:
         pop places a group that has no offset there; an existing group keeps its own)."""
         assert sub.group is not None
         start = await self._store.activate(sub.queue, pop_owner(SHARE_PREFIX + sub.group))
-        self._member(connection)
-        return start
-
-    def _member(self, connection: Connection) -> None:
         self._members.add(connection)
-        if not self._polling:
-            self._polling = True
-            self._nursery.start_soon(self._wake_idle)
+        return start
 
     async def resume(self, connection: Connection, subscriptions: tuple[Subscription, ...]) -> None:
         """A resumed session's subscriptions: all are read here, its shared ones pop their groups again."""
         for sub in subscriptions:
             if sub.group is not None:
-                self._member(connection)
+                self._members.add(connection)
             self._subscribe_local(connection, sub.queue)
 
     async def _retained_for(self, actions: list[Activate], answers: list[tuple[dict[str, int], dict[str, ReasonCode]]]
@@ -247,20 +233,8 @@ class Subscriptions:
         if connection not in self._members or session is None or not session.holds(action.filter):
             await self._settle_receipts((), [p.handle for p in popped])  # closed or unsubscribed meanwhile
             popped = []
-        if not popped:
-            self._idle.setdefault(queue, set()).add(connection)
         handed = tuple(from_record(p.record, queue, p.offset) for p in popped)
         connection.feed(Pulled(action.filter, handed, action.from_offset, tuple(p.handle for p in popped)))
-
-    async def _wake_idle(self) -> None:
-        """Every ``REVIVE_POLL_S``, the shared subscriptions whose last pop was empty pop again (module docstring)."""
-        while True:
-            await trio.sleep(REVIVE_POLL_S)
-            idle, self._idle = self._idle, {}
-            for queue, connections in idle.items():
-                for connection in connections:
-                    if connection in self._members:
-                        connection.feed(QueueAdvanced(queue, REVIVED))
 
     # --- the queues the connections read ------------------------------------------------------
 

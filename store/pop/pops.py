@@ -21,7 +21,7 @@ already says which message and when; the revive step is the group's own small ti
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, final
 
@@ -90,11 +90,14 @@ class PopCoordinator:
     Args:
         store: the open store node (its queues, log and writes).
         book: the applier that holds the groups' state.
+        poke: ``poke(queue)`` tells the nodes with sessions on ``queue`` and the pops waiting on it that messages
+            came back (revived: no append makes news of them).
     """
 
-    def __init__(self, store: PopStore, book: PopApplier) -> None:
+    def __init__(self, store: PopStore, book: PopApplier, poke: Callable[[str], None]) -> None:
         self._store = store
         self._book = book
+        self._poke = poke
         self._queues: dict[tuple[str, str], _Queue] = {}
         self._by_queue: dict[str, list[_Queue]] = {}
         self._loading = trio.Lock()
@@ -318,7 +321,7 @@ class PopCoordinator:
             LOGGER.info("messages dead-lettered after their last attempt",
                         extra={"ctx": {"group": loaded.group, "queue": loaded.queue, "messages": len(dead)}})
         if retries:
-            loaded.wake()
+            self._poke(loaded.queue)
 
 
 def _due_groups(book: PopBook, now: int) -> list[tuple[str, str]]:

@@ -6,7 +6,6 @@ authentication on and a paho MQTT 5 device that receives what the producer sends
 """
 
 
-import time
 
 import pytest
 import trio
