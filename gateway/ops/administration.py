@@ -29,7 +29,7 @@ from gateway.mqtt.properties import PacketType, decode_properties
 from gateway.mqtt.reasons import RemoteProtocolError
 from gateway.ops.records import ClientInfo, DeadLetter, QueueInfo, SessionInfo, SubscriptionLag
 from lightqueue.topics import TopicError, TopicLimits, validate_filter, validate_topic
-from store.api import SHARE_PREFIX, AdminOp, NewMessage, Position, PullRequest, Record, by_topic, dlq_topic
+from store.api import SHARE_PREFIX, AdminOp, NewMessage, Position, PullRequest, Record, dlq_topic
 
 __all__ = ["ADMIN_CLIENT_ID", "Administration", "HTTP_CLIENT_ID", "HttpPublish"]
 
@@ -311,8 +311,8 @@ class Administration:
     async def publish(self, publishes: Sequence[HttpPublish], username: str | None, source: str
                       ) -> list[Position | ReasonCode | TopicError]:
         """Publish for an HTTP client (``username`` authenticated, None: anonymous) through the normal path, all
-        the messages allowed in one append (one CommitLog write, one flush under the sync policy), in runs of one
-        topic (``store.api.by_topic``: per topic in the order given).
+        the messages allowed in one append (one CommitLog write, one flush under the sync policy), its same-topic
+        runs as batch records (``Appends.own_each``: each topic in the order given).
 
         The ACL's publish rules apply as to an MQTT client of that user; HTTP
         publishers have no client id, so ``client`` rules and ``%c`` patterns
@@ -342,10 +342,8 @@ class Administration:
                                               deliver_at_ms=publish.deliver_at_ms)))
         if not allowed:
             return outcomes
-        order = [i for run in by_topic([message for _, message in allowed]) for i in run]
-        stored = await node.appends.own_each([allowed[i][1] for i in order])
-        for i, outcome in zip(order, stored):
-            index, message = allowed[i]
+        stored = await node.appends.own_each([message for _, message in allowed])  # grouped by topic there
+        for (index, message), outcome in zip(allowed, stored):
             outcomes[index] = outcome
             if isinstance(outcome, Position):
                 node.traffic.messages_in += 1
