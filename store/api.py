@@ -60,7 +60,7 @@ __all__ = [
     "DelayedCapExceeded", "DelayedMessage", "DelayedPage", "Flow", "FollowerStatistics", "LeaderFenced", "LeaseLost",
     "LogSpan", "NewMessage", "NotLeader", "Popped", "Position", "Positions", "PullRequest", "PullResult",
     "PopStatistics", "ReplicationStatistics", "StoreApi", "StoreStatistics", "StoreUnavailable", "TimerStatistics", "batch_groups",
-    "by_topic",
+    "batch_room", "batchable", "by_topic",
     "dlq_topic", "group_owner", "pop_owner",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
@@ -210,6 +210,19 @@ the limit, if less): the batch record's message count and message header, and it
 wildcard filter the topic matches: room for about a thousand)."""
 
 
+def batch_room(topic: str, max_record_bytes: int) -> int:
+    """The bytes a message of ``topic`` may hold (payload, properties, client id) to go in a batch record
+    (``BATCH_RECORD_MARGIN``): one that fits fails only for what fails every message of its topic, not for size."""
+    return max_record_bytes - HEADER_SIZE - min(BATCH_RECORD_MARGIN, max_record_bytes // 4) - len(topic.encode())
+
+
+def batchable(message: NewMessage, room: int) -> bool:
+    """Whether ``message`` may share a batch record of its topic (``room``: :func:`batch_room`): not delayed, no
+    QoS 2 packet id, small enough."""
+    return not (message.deliver_at_ms or message.packet_id) and \
+        len(message.payload) + len(message.properties) + len(message.client_id.encode()) <= room
+
+
 def batch_groups(messages: Sequence[NewMessage], max_record_bytes: int) -> tuple[list[list[int]], list[bool]]:
     """The groups of an ``append_groups`` that writes same-topic runs as batch records and lets each message fail
     alone: the indexes of ``messages`` per group, and whether each group is batched.
@@ -224,14 +237,11 @@ def batch_groups(messages: Sequence[NewMessage], max_record_bytes: int) -> tuple
     """
     groups: list[list[int]] = []
     batched: list[bool] = []
-    margin = HEADER_SIZE + min(BATCH_RECORD_MARGIN, max_record_bytes // 4)
     for run in by_topic(messages):
-        room = max_record_bytes - margin - len(messages[run[0]].topic.encode())
+        room = batch_room(messages[run[0]].topic, max_record_bytes)
         stretch: list[int] = []
         for i in run:
-            m = messages[i]
-            if not (m.deliver_at_ms or m.packet_id) and \
-                    len(m.payload) + len(m.properties) + len(m.client_id.encode()) <= room:
+            if batchable(messages[i], room):
                 stretch.append(i)
                 continue
             if stretch:

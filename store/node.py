@@ -37,7 +37,8 @@ from lightqueue.queues import LightQueues, PullResult
 from lightqueue.targets import MAX_QUEUE_ID
 from notify import NotifyRouter
 from retain.store import RetainedStore
-from store.api import MAIN_LOG, DelayedCapExceeded, LogSpan, NewMessage, StoreStatistics, TimerStatistics
+from store.api import (MAIN_LOG, DelayedCapExceeded, LogSpan, NewMessage, StoreStatistics, TimerStatistics, batch_room,
+                       batchable)
 from store.attached import Attachment
 from store.awaiting import AwaitingRelease
 from store.control import (Activated, ClientClosed, Committed, Control, Delayed, Released, SessionSaved,
@@ -243,7 +244,7 @@ class StoreNode:
                 any(m.deliver_at_ms for m in messages):  # a delayed one: its client's cap counts what dispatch applied
             raise trio.WouldBlock
         now = now_ms()
-        made = self._encode(messages, now)
+        made = self._encode_runs(messages, now)
         self.space.check(recent_ok=True)
         try:
             offsets = self.log.log.append_stamped([raw for raw, _ in made], now)
@@ -252,7 +253,7 @@ class StoreNode:
             raise
         self.space.cleared()
         self._appended(made, offsets)
-        return offsets
+        return _positions(made, offsets)
 
     async def append_control(self, controls: Sequence[Control], *, durable: bool | None = None,
                              applied: bool = True, messages: Sequence[NewMessage] = ()) -> int:
@@ -311,6 +312,40 @@ class StoreNode:
         return [self._delayed(m, now, max_size, added) if m.deliver_at_ms else
                 new_record(m.topic, m.payload, now, m.client_id, m.qos, m.retain, m.properties, targets(m.topic),
                            m.born_ms or None, max_size, m.packet_id) for m in messages]
+
+    def _encode_runs(self, messages: Sequence[NewMessage], now: int) -> list[tuple[bytes, Record]]:
+        """:meth:`_encode`, with each run of consecutive same-topic QoS 0 messages (not retained, ``batchable``) as
+        batch records: a gateway's read round, where a flooding publisher's read is hundreds of PUBLISHes to its
+        one topic (their records, index entries and pulls were most of the store's share of a fan-in). The log
+        order stays the read order, and the messages of one append share the store timestamp either way, so no
+        subscriber can tell; retained and QoS 1/2 messages stay records of their own.
+        """
+        made: list[tuple[bytes, Record]] = []
+        singles: list[NewMessage] = []  # the messages since the last run, encoded together
+        start = 0
+        count = len(messages)
+        max_size = self.log.log.config.max_record_bytes
+        while start < count:
+            first = messages[start]
+            end = start + 1
+            if not (first.qos or first.retain):
+                topic = first.topic
+                room = batch_room(topic, max_size)
+                if batchable(first, room):
+                    while end < count and (m := messages[end]).topic == topic and not (m.qos or m.retain) \
+                            and batchable(m, room):
+                        end += 1
+            if end - start > 1:
+                if singles:
+                    made += self._encode(singles, now)
+                    singles = []
+                made += self._batch(messages[start:end], now)
+            else:
+                singles.append(first)
+            start = end
+        if singles:
+            made += self._encode(singles, now)
+        return made
 
     def _batch(self, messages: Sequence[NewMessage], now: int) -> list[tuple[bytes, Record]]:
         """The batch records of ``messages`` (``append(batch=True)``), their target queues fixed now: as few as

@@ -64,6 +64,34 @@ async def test_append_nowait_appends_in_the_callers_step_only_when_nothing_must_
         assert node.log.log.written_offset == 0
 
 
+async def test_append_nowait_writes_each_run_of_one_topic_at_qos_0_as_a_batch_record_read_back_as_sent(
+        tmp_path: Path):
+    """A gateway's read round: consecutive QoS 0 messages of one topic share a batch record (consecutive positions);
+    retained, QoS 1 and lone messages stay records of their own; every message reads back with its own fields, in
+    the order appended, at the position the append answered."""
+    props = b"\x02\x00\x00\x02\x58"  # Message Expiry Interval 600: properties stay per message
+    messages = [NewMessage("tele/a", b"a0", "c1", born_ms=1000), NewMessage("tele/a", b"a1", "c2", properties=props),
+                NewMessage("tele/a", b"a2", "c1", born_ms=1002), NewMessage("tele/b", b"b0", "c3"),
+                NewMessage("tele/a", b"a3", "c1", retain=True), NewMessage("tele/a", b"a4", "c1"),
+                NewMessage("tele/a", b"a5", "c1", qos=1), NewMessage("tele/a", b"a6", "c1"),
+                NewMessage("tele/a", b"a7", "c1")]
+    async with open_store(tmp_path, CONFIG) as node:
+        positions = node.append_nowait(messages)
+        assert len(positions) == len(messages) and positions == sorted(set(positions))
+        steps = [b - a for a, b in zip(positions, positions[1:])]
+        assert steps[:2] == [1, 1] and steps[7] == 1  # a0-a2 and a6-a7: batch records
+        assert all(step > 1 for step in steps[2:7])  # b0, the retained a3, a4 (alone), the QoS 1 a5: records
+        with trio.fail_after(10):
+            await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+        read = [record for _, record in node.read("tele/a", 0, max_count=100).messages]
+        sent = [(p, m) for p, m in zip(positions, messages) if m.topic == "tele/a"]
+        assert [(r.offset, r.payload, r.client_id, r.qos, r.retain, r.properties, r.born_ms) for r in read] == [
+            (p, m.payload, m.client_id, m.qos, m.retain, m.properties, m.born_ms or r.store_ms)
+            for (p, m), r in zip(sent, read)] and len(read) == len(sent)
+        assert len({r.store_ms for r in read}) == 1  # one append, one store timestamp: batched or not
+        assert [r.payload for _, r in node.read("tele/b", 0).messages] == [b"b0"]
+
+
 def test_freezing_startup_objects_hides_them_from_the_collector():
     gc.unfreeze()
     try:
