@@ -38,8 +38,8 @@ from lightqueue.results import PullResult
 from store.log.aio import AsyncCommitLog
 from store.log.record import Record, decode_record, encode_message
 
-__all__ = ["DECODED", "AS_STORED", "Form", "GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore", "Member",
-           "START_KINDS", "read_offsets", "start_offset"]
+__all__ = ["AS_STORED", "DECODED", "WHOLE", "Form", "GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore",
+           "Member", "START_KINDS", "Stored", "read_offsets", "served", "start_offset", "stored"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -60,20 +60,42 @@ T = TypeVar("T")
 @final
 @dataclass(frozen=True, slots=True)
 class Form(Generic[T]):
-    """What a consumer read (:func:`read_offsets`) hands out per message: ``record(raw, log_offset)`` of a single
-    record as stored, ``message(record)`` of a message of a batch record, which is decoded once for all its
-    messages (neither re-encoded nor decoded again per message: most of a claim's cost when batches came)."""
+    """What a consumer read (:func:`read_offsets`) hands out: ``record(raw, log_offset)`` of a single record as
+    stored, and of a batch record either ``message(record)`` per message, the record decoded once for all of them
+    (neither re-encoded nor decoded again per message: most of a claim's cost when batches came), or, without
+    ``message``, ``whole(record(raw, log_offset), first, stop)``: its messages ``first`` to ``stop - 1`` as one
+    value, undecoded (the RPC's form: its client decodes the record once)."""
 
     record: Callable[[bytes, int], T]
-    message: Callable[[Record], T]
+    message: Callable[[Record], T] | None = None
+    whole: Callable[[T, int, int], T] | None = None
+    count: Callable[[T], int] = lambda _: 1
+    """The messages a value stands for (more than 1: a batch record's, in the ``whole`` form)."""
 
+
+Stored = tuple[int, bytes, int, int]
+"""A record as stored, in the RPC's form: ``(log offset, bytes, first, stop)``; a batch record's messages ``first`` to
+``stop - 1`` are served (the record whole), a single record has ``first == stop == 0``."""
 
 DECODED: Form[Record] = Form(lambda raw, offset: decode_record(raw, 0, offset), lambda message: message)
 """Each message as a ``Record`` (a store in this process)."""
 
 AS_STORED: Form[tuple[int, bytes]] = Form(lambda raw, offset: (offset, raw),
                                           lambda message: (message.offset, encode_message(message)))
-"""Each message as ``(position, single-record bytes)`` (the RPC's raw form; its client decodes)."""
+"""Each message as ``(position, single-record bytes)`` (POPs over the RPC; their client decodes)."""
+
+def stored(raw: bytes, log_offset: int) -> Stored:
+    """A record as stored (``LightQueues.pull``'s ``decode`` for the RPC)."""
+    return log_offset, raw, 0, 0
+
+
+def served(record: Stored, first: int, stop: int) -> Stored:
+    """A batch record whose messages ``first`` to ``stop - 1`` are served (``LightQueues.pull``'s ``whole``)."""
+    return record[0], record[1], first, stop
+
+
+WHOLE: Form[Stored] = Form(stored, whole=served, count=lambda value: value[3] - value[2] or 1)
+"""Each record as stored (``Stored``), a batch record whole (claims over the RPC: their client decodes)."""
 
 Member = tuple[str, str]
 """A group member: (the node it is connected to, its name there: "" for a back-end client's connection, which is
@@ -384,7 +406,8 @@ class GroupCoordinator:
             entries, unread, next_offset = await trio.to_thread.run_sync(
                 read_offsets, store, loaded.queue, returned, state.cursor, fresh, max_bytes, form)
         state.give_back(unread)
-        state.hand_out(member, [entry[0] for entry in entries])
+        count = form.count
+        state.hand_out(member, [o for qoff, value in entries for o in range(qoff, qoff + count(value))])
         if fresh:
             state.advance(next_offset)
         return entries
@@ -436,7 +459,7 @@ async def start_offset(store: GroupStore, queue: str, start: str, at: int, lates
 def read_offsets(store: GroupStore, queue: str, returned: list[int], cursor: int, fresh: int, max_bytes: int,
                  form: Form[T]) -> tuple[list[tuple[int, T]], list[int], int]:
     """(worker thread) The messages of ``returned`` offsets and of ``fresh`` offsets from ``cursor`` (a group's claim,
-    a POP: store/pop/), each in ``form``.
+    a POP: store/pop/), each in ``form`` at its queue offset (a value of ``form.count`` messages from there).
 
     Returns the entries, the handed-back offsets not read (the byte budget
     ran out: they go back), and where the cursor moves. An offset whose
@@ -445,7 +468,11 @@ def read_offsets(store: GroupStore, queue: str, returned: list[int], cursor: int
     log = store.log.log
 
     def pull(queue: str, from_offset: int, max_count: int, budget: int) -> PullResult[tuple[T, int]]:
-        """The queue's messages with their sizes, a batch record's each from the one decode of the record."""
+        """The queue's values with their sizes, a batch record's from the one decode of the record, or whole."""
+        if form.whole is not None:  # values are ``Stored``: the record's bytes are what it costs, served once
+            found = store.queues.pull(queue, from_offset, max_count, budget, log, form.record, whole=form.whole)
+            return PullResult([(qoff, (value, len(value[1]))) for qoff, value in found.messages],
+                              found.next_offset, found.expired)
         found = store.queues.pull(queue, from_offset, max_count, budget, log, _as_stored, unpack=_batch_messages)
         return PullResult([(qoff, (form.message(value), value.size) if isinstance(value, Record) else
                             (form.record(value[1], value[0]), len(value[1]))) for qoff, value in found.messages],

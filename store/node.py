@@ -43,14 +43,14 @@ from store.awaiting import AwaitingRelease
 from store.control import (Activated, ClientClosed, Committed, Control, Delayed, Released, SessionSaved,
                            encode_all, encode_control)
 from store.dispatch import MAX_LAG, SCAN_BYTES, Dispatcher, Listener
-from store.groups import GroupCoordinator
+from store.groups import GroupCoordinator, Stored, served, stored
 from store.leases import LEASE_S
 from store.ledger import ClientLedger
 from store.log.aio import AsyncCommitLog, LatencyBuckets
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.log.recent import RecentRecords
-from store.log.record import FLAG_BATCH, Record, decode_record, fit_batches, new_batch, new_record, now_ms, split_batch
+from store.log.record import FLAG_BATCH, Record, decode_record, fit_batches, new_batch, new_record, now_ms
 from store.pop.applier import PopApplier
 from store.pop.pops import PopCoordinator
 from store.queuecontrol import QueueControls
@@ -362,10 +362,10 @@ class StoreNode:
         return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, decode, self.recent.get,
                                 messages_of)
 
-    def read_raw(self, queue: str, from_offset: int, max_count: int, max_bytes: int) -> PullResult[tuple[int, bytes]]:
-        """:meth:`read` with each record as ``(log offset, bytes as stored)``, undecoded (the RPC sends them so;
-        its clients decode: the store's CPU is the one every gateway shares). Blocking."""
-        return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, raw, unpack=split_batch)
+    def read_raw(self, queue: str, from_offset: int, max_count: int, max_bytes: int) -> PullResult[Stored]:
+        """:meth:`read` with each record as stored (``store.groups.Stored``), a batch record whole and undecoded
+        (the RPC sends them so; its clients decode: the store's CPU is the one every gateway shares). Blocking."""
+        return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, stored, whole=served)
 
     def in_memory(self, queue: str, from_offset: int) -> bool:
         """Whether a read of ``queue`` from ``from_offset`` finds its records in ``recent`` (an index lookup):
@@ -527,11 +527,6 @@ def log_span(log: CommitLog, offset: int, max_bytes: int) -> LogSpan:
 def decode(raw: bytes, offset: int) -> Record:
     """A record as stored (``LightQueues.pull``'s ``decode``), at its CommitLog offset."""
     return decode_record(raw, 0, offset)
-
-
-def raw(data: bytes, offset: int) -> tuple[int, bytes]:
-    """A record left as stored, with its CommitLog offset (``LightQueues.pull``'s ``decode`` for the RPC)."""
-    return offset, data
 
 
 def messages_of(record: Record) -> tuple[Record, ...]:
