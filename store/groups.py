@@ -236,8 +236,11 @@ class GroupStore(Protocol):
     async def release(self, queue: str, holder: str) -> bool:
         """``holder`` no longer holds ``queue``."""
 
-    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
-        """``{owner: {queue: next offset}}``, durable on return."""
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]], *, applied: bool = True) -> None:
+        """``{owner: {queue: next offset}}``, durable on return (applied too, unless ``applied`` is False)."""
+
+    async def caught_up(self) -> None:
+        """Return once every offset commit written so far is applied (readable with ``queues.get_offsets``)."""
 
     def in_memory(self, queue: str, from_offset: int) -> bool:
         """Whether the records of ``queue`` from ``from_offset`` on are recent ones (kept in memory)."""
@@ -305,14 +308,15 @@ class GroupCoordinator:
         store = self._store
         queues = store.queues
         latest = await store.activate(queue, group)
+        await store.caught_up()  # the group's last acknowledgements (stored, maybe not applied yet: ``ack``)
         committed = (await trio.to_thread.run_sync(queues.get_offsets, group)).get(queue)
         if committed is None:
             committed = await start_offset(store, queue, start, at, latest)
             await self._commit(group, queue, committed)
         return _Group(group, queue, GroupState(committed), committed)
 
-    async def _commit(self, group: str, queue: str, offset: int) -> None:
-        await self._store.commit_offsets({group: {queue: offset}})
+    async def _commit(self, group: str, queue: str, offset: int, applied: bool = True) -> None:
+        await self._store.commit_offsets({group: {queue: offset}}, applied=applied)
 
     async def leave(self, member: Member, group: str, queue: str) -> None:
         """``member`` leaves: what it holds goes back to the group (a no-op if it was not a member)."""
@@ -429,8 +433,8 @@ class GroupCoordinator:
         state.ack(member, done)
         async with loaded.commit_lock:
             committed = state.committed()
-            if committed != loaded.committed:
-                await self._commit(group, queue, committed)
+            if committed != loaded.committed:  # stored, not awaited applied: this coordinator holds it, and a load
+                await self._commit(group, queue, committed, applied=False)  # waits until it is applied
                 loaded.committed = committed
         return loaded.committed
 

@@ -486,9 +486,10 @@ class StoreNode:
         await self.append_control([Released(queue, holder)])  # applied in log order: the last holder's ends it
         return True
 
-    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
-        """``{owner: {queue: next offset}}`` as ``Committed`` records in one write, applied on return; offsets never
-        move back.
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]], *, applied: bool = True) -> None:
+        """``{owner: {queue: next offset}}`` as ``Committed`` records in one write, applied on return (``applied``
+        False: stored, as the flush policy promises; dispatch applies them in its next step); offsets never move
+        back.
 
         Raises:
             ValueError: an offset is negative.
@@ -500,7 +501,12 @@ class StoreNode:
         controls = [Committed(owner, dict(offsets)) for owner, offsets in commits.items() if offsets]
         if controls:
             self.space.check()
-            await self.append_control(controls)
+            await self.append_control(controls, applied=applied)
+
+    async def caught_up(self) -> None:
+        """Return once dispatch has applied every record written so far (a reader of derived state that must see
+        the writes :meth:`commit_offsets` did not wait to see applied)."""
+        await self.dispatcher.wait_dispatched(self.log.log.written_offset)
 
     def _owns(self, owner: str) -> bool:
         """Whether ``owner`` holds filters or has offsets, which its ``SessionEnded`` drops (blocking)."""

@@ -159,12 +159,23 @@ def _latency(sent: float, into: list[float]) -> Callable[[Any], None]:
 
 
 async def _consume(store: StoreApi, counts: _Counts) -> None:
-    """A consumer group member: claim, acknowledge, count, until cancelled."""
-    while True:
-        found = await store.claim(GROUP, TOPIC, "", CLAIM_COUNT, max_bytes=8 << 20, wait_s=0.05)
-        if found.messages:
-            await store.ack(GROUP, TOPIC, "", [offset for offset, _ in found.messages])
-            counts.consumed += len(found.messages)
+    """A consumer group member: claim, count, and acknowledge each claim while claiming the next (one
+    acknowledgement in flight: a consumer committing asynchronously, as RocketMQ's do), until cancelled."""
+    acked = trio.Event()
+    acked.set()
+    async with trio.open_nursery() as nursery:
+        while True:
+            found = await store.claim(GROUP, TOPIC, "", CLAIM_COUNT, max_bytes=8 << 20, wait_s=0.05)
+            if found.messages:
+                counts.consumed += len(found.messages)
+                await acked.wait()
+                acked = trio.Event()
+                nursery.start_soon(_ack, store, [offset for offset, _ in found.messages], acked)
+
+
+async def _ack(store: StoreApi, offsets: list[int], done: trio.Event) -> None:
+    await store.ack(GROUP, TOPIC, "", offsets)
+    done.set()
 
 
 @asynccontextmanager

@@ -84,6 +84,11 @@ BATCH_MAX_BYTES = 1024 * 1024
 BATCH_MAX_COUNT = 2000
 """Default messages that close a batch at once: bounds the per-request decode work on the store."""
 
+SEND_SLICE_S = 0.001
+"""The longest :meth:`Producer.send` runs its caller's loop of sends without yielding to other tasks: a batch of
+2,000 sends filled without a yield held up the service's other tasks (its consumer's claims and
+acknowledgements, each a scheduler round) for the whole batch."""
+
 TOTAL_BATCH_MAX_BYTES = 64 * 1024 * 1024
 """Default payload bytes buffered or in flight beyond which :meth:`Producer.send` waits: a service producing
 faster than the store accepts is slowed to its pace instead of growing without bound."""
@@ -227,6 +232,7 @@ class Producer:
         self._idle.set()
         self._in_flight = 0
         self._sent = self._stored = self._failed = self._batches = self._waits = 0
+        self._yielded = time.perf_counter()  # when send last let other tasks run
 
     @classmethod
     @asynccontextmanager
@@ -299,7 +305,8 @@ class Producer:
 
     async def send(self, topic: str, payload: bytes, **options: Any) -> SendHandle:
         """Queue a message for ``topic`` once there is room (``total_batch_max_bytes``); returns its handle
-        (``await`` it for the position). With room, it yields to other tasks only when the message fills a batch.
+        (``await`` it for the position). With room, it yields to other tasks only when the message fills a batch or
+        ``SEND_SLICE_S`` passed since it last did.
 
         Args (keyword):
             qos: the QoS the message is stored with (0..2, default 1): devices receive it at
@@ -324,8 +331,10 @@ class Producer:
             await self._room(size)
             return self._queue([message], cut=False)[0]
         handle = self._queue([message], cut=False)[0]
-        if self._full():  # a batch is ready: the batching task sends it now (a scheduler round for every message
-            await trio.lowlevel.checkpoint()  # would cost more than the message)
+        now = time.perf_counter()  # a batch is ready (the batching task sends it now), or other tasks have waited
+        if self._full() or now - self._yielded >= SEND_SLICE_S:  # a slice: a round per message would cost more
+            self._yielded = now  # than the message
+            await trio.lowlevel.checkpoint()
         return handle
 
     def send_nowait(self, topic: str, payload: bytes, **options: Any) -> SendHandle:
