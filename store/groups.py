@@ -36,10 +36,11 @@ import trio
 from lightqueue.queues import LightQueues
 from lightqueue.results import PullResult
 from store.log.aio import AsyncCommitLog
+from store.log.recent import RecentRecords
 from store.log.record import Record, decode_record, encode_message
 
 __all__ = ["AS_STORED", "DECODED", "WHOLE", "Form", "GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore",
-           "Member", "START_KINDS", "Stored", "read_offsets", "served", "start_offset", "stored"]
+           "Member", "START_KINDS", "Stored", "messages_of", "read_offsets", "served", "start_offset", "stored"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -60,29 +61,27 @@ T = TypeVar("T")
 @final
 @dataclass(frozen=True, slots=True)
 class Form(Generic[T]):
-    """What a consumer read (:func:`read_offsets`) hands out: ``record(raw, log_offset)`` of a single record as
-    stored, and of a batch record either ``message(record)`` per message, the record decoded once for all of them
-    (neither re-encoded nor decoded again per message: most of a claim's cost when batches came), or, without
-    ``message``, ``whole(record(raw, log_offset), first, stop)``: its messages ``first`` to ``stop - 1`` as one
-    value, undecoded (the RPC's form: its client decodes the record once)."""
+    """What a consumer read (:func:`read_offsets`) hands out, as ``LightQueues.pull`` makes it: ``decode(raw,
+    log_offset)`` of a record as stored, and of a batch record either ``unpack(value)``, its messages from one
+    decode of the record (neither re-encoded nor decoded again per message: most of a claim's cost when batches
+    came), or ``whole(value, first, stop)``: its messages ``first`` to ``stop - 1`` as one value, undecoded (the
+    RPC's form: its client decodes the record once). ``cached``: the records kept decoded in memory
+    (``RecentRecords``) serve as they are, not read and decoded again."""
 
-    record: Callable[[bytes, int], T]
-    message: Callable[[Record], T] | None = None
+    decode: Callable[[bytes, int], T]
+    size: Callable[[T], int]
+    """What a value costs of a read's byte budget."""
+    unpack: Callable[[T], Sequence[T]] | None = None
     whole: Callable[[T, int, int], T] | None = None
     count: Callable[[T], int] = lambda _: 1
     """The messages a value stands for (more than 1: a batch record's, in the ``whole`` form)."""
+    cached: bool = False
 
 
 Stored = tuple[int, bytes, int, int]
 """A record as stored, in the RPC's form: ``(log offset, bytes, first, stop)``; a batch record's messages ``first`` to
 ``stop - 1`` are served (the record whole), a single record has ``first == stop == 0``."""
 
-DECODED: Form[Record] = Form(lambda raw, offset: decode_record(raw, 0, offset), lambda message: message)
-"""Each message as a ``Record`` (a store in this process)."""
-
-AS_STORED: Form[tuple[int, bytes]] = Form(lambda raw, offset: (offset, raw),
-                                          lambda message: (message.offset, encode_message(message)))
-"""Each message as ``(position, single-record bytes)`` (POPs over the RPC; their client decodes)."""
 
 def stored(raw: bytes, log_offset: int) -> Stored:
     """A record as stored (``LightQueues.pull``'s ``decode`` for the RPC)."""
@@ -94,8 +93,31 @@ def served(record: Stored, first: int, stop: int) -> Stored:
     return record[0], record[1], first, stop
 
 
-WHOLE: Form[Stored] = Form(stored, whole=served, count=lambda value: value[3] - value[2] or 1)
-"""Each record as stored (``Stored``), a batch record whole (claims over the RPC: their client decodes)."""
+def messages_of(record: Record) -> tuple[Record, ...]:
+    """The messages of a decoded batch record (``LightQueues.pull``'s ``unpack``)."""
+    return record.messages
+
+
+def _single_records(stored: tuple[int, bytes]) -> list[tuple[int, bytes]]:
+    """The messages of a batch record as stored, each as a single record at its position.
+
+    Raises:
+        CorruptRecord: the batch body does not parse.
+    """
+    return [(m.offset, encode_message(m)) for m in decode_record(stored[1], 0, stored[0]).messages]
+
+
+DECODED: Form[Record] = Form(lambda raw, offset: decode_record(raw, 0, offset), lambda record: record.size,
+                             messages_of, cached=True)
+"""Each message as a ``Record`` (a store in this process)."""
+
+AS_STORED: Form[tuple[int, bytes]] = Form(lambda raw, offset: (offset, raw), lambda value: len(value[1]),
+                                          _single_records)
+"""Each message as ``(position, single-record bytes)`` (POPs over the RPC; their client decodes)."""
+
+WHOLE: Form[Stored] = Form(stored, lambda value: len(value[1]), whole=served,
+                           count=lambda value: value[3] - value[2] or 1)
+"""Each record as stored (``Stored``), a batch record whole (claims and pulls over the RPC: their client decodes)."""
 
 Member = tuple[str, str]
 """A group member: (the node it is connected to, its name there: "" for a back-end client's connection, which is
@@ -229,6 +251,7 @@ class GroupStore(Protocol):
 
     queues: LightQueues
     log: AsyncCommitLog
+    recent: RecentRecords
 
     async def activate(self, queue: str, holder: str) -> int:
         """Hold filter ``queue`` for ``holder``; returns the queue offset the hold starts at."""
@@ -411,7 +434,8 @@ class GroupCoordinator:
                 read_offsets, store, loaded.queue, returned, state.cursor, fresh, max_bytes, form)
         state.give_back(unread)
         count = form.count
-        state.hand_out(member, [o for qoff, value in entries for o in range(qoff, qoff + count(value))])
+        state.hand_out(member, [qoff for qoff, _ in entries] if form.whole is None else
+                       [o for qoff, value in entries for o in range(qoff, qoff + count(value))])
         if fresh:
             state.advance(next_offset)
         return entries
@@ -470,52 +494,30 @@ def read_offsets(store: GroupStore, queue: str, returned: list[int], cursor: int
     record retention deleted is neither returned nor given back: it is gone.
     """
     log = store.log.log
+    cached = store.recent.get if form.cached else None
 
-    def pull(queue: str, from_offset: int, max_count: int, budget: int) -> PullResult[tuple[T, int]]:
-        """The queue's values with their sizes, a batch record's from the one decode of the record, or whole."""
-        if form.whole is not None:  # values are ``Stored``: the record's bytes are what it costs, served once
-            found = store.queues.pull(queue, from_offset, max_count, budget, log, form.record, whole=form.whole)
-            return PullResult([(qoff, (value, len(value[1]))) for qoff, value in found.messages],
-                              found.next_offset, found.expired)
-        found = store.queues.pull(queue, from_offset, max_count, budget, log, _as_stored, unpack=_batch_messages)
-        return PullResult([(qoff, (form.message(value), value.size) if isinstance(value, Record) else
-                            (form.record(value[1], value[0]), len(value[1]))) for qoff, value in found.messages],
-                          found.next_offset, found.expired)
+    def pull(from_offset: int, max_count: int, budget: int) -> PullResult[T]:
+        return store.queues.pull(queue, from_offset, max_count, budget, log, form.decode, cached, form.unpack,
+                                 form.whole)
 
     entries: list[tuple[int, T]] = []
     budget = max_bytes
     runs = _runs(returned)
+    size = form.size
     for index, run in enumerate(runs):
         unread = run if budget <= 0 else []
         if not unread:
-            wanted = set(run)
-            result = pull(queue, run[0], len(run), budget)
-            for qoff, (value, size) in result.messages:
-                if qoff in wanted:
-                    entries.append((qoff, value))
-                    budget -= size
+            result = pull(run[0], len(run), budget)  # a run of consecutive offsets: it reads nothing else
+            entries += result.messages
+            budget -= sum(size(value) for _, value in result.messages)
             unread = [o for o in run if o >= result.next_offset]
         if unread:
             return entries, unread + [o for later in runs[index + 1:] for o in later], cursor
     if fresh <= 0 or budget <= 0:
         return entries, [], cursor
-    result = pull(queue, cursor, fresh, budget)
-    entries.extend((qoff, value) for qoff, (value, _) in result.messages)
+    result = pull(cursor, fresh, budget)
+    entries += result.messages
     return entries, [], result.next_offset
-
-
-def _as_stored(raw: bytes, log_offset: int) -> tuple[int, bytes] | Record:
-    return log_offset, raw
-
-
-def _batch_messages(stored: tuple[int, bytes] | Record) -> Sequence[tuple[int, bytes] | Record]:
-    """The messages of a batch record as stored (``LightQueues.pull``'s ``unpack``), decoded once.
-
-    Raises:
-        CorruptRecord: the batch body does not parse.
-    """
-    assert not isinstance(stored, Record)
-    return decode_record(stored[1], 0, stored[0]).messages
 
 
 def _runs(offsets: list[int]) -> list[list[int]]:

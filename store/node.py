@@ -43,7 +43,7 @@ from store.awaiting import AwaitingRelease
 from store.control import (Activated, ClientClosed, Committed, Control, Delayed, Released, SessionSaved,
                            encode_all, encode_control)
 from store.dispatch import MAX_LAG, SCAN_BYTES, Dispatcher, Listener
-from store.groups import GroupCoordinator, Stored, served, stored
+from store.groups import GroupCoordinator, Stored, messages_of, served, stored
 from store.leases import LEASE_S
 from store.ledger import ClientLedger
 from store.log.aio import AsyncCommitLog, LatencyBuckets
@@ -533,11 +533,6 @@ def log_span(log: CommitLog, offset: int, max_bytes: int) -> LogSpan:
 def decode(raw: bytes, offset: int) -> Record:
     """A record as stored (``LightQueues.pull``'s ``decode``), at its CommitLog offset."""
     return decode_record(raw, 0, offset)
-
-
-def messages_of(record: Record) -> tuple[Record, ...]:
-    """The messages of a batch record (``LightQueues.pull``'s ``unpack``)."""
-    return record.messages
 
 
 def _positions(made: list[tuple[bytes, Record]], offsets: list[int]) -> list[int]:
