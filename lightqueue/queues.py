@@ -557,6 +557,7 @@ class LightQueues:
         decode: Callable[[bytes, int], T],
         cached: Callable[[int], T | None] | None = None,
         unpack: Callable[[T], Sequence[T]] | None = None,
+        whole: Callable[[T, int, int], T] | None = None,
     ) -> PullResult[T]:
         """Read up to ``max_count`` messages of a queue, starting at queue offset ``from_offset``.
 
@@ -573,7 +574,11 @@ class LightQueues:
                 decoded already (None: read it). The rest are read from the log
                 in one call.
             unpack: ``unpack(value)``, the messages of a batch record that ``decode`` or ``cached`` gave (in
-                order: message i at queue offset base + i). Pulls of a queue holding batch records need it.
+                order: message i at queue offset base + i). Pulls of a queue holding batch records need it or
+                ``whole``.
+            whole: ``whole(value, first, stop)``, a batch record's messages ``first`` to ``stop - 1`` as one value,
+                at the queue offset of message ``first``: the record is served whole, never unpacked here (the
+                index entry gives its count; the RPC sends a batch so and its client decodes it).
 
         A batch record's entry counts its whole size against ``max_bytes`` and serves its messages from
         ``from_offset`` (or its base) up to ``max_count``; the next pull starts inside it if it was cut.
@@ -647,9 +652,14 @@ class LightQueues:
         if not batched:
             return PullResult([(entry[0], value) for entry, value in zip(found, values) if value is not None],
                               next_offset, expired)
+        messages: list[tuple[int, T]] = []
+        if whole is not None:
+            for (qoff, _, _, base, stop), value in zip(found, values):
+                if value is not None:
+                    messages.append((qoff, value if base < 0 else whole(value, qoff - base, stop - base)))
+            return PullResult(messages, next_offset, expired)
         if unpack is None:
             raise ValueError(f"queue {name!r} holds batch records: its pulls need an unpack")
-        messages: list[tuple[int, T]] = []
         for (qoff, _, _, base, stop), value in zip(found, values):
             if value is None:
                 continue

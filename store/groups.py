@@ -36,10 +36,11 @@ import trio
 from lightqueue.queues import LightQueues
 from lightqueue.results import PullResult
 from store.log.aio import AsyncCommitLog
+from store.log.recent import RecentRecords
 from store.log.record import Record, decode_record, encode_message
 
-__all__ = ["DECODED", "AS_STORED", "Form", "GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore", "Member",
-           "START_KINDS", "read_offsets", "start_offset"]
+__all__ = ["AS_STORED", "DECODED", "WHOLE", "Form", "GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore",
+           "Member", "START_KINDS", "Stored", "messages_of", "read_offsets", "served", "start_offset", "stored"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -60,20 +61,63 @@ T = TypeVar("T")
 @final
 @dataclass(frozen=True, slots=True)
 class Form(Generic[T]):
-    """What a consumer read (:func:`read_offsets`) hands out per message: ``record(raw, log_offset)`` of a single
-    record as stored, ``message(record)`` of a message of a batch record, which is decoded once for all its
-    messages (neither re-encoded nor decoded again per message: most of a claim's cost when batches came)."""
+    """What a consumer read (:func:`read_offsets`) hands out, as ``LightQueues.pull`` makes it: ``decode(raw,
+    log_offset)`` of a record as stored, and of a batch record either ``unpack(value)``, its messages from one
+    decode of the record (neither re-encoded nor decoded again per message: most of a claim's cost when batches
+    came), or ``whole(value, first, stop)``: its messages ``first`` to ``stop - 1`` as one value, undecoded (the
+    RPC's form: its client decodes the record once). ``cached``: the records kept decoded in memory
+    (``RecentRecords``) serve as they are, not read and decoded again."""
 
-    record: Callable[[bytes, int], T]
-    message: Callable[[Record], T]
+    decode: Callable[[bytes, int], T]
+    size: Callable[[T], int]
+    """What a value costs of a read's byte budget."""
+    unpack: Callable[[T], Sequence[T]] | None = None
+    whole: Callable[[T, int, int], T] | None = None
+    count: Callable[[T], int] = lambda _: 1
+    """The messages a value stands for (more than 1: a batch record's, in the ``whole`` form)."""
+    cached: bool = False
 
 
-DECODED: Form[Record] = Form(lambda raw, offset: decode_record(raw, 0, offset), lambda message: message)
+Stored = tuple[int, bytes, int, int]
+"""A record as stored, in the RPC's form: ``(log offset, bytes, first, stop)``; a batch record's messages ``first`` to
+``stop - 1`` are served (the record whole), a single record has ``first == stop == 0``."""
+
+
+def stored(raw: bytes, log_offset: int) -> Stored:
+    """A record as stored (``LightQueues.pull``'s ``decode`` for the RPC)."""
+    return log_offset, raw, 0, 0
+
+
+def served(record: Stored, first: int, stop: int) -> Stored:
+    """A batch record whose messages ``first`` to ``stop - 1`` are served (``LightQueues.pull``'s ``whole``)."""
+    return record[0], record[1], first, stop
+
+
+def messages_of(record: Record) -> tuple[Record, ...]:
+    """The messages of a decoded batch record (``LightQueues.pull``'s ``unpack``)."""
+    return record.messages
+
+
+def _single_records(stored: tuple[int, bytes]) -> list[tuple[int, bytes]]:
+    """The messages of a batch record as stored, each as a single record at its position.
+
+    Raises:
+        CorruptRecord: the batch body does not parse.
+    """
+    return [(m.offset, encode_message(m)) for m in decode_record(stored[1], 0, stored[0]).messages]
+
+
+DECODED: Form[Record] = Form(lambda raw, offset: decode_record(raw, 0, offset), lambda record: record.size,
+                             messages_of, cached=True)
 """Each message as a ``Record`` (a store in this process)."""
 
-AS_STORED: Form[tuple[int, bytes]] = Form(lambda raw, offset: (offset, raw),
-                                          lambda message: (message.offset, encode_message(message)))
-"""Each message as ``(position, single-record bytes)`` (the RPC's raw form; its client decodes)."""
+AS_STORED: Form[tuple[int, bytes]] = Form(lambda raw, offset: (offset, raw), lambda value: len(value[1]),
+                                          _single_records)
+"""Each message as ``(position, single-record bytes)`` (POPs over the RPC; their client decodes)."""
+
+WHOLE: Form[Stored] = Form(stored, lambda value: len(value[1]), whole=served,
+                           count=lambda value: value[3] - value[2] or 1)
+"""Each record as stored (``Stored``), a batch record whole (claims and pulls over the RPC: their client decodes)."""
 
 Member = tuple[str, str]
 """A group member: (the node it is connected to, its name there: "" for a back-end client's connection, which is
@@ -207,6 +251,7 @@ class GroupStore(Protocol):
 
     queues: LightQueues
     log: AsyncCommitLog
+    recent: RecentRecords
 
     async def activate(self, queue: str, holder: str) -> int:
         """Hold filter ``queue`` for ``holder``; returns the queue offset the hold starts at."""
@@ -214,8 +259,11 @@ class GroupStore(Protocol):
     async def release(self, queue: str, holder: str) -> bool:
         """``holder`` no longer holds ``queue``."""
 
-    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
-        """``{owner: {queue: next offset}}``, durable on return."""
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]], *, applied: bool = True) -> None:
+        """``{owner: {queue: next offset}}``, durable on return (applied too, unless ``applied`` is False)."""
+
+    async def caught_up(self) -> None:
+        """Return once every offset commit written so far is applied (readable with ``queues.get_offsets``)."""
 
     def in_memory(self, queue: str, from_offset: int) -> bool:
         """Whether the records of ``queue`` from ``from_offset`` on are recent ones (kept in memory)."""
@@ -283,14 +331,15 @@ class GroupCoordinator:
         store = self._store
         queues = store.queues
         latest = await store.activate(queue, group)
+        await store.caught_up()  # the group's last acknowledgements (stored, maybe not applied yet: ``ack``)
         committed = (await trio.to_thread.run_sync(queues.get_offsets, group)).get(queue)
         if committed is None:
             committed = await start_offset(store, queue, start, at, latest)
             await self._commit(group, queue, committed)
         return _Group(group, queue, GroupState(committed), committed)
 
-    async def _commit(self, group: str, queue: str, offset: int) -> None:
-        await self._store.commit_offsets({group: {queue: offset}})
+    async def _commit(self, group: str, queue: str, offset: int, applied: bool = True) -> None:
+        await self._store.commit_offsets({group: {queue: offset}}, applied=applied)
 
     async def leave(self, member: Member, group: str, queue: str) -> None:
         """``member`` leaves: what it holds goes back to the group (a no-op if it was not a member)."""
@@ -384,7 +433,9 @@ class GroupCoordinator:
             entries, unread, next_offset = await trio.to_thread.run_sync(
                 read_offsets, store, loaded.queue, returned, state.cursor, fresh, max_bytes, form)
         state.give_back(unread)
-        state.hand_out(member, [entry[0] for entry in entries])
+        count = form.count
+        state.hand_out(member, [qoff for qoff, _ in entries] if form.whole is None else
+                       [o for qoff, value in entries for o in range(qoff, qoff + count(value))])
         if fresh:
             state.advance(next_offset)
         return entries
@@ -406,8 +457,8 @@ class GroupCoordinator:
         state.ack(member, done)
         async with loaded.commit_lock:
             committed = state.committed()
-            if committed != loaded.committed:
-                await self._commit(group, queue, committed)
+            if committed != loaded.committed:  # stored, not awaited applied: this coordinator holds it, and a load
+                await self._commit(group, queue, committed, applied=False)  # waits until it is applied
                 loaded.committed = committed
         return loaded.committed
 
@@ -436,55 +487,37 @@ async def start_offset(store: GroupStore, queue: str, start: str, at: int, lates
 def read_offsets(store: GroupStore, queue: str, returned: list[int], cursor: int, fresh: int, max_bytes: int,
                  form: Form[T]) -> tuple[list[tuple[int, T]], list[int], int]:
     """(worker thread) The messages of ``returned`` offsets and of ``fresh`` offsets from ``cursor`` (a group's claim,
-    a POP: store/pop/), each in ``form``.
+    a POP: store/pop/), each in ``form`` at its queue offset (a value of ``form.count`` messages from there).
 
     Returns the entries, the handed-back offsets not read (the byte budget
     ran out: they go back), and where the cursor moves. An offset whose
     record retention deleted is neither returned nor given back: it is gone.
     """
     log = store.log.log
+    cached = store.recent.get if form.cached else None
 
-    def pull(queue: str, from_offset: int, max_count: int, budget: int) -> PullResult[tuple[T, int]]:
-        """The queue's messages with their sizes, a batch record's each from the one decode of the record."""
-        found = store.queues.pull(queue, from_offset, max_count, budget, log, _as_stored, unpack=_batch_messages)
-        return PullResult([(qoff, (form.message(value), value.size) if isinstance(value, Record) else
-                            (form.record(value[1], value[0]), len(value[1]))) for qoff, value in found.messages],
-                          found.next_offset, found.expired)
+    def pull(from_offset: int, max_count: int, budget: int) -> PullResult[T]:
+        return store.queues.pull(queue, from_offset, max_count, budget, log, form.decode, cached, form.unpack,
+                                 form.whole)
 
     entries: list[tuple[int, T]] = []
     budget = max_bytes
     runs = _runs(returned)
+    size = form.size
     for index, run in enumerate(runs):
         unread = run if budget <= 0 else []
         if not unread:
-            wanted = set(run)
-            result = pull(queue, run[0], len(run), budget)
-            for qoff, (value, size) in result.messages:
-                if qoff in wanted:
-                    entries.append((qoff, value))
-                    budget -= size
+            result = pull(run[0], len(run), budget)  # a run of consecutive offsets: it reads nothing else
+            entries += result.messages
+            budget -= sum(size(value) for _, value in result.messages)
             unread = [o for o in run if o >= result.next_offset]
         if unread:
             return entries, unread + [o for later in runs[index + 1:] for o in later], cursor
     if fresh <= 0 or budget <= 0:
         return entries, [], cursor
-    result = pull(queue, cursor, fresh, budget)
-    entries.extend((qoff, value) for qoff, (value, _) in result.messages)
+    result = pull(cursor, fresh, budget)
+    entries += result.messages
     return entries, [], result.next_offset
-
-
-def _as_stored(raw: bytes, log_offset: int) -> tuple[int, bytes] | Record:
-    return log_offset, raw
-
-
-def _batch_messages(stored: tuple[int, bytes] | Record) -> Sequence[tuple[int, bytes] | Record]:
-    """The messages of a batch record as stored (``LightQueues.pull``'s ``unpack``), decoded once.
-
-    Raises:
-        CorruptRecord: the batch body does not parse.
-    """
-    assert not isinstance(stored, Record)
-    return decode_record(stored[1], 0, stored[0]).messages
 
 
 def _runs(offsets: list[int]) -> list[list[int]]:

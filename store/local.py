@@ -25,7 +25,7 @@ import trio
 from store.api import (MAIN_LOG, MAX_ATTEMPTS, AdminOp, DelayedPage, Flow, LogSpan, NewMessage, Popped, Position,
                        Positions, PullRequest, PullResult, StoreStatistics)
 from store.attached import admin_call, admin_call_all
-from store.groups import AS_STORED, DECODED, Member
+from store.groups import AS_STORED, DECODED, WHOLE, Member, Stored
 from store.log.errors import InvalidOffset
 from store.log.record import Record, decode_record
 from store.node import StoreNode
@@ -124,9 +124,9 @@ class LocalStore:
         results = await self.store.append_groups(groups, durable=durable, batched=batched)
         return [result if isinstance(result, ValueError) else Positions(MAIN_LOG, result) for result in results]
 
-    async def pull_raw(self, requests: Sequence[PullRequest]) -> list[PullResult[tuple[int, bytes]]]:
-        """:meth:`pull` with each record as ``(log offset, bytes as stored)``, undecoded: the remote side decodes
-        (the store's CPU is the one every gateway shares). Always in a worker thread."""
+    async def pull_raw(self, requests: Sequence[PullRequest]) -> list[PullResult[Stored]]:
+        """:meth:`pull` with each record as stored (``store.groups.Stored``: a batch record whole), undecoded: the
+        remote side decodes (the store's CPU is the one every gateway shares). Always in a worker thread."""
         return await trio.to_thread.run_sync(_read_each, self.store.read_raw, requests)
 
     async def retained_raw(self, filter: str) -> list[tuple[int, bytes]]:
@@ -205,10 +205,11 @@ class LocalStore:
                                              DECODED)
 
     async def claim_raw(self, group: str, queue: str, member: str, max_count: int, *, max_bytes: int = 1 << 20,
-                        wait_s: float = 0.0) -> PullResult[tuple[int, bytes]]:
-        """:meth:`claim` with each record as ``(log offset, bytes as stored)`` (the RPC server's form)."""
+                        wait_s: float = 0.0) -> PullResult[Stored]:
+        """:meth:`claim` with each record as stored (``store.groups.Stored``: a batch record whole, the RPC
+        server's form)."""
         return await self.store.groups.claim(self._member(member), group, queue, max_count, max_bytes, wait_s,
-                                             AS_STORED)
+                                             WHOLE)
 
     async def ack(self, group: str, queue: str, member: str, offsets: Sequence[int] = (), *, below: int = 0) -> int:
         return await self.store.groups.ack(self._member(member), group, queue, offsets, below)

@@ -44,14 +44,14 @@ from store.awaiting import AwaitingRelease
 from store.control import (Activated, ClientClosed, Committed, Control, Delayed, Released, SessionSaved,
                            encode_all, encode_control)
 from store.dispatch import MAX_LAG, SCAN_BYTES, Dispatcher, Listener
-from store.groups import GroupCoordinator
+from store.groups import GroupCoordinator, Stored, messages_of, served, stored
 from store.leases import LEASE_S
 from store.ledger import ClientLedger
 from store.log.aio import AsyncCommitLog, LatencyBuckets
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.log.recent import RecentRecords
-from store.log.record import FLAG_BATCH, Record, decode_record, fit_batches, new_batch, new_record, now_ms, split_batch
+from store.log.record import FLAG_BATCH, Record, decode_record, fit_batches, new_batch, new_record, now_ms
 from store.pop.applier import PopApplier
 from store.pop.pops import PopCoordinator
 from store.queuecontrol import QueueControls
@@ -397,10 +397,10 @@ class StoreNode:
         return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, decode, self.recent.get,
                                 messages_of)
 
-    def read_raw(self, queue: str, from_offset: int, max_count: int, max_bytes: int) -> PullResult[tuple[int, bytes]]:
-        """:meth:`read` with each record as ``(log offset, bytes as stored)``, undecoded (the RPC sends them so;
-        its clients decode: the store's CPU is the one every gateway shares). Blocking."""
-        return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, raw, unpack=split_batch)
+    def read_raw(self, queue: str, from_offset: int, max_count: int, max_bytes: int) -> PullResult[Stored]:
+        """:meth:`read` with each record as stored (``store.groups.Stored``), a batch record whole and undecoded
+        (the RPC sends them so; its clients decode: the store's CPU is the one every gateway shares). Blocking."""
+        return self.queues.pull(queue, from_offset, max_count, max_bytes, self.log.log, stored, whole=served)
 
     def in_memory(self, queue: str, from_offset: int) -> bool:
         """Whether a read of ``queue`` from ``from_offset`` finds its records in ``recent`` (an index lookup):
@@ -521,9 +521,10 @@ class StoreNode:
         await self.append_control([Released(queue, holder)])  # applied in log order: the last holder's ends it
         return True
 
-    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]]) -> None:
-        """``{owner: {queue: next offset}}`` as ``Committed`` records in one write, applied on return; offsets never
-        move back.
+    async def commit_offsets(self, commits: Mapping[str, Mapping[str, int]], *, applied: bool = True) -> None:
+        """``{owner: {queue: next offset}}`` as ``Committed`` records in one write, applied on return (``applied``
+        False: stored, as the flush policy promises; dispatch applies them in its next step); offsets never move
+        back.
 
         Raises:
             ValueError: an offset is negative.
@@ -535,7 +536,12 @@ class StoreNode:
         controls = [Committed(owner, dict(offsets)) for owner, offsets in commits.items() if offsets]
         if controls:
             self.space.check()
-            await self.append_control(controls)
+            await self.append_control(controls, applied=applied)
+
+    async def caught_up(self) -> None:
+        """Return once dispatch has applied every record written so far (a reader of derived state that must see
+        the writes :meth:`commit_offsets` did not wait to see applied)."""
+        await self.dispatcher.wait_dispatched(self.log.log.written_offset)
 
     def _owns(self, owner: str) -> bool:
         """Whether ``owner`` holds filters or has offsets, which its ``SessionEnded`` drops (blocking)."""
@@ -562,16 +568,6 @@ def log_span(log: CommitLog, offset: int, max_bytes: int) -> LogSpan:
 def decode(raw: bytes, offset: int) -> Record:
     """A record as stored (``LightQueues.pull``'s ``decode``), at its CommitLog offset."""
     return decode_record(raw, 0, offset)
-
-
-def raw(data: bytes, offset: int) -> tuple[int, bytes]:
-    """A record left as stored, with its CommitLog offset (``LightQueues.pull``'s ``decode`` for the RPC)."""
-    return offset, data
-
-
-def messages_of(record: Record) -> tuple[Record, ...]:
-    """The messages of a batch record (``LightQueues.pull``'s ``unpack``)."""
-    return record.messages
 
 
 def _positions(made: list[tuple[bytes, Record]], offsets: list[int]) -> list[int]:

@@ -84,6 +84,15 @@ BATCH_MAX_BYTES = 1024 * 1024
 BATCH_MAX_COUNT = 2000
 """Default messages that close a batch at once: bounds the per-request decode work on the store."""
 
+MAX_TOPICS_KEPT = 4096
+"""Topics a producer remembers as valid (then it forgets them all and checks again): a send checks its topic only the
+first time, not every time (a third of a send's cost was the check)."""
+
+SEND_SLICE_S = 0.001
+"""The longest :meth:`Producer.send` runs its caller's loop of sends without yielding to other tasks: a batch of
+2,000 sends filled without a yield held up the service's other tasks (its consumer's claims and
+acknowledgements, each a scheduler round) for the whole batch."""
+
 TOTAL_BATCH_MAX_BYTES = 64 * 1024 * 1024
 """Default payload bytes buffered or in flight beyond which :meth:`Producer.send` waits: a service producing
 faster than the store accepts is slowed to its pace instead of growing without bound."""
@@ -214,7 +223,9 @@ class Producer:
         self._batch_count = batch_max_count if auto_batch else 1
         self._total_bytes = total_batch_max_bytes
         self._durable = durable
-        self._buffer: list[tuple[NewMessage, SendHandle]] = []
+        self._buffer: list[NewMessage] = []  # what the next batches take, in order
+        self._handles: list[SendHandle] = []  # the buffer's handles, index for index
+        self._topics: set[str] = set()  # topics validated already (a send's topic is checked once, not per send)
         self._buffered_bytes = 0
         self._held_bytes = 0  # buffered or in flight: what total_batch_max_bytes bounds
         self._room_lock = trio.Lock()  # senders waiting for room, first come first served
@@ -227,6 +238,7 @@ class Producer:
         self._idle.set()
         self._in_flight = 0
         self._sent = self._stored = self._failed = self._batches = self._waits = 0
+        self._yielded = time.perf_counter()  # when send last let other tasks run
 
     @classmethod
     @asynccontextmanager
@@ -299,7 +311,8 @@ class Producer:
 
     async def send(self, topic: str, payload: bytes, **options: Any) -> SendHandle:
         """Queue a message for ``topic`` once there is room (``total_batch_max_bytes``); returns its handle
-        (``await`` it for the position). With room, it yields to other tasks only when the message fills a batch.
+        (``await`` it for the position). With room, it yields to other tasks only when the message fills a batch or
+        ``SEND_SLICE_S`` passed since it last did.
 
         Args (keyword):
             qos: the QoS the message is stored with (0..2, default 1): devices receive it at
@@ -322,10 +335,12 @@ class Producer:
         size = len(message.payload)
         if self._room_lock.locked() or not self._fits(size):
             await self._room(size)
-            return self._queue([message], cut=False)[0]
-        handle = self._queue([message], cut=False)[0]
-        if self._full():  # a batch is ready: the batching task sends it now (a scheduler round for every message
-            await trio.lowlevel.checkpoint()  # would cost more than the message)
+            return self._queue([message], size, cut=False)[0]
+        handle = self._queue([message], size, cut=False)[0]
+        now = time.perf_counter()  # a batch is ready (the batching task sends it now), or other tasks have waited
+        if self._full() or now - self._yielded >= SEND_SLICE_S:  # a slice: a round per message would cost more
+            self._yielded = now  # than the message
+            await trio.lowlevel.checkpoint()
         return handle
 
     def send_nowait(self, topic: str, payload: bytes, **options: Any) -> SendHandle:
@@ -336,9 +351,10 @@ class Producer:
             others: as :meth:`send`.
         """
         message = self._message(topic, payload, options)
-        if self._room_lock.locked() or not self._fits(len(message.payload)):
+        size = len(message.payload)
+        if self._room_lock.locked() or not self._fits(size):
             raise trio.WouldBlock(f"{self._held_bytes} bytes are buffered or in flight: await send() or flush()")
-        return self._queue([message], cut=False)[0]
+        return self._queue([message], size, cut=False)[0]
 
     async def send_batch(self, messages: Iterable[Message]) -> list[SendHandle]:
         """Send ``messages`` in one request, now (after what is buffered); their handles, in order, each with its
@@ -350,8 +366,9 @@ class Producer:
         made = [self._message(m.topic, m.payload, m.options) for m in messages]
         if not made:
             return []
-        await self._room(sum(len(m.payload) for m in made))
-        return self._queue(made, cut=True)
+        size = sum(len(m.payload) for m in made)
+        await self._room(size)
+        return self._queue(made, size, cut=True)
 
     async def flush(self) -> None:
         """Return once every message sent before the call is stored or failed (its handle is done)."""
@@ -382,7 +399,11 @@ class Producer:
 
     def _message(self, topic: str, payload: bytes, options: Mapping[str, Any]) -> NewMessage:
         """The message a send stores, its arguments checked (:meth:`send`)."""
-        validate_topic(topic)
+        if topic not in self._topics:
+            validate_topic(topic)
+            if len(self._topics) >= MAX_TOPICS_KEPT:
+                self._topics.clear()
+            self._topics.add(topic)
         now = int(time.time() * 1000)
         if not options:
             return NewMessage(topic, bytes(payload), self.client_id, 1, False, b"", now)
@@ -415,12 +436,13 @@ class Producer:
                 self._room_freed = trio.Event()
                 await self._room_freed.wait()
 
-    def _queue(self, messages: list[NewMessage], *, cut: bool) -> list[SendHandle]:
-        """Buffer the messages (``cut``: the next batch takes them all, at once); their handles."""
-        size = sum(len(m.payload) for m in messages)
+    def _queue(self, messages: list[NewMessage], size: int, *, cut: bool) -> list[SendHandle]:
+        """Buffer the messages, ``size`` payload bytes (``cut``: the next batch takes them all, at once); their
+        handles."""
         handles = [SendHandle() for _ in messages]
         first = not self._buffer
-        self._buffer.extend(zip(messages, handles))
+        self._buffer += messages
+        self._handles += handles
         self._buffered_bytes += size
         self._held_bytes += size
         self._sent += len(messages)
@@ -452,29 +474,32 @@ class Producer:
             self._in_flight += 1
             nursery.start_soon(self._send, batch)
 
-    def _take(self) -> list[tuple[NewMessage, SendHandle]]:
+    def _take(self) -> tuple[list[NewMessage], list[SendHandle], int]:
+        """The next batch: its messages, their handles and payload bytes."""
         buffer = self._buffer
-        taken = 0
-        size = 0
-        while taken < len(buffer) and (taken < self._cut_through or taken < self._batch_count
-                                       and size < self._batch_bytes):
-            size += len(buffer[taken][0].payload)
-            taken += 1
-        batch = buffer[:taken]
-        del buffer[:taken]
+        if len(buffer) <= max(self._batch_count, self._cut_through) and self._buffered_bytes < self._batch_bytes:
+            taken, size = len(buffer), self._buffered_bytes  # all of it (each message joins below the bytes)
+        else:
+            taken = size = 0
+            while taken < len(buffer) and (taken < self._cut_through or taken < self._batch_count
+                                           and size < self._batch_bytes):
+                size += len(buffer[taken].payload)
+                taken += 1
+        messages, handles = buffer[:taken], self._handles[:taken]
+        del buffer[:taken], self._handles[:taken]
         self._buffered_bytes -= size
         self._cut_through = max(0, self._cut_through - taken)
-        return batch
+        return messages, handles, size
 
-    async def _send(self, batch: list[tuple[NewMessage, SendHandle]]) -> None:
-        size = sum(len(message.payload) for message, _ in batch)
+    async def _send(self, batch: tuple[list[NewMessage], list[SendHandle], int]) -> None:
+        messages, handles, size = batch
         try:
             try:
-                outcomes = await self._append([message for message, _ in batch])
+                outcomes = await self._append(messages)
             except (OSError, ValueError) as exc:  # StoreUnavailable is an OSError
-                outcomes = [exc] * len(batch)
+                outcomes = [exc] * len(messages)
             self._batches += 1
-            for (_, handle), outcome in zip(batch, outcomes):
+            for handle, outcome in zip(handles, outcomes):
                 handle._set(outcome)
                 if isinstance(outcome, BaseException):
                     self._failed += 1
@@ -493,6 +518,9 @@ class Producer:
         records where that lets each message fail alone and keeps each topic's order (``store.api.batch_groups``:
         what remains, a topic matching very many wildcard filters, is said there)."""
         indexes, batched = batch_groups(messages, self.client.max_record_bytes)
+        if len(indexes) == 1:  # one topic, one batched group (or one message): in order, as sent
+            (result,) = await self.client.append_groups([messages], durable=self._durable, batched=batched)
+            return [result] * len(messages) if isinstance(result, Exception) else list(result)
         groups = [[messages[i] for i in group] for group in indexes]
         results = await self.client.append_groups(groups, durable=self._durable, batched=batched)
         outcomes: dict[int, Position | Exception] = {}  # by the index the message was sent at

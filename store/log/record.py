@@ -86,7 +86,6 @@ __all__ = [
     "encode_message",
     "encode_record",
     "fit_batches",
-    "split_batch",
     "new_batch",
     "new_control",
     "new_record",
@@ -371,20 +370,9 @@ def fit_batches(topic: str, items: Sequence[BatchItem], queues: bytes, max_size:
 
 def encode_message(record: Record) -> bytes:
     """A message of a batch record as a record of its own, at its position (a v1 single record with the same
-    fields): for readers that take one record per message (the RPC's raw pulls, the retained store)."""
+    fields): for readers that take one record per message (POPs over the RPC, the retained store)."""
     return _encode(record.topic, record.payload, record.client_id, record.qos, record.retain, record.properties,
                    encode_queues(record.queues), record.born_ms, record.store_ms, _MAX_U32)
-
-
-def split_batch(stored: tuple[int, bytes]) -> list[tuple[int, bytes]]:
-    """A batch record as stored, ``(offset, bytes)``, as one single record per message ``(position, bytes)``
-    (``LightQueues.pull``'s ``unpack`` for raw reads: their readers decode single records, as before batches).
-
-    Raises:
-        CorruptRecord: the batch body does not parse.
-    """
-    offset, data = stored
-    return [(m.offset, encode_message(m)) for m in decode_record(data, 0, offset).messages]
 
 
 def encode_eos(remaining: int) -> bytes:

@@ -509,9 +509,22 @@ def _split_appends(answer: rpc.Appended, batch: list[tuple[Any, Call]]) -> None:
 
 
 def decoded(records: rpc.RawRecords) -> PullResult[Record]:
-    """A read as the store sent it (records as stored), decoded here: the store's CPU is every gateway's."""
-    return PullResult([(qoff, decode_record(raw, 0, log_offset)) for qoff, log_offset, raw in records.entries],
-                      records.next_offset, records.expired)
+    """A read as the store sent it (records as stored, a batch record whole), decoded here, each record once: the
+    store's CPU is every gateway's."""
+    batches = records.batches
+    if not batches:
+        return PullResult([(qoff, decode_record(raw, 0, log_offset)) for qoff, log_offset, raw in records.entries],
+                          records.next_offset, records.expired)
+    messages: list[tuple[int, Record]] = []
+    for index, (qoff, log_offset, raw) in enumerate(records.entries):
+        record = decode_record(raw, 0, log_offset)
+        served = batches.get(index)
+        if served is None:
+            messages.append((qoff, record))
+        else:
+            first, stop = served
+            messages.extend(zip(range(qoff + first, qoff + stop), record.messages[first:stop]))
+    return PullResult(messages, records.next_offset, records.expired)
 
 
 def _split_pulls(answer: rpc.Pulled, batch: list[tuple[Any, Call]]) -> None:

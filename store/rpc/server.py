@@ -62,6 +62,7 @@ from typing import Any, final
 import trio
 
 from store.api import GROUP_PREFIX, MAIN_LOG, LeaderFenced, LeaseLost, NewMessage, Positions, PullResult, TopicError
+from store.groups import Stored
 from store.local import LocalStore
 from store.node import StoreNode
 from store.pop.handles import decode_handle
@@ -118,10 +119,16 @@ STATISTICS_LOG_S = 60.0
 """How often the store logs its notify routing figures (events sent per node, suppressed), when they changed."""
 
 
-def _raw_records(result: PullResult[tuple[int, bytes]]) -> rpc.RawRecords:
-    """A read's records as the wire carries them: ``(queue offset, log offset, bytes as stored)``."""
-    return rpc.RawRecords([(qoff, log_offset, data) for qoff, (log_offset, data) in result.messages],
-                          result.next_offset, result.expired)
+def _raw_records(result: PullResult[Stored]) -> rpc.RawRecords:
+    """A read's records as the wire carries them: ``(queue offset, log offset, bytes as stored)``, a batch record
+    whole at its first message's queue offset with the messages served in ``batches``."""
+    entries = []
+    batches = {}
+    for qoff, (log_offset, data, first, stop) in result.messages:
+        if stop:
+            batches[len(entries)] = (first, stop)
+        entries.append((qoff - first, log_offset, data))
+    return rpc.RawRecords(entries, result.next_offset, result.expired, batches)
 
 
 @final

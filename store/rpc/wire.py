@@ -636,15 +636,20 @@ class Appended(_Message, tag="appended"):
 
 
 class RawRecords(_Message, tag="recs"):
-    """One queue's read: ``(queue offset, CommitLog offset, record bytes)`` per message, as stored.
+    """One queue's read: ``(queue offset, CommitLog offset, record bytes)`` per record, as stored.
 
     The store sends the record bytes as they are on disk and the client decodes
     them (store.log.record.decode_record): the store's CPU is the cluster's shared one.
+    A batch record travels whole, once: ``batches`` maps its entry's index to
+    ``(first, stop)``, the messages of it that are served (message i at queue
+    offset entry's + i and position CommitLog offset + i, ``first <= i < stop``);
+    an entry not in ``batches`` is one message.
     """
 
     entries: list[tuple[int, int, bytes]]
     next_offset: int
     expired: bool
+    batches: dict[int, tuple[int, int]] = {}
 
 
 class Pulled(_Message, tag="pulled"):
@@ -655,7 +660,8 @@ class Pulled(_Message, tag="pulled"):
 
 
 class Claimed(_Message, tag="claimed"):
-    """The answer to ``Claim``: the member's messages, as stored; ``next_offset`` is the group's cursor."""
+    """The answer to ``Claim``: the member's messages, as stored (a batch record whole); ``next_offset`` is the
+    group's cursor."""
 
     id: int
     result: RawRecords

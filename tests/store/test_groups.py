@@ -154,11 +154,26 @@ async def test_two_members_share_the_queue_and_each_message_goes_to_one(store, g
     assert await claim(groups, A) == []
 
 
+async def test_a_claim_in_process_serves_the_records_kept_decoded_in_memory_not_decoded_again(store, groups):
+    """A batch record's messages were decoded once, when it was appended (``RecentRecords``): a claim of a store in
+    this process hands out those very records (reading the log and decoding each message again was most of an
+    embedded consumer's CPU)."""
+    await store.append([NewMessage("tele/dev1/temp", b"%d" % i) for i in range(5)], batch=True)
+    await publish(store, b"single")
+    await groups.join(A, G, "tele/#", "earliest")
+    got = await claim(groups, A)
+    assert payloads(got) == [b"0", b"1", b"2", b"3", b"4", b"single"] and offsets(got) == [0, 1, 2, 3, 4, 5]
+    batch = store.recent.get(got[0][1].offset)
+    assert all(record is kept for (_, record), kept in zip(got, batch.messages))
+    assert got[5][1] is store.recent.get(got[5][1].offset)
+
+
 async def test_acknowledged_offsets_are_committed_under_the_group_name_and_survive_a_reload(store, groups):
     await publish(store, b"0", b"1", b"2")
     await groups.join(A, G, "tele/#", "earliest")
     got = await claim(groups, A, 2)
-    assert await groups.ack(A, G, "tele/#", offsets(got)) == 2
+    assert await groups.ack(A, G, "tele/#", offsets(got)) == 2  # stored; applied in dispatch's next step
+    await store.caught_up()
     assert store.queues.get_offsets(G) == {"tele/#": 2}
     groups.leave_node("a")  # the last member: the group is unloaded; the store keeps its offset
     assert await groups.join(B, G, "tele/#", "latest") == 2  # the committed offset wins over the start

@@ -17,7 +17,7 @@ from gateway.auth.passwords import PasswordFile
 from gateway.mqtt.properties import PacketType, decode_properties
 from lightqueue.topics import TopicError
 from store.api import MAIN_LOG, Flow, NewMessage, Position, PullRequest, group_owner
-from store.clients.producer import Message, Producer, encode_properties
+from store.clients.producer import BATCH_MAX_COUNT, Message, Producer, encode_properties
 from store.local import LocalStore
 from store.log.record import RecordTooLarge
 from store.rpc.access import AccessDenied, Peer, StoreAccess, Verdict
@@ -242,6 +242,31 @@ async def test_a_producer_appends_to_a_store_in_this_process_as_over_the_rpc(sto
         assert [(record.payload, record.client_id) for _, record in result.messages] == [(b"1", "in-process"),
                                                                                         (b"2", "in-process")]
         assert (await handles[0]).offset == result.messages[0][1].offset
+    finally:
+        local.close()
+
+
+async def test_a_loop_of_sends_lets_the_other_tasks_run_before_its_batch_fills(store_small_records):
+    """AutoBatch's ``send`` returns without a scheduler round (a round per message would cost more than the
+    message), yet a service's loop of sends must not hold its other tasks (a consumer's claims and
+    acknowledgements) for a whole batch of 2,000: it lets them run every ``SEND_SLICE_S`` of sending."""
+    local = LocalStore(store_small_records)
+    turns = [0]
+
+    async def other_task():
+        while True:
+            turns[0] += 1
+            await trio.lowlevel.checkpoint()
+
+    try:
+        async with Producer.over(local, client_id="loop", batch_max_delay_ms=60_000) as producer, \
+                trio.open_nursery() as nursery:
+            nursery.start_soon(other_task)
+            before = turns[0]
+            for i in range(BATCH_MAX_COUNT - 1):  # never a full batch: no yield for that
+                await producer.send("loop/a", b"%d" % i)
+            assert turns[0] > before
+            nursery.cancel_scope.cancel()
     finally:
         local.close()
 

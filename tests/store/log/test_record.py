@@ -25,9 +25,9 @@ from store.log.record import (
     check_frame,
     decode_record,
     encode_eos,
+    encode_message,
     encode_record,
     new_batch,
-    split_batch,
 )
 from tests.helpers.batches import malformed_batch
 
@@ -191,7 +191,7 @@ def test_a_batch_record_decodes_to_its_messages_at_their_positions_and_each_reen
              m.payload) for m in record.messages] == [
         (1_000 + i, f"c{i}", i % 3, i == 1, b"\x01\x01" if i else b"", 10 + i, 99, "b/t", (7,), b"p%d" % i)
         for i in range(3)]
-    alone = [decode_record(data, 0, position) for position, data in split_batch((1_000, raw))]
+    alone = [decode_record(encode_message(m), 0, m.offset) for m in record.messages]
     assert [replace(r, size=0) for r in alone] == [replace(m, size=0) for m in record.messages]  # sizes as stored
     assert decode_record(encode_record("b/t", b"x"), 0, 0).batch_count == 0
 

@@ -11,6 +11,7 @@ from store.log.record import decode_record
 from store.rpc import server
 from store.rpc import wire as rpc
 from store.rpc.access import StoreAccess, Verdict
+from store.rpc.connection import decoded
 from store.rpc.server import RpcServer, serve_rpc
 from tests.conftest import SMALL_RECORD_BYTES
 
@@ -143,6 +144,42 @@ async def test_append_groups_fail_alone_and_pulls_return_the_records(port):
     assert [(q, decode_record(r, 0, o).payload) for q, o, r in by_b.entries] == [(0, b"one"), (1, b"two")]
     assert by_b.next_offset == 2 and [o for _, o, _ in by_b.entries] == appended.positions[0].offsets
     assert [decode_record(r, 0, o).topic for _, o, r in by_a.entries] == ["a/b", "a/b", "a/c"]  # first-level queue
+
+
+async def test_claims_and_pulls_carry_a_batch_record_whole_once_with_the_messages_they_serve(port):
+    """A batch record crosses the wire whole, once per read, with the range of its messages served
+    (``RawRecords.batches``; docs/storage.md, "Batch records"): the store neither splits nor re-encodes it, and
+    the client (``decoded``) serves each message once, in order, at its queue offset and position."""
+    raw = await Raw.open(port)
+    batch = [NewMessage("jobs/a", b"m%d" % i, f"dev{i}", i % 2) for i in range(40)]
+    await raw.send(rpc.Watch({"jobs/a": 1}),
+                   rpc.AppendRequest(1, [[NewMessage("jobs/a", b"before", "dev")], batch], batched=[1]))
+    appended = await raw.receive()
+    assert await raw.receive() == rpc.Events({"jobs/a": 41})
+    (single,), positions = appended.positions[0].offsets, appended.positions[1].offsets
+    for rid, member in ((2, "m1"), (3, "m2")):
+        await raw.send(rpc.Join(rid, "$group/w", "jobs/a", member, start="earliest"))
+        assert await raw.receive() == rpc.Value(rid, 0)
+    await raw.send(rpc.Claim(4, "$group/w", "jobs/a", 11, 1 << 20, 0, "m1"))  # the single record and 10 of the batch
+    first = (await raw.receive()).result
+    assert [entry[:2] for entry in first.entries] == [(0, single), (1, positions[0])] and first.batches == {1: (0, 10)}
+    await raw.send(rpc.Leave(5, "$group/w", "jobs/a", "m1"))
+    assert await raw.receive() == rpc.Done(5)
+    await raw.send(rpc.Claim(6, "$group/w", "jobs/a", 100, 1 << 20, 0, "m2"))
+    again = (await raw.receive()).result  # what m1 handed back, then the rest: the batch record twice
+    assert [entry[:2] for entry in again.entries] == [(0, single), (1, positions[0]), (1, positions[0])]
+    assert again.batches == {1: (0, 10), 2: (10, 40)} and again.next_offset == 41
+    claimed = decoded(again).messages
+    assert [(qoff, r.offset, r.payload, r.client_id, r.qos) for qoff, r in claimed] == [
+        (0, single, b"before", "dev", 0),
+        *((1 + i, positions[i], m.payload, m.client_id, m.qos) for i, m in enumerate(batch))]
+    await raw.send(rpc.Ack(7, "$group/w", "jobs/a", [qoff for qoff, _ in claimed], "m2"))
+    assert await raw.receive() == rpc.Value(7, 41)
+    await raw.send(rpc.Pull(8, [PullRequest("jobs/a", 5, 30, 1 << 20)]))
+    pulled = (await raw.receive()).results[0]
+    assert len(pulled.entries) == 1 and pulled.batches == {0: (4, 34)} and pulled.next_offset == 35
+    assert [(qoff, r.offset) for qoff, r in decoded(pulled).messages] == [
+        (1 + i, positions[i]) for i in range(4, 34)]
 
 
 async def test_events_go_only_to_the_node_that_watches_the_queue(port):

@@ -46,7 +46,7 @@ SERVER_SAMPLES = [
     rpc.Appended(1, [Positions(0, [0, 51]), Positions(0, [])],
                  {1: rpc.Error(0, rpc.ErrorKind.RECORD_TOO_LARGE, "too big")}),
     rpc.Pulled(2, [rpc.RawRecords([(0, 0, b"record")], 1, False), rpc.RawRecords([], 5, True)]),
-    rpc.Claimed(18, rpc.RawRecords([(4, 100, b"record")], 5, False)),
+    rpc.Claimed(18, rpc.RawRecords([(4, 100, b"record"), (5, 140, b"batch")], 9, False, {1: (1, 4)})),
     rpc.Offsets(5, [3, 0]),
     rpc.Value(3, 17),
     rpc.Value(4, True),
