@@ -1,4 +1,4 @@
-"""Batch records with and without zstd bodies (``commitlog.batch_compression``): bytes on disk and CPU.
+"""``lightgate bench compression``: batch records with and without zstd bodies (``commitlog.batch_compression``): bytes on disk and CPU.
 
 For each payload kind (``telemetry``: simulator JSON, a device id, a sequence number, a timestamp and readings of
 the simulator's metrics, about ``--sizes`` bytes each; ``random``: random bytes of exactly that size), each size,
