@@ -46,27 +46,28 @@ SEED = 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="where the per-run lines are appended (default: the checkout's bench/results)")
     parser.add_argument("--messages", type=int, default=32768, help="messages per run")
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 1024], help="payload bytes (about, for JSON)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 256], help="messages per batch record")
-    parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
-    parser.add_argument("--results", type=Path, default=None,
-                        help="where the per-run lines are appended (default: the checkout's bench/results)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """One ``BENCH`` line per run (emitted here); returns the summary: per kind, size and batch, zstd against off."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="lightgate-bench-compression-", dir=args.dir) as tmp:
-        for n, (kind, size, batch) in enumerate(itertools.product(args.kinds, args.sizes, args.batches)):
-            payloads = make_payloads(kind, size, args.messages)
-            for compression in BATCH_COMPRESSIONS:
-                row = trio.run(_run, Path(tmp) / f"run{n}-{compression}", payloads, batch, compression)
-                row |= {"kind": kind, "payload": size, "batch": batch, "compression": compression,
-                        "mean_payload_bytes": round(sum(map(len, payloads)) / len(payloads), 1)}
-                emit("compression", row, args.results)
-                rows.append(row)
+        for kind, size in itertools.product(args.kinds, args.sizes):
+            payloads = make_payloads(kind, size, args.messages)  # the same for every batch size and compression
+            mean = round(sum(map(len, payloads)) / len(payloads), 1)
+            for batch, compression in itertools.product(args.batches, BATCH_COMPRESSIONS):
+                data = Path(tmp) / f"{kind}-{size}-{batch}-{compression}"
+                row = trio.run(_run, data, payloads, batch, compression)
+                rows.append(emit("compression", row | {"kind": kind, "payload": size, "batch": batch,
+                                                       "compression": compression, "mean_payload_bytes": mean},
+                                 args.results)["result"])
     return {"summary": _summary(rows)}
 
 

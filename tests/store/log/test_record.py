@@ -247,7 +247,7 @@ def test_a_compressed_batch_decodes_to_the_messages_a_raw_one_does():
     ([NewMessage("b/t", p) for p in noise(4, 1024)], False),  # random bytes: their headers save 2%, not an eighth
     ([NewMessage("b/t", p) for p in noise(16, 64)], True),  # small random payloads: their headers save a quarter
     ([NewMessage("b/t", p) for p in readings(4)], True),  # telemetry JSON: four readings already save half
-])
+], ids=["one-reading", "random-kilobytes", "random-64-bytes", "four-readings"])
 def test_a_batch_body_is_compressed_only_when_it_saves_an_eighth(items, compressed):
     raw, _ = new_batch("b/t", items, 1)
     packed, record = new_batch("b/t", items, 1, compress=True)
@@ -282,7 +282,7 @@ def _frame_claiming(size: int) -> bytes:
     (_frame_without_size(b"x" * 400), "states -1 bytes"),
     (_frame_claiming(ZSTD_MAX_BODY + 1), f"states {ZSTD_MAX_BODY + 1} bytes"),
     (zstandard.ZstdCompressor().compress(b"\0\0\0\5" + b"x" * 400), "body"),  # inflates, does not parse
-])
+], ids=["not-a-frame", "cut-short", "bytes-after", "no-content-size", "over-the-limit", "does-not-parse"])
 def test_a_compressed_body_that_does_not_inflate_to_a_batch_body_is_corrupt(stored, reason):
     """Its CRC is right (a writer's bug, or a hostile file): one CorruptRecord, at a bounded cost (a frame
     claiming more than ZSTD_MAX_BODY is refused before anything is allocated for it)."""
