@@ -585,11 +585,11 @@ def open_batch(buf: bytes | memoryview, p: int, length: int,
     return buf, batch_fields(buf, p, length)
 
 
-def _decode_batch(buf: bytes | memoryview, p: int, length: int, flags: int, offset: int, store_ms: int, topic: str,
-                  queues: tuple[int, ...]) -> tuple[Record, ...]:
-    """The messages of a stored batch body of ``length`` bytes at ``p``, at positions ``offset`` + i (raises as
-    :func:`open_batch`)."""
-    buf, fields = open_batch(buf, p, length, flags)
+def _decode_batch(buf: bytes | memoryview, p: int, length: int, record_flags: int, offset: int, store_ms: int,
+                  topic: str, queues: tuple[int, ...]) -> tuple[Record, ...]:
+    """The messages of a stored batch body of ``length`` bytes at ``p`` of a record with ``record_flags``, at
+    positions ``offset`` + i (raises as :func:`open_batch`)."""
+    buf, fields = open_batch(buf, p, length, record_flags)
     return tuple(
         Record(offset + i, _MESSAGE.size + n_cid + n_props + n_payload, flags, born, store_ms,
                bytes(buf[c : c + n_cid]).decode(), topic, queues, bytes(buf[q : q + n_props]),
