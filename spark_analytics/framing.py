@@ -55,7 +55,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from lightqueue.topics import matches
 from store.log.record import (EOS_SIZE, FLAG_BATCH, FLAG_CONTROL, FLAG_RETAIN, HEADER_SIZE, MAGIC_EOS, MAGIC_V1,
-                              QOS_MASK, CorruptRecord, batch_fields, check_frame)
+                              QOS_MASK, CorruptRecord, check_frame, open_batch)
 from store.tierfiles import RECORD_SCHEMA, UTC_MICROS
 
 __all__ = ["RAW_SCHEMA", "UTC_MICROS", "DecodeOptions", "Frames", "ScanRange", "corrupt_skipped", "frames_in",
@@ -80,6 +80,8 @@ _MAX_CHAIN_BREAKS = 8
 this many breaks in one window the plain Python walk finishes it, so a payload
 full of magic bytes costs linear, not quadratic, time."""
 _MS_TO_US = 1000
+_MAX_BUFFER = (1 << 31) - 1
+"""The largest buffer a ``binary_view`` column points into (int32 offsets), the window and its inflated bodies."""
 _MAGIC_BYTES = MAGIC_V1.to_bytes(4, "big")
 RESYNC_BYTES = 1 << 20
 """After broken framing the next valid record is searched for in reads of this size (like the store's resync)."""
@@ -182,29 +184,46 @@ class Frames:
             setattr(out, name, getattr(self, name)[keep])
         return out
 
-    def batch_fields(self, row: int) -> list[tuple[int, int, int, int, int, int, int, int]]:
-        """Where the messages of the batch record in ``row`` are (``store.log.record.batch_fields``; raises
-        ``CorruptRecord`` as it does)."""
-        return batch_fields(self._buf, int(self._payload_start[row]), int(self._payload_len[row]))
+    def batch_fields(self, row: int) -> tuple[bytes | None, list[tuple[int, int, int, int, int, int, int, int]]]:
+        """Where the messages of the batch record in ``row`` are: its inflated body (None: in :attr:`buffer`) and
+        their fields in it (``store.log.record.open_batch``; raises ``CorruptRecord`` as it does)."""
+        body, fields = open_batch(self._buf, int(self._payload_start[row]), int(self._payload_len[row]),
+                                  int(self.flags[row]))
+        return (None if body is self._buf else bytes(body)), fields
 
-    def messages(self, batches: dict[int, list[tuple[int, int, int, int, int, int, int, int]]]) -> "Frames":
+    def messages(self, batches: dict[int, tuple[bytes | None, list[tuple[int, int, int, int, int, int, int, int]]]]
+                 ) -> "Frames":
         """These rows with each batch record (``FLAG_BATCH``) replaced by its messages, a row each at position
         offset + i (its topic and store time, their own fields; docs/storage.md, "Batch records"); ``batches``:
-        the :meth:`batch_fields` of each, by offset."""
+        the :meth:`batch_fields` of each, by offset. The inflated bodies of compressed batches (``FLAG_ZSTD``)
+        are appended to the buffer, so every column still points into one."""
         rows: list[tuple[int, ...]] = []
+        inflated: list[bytes] = []
+        end = len(self._buf)
         for row in np.flatnonzero(self.flags & FLAG_BATCH).tolist():
             offset, store_ms = int(self.offset[row]), int(self.store_ms[row])
             topic_start, topic_len = int(self._topic_start[row]), int(self._topic_len[row])
-            fields = batches[offset]
-            rows += [(offset + i, flags, born, store_ms, c, n_cid, topic_start, topic_len, p, n_props, d, n_payload)
-                     for i, (flags, born, c, n_cid, p, n_props, d, n_payload) in enumerate(fields)]
+            body, fields = batches[offset]
+            shift = 0
+            if body is not None:
+                inflated.append(body)
+                shift, end = end, end + len(body)
+            rows += [(offset + i, flags, born, store_ms, c + shift, n_cid, topic_start, topic_len, p + shift, n_props,
+                      d + shift, n_payload) for i, (flags, born, c, n_cid, p, n_props, d, n_payload) in enumerate(fields)]
         if not rows:
             return self
         singles = self.select((self.flags & FLAG_BATCH) == 0)
         added = np.array(rows, np.int64).T
         order = np.argsort(np.concatenate((singles.offset, added[0])), kind="stable")
         out = Frames.__new__(Frames)
-        out._buf, out._u8, out._data = self._buf, self._u8, self._data
+        if inflated:
+            if end > _MAX_BUFFER:
+                raise ValueError(f"a read window's batches inflate to {end} bytes, past Arrow's {_MAX_BUFFER}: read"
+                                 f" with a smaller window_bytes")
+            out._buf = b"".join((self._buf, *inflated))
+            out._u8, out._data = np.frombuffer(out._buf, np.uint8), pa.py_buffer(out._buf)
+        else:
+            out._buf, out._u8, out._data = self._buf, self._u8, self._data
         for i, name in enumerate(self._COLUMNS):
             column = getattr(singles, name)
             setattr(out, name, np.concatenate((column, added[i].astype(column.dtype)))[order])

@@ -349,7 +349,8 @@ class StoreNode:
 
     def _batch(self, messages: Sequence[NewMessage], now: int) -> list[tuple[bytes, Record]]:
         """The batch records of ``messages`` (``append(batch=True)``), their target queues fixed now: as few as
-        ``commitlog.max_record_bytes`` allows (a caller need not know the limit to batch).
+        ``commitlog.max_record_bytes`` allows (a caller need not know the limit to batch), compressed as
+        ``commitlog.batch_compression`` says.
 
         Raises:
             ValueError: they are not all of one topic, one is delayed, or a record does not encode
@@ -358,9 +359,11 @@ class StoreNode:
         topic = messages[0].topic
         if any(m.topic != topic or m.deliver_at_ms for m in messages):
             raise ValueError("a batch record holds messages of one topic, none of them delayed")
-        max_size = self.log.log.config.max_record_bytes
+        config = self.log.log.config
+        max_size, compress = config.max_record_bytes, config.batch_compression == "zstd"
         queues = self.queues.targets(topic)
-        return [new_batch(topic, run, now, queues, max_size) for run in fit_batches(topic, messages, queues, max_size)]
+        return [new_batch(topic, run, now, queues, max_size, compress=compress)
+                for run in fit_batches(topic, messages, queues, max_size)]
 
     def _delayed(self, m: NewMessage, now: int, max_size: int, added: dict[str, int]) -> tuple[bytes, Record]:
         """The ``Delayed`` record of a delayed message, once its client's cap allows it (counted from what dispatch

@@ -33,6 +33,8 @@ BENCHMARKS = {
     "index": ("gateway.bench.index", "light queues: dispatch rate, filter match, pull latency, bytes per message"),
     "produce": ("gateway.bench.produce", "back-end producers, embedded and over the RPC: single sends vs send_batch vs "
                                          "AutoBatch with a consumer group reading: produced/s, consumed/s, p99, bytes, CPU"),
+    "compression": ("gateway.bench.compression", "batch records raw vs zstd bodies (commitlog.batch_compression), "
+                                                 "telemetry JSON and random bytes: log bytes, CPU to append and read"),
     "pop": ("gateway.bench.pop", "POP vs claim/ack consumer groups with hung and crashed members: delivered/s, lost, "
                                  "redelivered, dead-lettered, publish-to-ack p99"),
     "timers": ("gateway.bench.timers", "delayed messages: scheduling and dequeue rates, lateness, RSS and disk pending"),

@@ -118,6 +118,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("log.json", False, "log JSON lines instead of human-readable text"),
     Option("commitlog.segment_bytes", 256 * MiB, "size of each CommitLog segment file"),
     Option("commitlog.max_record_bytes", 1 * MiB, "largest record accepted; larger appends are rejected"),
+    Option("commitlog.batch_compression", "zstd", "batch records' bodies as zstd frames when that saves an eighth or"
+           " more (off = always raw; docs/storage.md, \"Compressed batch bodies\")", choices=("off", "zstd")),
     Option("commitlog.flush", "async", "flush policy: async (periodic) or sync (group commit before ack)",
            choices=("async", "sync")),
     Option("commitlog.flush_interval_ms", 500, "async: how often to check for dirty data"),

@@ -708,16 +708,17 @@ def _start_replicated(name: str, acks: str, workdir: Path, port: int, durable: b
 
 
 @contextmanager
-def store_process(data: Path, flush: str) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
-    """A ``lightgate store`` process on ``data`` (created; its log beside it) with ``commitlog.flush`` ``flush``,
-    listening: its port and process, terminated at the end. For the back-end benchmarks (produce, pop)."""
+def store_process(data: Path, flush: str, compression: str = "zstd") -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """A ``lightgate store`` process on ``data`` (created; its log beside it) with ``commitlog.flush`` ``flush``
+    and ``commitlog.batch_compression`` ``compression``, listening: its port and process, terminated at the end.
+    For the back-end benchmarks (produce, pop)."""
     data.mkdir(parents=True)
     port = free_port()
     log_path = data.parent / f"{data.name}.log"
     with open(log_path, "ab") as log:
         store = subprocess.Popen(
             [sys.executable, "-m", "gateway.app.cli", "store", "--data", str(data), "--listen", f"{HOST}:{port}",
-             "--log-level", "warning", "--commitlog-flush", flush],
+             "--log-level", "warning", "--commitlog-flush", flush, "--commitlog-batch-compression", compression],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=SOURCE_ENV)
     try:
         wait_listening([store.pid], port, 1, "lightgate store", log_path)

@@ -40,7 +40,7 @@ from gateway.bench.peers import HOST, store_process
 from store.api import StoreApi, group_owner
 from store.clients.producer import Message, Producer
 from store.local import LocalStore
-from store.log.commitlog import CommitLogConfig
+from store.log.commitlog import BATCH_COMPRESSIONS, CommitLogConfig
 from store.node import open_store
 from store.rpc.client import RemoteStore
 
@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--total-bytes", type=int, default=1024 * 1024,
                         help="the producer's total_batch_max_bytes (its back-pressure) in every mode")
     parser.add_argument("--flush", choices=("async", "sync"), default="async", help="the store's commitlog.flush")
+    parser.add_argument("--compression", choices=BATCH_COMPRESSIONS, default="off",
+                        help="the store's commitlog.batch_compression; off by default: the payloads are zeros, which "
+                             "zstd shrinks to nothing (lightgate bench compression measures real ones)")
     parser.add_argument("--durable", choices=("true", "policy", "false"), default="policy",
                         help="the producer's durable: policy (acknowledged per the flush policy, as RocketMQ's "
                              "figures are), true (on disk: the producer's default), false")
@@ -182,7 +185,7 @@ async def _ack(store: StoreApi, offsets: list[int], done: trio.Event) -> None:
 @asynccontextmanager
 async def _embedded(data: Path, args: argparse.Namespace) -> AsyncIterator[tuple[Any, StoreApi, None]]:
     """A store node in this process; the producer and the consumer each on a ``LocalStore`` of their own."""
-    async with open_store(data, CommitLogConfig(flush=args.flush)) as node:
+    async with open_store(data, CommitLogConfig(flush=args.flush, batch_compression=args.compression)) as node:
         producing, consuming = LocalStore(node, "bench-producer"), LocalStore(node, "bench-consumer")
         try:
             yield producing, consuming, None
@@ -194,7 +197,7 @@ async def _embedded(data: Path, args: argparse.Namespace) -> AsyncIterator[tuple
 @asynccontextmanager
 async def _remote(data: Path, args: argparse.Namespace) -> AsyncIterator[tuple[Any, StoreApi, psutil.Process]]:
     """A ``lightgate store`` process; the producer and the consumer on connections of their own."""
-    with store_process(data, args.flush) as (port, store):
+    with store_process(data, args.flush, args.compression) as (port, store):
         async with RemoteStore.connect(HOST, port, node="bench-producer") as producing, \
                 RemoteStore.connect(HOST, port, node="bench-consumer") as consuming:
             yield producing, consuming, psutil.Process(store.pid)
@@ -257,7 +260,7 @@ def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"seconds": args.seconds, "messages": args.messages, "batch": args.batch, "total_bytes": args.total_bytes,
-            "flush": args.flush, "durable": args.durable}
+            "flush": args.flush, "durable": args.durable, "compression": args.compression}
 
 
 def _load() -> float:

@@ -105,6 +105,14 @@ META_SUFFIX = ".meta"
 META_VERSION = 1
 """Bumped when the .meta fields change; an unknown version is rebuilt from the segment."""
 
+BATCH_COMPRESSIONS = ("off", "zstd")
+"""``commitlog.batch_compression``: batch record bodies stay raw, or go as zstd frames when that saves space
+(store/log/record.py, ``FLAG_ZSTD``). Single records are never compressed."""
+BATCH_COMPRESSION = "zstd"
+"""The default: batched telemetry JSON takes a fifth to a fourteenth of the log bytes for at most ~2.5 us of CPU
+per message to compress and ~1 us to inflate; incompressible bodies stay raw (docs/storage.md, "Compressed batch
+bodies", has the measurements)."""
+
 _HINT = struct.Struct(">QI")  # flushed offset, CRC32C of its 8 bytes
 _U64 = struct.Struct(">Q")
 
@@ -120,6 +128,7 @@ class CommitLogConfig:
     flush_min_bytes: int = 16384
     flush_force_interval_ms: int = 10_000
     sync_interval_ms: int = 10
+    batch_compression: str = BATCH_COMPRESSION
     retention_hours: float = 72.0  # 0 = no age limit
     retention_max_bytes: int = 0  # 0 = no size limit
     retention_check_interval_s: float = 60.0
@@ -127,6 +136,8 @@ class CommitLogConfig:
     def __post_init__(self) -> None:
         if self.flush not in ("async", "sync"):
             raise ValueError(f"flush policy must be 'async' or 'sync', not {self.flush!r}")
+        if self.batch_compression not in BATCH_COMPRESSIONS:
+            raise ValueError(f"batch_compression must be 'off' or 'zstd', not {self.batch_compression!r}")
         if self.segment_bytes < MIN_SEGMENT_BYTES:
             raise ValueError(f"segment_bytes must be at least {MIN_SEGMENT_BYTES}, not {self.segment_bytes}")
         if not HEADER_SIZE <= self.max_record_bytes <= self.segment_bytes:

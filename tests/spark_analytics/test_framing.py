@@ -20,8 +20,8 @@ from lightqueue.topics import matches
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.control import SessionEnded, encode_control
 from store.api import NewMessage
-from store.log.record import MAGIC_V1, encode_record, new_batch
-from tests.helpers.batches import malformed_batch
+from store.log.record import FLAG_ZSTD, MAGIC_V1, encode_record, new_batch
+from tests.helpers.batches import malformed_batch, zstd_batch
 
 MAGIC = MAGIC_V1.to_bytes(4, "big")
 
@@ -278,10 +278,13 @@ def test_control_records_of_the_store_are_not_rows(tmp_path: Path) -> None:
     assert frames.raw_batch().to_pydict()["offset"] == [o for o in offsets if o < len(span)]
 
 
-def test_a_batch_record_is_a_row_per_message_in_the_segment_reader_and_the_live_tail(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_batch_record_is_a_row_per_message_in_the_segment_reader_and_the_live_tail(tmp_path: Path,
+                                                                                     compress: bool) -> None:
     """A batch record (docs/storage.md, "Batch records") is one frame; the reader makes a row of each message, at
     its position (the record's offset + its index), with its own fields and the batch's topic and store time,
-    in order with the single records around it; a topic push-down keeps or drops the batch whole."""
+    in order with the single records around it; a topic push-down keeps or drops the batch whole. A compressed
+    body (``FLAG_ZSTD``) is inflated: its rows are the same."""
     config = CommitLogConfig(segment_bytes=16 * 1024, max_record_bytes=16 * 1024)
     expected = []
     with CommitLog.open(tmp_path / "commitlog", config) as log:
@@ -290,9 +293,12 @@ def test_a_batch_record_is_a_row_per_message_in_the_segment_reader_and_the_live_
                 offset = log.append(encode_record("a/single", b"s%d" % n, client_id="s", store_ms=2_000 + n))
                 expected.append((offset, "a/single", "s", 0, False, b"", b"s%d" % n))
                 continue
-            items = [NewMessage("b/batch", b"b%d.%d" % (n, i), client_id=f"c{i}", qos=i % 3, retain=i == 1,
-                                properties=b"\x01\x01" if i == 2 else b"", born_ms=1_000 + i) for i in range(5)]
-            offset = log.append(new_batch("b/batch", items, 2_000 + n)[0])
+            items = [NewMessage("b/batch", b"b%d.%d " % (n, i) + b"reading " * 20, client_id=f"c{i}", qos=i % 3,
+                                retain=i == 1, properties=b"\x01\x01" if i == 2 else b"", born_ms=1_000 + i)
+                     for i in range(5)]
+            raw = new_batch("b/batch", items, 2_000 + n, compress=compress)[0]
+            assert bool(raw[12] & FLAG_ZSTD) == compress
+            offset = log.append(raw)
             expected += [(offset + i, "b/batch", m.client_id, m.qos, m.retain, m.properties, m.payload)
                          for i, m in enumerate(items)]
         log.flush()
@@ -307,12 +313,16 @@ def test_a_batch_record_is_a_row_per_message_in_the_segment_reader_and_the_live_
     assert frames.raw_batch().to_pydict()["offset"] == [e[0] for e in expected]
 
 
-def test_a_batch_whose_body_does_not_parse_is_skipped_alone_below_the_durable_end(tmp_path: Path, caplog) -> None:
-    """Its CRC is right (a writer's bug): skipped, logged and counted like a corrupt record, as the store skips it."""
+@pytest.mark.parametrize("malformed", [lambda: malformed_batch("a/b", 2), lambda: zstd_batch("a/b", b"garbage", 2)],
+                         ids=["raw", "zstd"])
+def test_a_batch_whose_body_does_not_parse_is_skipped_alone_below_the_durable_end(tmp_path: Path, caplog,
+                                                                                  malformed) -> None:
+    """Its CRC is right (a writer's bug): skipped, logged and counted like a corrupt record, as the store skips it;
+    a compressed body that does not inflate too."""
     config = CommitLogConfig(segment_bytes=16 * 1024, max_record_bytes=16 * 1024)
     with CommitLog.open(tmp_path / "commitlog", config) as log:
         first = log.append(encode_record("a/b", b"1", store_ms=1))
-        log.append(malformed_batch("a/b", 2))
+        log.append(malformed())
         last = log.append(encode_record("a/b", b"2", store_ms=3))
         log.flush()
     skipped = corrupt_skipped()

@@ -22,6 +22,10 @@ from tests.helpers.spark_fixtures import (
 from spark_analytics.source import admitted_end
 from spark_analytics.times import parse_time
 from lightqueue.topics import matches
+from store.api import NewMessage
+from store.log.commitlog import CommitLog, CommitLogConfig
+from store.log.record import FLAG_ZSTD, encode_record, new_batch
+from tests.helpers.batches import readings
 
 pytestmark = pytest.mark.spark
 
@@ -154,3 +158,21 @@ def test_a_micro_batch_never_ends_inside_a_batch_record() -> None:
     assert admitted_end([np.concatenate((singles, batch[:4])), batch[4:], after], 0, 800, 5, None) == 600
     assert admitted_end(chunks, 0, 800, 100, None) == 800
     assert admitted_end([batch, after], 300, 800, None, 1) == 600  # at least one record: the whole batch
+
+
+def test_compressed_batch_records_are_a_row_per_message(spark: Any, tmp_path: Path) -> None:
+    """Batch records whose bodies are zstd frames (docs/storage.md, "Compressed batch bodies") beside raw ones and
+    single records: a row per message, at its position, with its own fields, across partitions."""
+    expected = []
+    with CommitLog.open(tmp_path / "commitlog", CommitLogConfig(segment_bytes=64 * 1024, max_record_bytes=64 * 1024)) as log:
+        for n in range(40):
+            items = [NewMessage("b/z", p, client_id=f"dev-{i % 3}", qos=i % 3) for i, p in enumerate(readings(12, n))]
+            raw = new_batch("b/z", items, T0_MS + n, compress=n % 4 != 3)[0]
+            assert bool(raw[12] & FLAG_ZSTD) == (n % 4 != 3)
+            offset = log.append(raw)
+            expected += [(offset + i, m.client_id, m.qos, m.payload) for i, m in enumerate(items)]
+            offset = log.append(encode_record("b/z", b"single %d" % n, store_ms=T0_MS + n))
+            expected.append((offset, "", 0, b"single %d" % n))
+        log.flush()
+    df = spark.read.format("commitlog").option("partitionBytes", "20000").load(str(tmp_path))
+    assert [(r.offset, r.client_id, r.qos, r.payload) for r in df.orderBy("offset").collect()] == expected

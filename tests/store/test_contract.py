@@ -9,6 +9,7 @@ tested beside it (tests/store/rpc/, tests/store/test_node.py).
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -250,8 +251,9 @@ async def test_a_group_claims_and_acknowledges_messages_inside_a_batch_one_by_on
 
 async def test_a_batch_over_the_record_limit_is_split_into_batch_records_that_fit(api):
     """Four messages of a third of ``max_record_bytes`` each: two batch records of two, in order, every message
-    with its own position (a gap between the records: the first holds more bytes than messages)."""
-    batch = [message("bat/fit", b"%d" % i + b"x" * (SMALL_RECORD_BYTES // 3)) for i in range(4)]
+    with its own position (a gap between the records: the first holds more bytes than messages). Random payloads:
+    the records stay as long as their messages (a compressed body would be shorter)."""
+    batch = [message("bat/fit", b"%d" % i + random.Random(i).randbytes(SMALL_RECORD_BYTES // 3)) for i in range(4)]
     positions = (await api.append(batch, batch=True)).offsets
     assert positions[1] == positions[0] + 1 and positions[3] == positions[2] + 1
     assert positions[2] > positions[0] + SMALL_RECORD_BYTES // 2  # the second record starts past the first

@@ -19,7 +19,7 @@ from tests.helpers.spark_fixtures import Msg, encode, telemetry, write_log
 from store.api import NewMessage
 from store.control import SessionSaved, encode_control
 from store.log.commitlog import CommitLog, CommitLogConfig
-from store.log.record import new_batch
+from store.log.record import FLAG_ZSTD, new_batch
 from store.node import open_store
 from store.tier import TierConfig, TierConverter
 from store.tierfiles import TEMP_PREFIX, file_name, list_tier, open_tier, read_meta
@@ -231,9 +231,12 @@ def check_converted(data: Path, expected: list[tuple]) -> None:
         assert meta.records == parquet.num_rows
 
 
-def test_a_batch_record_becomes_a_row_per_message(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_batch_record_becomes_a_row_per_message(tmp_path: Path, compress: bool) -> None:
     """A batch record (docs/storage.md, "Batch records") is one frame of the log and one row per message in the
-    tier: each at its position (the record's offset + its index), with its own fields; the record count is rows."""
+    tier: each at its position (the record's offset + its index), with its own fields; the record count is rows.
+    A compressed body (``FLAG_ZSTD``) makes the same rows."""
+    compressed = 0
     expected = []
     with CommitLog.open(tmp_path / "commitlog", CONFIG) as log:
         for n, msg in enumerate(mixed(1200)):
@@ -243,9 +246,12 @@ def test_a_batch_record_becomes_a_row_per_message(tmp_path: Path) -> None:
                                  r.properties, r.payload))
                 continue
             items = [NewMessage(msg.topic, msg.payload + b"%d" % i, client_id=f"c{i}", qos=i % 3, retain=i == 0,
-                                born_ms=msg.store_ms - i) for i in range(4)]
-            offset = log.append(new_batch(msg.topic, items, msg.store_ms)[0])
+                                born_ms=msg.store_ms - i) for i in range(8)]
+            raw = new_batch(msg.topic, items, msg.store_ms, compress=compress)[0]
+            compressed += bool(raw[12] & FLAG_ZSTD)
+            offset = log.append(raw)
             expected += [(offset + i, msg.store_ms, m.born_ms, msg.topic, m.client_id, m.qos, m.retain, b"",
                           m.payload) for i, m in enumerate(items)]
         log.flush()
+    assert compressed > 500 if compress else compressed == 0  # of 600 batches: most save an eighth
     check_converted(tmp_path, expected)

@@ -126,7 +126,8 @@ def test_store_help_shows_only_what_the_store_node_uses(tmp_path):
 def test_repair_help_shows_only_what_repair_uses(tmp_path):
     _, flags = help_flags("repair", tmp_path)
     assert flags == {"--help", "--config", "--data", "--log-level", "--log-json", "--no-log-json",
-                     "--commitlog-segment-bytes", "--commitlog-max-record-bytes", "--commitlog-flush",
+                     "--commitlog-segment-bytes", "--commitlog-max-record-bytes", "--commitlog-batch-compression",
+                     "--commitlog-flush",
                      "--commitlog-flush-interval-ms", "--commitlog-flush-min-bytes",
                      "--commitlog-flush-force-interval-ms", "--commitlog-sync-interval-ms"}
 

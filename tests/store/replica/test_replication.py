@@ -18,7 +18,7 @@ from store.api import NewMessage, LeaderFenced
 from lightqueue.queues import LightQueues
 from store.dump import dump
 from store.log.commitlog import CommitLog
-from store.log.record import decode_record, new_record, now_ms
+from store.log.record import FLAG_ZSTD, decode_record, new_record, now_ms
 from store.node import open_follower, open_store
 from store.repair import repair
 from store.replica.follower import LeaderChanged, follow
@@ -372,14 +372,18 @@ async def test_a_follower_reopens_as_the_leader_of_the_next_epoch(tmp_path, nurs
         assert await trio.to_thread.run_sync(promoted.queues.holders, "t/#") == ["holder"]
 
 
-async def test_a_follower_copies_batch_records_and_serves_their_messages_once_promoted(tmp_path, nursery):
+@pytest.mark.parametrize("compression", ["off", "zstd"])
+async def test_a_follower_copies_batch_records_and_serves_their_messages_once_promoted(tmp_path, nursery, compression):
     """A batch record (docs/storage.md, "Batch records") is a frame like any other: the follower copies it byte
-    for byte, derives the same index (one entry per batch), and promoted, serves its messages one by one."""
-    b = Follower(tmp_path / "b", "b")
-    async with leader(tmp_path / "a", acks="quorum") as node:
+    for byte, derives the same index (one entry per batch), and promoted, serves its messages one by one. A
+    compressed body (``FLAG_ZSTD``) is copied as stored and inflated by each reader."""
+    config = dataclasses.replace(CONFIG, batch_compression=compression)
+    b = Follower(tmp_path / "b", "b", config)
+    async with leader(tmp_path / "a", acks="quorum", config=config) as node:
         await nursery.start(b.run, node.port)
         batch = [NewMessage("t/b", b"%d" % i, f"pub{i % 3}", qos=1, retain=i == 4) for i in range(25)]
         positions = await node.append(batch, batch=True)
+        assert bool(node.log.log.read(positions[0]).flags & FLAG_ZSTD) == (compression == "zstd")
         await node.append(messages(3))
         end = node.log.log.written_offset
         await until(lambda: b.dispatcher.dispatched_offset == end and node.dispatcher.dispatched_offset == end,
@@ -387,7 +391,7 @@ async def test_a_follower_copies_batch_records_and_serves_their_messages_once_pr
         await b.stop()
     assert log_bytes(tmp_path / "b") == log_bytes(tmp_path / "a")
     assert dump(tmp_path / "b" / "index") == dump(tmp_path / "a" / "index")
-    async with leader(tmp_path / "b", acks="leader", epoch=2) as promoted:
+    async with leader(tmp_path / "b", acks="leader", epoch=2, config=config) as promoted:
         result = promoted.read("t/b", 10, 100)
         assert [(qoff, r.offset, r.payload, r.client_id) for qoff, r in result.messages] == [
             (q, positions[q], b"%d" % q, f"pub{q % 3}") for q in range(10, 25)]
