@@ -50,8 +50,9 @@ async def test_every_reader_of_a_restarted_node_gets_the_messages_of_compressed_
         store = LocalStore(node, "reader")
         [pulled] = await store.pull([PullRequest("tele/a", 0, 100)])
         assert [(q, r.offset, r.payload, r.client_id) for q, r in pulled.messages] == expected
-        [raw] = await store.pull_raw([PullRequest("tele/a", 0, 100)])  # the RPC's form: a single record each
-        assert [(q, decode_record(data, 0, offset).payload) for q, (offset, data) in raw.messages] == [
+        [raw] = await store.pull_raw([PullRequest("tele/a", 0, 100)])  # the RPC's form: a batch record whole
+        assert [(q + i, message.payload) for q, (offset, data, first, stop) in raw.messages
+                for i, message in enumerate(decode_record(data, 0, offset).messages[first:stop], first)] == [
             (q, payload) for q, _, payload, _ in expected]
         group = group_owner("g")
         await store.join(group, "tele/a", "m1", start="earliest")
