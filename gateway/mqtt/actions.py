@@ -124,6 +124,16 @@ class SessionState:
     detached: bool = False
 
 
+class SavedSubscription(msgspec.Struct, frozen=True, array_like=True):
+    """One subscription of a session as a part of its stored state (``PatchSession``): the subscription, its lane
+    of packet ids, its committed ``offset`` and the ``cursor`` delivery resumes at."""
+
+    sub: Subscription
+    lane: int
+    offset: int
+    cursor: int
+
+
 # --- actions: channel -> node ---------------------------------------------------------------
 
 
@@ -267,6 +277,17 @@ class SaveSession(msgspec.Struct, frozen=True):
 
     state: SessionState
     ref: int | None = None
+
+
+class PatchSession(msgspec.Struct, frozen=True):
+    """Keep these subscriptions of a persistent session (by filter; None: unsubscribed) beside its saved state,
+    without writing the whole state again (``StoreApi.patch_session``): a SUBSCRIBE costs its own filters.
+    """
+
+    client_id: str
+    parts: dict[str, SavedSubscription | None]
+    subscriptions: int  # the session's subscriptions with these ($SYS)
+    ref: int | None = None  # answered ``SessionSaved(ref)`` once written, as a ``SaveSession``
 
 
 class ReleaseInbound(msgspec.Struct, frozen=True):
@@ -442,7 +463,7 @@ class Timeout(msgspec.Struct, frozen=True):
 
 Action: TypeAlias = (
     Send | Deliver | Close | ArmTimer | CancelTimer | OpenSession | Append | Activate | AfterReads | Release
-    | CommitOffsets | Pull | PublishWill | SaveSession | ReleaseInbound | CloseSession | LimitHit | Denied
+    | CommitOffsets | Pull | PublishWill | SaveSession | PatchSession | ReleaseInbound | CloseSession | LimitHit | Denied
 )
 Event: TypeAlias = (
     SessionOpened | Appended | Activated | Pulled | QueueAdvanced | SocketWritten | ConnectionLost | TakenOver
