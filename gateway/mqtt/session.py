@@ -416,22 +416,24 @@ class Session:
             return []
         return [self._save_action()]
 
-    def patch(self, filters: Iterable[str], ack: Send,
+    def patch(self, filters: Iterable[str], ack: Send | None = None,
               retained: tuple[tuple[str, Message], ...] = ()) -> list[Action]:
         """``PatchSession`` of ``filters`` (subscribed or replaced now, or unsubscribed) if the session is
         persistent: what a SUBSCRIBE changed, without the whole state (saved whole by the next ``save``). ``ack``
-        (its SUBACK or UNSUBACK) and the ``retained`` messages of its new subscriptions go once that is written,
-        so a session restored after a crash has every subscription acknowledged [MQTT-3.8.4-3]. While a save or
-        patch is being written, the filters wait and go together in the next one (``saved``)."""
+        (its SUBACK) and the ``retained`` messages of its new subscriptions go once that is written, so a session
+        restored after a crash has every subscription acknowledged [MQTT-3.8.4-3]. While a save or patch is being
+        written, the filters wait and go together in the next one (``saved``)."""
         due = self._patch_due if self._patch_due is not None else {}
         due.update(dict.fromkeys(filters))
+        now = [ack] if ack is not None else []
         if not self.persistent or not due or self._link is None:
             self._patch_due = due or None
             save = [SaveSession(self.state())] if self.persistent and due and self._link is None else []
-            return [*save, ack, *self.retained(retained)]
-        held = self._held if self._held is not None else []
-        held.append((ack, retained))
-        self._held = held
+            return [*save, *now, *self.retained(retained)]
+        if ack is not None:
+            held = self._held if self._held is not None else []
+            held.append((ack, retained))
+            self._held = held
         if self._saves:
             self._patch_due = due
             return []

@@ -143,10 +143,11 @@ def process_unsubscribe(channel: ChannelView, packet: Unsubscribe) -> list[Actio
         else:
             codes.append(ReasonCode.NO_SUBSCRIPTION_EXISTED)
     reasons = tuple(codes) if channel.conn.level == MQTT_5 else ()
-    ack = Send((Unsuback(packet.packet_id, reasons),))
-    if not released:
-        return [ack]
-    return [Release(channel.conn.client_id, tuple(released)), *session.patch(released, ack)]
+    # The UNSUBACK goes at once: the unsubscription takes effect for the client now, and on a full disk the store's
+    # release and the session's patch wait for room (docs/operations.md). A SUBSCRIBE's patch comes after it.
+    actions: list[Action] = [Release(channel.conn.client_id, tuple(released)), *session.patch(released)] \
+        if released else []
+    return [*actions, Send((Unsuback(packet.packet_id, reasons),))]
 
 
 def on_activated(channel: ChannelView, event: Activated) -> list[Action]:

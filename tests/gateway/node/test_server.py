@@ -189,10 +189,11 @@ def test_a_session_that_pipelined_its_subscribes_has_every_filter_matching_and_a
 @pytest.mark.slow
 def test_a_session_killed_after_its_acks_resumes_every_subscription_it_was_sent_a_suback_for(tmp_path):
     # Issue 31: a SUBSCRIBE stores its own filters (a session_patched record), not the whole session again, so the
-    # session records grow with the filters, not with their square; and a SUBACK or UNSUBACK goes once what it
-    # acknowledges is stored, so a node killed (SIGKILL) right after it resumes exactly that: [MQTT-3.8.4-3] the
-    # subscriptions exist once SUBACKed, a re-SUBSCRIBE's options replace the old ones [MQTT-3.8.4-3], an
-    # UNSUBSCRIBEd filter is gone [MQTT-3.10.4-1], and the session is present [MQTT-3.1.2-4/5].
+    # session records grow with the filters, not with their square; and a SUBACK goes once what it
+    # acknowledges is stored (an UNSUBSCRIBE's, stored in order, before the SUBACK after it), so a node killed
+    # (SIGKILL) right after it resumes exactly that: [MQTT-3.8.4-3] the subscriptions exist once SUBACKed, a
+    # re-SUBSCRIBE's options replace the old ones [MQTT-3.8.4-3], an UNSUBSCRIBEd filter is gone [MQTT-3.10.4-1],
+    # and the session is present [MQTT-3.1.2-4/5].
     run = uuid.uuid4().hex[:6]
     count = 200
     filters = [f"k{run}/{n}" if n % 2 else f"k{run}/+/{n}" for n in range(count)]
@@ -202,9 +203,9 @@ def test_a_session_killed_after_its_acks_resumes_every_subscription_it_was_sent_
         sub.connect()
         for topic_filter in filters:  # one SUBSCRIBE each, after the SUBACK of the one before
             sub.subscribe(topic_filter, 1)
-        sub.subscribe(filters[0], 0)  # options replaced: QoS 0 from now on
         sub.paho.unsubscribe(filters[1])
         sub.unsubacks.get(timeout=WAIT_S)
+        sub.subscribe(filters[0], 0)  # options replaced: QoS 0 from now on; stored after the UNSUBSCRIBE
         kill(first)
     sizes = control_sizes(tmp_path / "data")
     session_bytes = sum(size for kind, size in sizes if kind in ("session_saved", "session_patched"))
