@@ -693,7 +693,7 @@ class StoreApi(Protocol):
 
     async def open_session(self, client_id: str, *, clean_start: bool, expiry_s: int,
                            will: NewMessage | None = None, will_delay_s: int = 0) -> bytes | None:
-        """Client ``client_id`` connected to this node; returns its stored session blob (None: a new session).
+        """Client ``client_id`` connected to this node; returns its stored session (as :meth:`load_session`; None: new).
 
         The store places the client here (a connection of it on another node is closed there: that node's
         :meth:`moved`), cancels its session's expiry and a will waiting for its delay (with ``clean_start`` the
