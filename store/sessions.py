@@ -2,7 +2,8 @@
 
 The node keeps the gateway's persistent session state as opaque blobs: the store knows nothing of MQTT, it only
 makes them durable. A save is a ``SessionSaved`` control record, a change of some parts of it (a SUBSCRIBE's
-filters) a ``SessionPatched`` of those parts alone, and the end of a session one ``SessionEnded`` (store/control.py), appended to the CommitLog like a message (a save's acknowledgement means what a message's
+filters) a ``SessionPatched`` of those parts alone, and the end of a session one ``SessionEnded``
+(store/control.py), appended to the CommitLog like a message (a save's acknowledgement means what a message's
 means under the flush policy); dispatch applies them into the column family ``sessions`` (``SessionBlobs``, store/
 derived.py), which is only derived from the log. The store owns the sessions' lifecycle all the same
 (store/leases.py): where each client is connected, its will, its expiry, and ending a session (blob, offsets,
@@ -232,7 +233,8 @@ class Sessions:
         await self._append_control([SessionPatched(client_id, parts)], applied=False)
 
     async def load_session(self, client_id: str) -> bytes | None:
-        """The session (``session_image``) last saved for ``client_id``, or None, once dispatch has passed everything appended before."""
+        """The session (``session_image``) last saved for ``client_id``, or None, once dispatch has passed everything
+        appended before."""
         await self._dispatcher.wait_dispatched(self._log.written_offset)
         return await trio.to_thread.run_sync(self.blobs.get, client_id)
 

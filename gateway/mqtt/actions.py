@@ -463,7 +463,8 @@ class Timeout(msgspec.Struct, frozen=True):
 
 Action: TypeAlias = (
     Send | Deliver | Close | ArmTimer | CancelTimer | OpenSession | Append | Activate | AfterReads | Release
-    | CommitOffsets | Pull | PublishWill | SaveSession | PatchSession | ReleaseInbound | CloseSession | LimitHit | Denied
+    | CommitOffsets | Pull | PublishWill | SaveSession | PatchSession | ReleaseInbound | CloseSession | LimitHit
+    | Denied
 )
 Event: TypeAlias = (
     SessionOpened | Appended | Activated | Pulled | QueueAdvanced | SocketWritten | ConnectionLost | TakenOver

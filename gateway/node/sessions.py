@@ -12,8 +12,8 @@ A node keeps no session of a client that is not connected to it:
 - Save: a persistent session's state is written to the store (WAL); a save the channel waits for is answered
   ``SessionSaved`` once written. A SUBSCRIBE or UNSUBSCRIBE writes its own filters only (``PatchSession``), kept
   beside the state until the next save writes it whole; a client's saves and patches are written in the order
-  they come (the store drops a client's parts when it applies a save: the save holds them). On a full data disk the write is owed (gateway/node/owed.py): the latest state
-  is written once the disk has room, and a CONNECT of the client meanwhile is refused for lack of space.
+  they come (the store drops a client's parts when it applies a save: the save holds them). On a full data disk
+  the write is owed (gateway/node/owed.py): the latest state is written once the disk has room, and a CONNECT of the client meanwhile is refused for lack of space.
 - Close: the store hears that the connection closed: the session expires from then (0: it ends now), and the
   will is published after its delay unless the session resumes first.
 """
