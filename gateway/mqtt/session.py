@@ -178,7 +178,9 @@ class _Stream:
         self.cursor = cursor  # next offset to pull
         self.head: int | None = None  # queue max offset when known; None: pull to find out
         self.pulling = False
-        self.buffer: deque[Message] = deque()
+        # Pulled messages not yet delivered: a deque from the first pull that brings some (an empty one is 624 B, and
+        # a session may hold thousands of subscriptions that never get a message: issue 31).
+        self.buffer: deque[Message] | tuple[()] = ()
         self.unacked: set[int] = set()  # delivered, not yet acknowledged (or written, QoS 0)
         self.resend: dict[int, int] = {}  # resuming: offset -> packet id to resend with DUP
         # Resuming: offsets below this not in ``resend`` were acknowledged. A shared subscription's group
@@ -191,6 +193,13 @@ class _Stream:
         # A shared subscription's buffered messages' receipt handles by queue offset (None: not shared). A
         # buffered offset without one is a second copy (the group handed it out again): dropped.
         self.handles: dict[int, str] | None = {} if sub.group is not None else None
+
+    def fill(self, messages: Sequence[Message]) -> None:
+        """Buffer pulled ``messages``."""
+        if isinstance(self.buffer, deque):
+            self.buffer.extend(messages)
+        elif messages:
+            self.buffer = deque(messages)
 
     def pid(self, offset: int) -> int:
         """The packet id of the message at ``offset`` in this stream's lane."""
@@ -362,7 +371,7 @@ class Session:
             if stream.handles:
                 held += stream.handles.values()
                 stream.handles.clear()
-                stream.buffer.clear()
+                stream.buffer = ()
         return acks, held
 
     def _pop_ack(self, handle: str) -> None:
@@ -631,12 +640,12 @@ class Session:
             # start: it only places a group that has no offset yet.
             for message, handle in zip(messages, handles, strict=True):
                 stream.handles[message.offset] = handle  # type: ignore[index]
-            stream.buffer.extend(messages)
+            stream.fill(messages)
             if messages:
                 stream.head = None
             return self.pump()
         fresh = [m for m in messages if m.offset is not None and m.offset >= stream.cursor]
-        stream.buffer.extend(fresh)
+        stream.fill(fresh)
         if stream.resend:
             returned = {m.offset for m in fresh}
             for offset in [o for o in stream.resend if o < next_offset and o not in returned]:
