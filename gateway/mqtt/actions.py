@@ -61,8 +61,9 @@ class Message(msgspec.Struct, gc=False):
     template: PublishTemplate | None = None  # its PUBLISH, encoded by the first session that delivers it
 
 
-class Subscription(msgspec.Struct, frozen=True):
-    """One subscription of a session.
+class Subscription(msgspec.Struct, frozen=True, gc=False):
+    """One subscription of a session (untracked by the garbage collector: strings, numbers, options, no cycle; a node
+    holding 50,000 of them walks them in every full collection otherwise, issue 31).
 
     ``filter`` is the filter as the client sent it (``$share/g/a/+`` included)
     and the key of everything per subscription; ``queue`` is the light queue it
@@ -124,7 +125,7 @@ class SessionState:
     detached: bool = False
 
 
-class SavedSubscription(msgspec.Struct, frozen=True, array_like=True):
+class SavedSubscription(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One subscription of a session as a part of its stored state (``PatchSession``): the subscription, its lane
     of packet ids, its committed ``offset`` and the ``cursor`` delivery resumes at."""
 
