@@ -59,9 +59,9 @@ __all__ = [
     "DLQ_PREFIX", "GROUP_PREFIX", "MAIN_LOG", "MAX_ATTEMPTS", "POP_PREFIX", "SHARE_PREFIX", "AdminOp",
     "DelayedCapExceeded", "DelayedMessage", "DelayedPage", "Flow", "FollowerStatistics", "LeaderFenced", "LeaseLost",
     "LogSpan", "NewMessage", "NotLeader", "Popped", "Position", "Positions", "PullRequest", "PullResult",
-    "PopStatistics", "ReplicationStatistics", "StoreApi", "StoreStatistics", "StoreUnavailable", "TimerStatistics", "batch_groups",
-    "batch_room", "batchable", "by_topic",
-    "dlq_topic", "group_owner", "pop_owner",
+    "PopStatistics", "ReplicationStatistics", "SESSION_IMAGE", "StoreApi", "StoreStatistics", "StoreUnavailable",
+    "TimerStatistics", "batch_groups", "batch_room", "batchable", "by_topic", "dlq_topic", "group_owner", "pop_owner",
+    "session_image", "session_parts",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
     "RecordTooLarge", "StartupError", "TopicError",
@@ -96,6 +96,32 @@ def pop_owner(group: str) -> str:
 def dlq_topic(group: str) -> str:
     """The dead-letter topic of POP group ``group``."""
     return DLQ_PREFIX + group
+
+
+SESSION_IMAGE = b"\xc1"
+"""The first byte of a session stored with parts (``session_image``): a byte no msgpack document starts with, so
+an image is never taken for a blob (the gateway's are msgpack)."""
+
+_IMAGE = msgspec.msgpack.Decoder(tuple[bytes, dict[str, bytes]])
+
+
+def session_image(blob: bytes, parts: Mapping[str, bytes]) -> bytes:
+    """A stored session as ``StoreApi.load_session`` returns it: the blob alone when no part was patched since it
+    was saved, else ``SESSION_IMAGE`` and msgpack ``[blob, {key: part}]``."""
+    if not parts:
+        return blob
+    return SESSION_IMAGE + msgspec.msgpack.encode((blob, dict(parts)))
+
+
+def session_parts(stored: bytes) -> tuple[bytes, dict[str, bytes]]:
+    """The blob and the parts of a stored session (``session_image``).
+
+    Raises:
+        msgspec.DecodeError: an image that does not decode.
+    """
+    if not stored.startswith(SESSION_IMAGE):
+        return stored, {}
+    return _IMAGE.decode(memoryview(stored)[1:])
 
 
 SHARE_PREFIX = TOPIC_SHARE_PREFIX
@@ -677,7 +703,7 @@ class StoreApi(Protocol):
 
     async def open_session(self, client_id: str, *, clean_start: bool, expiry_s: int,
                            will: NewMessage | None = None, will_delay_s: int = 0) -> bytes | None:
-        """Client ``client_id`` connected to this node; returns its stored session blob (None: a new session).
+        """Client ``client_id`` connected to this node; returns its stored session (as :meth:`load_session`; None: new).
 
         The store places the client here (a connection of it on another node is closed there: that node's
         :meth:`moved`), cancels its session's expiry and a will waiting for its delay (with ``clean_start`` the
@@ -701,8 +727,15 @@ class StoreApi(Protocol):
         """Keep the session blob of ``client_id`` durably (WAL; fsynced under the sync flush policy)."""
         ...
 
+    async def patch_session(self, client_id: str, parts: Mapping[str, bytes]) -> None:
+        """Keep ``parts`` of the stored session of ``client_id`` beside its blob (an empty part removes its key),
+        durably as :meth:`save_session`, until the next save replaces them all; nothing is kept when no blob is.
+        What :meth:`open_session` and :meth:`load_session` return holds them (``session_image``)."""
+        ...
+
     async def load_session(self, client_id: str) -> bytes | None:
-        """The blob last saved for ``client_id``, or None."""
+        """The session stored for ``client_id`` (its blob, or ``session_image`` when parts were patched since), or
+        None."""
         ...
 
     async def end_session(self, client_id: str) -> bool:

@@ -25,8 +25,8 @@ from store.log.record import Record, new_control
 __all__ = [
     "KIND_PREFIX", "Activated", "ClientClosed", "ClientConnected", "ClientForgotten", "Committed", "Control",
     "ControlError", "Delayed", "FlowsAwaiting", "FlowsReleased", "PopAcked", "PopCheckpoint", "PopRestated",
-    "PopRevived", "QueueBases", "Released", "RetainedKept", "SessionEnded", "SessionSaved", "TimerCancelled",
-    "TimersFired", "TimersRolled", "WillPublished", "decode_control", "encode_all", "encode_control",
+    "PopRevived", "QueueBases", "Released", "RetainedKept", "SessionEnded", "SessionPatched", "SessionSaved",
+    "TimerCancelled", "TimersFired", "TimersRolled", "WillPublished", "decode_control", "encode_all", "encode_control",
 ]
 
 KIND_PREFIX = "$store/"
@@ -89,6 +89,16 @@ class SessionSaved(msgspec.Struct, frozen=True, array_like=True, tag="session_sa
     client: str
     blob: bytes
     only_existing: bool = False
+
+
+class SessionPatched(msgspec.Struct, frozen=True, array_like=True, tag="session_patched"):
+    """Parts of ``client``'s session changed since its last ``SessionSaved`` (the gateway's: a subscription made or
+    replaced, by its filter), each kept beside the blob under its key until the next save restates them whole; an
+    empty part removes its key (an unsubscription). Dropped when no blob is kept (its session ended before it):
+    a SUBSCRIBE costs a record of its own filters, not the whole blob (issue 31)."""
+
+    client: str
+    parts: dict[str, bytes]
 
 
 class SessionEnded(msgspec.Struct, frozen=True, array_like=True, tag="session_ended"):
@@ -258,9 +268,9 @@ class PopRestated(msgspec.Struct, frozen=True, array_like=True, tag="pop_restate
     retry: list[tuple[int, int]]
 
 
-Control = Union[Activated, Released, Committed, SessionSaved, SessionEnded, FlowsReleased, FlowsAwaiting,
-                ClientConnected, ClientClosed, WillPublished, ClientForgotten, RetainedKept, Delayed, TimersFired,
-                TimersRolled, TimerCancelled, QueueBases, PopCheckpoint, PopAcked, PopRevived, PopRestated]
+Control = Union[Activated, Released, Committed, SessionSaved, SessionPatched, SessionEnded, FlowsReleased,
+                FlowsAwaiting, ClientConnected, ClientClosed, WillPublished, ClientForgotten, RetainedKept, Delayed,
+                TimersFired, TimersRolled, TimerCancelled, QueueBases, PopCheckpoint, PopAcked, PopRevived, PopRestated]
 """Every control record kind (a tagged union: the tag is the first element of the msgpack array)."""
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -83,6 +83,27 @@ class DerivedFamily:
             if key not in _MARKS:
                 yield key.decode(), value
 
+    def under(self, prefix: str) -> list[tuple[str, bytes]]:
+        """The entries whose key starts with ``prefix`` (blocking: a seek and a range of the family)."""
+        start = prefix.encode()
+        found = []
+        for key, value in self._family.items(from_key=start):
+            if not key.startswith(start) or key in _MARKS:
+                break
+            found.append((key.decode(), value))
+        return found
+
+    def delete_under(self, prefix: str, offset: int) -> None:
+        """Forget every entry whose key starts with ``prefix`` (a record at ``offset`` said so), in one range
+        deletion (UTF-8 never holds the byte 0xFF, so it ends the range); nothing is written when there is none."""
+        start = prefix.encode()
+        first = next(iter(self._family.keys(from_key=start)), None)
+        if first is None or not first.startswith(start):
+            self.applied(offset)
+            return
+        self._mark(offset)
+        self._family.delete_range(start, start + b"\xff", _NO_WAL)
+
     def keys(self) -> Iterator[str]:
         """Every client id (blocking: a scan of the keys only)."""
         for key in self._family.keys():

@@ -256,6 +256,9 @@ class LocalStore:
             LOGGER.info("session save dropped: the session ended before it was written",
                         extra={"ctx": {"client_id": client_id, "node": self.node}})
 
+    async def patch_session(self, client_id: str, parts: Mapping[str, bytes]) -> None:
+        await self.store.sessions.patch_session(client_id, dict(parts))
+
     async def load_session(self, client_id: str) -> bytes | None:
         return await self.store.sessions.load_session(client_id)
 

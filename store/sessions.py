@@ -1,7 +1,8 @@
 """The client-keyed part of a store node: session blobs, presence, wills, expiry, inbound QoS 2 flows.
 
 The node keeps the gateway's persistent session state as opaque blobs: the store knows nothing of MQTT, it only
-makes them durable. A save is a ``SessionSaved`` control record and the end of a session one ``SessionEnded``
+makes them durable. A save is a ``SessionSaved`` control record, a change of some parts of it (a SUBSCRIBE's
+filters) a ``SessionPatched`` of those parts alone, and the end of a session one ``SessionEnded``
 (store/control.py), appended to the CommitLog like a message (a save's acknowledgement means what a message's
 means under the flush policy); dispatch applies them into the column family ``sessions`` (``SessionBlobs``, store/
 derived.py), which is only derived from the log. The store owns the sessions' lifecycle all the same
@@ -21,9 +22,9 @@ from typing import final
 import rocksdict
 import trio
 
-from store.api import Flow, NewMessage
+from store.api import Flow, NewMessage, session_image
 from store.awaiting import AwaitingRelease
-from store.control import Control, FlowsReleased, SessionEnded, SessionSaved
+from store.control import Control, FlowsReleased, SessionEnded, SessionPatched, SessionSaved
 from store.derived import DerivedApplier
 from store.dispatch import Dispatcher
 from store.leases import Leases
@@ -31,7 +32,7 @@ from store.log.commitlog import CommitLog
 from store.log.errors import LogFullError
 from store.log.record import Record
 
-__all__ = ["SESSIONS_FAMILY", "SessionBlobs", "Sessions"]
+__all__ = ["PART", "SESSIONS_FAMILY", "SessionBlobs", "Sessions"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -39,10 +40,18 @@ SESSIONS_FAMILY = "sessions"
 """Its own column family: the light queues own every key of the default family."""
 
 
+PART = "\x00"
+"""Between a client id and a part's key in the family: MQTT strings never hold U+0000 [MQTT-1.5.4-2], so no client
+id has it and a client's parts sort right after its blob."""
+
+
 @final
 class SessionBlobs(DerivedApplier):
-    """The ``sessions`` column family (client id -> blob), derived from ``SessionSaved`` and ``SessionEnded``
-    records: a ``ControlApplier``.
+    """The ``sessions`` column family (client id -> blob; client id, ``PART``, key -> part), derived from
+    ``SessionSaved``, ``SessionPatched`` and ``SessionEnded`` records: a ``ControlApplier``.
+
+    A save replaces the blob and drops the parts patched before it (the blob holds them: the gateway writes a
+    client's saves and patches in the order it makes them); a patch keeps its parts beside the blob.
 
     Resource handling: :meth:`close` closes the family handle (before the database is closed).
     """
@@ -52,30 +61,58 @@ class SessionBlobs(DerivedApplier):
 
     def apply(self, record: Record, control: Control) -> None:
         family = self._family
+        offset = record.offset
         if isinstance(control, SessionSaved):
             if control.only_existing and family.get(control.client) is None:  # its session ended before it
-                family.applied(record.offset)
-            else:
-                family.put(control.client, control.blob, record.offset)
+                family.applied(offset)
+                return
+            family.put(control.client, control.blob, offset)
+            family.delete_under(control.client + PART, offset)
+        elif isinstance(control, SessionPatched):
+            if family.get(control.client) is None:  # its session ended before it
+                family.applied(offset)
+                return
+            prefix = control.client + PART
+            for key, part in control.parts.items():
+                if part:
+                    family.put(prefix + key, part, offset)
+                else:
+                    family.delete(prefix + key, offset)
         elif isinstance(control, SessionEnded):
-            family.delete(control.client, record.offset)
+            family.delete(control.client, offset)
+            family.delete_under(control.client + PART, offset)
+
+    def _parts(self, client_id: str) -> dict[str, bytes]:
+        skip = len(client_id) + 1
+        return {key[skip:]: part for key, part in self._family.under(client_id + PART)}
 
     def restate(self) -> Iterable[Control]:
-        """Every blob, as the save that makes it (blocking: a scan of the family)."""
-        return [SessionSaved(client_id, blob) for client_id, blob in self._family.items()]
+        """Every session, as the save (and the patch) that make it (blocking: a scan of the family)."""
+        controls: list[Control] = []
+        for client_id in self.ids():
+            blob = self._family.get(client_id)
+            assert blob is not None
+            controls.append(SessionSaved(client_id, blob))
+            parts = self._parts(client_id)
+            if parts:
+                controls.append(SessionPatched(client_id, parts))
+        return controls
 
     def get(self, client_id: str) -> bytes | None:
-        """The blob of ``client_id``, or None (a point read)."""
-        return self._family.get(client_id)
+        """The session of ``client_id`` (``session_image``: its blob with its parts), or None (point reads)."""
+        blob = self._family.get(client_id)
+        return None if blob is None else session_image(blob, self._parts(client_id))
 
     def items(self) -> Iterable[tuple[str, bytes]]:
-        """Every blob, by client id (blocking: a scan of the family)."""
-        return self._family.items()
+        """Every session (as :meth:`get`), by client id (blocking: a scan of the family)."""
+        for client_id in self.ids():
+            stored = self.get(client_id)
+            if stored is not None:
+                yield client_id, stored
 
     def ids(self) -> list[str]:
-        """The client ids of the stored blobs (blocking: a scan of the keys)."""
-        return list(self._family.keys())
-
+        """The client ids of the stored sessions (blocking: a scan of the keys)."""
+        return [key for key in self._family.keys() if PART not in key]
 
 
 @final
@@ -185,8 +222,19 @@ class Sessions:
         await self._append_control([SessionSaved(client_id, blob, only_existing)], applied=False)
         return True
 
+    async def patch_session(self, client_id: str, parts: dict[str, bytes]) -> None:
+        """Keep ``parts`` beside the session's blob (a ``SessionPatched`` record), stored as :meth:`save_session`
+        stores; applied only over a blob kept then.
+
+        Raises:
+            LogFullError: the data disk is short of space.
+            ValueError: the parts are over the record size limit (``RecordTooLarge``).
+        """
+        await self._append_control([SessionPatched(client_id, parts)], applied=False)
+
     async def load_session(self, client_id: str) -> bytes | None:
-        """The blob last saved for ``client_id``, or None, once dispatch has passed everything appended before."""
+        """The session (``session_image``) last saved for ``client_id``, or None, once dispatch has passed everything
+        appended before."""
         await self._dispatcher.wait_dispatched(self._log.written_offset)
         return await trio.to_thread.run_sync(self.blobs.get, client_id)
 

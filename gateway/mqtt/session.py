@@ -64,7 +64,7 @@ class decides per call whether ``SaveSession`` is emitted.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Protocol, final
@@ -80,8 +80,10 @@ from gateway.mqtt.actions import (
     InFlight,
     LimitHit,
     Message,
+    PatchSession,
     Phase,
     Pull,
+    SavedSubscription,
     SaveSession,
     Send,
     SessionState,
@@ -93,7 +95,7 @@ from gateway.mqtt.packets import MQTT_5, Pubrel
 from gateway.mqtt.properties import MAX_UINT16
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
 from gateway.mqtt.template import PublishTemplate
-from store.api import MAIN_LOG, Position
+from store.api import MAIN_LOG, Position, session_parts
 
 
 _NO_OFFSET = -1  # the "offset" of an in-flight retained message: not in a queue, never resent after a reconnect
@@ -176,7 +178,9 @@ class _Stream:
         self.cursor = cursor  # next offset to pull
         self.head: int | None = None  # queue max offset when known; None: pull to find out
         self.pulling = False
-        self.buffer: deque[Message] = deque()
+        # Pulled messages not yet delivered: a deque from the first pull that brings some (an empty one is 624 B, and
+        # a session may hold thousands of subscriptions that never get a message: issue 31).
+        self.buffer: deque[Message] | tuple[()] = ()
         self.unacked: set[int] = set()  # delivered, not yet acknowledged (or written, QoS 0)
         self.resend: dict[int, int] = {}  # resuming: offset -> packet id to resend with DUP
         # Resuming: offsets below this not in ``resend`` were acknowledged. A shared subscription's group
@@ -190,6 +194,13 @@ class _Stream:
         # buffered offset without one is a second copy (the group handed it out again): dropped.
         self.handles: dict[int, str] | None = {} if sub.group is not None else None
 
+    def fill(self, messages: Sequence[Message]) -> None:
+        """Buffer pulled ``messages``."""
+        if isinstance(self.buffer, deque):
+            self.buffer.extend(messages)
+        elif messages:
+            self.buffer = deque(messages)
+
     def pid(self, offset: int) -> int:
         """The packet id of the message at ``offset`` in this stream's lane."""
         return self.lane * LANE_PIDS + offset % LANE_PIDS
@@ -201,6 +212,20 @@ class _Stream:
 
     def resume_cursor(self) -> int:
         return max(self.skip_below, self.buffer[0].offset if self.buffer else self.cursor)  # type: ignore[type-var]
+
+
+@final
+class _Saving:
+    """What the write of a save or patch settles (``Session.saved``): lanes' committed offsets, PUBRELs, and the
+    SUBACKs and UNSUBACKs held for it with the retained messages that follow them."""
+
+    __slots__ = ("durable", "pubrels", "held")
+
+    def __init__(self, durable: list[tuple[_Stream, int]], pubrels: Sequence[int],
+                 held: Sequence[tuple[Send, tuple[tuple[str, Message], ...]]]) -> None:
+        self.durable = durable
+        self.pubrels = pubrels
+        self.held = held
 
 
 @final
@@ -219,7 +244,7 @@ class Session:
     __slots__ = ("client_id", "expiry_s", "awaiting_rel", "_streams", "_inflight", "_next_pid", "_retained",
                  "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due",
                  "_saves", "_next_ref", "_pubrel_due", "_need_save", "_by_queue", "_ready", "_lanes",
-                 "_pop_acks", "_pop_releases")
+                 "_pop_acks", "_pop_releases", "_patch_due", "_held")
 
     awaiting_rel: dict[int, Position]
     """Inbound QoS 2 packet id -> position of its record (``NOT_IN_LOG``: unknown to the store), stored
@@ -248,10 +273,12 @@ class Session:
         self._acks = 0
         self._pump_due = False
         # Made at the first save: most sessions never save while connected (an empty dict is 64 B each).
-        self._saves: dict[int, tuple[list[tuple[_Stream, int]], Sequence[int]]] | None = None  # ref -> (offsets, PUBRELs)
+        self._saves: dict[int, _Saving] | None = None  # ref -> what its write settles
+        self._held: list[tuple[Send, tuple[tuple[str, Message], ...]]] | None = None  # acks for the next write
         self._next_ref = 0
         self._pubrel_due: Sequence[int] = ()  # PUBRELs waiting for a save that records their PUBREC
         self._need_save = False  # a stream waits for (or will soon need) a save of its committed offset
+        self._patch_due: dict[str, None] | None = None  # filters changed while a save was written, for the next patch
         # Shared subscriptions' receipt handles to acknowledge, and to give back, at the next commit (None: none).
         self._pop_acks: list[str] | None = None
         self._pop_releases: list[str] | None = None
@@ -344,7 +371,7 @@ class Session:
             if stream.handles:
                 held += stream.handles.values()
                 stream.handles.clear()
-                stream.buffer.clear()
+                stream.buffer = ()
         return acks, held
 
     def _pop_ack(self, handle: str) -> None:
@@ -398,33 +425,86 @@ class Session:
             return []
         return [self._save_action()]
 
+    def patch(self, filters: Iterable[str], ack: Send | None = None,
+              retained: tuple[tuple[str, Message], ...] = ()) -> list[Action]:
+        """``PatchSession`` of ``filters`` (subscribed or replaced now, or unsubscribed) if the session is
+        persistent: what a SUBSCRIBE changed, without the whole state (saved whole by the next ``save``). ``ack``
+        (its SUBACK) and the ``retained`` messages of its new subscriptions go once that is written, so a session
+        restored after a crash has every subscription acknowledged [MQTT-3.8.4-3]. While a save or patch is being
+        written, the filters wait and go together in the next one (``saved``)."""
+        due = self._patch_due if self._patch_due is not None else {}
+        due.update(dict.fromkeys(filters))
+        now = [ack] if ack is not None else []
+        if not self.persistent or not due or self._link is None:
+            self._patch_due = due or None
+            save = [SaveSession(self.state())] if self.persistent and due and self._link is None else []
+            return [*save, *now, *self.retained(retained)]
+        if ack is not None:
+            held = self._held if self._held is not None else []
+            held.append((ack, retained))
+            self._held = held
+        if self._saves:
+            self._patch_due = due
+            return []
+        return [self._patch_action(due)]
+
+    def _patch_action(self, filters: Iterable[str]) -> PatchSession:
+        streams = self._streams
+        parts: dict[str, SavedSubscription | None] = {}
+        durable: list[tuple[_Stream, int]] = []
+        for name in filters:
+            stream = streams.get(name)
+            if stream is None:
+                parts[name] = None
+                continue
+            offset = stream.committed()
+            parts[name] = SavedSubscription(stream.sub, stream.lane, offset, stream.resume_cursor())
+            if stream.lane:
+                durable.append((stream, offset))
+        self._patch_due = None
+        return PatchSession(self.client_id, parts, len(streams), self._written_ref(durable, ()))
+
     def _save_action(self) -> SaveSession:
         state = self.state(resumable=True)
-        self._next_ref += 1
         streams = self._streams
-        if self._saves is None:
-            self._saves = {}
-        self._saves[self._next_ref] = ([(streams[name], offset) for name, offset in state.offsets.items()
-                                        if streams[name].lane], self._pubrel_due)
+        ref = self._written_ref([(streams[name], offset) for name, offset in state.offsets.items()
+                                 if streams[name].lane], self._pubrel_due)
         self._pubrel_due = ()
         self._need_save = False
-        return SaveSession(state, self._next_ref)
+        self._patch_due = None  # the state holds them
+        return SaveSession(state, ref)
+
+    def _written_ref(self, durable: list[tuple[_Stream, int]], pubrels: Sequence[int]) -> int:
+        """The ref of a save or patch made now: what its answer (``saved``) settles, the acknowledgements held
+        for it included (it holds every change made so far)."""
+        self._next_ref += 1
+        if self._saves is None:
+            self._saves = {}
+        self._saves[self._next_ref] = _Saving(durable, pubrels, self._held or ())
+        self._held = None
+        return self._next_ref
 
     def saved(self, ref: int) -> list[Action]:
-        """A ``SaveSession`` of this session is written: its committed offsets bound the lanes, the PUBRELs
-        its PUBRECs waited for go out, and delivery goes on."""
-        snapshot = self._saves.pop(ref, None) if self._saves else None
-        if snapshot is None or self._link is None:
+        """A ``SaveSession`` or ``PatchSession`` of this session is written: its committed offsets bound the lanes,
+        the PUBRELs its PUBRECs waited for and the SUBACKs and UNSUBACKs held for it go out (with the retained
+        messages of their subscriptions), and delivery goes on."""
+        saving = self._saves.pop(ref, None) if self._saves else None
+        if saving is None or self._link is None:
             return []
-        durable, pubrels = snapshot
-        for stream, offset in durable:
+        for stream, offset in saving.durable:
             if stream.durable is None or offset > stream.durable:
                 stream.durable = offset
         inflight = self._inflight
-        owed = tuple(Pubrel(pid) for pid in pubrels if pid in inflight and inflight[pid].phase is Phase.RELEASED)
+        owed = tuple(Pubrel(pid) for pid in saving.pubrels
+                     if pid in inflight and inflight[pid].phase is Phase.RELEASED)
         actions: list[Action] = [Send(owed)] if owed else []
+        for ack, retained in saving.held:
+            actions.append(ack)
+            self._hold_retained(retained)
         if self._pubrel_due and not self._saves:
             actions.append(self._save_action())
+        if self._patch_due and not self._saves and not self._need_save:
+            actions.append(self._patch_action(self._patch_due))
         return actions + self.pump()
 
     # --- connection ---------------------------------------------------------------------
@@ -449,6 +529,7 @@ class Session:
         self._retained.clear()
         self._saves = None  # their answers are not awaited: the next connection resumes from the saved state
         self._pubrel_due = ()
+        self._patch_due = self._held = None  # the save at the close holds them; no acknowledgement goes now
         self._link = None
 
     # --- subscriptions ------------------------------------------------------------------
@@ -559,12 +640,12 @@ class Session:
             # start: it only places a group that has no offset yet.
             for message, handle in zip(messages, handles, strict=True):
                 stream.handles[message.offset] = handle  # type: ignore[index]
-            stream.buffer.extend(messages)
+            stream.fill(messages)
             if messages:
                 stream.head = None
             return self.pump()
         fresh = [m for m in messages if m.offset is not None and m.offset >= stream.cursor]
-        stream.buffer.extend(fresh)
+        stream.fill(fresh)
         if stream.resend:
             returned = {m.offset for m in fresh}
             for offset in [o for o in stream.resend if o < next_offset and o not in returned]:
@@ -578,11 +659,14 @@ class Session:
 
     def retained(self, messages: tuple[tuple[str, Message], ...]) -> list[Action]:
         """Deliver retained messages for new subscriptions (RETAIN set), ahead of queue traffic."""
+        self._hold_retained(messages)
+        return self.pump()
+
+    def _hold_retained(self, messages: tuple[tuple[str, Message], ...]) -> None:
         for filter, message in messages:
             stream = self._streams.get(filter)
             if stream is not None:
                 self._retained.append((stream.sub, message))
-        return self.pump()
 
     def pump(self) -> list[Action]:
         """Deliver what the windows allow and pull for streams that ran dry.
@@ -891,7 +975,8 @@ class Session:
             self._acked(entry)
             return self.pump()
         if entry.phase is Phase.RELEASED:  # the PUBREC again: PUBREL again, unless a save is about to send it
-            waiting = packet_id in self._pubrel_due or any(packet_id in due for _, due in (self._saves or {}).values())
+            waiting = packet_id in self._pubrel_due or any(packet_id in saving.pubrels
+                                                           for saving in (self._saves or {}).values())
             return [] if waiting else [Send((Pubrel(packet_id),))]
         self._inflight[packet_id] = with_fields(entry, phase=Phase.RELEASED)
         if not self.persistent or entry.offset == _NO_OFFSET:
@@ -1075,13 +1160,50 @@ def encode_session(state: SessionState) -> bytes:
         next_packet_id=state.next_packet_id, awaiting=state.awaiting, detached=state.detached))
 
 
-def decode_session(blob: bytes) -> SessionState:
-    """The session a blob of any version holds.
+_PART = msgspec.msgpack.Decoder(SavedSubscription)
+
+
+def encode_parts(parts: Mapping[str, SavedSubscription | None]) -> dict[str, bytes]:
+    """``PatchSession``'s parts as the store keeps them (``StoreApi.patch_session``): empty for an unsubscription."""
+    return {name: b"" if part is None else _ENCODER.encode(part) for name, part in parts.items()}
+
+
+def decode_session(stored: bytes) -> SessionState:
+    """The session a stored blob of any version holds, with the parts patched since it was saved
+    (``PatchSession``): each part replaces its subscription (options, lane, offset, cursor), or removes it.
 
     Raises:
         msgspec.DecodeError: (a ValueError) the blob is not a session, is of a version this code does not know,
             or has positions in a log other than ``MAIN_LOG`` (a store of several logs: a later version's).
     """
+    blob, parts = session_parts(stored)
+    state = _decode_blob(blob)
+    return _patched(state, {name: _PART.decode(part) if part else None for name, part in parts.items()}) \
+        if parts else state
+
+
+def _patched(state: SessionState, parts: Mapping[str, SavedSubscription | None]) -> SessionState:
+    """``state`` with ``parts`` (filter -> its subscription now, None: unsubscribed) over its subscriptions. The
+    messages in flight of a filter stay (resuming reads them by offset), an unsubscribed one's go, as in a save."""
+    subscriptions = {sub.filter: sub for sub in state.subscriptions}
+    offsets, cursors, lanes = dict(state.offsets), dict(state.cursors), dict(state.lanes)
+    for name, part in parts.items():
+        if part is None:
+            for kept in (subscriptions, offsets, cursors, lanes):
+                kept.pop(name, None)
+            continue
+        subscriptions[name] = part.sub  # a replaced one keeps its place
+        offsets[name], cursors[name] = part.offset, part.cursor
+        if part.lane:
+            lanes[name] = part.lane
+        else:
+            lanes.pop(name, None)
+    inflight = tuple(e for e in state.inflight if e.filter in subscriptions)
+    return replace(state, subscriptions=tuple(subscriptions.values()), offsets=offsets, cursors=cursors,
+                   lanes=lanes, inflight=inflight)
+
+
+def _decode_blob(blob: bytes) -> SessionState:
     version = _VERSION.decode(blob).v
     decoder = _DECODERS.get(version)
     if decoder is None:

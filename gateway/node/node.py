@@ -5,7 +5,7 @@ and hands each channel action to the one that does it:
 
 | action | part |
 |---|---|
-| ``OpenSession``, ``SaveSession``, ``CloseSession`` | ``Sessions`` (gateway/node/sessions.py), with the ``Registry`` of connections and the ``Guard`` (authentication, ACL) |
+| ``OpenSession``, ``SaveSession``, ``PatchSession``, ``CloseSession`` | ``Sessions`` (gateway/node/sessions.py), with the ``Registry`` of connections and the ``Guard`` (authentication, ACL) |
 | ``Append`` | ``Appends`` (gateway/node/appends.py): batched per connection, or in the read round |
 | ``Activate``, ``Release``, ``CommitOffsets``, ``Pull`` | ``Subscriptions`` (gateway/node/subscriptions.py), the ``QueueCache``, the ``CommitBatcher`` |
 | ``PublishWill`` | ``Wills`` (gateway/node/wills.py) |
@@ -35,8 +35,8 @@ import trio
 
 from gateway.auth.acl import Access
 from gateway.mqtt.actions import (Action, Activate, AfterReads, Append, CloseSession, CommitOffsets, ConnectionLost,
-                                  Denied, InboundReleased, LimitHit, OpenSession, PublishWill, Pull, Pulled, Release,
-                                  ReleaseInbound, SaveSession)
+                                  Denied, InboundReleased, LimitHit, OpenSession, PatchSession, PublishWill, Pull,
+                                  Pulled, Release, ReleaseInbound, SaveSession)
 from gateway.mqtt.channel import ChannelConfig
 from gateway.mqtt.limits import LimitCounters
 from gateway.node.appends import Appends
@@ -184,6 +184,9 @@ class GatewayNode:
     async def _save_session(self, connection: Connection, action: SaveSession) -> None:
         await self.sessions.save(connection, action)
 
+    async def _patch_session(self, connection: Connection, action: PatchSession) -> None:
+        await self.sessions.patch(connection, action)
+
     async def _close_session(self, connection: Connection, action: CloseSession) -> None:
         if self._stopping:  # the store keeps the client as this node's until its lease ends, as for a node that dies
             await self.subscriptions.leave_groups(connection)
@@ -266,6 +269,7 @@ _ACTIONS: dict[type, Handler] = {
     AfterReads: GatewayNode._after_reads,
     OpenSession: GatewayNode._open_session,
     SaveSession: GatewayNode._save_session,
+    PatchSession: GatewayNode._patch_session,
     CloseSession: GatewayNode._close_session,
     Release: GatewayNode._release,
     CommitOffsets: GatewayNode._commit,

@@ -10,8 +10,10 @@ A node keeps no session of a client that is not connected to it:
   async flush policy), with the inbound QoS 2 flows the store derives from the CommitLog (store/awaiting.py).
   Subscriptions the connection's user may not make are suspended (kept, not resumed: docs/security.md).
 - Save: a persistent session's state is written to the store (WAL); a save the channel waits for is answered
-  ``SessionSaved`` once written. On a full data disk the write is owed (gateway/node/owed.py): the latest state
-  is written once the disk has room, and a CONNECT of the client meanwhile is refused for lack of space.
+  ``SessionSaved`` once written. A SUBSCRIBE or UNSUBSCRIBE writes its own filters only (``PatchSession``), kept
+  beside the state until the next save writes it whole; a client's saves and patches are written in the order
+  they come (the store drops a client's parts when it applies a save: the save holds them). On a full data disk
+  the write is owed (gateway/node/owed.py): the latest state is written once the disk has room, and a CONNECT of the client meanwhile is refused for lack of space.
 - Close: the store hears that the connection closed: the session expires from then (0: it ends now), and the
   will is published after its delay unless the session resumes first.
 """
@@ -26,9 +28,11 @@ from typing import TYPE_CHECKING, final
 import msgspec
 import trio
 
-from gateway.mqtt.actions import CloseSession, OpenSession, SaveSession, SessionOpened, SessionSaved
+from gateway.mqtt.actions import (CloseSession, OpenSession, PatchSession, SavedSubscription, SaveSession,
+                                  SessionOpened, SessionSaved)
 from gateway.mqtt.reasons import ReasonCode
-from gateway.mqtt.session import SessionState, clamp_to_heads, decode_session, encode_session, merge_committed
+from gateway.mqtt.session import (SessionState, clamp_to_heads, decode_session, encode_parts, encode_session,
+                                  merge_committed)
 from gateway.node import clientlog
 from gateway.node.commits import CommitBatcher
 from gateway.node.guard import Guard
@@ -60,7 +64,8 @@ class Sessions:
         self._owed = owed
         self._guard = guard
         self._nursery = nursery
-        self._unwritten: dict[str, SessionState] = {}  # client id -> its latest state, until it is written
+        # client id -> what is not written yet, in order: a state (it holds everything before it) then parts
+        self._unwritten: dict[str, list[SessionState | dict[str, SavedSubscription | None]]] = {}
         self._waiters: dict[str, list[tuple[Connection, int]]] = {}  # client id -> saves waiting for their write
         self._suspended: dict[str, SessionState] = {}  # client id -> what its connection's user may not resume
         self._unavailable = 0  # CONNECTs refused since the store became unreachable (0: it is reachable)
@@ -184,16 +189,37 @@ class Sessions:
             self._answer(client_id)
             return
         self.saved_subscriptions[client_id] = len(state.subscriptions)
-        self._unwritten[client_id] = state  # on a full disk the save waits for room (owed): it then writes the latest
+        self._unwritten[client_id] = [state]  # on a full disk the save waits for room (owed): it then writes the latest
+        await self._owed.attempt(client_id, functools.partial(self._write, client_id), key=SaveSession)
+
+    async def patch(self, connection: Connection, action: PatchSession) -> None:
+        """Write a persistent session's changed subscriptions (after what is unwritten of it, merged with the
+        parts waiting last)."""
+        client_id = action.client_id
+        if action.ref is not None:
+            self._waiters.setdefault(client_id, []).append((connection, action.ref))
+        pending = self._unwritten.setdefault(client_id, [])
+        if pending and isinstance(pending[-1], dict):
+            pending[-1] = {**pending[-1], **action.parts}  # a new dict: a write in progress keeps its own
+        else:
+            pending.append(action.parts)
+        self.saved_subscriptions[client_id] = action.subscriptions
         await self._owed.attempt(client_id, functools.partial(self._write, client_id), key=SaveSession)
 
     async def _write(self, client_id: str) -> None:
-        """Write the client's latest unwritten state, then answer the saves waiting for it: it covers each."""
-        state = self._unwritten.get(client_id)
-        if state is not None:
-            await self._store.save_session(client_id, encode_session(state))
-            if self._unwritten.get(client_id) is state:
-                del self._unwritten[client_id]
+        """Write what is unwritten of the client's session, in order (its latest state, then parts), then answer
+        the saves waiting for it: it covers each."""
+        pending = self._unwritten.get(client_id)
+        while pending:
+            head = pending[0]
+            if isinstance(head, dict):
+                await self._store.patch_session(client_id, encode_parts(head))
+            else:
+                await self._store.save_session(client_id, encode_session(head))
+            if pending and pending[0] is head:  # else a save replaced it meanwhile, or parts merged into it
+                del pending[0]
+            pending = self._unwritten.get(client_id)
+        self._unwritten.pop(client_id, None)
         self._answer(client_id)
 
     def _answer(self, client_id: str) -> None:

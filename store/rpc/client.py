@@ -500,6 +500,15 @@ class RemoteStore:
 
         await self._through_failover(attempt, idempotent=True)
 
+    async def patch_session(self, client_id: str, parts: Mapping[str, bytes]) -> None:
+        """See ``StoreApi.patch_session``. Idempotent through a failover: a part replaces its key whole."""
+        async def attempt(link: Link) -> None:
+            epoch = self._epoch_of(client_id)
+            self._refuse_stale(epoch, link)
+            await link.call(lambda rid: rpc.PatchSession(rid, client_id, dict(parts), epoch))
+
+        await self._through_failover(attempt, idempotent=True)
+
     async def load_session(self, client_id: str) -> bytes | None:
         answer = await self._call(lambda rid: rpc.LoadSession(rid, client_id), idempotent=True)
         return answer.value

@@ -158,8 +158,8 @@ class _Connection:
             rpc.Pull: self._pull, rpc.Activate: self._activate, rpc.Release: self._release,
             rpc.MaxOffsets: self._max_offsets, rpc.GetOffsets: self._get_offsets, rpc.CommitOffsets: self._commit,
             rpc.GetRetained: self._retained, rpc.OpenSession: self._open_session, rpc.CloseSession: self._close_session,
-            rpc.SaveSession: self._save_session, rpc.LoadSession: self._load_session,
-            rpc.EndSession: self._end_session, rpc.ListSessions: self._sessions, rpc.GetAwaiting: self._awaiting,
+            rpc.SaveSession: self._save_session, rpc.PatchSession: self._patch_session,
+            rpc.LoadSession: self._load_session, rpc.EndSession: self._end_session, rpc.ListSessions: self._sessions, rpc.GetAwaiting: self._awaiting,
             rpc.ReleaseAwaiting: self._release_awaiting, rpc.GetStatistics: self._statistics,
             rpc.ReadLog: self._read_log, rpc.Join: self._join, rpc.Claim: self._claim, rpc.Ack: self._ack,
             rpc.Leave: self._leave, rpc.AdminCall: self._admin_call,
@@ -343,6 +343,11 @@ class _Connection:
     async def _save_session(self, request: rpc.SaveSession) -> rpc.Done:
         self.check_epoch(request.epoch)
         await self._store.save_session(request.client_id, request.blob)
+        return rpc.Done(request.id)
+
+    async def _patch_session(self, request: rpc.PatchSession) -> rpc.Done:
+        self.check_epoch(request.epoch)
+        await self._store.patch_session(request.client_id, request.parts)
         return rpc.Done(request.id)
 
     async def _load_session(self, request: rpc.LoadSession) -> rpc.Value:

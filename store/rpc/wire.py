@@ -113,6 +113,7 @@ __all__ = [
     "Offsets",
     "OpRequest",
     "OpenSession",
+    "PatchSession",
     "Pop",
     "PopAck",
     "PopAcks",
@@ -363,6 +364,16 @@ class SaveSession(_Message, tag="savesess"):
     epoch: int = 0
 
 
+class PatchSession(_Message, tag="patchsess"):
+    """``StoreApi.patch_session``: answered with ``Done`` once the parts are durable (refused for an ended lease
+    ``epoch``)."""
+
+    id: int
+    client_id: str
+    parts: dict[str, bytes]
+    epoch: int = 0
+
+
 class LoadSession(_Message, tag="loadsess"):
     """``StoreApi.load_session``: answered with ``Value(blob or None)``."""
 
@@ -556,7 +567,7 @@ class Fetch(_Message, tag="fetch"):
 
 OpRequest: TypeAlias = (
     Pull | Activate | Release | MaxOffsets | GetOffsets | CommitOffsets | GetRetained | OpenSession | CloseSession
-    | SaveSession | LoadSession | EndSession | ListSessions | GetAwaiting | ReleaseAwaiting | GetStatistics
+    | SaveSession | PatchSession | LoadSession | EndSession | ListSessions | GetAwaiting | ReleaseAwaiting | GetStatistics
     | ReadLog | Join | Claim | Ack | Leave | AdminCall | AdminCallAll | ListDelayed | CancelDelayed | Pop | PopAck
     | ChangeInvisible
 )

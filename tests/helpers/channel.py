@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from gateway.mqtt.actions import (
-    Activate, Activated, Authorizer, Deliver, Message, OpenSession, SaveSession, Send, SessionOpened, SessionSaved,
+    Activate, Activated, Authorizer, Deliver, Message, OpenSession, PatchSession, SaveSession, Send, SessionOpened,
+    SessionSaved,
 )
 from gateway.mqtt.channel import Channel, ChannelConfig
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role
@@ -77,9 +78,10 @@ def msg(offset: int, topic: str = "a/b", qos: int = 1, queue: str = "a/b", **fie
 
 
 def saved(channel: Channel, actions: list) -> list:
-    """``actions`` and what answering their session saves (``SessionSaved``) brings, the node's part."""
+    """``actions`` and what answering their session saves and patches (``SessionSaved``) brings, the node's
+    part."""
     out = list(actions)
-    for save in of(actions, SaveSession):
+    for save in of(actions, SaveSession) + of(actions, PatchSession):
         if save.ref is not None:
             out += saved(channel, channel.handle_event(SessionSaved(save.ref)))
     return out

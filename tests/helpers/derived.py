@@ -41,6 +41,11 @@ def drop_families(data: Path) -> None:
 
 
 def control_kinds(data: Path) -> list[str]:
+    return [kind for kind, _ in control_sizes(data)]
+
+
+def control_sizes(data: Path) -> list[tuple[str, int]]:
+    """Each control record's kind and size in bytes, in log order."""
     with CommitLog.open(data / "commitlog", CommitLogConfig()) as log:
         records = log.scan(log.min_offset, 1 << 30).records
-    return [type(decode_control(r)).__struct_config__.tag for r in records if r.control]
+    return [(type(decode_control(r)).__struct_config__.tag, r.size) for r in records if r.control]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from store.api import Flow, NewMessage
+from store.api import Flow, NewMessage, session_image, session_parts
 from store.awaiting import AwaitingRelease
 from store.control import decode_control, encode_control
 from store.ledger import ClientLedger
@@ -50,7 +50,11 @@ async def lifecycle(data: Path) -> None:
         gw = LocalStore(node, "gw", lease=True)
         await gw.open_session("kept", clean_start=False, expiry_s=HOUR, will=will("kept"), will_delay_s=HOUR)
         await gw.save_session("kept", b"kept-1")
-        await gw.save_session("kept", b"kept-2")
+        await gw.patch_session("kept", {"a": b"a-1", "b": b"b-1"})
+        await gw.save_session("kept", b"kept-2")  # holds the parts patched before it: they go
+        await gw.patch_session("kept", {"c": b"c-1", "d": b"d-1"})
+        await gw.patch_session("kept", {"d": b"", "c": b"c-2"})  # an empty part removes its key
+        await gw.patch_session("nobody", {"a": b"a-1"})  # no blob: dropped
         await gw.close_session("kept", expiry_s=HOUR, will_delay_s=HOUR)  # closed, its will pending
         await gw.open_session("here", clean_start=False, expiry_s=HOUR, will=will("here"), will_delay_s=5)
         await gw.save_session("here", b"here")  # connected when the store stops
@@ -59,6 +63,7 @@ async def lifecycle(data: Path) -> None:
         await wait_until(lambda: node.leases.statistics().wills_fired == 1)
         await gw.open_session("ended", clean_start=False, expiry_s=HOUR, will=None, will_delay_s=0)
         await gw.save_session("ended", b"ended")
+        await gw.patch_session("ended", {"a": b"a-1"})
         offsets = await gw.append([NewMessage("q", b"x", "ended", 2, packet_id=7)])
         await gw.close_session("ended", expiry_s=0, will_delay_s=None)  # a clean session's close ends it
         await gw.open_session("pub", clean_start=False, expiry_s=HOUR, will=None, will_delay_s=0)
@@ -76,10 +81,12 @@ async def restart(data: Path) -> None:
 
 def test_every_step_of_a_session_is_a_control_record_and_applied(tmp_path):
     trio.run(lifecycle, tmp_path)
-    assert set(control_kinds(tmp_path)) == {"session_saved", "session_ended", "flows_released", "client_connected",
-                                            "client_closed", "will_published", "client_forgotten"}
+    assert set(control_kinds(tmp_path)) == {"session_saved", "session_patched", "session_ended", "flows_released",
+                                            "client_connected", "client_closed", "will_published", "client_forgotten"}
     state = derived(tmp_path)
-    assert state["sessions"] == {"kept": b"kept-2", "here": b"here"}  # "ended" went with its session
+    # "ended" went with its session, its parts too; "kept" is its last blob with the parts patched since
+    assert state["sessions"] == {"kept": session_image(b"kept-2", {"c": b"c-2"}), "here": b"here"}
+    assert session_parts(state["sessions"]["kept"]) == (b"kept-2", {"c": b"c-2"})
     clients = state["clients"]
     assert sorted(clients) == ["fired", "here", "kept", "pub"]  # "ended": forgotten
     assert clients["kept"].closed_ms and clients["kept"].will == will("kept")  # pending

@@ -142,8 +142,11 @@ def process_unsubscribe(channel: ChannelView, packet: Unsubscribe) -> list[Actio
             released.append(filter)
         else:
             codes.append(ReasonCode.NO_SUBSCRIPTION_EXISTED)
-    actions: list[Action] = [Release(channel.conn.client_id, tuple(released)), *channel.save()] if released else []
     reasons = tuple(codes) if channel.conn.level == MQTT_5 else ()
+    # The UNSUBACK goes at once: the unsubscription takes effect for the client now, and on a full disk the store's
+    # release and the session's patch wait for room (docs/operations.md). A SUBSCRIBE's patch comes after it.
+    actions: list[Action] = [Release(channel.conn.client_id, tuple(released)), *session.patch(released)] \
+        if released else []
     return [*actions, Send((Unsuback(packet.packet_id, reasons),))]
 
 
@@ -155,7 +158,7 @@ def on_activated(channel: ChannelView, event: Activated) -> list[Action]:
     session = channel.conn.session
     assert session is not None
     refused = event.reasons or {}
-    subscribed = set()
+    subscribed: dict[str, None] = {}  # in order
     for index, sub in wanted:
         reason = refused.get(sub.filter)
         if reason is not None:
@@ -164,7 +167,6 @@ def on_activated(channel: ChannelView, event: Activated) -> list[Action]:
         if not session.holds(sub.filter) and sub.filter not in event.starts:
             raise LocalProtocolError(f"Activated without a start offset for {sub.filter!r}")
         session.subscribe(sub, event.starts.get(sub.filter, 0))
-        subscribed.add(sub.filter)
-    actions: list[Action] = [*channel.save(), Send((Suback(packet_id, tuple(codes)),))]
+        subscribed[sub.filter] = None
     retained = tuple(pair for pair in event.retained if pair[0] in subscribed)
-    return actions + session.retained(retained)
+    return session.patch(subscribed, Send((Suback(packet_id, tuple(codes)),)), retained)

@@ -26,6 +26,7 @@ from gateway.mqtt.actions import (
     CloseSession,
     Message,
     OpenSession,
+    PatchSession,
     PublishWill,
     Pull,
     InboundReleased,
@@ -33,10 +34,13 @@ from gateway.mqtt.actions import (
     QueueAdvanced,
     Release,
     ReleaseInbound,
+    SavedSubscription,
     SaveSession,
     ServerShutdown,
     SessionOpened,
+    SessionSaved,
     SocketWritten,
+    Subscription,
     TakenOver,
 )
 from gateway.mqtt.channel import Channel, ChannelConfig, error_packet
@@ -67,7 +71,7 @@ from gateway.mqtt.reasons import LocalProtocolError, ReasonCode
 from gateway.mqtt.session import SessionState
 from gateway.mqtt.state import TRANSITIONS, State
 from store.api import Position
-from tests.helpers.channel import T0, Clock, connect, delivered, msg, of, sent, subscribe
+from tests.helpers.channel import T0, Clock, connect, delivered, msg, of, saved, sent, subscribe
 
 R = ReasonCode
 
@@ -489,7 +493,8 @@ def test_unsubscribe_releases_and_reports_per_filter():
     subscribe(channel, ("a/+", SubscriptionOptions()))
     actions = channel.handle_in(Unsubscribe(3, ("a/+", "x")))
     assert of(actions, Release) == [Release("dev1", ("a/+",))]
-    assert of(actions, SaveSession)[0].state.subscriptions == ()
+    (patch,) = of(actions, PatchSession)
+    assert patch.parts == {"a/+": None}  # the unsubscribed filter alone
     assert sent(actions) == [Unsuback(3, (R.SUCCESS, R.NO_SUBSCRIPTION_EXISTED))]
     channel, _, _ = connect(MQTT_311)
     assert encode(sent(channel.handle_in(Unsubscribe(3, ("x",))))[0], MQTT_311) == b"\xb0\x02\x00\x03"
@@ -1048,3 +1053,24 @@ def test_a_delayed_qos0_message_waits_for_the_stores_answer():
     assert append.ref is not None  # a refusal (the client's cap) closes the connection instead of going unseen
     (plain,) = of(channel.handle_in(Publish("a", qos=0)), Append)
     assert plain.ref is None
+
+
+def test_a_persistent_sessions_suback_waits_for_its_subscriptions_to_be_stored_alone():
+    # Issue 31: a SUBSCRIBE stores its own filters (PatchSession), not the whole session, and its SUBACK (then the
+    # retained messages) goes once they are written, so a crash after the SUBACK keeps them [MQTT-3.8.4-3];
+    # SUBSCRIBEs answered while a patch is written go together in the next one, their SUBACKs in order.
+    channel, _, _ = connect(**persistent())
+    channel.handle_in(Subscribe(1, (("a/+", SubscriptionOptions(qos=1)),)))
+    channel.handle_in(Subscribe(2, (("b/c", SubscriptionOptions(qos=0)),)))
+    first, second = (a for a in channel.conn.activations)
+    retained = (("a/+", msg(0, topic="a/x", queue="a/+", retain=True)),)
+    actions = channel.handle_event(Activated(first, {"a/+": 5}, retained))
+    (patch,) = of(actions, PatchSession)
+    assert not of(actions, SaveSession) and not sent(actions) and not of(actions, Deliver)
+    assert patch.parts == {"a/+": SavedSubscription(Subscription("a/+", "a/+", SubscriptionOptions(qos=1)), 1, 5, 5)}
+    assert channel.handle_event(Activated(second, {"b/c": 7})) == []  # waits for the patch being written
+    actions = channel.handle_event(SessionSaved(patch.ref))
+    (then,) = of(actions, PatchSession)
+    assert set(then.parts) == {"b/c"} and sent(actions) == [Suback(1, (R.GRANTED_QOS_1,))]
+    assert len(delivered(actions)) == 1  # the retained message, after its SUBACK
+    assert sent(channel.handle_event(SessionSaved(then.ref))) == [Suback(2, (R.GRANTED_QOS_0,))]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gateway.mqtt.actions import InFlight, Phase, Subscription
+from gateway.mqtt.actions import InFlight, Phase, SavedSubscription, Subscription
 from gateway.mqtt.packets import SubscriptionOptions
-from gateway.mqtt.session import (BLOB_VERSION, SessionState, clamp_session_blob, decode_session, encode_session,
-                                  session_blob_expiry)
-from store.api import MAIN_LOG, Position
+from gateway.mqtt.session import (BLOB_VERSION, SessionState, clamp_session_blob, decode_session, encode_parts,
+                                  encode_session, session_blob_expiry)
+from store.api import MAIN_LOG, Position, session_image
 
 SUBSCRIPTIONS = (Subscription("tele/+/temp", "tele/+/temp", SubscriptionOptions(qos=2), subscription_id=7),
                  Subscription("$share/g/jobs/#", "jobs/#", SubscriptionOptions(qos=1), group="g"),
@@ -82,3 +82,23 @@ def test_a_blob_this_code_cannot_resume_is_refused_as_unreadable(change):
     with pytest.raises(msgspec.DecodeError):
         decode_session(blob)
     assert session_blob_expiry(blob) == 0 and clamp_session_blob(blob, lambda queue: 0) is None
+
+
+def test_parts_patched_after_a_blob_replace_add_and_remove_its_subscriptions():
+    # A SUBSCRIBE stores its own filters (PatchSession), kept beside the blob: each part is the subscription as it
+    # is now (a re-SUBSCRIBE's options, a new one's start), an empty part an UNSUBSCRIBE, whose messages in flight
+    # go as in a save. The blob and its parts resume as one session [MQTT-3.1.2-4].
+    replaced = Subscription("tele/+/temp", "tele/+/temp", SubscriptionOptions(qos=1))
+    new = Subscription("cfg/#", "cfg/#", SubscriptionOptions(qos=1, no_local=True))
+    parts = encode_parts({"tele/+/temp": SavedSubscription(replaced, 1, 41, 44),
+                          "cfg/#": SavedSubscription(new, 2, 9, 9), "cmd/dev1": None})
+    stored = session_image(encode_session(STATE), parts)
+    state = decode_session(stored)
+    assert state.subscriptions == (replaced, SUBSCRIPTIONS[1], new)  # in order
+    assert state.offsets == {"tele/+/temp": 41, "cfg/#": 9} and state.cursors == {"tele/+/temp": 44, "cfg/#": 9}
+    assert state.lanes == {"tele/+/temp": 1, "cfg/#": 2}
+    assert state.inflight == STATE.inflight and state.awaiting == STATE.awaiting  # tele/+/temp's flows stay
+    assert session_blob_expiry(stored) == 3600
+    assert decode_session(session_image(encode_session(STATE), {})) == STATE
+    unsubscribed = decode_session(session_image(encode_session(STATE), encode_parts({"tele/+/temp": None})))
+    assert unsubscribed.inflight == () and "tele/+/temp" not in unsubscribed.lanes | unsubscribed.offsets

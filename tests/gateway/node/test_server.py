@@ -9,8 +9,9 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from tests.helpers.mqtt_fixtures import (
-    WAIT_S, Client, connect_packet, connected, check_nothing_before_sentinel, recv_until_closed, running_node,
+    WAIT_S, Client, connect_packet, connected, check_nothing_before_sentinel, kill, recv_until_closed, running_node,
 )
+from tests.helpers.derived import control_sizes
 
 
 @pytest.mark.slow
@@ -182,6 +183,42 @@ def test_a_session_that_pipelined_its_subscribes_has_every_filter_matching_and_a
         again = Client(second.port, f"p-{run}", clean=False)
         assert again.connect().session_present
         every_filter_matches(second.port, again)
+        again.disconnect()
+
+
+@pytest.mark.slow
+def test_a_session_killed_after_its_acks_resumes_every_subscription_it_was_sent_a_suback_for(tmp_path):
+    # Issue 31: a SUBSCRIBE stores its own filters (a session_patched record), not the whole session again, so the
+    # session records grow with the filters, not with their square; and a SUBACK goes once what it
+    # acknowledges is stored (an UNSUBSCRIBE's, stored in order, before the SUBACK after it), so a node killed
+    # (SIGKILL) right after it resumes exactly that: [MQTT-3.8.4-3] the subscriptions exist once SUBACKed, a
+    # re-SUBSCRIBE's options replace the old ones [MQTT-3.8.4-3], an UNSUBSCRIBEd filter is gone [MQTT-3.10.4-1],
+    # and the session is present [MQTT-3.1.2-4/5].
+    run = uuid.uuid4().hex[:6]
+    count = 200
+    filters = [f"k{run}/{n}" if n % 2 else f"k{run}/+/{n}" for n in range(count)]
+    topics = [f"k{run}/{n}" if n % 2 else f"k{run}/x/{n}" for n in range(count)]
+    with running_node(tmp_path / "data") as first:
+        sub = Client(first.port, f"k-{run}", clean=False)
+        sub.connect()
+        for topic_filter in filters:  # one SUBSCRIBE each, after the SUBACK of the one before
+            sub.subscribe(topic_filter, 1)
+        sub.paho.unsubscribe(filters[1])
+        sub.unsubacks.get(timeout=WAIT_S)
+        sub.subscribe(filters[0], 0)  # options replaced: QoS 0 from now on; stored after the UNSUBSCRIBE
+        kill(first)
+    sizes = control_sizes(tmp_path / "data")
+    session_bytes = sum(size for kind, size in sizes if kind in ("session_saved", "session_patched"))
+    assert session_bytes < count * 256, sizes  # one subscription's bytes each, not every one held
+    with running_node(tmp_path / "data") as second:
+        again = Client(second.port, f"k-{run}", clean=False)
+        assert again.connect().session_present
+        with connected(second.port) as pub:
+            for n, topic in enumerate(topics):
+                pub.publish(topic, b"%d" % n, 1)
+            got = {int(m.payload): m.qos for m in again.receive(count - 1)}
+            assert sorted(got) == [0, *range(2, count)] and got[0] == 0 and got[2] == 1
+            check_nothing_before_sentinel(again, pub, topics[3])
         again.disconnect()
 
 
