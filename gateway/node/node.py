@@ -150,6 +150,9 @@ class GatewayNode:
     def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
         return self.subscriptions.pull_cached(action)
 
+    def commit_now(self, connection: Connection, action: CommitOffsets) -> bool:
+        return self.subscriptions.commit_now(action)
+
     def connection_closed(self, connection: Connection) -> None:
         """Forget the connection."""
         self.subscriptions.connection_closed(connection)
