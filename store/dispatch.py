@@ -292,9 +292,7 @@ class Dispatcher:
         next turn (within ``FALLBACK_WAKE_S``)."""
         while True:
             while (batch := self._step(self._scan_bytes)) is not None:
-                with self._unannounced_lock:
-                    self._unannounced.update(batch.max_offsets)
-                    self._unannounced_to = batch.next_offset
+                self._leave_announce(batch)
             with self._lock:
                 end = self._log.confirm_offset
                 if self._offset >= end:
@@ -320,6 +318,12 @@ class Dispatcher:
         if flush and self._flush_due():
             self._flush_idle()
         return batch
+
+    def _leave_announce(self, batch: DispatchBatch) -> None:
+        """Leave a step taken outside :meth:`run`'s turn for its next turn to announce (``_with_unannounced``)."""
+        with self._unannounced_lock:
+            self._unannounced.update(batch.max_offsets)
+            self._unannounced_to = batch.next_offset
 
     def _with_unannounced(self, batch: DispatchBatch | None) -> DispatchBatch | None:
         """``batch`` with the steps :meth:`caught_up` took since the last turn of :meth:`run` (None: neither)."""
@@ -630,7 +634,7 @@ class Dispatcher:
         here, the news reach the listener (the gateway's mailbox) in the step that appended the records.
         """
         if self._seeding or self._failing or self._offset >= self._log.confirm_offset or not self._inline() \
-                or not self._lock.acquire(blocking=False):  # a step or a flush runs in a worker thread
+                or self._flush_due() or not self._lock.acquire(blocking=False):  # a worker thread steps or flushes
             self.wake()
             return
         try:
@@ -640,8 +644,12 @@ class Dispatcher:
             return
         finally:
             self._lock.release()
+        if batch is not None and self._flush_due():  # run() flushes first and then announces it, as its own steps
+            self._leave_announce(batch)
+            self.wake()
+            return
         self._announced(batch)
-        if self._offset < self._log.confirm_offset or self._flush_due():
+        if self._offset < self._log.confirm_offset:
             self.wake()
 
     async def _run_once(self) -> DispatchBatch | None:

@@ -17,7 +17,8 @@ and hands each channel action to the one that does it:
 The store is any ``StoreApi`` (store/api.py): the store node in this process or one over the RPC; the node
 never asks which. It owns every session's lifecycle (where its client is, its will, its expiry), so nothing of a
 client outlives its connection here. Notify: the node watches the queues its connections read; a consumer task
-has the ``QueueCache`` read the news once, then feeds ``QueueAdvanced`` to the connections on each queue.
+has the ``QueueCache`` read the news once, then feeds ``QueueAdvanced`` to the connections on each queue; the news of
+a read round's own appends, when the store took them in the round's step, are fed in that step (``news_now``).
 Clients that are not this node's any more (connected elsewhere, or the node's store lease ended) are closed as
 taken over (``consume_moved``). ``$SYS`` statistics are published by ``SysTopics`` (gateway/node/system.py).
 
