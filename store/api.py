@@ -638,6 +638,16 @@ class StoreApi(Protocol):
         """
         ...
 
+    def events_nowait(self) -> dict[str, int]:
+        """:meth:`events` without waiting: what is routed to this node already (the news of an ``append_nowait``
+        made in this step, dispatched in it when the store is in this process).
+
+        Raises:
+            trio.WouldBlock: none are.
+            trio.EndOfChannel: none are and this store client is closed.
+        """
+        ...
+
     # --- consumer groups and shared subscriptions (store/groups.py) -------------------------
 
     async def join(self, group: str, queue: str, member: str, *, start: str = "latest", at: int = 0) -> int:

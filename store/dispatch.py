@@ -200,7 +200,7 @@ class Dispatcher:
         self._scan_bytes = scan_bytes
         self._flush_bytes = flush_bytes
         self._flush_interval_s = flush_interval_s
-        self._lock = threading.Lock()  # one step at a time, whoever calls it
+        self._lock = threading.Lock()  # one step at a time, whoever calls it (``dispatch_now`` only if it is free)
         self._rewound: dict[str, int] = {}  # what was past the log's end on open, for recover()'s log line
         if queues.checkpoint > log.written_offset:
             self._rewound["checkpoint_from"] = queues.checkpoint
@@ -292,9 +292,7 @@ class Dispatcher:
         next turn (within ``FALLBACK_WAKE_S``)."""
         while True:
             while (batch := self._step(self._scan_bytes)) is not None:
-                with self._unannounced_lock:
-                    self._unannounced.update(batch.max_offsets)
-                    self._unannounced_to = batch.next_offset
+                self._leave_announce(batch)
             with self._lock:
                 end = self._log.confirm_offset
                 if self._offset >= end:
@@ -321,6 +319,12 @@ class Dispatcher:
             self._flush_idle()
         return batch
 
+    def _leave_announce(self, batch: DispatchBatch) -> None:
+        """Leave a step taken outside :meth:`run`'s turn for its next turn to announce (``_with_unannounced``)."""
+        with self._unannounced_lock:
+            self._unannounced.update(batch.max_offsets)
+            self._unannounced_to = batch.next_offset
+
     def _with_unannounced(self, batch: DispatchBatch | None) -> DispatchBatch | None:
         """``batch`` with the steps :meth:`caught_up` took since the last turn of :meth:`run` (None: neither)."""
         if self._unannounced_to is None:  # read without the lock: one set meanwhile is taken at the next turn
@@ -341,35 +345,39 @@ class Dispatcher:
 
     def _step(self, max_bytes: int) -> DispatchBatch | None:
         with self._lock:
-            log = self._log
-            start = self._offset
-            if start >= log.confirm_offset or self._seeding and not self._seed():
-                return None
-            try:
-                scan = self._read(start, max_bytes)
-            except OffsetExpired as exc:
-                # Retention outran dispatch: those records are gone; queue offsets continue from here.
-                LOGGER.error("records expired before they were dispatched",
-                             extra={"ctx": {"from": start, "min_offset": exc.min_offset}})
-                self._expired_skips += 1
-                start = exc.min_offset
-                scan = log.scan(start, max_bytes, log.confirm_offset)
-            if scan.next_offset == start:
-                return None
-            if self._retained is not None:
-                self._retain(scan)
-            if self._awaiting is not None:
-                flows = [rec for rec in scan.records if rec.packet_id]
-                if flows:
-                    self._awaiting.apply(flows, scan.next_offset)
-            # After a crash the retained family may be behind the index: a batch
-            # the index already has is fed to retain only.
-            max_offsets = self._index(scan.records, scan.next_offset)
-            self._offset = scan.next_offset
-            self._batches += 1
-            self._records += len(scan.records)
-            self._unflushed += scan.next_offset - start
-            return DispatchBatch(start, scan.next_offset, len(scan.records), max_offsets)
+            return self._locked_step(max_bytes)
+
+    def _locked_step(self, max_bytes: int) -> DispatchBatch | None:
+        """:meth:`_step` with the step lock held."""
+        log = self._log
+        start = self._offset
+        if start >= log.confirm_offset or self._seeding and not self._seed():
+            return None
+        try:
+            scan = self._read(start, max_bytes)
+        except OffsetExpired as exc:
+            # Retention outran dispatch: those records are gone; queue offsets continue from here.
+            LOGGER.error("records expired before they were dispatched",
+                         extra={"ctx": {"from": start, "min_offset": exc.min_offset}})
+            self._expired_skips += 1
+            start = exc.min_offset
+            scan = log.scan(start, max_bytes, log.confirm_offset)
+        if scan.next_offset == start:
+            return None
+        if self._retained is not None:
+            self._retain(scan)
+        if self._awaiting is not None:
+            flows = [rec for rec in scan.records if rec.packet_id]
+            if flows:
+                self._awaiting.apply(flows, scan.next_offset)
+        # After a crash the retained family may be behind the index: a batch
+        # the index already has is fed to retain only.
+        max_offsets = self._index(scan.records, scan.next_offset)
+        self._offset = scan.next_offset
+        self._batches += 1
+        self._records += len(scan.records)
+        self._unflushed += scan.next_offset - start
+        return DispatchBatch(start, scan.next_offset, len(scan.records), max_offsets)
 
     def _index(self, records: list[Record], next_offset: int) -> dict[str, int]:
         """Index the messages of a scanned batch and apply its control records, in log order: the messages
@@ -603,12 +611,46 @@ class Dispatcher:
             if self._failing:
                 self._failing = False
                 LOGGER.warning("dispatch works again", extra={"ctx": {"dispatched_offset": self._offset}})
-            batch = self._with_unannounced(batch)
-            if batch is None:
-                continue
-            self._announce(batch)
-            self._progress.set()
-            self._progress = trio.Event()
+            self._announced(batch)
+
+    def _announced(self, batch: DispatchBatch | None) -> None:
+        """End a turn in the trio thread: announce ``batch`` with the steps :meth:`caught_up` took, and wake the
+        waiters of :meth:`wait_dispatched` and :meth:`wait_lag`."""
+        batch = self._with_unannounced(batch)
+        if batch is None:
+            return
+        self._announce(batch)
+        self._progress.set()
+        self._progress = trio.Event()
+
+    def dispatch_now(self) -> None:
+        """New records were appended: index them in the caller's step if that is a small step in memory (as
+        :meth:`run` would do inline) and no other step runs; else, and after any failure, leave them to :meth:`run`.
+        Call from the trio thread.
+
+        A turn of :meth:`run` comes one scheduling round after the append, and at a fan-in's load a round of the
+        event loop is a whole read round of the gateway (hundreds of PUBLISHes, tens of ms): a QoS 1 message's
+        way from its append to its subscriber took one such round for dispatch and another for its news. Done
+        here, the news reach the listener (the gateway's mailbox) in the step that appended the records.
+        """
+        if self._seeding or self._failing or self._offset >= self._log.confirm_offset or not self._inline() \
+                or self._flush_due() or not self._lock.acquire(blocking=False):  # a worker thread steps or flushes
+            self.wake()
+            return
+        try:
+            batch = self._locked_step(INLINE_BYTES)
+        except Exception:  # run() steps again, logs the failure and retries
+            self.wake()
+            return
+        finally:
+            self._lock.release()
+        if batch is not None and self._flush_due():  # run() flushes first and then announces it, as its own steps
+            self._leave_announce(batch)
+            self.wake()
+            return
+        self._announced(batch)
+        if self._offset < self._log.confirm_offset:
+            self.wake()
 
     async def _run_once(self) -> DispatchBatch | None:
         """One turn of :meth:`run`: a step (or a wait for records) and the flush it made due."""

@@ -191,6 +191,9 @@ class LocalStore:
     async def events(self) -> dict[str, int]:
         return await self._attachment.events.get()
 
+    def events_nowait(self) -> dict[str, int]:
+        return self._attachment.events.get_nowait()
+
     # --- consumer groups and shared subscriptions --------------------------------------------
 
     def _member(self, member: str) -> Member:

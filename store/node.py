@@ -382,13 +382,13 @@ class StoreNode:
                                       m.born_ms or now), now, max_size, m.packet_id)
 
     def _appended(self, made: list[tuple[bytes, Record]], offsets: list[int]) -> None:
-        """Keep the appended records in memory with their offsets, and wake dispatch."""
+        """Keep the appended records in memory with their offsets, and dispatch them (now if they are few)."""
         records = []
         for (_, record), offset in zip(made, offsets):
             record.place(offset)
             records.append(record)
         self.recent.add(records)
-        self.dispatcher.wake()
+        self.dispatcher.dispatch_now()
         if self.replication is not None:
             self.replication.appended()
 

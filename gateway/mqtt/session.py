@@ -1007,13 +1007,18 @@ class Session:
         return self._after_ack()
 
     def _after_ack(self) -> list[Action]:
-        """Pump now, or, while most of the window is still in flight, at ``pump_due``.
+        """Pump now, or, while most of the window is still in flight, at ``pump_due``; not at all while nothing
+        waits for the room (no stream ready, no retained message, no save due).
 
         A client acknowledges a window of messages in one burst. Pumping on each
         acknowledgement made one write of one message per ack; pumping once the
         burst is read (the connection calls ``pump_due`` after each read) makes
-        one write for all the room it freed.
+        one write for all the room it freed. A subscriber that keeps up has
+        nothing waiting when its acknowledgements come (its news are delivered
+        when they come): a pump per acknowledgement was work for nothing.
         """
+        if not (self._ready or self._retained or self._need_save):
+            return []
         link = self._link
         if link is not None and len(self._inflight) > link.receive_maximum - max(1, link.receive_maximum // 4):
             self._pump_due = True

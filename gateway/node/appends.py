@@ -80,19 +80,22 @@ class Appends:
             return True
         return self._append_now([(connection, action)])
 
-    def round_end(self, _: ReadRound) -> None:
+    def round_end(self, _: ReadRound) -> bool:
         """The poller ended a round (its ``round_done``): its appends in one store call, or, if the store would
-        block, each connection's back to the head of its queue of node actions (``perform`` answers them)."""
+        block, each connection's back to the head of its queue of node actions (``perform`` answers them).
+        Returns whether the round appended in this step."""
         appends = self._round
         if not appends:
-            return
+            return False
         self._round = []
-        if not self._append_now(appends):
-            grouped: dict[Connection, list[Append]] = {}
-            for connection, append in appends:
-                grouped.setdefault(connection, []).append(append)
-            for connection, actions in grouped.items():
-                connection.requeue(actions)
+        if self._append_now(appends):
+            return True
+        grouped: dict[Connection, list[Append]] = {}
+        for connection, append in appends:
+            grouped.setdefault(connection, []).append(append)
+        for connection, actions in grouped.items():
+            connection.requeue(actions)
+        return False
 
     def _append_now(self, appends: list[tuple[Connection, Append]]) -> bool:
         """Append now and acknowledge, one write per connection; False: nothing was appended."""

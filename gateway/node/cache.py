@@ -130,19 +130,39 @@ class QueueCache:
 
     async def fill(self, events: Mapping[str, int]) -> None:
         """Read the news of the cached queues in ``events`` (``{queue: max offset}``), all in one store call."""
+        requests = self._fill_requests(events)
+        if not requests:
+            return
+        try:
+            results = self._store.pull_nowait(requests)
+        except trio.WouldBlock:
+            results = await self._store.pull(requests)
+        self._filled(requests, results)
+
+    def fill_nowait(self, events: Mapping[str, int]) -> bool:
+        """:meth:`fill` if the store can read the news without waiting (they are in its memory); False: nothing
+        was read."""
+        requests = self._fill_requests(events)
+        if requests:
+            try:
+                results = self._store.pull_nowait(requests)
+            except trio.WouldBlock:
+                return False
+            self._filled(requests, results)
+        return True
+
+    def _fill_requests(self, events: Mapping[str, int]) -> list[PullRequest]:
+        """The reads of a fill: each cached queue of ``events`` from its tail to its news."""
         requests = []
         for queue, head in events.items():
             entry = self._queues.get(queue)
             tail = entry.tail if entry is not None else None
             if tail is not None and tail < head:
                 requests.append(PullRequest(queue, tail, min(head - tail, self._max_messages)))
-        if not requests:
-            return
+        return requests
+
+    def _filled(self, requests: list[PullRequest], results: list[PullResult[Record]]) -> None:
         self._fills += len(requests)
-        try:
-            results = self._store.pull_nowait(requests)
-        except trio.WouldBlock:
-            results = await self._store.pull(requests)
         for request, result in zip(requests, results):
             queue = request.queue
             messages = [from_record(record, queue, offset) for offset, record in result.messages]

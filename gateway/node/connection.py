@@ -53,8 +53,8 @@ import trio
 
 from gateway.mqtt.state import State
 from gateway.mqtt.actions import (
-    Action, Activate, AfterReads, Append, ArmTimer, CancelTimer, Close, ConnectionLost, Deliver, Event, Pull, Pulled,
-    Send, SocketWritten,
+    Action, Activate, AfterReads, Append, ArmTimer, CancelTimer, Close, CommitOffsets, ConnectionLost, Deliver, Event,
+    Pull, Pulled, Send, SocketWritten,
 )
 from gateway.node import clientlog
 from gateway.node.admission import Admission
@@ -143,6 +143,10 @@ class Backend(Protocol):
 
     def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
         """Answer a pull from memory if the node can (the queue cache has it), else None: ``perform`` will."""
+        ...
+
+    def commit_now(self, connection: Connection, action: CommitOffsets) -> bool:
+        """Post an offset commit now if the node can (no store call needed); False: ``perform`` will."""
         ...
 
     def append_now(self, connection: Connection, action: Append) -> bool:
@@ -345,6 +349,13 @@ class Connection:
             if pulled is not None:  # a cache hit: answered without a worker hop
                 self.feed(pulled)
                 return
+        self._work = appended(self._work, action)
+
+    def _commit(self, action: CommitOffsets) -> None:
+        # In order (no work waits), the node may post it now: it is answered by nothing, and a pull the same step
+        # asks for (its news) then finds no work waiting, so the cache answers it in this step, not the worker.
+        if not (self._work or self._working) and self._backend.commit_now(self, action):
+            return
         self._work = appended(self._work, action)
 
     def _queue(self, action: Action) -> None:
@@ -759,6 +770,7 @@ _APPLY: dict[type, Callable[[Connection, Any], None]] = {
     CancelTimer: Connection._cancel_timer,
     Activate: Connection._activate,
     Pull: Connection._pull,
+    CommitOffsets: Connection._commit,  # a subscriber's, every ``commit_every`` acknowledgements
 }
 """How a connection applies each kind of channel action; the others are node actions, queued for its worker."""
 

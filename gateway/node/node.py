@@ -17,7 +17,8 @@ and hands each channel action to the one that does it:
 The store is any ``StoreApi`` (store/api.py): the store node in this process or one over the RPC; the node
 never asks which. It owns every session's lifecycle (where its client is, its will, its expiry), so nothing of a
 client outlives its connection here. Notify: the node watches the queues its connections read; a consumer task
-has the ``QueueCache`` read the news once, then feeds ``QueueAdvanced`` to the connections on each queue.
+has the ``QueueCache`` read the news once, then feeds ``QueueAdvanced`` to the connections on each queue; the news of
+a read round's own appends, when the store took them in the round's step, are fed in that step (``news_now``).
 Clients that are not this node's any more (connected elsewhere, or the node's store lease ended) are closed as
 taken over (``consume_moved``). ``$SYS`` statistics are published by ``SysTopics`` (gateway/node/system.py).
 
@@ -46,7 +47,7 @@ from gateway.node.connection import Connection, Traffic
 from gateway.node.guard import Guard
 from gateway.node.order import ReadOrder
 from gateway.node.owed import OwedWrites
-from gateway.node.poller import Poller
+from gateway.node.poller import Poller, ReadRound
 from gateway.node.registry import Registry
 from gateway.node.sessions import Sessions
 from gateway.node.subscriptions import Subscriptions
@@ -90,7 +91,7 @@ class GatewayNode:
         self.timers = Timers()
         self.order = ReadOrder()  # activations are applied before the appends read after them
         self.appends = Appends(store, self.order)
-        self.reads = Poller(self.appends.round_end)
+        self.reads = Poller(self._round_end)
         self.cache = QueueCache(store)
         self.owed = OwedWrites(nursery)  # store writes a full data disk refused, done once it has room
         self.commits = CommitBatcher(store, nursery, self.owed)
@@ -149,6 +150,9 @@ class GatewayNode:
 
     def pull_cached(self, connection: Connection, action: Pull) -> Pulled | None:
         return self.subscriptions.pull_cached(action)
+
+    def commit_now(self, connection: Connection, action: CommitOffsets) -> bool:
+        return self.subscriptions.commit_now(action)
 
     def connection_closed(self, connection: Connection) -> None:
         """Forget the connection."""
@@ -220,6 +224,44 @@ class GatewayNode:
                            extra={"ctx": {"client_id": connection.client_id, "peer": connection.peer,
                                           "limit": hit.limit.value, "total": total}})
 
+    # --- news -------------------------------------------------------------------------------
+
+    def _round_end(self, read_round: ReadRound) -> None:
+        """A read round ended (the poller's ``round_done``): its appends go to the store in one call, and when the
+        store took them in this step (it runs in this process and dispatched them in it), their news go to the
+        subscribers in it too (:meth:`news_now`).
+
+        Without that, a QoS 1 fan-in message waited for the event loop's rounds between its append and its
+        delivery, each as long as a read round (hundreds of PUBLISHes): one for dispatch, one for the task that
+        consumes the news, and in each its subscriber's acknowledgements waited for their read."""
+        if self.appends.round_end(read_round):
+            self.news_now()
+
+    def news_now(self) -> None:
+        """Feed the news already routed to this node (``StoreApi.events_nowait``) to its sessions in this step, the
+        cache filled first; when the store cannot read them without waiting, a task does (:meth:`_news`)."""
+        try:
+            events = self.store.events_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return
+        try:
+            filled = self.cache.fill_nowait(events)
+        except Exception as exc:
+            _fill_failed(exc, events)
+            filled = True
+        if filled:
+            self.subscriptions.feed_news(events)
+        else:
+            self.nursery.start_soon(self._news, events)
+
+    async def _news(self, events: dict[str, int]) -> None:
+        """Have the cache read the news, then feed ``QueueAdvanced`` to the local connections on each queue."""
+        try:
+            await self.cache.fill(events)
+        except Exception as exc:
+            _fill_failed(exc, events)
+        self.subscriptions.feed_news(events)
+
     # --- tasks -------------------------------------------------------------------------------
 
     async def consume_events(self) -> None:
@@ -232,13 +274,7 @@ class GatewayNode:
                 events = await self.store.events()
             except trio.EndOfChannel:
                 return
-            try:
-                await self.cache.fill(events)
-            except ConnectionError as exc:  # the store went away mid-read: sessions read the news themselves
-                LOGGER.warning("queue cache not filled: %r", exc, extra={"ctx": {"queues": len(events)}})
-            except Exception as exc:  # the store failed the read: the sessions' own reads meet it, not the node
-                LOGGER.error("queue cache not filled: %r", exc, extra={"ctx": {"queues": len(events)}})
-            self.subscriptions.feed_news(events)
+            await self._news(events)
 
     async def consume_moved(self) -> None:
         """Close the clients that are not this node's any more: they connected to another node, or the node's store
@@ -259,6 +295,15 @@ class GatewayNode:
         """
         self._stopping = True
         await self.registry.shutdown()
+
+
+def _fill_failed(exc: Exception, events: dict[str, int]) -> None:
+    """Log a fill of the queue cache that failed: the sessions then read the news themselves (their reads meet
+    the failure, not the node)."""
+    if isinstance(exc, ConnectionError):  # the store went away mid-read
+        LOGGER.warning("queue cache not filled: %r", exc, extra={"ctx": {"queues": len(events)}})
+    else:
+        LOGGER.error("queue cache not filled: %r", exc, extra={"ctx": {"queues": len(events)}})
 
 
 _BATCHED: dict[type, Handler] = {Append: GatewayNode._append, ReleaseInbound: GatewayNode._release_inbound,

@@ -195,6 +195,16 @@ class Subscriptions:
         """Commit the session's offsets (batched with other connections'); acknowledge its shared subscriptions'
         messages to their groups, and give back those it will not deliver."""
         await self._settle_receipts(action.acks, action.releases)
+        self._post(action)
+
+    def commit_now(self, action: CommitOffsets) -> bool:
+        """:meth:`commit` in this step when it has no receipts to settle (store calls); False: it has."""
+        if action.acks or action.releases:
+            return False
+        self._post(action)
+        return True
+
+    def _post(self, action: CommitOffsets) -> None:
         if action.offsets:
             self._commits.post(action.client_id, action.offsets)
         LOGGER.debug("offsets committed", extra={"ctx": {"client_id": action.client_id, "offsets": action.offsets}})

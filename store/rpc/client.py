@@ -420,6 +420,9 @@ class RemoteStore:
     async def events(self) -> dict[str, int]:
         return await self._mailbox.get()
 
+    def events_nowait(self) -> dict[str, int]:
+        return self._mailbox.get_nowait()
+
     # --- consumer groups and shared subscriptions --------------------------------------------
 
     async def join(self, group: str, queue: str, member: str, *, start: str = "latest", at: int = 0) -> int:

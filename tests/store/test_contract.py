@@ -306,7 +306,22 @@ async def test_events_come_for_watched_queues_only(stores):
         with trio.fail_after(WAIT_S):
             events = await api.events()
         assert events == {"ev/a": 1}
+        with pytest.raises(trio.WouldBlock):  # taken: nothing is pending
+            api.events_nowait()
+        await other.append([message("ev/a")])
+        with trio.fail_after(WAIT_S):
+            while (events := _pending_events(api)) is None:  # routed to this node by now, or soon
+                await trio.sleep(0.01)
+        assert events == {"ev/a": 2}
         api.unwatch("ev/a")
+
+
+def _pending_events(api) -> dict[str, int] | None:
+    """The events routed to ``api``'s node already, taken without waiting; None when none are."""
+    try:
+        return api.events_nowait()
+    except trio.WouldBlock:
+        return None
 
 
 # --- consumer groups ---------------------------------------------------------------------

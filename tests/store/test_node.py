@@ -90,6 +90,28 @@ async def test_append_nowait_writes_each_run_of_one_topic_at_qos_0_as_a_batch_re
             for (p, m), r in zip(sent, read)] and len(read) == len(sent)
         assert len({r.store_ms for r in read}) == 1  # one append, one store timestamp: batched or not
         assert [r.payload for _, r in node.read("tele/b", 0).messages] == [b"b0"]
+async def test_append_nowait_dispatches_its_records_and_routes_their_news_in_the_callers_step(tmp_path: Path):
+    """A small append kept in memory is indexed in the step that made it (``Dispatcher.dispatch_now``): the node
+    watching its queue can take the news at once (``events_nowait``), without a scheduling round of the event loop
+    for dispatch's task. Nothing below yields between the append and the checks. While a step holds dispatch (here
+    ``caught_up``, in this very thread), an append leaves its records to dispatch's task: it neither blocks nor
+    steps inside the step in progress."""
+    async with open_store(tmp_path, CONFIG) as node:
+        local = LocalStore(node, "gw")
+        local.watch("a/b")
+        with pytest.raises(trio.WouldBlock):
+            local.events_nowait()
+        positions = local.append_nowait([NewMessage("a/b", b"now", qos=1)])
+        assert node.dispatcher.dispatched_offset == node.log.log.written_offset > positions.offsets[0]
+        assert local.events_nowait()["a/b"] == 1
+        assert [r.payload for _, r in node.read("a/b", 0).messages] == [b"now"]
+        with node.dispatcher.caught_up():
+            local.append_nowait([NewMessage("a/b", b"held", qos=1)])
+            assert node.dispatcher.dispatched_offset < node.log.log.written_offset
+        with trio.fail_after(10):
+            await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+            assert (await local.events())["a/b"] == 2
+        local.close()
 
 
 def test_freezing_startup_objects_hides_them_from_the_collector():

@@ -2,6 +2,7 @@
 
 import logging
 from dataclasses import replace
+from functools import partial
 
 import msgspec
 import pytest
@@ -9,13 +10,22 @@ import trio
 
 from gateway.mqtt.actions import InFlight, Phase, Subscription
 from gateway.app.embedded import serve_gateway
+from gateway.auth.authn import Authenticator
+from gateway.mqtt.channel import ChannelConfig
+from gateway.mqtt.codec import encode
+from gateway.node.connection import serve_mqtt
+from gateway.node.guard import Guard
+from gateway.node.listeners import ListenerSpec
+from gateway.node.node import GatewayNode
 from gateway.node.sessions import rejoin, split
 from gateway.mqtt.session import decode_session, encode_session
-from gateway.mqtt.packets import Connack, Connect, Disconnect, Suback, Subscribe, SubscriptionOptions
+from gateway.mqtt.packets import (MQTT_311, Connack, Connect, Disconnect, Puback, Publish, Suback, Subscribe,
+                                  SubscriptionOptions)
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import ReasonCode
 from gateway.mqtt.session import SessionState
 from store.api import MAIN_LOG, Position
+from store.local import LocalStore
 from store.log.commitlog import CommitLogConfig
 from store.node import open_store
 from tests.helpers.trio_mqtt import DEFAULTS, RawClient
@@ -95,3 +105,52 @@ async def test_mqtt5_protocol_error_is_answered_with_a_disconnect_before_the_clo
         with trio.fail_after(10):
             assert await client.stream.receive_some(1) == b""  # then the server closes
         nursery.cancel_scope.cancel()
+
+
+PUBLISHERS = 3
+PIPELINED = 60  # each publisher's QoS 1 PUBLISHes, sent in one write without waiting for PUBACKs
+
+
+async def test_a_read_round_delivers_the_news_of_what_it_appended_in_its_own_step(tmp_path):
+    """The node runs without its task that consumes the store's events (``consume_events``): a QoS 1 fan-in's
+    messages appended at the end of a read round reach their subscriber from that step (``GatewayNode.news_now``),
+    not one scheduling round of the event loop later for dispatch and another for the news (at a fan-in's load,
+    each as long as a read round of hundreds of PUBLISHes). Each publisher's messages arrive in the order it sent
+    them, each once [MQTT-4.6.0-2] [MQTT-4.6.0-5], and each publisher has every PUBACK, in order [MQTT-4.6.0-2]."""
+    async with open_store(tmp_path, CommitLogConfig(segment_bytes=1 << 20)) as store:
+        local = LocalStore(store, lease=True)
+        try:
+            async with trio.open_nursery() as nursery:
+                node = GatewayNode(local, nursery, ChannelConfig(), 10.0,
+                                   guard=Guard(Authenticator(None, allow_anonymous=True)))
+                nursery.start_soon(node.timers.run)
+                nursery.start_soon(node.reads.run)
+                (bound,) = await nursery.start(partial(serve_mqtt, node, [ListenerSpec("tcp", "127.0.0.1", 0)]))
+
+                async def client(client_id: str) -> RawClient:
+                    mqtt = RawClient(await trio.open_tcp_stream("127.0.0.1", bound.port), MQTT_311)
+                    await mqtt.send(Connect(MQTT_311, client_id, True))
+                    assert isinstance(await mqtt.receive(), Connack)
+                    return mqtt
+
+                sub = await client("sub")
+                await sub.send(Subscribe(1, (("fan/#", SubscriptionOptions(qos=1)),)))
+                assert isinstance(await sub.receive(), Suback)
+                pubs = [await client(f"pub-{i}") for i in range(PUBLISHERS)]
+                for i, pub in enumerate(pubs):
+                    await pub.stream.send_all(b"".join(
+                        encode(Publish(f"fan/{i}", b"%d" % n, 1, packet_id=n + 1), MQTT_311) for n in range(PIPELINED)))
+                received: dict[str, list[bytes]] = {f"fan/{i}": [] for i in range(PUBLISHERS)}
+                with trio.fail_after(10):
+                    for pub in pubs:
+                        assert [(await pub.receive()).packet_id for _ in range(PIPELINED)] \
+                            == list(range(1, PIPELINED + 1))
+                    for _ in range(PUBLISHERS * PIPELINED):
+                        publish = await sub.receive()
+                        assert isinstance(publish, Publish) and publish.qos == 1
+                        received[publish.topic].append(publish.payload)
+                        await sub.send(Puback(publish.packet_id))
+                assert received == {f"fan/{i}": [b"%d" % n for n in range(PIPELINED)] for i in range(PUBLISHERS)}
+                nursery.cancel_scope.cancel()
+        finally:
+            local.close()
