@@ -8,16 +8,19 @@ reader of its own over the system queue, the timer gets log order, the checkpoin
 free: a replica's dispatch, or a rebuild after the data was deleted, derives the same pending entries.
 
 Crash safety (docs/storage.md, "Delayed delivery"): :meth:`flush` runs after the CommitLog was flushed up to its
-offset; it fdatasyncs the TimerLog and the wheel, then writes the checkpoint (store/timer/checkpoint.py: offset,
-TimerLog length, counts, and the wheel slots and entry ends changed since the previous one, which only then go
-into the files). On open the checkpoint's changes are written again, the TimerLog is cut to its length and the
-counts are read from it: the state at the checkpoint, whatever a crash left after it, without reading a single
-entry; dispatch then applies the records from the checkpoint again.
+offset; it takes the checkpoint (store/timer/checkpoint.py: offset, TimerLog length, counts, and the wheel slots
+and entry ends changed since the previous one) and hands it to a thread of its own, which fdatasyncs the TimerLog
+and the wheel, writes the checkpoint, and only then writes its changes into the files; :attr:`checkpoint` moves
+once it is done. Dispatch goes on meanwhile: a checkpoint of 100,000 ends written under dispatch's lock held it,
+and every message waiting to be indexed, for a quarter of a second. On open the checkpoint's changes are written
+again, the TimerLog is cut to its length and the counts are read from it: the state at the checkpoint, whatever a
+crash left after it, without reading a single entry; dispatch then applies the records from the checkpoint again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 from collections import Counter
@@ -33,6 +36,8 @@ from store.timer.timerlog import TimerEntry, TimerLog
 from store.timer.wheel import EMPTY, Slot, TimerWheel
 
 __all__ = ["BUCKET_BITS", "ENDS_FLUSH", "PAGE_WALK", "WINDOW_S", "TimerApplier", "client_hash", "topic_hash"]
+
+LOGGER = logging.getLogger(__name__)
 
 WINDOW_S = 14 * 24 * 3600
 """Slots of the wheel: twice the default maximum delay (7 days), as RocketMQ sizes it; an entry due beyond the
@@ -89,6 +94,7 @@ class TimerApplier:
         self.fired = 0
         self.rolled = 0
         self.cancelled = 0
+        self._writer: threading.Thread | None = None  # the checkpoint being written, if any
         self._restore()
 
     # -- ControlApplier ----------------------------------------------------------------------------------------
@@ -119,14 +125,29 @@ class TimerApplier:
                 self.cancelled += sum(1 for _ in self._end_all(control.entries, record.offset))
 
     def flush(self, offset: int) -> None:
-        """Persist below ``offset``; with nothing pending the TimerLog starts again empty (it grows only while
-        messages wait)."""
+        """Persist below ``offset``: the checkpoint is taken now and written by a thread of its own (the previous
+        one first waited for); with nothing pending it is written here and the TimerLog starts again empty (it
+        grows only while messages wait: appends must not race the cut)."""
+        self.settle()
         with self._lock:
-            self._write_checkpoint(offset)
+            if not self._pending:
+                self._write_checkpoint(offset)
+                return
+            taken = self._take_checkpoint(offset)
+        self._writer = threading.Thread(target=self._write_behind, args=(taken,), name="timer-checkpoint")
+        self._writer.start()
+
+    def settle(self) -> None:
+        """Wait until the checkpoint being written (if any) is done, or failed (it is logged, and its changes are
+        the next one's). Not under the lock: the writer takes it at the end."""
+        writer = self._writer
+        if writer is not None:
+            writer.join()
 
     def rewind(self, log_end: int) -> None:
         """Back to the checkpoint's state (dispatch applies the records from it again), or, when ``log_end`` is
         below the checkpoint (a follower's truncate of flushed records), to the state at ``log_end`` by a walk."""
+        self.settle()
         with self._lock:
             self._restore()
             if log_end < self._checkpoint:
@@ -247,6 +268,7 @@ class TimerApplier:
                             break
 
     def close(self) -> None:
+        self.settle()
         self._log.close()
         self._wheel.close()
 
@@ -331,9 +353,9 @@ class TimerApplier:
         if found is None or log.count < found.count:
             found = TimerCheckpoint()
             wheel.clear()
-        wheel.dirty = {}
+        wheel.dirty, wheel.writing = {}, {}
         wheel.write(found.slots)
-        log.ends = {}
+        log.ends, log.writing = {}, {}
         log.truncate(found.count)
         log.write_ends(found.ends)
         log.durable = found.count
@@ -349,23 +371,58 @@ class TimerApplier:
         wheel.fresh = False
 
     def _write_checkpoint(self, offset: int) -> None:
-        """Checkpoint the state at ``offset``: the files synced (the previous checkpoint's changes are in them),
-        then the checkpoint with the changes since, then those changes written into the files."""
-        log, wheel = self._log, self._wheel
-        log.sync()
-        wheel.sync()
-        count = log.count if self._pending else 0
-        write_checkpoint(self._checkpoint_path, TimerCheckpoint(
-            offset, count, self._pending, self._earliest if count else 0, self._lowest_real if count else 0,
-            dict(self._buckets), dict(self._clients), wheel.dirty, log.ends if count else {}))
-        wheel.write_dirty()
-        log.write_ends(log.ends)
-        log.truncate(count)
-        log.durable = count
-        log.ends = {}
-        if not count:
+        """Checkpoint the state at ``offset`` here and now (hold the lock, no checkpoint being written)."""
+        taken = self._take_checkpoint(offset)
+        self._write_taken(taken)
+        self._log.truncate(taken.count)
+        if not taken.count:
             self._earliest = self._lowest_real = 0
-        self._checkpoint = offset
+        self._written(taken)
+
+    def _take_checkpoint(self, offset: int) -> TimerCheckpoint:
+        """The checkpoint of the state at ``offset``: the changes it records move to ``writing`` (read from there
+        until they are in the files), those made from now on go to the next one. Hold the lock."""
+        log, wheel = self._log, self._wheel
+        count = log.count if self._pending else 0
+        taken = TimerCheckpoint(offset, count, self._pending, self._earliest if count else 0,
+                                self._lowest_real if count else 0, dict(self._buckets), dict(self._clients),
+                                wheel.dirty, log.ends if count else {})
+        wheel.writing, wheel.dirty = wheel.dirty, {}
+        log.writing, log.ends = taken.ends, {}
+        log.durable = count  # ends of the entries it covers wait in memory for the next one
+        return taken
+
+    def _write_taken(self, taken: TimerCheckpoint) -> None:
+        """The files synced (the previous checkpoint's changes are in them), then the checkpoint ``taken``, then
+        its changes written into the files. Only the entries and slots it records are written: dispatch may append
+        and end others meanwhile."""
+        self._log.sync()
+        self._wheel.sync()
+        write_checkpoint(self._checkpoint_path, taken)
+        self._wheel.write(taken.slots)
+        self._log.write_ends(taken.ends)
+
+    def _written(self, taken: TimerCheckpoint) -> None:
+        """``taken`` is in the checkpoint and in the files: read from there from now on. Hold the lock."""
+        self._wheel.writing = {}
+        self._log.writing = {}
+        self._checkpoint = taken.offset
+
+    def _write_behind(self, taken: TimerCheckpoint) -> None:
+        """The checkpoint writer's thread: :meth:`_write_taken`; if it fails (a full disk), its changes go back to
+        memory, where the next checkpoint records them with its own, and the checkpoint stays where it was."""
+        try:
+            self._write_taken(taken)
+        except OSError as exc:
+            LOGGER.error("timer checkpoint not written; the next flush tries again: %r", exc,
+                         extra={"ctx": {"offset": taken.offset}})
+            with self._lock:
+                log, wheel = self._log, self._wheel
+                log.ends, log.writing = {**log.writing, **log.ends}, {}
+                wheel.dirty, wheel.writing = {**wheel.writing, **wheel.dirty}, {}
+            return
+        with self._lock:
+            self._written(taken)
 
     def _rebuild(self, cut: int) -> None:
         """Keep the entries made below ``cut``, undo the ends at or past ``cut``, rebuild the wheel and the counts

@@ -4,10 +4,12 @@ A cursor moves one second at a time through the wheel (store/timer/wheel.py). At
 chain: the entries due in that second or before are fired in due order once due, in batches at most every
 ``TICK_MS`` (never early: a batch takes what is due when it starts), the others
 (placed there because they were due beyond the window, or a later revolution of the ring) are rolled. Firing
-re-appends each message to its real topic (normal dispatch, notify and delivery from there) in one write with a
-``TimersFired`` record naming the entries, so the log itself says what was dequeued: after a crash the entries
-whose ``TimersFired`` reached the log are done, the others fire again, and none fires twice. The next batch
-waits until dispatch has applied the previous one. A batch fires under ``lock``, which a cancellation holds
+re-appends each message to its real topic (normal dispatch, notify and delivery from there), ``CHUNK`` messages per
+write with a ``TimersFired`` record naming their entries, so the log itself says what was dequeued: after a crash
+the entries whose ``TimersFired`` reached the log are done, the others fire again, and none fires twice. Each
+write waits until dispatch has applied the previous one. What takes long per batch (reading the slot's chain and
+sorting it, reading and decoding the ``Delayed`` records) runs in worker threads: the event loop, which undelayed
+traffic shares, only ever holds one chunk's work at a time. A batch fires under ``lock``, which a cancellation holds
 while it writes its ``TimerCancelled`` (store/timer/pending.py): a batch read before a cancellation fires only
 the entries still pending, so a cancelled message is never delivered. After a restart the cursor starts at the
 earliest pending second, so the messages that fell due while the node was down go at once, in due order.
@@ -28,12 +30,19 @@ from store.log.record import CorruptRecord, decode_record, now_ms
 from store.timer.applier import TimerApplier
 from store.timer.timerlog import TimerEntry
 
-__all__ = ["BATCH", "LATENESS_BOUNDS", "Dequeue"]
+__all__ = ["BATCH", "CHUNK", "LATENESS_BOUNDS", "Dequeue"]
 
 LOGGER = logging.getLogger(__name__)
 
 BATCH = 1024
-"""Messages fired per write (and per wait for dispatch) at most."""
+"""Messages fired per batch (all that fell due in a tick, under the lock) at most."""
+
+CHUNK = 256
+"""Messages per write (and per wait for dispatch) while firing: dispatch indexes a small write in one step of the
+event loop (store/dispatch.py), which undelayed messages appended meanwhile wait for, so a batch of 1,024 (firing
+behind, or after a restart) goes in 4 writes. Not fewer: each write costs about 1 ms more (its record, its wait
+for dispatch), and with writes of 32 or 64 messages the step fired half as many messages a second on this
+machine; at 10,000 due a second a tick's 200 messages are one write."""
 
 TICK_MS = 20
 """A batch fires at most this often: the messages falling due meanwhile go together (200 at 10,000 a second), not
@@ -102,12 +111,9 @@ class Dequeue:
     async def _second(self, second: int) -> None:
         """Roll the entries of ``second``'s slot that are not due in it, fire the others as they fall due."""
         cancelled = self._timers.cancelled
-        entries = await trio.to_thread.run_sync(self._timers.due_entries, second)
-        roll = [(pos, entry) for pos, entry in entries if entry.due_ms // 1000 > second]
+        roll, fire = await trio.to_thread.run_sync(self._split, second)
         if roll:
             await self._append([TimersRolled([_ref(item) for item in roll])], [])
-        fire = sorted((item for item in entries if item[1].due_ms // 1000 <= second),
-                      key=lambda item: (item[1].due_ms, item[1].offset_real))
         start = fired_at = 0
         while start < len(fire):
             wait_ms = max(fire[start][1].due_ms, fired_at + TICK_MS) - now_ms()
@@ -120,6 +126,15 @@ class Dequeue:
             await self._fire(fire[start:end], cancelled)
             start = end
 
+    def _split(self, second: int) -> tuple[list[tuple[int, TimerEntry]], list[tuple[int, TimerEntry]]]:
+        """The pending entries of ``second``'s slot to roll (due after it) and to fire (due in it or before, in due
+        order); in a worker thread: the 10,000 entries of a second sorted held the event loop for 10 ms or more."""
+        entries = self._timers.due_entries(second)
+        roll = [(pos, entry) for pos, entry in entries if entry.due_ms // 1000 > second]
+        fire = sorted((item for item in entries if item[1].due_ms // 1000 <= second),
+                      key=lambda item: (item[1].due_ms, item[1].offset_real))
+        return roll, fire
+
     async def _fire(self, batch: list[tuple[int, TimerEntry]], cancelled: int) -> None:
         """Append the messages of ``batch`` to their real topics, with the ``TimersFired`` record that ends them;
         ``cancelled``: the timer's count of cancellations when the batch was read (what changed since is not fired)."""
@@ -130,21 +145,30 @@ class Dequeue:
                 await self._fire_now(batch)
 
     async def _fire_now(self, batch: list[tuple[int, TimerEntry]]) -> None:
-        """:meth:`_fire` of the entries found still pending, under the lock."""
+        """:meth:`_fire` of the entries found still pending, under the lock: ``CHUNK`` of them per write, in order
+        (a crash between two writes fires the rest again, and only the rest)."""
+        messages = await trio.to_thread.run_sync(self._messages, batch)
+        for start in range(0, len(batch), CHUNK):
+            chunk = batch[start:start + CHUNK]
+            await self._append([TimersFired([_ref(item) for item in chunk])],
+                               [message for message in messages[start:start + CHUNK] if message is not None])
+            now = now_ms()
+            for _, entry in chunk:
+                self.lateness.observe(max(0, now - entry.due_ms) / 1000)
+
+    def _messages(self, batch: list[tuple[int, TimerEntry]]) -> list[NewMessage | None]:
+        """The message of each entry of ``batch``, read from its ``Delayed`` record (None: unreadable, logged); in a
+        worker thread."""
         by_offset = sorted(batch, key=lambda item: item[1].offset_real)
-        raws = await trio.to_thread.run_sync(
-            self._log.read_many, [(entry.offset_real, entry.size_real) for _, entry in by_offset])
+        raws = self._log.read_many([(entry.offset_real, entry.size_real) for _, entry in by_offset])
         found = {entry.offset_real: raw for (_, entry), raw in zip(by_offset, raws)}
-        messages = []
+        messages: list[NewMessage | None] = []
         for _, entry in batch:
             delayed = _delayed(entry, found[entry.offset_real])
-            if delayed is not None:
-                messages.append(NewMessage(delayed.topic, delayed.payload, delayed.client, delayed.qos,
-                                           delayed.retain, delayed.properties, delayed.born_ms))
-        await self._append([TimersFired([_ref(item) for item in batch])], messages)
-        now = now_ms()
-        for _, entry in batch:
-            self.lateness.observe(max(0, now - entry.due_ms) / 1000)
+            messages.append(None if delayed is None else NewMessage(
+                delayed.topic, delayed.payload, delayed.client, delayed.qos, delayed.retain, delayed.properties,
+                delayed.born_ms))
+        return messages
 
 
 def _ref(item: tuple[int, TimerEntry]) -> tuple[int, int, int]:

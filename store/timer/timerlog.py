@@ -6,7 +6,8 @@ backwards from its last entry, as in RocketMQ's TimerLog. It is derived from the
 appends and updates it while dispatch applies ``Delayed``, ``TimersFired`` and ``TimersRolled`` records), so it
 can be rebuilt from the log. Entries are appended, and ended by setting ``done_at``: the end of an entry the last
 checkpoint covers (``durable``) is kept in memory until the next checkpoint has recorded it (``ends``), so a crash
-never leaves the file ahead of the checkpoint (store/timer/checkpoint.py). This module knows the bytes only.
+never leaves the file ahead of the checkpoint (store/timer/checkpoint.py); while a checkpoint writes the ends it
+recorded into the file (in a thread of its own) they are read from ``writing``. This module knows the bytes only.
 Layout: docs/storage.md, "Delayed delivery".
 """
 
@@ -57,6 +58,7 @@ class TimerLog:
         self.count = os.fstat(self._fd).st_size // ENTRY_SIZE  # a torn last entry is ignored (and overwritten)
         self.durable = 0  # entries the last checkpoint covers: their ends wait in ``ends``
         self.ends: dict[int, int] = {}  # position -> done_at, of entries up to ``durable`` ended since
+        self.writing: dict[int, int] = {}  # position -> done_at: ends a checkpoint recorded, being written
         self.reads = 0  # entries read since opened (a statistic: opening must not walk the file)
 
     def append(self, entry: TimerEntry) -> int:
@@ -69,7 +71,7 @@ class TimerLog:
         """The entry at position ``pos`` (1-based)."""
         self.reads += 1
         entry = TimerEntry._make(ENTRY.unpack(os.pread(self._fd, ENTRY_SIZE, (pos - 1) * ENTRY_SIZE)))
-        done_at = self.ends.get(pos)
+        done_at = self.ends.get(pos) or self.writing.get(pos)
         return entry if done_at is None else entry._replace(done_at=done_at)
 
     def end(self, pos: int, done_at: int) -> None:
@@ -83,10 +85,11 @@ class TimerLog:
         """The entries at ``positions`` (sorted, each at most ``count``), entries close together read as one
         block: a batch of ends (a ``TimersFired`` record) reads its entries in a few preads, not one each."""
         found = []
+        ends, writing = self.ends, self.writing
         for first, block, group in self._blocks(positions):
             for pos in group:
                 entry = TimerEntry._make(ENTRY.unpack_from(block, (pos - first) * ENTRY_SIZE))
-                done_at = self.ends.get(pos)
+                done_at = ends.get(pos) or writing.get(pos)
                 found.append(entry if done_at is None else entry._replace(done_at=done_at))
         self.reads += len(found)
         return found
@@ -121,7 +124,8 @@ class TimerLog:
     def entries(self, start: int = 1, stop: int | None = None) -> Iterator[tuple[int, TimerEntry]]:
         """The entries from position ``start`` to ``stop`` (default: the last) with their positions, in file order
         (a walk in large reads), the ends kept in memory since the checkpoint applied."""
-        for item in read_entries(self._fd, self.count if stop is None else min(stop, self.count), self.ends, start):
+        for item in read_entries(self._fd, self.count if stop is None else min(stop, self.count), self.ends, start,
+                                 self.writing):
             self.reads += 1
             yield item
 
@@ -139,15 +143,17 @@ class TimerLog:
         os.close(self._fd)
 
 
-def read_entries(fd: int, count: int, ends: Mapping[int, int], start: int = 1) -> Iterator[tuple[int, TimerEntry]]:
+def read_entries(fd: int, count: int, ends: Mapping[int, int], start: int = 1,
+                 writing: Mapping[int, int] | None = None) -> Iterator[tuple[int, TimerEntry]]:
     """The entries ``start`` to ``count`` of the TimerLog file open at ``fd``, with their positions and ``ends``
-    (position -> done_at) applied, in file order: a walk in large reads."""
+    (position -> done_at), then ``writing``, applied, in file order: a walk in large reads."""
+    writing = writing or {}
     pos = start
     while pos <= count:
         chunk = os.pread(fd, min(READ_ENTRIES, count - pos + 1) * ENTRY_SIZE, (pos - 1) * ENTRY_SIZE)
         for fields in ENTRY.iter_unpack(chunk[: len(chunk) - len(chunk) % ENTRY_SIZE]):
             entry = TimerEntry._make(fields)
-            done_at = ends.get(pos)
+            done_at = ends.get(pos) or writing.get(pos)
             yield pos, entry if done_at is None else entry._replace(done_at=done_at)
             pos += 1
         if len(chunk) < ENTRY_SIZE:

@@ -6,7 +6,8 @@ the entries of the chain not fired yet (a slot whose last entry ends is cleared,
 new chain). A file, not a heap in memory: a week of seconds is 1.2 M slots, 39 MB of mostly sparse zeros.
 The file holds the wheel as of the timer's last checkpoint (store/timer/checkpoint.py): a slot changed since then
 is kept in memory (``dirty``) until the next checkpoint has recorded it, so a crash never leaves the file ahead of
-the checkpoint. The wheel is derived from the TimerLog: ``clear`` empties it before a rebuild.
+the checkpoint; while a checkpoint writes the slots it recorded into the file (in a thread of its own) they are
+read from ``writing``. The wheel is derived from the TimerLog: ``clear`` empties it before a rebuild.
 """
 
 from __future__ import annotations
@@ -49,18 +50,19 @@ class TimerWheel:
             raise ValueError(f"a timer wheel needs at least 2 slots, not {window}")
         self.window = window
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        self.dirty: dict[int, Slot] = {}  # slot index -> slot, changed since the file was last written
+        self.dirty: dict[int, Slot] = {}  # slot index -> slot, changed since the last checkpoint
+        self.writing: dict[int, Slot] = {}  # slot index -> slot: a checkpoint recorded it, being written into the file
         self.fresh = os.fstat(self._fd).st_size != window * SLOT_SIZE
         if self.fresh:
             self.clear()
 
     def get(self, second: int) -> Slot:
         index = second % self.window
-        slot = self.dirty.get(index)
+        slot = self.dirty.get(index) or self.writing.get(index)
         return slot if slot is not None else Slot._make(SLOT.unpack(os.pread(self._fd, SLOT_SIZE, index * SLOT_SIZE)))
 
     def put(self, second: int, slot: Slot) -> None:
-        """Change a slot (in memory until :meth:`write_dirty`)."""
+        """Change a slot (in memory until a checkpoint recorded it and wrote it into the file)."""
         self.dirty[second % self.window] = slot
 
     def write(self, slots: dict[int, Slot]) -> None:
@@ -68,24 +70,19 @@ class TimerWheel:
         for index, slot in slots.items():
             os.pwrite(self._fd, SLOT.pack(*slot), index * SLOT_SIZE)
 
-    def write_dirty(self) -> None:
-        """Write the changed slots into the file (once a checkpoint recorded them)."""
-        self.write(self.dirty)
-        self.dirty = {}
-
     def next_due(self, first: int, last: int) -> int | None:
         """The first second of ``[first, last]`` whose slot holds pending entries placed at it or before (a scan
         in large reads: after a restart the dequeue step jumps over the empty seconds); None if there is none.
         A range longer than the window is scanned over its last window only: that visits every slot once, at the
         latest second it stands for, so an entry placed at any second up to ``last`` is found."""
         second = max(first, last - self.window + 1)
-        dirty = self.dirty
+        dirty, writing = self.dirty, self.writing
         while second <= last:
             index = second % self.window
             count = min(READ_SLOTS, self.window - index, last - second + 1)
             chunk = os.pread(self._fd, count * SLOT_SIZE, index * SLOT_SIZE)
             for i, (delayed_s, _, _, _, pending) in enumerate(SLOT.iter_unpack(chunk)):
-                changed = dirty.get(index + i) if dirty else None
+                changed = (dirty.get(index + i) if dirty else None) or (writing.get(index + i) if writing else None)
                 if changed is not None:
                     delayed_s, pending = changed.delayed_s, changed.pending
                 if pending and delayed_s <= second + i:
@@ -96,6 +93,7 @@ class TimerWheel:
     def clear(self) -> None:
         """Every slot empty (sparse zeros)."""
         self.dirty = {}
+        self.writing = {}
         os.ftruncate(self._fd, 0)
         os.ftruncate(self._fd, self.window * SLOT_SIZE)
 

@@ -20,6 +20,7 @@ from store.log.commitlog import CommitLogConfig
 from store.log.record import now_ms
 from store.node import StoreNode, open_store
 from store.timer.applier import TimerApplier
+from store.timer.dequeue import CHUNK
 from tests.helpers.processes import ROOT
 from tests.helpers.timers import control_record, delayed_record, timers_fired
 
@@ -106,11 +107,15 @@ WRITER = textwrap.dedent("""
     from store.log.commitlog import CommitLogConfig
     from store.log.record import now_ms
     from store.node import open_store
+    from store.timer import dequeue
+
+    dequeue.CHUNK = int(sys.argv[3])
 
     async def main():
         async with open_store(Path(sys.argv[1]), CommitLogConfig(flush=sys.argv[2])) as store:
             now = now_ms()
-            messages = [NewMessage("t", b"%d" % i, "pub", 1, deliver_at_ms=now + 1000 + 20 * i) for i in range(60)]
+            messages = [NewMessage("t", b"%d" % i, "pub", 1, deliver_at_ms=now + 1000 + int(sys.argv[4]) * i)
+                        for i in range(60)]
             for i in range(0, 60, 10):
                 await store.append(messages[i:i + 10], durable=True)
             print("acknowledged", 60, flush=True)
@@ -124,9 +129,11 @@ WRITER = textwrap.dedent("""
 """)
 
 
-def crash_writer(data: Path, flush: str) -> str:
-    """A store process that acknowledges 60 delayed messages (due over 1.2 s) and is SIGKILLed while they fire."""
-    proc = subprocess.run([sys.executable, "-c", WRITER, str(data), flush], capture_output=True, text=True,
+def crash_writer(data: Path, flush: str, chunk: int = CHUNK, apart_ms: int = 20) -> str:
+    """A store process that acknowledges 60 delayed messages (due ``apart_ms`` apart) and is SIGKILLed while they
+    fire (``chunk``: messages per write)."""
+    proc = subprocess.run([sys.executable, "-c", WRITER, str(data), flush, str(chunk), str(apart_ms)],
+                          capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     return proc.stdout
@@ -147,6 +154,17 @@ async def delivered_once_after_restart(data: Path, flush: str) -> None:
 def test_a_sigkill_while_delayed_messages_fire_loses_none_and_delivers_none_twice(tmp_path: Path):
     out = crash_writer(tmp_path, "sync")
     assert "delivered" in out, out
+    trio.run(delivered_once_after_restart, tmp_path, "sync")
+
+
+@pytest.mark.slow
+def test_a_sigkill_between_the_writes_of_one_fired_batch_loses_none_and_delivers_none_twice(tmp_path: Path):
+    """60 messages due at the same millisecond fire as one batch, in writes of 10 (``CHUNK``), each with the
+    TimersFired record of its own entries: killed after some of the writes, the rest fire after the restart, once,
+    in due order (for one due time: the order they were published in)."""
+    out = crash_writer(tmp_path, "sync", chunk=10, apart_ms=0)
+    assert "delivered" in out, out
+    assert 0 < int(out.split("delivered")[1].split()[0]) < 60, out
     trio.run(delivered_once_after_restart, tmp_path, "sync")
 
 

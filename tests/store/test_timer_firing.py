@@ -3,20 +3,24 @@ memory until its checkpoint are bounded, and the TimerLog is read and patched in
 
 from __future__ import annotations
 
+import errno
+import threading
 from pathlib import Path
 
 import pytest
 import trio
 
 from store.api import NewMessage
+from store.control import TimersFired
 from store.log.commitlog import CommitLogConfig
 from store.log.record import now_ms
 from store.node import StoreNode, open_store
-from store.timer import applier
+from store.timer import applier, dequeue
 from store.timer.applier import TimerApplier
+from store.timer.checkpoint import TimerCheckpoint
 from store.timer.dequeue import TICK_MS
 from store.timer.timerlog import TimerEntry, TimerLog
-from tests.helpers.timers import delayed_record, timers_fired
+from tests.helpers.timers import control_record, delayed_record, timers_fired
 
 CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
 
@@ -49,6 +53,7 @@ async def test_ends_kept_in_memory_past_a_count_bring_the_checkpoint_forward(tmp
     """Entries the timer's checkpoint covers are ended in memory until the next checkpoint: past ``ENDS_FLUSH``
     of them dispatch flushes at once rather than at its 30 s interval, so firing never piles them up."""
     monkeypatch.setattr(applier, "ENDS_FLUSH", 100)
+    monkeypatch.setattr(dequeue, "CHUNK", 100)  # the 300 fire in 3 writes: the last one brings a flush too
     async with open_store(tmp_path, CONFIG) as node:
         due = now_ms() + 2000
         await node.append([NewMessage("cmd/b", b"x", "app", 1, deliver_at_ms=due) for _ in range(300)])
@@ -58,6 +63,7 @@ async def test_ends_kept_in_memory_past_a_count_bring_the_checkpoint_forward(tmp
         fired_to = node.log.log.written_offset
         (offset,) = await node.append([NewMessage("cmd/c", b"after", "app", 1)])
         await node.dispatcher.wait_dispatched(offset + 1)  # dispatch's turn after the one that applied the ends
+        await trio.to_thread.run_sync(node.timers.settle)  # its checkpoint is written by a thread of its own
         assert node.timers.checkpoint > opened_at and node.timers.checkpoint >= fired_to - 1
         assert node.timers.pending == 0
 
@@ -96,4 +102,81 @@ def test_a_slots_entries_read_in_file_order_skip_those_of_other_slots(tmp_path: 
            for second in (5000, 5001, 5002)}
     assert got[5000] == [(s, i) for i in range(30) for s in (5000, 5100)] + [(5000, 999)]
     assert got[5001] == [(5001, i) for i in range(30)] and got[5002] == [(5002, i) for i in range(50)]
+    timers.close()
+
+
+def blocked_checkpoints(monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> threading.Event:
+    """Checkpoint files are written only once the returned event is set (then, with ``fail``, not at all: a full
+    disk)."""
+    release = threading.Event()
+    write = applier.write_checkpoint
+
+    def blocked(path: Path, checkpoint: TimerCheckpoint) -> None:
+        release.wait()
+        if fail:
+            raise OSError(errno.ENOSPC, "no space left on device")
+        write(path, checkpoint)
+
+    monkeypatch.setattr(applier, "write_checkpoint", blocked)
+    return release
+
+
+def three_pending_one_ended(directory: Path) -> TimerApplier:
+    """Entries at 10 and 20 (second 5,000) and 30 (second 5,001), checkpointed at 40; the first ended at 50."""
+    timers = TimerApplier(directory, window_s=100)
+    for offset, due in ((10, 5_000_000), (20, 5_000_000), (30, 5_001_000)):
+        timers.apply(*delayed_record(offset, due))
+    timers.flush(40)
+    timers.settle()
+    fired = TimersFired([(10, 1, 5_000_000)])
+    timers.apply(control_record(50, fired), fired)
+    return timers
+
+
+def test_dispatch_applies_on_while_a_checkpoint_is_written_and_the_files_never_run_ahead_of_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A checkpoint's files are written by a thread of its own (writing 100,000 ends held dispatch for a quarter
+    of a second): ``flush`` returns at once, the records applied meanwhile are read back right, and an end applied
+    meanwhile is the next checkpoint's, not in the files: reopened as after a crash, the timer is at the
+    checkpoint."""
+    timers = three_pending_one_ended(tmp_path)
+    release = blocked_checkpoints(monkeypatch)
+    flushing = threading.Thread(target=timers.flush, args=(60,))
+    flushing.start()
+    flushing.join(10)
+    try:
+        assert not flushing.is_alive()  # dispatch did not wait for the files
+        fired = TimersFired([(20, 2, 5_000_000)])
+        timers.apply(control_record(70, fired), fired)  # an entry the checkpoint being written covers
+        timers.apply(*delayed_record(80, 5_000_500))  # a new one, in the slot whose ends are being written
+        assert [entry.offset_real for _, entry in timers.due_entries(5_000)] == [80]
+        assert [entry.offset_real for _, entry in timers.due_entries(5_001)] == [30]
+        assert timers.pending == 2 and timers.checkpoint == 40  # not written yet
+    finally:
+        release.set()
+    timers.settle()
+    assert timers.checkpoint == 60
+    assert [entry.offset_real for _, entry in timers.due_entries(5_000)] == [80]
+    timers.close()  # no flush: the crash
+    timers = TimerApplier(tmp_path, window_s=100)
+    assert timers.checkpoint == 60 and timers.pending == 2  # 20 and 30: the end at 70 and the entry at 80 are after
+    assert [entry.offset_real for _, entry in timers.due_entries(5_000)] == [20]
+    timers.close()
+
+
+def test_a_checkpoint_that_could_not_be_written_leaves_its_changes_to_the_next_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    timers = three_pending_one_ended(tmp_path)
+    blocked_checkpoints(monkeypatch, fail=True).set()
+    timers.flush(60)
+    timers.settle()
+    assert timers.checkpoint == 40  # logged, not moved
+    assert [entry.offset_real for _, entry in timers.due_entries(5_000)] == [20]
+    monkeypatch.undo()
+    timers.flush(60)
+    timers.settle()
+    timers.close()
+    timers = TimerApplier(tmp_path, window_s=100)
+    assert timers.checkpoint == 60 and timers.pending == 2
+    assert [entry.offset_real for _, entry in timers.due_entries(5_000)] == [20]
     timers.close()
