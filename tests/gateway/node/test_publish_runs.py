@@ -39,6 +39,13 @@ def _run(topic: str, bad: bytes, level: int) -> bytes:
     return before + bad + after
 
 
+def _connect(sub: RawClient, pub: RawClient, run: str, filter: str) -> None:
+    """Connect the subscriber to ``filter`` at QoS 0, then the publisher."""
+    sub.connect(f"sub-{run}")
+    sub.subscribe(filter, qos=0)
+    pub.connect(f"pub-{run}")
+
+
 def _received(sub: RawClient, count: int) -> list[bytes]:
     """The payloads of the next ``count`` PUBLISHes, then a PINGRESP: nothing else came before it."""
     got = [sub.receive() for _ in range(count)]
@@ -73,9 +80,7 @@ def test_a_bad_publish_in_a_qos0_run_is_answered_after_the_good_ones_before_it(n
     run = run_id()
     topic = f"run{run}/t"
     with raw_client(node.port, MQTT_5) as sub, raw_client(node.port, MQTT_5) as pub:
-        sub.connect(f"sub-{run}")
-        sub.subscribe(topic, qos=0)
-        pub.connect(f"pub-{run}")
+        _connect(sub, pub, run, topic)
         pub.sock.sendall(_run(topic, make_bad(topic), MQTT_5))
         answer = pub.receive()
         assert isinstance(answer, Disconnect) and answer.reason_code == reason, answer
@@ -87,9 +92,7 @@ def test_a_bad_publish_in_a_qos0_run_closes_a_311_connection_after_the_good_ones
     run = run_id()
     topic = f"run{run}/t"
     with raw_client(node.port, MQTT_311) as sub, raw_client(node.port, MQTT_311) as pub:
-        sub.connect(f"sub-{run}")
-        sub.subscribe(topic, qos=0)
-        pub.connect(f"pub-{run}")
+        _connect(sub, pub, run, topic)
         # [MQTT-3.3.2-2] then [MQTT-4.8.0-1]: 3.1.1 has no DISCONNECT from the server, the connection is closed
         pub.sock.sendall(_run(topic, encode(Publish(topic + "/#", b"bad"), MQTT_311), MQTT_311))
         assert recv_until_closed(pub.sock) == b""
@@ -101,9 +104,7 @@ def test_a_denied_publish_in_a_qos0_run_is_dropped_and_the_run_goes_on(node, lev
     run = run_id()
     topic = f"run{run}/t"
     with raw_client(node.port, level) as sub, raw_client(node.port, level) as pub:
-        sub.connect(f"sub-{run}")
-        sub.subscribe(f"run{run}/#", qos=0)
-        pub.connect(f"pub-{run}")
+        _connect(sub, pub, run, f"run{run}/#")
         # a QoS 0 message the ACL refuses is dropped: no acknowledgement to refuse it in, no disconnect
         pub.sock.sendall(_run(topic, encode(Publish(f"run{run}/denied", b"bad"), level), level))
         assert _received(sub, 2 * GOOD) == [b"b%d" % i for i in range(GOOD)] + [b"a%d" % i for i in range(GOOD)]
