@@ -194,15 +194,16 @@ class Channel:
 
     def handle_in(self, packet: Packet) -> list[Action]:
         """Process one decoded packet from the client. Packets after the close are dropped."""
-        if type(packet) is Publish and self._state is State.CONNECTED and not self.conn.held:
+        conn = self.conn
+        if type(packet) is Publish and self._state is State.CONNECTED and not conn.held:
             # A device's PUBLISH on an open connection, most of what a node reads: the state stays CONNECTED
             # (TRANSITIONS), and a PUBLISH acknowledges no delivery, so no commit can be due (``_after``).
-            self.conn.last_rx = self.now()
+            conn.last_rx = self.now()
             try:
                 actions = process_publish(self, packet)
             except RemoteProtocolError as err:
                 actions = self._protocol_error(err)
-            return actions if self.conn.peer_max_packet is None else self._fit(actions)
+            return actions if conn.peer_max_packet is None else self._fit(actions)
         if self._state in (State.DISCONNECTING, State.CLOSED):
             return []
         try:

@@ -678,12 +678,13 @@ class Connection:
         """
         decoder = self._decoder
         channel = self.channel
+        traffic = self._traffic
         self._backlog = False
         holding = self._holding
         self._holding = True  # the answers to everything read go out in one write, after the loop
         try:
+            paused = self.paused()
             while True:
-                paused = self.paused()
                 try:
                     packet = NEED_DATA if paused else decoder.next_packet()
                 except RemoteProtocolError as err:
@@ -693,10 +694,23 @@ class Connection:
                     self._backlog = paused
                     self.execute(channel.input_done())
                     break
-                if type(packet) is Publish:
-                    self._traffic.messages_in += 1
-                    self._traffic.messages_in_by_qos[packet.qos] += 1
-                self._apply(channel.handle_in(packet))  # started and flushed once, after the loop
+                if type(packet) is not Publish or packet.qos:
+                    if type(packet) is Publish:
+                        traffic.messages_in += 1
+                        traffic.messages_in_by_qos[packet.qos] += 1
+                    self._apply(channel.handle_in(packet))  # started and flushed once, after the loop
+                    paused = self.paused()
+                    continue
+                # A QoS 0 PUBLISH, most of a flood: read while not paused, it can pause reading only by the node
+                # work its answer queues (it holds nothing back, opens no session, leaves CONNECTING unchanged).
+                traffic.messages_in += 1
+                traffic.messages_in_by_qos[0] += 1
+                actions = channel.handle_in(packet)
+                if len(actions) == 1 and type(actions[0]) is Append:
+                    self._append(actions[0])  # what a valid one answers: no walk of the action table
+                else:
+                    self._apply(actions)
+                paused = len(self._work) >= MAX_QUEUED_ACTIONS
         finally:
             self._holding = holding
             if not holding:

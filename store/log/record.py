@@ -349,15 +349,19 @@ def new_batch(topic: str, items: Sequence[BatchItem], store_ms: int, queues: byt
         raise ValueError("a batch record holds at least one message")
     parts = [_COUNT.pack(len(items))]
     messages = []
+    client_id: str | None = None
+    cid = b""
     for i, m in enumerate(items):
         if m.qos not in (0, 1, 2):
             raise ValueError(f"QoS must be 0, 1 or 2, not {m.qos!r}")
         if m.packet_id:
             raise ValueError("a QoS 2 message with a packet id cannot be in a batch record")
         payload = m.payload if type(m.payload) is bytes else bytes(m.payload)
-        cid = m.client_id.encode()
-        if len(cid) > _MAX_U16:
-            raise ValueError("a client id is limited to 65535 bytes")
+        if m.client_id is not client_id:  # a run is mostly one publisher's: its id encoded once
+            client_id = m.client_id
+            cid = client_id.encode()
+            if len(cid) > _MAX_U16:
+                raise ValueError("a client id is limited to 65535 bytes")
         flags = m.qos | (FLAG_RETAIN if m.retain else 0)
         born = m.born_ms or store_ms
         parts += (_MESSAGE.pack(flags, born, len(cid), len(m.properties), len(payload)), cid, m.properties, payload)

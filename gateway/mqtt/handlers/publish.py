@@ -99,7 +99,8 @@ def process_publish(channel: ChannelView, packet: Publish) -> list[Action]:
     message on the topic its client used before, most of what a node reads, calls none of them.
     """
     config = channel.config
-    session = channel.conn.session
+    conn = channel.conn
+    session = conn.session
     assert session is not None
     qos = packet.qos
     pid = packet.packet_id
@@ -107,7 +108,7 @@ def process_publish(channel: ChannelView, packet: Publish) -> list[Action]:
         _qos_not_supported(qos)
     if packet.retain and not config.retain_available:
         _retain_not_supported()
-    if qos and channel.conn.level != MQTT_5 and len(channel.conn.pending) >= config.receive_maximum:
+    if qos and conn.level != MQTT_5 and len(conn.pending) >= config.receive_maximum:
         return _wait_for_room(channel, packet)
     if qos == 2:
         resent = _qos2_resend(channel, session, pid)
@@ -119,19 +120,19 @@ def process_publish(channel: ChannelView, packet: Publish) -> list[Action]:
     if alias is not None:
         topic = _check_topic_alias(channel, alias, topic)
         props = replace(props, topic_alias=None)
-    if topic != channel.conn.valid_topic:
+    if topic != conn.valid_topic:
         _check_topic_name(channel, topic)
-    if len(topic) >= channel.conn.topic_check_from:
+    if len(topic) >= conn.topic_check_from:
         over = channel.topic_over(topic, "topic name")
         if over is not None:
             return _topic_refusal(channel, packet, *over)
-    if qos and channel.conn.level == MQTT_5:
+    if qos and conn.level == MQTT_5:
         _check_receive_maximum(channel, session)
-    if channel.conn.buckets:
+    if conn.buckets:
         refusal = _rate_refusal(channel, packet)
         if refusal is not None:
             return refusal
-    born_ms = int(channel.conn.last_rx * 1000)  # the clock read when this packet came in (handle_in)
+    born_ms = int(conn.last_rx * 1000)  # the clock read when this packet came in (handle_in)
     deliver_at_ms = 0
     if topic.startswith(DELAYED_PREFIX):
         try:
@@ -139,18 +140,18 @@ def process_publish(channel: ChannelView, packet: Publish) -> list[Action]:
         except ValueError as exc:
             return _topic_refusal(channel, packet, Limit.DELAYED, str(exc))
         deliver_at_ms = born_ms + delay_s * 1000
-    if channel.conn.authorizer is not None and not channel.conn.authorizer.may_publish(topic):
+    if conn.authorizer is not None and not conn.authorizer.may_publish(topic):
         return _not_authorized(channel, qos, pid, topic)
-    message = NewMessage(topic, packet.payload, channel.conn.client_id, qos, packet.retain,
+    message = NewMessage(topic, packet.payload, conn.client_id, qos, packet.retain,
                          b"" if props is EMPTY_PROPERTIES else property_block(props), born_ms,
                          pid if qos == 2 else 0, deliver_at_ms)
     if not qos and not deliver_at_ms:
         return [Append(None, (message,))]
-    channel.conn.next_ref += 1
-    channel.conn.pending[channel.conn.next_ref] = (qos, pid, bool(deliver_at_ms))  # type: ignore[assignment]
+    conn.next_ref += 1
+    conn.pending[conn.next_ref] = (qos, pid, bool(deliver_at_ms))  # type: ignore[assignment]
     if qos == 2:
-        channel.conn.storing_qos2[pid] = None  # type: ignore[index]
-    return [Append(channel.conn.next_ref, (message,))]
+        conn.storing_qos2[pid] = None  # type: ignore[index]
+    return [Append(conn.next_ref, (message,))]
 
 
 def _qos_not_supported(qos: int) -> NoReturn:
