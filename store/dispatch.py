@@ -240,6 +240,11 @@ class Dispatcher:
         self._unannounced_lock = threading.Lock()  # not the step lock: the trio thread takes it at every turn
 
     @property
+    def recent(self) -> RecentRecords | None:
+        """The records it reads from memory first (None: it scans the log): a replica adds what it copies."""
+        return self._recent
+
+    @property
     def dispatched_offset(self) -> int:
         """Every record below this CommitLog offset is indexed."""
         return self._offset

@@ -114,6 +114,7 @@ per message to compress and ~1 us to inflate; incompressible bodies stay raw (do
 bodies", has the measurements)."""
 
 _HINT = struct.Struct(">QI")  # flushed offset, CRC32C of its 8 bytes
+_MAGIC = struct.Struct(">I")  # a frame's magic, 8 bytes into it
 _U64 = struct.Struct(">Q")
 
 
@@ -1101,7 +1102,8 @@ class CommitLog:
                         buf = seg.read(offset - seg.base, first)
             except SegmentRetired:
                 raise OffsetExpired(offset, self.min_offset) from None
-            whole = _whole_frames(buf)
+            # Data ends on a record boundary: a read up to it is whole frames without walking them.
+            whole = len(buf) if offset + len(buf) == data_end else _whole_frames(buf)
             parts.append(buf[:whole])
             budget -= whole
             offset += whole
@@ -1109,11 +1111,16 @@ class CommitLog:
                 break
         return b"".join(parts)
 
-    def append_frames(self, offset: int, data: bytes) -> int:
+    def append_frames(self, offset: int, data: bytes, decoded: list[Record] | None = None) -> int:
         """Append bytes copied from a leader's log (:meth:`read_frames`) at the same offsets; returns the new
         ``written_offset``. Every frame is checked (length, magic, CRC); an end-of-segment marker or short tail
         seals this log's segment where the leader's ended, so both logs have the same segments and offsets.
         All-or-nothing, like :meth:`append_batch`.
+
+        ``decoded``: the records are also decoded into it, in order and placed at their offsets, while they are
+        checked (a replica's dispatch then indexes them without reading, checking and decoding them again); it
+        stops before a record that does not decode (its CRC held: a writer's bug, which dispatch's scan reports).
+        Meaningful only when the call returns.
 
         Raises:
             ValueError: ``offset`` is not this log's ``written_offset`` (a gap or an overlap), or the segment
@@ -1129,7 +1136,7 @@ class CommitLog:
             if offset != self._written:
                 raise ValueError(f"frames at offset {offset} do not continue this log, which ends at {self._written}"
                                  f" ({'a gap' if offset > self._written else 'an overlap'})")
-            pieces = _plan_frames(data, offset, self._view.segments[-1].end, self._config)
+            pieces = _plan_frames(data, offset, self._view.segments[-1].end, self._config, decoded)
             return self._write_frames(pieces, sum(len(p.records) for p in pieces))
 
     def _write_frames(self, pieces: list[_Piece], count: int) -> int:
@@ -1430,30 +1437,33 @@ class _Piece:
     sealed: bool
 
 
-def _plan_frames(data: bytes, offset: int, seg_end: int, config: CommitLogConfig) -> list[_Piece]:
+def _plan_frames(data: bytes, offset: int, seg_end: int, config: CommitLogConfig,
+                 decoded: list[Record] | None = None) -> list[_Piece]:
     """Check every frame of a leader's bytes starting at ``offset`` (``seg_end``: where this log's active
-    segment ends) and split them by segment. Raises CorruptRecord, RecordTooLarge or ValueError."""
+    segment ends) and split them by segment; decode the records into ``decoded`` (see ``append_frames``).
+    Raises CorruptRecord, RecordTooLarge or ValueError."""
     pieces: list[_Piece] = []
     times: list[int] = []
     start = p = 0
     limit = len(data)
+    max_record = config.max_record_bytes
     while p < limit:
         left = seg_end - offset
-        at = f"frame at offset {offset}"
         if left < EOS_SIZE:
             if data[p:p + left] != bytes(left):
-                raise CorruptRecord(f"{at}: the {left}-byte short tail of a segment is not zeros or not whole")
+                raise CorruptRecord(f"frame at offset {offset}: the {left}-byte short tail of a segment is not zeros"
+                                    " or not whole")
             pieces.append(_Piece(data[start:p], times, True))
             times, p, start = [], p + left, p + left
             offset, seg_end = seg_end, seg_end + config.segment_bytes
             continue
-        if int.from_bytes(data[p + 8:p + 12], "big") == MAGIC_EOS:  # it claims the rest of the leader's segment
+        if p + EOS_SIZE <= limit and _MAGIC.unpack_from(data, p + 8)[0] == MAGIC_EOS:  # the rest of the segment
             if data[p:p + EOS_SIZE] != encode_eos(left):
                 size = int.from_bytes(data[p:p + 4], "big")
                 if data[p:p + EOS_SIZE] != encode_eos(size):
-                    raise CorruptRecord(f"{at}: an invalid end-of-segment marker")
-                raise ValueError(f"{at}: the leader's segment ends with {size} bytes left, this log's with {left}:"
-                                 " the segment layouts disagree (segment_bytes differ)")
+                    raise CorruptRecord(f"frame at offset {offset}: an invalid end-of-segment marker")
+                raise ValueError(f"frame at offset {offset}: the leader's segment ends with {size} bytes left, this"
+                                 f" log's with {left}: the segment layouts disagree (segment_bytes differ)")
             pieces.append(_Piece(data[start:p], times, True))
             times, p, start = [], p + EOS_SIZE, p + EOS_SIZE
             offset, seg_end = seg_end, seg_end + config.segment_bytes
@@ -1461,16 +1471,21 @@ def _plan_frames(data: bytes, offset: int, seg_end: int, config: CommitLogConfig
         try:
             _, size = check_frame(data, p, limit)
         except CorruptRecord as exc:
-            raise CorruptRecord(f"{at}: {exc}") from None
+            raise CorruptRecord(f"frame at offset {offset}: {exc}") from None
         if size == 0:
-            raise CorruptRecord(f"{at}: zeros where a frame should be")
+            raise CorruptRecord(f"frame at offset {offset}: zeros where a frame should be")
         if size > left:
-            raise ValueError(f"{at}: a record of {size} bytes crosses this log's segment end ({left} bytes left):"
-                             " the segment layouts disagree (segment_bytes differ)")
-        if size > config.max_record_bytes:
-            raise RecordTooLarge(f"{at}: a record of {size} bytes exceeds the maximum record size of"
-                                 f" {config.max_record_bytes} bytes")
+            raise ValueError(f"frame at offset {offset}: a record of {size} bytes crosses this log's segment end"
+                             f" ({left} bytes left): the segment layouts disagree (segment_bytes differ)")
+        if size > max_record:
+            raise RecordTooLarge(f"frame at offset {offset}: a record of {size} bytes exceeds the maximum record"
+                                 f" size of {max_record} bytes")
         times.append(STORE_MS.unpack_from(data, p + STORE_MS_AT)[0])
+        if decoded is not None:
+            try:
+                decoded.append(decode_record(data, p, offset))
+            except (CorruptRecord, ValueError):  # a bad batch body, bad UTF-8: past its CRC, a writer's bug
+                decoded = None  # dispatch reads it, and what follows, from the log
         p += size
         offset += size
     pieces.append(_Piece(data[start:], times, False))

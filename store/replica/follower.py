@@ -1,9 +1,11 @@
 """The follower's side of the replication data path: fetch the leader's log and keep a byte-identical copy.
 
 One connection to the leader's RPC listener (Hello as ``$replica/<name>`` with the store token), then a loop of
-``Fetch`` (from its written end, saying what it holds) and ``Frames``: the frames are appended at the same offsets
-(``CommitLog.append_frames`` checks every one), the leader's epoch entries they cover are added, the log is
-flushed as its policy says (under ``sync`` the held offset is the fsynced one), and the confirm offset moves to
+``Fetch`` (from its written end, saying what it holds, asking for many records a round: ``FETCH_MIN_BYTES``) and
+``Frames``: the frames are appended at the same offsets (``CommitLog.append_frames`` checks every one, and decodes
+it into the dispatcher's recent records, so dispatch indexes them from memory, as a leader's own appends, without
+reading them back nor checking them twice), the leader's epoch entries they cover are added, the log is flushed as
+its policy says (under ``sync`` the held offset is the fsynced one), and the confirm offset moves to
 ``min(leader's confirm, written)`` so its dispatch keeps the derived state warm. When the leader says the logs part
 (``truncate_to``), the follower cuts its log and every derived part there (``Dispatcher.truncate``) first.
 Retention follows the leader's: every answer carries the leader's ``min_offset``, below which the follower deletes
@@ -23,16 +25,25 @@ import trio
 
 from store.dispatch import Dispatcher
 from store.log.aio import AsyncCommitLog
+from store.log.record import Record
 from store.replica.figures import RoleFigures
 from store.rpc import wire as rpc
 
-__all__ = ["FETCH_BYTES", "LeaderChanged", "ReplicaExpired", "follow"]
+__all__ = ["FETCH_BYTES", "FETCH_MAX_WAIT_S", "FETCH_MIN_BYTES", "LeaderChanged", "ReplicaExpired", "follow"]
 
 LOGGER = logging.getLogger(__name__)
 
 FETCH_BYTES = 4 * 1024 * 1024
 """A fetch asks for at most this much: a few large records, well under the frame limit; a follower catching up
 takes many fetches, each a cheap ``read_frames`` and ``append_frames``."""
+
+FETCH_MIN_BYTES = 64 * 1024
+FETCH_MAX_WAIT_S = 0.02
+"""A fetch asks the leader to answer once this much is past its offset, or after this long once there is anything
+(Kafka's fetch.min.bytes and fetch.max.wait.ms): while the log grows fast a round carries many records, so the
+per-round costs on both sides (a frame each way, a wake-up of dispatch) are paid per hundreds of messages, not per
+few; an acknowledgement waiting for this replica (acks ``quorum``, ``all``) has the leader answer at once anyway.
+This replica's confirm offset, and so its dispatch, lags the leader's by at most the wait."""
 
 INLINE_BYTES = 256 * 1024
 """Frames up to this size are appended on the event loop (the leader's appends are too, store/log/aio.py); larger
@@ -121,6 +132,7 @@ async def follow(log: AsyncCommitLog, dispatcher: Dispatcher, leader: tuple[str,
 async def _fetch_loop(link: _Link, alog: AsyncCommitLog, dispatcher: Dispatcher, epoch: int,
                       figures: RoleFigures) -> None:
     log = alog.log
+    recent = dispatcher.recent
     sync = log.config.flush == "sync"
     next_id = 0
     while True:
@@ -128,7 +140,8 @@ async def _fetch_loop(link: _Link, alog: AsyncCommitLog, dispatcher: Dispatcher,
         latest = log.epochs.latest
         written = log.written_offset
         held = log.flushed_offset if sync else written
-        await link.send(rpc.Fetch(next_id, epoch, latest[0] if latest else -1, written, held, FETCH_BYTES))
+        await link.send(rpc.Fetch(next_id, epoch, latest[0] if latest else -1, written, held, FETCH_BYTES,
+                                  FETCH_MIN_BYTES, round(FETCH_MAX_WAIT_S * 1000)))
         answer = await link.answer()
         if answer.epoch != epoch:
             raise LeaderChanged(f"the leader at {link.peer} leads epoch {answer.epoch}, not {epoch}"
@@ -147,10 +160,13 @@ async def _fetch_loop(link: _Link, alog: AsyncCommitLog, dispatcher: Dispatcher,
                                      f" has ({answer.min_offset}): it cannot catch up by fetching; start it empty")
             await trio.to_thread.run_sync(dispatcher.start_at, answer.min_offset)
             written = answer.min_offset
+        copied: list[Record] = []
         if len(answer.data) > INLINE_BYTES:
-            written = await trio.to_thread.run_sync(log.append_frames, written, answer.data)
+            written = await trio.to_thread.run_sync(log.append_frames, written, answer.data, copied)
         elif answer.data:  # a copy into the page cache: cheaper here than a hop to a worker thread and back
-            written = log.append_frames(written, answer.data)
+            written = log.append_frames(written, answer.data, copied)
+        if copied and recent is not None:
+            recent.add(copied)  # dispatch indexes them from memory, as the leader's does its own appends
         latest = log.epochs.latest
         new = [(e, start) for e, start in answer.epochs if (latest is None or e > latest[0]) and start <= written]
         for entry in new:

@@ -2,7 +2,11 @@
 acknowledges a write only once the acks mode's replicas hold it (docs/storage.md, "Replication").
 
 A follower fetches the log from its written end (``fetch``) and says what it holds (written, or fsynced under the
-sync flush policy). The confirm offset (what dispatch, pulls, notify and retained reads may see) is the minimum held
+sync flush policy). A fetch is answered once there is news for it: at least its ``min_bytes`` past its offset, or,
+after its ``max_wait_s``, anything (records, or a confirm offset it was not told); with nothing at all, after the
+long poll (``FETCH_WAIT_S``). So a round carries many records while the log grows fast, and the follower's
+confirm offset (its dispatch) lags by at most ``max_wait_s``. An acknowledgement that waits for followers (acks
+``quorum``, ``all``) ends the wait at once: it never waits for a follower to fill its fetch. The confirm offset (what dispatch, pulls, notify and retained reads may see) is the minimum held
 offset over the in-sync set (ISR), the leader included, and only moves forward. A follower that has not been
 caught up with the leader's end for ``max_lag_s`` leaves the ISR: the controller records that first (fenced by the
 epoch), and only then does the confirm offset stop waiting for it. A follower whose held offset reaches the confirm
@@ -122,6 +126,7 @@ class Replication:
         self._fenced: str | None = None  # why this leader may acknowledge nothing any more
         self._changed = trio.Event()  # an append, a confirm move, a fetch, an ISR change
         self._isr_due = trio.Event()  # the maintenance task has an ISR change to record
+        self._ack_waiters = 0  # acknowledgements waiting for followers: a fetch with records for them answers at once
         self.shrinks = 0
         self.expands = 0
         now = trio.current_time()
@@ -166,15 +171,24 @@ class Replication:
         Raises:
             LeaderFenced: the lease is gone or the controller fenced this leader: nothing may be acknowledged.
         """
-        while True:
-            self._check()
-            self._advance()
-            if self._acked(end):
+        waiting = False
+        try:
+            while True:
                 self._check()
-                return
-            changed = self._changed
-            with trio.move_on_after(LEASE_CHECK_S):
-                await changed.wait()
+                self._advance()
+                if self._acked(end):
+                    self._check()
+                    return
+                if not waiting and self.acks != "leader":  # it waits for followers
+                    waiting = True
+                    self._ack_waiters += 1
+                    if self._ack_waiters == 1:
+                        self._signal()  # lingering fetches answer now
+                changed = self._changed
+                with trio.move_on_after(LEASE_CHECK_S):
+                    await changed.wait()
+        finally:
+            self._ack_waiters -= waiting
 
     def acks_at_once(self) -> bool:
         """Whether a write is acknowledged as soon as it is written: acks ``leader``, under a valid lease."""
@@ -219,10 +233,11 @@ class Replication:
     # --- followers ----------------------------------------------------------------------------
 
     async def fetch(self, follower: str, epoch: int, last_epoch: int, offset: int, held: int,
-                    max_bytes: int) -> Answer:
-        """A follower's fetch: note what it holds, then answer the log from ``offset`` (waiting up to
-        ``FETCH_WAIT_S`` when there is nothing new), or where to truncate. Every answer carries the log's
-        ``min_offset``; a fetch below it (an empty replica joining after retention) is answered with no data.
+                    max_bytes: int, min_bytes: int = 1, max_wait_s: float = 0.0) -> Answer:
+        """A follower's fetch: note what it holds, then answer the log from ``offset`` once there is news for it
+        (see the module docstring: ``min_bytes``, ``max_wait_s``, at most ``FETCH_WAIT_S``), or where to
+        truncate. Every answer carries the log's ``min_offset``; a fetch below it (an empty replica joining after
+        retention) is answered with no data.
 
         Raises:
             LeaderFenced: the follower follows a later epoch: this leader is fenced.
@@ -245,10 +260,7 @@ class Replication:
         if offset < log.min_offset:  # retention deleted it: an empty replica starts at min_offset, others cannot
             return Answer(self.epoch, b"", log.confirm_offset, log.epochs.entries, min_offset=log.min_offset)
         self._progress(follower, progress, offset, min(held, offset))
-        if offset >= log.written_offset and log.confirm_offset <= progress.sent_confirm:
-            changed = self._changed
-            with trio.move_on_after(FETCH_WAIT_S):
-                await changed.wait()
+        await self._until_news(progress, offset, min_bytes, max_wait_s)
         written = log.written_offset
         if written - offset > INLINE_BYTES:  # a follower catching up: the read may miss the page cache
             data = await trio.to_thread.run_sync(log.read_frames, offset, max_bytes)
@@ -259,6 +271,26 @@ class Replication:
         progress.sent_confirm = log.confirm_offset
         return Answer(self.epoch, data, progress.sent_confirm, log.epochs.entries, end=written,
                       min_offset=log.min_offset)
+
+    async def _until_news(self, progress: _Follower, offset: int, min_bytes: int, max_wait_s: float) -> None:
+        """Wait until a fetch from ``offset`` has news worth a round trip (the module docstring says which). The
+        condition is looked at again on every change: a change that is no news for this follower (another
+        follower's fetch) does not answer it, so two caught-up followers never wake each other in turn."""
+        log = self.log.log
+        min_bytes = max(1, min_bytes)
+        now = trio.current_time()
+        lingered, polled = now + max_wait_s, now + FETCH_WAIT_S
+        while self._fenced is None:
+            new = log.written_offset - offset
+            if new >= min_bytes or new > 0 and self._ack_waiters:
+                return
+            news = new > 0 or log.confirm_offset > progress.sent_confirm
+            until = min(lingered, polled) if news else polled
+            if trio.current_time() >= until:
+                return
+            changed = self._changed
+            with trio.move_on_at(until):
+                await changed.wait()
 
     def _progress(self, member: str, progress: _Follower, offset: int, held: int) -> None:
         now = trio.current_time()

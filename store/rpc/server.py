@@ -753,7 +753,8 @@ class RpcServer:
                     return
                 try:
                     answer = await replication.fetch(name, message.epoch, message.last_epoch, message.offset,
-                                                     message.held, min(message.max_bytes, MAX_PULL_BYTES))
+                                                     message.held, min(message.max_bytes, MAX_PULL_BYTES),
+                                                     message.min_bytes, message.max_wait_ms / 1000)
                 except LeaderFenced:  # it follows a later epoch: this store does not lead it
                     await stream.send_all(rpc.encode(rpc.Error(message.id, rpc.ErrorKind.NOT_LEADER, "")))
                     return

@@ -556,7 +556,9 @@ class Fetch(_Message, tag="fetch"):
     ``Frames`` (store/replica/). Only on a ``$replica/<name>`` connection. ``epoch``: the leader epoch the replica
     follows; ``last_epoch``: the epoch of its last record (-1: none), so the leader can tell where their logs part;
     ``held``: what the replica holds (written, or fsynced under the sync flush policy): the leader's confirm offset
-    and acknowledgements count it. The leader waits (a bounded long poll) when there is nothing past ``offset``."""
+    and acknowledgements count it. The leader answers once at least ``min_bytes`` are past ``offset``, or after
+    ``max_wait_ms`` once there is anything new (records, or a confirm offset it did not send), or after its long
+    poll (store/replica/leader.py); an acknowledgement waiting for replicas ends the wait."""
 
     id: int
     epoch: int
@@ -564,6 +566,8 @@ class Fetch(_Message, tag="fetch"):
     offset: int
     held: int
     max_bytes: int
+    min_bytes: int = 1
+    max_wait_ms: int = 0
 
 
 OpRequest: TypeAlias = (

@@ -80,6 +80,16 @@ def test_a_fault_publishing_never_recovered_from_fails_the_unavailability_target
     assert targets["leader/unreplicated"] == {"value": 0.8, "target": ">= 0.9", "met": False}
 
 
+def test_without_faults_the_run_is_the_throughput_part_and_its_targets_alone():
+    parser = argparse.ArgumentParser()
+    failover.add_arguments(parser)
+    result = failover.run(parser.parse_args(["--kills", "0", "--freezes", "0", "--runs", "0"]))
+    assert "acked" not in result and result["throughput"] == {}  # no group was faulted, no fan-in measured
+    result["throughput"] = {"ratios": {"delivered_per_s": {"quorum/unreplicated": 0.75, "leader/unreplicated": 0.92}}}
+    assert failover.targets(result) == {"quorum/unreplicated": {"value": 0.75, "target": ">= 0.7", "met": True},
+                                        "leader/unreplicated": {"value": 0.92, "target": ">= 0.9", "met": True}}
+
+
 def test_without_etcd_the_bench_says_why_it_skipped(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")  # no etcd on the PATH: what a machine without etcd-server looks like
     parser = argparse.ArgumentParser()

@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from crc32c import crc32c
 
 from store.log.commitlog import CommitLog, CommitLogConfig, read_flushed_hint
 from store.log.errors import InvalidOffset
-from store.log.record import CorruptRecord, encode_record
+from store.log.record import FLAG_BATCH, CorruptRecord, Record, encode_record
 from tests.helpers.processes import ROOT
 
 SEGMENT = 4096
@@ -26,14 +27,18 @@ def fill(log: CommitLog, count: int, start: int = 0) -> list[int]:
             for i in range(start, start + count)]
 
 
-def topics(log: CommitLog, end: int | None = None) -> list[str]:
+def scan_all(log: CommitLog, end: int | None = None) -> list[Record]:
     out, offset = [], log.min_offset
     stop = log.written_offset if end is None else end
     while offset < stop:
         scanned = log.scan(offset, 1 << 20, stop)
-        out += [r.topic for r in scanned.records]
+        out += scanned.records
         offset = scanned.next_offset
     return out
+
+
+def topics(log: CommitLog, end: int | None = None) -> list[str]:
+    return [r.topic for r in scan_all(log, end)]
 
 
 def copy(leader: CommitLog, follower: CommitLog, chunk: int) -> None:
@@ -53,6 +58,41 @@ def test_a_follower_copying_the_leaders_frames_gets_the_same_segments_offsets_an
         assert topics(f) == topics(leader)
     with CommitLog.open(tmp_path / "follower", CONFIG) as again:  # what recovery finds on disk agrees too
         assert again.written_offset == f.written_offset and len(topics(again)) == 150
+
+
+def undecodable(topic: str) -> bytes:
+    """A batch record of no messages, its CRC right (a writer's bug): it frames and checks, and does not decode."""
+    record = bytearray(encode_record(topic, bytes(4)))  # the body: a message count of 0
+    record[12] |= FLAG_BATCH
+    record[4:8] = crc32c(bytes(record[8:])).to_bytes(4, "big")
+    return bytes(record)
+
+
+@pytest.mark.parametrize("chunk", [700, 1 << 20])
+def test_the_copied_records_come_decoded_as_a_scan_of_the_copy_finds_them(tmp_path, chunk):
+    """A replica's dispatch indexes them from memory (store/replica/follower.py): they must be the records, at
+    their offsets, that reading the copy back would give."""
+    with CommitLog.open(tmp_path / "leader", CONFIG) as leader, CommitLog.open(tmp_path / "follower", CONFIG) as f:
+        fill(leader, 150)
+        decoded: list[Record] = []
+        offset = 0
+        while offset < leader.written_offset:
+            offset = f.append_frames(offset, leader.read_frames(offset, chunk), decoded)
+        assert decoded == scan_all(f) and len(decoded) == 150
+
+
+def test_copied_records_are_decoded_up_to_one_that_checks_but_does_not_decode(tmp_path):
+    """Such a record is copied (the copy is the leader's log, byte for byte), and the decoded records stop before
+    it: dispatch then reads it and the rest from the log, where its scan reports it."""
+    with CommitLog.open(tmp_path / "leader", CONFIG) as leader, CommitLog.open(tmp_path / "follower", CONFIG) as f:
+        fill(leader, 5)
+        bad = leader.append(undecodable("t/bad"))
+        fill(leader, 5, 5)
+        decoded: list[Record] = []
+        assert f.append_frames(0, leader.read_frames(0, 1 << 20), decoded) == leader.written_offset
+        assert [r.topic for r in decoded] == [f"t/{i}" for i in range(5)]
+        scanned = f.scan(0, 1 << 20, f.written_offset)
+        assert [c.offset for c in scanned.corrupt] == [bad] and len(scanned.records) == 10
 
 
 def test_a_frame_that_does_not_check_is_refused_and_nothing_of_the_data_is_written(tmp_path):
