@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from gateway.app.process import freeze_startup_objects
+from gateway.app.process import GC_THRESHOLDS, set_collection_policy
 from store.api import NewMessage, PullRequest
 from store.local import INLINE_PULL, LocalStore
 from store.log.commitlog import CommitLogConfig
@@ -92,14 +92,17 @@ async def test_append_nowait_writes_each_run_of_one_topic_at_qos_0_as_a_batch_re
         assert [r.payload for _, r in node.read("tele/b", 0).messages] == [b"b0"]
 
 
-def test_freezing_startup_objects_hides_them_from_the_collector():
+def test_the_collection_policy_hides_startup_objects_from_the_collector():
+    thresholds = gc.get_threshold()
     gc.unfreeze()
     try:
         before = len(gc.get_objects())
-        freeze_startup_objects()
+        set_collection_policy()
         assert gc.get_freeze_count() >= before // 2 and len(gc.get_objects()) < before // 2
+        assert gc.get_threshold() == GC_THRESHOLDS
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
 
 
 async def test_a_large_pull_runs_in_the_callers_step_only_when_its_records_are_kept_in_memory(tmp_path: Path):
