@@ -11,9 +11,9 @@ from gateway.mqtt.packets import MQTT_5, Connack, Connect
 from tests.helpers.trio_mqtt import RawClient, embedded_node
 
 WAIT_S = 10.0
-CLIENTS = 3000
-"""Each leaves about 30 objects in garbage cycles (its connection's exception and traceback): about 90,000 in
-all, more than four times the young generation's threshold."""
+CLIENTS = 1500
+"""Each leaves about 30 objects in garbage cycles (its connection's exception and traceback): about 45,000 in
+all, four times the bound the test sets."""
 
 
 async def send_malformed_packet(port: int, client_id: str) -> None:
@@ -34,8 +34,8 @@ async def send_malformed_packet(port: int, client_id: str) -> None:
 
 async def test_garbage_cycles_left_by_client_churn_are_still_collected(tmp_path):
     """With the young generation's threshold raised, the collector still runs on its own (no ``gc.collect`` here):
-    what 3,000 refused clients left in cycles is freed, and the objects the collector tracks stay within two young
-    thresholds of where they were (with collection off they grow by about 90,000)."""
+    what 1,500 refused clients left in cycles is freed, and the objects the collector tracks stay within two young
+    thresholds of where they were (with collection off they grow by about 45,000)."""
     thresholds = gc.get_threshold()
     set_collection_policy()
     try:
