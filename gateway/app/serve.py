@@ -18,7 +18,7 @@ import trio
 
 from gateway.app.config import Config
 from gateway.app.logs import leaves
-from gateway.app.process import freeze_startup_objects, return_freed_buffers, trim_freed_memory
+from gateway.app.process import return_freed_buffers, set_collection_policy, trim_freed_memory
 from gateway.app.reload import Reloader
 from gateway.app.sdnotify import notify
 from gateway.app.signals import on_hangup, until_signalled
@@ -186,7 +186,7 @@ async def _serve_until_signalled(conf: Config, serve: Any) -> None:
 def run_node(conf: Any, serve: Any) -> int:
     """Run the gateway node of ``serve`` (``serve_gateway`` or ``serve_cluster_gateway``) in this process until a
     signal stops it; returns the process exit status."""
-    freeze_startup_objects()
+    set_collection_policy()
     return_freed_buffers()
     failed = False
     try:

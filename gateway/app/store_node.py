@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from gateway.app.process import freeze_startup_objects, return_freed_buffers
+from gateway.app.process import return_freed_buffers, set_collection_policy
 from gateway.app.signals import on_hangup, until_signalled
 from store.api import StartupError
 from store.controller.group import ReplicaNameTaken
@@ -152,7 +152,7 @@ def run_store_node(conf: Any, access: StoreAccess | None = None, reload: Callabl
     if conf.values["store.lease_s"] <= 0:
         LOGGER.error("store node not started: store.lease_s must be more than 0 (heartbeats go every lease / 5)")
         return 1
-    freeze_startup_objects()
+    set_collection_policy()
     return_freed_buffers()
     failed = False
     try:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from gateway.app.process import freeze_startup_objects
+from gateway.app.process import GC_THRESHOLDS, set_collection_policy
 from store.api import NewMessage, PullRequest
 from store.local import INLINE_PULL, LocalStore
 from store.log.commitlog import CommitLogConfig
@@ -114,14 +114,17 @@ async def test_append_nowait_dispatches_its_records_and_routes_their_news_in_the
         local.close()
 
 
-def test_freezing_startup_objects_hides_them_from_the_collector():
+def test_the_collection_policy_hides_startup_objects_from_the_collector():
+    thresholds = gc.get_threshold()
     gc.unfreeze()
     try:
         before = len(gc.get_objects())
-        freeze_startup_objects()
+        set_collection_policy()
         assert gc.get_freeze_count() >= before // 2 and len(gc.get_objects()) < before // 2
+        assert gc.get_threshold() == GC_THRESHOLDS
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
 
 
 async def test_a_large_pull_runs_in_the_callers_step_only_when_its_records_are_kept_in_memory(tmp_path: Path):
