@@ -182,6 +182,56 @@ async def test_claims_and_pulls_carry_a_batch_record_whole_once_with_the_message
         (1 + i, positions[i]) for i in range(4, 34)]
 
 
+async def test_a_pop_carries_a_batch_record_whole_once_with_a_handle_per_message(port):
+    """A POP's answer carries a batch record whole, once, as claims do (``PopResult.result``), with each message's
+    own receipt handle and attempt (``PopResult.handles``): each message goes to one member, once, and is
+    acknowledged and made visible again by its own handle, the others of its record untouched."""
+    raw = await Raw.open(port)
+    batch = [NewMessage("jobs/p", b"m%d" % i, f"dev{i}", i % 2) for i in range(40)]
+    await raw.send(rpc.Watch({"jobs/p": 1}),
+                   rpc.AppendRequest(1, [[NewMessage("jobs/p", b"before", "dev")], batch], batched=[1]))
+    appended = await raw.receive()
+    assert await raw.receive() == rpc.Events({"jobs/p": 41})
+    (single,), positions = appended.positions[0].offsets, appended.positions[1].offsets
+
+    async def answer(request):
+        await raw.send(request)
+        while type(message := await raw.receive()) is rpc.Events:  # a revived message is news of the queue
+            pass
+        assert message.id == request.id
+        return message
+
+    async def pop(rid: int, member: str, max_count: int, wait_ms: int = 0) -> rpc.PopResult:
+        return await answer(rpc.Pop(rid, "workers", "jobs/p", max_count, 30_000, wait_ms, 5, 1 << 20, member,
+                                    start="earliest"))
+
+    first = await pop(2, "m1", 11)  # the single record and 10 messages of the batch record
+    assert [entry[:2] for entry in first.result.entries] == [(0, single), (1, positions[0])]
+    assert first.result.batches == {1: (0, 10)}
+    rest = await pop(3, "m2", 100)  # the same record again, whole, with the 30 messages m1 did not get
+    assert [entry[:2] for entry in rest.result.entries] == [(1, positions[0])] and rest.result.batches == {0: (10, 40)}
+    popped = [(qoff, record, handle, attempt) for answer in (first, rest)
+              for (qoff, record), (handle, attempt) in zip(decoded(answer.result).messages, answer.handles,
+                                                            strict=True)]
+    assert [(qoff, r.offset, r.payload, r.client_id, r.qos) for qoff, r, _, _ in popped] == [
+        (0, single, b"before", "dev", 0),
+        *((1 + i, positions[i], m.payload, m.client_id, m.qos) for i, m in enumerate(batch))]
+    handles = [handle for _, _, handle, _ in popped]
+    assert len(set(handles)) == 41 and {attempt for *_, attempt in popped} == {1}
+    assert (await pop(4, "m3", 100)).handles == []  # every message is held
+
+    acked = await answer(rpc.PopAck(5, handles[:6] + [handles[3]]))  # the single message and the batch's first 5
+    assert acked.acked == [True] * 6 + [False]  # one message acknowledged once
+    renewed = await answer(rpc.ChangeInvisible(6, handles[8], 0))  # the batch's 8th message only: visible now
+    assert renewed.handle not in (None, handles[8])
+    again = await pop(7, "m3", 100, wait_ms=int(WAIT_S * 1000))  # woken by the revive step
+    assert again.result.batches == {0: (7, 8)} and again.handles[0][1] == 2  # its record whole, one message served
+    [(qoff, record)] = decoded(again.result).messages
+    assert (qoff, record.offset, record.payload) == (8, positions[7], b"m7")
+    acked = await answer(rpc.PopAck(8, [handles[8], again.handles[0][0], handles[9]]))
+    assert acked.acked == [False, True, True]  # the first handle went stale with the change
+
+
 async def test_events_go_only_to_the_node_that_watches_the_queue(port):
     watcher = await Raw.open(port, node="gw-a")
     other = await Raw.open(port, node="gw-b")
