@@ -37,7 +37,7 @@ from lightqueue.queues import LightQueues
 from lightqueue.results import PullResult
 from store.log.aio import AsyncCommitLog
 from store.log.recent import RecentRecords
-from store.log.record import Record, decode_record
+from store.log.record import Record, batch_part, decode_record
 
 __all__ = ["DECODED", "WHOLE", "Form", "GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore", "Member",
            "START_KINDS", "Stored", "entry_offsets", "messages_of", "read_offsets", "served", "start_offset", "stored"]
@@ -89,8 +89,13 @@ def stored(raw: bytes, log_offset: int) -> Stored:
 
 
 def served(record: Stored, first: int, stop: int) -> Stored:
-    """A batch record whose messages ``first`` to ``stop - 1`` are served (``LightQueues.pull``'s ``whole``)."""
-    return record[0], record[1], first, stop
+    """A batch record whose messages ``first`` to ``stop - 1`` are served (``LightQueues.pull``'s ``whole``): the
+    record whole, or, when they are fewer than half of its messages, a batch record of those only
+    (``batch_part``), at the position of the first."""
+    part = batch_part(record[1], first, stop)
+    if part is None:
+        return record[0], record[1], first, stop
+    return record[0] + first, part, 0, stop - first
 
 
 def messages_of(record: Record) -> tuple[Record, ...]:
@@ -440,7 +445,8 @@ class GroupCoordinator:
         done = list(offsets)
         if below:
             done += [o for o in state.held.get(member, ()) if o < below]
-        state.ack(member, done)
+        if state.ack(member, done):
+            loaded.wake()  # room under MAX_UNACKED: a claim of this member's that waits for it goes on now
         async with loaded.commit_lock:
             committed = state.committed()
             if committed != loaded.committed:  # stored, not awaited applied: this coordinator holds it, and a load

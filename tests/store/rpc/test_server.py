@@ -1,6 +1,7 @@
 """The store's RPC server (store/rpc/server.py) over real sockets, spoken to frame by frame."""
 
 import logging
+import os
 from functools import partial
 
 import pytest
@@ -180,6 +181,28 @@ async def test_claims_and_pulls_carry_a_batch_record_whole_once_with_the_message
     assert len(pulled.entries) == 1 and pulled.batches == {0: (4, 34)} and pulled.next_offset == 35
     assert [(qoff, r.offset) for qoff, r in decoded(pulled).messages] == [
         (1 + i, positions[i]) for i in range(4, 34)]
+
+
+async def test_claims_of_a_few_messages_of_a_large_batch_record_carry_a_record_of_those_only(port):
+    """A claim served fewer than half of a batch record's messages gets a batch record of those only
+    (``store.log.record.batch_part``, at the first one's position), not the record whole each time: each message
+    once, in order, at its queue offset and position, as from the record whole."""
+    raw = await Raw.open(port)
+    batch = [NewMessage("jobs/r", os.urandom(1000), f"dev{i}", i % 2) for i in range(3)]  # random: stored raw
+    await raw.send(rpc.Watch({"jobs/r": 1}), rpc.AppendRequest(1, [batch], batched=[0]))
+    positions = (await raw.receive()).positions[0].offsets
+    assert await raw.receive() == rpc.Events({"jobs/r": 3})
+    await raw.send(rpc.Join(2, "$group/w", "jobs/r", "m1", start="earliest"))
+    assert await raw.receive() == rpc.Value(2, 0)
+    claimed = []
+    for rid in range(3, 6):  # one message at a time
+        await raw.send(rpc.Claim(rid, "$group/w", "jobs/r", 1, 1 << 20, 0, "m1"))
+        result = (await raw.receive()).result
+        [(qoff, log_offset, data)] = result.entries
+        assert result.batches == {0: (0, 1)} and log_offset == positions[qoff] and len(data) < 1200  # not 3,000
+        claimed += decoded(result).messages
+    assert [(qoff, r.offset, r.payload, r.client_id, r.qos) for qoff, r in claimed] == [
+        (i, positions[i], m.payload, m.client_id, m.qos) for i, m in enumerate(batch)]
 
 
 async def test_a_pop_carries_a_batch_record_whole_once_with_a_handle_per_message(port):
