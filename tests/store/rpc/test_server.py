@@ -147,17 +147,23 @@ async def test_append_groups_fail_alone_and_pulls_return_the_records(port):
     assert [decode_record(r, 0, o).topic for _, o, r in by_a.entries] == ["a/b", "a/b", "a/c"]  # first-level queue
 
 
+async def single_then_batch(raw: Raw, topic: str) -> tuple[list[NewMessage], int, list[int]]:
+    """Append a single record, then a batch record of 40 messages, to ``topic``, watched: its dispatch is seen.
+    Returns the batch, the single record's position and the batch's."""
+    batch = [NewMessage(topic, b"m%d" % i, f"dev{i}", i % 2) for i in range(40)]
+    await raw.send(rpc.Watch({topic: 1}),
+                   rpc.AppendRequest(1, [[NewMessage(topic, b"before", "dev")], batch], batched=[1]))
+    appended = await raw.receive()
+    assert await raw.receive() == rpc.Events({topic: 41})
+    return batch, appended.positions[0].offsets[0], appended.positions[1].offsets
+
+
 async def test_claims_and_pulls_carry_a_batch_record_whole_once_with_the_messages_they_serve(port):
     """A batch record crosses the wire whole, once per read, with the range of its messages served
     (``RawRecords.batches``; docs/storage.md, "Batch records"): the store neither splits nor re-encodes it, and
     the client (``decoded``) serves each message once, in order, at its queue offset and position."""
     raw = await Raw.open(port)
-    batch = [NewMessage("jobs/a", b"m%d" % i, f"dev{i}", i % 2) for i in range(40)]
-    await raw.send(rpc.Watch({"jobs/a": 1}),
-                   rpc.AppendRequest(1, [[NewMessage("jobs/a", b"before", "dev")], batch], batched=[1]))
-    appended = await raw.receive()
-    assert await raw.receive() == rpc.Events({"jobs/a": 41})
-    (single,), positions = appended.positions[0].offsets, appended.positions[1].offsets
+    batch, single, positions = await single_then_batch(raw, "jobs/a")
     for rid, member in ((2, "m1"), (3, "m2")):
         await raw.send(rpc.Join(rid, "$group/w", "jobs/a", member, start="earliest"))
         assert await raw.receive() == rpc.Value(rid, 0)
@@ -210,12 +216,7 @@ async def test_a_pop_carries_a_batch_record_whole_once_with_a_handle_per_message
     own receipt handle and attempt (``PopResult.handles``): each message goes to one member, once, and is
     acknowledged and made visible again by its own handle, the others of its record untouched."""
     raw = await Raw.open(port)
-    batch = [NewMessage("jobs/p", b"m%d" % i, f"dev{i}", i % 2) for i in range(40)]
-    await raw.send(rpc.Watch({"jobs/p": 1}),
-                   rpc.AppendRequest(1, [[NewMessage("jobs/p", b"before", "dev")], batch], batched=[1]))
-    appended = await raw.receive()
-    assert await raw.receive() == rpc.Events({"jobs/p": 41})
-    (single,), positions = appended.positions[0].offsets, appended.positions[1].offsets
+    batch, single, positions = await single_then_batch(raw, "jobs/p")
 
     async def answer(request):
         await raw.send(request)
