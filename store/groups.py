@@ -37,10 +37,10 @@ from lightqueue.queues import LightQueues
 from lightqueue.results import PullResult
 from store.log.aio import AsyncCommitLog
 from store.log.recent import RecentRecords
-from store.log.record import Record, decode_record, encode_message
+from store.log.record import Record, batch_part, decode_record
 
-__all__ = ["AS_STORED", "DECODED", "WHOLE", "Form", "GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore",
-           "Member", "START_KINDS", "Stored", "messages_of", "read_offsets", "served", "start_offset", "stored"]
+__all__ = ["DECODED", "WHOLE", "Form", "GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore", "Member",
+           "START_KINDS", "Stored", "entry_offsets", "messages_of", "read_offsets", "served", "start_offset", "stored"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -89,8 +89,13 @@ def stored(raw: bytes, log_offset: int) -> Stored:
 
 
 def served(record: Stored, first: int, stop: int) -> Stored:
-    """A batch record whose messages ``first`` to ``stop - 1`` are served (``LightQueues.pull``'s ``whole``)."""
-    return record[0], record[1], first, stop
+    """A batch record whose messages ``first`` to ``stop - 1`` are served (``LightQueues.pull``'s ``whole``): the
+    record whole, or, when they are fewer than half of its messages, a batch record of those only
+    (``batch_part``), at the position of the first."""
+    part = batch_part(record[1], first, stop)
+    if part is None:
+        return record[0], record[1], first, stop
+    return record[0] + first, part, 0, stop - first
 
 
 def messages_of(record: Record) -> tuple[Record, ...]:
@@ -98,26 +103,14 @@ def messages_of(record: Record) -> tuple[Record, ...]:
     return record.messages
 
 
-def _single_records(stored: tuple[int, bytes]) -> list[tuple[int, bytes]]:
-    """The messages of a batch record as stored, each as a single record at its position.
-
-    Raises:
-        CorruptRecord: the batch body does not parse.
-    """
-    return [(m.offset, encode_message(m)) for m in decode_record(stored[1], 0, stored[0]).messages]
-
-
 DECODED: Form[Record] = Form(lambda raw, offset: decode_record(raw, 0, offset), lambda record: record.size,
                              messages_of, cached=True)
 """Each message as a ``Record`` (a store in this process)."""
 
-AS_STORED: Form[tuple[int, bytes]] = Form(lambda raw, offset: (offset, raw), lambda value: len(value[1]),
-                                          _single_records)
-"""Each message as ``(position, single-record bytes)`` (POPs over the RPC; their client decodes)."""
-
 WHOLE: Form[Stored] = Form(stored, lambda value: len(value[1]), whole=served,
                            count=lambda value: value[3] - value[2] or 1)
-"""Each record as stored (``Stored``), a batch record whole (claims and pulls over the RPC: their client decodes)."""
+"""Each record as stored (``Stored``), a batch record whole (claims, POPs and pulls over the RPC: their client
+decodes)."""
 
 Member = tuple[str, str]
 """A group member: (the node it is connected to, its name there: "" for a back-end client's connection, which is
@@ -433,9 +426,7 @@ class GroupCoordinator:
             entries, unread, next_offset = await trio.to_thread.run_sync(
                 read_offsets, store, loaded.queue, returned, state.cursor, fresh, max_bytes, form)
         state.give_back(unread)
-        count = form.count
-        state.hand_out(member, [qoff for qoff, _ in entries] if form.whole is None else
-                       [o for qoff, value in entries for o in range(qoff, qoff + count(value))])
+        state.hand_out(member, entry_offsets(entries, form))
         if fresh:
             state.advance(next_offset)
         return entries
@@ -454,7 +445,8 @@ class GroupCoordinator:
         done = list(offsets)
         if below:
             done += [o for o in state.held.get(member, ()) if o < below]
-        state.ack(member, done)
+        if state.ack(member, done):
+            loaded.wake()  # room under MAX_UNACKED: a claim of this member's that waits for it goes on now
         async with loaded.commit_lock:
             committed = state.committed()
             if committed != loaded.committed:  # stored, not awaited applied: this coordinator holds it, and a load
@@ -518,6 +510,15 @@ def read_offsets(store: GroupStore, queue: str, returned: list[int], cursor: int
     result = pull(cursor, fresh, budget)
     entries += result.messages
     return entries, [], result.next_offset
+
+
+def entry_offsets(entries: Sequence[tuple[int, T]], form: Form[T]) -> list[int]:
+    """The queue offset of each message of ``entries`` (:func:`read_offsets`'), in order: in the ``whole`` form a
+    value stands for ``form.count(value)`` messages from its offset."""
+    if form.whole is None:
+        return [qoff for qoff, _ in entries]
+    count = form.count
+    return [o for qoff, value in entries for o in range(qoff, qoff + count(value))]
 
 
 def _runs(offsets: list[int]) -> list[list[int]]:

@@ -25,7 +25,7 @@ import trio
 from store.api import (MAIN_LOG, MAX_ATTEMPTS, AdminOp, DelayedPage, Flow, LogSpan, NewMessage, Popped, Position,
                        Positions, PullRequest, PullResult, StoreStatistics)
 from store.attached import admin_call, admin_call_all
-from store.groups import AS_STORED, DECODED, WHOLE, Member, Stored
+from store.groups import DECODED, WHOLE, Member, Stored
 from store.log.errors import InvalidOffset
 from store.log.record import Record, decode_record
 from store.node import StoreNode
@@ -225,16 +225,18 @@ class LocalStore:
     async def pop(self, group: str, queue: str, member: str, max_count: int, *, invisible_s: float,
                   wait_s: float = 0.0, max_attempts: int = MAX_ATTEMPTS, max_bytes: int = 1 << 20,
                   start: str = "latest", at: int = 0) -> list[Popped]:
-        found = await self.store.pops.pop(member, group, queue, max_count, invisible_s, wait_s, max_attempts,
-                                          max_bytes, start, at, DECODED)
-        return [Popped(*entry) for entry in found]
+        entries, handles = await self.store.pops.pop(member, group, queue, max_count, invisible_s, wait_s,
+                                                     max_attempts, max_bytes, start, at, DECODED)
+        return [Popped(handle, attempt, offset, record)
+                for (handle, attempt), (offset, record) in zip(handles, entries, strict=True)]
 
     async def pop_raw(self, group: str, queue: str, member: str, max_count: int, *, invisible_s: float,
                       wait_s: float = 0.0, max_attempts: int = MAX_ATTEMPTS, max_bytes: int = 1 << 20,
-                      start: str = "latest", at: int = 0) -> list[tuple[str, int, int, tuple[int, bytes]]]:
-        """:meth:`pop` with each record as ``(log offset, bytes as stored)`` (the RPC server's form)."""
+                      start: str = "latest", at: int = 0) -> tuple[list[tuple[int, Stored]], list[tuple[str, int]]]:
+        """:meth:`pop` with each record as stored (``store.groups.Stored``: a batch record whole, the RPC server's
+        form), and per message, in order, its ``(receipt handle, attempt)``."""
         return await self.store.pops.pop(member, group, queue, max_count, invisible_s, wait_s, max_attempts,
-                                         max_bytes, start, at, AS_STORED)
+                                         max_bytes, start, at, WHOLE)
 
     async def pop_ack(self, handles: Sequence[str]) -> list[bool]:
         return await self.store.pops.ack(handles)

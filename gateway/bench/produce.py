@@ -11,7 +11,7 @@ each mode, a fresh store takes:
 
 The producer sends to one topic for ``--seconds`` (or ``--messages``, whichever comes first), bounded by the
 same ``--total-bytes`` of back-pressure in every mode, while one consumer group member claims (``CLAIM_COUNT`` at
-a time) and acknowledges each claim while claiming the next. One ``BENCH`` line per mode says: produced/s (acknowledged), consumed/s over the same time and their
+a time, ``--claims`` claims in flight) and acknowledges each claim while claiming the next. One ``BENCH`` line per mode says: produced/s (acknowledged), consumed/s over the same time and their
 ratio (the seed's consume/produce >= 1: consumption keeps up with production), how long the consumer took to
 catch up after the producer stopped, p99 send latency (send called -> handle done, every ``SAMPLE_EVERY``-th
 message), bytes on disk per message (CommitLog record bytes; RocksDB index files once the store closed) and
@@ -54,8 +54,13 @@ SAMPLE_EVERY = 16
 """Sends whose latency is measured: enough samples for a p99 at a cost every mode pays alike."""
 
 CLAIM_COUNT = 5000
-"""Messages a consumer claim asks for: a backlog drains in large steps, and one claim fits beside the previous one
-whose acknowledgement is in flight (a member holds at most ``store.groups.MAX_UNACKED``, 10,000)."""
+"""Messages a consumer claim asks for: a backlog drains in large steps (a member holds at most
+``store.groups.MAX_UNACKED``, 10,000: a claim gets the room its unacknowledged messages leave)."""
+
+CLAIMS_IN_FLIGHT = 2
+"""The consumer's claims in flight (``--claims``): with one, it takes at most ``CLAIM_COUNT`` per round trip,
+which over the RPC on a busy machine (100-300 ms) is less than a ``send_batch`` producer sends; the next claim
+travels while the last one is decoded, as a RocketMQ consumer pulls ahead of its processing."""
 
 CATCH_UP_S = 60.0
 """Longest wait for the consumer to reach the last acknowledged message once the producer stopped."""
@@ -68,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
     parser.add_argument("--batch", type=int, default=256, help="messages per send_batch in the batch mode")
+    parser.add_argument("--claims", type=int, default=CLAIMS_IN_FLIGHT, help="the consumer's claims in flight")
     parser.add_argument("--total-bytes", type=int, default=1024 * 1024,
                         help="the producer's total_batch_max_bytes (its back-pressure) in every mode")
     parser.add_argument("--flush", choices=("async", "sync"), default="async", help="the store's commitlog.flush")
@@ -113,7 +119,8 @@ async def _mode(data: Path, target: str, size: int, mode: str, args: argparse.Na
         cpu.start(store_cpu)
         async with trio.open_nursery() as nursery:
             await consumer_store.join(GROUP, TOPIC, "", start="latest")
-            nursery.start_soon(_consume, consumer_store, counts)
+            for _ in range(args.claims):
+                nursery.start_soon(_consume, consumer_store, counts)
             await _produce(appender, mode, size, args, counts, latencies)
             start = time.perf_counter()
             with trio.move_on_after(CATCH_UP_S):
@@ -163,8 +170,9 @@ def _latency(sent: float, into: list[float]) -> Callable[[Any], None]:
 
 
 async def _consume(store: StoreApi, counts: _Counts) -> None:
-    """A consumer group member: claim, count, and acknowledge each claim while claiming the next (one
-    acknowledgement in flight: a consumer committing asynchronously, as RocketMQ's do), until cancelled."""
+    """One of the member's claiming loops (``--claims`` of them): claim, count, and acknowledge each claim while
+    claiming the next (one acknowledgement in flight: a consumer committing asynchronously, as RocketMQ's do),
+    until cancelled."""
     acked = trio.Event()
     acked.set()
     async with trio.open_nursery() as nursery:
@@ -260,7 +268,7 @@ def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"seconds": args.seconds, "messages": args.messages, "batch": args.batch, "total_bytes": args.total_bytes,
-            "flush": args.flush, "durable": args.durable, "compression": args.compression}
+            "flush": args.flush, "durable": args.durable, "compression": args.compression, "claims": args.claims}
 
 
 def _load() -> float:

@@ -30,7 +30,7 @@ import trio
 from lightqueue.topics import validate_topic
 from store.api import NewMessage, PopStatistics, Record, dlq_topic, pop_owner
 from store.control import Committed, Control, PopAcked, PopCheckpoint, PopRevived
-from store.groups import DECODED, START_KINDS, Form, GroupStore, read_offsets, start_offset
+from store.groups import DECODED, START_KINDS, Form, GroupStore, entry_offsets, read_offsets, start_offset
 from store.log.record import now_ms
 from store.pop.applier import PopApplier
 from store.pop.handles import Handle, decode_handle, encode_handle
@@ -162,8 +162,9 @@ class PopCoordinator:
 
     async def pop(self, member: str, group: str, queue: str, max_count: int, invisible_s: float, wait_s: float,
                   max_attempts: int, max_bytes: int, start: str, at: int,
-                  form: Form[T]) -> list[tuple[str, int, int, T]]:
-        """``StoreApi.pop``: ``(handle, attempt, queue offset, message)`` each, the message in ``form``.
+                  form: Form[T]) -> tuple[list[tuple[int, T]], list[tuple[str, int]]]:
+        """``StoreApi.pop``: the messages as ``(queue offset, value in form)`` (in the ``whole`` form a batch record's
+        value stands for several), and per message, in order, its ``(receipt handle, attempt)``.
 
         Raises:
             ValueError, TopicError: a bad group name, count, time or start.
@@ -182,13 +183,13 @@ class PopCoordinator:
             async with loaded.lock:
                 taken = await self._take(loaded, member, max_count, invisible_ms, max_attempts,
                                          min(max_bytes, MAX_POP_BYTES), form)
-            if taken or trio.current_time() >= deadline:
+            if taken[0] or trio.current_time() >= deadline:
                 return taken
             with trio.move_on_at(deadline):
                 await news.wait()
 
     async def _take(self, loaded: _Queue, member: str, max_count: int, invisible_ms: int, max_attempts: int,
-                    max_bytes: int, form: Form[T]) -> list[tuple[str, int, int, T]]:
+                    max_bytes: int, form: Form[T]) -> tuple[list[tuple[int, T]], list[tuple[str, int]]]:
         key = (loaded.group, loaded.queue)
         state = self._group(key)
         retries: list[int] = []
@@ -201,21 +202,21 @@ class PopCoordinator:
         if not retries and fresh and self._store.queues.max_offset(loaded.queue) <= cursor:
             fresh = 0  # nothing new: no read, no record
         if not retries and not fresh:
-            return []
+            return [], []
         entries, unread, next_cursor = await trio.to_thread.run_sync(
             read_offsets, self._store, loaded.queue, retries, cursor, fresh, max_bytes, form)
-        offsets = [offset for offset, _ in entries]
+        offsets = entry_offsets(entries, form)
         taken = set(offsets) | set(unread)
         gone = [offset for offset in retries if offset not in taken]  # retention deleted them: done, lost
         if not entries and not gone and next_cursor == cursor:
-            return []
+            return [], []
         checkpoint = PopCheckpoint(loaded.group, loaded.queue, member, offsets, [attempts.get(o, 1) for o in offsets],
                                    now_ms(), invisible_ms, next_cursor, max_attempts, gone)
         low = state.committed(frozenset(gone), next_cursor) if state is not None else next_cursor
         (ck, *_) = await self._write(loaded, [checkpoint], min([low, *offsets]))
         self._revive_news.set()
-        return [(encode_handle(Handle(loaded.group, loaded.queue, offset, ck)), attempts.get(offset, 1), offset,
-                 value) for offset, value in entries]
+        return entries, [(encode_handle(Handle(loaded.group, loaded.queue, offset, ck)), attempts.get(offset, 1))
+                         for offset in offsets]
 
     async def ack(self, handles: Sequence[str]) -> list[bool]:
         """``StoreApi.pop_ack``.

@@ -450,8 +450,8 @@ class RemoteStore:
         invisible_ms, wait_ms = max(1, int(invisible_s * 1000)) if invisible_s > 0 else 0, max(0, int(wait_s * 1000))
         answer = await self._call(lambda rid: rpc.Pop(rid, group, queue, max_count, invisible_ms, wait_ms,
                                                       max_attempts, max_bytes, member, start, at))
-        return [Popped(handle, attempt, offset, decode_record(data, 0, log_offset))
-                for handle, attempt, offset, log_offset, data in answer.entries]
+        return [Popped(handle, attempt, offset, record) for (handle, attempt), (offset, record)
+                in zip(answer.handles, decoded(answer.result).messages, strict=True)]
 
     async def pop_ack(self, handles: Sequence[str]) -> list[bool]:
         answer = await self._call(lambda rid: rpc.PopAck(rid, list(handles)))

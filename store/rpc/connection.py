@@ -517,13 +517,12 @@ def decoded(records: rpc.RawRecords) -> PullResult[Record]:
                           records.next_offset, records.expired)
     messages: list[tuple[int, Record]] = []
     for index, (qoff, log_offset, raw) in enumerate(records.entries):
-        record = decode_record(raw, 0, log_offset)
         served = batches.get(index)
         if served is None:
-            messages.append((qoff, record))
+            messages.append((qoff, decode_record(raw, 0, log_offset)))
         else:
             first, stop = served
-            messages.extend(zip(range(qoff + first, qoff + stop), record.messages[first:stop]))
+            messages.extend(zip(range(qoff + first, qoff + stop), decode_record(raw, 0, log_offset, first, stop).messages))
     return PullResult(messages, records.next_offset, records.expired)
 
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, final
 
@@ -119,16 +120,20 @@ STATISTICS_LOG_S = 60.0
 """How often the store logs its notify routing figures (events sent per node, suppressed), when they changed."""
 
 
-def _raw_records(result: PullResult[Stored]) -> rpc.RawRecords:
+def _raw_records(messages: Sequence[tuple[int, Stored]], next_offset: int = 0, expired: bool = False) -> rpc.RawRecords:
     """A read's records as the wire carries them: ``(queue offset, log offset, bytes as stored)``, a batch record
     whole at its first message's queue offset with the messages served in ``batches``."""
     entries = []
     batches = {}
-    for qoff, (log_offset, data, first, stop) in result.messages:
+    for qoff, (log_offset, data, first, stop) in messages:
         if stop:
             batches[len(entries)] = (first, stop)
         entries.append((qoff - first, log_offset, data))
-    return rpc.RawRecords(entries, result.next_offset, result.expired, batches)
+    return rpc.RawRecords(entries, next_offset, expired, batches)
+
+
+def _read_records(result: PullResult[Stored]) -> rpc.RawRecords:
+    return _raw_records(result.messages, result.next_offset, result.expired)
 
 
 @final
@@ -306,7 +311,7 @@ class _Connection:
     async def _pull(self, request: rpc.Pull) -> rpc.Pulled:
         reads = [r if r.max_bytes <= MAX_PULL_BYTES else rpc.PullRequest(r.queue, r.from_offset, r.max_count,
                                                                           MAX_PULL_BYTES) for r in request.reads]
-        return rpc.Pulled(request.id, [_raw_records(result) for result in await self._store.pull_raw(reads)])
+        return rpc.Pulled(request.id, [_read_records(result) for result in await self._store.pull_raw(reads)])
 
     async def _activate(self, request: rpc.Activate) -> rpc.Value:
         return rpc.Value(request.id, await self._store.activate(request.queue, request.holder))
@@ -396,7 +401,7 @@ class _Connection:
         self._check_group(request.group, request.member)
         result = await self._store.claim_raw(request.group, request.queue, request.member, request.max_count,
                                              max_bytes=request.max_bytes, wait_s=request.wait_ms / 1000)
-        return rpc.Claimed(request.id, _raw_records(result))
+        return rpc.Claimed(request.id, _read_records(result))
 
     async def _ack(self, request: rpc.Ack) -> rpc.Value:
         self._check_group(request.group, request.member)
@@ -418,12 +423,11 @@ class _Connection:
 
     async def _pop(self, request: rpc.Pop) -> rpc.PopResult:
         self._check_pop(request.group, request.queue)
-        found = await self._store.pop_raw(request.group, request.queue, request.member or self.node,
-                                          request.max_count, invisible_s=request.invisible_ms / 1000,
-                                          wait_s=request.wait_ms / 1000, max_attempts=request.max_attempts,
-                                          max_bytes=request.max_bytes, start=request.start, at=request.at)
-        return rpc.PopResult(request.id, [(handle, attempt, offset, log_offset, data)
-                                          for handle, attempt, offset, (log_offset, data) in found])
+        entries, handles = await self._store.pop_raw(request.group, request.queue, request.member or self.node,
+                                                     request.max_count, invisible_s=request.invisible_ms / 1000,
+                                                     wait_s=request.wait_ms / 1000, max_attempts=request.max_attempts,
+                                                     max_bytes=request.max_bytes, start=request.start, at=request.at)
+        return rpc.PopResult(request.id, _raw_records(entries), handles)
 
     async def _pop_ack(self, request: rpc.PopAck) -> rpc.PopAcks:
         for handle in request.handles:

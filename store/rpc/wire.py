@@ -141,7 +141,7 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 9
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
-(9: batch records whole in reads: ``RawRecords.batches``; sessions patched: ``PatchSession``, and ``LoadSession``'s
+(9: batch records whole in reads: ``RawRecords.batches``, POP answers too (``PopResult.result``, ``.handles``); sessions patched: ``PatchSession``, and ``LoadSession``'s
 and ``OpenSession``'s answers may carry a session image (a blob with its parts). 8: delayed messages listed and cancelled: ``ListDelayed``, ``CancelDelayed``, ``DelayedList``,
 ``TimerStatistics.cancelled``; POP: ``Pop``, ``PopAck``, ``ChangeInvisible``, ``PopResult``, ``PopAcks``,
 ``NewHandle``; batch records: ``AppendRequest.batched``, ``Welcome.max_record_bytes``; ``StoreStatistics.log_writes``;
@@ -684,10 +684,12 @@ class Claimed(_Message, tag="claimed"):
 
 
 class PopResult(_Message, tag="popped"):
-    """The answer to ``Pop``: ``(handle, attempt, queue offset, CommitLog offset, record bytes)`` per message."""
+    """The answer to ``Pop``: the messages popped as a read carries them (``RawRecords``: a batch record whole, once,
+    with the messages of it popped), and per message, in their order, its ``(receipt handle, attempt)``."""
 
     id: int
-    entries: list[tuple[str, int, int, int, bytes]]
+    result: RawRecords
+    handles: list[tuple[str, int]]
 
 
 class PopAcks(_Message, tag="popacks"):

@@ -216,6 +216,28 @@ async def test_a_claim_waits_for_new_messages_and_wakes_on_their_dispatch(store,
     assert store.queues.holders("tele/+/temp") == [G]
 
 
+async def test_a_claim_waiting_for_room_under_the_unacknowledged_cap_goes_on_when_an_ack_makes_some(
+        store, groups, nursery):
+    """A member holding ``MAX_UNACKED`` gets nothing more; its acknowledgement wakes its claim waiting meanwhile (a
+    consumer with claims in flight), which does not sleep out its long poll while the backlog waits."""
+    await store.append([NewMessage("tele/dev1/temp", b"%d" % i) for i in range(MAX_UNACKED + 1)], batch=True)
+    await store.dispatcher.wait_dispatched(store.log.log.written_offset)
+    await groups.join(A, G, "tele/#", "earliest")
+    held = await claim(groups, A, MAX_UNACKED)
+    assert len(held) == MAX_UNACKED
+    claimed = []
+
+    async def wait_for_room():
+        claimed.extend(await claim(groups, A, 10, wait_s=10 * WAIT_S))  # longer than the test waits
+
+    with trio.fail_after(WAIT_S):
+        async with trio.open_nursery() as waiting:
+            waiting.start_soon(wait_for_room)
+            await trio.testing.wait_all_tasks_blocked()
+            await groups.ack(A, G, "tele/#", offsets(held[:1]))
+    assert offsets(claimed) == [MAX_UNACKED]
+
+
 async def test_a_group_starts_where_it_is_told_when_it_has_no_offset(store, groups):
     await publish(store, b"0", b"1", b"2", b"3")
     m = ("m", "")

@@ -25,6 +25,7 @@ from store.log.record import (
     MAGIC_V1,
     CorruptRecord,
     RecordTooLarge,
+    batch_part,
     check_frame,
     decode_record,
     encode_eos,
@@ -199,6 +200,30 @@ def test_a_batch_record_decodes_to_its_messages_at_their_positions_and_each_reen
     alone = [decode_record(encode_message(m), 0, m.offset) for m in record.messages]
     assert [replace(r, size=0) for r in alone] == [replace(m, size=0) for m in record.messages]  # sizes as stored
     assert decode_record(encode_record("b/t", b"x"), 0, 0).batch_count == 0
+
+
+def test_a_part_of_a_batch_record_is_a_batch_record_of_those_messages_at_their_positions():
+    """What a reader served fewer than half of a batch record's messages gets (``batch_part``): a valid record of
+    just those, each message decoding as it does from the whole record at its position; the record whole for half
+    or more, and always for a compressed body. ``decode_record``'s ``first``/``stop`` build only the messages
+    asked for, the whole body still checked."""
+    items = [NewMessage("b/t", b"p%d" % i, client_id=f"c{i % 3}", qos=i % 3, retain=i == 1,
+                        properties=b"\x01\x01" if i % 2 else b"", born_ms=10 + i) for i in range(40)]
+    raw, _ = new_batch("b/t", items, 99, queues=encode_queues([7, 9]))
+    whole = decode_record(raw, 0, 1_000).messages
+    for first, stop in ((0, 1), (5, 12), (21, 40), (39, 40)):
+        part = batch_part(raw, first, stop)
+        assert part is not None and len(part) < len(raw)
+        assert check_frame(part, 0, len(part)) == (MAGIC_V1, len(part))
+        assert decode_record(part, 0, 1_000 + first).messages == whole[first:stop]
+        assert decode_record(raw, 0, 1_000, first, stop).messages == whole[first:stop]
+    assert batch_part(raw, 0, 20) is None and batch_part(raw, 10, 40) is None  # half or more: the record whole
+    packed, _ = new_batch("b/t", items, 99, compress=True)
+    assert packed[12] & FLAG_ZSTD and batch_part(packed, 5, 6) is None
+    broken = bytearray(raw)
+    broken[HEADER_SIZE + len("b/t") + 8] ^= 0xFF  # the body's message count, past the header: it does not parse
+    with pytest.raises(CorruptRecord):
+        decode_record(bytes(broken), 0, 1_000, 0, 1)
 
 
 def test_a_batch_refuses_what_a_batch_record_cannot_hold():

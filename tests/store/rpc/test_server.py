@@ -1,6 +1,7 @@
 """The store's RPC server (store/rpc/server.py) over real sockets, spoken to frame by frame."""
 
 import logging
+import os
 from functools import partial
 
 import pytest
@@ -146,17 +147,23 @@ async def test_append_groups_fail_alone_and_pulls_return_the_records(port):
     assert [decode_record(r, 0, o).topic for _, o, r in by_a.entries] == ["a/b", "a/b", "a/c"]  # first-level queue
 
 
+async def single_then_batch(raw: Raw, topic: str) -> tuple[list[NewMessage], int, list[int]]:
+    """Append a single record, then a batch record of 40 messages, to ``topic``, watched: its dispatch is seen.
+    Returns the batch, the single record's position and the batch's."""
+    batch = [NewMessage(topic, b"m%d" % i, f"dev{i}", i % 2) for i in range(40)]
+    await raw.send(rpc.Watch({topic: 1}),
+                   rpc.AppendRequest(1, [[NewMessage(topic, b"before", "dev")], batch], batched=[1]))
+    appended = await raw.receive()
+    assert await raw.receive() == rpc.Events({topic: 41})
+    return batch, appended.positions[0].offsets[0], appended.positions[1].offsets
+
+
 async def test_claims_and_pulls_carry_a_batch_record_whole_once_with_the_messages_they_serve(port):
     """A batch record crosses the wire whole, once per read, with the range of its messages served
     (``RawRecords.batches``; docs/storage.md, "Batch records"): the store neither splits nor re-encodes it, and
     the client (``decoded``) serves each message once, in order, at its queue offset and position."""
     raw = await Raw.open(port)
-    batch = [NewMessage("jobs/a", b"m%d" % i, f"dev{i}", i % 2) for i in range(40)]
-    await raw.send(rpc.Watch({"jobs/a": 1}),
-                   rpc.AppendRequest(1, [[NewMessage("jobs/a", b"before", "dev")], batch], batched=[1]))
-    appended = await raw.receive()
-    assert await raw.receive() == rpc.Events({"jobs/a": 41})
-    (single,), positions = appended.positions[0].offsets, appended.positions[1].offsets
+    batch, single, positions = await single_then_batch(raw, "jobs/a")
     for rid, member in ((2, "m1"), (3, "m2")):
         await raw.send(rpc.Join(rid, "$group/w", "jobs/a", member, start="earliest"))
         assert await raw.receive() == rpc.Value(rid, 0)
@@ -180,6 +187,73 @@ async def test_claims_and_pulls_carry_a_batch_record_whole_once_with_the_message
     assert len(pulled.entries) == 1 and pulled.batches == {0: (4, 34)} and pulled.next_offset == 35
     assert [(qoff, r.offset) for qoff, r in decoded(pulled).messages] == [
         (1 + i, positions[i]) for i in range(4, 34)]
+
+
+async def test_claims_of_a_few_messages_of_a_large_batch_record_carry_a_record_of_those_only(port):
+    """A claim served fewer than half of a batch record's messages gets a batch record of those only
+    (``store.log.record.batch_part``, at the first one's position), not the record whole each time: each message
+    once, in order, at its queue offset and position, as from the record whole."""
+    raw = await Raw.open(port)
+    batch = [NewMessage("jobs/r", os.urandom(1000), f"dev{i}", i % 2) for i in range(3)]  # random: stored raw
+    await raw.send(rpc.Watch({"jobs/r": 1}), rpc.AppendRequest(1, [batch], batched=[0]))
+    positions = (await raw.receive()).positions[0].offsets
+    assert await raw.receive() == rpc.Events({"jobs/r": 3})
+    await raw.send(rpc.Join(2, "$group/w", "jobs/r", "m1", start="earliest"))
+    assert await raw.receive() == rpc.Value(2, 0)
+    claimed = []
+    for rid in range(3, 6):  # one message at a time
+        await raw.send(rpc.Claim(rid, "$group/w", "jobs/r", 1, 1 << 20, 0, "m1"))
+        result = (await raw.receive()).result
+        [(qoff, log_offset, data)] = result.entries
+        assert result.batches == {0: (0, 1)} and log_offset == positions[qoff] and len(data) < 1200  # not 3,000
+        claimed += decoded(result).messages
+    assert [(qoff, r.offset, r.payload, r.client_id, r.qos) for qoff, r in claimed] == [
+        (i, positions[i], m.payload, m.client_id, m.qos) for i, m in enumerate(batch)]
+
+
+async def test_a_pop_carries_a_batch_record_whole_once_with_a_handle_per_message(port):
+    """A POP's answer carries a batch record whole, once, as claims do (``PopResult.result``), with each message's
+    own receipt handle and attempt (``PopResult.handles``): each message goes to one member, once, and is
+    acknowledged and made visible again by its own handle, the others of its record untouched."""
+    raw = await Raw.open(port)
+    batch, single, positions = await single_then_batch(raw, "jobs/p")
+
+    async def answer(request):
+        await raw.send(request)
+        while type(message := await raw.receive()) is rpc.Events:  # a revived message is news of the queue
+            pass
+        assert message.id == request.id
+        return message
+
+    async def pop(rid: int, member: str, max_count: int, wait_ms: int = 0) -> rpc.PopResult:
+        return await answer(rpc.Pop(rid, "workers", "jobs/p", max_count, 30_000, wait_ms, 5, 1 << 20, member,
+                                    start="earliest"))
+
+    first = await pop(2, "m1", 11)  # the single record and 10 messages of the batch record
+    assert [entry[:2] for entry in first.result.entries] == [(0, single), (1, positions[0])]
+    assert first.result.batches == {1: (0, 10)}
+    rest = await pop(3, "m2", 100)  # the same record again, whole, with the 30 messages m1 did not get
+    assert [entry[:2] for entry in rest.result.entries] == [(1, positions[0])] and rest.result.batches == {0: (10, 40)}
+    popped = [(qoff, record, handle, attempt) for answer in (first, rest)
+              for (qoff, record), (handle, attempt) in zip(decoded(answer.result).messages, answer.handles,
+                                                            strict=True)]
+    assert [(qoff, r.offset, r.payload, r.client_id, r.qos) for qoff, r, _, _ in popped] == [
+        (0, single, b"before", "dev", 0),
+        *((1 + i, positions[i], m.payload, m.client_id, m.qos) for i, m in enumerate(batch))]
+    handles = [handle for _, _, handle, _ in popped]
+    assert len(set(handles)) == 41 and {attempt for *_, attempt in popped} == {1}
+    assert (await pop(4, "m3", 100)).handles == []  # every message is held
+
+    acked = await answer(rpc.PopAck(5, handles[:6] + [handles[3]]))  # the single message and the batch's first 5
+    assert acked.acked == [True] * 6 + [False]  # one message acknowledged once
+    renewed = await answer(rpc.ChangeInvisible(6, handles[8], 0))  # the batch's 8th message only: visible now
+    assert renewed.handle not in (None, handles[8])
+    again = await pop(7, "m3", 100, wait_ms=int(WAIT_S * 1000))  # woken by the revive step
+    assert again.result.batches == {0: (7, 8)} and again.handles[0][1] == 2  # its record whole, one message served
+    [(qoff, record)] = decoded(again.result).messages
+    assert (qoff, record.offset, record.payload) == (8, positions[7], b"m7")
+    acked = await answer(rpc.PopAck(8, [handles[8], again.handles[0][0], handles[9]]))
+    assert acked.acked == [False, True, True]  # the first handle went stale with the change
 
 
 async def test_events_go_only_to_the_node_that_watches_the_queue(port):
