@@ -141,8 +141,9 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 9
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
-(9: batch records whole in reads: ``RawRecords.batches``, POP answers too (``PopResult.result``, ``.handles``); sessions patched: ``PatchSession``, and ``LoadSession``'s
-and ``OpenSession``'s answers may carry a session image (a blob with its parts). 8: delayed messages listed and cancelled: ``ListDelayed``, ``CancelDelayed``, ``DelayedList``,
+(9: batch records whole in reads: ``RawRecords.batches``, POP answers too (``PopResult.result``, ``.handles``);
+sessions patched: ``PatchSession``, and ``LoadSession``'s and ``OpenSession``'s answers may carry a session image (a
+blob with its parts); a replica's ``Fetch`` waits for news: ``min_bytes``, ``max_wait_ms``. 8: delayed messages listed and cancelled: ``ListDelayed``, ``CancelDelayed``, ``DelayedList``,
 ``TimerStatistics.cancelled``; POP: ``Pop``, ``PopAck``, ``ChangeInvisible``, ``PopResult``, ``PopAcks``,
 ``NewHandle``; batch records: ``AppendRequest.batched``, ``Welcome.max_record_bytes``; ``StoreStatistics.log_writes``;
 ``Leave.unsubscribe`` gone (MQTT shared subscriptions are POP groups); ``StoreStatistics.pops``. 7: replication: ``Fetch`` and ``Frames`` between a replica (``$replica/<name>``) and its leader;
