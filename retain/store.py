@@ -358,14 +358,30 @@ class RetainedStore:
         Raises:
             TopicError: the filter is not a valid topic filter.
         """
+        return self.read(self.match(filter))
+
+    def match(self, filter: str) -> list[tuple[str, int]]:
+        """The first half of :meth:`lookup`: ``(topic, offset)`` of the retained messages ``filter`` matches, from
+        the tree in memory (no database read: a caller on an event loop may ask it inline, and go to a thread for
+        :meth:`read` only when something matched; most new subscriptions match nothing).
+
+        Raises:
+            TopicError: the filter is not a valid topic filter.
+        """
         validate_filter(filter)
-        family = self._open()[0]
+        self._open()  # closed: raises, as a lookup does
         with self._lock:
             found = self._tree.match(filter)
             self._lookups += 1
             self._records_read += len(found)
+        return found
+
+    def read(self, found: list[tuple[str, int]]) -> list[Retained]:
+        """The second half of :meth:`lookup`: the messages :meth:`match` found, sorted by topic (blocking: one
+        multi-get; those deleted since the match are left out)."""
         if not found:
             return []
+        family = self._open()[0]
         found.sort()
         values = family.get([topic.encode() for topic, _ in found])
         return [

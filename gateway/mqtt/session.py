@@ -181,7 +181,10 @@ class _Stream:
         # Pulled messages not yet delivered: a deque from the first pull that brings some (an empty one is 624 B, and
         # a session may hold thousands of subscriptions that never get a message: issue 31).
         self.buffer: deque[Message] | tuple[()] = ()
-        self.unacked: set[int] = set()  # delivered, not yet acknowledged (or written, QoS 0)
+        # Delivered, not yet acknowledged (or written, QoS 0): a dict used as a set, as a dict of ints is never
+        # tracked by the garbage collector (a set always is: 50,000 subscriptions, 50,000 more objects for every
+        # full collection to walk; and an empty set is 216 B, an empty dict 64 B).
+        self.unacked: dict[int, None] = {}
         self.resend: dict[int, int] = {}  # resuming: offset -> packet id to resend with DUP
         # Resuming: offsets below this not in ``resend`` were acknowledged. A shared subscription's group
         # hands out offsets in any order (old ones handed back by other members), so it skips none.
@@ -251,7 +254,9 @@ class Session:
     and PUBREC'd, waiting for PUBREL: a resent PUBLISH is not stored again."""
     # Made at their first use (gateway/mqtt/lazy.py), as awaiting_rel: an idle device's session keeps them empty.
     _streams: dict[str, _Stream]
-    _by_queue: dict[str, list[_Stream]]  # the streams reading each queue (shared ones included)
+    # The shared subscriptions' streams reading each queue. An unshared one is found in ``_streams`` by its queue
+    # (its filter): a list per subscription was one more object for the garbage collector to walk (issue 31).
+    _by_queue: dict[str, list[_Stream]]
     _written: list[tuple[int, list[tuple[_Stream, int]], int]]  # (seq, QoS 0 items, bytes); not a deque (760 B)
     _committed: dict[str, int]
     # Read by every delivery (pump): made by the first one, which a session without subscriptions never makes.
@@ -318,7 +323,7 @@ class Session:
                 stream.resend[entry.offset] = entry.packet_id  # type: ignore[union-attr]
                 stream.cursor = min(stream.cursor, entry.offset)  # type: ignore[union-attr]
             if current:
-                stream.unacked.add(entry.offset)  # type: ignore[union-attr]
+                stream.unacked[entry.offset] = None  # type: ignore[union-attr]
             # A PUBREL is owed to the client whatever the offsets say.
             self._inflight[entry.packet_id] = entry
 
@@ -522,7 +527,7 @@ class Session:
         """Unbind from the connection. QoS 0 messages not yet written count as delivered (at most once)."""
         for _, items, _ in self._written:
             for stream, offset in items:
-                stream.unacked.discard(offset)
+                stream.unacked.pop(offset, None)
         self._written.clear()
         self._unwritten = 0
         self._unwritten_bytes = 0
@@ -562,17 +567,19 @@ class Session:
         self._ready.pop(stream, None)
         if stream.lane:
             self._hold_lane(stream.lane, -1)
-        readers = self._by_queue[stream.sub.queue]
-        readers.remove(stream)
-        if not readers:
-            del self._by_queue[stream.sub.queue]
+        if stream.sub.group is not None:
+            readers = self._by_queue[stream.sub.queue]
+            readers.remove(stream)
+            if not readers:
+                del self._by_queue[stream.sub.queue]
         return True
 
     def _add(self, stream: _Stream) -> None:
         if stream.lane:
             self._hold_lane(stream.lane, 1)
         self._streams[stream.sub.filter] = stream
-        self._by_queue.setdefault(stream.sub.queue, []).append(stream)
+        if stream.sub.group is not None:
+            self._by_queue.setdefault(stream.sub.queue, []).append(stream)
         self._ready[stream] = None  # its first pull finds where the queue's head is
 
     def _wants_lane(self, sub: Subscription) -> bool:
@@ -615,7 +622,11 @@ class Session:
         will assign it, so news always makes it pull (until an empty answer).
         """
         ready = self._ready
-        for stream in self._by_queue.get(queue, ()):
+        streams: Sequence[_Stream] = self._by_queue.get(queue, ())
+        own = self._streams.get(queue)  # the unshared subscription on the queue: its filter is the queue's name
+        if own is not None and own.sub.group is None:
+            streams = (own, *streams)
+        for stream in streams:
             if stream.sub.group is not None:
                 stream.head = None
             elif stream.head is None or stream.head < max_offset:
@@ -651,7 +662,7 @@ class Session:
             for offset in [o for o in stream.resend if o < next_offset and o not in returned]:
                 # Gone from the store (retention): the in-flight message can never be resent.
                 self._inflight.pop(stream.resend.pop(offset), None)
-                stream.unacked.discard(offset)
+                stream.unacked.pop(offset, None)
         stream.cursor = max(stream.cursor, next_offset)
         if not fresh:
             stream.head = max(stream.head or 0, stream.cursor)
@@ -764,7 +775,7 @@ class Session:
                         continue  # QoS 0 is at most once
                     if self._write(link, message, sub, qos, sub.options.retain_as_published and message.retain,
                                    chunks, pid, dup=True, resend=True):
-                        stream.unacked.add(offset)
+                        stream.unacked[offset] = None
                         inflight[pid] = InFlight(pid, sub.filter, offset, qos)  # type: ignore[index,arg-type]
                         sent += 1
                         by_qos[qos] += 1
@@ -780,7 +791,7 @@ class Session:
                         self._pop_ack(handle)
                     if not size:
                         continue  # dropped, expired, not readable, too big for the client: skipped, offset advances
-                stream.unacked.add(offset)
+                stream.unacked[offset] = None
                 sent += 1
                 by_qos[qos] += 1
                 if not oldest or message.store_ms < oldest:
@@ -867,7 +878,7 @@ class Session:
                        and message.retain, chunks, pid, dup=True, resend=True):
             return True
         del self._inflight[pid]
-        stream.unacked.discard(entry.offset)
+        stream.unacked.pop(entry.offset, None)
         return False
 
     def _write(
@@ -1036,14 +1047,14 @@ class Session:
             self._unwritten -= len(items)
             self._unwritten_bytes -= size
             for stream, offset in items:
-                stream.unacked.discard(offset)
+                stream.unacked.pop(offset, None)
             self._acks += len(items)
         return self.pump()
 
     def _acked(self, entry: InFlight) -> None:
         stream = self._streams.get(entry.filter)
         if stream is not None:
-            stream.unacked.discard(entry.offset)
+            stream.unacked.pop(entry.offset, None)
         self._acks += 1
 
     def commit_due(self) -> bool:

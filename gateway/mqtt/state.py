@@ -172,7 +172,7 @@ class ConnectionState:
     __slots__ = (  # one per device: slots save a dict of about 1.5 KiB each
         "level", "peer_max_packet", "client_id", "assigned", "clean_start", "requested_expiry", "expiry",
         "keepalive", "keepalive_override", "will", "will_delay", "session", "link", "queued", "pending", "refused",
-        "authorizer", "storing_qos2", "releasing", "activations", "next_ref", "aliases_in", "last_rx",
+        "authorizer", "storing_qos2", "releasing", "activations", "activating", "next_ref", "aliases_in", "last_rx",
         "awaiting_session", "held", "topic_check_from", "valid_topic", "buckets",
     )
 
@@ -204,6 +204,7 @@ class ConnectionState:
         self.queued: Queued[Packet] = ()  # packets read before the CONNACK
         self.authorizer: Authorizer | None = None  # the ACL's checks of this client (None: it may do anything)
         self.next_ref = 0
+        self.activating = 0  # filters in ``activations``: counted as they come and go, not summed per SUBSCRIBE
         self.last_rx = last_rx
         self.awaiting_session = False
         self.held: Queued[Packet] = ()  # 3.1.1 packets waiting for room under the in-flight limit

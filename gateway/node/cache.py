@@ -55,7 +55,9 @@ class _Cached:
 
     def __init__(self) -> None:
         self.base: int | None = None  # queue offset of messages[0]; None until the first read seeds it
-        self.messages: list[Message] = []
+        # A list from the first read that brings messages: most watched queues get none (issue 31: 50,000
+        # subscriptions made 50,000 empty lists, each one more object for every full garbage collection).
+        self.messages: list[Message] | tuple[()] = ()
         self.bytes = 0
         self.watchers = 0
 
@@ -108,11 +110,11 @@ class QueueCache:
         """The cached messages from ``from_offset`` (at most ``max_count``) and the next offset; None on a miss."""
         entry = self._queues.get(queue)
         if entry is None or entry.base is None or not entry.base <= from_offset < entry.base + len(entry.messages):
-            return None
+            return None  # an empty run included: its messages are a list when this passes
         start = from_offset - entry.base
         taken = entry.messages[start:start + max_count]
         self._hits += 1
-        return taken, from_offset + len(taken)
+        return taken, from_offset + len(taken)  # type: ignore[return-value]  # a list: the run is not empty
 
     async def read(self, queue: str, from_offset: int, max_count: int) -> tuple[list[Message], int, bool]:
         """Up to ``max_count`` messages of ``queue`` from ``from_offset``: (messages, next offset, expired).
@@ -180,11 +182,14 @@ class QueueCache:
             return
         if tail is None or from_offset > tail:  # seed, or restart ahead of a run that fell behind the head
             self._bytes -= entry.bytes
-            entry.base, entry.messages, entry.bytes = from_offset, [], 0
+            entry.base, entry.messages, entry.bytes = from_offset, (), 0
         elif from_offset < tail:
             return  # behind the run, or a concurrent read extended it already: keep the run
         size = _bytes(messages)
-        entry.messages += messages
+        if entry.messages:
+            entry.messages += messages
+        else:  # the run's first messages: its own list (the caller keeps ``messages``)
+            entry.messages = list(messages)
         entry.bytes += size
         self._bytes += size
         excess = len(entry.messages) - self._max_messages
@@ -204,7 +209,7 @@ class QueueCache:
             if self._bytes <= self._max_bytes:
                 return
             self._bytes -= entry.bytes
-            entry.base, entry.messages, entry.bytes = None, [], 0
+            entry.base, entry.messages, entry.bytes = None, (), 0
 
     def statistics(self) -> QueueCacheStatistics:
         cached = [e for e in self._queues.values() if e.messages]

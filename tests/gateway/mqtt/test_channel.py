@@ -1024,6 +1024,32 @@ def test_a_subscribe_costs_the_same_work_whatever_the_session_holds():
     assert per_many < 1.2 * per_few, (per_few, per_many)
 
 
+def test_a_subscribe_costs_the_same_work_whatever_number_of_subscribes_are_in_flight():
+    """A client that pipelines SUBSCRIBEs (64 in flight) made each one sum the filters of every activation in flight
+    for the quota check (issue 31): they are counted as they come and go. Unanswered, they still count towards the
+    quota; answered, they count as held."""
+    from tests.helpers.work import python_lines
+
+    config = ChannelConfig(max_subscriptions=130)
+    channels = []
+    for in_flight in (1, 64):
+        channel, _, _ = connect(config=config)
+        refs = [of(channel.handle_in(Subscribe(n, ((f"held/{n}", SubscriptionOptions(qos=1)),))), Activate)[0].ref
+                for n in range(1, in_flight + 1)]
+        channels.append((channel, refs))
+    work = [min(python_lines(lambda c=c, n=n: c.handle_in(Subscribe(n, ((f"new/{n}", SubscriptionOptions()),))))[0]
+                for n in range(100, 103)) for c, _ in channels]
+    assert work[1] < 1.2 * work[0], work
+    channel, refs = channels[1]  # 64 in flight + 3 more: 63 more fit, the 64th does not
+    (activate,) = of(channel.handle_in(Subscribe(200, tuple((f"more/{n}", SubscriptionOptions())
+                                                            for n in range(64)))), Activate)
+    assert len(activate.subscriptions) == 63
+    for n, ref in enumerate(refs, 1):
+        assert sent(channel.handle_event(Activated(ref, {f"held/{n}": 0}, ()))) == [Suback(n, (R.GRANTED_QOS_1,))]
+    assert sent(channel.handle_in(Subscribe(201, (("one/more", SubscriptionOptions()),)))) == [
+        Suback(201, (R.QUOTA_EXCEEDED,))]  # 130 held or in flight
+
+
 def test_news_on_one_queue_costs_the_same_work_whatever_else_the_session_holds():
     from tests.helpers.work import python_lines
 

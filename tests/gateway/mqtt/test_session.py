@@ -409,6 +409,25 @@ def test_a_shared_stream_pops_only_what_its_window_can_send():
     assert pulls(session.puback(publishes(actions)[0].packet_id))[0].max_count == 1
 
 
+def test_news_on_a_queue_reaches_its_unshared_and_shared_subscriptions_until_each_goes():
+    """An unshared subscription is found by its filter (its queue), the shared ones on the queue by their list:
+    news on ``a/+`` makes both pull; after the shared one goes, the unshared one only, then none (issue 31)."""
+    session = Session("c", 0)
+    session.subscribe(SHARED, 5)
+    session.subscribe(Subscription("a/+", "a/+", SubscriptionOptions(qos=1)), 5)
+    session.attach(link())
+    for sub in (SHARED.filter, "a/+"):  # both first pulls answered empty: idle at the head
+        session.pulled(sub, (), 5, ())
+    assert {p.filter for p in pulls(session.queue_advanced("a/+", 6))} == {SHARED.filter, "a/+"}
+    session.pulled("a/+", (), 6, ())
+    session.pulled(SHARED.filter, (), 6, ())
+    session.unsubscribe(SHARED.filter)
+    assert [p.filter for p in pulls(session.queue_advanced("a/+", 7))] == ["a/+"]
+    session.pulled("a/+", (), 7, ())
+    session.unsubscribe("a/+")
+    assert pulls(session.queue_advanced("a/+", 8)) == []
+
+
 def test_puback_and_pubrec_acknowledge_the_handle_pubcomp_does_not():
     session = shared_session()
     out = publishes(popped(session, 7) + popped(session, 8, qos=2))
