@@ -314,11 +314,13 @@ class StoreNode:
                            m.born_ms or None, max_size, m.packet_id) for m in messages]
 
     def _encode_runs(self, messages: Sequence[NewMessage], now: int) -> list[tuple[bytes, Record]]:
-        """:meth:`_encode`, with each run of consecutive same-topic QoS 0 messages (not retained, ``batchable``) as
-        batch records: a gateway's read round, where a flooding publisher's read is hundreds of PUBLISHes to its
-        one topic (their records, index entries and pulls were most of the store's share of a fan-in). The log
-        order stays the read order, and the messages of one append share the store timestamp either way, so no
-        subscriber can tell; retained and QoS 1/2 messages stay records of their own.
+        """:meth:`_encode`, with each run of consecutive same-topic QoS 0 and 1 messages (not retained,
+        ``batchable``) as batch records: a gateway's read round, where a flooding publisher's read is hundreds of
+        PUBLISHes to its one topic (their records, index entries and pulls were most of the store's share of a
+        fan-in). The log order stays the read order, and the messages of one append share the store timestamp
+        and its one CommitLog write either way, so no subscriber can tell, and a PUBACK (sent once the write
+        returns) promises what it did; retained and QoS 2 messages (an MQTT publisher's carry their packet id)
+        stay records of their own.
         """
         made: list[tuple[bytes, Record]] = []
         singles: list[NewMessage] = []  # the messages since the last run, encoded together
@@ -328,11 +330,11 @@ class StoreNode:
         while start < count:
             first = messages[start]
             end = start + 1
-            if not (first.qos or first.retain):
+            if first.qos < 2 and not first.retain:
                 topic = first.topic
                 room = batch_room(topic, max_size)
                 if batchable(first, room):
-                    while end < count and (m := messages[end]).topic == topic and not (m.qos or m.retain) \
+                    while end < count and (m := messages[end]).topic == topic and m.qos < 2 and not m.retain \
                             and batchable(m, room):
                         end += 1
             if end - start > 1:

@@ -35,7 +35,7 @@ answered as the client's protocol version allows and reported as a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, final
 
@@ -235,15 +235,36 @@ class Channel:
         Raises:
             LocalProtocolError: the event does not fit the channel's state (a node bug).
         """
+        actions = self._after(self._event(event))
+        return actions if self.conn.peer_max_packet is None else self._fit(actions)
+
+    def handle_events(self, events: Sequence[Event]) -> list[Action]:
+        """:meth:`handle_event` of each event in order, their actions in one list: the acknowledgements of a
+        connection's messages appended in one read round come as one list, and the offset-commit check (``_after``)
+        then runs once for them, not once a message (a QoS 1 fan-in's PUBACKs). With a client's Maximum Packet Size
+        each event's packets are fitted as its own (``_fit``: what does not fit closes at that event).
+
+        Raises:
+            LocalProtocolError: an event does not fit the channel's state (a node bug).
+        """
+        if self.conn.peer_max_packet is not None:
+            return [action for event in events for action in self.handle_event(event)]
+        actions: list[Action] = []
+        for event in events:
+            actions += self._event(event)
+        return self._after(actions)
+
+    def _event(self, event: Event) -> list[Action]:
+        """The handler's answer to ``event`` in the state it moves the channel to (a closing channel answers only
+        the events that settle it), or the close a protocol error found in it calls for."""
         closing = self._state in (State.DISCONNECTING, State.CLOSED)
         self._state = next_state(self._state, type(event))
         if closing and type(event) not in (Appended, SessionOpened, InboundReleased):
             return []
         try:
-            actions = self._after(_EVENTS[type(event)](self, event))
+            return _EVENTS[type(event)](self, event)
         except RemoteProtocolError as err:
-            actions = self._protocol_error(err)
-        return actions if self.conn.peer_max_packet is None else self._fit(actions)
+            return self._protocol_error(err)
 
     def handle_timeout(self, name: str, input_waiting: bool = False) -> list[Action]:
         """A timer armed with ``ArmTimer(name, ...)`` fired; ``input_waiting`` as in ``Timeout``."""

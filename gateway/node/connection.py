@@ -263,16 +263,15 @@ class Connection:
         self.execute(self.channel.handle_event(event))
 
     def feed_all(self, events: Sequence[Event]) -> None:
-        """:meth:`feed` each event in order; what they answer goes out in one write (a batch's acknowledgements)."""
+        """:meth:`feed` each event in order (``Channel.handle_events``: one list of answers, applied at once); what
+        they answer goes out in one write (a read round's acknowledgements)."""
         holding = self._holding
         self._holding = True
         try:
-            for event in events:
-                self.feed(event)
+            self._apply(self.channel.handle_events(events))
         finally:
             self._holding = holding
-            if not holding:
-                self._start_pending()
+            self._start_pending()
 
     def requeue(self, actions: list[Action]) -> None:
         """Node actions the backend took in this step but must leave to ``perform`` after all. They go first:

@@ -64,23 +64,25 @@ async def test_append_nowait_appends_in_the_callers_step_only_when_nothing_must_
         assert node.log.log.written_offset == 0
 
 
-async def test_append_nowait_writes_each_run_of_one_topic_at_qos_0_as_a_batch_record_read_back_as_sent(
+async def test_append_nowait_writes_each_run_of_one_topic_at_qos_0_and_1_as_a_batch_record_read_back_as_sent(
         tmp_path: Path):
-    """A gateway's read round: consecutive QoS 0 messages of one topic share a batch record (consecutive positions);
-    retained, QoS 1 and lone messages stay records of their own; every message reads back with its own fields, in
-    the order appended, at the position the append answered."""
+    """A gateway's read round: consecutive QoS 0 and 1 messages of one topic share a batch record (consecutive
+    positions); retained, QoS 2 (a packet id) and lone messages stay records of their own; every message reads back
+    with its own fields, in the order appended, at the position the append answered."""
     props = b"\x02\x00\x00\x02\x58"  # Message Expiry Interval 600: properties stay per message
     messages = [NewMessage("tele/a", b"a0", "c1", born_ms=1000), NewMessage("tele/a", b"a1", "c2", properties=props),
                 NewMessage("tele/a", b"a2", "c1", born_ms=1002), NewMessage("tele/b", b"b0", "c3"),
                 NewMessage("tele/a", b"a3", "c1", retain=True), NewMessage("tele/a", b"a4", "c1"),
-                NewMessage("tele/a", b"a5", "c1", qos=1), NewMessage("tele/a", b"a6", "c1"),
-                NewMessage("tele/a", b"a7", "c1")]
+                NewMessage("tele/a", b"a5", "c1", qos=1), NewMessage("tele/a", b"a6", "c1", qos=1),
+                NewMessage("tele/a", b"a7", "c1"), NewMessage("tele/a", b"a8", "c1", qos=2, packet_id=9),
+                NewMessage("tele/a", b"a9", "c1", qos=1), NewMessage("tele/a", b"a10", "c1", qos=1)]
     async with open_store(tmp_path, CONFIG) as node:
         positions = node.append_nowait(messages)
         assert len(positions) == len(messages) and positions == sorted(set(positions))
         steps = [b - a for a, b in zip(positions, positions[1:])]
-        assert steps[:2] == [1, 1] and steps[7] == 1  # a0-a2 and a6-a7: batch records
-        assert all(step > 1 for step in steps[2:7])  # b0, the retained a3, a4 (alone), the QoS 1 a5: records
+        # a0-a2, a4-a7 (QoS 0 and 1 together) and a9-a10 (QoS 1): batch records
+        assert steps[:2] == [1, 1] and steps[5:8] == [1, 1, 1] and steps[10] == 1
+        assert all(step > 1 for step in steps[2:5] + steps[8:10])  # b0, the retained a3, the QoS 2 a8: records
         with trio.fail_after(10):
             await node.dispatcher.wait_dispatched(node.log.log.written_offset)
         read = [record for _, record in node.read("tele/a", 0, max_count=100).messages]

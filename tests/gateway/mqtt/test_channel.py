@@ -304,6 +304,35 @@ def test_a_refused_publish_is_answered_after_the_messages_read_before_it():
     assert sent(channel.handle_event(Appended(third.ref))) == [Puback(3)]
 
 
+def _round(level: int, **fields) -> tuple[Channel, list[Appended]]:
+    """A channel that read five QoS 1 PUBLISHes in one round (the second refused by the ACL), and the answers of
+    their store appends: the fourth not stored (a full disk)."""
+    channel, _, _ = connect(level, authorizer=Denying(), **fields)
+    refs = [a.ref for pid, topic in enumerate(("ok/1", "no/2", "ok/3", "ok/4", "ok/5"), 1)
+            for a in of(channel.handle_in(Publish(topic, qos=1, packet_id=pid)), Append)]
+    return channel, [Appended(ref, ref != refs[2], R.SUCCESS if ref != refs[2] else R.QUOTA_EXCEEDED)
+                     for ref in refs]
+
+
+@pytest.mark.parametrize("fields", [{}, {"properties": Properties(maximum_packet_size=64)}], ids=["", "max-packet"])
+def test_a_rounds_acknowledgements_as_one_list_answer_as_they_would_one_by_one(fields):
+    """``handle_events`` (a read round's ``Appended`` for one connection): PUBACKs in the order the PUBLISHes came
+    [MQTT-4.6.0-2], each with its reason [MQTT-3.4.2-1]; in 3.1.1, which cannot refuse, the failure closes and what
+    follows it sends nothing; the same actions as ``handle_event`` one by one."""
+    channel, events = _round(MQTT_5, **fields)
+    actions = channel.handle_events(events)
+    assert sent(actions) == [Puback(1), Puback(2, R.NOT_AUTHORIZED), Puback(3), Puback(4, R.QUOTA_EXCEEDED),
+                             Puback(5)]
+    other, events = _round(MQTT_5, **fields)
+    assert [a for e in events for a in other.handle_event(e)] == actions
+    channel, events = _round(MQTT_311, **fields)
+    actions = channel.handle_events(events)
+    assert sent(actions) == [Puback(1), Puback(2), Puback(3)] and of(actions, Close)
+    assert channel.state is not State.CONNECTED
+    other, events = _round(MQTT_311, **fields)
+    assert [type(a) for e in events for a in other.handle_event(e)] == [type(a) for a in actions]
+
+
 def test_a_refused_filter_is_0x87_in_the_suback_and_never_activated():
     channel, _, _ = connect(MQTT_5, authorizer=Denying())
     actions = channel.handle_in(Subscribe(1, (("ok/+", SubscriptionOptions(qos=1)), ("no/+", SubscriptionOptions()))))
