@@ -37,7 +37,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, final, overload
 
 import msgspec
 
@@ -58,7 +58,7 @@ from store.space import FULL_RETRY_S
 __all__ = [
     "DLQ_PREFIX", "GROUP_PREFIX", "MAIN_LOG", "MAX_ATTEMPTS", "POP_PREFIX", "SHARE_PREFIX", "AdminOp",
     "DelayedCapExceeded", "DelayedMessage", "DelayedPage", "Flow", "FollowerStatistics", "LeaderFenced", "LeaseLost",
-    "LogSpan", "NewMessage", "NotLeader", "Popped", "Position", "Positions", "PullRequest", "PullResult",
+    "LogSpan", "NewMessage", "NotLeader", "PayloadRun", "Popped", "Position", "Positions", "PullRequest", "PullResult",
     "PopStatistics", "ReplicationStatistics", "SESSION_IMAGE", "StoreApi", "StoreStatistics", "StoreUnavailable",
     "TimerStatistics", "batch_groups", "batch_room", "batchable", "by_topic", "dlq_topic", "group_owner", "pop_owner",
     "session_image", "session_parts",
@@ -216,6 +216,38 @@ class NewMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):
     deliver_at_ms: int = 0
 
 
+@final
+class PayloadRun(Sequence[NewMessage]):
+    """Messages of one topic alike but for their payloads, kept as ``like`` (its payload unused) and the payloads:
+    a back-end producer's ``send_batch(payloads, topic=...)``.
+
+    A store appends it as batch records without a ``NewMessage`` per message (``StoreNode._batch``): the Python
+    per message was most of a batched send's cost. It is a sequence of ``NewMessage`` too, each made when asked
+    for, so whatever does not know the form (the RPC's encoding, a run that does not fit one record) takes it as
+    such.
+    """
+
+    __slots__ = ("like", "payloads")
+
+    def __init__(self, like: NewMessage, payloads: list[bytes]) -> None:
+        self.like = like
+        self.payloads = payloads
+
+    def __len__(self) -> int:
+        return len(self.payloads)
+
+    @overload
+    def __getitem__(self, index: int) -> NewMessage: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> PayloadRun: ...
+
+    def __getitem__(self, index: int | slice) -> NewMessage | PayloadRun:
+        if isinstance(index, slice):
+            return PayloadRun(self.like, self.payloads[index])
+        return msgspec.structs.replace(self.like, payload=self.payloads[index])
+
+
 def by_topic(messages: Sequence[NewMessage]) -> list[list[int]]:
     """The indexes of ``messages`` in runs of one topic each: topics in the order of their first message, each
     run in the order sent.
@@ -261,6 +293,11 @@ def batch_groups(messages: Sequence[NewMessage], max_record_bytes: int) -> tuple
     remains: a topic matching so many wildcard filters that its target-queue section outgrows the margin fails
     its batched group whole with ``RecordTooLarge``.
     """
+    if isinstance(messages, PayloadRun) and len(messages) > 1:  # alike: batchable all or none
+        like = messages.like
+        room = batch_room(like.topic, max_record_bytes)
+        if batchable(msgspec.structs.replace(like, payload=max(messages.payloads, key=len)), room):
+            return [list(range(len(messages)))], [True]
     groups: list[list[int]] = []
     batched: list[bool] = []
     for run in by_topic(messages):
