@@ -291,7 +291,8 @@ def batch_groups(messages: Sequence[NewMessage], max_record_bytes: int) -> tuple
     below ``max_record_bytes`` (0: unknown, nothing is batched). Groups keep each topic's order. So a batched
     group fails only for what fails every message of its topic alike (the ACL, a full disk), not for size. What
     remains: a topic matching so many wildcard filters that its target-queue section outgrows the margin fails
-    its batched group whole with ``RecordTooLarge``.
+    its batched group whole with ``RecordTooLarge``. A ``PayloadRun`` whose largest message fits is one batched
+    group, found without looking at each message.
     """
     if isinstance(messages, PayloadRun) and len(messages) > 1:  # alike: batchable all or none
         like = messages.like

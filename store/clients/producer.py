@@ -8,6 +8,8 @@ devices subscribed on any gateway node receive it through the normal path::
         handle = await producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
         position = await handle        # appended (durable: on disk by default)
         handles = await producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/on", b"1")])
+        batch = await producer.send_batch([b"21.5", b"21.7"], topic="tele/svc/temp", qos=0)  # payloads, one topic
+        positions = await batch        # their Positions; batch[i]: message i's own handle
         await producer.flush()         # or: wait for everything sent so far
         later = await (await producer.send("cmd/dev-17/off", b"", delay_s=3600))  # a delayed message, stored
         await producer.cancel_delayed(later.id)                                  # its id: cancel it before it is due
@@ -24,6 +26,10 @@ each message in it fails alone (a record over the size limit goes as a
 record of its own; a topic the ACL denies fails all of that topic's
 alike): its handle raises, its neighbours' do not. Up to ``IN_FLIGHT`` batches travel at once over the RPC (one to a store
 in this process); the store appends them in the order sent.
+A batch keeps one outcome that its messages' handles read by index (a send makes
+a small view, an answer sets one outcome); ``send_batch(payloads, topic=...)``
+makes no object per message at all, and the store packs such a run as one
+batch record (``store.api.PayloadRun``).
 ``auto_batch=False`` sends each message as its own request at once (what a
 service that wants no added latency at all pays for in throughput:
 docs/benchmarks.md, "Produce").
