@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat
+from operator import attrgetter, eq
 from typing import NamedTuple, Protocol, final, overload
 
 import msgspec
@@ -227,11 +229,12 @@ class PayloadRun(Sequence[NewMessage]):
     such.
     """
 
-    __slots__ = ("like", "payloads")
+    __slots__ = ("like", "payloads", "borns")
 
-    def __init__(self, like: NewMessage, payloads: list[bytes]) -> None:
+    def __init__(self, like: NewMessage, payloads: list[bytes], borns: list[int] | None = None) -> None:
         self.like = like
         self.payloads = payloads
+        self.borns = borns  # each message's born_ms, when they differ (None: like's)
 
     def __len__(self) -> int:
         return len(self.payloads)
@@ -243,9 +246,52 @@ class PayloadRun(Sequence[NewMessage]):
     def __getitem__(self, index: slice) -> PayloadRun: ...
 
     def __getitem__(self, index: int | slice) -> NewMessage | PayloadRun:
+        borns = self.borns
         if isinstance(index, slice):
-            return PayloadRun(self.like, self.payloads[index])
-        return msgspec.structs.replace(self.like, payload=self.payloads[index])
+            return PayloadRun(self.like, self.payloads[index], None if borns is None else borns[index])
+        if borns is None:
+            return msgspec.structs.replace(self.like, payload=self.payloads[index])
+        return msgspec.structs.replace(self.like, payload=self.payloads[index], born_ms=borns[index])
+
+    @classmethod
+    def of(cls, messages: Sequence[NewMessage]) -> PayloadRun | None:
+        """``messages`` as a run when there are two or more, alike but for their payloads and born times (none
+        delayed or with a packet id): AutoBatch's sends, a publisher's QoS 0 flood. Each field is compared in one
+        pass in C, a tenth of what packing them one by one costs."""
+        if len(messages) < 2 or isinstance(messages, PayloadRun):
+            return None
+        if not all(_same(field, messages) for field in _ALIKE) or _delayed_or_flow(messages):
+            return None
+        return cls(messages[0], list(map(bytes, map(_PAYLOAD, messages))), list(map(_BORN, messages)))
+
+
+_TOPIC, _CLIENT_ID, _PROPERTIES, _DELIVER_AT, _PACKET_ID, _PAYLOAD, _BORN = map(attrgetter, (
+    "topic", "client_id", "properties", "deliver_at_ms", "packet_id", "payload", "born_ms"))
+_ALIKE = (_TOPIC, _CLIENT_ID, attrgetter("qos"), attrgetter("retain"), _PROPERTIES)
+
+
+def _same(field: Callable[[NewMessage], object], messages: Sequence[NewMessage]) -> bool:
+    """Whether every message has the first one's ``field`` (one pass in C)."""
+    return all(map(eq, map(field, messages), repeat(field(messages[0]))))
+
+
+def _delayed_or_flow(messages: Sequence[NewMessage]) -> bool:
+    """Whether a message is delayed or has a QoS 2 packet id: never in a batch record."""
+    return any(map(_DELIVER_AT, messages)) or any(map(_PACKET_ID, messages))
+
+
+def _all_batchable(messages: Sequence[NewMessage], max_record_bytes: int) -> bool:
+    """Whether ``messages``, two or more, may all share batch records (:func:`batchable`): one topic, and the
+    largest payload, properties and client id together fit (one pass per field in C, not a check per message)."""
+    if isinstance(messages, PayloadRun):
+        like = messages.like
+        return batchable(msgspec.structs.replace(like, payload=max(messages.payloads, key=len)),
+                         batch_room(like.topic, max_record_bytes))
+    if not _same(_TOPIC, messages) or _delayed_or_flow(messages):
+        return False
+    largest = max(map(len, map(_PAYLOAD, messages))) + max(map(len, map(_PROPERTIES, messages))) + \
+        max(map(len, map(str.encode, map(_CLIENT_ID, messages))))
+    return largest <= batch_room(messages[0].topic, max_record_bytes)
 
 
 def by_topic(messages: Sequence[NewMessage]) -> list[list[int]]:
@@ -291,14 +337,11 @@ def batch_groups(messages: Sequence[NewMessage], max_record_bytes: int) -> tuple
     below ``max_record_bytes`` (0: unknown, nothing is batched). Groups keep each topic's order. So a batched
     group fails only for what fails every message of its topic alike (the ACL, a full disk), not for size. What
     remains: a topic matching so many wildcard filters that its target-queue section outgrows the margin fails
-    its batched group whole with ``RecordTooLarge``. A ``PayloadRun`` whose largest message fits is one batched
-    group, found without looking at each message.
+    its batched group whole with ``RecordTooLarge``. Messages of one topic that all fit (a ``PayloadRun``, an
+    AutoBatch of one topic) are one batched group, found in a few passes in C (``_all_batchable``).
     """
-    if isinstance(messages, PayloadRun) and len(messages) > 1:  # alike: batchable all or none
-        like = messages.like
-        room = batch_room(like.topic, max_record_bytes)
-        if batchable(msgspec.structs.replace(like, payload=max(messages.payloads, key=len)), room):
-            return [list(range(len(messages)))], [True]
+    if len(messages) > 1 and _all_batchable(messages, max_record_bytes):
+        return [list(range(len(messages)))], [True]
     groups: list[list[int]] = []
     batched: list[bool] = []
     for run in by_topic(messages):

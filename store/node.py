@@ -351,8 +351,8 @@ class StoreNode:
     def _batch(self, messages: Sequence[NewMessage], now: int) -> list[tuple[bytes, Record]]:
         """The batch records of ``messages`` (``append(batch=True)``), their target queues fixed now: as few as
         ``commitlog.max_record_bytes`` allows (a caller need not know the limit to batch), compressed as
-        ``commitlog.batch_compression`` says. A ``PayloadRun`` that fits one record is packed whole
-        (``new_batch_of``), without a message per payload.
+        ``commitlog.batch_compression`` says. A ``PayloadRun`` (or messages alike: ``PayloadRun.of``) that fits
+        one record is packed whole (``new_batch_of``), without a message per payload.
 
         Raises:
             ValueError: they are not all of one topic, one is delayed, or a record does not encode
@@ -360,11 +360,13 @@ class StoreNode:
         """
         config = self.log.log.config
         max_size, compress = config.max_record_bytes, config.batch_compression == "zstd"
-        if isinstance(messages, PayloadRun) and not messages.like.deliver_at_ms:
-            like = messages.like
+        run = messages if isinstance(messages, PayloadRun) else PayloadRun.of(messages)
+        if run is not None and not run.like.deliver_at_ms:
+            like = run.like
             queues = self.queues.targets(like.topic)
             try:  # one record, packed without a message per payload (a run too large for one is cut below)
-                return [new_batch_of(like.topic, like, messages.payloads, now, queues, max_size, compress=compress)]
+                return [new_batch_of(like.topic, like, run.payloads, now, queues, max_size, compress=compress,
+                                     borns=run.borns)]
             except RecordTooLarge:
                 messages = list(messages)
         topic = messages[0].topic
