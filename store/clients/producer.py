@@ -222,12 +222,13 @@ class _Batch:
     """What one request takes: the messages of sends (``messages``), then perhaps a ``send_batch`` of payloads
     (``run``), indexed in that order; and, once answered, their outcome, which their handles read."""
 
-    __slots__ = ("messages", "run", "size", "closed", "done", "_groups", "_results", "_where", "_event",
+    __slots__ = ("messages", "run", "count", "size", "closed", "done", "_groups", "_results", "_where", "_event",
                  "_callbacks")
 
     def __init__(self) -> None:
         self.messages: list[NewMessage] = []
         self.run: PayloadRun | None = None
+        self.count = 0  # messages
         self.size = 0  # payload bytes
         self.closed = False  # no more sends join it: full, or a send_batch's
         self.done = False
@@ -238,7 +239,13 @@ class _Batch:
         self._callbacks: list[Callable[[_Batch], object]] | None = None
 
     def __len__(self) -> int:
-        return len(self.messages) + (len(self.run) if self.run is not None else 0)
+        return self.count
+
+    def unrun(self) -> None:
+        """Make the run of sends this batch holds messages, so that other messages may follow them."""
+        if self.run is not None:
+            self.messages += self.run
+            self.run = None
 
     def add_done_callback(self, callback: Callable[[_Batch], object]) -> None:
         if self.done:
@@ -443,8 +450,8 @@ class Producer:
         size = len(message.payload)
         if self._room_lock.locked() or not self._fits(size):
             await self._room(size)
-            return self._queue(message, size)
-        handle = self._queue(message, size)
+            return self._queue(message, size, not options)
+        handle = self._queue(message, size, not options)
         now = time.perf_counter()  # a batch is ready (the batching task sends it now), or other tasks have waited
         if self._full() or now - self._yielded >= SEND_SLICE_S:  # a slice: a round per message would cost more
             self._yielded = now  # than the message
@@ -462,7 +469,7 @@ class Producer:
         size = len(message.payload)
         if self._room_lock.locked() or not self._fits(size):
             raise trio.WouldBlock(f"{self._held_bytes} bytes are buffered or in flight: await send() or flush()")
-        return self._queue(message, size)
+        return self._queue(message, size, not options)
 
     @overload
     async def send_batch(self, messages: Iterable[Message]) -> list[SendHandle]: ...
@@ -495,8 +502,10 @@ class Producer:
         size = sum(len(m.payload) for m in made)
         await self._room(size)
         batch = self._open(len(made), size)
+        batch.unrun()
         start = len(batch.messages)
         batch.messages += made
+        batch.count += len(made)
         self._close(batch)
         return [SendHandle(batch, i) for i in range(start, start + len(made))]
 
@@ -591,19 +600,33 @@ class Producer:
         batch.closed = True
         self._wakeup.set()
 
-    def _queue(self, message: NewMessage, size: int) -> SendHandle:
-        """Buffer one send's message of ``size`` payload bytes; its handle."""
+    def _queue(self, message: NewMessage, size: int, plain: bool) -> SendHandle:
+        """Buffer one send's message of ``size`` payload bytes; its handle. ``plain``: sent without options. The
+        plain sends of one topic that start a batch are kept as a run (their payloads and born times), which the
+        store packs whole (``StoreNode._batch``); another send turns the run back into messages."""
         batch = self._open(1, size)
-        handle = SendHandle(batch, len(batch.messages))
-        batch.messages.append(message)
-        if len(batch.messages) >= self._batch_count or batch.size >= self._batch_bytes:
+        run = batch.run
+        if plain and (run.like.topic == message.topic if run is not None else not batch.messages):
+            if run is None:
+                batch.run = run = PayloadRun(message, [], [])
+            run.payloads.append(message.payload)
+            run.borns.append(message.born_ms)  # type: ignore[union-attr]  # a run of sends has them
+            handle = SendHandle(batch, len(run) - 1)
+        else:
+            batch.unrun()
+            handle = SendHandle(batch, len(batch.messages))
+            batch.messages.append(message)
+        batch.count += 1
+        if batch.count >= self._batch_count or batch.size >= self._batch_bytes:
             self._close(batch)
         return handle
 
     def _queue_run(self, run: PayloadRun, size: int) -> BatchHandle:
         """Buffer a ``send_batch`` of payloads (``run``, ``size`` bytes), after the sends the open batch holds."""
         batch = self._open(len(run), size)
+        batch.unrun()
         batch.run = run
+        batch.count += len(run)
         self._close(batch)
         return BatchHandle(batch, len(batch.messages), len(run))
 

@@ -256,10 +256,17 @@ async def test_a_payload_too_large_fails_alone_and_a_run_over_one_record_is_cut_
         where, store_small_records, nursery):
     """A run of payloads goes whole into one batch record only when it can: a payload over the record limit fails
     alone (its neighbours are stored, in order), and a run whose messages each fit but not all together is cut
-    into records, in order."""
+    into records, in order. Plain sends of one topic are such a run too (until another send joins them)."""
     payloads = [b"a0", b"a1", b"x" * 8192, b"a2"]
     many = [b"%03d" % i + b"m" * 397 for i in range(20)]  # 8,000 bytes: two records of 4,096 at least
-    async with producer_on(where, store_small_records, nursery, client_id="svc-q") as producer:
+    async with producer_on(where, store_small_records, nursery, client_id="svc-q",
+                           batch_max_delay_ms=60_000) as producer:
+        sends = [await producer.send("pay/d", p) for p in payloads]
+        await producer.flush()
+        with pytest.raises(RecordTooLarge):
+            await sends[2]
+        sends = [await producer.send("pay/e", p) for p in payloads[:2]]  # a run, then messages: one with options
+        sends += [await producer.send("pay/e", b"e0", qos=0), await producer.send("pay/e", b"e1")]
         handle = await producer.send_batch(payloads, topic="pay/b")
         cut = await producer.send_batch(many, topic="pay/c")
         with trio.fail_after(WAIT_S):
@@ -269,7 +276,12 @@ async def test_a_payload_too_large_fails_alone_and_a_run_over_one_record_is_cut_
                 await handle[2]
             kept = [await handle[i] for i in (0, 1, 3)]
             positions = await cut
-        assert producer.statistics().failed == 1
+        assert producer.statistics().failed == 2
+        sent = [await send for send in sends]
+    assert [r.payload for r in await stored(store_small_records, "pay/d")] == [b"a0", b"a1", b"a2"]
+    records = await stored(store_small_records, "pay/e")
+    assert [(r.offset, r.payload, r.qos) for r in records] == \
+        [(p.offset, payload, qos) for p, payload, qos in zip(sent, [b"a0", b"a1", b"e0", b"e1"], [1, 1, 0, 1])]
     assert [p.offset for p in kept] == sorted(p.offset for p in kept)
     assert [(r.offset, r.payload) for r in await stored(store_small_records, "pay/b")] == \
         [(p.offset, payload) for p, payload in zip(kept, [b"a0", b"a1", b"a2"])]
