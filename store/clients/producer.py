@@ -446,12 +446,12 @@ class Producer:
             TopicError: not a valid topic name (wildcards included).
             ValueError: a bad QoS or property value, a negative delay, or both delay_s and deliver_at.
         """
-        message = self._message(topic, payload, options)
-        size = len(message.payload)
+        message, payload = self._accept(topic, payload, options)
+        size = len(payload)
         if self._room_lock.locked() or not self._fits(size):
             await self._room(size)
-            return self._queue(message, size, not options)
-        handle = self._queue(message, size, not options)
+            return self._queue(topic, payload, message, size)
+        handle = self._queue(topic, payload, message, size)
         now = time.perf_counter()  # a batch is ready (the batching task sends it now), or other tasks have waited
         if self._full() or now - self._yielded >= SEND_SLICE_S:  # a slice: a round per message would cost more
             self._yielded = now  # than the message
@@ -465,11 +465,11 @@ class Producer:
             trio.WouldBlock: ``total_batch_max_bytes`` are buffered or in flight, or other sends wait for room.
             others: as :meth:`send`.
         """
-        message = self._message(topic, payload, options)
-        size = len(message.payload)
+        message, payload = self._accept(topic, payload, options)
+        size = len(payload)
         if self._room_lock.locked() or not self._fits(size):
             raise trio.WouldBlock(f"{self._held_bytes} bytes are buffered or in flight: await send() or flush()")
-        return self._queue(message, size, not options)
+        return self._queue(topic, payload, message, size)
 
     @overload
     async def send_batch(self, messages: Iterable[Message]) -> list[SendHandle]: ...
@@ -536,13 +536,26 @@ class Producer:
         return ProducerStatistics(self._sent, self._stored, self._failed, self._batches, self._buffered,
                                   self._held_bytes, self._waits)
 
-    def _message(self, topic: str, payload: bytes, options: Mapping[str, Any]) -> NewMessage:
-        """The message a send stores, its arguments checked (:meth:`send`)."""
+    def _check(self, topic: str) -> None:
+        """Raise ``TopicError`` unless ``topic`` is a valid topic name (checked once per topic)."""
         if topic not in self._topics:
             validate_topic(topic)
             if len(self._topics) >= MAX_TOPICS_KEPT:
                 self._topics.clear()
             self._topics.add(topic)
+
+    def _accept(self, topic: str, payload: bytes, options: Mapping[str, Any]) -> tuple[NewMessage | None, bytes]:
+        """A send's arguments checked: its message, or None when it has no options (:meth:`_queue` makes one only
+        if it does not join a run), and its payload as kept."""
+        if options:
+            message = self._message(topic, payload, options)
+            return message, message.payload
+        self._check(topic)
+        return None, payload if type(payload) is bytes else bytes(payload)
+
+    def _message(self, topic: str, payload: bytes, options: Mapping[str, Any]) -> NewMessage:
+        """The message a send stores, its arguments checked (:meth:`send`)."""
+        self._check(topic)
         now = int(time.time() * 1000)
         if not options:
             return NewMessage(topic, bytes(payload), self.client_id, 1, False, b"", now)
@@ -600,22 +613,25 @@ class Producer:
         batch.closed = True
         self._wakeup.set()
 
-    def _queue(self, message: NewMessage, size: int, plain: bool) -> SendHandle:
-        """Buffer one send's message of ``size`` payload bytes; its handle. ``plain``: sent without options. The
-        plain sends of one topic that start a batch are kept as a run (their payloads and born times), which the
-        store packs whole (``StoreNode._batch``); another send turns the run back into messages."""
+    def _queue(self, topic: str, payload: bytes, message: NewMessage | None, size: int) -> SendHandle:
+        """Buffer one send (``message``, or None when it has no options) of ``size`` payload bytes; its handle.
+        The sends without options of one topic that start a batch are kept as a run (their payloads and born
+        times), which the store packs whole (``StoreNode._batch``); another send turns the run into messages."""
         batch = self._open(1, size)
         run = batch.run
-        if plain and (run.like.topic == message.topic if run is not None else not batch.messages):
+        if message is None and (run.like.topic == topic if run is not None else not batch.messages):
+            born = int(time.time() * 1000)
             if run is None:
-                batch.run = run = PayloadRun(message, [], [])
-            run.payloads.append(message.payload)
-            run.borns.append(message.born_ms)  # type: ignore[union-attr]  # a run of sends has them
+                like = NewMessage(topic, b"", self.client_id, 1, False, b"", born)
+                batch.run = run = PayloadRun(like, [], [])
+            run.payloads.append(payload)
+            run.borns.append(born)  # type: ignore[union-attr]  # a run of sends has them
             handle = SendHandle(batch, len(run) - 1)
         else:
             batch.unrun()
             handle = SendHandle(batch, len(batch.messages))
-            batch.messages.append(message)
+            batch.messages.append(message or NewMessage(topic, payload, self.client_id, 1, False, b"",
+                                                        int(time.time() * 1000)))
         batch.count += 1
         if batch.count >= self._batch_count or batch.size >= self._batch_bytes:
             self._close(batch)

@@ -412,7 +412,7 @@ def new_batch_of(topic: str, like: BatchItem, payloads: Sequence[bytes], store_m
         messages = tuple(Record(i, each + len(p), flags, born, store_ms, client_id, topic, ids, properties, p)
                          for i, p in enumerate(payloads))
     else:
-        times = [b or store_ms for b in borns]
+        times = borns if 0 not in borns else [b or store_ms for b in borns]
         parts[0::2] = [pack(flags, b, n_cid, n_props, len(p)) + tail for b, p in zip(times, payloads)]
         messages = tuple(Record(i, each + len(p), flags, b, store_ms, client_id, topic, ids, properties, p)
                          for i, (b, p) in enumerate(zip(times, payloads)))
