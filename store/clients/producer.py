@@ -70,7 +70,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, final, overload
+from typing import Any, Generic, Protocol, TypeVar, final, overload
 
 import trio
 
@@ -112,6 +112,8 @@ waiting for dispatch to catch up are woken in any order)."""
 
 _names = itertools.count(1)
 
+R = TypeVar("R")
+
 
 class GroupAppender(Protocol):
     """Where a producer appends: ``RemoteStore`` (a store node over the RPC) or ``LocalStore`` (a store in this
@@ -125,8 +127,31 @@ class GroupAppender(Protocol):
                             batched: Sequence[bool] = ()) -> Sequence[Positions | Exception]: ...
 
 
+class _Awaited(Generic[R]):
+    """What both handles share: a view of a batch, awaited for its outcome (``result``)."""
+
+    __slots__ = ("_batch",)
+
+    def __init__(self, batch: _Batch) -> None:
+        self._batch = batch
+
+    def done(self) -> bool:
+        return self._batch.done
+
+    def result(self) -> R:
+        raise NotImplementedError
+
+    async def wait(self) -> R:
+        """The outcome, once the store answered."""
+        await self._batch.wait()
+        return self.result()
+
+    def __await__(self) -> Generator[Any, None, R]:
+        return self.wait().__await__()
+
+
 @final
-class SendHandle:
+class SendHandle(_Awaited[Position]):
     """The outcome of one send: ``await handle`` returns the message's ``Position`` (its log and CommitLog offset;
     a delayed message's is its Delayed record's).
 
@@ -138,14 +163,11 @@ class SendHandle:
     ``OSError`` (the store's write failed: not stored).
     """
 
-    __slots__ = ("_batch", "_index")
+    __slots__ = ("_index",)
 
     def __init__(self, batch: _Batch, index: int) -> None:
         self._batch = batch
         self._index = index
-
-    def done(self) -> bool:
-        return self._batch.done
 
     def add_done_callback(self, callback: Callable[[SendHandle], object]) -> None:
         """Call ``callback(handle)`` once the handle is done (at once if it is), on the trio thread: how the blocking
@@ -156,17 +178,9 @@ class SendHandle:
         """The message's position, or the send's error raised, once :meth:`done`."""
         return self._batch.result(self._index)
 
-    async def wait(self) -> Position:
-        """The message's position, once the store appended it."""
-        await self._batch.wait()
-        return self.result()
-
-    def __await__(self) -> Generator[Any, None, Position]:
-        return self.wait().__await__()
-
 
 @final
-class BatchHandle(Sequence[SendHandle]):
+class BatchHandle(_Awaited[Positions], Sequence[SendHandle]):
     """The outcome of a :meth:`Producer.send_batch` of payloads: one object for the whole batch, ``handle[i]`` the
     i-th message's :class:`SendHandle` (made when asked for), ``await handle`` their ``Positions`` (one log and an
     offset per message; ``positions[i]`` its ``Position``).
@@ -174,7 +188,7 @@ class BatchHandle(Sequence[SendHandle]):
     Raises (on await): the first failed message's error, in order (each message's own: ``handle[i]``).
     """
 
-    __slots__ = ("_batch", "_start", "_count")
+    __slots__ = ("_start", "_count")
 
     def __init__(self, batch: _Batch, start: int, count: int) -> None:
         self._batch = batch
@@ -197,9 +211,6 @@ class BatchHandle(Sequence[SendHandle]):
             raise IndexError(f"message {index} of a batch of {self._count}")
         return SendHandle(self._batch, self._start + index % self._count)
 
-    def done(self) -> bool:
-        return self._batch.done
-
     def add_done_callback(self, callback: Callable[[BatchHandle], object]) -> None:
         """Call ``callback(handle)`` once every message's outcome is known (at once if it is), on the trio thread."""
         self._batch.add_done_callback(lambda _: callback(self))
@@ -207,14 +218,6 @@ class BatchHandle(Sequence[SendHandle]):
     def result(self) -> Positions:
         """The messages' positions, or the first failed message's error raised, once :meth:`done`."""
         return self._batch.positions(self._start, self._count)
-
-    async def wait(self) -> Positions:
-        """The messages' positions, once the store appended them."""
-        await self._batch.wait()
-        return self.result()
-
-    def __await__(self) -> Generator[Any, None, Positions]:
-        return self.wait().__await__()
 
 
 @final
