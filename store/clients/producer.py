@@ -29,7 +29,10 @@ in this process); the store appends them in the order sent.
 A batch keeps one outcome that its messages' handles read by index (a send makes
 a small view, an answer sets one outcome); ``send_batch(payloads, topic=...)``
 makes no object per message at all, and the store packs such a run as one
-batch record (``store.api.PayloadRun``).
+batch record (``store.api.PayloadRun``); so does a run of sends without options
+of one topic. Batches that wait for the request in flight (``send_batch``'s,
+each cut at once) leave together in the next, up to ``batch_max_count`` and
+``batch_max_bytes``.
 ``auto_batch=False`` sends each message as its own request at once (what a
 service that wants no added latency at all pays for in throughput:
 docs/benchmarks.md, "Produce").
@@ -667,40 +670,55 @@ class Producer:
                 with trio.move_on_after(self._delay_s):
                     await self._wakeup.wait()
             await self._slots.acquire()
-            batch = batches.popleft()
-            batch.closed = True
-            self._buffered -= len(batch)
-            self._buffered_bytes -= batch.size
+            taken = [batches.popleft()]
+            count, size = taken[0].count, taken[0].size
+            while batches and batches[0].closed and count + batches[0].count <= self._batch_count and \
+                    size + batches[0].size <= self._batch_bytes:  # send_batch's waiting: together, as one
+                count += batches[0].count
+                size += batches[0].size
+                taken.append(batches.popleft())
+            taken[0].closed = True
+            self._buffered -= count
+            self._buffered_bytes -= size
             self._flushing = self._flushing and bool(batches)
             self._in_flight += 1
-            nursery.start_soon(self._send, batch)
+            nursery.start_soon(self._send, taken, size)
 
-    async def _send(self, batch: _Batch) -> None:
+    async def _send(self, taken: list[_Batch], size: int) -> None:
+        """Store the batches ``taken`` (``size`` payload bytes) in one request, and settle each."""
         try:
+            plans = [self._groups(batch) for batch in taken]
             try:
-                groups, results = await self._append(batch)
+                results = await self.client.append_groups([g for _, groups, _ in plans for g in groups],
+                                                          durable=self._durable,
+                                                          batched=[b for _, _, batched in plans for b in batched])
             except (OSError, ValueError) as exc:  # StoreUnavailable is an OSError
-                groups, results = [range(len(batch))], [exc]
+                plans = [([range(len(batch))], [], []) for batch in taken]
+                results = [exc] * len(taken)
             self._batches += 1
-            for indexes, result in zip(groups, results):
-                if isinstance(result, BaseException):
-                    self._failed += len(indexes)
-                else:
-                    self._stored += len(indexes)
-            batch.settle(groups, results)
+            start = 0
+            for batch, (indexes, groups, _) in zip(taken, plans):
+                part = results[start : start + len(indexes)]
+                start += len(indexes)
+                for group, result in zip(indexes, part):
+                    if isinstance(result, BaseException):
+                        self._failed += len(group)
+                    else:
+                        self._stored += len(group)
+                batch.settle(indexes, part)
         finally:
             self._in_flight -= 1
-            self._held_bytes -= batch.size
+            self._held_bytes -= size
             self._room_freed.set()
             self._slots.release()
             if not self._in_flight and not self._batches_buffered:
                 self._idle.set()
 
-    async def _append(self, batch: _Batch) -> tuple[list[Sequence[int]], Sequence[Positions | Exception]]:
-        """The one call that stores a batch: one request (one CommitLog write), its same-topic runs as batch
-        records where that lets each message fail alone and keeps each topic's order (``store.api.batch_groups``:
-        what remains, a topic matching very many wildcard filters, is said there). Returns the groups appended
-        (the batch's indexes of each) and per group its positions or error."""
+    def _groups(self, batch: _Batch) -> tuple[list[Sequence[int]], list[Sequence[NewMessage]], list[bool]]:
+        """What a request appends of ``batch`` (one CommitLog write): its same-topic runs as batch records where
+        that lets each message fail alone and keeps each topic's order (``store.api.batch_groups``: what remains,
+        a topic matching very many wildcard filters, is said there). The batch's indexes of each group, the groups
+        and whether each is batched."""
         max_size = self.client.max_record_bytes
         messages, run = batch.messages, batch.run
         groups: list[Sequence[NewMessage]] = []
@@ -722,7 +740,7 @@ class Producer:
                 groups += [[run[i] for i in group] for group in found]
                 indexes += [[start + i for i in group] for group in found]
             batched = [*batched, *run_batched]
-        return indexes, await self.client.append_groups(groups, durable=self._durable, batched=batched)
+        return indexes, groups, batched
 
 
 def _due(now: int, delay_s: float | None, deliver_at: int | None) -> int:
