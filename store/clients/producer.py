@@ -30,9 +30,9 @@ A batch keeps one outcome that its messages' handles read by index (a send makes
 a small view, an answer sets one outcome); ``send_batch(payloads, topic=...)``
 makes no object per message at all, and the store packs such a run as one
 batch record (``store.api.PayloadRun``); so does a run of sends without options
-of one topic. Batches that wait for the request in flight (``send_batch``'s,
-each cut at once) leave together in the next, up to ``batch_max_count`` and
-``batch_max_bytes``.
+of one topic. A ``send_batch`` leaves in one request with every batch waiting
+before it for the request in flight (fewer, larger requests: a request's fixed
+cost is most of a small batch's); full AutoBatch batches leave one a request.
 ``auto_batch=False`` sends each message as its own request at once (what a
 service that wants no added latency at all pays for in throughput:
 docs/benchmarks.md, "Produce").
@@ -228,7 +228,7 @@ class _Batch:
     """What one request takes: the messages of sends (``messages``), then perhaps a ``send_batch`` of payloads
     (``run``), indexed in that order; and, once answered, their outcome, which their handles read."""
 
-    __slots__ = ("messages", "run", "count", "size", "closed", "done", "_groups", "_results", "_where", "_event",
+    __slots__ = ("messages", "run", "count", "size", "closed", "cut", "done", "_groups", "_results", "_where", "_event",
                  "_callbacks")
 
     def __init__(self) -> None:
@@ -237,6 +237,7 @@ class _Batch:
         self.count = 0  # messages
         self.size = 0  # payload bytes
         self.closed = False  # no more sends join it: full, or a send_batch's
+        self.cut = False  # a send_batch's: the request takes it with every batch before it
         self.done = False
         self._groups: list[Sequence[int]] = []  # the indexes of each group appended (the whole batch: one group)
         self._results: Sequence[Positions | BaseException] = ()  # per group
@@ -512,7 +513,7 @@ class Producer:
         start = len(batch.messages)
         batch.messages += made
         batch.count += len(made)
-        self._close(batch)
+        self._close(batch, cut=True)
         return [SendHandle(batch, i) for i in range(start, start + len(made))]
 
     async def flush(self) -> None:
@@ -614,9 +615,11 @@ class Producer:
             self._idle = trio.Event()
         return batch
 
-    def _close(self, batch: _Batch) -> None:
-        """No more sends join ``batch``: the next request takes it, now."""
+    def _close(self, batch: _Batch, *, cut: bool = False) -> None:
+        """No more sends join ``batch``: the next request takes it, now (``cut``: a ``send_batch``'s, which goes
+        with every batch waiting before it, whatever their size, as one request)."""
         batch.closed = True
+        batch.cut = cut
         self._wakeup.set()
 
     def _queue(self, topic: str, payload: bytes, message: NewMessage | None, size: int) -> SendHandle:
@@ -649,7 +652,7 @@ class Producer:
         batch.unrun()
         batch.run = run
         batch.count += len(run)
-        self._close(batch)
+        self._close(batch, cut=True)
         return BatchHandle(batch, len(batch.messages), len(run))
 
     def _full(self) -> bool:
@@ -672,8 +675,10 @@ class Producer:
             await self._slots.acquire()
             taken = [batches.popleft()]
             count, size = taken[0].count, taken[0].size
-            while batches and batches[0].closed and count + batches[0].count <= self._batch_count and \
-                    size + batches[0].size <= self._batch_bytes:  # send_batch's waiting: together, as one
+            cuts = sum(batch.cut for batch in batches)  # send_batch's waiting: each goes with all before it
+            while batches and batches[0].closed and (cuts or count + batches[0].count <= self._batch_count
+                                                     and size + batches[0].size <= self._batch_bytes):
+                cuts -= batches[0].cut
                 count += batches[0].count
                 size += batches[0].size
                 taken.append(batches.popleft())
