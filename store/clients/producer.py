@@ -346,8 +346,10 @@ class Producer:
         self._batch_count = batch_max_count if auto_batch else 1
         self._total_bytes = total_batch_max_bytes
         self._durable = durable
-        self._batches_buffered: deque[_Batch] = deque()  # what the next requests take, in order; the last one
-        self._buffered = 0  # messages in them                        # takes sends unless closed
+        self._batches_buffered: deque[_Batch] = deque()  # what the next requests take, in order (the last one
+        # takes sends unless closed)
+        self._cuts = 0  # send_batch's batches in them
+        self._buffered = 0  # messages in them
         self._topics: set[str] = set()  # topics validated already (a send's topic is checked once, not per send)
         self._buffered_bytes = 0
         self._held_bytes = 0  # buffered or in flight: what total_batch_max_bytes bounds
@@ -620,6 +622,7 @@ class Producer:
         with every batch waiting before it, whatever their size, as one request)."""
         batch.closed = True
         batch.cut = cut
+        self._cuts += cut
         self._wakeup.set()
 
     def _queue(self, topic: str, payload: bytes, message: NewMessage | None, size: int) -> SendHandle:
@@ -674,11 +677,11 @@ class Producer:
                     await self._wakeup.wait()
             await self._slots.acquire()
             taken = [batches.popleft()]
+            self._cuts -= taken[0].cut
             count, size = taken[0].count, taken[0].size
-            cuts = sum(batch.cut for batch in batches)  # send_batch's waiting: each goes with all before it
-            while batches and batches[0].closed and (cuts or count + batches[0].count <= self._batch_count
+            while batches and batches[0].closed and (self._cuts or count + batches[0].count <= self._batch_count
                                                      and size + batches[0].size <= self._batch_bytes):
-                cuts -= batches[0].cut
+                self._cuts -= batches[0].cut  # a send_batch's waiting: it goes with every batch before it
                 count += batches[0].count
                 size += batches[0].size
                 taken.append(batches.popleft())

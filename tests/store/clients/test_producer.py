@@ -324,6 +324,51 @@ async def test_sends_and_a_send_batch_of_payloads_go_in_one_request_each_with_it
     assert await pulled(port, "cmd/b", "gw-secret") == [b"s1"]
 
 
+class HeldStore:
+    """A ``LocalStore`` whose appends wait for ``release`` and count the groups of each request: what the producer
+    puts in one request shows while the first is held in flight."""
+
+    def __init__(self, store) -> None:
+        self.local = LocalStore(store, "held-producer")
+        self.release = trio.Event()
+        self.requests: list[int] = []
+
+    @property
+    def max_record_bytes(self) -> int:
+        return self.local.max_record_bytes
+
+    async def append_groups(self, groups, *, durable=None, batched=()):
+        self.requests.append(len(groups))
+        await self.release.wait()
+        return await self.local.append_groups(groups, durable=durable, batched=batched)
+
+
+async def test_a_send_batch_leaves_with_every_batch_waiting_before_it_in_one_request(store_small_records):
+    """While a request is in flight, the sends and ``send_batch`` calls that follow wait; the next request takes
+    them all (fewer, larger requests), each topic in order and each handle with its own message's position."""
+    held = HeldStore(store_small_records)
+    try:
+        async with Producer.over(held, client_id="held", batch_max_delay_ms=60_000) as producer:
+            first = await producer.send_batch([b"f0", b"f1"], topic="held/a")
+            with trio.fail_after(WAIT_S):
+                while not held.requests:  # the first request is in flight, held
+                    await trio.testing.wait_all_tasks_blocked()
+            sends = [await producer.send("held/a", b"s%d" % i) for i in range(3)]
+            second = await producer.send_batch([b"b0", b"b1"], topic="held/a")
+            third = await producer.send_batch([Message("held/b", b"c0"), Message("held/a", b"c1")])
+            held.release.set()
+            with trio.fail_after(WAIT_S):
+                positions = [*await first, *[await s for s in sends], *await second, await third[1]]
+                other = await third[0]
+            assert producer.statistics().batches == 2 and len(held.requests) == 2
+    finally:
+        held.local.close()
+    records = await stored(store_small_records, "held/a")
+    assert [(r.offset, r.payload) for r in records] == \
+        [(p.offset, payload) for p, payload in zip(positions, [b"f0", b"f1", b"s0", b"s1", b"s2", b"b0", b"b1", b"c1"])]
+    assert [(r.offset, r.payload) for r in await stored(store_small_records, "held/b")] == [(other.offset, b"c0")]
+
+
 async def test_send_waits_while_the_producer_holds_its_total_bytes(store_small_records, nursery):
     port = await serve(nursery, store_small_records)
     async with Producer.connect("127.0.0.1", port, total_batch_max_bytes=1000,
