@@ -82,7 +82,8 @@ from store.api import MAIN_LOG, NewMessage, PayloadRun, Position, Positions, bat
 from store.clients.properties import encode_properties
 from store.rpc.client import RemoteStore, default_node_name
 
-__all__ = ["BatchHandle", "GroupAppender", "Message", "Producer", "ProducerStatistics", "SendHandle", "encode_properties"]
+__all__ = ["BatchHandle", "GroupAppender", "Message", "Producer", "ProducerStatistics", "SendHandle",
+           "encode_properties"]
 
 BATCH_MAX_DELAY_MS = 5
 """Default wait after a batch's first message for more to join it: a few ms cost a service little and turn
@@ -501,7 +502,7 @@ class Producer:
         """
         if topic is not None:
             like = self._message(topic, b"", options)
-            run = PayloadRun(like, [p if type(p) is bytes else bytes(p) for p in messages])  # type: ignore[misc]
+            run = PayloadRun(like, [p if type(p) is bytes else bytes(p) for p in messages])  # type: ignore[arg-type, misc]
             size = sum(map(len, run.payloads))
             await self._room(size)
             return self._queue_run(run, size)
