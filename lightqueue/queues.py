@@ -669,7 +669,8 @@ class LightQueues:
                 messages.append((qoff, value))
                 continue
             inside = unpack(value)
-            messages.extend((base + i, inside[i]) for i in range(qoff - base, min(len(inside), stop - base)))
+            first, last = qoff - base, min(len(inside), stop - base)
+            messages += zip(range(qoff, base + last), inside[first:last])  # in C: a claim's cost per message
         return PullResult(messages, next_offset, expired)
 
     def commit_offsets(self, owner: str, offsets: Mapping[str, int], *, applied: int | None = None) -> None:

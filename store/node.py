@@ -37,8 +37,8 @@ from lightqueue.queues import LightQueues, PullResult
 from lightqueue.targets import MAX_QUEUE_ID
 from notify import NotifyRouter
 from retain.store import RetainedStore
-from store.api import (MAIN_LOG, DelayedCapExceeded, LogSpan, NewMessage, StoreStatistics, TimerStatistics, batch_room,
-                       batchable)
+from store.api import (MAIN_LOG, DelayedCapExceeded, LogSpan, NewMessage, PayloadRun, StoreStatistics, TimerStatistics,
+                       batch_room, batchable)
 from store.attached import Attachment
 from store.awaiting import AwaitingRelease
 from store.control import (Activated, ClientClosed, Committed, Control, Delayed, Released, SessionSaved,
@@ -51,7 +51,8 @@ from store.log.aio import AsyncCommitLog, LatencyBuckets
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.errors import FULL_ERRNOS, LogFullError, StartupError
 from store.log.recent import RecentRecords
-from store.log.record import FLAG_BATCH, Record, decode_record, fit_batches, new_batch, new_record, now_ms
+from store.log.record import (FLAG_BATCH, Record, RecordTooLarge, decode_record, fit_batches, new_batch, new_batch_of,
+                              new_record, now_ms)
 from store.pop.applier import PopApplier
 from store.pop.pops import PopCoordinator
 from store.queuecontrol import QueueControls
@@ -352,17 +353,27 @@ class StoreNode:
     def _batch(self, messages: Sequence[NewMessage], now: int) -> list[tuple[bytes, Record]]:
         """The batch records of ``messages`` (``append(batch=True)``), their target queues fixed now: as few as
         ``commitlog.max_record_bytes`` allows (a caller need not know the limit to batch), compressed as
-        ``commitlog.batch_compression`` says.
+        ``commitlog.batch_compression`` says. A ``PayloadRun`` (or messages alike: ``PayloadRun.of``) that fits
+        one record is packed whole (``new_batch_of``), without a message per payload.
 
         Raises:
             ValueError: they are not all of one topic, one is delayed, or a record does not encode
                 (``RecordTooLarge``: a message too large for a record of its own).
         """
+        config = self.log.log.config
+        max_size, compress = config.max_record_bytes, config.batch_compression == "zstd"
+        run = messages if isinstance(messages, PayloadRun) else PayloadRun.of(messages)
+        if run is not None and not run.like.deliver_at_ms:
+            like = run.like
+            queues = self.queues.targets(like.topic)
+            try:  # one record, packed without a message per payload (a run too large for one is cut below)
+                return [new_batch_of(like.topic, like, run.payloads, now, queues, max_size, compress=compress,
+                                     borns=run.borns)]
+            except RecordTooLarge:
+                messages = list(messages)
         topic = messages[0].topic
         if any(m.topic != topic or m.deliver_at_ms for m in messages):
             raise ValueError("a batch record holds messages of one topic, none of them delayed")
-        config = self.log.log.config
-        max_size, compress = config.max_record_bytes, config.batch_compression == "zstd"
         queues = self.queues.targets(topic)
         return [new_batch(topic, run, now, queues, max_size, compress=compress)
                 for run in fit_batches(topic, messages, queues, max_size)]

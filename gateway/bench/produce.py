@@ -6,7 +6,7 @@ each mode, a fresh store takes:
 
 - ``single``: ``auto_batch=False``: every message its own request (up to ``IN_FLIGHT`` requests travel at once
   over the RPC, one in process);
-- ``batch``: ``send_batch`` of ``--batch`` messages at a time;
+- ``batch``: ``send_batch`` of ``--batch`` payloads at a time (its one-topic form: ``send_batch(payloads, topic=...)``);
 - ``auto``: ``send`` with AutoBatch on (its defaults).
 
 The producer sends to one topic for ``--seconds`` (or ``--messages``, whichever comes first), bounded by the
@@ -38,7 +38,7 @@ import trio
 from gateway.bench.common import emit
 from gateway.bench.peers import HOST, store_process
 from store.api import StoreApi, group_owner
-from store.clients.producer import Message, Producer
+from store.clients.producer import Producer
 from store.local import LocalStore
 from store.log.commitlog import BATCH_COMPRESSIONS, CommitLogConfig
 from store.node import open_store
@@ -148,7 +148,7 @@ async def _produce(appender: Any, mode: str, size: int, args: argparse.Namespace
             if mode == "batch":
                 count = min(args.batch, cap - sent)
                 sends = time.perf_counter()
-                handles = await producer.send_batch([Message(TOPIC, payload)] * count)
+                handles = await producer.send_batch([payload] * count, topic=TOPIC)
             else:
                 count = 1
                 sends = time.perf_counter()

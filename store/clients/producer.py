@@ -8,6 +8,8 @@ devices subscribed on any gateway node receive it through the normal path::
         handle = await producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
         position = await handle        # appended (durable: on disk by default)
         handles = await producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/on", b"1")])
+        batch = await producer.send_batch([b"21.5", b"21.7"], topic="tele/svc/temp", qos=0)  # payloads, one topic
+        positions = await batch        # their Positions; batch[i]: message i's own handle
         await producer.flush()         # or: wait for everything sent so far
         later = await (await producer.send("cmd/dev-17/off", b"", delay_s=3600))  # a delayed message, stored
         await producer.cancel_delayed(later.id)                                  # its id: cancel it before it is due
@@ -24,6 +26,13 @@ each message in it fails alone (a record over the size limit goes as a
 record of its own; a topic the ACL denies fails all of that topic's
 alike): its handle raises, its neighbours' do not. Up to ``IN_FLIGHT`` batches travel at once over the RPC (one to a store
 in this process); the store appends them in the order sent.
+A batch keeps one outcome that its messages' handles read by index (a send makes
+a small view, an answer sets one outcome); ``send_batch(payloads, topic=...)``
+makes no object per message at all, and the store packs such a run as one
+batch record (``store.api.PayloadRun``); so does a run of sends without options
+of one topic. A ``send_batch`` leaves in one request with every batch waiting
+before it for the request in flight (fewer, larger requests: a request's fixed
+cost is most of a small batch's); full AutoBatch batches leave one a request.
 ``auto_batch=False`` sends each message as its own request at once (what a
 service that wants no added latency at all pays for in throughput:
 docs/benchmarks.md, "Produce").
@@ -60,19 +69,21 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, final
+from typing import Any, Generic, Protocol, TypeVar, final, overload
 
 import trio
 
 from lightqueue.topics import validate_topic
-from store.api import NewMessage, Position, Positions, batch_groups
+from store.api import MAIN_LOG, NewMessage, PayloadRun, Position, Positions, batch_groups
 from store.clients.properties import encode_properties
 from store.rpc.client import RemoteStore, default_node_name
 
-__all__ = ["GroupAppender", "Message", "Producer", "ProducerStatistics", "SendHandle", "encode_properties"]
+__all__ = ["BatchHandle", "GroupAppender", "Message", "Producer", "ProducerStatistics", "SendHandle",
+           "encode_properties"]
 
 BATCH_MAX_DELAY_MS = 5
 """Default wait after a batch's first message for more to join it: a few ms cost a service little and turn
@@ -105,6 +116,8 @@ waiting for dispatch to catch up are woken in any order)."""
 
 _names = itertools.count(1)
 
+R = TypeVar("R")
+
 
 class GroupAppender(Protocol):
     """Where a producer appends: ``RemoteStore`` (a store node over the RPC) or ``LocalStore`` (a store in this
@@ -118,71 +131,182 @@ class GroupAppender(Protocol):
                             batched: Sequence[bool] = ()) -> Sequence[Positions | Exception]: ...
 
 
+class _Awaited(Generic[R]):
+    """What both handles share: a view of a batch, awaited for its outcome (``result``)."""
+
+    __slots__ = ("_batch",)
+
+    def __init__(self, batch: _Batch) -> None:
+        self._batch = batch
+
+    def done(self) -> bool:
+        return self._batch.done
+
+    def result(self) -> R:
+        raise NotImplementedError
+
+    async def wait(self) -> R:
+        """The outcome, once the store answered."""
+        await self._batch.wait()
+        return self.result()
+
+    def __await__(self) -> Generator[Any, None, R]:
+        return self.wait().__await__()
+
+
 @final
-class SendHandle:
+class SendHandle(_Awaited[Position]):
     """The outcome of one send: ``await handle`` returns the message's ``Position`` (its log and CommitLog offset;
     a delayed message's is its Delayed record's).
+
+    A view of the message in the batch that stores it (its request's one outcome, asked by index): a send makes
+    no more than this small object, and a batch's answer sets one outcome, not one per message.
 
     Raises (on await): ``AccessDenied`` (the ACL does not allow the topic),
     ``RecordTooLarge``, ``DelayedCapExceeded``, ``StoreUnavailable`` (the connection broke: maybe stored),
     ``OSError`` (the store's write failed: not stored).
     """
 
-    __slots__ = ("_done", "_event", "_position", "_error", "_callbacks")
+    __slots__ = ("_index",)
 
-    def __init__(self) -> None:
-        self._done = False
-        self._event: trio.Event | None = None  # made for the first waiter only: most handles are never awaited alone
-        self._position: Position | None = None
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[[SendHandle], object]] | None = None
-
-    def done(self) -> bool:
-        return self._done
+    def __init__(self, batch: _Batch, index: int) -> None:
+        self._batch = batch
+        self._index = index
 
     def add_done_callback(self, callback: Callable[[SendHandle], object]) -> None:
         """Call ``callback(handle)`` once the handle is done (at once if it is), on the trio thread: how the blocking
         and asyncio faces (store/clients/threaded.py) learn the outcome without a task per message."""
-        if self._done:
+        self._batch.add_done_callback(lambda _: callback(self))
+
+    def result(self) -> Position:
+        """The message's position, or the send's error raised, once :meth:`done`."""
+        return self._batch.result(self._index)
+
+
+@final
+class BatchHandle(_Awaited[Positions], Sequence[SendHandle]):
+    """The outcome of a :meth:`Producer.send_batch` of payloads: one object for the whole batch, ``handle[i]`` the
+    i-th message's :class:`SendHandle` (made when asked for), ``await handle`` their ``Positions`` (one log and an
+    offset per message; ``positions[i]`` its ``Position``).
+
+    Raises (on await): the first failed message's error, in order (each message's own: ``handle[i]``).
+    """
+
+    __slots__ = ("_start", "_count")
+
+    def __init__(self, batch: _Batch, start: int, count: int) -> None:
+        self._batch = batch
+        self._start = start
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> SendHandle: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[SendHandle]: ...
+
+    def __getitem__(self, index: int | slice) -> SendHandle | Sequence[SendHandle]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(self._count)[index]]
+        if not -self._count <= index < self._count:
+            raise IndexError(f"message {index} of a batch of {self._count}")
+        return SendHandle(self._batch, self._start + index % self._count)
+
+    def add_done_callback(self, callback: Callable[[BatchHandle], object]) -> None:
+        """Call ``callback(handle)`` once every message's outcome is known (at once if it is), on the trio thread."""
+        self._batch.add_done_callback(lambda _: callback(self))
+
+    def result(self) -> Positions:
+        """The messages' positions, or the first failed message's error raised, once :meth:`done`."""
+        return self._batch.positions(self._start, self._count)
+
+
+@final
+class _Batch:
+    """What one request takes: the messages of sends (``messages``), then perhaps a ``send_batch`` of payloads
+    (``run``), indexed in that order; and, once answered, their outcome, which their handles read."""
+
+    __slots__ = ("messages", "run", "count", "size", "closed", "cut", "done", "_groups", "_results", "_where", "_event",
+                 "_callbacks")
+
+    def __init__(self) -> None:
+        self.messages: list[NewMessage] = []
+        self.run: PayloadRun | None = None
+        self.count = 0  # messages
+        self.size = 0  # payload bytes
+        self.closed = False  # no more sends join it: full, or a send_batch's
+        self.cut = False  # a send_batch's: the request takes it with every batch before it
+        self.done = False
+        self._groups: list[Sequence[int]] = []  # the indexes of each group appended (the whole batch: one group)
+        self._results: Sequence[Positions | BaseException] = ()  # per group
+        self._where: list[tuple[int, int]] | None = None  # message index -> (group, index in it), when asked
+        self._event: trio.Event | None = None  # made for the first waiter only: most batches are never awaited
+        self._callbacks: list[Callable[[_Batch], object]] | None = None
+
+    def __len__(self) -> int:
+        return self.count
+
+    def unrun(self) -> None:
+        """Make the run of sends this batch holds messages, so that other messages may follow them."""
+        if self.run is not None:
+            self.messages += self.run
+            self.run = None
+
+    def add_done_callback(self, callback: Callable[[_Batch], object]) -> None:
+        if self.done:
             callback(self)
         elif self._callbacks is None:
             self._callbacks = [callback]
         else:
             self._callbacks.append(callback)
 
-    def _set(self, outcome: Position | BaseException) -> None:
-        if isinstance(outcome, BaseException):
-            self._error = outcome
-        else:
-            self._position = outcome
-        self._done = True
+    def settle(self, groups: list[Sequence[int]], results: Sequence[Positions | BaseException]) -> None:
+        """The answer: per group (indexes of this batch), its positions or the error that kept it out."""
+        self._groups, self._results = groups, results
+        self.done = True
         if self._event is not None:
             self._event.set()
         callbacks, self._callbacks = self._callbacks, None
         for callback in callbacks or ():
             callback(self)
 
-    def result(self) -> Position:
-        """The message's position, or the send's error raised, once :meth:`done`."""
-        if not self._done:
+    def result(self, index: int) -> Position:
+        if not self.done:
             raise RuntimeError("the message is not stored yet: await the handle")
-        if self._error is not None:
-            raise self._error
-        assert self._position is not None
-        return self._position
-
-    async def wait(self) -> Position:
-        """The message's position, once the store appended it."""
-        if self._done:
-            await trio.lowlevel.checkpoint()
+        if len(self._results) == 1:
+            group, k = 0, index
         else:
-            if self._event is None:
-                self._event = trio.Event()
-            await self._event.wait()
-        return self.result()
+            if self._where is None:
+                self._where = [(0, 0)] * len(self)
+                for g, indexes in enumerate(self._groups):
+                    for k, i in enumerate(indexes):
+                        self._where[i] = (g, k)
+            group, k = self._where[index]
+        outcome = self._results[group]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome[k]
 
-    def __await__(self) -> Generator[Any, None, Position]:
-        return self.wait().__await__()
+    def positions(self, start: int, count: int) -> Positions:
+        """The positions of messages ``start`` to ``start + count``, or the first failed one's error raised."""
+        if len(self._results) == 1:  # one group: the whole batch
+            outcome = self._results[0]
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return Positions(outcome.log, outcome.offsets[start : start + count])
+        found = [self.result(i) for i in range(start, start + count)]
+        return Positions(found[0].log if found else MAIN_LOG, [p.offset for p in found])
+
+    async def wait(self) -> None:
+        if self.done:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._event is None:
+            self._event = trio.Event()
+        await self._event.wait()
 
 
 @final
@@ -223,8 +347,10 @@ class Producer:
         self._batch_count = batch_max_count if auto_batch else 1
         self._total_bytes = total_batch_max_bytes
         self._durable = durable
-        self._buffer: list[NewMessage] = []  # what the next batches take, in order
-        self._handles: list[SendHandle] = []  # the buffer's handles, index for index
+        self._batches_buffered: deque[_Batch] = deque()  # what the next requests take, in order (the last one
+        # takes sends unless closed)
+        self._cuts = 0  # send_batch's batches in them
+        self._buffered = 0  # messages in them
         self._topics: set[str] = set()  # topics validated already (a send's topic is checked once, not per send)
         self._buffered_bytes = 0
         self._held_bytes = 0  # buffered or in flight: what total_batch_max_bytes bounds
@@ -232,7 +358,6 @@ class Producer:
         self._room_freed = trio.Event()
         self._wakeup = trio.Event()  # set when the buffer gets its first message or fills a batch, or on flush
         self._flushing = False  # a flush waits: send what is buffered without lingering
-        self._cut_through = 0  # the first messages of the buffer the next batch takes whole (a send_batch's)
         self._slots = trio.Semaphore(in_flight)
         self._idle = trio.Event()  # set while nothing is buffered or in flight
         self._idle.set()
@@ -331,12 +456,12 @@ class Producer:
             TopicError: not a valid topic name (wildcards included).
             ValueError: a bad QoS or property value, a negative delay, or both delay_s and deliver_at.
         """
-        message = self._message(topic, payload, options)
-        size = len(message.payload)
+        message, payload = self._accept(topic, payload, options)
+        size = len(payload)
         if self._room_lock.locked() or not self._fits(size):
             await self._room(size)
-            return self._queue([message], size, cut=False)[0]
-        handle = self._queue([message], size, cut=False)[0]
+            return self._queue(topic, payload, message, size)
+        handle = self._queue(topic, payload, message, size)
         now = time.perf_counter()  # a batch is ready (the batching task sends it now), or other tasks have waited
         if self._full() or now - self._yielded >= SEND_SLICE_S:  # a slice: a round per message would cost more
             self._yielded = now  # than the message
@@ -350,25 +475,49 @@ class Producer:
             trio.WouldBlock: ``total_batch_max_bytes`` are buffered or in flight, or other sends wait for room.
             others: as :meth:`send`.
         """
-        message = self._message(topic, payload, options)
-        size = len(message.payload)
+        message, payload = self._accept(topic, payload, options)
+        size = len(payload)
         if self._room_lock.locked() or not self._fits(size):
             raise trio.WouldBlock(f"{self._held_bytes} bytes are buffered or in flight: await send() or flush()")
-        return self._queue([message], size, cut=False)[0]
+        return self._queue(topic, payload, message, size)
 
-    async def send_batch(self, messages: Iterable[Message]) -> list[SendHandle]:
+    @overload
+    async def send_batch(self, messages: Iterable[Message]) -> list[SendHandle]: ...
+
+    @overload
+    async def send_batch(self, messages: Iterable[bytes], *, topic: str, **options: Any) -> BatchHandle: ...
+
+    async def send_batch(self, messages: Iterable[Message] | Iterable[bytes], *, topic: str | None = None,
+                         **options: Any) -> list[SendHandle] | BatchHandle:
         """Send ``messages`` in one request, now (after what is buffered); their handles, in order, each with its
         message's own outcome. Checked whole first: a bad one raises and none is sent.
+
+        With ``topic``, ``messages`` are payloads, all sent to ``topic`` with the same ``options`` (:meth:`send`'s):
+        the cheap form, without an object per message (the store packs them as one batch record when they fit
+        one); it returns one :class:`BatchHandle` (``await`` it for their ``Positions``; ``handle[i]``: the i-th
+        message's own outcome, a payload too large failing alone as in the other form).
 
         Raises:
             TopicError, ValueError: as :meth:`send`, for any of the messages.
         """
-        made = [self._message(m.topic, m.payload, m.options) for m in messages]
+        if topic is not None:
+            like = self._message(topic, b"", options)
+            run = PayloadRun(like, [p if type(p) is bytes else bytes(p) for p in messages])  # type: ignore[arg-type, misc]
+            size = sum(map(len, run.payloads))
+            await self._room(size)
+            return self._queue_run(run, size)
+        made = [self._message(m.topic, m.payload, m.options) for m in messages]  # type: ignore[union-attr]
         if not made:
             return []
         size = sum(len(m.payload) for m in made)
         await self._room(size)
-        return self._queue(made, size, cut=True)
+        batch = self._open(len(made), size)
+        batch.unrun()
+        start = len(batch.messages)
+        batch.messages += made
+        batch.count += len(made)
+        self._close(batch, cut=True)
+        return [SendHandle(batch, i) for i in range(start, start + len(made))]
 
     async def flush(self) -> None:
         """Return once every message sent before the call is stored or failed (its handle is done)."""
@@ -394,16 +543,29 @@ class Producer:
         return await self.client.delayed_cancel(position)
 
     def statistics(self) -> ProducerStatistics:
-        return ProducerStatistics(self._sent, self._stored, self._failed, self._batches, len(self._buffer),
+        return ProducerStatistics(self._sent, self._stored, self._failed, self._batches, self._buffered,
                                   self._held_bytes, self._waits)
 
-    def _message(self, topic: str, payload: bytes, options: Mapping[str, Any]) -> NewMessage:
-        """The message a send stores, its arguments checked (:meth:`send`)."""
+    def _check(self, topic: str) -> None:
+        """Raise ``TopicError`` unless ``topic`` is a valid topic name (checked once per topic)."""
         if topic not in self._topics:
             validate_topic(topic)
             if len(self._topics) >= MAX_TOPICS_KEPT:
                 self._topics.clear()
             self._topics.add(topic)
+
+    def _accept(self, topic: str, payload: bytes, options: Mapping[str, Any]) -> tuple[NewMessage | None, bytes]:
+        """A send's arguments checked: its message, or None when it has no options (:meth:`_queue` makes one only
+        if it does not join a run), and its payload as kept."""
+        if options:
+            message = self._message(topic, payload, options)
+            return message, message.payload
+        self._check(topic)
+        return None, payload if type(payload) is bytes else bytes(payload)
+
+    def _message(self, topic: str, payload: bytes, options: Mapping[str, Any]) -> NewMessage:
+        """The message a send stores, its arguments checked (:meth:`send`)."""
+        self._check(topic)
         now = int(time.time() * 1000)
         if not options:
             return NewMessage(topic, bytes(payload), self.client_id, 1, False, b"", now)
@@ -436,98 +598,158 @@ class Producer:
                 self._room_freed = trio.Event()
                 await self._room_freed.wait()
 
-    def _queue(self, messages: list[NewMessage], size: int, *, cut: bool) -> list[SendHandle]:
-        """Buffer the messages, ``size`` payload bytes (``cut``: the next batch takes them all, at once); their
-        handles."""
-        handles = [SendHandle() for _ in messages]
-        first = not self._buffer
-        self._buffer += messages
-        self._handles += handles
+    def _open(self, count: int, size: int) -> _Batch:
+        """The batch that takes ``count`` more messages of ``size`` payload bytes: the last one buffered unless
+        closed, or a new one (which wakes the batching task)."""
+        batches = self._batches_buffered
+        if batches and not batches[-1].closed:
+            batch = batches[-1]
+        else:
+            batch = _Batch()
+            batches.append(batch)
+            if len(batches) == 1:
+                self._wakeup.set()
+        batch.size += size
+        self._buffered += count
         self._buffered_bytes += size
         self._held_bytes += size
-        self._sent += len(messages)
-        self._idle = trio.Event() if self._idle.is_set() else self._idle
-        if cut:
-            self._cut_through = len(self._buffer)
-        if first or cut or self._full():
-            self._wakeup.set()
-        return handles
+        self._sent += count
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        return batch
+
+    def _close(self, batch: _Batch, *, cut: bool = False) -> None:
+        """No more sends join ``batch``: the next request takes it, now (``cut``: a ``send_batch``'s, which goes
+        with every batch waiting before it, whatever their size, as one request)."""
+        batch.closed = True
+        batch.cut = cut
+        self._cuts += cut
+        self._wakeup.set()
+
+    def _queue(self, topic: str, payload: bytes, message: NewMessage | None, size: int) -> SendHandle:
+        """Buffer one send (``message``, or None when it has no options) of ``size`` payload bytes; its handle.
+        The sends without options of one topic that start a batch are kept as a run (their payloads and born
+        times), which the store packs whole (``StoreNode._batch``); another send turns the run into messages."""
+        batch = self._open(1, size)
+        run = batch.run
+        if message is None and (run.like.topic == topic if run is not None else not batch.messages):
+            born = int(time.time() * 1000)
+            if run is None:
+                like = NewMessage(topic, b"", self.client_id, 1, False, b"", born)
+                batch.run = run = PayloadRun(like, [], [])
+            run.payloads.append(payload)
+            run.borns.append(born)  # type: ignore[union-attr]  # a run of sends has them
+            handle = SendHandle(batch, len(run) - 1)
+        else:
+            batch.unrun()
+            handle = SendHandle(batch, len(batch.messages))
+            batch.messages.append(message or NewMessage(topic, payload, self.client_id, 1, False, b"",
+                                                        int(time.time() * 1000)))
+        batch.count += 1
+        if batch.count >= self._batch_count or batch.size >= self._batch_bytes:
+            self._close(batch)
+        return handle
+
+    def _queue_run(self, run: PayloadRun, size: int) -> BatchHandle:
+        """Buffer a ``send_batch`` of payloads (``run``, ``size`` bytes), after the sends the open batch holds."""
+        batch = self._open(len(run), size)
+        batch.unrun()
+        batch.run = run
+        batch.count += len(run)
+        self._close(batch, cut=True)
+        return BatchHandle(batch, len(batch.messages), len(run))
 
     def _full(self) -> bool:
-        return self._buffered_bytes >= self._batch_bytes or len(self._buffer) >= self._batch_count
+        batches = self._batches_buffered
+        return bool(batches) and batches[-1].closed
 
     async def _run(self, nursery: trio.Nursery) -> None:
-        """Cut batches: when one is full, or ``batch_max_delay_ms`` after its first message (or at once on flush
+        """Send batches: when one is full, or ``batch_max_delay_ms`` after its first message (or at once on flush
         and send_batch). The producer's one timer."""
+        batches = self._batches_buffered
         while True:
-            if not self._buffer:
+            if not batches:
                 self._wakeup = trio.Event()
                 await self._wakeup.wait()
                 continue
-            if not self._full() and not self._flushing and not self._cut_through and self._delay_s:
+            if not batches[0].closed and not self._flushing and self._delay_s:
                 self._wakeup = trio.Event()
                 with trio.move_on_after(self._delay_s):
                     await self._wakeup.wait()
             await self._slots.acquire()
-            batch = self._take()
-            self._flushing = self._flushing and bool(self._buffer)
+            taken = [batches.popleft()]
+            self._cuts -= taken[0].cut
+            count, size = taken[0].count, taken[0].size
+            while batches and batches[0].closed and (self._cuts or count + batches[0].count <= self._batch_count
+                                                     and size + batches[0].size <= self._batch_bytes):
+                self._cuts -= batches[0].cut  # a send_batch's waiting: it goes with every batch before it
+                count += batches[0].count
+                size += batches[0].size
+                taken.append(batches.popleft())
+            taken[0].closed = True
+            self._buffered -= count
+            self._buffered_bytes -= size
+            self._flushing = self._flushing and bool(batches)
             self._in_flight += 1
-            nursery.start_soon(self._send, batch)
+            nursery.start_soon(self._send, taken, size)
 
-    def _take(self) -> tuple[list[NewMessage], list[SendHandle], int]:
-        """The next batch: its messages, their handles and payload bytes."""
-        buffer = self._buffer
-        if len(buffer) <= max(self._batch_count, self._cut_through) and self._buffered_bytes < self._batch_bytes:
-            taken, size = len(buffer), self._buffered_bytes  # all of it (each message joins below the bytes)
-        else:
-            taken = size = 0
-            while taken < len(buffer) and (taken < self._cut_through or taken < self._batch_count
-                                           and size < self._batch_bytes):
-                size += len(buffer[taken].payload)
-                taken += 1
-        messages, handles = buffer[:taken], self._handles[:taken]
-        del buffer[:taken], self._handles[:taken]
-        self._buffered_bytes -= size
-        self._cut_through = max(0, self._cut_through - taken)
-        return messages, handles, size
-
-    async def _send(self, batch: tuple[list[NewMessage], list[SendHandle], int]) -> None:
-        messages, handles, size = batch
+    async def _send(self, taken: list[_Batch], size: int) -> None:
+        """Store the batches ``taken`` (``size`` payload bytes) in one request, and settle each."""
         try:
+            plans = [self._groups(batch) for batch in taken]
             try:
-                outcomes = await self._append(messages)
+                results = await self.client.append_groups([g for _, groups, _ in plans for g in groups],
+                                                          durable=self._durable,
+                                                          batched=[b for _, _, batched in plans for b in batched])
             except (OSError, ValueError) as exc:  # StoreUnavailable is an OSError
-                outcomes = [exc] * len(messages)
+                plans = [([range(len(batch))], [], []) for batch in taken]
+                results = [exc] * len(taken)
             self._batches += 1
-            for handle, outcome in zip(handles, outcomes):
-                handle._set(outcome)
-                if isinstance(outcome, BaseException):
-                    self._failed += 1
-                else:
-                    self._stored += 1
+            start = 0
+            for batch, (indexes, groups, _) in zip(taken, plans):
+                part = results[start : start + len(indexes)]
+                start += len(indexes)
+                for group, result in zip(indexes, part):
+                    if isinstance(result, BaseException):
+                        self._failed += len(group)
+                    else:
+                        self._stored += len(group)
+                batch.settle(indexes, part)
         finally:
             self._in_flight -= 1
             self._held_bytes -= size
             self._room_freed.set()
             self._slots.release()
-            if not self._in_flight and not self._buffer:
+            if not self._in_flight and not self._batches_buffered:
                 self._idle.set()
 
-    async def _append(self, messages: list[NewMessage]) -> list[Position | Exception]:
-        """The one call that stores a batch: one request (one CommitLog write), its same-topic runs as batch
-        records where that lets each message fail alone and keeps each topic's order (``store.api.batch_groups``:
-        what remains, a topic matching very many wildcard filters, is said there)."""
-        indexes, batched = batch_groups(messages, self.client.max_record_bytes)
-        if len(indexes) == 1:  # one topic, one batched group (or one message): in order, as sent
-            (result,) = await self.client.append_groups([messages], durable=self._durable, batched=batched)
-            return [result] * len(messages) if isinstance(result, Exception) else list(result)
-        groups = [[messages[i] for i in group] for group in indexes]
-        results = await self.client.append_groups(groups, durable=self._durable, batched=batched)
-        outcomes: dict[int, Position | Exception] = {}  # by the index the message was sent at
-        for group, result in zip(indexes, results):
-            for k, i in enumerate(group):
-                outcomes[i] = result if isinstance(result, Exception) else result[k]
-        return [outcomes[i] for i in range(len(messages))]
+    def _groups(self, batch: _Batch) -> tuple[list[Sequence[int]], list[Sequence[NewMessage]], list[bool]]:
+        """What a request appends of ``batch`` (one CommitLog write): its same-topic runs as batch records where
+        that lets each message fail alone and keeps each topic's order (``store.api.batch_groups``: what remains,
+        a topic matching very many wildcard filters, is said there). The batch's indexes of each group, the groups
+        and whether each is batched."""
+        max_size = self.client.max_record_bytes
+        messages, run = batch.messages, batch.run
+        groups: list[Sequence[NewMessage]] = []
+        indexes: list[Sequence[int]] = []
+        batched: list[bool] = []
+        if messages:
+            found, batched = batch_groups(messages, max_size)
+            if len(found) == 1:  # one topic, one batched group (or one message): in order, as sent
+                groups, indexes = [messages], [range(len(messages))]
+            else:
+                groups, indexes = [[messages[i] for i in group] for group in found], list(found)
+        if run is not None:
+            found, run_batched = batch_groups(run, max_size)
+            start = len(messages)
+            if len(found) == 1:  # the whole run in one group: as it is (the store packs it whole)
+                groups.append(run)
+                indexes.append(range(start, start + len(run)))
+            else:
+                groups += [[run[i] for i in group] for group in found]
+                indexes += [[start + i for i in group] for group in found]
+            batched = [*batched, *run_batched]
+        return indexes, groups, batched
 
 
 def _due(now: int, delay_s: float | None, deliver_at: int | None) -> int:

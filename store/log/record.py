@@ -99,6 +99,7 @@ __all__ = [
     "encode_record",
     "fit_batches",
     "new_batch",
+    "new_batch_of",
     "new_control",
     "new_record",
     "now_ms",
@@ -368,17 +369,69 @@ def new_batch(topic: str, items: Sequence[BatchItem], store_ms: int, queues: byt
         parts += (_MESSAGE.pack(flags, born, len(cid), len(m.properties), len(payload)), cid, m.properties, payload)
         size = _MESSAGE.size + len(cid) + len(m.properties) + len(payload)
         messages.append(Record(i, size, flags, born, store_ms, m.client_id, topic, (), m.properties, payload))
-    body = b"".join(parts)
+    ids = decode_queues(queues) if queues else ()
+    for message in messages:
+        message.queues = ids
+    return _sealed(topic, b"".join(parts), tuple(messages), store_ms, queues, ids, max_size, compress)
+
+
+def new_batch_of(topic: str, like: BatchItem, payloads: Sequence[bytes], store_ms: int, queues: bytes = b"",
+                 max_size: int = _MAX_U32, *, compress: bool = False,
+                 borns: Sequence[int] | None = None) -> tuple[bytes, Record]:
+    """:func:`new_batch` of messages alike but for their payloads (``like``'s fields, its payload unused) and,
+    with ``borns``, their born times: every message header but those is the same, so the body is packed in one
+    pass and one join (a third of ``new_batch``'s cost per message, measured). ``payloads`` must be ``bytes``
+    (kept as they are).
+
+    Raises:
+        RecordTooLarge: the one record would be larger than ``max_size`` (:func:`fit_batches` cuts runs).
+        ValueError: as :func:`new_batch`.
+    """
+    if not payloads:
+        raise ValueError("a batch record holds at least one message")
+    if like.qos not in (0, 1, 2):
+        raise ValueError(f"QoS must be 0, 1 or 2, not {like.qos!r}")
+    if like.packet_id:
+        raise ValueError("a QoS 2 message with a packet id cannot be in a batch record")
+    client_id, properties = like.client_id, like.properties
+    cid = client_id.encode()
+    if len(cid) > _MAX_U16:
+        raise ValueError("a client id is limited to 65535 bytes")
+    count = len(payloads)
+    tail = cid + properties
+    each = _MESSAGE.size + len(tail)
+    size = HEADER_SIZE + len(topic.encode()) + len(queues) + _COUNT.size + count * each + sum(map(len, payloads))
+    if size > max_size:
+        raise RecordTooLarge(f"record of {size} bytes exceeds the maximum record size of {max_size} bytes")
+    flags = like.qos | (FLAG_RETAIN if like.retain else 0)
+    born = like.born_ms or store_ms
+    pack, n_cid, n_props = _MESSAGE.pack, len(cid), len(properties)
+    parts: list[bytes] = [b""] * (2 * count)
+    ids = decode_queues(queues) if queues else ()
+    if borns is None:
+        parts[0::2] = [pack(flags, born, n_cid, n_props, len(p)) + tail for p in payloads]
+        messages = tuple(Record(i, each + len(p), flags, born, store_ms, client_id, topic, ids, properties, p)
+                         for i, p in enumerate(payloads))
+    else:
+        times = borns if 0 not in borns else [b or store_ms for b in borns]
+        parts[0::2] = [pack(flags, b, n_cid, n_props, len(p)) + tail for b, p in zip(times, payloads)]
+        messages = tuple(Record(i, each + len(p), flags, b, store_ms, client_id, topic, ids, properties, p)
+                         for i, (b, p) in enumerate(zip(times, payloads)))
+    parts[1::2] = payloads
+    return _sealed(topic, _COUNT.pack(count) + b"".join(parts), messages, store_ms, queues, ids, max_size, compress)
+
+
+def _sealed(topic: str, body: bytes, messages: tuple[Record, ...], store_ms: int, queues: bytes,
+            ids: tuple[int, ...], max_size: int, compress: bool) -> tuple[bytes, Record]:
+    """The batch record of a raw ``body`` and its ``Record``, the body compressed when ``compress`` and it saves
+    space (:func:`new_batch`)."""
     flags = FLAG_BATCH
     if compress and HEADER_SIZE + len(topic.encode()) + len(queues) + len(body) <= max_size:
         deflated = _deflate(body)
         if deflated is not None:
             body, flags = deflated, FLAG_BATCH | FLAG_ZSTD
     raw = _encode(topic, body, "", 0, False, b"", queues, store_ms, store_ms, max_size, 0, flags)
-    ids = decode_queues(queues) if queues else ()
-    for message in messages:
-        message.queues = ids
-    return raw, Record(0, len(raw), flags, store_ms, store_ms, "", topic, ids, b"", b"", 0, tuple(messages))
+    return raw, Record(0, len(raw), flags, store_ms, store_ms, "", topic, ids, b"", b"", 0, messages)
 
 
 _ZSTD = threading.local()

@@ -7,6 +7,8 @@ authentication on and a paho MQTT 5 device that receives what the producer sends
 
 
 
+from contextlib import asynccontextmanager
+
 import pytest
 import trio
 import trio.testing
@@ -203,6 +205,168 @@ async def test_send_batch_is_one_request_and_each_message_has_its_own_outcome(st
         assert producer.statistics().sent == 6
     assert one.offset < later.offset < three.offset and two.offset >= 0
     assert await pulled(port, "cmd/dev1", "gw-secret") == [b"one", b"three"]
+
+
+@asynccontextmanager
+async def producer_on(where: str, store, nursery, **settings):
+    """A producer over the RPC or on a ``LocalStore`` of ``store`` (``settings``: ``Producer.over``'s)."""
+    if where == "rpc":
+        async with Producer.connect("127.0.0.1", await serve(nursery, store), **settings) as producer:
+            yield producer
+        return
+    local = LocalStore(store, "local-producer")
+    try:
+        async with Producer.over(local, **settings) as producer:
+            yield producer
+    finally:
+        local.close()
+
+
+async def stored(store, queue: str) -> list:
+    reader = LocalStore(store, "reader")
+    try:
+        [result] = await reader.pull([PullRequest(queue, 0, 10_000)])
+    finally:
+        reader.close()
+    return [record for _, record in result.messages]
+
+
+@pytest.mark.parametrize("where", ["rpc", "local"])
+async def test_a_send_batch_of_payloads_is_one_batch_record_each_payload_at_its_position(
+        where, store_small_records, nursery):
+    payloads = [b"p%d" % i for i in range(10)]
+    async with producer_on(where, store_small_records, nursery, client_id="svc-p") as producer:
+        handle = await producer.send_batch(payloads, topic="pay/a", qos=0, content_type="text/plain")
+        with trio.fail_after(WAIT_S):
+            positions = await handle
+        assert handle.done() and len(handle) == len(positions) == 10
+        assert [handle[i].result() for i in range(10)] == list(positions) and handle[-10].result() == positions[0]
+        assert producer.statistics().batches == 1  # sent at once, in one request
+    offsets = [p.offset for p in positions]
+    assert offsets == list(range(offsets[0], offsets[0] + 10))  # one batch record: position base + i
+    records = await stored(store_small_records, "pay/a")
+    assert [(r.offset, r.payload, r.client_id, r.qos, r.retain) for r in records] == \
+        [(o, p, "svc-p", 0, False) for o, p in zip(offsets, payloads)]
+    assert {decode_properties(r.properties, 0, len(r.properties), PacketType.PUBLISH).content_type
+            for r in records} == {"text/plain"}
+
+
+@pytest.mark.parametrize("where", ["rpc", "local"])
+async def test_a_payload_too_large_fails_alone_and_a_run_over_one_record_is_cut_in_order(
+        where, store_small_records, nursery):
+    """A run of payloads goes whole into one batch record only when it can: a payload over the record limit fails
+    alone (its neighbours are stored, in order), and a run whose messages each fit but not all together is cut
+    into records, in order. Plain sends of one topic are such a run too (until another send joins them)."""
+    payloads = [b"a0", b"a1", b"x" * 8192, b"a2"]
+    many = [b"%03d" % i + b"m" * 397 for i in range(20)]  # 8,000 bytes: two records of 4,096 at least
+    async with producer_on(where, store_small_records, nursery, client_id="svc-q",
+                           batch_max_delay_ms=60_000) as producer:
+        sends = [await producer.send("pay/d", p) for p in payloads]
+        await producer.flush()
+        with pytest.raises(RecordTooLarge):
+            await sends[2]
+        sends = [await producer.send("pay/e", p) for p in payloads[:2]]  # a run, then messages: one with options
+        sends += [await producer.send("pay/e", b"e0", qos=0), await producer.send("pay/e", b"e1")]
+        handle = await producer.send_batch(payloads, topic="pay/b")
+        cut = await producer.send_batch(many, topic="pay/c")
+        with trio.fail_after(WAIT_S):
+            with pytest.raises(RecordTooLarge):
+                await handle
+            with pytest.raises(RecordTooLarge):
+                await handle[2]
+            kept = [await handle[i] for i in (0, 1, 3)]
+            positions = await cut
+        assert producer.statistics().failed == 2
+        sent = [await send for send in sends]
+    assert [r.payload for r in await stored(store_small_records, "pay/d")] == [b"a0", b"a1", b"a2"]
+    records = await stored(store_small_records, "pay/e")
+    assert [(r.offset, r.payload, r.qos) for r in records] == \
+        [(p.offset, payload, qos) for p, payload, qos in zip(sent, [b"a0", b"a1", b"e0", b"e1"], [1, 1, 0, 1])]
+    assert [p.offset for p in kept] == sorted(p.offset for p in kept)
+    assert [(r.offset, r.payload) for r in await stored(store_small_records, "pay/b")] == \
+        [(p.offset, payload) for p, payload in zip(kept, [b"a0", b"a1", b"a2"])]
+    records = await stored(store_small_records, "pay/c")
+    assert [(r.offset, r.payload) for r in records] == [(p.offset, payload) for p, payload in zip(positions, many)]
+    assert records[-1].offset - records[0].offset > len(many)  # more than one record
+
+
+async def test_sends_and_a_send_batch_of_payloads_go_in_one_request_each_with_its_own_outcome(
+        store_small_records, nursery):
+    """The sends buffered go with the ``send_batch`` that follows them, in one request; each topic keeps its
+    order, each handle answers its own message (a topic the ACL denies fails all of its messages, alone), and
+    callbacks are called with the handle they were given to."""
+    access = StoreAccess(token="gw-secret", authenticate=check_password, authorize=only_cmd)
+    port = await serve(nursery, store_small_records, access)
+    called: list = []
+    async with Producer.connect("127.0.0.1", port, username="svc", password="secret",
+                                batch_max_delay_ms=60_000) as producer:
+        first = await producer.send("cmd/a", b"s0")
+        denied = await producer.send("secret/x", b"no")
+        other = await producer.send("cmd/b", b"s1")
+        run = await producer.send_batch([b"r0", b"r1", b"r2"], topic="cmd/a")
+        refused = await producer.send_batch([b"n0", b"n1"], topic="secret/y")
+        later = await producer.send_batch([b"d0", b"d1"], topic="cmd/a", delay_s=3600)  # delayed: not batched
+        first.add_done_callback(called.append)
+        run.add_done_callback(called.append)
+        with trio.fail_after(WAIT_S):
+            positions = await run
+            s0, s1 = await first, await other
+            delayed = await later
+            for failing in (denied, refused, refused[0], refused[1]):
+                with pytest.raises(AccessDenied):
+                    await failing
+        stats = producer.statistics()
+    assert called == [first, run]
+    assert (stats.stored, stats.failed) == (7, 3) and stats.batches <= 3  # the run waiting joins the next request
+    assert s0.offset < positions[0].offset < positions[1].offset < positions[2].offset and s1.offset >= 0
+    assert len(set(delayed.offsets)) == 2 and delayed.offsets[0] > positions[2].offset
+    assert await pulled(port, "cmd/a", "gw-secret") == [b"s0", b"r0", b"r1", b"r2"]
+    assert await pulled(port, "cmd/b", "gw-secret") == [b"s1"]
+
+
+class HeldStore:
+    """A ``LocalStore`` whose appends wait for ``release`` and count the groups of each request: what the producer
+    puts in one request shows while the first is held in flight."""
+
+    def __init__(self, store) -> None:
+        self.local = LocalStore(store, "held-producer")
+        self.release = trio.Event()
+        self.requests: list[int] = []
+
+    @property
+    def max_record_bytes(self) -> int:
+        return self.local.max_record_bytes
+
+    async def append_groups(self, groups, *, durable=None, batched=()):
+        self.requests.append(len(groups))
+        await self.release.wait()
+        return await self.local.append_groups(groups, durable=durable, batched=batched)
+
+
+async def test_a_send_batch_leaves_with_every_batch_waiting_before_it_in_one_request(store_small_records):
+    """While a request is in flight, the sends and ``send_batch`` calls that follow wait; the next request takes
+    them all (fewer, larger requests), each topic in order and each handle with its own message's position."""
+    held = HeldStore(store_small_records)
+    try:
+        async with Producer.over(held, client_id="held", batch_max_delay_ms=60_000) as producer:
+            first = await producer.send_batch([b"f0", b"f1"], topic="held/a")
+            with trio.fail_after(WAIT_S):
+                while not held.requests:  # the first request is in flight, held
+                    await trio.testing.wait_all_tasks_blocked()
+            sends = [await producer.send("held/a", b"s%d" % i) for i in range(3)]
+            second = await producer.send_batch([b"b0", b"b1"], topic="held/a")
+            third = await producer.send_batch([Message("held/b", b"c0"), Message("held/a", b"c1")])
+            held.release.set()
+            with trio.fail_after(WAIT_S):
+                positions = [*await first, *[await s for s in sends], *await second, await third[1]]
+                other = await third[0]
+            assert producer.statistics().batches == 2 and len(held.requests) == 2
+    finally:
+        held.local.close()
+    records = await stored(store_small_records, "held/a")
+    assert [(r.offset, r.payload) for r in records] == \
+        [(p.offset, payload) for p, payload in zip(positions, [b"f0", b"f1", b"s0", b"s1", b"s2", b"b0", b"b1", b"c1"])]
+    assert [(r.offset, r.payload) for r in await stored(store_small_records, "held/b")] == [(other.offset, b"c0")]
 
 
 async def test_send_waits_while_the_producer_holds_its_total_bytes(store_small_records, nursery):

@@ -32,6 +32,7 @@ from store.log.record import (
     encode_message,
     encode_record,
     new_batch,
+    new_batch_of,
 )
 import zstandard
 
@@ -233,6 +234,38 @@ def test_a_batch_refuses_what_a_batch_record_cannot_hold():
         new_batch("b/t", [NewMessage("b/t", b"", qos=2, packet_id=1)], 1)
     with pytest.raises(RecordTooLarge):
         new_batch("b/t", [NewMessage("b/t", b"x" * 100)] * 10, 1, max_size=1_000)
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["raw", "zstd"])
+@pytest.mark.parametrize("like", [
+    NewMessage("b/t", b"", client_id="svc-1", qos=1, born_ms=10),
+    NewMessage("b/t", b"", client_id="", qos=0, retain=True, properties=b"\x01\x01"),  # born 0: the store's time
+], ids=["plain", "retained-with-properties"])
+def test_a_batch_of_payloads_is_the_batch_record_of_their_messages(like, compress):
+    """``new_batch_of`` packs payloads alike in one pass: its bytes and its messages are exactly those of
+    ``new_batch`` over one message per payload, at their positions."""
+    payloads = [b"", b"x", *readings(30)]
+    queues = encode_queues([3, 7])
+    expected = new_batch("b/t", [replace(like, payload=p) for p in payloads], 99, queues, compress=compress)
+    raw, made = new_batch_of("b/t", like, payloads, 99, queues, compress=compress)
+    assert raw == expected[0] and made == expected[1] and bool(raw[12] & FLAG_ZSTD) == compress
+    made.place(500)
+    assert decode_record(raw, 0, 500) == made
+    assert [(m.offset, m.payload) for m in made.messages] == [(500 + i, p) for i, p in enumerate(payloads)]
+
+
+def test_a_batch_of_payloads_refuses_what_new_batch_refuses():
+    with pytest.raises(ValueError, match="at least one"):
+        new_batch_of("b/t", NewMessage("b/t", b""), [], 1)
+    with pytest.raises(ValueError, match="packet id"):
+        new_batch_of("b/t", NewMessage("b/t", b"", qos=2, packet_id=1), [b""], 1)
+    with pytest.raises(ValueError, match="QoS"):
+        new_batch_of("b/t", NewMessage("b/t", b"", qos=3), [b""], 1)
+    with pytest.raises(RecordTooLarge):  # decided on the raw body, as new_batch does
+        new_batch_of("b/t", NewMessage("b/t", b""), [b"x" * 100] * 10, 1, max_size=1_000, compress=True)
+    items = [NewMessage("b/t", b"x" * 100)] * 7
+    assert new_batch_of("b/t", items[0], [b"x" * 100] * 7, 1, max_size=1_000) == \
+        new_batch("b/t", items, 1, max_size=1_000)
 
 
 def test_a_batch_whose_body_does_not_parse_is_skipped_alone_by_a_scan(tmp_path):
