@@ -128,6 +128,27 @@ class ControlApplier(Protocol):
         ...
 
 
+@final
+class _Failing:
+    """Whether :meth:`Dispatcher.run`'s steps, or its flushes, fail: logged once when they start failing (they are
+    retried every ``FALLBACK_WAKE_S``) and once when one succeeds again."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self.failing = False
+
+    def failed(self, exc: Exception, ctx: dict[str, int]) -> None:
+        if not self.failing:
+            self.failing = True
+            LOGGER.error("%s failed; retrying every %s s until it succeeds: %r", self._what, FALLBACK_WAKE_S, exc,
+                         extra={"ctx": ctx})
+
+    def succeeded(self, ctx: dict[str, int]) -> None:
+        if self.failing:
+            self.failing = False
+            LOGGER.warning("%s works again", self._what, extra={"ctx": ctx})
+
+
 @dataclass(frozen=True, slots=True)
 class DispatchBatch:
     """One dispatch step: records ``[from_offset, next_offset)`` of the CommitLog, indexed."""
@@ -247,9 +268,9 @@ class Dispatcher:
         self._from_memory = 0
         self._wakeup = trio.Event()
         self._progress = trio.Event()
-        self._failing = False  # a step failed and was logged; cleared (and logged) when one succeeds
+        self._steps = _Failing("dispatch")
+        self._flushes = _Failing("index flush")
         self._flush_asked = trio.Event()  # run's flusher task flushes when set (``_ask_flush``)
-        self._flush_failing = False  # the same as _failing, for flushes
         self._unannounced: dict[str, int] = {}  # max offsets of the steps caught_up took, for run to announce
         self._unannounced_to: int | None = None  # where those steps ended (None: there are none)
         self._unannounced_lock = threading.Lock()  # not the step lock: the trio thread takes it at every turn
@@ -678,15 +699,10 @@ class Dispatcher:
                 try:
                     batch = await self._run_once()
                 except Exception as exc:  # RocksDB refused a write (a full disk...): retry, never end the node
-                    if not self._failing:
-                        self._failing = True
-                        LOGGER.error("dispatch failed; retrying every %s s until it succeeds: %r", FALLBACK_WAKE_S,
-                                     exc, extra={"ctx": {"dispatched_offset": self._offset}})
+                    self._steps.failed(exc, {"dispatched_offset": self._offset})
                     await trio.sleep(FALLBACK_WAKE_S)
                     continue
-                if self._failing:
-                    self._failing = False
-                    LOGGER.warning("dispatch works again", extra={"ctx": {"dispatched_offset": self._offset}})
+                self._steps.succeeded({"dispatched_offset": self._offset})
                 self._announced(batch)
 
     async def _flush_when_asked(self) -> None:
@@ -698,15 +714,10 @@ class Dispatcher:
             try:
                 await trio.to_thread.run_sync(self._flush_idle)
             except Exception as exc:  # RocksDB could not write (a full disk...): the next turn asks again
-                if not self._flush_failing:
-                    self._flush_failing = True
-                    LOGGER.error("index flush failed; retrying every %s s until it succeeds: %r", FALLBACK_WAKE_S,
-                                 exc, extra={"ctx": {"flushed_offset": self._flushed_offset}})
+                self._flushes.failed(exc, {"flushed_offset": self._flushed_offset})
                 await trio.sleep(FALLBACK_WAKE_S)
                 continue
-            if self._flush_failing:
-                self._flush_failing = False
-                LOGGER.warning("index flush works again", extra={"ctx": {"flushed_offset": self._flushed_offset}})
+            self._flushes.succeeded({"flushed_offset": self._flushed_offset})
 
     def _announced(self, batch: DispatchBatch | None) -> None:
         """End a turn in the trio thread: announce ``batch`` with the steps :meth:`caught_up` took, and wake the
@@ -728,7 +739,7 @@ class Dispatcher:
         way from its append to its subscriber took one such round for dispatch and another for its news. Done
         here, the news reach the listener (the gateway's mailbox) in the step that appended the records.
         """
-        if self._seeding or self._failing or self._offset >= self._log.confirm_offset or not self._inline() \
+        if self._seeding or self._steps.failing or self._offset >= self._log.confirm_offset or not self._inline() \
                 or not self._lock.acquire(blocking=False):  # a worker thread steps, or a flush takes its checkpoint
             self.wake()
             return
