@@ -44,6 +44,7 @@ import rocksdict
 
 from lightqueue import keys
 from lightqueue.filters import FilterIndex
+from lightqueue.memtable import MemtableFlush
 from lightqueue.results import PullResult
 from lightqueue.sized import SizedCache
 from lightqueue.targets import MAX_QUEUE_ID, encode_queues
@@ -205,6 +206,7 @@ class LightQueues:
         self._wal.sync = sync
         self._no_wal = rocksdict.WriteOptions()
         self._no_wal.disable_wal = True
+        self._memtable = MemtableFlush()
         self._queues: SizedCache[str, _Queue] = _queue_cache()
         self._targets: SizedCache[str, bytes] = _target_cache()
         self._filters = FilterIndex()
@@ -543,9 +545,15 @@ class LightQueues:
             route.append(slot.entries)
         return route, stable
 
-    def flush(self) -> None:
-        """Persist the memtable (index batches included) so a restart re-dispatches little."""
-        self._db.flush()
+    def flush(self, *, wait: bool = True) -> None:
+        """Persist the memtable (index batches included) so a restart re-dispatches little. ``wait=False``: only
+        switch it, so it holds exactly the writes made so far (dispatch does, under its lock), and let
+        :meth:`settle` wait until it is written (outside the lock: dispatch goes on meanwhile)."""
+        self._memtable.flush(self._db, wait=wait)
+
+    def settle(self) -> None:
+        """Return once the memtable :meth:`flush` switched is on disk."""
+        self._memtable.wait(self._db)
 
     # -- pulls and consumer offsets --------------------------------------------------
 

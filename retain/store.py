@@ -34,6 +34,7 @@ from typing import Iterable, Iterator, final
 
 import rocksdict
 
+from lightqueue.memtable import MemtableFlush
 from lightqueue.topics import validate_filter, validate_topic
 from retain.tree import TopicTree
 
@@ -95,6 +96,7 @@ class RetainedStore:
         else:
             family = db.create_column_family(RETAIN_FAMILY, rocksdict.Options(raw_mode=True))
         self._family: rocksdict.Rdict | None = family
+        self._memtable = MemtableFlush()
         self._handle: rocksdict.ColumnFamily | None = db.get_column_family_handle(RETAIN_FAMILY)
         self._db = db
         self._wal = rocksdict.WriteOptions()
@@ -258,13 +260,18 @@ class RetainedStore:
             if key != CHECKPOINT_KEY:
                 yield key.decode(), _U64.unpack_from(value)[0], value[_U64.size:]
 
-    def flush(self) -> None:
-        """Persist the family's memtable (call it before the light queues flush theirs).
+    def flush(self, *, wait: bool = True) -> None:
+        """Persist the family's memtable (call it before the light queues flush theirs); ``wait=False``: only
+        switch it, and let :meth:`settle` wait until it is written (``LightQueues.flush``).
 
         Keeps the family's durable checkpoint close to the light queues', so a
         restart feeds few records again.
         """
-        self._open()[0].flush()
+        self._memtable.flush(self._open()[0], wait=wait)
+
+    def settle(self) -> None:
+        """Return once the memtable :meth:`flush` switched is on disk."""
+        self._memtable.wait(self._open()[0])
 
     def rewind(self, log_end: int) -> int:
         """The CommitLog ends at ``log_end`` (data lost in an OS crash): drop messages past it.

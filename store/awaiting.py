@@ -52,6 +52,7 @@ from typing import final
 
 import rocksdict
 
+from lightqueue.memtable import MemtableFlush
 from store.control import Control, FlowsAwaiting, FlowsReleased, SessionEnded
 from store.log.record import QOS_MASK, Record
 from store.rocks import open_family
@@ -104,6 +105,7 @@ class AwaitingRelease:
     def __init__(self, db: rocksdict.Rdict) -> None:
         self._family: rocksdict.Rdict = open_family(db, AWAITING_FAMILY)
         self._handle = db.get_column_family_handle(AWAITING_FAMILY)
+        self._memtable = MemtableFlush()
         self._db = db
         self._lock = threading.Lock()
         self._entries: dict[str, dict[int, tuple[int, bool]]] = {}  # client -> packet id -> (offset, released)
@@ -194,9 +196,14 @@ class AwaitingRelease:
                 self._db.write(batch, _NO_WAL)
         return deleted
 
-    def flush(self) -> None:
-        """Persist the family's memtable (with the dispatcher's other flushes)."""
-        self._family.flush()
+    def flush(self, *, wait: bool = True) -> None:
+        """Persist the family's memtable (with the dispatcher's other flushes); ``wait=False``: only switch it, and
+        let :meth:`settle` wait until it is written (``LightQueues.flush``)."""
+        self._memtable.flush(self._family, wait=wait)
+
+    def settle(self) -> None:
+        """Return once the memtable :meth:`flush` switched is on disk."""
+        self._memtable.wait(self._family)
 
     def rewind(self, log_end: int) -> int:
         """The CommitLog ends at ``log_end`` (its tail was lost in an OS crash): forget what lies past it.
@@ -285,6 +292,7 @@ class AwaitingControls:
     def __init__(self, state: AwaitingRelease, checkpoint: int) -> None:
         self._state = state
         self._checkpoint = checkpoint
+        self._taken: int | None = None  # the checkpoint the last flush took, until it is on disk
 
     @property
     def checkpoint(self) -> int:
@@ -301,8 +309,13 @@ class AwaitingControls:
 
     def flush(self, offset: int) -> None:
         self._state.write_checkpoint(CONTROLS_KEY, offset)
-        self._state.flush()
-        self._checkpoint = offset
+        self._state.flush(wait=False)
+        self._taken = offset
+
+    def settle(self) -> None:
+        self._state.settle()
+        if self._taken is not None:
+            self._checkpoint, self._taken = self._taken, None
 
     def rewind(self, log_end: int) -> None:
         """Entries past the log's end are released by ``AwaitingRelease.rewind``; the checkpoint comes back."""

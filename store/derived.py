@@ -17,6 +17,7 @@ from typing import final
 
 import rocksdict
 
+from lightqueue.memtable import MemtableFlush
 from store.rocks import open_family
 
 __all__ = ["APPLIED_KEY", "CHECKPOINT_KEY", "DerivedApplier", "DerivedFamily"]
@@ -45,6 +46,8 @@ class DerivedFamily:
 
     def __init__(self, db: rocksdict.Rdict, name: str) -> None:
         self._family: rocksdict.Rdict = open_family(db, name)
+        self._memtable = MemtableFlush()
+        self._taken: int | None = None  # the checkpoint the last flush took, until it is on disk
         raw = self._family.get(CHECKPOINT_KEY)
         self.checkpoint = _U64.unpack(raw)[0] if raw is not None else 0
         mark = self._family.get(APPLIED_KEY)
@@ -110,12 +113,22 @@ class DerivedFamily:
             if key not in _MARKS:
                 yield key.decode()
 
-    def flush(self, offset: int) -> None:
-        """Move the checkpoint to ``offset`` and persist the family (the dispatcher's flush, after the log's)."""
+    def flush(self, offset: int, *, wait: bool = True) -> None:
+        """Move the checkpoint to ``offset`` and persist the family (the dispatcher's flush, after the log's);
+        ``wait=False``: only switch the memtable, and let :meth:`settle` wait until it is written and move
+        :attr:`checkpoint` (``LightQueues.flush``)."""
         self._family.put(CHECKPOINT_KEY, _U64.pack(offset), _NO_WAL)
-        self._family.flush()
-        self.checkpoint = offset
-        self.legacy = False
+        self._taken = offset
+        self._memtable.flush(self._family, wait=False)
+        if wait:
+            self.settle()
+
+    def settle(self) -> None:
+        """Return once the memtable :meth:`flush` switched is on disk, its checkpoint then :attr:`checkpoint`."""
+        self._memtable.wait(self._family)
+        if self._taken is not None:
+            self.checkpoint, self._taken = self._taken, None
+            self.legacy = False
 
     def rewind(self, log_end: int) -> bool:
         """The log now ends at ``log_end``: when a record at or past it was applied, forget everything and start
@@ -149,7 +162,10 @@ class DerivedApplier:
         return self._family.legacy
 
     def flush(self, offset: int) -> None:
-        self._family.flush(offset)
+        self._family.flush(offset, wait=False)
+
+    def settle(self) -> None:
+        self._family.settle()
 
     def rewind(self, log_end: int) -> None:
         self._family.rewind(log_end)

@@ -11,6 +11,11 @@ The core is synchronous (:meth:`Dispatcher.step`, which :meth:`Dispatcher.dispat
 listener call for callers without trio); :meth:`Dispatcher.run`
 drives it from trio, running each step in a worker thread and sleeping on a
 wake-up that the appender pulls after each append.
+
+Every ``FLUSH_BYTES`` or ``FLUSH_INTERVAL_S`` the index and the other derived parts are flushed (made durable with
+their checkpoints, so a restart re-dispatches little). A flush holds the steps only while it takes its checkpoint
+(a memtable switch per RocksDB family); RocksDB writes the memtables while dispatch goes on (``Dispatcher._flush``
+says what a flush promises, and what a crash during one leaves).
 """
 
 from __future__ import annotations
@@ -76,10 +81,12 @@ class ControlApplier(Protocol):
     Dispatch calls :meth:`apply` for every control record at or past :attr:`checkpoint`, in log order and
     between the messages it indexes (a record appended after an activation is indexed after it is applied), in
     the dispatcher's thread under its lock. Applying must be idempotent: after a crash dispatch runs again from
-    the lowest checkpoint of all its parts. :meth:`flush` runs after the CommitLog was flushed up to ``offset``
-    (so derived state never runs ahead of what the log keeps): persist what was applied below it and move the
-    checkpoint there. Dispatch applies no record at or past the log's confirm offset (the replicas hold the
-    records below it).
+    the lowest checkpoint of all its parts. A flush comes in two calls (``Dispatcher._flush``): :meth:`flush`
+    runs under the lock once the CommitLog is flushed up to ``offset`` (so derived state never runs ahead of
+    what the log keeps) and takes the state at ``offset`` for persisting, quickly (a memtable switched, a
+    checkpoint handed to a thread); :meth:`settle` runs outside the lock, while dispatch applies the next
+    records, and returns once that state is on disk, :attr:`checkpoint` then at ``offset``. Dispatch applies no
+    record at or past the log's confirm offset (the replicas hold the records below it).
 
     :meth:`rewind` runs when the log lost or dropped its records from ``log_end`` on (a follower's truncate,
     ``Dispatcher.truncate``; or, on open, a checkpoint past the log's end after an OS crash), in the
@@ -101,7 +108,12 @@ class ControlApplier(Protocol):
         ...
 
     def flush(self, offset: int) -> None:
-        """Persist what was applied below ``offset`` and move the checkpoint to it."""
+        """Take what was applied below ``offset`` (every record applied so far) for persisting with the checkpoint
+        ``offset``, without waiting for the disk: dispatch holds its lock meanwhile."""
+        ...
+
+    def settle(self) -> None:
+        """Return once what the last :meth:`flush` took is on disk, and move :attr:`checkpoint` to its offset."""
         ...
 
     def restate(self) -> Iterable[Control]:
@@ -114,6 +126,27 @@ class ControlApplier(Protocol):
         at or past it goes, and the checkpoint ends at or below ``log_end``; an applier that keeps no history may reset
         itself to an earlier checkpoint and let dispatch apply again."""
         ...
+
+
+@final
+class _Failing:
+    """Whether :meth:`Dispatcher.run`'s steps, or its flushes, fail: logged once when they start failing (they are
+    retried every ``FALLBACK_WAKE_S``) and once when one succeeds again."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self.failing = False
+
+    def failed(self, exc: Exception, ctx: dict[str, int]) -> None:
+        if not self.failing:
+            self.failing = True
+            LOGGER.error("%s failed; retrying every %s s until it succeeds: %r", self._what, FALLBACK_WAKE_S, exc,
+                         extra={"ctx": ctx})
+
+    def succeeded(self, ctx: dict[str, int]) -> None:
+        if self.failing:
+            self.failing = False
+            LOGGER.warning("%s works again", self._what, extra={"ctx": ctx})
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +234,7 @@ class Dispatcher:
         self._flush_bytes = flush_bytes
         self._flush_interval_s = flush_interval_s
         self._lock = threading.Lock()  # one step at a time, whoever calls it (``dispatch_now`` only if it is free)
+        self._flushing = threading.Lock()  # one flush at a time; truncate, start_at and close wait for it (before _lock)
         self._rewound: dict[str, int] = {}  # what was past the log's end on open, for recover()'s log line
         if queues.checkpoint > log.written_offset:
             self._rewound["checkpoint_from"] = queues.checkpoint
@@ -234,7 +268,9 @@ class Dispatcher:
         self._from_memory = 0
         self._wakeup = trio.Event()
         self._progress = trio.Event()
-        self._failing = False  # a step or flush failed and was logged; cleared (and logged) when one succeeds
+        self._steps = _Failing("dispatch")
+        self._flushes = _Failing("index flush")
+        self._flush_asked = trio.Event()  # run's flusher task flushes when set (``_ask_flush``)
         self._unannounced: dict[str, int] = {}  # max offsets of the steps caught_up took, for run to announce
         self._unannounced_to: int | None = None  # where those steps ended (None: there are none)
         self._unannounced_lock = threading.Lock()  # not the step lock: the trio thread takes it at every turn
@@ -522,22 +558,69 @@ class Dispatcher:
             return SKIPPED
 
     def _flush(self) -> None:
-        """Persist the index memtable; the log first, so a durable entry never points at lost data."""
+        """Persist what dispatch derived up to its offset: the index and every part, each with its checkpoint at
+        that offset. Hold ``_flushing`` and not the step lock: the steps go on but for the short middle part.
+
+        A flush takes its checkpoint X (the dispatched offset) under the step lock, and:
+
+        1. the CommitLog is fsynced up to X or further before anything derived at X can reach the disk: first
+           outside the lock (dispatch goes on), then, under it, what dispatch indexed during that fsync;
+        2. under the lock (:meth:`_take`), each part takes its state at X: every RocksDB family writes its
+           checkpoint X and switches its memtable, which RocksDB then writes as one table file holding exactly
+           the writes made before X, none of a later step; the timer takes its checkpoint for its own thread;
+        3. outside the lock (:meth:`_settle`), it waits until all of that is on disk, and only then records X as
+           flushed (``flushed_offset``, each part's ``checkpoint``).
+
+        Afterwards the log is durable up to X at least, and the index and every part up to their checkpoint X.
+        A crash during a flush leaves each part on disk at its previous checkpoint or at X (a table file is
+        installed whole), never between: after a process crash the log has lost nothing, and an open dispatches
+        from the lowest checkpoint again, writing the same state. After a power loss the log keeps its flushed
+        part: before step 1 ends nothing at X is on disk, after it the log keeps X. So no part is ever past the
+        log's end because of a flush; only a memtable RocksDB writes on its own (a full one, or retention's flush,
+        both with later steps' writes) can be, and the rewind on open (the constructor, :meth:`recover`) undoes
+        it, as before.
+        """
         if self._log.flushed_offset < self._offset:
             self._log.flush()
+        with self._lock:
+            offset = self._take()
+        try:
+            self._settle()
+        except BaseException:
+            with self._lock:
+                self._unflushed += offset - self._flushed_offset  # due again
+            raise
+        self._flushed_offset = offset
+
+    def _take(self) -> int:
+        """Steps 1 and 2 of :meth:`_flush` (hold the step lock): the log fsynced up to the dispatched offset, every
+        part's state at that offset taken for persisting. Returns the offset."""
+        offset = self._offset
+        if self._log.flushed_offset < offset:  # what dispatch indexed during the fsync outside the lock
+            self._log.flush()
         if self._retained is not None:
-            self._retained.apply((), self._offset)  # the checkpoint of the batches without retained records
-            self._retained.flush()
+            self._retained.apply((), offset)  # the checkpoint of the batches without retained records
+            self._retained.flush(wait=False)
         if self._awaiting is not None:
-            self._awaiting.apply((), self._offset)  # the checkpoint of the batches without QoS 2 records
-            self._awaiting.collect(self._offset)
-            self._awaiting.flush()
+            self._awaiting.apply((), offset)  # the checkpoint of the batches without QoS 2 records
+            self._awaiting.collect(offset)
+            self._awaiting.flush(wait=False)
         for applier in self._appliers:
-            applier.flush(self._offset)
-        self._queues.flush()
-        self._flushed_offset = self._offset
+            applier.flush(offset)
+        self._queues.flush(wait=False)
         self._unflushed = 0
         self._flushed_at = time.monotonic()
+        return offset
+
+    def _settle(self) -> None:
+        """Step 3 of :meth:`_flush` (not under the step lock): wait until what :meth:`_take` took is on disk."""
+        if self._retained is not None:
+            self._retained.settle()
+        if self._awaiting is not None:
+            self._awaiting.settle()
+        for applier in self._appliers:
+            applier.settle()
+        self._queues.settle()
 
     def truncate(self, offset: int) -> None:
         """Cut the CommitLog at ``offset`` (``CommitLog.truncate``: a follower drops what its leader does not
@@ -547,7 +630,7 @@ class Dispatcher:
         The log is cut first: a crash after it leaves derived state past the log's end, which the next open
         rewinds (this constructor and :meth:`recover`), as after an OS crash.
         """
-        with self._lock:
+        with self._flushing, self._lock:
             self._log.truncate(offset)
             if self._recent is not None:
                 self._recent.drop_from(offset)
@@ -567,7 +650,7 @@ class Dispatcher:
     def start_at(self, offset: int) -> None:
         """Begin the empty log at ``offset`` (``CommitLog.start_at``: a new replica joining a leader whose retention
         deleted what is below) and dispatch from there. Blocking (run it in a worker thread)."""
-        with self._lock:
+        with self._flushing, self._lock:
             self._log.start_at(offset)
             self._queues.on_retention(offset)
             self._offset = self._flushed_offset = self._seek = offset
@@ -580,10 +663,20 @@ class Dispatcher:
             and (self._room is None or self._room())
 
     def _flush_idle(self) -> None:
-        """The flush after steps that made it due, or when traffic stopped."""
-        with self._lock:
+        """The flush after steps that made it due, or when traffic stopped; none while one runs (in another
+        thread: it takes what is dispatched when it takes its checkpoint, and what comes after is due next)."""
+        if not self._flushing.acquire(blocking=False):
+            return
+        try:
             if self._unflushed:
                 self._flush()
+        finally:
+            self._flushing.release()
+
+    def _ask_flush(self) -> None:
+        """Have :meth:`run`'s flusher task flush if a flush is due. Call from the trio thread."""
+        if self._flush_due():
+            self._flush_asked.set()
 
     # -- trio --------------------------------------------------------------------
 
@@ -597,26 +690,39 @@ class Dispatcher:
         A step over a few records still in memory (``recent``) runs right here
         in the trio thread: a hand-off to a worker thread and back costs more
         than indexing them, and is where a message's latency went at moderate
-        rates. Larger steps, steps that read the log, and flushes run in a
-        worker thread. The listener and the waiters of :meth:`wait_dispatched`
-        are served in the trio thread after each step. Runs until cancelled.
+        rates. Larger steps and steps that read the log run in a worker thread,
+        and so do flushes, in a task of their own (:meth:`_flush_when_asked`):
+        the steps go on while RocksDB writes a flush's memtables. The listener
+        and the waiters of :meth:`wait_dispatched` are served in the trio thread
+        after each step. Runs until cancelled.
         """
-        task_status.started()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._flush_when_asked)
+            task_status.started()
+            while True:
+                self._wakeup = trio.Event()
+                try:
+                    batch = await self._run_once()
+                except Exception as exc:  # RocksDB refused a write (a full disk...): retry, never end the node
+                    self._steps.failed(exc, {"dispatched_offset": self._offset})
+                    await trio.sleep(FALLBACK_WAKE_S)
+                    continue
+                self._steps.succeeded({"dispatched_offset": self._offset})
+                self._announced(batch)
+
+    async def _flush_when_asked(self) -> None:
+        """:meth:`run`'s flusher task: each flush asked for (``_ask_flush``: after a step that made one due, and
+        at least every ``FALLBACK_WAKE_S``) in a worker thread; a failed one is logged and tried again."""
         while True:
-            self._wakeup = trio.Event()
+            await self._flush_asked.wait()
+            self._flush_asked = trio.Event()
             try:
-                batch = await self._run_once()
-            except Exception as exc:  # RocksDB refused a write (a full disk...): retry, never end the node
-                if not self._failing:
-                    self._failing = True
-                    LOGGER.error("dispatch failed; retrying every %s s until it succeeds: %r", FALLBACK_WAKE_S, exc,
-                                 extra={"ctx": {"dispatched_offset": self._offset}})
+                await trio.to_thread.run_sync(self._flush_idle)
+            except Exception as exc:  # RocksDB could not write (a full disk...): the next turn asks again
+                self._flushes.failed(exc, {"flushed_offset": self._flushed_offset})
                 await trio.sleep(FALLBACK_WAKE_S)
                 continue
-            if self._failing:
-                self._failing = False
-                LOGGER.warning("dispatch works again", extra={"ctx": {"dispatched_offset": self._offset}})
-            self._announced(batch)
+            self._flushes.succeeded({"flushed_offset": self._flushed_offset})
 
     def _announced(self, batch: DispatchBatch | None) -> None:
         """End a turn in the trio thread: announce ``batch`` with the steps :meth:`caught_up` took, and wake the
@@ -638,8 +744,8 @@ class Dispatcher:
         way from its append to its subscriber took one such round for dispatch and another for its news. Done
         here, the news reach the listener (the gateway's mailbox) in the step that appended the records.
         """
-        if self._seeding or self._failing or self._offset >= self._log.confirm_offset or not self._inline() \
-                or self._flush_due() or not self._lock.acquire(blocking=False):  # a worker thread steps or flushes
+        if self._seeding or self._steps.failing or self._offset >= self._log.confirm_offset or not self._inline() \
+                or not self._lock.acquire(blocking=False):  # a worker thread steps, or a flush takes its checkpoint
             self.wake()
             return
         try:
@@ -649,31 +755,29 @@ class Dispatcher:
             return
         finally:
             self._lock.release()
-        if batch is not None and self._flush_due():  # run() flushes first and then announces it, as its own steps
-            self._leave_announce(batch)
-            self.wake()
-            return
         self._announced(batch)
+        self._ask_flush()
         if self._offset < self._log.confirm_offset:
             self.wake()
 
     async def _run_once(self) -> DispatchBatch | None:
-        """One turn of :meth:`run`: a step (or a wait for records) and the flush it made due."""
+        """One turn of :meth:`run`: a step (or a wait for records), and the flush it made due asked for."""
         if self._offset >= self._log.confirm_offset or self._seeding and not await trio.to_thread.run_sync(
                 self._try_seed):
             with trio.move_on_after(FALLBACK_WAKE_S):
                 await self._wakeup.wait()
-            if self._flush_due():
-                await trio.to_thread.run_sync(self._flush_idle)
+            self._ask_flush()
             return None
-        if self._inline():
-            batch = self.step(INLINE_BYTES, flush=False)  # its flush, if due, runs in a worker thread below
+        if self._inline() and self._lock.acquire(blocking=False):  # else a flush holds it: never wait in trio's thread
+            try:
+                batch = self._locked_step(INLINE_BYTES)
+            finally:
+                self._lock.release()
             if self._offset < self._log.confirm_offset:
                 await trio.lowlevel.checkpoint()  # more to index: let the others run between steps
         else:
-            batch = await trio.to_thread.run_sync(self.step, self._scan_bytes)
-        if self._flush_due():
-            await trio.to_thread.run_sync(self._flush_idle)
+            batch = await trio.to_thread.run_sync(self._step, self._scan_bytes)
+        self._ask_flush()
         return batch
 
     def _inline(self) -> bool:
@@ -700,5 +804,5 @@ class Dispatcher:
             LOGGER.warning("index not flushed at shutdown: the data disk is full; the next start re-indexes "
                            "from the last flushed checkpoint", extra={"ctx": {"checkpoint": self._flushed_offset}})
             return
-        with self._lock:
+        with self._flushing:
             self._flush()

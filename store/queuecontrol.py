@@ -71,6 +71,9 @@ class QueueControls:
         if offset > self.checkpoint:
             self._queues.mark_applied(offset)
 
+    def settle(self) -> None:
+        """Nothing of its own to wait for: the light queues' memtable holds the checkpoint (the dispatcher waits)."""
+
     def restate(self) -> Iterable[Control]:
         """An ``Activated`` for every held filter (with its queue id), a ``Committed`` per owner of offsets."""
         queues = self._queues

@@ -77,7 +77,10 @@ class PopApplier:
             for key in self._dirty:
                 self._family.put(f"{key[0]}\0{key[1]}", _ENCODER.encode(groups[key]), max(0, offset - 1))
             self._dirty.clear()
-            self._family.flush(offset)
+            self._family.flush(offset, wait=False)
+
+    def settle(self) -> None:
+        self._family.settle()
 
     def rewind(self, log_end: int) -> None:
         """Records at or past ``log_end`` were applied: forget every group (memory and family) and let dispatch

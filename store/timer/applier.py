@@ -125,9 +125,10 @@ class TimerApplier:
                 self.cancelled += sum(1 for _ in self._end_all(control.entries, record.offset))
 
     def flush(self, offset: int) -> None:
-        """Persist below ``offset``: the checkpoint is taken now and written by a thread of its own (the previous
-        one first waited for); with nothing pending it is written here and the TimerLog starts again empty (it
-        grows only while messages wait: appends must not race the cut)."""
+        """Persist below ``offset``: the checkpoint is taken now and written by a thread of its own, which
+        :meth:`settle` waits for (the dispatcher's flush does, outside its lock; a previous one still running is
+        waited for first); with nothing pending it is written here and the TimerLog starts again empty (it grows
+        only while messages wait: appends must not race the cut)."""
         self.settle()
         with self._lock:
             if not self._pending:

@@ -40,6 +40,9 @@ class Applied:
     def flush(self, offset: int) -> None:
         self.checkpoint = offset
 
+    def settle(self) -> None:
+        pass  # kept in memory: nothing to wait for
+
     def rewind(self, log_end: int) -> None:
         self.offsets = [o for o in self.offsets if o < log_end]
         self.checkpoint = min(self.checkpoint, log_end)

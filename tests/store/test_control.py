@@ -31,6 +31,9 @@ class Seen:
         self.flushed.append(offset)
         self._checkpoint = offset
 
+    def settle(self) -> None:
+        pass  # kept in memory: nothing to wait for
+
     def rewind(self, log_end: int) -> None:
         self._checkpoint = min(self._checkpoint, log_end)
 

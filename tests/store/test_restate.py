@@ -54,6 +54,9 @@ class Sessions:
     def flush(self, offset: int) -> None:
         self._checkpoint = offset
 
+    def settle(self) -> None:
+        pass  # kept in memory: nothing to wait for
+
     def rewind(self, log_end: int) -> None:
         if self._checkpoint > log_end:  # no history: derive everything again
             self.blobs.clear()
