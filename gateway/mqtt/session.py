@@ -247,7 +247,7 @@ class Session:
     __slots__ = ("client_id", "expiry_s", "awaiting_rel", "_streams", "_inflight", "_next_pid", "_retained",
                  "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due",
                  "_saves", "_next_ref", "_pubrel_due", "_need_save", "_by_queue", "_ready", "_lanes",
-                 "_pop_acks", "_pop_releases", "_patch_due", "_held")
+                 "_pop_acks", "_pop_releases", "_patch_due", "_held", "_whole_due")
 
     awaiting_rel: dict[int, Position]
     """Inbound QoS 2 packet id -> position of its record (``NOT_IN_LOG``: unknown to the store), stored
@@ -284,6 +284,10 @@ class Session:
         self._pubrel_due: Sequence[int] = ()  # PUBRELs waiting for a save that records their PUBREC
         self._need_save = False  # a stream waits for (or will soon need) a save of its committed offset
         self._patch_due: dict[str, None] | None = None  # filters changed while a save was written, for the next patch
+        # The next write is a whole save, not a patch: until one, the stored blob says the session is detached (a
+        # new session's is saved so at its CONNECT, a resumed one's at its last close), and a restore after a crash
+        # reads that flag to resend from the committed offsets with DUP [MQTT-4.4.0-1], not from a patch's cursor.
+        self._whole_due = True
         # Shared subscriptions' receipt handles to acknowledge, and to give back, at the next commit (None: none).
         self._pop_acks: list[str] | None = None
         self._pop_releases: list[str] | None = None
@@ -453,7 +457,9 @@ class Session:
             return []
         return [self._patch_action(due)]
 
-    def _patch_action(self, filters: Iterable[str]) -> PatchSession:
+    def _patch_action(self, filters: Iterable[str]) -> PatchSession | SaveSession:
+        if self._whole_due:
+            return self._save_action()
         streams = self._streams
         parts: dict[str, SavedSubscription | None] = {}
         durable: list[tuple[_Stream, int]] = []
@@ -477,6 +483,7 @@ class Session:
         self._pubrel_due = ()
         self._need_save = False
         self._patch_due = None  # the state holds them
+        self._whole_due = False
         return SaveSession(state, ref)
 
     def _written_ref(self, durable: list[tuple[_Stream, int]], pubrels: Sequence[int]) -> int:
@@ -535,6 +542,7 @@ class Session:
         self._saves = None  # their answers are not awaited: the next connection resumes from the saved state
         self._pubrel_due = ()
         self._patch_due = self._held = None  # the save at the close holds them; no acknowledgement goes now
+        self._whole_due = True  # that save says detached
         self._link = None
 
     # --- subscriptions ------------------------------------------------------------------

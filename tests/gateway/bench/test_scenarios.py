@@ -58,7 +58,10 @@ def test_offline_fanout_delivers_every_broadcast_after_the_reconnect(broker):
     assert run["broadcast_payload_bytes"] == 30 * 256
     assert run["rss_growth_MiB"] == pytest.approx(run["rss_MiB_after_broadcasts"] - run["rss_MiB_offline"], abs=0.02)
     if broker == "lightgate":
-        assert run["disk_growth_bytes"] > 0  # the broadcasts are on disk, in the CommitLog
+        # The broadcasts are in the CommitLog (delivered after the reconnect, above), counted in allocated blocks: a
+        # read round's QoS 1 run is one batch record, and its zstd body of 30 stamped, zero-filled payloads can fit
+        # in the segment block already allocated, so the growth may be 0, never negative nor over the target.
+        assert 0 <= run["disk_growth_bytes"] <= 2 * 30 * 256
         assert run["disk_per_payload_byte"] == pytest.approx(run["disk_growth_bytes"] / (30 * 256), abs=0.001)
         assert set(result["targets"]) == {"lightgate_delivered_share", "lightgate_rss_growth_MiB",
                                           "lightgate_disk_per_payload_byte"}
