@@ -7,13 +7,17 @@ left the generator no time for packet objects), so these tests check the frame r
 ([MQTT-4.3.2-2]), and times it.
 """
 
+import socket
+import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
 from gateway.bench import compare, history
-from gateway.bench.loadgen import LATENCY_STEP_NS, STAMP, LoadError, _Latencies, _Subscriber, latency_ms
+from gateway.bench.loadgen import (
+    LATENCY_STEP_NS, STAMP, LoadError, _Latencies, _poll_sockets, _Subscriber, latency_ms,
+)
 from gateway.mqtt.codec import MqttDecoder, Role, encode
 from gateway.mqtt.packets import MQTT_311, Pingresp, Puback, Publish, Suback
 from gateway.mqtt.reasons import ReasonCode
@@ -111,3 +115,48 @@ def test_a_fanout_ratio_names_any_loss_of_the_peer_others_only_most():
         doc = {"bench": bench, "at": "2026-11-29T11:00:00+00:00", "result": {"brokers": brokers}}
         row = history.rows([doc])[0]
         assert row.ratios == {"mosquitto": 5.0} and row.caveats == caveat
+
+
+def test_the_epoll_reader_keeps_the_pubacks_a_full_socket_did_not_take_and_writes_them_in_order():
+    """A broker that does not read its PUBACKs fills the subscriber's socket: the reader keeps the rest, waits for
+    room (EPOLLOUT) and goes on, so every QoS 1 delivery is acknowledged once, in order ([MQTT-4.3.2-2])."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        mine = socket.create_connection(listener.getsockname())
+        broker, _ = listener.accept()
+    broker.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    mine.setblocking(False)
+    count = 20_000  # 80 KB of PUBACKs: far more than the two small buffers hold
+    frames = b"".join(_publish(0, seq, 1, packet_id=seq % 65535 + 1, payload=16) for seq in range(count))
+    sub = _Subscriber(SimpleNamespace(number=0, stream=SimpleNamespace(socket=mine)))  # type: ignore[arg-type]
+    latencies, stop = _Latencies(), threading.Event()
+    failures: list[BaseException] = []
+
+    def poll() -> None:
+        try:
+            _poll_sockets([sub], latencies, stop)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            failures.append(exc)
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    try:
+        broker.sendall(frames)  # blocks until the reader took them all, its PUBACKs unread meanwhile
+        deadline = time.monotonic() + 30
+        while sub.count < count and not failures and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling a counter another thread advances; there is no event to wait on
+        assert sub.count == count
+        assert sub.unsent  # the PUBACKs it could not write yet are kept, not dropped
+        got = bytearray()
+        expected = b"".join(encode(Puback(seq % 65535 + 1), MQTT_311) for seq in range(count))
+        broker.settimeout(10)
+        while len(got) < len(expected):
+            got += broker.recv(65536)
+    finally:
+        stop.set()
+        reader.join()
+        broker.close()
+        mine.close()
+    assert not failures
+    assert bytes(got) == expected and sub.unsent == b""
+    assert sub.count == count and sub.duplicates == 0
