@@ -78,22 +78,24 @@ def ratios(results: dict[str, dict[str, Any]], get: Callable[[dict[str, Any]], f
     return out
 
 
-def dropped(run: Any) -> str | None:
-    """"dropped N%" when a broker's ``run`` lost more than ``DROPPED_MOST`` of the messages it was sent (``lost``
-    of ``expected``); else None."""
+def dropped(run: Any, most: float = DROPPED_MOST) -> str | None:
+    """"dropped N%" when a broker's ``run`` lost more than ``most`` of the messages it was sent (``lost`` of
+    ``expected``); else None. A loss under 1% is given as a count ("dropped 12 of 1,500,000")."""
     lost, expected = (run.get(key) if isinstance(run, dict) else None for key in ("lost", "expected"))
     if not isinstance(lost, (int, float)) or not isinstance(expected, (int, float)) or not expected \
-            or lost <= DROPPED_MOST * expected:
+            or lost <= most * expected:
         return None
-    return f"dropped {lost / expected:.0%}"
+    share = lost / expected
+    return f"dropped {share:.0%}" if share >= 0.01 else f"dropped {lost:,} of {expected:,}"
 
 
-def caveats(results: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """``lightgate/<peer>`` -> why LightGate's ratio to that peer is no like-for-like figure (it dropped most)."""
+def caveats(results: dict[str, dict[str, Any]], most: float = DROPPED_MOST) -> dict[str, str]:
+    """``lightgate/<peer>`` -> why LightGate's ratio to that peer is no like-for-like figure (it dropped more than
+    ``most`` of its messages)."""
     if "lightgate" not in results:
         return {}
     return {f"lightgate/{name}": caveat for name, result in results.items()
-            if name != "lightgate" and (caveat := dropped(result))}
+            if name != "lightgate" and (caveat := dropped(result, most))}
 
 
 def generator_warnings(results: dict[str, dict[str, Any]]) -> list[str]:

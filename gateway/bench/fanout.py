@@ -1,10 +1,16 @@
-"""Fan-out: one publisher at 100 msg/s -> 1,000 subscribers, half on ``cmd/+`` and half on ``cmd/broadcast``.
+"""Fan-out: one publisher at 300 msg/s -> 1,000 subscribers, half on ``cmd/+`` and half on ``cmd/broadcast``.
 
-The issue's targets for LightGate: zero messages lost and a delivery rate
-(deliveries to all subscribers per second, from the start signal to the last
-delivery) of at least 0.5x Mosquitto's. Publisher and subscriptions use QoS 1,
-so "lost" means acknowledged by the broker and never delivered to some
-subscriber; every subscriber acknowledges what it gets.
+Issue 31's scenario and target: LightGate delivers (deliveries to all
+subscribers per second, from the start signal to the last delivery) at least
+5x what Mosquitto does, and loses nothing. Publisher and subscriptions use QoS
+1 (``--qos 0`` too), so "lost" means acknowledged by the broker (QoS 0: sent)
+and never delivered to some subscriber; every subscriber acknowledges what it
+gets. A peer that lost any message has its ratio say so (``caveats``): its
+delivered/s is not a rate of the same work.
+
+At 300,000 deliveries/s on two shared cores the generator must cost little
+per delivery: the subscriber workers read raw frames in one epoll thread each
+(``loadgen``), and every run reports each generator process's share of a core.
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ from gateway.bench.peers import Broker
 
 TOPIC = "cmd/broadcast"
 FILTERS = ("cmd/+", "cmd/broadcast")  # subscriber i takes FILTERS[i % 2]: half wildcard, half exact
+DELIVERED_VS_MOSQUITTO = 5.0  # issue 31: keep >= 5x
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--subscribers", type=int, default=1000, help="subscriber connections")
-    parser.add_argument("--rate", type=float, default=100.0, help="messages/s of the one publisher")
+    parser.add_argument("--rate", type=float, default=300.0, help="messages/s of the one publisher")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of publishing per run")
     parser.add_argument("--messages", type=int, default=0, help="messages to publish (0: for --duration)")
     parser.add_argument("--payload", type=int, default=64, help="payload bytes (at least 16: the stamp)")
@@ -44,13 +51,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "mode": args.mode, "gateways": args.gateways},
         "brokers": per_broker,
         "ratios": ratios,
-        "caveats": compare.caveats(per_broker),
+        "caveats": compare.caveats(per_broker, most=0.0),
         "warnings": compare.generator_warnings(per_broker),
     }
     if "lightgate" in per_broker:
         result["targets"] = {
             "lightgate_lost": compare.target(per_broker["lightgate"]["lost"], 0, at_least=False),
-            "delivered_vs_mosquitto": compare.target(ratios.get("lightgate/mosquitto"), 0.5),
+            "delivered_vs_mosquitto": compare.target(ratios.get("lightgate/mosquitto"), DELIVERED_VS_MOSQUITTO),
         }
     for name in per_broker:
         if peers.cluster_gateways(name) is not None:

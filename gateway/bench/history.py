@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.bench.common import RESULTS_DIR
-from gateway.bench.compare import dropped
+from gateway.bench.compare import DROPPED_MOST, dropped
 from gateway.bench.peers import PEERS
 
 __all__ = ["Figure", "Row", "SCENARIOS", "add_arguments", "load", "main", "results_table", "rows", "show",
@@ -75,7 +75,7 @@ _DELIVERY = (Figure("delivered/s", _at("delivered_per_s")), Figure("lost", _at("
 SCENARIOS: dict[str, tuple[tuple[str | None, ...], tuple[Figure, ...]]] = {
     "fanin": (("qos0", "qos1"), _DELIVERY),
     "fanin-rate": ((), _DELIVERY),
-    "fanout": ((), _DELIVERY),
+    "fanout": ((), (*_DELIVERY, Figure("generator core", _at("generator", "busiest_process_core_share")))),
     "conns": ((), (Figure("KiB/connection", _at("KiB_per_connection")),)),
     "churn": ((), (Figure("connects/s", _at("connects_per_s")), Figure("resumed %", _resumed_percent),
                    Figure("lost", _at("lost")))),
@@ -88,6 +88,10 @@ SCENARIOS: dict[str, tuple[tuple[str | None, ...], tuple[Figure, ...]]] = {
 """Benchmark name -> (result sections that hold ``brokers``, None or () for the top level; the headline figures).
 
 The first figure is the one the ratios are computed on."""
+
+DROPPED_ANY = {"fanout"}
+"""Scenarios whose ratio names any loss of the peer's, not only most (``compare.DROPPED_MOST``): the fan-out's
+delivered/s is issue 31's 5x figure, and a peer's rate after dropping some is not the same work."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +145,8 @@ def rows(docs: Iterable[dict[str, Any]], scenarios: Sequence[str] = ()) -> list[
                 if name == "lightgate":
                     ratios = {peer: _ratio(values[name][first], theirs[first])
                               for peer, theirs in values.items() if peer != name}
-                    caveats = {peer: caveat for peer in ratios if (caveat := dropped(brokers[peer]))}
+                    most = 0.0 if doc["bench"] in DROPPED_ANY else DROPPED_MOST
+                    caveats = {peer: caveat for peer in ratios if (caveat := dropped(brokers[peer], most))}
                 out.append(Row(str(doc.get("at", "")), f"{doc['bench']} {section}" if section else doc["bench"],
                                name, values[name], ratios, caveats))
     return out

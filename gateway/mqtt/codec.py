@@ -370,6 +370,11 @@ class MqttDecoder:
         if buf[start:start + 6] == b"\x00\x04MQTT" and start + 6 < len(buf) and buf[start + 6] in PROTOCOL_LEVELS:
             self._level = buf[start + 6]
 
+    def buffered(self) -> bytes:
+        """The bytes fed and not decoded yet: a reader that takes the stream over (the bench's raw subscribers,
+        after their CONNACK and SUBACK) starts from them, so nothing that arrived behind a decoded packet is lost."""
+        return bytes(memoryview(self._buf)[self._pos:]) + bytes(self._incoming)
+
     def discard(self) -> None:
         """Drop the buffered bytes (the connection ended): a partial packet must not outlive its connection."""
         self._buf = b""
