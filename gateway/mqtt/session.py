@@ -124,8 +124,8 @@ the store still writes one pull per step, as when a turn was 256 and a step four
 adds is for messages already in memory: a QoS 1 fan-in subscriber's window, freed by a read of its PUBACKs or
 filled by a read round's news (about 830 PUBLISHes), goes out in the step that freed or brought them. At 256,
 such a step wrote 1,024 and left the rest to later steps (each one read round of the node later): a message
-waited a median 145 ms between its read and its delivery, 61-89 ms at 1,024 (docs/benchmarks.md, "QoS 1
-fan-in: a step's deliveries"). At 64, a QoS 0 fan-in subscriber fell seconds behind."""
+waited a median 138 ms between its read and its delivery, 77 ms at 1,024 (docs/benchmarks.md, "QoS 1 fan-in:
+where a message's time goes"). At 64, a QoS 0 fan-in subscriber fell seconds behind."""
 
 
 ALIAS_BYTES = 64 * 1024
