@@ -204,6 +204,15 @@ class Channel:
             except RemoteProtocolError as err:
                 actions = self._protocol_error(err)
             return actions if conn.peer_max_packet is None else self._fit(actions)
+        if type(packet) is Puback and self._state is State.CONNECTED and not conn.held:
+            # A subscriber's PUBACK, one per QoS 1 message it gets: the state stays CONNECTED (TRANSITIONS), so
+            # the state step is skipped as for a PUBLISH (a third of the channel's cost of a PUBACK, issue 31).
+            conn.last_rx = self.now()
+            try:
+                actions = self._after(acks.process_puback(self, packet))
+            except RemoteProtocolError as err:
+                actions = self._protocol_error(err)
+            return actions if conn.peer_max_packet is None else self._fit(actions)
         if self._state in (State.DISCONNECTING, State.CLOSED):
             return []
         try:

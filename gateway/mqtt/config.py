@@ -46,9 +46,9 @@ class ChannelConfig:
     QoS 0 messages drop) and ``max_unwritten_bytes`` (beyond which delivery
     waits for the socket) are off at 0. ``receive_maximum`` is also the in-flight limit of 3.1.1
     clients, as the number of their QoS 1/2 messages stored at once.
-    ``pull_batch`` messages per pull bounds a slow stream's buffer; it is the
-    deliveries of one step (four turns of ``gateway.mqtt.session.DELIVER_BUDGET``),
-    so a subscriber draining a backlog pulls once per step. ``max_delay_s`` is the longest delay of a PUBLISH
+    ``pull_batch`` messages per pull bounds a slow stream's buffer; it is one turn of
+    deliveries (``gateway.mqtt.session.DELIVER_BUDGET``), so a subscriber draining a
+    backlog from the store pulls once per step. ``max_delay_s`` is the longest delay of a PUBLISH
     to ``$delayed/<seconds>/<topic>`` (gateway/mqtt/delayed.py). ``shared_invisible_s`` is how long a shared
     subscription's member has to acknowledge a message before its group gives it to another member
     (gateway/node/subscriptions.py).

@@ -116,12 +116,16 @@ one delivers it, so a fast member takes a small share at a time and the others g
 default, for the same reason)."""
 
 
-DELIVER_BUDGET = 256
+DELIVER_BUDGET = 1024
 """Messages one ``pump`` call delivers at most (the next call comes when they are written): the size of one
 connection's turn on the node's event loop. A step writes up to four turns in a row (``SYNC_WRITES`` in
-gateway/node/connection.py), about one flooded read of small PUBLISHes (gateway/node/poller.py), so a fan-in subscriber keeps
-up with its publishers (at 64, a QoS 0 fan-in subscriber fell seconds behind). Larger turns would lengthen every
-other connection's wait while many sessions drain backlogs at once."""
+gateway/node/connection.py). A turn is one pull's worth (``pull_batch``), so a session draining a backlog from
+the store still writes one pull per step, as when a turn was 256 and a step four of them; what a turn of 1,024
+adds is for messages already in memory: a QoS 1 fan-in subscriber's window, freed by a read of its PUBACKs or
+filled by a read round's news (about 830 PUBLISHes), goes out in the step that freed or brought them. At 256,
+such a step wrote 1,024 and left the rest to later steps (each one read round of the node later): a message
+waited a median 138 ms between its read and its delivery, 77 ms at 1,024 (docs/benchmarks.md, "QoS 1 fan-in:
+where a message's time goes"). At 64, a QoS 0 fan-in subscriber fell seconds behind."""
 
 
 ALIAS_BYTES = 64 * 1024

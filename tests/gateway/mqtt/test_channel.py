@@ -562,6 +562,24 @@ def test_pubcomp_for_a_qos1_delivery_closes_the_connection(level):
     assert of(actions, Close)[0].reason is R.PROTOCOL_ERROR and not of(actions, CommitOffsets)
 
 
+@pytest.mark.parametrize("level", [MQTT_5, MQTT_311])
+def test_a_puback_on_an_open_connection_counts_for_keep_alive_and_one_for_a_qos2_flow_closes_it(level):
+    """A subscriber's PUBACK skips the state step while the connection is open (its state stays CONNECTED), and
+    keeps what the step did not do: it is traffic for keep alive [MQTT-3.1.2-22], and a PUBACK for the packet id
+    of a QoS 2 delivery is a protocol violation (5.0: DISCONNECT 0x82; 3.1.1: closed [MQTT-4.8.0-1])."""
+    channel, clock, _ = connect(level, keep_alive=10)
+    subscribe(channel, ("a/b", SubscriptionOptions(qos=1)), ("a/c", SubscriptionOptions(qos=2)))
+    (first,) = delivered(channel.handle_event(Pulled("a/b", (msg(0),), 1)), level)
+    clock.t += 12
+    assert not of(channel.handle_in(Puback(first.packet_id)), Close)
+    clock.t += 12  # 24 s after the CONNECT, 12 s after the PUBACK: within 1.5 x keep alive of the PUBACK
+    assert not of(channel.handle_timeout("keepalive"), Close)
+    (exactly_once,) = delivered(channel.handle_event(Pulled("a/c", (msg(0, "a/c", qos=2, queue="a/c"),), 1)), level)
+    actions = channel.handle_in(Puback(exactly_once.packet_id))
+    assert sent(actions) == ([Disconnect(R.PROTOCOL_ERROR)] if level == MQTT_5 else [])
+    assert of(actions, Close)[0].reason is R.PROTOCOL_ERROR
+
+
 def test_311_window_is_the_configured_default():
     channel, _, _ = connect(MQTT_311, config=ChannelConfig(default_receive_maximum=3))
     subscribe(channel, ("a/b", SubscriptionOptions(qos=1)))

@@ -209,6 +209,32 @@ def test_acks_while_most_of_the_window_is_in_flight_pump_once_the_read_is_done()
     assert session.pump_due() == []  # nothing deferred any more
 
 
+def test_a_read_rounds_worth_of_fan_in_messages_goes_out_in_one_turn_in_queue_order():
+    """A QoS 1 fan-in round brings a subscriber about 830 messages (a read round: 13 publishers' windows of 64) and
+    its 3.1.1 window (4,096) has room: they go out in the step that brought them, one write, in queue order with
+    ids in order [MQTT-4.6.0-6] (issue 31). In turns of 256, that step wrote 1,024 at most, and a window freed by a
+    read of PUBACKs refilled over the next read rounds, each as long as a round of the node."""
+    session = attached(receive_maximum=4096, pull_batch=1024, max_unwritten=1024)
+    actions = session.pulled("a/+", tuple(msg(i) for i in range(832)), 832)
+    assert len([a for a in actions if isinstance(a, Deliver)]) == 1
+    out = publishes(actions)
+    assert [int(p.payload) for p in out] == list(range(832))
+    assert [p.packet_id for p in out] == list(range(1, 833))
+    assert all(p.qos == 1 for p in out)
+
+
+def test_a_backlog_drains_one_pull_per_turn_and_the_window_still_bounds_a_turn():
+    """A turn is one pull's worth: a subscriber draining a backlog from the store delivers a pull's messages and
+    asks for the next pull in the same turn (one pull per step, as before, when four turns of 256 made a step);
+    the window bounds a turn as before."""
+    session = attached(receive_maximum=4096, pull_batch=1024, max_unwritten=1024)
+    actions = session.pulled("a/+", tuple(msg(i) for i in range(1024)), 1024)
+    assert len(publishes(actions)) == 1024 and pulls(actions) == [Pull("a/+", "a/+", 1024, 1024)]
+    narrow = attached(receive_maximum=100, pull_batch=1024, max_unwritten=1024)
+    assert len(publishes(narrow.pulled("a/+", tuple(msg(i) for i in range(1024)), 1024))) == 100
+    assert publishes(narrow.pump()) == []  # the window is full until acknowledgements come
+
+
 def test_a_topic_the_subscriber_may_not_read_is_withheld_and_its_offset_advances():
     """The ACL's delivery check (``Link.may_read``): a wildcard granted over a deny rule never delivers a denied
     topic, from the queue or retained, and a resumed in-flight message on it is dropped, not resent."""
