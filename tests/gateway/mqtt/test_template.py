@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -69,3 +71,19 @@ def test_invalid_messages_are_refused(topic, level, qos):
     # QoS 3, an unknown protocol level, U+0000 in a topic name [MQTT-1.5.4-2].
     with pytest.raises(LocalProtocolError):
         PublishTemplate(topic, b"").render(level, qos)
+
+
+@pytest.mark.parametrize("level", [4, 5])
+@given(topic=mqtt_text.filter(bool), payload=st.binary(max_size=300), retain=st.booleans(), data=st.data())
+def test_a_qos0_write_is_the_whole_encoding_with_nothing_patched(level, topic, payload, retain, data):
+    # Section 3.3: a QoS 0 PUBLISH has no packet identifier and no DUP [MQTT-3.3.1-2]; at 5.0 its property block
+    # is the shared one (no expiry, Subscription Identifier or Topic Alias of a subscriber's patched in).
+    properties = EMPTY_PROPERTIES
+    if level == 5:
+        properties = replace(data.draw(properties_for(PacketType.PUBLISH)), message_expiry_interval=None,
+                             subscription_identifiers=(), topic_alias=None)
+    template = PublishTemplate(topic, payload, properties)
+    out: list[bytes] = []
+    size = template.write_qos0(out, level, retain)
+    assert b"".join(out) == reference_publish(level, topic, payload, 0, retain, False, None, properties)
+    assert size == len(b"".join(out)) == len(template.render(level, 0, retain))
