@@ -746,8 +746,8 @@ class Session:
             lane = stream.lane
             options = sub.options
             most = options.qos  # the delivered QoS is the lower of the message's and this [MQTT-3.8.4-8]
-            # Hoisted per stream: does a QoS 0 message with no expiry go out with nothing of this subscriber's
-            # patched in (``PublishTemplate.write_qos0``): no ACL filter, size limit, identifier or alias to apply.
+            # Hoisted per stream: does a message with no expiry go out with nothing of this subscriber's patched
+            # in (``PublishTemplate.write_plain``): no ACL filter, size limit, identifier or alias to apply.
             plain = link.may_read is None and link.max_packet_size is None \
                 and (level != MQTT_5 or not (sub.subscription_id or link.topic_alias_maximum))
             while buffer:
@@ -801,12 +801,12 @@ class Session:
                 size = 0
                 if not qos and queue_limit and queued >= queue_limit:
                     dropped += 1
-                elif not qos and plain and message.properties.message_expiry_interval is None:
+                elif plain and message.properties.message_expiry_interval is None:
                     # The common delivery, what ``_write`` would do in one call: No Local [MQTT-3.8.3-3], then the
-                    # shared packet with RETAIN as published or not [MQTT-3.3.1-12, 13].
+                    # shared packet with RETAIN as published or not [MQTT-3.3.1-12, 13] and this packet id.
                     if not (options.no_local and message.client_id == me):
-                        size = (message.template or _template(message)).write_qos0(
-                            chunks, level, options.retain_as_published and message.retain)
+                        size = (message.template or _template(message)).write_plain(
+                            chunks, level, qos, options.retain_as_published and message.retain, pid)
                 else:
                     size = self._write(link, message, sub, qos, options.retain_as_published and message.retain,
                                        chunks, pid)
@@ -880,7 +880,7 @@ class Session:
     def _allocate(self) -> int | None:
         """The next packet id not in flight: of the pool in a persistent session (the lanes have the others),
         of them all otherwise (its window guarantees one is free); None when the pool is all in flight."""
-        limit = POOL_PIDS if self.persistent else MAX_UINT16
+        limit = POOL_PIDS if self.expiry_s > 0 else MAX_UINT16  # ``persistent``, without a property call
         pid = self._next_pid if self._next_pid <= limit else 1
         if pid not in self._inflight:  # acknowledged in order: the next id is free, no search
             self._next_pid = pid + 1 if pid < limit else 1

@@ -118,11 +118,11 @@ class PublishTemplate(msgspec.Struct, gc=False):
         out.append(self.payload)
         return size
 
-    def write_qos0(self, out: list[bytes], level: int, retain: bool) -> int:
-        """Append the QoS 0 packet of a subscriber that patches nothing in (no Message Expiry Interval, Subscription
-        Identifier or Topic Alias; no DUP, no packet id) to ``out`` as parts and return its size: ``head`` and
-        ``write`` in one call, for the delivery most subscribers get. ``level`` is 4 or 5 (a link's, checked at
-        CONNECT).
+    def write_plain(self, out: list[bytes], level: int, qos: int, retain: bool, packet_id: int | None) -> int:
+        """Append the packet of a subscriber that patches nothing in (no Message Expiry Interval, Subscription
+        Identifier or Topic Alias; no DUP) to ``out`` as parts and return its size: ``head`` and ``write`` in one
+        call, for the delivery most subscribers get. ``level`` is 4 or 5 (a link's, checked at CONNECT), ``qos``
+        0, 1 or 2 with ``packet_id`` None on QoS 0 and trusted otherwise (``render`` checks them).
 
         Raises:
             LocalProtocolError: a packet over the size limit.
@@ -130,8 +130,13 @@ class PublishTemplate(msgspec.Struct, gc=False):
         topic, payload = self._topic, self.payload
         block = self._plain if level == MQTT_5 else b""
         length = len(topic) + len(block) + len(payload)
-        head = _SHORT_HEADERS[retain][length] if length < 128 else self.head(level, 0, retain)
-        out += (head, topic, block, payload)
+        if packet_id is None:
+            head = _SHORT_HEADERS[retain][length] if length < 128 else self.head(level, qos, retain)
+            out += (head, topic, block, payload)
+        else:
+            length += 2
+            head = _SHORT_HEADERS[qos << 1 | retain][length] if length < 128 else self.head(level, qos, retain)
+            out += (head, topic, packet_id.to_bytes(2, "big"), block, payload)
         return len(head) + length
 
     def render(self, level: int, qos: int, retain: bool = False, dup: bool = False, packet_id: int | None = None,

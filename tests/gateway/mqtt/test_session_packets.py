@@ -126,8 +126,8 @@ def test_a_packet_over_the_clients_maximum_is_skipped_and_a_long_one_is_framed_r
                                                        EMPTY_PROPERTIES)]
 
 
-# Guard tests of the QoS 0 delivery that writes the shared packet in one call (``PublishTemplate.write_qos0``,
-# taken when a QoS 0 message has no expiry and the subscriber patches nothing in): they pass on the code before it
+# Guard tests of the delivery that writes the shared packet in one call (``PublishTemplate.write_plain``, taken
+# when a message has no expiry and the subscriber patches nothing in; QoS 0 mostly, QoS 1 beside it): they pass on the code before it
 # too, and hold what a client reads of each rule that path hoists or skips.
 
 
