@@ -663,7 +663,10 @@ class Session:
             if messages:
                 stream.head = None
             return self.pump()
-        fresh = [m for m in messages if m.offset is not None and m.offset >= stream.cursor]
+        # A queue's messages come in offset order: when the first is new, all are (no filtering list per pull).
+        fresh: Sequence[Message] = messages if messages and messages[0].offset is not None \
+            and messages[0].offset >= stream.cursor else [m for m in messages
+                                                          if m.offset is not None and m.offset >= stream.cursor]
         stream.fill(fresh)
         if stream.resend:
             returned = {m.offset for m in fresh}

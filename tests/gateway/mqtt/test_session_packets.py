@@ -209,3 +209,16 @@ def test_guard_qos0_acl_and_maximum_packet_size_still_withhold():
     session.attach(link(MQTT_311, max_packet_size=200, may_read=lambda topic: topic != "tele/secret"))
     assert deliver(session, messages) == [reference(MQTT_311, "tele/dev1", b"payload 2", 0, False, False, None,
                                                     EMPTY_PROPERTIES)]
+
+
+def test_guard_a_pull_answer_overlapping_what_was_delivered_sends_only_the_new_messages_in_order():
+    # [MQTT-4.6.0-6] in order, and each once: a pull answered from behind the cursor (a concurrent read that
+    # extended the queue cache) repeats delivered messages, which are dropped; an answer that starts at or after
+    # the cursor is taken whole.
+    session = Session("s", 0)
+    session.subscribe(Subscription("tele/#", "tele/#", SubscriptionOptions()), 0)
+    session.attach(link(MQTT_311))
+    first = deliver(session, tuple(message(i, 0) for i in range(3)))
+    again = deliver(session, tuple(message(i, 0) for i in range(1, 6)))
+    assert first + again == [reference(MQTT_311, "tele/dev1", b"payload %d" % i, 0, False, False, None,
+                                       EMPTY_PROPERTIES) for i in range(6)]
