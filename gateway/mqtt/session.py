@@ -667,7 +667,10 @@ class Session:
             if messages:
                 stream.head = None
             return self.pump()
-        fresh = [m for m in messages if m.offset is not None and m.offset >= stream.cursor]
+        # A queue's messages come in offset order: when the first is new, all are (no filtering list per pull).
+        fresh: Sequence[Message] = messages if messages and messages[0].offset is not None \
+            and messages[0].offset >= stream.cursor else [m for m in messages
+                                                          if m.offset is not None and m.offset >= stream.cursor]
         stream.fill(fresh)
         if stream.resend:
             returned = {m.offset for m in fresh}
@@ -742,10 +745,18 @@ class Session:
                 by_qos[qos] += 1
                 queued += size
         idle: list[_Stream] = []
+        level = link.protocol_level
+        me = self.client_id
         for stream in self._ready:
             sub = stream.sub
             buffer = stream.buffer
             lane = stream.lane
+            options = sub.options
+            most = options.qos  # the delivered QoS is the lower of the message's and this [MQTT-3.8.4-8]
+            # Hoisted per stream: does a message with no expiry go out with nothing of this subscriber's patched
+            # in (``PublishTemplate.write_plain``): no ACL filter, size limit, identifier or alias to apply.
+            plain = link.may_read is None and link.max_packet_size is None \
+                and (level != MQTT_5 or not (sub.subscription_id or link.topic_alias_maximum))
             while buffer:
                 message = buffer[0]
                 offset: int = message.offset  # type: ignore[assignment]
@@ -760,7 +771,9 @@ class Session:
                 if handles is not None and offset not in handles:
                     buffer.popleft()  # a second copy: the group handed it out again before this one went
                     continue
-                qos = min(sub.options.qos, message.qos)
+                qos = message.qos
+                if qos > most:  # not min(): a builtin call per message
+                    qos = most
                 if (qos and len(inflight) >= window) or (not qos and len(written) >= unwritten_room) \
                         or sent >= DELIVER_BUDGET or queued >= byte_cap:
                     break
@@ -793,11 +806,17 @@ class Session:
                         by_qos[qos] += 1
                     continue
                 size = 0
-                if qos or not queue_limit or queued < queue_limit:
-                    size = self._write(link, message, sub, qos, sub.options.retain_as_published and message.retain,
-                                       chunks, pid)
-                else:
+                if not qos and queue_limit and queued >= queue_limit:
                     dropped += 1
+                elif plain and message.properties.message_expiry_interval is None:
+                    # The common delivery, what ``_write`` would do in one call: No Local [MQTT-3.8.3-3], then the
+                    # shared packet with RETAIN as published or not [MQTT-3.3.1-12, 13] and this packet id.
+                    if not (options.no_local and message.client_id == me):
+                        size = (message.template or _template(message)).write_plain(
+                            chunks, level, qos, options.retain_as_published and message.retain, pid)
+                else:
+                    size = self._write(link, message, sub, qos, options.retain_as_published and message.retain,
+                                       chunks, pid)
                 if not size or not qos:
                     if handle is not None:  # done for this member: QoS 0 goes at most once, a skip is final
                         self._pop_ack(handle)
@@ -868,7 +887,7 @@ class Session:
     def _allocate(self) -> int | None:
         """The next packet id not in flight: of the pool in a persistent session (the lanes have the others),
         of them all otherwise (its window guarantees one is free); None when the pool is all in flight."""
-        limit = POOL_PIDS if self.persistent else MAX_UINT16
+        limit = POOL_PIDS if self.expiry_s > 0 else MAX_UINT16  # ``persistent``, without a property call
         pid = self._next_pid if self._next_pid <= limit else 1
         if pid not in self._inflight:  # acknowledged in order: the next id is free, no search
             self._next_pid = pid + 1 if pid < limit else 1
@@ -916,9 +935,7 @@ class Session:
             return 0
         if link.may_read is not None and not link.may_read(message.topic):
             return 0  # a wildcard overlapping an ACL deny rule: the denied topics are withheld
-        template = message.template
-        if template is None:
-            template = message.template = PublishTemplate(message.topic, message.payload, message.properties)
+        template = _template(message)
         level = link.protocol_level
         expiry = message.properties.message_expiry_interval
         if expiry is not None:  # a 5.0 publisher's interval binds the server for every subscriber, 3.1.1 too
@@ -1091,6 +1108,15 @@ class Session:
         if not (moved or acks or releases):
             return []
         return [CommitOffsets(self.client_id, moved, tuple(acks), tuple(releases))]
+
+
+def _template(message: Message) -> PublishTemplate:
+    """The message's template (``Message.template``): made by the first session that delivers it, shared by every
+    other."""
+    template = message.template
+    if template is None:
+        template = message.template = PublishTemplate(message.topic, message.payload, message.properties)
+    return template
 
 
 def _wrong_ack(kind: str, packet_id: int, entry: InFlight) -> RemoteProtocolError:

@@ -239,7 +239,7 @@ def from_record(record: Record, queue: str | None, offset: int | None) -> Messag
     props = record.properties
     flags = record.flags  # not the qos/retain properties: this runs once per message and queue
     return Message(
-        record.topic, record.payload, flags & QOS_MASK, bool(flags & FLAG_RETAIN),
+        record.topic, record.payload, flags & QOS_MASK, flags & FLAG_RETAIN != 0,  # not bool(): no call
         decode_properties(props, 0, len(props), PacketType.PUBLISH) if props else EMPTY_PROPERTIES,
         record.client_id, record.born_ms, record.store_ms, queue, offset,
     )

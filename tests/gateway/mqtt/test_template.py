@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -69,3 +71,21 @@ def test_invalid_messages_are_refused(topic, level, qos):
     # QoS 3, an unknown protocol level, U+0000 in a topic name [MQTT-1.5.4-2].
     with pytest.raises(LocalProtocolError):
         PublishTemplate(topic, b"").render(level, qos)
+
+
+@pytest.mark.parametrize("level", [4, 5])
+@given(topic=mqtt_text.filter(bool), payload=st.binary(max_size=300), qos=st.integers(0, 2), retain=st.booleans(),
+       packet_id=st.integers(1, 0xFFFF), data=st.data())
+def test_a_plain_write_is_the_whole_encoding_with_nothing_patched(level, topic, payload, qos, retain, packet_id, data):
+    # Section 3.3: the packet id on QoS 1/2 only, DUP 0 [MQTT-3.3.1-2]; at 5.0 the shared property block (no
+    # expiry, Subscription Identifier or Topic Alias of a subscriber's patched in).
+    properties = EMPTY_PROPERTIES
+    if level == 5:
+        properties = replace(data.draw(properties_for(PacketType.PUBLISH)), message_expiry_interval=None,
+                             subscription_identifiers=(), topic_alias=None)
+    template = PublishTemplate(topic, payload, properties)
+    pid = packet_id if qos else None
+    out: list[bytes] = []
+    size = template.write_plain(out, level, qos, retain, pid)
+    assert b"".join(out) == reference_publish(level, topic, payload, qos, retain, False, pid, properties)
+    assert size == len(b"".join(out)) == len(template.render(level, qos, retain, packet_id=pid))

@@ -4,10 +4,11 @@ from pathlib import Path
 
 import trio
 
-from gateway.node.cache import QueueCache
+from gateway.node.cache import QueueCache, from_record
 from store.api import NewMessage
 from store.local import LocalStore
 from store.log.commitlog import CommitLogConfig
+from store.log.record import new_record
 from store.node import open_store
 
 CONFIG = CommitLogConfig(segment_bytes=1 << 20, max_record_bytes=64 << 10)
@@ -118,3 +119,14 @@ async def test_the_byte_budget_counts_what_decoded_user_properties_take(tmp_path
         assert len(messages) == 200
         assert cache.statistics().bytes >= held * 0.8, (cache.statistics().bytes, held)
         client.close()
+
+
+def test_guard_a_records_flags_become_the_messages_qos_and_retain():
+    # What a subscriber's RETAIN as published [MQTT-3.3.1-12] and delivered QoS [MQTT-3.8.4-8] read: the
+    # record's flags, decoded by ``from_record`` without a call per flag.
+    for qos in (0, 1, 2):
+        for retain in (False, True):
+            _, record = new_record("t/a", b"x", 1, "c", qos=qos, retain=retain)
+            message = from_record(record, "t/#", 7)
+            assert (message.qos, message.retain, message.offset, message.queue) == (qos, retain, 7, "t/#")
+            assert type(message.retain) is bool
