@@ -633,6 +633,16 @@ class StoreApi(Protocol):
         """The next queue offset of each queue (0 for a queue never written)."""
         ...
 
+    def max_offsets_nowait(self, queues: Sequence[str]) -> list[int]:
+        """:meth:`max_offsets` done before returning, as dispatch has them now: with the queues watched first
+        (:meth:`watch`), any later message on them comes as news, so a queue read up to this offset needs no read
+        until then.
+
+        Raises:
+            trio.WouldBlock: the store is not in this process (a remote store's answer is a round trip).
+        """
+        ...
+
     async def retained(self, filter: str) -> list[Record]:
         """The retained messages whose topics match ``filter``."""
         ...

@@ -33,7 +33,7 @@ import trio
 from lightqueue.queues import TOPIC_IDS, LightQueues
 from retain.store import RetainedStore
 from store.awaiting import AwaitingRelease
-from store.control import KIND_PREFIX, Control, ControlError, QueueBases, RetainedKept, decode_control
+from store.control import KIND_PREFIX, Activated, Control, ControlError, QueueBases, RetainedKept, decode_control
 from store.log.commitlog import SKIPPED, CommitLog, ScanResult
 from store.log.errors import OffsetExpired
 from store.log.recent import RecentRecords
@@ -125,6 +125,16 @@ class ControlApplier(Protocol):
         """The log ends at ``log_end`` (a power loss took its tail, or a follower truncated it): state made by records
         at or past it goes, and the checkpoint ends at or below ``log_end``; an applier that keeps no history may reset
         itself to an earlier checkpoint and let dispatch apply again."""
+        ...
+
+
+class ActivationsApplier(ControlApplier, Protocol):
+    """An applier that takes a run of ``Activated`` records (consecutive in the log) in one call, as one write:
+    50 sessions subscribing at once append thousands of them in a row (issue 31). No other part applies
+    ``Activated``, so a run applied by it ahead of the others' turns leaves every part's state as in log order."""
+
+    def apply_activations(self, run: Sequence[tuple[Record, Activated]]) -> None:
+        """Apply the run, each record as :meth:`apply` would."""
         ...
 
 
@@ -223,6 +233,7 @@ class Dispatcher:
     ) -> None:
         self._log = log
         self._appliers = tuple(appliers)
+        self._run_appliers = tuple(a for a in self._appliers if hasattr(a, "apply_activations"))
         self._room = room
         self._flush_wanted = flush_wanted
         self._queues = queues
@@ -428,25 +439,47 @@ class Dispatcher:
         queues = self._queues
         max_offsets: dict[str, int] = {}
         first = 0
+        run: list[tuple[Record, Activated]] = []  # consecutive ``Activated`` records not applied yet
         for i, record in enumerate(records):
             if not record.flags & FLAG_CONTROL:
                 continue
-            if i > first and record.offset > queues.checkpoint:  # no messages before it: no index write
-                max_offsets.update(queues.index(records[first:i], record.offset))
+            if i > first:
+                self._apply_run(run)  # before the messages after it are indexed
+                if record.offset > queues.checkpoint:  # no messages before it: no index write
+                    max_offsets.update(queues.index(records[first:i], record.offset))
             first = i + 1
-            self._apply(record)
+            control = self._control(record)
+            if isinstance(control, Activated) and self._run_appliers:
+                run.append((record, control))
+            elif control is not None:
+                self._apply_run(run)
+                self._apply(record, control)
+        self._apply_run(run)
         if next_offset > queues.checkpoint:
             max_offsets.update(queues.index(records[first:] if first else records, next_offset))
         return max_offsets
 
-    def _apply(self, record: Record) -> None:
+    def _apply(self, record: Record, control: Control) -> None:
         """Apply one control record to every part that has not applied it yet."""
-        control = self._control(record)
-        if control is None:
-            return
         for applier in self._appliers:
             if record.offset >= applier.checkpoint:
                 applier.apply(record, control)
+
+    def _apply_run(self, run: list[tuple[Record, Activated]]) -> None:
+        """Apply a run of ``Activated`` records (emptied): in one call to the parts that take runs, one record at
+        a time to the others."""
+        if not run:
+            return
+        for applier in self._appliers:
+            todo = [each for each in run if each[0].offset >= applier.checkpoint]
+            if not todo:
+                continue
+            if applier in self._run_appliers:
+                applier.apply_activations(todo)  # type: ignore[attr-defined]
+            else:
+                for record, control in todo:
+                    applier.apply(record, control)
+        run.clear()
 
     @staticmethod
     def _control(record: Record) -> Control | None:

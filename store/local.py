@@ -135,6 +135,9 @@ class LocalStore:
         return [(r.log_offset, r.record) for r in found]
 
     async def max_offsets(self, queues: Sequence[str]) -> list[int]:
+        return self.max_offsets_nowait(queues)
+
+    def max_offsets_nowait(self, queues: Sequence[str]) -> list[int]:
         max_offset = self.store.queues.max_offset
         return [max_offset(queue) for queue in queues]
 

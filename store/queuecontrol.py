@@ -11,7 +11,7 @@ and :attr:`QueueControls.checkpoint` says where re-dispatch resumes.
 from __future__ import annotations
 
 import logging
-from typing import Iterable, final
+from typing import Iterable, Sequence, final
 
 from lightqueue.queues import LightQueues
 from store.control import Activated, Committed, Control, Released, SessionEnded
@@ -48,11 +48,7 @@ class QueueControls:
         queues = self._queues
         applied = record.offset + record.size
         if isinstance(control, Activated):
-            try:
-                queues.activate(control.filter, control.holder, record.offset, control.qid or None, applied=applied)
-            except ValueError as exc:  # a filter or id its writer would not have written: never stall on it
-                LOGGER.error("activation not applied: %s", exc, extra={"ctx": {"offset": record.offset}})
-                queues.mark_applied(applied)
+            self.apply_activations([(record, control)])
         elif isinstance(control, Released):
             queues.release(control.filter, control.holder, applied=applied)
         elif isinstance(control, Committed):
@@ -65,6 +61,15 @@ class QueueControls:
             queues.delete_owner(control.client, applied=applied)
         else:
             queues.mark_applied(applied)
+
+    def apply_activations(self, run: Sequence[tuple[Record, Activated]]) -> None:
+        """Apply a run of ``Activated`` records in one write; the control checkpoint moves past the last."""
+        last = run[-1][0]
+        errors = self._queues.activate_all([(c.filter, c.holder, r.offset, c.qid or None) for r, c in run],
+                                           applied=last.offset + last.size)
+        for (record, _), error in zip(run, errors):
+            if error is not None:  # a filter or id its writer would not have written: never stall on it
+                LOGGER.error("activation not applied: %s", error, extra={"ctx": {"offset": record.offset}})
 
     def flush(self, offset: int) -> None:
         """Move the checkpoint to ``offset``; the light queues' flush (after this) persists it with the rest."""

@@ -392,13 +392,15 @@ class Activated(msgspec.Struct, frozen=True):
     """Answer to ``Activate``: each new subscription's start offset, and retained messages per filter.
 
     ``reasons`` may refuse individual filters (e.g. NOT_AUTHORIZED); they get
-    that code in the SUBACK and are not subscribed.
+    that code in the SUBACK and are not subscribed. ``at_head``: filters whose start was their queue's head once
+    the node watched the queue, so its news will say when there is more to read: no first pull.
     """
 
     ref: int
     starts: dict[str, int]
     retained: tuple[tuple[str, Message], ...] = ()
     reasons: dict[str, ReasonCode] | None = None
+    at_head: frozenset[str] = frozenset()
 
 
 class Pulled(msgspec.Struct, frozen=True, gc=False):

@@ -551,8 +551,9 @@ class Session:
 
     # --- subscriptions ------------------------------------------------------------------
 
-    def subscribe(self, sub: Subscription, start: int) -> bool:
-        """Add ``sub`` starting at queue offset ``start``, or replace the options of the same filter.
+    def subscribe(self, sub: Subscription, start: int, *, at_head: bool = False) -> bool:
+        """Add ``sub`` starting at queue offset ``start``, or replace the options of the same filter. ``at_head``:
+        the queue has nothing from ``start`` on until news says so (``queue_advanced``): no first pull.
 
         Returns:
             True if the subscription is new (a replaced one keeps its position).
@@ -563,7 +564,10 @@ class Session:
             if not stream.lane and self._wants_lane(sub):
                 self._take_lane(stream)
             return False
-        self._add(_Stream(sub, start, self._free_lane() if self._wants_lane(sub) else 0))
+        stream = _Stream(sub, start, self._free_lane() if self._wants_lane(sub) else 0)
+        if at_head and sub.group is None:
+            stream.head = start
+        self._add(stream)
         self._committed[sub.filter] = start
         return True
 
@@ -592,7 +596,8 @@ class Session:
         self._streams[stream.sub.filter] = stream
         if stream.sub.group is not None:
             self._by_queue.setdefault(stream.sub.queue, []).append(stream)
-        self._ready[stream] = None  # its first pull finds where the queue's head is
+        if stream.head is None:
+            self._ready[stream] = None  # its first pull finds where the queue's head is
 
     def _wants_lane(self, sub: Subscription) -> bool:
         """Does ``sub`` send by lane: a persistent session's non-shared QoS 1/2 subscription."""

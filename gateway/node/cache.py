@@ -96,6 +96,13 @@ class QueueCache:
             entry = self._queues[queue] = _Cached()
         entry.watchers += 1
 
+    def at_head(self, queue: str, head: int) -> None:
+        """A watched queue has nothing from ``head`` on (the store said so after the watch began): an empty run
+        there, as an empty read at the head seeds, so that its news fills the cache."""
+        entry = self._queues.get(queue)
+        if entry is not None and entry.base is None:
+            entry.base = head
+
     def unwatch(self, queue: str) -> None:
         """One local session fewer reads ``queue``; the last one out drops its messages."""
         entry = self._queues.get(queue)

@@ -95,12 +95,31 @@ class Subscriptions:
         finally:
             for action in actions:
                 self._applied(connection, action)
-        connection.feed_all([Activated(action.ref, starts, found, reasons or None)  # their SUBACKs in one write
-                             for action, (starts, reasons), found in zip(actions, answers, retained)])
         for action, (starts, _) in zip(actions, answers):
             for sub in action.subscriptions:
                 if sub.filter in starts:
                     self._subscribe_local(connection, sub.queue)
+        at_head = self._at_head(actions, answers)
+        connection.feed_all([Activated(action.ref, starts, found, reasons or None, at_head)  # SUBACKs in one write
+                             for action, (starts, reasons), found in zip(actions, answers, retained)])
+
+    def _at_head(self, actions: list[Activate], answers: list[tuple[dict[str, int], dict[str, ReasonCode]]]
+                 ) -> frozenset[str]:
+        """The new unshared subscriptions whose start is their queue's head, watched now (news of any later
+        message comes to the connection): their sessions need no first pull, and their cache entries start there.
+        None are when the store cannot say without waiting (a remote store): each pulls once to find its head."""
+        new = [(sub, starts[sub.filter]) for action, (starts, _) in zip(actions, answers)
+               for sub in action.subscriptions if sub.group is None and sub.filter in starts]
+        try:
+            heads = self._store.max_offsets_nowait([sub.queue for sub, _ in new])
+        except trio.WouldBlock:
+            return frozenset()
+        at_head = []
+        for (sub, start), head in zip(new, heads):
+            if head <= start:
+                self._cache.at_head(sub.queue, start)
+                at_head.append(sub.filter)
+        return frozenset(at_head)
 
     async def _start(self, connection: Connection,
                      actions: list[Activate]) -> list[tuple[dict[str, int], dict[str, ReasonCode]]]:

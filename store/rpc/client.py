@@ -323,6 +323,10 @@ class RemoteStore:
                                                 request.max_bytes))
         return results
 
+    def max_offsets_nowait(self, queues: Sequence[str]) -> list[int]:
+        """Always raises ``trio.WouldBlock``: the store's queues are a round trip away."""
+        raise trio.WouldBlock
+
     async def max_offsets(self, queues: Sequence[str]) -> list[int]:
         answer = await self._call(lambda rid: rpc.MaxOffsets(rid, list(queues)), idempotent=True)
         return answer.offsets

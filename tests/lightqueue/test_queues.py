@@ -1,5 +1,6 @@
 """Light queues over a real RocksDB and a real CommitLog: ids, filters, indexing, pulls, offsets, retention."""
 
+import contextlib
 from dataclasses import dataclass
 
 import pytest
@@ -11,6 +12,7 @@ from lightqueue.topics import TopicError
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import decode_record, encode_record
 from store.rocks import open_db
+from tests.helpers.dispatch import dump
 
 SEGMENT = 4096
 
@@ -627,3 +629,32 @@ def test_a_batch_of_16_costs_the_index_a_tenth_of_the_bytes_of_16_single_records
         costs[kind] = counting.written / 1024
     print(f"index bytes per message, {per_step} append(s) of 16 per dispatch step: {costs}")
     assert costs["single"] >= ratio * costs["batch"], costs
+
+
+
+RUN = [("r/+", "s1", 7), ("r/+", "s2", 0), ("r/x", "s1", 0), ("q/+", "s1", 1 << 40), ("q/+/bad/#/x", "s1", 9),
+       ("p/+", "s3", 8)]
+"""A run of activations as ``Activated`` records carry them: a new filter twice (the first record's id wins), an
+exact filter (id 0), a refused id and a refused filter in the middle, and one more new filter after them."""
+
+
+def test_a_run_of_activations_applied_in_one_write_leaves_what_one_at_a_time_leaves(env, tmp_path):
+    """Dispatch applies a run of ``Activated`` records in one RocksDB write (issue 31): the same state, ids and
+    refusals as one record at a time, each refusal alone."""
+    errors = env.lq.activate_all([(f, h, 0, qid or None) for f, h, qid in RUN], applied=100)
+    assert [type(e).__name__ if e else None for e in errors] == [None, None, None, "ValueError", "TopicError", None]
+    one = Env(tmp_path / "one")
+    try:
+        for n, (filter, holder, qid) in enumerate(RUN):
+            with pytest.raises(ValueError) if n in (3, 4) else contextlib.nullcontext():
+                one.lq.activate(filter, holder, 0, qid or None, applied=100)
+        assert dump(env.db) == dump(one.db)
+    finally:
+        one.close()
+    assert env.lq.applied == 100 and env.lq.queue_id("r/+") == 7 and env.lq.queue_id("p/+") == 8
+    assert env.lq.holders("r/+") == ["s1", "s2"] and env.lq.holders("q/+") == [] and not env.lq.is_active("q/+")
+    env.append("r/a", "p/a", "q/a")
+    env.index()
+    assert env.topics("r/+") == ["r/a"] and env.topics("p/+") == ["p/a"] and env.topics("q/+") == []
+    env.reopen()
+    assert env.lq.is_active("r/+") and env.lq.is_active("p/+") and env.lq.filter_id("new/+") == 9

@@ -274,3 +274,42 @@ async def test_concurrent_first_activations_get_distinct_ids_and_a_racing_releas
             assert node.queues.holders("f0/+") == [f"h{round}"] and node.queues.is_active("f0/+")
             assert decode_queues(node.queues.targets("f0/x")) == (node.queues.queue_id("f0/+"),)
         assert node.queues.filter_id("new/+") == 21  # a released filter's id was never given to another
+
+
+async def test_runs_of_activations_between_messages_apply_in_log_order_and_derive_again_identically(tmp_path):
+    """Dispatch applies consecutive ``Activated`` records as one run (one RocksDB write, issue 31), between the
+    messages around them in log order; a rebuild from the log alone derives the same index."""
+    async with open_store(tmp_path, CONFIG) as node:
+        await node.activate("run/+/m", "early")
+        log = node.log.log
+        log.hold_confirm()  # one dispatch scan sees every record below
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node.activate_all, [f"run/{i}/+" for i in range(10)] + ["run/0/+", "run/x"], "a")
+            with trio.fail_after(10):
+                while len(controls_in(log)) < 13:
+                    await trio.sleep(0.01)
+            await node.append([NewMessage("run/1/m", b"between the runs", "p")])
+            nursery.start_soon(node.activate_all, ["run/1/+", "late/+", "run/+/m"], "b")
+            with trio.fail_after(10):
+                while len(controls_in(log)) < 16:
+                    await trio.sleep(0.01)
+            await node.append([NewMessage("run/2/m", b"after them", "p")])
+            log.release_confirm()
+            node.dispatcher.wake()
+        await node.append([NewMessage("run/1/m", b"after the apply", "p"), NewMessage("late/m", b"late", "p")])
+        await settle(node)
+        assert topics(node, "run/+/m") == ["run/1/m", "run/2/m", "run/1/m"]
+        assert topics(node, "run/1/+") == ["run/1/m"] and topics(node, "late/+") == ["late/m"]
+        assert node.queues.holders("run/1/+") == ["a", "b"] and node.queues.holders("run/+/m") == ["b", "early"]
+        assert sorted(node.queues.queue_id(f"run/{i}/+") for i in range(10)) == list(range(2, 12))
+        # run/1/+ in the second run took an id too (not active when written): skipped, never reused
+        assert node.queues.holders("run/x") == ["a"] and node.queues.queue_id("late/+") == 13
+    before = index_dump(tmp_path)
+    shutil.rmtree(tmp_path / "index")
+    async with open_store(tmp_path, CONFIG) as node:
+        assert topics(node, "run/1/+") == ["run/1/m"] and node.queues.queue_id("late/+") == 13
+    assert index_dump(tmp_path) == before
+
+
+def controls_in(log: CommitLog) -> list:
+    return [decode_control(r) for r in log.scan(log.min_offset, 1 << 30).records if r.control]

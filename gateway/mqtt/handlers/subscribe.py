@@ -167,7 +167,7 @@ def on_activated(channel: ChannelView, event: Activated) -> list[Action]:
             continue
         if not session.holds(sub.filter) and sub.filter not in event.starts:
             raise LocalProtocolError(f"Activated without a start offset for {sub.filter!r}")
-        session.subscribe(sub, event.starts.get(sub.filter, 0))
+        session.subscribe(sub, event.starts.get(sub.filter, 0), at_head=sub.filter in event.at_head)
         subscribed[sub.filter] = None
     retained = tuple(pair for pair in event.retained if pair[0] in subscribed)
     return session.patch(subscribed, Send((Suback(packet_id, tuple(codes)),)), retained)

@@ -60,6 +60,28 @@ def test_new_subscription_pulls_once_and_buffers_at_most_one_batch():
     assert len(publishes(actions)) == 1 and pulls(actions) == []  # window full, buffer not empty: no pull
 
 
+def test_a_subscription_at_its_queues_head_pulls_only_when_news_comes_and_then_from_its_start():
+    """The node saw the queue's head at the start as it began watching it (``Activated.at_head``): no first pull
+    (issue 31, item 5); news past the start pulls from the start, so no message after it is missed."""
+    session = Session("c", 0)
+    session.attach(link())
+    assert session.subscribe(SUB, 3, at_head=True) is True
+    assert pulls(session.pump()) == []
+    assert pulls(session.queue_advanced("a/+", 3)) == []  # nothing past the start: still nothing to read
+    assert pulls(session.queue_advanced("a/+", 5)) == [Pull("a/+", "a/+", 3, 4)]
+    actions = session.pulled("a/+", (msg(3), msg(4)), 5)
+    assert [p.payload for p in publishes(actions)] == [b"3", b"4"]
+
+
+def test_a_shared_subscription_pulls_its_group_even_at_the_queues_head():
+    """A group hands out old messages too (another member's, given back): its stream cannot know a head."""
+    shared = Subscription("$share/g/a/+", "a/+", SubscriptionOptions(qos=1), group="g")
+    session = Session("c", 0)
+    session.attach(link())
+    session.subscribe(shared, 3, at_head=True)
+    assert [p.group for p in pulls(session.pump())] == ["g"]
+
+
 def test_resubscribe_replaces_options_and_keeps_position():
     session = attached(start=5)
     assert session.subscribe(Subscription("a/+", "a/+", SubscriptionOptions(qos=0)), 0) is False
