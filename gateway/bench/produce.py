@@ -11,9 +11,13 @@ each mode, a fresh store takes:
 
 The producer sends to one topic for ``--seconds`` (or ``--messages``, whichever comes first), bounded by the
 same ``--total-bytes`` of back-pressure in every mode, while one consumer group member claims (``CLAIM_COUNT`` at
-a time, ``--claims`` claims in flight) and acknowledges each claim while claiming the next. One ``BENCH`` line per mode says: produced/s (acknowledged), consumed/s over the same time and their
-ratio (the seed's consume/produce >= 1: consumption keeps up with production), how long the consumer took to
-catch up after the producer stopped, p99 send latency (send called -> handle done, every ``SAMPLE_EVERY``-th
+a time, ``--claims`` claims in flight) and acknowledges each claim, as ``(base, count)`` ranges, while claiming the
+next. One ``BENCH`` line per mode says: produced/s (acknowledged), consumed/s and their ratio (the seed's
+consume/produce >= 1: consumption keeps up with production) over the production time after ``WARM_UP_S``: the
+messages the consumer got then against those the producer had acknowledged then, so that a lag that stays the
+same (a round trip's worth of messages travelling to the consumer) does not count against it and a lag that grows
+does; the ratio over the whole production time as well (``in_window``: there the last round trip's messages count
+as lag, 3 % of a 3 s window at 100 ms); how long the consumer took to catch up after the producer stopped, p99 send latency (send called -> handle done, every ``SAMPLE_EVERY``-th
 message), bytes on disk per message (CommitLog record bytes; RocksDB index files once the store closed) and
 CPU ms per 1,000 messages (this process, plus the store process for ``rpc``). The summary line compares AutoBatch
 with single sends (issue 30's target: >= 3x).
@@ -40,6 +44,7 @@ from gateway.bench.peers import HOST, store_process
 from store.api import StoreApi, group_owner
 from store.clients.producer import Producer
 from store.local import LocalStore
+from store.offsetranges import ranges_of
 from store.log.commitlog import BATCH_COMPRESSIONS, CommitLogConfig
 from store.node import open_store
 from store.rpc.client import RemoteStore
@@ -53,21 +58,26 @@ GROUP = group_owner("bench-produce")
 SAMPLE_EVERY = 16
 """Sends whose latency is measured: enough samples for a p99 at a cost every mode pays alike."""
 
-CLAIM_COUNT = 5000
-"""Messages a consumer claim asks for: a backlog drains in large steps (a member holds at most
-``store.groups.MAX_UNACKED``, 10,000: a claim gets the room its unacknowledged messages leave)."""
+CLAIM_COUNT = 16_384
+"""Messages a consumer claim asks for: more than a 1 MiB batch record of 64 B messages (about 11,000), so that a
+claim takes batch records whole rather than parts of one (a member holds at most ``store.groups.MAX_UNACKED``,
+65,536: a claim gets the room its unacknowledged messages leave)."""
 
 CLAIMS_IN_FLIGHT = 2
-"""The consumer's claims in flight (``--claims``): with one, it takes at most ``CLAIM_COUNT`` per round trip,
-which over the RPC on a busy machine (100-300 ms) is less than a ``send_batch`` producer sends; the next claim
-travels while the last one is decoded, as a RocketMQ consumer pulls ahead of its processing."""
+"""The consumer's claims in flight (``--claims``): with one, it takes at most ``CLAIM_COUNT`` per round trip; the
+next claim travels (and waits at the store, a long poll answered as soon as dispatch indexed messages) while the
+last one is decoded, as a RocketMQ consumer pulls ahead of its processing."""
+
+WARM_UP_S = 1.0
+"""Of the production time, what the consume/produce ratio leaves out (at most a third of it): the consumer's first
+claim and the store's first batch records, before both run at their rate."""
 
 CATCH_UP_S = 60.0
 """Longest wait for the consumer to reach the last acknowledged message once the producer stopped."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seconds", type=float, default=3.0, help="production time of each mode")
+    parser.add_argument("--seconds", type=float, default=5.0, help="production time of each mode")
     parser.add_argument("--messages", type=int, default=0, help="stop a mode after this many messages (0: no cap)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 1024], help="payload bytes")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -105,6 +115,8 @@ class _Counts:
     sent: int = 0  # all acknowledged in the end (the producer flushes what it holds)
     consumed: int = 0
     consumed_in_window: int = 0
+    warm: tuple[float, int, int] = (0.0, 0, 0)  # (when, acknowledged, consumed) at the end of the warm-up
+    ended: float = 0.0  # when the production time ended
     producing_s: float = 0.0
     catch_up_s: float = 0.0
     log_bytes: int = 0
@@ -142,6 +154,8 @@ async def _produce(appender: Any, mode: str, size: int, args: argparse.Namespace
     sent = 0
     start = time.perf_counter()
     deadline = start + args.seconds
+    warm = start + min(WARM_UP_S, args.seconds / 3)
+    counts.warm = (start, 0, 0)
     async with Producer.over(appender, client_id=f"bench-{mode}", auto_batch=mode == "auto", durable=durable,
                              total_batch_max_bytes=args.total_bytes) as producer:
         while sent < cap and time.perf_counter() < deadline:
@@ -156,9 +170,12 @@ async def _produce(appender: Any, mode: str, size: int, args: argparse.Namespace
             for index in range(-sent % SAMPLE_EVERY, count, SAMPLE_EVERY):  # every SAMPLE_EVERY-th message sent
                 handles[index].add_done_callback(_latency(sends, latencies))
             sent += count
+            if counts.warm[0] < warm <= time.perf_counter():
+                counts.warm = (time.perf_counter(), producer.statistics().stored, counts.consumed)
         if sent >= cap:  # a count, not a time: until every message is acknowledged
             await producer.flush()
-        counts.producing_s = time.perf_counter() - start
+        counts.ended = time.perf_counter()
+        counts.producing_s = counts.ended - start
         counts.acked = producer.statistics().stored
         counts.consumed_in_window = counts.consumed
         await producer.flush()  # what it holds still goes (a bounded backlog: --total-bytes), not counted
@@ -182,11 +199,11 @@ async def _consume(store: StoreApi, counts: _Counts) -> None:
                 counts.consumed += len(found.messages)
                 await acked.wait()
                 acked = trio.Event()
-                nursery.start_soon(_ack, store, [offset for offset, _ in found.messages], acked)
+                nursery.start_soon(_ack, store, ranges_of(offset for offset, _ in found.messages), acked)
 
 
-async def _ack(store: StoreApi, offsets: list[int], done: trio.Event) -> None:
-    await store.ack(GROUP, TOPIC, "", offsets)
+async def _ack(store: StoreApi, ranges: list[tuple[int, int]], done: trio.Event) -> None:
+    await store.ack(GROUP, TOPIC, "", ranges=ranges)
     done.set()
 
 
@@ -233,14 +250,20 @@ def _row(target: str, size: int, mode: str, args: argparse.Namespace, counts: _C
          index_bytes: int, cpu_s: tuple[float, float]) -> dict[str, Any]:
     acked = max(counts.sent, 1)
     produced_per_s = counts.acked / counts.producing_s
-    consumed_per_s = counts.consumed_in_window / counts.producing_s
+    warm_at, warm_acked, warm_consumed = counts.warm
+    warm_produced = counts.acked - warm_acked
+    warm_consumed = counts.consumed_in_window - warm_consumed
+    consumed_per_s = warm_consumed / (counts.ended - warm_at)
+    in_window_per_s = counts.consumed_in_window / counts.producing_s
     latencies.sort()
     client_s, store_s = cpu_s
     return {
         "target": target, "payload": size, "mode": mode, "acked": counts.acked, "sent": counts.sent,
         "consumed": counts.consumed,
         "produced_per_s": round(produced_per_s), "consumed_per_s": round(consumed_per_s),
-        "consume_produce_ratio": round(consumed_per_s / produced_per_s, 3) if produced_per_s else None,
+        "consume_produce_ratio": round(warm_consumed / warm_produced, 3) if warm_produced else None,
+        "consumed_in_window_per_s": round(in_window_per_s),
+        "consume_produce_in_window": round(in_window_per_s / produced_per_s, 3) if produced_per_s else None,
         "catch_up_s": round(counts.catch_up_s, 3),
         "p99_send_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 2) if latencies else None,
         "disk_bytes_per_message": round((counts.log_bytes + index_bytes) / acked, 1),

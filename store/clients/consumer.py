@@ -62,6 +62,7 @@ import trio
 from store.clients.producer import unique_client_name
 from store.clients.properties import MessageProperties, decode_properties
 from store.api import Record, StoreUnavailable, group_owner
+from store.offsetranges import ranges_of
 from store.rpc.client import RemoteStore
 
 __all__ = ["Batch", "Consumer", "ConsumerMessage", "queue_of", "start_position"]
@@ -155,6 +156,11 @@ class Batch(Sequence[ConsumerMessage]):
     @property
     def offsets(self) -> list[int]:
         return [m.offset for m in self.messages]
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """The batch's offsets as ``(base, count)`` runs: what a commit sends (a batch record's messages: one)."""
+        return ranges_of(m.offset for m in self.messages)
 
 
 def queue_of(filter: str) -> str:
@@ -290,9 +296,9 @@ class Consumer:
         Raises:
             StoreUnavailable: the connection broke: not acknowledged (the messages will be delivered again).
         """
-        offsets = batch.offsets if isinstance(batch, Batch) else list(batch)
-        if offsets:
-            self.committed = await self.client.ack(self._owner, self.filter, "", offsets)
+        ranges = batch.ranges if isinstance(batch, Batch) else ranges_of(batch)
+        if ranges:
+            self.committed = await self.client.ack(self._owner, self.filter, "", ranges=ranges)
         return self.committed
 
     async def __aiter__(self) -> AsyncIterator[Batch]:
