@@ -32,6 +32,11 @@ order above it included): handle duplicates (or make the handling idempotent).
 
 Waiting: a claim long-polls the store (``wait_s``), which answers as soon as
 the queue gets messages (the store's notify wakes it) or offsets are handed back.
+Iterating, the consumer claims the next batch while the loop handles the last
+one (one claim in flight ahead: its messages travel, and wait at the store, while
+the loop works, as a RocketMQ consumer pulls ahead of its processing); they are
+this member's from then on, and go back to the group if it leaves first. A commit
+sends a batch's offsets as ``(base, count)`` runs (a batch record's messages: one).
 
 Reconnecting: if the connection to the store breaks, the consumer waits for
 the client to reconnect, joins again and goes on; what it had not acknowledged
@@ -44,14 +49,15 @@ correlation data, message expiry), ``message.raw_properties`` the stored block.
 Blocking code and asyncio: store/clients/blocking.py and store/clients/aio.py
 run this very consumer on a trio thread of their own.
 
-Resource handling: ``connect`` owns the connection; leaving the block leaves
-the group (the unacknowledged messages go to the other members) and closes it.
+Resource handling: ``connect`` owns the connection and the claim ahead; leaving the
+block leaves the group (the unacknowledged messages, the claim ahead's included, go to
+the other members) and closes it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -64,13 +70,15 @@ from store.clients.properties import MessageProperties, decode_properties
 from store.api import Record, StoreUnavailable, group_owner
 from store.offsetranges import ranges_of
 from store.rpc.client import RemoteStore
+from store.tasks import background
 
 __all__ = ["Batch", "Consumer", "ConsumerMessage", "queue_of", "start_position"]
 
 LOGGER = logging.getLogger(__name__)
 
-MAX_COUNT = 256
-"""Default messages per claim: a batch large enough to amortise the round trip, small enough to share the backlog."""
+MAX_COUNT = 1024
+"""Default messages per claim: a batch large enough to amortise the round trip (with a claim ahead in flight), small
+enough to share the backlog and to be delivered again whole after a crash."""
 
 MAX_BYTES = 4 * 1024 * 1024
 """Default byte budget of a claim (a claim always gets at least one message when there is one)."""
@@ -189,11 +197,39 @@ def start_position(start: Start) -> tuple[str, int]:
 
 
 @final
+class _Ahead:
+    """A claim in flight ahead of the loop: its batch or its error, once answered."""
+
+    __slots__ = ("_done", "_batch", "_error")
+
+    def __init__(self) -> None:
+        self._done = trio.Event()
+        self._batch = Batch([])
+        self._error: Exception | None = None
+
+    async def run(self, claim: Callable[[], Awaitable[Batch]]) -> None:
+        try:
+            self._batch = await claim()
+        except Exception as exc:  # the loop's to raise, when it asks for this batch
+            self._error = exc
+        self._done.set()
+
+    async def result(self) -> Batch:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._batch
+
+
+@final
 class Consumer:
     """One member of a consumer group; create it with :meth:`connect`, then iterate over batches."""
 
     def __init__(self, client: RemoteStore, group: str, filter: str, start: tuple[str, int], *,
-                 max_count: int, max_bytes: int, wait_s: float, auto_commit: bool) -> None:
+                 max_count: int, max_bytes: int, wait_s: float, auto_commit: bool,
+                 nursery: trio.Nursery | None = None) -> None:
+        self._nursery = nursery  # where the claim ahead runs (none: iteration claims one batch at a time)
+        self._ahead: _Ahead | None = None
         self.client = client
         self.group = group
         self.filter = filter
@@ -249,9 +285,10 @@ class Consumer:
         filter = queue_of(filter)
         position = start_position(start)  # a bad start fails before connecting
         async with RemoteStore.connect(host, port, node=client_id or unique_client_name("consumer"),
-                                             timeout_s=timeout_s, username=username, password=password) as client:
+                                             timeout_s=timeout_s, username=username, password=password) as client, \
+                background() as nursery:  # the claim ahead's, cancelled on leaving (what it got is handed back)
             consumer = cls(client, group, filter, position, max_count=max_count, max_bytes=max_bytes,
-                           wait_s=wait_s, auto_commit=auto_commit)
+                           wait_s=wait_s, auto_commit=auto_commit, nursery=nursery)
             await consumer._join()
             try:
                 yield consumer
@@ -271,8 +308,16 @@ class Consumer:
     async def poll(self, max_count: int | None = None, wait_s: float | None = None) -> Batch:
         """Claim the next batch (empty if nothing came within ``wait_s``); it is this member's until acknowledged.
 
-        Rejoins the group first if the connection was re-established since the last join.
+        The claim the iteration sent ahead, if there is one (a loop left after a batch), is this batch, whatever
+        ``max_count`` and ``wait_s``: its messages are this member's already. Rejoins the group first if the
+        connection was re-established since the last join.
         """
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            return await ahead.result()
+        return await self._claim(max_count, wait_s)
+
+    async def _claim(self, max_count: int | None = None, wait_s: float | None = None) -> Batch:
         while True:
             try:
                 if self.client.client_statistics().connects != self._joined_at:
@@ -308,6 +353,9 @@ class Consumer:
             batch = await self.poll()
             if not batch:
                 continue
+            if self._nursery is not None:  # the next claim travels while the loop handles this batch
+                self._ahead = _Ahead()
+                self._nursery.start_soon(self._ahead.run, self._claim)
             yield batch
             if self._auto_commit:
                 try:

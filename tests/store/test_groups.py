@@ -8,7 +8,7 @@ import trio
 
 from lightqueue.queues import LightQueues
 from store.api import NewMessage, group_owner
-from store.groups import DECODED, MAX_UNACKED, GroupState
+from store.groups import DECODED, MAX_UNACKED, WHOLE, GroupState, entry_ranges
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import encode_record
 from store.node import decode
@@ -236,6 +236,27 @@ async def test_a_claim_waiting_for_room_under_the_unacknowledged_cap_goes_on_whe
             await trio.testing.wait_all_tasks_blocked()
             await groups.ack(A, G, "tele/#", offsets(held[:1]))
     assert offsets(claimed) == [MAX_UNACKED]
+
+
+async def test_a_member_holds_claims_of_whole_batch_records_and_acknowledges_ranges_of_them(store, groups):
+    """Over the RPC (the ``WHOLE`` form) a claim takes batch records whole; a member may hold several of 8,000
+    messages (a consumer with claims in flight: more than 10,000), acknowledges them as ``(base, count)`` ranges,
+    and what it did not acknowledge, inside a record too, goes to another member when it leaves (at least once)."""
+    for record in range(3):
+        await store.append([NewMessage("tele/dev1/temp", b"%d" % (record * 8000 + i)) for i in range(8000)],
+                           batch=True)
+    await store.dispatcher.wait_dispatched(store.log.log.written_offset)
+    await groups.join(A, G, "tele/#", "earliest")
+    claims = [(await groups.claim(A, G, "tele/#", 8000, 16 << 20, 0.0, WHOLE)).messages for _ in range(3)]
+    assert [entry_ranges(entries, WHOLE) for entries in claims] == [[(0, 8000)], [(8000, 8000)], [(16000, 8000)]]
+    assert [len(entries) for entries in claims] == [1, 1, 1]  # one value per batch record
+    assert await groups.ack(A, G, "tele/#", ranges=[(0, 8000), (8100, 7900)]) == 8000
+    await groups.join(B, G, "tele/#")
+    groups.leave_node("a")
+    again = await claim(groups, B, 20_000)
+    assert offsets(again) == [*range(8000, 8100), *range(16000, 24000)]
+    assert payloads(again)[:2] == [b"8000", b"8001"]
+    assert await groups.ack(B, G, "tele/#", ranges=entry_ranges(again, DECODED)) == 24000
 
 
 async def test_a_group_starts_where_it_is_told_when_it_has_no_offset(store, groups):
