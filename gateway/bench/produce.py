@@ -261,6 +261,7 @@ def _row(target: str, size: int, mode: str, args: argparse.Namespace, counts: _C
         "target": target, "payload": size, "mode": mode, "acked": counts.acked, "sent": counts.sent,
         "consumed": counts.consumed,
         "produced_per_s": round(produced_per_s), "consumed_per_s": round(consumed_per_s),
+        "produced_after_warm_up_per_s": round(warm_produced / (counts.ended - warm_at)),
         "consume_produce_ratio": round(warm_consumed / warm_produced, 3) if warm_produced else None,
         "consumed_in_window_per_s": round(in_window_per_s),
         "consume_produce_in_window": round(in_window_per_s / produced_per_s, 3) if produced_per_s else None,

@@ -57,7 +57,7 @@ the other members) and closes it.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -70,6 +70,7 @@ from store.clients.properties import MessageProperties, decode_properties
 from store.api import Record, StoreUnavailable, group_owner
 from store.offsetranges import ranges_of
 from store.rpc.client import RemoteStore
+from store.rpc.connection import Call
 from store.tasks import background
 
 __all__ = ["Batch", "Consumer", "ConsumerMessage", "queue_of", "start_position"]
@@ -197,31 +198,6 @@ def start_position(start: Start) -> tuple[str, int]:
 
 
 @final
-class _Ahead:
-    """A claim in flight ahead of the loop: its batch or its error, once answered."""
-
-    __slots__ = ("_done", "_batch", "_error")
-
-    def __init__(self) -> None:
-        self._done = trio.Event()
-        self._batch = Batch([])
-        self._error: Exception | None = None
-
-    async def run(self, claim: Callable[[], Awaitable[Batch]]) -> None:
-        try:
-            self._batch = await claim()
-        except Exception as exc:  # the loop's to raise, when it asks for this batch
-            self._error = exc
-        self._done.set()
-
-    async def result(self) -> Batch:
-        await self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._batch
-
-
-@final
 class Consumer:
     """One member of a consumer group; create it with :meth:`connect`, then iterate over batches."""
 
@@ -229,7 +205,7 @@ class Consumer:
                  max_count: int, max_bytes: int, wait_s: float, auto_commit: bool,
                  nursery: trio.Nursery | None = None) -> None:
         self._nursery = nursery  # where the claim ahead runs (none: iteration claims one batch at a time)
-        self._ahead: _Ahead | None = None
+        self._ahead: Call | None = None  # the claim in flight ahead of the loop
         self.client = client
         self.group = group
         self.filter = filter
@@ -314,8 +290,14 @@ class Consumer:
         """
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            return await ahead.result()
+            return await ahead.wait()
         return await self._claim(max_count, wait_s)
+
+    async def _claim_ahead(self, call: Call) -> None:
+        try:
+            call.set(await self._claim())
+        except Exception as exc:  # the loop's to raise, when it asks for this batch
+            call.fail(exc)
 
     async def _claim(self, max_count: int | None = None, wait_s: float | None = None) -> Batch:
         while True:
@@ -354,8 +336,8 @@ class Consumer:
             if not batch:
                 continue
             if self._nursery is not None:  # the next claim travels while the loop handles this batch
-                self._ahead = _Ahead()
-                self._nursery.start_soon(self._ahead.run, self._claim)
+                self._ahead = Call()
+                self._nursery.start_soon(self._claim_ahead, self._ahead)
             yield batch
             if self._auto_commit:
                 try:
