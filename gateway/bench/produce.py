@@ -42,6 +42,7 @@ import trio
 from gateway.bench.common import emit
 from gateway.bench.peers import HOST, store_process
 from store.api import StoreApi, group_owner
+from store.clients.consumer import Consumer
 from store.clients.producer import Producer
 from store.local import LocalStore
 from store.offsetranges import ranges_of
@@ -50,10 +51,12 @@ from store.node import open_store
 from store.rpc.client import RemoteStore
 
 MODES = ("single", "batch", "auto")
+READERS = ("claims", "consumer")
 TARGETS = ("embedded", "rpc")
 
 TOPIC = "bench/produce/telemetry"
-GROUP = group_owner("bench-produce")
+GROUP_NAME = "bench-produce"
+GROUP = group_owner(GROUP_NAME)
 
 SAMPLE_EVERY = 16
 """Sends whose latency is measured: enough samples for a p99 at a cost every mode pays alike."""
@@ -84,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
     parser.add_argument("--batch", type=int, default=256, help="messages per send_batch in the batch mode")
     parser.add_argument("--claims", type=int, default=CLAIMS_IN_FLIGHT, help="the consumer's claims in flight")
+    parser.add_argument("--reader", choices=READERS, default="claims",
+                        help="the consumer: claims (--claims of CLAIM_COUNT in flight, on the store API) or consumer "
+                             "(the back-end Consumer with its defaults, iterating with auto-commit; rpc only)")
     parser.add_argument("--total-bytes", type=int, default=1024 * 1024,
                         help="the producer's total_batch_max_bytes (its back-pressure) in every mode")
     parser.add_argument("--flush", choices=("async", "sync"), default="async", help="the store's commitlog.flush")
@@ -100,6 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """One ``BENCH`` line per mode (emitted here); returns the summary."""
+    if args.reader == "consumer" and "embedded" in args.targets:
+        raise SystemExit("lightgate bench produce: --reader consumer reads over the RPC: give --targets rpc")
     rows = []
     with tempfile.TemporaryDirectory(prefix="lightgate-bench-produce-", dir=args.dir) as tmp:
         for n, (target, size, mode) in enumerate(itertools.product(args.targets, args.sizes, args.modes)):
@@ -130,9 +138,12 @@ async def _mode(data: Path, target: str, size: int, mode: str, args: argparse.Na
     async with opened as (appender, consumer_store, store_cpu):
         cpu.start(store_cpu)
         async with trio.open_nursery() as nursery:
-            await consumer_store.join(GROUP, TOPIC, "", start="latest")
-            for _ in range(args.claims):
-                nursery.start_soon(_consume, consumer_store, counts)
+            if args.reader == "consumer":
+                await nursery.start(_iterate, consumer_store.address, counts)
+            else:
+                await consumer_store.join(GROUP, TOPIC, "", start="latest")
+                for _ in range(args.claims):
+                    nursery.start_soon(_consume, consumer_store, counts)
             await _produce(appender, mode, size, args, counts, latencies)
             start = time.perf_counter()
             with trio.move_on_after(CATCH_UP_S):
@@ -200,6 +211,17 @@ async def _consume(store: StoreApi, counts: _Counts) -> None:
                 await acked.wait()
                 acked = trio.Event()
                 nursery.start_soon(_ack, store, ranges_of(offset for offset, _ in found.messages), acked)
+
+
+async def _iterate(address: str, counts: _Counts, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                   ) -> None:
+    """The back-end ``Consumer`` (``--reader consumer``) with its defaults, joined before the producer starts:
+    batches as it iterates (each acknowledged when it asks for the next), counted, until cancelled."""
+    async with Consumer.connect(address, group=GROUP_NAME, filter=TOPIC,
+                                start="latest") as consumer:
+        task_status.started()
+        async for batch in consumer:
+            counts.consumed += len(batch)
 
 
 async def _ack(store: StoreApi, ranges: list[tuple[int, int]], done: trio.Event) -> None:
@@ -292,7 +314,8 @@ def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"seconds": args.seconds, "messages": args.messages, "batch": args.batch, "total_bytes": args.total_bytes,
-            "flush": args.flush, "durable": args.durable, "compression": args.compression, "claims": args.claims}
+            "flush": args.flush, "durable": args.durable, "compression": args.compression, "claims": args.claims,
+            "reader": args.reader}
 
 
 def _load() -> float:
