@@ -209,6 +209,7 @@ class Consumer:
                  nursery: trio.Nursery | None = None) -> None:
         self._nursery = nursery  # where the claim ahead runs (none: iteration claims one batch at a time)
         self._ahead: Call | None = None  # the claim in flight ahead of the loop
+        self._committing: Call | None = None  # the auto-commit in flight (of the batch before the loop's)
         self.client = client
         self.group = group
         self.filter = filter
@@ -274,6 +275,7 @@ class Consumer:
             finally:
                 with trio.CancelScope(shield=True), trio.move_on_after(2.0):
                     try:
+                        await consumer._committed_all()  # the last auto-commit in flight lands before the leave
                         await client.leave(group_owner(group), filter, "")
                     except OSError:  # the connection is gone: the store hands the messages back anyway
                         pass
@@ -333,7 +335,9 @@ class Consumer:
 
     async def __aiter__(self) -> AsyncIterator[Batch]:
         """Batches as they come (empty polls are not yielded); with ``auto_commit`` each is acknowledged when the
-        loop asks for the next one, so a batch whose handling raised is not."""
+        loop asks for the next one, so a batch whose handling raised is not: the acknowledgement travels while the
+        loop gets the next batch (one in flight; ``committed`` follows when it is answered, and leaving waits for
+        it)."""
         while True:
             batch = await self.poll()
             if not batch:
@@ -342,9 +346,32 @@ class Consumer:
                 self._ahead = Call()
                 self._nursery.start_soon(self._claim_ahead, self._ahead)
             yield batch
-            if self._auto_commit:
-                try:
-                    await self.commit(batch)
-                except StoreUnavailable as exc:
-                    LOGGER.warning("batch not acknowledged (it will be delivered again): %s", exc,
-                                   extra={"ctx": {"group": self.group, "filter": self.filter}})
+            if not self._auto_commit:
+                continue
+            if self._committing is not None:
+                await self._committing.wait()  # one acknowledgement in flight: they are stored in order
+            self._committing = committing = Call()
+            if self._nursery is not None:  # it travels while the loop takes the next batch
+                self._nursery.start_soon(self._auto_commit_of, batch, committing)
+            else:
+                await self._auto_commit_of(batch, committing)
+
+    async def _committed_all(self) -> None:
+        """Return once the auto-commit in flight, if any, is answered (its error is the loop's, not the leave's)."""
+        committing, self._committing = self._committing, None
+        if committing is not None:
+            try:
+                await committing.wait()
+            except Exception:  # a commit that failed: its messages are delivered again
+                pass
+
+    async def _auto_commit_of(self, batch: Batch, call: Call) -> None:
+        try:
+            await self.commit(batch)
+        except StoreUnavailable as exc:
+            LOGGER.warning("batch not acknowledged (it will be delivered again): %s", exc,
+                           extra={"ctx": {"group": self.group, "filter": self.filter}})
+        except Exception as exc:  # the loop's to raise, when it acknowledges the next batch
+            call.fail(exc)
+            return
+        call.set(None)
