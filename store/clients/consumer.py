@@ -32,11 +32,9 @@ order above it included): handle duplicates (or make the handling idempotent).
 
 Waiting: a claim long-polls the store (``wait_s``), which answers as soon as
 the queue gets messages (the store's notify wakes it) or offsets are handed back.
-Iterating, the consumer claims the next batch while the loop handles the last
-one (one claim in flight ahead: its messages travel, and wait at the store, while
-the loop works, as a RocketMQ consumer pulls ahead of its processing); they are
-this member's from then on, and go back to the group if it leaves first. A commit
-sends a batch's offsets as ``(base, count)`` runs (a batch record's messages: one).
+A commit sends a batch's offsets as ``(base, count)`` runs (a batch record's
+messages: one); iterating with auto-commit, a batch's acknowledgement travels
+while the loop claims the next batch, so a loop step costs one round trip, not two.
 
 Reconnecting: if the connection to the store breaks, the consumer waits for
 the client to reconnect, joins again and goes on; what it had not acknowledged
@@ -49,9 +47,9 @@ correlation data, message expiry), ``message.raw_properties`` the stored block.
 Blocking code and asyncio: store/clients/blocking.py and store/clients/aio.py
 run this very consumer on a trio thread of their own.
 
-Resource handling: ``connect`` owns the connection and the claim ahead; leaving the
-block leaves the group (the unacknowledged messages, the claim ahead's included, go to
-the other members) and closes it.
+Resource handling: ``connect`` owns the connection and the auto-commit in flight;
+leaving the block waits for that, leaves the group (the unacknowledged messages go
+to the other members) and closes it.
 """
 
 from __future__ import annotations
@@ -81,7 +79,7 @@ MAX_COUNT = 16_384
 """Default messages per claim: more than a 1 MiB batch record of small messages (about 11,000 of 64 B), so that a
 claim is bounded by ``max_bytes`` and takes batch records whole: a consumer behind a ``send_batch`` producer at
 40-50k messages/s over a loaded store's round trips of 100-300 ms needs that many per round trip (with 1,024 it
-took 5-6k/s, docs/benchmarks.md); a member's share of the backlog caps it when there are several, and a claim
+took 5k/s, docs/benchmarks.md); a member's share of the backlog caps it when there are several, and a claim
 takes what there is, not 16,384, once the member is caught up."""
 
 MAX_BYTES = 4 * 1024 * 1024
@@ -207,8 +205,7 @@ class Consumer:
     def __init__(self, client: RemoteStore, group: str, filter: str, start: tuple[str, int], *,
                  max_count: int, max_bytes: int, wait_s: float, auto_commit: bool,
                  nursery: trio.Nursery | None = None) -> None:
-        self._nursery = nursery  # where the claim ahead runs (none: iteration claims one batch at a time)
-        self._ahead: Call | None = None  # the claim in flight ahead of the loop
+        self._nursery = nursery  # where an auto-commit travels (none: the loop waits for each)
         self._committing: Call | None = None  # the auto-commit in flight (of the batch before the loop's)
         self.client = client
         self.group = group
@@ -266,7 +263,7 @@ class Consumer:
         position = start_position(start)  # a bad start fails before connecting
         async with RemoteStore.connect(host, port, node=client_id or unique_client_name("consumer"),
                                              timeout_s=timeout_s, username=username, password=password) as client, \
-                background() as nursery:  # the claim ahead's, cancelled on leaving (what it got is handed back)
+                background() as nursery:  # the auto-commit in flight's
             consumer = cls(client, group, filter, position, max_count=max_count, max_bytes=max_bytes,
                            wait_s=wait_s, auto_commit=auto_commit, nursery=nursery)
             await consumer._join()
@@ -289,22 +286,8 @@ class Consumer:
     async def poll(self, max_count: int | None = None, wait_s: float | None = None) -> Batch:
         """Claim the next batch (empty if nothing came within ``wait_s``); it is this member's until acknowledged.
 
-        The claim the iteration sent ahead, if there is one (a loop left after a batch), is this batch, whatever
-        ``max_count`` and ``wait_s``: its messages are this member's already. Rejoins the group first if the
-        connection was re-established since the last join.
+        Rejoins the group first if the connection was re-established since the last join.
         """
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            return await ahead.wait()
-        return await self._claim(max_count, wait_s)
-
-    async def _claim_ahead(self, call: Call) -> None:
-        try:
-            call.set(await self._claim())
-        except Exception as exc:  # the loop's to raise, when it asks for this batch
-            call.fail(exc)
-
-    async def _claim(self, max_count: int | None = None, wait_s: float | None = None) -> Batch:
         while True:
             try:
                 if self.client.client_statistics().connects != self._joined_at:
@@ -342,9 +325,6 @@ class Consumer:
             batch = await self.poll()
             if not batch:
                 continue
-            if self._nursery is not None:  # the next claim travels while the loop handles this batch
-                self._ahead = Call()
-                self._nursery.start_soon(self._claim_ahead, self._ahead)
             yield batch
             if not self._auto_commit:
                 continue

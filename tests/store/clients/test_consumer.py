@@ -146,39 +146,6 @@ async def test_a_batch_is_a_sequence_of_its_messages_in_queue_order(server):
             batch[3]  # noqa: B018 - the access is what is tested
 
 
-async def test_an_iterating_consumer_claims_the_next_batch_while_the_loop_handles_one(server, nursery):
-    """One claim in flight ahead of the loop: messages published while the loop handles a batch are this member's
-    (held at the store) before the loop asks for them; a loop left, the next poll gets them; leaving hands back
-    what is not acknowledged, which another member then gets (at least once)."""
-    groups = server.store.groups
-    leave, left = trio.Event(), trio.Event()
-
-    async def member_a(task_status) -> None:
-        async with Consumer.connect("127.0.0.1", server.port, group="g", filter="tele/#", auto_commit=False) as a:
-            async for batch in a:
-                assert [m.payload for m in batch] == [b"0", b"1"]
-                await publish(server.port, "tele/dev1/temp", b"2", b"3")
-                while groups.statistics()[0].unacked < 4:  # the claim ahead took 2 and 3
-                    await trio.sleep(0.01)
-                break
-            task_status.started(a)
-            await leave.wait()
-        left.set()  # a left: 0 and 1, never acknowledged, went back to the group
-
-    await publish(server.port, "tele/dev1/temp", b"0", b"1")
-    with trio.fail_after(WAIT_S):
-        a = await nursery.start(member_a)
-        async with Consumer.connect("127.0.0.1", server.port, group="g", filter="tele/#") as b:
-            assert not await b.poll(wait_s=0)  # a holds all four
-            ahead = await a.poll(max_count=1, wait_s=0)  # the claim ahead is the next batch, whatever is asked
-            assert [m.payload for m in ahead] == [b"2", b"3"]
-            await a.commit(ahead)
-            leave.set()
-            await left.wait()
-            again = await b.poll()
-            assert [m.payload for m in again] == [b"0", b"1"]
-
-
 async def test_a_consumer_rejoins_after_the_store_restarts_and_gets_its_unacknowledged_messages_again(server):
     await publish(server.port, "tele/dev1/temp", b"1", b"2")
     async with Consumer.connect("127.0.0.1", server.port, group="g", filter="tele/#", auto_commit=False) as consumer:
