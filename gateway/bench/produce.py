@@ -12,7 +12,7 @@ each mode, a fresh store takes:
 The producer sends to one topic for ``--seconds`` (or ``--messages``, whichever comes first), bounded by the
 same ``--total-bytes`` of back-pressure in every mode, while one consumer group member claims (``CLAIM_COUNT`` at
 a time, ``--claims`` claims in flight) and acknowledges each claim, as ``(base, count)`` ranges, while claiming the
-next. One ``BENCH`` line per mode says: produced/s (acknowledged), consumed/s and their ratio (the seed's
+next (``--reader consumer``: the back-end ``Consumer`` instead, with its defaults, over the RPC). One ``BENCH`` line per mode says: produced/s (acknowledged), consumed/s and their ratio (the seed's
 consume/produce >= 1: consumption keeps up with production) over the production time after ``WARM_UP_S``: the
 messages the consumer got then against those the producer had acknowledged then, so that a lag that stays the
 same (a round trip's worth of messages travelling to the consumer) does not count against it and a lag that grows
