@@ -138,7 +138,7 @@ async def _mode(data: Path, target: str, size: int, mode: str, args: argparse.Na
     async with opened as (appender, consumer_store, store_cpu):
         cpu.start(store_cpu)
         async with trio.open_nursery() as nursery:
-            if args.reader == "consumer":
+            if isinstance(consumer_store, RemoteStore) and args.reader == "consumer":  # run() refuses embedded
                 await nursery.start(_iterate, consumer_store.address, counts)
             else:
                 await consumer_store.join(GROUP, TOPIC, "", start="latest")

@@ -98,7 +98,8 @@ class AsyncioProducer(_Asyncio[Producer]):
         """
         if topic is not None:
             queued = send_run(self._thread, self._client, list(messages), topic, options)  # type: ignore[arg-type]
-            return asyncio.wrap_future(await asyncio.wrap_future(queued))
+            batch = await asyncio.wrap_future(queued)
+            return asyncio.wrap_future(batch)
         return await self._queued(list(messages))  # type: ignore[arg-type]
 
     async def _queued(self, messages: list[Message]) -> list[asyncio.Future[Position]]:

@@ -669,7 +669,7 @@ def _decode_batch(buf: bytes | memoryview, p: int, length: int, record_flags: in
     body = bytes(buf[low : served[-1][6] + served[-1][7]])  # the served messages' bytes: each slice of it is bytes
     names: dict[bytes, str] = {}  # a batch's messages mostly share one client id: decoded once
     header = _MESSAGE.size
-    records = []
+    records: list[Record] = []
     append = records.append
     for i, (flags, born, c, n_cid, q, n_props, d, n_payload) in enumerate(served, first):
         c -= low
