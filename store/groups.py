@@ -525,6 +525,8 @@ def read_offsets(store: GroupStore, queue: str, returned: list[int], cursor: int
 def entry_ranges(entries: Sequence[tuple[int, T]], form: Form[T]) -> list[Range]:
     """The queue offsets of the messages of ``entries`` (:func:`read_offsets`') as ``(base, count)`` runs, in order:
     in the ``whole`` form a value stands for ``form.count(value)`` messages from its offset."""
+    if form.whole is None:  # a value per message: their offsets, mostly one run
+        return ranges_of(qoff for qoff, _ in entries)
     count = form.count
     ranges: list[Range] = []
     for qoff, value in entries:

@@ -19,14 +19,17 @@ Range = tuple[int, int]
 
 
 def ranges_of(offsets: Iterable[int]) -> list[Range]:
-    """``offsets`` as ``(base, count)`` ranges of consecutive ones, in order (duplicates counted once)."""
-    ranges: list[list[int]] = []
-    for offset in sorted(set(offsets)):
-        if ranges and ranges[-1][0] + ranges[-1][1] == offset:
-            ranges[-1][1] += 1
-        else:
-            ranges.append([offset, 1])
-    return [(base, count) for base, count in ranges]
+    """``offsets`` as ``(base, count)`` ranges of consecutive ones, in order (duplicates counted once).
+
+    A claim's offsets are mostly one run: that case costs a sort, not a Python step per offset.
+    """
+    ordered = sorted(set(offsets))
+    if not ordered:
+        return []
+    if ordered[-1] - ordered[0] + 1 == len(ordered):
+        return [(ordered[0], len(ordered))]
+    starts = [0, *(i for i in range(1, len(ordered)) if ordered[i] != ordered[i - 1] + 1), len(ordered)]
+    return [(ordered[start], stop - start) for start, stop in zip(starts, starts[1:])]
 
 
 @final
