@@ -762,9 +762,11 @@ class StoreApi(Protocol):
         ``next_offset`` is the group's cursor (its next offset never handed out)."""
         ...
 
-    async def ack(self, group: str, queue: str, member: str, offsets: Sequence[int] = (), *, below: int = 0) -> int:
-        """``member`` processed ``offsets`` (and every offset it holds below ``below``); returns the group's
-        committed offset, durable on return."""
+    async def ack(self, group: str, queue: str, member: str, offsets: Sequence[int] = (), *, below: int = 0,
+                  ranges: Sequence[tuple[int, int]] = ()) -> int:
+        """``member`` processed ``offsets``, the ``(base, count)`` ``ranges`` (a claim's runs of offsets: one
+        per batch record) and every offset it holds below ``below``; returns the group's committed offset,
+        durable on return."""
         ...
 
     async def leave(self, group: str, queue: str, member: str) -> None:

@@ -8,7 +8,8 @@ A group (its name is the offsets owner and the filter holder: ``$group/<name>`` 
 light queue. A *member* is one connected consumer (named within its connection). Hand-out (:class:`GroupState`,
 no I/O): a member's claim gets the offsets other members handed back first (lowest first), then a fair share
 of the backlog from the group's cursor (the backlog divided by the members, so one large claim does not starve
-the others). Offsets stay the member's until it acknowledges them; when it leaves (its connection closed, its
+the others). Offsets stay the member's until it acknowledges them (kept and acknowledged as ``(base, count)``
+ranges, store/offsetranges.py: a batch record's messages are one); when it leaves (its connection closed, its
 node went away: ``leave_node``) what it did not acknowledge goes back to the group, and the claims waiting on
 the group are woken. The group's committed offset is the
 lowest offset not acknowledged (handed back, held, or the cursor), written under the group's name, so a group
@@ -38,9 +39,10 @@ from lightqueue.results import PullResult
 from store.log.aio import AsyncCommitLog
 from store.log.recent import RecentRecords
 from store.log.record import Record, batch_part, decode_record
+from store.offsetranges import OffsetRanges, Range, ranges_of
 
 __all__ = ["DECODED", "WHOLE", "Form", "GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore", "Member",
-           "START_KINDS", "Stored", "entry_offsets", "messages_of", "read_offsets", "served", "start_offset", "stored"]
+           "START_KINDS", "Stored", "entry_offsets", "entry_ranges", "messages_of", "read_offsets", "served", "start_offset", "stored"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -48,9 +50,12 @@ LOGGER = logging.getLogger(__name__)
 START_KINDS = ("earliest", "latest", "offset", "time")
 """Where a group without a committed offset starts (``time``: ms since the epoch)."""
 
-MAX_UNACKED = 10_000
+MAX_UNACKED = 65_536
 """Offsets one member may hold unacknowledged per group: a consumer that claims and never acknowledges stops
-getting more, so the group's held sets (and the cost of computing its committed offset) stay bounded."""
+getting more, so the group's held ranges (and what a leave hands back) stay bounded. Counted in messages, held
+in ranges (a claim of whole batch records is a few): room for several claims of a 1 MiB batch record of small
+messages (about 11,000 of 64 B) in flight, so that a member over the RPC claims the next while it acknowledges
+the last."""
 
 MAX_CLAIM_BYTES = 16 * 1024 * 1024
 """A claim's byte budget is capped at this, so its answer stays far below the RPC frame limit."""
@@ -130,18 +135,19 @@ class GroupState:
     def __init__(self, cursor: int) -> None:
         self.cursor = cursor
         self.returned: list[int] = []  # heap of offsets handed back by members that left
-        self.held: dict[Hashable, set[int]] = {}  # member -> offsets handed to it and not acknowledged
+        self.held: dict[Hashable, OffsetRanges] = {}  # member -> offsets handed to it and not acknowledged
 
     @property
     def members(self) -> int:
         return len(self.held)
 
     def join(self, member: Hashable) -> None:
-        self.held.setdefault(member, set())
+        if member not in self.held:
+            self.held[member] = OffsetRanges()
 
     def leave(self, member: Hashable) -> int:
         """The member is gone: what it holds goes back to the group. Returns how many offsets did."""
-        held = self.held.pop(member, set())
+        held = self.held.pop(member, OffsetRanges())
         for offset in held:
             heapq.heappush(self.returned, offset)
         return len(held)
@@ -167,14 +173,16 @@ class GroupState:
         share = -(-backlog // len(self.held))  # ceiling: the last member's share is never 0
         return taken, min(room - len(taken), share)
 
-    def hand_out(self, member: Hashable, offsets: list[int]) -> None:
-        """The offsets were read for ``member``; if it left meanwhile they go back to the group."""
+    def hand_out(self, member: Hashable, ranges: Iterable[Range]) -> None:
+        """The ``(base, count)`` ranges were read for ``member``; if it left meanwhile they go back to the group."""
         held = self.held.get(member)
         if held is not None:
-            held.update(offsets)
+            for base, count in ranges:
+                held.add(base, count)
         else:
-            for offset in offsets:
-                heapq.heappush(self.returned, offset)
+            for base, count in ranges:
+                for offset in range(base, base + count):
+                    heapq.heappush(self.returned, offset)
 
     def give_back(self, offsets: list[int]) -> None:
         """Offsets taken by :meth:`plan` but not read (the claim's byte budget ran out)."""
@@ -186,14 +194,16 @@ class GroupState:
         if next_offset > self.cursor:
             self.cursor = next_offset
 
-    def ack(self, member: Hashable, offsets: list[int]) -> int:
-        """``member`` processed these offsets; returns how many it held (others were handed back meanwhile)."""
+    def ack(self, member: Hashable, ranges: Iterable[Range], below: int = 0) -> int:
+        """``member`` processed the ``(base, count)`` ranges and every offset it holds below ``below``; returns how
+        many of them it held (others were handed back meanwhile)."""
         held = self.held.get(member)
         if not held:
             return 0
-        before = len(held)
-        held.difference_update(offsets)
-        return before - len(held)
+        done = held.remove_below(below) if below else 0
+        for base, count in ranges:
+            done += held.remove(base, count)
+        return done
 
     def committed(self) -> int:
         """The group's offset: the lowest offset handed back, held, or never handed out."""
@@ -201,8 +211,9 @@ class GroupState:
         if self.returned:
             low = min(low, self.returned[0])
         for held in self.held.values():
-            if held:
-                low = min(low, min(held))
+            first = held.low()
+            if first is not None and first < low:
+                low = first
         return low
 
     def unacked(self) -> int:
@@ -426,14 +437,16 @@ class GroupCoordinator:
             entries, unread, next_offset = await trio.to_thread.run_sync(
                 read_offsets, store, loaded.queue, returned, state.cursor, fresh, max_bytes, form)
         state.give_back(unread)
-        state.hand_out(member, entry_offsets(entries, form))
+        state.hand_out(member, entry_ranges(entries, form))
         if fresh:
             state.advance(next_offset)
         return entries
 
-    async def ack(self, member: Member, group: str, queue: str, offsets: Sequence[int] = (), below: int = 0) -> int:
-        """``member`` processed ``offsets`` and every offset it holds below ``below``; returns the group's
-        committed offset, stored on return as the flush policy promises (a ``Committed`` control record).
+    async def ack(self, member: Member, group: str, queue: str, offsets: Sequence[int] = (), below: int = 0,
+                  ranges: Sequence[Range] = ()) -> int:
+        """``member`` processed ``offsets``, the ``(base, count)`` ``ranges`` (a claim's runs: one per batch record)
+        and every offset it holds below ``below``; returns the group's committed offset, stored on return as the
+        flush policy promises (a ``Committed`` control record).
 
         Offsets the member does not hold (handed to another member since) are ignored.
 
@@ -442,10 +455,7 @@ class GroupCoordinator:
         """
         loaded = self._member_group(member, group, queue)
         state = loaded.state
-        done = list(offsets)
-        if below:
-            done += [o for o in state.held.get(member, ()) if o < below]
-        if state.ack(member, done):
+        if state.ack(member, [*ranges_of(offsets), *ranges], below):
             loaded.wake()  # room under MAX_UNACKED: a claim of this member's that waits for it goes on now
         async with loaded.commit_lock:
             committed = state.committed()
@@ -512,21 +522,27 @@ def read_offsets(store: GroupStore, queue: str, returned: list[int], cursor: int
     return entries, [], result.next_offset
 
 
-def entry_offsets(entries: Sequence[tuple[int, T]], form: Form[T]) -> list[int]:
-    """The queue offset of each message of ``entries`` (:func:`read_offsets`'), in order: in the ``whole`` form a
-    value stands for ``form.count(value)`` messages from its offset."""
-    if form.whole is None:
-        return [qoff for qoff, _ in entries]
+def entry_ranges(entries: Sequence[tuple[int, T]], form: Form[T]) -> list[Range]:
+    """The queue offsets of the messages of ``entries`` (:func:`read_offsets`') as ``(base, count)`` runs, in order:
+    in the ``whole`` form a value stands for ``form.count(value)`` messages from its offset."""
+    if form.whole is None:  # a value per message: their offsets, mostly one run
+        return ranges_of(qoff for qoff, _ in entries)
     count = form.count
-    return [o for qoff, value in entries for o in range(qoff, qoff + count(value))]
+    ranges: list[Range] = []
+    for qoff, value in entries:
+        n = count(value)
+        if ranges and sum(ranges[-1]) == qoff:
+            ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
+        else:
+            ranges.append((qoff, n))
+    return ranges
+
+
+def entry_offsets(entries: Sequence[tuple[int, T]], form: Form[T]) -> list[int]:
+    """The queue offset of each message of ``entries`` (:func:`read_offsets`'), in order."""
+    return [o for base, n in entry_ranges(entries, form) for o in range(base, base + n)]
 
 
 def _runs(offsets: list[int]) -> list[list[int]]:
-    """Sorted offsets in runs of consecutive ones: each run is one queue read."""
-    runs: list[list[int]] = []
-    for offset in sorted(offsets):
-        if runs and runs[-1][-1] + 1 == offset:
-            runs[-1].append(offset)
-        else:
-            runs.append([offset])
-    return runs
+    """Offsets in runs of consecutive ones, in order: each run is one queue read."""
+    return [list(range(base, base + count)) for base, count in ranges_of(offsets)]

@@ -223,8 +223,9 @@ class LocalStore:
         return await self.store.groups.claim(self._member(member), group, queue, max_count, max_bytes, wait_s,
                                              WHOLE)
 
-    async def ack(self, group: str, queue: str, member: str, offsets: Sequence[int] = (), *, below: int = 0) -> int:
-        return await self.store.groups.ack(self._member(member), group, queue, offsets, below)
+    async def ack(self, group: str, queue: str, member: str, offsets: Sequence[int] = (), *, below: int = 0,
+                  ranges: Sequence[tuple[int, int]] = ()) -> int:
+        return await self.store.groups.ack(self._member(member), group, queue, offsets, below, ranges)
 
     async def leave(self, group: str, queue: str, member: str) -> None:
         await self.store.groups.leave(self._member(member), group, queue)

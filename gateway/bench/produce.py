@@ -11,9 +11,13 @@ each mode, a fresh store takes:
 
 The producer sends to one topic for ``--seconds`` (or ``--messages``, whichever comes first), bounded by the
 same ``--total-bytes`` of back-pressure in every mode, while one consumer group member claims (``CLAIM_COUNT`` at
-a time, ``--claims`` claims in flight) and acknowledges each claim while claiming the next. One ``BENCH`` line per mode says: produced/s (acknowledged), consumed/s over the same time and their
-ratio (the seed's consume/produce >= 1: consumption keeps up with production), how long the consumer took to
-catch up after the producer stopped, p99 send latency (send called -> handle done, every ``SAMPLE_EVERY``-th
+a time, ``--claims`` claims in flight) and acknowledges each claim, as ``(base, count)`` ranges, while claiming the
+next (``--reader consumer``: the back-end ``Consumer`` instead, with its defaults, over the RPC). One ``BENCH`` line per mode says: produced/s (acknowledged), consumed/s and their ratio (the seed's
+consume/produce >= 1: consumption keeps up with production) over the production time after ``WARM_UP_S``: the
+messages the consumer got then against those the producer had acknowledged then, so that a lag that stays the
+same (a round trip's worth of messages travelling to the consumer) does not count against it and a lag that grows
+does; the ratio over the whole production time as well (``in_window``: there the last round trip's messages count
+as lag, 3 % of a 3 s window at 100 ms); how long the consumer took to catch up after the producer stopped, p99 send latency (send called -> handle done, every ``SAMPLE_EVERY``-th
 message), bytes on disk per message (CommitLog record bytes; RocksDB index files once the store closed) and
 CPU ms per 1,000 messages (this process, plus the store process for ``rpc``). The summary line compares AutoBatch
 with single sends (issue 30's target: >= 3x).
@@ -38,42 +42,54 @@ import trio
 from gateway.bench.common import emit
 from gateway.bench.peers import HOST, store_process
 from store.api import StoreApi, group_owner
+from store.clients.consumer import Consumer
 from store.clients.producer import Producer
 from store.local import LocalStore
+from store.offsetranges import ranges_of
 from store.log.commitlog import BATCH_COMPRESSIONS, CommitLogConfig
 from store.node import open_store
 from store.rpc.client import RemoteStore
 
 MODES = ("single", "batch", "auto")
+READERS = ("claims", "consumer")
 TARGETS = ("embedded", "rpc")
 
 TOPIC = "bench/produce/telemetry"
-GROUP = group_owner("bench-produce")
+GROUP_NAME = "bench-produce"
+GROUP = group_owner(GROUP_NAME)
 
 SAMPLE_EVERY = 16
 """Sends whose latency is measured: enough samples for a p99 at a cost every mode pays alike."""
 
-CLAIM_COUNT = 5000
-"""Messages a consumer claim asks for: a backlog drains in large steps (a member holds at most
-``store.groups.MAX_UNACKED``, 10,000: a claim gets the room its unacknowledged messages leave)."""
+CLAIM_COUNT = 16_384
+"""Messages a consumer claim asks for: more than a 1 MiB batch record of 64 B messages (about 11,000), so that a
+claim takes batch records whole rather than parts of one (a member holds at most ``store.groups.MAX_UNACKED``,
+65,536: a claim gets the room its unacknowledged messages leave)."""
 
 CLAIMS_IN_FLIGHT = 2
-"""The consumer's claims in flight (``--claims``): with one, it takes at most ``CLAIM_COUNT`` per round trip,
-which over the RPC on a busy machine (100-300 ms) is less than a ``send_batch`` producer sends; the next claim
-travels while the last one is decoded, as a RocketMQ consumer pulls ahead of its processing."""
+"""The consumer's claims in flight (``--claims``): with one, it takes at most ``CLAIM_COUNT`` per round trip; the
+next claim travels (and waits at the store, a long poll answered as soon as dispatch indexed messages) while the
+last one is decoded, as a RocketMQ consumer pulls ahead of its processing."""
+
+WARM_UP_S = 1.0
+"""Of the production time, what the consume/produce ratio leaves out (at most a third of it): the consumer's first
+claim and the store's first batch records, before both run at their rate."""
 
 CATCH_UP_S = 60.0
 """Longest wait for the consumer to reach the last acknowledged message once the producer stopped."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seconds", type=float, default=3.0, help="production time of each mode")
+    parser.add_argument("--seconds", type=float, default=5.0, help="production time of each mode")
     parser.add_argument("--messages", type=int, default=0, help="stop a mode after this many messages (0: no cap)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 1024], help="payload bytes")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
     parser.add_argument("--batch", type=int, default=256, help="messages per send_batch in the batch mode")
     parser.add_argument("--claims", type=int, default=CLAIMS_IN_FLIGHT, help="the consumer's claims in flight")
+    parser.add_argument("--reader", choices=READERS, default="claims",
+                        help="the consumer: claims (--claims of CLAIM_COUNT in flight, on the store API) or consumer "
+                             "(the back-end Consumer with its defaults, iterating with auto-commit; rpc only)")
     parser.add_argument("--total-bytes", type=int, default=1024 * 1024,
                         help="the producer's total_batch_max_bytes (its back-pressure) in every mode")
     parser.add_argument("--flush", choices=("async", "sync"), default="async", help="the store's commitlog.flush")
@@ -90,6 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """One ``BENCH`` line per mode (emitted here); returns the summary."""
+    if args.reader == "consumer" and "embedded" in args.targets:
+        raise SystemExit("lightgate bench produce: --reader consumer reads over the RPC: give --targets rpc")
     rows = []
     with tempfile.TemporaryDirectory(prefix="lightgate-bench-produce-", dir=args.dir) as tmp:
         for n, (target, size, mode) in enumerate(itertools.product(args.targets, args.sizes, args.modes)):
@@ -105,6 +123,8 @@ class _Counts:
     sent: int = 0  # all acknowledged in the end (the producer flushes what it holds)
     consumed: int = 0
     consumed_in_window: int = 0
+    warm: tuple[float, int, int] = (0.0, 0, 0)  # (when, acknowledged, consumed) at the end of the warm-up
+    ended: float = 0.0  # when the production time ended
     producing_s: float = 0.0
     catch_up_s: float = 0.0
     log_bytes: int = 0
@@ -118,9 +138,12 @@ async def _mode(data: Path, target: str, size: int, mode: str, args: argparse.Na
     async with opened as (appender, consumer_store, store_cpu):
         cpu.start(store_cpu)
         async with trio.open_nursery() as nursery:
-            await consumer_store.join(GROUP, TOPIC, "", start="latest")
-            for _ in range(args.claims):
-                nursery.start_soon(_consume, consumer_store, counts)
+            if isinstance(consumer_store, RemoteStore) and args.reader == "consumer":  # run() refuses embedded
+                await nursery.start(_iterate, consumer_store.address, counts)
+            else:
+                await consumer_store.join(GROUP, TOPIC, "", start="latest")
+                for _ in range(args.claims):
+                    nursery.start_soon(_consume, consumer_store, counts)
             await _produce(appender, mode, size, args, counts, latencies)
             start = time.perf_counter()
             with trio.move_on_after(CATCH_UP_S):
@@ -142,6 +165,8 @@ async def _produce(appender: Any, mode: str, size: int, args: argparse.Namespace
     sent = 0
     start = time.perf_counter()
     deadline = start + args.seconds
+    warm = start + min(WARM_UP_S, args.seconds / 3)
+    counts.warm = (start, 0, 0)
     async with Producer.over(appender, client_id=f"bench-{mode}", auto_batch=mode == "auto", durable=durable,
                              total_batch_max_bytes=args.total_bytes) as producer:
         while sent < cap and time.perf_counter() < deadline:
@@ -156,9 +181,12 @@ async def _produce(appender: Any, mode: str, size: int, args: argparse.Namespace
             for index in range(-sent % SAMPLE_EVERY, count, SAMPLE_EVERY):  # every SAMPLE_EVERY-th message sent
                 handles[index].add_done_callback(_latency(sends, latencies))
             sent += count
+            if counts.warm[0] < warm <= time.perf_counter():
+                counts.warm = (time.perf_counter(), producer.statistics().stored, counts.consumed)
         if sent >= cap:  # a count, not a time: until every message is acknowledged
             await producer.flush()
-        counts.producing_s = time.perf_counter() - start
+        counts.ended = time.perf_counter()
+        counts.producing_s = counts.ended - start
         counts.acked = producer.statistics().stored
         counts.consumed_in_window = counts.consumed
         await producer.flush()  # what it holds still goes (a bounded backlog: --total-bytes), not counted
@@ -182,11 +210,22 @@ async def _consume(store: StoreApi, counts: _Counts) -> None:
                 counts.consumed += len(found.messages)
                 await acked.wait()
                 acked = trio.Event()
-                nursery.start_soon(_ack, store, [offset for offset, _ in found.messages], acked)
+                nursery.start_soon(_ack, store, ranges_of(offset for offset, _ in found.messages), acked)
 
 
-async def _ack(store: StoreApi, offsets: list[int], done: trio.Event) -> None:
-    await store.ack(GROUP, TOPIC, "", offsets)
+async def _iterate(address: str, counts: _Counts, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                   ) -> None:
+    """The back-end ``Consumer`` (``--reader consumer``) with its defaults, joined before the producer starts:
+    batches as it iterates (each acknowledged when it asks for the next), counted, until cancelled."""
+    async with Consumer.connect(address, group=GROUP_NAME, filter=TOPIC,
+                                start="latest") as consumer:
+        task_status.started()
+        async for batch in consumer:
+            counts.consumed += len(batch)
+
+
+async def _ack(store: StoreApi, ranges: list[tuple[int, int]], done: trio.Event) -> None:
+    await store.ack(GROUP, TOPIC, "", ranges=ranges)
     done.set()
 
 
@@ -233,14 +272,21 @@ def _row(target: str, size: int, mode: str, args: argparse.Namespace, counts: _C
          index_bytes: int, cpu_s: tuple[float, float]) -> dict[str, Any]:
     acked = max(counts.sent, 1)
     produced_per_s = counts.acked / counts.producing_s
-    consumed_per_s = counts.consumed_in_window / counts.producing_s
+    warm_at, warm_acked, warm_consumed = counts.warm
+    warm_produced = counts.acked - warm_acked
+    warm_consumed = counts.consumed_in_window - warm_consumed
+    consumed_per_s = warm_consumed / (counts.ended - warm_at)
+    in_window_per_s = counts.consumed_in_window / counts.producing_s
     latencies.sort()
     client_s, store_s = cpu_s
     return {
         "target": target, "payload": size, "mode": mode, "acked": counts.acked, "sent": counts.sent,
         "consumed": counts.consumed,
         "produced_per_s": round(produced_per_s), "consumed_per_s": round(consumed_per_s),
-        "consume_produce_ratio": round(consumed_per_s / produced_per_s, 3) if produced_per_s else None,
+        "produced_after_warm_up_per_s": round(warm_produced / (counts.ended - warm_at)),
+        "consume_produce_ratio": round(warm_consumed / warm_produced, 3) if warm_produced else None,
+        "consumed_in_window_per_s": round(in_window_per_s),
+        "consume_produce_in_window": round(in_window_per_s / produced_per_s, 3) if produced_per_s else None,
         "catch_up_s": round(counts.catch_up_s, 3),
         "p99_send_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 2) if latencies else None,
         "disk_bytes_per_message": round((counts.log_bytes + index_bytes) / acked, 1),
@@ -268,7 +314,8 @@ def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"seconds": args.seconds, "messages": args.messages, "batch": args.batch, "total_bytes": args.total_bytes,
-            "flush": args.flush, "durable": args.durable, "compression": args.compression, "claims": args.claims}
+            "flush": args.flush, "durable": args.durable, "compression": args.compression, "claims": args.claims,
+            "reader": args.reader}
 
 
 def _load() -> float:

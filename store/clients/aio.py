@@ -7,6 +7,7 @@ blocking.
         future = await producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
         position = await future
         futures = await producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/on", b"1")])
+        positions = await (await producer.send_batch([b"21.5", b"21.7"], topic="tele/dev-17/temp"))
         await producer.flush()
         await producer.cancel_delayed((await producer.send("cmd/dev-17/off", b"", delay_s=60)).id)
 
@@ -33,10 +34,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from typing import Any, Self, TypeVar, final
+from typing import Any, Self, TypeVar, final, overload
 
-from store.api import Position
-from store.clients.blocking import send_futures
+from store.api import Position, Positions
+from store.clients.blocking import send_futures, send_run
 from store.clients.consumer import Batch, Consumer
 from store.clients.pop import PopConsumer, PopMessage, Receipt
 from store.clients.producer import Message, Producer, ProducerStatistics
@@ -78,12 +79,28 @@ class AsyncioProducer(_Asyncio[Producer]):
         (future,) = await self._queued([Message(topic, payload, **options)])
         return future
 
-    async def send_batch(self, messages: Iterable[Message]) -> list[asyncio.Future[Position]]:
+    @overload
+    async def send_batch(self, messages: Iterable[Message]) -> list[asyncio.Future[Position]]: ...
+
+    @overload
+    async def send_batch(self, messages: Iterable[bytes], *, topic: str,
+                         **options: Any) -> asyncio.Future[Positions]: ...
+
+    async def send_batch(self, messages: Iterable[Message] | Iterable[bytes], *, topic: str | None = None,
+                         **options: Any) -> list[asyncio.Future[Position]] | asyncio.Future[Positions]:
         """``Producer.send_batch``: the messages in one request; a future per message, in order.
+
+        With ``topic``, ``messages`` are payloads, all sent to ``topic`` with the same ``options`` (``send``'s):
+        the cheap form (no object per message), one future of their ``Positions`` (raising the first failed
+        message's error: a payload too large fails alone at the store, as in the other form).
 
         Raises: ``Producer.send``'s errors, for any of the messages (then none is sent).
         """
-        return await self._queued(list(messages))
+        if topic is not None:
+            queued = send_run(self._thread, self._client, list(messages), topic, options)  # type: ignore[arg-type]
+            batch = await asyncio.wrap_future(queued)
+            return asyncio.wrap_future(batch)
+        return await self._queued(list(messages))  # type: ignore[arg-type]
 
     async def _queued(self, messages: list[Message]) -> list[asyncio.Future[Position]]:
         queued = send_futures(self._thread, self._client, messages)

@@ -6,6 +6,7 @@
         future = producer.send("cmd/dev-17/reboot", b"now", qos=1, content_type="text/plain")
         position = future.result()    # appended (durable: on disk by default)
         futures = producer.send_batch([Message("cmd/dev-18/reboot", b"now"), Message("cmd/dev-19/reboot", b"now")])
+        positions = producer.send_batch([b"21.5", b"21.7"], topic="tele/dev-17/temp").result()  # one future
         producer.flush()              # or: wait for everything sent so far
         producer.cancel_delayed(producer.send("cmd/dev-17/off", b"", delay_s=60).result().id)
 
@@ -34,32 +35,40 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Self, TypeVar, final
+from typing import Any, Self, TypeVar, final, overload
 
 import trio
 
-from store.api import Position
+from store.api import Position, Positions
 from store.clients.consumer import Batch, Consumer
 from store.clients.pop import PopConsumer, PopMessage, Receipt
-from store.clients.producer import Message, Producer, ProducerStatistics, SendHandle
+from store.clients.producer import BatchHandle, Message, Producer, ProducerStatistics, SendHandle
 from store.clients.threaded import Face, TrioThread
 
-__all__ = ["BlockingConsumer", "BlockingPopConsumer", "BlockingProducer", "Message", "send_futures"]
+__all__ = ["BlockingConsumer", "BlockingPopConsumer", "BlockingProducer", "Message", "send_futures", "send_run"]
 
 T = TypeVar("T")
 
 
-def future_of(handle: SendHandle) -> concurrent.futures.Future[Position]:
-    """The handle's outcome as a future any thread can wait on (made on the trio thread)."""
-    future: concurrent.futures.Future[Position] = concurrent.futures.Future()
+@overload
+def future_of(handle: SendHandle) -> concurrent.futures.Future[Position]: ...
 
-    def settle(done: SendHandle) -> None:
+
+@overload
+def future_of(handle: BatchHandle) -> concurrent.futures.Future[Positions]: ...
+
+
+def future_of(handle: SendHandle | BatchHandle) -> concurrent.futures.Future[Any]:
+    """The handle's outcome as a future any thread can wait on (made on the trio thread)."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def settle(done: SendHandle | BatchHandle) -> None:
         try:
             future.set_result(done.result())
         except Exception as exc:  # the send's error, for the waiter to raise
             future.set_exception(exc)
 
-    handle.add_done_callback(settle)
+    handle.add_done_callback(settle)  # type: ignore[arg-type]  # each handle calls back with itself
     return future
 
 
@@ -81,6 +90,17 @@ def send_futures(thread: TrioThread[Producer], producer: Producer, messages: lis
 
     async def send() -> list[concurrent.futures.Future[Position]]:
         return [future_of(handle) for handle in await producer.send_batch(messages)]
+
+    return thread.submit(send)
+
+
+def send_run(thread: TrioThread[Producer], producer: Producer, payloads: list[bytes], topic: str,
+             options: dict[str, Any]) -> concurrent.futures.Future[concurrent.futures.Future[Positions]]:
+    """``producer.send_batch(payloads, topic=topic, **options)`` from another thread: completes with the one future
+    of the batch's ``Positions`` once it is queued (after the producer's back-pressure wait, if any)."""
+
+    async def send() -> concurrent.futures.Future[Positions]:
+        return future_of(await producer.send_batch(payloads, topic=topic, **options))
 
     return thread.submit(send)
 
@@ -116,12 +136,26 @@ class BlockingProducer(_Blocking[Producer]):
         (future,) = send_futures(self._thread, self._client, [Message(topic, payload, **options)]).result()
         return future
 
-    def send_batch(self, messages: Iterable[Message]) -> list[concurrent.futures.Future[Position]]:
+    @overload
+    def send_batch(self, messages: Iterable[Message]) -> list[concurrent.futures.Future[Position]]: ...
+
+    @overload
+    def send_batch(self, messages: Iterable[bytes], *, topic: str,
+                   **options: Any) -> concurrent.futures.Future[Positions]: ...
+
+    def send_batch(self, messages: Iterable[Message] | Iterable[bytes], *, topic: str | None = None,
+                   **options: Any) -> list[concurrent.futures.Future[Position]] | concurrent.futures.Future[Positions]:
         """``Producer.send_batch``: the messages in one request; a future per message, in order.
+
+        With ``topic``, ``messages`` are payloads, all sent to ``topic`` with the same ``options`` (``send``'s):
+        the cheap form (no object per message), one future of their ``Positions`` (raising the first failed
+        message's error: a payload too large fails alone at the store, as in the other form).
 
         Raises (at once): ``Producer.send``'s errors, for any of the messages (then none is sent).
         """
-        return send_futures(self._thread, self._client, list(messages)).result()
+        if topic is not None:
+            return send_run(self._thread, self._client, list(messages), topic, options).result()  # type: ignore[arg-type]
+        return send_futures(self._thread, self._client, list(messages)).result()  # type: ignore[arg-type]
 
     def flush(self) -> None:
         """Return once every message sent before the call is stored or failed."""

@@ -32,6 +32,9 @@ order above it included): handle duplicates (or make the handling idempotent).
 
 Waiting: a claim long-polls the store (``wait_s``), which answers as soon as
 the queue gets messages (the store's notify wakes it) or offsets are handed back.
+A commit sends a batch's offsets as ``(base, count)`` runs (a batch record's
+messages: one); iterating with auto-commit, a batch's acknowledgement travels
+while the loop claims the next batch, so a loop step costs one round trip, not two.
 
 Reconnecting: if the connection to the store breaks, the consumer waits for
 the client to reconnect, joins again and goes on; what it had not acknowledged
@@ -44,8 +47,9 @@ correlation data, message expiry), ``message.raw_properties`` the stored block.
 Blocking code and asyncio: store/clients/blocking.py and store/clients/aio.py
 run this very consumer on a trio thread of their own.
 
-Resource handling: ``connect`` owns the connection; leaving the block leaves
-the group (the unacknowledged messages go to the other members) and closes it.
+Resource handling: ``connect`` owns the connection and the auto-commit in flight;
+leaving the block waits for that, leaves the group (the unacknowledged messages go
+to the other members) and closes it.
 """
 
 from __future__ import annotations
@@ -62,14 +66,21 @@ import trio
 from store.clients.producer import unique_client_name
 from store.clients.properties import MessageProperties, decode_properties
 from store.api import Record, StoreUnavailable, group_owner
+from store.offsetranges import ranges_of
 from store.rpc.client import RemoteStore
+from store.rpc.connection import Call
+from store.tasks import background
 
 __all__ = ["Batch", "Consumer", "ConsumerMessage", "queue_of", "start_position"]
 
 LOGGER = logging.getLogger(__name__)
 
-MAX_COUNT = 256
-"""Default messages per claim: a batch large enough to amortise the round trip, small enough to share the backlog."""
+MAX_COUNT = 16_384
+"""Default messages per claim: more than a 1 MiB batch record of small messages (about 11,000 of 64 B), so that a
+claim is bounded by ``max_bytes`` and takes batch records whole: a consumer behind a ``send_batch`` producer at
+40-50k messages/s over a loaded store's round trips of 100-300 ms needs that many per round trip (with 1,024 it
+took 5k/s, docs/benchmarks.md); a member's share of the backlog caps it when there are several, and a claim
+takes what there is, not 16,384, once the member is caught up."""
 
 MAX_BYTES = 4 * 1024 * 1024
 """Default byte budget of a claim (a claim always gets at least one message when there is one)."""
@@ -156,6 +167,11 @@ class Batch(Sequence[ConsumerMessage]):
     def offsets(self) -> list[int]:
         return [m.offset for m in self.messages]
 
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """The batch's offsets as ``(base, count)`` runs: what a commit sends (a batch record's messages: one)."""
+        return ranges_of(m.offset for m in self.messages)
+
 
 def queue_of(filter: str) -> str:
     """The queue a consumer reads for ``filter``: a first-level topic ``tele`` is read as ``tele/#``, as
@@ -187,7 +203,10 @@ class Consumer:
     """One member of a consumer group; create it with :meth:`connect`, then iterate over batches."""
 
     def __init__(self, client: RemoteStore, group: str, filter: str, start: tuple[str, int], *,
-                 max_count: int, max_bytes: int, wait_s: float, auto_commit: bool) -> None:
+                 max_count: int, max_bytes: int, wait_s: float, auto_commit: bool,
+                 nursery: trio.Nursery | None = None) -> None:
+        self._nursery = nursery  # where an auto-commit travels (none: the loop waits for each)
+        self._committing: Call | None = None  # the auto-commit in flight (of the batch before the loop's)
         self.client = client
         self.group = group
         self.filter = filter
@@ -243,15 +262,17 @@ class Consumer:
         filter = queue_of(filter)
         position = start_position(start)  # a bad start fails before connecting
         async with RemoteStore.connect(host, port, node=client_id or unique_client_name("consumer"),
-                                             timeout_s=timeout_s, username=username, password=password) as client:
+                                             timeout_s=timeout_s, username=username, password=password) as client, \
+                background() as nursery:  # the auto-commit in flight's
             consumer = cls(client, group, filter, position, max_count=max_count, max_bytes=max_bytes,
-                           wait_s=wait_s, auto_commit=auto_commit)
+                           wait_s=wait_s, auto_commit=auto_commit, nursery=nursery)
             await consumer._join()
             try:
                 yield consumer
             finally:
                 with trio.CancelScope(shield=True), trio.move_on_after(2.0):
                     try:
+                        await consumer._committed_all()  # the last auto-commit in flight lands before the leave
                         await client.leave(group_owner(group), filter, "")
                     except OSError:  # the connection is gone: the store hands the messages back anyway
                         pass
@@ -290,22 +311,47 @@ class Consumer:
         Raises:
             StoreUnavailable: the connection broke: not acknowledged (the messages will be delivered again).
         """
-        offsets = batch.offsets if isinstance(batch, Batch) else list(batch)
-        if offsets:
-            self.committed = await self.client.ack(self._owner, self.filter, "", offsets)
+        ranges = batch.ranges if isinstance(batch, Batch) else ranges_of(batch)
+        if ranges:
+            self.committed = await self.client.ack(self._owner, self.filter, "", ranges=ranges)
         return self.committed
 
     async def __aiter__(self) -> AsyncIterator[Batch]:
         """Batches as they come (empty polls are not yielded); with ``auto_commit`` each is acknowledged when the
-        loop asks for the next one, so a batch whose handling raised is not."""
+        loop asks for the next one, so a batch whose handling raised is not: the acknowledgement travels while the
+        loop gets the next batch (one in flight; ``committed`` follows when it is answered, and leaving waits for
+        it)."""
         while True:
             batch = await self.poll()
             if not batch:
                 continue
             yield batch
-            if self._auto_commit:
-                try:
-                    await self.commit(batch)
-                except StoreUnavailable as exc:
-                    LOGGER.warning("batch not acknowledged (it will be delivered again): %s", exc,
-                                   extra={"ctx": {"group": self.group, "filter": self.filter}})
+            if not self._auto_commit:
+                continue
+            if self._committing is not None:
+                await self._committing.wait()  # one acknowledgement in flight: they are stored in order
+            self._committing = committing = Call()
+            if self._nursery is not None:  # it travels while the loop takes the next batch
+                self._nursery.start_soon(self._auto_commit_of, batch, committing)
+            else:
+                await self._auto_commit_of(batch, committing)
+
+    async def _committed_all(self) -> None:
+        """Return once the auto-commit in flight, if any, is answered (its error is the loop's, not the leave's)."""
+        committing, self._committing = self._committing, None
+        if committing is not None:
+            try:
+                await committing.wait()
+            except Exception:  # a commit that failed: its messages are delivered again
+                pass
+
+    async def _auto_commit_of(self, batch: Batch, call: Call) -> None:
+        try:
+            await self.commit(batch)
+        except StoreUnavailable as exc:
+            LOGGER.warning("batch not acknowledged (it will be delivered again): %s", exc,
+                           extra={"ctx": {"group": self.group, "filter": self.filter}})
+        except Exception as exc:  # the loop's to raise, when it acknowledges the next batch
+            call.fail(exc)
+            return
+        call.set(None)

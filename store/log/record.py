@@ -662,8 +662,23 @@ def _decode_batch(buf: bytes | memoryview, p: int, length: int, record_flags: in
     """The messages ``first`` to ``stop - 1`` of a stored batch body of ``length`` bytes at ``p`` of a record with
     ``record_flags``, at positions ``offset`` + i (raises as :func:`open_batch`, which parses the whole body)."""
     buf, fields = open_batch(buf, p, length, record_flags)
-    return tuple(
-        Record(offset + i, _MESSAGE.size + n_cid + n_props + n_payload, flags, born, store_ms,
-               bytes(buf[c : c + n_cid]).decode(), topic, queues, bytes(buf[q : q + n_props]),
-               bytes(buf[d : d + n_payload]))
-        for i, (flags, born, c, n_cid, q, n_props, d, n_payload) in enumerate(fields[first:stop], first))
+    served = fields[first:stop]
+    if not served:
+        return ()
+    low = served[0][2]
+    body = bytes(buf[low : served[-1][6] + served[-1][7]])  # the served messages' bytes: each slice of it is bytes
+    names: dict[bytes, str] = {}  # a batch's messages mostly share one client id: decoded once
+    header = _MESSAGE.size
+    records: list[Record] = []
+    append = records.append
+    for i, (flags, born, c, n_cid, q, n_props, d, n_payload) in enumerate(served, first):
+        c -= low
+        cid = body[c : c + n_cid]
+        name = names.get(cid)
+        if name is None:
+            name = names[cid] = cid.decode()
+        q -= low
+        d -= low
+        append(Record(offset + i, header + n_cid + n_props + n_payload, flags, born, store_ms, name, topic, queues,
+                      body[q : q + n_props], body[d : d + n_payload]))
+    return tuple(records)

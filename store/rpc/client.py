@@ -439,8 +439,9 @@ class RemoteStore:
         answer = await self._call(lambda rid: rpc.Claim(rid, group, queue, max_count, max_bytes, wait_ms, member))
         return decoded(answer.result)
 
-    async def ack(self, group: str, queue: str, member: str, offsets: Sequence[int] = (), *, below: int = 0) -> int:
-        answer = await self._call(lambda rid: rpc.Ack(rid, group, queue, list(offsets), member, below))
+    async def ack(self, group: str, queue: str, member: str, offsets: Sequence[int] = (), *, below: int = 0,
+                  ranges: Sequence[tuple[int, int]] = ()) -> int:
+        answer = await self._call(lambda rid: rpc.Ack(rid, group, queue, list(offsets), member, below, list(ranges)))
         return answer.value
 
     async def leave(self, group: str, queue: str, member: str) -> None:

@@ -406,7 +406,8 @@ class _Connection:
     async def _ack(self, request: rpc.Ack) -> rpc.Value:
         self._check_group(request.group, request.member)
         return rpc.Value(request.id, await self._store.ack(request.group, request.queue, request.member,
-                                                           request.offsets, below=request.below))
+                                                           request.offsets, below=request.below,
+                                                           ranges=request.ranges))
 
     async def _leave(self, request: rpc.Leave) -> rpc.Done:
         self._check_group(request.group, request.member)

@@ -475,8 +475,9 @@ class Claim(_Message, tag="claim"):
 
 
 class Ack(_Message, tag="ack"):
-    """``StoreApi.ack``: the member processed ``offsets`` and what it holds below ``below``: answered with
-    ``Value(the group's committed offset)``."""
+    """``StoreApi.ack``: the member processed ``offsets``, the ``(base, count)`` ``ranges`` (a claim's runs: a
+    batch record's messages are one) and what it holds below ``below``: answered with ``Value(the group's
+    committed offset)``."""
 
     id: int
     group: str
@@ -484,6 +485,7 @@ class Ack(_Message, tag="ack"):
     offsets: list[int]
     member: str = ""
     below: int = 0
+    ranges: list[tuple[int, int]] = []
 
 
 class Leave(_Message, tag="leave"):

@@ -8,7 +8,7 @@ import trio
 
 from lightqueue.queues import LightQueues
 from store.api import NewMessage, group_owner
-from store.groups import DECODED, MAX_UNACKED, GroupState
+from store.groups import DECODED, MAX_UNACKED, WHOLE, GroupState, entry_ranges
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import encode_record
 from store.node import decode
@@ -26,29 +26,29 @@ def test_members_get_a_fair_share_of_the_backlog_and_never_the_same_offset():
     state.join("b")
     returned, fresh = state.plan("a", max_count=100, head=10)
     assert (returned, fresh) == ([], 5)  # half of the backlog of 10
-    state.hand_out("a", list(range(0, 5)))
+    state.hand_out("a", [(0, 5)])
     state.advance(5)
     returned, fresh = state.plan("b", max_count=100, head=10)
     assert (returned, fresh) == ([], 3)  # ceil(5 / 2)
-    state.hand_out("b", [5, 6, 7])
+    state.hand_out("b", [(5, 3)])
     state.advance(8)
     assert state.plan("a", max_count=1, head=10) == ([], 1)  # max_count caps the share
-    assert state.held == {"a": {0, 1, 2, 3, 4}, "b": {5, 6, 7}}
+    assert {m: list(held) for m, held in state.held.items()} == {"a": [0, 1, 2, 3, 4], "b": [5, 6, 7]}
 
 
 def test_a_leaving_member_hands_back_its_offsets_and_they_go_out_first_lowest_first():
     state = GroupState(cursor=0)
     for member in ("a", "b"):
         state.join(member)
-    state.hand_out("a", [0, 1, 2])
-    state.hand_out("b", [3])
+    state.hand_out("a", [(0, 3)])
+    state.hand_out("b", [(3, 1)])
     state.advance(4)
-    assert state.ack("a", [1]) == 1
+    assert state.ack("a", [(1, 1)]) == 1
     assert state.leave("a") == 2
     assert state.committed() == 0  # handed back is not acknowledged
     returned, fresh = state.plan("b", max_count=10, head=6)
     assert returned == [0, 2] and fresh == 2
-    state.hand_out("b", returned)
+    state.hand_out("b", [(offset, 1) for offset in returned])
     assert state.returned == []
 
 
@@ -57,17 +57,17 @@ def test_committed_is_the_lowest_offset_not_acknowledged():
     state.join("a")
     state.join("b")
     assert state.committed() == 10
-    state.hand_out("a", [10, 11])
-    state.hand_out("b", [12, 13])
+    state.hand_out("a", [(10, 2)])
+    state.hand_out("b", [(12, 2)])
     state.advance(14)
     assert state.committed() == 10
-    state.ack("b", [12, 13])
+    state.ack("b", [(12, 2)])
     assert state.committed() == 10  # acknowledged above a held offset: the group cannot move past it
-    state.ack("a", [10])
+    state.ack("a", [(10, 1)])
     assert state.committed() == 11
-    state.ack("a", [11])
+    state.ack("a", [(11, 1)])
     assert state.committed() == 14
-    assert state.ack("a", [11, 99]) == 0  # not held (any more): ignored
+    assert state.ack("a", [(11, 1), (99, 1)]) == 0  # not held (any more): ignored
 
 
 def test_offsets_read_for_a_member_that_left_meanwhile_go_back_to_the_group():
@@ -75,14 +75,14 @@ def test_offsets_read_for_a_member_that_left_meanwhile_go_back_to_the_group():
     state.join("a")
     state.join("b")
     state.leave("a")
-    state.hand_out("a", [0, 1])
+    state.hand_out("a", [(0, 2)])
     assert sorted(state.returned) == [0, 1] and "a" not in state.held
 
 
 def test_a_member_holding_the_maximum_unacknowledged_gets_nothing_more():
     state = GroupState(cursor=0)
     state.join("a")
-    state.hand_out("a", list(range(MAX_UNACKED)))
+    state.hand_out("a", [(0, MAX_UNACKED)])
     state.advance(MAX_UNACKED)
     assert state.plan("a", max_count=10, head=MAX_UNACKED + 100) == ([], 0)
     with pytest.raises(KeyError):
@@ -236,6 +236,27 @@ async def test_a_claim_waiting_for_room_under_the_unacknowledged_cap_goes_on_whe
             await trio.testing.wait_all_tasks_blocked()
             await groups.ack(A, G, "tele/#", offsets(held[:1]))
     assert offsets(claimed) == [MAX_UNACKED]
+
+
+async def test_a_member_holds_claims_of_whole_batch_records_and_acknowledges_ranges_of_them(store, groups):
+    """Over the RPC (the ``WHOLE`` form) a claim takes batch records whole; a member may hold several of 8,000
+    messages (a consumer with claims in flight: more than 10,000), acknowledges them as ``(base, count)`` ranges,
+    and what it did not acknowledge, inside a record too, goes to another member when it leaves (at least once)."""
+    for record in range(3):
+        await store.append([NewMessage("tele/dev1/temp", b"%d" % (record * 8000 + i)) for i in range(8000)],
+                           batch=True)
+    await store.dispatcher.wait_dispatched(store.log.log.written_offset)
+    await groups.join(A, G, "tele/#", "earliest")
+    claims = [(await groups.claim(A, G, "tele/#", 8000, 16 << 20, 0.0, WHOLE)).messages for _ in range(3)]
+    assert [entry_ranges(entries, WHOLE) for entries in claims] == [[(0, 8000)], [(8000, 8000)], [(16000, 8000)]]
+    assert [len(entries) for entries in claims] == [1, 1, 1]  # one value per batch record
+    assert await groups.ack(A, G, "tele/#", ranges=[(0, 8000), (8100, 7900)]) == 8000
+    await groups.join(B, G, "tele/#")
+    groups.leave_node("a")
+    again = await claim(groups, B, 20_000)
+    assert offsets(again) == [*range(8000, 8100), *range(16000, 24000)]
+    assert payloads(again)[:2] == [b"8000", b"8001"]
+    assert await groups.ack(B, G, "tele/#", ranges=entry_ranges(again, DECODED)) == 24000
 
 
 async def test_a_group_starts_where_it_is_told_when_it_has_no_offset(store, groups):

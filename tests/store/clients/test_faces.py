@@ -302,3 +302,35 @@ def test_every_face_cancels_a_delayed_message_by_the_id_its_send_gave(tmp_path):
         with BlockingProducer.connect("127.0.0.1", port) as producer:
             position = producer.send("delayed/blocking", b"b", deliver_at=later).result(timeout=WAIT_S)
             assert [producer.cancel_delayed(position.id), producer.cancel_delayed(position.id)] == [True, False]
+
+
+def test_every_face_sends_a_batch_of_payloads_to_one_topic_with_one_future(port):
+    """``send_batch(payloads, topic=..., **options)``, the trio producer's cheap form, on the blocking and asyncio
+    faces: one future of the batch's ``Positions`` in order, the options on every message; a bad topic raises at
+    once; a payload too large fails the future (the first failed message's error) and not the others' appends."""
+    too_large = b"x" * (CommitLogConfig().max_record_bytes + 1)
+    with BlockingProducer.connect("127.0.0.1", port) as producer:
+        blocking = producer.send_batch([b"b1", b"b2"], topic="run/a", qos=1, content_type="text/plain")
+        with pytest.raises(TopicError):
+            producer.send_batch([b"b3"], topic="run/+")
+        refused = producer.send_batch([b"b4", too_large], topic="run/a")
+        with pytest.raises(RecordTooLarge):
+            refused.result(WAIT_S)
+        positions = list(blocking.result(WAIT_S))
+
+    async def main() -> list:
+        async with AsyncioProducer.connect("127.0.0.1", port) as producer:
+            sent = await producer.send_batch([b"a1", b"a2"], topic="run/a", qos=1, content_type="text/plain")
+            with pytest.raises(TopicError):
+                await producer.send_batch([b"a3"], topic="run/#")
+            refused = await producer.send_batch([too_large, b"a4"], topic="run/a")
+            with pytest.raises(RecordTooLarge):
+                await refused
+            return list(await sent)
+
+    positions += asyncio.run(main())
+    assert [p.offset for p in positions] == sorted(p.offset for p in positions) and len(positions) == 4
+    messages, _ = blocking_consume(port, "runs", "run/a", 6)  # b4 and a4 stored: only the large one failed
+    by_payload = {m.payload: m for m in messages}
+    assert set(by_payload) == {b"b1", b"b2", b"b4", b"a1", b"a2", b"a4"}
+    assert all(by_payload[p].properties.content_type == "text/plain" for p in (b"b1", b"b2", b"a1", b"a2"))
