@@ -2,7 +2,8 @@
 
 Two ways, in trio's pairing (store/api.py): an append the store can take without waiting (embedded, async flush,
 dispatch not lagging) is done in the step that read its PUBLISH, no worker task: read in a poller round
-(``ReadRound``, gateway/node/poller.py) it joins the round's appends, which go to the store in one
+(``ReadRound``, gateway/node/poller.py; a stream's read, or a polled socket's backlog after a pause, is a round of
+its own: ``Poller.alone``) it joins the round's appends, which go to the store in one
 ``append_nowait`` call when the poller ends the round, before any other task runs; if the store would block, each
 connection's appends go back to the head of its worker queue and take the other way: the connection's worker
 hands them to ``perform``, which awaits ``append`` (one batch per worker step). Either way every append with a

@@ -647,7 +647,7 @@ class Connection:
             if self.paused():
                 await self._until(lambda: not self.paused())
             if self._backlog:  # the packets read before the pause first: the client may send nothing more
-                if not self._decode():
+                if not self._backend.reads.alone(self._decode):
                     return
                 continue
             if not await read(self):
@@ -665,7 +665,7 @@ class Connection:
             return False
         self._traffic.bytes_in += len(data)
         self._decoder.feed(data)
-        return self._decode()
+        return self._backend.reads.alone(self._decode)  # in the poller's round, or a round of its own
 
     def _decode(self) -> bool:
         """Hand the decoded packets to the channel until more bytes are needed or reading pauses (:meth:`paused`:
@@ -733,7 +733,7 @@ class Connection:
                 await self._until(lambda: not self.paused() or self._closing)
                 if self._closing or not self._backlog:
                     break
-                self._decode()
+                self._backend.reads.alone(self._decode)
         finally:
             self._resuming = False
         if not self._closing:

@@ -161,6 +161,19 @@ class Poller:
             except Exception as exc:
                 LOGGER.error("socket's end failed: %r", exc, exc_info=exc, extra={"ctx": {"fd": fd}})
 
+    def alone(self, read: Callable[[], bool]) -> bool:
+        """Run ``read`` (a connection decoding bytes outside the poller's reads: a stream's task, or a polled
+        socket's backlog after a pause) as a round of its own, unless a round is on: what it gathers ends with
+        it in one step, as a round's (a paused publisher's backlog was appended message by message)."""
+        if self.round is not None:
+            return read()
+        current = self.round = ReadRound([])
+        try:
+            return read()
+        finally:
+            self.round = None
+            self._end(current)
+
     async def run(self) -> None:
         """Serve the set until cancelled; then close it.
 
@@ -177,10 +190,7 @@ class Poller:
                     current = self.round = ReadRound(_merged(carried, reported) if carried else reported)
                     carried = self._read(current)
                     self.round = None
-                    try:
-                        self._round_done(current)
-                    except Exception as exc:
-                        LOGGER.error("end of a read round failed: %r", exc, exc_info=exc)
+                    self._end(current)
                     if not carried and len(reported) < MAX_EVENTS:
                         break
                     await trio.lowlevel.checkpoint()
@@ -188,6 +198,13 @@ class Poller:
             for fd in list(self._readers):  # their connections wait for reads no one will make
                 self._drop(fd)
             epoll.close()
+
+    def _end(self, current: ReadRound) -> None:
+        """End a round (``round_done``); a failure there is logged."""
+        try:
+            self._round_done(current)
+        except Exception as exc:
+            LOGGER.error("end of a read round failed: %r", exc, exc_info=exc)
 
     def _read(self, current: ReadRound) -> Events:
         """Call the readers of the round's sockets in order, within its budget; returns the sockets to read in

@@ -1,7 +1,8 @@
 """A read round's QoS 0 PUBLISHes to one topic become batch records (store/node.py ``append_nowait``): against a
 `lightgate serve` process over raw MQTT 5 sockets, nothing a client can observe changes (issue 31, item 2).
 
-One publisher sends a burst in one write, so the node reads it in one round: same-topic runs with and without
+One publisher sends a burst in one write, so the node reads it in one round (or, on a connection its own task reads,
+a WebSocket's, in one round of its own): same-topic runs with and without
 properties, a retained message, a topic alias, a QoS 1 message and a PINGREQ between them. A subscriber gets
 every message in the order sent, with its own properties; the publisher's No Local subscription gets none of
 them; the retained message is the one kept; and the CommitLog holds the runs as batch records, in read order.
@@ -9,12 +10,16 @@ them; the retained message is the one kept; and the CommitLog holds the runs as 
 
 from pathlib import Path
 
-from gateway.mqtt.codec import encode
-from gateway.mqtt.packets import MQTT_5, Pingreq, Pingresp, Puback, Publish, Suback, Subscribe, SubscriptionOptions
+import trio
+from trio_websocket import open_websocket
+
+from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
+from gateway.mqtt.packets import (MQTT_5, Connack, Connect, Pingreq, Pingresp, Puback, Publish, Suback, Subscribe,
+                                  SubscriptionOptions)
 from gateway.mqtt.properties import EMPTY_PROPERTIES, Properties
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import FLAG_BATCH
-from tests.helpers.mqtt_fixtures import raw_client, run_id, running_node
+from tests.helpers.mqtt_fixtures import WAIT_S, raw_client, run_id, running_node
 
 EXPIRY_S = 600
 
@@ -83,3 +88,31 @@ def test_a_read_rounds_qos0_runs_are_batch_records_and_every_client_sees_what_it
     stored = [m.payload for r in records for m in (r.messages if r.flags & FLAG_BATCH else (r,))]
     assert stored == [p.payload for p in burst]  # the log keeps the read order
     assert not any(m.retain for r in batches for m in r.messages)  # it stays a record of its own
+
+
+async def test_a_burst_read_by_the_connections_own_task_is_appended_as_one_round(tmp_path: Path):
+    """A WebSocket connection is read by its task, not the poller (as a polled socket's backlog after a pause):
+    its read's PUBLISHes go to the store together, as a poller round's do, not one append per message."""
+    run = run_id()
+    topic = f"wsround{run}/a"
+    burst = [Publish(topic, b"w%d" % i) for i in range(100)]
+    with running_node(tmp_path / "data", "--ws-port", "8080") as node:
+        ws_port = node.wait_log(lambda doc: doc.get("msg") == "gateway node ready")["ws_port"]
+        decoder = MqttDecoder(role=Role.CLIENT, protocol_level=MQTT_5)
+
+        async def receive(ws) -> object:
+            while (packet := decoder.next_packet()) is NEED_DATA:
+                decoder.feed(await ws.get_message())
+            return packet
+
+        with trio.fail_after(WAIT_S):
+            async with open_websocket("127.0.0.1", ws_port, "/mqtt", use_ssl=False, subprotocols=["mqtt"]) as ws:
+                await ws.send_message(encode(Connect(MQTT_5, f"ws-{run}", True), MQTT_5))
+                assert isinstance(await receive(ws), Connack)
+                await ws.send_message(b"".join(encode(packet, MQTT_5) for packet in [*burst, Pingreq()]))
+                assert isinstance(await receive(ws), Pingresp)
+    with CommitLog.open(tmp_path / "data" / "commitlog", CommitLogConfig()) as log:
+        records = [r for r in log.scan(log.min_offset, 1 << 30).records if r.topic == topic]
+    assert [m.payload for r in records for m in (r.messages if r.flags & FLAG_BATCH else (r,))] == \
+        [p.payload for p in burst]  # in read order
+    assert len(records) < 10 and all(r.flags & FLAG_BATCH for r in records), [len(r.messages) for r in records]
