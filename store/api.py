@@ -252,6 +252,11 @@ class PayloadRun(Sequence[NewMessage]):
             return msgspec.structs.replace(self.like, payload=self.payloads[index])
         return msgspec.structs.replace(self.like, payload=self.payloads[index], born_ms=borns[index])
 
+    def batchable(self, max_record_bytes: int) -> bool:
+        """Whether every message of the run may share batch records (:func:`batchable`): its largest does."""
+        return batchable(msgspec.structs.replace(self.like, payload=max(self.payloads, key=len)),
+                         batch_room(self.like.topic, max_record_bytes))
+
     @classmethod
     def of(cls, messages: Sequence[NewMessage]) -> PayloadRun | None:
         """``messages`` as a run when there are two or more, alike but for their payloads and born times (none
@@ -290,9 +295,7 @@ def _all_batchable(messages: Sequence[NewMessage], max_record_bytes: int) -> boo
     """Whether ``messages``, two or more, may all share batch records (:func:`batchable`): one topic, and the
     largest payload, properties and client id together fit (one pass per field in C, not a check per message)."""
     if isinstance(messages, PayloadRun):
-        like = messages.like
-        return batchable(msgspec.structs.replace(like, payload=max(messages.payloads, key=len)),
-                         batch_room(like.topic, max_record_bytes))
+        return messages.batchable(max_record_bytes)
     if not _same(_TOPIC, messages) or _delayed_or_flow(messages):
         return False
     largest = max(map(len, map(_PAYLOAD, messages))) + max(map(len, map(_PROPERTIES, messages))) + \
