@@ -276,8 +276,8 @@ class PayloadRun(Sequence[NewMessage]):
 _TOPIC, _CLIENT_ID, _PROPERTIES, _DELIVER_AT, _PACKET_ID, _PAYLOAD, _BORN = map(attrgetter, (
     "topic", "client_id", "properties", "deliver_at_ms", "packet_id", "payload", "born_ms"))
 _ALIKE = attrgetter("topic", "client_id", "qos", "retain", "properties", "deliver_at_ms", "packet_id")
-"""What messages of a run share: all of these in one tuple per message, compared in one pass (a pass per field
-cost a third of the store's instructions per message of a QoS 0 flood's read round)."""
+"""What messages of a run share: all of these in one tuple per message, compared in one pass (a pass per field,
+seven of them, cost a QoS 0 flood's read round ~490 more instructions per message: callgrind)."""
 
 
 def _same(field: Callable[[Any], object], messages: Sequence[Any]) -> bool:
