@@ -33,10 +33,11 @@ def test_messages_that_differ_in_more_are_not_a_run(unlike):
 
 @pytest.mark.parametrize("field", [
     {"deliver_at_ms": 1}, {"qos": 2, "packet_id": 9}, {"properties": memoryview(bytearray(b"\x01\x01"))},
-], ids=["delayed", "packet-id", "unhashable"])
+], ids=["delayed", "packet-id", "writable-view"])
 def test_messages_alike_in_what_a_batch_record_cannot_hold_are_not_a_run(field):
     """All compared at once, messages that all share a delay or a packet id are alike, and still no run (a batch
-    record holds neither); a field that cannot be compared (a writable buffer's view) makes none either."""
+    record holds neither); properties that are a view of a writable buffer make none either (the run keeps its
+    first message's properties, to be the same in every message's record)."""
     assert PayloadRun.of([replace(m, **field) for m in MESSAGES]) is None
 
 
