@@ -323,11 +323,18 @@ class StoreNode:
         returns) promises what it did; retained and QoS 2 messages (an MQTT publisher's carry their packet id)
         stay records of their own.
         """
+        max_size = self.log.log.config.max_record_bytes
+        if len(messages) > 1 and messages[0].topic == messages[-1].topic:
+            # A flooding publisher's read, the round's only one: its messages alike but for payload and born time
+            # (a few passes in C, ``PayloadRun.of``) are one run, checked whole, not message by message (that walk
+            # was a fifth of this method's instructions per message, its records' encoding included).
+            run = PayloadRun.of(messages)
+            if run is not None and run.like.qos < 2 and not run.like.retain and run.batchable(max_size):
+                return self._batch(run, now)
         made: list[tuple[bytes, Record]] = []
         singles: list[NewMessage] = []  # the messages since the last run, encoded together
         start = 0
         count = len(messages)
-        max_size = self.log.log.config.max_record_bytes
         while start < count:
             first = messages[start]
             end = start + 1

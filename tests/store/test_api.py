@@ -26,7 +26,19 @@ def test_messages_alike_but_for_payload_and_born_time_are_a_run_that_packs_as_th
 ], ids=["topic", "client-id", "qos", "retain", "properties", "delayed", "packet-id"])
 def test_messages_that_differ_in_more_are_not_a_run(unlike):
     assert PayloadRun.of([*MESSAGES, unlike]) is None
+    assert PayloadRun.of([unlike, *MESSAGES]) is None
+    assert PayloadRun.of([*MESSAGES[:2], unlike, *MESSAGES[2:]]) is None
     assert PayloadRun.of([LIKE]) is None  # one message: nothing to share
+
+
+@pytest.mark.parametrize("field", [
+    {"deliver_at_ms": 1}, {"qos": 2, "packet_id": 9}, {"properties": memoryview(bytearray(b"\x01\x01"))},
+], ids=["delayed", "packet-id", "writable-view"])
+def test_messages_alike_in_what_a_batch_record_cannot_hold_are_not_a_run(field):
+    """All compared at once, messages that all share a delay or a packet id are alike, and still no run (a batch
+    record holds neither); properties that are a view of a writable buffer make none either (the run keeps its
+    first message's properties, to be the same in every message's record)."""
+    assert PayloadRun.of([replace(m, **field) for m in MESSAGES]) is None
 
 
 def test_one_topic_that_fits_is_one_batched_group_and_what_does_not_fit_is_alone():

@@ -6,8 +6,11 @@ from pathlib import Path
 import pytest
 import trio
 
+import store.api
+import store.node
+
 from gateway.app.process import GC_THRESHOLDS, set_collection_policy
-from store.api import NewMessage, PullRequest
+from store.api import NewMessage, PullRequest, batchable
 from store.local import INLINE_PULL, LocalStore
 from store.log.commitlog import CommitLogConfig
 from store.log.errors import LogFullError
@@ -92,6 +95,55 @@ async def test_append_nowait_writes_each_run_of_one_topic_at_qos_0_and_1_as_a_ba
             for (p, m), r in zip(sent, read)] and len(read) == len(sent)
         assert len({r.store_ms for r in read}) == 1  # one append, one store timestamp: batched or not
         assert [r.payload for _, r in node.read("tele/b", 0).messages] == [b"b0"]
+async def test_a_publishers_alike_read_is_checked_whole_and_what_may_not_share_a_batch_record_still_stays_apart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A flooding publisher's read (messages alike but for payload and born time) is one run checked in a few passes,
+    not a ``batchable`` call per message; a retained or QoS 2 run stays single records, a message too large for a
+    batch record stays alone between its neighbours' batch records, a run too large for one record is cut, and every
+    message reads back as sent at the position the append answered."""
+    checks = []
+
+    def counted(message: NewMessage, room: int) -> bool:
+        checks.append(message)
+        return batchable(message, room)
+
+    monkeypatch.setattr(store.node, "batchable", counted)
+    monkeypatch.setattr(store.api, "batchable", counted)
+
+    def alike(count: int, size: int = 64, **fields: object) -> list[NewMessage]:
+        return [NewMessage("tele/d1", i.to_bytes(4, "big") * (size // 4), "pub-1", born_ms=1000 + i, **fields)
+                for i in range(count)]
+
+    def steps(positions: list[int]) -> list[int]:
+        return [b - a for a, b in zip(positions, positions[1:])]
+
+    big = NewMessage("tele/d1", b"x" * (CONFIG.max_record_bytes - 2048), "pub-1", born_ms=5000)
+    appends = {
+        "flood": alike(500), "qos1": alike(50, qos=1), "retained": alike(5, retain=True), "qos2": alike(5, qos=2),
+        "one too large": [*alike(3), big, *alike(3)], "cut": alike(200, size=1024),
+    }
+    async with open_store(tmp_path, CONFIG) as node:
+        positions = {}
+        for name, messages in appends.items():
+            checks.clear()
+            positions[name] = node.append_nowait(messages)
+            assert len(positions[name]) == len(messages)
+            if name in ("flood", "qos1"):
+                assert len(checks) <= 1, name  # checked whole, not once per message
+        assert set(steps(positions["flood"])) == {1} and set(steps(positions["qos1"])) == {1}  # one batch record each
+        assert min(steps(positions["retained"])) > 1 and min(steps(positions["qos2"])) > 1  # records of their own
+        assert steps(positions["one too large"])[:2] == [1, 1] and steps(positions["one too large"])[4:] == [1, 1]
+        assert steps(positions["one too large"])[2] > 1 and steps(positions["one too large"])[3] > 1
+        cut = steps(positions["cut"])
+        assert cut.count(1) >= 190 and 1 <= len(cut) - cut.count(1) <= 5  # a few batch records that fit the limit
+        with trio.fail_after(10):
+            await node.dispatcher.wait_dispatched(node.log.log.written_offset)
+        sent = [(p, m) for name in appends for p, m in zip(positions[name], appends[name])]
+        read = [record for _, record in node.read("tele/d1", 0, max_count=1000, max_bytes=16 << 20).messages]
+        assert [(r.offset, r.payload, r.client_id, r.qos, r.retain, r.born_ms) for r in read] == [
+            (p, m.payload, m.client_id, m.qos, m.retain, m.born_ms) for p, m in sent]
+
+
 async def test_append_nowait_dispatches_its_records_and_routes_their_news_in_the_callers_step(tmp_path: Path):
     """A small append kept in memory is indexed in the step that made it (``Dispatcher.dispatch_now``): the node
     watching its queue can take the news at once (``events_nowait``), without a scheduling round of the event loop
