@@ -7,7 +7,9 @@ closes the store and opens it again (the open's time and the TimerLog entries it
 with the checkpoint), waits until the last message is delivered and reports the dequeue rate (delivered messages
 over the time from the first delivery to the last: with ``--spread 0`` all are due at once and it is the step's
 capacity), the lateness of every message (its delivered record's store time minus its due time: p50, p99, max)
-and the RSS peak of the whole run (the dequeue's working set included).
+and the RSS peak of the whole run (the dequeue's working set included). The CPU per dequeued message is the
+process's CPU time (every thread: the dequeue step, dispatch, RocksDB, the probe) from the reopen until the last
+message fired, over the messages delivered: what the process needs of a core at a due rate, whatever its share.
 
 Undelayed traffic meanwhile (``--probe-hz``): a probe appends a QoS 1 message to a topic of its own at that rate
 and times its round trip (append acknowledged, then indexed by dispatch: readable by a subscriber), while the
@@ -89,6 +91,7 @@ async def _run(data: Path, args: argparse.Namespace) -> dict[str, Any]:
         reopen_s = time.perf_counter() - opened
         entries_read = node.timers.entries_read
         probe = _Probe(node, first_due, first_due + spread_ms)
+        cpu_from = time.process_time()
         with trio.fail_after(lead_ms / 1000 + spread_s + 600):
             async with trio.open_nursery() as nursery:
                 if args.probe_hz:
@@ -96,6 +99,7 @@ async def _run(data: Path, args: argparse.Namespace) -> dict[str, Any]:
                 while node.timers.pending:
                     await trio.sleep(0.1)  # polling the figure the bench reports on, not a synchronisation
                 nursery.cancel_scope.cancel()
+        firing_cpu_s = time.process_time() - cpu_from
         lateness, first_went, last_went = await trio.to_thread.run_sync(_delivered, node)
     delivered = sum(lateness.values())
     return {
@@ -109,6 +113,7 @@ async def _run(data: Path, args: argparse.Namespace) -> dict[str, Any]:
         "disk_bytes_per_pending": round((disk_pending - disk_before) / max(1, count)),
         "reopen_s": round(reopen_s, 3), "timer_entries_read_on_open": entries_read,
         "probe_round_trip_ms": probe.figures() if args.probe_hz else None,
+        "cpu_us_per_dequeued": round(firing_cpu_s * 1e6 / delivered, 1) if delivered else None,
         "load_average": round(os.getloadavg()[0], 2),
     }
 
