@@ -5,7 +5,7 @@ chain: the entries due in that second or before are fired in due order once due,
 ``TICK_MS`` (never early: a batch takes what is due when it starts), the others
 (placed there because they were due beyond the window, or a later revolution of the ring) are rolled. Firing
 re-appends each message to its real topic (normal dispatch, notify and delivery from there), ``CHUNK`` messages per
-write with a ``TimersFired`` record naming their entries, so the log itself says what was dequeued: after a crash
+write (those of one topic as batch records, in due order) with a ``TimersFired`` record naming their entries, so the log itself says what was dequeued: after a crash
 the entries whose ``TimersFired`` reached the log are done, the others fire again, and none fires twice. Each
 write waits until dispatch has applied the previous one. What takes long per batch (reading the slot's chain and
 sorting it, reading and decoding the ``Delayed`` records) runs in worker threads: the event loop, which undelayed
@@ -22,7 +22,7 @@ from typing import Awaitable, Callable, Sequence, final
 
 import trio
 
-from store.api import NewMessage
+from store.api import NewMessage, by_topic
 from store.control import Control, ControlError, Delayed, TimersFired, TimersRolled, decode_control
 from store.log.aio import LatencyBuckets
 from store.log.commitlog import CommitLog
@@ -53,8 +53,10 @@ RETRY_S = 1.0
 """After a failed append (a full disk), the step tries again this much later: nothing is dropped."""
 
 Append = Callable[[Sequence[Control], Sequence[NewMessage]], Awaitable[int]]
-"""``append(controls, messages)``: the messages, then the control records, in one CommitLog write; returns once
-dispatch applied them (``StoreNode.append_control``)."""
+"""``append(controls, messages)``: the messages, then the control records, in one CommitLog write, each run of
+same-topic messages as batch records (the step passes them grouped by topic, each topic in due order): a record
+and an index entry per run, not per message, in the step of the event loop where dispatch indexes the write;
+returns once dispatch applied them (``StoreNode.append_control``)."""
 
 LATENESS_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 60.0)
 """Buckets (seconds) of how late fired messages went out: the goal is p99 under 0.2 s, the promise under 1 s."""
@@ -150,8 +152,9 @@ class Dequeue:
         messages = await trio.to_thread.run_sync(self._messages, batch)
         for start in range(0, len(batch), CHUNK):
             chunk = batch[start:start + CHUNK]
+            fired = [message for message in messages[start:start + CHUNK] if message is not None]
             await self._append([TimersFired([_ref(item) for item in chunk])],
-                               [message for message in messages[start:start + CHUNK] if message is not None])
+                               [fired[i] for run in by_topic(fired) for i in run])
             now = now_ms()
             for _, entry in chunk:
                 self.lateness.observe(max(0, now - entry.due_ms) / 1000)
