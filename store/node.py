@@ -791,8 +791,9 @@ def _leading(replication: Replication | None) -> Callable[[], bool]:
     return lambda: not replication.fenced and replication.controller.leader_lease_valid()
 
 
-async def _append_fired(node: StoreNode, controls: Sequence[Control], messages: Sequence[NewMessage]) -> int:
-    return await node.append_control(controls, messages=messages, batch=True)
+async def _append_fired(node: StoreNode, controls: Sequence[Control], messages: Sequence[NewMessage],
+                        batch: bool) -> int:
+    return await node.append_control(controls, messages=messages, batch=batch)
 
 
 SPACE_PROBE_S = 1.0
