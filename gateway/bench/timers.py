@@ -53,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lead", type=float, default=None,
                         help="seconds from the start to the first due time (default: 5 + 1 per 10,000 messages)")
     parser.add_argument("--payload", type=int, default=64, help="payload bytes of each message")
+    parser.add_argument("--topics", type=int, default=100, help="topics the messages go to, in turn")
     parser.add_argument("--probe-hz", type=float, default=20.0,
                         help="undelayed QoS 1 round trips timed per second (0: none)")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
@@ -78,7 +79,7 @@ async def _run(data: Path, args: argparse.Namespace) -> dict[str, Any]:
             batch = []
             for i in range(start, min(count, start + BATCH)):
                 due = first_due + i * spread_ms // count
-                batch.append(NewMessage(f"bench/{i % 100}", DUE.pack(due) + filler, "bench", 1, deliver_at_ms=due))
+                batch.append(NewMessage(f"bench/{i % args.topics}", DUE.pack(due) + filler, "bench", 1, deliver_at_ms=due))
             await node.append(batch)
         await node.dispatcher.wait_dispatched(node.log.log.written_offset)
         scheduled_s = time.perf_counter() - started
@@ -100,10 +101,10 @@ async def _run(data: Path, args: argparse.Namespace) -> dict[str, Any]:
                     await trio.sleep(0.1)  # polling the figure the bench reports on, not a synchronisation
                 nursery.cancel_scope.cancel()
         firing_cpu_s = time.process_time() - cpu_from
-        lateness, first_went, last_went = await trio.to_thread.run_sync(_delivered, node)
+        lateness, first_went, last_went = await trio.to_thread.run_sync(_delivered, node, args.topics)
     delivered = sum(lateness.values())
     return {
-        "messages": count, "due_per_s": round(count / spread_s) if spread_s else None,
+        "messages": count, "topics": args.topics, "due_per_s": round(count / spread_s) if spread_s else None,
         "pending_after_scheduling": pending, "delivered": delivered,
         "scheduled_per_s": round(count / scheduled_s),
         "dequeued_per_s": round(delivered * 1000 / max(1, last_went - first_went)) if delivered else 0,
@@ -158,12 +159,12 @@ def _percentiles(counts: Counter[int] | Counter[float]) -> dict[str, float] | No
     return found
 
 
-def _delivered(node: StoreNode) -> tuple[Counter[int], int, int]:
+def _delivered(node: StoreNode, topics: int) -> tuple[Counter[int], int, int]:
     """The lateness (ms -> messages) of every delivered message, and the store times of the first and the last
     (blocking: reads the topics' queues; counts, not a list: 10 M messages would be a gigabyte of tuples)."""
     lateness: Counter[int] = Counter()
     first, last = 1 << 63, 0
-    for topic in range(100):
+    for topic in range(topics):
         offset = 0
         while True:
             result = node.read(f"bench/{topic}", offset, max_count=4096, max_bytes=16 << 20)
