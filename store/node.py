@@ -257,11 +257,12 @@ class StoreNode:
         return _positions(made, offsets)
 
     async def append_control(self, controls: Sequence[Control], *, durable: bool | None = None,
-                             applied: bool = True, messages: Sequence[NewMessage] = ()) -> int:
+                             applied: bool = True, messages: Sequence[NewMessage] = (), batch: bool = False) -> int:
         """Append control records (store/control.py) in one CommitLog write and return once dispatch has applied
         them: what they say is then both stored (as the flush policy, or ``durable``, promises) and readable.
         ``applied`` False: return once stored (state nobody reads before the next start: the client ledger).
-        ``messages`` go first in the same write (the timer's fired messages with the record that ends them).
+        ``messages`` go first in the same write (the timer's fired messages with the record that ends them);
+        ``batch``: each run of consecutive same-topic messages as batch records (:meth:`_encode_runs`).
 
         Returns:
             the CommitLog offset just past the last of them.
@@ -270,14 +271,17 @@ class StoreNode:
             ValueError: one does not encode (``RecordTooLarge``: a session blob over the record limit).
             OSError: the write failed (``LogFullError``: the disk is full); nothing was appended.
         """
-        return (await self.write_controls(controls, durable=durable, applied=applied, messages=messages))[-1]
+        return (await self.write_controls(controls, durable=durable, applied=applied, messages=messages,
+                                          batch=batch))[-1]
 
     async def write_controls(self, controls: Sequence[Control], *, durable: bool | None = None,
-                             applied: bool = True, messages: Sequence[NewMessage] = ()) -> list[int]:
+                             applied: bool = True, messages: Sequence[NewMessage] = (),
+                             batch: bool = False) -> list[int]:
         """:meth:`append_control`, returning the CommitLog offset of each record (``messages`` first), then the
         offset just past the last: a control record's own offset is its identity (a POP checkpoint's)."""
         now = now_ms()
-        made = self._encode(messages, now) + encode_all(controls, now, self.log.log.config.max_record_bytes)
+        made = (self._encode_runs if batch else self._encode)(messages, now) + \
+            encode_all(controls, now, self.log.log.config.max_record_bytes)
         self.space.check()  # not only the log's room: what dispatch derives from them is written to RocksDB
         offsets = await self._write([raw for raw, _ in made], durable)
         self._appended(made, offsets)
@@ -794,8 +798,9 @@ def _leading(replication: Replication | None) -> Callable[[], bool]:
     return lambda: not replication.fenced and replication.controller.leader_lease_valid()
 
 
-async def _append_fired(node: StoreNode, controls: Sequence[Control], messages: Sequence[NewMessage]) -> int:
-    return await node.append_control(controls, messages=messages)
+async def _append_fired(node: StoreNode, controls: Sequence[Control], messages: Sequence[NewMessage],
+                        batch: bool) -> int:
+    return await node.append_control(controls, messages=messages, batch=batch)
 
 
 SPACE_PROBE_S = 1.0

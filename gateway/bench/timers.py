@@ -7,7 +7,10 @@ closes the store and opens it again (the open's time and the TimerLog entries it
 with the checkpoint), waits until the last message is delivered and reports the dequeue rate (delivered messages
 over the time from the first delivery to the last: with ``--spread 0`` all are due at once and it is the step's
 capacity), the lateness of every message (its delivered record's store time minus its due time: p50, p99, max)
-and the RSS peak of the whole run (the dequeue's working set included).
+and the RSS peak of the whole run (the dequeue's working set included). The CPU per dequeued message is the
+process's CPU time (every thread: the dequeue step, dispatch, RocksDB, the probe) from the first due time until the
+last message fired, over the messages delivered: what the process needs of a core at a due rate, whatever its
+share (not from the reopen: the wait until the first due time holds RocksDB's compactions of the scheduling).
 
 Undelayed traffic meanwhile (``--probe-hz``): a probe appends a QoS 1 message to a topic of its own at that rate
 and times its round trip (append acknowledged, then indexed by dispatch: readable by a subscriber), while the
@@ -51,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lead", type=float, default=None,
                         help="seconds from the start to the first due time (default: 5 + 1 per 10,000 messages)")
     parser.add_argument("--payload", type=int, default=64, help="payload bytes of each message")
+    parser.add_argument("--topics", type=int, default=100, help="topics the messages go to, in turn")
     parser.add_argument("--probe-hz", type=float, default=20.0,
                         help="undelayed QoS 1 round trips timed per second (0: none)")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
@@ -76,7 +80,7 @@ async def _run(data: Path, args: argparse.Namespace) -> dict[str, Any]:
             batch = []
             for i in range(start, min(count, start + BATCH)):
                 due = first_due + i * spread_ms // count
-                batch.append(NewMessage(f"bench/{i % 100}", DUE.pack(due) + filler, "bench", 1, deliver_at_ms=due))
+                batch.append(NewMessage(f"bench/{i % args.topics}", DUE.pack(due) + filler, "bench", 1, deliver_at_ms=due))
             await node.append(batch)
         await node.dispatcher.wait_dispatched(node.log.log.written_offset)
         scheduled_s = time.perf_counter() - started
@@ -89,17 +93,21 @@ async def _run(data: Path, args: argparse.Namespace) -> dict[str, Any]:
         reopen_s = time.perf_counter() - opened
         entries_read = node.timers.entries_read
         probe = _Probe(node, first_due, first_due + spread_ms)
+        cpu_from: float | None = None
         with trio.fail_after(lead_ms / 1000 + spread_s + 600):
             async with trio.open_nursery() as nursery:
                 if args.probe_hz:
                     nursery.start_soon(probe.run, 1 / args.probe_hz)
                 while node.timers.pending:
+                    if cpu_from is None and now_ms() >= first_due:
+                        cpu_from = time.process_time()
                     await trio.sleep(0.1)  # polling the figure the bench reports on, not a synchronisation
                 nursery.cancel_scope.cancel()
-        lateness, first_went, last_went = await trio.to_thread.run_sync(_delivered, node)
+        firing_cpu_s = time.process_time() - (cpu_from or time.process_time())
+        lateness, first_went, last_went = await trio.to_thread.run_sync(_delivered, node, args.topics)
     delivered = sum(lateness.values())
     return {
-        "messages": count, "due_per_s": round(count / spread_s) if spread_s else None,
+        "messages": count, "topics": args.topics, "due_per_s": round(count / spread_s) if spread_s else None,
         "pending_after_scheduling": pending, "delivered": delivered,
         "scheduled_per_s": round(count / scheduled_s),
         "dequeued_per_s": round(delivered * 1000 / max(1, last_went - first_went)) if delivered else 0,
@@ -109,6 +117,7 @@ async def _run(data: Path, args: argparse.Namespace) -> dict[str, Any]:
         "disk_bytes_per_pending": round((disk_pending - disk_before) / max(1, count)),
         "reopen_s": round(reopen_s, 3), "timer_entries_read_on_open": entries_read,
         "probe_round_trip_ms": probe.figures() if args.probe_hz else None,
+        "cpu_us_per_dequeued": round(firing_cpu_s * 1e6 / delivered, 1) if delivered else None,
         "load_average": round(os.getloadavg()[0], 2),
     }
 
@@ -153,12 +162,12 @@ def _percentiles(counts: Counter[int] | Counter[float]) -> dict[str, float] | No
     return found
 
 
-def _delivered(node: StoreNode) -> tuple[Counter[int], int, int]:
+def _delivered(node: StoreNode, topics: int) -> tuple[Counter[int], int, int]:
     """The lateness (ms -> messages) of every delivered message, and the store times of the first and the last
     (blocking: reads the topics' queues; counts, not a list: 10 M messages would be a gigabyte of tuples)."""
     lateness: Counter[int] = Counter()
     first, last = 1 << 63, 0
-    for topic in range(100):
+    for topic in range(topics):
         offset = 0
         while True:
             result = node.read(f"bench/{topic}", offset, max_count=4096, max_bytes=16 << 20)

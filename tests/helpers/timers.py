@@ -8,9 +8,10 @@ from store.log.record import Record, now_ms
 from store.node import StoreNode
 
 
-def delayed_record(offset: int, due_ms: int, store_ms: int = 0) -> tuple[Record, Delayed]:
-    """A Delayed record at ``offset``, due at ``due_ms``, stored at ``store_ms`` (default: a second before)."""
-    control = Delayed("c", "t", due_ms, b"x")
+def delayed_record(offset: int, due_ms: int, store_ms: int = 0, client: str = "c") -> tuple[Record, Delayed]:
+    """A Delayed record of ``client`` at ``offset``, due at ``due_ms``, stored at ``store_ms`` (default: a second
+    before)."""
+    control = Delayed(client, "t", due_ms, b"x")
     _, record = encode_control(control, store_ms or due_ms - 1000, 1 << 20)
     record.offset = offset
     return record, control

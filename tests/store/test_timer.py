@@ -218,6 +218,29 @@ def test_an_end_found_at_another_position_still_ends_its_entry_once(tmp_path: Pa
     timers.close()
 
 
+def test_one_record_ending_entries_of_several_slots_and_clients_leaves_each_count_right(tmp_path: Path):
+    """A ``TimersFired`` changes each slot and count once for all the entries it ends there (not once per entry):
+    each slot keeps its other entries and is cleared with its last, each client's cap and the retention guard
+    count what is left, and a position named twice ends its entry once."""
+    timers = TimerApplier(tmp_path, window_s=100)
+    for offset, due_ms, client in [(10, 5_000_100, "a"), (20, 5_000_200, "a"), (30, 5_000_300, "b"),
+                                   (40, 5_001_100, "b"), (50, 5_001_200, "b")]:
+        timers.apply(*delayed_record(offset, due_ms, client=client))
+    fired = TimersFired([(10, 1, 5_000_100), (30, 3, 5_000_300), (40, 4, 5_001_100), (30, 3, 5_000_300)])
+    timers.apply(control_record(60, fired), fired)
+    assert timers.fired == 3 and timers.pending == 2
+    assert (timers.pending_of("a"), timers.pending_of("b")) == (1, 1)
+    assert [e.offset_real for _, e in timers.due_entries(5_000)] == [20]
+    assert [e.offset_real for _, e in timers.due_entries(5_001)] == [50]
+    rest = TimersFired([(20, 2, 5_000_200), (50, 5, 5_001_200)])
+    timers.apply(control_record(70, rest), rest)
+    assert timers.pending == 0 and (timers.pending_of("a"), timers.pending_of("b")) == (0, 0)
+    assert timers.next_due(4_999, 5_010) is None and timers.may_delete(0, 1 << 30)  # both slots cleared
+    timers.apply(*delayed_record(80, 5_001_300))  # a cleared slot starts a new chain
+    assert [(pos, e.offset_real) for pos, e in timers.due_entries(5_001)] == [(6, 80)]
+    timers.close()
+
+
 def test_the_timerlog_starts_again_empty_when_nothing_is_pending_at_a_flush(tmp_path: Path):
     timers = TimerApplier(tmp_path, window_s=100)
     timers.apply(*delayed_record(10, 5_000_000))

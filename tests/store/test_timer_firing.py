@@ -13,7 +13,7 @@ import trio
 from store.api import NewMessage
 from store.control import TimersFired
 from store.log.commitlog import CommitLogConfig
-from store.log.record import now_ms
+from store.log.record import Record, now_ms
 from store.node import StoreNode, open_store
 from store.timer import applier, dequeue
 from store.timer.applier import TimerApplier
@@ -46,6 +46,46 @@ async def test_messages_falling_due_a_millisecond_apart_fire_in_a_few_writes_nev
         fired = timers_fired(node)
         assert sum(len(f.entries) for f in fired) == 1000
         assert len(fired) <= 1000 // TICK_MS + 5
+
+
+def log_records(node: StoreNode) -> list[Record]:
+    """Every record in the log, as stored (a batch record whole), in log order."""
+    log = node.log.log
+    found, offset = [], log.min_offset
+    while offset < log.written_offset:
+        scan = log.scan(offset)
+        found += scan.records
+        offset = scan.next_offset
+    return found
+
+
+async def test_messages_of_one_topic_firing_together_are_one_batch_record_each_read_once_in_due_order(
+        tmp_path: Path):
+    """Due at the same moment (in the order sent), the messages of two topics (retained and QoS 2 ones among them) fire in one write:
+    each topic's run of QoS 0 and 1 messages is one batch record (one record and index entry, not one per message),
+    a retained or QoS 2 one a record of its own, and a subscriber of each topic reads every message once, in due
+    order, with its client id, QoS and properties ([MQTT-4.6.0-5]: the order per topic is kept)."""
+    async with open_store(tmp_path, CONFIG) as node:
+        due = now_ms() + 1500
+        sent = [NewMessage(f"cmd/{'de'[i % 2]}", i.to_bytes(4, "big"), f"app{i % 3}", 1, properties=b"\x01\x01",
+                           deliver_at_ms=due) for i in range(40)]
+        sent += [NewMessage("cmd/d", b"kept", "app", 1, retain=True, deliver_at_ms=due),
+                 NewMessage("cmd/e", b"two", "app", 2, deliver_at_ms=due)]
+        await node.append(sent)
+        await all_fired(node, "cmd/d", 21)
+        await all_fired(node, "cmd/e", 21)
+        (fired,) = timers_fired(node)  # all due within a tick: one write
+        assert len(fired.entries) == 42
+        for topic, first in (("cmd/d", 0), ("cmd/e", 1)):
+            got = [rec for _, rec in node.read(topic, 0, max_count=100).messages]
+            assert [rec.payload for rec in got if rec.payload not in (b"kept", b"two")] == \
+                [i.to_bytes(4, "big") for i in range(first, 40, 2)]
+            assert [(rec.client_id, rec.qos, rec.properties) for rec in got if rec.payload not in (b"kept", b"two")] == \
+                [(f"app{i % 3}", 1, b"\x01\x01") for i in range(first, 40, 2)]
+            assert [rec.batch_count for rec in log_records(node) if rec.topic == topic and rec.batch_count] == [20]
+        assert [(rec.retain, rec.qos) for _, rec in node.read("cmd/d", 0, max_count=100).messages
+                if rec.payload == b"kept"] == [(True, 1)]
+        assert [rec.qos for _, rec in node.read("cmd/e", 0, max_count=100).messages if rec.payload == b"two"] == [2]
 
 
 async def test_ends_kept_in_memory_past_a_count_bring_the_checkpoint_forward(tmp_path: Path,
