@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from operator import attrgetter
 from typing import Any, NamedTuple, Protocol, final, overload
 
@@ -59,9 +59,9 @@ from store.space import FULL_RETRY_S
 __all__ = [
     "DLQ_PREFIX", "GROUP_PREFIX", "MAIN_LOG", "MAX_ATTEMPTS", "POP_PREFIX", "SHARE_PREFIX", "AdminOp",
     "DelayedCapExceeded", "DelayedMessage", "DelayedPage", "Flow", "FollowerStatistics", "LeaderFenced", "LeaseLost",
-    "LogSpan", "NewMessage", "NotLeader", "PayloadRun", "Popped", "Position", "Positions", "PullRequest", "PullResult",
-    "PopStatistics", "ReplicationStatistics", "SESSION_IMAGE", "StoreApi", "StoreStatistics", "StoreUnavailable",
-    "TimerStatistics", "batch_groups", "batch_room", "batchable", "by_topic", "dlq_topic", "group_owner", "pop_owner",
+    "LogSpan", "MessageChain", "NewMessage", "NotLeader", "PayloadRun", "Popped", "Position", "Positions",
+    "PullRequest", "PullResult", "PopStatistics", "ReplicationStatistics", "SESSION_IMAGE", "StoreApi",
+    "StoreStatistics", "StoreUnavailable", "TimerStatistics", "any_delayed", "batch_groups", "batch_room", "batchable", "by_topic", "dlq_topic", "group_owner", "pop_owner",
     "session_image", "session_parts",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
@@ -252,6 +252,12 @@ class PayloadRun(Sequence[NewMessage]):
             return msgspec.structs.replace(self.like, payload=self.payloads[index])
         return msgspec.structs.replace(self.like, payload=self.payloads[index], born_ms=borns[index])
 
+    def batchable(self, max_record_bytes: int) -> bool:
+        """Whether its messages may all share batch records (:func:`batchable` of the largest)."""
+        like = self.like
+        return batchable(msgspec.structs.replace(like, payload=max(self.payloads, key=len)),
+                         batch_room(like.topic, max_record_bytes))
+
     @classmethod
     def of(cls, messages: Sequence[NewMessage]) -> PayloadRun | None:
         """``messages`` as a run when there are two or more, alike but for their payloads and born times (none
@@ -267,9 +273,58 @@ class PayloadRun(Sequence[NewMessage]):
         return cls(messages[0], payloads, list(map(_BORN, messages)))
 
 
+@final
+class MessageChain(Sequence[NewMessage]):
+    """Several callers' messages in one append, kept as their parts (sequences of ``NewMessage``, a
+    ``PayloadRun`` among them): a gateway's read round. A store that knows the form encodes a ``PayloadRun`` part
+    as batch records without a ``NewMessage`` per message (``StoreNode._encode_runs``); whatever does not takes
+    it as the flat sequence it also is."""
+
+    __slots__ = ("parts", "_count")
+
+    def __init__(self, parts: list[Sequence[NewMessage]]) -> None:
+        self.parts = parts
+        self._count = sum(map(len, parts))
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> NewMessage: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[NewMessage]: ...
+
+    def __getitem__(self, index: int | slice) -> NewMessage | list[NewMessage]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        if index < 0:
+            index += self._count
+        for part in self.parts:
+            if 0 <= index < len(part):
+                return part[index]
+            index -= len(part)
+        raise IndexError("message index out of range")
+
+    def __iter__(self) -> Iterator[NewMessage]:
+        for part in self.parts:
+            yield from part
+
+
+
 _TOPIC, _CLIENT_ID, _PROPERTIES, _DELIVER_AT, _PACKET_ID, _PAYLOAD, _BORN = map(attrgetter, (
     "topic", "client_id", "properties", "deliver_at_ms", "packet_id", "payload", "born_ms"))
 _ALIKE = (_TOPIC, _CLIENT_ID, attrgetter("qos"), attrgetter("retain"), _PROPERTIES)
+
+
+def any_delayed(messages: Sequence[NewMessage]) -> bool:
+    """Whether one of ``messages`` is delayed, without a ``NewMessage`` made per message of a ``PayloadRun`` (its
+    messages are all like its ``like``) or of a ``MessageChain``'s."""
+    if isinstance(messages, MessageChain):
+        return any(map(any_delayed, messages.parts))
+    if isinstance(messages, PayloadRun):
+        return bool(messages.like.deliver_at_ms)
+    return any(map(_DELIVER_AT, messages))
 
 
 def _same(field: Callable[[Any], object], messages: Sequence[Any]) -> bool:
@@ -290,9 +345,7 @@ def _all_batchable(messages: Sequence[NewMessage], max_record_bytes: int) -> boo
     """Whether ``messages``, two or more, may all share batch records (:func:`batchable`): one topic, and the
     largest payload, properties and client id together fit (one pass per field in C, not a check per message)."""
     if isinstance(messages, PayloadRun):
-        like = messages.like
-        return batchable(msgspec.structs.replace(like, payload=max(messages.payloads, key=len)),
-                         batch_room(like.topic, max_record_bytes))
+        return messages.batchable(max_record_bytes)
     if not _same(_TOPIC, messages) or _delayed_or_flow(messages):
         return False
     largest = max(map(len, map(_PAYLOAD, messages))) + max(map(len, map(_PROPERTIES, messages))) + \
