@@ -30,9 +30,9 @@ def _first(decoder: MqttDecoder, data: bytes) -> Publish:
     return packet
 
 
-def _with_repeats(decoder: MqttDecoder) -> list[Packet | str]:
-    """Decode what is buffered as the connection does: ``repeats`` after each plain QoS 0 PUBLISH, its payloads as
-    the packets they stand for; an error ends the list as its reason's name."""
+def _decoded(decoder: MqttDecoder, repeats: bool) -> list[Packet | str]:
+    """Decode what is buffered; ``repeats``: as the connection does, ``repeats`` after each plain QoS 0 PUBLISH,
+    its payloads as the packets they stand for. An error ends the list as its reason's name."""
     out: list[Packet | str] = []
     while True:
         try:
@@ -42,22 +42,9 @@ def _with_repeats(decoder: MqttDecoder) -> list[Packet | str]:
         if packet is NEED_DATA:
             return out
         out.append(packet)
-        if type(packet) is Publish and not packet.qos and not packet.retain and packet.topic \
+        if repeats and type(packet) is Publish and not packet.qos and not packet.retain and packet.topic \
                 and packet.properties == Properties():
             out += [Publish(packet.topic, payload) for payload in decoder.repeats(packet.topic)]
-
-
-def _plain(decoder: MqttDecoder) -> list[Packet | str]:
-    """The same stream with ``next_packet`` alone."""
-    out: list[Packet | str] = []
-    while True:
-        try:
-            packet = decoder.next_packet()
-        except RemoteProtocolError as err:
-            return [*out, err.reason.name]
-        if packet is NEED_DATA:
-            return out
-        out.append(packet)
 
 
 @pytest.mark.parametrize("level", [MQTT_311, MQTT_5], ids=["3.1.1", "5.0"])
@@ -156,8 +143,8 @@ def test_decoding_with_repeats_gives_the_packets_and_errors_of_next_packet_alone
     for part in (bytes(stream[:cut]), bytes(stream[cut:])):
         a.feed(part)
         b.feed(part)
-        got += _with_repeats(a)
-        want += _plain(b)
+        got += _decoded(a, repeats=True)
+        want += _decoded(b, repeats=False)
         if want and isinstance(want[-1], str):
             break
     assert got == want
