@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from operator import attrgetter
 from typing import Any, NamedTuple, Protocol, final, overload
 
@@ -59,9 +59,9 @@ from store.space import FULL_RETRY_S
 __all__ = [
     "DLQ_PREFIX", "GROUP_PREFIX", "MAIN_LOG", "MAX_ATTEMPTS", "POP_PREFIX", "SHARE_PREFIX", "AdminOp",
     "DelayedCapExceeded", "DelayedMessage", "DelayedPage", "Flow", "FollowerStatistics", "LeaderFenced", "LeaseLost",
-    "LogSpan", "NewMessage", "NotLeader", "PayloadRun", "Popped", "Position", "Positions", "PullRequest", "PullResult",
-    "PopStatistics", "ReplicationStatistics", "SESSION_IMAGE", "StoreApi", "StoreStatistics", "StoreUnavailable",
-    "TimerStatistics", "batch_groups", "batch_room", "batchable", "by_topic", "dlq_topic", "group_owner", "pop_owner",
+    "LogSpan", "MessageChain", "NewMessage", "NotLeader", "PayloadRun", "Popped", "Position", "Positions",
+    "PullRequest", "PullResult", "PopStatistics", "ReplicationStatistics", "SESSION_IMAGE", "StoreApi",
+    "StoreStatistics", "StoreUnavailable", "TimerStatistics", "any_delayed", "batch_groups", "batch_room", "batchable", "by_topic", "dlq_topic", "group_owner", "pop_owner",
     "session_image", "session_parts",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",
@@ -277,6 +277,44 @@ class PayloadRun(Sequence[NewMessage]):
         return cls(first, payloads, list(columns[_BORN_AT]))
 
 
+@final
+class MessageChain(Sequence[NewMessage]):
+    """Several callers' messages in one append, kept as their parts (sequences of ``NewMessage``, a
+    ``PayloadRun`` among them): a gateway's read round. A store that knows the form encodes a ``PayloadRun`` part
+    as batch records without a ``NewMessage`` per message (``StoreNode._encode_runs``); whatever does not takes
+    it as the flat sequence it also is."""
+
+    __slots__ = ("parts", "_count")
+
+    def __init__(self, parts: list[Sequence[NewMessage]]) -> None:
+        self.parts = parts
+        self._count = sum(map(len, parts))
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> NewMessage: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[NewMessage]: ...
+
+    def __getitem__(self, index: int | slice) -> NewMessage | list[NewMessage]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        if index < 0:
+            index += self._count
+        for part in self.parts:
+            if 0 <= index < len(part):
+                return part[index]
+            index -= len(part)
+        raise IndexError("message index out of range")
+
+    def __iter__(self) -> Iterator[NewMessage]:
+        for part in self.parts:
+            yield from part
+
+
 _TOPIC, _CLIENT_ID, _PROPERTIES, _DELIVER_AT, _PACKET_ID, _PAYLOAD = map(attrgetter, (
     "topic", "client_id", "properties", "deliver_at_ms", "packet_id", "payload"))
 _FIELDS = {name: index for index, name in enumerate(NewMessage.__struct_fields__)}
@@ -286,6 +324,16 @@ _ALIKE = tuple(_FIELDS[name] for name in ("topic", "client_id", "qos", "retain",
 message), each compared by ``count`` (equal objects, mostly the same ones); a set per field, or one of
 attribute tuples, cost a QoS 0 flood's read round more than twice as much per message (callgrind)."""
 _PAYLOAD_AT, _BORN_AT = _FIELDS["payload"], _FIELDS["born_ms"]
+
+
+def any_delayed(messages: Sequence[NewMessage]) -> bool:
+    """Whether one of ``messages`` is delayed, without a ``NewMessage`` made per message of a ``PayloadRun`` (its
+    messages are all like its ``like``) or of a ``MessageChain``'s."""
+    if isinstance(messages, MessageChain):
+        return any(map(any_delayed, messages.parts))
+    if isinstance(messages, PayloadRun):
+        return bool(messages.like.deliver_at_ms)
+    return any(map(_DELIVER_AT, messages))
 
 
 def _same(field: Callable[[Any], object], messages: Sequence[Any]) -> bool:

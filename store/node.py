@@ -37,8 +37,8 @@ from lightqueue.queues import LightQueues, PullResult
 from lightqueue.targets import MAX_QUEUE_ID
 from notify import NotifyRouter
 from retain.store import RetainedStore
-from store.api import (MAIN_LOG, DelayedCapExceeded, LogSpan, NewMessage, PayloadRun, StoreStatistics, TimerStatistics,
-                       batch_room, batchable)
+from store.api import (MAIN_LOG, DelayedCapExceeded, LogSpan, MessageChain, NewMessage, PayloadRun, StoreStatistics,
+                       TimerStatistics, any_delayed, batch_room, batchable)
 from store.attached import Attachment
 from store.awaiting import AwaitingRelease
 from store.control import (Activated, ClientClosed, Committed, Control, Delayed, Released, SessionSaved,
@@ -242,7 +242,7 @@ class StoreNode:
         replication = self.replication
         if self.log.log.config.flush == "sync" or self.dispatcher.lag > MAX_LAG or \
                 (replication is not None and not replication.acks_at_once()) or \
-                any(m.deliver_at_ms for m in messages):  # a delayed one: its client's cap counts what dispatch applied
+                any_delayed(messages):  # a delayed one: its client's cap counts what dispatch applied
             raise trio.WouldBlock
         now = now_ms()
         made = self._encode_runs(messages, now)
@@ -327,6 +327,8 @@ class StoreNode:
         returns) promises what it did; retained and QoS 2 messages (an MQTT publisher's carry their packet id)
         stay records of their own.
         """
+        if isinstance(messages, MessageChain):
+            return self._encode_chain(messages, now)
         max_size = self.log.log.config.max_record_bytes
         if len(messages) > 1 and messages[0].topic == messages[-1].topic:
             # A flooding publisher's read, the round's only one: its messages alike but for payload and born time
@@ -359,6 +361,26 @@ class StoreNode:
             start = end
         if singles:
             made += self._encode(singles, now)
+        return made
+
+    def _encode_chain(self, chain: MessageChain, now: int) -> list[tuple[bytes, Record]]:
+        """:meth:`_encode_runs` of a gateway's read round: each ``PayloadRun`` part that may be batched (a read's
+        QoS 0 messages that repeat one another, not retained) is its batch records without a ``NewMessage`` per
+        message; the parts between runs are encoded together as any messages are."""
+        made: list[tuple[bytes, Record]] = []
+        plain: list[NewMessage] = []  # the parts since the last run
+        max_size = self.log.log.config.max_record_bytes
+        for part in chain.parts:
+            if isinstance(part, PayloadRun) and part.like.qos < 2 and not part.like.retain and \
+                    part.batchable(max_size):
+                if plain:
+                    made += self._encode_runs(plain, now)
+                    plain = []
+                made += self._batch(part, now)
+            else:
+                plain += part
+        if plain:
+            made += self._encode_runs(plain, now)
         return made
 
     def _batch(self, messages: Sequence[NewMessage], now: int) -> list[tuple[bytes, Record]]:

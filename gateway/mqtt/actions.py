@@ -18,6 +18,7 @@ delivery, its MQTT 5 properties decoded once for every local session.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol, TypeAlias
@@ -206,7 +207,7 @@ class Append(msgspec.Struct, frozen=True, gc=False):
     """
 
     ref: int | None
-    messages: tuple[NewMessage, ...]
+    messages: Sequence[NewMessage]  # a tuple, or a ``PayloadRun``: a read's QoS 0 messages that repeat one another
 
 
 class Activate(msgspec.Struct, frozen=True):

@@ -230,6 +230,19 @@ class Channel:
             actions = self._protocol_error(err)
         return actions if self.conn.peer_max_packet is None else self._fit(actions)
 
+    def handle_repeats(self, packet: Publish, payloads: list[bytes]) -> list[Action]:
+        """:meth:`handle_in` of a QoS 0 ``packet`` and of the PUBLISHes read right after it that repeat it but
+        for their payloads (``MqttDecoder.repeats``): when ``packet`` passes its checks as a plain QoS 0 message
+        and no publish rate is counted, they pass the same ones (same topic, header, clock and ACL answer), so
+        they are one ``Append`` of a ``PayloadRun``; otherwise each is handled as a packet of its own, in order."""
+        actions = self.handle_in(packet)
+        run = publish.repeated(self, actions, payloads)
+        if run is not None:
+            return run
+        for payload in payloads:
+            actions += self.handle_in(Publish(packet.topic, payload))
+        return actions
+
     def input_done(self) -> list[Action]:
         """Everything the client sent so far is processed: deliver what its acknowledgements made room for
         (the session defers that while most of its window is in flight; call this after each read)."""

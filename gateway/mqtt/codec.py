@@ -307,6 +307,42 @@ class MqttDecoder:
             self._error = exc
             raise
 
+    def repeats(self, topic: str) -> list[bytes]:
+        """The payloads of the complete PUBLISHes next in the buffer that repeat one just decoded but for their
+        payloads: QoS 0, no DUP or RETAIN, on ``topic``, without properties (MQTT 5: a property length of 0), each
+        within the size limit; they are consumed. A device's flood read at once is mostly such packets: their
+        topic bytes are compared, not decoded again, and no ``Publish`` is made for them.
+
+        The first packet that is not one (another topic or kind, a remaining length of more than two bytes or
+        not in its minimal form, an incomplete one) stops the run and stays for :meth:`next_packet`, which
+        judges it as ever. Call it only after ``next_packet`` returned a valid QoS 0 PUBLISH to ``topic`` without
+        RETAIN or properties: what it is compared with was checked there (UTF-8, [MQTT-3.3.2-1, 2]; the topic's
+        encoding is the bytes it was decoded from).
+        """
+        buf = self._buf
+        pos = self._pos
+        size = len(buf)
+        name = topic.encode()
+        prefix = len(name).to_bytes(2, "big") + name + (b"\x00" if self._level == MQTT_5 else b"")
+        skip = len(prefix)
+        limit = self._limit
+        payloads: list[bytes] = []
+        while pos + 2 <= size and buf[pos] == 0x30:
+            length = buf[pos + 1]
+            header = 2
+            if length >= 0x80:
+                if pos + 2 >= size or not 0 < buf[pos + 2] < 0x80:
+                    break
+                length = (length & 0x7F) | (buf[pos + 2] << 7)
+                header = 3
+            end = pos + header + length
+            if end - pos > limit or end > size or not buf.startswith(prefix, pos + header, end):
+                break
+            payloads.append(buf[pos + header + skip:end])
+            pos = end
+        self._pos = pos
+        return payloads
+
     def _join(self) -> None:
         if self._pos == len(self._buf):
             self._buf = bytes(self._incoming)

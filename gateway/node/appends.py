@@ -28,8 +28,8 @@ from gateway.mqtt.actions import Append, Appended, Event
 from gateway.mqtt.reasons import ReasonCode
 from gateway.node.order import ReadOrder
 from gateway.node.poller import ReadRound
-from store.api import (DelayedCapExceeded, LeaseLost, LogFullError, NewMessage, Position, Positions, RecordTooLarge,
-                       StoreApi, batch_groups)
+from store.api import (DelayedCapExceeded, LeaseLost, LogFullError, MessageChain, NewMessage, PayloadRun, Position,
+                       Positions, RecordTooLarge, StoreApi, batch_groups)
 
 if TYPE_CHECKING:
     from gateway.node.connection import Connection
@@ -101,7 +101,11 @@ class Appends:
     def _append_now(self, appends: list[tuple[Connection, Append]]) -> bool:
         """Append now and acknowledge, one write per connection; False: nothing was appended."""
         try:
-            positions = self._store.append_nowait([m for _, append in appends for m in append.messages])
+            parts = [append.messages for _, append in appends]
+            # A read's QoS 0 run (a ``PayloadRun``) stays one part of a chain, no message made each; without one
+            # (a QoS 1 round: an append per message) the flat list costs the store less per message.
+            positions = self._store.append_nowait(MessageChain(parts) if any([type(p) is PayloadRun for p in parts])
+                                                  else [m for part in parts for m in part])
         except trio.WouldBlock:
             self._blocked_until = time.monotonic() + NOWAIT_RETRY_S
             return False
@@ -127,12 +131,14 @@ class Appends:
     async def perform(self, connection: Connection, appends: list[Append]) -> None:
         """Append a connection's consecutive appends as one batch; answer each in order."""
         positions, unknown = await self._stored([m for append in appends for m in append.messages])
-        if isinstance(positions, ReasonCode) and len(appends) > 1 and not unknown:
-            # One bad message must not fail its neighbours: retry one by one so each gets its own answer. Not when
-            # the store went away with the call in flight: the messages may be stored, and a retry would store
-            # them twice (a QoS 2 duplicate, [MQTT-4.3.3]); each is refused, and its publisher sends it again.
+        if isinstance(positions, ReasonCode) and not unknown and (len(appends) > 1 or _run(appends[0])):
+            # One bad message must not fail its neighbours: retry one by one so each gets its own answer (a QoS 0
+            # run's messages too: they are one append, not one message). Not when the store went away with the
+            # call in flight: the messages may be stored, and a retry would store them twice (a QoS 2 duplicate,
+            # [MQTT-4.3.3]); each is refused, and its publisher sends it again.
             for append in appends:
-                await self.perform(connection, [append])
+                for one in ([Append(None, (m,)) for m in append.messages] if _run(append) else [append]):
+                    await self.perform(connection, [one])
             return
         connection.feed_all(_answers(appends, positions))
 
@@ -207,6 +213,11 @@ class Appends:
             else:
                 outcomes.update(zip(group, result))
         return [outcomes[i] for i in range(len(messages))]
+
+
+def _run(append: Append) -> bool:
+    """Whether ``append`` is several QoS 0 messages (a read's run: ``Channel.handle_repeats``), answered by nothing."""
+    return append.ref is None and len(append.messages) > 1
 
 
 def _answers(appends: Sequence[Append], positions: Positions | ReasonCode) -> list[Event]:

@@ -63,6 +63,7 @@ from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.mqtt.lazy import Queued, appended
 from gateway.node.listeners import BoundListener, ListenerSpec, Peer, serve_listeners
 from gateway.mqtt.packets import Publish
+from gateway.mqtt.properties import EMPTY_PROPERTIES
 from gateway.node.poller import Poller
 from gateway.mqtt.reasons import RemoteProtocolError
 from gateway.node.timers import Timer, Timers
@@ -702,9 +703,13 @@ class Connection:
                     continue
                 # A QoS 0 PUBLISH, most of a flood: read while not paused, it can pause reading only by the node
                 # work its answer queues (it holds nothing back, opens no session, leaves CONNECTING unchanged).
-                traffic.messages_in += 1
-                traffic.messages_in_by_qos[0] += 1
-                actions = channel.handle_in(packet)
+                # The ones after it that repeat it but for their payloads come from the decoder as payloads only.
+                payloads = decoder.repeats(packet.topic) \
+                    if packet.properties is EMPTY_PROPERTIES and not packet.retain and packet.topic else None
+                count = 1 + len(payloads) if payloads else 1
+                traffic.messages_in += count
+                traffic.messages_in_by_qos[0] += count
+                actions = channel.handle_repeats(packet, payloads) if payloads else channel.handle_in(packet)
                 if len(actions) == 1 and type(actions[0]) is Append:
                     self._append(actions[0])  # what a valid one answers: no walk of the action table
                 else:

@@ -30,7 +30,7 @@ from gateway.mqtt.reasons import PUBACK_REASONS, LocalProtocolError, ReasonCode,
 from gateway.mqtt.session import NOT_IN_LOG, Session
 from gateway.mqtt.state import State
 from lightqueue.topics import TopicError, validate_topic
-from store.api import NewMessage, Position
+from store.api import NewMessage, PayloadRun, Position
 
 
 DELAYED_ID_PROPERTY = "delayed-id"
@@ -152,6 +152,21 @@ def process_publish(channel: ChannelView, packet: Publish) -> list[Action]:
     if qos == 2:
         conn.storing_qos2[pid] = None  # type: ignore[index]
     return [Append(conn.next_ref, (message,))]
+
+
+def repeated(channel: ChannelView, actions: list[Action], payloads: list[bytes]) -> list[Action] | None:
+    """The one ``Append`` of a QoS 0 message and of ``payloads``, PUBLISHes that repeat it but for their payloads,
+    or None when they must be handled one by one: ``actions``, what the first answered, is not a plain QoS 0
+    ``Append`` (it was refused, delayed, or closed the connection), or a publish rate charges each message.
+    Every other check of :func:`process_publish` depends only on what they share (header, topic, the read's
+    clock, the ACL's answer for the topic), so it answers for all of them."""
+    if len(actions) != 1 or channel.conn.buckets:
+        return None
+    append = actions[0]
+    if type(append) is not Append or append.ref is not None:
+        return None
+    like = append.messages[0]
+    return [Append(None, PayloadRun(like, [like.payload, *payloads]))]
 
 
 def _qos_not_supported(qos: int) -> NoReturn:

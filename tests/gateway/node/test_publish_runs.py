@@ -110,3 +110,25 @@ def test_a_denied_publish_in_a_qos0_run_is_dropped_and_the_run_goes_on(node, lev
         assert _received(sub, 2 * GOOD) == [b"b%d" % i for i in range(GOOD)] + [b"a%d" % i for i in range(GOOD)]
         pub.send(Pingreq())
         assert isinstance(pub.receive(), Pingresp)  # still connected, nothing sent before the PINGRESP
+
+
+@pytest.fixture(scope="module")
+def small_records(tmp_path_factory: pytest.TempPathFactory):
+    """A node whose CommitLog records are smaller than the packets it accepts."""
+    with running_node(tmp_path_factory.mktemp("records") / "data", "--mqtt-max-packet-size", str(MAX_PACKET),
+                      "--commitlog-max-record-bytes", "2048") as node:
+        yield node
+
+
+@pytest.mark.parametrize("level", [MQTT_311, MQTT_5], ids=["3.1.1", "5.0"])
+def test_a_qos0_message_the_store_refuses_in_a_run_drops_alone(small_records, level: int):
+    """A read's QoS 0 PUBLISHes to one topic are one append (a ``PayloadRun``): one the store cannot take (a record
+    over ``commitlog.max_record_bytes``, within the packet size) must not take the others with it."""
+    run = run_id()
+    topic = f"run{run}/t"
+    with raw_client(small_records.port, level) as sub, raw_client(small_records.port, level) as pub:
+        _connect(sub, pub, run, topic)
+        pub.sock.sendall(_run(topic, encode(Publish(topic, b"x" * 3000), level), level))
+        assert _received(sub, 2 * GOOD) == [b"b%d" % i for i in range(GOOD)] + [b"a%d" % i for i in range(GOOD)]
+        pub.send(Pingreq())
+        assert isinstance(pub.receive(), Pingresp)
