@@ -61,7 +61,8 @@ __all__ = [
     "DelayedCapExceeded", "DelayedMessage", "DelayedPage", "Flow", "FollowerStatistics", "LeaderFenced", "LeaseLost",
     "LogSpan", "MessageChain", "NewMessage", "NotLeader", "PayloadRun", "Popped", "Position", "Positions",
     "PullRequest", "PullResult", "PopStatistics", "ReplicationStatistics", "SESSION_IMAGE", "StoreApi",
-    "StoreStatistics", "StoreUnavailable", "TimerStatistics", "any_delayed", "batch_groups", "batch_room", "batchable", "by_topic", "dlq_topic", "group_owner", "pop_owner",
+    "StoreStatistics", "StoreUnavailable", "TimerStatistics", "any_delayed", "batch_groups", "batch_room", "batchable",
+    "by_topic", "dlq_topic", "group_owner", "pop_owner",
     "session_image", "session_parts",
     # the engine's, re-exported (above)
     "FLAG_RETAIN", "FULL_RETRY_S", "QOS_MASK", "InvalidOffset", "LogFullError", "OffsetExpired", "Record",

@@ -206,6 +206,9 @@ class Dispatcher:
             refuses every write after one failed for lack of space); None: always.
         flush_wanted: whether a part asks for a flush before ``flush_interval_s`` (the timer, store/timer/, when
             the state it keeps in memory until its next checkpoint grew large); None: never.
+        activations: the part that applies ``Activated`` records (the light queues' controls,
+            store/queuecontrol.py), given each run of them in one call; the first of the parts, before
+            ``appliers`` (the others, each record in log order).
 
     On construction the dispatcher registers ``queues.on_retention`` as a
     retention listener of the log and catches the index up with the log: it
@@ -230,10 +233,12 @@ class Dispatcher:
         room: Callable[[], bool] | None = None,
         appliers: Sequence[ControlApplier] = (),
         flush_wanted: Callable[[], bool] | None = None,
+        activations: ActivationsApplier | None = None,
     ) -> None:
         self._log = log
-        self._appliers = tuple(appliers)
-        self._run_appliers = tuple(a for a in self._appliers if hasattr(a, "apply_activations"))
+        self._activations = activations
+        self._appliers: tuple[ControlApplier, ...] = \
+            tuple(appliers) if activations is None else (activations, *appliers)
         self._room = room
         self._flush_wanted = flush_wanted
         self._queues = queues
@@ -449,7 +454,7 @@ class Dispatcher:
                     max_offsets.update(queues.index(records[first:i], record.offset))
             first = i + 1
             control = self._control(record)
-            if isinstance(control, Activated) and self._run_appliers:
+            if isinstance(control, Activated) and self._activations is not None:
                 run.append((record, control))
             elif control is not None:
                 self._apply_run(run)
@@ -466,16 +471,16 @@ class Dispatcher:
                 applier.apply(record, control)
 
     def _apply_run(self, run: list[tuple[Record, Activated]]) -> None:
-        """Apply a run of ``Activated`` records (emptied): in one call to the parts that take runs, one record at
-        a time to the others."""
+        """Apply a run of ``Activated`` records (emptied): in one call to ``activations``, one record at a time to
+        the others."""
         if not run:
             return
         for applier in self._appliers:
             todo = [each for each in run if each[0].offset >= applier.checkpoint]
             if not todo:
                 continue
-            if applier in self._run_appliers:
-                applier.apply_activations(todo)  # type: ignore[attr-defined]
+            if applier is self._activations:
+                self._activations.apply_activations(todo)
             else:
                 for record, control in todo:
                     applier.apply(record, control)

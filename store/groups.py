@@ -42,7 +42,8 @@ from store.log.record import Record, batch_part, decode_record
 from store.offsetranges import OffsetRanges, Range, ranges_of
 
 __all__ = ["DECODED", "WHOLE", "Form", "GroupCoordinator", "GroupState", "GroupStatistics", "GroupStore", "Member",
-           "START_KINDS", "Stored", "entry_offsets", "entry_ranges", "messages_of", "read_offsets", "served", "start_offset", "stored"]
+           "START_KINDS", "Stored", "entry_offsets", "entry_ranges", "messages_of", "read_offsets", "served",
+           "start_offset", "stored"]
 
 LOGGER = logging.getLogger(__name__)
 

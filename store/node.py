@@ -690,7 +690,7 @@ async def _open_parts(data: Path, config: CommitLogConfig, on_dispatched: Listen
             pops = PopApplier(db)
             dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
                                     awaiting=awaiting, room=space.has_room,
-                                    appliers=[controls, blobs, ledger, awaiting.controls, delayed, pops],
+                                    activations=controls, appliers=[blobs, ledger, awaiting.controls, delayed, pops],
                                     flush_wanted=delayed.flush_wanted)
             try:
                 yield _Parts(alog, queues, retained, recent, space, awaiting, controls, blobs, ledger, delayed, pops,

@@ -54,7 +54,8 @@ def repair(data: Path, config: CommitLogConfig) -> dict[str, Any]:
             ledger = ClientLedger(db)
             try:
                 dispatcher = Dispatcher(log, queues, retained=retained, awaiting=awaiting,
-                                        appliers=[QueueControls(queues), blobs, ledger, awaiting.controls])
+                                        activations=QueueControls(queues),
+                                        appliers=[blobs, ledger, awaiting.controls])
                 dispatcher.recover()
                 rebuilt = {"entries": queues.statistics().entries_indexed, "retained": retained.count,
                            "sessions": len(list(blobs.ids())), "clients": len(ledger.entries())}

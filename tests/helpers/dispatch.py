@@ -38,8 +38,8 @@ class Node:
         self.log = CommitLog.open(path / "commitlog", CommitLogConfig(segment_bytes=SEGMENT, max_record_bytes=SEGMENT, **kwargs))
         self.db = open_db(path / "index")
         self.lq = LightQueues(self.db)
-        appliers = [QueueControls(self.lq)] if controls else []  # with appliers, retention restates them first
-        self.dispatcher = Dispatcher(self.log, self.lq, listener, appliers=appliers)
+        self.dispatcher = Dispatcher(self.log, self.lq, listener,  # with appliers, retention restates them first
+                                     activations=QueueControls(self.lq) if controls else None)
 
     def append(self, *topics, payload=b"p"):
         return self.log.append_batch([encode_record(t, payload, queues=self.lq.targets(t)) for t in topics])

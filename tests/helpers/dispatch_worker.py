@@ -23,7 +23,7 @@ def main(data: Path, pause_after: int) -> None:
     log = CommitLog.open(data / "commitlog", CommitLogConfig(segment_bytes=SEGMENT_BYTES, max_record_bytes=SEGMENT_BYTES))
     queues = LightQueues(open_db(data / "index"))
     dispatcher = Dispatcher(log, queues, scan_bytes=16 * 1024, flush_bytes=1024 * 1024,
-                            appliers=[QueueControls(queues)])
+                            activations=QueueControls(queues))
     for _ in range(pause_after):
         if dispatcher.dispatch_once() is None:
             break

@@ -335,7 +335,7 @@ class RetainNode(Node):
         self.db = open_db(path / "index")
         self.lq = LightQueues(self.db)
         self.retained = RetainedStore(self.db) if retain else None
-        self.dispatcher = Dispatcher(self.log, self.lq, retained=self.retained, appliers=[QueueControls(self.lq)])
+        self.dispatcher = Dispatcher(self.log, self.lq, retained=self.retained, activations=QueueControls(self.lq))
 
     def publish(self, topic, payload, retain=True):
         return self.log.append(encode_record(topic, payload, retain=retain, queues=self.lq.targets(topic)))

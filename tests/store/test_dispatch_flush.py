@@ -29,7 +29,7 @@ WAIT_S = 20.0
 
 async def test_dispatch_indexes_new_records_while_its_flush_waits_for_rocksdb(tmp_path):
     n = Node(tmp_path)
-    n.dispatcher = Dispatcher(n.log, n.lq, flush_bytes=1, appliers=[QueueControls(n.lq)])  # a flush per step
+    n.dispatcher = Dispatcher(n.log, n.lq, flush_bytes=1, activations=QueueControls(n.lq))  # a flush per step
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(n.dispatcher.run)
@@ -63,7 +63,7 @@ class RetainingNode:
         self.lq = LightQueues(self.db)
         self.retained = RetainedStore(self.db)
         self.dispatcher = Dispatcher(self.log, self.lq, retained=self.retained, flush_bytes=1,
-                                     appliers=[QueueControls(self.lq)])
+                                     activations=QueueControls(self.lq))
 
     def publish(self, topic, payload, retain=False):
         return self.log.append(encode_record(topic, payload, retain=retain, queues=self.lq.targets(topic)))
