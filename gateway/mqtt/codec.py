@@ -343,6 +343,31 @@ class MqttDecoder:
         self._pos = pos
         return payloads
 
+    def pubacks(self) -> list[int]:
+        """The packet ids of the complete PUBACKs next in the buffer in their shortest form (0x40 0x02 and a
+        packet id: no reason code, no properties); they are consumed. A subscriber's read is mostly such packets,
+        one per QoS 1 message it got: their ids are read without a ``Puback`` made for each.
+
+        The first packet that is not one (another kind, a longer PUBACK: a reason code or properties, packet id 0,
+        an incomplete one, or any under a packet size limit below 4 bytes) stops the run and stays for
+        :meth:`next_packet`, which judges it as ever. Call it only after ``next_packet`` returned a packet (SERVER
+        role: the CONNECT was read, so a PUBACK is a packet the client may send).
+        """
+        buf = self._buf
+        pos = self._pos
+        last = len(buf) - 4
+        ids: list[int] = []
+        if self._limit < 4:
+            return ids  # a 4-byte packet is over the limit: next_packet refuses it
+        while pos <= last and buf[pos] == 0x40 and buf[pos + 1] == 2:
+            packet_id = (buf[pos + 2] << 8) | buf[pos + 3]
+            if not packet_id:
+                break  # [MQTT-2.2.1-3]: next_packet closes for it
+            ids.append(packet_id)
+            pos += 4
+        self._pos = pos
+        return ids
+
     def _join(self) -> None:
         if self._pos == len(self._buf):
             self._buf = bytes(self._incoming)
