@@ -217,3 +217,20 @@ def test_no_puback_run_under_a_maximum_packet_size_below_four_bytes():
     with pytest.raises(RemoteProtocolError) as err:
         decoder.next_packet()
     assert err.value.reason is ReasonCode.PACKET_TOO_LARGE
+
+
+@settings(max_examples=200, deadline=None)
+@given(level=st.sampled_from([MQTT_311, MQTT_5]),
+       runs=st.lists(st.lists(st.integers(1, 65535), max_size=300), max_size=4),
+       others=st.lists(_PACKETS, min_size=4, max_size=4), mutate=st.integers(0, 3000), byte=st.integers(0, 255))
+def test_long_runs_of_pubacks_give_the_packets_and_errors_of_next_packet_alone(level, runs, others, mutate, byte):
+    """Runs longer than the first slice ``pubacks`` looks at (64), each followed by another packet, one byte
+    changed (an id of 0, another packet type, a longer PUBACK inside a run)."""
+    stream = bytearray(b"".join(b"".join(encode(Puback(i), level) for i in ids) + encode(other, level)
+                                for ids, other in zip(runs, others)))
+    if stream and mutate < len(stream):
+        stream[mutate] = byte
+    a, b = _decoder(level, 200), _decoder(level, 200)
+    a.feed(bytes(stream))
+    b.feed(bytes(stream))
+    assert _decoded(a, repeats=True) == _decoded(b, repeats=False)
