@@ -243,6 +243,25 @@ class Channel:
             actions += self.handle_in(Publish(packet.topic, payload))
         return actions
 
+    def handle_pubacks(self, packet: Puback, packet_ids: list[int]) -> list[Action]:
+        """:meth:`handle_in` of ``packet`` and of the shortest-form PUBACKs read right after it, given by their
+        packet ids (``MqttDecoder.pubacks``): on an open connection they are one ``Session.puback_run``, then one
+        offset-commit check (``_after``); otherwise each is handled as a packet of its own, in order. Their reason
+        codes need no look: a PUBACK's reason code changes nothing the session does (``packet``'s, whatever it is,
+        was checked by the decoder), and the run's have none."""
+        conn = self.conn
+        if self._state is not State.CONNECTED or conn.held:
+            actions = self.handle_in(packet)
+            for packet_id in packet_ids:
+                actions += self.handle_in(Puback(packet_id))
+            return actions
+        conn.last_rx = self.now()
+        try:
+            actions = self._after(conn.session.puback_run((packet.packet_id, *packet_ids)))  # type: ignore[union-attr]
+        except RemoteProtocolError as err:
+            actions = self._protocol_error(err)
+        return actions if conn.peer_max_packet is None else self._fit(actions)
+
     def input_done(self) -> list[Action]:
         """Everything the client sent so far is processed: deliver what its acknowledgements made room for
         (the session defers that while most of its window is in flight; call this after each read)."""

@@ -980,21 +980,41 @@ class Session:
     # --- acknowledgements ---------------------------------------------------------------
 
     def puback(self, packet_id: int) -> list[Action]:
-        """PUBACK from the client: a QoS 1 delivery is done. Unknown ids are ignored (as EMQX does).
+        """PUBACK from the client: a QoS 1 delivery is done (``puback_run`` of one)."""
+        return self.puback_run((packet_id,))
+
+    def puback_run(self, packet_ids: Iterable[int]) -> list[Action]:
+        """PUBACKs from the client, in the order read: each QoS 1 delivery is done; unknown ids are ignored (as EMQX
+        does). A subscriber's read holds tens of them: the pump and the commit check they call for come once for
+        all (``_after_ack``), not once a PUBACK, and each costs its in-flight entry's removal only.
 
         Raises:
-            RemoteProtocolError: the id is in flight in a QoS 2 flow (``_wrong_ack``).
+            RemoteProtocolError: an id is in flight in a QoS 2 flow (``_wrong_ack``); the ids before it are done.
         """
-        entry = self._inflight.get(packet_id)
-        if entry is None:
-            return []
-        if entry.qos != 1:
-            raise _wrong_ack("PUBACK", packet_id, entry)
-        del self._inflight[packet_id]
-        if entry.handle is not None:  # a failure reason too: not sent to another member [MQTT-4.8.2-6]
-            self._pop_ack(entry.handle)
-        self._acked(entry)
-        return self._after_ack()
+        inflight = self._inflight
+        streams = self._streams
+        name = None
+        unacked: dict[int, None] = {}
+        done = 0
+        try:
+            for packet_id in packet_ids:
+                entry = inflight.get(packet_id)
+                if entry is None:
+                    continue
+                if entry.qos != 1:
+                    raise _wrong_ack("PUBACK", packet_id, entry)
+                del inflight[packet_id]
+                if entry.handle is not None:  # a failure reason too: not sent to another member [MQTT-4.8.2-6]
+                    self._pop_ack(entry.handle)
+                if entry.filter != name:  # a run is mostly one subscription's: its stream found once
+                    name = entry.filter
+                    stream = streams.get(name)
+                    unacked = stream.unacked if stream is not None else {}
+                unacked.pop(entry.offset, None)
+                done += 1
+        finally:
+            self._acks += done
+        return self._after_ack() if done else []
 
     def pubrec(self, packet_id: int, reason: ReasonCode) -> list[Action]:
         """PUBREC from the client: answer PUBREL (or end the flow on a failure reason).

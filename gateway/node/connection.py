@@ -62,7 +62,7 @@ from gateway.mqtt.channel import KEEPALIVE_TIMER, Channel, ChannelConfig
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.mqtt.lazy import Queued, appended
 from gateway.node.listeners import BoundListener, ListenerSpec, Peer, serve_listeners
-from gateway.mqtt.packets import Publish
+from gateway.mqtt.packets import Puback, Publish
 from gateway.mqtt.properties import EMPTY_PROPERTIES
 from gateway.node.poller import Poller
 from gateway.mqtt.reasons import RemoteProtocolError
@@ -694,6 +694,13 @@ class Connection:
                     self._backlog = paused
                     self.execute(channel.input_done())
                     break
+                if type(packet) is Puback:
+                    # A subscriber's read is mostly PUBACKs: the shortest-form ones after this come as packet ids.
+                    packet_ids = decoder.pubacks()
+                    self._apply(channel.handle_pubacks(packet, packet_ids) if packet_ids
+                                else channel.handle_in(packet))
+                    paused = self.paused()
+                    continue
                 if type(packet) is not Publish or packet.qos:
                     if type(packet) is Publish:
                         traffic.messages_in += 1

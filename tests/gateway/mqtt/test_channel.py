@@ -580,6 +580,38 @@ def test_a_puback_on_an_open_connection_counts_for_keep_alive_and_one_for_a_qos2
     assert of(actions, Close)[0].reason is R.PROTOCOL_ERROR
 
 
+@pytest.mark.parametrize("level", [MQTT_5, MQTT_311])
+def test_a_run_of_pubacks_acknowledges_each_in_order_and_closes_at_one_for_a_qos2_flow(level):
+    """A read's PUBACKs as one run (``handle_pubacks``): each id is acknowledged as a PUBACK of its own would be
+    (unknown and repeated ids ignored, keep alive counted [MQTT-3.1.2-22]), the offsets moved by the run commit
+    once, and a PUBACK for a QoS 2 delivery's id closes the connection there (5.0: DISCONNECT 0x82; 3.1.1
+    [MQTT-4.8.0-1]): the ids before it are acknowledged, the ones after it are not."""
+    channel, clock, _ = connect(level, keep_alive=10, config=ChannelConfig(commit_every=2))
+    subscribe(channel, ("a/b", SubscriptionOptions(qos=1)), ("a/c", SubscriptionOptions(qos=2)))
+    out = delivered(channel.handle_event(Pulled("a/b", tuple(msg(i) for i in range(6)), 6)), level)
+    (exactly_once,) = delivered(channel.handle_event(Pulled("a/c", (msg(0, "a/c", qos=2, queue="a/c"),), 1)), level)
+    clock.t += 12
+    ids = [p.packet_id for p in out]
+    actions = channel.handle_pubacks(Puback(ids[1]), [ids[0], 999, ids[2], ids[1], ids[3]])
+    assert not of(actions, Close)
+    assert [c.offsets for c in of(actions, CommitOffsets)] == [{"a/b": 4}]  # four acknowledgements, one commit
+    clock.t += 12  # 24 s after the CONNECT, 12 s after the run: within 1.5 x keep alive of it
+    assert not of(channel.handle_timeout("keepalive"), Close)
+    actions = channel.handle_pubacks(Puback(ids[4]), [exactly_once.packet_id, ids[5]])
+    assert sent(actions) == ([Disconnect(R.PROTOCOL_ERROR)] if level == MQTT_5 else [])
+    assert of(actions, Close)[0].reason is R.PROTOCOL_ERROR
+    assert sorted(e.packet_id for e in channel.conn.session.inflight) == sorted([ids[5], exactly_once.packet_id])
+
+
+def test_a_run_of_pubacks_before_the_connection_is_open_is_each_puback_in_turn():
+    """Before the CONNACK a PUBACK waits with the other packets (``max_queued_packets``); a run does too, one
+    packet each, so it meets the same bound."""
+    channel = Channel(ChannelConfig(max_queued_packets=2), Clock())
+    assert of(channel.handle_in(Connect(protocol_level=MQTT_5, client_id="c")), OpenSession)
+    actions = channel.handle_pubacks(Puback(1), [2, 3])
+    assert sent(actions) == [Connack(False, R.QUOTA_EXCEEDED)] and of(actions, Close)  # before the CONNACK: refused
+
+
 def test_311_window_is_the_configured_default():
     channel, _, _ = connect(MQTT_311, config=ChannelConfig(default_receive_maximum=3))
     subscribe(channel, ("a/b", SubscriptionOptions(qos=1)))

@@ -1,6 +1,7 @@
 """``MqttDecoder.repeats``: the QoS 0 PUBLISHes that repeat one just decoded but for their payloads, taken as
-payloads only (issue 31). Whatever it takes must be what ``next_packet`` would have decoded, and whatever it
-leaves (another packet, one ``next_packet`` refuses) must be judged by ``next_packet`` as ever.
+payloads only; ``MqttDecoder.pubacks``: the shortest-form PUBACKs next in the buffer, taken as packet ids only
+(issue 31). Whatever they take must be what ``next_packet`` would have decoded, and whatever they leave (another
+packet, one ``next_packet`` refuses) must be judged by ``next_packet`` as ever.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
-from gateway.mqtt.packets import MQTT_5, MQTT_311, Connect, Packet, Pingreq, Publish
+from gateway.mqtt.packets import MQTT_5, MQTT_311, Connect, Packet, Pingreq, Pingresp, Puback, Publish
 from gateway.mqtt.properties import Properties
 from gateway.mqtt.reasons import ReasonCode, RemoteProtocolError
 
@@ -32,7 +33,8 @@ def _first(decoder: MqttDecoder, data: bytes) -> Publish:
 
 def _decoded(decoder: MqttDecoder, repeats: bool) -> list[Packet | str]:
     """Decode what is buffered; ``repeats``: as the connection does, ``repeats`` after each plain QoS 0 PUBLISH,
-    its payloads as the packets they stand for. An error ends the list as its reason's name."""
+    its payloads as the packets they stand for, and ``pubacks`` after each PUBACK, its ids as the PUBACKs they
+    stand for. An error ends the list as its reason's name."""
     out: list[Packet | str] = []
     while True:
         try:
@@ -45,6 +47,8 @@ def _decoded(decoder: MqttDecoder, repeats: bool) -> list[Packet | str]:
         if repeats and type(packet) is Publish and not packet.qos and not packet.retain and packet.topic \
                 and packet.properties == Properties():
             out += [Publish(packet.topic, payload) for payload in decoder.repeats(packet.topic)]
+        if repeats and type(packet) is Puback:
+            out += [Puback(packet_id) for packet_id in decoder.pubacks()]
 
 
 @pytest.mark.parametrize("level", [MQTT_311, MQTT_5], ids=["3.1.1", "5.0"])
@@ -126,6 +130,8 @@ _PACKETS = st.one_of(
     st.builds(lambda t, p, i: Publish(t, p, qos=1, packet_id=i), _TOPICS, st.binary(max_size=20),
               st.integers(1, 65535)),
     st.just(Pingreq()),
+    st.builds(Puback, st.integers(1, 65535)),
+    st.builds(Puback, st.integers(1, 65535), st.just(ReasonCode.NO_MATCHING_SUBSCRIBERS)),
 )
 
 
@@ -148,3 +154,83 @@ def test_decoding_with_repeats_gives_the_packets_and_errors_of_next_packet_alone
         if want and isinstance(want[-1], str):
             break
     assert got == want
+
+
+@pytest.mark.parametrize("level", [MQTT_311, MQTT_5], ids=["3.1.1", "5.0"])
+def test_the_pubacks_after_a_puback_are_their_packet_ids_up_to_the_first_other_packet(level: int):
+    decoder = _decoder(level)
+    ids = [2, 255, 256, 65535, 1]
+    decoder.feed(b"".join(encode(Puback(i), level) for i in [7, *ids]) + encode(Pingreq(), level)
+                 + encode(Puback(9), level))
+    assert decoder.next_packet() == Puback(7)
+    assert decoder.pubacks() == ids
+    assert decoder.pubacks() == []
+    assert decoder.next_packet() == Pingreq()
+    assert decoder.next_packet() == Puback(9)
+    assert decoder.pubacks() == []
+    assert decoder.next_packet() is NEED_DATA
+
+
+def test_an_mqtt5_puback_with_a_reason_code_or_properties_stops_the_run():
+    """[MQTT-3.4.2-1]: its reason code (and properties) are read by ``next_packet``, as the channel must see them."""
+    decoder = _decoder(MQTT_5)
+    refused = Puback(3, ReasonCode.NOT_AUTHORIZED)
+    explained = Puback(4, ReasonCode.SUCCESS, Properties(reason_string="ok"))
+    decoder.feed(b"".join(encode(p, MQTT_5) for p in [Puback(1), Puback(2), refused, explained, Puback(5)]))
+    assert decoder.next_packet() == Puback(1)
+    assert decoder.pubacks() == [2]
+    assert decoder.next_packet() == refused
+    assert decoder.pubacks() == []
+    assert decoder.next_packet() == explained
+    assert decoder.pubacks() == [5]
+
+
+@pytest.mark.parametrize("level", [MQTT_311, MQTT_5], ids=["3.1.1", "5.0"])
+def test_a_puback_with_packet_id_0_stops_the_run_and_is_refused_by_next_packet(level: int):
+    """[MQTT-2.2.1-3]: a PUBACK needs a non-zero packet identifier; the run leaves it to ``next_packet``."""
+    decoder = _decoder(level)
+    decoder.feed(encode(Puback(1), level) + encode(Puback(2), level) + b"\x40\x02\x00\x00" + encode(Puback(3), level))
+    assert decoder.next_packet() == Puback(1)
+    assert decoder.pubacks() == [2]
+    with pytest.raises(RemoteProtocolError) as err:
+        decoder.next_packet()
+    assert err.value.reason is ReasonCode.PROTOCOL_ERROR
+
+
+def test_an_incomplete_puback_waits_for_its_bytes():
+    decoder = _decoder(MQTT_311)
+    decoder.feed(encode(Puback(1), MQTT_311) + encode(Puback(2), MQTT_311) + b"\x40\x02\x00")
+    assert decoder.next_packet() == Puback(1)
+    assert decoder.pubacks() == [2]
+    assert decoder.next_packet() is NEED_DATA
+    decoder.feed(b"\x03")
+    assert decoder.next_packet() == Puback(3)
+
+
+def test_no_puback_run_under_a_maximum_packet_size_below_four_bytes():
+    """[MQTT-3.2.2-15]: a decoder that takes packets of at most 3 bytes (a client's, which reads no CONNECT first)
+    refuses a 4-byte PUBACK, in a run too."""
+    decoder = MqttDecoder(role=Role.CLIENT, protocol_level=MQTT_311, max_packet_size=3)
+    decoder.feed(encode(Pingresp(), MQTT_311) + encode(Puback(2), MQTT_311))
+    assert decoder.next_packet() == Pingresp()
+    assert decoder.pubacks() == []
+    with pytest.raises(RemoteProtocolError) as err:
+        decoder.next_packet()
+    assert err.value.reason is ReasonCode.PACKET_TOO_LARGE
+
+
+@settings(max_examples=200, deadline=None)
+@given(level=st.sampled_from([MQTT_311, MQTT_5]),
+       runs=st.lists(st.lists(st.integers(1, 65535), max_size=300), max_size=4),
+       others=st.lists(_PACKETS, min_size=4, max_size=4), mutate=st.integers(0, 3000), byte=st.integers(0, 255))
+def test_long_runs_of_pubacks_give_the_packets_and_errors_of_next_packet_alone(level, runs, others, mutate, byte):
+    """Runs longer than the first slice ``pubacks`` looks at (64), each followed by another packet, one byte
+    changed (an id of 0, another packet type, a longer PUBACK inside a run)."""
+    stream = bytearray(b"".join(b"".join(encode(Puback(i), level) for i in ids) + encode(other, level)
+                                for ids, other in zip(runs, others)))
+    if stream and mutate < len(stream):
+        stream[mutate] = byte
+    a, b = _decoder(level, 200), _decoder(level, 200)
+    a.feed(bytes(stream))
+    b.feed(bytes(stream))
+    assert _decoded(a, repeats=True) == _decoded(b, repeats=False)

@@ -220,6 +220,43 @@ def test_persistence_follows_expiry():
     assert session.persistent and len(session.save()) == 1
 
 
+def test_a_run_of_pubacks_leaves_the_session_as_each_puback_in_turn_does():
+    """``puback_run``: the in-flight window, the committed offsets [MQTT-4.3.2-*: an id is free once acknowledged]
+    and what is sent after are those of the same PUBACKs one by one, unknown and repeated ids ignored, acks across
+    two subscriptions and the pool's ids (retained) among them; the pump comes once, when the run is done."""
+    def fed() -> tuple[Session, list[int]]:
+        session = attached(receive_maximum=10)
+        session.subscribe(Subscription("c/+", "c/+", SubscriptionOptions(qos=1)), 0)
+        out = publishes(session.pulled("c/+", (Message("c/d", b"c", 1, queue="c/+", offset=0),), 1))
+        out += publishes(session.retained((("a/+", Message("a/r", b"r", 1, retain=True)),)))
+        out += publishes(session.pulled("a/+", tuple(msg(i) for i in range(12)), 12))
+        return session, [p.packet_id for p in out]
+    one, ids = fed()
+    run, _ = fed()
+    assert len(ids) == 10 and len(set(ids)) == 10  # the window is full: c/d, the retained one, a/+ 0..7
+    acks = [ids[3], 999, ids[0], ids[2], ids[1], ids[3]]
+    each = [p for pid in acks for p in publishes(one.puback(pid))] + publishes(one.pump_due())
+    together = publishes(run.puback_run(acks)) + publishes(run.pump_due())
+    assert [(p.payload, p.packet_id) for p in together] == [(p.payload, p.packet_id) for p in each]
+    assert [p.payload for p in together] == [b"8", b"9", b"10", b"11"]  # in the room of 4 acknowledgements
+    assert run.inflight == one.inflight
+    assert run.commit() == one.commit() == [CommitOffsets("c", {"a/+": 2, "c/+": 1})]
+
+
+def test_a_run_of_pubacks_stops_at_an_id_in_a_qos2_flow():
+    """[MQTT-4.3.3-8]: a QoS 2 delivery is answered with PUBREC; a PUBACK for it is a protocol error. The ids
+    before it in the run are acknowledged, it and the ones after stay in flight."""
+    session = attached()
+    session.subscribe(Subscription("e/+", "e/+", SubscriptionOptions(qos=2)), 0)
+    out = publishes(session.pulled("a/+", (msg(0), msg(1)), 2))
+    out += publishes(session.pulled("e/+", (Message("e/f", b"two", 2, queue="e/+", offset=0),), 1))
+    with pytest.raises(RemoteProtocolError) as err:
+        session.puback_run([out[0].packet_id, out[2].packet_id, out[1].packet_id])
+    assert err.value.reason is ReasonCode.PROTOCOL_ERROR
+    assert [e.packet_id for e in session.inflight] == [out[1].packet_id, out[2].packet_id]
+    assert session.commit() == [CommitOffsets("c", {"a/+": 1})]
+
+
 def test_acks_while_most_of_the_window_is_in_flight_pump_once_the_read_is_done():
     session = attached(receive_maximum=8)  # pumps wait while more than 8 - 8 // 4 = 6 are in flight
     sent = publishes(session.pulled("a/+", tuple(msg(i) for i in range(20)), 20))
