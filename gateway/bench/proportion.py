@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": results,
         "figures": {name: figures(runs) for name, runs in results.items()},
         "targets": TARGETS,
+        "warnings": hostile.client_warnings({(attack, name): run for name, runs in results.items()
+                                             for attack, run in runs.items()}),
     }
 
 
@@ -68,7 +70,8 @@ def figures(runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if attack in runs:
             run = runs[attack]
             out[attack] = {"attack_s": run["attack_s"], "rss_growth_MiB": _growth(run),
-                           "canary_p99_ms": run["canary"]["during"]["p99_ms"]}
+                           "canary_p99_ms": run["canary"]["during"]["p99_ms"],
+                           "broker_cpu_s": run["broker_cpu_s_during"], "client_cpu_s": run["client_cpu_s_during"]}
     if "never-reads" in runs and "flood" in runs:
         stalled, flood = runs["never-reads"], runs["flood"]
         p99, base = stalled["canary"]["during"]["p99_ms"], flood["canary"]["during"]["p99_ms"]
