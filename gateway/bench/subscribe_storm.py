@@ -19,7 +19,6 @@ MQTT 3.1.1 only: its SUBACK carries one reason code per filter and no properties
 
 from __future__ import annotations
 
-import os
 import select
 import socket
 import struct
@@ -84,6 +83,22 @@ class _Session:
         self.took_s = 0.0
 
 
+def _receive(session: _Session) -> bytes:
+    """What the socket holds (nothing if it had nothing after all).
+
+    Raises:
+        ConnectionError: the broker closed the connection.
+    """
+    assert session.sock is not None
+    try:
+        data = session.sock.recv(RECEIVE_BYTES)
+    except BlockingIOError:
+        return b""
+    if not data:
+        raise ConnectionError(f"session {session.number}: closed by the broker")
+    return data
+
+
 class SubscribeStorm:
     """``sessions`` persistent sessions, each SUBSCRIBing ``filters`` distinct filters with ``in_flight`` unanswered.
 
@@ -139,14 +154,9 @@ class SubscribeStorm:
                 session = by_fd[fd]
                 if mask & select.EPOLLOUT:
                     self._write(poller, session, b"")
-                if not mask & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
-                    continue
-                try:
-                    data = os.read(fd, RECEIVE_BYTES)
-                except BlockingIOError:
-                    continue
+                data = _receive(session) if mask & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) else b""
                 if not data:
-                    raise ConnectionError(f"session {session.number}: closed by the broker")
+                    continue
                 progress = time.monotonic()
                 if self._take(session, data):
                     self._open_window(poller, session)
