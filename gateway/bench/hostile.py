@@ -5,14 +5,17 @@ same run) a fresh broker is started (with a WebSocket listener: ``peers.start``
 ``websocket=True``) and a canary, a publisher and a subscriber on their own
 topic (MQTT 3.1.1, QoS 0, ``--canary-rate`` messages/s, in their own process),
 runs for the whole measurement: ``PHASE_S`` before the attack, the attack (in
-its own process), and ``PHASE_S`` after it. Reported per attack and broker:
+its own process, started before the baseline: the attack is timed from its
+"go", not from its process's start-up), and ``PHASE_S`` after it. Reported per
+attack and broker:
 
 - the canary's latency (publish -> delivery) p50 and p99 in ms, and the
   messages it lost, before / during / after the attack;
 - the broker's RSS before the attack, at its peak during it (sampled every
   ``SAMPLE_S``), ``PHASE_S`` after it and ``SETTLE_S`` after it (past
   LightGate's 10 s trim of freed memory: what is still there is held); its
-  CPU seconds during the attack;
+  CPU seconds during the attack, and the attack client's (with a warning when
+  the client used more: it shares the cores, and may have set the pace);
 - what the attacker saw (what the broker accepted, refused, and how often it
   closed the attacker's connection).
 
@@ -25,7 +28,8 @@ The attacks are issue 21's hostile-client campaign:
 - ``many-filters``: one session SUBSCRIBEs 20,000 distinct filters, one per
   packet, 64 in flight; the ms per filter at each 5,000 held;
 - ``session-filters``: 50 persistent sessions at once each SUBSCRIBE 1,000
-  distinct filters (half of them wildcards), one per packet, 64 in flight;
+  distinct filters (half of them wildcards), one per packet, 64 in flight
+  (over raw sockets, ``subscribe_storm``: a cheaper client than the others');
 - ``flood``: one publisher sends 3,000 QoS 0 PUBLISHes of 64 KB (192 MB) as fast
   as the broker reads them, to a topic a subscriber reads (the baseline of ``never-reads``);
 - ``never-reads``: the same flood, with a second subscriber (QoS 0 and QoS 1

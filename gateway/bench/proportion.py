@@ -4,7 +4,8 @@ Three of ``lightgate bench hostile``'s attacks, each against a fresh broker
 beside its canary (``hostile.measure``), LightGate and Mosquitto in the same run:
 
 - ``session-filters``: 50 persistent sessions x 1,000 filters: the attack's
-  seconds and the broker's RSS growth (peak over before);
+  seconds and the broker's RSS growth (peak over before), and the broker's and
+  the attack client's CPU seconds (``warnings`` says when the client's were more);
 - ``long-topics``: one client, 30,000 distinct 4 KB topics: seconds, RSS
   growth, the canary's p99 during it;
 - ``never-reads``: a QoS 0 flood (3,000 x 64 KB) with a subscriber that never
