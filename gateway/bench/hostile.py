@@ -128,12 +128,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def measure(broker: Broker, attack: str, args: argparse.Namespace) -> dict[str, Any]:
     """One attack against ``broker`` with the canary running: latency, losses, RSS, CPU, the attacker's view."""
-    canary_pipe, canary_end = _CONTEXT.Pipe()
-    canary = _CONTEXT.Process(target=_canary_main, args=(broker.host, broker.port, args.canary_rate, canary_end),
-                              daemon=True)
-    canary.start()
-    if canary_pipe.recv() != "ready":
-        raise RuntimeError(f"the canary could not connect to {broker.name}")
     attack_pipe, attack_end = _CONTEXT.Pipe()
     attacker = _CONTEXT.Process(target=_attack_main, daemon=True, args=(
         attack, broker.host, broker.port, broker.ws_port, _sizes(attack, args.scale), attack_end))
@@ -141,6 +135,13 @@ def measure(broker: Broker, attack: str, args: argparse.Namespace) -> dict[str, 
     if not attack_pipe.poll(ATTACKER_START_S) or attack_pipe.recv() != "ready":
         attacker.kill()
         raise RuntimeError(f"the {attack} attacker did not start")
+    canary_pipe, canary_end = _CONTEXT.Pipe()
+    canary = _CONTEXT.Process(target=_canary_main, args=(broker.host, broker.port, args.canary_rate, canary_end),
+                              daemon=True)
+    canary.start()
+    if canary_pipe.recv() != "ready":
+        attacker.kill()
+        raise RuntimeError(f"the canary could not connect to {broker.name}")
     time.sleep(args.phase_s)  # the canary's baseline: the time is the measurement
     rss_before, cpu_before = broker.rss_bytes(), broker.cpu_s()
     started = time.monotonic()
