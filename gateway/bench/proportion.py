@@ -4,7 +4,8 @@ Three of ``lightgate bench hostile``'s attacks, each against a fresh broker
 beside its canary (``hostile.measure``), LightGate and Mosquitto in the same run:
 
 - ``session-filters``: 50 persistent sessions x 1,000 filters: the attack's
-  seconds and the broker's RSS growth (peak over before);
+  seconds and the broker's RSS growth (peak over before), and the broker's and
+  the attack client's CPU seconds (``warnings`` says when the client's were more);
 - ``long-topics``: one client, 30,000 distinct 4 KB topics: seconds, RSS
   growth, the canary's p99 during it;
 - ``never-reads``: a QoS 0 flood (3,000 x 64 KB) with a subscriber that never
@@ -58,6 +59,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": results,
         "figures": {name: figures(runs) for name, runs in results.items()},
         "targets": TARGETS,
+        "warnings": hostile.client_warnings({(attack, name): run for name, runs in results.items()
+                                             for attack, run in runs.items()}),
     }
 
 
@@ -68,7 +71,8 @@ def figures(runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if attack in runs:
             run = runs[attack]
             out[attack] = {"attack_s": run["attack_s"], "rss_growth_MiB": _growth(run),
-                           "canary_p99_ms": run["canary"]["during"]["p99_ms"]}
+                           "canary_p99_ms": run["canary"]["during"]["p99_ms"],
+                           "broker_cpu_s": run["broker_cpu_s_during"], "client_cpu_s": run["client_cpu_s_during"]}
     if "never-reads" in runs and "flood" in runs:
         stalled, flood = runs["never-reads"], runs["flood"]
         p99, base = stalled["canary"]["during"]["p99_ms"], flood["canary"]["during"]["p99_ms"]

@@ -25,3 +25,5 @@ def test_every_scenario_reports_its_figures_against_the_targets():
     assert set(figures) == set(proportion.TARGETS)
     for scenario, figure in figures.items():
         assert set(proportion.TARGETS[scenario]) <= set(figure) and figure["met"] in (True, False), scenario
+    assert figures["session-filters"]["client_cpu_s"] >= 0 and figures["session-filters"]["broker_cpu_s"] >= 0
+    assert isinstance(result["warnings"], list)
