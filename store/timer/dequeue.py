@@ -4,10 +4,8 @@ A cursor moves one second at a time through the wheel (store/timer/wheel.py). At
 chain: the entries due in that second or before are fired in due order once due, in batches at most every
 ``TICK_MS`` (never early: a batch takes what is due when it starts), the others
 (placed there because they were due beyond the window, or a later revolution of the ring) are rolled. Firing
-re-appends each message to its real topic (normal dispatch, notify and delivery from there): a tick's batch in writes
-of about ``PACE`` messages (whole topics) spaced through the tick, a backlog in writes of ``CHUNK`` (those of one
-topic in due order, as batch records when the topics have runs of ``MIN_RUN``), each with a ``TimersFired`` record
-naming their entries, so the log itself says what was dequeued: after a crash
+re-appends each message to its real topic (normal dispatch, notify and delivery from there), ``CHUNK`` messages per
+write (those of one topic in due order, as batch records when the topics have runs of ``MIN_RUN``) with a ``TimersFired`` record naming their entries, so the log itself says what was dequeued: after a crash
 the entries whose ``TimersFired`` reached the log are done, the others fire again, and none fires twice. Each
 write waits until dispatch has applied the previous one. What takes long per batch (reading the slot's chain and
 sorting it, reading and decoding the ``Delayed`` records) runs in worker threads: the event loop, which undelayed
@@ -44,14 +42,15 @@ CHUNK = 256
 event loop (store/dispatch.py), which undelayed messages appended meanwhile wait for, so a batch of 1,024 (firing
 behind, or after a restart) goes in 4 writes. Not fewer: each write costs about 1 ms more (its record, its wait
 for dispatch), and with writes of 32 or 64 messages the step fired half as many messages a second on this
-machine. A batch no larger than this (a tick's share: 200 at 10,000 due a second) goes in writes of ``PACE``."""
+machine; at 10,000 due a second a tick's 200 messages are one write."""
 
 PACE = 64
-"""Messages per write, about, while the step keeps up (a batch no larger than ``CHUNK``: what fell due in a tick), in
-writes spaced through the tick: an undelayed message appended meanwhile waits for dispatch to index one small
-write (one step of the event loop), not the tick's 200 messages at 10,000 due a second (2 ms of CPU: the firing
-probe's p99 was 4x to 6x its idle one). Behind (a batch larger than ``CHUNK``) the writes are ``CHUNK`` and go
-back to back: capacity counts there, and each write costs about 1 ms more of wall time."""
+"""Messages per write at most while the step keeps up (a batch no larger than ``CHUNK``: all that fell due in a
+tick): a tick's writes go spaced through the tick, not at once, so an undelayed message appended meanwhile waits
+for the indexing of one small write (dispatch indexes a write in one step of the event loop), not of the tick's
+200 messages at 10,000 due a second (2 ms: the firing probe's p99 was 4x to 6x its idle one). Behind (a batch
+larger than ``CHUNK``), the writes are ``CHUNK`` and go back to back: capacity is what counts there, and each write
+costs about 1 ms more."""
 
 TICK_MS = 20
 """A batch fires at most this often: the messages falling due meanwhile go together (200 at 10,000 a second), not
