@@ -30,7 +30,7 @@ from store.log.record import CorruptRecord, decode_record, now_ms
 from store.timer.applier import TimerApplier
 from store.timer.timerlog import TimerEntry
 
-__all__ = ["BATCH", "CHUNK", "LATENESS_BOUNDS", "MIN_RUN", "PACE", "Dequeue", "writes"]
+__all__ = ["BATCH", "CHUNK", "LATENESS_BOUNDS", "MIN_RUN", "Dequeue"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -43,14 +43,6 @@ event loop (store/dispatch.py), which undelayed messages appended meanwhile wait
 behind, or after a restart) goes in 4 writes. Not fewer: each write costs about 1 ms more (its record, its wait
 for dispatch), and with writes of 32 or 64 messages the step fired half as many messages a second on this
 machine; at 10,000 due a second a tick's 200 messages are one write."""
-
-PACE = 64
-"""Messages per write at most while the step keeps up (a batch no larger than ``CHUNK``: all that fell due in a
-tick): a tick's writes go spaced through the tick, not at once, so an undelayed message appended meanwhile waits
-for the indexing of one small write (dispatch indexes a write in one step of the event loop), not of the tick's
-200 messages at 10,000 due a second (2 ms: the firing probe's p99 was 4x to 6x its idle one). Behind (a batch
-larger than ``CHUNK``), the writes are ``CHUNK`` and go back to back: capacity is what counts there, and each write
-costs about 1 ms more."""
 
 TICK_MS = 20
 """A batch fires at most this often: the messages falling due meanwhile go together (200 at 10,000 a second), not
@@ -160,22 +152,18 @@ class Dequeue:
                 await self._fire_now(batch)
 
     async def _fire_now(self, batch: list[tuple[int, TimerEntry]]) -> None:
-        """:meth:`_fire` of the entries found still pending, under the lock, in the writes :func:`writes` cuts, in
-        order (a crash between two writes fires the rest again, and only the rest); a tick's batch (no larger than
-        ``CHUNK``) in writes spaced through the tick."""
+        """:meth:`_fire` of the entries found still pending, under the lock: ``CHUNK`` of them per write, in order
+        (a crash between two writes fires the rest again, and only the rest)."""
         messages = await trio.to_thread.run_sync(self._messages, batch)
-        parts = writes(messages)
-        began = trio.current_time()
-        for i, part in enumerate(parts):
-            if i and len(batch) <= CHUNK:
-                await trio.sleep_until(began + i * TICK_MS / 1000 / len(parts))
-            fired = [message for message in (messages[k] for k in part) if message is not None]
+        for start in range(0, len(batch), CHUNK):
+            chunk = batch[start:start + CHUNK]
+            fired = [message for message in messages[start:start + CHUNK] if message is not None]
             runs = by_topic(fired)
-            await self._append([TimersFired([_ref(batch[k]) for k in part])],
-                               [fired[k] for run in runs for k in run], len(runs) * MIN_RUN <= len(fired))
+            await self._append([TimersFired([_ref(item) for item in chunk])],
+                               [fired[i] for run in runs for i in run], len(runs) * MIN_RUN <= len(fired))
             now = now_ms()
-            for k in part:
-                self.lateness.observe(max(0, now - batch[k][1].due_ms) / 1000)
+            for _, entry in chunk:
+                self.lateness.observe(max(0, now - entry.due_ms) / 1000)
 
     def _messages(self, batch: list[tuple[int, TimerEntry]]) -> list[NewMessage | None]:
         """The message of each entry of ``batch``, read from its ``Delayed`` record (None: unreadable, logged); in a
@@ -190,27 +178,6 @@ class Dequeue:
                 delayed.topic, delayed.payload, delayed.client, delayed.qos, delayed.retain, delayed.properties,
                 delayed.born_ms))
         return messages
-
-
-def writes(messages: Sequence[NewMessage | None]) -> list[list[int]]:
-    """The indexes of ``messages`` (a batch, in due order; None: unreadable) each write fires. A batch no larger
-    than ``CHUNK`` (the step keeps up) in writes of about ``PACE``, as even as they divide, each holding whole
-    topics: dispatch's cost of a write goes by the topics in it (an index write per queue), so a tick's topics
-    split over four writes cost what they did in one, and each topic's messages stay in due order in one write. A
-    larger batch (behind, or after a restart) in writes of ``CHUNK``, in due order."""
-    count = len(messages)
-    if count > CHUNK:
-        return [list(range(start, min(count, start + CHUNK))) for start in range(0, count, CHUNK)]
-    size = -(-count // -(-count // PACE)) if count else 0
-    runs: dict[str | None, list[int]] = {}
-    for index, message in enumerate(messages):
-        runs.setdefault(None if message is None else message.topic, []).append(index)
-    parts: list[list[int]] = [[]]
-    for run in runs.values():
-        if parts[-1] and len(parts[-1]) + len(run) > size:
-            parts.append([])
-        parts[-1] += run
-    return parts if count else []
 
 
 def _ref(item: tuple[int, TimerEntry]) -> tuple[int, int, int]:

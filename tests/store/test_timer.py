@@ -20,7 +20,7 @@ from store.log.commitlog import CommitLogConfig
 from store.log.record import now_ms
 from store.node import StoreNode, open_store
 from store.timer.applier import TimerApplier
-from store.timer.dequeue import CHUNK, PACE
+from store.timer.dequeue import CHUNK
 from tests.helpers.processes import ROOT
 from tests.helpers.timers import control_record, delayed_record, timers_fired
 
@@ -109,33 +109,30 @@ WRITER = textwrap.dedent("""
     from store.node import open_store
     from store.timer import dequeue
 
-    dequeue.CHUNK, dequeue.PACE = int(sys.argv[3]), int(sys.argv[6])
-    topics = ["t"] if sys.argv[5] == "1" else [f"t{n}" for n in range(int(sys.argv[5]))]
+    dequeue.CHUNK = int(sys.argv[3])
 
     async def main():
         async with open_store(Path(sys.argv[1]), CommitLogConfig(flush=sys.argv[2])) as store:
             now = now_ms()
-            messages = [NewMessage(topics[i % len(topics)], b"%d" % i, "pub", 1,
-                                   deliver_at_ms=now + 1000 + int(sys.argv[4]) * i) for i in range(60)]
+            messages = [NewMessage("t", b"%d" % i, "pub", 1, deliver_at_ms=now + 1000 + int(sys.argv[4]) * i)
+                        for i in range(60)]
             for i in range(0, 60, 10):
                 await store.append(messages[i:i + 10], durable=True)
             print("acknowledged", 60, flush=True)
             with trio.fail_after(30):  # SIGKILL while the dequeue step is between its batches
-                while not (sum(map(store.queues.max_offset, topics)) and store.timers.pending):
+                while not (store.queues.max_offset("t") and store.timers.pending):
                     await store.dispatcher.wait_dispatched(store.dispatcher.dispatched_offset + 1)
-            print("delivered", sum(map(store.queues.max_offset, topics)), "pending", store.timers.pending, flush=True)
+            print("delivered", store.queues.max_offset("t"), "pending", store.timers.pending, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
     trio.run(main)
 """)
 
 
-def crash_writer(data: Path, flush: str, chunk: int = CHUNK, apart_ms: int = 20, topics: int = 1,
-                 pace: int = PACE) -> str:
-    """A store process that acknowledges 60 delayed messages (due ``apart_ms`` apart, to ``topics`` topics in turn)
-    and is SIGKILLed while they fire (``chunk``, ``pace``: messages per write behind and on time)."""
-    proc = subprocess.run([sys.executable, "-c", WRITER, str(data), flush, str(chunk), str(apart_ms), str(topics),
-                           str(pace)],
+def crash_writer(data: Path, flush: str, chunk: int = CHUNK, apart_ms: int = 20) -> str:
+    """A store process that acknowledges 60 delayed messages (due ``apart_ms`` apart) and is SIGKILLed while they
+    fire (``chunk``: messages per write)."""
+    proc = subprocess.run([sys.executable, "-c", WRITER, str(data), flush, str(chunk), str(apart_ms)],
                           capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
@@ -169,27 +166,6 @@ def test_a_sigkill_between_the_writes_of_one_fired_batch_loses_none_and_delivers
     assert "delivered" in out, out
     assert 0 < int(out.split("delivered")[1].split()[0]) < 60, out
     trio.run(delivered_once_after_restart, tmp_path, "sync")
-
-
-@pytest.mark.slow
-def test_a_sigkill_between_the_paced_writes_of_one_tick_loses_none_and_delivers_none_twice(tmp_path: Path):
-    """60 messages due at the same millisecond over 6 topics: a batch the step keeps up with, fired in writes of
-    whole topics spaced through the tick (``PACE`` 10: one topic each), each with the TimersFired record of its own
-    entries. Killed between two of them, the rest fire after the restart, once, each topic in due order."""
-    out = crash_writer(tmp_path, "sync", apart_ms=0, topics=6, pace=10)
-    assert "delivered" in out, out
-    assert 0 < int(out.split("delivered")[1].split()[0]) < 60, out
-
-    async def check() -> None:
-        async with open_store(tmp_path, CommitLogConfig(flush="sync")) as node:
-            for n in range(6):
-                got = await delivered(node, f"t{n}", 10, timeout=30)
-                assert [record.payload for record in got] == [b"%d" % i for i in range(n, 60, 6)]  # once, in order
-            await node.dispatcher.wait_dispatched(node.log.log.written_offset)
-            assert node.timers.pending == 0
-            assert sorted(fired_entries(node)) == sorted(set(fired_entries(node))) and len(fired_entries(node)) == 60
-
-    trio.run(check)
 
 
 @pytest.mark.slow

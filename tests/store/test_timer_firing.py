@@ -48,60 +48,6 @@ async def test_messages_falling_due_a_millisecond_apart_fire_in_a_few_writes_nev
         assert len(fired) <= 1000 // TICK_MS + 5
 
 
-async def test_a_ticks_batch_goes_in_small_writes_of_whole_topics_and_a_backlog_in_large_ones(tmp_path: Path):
-    """200 messages due together over 8 topics, a batch the step keeps up with: four writes of 50 (``PACE``), each
-    holding two whole topics (so an undelayed message waits behind a quarter of the tick, and each topic's
-    messages stay in one write, in due order); 600 due together, a backlog: writes of ``CHUNK`` in due order, as
-    many as the capacity wants, not more."""
-    async with open_store(tmp_path, CONFIG) as node:
-        due = now_ms() + 1500
-        await node.append([NewMessage(f"cmd/{i % 8}", i.to_bytes(4, "big"), "app", 1, deliver_at_ms=due)
-                           for i in range(200)])
-        for n in range(8):
-            await all_fired(node, f"cmd/{n}", 25)
-        assert [len(f.entries) for f in timers_fired(node)] == [50, 50, 50, 50]
-        assert [len(topics) for topics in topics_per_write(node)] == [2, 2, 2, 2]
-        assert set().union(*topics_per_write(node)) == {f"cmd/{n}" for n in range(8)}
-        for n in range(8):
-            got = [int.from_bytes(rec.payload, "big") for _, rec in node.read(f"cmd/{n}", 0, max_count=100).messages]
-            assert got == list(range(n, 200, 8))  # in due order (one due time: the order sent)
-        due = now_ms() + 1500
-        await node.append([NewMessage(f"more/{i % 8}", i.to_bytes(4, "big"), "app", 1, deliver_at_ms=due)
-                           for i in range(600)])
-        for n in range(8):
-            await all_fired(node, f"more/{n}", 75)
-        assert [len(f.entries) for f in timers_fired(node)][4:] == [dequeue.CHUNK, dequeue.CHUNK, 600 - 2 * dequeue.CHUNK]
-
-
-def test_writes_keep_a_topic_whole_and_the_unreadable_ones_together():
-    """:func:`writes` on time: a topic of more than ``PACE`` is one write, not split; every index once; each topic's
-    (and the unreadable ones', None) in one write, in due order; a write over ``PACE`` holds one topic only."""
-    one = [NewMessage("a", b"", "c") for _ in range(100)]
-    assert dequeue.writes(one) == [list(range(100))]
-    mixed = [None if i % 10 == 0 else NewMessage(f"t{i % 3}", b"", "c") for i in range(120)]
-    parts = dequeue.writes(mixed)
-    assert sorted(i for part in parts for i in part) == list(range(120))
-    kinds = [[None if mixed[i] is None else mixed[i].topic for i in part] for part in parts]
-    assert sum(len(set(kind)) for kind in kinds) == 4 and all(len(part) <= dequeue.PACE for part in parts)
-    for part, kind in zip(parts, kinds):
-        for name in set(kind):
-            mine = [i for i, k in zip(part, kind) if k == name]
-            assert mine == sorted(mine)
-    assert dequeue.writes([]) == []
-    assert [len(part) for part in dequeue.writes(one * 3)] == [dequeue.CHUNK, 300 - dequeue.CHUNK]  # behind
-
-
-def topics_per_write(node: StoreNode) -> list[set[str]]:
-    """The topics of the fired messages of each write: those before each TimersFired record in the log."""
-    found: list[set[str]] = [set()]
-    for rec in log_records(node):
-        if rec.topic == "$store/timers_fired":
-            found.append(set())
-        elif not rec.control:
-            found[-1].add(rec.topic)
-    return found[:-1]
-
-
 def log_records(node: StoreNode) -> list[Record]:
     """Every record in the log, as stored (a batch record whole), in log order."""
     log = node.log.log
