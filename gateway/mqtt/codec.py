@@ -307,6 +307,14 @@ class MqttDecoder:
             self._error = exc
             raise
 
+    def next_is_subscribe(self) -> bool:
+        """Whether the next buffered byte starts a SUBSCRIBE (0x82), complete or not: the connection gathers the
+        SUBSCRIBEs read one after another into one run (``Channel.handle_subscribes``). It decodes nothing;
+        :meth:`next_packet` judges the packet as ever."""
+        if self._pos < len(self._buf):
+            return self._buf[self._pos] == 0x82
+        return bool(self._incoming) and self._incoming[0] == 0x82
+
     def repeats(self, topic: str) -> list[bytes]:
         """The payloads of the complete PUBLISHes next in the buffer that repeat one just decoded but for their
         payloads: QoS 0, no DUP or RETAIN, on ``topic``, without properties (MQTT 5: a property length of 0), each

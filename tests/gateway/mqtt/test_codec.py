@@ -986,3 +986,21 @@ def test_user_properties_over_the_limit_are_refused_after_the_limit_not_after_th
 def test_user_properties_within_the_limit_are_decoded():
     within = Publish("t", b"x", properties=_user_properties(32))
     assert decode_stream(encode(within, 5), repeat_limit=RepeatLimit(count=32)) == [within]
+
+
+@pytest.mark.parametrize("level", [4, 5])
+def test_next_is_subscribe_looks_at_the_next_packets_first_byte_only(level):
+    """The connection gathers the SUBSCRIBEs read one after another (``next_is_subscribe``): the answer is the next
+    buffered byte's, whether the packet is complete, buffered or still to be joined; nothing is consumed."""
+    subscribe = encode(Subscribe(1, (("a/+", SubscriptionOptions(qos=1)),)), level)
+    decoder = MqttDecoder(role=Role.SERVER)
+    decoder.feed(encode(Connect(protocol_level=level, client_id="c"), level))
+    assert not decoder.next_is_subscribe()
+    assert isinstance(decoder.next_packet(), Connect)
+    assert not decoder.next_is_subscribe()  # nothing buffered
+    decoder.feed(subscribe[:1])
+    assert decoder.next_is_subscribe() and decoder.next_packet() is NEED_DATA  # incomplete: still to come
+    decoder.feed(subscribe[1:] + encode(Pingreq(), level))
+    assert decoder.next_is_subscribe()
+    assert decoder.next_packet() == Subscribe(1, (("a/+", SubscriptionOptions(qos=1)),))
+    assert not decoder.next_is_subscribe() and isinstance(decoder.next_packet(), Pingreq)
