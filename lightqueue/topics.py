@@ -103,6 +103,14 @@ def validate_topic(topic: str, limits: TopicLimits = DEFAULT_LIMITS) -> str:
     return topic
 
 
+VALID_FILTERS_KEPT = 4096
+"""How many filters found valid under ``DEFAULT_LIMITS`` :func:`validate_filter` remembers (forgotten all at once
+when full): a new subscription's filter is checked by the queues, the notify router and the retained store in turn
+(issue 31: four checks of each filter were a tenth of a SUBSCRIBE's cost)."""
+
+_valid_filters: dict[str, None] = {}  # plain dict operations: safe from the worker threads too
+
+
 def validate_filter(filter: str, limits: TopicLimits = DEFAULT_LIMITS) -> str:
     """Check a topic filter for SUBSCRIBE/UNSUBSCRIBE; return it unchanged.
 
@@ -112,9 +120,20 @@ def validate_filter(filter: str, limits: TopicLimits = DEFAULT_LIMITS) -> str:
         TopicError: empty, U+0000, not UTF-8, too long or too deep, or a
             misplaced ``+`` / ``#``.
     """
+    if limits is DEFAULT_LIMITS and type(filter) is str and filter in _valid_filters:
+        return filter
+    _check_wildcards(filter, limits)
+    if limits is DEFAULT_LIMITS:
+        if len(_valid_filters) >= VALID_FILTERS_KEPT:
+            _valid_filters.clear()
+        _valid_filters[filter] = None
+    return filter
+
+
+def _check_wildcards(filter: str, limits: TopicLimits) -> None:
     _check_common(filter, "topic filter", limits)
     if "+" not in filter and "#" not in filter:
-        return filter
+        return
     levels = filter.split("/")
     last = len(levels) - 1
     for i, level in enumerate(levels):
@@ -126,7 +145,6 @@ def validate_filter(filter: str, limits: TopicLimits = DEFAULT_LIMITS) -> str:
             raise TopicError(f"topic filter {filter!r}: '#' must occupy a whole level, not be part of {level!r}")
         if "+" in level:
             raise TopicError(f"topic filter {filter!r}: '+' must occupy a whole level, not be part of {level!r}")
-    return filter
 
 
 def is_wildcard(filter: str) -> bool:

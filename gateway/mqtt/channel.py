@@ -262,6 +262,26 @@ class Channel:
             actions = self._protocol_error(err)
         return actions if conn.peer_max_packet is None else self._fit(actions)
 
+    def handle_subscribes(self, packets: Sequence[Subscribe]) -> list[Action]:
+        """:meth:`handle_in` of SUBSCRIBEs read one after another (``MqttDecoder.next_is_subscribe``), answered as
+        one run on an open connection (``subscribe.SubscribeRun``: each checked as if alone, one ``Activate`` for
+        their accepted filters, their SUBACKs in order in one ``Send``); otherwise each is handled alone. A
+        protocol error in one closes the connection after the ones before it, as if each had come alone."""
+        conn = self.conn
+        if len(packets) == 1 or self._state is not State.CONNECTED or conn.held:
+            return [action for packet in packets for action in self.handle_in(packet)]
+        conn.last_rx = self.now()
+        run = subscribe.SubscribeRun(self)
+        actions: list[Action] = []
+        try:
+            for packet in packets:
+                actions += run.add(packet)
+        except RemoteProtocolError as err:
+            actions += run.end() + self._protocol_error(err)
+        else:
+            actions = self._after(actions + run.end())
+        return actions if conn.peer_max_packet is None else self._fit(actions)
+
     def input_done(self) -> list[Action]:
         """Everything the client sent so far is processed: deliver what its acknowledgements made room for
         (the session defers that while most of its window is in flight; call this after each read)."""

@@ -182,7 +182,8 @@ class ConnectionState:
     # Dicts used as sets (keys only): an empty set is 216 B.
     storing_qos2: dict[int, None]  # inbound QoS 2 packet ids being appended
     releasing: dict[int, int]  # ReleaseInbound ref -> inbound QoS 2 packet id whose PUBCOMP waits
-    activations: dict[int, tuple[int, list[ReasonCode], list[tuple[int, Subscription]]]]
+    # Activate ref -> its SUBSCRIBEs: (packet id, SUBACK codes, (index, subscription) of each accepted filter)
+    activations: dict[int, list[tuple[int, list[ReasonCode], list[tuple[int, Subscription]]]]]
     aliases_in: dict[int, str]
     __getattr__ = made_on_first_use({"pending": dict, "refused": dict, "storing_qos2": dict, "releasing": dict,
                                      "activations": dict, "aliases_in": dict})

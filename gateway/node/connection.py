@@ -62,7 +62,7 @@ from gateway.mqtt.channel import KEEPALIVE_TIMER, Channel, ChannelConfig
 from gateway.mqtt.codec import NEED_DATA, MqttDecoder, Role, encode
 from gateway.mqtt.lazy import Queued, appended
 from gateway.node.listeners import BoundListener, ListenerSpec, Peer, serve_listeners
-from gateway.mqtt.packets import Puback, Publish
+from gateway.mqtt.packets import Puback, Publish, Subscribe
 from gateway.mqtt.properties import EMPTY_PROPERTIES
 from gateway.node.poller import Poller
 from gateway.mqtt.reasons import RemoteProtocolError
@@ -699,6 +699,21 @@ class Connection:
                     packet_ids = decoder.pubacks()
                     self._apply(channel.handle_pubacks(packet, packet_ids) if packet_ids
                                 else channel.handle_in(packet))
+                    paused = self.paused()
+                    continue
+                if type(packet) is Subscribe:
+                    run = [packet]  # the SUBSCRIBEs read after it go with it, as one run
+                    try:
+                        while decoder.next_is_subscribe():
+                            following = decoder.next_packet()
+                            if type(following) is not Subscribe:
+                                break  # NEED_DATA: the rest of it is still to come
+                            run.append(following)
+                    except RemoteProtocolError as err:
+                        self._apply(channel.handle_subscribes(run))
+                        self.execute(channel.handle_protocol_error(err, decoder.protocol_level))
+                        return False
+                    self._apply(channel.handle_subscribes(run))
                     paused = self.paused()
                     continue
                 if type(packet) is not Publish or packet.qos:

@@ -188,3 +188,26 @@ def test_a_topic_always_matches_itself_its_hash_filter_and_plus_pattern(levels):
     plus = "/".join(["+"] * len(levels))
     assert matches(plus, topic) is (not topic.startswith("$"))
     assert not matches(topic + "/+", topic)
+
+
+def test_a_filter_found_valid_is_not_checked_again_and_an_invalid_one_always_is():
+    """A new subscription's filter is checked by the queues, the notify router and the retained store in turn (issue
+    31): under the default limits a valid one is remembered (at most ``VALID_FILTERS_KEPT``, then forgotten at once),
+    an invalid one never is, and other limits are checked in full every time."""
+    from lightqueue import topics
+    from tests.helpers.work import python_lines
+
+    filter = "remembered/+/a/b/c/d/e/f/g/h/#"
+    first, _ = python_lines(lambda: validate_filter(filter))
+    again, _ = python_lines(lambda: validate_filter(filter))
+    assert again < first // 4, (again, first)
+    for _ in range(2):
+        with pytest.raises(TopicError):
+            validate_filter("remembered/a+/b")
+    deep = TopicLimits(max_levels=3)
+    for _ in range(2):
+        with pytest.raises(TopicError):
+            validate_filter(filter, deep)
+    for n in range(topics.VALID_FILTERS_KEPT):
+        validate_filter(f"many/{n}/+")
+    assert python_lines(lambda: validate_filter(filter))[0] > 4 * again  # forgotten: what is kept is bounded

@@ -1,7 +1,7 @@
 """SUBSCRIBE and UNSUBSCRIBE: filters checked, shared subscriptions, quotas, and the retained messages they bring.
 
-A SUBSCRIBE's accepted filters go to the node as one ``Activate``; the SUBACK
-and the retained messages (per Retain Handling) follow its ``Activated``.
+A SUBSCRIBE's accepted filters go to the node as one ``Activate`` (those of SUBSCRIBEs read together as one:
+``SubscribeRun``); the SUBACK and the retained messages (per Retain Handling) follow its ``Activated``.
 """
 
 from __future__ import annotations
@@ -71,63 +71,115 @@ def _check_subscription_identifier(channel: ChannelView, packet: Subscribe) -> i
 
 
 def process_subscribe(channel: ChannelView, packet: Subscribe) -> list[Action]:
-    """A SUBSCRIBE: each filter checked (``_check_subscription``), over a topic limit or the session's quota
-    refused in the SUBACK; the accepted ones go to the node as one ``Activate`` (the SUBACK waits for it)."""
-    session = channel.conn.session
-    assert session is not None
-    sub_id = _check_subscription_identifier(channel, packet)
-    quota = channel.config.max_subscriptions
-    # New filters being activated count with those held: a SUBSCRIBE answered later must not let an earlier
-    # one overshoot. (Counted, not collected: a SUBSCRIBE costs the same with 4,000 filters held as with 4, and
-    # with 64 SUBSCRIBEs in flight as with one.) The filters in flight are collected only when they could reach
-    # the quota, not on every SUBSCRIBE of a client that pipelines them.
-    if quota and session.subscription_count + channel.conn.activating + len(packet.subscriptions) <= quota:
-        quota = 0  # every filter of this packet fits
-    activating = {sub.filter for _, _, w in channel.conn.activations.values() for _, sub in w
-                  if not session.holds(sub.filter)} if quota else set()
-    held = session.subscription_count + len(activating)
-    codes: list[ReasonCode] = []
-    wanted: list[tuple[int, Subscription]] = []
-    retained: list[str] = []
-    hits: list[Action] = []
-    over_quota = 0
-    for index, (filter, options) in enumerate(packet.subscriptions):
-        checked = _check_subscription(channel, filter, options, sub_id)
-        if isinstance(checked, ReasonCode):
-            codes.append(checked)
-            continue
-        over = channel.topic_over(checked.queue, "topic filter")
-        if over is not None:
-            codes.append(ReasonCode.TOPIC_FILTER_INVALID)
-            hits.append(channel.limit_hit(over[0], 1, f"filter refused: {over[1]}"))
-            continue
-        if channel.conn.authorizer is not None and not channel.conn.authorizer.may_subscribe(filter):
-            codes.append(ReasonCode.NOT_AUTHORIZED)  # 3.1.1: 0x80, as every refusal
-            hits.append(Denied("subscribe", filter, "filter refused"))
-            continue
-        if quota and filter not in activating and not session.holds(filter):
-            if held >= quota:
-                codes.append(ReasonCode.QUOTA_EXCEEDED)
-                over_quota += 1
+    """A SUBSCRIBE alone: :class:`SubscribeRun` of one packet."""
+    run = SubscribeRun(channel)
+    return [*run.add(packet), *run.end()]
+
+
+class SubscribeRun:
+    """SUBSCRIBEs read together, answered as one: each checked as if alone (``_check_subscription``, a topic
+    limit, the ACL, the session's quota; a refusal in its SUBACK), and the accepted filters of consecutive ones
+    go to the node as one ``Activate``, whose ``Activated`` answers them all: one fence, one store write and one
+    session patch for the run, their SUBACKs in their order in one ``Send`` once the patch is written (a client
+    pipelining one filter per SUBSCRIBE paid each of these per packet, issue 31). An ``Activate`` keys its
+    answers by filter, so a packet asking for a filter already in the run ends it and starts the next."""
+
+    __slots__ = ("_channel", "_entries", "_subs", "_retained", "_filters")
+
+    def __init__(self, channel: ChannelView) -> None:
+        self._channel = channel
+        self._entries: list[tuple[int, list[ReasonCode], list[tuple[int, Subscription]]]] = []
+        self._subs: list[Subscription] = []
+        self._retained: list[str] = []
+        self._filters: set[str] = set()
+
+    def add(self, packet: Subscribe) -> list[Action]:
+        """Check ``packet``'s filters into the run; what goes out now (limit hits, an ``Activate`` the run ended
+        before it, or its SUBACK when it activates nothing and no earlier SUBSCRIBE waits for its activation:
+        else the SUBACK follows theirs).
+
+        Raises:
+            RemoteProtocolError: as ``_check_subscription`` and ``_check_subscription_identifier``; the packets
+                added before it are still the run's (:meth:`end`).
+        """
+        channel = self._channel
+        conn = channel.conn
+        session = conn.session
+        assert session is not None
+        sub_id = _check_subscription_identifier(channel, packet)
+        quota = channel.config.max_subscriptions
+        # New filters being activated count with those held: a SUBSCRIBE answered later must not let an earlier
+        # one overshoot. (Counted, not collected: a SUBSCRIBE costs the same with 4,000 filters held as with 4, and
+        # with 64 SUBSCRIBEs in flight as with one.) The filters in flight are collected only when they could reach
+        # the quota, not on every SUBSCRIBE of a client that pipelines them.
+        if quota and session.subscription_count + conn.activating + len(packet.subscriptions) <= quota:
+            quota = 0  # every filter of this packet fits
+        activating = {sub.filter for entries in conn.activations.values() for _, _, w in entries for _, sub in w
+                      if not session.holds(sub.filter)} if quota else set()
+        held = session.subscription_count + len(activating)
+        codes: list[ReasonCode] = []
+        wanted: list[tuple[int, Subscription]] = []
+        retained: list[str] = []
+        hits: list[Action] = []
+        over_quota = 0
+        for index, (filter, options) in enumerate(packet.subscriptions):
+            checked = _check_subscription(channel, filter, options, sub_id)
+            if isinstance(checked, ReasonCode):
+                codes.append(checked)
                 continue
-            activating.add(filter)
-            held += 1
-        codes.append(ReasonCode(checked.options.qos))
-        wanted.append((index, checked))
-        handling = checked.options.retain_handling
-        if checked.group is None and (handling == 0 or (handling == 1 and not session.holds(filter))):
-            retained.append(filter)
-    if over_quota:
-        hits.append(channel.limit_hit(Limit.SUBSCRIPTIONS, over_quota,
-                                      f"{over_quota} filter(s) refused: the session holds {held} "
-                                      f"subscriptions, the limit is {quota}"))
-    if not wanted:
-        return [*hits, Send((Suback(packet.packet_id, tuple(codes)),))]
-    channel.conn.next_ref += 1
-    channel.conn.activations[channel.conn.next_ref] = (packet.packet_id, codes, wanted)
-    channel.conn.activating += len(wanted)
-    subs = tuple(sub for _, sub in wanted)
-    return [*hits, Activate(channel.conn.next_ref, channel.conn.client_id, subs, tuple(retained))]
+            over = channel.topic_over(checked.queue, "topic filter")
+            if over is not None:
+                codes.append(ReasonCode.TOPIC_FILTER_INVALID)
+                hits.append(channel.limit_hit(over[0], 1, f"filter refused: {over[1]}"))
+                continue
+            if conn.authorizer is not None and not conn.authorizer.may_subscribe(filter):
+                codes.append(ReasonCode.NOT_AUTHORIZED)  # 3.1.1: 0x80, as every refusal
+                hits.append(Denied("subscribe", filter, "filter refused"))
+                continue
+            if quota and filter not in activating and not session.holds(filter):
+                if held >= quota:
+                    codes.append(ReasonCode.QUOTA_EXCEEDED)
+                    over_quota += 1
+                    continue
+                activating.add(filter)
+                held += 1
+            codes.append(ReasonCode(checked.options.qos))
+            wanted.append((index, checked))
+            handling = checked.options.retain_handling
+            if checked.group is None and (handling == 0 or (handling == 1 and not session.holds(filter))):
+                retained.append(filter)
+        if over_quota:
+            hits.append(channel.limit_hit(Limit.SUBSCRIPTIONS, over_quota,
+                                          f"{over_quota} filter(s) refused: the session holds {held} "
+                                          f"subscriptions, the limit is {quota}"))
+        if not wanted and not self._entries:
+            if not conn.activations:
+                return [*hits, Send((Suback(packet.packet_id, tuple(codes)),))]
+            # Its SUBACK goes after those of the SUBSCRIBEs before it, which wait for their activation.
+            next(reversed(conn.activations.values())).append((packet.packet_id, codes, wanted))
+            return hits
+        ended = self.end() if any(sub.filter in self._filters for _, sub in wanted) else []
+        if not self._entries:
+            conn.next_ref += 1
+            conn.activations[conn.next_ref] = self._entries
+        self._entries.append((packet.packet_id, codes, wanted))
+        conn.activating += len(wanted)
+        self._subs += (sub for _, sub in wanted)
+        self._filters.update(sub.filter for _, sub in wanted)
+        self._retained += retained
+        return [*hits, *ended]
+
+    def end(self) -> list[Action]:
+        """The run's ``Activate`` (none if it is empty); the run starts empty again."""
+        if not self._entries:
+            return []
+        conn = self._channel.conn
+        activate = Activate(conn.next_ref, conn.client_id, tuple(self._subs), tuple(self._retained))
+        self._entries = []
+        self._subs = []
+        self._retained = []
+        self._filters = set()
+        return [activate]
 
 
 def process_unsubscribe(channel: ChannelView, packet: Unsubscribe) -> list[Action]:
@@ -152,22 +204,25 @@ def process_unsubscribe(channel: ChannelView, packet: Unsubscribe) -> list[Actio
 
 def on_activated(channel: ChannelView, event: Activated) -> list[Action]:
     try:
-        packet_id, codes, wanted = channel.conn.activations.pop(event.ref)
+        entries = channel.conn.activations.pop(event.ref)
     except KeyError:
         raise LocalProtocolError(f"Activated for unknown ref {event.ref}") from None
-    channel.conn.activating -= len(wanted)
     session = channel.conn.session
     assert session is not None
     refused = event.reasons or {}
     subscribed: dict[str, None] = {}  # in order
-    for index, sub in wanted:
-        reason = refused.get(sub.filter)
-        if reason is not None:
-            codes[index] = reason
-            continue
-        if not session.holds(sub.filter) and sub.filter not in event.starts:
-            raise LocalProtocolError(f"Activated without a start offset for {sub.filter!r}")
-        session.subscribe(sub, event.starts.get(sub.filter, 0), at_head=sub.filter in event.at_head)
-        subscribed[sub.filter] = None
+    subacks: list[Suback] = []
+    for packet_id, codes, wanted in entries:
+        channel.conn.activating -= len(wanted)
+        for index, sub in wanted:
+            reason = refused.get(sub.filter)
+            if reason is not None:
+                codes[index] = reason
+                continue
+            if not session.holds(sub.filter) and sub.filter not in event.starts:
+                raise LocalProtocolError(f"Activated without a start offset for {sub.filter!r}")
+            session.subscribe(sub, event.starts.get(sub.filter, 0), at_head=sub.filter in event.at_head)
+            subscribed[sub.filter] = None
+        subacks.append(Suback(packet_id, tuple(codes)))
     retained = tuple(pair for pair in event.retained if pair[0] in subscribed)
-    return session.patch(subscribed, Send((Suback(packet_id, tuple(codes)),)), retained)
+    return session.patch(subscribed, Send(tuple(subacks)), retained)

@@ -986,3 +986,43 @@ def test_user_properties_over_the_limit_are_refused_after_the_limit_not_after_th
 def test_user_properties_within_the_limit_are_decoded():
     within = Publish("t", b"x", properties=_user_properties(32))
     assert decode_stream(encode(within, 5), repeat_limit=RepeatLimit(count=32)) == [within]
+
+
+@pytest.mark.parametrize("level", [4, 5])
+def test_next_is_subscribe_looks_at_the_next_packets_first_byte_only(level):
+    """The connection gathers the SUBSCRIBEs read one after another (``next_is_subscribe``): the answer is the next
+    buffered byte's, whether the packet is complete, buffered or still to be joined; nothing is consumed."""
+    subscribe = encode(Subscribe(1, (("a/+", SubscriptionOptions(qos=1)),)), level)
+    decoder = MqttDecoder(role=Role.SERVER)
+    decoder.feed(encode(Connect(protocol_level=level, client_id="c"), level))
+    assert not decoder.next_is_subscribe()
+    assert isinstance(decoder.next_packet(), Connect)
+    assert not decoder.next_is_subscribe()  # nothing buffered
+    decoder.feed(subscribe[:1])
+    assert decoder.next_is_subscribe() and decoder.next_packet() is NEED_DATA  # incomplete: still to come
+    decoder.feed(subscribe[1:] + encode(Pingreq(), level))
+    assert decoder.next_is_subscribe()
+    assert decoder.next_packet() == Subscribe(1, (("a/+", SubscriptionOptions(qos=1)),))
+    assert not decoder.next_is_subscribe() and isinstance(decoder.next_packet(), Pingreq)
+
+
+@pytest.mark.parametrize("level", [4, 5])
+@pytest.mark.parametrize("reason", sorted(SUBACK_REASONS))
+def test_a_one_code_suback_is_the_bytes_section_3_9_gives(level, reason):
+    """A SUBACK of one reason code without properties takes a shortcut (issue 31): its bytes are the ones section
+    3.9 gives, a 3.1.1 failure as 0x80 (section 3.9.3); with properties it is encoded in full."""
+    code = (0x80 if reason.is_failure else reason) if level == 4 else reason
+    for packet_id in (1, 0x1234, 0xFFFF):
+        header = b"\x90\x03" if level == 4 else b"\x90\x04"
+        expected = header + packet_id.to_bytes(2, "big") + (b"\x00" if level == 5 else b"") + bytes((code,))
+        assert encode(Suback(packet_id, (reason,)), level) == expected
+    if level == 5:
+        assert encode(Suback(9, (reason,), Properties(reason_string="r")), 5) == b"\x90\x08\x00\x09\x04\x1f\x00\x01r" \
+            + bytes((reason,))
+    with pytest.raises(LocalProtocolError):
+        encode(Suback(0, (reason,)), level)
+
+
+def test_a_suback_of_a_reason_it_cannot_carry_is_refused_as_ever():
+    with pytest.raises(LocalProtocolError):
+        encode(Suback(1, (ReasonCode.PACKET_TOO_LARGE,)), 5)

@@ -136,3 +136,18 @@ async def test_activate_all_writes_once_and_a_refused_filter_fails_alone(store):
     assert isinstance(starts[1], TopicError)
     assert starts[0] == starts[3] == 0 and starts[2] == 0  # new queues start at 0
     assert set(store.queues.held_by("holder")) == {"act/+/x", "act/exact"}
+
+
+def test_a_subscribe_refused_whole_is_answered_after_the_ones_read_before_it(quiet_node):
+    """SUBSCRIBEs read together are one run (``Channel.handle_subscribes``): one whose filter is refused (over
+    ``limits.max_topic_length``: 0x8F) needs no activation, but its SUBACK still comes after those of the SUBSCRIBEs
+    before it (it went first, ahead of theirs) [MQTT-3.8.4-1] [MQTT-3.8.4-2]; the others are granted."""
+    run = uuid.uuid4().hex[:6]
+    with raw_client(quiet_node.port, MQTT_5) as sub:
+        sub.connect(f"order-{run}", clean=False)
+        filters = [f"q{run}/a/+", f"q{run}/" + "x" * 5000, f"q{run}/c", f"q{run}/d/+"]
+        sub.sock.sendall(_subscribes(filters, MQTT_5))
+        subacks = _subacks(sub, len(filters))
+    assert [(s.packet_id, s.reason_codes) for s in subacks] == [
+        (1, (ReasonCode.GRANTED_QOS_1,)), (2, (ReasonCode.TOPIC_FILTER_INVALID,)), (3, (ReasonCode.GRANTED_QOS_1,)),
+        (4, (ReasonCode.GRANTED_QOS_1,))]
