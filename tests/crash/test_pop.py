@@ -30,7 +30,7 @@ TOTAL = 200
 HELD = 20
 HOLDER_INVISIBLE_S = 5.0
 """The holder's invisible time: it must acknowledge half of its batch within it, one store RPC each, after its
-pops (at 1 s, a second's stall of the holder or the store on a loaded machine failed the acks it counts on); the
+pops (at 1 s, a stall of the holder or the store on a loaded machine would fail the acks it counts on); the
 other half comes back to the test's member after it."""
 HOLDER = ROOT / "tests" / "helpers" / "pop_holder.py"
 
