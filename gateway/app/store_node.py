@@ -12,6 +12,7 @@ from typing import Any
 
 import trio
 
+from gateway.app.logs import leaves
 from gateway.app.process import return_freed_buffers, set_collection_policy
 from gateway.app.signals import on_hangup, until_signalled
 from store.api import StartupError
@@ -159,12 +160,12 @@ def run_store_node(conf: Any, access: StoreAccess | None = None, reload: Callabl
         trio.run(serve_replica if replicated else serve_store, conf.values, access, reload, fix_session,
                  session_expiry)
     except* OSError as group:  # e.g. the RPC port is taken; nurseries may wrap it in a group
-        LOGGER.error("store node failed: %s", "; ".join(str(exc) for exc in group.exceptions))
+        LOGGER.error("store node failed: %s", "; ".join(f"{type(exc).__name__}: {exc}" for exc in leaves(group)))
         failed = True
     except* ReplicaNameTaken as group:  # another live replica of the group has this name
-        LOGGER.error("store replica not started: %s", "; ".join(str(exc) for exc in group.exceptions))
+        LOGGER.error("store replica not started: %s", "; ".join(str(exc) for exc in leaves(group)))
         failed = True
     except* StartupError as group:  # the data cannot be opened: what happened and what to do
-        LOGGER.error("%s", "; ".join(str(exc) for exc in group.exceptions))
+        LOGGER.error("%s", "; ".join(str(exc) for exc in leaves(group)))
         failed = True
     return 1 if failed else 0

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from store.api import PullRequest
 from tests.helpers.admin import Admin, admin_port
+from tests.helpers.cluster import ask_store
 from tests.helpers.etcd import running_etcd
 from tests.helpers.mqtt_fixtures import run_id
 from tests.helpers.prometheus import metric
@@ -30,6 +32,18 @@ def scraped(port: int, sample: str) -> float | None:
 
 def status(etcd: list[str]) -> dict:
     return store_command("status", "--replication-group", "g", *(f for e in etcd for f in ("--etcd", e)))
+
+
+def past_the_last(store_port: int, topic: str) -> int:
+    """Just past the start of ``topic``'s last record in the log: what a replica holds once it holds that record
+    (held offsets are record boundaries). Not the leader's written offset read after the acknowledgements: the
+    gateway's own records (sessions, offsets) go on after them, and a follower need not hold those yet (a scrape
+    got 21,511 written against 21,406 held, under load)."""
+    async def last(client) -> int:
+        (result,) = await client.pull([PullRequest(topic, 0, max_count=1000, max_bytes=1 << 20)])
+        return result.messages[-1][1].offset
+
+    return ask_store(store_port, last) + 1
 
 
 def test_each_replica_its_gateway_and_status_show_roles_epochs_the_isr_and_lag(tmp_path):
@@ -54,7 +68,7 @@ def test_each_replica_its_gateway_and_status_show_roles_epochs_the_isr_and_lag(t
             try:
                 run = run_id()
                 assert len(publish_acked(gateway.port, f"t{run}/a", 20, payload=b"x" * 1000)) == 20
-                end = metric(port[leader], "lightgate_replication_written_offset")
+                end = past_the_last(group.replicas[leader].port, f"t{run}/a")
                 for name in followers:  # under quorum every ISR member holds what was acknowledged
                     assert metric(port[leader], f'lightgate_replication_follower_held_offset{{replica="{name}"}}') \
                         >= end

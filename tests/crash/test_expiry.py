@@ -20,6 +20,7 @@ from tests.helpers.base import BaseNode, base_tree
 from tests.helpers.cluster import Gateway, Store, ask_store, free_port, wait_for
 from tests.helpers.mqtt_fixtures import (WAIT_S, Node, RawClient, check_nothing_before_sentinel, kill, run_id,
                                          session5, subscribe5, wait_until)
+from tests.helpers.processes import WAIT_S as START_WAIT_S
 from tests.helpers.prometheus import metric
 
 pytestmark = pytest.mark.slow
@@ -27,6 +28,11 @@ pytestmark = pytest.mark.slow
 SHORT_S = 2  # the Session Expiry Interval of the sessions that must be gone after the restart
 LONG_S = 3600  # ... and of the ones that must still be there
 SESSIONS = 5
+WILL_DELAY_S = int(START_WAIT_S) + 5
+"""The delay of the wills pending at a kill, counted from their close before it: longer than the restart may take
+(a node that is not ready within ``START_WAIT_S`` fails the test), so the session that resumes after it does so
+before its will is due. At 5 s a restart on a loaded machine took longer (3.8 to 6.4 s at load 12) and that will
+was published, as the delay had passed."""
 
 
 def detach(port: int, client_id: str, expiry_s: int, *filters: str) -> None:
@@ -142,16 +148,16 @@ def will_client(port: int, client_id: str, topic: str, delay_s: int) -> RawClien
 
 
 def test_wills_pending_or_held_at_a_kill_are_published_after_the_restart_unless_the_session_resumed(tmp_path):
-    """Two wills are pending (delay 5 s) when the node is killed, and a third client is still connected; after
-    the restart the will whose session resumed is never published, the others are [MQTT-3.1.2-8] (the crashed
-    client's connection closed without a DISCONNECT: its will is due from the restart), and they are the
-    barrier the first would arrive before."""
+    """Two wills are pending (``WILL_DELAY_S``) when the node is killed, and a third client is still connected;
+    after the restart the will whose session resumed is never published, the others are [MQTT-3.1.2-8] (the
+    crashed client's connection closed without a DISCONNECT: its will is due from the restart), and they are the
+    barrier the first would arrive before (the lost will, closed after it with the same delay, is due after it)."""
     run = run_id()
     node = Node(tmp_path / "data")
     try:
         detach(node.port, f"watch-{run}", LONG_S, f"will/{run}/+")
-        resumed = will_client(node.port, f"back-{run}", f"will/{run}/back", 5)
-        lost = will_client(node.port, f"lost-{run}", f"will/{run}/lost", 5)
+        resumed = will_client(node.port, f"back-{run}", f"will/{run}/back", WILL_DELAY_S)
+        lost = will_client(node.port, f"lost-{run}", f"will/{run}/lost", WILL_DELAY_S)
         crashed = will_client(node.port, f"crashed-{run}", f"will/{run}/crashed", 0)
         resumed.close()  # no DISCONNECT: the wills wait for their delay
         lost.close()
@@ -163,7 +169,8 @@ def test_wills_pending_or_held_at_a_kill_are_published_after_the_restart_unless_
         assert present
         watcher, present = session5(node.port, f"watch-{run}", LONG_S)
         assert present
-        wills = {(will.topic, will.payload) for will in watcher.receive(2)}
+        wills = {(will.topic, will.payload) for will in (watcher.messages.get(timeout=WILL_DELAY_S + WAIT_S)
+                                                         for _ in range(2))}
         assert wills == {(f"will/{run}/lost", b"gone"), (f"will/{run}/crashed", b"gone")}
         check_nothing_before_sentinel(watcher, back, f"will/{run}/sentinel")
         back.disconnect()

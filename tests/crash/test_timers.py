@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -88,19 +89,29 @@ async def scenario(data: Path, power_loss: bool) -> dict:
     port = node.addresses[0][1]
     subscriber = Subscriber(0, 2, TOPIC, prefix="delayed-sub-")  # delivers at PUBLISH, PUBREL only frees the id
     stop = trio.Event()
+    acked: set[int] = set()
+    undelivered: list[int] = []  # at each kill
+
+    def killed(then: Callable[[], None] | None = None) -> None:
+        """Between a SIGKILL and the restart: count what the subscriber has not received by then (in trio's thread,
+        where it counts; counted before the kill, it would include what the node delivered meanwhile), then
+        ``then()``."""
+        undelivered.append(trio.from_thread.run_sync(lambda: len(acked - set(subscriber.counts))))
+        if then is not None:
+            then()
+
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(subscriber.run, address_cycle(node.addresses), stop)
             await until(lambda: subscriber.connects, "the subscriber's session")
-            acked = await trio.to_thread.run_sync(publish, port, range(HALF))
-            pending_at_kill = len(acked - set(subscriber.counts))
-            await trio.to_thread.run_sync(node.crash)  # 1: while delayed messages are pending
+            acked |= await trio.to_thread.run_sync(publish, port, range(HALF))
+            await trio.to_thread.run_sync(node.crash, killed)  # 1: while delayed messages are pending
             second = await trio.to_thread.run_sync(publish, port, range(HALF, 2 * HALF))
             acked |= second
             await until(lambda: second & set(subscriber.counts), "a second-half message")
-            in_flight = len(acked - set(subscriber.counts))
             # 2: while they are being dequeued (and, for the power loss, the log cut at its flushed mark)
-            await trio.to_thread.run_sync(node.crash, partial(cut_at_flushed_mark, data) if power_loss else None)
+            await trio.to_thread.run_sync(node.crash, partial(killed, partial(cut_at_flushed_mark, data))
+                                          if power_loss else killed)
             with trio.move_on_after(WAIT_S):
                 await until(lambda: subscriber.has(acked), "every acknowledged message")
             stop.set()
@@ -109,8 +120,8 @@ async def scenario(data: Path, power_loss: bool) -> dict:
     return {"acknowledged": len(acked), "delivered": len(acked & set(subscriber.counts)),
             "lost": len(acked - set(subscriber.counts)),
             "duplicated": sum(count - 1 for count in subscriber.counts.values()),
-            "sessions_lost": subscriber.sessions_lost, "pending_at_first_kill": pending_at_kill,
-            "undelivered_at_second_kill": in_flight, "errors": node.errors()}
+            "sessions_lost": subscriber.sessions_lost, "pending_at_first_kill": undelivered[0],
+            "undelivered_at_second_kill": undelivered[1], "errors": node.errors()}
 
 
 @pytest.mark.parametrize("power_loss", [False, True], ids=["sigkill", "power-loss"])

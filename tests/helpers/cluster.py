@@ -1,6 +1,5 @@
 """A cluster of real processes (one `lightgate store`, `lightgate gateway`s) and the waits its tests share."""
 
-import socket
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,15 +9,10 @@ import trio
 from store.api import NewMessage
 from store.rpc.client import RemoteStore
 from tests.helpers.mqtt_fixtures import run_id, wait_until
+from tests.helpers.ports import free_port
 from tests.helpers.processes import LightgateProcess
 
 WAIT_S = 30.0  # every condition below is waited for with this timeout (two cores, several processes)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Process(LightgateProcess):

@@ -26,7 +26,6 @@ messages a subscriber dropped because they came with an id it still held.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -35,6 +34,7 @@ import trio
 
 from gateway.bench.crashclients import (Accounting, Address, Publisher, Subscriber, account, address_cycle,
                                         wait_delivered)
+from tests.helpers.ports import free_port
 from tests.helpers.processes import LightgateProcess
 
 __all__ = ["ClusterNodes", "CrashReport", "EmbeddedNode", "Node", "run_crashes"]
@@ -53,12 +53,6 @@ QUIET_S = 15.0
 """Subscribers stop waiting for missing messages after this long without any delivery."""
 
 FILTER = "crash/#"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 class Node(Protocol):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -21,14 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.ports import free_port
+
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 WAIT_S = 30.0  # a 3-member cluster's first raft election, on two shared cores
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def require_etcd() -> None:

@@ -86,13 +86,18 @@ def test_node_starts_with_no_arguments_and_stops_cleanly_on_sigterm(tmp_path, co
     assert (tmp_path / "data" / "index").is_dir()
 
 
-def test_serve_exits_1_when_the_port_is_taken(tmp_path):
+@pytest.mark.parametrize("command, flag, failed", [("serve", "--port", "gateway node failed"),
+                                                   ("store", "--listen", "store node failed")])
+def test_a_node_exits_1_when_its_port_is_taken_and_says_why(tmp_path, command, flag, failed):
+    """The one error line names the cause (the store's said "Exceptions from Trio nursery (1 sub-exception)" when a
+    test's restarted store found its port taken)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        out = run(["serve", "--port", str(taken.getsockname()[1])], tmp_path)
+        port = str(taken.getsockname()[1])
+        out = run([command, flag, port if command == "serve" else f"127.0.0.1:{port}"], tmp_path)
     assert out.returncode == 1
-    assert "gateway node failed" in out.stderr
+    assert failed in out.stderr
     assert "Address already in use" in out.stderr and "Exceptions from Trio nursery" not in out.stderr  # the cause
 
 

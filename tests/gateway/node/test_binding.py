@@ -7,15 +7,10 @@ import sys
 
 import pytest
 
+from tests.helpers.ports import free_port
 from tests.helpers.processes import ROOT, WAIT_S
 
 pytestmark = pytest.mark.slow  # a node process per case
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize(("taken", "option"), [("--port", "node.port (--port)"),

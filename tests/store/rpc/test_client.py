@@ -9,15 +9,10 @@ from store.api import LeaseLost, NewMessage, PullRequest, RecordTooLarge, StoreU
 from store.rpc import wire as rpc
 from store.rpc.client import RemoteStore, StoreRpcError
 from store.rpc.server import serve_rpc
+from tests.helpers.ports import free_port
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
 LEASE_S = 0.6
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Server:

@@ -1,7 +1,6 @@
 """The store connection (store/rpc/connection.py): reconnecting to the address its resolver gives, against a real
 store restarted on another port (its CommitLog and RocksDB reopened from the same data directory)."""
 
-import socket
 from functools import partial
 
 import trio
@@ -11,14 +10,9 @@ from store.log.commitlog import CommitLogConfig
 from store.node import open_store
 from store.rpc.client import RemoteStore
 from store.rpc.server import serve_rpc
+from tests.helpers.ports import free_port
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def serve(data, port: int, stopped: trio.Event, closed: trio.Event,
