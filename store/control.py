@@ -23,11 +23,11 @@ from store.api import NewMessage
 from store.log.record import Record, new_control
 
 __all__ = [
-    "KIND_PREFIX", "Activated", "ActivatedRun", "ClientClosed", "ClientConnected", "ClientForgotten", "Committed", "Control",
-    "ControlError", "Delayed", "FlowsAwaiting", "FlowsReleased", "PopAcked", "PopCheckpoint", "PopRestated",
-    "PopRevived", "QueueBases", "Released", "RetainedKept", "SessionEnded", "SessionPatched", "SessionSaved",
-    "TimerCancelled", "TimersFired", "TimersRolled", "WillPublished", "activated_runs", "decode_control", "encode_all",
-    "encode_control",
+    "KIND_PREFIX", "Activated", "ActivatedRun", "ClientClosed", "ClientConnected", "ClientForgotten", "Committed",
+    "Control", "ControlError", "Delayed", "FlowsAwaiting", "FlowsReleased", "PopAcked", "PopCheckpoint",
+    "PopRestated", "PopRevived", "QueueBases", "Released", "RetainedKept", "SessionEnded", "SessionPatched",
+    "SessionSaved", "TimerCancelled", "TimersFired", "TimersRolled", "WillPublished", "activated_runs",
+    "decode_control", "encode_all", "encode_control",
 ]
 
 KIND_PREFIX = "$store/"
@@ -44,7 +44,8 @@ class ControlError(ValueError):
 
 class Activated(msgspec.Struct, frozen=True, array_like=True, tag="activated"):
     """``holder`` holds ``filter``; a wildcard filter's first holder starts its indexing at this record's offset,
-    under queue id ``qid`` (chosen by the writer, so every replica gets the same id)."""
+    under queue id ``qid`` (chosen by the writer, so every replica gets the same id). Written no more (see
+    ``ActivatedRun``), applied in the logs written before."""
 
     filter: str
     holder: str
@@ -55,7 +56,7 @@ class ActivatedRun(msgspec.Struct, frozen=True, array_like=True, tag="activated_
     """``holder`` holds each of ``filters``, in order, as an ``Activated`` record of each would say (``qids[i]`` is
     ``filters[i]``'s id), every one from this record's offset: a SUBSCRIBE run's filters cost one record, not one
     each (a record, a header, a CRC, a decode and a dispatch step per filter made 50 x 1,000 filters CPU-bound,
-    issue 31). ``Activated`` stays readable (logs written before)."""
+    issue 31)."""
 
     holder: str
     filters: list[str]
@@ -305,8 +306,8 @@ class PopRestated(msgspec.Struct, frozen=True, array_like=True, tag="pop_restate
 
 
 Control = Union[Activated, ActivatedRun, Released, Committed, SessionSaved, SessionPatched, SessionEnded,
-                FlowsReleased, FlowsAwaiting, ClientConnected, ClientClosed, WillPublished, ClientForgotten, RetainedKept, Delayed,
-                TimersFired, TimersRolled, TimerCancelled, QueueBases, PopCheckpoint, PopAcked, PopRevived, PopRestated]
+                FlowsReleased, FlowsAwaiting, ClientConnected, ClientClosed, WillPublished, ClientForgotten,
+                RetainedKept, Delayed, TimersFired, TimersRolled, TimerCancelled, QueueBases, PopCheckpoint, PopAcked, PopRevived, PopRestated]
 """Every control record kind (a tagged union: the tag is the first element of the msgpack array)."""
 
 _ENCODER = msgspec.msgpack.Encoder()

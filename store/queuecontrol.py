@@ -3,9 +3,9 @@
 Whatever the light queues hold besides their entries (a filter's queue id and the offset it is active since, who
 holds which filter, consumer offsets) is made by control records (store/control.py) that dispatch applies here, in
 log order between the messages it indexes: a replica copying the log, or a rebuild after the index was deleted,
-derives the same state, queue ids included (``Activated`` and ``ActivatedRun`` carry the ids their writer chose). The writes skip the
-WAL; the dispatcher's flush persists them after the CommitLog's (so they are never ahead of what the log keeps),
-and :attr:`QueueControls.checkpoint` says where re-dispatch resumes.
+derives the same state, queue ids included (``ActivatedRun``, and ``Activated`` of logs written before, carry the
+ids their writer chose). The writes skip the WAL; the dispatcher's flush persists them after the CommitLog's (so
+they are never ahead of what the log keeps), and :attr:`QueueControls.checkpoint` says where re-dispatch resumes.
 """
 
 from __future__ import annotations
