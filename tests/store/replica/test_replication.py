@@ -524,9 +524,14 @@ async def test_a_new_replica_joins_after_retention_cut_the_leaders_log_and_numbe
     dispatch takes the queues' numbering from the restatement at the cut (``QueueBases``): the same queue offsets
     and topic ids as the leader's for the same records, though it never saw the records retention deleted."""
     async with leader(tmp_path / "a", acks="leader", config=RETAINED) as node:
+        await node.activate_all(["t/1", "t/2"], "owner")  # in a segment retention deletes: restated, one record
         await node.append(messages(3000, size=1000))
         await node.commit_offsets({"owner": {"t/1": 5}})
         assert await retention(node)
+        log = node.log.log
+        restated = [c for c in (decode_control(r) for r in log.scan(log.min_offset, 1 << 30).records if r.control)
+                    if isinstance(c, ActivatedRun)]
+        assert restated == [ActivatedRun("owner", ["t/1", "t/2"], [0, 0])]
         await node.append(messages(20, 3000) + [NewMessage("t/new", b"late", "pub", qos=1)])
         first = node.log.log.min_offset
         b = Follower(tmp_path / "b", "b", RETAINED)
