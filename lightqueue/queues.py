@@ -22,7 +22,7 @@ holders, consumer offsets, applied by store/queuecontrol.py through :meth:`activ
 consistent prefix of dispatch that re-dispatch from the checkpoints extends identically. Retention writes with the
 WAL after flushing the memtable, so its range deletes never sit on top of writes a crash could still lose.
 
-Queue ids: a wildcard filter's id is chosen by the writer of its ``Activated`` record (:meth:`filter_id`, from
+Queue ids: a wildcard filter's id is chosen by the writer of its activation record (:meth:`filter_id`, from
 ``1`` up, below 2^32 as the target-queues section needs) and written in the record; topic and first-level queues
 (never named by id in a record) get theirs from dispatch, from ``TOPIC_IDS`` (2^32) up. The two ranges never meet,
 so every copy of the log derives the same filter ids whatever ids its topic queues got. A listed id is indexed only
@@ -327,7 +327,7 @@ class LightQueues:
         return section
 
     def filter_id(self, filter: str) -> int:
-        """The queue id an ``Activated`` record for ``filter`` carries, as things stand: an active wildcard
+        """The queue id an activation record for ``filter`` carries, as things stand: an active wildcard
         filter's own id, else the next filter id; 0 for an exact filter or ``a/#`` (never listed in a record).
 
         The caller (store/node.py) gives each first activation an id no other was given, applied or not, so two
@@ -357,7 +357,7 @@ class LightQueues:
         """Apply an activation: ``holder`` (a session or consumer group) holds ``filter``.
 
         The first holder of a wildcard filter starts its indexing under queue id ``qid`` (None: :meth:`filter_id`):
-        every record at or after CommitLog offset ``since`` (the ``Activated`` record's) that lists the id is
+        every record at or after CommitLog offset ``since`` (the activation record's) that lists the id is
         indexed into the filter's queue, and :meth:`targets` lists it from now on. An active filter keeps its id
         and its start. Exact filters and ``a/#`` are always indexed; holding them keeps their queues from being
         removed. Written without the WAL (derived state); ``applied``: the control checkpoint to write with it.
@@ -375,7 +375,7 @@ class LightQueues:
 
     def activate_all(self, activations: Sequence[tuple[str, str, int, int | None]], *, applied: int
                      ) -> list[ValueError | None]:
-        """:meth:`activate` of each ``(filter, holder, since, qid)``, in order, in one write (a run of ``Activated``
+        """:meth:`activate` of each ``(filter, holder, since, qid)``, in order, in one write (a run of activation
         records: 50 sessions subscribing at once made one RocksDB write per record, issue 31). One that
         :meth:`activate` would refuse is skipped alone: its error is in its place of the answer (None: applied)."""
         return [None if isinstance(r, int) else r for r in self._activate_all(activations, applied)]
@@ -785,7 +785,7 @@ class LightQueues:
 
     def holdings(self) -> Iterator[tuple[str, str, int]]:
         """Every held filter as ``(filter, holder, queue id)`` (0 for exact filters and ``a/#``): what
-        ``Activated`` records restate."""
+        activation records restate."""
         for key, _ in self._scan(b"H"):
             size = keys.U16.unpack_from(key, 1)[0]
             filter = key[3:3 + size].decode()
@@ -806,8 +806,8 @@ class LightQueues:
         ends at ``log_end`` before the control checkpoint (what the records past it made cannot be told apart).
 
         Holders, offsets and activations go, and the control checkpoint goes to 0; a filter active since
-        ``log_end`` or later goes whole (its ``Activated`` record is lost), the others keep their queue, which
-        their ``Activated`` record, applied again, finds with its id.
+        ``log_end`` or later goes whole (its activation record is lost), the others keep their queue, which
+        their activation record, applied again, finds with its id.
         """
         with self._lock:
             batch = rocksdict.WriteBatch(raw_mode=True)

@@ -33,7 +33,8 @@ import trio
 from lightqueue.queues import TOPIC_IDS, LightQueues
 from retain.store import RetainedStore
 from store.awaiting import AwaitingRelease
-from store.control import KIND_PREFIX, Activated, Control, ControlError, QueueBases, RetainedKept, decode_control
+from store.control import (KIND_PREFIX, Activated, ActivatedRun, Control, ControlError, QueueBases, RetainedKept,
+                           decode_control)
 from store.log.commitlog import SKIPPED, CommitLog, ScanResult
 from store.log.errors import OffsetExpired
 from store.log.recent import RecentRecords
@@ -129,11 +130,12 @@ class ControlApplier(Protocol):
 
 
 class ActivationsApplier(ControlApplier, Protocol):
-    """An applier that takes a run of ``Activated`` records (consecutive in the log) in one call, as one write:
-    50 sessions subscribing at once append thousands of them in a row (issue 31). No other part applies
-    ``Activated``, so a run applied by it ahead of the others' turns leaves every part's state as in log order."""
+    """An applier that takes a run of activation records (``Activated``, ``ActivatedRun``: consecutive in the log)
+    in one call, as one write: 50 sessions subscribing at once append hundreds of them in a row (issue 31). No
+    other part applies them, so a run applied by it ahead of the others' turns leaves every part's state as in log
+    order."""
 
-    def apply_activations(self, run: Sequence[tuple[Record, Activated]]) -> None:
+    def apply_activations(self, run: Sequence[tuple[Record, Activated | ActivatedRun]]) -> None:
         """Apply the run, each record as :meth:`apply` would."""
         ...
 
@@ -206,7 +208,7 @@ class Dispatcher:
             refuses every write after one failed for lack of space); None: always.
         flush_wanted: whether a part asks for a flush before ``flush_interval_s`` (the timer, store/timer/, when
             the state it keeps in memory until its next checkpoint grew large); None: never.
-        activations: the part that applies ``Activated`` records (the light queues' controls,
+        activations: the part that applies activation records (the light queues' controls,
             store/queuecontrol.py), given each run of them in one call; the first of the parts, before
             ``appliers`` (the others, each record in log order).
 
@@ -444,7 +446,7 @@ class Dispatcher:
         queues = self._queues
         max_offsets: dict[str, int] = {}
         first = 0
-        run: list[tuple[Record, Activated]] = []  # consecutive ``Activated`` records not applied yet
+        run: list[tuple[Record, Activated | ActivatedRun]] = []  # consecutive activations not applied yet
         for i, record in enumerate(records):
             if not record.flags & FLAG_CONTROL:
                 continue
@@ -454,7 +456,7 @@ class Dispatcher:
                     max_offsets.update(queues.index(records[first:i], record.offset))
             first = i + 1
             control = self._control(record)
-            if isinstance(control, Activated) and self._activations is not None:
+            if isinstance(control, (Activated, ActivatedRun)) and self._activations is not None:
                 run.append((record, control))
             elif control is not None:
                 self._apply_run(run)
@@ -470,8 +472,8 @@ class Dispatcher:
             if record.offset >= applier.checkpoint:
                 applier.apply(record, control)
 
-    def _apply_run(self, run: list[tuple[Record, Activated]]) -> None:
-        """Apply a run of ``Activated`` records (emptied): in one call to ``activations``, one record at a time to
+    def _apply_run(self, run: list[tuple[Record, Activated | ActivatedRun]]) -> None:
+        """Apply a run of activation records (emptied): in one call to ``activations``, one record at a time to
         the others."""
         if not run:
             return

@@ -41,7 +41,7 @@ from store.api import (MAIN_LOG, DelayedCapExceeded, LogSpan, MessageChain, NewM
                        TimerStatistics, any_delayed, batch_room, batchable)
 from store.attached import Attachment
 from store.awaiting import AwaitingRelease
-from store.control import (Activated, ClientClosed, Committed, Control, Delayed, Released, SessionSaved,
+from store.control import (ClientClosed, Committed, Control, Delayed, Released, SessionSaved, activated_runs,
                            encode_all, encode_control)
 from store.dispatch import MAX_LAG, SCAN_BYTES, Dispatcher, Listener
 from store.groups import GroupCoordinator, Stored, messages_of, served, stored
@@ -504,7 +504,7 @@ class StoreNode:
     # --- subscriptions and offsets ----------------------------------------------------------
 
     async def activate(self, queue: str, holder: str) -> int:
-        """``holder`` holds filter ``queue``: an ``Activated`` record (with the filter's queue id, chosen here),
+        """``holder`` holds filter ``queue``: an activation record (with the filter's queue id, chosen here),
         appended and applied. Returns the subscription's exact start: the queue offset of the first entry after
         the record (every message appended after this returns lists the filter, if it is a wildcard's).
 
@@ -518,15 +518,16 @@ class StoreNode:
         return start
 
     async def activate_all(self, queues: Sequence[str], holder: str) -> list[int | ValueError]:
-        """:meth:`activate` of each of ``queues``: their ``Activated`` records in one CommitLog write, applied
-        together (a SUBSCRIBE's filters, or a connection's SUBSCRIBEs read together, cost one write and one wait
-        for dispatch, not one each). Each gets its start, or the ``TopicError``/``ValueError`` that refused it alone.
+        """:meth:`activate` of each of ``queues``: one ``ActivatedRun`` record of them all (more only past the
+        record size limit), applied together (a SUBSCRIBE's filters, or a connection's SUBSCRIBEs read together,
+        cost one record, one write and one wait for dispatch, not one each). Each gets its start, or the
+        ``TopicError``/``ValueError`` that refused it alone.
 
         Raises:
             LogFullError: the disk is full (``append_control`` looks); none of them was appended.
         """
         results: list[int | ValueError] = []
-        controls: list[Activated] = []
+        activations: list[tuple[str, int]] = []
         given: dict[str, int] = {}  # first activations of this write: one id per filter
         for queue in queues:
             try:
@@ -535,17 +536,18 @@ class StoreNode:
                 results.append(exc)
                 continue
             given[queue] = qid
-            controls.append(Activated(queue, holder, qid))
+            activations.append((queue, qid))
             results.append(0)
-        if not controls:
+        if not activations:
             return results
-        end = await self.append_control(controls)
+        end = await self.append_control(activated_runs(holder, activations,
+                                                       self.log.log.config.max_record_bytes // 2))
         offset_at = self.queues.offset_at
         return [start if isinstance(start, ValueError) else offset_at(queue, end)
                 for queue, start in zip(queues, results)]
 
     def _filter_id(self, queue: str) -> int:
-        """The queue id of an ``Activated`` record of ``queue`` written now (raises as ``LightQueues.filter_id``).
+        """The queue id of an activation record of ``queue`` written now (raises as ``LightQueues.filter_id``).
 
         An active filter's id stays its own, even if its last holder releases it meanwhile. A new one takes the
         next id not given out: first activations go to the log together (they went one at a time, a log write

@@ -3,9 +3,9 @@
 Whatever the light queues hold besides their entries (a filter's queue id and the offset it is active since, who
 holds which filter, consumer offsets) is made by control records (store/control.py) that dispatch applies here, in
 log order between the messages it indexes: a replica copying the log, or a rebuild after the index was deleted,
-derives the same state, queue ids included (``Activated`` carries the id its writer chose). The writes skip the
-WAL; the dispatcher's flush persists them after the CommitLog's (so they are never ahead of what the log keeps),
-and :attr:`QueueControls.checkpoint` says where re-dispatch resumes.
+derives the same state, queue ids included (``ActivatedRun``, and ``Activated`` of logs written before, carry the
+ids their writer chose). The writes skip the WAL; the dispatcher's flush persists them after the CommitLog's (so
+they are never ahead of what the log keeps), and :attr:`QueueControls.checkpoint` says where re-dispatch resumes.
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ import logging
 from typing import Iterable, Sequence, final
 
 from lightqueue.queues import LightQueues
-from store.control import Activated, Committed, Control, Released, SessionEnded
+from store.control import Activated, ActivatedRun, Committed, Control, Released, SessionEnded, activated_runs
 from store.log.record import Record
 
 __all__ = ["QueueControls"]
 
 LOGGER = logging.getLogger(__name__)
+
+RESTATE_BYTES = 32 << 10
+"""Filters per restated ``ActivatedRun`` record, in bytes: far below any record size limit in use."""
 
 
 @final
@@ -47,7 +50,7 @@ class QueueControls:
         """Apply one control record; the control checkpoint moves past it in the same write."""
         queues = self._queues
         applied = record.offset + record.size
-        if isinstance(control, Activated):
+        if isinstance(control, (Activated, ActivatedRun)):
             self.apply_activations([(record, control)])
         elif isinstance(control, Released):
             queues.release(control.filter, control.holder, applied=applied)
@@ -62,14 +65,23 @@ class QueueControls:
         else:
             queues.mark_applied(applied)
 
-    def apply_activations(self, run: Sequence[tuple[Record, Activated]]) -> None:
-        """Apply a run of ``Activated`` records in one write; the control checkpoint moves past the last."""
+    def apply_activations(self, run: Sequence[tuple[Record, Activated | ActivatedRun]]) -> None:
+        """Apply a run of activation records in one write, each filter from its record's offset; the control
+        checkpoint moves past the last."""
+        activations: list[tuple[str, str, int, int | None]] = []
+        offsets: list[int] = []  # each activation's record
+        for record, control in run:
+            if isinstance(control, Activated):
+                activations.append((control.filter, control.holder, record.offset, control.qid or None))
+            else:
+                holder, offset = control.holder, record.offset
+                activations += [(f, holder, offset, qid or None) for f, qid in zip(control.filters, control.qids)]
+            offsets += [record.offset] * (len(activations) - len(offsets))
         last = run[-1][0]
-        errors = self._queues.activate_all([(c.filter, c.holder, r.offset, c.qid or None) for r, c in run],
-                                           applied=last.offset + last.size)
-        for (record, _), error in zip(run, errors):
+        errors = self._queues.activate_all(activations, applied=last.offset + last.size)
+        for offset, error in zip(offsets, errors):
             if error is not None:  # a filter or id its writer would not have written: never stall on it
-                LOGGER.error("activation not applied: %s", error, extra={"ctx": {"offset": record.offset}})
+                LOGGER.error("activation not applied: %s", error, extra={"ctx": {"offset": offset}})
 
     def flush(self, offset: int) -> None:
         """Move the checkpoint to ``offset``; the light queues' flush (after this) persists it with the rest."""
@@ -80,10 +92,14 @@ class QueueControls:
         """Nothing of its own to wait for: the light queues' memtable holds the checkpoint (the dispatcher waits)."""
 
     def restate(self) -> Iterable[Control]:
-        """An ``Activated`` for every held filter (with its queue id), a ``Committed`` per owner of offsets."""
+        """An ``ActivatedRun`` of every holder's filters (with their queue ids; in records of about
+        ``RESTATE_BYTES``), a ``Committed`` per owner of offsets."""
         queues = self._queues
+        held: dict[str, list[tuple[str, int]]] = {}
         for filter, holder, qid in list(queues.holdings()):
-            yield Activated(filter, holder, qid)
+            held.setdefault(holder, []).append((filter, qid))
+        for holder, activations in held.items():
+            yield from activated_runs(holder, activations, RESTATE_BYTES)
         for owner in list(queues.owners()):
             offsets = queues.get_offsets(owner)
             if offsets:

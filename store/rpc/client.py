@@ -64,6 +64,15 @@ STATISTICS_LOG_S = 60.0
 T = TypeVar("T")
 
 
+def _refusal(error: rpc.Error) -> ValueError:
+    """A filter's refusal in an ``ActivateAll`` answer, as the local store gives it (a ``TopicError`` or
+    ``ValueError``); any other error is raised (the store never answers one per filter)."""
+    exc = exception_of(error)
+    if not isinstance(exc, ValueError):
+        raise exc
+    return exc
+
+
 def default_node_name() -> str:
     """A gateway node name unique per process: host name and process id."""
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -365,13 +374,8 @@ class RemoteStore:
         return answer.value
 
     async def activate_all(self, queues: Sequence[str], holder: str) -> list[int | ValueError]:
-        starts: list[int | ValueError] = []
-        for queue in queues:  # one request each: the wire has no batch form
-            try:
-                starts.append(await self.activate(queue, holder))
-            except ValueError as exc:  # TopicError included
-                starts.append(exc)
-        return starts
+        answer = await self._call(lambda rid: rpc.ActivateAll(rid, list(queues), holder))
+        return [start if isinstance(start, int) else _refusal(start) for start in answer.starts]
 
     async def release(self, queue: str, holder: str) -> bool:
         async def attempt(link: Link) -> bool:

@@ -160,7 +160,8 @@ class _Connection:
         self._appends_in, self._appends_out = trio.open_memory_channel[rpc.AppendRequest](APPENDS_QUEUED)
         self._fenced = 0  # writes of an ended lease refused on this connection
         self._handlers = {
-            rpc.Pull: self._pull, rpc.Activate: self._activate, rpc.Release: self._release,
+            rpc.Pull: self._pull, rpc.Activate: self._activate, rpc.ActivateAll: self._activate_all,
+            rpc.Release: self._release,
             rpc.MaxOffsets: self._max_offsets, rpc.GetOffsets: self._get_offsets, rpc.CommitOffsets: self._commit,
             rpc.GetRetained: self._retained, rpc.OpenSession: self._open_session, rpc.CloseSession: self._close_session,
             rpc.SaveSession: self._save_session, rpc.PatchSession: self._patch_session,
@@ -315,6 +316,10 @@ class _Connection:
 
     async def _activate(self, request: rpc.Activate) -> rpc.Value:
         return rpc.Value(request.id, await self._store.activate(request.queue, request.holder))
+
+    async def _activate_all(self, request: rpc.ActivateAll) -> rpc.Starts:
+        starts = await self._store.activate_all(request.queues, request.holder)
+        return rpc.Starts(request.id, [s if isinstance(s, int) else error_frame(request.id, s) for s in starts])
 
     async def _release(self, request: rpc.Release) -> rpc.Value:
         self.check_epoch(request.epoch)

@@ -70,6 +70,7 @@ __all__ = [
     "SERVER_MESSAGES",
     "Ack",
     "Activate",
+    "ActivateAll",
     "AdminAnswer",
     "AdminAsk",
     "AdminCall",
@@ -131,6 +132,7 @@ __all__ = [
     "RpcProtocolError",
     "SaveSession",
     "ServerMessage",
+    "Starts",
     "Statistics",
     "Value",
     "Watch",
@@ -294,6 +296,15 @@ class Activate(_Message, tag="activate"):
 
     id: int
     queue: str
+    holder: str
+
+
+class ActivateAll(_Message, tag="activate_all"):
+    """``StoreApi.activate_all``: answered with ``Starts`` (one request and one activation record for a run of
+    SUBSCRIBEs, not one of each per filter, issue 31)."""
+
+    id: int
+    queues: list[str]
     holder: str
 
 
@@ -575,7 +586,7 @@ class Fetch(_Message, tag="fetch"):
 
 
 OpRequest: TypeAlias = (
-    Pull | Activate | Release | MaxOffsets | GetOffsets | CommitOffsets | GetRetained | OpenSession | CloseSession
+    Pull | Activate | ActivateAll | Release | MaxOffsets | GetOffsets | CommitOffsets | GetRetained | OpenSession | CloseSession
     | SaveSession | PatchSession | LoadSession | EndSession | ListSessions | GetAwaiting | ReleaseAwaiting | GetStatistics
     | ReadLog | Join | Claim | Ack | Leave | AdminCall | AdminCallAll | ListDelayed | CancelDelayed | Pop | PopAck
     | ChangeInvisible
@@ -724,6 +735,14 @@ class Value(_Message, tag="val"):
     value: bool | int | bytes | OffsetMap | None = None
 
 
+class Starts(_Message, tag="starts"):
+    """The answer of ``ActivateAll``: each queue's start offset, in order, or the ``Error`` (with the request's id)
+    that refused it alone."""
+
+    id: int
+    starts: list[int | Error]
+
+
 class Names(_Message, tag="names"):
     """The answer of ``ListSessions``."""
 
@@ -796,7 +815,7 @@ class Frames(_Message, tag="frames"):
 ServerMessage: TypeAlias = (
     Welcome | Heartbeat | Error | Events | ClientMoved | Appended | Pulled | Claimed | Offsets | Value | Names
     | Awaiting | Done | Statistics | RecordList | AdminAsk | NodeAnswers | LogBytes | Frames | DelayedList | PopResult
-    | PopAcks | NewHandle
+    | PopAcks | NewHandle | Starts
 )
 SERVER_MESSAGES: Final = ServerMessage
 

@@ -3,8 +3,8 @@
 import pytest
 
 from lightqueue.queues import LightQueues
-from store.control import Activated, Committed, FlowsReleased, SessionEnded, SessionSaved, decode_control, \
-    encode_control
+from store.control import Activated, ActivatedRun, Committed, ControlError, FlowsReleased, SessionEnded, \
+    SessionSaved, activated_runs, decode_control, encode_control
 from store.dispatch import Dispatcher
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import FLAG_CONTROL, Record, decode_record, encode_record, new_control
@@ -40,7 +40,7 @@ class Seen:
 
 @pytest.mark.parametrize("control", [
     Activated("a/+", "c1", 7), Committed("$group/g", {"a/b": 3, "c": 0}), SessionSaved("c1", b"\x00blob"),
-    SessionEnded("c1"), FlowsReleased([("c1", 5, 1234)]),
+    SessionEnded("c1"), FlowsReleased([("c1", 5, 1234)]), ActivatedRun("c1", ["a/+", "a/b", "é/+"], [7, 0, 8]),
 ])
 def test_a_control_record_decodes_to_what_was_encoded(control):
     raw, made = encode_control(control, 1_700_000_000_000, 1 << 20)
@@ -48,6 +48,26 @@ def test_a_control_record_decodes_to_what_was_encoded(control):
     assert record.control and record.flags == FLAG_CONTROL and record.qos == 0 and not record.retain
     assert record.topic.startswith("$store/") and record == made
     assert decode_control(record) == control
+
+
+def test_a_run_of_activations_is_one_record_split_only_past_the_size_given():
+    """Issue 31: one record for a SUBSCRIBE run's filters, not one each; past the record size limit, more (each
+    under it, the filters in order), a filter too large for one alone in its own."""
+    filters = [(f"dev/{i:04}/+", i + 1) for i in range(1000)]
+    (run,) = activated_runs("c1", filters, 512 << 10)
+    assert run == ActivatedRun("c1", [f for f, _ in filters], [q for _, q in filters])
+    assert len(encode_control(run, 0, 1 << 20)[0]) < 20 * 1000  # 122 B a filter as Activated records
+    runs = activated_runs("c1", [("x" * 3000, 0), *filters[:300], ("y" * 9000, 0)], 8 << 10)
+    assert [len(r.filters) for r in runs] == [1, 157, 143, 1]  # 52 B counted a filter of 10 characters
+    assert [f for r in runs for f in r.filters] == ["x" * 3000, *(f for f, _ in filters[:300]), "y" * 9000]
+    assert all(len(encode_control(r, 0, 1 << 20)[0]) < 8 << 10 for r in runs[:-1])
+
+
+def test_an_activated_run_with_more_filters_than_ids_does_not_decode():
+    raw, _ = encode_control(ActivatedRun("c1", ["a/+", "b/+"], [1, 2]), 0, 1 << 20)
+    record = decode_record(raw.replace(b"\x92\x01\x02", b"\x91\x01"), 0, 0)  # ids [1, 2] -> [1], no CRC check
+    with pytest.raises(ControlError, match="2 filters with 1 queue ids"):
+        decode_control(record)
 
 
 def test_a_message_on_a_store_topic_is_not_a_control_record():

@@ -16,6 +16,7 @@ import trio.testing
 
 from store.api import NewMessage, LeaderFenced
 from lightqueue.queues import LightQueues
+from store.control import Activated, ActivatedRun, decode_control
 from store.dump import dump
 from store.log.commitlog import CommitLog
 from store.log.record import FLAG_ZSTD, decode_record, new_record, now_ms
@@ -44,6 +45,9 @@ async def test_followers_copy_the_log_byte_for_byte_and_derive_the_same_state(tm
             assert all(f.log.flushed_offset > offsets[-1] for f in followers)
         end = await node.activate("t/#", "holder")
         await node.commit_offsets({"holder": {"t/1": 3}})
+        run = ["t/+", "x/+/y", "t/1", "x/+/y"]
+        await node.activate_all(run, "runner")  # one ActivatedRun record (issue 31)
+        await node.append_control([Activated("old/+", "runner", 90), Activated("t/+", "old", 91)])  # a log before
         await node.append(messages(2000, 50))  # rolls segments
         await node.append([NewMessage("t/later", b"%d" % i, "pub", 1, deliver_at_ms=now_ms() + 3_600_000 + i)
                            for i in range(30)])  # pending in every copy's timer, which the dump covers
@@ -55,6 +59,11 @@ async def test_followers_copy_the_log_byte_for_byte_and_derive_the_same_state(tm
         assert end > 0 and node.replication.figures()["isr_size"] == 3
         for f in followers:
             await f.stop()
+        log = node.log.log
+        activations = [c for c in (decode_control(r) for r in log.scan(0, 1 << 30).records if r.control)
+                       if isinstance(c, (Activated, ActivatedRun))]
+        assert activations[1:] == [ActivatedRun("runner", run, [1, 2, 0, 2]), Activated("old/+", "runner", 90),
+                                   Activated("t/+", "old", 91)]
     leader_log = log_bytes(tmp_path / "a")
     assert len(leader_log) > 1  # the copies rolled and sealed segments where the leader's did
     for name in ("b", "c"):
@@ -515,9 +524,14 @@ async def test_a_new_replica_joins_after_retention_cut_the_leaders_log_and_numbe
     dispatch takes the queues' numbering from the restatement at the cut (``QueueBases``): the same queue offsets
     and topic ids as the leader's for the same records, though it never saw the records retention deleted."""
     async with leader(tmp_path / "a", acks="leader", config=RETAINED) as node:
+        await node.activate_all(["t/1", "t/2"], "owner")  # in a segment retention deletes: restated, one record
         await node.append(messages(3000, size=1000))
         await node.commit_offsets({"owner": {"t/1": 5}})
         assert await retention(node)
+        log = node.log.log
+        restated = [c for c in (decode_control(r) for r in log.scan(log.min_offset, 1 << 30).records if r.control)
+                    if isinstance(c, ActivatedRun)]
+        assert restated == [ActivatedRun("owner", ["t/1", "t/2"], [0, 0])]
         await node.append(messages(20, 3000) + [NewMessage("t/new", b"late", "pub", qos=1)])
         first = node.log.log.min_offset
         b = Follower(tmp_path / "b", "b", RETAINED)

@@ -5,7 +5,8 @@ import socket
 import pytest
 import trio
 
-from store.api import LeaseLost, NewMessage, PullRequest, RecordTooLarge, StoreUnavailable
+from store.api import LeaseLost, NewMessage, PullRequest, RecordTooLarge, StoreUnavailable, TopicError
+from store.control import ActivatedRun, decode_control
 from store.rpc import wire as rpc
 from store.rpc.client import RemoteStore, StoreRpcError
 from store.rpc.server import serve_rpc
@@ -107,6 +108,19 @@ async def test_concurrent_calls_travel_in_batches_and_a_bad_one_fails_alone(serv
         assert results[7].messages == []
         calls, requests = remote.client_statistics().batches["pull"]
         assert calls == 200 and requests < 20
+
+
+async def test_a_run_of_activations_is_one_request_and_one_record_with_each_refusal_in_its_place(server):
+    """``activate_all`` over the wire (issue 31): one ``ActivateAll`` (it was a request per filter, each its own
+    record), answered as the local store answers, a refused filter's ``TopicError`` or ``ValueError`` alone."""
+    log = server.store.log.log
+    async with RemoteStore.connect("127.0.0.1", server.port) as remote:
+        starts = await remote.activate_all(["run/+", "run/a", "bad/#/x", "run/+"], "gw-holder")
+        assert starts[:2] == [0, 0] and starts[3] == 0 and isinstance(starts[2], TopicError)
+    activations = [decode_control(r) for r in log.scan(log.min_offset, 1 << 30).records
+                   if r.control and r.topic == "$store/activated_run"]
+    assert activations == [ActivatedRun("gw-holder", ["run/+", "run/a", "run/+"], [1, 0, 1])]
+    assert server.store.queues.holders("run/+") == ["gw-holder"]
 
 
 async def test_events_follow_watches_and_stop_after_unwatch(server):
