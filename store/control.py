@@ -307,7 +307,8 @@ class PopRestated(msgspec.Struct, frozen=True, array_like=True, tag="pop_restate
 
 Control = Union[Activated, ActivatedRun, Released, Committed, SessionSaved, SessionPatched, SessionEnded,
                 FlowsReleased, FlowsAwaiting, ClientConnected, ClientClosed, WillPublished, ClientForgotten,
-                RetainedKept, Delayed, TimersFired, TimersRolled, TimerCancelled, QueueBases, PopCheckpoint, PopAcked, PopRevived, PopRestated]
+                RetainedKept, Delayed, TimersFired, TimersRolled, TimerCancelled, QueueBases, PopCheckpoint,
+                PopAcked, PopRevived, PopRestated]
 """Every control record kind (a tagged union: the tag is the first element of the msgpack array)."""
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -141,9 +141,10 @@ __all__ = [
     "parse_address",
 ]
 
-PROTOCOL_VERSION: Final = 10
+PROTOCOL_VERSION: Final = 11
 """Bumped on any change to the messages below; a store refuses a gateway of another version at the handshake.
-(10: a group member acknowledges ranges of offsets: ``Ack.ranges`` (a store of 9 would ignore the field and
+(11: a run of activations is one request: ``ActivateAll``, answered by ``Starts`` (a store of 10 would not know it).
+10: a group member acknowledges ranges of offsets: ``Ack.ranges`` (a store of 9 would ignore the field and
 acknowledge nothing). 9: batch records whole in reads: ``RawRecords.batches``, POP answers too (``PopResult.result``, ``.handles``);
 sessions patched: ``PatchSession``, and ``LoadSession``'s and ``OpenSession``'s answers may carry a session image (a
 blob with its parts); a replica's ``Fetch`` waits for news: ``min_bytes``, ``max_wait_ms``. 8: delayed messages listed and cancelled: ``ListDelayed``, ``CancelDelayed``, ``DelayedList``,
