@@ -37,3 +37,47 @@ def test_a_family_whose_records_are_all_below_the_logs_end_is_kept(tmp_path):
     finally:
         family.close()
         db.close()
+
+
+def test_a_patch_is_applied_with_its_mark_and_forgotten_with_it_when_the_log_ends_before_its_record(tmp_path):
+    """A session patch's parts go in one write with the mark of their record (``patch``): persisted before the
+    checkpoint moved, they are forgotten on a rewind below that record, as one ``put`` would be."""
+    db = open_db(tmp_path / "index")
+    family = DerivedFamily(db, "sessions")
+    family.put("c", b"blob", 10)
+    family.put("c\x00gone", b"0", 11)
+    family.flush(20)
+    family.patch({"c\x00a": b"1", "c\x00b": b"2", "c\x00gone": b"", "c\x00never": b""}, 100)
+    family.close()
+    db.close()  # RocksDB persists the memtable at close
+
+    db = open_db(tmp_path / "index")
+    family = DerivedFamily(db, "sessions")
+    try:
+        assert dict(family.items()) == {"c": b"blob", "c\x00a": b"1", "c\x00b": b"2"}  # an empty part: its key goes
+        assert family.applied_end == 101
+        assert family.rewind(50)
+        assert dict(family.items()) == {} and family.checkpoint == 0
+    finally:
+        family.close()
+        db.close()
+
+
+def test_a_patch_that_removes_only_missing_keys_writes_nothing(tmp_path):
+    db = open_db(tmp_path / "index")
+    family = DerivedFamily(db, "sessions")
+    family.put("c", b"blob", 10)
+    family.flush(20)
+    family.patch({"c\x00never": b""}, 100)
+    assert family.applied_end == 101  # applied, though it changed nothing
+    family.close()
+    db.close()
+
+    db = open_db(tmp_path / "index")
+    family = DerivedFamily(db, "sessions")
+    try:
+        assert family.applied_end == 20 and not family.rewind(50)  # no mark was written: nothing to forget
+        assert dict(family.items()) == {"c": b"blob"}
+    finally:
+        family.close()
+        db.close()
