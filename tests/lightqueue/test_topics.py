@@ -211,3 +211,22 @@ def test_a_filter_found_valid_is_not_checked_again_and_an_invalid_one_always_is(
     for n in range(topics.VALID_FILTERS_KEPT):
         validate_filter(f"many/{n}/+")
     assert python_lines(lambda: validate_filter(filter))[0] > 4 * again  # forgotten: what is kept is bounded
+
+
+def test_a_filter_found_valid_under_the_protocols_bounds_is_not_checked_in_full_under_the_default_limits():
+    """The gateway checks a SUBSCRIBE's filter under the protocol's bounds only (its configured limits apart), the
+    queues and the others under the default limits next (issue 31): the syntax found valid once is not checked
+    again, but each call's own level limit is; a byte limit below the protocol's is checked in full."""
+    from tests.helpers.work import python_lines
+
+    protocol = TopicLimits(MAX_TOPIC_BYTES, 1000)
+    filter = "bounds/+/a/b/c/d/e/f/g/h/#"
+    first, _ = python_lines(lambda: validate_filter(filter, protocol))
+    again, _ = python_lines(lambda: validate_filter(filter))
+    assert again < first // 4, (again, first)
+    deep = "deep/" * 200 + "+"
+    assert validate_filter(deep, protocol) == deep
+    with pytest.raises(TopicError, match="201 levels"):
+        validate_filter(deep)
+    with pytest.raises(TopicError, match="UTF-8 bytes long"):
+        validate_filter(filter, TopicLimits(max_bytes=10))
