@@ -268,11 +268,18 @@ class Subscriptions:
     # --- the queues the connections read ------------------------------------------------------
 
     def _subscribe_local(self, connection: Connection, queue: str) -> None:
-        held = self._held.setdefault(connection, set())
+        """The connection reads ``queue`` (no new container when it has them: this runs per filter subscribed)."""
+        held = self._held.get(connection)
+        if held is None:
+            held = self._held[connection] = set()
         if queue in held:
             return
         held.add(queue)
-        self._local.setdefault(queue, set()).add(connection)
+        local = self._local.get(queue)
+        if local is None:
+            self._local[queue] = {connection}
+        else:
+            local.add(connection)
         self._store.watch(queue)
         self._cache.watch(queue)
 
@@ -295,10 +302,6 @@ class Subscriptions:
         for queue, max_offset in events.items():
             for connection in tuple(local.get(queue, ())):
                 connection.feed(QueueAdvanced(queue, max_offset))
-
-    def reading(self) -> Mapping[str, set[Connection]]:
-        """The queues this node's connections read, and who reads each."""
-        return self._local
 
     async def leave_groups(self, connection: Connection) -> None:
         """The connection closes: what its session's shared subscriptions were handed and did not finish goes
