@@ -117,6 +117,9 @@ class TopicTree:
 
     def match(self, filter: str) -> list[tuple[str, int]]:
         """Every ``(topic, offset)`` whose topic the filter matches, in no particular order."""
+        if not self._topics:  # no walk of an empty tree: each new subscription matches (issue 31, 50,000 at once)
+            self._matches += 1
+            return []
         levels = filter.split("/")
         depth = len(levels)
         found: list[tuple[str, int]] = []
