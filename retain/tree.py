@@ -117,10 +117,13 @@ class TopicTree:
 
     def match(self, filter: str) -> list[tuple[str, int]]:
         """Every ``(topic, offset)`` whose topic the filter matches, in no particular order."""
-        if not self._topics:  # no walk of an empty tree: each new subscription matches (issue 31, 50,000 at once)
+        levels = filter.split("/")
+        first = levels[0]
+        if first != "+" and first != "#" and first not in (self._root.children or ()):
+            # No walk when the first level holds nothing: every new subscription matches (issue 31, 50,000 at
+            # once), most under a level no retained message is (a node's own are under $SYS).
             self._matches += 1
             return []
-        levels = filter.split("/")
         depth = len(levels)
         found: list[tuple[str, int]] = []
         visited = 0
