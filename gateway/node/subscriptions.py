@@ -62,7 +62,9 @@ class Subscriptions:
         self._order = order
         self._nursery = nursery
         self._invisible_s = invisible_s
-        self._local: dict[str, set[Connection]] = {}  # queue -> connections with a subscription on it
+        # queue -> the connection with a subscription on it, a set when several have one: most queues have one
+        # reader, and a set each was one more object for the garbage collector to walk (issue 31: 50,000).
+        self._local: dict[str, Connection | set[Connection]] = {}
         self._held: dict[Connection, set[str]] = {}  # connection -> its queues in _local
         self._members: set[Connection] = set()  # connections with shared subscriptions, until they leave
         self._fences: dict[Connection, dict[int, int]] = {}  # connection -> Activate ref -> its open fence
@@ -277,9 +279,11 @@ class Subscriptions:
         held.add(queue)
         local = self._local.get(queue)
         if local is None:
-            self._local[queue] = {connection}
-        else:
+            self._local[queue] = connection
+        elif isinstance(local, set):
             local.add(connection)
+        else:
+            self._local[queue] = {local, connection}
         self._store.watch(queue)
         self._cache.watch(queue)
 
@@ -288,11 +292,14 @@ class Subscriptions:
         if held is not None:
             held.discard(queue)
         local = self._local.get(queue)
-        if local is None or connection not in local:
-            return
-        local.discard(connection)
-        if not local:
+        if local is connection:
             del self._local[queue]
+        elif isinstance(local, set) and connection in local:
+            local.discard(connection)
+            if len(local) == 1:
+                self._local[queue] = local.pop()
+        else:
+            return
         self._store.unwatch(queue)
         self._cache.unwatch(queue)
 
@@ -300,7 +307,13 @@ class Subscriptions:
         """Tell the connections on each queue of ``events`` that it has news (``QueueAdvanced``)."""
         local = self._local
         for queue, max_offset in events.items():
-            for connection in tuple(local.get(queue, ())):
+            readers = local.get(queue)
+            if readers is None:
+                continue
+            if not isinstance(readers, set):
+                readers.feed(QueueAdvanced(queue, max_offset))
+                continue
+            for connection in tuple(readers):
                 connection.feed(QueueAdvanced(queue, max_offset))
 
     async def leave_groups(self, connection: Connection) -> None:
