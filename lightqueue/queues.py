@@ -382,7 +382,8 @@ class LightQueues:
 
     def _activate_all(self, activations: Sequence[tuple[str, str, int, int | None]], applied: int | None, *,
                       raise_errors: bool = False) -> list[int | ValueError]:
-        """Each activation's max offset or error; the in-memory state changes once the batch is written."""
+        """Each activation's error, or its max offset (``raise_errors``: :meth:`activate`; else 0); the in-memory
+        state changes once the batch is written."""
         with self._lock:
             batch = self._batch(applied)
             started: dict[str, _Filter] = {}  # first activations of this batch
@@ -407,6 +408,8 @@ class LightQueues:
                 self._add_active(active)
             if started:
                 self._targets = _target_cache()
+            if not raise_errors:  # activate_all answers applied or not: no max offset to read (a RocksDB get each)
+                return answers
             return [a if isinstance(a, ValueError) else self.max_offset(f) for (f, *_), a in zip(activations, answers)]
 
     def _activate_into(self, batch: rocksdict.WriteBatch, filter: str, holder: str, since: int, qid: int | None,

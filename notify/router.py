@@ -62,12 +62,14 @@ class NotifyRouter:
         if not node:
             raise ValueError("node must be a non-empty name")
         validate_filter(queue)
-        refs = self._refs.setdefault(node, {})
+        refs = self._refs.get(node)
+        if refs is None:  # a node's first (a dict per call made by ``setdefault`` was one per filter subscribed)
+            refs = self._refs[node] = {}
+            self._sent.setdefault(node, 0)
         count = refs.get(queue, 0) + 1
         refs[queue] = count
         if count == 1:
             self._holders[queue] = (*self._holders.get(queue, ()), node)
-        self._sent.setdefault(node, 0)
         return count
 
     def unregister(self, node: str, queue: str) -> int | None:

@@ -8,7 +8,8 @@ it, if any. It holds no message bytes (they stay in RocksDB, see
 Matching a filter walks its literal levels with one dict lookup each,
 enumerates the children at a ``+`` and the whole subtree at a ``#`` (the parent
 level included: ``a/#`` matches ``a``), so the work grows with the filter's
-depth and the matches found, not with the number of retained topics. Filters
+depth and the matches found, not with the number of retained topics; a filter
+whose literal first level holds no topic is answered without a walk. Filters
 that start with ``+`` or ``#`` never match topics that start with ``$``.
 
 Topics and filters must be valid (``lightqueue.topics``); this module does not
@@ -118,6 +119,12 @@ class TopicTree:
     def match(self, filter: str) -> list[tuple[str, int]]:
         """Every ``(topic, offset)`` whose topic the filter matches, in no particular order."""
         levels = filter.split("/")
+        first = levels[0]
+        if first != "+" and first != "#" and first not in (self._root.children or ()):
+            # No walk when the first level holds nothing: every new subscription matches (issue 31, 50,000 at
+            # once), most under a level no retained message is (a node's own are under $SYS).
+            self._matches += 1
+            return []
         depth = len(levels)
         found: list[tuple[str, int]] = []
         visited = 0

@@ -12,7 +12,7 @@ below it applied) under ``CHECKPOINT_KEY``, a byte that is no UTF-8 text, so no 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import final
 
 import rocksdict
@@ -46,6 +46,8 @@ class DerivedFamily:
 
     def __init__(self, db: rocksdict.Rdict, name: str) -> None:
         self._family: rocksdict.Rdict = open_family(db, name)
+        self._db = db
+        self._handle = db.get_column_family_handle(name)
         self._memtable = MemtableFlush()
         self._taken: int | None = None  # the checkpoint the last flush took, until it is on disk
         raw = self._family.get(CHECKPOINT_KEY)
@@ -61,6 +63,25 @@ class DerivedFamily:
         """Keep ``value`` for ``client_id``, as applied from the record at ``offset``."""
         self._mark(offset)
         self._family.put(client_id.encode(), value, _NO_WAL)
+
+    def patch(self, entries: Mapping[str, bytes], offset: int) -> None:
+        """:meth:`put` of each entry, :meth:`delete` of each empty one (an existing key only), the mark with them, in
+        one write: a session patch holds a part per subscription (67 on average in issue 31's attack), and a write
+        of each, with its mark, cost 4x as much as the batch."""
+        family = self._family
+        handle = self._handle
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        for key, value in entries.items():
+            raw = key.encode()
+            if value:
+                batch.put(raw, value, handle)
+            elif family.get(raw) is not None:
+                batch.delete(raw, handle)
+        self.applied(offset)
+        if batch.is_empty():
+            return
+        batch.put(APPLIED_KEY, _U64.pack(self.applied_end), handle)
+        self._db.write(batch, _NO_WAL)
 
     def delete(self, client_id: str, offset: int) -> None:
         """Forget ``client_id`` (a record at ``offset`` said so); nothing is written when it has nothing."""
@@ -142,7 +163,9 @@ class DerivedFamily:
         return True
 
     def close(self) -> None:
+        """Release the family handles (they keep the database open)."""
         self._family.close()
+        del self._handle
 
 
 class DerivedApplier:

@@ -73,11 +73,7 @@ class SessionBlobs(DerivedApplier):
                 family.applied(offset)
                 return
             prefix = control.client + PART
-            for key, part in control.parts.items():
-                if part:
-                    family.put(prefix + key, part, offset)
-                else:
-                    family.delete(prefix + key, offset)
+            family.patch({prefix + key: part for key, part in control.parts.items()}, offset)
         elif isinstance(control, SessionEnded):
             family.delete(control.client, offset)
             family.delete_under(control.client + PART, offset)

@@ -250,7 +250,7 @@ class Session:
 
     __slots__ = ("client_id", "expiry_s", "awaiting_rel", "_streams", "_inflight", "_next_pid", "_retained",
                  "_written", "_unwritten", "_unwritten_bytes", "_seq", "_link", "_committed", "_acks", "_pump_due",
-                 "_saves", "_next_ref", "_pubrel_due", "_need_save", "_by_queue", "_ready", "_lanes",
+                 "_saves", "_next_ref", "_pubrel_due", "_need_save", "_by_queue", "_ready", "_lanes", "_lane_floor",
                  "_pop_acks", "_pop_releases", "_patch_due", "_held", "_whole_due")
 
     awaiting_rel: dict[int, Position]
@@ -275,6 +275,7 @@ class Session:
         self.expiry_s = expiry_s
         self._next_pid = state.next_packet_id if state else 1
         self._lanes: dict[int, int] | None = None  # lane -> streams holding it (made at the first lane)
+        self._lane_floor = 1  # every lane below it is held (``_free_lane`` looks from here)
         self._unwritten = 0
         self._unwritten_bytes = 0
         self._seq = 0
@@ -613,6 +614,7 @@ class Session:
             lanes[lane] = held
         else:
             lanes.pop(lane, None)
+            self._lane_floor = min(self._lane_floor, lane)
 
     def _take_lane(self, stream: _Stream) -> None:
         stream.lane = self._free_lane()
@@ -623,12 +625,19 @@ class Session:
         """The lowest lane no stream and no message in flight uses; 0 (the pool) when every lane is taken.
 
         The streams' lanes are counted as they change (``_hold_lane``), not collected: with every lane taken a
-        SUBSCRIBE costs the same at 1,000 subscriptions held as at 200."""
+        SUBSCRIBE costs the same at 1,000 subscriptions held as at 200; nor are the lanes below the lowest one
+        released (``_lane_floor``) looked at again: the 127th SUBSCRIBE costs what the first does."""
         held = self._lanes or {}
         if len(held) >= LANES:
             return 0
+        lane = self._lane_floor
+        while lane in held:
+            lane += 1
+        self._lane_floor = lane
+        if not self._inflight:
+            return lane
         used = {pid // LANE_PIDS for pid in self._inflight}
-        return next((lane for lane in range(1, LANES + 1) if lane not in held and lane not in used), 0)
+        return next((free for free in range(lane, LANES + 1) if free not in held and free not in used), 0)
 
     # --- delivery -----------------------------------------------------------------------
 

@@ -107,7 +107,11 @@ class ReadOrder:
         """The open-fence counts ``filter`` is kept in (made for a wildcard filter's first level if missing)."""
         if not is_wildcard(filter):
             return self._exact
-        return self._wild.setdefault(self._first(filter), {})
+        first = self._first(filter)
+        counts = self._wild.get(first)
+        if counts is None:  # not ``setdefault``: its default dict was made on every call, twice a filter
+            counts = self._wild[first] = {}
+        return counts
 
     @staticmethod
     def _first(filter: str) -> str:

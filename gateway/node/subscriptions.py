@@ -62,7 +62,9 @@ class Subscriptions:
         self._order = order
         self._nursery = nursery
         self._invisible_s = invisible_s
-        self._local: dict[str, set[Connection]] = {}  # queue -> connections with a subscription on it
+        # queue -> the connection with a subscription on it, a set when several have one: most queues have one
+        # reader, and a set each was one more object for the garbage collector to walk (issue 31: 50,000).
+        self._local: dict[str, Connection | set[Connection]] = {}
         self._held: dict[Connection, set[str]] = {}  # connection -> its queues in _local
         self._members: set[Connection] = set()  # connections with shared subscriptions, until they leave
         self._fences: dict[Connection, dict[int, int]] = {}  # connection -> Activate ref -> its open fence
@@ -268,11 +270,20 @@ class Subscriptions:
     # --- the queues the connections read ------------------------------------------------------
 
     def _subscribe_local(self, connection: Connection, queue: str) -> None:
-        held = self._held.setdefault(connection, set())
+        """The connection reads ``queue`` (no new container when it has them: this runs per filter subscribed)."""
+        held = self._held.get(connection)
+        if held is None:
+            held = self._held[connection] = set()
         if queue in held:
             return
         held.add(queue)
-        self._local.setdefault(queue, set()).add(connection)
+        local = self._local.get(queue)
+        if local is None:
+            self._local[queue] = connection
+        elif isinstance(local, set):
+            local.add(connection)
+        else:
+            self._local[queue] = {local, connection}
         self._store.watch(queue)
         self._cache.watch(queue)
 
@@ -281,11 +292,14 @@ class Subscriptions:
         if held is not None:
             held.discard(queue)
         local = self._local.get(queue)
-        if local is None or connection not in local:
-            return
-        local.discard(connection)
-        if not local:
+        if local is connection:
             del self._local[queue]
+        elif isinstance(local, set) and connection in local:
+            local.discard(connection)
+            if len(local) == 1:
+                self._local[queue] = local.pop()
+        else:
+            return
         self._store.unwatch(queue)
         self._cache.unwatch(queue)
 
@@ -293,12 +307,14 @@ class Subscriptions:
         """Tell the connections on each queue of ``events`` that it has news (``QueueAdvanced``)."""
         local = self._local
         for queue, max_offset in events.items():
-            for connection in tuple(local.get(queue, ())):
+            readers = local.get(queue)
+            if readers is None:
+                continue
+            if not isinstance(readers, set):
+                readers.feed(QueueAdvanced(queue, max_offset))
+                continue
+            for connection in tuple(readers):
                 connection.feed(QueueAdvanced(queue, max_offset))
-
-    def reading(self) -> Mapping[str, set[Connection]]:
-        """The queues this node's connections read, and who reads each."""
-        return self._local
 
     async def leave_groups(self, connection: Connection) -> None:
         """The connection closes: what its session's shared subscriptions were handed and did not finish goes

@@ -192,8 +192,8 @@ def test_a_topic_always_matches_itself_its_hash_filter_and_plus_pattern(levels):
 
 def test_a_filter_found_valid_is_not_checked_again_and_an_invalid_one_always_is():
     """A new subscription's filter is checked by the queues, the notify router and the retained store in turn (issue
-    31): under the default limits a valid one is remembered (at most ``VALID_FILTERS_KEPT``, then forgotten at once),
-    an invalid one never is, and other limits are checked in full every time."""
+    31): under the default limits a valid one is remembered (the last ``VALID_FILTERS_KEPT`` at least, twice as many
+    at most), an invalid one never is, and other limits are checked in full every time."""
     from lightqueue import topics
     from tests.helpers.work import python_lines
 
@@ -208,6 +208,29 @@ def test_a_filter_found_valid_is_not_checked_again_and_an_invalid_one_always_is(
     for _ in range(2):
         with pytest.raises(TopicError):
             validate_filter(filter, deep)
-    for n in range(topics.VALID_FILTERS_KEPT):
+    for n in range(2 * topics.VALID_FILTERS_KEPT):
         validate_filter(f"many/{n}/+")
     assert python_lines(lambda: validate_filter(filter))[0] > 4 * again  # forgotten: what is kept is bounded
+
+
+def test_a_filter_found_valid_under_the_protocols_bounds_is_not_checked_in_full_under_the_default_limits():
+    """The gateway checks a SUBSCRIBE's filter under the protocol's bounds only (its configured limits apart), the
+    queues and the others under the default limits next, thousands of other filters later (issue 31): the syntax
+    found valid once is not checked again, but each call's own level limit is; a byte limit below the protocol's is
+    checked in full."""
+    from lightqueue import topics
+    from tests.helpers.work import python_lines
+
+    protocol = TopicLimits(MAX_TOPIC_BYTES, 1000)
+    filter = "bounds/+/a/b/c/d/e/f/g/h/#"
+    first, _ = python_lines(lambda: validate_filter(filter, protocol))
+    for n in range(topics.VALID_FILTERS_KEPT):  # other sessions' filters checked in between
+        validate_filter(f"between/{n}/+", protocol)
+    again, _ = python_lines(lambda: validate_filter(filter))
+    assert again < first // 4, (again, first)
+    deep = "deep/" * 200 + "+"
+    assert validate_filter(deep, protocol) == deep
+    with pytest.raises(TopicError, match="201 levels"):
+        validate_filter(deep)
+    with pytest.raises(TopicError, match="UTF-8 bytes long"):
+        validate_filter(filter, TopicLimits(max_bytes=10))

@@ -102,3 +102,23 @@ def test_very_deep_topics_do_not_exhaust_the_stack():
     assert sorted(tree.match("#")) == [("x", 2), (deep, 1)]
     assert tree.match(deep) == [(deep, 1)]
     assert tree.remove(deep) == 1 and tree.statistics().nodes == 1
+
+
+def test_a_filter_whose_first_level_holds_no_topic_walks_nothing_and_still_counts():
+    """Each new subscription asks the tree for its retained messages (issue 31: 50,000 subscriptions at once, on a
+    node whose only retained messages are its own under $SYS): a filter whose first level is literal and holds no
+    topic is answered without walking the tree; the others are walked as before."""
+    from tests.helpers.work import python_lines
+
+    tree = TopicTree()
+    tree.set("$SYS/broker/uptime", 3)
+    filter = "a/+/c/d/e/f/g/#"
+    lines, found = python_lines(lambda: tree.match(filter))
+    assert found == [] and lines <= 6, lines
+    assert tree.match("#") == [] and tree.match("+/broker/uptime") == []  # [MQTT-4.7.2-1]
+    assert tree.match("$SYS/#") == [("$SYS/broker/uptime", 3)]
+    tree.set("a/b/c/d/e/f/g", 7)
+    assert tree.match(filter) == [("a/b/c/d/e/f/g", 7)]
+    tree.remove("a/b/c/d/e/f/g")
+    assert tree.match(filter) == []
+    assert tree.statistics().matches == 6

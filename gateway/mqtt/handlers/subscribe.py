@@ -16,6 +16,10 @@ from gateway.mqtt.reasons import LocalProtocolError, ReasonCode, RemoteProtocolE
 from lightqueue.topics import TopicError, is_wildcard, parse_shared, validate_filter
 
 
+_GRANTED = (ReasonCode.GRANTED_QOS_0, ReasonCode.GRANTED_QOS_1, ReasonCode.GRANTED_QOS_2)
+"""A SUBACK's reason code by the QoS granted (an enum's call by value is a lookup in Python)."""
+
+
 def _parsed_filter(filter: str) -> tuple[str, str] | None:
     """(group, filter) of a shared subscription, None for a plain filter.
 
@@ -112,11 +116,13 @@ class SubscribeRun:
         # one overshoot. (Counted, not collected: a SUBSCRIBE costs the same with 4,000 filters held as with 4, and
         # with 64 SUBSCRIBEs in flight as with one.) The filters in flight are collected only when they could reach
         # the quota, not on every SUBSCRIBE of a client that pipelines them.
-        if quota and session.subscription_count + conn.activating + len(packet.subscriptions) <= quota:
+        held = session.subscription_count
+        if quota and held + conn.activating + len(packet.subscriptions) <= quota:
             quota = 0  # every filter of this packet fits
-        activating = {sub.filter for entries in conn.activations.values() for _, _, w in entries for _, sub in w
-                      if not session.holds(sub.filter)} if quota else set()
-        held = session.subscription_count + len(activating)
+        if quota:
+            activating = {sub.filter for entries in conn.activations.values() for _, _, w in entries for _, sub in w
+                          if not session.holds(sub.filter)}
+            held += len(activating)
         codes: list[ReasonCode] = []
         wanted: list[tuple[int, Subscription]] = []
         retained: list[str] = []
@@ -143,7 +149,7 @@ class SubscribeRun:
                     continue
                 activating.add(filter)
                 held += 1
-            codes.append(ReasonCode(checked.options.qos))
+            codes.append(_GRANTED[checked.options.qos])
             wanted.append((index, checked))
             handling = checked.options.retain_handling
             if checked.group is None and (handling == 0 or (handling == 1 and not session.holds(filter))):
@@ -164,8 +170,9 @@ class SubscribeRun:
             conn.activations[conn.next_ref] = self._entries
         self._entries.append((packet.packet_id, codes, wanted))
         conn.activating += len(wanted)
-        self._subs += (sub for _, sub in wanted)
-        self._filters.update(sub.filter for _, sub in wanted)
+        for _, sub in wanted:
+            self._subs.append(sub)
+            self._filters.add(sub.filter)
         self._retained += retained
         return [*hits, *ended]
 
@@ -207,22 +214,27 @@ def on_activated(channel: ChannelView, event: Activated) -> list[Action]:
         entries = channel.conn.activations.pop(event.ref)
     except KeyError:
         raise LocalProtocolError(f"Activated for unknown ref {event.ref}") from None
-    session = channel.conn.session
+    conn = channel.conn
+    session = conn.session
     assert session is not None
     refused = event.reasons or {}
+    starts, at_head = event.starts, event.at_head
     subscribed: dict[str, None] = {}  # in order
     subacks: list[Suback] = []
     for packet_id, codes, wanted in entries:
-        channel.conn.activating -= len(wanted)
+        conn.activating -= len(wanted)
         for index, sub in wanted:
-            reason = refused.get(sub.filter)
-            if reason is not None:
-                codes[index] = reason
-                continue
-            if not session.holds(sub.filter) and sub.filter not in event.starts:
-                raise LocalProtocolError(f"Activated without a start offset for {sub.filter!r}")
-            session.subscribe(sub, event.starts.get(sub.filter, 0), at_head=sub.filter in event.at_head)
-            subscribed[sub.filter] = None
+            filter = sub.filter
+            if refused:
+                reason = refused.get(filter)
+                if reason is not None:
+                    codes[index] = reason
+                    continue
+            start = starts.get(filter)
+            if start is None and not session.holds(filter):
+                raise LocalProtocolError(f"Activated without a start offset for {filter!r}")
+            session.subscribe(sub, start or 0, at_head=filter in at_head)
+            subscribed[filter] = None
         subacks.append(Suback(packet_id, tuple(codes)))
     retained = tuple(pair for pair in event.retained if pair[0] in subscribed)
     return session.patch(subscribed, Send(tuple(subacks)), retained)

@@ -566,3 +566,43 @@ def test_a_second_copy_of_a_buffered_message_goes_out_once():
     assert [p.payload for p in out] == [b"2"]
     assert publishes(session.puback(out[0].packet_id)) == []
     assert session.commit()[0].acks == ("h1", "h2")
+
+
+def test_a_subscription_finds_its_lane_without_looking_at_those_taken_and_the_lowest_released_comes_back_first():
+    """Issue 31: 1,000 SUBSCRIBEs of a persistent session looked at every lane taken for each of the first 127 (a
+    quadratic walk); the lowest lane free is still the one given (a released one before any new one)."""
+    from tests.helpers.work import python_lines
+
+    session = Session("c", 60)
+    session.attach(link())
+    qos1 = SubscriptionOptions(qos=1)
+    second = 0
+    for n in range(LANES - 10):
+        cost, _ = python_lines(lambda: session.subscribe(Subscription(f"f/{n}", f"f/{n}", qos1), 0))
+        if n == 1:
+            second = cost
+    assert cost <= second + 2, (cost, second)  # the 117th as the 2nd
+    lanes = session.state().lanes
+    high, low = lanes["f/40"], lanes["f/3"]
+    session.unsubscribe("f/40")
+    session.unsubscribe("f/3")
+    for name, lane in (("g", low), ("h", high), ("i", LANES - 9)):
+        session.subscribe(Subscription(name, name, qos1), 0)
+        assert session.state().lanes[name] == lane
+
+
+def test_a_lane_whose_messages_are_in_flight_is_not_given_to_a_new_subscription_until_they_finish():
+    """An unsubscribed stream's QoS 1 messages finish their flows with their lane's ids: a new subscription takes
+    another lane meanwhile, so no packet id is used twice [MQTT-2.2.1-3], and the lane once they are done."""
+    session = Session("c", 60)
+    session.subscribe(SUB, 5)
+    session.attach(link())
+    (save,) = saves(session.pulled("a/+", (msg(5),), 6))
+    (sent,) = publishes(session.saved(save.ref))
+    assert sent.packet_id == LANE_PIDS + 5  # lane 1
+    session.unsubscribe("a/+")
+    session.subscribe(Subscription("b", "b", SubscriptionOptions(qos=1)), 0)
+    assert session.state().lanes["b"] == 2
+    session.puback(sent.packet_id)
+    session.subscribe(Subscription("c", "c", SubscriptionOptions(qos=1)), 0)
+    assert session.state().lanes["c"] == 1

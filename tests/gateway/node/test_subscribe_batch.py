@@ -10,7 +10,8 @@ import uuid
 import pytest
 
 from gateway.mqtt.codec import encode
-from gateway.mqtt.packets import MQTT_5, MQTT_311, Publish, Suback, Subscribe, SubscriptionOptions
+from gateway.mqtt.packets import (MQTT_5, MQTT_311, Pingreq, Pingresp, Publish, Suback, Subscribe, SubscriptionOptions,
+                                  Unsuback, Unsubscribe)
 from gateway.mqtt.reasons import ReasonCode
 from tests.helpers.admin import admin_port
 from lightqueue.topics import TopicError
@@ -151,3 +152,43 @@ def test_a_subscribe_refused_whole_is_answered_after_the_ones_read_before_it(qui
     assert [(s.packet_id, s.reason_codes) for s in subacks] == [
         (1, (ReasonCode.GRANTED_QOS_1,)), (2, (ReasonCode.TOPIC_FILTER_INVALID,)), (3, (ReasonCode.GRANTED_QOS_1,)),
         (4, (ReasonCode.GRANTED_QOS_1,))]
+
+
+def test_the_connections_reading_one_queue_each_get_its_news_as_they_come_and_go(quiet_node):
+    """The node keeps the connection reading a queue alone as it is, and a set once several do (issue 31: a set per
+    queue was an object per subscription): each reader gets every message published while it is subscribed
+    [MQTT-4.5.0-1], through the changes from one reader to several and back, an UNSUBSCRIBE
+    [MQTT-3.10.4-1] and a close."""
+    run = uuid.uuid4().hex[:6]
+    topic = f"readers{run}/t"
+    clients = {name: RawClient(quiet_node.port) for name in "abcd"}
+    try:
+        for name in "abc":
+            clients[name].connect(f"{name}-{run}")
+            clients[name].subscribe(topic, 0)
+        with raw_client(quiet_node.port) as pub:
+            pub.connect(f"pub-{run}")
+
+            def publish_to(payload: bytes, readers: str) -> None:
+                pub.send(Publish(topic, payload, 0))
+                for name in readers:
+                    message = clients[name].receive()
+                    assert isinstance(message, Publish) and message.payload == payload, (name, message)
+
+            publish_to(b"1", "abc")
+            clients["b"].send(Unsubscribe(2, (topic,)))
+            assert isinstance(clients["b"].receive(), Unsuback)
+            publish_to(b"2", "ac")
+            clients["c"].close()
+            publish_to(b"3", "a")  # alone again
+            clients["d"].connect(f"d-{run}")
+            clients["d"].subscribe(topic, 0)
+            publish_to(b"4", "ad")
+            clients["a"].send(Unsubscribe(2, (topic,)))
+            assert isinstance(clients["a"].receive(), Unsuback)
+            publish_to(b"5", "d")
+            clients["b"].send(Pingreq())  # b got nothing since its UNSUBSCRIBE: its next packet answers this
+            assert isinstance(clients["b"].receive(), Pingresp)
+    finally:
+        for client in clients.values():
+            client.close()
