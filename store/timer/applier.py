@@ -25,7 +25,7 @@ import os
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, final
+from typing import Iterable, Iterator, final
 
 from crc32c import crc32c
 
@@ -202,23 +202,40 @@ class TimerApplier:
     def due_entries(self, second: int) -> list[tuple[int, TimerEntry]]:
         """The pending entries of the slot of ``second``, with their positions, in the order they were placed;
         empty when the slot holds nothing for ``second`` or before (only later revolutions)."""
+        return sorted(item for found in self.due_slices(second) for item in found)
+
+    def due_slices(self, second: int, size: int = PAGE_CHUNK) -> Iterator[list[tuple[int, TimerEntry]]]:
+        """:meth:`due_entries` read ``size`` TimerLog positions at a time (the slot's span in file order, or its chain
+        walked back from its last entry), each under the lock and none held between them: the dequeue step reads
+        a second's 10,000 entries between other steps of the event loop, and what dispatch applies meanwhile
+        waits for one slice at most. Entries appended to the slot after the first slice are not given (their
+        placing set ``take_low``); the slices' order within and between them is the walk's."""
         with self._lock:
             slot = self._wheel.get(second)
             if not slot.pending or slot.delayed_s > second:
-                return []
-            if slot.last - slot.first < SPAN_READ * slot.num:  # the chain is most of its span: large reads
-                index = second % self._window
-                return [(pos, entry) for pos, entry in self._log.entries(slot.first, slot.last)
-                        if not entry.done_at and entry.slot_s % self._window == index]
-            found = []
-            pos = slot.last
-            while pos:
-                entry = self._log.read(pos)
-                if not entry.done_at:
-                    found.append((pos, entry))
-                pos = entry.prev
-            found.reverse()
-            return found
+                return
+            first, last = slot.first, slot.last
+            dense = last - first < SPAN_READ * slot.num  # the chain is most of its span: large reads
+        if dense:
+            index = second % self._window
+            for start in range(first, last + 1, size):
+                with self._lock:
+                    found = [(pos, entry) for pos, entry in self._log.entries(start, min(last, start + size - 1))
+                             if not entry.done_at and entry.slot_s % self._window == index]
+                yield found
+            return
+        pos = last
+        while pos:
+            with self._lock:
+                found = []
+                for _ in range(size):
+                    entry = self._log.read(pos)
+                    if not entry.done_at:
+                        found.append((pos, entry))
+                    pos = entry.prev
+                    if not pos:
+                        break
+            yield found
 
     def still_pending(self, items: list[tuple[int, TimerEntry]]) -> list[tuple[int, TimerEntry]]:
         """Those of ``items`` (as :meth:`due_entries` gave them) that are still pending: not cancelled since. An

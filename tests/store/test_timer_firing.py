@@ -176,6 +176,51 @@ def three_pending_one_ended(directory: Path) -> TimerApplier:
     return timers
 
 
+def test_a_slot_read_in_slices_gives_its_entries_and_holds_the_lock_only_while_a_slice_is_read(tmp_path: Path):
+    """The dequeue step reads a second's slot a slice at a time, between other steps of the event loop: whether the
+    chain is walked (5000: an entry every sixth) or read in blocks (5001), the slices give the slot's pending
+    entries once each, and a record applied between two slices (dispatch, in the same thread) is not held up (a
+    lock held across slices would deadlock here) and is not given (it is the next turn's: ``take_low``)."""
+    timers = TimerApplier(tmp_path, window_s=100)
+    offset = 0
+    for i in range(10):
+        offset += 10
+        timers.apply(*delayed_record(offset, 5_000_000 + i, store_ms=5_001_000))
+        for j in range(5):
+            offset += 10
+            timers.apply(*delayed_record(offset, 5_001_000 + i * 5 + j, store_ms=5_001_000))
+    for second, count in ((5000, 10), (5001, 50)):
+        whole = timers.due_entries(second)
+        sliced = timers.due_slices(second, 4)
+        got = next(sliced)
+        timers.take_low()
+        offset += 10
+        timers.apply(*delayed_record(offset, second * 1000 + 999, store_ms=5_001_000))  # between two slices
+        for found in sliced:
+            assert len(found) <= 4
+            got += found
+        assert sorted(got) == whole and len(whole) == count
+        assert timers.take_low() == second and timers.due_entries(second)[-1][1].offset_real == offset
+    timers.close()
+
+
+async def test_a_second_read_in_many_slices_fires_in_due_order_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """300 messages due within one second, scheduled latest first, read 16 to a slice: each slice is sorted on its
+    own and the runs merged as the batches fire, so they go in due order (log order for equal due times), once."""
+    monkeypatch.setattr(dequeue, "SLICE", 16)
+    async with open_store(tmp_path, CONFIG) as node:
+        first = (now_ms() // 1000 + 3) * 1000  # all in one wheel second
+        dues = [first + (299 - i) // 2 * 6 for i in range(300)]  # latest first, two at each due time
+        await node.append([NewMessage("cmd/a", i.to_bytes(4, "big"), "app", 1, deliver_at_ms=due)
+                           for i, due in enumerate(dues)])
+        await all_fired(node, "cmd/a", 300)
+        records = node.read("cmd/a", 0, max_count=1000).messages
+        got = [int.from_bytes(rec.payload, "big") for _, rec in records]
+        assert got == sorted(range(300), key=lambda i: (dues[i], i))
+        assert sum(len(f.entries) for f in timers_fired(node)) == 300
+        assert all(rec.store_ms >= dues[int.from_bytes(rec.payload, "big")] for _, rec in records)
+
+
 def test_dispatch_applies_on_while_a_checkpoint_is_written_and_the_files_never_run_ahead_of_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A checkpoint's files are written by a thread of its own (writing 100,000 ends held dispatch for a quarter
