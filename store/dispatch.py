@@ -41,7 +41,7 @@ from store.log.recent import RecentRecords
 from store.log.record import FLAG_BATCH, FLAG_CONTROL, FLAG_RETAIN, CorruptRecord, Record, encode_message
 from store.restate import restate
 
-__all__ = ["ControlApplier", "DispatchBatch", "Dispatcher", "DispatcherStatistics"]
+__all__ = ["ControlApplier", "DispatchBatch", "DispatchStopped", "Dispatcher", "DispatcherStatistics"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -68,6 +68,15 @@ FALLBACK_WAKE_S = 1.0
 """The run loop also looks for new records this often, in case a wake-up was missed (appends from another process)."""
 
 Listener = Callable[[dict[str, int]], None]
+
+
+@final
+class DispatchStopped(ConnectionError):
+    """Dispatch stopped (its node closes) below the offset a caller waits for: nothing will index it here. A
+    replicated leader that was fenced closes with records its followers never confirmed, which dispatch never
+    reaches: a wait for them must end with the node, or a shielded task waiting (a session's end) holds the node
+    open for ever (its replica never follows again)."""
+
 
 _RETAINED_KEPT = KIND_PREFIX + "retained_kept"
 """The topic field of a ``RetainedKept`` control record: the retained store applies it, in ``_retain``."""
@@ -286,6 +295,7 @@ class Dispatcher:
         self._from_memory = 0
         self._wakeup = trio.Event()
         self._progress = trio.Event()
+        self._stopped = False  # run ended: what it did not index waits in vain
         self._steps = _Failing("dispatch")
         self._flushes = _Failing("index flush")
         self._flush_asked = trio.Event()  # run's flusher task flushes when set (``_ask_flush``)
@@ -734,21 +744,28 @@ class Dispatcher:
         and so do flushes, in a task of their own (:meth:`_flush_when_asked`):
         the steps go on while RocksDB writes a flush's memtables. The listener
         and the waiters of :meth:`wait_dispatched` are served in the trio thread
-        after each step. Runs until cancelled.
+        after each step. Runs until cancelled; then the waiters of what it did not index are told
+        (``DispatchStopped``).
         """
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._flush_when_asked)
-            task_status.started()
-            while True:
-                self._wakeup = trio.Event()
-                try:
-                    batch = await self._run_once()
-                except Exception as exc:  # RocksDB refused a write (a full disk...): retry, never end the node
-                    self._steps.failed(exc, {"dispatched_offset": self._offset})
-                    await trio.sleep(FALLBACK_WAKE_S)
-                    continue
-                self._steps.succeeded({"dispatched_offset": self._offset})
-                self._announced(batch)
+        self._stopped = False
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._flush_when_asked)
+                task_status.started()
+                while True:
+                    self._wakeup = trio.Event()
+                    try:
+                        batch = await self._run_once()
+                    except Exception as exc:  # RocksDB refused a write (a full disk...): retry, never end the node
+                        self._steps.failed(exc, {"dispatched_offset": self._offset})
+                        await trio.sleep(FALLBACK_WAKE_S)
+                        continue
+                    self._steps.succeeded({"dispatched_offset": self._offset})
+                    self._announced(batch)
+        finally:
+            self._stopped = True  # its waiters raise DispatchStopped from now on
+            self._progress.set()
+            self._progress = trio.Event()
 
     async def _flush_when_asked(self) -> None:
         """:meth:`run`'s flusher task: each flush asked for (``_ask_flush``: after a step that made one due, and
@@ -828,14 +845,28 @@ class Dispatcher:
 
     async def wait_lag(self, max_lag: int = MAX_LAG) -> None:
         """Return once at most ``max_lag`` bytes of the log wait for dispatch (needs :meth:`run`): appenders
-        call it first, so the log does not grow faster than the index."""
+        call it first, so the log does not grow faster than the index.
+
+        Raises:
+            DispatchStopped: :meth:`run` ended first.
+        """
         while self._log.written_offset - self._offset > max_lag:
+            self._check_running()
             await self._progress.wait()
 
     async def wait_dispatched(self, offset: int) -> None:
-        """Return once every record below CommitLog offset ``offset`` is indexed (needs :meth:`run`)."""
+        """Return once every record below CommitLog offset ``offset`` is indexed (needs :meth:`run`).
+
+        Raises:
+            DispatchStopped: :meth:`run` ended first.
+        """
         while self._offset < offset:
+            self._check_running()
             await self._progress.wait()
+
+    def _check_running(self) -> None:
+        if self._stopped:
+            raise DispatchStopped(f"dispatch stopped at offset {self._offset}: the store node closes")
 
     def close(self) -> None:
         """Flush what was dispatched, so a restart does not re-dispatch it; not on a full disk (a failed flush

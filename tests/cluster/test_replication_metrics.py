@@ -14,20 +14,12 @@ from tests.helpers.admin import Admin, admin_port
 from tests.helpers.cluster import ask_store
 from tests.helpers.etcd import running_etcd
 from tests.helpers.mqtt_fixtures import run_id
-from tests.helpers.prometheus import metric
+from tests.helpers.prometheus import metric, scraped
 from tests.helpers.replicas import Group, publish_acked, store_command, wait_for
 
 pytestmark = pytest.mark.slow
 
 NAMES = ("r0", "r1", "r2")
-
-
-def scraped(port: int, sample: str) -> float | None:
-    """``sample``'s value on the endpoint at ``port`` now, or None (absent, or the endpoint did not answer)."""
-    try:
-        return metric(port, sample)
-    except (AssertionError, OSError):
-        return None
 
 
 def status(etcd: list[str]) -> dict:

@@ -13,3 +13,11 @@ def metric(port: int, sample: str) -> float:
     found = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.M)
     assert found, text
     return float(found.group(1))
+
+
+def scraped(port: int, sample: str) -> float | None:
+    """``sample``'s value on the endpoint at ``port`` now, or None (absent, or the endpoint did not answer)."""
+    try:
+        return metric(port, sample)
+    except (AssertionError, OSError):
+        return None

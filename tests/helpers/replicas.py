@@ -19,6 +19,7 @@ import paho.mqtt.client as mqtt
 
 from tests.helpers.cluster import WAIT_S, Gateway, Process, free_port
 from tests.helpers.mqtt_fixtures import connected, wait_until
+from tests.helpers.prometheus import scraped
 from tests.helpers.processes import ROOT
 
 GROUP = "g"
@@ -111,6 +112,26 @@ class Group:
 
     def wait_isr(self, members: Sequence[str]) -> None:
         wait_until(lambda: self.isr() == sorted(members), WAIT_S, f"the in-sync set {sorted(members)}")
+
+    def settled_end(self) -> int:
+        """The leader's written end once every replica's log ends there too, as each replica's ``/metrics`` says (a
+        group made with ``metrics``): the end the leader shows again after the followers' is the same, so all of
+        them held it at once. What a test compares the stopped logs up to: past it a replica stopped later may hold
+        more (what the leader appends on its own, like the end of the leases it restored 5 s after its election,
+        and what the next leader appends while the group stops)."""
+        seen: list[float] = []
+
+        def settled() -> bool:
+            leader = (self.leader() or ("", 0))[0]
+            if leader not in self.replicas:
+                return False
+            written = [scraped(self.replicas[name].metrics_port, "lightgate_replication_written_offset")
+                       for name in (leader, *(n for n in self.replicas if n != leader), leader)]
+            seen[:] = written[:1]
+            return written[0] is not None and len(set(written)) == 1
+
+        wait_until(settled, WAIT_S, "every replica's log ending at the leader's end")
+        return int(seen[0])
 
     def restart(self, name: str) -> Replica:
         self.replicas[name] = self.replicas[name].restarted()

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,15 @@ from lightqueue.queues import LightQueues, is_implicit
 from lightqueue.targets import decode_queues
 from lightqueue.topics import first_level_queue, is_wildcard, matches
 from store.control import Activated, Committed, Released, encode_control
-from store.dispatch import Dispatcher
+from store.dispatch import Dispatcher, DispatchStopped
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import decode_record, encode_record
 from store.queuecontrol import QueueControls
 from store.rocks import open_db
 from tests.helpers.dispatch import SEGMENT, Node, decode
 from tests.helpers.processes import ROOT
+
+WAIT_S = 30  # a waiter left waiting fails the test after this, not a hang
 
 WORKER = ROOT / "tests" / "helpers" / "dispatch_worker.py"
 
@@ -150,6 +153,40 @@ async def test_run_dispatches_on_wake_and_serves_waiters(dispatch_node):
             assert dispatch_node.lq.max_offset("k/#") == i + 1
         nursery.cancel_scope.cancel()
     assert sum(len(n) for n in notified) == 5 * 2  # each batch: the topic queue and k/#
+
+
+@pytest.mark.parametrize("wait", ["wait_dispatched", "wait_lag"])
+async def test_waiters_for_records_never_confirmed_are_released_when_run_stops(dispatch_node, wait):
+    """A fenced replicated leader closes with a tail its followers never confirmed: dispatch stops below it. A task
+    waiting for that tail (a session's end, which is shielded) must be told, else it holds the node open for ever;
+    a waiter arriving after the stop is told at once."""
+    dispatcher, log = dispatch_node.dispatcher, dispatch_node.log
+    log.hold_confirm()  # a leader's log: its followers confirm it (here: never)
+    dispatch_node.append("k/1", "k/2")
+    waiting = partial(dispatcher.wait_dispatched, log.written_offset) if wait == "wait_dispatched" \
+        else partial(dispatcher.wait_lag, 0)
+    raised = []
+
+    async def waiter() -> None:
+        with pytest.raises(DispatchStopped):
+            await waiting()
+        raised.append(wait)
+
+    with trio.move_on_after(WAIT_S):  # a waiter never told is cancelled here, and the test fails below
+        async with trio.open_nursery() as nursery:
+            run = trio.CancelScope()
+
+            async def dispatching() -> None:
+                with run:
+                    await dispatcher.run()
+
+            nursery.start_soon(dispatching)
+            nursery.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()
+            run.cancel()
+    assert raised == [wait]
+    with pytest.raises(DispatchStopped):
+        await waiting()
 
 
 def prepare_log(data: Path) -> int:
