@@ -275,7 +275,7 @@ class LightQueues:
         offset if no later entry exists yet).
         """
         state = self._load(name)
-        if state is None:
+        if state is None or not state.max:  # nothing ever indexed (a new wildcard's queue): no min offset to read
             return 0
         return self._first_at_or_after(state.qid, self._min(state.qid), state.max, log_offset)
 

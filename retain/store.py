@@ -30,7 +30,7 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Iterator, final
+from typing import Iterable, Iterator, Sequence, final
 
 import rocksdict
 
@@ -375,12 +375,23 @@ class RetainedStore:
         Raises:
             TopicError: the filter is not a valid topic filter.
         """
-        validate_filter(filter)
+        return self.match_all((filter,))[0]
+
+    def match_all(self, filters: Sequence[str]) -> list[list[tuple[str, int]]]:
+        """:meth:`match` of each filter under one lock (a connection's SUBSCRIBEs read together: the lock and the
+        checks per filter were most of a subscription's retained lookup, issue 31).
+
+        Raises:
+            TopicError: one filter is not a valid topic filter (none was matched).
+        """
+        for filter in filters:
+            validate_filter(filter)
         self._open()  # closed: raises, as a lookup does
+        match = self._tree.match
         with self._lock:
-            found = self._tree.match(filter)
-            self._lookups += 1
-            self._records_read += len(found)
+            found = [match(filter) for filter in filters]
+            self._lookups += len(found)
+            self._records_read += sum(map(len, found))
         return found
 
     def read(self, found: list[tuple[str, int]]) -> list[Retained]:

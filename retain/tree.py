@@ -118,13 +118,13 @@ class TopicTree:
 
     def match(self, filter: str) -> list[tuple[str, int]]:
         """Every ``(topic, offset)`` whose topic the filter matches, in no particular order."""
-        levels = filter.split("/")
-        first = levels[0]
+        first = filter.partition("/")[0]
         if first != "+" and first != "#" and first not in (self._root.children or ()):
-            # No walk when the first level holds nothing: every new subscription matches (issue 31, 50,000 at
-            # once), most under a level no retained message is (a node's own are under $SYS).
+            # No walk (nor split) when the first level holds nothing: every new subscription matches (issue 31,
+            # 50,000 at once), most under a level no retained message is (a node's own are under $SYS).
             self._matches += 1
             return []
+        levels = filter.split("/")
         depth = len(levels)
         found: list[tuple[str, int]] = []
         visited = 0

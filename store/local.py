@@ -148,7 +148,7 @@ class LocalStore:
         """The tree is matched here (in memory); a worker thread reads the records only when one matched: a
         SUBSCRIBE whose filters hold no retained message, the usual case, costs no thread hop."""
         retained = self.store.retained
-        matched = [retained.match(f) for f in filters]
+        matched = retained.match_all(filters)
         if not any(matched):
             await trio.lowlevel.checkpoint()
             return [[] for _ in filters]

@@ -187,9 +187,12 @@ class Subscriptions:
         """
         wanted: list[tuple[int, Subscription]] = []
         for n, (action, (starts, _)) in enumerate(zip(actions, answers)):
+            if not action.retained:
+                continue
             keep = set(action.retained)
-            wanted += ((n, sub) for sub in action.subscriptions
-                       if sub.filter in keep and sub.filter in starts and sub.group is None)
+            for sub in action.subscriptions:  # a loop, not a generator per action (issue 31: 50,000 of them)
+                if sub.group is None and sub.filter in keep and sub.filter in starts:
+                    wanted.append((n, sub))
         found: list[list[tuple[str, Message]]] = [[] for _ in actions]
         if wanted:
             records = await self._store.retained_all([sub.queue for _, sub in wanted])

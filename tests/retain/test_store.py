@@ -312,3 +312,19 @@ def test_random_histories_match_a_model(history, batch_sizes, reopen_after, repl
             assert env.retained.count == len(model)
         finally:
             env.close()
+
+
+def test_match_all_answers_each_filter_as_match_and_refuses_a_batch_with_an_invalid_filter(env):
+    """A connection's SUBSCRIBEs are matched together (``LocalStore.retained_all``): each filter's answer is its own,
+    in order, and an invalid filter anywhere refuses them all before any is counted."""
+    env.dispatch([("a/b", 10, record("a/b")), ("a/c", 20, record("a/c")), ("$SYS/x", 30, record("$SYS/x"))], 31)
+    filters = ["a/+", "nothing/here", "#", "a/b", "$SYS/#", "+/c"]
+    found = env.retained.match_all(filters)
+    assert [sorted(each) for each in found] == [sorted(env.retained.match(f)) for f in filters]
+    assert [sorted(each) for each in found] == [[("a/b", 10), ("a/c", 20)], [], [("a/b", 10), ("a/c", 20)],
+                                                [("a/b", 10)], [("$SYS/x", 30)], [("a/c", 20)]]
+    lookups = env.retained.statistics().lookups
+    assert lookups == 2 * len(filters)
+    with pytest.raises(TopicError):
+        env.retained.match_all(["a/+", "a/#/b"])
+    assert env.retained.statistics().lookups == lookups
