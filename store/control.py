@@ -23,8 +23,8 @@ from store.api import NewMessage
 from store.log.record import Record, new_control
 
 __all__ = [
-    "KIND_PREFIX", "Activated", "ActivatedRun", "ClientClosed", "ClientConnected", "ClientForgotten", "Committed",
-    "Control", "ControlError", "Delayed", "FlowsAwaiting", "FlowsReleased", "PopAcked", "PopCheckpoint",
+    "ACTIVATIONS", "KIND_PREFIX", "Activated", "ActivatedRun", "ClientClosed", "ClientConnected", "ClientForgotten",
+    "Committed", "Control", "ControlError", "Delayed", "FlowsAwaiting", "FlowsReleased", "PopAcked", "PopCheckpoint",
     "PopRestated", "PopRevived", "QueueBases", "Released", "RetainedKept", "SessionEnded", "SessionPatched",
     "SessionSaved", "TimerCancelled", "TimersFired", "TimersRolled", "WillPublished", "activated_runs",
     "decode_control", "encode_all", "encode_control",
@@ -65,6 +65,10 @@ class ActivatedRun(msgspec.Struct, frozen=True, array_like=True, tag="activated_
     def __post_init__(self) -> None:
         if len(self.filters) != len(self.qids):  # decoding fails: a ControlError, the record skipped and logged
             raise ValueError(f"{len(self.filters)} filters with {len(self.qids)} queue ids")
+
+
+ACTIVATIONS = (Activated, ActivatedRun)
+"""The activation record kinds (``isinstance`` of either): ``ActivatedRun`` is written, ``Activated`` still read."""
 
 
 def activated_runs(holder: str, activations: Sequence[tuple[str, int]], max_bytes: int) -> list[ActivatedRun]:

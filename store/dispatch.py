@@ -33,8 +33,8 @@ import trio
 from lightqueue.queues import TOPIC_IDS, LightQueues
 from retain.store import RetainedStore
 from store.awaiting import AwaitingRelease
-from store.control import (KIND_PREFIX, Activated, ActivatedRun, Control, ControlError, QueueBases, RetainedKept,
-                           decode_control)
+from store.control import (ACTIVATIONS, KIND_PREFIX, Activated, ActivatedRun, Control, ControlError, QueueBases,
+                           RetainedKept, decode_control)
 from store.log.commitlog import SKIPPED, CommitLog, ScanResult
 from store.log.errors import OffsetExpired
 from store.log.recent import RecentRecords
@@ -466,7 +466,7 @@ class Dispatcher:
                     max_offsets.update(queues.index(records[first:i], record.offset))
             first = i + 1
             control = self._control(record)
-            if isinstance(control, (Activated, ActivatedRun)) and self._activations is not None:
+            if isinstance(control, ACTIVATIONS) and self._activations is not None:
                 run.append((record, control))
             elif control is not None:
                 self._apply_run(run)

@@ -14,7 +14,8 @@ import logging
 from typing import Iterable, Sequence, final
 
 from lightqueue.queues import LightQueues
-from store.control import Activated, ActivatedRun, Committed, Control, Released, SessionEnded, activated_runs
+from store.control import (ACTIVATIONS, Activated, ActivatedRun, Committed, Control, Released, SessionEnded,
+                           activated_runs)
 from store.log.record import Record
 
 __all__ = ["QueueControls"]
@@ -50,7 +51,7 @@ class QueueControls:
         """Apply one control record; the control checkpoint moves past it in the same write."""
         queues = self._queues
         applied = record.offset + record.size
-        if isinstance(control, (Activated, ActivatedRun)):
+        if isinstance(control, ACTIVATIONS):
             self.apply_activations([(record, control)])
         elif isinstance(control, Released):
             queues.release(control.filter, control.holder, applied=applied)

@@ -60,7 +60,8 @@ def subscribe_packet(n: int, topic_filter: str, qos: int) -> bytes:
 
 
 class _Session:
-    """One session's connection: its SUBSCRIBEs in one buffer, how far it sent and was answered, and what is in flight."""
+    """One session's connection: its SUBSCRIBEs in one buffer, how far it sent and was answered, and what is in
+    flight."""
 
     __slots__ = ("number", "sock", "packets", "ends", "sent", "answered", "in_flight", "connected", "rest", "unsent",
                  "began", "took_s")

@@ -587,10 +587,10 @@ class Fetch(_Message, tag="fetch"):
 
 
 OpRequest: TypeAlias = (
-    Pull | Activate | ActivateAll | Release | MaxOffsets | GetOffsets | CommitOffsets | GetRetained | OpenSession | CloseSession
-    | SaveSession | PatchSession | LoadSession | EndSession | ListSessions | GetAwaiting | ReleaseAwaiting | GetStatistics
-    | ReadLog | Join | Claim | Ack | Leave | AdminCall | AdminCallAll | ListDelayed | CancelDelayed | Pop | PopAck
-    | ChangeInvisible
+    Pull | Activate | ActivateAll | Release | MaxOffsets | GetOffsets | CommitOffsets | GetRetained | OpenSession
+    | CloseSession | SaveSession | PatchSession | LoadSession | EndSession | ListSessions | GetAwaiting
+    | ReleaseAwaiting | GetStatistics | ReadLog | Join | Claim | Ack | Leave | AdminCall | AdminCallAll | ListDelayed
+    | CancelDelayed | Pop | PopAck | ChangeInvisible
 )
 """The requests answered by one message each; each names its ``StoreApi`` method."""
 

@@ -2,17 +2,19 @@
 
 A cursor moves one second at a time through the wheel (store/timer/wheel.py). At each second it reads the slot's
 chain: the entries due in that second or before are fired in due order once due, in batches at most every
-``TICK_MS`` (never early: a batch takes what is due when it starts), the others
-(placed there because they were due beyond the window, or a later revolution of the ring) are rolled. Firing
-re-appends each message to its real topic (normal dispatch, notify and delivery from there), ``CHUNK`` messages per
-write (those of one topic in due order, as batch records when the topics have runs of ``MIN_RUN``) with a ``TimersFired`` record naming their entries, so the log itself says what was dequeued: after a crash
-the entries whose ``TimersFired`` reached the log are done, the others fire again, and none fires twice. Each
-write waits until dispatch has applied the previous one. A second's slot is read and sorted in slices, a step of
-the event loop each, and merged as it fires; reading and decoding a batch's ``Delayed`` records runs in a worker
-thread: the event loop, which undelayed traffic shares, only ever holds one slice's or one chunk's work at a time. A batch fires under ``lock``, which a cancellation holds
-while it writes its ``TimerCancelled`` (store/timer/pending.py): a batch read before a cancellation fires only
-the entries still pending, so a cancelled message is never delivered. After a restart the cursor starts at the
-earliest pending second, so the messages that fell due while the node was down go at once, in due order.
+``TICK_MS`` (never early: a batch takes what is due when it starts), the others (placed there because they were
+due beyond the window, or a later revolution of the ring) are rolled. Firing re-appends each message to its real
+topic (normal dispatch, notify and delivery from there), ``CHUNK`` messages per write (those of one topic in due
+order, as batch records when the topics have runs of ``MIN_RUN``) with a ``TimersFired`` record naming their
+entries, so the log itself says what was dequeued: after a crash the entries whose ``TimersFired`` reached the log
+are done, the others fire again, and none fires twice. Each write waits until dispatch has applied the previous
+one. A second's slot is read and sorted in slices, a step of the event loop each, and merged as it fires; reading
+and decoding a batch's ``Delayed`` records runs in a worker thread: the event loop, which undelayed traffic
+shares, only ever holds one slice's or one chunk's work at a time. A batch fires under ``lock``, which a
+cancellation holds while it writes its ``TimerCancelled`` (store/timer/pending.py): a batch read before a
+cancellation fires only the entries still pending, so a cancelled message is never delivered. After a restart the
+cursor starts at the earliest pending second, so the messages that fell due while the node was down go at once, in
+due order.
 """
 
 from __future__ import annotations
