@@ -17,8 +17,9 @@ here and are the documented ones (docs/benchmarks.md):
 With ``durable=True`` (the durability scenario) LightGate runs with the
 ``sync`` flush policy (``--commitlog-flush sync``: PUBACK only after fsync) and
 Mosquitto with ``persistence true``, ``persistence_location <workdir>/data/``,
-``autosave_interval 1`` (save its in-memory state every second, the
-smallest interval) and ``user <the current user>`` (started as root it would
+``autosave_interval 1`` (the smallest interval; Mosquitto 2.0 compares
+whole seconds, so it saves its in-memory state every two seconds, measured by
+the database file's mtime) and ``user <the current user>`` (started as root it would
 otherwise switch to a ``mosquitto`` user that cannot write there); amqtt has
 no persistence the suite can use (see ``NOT_DURABLE``). Every broker keeps its
 data under ``<workdir>/data``, which is what ``Broker.disk_bytes`` measures,

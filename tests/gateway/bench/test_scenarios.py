@@ -102,14 +102,16 @@ def test_durability_qos2_is_exactly_once_on_lightgate_with_resends_by_the_spec()
 @pytest.mark.slow
 @pytest.mark.skipif(bool(peers.missing("mosquitto")), reason=peers.missing("mosquitto") or "")
 def test_durability_reports_what_mosquitto_loses():
-    result = durability.run(_args(durability, "mosquitto", "--cycles", "1", "--load", "1.5", "--publishers", "1",
+    result = durability.run(_args(durability, "mosquitto", "--cycles", "1", "--load", "3", "--publishers", "1",
                                   "--rate", "100"))
     run = result["brokers"]["mosquitto"]
     assert run["cycles"] == 1 and len(run["restart_s"]["runs"]) == 1
     assert run["acked"] > 0 and run["received"] > 0 and run["lost"] >= 0 and not run["drain_capped"]
     assert run["publisher_reconnects"] >= 1
     # Its persistence file is written (as root it must not switch to a user that cannot write it):
-    # the subscriber's session, older than one autosave interval, survives the kill.
+    # the subscriber's session, older than one save (every two seconds at autosave_interval 1:
+    # Mosquitto 2.0 compares whole seconds), survives the kill. At --load 1.5 it was lost when
+    # the kill came before the first save after the SUBSCRIBE.
     assert run["subscriber_sessions_lost"] == 0
     assert "targets" not in result
 
