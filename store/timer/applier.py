@@ -53,8 +53,9 @@ few of them gets short pages, each as cheap as the last, rather than one unbound
 
 ENDS_FLUSH = 100_000
 """Ends of checkpointed entries kept in memory (``TimerLog.ends``, about 100 B each as a dict) before the timer asks
-dispatch for a checkpoint sooner than its interval: firing 10,000 a second, the 30 s flush alone let 300,000 pile
-up, tens of MB, and made each checkpoint a long write."""
+dispatch for a checkpoint of its own sooner than dispatch's interval (``EarlyCheckpoint``, store/dispatch.py):
+firing 10,000 a second, the 30 s flush alone let 300,000 pile up, tens of MB, and made each checkpoint a long
+write."""
 
 SPAN_READ = 4
 """A slot's chain is read in file order (large reads, the entries between of other slots skipped) when it holds at
