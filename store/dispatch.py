@@ -149,6 +149,18 @@ class ActivationsApplier(ControlApplier, Protocol):
         ...
 
 
+class EarlyCheckpoint(ControlApplier, Protocol):
+    """An applier that asks for a checkpoint of its own before dispatch's flush interval (the timer, store/timer/:
+    the ends it keeps in memory until its next checkpoint grew large) and makes the CommitLog durable up to that
+    checkpoint itself before writing it: dispatch then has it alone take its state at the dispatched offset, without
+    fsyncing the log under its lock or switching the index's memtables (the whole flush, every 10 s of firing,
+    held every message waiting to be indexed and made RocksDB write and compact small tables)."""
+
+    def flush_wanted(self) -> bool:
+        """Whether it wants its checkpoint now."""
+        ...
+
+
 @final
 class _Failing:
     """Whether :meth:`Dispatcher.run`'s steps, or its flushes, fail: logged once when they start failing (they are
@@ -215,7 +227,8 @@ class Dispatcher:
             CommitLog data dispatched or this much time (bounds re-dispatch after a crash).
         room: whether the data disk has room for a memtable flush (store/space.py: RocksDB
             refuses every write after one failed for lack of space); None: always.
-        flush_wanted: whether a part asks for a flush before ``flush_interval_s`` (the timer, store/timer/, when
+        early: the part of ``appliers`` that asks for a checkpoint of its own before ``flush_interval_s``
+            (``EarlyCheckpoint``: the timer, store/timer/, when
             the state it keeps in memory until its next checkpoint grew large); None: never.
         activations: the part that applies activation records (the light queues' controls,
             store/queuecontrol.py), given each run of them in one call; the first of the parts, before
@@ -243,7 +256,7 @@ class Dispatcher:
         flush_interval_s: float = FLUSH_INTERVAL_S,
         room: Callable[[], bool] | None = None,
         appliers: Sequence[ControlApplier] = (),
-        flush_wanted: Callable[[], bool] | None = None,
+        early: EarlyCheckpoint | None = None,
         activations: ActivationsApplier | None = None,
     ) -> None:
         self._log = log
@@ -251,7 +264,7 @@ class Dispatcher:
         self._appliers: tuple[ControlApplier, ...] = \
             tuple(appliers) if activations is None else (activations, *appliers)
         self._room = room
-        self._flush_wanted = flush_wanted
+        self._early = early
         self._queues = queues
         self._listener = listener
         self._retained = retained
@@ -384,7 +397,7 @@ class Dispatcher:
         else the caller does, in another thread). Synchronous: :meth:`run` calls it in a worker thread, or in
         the trio thread for a small step in memory."""
         batch = self._step(max_bytes)
-        if flush and self._flush_due():
+        if flush and (self._flush_due() or self._early_due()):
             self._flush_idle()
         return batch
 
@@ -708,9 +721,11 @@ class Dispatcher:
 
     def _flush_due(self) -> bool:
         return bool(self._unflushed) and (self._unflushed >= self._flush_bytes
-                                          or time.monotonic() - self._flushed_at >= self._flush_interval_s
-                                          or self._flush_wanted is not None and self._flush_wanted()) \
+                                          or time.monotonic() - self._flushed_at >= self._flush_interval_s) \
             and (self._room is None or self._room())
+
+    def _early_due(self) -> bool:
+        return self._early is not None and self._early.flush_wanted() and (self._room is None or self._room())
 
     def _flush_idle(self) -> None:
         """The flush after steps that made it due, or when traffic stopped; none while one runs (in another
@@ -718,14 +733,26 @@ class Dispatcher:
         if not self._flushing.acquire(blocking=False):
             return
         try:
-            if self._unflushed:
+            if self._unflushed and not self._flush_due() and self._early_due():
+                self._flush_early()
+            elif self._unflushed:
                 self._flush()
         finally:
             self._flushing.release()
 
+    def _flush_early(self) -> None:
+        """The checkpoint of ``early`` alone (:class:`EarlyCheckpoint`): it takes its state at the dispatched offset
+        under the step lock, which it holds that long only, and makes the log durable up to there itself before
+        writing it; the index and the other parts keep their checkpoints until their flush. After a crash dispatch
+        applies from the lowest checkpoint again, each part the records at or past its own. Hold ``_flushing``."""
+        assert self._early is not None
+        with self._lock:
+            self._early.flush(self._offset)
+        self._early.settle()
+
     def _ask_flush(self) -> None:
         """Have :meth:`run`'s flusher task flush if a flush is due. Call from the trio thread."""
-        if self._flush_due():
+        if self._flush_due() or self._early_due():
             self._flush_asked.set()
 
     # -- trio --------------------------------------------------------------------

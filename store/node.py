@@ -685,7 +685,7 @@ async def _open_parts(data: Path, config: CommitLogConfig, on_dispatched: Listen
             awaiting = AwaitingRelease(db)
             controls = QueueControls(queues)
             blobs = SessionBlobs(db)
-            delayed = TimerApplier(data / "timer", timer_window_s)
+            delayed = TimerApplier(data / "timer", timer_window_s, alog.log)
             opened.callback(delayed.close)
             alog.log.add_retention_guard(delayed.may_delete)
             ledger = ClientLedger(db)
@@ -693,7 +693,7 @@ async def _open_parts(data: Path, config: CommitLogConfig, on_dispatched: Listen
             dispatcher = Dispatcher(alog.log, queues, on_dispatched, retained=retained, recent=recent,
                                     awaiting=awaiting, room=space.has_room,
                                     activations=controls, appliers=[blobs, ledger, awaiting.controls, delayed, pops],
-                                    flush_wanted=delayed.flush_wanted)
+                                    early=delayed)
             try:
                 yield _Parts(alog, queues, retained, recent, space, awaiting, controls, blobs, ledger, delayed, pops,
                              dispatcher)

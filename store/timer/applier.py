@@ -30,6 +30,7 @@ from typing import Iterable, Iterator, final
 from crc32c import crc32c
 
 from store.control import Control, Delayed, TimerCancelled, TimersFired, TimersRolled
+from store.log.commitlog import CommitLog
 from store.log.record import Record
 from store.timer.checkpoint import TimerCheckpoint, read_checkpoint, write_checkpoint
 from store.timer.timerlog import TimerEntry, TimerLog
@@ -52,8 +53,9 @@ few of them gets short pages, each as cheap as the last, rather than one unbound
 
 ENDS_FLUSH = 100_000
 """Ends of checkpointed entries kept in memory (``TimerLog.ends``, about 100 B each as a dict) before the timer asks
-dispatch for a checkpoint sooner than its interval: firing 10,000 a second, the 30 s flush alone let 300,000 pile
-up, tens of MB, and made each checkpoint a long write."""
+dispatch for a checkpoint of its own sooner than dispatch's interval (``EarlyCheckpoint``, store/dispatch.py):
+firing 10,000 a second, the 30 s flush alone let 300,000 pile up, tens of MB, and made each checkpoint a long
+write."""
 
 SPAN_READ = 4
 """A slot's chain is read in file order (large reads, the entries between of other slots skipped) when it holds at
@@ -77,18 +79,21 @@ def topic_hash(topic: str) -> int:
 class TimerApplier:
     """The TimerLog, the TimerWheel and the counts under ``directory``, kept up to date by dispatch.
 
-    ``window_s``: slots of the wheel (seconds). Methods are thread-safe: dispatch applies in its thread, the
-    dequeue step reads in another.
+    ``window_s``: slots of the wheel (seconds). ``log``: the CommitLog, made durable up to a checkpoint's offset
+    before the checkpoint is written (dispatch asks for the timer's checkpoint alone, without flushing the log
+    first: ``EarlyCheckpoint``, store/dispatch.py); None: the caller flushes it before each :meth:`flush`. Methods
+    are thread-safe: dispatch applies in its thread, the dequeue step reads in another.
 
     Resource handling: :meth:`close` closes the files (flush first: the dispatcher's close does).
     """
 
-    def __init__(self, directory: Path, window_s: int = WINDOW_S) -> None:
+    def __init__(self, directory: Path, window_s: int = WINDOW_S, log: CommitLog | None = None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self._checkpoint_path = directory / "checkpoint"
         self._log = TimerLog(directory / "timerlog")
         self._wheel = TimerWheel(directory / "wheel", window_s)
         self._window = window_s
+        self._commitlog = log
         self._lock = threading.Lock()
         self.scheduled = 0  # entries enqueued by Delayed records since this start
         self.fired = 0
@@ -155,8 +160,9 @@ class TimerApplier:
                 self._rebuild(log_end)
 
     def flush_wanted(self) -> bool:
-        """Whether the ends kept in memory until the next checkpoint passed ``ENDS_FLUSH`` (dispatch then flushes
-        before its interval, and the checkpoint takes them to the file)."""
+        """Whether the ends kept in memory until the next checkpoint passed ``ENDS_FLUSH`` (dispatch then has the
+        timer take its checkpoint before dispatch's interval, alone: ``EarlyCheckpoint``, store/dispatch.py; the
+        checkpoint takes them to the file)."""
         return len(self._log.ends) >= ENDS_FLUSH
 
     def restate(self) -> Iterable[Control]:
@@ -424,9 +430,11 @@ class TimerApplier:
         return taken
 
     def _write_taken(self, taken: TimerCheckpoint) -> None:
-        """The files synced (the previous checkpoint's changes are in them), then the checkpoint ``taken``, then
-        its changes written into the files. Only the entries and slots it records are written: dispatch may append
-        and end others meanwhile."""
+        """The CommitLog durable up to the checkpoint ``taken`` and the files synced (the previous checkpoint's
+        changes are in them), then the checkpoint, then its changes written into the files. Only the entries and
+        slots it records are written: dispatch may append and end others meanwhile."""
+        if self._commitlog is not None and self._commitlog.flushed_offset < taken.offset:
+            self._commitlog.flush()  # an early checkpoint: the records it applied are on disk before it is
         self._log.sync()
         self._wheel.sync()
         write_checkpoint(self._checkpoint_path, taken)

@@ -13,12 +13,14 @@ import trio
 
 from lightqueue.queues import LightQueues
 from retain.store import RetainedStore
-from store.control import Activated, Committed, encode_control
+from store.control import Activated, Committed, Delayed, TimersFired, encode_control
 from store.dispatch import Dispatcher
 from store.log.commitlog import CommitLog, CommitLogConfig
 from store.log.record import decode_record, encode_record
 from store.queuecontrol import QueueControls
 from store.rocks import open_db
+from store.timer import applier
+from store.timer.applier import TimerApplier
 from tests.helpers.dispatch import SEGMENT, Node, decode, dump
 from tests.helpers.powerloss import lose_unflushed_tail
 from tests.helpers.rocksdb_held import flushes_held, unwritten
@@ -150,3 +152,38 @@ def test_a_crash_image_taken_while_a_flush_waits_for_rocksdb_opens_to_a_consiste
         finally:
             n.close()
     assert dumps[0] == dumps[1]
+
+
+def test_the_timers_early_checkpoint_is_taken_alone_with_the_log_durable_up_to_it(tmp_path, monkeypatch):
+    """Ends the timer keeps in memory past ``ENDS_FLUSH`` ask for its checkpoint before dispatch's interval
+    (``EarlyCheckpoint``): the timer alone takes its state at the dispatched offset, and its writer makes the log
+    durable up to there before writing it; the index's memtable is not switched (no table for RocksDB to write
+    and compact: RocksDB's threads are held here, so one switched would stay unwritten) and dispatch's flushed
+    offset stays where it was. Opened again without a flush (a crash), the timer is at that checkpoint."""
+    monkeypatch.setattr(applier, "ENDS_FLUSH", 3)
+    n = Node(tmp_path)
+    timers = TimerApplier(tmp_path / "timer", window_s=100, log=n.log)
+    n.dispatcher = Dispatcher(n.log, n.lq, activations=QueueControls(n.lq), appliers=[timers], flush_bytes=1)
+    n.control(*(Delayed("c", "t", 5_000_000 + i, b"x") for i in range(5)))
+    n.append("a/1")
+    while n.dispatcher.dispatch_once() is not None:
+        pass  # flushed after each step: the checkpoint covers the entries, whose ends then wait in memory
+    assert timers.checkpoint == n.log.written_offset and timers.pending == 5
+    n.dispatcher = Dispatcher(n.log, n.lq, activations=QueueControls(n.lq), appliers=[timers], early=timers)
+    flushed = n.dispatcher.statistics().flushed_offset
+    n.control(TimersFired([(entry.offset_real, pos, entry.due_ms) for pos, entry in timers.due_entries(99)[:3]]))
+    n.append("a/2")
+    try:
+        with flushes_held():
+            while n.dispatcher.dispatch_once() is not None:
+                pass
+            assert timers.checkpoint == n.log.written_offset and timers.pending == 2
+            assert n.log.flushed_offset >= timers.checkpoint
+            assert unwritten(n.db) == 0 and n.dispatcher.statistics().flushed_offset == flushed
+    finally:
+        timers.close()  # no flush: the crash
+        n.db.close()
+        n.log.close()
+    timers = TimerApplier(tmp_path / "timer", window_s=100)
+    assert timers.checkpoint > flushed and timers.pending == 2
+    timers.close()

@@ -107,32 +107,44 @@ WRITER = textwrap.dedent("""
     from store.log.commitlog import CommitLogConfig
     from store.log.record import now_ms
     from store.node import open_store
-    from store.timer import dequeue
+    from store.timer import applier, dequeue
 
     dequeue.CHUNK = int(sys.argv[3])
+    EARLY = int(sys.argv[5])  # ends kept in memory that bring the timer's checkpoint forward (0: the default)
+    applier.ENDS_FLUSH = EARLY or applier.ENDS_FLUSH
 
     async def main():
-        async with open_store(Path(sys.argv[1]), CommitLogConfig(flush=sys.argv[2])) as store:
-            now = now_ms()
+        data, config, now = Path(sys.argv[1]), CommitLogConfig(flush=sys.argv[2]), now_ms()
+        async with open_store(data, config) as store:
             messages = [NewMessage("t", b"%d" % i, "pub", 1, deliver_at_ms=now + 1000 + int(sys.argv[4]) * i)
                         for i in range(60)]
             for i in range(0, 60, 10):
                 await store.append(messages[i:i + 10], durable=True)
             print("acknowledged", 60, flush=True)
-            with trio.fail_after(30):  # SIGKILL while the dequeue step is between its batches
-                while not (store.queues.max_offset("t") and store.timers.pending):
-                    await store.dispatcher.wait_dispatched(store.dispatcher.dispatched_offset + 1)
-            print("delivered", store.queues.max_offset("t"), "pending", store.timers.pending, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            if not EARLY:
+                await kill_while_firing(store)
+        async with open_store(data, config) as store:  # the checkpoint covers every entry: their ends wait in memory
+            await kill_while_firing(store)
+
+    async def kill_while_firing(store):
+        with trio.fail_after(30):  # SIGKILL while the dequeue step is between its batches (and, with EARLY, once
+            # the timer's own checkpoint passed the index's)
+            while not (store.queues.max_offset("t") and store.timers.pending) or EARLY and \
+                    store.timers.checkpoint <= store.dispatcher.statistics().flushed_offset:
+                await store.dispatcher.wait_dispatched(store.dispatcher.dispatched_offset + 1)
+        print("delivered", store.queues.max_offset("t"), "pending", store.timers.pending, "timer checkpoint",
+              store.timers.checkpoint, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     trio.run(main)
 """)
 
 
-def crash_writer(data: Path, flush: str, chunk: int = CHUNK, apart_ms: int = 20) -> str:
+def crash_writer(data: Path, flush: str, chunk: int = CHUNK, apart_ms: int = 20, early: int = 0) -> str:
     """A store process that acknowledges 60 delayed messages (due ``apart_ms`` apart) and is SIGKILLed while they
-    fire (``chunk``: messages per write)."""
-    proc = subprocess.run([sys.executable, "-c", WRITER, str(data), flush, str(chunk), str(apart_ms)],
+    fire (``chunk``: messages per write); with ``early``, it is opened again first, and killed once ``early`` ends
+    brought the timer's checkpoint forward on its own."""
+    proc = subprocess.run([sys.executable, "-c", WRITER, str(data), flush, str(chunk), str(apart_ms), str(early)],
                           capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
@@ -174,15 +186,36 @@ def test_a_power_loss_while_delayed_messages_fire_loses_none_and_delivers_none_t
     and their TimersFired records after the mark are lost); the timer's files are kept as the kill left them."""
     out = crash_writer(tmp_path, "async")
     assert "delivered" in out, out
-    flushed = int.from_bytes((tmp_path / "commitlog" / "flushed").read_bytes()[:8], "big")
-    for segment in sorted((tmp_path / "commitlog").glob("0*[0-9]")):
+    cut_at_flushed_mark(tmp_path)
+    trio.run(delivered_once_after_restart, tmp_path, "async")
+
+
+@pytest.mark.slow
+def test_a_power_loss_after_the_timers_own_checkpoint_loses_none_and_delivers_none_twice(tmp_path: Path):
+    """Ends kept in memory past ``ENDS_FLUSH`` bring the timer's checkpoint forward alone (store/dispatch.py
+    ``EarlyCheckpoint``: the index keeps its older checkpoint, and dispatch its lock): its writer makes the log
+    durable up to the checkpoint before writing it, so a power loss (the log cut at its flushed mark) leaves no
+    timer state past the log; after the restart dispatch applies from the index's checkpoint, the timer from its
+    own, and every message is delivered once, in due order."""
+    out = crash_writer(tmp_path, "async", chunk=10, apart_ms=50, early=10)
+    assert "timer checkpoint" in out, out
+    checkpoint = int(out.split("timer checkpoint")[1].split()[0])
+    assert cut_at_flushed_mark(tmp_path) >= checkpoint
+    trio.run(delivered_once_after_restart, tmp_path, "async")
+
+
+def cut_at_flushed_mark(data: Path) -> int:
+    """The power loss: every byte of the log after its flushed mark is gone (the timer's files are kept as the
+    kill left them). Returns the mark."""
+    flushed = int.from_bytes((data / "commitlog" / "flushed").read_bytes()[:8], "big")
+    for segment in sorted((data / "commitlog").glob("0*[0-9]")):
         base = int(segment.name)
         size = segment.stat().st_size
         if base + size > flushed:
             with open(segment, "r+b") as handle:
                 handle.seek(max(0, flushed - base))
                 handle.write(bytes(size - max(0, flushed - base)))
-    trio.run(delivered_once_after_restart, tmp_path, "async")
+    return flushed
 
 
 def test_on_open_the_timer_forgets_what_came_after_its_checkpoint_and_dispatch_applies_it_again(tmp_path: Path):

@@ -4,6 +4,7 @@ memory until its checkpoint are bounded, and the TimerLog is read and patched in
 from __future__ import annotations
 
 import errno
+import random
 import threading
 from pathlib import Path
 
@@ -15,9 +16,9 @@ from store.control import TimersFired
 from store.log.commitlog import CommitLogConfig
 from store.log.record import Record, now_ms
 from store.node import StoreNode, open_store
-from store.timer import applier, dequeue
+from store.timer import applier, dequeue, timerlog
 from store.timer.applier import TimerApplier
-from store.timer.checkpoint import TimerCheckpoint
+from store.timer.checkpoint import TimerCheckpoint, read_checkpoint, write_checkpoint
 from store.timer.dequeue import TICK_MS
 from store.timer.timerlog import TimerEntry, TimerLog
 from tests.helpers.timers import control_record, delayed_record, timers_fired
@@ -267,4 +268,70 @@ def test_a_checkpoint_that_could_not_be_written_leaves_its_changes_to_the_next_o
     timers = TimerApplier(tmp_path, window_s=100)
     assert timers.checkpoint == 60 and timers.pending == 2
     assert [entry.offset_real for _, entry in timers.due_entries(5_000)] == [20]
+    timers.close()
+
+
+def made_entries(log: TimerLog, count: int) -> list[TimerEntry]:
+    """``count`` entries appended to ``log``, each field distinct from its neighbours' (a patch that spills over a
+    field or an entry shows)."""
+    made = [TimerEntry(i, 5000 + i, 5_000_000 + 7 * i, 100 * i, 100 * i + 1, 0, 50 + i, 3 * i, (1 << 63) + i)
+            for i in range(1, count + 1)]
+    for entry in made:
+        log.append(entry)
+    return made
+
+
+@pytest.mark.parametrize("order", ["file", "shuffled"])
+def test_ends_written_in_slices_and_blocks_patch_their_entries_only_in_any_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, order: str):
+    """A checkpoint's ends go into the TimerLog a few sorted at a time and a block at a time (the writer's thread
+    holds the GIL in short stretches, timerlog.py ``SORT_SLICE``, ``WRITE_BLOCK``): runs of ended entries across
+    blocks (patched by one strided copy each), dense and sparse ones, the first and the last entry, given in file
+    order (firing in due order) or in none. Each entry's ``done_at`` is the one given, every other byte as it was,
+    and a checkpoint records the same ends."""
+    monkeypatch.setattr(timerlog, "SORT_SLICE", 7)
+    monkeypatch.setattr(timerlog, "WRITE_BLOCK", 16)
+    log = TimerLog(tmp_path / "timerlog")
+    made = made_entries(log, 500)
+    wanted = [1, *range(10, 81), *range(100, 161, 2), *range(170, 200, 3), 260, 330, 331, 395, 460, 500]
+    if order == "shuffled":
+        random.Random(28).shuffle(wanted)
+    ends = {pos: (1 << 62) + 1000 * pos for pos in wanted}
+    log.write_ends(ends)
+    assert [entry for _, entry in log.entries()] == [entry._replace(done_at=ends.get(pos, 0))
+                                                     for pos, entry in enumerate(made, 1)]
+    write_checkpoint(tmp_path / "checkpoint", TimerCheckpoint(9, 500, 1, 5001, 100, {0: 1}, {5: 1}, {}, ends))
+    found = read_checkpoint(tmp_path / "checkpoint")
+    assert found is not None and list(found.ends.items()) == list(ends.items())
+    log.close()
+
+
+def test_ends_checkpointed_in_no_order_are_in_the_files_after_a_restart(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    """The timer's checkpoint writer puts ends applied in no file order (messages scheduled in no due order) into
+    the TimerLog: reopened, the timer has the same pending entries, slots and counts, reading them from the files
+    alone."""
+    monkeypatch.setattr(timerlog, "SORT_SLICE", 5)
+    monkeypatch.setattr(timerlog, "WRITE_BLOCK", 8)
+    timers = TimerApplier(tmp_path, window_s=100)
+    dues = [5_000_000 + random.Random(7).randrange(3000) for _ in range(120)]
+    for i, due in enumerate(dues):
+        timers.apply(*delayed_record(10 * (i + 1), due, store_ms=4_999_000))
+    timers.flush(2000)
+    timers.settle()
+    fired = sorted(range(120), key=lambda i: dues[i])[:90]  # in due order: positions in no order
+    for n, start in enumerate(range(0, 90, 20)):
+        record = TimersFired([(10 * (i + 1), i + 1, dues[i]) for i in fired[start:start + 20]])
+        timers.apply(control_record(3000 + 10 * n, record), record)
+    timers.flush(4000)
+    timers.settle()
+    before = {second: timers.due_entries(second) for second in (5000, 5001, 5002)}
+    timers.close()
+    timers = TimerApplier(tmp_path, window_s=100)
+    assert timers.checkpoint == 4000 and timers.pending == 30 and timers.entries_read == 0
+    assert {second: timers.due_entries(second) for second in (5000, 5001, 5002)} == before
+    assert sorted(entry.offset_real for found in before.values() for _, entry in found) == \
+        sorted(10 * (i + 1) for i in set(range(120)) - set(fired))
+    ended = {pos: entry.done_at for pos, entry in TimerLog(tmp_path / "timerlog").entries()}  # the file alone
+    assert sorted(pos for pos, done_at in ended.items() if done_at) == sorted(i + 1 for i in fired)
     timers.close()
