@@ -68,28 +68,17 @@ class FilterIndex:
 
     def add(self, filter: str) -> bool:
         """Add a filter; False if it was already there."""
-        *path, last = filter.split("/")
-        if last != "#":
-            path.append(last)
+        levels = filter.split("/")
         node = self._root
-        for level in path:  # each level's child made here, not by a call per level (issue 31: 50,000 filters)
-            if level == "+":
-                child = node.plus
-                if child is None:
-                    child = node.plus = _Node()
-            else:
-                children = node.children
-                if children is None:
-                    children = node.children = {}
-                child = children.get(level)
-                if child is None:
-                    child = children[level] = _Node()
-            node = child
+        for level in levels[:-1]:
+            node = self._child(node, level)
+        last = levels[-1]
         if last == "#":
             if node.hash is not None:
                 return False
             node.hash = filter
         else:
+            node = self._child(node, last)
             if node.filter is not None:
                 return False
             node.filter = filter
@@ -187,3 +176,16 @@ class FilterIndex:
             if node is None:
                 return None
         return node
+
+    @staticmethod
+    def _child(node: _Node, level: str) -> _Node:
+        if level == "+":
+            if node.plus is None:
+                node.plus = _Node()
+            return node.plus
+        if node.children is None:
+            node.children = {}
+        child = node.children.get(level)
+        if child is None:
+            child = node.children[level] = _Node()
+        return child
