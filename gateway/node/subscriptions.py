@@ -277,7 +277,10 @@ class Subscriptions:
     # --- the queues the connections read ------------------------------------------------------
 
     def _subscribe_local(self, connection: Connection, queues: list[str]) -> None:
-        """The connection reads ``queues`` (no new container when it has them: this runs per filter subscribed)."""
+        """The connection reads ``queues`` (a run's, in one call; no container for a connection that reads none: an
+        idle connection's session resumes with no subscription)."""
+        if not queues:
+            return
         held = self._held.get(connection)
         if held is None:
             held = self._held[connection] = set()
