@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Sequenc
 import trio
 
 from lightqueue.queues import LightQueues, PullResult
-from lightqueue.targets import MAX_QUEUE_ID
 from notify import NotifyRouter
 from retain.store import RetainedStore
 from store.api import (MAIN_LOG, DelayedCapExceeded, LogSpan, MessageChain, NewMessage, PayloadRun, StoreStatistics,
