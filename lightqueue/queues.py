@@ -46,7 +46,7 @@ from lightqueue import keys
 from lightqueue.filters import FilterIndex
 from lightqueue.memtable import MemtableFlush
 from lightqueue.results import PullResult
-from lightqueue.sized import SizedCache
+from lightqueue.sized import ENTRY_OVERHEAD, SizedCache
 from lightqueue.targets import MAX_QUEUE_ID, encode_queues
 from lightqueue.topics import first_level_queue, is_wildcard, validate_filter
 
@@ -69,6 +69,13 @@ QUEUE_CACHE_BYTES = 64 * 1024 * 1024
 
 QUEUE_STATE_BYTES = 200
 """Bytes one cached queue state costs (the object and its key prefix), for the byte bound."""
+
+ABSENT_NAMES = 65_536
+ABSENT_BYTES = 8 * 1024 * 1024
+"""Names found to have no queue (:meth:`LightQueues.starts`) that are remembered, all forgotten at once past either
+bound (names are client input: up to 65,535 bytes each): a new subscription to a topic nobody published to read the
+database twice for a name that is not there (its start, then the node's head of its queue; issue 31: 25,000 of
+them), now once."""
 
 TOPIC_IDS = MAX_QUEUE_ID + 1
 """The first id of a topic or first-level queue; filter ids are below it (docs/storage.md, "Queue ids")."""
@@ -208,6 +215,9 @@ class LightQueues:
         self._no_wal.disable_wal = True
         self._memtable = MemtableFlush()
         self._queues: SizedCache[str, _Queue] = _queue_cache()
+        # Names without a queue, found so under the lock; a queue made under a name takes it out (_cache).
+        self._absent: dict[str, None] = {}
+        self._absent_bytes = 0
         self._targets: SizedCache[str, bytes] = _target_cache()
         self._filters = FilterIndex()
         self._active: dict[str, _Filter] = {}  # by filter name
@@ -274,10 +284,41 @@ class LightQueues:
         ended at ``log_offset``, once dispatch has passed that point (the max
         offset if no later entry exists yet).
         """
-        state = self._load(name)
-        if state is None or not state.max:  # nothing ever indexed (a new wildcard's queue): no min offset to read
-            return 0
-        return self._first_at_or_after(state.qid, self._min(state.qid), state.max, log_offset)
+        (start,) = self.starts([name], log_offset)
+        return start
+
+    def starts(self, names: Sequence[str], log_offset: int) -> list[int]:
+        """:meth:`offset_at` of each name (the starts of a run of activations), under the lock: a name found to
+        have no queue is remembered as such until a queue is made under it, so the reads of its max offset that
+        follow (the node's head of a new subscription's queue) read nothing (``ABSENT_NAMES``)."""
+        cached, absent = self._queues.get, self._absent
+        starts: list[int] = []
+        with self._lock:
+            for name in names:
+                state = cached(name)
+                if state is None:
+                    if name in absent:
+                        starts.append(0)
+                        continue
+                    state = self._read(name)
+                    if state is None:
+                        self._remember_absent(name)
+                        starts.append(0)
+                        continue
+                    self._cache(name, state)
+                # nothing ever indexed (a new wildcard's queue): no min offset to read
+                starts.append(self._first_at_or_after(state.qid, self._min(state.qid), state.max, log_offset)
+                              if state.max else 0)
+        return starts
+
+    def _remember_absent(self, name: str) -> None:
+        """``name`` has no queue (found so under the lock, which every maker of a queue holds). Hold the lock."""
+        cost = len(name) + ENTRY_OVERHEAD
+        self._absent_bytes += cost
+        if len(self._absent) >= ABSENT_NAMES or self._absent_bytes > ABSENT_BYTES:
+            self._absent.clear()
+            self._absent_bytes = cost
+        self._absent[name] = None
 
     def offset_at_time(self, name: str, ms: int) -> int:
         """The queue offset of the first entry stored at or after ``ms`` (ms since the epoch).
@@ -330,23 +371,48 @@ class LightQueues:
         """The queue id an activation record for ``filter`` carries, as things stand: an active wildcard
         filter's own id, else the next filter id; 0 for an exact filter or ``a/#`` (never listed in a record).
 
-        The caller (store/node.py) gives each first activation an id no other was given, applied or not, so two
-        filters never get one id; an active filter's id is never given to another, even once released.
-
         Raises:
             TopicError: the filter is not a valid MQTT topic filter.
             ValueError: the id does not fit a target-queues section (2^32 - 1 filter ids were given out).
         """
-        validate_filter(filter)
-        if not is_wildcard(filter) or is_implicit(filter):
-            return 0
-        active = self._active.get(filter)
-        if active is not None:
-            return active.qid
-        qid = self._next_filter_id
-        if qid > MAX_QUEUE_ID:
-            raise ValueError(f"queue id {qid} of filter {filter!r} does not fit a target-queues section")
+        (qid,), _ = self.filter_ids([filter], 0)
+        if isinstance(qid, ValueError):
+            raise qid
         return qid
+
+    def filter_ids(self, filters: Sequence[str], given: int) -> tuple[list[int | ValueError], int]:
+        """:meth:`filter_id` of each filter, for activation records written together, and the next id to give.
+
+        The caller (store/node.py) gives each first activation an id no other was given, applied or not, so two
+        filters never get one id: a new wildcard filter's is from ``given`` up (the next id not given out yet) or
+        the next filter id, whichever is higher, and a filter twice in ``filters`` gets one; an active filter's
+        id is never given to another, even once released. A filter refused gets its error in its place
+        (``TopicError``, or ``ValueError``: its id would not fit a target-queues section).
+        """
+        active = self._active
+        fresh: dict[str, int] = {}
+        next_id = max(self._next_filter_id, given)
+        ids: list[int | ValueError] = []
+        for filter in filters:
+            try:
+                validate_filter(filter)
+            except ValueError as exc:  # TopicError
+                ids.append(exc)
+                continue
+            if not is_wildcard(filter) or is_implicit(filter):
+                ids.append(0)
+                continue
+            known = active.get(filter)
+            qid = known.qid if known is not None else fresh.get(filter)
+            if qid is None:
+                if next_id > MAX_QUEUE_ID:
+                    ids.append(ValueError(f"queue id {next_id} of filter {filter!r} does not fit a target-queues "
+                                          "section"))
+                    continue
+                qid = fresh[filter] = next_id
+                next_id += 1
+            ids.append(qid)
+        return ids, next_id
 
     def is_active(self, filter: str) -> bool:
         """Is ``filter`` a wildcard filter being indexed (implicit first-level filters excluded)?"""
@@ -389,15 +455,21 @@ class LightQueues:
             started: dict[str, _Filter] = {}  # first activations of this batch
             next_filter_id = self._next_filter_id
             answers: list[int | ValueError] = []
+            last_holder: str | None = None
+            holding: Callable[[str], tuple[bytes, bytes]]  # last_holder's (a str: set by the first)
             for filter, holder, since, qid in activations:
+                if holder != last_holder:  # a run's activations are one holder's
+                    holding, last_holder = keys.holding_keys(holder), holder
                 try:
-                    next_filter_id = self._activate_into(batch, filter, holder, since, qid, started, next_filter_id)
+                    next_filter_id = self._activate_into(batch, filter, holding, since, qid, started, next_filter_id)
                 except ValueError as exc:  # TopicError included
                     if raise_errors:
                         raise
                     answers.append(exc)
                     continue
                 answers.append(0)
+            if next_filter_id != self._next_filter_id:
+                batch.put(keys.NEXT_FILTER_ID, keys.U64.pack(next_filter_id))
             try:
                 self._write(batch, applied)
             except Exception:
@@ -412,10 +484,11 @@ class LightQueues:
                 return answers
             return [a if isinstance(a, ValueError) else self.max_offset(f) for (f, *_), a in zip(activations, answers)]
 
-    def _activate_into(self, batch: rocksdict.WriteBatch, filter: str, holder: str, since: int, qid: int | None,
-                       started: dict[str, _Filter], next_filter_id: int) -> int:
-        """One activation's writes into ``batch``, none when it raises; a filter indexed from now on goes into
-        ``started``. Returns the next filter id after it. Hold the lock."""
+    def _activate_into(self, batch: rocksdict.WriteBatch, filter: str, holding: Callable[[str], tuple[bytes, bytes]],
+                       since: int, qid: int | None, started: dict[str, _Filter], next_filter_id: int) -> int:
+        """One activation's writes into ``batch`` (``holding``: its holder's ``keys.holding_keys``), none when it
+        raises; a filter indexed from now on goes into ``started``. Returns the next filter id after it. Hold the
+        lock."""
         validate_filter(filter)
         first = is_wildcard(filter) and not is_implicit(filter) and filter not in self._active \
             and filter not in started
@@ -423,8 +496,9 @@ class LightQueues:
             qid = next_filter_id if qid is None else qid
             if not 0 < qid <= MAX_QUEUE_ID:
                 raise ValueError(f"{qid} is not a filter's queue id (1 to {MAX_QUEUE_ID})")
-        batch.put(keys.holder_key(filter, holder), _EMPTY)
-        batch.put(keys.held_by_key(holder, filter), _EMPTY)
+        holder_key, held_by_key = holding(filter)
+        batch.put(holder_key, _EMPTY)
+        batch.put(held_by_key, _EMPTY)
         if not first:
             return next_filter_id
         assert qid is not None
@@ -436,8 +510,7 @@ class LightQueues:
             self._cache(filter, _new_queue(qid, 0))
             batch.put(keys.name_key(filter), keys.U64.pack(qid))
             batch.put(keys.id_key(qid), filter.encode())
-        next_filter_id = max(next_filter_id, qid + 1)
-        batch.put(keys.NEXT_FILTER_ID, keys.U64.pack(next_filter_id))
+        next_filter_id = max(next_filter_id, qid + 1)  # written once for the batch (_activate_all)
         batch.put(keys.active_key(filter), keys.U64.pack(since))
         started[filter] = _Filter(filter, qid, since)
         return next_filter_id
@@ -888,6 +961,8 @@ class LightQueues:
             batch.put(keys.NEXT_ID, keys.U64.pack(self._next_id))
             self._db.write(batch, self._wal)
             self._queues.clear()
+            self._absent.clear()
+            self._absent_bytes = 0
 
     @property
     def retained_offset(self) -> int:
@@ -954,10 +1029,17 @@ class LightQueues:
     # -- internals -----------------------------------------------------------------
 
     def _load(self, name: str) -> _Queue | None:
-        """A queue's state, from memory or the database, without caching it (any thread)."""
+        """A queue's state, from memory (a name known to have none included) or the database, without caching it
+        (any thread)."""
         state = self._queues.get(name)
         if state is not None:
             return state
+        if name in self._absent:
+            return None
+        return self._read(name)
+
+    def _read(self, name: str) -> _Queue | None:
+        """A queue's state from the database (any thread)."""
         raw = self._db.get(keys.name_key(name))
         if raw is None:
             return None
@@ -977,6 +1059,8 @@ class LightQueues:
     def _reset_cache(self) -> None:
         """Forget cached queue states and re-read the id counters: after a failed write. Hold the lock."""
         self._queues.clear()
+        self._absent.clear()
+        self._absent_bytes = 0
         self._next_id = self._u64(keys.NEXT_ID, TOPIC_IDS)
         self._next_filter_id = self._u64(keys.NEXT_FILTER_ID, 1)
 
@@ -999,7 +1083,9 @@ class LightQueues:
             self._applied = applied
 
     def _cache(self, name: str, state: _Queue) -> _Queue:
+        """Keep a queue's state in memory (a new queue's included: its name is no longer absent). Hold the lock."""
         self._queues.put(name, state)
+        self._absent.pop(name, None)
         return state
 
     def _allocate(self, name: str, batch: rocksdict.WriteBatch) -> _Queue:

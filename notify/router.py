@@ -37,7 +37,7 @@ class NotifyRouterStatistics:
 class NotifyRouter:
     """Routes ``{queue: max offset}`` events to the gateway nodes with sessions on those queues."""
 
-    __slots__ = ("_refs", "_holders", "_sent", "_suppressed", "_unrouted")
+    __slots__ = ("_refs", "_holders", "_alone", "_sent", "_suppressed", "_unrouted")
 
     def __init__(self) -> None:
         self._refs: dict[str, dict[str, int]] = {}  # node -> queue -> sessions on it
@@ -45,6 +45,7 @@ class NotifyRouter:
         # (50,000 for 50 sessions of 1,000), and a tuple of names is left out of the garbage collector's walks
         # (a set never is) and is 48 B with one name (a set 216 B); there are few nodes.
         self._holders: dict[str, tuple[str, ...]] = {}
+        self._alone: dict[str, tuple[str]] = {}  # node -> (node,): the holders of every queue it alone has, shared
         self._sent: dict[str, int] = {}  # node -> events sent; its keys are the known nodes
         self._suppressed = 0
         self._unrouted = 0
@@ -66,10 +67,13 @@ class NotifyRouter:
         if refs is None:  # a node's first (a dict per call made by ``setdefault`` was one per filter subscribed)
             refs = self._refs[node] = {}
             self._sent.setdefault(node, 0)
+            self._alone[node] = (node,)
         count = refs.get(queue, 0) + 1
         refs[queue] = count
         if count == 1:
-            self._holders[queue] = (*self._holders.get(queue, ()), node)
+            holders = self._holders.get(queue)
+            # most queues have one node: its one tuple for all of them (issue 31: 50,000 of 48 B each)
+            self._holders[queue] = self._alone[node] if holders is None else (*holders, node)
         return count
 
     def unregister(self, node: str, queue: str) -> int | None:
@@ -100,12 +104,15 @@ class NotifyRouter:
         for queue in refs:
             self._leave(queue, node)
         self._sent.pop(node, None)
+        self._alone.pop(node, None)
         return len(refs)
 
     def _leave(self, queue: str, node: str) -> None:
         """``node`` no longer has a session on ``queue``."""
         rest = tuple(name for name in self._holders[queue] if name != node)
-        if rest:
+        if len(rest) == 1:
+            self._holders[queue] = self._alone.get(rest[0], rest)
+        elif rest:
             self._holders[queue] = rest
         else:
             del self._holders[queue]

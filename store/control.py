@@ -74,8 +74,11 @@ ACTIVATIONS = (Activated, ActivatedRun)
 def activated_runs(holder: str, activations: Sequence[tuple[str, int]], max_bytes: int) -> list[ActivatedRun]:
     """``activations`` (``(filter, qid)``, in order) as ``ActivatedRun`` records of at most about ``max_bytes`` of
     filters each (a record stays under the record size limit; a filter larger than that goes alone)."""
+    filters = [filter for filter, _ in activations]
+    if sum(map(len, filters)) * 4 + len(filters) * 12 <= max_bytes:  # one record, the usual case (costs below)
+        return [ActivatedRun(holder, filters, [qid for _, qid in activations])]
     runs: list[ActivatedRun] = []
-    filters: list[str] = []
+    filters = []
     qids: list[int] = []
     size = 0
     for filter, qid in activations:

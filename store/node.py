@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Sequenc
 import trio
 
 from lightqueue.queues import LightQueues, PullResult
-from lightqueue.targets import MAX_QUEUE_ID
 from notify import NotifyRouter
 from retain.store import RetainedStore
 from store.api import (MAIN_LOG, DelayedCapExceeded, LogSpan, MessageChain, NewMessage, PayloadRun, StoreStatistics,
@@ -526,42 +525,21 @@ class StoreNode:
         Raises:
             LogFullError: the disk is full (``append_control`` looks); none of them was appended.
         """
-        results: list[int | ValueError] = []
-        activations: list[tuple[str, int]] = []
-        given: dict[str, int] = {}  # first activations of this write: one id per filter
-        for queue in queues:
-            try:
-                qid = given.get(queue) or self._filter_id(queue)
-            except ValueError as exc:  # TopicError included
-                results.append(exc)
-                continue
-            given[queue] = qid
-            activations.append((queue, qid))
-            results.append(0)
+        # A new wildcard filter takes the next id not given out: first activations go to the log together (they
+        # went one at a time, a log write and its dispatch each, so 25,000 new filters took a minute), and an id
+        # given to a record that ends up holder-only (two first activations of one filter: the first applied
+        # wins) is skipped, never reused.
+        results, self._next_filter_id = self.queues.filter_ids(queues, self._next_filter_id)
+        activations = [(queue, qid) for queue, qid in zip(queues, results) if not isinstance(qid, ValueError)]
         if not activations:
             return results
         end = await self.append_control(activated_runs(holder, activations,
                                                        self.log.log.config.max_record_bytes // 2))
-        offset_at = self.queues.offset_at
-        return [start if isinstance(start, ValueError) else offset_at(queue, end)
-                for queue, start in zip(queues, results)]
-
-    def _filter_id(self, queue: str) -> int:
-        """The queue id of an activation record of ``queue`` written now (raises as ``LightQueues.filter_id``).
-
-        An active filter's id stays its own, even if its last holder releases it meanwhile. A new one takes the
-        next id not given out: first activations go to the log together (they went one at a time, a log write
-        and its dispatch each, so 25,000 new filters took a minute), and an id given to a record that ends up
-        holder-only (two first activations of one filter: the first applied wins) is skipped, never reused.
-        """
-        queues = self.queues
-        qid = queues.filter_id(queue)
-        if qid and not queues.is_active(queue):
-            qid = max(qid, self._next_filter_id)
-            if qid > MAX_QUEUE_ID:
-                raise ValueError(f"queue id {qid} of filter {queue!r} does not fit a target-queues section")
-            self._next_filter_id = qid + 1
-        return qid
+        starts = self.queues.starts([queue for queue, _ in activations], end)
+        if len(starts) == len(results):
+            return [*starts]
+        found = iter(starts)
+        return [start if isinstance(start, ValueError) else next(found) for start in results]
 
     async def release(self, queue: str, holder: str) -> bool:
         """``holder`` no longer holds ``queue``: a ``Released`` record, appended and applied (its offset on the

@@ -90,45 +90,45 @@ class Subscriptions:
         fences close once the starts are fixed, and in any case when this returns (failed or cancelled: they must
         not hold every append of the node)."""
         try:
-            answers = await self._start(connection, actions)
+            answers, unshared, shared = await self._start(connection, actions)
             for action in actions:
                 self._applied(connection, action)  # the starts are fixed: the appends read after them may go
             retained = await self._retained_for(actions, answers)
         finally:
             for action in actions:
                 self._applied(connection, action)
-        for action, (starts, _) in zip(actions, answers):
-            for sub in action.subscriptions:
-                if sub.filter in starts:
-                    self._subscribe_local(connection, sub.queue)
-        at_head = self._at_head(actions, answers)
+        self._subscribe_local(connection, [sub.queue for sub, _ in unshared])
+        if shared:
+            self._subscribe_local(connection, shared)
+        at_head = self._at_head(unshared)
         connection.feed_all([Activated(action.ref, starts, found, reasons or None, at_head)  # SUBACKs in one write
                              for action, (starts, reasons), found in zip(actions, answers, retained)])
 
-    def _at_head(self, actions: list[Activate], answers: list[tuple[dict[str, int], dict[str, ReasonCode]]]
-                 ) -> frozenset[str]:
+    def _at_head(self, started: list[tuple[Subscription, int]]) -> frozenset[str]:
         """The new unshared subscriptions whose start is their queue's head, watched now (news of any later
         message comes to the connection): their sessions need no first pull, and their cache entries start there.
         None are when the store cannot say without waiting (a remote store): each pulls once to find its head."""
-        new = [(sub, starts[sub.filter]) for action, (starts, _) in zip(actions, answers)
-               for sub in action.subscriptions if sub.group is None and sub.filter in starts]
         try:
-            heads = self._store.max_offsets_nowait([sub.queue for sub, _ in new])
+            heads = self._store.max_offsets_nowait([sub.queue for sub, _ in started])
         except trio.WouldBlock:
             return frozenset()
         at_head = []
-        for (sub, start), head in zip(new, heads):
+        cache_at_head = self._cache.at_head
+        for (sub, start), head in zip(started, heads):
             if head <= start:
-                self._cache.at_head(sub.queue, start)
+                cache_at_head(sub.queue, start)
                 at_head.append(sub.filter)
         return frozenset(at_head)
 
-    async def _start(self, connection: Connection,
-                     actions: list[Activate]) -> list[tuple[dict[str, int], dict[str, ReasonCode]]]:
-        """Each activation's starts and refusals; the unshared subscriptions of all of them held in one store call."""
+    async def _start(self, connection: Connection, actions: list[Activate]
+                     ) -> tuple[list[tuple[dict[str, int], dict[str, ReasonCode]]], list[tuple[Subscription, int]],
+                                list[str]]:
+        """Each activation's starts and refusals; the unshared subscriptions of all of them held in one store call,
+        those held with their starts, and the queues of the shared ones joined."""
         answers: list[tuple[dict[str, int], dict[str, ReasonCode]]] = [({}, {}) for _ in actions]
         client_id = actions[0].client_id
         unshared = [(n, sub) for n, action in enumerate(actions) for sub in action.subscriptions if sub.group is None]
+        started: list[tuple[Subscription, int]] = []
         if unshared:  # the channel asked the ACL already
             held: list[int | ValueError] | list[LogFullError]
             try:
@@ -137,19 +137,22 @@ class Subscriptions:
             except LogFullError as exc:  # the store logged the full disk once
                 held = [exc] * len(unshared)
             for (n, sub), start in zip(unshared, held):
-                starts, reasons = answers[n]
                 if isinstance(start, int):
-                    starts[sub.filter] = start
+                    answers[n][0][sub.filter] = start
+                    started.append((sub, start))
                 else:
-                    reasons[sub.filter] = self._refusal(client_id, start)
-        for (starts, reasons), action in zip(answers, actions):
-            for sub in action.subscriptions:
-                if sub.group is not None:
-                    try:
-                        starts[sub.filter] = await self._join(connection, sub)
-                    except (ValueError, LogFullError) as exc:
-                        reasons[sub.filter] = self._refusal(client_id, exc)
-        return answers
+                    answers[n][1][sub.filter] = self._refusal(client_id, start)
+        joined: list[str] = []
+        if len(unshared) < sum(len(action.subscriptions) for action in actions):
+            for (starts, reasons), action in zip(answers, actions):
+                for sub in action.subscriptions:
+                    if sub.group is not None:
+                        try:
+                            starts[sub.filter] = await self._join(connection, sub)
+                            joined.append(sub.queue)
+                        except (ValueError, LogFullError) as exc:
+                            reasons[sub.filter] = self._refusal(client_id, exc)
+        return answers, started, joined
 
     @staticmethod
     def _refusal(client_id: str, exc: Exception) -> ReasonCode:
@@ -176,7 +179,7 @@ class Subscriptions:
         for sub in subscriptions:
             if sub.group is not None:
                 self._members.add(connection)
-            self._subscribe_local(connection, sub.queue)
+        self._subscribe_local(connection, [sub.queue for sub in subscriptions])
 
     async def _retained_for(self, actions: list[Activate], answers: list[tuple[dict[str, int], dict[str, ReasonCode]]]
                             ) -> list[tuple[tuple[str, Message], ...]]:
@@ -197,7 +200,8 @@ class Subscriptions:
         if wanted:
             records = await self._store.retained_all([sub.queue for _, sub in wanted])
             for (n, sub), each in zip(wanted, records):
-                found[n] += ((sub.filter, from_record(record, None, None)) for record in each)
+                if each:  # most find none: no generator for them
+                    found[n] += ((sub.filter, from_record(record, None, None)) for record in each)
         return [tuple(each) for each in found]
 
     # --- releases and commits ---------------------------------------------------------------
@@ -272,23 +276,28 @@ class Subscriptions:
 
     # --- the queues the connections read ------------------------------------------------------
 
-    def _subscribe_local(self, connection: Connection, queue: str) -> None:
-        """The connection reads ``queue`` (no new container when it has them: this runs per filter subscribed)."""
+    def _subscribe_local(self, connection: Connection, queues: list[str]) -> None:
+        """The connection reads ``queues`` (a run's, in one call; no container for a connection that reads none: an
+        idle connection's session resumes with no subscription)."""
+        if not queues:
+            return
         held = self._held.get(connection)
         if held is None:
             held = self._held[connection] = set()
-        if queue in held:
-            return
-        held.add(queue)
-        local = self._local.get(queue)
-        if local is None:
-            self._local[queue] = connection
-        elif isinstance(local, set):
-            local.add(connection)
-        else:
-            self._local[queue] = {local, connection}
-        self._store.watch(queue)
-        self._cache.watch(queue)
+        local, store_watch, cache_watch = self._local, self._store.watch, self._cache.watch
+        for queue in queues:
+            if queue in held:
+                continue
+            held.add(queue)
+            readers = local.get(queue)
+            if readers is None:
+                local[queue] = connection
+            elif isinstance(readers, set):
+                readers.add(connection)
+            else:
+                local[queue] = {readers, connection}
+            store_watch(queue)
+            cache_watch(queue)
 
     def _unsubscribe_local(self, connection: Connection, queue: str) -> None:
         held = self._held.get(connection)

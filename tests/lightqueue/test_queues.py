@@ -1,10 +1,13 @@
 """Light queues over a real RocksDB and a real CommitLog: ids, filters, indexing, pulls, offsets, retention."""
 
 import contextlib
+import re
 from dataclasses import dataclass
 
 import pytest
+import rocksdict
 
+import lightqueue.queues
 from lightqueue import keys
 from lightqueue.queues import TOPIC_IDS, LightQueues, is_implicit
 from lightqueue.targets import decode_queues, encode_queues
@@ -24,10 +27,11 @@ def decode(raw, offset):
 class Env:
     """A CommitLog and light queues in a temporary directory, with helpers to append and index."""
 
-    def __init__(self, path, **config):
+    def __init__(self, path, open_index=open_db, **config):
         self.path = path
         self.log = CommitLog.open(path / "commitlog", CommitLogConfig(segment_bytes=SEGMENT, max_record_bytes=SEGMENT, **config))
-        self.db = open_db(path / "index")
+        self.open_index = open_index
+        self.db = open_index(path / "index")
         self.lq = LightQueues(self.db)
 
     def append(self, *topics, payload=b"p"):
@@ -53,7 +57,7 @@ class Env:
 
     def reopen(self):
         self.db.close()
-        self.db = open_db(self.path / "index")
+        self.db = self.open_index(self.path / "index")
         self.lq = LightQueues(self.db)
 
     def close(self):
@@ -658,3 +662,77 @@ def test_a_run_of_activations_applied_in_one_write_leaves_what_one_at_a_time_lea
     assert env.topics("r/+") == ["r/a"] and env.topics("p/+") == ["p/a"] and env.topics("q/+") == []
     env.reopen()
     assert env.lq.is_active("r/+") and env.lq.is_active("p/+") and env.lq.filter_id("new/+") == 9
+
+
+class CountedReads:
+    """Opens the index database with RocksDB's own statistics on: ``reads()`` is its point reads so far."""
+
+    def __init__(self):
+        self.options = rocksdict.Options(raw_mode=True)
+        self.options.create_if_missing(True)
+        self.options.enable_statistics()
+
+    def __call__(self, path):
+        return rocksdict.Rdict(str(path), self.options)
+
+    def reads(self):
+        return int(re.search(r"rocksdb\.number\.keys\.read COUNT : (\d+)", self.options.get_statistics()).group(1))
+
+
+def test_a_name_without_a_queue_is_read_once_until_a_queue_is_made_under_it(tmp_path):
+    """A new subscription to a topic nobody published to: its start (``offset_at``) finds no queue, and the node's
+    read of its head right after (``max_offset``) read the database for it again, ~2 us a read against a memtable a
+    subscribe storm fills (issue 31). The name is remembered absent (found so under the lock that every maker of a
+    queue holds) until a queue is made under it: by dispatch, for a message on it, or by an activation."""
+    counted = CountedReads()
+    env = Env(tmp_path, open_index=counted)
+    try:
+        env.activate("t/1", "s1")
+        before = counted.reads()
+        assert env.lq.offset_at("t/1", env.log.written_offset) == 0
+        assert env.lq.max_offset("t/1") == env.lq.max_offset("t/1") == 0 and env.lq.min_offset("t/1") == 0
+        assert counted.reads() - before == 1
+        env.append("t/1", "t/2")
+        env.index()  # dispatch made the queue of t/1
+        assert env.lq.max_offset("t/1") == 1 and env.topics("t/1") == ["t/1"]
+        assert env.lq.offset_at("t/1", env.log.written_offset) == 1 and env.lq.min_offset("t/1") == 0
+        assert env.lq.offset_at("w/+", env.log.written_offset) == 0  # not active yet: no queue
+        env.activate("w/+", "s1")  # its queue is made
+        env.append("w/x")
+        env.index()
+        assert env.lq.max_offset("w/+") == 1 and env.topics("w/+") == ["w/x"]
+        env.reopen()
+        assert env.lq.max_offset("t/1") == 1 and env.lq.max_offset("w/+") == 1 and env.topics("w/+") == ["w/x"]
+    finally:
+        env.close()
+
+
+def test_the_names_remembered_without_a_queue_are_bounded(tmp_path, monkeypatch):
+    """Names are client input (a filter up to 65,535 bytes): those remembered absent are forgotten all at once
+    when ``ABSENT_NAMES`` (or ``ABSENT_BYTES``) would be passed, and read again."""
+    monkeypatch.setattr(lightqueue.queues, "ABSENT_NAMES", 4)
+    counted = CountedReads()
+    env = Env(tmp_path, open_index=counted)
+    try:
+        names = [f"n/{i}" for i in range(5)]
+        assert env.lq.starts(names, 0) == [0] * 5  # the fifth found the memory full
+        before = counted.reads()
+        assert [env.lq.max_offset(name) for name in names] == [0] * 5
+        assert counted.reads() - before == 4  # the four forgotten are read again, the fifth is remembered
+    finally:
+        env.close()
+
+
+def test_the_ids_of_a_run_of_first_activations_are_given_once_each_and_refusals_stay_alone(env):
+    """``filter_ids`` gives the records of one write their ids (store/node.py ``activate_all``): a new wildcard
+    filter takes the next id not given out (``given``, ids of records not applied yet, or the applied next id),
+    one filter twice one id, an active filter its own; an exact filter or ``a/#`` 0; a refusal in its place."""
+    env.activate("old/+", "s1")  # id 1; the next filter id is 2
+    ids, given = env.lq.filter_ids(["a/+", "x/y", "old/+", "a/+", "a/#", "a/#/b", "b/+"], 5)
+    assert ids[:5] == [5, 0, 1, 5, 0] and isinstance(ids[5], TopicError) and ids[6] == 6 and given == 7
+    ids, given = env.lq.filter_ids(["c/+"], 0)  # nothing given ahead: the applied next id
+    assert ids == [2] and given == 3
+    ids, given = env.lq.filter_ids(["d/+", "e/f", "g/+"], lightqueue.queues.MAX_QUEUE_ID)
+    assert ids[:2] == [lightqueue.queues.MAX_QUEUE_ID, 0] and isinstance(ids[2], ValueError)
+    assert given == lightqueue.queues.MAX_QUEUE_ID + 1
+    assert env.lq.filter_id("c/+") == 2 and env.lq.filter_id("old/+") == 1  # nothing given by asking

@@ -1,5 +1,7 @@
 """notify/router.py: events go only to nodes with sessions on the queue; registrations are counted; metrics add up."""
 
+import tracemalloc
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -97,3 +99,25 @@ def test_routing_matches_a_model_of_session_counts(operations, events):
     known = {node for node, _ in sessions}
     stats = router.statistics()
     assert stats.suppressed == len(events) * len(known) - sum(len(v) for v in expected.values())
+
+
+def test_a_registration_costs_the_routers_two_map_entries_and_nothing_per_queue_beside():
+    """A node's 50,000 subscriptions are 50,000 queues that only it reads (issue 31): each held a tuple of one node
+    name (48 B more a queue); the queues a node alone reads share one. Routing is unchanged as others come and go."""
+    router = NotifyRouter()
+    router.register("gw1", "warm/up")
+    queues = [f"fleet/{n}/+/{n}" for n in range(4000)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for queue in queues:
+            router.register("gw1", queue)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 100 * len(queues), f"{grown / len(queues):.0f} bytes a registration"
+    router.register("gw2", queues[0])
+    assert router.route({queues[0]: 5, queues[1]: 6}) == {"gw1": {queues[0]: 5, queues[1]: 6}, "gw2": {queues[0]: 5}}
+    router.unregister("gw1", queues[0])
+    assert router.route({queues[0]: 7, queues[1]: 8}) == {"gw1": {queues[1]: 8}, "gw2": {queues[0]: 7}}
+    assert router.drop_node("gw2") == 1 and router.route({queues[0]: 9}) == {}

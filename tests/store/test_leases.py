@@ -381,3 +381,38 @@ async def test_a_stall_of_the_store_is_not_its_nodes_silence_and_a_node_silent_a
         assert store.appended == [(resumed + LEASE_S, "will/a")]
         assert leases.where("b") == "gw2"
         nursery.cancel_scope.cancel()
+
+
+async def test_clients_connecting_at_once_have_their_ledger_records_written_together(ledger):
+    """The CONNACK of a client waits for its ledger record (``written``). Fifty clients connecting at once waited
+    for the append lock in turn, each in a turn of the event loop of its own only to find its record appended by
+    the first: under a subscribe storm (turns of ~10 ms) the last CONNACK came 0.5 s after the first, and its
+    session's SUBSCRIBEs finished that much later (issue 31). One append takes them all; they return together."""
+    store = Store()
+    turns = 0
+
+    async def count_turns():
+        nonlocal turns
+        while True:
+            turns += 1
+            await trio.lowlevel.checkpoint()
+
+    async def connect(number, returned):
+        open_(leases, "gw1", f"c{number}", expiry_s=60)
+        await leases.written()
+        returned.append(turns)
+
+    async with trio.open_nursery() as nursery:
+        leases = store.leases(nursery, ledger)
+        leases.connected("gw1")
+        nursery.start_soon(count_turns)
+        returned: list[int] = []
+        async with trio.open_nursery() as clients:
+            for number in range(50):
+                clients.start_soon(connect, number, returned)
+        assert len(returned) == 50 and max(returned) - min(returned) <= 3, returned
+        leases.close("gw1", "c7", expiry_s=60, will_delay_s=None)
+        await leases.written()  # one more record, after them
+        entries = ledger.entries()
+        assert len(entries) == 50 and entries["c7"].closed_ms and not entries["c8"].closed_ms
+        nursery.cancel_scope.cancel()
