@@ -177,10 +177,10 @@ class _Stream:
     __slots__ = ("sub", "cursor", "head", "pulling", "buffer", "unacked", "resend", "skip_below", "lane", "durable",
                  "dup_below", "completed", "handles")
 
-    def __init__(self, sub: Subscription, cursor: int, lane: int = 0) -> None:
+    def __init__(self, sub: Subscription, cursor: int, lane: int = 0, head: int | None = None) -> None:
         self.sub = sub
         self.cursor = cursor  # next offset to pull
-        self.head: int | None = None  # queue max offset when known; None: pull to find out
+        self.head = head  # queue max offset when known; None: pull to find out
         self.pulling = False
         # Pulled messages not yet delivered: a deque from the first pull that brings some (an empty one is 624 B, and
         # a session may hold thousands of subscriptions that never get a message: issue 31).
@@ -565,9 +565,8 @@ class Session:
             if not stream.lane and self._wants_lane(sub):
                 self._take_lane(stream)
             return False
-        stream = _Stream(sub, start, self._free_lane() if self._wants_lane(sub) else 0)
-        if at_head and sub.group is None:
-            stream.head = start
+        stream = _Stream(sub, start, self._free_lane() if self._wants_lane(sub) else 0,
+                         start if at_head and sub.group is None else None)
         self._add(stream)
         self._committed[sub.filter] = start
         return True
