@@ -131,9 +131,10 @@ def validate_filter(filter: str, limits: TopicLimits = DEFAULT_LIMITS) -> str:
             misplaced ``+`` / ``#``.
     """
     newer, older = _valid_filters
-    levels = (newer.get(filter) or older.get(filter)) if type(filter) is str else None
-    if levels is not None and levels <= limits.max_levels and limits.max_bytes == MAX_TOPIC_BYTES:
-        return filter
+    if type(filter) is str:
+        levels = newer.get(filter) or older.get(filter)
+        if levels is not None and levels <= limits.max_levels and limits.max_bytes == MAX_TOPIC_BYTES:
+            return filter
     levels = _check_wildcards(filter, limits)
     if len(newer) >= VALID_FILTERS_KEPT:
         older, newer = newer, {}
