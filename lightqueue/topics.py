@@ -135,7 +135,15 @@ def validate_filter(filter: str, limits: TopicLimits = DEFAULT_LIMITS) -> str:
         levels = newer.get(filter) or older.get(filter)
         if levels is not None and levels <= limits.max_levels and limits.max_bytes == MAX_TOPIC_BYTES:
             return filter
-    levels = _check_wildcards(filter, limits)
+    levels = _check_common(filter, "topic filter", limits)
+    pluses = filter.count("+")
+    hashes = filter.count("#")
+    if pluses or hashes:
+        # Every wildcard fills its level and '#' is the last: counted, not walked level by level (a new
+        # subscription's filter is checked here once, issue 31); the walk says what is wrong with the others.
+        parts = filter.split("/")
+        if parts.count("+") != pluses or (hashes and (hashes != 1 or parts[-1] != "#")):
+            _refuse_wildcards(filter, parts)
     if len(newer) >= VALID_FILTERS_KEPT:
         older, newer = newer, {}
         _valid_filters[:] = newer, older
@@ -143,18 +151,8 @@ def validate_filter(filter: str, limits: TopicLimits = DEFAULT_LIMITS) -> str:
     return filter
 
 
-def _check_wildcards(filter: str, limits: TopicLimits) -> int:
-    """Check ``filter`` (:func:`validate_filter`); return its number of levels."""
-    count = _check_common(filter, "topic filter", limits)
-    pluses = filter.count("+")
-    hashes = filter.count("#")
-    if not pluses and not hashes:
-        return count
-    levels = filter.split("/")
-    # Every wildcard fills its level and '#' is the last: counted, not walked level by level (a new subscription's
-    # filter is checked here once, issue 31); the walk below says what is wrong with the others.
-    if levels.count("+") == pluses and (not hashes or (hashes == 1 and levels[-1] == "#")):
-        return count
+def _refuse_wildcards(filter: str, levels: list[str]) -> None:
+    """Raise the TopicError saying where ``filter``'s first misplaced wildcard is."""
     last = len(levels) - 1
     for i, level in enumerate(levels):
         if level in ("+", "#"):
@@ -165,7 +163,6 @@ def _check_wildcards(filter: str, limits: TopicLimits) -> int:
             raise TopicError(f"topic filter {filter!r}: '#' must occupy a whole level, not be part of {level!r}")
         if "+" in level:
             raise TopicError(f"topic filter {filter!r}: '+' must occupy a whole level, not be part of {level!r}")
-    return count
 
 
 def is_wildcard(filter: str) -> bool:

@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lightqueue.topics import (
@@ -288,3 +288,18 @@ def test_a_new_filters_check_does_not_walk_its_levels():
     shallow = python_lines(lambda: validate_filter("walk/shallow/+/#", SYNTAX_ONLY))[0]
     deep = python_lines(lambda: validate_filter("walk/deep/" + "a/+/" * 40 + "#", SYNTAX_ONLY))[0]
     assert deep <= shallow, (deep, shallow)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(st.sampled_from("a/+#"), min_size=1, max_size=12))
+def test_a_filter_is_valid_exactly_when_each_wildcard_fills_its_level_and_hash_is_last(filter):
+    """The counted check against the rule level by level ([MQTT-4.7.1-2], [MQTT-4.7.1-3]), twice (remembered)."""
+    levels = filter.split("/")
+    valid = all(level in ("+", "#") or ("+" not in level and "#" not in level) for level in levels) \
+        and "#" not in levels[:-1]
+    for _ in range(2):
+        if valid:
+            assert validate_filter(filter) == filter
+        else:
+            with pytest.raises(TopicError, match="must"):
+                validate_filter(filter)

@@ -89,7 +89,7 @@ class SubscribeRun:
     pipelining one filter per SUBSCRIBE paid each of these per packet, issue 31). An ``Activate`` keys its
     answers by filter, so a packet asking for a filter already in the run ends it and starts the next."""
 
-    __slots__ = ("_channel", "_conn", "_session", "_entries", "_subs", "_retained", "_filters")
+    __slots__ = ("_channel", "_conn", "_session", "_quota", "_held", "_entries", "_subs", "_retained", "_filters")
 
     def __init__(self, channel: ChannelView) -> None:
         self._channel = channel
@@ -97,6 +97,9 @@ class SubscribeRun:
         session = channel.conn.session
         assert session is not None
         self._session = session
+        self._quota = channel.config.max_subscriptions
+        # What the session holds stays the same while the run is checked (its Activated adds to it).
+        self._held = session.subscription_count if self._quota else 0
         self._entries: list[tuple[int, list[ReasonCode], list[tuple[int, Subscription]]]] = []
         self._subs: list[Subscription] = []
         self._retained: list[str] = []
@@ -115,12 +118,12 @@ class SubscribeRun:
         conn = self._conn
         session = self._session
         sub_id = None if packet.properties is EMPTY_PROPERTIES else _check_subscription_identifier(channel, packet)
-        quota = channel.config.max_subscriptions
+        quota = self._quota
         # New filters being activated count with those held: a SUBSCRIBE answered later must not let an earlier
         # one overshoot. (Counted, not collected: a SUBSCRIBE costs the same with 4,000 filters held as with 4, and
         # with 64 SUBSCRIBEs in flight as with one.) The filters in flight are collected only when they could reach
         # the quota, not on every SUBSCRIBE of a client that pipelines them.
-        held = session.subscription_count
+        held = self._held
         if quota and held + conn.activating + len(packet.subscriptions) <= quota:
             quota = 0  # every filter of this packet fits
         if quota:
