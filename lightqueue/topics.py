@@ -114,8 +114,8 @@ VALID_FILTERS_KEPT = 4096
 gateway (the protocol's bounds), the queues, the notify router and the retained store in turn, up to 3,200 other
 filters apart in issue 31's attack (50 sessions with 64 SUBSCRIBEs in flight each): four checks of each filter were
 a tenth of a SUBSCRIBE's cost. A filter found valid under any limits has a valid syntax within the protocol's
-length; a later check under other limits counts only its levels (limits on its bytes below the protocol's are
-checked in full)."""
+length; a later check under other limits compares only its level count, remembered with it (limits on its bytes
+below the protocol's are checked in full)."""
 
 _valid_filters: list[dict[str, int]] = [{}, {}]  # the newer, the older, each filter -> its levels; plain dict
 # operations: safe from threads
