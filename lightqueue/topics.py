@@ -69,22 +69,27 @@ DEFAULT_LIMITS = TopicLimits()
 """The protocol maximum for length and EMQX's default depth (128 levels): generous, yet bounded."""
 
 
-def _check_common(text: str, what: str, limits: TopicLimits) -> None:
+def _check_common(text: str, what: str, limits: TopicLimits) -> int:
+    """Check what topic names and filters share; return the number of levels."""
     if not isinstance(text, str):
         raise TopicError(f"{what} must be a string, not {type(text).__name__}")
     if not text:
         raise TopicError(f"{what} must be at least one character long")
     if "\0" in text:
         raise TopicError(f"{what} {text!r} contains the null character U+0000 at position {text.index(chr(0))}")
-    try:
-        size = len(text.encode())
-    except UnicodeEncodeError as exc:
-        raise TopicError(f"{what} {text!r} is not valid UTF-8: lone surrogate at position {exc.start}") from None
+    if text.isascii():  # a byte a character and no lone surrogate: its size without encoding it (most topics)
+        size = len(text)
+    else:
+        try:
+            size = len(text.encode())
+        except UnicodeEncodeError as exc:
+            raise TopicError(f"{what} {text!r} is not valid UTF-8: lone surrogate at position {exc.start}") from None
     if size > limits.max_bytes:
         raise TopicError(f"{what} is {size} UTF-8 bytes long; the limit is {limits.max_bytes}")
     levels = text.count("/") + 1
     if levels > limits.max_levels:
         raise TopicError(f"{what} has {levels} levels; the limit is {limits.max_levels}")
+    return levels
 
 
 def validate_topic(topic: str, limits: TopicLimits = DEFAULT_LIMITS) -> str:
@@ -109,10 +114,11 @@ VALID_FILTERS_KEPT = 4096
 gateway (the protocol's bounds), the queues, the notify router and the retained store in turn, up to 3,200 other
 filters apart in issue 31's attack (50 sessions with 64 SUBSCRIBEs in flight each): four checks of each filter were
 a tenth of a SUBSCRIBE's cost. A filter found valid under any limits has a valid syntax within the protocol's
-length; a later check under other limits counts only its levels (limits on its bytes below the protocol's are
-checked in full)."""
+length; a later check under other limits compares only its level count, remembered with it (limits on its bytes
+below the protocol's are checked in full)."""
 
-_valid_filters: list[dict[str, None]] = [{}, {}]  # the newer, the older; plain dict operations: safe from threads
+_valid_filters: list[dict[str, int]] = [{}, {}]  # the newer, the older, each filter -> its levels; plain dict
+# operations: safe from threads
 
 
 def validate_filter(filter: str, limits: TopicLimits = DEFAULT_LIMITS) -> str:
@@ -125,22 +131,28 @@ def validate_filter(filter: str, limits: TopicLimits = DEFAULT_LIMITS) -> str:
             misplaced ``+`` / ``#``.
     """
     newer, older = _valid_filters
-    if type(filter) is str and (filter in newer or filter in older) and limits.max_bytes == MAX_TOPIC_BYTES \
-            and filter.count("/") < limits.max_levels:
-        return filter
-    _check_wildcards(filter, limits)
+    if type(filter) is str:
+        levels = newer.get(filter) or older.get(filter)
+        if levels is not None and levels <= limits.max_levels and limits.max_bytes == MAX_TOPIC_BYTES:
+            return filter
+    levels = _check_common(filter, "topic filter", limits)
+    pluses = filter.count("+")
+    hashes = filter.count("#")
+    if pluses or hashes:
+        # Every wildcard fills its level and '#' is the last: counted, not walked level by level (a new
+        # subscription's filter is checked here once, issue 31); the walk says what is wrong with the others.
+        parts = filter.split("/")
+        if parts.count("+") != pluses or (hashes and (hashes != 1 or parts[-1] != "#")):
+            _refuse_wildcards(filter, parts)
     if len(newer) >= VALID_FILTERS_KEPT:
         older, newer = newer, {}
         _valid_filters[:] = newer, older
-    newer[filter] = None
+    newer[filter] = levels
     return filter
 
 
-def _check_wildcards(filter: str, limits: TopicLimits) -> None:
-    _check_common(filter, "topic filter", limits)
-    if "+" not in filter and "#" not in filter:
-        return
-    levels = filter.split("/")
+def _refuse_wildcards(filter: str, levels: list[str]) -> None:
+    """Raise the TopicError saying where ``filter``'s first misplaced wildcard is."""
     last = len(levels) - 1
     for i, level in enumerate(levels):
         if level in ("+", "#"):

@@ -177,10 +177,10 @@ class _Stream:
     __slots__ = ("sub", "cursor", "head", "pulling", "buffer", "unacked", "resend", "skip_below", "lane", "durable",
                  "dup_below", "completed", "handles")
 
-    def __init__(self, sub: Subscription, cursor: int, lane: int = 0) -> None:
+    def __init__(self, sub: Subscription, cursor: int, lane: int = 0, head: int | None = None) -> None:
         self.sub = sub
         self.cursor = cursor  # next offset to pull
-        self.head: int | None = None  # queue max offset when known; None: pull to find out
+        self.head = head  # queue max offset when known; None: pull to find out
         self.pulling = False
         # Pulled messages not yet delivered: a deque from the first pull that brings some (an empty one is 624 B, and
         # a session may hold thousands of subscriptions that never get a message: issue 31).
@@ -189,7 +189,9 @@ class _Stream:
         # tracked by the garbage collector (a set always is: 50,000 subscriptions, 50,000 more objects for every
         # full collection to walk; and an empty set is 216 B, an empty dict 64 B).
         self.unacked: dict[int, None] = {}
-        self.resend: dict[int, int] = {}  # resuming: offset -> packet id to resend with DUP
+        # Resuming: offset -> packet id to resend with DUP; made by the resume that has some (None: none, as for
+        # every new subscription: 64 B less each, issue 31).
+        self.resend: dict[int, int] | None = None
         # Resuming: offsets below this not in ``resend`` were acknowledged. A shared subscription's group
         # hands out offsets in any order (old ones handed back by other members), so it skips none.
         self.skip_below = cursor if sub.group is None else 0
@@ -329,7 +331,9 @@ class Session:
                     # Unsubscribed, acknowledged according to a later commit, or shared: the group took
                     # the message back when this member left and hands it to a connected member.
                     continue
-                stream.resend[entry.offset] = entry.packet_id  # type: ignore[union-attr]
+                if stream.resend is None:
+                    stream.resend = {}
+                stream.resend[entry.offset] = entry.packet_id
                 stream.cursor = min(stream.cursor, entry.offset)  # type: ignore[union-attr]
             if current:
                 stream.unacked[entry.offset] = None  # type: ignore[union-attr]
@@ -565,9 +569,8 @@ class Session:
             if not stream.lane and self._wants_lane(sub):
                 self._take_lane(stream)
             return False
-        stream = _Stream(sub, start, self._free_lane() if self._wants_lane(sub) else 0)
-        if at_head and sub.group is None:
-            stream.head = start
+        stream = _Stream(sub, start, self._free_lane() if self._wants_lane(sub) else 0,
+                         start if at_head and sub.group is None else None)
         self._add(stream)
         self._committed[sub.filter] = start
         return True
@@ -686,11 +689,12 @@ class Session:
             and messages[0].offset >= stream.cursor else [m for m in messages
                                                           if m.offset is not None and m.offset >= stream.cursor]
         stream.fill(fresh)
-        if stream.resend:
+        resend = stream.resend
+        if resend:
             returned = {m.offset for m in fresh}
-            for offset in [o for o in stream.resend if o < next_offset and o not in returned]:
+            for offset in [o for o in resend if o < next_offset and o not in returned]:
                 # Gone from the store (retention): the in-flight message can never be resent.
-                self._inflight.pop(stream.resend.pop(offset), None)
+                self._inflight.pop(resend.pop(offset), None)
                 stream.unacked.pop(offset, None)
         stream.cursor = max(stream.cursor, next_offset)
         if not fresh:
@@ -776,7 +780,7 @@ class Session:
                 offset: int = message.offset  # type: ignore[assignment]
                 if offset < stream.skip_below:
                     buffer.popleft()
-                    pid = stream.resend.pop(offset, None)
+                    pid = stream.resend.pop(offset, None) if stream.resend else None
                     if pid is not None and self._resend(link, stream, message, pid, chunks):
                         sent += 1
                         by_qos[self._inflight[pid].qos] += 1

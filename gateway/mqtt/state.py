@@ -210,7 +210,7 @@ class ConnectionState:
         self.awaiting_session = False
         self.held: Queued[Packet] = ()  # 3.1.1 packets waiting for room under the in-flight limit
         # Shorter topics cannot be over a topic limit (a level takes a character, a character at most 4 bytes):
-        # the publish path skips the check for them.
+        # the publish and subscribe paths skip the check for them.
         self.topic_check_from = topic_check_from
         self.valid_topic = ""  # the topic name the last PUBLISH passed validation with: devices repeat theirs
         self.buckets = buckets

@@ -12,8 +12,9 @@ from gateway.mqtt.actions import Action, Activate, Activated, Denied, Release, S
 from gateway.mqtt.handlers.view import ChannelView
 from gateway.mqtt.limits import SYNTAX_ONLY, Limit
 from gateway.mqtt.packets import MQTT_5, Suback, Subscribe, SubscriptionOptions, Unsuback, Unsubscribe
+from gateway.mqtt.properties import EMPTY_PROPERTIES
 from gateway.mqtt.reasons import LocalProtocolError, ReasonCode, RemoteProtocolError
-from lightqueue.topics import TopicError, is_wildcard, parse_shared, validate_filter
+from lightqueue.topics import SHARE_PREFIX, TopicError, is_wildcard, parse_shared, validate_filter
 
 
 _GRANTED = (ReasonCode.GRANTED_QOS_0, ReasonCode.GRANTED_QOS_1, ReasonCode.GRANTED_QOS_2)
@@ -30,12 +31,12 @@ def _parsed_filter(filter: str) -> tuple[str, str] | None:
             correctly formed but not allowed, as the topic limits answer).
     """
     try:
-        shared = parse_shared(filter, SYNTAX_ONLY)
-        if shared is None:
-            validate_filter(filter, SYNTAX_ONLY)
+        if filter.startswith(SHARE_PREFIX):
+            return parse_shared(filter, SYNTAX_ONLY)
+        validate_filter(filter, SYNTAX_ONLY)
     except TopicError as exc:
         raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR, f"malformed topic filter: {exc}") from None
-    return shared
+    return None
 
 
 def _check_subscription(
@@ -53,7 +54,7 @@ def _check_subscription(
         if options.no_local and channel.conn.level == MQTT_5:
             raise RemoteProtocolError(ReasonCode.PROTOCOL_ERROR,
                                       f"No Local on shared subscription {filter!r} [MQTT-3.8.3-4]")
-    if is_wildcard(queue) and not config.wildcard_available:
+    if not config.wildcard_available and is_wildcard(queue):
         return ReasonCode.WILDCARD_SUBSCRIPTIONS_NOT_SUPPORTED
     if options.qos > config.max_qos:
         options = replace(options, qos=config.max_qos)
@@ -88,10 +89,17 @@ class SubscribeRun:
     pipelining one filter per SUBSCRIBE paid each of these per packet, issue 31). An ``Activate`` keys its
     answers by filter, so a packet asking for a filter already in the run ends it and starts the next."""
 
-    __slots__ = ("_channel", "_entries", "_subs", "_retained", "_filters")
+    __slots__ = ("_channel", "_conn", "_session", "_quota", "_held", "_entries", "_subs", "_retained", "_filters")
 
     def __init__(self, channel: ChannelView) -> None:
         self._channel = channel
+        self._conn = channel.conn
+        session = channel.conn.session
+        assert session is not None
+        self._session = session
+        self._quota = channel.config.max_subscriptions
+        # What the session holds stays the same while the run is checked (its Activated adds to it).
+        self._held = session.subscription_count if self._quota else 0
         self._entries: list[tuple[int, list[ReasonCode], list[tuple[int, Subscription]]]] = []
         self._subs: list[Subscription] = []
         self._retained: list[str] = []
@@ -107,16 +115,15 @@ class SubscribeRun:
                 added before it are still the run's (:meth:`end`).
         """
         channel = self._channel
-        conn = channel.conn
-        session = conn.session
-        assert session is not None
-        sub_id = _check_subscription_identifier(channel, packet)
-        quota = channel.config.max_subscriptions
+        conn = self._conn
+        session = self._session
+        sub_id = None if packet.properties is EMPTY_PROPERTIES else _check_subscription_identifier(channel, packet)
+        quota = self._quota
         # New filters being activated count with those held: a SUBSCRIBE answered later must not let an earlier
         # one overshoot. (Counted, not collected: a SUBSCRIBE costs the same with 4,000 filters held as with 4, and
         # with 64 SUBSCRIBEs in flight as with one.) The filters in flight are collected only when they could reach
         # the quota, not on every SUBSCRIBE of a client that pipelines them.
-        held = session.subscription_count
+        held = self._held
         if quota and held + conn.activating + len(packet.subscriptions) <= quota:
             quota = 0  # every filter of this packet fits
         if quota:
@@ -125,7 +132,6 @@ class SubscribeRun:
             held += len(activating)
         codes: list[ReasonCode] = []
         wanted: list[tuple[int, Subscription]] = []
-        retained: list[str] = []
         hits: list[Action] = []
         over_quota = 0
         for index, (filter, options) in enumerate(packet.subscriptions):
@@ -133,7 +139,8 @@ class SubscribeRun:
             if isinstance(checked, ReasonCode):
                 codes.append(checked)
                 continue
-            over = channel.topic_over(checked.queue, "topic filter")
+            over = channel.topic_over(checked.queue, "topic filter") \
+                if len(checked.queue) >= conn.topic_check_from else None  # shorter ones cannot be over a limit
             if over is not None:
                 codes.append(ReasonCode.TOPIC_FILTER_INVALID)
                 hits.append(channel.limit_hit(over[0], 1, f"filter refused: {over[1]}"))
@@ -151,9 +158,6 @@ class SubscribeRun:
                 held += 1
             codes.append(_GRANTED[checked.options.qos])
             wanted.append((index, checked))
-            handling = checked.options.retain_handling
-            if checked.group is None and (handling == 0 or (handling == 1 and not session.holds(filter))):
-                retained.append(filter)
         if over_quota:
             hits.append(channel.limit_hit(Limit.SUBSCRIPTIONS, over_quota,
                                           f"{over_quota} filter(s) refused: the session holds {held} "
@@ -164,7 +168,11 @@ class SubscribeRun:
             # Its SUBACK goes after those of the SUBSCRIBEs before it, which wait for their activation.
             next(reversed(conn.activations.values())).append((packet.packet_id, codes, wanted))
             return hits
-        ended = self.end() if any(sub.filter in self._filters for _, sub in wanted) else []
+        ended: list[Action] = []
+        for _, sub in wanted:
+            if sub.filter in self._filters:
+                ended = self.end()
+                break
         if not self._entries:
             conn.next_ref += 1
             conn.activations[conn.next_ref] = self._entries
@@ -173,14 +181,16 @@ class SubscribeRun:
         for _, sub in wanted:
             self._subs.append(sub)
             self._filters.add(sub.filter)
-        self._retained += retained
+            handling = sub.options.retain_handling
+            if sub.group is None and (handling == 0 or (handling == 1 and not session.holds(sub.filter))):
+                self._retained.append(sub.filter)
         return [*hits, *ended]
 
     def end(self) -> list[Action]:
         """The run's ``Activate`` (none if it is empty); the run starts empty again."""
         if not self._entries:
             return []
-        conn = self._channel.conn
+        conn = self._conn
         activate = Activate(conn.next_ref, conn.client_id, tuple(self._subs), tuple(self._retained))
         self._entries = []
         self._subs = []

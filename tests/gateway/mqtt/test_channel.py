@@ -1264,3 +1264,18 @@ def test_a_run_of_subscribes_costs_less_work_each_than_as_many_alone():
     as_run, run_out = python_lines(lambda: answered(together, together.handle_subscribes(packets)))
     assert sent(run_out) == sent(out) == [Suback(n, (R.GRANTED_QOS_1,)) for n in range(1, 33)]
     assert as_run < 0.75 * one_by_one, (as_run, one_by_one)
+
+
+def test_a_filter_of_a_run_of_one_filter_subscribes_costs_the_channel_a_bounded_work():
+    """Issue 31's attack: 50 persistent sessions pipeline 1,000 one-filter SUBSCRIBEs each (half wildcards). The
+    channel checks each as if alone (its filter once in full, its topic limits only when it is long enough to be
+    over one, its Subscription Identifier only when it has properties) and adds it to the run: counted in Python
+    lines, at most 80 a filter (96 before)."""
+    from tests.helpers.work import python_lines
+
+    channel, _, _ = connect(MQTT_311, clean=False)
+    packets = [_one_filter(n, f"cost/{n}/+" if n % 2 else f"cost/{n}") for n in range(1, 33)]
+    lines, actions = python_lines(lambda: channel.handle_subscribes(packets))
+    (activate,) = of(actions, Activate)
+    assert [s.filter for s in activate.subscriptions] == [p.subscriptions[0][0] for p in packets]
+    assert lines <= 80 * len(packets), lines / len(packets)

@@ -1026,3 +1026,64 @@ def test_a_one_code_suback_is_the_bytes_section_3_9_gives(level, reason):
 def test_a_suback_of_a_reason_it_cannot_carry_is_refused_as_ever():
     with pytest.raises(LocalProtocolError):
         encode(Suback(1, (ReasonCode.PACKET_TOO_LARGE,)), 5)
+
+
+# A SUBSCRIBE is read in place (issue 31: one filter a packet, 50,000 of them): each malformed part is still found,
+# in the order the generic readers found them, with their messages.
+@pytest.mark.parametrize(
+    ("wire", "level", "reason", "message"),
+    [
+        (b"\x82\x01\x00", 4, ReasonCode.MALFORMED_PACKET, "ends before its packet identifier"),
+        (b"\x82\x03\x00\x01\x00", 4, ReasonCode.MALFORMED_PACKET, "length field runs past the end"),
+        (b"\x82\x06\x00\x01\x00\x05ab", 4, ReasonCode.MALFORMED_PACKET, "runs past the end of its field"),
+        (b"\x82\x07\x00\x01\x00\x01a\x01\x00", 4, ReasonCode.MALFORMED_PACKET, "length field runs past the end"),
+        (b"\x82\x06\x00\x01\x00\x01\xff\x01", 4, ReasonCode.MALFORMED_PACKET, "ill-formed UTF-8"),  # [MQTT-1.5.4-1]
+        (b"\x82\x06\x00\x01\x00\x01\x00\x01", 4, ReasonCode.MALFORMED_PACKET, "U+0000"),  # [MQTT-1.5.4-2]
+        (b"\x82\x06\x00\x01\x00\x01\xff\x03", 4, ReasonCode.MALFORMED_PACKET, "ill-formed UTF-8"),  # before the QoS 3
+        (b"\x82\x05\x00\x01\x00\x01\xff", 4, ReasonCode.MALFORMED_PACKET, "ill-formed UTF-8"),  # before the options
+        (b"\x82\x09\x00\x01\x00\x01a\x01\x00\x01b", 4, ReasonCode.MALFORMED_PACKET, "without subscription options"),
+        (b"\x82\x0a\x00\x01\x00\x01a\x01\x00\x01b\x07", 4, ReasonCode.MALFORMED_PACKET,
+         "has reserved bits set or QoS 3"),  # the second filter's options [MQTT-3.8.3-4]
+        (b"\x82\x02\x00\x01", 5, ReasonCode.MALFORMED_PACKET, "variable byte integer runs past"),  # no property length
+        (b"\x82\x04\x00\x01\x05\x00", 5, ReasonCode.MALFORMED_PACKET, "property length runs past"),
+        (b"\x82\x07\x00\x01\x00\x00\x01a\xc1", 5, ReasonCode.MALFORMED_PACKET, "[MQTT-3.8.3-5]"),
+        (b"\x82\x07\x00\x01\x00\x00\x01a\x33", 5, ReasonCode.PROTOCOL_ERROR, "QoS 3"),
+        (b"\x82\x07\x00\x01\x00\x00\x01a\x31", 5, ReasonCode.PROTOCOL_ERROR, "retain handling 3"),
+        (b"\x82\x04\x00\x01\x00\x00", 5, ReasonCode.MALFORMED_PACKET, "length field runs past the end"),
+    ],
+)
+def test_a_malformed_subscribe_is_refused_for_its_first_fault(wire, level, reason, message):
+    """[MQTT-3.8.3-*]: a SUBSCRIBE's faults close the connection with their reason code, the first one found."""
+    error = check_remote_error(reason, wire, Role.SERVER, level)
+    assert message in str(error), error
+
+
+@pytest.mark.parametrize("level", [4, 5])
+def test_subscribes_read_in_place_decode_as_encoded(level):
+    """Each filter with its options in order, the 5.0 properties when there are some (a Subscription Identifier),
+    none when the property length is 0."""
+    packets = [
+        Subscribe(1, (("a/+", SubscriptionOptions(qos=1)),)),
+        Subscribe(2, (("a/#", SubscriptionOptions(2)), ("é/b", SubscriptionOptions()), ("c", SubscriptionOptions(1)))),
+    ]
+    if level == 5:
+        packets += [Subscribe(3, (("$share/g/x", SubscriptionOptions(1, False, True, 2)),), Properties(
+                        subscription_identifiers=(7,), user_properties=(("k", "v"),))),
+                    Subscribe(4, (("d", SubscriptionOptions(0, True, False, 1)),))]
+    assert decode_stream(b"".join(encode(p, level) for p in packets), Role.SERVER, level) == packets
+
+
+def test_a_5_subscribe_without_properties_decodes_at_the_cost_of_a_3_1_1_one():
+    """A 5.0 SUBSCRIBE's property length of 0 is read as such, not through the property reader: what a client
+    subscribing one filter per packet sends is decoded at the cost of the 3.1.1 one, counted in Python lines."""
+    from tests.helpers.work import python_lines
+
+    costs = {}
+    for level in (4, 5):
+        decoder = MqttDecoder(role=Role.SERVER)
+        decoder.feed(encode(Connect(protocol_level=level, client_id="c"), level))
+        decoder.next_packet()
+        decoder.feed(encode(Subscribe(1, (("fleet/1/+/2", SubscriptionOptions(1)),)), level))
+        costs[level], packet = python_lines(decoder.next_packet)
+        assert packet == Subscribe(1, (("fleet/1/+/2", SubscriptionOptions(1)),))
+    assert costs[5] <= costs[4] + 3, costs

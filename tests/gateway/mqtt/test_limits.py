@@ -169,6 +169,25 @@ def test_a_publish_is_refused_exactly_when_its_topic_is_over_a_limit(topic, leve
     assert bool(hits(actions)) is over
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.sampled_from("a/é𝄞+"), min_size=1, max_size=24), st.integers(1, 12), st.integers(1, 40),
+       st.booleans())
+def test_a_filter_is_refused_exactly_when_it_is_over_a_topic_limit(filter, levels, length, shared):
+    """SUBACK 0x8F (3.1.1: 0x80) for a filter over a topic limit, measured without its "$share/<group>/" prefix; the
+    subscribe path skips the check for filters too short to be over one, as the publish path does: this pins that
+    shortcut to the rule."""
+    filter = "/".join("+" if "+" in level else level for level in filter.split("/"))  # '+' only as a whole level
+    channel, _, _ = connect(config=ChannelConfig(max_topic_levels=levels, max_topic_length=length))
+    over = filter.count("/") + 1 > levels or len(filter.encode()) > length
+    asked = f"$share/g/{filter}" if shared else filter
+    actions = channel.handle_in(Subscribe(1, ((asked, SubscriptionOptions(qos=1)),)))
+    assert bool(of(actions, Activate)) is not over
+    assert hits(actions) == ([(Limit.TOPIC_LEVELS if filter.count("/") + 1 > levels else Limit.TOPIC_LENGTH, 1)]
+                             if over else [])
+    if over:
+        assert [p.reason_codes for p in sent(actions)] == [(R.TOPIC_FILTER_INVALID,)]
+
+
 def test_the_default_level_limit_is_the_stores_and_counted():
     channel, _, _ = connect()
     actions = channel.handle_in(Publish("/".join("l" * 129), qos=1, packet_id=1))

@@ -606,3 +606,28 @@ def test_a_lane_whose_messages_are_in_flight_is_not_given_to_a_new_subscription_
     session.puback(sent.packet_id)
     session.subscribe(Subscription("c", "c", SubscriptionOptions(qos=1)), 0)
     assert session.state().lanes["c"] == 1
+
+
+def test_a_new_subscription_costs_the_session_at_most_280_bytes():
+    """Issue 31: 50 sessions x 1,000 filters. A new subscription's stream makes no map of messages to resend (only a
+    resumed one with messages in flight needs it: 64 B each less): measured with tracemalloc, the collector off,
+    over 1,800 subscriptions (the containers that hold them included), at most 280 B each (322 before)."""
+    import gc
+    import tracemalloc
+
+    session = Session("costly", 3600)
+    subs = [Subscription(f"cost/{n}/+", f"cost/{n}/+", SubscriptionOptions(1)) for n in range(2000)]
+    for sub in subs[:200]:
+        session.subscribe(sub, 0, at_head=True)
+    gc.disable()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for sub in subs[200:]:
+            session.subscribe(sub, 0, at_head=True)
+        each = (tracemalloc.get_traced_memory()[0] - base) / 1800
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+    assert each <= 280, each
+    assert session.subscription_count == 2000
