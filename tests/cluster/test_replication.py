@@ -124,9 +124,10 @@ def test_frozen_leaders_are_replaced_then_fenced_and_rejoin_as_followers(tmp_pat
 
 
 def test_a_follower_restarted_catches_up_and_holds_the_leaders_log_byte_for_byte(tmp_path):
-    """The logs are compared up to the end all the replicas held at once (``Group.settled_end``): in the in-sync
-    set a follower may still lag (by up to ``--replication-max-lag-s``), and the leader appends on its own (the end
-    of the gateway's lease after it stopped) until it is stopped, after the first follower."""
+    """The logs are compared up to the end all the replicas held at once (``Group.settled_end``): a follower joins
+    the in-sync set once it holds the leader's confirm offset (store/replica/leader.py), which may be below the
+    leader's written end (the client ledger records the leader writes on its own as the publisher leaves), and the
+    replicas are stopped one after another."""
     with running_etcd(tmp_path) as etcd:
         group = Group(tmp_path, etcd.endpoints, NAMES, metrics=True)
         try:
