@@ -10,7 +10,8 @@ its own stalls the other way round: after one longer than its lease, what the st
 (store/rpc/client.py).
 
 Resource handling: :meth:`StallWatch.run` is the watchdog task, run by the owner (the RPC server, whose
-connections' leases can end; each link of the RPC client); until it runs the watch sees no stall.
+connections' leases can end; each link of the RPC client), or owners (RPC servers over one store); until one runs
+the watch sees no stall.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class StallWatch:
         self.process = process
         self._ticked: float | None = None  # the watchdog's last tick (None: it does not run)
         self._awake_since = -math.inf  # the end of the last stall
+        self._runs = 0  # the watchdog tasks running (:meth:`run`)
         self.stalls = 0
 
     def awake_since(self) -> float:
@@ -59,18 +61,24 @@ class StallWatch:
         return self._awake_since
 
     async def run(self) -> None:
-        """Tick every ``TICK_S``; a late tick ends a stall (logged once, with its length). Runs until cancelled."""
-        self._ticked = trio.current_time()
+        """Tick every ``TICK_S``; a late tick ends a stall (logged once, with its length). Runs until cancelled.
+
+        Several owners may run it at once (two RPC servers over one store): each measures its own ticks, the watch
+        holds the latest, and it stops looking at the clock when the last of them stops."""
+        ticked = self._ticked = trio.current_time()
+        self._runs += 1
         try:
             while True:
                 await trio.sleep(TICK_S)
                 now = trio.current_time()
-                stalled = now - self._ticked - TICK_S
-                if stalled > STALL_S:
+                stalled = now - ticked - TICK_S
+                if stalled > STALL_S and self._awake_since <= ticked:  # a stall another run saw end is one
                     self._awake_since = now
                     self.stalls += 1
                     LOGGER.warning("%s stalled for %.1f s: silence before now is not held against its peers",
                                    self.process, stalled, extra={"ctx": {"stalled_s": round(stalled, 3)}})
-                self._ticked = now
+                ticked = self._ticked = now
         finally:
-            self._ticked = None
+            self._runs -= 1
+            if not self._runs:
+                self._ticked = None

@@ -7,13 +7,19 @@ import trio
 
 from store.api import LeaseLost, NewMessage, PullRequest, RecordTooLarge, StoreUnavailable, TopicError
 from store.control import ActivatedRun, decode_control
+from store.log.commitlog import CommitLogConfig
+from store.node import open_store
 from store.rpc import wire as rpc
 from store.rpc.client import RemoteStore, StoreRpcError
 from store.rpc.server import serve_rpc
 from tests.helpers.ports import free_port
 
 WAIT_S = 20.0  # every condition is waited for with this timeout, never slept for
-LEASE_S = 0.6
+SHORT_LEASE_S = 1.5
+"""The node lease of the tests that wait for one to end, so they take seconds. The other tests keep the default
+lease: a client whose process stalls for longer than its lease drops its link and fails the calls in flight
+(store/rpc/connection.py, ``Link._away``), and a loaded 2-core machine stalls this process for over a second (the
+stall watch's threshold, store/stalls.py): the concurrent-calls test failed that way with a 0.6 s lease."""
 
 
 class Server:
@@ -41,6 +47,16 @@ async def server(store_small_records, nursery):
     server = Server(store_small_records, nursery)
     await server.start()
     return server
+
+
+@pytest.fixture
+async def short_lease_server(tmp_path, nursery):
+    """The server of a store whose node leases end :data:`SHORT_LEASE_S` after a node's last frame."""
+    async with open_store(tmp_path / "short", CommitLogConfig(), lease_s=SHORT_LEASE_S) as store:
+        server = Server(store, nursery)
+        await server.start()
+        yield server
+        server.stop()
 
 
 def message(topic: str, payload: bytes = b"m", **fields) -> NewMessage:
@@ -203,16 +219,16 @@ async def test_a_call_batched_on_a_link_that_broke_fails_at_once(server):
             await link.pulls.submit([PullRequest("a/b", 0, 1, 1024)])
 
 
-async def test_a_held_will_survives_a_store_restart_and_fires_when_the_node_is_gone(server):
-    async with RemoteStore.connect("127.0.0.1", server.port, node="observer") as observer:
+async def test_a_held_will_survives_a_store_restart_and_fires_when_the_node_is_gone(short_lease_server):
+    async with RemoteStore.connect("127.0.0.1", short_lease_server.port, node="observer") as observer:
         observer.watch("will/dev1")
-        async with RemoteStore.connect("127.0.0.1", server.port, node="gw-a") as gateway:
+        async with RemoteStore.connect("127.0.0.1", short_lease_server.port, node="gw-a") as gateway:
             await gateway.open_session("dev1", clean_start=True, expiry_s=0, will=message("will/dev1", b"gone"))
             await gateway.open_session("dev2", clean_start=True, expiry_s=0, will=message("will/dev2", b"gone"))
             await gateway.close_session("dev2", expiry_s=0, will_delay_s=None)
-            server.stop()  # the store forgets where its clients are, and their wills ...
+            short_lease_server.stop()  # the store forgets where its clients are, and their wills ...
             await disconnected(gateway, observer)
-            await server.start()
+            await short_lease_server.start()
             with trio.fail_after(WAIT_S):
                 await gateway.wait_connected()
                 await observer.wait_connected()
@@ -277,8 +293,8 @@ class Freezer:
 
 
 async def test_a_client_back_after_its_lease_ended_is_fenced_and_its_writes_of_that_lease_are_refused(
-        server, nursery, caplog):
-    freezer = Freezer(server.port)
+        short_lease_server, nursery, caplog):
+    freezer = Freezer(short_lease_server.port)
     [listener] = await nursery.start(freezer.serve)
     async with RemoteStore.connect("127.0.0.1", listener.socket.getsockname()[1], node="gw-a") as remote:
         ended = remote.epoch
