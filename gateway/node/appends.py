@@ -131,11 +131,15 @@ class Appends:
     async def perform(self, connection: Connection, appends: list[Append]) -> None:
         """Append a connection's consecutive appends as one batch; answer each in order."""
         positions, unknown = await self._stored([m for append in appends for m in append.messages])
-        if isinstance(positions, ReasonCode) and not unknown and (len(appends) > 1 or _run(appends[0])):
+        if isinstance(positions, ReasonCode) and not unknown and positions is not ReasonCode.SESSION_TAKEN_OVER \
+                and (len(appends) > 1 or _run(appends[0])):
             # One bad message must not fail its neighbours: retry one by one so each gets its own answer (a QoS 0
             # run's messages too: they are one append, not one message). Not when the store went away with the
             # call in flight: the messages may be stored, and a retry would store them twice (a QoS 2 duplicate,
-            # [MQTT-4.3.3]); each is refused, and its publisher sends it again.
+            # [MQTT-4.3.3]); each is refused, and its publisher sends it again. Nor when the client is another
+            # node's now (``LeaseLost``): that refusal is the connection's, not a message's, and a retry that
+            # meets the client after it left that node (present nowhere) would store again what its publisher
+            # resent and completed there (the QoS 2 duplicates of bench failover).
             for append in appends:
                 for one in ([Append(None, (m,)) for m in append.messages] if _run(append) else [append]):
                     await self.perform(connection, [one])
