@@ -317,6 +317,8 @@ async def _publish_topics(host: str, port: int, ws_port: int | None, sizes: dict
             closed += 1
             client = await _Client.connect(host, port, "hostile-topics")
     processed = await client.barrier()
+    if not processed:  # every send fitted in the socket buffers before the broker read the first and closed
+        closed += 1
     await client.close()
     return {"published": sizes["topics"], "connections_closed_by_broker": closed,
             "last_connection_processed_all": processed}
